@@ -1,0 +1,233 @@
+"""``distlab``: thin command line over the packages (parse, build config, call in, print).
+
+Every command that runs on several processes takes the same launch flags: ``--nproc-per-node N``
+hands off to torchrun (with its flag names); ``--rank R --world-size W --master-addr A`` starts
+one rank of a manual multi-node job; under torchrun, mpirun or srun the command just runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+
+# c10d logs connection failures with C++ stack frames; distlab reports them as one line.
+# Set TORCH_CPP_LOG_LEVEL=INFO to see them again. Must be set before torch is imported.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+
+import click  # noqa: E402
+
+from distlab.errors import ConfigError, DistlabError  # noqa: E402
+
+
+def _csv_ints(value: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise ConfigError(f"expected comma-separated integers, got {value!r}") from None
+
+
+def launch_options(f):
+    """The flags every multi-process command shares (torchrun's names where they overlap)."""
+    options = [
+        click.option("--nproc-per-node", type=int, default=None,
+                     help="Start N local workers through torchrun (omit under torchrun/mpirun/srun)."),
+        click.option("--nnodes", default="1", show_default=True, help="Number of nodes (torchrun's N or MIN:MAX)."),
+        click.option("--node-rank", type=int, default=0, show_default=True, help="This node's rank (torchrun)."),
+        click.option("--master-addr", "--master-ip", "master_addr", default=None,
+                     help="Address of rank 0 / node 0 (default 127.0.0.1)."),
+        click.option("--master-port", type=int, default=None,
+                     help="Port of rank 0 / node 0 (default: a free one on a single node, else 29500)."),
+        click.option("--rdzv-endpoint", default=None, help="torchrun c10d rendezvous HOST:PORT (elastic jobs)."),
+        click.option("--max-restarts", type=int, default=0, show_default=True,
+                     help="Restarts of the worker group after a failure (torchrun)."),
+        click.option("--rank", type=int, default=None, help="Manual start: this process's global rank."),
+        click.option("--world-size", "--num-nodes", "world_size", type=int, default=None,
+                     help="Manual start: total number of processes (one per node in the source material)."),
+        click.option("--backend", default="auto", show_default=True, help="auto (nccl on GPU, else gloo), gloo, nccl, mpi."),
+        click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda."),
+        click.option("--comm-timeout", type=float, default=300.0, show_default=True,
+                     help="Seconds before a missing or dead peer becomes an error (start-up and collectives)."),
+        click.option("--threads", type=int, default=None,
+                     help="Torch threads per rank (default: cores // local ranks)."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _run_distributed(kw: dict, body, planned_check=None):
+    """Launch through torchrun if asked, else join the job and call ``body(runtime)``."""
+    from distlab import runtime
+    from distlab.launch import LaunchOptions, launch
+
+    lopts = LaunchOptions(kw.pop("nproc_per_node"), kw.pop("nnodes"), kw.pop("node_rank"), kw["master_addr"],
+                          kw["master_port"], kw.pop("rdzv_endpoint"), kw.pop("max_restarts"), kw["threads"])
+    manual = kw["rank"] is not None or kw["world_size"] is not None
+    if lopts.nproc_per_node is not None and not runtime.under_launcher():
+        if manual:
+            raise ConfigError("--nproc-per-node (torchrun launch) and --rank/--world-size (manual start) "
+                              "cannot be combined: use one or the other")
+        if planned_check:
+            planned_check(lopts.planned_world_size())
+        sys.exit(launch(lopts, sys.argv[1:]))
+    if planned_check and manual and kw["world_size"]:
+        planned_check(kw["world_size"])
+    rt = runtime.init(backend=kw.pop("backend"), device=kw.pop("device"), timeout_s=kw.pop("comm_timeout"),
+                      threads=kw.pop("threads"), rank=kw.pop("rank"), world_size=kw.pop("world_size"),
+                      master_addr=kw.pop("master_addr"), master_port=kw.pop("master_port"))
+    try:
+        return body(rt)
+    finally:
+        runtime.shutdown()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="distlab")
+def cli():
+    """distlab: distributed training from first principles, measured against PyTorch's own."""
+
+
+# --------------------------------------------------------------------------- train
+
+
+@cli.command()
+@click.option("--model", default="mlp", show_default=True, help="mlp, vgg11, vgg11-bn, vgg19, vgg19-bn, resnet18.")
+@click.option("--mlp-widths", default="512,256", show_default=True, help="Hidden widths of the MLP.")
+@click.option("--dataset", default="fashion-mnist", show_default=True,
+              help="fashion-mnist, mnist, cifar10, cifar100 or synthetic:CxHxW:K[:N].")
+@click.option("--data-dir", default=None, help="Where datasets are (also $DISTLAB_DATA, /usr/share/datasets).")
+@click.option("--epochs", type=int, default=1, show_default=True)
+@click.option("--max-steps", type=int, default=None, help="Stop after this many optimizer steps.")
+@click.option("--global-batch-size", "--batch-size", "global_batch_size", type=int, default=64, show_default=True,
+              help="Samples per optimizer step over all ranks (split evenly across ranks).")
+@click.option("--lr", type=float, default=0.05, show_default=True)
+@click.option("--optimizer", default="sgd", show_default=True, help="sgd or adam.")
+@click.option("--lr-schedule", default="cosine", show_default=True, help="constant, cosine or linear decay to 0.")
+@click.option("--momentum", type=float, default=0.9, show_default=True, help="SGD momentum.")
+@click.option("--weight-decay", type=float, default=0.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--log-every", type=int, default=20, show_default=True, help="Log the loss every N steps (rank 0).")
+@click.option("--eval-batch-size", type=int, default=1000, show_default=True)
+@click.option("--dp-sync", default="allreduce", show_default=True,
+              help="Gradient sync: allreduce (per parameter, after backward) or ddp (torch's DDP).")
+@click.option("--bucket-mb", type=float, default=25.0, show_default=True, help="DDP bucket size in MB.")
+@click.option("--out", default=None, help="Run directory for metrics.jsonl and summary.json.")
+@click.option("--progress/--no-progress", default=None, help="Progress bar on rank 0 (default: when a terminal).")
+@launch_options
+def train(**kw):
+    """Train a model; data parallel over every rank of the job."""
+    from distlab.train import TrainConfig
+
+    widths = _csv_ints(kw.pop("mlp_widths"))
+    out = kw.pop("out") or os.path.join(
+        "runs", f"{kw['model']}-{kw['dataset'].replace(':', '_')}-{time.strftime('%Y%m%d-%H%M%S')}")
+    cfg = TrainConfig(
+        model=kw.pop("model"), mlp_widths=widths, dataset=kw.pop("dataset"), data_dir=kw.pop("data_dir"),
+        epochs=kw.pop("epochs"), max_steps=kw.pop("max_steps"), global_batch_size=kw.pop("global_batch_size"),
+        lr=kw.pop("lr"), lr_schedule=kw.pop("lr_schedule"), optimizer=kw.pop("optimizer"), momentum=kw.pop("momentum"),
+        weight_decay=kw.pop("weight_decay"), seed=kw.pop("seed"), log_every=kw.pop("log_every"),
+        eval_batch_size=kw.pop("eval_batch_size"), dp_sync=kw.pop("dp_sync"), bucket_mb=kw.pop("bucket_mb"),
+        out=out, progress=kw.pop("progress"))
+
+    def check(world_size: int) -> None:
+        # Before any process starts: flags, the batch split and the data on disk.
+        from distlab.data import locate
+        cfg.validate(world_size)
+        if not cfg.dataset.startswith("synthetic"):
+            locate(cfg.dataset, cfg.data_dir)
+
+    def body(rt):
+        from distlab.train import Trainer
+        from distlab.train.report import print_summary
+        summary = Trainer(cfg, rt).fit()
+        if rt.is_main:
+            print_summary(summary, cfg.out)
+
+    _run_distributed(kw, body, check)
+
+
+# --------------------------------------------------------------------------- demo
+
+
+@cli.group()
+def demo():
+    """Small runnable demonstrations of the building blocks."""
+
+
+@demo.command("ordered-print")
+@launch_options
+def demo_ordered_print(**kw):
+    """Every rank prints one line; the lines come out in rank order, always."""
+    from distlab.demos import ordered_print_demo
+    _run_distributed(kw, ordered_print_demo)
+
+
+@demo.command("p2p")
+@launch_options
+def demo_p2p(**kw):
+    """Blocking and non-blocking send/recv of a 3x4 tensor, then an all-reduce (needs 2+ ranks)."""
+    from distlab.demos import p2p_demo
+    _run_distributed(kw, p2p_demo)
+
+
+@demo.command("sampler")
+@click.option("--length", type=int, default=10, show_default=True, help="Dataset length (item i is 10*i).")
+@click.option("--num-replicas", type=int, default=None, help="Replicas to show (default: the world size).")
+@click.option("--shuffle/--no-shuffle", default=False, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--epoch", type=int, default=0, show_default=True)
+@click.option("--drop-last/--no-drop-last", default=False, show_default=True, help="DistributedSampler drop_last.")
+@click.option("--batch-size", type=int, default=2, show_default=True, help="BatchSampler batch size.")
+@click.option("--batch-drop-last/--no-batch-drop-last", default=False, show_default=True,
+              help="BatchSampler drop_last.")
+@launch_options
+def demo_sampler(**kw):
+    """How DistributedSampler + BatchSampler split a dataset, and how local batches make the global one."""
+    from distlab.demos import sampler_demo
+    opts = {k: kw.pop(k) for k in ("length", "num_replicas", "shuffle", "seed", "epoch", "drop_last",
+                                    "batch_size", "batch_drop_last")}
+    _run_distributed(kw, functools.partial(sampler_demo, **opts))
+
+
+# --------------------------------------------------------------------------- doctor
+
+
+@cli.command()
+@click.option("--data-dir", default=None, help="Also look for datasets here.")
+def doctor(data_dir):
+    """What this machine offers: torch, backends, devices, cores, datasets."""
+    from distlab.doctor import report
+    click.echo(report(data_dir))
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def _report_error(exc: DistlabError) -> None:
+    from distlab.runtime import detect_launch
+    try:
+        rank = detect_launch().rank
+    except DistlabError:
+        rank = 0
+    if rank != 0 and isinstance(exc, ConfigError):
+        return  # every rank finds the same config error; rank 0 says it once
+    prefix = f"[rank {rank}] " if rank else ""
+    print(f"distlab: error: {prefix}{exc}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        rv = cli.main(args=argv, prog_name="distlab", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        sys.exit(130)
+    except DistlabError as exc:
+        _report_error(exc)
+        sys.exit(exc.exit_code)
+    sys.exit(rv if isinstance(rv, int) else 0)

@@ -1,0 +1,133 @@
+"""Datasets by name: ``fashion-mnist``, ``mnist``, ``cifar10``, ``cifar100``, ``synthetic:CxHxW:K[:N]``.
+
+Real data is read from its standard on-disk format and never downloaded. Each name is looked for
+in ``--data-dir``, then ``$DISTLAB_DATA``, then ``/usr/share/datasets`` (or ``$DISTLAB_SYSTEM_DATASETS``; where Debian's
+``dataset-fashion-mnist`` package puts its files). A missing dataset is a
+:class:`~distlab.errors.DataNotFoundError` naming the paths searched and how to get the data.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from distlab.data.cifar import LAYOUTS as CIFAR_LAYOUTS
+from distlab.data.cifar import read_cifar
+from distlab.data.dataset import ImageDataset
+from distlab.data.idx import find_idx_pair, read_idx
+from distlab.data.synthetic import make_synthetic, parse_spec
+from distlab.errors import ConfigError, DataNotFoundError
+
+SYSTEM_DIR = "/usr/share/datasets"  # where Debian's dataset-* packages install; $DISTLAB_SYSTEM_DATASETS overrides
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    name: str
+    subdirs: tuple[str, ...]       # where under a root the files may sit ("" = the root itself)
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    augment: bool
+    how_to_get: str
+    find: Callable[[Path], bool]
+    read: Callable[[Path, str], tuple]
+
+
+def _idx_present(d: Path) -> bool:
+    return find_idx_pair(d, "train") is not None and find_idx_pair(d, "t10k") is not None
+
+
+def _idx_read(d: Path, split: str):
+    images, labels = find_idx_pair(d, "train" if split == "train" else "t10k")
+    x, y = read_idx(images), read_idx(labels)
+    if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
+        raise ConfigError(f"{images} / {labels}: shapes {x.shape} and {y.shape} do not make a dataset")
+    return x[:, None, :, :], y.astype("int64"), 10
+
+
+def _cifar(name: str):
+    dirname, train, test, _, k = CIFAR_LAYOUTS[name]
+    present = lambda d: all((d / f).is_file() for f in train + test)  # noqa: E731
+    return present, lambda d, split: (*read_cifar(d, name, split), k)
+
+
+REGISTRY: dict[str, DatasetInfo] = {
+    "fashion-mnist": DatasetInfo(
+        "fashion-mnist", ("fashion-mnist", "FashionMNIST/raw", "fashion_mnist", ""), (0.2860,), (0.3530,),
+        False, "install Debian's package (apt-get install dataset-fashion-mnist) or put the four IDX "
+        "files (train-images-idx3-ubyte.gz, ...) in --data-dir", _idx_present, _idx_read),
+    "mnist": DatasetInfo(
+        "mnist", ("mnist", "MNIST/raw", ""), (0.1307,), (0.3081,), False,
+        "put the four MNIST IDX files (train-images-idx3-ubyte.gz, ...) in --data-dir", _idx_present, _idx_read),
+    "cifar10": DatasetInfo(
+        "cifar10", ("cifar-10-batches-py",), (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), True,
+        "unpack cifar-10-python.tar.gz into --data-dir (giving --data-dir/cifar-10-batches-py/data_batch_1 ...)",
+        *_cifar("cifar10")),
+    "cifar100": DatasetInfo(
+        "cifar100", ("cifar-100-python",), (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762), True,
+        "unpack cifar-100-python.tar.gz into --data-dir (giving --data-dir/cifar-100-python/train, test)",
+        *_cifar("cifar100")),
+}
+ALIASES = {"fashion_mnist": "fashion-mnist", "fmnist": "fashion-mnist", "cifar-10": "cifar10",
+           "cifar-100": "cifar100"}
+
+
+def dataset_names() -> list[str]:
+    return [*REGISTRY, "synthetic:CxHxW:K[:N]"]
+
+
+def canonical_name(name: str) -> str:
+    if name.startswith("synthetic"):
+        parse_spec(name)
+        return name
+    name = ALIASES.get(name.lower(), name.lower())
+    if name not in REGISTRY:
+        raise ConfigError(f"unknown dataset {name!r}; choose one of: {', '.join(dataset_names())}")
+    return name
+
+
+def search_roots(data_dir: str | os.PathLike | None = None) -> list[Path]:
+    roots = [Path(data_dir)] if data_dir else []
+    if os.environ.get("DISTLAB_DATA"):
+        roots.append(Path(os.environ["DISTLAB_DATA"]))
+    roots.append(Path(os.environ.get("DISTLAB_SYSTEM_DATASETS", SYSTEM_DIR)))
+    return roots
+
+
+def locate(name: str, data_dir: str | os.PathLike | None = None) -> Path:
+    """The directory holding dataset ``name``'s files, or a DataNotFoundError saying where we looked."""
+    info = REGISTRY[canonical_name(name)]
+    searched = []
+    for root in search_roots(data_dir):
+        for sub in info.subdirs:
+            d = root / sub if sub else root
+            searched.append(str(d))
+            if d.is_dir() and info.find(d):
+                return d
+    raise DataNotFoundError(
+        f"dataset {info.name} not found (searched: {', '.join(dict.fromkeys(searched))}); "
+        f"{info.how_to_get}; or train on generated data with --dataset synthetic:1x28x28:10"
+    )
+
+
+def load_dataset(name: str, split: str, data_dir: str | os.PathLike | None = None,
+                 seed: int = 0) -> ImageDataset:
+    """Load ``split`` ("train" or "test") of dataset ``name`` into memory."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', not {split!r}")
+    name = canonical_name(name)
+    if name.startswith("synthetic"):
+        return make_synthetic(name, split, seed)
+    info = REGISTRY[name]
+    where = locate(name, data_dir)
+    images, labels, k = info.read(where, split)
+    return ImageDataset(name, split, torch.from_numpy(images.copy()), torch.from_numpy(labels.copy()), k,
+                        info.mean, info.std, augment=info.augment and split == "train", source=str(where))
+
+
+__all__ = ["ImageDataset", "REGISTRY", "canonical_name", "dataset_names", "load_dataset", "locate",
+           "search_roots"]

@@ -1,0 +1,49 @@
+"""The in-memory image dataset every loader works on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from distlab.data.transforms import normalize, random_crop_flip
+
+
+@dataclass
+class ImageDataset:
+    """Images ``(N, C, H, W)`` (uint8 as stored on disk, or float32 for synthetic data) and labels.
+
+    ``batch()`` returns normalised float32 images, with CIFAR-style augmentation when asked.
+    """
+
+    name: str
+    split: str
+    images: torch.Tensor
+    labels: torch.Tensor
+    num_classes: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    augment: bool = False
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.images.ndim != 4 or len(self.images) != len(self.labels):
+            raise ValueError(f"images {tuple(self.images.shape)} and labels {tuple(self.labels.shape)} disagree")
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        return tuple(self.images.shape[1:])  # type: ignore[return-value]
+
+    def batch(self, indices: torch.Tensor, *, augment: bool = False,
+              generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        x = normalize(self.images[indices], self.mean, self.std)
+        if augment:
+            x = random_crop_flip(x, generator or torch.Generator().manual_seed(0))
+        return x, self.labels[indices]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        x, y = self.batch(torch.tensor([i]))
+        return x[0], int(y[0])

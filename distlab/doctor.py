@@ -1,0 +1,34 @@
+"""``distlab doctor``: what this machine offers for distributed training."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+import torch.distributed as dist
+
+from distlab.data import REGISTRY, locate
+from distlab.errors import DataNotFoundError
+
+
+def report(data_dir: str | None = None) -> str:
+    lines = [f"distlab doctor on {platform.node()} ({platform.machine()}, Python {platform.python_version()})",
+             f"torch {torch.__version__}"]
+    lines.append("backends: " + ", ".join(
+        f"{name} {'yes' if ok() else 'no'}" for name, ok in
+        (("gloo", dist.is_gloo_available), ("nccl", dist.is_nccl_available), ("mpi", dist.is_mpi_available))))
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            lines.append(f"cuda:{i} {p.name}, {p.total_memory / 2**30:.1f} GiB")
+    else:
+        lines.append("cuda: no devices (training runs on CPU with gloo)")
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    lines.append(f"cores: {os.cpu_count()} ({usable} usable by this process); torch threads {torch.get_num_threads()}")
+    for name in REGISTRY:
+        try:
+            lines.append(f"dataset {name}: {locate(name, data_dir)}")
+        except DataNotFoundError as exc:
+            lines.append(f"dataset {name}: missing -- {exc}")
+    return "\n".join(lines)

@@ -1,0 +1,87 @@
+"""Hand-off to torchrun's own launcher (``torch.distributed.run``); nothing else starts processes.
+
+``distlab CMD --nproc-per-node N ...`` outside any launcher re-runs ``python -m distlab CMD ...``
+under torchrun with the same arguments; the workers see torchrun's environment and just run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+from distlab.errors import ConfigError, DistributedError
+from distlab.runtime import port_in_use
+
+
+@dataclass
+class LaunchOptions:
+    nproc_per_node: int | None = None
+    nnodes: str = "1"
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    rdzv_endpoint: str | None = None
+    max_restarts: int = 0
+    threads: int | None = None
+
+    @property
+    def max_nodes(self) -> int:
+        try:
+            return int(self.nnodes.split(":")[-1])
+        except ValueError:
+            raise ConfigError(f"--nnodes {self.nnodes!r} is not N or MIN:MAX") from None
+
+    def planned_world_size(self) -> int:
+        """World size the launch will produce (the maximum, for an elastic MIN:MAX range)."""
+        return (self.nproc_per_node or 1) * self.max_nodes
+
+
+def torchrun_args(opts: LaunchOptions, argv: list[str]) -> list[str]:
+    """The torchrun command line equivalent to this launch (without the ``torchrun`` word)."""
+    args = ["--nproc-per-node", str(opts.nproc_per_node), "--nnodes", opts.nnodes,
+            "--max-restarts", str(opts.max_restarts)]
+    if opts.rdzv_endpoint:
+        args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", opts.rdzv_endpoint]
+    else:
+        args += ["--node-rank", str(opts.node_rank)]
+        if opts.master_addr:
+            args += ["--master-addr", opts.master_addr]
+        if opts.master_port is not None:
+            args += ["--master-port", str(opts.master_port)]
+        # with no port on one node, torchrun picks a free one itself
+    return args + ["-m", "distlab", *argv]
+
+
+def launch(opts: LaunchOptions, argv: list[str]) -> int:
+    """Run ``python -m distlab *argv`` on ``nproc_per_node`` local workers under torchrun.
+
+    Returns the exit code: 0, or the first failed worker's exit code.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    if opts.nproc_per_node is None or opts.nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node must be at least 1, not {opts.nproc_per_node}")
+    if opts.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be at least 0, not {opts.max_restarts}")
+    addr = opts.master_addr or "127.0.0.1"
+    if (not opts.rdzv_endpoint and opts.node_rank == 0 and opts.master_port is not None
+            and port_in_use(addr if addr != "localhost" else "127.0.0.1", opts.master_port)):
+        raise DistributedError(f"port {opts.master_port} on {addr} is already in use; pick a free one "
+                               f"with --master-port (another job may be running there)")
+    # One thread per core: N ranks on C cores get C // N threads each (torchrun would force 1).
+    if "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        os.environ["OMP_NUM_THREADS"] = str(opts.threads or max(1, cores // opts.nproc_per_node))
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    try:
+        run(parse_args(torchrun_args(opts, argv)))
+    except ChildFailedError as exc:
+        codes = [f.exitcode for f in exc.failures.values()]
+        first = next((c for c in codes if c not in (0, None)), 1)
+        ranks = ", ".join(f"rank {f.rank} (exit {f.exitcode})" for f in exc.failures.values())
+        print(f"distlab: workers failed: {ranks}; see their messages above", file=sys.stderr, flush=True)
+        return first if first > 0 else 1
+    return 0

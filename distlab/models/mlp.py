@@ -1,0 +1,23 @@
+"""Multilayer perceptron: flatten, then Linear + ReLU for each hidden width, then a Linear head."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, widths: tuple[int, ...] = (512, 256)):
+        super().__init__()
+        layers: list[nn.Module] = [nn.Flatten()]
+        prev = math.prod(input_shape)
+        for w in widths:
+            layers += [nn.Linear(prev, w), nn.ReLU()]
+            prev = w
+        layers.append(nn.Linear(prev, num_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)

@@ -1,0 +1,48 @@
+"""VGG-11 / VGG-19 in their CIFAR form (Simonyan & Zisserman 2014; 3x3 convs, 32x32 inputs).
+
+The convolutional stack is the paper's configuration A (VGG-11) or E (VGG-19), optionally with
+batch norm after each convolution. For 32x32 inputs the five max-pools leave 512 x 1 x 1; smaller
+inputs (28x28 Fashion-MNIST) skip the pools that would shrink a side below 1. The classifier is
+two 512-wide hidden layers and the output layer (a pair of Linear layers that tensor parallel can
+split column-then-row).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+CONFIGS = {
+    11: [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
+    19: [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M",
+         512, 512, 512, 512, "M"],
+}
+
+
+class VGG(nn.Module):
+    def __init__(self, depth: int, input_shape: tuple[int, int, int], num_classes: int,
+                 batch_norm: bool = False, hidden: int = 512):
+        super().__init__()
+        channels, h, w = input_shape
+        layers: list[nn.Module] = []
+        for v in CONFIGS[depth]:
+            if v == "M":
+                if min(h, w) >= 2:
+                    layers.append(nn.MaxPool2d(2))
+                    h, w = h // 2, w // 2
+                continue
+            layers.append(nn.Conv2d(channels, v, 3, padding=1))
+            if batch_norm:
+                layers.append(nn.BatchNorm2d(v))
+            layers.append(nn.ReLU(inplace=True))
+            channels = v
+        self.features = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(channels, hidden), nn.ReLU(inplace=True),
+            nn.Linear(hidden, hidden), nn.ReLU(inplace=True),
+            nn.Linear(hidden, num_classes),
+        )
+
+    def forward(self, x):
+        return self.classifier(self.pool(self.features(x)))

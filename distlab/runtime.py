@@ -1,0 +1,417 @@
+"""Process runtime: who am I, who are my peers, which device and backend, and how we print.
+
+One process per device. ``init()`` reads the launcher's environment (torchrun, mpirun, Slurm) or
+explicit flags for a manual multi-node start, picks a backend (NCCL with CUDA, else gloo), starts
+the default process group with a bounded timeout and returns a frozen :class:`Runtime`. Nothing
+here is a module-level global: functions that communicate take a ``group``.
+
+Launchers and the variables read (first match wins):
+
+==========  ==============================================================================
+manual      ``--rank R --world-size W --master-addr A --master-port P`` on every machine
+            (also spelled ``--num-nodes W --master-ip A``, one process per machine)
+torchrun    ``RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT``
+mpirun      ``OMPI_COMM_WORLD_RANK/_SIZE/_LOCAL_RANK/_LOCAL_SIZE`` (Open MPI) or
+            ``PMI_RANK PMI_SIZE MPI_LOCALRANKID`` (MPICH, Intel MPI); rendezvous over TCP at
+            ``MASTER_ADDR`` (or ``--master-addr``), since pip builds of PyTorch have no MPI
+slurm       ``SLURM_PROCID SLURM_NTASKS SLURM_LOCALID`` inside an ``srun`` step; the master is
+            the first host of ``SLURM_STEP_NODELIST`` / ``SLURM_JOB_NODELIST``
+single      none of the above: one process, world size 1
+==========  ==============================================================================
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import random
+import re
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from distlab.errors import ConfigError, DistributedError
+
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_TIMEOUT_S = 300.0
+BACKENDS = ("auto", "gloo", "nccl", "mpi")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """What the environment (or the flags) says about this process's place in the job."""
+
+    launcher: str  # "manual" | "torchrun" | "mpirun" | "slurm" | "single"
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str | None
+    master_port: int | None
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """This process's place in the job, its device and backend. Immutable; pass it around."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+    launcher: str
+    threads: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+# --------------------------------------------------------------------------- detection
+
+
+def _int(env: Mapping[str, str], *names: str) -> int | None:
+    for name in names:
+        value = env.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value)
+            except ValueError:
+                raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
+    return None
+
+
+def slurm_first_host(nodelist: str) -> str:
+    """First host of a Slurm host list: ``"node[01-04,07],gpu5"`` -> ``"node01"``.
+
+    Implements the part of Slurm's hostlist syntax needed to find the first host (what
+    ``scontrol show hostnames | head -1`` prints) without needing ``scontrol``.
+    """
+    nodelist = nodelist.strip()
+    if not nodelist:
+        raise ConfigError("the Slurm node list is empty; set MASTER_ADDR or pass --master-addr")
+    # The first comma outside brackets ends the first entry.
+    depth, end = 0, len(nodelist)
+    for i, ch in enumerate(nodelist):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            end = i
+            break
+    entry = nodelist[:end]
+    # Expand each bracket group to its first element: "rack[1-2]-n[05,07]" -> "rack1-n05".
+    return re.sub(r"\[([^\]]*)\]", lambda m: m.group(1).split(",")[0].split("-")[0], entry)
+
+
+def detect_launch(
+    env: Mapping[str, str] | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+) -> LaunchInfo:
+    """Work out rank, world size and rendezvous address from flags or the launcher's env.
+
+    Explicit ``rank`` (a manual multi-node start) wins over any environment; explicit
+    ``master_addr``/``master_port`` override what a launcher's environment says.
+    """
+    env = os.environ if env is None else env
+    env_addr = env.get("MASTER_ADDR") or None
+    env_port = _int(env, "MASTER_PORT")
+
+    if rank is not None or world_size is not None:
+        if rank is None or world_size is None:
+            raise ConfigError("a manual start needs both --rank and --world-size (alias --num-nodes)")
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"--rank {rank} is outside 0..{world_size - 1} for --world-size {world_size}")
+        addr = master_addr or env_addr
+        if addr is None and world_size > 1:
+            raise ConfigError("a manual start needs --master-addr (alias --master-ip): rank 0's address")
+        return LaunchInfo("manual", rank, world_size, 0, 1, addr or "127.0.0.1",
+                          master_port or env_port or DEFAULT_MASTER_PORT)
+
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun, or anything that speaks its language
+        world = _int(env, "WORLD_SIZE")
+        return LaunchInfo("torchrun", _int(env, "RANK"), world, _int(env, "LOCAL_RANK") or 0,
+                          _int(env, "LOCAL_WORLD_SIZE") or world,
+                          env_addr or "127.0.0.1", env_port or DEFAULT_MASTER_PORT)
+
+    mpi_rank = _int(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+    if mpi_rank is not None:
+        world = _int(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+        if world is None:
+            raise ConfigError("mpirun environment has a rank but no OMPI_COMM_WORLD_SIZE / PMI_SIZE")
+        local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK")
+        local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE")
+        addr = master_addr or env_addr
+        if addr is None:
+            if local_world != world:
+                raise ConfigError(
+                    "under mpirun across several hosts distlab needs rank 0's address: pass "
+                    "--master-addr HOST (or export MASTER_ADDR) to every rank"
+                )
+            addr = "127.0.0.1"
+        return LaunchInfo("mpirun", mpi_rank, world, local_rank or 0, local_world or world,
+                          addr, master_port or env_port or DEFAULT_MASTER_PORT)
+
+    in_srun_step = ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env) and "SLURM_PROCID" in env
+    if in_srun_step and "SLURM_NTASKS" in env:
+        world = _int(env, "SLURM_NTASKS")
+        per_node = re.match(r"\d+", env.get("SLURM_TASKS_PER_NODE", "") or "")
+        addr = master_addr or env_addr
+        if addr is None:
+            nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+            addr = slurm_first_host(nodelist)
+        port = master_port or env_port or 10000 + (_int(env, "SLURM_JOB_ID") or 0) % 20000
+        return LaunchInfo("slurm", _int(env, "SLURM_PROCID"), world, _int(env, "SLURM_LOCALID") or 0,
+                          int(per_node.group()) if per_node else world, addr, port)
+
+    return LaunchInfo("single", 0, 1, 0, 1, master_addr, master_port)
+
+
+def under_launcher(env: Mapping[str, str] | None = None) -> bool:
+    """True when this process was started by torchrun, mpirun or srun (so it must not launch)."""
+    return detect_launch(env).launcher not in ("single", "manual")
+
+
+# --------------------------------------------------------------------------- backend + device
+
+
+def resolve_device(device: str, local_rank: int) -> torch.device:
+    if device not in DEVICES:
+        raise ConfigError(f"--device {device!r} is not one of {', '.join(DEVICES)}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda was asked for but PyTorch sees no CUDA device; use --device cpu")
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise ConfigError(
+                f"local rank {local_rank} has no GPU: this host has {count}; start at most {count} "
+                f"processes per node (--nproc-per-node {count})"
+            )
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``auto`` -> NCCL on CUDA, gloo on CPU; refuse what this PyTorch cannot do, naming the fix."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"--backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl":
+        if device.type != "cuda":
+            raise ConfigError("--backend nccl needs CUDA tensors; with --device cpu use --backend gloo")
+        if not dist.is_nccl_available():
+            raise ConfigError("this PyTorch build has no NCCL; use --backend gloo")
+    if backend == "mpi" and not dist.is_mpi_available():
+        raise ConfigError(
+            "this PyTorch build has no MPI backend (pip wheels never do). To run under mpirun, use "
+            "--backend gloo (or auto): distlab reads the OMPI_COMM_WORLD_* / PMI_* variables and meets "
+            "its peers over TCP at --master-addr, e.g. "
+            "`mpirun -n 4 distlab train --backend gloo --master-addr HOST0 ...`"
+        )
+    if backend == "gloo" and not dist.is_gloo_available():
+        raise ConfigError("this PyTorch build has no gloo backend")
+    return backend
+
+
+def _loopback_ifname() -> str | None:
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return "lo" if "lo" in names else ("lo0" if "lo0" in names else None)
+
+
+def _is_loopback(host: str | None) -> bool:
+    if host in (None, "localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# --------------------------------------------------------------------------- init
+
+
+def _tcp_url(addr: str, port: int) -> str:
+    return f"tcp://[{addr}]:{port}" if ":" in addr else f"tcp://{addr}:{port}"
+
+
+def _explain_init_failure(exc: Exception, info: LaunchInfo, timeout_s: float) -> DistributedError:
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    where = f"{info.master_addr}:{info.master_port}"
+    if "EADDRINUSE" in msg or "address already in use" in msg.lower():
+        return DistributedError(
+            f"port {info.master_port} on {info.master_addr} is already in use; pick a free one with "
+            f"--master-port (another job may be running there)"
+        )
+    joined = re.search(r"(\d+)/(\d+) clients joined", msg)
+    if joined:
+        return DistributedError(
+            f"rank 0 waited {timeout_s:g}s at {where} but only {joined.group(1)} of {info.world_size} "
+            f"ranks joined: start every rank with the same --master-addr/--master-port and world size, "
+            f"or raise --comm-timeout"
+        )
+    if "timed out" in msg.lower() or "connect" in msg.lower():
+        return DistributedError(
+            f"rank {info.rank} could not reach rank 0 at {where} within {timeout_s:g}s ({msg}); check "
+            f"that rank 0 is running and that {info.master_addr} is reachable from this host"
+        )
+    return DistributedError(f"rank {info.rank} failed to join the process group at {where}: {msg}")
+
+
+def init(
+    *,
+    backend: str = "auto",
+    device: str = "auto",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    threads: int | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Runtime:
+    """Start the default process group for this process and return its :class:`Runtime`.
+
+    A peer that never arrives makes every rank fail with :class:`DistributedError` after
+    ``timeout_s`` seconds; ``timeout_s`` is also the group's timeout for every collective.
+    """
+    info = detect_launch(env, rank=rank, world_size=world_size, master_addr=master_addr,
+                         master_port=master_port)
+    dev = resolve_device(device, info.local_rank)
+    backend = resolve_backend(backend, dev)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+
+    ncores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = threads or max(1, ncores // max(1, info.local_world_size))
+    torch.set_num_threads(threads)
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if dist.is_initialized():
+        raise DistributedError("the default process group is already initialised in this process")
+    try:
+        if info.world_size == 1:
+            # Nothing to meet: an in-memory store, no port opened.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+                if info.local_world_size == info.world_size and _is_loopback(info.master_addr):
+                    # Everyone is on this host: keep gloo's sockets on loopback.
+                    lo = _loopback_ifname()
+                    if lo:
+                        os.environ["GLOO_SOCKET_IFNAME"] = lo
+            if info.launcher == "torchrun":
+                # torchrun's agent already hosts the store at MASTER_ADDR:MASTER_PORT.
+                dist.init_process_group(backend, init_method="env://", timeout=timeout)
+            else:
+                dist.init_process_group(
+                    backend, init_method=_tcp_url(info.master_addr, info.master_port),
+                    rank=info.rank, world_size=info.world_size, timeout=timeout,
+                )
+    except (dist.DistError, RuntimeError, ValueError) as exc:
+        raise _explain_init_failure(exc, info, timeout_s) from exc
+    return Runtime(info.rank, info.world_size, info.local_rank, info.local_world_size, dev,
+                   backend, info.launcher, threads)
+
+
+def from_process_group(device: torch.device | None = None) -> Runtime:
+    """A :class:`Runtime` for a process whose default group someone else started."""
+    if not dist.is_initialized():
+        raise DistributedError("no process group: call distlab.runtime.init() first")
+    world = dist.get_world_size()
+    return Runtime(dist.get_rank(), world, 0, world, device or torch.device("cpu"),
+                   dist.get_backend(), "external", torch.get_num_threads())
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host`` (racy by nature; use it at once)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True if something already listens on ``host:port`` (so rank 0 could not bind it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+# --------------------------------------------------------------------------- same model everywhere
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and CUDA) so model construction is reproducible."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@torch.no_grad()
+def broadcast_module(module: torch.nn.Module, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
+    """Overwrite every parameter and buffer with rank ``src``'s (one broadcast per tensor)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        dist.broadcast(tensor.data, src=dist.get_global_rank(group, src) if group else src, group=group)
+
+
+# --------------------------------------------------------------------------- printing
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def print0(*args, **kwargs) -> None:
+    """``print`` on global rank 0 only (flushed)."""
+    if _rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def ordered_print(line: str, group: dist.ProcessGroup | None = None, file=None) -> None:
+    """Print one line per rank, in rank order, whatever the scheduling.
+
+    Every rank's line is gathered to the group's first rank, which alone writes them, so the
+    output is exactly ``rank 0, 1, ..., n-1`` even though the processes share one terminal.
+    Collective: every rank of ``group`` must call it.
+    """
+    file = file or sys.stdout
+    if not dist.is_initialized():
+        print(line, file=file, flush=True)
+        return
+    n = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    dst = dist.get_global_rank(group, 0) if group is not None else 0
+    lines: list[str] | None = [None] * n if me == 0 else None  # type: ignore[list-item]
+    dist.gather_object(str(line), lines, dst=dst, group=group)
+    if me == 0:
+        file.write("".join(f"{x}\n" for x in lines))
+        file.flush()

@@ -1,0 +1,116 @@
+"""Run a function on N real gloo processes on 127.0.0.1, for tests and equivalence checks.
+
+``run_ranks(fn, n, *args)`` spawns ``n`` processes; each joins a process group (rendezvous through
+a TCP store that this process hosts on a free port, so there is no port race), calls
+``fn(rank, n, *args)`` and sends back its return value. Any rank's exception is re-raised here
+with the rank named and its traceback; a rank still running after ``timeout`` seconds (a hang)
+is killed and reported as such. The process group's own timeout is the same, so a collective
+whose peer died raises instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue
+import time
+import traceback
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised, died or hung; the message holds each rank's story."""
+
+
+def _worker(rank: int, world_size: int, port: int | None, fn: Callable, args: tuple, kwargs: dict,
+            env: Mapping[str, str] | None, results, timeout: float, backend: str, threads: int) -> None:
+    os.environ.update(env or {})
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(threads)
+    try:
+        if port is not None:
+            td = datetime.timedelta(seconds=timeout)
+            store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=td)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=td)
+        out = fn(rank, world_size, *args, **kwargs)
+        results.put((rank, True, pickle.dumps(out)))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 60.0,
+              envs: Sequence[Mapping[str, str]] | None = None, init_group: bool = True,
+              backend: str = "gloo", threads: int = 1, **kwargs) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes; return their results.
+
+    ``fn`` must be importable by name (a module-level function). ``envs[r]`` is added to rank
+    ``r``'s environment. With ``init_group=False`` the processes start no process group (for
+    testing code that starts its own).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    store = None
+    port = None
+    if init_group:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=datetime.timedelta(seconds=timeout),
+                              wait_for_workers=False)
+        port = store.port
+    procs = [ctx.Process(target=_worker, daemon=True, name=f"distlab-rank{r}",
+                         args=(r, world_size, port, fn, args, kwargs, envs[r] if envs else None, results,
+                               timeout, backend, threads))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+
+    done: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+
+    def take(item) -> None:
+        rank, ok, payload = item
+        if ok:
+            done[rank] = pickle.loads(payload)
+        else:
+            errors[rank] = payload
+
+    try:
+        while len(done) + len(errors) < world_size and time.monotonic() < deadline:
+            try:
+                take(results.get(timeout=0.2))
+                continue
+            except queue.Empty:
+                pass
+            for r, p in enumerate(procs):
+                if r in done or r in errors or p.is_alive():
+                    continue
+                # Dead: its result, if it sent one, is already in the pipe.
+                try:
+                    while True:
+                        take(results.get(timeout=0.5))
+                except queue.Empty:
+                    pass
+                if r not in done and r not in errors:
+                    errors[r] = f"process exited with code {p.exitcode} without reporting a result"
+    finally:
+        hung = [r for r in range(world_size) if r not in done and r not in errors]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+        del store
+
+    if errors or hung:
+        parts = [f"--- rank {r} failed:\n{errors[r]}" for r in sorted(errors)]
+        if hung:
+            parts.append(f"--- ranks {hung} were still running after {timeout:g}s (a hang) and were killed")
+        raise RankFailure(f"{len(errors) + len(hung)} of {world_size} ranks failed\n" + "\n".join(parts))
+    return [done[r] for r in range(world_size)]

@@ -1,0 +1,65 @@
+"""Run outputs: ``metrics.jsonl`` (one object per log step) and ``summary.json`` (DESIGN.md contract).
+
+Written by rank 0 only. ``summary.json`` is replaced atomically (temp file, fsync, rename), so a
+reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import statistics
+import tempfile
+from pathlib import Path
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class MetricsLog:
+    """Appends one JSON line per log step to ``DIR/metrics.jsonl`` (no-op when ``directory`` is None)."""
+
+    def __init__(self, directory: str | Path | None):
+        self.path = Path(directory) / "metrics.jsonl" if directory else None
+        if self.path:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
+
+    def write(self, record: dict) -> None:
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def write_summary(directory: str | Path, summary: dict) -> Path:
+    path = Path(directory) / "summary.json"
+    atomic_write_text(path, json.dumps(summary, indent=2) + "\n")
+    return path
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size in MB (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def median_excluding_warmup(times: list[float], warmup: int) -> float | None:
+    """Median step time without the first ``warmup`` steps (fewer if the run is short)."""
+    if not times:
+        return None
+    skip = min(warmup, len(times) // 2)
+    return statistics.median(times[skip:])

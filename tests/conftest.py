@@ -1,0 +1,33 @@
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def distlab_exe() -> list[str]:
+    """The real console script when installed, else ``python -m distlab``."""
+    exe = shutil.which("distlab", path=os.path.dirname(sys.executable))
+    return [exe] if exe else [sys.executable, "-m", "distlab"]
+
+
+@pytest.fixture
+def run_cli(tmp_path):
+    """Run the distlab CLI in a subprocess; returns CompletedProcess (text)."""
+
+    def run(*args: str, timeout: float = 180, env: dict | None = None, check: bool = False):
+        full_env = {**os.environ, **(env or {})}
+        full_env.pop("RANK", None)
+        full_env.pop("WORLD_SIZE", None)
+        proc = subprocess.run([*distlab_exe(), *args], capture_output=True, text=True, timeout=timeout,
+                              cwd=tmp_path, env=full_env)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"distlab {' '.join(args)} exited {proc.returncode}\n"
+                                 f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+        return proc
+
+    return run
