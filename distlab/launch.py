@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -54,6 +55,15 @@ def torchrun_args(opts: LaunchOptions, argv: list[str]) -> list[str]:
     return args + ["-m", "distlab", *argv]
 
 
+def _describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 def launch(opts: LaunchOptions, argv: list[str]) -> int:
     """Run ``python -m distlab *argv`` on ``nproc_per_node`` local workers under torchrun.
 
@@ -75,13 +85,18 @@ def launch(opts: LaunchOptions, argv: list[str]) -> int:
     if "OMP_NUM_THREADS" not in os.environ:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         os.environ["OMP_NUM_THREADS"] = str(opts.threads or max(1, cores // opts.nproc_per_node))
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    # The agent logs every signal and failure with a banner; workers report their own errors,
+    # so keep it quiet unless asked (DISTLAB_TORCHRUN_LOG=INFO shows everything).
+    logging.getLogger("torch.distributed.elastic").setLevel(os.environ.get("DISTLAB_TORCHRUN_LOG", "CRITICAL"))
     try:
         run(parse_args(torchrun_args(opts, argv)))
     except ChildFailedError as exc:
-        codes = [f.exitcode for f in exc.failures.values()]
-        first = next((c for c in codes if c not in (0, None)), 1)
-        ranks = ", ".join(f"rank {f.rank} (exit {f.exitcode})" for f in exc.failures.values())
-        print(f"distlab: workers failed: {ranks}; see their messages above", file=sys.stderr, flush=True)
-        return first if first > 0 else 1
+        codes = {rank: f.exitcode for rank, f in exc.failures.items()}
+        first = next((c for c in codes.values() if c and c > 0), 1)
+        config_error = all(c == ConfigError.exit_code for c in codes.values())
+        if not (config_error and opts.node_rank == 0):  # else rank 0 already said what was wrong
+            ranks = ", ".join(f"rank {r} ({_describe_exit(c)})" for r, c in sorted(codes.items()))
+            print(f"distlab: error: workers failed: {ranks}; see their messages above", file=sys.stderr,
+                  flush=True)
+        return first
     return 0

@@ -341,6 +341,20 @@ def from_process_group(device: torch.device | None = None) -> Runtime:
                    dist.get_backend(), "external", torch.get_num_threads())
 
 
+_COMM_FAILURE_MARKERS = ("gloo", "nccl", "connection reset", "connection closed", "connection refused",
+                         "timed out", "timeout", "broken pipe", "socket")
+
+
+def is_comm_failure(exc: BaseException) -> bool:
+    """True if ``exc`` is a collective failing because a peer died, hung or became unreachable."""
+    if isinstance(exc, dist.DistError):
+        return True
+    if isinstance(exc, RuntimeError):
+        text = str(exc).lower()
+        return any(marker in text for marker in _COMM_FAILURE_MARKERS)
+    return False
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

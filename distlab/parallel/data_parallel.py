@@ -88,7 +88,7 @@ class TorchDDPSync(GradSync):
         device_ids = [module_device(module).index] if module_device(module).type == "cuda" else None
         return nn.parallel.DistributedDataParallel(
             module, device_ids=device_ids, process_group=self.group, bucket_cap_mb=self.bucket_mb,
-            find_unused_parameters=self.find_unused, broadcast_buffers=True)
+            find_unused_parameters=self.find_unused)
 
     def sync(self, module: nn.Module) -> None:
         pass  # DDP already reduced during backward

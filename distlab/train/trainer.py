@@ -21,10 +21,10 @@ from tqdm import tqdm
 
 from distlab.data import load_dataset
 from distlab.data.loader import EvalLoader, TrainLoader
-from distlab.errors import ConfigError
+from distlab.errors import ConfigError, DistributedError
 from distlab.models import build_model, count_parameters
 from distlab.parallel import DataParallel
-from distlab.runtime import Runtime, seed_everything
+from distlab.runtime import Runtime, is_comm_failure, seed_everything
 from distlab.train.config import TrainConfig
 from distlab.train.metrics import MetricsLog, median_excluding_warmup, peak_rss_mb, write_summary
 
@@ -112,6 +112,23 @@ class Trainer:
             torch.cuda.synchronize(self.rt.device)
 
     def fit(self) -> dict:
+        """Train, evaluate, write ``metrics.jsonl``/``summary.json`` (rank 0); return the summary.
+
+        A peer that dies or hangs makes the next collective fail within the group's timeout;
+        that becomes a :class:`DistributedError` naming the step instead of a backend traceback.
+        """
+        self.step = 0
+        try:
+            return self._fit()
+        except Exception as exc:
+            if is_comm_failure(exc):
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise DistributedError(
+                    f"rank {self.rt.rank}: communication failed at step {self.step + 1} ({first[:300]}); a peer "
+                    f"died, hung or became unreachable -- check the other ranks' messages") from exc
+            raise
+
+    def _fit(self) -> dict:
         cfg, rt = self.cfg, self.rt
         main = rt.is_main
         log = MetricsLog(cfg.out if main else None)
@@ -146,6 +163,7 @@ class Trainer:
                 self._sync_device()
                 step_times.append(time.perf_counter() - t0)
                 step += 1
+                self.step = step
                 window_loss += loss.item()
                 window_steps += 1
                 bar.update(1)

@@ -1,0 +1,163 @@
+"""The real console script, in subprocesses, through real torchrun; outputs parsed as JSON."""
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from distlab.data.idx import write_idx
+
+SUMMARY_FIELDS = {"world_size", "strategy", "model", "dataset", "global_batch_size", "steps", "epochs",
+                  "final_train_loss", "test_accuracy", "test_loss", "time_per_step_s_median", "samples_per_s",
+                  "peak_rss_mb", "peak_cuda_mb", "comm_bytes_per_step", "wall_time_s", "resumed_from"}
+METRIC_FIELDS = {"step", "epoch", "loss", "lr", "samples_per_s", "time_s"}
+
+
+def _one_line_error(proc, *needles):
+    """Exit non-zero with exactly one stderr line 'distlab: error: ...' containing every needle."""
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("distlab: error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+def test_train_two_processes_writes_metrics_and_summary(run_cli, tmp_path):
+    out = tmp_path / "run"
+    proc = run_cli("train", "--nproc-per-node", "2", "--model", "mlp", "--mlp-widths", "64",
+                   "--dataset", "synthetic:1x8x8:4:512", "--global-batch-size", "32", "--epochs", "2",
+                   "--log-every", "4", "--dp-sync", "ddp", "--out", str(out), check=True)
+    summary = json.loads((out / "summary.json").read_text())
+    assert SUMMARY_FIELDS <= summary.keys()
+    assert summary["world_size"] == 2 and summary["launcher"] == "torchrun"
+    assert summary["strategy"]["dp_sync"] == "ddp" and summary["local_batch_size"] == 16
+    assert summary["steps"] == 2 * (512 // 32) and summary["epochs"] == 2
+    assert 0 <= summary["test_accuracy"] <= 1 and summary["test_loss"] > 0
+    assert summary["time_per_step_s_median"] > 0 and summary["peak_rss_mb"] > 0
+    assert summary["peak_cuda_mb"] is None and summary["resumed_from"] is None
+    n_params = summary["num_parameters"]
+    assert summary["comm_bytes_per_step"] == 2 * (2 - 1) * 4 * n_params // 2  # 2(n-1)/n * S
+    assert len(summary["evals"]) == 2 and summary["evals"][-1]["test_samples"] == 128
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(4, 33, 4))
+    assert all(METRIC_FIELDS <= r.keys() for r in records)
+    assert records[-1]["loss"] < records[0]["loss"]  # it learns
+    assert proc.stdout.count("final train loss") == 1  # rank 0 printed the summary, once
+    assert proc.stdout.count("eval epoch") == 2
+
+
+def test_single_process_without_launcher(run_cli, tmp_path):
+    out = tmp_path / "one"
+    run_cli("train", "--dataset", "synthetic:1x8x8:4:256", "--global-batch-size", "32", "--max-steps", "5",
+            "--out", str(out), check=True)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 1 and summary["steps"] == 5 and summary["launcher"] == "single"
+    assert summary["comm_bytes_per_step"] == 0
+
+
+def test_manual_multi_node_style_start(run_cli, tmp_path):
+    """Two 'nodes' each run one command with their own rank, meeting at tcp://127.0.0.1:PORT."""
+    import subprocess
+    from tests.conftest import distlab_exe
+
+    from distlab.runtime import free_port
+    port = str(free_port())
+    out = tmp_path / "manual"
+    args = ["train", "--dataset", "synthetic:1x8x8:4:256", "--global-batch-size", "32", "--max-steps", "4",
+            "--num-nodes", "2", "--master-ip", "127.0.0.1", "--master-port", port, "--comm-timeout", "60",
+            "--out", str(out)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    procs = [subprocess.Popen([*distlab_exe(), *args, "--rank", str(r)], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["launcher"] == "manual"
+    assert outs[1][0].strip() == ""  # rank 1 is quiet
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_demo_ordered_print_is_exact(run_cli, world):
+    proc = run_cli("demo", "ordered-print", "--nproc-per-node", str(world), check=True)
+    assert proc.stdout == "".join(f"rank {r} of {world}\n" for r in range(world))
+
+
+def test_demo_p2p(run_cli):
+    proc = run_cli("demo", "p2p", "--nproc-per-node", "2", check=True)
+    out = proc.stdout
+    assert "rank 0: world size 2\nrank 1: world size 2\n" in out
+    assert "rank 1: after blocking send/recv sum=12" in out and "rank 1: after isend/irecv sum=12" in out
+    assert out.count("[18., 20., 22., 24.]") == 2  # 2 x [9..12] on both ranks
+
+
+def test_demo_sampler(run_cli):
+    proc = run_cli("demo", "sampler", "--nproc-per-node", "2", "--length", "8", "--batch-size", "2", check=True)
+    assert "rank 0: items [0, 20, 40, 60] in batches [[0, 20], [40, 60]]" in proc.stdout
+    assert "rank 1: items [10, 30, 50, 70] in batches [[10, 30], [50, 70]]" in proc.stdout
+    assert "batch size 4: [[0, 10, 20, 30], [40, 50, 60, 70]]" in proc.stdout
+
+
+def test_doctor(run_cli):
+    proc = run_cli("doctor", check=True)
+    assert "torch " in proc.stdout and "gloo yes" in proc.stdout and "cores:" in proc.stdout
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_batch_not_divisible_by_world_size(run_cli):
+    proc = run_cli("train", "--nproc-per-node", "2", "--dataset", "synthetic:1x8x8:4", "--global-batch-size", "33")
+    _one_line_error(proc, "--global-batch-size 33 is not divisible by world size 2")
+    assert proc.returncode == 2
+
+
+def test_unknown_model_and_dataset(run_cli):
+    _one_line_error(run_cli("train", "--model", "vgg13", "--dataset", "synthetic:1x8x8:4"), "unknown model 'vgg13'")
+    _one_line_error(run_cli("train", "--nproc-per-node", "2", "--dataset", "imagenet"), "unknown dataset 'imagenet'")
+
+
+def test_missing_dataset_names_package_and_paths(run_cli, tmp_path):
+    env = {"DISTLAB_SYSTEM_DATASETS": str(tmp_path / "nothing-here"), "DISTLAB_DATA": ""}
+    proc = run_cli("train", "--nproc-per-node", "2", "--data-dir", str(tmp_path / "mine"), env=env)
+    _one_line_error(proc, "dataset-fashion-mnist", str(tmp_path / "mine"), str(tmp_path / "nothing-here"))
+
+
+def test_port_already_in_use(run_cli):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = str(s.getsockname()[1])
+        proc = run_cli("train", "--nproc-per-node", "2", "--dataset", "synthetic:1x8x8:4", "--master-port", port)
+        _one_line_error(proc, f"port {port}", "already in use", "--master-port")
+        proc = run_cli("train", "--dataset", "synthetic:1x8x8:4", "--rank", "0", "--world-size", "2",
+                       "--master-addr", "127.0.0.1", "--master-port", port, "--comm-timeout", "5")
+        _one_line_error(proc, f"port {port}", "already in use")
+
+
+def test_missing_peer_in_manual_start_fails_within_timeout(run_cli):
+    from distlab.runtime import free_port
+    proc = run_cli("train", "--dataset", "synthetic:1x8x8:4", "--rank", "0", "--world-size", "2",
+                   "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--comm-timeout", "3",
+                   timeout=60)
+    _one_line_error(proc, "only 1 of 2 ranks joined")
+
+
+def test_conflicting_launch_flags(run_cli):
+    proc = run_cli("train", "--nproc-per-node", "2", "--rank", "0", "--world-size", "2")
+    _one_line_error(proc, "cannot be combined")
+
+
+def test_corrupt_dataset_file_is_a_clear_error(run_cli, tmp_path):
+    d = tmp_path / "fashion-mnist"
+    d.mkdir()
+    import numpy as np
+    for prefix in ("train", "t10k"):
+        write_idx(d / f"{prefix}-images-idx3-ubyte.gz", np.zeros((4, 28, 28), np.uint8))
+        write_idx(d / f"{prefix}-labels-idx1-ubyte.gz", np.zeros(4, np.uint8))
+    Path(d / "train-images-idx3-ubyte.gz").write_bytes(b"not gzip at all")
+    proc = run_cli("train", "--data-dir", str(tmp_path), "--global-batch-size", "2")
+    _one_line_error(proc, "train-images-idx3-ubyte.gz")

@@ -1,0 +1,163 @@
+import gzip
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from distlab.data import canonical_name, load_dataset, locate
+from distlab.data.cifar import write_cifar_batch
+from distlab.data.idx import read_idx, write_idx
+from distlab.data.synthetic import make_synthetic
+from distlab.data.transforms import normalize, random_crop_flip
+from distlab.errors import ConfigError, DataNotFoundError
+
+
+def _write_mnist_like(d, n_train=12, n_test=5, gz=True, seed=0):
+    rng = np.random.default_rng(seed)
+    d.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        images = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
+        labels = rng.integers(0, 10, n, dtype=np.uint8)
+        ext = ".gz" if gz else ""
+        write_idx(d / f"{prefix}-images-idx3-ubyte{ext}", images)
+        write_idx(d / f"{prefix}-labels-idx1-ubyte{ext}", labels)
+        out[prefix] = (images, labels)
+    return out
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_idx_round_trip_matches_the_bytes_of_the_format(tmp_path, gz):
+    arr = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    path = tmp_path / ("x.idx.gz" if gz else "x.idx")
+    write_idx(path, arr)
+    raw = gzip.open(path).read() if gz else path.read_bytes()
+    # magic 0x00000803 (uint8, 3 dims), then big-endian sizes 2, 3, 4, then the data
+    assert raw[:16] == bytes([0, 0, 8, 3, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0, 4])
+    assert np.array_equal(read_idx(path), arr)
+
+
+def test_idx_truncated_and_bad_magic_are_refused(tmp_path):
+    path = tmp_path / "t.idx"
+    write_idx(path, np.zeros((4, 5), dtype=np.uint8))
+    path.write_bytes(path.read_bytes()[:-3])
+    with pytest.raises(ConfigError, match="truncated"):
+        read_idx(path)
+    path.write_bytes(b"\x12\x34\x08\x01" + b"\x00" * 8)
+    with pytest.raises(ConfigError, match="not an IDX file"):
+        read_idx(path)
+
+
+@pytest.mark.parametrize("name,sub", [("fashion-mnist", "fashion-mnist"), ("mnist", "MNIST/raw")])
+@pytest.mark.parametrize("gz", [True, False])
+def test_mnist_family_loads_from_idx_files(tmp_path, name, sub, gz):
+    written = _write_mnist_like(tmp_path / sub, gz=gz)
+    train = load_dataset(name, "train", data_dir=tmp_path)
+    test = load_dataset(name, "test", data_dir=tmp_path)
+    assert len(train) == 12 and len(test) == 5 and train.input_shape == (1, 28, 28)
+    assert torch.equal(train.images[:, 0], torch.from_numpy(written["train"][0]))
+    assert torch.equal(test.labels, torch.from_numpy(written["t10k"][1].astype(np.int64)))
+    x, y = train.batch(torch.tensor([3]))
+    mean, std = train.mean[0], train.std[0]
+    assert torch.allclose(x[0, 0], (torch.from_numpy(written["train"][0][3]).float() / 255 - mean) / std)
+
+
+def _write_cifar(root, name, n_per_batch=4, seed=0):
+    rng = np.random.default_rng(seed)
+    if name == "cifar10":
+        d = root / "cifar-10-batches-py"
+        files, key, k = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"], "labels", 10
+    else:
+        d = root / "cifar-100-python"
+        files, key, k = ["train", "test"], "fine_labels", 100
+    d.mkdir(parents=True)
+    written = {}
+    for f in files:
+        images = rng.integers(0, 256, (n_per_batch, 3, 32, 32), dtype=np.uint8)
+        labels = rng.integers(0, k, n_per_batch)
+        write_cifar_batch(d / f, images, labels, label_key=key)
+        written[f] = (images, labels)
+    return written
+
+
+@pytest.mark.parametrize("name", ["cifar10", "cifar100"])
+def test_cifar_reads_python_pickle_batches(tmp_path, name):
+    written = _write_cifar(tmp_path, name)
+    train = load_dataset(name, "train", data_dir=tmp_path)
+    test = load_dataset(name, "test", data_dir=tmp_path)
+    first_train = "data_batch_1" if name == "cifar10" else "train"
+    n_train = 4 * (5 if name == "cifar10" else 1)
+    assert len(train) == n_train and len(test) == 4 and train.input_shape == (3, 32, 32)
+    assert torch.equal(train.images[:4], torch.from_numpy(written[first_train][0]))
+    assert train.labels[:4].tolist() == list(written[first_train][1])
+    assert train.augment and not test.augment and train.num_classes == (10 if name == "cifar10" else 100)
+
+
+def test_cifar_pickle_that_would_run_code_is_refused(tmp_path):
+    d = tmp_path / "cifar-100-python"
+    d.mkdir()
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned > " + str(tmp_path / "pwned"),))
+
+    for f in ("train", "test"):
+        (d / f).write_bytes(pickle.dumps({b"data": Evil(), b"fine_labels": []}, protocol=2))
+    with pytest.raises(ConfigError, match="refusing to load"):
+        load_dataset("cifar100", "train", data_dir=tmp_path)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_missing_dataset_names_package_paths_and_alternative(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTLAB_SYSTEM_DATASETS", str(tmp_path / "system"))
+    monkeypatch.delenv("DISTLAB_DATA", raising=False)
+    with pytest.raises(DataNotFoundError) as err:
+        locate("fashion-mnist", tmp_path / "mine")
+    msg = str(err.value)
+    assert "dataset-fashion-mnist" in msg and str(tmp_path / "mine") in msg and str(tmp_path / "system") in msg
+    assert "synthetic:" in msg
+    with pytest.raises(DataNotFoundError, match="cifar-10-batches-py"):
+        locate("cifar10", tmp_path)
+
+
+def test_dataset_env_var_is_searched(tmp_path, monkeypatch):
+    _write_mnist_like(tmp_path / "fashion-mnist")
+    monkeypatch.setenv("DISTLAB_DATA", str(tmp_path))
+    assert locate("fashion-mnist") == tmp_path / "fashion-mnist"
+
+
+def test_unknown_dataset_and_bad_synthetic_spec():
+    with pytest.raises(ConfigError, match="unknown dataset 'imagenet'"):
+        canonical_name("imagenet")
+    with pytest.raises(ConfigError, match="synthetic:CxHxW"):
+        canonical_name("synthetic:28x28:10")
+
+
+def test_synthetic_is_seeded_and_learnable():
+    a, b = make_synthetic("synthetic:1x6x6:3:300", "train", seed=1), make_synthetic("synthetic:1x6x6:3:300", "train", seed=1)
+    assert torch.equal(a.images, b.images) and len(a) == 300
+    test = make_synthetic("synthetic:1x6x6:3:300", "test", seed=1)
+    # Nearest class mean (from train) classifies the test split far above chance (1/3).
+    means = torch.stack([a.images[a.labels == k].mean(0) for k in range(3)]).flatten(1)
+    pred = torch.cdist(test.images.flatten(1), means).argmin(1)
+    assert (pred == test.labels).float().mean() > 0.8
+
+
+def test_normalize_uint8():
+    x = torch.tensor([[[[0, 255]]]], dtype=torch.uint8)
+    assert torch.allclose(normalize(x, (0.5,), (0.5,)), torch.tensor([[[[-1.0, 1.0]]]]))
+
+
+def test_random_crop_flip_is_a_crop_of_the_padded_image_or_its_mirror():
+    x = torch.arange(2 * 3 * 8 * 8, dtype=torch.float32).reshape(2, 3, 8, 8) + 1
+    out = random_crop_flip(x, torch.Generator().manual_seed(0), padding=2)
+    assert out.shape == x.shape
+    padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
+    for i in range(2):
+        candidates = [padded[i, :, dy:dy + 8, dx:dx + 8] for dy in range(5) for dx in range(5)]
+        candidates += [c.flip(-1) for c in candidates]
+        assert any(torch.equal(out[i], c) for c in candidates)
+    again = random_crop_flip(x, torch.Generator().manual_seed(0), padding=2)
+    assert torch.equal(out, again)

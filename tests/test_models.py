@@ -1,0 +1,34 @@
+import pytest
+import torch
+
+from distlab.errors import ConfigError
+from distlab.models import build_model, count_parameters, model_names
+
+
+@pytest.mark.parametrize("name", model_names())
+@pytest.mark.parametrize("shape", [(3, 32, 32), (1, 28, 28)])
+def test_every_model_maps_images_to_logits_and_trains(name, shape):
+    torch.manual_seed(0)
+    model = build_model(name, shape, 7)
+    x = torch.randn(4, *shape)
+    out = model(x)
+    assert out.shape == (4, 7)
+    out.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_known_sizes():
+    # Parameter counts follow from the architectures (VGG-11 conv stack + 512-512-10 classifier).
+    assert count_parameters(build_model("mlp", (1, 28, 28), 10)) == 784 * 512 + 512 + 512 * 256 + 256 + 256 * 10 + 10
+    assert count_parameters(build_model("resnet18", (3, 32, 32), 10)) == 11_173_962
+    assert count_parameters(build_model("mlp", (1, 28, 28), 10, widths=(16,))) == 784 * 16 + 16 + 16 * 10 + 10
+
+
+def test_batchnorm_variants_have_batchnorm():
+    assert any(isinstance(m, torch.nn.BatchNorm2d) for m in build_model("vgg11-bn", (3, 32, 32), 10).modules())
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in build_model("vgg11", (3, 32, 32), 10).modules())
+
+
+def test_unknown_model():
+    with pytest.raises(ConfigError, match="unknown model 'vgg13'.*mlp"):
+        build_model("vgg13", (3, 32, 32), 10)
