@@ -18,7 +18,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 
 import click  # noqa: E402
 
-from distlab.errors import ConfigError, DistlabError  # noqa: E402
+from distlab.errors import ConfigError, DistlabError, RankConfigError  # noqa: E402
 
 
 def _csv_ints(value: str) -> tuple[int, ...]:
@@ -46,7 +46,8 @@ def launch_options(f):
         click.option("--world-size", "--num-nodes", "world_size", type=int, default=None,
                      help="Manual start: total number of processes (one per node in the source material)."),
         click.option("--backend", default="auto", show_default=True, help="auto (nccl on GPU, else gloo), gloo, nccl, mpi."),
-        click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda."),
+        click.option("--device", default="auto", show_default=True, envvar="DISTLAB_DEVICE",
+                     help="auto (cuda if available), cpu or cuda; also $DISTLAB_DEVICE."),
         click.option("--comm-timeout", type=float, default=300.0, show_default=True,
                      help="Seconds before a missing or dead peer becomes an error (start-up and collectives)."),
         click.option("--threads", type=int, default=None,
@@ -69,6 +70,7 @@ def _run_distributed(kw: dict, body, planned_check=None):
         if manual:
             raise ConfigError("--nproc-per-node (torchrun launch) and --rank/--world-size (manual start) "
                               "cannot be combined: use one or the other")
+        runtime.check_local_devices(kw["device"], lopts.nproc_per_node)
         if planned_check:
             planned_check(lopts.planned_world_size())
         sys.exit(launch(lopts, sys.argv[1:]))
@@ -211,7 +213,7 @@ def _report_error(exc: DistlabError) -> None:
         rank = detect_launch().rank
     except DistlabError:
         rank = 0
-    if rank != 0 and isinstance(exc, ConfigError):
+    if rank != 0 and isinstance(exc, ConfigError) and not isinstance(exc, RankConfigError):
         return  # every rank finds the same config error; rank 0 says it once
     prefix = f"[rank {rank}] " if rank else ""
     print(f"distlab: error: {prefix}{exc}", file=sys.stderr, flush=True)

@@ -19,6 +19,13 @@ class ConfigError(DistlabError):
     exit_code = 2
 
 
+class RankConfigError(ConfigError):
+    """A configuration problem of one rank alone (say, its device): every rank that has it says so.
+
+    Plain :class:`ConfigError`s are the same on every rank, so only rank 0 prints them.
+    """
+
+
 class DataNotFoundError(ConfigError):
     """A dataset that is not on disk where we looked."""
 

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distlab.errors import ConfigError, DistributedError
+from distlab.errors import ConfigError, DistributedError, RankConfigError
 
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_TIMEOUT_S = 300.0
@@ -198,12 +198,22 @@ def resolve_device(device: str, local_rank: int) -> torch.device:
             raise ConfigError("--device cuda was asked for but PyTorch sees no CUDA device; use --device cpu")
         count = torch.cuda.device_count()
         if local_rank >= count:
-            raise ConfigError(
+            raise RankConfigError(
                 f"local rank {local_rank} has no GPU: this host has {count}; start at most {count} "
                 f"processes per node (--nproc-per-node {count})"
             )
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def check_local_devices(device: str, nproc_per_node: int) -> None:
+    """Before launching: refuse more local ranks than GPUs when the ranks will use CUDA."""
+    if device in ("auto", "cuda") and torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if nproc_per_node > count:
+            raise ConfigError(
+                f"--nproc-per-node {nproc_per_node} but this host has {count} GPU(s) and each rank needs its "
+                f"own: use --nproc-per-node {count}, or --device cpu for CPU ranks with gloo")
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:

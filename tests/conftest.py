@@ -20,7 +20,8 @@ def run_cli(tmp_path):
     """Run the distlab CLI in a subprocess; returns CompletedProcess (text)."""
 
     def run(*args: str, timeout: float = 180, env: dict | None = None, check: bool = False):
-        full_env = {**os.environ, **(env or {})}
+        # CPU ranks with gloo even on a GPU host (one GPU cannot hold two ranks).
+        full_env = {**os.environ, "DISTLAB_DEVICE": "cpu", **(env or {})}
         full_env.pop("RANK", None)
         full_env.pop("WORLD_SIZE", None)
         proc = subprocess.run([*distlab_exe(), *args], capture_output=True, text=True, timeout=timeout,

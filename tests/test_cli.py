@@ -71,6 +71,7 @@ def test_manual_multi_node_style_start(run_cli, tmp_path):
             "--num-nodes", "2", "--master-ip", "127.0.0.1", "--master-port", port, "--comm-timeout", "60",
             "--out", str(out)]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["DISTLAB_DEVICE"] = "cpu"  # both "nodes" share this host; on a GPU host they would share GPU 0
     procs = [subprocess.Popen([*distlab_exe(), *args, "--rank", str(r)], cwd=tmp_path, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     outs = [p.communicate(timeout=180) for p in procs]
@@ -161,3 +162,14 @@ def test_corrupt_dataset_file_is_a_clear_error(run_cli, tmp_path):
     Path(d / "train-images-idx3-ubyte.gz").write_bytes(b"not gzip at all")
     proc = run_cli("train", "--data-dir", str(tmp_path), "--global-batch-size", "2")
     _one_line_error(proc, "train-images-idx3-ubyte.gz")
+
+
+def test_only_rank0_reports_shared_config_errors_but_every_rank_reports_its_own(monkeypatch, capsys):
+    from distlab.cli import _report_error
+    from distlab.errors import ConfigError, RankConfigError
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    _report_error(ConfigError("same on every rank"))
+    _report_error(RankConfigError("local rank 1 has no GPU"))
+    err = capsys.readouterr().err
+    assert err == "distlab: error: [rank 1] local rank 1 has no GPU\n"

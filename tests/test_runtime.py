@@ -127,14 +127,14 @@ def _init_every_style(rank, world, ports):
     for style, env in _styles(rank, world, ports).items():
         if style == "torchrun":  # env:// rendezvous reads the real environment, as under torchrun
             os.environ.update(env)
-        rt = runtime.init(env=env, timeout_s=30)
+        rt = runtime.init(env=env, device="cpu", timeout_s=30)
         for key in env if style == "torchrun" else ():
             del os.environ[key]
         t = torch.tensor([rank + 1.0])
         dist.all_reduce(t)
         seen[style] = (rt.rank, rt.world_size, rt.local_rank, rt.launcher, t.item())
         runtime.shutdown()
-    rt = runtime.init(env={}, rank=rank, world_size=world, master_addr="127.0.0.1", master_port=ports[4],
+    rt = runtime.init(env={}, device="cpu", rank=rank, world_size=world, master_addr="127.0.0.1", master_port=ports[4],
                       timeout_s=30)
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)
@@ -159,7 +159,7 @@ def test_init_from_every_launcher_style_and_flags():
 def _init_expecting_error(rank, world, kwargs):
     t0 = time.monotonic()
     try:
-        runtime.init(env={}, **kwargs)
+        runtime.init(env={}, device="cpu", **kwargs)
     except DistributedError as exc:
         return str(exc), time.monotonic() - t0
     return None, time.monotonic() - t0
