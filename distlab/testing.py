@@ -28,15 +28,16 @@ class RankFailure(AssertionError):
 
 
 def _worker(rank: int, world_size: int, port: int | None, fn: Callable, args: tuple, kwargs: dict,
-            env: Mapping[str, str] | None, results, timeout: float, backend: str, threads: int) -> None:
+            env: Mapping[str, str] | None, results, timeout: float, backend: str, threads: int,
+            pg_timeout: float) -> None:
     os.environ.update(env or {})
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(threads)
     try:
         if port is not None:
-            td = datetime.timedelta(seconds=timeout)
-            store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=td)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=td)
+            store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=datetime.timedelta(seconds=timeout))
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=pg_timeout))
         out = fn(rank, world_size, *args, **kwargs)
         results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
@@ -48,12 +49,14 @@ def _worker(rank: int, world_size: int, port: int | None, fn: Callable, args: tu
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 60.0,
               envs: Sequence[Mapping[str, str]] | None = None, init_group: bool = True,
-              backend: str = "gloo", threads: int = 1, **kwargs) -> list[Any]:
+              backend: str = "gloo", threads: int = 1, pg_timeout: float | None = None,
+              **kwargs) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes; return their results.
 
     ``fn`` must be importable by name (a module-level function). ``envs[r]`` is added to rank
     ``r``'s environment. With ``init_group=False`` the processes start no process group (for
-    testing code that starts its own).
+    testing code that starts its own). ``pg_timeout`` (default ``timeout``) is the process
+    group's timeout for every collective.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -65,7 +68,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 6
         port = store.port
     procs = [ctx.Process(target=_worker, daemon=True, name=f"distlab-rank{r}",
                          args=(r, world_size, port, fn, args, kwargs, envs[r] if envs else None, results,
-                               timeout, backend, threads))
+                               timeout, backend, threads, pg_timeout or timeout))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -1,0 +1,56 @@
+"""Direct all-reduce: one all-to-all reduce-scatter round and one all-to-all all-gather round.
+
+Rank ``r`` owns chunk ``r``. Every rank sends each chunk straight to its owner, the owner reduces
+the ``n`` copies (in rank order) and sends the result straight back to everyone. Two rounds,
+``2(n-1)/n * S`` bytes per rank like the ring, but ``n-1`` messages in flight per round (some
+course material calls this one "butterfly") and ``(n-1)/n * S`` of receive buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distlab.comm.ops import combine
+from distlab.comm.p2p import irecv, isend, wait_all
+
+
+def reduce_scatter_chunks(chunks: list[torch.Tensor], op: str, group, rank: int, n: int) -> None:
+    mine = chunks[rank]
+    incoming = {j: torch.empty_like(mine) for j in range(n) if j != rank}
+    works = [irecv(incoming[j], j, group) for j in incoming]
+    works += [isend(chunks[j], j, group) for j in range(n) if j != rank]
+    wait_all(works)
+    for j in sorted(incoming):
+        combine(op, mine, incoming[j])
+
+
+def all_gather_chunks(chunks: list[torch.Tensor], group, rank: int, n: int) -> None:
+    works = [irecv(chunks[j], j, group) for j in range(n) if j != rank]
+    works += [isend(chunks[rank], j, group) for j in range(n) if j != rank]
+    wait_all(works)
+
+
+def all_reduce(buf: torch.Tensor, op: str, group, rank: int, n: int) -> None:
+    chunks = list(torch.tensor_split(buf, n))
+    reduce_scatter_chunks(chunks, op, group, rank, n)
+    all_gather_chunks(chunks, group, rank, n)
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: str, group, rank: int, n: int) -> None:
+    chunks = list(inp.clone().chunk(n)) if inp.numel() else [inp] * n
+    reduce_scatter_chunks(chunks, op, group, rank, n)
+    out.copy_(chunks[rank])
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group, rank: int, n: int) -> None:
+    chunks = list(out.chunk(n)) if out.numel() else [out] * n
+    chunks[rank].copy_(inp)
+    all_gather_chunks(chunks, group, rank, n)
+
+
+def broadcast(buf: torch.Tensor, src: int, group, rank: int, n: int) -> None:
+    """The root sends the whole buffer to every other rank."""
+    if rank == src:
+        wait_all([isend(buf, j, group) for j in range(n) if j != src])
+    else:
+        wait_all([irecv(buf, src, group)])

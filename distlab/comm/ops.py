@@ -1,0 +1,47 @@
+"""Reduction operations: how two buffers combine, and torch's ``ReduceOp`` for each.
+
+``avg`` is a sum followed by one division by the group size; on integer tensors it is refused
+(an integer mean would need a rounding rule; use ``sum`` and divide as you see fit).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from distlab.errors import ConfigError
+
+OPS = ("sum", "avg", "max", "min", "product")
+
+_COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {
+    "sum": lambda acc, x: acc.add_(x),
+    "avg": lambda acc, x: acc.add_(x),
+    "product": lambda acc, x: acc.mul_(x),
+    "max": lambda acc, x: torch.maximum(acc, x, out=acc),
+    "min": lambda acc, x: torch.minimum(acc, x, out=acc),
+}
+
+NATIVE = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "product": dist.ReduceOp.PRODUCT,
+          "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def check_op(op: str, dtype: torch.dtype) -> str:
+    if op not in OPS:
+        raise ConfigError(f"unknown reduction op {op!r}; choose one of: {', '.join(OPS)}")
+    if op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+        raise ConfigError(f"op 'avg' on {dtype} is not defined (integer division would round); use op 'sum' "
+                          f"and divide, or reduce a floating-point tensor")
+    return op
+
+
+def combine(op: str, acc: torch.Tensor, x: torch.Tensor) -> None:
+    """``acc = acc (op) x`` in place."""
+    _COMBINE[op](acc, x)
+
+
+def finish(op: str, t: torch.Tensor, world_size: int) -> None:
+    """After the reduction: ``avg`` divides by the group size."""
+    if op == "avg" and world_size > 1:
+        t.div_(world_size)

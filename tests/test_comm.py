@@ -1,0 +1,184 @@
+"""distlab.comm against references built from every rank's input.
+
+Inputs are generated from (seed, rank) so each rank can rebuild all ranks' inputs and compare
+its result locally with a float64 reference. Tolerance for sum/avg: any summation order of n
+terms is within (n-1) * eps * sum|x_i| of the exact sum (eps of the dtype), so we allow
+(n+1) * eps * sum|x_i| (+1 eps for avg's division); product likewise relative to |product|;
+max/min and integer results must be exact.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distlab import comm
+from distlab.errors import ConfigError
+from distlab.testing import RankFailure, run_ranks
+
+ALGOS = ["native", "ring", "butterfly", "direct", "gather_scatter"]
+SIZES = [0, 1, 7, 1000, 1001]
+FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+INTS = [torch.int32, torch.int64]
+
+
+def _input(rank, numel, dtype, op, seed=0):
+    g = torch.Generator().manual_seed(seed * 7919 + rank * 104729 + numel)
+    if dtype.is_floating_point:
+        x = torch.rand(numel, generator=g, dtype=torch.float64)
+        x = 0.5 + x if op == "product" else 2 * x - 1
+    else:
+        x = torch.randint(-3, 4, (numel,), generator=g, dtype=torch.int64)
+    return x.to(dtype)
+
+
+def _reference(inputs, op):
+    xs = torch.stack([x.double() for x in inputs])
+    if op in ("sum", "avg"):
+        ref = xs.sum(0) / (len(inputs) if op == "avg" else 1)
+        scale = xs.abs().sum(0) / (len(inputs) if op == "avg" else 1)
+    elif op == "product":
+        ref = xs.prod(0)
+        scale = ref.abs() * len(inputs)
+    else:
+        ref = xs.max(0).values if op == "max" else xs.min(0).values
+        scale = torch.zeros_like(ref)
+    return ref, scale
+
+
+def _close(got, inputs, op):
+    ref, scale = _reference(inputs, op)
+    dtype = inputs[0].dtype
+    if not dtype.is_floating_point:
+        return torch.equal(got.double(), ref)
+    eps = torch.finfo(dtype).eps
+    bound = (len(inputs) + 2) * eps * scale + eps * ref.abs()
+    return bool(((got.double() - ref).abs() <= bound).all())
+
+
+def _grid(rank, world):
+    failures = []
+    for algo in ALGOS:
+        for dtype in FLOATS + INTS:
+            ops = ["sum", "avg", "max", "min", "product"] if dtype.is_floating_point else ["sum", "max", "min", "product"]
+            for op in ops:
+                for numel in SIZES:
+                    inputs = [_input(r, numel, dtype, op) for r in range(world)]
+                    t = inputs[rank].clone()
+                    comm.all_reduce(t, op=op, algorithm=algo)
+                    if t.dtype != dtype or t.shape != (numel,) or not _close(t, inputs, op):
+                        failures.append(f"all_reduce {algo} {op} {dtype} n={numel}")
+            # reduce-scatter and all-gather: k elements per rank, including k = 0
+            for k in (0, 1, 250):
+                inputs = [_input(r, world * k, dtype, "sum", seed=1) for r in range(world)]
+                out = torch.empty(k, dtype=dtype)
+                comm.reduce_scatter(out, inputs[rank].clone(), op="sum", algorithm=algo)
+                full, _ = _reference(inputs, "sum")
+                if not _close(out, [x[rank * k:(rank + 1) * k] for x in inputs], "sum"):
+                    failures.append(f"reduce_scatter {algo} {dtype} k={k}")
+                mine = _input(rank, k, dtype, "sum", seed=2)
+                gathered = torch.empty(world * k, dtype=dtype)
+                comm.all_gather(gathered, mine, algorithm=algo)
+                expect = torch.cat([_input(r, k, dtype, "sum", seed=2) for r in range(world)])
+                if not torch.equal(gathered, expect):
+                    failures.append(f"all_gather {algo} {dtype} k={k}")
+            for src in {0, world - 1}:
+                b = _input(rank, 1001, dtype, "sum", seed=3)
+                comm.broadcast(b, src=src, algorithm=algo)
+                if not torch.equal(b, _input(src, 1001, dtype, "sum", seed=3)):
+                    failures.append(f"broadcast {algo} {dtype} src={src}")
+    # non-contiguous input (a transposed view): reduced in place, layout kept
+    for algo in ALGOS:
+        base = [_input(r, 2 * 301, torch.float32, "sum").view(2, 301) for r in range(world)]
+        t = base[rank].clone().t()  # (301, 2), not contiguous
+        comm.all_reduce(t, algorithm=algo)
+        if t.is_contiguous() or not _close(t.t().reshape(-1), [b.reshape(-1) for b in base], "sum"):
+            failures.append(f"non-contiguous {algo}")
+    return failures
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
+def test_every_algorithm_op_size_and_dtype_matches_the_reference(world):
+    results = run_ranks(_grid, world, timeout=600)
+    failures = sorted({f for r in results for f in r})
+    assert not failures, f"{len(failures)} cases wrong, e.g. {failures[:10]}"
+
+
+def _subgroups(rank, world):
+    evens, odds = dist.new_group([0, 2]), dist.new_group([1, 3])
+    group = evens if rank % 2 == 0 else odds
+    members = [0, 2] if rank % 2 == 0 else [1, 3]
+    out = {}
+    for algo in ALGOS:
+        t = _input(rank, 1001, torch.float64, "sum")
+        comm.all_reduce(t, algorithm=algo, group=group)
+        out[algo] = _close(t, [_input(m, 1001, torch.float64, "sum") for m in members], "sum")
+    return out
+
+
+def test_subgroups_reduce_only_their_members():
+    for result in run_ranks(_subgroups, 4, timeout=120):
+        assert all(result.values()), result
+
+
+def _bytes(rank, world, numel):
+    sent = {}
+    for algo in ALGOS:
+        with comm.counting() as c:
+            comm.all_reduce(torch.ones(numel), algorithm=algo)
+        sent[algo] = (c.bytes_sent, c.calls)
+    return sent
+
+
+@pytest.mark.parametrize("world", [4, 5])
+def test_bytes_sent_match_the_textbook_volumes(world):
+    numel = 1000  # divisible by 4 and 5, so every chunk is the same size
+    S = 4 * numel
+    results = run_ranks(_bytes, world, numel, timeout=120)
+    for rank, sent in enumerate(results):
+        assert all(calls == 1 for _, calls in sent.values())
+        assert sent["ring"][0] == sent["direct"][0] == 2 * (world - 1) * S // world
+        assert sent["native"][0] == 2 * (world - 1) * S // world  # analytic
+        assert sent["gather_scatter"][0] == ((world - 1) * S if rank == 0 else S)
+        if world == 4:
+            assert sent["butterfly"][0] == 2 * 3 * S // 4
+        else:  # p = 4, rem = 1: rank 0 folds into rank 1 (S), rank 1 unfolds back (S more)
+            expected = {0: S, 1: 2 * 3 * S // 4 + S}.get(rank, 2 * 3 * S // 4)
+            assert sent["butterfly"][0] == expected
+
+
+def _peer_dies(rank, world, algo):
+    if rank == world - 1:
+        os._exit(3)
+    t = torch.ones(10_000)
+    comm.all_reduce(t, algorithm=algo)
+    return "no error"
+
+
+@pytest.mark.parametrize("algo", ["ring", "butterfly", "direct", "gather_scatter", "native"])
+def test_a_killed_peer_makes_the_others_raise_within_the_timeout(algo):
+    with pytest.raises(RankFailure) as err:
+        run_ranks(_peer_dies, 3, algo, timeout=90, pg_timeout=5)
+    text = str(err.value)
+    assert "still running" not in text  # no hang: every survivor raised
+    assert "rank 0 failed" in text and "rank 1 failed" in text and "exited with code 3" in text
+
+
+def _mismatched(rank, world):
+    comm.all_reduce(torch.ones(1000 + rank), algorithm="ring")
+
+
+def test_different_sizes_on_different_ranks_raise_rather_than_hang():
+    with pytest.raises(RankFailure) as err:
+        run_ranks(_mismatched, 2, timeout=90, pg_timeout=5)
+    assert "still running" not in str(err.value)
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(ConfigError, match="unknown collective algorithm 'tree'"):
+        comm.all_reduce(torch.ones(3), algorithm="tree")
+    with pytest.raises(ConfigError, match="unknown reduction op 'mean'"):
+        comm.all_reduce(torch.ones(3), op="mean")
+    with pytest.raises(ConfigError, match="op 'avg' on torch.int64"):
+        comm.all_reduce(torch.ones(3, dtype=torch.int64), op="avg")
