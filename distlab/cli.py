@@ -193,6 +193,54 @@ def demo_sampler(**kw):
     _run_distributed(kw, functools.partial(sampler_demo, **opts))
 
 
+# --------------------------------------------------------------------------- bench
+
+
+@cli.group()
+def bench():
+    """Measure: every command writes DIR/SUITE.json and prints a table."""
+
+
+def _float_list(value: str) -> list[int]:
+    try:
+        return [int(float(v)) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"expected comma-separated numbers, got {value!r}") from None
+
+
+@bench.command("collectives")
+@click.option("--world", default="1,2,4,8,16,32", show_default=True, help="World sizes (processes).")
+@click.option("--sizes", default="1e3,1e4,1e5,1e6", show_default=True, help="Elements per tensor.")
+@click.option("--algorithms", default="native,ring,butterfly,direct,gather_scatter", show_default=True)
+@click.option("--ops", default="sum", show_default=True, help="sum, avg, max, min, product.")
+@click.option("--dtypes", default="float32", show_default=True, help="float32, float64, float16, bfloat16.")
+@click.option("--warmup", type=int, default=3, show_default=True)
+@click.option("--repeats", type=int, default=20, show_default=True)
+@click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/collectives.json.")
+@click.option("--plot", "plot_dir", default=None, help="Also write time and busbw PNGs here.")
+def bench_collectives(world, sizes, algorithms, ops, dtypes, warmup, repeats, out, plot_dir):
+    """All-reduce algorithms vs torch's native one: time, bandwidth, accuracy, bytes, memory."""
+    from distlab.bench import collectives
+    from distlab.comm.ops import OPS
+    worlds = _float_list(world)
+    if not worlds or min(worlds) < 1 or repeats < 1 or warmup < 0:
+        raise ConfigError("--world needs positive sizes, --repeats at least 1, --warmup at least 0")
+    op_list = [o for o in ops.split(",") if o]
+    for o in op_list:
+        if o not in OPS:
+            raise ConfigError(f"unknown op {o!r}; choose from {', '.join(OPS)}")
+    for d in dtypes.split(","):
+        if d not in collectives.DTYPES:
+            raise ConfigError(f"unknown dtype {d!r}; choose from {', '.join(collectives.DTYPES)}")
+    records = collectives.run(worlds, _float_list(sizes), algorithms.split(","), op_list, dtypes.split(","),
+                              warmup, repeats, out, progress=lambda s: click.echo(s, err=True))
+    click.echo(collectives.table(records))
+    click.echo(f"wrote {out}/collectives.json", err=True)
+    if plot_dir:
+        for path in collectives.plot(records, plot_dir):
+            click.echo(f"wrote {path}", err=True)
+
+
 # --------------------------------------------------------------------------- doctor
 
 

@@ -1,0 +1,207 @@
+"""``distlab bench collectives``: every algorithm against gloo's / NCCL's own, in one run.
+
+For each world size, ``n`` real processes (one torch thread each) run every algorithm x op x size:
+``warmup`` untimed calls, then ``repeats`` timed calls, each started together after a barrier and
+timed as the slowest rank's time. Per record: median/min/max time, algorithm bandwidth
+``S / t`` and bus bandwidth ``S / t * 2(n-1)/n`` (NCCL's convention: comparable across ``n``),
+the error against a float64 reduction of every rank's input, bytes sent per rank (counted, or
+analytic for native), and peak RSS. The same run measures the ceiling: raw TCP throughput over
+loopback between two processes, and reports every bus bandwidth as a percentage of it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from distlab import comm
+from distlab.testing import run_ranks
+from distlab.train.metrics import atomic_write_text, peak_rss_mb
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+          "bfloat16": torch.bfloat16}
+
+
+# --------------------------------------------------------------------------- the ceiling
+
+
+def _tcp_sink(port_q, nbytes: int, rounds: int) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        port_q.put(srv.getsockname()[1])
+        conn, _ = srv.accept()
+        with conn:
+            buf = bytearray(1 << 20)
+            view = memoryview(buf)
+            left = nbytes * rounds
+            while left > 0:
+                got = conn.recv_into(view[: min(len(buf), left)])
+                if not got:
+                    break
+                left -= got
+            conn.sendall(b"k")
+
+
+def tcp_loopback_gbps(nbytes: int = 4_000_000, rounds: int = 50) -> float:
+    """One-way TCP throughput between two processes on 127.0.0.1, in GB/s (best of 3)."""
+    ctx = mp.get_context("spawn")
+    best = 0.0
+    payload = bytes(nbytes)
+    for _ in range(3):
+        q = ctx.Queue()
+        sink = ctx.Process(target=_tcp_sink, args=(q, nbytes, rounds), daemon=True)
+        sink.start()
+        with socket.create_connection(("127.0.0.1", q.get(timeout=30))) as s:
+            t0 = time.perf_counter()
+            for _ in range(rounds):
+                s.sendall(payload)
+            s.recv(1)
+            best = max(best, nbytes * rounds / (time.perf_counter() - t0) / 1e9)
+        sink.join(timeout=10)
+    return best
+
+
+# --------------------------------------------------------------------------- one world size
+
+
+def _inputs(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + 17)
+    return (2 * torch.rand(numel, generator=g, dtype=torch.float64) - 1).to(dtype)
+
+
+def _reference(world: int, numel: int, dtype: torch.dtype, op: str) -> torch.Tensor:
+    xs = torch.stack([_inputs(r, numel, dtype).double() for r in range(world)])
+    return {"sum": xs.sum(0), "avg": xs.mean(0), "max": xs.max(0).values, "min": xs.min(0).values,
+            "product": xs.prod(0)}[op]
+
+
+def _bench_world(rank: int, world: int, algorithms, ops, sizes, dtypes, warmup: int, repeats: int) -> list[dict]:
+    records = []
+    for dtype_name in dtypes:
+        dtype = DTYPES[dtype_name]
+        for numel in sizes:
+            source = _inputs(rank, numel, dtype)
+            for op in ops:
+                ref = _reference(world, numel, dtype, op) if rank == 0 else None
+                for algo in algorithms:
+                    t = source.clone()
+                    with comm.counting() as counted:
+                        comm.all_reduce(t, op=op, algorithm=algo)
+                    err = torch.zeros(2, dtype=torch.float64)
+                    if rank == 0 and numel:
+                        diff = (t.double() - ref).abs()
+                        err = torch.tensor([diff.max().item(), diff.max().item() / max(ref.abs().max().item(), 1e-300)])
+                    for _ in range(warmup):
+                        t.copy_(source)
+                        comm.all_reduce(t, op=op, algorithm=algo)
+                    times = []
+                    for _ in range(repeats):
+                        t.copy_(source)
+                        dist.barrier()
+                        t0 = time.perf_counter()
+                        comm.all_reduce(t, op=op, algorithm=algo)
+                        times.append(time.perf_counter() - t0)
+                    # A collective is done when its slowest rank is: max over ranks, per repeat.
+                    slowest = torch.tensor(times, dtype=torch.float64)
+                    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                    facts = torch.tensor([counted.bytes_sent, peak_rss_mb()], dtype=torch.float64)
+                    dist.all_reduce(facts, op=dist.ReduceOp.MAX)
+                    if rank == 0:
+                        med = statistics.median(slowest.tolist())
+                        nbytes = numel * source.element_size()
+                        algbw = nbytes / med / 1e9 if med > 0 else 0.0
+                        records.append({
+                            "algorithm": algo, "op": op, "world_size": world, "numel": numel, "dtype": dtype_name,
+                            "time_s_median": med, "time_s_min": min(slowest.tolist()),
+                            "time_s_max": max(slowest.tolist()), "repeats": repeats,
+                            "algbw_gbps": algbw, "busbw_gbps": algbw * (2 * (world - 1) / world if world > 1 else 0),
+                            "max_abs_err": err[0].item(), "rel_err": err[1].item(),
+                            "bytes_sent_per_rank": int(facts[0].item()), "bytes_analytic": counted.analytic,
+                            "peak_rss_mb": facts[1].item(),
+                        })
+    return records
+
+
+def run(worlds, sizes, algorithms, ops=("sum",), dtypes=("float32",), warmup: int = 3, repeats: int = 20,
+        out: str | Path | None = None, progress=print) -> list[dict]:
+    """Run the suite; write ``out/collectives.json``; return the records."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    ceiling = tcp_loopback_gbps()
+    progress(f"ceiling: raw TCP over loopback, one way, 2 processes: {ceiling:.2f} GB/s")
+    algorithms = [comm.check_algorithm(a) for a in algorithms]
+    records = []
+    for world in worlds:
+        progress(f"world size {world}: {len(algorithms)} algorithms x {len(ops)} ops x {len(sizes)} sizes ...")
+        per_rank = run_ranks(_bench_world, world, algorithms, list(ops), list(sizes), list(dtypes), warmup, repeats,
+                             timeout=3600, threads=1)
+        for r in per_rank[0]:
+            r.update({"tcp_loopback_gbps": ceiling,
+                      "busbw_pct_of_tcp": 100 * r["busbw_gbps"] / ceiling if ceiling else None,
+                      "ranks": world, "cores": cores, "threads_per_rank": 1,
+                      "oversubscribed": world > cores, "torch_version": torch.__version__,
+                      "backend": "gloo", "host": platform.node(),
+                      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+        records += per_rank[0]
+    if out:
+        atomic_write_text(Path(out) / "collectives.json", json.dumps(records, indent=1) + "\n")
+    return records
+
+
+def table(records: list[dict]) -> str:
+    """A compact text table: time, bus bandwidth and its share of the TCP ceiling, error, bytes."""
+    head = f"{'world':>5} {'numel':>9} {'algorithm':<15} {'op':<7} {'median ms':>10} {'busbw GB/s':>10} " \
+           f"{'% tcp':>6} {'vs native':>9} {'max err':>9} {'bytes/rank':>11}"
+    rows = [head]
+    native = {(r["world_size"], r["numel"], r["op"], r["dtype"]): r["time_s_median"] for r in records
+              if r["algorithm"] == "native"}
+    for r in records:
+        base = native.get((r["world_size"], r["numel"], r["op"], r["dtype"]))
+        ratio = f"{r['time_s_median'] / base:.2f}x" if base else "-"
+        pct = f"{r['busbw_pct_of_tcp']:.0f}" if r.get("busbw_pct_of_tcp") is not None else "-"
+        rows.append(f"{r['world_size']:>5} {r['numel']:>9} {r['algorithm']:<15} {r['op']:<7} "
+                    f"{1000 * r['time_s_median']:>10.3f} {r['busbw_gbps']:>10.3f} {pct:>6} {ratio:>9} "
+                    f"{r['max_abs_err']:>9.1e} {r['bytes_sent_per_rank']:>11,}")
+    return "\n".join(rows)
+
+
+def plot(records: list[dict], directory: str | Path) -> list[Path]:
+    """Time-vs-size and busbw-vs-size PNGs, one pair per world size."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for world in sorted({r["world_size"] for r in records}):
+        for key, label, fname in (("time_s_median", "median time (s)", "time"),
+                                  ("busbw_gbps", "bus bandwidth (GB/s)", "busbw")):
+            fig, ax = plt.subplots(figsize=(6, 4))
+            for algo in dict.fromkeys(r["algorithm"] for r in records):
+                pts = sorted((r["numel"], r[key]) for r in records
+                             if r["world_size"] == world and r["algorithm"] == algo and r["op"] == records[0]["op"]
+                             and r["numel"] > 0)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=algo)
+            ax.set_xscale("log")
+            ax.set_yscale("log" if key == "time_s_median" else "linear")
+            ax.set_xlabel("elements (float32)")
+            ax.set_ylabel(label)
+            ax.set_title(f"all-reduce, world size {world}")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend()
+            path = directory / f"collectives_{fname}_w{world}.png"
+            fig.tight_layout()
+            fig.savefig(path, dpi=100)
+            plt.close(fig)
+            written.append(path)
+    return written

@@ -1,0 +1,30 @@
+"""distlab bench collectives through the real CLI: JSON contract, accuracy and byte fields."""
+
+import json
+
+RECORD_FIELDS = {"algorithm", "op", "world_size", "numel", "dtype", "time_s_median", "time_s_min", "time_s_max",
+                 "algbw_gbps", "busbw_gbps", "max_abs_err", "rel_err", "peak_rss_mb", "bytes_sent_per_rank",
+                 "tcp_loopback_gbps", "busbw_pct_of_tcp", "threads_per_rank", "cores"}
+
+
+def test_bench_collectives_writes_the_contract(run_cli, tmp_path):
+    out, plots = tmp_path / "bench", tmp_path / "plots"
+    proc = run_cli("bench", "collectives", "--world", "1,3", "--sizes", "10,1e3", "--repeats", "3", "--warmup", "1",
+                   "--out", str(out), "--plot", str(plots), timeout=300, check=True)
+    records = json.loads((out / "collectives.json").read_text())
+    assert len(records) == 2 * 2 * 5  # worlds x sizes x algorithms
+    for r in records:
+        assert RECORD_FIELDS <= r.keys()
+        assert r["time_s_min"] <= r["time_s_median"] <= r["time_s_max"]
+        assert r["rel_err"] <= 1e-6 and r["tcp_loopback_gbps"] > 0
+    by = {(r["world_size"], r["numel"], r["algorithm"]): r for r in records}
+    assert by[(1, 1000, "ring")]["bytes_sent_per_rank"] == 0
+    # world 3, 1000 float32 = 4000 bytes: ring sends about 2(n-1)/n * S (chunks of 334, 333, 333)
+    assert abs(by[(3, 1000, "ring")]["bytes_sent_per_rank"] - 2 * 2 * 4000 / 3) <= 8
+    assert by[(3, 1000, "gather_scatter")]["bytes_sent_per_rank"] == 2 * 4000  # rank 0: (n-1) * S
+    assert "busbw GB/s" in proc.stdout and (plots / "collectives_busbw_w3.png").stat().st_size > 1000
+
+
+def test_bench_rejects_bad_flags(run_cli):
+    proc = run_cli("bench", "collectives", "--ops", "mean")
+    assert proc.returncode == 2 and "unknown op 'mean'" in proc.stderr
