@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from distlab.comm import chunked
 from distlab.comm.ops import combine
 from distlab.comm.p2p import exchange, irecv, isend, wait_all
 
@@ -34,22 +35,7 @@ def all_gather_chunks(chunks: list[torch.Tensor], group, rank: int, n: int) -> N
         exchange(chunks[(rank - s) % n], right, chunks[(rank - s - 1) % n], left, group)
 
 
-def all_reduce(buf: torch.Tensor, op: str, group, rank: int, n: int) -> None:
-    chunks = list(torch.tensor_split(buf, n))
-    reduce_scatter_chunks(chunks, op, group, rank, n)
-    all_gather_chunks(chunks, group, rank, n)
-
-
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: str, group, rank: int, n: int) -> None:
-    chunks = list(inp.clone().chunk(n)) if inp.numel() else [inp] * n
-    reduce_scatter_chunks(chunks, op, group, rank, n)
-    out.copy_(chunks[rank])
-
-
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group, rank: int, n: int) -> None:
-    chunks = list(out.chunk(n)) if out.numel() else [out] * n
-    chunks[rank].copy_(inp)
-    all_gather_chunks(chunks, group, rank, n)
+all_reduce, reduce_scatter, all_gather = chunked.build(reduce_scatter_chunks, all_gather_chunks)
 
 
 def broadcast(buf: torch.Tensor, src: int, group, rank: int, n: int) -> None:
