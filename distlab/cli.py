@@ -215,16 +215,18 @@ def _float_list(value: str) -> list[int]:
 @click.option("--ops", default="sum", show_default=True, help="sum, avg, max, min, product.")
 @click.option("--dtypes", default="float32", show_default=True, help="float32, float64, float16, bfloat16.")
 @click.option("--warmup", type=int, default=3, show_default=True)
-@click.option("--repeats", type=int, default=20, show_default=True)
+@click.option("--repeats", type=int, default=20, show_default=True, help="Timed calls per run.")
+@click.option("--runs", type=int, default=1, show_default=True,
+              help="Independent runs (fresh processes); times are the median of the runs' medians.")
 @click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/collectives.json.")
 @click.option("--plot", "plot_dir", default=None, help="Also write time and busbw PNGs here.")
-def bench_collectives(world, sizes, algorithms, ops, dtypes, warmup, repeats, out, plot_dir):
+def bench_collectives(world, sizes, algorithms, ops, dtypes, warmup, repeats, runs, out, plot_dir):
     """All-reduce algorithms vs torch's native one: time, bandwidth, accuracy, bytes, memory."""
     from distlab.bench import collectives
     from distlab.comm.ops import OPS
     worlds = _float_list(world)
-    if not worlds or min(worlds) < 1 or repeats < 1 or warmup < 0:
-        raise ConfigError("--world needs positive sizes, --repeats at least 1, --warmup at least 0")
+    if not worlds or min(worlds) < 1 or repeats < 1 or warmup < 0 or runs < 1:
+        raise ConfigError("--world needs positive sizes, --repeats and --runs at least 1, --warmup at least 0")
     op_list = [o for o in ops.split(",") if o]
     for o in op_list:
         if o not in OPS:
@@ -233,8 +235,11 @@ def bench_collectives(world, sizes, algorithms, ops, dtypes, warmup, repeats, ou
         if d not in collectives.DTYPES:
             raise ConfigError(f"unknown dtype {d!r}; choose from {', '.join(collectives.DTYPES)}")
     records = collectives.run(worlds, _float_list(sizes), algorithms.split(","), op_list, dtypes.split(","),
-                              warmup, repeats, out, progress=lambda s: click.echo(s, err=True))
+                              warmup, repeats, out, progress=lambda s: click.echo(s, err=True), runs=runs)
     click.echo(collectives.table(records))
+    for w, numel in collectives.crossovers(records).items():
+        click.echo(f"world {w}: ring faster than butterfly "
+                   + (f"from {numel:,} elements up" if numel else "at no size measured"))
     click.echo(f"wrote {out}/collectives.json", err=True)
     if plot_dir:
         for path in collectives.plot(records, plot_dir):

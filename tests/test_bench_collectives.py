@@ -10,21 +10,38 @@ RECORD_FIELDS = {"algorithm", "op", "world_size", "numel", "dtype", "time_s_medi
 def test_bench_collectives_writes_the_contract(run_cli, tmp_path):
     out, plots = tmp_path / "bench", tmp_path / "plots"
     proc = run_cli("bench", "collectives", "--world", "1,3", "--sizes", "10,1e3", "--repeats", "3", "--warmup", "1",
-                   "--out", str(out), "--plot", str(plots), timeout=300, check=True)
+                   "--runs", "2", "--out", str(out), "--plot", str(plots), timeout=300, check=True)
     records = json.loads((out / "collectives.json").read_text())
     assert len(records) == 2 * 2 * 5  # worlds x sizes x algorithms
     for r in records:
         assert RECORD_FIELDS <= r.keys()
         assert r["time_s_min"] <= r["time_s_median"] <= r["time_s_max"]
+        assert r["runs"] == 2 and len(r["time_s_median_per_run"]) == 2  # median of the two runs' medians
+        assert min(r["time_s_median_per_run"]) <= r["time_s_median"] <= max(r["time_s_median_per_run"])
         assert r["rel_err"] <= 1e-6 and r["tcp_loopback_gbps"] > 0
     by = {(r["world_size"], r["numel"], r["algorithm"]): r for r in records}
     assert by[(1, 1000, "ring")]["bytes_sent_per_rank"] == 0
     # world 3, 1000 float32 = 4000 bytes: ring sends about 2(n-1)/n * S (chunks of 334, 333, 333)
     assert abs(by[(3, 1000, "ring")]["bytes_sent_per_rank"] - 2 * 2 * 4000 / 3) <= 8
     assert by[(3, 1000, "gather_scatter")]["bytes_sent_per_rank"] == 2 * 4000  # rank 0: (n-1) * S
+    assert "world 3: ring faster than butterfly" in proc.stdout
     assert "busbw GB/s" in proc.stdout and (plots / "collectives_busbw_w3.png").stat().st_size > 1000
 
 
 def test_bench_rejects_bad_flags(run_cli):
     proc = run_cli("bench", "collectives", "--ops", "mean")
     assert proc.returncode == 2 and "unknown op 'mean'" in proc.stderr
+
+
+def test_crossover_is_the_size_from_which_ring_stays_faster():
+    from distlab.bench.collectives import crossovers
+
+    def rec(algo, numel, t, world=4):
+        return {"algorithm": algo, "numel": numel, "time_s_median": t, "world_size": world, "op": "sum",
+                "dtype": "float32"}
+    records = [rec("butterfly", 1000, 1.0), rec("ring", 1000, 2.0), rec("butterfly", 10**4, 2.0),
+               rec("ring", 10**4, 1.5), rec("butterfly", 10**5, 2.0), rec("ring", 10**5, 2.5),
+               rec("butterfly", 10**6, 9.0), rec("ring", 10**6, 5.0),
+               rec("butterfly", 1000, 1.0, world=2), rec("ring", 1000, 3.0, world=2)]
+    # at 1e4 ring is faster but loses again at 1e5: the crossover is 1e6; world 2 never crosses
+    assert crossovers(records) == {2: None, 4: 10**6}

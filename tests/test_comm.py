@@ -182,3 +182,38 @@ def test_bad_arguments_are_clear_errors():
         comm.all_reduce(torch.ones(3), op="mean")
     with pytest.raises(ConfigError, match="op 'avg' on torch.int64"):
         comm.all_reduce(torch.ones(3, dtype=torch.int64), op="avg")
+
+
+def _segmented(rank, world):
+    """The ring's streamed pipeline with many segments per chunk and a small receive window, so
+    segment bookkeeping, scratch-slot reuse and the early all-gather receives are all exercised."""
+    from distlab.comm import p2p, ring
+    ring.SEGMENT_BYTES, ring.WINDOW = 12, 2  # 3 float32 / 1 float64 element(s) per segment
+    failures = []
+    for dtype in (torch.float32, torch.int64):
+        for op in ("sum", "max"):
+            for numel in (7, 1001):
+                inputs = [_input(r, numel, dtype, op) for r in range(world)]
+                t = inputs[rank].clone()
+                comm.all_reduce(t, op=op, algorithm="ring")
+                if not _close(t, inputs, op):
+                    failures.append(f"all_reduce {op} {dtype} n={numel}")
+        k = 250
+        inputs = [_input(r, world * k, dtype, "sum", seed=1) for r in range(world)]
+        out = torch.empty(k, dtype=dtype)
+        comm.reduce_scatter(out, inputs[rank].clone(), algorithm="ring")
+        if not _close(out, [x[rank * k:(rank + 1) * k] for x in inputs], "sum"):
+            failures.append(f"reduce_scatter {dtype}")
+        gathered = torch.empty(world * k, dtype=dtype)
+        comm.all_gather(gathered, _input(rank, k, dtype, "sum", seed=2), algorithm="ring")
+        if not torch.equal(gathered, torch.cat([_input(r, k, dtype, "sum", seed=2) for r in range(world)])):
+            failures.append(f"all_gather {dtype}")
+    return failures, p2p._partner(None) is not None
+
+
+@pytest.mark.parametrize("world,duplex", [(2, "1"), (3, "1"), (4, "1"), (2, "0")])
+def test_ring_pipeline_with_many_segments_and_both_channel_layouts(world, duplex):
+    results = run_ranks(_segmented, world, timeout=300, envs=[{"DISTLAB_P2P_DUPLEX": duplex}] * world)
+    failures = sorted({f for r, _ in results for f in r})
+    assert not failures, failures
+    assert all(has_partner == (duplex == "1") for _, has_partner in results)

@@ -1,8 +1,9 @@
 """``distlab bench collectives``: every algorithm against gloo's / NCCL's own, in one run.
 
 For each world size, ``n`` real processes (one torch thread each) run every algorithm x op x size:
-``warmup`` untimed calls, then ``repeats`` timed calls, each started together after a barrier and
-timed as the slowest rank's time. Per record: median/min/max time, algorithm bandwidth
+one checked call and ``warmup`` untimed calls each, then ``repeats`` rounds in which every
+algorithm runs once (interleaved, so noise on a shared machine hits all alike), each call started
+together after a barrier and timed as the slowest rank's time. Per record: median/min/max time, algorithm bandwidth
 ``S / t`` and bus bandwidth ``S / t * 2(n-1)/n`` (NCCL's convention: comparable across ``n``),
 the error against a float64 reduction of every rank's input, bytes sent per rank (counted, or
 analytic for native), and peak RSS. The same run measures the ceiling: raw TCP throughput over
@@ -92,26 +93,34 @@ def _bench_world(rank: int, world: int, algorithms, ops, sizes, dtypes, warmup: 
             source = _inputs(rank, numel, dtype)
             for op in ops:
                 ref = _reference(world, numel, dtype, op) if rank == 0 else None
-                for algo in algorithms:
-                    t = source.clone()
+                t = source.clone()
+                checked = {}
+                for algo in algorithms:  # one checked call each (error, bytes), then the warm-up
+                    t.copy_(source)
                     with comm.counting() as counted:
                         comm.all_reduce(t, op=op, algorithm=algo)
                     err = torch.zeros(2, dtype=torch.float64)
                     if rank == 0 and numel:
                         diff = (t.double() - ref).abs()
                         err = torch.tensor([diff.max().item(), diff.max().item() / max(ref.abs().max().item(), 1e-300)])
+                    checked[algo] = (err, counted)
                     for _ in range(warmup):
                         t.copy_(source)
                         comm.all_reduce(t, op=op, algorithm=algo)
-                    times = []
-                    for _ in range(repeats):
+                # Interleaved: every repeat runs each algorithm once, so a slow spell on a shared
+                # machine hits all of them alike instead of whichever happened to be running.
+                times: dict[str, list[float]] = {algo: [] for algo in algorithms}
+                for _ in range(repeats):
+                    for algo in algorithms:
                         t.copy_(source)
                         dist.barrier()
                         t0 = time.perf_counter()
                         comm.all_reduce(t, op=op, algorithm=algo)
-                        times.append(time.perf_counter() - t0)
+                        times[algo].append(time.perf_counter() - t0)
+                for algo in algorithms:
+                    err, counted = checked[algo]
                     # A collective is done when its slowest rank is: max over ranks, per repeat.
-                    slowest = torch.tensor(times, dtype=torch.float64)
+                    slowest = torch.tensor(times[algo], dtype=torch.float64)
                     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
                     facts = torch.tensor([counted.bytes_sent, peak_rss_mb()], dtype=torch.float64)
                     dist.all_reduce(facts, op=dist.ReduceOp.MAX)
@@ -131,26 +140,51 @@ def _bench_world(rank: int, world: int, algorithms, ops, sizes, dtypes, warmup: 
     return records
 
 
+def _merge_runs(runs: list[list[dict]]) -> list[dict]:
+    """Records of independent runs (same order) -> one record each: the median of the runs'
+    medians (min of mins, max of maxes), bandwidths from that median, the worst error and RSS."""
+    merged = []
+    for same in zip(*runs):
+        r = dict(same[0])
+        per_run = [x["time_s_median"] for x in same]
+        med = statistics.median(per_run)
+        nbytes = r["algbw_gbps"] * r["time_s_median"] * 1e9
+        algbw = nbytes / med / 1e9 if med > 0 else 0.0
+        world = r["world_size"]
+        r.update({"time_s_median": med, "time_s_median_per_run": per_run, "runs": len(same),
+                  "time_s_min": min(x["time_s_min"] for x in same), "time_s_max": max(x["time_s_max"] for x in same),
+                  "algbw_gbps": algbw, "busbw_gbps": algbw * (2 * (world - 1) / world if world > 1 else 0),
+                  "max_abs_err": max(x["max_abs_err"] for x in same), "rel_err": max(x["rel_err"] for x in same),
+                  "peak_rss_mb": max(x["peak_rss_mb"] for x in same)})
+        merged.append(r)
+    return merged
+
+
 def run(worlds, sizes, algorithms, ops=("sum",), dtypes=("float32",), warmup: int = 3, repeats: int = 20,
-        out: str | Path | None = None, progress=print) -> list[dict]:
-    """Run the suite; write ``out/collectives.json``; return the records."""
+        out: str | Path | None = None, progress=print, runs: int = 1) -> list[dict]:
+    """Run the suite ``runs`` times (fresh processes each) and write ``out/collectives.json``:
+    one record per configuration with the median over runs of each run's median time."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     ceiling = tcp_loopback_gbps()
     progress(f"ceiling: raw TCP over loopback, one way, 2 processes: {ceiling:.2f} GB/s")
     algorithms = [comm.check_algorithm(a) for a in algorithms]
     records = []
     for world in worlds:
-        progress(f"world size {world}: {len(algorithms)} algorithms x {len(ops)} ops x {len(sizes)} sizes ...")
-        per_rank = run_ranks(_bench_world, world, algorithms, list(ops), list(sizes), list(dtypes), warmup, repeats,
-                             timeout=3600, threads=1)
-        for r in per_rank[0]:
+        results = []
+        for i in range(runs):
+            progress(f"world size {world}: {len(algorithms)} algorithms x {len(ops)} ops x {len(sizes)} sizes"
+                     + (f", run {i + 1} of {runs}" if runs > 1 else "") + " ...")
+            results.append(run_ranks(_bench_world, world, algorithms, list(ops), list(sizes), list(dtypes), warmup,
+                                     repeats, timeout=3600, threads=1)[0])
+        merged = _merge_runs(results)
+        for r in merged:
             r.update({"tcp_loopback_gbps": ceiling,
                       "busbw_pct_of_tcp": 100 * r["busbw_gbps"] / ceiling if ceiling else None,
                       "ranks": world, "cores": cores, "threads_per_rank": 1,
                       "oversubscribed": world > cores, "torch_version": torch.__version__,
                       "backend": "gloo", "host": platform.node(),
                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
-        records += per_rank[0]
+        records += merged
     if out:
         atomic_write_text(Path(out) / "collectives.json", json.dumps(records, indent=1) + "\n")
     return records
@@ -171,6 +205,24 @@ def table(records: list[dict]) -> str:
                     f"{1000 * r['time_s_median']:>10.3f} {r['busbw_gbps']:>10.3f} {pct:>6} {ratio:>9} "
                     f"{r['max_abs_err']:>9.1e} {r['bytes_sent_per_rank']:>11,}")
     return "\n".join(rows)
+
+
+def crossovers(records: list[dict], latency: str = "butterfly", bandwidth: str = "ring") -> dict[int, int | None]:
+    """Per world size: the smallest measured size from which ``bandwidth`` is faster than
+    ``latency`` and stays so for every larger size (None: never, within the sizes measured)."""
+    found = {}
+    for world in sorted({r["world_size"] for r in records if r["world_size"] > 1}):
+        t = {(r["algorithm"], r["numel"]): r["time_s_median"] for r in records
+             if r["world_size"] == world and r["op"] == records[0]["op"] and r["dtype"] == records[0]["dtype"]}
+        sizes = sorted({numel for (_, numel) in t if (latency, numel) in t and (bandwidth, numel) in t and numel})
+        if not sizes:
+            continue
+        found[world] = None
+        for i, numel in enumerate(sizes):
+            if all(t[(bandwidth, s)] < t[(latency, s)] for s in sizes[i:]):
+                found[world] = numel
+                break
+    return found
 
 
 def plot(records: list[dict], directory: str | Path) -> list[Path]:

@@ -26,7 +26,7 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
-from distlab.comm import accounting, butterfly, direct, gather_scatter, ring
+from distlab.comm import accounting, butterfly, direct, gather_scatter, p2p, ring
 from distlab.comm.accounting import CommStats, counting
 from distlab.comm.ops import NATIVE, OPS, check_op, finish
 from distlab.errors import ConfigError
@@ -68,6 +68,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "native",
         accounting.record_analytic(accounting.allreduce_bytes_per_rank(nbytes, n),
                                    accounting.allreduce_bytes_per_rank(nbytes, n))
     else:
+        p2p.prepare(group)
         ALGORITHMS[algorithm].all_reduce(buf, op, group, rank, n)
     finish(op, buf, n)
     if buf.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
@@ -98,6 +99,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", a
         nbytes = inp.numel() * inp.element_size()
         accounting.record_analytic((n - 1) * nbytes // n, (n - 1) * nbytes // n)
     else:
+        p2p.prepare(group)
         ALGORITHMS[algorithm].reduce_scatter(out, inp, op, group, rank, n)
     finish(op, out, n)
     if out.data_ptr() != output.data_ptr() or not output.is_contiguous():
@@ -123,6 +125,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, algorithm: str = "nati
         nbytes = out.numel() * out.element_size()
         accounting.record_analytic((n - 1) * nbytes // n, (n - 1) * nbytes // n)
     else:
+        p2p.prepare(group)
         ALGORITHMS[algorithm].all_gather(out, inp, group, rank, n)
     if out.data_ptr() != output.data_ptr() or not output.is_contiguous():
         output.copy_(out.view_as(output))
@@ -145,6 +148,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, algorithm: str = "native",
         nbytes = buf.numel() * buf.element_size()
         accounting.record_analytic(nbytes if rank == src else 0, 0 if rank == src else nbytes)
     else:
+        p2p.prepare(group)
         ALGORITHMS[algorithm].broadcast(buf, src, group, rank, n)
     if buf.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
         tensor.copy_(buf.view_as(tensor))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from distlab.comm.ops import combine
+from distlab.comm.ops import combine, workspace
 from distlab.comm.p2p import exchange, irecv, isend, wait_all
 
 
@@ -38,7 +38,7 @@ def _halving(buf: torch.Tensor, op: str, group, v: int, p: int, rem: int) -> lis
     """Recursive-halving reduce-scatter among active ranks; returns the segment history (outermost first)."""
     lo, hi = 0, buf.numel()
     history = []
-    scratch = torch.empty(buf.numel() - buf.numel() // 2, dtype=buf.dtype, device=buf.device)
+    scratch = workspace(buf.numel() - buf.numel() // 2, buf)
     d = p // 2
     while d >= 1:
         partner = _real_rank(v ^ d, rem)
@@ -82,7 +82,7 @@ def all_reduce(buf: torch.Tensor, op: str, group, rank: int, n: int) -> None:
         if v < 0:
             wait_all([isend(buf, rank + 1, group)])
         else:
-            tmp = torch.empty_like(buf)
+            tmp = workspace(buf.numel(), buf)
             wait_all([irecv(tmp, rank - 1, group)])
             combine(op, buf, tmp)
     if v >= 0:

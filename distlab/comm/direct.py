@@ -11,13 +11,15 @@ from __future__ import annotations
 import torch
 
 from distlab.comm import chunked
-from distlab.comm.ops import combine
+from distlab.comm.ops import combine, workspace
 from distlab.comm.p2p import irecv, isend, wait_all
 
 
 def reduce_scatter_chunks(chunks: list[torch.Tensor], op: str, group, rank: int, n: int) -> None:
     mine = chunks[rank]
-    incoming = {j: torch.empty_like(mine) for j in range(n) if j != rank}
+    others, k = [j for j in range(n) if j != rank], mine.numel()
+    ws = workspace(len(others) * k, mine)
+    incoming = {j: ws[i * k:(i + 1) * k] for i, j in enumerate(others)}
     works = [irecv(incoming[j], j, group) for j in incoming]
     works += [isend(chunks[j], j, group) for j in range(n) if j != rank]
     wait_all(works)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import torch
@@ -45,3 +46,21 @@ def finish(op: str, t: torch.Tensor, world_size: int) -> None:
     """After the reduction: ``avg`` divides by the group size."""
     if op == "avg" and world_size > 1:
         t.div_(world_size)
+
+
+_WORKSPACE = threading.local()
+
+
+def workspace(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A scratch buffer of ``numel`` elements of ``like``'s dtype and device, reused across calls.
+
+    Allocating fresh scratch per collective cost as much as the copies themselves: large buffers
+    come straight from the OS (mmap), and every page faults and is zeroed on first touch. Kept per
+    thread, so a collective running on another thread never shares one; valid until the next call.
+    """
+    cache = _WORKSPACE.__dict__.setdefault("buffers", {})
+    key = (like.dtype, like.device)
+    buf = cache.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = cache[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buf[:numel]
