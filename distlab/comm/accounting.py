@@ -6,12 +6,14 @@ collectives nothing can be observed, so they add the standard analytic volume of
 bandwidth-optimal algorithm, as NCCL's "bus bandwidth" does: an all-reduce of ``S`` bytes over
 ``n`` ranks sends ``2 (n-1)/n * S`` bytes from each rank.
 
-The counter is per process (like torch's own allocator statistics), never per rank or group.
+The counter is per process (like torch's own allocator statistics), never per rank or group,
+and safe to update from a communication thread (the bucketed data-parallel sync uses one).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -39,6 +41,7 @@ class CommStats:
 
 
 _STATS = CommStats()
+_LOCK = threading.Lock()
 
 
 def stats() -> CommStats:
@@ -49,6 +52,7 @@ def stats() -> CommStats:
 def reset() -> None:
     global _STATS
     _STATS = CommStats()
+_LOCK = threading.Lock()
 
 
 def record_call(name: str) -> None:

@@ -15,7 +15,10 @@ from __future__ import annotations
 import torch
 
 from distlab.comm.ops import combine, workspace
-from distlab.comm.p2p import exchange, irecv, isend, wait_all
+from distlab.comm.p2p import irecv, isend, wait_all
+
+
+_HALVE_TAG, _DOUBLE_TAG = 0, 1
 
 
 def _layout(n: int) -> tuple[int, int]:
@@ -34,45 +37,51 @@ def _real_rank(v: int, rem: int) -> int:
     return 2 * v + 1 if v < rem else v + rem
 
 
-def _halving(buf: torch.Tensor, op: str, group, v: int, p: int, rem: int) -> list[tuple[int, int]]:
-    """Recursive-halving reduce-scatter among active ranks; returns the segment history (outermost first)."""
-    lo, hi = 0, buf.numel()
-    history = []
-    scratch = workspace(buf.numel() - buf.numel() // 2, buf)
-    d = p // 2
+def _plan(numel: int, v: int, p: int, rem: int) -> list[tuple[int, tuple[int, int], tuple[int, int]]]:
+    """The halving steps of active rank ``v``, outermost first: (partner's real rank, kept range,
+    given range). Doubling replays them in reverse, sending the kept range and receiving the given."""
+    lo, hi, d, steps = 0, numel, p // 2, []
     while d >= 1:
-        partner = _real_rank(v ^ d, rem)
         mid = (lo + hi) // 2
         keep, give = ((lo, mid), (mid, hi)) if v & d == 0 else ((mid, hi), (lo, mid))
-        tmp = scratch[: keep[1] - keep[0]]
-        exchange(buf[give[0]:give[1]], partner, tmp, partner, group)
-        combine(op, buf[keep[0]:keep[1]], tmp)
-        history.append((lo, hi))
+        steps.append((_real_rank(v ^ d, rem), keep, give))
         lo, hi = keep
         d //= 2
-    return history
+    return steps
 
 
-def _segments(numel: int, v: int, p: int) -> list[tuple[int, int]]:
-    """The segment history that halving would produce for active rank ``v`` (no communication)."""
-    lo, hi, history, d = 0, numel, [], p // 2
-    while d >= 1:
-        mid = (lo + hi) // 2
-        history.append((lo, hi))
-        lo, hi = (lo, mid) if v & d == 0 else (mid, hi)
-        d //= 2
-    return history
+def _butterfly(buf: torch.Tensor, op: str | None, group, v: int, p: int, rem: int,
+               halve: bool = True, double: bool = True) -> None:
+    """Recursive halving (reduce-scatter) and/or doubling (all-gather) on ``buf`` among the active ranks.
 
-
-def _doubling(buf: torch.Tensor, group, v: int, p: int, rem: int, history: list[tuple[int, int]]) -> None:
-    """Recursive-doubling all-gather: undo the halving, exchanging finished segments."""
-    d = 1
-    for lo, hi in reversed(history):
-        partner = _real_rank(v ^ d, rem)
-        mid = (lo + hi) // 2
-        mine, theirs = ((lo, mid), (mid, hi)) if v & d == 0 else ((mid, hi), (lo, mid))
-        exchange(buf[mine[0]:mine[1]], partner, buf[theirs[0]:theirs[1]], partner, group)
-        d *= 2
+    Every receive is posted before the first send: gloo moves a message only once its receive is
+    posted, and a late one costs a round trip of notices per step. Halving receives land in a
+    scratch buffer (sizes S/2, S/4, ...: S in all); doubling receives land straight in ``buf``.
+    That is safe although ``buf`` is still being sent from: a partner's doubling message for a
+    range exists only after that partner has received our halving message from the same range.
+    """
+    steps = _plan(buf.numel(), v, p, rem)
+    recv_h, recv_d, scratch = [], [], []
+    if halve:
+        ws = workspace(sum(k[1] - k[0] for _, k, _ in steps), buf)
+        offset = 0
+        for partner, (k0, k1), _ in steps:
+            scratch.append(ws[offset:offset + k1 - k0])
+            offset += k1 - k0
+            recv_h.append(irecv(scratch[-1], partner, group, tag=_HALVE_TAG))
+    if double:
+        recv_d = [irecv(buf[g0:g1], partner, group, tag=_DOUBLE_TAG) for partner, _, (g0, g1) in steps]
+    sends = []
+    if halve:
+        for (partner, (k0, k1), (g0, g1)), work, tmp in zip(steps, recv_h, scratch):
+            sends.append(isend(buf[g0:g1], partner, group, tag=_HALVE_TAG))
+            wait_all([work])
+            combine(op, buf[k0:k1], tmp)
+    if double:
+        for (partner, (k0, k1), _), work in zip(reversed(steps), reversed(recv_d)):
+            sends.append(isend(buf[k0:k1], partner, group, tag=_DOUBLE_TAG))
+            wait_all([work])
+    wait_all(sends)
 
 
 def all_reduce(buf: torch.Tensor, op: str, group, rank: int, n: int) -> None:
@@ -86,7 +95,7 @@ def all_reduce(buf: torch.Tensor, op: str, group, rank: int, n: int) -> None:
             wait_all([irecv(tmp, rank - 1, group)])
             combine(op, buf, tmp)
     if v >= 0:
-        _doubling(buf, group, v, p, rem, _halving(buf, op, group, v, p, rem))
+        _butterfly(buf, op, group, v, p, rem)
     if rank < 2 * rem:  # unfold
         wait_all([isend(buf, rank - 1, group)] if v >= 0 else [irecv(buf, rank + 1, group)])
 
@@ -97,7 +106,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: str, group, rank: i
     work = inp.clone()
     p, rem = _layout(n)
     if rem == 0:
-        _halving(work, op, group, rank, p, 0)
+        _butterfly(work, op, group, rank, p, 0, double=False)
     else:
         all_reduce(work, op, group, rank, n)
     out.copy_(work.chunk(n)[rank] if work.numel() else work)
@@ -111,7 +120,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, rank: int, n: int) -
         out.chunk(n)[rank].copy_(inp)
     p, rem = _layout(n)
     if rem == 0:
-        _doubling(out, group, rank, p, 0, _segments(out.numel(), rank, p))
+        _butterfly(out, None, group, rank, p, 0, halve=False)
     else:
         all_reduce(out, "sum", group, rank, n)
 
