@@ -113,8 +113,17 @@ def cli():
 @click.option("--log-every", type=int, default=20, show_default=True, help="Log the loss every N steps (rank 0).")
 @click.option("--eval-batch-size", type=int, default=1000, show_default=True)
 @click.option("--dp-sync", default="allreduce", show_default=True,
-              help="Gradient sync: allreduce (per parameter, after backward) or ddp (torch's DDP).")
-@click.option("--bucket-mb", type=float, default=25.0, show_default=True, help="DDP bucket size in MB.")
+              help="Gradient sync: gather-scatter (via rank 0), allreduce (per parameter, after backward), "
+                   "bucketed (overlapped with backward) or ddp (torch's DDP).")
+@click.option("--collective", default="native", show_default=True,
+              help="All-reduce algorithm: native (gloo/NCCL), ring, butterfly or direct (distlab.comm).")
+@click.option("--bucket-mb", type=float, default=25.0, show_default=True,
+              help="Bucket size in MB for --dp-sync bucketed and ddp.")
+@click.option("--find-unused", is_flag=True, help="Parameters without a gradient in a step count as zero.")
+@click.option("--grad-accum", type=int, default=1, show_default=True,
+              help="Micro-batches per optimizer step (no communication until the last).")
+@click.option("--sync-bn", default="off", show_default=True,
+              help="off, distlab (any device) or torch (nn.SyncBatchNorm, GPU only).")
 @click.option("--out", default=None, help="Run directory for metrics.jsonl and summary.json.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar on rank 0 (default: when a terminal).")
 @launch_options
@@ -130,13 +139,20 @@ def train(**kw):
         epochs=kw.pop("epochs"), max_steps=kw.pop("max_steps"), global_batch_size=kw.pop("global_batch_size"),
         lr=kw.pop("lr"), lr_schedule=kw.pop("lr_schedule"), optimizer=kw.pop("optimizer"), momentum=kw.pop("momentum"),
         weight_decay=kw.pop("weight_decay"), seed=kw.pop("seed"), log_every=kw.pop("log_every"),
-        eval_batch_size=kw.pop("eval_batch_size"), dp_sync=kw.pop("dp_sync"), bucket_mb=kw.pop("bucket_mb"),
-        out=out, progress=kw.pop("progress"))
+        eval_batch_size=kw.pop("eval_batch_size"), dp_sync=kw.pop("dp_sync"), collective=kw.pop("collective"),
+        bucket_mb=kw.pop("bucket_mb"), find_unused=kw.pop("find_unused"), grad_accum=kw.pop("grad_accum"),
+        sync_bn=kw.pop("sync_bn"), out=out, progress=kw.pop("progress"))
+
+    device = kw["device"]
 
     def check(world_size: int) -> None:
         # Before any process starts: flags, the batch split and the data on disk.
+        from distlab import runtime
         from distlab.data import locate
         cfg.validate(world_size)
+        if cfg.sync_bn == "torch" and runtime.resolve_device(device, 0).type != "cuda":
+            raise ConfigError("--sync-bn torch uses torch.nn.SyncBatchNorm, which only runs on GPUs; this run is on "
+                              "the CPU: use --sync-bn distlab, which works on any device")
         if not cfg.dataset.startswith("synthetic"):
             locate(cfg.dataset, cfg.data_dir)
 

@@ -26,12 +26,13 @@ from distlab.train import Trainer, TrainConfig, evaluate
 ATOL = 2e-5
 
 
-def _config(dp_sync: str, out: str | None = None) -> TrainConfig:
+def _config(dp_sync: str, out: str | None = None, collective: str = "native", grad_accum: int = 1) -> TrainConfig:
     # 96 samples / global batch 12 = 8 steps per epoch; 10 steps cross an epoch (reshuffle).
+    # Buckets of 4 KB split the MLP's ~10 KB of gradients into several (bucketed, ddp).
     return TrainConfig(model="mlp", mlp_widths=(32, 16), dataset="synthetic:1x8x8:4:96", epochs=2,
                        max_steps=10, global_batch_size=12, lr=0.1, lr_schedule="constant", optimizer="sgd",
                        momentum=0.9, weight_decay=1e-4, seed=3, log_every=1, dp_sync=dp_sync, out=out,
-                       progress=False)
+                       progress=False, collective=collective, grad_accum=grad_accum, bucket_mb=0.004)
 
 
 def _reference(cfg: TrainConfig):
@@ -69,10 +70,17 @@ def _max_diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("dp_sync", ["allreduce", "ddp"])
-@pytest.mark.parametrize("world", [2, 3])
-def test_data_parallel_equals_single_process(tmp_path, dp_sync, world):
-    cfg = _config(dp_sync, out=str(tmp_path))
+METHODS = ("gather-scatter", "allreduce", "bucketed", "ddp")
+# Every method on 2 and 3 ranks; every method x distlab algorithm and --grad-accum 4 on 3 ranks
+# (uneven ring chunks, a folded rank in the butterfly).
+CASES = [(m, "native", 1, w) for m in METHODS for w in (2, 3)] + [
+    (m, c, 1, 3) for m in ("allreduce", "bucketed", "ddp") for c in ("ring", "butterfly", "direct")] + [
+    (m, "native", 4, 3) for m in METHODS]
+
+
+@pytest.mark.parametrize("dp_sync,collective,grad_accum,world", CASES)
+def test_data_parallel_equals_single_process(tmp_path, dp_sync, collective, grad_accum, world):
+    cfg = _config(dp_sync, out=str(tmp_path), collective=collective, grad_accum=grad_accum)
     ref_params, ref_losses = _reference(cfg)
     per_rank = run_ranks(_train, world, cfg, timeout=120)
 
@@ -143,3 +151,85 @@ def test_a_peer_dying_mid_step_is_a_clear_error_not_a_hang():
     text = str(err.value)
     assert "clear error: rank 0: communication failed at step 4" in text
     assert "exited with code 17" in text and "still running" not in text
+
+
+def _count_per_micro_batch(rank, world, method, collective):
+    """Collectives issued by each of 4 micro-batches' forward+backward, and by the final sync."""
+    from distlab import comm
+    from distlab.parallel import DataParallel
+    torch.manual_seed(0)
+    net = build_model("mlp", (1, 8, 8), 4, widths=(32, 16))
+    model = DataParallel(net, method, collective=collective, bucket_mb=0.004)
+    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 4, (8,))
+    calls = []
+    for i, (xm, ym) in enumerate(zip(x.split(2), y.split(2))):
+        with comm.counting() as c:
+            with model.no_sync() if i < 3 else _nothing():
+                F.cross_entropy(model(xm), ym).backward()
+            if i == 3:
+                model.sync_gradients()
+        calls.append(c.calls)
+    return calls
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("method,collective", [("gather-scatter", "native"), ("allreduce", "native"),
+                                               ("bucketed", "native"), ("bucketed", "ring"), ("ddp", "ring")])
+def test_micro_batches_before_the_step_communicate_nothing(method, collective):
+    for calls in run_ranks(_count_per_micro_batch, 2, method, collective, timeout=90):
+        assert calls[:3] == [0, 0, 0], calls  # no_sync micro-batches: zero collectives
+        assert calls[3] > 0  # the last one synchronises
+        if method == "allreduce":
+            assert calls[3] == 6  # one per parameter (3 linear layers x weight, bias)
+
+
+def _unused_parameter(rank, world, find_unused):
+    from distlab.parallel import DataParallel
+
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.used, self.unused = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.used(self.body(x))
+
+    torch.manual_seed(0)
+    model = DataParallel(TwoHeads(), "bucketed", bucket_mb=1e-4, find_unused=find_unused)
+    model(torch.randn(3, 4)).sum().backward()
+    model.sync_gradients()
+    return model.module.unused.weight.grad.abs().sum().item(), model.module.body.weight.grad.clone()
+
+
+def test_bucketed_parameters_without_gradient_error_or_count_as_zero():
+    from distlab.testing import RankFailure
+    with pytest.raises(RankFailure, match=r"received no gradient in this step \(unused.weight, unused.bias\); "
+                                          r"pass --find-unused"):
+        run_ranks(_unused_parameter, 2, False, timeout=60)
+    results = run_ranks(_unused_parameter, 2, True, timeout=60)
+    assert all(unused == 0.0 for unused, _ in results)
+    assert torch.equal(results[0][1], results[1][1])  # the used ones were averaged
+
+
+def test_bad_data_parallel_flags_are_clear_errors():
+    from distlab.errors import ConfigError
+    with pytest.raises(ConfigError, match="--bucket-mb must be positive, not 0"):
+        _config("bucketed").__class__(bucket_mb=0).validate(1)
+    with pytest.raises(ConfigError, match="--grad-accum must be at least 1, not 0"):
+        TrainConfig(grad_accum=0).validate(1)
+    with pytest.raises(ConfigError, match="unknown --dp-sync 'param-server'"):
+        TrainConfig(dp_sync="param-server").validate(1)
+    with pytest.raises(ConfigError, match="unknown --collective 'tree'"):
+        TrainConfig(collective="tree").validate(1)
+    with pytest.raises(ConfigError, match="gather-scatter is its own communication pattern"):
+        TrainConfig(dp_sync="gather-scatter", collective="ring").validate(1)
+    with pytest.raises(ConfigError, match="must split into --grad-accum 4 equal micro-batches on each of 2 ranks: "
+                                          "use a multiple of 8"):
+        TrainConfig(global_batch_size=12, grad_accum=4).validate(2)

@@ -3,37 +3,72 @@
 Every rank holds the whole model and runs forward and backward on its own slice of the global
 batch; a sync method then makes each rank's ``.grad`` the mean over the whole global batch, so
 the optimizer step is the single-process step on that batch (see ``distlab.data.sampler`` for
-why the slices make up the sequential minibatch). Methods:
+why the slices make up the sequential minibatch). Methods (``--dp-sync``):
 
-``allreduce``  after backward, one all-reduce (SUM) per parameter, then divide by the world
-               size. Simple and readable; communication does not overlap backward.
-``ddp``        torch's ``DistributedDataParallel``: bucketed all-reduce overlapped with backward.
+==================  ==========================================================================
+``gather-scatter``  the parameter-server pattern: rank 0 gathers every rank's (flattened)
+                    gradients, averages them and scatters the mean back. Rank 0 sends and
+                    receives ``(n-1) x`` the gradients: it is the bottleneck, on purpose.
+``allreduce``       after backward, one all-reduce per parameter. Simple; many small messages,
+                    and no communication overlaps backward.
+``bucketed``        parameters grouped in reverse registration order (roughly the order backward
+                    produces their gradients) into buckets of ``bucket_mb``; a bucket is
+                    flattened and all-reduced *asynchronously the moment its last gradient is
+                    accumulated*, so communication overlaps the rest of backward. The optimizer
+                    step waits for all buckets. What DDP does, in ~100 readable lines.
+``ddp``             torch's ``DistributedDataParallel`` (its bucket size is ``bucket_mb``).
+==================  ==========================================================================
+
+``collective`` picks the all-reduce algorithm from :mod:`distlab.comm` (``native`` = gloo's /
+NCCL's own; ``ring``, ``butterfly``, ``direct`` = distlab's). Under ``ddp`` a non-native
+collective is installed as DDP's communication hook. ``gather-scatter`` is itself the
+communication pattern, so it takes no other collective.
 
 A method is a class with ``wrap(module)``, ``sync(module)`` and ``no_sync(module)``; adding one
-is a class plus a line in ``SYNC_METHODS``.
+is a class plus a line in ``SYNC_METHODS``. ``no_sync()`` (gradient accumulation) makes backward
+accumulate locally and communicate nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from distlab import comm
 from distlab.comm.accounting import allreduce_bytes_per_rank
+from distlab.errors import ConfigError
 from distlab.runtime import broadcast_module
+
+COLLECTIVES = ("native", "ring", "butterfly", "direct")
+
+
+def _grad_params(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def _grad_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in _grad_params(module))
 
 
 class GradSync:
     """Base: how a data-parallel wrapper makes gradients the global mean."""
 
     name = "base"
+    collectives: tuple[str, ...] = COLLECTIVES
 
-    def __init__(self, group: dist.ProcessGroup | None = None, **options):
+    def __init__(self, group: dist.ProcessGroup | None = None, collective: str = "native", **options):
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        collective = comm.ALIASES.get(collective, collective)
+        if collective not in self.collectives:
+            raise ConfigError(f"--dp-sync {self.name} cannot use --collective {collective!r}; it works with: "
+                              f"{', '.join(self.collectives)}")
+        self.collective = collective
 
     def wrap(self, module: nn.Module) -> nn.Module:
         return module
@@ -46,13 +81,12 @@ class GradSync:
         yield
 
     def bytes_per_sync(self, module: nn.Module) -> int | None:
-        """Bytes each rank sends in one gradient sync (analytic for native collectives)."""
-        nbytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-        return allreduce_bytes_per_rank(nbytes, self.world_size)
+        """Bytes each rank sends in one gradient sync (the textbook volume of the pattern)."""
+        return allreduce_bytes_per_rank(_grad_bytes(module), self.world_size)
 
 
 class AllReduceSync(GradSync):
-    """After backward, ``all_reduce(SUM)`` each parameter's gradient and divide by the world size.
+    """After backward, all-reduce (average) each parameter's gradient.
 
     ``len(parameters)`` collectives per step, each of one parameter's size; a parameter that got
     no gradient on this rank contributes zeros, so every rank issues the same collectives.
@@ -64,31 +98,236 @@ class AllReduceSync(GradSync):
     def sync(self, module: nn.Module) -> None:
         if self.world_size == 1:
             return
-        for p in module.parameters():
-            if not p.requires_grad:
-                continue
+        for p in _grad_params(module):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.group)
-            p.grad.div_(self.world_size)
+            comm.all_reduce(p.grad, op="avg", algorithm=self.collective, group=self.group)
+
+
+def _flatten_grads(params: list[nn.Parameter]) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+
+
+def _unflatten_into_grads(flat: torch.Tensor, params: list[nn.Parameter]) -> None:
+    offset = 0
+    for p in params:
+        view = flat[offset:offset + p.numel()].view_as(p)
+        if p.grad is None:
+            p.grad = view.clone()
+        else:
+            p.grad.copy_(view)
+        offset += p.numel()
+
+
+class GatherScatterSync(GradSync):
+    """The parameter server: ``gather`` all gradients (one flat buffer per rank) to rank 0, which
+    sums them and divides by the world size; ``scatter`` sends the mean back to every rank.
+
+    Uses torch's ``gather`` / ``scatter`` collectives. Rank 0 receives and sends ``(n-1) x S``
+    bytes while every other rank moves ``S`` each way, so rank 0's link bounds the step.
+    """
+
+    name = "gather-scatter"
+    collectives = ("native",)
+
+    @torch.no_grad()
+    def sync(self, module: nn.Module) -> None:
+        if self.world_size == 1:
+            return
+        params = _grad_params(module)
+        flat = _flatten_grads(params)
+        rank = dist.get_rank(self.group)
+        root = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        gathered = [torch.empty_like(flat) for _ in range(self.world_size)] if rank == 0 else None
+        dist.gather(flat, gathered, dst=root, group=self.group)
+        if rank == 0:
+            mean = torch.stack(gathered).sum(0).div_(self.world_size)
+            scatter_list = [mean] * self.world_size
+        else:
+            scatter_list = None
+        dist.scatter(flat, scatter_list, src=root, group=self.group)
+        comm.accounting.record_call("gather_scatter/native")
+        nbytes = flat.numel() * flat.element_size()
+        n = self.world_size - 1
+        comm.accounting.record_analytic(n * nbytes if rank == 0 else nbytes, n * nbytes if rank == 0 else nbytes)
+        _unflatten_into_grads(flat, params)
+
+    def bytes_per_sync(self, module: nn.Module) -> int | None:
+        """Rank 0's volume (the bottleneck): it sends the mean to ``n-1`` ranks."""
+        return (self.world_size - 1) * _grad_bytes(module)
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.ready: set[int] = set()
+        self.buffer: torch.Tensor | None = None
+        self.work = None  # a torch Work (native) or a Future (distlab algorithm on the comm thread)
+
+
+class BucketedSync(GradSync):
+    """Bucketed all-reduce overlapped with backward (the idea behind DDP, Li et al. VLDB 2020).
+
+    At wrap time parameters are grouped, in reverse registration order, into buckets of at most
+    ``bucket_mb`` MB (a larger parameter gets a bucket to itself). A post-accumulate-grad hook on
+    every parameter marks it ready; when a bucket's last parameter is ready, its gradients are
+    copied into one flat buffer and its all-reduce starts asynchronously -- ``async_op=True`` for
+    the native collective, a dedicated communication thread for distlab's algorithms -- while
+    backward goes on computing earlier layers' gradients. Buckets are launched strictly in index
+    order (a bucket that becomes ready early waits for its predecessors), so every rank issues
+    the same collectives in the same order. ``sync()`` waits for all of them and copies the
+    averaged gradients back.
+
+    A parameter that receives no gradient in a step would leave its bucket unlaunched forever;
+    by default that is an error naming the parameter, with ``find_unused=True`` its gradient
+    counts as zero (like DDP's ``find_unused_parameters``).
+    """
+
+    name = "bucketed"
+
+    def __init__(self, group=None, collective: str = "native", bucket_mb: float = 25.0,
+                 find_unused: bool = False, **options):
+        super().__init__(group, collective)
+        if not bucket_mb > 0:
+            raise ConfigError(f"--bucket-mb must be positive, not {bucket_mb}")
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.find_unused = find_unused
+        self.buckets: list[_Bucket] = []
+        self.where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket index, position)
+        self.names: dict[int, str] = {}
+        self.next_launch = 0
+        self.enabled = True
+        self._executor: ThreadPoolExecutor | None = None
+        self._hooks = []
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        self.names = {id(p): name for name, p in module.named_parameters()}
+        current: list[nn.Parameter] = []
+        size = 0
+        for p in reversed(_grad_params(module)):
+            nbytes = p.numel() * p.element_size()
+            if current and size + nbytes > self.bucket_bytes:
+                self.buckets.append(_Bucket(current))
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        if current:
+            self.buckets.append(_Bucket(current))
+        for b, bucket in enumerate(self.buckets):
+            for i, p in enumerate(bucket.params):
+                self.where[id(p)] = (b, i)
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        if self.world_size > 1 and self.collective != "native":
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distlab-comm")
+        return module
+
+    # -- during backward ---------------------------------------------------------------------
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self.enabled or self.world_size == 1:
+            return
+        b, i = self.where[id(p)]
+        self.buckets[b].ready.add(i)
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while (self.next_launch < len(self.buckets)
+               and len(self.buckets[self.next_launch].ready) == len(self.buckets[self.next_launch].params)):
+            self._launch(self.buckets[self.next_launch])
+            self.next_launch += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        with torch.no_grad():
+            bucket.buffer = _flatten_grads(bucket.params)
+        if self.collective == "native":
+            comm.accounting.record_call("all_reduce/native")
+            nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
+            vol = allreduce_bytes_per_rank(nbytes, self.world_size)
+            comm.accounting.record_analytic(vol, vol)
+            bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        else:
+            bucket.work = self._executor.submit(comm.all_reduce, bucket.buffer, "sum", self.collective, self.group)
+
+    # -- at the step ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def sync(self, module: nn.Module) -> None:
+        if self.world_size == 1:
+            return
+        if self.next_launch < len(self.buckets):  # some parameters got no gradient this step
+            missing = [self.names.get(id(p), "?") for b in self.buckets[self.next_launch:]
+                       for i, p in enumerate(b.params) if i not in b.ready]
+            if not self.find_unused:
+                self._reset()
+                raise ConfigError(
+                    f"{len(missing)} parameter(s) received no gradient in this step ({', '.join(missing[:5])}"
+                    f"{', ...' if len(missing) > 5 else ''}); pass --find-unused (find_unused=True) to treat "
+                    f"their gradients as zero, or remove them from the model")
+            for b in self.buckets[self.next_launch:]:
+                b.ready = set(range(len(b.params)))
+            self._launch_ready()
+        try:
+            for bucket in self.buckets:
+                if isinstance(bucket.work, Future):
+                    bucket.work.result()
+                else:
+                    bucket.work.wait()
+                bucket.buffer.div_(self.world_size)
+                _unflatten_into_grads(bucket.buffer, bucket.params)
+        finally:
+            self._reset()
+
+    def _reset(self) -> None:
+        for bucket in self.buckets:
+            bucket.ready.clear()
+            bucket.buffer = bucket.work = None
+        self.next_launch = 0
+
+    @contextlib.contextmanager
+    def no_sync(self, module: nn.Module) -> Iterator[None]:
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = True
+
+
+def _ddp_comm_hook(state, bucket):  # no annotations: DDP rejects the string ones of `from __future__`
+    """DDP communication hook running one of distlab's all-reduce algorithms on DDP's bucket
+    (``state`` = (algorithm, group)); returns a completed ``Future[Tensor]``."""
+    algorithm, group = state
+    buf = bucket.buffer()
+    comm.all_reduce(buf, op="avg", algorithm=algorithm, group=group)
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
 
 
 class TorchDDPSync(GradSync):
     """torch's ``DistributedDataParallel`` (Li et al., VLDB 2020): gradients are all-reduced in
-    buckets of ``bucket_mb`` MB during backward, overlapping communication with computation."""
+    buckets of ``bucket_mb`` MB during backward, overlapping communication with computation.
+    A non-native ``collective`` replaces DDP's all-reduce through a communication hook (it runs
+    synchronously inside the hook, so it does not overlap)."""
 
     name = "ddp"
 
-    def __init__(self, group=None, bucket_mb: float = 25.0, find_unused: bool = False, **options):
-        super().__init__(group)
+    def __init__(self, group=None, collective: str = "native", bucket_mb: float = 25.0,
+                 find_unused: bool = False, **options):
+        super().__init__(group, collective)
+        if not bucket_mb > 0:
+            raise ConfigError(f"--bucket-mb must be positive, not {bucket_mb}")
         self.bucket_mb = bucket_mb
         self.find_unused = find_unused
 
     def wrap(self, module: nn.Module) -> nn.Module:
         device_ids = [module_device(module).index] if module_device(module).type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(
+        ddp = nn.parallel.DistributedDataParallel(
             module, device_ids=device_ids, process_group=self.group, bucket_cap_mb=self.bucket_mb,
             find_unused_parameters=self.find_unused)
+        if self.collective != "native":
+            ddp.register_comm_hook((self.collective, self.group), _ddp_comm_hook)
+        return ddp
 
     def sync(self, module: nn.Module) -> None:
         pass  # DDP already reduced during backward
@@ -96,9 +335,14 @@ class TorchDDPSync(GradSync):
     def no_sync(self, module: nn.Module):
         return module.no_sync()
 
+    def bytes_per_sync(self, module: nn.Module) -> int | None:
+        return None if self.collective == "native" else super().bytes_per_sync(module)
+
 
 SYNC_METHODS: dict[str, type[GradSync]] = {
+    "gather-scatter": GatherScatterSync,
     "allreduce": AllReduceSync,
+    "bucketed": BucketedSync,
     "ddp": TorchDDPSync,
 }
 
@@ -120,7 +364,6 @@ class DataParallel(nn.Module):
                  broadcast: bool = True, **options):
         super().__init__()
         if method not in SYNC_METHODS:
-            from distlab.errors import ConfigError
             raise ConfigError(f"unknown --dp-sync {method!r}; choose one of: {', '.join(SYNC_METHODS)}")
         if broadcast:
             broadcast_module(module, src=0, group=group)

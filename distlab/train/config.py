@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from distlab.data import canonical_name
 from distlab.errors import ConfigError
 from distlab.models import check_model_name
-from distlab.parallel import SYNC_METHODS
+from distlab.parallel import COLLECTIVES, SYNC_BN, SYNC_METHODS
 
 OPTIMIZERS = ("sgd", "adam")
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -32,7 +32,11 @@ class TrainConfig:
     eval_batch_size: int = 1000
     eval_every_epoch: bool = True
     dp_sync: str = "allreduce"
+    collective: str = "native"
     bucket_mb: float = 25.0
+    find_unused: bool = False
+    grad_accum: int = 1
+    sync_bn: str = "off"
     out: str | None = None
     progress: bool | None = None  # None: on when stderr is a terminal
     timing_warmup_steps: int = 5
@@ -44,6 +48,17 @@ class TrainConfig:
         self.dataset = canonical_name(self.dataset)
         if self.dp_sync not in SYNC_METHODS:
             raise ConfigError(f"unknown --dp-sync {self.dp_sync!r}; choose one of: {', '.join(SYNC_METHODS)}")
+        if self.collective not in COLLECTIVES:
+            raise ConfigError(f"unknown --collective {self.collective!r}; choose one of: {', '.join(COLLECTIVES)}")
+        if self.dp_sync == "gather-scatter" and self.collective != "native":
+            raise ConfigError(f"--dp-sync gather-scatter is its own communication pattern (through rank 0) and "
+                              f"cannot use --collective {self.collective}; drop --collective or pick another --dp-sync")
+        if self.sync_bn not in SYNC_BN:
+            raise ConfigError(f"unknown --sync-bn {self.sync_bn!r}; choose one of: {', '.join(SYNC_BN)}")
+        if not self.bucket_mb > 0:
+            raise ConfigError(f"--bucket-mb must be positive, not {self.bucket_mb}")
+        if self.grad_accum < 1:
+            raise ConfigError(f"--grad-accum must be at least 1, not {self.grad_accum}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown --optimizer {self.optimizer!r}; choose one of: {', '.join(OPTIMIZERS)}")
         if self.lr_schedule not in LR_SCHEDULES:
@@ -55,6 +70,12 @@ class TrainConfig:
                 f"--global-batch-size {self.global_batch_size} is not divisible by world size {world_size}: "
                 f"use a multiple of {world_size} (e.g. {world_size * max(1, self.global_batch_size // world_size)})"
             )
+        unit = world_size * self.grad_accum
+        if self.global_batch_size % unit:
+            raise ConfigError(
+                f"--global-batch-size {self.global_batch_size} must split into --grad-accum {self.grad_accum} equal "
+                f"micro-batches on each of {world_size} ranks: use a multiple of {unit} "
+                f"(e.g. {unit * max(1, self.global_batch_size // unit)})")
         if self.epochs < 1:
             raise ConfigError(f"--epochs must be at least 1, not {self.epochs}")
         if self.max_steps is not None and self.max_steps < 1:
@@ -69,8 +90,8 @@ class TrainConfig:
 
     def strategy(self) -> dict:
         """The strategy flags as they appear in ``summary.json``."""
-        return {"dp_sync": self.dp_sync, "collective": "native", "bucket_mb": self.bucket_mb,
-                "zero": 0, "tp": 1, "tp_style": None, "sync_bn": "off", "grad_accum": 1}
+        return {"dp_sync": self.dp_sync, "collective": self.collective, "bucket_mb": self.bucket_mb,
+                "zero": 0, "tp": 1, "tp_style": None, "sync_bn": self.sync_bn, "grad_accum": self.grad_accum}
 
     def to_dict(self) -> dict:
         d = asdict(self)

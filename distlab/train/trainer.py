@@ -6,11 +6,13 @@ logs and draws the progress bar.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
 import platform
 import socket
+import statistics
 import sys
 import time
 
@@ -19,11 +21,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from distlab import comm
 from distlab.data import load_dataset
 from distlab.data.loader import EvalLoader, TrainLoader
 from distlab.errors import ConfigError, DistributedError
 from distlab.models import build_model, count_parameters
-from distlab.parallel import DataParallel
+from distlab.parallel import DataParallel, convert_sync_batchnorm
 from distlab.runtime import Runtime, is_comm_failure, seed_everything
 from distlab.train.config import TrainConfig
 from distlab.train.metrics import MetricsLog, median_excluding_warmup, peak_rss_mb, write_summary
@@ -45,6 +48,18 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_st
             return 1.0 - progress
         return 1.0
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def apply_sync_bn(net: torch.nn.Module, mode: str, device: torch.device) -> torch.nn.Module:
+    """``--sync-bn``: off (each rank's own batch statistics), distlab, or torch's (GPU only)."""
+    if mode == "distlab":
+        return convert_sync_batchnorm(net)
+    if mode == "torch":
+        if device.type != "cuda":
+            raise ConfigError(f"--sync-bn torch uses torch.nn.SyncBatchNorm, which only runs on GPUs (this run is on "
+                              f"{device.type}); use --sync-bn distlab, which works on any device")
+        return torch.nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    return net
 
 
 def _all_reduce(values: list[float], rt: Runtime, op=dist.ReduceOp.SUM) -> list[float]:
@@ -95,7 +110,10 @@ class Trainer:
         seed_everything(cfg.seed)
         net = build_model(cfg.model, self.train_set.input_shape, self.train_set.num_classes,
                           widths=cfg.mlp_widths).to(rt.device)
-        self.model = DataParallel(net, cfg.dp_sync, bucket_mb=cfg.bucket_mb)
+        net = apply_sync_bn(net, cfg.sync_bn, rt.device)
+        self.model = DataParallel(net, cfg.dp_sync, bucket_mb=cfg.bucket_mb, collective=cfg.collective,
+                                  find_unused=cfg.find_unused)
+        self.micro_batch = self.local_batch // cfg.grad_accum
         self.optimizer = build_optimizer(net.parameters(), cfg)
         self.steps_per_epoch = len(self.loader)
         total = cfg.epochs * self.steps_per_epoch
@@ -106,6 +124,35 @@ class Trainer:
     def net(self) -> torch.nn.Module:
         """The plain (unwrapped) model."""
         return self.model.module
+
+    def _step_gradients(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Forward and backward over ``grad_accum`` micro-batches, then one gradient sync.
+
+        Every micro-batch but the last runs under ``no_sync()`` (no communication at all); each
+        micro-batch loss is divided by K, so the accumulated gradient is the mean over the whole
+        local batch -- the step equals one step on the K-times-larger batch. Returns this rank's
+        mean loss over its samples.
+        """
+        k = self.cfg.grad_accum
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for i, (xm, ym) in enumerate(zip(x.split(self.micro_batch), y.split(self.micro_batch))):
+            with self.model.no_sync() if i < k - 1 else contextlib.nullcontext():
+                loss = F.cross_entropy(self.model(xm), ym) / k
+                loss.backward()
+            total += loss.item()
+        self.model.sync_gradients()
+        return total
+
+    def _ddp_native(self) -> bool:
+        return self.cfg.dp_sync == "ddp" and self.cfg.collective == "native"
+
+    def _bytes_per_step(self, counted: list[int]) -> int | None:
+        if self.rt.world_size == 1:
+            return 0
+        if self._ddp_native():
+            return None
+        return int(statistics.median(counted)) if counted else None
 
     def _sync_device(self) -> None:
         if self.rt.device.type == "cuda":
@@ -138,6 +185,7 @@ class Trainer:
         say = bar.write if show_bar else (lambda s: print(s, flush=True))
 
         step_times: list[float] = []
+        comm_bytes: list[int] = []
         evals: list[dict] = []
         window_loss, window_steps, window_t0 = 0.0, 0, time.perf_counter()
         last_loss = float("nan")
@@ -153,10 +201,9 @@ class Trainer:
                 t0 = time.perf_counter()
                 x, y = next(batches)
                 x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
-                self.optimizer.zero_grad(set_to_none=True)
-                loss = F.cross_entropy(self.model(x), y)
-                loss.backward()
-                self.model.sync_gradients()
+                with comm.counting() as sent:
+                    loss = self._step_gradients(x, y)
+                comm_bytes.append(sent.bytes_sent)
                 lr = self.optimizer.param_groups[0]["lr"]
                 self.optimizer.step()
                 self.scheduler.step()
@@ -164,7 +211,7 @@ class Trainer:
                 step_times.append(time.perf_counter() - t0)
                 step += 1
                 self.step = step
-                window_loss += loss.item()
+                window_loss += loss
                 window_steps += 1
                 bar.update(1)
 
@@ -218,8 +265,10 @@ class Trainer:
             "samples_per_s": cfg.global_batch_size / median if median else None,
             "peak_rss_mb": rss,
             "peak_cuda_mb": cuda_mb,
-            "comm_bytes_per_step": self.model.bytes_per_sync(),
-            "comm_bytes_basis": "analytic ring all-reduce volume 2(n-1)/n * gradient bytes",
+            "comm_bytes_per_step": self._bytes_per_step(comm_bytes),
+            "comm_bytes_basis": ("unknown (torch's DDP reduces inside autograd)" if self._ddp_native() else
+                                 "counted by distlab.comm (messages of distlab's algorithms; torch's native "
+                                 "collectives at their textbook volume)"),
             "wall_time_s": wall,
             "resumed_from": None,
             "evals": evals,

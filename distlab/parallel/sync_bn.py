@@ -1,0 +1,158 @@
+"""Synchronized batch normalization with a hand-written backward, for CPU/gloo and CUDA/NCCL.
+
+Data parallel with plain BatchNorm normalises each rank's slice of the batch by that slice's own
+statistics: with small per-rank batches the model trains on noisier statistics than the single
+process would, and the replicas' running statistics drift apart. SyncBatchNorm computes the
+statistics of the *global* batch. ``torch.nn.SyncBatchNorm`` only runs on GPUs; this one runs on
+any device and backend.
+
+Per channel ``c``, over the ``N`` values of the global batch (samples x spatial positions):
+
+forward
+    Each rank sums ``d = x - p`` and ``d^2`` over its values, where the pivot ``p`` is the
+    running mean (identical on every rank; it keeps ``E[d^2] - E[d]^2`` from cancelling when
+    ``|mean| >> std``). **One all-reduce** of ``[sum d, sum d^2, count]`` (float64, ``2C+1``
+    numbers) gives ``mean = p + S1/N``, ``var = S2/N - (S1/N)^2`` (biased, used to normalise),
+    ``xhat = (d - S1/N) / sqrt(var + eps)``, ``y = weight * xhat + bias``. Running statistics are
+    updated like torch's: ``running_var`` with the unbiased ``var * N/(N-1)``; ``momentum=None``
+    is a cumulative average.
+backward
+    With ``g = dL/dy``: ``dL/dweight = sum(g * xhat)`` and ``dL/dbias = sum(g)`` over this rank's
+    values (data parallel then sums the ranks' parameter gradients like any other). The input
+    gradient needs the global sums, so **one all-reduce** of ``[sum g, sum g*xhat]``::
+
+        dL/dx = weight / sqrt(var + eps) * (g - mean_N(g) - xhat * mean_N(g * xhat))
+
+    (the derivative of ``xhat`` through the batch mean and variance, which depend on every
+    rank's values). No batch-norm kernels of torch are used, forward or backward.
+
+Ranks may hold different numbers of samples, including none (their sums are zero but they take
+part in both all-reduces). In eval mode the running statistics are used and nothing is sent.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from distlab import comm
+
+
+def _reduce(packed: torch.Tensor, group) -> None:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        comm.all_reduce(packed, op="sum", algorithm="native", group=group)
+
+
+class _SyncBatchNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, group):
+        C = x.shape[1]
+        dims = [0] + list(range(2, x.dim()))
+        shape = [1, C] + [1] * (x.dim() - 2)
+        pivot = running_mean if running_mean is not None else torch.zeros(C, dtype=x.dtype, device=x.device)
+        d = x - pivot.to(x.dtype).view(shape)
+        count = x.numel() // C if C else 0
+        packed = torch.empty(2 * C + 1, dtype=torch.float64, device=x.device)
+        packed[:C] = d.sum(dims)
+        packed[C:2 * C] = d.square().sum(dims)
+        packed[2 * C] = count
+        _reduce(packed, group)  # the forward's one collective
+        n = packed[2 * C].item()
+        if n <= 1:
+            raise ValueError(f"SyncBatchNorm: expected more than 1 value per channel over the global batch "
+                             f"when training, got {int(n)} (input shape {tuple(x.shape)} on this rank)")
+        shift = packed[:C] / n  # mean - pivot
+        var = (packed[C:2 * C] / n - shift.square()).clamp_(min=0)
+        invstd = torch.rsqrt(var + eps)
+        if running_mean is not None:
+            factor = momentum
+            if num_batches_tracked is not None:
+                num_batches_tracked.add_(1)
+                if momentum is None:
+                    factor = 1.0 / float(num_batches_tracked.item())
+            mean = pivot.double() + shift
+            running_mean.mul_(1 - factor).add_((factor * mean).to(running_mean.dtype))
+            running_var.mul_(1 - factor).add_((factor * var * (n / (n - 1))).to(running_var.dtype))
+        xhat = (d - shift.to(x.dtype).view(shape)) * invstd.to(x.dtype).view(shape)
+        y = xhat
+        if weight is not None:
+            y = y * weight.view(shape)
+        if bias is not None:
+            y = y + bias.view(shape)
+        ctx.save_for_backward(xhat, weight, invstd.to(x.dtype))
+        ctx.n, ctx.group, ctx.has_bias = n, group, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        xhat, weight, invstd = ctx.saved_tensors
+        C = xhat.shape[1]
+        dims = [0] + list(range(2, xhat.dim()))
+        shape = [1, C] + [1] * (xhat.dim() - 2)
+        g = g.contiguous()
+        sum_g = g.sum(dims)
+        sum_gx = (g * xhat).sum(dims)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            packed = torch.cat([sum_g, sum_gx])
+            _reduce(packed, ctx.group)  # the backward's one collective
+            mean_g, mean_gx = packed[:C] / ctx.n, packed[C:] / ctx.n
+            scale = invstd if weight is None else invstd * weight
+            grad_x = (g - mean_g.view(shape) - xhat * mean_gx.view(shape)) * scale.view(shape)
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_w = sum_gx
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = sum_g
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+
+
+class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """Drop-in for ``BatchNorm1d/2d/3d`` (inputs ``(N, C, ...)``) whose statistics span the group.
+
+    ``group``: the process group whose ranks share statistics (default: all ranks); on one
+    process, or without ``torch.distributed`` initialised, it is an ordinary batch norm.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, group: dist.ProcessGroup | None = None, device=None, dtype=None):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        self.group = group
+
+    def _check_input_dim(self, x: torch.Tensor) -> None:
+        if x.dim() < 2:
+            raise ValueError(f"SyncBatchNorm expects (N, C, ...) input with at least 2 dimensions, got {x.dim()}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(x)
+        if x.shape[1] != self.num_features:
+            raise ValueError(f"SyncBatchNorm({self.num_features}) got an input with {x.shape[1]} channels")
+        use_batch_stats = self.training or self.running_mean is None
+        if not use_batch_stats:  # eval: running statistics, no communication
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+        track = self.training and self.track_running_stats
+        return _SyncBatchNormFunction.apply(
+            x, self.weight, self.bias, self.running_mean if track else None, self.running_var if track else None,
+            self.num_batches_tracked if track else None, self.momentum, self.eps, self.group)
+
+
+def convert_sync_batchnorm(module: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:
+    """Replace every ``BatchNorm1d/2d/3d`` in ``module`` by a :class:`SyncBatchNorm` with the same
+    parameters, buffers and mode; returns the (possibly new) module."""
+    out = module
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, SyncBatchNorm):
+        out = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                            module.track_running_stats, group)
+        with torch.no_grad():
+            if module.affine:
+                out.weight = module.weight
+                out.bias = module.bias
+            if module.track_running_stats:
+                out.running_mean = module.running_mean
+                out.running_var = module.running_var
+                out.num_batches_tracked = module.num_batches_tracked
+        out.train(module.training)
+    for name, child in module.named_children():
+        out.add_module(name, convert_sync_batchnorm(child, group))
+    return out
