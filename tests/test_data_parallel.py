@@ -26,13 +26,15 @@ from distlab.train import Trainer, TrainConfig, evaluate
 ATOL = 2e-5
 
 
-def _config(dp_sync: str, out: str | None = None, collective: str = "native", grad_accum: int = 1) -> TrainConfig:
+def _config(dp_sync: str, out: str | None = None, collective: str = "native", grad_accum: int = 1,
+            **overrides) -> TrainConfig:
     # 96 samples / global batch 12 = 8 steps per epoch; 10 steps cross an epoch (reshuffle).
     # Buckets of 4 KB split the MLP's ~10 KB of gradients into several (bucketed, ddp).
-    return TrainConfig(model="mlp", mlp_widths=(32, 16), dataset="synthetic:1x8x8:4:96", epochs=2,
-                       max_steps=10, global_batch_size=12, lr=0.1, lr_schedule="constant", optimizer="sgd",
-                       momentum=0.9, weight_decay=1e-4, seed=3, log_every=1, dp_sync=dp_sync, out=out,
-                       progress=False, collective=collective, grad_accum=grad_accum, bucket_mb=0.004)
+    settings = dict(model="mlp", mlp_widths=(32, 16), dataset="synthetic:1x8x8:4:96", epochs=2,
+                    max_steps=10, global_batch_size=12, lr=0.1, lr_schedule="constant", optimizer="sgd",
+                    momentum=0.9, weight_decay=1e-4, seed=3, log_every=1, dp_sync=dp_sync, out=out,
+                    progress=False, collective=collective, grad_accum=grad_accum, bucket_mb=0.004)
+    return TrainConfig(**{**settings, **overrides})
 
 
 def _reference(cfg: TrainConfig):
@@ -91,6 +93,21 @@ def test_data_parallel_equals_single_process(tmp_path, dp_sync, collective, grad
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == list(range(1, 11))
     assert max(abs(r["loss"] - ref) for r, ref in zip(logged, ref_losses)) <= ATOL
+
+
+BN_CNN = {"model": "small-cnn-bn", "dataset": "synthetic:3x8x8:4:96"}
+
+
+@pytest.mark.parametrize("dp_sync,world", [("allreduce", 2), ("bucketed", 3), ("ddp", 3)])
+def test_sync_bn_data_parallel_equals_single_process_batchnorm(dp_sync, world):
+    """With --sync-bn distlab, a BN network on W ranks trains exactly like one process whose
+    BatchNorm sees the whole global batch; with --sync-bn off it does not (the control)."""
+    cfg = _config(dp_sync, sync_bn="distlab", **BN_CNN)
+    ref_params, _ = _reference(cfg)
+    per_rank = run_ranks(_train, world, cfg, timeout=120)
+    assert _max_diff(per_rank[0], ref_params) <= ATOL
+    local = run_ranks(_train, world, _config(dp_sync, sync_bn="off", **BN_CNN), timeout=120)
+    assert _max_diff(local[0], ref_params) > 100 * ATOL
 
 
 def test_negative_control_without_gradient_sync_diverges():
@@ -210,7 +227,7 @@ def _unused_parameter(rank, world, find_unused):
 
 def test_bucketed_parameters_without_gradient_error_or_count_as_zero():
     from distlab.testing import RankFailure
-    with pytest.raises(RankFailure, match=r"received no gradient in this step \(unused.weight, unused.bias\); "
+    with pytest.raises(RankFailure, match=r"received no gradient in this step \(unused.bias, unused.weight\); "
                                           r"pass --find-unused"):
         run_ranks(_unused_parameter, 2, False, timeout=60)
     results = run_ranks(_unused_parameter, 2, True, timeout=60)

@@ -1,7 +1,8 @@
 """Models by name. Plain ``nn.Module``s: they know nothing of distribution.
 
 ``build_model(name, input_shape, num_classes, **options)``; names: ``mlp`` (``widths``),
-``vgg11``, ``vgg11-bn``, ``vgg19``, ``vgg19-bn``, ``resnet18``. Adding one is a builder plus a
+``vgg11``, ``vgg11-bn``, ``vgg19``, ``vgg19-bn``, ``resnet18``, ``small-cnn-bn`` (two conv + BN
+blocks, for fast checks). Adding one is a builder plus a
 registry line.
 """
 
@@ -14,6 +15,7 @@ from torch import nn
 from distlab.errors import ConfigError
 from distlab.models.mlp import MLP
 from distlab.models.resnet import ResNet18
+from distlab.models.small_cnn import SmallCNN
 from distlab.models.vgg import VGG
 
 Builder = Callable[..., nn.Module]
@@ -25,6 +27,7 @@ REGISTRY: dict[str, Builder] = {
     "vgg19": lambda shape, k, **_: VGG(19, shape, k, batch_norm=False),
     "vgg19-bn": lambda shape, k, **_: VGG(19, shape, k, batch_norm=True),
     "resnet18": lambda shape, k, **_: ResNet18(shape, k),
+    "small-cnn-bn": lambda shape, k, **_: SmallCNN(shape, k, batch_norm=True),
 }
 
 
@@ -46,4 +49,4 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["MLP", "ResNet18", "VGG", "build_model", "check_model_name", "count_parameters", "model_names"]
+__all__ = ["MLP", "ResNet18", "SmallCNN", "VGG", "build_model", "check_model_name", "count_parameters", "model_names"]

@@ -1,0 +1,29 @@
+"""A small convolutional network with batch norm: two conv blocks and a linear classifier.
+
+Big enough to exercise what BatchNorm2d does in data parallel (per-channel statistics over
+samples and positions) and small enough for equivalence checks on a CPU in seconds; the
+default model of ``distlab verify``'s SyncBN case.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+class SmallCNN(nn.Module):
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, channels: tuple[int, int] = (8, 16),
+                 batch_norm: bool = True):
+        super().__init__()
+        c_in = input_shape[0]
+        layers: list[nn.Module] = []
+        for c_out in channels:
+            layers += [nn.Conv2d(c_in, c_out, 3, padding=1, bias=not batch_norm)]
+            layers += [nn.BatchNorm2d(c_out)] if batch_norm else []
+            layers += [nn.ReLU(inplace=True), nn.MaxPool2d(2)]
+            c_in = c_out
+        self.features = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Linear(c_in, num_classes)
+
+    def forward(self, x):
+        return self.classifier(self.pool(self.features(x)).flatten(1))
