@@ -166,6 +166,41 @@ def train(**kw):
     _run_distributed(kw, body, check)
 
 
+# --------------------------------------------------------------------------- verify
+
+
+@cli.command()
+@click.option("--nproc", type=int, default=2, show_default=True, help="Processes (gloo, CPU) for the distributed runs.")
+@click.option("--strategy", "strategies", multiple=True,
+              help="METHOD[:COLLECTIVE][+accum=K][+syncbn], repeatable (default: every --dp-sync x --collective, "
+                   "+accum=4 for each method, and +syncbn).")
+@click.option("--steps", type=int, default=10, show_default=True, help="SGD steps per run.")
+@click.option("--global-batch-size", type=int, default=None, help="Default: 12 x --nproc.")
+@click.option("--json", "json_path", default=None, help="Write the records here.")
+def verify(nproc, strategies, steps, global_batch_size, json_path):
+    """Prove each strategy equals single-process training: largest parameter and loss differences."""
+    import json
+
+    from distlab import verify as v
+    from distlab.train.metrics import atomic_write_text
+    if nproc < 1 or steps < 1:
+        raise ConfigError("--nproc and --steps must be at least 1")
+    chosen = [v.parse_strategy(s) for s in strategies] if strategies else v.default_strategies()
+    for s in chosen:  # flags and batch split, before any process starts
+        v.config_for(s, nproc, steps, global_batch_size)
+    click.echo(f"verifying {len(chosen)} strategies on {nproc} processes, {steps} steps each ...", err=True)
+    records = v.verify(chosen, nproc, steps, global_batch_size)
+    click.echo(v.table(records))
+    if json_path:
+        atomic_write_text(json_path, json.dumps(records, indent=1) + "\n")
+        click.echo(f"wrote {json_path}", err=True)
+    failed = [r["strategy"] for r in records if not r["passed"]]
+    if failed:
+        click.echo(f"{len(failed)} strategies differ from single-process training beyond float32 rounding: "
+                   f"{', '.join(failed)}", err=True)
+        sys.exit(1)
+
+
 # --------------------------------------------------------------------------- demo
 
 

@@ -173,3 +173,38 @@ def test_only_rank0_reports_shared_config_errors_but_every_rank_reports_its_own(
     _report_error(RankConfigError("local rank 1 has no GPU"))
     err = capsys.readouterr().err
     assert err == "distlab: error: [rank 1] local rank 1 has no GPU\n"
+
+
+def test_verify_reports_every_strategy_against_single_process(run_cli, tmp_path):
+    out = tmp_path / "verify.json"
+    proc = run_cli("verify", "--nproc", "3", "--strategy", "bucketed:butterfly", "--strategy", "ddp+accum=4",
+                   "--strategy", "allreduce:ring+syncbn", "--steps", "5", "--json", str(out), timeout=300, check=True)
+    records = json.loads(out.read_text())
+    assert [r["strategy"] for r in records] == ["bucketed:butterfly", "ddp+accum=4", "allreduce:ring+syncbn"]
+    for r in records:
+        assert {"strategy", "world_size", "steps", "max_abs_param_diff", "max_rel_param_diff", "max_loss_diff",
+                "tolerance", "passed"} <= r.keys()
+        assert r["world_size"] == 3 and r["steps"] == 5 and r["passed"]
+        assert 0 < r["tolerance"] < 1e-4 and r["max_abs_param_diff"] <= r["tolerance"]
+    assert records[2]["flags"] == {"dp_sync": "allreduce", "collective": "ring", "grad_accum": 1, "sync_bn": "distlab"}
+    assert "PASS" in proc.stdout and "FAIL" not in proc.stdout
+
+
+def test_verify_rejects_unreadable_strategies(run_cli):
+    proc = run_cli("verify", "--strategy", "bucketed:tree")
+    assert proc.returncode == 2 and "unknown collective 'tree'" in proc.stderr
+    proc = run_cli("verify", "--strategy", "ddp+accum=5", "--nproc", "2")
+    assert proc.returncode == 2 and "must split into --grad-accum 5" in proc.stderr
+
+
+def test_verify_comparison_catches_a_difference():
+    import torch
+
+    from distlab.verify import compare, config_for, parse_strategy, reference_run, tolerance
+    cfg = config_for(parse_strategy("allreduce"), 2, steps=3)
+    params, losses = reference_run(cfg)
+    assert compare(params, losses, params, losses)["max_abs_param_diff"] == 0.0
+    nudged = [p + (1e-3 if i == 0 else 0.0) for i, p in enumerate(params)]  # one parameter off by 1e-3
+    diffs = compare(nudged, losses, params, losses)
+    assert abs(diffs["max_abs_param_diff"] - 1e-3) < 1e-6 and diffs["max_abs_param_diff"] > tolerance(cfg)
+    assert torch.is_tensor(params[0])

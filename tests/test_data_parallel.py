@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 from distlab import runtime
 from distlab.data import load_dataset
-from distlab.data.sampler import sequential_batches
 from distlab.models import build_model
 from distlab.testing import run_ranks
 from distlab.train import Trainer, TrainConfig, evaluate
+from distlab.verify import reference_run
 
 ATOL = 2e-5
 
@@ -39,25 +39,7 @@ def _config(dp_sync: str, out: str | None = None, collective: str = "native", gr
 
 def _reference(cfg: TrainConfig):
     """Plain single-process SGD on the sequential global batches (no distlab trainer involved)."""
-    data = load_dataset(cfg.dataset, "train", seed=cfg.seed)
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, data.input_shape, data.num_classes, widths=cfg.mlp_widths)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    losses, step, epoch = [], 0, 0
-    while step < cfg.max_steps:
-        for idx in sequential_batches(len(data), batch_size=cfg.global_batch_size, shuffle=True, seed=cfg.seed,
-                                      epoch=epoch):
-            if step == cfg.max_steps:
-                break
-            x, y = data.batch(torch.tensor(idx))
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-            step += 1
-        epoch += 1
-    return [p.detach() for p in model.parameters()], losses
+    return reference_run(cfg)
 
 
 def _train(rank, world, cfg: TrainConfig, skip_sync: bool = False):

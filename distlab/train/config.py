@@ -39,6 +39,7 @@ class TrainConfig:
     sync_bn: str = "off"
     out: str | None = None
     progress: bool | None = None  # None: on when stderr is a terminal
+    verbose: bool = True  # rank 0 prints a line per log step and evaluation
     timing_warmup_steps: int = 5
     extra: dict = field(default_factory=dict)
 

@@ -165,6 +165,7 @@ class Trainer:
         that becomes a :class:`DistributedError` naming the step instead of a backend traceback.
         """
         self.step = 0
+        self.history: list[dict] = []  # the logged records (every rank has them)
         try:
             return self._fit()
         except Exception as exc:
@@ -183,6 +184,8 @@ class Trainer:
         bar = tqdm(total=self.total_steps, disable=not show_bar, unit="step", dynamic_ncols=True,
                    desc=f"{cfg.model} x{rt.world_size}")
         say = bar.write if show_bar else (lambda s: print(s, flush=True))
+        if not cfg.verbose:
+            say = lambda s: None  # noqa: E731
 
         step_times: list[float] = []
         comm_bytes: list[int] = []
@@ -224,6 +227,7 @@ class Trainer:
                               "lr": lr,
                               "samples_per_s": window_steps * cfg.global_batch_size / (now - window_t0),
                               "time_s": now - start}
+                    self.history.append(record)
                     if main:
                         log.write(record)
                         say(f"step {step:>6}/{self.total_steps} | epoch {epoch} | loss {last_loss:.4f} | "

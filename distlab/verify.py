@@ -1,0 +1,180 @@
+"""``distlab verify``: each strategy on N processes against single-process training, step by step.
+
+For every strategy, the distributed run (the real :class:`~distlab.train.Trainer` on N gloo
+processes) and a plain single-process loop -- written here independently of the trainer: one
+model, one SGD optimizer, the sequential global batches -- train from the same initial weights on
+the same global batches. Reported: the largest parameter difference (absolute, and relative to
+the largest entry of that parameter) after the last step and the largest difference of the
+per-step global training loss.
+
+**Tolerance from float32 rounding.** The runs differ only in summation order: a mean over the
+global batch ``B`` summed per rank then across ranks, instead of in one go. That perturbs each
+gradient entry by up to ``B * eps`` relative (``eps`` = float32 machine epsilon, 1.19e-7). SGD
+with learning rate ``lr`` and momentum ``mu`` turns a gradient perturbation ``d`` into a
+parameter change of at most ``lr / (1 - mu) * d`` per step, and the steps add up, so with
+``|grad| <= 1``::
+
+    tolerance = 2 * steps * lr / (1 - mu) * B * eps
+
+(the factor 2 covers the loss and gradient being computed in another order as well). Leaving
+out gradient synchronisation moves parameters by orders of magnitude more (tested).
+
+Strategies are written ``METHOD[:COLLECTIVE][+accum=K][+syncbn]``, e.g. ``bucketed:ring``,
+``ddp+accum=4``, ``allreduce+syncbn``. SyncBN strategies use a small CNN with BatchNorm2d, whose
+single-process reference normalises over the whole global batch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from distlab.errors import ConfigError
+from distlab.parallel import COLLECTIVES, SYNC_METHODS
+from distlab.train.config import TrainConfig
+
+EPS32 = torch.finfo(torch.float32).eps
+_SPEC = re.compile(r"^(?P<method>[a-z-]+)(?::(?P<collective>[a-z_]+))?(?P<mods>(?:\+[a-z]+(?:=\d+)?)*)$")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    dp_sync: str
+    collective: str = "native"
+    grad_accum: int = 1
+    sync_bn: bool = False
+
+    @property
+    def name(self) -> str:
+        s = self.dp_sync + (f":{self.collective}" if self.collective != "native" else "")
+        s += f"+accum={self.grad_accum}" if self.grad_accum > 1 else ""
+        return s + ("+syncbn" if self.sync_bn else "")
+
+    def flags(self) -> dict:
+        return {"dp_sync": self.dp_sync, "collective": self.collective, "grad_accum": self.grad_accum,
+                "sync_bn": "distlab" if self.sync_bn else "off"}
+
+
+def parse_strategy(text: str) -> Strategy:
+    m = _SPEC.match(text.strip())
+    if not m:
+        raise ConfigError(f"cannot read strategy {text!r}: write METHOD[:COLLECTIVE][+accum=K][+syncbn], "
+                          f"e.g. bucketed:ring or ddp+accum=4")
+    method, collective = m["method"], m["collective"] or "native"
+    if method not in SYNC_METHODS:
+        raise ConfigError(f"strategy {text!r}: unknown --dp-sync {method!r}; choose one of: {', '.join(SYNC_METHODS)}")
+    if collective not in COLLECTIVES:
+        raise ConfigError(f"strategy {text!r}: unknown collective {collective!r}; choose one of: "
+                          f"{', '.join(COLLECTIVES)}")
+    accum, sync_bn = 1, False
+    for mod in filter(None, m["mods"].split("+")):
+        if mod == "syncbn":
+            sync_bn = True
+        elif mod.startswith("accum="):
+            accum = int(mod.split("=")[1])
+        else:
+            raise ConfigError(f"strategy {text!r}: unknown modifier {mod!r} (known: +accum=K, +syncbn)")
+    return Strategy(method, collective, accum, sync_bn)
+
+
+def default_strategies() -> list[Strategy]:
+    """Every --dp-sync x --collective, each method with --grad-accum 4, and SyncBN."""
+    out = [Strategy("gather-scatter")]
+    out += [Strategy(m, c) for m in ("allreduce", "bucketed", "ddp") for c in COLLECTIVES]
+    out += [Strategy(m, grad_accum=4) for m in SYNC_METHODS]
+    out += [Strategy(m, sync_bn=True) for m in ("allreduce", "bucketed", "ddp")]
+    return out
+
+
+def config_for(strategy: Strategy, world_size: int, steps: int, global_batch: int | None = None,
+               seed: int = 0) -> TrainConfig:
+    """A small, fast training run: an MLP (or a BN CNN for SyncBN) on synthetic data, SGD+momentum."""
+    batch = global_batch or 12 * world_size
+    model, dataset = ("small-cnn-bn", "synthetic:3x8x8:4:480") if strategy.sync_bn else ("mlp", "synthetic:1x8x8:4:480")
+    return TrainConfig(model=model, mlp_widths=(32, 16), dataset=dataset, epochs=max(1, steps), max_steps=steps,
+                       global_batch_size=batch, lr=0.05, lr_schedule="constant", optimizer="sgd", momentum=0.9,
+                       seed=seed, log_every=1, progress=False, verbose=False, bucket_mb=0.004, eval_every_epoch=False,
+                       **strategy.flags()).validate(world_size)
+
+
+def tolerance(cfg: TrainConfig) -> float:
+    return 2 * cfg.max_steps * cfg.lr / (1 - cfg.momentum) * cfg.global_batch_size * EPS32
+
+
+def reference_run(cfg: TrainConfig) -> tuple[list[torch.Tensor], list[float]]:
+    """Single-process SGD on the sequential global batches (no distlab trainer involved)."""
+    from distlab.data import load_dataset
+    from distlab.data.sampler import sequential_batches
+    from distlab.models import build_model
+
+    data = load_dataset(cfg.dataset, "train", seed=cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, data.input_shape, data.num_classes, widths=cfg.mlp_widths)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    losses, step, epoch = [], 0, 0
+    while step < cfg.max_steps:
+        for idx in sequential_batches(len(data), batch_size=cfg.global_batch_size, shuffle=True, seed=cfg.seed,
+                                      epoch=epoch):
+            if step == cfg.max_steps:
+                break
+            x, y = data.batch(torch.tensor(idx))
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            step += 1
+        epoch += 1
+    return [p.detach().clone() for p in model.parameters()], losses
+
+
+def _distributed_runs(rank: int, world: int, configs: list[TrainConfig]):
+    from distlab import runtime
+    from distlab.train import Trainer
+
+    out = []
+    for cfg in configs:
+        trainer = Trainer(cfg, runtime.from_process_group())
+        trainer.fit()
+        out.append(([p.detach().clone() for p in trainer.net.parameters()], [r["loss"] for r in trainer.history]))
+    return out if rank == 0 else None
+
+
+def compare(params, losses, ref_params, ref_losses) -> dict:
+    abs_diff = max((a - b).abs().max().item() for a, b in zip(params, ref_params))
+    rel_diff = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() for a, b in zip(params, ref_params))
+    loss_diff = max((abs(a - b) for a, b in zip(losses, ref_losses)), default=0.0)
+    return {"max_abs_param_diff": abs_diff, "max_rel_param_diff": rel_diff, "max_loss_diff": loss_diff}
+
+
+def verify(strategies: list[Strategy], world_size: int, steps: int = 10, global_batch: int | None = None,
+           timeout: float = 600.0) -> list[dict]:
+    """Run every strategy on ``world_size`` gloo processes (one process group, one after another)
+    and single-process; return one record per strategy (the ``--json`` contract)."""
+    from distlab.testing import run_ranks
+
+    configs = [config_for(s, world_size, steps, global_batch) for s in strategies]
+    results = run_ranks(_distributed_runs, world_size, configs, timeout=timeout)[0]
+    records = []
+    for strategy, cfg, (params, losses) in zip(strategies, configs, results):
+        ref_params, ref_losses = reference_run(cfg)
+        diffs = compare(params, losses, ref_params, ref_losses)
+        tol = tolerance(cfg)
+        records.append({"strategy": strategy.name, "flags": strategy.flags(), "world_size": world_size,
+                        "steps": steps, "model": cfg.model, "global_batch_size": cfg.global_batch_size, **diffs,
+                        "tolerance": tol,
+                        "passed": diffs["max_abs_param_diff"] <= tol and diffs["max_loss_diff"] <= tol})
+    return records
+
+
+def table(records: list[dict]) -> str:
+    rows = [f"{'strategy':<28} {'world':>5} {'steps':>5} {'max |dparam|':>12} {'max rel':>9} {'max |dloss|':>11} "
+            f"{'tolerance':>9}  result"]
+    for r in records:
+        rows.append(f"{r['strategy']:<28} {r['world_size']:>5} {r['steps']:>5} {r['max_abs_param_diff']:>12.2e} "
+                    f"{r['max_rel_param_diff']:>9.1e} {r['max_loss_diff']:>11.2e} {r['tolerance']:>9.1e}  "
+                    f"{'PASS' if r['passed'] else 'FAIL'}")
+    return "\n".join(rows)
