@@ -297,6 +297,60 @@ def bench_collectives(world, sizes, algorithms, ops, dtypes, warmup, repeats, ru
             click.echo(f"wrote {path}", err=True)
 
 
+@bench.command("syncbn")
+@click.option("--workers", default="1,2,4", show_default=True, help="Process counts.")
+@click.option("--features", default="128,256,512,1024", show_default=True)
+@click.option("--batches", default="32,64", show_default=True, help="Global batch sizes.")
+@click.option("--warmup", type=int, default=5, show_default=True)
+@click.option("--repeats", type=int, default=50, show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda (torch's SyncBN needs cuda).")
+@click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/syncbn.json.")
+def bench_syncbn(workers, features, batches, warmup, repeats, device, out):
+    """SyncBatchNorm (distlab's, torch's on GPU) vs local BatchNorm: accuracy, time, memory."""
+    from distlab.bench import syncbn
+    if repeats < 1 or warmup < 0:
+        raise ConfigError("--repeats must be at least 1 and --warmup at least 0")
+    records = syncbn.run(_csv_ints(workers), _csv_ints(features), _csv_ints(batches), warmup=warmup,
+                         repeats=repeats, device=device, out=out, progress=lambda s: click.echo(s, err=True))
+    click.echo(syncbn.table(records))
+    click.echo(f"wrote {out}/syncbn.json", err=True)
+
+
+@bench.command("dp")
+@click.option("--workloads", default="mlp,vgg11,resnet18-syncbn", show_default=True)
+@click.option("--nproc", type=int, default=2, show_default=True)
+@click.option("--steps", type=int, default=30, show_default=True)
+@click.option("--batch", type=int, default=64, show_default=True, help="Global batch size.")
+@click.option("--methods", default=",".join(f"{m}:{c}" for m, c in (("gather-scatter", "native"), ("allreduce", "native"),
+              ("allreduce", "ring"), ("bucketed", "native"), ("bucketed", "ring"), ("ddp", "native"))),
+              show_default=True, help="METHOD:COLLECTIVE list.")
+@click.option("--runs", type=int, default=1, show_default=True, help="Repeat each configuration; median of medians.")
+@click.option("--data-dir", default=None)
+@click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/dp.json.")
+def bench_dp(workloads, nproc, steps, batch, methods, runs, data_dir, out):
+    """Every --dp-sync method vs DDP on real training: samples/s, bytes/step, memory, accuracy."""
+    from distlab.bench import dp
+    names = [w for w in workloads.split(",") if w]
+    for w in names:
+        if w not in dp.WORKLOADS:
+            raise ConfigError(f"unknown workload {w!r}; choose from {', '.join(dp.WORKLOADS)}")
+    pairs = []
+    for m in methods.split(","):
+        method, _, collective = m.partition(":")
+        _check_method(method, collective or "native", nproc, batch)
+        pairs.append((method, collective or "native"))
+    if nproc < 2 or steps < 3 or runs < 1:
+        raise ConfigError("--nproc must be at least 2, --steps at least 3 and --runs at least 1")
+    records = dp.run(names, nproc, steps, batch, pairs, runs, data_dir, out, progress=lambda s: click.echo(s, err=True))
+    click.echo(dp.table(records))
+    click.echo(f"wrote {out}/dp.json", err=True)
+
+
+def _check_method(method: str, collective: str, world: int, batch: int) -> None:
+    from distlab.train import TrainConfig
+    TrainConfig(dp_sync=method, collective=collective, global_batch_size=batch).validate(world)
+
+
 # --------------------------------------------------------------------------- doctor
 
 

@@ -1,0 +1,105 @@
+"""``distlab bench dp``: every gradient-sync method (and collective) against torch's DDP, on real training.
+
+Workloads (``--workloads``):
+
+``mlp``              the MLP on Fashion-MNIST (real data; the main job's model)
+``vgg11``            VGG-11 on CIFAR-10 (the real pickles if found, else CIFAR-shaped synthetic data)
+``resnet18-syncbn``  ResNet-18 with distlab's SyncBatchNorm on CIFAR-100 (likewise)
+
+For each workload: one process (the baseline) and every method on ``--nproc`` processes, each a
+fresh set of processes running :class:`~distlab.train.Trainer` for ``--steps`` optimizer steps
+and a final evaluation. Per run: median time per step (first steps excluded), samples/s, peak RSS
+per rank, bytes sent per rank per step (distlab's accounting; unknown inside torch's DDP), final
+training loss and test accuracy. With ``--runs R`` each configuration runs R times and the
+median of the runs' medians is reported. Every rank uses ``cores // nproc`` torch threads (the
+single-process baseline uses all cores).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from distlab.bench.common import cores, machine, write
+from distlab.errors import DataNotFoundError
+from distlab.testing import run_ranks
+from distlab.train.config import TrainConfig
+
+WORKLOADS = {
+    "mlp": {"model": "mlp", "dataset": "fashion-mnist", "fallback": None, "sync_bn": "off", "lr": 0.05},
+    "vgg11": {"model": "vgg11", "dataset": "cifar10", "fallback": "synthetic:3x32x32:10:8192", "sync_bn": "off",
+              "lr": 0.02},
+    "resnet18-syncbn": {"model": "resnet18", "dataset": "cifar100", "fallback": "synthetic:3x32x32:100:8192",
+                        "sync_bn": "distlab", "lr": 0.05},
+}
+METHODS = (("gather-scatter", "native"), ("allreduce", "native"), ("allreduce", "ring"),
+           ("bucketed", "native"), ("bucketed", "ring"), ("ddp", "native"))
+
+
+def _dataset(workload: dict, data_dir: str | None) -> tuple[str, bool]:
+    """The workload's dataset if it is on disk, else its synthetic stand-in (real: False)."""
+    from distlab.data import locate
+    try:
+        locate(workload["dataset"], data_dir)
+        return workload["dataset"], True
+    except DataNotFoundError:
+        if workload["fallback"] is None:
+            raise
+        return workload["fallback"], False
+
+
+def _train(rank: int, world: int, cfg: TrainConfig) -> dict | None:
+    from distlab import runtime
+    from distlab.train import Trainer
+    summary = Trainer(cfg, runtime.from_process_group()).fit()
+    return summary if rank == 0 else None
+
+
+def run(workloads=("mlp", "vgg11", "resnet18-syncbn"), nproc: int = 2, steps: int = 30, batch: int = 64,
+        methods=METHODS, runs: int = 1, data_dir: str | None = None, out=None, progress=print) -> list[dict]:
+    records = []
+    for name in workloads:
+        w = WORKLOADS[name]
+        dataset, real = _dataset(w, data_dir)
+        plan = [(1, ("allreduce", "native"))] + [(nproc, m) for m in methods]
+        for world, (dp_sync, collective) in plan:
+            label = "single process" if world == 1 else f"{dp_sync}:{collective}"
+            threads = max(1, cores() // world)
+            summaries = []
+            for i in range(runs):
+                progress(f"{name} ({dataset}): {label} on {world} process(es)" + (f", run {i + 1}" if runs > 1 else ""))
+                cfg = TrainConfig(model=w["model"], dataset=dataset, data_dir=data_dir, epochs=1000, max_steps=steps,
+                                  global_batch_size=batch, lr=w["lr"], lr_schedule="constant", seed=0,
+                                  log_every=max(1, steps), progress=False, verbose=False, eval_every_epoch=False,
+                                  dp_sync=dp_sync, collective=collective, sync_bn=w["sync_bn"] if world > 1 else "off",
+                                  timing_warmup_steps=min(5, steps // 3))
+                summaries.append(run_ranks(_train, world, cfg, timeout=3600, threads=threads)[0])
+            s = summaries[0]
+            med = statistics.median(x["time_per_step_s_median"] for x in summaries)
+            records.append({
+                "workload": name, "model": w["model"], "dataset": dataset, "real_data": real, "world_size": world,
+                "dp_sync": dp_sync if world > 1 else None, "collective": collective if world > 1 else None,
+                "sync_bn": s["strategy"]["sync_bn"], "global_batch_size": batch, "steps": steps, "runs": runs,
+                "time_per_step_s_median": med, "time_per_step_s_per_run": [x["time_per_step_s_median"] for x in summaries],
+                "samples_per_s_median": batch / med, "peak_rss_mb": max(x["peak_rss_mb"] for x in summaries),
+                "comm_bytes_per_step": s["comm_bytes_per_step"], "final_train_loss": s["final_train_loss"],
+                "test_accuracy": s["test_accuracy"], "test_loss": s["test_loss"],
+                "num_parameters": s["num_parameters"], **machine(world, threads),
+            })
+    write(records, out, "dp")
+    return records
+
+
+def table(records: list[dict]) -> str:
+    rows = [f"{'workload':<16} {'procs':>5} {'method':<22} {'ms/step':>8} {'samples/s':>9} {'vs ddp':>7} "
+            f"{'MB/step':>8} {'RSS MB':>7} {'loss':>6} {'test acc':>8}"]
+    ddp = {r["workload"]: r["samples_per_s_median"] for r in records if r["dp_sync"] == "ddp"
+           and r["collective"] == "native"}
+    for r in records:
+        method = "single process" if r["world_size"] == 1 else f"{r['dp_sync']}:{r['collective']}"
+        ratio = f"{r['samples_per_s_median'] / ddp[r['workload']]:.2f}x" if r["workload"] in ddp and r["world_size"] > 1 else "-"
+        mb = "?" if r["comm_bytes_per_step"] is None else f"{r['comm_bytes_per_step'] / 2**20:.1f}"
+        acc = "-" if r["test_accuracy"] is None else f"{100 * r['test_accuracy']:.1f}%"
+        rows.append(f"{r['workload']:<16} {r['world_size']:>5} {method:<22} {1000 * r['time_per_step_s_median']:>8.1f} "
+                    f"{r['samples_per_s_median']:>9.0f} {ratio:>7} {mb:>8} {r['peak_rss_mb']:>7.0f} "
+                    f"{r['final_train_loss']:>6.3f} {acc:>8}")
+    return "\n".join(rows)
