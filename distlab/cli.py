@@ -351,6 +351,18 @@ def _check_method(method: str, collective: str, world: int, batch: int) -> None:
     TrainConfig(dp_sync=method, collective=collective, global_batch_size=batch).validate(world)
 
 
+@bench.command("markdown")
+@click.argument("paths", nargs=-1, required=True)
+def bench_markdown(paths):
+    """Print README-ready Markdown tables from bench JSON files."""
+    from distlab.bench import markdown
+    for p in paths:
+        try:
+            click.echo(markdown.render(p) + "\n")
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigError(f"cannot make a table from {p}: {exc}") from None
+
+
 # --------------------------------------------------------------------------- doctor
 
 

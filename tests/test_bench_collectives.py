@@ -45,3 +45,39 @@ def test_crossover_is_the_size_from_which_ring_stays_faster():
                rec("butterfly", 1000, 1.0, world=2), rec("ring", 1000, 3.0, world=2)]
     # at 1e4 ring is faster but loses again at 1e5: the crossover is 1e6; world 2 never crosses
     assert crossovers(records) == {2: None, 4: 10**6}
+
+
+def test_bench_syncbn_records_accuracy_time_and_memory(run_cli, tmp_path):
+    proc = run_cli("bench", "syncbn", "--workers", "1,2", "--features", "8", "--batches", "8", "--repeats", "3",
+                   "--warmup", "1", "--out", str(tmp_path), timeout=300, check=True)
+    records = json.loads((tmp_path / "syncbn.json").read_text())
+    by = {(r["workers"], r["implementation"]): r for r in records}
+    assert set(by) == {(w, i) for w in (1, 2) for i in ("distlab", "local", "torch")}
+    assert not by[(2, "torch")]["available"] and "CUDA" in by[(2, "torch")]["reason"]  # CPU run
+    assert by[(2, "distlab")]["max_abs_out_diff"] < 1e-5 and by[(2, "distlab")]["max_abs_grad_diff"] < 1e-5
+    assert by[(2, "local")]["max_abs_out_diff"] > 1e-2  # local statistics of 4 samples are not the batch's
+    assert by[(1, "local")]["max_abs_out_diff"] < 1e-5  # ... but on one worker local is the whole batch
+    for key in ((1, "distlab"), (2, "distlab"), (2, "local")):
+        r = by[key]
+        assert r["time_s_median"] > 0 and r["saved_for_backward_bytes"] > 0 and r["cores"] >= 1
+    assert "not available" in proc.stdout
+
+
+def test_bench_dp_trains_each_method_and_compares_with_ddp(tmp_path):
+    from distlab.bench import dp
+    dp.WORKLOADS["tiny"] = {"model": "mlp", "dataset": "synthetic:1x8x8:4:512", "fallback": None, "sync_bn": "off",
+                            "lr": 0.05}
+    try:
+        records = dp.run(["tiny"], nproc=2, steps=6, batch=16,
+                         methods=[("allreduce", "native"), ("bucketed", "ring"), ("ddp", "native")],
+                         out=tmp_path, progress=lambda s: None)
+    finally:
+        del dp.WORKLOADS["tiny"]
+    assert [(r["world_size"], r["dp_sync"], r["collective"]) for r in records] == [
+        (1, None, None), (2, "allreduce", "native"), (2, "bucketed", "ring"), (2, "ddp", "native")]
+    losses = [r["final_train_loss"] for r in records]
+    assert max(losses) - min(losses) < 1e-4  # every method trains the same model the same way
+    assert records[0]["comm_bytes_per_step"] == 0 and records[3]["comm_bytes_per_step"] is None  # DDP: unknown
+    assert records[2]["comm_bytes_per_step"] > 0  # counted messages of distlab's ring
+    assert json.loads((tmp_path / "dp.json").read_text())[1]["samples_per_s_median"] > 0
+    assert "vs ddp" in dp.table(records)

@@ -89,17 +89,29 @@ def run(workloads=("mlp", "vgg11", "resnet18-syncbn"), nproc: int = 2, steps: in
     return records
 
 
-def table(records: list[dict]) -> str:
-    rows = [f"{'workload':<16} {'procs':>5} {'method':<22} {'ms/step':>8} {'samples/s':>9} {'vs ddp':>7} "
-            f"{'MB/step':>8} {'RSS MB':>7} {'loss':>6} {'test acc':>8}"]
+def rows(records: list[dict]) -> list[dict]:
+    """Display cells per record: method label, ratio to DDP's samples/s, MB per step, accuracy."""
     ddp = {r["workload"]: r["samples_per_s_median"] for r in records if r["dp_sync"] == "ddp"
            and r["collective"] == "native"}
+    out = []
     for r in records:
-        method = "single process" if r["world_size"] == 1 else f"{r['dp_sync']}:{r['collective']}"
-        ratio = f"{r['samples_per_s_median'] / ddp[r['workload']]:.2f}x" if r["workload"] in ddp and r["world_size"] > 1 else "-"
-        mb = "?" if r["comm_bytes_per_step"] is None else f"{r['comm_bytes_per_step'] / 2**20:.1f}"
-        acc = "-" if r["test_accuracy"] is None else f"{100 * r['test_accuracy']:.1f}%"
-        rows.append(f"{r['workload']:<16} {r['world_size']:>5} {method:<22} {1000 * r['time_per_step_s_median']:>8.1f} "
-                    f"{r['samples_per_s_median']:>9.0f} {ratio:>7} {mb:>8} {r['peak_rss_mb']:>7.0f} "
-                    f"{r['final_train_loss']:>6.3f} {acc:>8}")
-    return "\n".join(rows)
+        out.append({
+            "workload": r["workload"], "procs": r["world_size"],
+            "method": "1 process" if r["world_size"] == 1 else f"{r['dp_sync']}:{r['collective']}",
+            "ms": f"{1000 * r['time_per_step_s_median']:.1f}", "sps": f"{r['samples_per_s_median']:.0f}",
+            "vs_ddp": (f"{r['samples_per_s_median'] / ddp[r['workload']]:.2f}x"
+                       if r["workload"] in ddp and r["world_size"] > 1 else "-"),
+            "mb": "?" if r["comm_bytes_per_step"] is None else f"{r['comm_bytes_per_step'] / 2**20:.1f}",
+            "rss": f"{r['peak_rss_mb']:.0f}", "loss": f"{r['final_train_loss']:.3f}",
+            "acc": "-" if r["test_accuracy"] is None else f"{100 * r['test_accuracy']:.1f}%",
+        })
+    return out
+
+
+def table(records: list[dict]) -> str:
+    lines = [f"{'workload':<16} {'procs':>5} {'method':<22} {'ms/step':>8} {'samples/s':>9} {'vs ddp':>7} "
+             f"{'MB/step':>8} {'RSS MB':>7} {'loss':>6} {'test acc':>8}"]
+    for c in rows(records):
+        lines.append(f"{c['workload']:<16} {c['procs']:>5} {c['method']:<22} {c['ms']:>8} {c['sps']:>9} "
+                     f"{c['vs_ddp']:>7} {c['mb']:>8} {c['rss']:>7} {c['loss']:>6} {c['acc']:>8}")
+    return "\n".join(lines)

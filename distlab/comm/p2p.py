@@ -12,11 +12,17 @@ So :func:`prepare` gives each gloo group a *duplex partner*: a second gloo proce
 same ranks (its own connections and network thread). Messages from the lower rank of a pair travel
 on the group, messages from the higher rank on its partner, so every socket carries one direction.
 ``DISTLAB_P2P_DUPLEX=0`` turns this off (for comparison); groups of other backends never use it.
+
+**A tag space per thread.** Messages match by ``(peer, tag)`` in posting order, so two threads
+running collectives on the same group at once (the bucketed data-parallel sync reduces buckets on
+a communication thread while backward's SyncBatchNorm reduces on the main thread) would steal each
+other's messages. :func:`use_tag_space` gives a thread its own range of tags.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 import torch.distributed as dist
@@ -25,6 +31,19 @@ from torch.distributed import distributed_c10d as c10d
 from distlab.comm import accounting
 
 _PARTNERS: dict[int, tuple[object, object]] = {}  # id(group) -> (group, partner backend or None)
+_PARTNERS_LOCK = threading.Lock()
+_THREAD = threading.local()
+TAG_SPACE = 1 << 16  # tags an algorithm may use within one space
+
+
+def use_tag_space(index: int) -> None:
+    """Make this thread's messages use tags ``index * TAG_SPACE + tag`` (0: the default space).
+    Every rank must run the matching collectives in threads with the same index."""
+    _THREAD.tag_base = index * TAG_SPACE
+
+
+def _tag(tag: int) -> int:
+    return getattr(_THREAD, "tag_base", 0) + tag
 
 
 def _global(group: dist.ProcessGroup | None, rank: int) -> int:
@@ -48,9 +67,10 @@ def prepare(group: dist.ProcessGroup | None) -> None:
     """Create ``group``'s duplex partner if it has none yet. Collective: every member calls it,
     at the same collective (distlab's collectives do, before their first message)."""
     g = group if group is not None else dist.group.WORLD
-    entry = _PARTNERS.get(id(g))
-    if entry is None or entry[0] is not g:  # a new group (ids of destroyed ones can be reused)
-        _PARTNERS[id(g)] = (g, _make_partner(g))
+    with _PARTNERS_LOCK:  # once per process, whichever thread gets here first
+        entry = _PARTNERS.get(id(g))
+        if entry is None or entry[0] is not g:  # a new group (ids of destroyed ones can be reused)
+            _PARTNERS[id(g)] = (g, _make_partner(g))
 
 
 def _partner(group: dist.ProcessGroup | None):
@@ -65,8 +85,8 @@ def isend(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, tag
     accounting.record_send(t.numel() * t.element_size())
     partner = _partner(group)
     if partner is not None and dist.get_rank(group) > dst:
-        return partner.send([t], dst, tag)
-    return dist.isend(t, _global(group, dst), group=group, tag=tag)
+        return partner.send([t], dst, _tag(tag))
+    return dist.isend(t, _global(group, dst), group=group, tag=_tag(tag))
 
 
 def irecv(t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag: int = 0):
@@ -76,8 +96,8 @@ def irecv(t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag
     accounting.record_recv(t.numel() * t.element_size())
     partner = _partner(group)
     if partner is not None and src > dist.get_rank(group):
-        return partner.recv([t], src, tag)
-    return dist.irecv(t, _global(group, src), group=group, tag=tag)
+        return partner.recv([t], src, _tag(tag))
+    return dist.irecv(t, _global(group, src), group=group, tag=_tag(tag))
 
 
 def wait_all(works) -> None:

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distlab import comm
+from distlab.comm import p2p
 from distlab.comm.accounting import allreduce_bytes_per_rank
 from distlab.errors import ConfigError
 from distlab.runtime import broadcast_module
@@ -219,7 +220,8 @@ class BucketedSync(GradSync):
                 self.where[id(p)] = (b, i)
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
         if self.world_size > 1 and self.collective != "native":
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distlab-comm")
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distlab-comm",
+                                                initializer=p2p.use_tag_space, initargs=(1,))
         return module
 
     # -- during backward ---------------------------------------------------------------------
