@@ -38,6 +38,8 @@ METHODS = (("gather-scatter", "native"), ("allreduce", "native"), ("allreduce", 
 def _dataset(workload: dict, data_dir: str | None) -> tuple[str, bool]:
     """The workload's dataset if it is on disk, else its synthetic stand-in (real: False)."""
     from distlab.data import locate
+    if workload["dataset"].startswith("synthetic"):
+        return workload["dataset"], False
     try:
         locate(workload["dataset"], data_dir)
         return workload["dataset"], True

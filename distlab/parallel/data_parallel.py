@@ -337,10 +337,6 @@ class TorchDDPSync(GradSync):
     def no_sync(self, module: nn.Module):
         return module.no_sync()
 
-    def bytes_per_sync(self, module: nn.Module) -> int | None:
-        return None if self.collective == "native" else super().bytes_per_sync(module)
-
-
 SYNC_METHODS: dict[str, type[GradSync]] = {
     "gather-scatter": GatherScatterSync,
     "allreduce": AllReduceSync,

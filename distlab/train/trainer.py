@@ -148,11 +148,12 @@ class Trainer:
         return self.cfg.dp_sync == "ddp" and self.cfg.collective == "native"
 
     def _bytes_per_step(self, counted: list[int]) -> int | None:
+        """Median bytes sent per rank per step: distlab's counts, plus, for torch's DDP (which
+        reduces inside autograd, out of sight), the textbook volume of all-reducing every gradient."""
         if self.rt.world_size == 1:
             return 0
-        if self._ddp_native():
-            return None
-        return int(statistics.median(counted)) if counted else None
+        median = int(statistics.median(counted)) if counted else 0
+        return median + (self.model.bytes_per_sync() or 0) if self._ddp_native() else median
 
     def _sync_device(self) -> None:
         if self.rt.device.type == "cuda":
@@ -270,9 +271,10 @@ class Trainer:
             "peak_rss_mb": rss,
             "peak_cuda_mb": cuda_mb,
             "comm_bytes_per_step": self._bytes_per_step(comm_bytes),
-            "comm_bytes_basis": ("unknown (torch's DDP reduces inside autograd)" if self._ddp_native() else
-                                 "counted by distlab.comm (messages of distlab's algorithms; torch's native "
-                                 "collectives at their textbook volume)"),
+            "comm_bytes_basis": ("counted by distlab.comm (messages of distlab's algorithms; torch's native "
+                                 "collectives at their textbook volume)" + (
+                                     "; DDP's gradient all-reduce at the textbook 2(n-1)/n x gradient bytes"
+                                     if self._ddp_native() else "")),
             "wall_time_s": wall,
             "resumed_from": None,
             "evals": evals,
