@@ -305,7 +305,8 @@ def bench_collectives(world, sizes, algorithms, ops, dtypes, warmup, repeats, ru
 @click.option("--repeats", type=int, default=50, show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda (torch's SyncBN needs cuda).")
 @click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/syncbn.json.")
-def bench_syncbn(workers, features, batches, warmup, repeats, device, out):
+@click.option("--plot", "plot_dir", default=None, help="Also write time-vs-features PNGs here.")
+def bench_syncbn(workers, features, batches, warmup, repeats, device, out, plot_dir):
     """SyncBatchNorm (distlab's, torch's on GPU) vs local BatchNorm: accuracy, time, memory."""
     from distlab.bench import syncbn
     if repeats < 1 or warmup < 0:
@@ -314,6 +315,8 @@ def bench_syncbn(workers, features, batches, warmup, repeats, device, out):
                          repeats=repeats, device=device, out=out, progress=lambda s: click.echo(s, err=True))
     click.echo(syncbn.table(records))
     click.echo(f"wrote {out}/syncbn.json", err=True)
+    for path in syncbn.plot(records, plot_dir) if plot_dir else []:
+        click.echo(f"wrote {path}", err=True)
 
 
 @bench.command("dp")
@@ -327,7 +330,8 @@ def bench_syncbn(workers, features, batches, warmup, repeats, device, out):
 @click.option("--runs", type=int, default=1, show_default=True, help="Repeat each configuration; median of medians.")
 @click.option("--data-dir", default=None)
 @click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/dp.json.")
-def bench_dp(workloads, nproc, steps, batch, methods, runs, data_dir, out):
+@click.option("--plot", "plot_dir", default=None, help="Also write samples/s bar charts here.")
+def bench_dp(workloads, nproc, steps, batch, methods, runs, data_dir, out, plot_dir):
     """Every --dp-sync method vs DDP on real training: samples/s, bytes/step, memory, accuracy."""
     from distlab.bench import dp
     names = [w for w in workloads.split(",") if w]
@@ -344,6 +348,8 @@ def bench_dp(workloads, nproc, steps, batch, methods, runs, data_dir, out):
     records = dp.run(names, nproc, steps, batch, pairs, runs, data_dir, out, progress=lambda s: click.echo(s, err=True))
     click.echo(dp.table(records))
     click.echo(f"wrote {out}/dp.json", err=True)
+    for path in dp.plot(records, plot_dir) if plot_dir else []:
+        click.echo(f"wrote {path}", err=True)
 
 
 def _check_method(method: str, collective: str, world: int, batch: int) -> None:

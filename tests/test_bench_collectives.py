@@ -49,7 +49,8 @@ def test_crossover_is_the_size_from_which_ring_stays_faster():
 
 def test_bench_syncbn_records_accuracy_time_and_memory(run_cli, tmp_path):
     proc = run_cli("bench", "syncbn", "--workers", "1,2", "--features", "8", "--batches", "8", "--repeats", "3",
-                   "--warmup", "1", "--out", str(tmp_path), timeout=300, check=True)
+                   "--warmup", "1", "--out", str(tmp_path), "--plot", str(tmp_path / "plots"), timeout=300, check=True)
+    assert (tmp_path / "plots" / "syncbn_w2.png").stat().st_size > 1000
     records = json.loads((tmp_path / "syncbn.json").read_text())
     by = {(r["workers"], r["implementation"]): r for r in records}
     assert set(by) == {(w, i) for w in (1, 2) for i in ("distlab", "local", "torch")}
@@ -82,3 +83,4 @@ def test_bench_dp_trains_each_method_and_compares_with_ddp(tmp_path):
     assert records[3]["comm_bytes_per_step"] == records[2]["comm_bytes_per_step"] > 0
     assert json.loads((tmp_path / "dp.json").read_text())[1]["samples_per_s_median"] > 0
     assert "vs ddp" in dp.table(records)
+    assert dp.plot(records, tmp_path / "plots")[0].stat().st_size > 1000

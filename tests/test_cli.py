@@ -208,3 +208,11 @@ def test_verify_comparison_catches_a_difference():
     diffs = compare(nudged, losses, params, losses)
     assert abs(diffs["max_abs_param_diff"] - 1e-3) < 1e-6 and diffs["max_abs_param_diff"] > tolerance(cfg)
     assert torch.is_tensor(params[0])
+
+
+def test_sync_bn_torch_on_cpu_is_refused_before_launch(run_cli):
+    proc = run_cli("train", "--nproc-per-node", "2", "--model", "small-cnn-bn", "--dataset", "synthetic:3x8x8:4:64",
+                   "--sync-bn", "torch")
+    error = _one_line_error(proc, "--sync-bn torch uses torch.nn.SyncBatchNorm, which only runs on GPUs",
+                       "use --sync-bn distlab")
+    assert proc.returncode == 2, error

@@ -117,3 +117,33 @@ def table(records: list[dict]) -> str:
         lines.append(f"{c['workload']:<16} {c['procs']:>5} {c['method']:<22} {c['ms']:>8} {c['sps']:>9} "
                      f"{c['vs_ddp']:>7} {c['mb']:>8} {c['rss']:>7} {c['loss']:>6} {c['acc']:>8}")
     return "\n".join(lines)
+
+
+def plot(records: list[dict], directory) -> list:
+    """One PNG per workload: samples/s per method (bars), DDP's level as a line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from pathlib import Path
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for workload in dict.fromkeys(r["workload"] for r in records):
+        cells = [c for c, r in zip(rows(records), records) if r["workload"] == workload]
+        values = [float(c["sps"]) for c in cells]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.bar(range(len(cells)), values, color=["#888" if c["procs"] == 1 else "#4477aa" for c in cells])
+        ax.set_xticks(range(len(cells)), [c["method"] for c in cells], rotation=30, ha="right")
+        ddp = [float(c["sps"]) for c in cells if c["method"] == "ddp:native"]
+        if ddp:
+            ax.axhline(ddp[0], color="#cc3311", linestyle="--", label="torch DDP")
+            ax.legend()
+        ax.set_ylabel("samples/s")
+        ax.set_title(f"data parallel: {workload}")
+        fig.tight_layout()
+        path = directory / f"dp_{workload}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -144,3 +144,37 @@ def table(records: list[dict]) -> str:
                     f"{ratio:>8} {r['max_abs_out_diff']:>9.1e} {r['max_abs_grad_diff']:>9.1e} "
                     f"{r['saved_for_backward_bytes'] / 1024:>8.0f}")
     return "\n".join(rows)
+
+
+def plot(records: list[dict], directory) -> list:
+    """One PNG per worker count: forward+backward time vs features, per implementation and batch."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from pathlib import Path
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    ok = [r for r in records if r.get("available")]
+    for workers in sorted({r["workers"] for r in ok}):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for impl in dict.fromkeys(r["implementation"] for r in ok):
+            for batch in sorted({r["batch"] for r in ok}):
+                pts = sorted((r["features"], 1000 * r["time_s_median"]) for r in ok
+                             if r["workers"] == workers and r["implementation"] == impl and r["batch"] == batch)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=f"{impl}, batch {batch}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("features")
+        ax.set_ylabel("forward+backward (ms)")
+        ax.set_title(f"batch norm, {workers} worker(s)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = directory / f"syncbn_w{workers}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
