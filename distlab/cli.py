@@ -124,11 +124,16 @@ def cli():
               help="Micro-batches per optimizer step (no communication until the last).")
 @click.option("--sync-bn", default="off", show_default=True,
               help="off, distlab (any device) or torch (nn.SyncBatchNorm, GPU only).")
+@click.option("--tp", type=int, default=1, show_default=True,
+              help="Tensor-parallel size: ranks that split each Linear layer (must divide the world size).")
+@click.option("--tp-style", default="megatron", show_default=True,
+              help="megatron (column then row parallel, one all-reduce each way per block) or naive "
+                   "(every layer column parallel, activations all-gathered).")
 @click.option("--out", default=None, help="Run directory for metrics.jsonl and summary.json.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar on rank 0 (default: when a terminal).")
 @launch_options
 def train(**kw):
-    """Train a model; data parallel over every rank of the job."""
+    """Train a model: data parallel over every rank, or data x tensor parallel with --tp."""
     from distlab.train import TrainConfig
 
     widths = _csv_ints(kw.pop("mlp_widths"))
@@ -141,7 +146,7 @@ def train(**kw):
         weight_decay=kw.pop("weight_decay"), seed=kw.pop("seed"), log_every=kw.pop("log_every"),
         eval_batch_size=kw.pop("eval_batch_size"), dp_sync=kw.pop("dp_sync"), collective=kw.pop("collective"),
         bucket_mb=kw.pop("bucket_mb"), find_unused=kw.pop("find_unused"), grad_accum=kw.pop("grad_accum"),
-        sync_bn=kw.pop("sync_bn"), out=out, progress=kw.pop("progress"))
+        sync_bn=kw.pop("sync_bn"), tp=kw.pop("tp"), tp_style=kw.pop("tp_style"), out=out, progress=kw.pop("progress"))
 
     device = kw["device"]
 
@@ -185,7 +190,7 @@ def verify(nproc, strategies, steps, global_batch_size, json_path):
     from distlab.train.metrics import atomic_write_text
     if nproc < 1 or steps < 1:
         raise ConfigError("--nproc and --steps must be at least 1")
-    chosen = [v.parse_strategy(s) for s in strategies] if strategies else v.default_strategies()
+    chosen = [v.parse_strategy(s) for s in strategies] if strategies else v.default_strategies(nproc)
     for s in chosen:  # flags and batch split, before any process starts
         v.config_for(s, nproc, steps, global_batch_size)
     click.echo(f"verifying {len(chosen)} strategies on {nproc} processes, {steps} steps each ...", err=True)

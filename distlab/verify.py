@@ -46,16 +46,24 @@ class Strategy:
     collective: str = "native"
     grad_accum: int = 1
     sync_bn: bool = False
+    tp: int = 1
+    tp_style: str = "megatron"
+    zero: int = 0
+    optimizer: str = "sgd"
 
     @property
     def name(self) -> str:
         s = self.dp_sync + (f":{self.collective}" if self.collective != "native" else "")
         s += f"+accum={self.grad_accum}" if self.grad_accum > 1 else ""
-        return s + ("+syncbn" if self.sync_bn else "")
+        s += "+syncbn" if self.sync_bn else ""
+        s += f"+tp={self.tp}" + ("+naive" if self.tp_style == "naive" else "") if self.tp > 1 else ""
+        s += f"+zero={self.zero}" if self.zero else ""
+        return s + ("+adam" if self.optimizer == "adam" else "")
 
     def flags(self) -> dict:
         return {"dp_sync": self.dp_sync, "collective": self.collective, "grad_accum": self.grad_accum,
-                "sync_bn": "distlab" if self.sync_bn else "off"}
+                "sync_bn": "distlab" if self.sync_bn else "off", "tp": self.tp, "tp_style": self.tp_style,
+                "optimizer": self.optimizer, **({"zero": self.zero} if self.zero else {})}
 
 
 def parse_strategy(text: str) -> Strategy:
@@ -69,33 +77,40 @@ def parse_strategy(text: str) -> Strategy:
     if collective not in COLLECTIVES:
         raise ConfigError(f"strategy {text!r}: unknown collective {collective!r}; choose one of: "
                           f"{', '.join(COLLECTIVES)}")
-    accum, sync_bn = 1, False
+    opts: dict = {}
     for mod in filter(None, m["mods"].split("+")):
-        if mod == "syncbn":
-            sync_bn = True
-        elif mod.startswith("accum="):
-            accum = int(mod.split("=")[1])
+        key, _, value = mod.partition("=")
+        if mod in ("syncbn", "naive", "adam"):
+            opts.update({"syncbn": {"sync_bn": True}, "naive": {"tp_style": "naive"},
+                         "adam": {"optimizer": "adam"}}[mod])
+        elif key in ("accum", "tp", "zero") and value:
+            opts[{"accum": "grad_accum"}.get(key, key)] = int(value)
         else:
-            raise ConfigError(f"strategy {text!r}: unknown modifier {mod!r} (known: +accum=K, +syncbn)")
-    return Strategy(method, collective, accum, sync_bn)
+            raise ConfigError(f"strategy {text!r}: unknown modifier {mod!r} "
+                              f"(known: +accum=K, +syncbn, +tp=N, +naive, +zero=S, +adam)")
+    return Strategy(method, collective, **opts)
 
 
-def default_strategies() -> list[Strategy]:
-    """Every --dp-sync x --collective, each method with --grad-accum 4, and SyncBN."""
+def default_strategies(world_size: int | None = None) -> list[Strategy]:
+    """Every --dp-sync x --collective, each method with --grad-accum 4, SyncBN, and -- where
+    ``world_size`` is even -- tensor parallel over pairs of ranks in both styles."""
     out = [Strategy("gather-scatter")]
     out += [Strategy(m, c) for m in ("allreduce", "bucketed", "ddp") for c in COLLECTIVES]
     out += [Strategy(m, grad_accum=4) for m in SYNC_METHODS]
     out += [Strategy(m, sync_bn=True) for m in ("allreduce", "bucketed", "ddp")]
+    if world_size and world_size % 2 == 0:
+        out += [Strategy("allreduce", tp=2), Strategy("allreduce", tp=2, tp_style="naive")]
     return out
 
 
 def config_for(strategy: Strategy, world_size: int, steps: int, global_batch: int | None = None,
                seed: int = 0) -> TrainConfig:
     """A small, fast training run: an MLP (or a BN CNN for SyncBN) on synthetic data, SGD+momentum."""
-    batch = global_batch or 12 * world_size
+    batch = global_batch or 12 * (world_size // strategy.tp)
     model, dataset = ("small-cnn-bn", "synthetic:3x8x8:4:480") if strategy.sync_bn else ("mlp", "synthetic:1x8x8:4:480")
     return TrainConfig(model=model, mlp_widths=(32, 16), dataset=dataset, epochs=max(1, steps), max_steps=steps,
-                       global_batch_size=batch, lr=0.05, lr_schedule="constant", optimizer="sgd", momentum=0.9,
+                       global_batch_size=batch, lr=0.005 if strategy.optimizer == "adam" else 0.05, lr_schedule="constant",
+                       momentum=0.9,
                        seed=seed, log_every=1, progress=False, verbose=False, bucket_mb=0.004, eval_every_epoch=False,
                        **strategy.flags()).validate(world_size)
 
@@ -113,7 +128,8 @@ def reference_run(cfg: TrainConfig) -> tuple[list[torch.Tensor], list[float]]:
     data = load_dataset(cfg.dataset, "train", seed=cfg.seed)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, data.input_shape, data.num_classes, widths=cfg.mlp_widths)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    opt = (torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay) if cfg.optimizer == "adam"
+           else torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay))
     losses, step, epoch = [], 0, 0
     while step < cfg.max_steps:
         for idx in sequential_batches(len(data), batch_size=cfg.global_batch_size, shuffle=True, seed=cfg.seed,
@@ -139,7 +155,7 @@ def _distributed_runs(rank: int, world: int, configs: list[TrainConfig]):
     for cfg in configs:
         trainer = Trainer(cfg, runtime.from_process_group())
         trainer.fit()
-        out.append(([p.detach().clone() for p in trainer.net.parameters()], [r["loss"] for r in trainer.history]))
+        out.append((trainer.full_parameters(), [r["loss"] for r in trainer.history]))
     return out if rank == 0 else None
 
 

@@ -1,9 +1,14 @@
-"""Parallel strategies applied to a built model: data parallel and synchronized batch norm
-(model-state parallelism follows)."""
+"""Parallel strategies applied to a built model: data parallel, synchronized batch norm, the 2-D
+mesh and tensor parallel (ZeRO follows)."""
 
 from distlab.parallel.data_parallel import COLLECTIVES, SYNC_METHODS, DataParallel
+from distlab.parallel.mesh import Mesh, build_mesh
 from distlab.parallel.sync_bn import SyncBatchNorm, convert_sync_batchnorm
+from distlab.parallel.tensor_parallel import (STYLES as TP_STYLES, ColumnParallelLinear, RowParallelLinear,
+                                              apply_tensor_parallel)
 
 SYNC_BN = ("off", "distlab", "torch")
 
-__all__ = ["COLLECTIVES", "DataParallel", "SYNC_BN", "SYNC_METHODS", "SyncBatchNorm", "convert_sync_batchnorm"]
+__all__ = ["COLLECTIVES", "ColumnParallelLinear", "DataParallel", "Mesh", "RowParallelLinear", "SYNC_BN",
+           "SYNC_METHODS", "SyncBatchNorm", "TP_STYLES", "apply_tensor_parallel", "build_mesh",
+           "convert_sync_batchnorm"]

@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass, field
 from distlab.data import canonical_name
 from distlab.errors import ConfigError
 from distlab.models import check_model_name
-from distlab.parallel import COLLECTIVES, SYNC_BN, SYNC_METHODS
+from distlab.parallel import COLLECTIVES, SYNC_BN, SYNC_METHODS, TP_STYLES
+from distlab.parallel.mesh import layout
 
 OPTIMIZERS = ("sgd", "adam")
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -37,6 +38,8 @@ class TrainConfig:
     find_unused: bool = False
     grad_accum: int = 1
     sync_bn: str = "off"
+    tp: int = 1
+    tp_style: str = "megatron"
     out: str | None = None
     progress: bool | None = None  # None: on when stderr is a terminal
     verbose: bool = True  # rank 0 prints a line per log step and evaluation
@@ -66,16 +69,20 @@ class TrainConfig:
             raise ConfigError(f"unknown --lr-schedule {self.lr_schedule!r}; choose one of: {', '.join(LR_SCHEDULES)}")
         if self.global_batch_size < 1:
             raise ConfigError(f"--global-batch-size must be positive, not {self.global_batch_size}")
-        if self.global_batch_size % world_size:
-            raise ConfigError(
-                f"--global-batch-size {self.global_batch_size} is not divisible by world size {world_size}: "
-                f"use a multiple of {world_size} (e.g. {world_size * max(1, self.global_batch_size // world_size)})"
-            )
-        unit = world_size * self.grad_accum
+        if self.tp_style not in TP_STYLES:
+            raise ConfigError(f"unknown --tp-style {self.tp_style!r}; choose one of: {', '.join(TP_STYLES)}")
+        layout(world_size, self.tp)  # --tp must divide the world size
+        dp = world_size // self.tp  # data-parallel ranks: each holds a shard of the global batch
+        what = f"world size {dp}" if self.tp == 1 else f"the data-parallel size {dp} (world {world_size} / --tp {self.tp})"
+        if self.global_batch_size % dp:
+            raise ConfigError(f"--global-batch-size {self.global_batch_size} is not divisible by {what}: "
+                              f"use a multiple of {dp} (e.g. {dp * max(1, self.global_batch_size // dp)})")
+        unit = dp * self.grad_accum
         if self.global_batch_size % unit:
+            ranks = f"{dp} data-parallel ranks" if self.tp > 1 else f"{world_size} ranks"
             raise ConfigError(
                 f"--global-batch-size {self.global_batch_size} must split into --grad-accum {self.grad_accum} equal "
-                f"micro-batches on each of {world_size} ranks: use a multiple of {unit} "
+                f"micro-batches on each of {ranks}: use a multiple of {unit} "
                 f"(e.g. {unit * max(1, self.global_batch_size // unit)})")
         if self.epochs < 1:
             raise ConfigError(f"--epochs must be at least 1, not {self.epochs}")
@@ -92,7 +99,8 @@ class TrainConfig:
     def strategy(self) -> dict:
         """The strategy flags as they appear in ``summary.json``."""
         return {"dp_sync": self.dp_sync, "collective": self.collective, "bucket_mb": self.bucket_mb,
-                "zero": 0, "tp": 1, "tp_style": None, "sync_bn": self.sync_bn, "grad_accum": self.grad_accum}
+                "zero": 0, "tp": self.tp, "tp_style": self.tp_style if self.tp > 1 else None,
+                "sync_bn": self.sync_bn, "grad_accum": self.grad_accum}
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -26,7 +26,8 @@ from distlab.data import load_dataset
 from distlab.data.loader import EvalLoader, TrainLoader
 from distlab.errors import ConfigError, DistributedError
 from distlab.models import build_model, count_parameters
-from distlab.parallel import DataParallel, convert_sync_batchnorm
+from distlab.parallel import DataParallel, apply_tensor_parallel, build_mesh, convert_sync_batchnorm
+from distlab.parallel.tensor_parallel import full_parameters
 from distlab.runtime import Runtime, is_comm_failure, seed_everything
 from distlab.train.config import TrainConfig
 from distlab.train.metrics import MetricsLog, median_excluding_warmup, peak_rss_mb, write_summary
@@ -62,32 +63,35 @@ def apply_sync_bn(net: torch.nn.Module, mode: str, device: torch.device) -> torc
     return net
 
 
-def _all_reduce(values: list[float], rt: Runtime, op=dist.ReduceOp.SUM) -> list[float]:
-    """Reduce a few scalars across ranks in one float64 collective."""
+def _all_reduce(values: list[float], rt: Runtime, op=dist.ReduceOp.SUM, group=None) -> list[float]:
+    """Reduce a few scalars across ranks (or ``group``) in one float64 collective."""
     t = torch.tensor(values, dtype=torch.float64, device=rt.device)
     if rt.world_size > 1:
-        dist.all_reduce(t, op=op)
+        dist.all_reduce(t, op=op, group=group)
     return t.tolist()
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, dataset, rt: Runtime, batch_size: int = 1000) -> dict:
+def evaluate(model: torch.nn.Module, dataset, rt: Runtime, batch_size: int = 1000, mesh=None) -> dict:
     """Exact global loss and accuracy: disjoint shards, per-rank sums, one all-reduce.
 
     Shards cover the dataset exactly once whatever its size (no padding, no drop), so the
     result equals a single process evaluating the whole set, up to float64 summation order.
+    With a tensor-parallel ``mesh`` the shards go to the data-parallel ranks (the ranks of a
+    tensor-parallel group evaluate the same samples together) and the sums to the DP group.
     """
     was_training = model.training
     model.eval()
     loss_sum, correct, count = 0.0, 0, 0
-    for x, y in EvalLoader(dataset, rank=rt.rank, world_size=rt.world_size, batch_size=batch_size):
+    rank, world = (mesh.dp_rank, mesh.dp) if mesh else (rt.rank, rt.world_size)
+    for x, y in EvalLoader(dataset, rank=rank, world_size=world, batch_size=batch_size):
         x, y = x.to(rt.device), y.to(rt.device)
         out = model(x)
         loss_sum += F.cross_entropy(out, y, reduction="sum").item()
         correct += int((out.argmax(1) == y).sum())
         count += len(y)
     model.train(was_training)
-    loss_sum, correct, count = _all_reduce([loss_sum, correct, count], rt)
+    loss_sum, correct, count = _all_reduce([loss_sum, correct, count], rt, group=mesh.dp_group if mesh else None)
     return {"test_loss": loss_sum / max(count, 1), "test_accuracy": correct / max(count, 1),
             "test_samples": int(count)}
 
@@ -100,8 +104,11 @@ class Trainer:
         self.rt = rt
         self.train_set = load_dataset(cfg.dataset, "train", cfg.data_dir, seed=cfg.seed)
         self.test_set = load_dataset(cfg.dataset, "test", cfg.data_dir, seed=cfg.seed)
-        self.local_batch = cfg.global_batch_size // rt.world_size
-        self.loader = TrainLoader(self.train_set, rank=rt.rank, world_size=rt.world_size,
+        # Tensor parallel: a 2-D mesh; data is split over the data-parallel ranks only.
+        self.mesh = build_mesh(cfg.tp) if cfg.tp > 1 else None
+        dp_rank, dp_size = (self.mesh.dp_rank, self.mesh.dp) if self.mesh else (rt.rank, rt.world_size)
+        self.local_batch = cfg.global_batch_size // dp_size
+        self.loader = TrainLoader(self.train_set, rank=dp_rank, world_size=dp_size,
                                   local_batch=self.local_batch, shuffle=True, seed=cfg.seed)
         if len(self.loader) == 0:
             raise ConfigError(f"--global-batch-size {cfg.global_batch_size} is larger than the "
@@ -110,9 +117,11 @@ class Trainer:
         seed_everything(cfg.seed)
         net = build_model(cfg.model, self.train_set.input_shape, self.train_set.num_classes,
                           widths=cfg.mlp_widths).to(rt.device)
+        if self.mesh:  # shards sliced from the full, seeded model: it computes what the unsharded one does
+            net = apply_tensor_parallel(net, self.mesh.tp_group, cfg.tp_style)
         net = apply_sync_bn(net, cfg.sync_bn, rt.device)
-        self.model = DataParallel(net, cfg.dp_sync, bucket_mb=cfg.bucket_mb, collective=cfg.collective,
-                                  find_unused=cfg.find_unused)
+        self.model = DataParallel(net, cfg.dp_sync, group=self.mesh.dp_group if self.mesh else None,
+                                  bucket_mb=cfg.bucket_mb, collective=cfg.collective, find_unused=cfg.find_unused)
         self.micro_batch = self.local_batch // cfg.grad_accum
         self.optimizer = build_optimizer(net.parameters(), cfg)
         self.steps_per_epoch = len(self.loader)
@@ -124,6 +133,11 @@ class Trainer:
     def net(self) -> torch.nn.Module:
         """The plain (unwrapped) model."""
         return self.model.module
+
+    def full_parameters(self) -> list[torch.Tensor]:
+        """Copies of the unsharded model's parameters in registration order, tensor-parallel
+        shards gathered (collective: every rank calls it)."""
+        return full_parameters(self.net)
 
     def _step_gradients(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """Forward and backward over ``grad_accum`` micro-batches, then one gradient sync.
@@ -236,7 +250,7 @@ class Trainer:
                     window_loss, window_steps, window_t0 = 0.0, 0, time.perf_counter()
             epoch_done = step % self.steps_per_epoch == 0 or step >= self.total_steps
             if epoch_done and (cfg.eval_every_epoch or step >= self.total_steps):
-                result = evaluate(self.net, self.test_set, rt, cfg.eval_batch_size)
+                result = evaluate(self.net, self.test_set, rt, cfg.eval_batch_size, self.mesh)
                 evals.append({"epoch": epoch, "step": step, **result})
                 if main:
                     say(f"eval epoch {epoch} | test loss {result['test_loss']:.4f} | "

@@ -1,0 +1,233 @@
+"""Tensor parallel linear layers (Megatron-LM, Shoeybi et al. 2019) and the naive alternative.
+
+A linear layer ``y = x W^T + b`` with ``W`` of shape ``(out, in)`` can be split over the ``t`` ranks
+of a tensor-parallel group two ways:
+
+* **column parallel**: each rank holds ``out/t`` rows of ``W`` (output features) and computes its
+  slice of ``y`` from the whole ``x``;
+* **row parallel**: each rank holds ``in/t`` columns of ``W`` and, from its slice of ``x``, a
+  partial ``y`` that must be summed over the group.
+
+All communication lives in four small autograd functions (``f`` and ``g`` in the Megatron paper):
+
+=====================  =========================  =============================
+function               forward                    backward
+=====================  =========================  =============================
+``copy_to_group``      identity                   all-reduce the gradient
+``reduce_from_group``  all-reduce                 identity
+``gather_from_group``  all-gather the last dim    keep this rank's slice
+``split_to_group``     keep this rank's slice     all-gather the last dim
+=====================  =========================  =============================
+
+**Megatron style** (an MLP block ``B(act(A(x)))``): ``A`` column parallel, ``B`` row parallel --
+the activation stays split between them, so a block costs one all-reduce forward (after ``B``)
+and one backward (the input gradient of ``A``). **Naive style**: every layer column parallel with
+its output gathered: an all-gather after every layer forward, and an all-reduce of every layer's
+input gradient backward. Shards are slices of the full layer, so a model built from the same
+seed and then sharded computes exactly what the unsharded one does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from distlab import comm
+from distlab.errors import ConfigError
+
+STYLES = ("megatron", "naive")
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+    return comm.all_reduce(t.contiguous(), op="sum", algorithm="native", group=group) if _size(group) > 1 else t
+
+
+def _gather(t: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's ``t`` along ``dim`` (in group-rank order)."""
+    n = _size(group)
+    if n == 1:
+        return t
+    flat = t.movedim(dim, 0).contiguous()  # gather along dim 0, then move it back
+    out = torch.empty((n * flat.shape[0], *flat.shape[1:]), dtype=t.dtype, device=t.device)
+    comm.all_gather(out, flat, algorithm="native", group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _gather_last(t: torch.Tensor, group) -> torch.Tensor:
+    return _gather(t, group, -1)
+
+
+def _split_last(t: torch.Tensor, group) -> torch.Tensor:
+    n = _size(group)
+    return t if n == 1 else t.chunk(n, dim=-1)[_rank(group)].contiguous()
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g.clone(), ctx.group), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _split_last(g, ctx.group), None
+
+
+class _SplitToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_last(g, ctx.group), None
+
+
+def copy_to_group(x, group=None):
+    return _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x, group=None):
+    return _ReduceFromGroup.apply(x, group)
+
+
+def gather_from_group(x, group=None):
+    return _GatherFromGroup.apply(x, group)
+
+
+def split_to_group(x, group=None):
+    return _SplitToGroup.apply(x, group)
+
+
+def _check_divisible(width: int, n: int, what: str, name: str) -> None:
+    if width % n:
+        raise ConfigError(f"tensor parallel: layer {name} has {width} {what}, not divisible by --tp {n}; "
+                          f"choose a --tp that divides it or widths that --tp divides")
+
+
+class ColumnParallelLinear(nn.Module):
+    """This rank's ``out/t`` output features of ``linear``; ``gather_output`` all-gathers the full ``y``."""
+
+    def __init__(self, linear: nn.Linear, group=None, gather_output: bool = True, name: str = "linear"):
+        super().__init__()
+        n, r = _size(group), _rank(group)
+        _check_divisible(linear.out_features, n, "output features", name)
+        self.group, self.gather_output = group, gather_output
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = nn.Parameter(linear.weight.detach().chunk(n, dim=0)[r].clone())
+        self.bias = nn.Parameter(linear.bias.detach().chunk(n)[r].clone()) if linear.bias is not None else None
+
+    def full_parameters(self) -> list[torch.Tensor]:
+        """The unsharded weight (and bias), gathered from the group (collective)."""
+        full = [_gather(self.weight.detach(), self.group, 0)]
+        return full + ([_gather(self.bias.detach(), self.group, 0)] if self.bias is not None else [])
+
+    def forward(self, x):
+        y = F.linear(copy_to_group(x, self.group), self.weight, self.bias)
+        return gather_from_group(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """This rank's ``in/t`` input features of ``linear``; the partial outputs are all-reduced and
+    the (replicated) bias added once. ``input_is_parallel``: ``x`` is already this rank's slice."""
+
+    def __init__(self, linear: nn.Linear, group=None, input_is_parallel: bool = True, name: str = "linear"):
+        super().__init__()
+        n, r = _size(group), _rank(group)
+        _check_divisible(linear.in_features, n, "input features", name)
+        self.group, self.input_is_parallel = group, input_is_parallel
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = nn.Parameter(linear.weight.detach().chunk(n, dim=1)[r].clone())
+        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+
+    def full_parameters(self) -> list[torch.Tensor]:
+        """The unsharded weight (and the replicated bias), gathered from the group (collective)."""
+        full = [_gather(self.weight.detach(), self.group, 1)]
+        return full + ([self.bias.detach().clone()] if self.bias is not None else [])
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = split_to_group(x, self.group)
+        y = reduce_from_group(F.linear(x, self.weight), self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+def apply_tensor_parallel(model: nn.Module, group=None, style: str = "megatron") -> nn.Module:
+    """Shard the Linear layers of every ``nn.Sequential`` in ``model`` over ``group``, in place.
+
+    Megatron: consecutive Linear layers (with only element-wise layers between) pair up as
+    (column, row); a last unpaired Linear -- the classifier head -- stays whole. Naive: every
+    Linear but the last in its Sequential becomes column parallel with gathered output; the head
+    stays whole. Replicated layers compute the same thing on every rank of the group.
+    """
+    if style not in STYLES:
+        raise ConfigError(f"unknown --tp-style {style!r}; choose one of: {', '.join(STYLES)}")
+    found = False
+    for seq_name, seq in list(model.named_modules()):
+        if not isinstance(seq, nn.Sequential):
+            continue
+        linears = [i for i, m in enumerate(seq) if isinstance(m, nn.Linear)]
+        if not linears:
+            continue
+        found = True
+        prefix = f"{seq_name}." if seq_name else ""
+        if style == "megatron":
+            for a, b in zip(linears[0::2], linears[1::2]):
+                seq[a] = ColumnParallelLinear(seq[a], group, gather_output=False, name=f"{prefix}{a}")
+                seq[b] = RowParallelLinear(seq[b], group, input_is_parallel=True, name=f"{prefix}{b}")
+        else:
+            for a in linears[:-1]:
+                seq[a] = ColumnParallelLinear(seq[a], group, gather_output=True, name=f"{prefix}{a}")
+    if not found:
+        raise ConfigError(f"--tp needs a model with Linear layers in an nn.Sequential; {type(model).__name__} has "
+                          f"none to split")
+    return model
+
+
+def full_parameters(model: nn.Module) -> list[torch.Tensor]:
+    """``model``'s parameters in registration order, tensor-parallel shards gathered into the
+    full tensors the unsharded model would have (collective over each layer's group)."""
+    out: list[torch.Tensor] = []
+
+    def visit(m: nn.Module) -> None:
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            out.extend(m.full_parameters())
+            return
+        out.extend(p.detach().clone() for p in m.parameters(recurse=False))
+        for child in m.children():
+            visit(child)
+
+    visit(model)
+    return out

@@ -1,0 +1,197 @@
+"""The 2-D mesh and tensor-parallel layers on real gloo ranks, against the unsharded model.
+
+Tolerance. A tensor-parallel layer computes the same dot products as the whole layer, only
+summed in another order (row parallel: per-rank partial sums, then an all-reduce). With O(1)
+inputs and weights of size ~1/sqrt(fan_in), outputs and gradients are O(1) and each differs by
+a few float32 ulps times the fan-in at worst: fan-in <= 32 here gives <= 32 x 1.2e-7 ~ 4e-6. We
+assert 1e-5. A missing all-reduce (or a shard taken from the wrong rows) is off by O(0.1).
+Training equivalence reuses the data-parallel bound (tests/test_data_parallel.py, 2e-5).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from distlab import comm, runtime
+from distlab.errors import ConfigError
+from distlab.models import build_model
+from distlab.parallel import ColumnParallelLinear, RowParallelLinear, apply_tensor_parallel, build_mesh
+from distlab.parallel.mesh import layout
+from distlab.parallel.tensor_parallel import full_parameters
+from distlab.testing import run_ranks
+from distlab.train import Trainer, TrainConfig
+from distlab.verify import reference_run
+
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("world,tp,tp_groups,dp_groups", [
+    (4, 1, [[0], [1], [2], [3]], [[0, 1, 2, 3]]),
+    (4, 2, [[0, 1], [2, 3]], [[0, 2], [1, 3]]),
+    (4, 4, [[0, 1, 2, 3]], [[0], [1], [2], [3]]),
+    (8, 2, [[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2, 4, 6], [1, 3, 5, 7]]),  # the issue's example
+])
+def test_mesh_layout_is_tensor_parallel_major(world, tp, tp_groups, dp_groups):
+    assert layout(world, tp) == (tp_groups, dp_groups)
+
+
+def test_a_tp_that_does_not_divide_the_world_is_refused():
+    with pytest.raises(ConfigError, match=r"--tp 3 does not divide the world size 4.*1, 2, 4"):
+        layout(4, 3)
+
+
+def _mesh_sums(rank, world):
+    mesh = build_mesh(2)
+    over_tp = torch.tensor([float(rank)])
+    over_dp = torch.tensor([float(rank)])
+    dist.all_reduce(over_tp, group=mesh.tp_group)
+    dist.all_reduce(over_dp, group=mesh.dp_group)
+    return mesh.tp_rank, mesh.dp_rank, mesh.tp_ranks, mesh.dp_ranks, over_tp.item(), over_dp.item()
+
+
+def test_mesh_groups_reduce_over_the_right_ranks():
+    got = run_ranks(_mesh_sums, 4, timeout=60)
+    #      tp_rank dp_rank tp_ranks dp_ranks  sum over TP group  sum over DP group
+    assert got == [(0, 0, [0, 1], [0, 2], 1.0, 2.0), (1, 0, [0, 1], [1, 3], 1.0, 4.0),
+                   (0, 1, [2, 3], [0, 2], 5.0, 2.0), (1, 1, [2, 3], [1, 3], 5.0, 4.0)]
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 5))
+
+
+def _tp_vs_full(rank, world, style):
+    """Forward/backward of the same batch through the full MLP and its TP version on this rank."""
+    full = _mlp()
+    sharded = apply_tensor_parallel(_mlp(), dist.group.WORLD, style)
+    x = torch.randn(8, 12, generator=torch.Generator().manual_seed(1))
+    target = torch.randint(0, 5, (8,), generator=torch.Generator().manual_seed(2))
+    xf, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    F.cross_entropy(full(xf), target).backward()
+    with comm.counting() as fwd:
+        out = sharded(xs)
+    with comm.counting() as bwd:
+        F.cross_entropy(out, target).backward()
+    out_diff = (out.detach() - full(x).detach()).abs().max().item()
+    grad_in_diff = (xs.grad - xf.grad).abs().max().item()
+    # Each shard's gradient must be the matching slice of the full layer's gradient.
+    grad_diff = 0.0
+    for mine, ref in zip(sharded, full):
+        if isinstance(mine, ColumnParallelLinear):
+            pairs = [(mine.weight.grad, ref.weight.grad.chunk(world, 0)[rank]),
+                     (mine.bias.grad, ref.bias.grad.chunk(world, 0)[rank])]
+        elif isinstance(mine, RowParallelLinear):
+            pairs = [(mine.weight.grad, ref.weight.grad.chunk(world, 1)[rank]), (mine.bias.grad, ref.bias.grad)]
+        elif isinstance(mine, nn.Linear):
+            pairs = [(mine.weight.grad, ref.weight.grad), (mine.bias.grad, ref.bias.grad)]
+        else:
+            continue
+        grad_diff = max([grad_diff] + [(a - b).abs().max().item() for a, b in pairs])
+    gathered = full_parameters(sharded)
+    param_diff = max((a - b.detach()).abs().max().item() for a, b in zip(gathered, full.parameters()))
+    kinds = [type(m).__name__ for m in sharded]
+    return out_diff, grad_in_diff, grad_diff, param_diff, (fwd.calls, bwd.calls), kinds
+
+
+@pytest.mark.parametrize("style", ["megatron", "naive"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_mlp_equals_the_unsharded_one(style, world):
+    for out_diff, grad_in_diff, grad_diff, param_diff, calls, kinds in run_ranks(_tp_vs_full, world, style,
+                                                                                timeout=60):
+        assert out_diff <= TOL and grad_in_diff <= TOL and grad_diff <= TOL
+        assert param_diff == 0.0  # gathered shards are the seeded full weights, bit for bit
+        if style == "megatron":  # one (column, row) block: one all-reduce forward, one backward
+            assert kinds == ["ColumnParallelLinear", "ReLU", "RowParallelLinear", "ReLU", "Linear"]
+            assert calls == (1, 1)
+        else:  # two column layers: an all-gather after each forward, an all-reduce of each input grad
+            assert kinds == ["ColumnParallelLinear", "ReLU", "ColumnParallelLinear", "ReLU", "Linear"]
+            assert calls == (2, 2)
+
+
+def _block_without_all_reduce(rank, world):
+    full, mine = _mlp(), _mlp()
+    col = ColumnParallelLinear(mine[0], dist.group.WORLD, gather_output=False)
+    row = RowParallelLinear(mine[2], dist.group.WORLD)
+    x = torch.randn(8, 12, generator=torch.Generator().manual_seed(1))
+    partial = F.linear(F.relu(col(x)), row.weight) + row.bias  # the block with its all-reduce left out
+    with_reduce = row(F.relu(col(x)))
+    expected = full[2](F.relu(full[0](x)))
+    return (partial - expected).abs().max().item(), (with_reduce - expected).abs().max().item()
+
+
+def test_the_row_parallel_all_reduce_is_what_makes_the_block_right():
+    for without, with_reduce in run_ranks(_block_without_all_reduce, 2, timeout=60):
+        assert without > 1e-2 and with_reduce <= TOL
+
+
+def test_widths_tp_does_not_divide_and_models_without_linear_layers_are_refused():
+    with pytest.raises(ConfigError, match=r"layer 2 has 16 input features, not divisible by --tp 3"):
+        RowParallelLinear(nn.Linear(16, 5), group=_FakeGroup(3), name="2")
+    with pytest.raises(ConfigError, match=r"has 10 output features, not divisible by --tp 4"):
+        ColumnParallelLinear(nn.Linear(3, 10), group=_FakeGroup(4))
+    with pytest.raises(ConfigError, match="needs a model with Linear layers"):
+        apply_tensor_parallel(nn.Sequential(nn.Conv2d(1, 2, 3)), None)
+    with pytest.raises(ConfigError, match="--tp-style"):
+        apply_tensor_parallel(_mlp(), None, "diagonal")
+
+
+class _FakeGroup:
+    """Stands in for a process group of ``n`` ranks in the shape check only (raised before any use)."""
+
+    def __init__(self, n):
+        self.n = n
+
+
+@pytest.fixture(autouse=True)
+def _fake_group_size(monkeypatch):
+    from distlab.parallel import tensor_parallel as tp
+    real_size, real_rank = tp._size, tp._rank
+    monkeypatch.setattr(tp, "_size", lambda g: g.n if isinstance(g, _FakeGroup) else real_size(g))
+    monkeypatch.setattr(tp, "_rank", lambda g: 0 if isinstance(g, _FakeGroup) else real_rank(g))
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _cfg(tp, style="megatron", model="mlp", **kw):
+    settings = dict(model=model, mlp_widths=(32, 16), dataset="synthetic:1x8x8:4:96", epochs=2, max_steps=10,
+                    global_batch_size=12, lr=0.1, lr_schedule="constant", optimizer="sgd", momentum=0.9,
+                    weight_decay=1e-4, seed=3, log_every=1, dp_sync="allreduce", progress=False, verbose=False,
+                    eval_every_epoch=False, tp=tp, tp_style=style)
+    return TrainConfig(**{**settings, **kw})
+
+
+def _train(rank, world, cfg):
+    trainer = Trainer(cfg.validate(world), runtime.from_process_group())
+    summary = trainer.fit()
+    return trainer.full_parameters(), [r["loss"] for r in trainer.history], summary
+
+
+@pytest.mark.parametrize("world,tp,style", [(4, 2, "megatron"), (4, 2, "naive"), (2, 2, "megatron")])
+def test_data_x_tensor_parallel_training_equals_single_process(world, tp, style):
+    cfg = _cfg(tp, style)
+    ref_params, ref_losses = reference_run(cfg)
+    results = run_ranks(_train, world, cfg, timeout=180)
+    for params, losses, _ in results:  # every rank gathers the same full model
+        assert max((a - b).abs().max().item() for a, b in zip(params, ref_params)) <= 2e-5
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 2e-5
+    summary = results[0][2]
+    assert summary["strategy"]["tp"] == tp and summary["strategy"]["tp_style"] == style
+
+
+def test_tensor_parallel_applies_to_vgg_classifier():
+    model = apply_tensor_parallel(build_model("vgg11", (1, 28, 28), 10), None, "megatron")
+    kinds = [type(m).__name__ for m in model.classifier]
+    assert kinds == ["Flatten", "ColumnParallelLinear", "ReLU", "RowParallelLinear", "ReLU", "Linear"]
+
+
+def test_tp_flags_are_checked_against_the_world_and_batch():
+    with pytest.raises(ConfigError, match="--tp 3 does not divide the world size 4"):
+        _cfg(3).validate(4)
+    with pytest.raises(ConfigError, match=r"not divisible by the data-parallel size 2 \(world 4 / --tp 2\)"):
+        _cfg(2, global_batch_size=13).validate(4)
+    with pytest.raises(ConfigError, match="--tp-style"):
+        _cfg(2, "diagonal").validate(4)
