@@ -105,7 +105,7 @@ def cli():
 @click.option("--global-batch-size", "--batch-size", "global_batch_size", type=int, default=64, show_default=True,
               help="Samples per optimizer step over all ranks (split evenly across ranks).")
 @click.option("--lr", type=float, default=0.05, show_default=True)
-@click.option("--optimizer", default="sgd", show_default=True, help="sgd or adam.")
+@click.option("--optimizer", default="sgd", show_default=True, help="sgd, adam or adamw.")
 @click.option("--lr-schedule", default="cosine", show_default=True, help="constant, cosine or linear decay to 0.")
 @click.option("--momentum", type=float, default=0.9, show_default=True, help="SGD momentum.")
 @click.option("--weight-decay", type=float, default=0.0, show_default=True)
@@ -129,6 +129,9 @@ def cli():
 @click.option("--tp-style", default="megatron", show_default=True,
               help="megatron (column then row parallel, one all-reduce each way per block) or naive "
                    "(every layer column parallel, activations all-gathered).")
+@click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True,
+              help="ZeRO stage over the data-parallel ranks: 1 shards optimizer state, 2 also gradients, "
+                   "3 also parameters.")
 @click.option("--out", default=None, help="Run directory for metrics.jsonl and summary.json.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar on rank 0 (default: when a terminal).")
 @launch_options
@@ -146,7 +149,7 @@ def train(**kw):
         weight_decay=kw.pop("weight_decay"), seed=kw.pop("seed"), log_every=kw.pop("log_every"),
         eval_batch_size=kw.pop("eval_batch_size"), dp_sync=kw.pop("dp_sync"), collective=kw.pop("collective"),
         bucket_mb=kw.pop("bucket_mb"), find_unused=kw.pop("find_unused"), grad_accum=kw.pop("grad_accum"),
-        sync_bn=kw.pop("sync_bn"), tp=kw.pop("tp"), tp_style=kw.pop("tp_style"), out=out, progress=kw.pop("progress"))
+        sync_bn=kw.pop("sync_bn"), tp=kw.pop("tp"), tp_style=kw.pop("tp_style"), zero=kw.pop("zero"), out=out, progress=kw.pop("progress"))
 
     device = kw["device"]
 

@@ -63,7 +63,7 @@ class Strategy:
     def flags(self) -> dict:
         return {"dp_sync": self.dp_sync, "collective": self.collective, "grad_accum": self.grad_accum,
                 "sync_bn": "distlab" if self.sync_bn else "off", "tp": self.tp, "tp_style": self.tp_style,
-                "optimizer": self.optimizer, **({"zero": self.zero} if self.zero else {})}
+                "optimizer": self.optimizer, "zero": self.zero}
 
 
 def parse_strategy(text: str) -> Strategy:

@@ -81,6 +81,11 @@ def _check_sizes(out: torch.Tensor, inp: torch.Tensor, n: int, name: str) -> Non
         raise ConfigError(f"{name}: output is {out.dtype} but input is {inp.dtype}")
 
 
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); older torch has only those.
+_native_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_native_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", algorithm: str = "native",
                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``output`` (k elements) on group rank ``r`` = reduction of ``input[r*k:(r+1)*k]`` (n*k elements)."""
@@ -95,7 +100,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", a
     if n == 1:
         out.copy_(inp)
     elif algorithm == "native":
-        dist.reduce_scatter_tensor(out, inp, op=NATIVE[op], group=group)
+        _native_reduce_scatter(out, inp, op=NATIVE[op], group=group)
         nbytes = inp.numel() * inp.element_size()
         accounting.record_analytic((n - 1) * nbytes // n, (n - 1) * nbytes // n)
     else:
@@ -121,7 +126,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, algorithm: str = "nati
     if n == 1:
         out.copy_(inp)
     elif algorithm == "native":
-        dist.all_gather_into_tensor(out, inp, group=group)
+        _native_all_gather(out, inp, group=group)
         nbytes = out.numel() * out.element_size()
         accounting.record_analytic((n - 1) * nbytes // n, (n - 1) * nbytes // n)
     else:

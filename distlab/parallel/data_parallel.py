@@ -383,5 +383,8 @@ class DataParallel(nn.Module):
     def no_sync(self):
         return self.method.no_sync(self.wrapped)
 
+    def after_step(self) -> None:
+        """Nothing after the optimizer step: every replica updated its own full copy."""
+
     def bytes_per_sync(self) -> int | None:
         return self.method.bytes_per_sync(self.module)

@@ -7,10 +7,10 @@ from dataclasses import asdict, dataclass, field
 from distlab.data import canonical_name
 from distlab.errors import ConfigError
 from distlab.models import check_model_name
-from distlab.parallel import COLLECTIVES, SYNC_BN, SYNC_METHODS, TP_STYLES
+from distlab.parallel import COLLECTIVES, SYNC_BN, SYNC_METHODS, TP_STYLES, ZERO_STAGES
 from distlab.parallel.mesh import layout
 
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 
 
@@ -40,6 +40,7 @@ class TrainConfig:
     sync_bn: str = "off"
     tp: int = 1
     tp_style: str = "megatron"
+    zero: int = 0
     out: str | None = None
     progress: bool | None = None  # None: on when stderr is a terminal
     verbose: bool = True  # rank 0 prints a line per log step and evaluation
@@ -57,6 +58,14 @@ class TrainConfig:
         if self.dp_sync == "gather-scatter" and self.collective != "native":
             raise ConfigError(f"--dp-sync gather-scatter is its own communication pattern (through rank 0) and "
                               f"cannot use --collective {self.collective}; drop --collective or pick another --dp-sync")
+        if self.zero not in ZERO_STAGES:
+            raise ConfigError(f"--zero {self.zero}: choose 0 (off), 1, 2 or 3")
+        if self.zero and self.dp_sync != "allreduce":
+            raise ConfigError(f"--zero {self.zero} does its own gradient sync (reduce-scatter to each shard's owner), "
+                              f"so --dp-sync {self.dp_sync} cannot apply: drop --dp-sync or use --zero 0")
+        if self.zero and self.find_unused:
+            raise ConfigError("--find-unused is implied by --zero (parameters without a gradient count as zero): "
+                              "drop --find-unused")
         if self.sync_bn not in SYNC_BN:
             raise ConfigError(f"unknown --sync-bn {self.sync_bn!r}; choose one of: {', '.join(SYNC_BN)}")
         if not self.bucket_mb > 0:
@@ -99,7 +108,7 @@ class TrainConfig:
     def strategy(self) -> dict:
         """The strategy flags as they appear in ``summary.json``."""
         return {"dp_sync": self.dp_sync, "collective": self.collective, "bucket_mb": self.bucket_mb,
-                "zero": 0, "tp": self.tp, "tp_style": self.tp_style if self.tp > 1 else None,
+                "zero": self.zero, "tp": self.tp, "tp_style": self.tp_style if self.tp > 1 else None,
                 "sync_bn": self.sync_bn, "grad_accum": self.grad_accum}
 
     def to_dict(self) -> dict:

@@ -28,6 +28,7 @@ from distlab.errors import ConfigError, DistributedError
 from distlab.models import build_model, count_parameters
 from distlab.parallel import DataParallel, apply_tensor_parallel, build_mesh, convert_sync_batchnorm
 from distlab.parallel.tensor_parallel import full_parameters
+from distlab.parallel.zero import Zero, model_state_bytes
 from distlab.runtime import Runtime, is_comm_failure, seed_everything
 from distlab.train.config import TrainConfig
 from distlab.train.metrics import MetricsLog, median_excluding_warmup, peak_rss_mb, write_summary
@@ -36,6 +37,8 @@ from distlab.train.metrics import MetricsLog, median_excluding_warmup, peak_rss_
 def build_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
@@ -120,10 +123,16 @@ class Trainer:
         if self.mesh:  # shards sliced from the full, seeded model: it computes what the unsharded one does
             net = apply_tensor_parallel(net, self.mesh.tp_group, cfg.tp_style)
         net = apply_sync_bn(net, cfg.sync_bn, rt.device)
-        self.model = DataParallel(net, cfg.dp_sync, group=self.mesh.dp_group if self.mesh else None,
-                                  bucket_mb=cfg.bucket_mb, collective=cfg.collective, find_unused=cfg.find_unused)
+        dp_group = self.mesh.dp_group if self.mesh else None
+        if cfg.zero:  # ZeRO does the data-parallel gradient sync itself, over the DP group
+            self.model = Zero(net, cfg.zero, group=dp_group, collective=cfg.collective)
+            self.optimizer = build_optimizer(self.model.shard_parameters(), cfg)
+            self.model.track(self.optimizer)
+        else:
+            self.model = DataParallel(net, cfg.dp_sync, group=dp_group, bucket_mb=cfg.bucket_mb,
+                                      collective=cfg.collective, find_unused=cfg.find_unused)
+            self.optimizer = build_optimizer(net.parameters(), cfg)
         self.micro_batch = self.local_batch // cfg.grad_accum
-        self.optimizer = build_optimizer(net.parameters(), cfg)
         self.steps_per_epoch = len(self.loader)
         total = cfg.epochs * self.steps_per_epoch
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
@@ -135,9 +144,20 @@ class Trainer:
         return self.model.module
 
     def full_parameters(self) -> list[torch.Tensor]:
-        """Copies of the unsharded model's parameters in registration order, tensor-parallel
-        shards gathered (collective: every rank calls it)."""
-        return full_parameters(self.net)
+        """Copies of the unsharded model's parameters in registration order, ZeRO and
+        tensor-parallel shards gathered (collective: every rank calls it)."""
+        with self._gathered():
+            return full_parameters(self.net)
+
+    def _gathered(self):
+        """The full parameters in place (ZeRO-3 gathers them; otherwise they already are)."""
+        return self.model.gathered() if isinstance(self.model, Zero) else contextlib.nullcontext()
+
+    def _model_state_bytes(self) -> int:
+        """Peak bytes of parameters + gradients + optimizer state on this rank."""
+        if isinstance(self.model, Zero):
+            return self.model.peak_bytes
+        return model_state_bytes(self.net, self.optimizer)
 
     def _step_gradients(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """Forward and backward over ``grad_accum`` micro-batches, then one gradient sync.
@@ -219,11 +239,14 @@ class Trainer:
                 t0 = time.perf_counter()
                 x, y = next(batches)
                 x, y = x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)
+                lr = self.optimizer.param_groups[0]["lr"]
                 with comm.counting() as sent:
                     loss = self._step_gradients(x, y)
+                    self.optimizer.step()
+                    self.model.after_step()  # ZeRO 1-2: all-gather the updated shards
                 comm_bytes.append(sent.bytes_sent)
-                lr = self.optimizer.param_groups[0]["lr"]
-                self.optimizer.step()
+                if step == 0:  # gradients and optimizer state all exist now: the peak of plain DP
+                    state_bytes = self._model_state_bytes()
                 self.scheduler.step()
                 self._sync_device()
                 step_times.append(time.perf_counter() - t0)
@@ -250,7 +273,8 @@ class Trainer:
                     window_loss, window_steps, window_t0 = 0.0, 0, time.perf_counter()
             epoch_done = step % self.steps_per_epoch == 0 or step >= self.total_steps
             if epoch_done and (cfg.eval_every_epoch or step >= self.total_steps):
-                result = evaluate(self.net, self.test_set, rt, cfg.eval_batch_size, self.mesh)
+                with self._gathered():  # ZeRO-3: one gather for the whole evaluation
+                    result = evaluate(self.net, self.test_set, rt, cfg.eval_batch_size, self.mesh)
                 evals.append({"epoch": epoch, "step": step, **result})
                 if main:
                     say(f"eval epoch {epoch} | test loss {result['test_loss']:.4f} | "
@@ -260,7 +284,9 @@ class Trainer:
         bar.close()
         wall = time.perf_counter() - start
 
-        rss, = _all_reduce([peak_rss_mb()], rt, op=dist.ReduceOp.MAX)
+        if isinstance(self.model, Zero):
+            state_bytes = self.model.peak_bytes  # ZeRO-3's peak is during forward/backward of the largest layer
+        rss, state_bytes = _all_reduce([peak_rss_mb(), state_bytes], rt, op=dist.ReduceOp.MAX)
         cuda_mb = None
         if rt.device.type == "cuda":
             cuda_mb, = _all_reduce([torch.cuda.max_memory_allocated(rt.device) / 2**20], rt, op=dist.ReduceOp.MAX)
@@ -289,6 +315,8 @@ class Trainer:
                                  "collectives at their textbook volume)" + (
                                      "; DDP's gradient all-reduce at the textbook 2(n-1)/n x gradient bytes"
                                      if self._ddp_native() else "")),
+            "model_state_bytes_per_rank": int(state_bytes),
+            "model_state_basis": "peak bytes of parameters + gradients + optimizer state held by one rank (max over ranks)",
             "wall_time_s": wall,
             "resumed_from": None,
             "evals": evals,

@@ -1,0 +1,342 @@
+"""ZeRO stages 1-3 (Rajbhandari et al. 2020) over the data-parallel group, from collectives.
+
+Plain data parallel keeps a full copy of parameters, gradients and optimizer state on each of
+the ``N`` ranks. ZeRO shards them:
+
+* **stage 1** -- optimizer state: after backward, gradients are reduce-scattered, each rank's
+  optimizer updates only its ``1/N`` shard, and the updated shards are all-gathered back into the
+  full parameters. Bytes sent per step: reduce-scatter + all-gather = exactly an all-reduce.
+* **stage 2** -- plus gradients: each unit's gradients are reduce-scattered *during* backward, as
+  soon as they are all ready, and the full gradients freed: a rank holds ``1/N`` of them.
+* **stage 3** -- plus parameters: a rank keeps only its shard; a unit's full parameters are
+  all-gathered just before its forward and freed after it, all-gathered again just before its
+  backward (a pre-hook on the node that produced its output) and freed once its gradients are
+  reduce-scattered. Bytes per step: two all-gathers + one reduce-scatter = 1.5x an all-reduce.
+
+**Units and the flat partition.** Each parameter is a unit: flattened, zero-padded to a multiple
+of ``N``, and rank ``r`` owns elements ``[r*S, (r+1)*S)`` with ``S = ceil(numel / N)``. The
+parameter becomes a view of that padded buffer, so gathering into the buffer updates it in place;
+when ``N`` divides its size (most weights) its gradient is reduce-scattered straight from
+``.grad``, without a flat copy. Stage 3 gathers and frees the units of one module (a Linear, a
+conv, a norm layer) together, around that module's forward and backward. The optimizer (any
+element-wise torch optimizer: SGD with momentum, Adam, AdamW) is built over the shards, one flat
+parameter per unit, so its state is sharded too; the zero padding has zero gradient and stays
+zero under those updates.
+
+Gradients are averaged over the group, so the step equals plain data parallel (and
+single-process training on the global batch) up to float32 summation order. Parameters that get
+no gradient in a step count as zero gradient (the partition needs every rank to reduce every
+unit, in the same order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distlab import comm
+from distlab.errors import ConfigError
+from distlab.runtime import broadcast_module
+
+STAGES = (0, 1, 2, 3)
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.untyped_storage().nbytes()
+
+
+class _Unit:
+    """One parameter, flattened, zero-padded and split evenly over the group."""
+
+    def __init__(self, name: str, module: nn.Module, param: nn.Parameter, n: int, rank: int):
+        self.name, self.module, self.param, self.n, self.rank = name, module, param, n, rank
+        self.numel = param.numel()
+        self.shard_numel = math.ceil(self.numel / n)
+        self.padded = self.shard_numel * n
+        self.full = torch.zeros(self.padded, dtype=param.dtype, device=param.device)
+        with torch.no_grad():
+            view = self.full[:self.numel].view_as(param)
+            view.copy_(param.detach())
+            param.data = view  # the parameter now lives in the padded buffer
+        lo = rank * self.shard_numel
+        self.shard = nn.Parameter(self.full[lo:lo + self.shard_numel].detach().clone())
+        self.gathered = True
+        self.reduced = False
+
+    @property
+    def full_bytes(self) -> int:
+        return self.padded * self.full.element_size()
+
+    def free(self) -> None:
+        """Drop the full parameters (the views keep their shapes; their storage holds nothing)."""
+        if self.gathered:
+            self.full.untyped_storage().resize_(0)
+            self.gathered = False
+
+    def gather(self, collective: str, group) -> None:
+        """All-gather every rank's shard into the full parameters."""
+        if not self.gathered:
+            self.full.untyped_storage().resize_(self.full_bytes)
+            self.gathered = True
+        comm.all_gather(self.full, self.shard.detach(), algorithm=collective, group=group)
+
+    def flat_grad(self) -> torch.Tensor:
+        """The gradient as one padded vector: ``.grad`` itself when no padding is needed."""
+        g = self.param.grad
+        if g is not None and self.padded == self.numel and g.is_contiguous():
+            return g.view(-1)
+        flat = torch.zeros(self.padded, dtype=self.full.dtype, device=self.full.device)
+        if g is not None:
+            flat[:self.numel].copy_(g.reshape(-1))
+        return flat
+
+
+class Zero(nn.Module):
+    """ZeRO stage 1, 2 or 3 around ``module`` over ``group`` (default: the world).
+
+    Use like the data-parallel wrapper: ``forward``, ``no_sync()`` for gradient accumulation,
+    ``sync_gradients()`` after the last backward, then ``optimizer.step()`` on an optimizer built
+    over :meth:`shard_parameters`, then :meth:`after_step`.
+    """
+
+    def __init__(self, module: nn.Module, stage: int, group: dist.ProcessGroup | None = None,
+                 collective: str = "native"):
+        super().__init__()
+        if stage not in (1, 2, 3):
+            raise ConfigError(f"--zero {stage}: choose a ZeRO stage of 1, 2 or 3 (0 is plain data parallel)")
+        self._module = module
+        self.stage, self.group, self.collective = stage, group, comm.check_algorithm(collective)
+        n, rank = _size(group), _rank(group)
+        broadcast_module(module, src=0, group=group)  # start from rank 0's weights, like data parallel
+        self.units = [_Unit(f"{name}.{pname}" if name else pname, m, p, n, rank)
+                      for name, m in module.named_modules() for pname, p in m.named_parameters(recurse=False)]
+        if not self.units:
+            raise ConfigError("--zero needs a model with parameters")
+        self._by_module: dict[nn.Module, list[_Unit]] = {}
+        for unit in self.units:
+            self._by_module.setdefault(unit.module, []).append(unit)
+        self._pinned = False  # inside gathered(): stage-3 hooks leave the full parameters alone
+        self._syncing = True
+        self._optimizer: torch.optim.Optimizer | None = None
+        self.peak_bytes = 0
+        self._handles = []
+        if stage >= 2:
+            for unit in self.units:
+                self._handles.append(unit.param.register_post_accumulate_grad_hook(
+                    lambda p, unit=unit: self._on_grad_ready(unit)))
+        if stage == 3:
+            for m, units in self._by_module.items():
+                for unit in units:
+                    unit.free()
+                self._handles.append(m.register_forward_pre_hook(lambda m, args, units=units: self._before_forward(units)))
+                self._handles.append(m.register_forward_hook(
+                    lambda m, args, out, units=units: self._after_forward(units, m, out)))
+
+    # ------------------------------------------------------------------ the wrapped model
+
+    @property
+    def module(self) -> nn.Module:
+        return self._module
+
+    def forward(self, *args, **kwargs):
+        return self._module(*args, **kwargs)
+
+    def shard_parameters(self) -> list[nn.Parameter]:
+        """One flat parameter per unit: this rank's shard. Build the optimizer over these."""
+        return [u.shard for u in self.units]
+
+    def track(self, optimizer: torch.optim.Optimizer) -> None:
+        """Count ``optimizer``'s state in :attr:`peak_bytes`."""
+        self._optimizer = optimizer
+
+    # ------------------------------------------------------------------ stage 3 hooks
+
+    def _before_forward(self, units: list[_Unit]) -> None:
+        if self._pinned:
+            return
+        for unit in units:
+            unit.gather(self.collective, self.group)
+        self._observe()
+
+    def _after_forward(self, units: list[_Unit], module: nn.Module, out) -> None:
+        if self._pinned:
+            return
+        for unit in units:
+            unit.free()
+        if not torch.is_grad_enabled():
+            return
+        nodes = {t.grad_fn for t in _flatten(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        for node in nodes:  # backward reaches the module's own nodes only through its outputs' nodes
+            node.register_prehook(lambda grads, units=units: self._before_backward(units))
+
+    def _before_backward(self, units: list[_Unit]) -> None:
+        for unit in units:
+            if not unit.gathered:
+                unit.gather(self.collective, self.group)
+        self._observe()
+
+    # ------------------------------------------------------------------ gradients
+
+    def _on_grad_ready(self, unit: _Unit) -> None:
+        if self._syncing:
+            self._reduce(unit)
+        if self.stage == 3:
+            unit.free()
+
+    def _reduce(self, unit: _Unit) -> None:
+        """Reduce-scatter the unit's gradient (averaged) into its shard's gradient; drop the full one."""
+        flat = unit.flat_grad()
+        self._observe(flat)
+        shard_grad = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
+        comm.reduce_scatter(shard_grad, flat, op="avg", algorithm=self.collective, group=self.group)
+        unit.shard.grad = shard_grad
+        unit.reduced = True
+        unit.param.grad = None
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate full local gradients without communicating (the micro-batches of a step)."""
+        self._syncing = False
+        try:
+            yield
+        finally:
+            self._syncing = True
+
+    def sync_gradients(self) -> None:
+        """After the step's last backward: every unit's averaged gradient shard is in place."""
+        for unit in self.units:  # stage 1: all of them; stages 2-3: units whose backward never ran
+            if not unit.reduced:
+                self._reduce(unit)
+            unit.reduced = False
+            if self.stage == 3:
+                unit.free()
+
+    def after_step(self) -> None:
+        """After ``optimizer.step()``: stages 1-2 all-gather the updated shards into the parameters."""
+        self._observe()
+        if self.stage < 3:
+            for unit in self.units:
+                unit.gather(self.collective, self.group)
+
+    def bytes_per_sync(self) -> int | None:
+        return None  # counted by distlab's collectives
+
+    # ------------------------------------------------------------------ state
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[nn.Module]:
+        """The full parameters in place for the duration (collective under stage 3)."""
+        if self.stage < 3 or self._pinned:
+            yield self._module
+            return
+        for unit in self.units:
+            unit.gather(self.collective, self.group)
+        self._pinned = True
+        try:
+            yield self._module
+        finally:
+            self._pinned = False
+            for unit in self.units:
+                unit.free()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's ``state_dict`` (collective under stage 3; every rank gets it)."""
+        with self.gathered() as m:
+            return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's part: its shards and buffers (a snapshot writes one per rank)."""
+        return {"zero_stage": self.stage, "world_size": _size(self.group), "rank": _rank(self.group),
+                "units": [{"name": u.name, "numel": u.numel, "shard": u.shard.detach().clone()} for u in self.units],
+                "buffers": {k: v.detach().clone() for k, v in self._module.named_buffers()}}
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        """Restore :meth:`sharded_state_dict` output; a different layout is refused, naming it."""
+        mine = self.sharded_state_dict()
+        for key in ("zero_stage", "world_size", "rank"):
+            if state.get(key) != mine[key]:
+                raise ConfigError(f"sharded snapshot was written with {key} {state.get(key)}, this run has "
+                                  f"{mine[key]}: resume with the same --zero and data-parallel size")
+        theirs = [(u["name"], u["numel"]) for u in state["units"]]
+        ours = [(u["name"], u["numel"]) for u in mine["units"]]
+        if theirs != ours:
+            if len(theirs) != len(ours):
+                raise ConfigError(f"sharded snapshot is for another model: it has {len(theirs)} parameters, this "
+                                  f"model {len(ours)}")
+            (a, na), (b, nb) = next((x, y) for x, y in zip(theirs, ours) if x != y)
+            raise ConfigError(f"sharded snapshot is for another model: its parameter {a} has {na} elements, this "
+                              f"model's {b} has {nb}")
+        with torch.no_grad():
+            for unit, saved in zip(self.units, state["units"]):
+                unit.shard.copy_(saved["shard"])
+            buffers = dict(self._module.named_buffers())
+            for k, v in state["buffers"].items():
+                buffers[k].copy_(v)
+        for unit in self.units:
+            if unit.gathered:
+                unit.gather(self.collective, self.group)
+
+    def held_bytes(self, *extra: torch.Tensor) -> int:
+        """Bytes of parameters + gradients + optimizer state this rank holds right now."""
+        seen: set[int] = set()
+        total = 0
+
+        def add(t: torch.Tensor | None) -> None:
+            nonlocal total
+            if t is not None and t.untyped_storage().nbytes():
+                key = t.untyped_storage().data_ptr()
+                if key not in seen:
+                    seen.add(key)
+                    total += _nbytes(t)
+
+        for unit in self.units:
+            add(unit.full)
+            add(unit.shard)
+            add(unit.shard.grad)
+            add(unit.param.grad)
+        for t in extra:
+            add(t)
+        if self._optimizer is not None:
+            for state in self._optimizer.state.values():
+                for v in state.values():
+                    if isinstance(v, torch.Tensor):
+                        add(v)
+        return total
+
+    def _observe(self, *extra: torch.Tensor) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes(*extra))
+
+
+def _flatten(out) -> list:
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _flatten(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _flatten(o)]
+    return [out]
+
+
+def model_state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of ``module``'s parameters and gradients plus ``optimizer``'s state (plain, unsharded)."""
+    seen: set[int] = set()
+    total = 0
+    tensors = [t for p in module.parameters() for t in (p, p.grad)]
+    if optimizer is not None:
+        tensors += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        if t is not None and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += _nbytes(t)
+    return total

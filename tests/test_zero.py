@@ -1,0 +1,146 @@
+"""ZeRO stages 1-3 on real gloo ranks: equal to single-process training, the bytes they send,
+the memory they hold, and their sharded state.
+
+Tolerance: the data-parallel bound (tests/test_data_parallel.py): gradients are the same
+averages, reduce-scattered instead of all-reduced, so runs differ by float32 summation order
+only: 2e-5 over 10 SGD steps. A ZeRO that summed instead of averaged, updated the wrong slice or
+missed an all-gather is off by O(1e-2) or more (the control below).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distlab import comm, runtime
+from distlab.errors import ConfigError
+from distlab.parallel import Zero
+from distlab.testing import run_ranks
+from distlab.train import Trainer, TrainConfig
+from distlab.verify import reference_run
+
+ATOL = 2e-5
+
+
+def _cfg(zero, **kw):
+    # 64 inputs -> 32 -> 16 -> 4: on 3 ranks no weight divides evenly (padding is exercised).
+    settings = dict(model="mlp", mlp_widths=(32, 16), dataset="synthetic:1x8x8:4:96", epochs=2, max_steps=10,
+                    global_batch_size=12, lr=0.1, lr_schedule="constant", optimizer="sgd", momentum=0.9,
+                    weight_decay=1e-4, seed=3, log_every=1, dp_sync="allreduce", progress=False, verbose=False,
+                    eval_every_epoch=False, zero=zero)
+    return TrainConfig(**{**settings, **kw})
+
+
+def _train(rank, world, cfg):
+    trainer = Trainer(cfg.validate(world), runtime.from_process_group())
+    summary = trainer.fit()
+    freed = all(u.full.untyped_storage().nbytes() == 0 for u in trainer.model.units) if cfg.zero == 3 else None
+    return trainer.full_parameters(), [r["loss"] for r in trainer.history], summary, freed
+
+
+def _max_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("zero,world,extra", [
+    (1, 2, {}), (2, 3, {}), (3, 3, {}), (3, 2, {"optimizer": "adam", "lr": 0.005}),
+    (2, 2, {"grad_accum": 2}), (3, 4, {"tp": 2}), (3, 2, {"collective": "ring"}),
+])
+def test_zero_training_equals_single_process(zero, world, extra):
+    cfg = _cfg(zero, **extra)
+    ref_params, ref_losses = reference_run(cfg)
+    results = run_ranks(_train, world, cfg, timeout=180)
+    for params, losses, summary, freed in results:
+        assert _max_diff(params, ref_params) <= ATOL
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= ATOL
+        assert summary["strategy"]["zero"] == zero
+        if zero == 3:
+            assert freed  # between steps a rank holds only its shards
+
+
+def test_zero_with_a_sum_instead_of_a_mean_diverges():
+    """Negative control: the same run with gradients summed over ranks (2x too large on 2 ranks)."""
+    cfg = _cfg(3)
+    ref_params, _ = reference_run(cfg)
+    results = run_ranks(_train_summing, 2, cfg, timeout=120)
+    assert _max_diff(results[0], ref_params) > 100 * ATOL
+
+
+def _train_summing(rank, world, cfg):
+    real = comm.reduce_scatter
+    comm.reduce_scatter = lambda out, inp, op="sum", **kw: real(out, inp, op="sum", **kw)
+    try:
+        return _train(rank, world, cfg)[0]
+    finally:
+        comm.reduce_scatter = real
+
+
+def test_bytes_per_step_match_the_analytic_volumes():
+    """ZeRO-1/2 send what data parallel's all-reduce sends; ZeRO-3 1.5x that (an extra all-gather).
+    World 2 and even layer sizes: no padding, so the volumes are exact."""
+    sent = {}
+    for zero in (0, 1, 2, 3):
+        summary = run_ranks(_train, 2, _cfg(zero, max_steps=3), timeout=120)[0][2]
+        sent[zero] = summary["comm_bytes_per_step"]
+    params = 64 * 32 + 32 + 32 * 16 + 16 + 16 * 4 + 4
+    assert sent[0] == 2 * (2 - 1) * params * 4 // 2  # the textbook all-reduce volume: 2(n-1)/n x bytes
+    assert sent[1] == sent[2] == sent[0]
+    assert sent[3] == sent[0] * 3 // 2
+
+
+def test_model_state_memory_shrinks_with_each_stage():
+    """Peak bytes of parameters + gradients + optimizer state per rank (Adam: 16 bytes/parameter
+    unsharded). ZeRO-3 on 4 ranks: within (unsharded / 4) x 1.1 plus the largest layer's
+    parameters and its gradient, which exist together while that layer's backward runs."""
+    cfg = dict(mlp_widths=(64, 64), optimizer="adam", lr=0.005, max_steps=2, global_batch_size=16)
+    held = {z: run_ranks(_train, 4, _cfg(z, **cfg), timeout=180)[0][2]["model_state_bytes_per_rank"]
+            for z in (0, 1, 2, 3)}
+    params = 64 * 64 + 64 + 64 * 64 + 64 + 64 * 4 + 4
+    largest = 64 * 64 * 4
+    assert held[0] >= 16 * params  # params + grads + Adam's two moments
+    assert held[0] > held[1] > held[2] > held[3]
+    assert held[3] <= held[0] / 4 * 1.1 + 2 * largest
+
+
+def _state_round_trip(rank, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    zero = Zero(model, 3)
+    full = zero.full_state_dict()
+    saved = zero.sharded_state_dict()
+    with torch.no_grad():
+        for unit in zero.units:
+            unit.shard.zero_()
+    zeroed = zero.full_state_dict()
+    zero.load_sharded_state_dict(saved)
+    restored = zero.full_state_dict()
+    errors = []
+    other = Zero(nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3)), 3)
+    try:
+        other.load_sharded_state_dict(saved)
+    except ConfigError as exc:
+        errors.append(str(exc))
+    stage2 = Zero(nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3)), 2)
+    try:
+        stage2.load_sharded_state_dict(saved)
+    except ConfigError as exc:
+        errors.append(str(exc))
+    return ([torch.equal(full[k], reference[k]) for k in reference], float(zeroed["0.weight"].abs().max()),
+            [torch.equal(restored[k], reference[k]) for k in reference], errors)
+
+
+def test_full_and_sharded_state_dicts_round_trip_and_refuse_another_layout():
+    for same, zeroed, restored, errors in run_ranks(_state_round_trip, 3, timeout=60):
+        assert all(same) and zeroed == 0.0 and all(restored)
+        assert "its parameter 0.weight has 35 elements, this model's 0.weight has 40" in errors[0]
+        assert "zero_stage 3" in errors[1] and "--zero" in errors[1]
+
+
+def test_incompatible_zero_flags_are_refused():
+    with pytest.raises(ConfigError, match="--zero 2 does its own gradient sync.*--dp-sync ddp"):
+        _cfg(2, dp_sync="ddp").validate(2)
+    with pytest.raises(ConfigError, match="--zero 4: choose 0"):
+        _cfg(4).validate(2)
+    with pytest.raises(ConfigError, match="--find-unused is implied by --zero"):
+        _cfg(1, find_unused=True).validate(2)
