@@ -360,6 +360,38 @@ def bench_dp(workloads, nproc, steps, batch, methods, runs, data_dir, out, plot_
         click.echo(f"wrote {path}", err=True)
 
 
+@bench.command("parallel")
+@click.option("--workloads", default="mlp,wide-mlp", show_default=True, help="mlp (512,256) and wide-mlp (4096,4096).")
+@click.option("--strategies", default=",".join(("dp", "zero1", "zero2", "zero3", "tp-naive", "tp-megatron", "dp2xtp",
+                                                 "torch-zero1", "torch-fsdp2", "torch-tp")), show_default=True)
+@click.option("--nproc", type=int, default=4, show_default=True)
+@click.option("--steps", type=int, default=20, show_default=True)
+@click.option("--batch", type=int, default=64, show_default=True, help="Global batch size.")
+@click.option("--dataset", default="fashion-mnist", show_default=True)
+@click.option("--data-dir", default=None)
+@click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/parallel.json.")
+def bench_parallel(workloads, strategies, nproc, steps, batch, dataset, data_dir, out):
+    """DP, ZeRO-1/2/3, tensor parallel and DP x TP beside torch's ZeRO, FSDP2 and DTensor TP."""
+    from distlab.bench import parallel
+    names = [w for w in workloads.split(",") if w]
+    chosen = [s for s in strategies.split(",") if s]
+    for w in names:
+        if w not in parallel.WORKLOADS:
+            raise ConfigError(f"unknown workload {w!r}; choose from {', '.join(parallel.WORKLOADS)}")
+    for s in chosen:
+        if s not in parallel.STRATEGIES:
+            raise ConfigError(f"unknown strategy {s!r}; choose from {', '.join(parallel.STRATEGIES)}")
+    if nproc < 2 or nproc % 2 or steps < 3:
+        raise ConfigError("--nproc must be an even number >= 2 (tensor parallel pairs) and --steps at least 3")
+    for s in chosen:
+        if s in parallel.DISTLAB:
+            parallel._cfg(s, parallel.WORKLOADS[names[0]], nproc, steps, batch, dataset).validate(nproc)
+    records = parallel.run(names, chosen, nproc, steps, batch, dataset, data_dir, out,
+                           progress=lambda s: click.echo(s, err=True))
+    click.echo(parallel.table(records))
+    click.echo(f"wrote {out}/parallel.json", err=True)
+
+
 def _check_method(method: str, collective: str, world: int, batch: int) -> None:
     from distlab.train import TrainConfig
     TrainConfig(dp_sync=method, collective=collective, global_batch_size=batch).validate(world)

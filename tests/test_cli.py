@@ -186,7 +186,8 @@ def test_verify_reports_every_strategy_against_single_process(run_cli, tmp_path)
                 "tolerance", "passed"} <= r.keys()
         assert r["world_size"] == 3 and r["steps"] == 5 and r["passed"]
         assert 0 < r["tolerance"] < 1e-4 and r["max_abs_param_diff"] <= r["tolerance"]
-    assert records[2]["flags"] == {"dp_sync": "allreduce", "collective": "ring", "grad_accum": 1, "sync_bn": "distlab"}
+    assert records[2]["flags"] == {"dp_sync": "allreduce", "collective": "ring", "grad_accum": 1, "sync_bn": "distlab",
+                                   "tp": 1, "tp_style": "megatron", "zero": 0, "optimizer": "sgd"}
     assert "PASS" in proc.stdout and "FAIL" not in proc.stdout
 
 

@@ -92,11 +92,11 @@ def test_model_state_memory_shrinks_with_each_stage():
     """Peak bytes of parameters + gradients + optimizer state per rank (Adam: 16 bytes/parameter
     unsharded). ZeRO-3 on 4 ranks: within (unsharded / 4) x 1.1 plus the largest layer's
     parameters and its gradient, which exist together while that layer's backward runs."""
-    cfg = dict(mlp_widths=(64, 64), optimizer="adam", lr=0.005, max_steps=2, global_batch_size=16)
+    cfg = dict(mlp_widths=(256, 256), optimizer="adam", lr=0.005, max_steps=2, global_batch_size=16)
     held = {z: run_ranks(_train, 4, _cfg(z, **cfg), timeout=180)[0][2]["model_state_bytes_per_rank"]
             for z in (0, 1, 2, 3)}
-    params = 64 * 64 + 64 + 64 * 64 + 64 + 64 * 4 + 4
-    largest = 64 * 64 * 4
+    params = 64 * 256 + 256 + 256 * 256 + 256 + 256 * 4 + 4
+    largest = 256 * 256 * 4  # bytes of the largest layer's weight
     assert held[0] >= 16 * params  # params + grads + Adam's two moments
     assert held[0] > held[1] > held[2] > held[3]
     assert held[3] <= held[0] / 4 * 1.1 + 2 * largest

@@ -44,6 +44,7 @@ from distlab.errors import ConfigError
 from distlab.runtime import broadcast_module
 
 STAGES = (0, 1, 2, 3)
+COALESCE_BELOW = 1 << 16  # elements: smaller units share collectives
 
 
 def _size(group) -> int:
@@ -86,12 +87,11 @@ class _Unit:
             self.full.untyped_storage().resize_(0)
             self.gathered = False
 
-    def gather(self, collective: str, group) -> None:
-        """All-gather every rank's shard into the full parameters."""
+    def materialize(self) -> None:
+        """Give the full parameters their storage back (contents undefined until gathered)."""
         if not self.gathered:
             self.full.untyped_storage().resize_(self.full_bytes)
             self.gathered = True
-        comm.all_gather(self.full, self.shard.detach(), algorithm=collective, group=group)
 
     def flat_grad(self) -> torch.Tensor:
         """The gradient as one padded vector: ``.grad`` itself when no padding is needed."""
@@ -133,6 +133,7 @@ class Zero(nn.Module):
         self._optimizer: torch.optim.Optimizer | None = None
         self.peak_bytes = 0
         self._handles = []
+        self._ready: dict[nn.Module, int] = {}  # per module: parameters whose gradient arrived this backward
         if stage >= 2:
             for unit in self.units:
                 self._handles.append(unit.param.register_post_accumulate_grad_hook(
@@ -167,8 +168,7 @@ class Zero(nn.Module):
     def _before_forward(self, units: list[_Unit]) -> None:
         if self._pinned:
             return
-        for unit in units:
-            unit.gather(self.collective, self.group)
+        self._gather(units)
         self._observe()
 
     def _after_forward(self, units: list[_Unit], module: nn.Module, out) -> None:
@@ -183,28 +183,73 @@ class Zero(nn.Module):
             node.register_prehook(lambda grads, units=units: self._before_backward(units))
 
     def _before_backward(self, units: list[_Unit]) -> None:
-        for unit in units:
-            if not unit.gathered:
-                unit.gather(self.collective, self.group)
-        self._observe()
+        if not all(u.gathered for u in units):
+            self._gather(units)
+            self._observe()
 
     # ------------------------------------------------------------------ gradients
 
     def _on_grad_ready(self, unit: _Unit) -> None:
+        """Once every parameter of a module has its gradient: reduce-scatter them (one collective)."""
+        units = self._by_module[unit.module]
+        count = self._ready.get(unit.module, 0) + 1
+        if count < len(units):
+            self._ready[unit.module] = count
+            return
+        self._ready[unit.module] = 0
         if self._syncing:
-            self._reduce(unit)
+            self._reduce(units)
         if self.stage == 3:
-            unit.free()
+            for u in units:
+                u.free()
 
-    def _reduce(self, unit: _Unit) -> None:
-        """Reduce-scatter the unit's gradient (averaged) into its shard's gradient; drop the full one."""
-        flat = unit.flat_grad()
-        self._observe(flat)
-        shard_grad = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
-        comm.reduce_scatter(shard_grad, flat, op="avg", algorithm=self.collective, group=self.group)
-        unit.shard.grad = shard_grad
-        unit.reduced = True
-        unit.param.grad = None
+    @staticmethod
+    def _groups(units: list[_Unit]) -> list[list[_Unit]]:
+        """Collective batches: a large unit without padding goes alone (its gradient and its full
+        buffer are used in place, no copy); the small ones share one collective (a copy of small
+        tensors is cheaper than a collective's latency)."""
+        alone = [[u] for u in units if u.numel >= COALESCE_BELOW and u.padded == u.numel]
+        small = [u for u in units if not (u.numel >= COALESCE_BELOW and u.padded == u.numel)]
+        by_dtype: dict[torch.dtype, list[_Unit]] = {}
+        for u in small:
+            by_dtype.setdefault(u.full.dtype, []).append(u)
+        return alone + list(by_dtype.values())
+
+    def _gather(self, units: list[_Unit]) -> None:
+        """All-gather the shards of ``units`` into their full parameters."""
+        for u in units:
+            u.materialize()
+        for group in self._groups(units):
+            n = group[0].n
+            if len(group) == 1:
+                comm.all_gather(group[0].full, group[0].shard.detach(), algorithm=self.collective, group=self.group)
+                continue
+            mine = torch.cat([u.shard.detach() for u in group])
+            out = torch.empty((n, mine.numel()), dtype=mine.dtype, device=mine.device)
+            comm.all_gather(out, mine, algorithm=self.collective, group=self.group)
+            offset = 0
+            for u in group:  # row r holds rank r's shards of every unit, one after another
+                u.full.view(n, u.shard_numel).copy_(out[:, offset:offset + u.shard_numel])
+                offset += u.shard_numel
+
+    def _reduce(self, units: list[_Unit]) -> None:
+        """Reduce-scatter (average) the gradients of ``units`` into their shards' gradients and drop
+        the full gradients."""
+        for group in self._groups(units):
+            n = group[0].n
+            flats = [u.flat_grad() for u in group]
+            # rank-major: row r = rank r's slice of every unit, so one reduce-scatter serves them all
+            flat = flats[0] if len(group) == 1 else torch.cat(
+                [f.view(n, u.shard_numel) for u, f in zip(group, flats)], dim=1).view(-1)
+            self._observe(*flats, flat)
+            out = torch.empty(flat.numel() // n, dtype=flat.dtype, device=flat.device)
+            comm.reduce_scatter(out, flat, op="avg", algorithm=self.collective, group=self.group)
+            offset = 0
+            for u in group:
+                u.shard.grad = out[offset:offset + u.shard_numel]
+                offset += u.shard_numel
+                u.reduced = True
+                u.param.grad = None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -217,9 +262,11 @@ class Zero(nn.Module):
 
     def sync_gradients(self) -> None:
         """After the step's last backward: every unit's averaged gradient shard is in place."""
-        for unit in self.units:  # stage 1: all of them; stages 2-3: units whose backward never ran
-            if not unit.reduced:
-                self._reduce(unit)
+        pending = [u for u in self.units if not u.reduced]  # stage 1: all; 2-3: those whose backward never ran
+        if pending:
+            self._reduce(pending)
+        self._ready.clear()
+        for unit in self.units:
             unit.reduced = False
             if self.stage == 3:
                 unit.free()
@@ -228,8 +275,7 @@ class Zero(nn.Module):
         """After ``optimizer.step()``: stages 1-2 all-gather the updated shards into the parameters."""
         self._observe()
         if self.stage < 3:
-            for unit in self.units:
-                unit.gather(self.collective, self.group)
+            self._gather(self.units)
 
     def bytes_per_sync(self) -> int | None:
         return None  # counted by distlab's collectives
@@ -242,8 +288,7 @@ class Zero(nn.Module):
         if self.stage < 3 or self._pinned:
             yield self._module
             return
-        for unit in self.units:
-            unit.gather(self.collective, self.group)
+        self._gather(self.units)
         self._pinned = True
         try:
             yield self._module
@@ -285,9 +330,9 @@ class Zero(nn.Module):
             buffers = dict(self._module.named_buffers())
             for k, v in state["buffers"].items():
                 buffers[k].copy_(v)
-        for unit in self.units:
-            if unit.gathered:
-                unit.gather(self.collective, self.group)
+        gathered = [u for u in self.units if u.gathered]
+        if gathered:
+            self._gather(gathered)
 
     def held_bytes(self, *extra: torch.Tensor) -> int:
         """Bytes of parameters + gradients + optimizer state this rank holds right now."""
