@@ -104,8 +104,10 @@ def _torch(rank: int, world: int, kind: str, cfg: TrainConfig) -> dict | None:
         parallelize_module(model.net, mesh, {first: ColwiseParallel(), second: RowwiseParallel()})
         opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
         dp = 1
-        act = cfg.global_batch_size * cfg.mlp_widths[1] * 4  # the block's output, all-reduced each way
-        sent = 2 * 2 * (n - 1) * act // n
+        # The block's output is all-reduced forward; backward has nothing to reduce, since the
+        # block's input (the images) needs no gradient -- distlab's Megatron layers count the same.
+        act = cfg.global_batch_size * cfg.mlp_widths[1] * 4
+        sent = 2 * (n - 1) * act // n
     else:
         raise ValueError(kind)
     loader = TrainLoader(data, rank=rank if dp > 1 else 0, world_size=dp, local_batch=cfg.global_batch_size // dp,
