@@ -137,9 +137,35 @@ def test_full_and_sharded_state_dicts_round_trip_and_refuse_another_layout():
         assert "zero_stage 3" in errors[1] and "--zero" in errors[1]
 
 
+def _gathered_during_forward(rank, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    zero = Zero(model, 3)
+    seen = []
+    for name, m in model.named_children():
+        if isinstance(m, nn.Linear):  # registered after ZeRO's hooks: runs once the layer is gathered
+            m.register_forward_pre_hook(lambda m, a, name=name: seen.append(
+                (name, sorted(u.name for u in zero.units if u.gathered))))
+    before = sorted(u.name for u in zero.units if u.gathered)
+    loss = zero(torch.randn(4, 6)).sum()
+    between = sorted(u.name for u in zero.units if u.gathered)
+    loss.backward()
+    zero.sync_gradients()
+    after = sorted(u.name for u in zero.units if u.gathered)
+    return before, seen, between, after
+
+
+def test_zero3_holds_only_the_running_layer_in_full():
+    for before, seen, between, after in run_ranks(_gathered_during_forward, 2, timeout=60):
+        assert before == between == after == []  # outside forward/backward: shards only
+        assert seen == [(n, [f"{n}.bias", f"{n}.weight"]) for n in ("0", "2", "4")]
+
+
 def test_incompatible_zero_flags_are_refused():
     with pytest.raises(ConfigError, match="--zero 2 does its own gradient sync.*--dp-sync ddp"):
         _cfg(2, dp_sync="ddp").validate(2)
+    with pytest.raises(ConfigError, match="--zero 1 does its own gradient sync.*--dp-sync gather-scatter"):
+        _cfg(1, dp_sync="gather-scatter").validate(2)
     with pytest.raises(ConfigError, match="--zero 4: choose 0"):
         _cfg(4).validate(2)
     with pytest.raises(ConfigError, match="--find-unused is implied by --zero"):
