@@ -9,7 +9,6 @@ missed an all-gather is off by O(1e-2) or more (the control below).
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from distlab import comm, runtime
