@@ -132,12 +132,30 @@ def cli():
 @click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True,
               help="ZeRO stage over the data-parallel ranks: 1 shards optimizer state, 2 also gradients, "
                    "3 also parameters.")
+@click.option("--lr-scaling", default="none", show_default=True,
+              help="Scale --lr with the global batch: none, linear (x G/B) or sqrt (x sqrt(G/B)), "
+                   "B = --base-batch-size.")
+@click.option("--base-batch-size", type=int, default=None, help="The global batch size --lr was tuned for.")
+@click.option("--warmup-steps", type=int, default=0, show_default=True, help="Linear LR warm-up steps.")
+@click.option("--val-fraction", type=float, default=0.0, show_default=True,
+              help="Hold out this fraction of the training set (seeded) for validation; the best "
+                   "validation loss and its model go into snapshots.")
+@click.option("--snapshot-dir", default=None, help="Write snapshots here (every --snapshot-every steps and at the end).")
+@click.option("--snapshot-every", type=int, default=None, help="Snapshot every N optimizer steps.")
+@click.option("--keep-snapshots", type=int, default=3, show_default=True, help="Keep the newest K snapshots.")
+@click.option("--resume", default=None,
+              help="auto (newest good snapshot in --snapshot-dir; also the default after torchrun restarts "
+                   "the workers) or a snapshot directory.")
+@click.option("--time-budget", default=None,
+              help="Stop cleanly (evaluation, snapshot, summary) before this much training time, counted "
+                   "across restarts: 2h, 90m, 3600s, 1h30m.")
 @click.option("--out", default=None, help="Run directory for metrics.jsonl and summary.json.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar on rank 0 (default: when a terminal).")
 @launch_options
 def train(**kw):
     """Train a model: data parallel over every rank, or data x tensor parallel with --tp."""
     from distlab.train import TrainConfig
+    from distlab.train.config import parse_duration
 
     widths = _csv_ints(kw.pop("mlp_widths"))
     out = kw.pop("out") or os.path.join(
@@ -149,7 +167,12 @@ def train(**kw):
         weight_decay=kw.pop("weight_decay"), seed=kw.pop("seed"), log_every=kw.pop("log_every"),
         eval_batch_size=kw.pop("eval_batch_size"), dp_sync=kw.pop("dp_sync"), collective=kw.pop("collective"),
         bucket_mb=kw.pop("bucket_mb"), find_unused=kw.pop("find_unused"), grad_accum=kw.pop("grad_accum"),
-        sync_bn=kw.pop("sync_bn"), tp=kw.pop("tp"), tp_style=kw.pop("tp_style"), zero=kw.pop("zero"), out=out, progress=kw.pop("progress"))
+        sync_bn=kw.pop("sync_bn"), tp=kw.pop("tp"), tp_style=kw.pop("tp_style"), zero=kw.pop("zero"),
+        lr_scaling=kw.pop("lr_scaling"), base_batch_size=kw.pop("base_batch_size"),
+        warmup_steps=kw.pop("warmup_steps"), val_fraction=kw.pop("val_fraction"),
+        snapshot_dir=kw.pop("snapshot_dir"), snapshot_every=kw.pop("snapshot_every"),
+        keep_snapshots=kw.pop("keep_snapshots"), resume=kw.pop("resume"),
+        time_budget_s=parse_duration(kw.pop("time_budget")), out=out, progress=kw.pop("progress"))
 
     device = kw["device"]
 
@@ -163,6 +186,9 @@ def train(**kw):
                               "the CPU: use --sync-bn distlab, which works on any device")
         if not cfg.dataset.startswith("synthetic"):
             locate(cfg.dataset, cfg.data_dir)
+        if cfg.resume not in (None, "auto"):
+            from distlab.train.snapshot import check_path
+            check_path(cfg.resume)
 
     def body(rt):
         from distlab.train import Trainer

@@ -329,8 +329,14 @@ def init(
                     if lo:
                         os.environ["GLOO_SOCKET_IFNAME"] = lo
             if info.launcher == "torchrun":
-                # torchrun's agent already hosts the store at MASTER_ADDR:MASTER_PORT.
-                dist.init_process_group(backend, init_method="env://", timeout=timeout)
+                # torchrun's agent hosts the store at MASTER_ADDR:MASTER_PORT and keeps it across
+                # restarts of the worker group; each attempt gets its own key prefix, or a restarted
+                # group would read the dead group's addresses (gloo then waits on ports nobody listens on).
+                attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+                store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, is_master=False,
+                                      timeout=timeout)
+                dist.init_process_group(backend, store=dist.PrefixStore(f"distlab/attempt-{attempt}", store),
+                                        rank=info.rank, world_size=info.world_size, timeout=timeout)
             else:
                 dist.init_process_group(
                     backend, init_method=_tcp_url(info.master_addr, info.master_port),

@@ -44,6 +44,11 @@ class ImageDataset:
             x = random_crop_flip(x, generator or torch.Generator().manual_seed(0))
         return x, self.labels[indices]
 
+    def subset(self, indices: torch.Tensor, split: str) -> "ImageDataset":
+        """A copy holding only ``indices`` (e.g. a validation split carved from the training set)."""
+        return ImageDataset(self.name, split, self.images[indices], self.labels[indices], self.num_classes,
+                            self.mean, self.std, self.augment, self.source)
+
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         x, y = self.batch(torch.tensor([i]))
         return x[0], int(y[0])

@@ -49,7 +49,14 @@ class TrainLoader:
         return len(self.batches)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self.iter_from(0)
+
+    def iter_from(self, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The epoch's batches from batch ``start`` on, exactly as a full pass would yield them
+        (a resumed run skips what it already trained on without loading it)."""
         for step, idx in enumerate(self.batches):
+            if step < start:
+                continue
             gen = None
             if self.augment:
                 gen = torch.Generator().manual_seed(_mix(self.seed, self.epoch, step, self.rank))

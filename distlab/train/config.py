@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 
 from distlab.data import canonical_name
@@ -12,6 +13,23 @@ from distlab.parallel.mesh import layout
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "cosine", "linear")
+LR_SCALINGS = ("none", "linear", "sqrt")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str | float | None) -> float | None:
+    """``"2h"``, ``"90m"``, ``"3600s"``, ``"1h30m"`` or a number of seconds -> seconds."""
+    if text is None or isinstance(text, (int, float)):
+        return None if text is None else float(text)
+    value = text.strip().lower()
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([smhd])", value)
+    if not parts or re.sub(r"(\d+(?:\.\d+)?)\s*([smhd])", "", value).strip():
+        raise ConfigError(f"cannot read the duration {text!r}: write e.g. 2h, 90m, 3600s or 1h30m")
+    return sum(float(n) * _UNITS[u] for n, u in parts)
 
 
 @dataclass
@@ -41,6 +59,15 @@ class TrainConfig:
     tp: int = 1
     tp_style: str = "megatron"
     zero: int = 0
+    lr_scaling: str = "none"
+    base_batch_size: int | None = None
+    warmup_steps: int = 0
+    val_fraction: float = 0.0
+    snapshot_dir: str | None = None
+    snapshot_every: int | None = None
+    keep_snapshots: int = 3
+    resume: str | None = None  # "auto" or a snapshot directory
+    time_budget_s: float | None = None
     out: str | None = None
     progress: bool | None = None  # None: on when stderr is a terminal
     verbose: bool = True  # rank 0 prints a line per log step and evaluation
@@ -101,9 +128,41 @@ class TrainConfig:
             raise ConfigError(f"--lr must be positive, not {self.lr}")
         if self.log_every < 1:
             raise ConfigError(f"--log-every must be at least 1, not {self.log_every}")
+        if self.lr_scaling not in LR_SCALINGS:
+            raise ConfigError(f"unknown --lr-scaling {self.lr_scaling!r}; choose one of: {', '.join(LR_SCALINGS)}")
+        if self.lr_scaling != "none" and not self.base_batch_size:
+            raise ConfigError(f"--lr-scaling {self.lr_scaling} scales --lr from the batch size it was tuned for: "
+                              f"give that as --base-batch-size (e.g. --base-batch-size {self.global_batch_size})")
+        if self.base_batch_size is not None and self.base_batch_size < 1:
+            raise ConfigError(f"--base-batch-size must be positive, not {self.base_batch_size}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"--warmup-steps must be at least 0, not {self.warmup_steps}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ConfigError(f"--val-fraction must be in [0, 1), not {self.val_fraction}")
+        if self.snapshot_every is not None and self.snapshot_every < 1:
+            raise ConfigError(f"--snapshot-every must be at least 1 step, not {self.snapshot_every}")
+        if self.snapshot_every and not self.snapshot_dir:
+            raise ConfigError("--snapshot-every needs --snapshot-dir (where to write the snapshots)")
+        if self.keep_snapshots < 1:
+            raise ConfigError(f"--keep-snapshots must be at least 1, not {self.keep_snapshots}")
+        if self.resume == "auto" and not self.snapshot_dir:
+            raise ConfigError("--resume auto picks the newest snapshot in --snapshot-dir: give --snapshot-dir")
+        if self.time_budget_s is not None and self.time_budget_s <= 0:
+            raise ConfigError(f"--time-budget must be positive, not {self.time_budget_s:g}s")
         if any(w < 1 for w in self.mlp_widths):
             raise ConfigError(f"--mlp-widths must be positive integers, not {self.mlp_widths}")
         return self
+
+    def lr_factor(self) -> float:
+        """``--lr-scaling``: the multiplier of ``--lr`` for this global batch (1 with ``none``)."""
+        if self.lr_scaling == "none":
+            return 1.0
+        ratio = self.global_batch_size / self.base_batch_size
+        return ratio if self.lr_scaling == "linear" else ratio ** 0.5
+
+    @property
+    def effective_lr(self) -> float:
+        return self.lr * self.lr_factor()
 
     def strategy(self) -> dict:
         """The strategy flags as they appear in ``summary.json``."""

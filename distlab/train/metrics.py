@@ -34,11 +34,11 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 class MetricsLog:
     """Appends one JSON line per log step to ``DIR/metrics.jsonl`` (no-op when ``directory`` is None)."""
 
-    def __init__(self, directory: str | Path | None):
+    def __init__(self, directory: str | Path | None, records: list[dict] = ()):
+        """Start the file afresh with ``records`` (a resumed run's history up to its snapshot)."""
         self.path = Path(directory) / "metrics.jsonl" if directory else None
         if self.path:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")
+            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in records))
 
     def write(self, record: dict) -> None:
         if self.path:

@@ -25,6 +25,17 @@ def print_summary(summary: dict, out: str | None) -> None:
         ("peak RSS per rank", _fmt(s["peak_rss_mb"], ".0f", " MB")),
         ("wall time", _fmt(s["wall_time_s"], ".1f", " s")),
     ]
+    if s.get("best_val_loss") is not None:
+        rows.insert(8, ("best val loss", f"{s['best_val_loss']:.4f} (step {s['best_val_step']})"))
+    if s.get("lr_scaling", "none") != "none":
+        rows.insert(4, ("effective lr", f"{s['lr_effective']:.4g} (--lr {s['lr']:g}, {s['lr_scaling']} scaling "
+                                        f"from batch {s['base_batch_size']})"))
+    if s.get("resumed_from"):
+        rows.append(("resumed from", s["resumed_from"]))
+    if s.get("stopped") == "time_budget":
+        rows.append(("stopped", f"time budget {s['time_budget_s']:g} s reached after {s['time_used_s']:.1f} s"))
+    if s.get("snapshot"):
+        rows.append(("last snapshot", s["snapshot"]))
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows), flush=True)
     if out:
