@@ -211,19 +211,34 @@ def train(**kw):
 @click.option("--steps", type=int, default=10, show_default=True, help="SGD steps per run.")
 @click.option("--global-batch-size", type=int, default=None, help="Default: 12 x --nproc.")
 @click.option("--json", "json_path", default=None, help="Write the records here.")
-def verify(nproc, strategies, steps, global_batch_size, json_path):
+@click.option("--resume", "resume", is_flag=True,
+              help="Instead: SIGKILL a worker mid-run under torchrun --max-restarts 1 and check that the resumed "
+                   "run ends bitwise equal to an uninterrupted one (default strategy allreduce+adam).")
+@click.option("--workdir", default=None, help="With --resume: keep both runs here (default: a temporary directory).")
+def verify(nproc, strategies, steps, global_batch_size, json_path, resume, workdir):
     """Prove each strategy equals single-process training: largest parameter and loss differences."""
     import json
+    import tempfile
 
     from distlab import verify as v
     from distlab.train.metrics import atomic_write_text
     if nproc < 1 or steps < 1:
         raise ConfigError("--nproc and --steps must be at least 1")
-    chosen = [v.parse_strategy(s) for s in strategies] if strategies else v.default_strategies(nproc)
-    for s in chosen:  # flags and batch split, before any process starts
-        v.config_for(s, nproc, steps, global_batch_size)
-    click.echo(f"verifying {len(chosen)} strategies on {nproc} processes, {steps} steps each ...", err=True)
-    records = v.verify(chosen, nproc, steps, global_batch_size)
+    if resume:
+        chosen = [v.parse_strategy(s) for s in strategies] or [v.parse_strategy("allreduce+adam")]
+        for s in chosen:
+            v.config_for(s, nproc, steps, global_batch_size)
+        click.echo(f"killing and resuming {len(chosen)} strategies on {nproc} processes, {steps} steps each ...",
+                   err=True)
+        with tempfile.TemporaryDirectory(prefix="distlab-verify-") as tmp:
+            records = [v.verify_resume(s, nproc, steps, os.path.join(workdir or tmp, f"{i}-{s.name}"))
+                       for i, s in enumerate(chosen)]
+    else:
+        chosen = [v.parse_strategy(s) for s in strategies] if strategies else v.default_strategies(nproc)
+        for s in chosen:  # flags and batch split, before any process starts
+            v.config_for(s, nproc, steps, global_batch_size)
+        click.echo(f"verifying {len(chosen)} strategies on {nproc} processes, {steps} steps each ...", err=True)
+        records = v.verify(chosen, nproc, steps, global_batch_size)
     click.echo(v.table(records))
     if json_path:
         atomic_write_text(json_path, json.dumps(records, indent=1) + "\n")
@@ -233,6 +248,73 @@ def verify(nproc, strategies, steps, global_batch_size, json_path):
         click.echo(f"{len(failed)} strategies differ from single-process training beyond float32 rounding: "
                    f"{', '.join(failed)}", err=True)
         sys.exit(1)
+
+
+# --------------------------------------------------------------------------- cluster
+
+
+@cli.group()
+def cluster():
+    """An emulated multi-node cluster on this machine (network namespaces, a bridge, tc shaping; root)."""
+
+
+@cluster.command("up")
+@click.option("--nodes", type=int, required=True, help="Number of nodes (network namespaces).")
+@click.option("--bandwidth", default="1gbit", show_default=True, help="Link rate of every node (tc rate: 100mbit, 10gbit).")
+@click.option("--delay", default=None, help="One-way link latency added with netem (e.g. 0.1ms).")
+@click.option("--cores-per-node", type=int, default=None, help="Pin each node's processes to this many cores.")
+@click.option("--name", default="dl", show_default=True, help="Cluster name (1-6 letters/digits).")
+def cluster_up(nodes, bandwidth, delay, cores_per_node, name):
+    """Create K nodes on their own addresses behind one bridge, links shaped to --bandwidth."""
+    from distlab import cluster as c
+    made = c.up(nodes, None if bandwidth == "none" else bandwidth, delay, cores_per_node, name)
+    for node in made.nodes:
+        cores = f", cores {','.join(map(str, node.cores))}" if node.cores else ""
+        click.echo(f"node {node.rank}: {node.addr} in netns {node.netns}{cores}")
+    click.echo(f"links: {made.bandwidth or 'unshaped'}{f', delay {made.delay}' if made.delay else ''}; "
+               f"master {made.master_addr}. Next: distlab cluster run --name {name} -- distlab train "
+               f"--nproc-per-node 1 ...")
+
+
+@cluster.command("down")
+@click.option("--name", default="dl", show_default=True)
+def cluster_down(name):
+    """Remove everything `up` created (also after a crash)."""
+    from distlab import cluster as c
+    c.check_capable()
+    removed = c.down(name)
+    click.echo(f"removed {', '.join(removed)}" if removed else f"no cluster {name!r} was up")
+
+
+@cluster.command("status")
+@click.option("--name", default="dl", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the state as JSON.")
+def cluster_status(name, as_json):
+    """What is up: nodes, addresses, link rate."""
+    import json
+
+    from distlab import cluster as c
+    state = c.status(name)
+    if as_json:
+        click.echo(json.dumps(state, indent=1))
+    elif state is None:
+        click.echo(f"no cluster {name!r} is up")
+    else:
+        click.echo(f"cluster {name}: {len(state['nodes'])} nodes, links {state['bandwidth'] or 'unshaped'}, "
+                   f"master {state['master_addr']}")
+        for node in state["nodes"]:
+            click.echo(f"  node {node['rank']}: {node['addr']} netns {node['netns']}"
+                       f"{'' if node['present'] else ' (MISSING)'}")
+
+
+@cluster.command("run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--name", default="dl", show_default=True)
+@click.option("--timeout", type=float, default=None, help="Kill the command on every node after this many seconds.")
+@click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
+def cluster_run(name, timeout, cmd):
+    """Run CMD on every node at once (distlab commands get --node-rank/--master-addr/--nnodes)."""
+    from distlab import cluster as c
+    sys.exit(c.run(list(cmd), name, timeout))
 
 
 # --------------------------------------------------------------------------- demo

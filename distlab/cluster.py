@@ -1,0 +1,283 @@
+"""An emulated cluster on one Linux machine: one network namespace per node, a bridge between them.
+
+``distlab cluster up --nodes K --bandwidth 1gbit`` creates, for node ``i``:
+
+* the network namespace ``dl-NAME-nI`` with its loopback up;
+* a veth pair: ``eth0`` inside the namespace, its peer ``dlNAME-I`` on the host, enslaved to the
+  bridge ``dlbr-NAME`` -- every node reaches every other node through the bridge, as hosts on one
+  switch;
+* the address ``10.77.(I+1).1/16``: each node in its own /24 block of one /16, so ``10.77.1.1`` is
+  node 0, ``10.77.2.1`` node 1, and so on (the host's bridge has ``10.77.0.254``);
+* bandwidth shaping with ``tc ... tbf rate RATE`` on both ends of the veth pair, so each node's
+  link is full duplex at ``RATE`` (optionally ``netem delay`` in front for a link latency);
+* where asked (``--cores-per-node C``), a set of CPU cores its processes are pinned to (``taskset``).
+
+``run -- CMD`` starts ``CMD`` once per node inside its namespace (in parallel), with
+``GLOO_SOCKET_IFNAME=eth0`` so collectives use the emulated link, and -- when ``CMD`` is a distlab
+command -- ``--node-rank I --master-addr NODE0 --master-port P`` appended, so rendezvous and every
+collective really cross the emulated network. ``{node_rank}``, ``{node_addr}``, ``{master_addr}``
+and ``{nnodes}`` in ``CMD`` are replaced for other programs. Output lines are prefixed with the node.
+
+Every object is recorded in a state file *before* it is created, so ``down`` removes all of it,
+also after a crash half-way through ``up``. Needs root and iproute2 (``ip``, ``tc``).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from distlab.errors import ConfigError, DistlabError
+
+SUBNET = ipaddress.ip_network("10.77.0.0/16")
+MASTER_PORT = 29500
+_RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps|tbps)$")
+
+
+class ClusterError(DistlabError):
+    exit_code = 2
+
+
+def state_path(name: str) -> Path:
+    base = Path(os.environ.get("DISTLAB_CLUSTER_STATE_DIR") or "/run/distlab")
+    return base / f"cluster-{name}.json"
+
+
+@dataclass
+class Node:
+    rank: int
+    netns: str
+    host_if: str
+    addr: str
+    cores: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Cluster:
+    name: str
+    bandwidth: str | None
+    delay: str | None
+    bridge: str
+    nodes: list[Node] = field(default_factory=list)
+
+    @property
+    def master_addr(self) -> str:
+        return self.nodes[0].addr
+
+    def save(self) -> None:
+        path = state_path(self.name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1) + "\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, name: str) -> "Cluster | None":
+        path = state_path(name)
+        if not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text())
+            return cls(data["name"], data["bandwidth"], data.get("delay"), data["bridge"],
+                       [Node(**n) for n in data["nodes"]])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ClusterError(f"the cluster state file {path} is unreadable ({exc}); remove the namespaces "
+                               f"dl-{name}-n* and the bridge dlbr-{name} by hand, then delete the file") from None
+
+
+# --------------------------------------------------------------------------- system
+
+
+def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(args, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise ClusterError(f"`{' '.join(args)}` failed: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc
+
+
+def check_capable() -> None:
+    """Root and iproute2, or a clear error naming what is missing."""
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise ClusterError(f"distlab cluster needs iproute2 ({' and '.join(missing)} not found): "
+                           f"apt-get install iproute2")
+    if os.geteuid() != 0:
+        raise ClusterError("distlab cluster creates network namespaces, veth pairs and a bridge, which needs "
+                           "root (CAP_NET_ADMIN): run it with sudo, or as root in a container started with "
+                           "--cap-add NET_ADMIN")
+
+
+def _validate_name(name: str) -> None:
+    if not re.fullmatch(r"[a-z0-9]{1,6}", name):
+        raise ConfigError(f"cluster name {name!r}: use 1-6 lowercase letters or digits (it goes into "
+                          f"interface names, which Linux limits to 15 characters)")
+
+
+def _validate_rate(flag: str, value: str | None) -> None:
+    if value is not None and not _RATE.match(value.lower()):
+        raise ConfigError(f"{flag} {value!r}: write a tc rate such as 100mbit, 1gbit or 10gbit")
+
+
+def _shape(prefix: list[str], dev: str, rate: str | None, delay: str | None) -> None:
+    """tbf at ``rate`` on ``dev``'s egress (behind netem ``delay`` if given)."""
+    if not rate and not delay:
+        return
+    parent = ["root"]
+    if delay:
+        _sh(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", delay)
+        parent = ["parent", "1:1"]
+    if rate:
+        # burst: at least one jumbo of data per timer tick at this rate; latency bounds the queue.
+        _sh(*prefix, "tc", "qdisc", "add", "dev", dev, *parent, "handle", "10:", "tbf", "rate", rate,
+            "burst", "512kb", "latency", "100ms")
+
+
+def up(nodes: int, bandwidth: str | None = "1gbit", delay: str | None = None, cores_per_node: int | None = None,
+       name: str = "dl") -> Cluster:
+    """Create the emulated cluster (see the module docstring); refuse if ``name`` already exists."""
+    _validate_name(name)
+    _validate_rate("--bandwidth", bandwidth)
+    if nodes < 1 or nodes > 250:
+        raise ConfigError(f"--nodes must be between 1 and 250, not {nodes}")
+    ncores = os.cpu_count() or 1
+    if cores_per_node is not None and not 1 <= cores_per_node <= ncores:
+        raise ConfigError(f"--cores-per-node {cores_per_node}: this machine has {ncores} cores")
+    check_capable()
+    if Cluster.load(name) is not None:
+        raise ClusterError(f"cluster {name!r} is already up ({state_path(name)}); `distlab cluster down` first")
+    cluster = Cluster(name, bandwidth, delay, f"dlbr-{name}")
+    cluster.save()  # recorded before created: `down` can always clean up
+    try:
+        _sh("ip", "link", "add", cluster.bridge, "type", "bridge")
+        _sh("ip", "addr", "add", f"{SUBNET[254]}/{SUBNET.prefixlen}", "dev", cluster.bridge)
+        _sh("ip", "link", "set", cluster.bridge, "up")
+        for i in range(nodes):
+            cores = ([(i * cores_per_node + c) % ncores for c in range(cores_per_node)]
+                     if cores_per_node else [])
+            node = Node(i, f"dl-{name}-n{i}", f"dl{name}-{i}", str(SUBNET[256 * (i + 1) + 1]), cores)
+            cluster.nodes.append(node)
+            cluster.save()
+            ns = ["ip", "netns", "exec", node.netns]
+            _sh("ip", "netns", "add", node.netns)
+            _sh("ip", "link", "add", node.host_if, "type", "veth", "peer", "name", f"dlp{name}-{i}")
+            _sh("ip", "link", "set", f"dlp{name}-{i}", "netns", node.netns)
+            _sh(*ns, "ip", "link", "set", f"dlp{name}-{i}", "name", "eth0")
+            _sh(*ns, "ip", "addr", "add", f"{node.addr}/{SUBNET.prefixlen}", "dev", "eth0")
+            _sh(*ns, "ip", "link", "set", "eth0", "up")
+            _sh(*ns, "ip", "link", "set", "lo", "up")
+            _sh("ip", "link", "set", node.host_if, "master", cluster.bridge)
+            _sh("ip", "link", "set", node.host_if, "up")
+            _shape(ns, "eth0", bandwidth, delay)       # node -> switch
+            _shape([], node.host_if, bandwidth, delay)  # switch -> node
+    except BaseException:
+        down(name)
+        raise
+    return cluster
+
+
+def down(name: str = "dl") -> list[str]:
+    """Remove everything the state file lists (and the file); return what was removed."""
+    cluster = Cluster.load(name)
+    if cluster is None:
+        return []
+    removed = []
+    for node in cluster.nodes:
+        if _sh("ip", "netns", "del", node.netns, check=False).returncode == 0:
+            removed.append(node.netns)
+        _sh("ip", "link", "del", node.host_if, check=False)  # gone with its peer already, normally
+    if _sh("ip", "link", "del", cluster.bridge, check=False).returncode == 0:
+        removed.append(cluster.bridge)
+    state_path(name).unlink(missing_ok=True)
+    return removed
+
+
+def status(name: str = "dl") -> dict | None:
+    """The cluster as recorded, and whether each namespace is really there."""
+    cluster = Cluster.load(name)
+    if cluster is None:
+        return None
+    present = set(_sh("ip", "netns", "list", check=False).stdout.split())
+    out = asdict(cluster)
+    out["master_addr"] = cluster.master_addr if cluster.nodes else None
+    for node in out["nodes"]:
+        node["present"] = node["netns"] in present
+    return out
+
+
+# --------------------------------------------------------------------------- run
+
+
+def _is_distlab(cmd: list[str]) -> bool:
+    exe = os.path.basename(cmd[0]) if cmd else ""
+    return exe == "distlab" or (exe.startswith("python") and cmd[1:3] == ["-m", "distlab"])
+
+
+def node_command(cluster: Cluster, node: Node, cmd: list[str], master_port: int = MASTER_PORT) -> list[str]:
+    """``cmd`` for ``node``: placeholders filled, distlab launch flags added, inside its namespace."""
+    values = {"node_rank": node.rank, "node_addr": node.addr, "master_addr": cluster.master_addr,
+              "nnodes": len(cluster.nodes)}
+    args = [a.format(**values) if "{" in a else a for a in cmd]
+    if _is_distlab(args):
+        given = set(args)
+        if "--node-rank" not in given:
+            args += ["--node-rank", str(node.rank)]
+        if "--master-addr" not in given and "--master-ip" not in given:
+            args += ["--master-addr", cluster.master_addr]
+        if "--master-port" not in given:
+            args += ["--master-port", str(master_port)]
+        if "--nnodes" not in given:
+            args += ["--nnodes", str(len(cluster.nodes))]
+    env = ["env", "GLOO_SOCKET_IFNAME=eth0", f"DISTLAB_NODE_RANK={node.rank}", f"DISTLAB_NODE_ADDR={node.addr}",
+           f"MASTER_ADDR={cluster.master_addr}"]
+    if node.cores:
+        env += [f"OMP_NUM_THREADS={len(node.cores)}"]
+    pin = ["taskset", "-c", ",".join(map(str, node.cores))] if node.cores else []
+    return ["ip", "netns", "exec", node.netns, *env, *pin, *args]
+
+
+def _pump(stream, prefix: str, out) -> None:
+    for line in iter(stream.readline, ""):
+        out.write(f"{prefix}{line}")
+        out.flush()
+
+
+def run(cmd: list[str], name: str = "dl", timeout: float | None = None) -> int:
+    """Run ``cmd`` on every node at once; return the first non-zero exit code (0 if all succeed)."""
+    if not cmd:
+        raise ConfigError("distlab cluster run needs a command after --, e.g. "
+                          "distlab cluster run -- distlab train --nproc-per-node 1")
+    check_capable()
+    cluster = Cluster.load(name)
+    if cluster is None:
+        raise ClusterError(f"no cluster {name!r} is up: `distlab cluster up --nodes K` first")
+    procs, pumps = [], []
+    for node in cluster.nodes:
+        p = subprocess.Popen(node_command(cluster, node, cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, bufsize=1)
+        t = threading.Thread(target=_pump, args=(p.stdout, f"[node {node.rank}] ", sys.stdout), daemon=True)
+        t.start()
+        procs.append(p)
+        pumps.append(t)
+    codes = []
+    try:
+        for p in procs:
+            codes.append(p.wait(timeout=timeout))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise ClusterError(f"the command was still running on the cluster after {timeout:g}s and was killed")
+    except KeyboardInterrupt:
+        for p in procs:
+            p.terminate()
+        raise
+    for t in pumps:
+        t.join(timeout=5)
+    return next((c for c in codes if c), 0)

@@ -1,0 +1,158 @@
+"""The emulated cluster: real network namespaces, veth pairs, a bridge and tc shaping.
+
+Tests that need root and iproute2 skip (saying why) where network namespaces cannot be created.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from distlab import cluster as c
+from distlab.errors import ConfigError
+
+
+def _why_not() -> str | None:
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "iproute2 (ip, tc) is not installed"
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    probe = f"dlprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create a network namespace here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+WHY_NOT = _why_not()
+needs_netns = pytest.mark.skipif(WHY_NOT is not None, reason=f"distlab cluster cannot run here: {WHY_NOT}")
+
+
+@pytest.fixture
+def state_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTLAB_CLUSTER_STATE_DIR", str(tmp_path / "state"))
+    return tmp_path / "state"
+
+
+def _name() -> str:
+    return f"t{os.getpid() % 100000}"
+
+
+def test_node_command_adds_launch_flags_and_fills_placeholders():
+    cluster = c.Cluster("x", "1gbit", None, "dlbr-x", [c.Node(0, "dl-x-n0", "dlx-0", "10.77.1.1", [0]),
+                                                         c.Node(1, "dl-x-n1", "dlx-1", "10.77.2.1", [1])])
+    cmd = c.node_command(cluster, cluster.nodes[1], ["distlab", "train", "--nproc-per-node", "1"])
+    assert cmd[:4] == ["ip", "netns", "exec", "dl-x-n1"]
+    assert "GLOO_SOCKET_IFNAME=eth0" in cmd and cmd[cmd.index("taskset") + 2] == "1"
+    tail = cmd[cmd.index("train"):]
+    assert tail[tail.index("--node-rank") + 1] == "1" and tail[tail.index("--master-addr") + 1] == "10.77.1.1"
+    assert tail[tail.index("--nnodes") + 1] == "2"
+    other = c.node_command(cluster, cluster.nodes[0], ["echo", "{node_rank}@{node_addr}->{master_addr}"])
+    assert other[-2:] == ["echo", "0@10.77.1.1->10.77.1.1"]
+
+
+def test_bad_cluster_flags_are_refused():
+    with pytest.raises(ConfigError, match="tc rate"):
+        c.up(2, bandwidth="fast")
+    with pytest.raises(ConfigError, match="1-6 lowercase"):
+        c.up(2, name="Way-Too-Long")
+    with pytest.raises(ConfigError, match="--nodes"):
+        c.up(0)
+
+
+@needs_netns
+def test_up_status_down_and_cleanup_after_a_crash(state_dir, monkeypatch):
+    name = _name()
+    made = c.up(2, bandwidth="100mbit", name=name)
+    try:
+        st = c.status(name)
+        assert [n["present"] for n in st["nodes"]] == [True, True] and st["master_addr"] == "10.77.1.1"
+        qdisc = subprocess.run(["ip", "netns", "exec", made.nodes[1].netns, "tc", "qdisc", "show", "dev", "eth0"],
+                               capture_output=True, text=True).stdout
+        assert "tbf" in qdisc and "100Mbit" in qdisc
+        with pytest.raises(c.ClusterError, match="already up"):
+            c.up(2, name=name)
+    finally:
+        removed = c.down(name)
+    assert made.nodes[0].netns in removed and made.bridge in removed
+    assert made.nodes[0].netns not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert c.status(name) is None
+
+    # A failure half-way through `up` (here: shaping node 1) leaves nothing behind.
+    real = c._sh
+
+    def fail_on_second_tc(*args, check=True):
+        if "tc" in args and "dl-" + name + "-n1" in args:
+            raise c.ClusterError("simulated crash")
+        return real(*args, check=check)
+    monkeypatch.setattr(c, "_sh", fail_on_second_tc)
+    with pytest.raises(c.ClusterError, match="simulated"):
+        c.up(2, name=name)
+    monkeypatch.setattr(c, "_sh", real)
+    links = subprocess.run(["ip", "link", "show"], capture_output=True, text=True).stdout
+    assert f"dlbr-{name}" not in links and f"dl{name}-0" not in links
+    assert not c.state_path(name).exists()
+
+
+@needs_netns
+def test_bandwidth_is_shaped(state_dir, tmp_path):
+    name = _name()
+    made = c.up(2, bandwidth="100mbit", name=name)
+    server = tmp_path / "server.py"
+    server.write_text(textwrap.dedent("""
+        import socket, sys
+        s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("10.77.1.1", 29600)); s.listen(1); print("ready", flush=True)
+        conn, _ = s.accept(); n = 0
+        while True:
+            b = conn.recv(1 << 20)
+            if not b: break
+            n += len(b)
+        print(n, flush=True)
+    """))
+    client = tmp_path / "client.py"
+    client.write_text(textwrap.dedent("""
+        import socket, time
+        s = socket.create_connection(("10.77.1.1", 29600), timeout=30)
+        data = b"x" * (1 << 20); t = time.perf_counter()
+        for _ in range(6): s.sendall(data)
+        s.shutdown(socket.SHUT_WR); s.recv(1); print(6 * 8 * (1 << 20) / (time.perf_counter() - t) / 1e6)
+    """))
+    try:
+        srv = subprocess.Popen(["ip", "netns", "exec", made.nodes[0].netns, sys.executable, str(server)],
+                               stdout=subprocess.PIPE, text=True)
+        assert srv.stdout.readline().strip() == "ready"
+        out = subprocess.run(["ip", "netns", "exec", made.nodes[1].netns, sys.executable, str(client)],
+                             capture_output=True, text=True, timeout=60)
+        mbit = float(out.stdout.strip())
+        assert int(srv.communicate(timeout=30)[0].strip()) == 6 << 20
+    finally:
+        c.down(name)
+    # 100 Mbit/s links: the token bucket lets a 512 KB burst through at once, the rest at the rate.
+    assert 60 < mbit < 115, f"{mbit:.1f} Mbit/s over a 100mbit link"
+
+
+@needs_netns
+def test_two_node_training_run_crosses_the_emulated_network(state_dir, tmp_path, run_cli):
+    name = _name()
+    up = run_cli("cluster", "up", "--nodes", "2", "--bandwidth", "1gbit", "--name", name,
+                 env={"DISTLAB_CLUSTER_STATE_DIR": str(state_dir)})
+    assert up.returncode == 0, up.stderr
+    try:
+        proc = run_cli("cluster", "run", "--name", name, "--timeout", "240", "--",
+                       sys.executable, "-m", "distlab", "train", "--nproc-per-node", "1", "--device", "cpu",
+                       "--dataset", "synthetic:1x16x16:10:2048", "--max-steps", "12", "--log-every", "4",
+                       "--no-progress", "--out", str(tmp_path / "run"), "--comm-timeout", "60",
+                       env={"DISTLAB_CLUSTER_STATE_DIR": str(state_dir)}, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    finally:
+        down = run_cli("cluster", "down", "--name", name, env={"DISTLAB_CLUSTER_STATE_DIR": str(state_dir)})
+    assert "removed" in down.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 12 and summary["comm_bytes_per_step"] > 0
+    assert "[node 0] test accuracy" in proc.stdout  # rank 0's summary, on node 0
