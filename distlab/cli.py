@@ -468,6 +468,57 @@ def bench_dp(workloads, nproc, steps, batch, methods, runs, data_dir, out, plot_
         click.echo(f"wrote {path}", err=True)
 
 
+@bench.command("scaling")
+@click.option("--world", default="1,2,4", show_default=True, help="Worker counts.")
+@click.option("--modes", default="weak,strong", show_default=True,
+              help="weak (fixed per-worker batch) and/or strong (fixed global batch).")
+@click.option("--methods", default="ddp", show_default=True, help="--dp-sync methods to compare.")
+@click.option("--per-worker-batch", type=int, default=32, show_default=True, help="Weak scaling: batch per worker.")
+@click.option("--global-batch", type=int, default=128, show_default=True, help="Strong scaling: global batch.")
+@click.option("--model", default="mlp", show_default=True)
+@click.option("--mlp-widths", default=None, help="Hidden widths of the MLP (default: the model's).")
+@click.option("--dataset", default="fashion-mnist", show_default=True)
+@click.option("--data-dir", default=None)
+@click.option("--epochs", type=int, default=1, show_default=True)
+@click.option("--max-steps", type=int, default=None, help="Cap every run at this many steps.")
+@click.option("--optimizer", default="adam", show_default=True)
+@click.option("--lr", type=float, default=1e-3, show_default=True, help="LR at the per-worker batch (weak) / global batch (strong).")
+@click.option("--lr-scaling", default="sqrt", show_default=True, help="Weak scaling LR rule: none, linear, sqrt.")
+@click.option("--val-fraction", type=float, default=0.1, show_default=True)
+@click.option("--cluster", is_flag=True, help="Run multi-worker runs on an emulated cluster, one node per worker (root).")
+@click.option("--bandwidths", default="100mbit,1gbit,10gbit", show_default=True, help="With --cluster: link rates.")
+@click.option("--out", default="runs/bench-scaling", show_default=True, help="Writes OUT/scaling.json and OUT/runs/.")
+@click.option("--plot", "plot_dir", default=None, help="Also write loss-vs-time and efficiency PNGs here.")
+def bench_scaling(world, modes, methods, per_worker_batch, global_batch, model, mlp_widths, dataset, data_dir,
+                  epochs, max_steps, optimizer, lr, lr_scaling, val_fraction, cluster, bandwidths, out, plot_dir):
+    """Weak and strong scaling over 1, 2, 4 workers (or emulated nodes): the source material's table."""
+    from distlab.bench import scaling
+    from distlab.parallel import SYNC_METHODS
+    from distlab.train.config import LR_SCALINGS
+    worlds = list(_csv_ints(world))
+    mode_list = [m for m in modes.split(",") if m]
+    method_list = [m for m in methods.split(",") if m]
+    if not worlds or min(worlds) < 1:
+        raise ConfigError(f"--world needs positive worker counts, not {world!r}")
+    if not mode_list or set(mode_list) - {"weak", "strong"}:
+        raise ConfigError(f"--modes: weak and/or strong, not {modes!r}")
+    unknown = set(method_list) - set(SYNC_METHODS)
+    if not method_list or unknown:
+        raise ConfigError(f"--methods: unknown {', '.join(sorted(unknown)) or 'none'}; choose from {', '.join(SYNC_METHODS)}")
+    if lr_scaling not in LR_SCALINGS:
+        raise ConfigError(f"--lr-scaling {lr_scaling!r}: choose one of {', '.join(LR_SCALINGS)}")
+    if 1 not in worlds:
+        worlds = [1] + worlds  # efficiency is relative to one worker
+    links = [b for b in bandwidths.split(",") if b] if cluster else [None]
+    records = scaling.run(worlds, mode_list, method_list, per_worker_batch, global_batch, model, dataset, data_dir,
+                          epochs, max_steps, optimizer, lr, lr_scaling, val_fraction, links, cluster, out,
+                          progress=lambda s: click.echo(s, err=True), mlp_widths=mlp_widths)
+    click.echo(scaling.table(records))
+    click.echo(f"wrote {out}/scaling.json", err=True)
+    for path in scaling.plot(records, plot_dir) if plot_dir else []:
+        click.echo(f"wrote {path}", err=True)
+
+
 @bench.command("parallel")
 @click.option("--workloads", default="mlp,wide-mlp", show_default=True, help="mlp (512,256) and wide-mlp (4096,4096).")
 @click.option("--strategies", default=",".join(("dp", "zero1", "zero2", "zero3", "tp-naive", "tp-megatron", "dp2xtp",

@@ -263,7 +263,7 @@ def verify_resume(strategy: Strategy, world_size: int, steps: int, workdir: str,
         models = [snapshot.load_rank_file(path, meta, r)["model"] for r in range(world_size)]
         losses = [json.loads(line)["loss"] for line in (out / "run" / "metrics.jsonl").open()]
         runs[name] = (summary, [t for m in models for t in _tensors(m)], losses)
-    (a_summary, a_tensors, a_losses), (b_summary, b_tensors, b_losses) = runs["straight"], runs["killed"]
+    (_, a_tensors, a_losses), (b_summary, b_tensors, b_losses) = runs["straight"], runs["killed"]
     param_diff = max(((x.double() - y.double()).abs().max().item() for x, y in zip(a_tensors, b_tensors)
                       if x.numel()), default=0.0)
     same_shapes = [x.shape for x in a_tensors] == [y.shape for y in b_tensors]

@@ -233,3 +233,22 @@ def test_sigkill_mid_epoch_restarts_and_ends_bitwise_equal(run_cli, tmp_path):
     assert record["restarts"] == 1 and record["resumed_from"].endswith("step-00000012")
     killed = json.loads((tmp_path / "w" / "0-allreduce+adam" / "killed" / "run" / "summary.json").read_text())
     assert killed["steps"] == 24 and killed["attempts"] == 2 and math.isfinite(killed["final_train_loss"])
+
+
+def test_bench_scaling_table_json_and_plots(run_cli, tmp_path):
+    proc = run_cli("bench", "scaling", "--world", "2", "--dataset", "synthetic:1x8x8:4:1024", "--max-steps", "12",
+                   "--per-worker-batch", "16", "--global-batch", "32", "--out", "sc", "--plot", "plots", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    records = json.loads((tmp_path / "sc" / "scaling.json").read_text())
+    by = {(r["mode"], r["world_size"]): r for r in records}
+    assert set(by) == {("weak", 1), ("weak", 2), ("strong", 1), ("strong", 2)}  # world 1 added as the baseline
+    assert by["weak", 1]["scaling_efficiency"] == 1.0 and by["weak", 2]["global_batch_size"] == 32
+    assert by["weak", 2]["lr"] == pytest.approx(1e-3 * 2 ** 0.5)  # sqrt scaling from the per-worker batch
+    assert by["strong", 2]["global_batch_size"] == 32 and by["strong", 2]["lr"] == pytest.approx(1e-3)
+    # 1024 * 0.9 training samples: 57 steps an epoch at 16, 28 at 32; efficiency is per-worker throughput.
+    assert by["weak", 1]["steps_per_epoch"] == 57 and by["weak", 2]["steps_per_epoch"] == 28
+    w2 = by["weak", 2]
+    assert w2["scaling_efficiency"] == pytest.approx(w2["samples_per_s"] / (2 * by["weak", 1]["samples_per_s"]))
+    assert all(r["best_val_loss"] is not None and 0 <= r["test_accuracy"] <= 1 for r in records)
+    assert "steps/ep" in proc.stdout and "best val" in proc.stdout
+    assert (tmp_path / "plots" / "scaling-loss-vs-time.png").stat().st_size > 10_000

@@ -1,0 +1,231 @@
+"""``distlab bench scaling``: the same training on 1, 2, 4, ... workers, weak and strong scaling.
+
+*Weak scaling* keeps the per-worker batch ``B`` fixed (global batch ``N*B``; LR scaled with
+``--lr-scaling``, sqrt by default, from base batch ``B``), so an epoch takes ``1/N`` of the steps;
+*strong scaling* keeps the global batch fixed (same LR, same steps; each worker gets ``G/N``).
+Each run is a real ``distlab train --nproc-per-node N`` job (torchrun, gloo) with a validation split;
+its ``summary.json`` and ``metrics.jsonl`` stay in ``OUT/runs/...``.
+
+Per run: LR, global batch, steps per epoch, epoch time (median step time x steps per epoch,
+evaluation excluded), scaling efficiency, best validation loss, test loss, top-1 accuracy, and
+the communication share of a step. Scaling efficiency is throughput per worker relative to one
+worker: ``samples_per_s(N) / (N * samples_per_s(1))`` -- for weak scaling that is the source
+material's ``epoch_time(1) / (N * epoch_time(N))``.
+
+Communication share, two ways: ``sync_share`` = time blocked in the gradient sync after backward
+(and ZeRO's parameter all-gather) / step time, measured in the step; it misses communication that
+overlaps backward (``bucketed``, ``ddp``). ``overhead_share`` = ``1 - T(1) / T(N)`` for weak scaling
+(the same per-worker work; everything extra is communication and contention), which catches all of it.
+
+``--cluster`` runs every method on an emulated cluster (:mod:`distlab.cluster`), one node per
+worker, at each ``--bandwidths`` rate, so the gradient sync crosses shaped links.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from distlab.bench.common import cores, machine, write
+from distlab.errors import ConfigError, DistlabError
+
+
+def _train_args(mode: str, world: int, per_worker: int, global_batch: int, method: str, opts: dict,
+                out: Path) -> list[str]:
+    batch = per_worker * world if mode == "weak" else global_batch
+    args = ["--model", opts["model"], "--dataset", opts["dataset"], "--global-batch-size", str(batch),
+            "--optimizer", opts["optimizer"], "--lr", str(opts["lr"]), "--lr-schedule", "constant",
+            "--val-fraction", str(opts["val_fraction"]), "--dp-sync", method, "--log-every", str(opts["log_every"]),
+            "--no-progress", "--device", "cpu", "--seed", str(opts["seed"]), "--out", str(out)]
+    if opts.get("data_dir"):
+        args += ["--data-dir", opts["data_dir"]]
+    if opts.get("mlp_widths"):
+        args += ["--mlp-widths", opts["mlp_widths"]]
+    if mode == "weak" and opts["lr_scaling"] != "none":
+        args += ["--lr-scaling", opts["lr_scaling"], "--base-batch-size", str(per_worker)]
+    if opts.get("max_steps"):
+        args += ["--max-steps", str(opts["max_steps"])]
+    args += ["--epochs", str(opts["epochs"])]
+    return args
+
+
+def _record(out: Path, mode: str, method: str, bandwidth: str | None) -> dict:
+    s = json.loads((out / "summary.json").read_text())
+    losses = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    return {"mode": mode, "dp_sync": method, "bandwidth": bandwidth, "world_size": s["world_size"],
+            "lr": s["lr_effective"], "global_batch_size": s["global_batch_size"],
+            "local_batch_size": s["local_batch_size"], "steps_per_epoch": s["steps_per_epoch"], "steps": s["steps"],
+            "epoch_time_s": s["epoch_time_s"], "time_per_step_s_median": s["time_per_step_s_median"],
+            "samples_per_s": s["samples_per_s"], "sync_time_s_median": s["sync_time_s_median"],
+            "sync_share": (s["sync_time_s_median"] / s["time_per_step_s_median"]
+                           if s["time_per_step_s_median"] else None),
+            "comm_bytes_per_step": s["comm_bytes_per_step"], "best_val_loss": s["best_val_loss"],
+            "test_loss": s["test_loss"], "test_accuracy": s["test_accuracy"], "final_train_loss": s["final_train_loss"],
+            "threads_per_rank": s["threads_per_rank"], "wall_time_s": s["wall_time_s"],
+            "loss_curve": [(r["time_s"], r["loss"]) for r in losses], "run_dir": str(out)}
+
+
+def _add_efficiency(records: list[dict]) -> None:
+    """Scaling efficiency and overhead share against the 1-worker run of the same mode/method/link."""
+    for r in records:
+        base = next((b for b in records if b["world_size"] == 1 and b["mode"] == r["mode"]
+                     and b["dp_sync"] == r["dp_sync"] and b["bandwidth"] == r["bandwidth"]), None)
+        if base is None or not base["samples_per_s"] or not r["samples_per_s"]:
+            r["scaling_efficiency"] = r["overhead_share"] = None
+            continue
+        r["scaling_efficiency"] = r["samples_per_s"] / (r["world_size"] * base["samples_per_s"])
+        r["overhead_share"] = (max(0.0, 1 - base["time_per_step_s_median"] / r["time_per_step_s_median"])
+                               if r["mode"] == "weak" else None)
+
+
+def _run(cmd: list[str], timeout: float) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        raise DistlabError(f"a scaling run failed (exit {proc.returncode}): {' '.join(cmd)}\n"
+                           f"{(proc.stdout + proc.stderr)[-3000:]}")
+
+
+def run(worlds=(1, 2, 4), modes=("weak", "strong"), methods=("ddp",), per_worker_batch: int = 32,
+        global_batch: int = 128, model: str = "mlp", dataset: str = "fashion-mnist", data_dir: str | None = None,
+        epochs: int = 1, max_steps: int | None = None, optimizer: str = "adam", lr: float = 1e-3,
+        lr_scaling: str = "sqrt", val_fraction: float = 0.1, bandwidths=(None,), cluster: bool = False,
+        out: str | Path = "runs/bench", timeout: float = 3600, progress=print, mlp_widths: str | None = None) -> list[dict]:
+    """Run the grid; return the records (also written to ``OUT/scaling.json``)."""
+    for w in worlds:
+        if "strong" in modes and global_batch % w:
+            raise ConfigError(f"strong scaling splits --global-batch {global_batch} over {w} workers: use a "
+                              f"multiple of every world size (e.g. {global_batch * max(worlds)})")
+    if cluster:
+        from distlab import cluster as cl
+        cl.check_capable()
+    opts = {"model": model, "dataset": dataset, "data_dir": data_dir, "epochs": epochs, "max_steps": max_steps,
+            "optimizer": optimizer, "lr": lr, "lr_scaling": lr_scaling, "val_fraction": val_fraction, "seed": 0,
+            "log_every": 10, "mlp_widths": mlp_widths}
+    root = Path(out)
+    records = []
+    distlab = [sys.executable, "-m", "distlab", "train"]
+    for bandwidth in bandwidths:
+        for mode in modes:
+            for method in methods:
+                for world in worlds:
+                    tag = f"{mode}-{method}-w{world}" + (f"-{bandwidth}" if bandwidth else "")
+                    run_dir = (root / "runs" / tag).resolve()
+                    args = _train_args(mode, world, per_worker_batch, global_batch, method, opts, run_dir)
+                    progress(f"scaling: {tag} ...")
+                    if cluster and world > 1:
+                        _on_cluster(distlab + ["--nproc-per-node", "1", *args], world, bandwidth, timeout)
+                    else:
+                        threads = max(1, cores() // world)
+                        _run(distlab + ["--nproc-per-node", str(world), "--threads", str(threads), *args], timeout)
+                    rec = _record(run_dir, mode, method, bandwidth if cluster else None)
+                    rec.update(machine(world, rec["threads_per_rank"]))
+                    rec["where"] = (f"emulated cluster, {world} nodes x 1 worker, links {bandwidth}"
+                                    if cluster and world > 1 else f"one machine, {world} workers over loopback")
+                    records.append(rec)
+    _add_efficiency(records)
+    write(records, root, "scaling")
+    return records
+
+
+def _on_cluster(cmd: list[str], nodes: int, bandwidth: str | None, timeout: float) -> None:
+    """One worker per emulated node, each pinned to its share of the cores, links at ``bandwidth``."""
+    from distlab import cluster as cl
+    name = f"sc{os.getpid() % 10000}"
+    state = tempfile.mkdtemp(prefix="distlab-cluster-")
+    old = os.environ.get("DISTLAB_CLUSTER_STATE_DIR")
+    os.environ["DISTLAB_CLUSTER_STATE_DIR"] = state
+    try:
+        cl.up(nodes, bandwidth, None, max(1, cores() // nodes), name)
+        try:
+            with open(os.devnull, "w") as sink:
+                code = _quiet_cluster_run(cl, cmd, name, timeout, sink)
+        finally:
+            cl.down(name)
+        if code:
+            raise DistlabError(f"a scaling run on the emulated cluster failed (exit {code}): {' '.join(cmd)}")
+    finally:
+        if old is None:
+            os.environ.pop("DISTLAB_CLUSTER_STATE_DIR", None)
+        else:
+            os.environ["DISTLAB_CLUSTER_STATE_DIR"] = old
+
+
+def _quiet_cluster_run(cl, cmd, name, timeout, sink) -> int:
+    stdout = sys.stdout
+    sys.stdout = sink
+    try:
+        return cl.run(cmd, name, timeout)
+    finally:
+        sys.stdout = stdout
+
+
+def _fmt(v, spec):
+    width = int(spec.split(".")[0] or 0)
+    return f"{'-':>{width}}" if v is None else format(v, spec)
+
+
+def table(records: list[dict]) -> str:
+    """The source material's table, one row per run (plus where, method and communication share)."""
+    head = (f"{'mode':<6} {'method':<10} {'link':<8} {'N':>2} {'LR':>9} {'batch':>6} {'steps/ep':>8} "
+            f"{'epoch s':>8} {'eff':>5} {'sync':>5} {'ovh':>5} {'best val':>8} {'test loss':>9} {'top-1':>7}")
+    rows = [head]
+    for r in records:
+        rows.append(f"{r['mode']:<6} {r['dp_sync']:<10} {r['bandwidth'] or 'lo':<8} {r['world_size']:>2} "
+                    f"{r['lr']:>9.3g} {r['global_batch_size']:>6} {r['steps_per_epoch']:>8} "
+                    f"{_fmt(r['epoch_time_s'], '8.2f')} {_fmt(r['scaling_efficiency'], '5.2f')} "
+                    f"{_fmt(r['sync_share'], '5.0%')} {_fmt(r['overhead_share'], '5.0%')} "
+                    f"{_fmt(r['best_val_loss'], '8.4f')} {_fmt(r['test_loss'], '9.4f')} "
+                    f"{_fmt(None if r['test_accuracy'] is None else 100 * r['test_accuracy'], '6.2f')}%")
+    return "\n".join(rows)
+
+
+def plot(records: list[dict], directory: str | Path) -> list[Path]:
+    """Loss vs wall time per run, and efficiency vs world size (per mode, method and link)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    groups = sorted({(r["mode"], r["dp_sync"], r["bandwidth"] or "lo") for r in records})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for mode, method, link in groups:
+        for r in [r for r in records if (r["mode"], r["dp_sync"], r["bandwidth"] or "lo") == (mode, method, link)]:
+            if r["loss_curve"]:
+                t, loss = zip(*r["loss_curve"])
+                axes[0 if mode == "weak" else 1].plot(t, loss, label=f"{method} {link} N={r['world_size']}")
+    for ax, mode in zip(axes, ("weak", "strong")):
+        ax.set_title(f"{mode} scaling: training loss vs time")
+        ax.set_xlabel("training time (s)")
+        ax.set_ylabel("loss")
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(directory / "scaling-loss-vs-time.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for mode, method, link in groups:
+        rs = sorted((r for r in records if (r["mode"], r["dp_sync"], r["bandwidth"] or "lo") == (mode, method, link)
+                     and r["scaling_efficiency"] is not None), key=lambda r: r["world_size"])
+        if rs:
+            ax.plot([r["world_size"] for r in rs], [r["scaling_efficiency"] for r in rs], marker="o",
+                    label=f"{mode} {method} {link}")
+    ax.set_xlabel("workers")
+    ax.set_ylabel("scaling efficiency")
+    ax.set_ylim(0, 1.1)
+    if ax.lines:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(directory / "scaling-efficiency.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
