@@ -332,9 +332,12 @@ def init(
                 # torchrun's agent hosts the store at MASTER_ADDR:MASTER_PORT and keeps it across
                 # restarts of the worker group; each attempt gets its own key prefix, or a restarted
                 # group would read the dead group's addresses (gloo then waits on ports nobody listens on).
-                attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-                store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, is_master=False,
-                                      timeout=timeout)
+                # Without the agent (torchrun-style variables set by something else), rank 0 hosts it.
+                environ = os.environ if env is None else env
+                attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+                agent = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+                store = dist.TCPStore(info.master_addr, info.master_port, info.world_size,
+                                      is_master=not agent and info.rank == 0, timeout=timeout)
                 dist.init_process_group(backend, store=dist.PrefixStore(f"distlab/attempt-{attempt}", store),
                                         rank=info.rank, world_size=info.world_size, timeout=timeout)
             else:
