@@ -18,7 +18,9 @@ overlaps backward (``bucketed``, ``ddp``). ``overhead_share`` = ``1 - T(1) / T(N
 (the same per-worker work; everything extra is communication and contention), which catches all of it.
 
 ``--cluster`` runs every method on an emulated cluster (:mod:`distlab.cluster`), one node per
-worker, at each ``--bandwidths`` rate, so the gradient sync crosses shaped links.
+worker, at each ``--bandwidths`` rate, so the gradient sync crosses shaped links. Each node is
+pinned to ``cores // nodes`` cores, and the 1-worker baseline (run once per method, on this
+machine) gets as many threads, so ``overhead_share`` compares equal compute.
 """
 
 from __future__ import annotations
@@ -108,25 +110,33 @@ def run(worlds=(1, 2, 4), modes=("weak", "strong"), methods=("ddp",), per_worker
             "log_every": 10, "mlp_widths": mlp_widths}
     root = Path(out)
     records = []
+    baselines: dict = {}  # on the cluster, one 1-worker run per mode and method serves every link
     distlab = [sys.executable, "-m", "distlab", "train"]
     for bandwidth in bandwidths:
         for mode in modes:
             for method in methods:
                 for world in worlds:
-                    tag = f"{mode}-{method}-w{world}" + (f"-{bandwidth}" if bandwidth else "")
+                    if cluster and world == 1 and (mode, method) in baselines:
+                        records.append({**baselines[mode, method], "bandwidth": bandwidth})
+                        continue
+                    tag = f"{mode}-{method}-w{world}" + (f"-{bandwidth}" if bandwidth and world > 1 else "")
                     run_dir = (root / "runs" / tag).resolve()
                     args = _train_args(mode, world, per_worker_batch, global_batch, method, opts, run_dir)
                     progress(f"scaling: {tag} ...")
                     if cluster and world > 1:
                         _on_cluster(distlab + ["--nproc-per-node", "1", *args], world, bandwidth, timeout)
                     else:
-                        threads = max(1, cores() // world)
+                        # On the cluster every node gets cores // nodes: the baseline worker gets the same.
+                        threads = max(1, cores() // (max(worlds) if cluster else world))
                         _run(distlab + ["--nproc-per-node", str(world), "--threads", str(threads), *args], timeout)
                     rec = _record(run_dir, mode, method, bandwidth if cluster else None)
                     rec.update(machine(world, rec["threads_per_rank"]))
                     rec["where"] = (f"emulated cluster, {world} nodes x 1 worker, links {bandwidth}"
-                                    if cluster and world > 1 else f"one machine, {world} workers over loopback")
+                                    if cluster and world > 1 else f"one machine, {world} workers over loopback"
+                                    f", {rec['threads_per_rank']} threads each")
                     records.append(rec)
+                    if cluster and world == 1:
+                        baselines[mode, method] = rec
     _add_efficiency(records)
     write(records, root, "scaling")
     return records
@@ -171,11 +181,11 @@ def _fmt(v, spec):
 
 def table(records: list[dict]) -> str:
     """The source material's table, one row per run (plus where, method and communication share)."""
-    head = (f"{'mode':<6} {'method':<10} {'link':<8} {'N':>2} {'LR':>9} {'batch':>6} {'steps/ep':>8} "
+    head = (f"{'mode':<6} {'method':<14} {'link':<8} {'N':>2} {'LR':>9} {'batch':>6} {'steps/ep':>8} "
             f"{'epoch s':>8} {'eff':>5} {'sync':>5} {'ovh':>5} {'best val':>8} {'test loss':>9} {'top-1':>7}")
     rows = [head]
     for r in records:
-        rows.append(f"{r['mode']:<6} {r['dp_sync']:<10} {r['bandwidth'] or 'lo':<8} {r['world_size']:>2} "
+        rows.append(f"{r['mode']:<6} {r['dp_sync']:<14} {r['bandwidth'] or 'lo':<8} {r['world_size']:>2} "
                     f"{r['lr']:>9.3g} {r['global_batch_size']:>6} {r['steps_per_epoch']:>8} "
                     f"{_fmt(r['epoch_time_s'], '8.2f')} {_fmt(r['scaling_efficiency'], '5.2f')} "
                     f"{_fmt(r['sync_share'], '5.0%')} {_fmt(r['overhead_share'], '5.0%')} "
