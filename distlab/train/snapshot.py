@@ -292,6 +292,7 @@ def resume(target: str, directory: str | None, expected: dict, on_warning=print)
     """
     rank, _ = _world()
     if target != "auto":
+        check_path(target)  # the same answer on every rank: they share the file system
         path = Path(target)
         loaded, reason = _try(path, expected, rank)
         if not _all_ok(loaded is not None):
