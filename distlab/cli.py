@@ -250,6 +250,22 @@ def verify(nproc, strategies, steps, global_batch_size, json_path, resume, workd
         sys.exit(1)
 
 
+# --------------------------------------------------------------------------- report
+
+
+@cli.command()
+@click.argument("paths", nargs=-1, required=True)
+@click.option("-o", "--output", default="report.html", show_default=True, help="The HTML file to write.")
+@click.option("--title", default="distlab report", show_default=True)
+def report(paths, output, title):
+    """One self-contained HTML page (plots + tables) from run directories and bench/verify JSON files."""
+    from distlab.report import write_report
+    inputs = write_report(list(paths), output, title)
+    for path, why in inputs.problems:
+        click.echo(f"distlab: warning: {path}: {why}", err=True)
+    click.echo(f"wrote {output} ({len(inputs.read)} inputs, {len(inputs.problems)} could not be used)", err=True)
+
+
 # --------------------------------------------------------------------------- cluster
 
 

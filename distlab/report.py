@@ -1,0 +1,404 @@
+"""``distlab report PATH... -o report.html``: one self-contained HTML page from runs and bench JSON.
+
+Inputs, in any mix: run directories (``summary.json`` and/or ``metrics.jsonl``, as ``distlab train
+--out`` writes them), bench files (``collectives.json``, ``dp.json``, ``syncbn.json``,
+``parallel.json``, ``scaling.json``), ``distlab verify --json`` files, and directories holding any
+of these (searched a few levels deep). The page has, for what the inputs contain:
+
+* training runs: loss vs step and vs wall time, test accuracy, and -- where runs of one strategy
+  span several world sizes -- samples/s and scaling efficiency vs world size;
+* collectives: time and bus bandwidth vs message size per algorithm and world size;
+* data parallel, SyncBN, tensor parallel / ZeRO: time, memory per rank and bytes per step;
+* scaling: efficiency vs workers and loss vs time;
+* under every plot, the table of the numbers behind it; machine, torch version and date per input.
+
+Plots are PNGs embedded as base64, so the file stands alone. An input that is missing, unreadable
+or not something distlab wrote is listed at the top of the page (and on stderr); it never stops
+the report.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BENCH_KINDS = ("collectives", "dp", "syncbn", "parallel", "scaling", "verify")
+
+
+@dataclass
+class Inputs:
+    runs: list[dict] = field(default_factory=list)        # {"path", "summary", "metrics"}
+    bench: dict[str, list[tuple[str, list[dict]]]] = field(default_factory=dict)  # kind -> [(path, records)]
+    problems: list[tuple[str, str]] = field(default_factory=list)                # (path, what is wrong)
+    read: list[tuple[str, str]] = field(default_factory=list)                    # (path, kind)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def bench_kind(records) -> str | None:
+    """Which distlab bench (or verify) wrote ``records``; None if none did."""
+    if not isinstance(records, list) or not records or not all(isinstance(r, dict) for r in records):
+        return None
+    first = records[0]
+    if "algorithm" in first and "busbw_gbps" in first:
+        return "collectives"
+    if "mode" in first and "scaling_efficiency" in first:
+        return "scaling"
+    if "workload" in first and "strategy" in first:
+        return "parallel"
+    if "workload" in first and "dp_sync" in first:
+        return "dp"
+    if "implementation" in first and "workers" in first:
+        return "syncbn"
+    if "strategy" in first and "passed" in first:
+        return "verify"
+    return None
+
+
+def _read_run(path: Path, inputs: Inputs) -> None:
+    summary, metrics = None, []
+    try:
+        if (path / "summary.json").is_file():
+            summary = json.loads((path / "summary.json").read_text())
+            if not isinstance(summary, dict) or "world_size" not in summary:
+                raise ValueError("summary.json is not a distlab run summary (no world_size)")
+        if (path / "metrics.jsonl").is_file():
+            for n, line in enumerate((path / "metrics.jsonl").read_text().splitlines(), 1):
+                if line.strip():
+                    record = json.loads(line)
+                    if not isinstance(record, dict) or "step" not in record or "loss" not in record:
+                        raise ValueError(f"metrics.jsonl line {n} has no step/loss")
+                    metrics.append(record)
+    except (ValueError, UnicodeDecodeError, OSError) as exc:
+        inputs.problems.append((str(path), f"unreadable run: {exc}"))
+        return
+    inputs.runs.append({"path": str(path), "summary": summary, "metrics": metrics})
+    inputs.read.append((str(path), "run"))
+
+
+def _read_file(path: Path, inputs: Inputs) -> None:
+    try:
+        records = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError, OSError) as exc:
+        inputs.problems.append((str(path), f"not valid JSON: {exc}"))
+        return
+    kind = bench_kind(records)
+    if kind is None:
+        inputs.problems.append((str(path), "not a distlab bench or verify file (a list of records it knows)"))
+        return
+    inputs.bench.setdefault(kind, []).append((str(path), records))
+    inputs.read.append((str(path), kind))
+
+
+def collect(paths: list[str], depth: int = 4) -> Inputs:
+    """Read every input; what cannot be used goes into ``problems``."""
+    inputs = Inputs()
+
+    def visit(path: Path, level: int, explicit: bool) -> None:
+        if not path.exists():
+            inputs.problems.append((str(path), "does not exist"))
+        elif path.is_file():
+            if path.suffix == ".json" or explicit:
+                _read_file(path, inputs)
+        elif (path / "summary.json").exists() or (path / "metrics.jsonl").exists():
+            _read_run(path, inputs)
+        elif level < depth:
+            children = sorted(p for p in path.iterdir() if not p.name.startswith("."))
+            for child in children:
+                if child.is_dir() or child.suffix == ".json":
+                    visit(child, level + 1, False)
+            if explicit and not any(p for p, _ in inputs.read if p.startswith(str(path))):
+                inputs.problems.append((str(path), "no runs or bench files found in it"))
+
+    for p in paths:
+        visit(Path(p), 0, True)
+    return inputs
+
+
+# --------------------------------------------------------------------------- html pieces
+
+
+def _png(fig) -> str:
+    import matplotlib.pyplot as plt
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return f'<img alt="plot" src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">'
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (dict, list)):
+        return html.escape(json.dumps(v)[:80])
+    return html.escape(str(v))
+
+
+def _table(rows: list[dict], columns: list[str]) -> str:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{_cell(r.get(c))}</td>" for c in columns) + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _strategy_label(strategy: dict) -> str:
+    """``bucketed:ring zero=2 tp=2 accum=4 syncbn`` from a summary's strategy object."""
+    label = strategy.get("dp_sync", "?")
+    if strategy.get("collective", "native") != "native":
+        label += f":{strategy['collective']}"
+    for key, name in (("zero", "zero"), ("tp", "tp"), ("grad_accum", "accum")):
+        if strategy.get(key) not in (None, 0, 1):
+            label += f" {name}={strategy[key]}"
+    if strategy.get("sync_bn", "off") != "off":
+        label += " syncbn"
+    return label
+
+
+def _run_label(run: dict) -> str:
+    s = run["summary"] or {}
+    name = Path(run["path"]).name
+    return f"{name} (x{s['world_size']} {_strategy_label(s.get('strategy') or {})})" if s else name
+
+
+def _legend(ax, n: int) -> None:
+    """Beside the plot, so many runs do not hide the curves."""
+    if n:
+        ax.legend(fontsize=6 if n > 8 else 7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def _runs_section(runs: list[dict]) -> str:
+    plt = _plt()
+    out = ["<h2>Training runs</h2>"]
+    with_metrics = [r for r in runs if r["metrics"]]
+    if with_metrics:
+        fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+        for r in with_metrics:
+            label = _run_label(r)
+            a.plot([m["step"] for m in r["metrics"]], [m["loss"] for m in r["metrics"]], label=label)
+            b.plot([m.get("time_s", 0) for m in r["metrics"]], [m["loss"] for m in r["metrics"]], label=label)
+        a.set(xlabel="step", ylabel="training loss", title="loss vs step")
+        b.set(xlabel="wall time (s)", ylabel="training loss", title="loss vs time")
+        _legend(b, len(with_metrics))
+        out.append(_png(fig))
+    done = [r for r in runs if r["summary"]]
+    if done:
+        acc = [r for r in done if r["summary"].get("test_accuracy") is not None]
+        if acc:
+            fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(acc)), 3.6))
+            ax.bar(range(len(acc)), [100 * r["summary"]["test_accuracy"] for r in acc])
+            ax.set_xticks(range(len(acc)), [_run_label(r) for r in acc], rotation=20, ha="right", fontsize=7)
+            ax.set(ylabel="test accuracy (%)", title="test accuracy")
+            lo = min(100 * r["summary"]["test_accuracy"] for r in acc)
+            ax.set_ylim(max(0, lo - 5), 100)
+            out.append(_png(fig))
+        rows = [{"run": r["path"], "world": r["summary"].get("world_size"),
+                 "strategy": _strategy_label(r["summary"].get("strategy") or {}), "steps": r["summary"].get("steps"),
+                 "test accuracy": r["summary"].get("test_accuracy"), "test loss": r["summary"].get("test_loss"),
+                 "ms/step": 1000 * r["summary"]["time_per_step_s_median"]
+                 if r["summary"].get("time_per_step_s_median") else None,
+                 "samples/s": r["summary"].get("samples_per_s"),
+                 "bytes/step/rank": r["summary"].get("comm_bytes_per_step"),
+                 "state MB/rank": (r["summary"]["model_state_bytes_per_rank"] / 2**20
+                                   if r["summary"].get("model_state_bytes_per_rank") else None),
+                 "peak RSS MB": r["summary"].get("peak_rss_mb"), "torch": r["summary"].get("torch_version"),
+                 "host": r["summary"].get("hostname"), "date": r["summary"].get("date")} for r in done]
+        out.append(_table(rows, list(rows[0])))
+        out.append(_scaling_from_runs(done))
+    return "\n".join(out)
+
+
+def _scaling_from_runs(runs: list[dict]) -> str:
+    """Samples/s and efficiency vs world size for runs of one model, data set, strategy and per-rank
+    batch (weak scaling) at several world sizes."""
+    groups: dict[str, list[dict]] = {}
+    for r in runs:
+        s = r["summary"]
+        if s.get("samples_per_s"):
+            key = (f"{s.get('model')} {s.get('dataset')} {_strategy_label(s.get('strategy') or {})} "
+                   f"{s.get('local_batch_size')}/rank")
+            groups.setdefault(key, []).append(s)
+    groups = {k: v for k, v in groups.items() if len({s["world_size"] for s in v}) > 1}
+    if not groups:
+        return ""
+    plt = _plt()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
+    rows = []
+    for name, summaries in groups.items():
+        by_world: dict[int, list[float]] = {}
+        for s in summaries:
+            by_world.setdefault(s["world_size"], []).append(s["samples_per_s"])
+        worlds = sorted(by_world)
+        sps = [statistics.median(by_world[w]) for w in worlds]
+        eff = [x / (w * sps[0] / worlds[0]) for w, x in zip(worlds, sps)]
+        a.plot(worlds, sps, marker="o", label=name)
+        b.plot(worlds, eff, marker="o", label=name)
+        rows += [{"strategy": name, "world size": w, "samples/s": x, "efficiency": e}
+                 for w, x, e in zip(worlds, sps, eff)]
+    a.set(xlabel="world size", ylabel="samples/s", title="throughput vs world size")
+    b.set(xlabel="world size", ylabel="efficiency (per-rank throughput / smallest run's)", title="scaling efficiency")
+    _legend(b, len(groups))
+    return "<h3>Scaling across runs (same per-rank batch)</h3>" + _png(fig) + _table(rows, list(rows[0]))
+
+
+def _collectives_section(records: list[dict]) -> str:
+    plt = _plt()
+    out = []
+    for world in sorted({r["world_size"] for r in records}):
+        fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
+        for algo in dict.fromkeys(r["algorithm"] for r in records):
+            pts = sorted((r["numel"], r["time_s_median"], r["busbw_gbps"]) for r in records
+                         if r["world_size"] == world and r["algorithm"] == algo and r["numel"] > 0)
+            if pts:
+                n, t, bw = zip(*pts)
+                a.plot(n, t, marker="o", label=algo)
+                b.plot(n, bw, marker="o", label=algo)
+        a.set(xscale="log", yscale="log", xlabel="elements", ylabel="median time (s)",
+              title=f"all-reduce time, world size {world}")
+        b.set(xscale="log", xlabel="elements", ylabel="bus bandwidth (GB/s)", title=f"bus bandwidth, world size {world}")
+        _legend(b, len(b.lines))
+        out.append(_png(fig))
+    cols = ["algorithm", "op", "world_size", "numel", "dtype", "time_s_median", "busbw_gbps", "rel_err",
+            "bytes_sent_per_rank", "peak_rss_mb"]
+    return "\n".join(out) + _table(records, cols)
+
+
+def _bar(labels: list[str], values: list[float], ylabel: str, title: str) -> str:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(5, 0.8 * len(labels)), 3.6))
+    ax.bar(range(len(values)), values)
+    ax.set_xticks(range(len(values)), labels, rotation=25, ha="right", fontsize=7)
+    ax.set(ylabel=ylabel, title=title)
+    return _png(fig)
+
+
+def _dp_section(records: list[dict]) -> str:
+    labels = [f"{r['workload']} x{r['world_size']} {r['dp_sync']}:{r.get('collective', 'native')}" for r in records]
+    img = _bar(labels, [r.get("samples_per_s_median") or 0 for r in records], "samples/s", "data parallel: throughput")
+    cols = ["workload", "world_size", "dp_sync", "collective", "time_per_step_s_median", "samples_per_s_median",
+            "comm_bytes_per_step", "peak_rss_mb", "final_train_loss", "test_accuracy"]
+    return img + _table(records, cols)
+
+
+def _parallel_section(records: list[dict]) -> str:
+    ok = [r for r in records if r.get("supported")]
+    labels = [f"{r['workload']} {r['strategy']}" for r in ok]
+    imgs = _bar(labels, [r["model_state_bytes_per_rank"] / 2**20 for r in ok], "MiB per rank",
+                "parameters + gradients + optimizer state per rank")
+    imgs += _bar(labels, [r["comm_bytes_per_step"] / 2**20 for r in ok], "MiB per step per rank", "bytes sent per step")
+    imgs += _bar(labels, [1000 * r["time_per_step_s_median"] for r in ok], "ms", "time per step (median)")
+    cols = ["workload", "strategy", "world_size", "supported", "time_per_step_s_median", "comm_bytes_per_step",
+            "model_state_bytes_per_rank", "peak_rss_mb", "final_train_loss"]
+    return imgs + _table(records, cols)
+
+
+def _syncbn_section(records: list[dict]) -> str:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for impl in dict.fromkeys(r["implementation"] for r in records):
+        pts = sorted((r["workers"], r["time_s_median"]) for r in records
+                     if r["implementation"] == impl and r.get("available") and r.get("time_s_median"))
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=impl)
+    ax.set(xlabel="workers", ylabel="median time (s)", title="batch norm forward + backward")
+    _legend(ax, len(ax.lines))
+    cols = [c for c in ("implementation", "workers", "features", "batch", "time_s_median", "max_abs_out_diff",
+                        "max_abs_grad_diff") if any(c in r for r in records)]
+    return _png(fig) + _table(records, cols)
+
+
+def _scaling_section(records: list[dict]) -> str:
+    plt = _plt()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
+    for key in dict.fromkeys((r["mode"], r["dp_sync"], r.get("bandwidth") or "lo") for r in records):
+        rs = sorted((r for r in records if (r["mode"], r["dp_sync"], r.get("bandwidth") or "lo") == key),
+                    key=lambda r: r["world_size"])
+        label = " ".join(map(str, key))
+        a.plot([r["world_size"] for r in rs], [r["scaling_efficiency"] or 0 for r in rs], marker="o", label=label)
+        for r in rs:
+            if r.get("loss_curve"):
+                t, loss = zip(*r["loss_curve"])
+                b.plot(t, loss, label=f"{label} N={r['world_size']}")
+    a.set(xlabel="workers", ylabel="scaling efficiency", title="scaling efficiency", ylim=(0, 1.1))
+    b.set(xlabel="training time (s)", ylabel="loss", title="loss vs time")
+    a.legend(fontsize=7)
+    _legend(b, len(b.lines))
+    cols = ["mode", "dp_sync", "bandwidth", "world_size", "lr", "global_batch_size", "steps_per_epoch", "epoch_time_s",
+            "scaling_efficiency", "sync_share", "overhead_share", "best_val_loss", "test_loss", "test_accuracy"]
+    return _png(fig) + _table(records, cols)
+
+
+def _verify_section(records: list[dict]) -> str:
+    cols = ["strategy", "world_size", "steps", "max_abs_param_diff", "max_loss_diff", "tolerance", "passed"]
+    return _table(records, cols)
+
+
+SECTIONS = {"collectives": ("Collectives", _collectives_section), "dp": ("Data parallel", _dp_section),
+            "syncbn": ("Synchronized batch norm", _syncbn_section),
+            "parallel": ("Tensor parallel and ZeRO", _parallel_section),
+            "scaling": ("Scaling", _scaling_section), "verify": ("Equivalence (distlab verify)", _verify_section)}
+
+
+def _machine(records: list[dict]) -> str:
+    r = records[0]
+    facts = [f"torch {r['torch_version']}" if r.get("torch_version") else None,
+             f"host {r.get('host') or r.get('hostname')}" if (r.get("host") or r.get("hostname")) else None,
+             f"{r['cores']} cores" if r.get("cores") else None, r.get("date")]
+    return ", ".join(f for f in facts if f) or "machine not recorded"
+
+
+CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1300px}table{border-collapse:collapse;
+margin:.5em 0 2em;font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}
+th{background:#f0f0f0}img{max-width:100%}.problem{color:#a00}code{background:#f4f4f4}"""
+
+
+def render(inputs: Inputs, title: str = "distlab report") -> str:
+    import datetime
+    body = []
+    if inputs.runs:
+        body.append(_runs_section(inputs.runs))
+    for kind in BENCH_KINDS:
+        for path, records in inputs.bench.get(kind, []):
+            name, section = SECTIONS[kind]
+            try:
+                content = section(records)
+            except (KeyError, TypeError, ValueError) as exc:  # a file that looks right but lacks fields
+                inputs.problems.append((path, f"{kind} records lack a field: {exc!r}"))
+                continue
+            body.append(f"<h2>{name}: <code>{html.escape(path)}</code></h2><p>{html.escape(_machine(records))}</p>"
+                        + content)
+    head = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>",
+            f"<p>Generated {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')} by "
+            f"<code>distlab report</code>.</p><h2>Inputs</h2>",
+            _table([{"input": p, "kind": k} for p, k in inputs.read], ["input", "kind"]) if inputs.read
+            else "<p>No usable inputs.</p>"]
+    if inputs.problems:
+        head.append("<h3 class='problem'>Inputs that could not be used</h3><ul>" + "".join(
+            f"<li class='problem'><code>{html.escape(p)}</code>: {html.escape(why)}</li>" for p, why in inputs.problems)
+            + "</ul>")
+    return "\n".join(head + body + ["</body></html>"])
+
+
+def write_report(paths: list[str], out: str | Path, title: str = "distlab report") -> Inputs:
+    from distlab.train.metrics import atomic_write_text
+    inputs = collect(paths)
+    atomic_write_text(out, render(inputs, title))
+    return inputs
