@@ -249,8 +249,9 @@ def _pump(stream, prefix: str, out) -> None:
         out.flush()
 
 
-def run(cmd: list[str], name: str = "dl", timeout: float | None = None) -> int:
-    """Run ``cmd`` on every node at once; return the first non-zero exit code (0 if all succeed)."""
+def run(cmd: list[str], name: str = "dl", timeout: float | None = None, out=None) -> int:
+    """Run ``cmd`` on every node at once, its output to ``out`` (stdout) prefixed with the node;
+    return the first non-zero exit code (0 if all succeed)."""
     if not cmd:
         raise ConfigError("distlab cluster run needs a command after --, e.g. "
                           "distlab cluster run -- distlab train --nproc-per-node 1")
@@ -262,7 +263,7 @@ def run(cmd: list[str], name: str = "dl", timeout: float | None = None) -> int:
     for node in cluster.nodes:
         p = subprocess.Popen(node_command(cluster, node, cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, bufsize=1)
-        t = threading.Thread(target=_pump, args=(p.stdout, f"[node {node.rank}] ", sys.stdout), daemon=True)
+        t = threading.Thread(target=_pump, args=(p.stdout, f"[node {node.rank}] ", out or sys.stdout), daemon=True)
         t.start()
         procs.append(p)
         pumps.append(t)

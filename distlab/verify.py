@@ -26,8 +26,14 @@ single-process reference normalises over the whole global batch.
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -227,12 +233,6 @@ def verify_resume(strategy: Strategy, world_size: int, steps: int, workdir: str,
     the group; the workers resume from the newest snapshot on their own). The last rank dies right
     after step ``steps // 2 + 1``; snapshots are taken every ``steps // 4`` steps.
     """
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from distlab.train import snapshot
 
     if steps < 4:
@@ -252,7 +252,7 @@ def verify_resume(strategy: Strategy, world_size: int, steps: int, workdir: str,
                                    ("killed", ["--max-restarts", "1"],
                                     {"DISTLAB_KILL_AT_STEP": f"{world_size - 1}:{kill_step}"})):
         out = root / name
-        shutil_rmtree(out)
+        shutil.rmtree(out, ignore_errors=True)
         proc = subprocess.run([*base, *extra, "--snapshot-dir", str(out / "snapshots"), "--out", str(out / "run")],
                               capture_output=True, text=True, timeout=timeout, env={**env, **extra_env})
         if proc.returncode != 0:
@@ -276,7 +276,3 @@ def verify_resume(strategy: Strategy, world_size: int, steps: int, workdir: str,
             "restarts": b_summary["restart_count"], "resumed_from": b_summary["resumed_from"],
             "passed": bitwise and b_summary["restart_count"] == 1 and b_summary["resumed_from"] is not None}
 
-
-def shutil_rmtree(path) -> None:
-    import shutil
-    shutil.rmtree(path, ignore_errors=True)

@@ -153,7 +153,7 @@ def _on_cluster(cmd: list[str], nodes: int, bandwidth: str | None, timeout: floa
         cl.up(nodes, bandwidth, None, max(1, cores() // nodes), name)
         try:
             with open(os.devnull, "w") as sink:
-                code = _quiet_cluster_run(cl, cmd, name, timeout, sink)
+                code = cl.run(cmd, name, timeout, out=sink)
         finally:
             cl.down(name)
         if code:
@@ -163,15 +163,6 @@ def _on_cluster(cmd: list[str], nodes: int, bandwidth: str | None, timeout: floa
             os.environ.pop("DISTLAB_CLUSTER_STATE_DIR", None)
         else:
             os.environ["DISTLAB_CLUSTER_STATE_DIR"] = old
-
-
-def _quiet_cluster_run(cl, cmd, name, timeout, sink) -> int:
-    stdout = sys.stdout
-    sys.stdout = sink
-    try:
-        return cl.run(cmd, name, timeout)
-    finally:
-        sys.stdout = stdout
 
 
 def _fmt(v, spec):
