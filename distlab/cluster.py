@@ -46,6 +46,8 @@ class ClusterError(DistlabError):
     exit_code = 2
 
 
+TBF_BURST = "512kb"  # tc kilobytes (1024): what a link that was idle may send at full speed
+
 def state_path(name: str) -> Path:
     base = Path(os.environ.get("DISTLAB_CLUSTER_STATE_DIR") or "/run/distlab")
     return base / f"cluster-{name}.json"
@@ -137,7 +139,7 @@ def _shape(prefix: list[str], dev: str, rate: str | None, delay: str | None) -> 
     if rate:
         # burst: at least one jumbo of data per timer tick at this rate; latency bounds the queue.
         _sh(*prefix, "tc", "qdisc", "add", "dev", dev, *parent, "handle", "10:", "tbf", "rate", rate,
-            "burst", "512kb", "latency", "100ms")
+            "burst", TBF_BURST, "latency", "100ms")
 
 
 def up(nodes: int, bandwidth: str | None = "1gbit", delay: str | None = None, cores_per_node: int | None = None,

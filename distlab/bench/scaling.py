@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 
 from distlab.bench.common import cores, machine, write
+from distlab.cluster import TBF_BURST
 from distlab.errors import ConfigError, DistlabError
 
 
@@ -58,7 +59,8 @@ def _train_args(mode: str, world: int, per_worker: int, global_batch: int, metho
 def _record(out: Path, mode: str, method: str, bandwidth: str | None) -> dict:
     s = json.loads((out / "summary.json").read_text())
     losses = [json.loads(line) for line in (out / "metrics.jsonl").open()]
-    return {"mode": mode, "dp_sync": method, "bandwidth": bandwidth, "world_size": s["world_size"],
+    return {"mode": mode, "dp_sync": method, "bandwidth": bandwidth, "burst": TBF_BURST if bandwidth else None,
+            "world_size": s["world_size"],
             "lr": s["lr_effective"], "global_batch_size": s["global_batch_size"],
             "local_batch_size": s["local_batch_size"], "steps_per_epoch": s["steps_per_epoch"], "steps": s["steps"],
             "epoch_time_s": s["epoch_time_s"], "time_per_step_s_median": s["time_per_step_s_median"],

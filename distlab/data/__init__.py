@@ -129,5 +129,18 @@ def load_dataset(name: str, split: str, data_dir: str | os.PathLike | None = Non
                         info.mean, info.std, augment=info.augment and split == "train", source=str(where))
 
 
-__all__ = ["ImageDataset", "REGISTRY", "canonical_name", "dataset_names", "load_dataset", "locate",
+SHAPES = {"mnist": ((1, 28, 28), 10), "fashion-mnist": ((1, 28, 28), 10), "cifar10": ((3, 32, 32), 10),
+          "cifar100": ((3, 32, 32), 100)}
+
+
+def dataset_shape(name: str) -> tuple[tuple[int, ...], int]:
+    """``(input shape, number of classes)`` of dataset ``name`` without reading it."""
+    name = canonical_name(name)
+    if name.startswith("synthetic"):
+        shape, k, _ = parse_spec(name)
+        return shape, k
+    return SHAPES[name]
+
+
+__all__ = ["ImageDataset", "REGISTRY", "canonical_name", "dataset_names", "dataset_shape", "load_dataset", "locate",
            "search_roots"]

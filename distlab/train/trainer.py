@@ -480,6 +480,8 @@ class Trainer:
             "strategy": cfg.strategy(),
             "model": cfg.model,
             "dataset": cfg.dataset,
+            "input_shape": list(self.train_set.input_shape),
+            "num_classes": self.train_set.num_classes,
             "global_batch_size": cfg.global_batch_size,
             "local_batch_size": self.local_batch,
             "steps": step,

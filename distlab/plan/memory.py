@@ -1,0 +1,246 @@
+"""Per-rank memory of parameters, gradients and optimizer state, predicted without running.
+
+The prediction is the same quantity distlab measures (``model_state_bytes_per_rank`` in
+``summary.json``) and must equal it *exactly* for plain data parallel and ZeRO 1-3:
+
+* **data parallel** (stage 0): every rank holds the parameters, their gradients and the
+  optimizer state -- ``P + G + O`` bytes, measured once both gradients and state exist.
+* **ZeRO** keeps the same tensors in the shapes :mod:`distlab.parallel.zero` gives them (each
+  parameter a unit, zero-padded to a multiple of the group size; small units share one
+  collective) and measures the largest sum it ever holds at its observation points. Those
+  points lie inside backward, so the peak depends on the *order* in which backward produces
+  gradients. :func:`trace` finds that order by running forward and backward once on the
+  ``meta`` device (no memory, no arithmetic, any model size) with the hooks ZeRO installs, and
+  :func:`zero_peak_bytes` replays ZeRO's bookkeeping over the traced events for any world size.
+
+Optimizer state per element: SGD with momentum 1 (the momentum buffer; none without momentum),
+Adam/AdamW 2 (the two moments) plus a 4-byte ``step`` tensor per parameter tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distlab.errors import ConfigError
+from distlab.models import build_model
+from distlab.parallel.zero import COALESCE_BELOW
+
+STEP_TENSOR_BYTES = 4  # Adam's per-parameter ``step`` (a float32 scalar tensor)
+
+
+@dataclass(frozen=True)
+class Optim:
+    """What an optimizer keeps per parameter tensor: ``per_element`` tensors of the parameter's
+    size and ``per_tensor`` extra bytes."""
+    name: str
+    per_element: int
+    per_tensor: int
+
+    @classmethod
+    def of(cls, name: str, momentum: float = 0.9) -> "Optim":
+        if name == "sgd":
+            return cls("sgd", 1 if momentum else 0, 0)
+        if name in ("adam", "adamw"):
+            return cls(name, 2, STEP_TENSOR_BYTES)
+        raise ConfigError(f"unknown optimizer {name!r}; choose sgd, adam or adamw")
+
+    def bytes(self, numel: int, element_size: int) -> int:
+        return self.per_element * numel * element_size + (self.per_tensor if self.per_element else 0)
+
+
+@dataclass
+class Trace:
+    """A model's parameter tensors and the order ZeRO's hooks fire in one training step."""
+    names: list[str]                 # unit (parameter) names, in ZeRO's unit order
+    numels: list[int]
+    element_size: int
+    module_of: list[int]             # unit -> index of the module that owns it directly
+    events: list[tuple[str, int]] = field(default_factory=list)  # (fwd|fwd_done|bwd, module) / (grad, unit)
+    flops_per_sample: float = 0.0    # forward + backward, from torch's FLOP counter
+    forward_flops_per_sample: float = 0.0
+    activation_bytes_per_sample: float = 0.0  # tensors autograd saves for backward (an upper bound)
+    linear_shapes: list[tuple[int, int]] = field(default_factory=list)  # (in, out) of each nn.Linear, in order
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(self.numels)
+
+
+def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), num_classes: int = 10,
+          batch: int = 2, **options) -> Trace:
+    """Run one forward + backward of ``model`` (an ``nn.Module`` or a registered name) on the meta
+    device, recording the events ZeRO reacts to and the FLOPs per sample."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    if isinstance(model, str):
+        with torch.device("meta"):
+            model = build_model(model, input_shape, num_classes, **options)
+    else:
+        model = model.to("meta")
+    modules, names, numels, module_of = [], [], [], []
+    for name, m in model.named_modules():
+        own = list(m.named_parameters(recurse=False))
+        if own:
+            modules.append(m)
+        for pname, p in own:
+            names.append(f"{name}.{pname}" if name else pname)
+            numels.append(p.numel())
+            module_of.append(len(modules) - 1)
+    if not names:
+        raise ConfigError("the model has no parameters: nothing to plan")
+    params = [p for m in modules for _, p in m.named_parameters(recurse=False)]
+    out = Trace(names, numels, params[0].element_size(), module_of)
+    handles = []
+    index = {id(m): i for i, m in enumerate(modules)}
+
+    def after_forward(m, args, result):
+        out.events.append(("fwd_done", index[id(m)]))
+        tensors = result if isinstance(result, (list, tuple)) else [result]
+        for node in {t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None}:
+            handles.append(node.register_prehook(lambda grads, i=index[id(m)]: out.events.append(("bwd", i))))
+
+    for m in modules:
+        handles.append(m.register_forward_pre_hook(lambda m, args: out.events.append(("fwd", index[id(m)]))))
+        handles.append(m.register_forward_hook(after_forward))
+    for u, p in enumerate(params):
+        handles.append(p.register_post_accumulate_grad_hook(lambda p, u=u: out.events.append(("grad", u))))
+    model.train()
+    x = torch.empty((batch, *input_shape), device="meta")
+    y = torch.zeros(batch, dtype=torch.long, device="meta")
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with FlopCounterMode(display=False) as fwd, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = F.cross_entropy(model(x), y)
+    with FlopCounterMode(display=False) as bwd:
+        loss.backward()
+    out.forward_flops_per_sample = fwd.get_total_flops() / batch
+    out.flops_per_sample = (fwd.get_total_flops() + bwd.get_total_flops()) / batch
+    out.activation_bytes_per_sample = sum(saved) / batch
+    out.linear_shapes = [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)]
+    for h in handles:
+        h.remove()
+    return out
+
+
+def data_parallel_bytes(t: Trace, optim: Optim, tp: int = 1) -> int:
+    """Plain data parallel: parameters + gradients + optimizer state, all replicated."""
+    if tp > 1:
+        raise ConfigError("exact memory is predicted for data parallel and ZeRO; tensor parallel is estimated "
+                          "by estimate_bytes()")
+    e = t.element_size
+    return sum(2 * n * e + optim.bytes(n, e) for n in t.numels)
+
+
+class _Zero:
+    """ZeRO's bookkeeping (distlab.parallel.zero.Zero) over sizes instead of tensors."""
+
+    def __init__(self, t: Trace, stage: int, world: int, optim: Optim):
+        self.t, self.stage, self.n = t, stage, world
+        e = t.element_size
+        self.shard = [math.ceil(n / world) for n in t.numels]
+        self.padded = [s * world for s in self.shard]
+        self.e = e
+        self.optim_bytes = sum(optim.bytes(s, e) for s in self.shard)
+        self.units_of: dict[int, list[int]] = {}
+        for u, m in enumerate(t.module_of):
+            self.units_of.setdefault(m, []).append(u)
+        self.gathered = [stage < 3] * len(t.numels)
+        self.has_grad = [False] * len(t.numels)
+        self.reduced = [False] * len(t.numels)
+        self.outs: list[int] = []  # reduce-scatter outputs held as shard gradients (bytes)
+        self.ready: dict[int, int] = {}
+        self.peak = 0
+
+    def held(self, extra: int = 0) -> int:
+        e = self.e
+        total = sum(self.padded[u] * e for u in range(len(self.padded)) if self.gathered[u])
+        total += sum(self.shard) * e + self.optim_bytes + sum(self.outs) + extra
+        total += sum(self.t.numels[u] * e for u in range(len(self.padded)) if self.has_grad[u])
+        return total
+
+    def observe(self, extra: int = 0) -> None:
+        self.peak = max(self.peak, self.held(extra))
+
+    def groups(self, units: list[int]) -> list[list[int]]:
+        alone = [u for u in units if self.t.numels[u] >= COALESCE_BELOW and self.padded[u] == self.t.numels[u]]
+        small = [u for u in units if u not in alone]
+        return [[u] for u in alone] + ([small] if small else [])
+
+    def reduce(self, units: list[int]) -> None:
+        for group in self.groups(units):
+            # a flat padded copy of each gradient that needs padding, then (several units) their concatenation
+            extra = sum(self.padded[u] * self.e for u in group if self.padded[u] != self.t.numels[u]
+                        or not self.has_grad[u])
+            if len(group) > 1:
+                extra += sum(self.padded[u] for u in group) * self.e
+            self.observe(extra)
+            self.outs.append(sum(self.shard[u] for u in group) * self.e)
+            for u in group:
+                self.reduced[u] = True
+                self.has_grad[u] = False
+
+    def step(self, micro_batches: int) -> None:
+        """One optimizer step in steady state (optimizer state exists)."""
+        self.outs = []  # zero_grad(set_to_none=True)
+        for i in range(micro_batches):
+            syncing = i == micro_batches - 1
+            for kind, k in self.t.events:
+                if kind == "fwd" and self.stage == 3:
+                    for u in self.units_of[k]:
+                        self.gathered[u] = True
+                    self.observe()
+                elif kind == "fwd_done" and self.stage == 3:
+                    for u in self.units_of[k]:
+                        self.gathered[u] = False
+                elif kind == "bwd" and self.stage == 3:
+                    if not all(self.gathered[u] for u in self.units_of[k]):
+                        for u in self.units_of[k]:
+                            self.gathered[u] = True
+                        self.observe()
+                elif kind == "grad":
+                    self.has_grad[k] = True
+                    if self.stage >= 2:
+                        m = self.t.module_of[k]
+                        count = self.ready.get(m, 0) + 1
+                        if count < len(self.units_of[m]):
+                            self.ready[m] = count
+                            continue
+                        self.ready[m] = 0
+                        if syncing:
+                            self.reduce(self.units_of[m])
+                        if self.stage == 3:
+                            for u in self.units_of[m]:
+                                self.gathered[u] = False
+        pending = [u for u in range(len(self.reduced)) if not self.reduced[u]]
+        if pending:
+            self.reduce(pending)
+        self.ready.clear()
+        self.reduced = [False] * len(self.reduced)
+        if self.stage == 3:
+            self.gathered = [False] * len(self.gathered)
+        self.observe()  # after_step
+        if self.stage < 3:
+            self.gathered = [True] * len(self.gathered)
+
+
+def zero_peak_bytes(t: Trace, stage: int, world: int, optim: Optim, grad_accum: int = 1) -> int:
+    """The peak of parameters + gradients + optimizer state one rank holds under ZeRO ``stage``."""
+    if stage == 0:
+        return data_parallel_bytes(t, optim)
+    if stage not in (1, 2, 3):
+        raise ConfigError(f"ZeRO stage {stage}: choose 0, 1, 2 or 3")
+    if world < 1:
+        raise ConfigError(f"world size {world}: must be at least 1")
+    sim = _Zero(t, stage, world, optim)
+    sim.step(grad_accum)
+    sim.step(grad_accum)  # the second step starts from the first one's leftovers: steady state
+    return sim.peak
