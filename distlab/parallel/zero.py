@@ -47,6 +47,11 @@ STAGES = (0, 1, 2, 3)
 COALESCE_BELOW = 1 << 16  # elements: smaller units share collectives
 
 
+def goes_alone(numel: int) -> bool:
+    """Whether a unit of ``numel`` elements gets collectives of its own (else it shares them)."""
+    return numel >= COALESCE_BELOW
+
+
 def _size(group) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
@@ -205,11 +210,11 @@ class Zero(nn.Module):
 
     @staticmethod
     def _groups(units: list[_Unit]) -> list[list[_Unit]]:
-        """Collective batches: a large unit without padding goes alone (its gradient and its full
-        buffer are used in place, no copy); the small ones share one collective (a copy of small
-        tensors is cheaper than a collective's latency)."""
-        alone = [[u] for u in units if u.numel >= COALESCE_BELOW and u.padded == u.numel]
-        small = [u for u in units if not (u.numel >= COALESCE_BELOW and u.padded == u.numel)]
+        """Collective batches: a large unit goes alone (without padding its gradient and its full
+        buffer are used in place; with padding, one padded copy of its gradient); the small ones
+        share one collective (a copy of small tensors is cheaper than a collective's latency)."""
+        alone = [[u] for u in units if goes_alone(u.numel)]
+        small = [u for u in units if not goes_alone(u.numel)]
         by_dtype: dict[torch.dtype, list[_Unit]] = {}
         for u in small:
             by_dtype.setdefault(u.full.dtype, []).append(u)

@@ -171,7 +171,7 @@ class Compute:
 
 def fit_compute(samples: list[tuple[float, float]], threads: int) -> Compute:
     """Fit ``t = overhead + flops / rate`` to (flops per step, seconds per step) of one-worker runs.
-    One distinct FLOP count fits the rate alone (overhead 0)."""
+    One distinct FLOP count fits the rate alone (overhead 0) to the median time."""
     if not samples:
         raise ConfigError("no one-worker training runs to fit the compute rate to")
     xs = {round(f) for f, _ in samples}
@@ -184,7 +184,7 @@ def fit_compute(samples: list[tuple[float, float]], threads: int) -> Compute:
             rate = 1 / slope
         else:
             overhead, rate = 0.0, sum(f for f, _ in samples) / sum(t for _, t in samples)
-    else:
-        overhead, rate = 0.0, sum(f for f, _ in samples) / sum(t for _, t in samples)
+    else:  # repeats of one workload: its median time (robust to a slow outlier)
+        overhead, rate = 0.0, samples[0][0] / statistics.median(t for _, t in samples)
     errs = [abs(overhead + f / rate - t) / t for f, t in samples]
     return Compute(rate, overhead, threads, len(samples), statistics.median(errs), max(errs))

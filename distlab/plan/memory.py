@@ -28,7 +28,7 @@ from torch import nn
 
 from distlab.errors import ConfigError
 from distlab.models import build_model
-from distlab.parallel.zero import COALESCE_BELOW
+from distlab.parallel.zero import goes_alone
 
 STEP_TENSOR_BYTES = 4  # Adam's per-parameter ``step`` (a float32 scalar tensor)
 
@@ -171,8 +171,8 @@ class _Zero:
         self.peak = max(self.peak, self.held(extra))
 
     def groups(self, units: list[int]) -> list[list[int]]:
-        alone = [u for u in units if self.t.numels[u] >= COALESCE_BELOW and self.padded[u] == self.t.numels[u]]
-        small = [u for u in units if u not in alone]
+        alone = [u for u in units if goes_alone(self.t.numels[u])]
+        small = [u for u in units if not goes_alone(self.t.numels[u])]
         return [[u] for u in alone] + ([small] if small else [])
 
     def reduce(self, units: list[int]) -> None:
@@ -244,3 +244,25 @@ def zero_peak_bytes(t: Trace, stage: int, world: int, optim: Optim, grad_accum: 
     sim.step(grad_accum)
     sim.step(grad_accum)  # the second step starts from the first one's leftovers: steady state
     return sim.peak
+
+
+def generic_trace(num_parameters: int, activation_bytes_per_sample: float, layers: int = 24,
+                  element_size: int = 4) -> Trace:
+    """A model known only by its size: ``layers`` equal blocks, each one weight matrix (plus a bias
+    of 1/1000 of it), run in order; FLOPs 2 per parameter per sample forward, 4 backward (dense
+    layers). For "what about a 7B-parameter model" questions, not for exact memory."""
+    if num_parameters < layers or layers < 1:
+        raise ConfigError(f"--params {num_parameters} over --layers {layers}: need at least one parameter per layer")
+    per = num_parameters // layers
+    bias = max(1, per // 1000)
+    weight = per - bias
+    t = Trace([], [], element_size, [], flops_per_sample=6.0 * num_parameters,
+              forward_flops_per_sample=2.0 * num_parameters, activation_bytes_per_sample=activation_bytes_per_sample)
+    for i in range(layers):
+        t.names += [f"{i}.weight", f"{i}.bias"]
+        t.numels += [weight + (num_parameters - per * layers if i == layers - 1 else 0), bias]
+        t.module_of += [i, i]
+    t.events = [(k, i) for i in range(layers) for k in ("fwd", "fwd_done")]
+    for i in reversed(range(layers)):
+        t.events += [("bwd", i), ("grad", 2 * i + 1), ("grad", 2 * i)]
+    return t

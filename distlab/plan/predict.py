@@ -23,7 +23,7 @@ import torch
 from distlab.cluster import TBF_BURST
 from distlab.data import dataset_shape
 from distlab.errors import ConfigError
-from distlab.parallel.zero import COALESCE_BELOW
+from distlab.parallel.zero import goes_alone
 from distlab.plan.cost import (ALGORITHMS, DDP_FIRST_BUCKET, AlphaBeta, Compute, Link, fit_alpha_beta, fit_compute,
                                rounds, volume)
 from distlab.plan.memory import Optim, Trace, data_parallel_bytes, trace, zero_peak_bytes
@@ -148,6 +148,15 @@ def _load(path: Path):
         raise ConfigError(f"{path} is not readable JSON ({exc})") from None
 
 
+def _run_summary(bench_json: Path, run_dir: str) -> Path | None:
+    """A bench record's run directory: the one under the bench file's own ``runs/`` (where bench
+    writes it; found after the whole directory is moved or copied), else where it was written."""
+    for d in (bench_json.parent / "runs" / Path(run_dir).name, Path(run_dir)):
+        if (d / "summary.json").exists():
+            return d / "summary.json"
+    return None
+
+
 def _summary_flops(summary: dict, traces: dict) -> float:
     t = _trace_for(summary, traces)
     return t.flops_per_sample * summary["local_batch_size"] / max(1, summary.get("strategy", {}).get("tp") or 1)
@@ -189,8 +198,8 @@ def calibrate(paths: list[str]) -> Calibration:
         elif isinstance(data, list):  # bench scaling: its one-worker runs
             for r in data:
                 if isinstance(r, dict) and r.get("world_size") == 1 and r.get("run_dir"):
-                    s = Path(r["run_dir"]) / "summary.json"
-                    if s.exists():
+                    s = _run_summary(path, r["run_dir"])
+                    if s is not None:
                         summaries.append((s, _load(s)))
         for spath, s in summaries:
             if s.get("world_size") != 1 or not s.get("time_per_step_s_median") or str(spath.resolve()) in seen_runs:
@@ -250,8 +259,8 @@ def _calls(t: Trace, lay: Layout) -> tuple[list[_Call], list[_Call], list[_Call]
             modules.setdefault(m, []).append(u)
 
         def groups(units):  # ZeRO's collective batches (distlab.parallel.zero.Zero._groups)
-            alone = [[u] for u in units if t.numels[u] >= COALESCE_BELOW and padded[u] == sizes[u]]
-            small = [u for u in units if not (t.numels[u] >= COALESCE_BELOW and padded[u] == sizes[u])]
+            alone = [[u] for u in units if goes_alone(t.numels[u])]
+            small = [u for u in units if not goes_alone(t.numels[u])]
             return alone + ([small] if small else [])
 
         per_module = [sum(padded[u] for u in g) for m in modules.values() for g in groups(m)]
@@ -390,8 +399,8 @@ def _measured_runs(paths: list[str]) -> list[tuple[dict, Link, str]]:
         data = _load(path)
         if isinstance(data, list) and data and isinstance(data[0], dict) and "run_dir" in data[0]:
             for r in data:
-                s = Path(r["run_dir"]) / "summary.json"
-                if not s.exists() or str(s.resolve()) in seen:
+                s = _run_summary(path, r["run_dir"])
+                if s is None or str(s.resolve()) in seen:
                     continue
                 seen.add(str(s.resolve()))
                 bw = r.get("bandwidth")
@@ -465,3 +474,106 @@ def sweep(t: Trace, base: Layout, worlds: list[int], link: Link, cal: Calibratio
             p["strategy"] = strat
             rows.append(p)
     return rows
+
+
+# ---------------------------------------------------------------------------------- text
+
+def _gib(b) -> str:
+    return "-" if b is None else f"{b / 2**30:.3g} GiB" if b >= 2**30 else f"{b / 2**20:.3g} MiB"
+
+
+def _ms(s) -> str:
+    if s is None:
+        return "-"
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s" if s < 600 else f"{s / 3600:.3g} h"
+
+
+def format_prediction(p: dict) -> str:
+    lay = p["layout"]
+    lines = [f"layout        dp {lay['dp']} x tp {lay['tp']} = {lay['world_size']} ranks, zero {lay['zero']}, "
+             f"{lay['dp_sync']}/{lay['collective']}, global batch {lay['global_batch_size']}, "
+             f"grad accum {lay['grad_accum']}, {lay['optimizer']}",
+             f"link          {p['link']['name']}" + (f", latency {p['link']['latency_s'] * 1e6:.3g} us"
+                                                     if p['link']['latency_s'] else ""),
+             f"parameters    {p['num_parameters']:,}",
+             f"model state   {_gib(p['model_state_bytes_per_rank'])} per rank "
+             f"({'exact: what distlab will measure' if p['model_state_exact'] else 'estimate'}; "
+             f"{p['model_state_bytes_per_rank']:,} bytes: parameters + gradients + optimizer state at their peak)",
+             f"activations   {_gib(p['activation_bytes_per_rank'])} per rank (estimate, one micro-batch)",
+             f"memory        {_gib(p['memory_bytes_per_rank'])} per rank"]
+    if "step_s" in p:
+        lines += [f"compute       {_ms(p['compute_s'])} per step ({p['threads_per_rank']} threads per rank"
+                  + (f", {p['oversubscription']:.2g}x oversubscribed" if p["oversubscription"] > 1 else "") + ")",
+                  f"communication {_ms(p['comm_s'])} per step, {_ms(p['exposed_comm_s'])} of it exposed",
+                  f"step          {_ms(p['step_s'])}: {p['samples_per_s']:,.0f} samples/s, "
+                  f"scaling efficiency {p['scaling_efficiency']:.2f}"]
+    else:
+        lines.append("time          no calibration given: memory only (`distlab plan calibrate` makes one)")
+    return "\n".join(lines)
+
+
+def _strategy_name(s: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in s.items()) or "as given"
+
+
+def format_sweep(rows: list[dict], min_efficiency: float = 0.5) -> str:
+    timed = "step_s" in rows[0]
+    w = max(8, *(len(_strategy_name(r["strategy"])) for r in rows))
+    head = f"{'strategy':<{w}} {'ranks':>6} {'memory/rank':>12} {'fits':>4}" + (
+        f" {'step':>10} {'samples/s':>12} {'eff':>5}" if timed else "")
+    lines = [head]
+    verdicts = []
+    for name in dict.fromkeys(_strategy_name(r["strategy"]) for r in rows):
+        mine = [r for r in rows if _strategy_name(r["strategy"]) == name]
+        for r in mine:
+            line = f"{name:<{w}} {r['layout']['world_size']:>6} {_gib(r['memory_bytes_per_rank']):>12} " \
+                   f"{'yes' if r['fits'] else 'NO':>4}"
+            if timed:
+                line += f" {_ms(r['step_s']):>10} {r['samples_per_s']:>12,.0f} {r['scaling_efficiency']:>5.2f}"
+            lines.append(line)
+        fit = [r["layout"]["world_size"] for r in mine if r["fits"]]
+        no_fit = [r["layout"]["world_size"] for r in mine if not r["fits"]]
+        words = []
+        if not fit:
+            words.append("never fits in memory")
+        elif no_fit:
+            words.append(f"fits from {min(fit)} ranks" if min(no_fit) < min(fit) else f"stops fitting at {min(no_fit)} ranks")
+        else:
+            words.append("fits at every size")
+        if timed:
+            low = [r["layout"]["world_size"] for r in mine if r["scaling_efficiency"] < min_efficiency]
+            words.append(f"stops scaling (efficiency < {min_efficiency:.2g}) at {min(low)} ranks" if low
+                         else f"scales (efficiency >= {min_efficiency:.2g}) to {max(r['layout']['world_size'] for r in mine)}")
+        verdicts.append(f"{name}: " + "; ".join(words))
+    return "\n".join(lines + [""] + verdicts)
+
+
+def format_validation(rows: list[dict], summary: dict) -> str:
+    lines = [f"{'run':<34} {'N':>2} {'link':<8} {'measured':>10} {'predicted':>10} {'error':>7} {'state bytes':>13} "
+             f"{'predicted':>13}"]
+    for r in rows:
+        lines.append(f"{r['run'][:34]:<34} {r['world_size']:>2} {r['link']:<8} {_ms(r['measured_step_s']):>10} "
+                     f"{_ms(r['predicted_step_s']):>10} {r['time_rel_err']:>+7.1%} "
+                     f"{r['measured_model_state_bytes'] or 0:>13,} {r['predicted_model_state_bytes']:>13,}")
+    lines.append(f"step time: median |error| {summary['median_abs_time_err']:.1%}, max {summary['max_abs_time_err']:.1%} "
+                 f"over {summary['runs']} runs; memory: {summary['memory_exact_runs']} of "
+                 f"{summary['memory_checked_runs']} exact")
+    return "\n".join(lines)
+
+
+STRATEGY_KEYS = {"dp_sync": str, "zero": int, "tp": int, "collective": str, "grad_accum": int, "bucket_mb": float}
+
+
+def parse_strategy(text: str) -> dict:
+    """``zero=3``, ``dp_sync=allreduce+collective=ring`` -> Layout overrides."""
+    out = {}
+    for part in text.split("+"):
+        key, _, value = part.partition("=")
+        key = key.strip().replace("-", "_")
+        if key not in STRATEGY_KEYS or not value:
+            raise ConfigError(f"--strategies: {part!r} is not KEY=VALUE with KEY one of {', '.join(STRATEGY_KEYS)}")
+        try:
+            out[key] = STRATEGY_KEYS[key](value)
+        except ValueError:
+            raise ConfigError(f"--strategies: {part!r}: {value!r} is not a {STRATEGY_KEYS[key].__name__}") from None
+    return out
