@@ -1,0 +1,68 @@
+"""Tensor parallel: one layer's weights split over ranks -- naive (gather every layer) vs Megatron.
+
+    torchrun --standalone --nproc-per-node 2 examples/06_tensor_parallel.py
+
+An MLP 784-512-512-512-512-10 is built from one seed, then sharded over the ranks two ways. Both compute
+exactly what the unsharded model computes (outputs and gradients are checked); they differ in
+what they send. Megatron pairs a column-parallel layer with a row-parallel one so the activation
+between them stays split: one all-reduce forward and one backward per pair (the classifier head
+stays whole). Naive makes every
+layer column parallel and all-gathers its output. Tutorial: docs/06-tensor-parallel.md.
+"""
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+from distlab import comm, runtime
+from distlab.models import build_model
+from distlab.parallel import apply_tensor_parallel
+from distlab.parallel.tensor_parallel import full_parameters
+from distlab.runtime import print0
+
+BATCH = 32
+
+
+def main() -> None:
+    rt = runtime.init(threads=1)
+    n = rt.world_size
+    torch.manual_seed(0)
+    reference = build_model("mlp", (1, 28, 28), 10, widths=(512, 512, 512, 512))
+    x = torch.randn(BATCH, 1, 28, 28, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 10, (BATCH,), generator=torch.Generator().manual_seed(2))
+    F.cross_entropy(reference(x), y).backward()  # every rank runs the whole batch: TP splits weights, not data
+    ref_grads = [p.grad for p in reference.parameters()]
+    full = sum(p.numel() for p in reference.parameters())
+    print0(f"MLP 784-512-512-512-512-10 ({full:,} parameters), batch {BATCH}, tensor parallel over {n} ranks")
+    for style in ("naive", "megatron"):
+        model = apply_tensor_parallel(copy.deepcopy(reference), style=style)
+        model.zero_grad()
+        with comm.counting() as fwd:  # the counts are filled in when the block ends
+            out = model(x)
+        with comm.counting() as bwd:
+            F.cross_entropy(out, y).backward()
+        out_err = (out - reference(x)).abs().max().item()
+        grads = full_parameters(_grads_as_params(model))  # gather the gradient shards like parameters
+        grad_err = max((a - b).abs().max().item() for a, b in zip(grads, ref_grads))
+        mine = sum(p.numel() for p in model.parameters())
+        print0(f"  {style:<9} parameters on this rank {mine:>8,} ({mine / full:.0%})  output err {out_err:.1e}  "
+               f"grad err {grad_err:.1e}  bytes sent: forward {fwd.bytes_sent:,}, backward {bwd.bytes_sent:,}")
+        assert out_err < 1e-5 and grad_err < 1e-5, (style, out_err, grad_err)
+    print0("Both equal the unsharded model. Megatron all-reduces each block's output (forward) and input\n"
+           "gradient (backward; none for the first block: the images need no gradient); naive all-gathers\n"
+           "every layer's output and all-reduces every layer's input gradient.")
+    runtime.shutdown()
+
+
+def _grads_as_params(model):
+    """A copy of ``model`` whose parameters hold its gradients (so full_parameters gathers those)."""
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), twin.parameters()):
+            q.copy_(p.grad)
+    return twin
+
+
+if __name__ == "__main__":
+    main()

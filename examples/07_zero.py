@@ -1,0 +1,89 @@
+"""ZeRO stages 1 -> 3: shard optimizer state, then gradients, then parameters -- and predict the memory.
+
+    torchrun --standalone --nproc-per-node 2 examples/07_zero.py
+
+The same MLP is trained for 5 Adam steps with plain data parallel and with ZeRO stages 1, 2 and 3.
+For each, the script prints the peak bytes of parameters + gradients + optimizer state one rank
+held, the bytes it sent per step, and how far its parameters are from single-process training;
+then it asks ``distlab.plan`` to predict that peak from the model's shapes alone and checks the
+prediction is exact. Tutorial: docs/07-zero.md.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from distlab import comm, runtime
+from distlab.models import build_model
+from distlab.parallel import DataParallel, Zero
+from distlab.parallel.zero import model_state_bytes
+from distlab.plan.memory import Optim, trace, zero_peak_bytes
+from distlab.runtime import print0
+
+STEPS, GLOBAL_BATCH, WIDTHS = 5, 32, (256, 128)
+
+
+def model():
+    torch.manual_seed(0)
+    return build_model("mlp", (1, 28, 28), 10, widths=WIDTHS)
+
+
+def train(stage: int, x, y, rank: int, n: int):
+    net = model()
+    if stage == 0:
+        wrapped = DataParallel(net, "allreduce")
+        opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    else:
+        wrapped = Zero(net, stage)  # shards live in wrapped; the optimizer sees only this rank's shards
+        opt = torch.optim.Adam(wrapped.shard_parameters(), lr=1e-3)
+        wrapped.track(opt)
+    peak = 0
+    with comm.counting() as sent:
+        for s in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(wrapped(x[s][rank::n] if n > 1 else x[s]), y[s][rank::n] if n > 1 else y[s]).backward()
+            wrapped.sync_gradients()  # DP: all-reduce; ZeRO: reduce-scatter (stages 2-3: already during backward)
+            opt.step()
+            wrapped.after_step()      # ZeRO 1-2: all-gather the updated shards into full parameters
+            if stage == 0:
+                peak = max(peak, model_state_bytes(net, opt))
+    if stage:
+        peak = wrapped.peak_bytes
+        with wrapped.gathered():      # ZeRO-3: gather the full parameters to compare them
+            params = [p.detach().clone() for p in net.parameters()]
+    else:
+        params = [p.detach().clone() for p in net.parameters()]
+    return params, peak, sent.bytes_sent / STEPS
+
+
+def main() -> None:
+    rt = runtime.init(threads=1)
+    rank, n = rt.rank, rt.world_size
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(STEPS, GLOBAL_BATCH, 1, 28, 28, generator=g), torch.randint(0, 10, (STEPS, GLOBAL_BATCH), generator=g)
+    net = model()  # single-process reference
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    for s in range(STEPS):
+        opt.zero_grad()
+        F.cross_entropy(net(x[s]), y[s]).backward()
+        opt.step()
+    reference = list(net.parameters())
+    shapes = trace("mlp", (1, 28, 28), 10, widths=WIDTHS)  # meta device: shapes and hook order, no memory
+    print0(f"MLP 784-{WIDTHS[0]}-{WIDTHS[1]}-10 ({shapes.num_parameters:,} parameters), Adam, {n} ranks")
+    print0(f"  {'stage':<6} {'peak state/rank':>16} {'predicted':>10} {'bytes sent/step':>16} {'max |param diff|':>17}")
+    for stage in (0, 1, 2, 3):
+        params, peak, sent = train(stage, x, y, rank, n)
+        predicted = zero_peak_bytes(shapes, stage, n, Optim.of("adam"))
+        diff = max((a - b).abs().max().item() for a, b in zip(params, reference))
+        print0(f"  {stage:<6} {peak:>16,} {predicted:>10,} {sent:>16,.0f} {diff:>17.1e}")
+        assert predicted == peak, (stage, predicted, peak)
+        assert diff < 1e-5, (stage, diff)
+    print0("Unsharded Adam keeps 16 bytes per parameter (4 weights + 4 gradient + 8 moments). Stage 1 shards\n"
+           "the moments, stage 2 the gradients too, stage 3 the weights: each rank then holds about 16/n bytes\n"
+           "per parameter plus the layer being worked on -- here the first layer holds 85% of the weights, so\n"
+           "that layer dominates (`distlab plan --sweep` shows the savings at scale). Stage 3 sends 1.5x:\n"
+           "parameters are all-gathered again for backward. distlab plan predicted every peak exactly.")
+    runtime.shutdown()
+
+
+if __name__ == "__main__":
+    main()
