@@ -51,7 +51,7 @@ def test_memory_prediction_equals_measured_state_bytes_on_three_ranks():
     """Three ranks: no layer divides evenly, so ZeRO's padding and small-unit batching are exercised;
     ResNet-18's shortcut branches make backward's order non-trivial."""
     runs = [(m, *c) for m in ("mlp", "small-cnn-bn") for c in CONFIGS]
-    runs += [("resnet18", *CONFIGS[i]) for i in (0, 3, 5, 6)]
+    runs += [("resnet18", *CONFIGS[i]) for i in (5, 6)]
     _check_exact(3, runs)
 
 

@@ -37,6 +37,11 @@ def _train(rank, world, cfg):
     return trainer.full_parameters(), [r["loss"] for r in trainer.history], summary, freed
 
 
+def _train_each(rank, world, cfgs):
+    """Several trainings in one set of processes (one spawn instead of one per config)."""
+    return [_train(rank, world, cfg)[2] for cfg in cfgs]
+
+
 def _max_diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
@@ -77,10 +82,8 @@ def _train_summing(rank, world, cfg):
 def test_bytes_per_step_match_the_analytic_volumes():
     """ZeRO-1/2 send what data parallel's all-reduce sends; ZeRO-3 1.5x that (an extra all-gather).
     World 2 and even layer sizes: no padding, so the volumes are exact."""
-    sent = {}
-    for zero in (0, 1, 2, 3):
-        summary = run_ranks(_train, 2, _cfg(zero, max_steps=3), timeout=120)[0][2]
-        sent[zero] = summary["comm_bytes_per_step"]
+    summaries = run_ranks(_train_each, 2, [_cfg(zero, max_steps=3) for zero in (0, 1, 2, 3)], timeout=120)[0]
+    sent = {zero: s["comm_bytes_per_step"] for zero, s in zip((0, 1, 2, 3), summaries)}
     params = 64 * 32 + 32 + 32 * 16 + 16 + 16 * 4 + 4
     assert sent[0] == 2 * (2 - 1) * params * 4 // 2  # the textbook all-reduce volume: 2(n-1)/n x bytes
     assert sent[1] == sent[2] == sent[0]
@@ -92,8 +95,8 @@ def test_model_state_memory_shrinks_with_each_stage():
     unsharded). ZeRO-3 on 4 ranks: within (unsharded / 4) x 1.1 plus the largest layer's
     parameters and its gradient, which exist together while that layer's backward runs."""
     cfg = dict(mlp_widths=(256, 256), optimizer="adam", lr=0.005, max_steps=2, global_batch_size=16)
-    held = {z: run_ranks(_train, 4, _cfg(z, **cfg), timeout=180)[0][2]["model_state_bytes_per_rank"]
-            for z in (0, 1, 2, 3)}
+    summaries = run_ranks(_train_each, 4, [_cfg(z, **cfg) for z in (0, 1, 2, 3)], timeout=180)[0]
+    held = {z: s["model_state_bytes_per_rank"] for z, s in zip((0, 1, 2, 3), summaries)}
     params = 64 * 256 + 256 + 256 * 256 + 256 + 256 * 4 + 4
     largest = 256 * 256 * 4  # bytes of the largest layer's weight
     assert held[0] >= 16 * params  # params + grads + Adam's two moments
