@@ -257,10 +257,14 @@ def verify(nproc, strategies, steps, global_batch_size, json_path, resume, workd
 @click.argument("paths", nargs=-1, required=True)
 @click.option("-o", "--output", default="report.html", show_default=True, help="The HTML file to write.")
 @click.option("--title", default="distlab report", show_default=True)
-def report(paths, output, title):
-    """One self-contained HTML page (plots + tables) from run directories and bench/verify JSON files."""
+@click.option("--images", default=None, help="Also write every plot as a PNG file into this directory.")
+def report(paths, output, title, images):
+    """One self-contained HTML page (plots + tables) from run directories and bench, verify and
+    plan validate JSON files."""
     from distlab.report import write_report
-    inputs = write_report(list(paths), output, title)
+    inputs = write_report(list(paths), output, title, images)
+    for path in inputs.images:
+        click.echo(f"wrote {path}", err=True)
     for path, why in inputs.problems:
         click.echo(f"distlab: warning: {path}: {why}", err=True)
     click.echo(f"wrote {output} ({len(inputs.read)} inputs, {len(inputs.problems)} could not be used)", err=True)
@@ -384,17 +388,20 @@ def plan_calibrate(paths, output):
 @click.option("--json", "json_out", default=None, help="Write the per-run comparison here.")
 @click.option("--target", type=float, default=0.2, show_default=True,
               help="Exit 1 if the median absolute step-time error is above this.")
-def plan_validate(paths, calibration, json_out, target):
+@click.option("--min-world", type=int, default=2, show_default=True,
+              help="Only runs with at least this many workers (1 also checks the compute model alone).")
+def plan_validate(paths, calibration, json_out, target, min_world):
     """Compare predictions with measured runs (run directories, bench scaling JSON): per-run error."""
     import json as _json
     from distlab.plan import predict as pp
     cal = pp.Calibration.load(calibration)
-    rows = pp.validate(cal, list(paths))
+    rows = pp.validate(cal, list(paths), world_min=min_world)
     summary = pp.summarize(rows)
     click.echo(pp.format_validation(rows, summary))
     if json_out:
         from distlab.train.metrics import atomic_write_text
-        atomic_write_text(json_out, _json.dumps({"summary": {**summary, "target": target, "calibration": calibration,
+        atomic_write_text(json_out, _json.dumps({"kind": "distlab-plan-validation",
+                                                 "summary": {**summary, "target": target, "calibration": calibration,
                                                              "calibration_machine": cal.machine},
                                                  "runs": rows}, indent=1) + "\n")
         click.echo(f"wrote {json_out}", err=True)

@@ -27,7 +27,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BENCH_KINDS = ("collectives", "dp", "syncbn", "parallel", "scaling", "verify")
+BENCH_KINDS = ("collectives", "dp", "syncbn", "parallel", "scaling", "verify", "plan")
+PLAN_VALIDATION = "distlab-plan-validation"
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Inputs:
     bench: dict[str, list[tuple[str, list[dict]]]] = field(default_factory=dict)  # kind -> [(path, records)]
     problems: list[tuple[str, str]] = field(default_factory=list)                # (path, what is wrong)
     read: list[tuple[str, str]] = field(default_factory=list)                    # (path, kind)
+    images: list[Path] = field(default_factory=list)                             # PNGs written (--images)
 
 
 # --------------------------------------------------------------------------- reading
@@ -58,6 +60,8 @@ def bench_kind(records) -> str | None:
         return "syncbn"
     if "strategy" in first and "passed" in first:
         return "verify"
+    if "predicted_step_s" in first and "measured_step_s" in first:
+        return "plan"
     return None
 
 
@@ -88,9 +92,12 @@ def _read_file(path: Path, inputs: Inputs) -> None:
     except (ValueError, UnicodeDecodeError, OSError) as exc:
         inputs.problems.append((str(path), f"not valid JSON: {exc}"))
         return
+    if isinstance(records, dict) and records.get("kind") == PLAN_VALIDATION:
+        records = records.get("runs")  # `distlab plan validate --json`: the per-run rows
     kind = bench_kind(records)
     if kind is None:
-        inputs.problems.append((str(path), "not a distlab bench or verify file (a list of records it knows)"))
+        inputs.problems.append((str(path), "not a distlab bench, verify or plan validate file (a list of records "
+                                           "it knows)"))
         return
     inputs.bench.setdefault(kind, []).append((str(path), records))
     inputs.read.append((str(path), kind))
@@ -124,11 +131,20 @@ def collect(paths: list[str], depth: int = 4) -> Inputs:
 # --------------------------------------------------------------------------- html pieces
 
 
+_images: list[Path] = []  # render(images=DIR) also writes each plot there: [DIR, written files...]
+
+
 def _png(fig) -> str:
     import matplotlib.pyplot as plt
     buf = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    if _images:
+        titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+        slug = "".join(c if c.isalnum() else "-" for c in (titles[0] if titles else "plot").lower()).strip("-")
+        path = _images[0] / f"{len(_images):02d}-{slug[:40]}.png"
+        path.write_bytes(buf.getvalue())
+        _images.append(path)
     plt.close(fig)
     return f'<img alt="plot" src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">'
 
@@ -350,10 +366,38 @@ def _verify_section(records: list[dict]) -> str:
     return _table(records, cols)
 
 
+def _plan_section(records: list[dict]) -> str:
+    """``distlab plan validate``: predicted vs measured step time, per link and world size."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 5))
+    markers = "osD^v<>"
+    worlds = sorted({r["world_size"] for r in records})
+    for link in dict.fromkeys(r["link"] for r in records):
+        for i, n in enumerate(worlds):
+            rs = [r for r in records if r["link"] == link and r["world_size"] == n]
+            if rs:
+                ax.scatter([r["measured_step_s"] * 1e3 for r in rs], [r["predicted_step_s"] * 1e3 for r in rs],
+                           marker=markers[i % len(markers)], label=f"{link}, {n} workers")
+    lo = min(min(r["measured_step_s"], r["predicted_step_s"]) for r in records) * 1e3 / 1.5
+    hi = max(max(r["measured_step_s"], r["predicted_step_s"]) for r in records) * 1e3 * 1.5
+    ax.plot([lo, hi], [lo, hi], color="black", lw=1, label="exact")
+    ax.fill_between([lo, hi], [lo * 0.8, hi * 0.8], [lo * 1.2, hi * 1.2], color="grey", alpha=0.2, label="±20%")
+    errs = sorted(abs(r["time_rel_err"]) for r in records)
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured ms/step",
+           ylabel="predicted ms/step",
+           title=f"distlab plan: predicted vs measured (median |error| {statistics.median(errs):.0%})")
+    ax.legend(fontsize=7)
+    cols = ["run", "world_size", "link", "dp_sync", "zero", "measured_step_s", "predicted_step_s", "time_rel_err",
+            "predicted_compute_s", "predicted_exposed_comm_s", "measured_model_state_bytes",
+            "predicted_model_state_bytes"]
+    return _png(fig) + _table(records, cols)
+
+
 SECTIONS = {"collectives": ("Collectives", _collectives_section), "dp": ("Data parallel", _dp_section),
             "syncbn": ("Synchronized batch norm", _syncbn_section),
             "parallel": ("Tensor parallel and ZeRO", _parallel_section),
-            "scaling": ("Scaling", _scaling_section), "verify": ("Equivalence (distlab verify)", _verify_section)}
+            "scaling": ("Scaling", _scaling_section), "verify": ("Equivalence (distlab verify)", _verify_section),
+            "plan": ("Cost model (distlab plan validate)", _plan_section)}
 
 
 def _machine(records: list[dict]) -> str:
@@ -397,8 +441,18 @@ def render(inputs: Inputs, title: str = "distlab report") -> str:
     return "\n".join(head + body + ["</body></html>"])
 
 
-def write_report(paths: list[str], out: str | Path, title: str = "distlab report") -> Inputs:
+def write_report(paths: list[str], out: str | Path, title: str = "distlab report",
+                 images: str | Path | None = None) -> Inputs:
+    """Write the page; with ``images``, also every plot as a PNG file in that directory (for a
+    README); their paths are in ``inputs.images``."""
     from distlab.train.metrics import atomic_write_text
     inputs = collect(paths)
-    atomic_write_text(out, render(inputs, title))
+    if images:
+        Path(images).mkdir(parents=True, exist_ok=True)
+        _images[:] = [Path(images)]
+    try:
+        atomic_write_text(out, render(inputs, title))
+    finally:
+        inputs.images = _images[1:]
+        _images.clear()
     return inputs

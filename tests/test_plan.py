@@ -164,6 +164,8 @@ def test_plan_cli_predicts_sweeps_and_refuses_bad_input(committed, tmp_path, cap
     r = _run(capsys, ["plan", "validate", str(committed / "bench-scaling-cluster"), "--calibration", str(cal),
                             "--target", "0.0001"])
     assert r.exit_code == 1 and "above the target" in r.output
+    r = _run(capsys, ["plan", "validate", str(committed), "--calibration", str(cal), "--min-world", "1"])
+    assert r.exit_code == 0 and "weak-ddp-w1 " in r.output  # one-worker runs: the compute model alone
     for args, message in [(["--dp", "3", "--global-batch", "64"], "does not split over 3"),
                           (["--calibration", str(tmp_path / "none.json")], "plan calibrate"),
                           (["--sweep", "8", "--strategies", "zero=9x"], "not a int"),

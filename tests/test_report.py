@@ -79,3 +79,21 @@ def test_report_renders_to_a_non_blank_screenshot(tmp_path):
     from PIL import Image  # noqa: PLC0415 - matplotlib brings pillow
     pixels = Image.open(shot).convert("L").getextrema()
     assert pixels[0] < 128 < pixels[1]  # dark text/lines on a light page: not blank
+
+
+def test_plan_validation_gets_its_plot_and_images_are_written(tmp_path):
+    """`plan validate --json` output is a report input: a predicted-vs-measured plot and its table;
+    --images writes every plot as a PNG file too."""
+    from distlab.report import write_report
+    rows = [{"run": f"r{i}", "world_size": 2, "link": "1gbit", "dp_sync": "ddp", "zero": 0, "measured_step_s": t,
+             "predicted_step_s": t * 1.1, "time_rel_err": 0.1, "predicted_compute_s": 0.001,
+             "predicted_exposed_comm_s": t, "measured_model_state_bytes": 10, "predicted_model_state_bytes": 10}
+            for i, t in enumerate((0.01, 0.02))]
+    path = tmp_path / "validate.json"
+    path.write_text(json.dumps({"kind": "distlab-plan-validation", "summary": {}, "runs": rows}))
+    inputs = write_report([str(path)], tmp_path / "r.html", images=tmp_path / "img")
+    page = (tmp_path / "r.html").read_text()
+    assert inputs.read == [(str(path), "plan")] and not inputs.problems
+    assert "Cost model" in page and "<td>r1</td>" in page and "<th>predicted_step_s</th>" in page
+    assert [p.name for p in inputs.images] == ["01-distlab-plan--predicted-vs-measured--med.png"]
+    assert inputs.images[0].read_bytes()[:4] == b"\x89PNG"
