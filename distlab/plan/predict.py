@@ -334,7 +334,14 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
         state = zero_peak_bytes(shrunk, lay.zero, lay.dp, optim, lay.grad_accum) if lay.zero else \
             data_parallel_bytes(shrunk, optim)
         exact = False
-    params = sum(t.numels) * t.element_size // lay.tp
+    e, n = t.element_size, lay.dp
+    shards = [math.ceil(m / lay.tp / n) for m in t.numels]
+    full = [math.ceil(m / lay.tp) for m in t.numels]
+    parts = {  # the textbook split (ZeRO paper, table 1): what each kind comes to between steps
+        "parameter_bytes_per_rank": e * sum(shards if lay.zero == 3 else full),
+        "gradient_bytes_per_rank": e * sum(shards if lay.zero >= 2 else full),
+        "optimizer_bytes_per_rank": sum(optim.bytes(m, e) for m in (shards if lay.zero >= 1 else full)),
+    }
     out = {"layout": {"dp": lay.dp, "tp": lay.tp, "zero": lay.zero, "dp_sync": lay.dp_sync,
                       "collective": lay.collective, "global_batch_size": lay.global_batch,
                       "grad_accum": lay.grad_accum, "optimizer": lay.optimizer, "world_size": lay.world},
@@ -342,7 +349,8 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
                     "burst_bytes": link.burst},
            "num_parameters": t.num_parameters,
            "model_state_bytes_per_rank": int(state), "model_state_exact": exact,
-           "parameter_bytes_per_rank": params // (lay.dp if lay.zero == 3 else 1),
+           "model_state_basis": "peak of parameters + gradients + optimizer state, with ZeRO's transient buffers",
+           **parts,
            "activation_bytes_per_rank": int(t.activation_bytes_per_sample * micro / lay.tp),
            "activation_basis": "tensors autograd saves for backward, one micro-batch (an upper bound)"}
     out["memory_bytes_per_rank"] = out["model_state_bytes_per_rank"] + out["activation_bytes_per_rank"]
@@ -496,6 +504,8 @@ def format_prediction(p: dict) -> str:
              f"link          {p['link']['name']}" + (f", latency {p['link']['latency_s'] * 1e6:.3g} us"
                                                      if p['link']['latency_s'] else ""),
              f"parameters    {p['num_parameters']:,}",
+             f"at rest       parameters {_gib(p['parameter_bytes_per_rank'])}, gradients "
+             f"{_gib(p['gradient_bytes_per_rank'])}, optimizer state {_gib(p['optimizer_bytes_per_rank'])} per rank",
              f"model state   {_gib(p['model_state_bytes_per_rank'])} per rank "
              f"({'exact: what distlab will measure' if p['model_state_exact'] else 'estimate'}; "
              f"{p['model_state_bytes_per_rank']:,} bytes: parameters + gradients + optimizer state at their peak)",
