@@ -17,7 +17,7 @@ from distlab.runtime import ordered_print, print0
 
 
 def main() -> None:
-    rt = runtime.init(threads=1)
+    rt = runtime.init(device="cpu", threads=1)  # a CPU tutorial: gloo, even where GPUs exist
     rank, n = rt.rank, rt.world_size
     if n < 2:
         raise SystemExit("run me with torchrun --standalone --nproc-per-node 2 (or 4) examples/01_collectives.py")

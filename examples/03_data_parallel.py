@@ -64,7 +64,7 @@ def train(kind: str, rank: int, n: int):
 
 
 def main() -> None:
-    rt = runtime.init(threads=1)
+    rt = runtime.init(device="cpu", threads=1)  # a CPU tutorial: gloo, even where GPUs exist
     rank, n = rt.rank, rt.world_size
     reference, t_single, _ = train("single process", rank, n)  # every rank can afford the reference run
     print0(f"{n} ranks, MLP 784-128-64-10, global batch {GLOBAL_BATCH} ({GLOBAL_BATCH // n} per rank), {STEPS} SGD steps")

@@ -30,7 +30,7 @@ def count(net) -> int:
 
 
 def main() -> None:
-    rt = runtime.init(threads=1)
+    rt = runtime.init(device="cpu", threads=1)  # a CPU tutorial: gloo, even where GPUs exist
     rank, n = rt.rank, rt.world_size
     g = torch.Generator().manual_seed(0)
     x = torch.randn(STEPS, GLOBAL_BATCH, 1, 28, 28, generator=g)

@@ -28,7 +28,7 @@ def run(layer: nn.Module, x: torch.Tensor, w: torch.Tensor):
 
 
 def main() -> None:
-    rt = runtime.init(threads=1)
+    rt = runtime.init(device="cpu", threads=1)  # a CPU tutorial: gloo, even where GPUs exist
     rank, n = rt.rank, rt.world_size
     g = torch.Generator().manual_seed(0)
     x = torch.randn(GLOBAL_BATCH, CHANNELS, 4, 4, generator=g) * 3 + 5  # far from zero mean: a real test

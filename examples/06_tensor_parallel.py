@@ -25,7 +25,7 @@ BATCH = 32
 
 
 def main() -> None:
-    rt = runtime.init(threads=1)
+    rt = runtime.init(device="cpu", threads=1)  # a CPU tutorial: gloo, even where GPUs exist
     n = rt.world_size
     torch.manual_seed(0)
     reference = build_model("mlp", (1, 28, 28), 10, widths=(512, 512, 512, 512))

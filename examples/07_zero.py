@@ -56,7 +56,7 @@ def train(stage: int, x, y, rank: int, n: int):
 
 
 def main() -> None:
-    rt = runtime.init(threads=1)
+    rt = runtime.init(device="cpu", threads=1)  # a CPU tutorial: gloo, even where GPUs exist
     rank, n = rt.rank, rt.world_size
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(STEPS, GLOBAL_BATCH, 1, 28, 28, generator=g), torch.randint(0, 10, (STEPS, GLOBAL_BATCH), generator=g)
