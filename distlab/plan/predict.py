@@ -15,7 +15,7 @@ import os
 import platform
 import socket
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -72,26 +72,34 @@ class Layout:
 
 @dataclass
 class Calibration:
-    collectives: dict[str, AlphaBeta]
+    collectives: dict[str, AlphaBeta]            # per algorithm, from runs that had a core per rank
     compute: dict[int, Compute]
     machine: dict
     sources: list[str]
+    by_world: dict[tuple[str, int], AlphaBeta] = field(default_factory=dict)  # per (algorithm, world), all runs
 
     def to_dict(self) -> dict:
+        worlds: dict[str, dict] = {}
+        for (a, n), ab in sorted(self.by_world.items()):
+            worlds.setdefault(a, {})[str(n)] = ab.to_dict()
         return {"kind": "distlab-plan-calibration", "machine": self.machine, "sources": self.sources,
                 "collectives": {a: ab.to_dict() for a, ab in self.collectives.items()},
-                "compute": [c.to_dict() for c in self.compute.values()]}
+                "collectives_by_world": worlds, "compute": [c.to_dict() for c in self.compute.values()]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Calibration":
         if d.get("kind") != "distlab-plan-calibration":
             raise ConfigError("not a distlab plan calibration file (make one with `distlab plan calibrate`)")
-        colls = {a: AlphaBeta(v["alpha_s"], v["beta_s_per_byte"], v.get("points", 0), v.get("median_rel_err"),
-                              v.get("max_rel_err")) for a, v in d["collectives"].items()}
+        def ab(v: dict) -> AlphaBeta:
+            return AlphaBeta(v["alpha_s"], v["beta_s_per_byte"], v.get("points", 0), v.get("median_rel_err"),
+                             v.get("max_rel_err"))
+
+        colls = {a: ab(v) for a, v in d["collectives"].items()}
+        worlds = {(a, int(n)): ab(v) for a, per in d.get("collectives_by_world", {}).items() for n, v in per.items()}
         comp = {int(c["threads_per_rank"]): Compute(c["flops_per_s"], c["overhead_s"], int(c["threads_per_rank"]),
                                                     c.get("points", 0), c.get("median_rel_err"), c.get("max_rel_err"))
                 for c in d["compute"]}
-        return cls(colls, comp, d.get("machine", {}), d.get("sources", []))
+        return cls(colls, comp, d.get("machine", {}), d.get("sources", []), worlds)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Calibration":
@@ -107,7 +115,11 @@ class Calibration:
     def save(self, path: str | os.PathLike) -> None:
         atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
-    def alpha_beta(self, algorithm: str) -> AlphaBeta:
+    def alpha_beta(self, algorithm: str, world: int | None = None) -> AlphaBeta:
+        """The fit for ``algorithm``; with ``world``, the one measured at that world size if any (for
+        runs that share this machine's cores the way the bench's ranks did)."""
+        if world is not None and (algorithm, world) in self.by_world:
+            return self.by_world[algorithm, world]
         if algorithm in self.collectives:
             return self.collectives[algorithm]
         if "native" in self.collectives:
@@ -176,6 +188,7 @@ def calibrate(paths: list[str]) -> Calibration:
     """Fit collectives' alpha-beta (``distlab bench collectives`` JSON) and the compute rate (run
     directories / ``bench scaling`` JSON of one-worker runs) found under ``paths``."""
     coll: dict[str, list] = {}
+    per_world: dict[tuple[str, int], list] = {}
     comp: dict[int, list] = {}
     sources: list[str] = []
     traces: dict = {}
@@ -184,13 +197,16 @@ def calibrate(paths: list[str]) -> Calibration:
         data = _load(path)
         if isinstance(data, list) and data and isinstance(data[0], dict) and "algorithm" in data[0]:
             sources.append(str(path))
-            usable = [r for r in data if not r.get("oversubscribed") and r.get("op", "sum") in ("sum", "avg")]
-            for r in usable or data:
+            summed = [r for r in data if r.get("op", "sum") in ("sum", "avg")]
+            alone = [r for r in summed if not r.get("oversubscribed")]
+            for r in summed:
                 nbytes = r["numel"] * torch.empty(0, dtype=getattr(torch, r.get("dtype", "float32"))).element_size()
                 n = r["world_size"]
                 if n > 1 and r["time_s_median"] > 0 and nbytes > 0:
-                    coll.setdefault(r["algorithm"], []).append(
-                        (rounds(r["algorithm"], n), volume(r["algorithm"], n, nbytes), r["time_s_median"]))
+                    point = (rounds(r["algorithm"], n), volume(r["algorithm"], n, nbytes), r["time_s_median"])
+                    per_world.setdefault((r["algorithm"], n), []).append(point)
+                    if r in alone or not alone:
+                        coll.setdefault(r["algorithm"], []).append(point)
             continue
         summaries = []
         if isinstance(data, dict) and "world_size" in data and "model" in data:
@@ -214,7 +230,8 @@ def calibrate(paths: list[str]) -> Calibration:
                "python_version": platform.python_version(),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     return Calibration({a: fit_alpha_beta(v) for a, v in coll.items()},
-                       {k: fit_compute(v, k) for k, v in comp.items()}, machine, sources)
+                       {k: fit_compute(v, k) for k, v in comp.items()}, machine, sources,
+                       {k: fit_alpha_beta(v) for k, v in per_world.items()})
 
 
 # ---------------------------------------------------------------------------------- prediction
@@ -298,14 +315,15 @@ def _tp_calls(t: Trace, lay: Layout, micro: int) -> list[_Call]:
 
 
 class _Timer:
-    def __init__(self, cal: Calibration, link: Link, n: int):
+    def __init__(self, cal: Calibration, link: Link, n: int, same_host: bool = False):
         self.cal, self.link, self.n = cal, link, n
+        self.world = n if same_host else None  # use the fit measured at this world size (shared cores)
         self.link_free = 0.0  # when the link last went idle (for the token bucket)
 
     def duration(self, call: _Call, start: float) -> float:
         if self.n <= 1:
             return 0.0
-        ab = self.cal.alpha_beta(call.algorithm)
+        ab = self.cal.alpha_beta(call.algorithm, self.world)
         r, v = rounds(call.algorithm, self.n, call.kind), volume(call.algorithm, self.n, call.nbytes, call.kind)
         host = ab.alpha * r + ab.beta * v
         if self.link.bandwidth is None:
@@ -363,7 +381,7 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     fwd = t.forward_flops_per_sample * micro * lay.grad_accum / lay.tp / comp.rate
     bwd = flops / comp.rate - fwd
     overlapped, after, after_step = _calls(t, lay)
-    timer = _Timer(cal, link, lay.dp)
+    timer = _Timer(cal, link, lay.dp, same_host=lay.oversubscription > 1)
     exposed_pre = 0.0
     if lay.zero == 3:  # all-gathers before each layer's forward and backward: the layer waits
         for c in after:
