@@ -169,7 +169,8 @@ def test_plan_cli_predicts_sweeps_and_refuses_bad_input(committed, tmp_path, cap
     for args, message in [(["--dp", "3", "--global-batch", "64"], "does not split over 3"),
                           (["--calibration", str(tmp_path / "none.json")], "plan calibrate"),
                           (["--sweep", "8", "--strategies", "zero=9x"], "not a int"),
-                          (["--link", "fast"], "100mbit")]:
+                          (["--link", "fast"], "100mbit"),
+                          (["--model", "resnet18", "--dataset", "cifar10", "--tp", "2"], "pairs of Linear layers")]:
         r = _run(capsys, ["plan", *args])
         assert r.exit_code != 0 and message in r.output, (args, r.output)
 

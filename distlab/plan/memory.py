@@ -248,9 +248,10 @@ def zero_peak_bytes(t: Trace, stage: int, world: int, optim: Optim, grad_accum: 
 
 def generic_trace(num_parameters: int, activation_bytes_per_sample: float, layers: int = 24,
                   element_size: int = 4) -> Trace:
-    """A model known only by its size: ``layers`` equal blocks, each one weight matrix (plus a bias
-    of 1/1000 of it), run in order; FLOPs 2 per parameter per sample forward, 4 backward (dense
-    layers). For "what about a 7B-parameter model" questions, not for exact memory."""
+    """A model known only by its size: ``layers`` equal blocks, each one square weight matrix (plus
+    a bias of 1/1000 of it), run in order; FLOPs 2 per parameter per sample forward, 4 backward
+    (dense layers); activations between blocks as wide as the square's side (for tensor parallel).
+    For "what about a 7B-parameter model" questions; memory is exact for *this* layer structure."""
     if num_parameters < layers or layers < 1:
         raise ConfigError(f"--params {num_parameters} over --layers {layers}: need at least one parameter per layer")
     per = num_parameters // layers
@@ -262,6 +263,8 @@ def generic_trace(num_parameters: int, activation_bytes_per_sample: float, layer
         t.names += [f"{i}.weight", f"{i}.bias"]
         t.numels += [weight + (num_parameters - per * layers if i == layers - 1 else 0), bias]
         t.module_of += [i, i]
+    width = max(1, math.isqrt(weight))  # each layer a square dense block, for tensor parallel's activations
+    t.linear_shapes = [(width, width)] * layers
     t.events = [(k, i) for i in range(layers) for k in ("fwd", "fwd_done")]
     for i in reversed(range(layers)):
         t.events += [("bwd", i), ("grad", 2 * i + 1), ("grad", 2 * i)]

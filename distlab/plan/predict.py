@@ -341,6 +341,9 @@ class _Timer:
 def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     """Memory per rank and (with a calibration) time per step of ``lay`` over ``link``."""
     lay.check()
+    if lay.tp > 1 and len(t.linear_shapes) < 2:
+        raise ConfigError(f"--tp {lay.tp}: distlab's tensor parallel shards pairs of Linear layers (MLPs); this model "
+                          f"has {len(t.linear_shapes)} Linear layer(s): plan it with --tp 1")
     micro = lay.global_batch // lay.dp // lay.grad_accum
     optim = Optim.of(lay.optimizer, lay.momentum)
     if lay.tp == 1:
