@@ -327,9 +327,9 @@ def plan(ctx, model, mlp_widths, dataset, num_params, activation_bytes, layers, 
         return
     import json as _json
     import os as _os
-    from dataclasses import replace
     from distlab.data import dataset_shape
-    from distlab.plan import cost, memory, predict as pp
+    from distlab import plan as pp
+    from distlab.plan import cost, memory
     if num_params is not None:
         t = memory.generic_trace(int(num_params), activation_bytes, layers)
     else:
@@ -369,7 +369,7 @@ def plan_calibrate(paths, output):
 
     PATHS: `distlab bench collectives` output, run directories of one-worker training runs and
     `distlab bench scaling` output (its one-worker runs), or directories holding them."""
-    from distlab.plan import predict as pp
+    from distlab import plan as pp
     cal = pp.calibrate(list(paths))
     cal.save(output)
     for name, ab in cal.collectives.items():
@@ -393,7 +393,7 @@ def plan_calibrate(paths, output):
 def plan_validate(paths, calibration, json_out, target, min_world):
     """Compare predictions with measured runs (run directories, bench scaling JSON): per-run error."""
     import json as _json
-    from distlab.plan import predict as pp
+    from distlab import plan as pp
     cal = pp.Calibration.load(calibration)
     rows = pp.validate(cal, list(paths), world_min=min_world)
     summary = pp.summarize(rows)

@@ -9,12 +9,10 @@ from pathlib import Path
 import pytest
 
 from distlab import runtime
-from distlab.cli import main
 from distlab.errors import ConfigError
 from distlab.plan import cost
 from distlab.plan.memory import Optim, generic_trace, trace, zero_peak_bytes
-from distlab.plan.predict import (Calibration, Layout, calibrate, format_sweep, predict, summarize, sweep,
-                                  validate)
+from distlab.plan import (Calibration, Layout, calibrate, format_sweep, predict, summarize, sweep, validate)
 from distlab.testing import run_ranks
 from distlab.train import Trainer, TrainConfig
 
@@ -133,46 +131,41 @@ def test_predictions_of_the_emulated_cluster_runs_are_within_the_target(committe
     assert summary["memory_exact_runs"] == summary["memory_checked_runs"] == summary["runs"]
 
 
-class _Result:
-    def __init__(self, exit_code, output):
-        self.exit_code, self.output = exit_code, output
-
-
-def _run(capsys, args):
-    """The console script's entry point in this process: exit code and stdout + stderr."""
-    with pytest.raises(SystemExit) as exc:
-        main(args)
-    out = capsys.readouterr()
-    return _Result(exc.value.code, out.out + out.err)
-
-
-def test_plan_cli_predicts_sweeps_and_refuses_bad_input(committed, tmp_path, capsys):
+def test_plan_cli_predicts_sweeps_and_validates(committed, tmp_path, run_cli):
+    """The real console script: calibrate -> predict (table + JSON) -> sweep verdicts -> validate's exit code."""
     cal = tmp_path / "cal.json"
-    r = _run(capsys, ["plan", "calibrate", str(committed), "-o", str(cal)])
-    assert r.exit_code == 0, r.output
-    assert "ring" in r.output and "GFLOP/s" in r.output
+    r = run_cli("plan", "calibrate", str(committed), "-o", str(cal), check=True)
+    assert "ring" in r.stdout and "GFLOP/s" in r.stdout
     out = tmp_path / "p.json"
-    r = _run(capsys, ["plan", "--model", "mlp", "--dp", "2", "--zero", "2", "--link", "1gbit",
-                            "--calibration", str(cal), "--json", str(out)])
-    assert r.exit_code == 0, r.output
+    r = run_cli("plan", "--model", "mlp", "--dp", "2", "--zero", "2", "--link", "1gbit", "--calibration", str(cal),
+                "--json", str(out), check=True)
     p = json.loads(out.read_text())
-    assert p["model_state_exact"] and p["step_s"] > p["compute_s"] > 0 and "exposed" in r.output
-    r = _run(capsys, ["plan", "--params", "7e9", "--link", "100gbit", "--sweep", "8,64,512",
-                            "--device-memory", "80GiB", "--calibration", str(cal)])
-    assert r.exit_code == 0, r.output
-    assert "zero=0: never fits in memory" in r.output and "zero=3: fits at every size" in r.output
-    r = _run(capsys, ["plan", "validate", str(committed / "bench-scaling-cluster"), "--calibration", str(cal),
-                            "--target", "0.0001"])
-    assert r.exit_code == 1 and "above the target" in r.output
-    r = _run(capsys, ["plan", "validate", str(committed), "--calibration", str(cal), "--min-world", "1"])
-    assert r.exit_code == 0 and "weak-ddp-w1 " in r.output  # one-worker runs: the compute model alone
+    assert p["model_state_exact"] and p["step_s"] > p["compute_s"] > 0 and "exposed" in r.stdout
+    r = run_cli("plan", "--params", "7e9", "--link", "100gbit", "--sweep", "8,64,512", "--device-memory", "80GiB",
+                "--calibration", str(cal), check=True)
+    assert "zero=0: never fits in memory" in r.stdout and "zero=3: fits at every size" in r.stdout
+    r = run_cli("plan", "validate", str(committed), "--calibration", str(cal), "--target", "0.0001",
+                "--min-world", "1")
+    assert r.returncode == 1 and "above the target" in r.stderr
+    assert "weak-ddp-w1 " in r.stdout  # one-worker runs too: the compute model alone
+
+
+def test_plan_refuses_bad_input_naming_the_fix(committed, tmp_path, capsys):
+    """Flag errors, in this process (they only parse flags): one line each, exit 2."""
+    from distlab.cli import main
     for args, message in [(["--dp", "3", "--global-batch", "64"], "does not split over 3"),
                           (["--calibration", str(tmp_path / "none.json")], "plan calibrate"),
                           (["--sweep", "8", "--strategies", "zero=9x"], "not a int"),
                           (["--link", "fast"], "100mbit"),
                           (["--model", "resnet18", "--dataset", "cifar10", "--tp", "2"], "pairs of Linear layers")]:
-        r = _run(capsys, ["plan", *args])
-        assert r.exit_code != 0 and message in r.output, (args, r.output)
+        with pytest.raises(SystemExit) as exc:
+            main(["plan", *args])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and message in err and err.count("\n") == 1, (args, err)
+    cal = calibrate([str(committed)])
+    cal.collectives.pop("ring")
+    with pytest.raises(ConfigError, match="bench collectives --algorithms ring"):
+        predict(trace("mlp", (1, 28, 28), 10), Layout(dp=2, collective="ring"), cost.Link(), cal)
 
 
 def test_sweep_finds_where_memory_runs_out():

@@ -1,1 +1,17 @@
-"""Predict before you run: memory per rank and time per step for a model, layout and link."""
+"""Predict before you run: memory per rank and time per step for a model, layout and link.
+
+``memory`` (exact DP/ZeRO state bytes from a meta-device trace), ``cost`` (alpha-beta collectives,
+FLOP-rate compute, links), ``calibration`` (fits from bench results), ``predict`` (a layout's
+time and memory; sweeps), ``validate`` (predictions vs measured runs), ``text`` (tables).
+"""
+
+from distlab.plan.calibration import Calibration, calibrate
+from distlab.plan.cost import Link
+from distlab.plan.memory import Optim, Trace, generic_trace, trace, zero_peak_bytes
+from distlab.plan.predict import Layout, parse_strategy, predict, sweep
+from distlab.plan.text import format_prediction, format_sweep, format_validation
+from distlab.plan.validate import summarize, validate
+
+__all__ = ["Calibration", "Layout", "Link", "Optim", "Trace", "calibrate", "format_prediction", "format_sweep",
+           "format_validation", "generic_trace", "parse_strategy", "predict", "summarize", "sweep", "trace",
+           "validate", "zero_peak_bytes"]

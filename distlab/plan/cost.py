@@ -160,6 +160,7 @@ class Compute:
     points: int = 0
     median_rel_err: float | None = None
     max_rel_err: float | None = None
+    scaled_from: int | None = None  # not calibrated at `threads`: the rate scaled from this many
 
     def time(self, flops: float) -> float:
         return self.overhead + flops / self.rate

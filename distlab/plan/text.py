@@ -1,0 +1,88 @@
+"""Tables of :mod:`distlab.plan`'s predictions, sweeps and validations."""
+
+from __future__ import annotations
+
+
+def _gib(b) -> str:
+    return "-" if b is None else f"{b / 2**30:.3g} GiB" if b >= 2**30 else f"{b / 2**20:.3g} MiB"
+
+
+def _ms(s) -> str:
+    if s is None:
+        return "-"
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s" if s < 600 else f"{s / 3600:.3g} h"
+
+
+def format_prediction(p: dict) -> str:
+    lay = p["layout"]
+    lines = [f"layout        dp {lay['dp']} x tp {lay['tp']} = {lay['world_size']} ranks, zero {lay['zero']}, "
+             f"{lay['dp_sync']}/{lay['collective']}, global batch {lay['global_batch_size']}, "
+             f"grad accum {lay['grad_accum']}, {lay['optimizer']}",
+             f"link          {p['link']['name']}" + (f", latency {p['link']['latency_s'] * 1e6:.3g} us"
+                                                     if p['link']['latency_s'] else ""),
+             f"parameters    {p['num_parameters']:,}",
+             f"at rest       parameters {_gib(p['parameter_bytes_per_rank'])}, gradients "
+             f"{_gib(p['gradient_bytes_per_rank'])}, optimizer state {_gib(p['optimizer_bytes_per_rank'])} per rank",
+             f"model state   {_gib(p['model_state_bytes_per_rank'])} per rank "
+             f"({'exact: what distlab will measure' if p['model_state_exact'] else 'estimate'}; "
+             f"{p['model_state_bytes_per_rank']:,} bytes: parameters + gradients + optimizer state at their peak)",
+             f"activations   {_gib(p['activation_bytes_per_rank'])} per rank (estimate, one micro-batch)",
+             f"memory        {_gib(p['memory_bytes_per_rank'])} per rank"]
+    if "step_s" in p:
+        lines += [f"compute       {_ms(p['compute_s'])} per step ({p['compute_basis']}"
+                  + (f", {p['oversubscription']:.2g}x oversubscribed" if p["oversubscription"] > 1 else "") + ")",
+                  f"communication {_ms(p['comm_s'])} per step, {_ms(p['exposed_comm_s'])} of it exposed",
+                  f"step          {_ms(p['step_s'])}: {p['samples_per_s']:,.0f} samples/s, "
+                  f"scaling efficiency {p['scaling_efficiency']:.2f}"]
+    else:
+        lines.append("time          no calibration given: memory only (`distlab plan calibrate` makes one)")
+    return "\n".join(lines)
+
+
+def _strategy_name(s: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in s.items()) or "as given"
+
+
+def format_sweep(rows: list[dict], min_efficiency: float = 0.5) -> str:
+    timed = "step_s" in rows[0]
+    w = max(8, *(len(_strategy_name(r["strategy"])) for r in rows))
+    head = f"{'strategy':<{w}} {'ranks':>6} {'memory/rank':>12} {'fits':>4}" + (
+        f" {'step':>10} {'samples/s':>12} {'eff':>5}" if timed else "")
+    lines = [head]
+    verdicts = []
+    for name in dict.fromkeys(_strategy_name(r["strategy"]) for r in rows):
+        mine = [r for r in rows if _strategy_name(r["strategy"]) == name]
+        for r in mine:
+            line = f"{name:<{w}} {r['layout']['world_size']:>6} {_gib(r['memory_bytes_per_rank']):>12} " \
+                   f"{'yes' if r['fits'] else 'NO':>4}"
+            if timed:
+                line += f" {_ms(r['step_s']):>10} {r['samples_per_s']:>12,.0f} {r['scaling_efficiency']:>5.2f}"
+            lines.append(line)
+        fit = [r["layout"]["world_size"] for r in mine if r["fits"]]
+        no_fit = [r["layout"]["world_size"] for r in mine if not r["fits"]]
+        words = []
+        if not fit:
+            words.append("never fits in memory")
+        elif no_fit:
+            words.append(f"fits from {min(fit)} ranks" if min(no_fit) < min(fit) else f"stops fitting at {min(no_fit)} ranks")
+        else:
+            words.append("fits at every size")
+        if timed:
+            low = [r["layout"]["world_size"] for r in mine if r["scaling_efficiency"] < min_efficiency]
+            words.append(f"stops scaling (efficiency < {min_efficiency:.2g}) at {min(low)} ranks" if low
+                         else f"scales (efficiency >= {min_efficiency:.2g}) to {max(r['layout']['world_size'] for r in mine)}")
+        verdicts.append(f"{name}: " + "; ".join(words))
+    return "\n".join(lines + [""] + verdicts)
+
+
+def format_validation(rows: list[dict], summary: dict) -> str:
+    lines = [f"{'run':<34} {'N':>2} {'link':<8} {'measured':>10} {'predicted':>10} {'error':>7} {'state bytes':>13} "
+             f"{'predicted':>13}"]
+    for r in rows:
+        lines.append(f"{r['run'][:34]:<34} {r['world_size']:>2} {r['link']:<8} {_ms(r['measured_step_s']):>10} "
+                     f"{_ms(r['predicted_step_s']):>10} {r['time_rel_err']:>+7.1%} "
+                     f"{r['measured_model_state_bytes'] or 0:>13,} {r['predicted_model_state_bytes']:>13,}")
+    lines.append(f"step time: median |error| {summary['median_abs_time_err']:.1%}, max {summary['max_abs_time_err']:.1%} "
+                 f"over {summary['runs']} runs; memory: {summary['memory_exact_runs']} of "
+                 f"{summary['memory_checked_runs']} exact")
+    return "\n".join(lines)

@@ -1,0 +1,80 @@
+"""``distlab plan validate``: predictions against measured runs, per run and in summary."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from distlab.cluster import TBF_BURST
+from distlab.errors import ConfigError
+from distlab.plan.calibration import Calibration, json_files, load_json, run_summary, trace_for
+from distlab.plan.cost import Link
+from distlab.plan.predict import Layout, predict
+
+
+def _measured_runs(paths: list[str]) -> list[tuple[dict, Link, str]]:
+    """(summary, link, label) of every multi- or one-worker run found: bench scaling records
+    (with the emulated link they ran over) and run directories (loopback)."""
+    runs, seen = [], set()
+    # bench JSON first: a run directory it names is then known with the link it ran over
+    for path in sorted(json_files(paths), key=lambda p: p.name == "summary.json"):
+        data = load_json(path)
+        if isinstance(data, list) and data and isinstance(data[0], dict) and "run_dir" in data[0]:
+            for r in data:
+                s = run_summary(path, r["run_dir"])
+                if s is None or str(s.resolve()) in seen:
+                    continue
+                seen.add(str(s.resolve()))
+                bw = r.get("bandwidth")
+                link = Link.parse(bw, r.get("delay"), r.get("burst", TBF_BURST)) if bw else Link()
+                runs.append((load_json(s), link, f"{Path(r['run_dir']).name}"))
+        elif isinstance(data, dict) and "world_size" in data and "model" in data and str(path.resolve()) not in seen:
+            seen.add(str(path.resolve()))
+            runs.append((data, Link(), path.parent.name))
+    return runs
+
+
+def layout_of(summary: dict, threads: int | None = None) -> Layout:
+    st, cfg = summary.get("strategy", {}), summary.get("config", {})
+    tp = st.get("tp") or 1
+    threads = threads or summary.get("threads_per_rank") or 1
+    over = summary["world_size"] * threads / summary["cores"] if summary.get("cores") else 1.0
+    return Layout(dp=summary["world_size"] // tp, tp=tp, zero=st.get("zero") or 0, dp_sync=st.get("dp_sync", "ddp"),
+                  collective=st.get("collective", "native"), bucket_mb=st.get("bucket_mb", 25.0),
+                  grad_accum=st.get("grad_accum", 1), optimizer=summary.get("optimizer", "sgd"),
+                  momentum=cfg.get("momentum", 0.9), global_batch=summary["global_batch_size"],
+                  threads=threads, oversubscription=max(1.0, over))
+
+
+def validate(cal: Calibration, paths: list[str], world_min: int = 2) -> list[dict]:
+    """Predicted vs measured step time and memory for every run under ``paths`` with at least
+    ``world_min`` workers."""
+    traces: dict = {}
+    rows = []
+    for s, link, label in _measured_runs(paths):
+        if s["world_size"] < world_min or not s.get("time_per_step_s_median"):
+            continue
+        lay = layout_of(s)
+        p = predict(trace_for(s, traces), lay, link, cal)
+        measured = s["time_per_step_s_median"]
+        mem = s.get("model_state_bytes_per_rank")
+        rows.append({"run": label, "model": s["model"], "world_size": s["world_size"], "link": link.name,
+                     "dp_sync": lay.dp_sync, "zero": lay.zero, "tp": lay.tp, "local_batch_size": s["local_batch_size"],
+                     "measured_step_s": measured, "predicted_step_s": p["step_s"],
+                     "time_rel_err": (p["step_s"] - measured) / measured,
+                     "predicted_compute_s": p["compute_s"], "predicted_exposed_comm_s": p["exposed_comm_s"],
+                     "measured_model_state_bytes": mem, "predicted_model_state_bytes": p["model_state_bytes_per_rank"],
+                     "memory_exact": p["model_state_exact"],
+                     "memory_rel_err": (p["model_state_bytes_per_rank"] - mem) / mem if mem else None})
+    if not rows:
+        raise ConfigError(f"no runs with {world_min}+ workers under {', '.join(paths)} (run directories with "
+                          f"summary.json, or bench scaling JSON)")
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict:
+    errs = [abs(r["time_rel_err"]) for r in rows]
+    mem = [abs(r["memory_rel_err"]) for r in rows if r["memory_rel_err"] is not None and r["memory_exact"]]
+    return {"runs": len(rows), "median_abs_time_err": statistics.median(errs), "max_abs_time_err": max(errs),
+            "memory_exact_runs": sum(1 for m in mem if m == 0), "memory_checked_runs": len(mem),
+            "max_abs_memory_err": max(mem) if mem else None}
