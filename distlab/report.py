@@ -27,7 +27,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BENCH_KINDS = ("collectives", "dp", "syncbn", "parallel", "scaling", "verify", "plan")
+BENCH_KINDS = ("collectives", "dp", "syncbn", "parallel", "scaling", "verify", "plan", "sweep")
 PLAN_VALIDATION = "distlab-plan-validation"
 
 
@@ -62,6 +62,8 @@ def bench_kind(records) -> str | None:
         return "verify"
     if "predicted_step_s" in first and "measured_step_s" in first:
         return "plan"
+    if "layout" in first and "memory_bytes_per_rank" in first and "strategy" in first:
+        return "sweep"
     return None
 
 
@@ -393,11 +395,44 @@ def _plan_section(records: list[dict]) -> str:
     return _png(fig) + _table(records, cols)
 
 
+def _sweep_section(records: list[dict]) -> str:
+    """``distlab plan --sweep --json``: memory per rank and scaling efficiency vs world size."""
+    plt = _plt()
+    timed = all("step_s" in r for r in records)
+    fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(12 if timed else 6.5, 4.5), squeeze=False)
+    a, b = axes[0][0], axes[0][-1]
+    rows = []
+    for name in dict.fromkeys(json.dumps(r["strategy"], sort_keys=True) for r in records):
+        rs = sorted((r for r in records if json.dumps(r["strategy"], sort_keys=True) == name),
+                    key=lambda r: r["layout"]["world_size"])
+        label = ",".join(f"{k}={v}" for k, v in json.loads(name).items()) or "as given"
+        worlds = [r["layout"]["world_size"] for r in rs]
+        a.plot(worlds, [r["memory_bytes_per_rank"] / 2**30 for r in rs], marker="o", label=label)
+        if timed:
+            b.plot(worlds, [r["scaling_efficiency"] for r in rs], marker="o", label=label)
+        rows += [{"strategy": label, "world_size": w, "memory GiB/rank": r["memory_bytes_per_rank"] / 2**30,
+                  "fits": r.get("fits"), "step_s": r.get("step_s"), "samples_per_s": r.get("samples_per_s"),
+                  "scaling_efficiency": r.get("scaling_efficiency")} for w, r in zip(worlds, rs)]
+    limit = records[0].get("device_memory_bytes")
+    if limit:
+        a.axhline(limit / 2**30, color="black", ls="--", lw=1, label="device memory")
+    a.set(xscale="log", yscale="log", xlabel="data-parallel ranks", ylabel="GiB per rank",
+          title=f"planned memory per rank ({records[0]['num_parameters']:,} parameters)")
+    a.legend(fontsize=7)
+    if timed:
+        b.set(xscale="log", xlabel="data-parallel ranks", ylabel="scaling efficiency", ylim=(0, 1.05),
+              title=f"planned scaling efficiency, link {records[0]['link']['name']}")
+        b.legend(fontsize=7)
+    cols = ["strategy", "world_size", "memory GiB/rank", "fits", "step_s", "samples_per_s", "scaling_efficiency"]
+    return _png(fig) + _table(rows, cols)
+
+
 SECTIONS = {"collectives": ("Collectives", _collectives_section), "dp": ("Data parallel", _dp_section),
             "syncbn": ("Synchronized batch norm", _syncbn_section),
             "parallel": ("Tensor parallel and ZeRO", _parallel_section),
             "scaling": ("Scaling", _scaling_section), "verify": ("Equivalence (distlab verify)", _verify_section),
-            "plan": ("Cost model (distlab plan validate)", _plan_section)}
+            "plan": ("Cost model (distlab plan validate)", _plan_section),
+            "sweep": ("Plan sweep (distlab plan --sweep)", _sweep_section)}
 
 
 def _machine(records: list[dict]) -> str:

@@ -97,3 +97,16 @@ def test_plan_validation_gets_its_plot_and_images_are_written(tmp_path):
     assert "Cost model" in page and "<td>r1</td>" in page and "<th>predicted_step_s</th>" in page
     assert [p.name for p in inputs.images] == ["01-distlab-plan--predicted-vs-measured--med.png"]
     assert inputs.images[0].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_sweep_gets_memory_and_fit_plot(tmp_path):
+    from distlab.plan import Layout, Link, generic_trace, sweep
+    from distlab.report import write_report
+    rows = sweep(generic_trace(10**9, 0.0, 8), Layout(dp=8, optimizer="adam"), [8, 64], Link(), None, 8 * 2**30,
+                 [{"zero": 0}, {"zero": 3}])
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(rows))
+    inputs = write_report([str(path)], tmp_path / "r.html")
+    page = (tmp_path / "r.html").read_text()
+    assert inputs.read == [(str(path), "sweep")] and not inputs.problems
+    assert "Plan sweep" in page and "<td>zero=3</td>" in page and page.count("data:image/png") == 1

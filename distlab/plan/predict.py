@@ -253,6 +253,7 @@ def sweep(t: Trace, base: Layout, worlds: list[int], link: Link, cal: Calibratio
             lay = replace(base, dp=n, global_batch=per_rank * n, **strat)
             p = predict(t, lay, link, cal)
             p["fits"] = device_memory is None or p["memory_bytes_per_rank"] <= device_memory
+            p["device_memory_bytes"] = device_memory
             p["strategy"] = strat
             rows.append(p)
     return rows
