@@ -374,22 +374,28 @@ def _plan_section(records: list[dict]) -> str:
     fig, ax = plt.subplots(figsize=(6.5, 5))
     markers = "osD^v<>"
     worlds = sorted({r["world_size"] for r in records})
-    for link in dict.fromkeys(r["link"] for r in records):
-        for i, n in enumerate(worlds):
-            rs = [r for r in records if r["link"] == link and r["world_size"] == n]
-            if rs:
-                ax.scatter([r["measured_step_s"] * 1e3 for r in rs], [r["predicted_step_s"] * 1e3 for r in rs],
-                           marker=markers[i % len(markers)], label=f"{link}, {n} workers")
+    kinds = list(dict.fromkeys(r.get("kind", "training") for r in records))
+    for kind in kinds:
+        for link in dict.fromkeys(r["link"] for r in records):
+            for i, n in enumerate(worlds):
+                rs = [r for r in records if r.get("kind", "training") == kind and r["link"] == link
+                      and r["world_size"] == n]
+                if rs:
+                    ax.scatter([r["measured_step_s"] * 1e3 for r in rs], [r["predicted_step_s"] * 1e3 for r in rs],
+                               marker="x+"[i % 2] if kind == "collective" else markers[i % len(markers)],
+                               s=18 if kind == "collective" else None, alpha=0.7 if kind == "collective" else 1,
+                               label=(f"{kind}s, " if len(kinds) > 1 else "") + f"{link}, {n} workers")
     lo = min(min(r["measured_step_s"], r["predicted_step_s"]) for r in records) * 1e3 / 1.5
     hi = max(max(r["measured_step_s"], r["predicted_step_s"]) for r in records) * 1e3 * 1.5
     ax.plot([lo, hi], [lo, hi], color="black", lw=1, label="exact")
     ax.fill_between([lo, hi], [lo * 0.8, hi * 0.8], [lo * 1.2, hi * 1.2], color="grey", alpha=0.2, label="±20%")
-    errs = sorted(abs(r["time_rel_err"]) for r in records)
-    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured ms/step",
-           ylabel="predicted ms/step",
-           title=f"distlab plan: predicted vs measured (median |error| {statistics.median(errs):.0%})")
-    ax.legend(fontsize=7)
-    cols = ["run", "world_size", "link", "dp_sync", "zero", "measured_step_s", "predicted_step_s", "time_rel_err",
+    medians = ", ".join(f"{kind}s {statistics.median(abs(r['time_rel_err']) for r in records if r.get('kind', 'training') == kind):.0%}"
+                        for kind in kinds)
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured ms (per step or collective)",
+           ylabel="predicted ms",
+           title=f"distlab plan: predicted vs measured (median |error|: {medians})")
+    ax.legend(fontsize=6)
+    cols = ["kind", "run", "world_size", "link", "dp_sync", "zero", "measured_step_s", "predicted_step_s", "time_rel_err",
             "predicted_compute_s", "predicted_exposed_comm_s", "measured_model_state_bytes",
             "predicted_model_state_bytes"]
     return _png(fig) + _table(records, cols)

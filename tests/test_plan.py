@@ -12,7 +12,7 @@ from distlab import runtime
 from distlab.errors import ConfigError
 from distlab.plan import cost
 from distlab.plan.memory import Optim, generic_trace, trace, zero_peak_bytes
-from distlab.plan import (Calibration, Layout, calibrate, format_sweep, predict, summarize, sweep, validate)
+from distlab.plan import Calibration, Layout, calibrate, format_sweep, predict, summaries, sweep, validate
 from distlab.testing import run_ranks
 from distlab.train import Trainer, TrainConfig
 
@@ -124,11 +124,17 @@ def test_predictions_of_the_emulated_cluster_runs_are_within_the_target(committe
     shaped links are predicted from the links' nominal rates."""
     cal = calibrate([str(committed)])
     rows = validate(cal, [str(committed)])
-    summary = summarize(rows)
-    assert summary["runs"] >= 24 and {r["link"] for r in rows} >= {"100mbit", "1gbit", "10gbit"}
-    assert {r["world_size"] for r in rows} == {2, 4}
+    per_kind = summaries(rows)
+    summary = per_kind["training"]
+    training = [r for r in rows if r["kind"] == "training"]
+    assert summary["runs"] >= 24 and {r["link"] for r in training} >= {"100mbit", "1gbit", "10gbit"}
+    assert {r["world_size"] for r in training} == {2, 4}
     assert summary["median_abs_time_err"] <= 0.20
     assert summary["memory_exact_runs"] == summary["memory_checked_runs"] == summary["runs"]
+    # The communication model alone, on collectives measured across the emulated nodes: where the
+    # link, not latency or the token bucket, sets the time (1e6 elements), within 20% (median).
+    large = sorted(abs(r["time_rel_err"]) for r in rows if r["kind"] == "collective" and "1e+06" in r["run"])
+    assert len(large) >= 20 and large[len(large) // 2] <= 0.20
 
 
 def test_plan_cli_predicts_sweeps_and_validates(committed, tmp_path, run_cli):
@@ -178,3 +184,19 @@ def test_sweep_finds_where_memory_runs_out():
     z3 = [r["memory_bytes_per_rank"] for r in rows if r["strategy"]["zero"] == 3]
     assert z3 == sorted(z3, reverse=True)
     assert predict(t, Layout(dp=8, optimizer="adam", global_batch=32), cost.Link(), None).keys().isdisjoint({"step_s"})
+
+
+def test_bench_collectives_launched_across_ranks_records_its_link(committed, tmp_path, run_cli):
+    """Launched like training (here torchrun on one host; on a cluster `distlab cluster run`), bench
+    collectives measures the group it was started in and names the link; validate predicts each."""
+    run_cli("bench", "collectives", "--nproc-per-node", "2", "--sizes", "1e3,1e4", "--algorithms", "native,ring",
+            "--repeats", "2", "--warmup", "1", "--link", "10gbit", "--out", "cc", check=True)
+    records = json.loads((tmp_path / "cc" / "collectives.json").read_text())
+    assert [(r["algorithm"], r["numel"], r["link"], r["world_size"]) for r in records] == [
+        ("native", 1000, "10gbit", 2), ("ring", 1000, "10gbit", 2), ("native", 10000, "10gbit", 2),
+        ("ring", 10000, "10gbit", 2)]
+    cal = calibrate([str(committed)])
+    rows = validate(cal, [str(tmp_path / "cc")], world_min=2)
+    assert [r["kind"] for r in rows] == ["collective"] * 4 and all(r["predicted_step_s"] > 0 for r in rows)
+    assert calibrate([str(committed), str(tmp_path / "cc")]).collectives["ring"].points == \
+        cal.collectives["ring"].points  # across-node records never enter the host fit

@@ -257,3 +257,28 @@ def plot(records: list[dict], directory: str | Path) -> list[Path]:
             plt.close(fig)
             written.append(path)
     return written
+
+
+def run_here(rank: int, world: int, sizes, algorithms, ops=("sum",), dtypes=("float32",), warmup: int = 3,
+             repeats: int = 20, runs: int = 1, out: str | Path | None = None, link: str | None = None,
+             burst: str | None = None) -> list[dict] | None:
+    """The suite on the process group this process already belongs to -- one rank per node of a real
+    or emulated cluster (``distlab cluster run -- distlab bench collectives --nproc-per-node 1
+    --link 1gbit``), so messages cross the nodes' links instead of loopback. ``runs`` repeats run in
+    the same processes. Rank 0 writes ``out/collectives.json`` (records name the ``link``) and
+    returns the records; other ranks return None."""
+    torch.set_num_threads(1)
+    algorithms = [comm.check_algorithm(a) for a in algorithms]
+    results = [_bench_world(rank, world, algorithms, list(ops), list(sizes), list(dtypes), warmup, repeats)
+               for _ in range(runs)]
+    if rank != 0:
+        return None
+    records = _merge_runs(results)
+    for r in records:
+        r.update({"link": link, "burst": burst, "ranks": world, "cores": os.cpu_count(), "threads_per_rank": 1,
+                  "oversubscribed": world > (os.cpu_count() or 1), "torch_version": torch.__version__,
+                  "backend": dist.get_backend(), "host": platform.node(),
+                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+    if out:
+        atomic_write_text(Path(out) / "collectives.json", json.dumps(records, indent=1) + "\n")
+    return records

@@ -151,7 +151,8 @@ def calibrate(paths: list[str]) -> Calibration:
         data = load_json(path)
         if isinstance(data, list) and data and isinstance(data[0], dict) and "algorithm" in data[0]:
             sources.append(str(path))
-            summed = [r for r in data if r.get("op", "sum") in ("sum", "avg")]
+            # this machine's host stack: runs over loopback only (a record with a link ran across nodes)
+            summed = [r for r in data if r.get("op", "sum") in ("sum", "avg") and r.get("link") in (None, "loopback")]
             alone = [r for r in summed if not r.get("oversubscribed")]
             for r in summed:
                 nbytes = r["numel"] * torch.empty(0, dtype=getattr(torch, r.get("dtype", "float32"))).element_size()

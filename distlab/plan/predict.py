@@ -57,7 +57,7 @@ class Layout:
 
 
 @dataclass
-class _Call:
+class Call:
     algorithm: str
     kind: str           # all_reduce | reduce_scatter | all_gather
     nbytes: float       # the whole tensor (all-reduce) / the full, gathered size (RS, AG)
@@ -78,7 +78,7 @@ def _buckets(sizes: list[int], cap: int, first_cap: int | None = None) -> list[t
     return out
 
 
-def _calls(t: Trace, lay: Layout) -> tuple[list[_Call], list[_Call], list[_Call]]:
+def _calls(t: Trace, lay: Layout) -> tuple[list[Call], list[Call], list[Call]]:
     """(overlappable during backward, after backward, after the optimizer step) collectives of the
     data-parallel group, and for ZeRO-3 the exposed all-gathers are returned in 'after backward'
     with ready 0 ... see predict()."""
@@ -103,26 +103,26 @@ def _calls(t: Trace, lay: Layout) -> tuple[list[_Call], list[_Call], list[_Call]
         per_module = [sum(padded[u] for u in g) for m in modules.values() for g in groups(m)]
         everything = [sum(padded[u] for u in g) for g in groups(list(range(len(sizes))))]
         if lay.zero == 1:
-            return [], [_Call(alg, "reduce_scatter", b) for b in everything], \
-                [_Call(alg, "all_gather", b) for b in everything]
+            return [], [Call(alg, "reduce_scatter", b) for b in everything], \
+                [Call(alg, "all_gather", b) for b in everything]
         done, overl = 0, []
         for b in reversed(per_module):  # backward reaches the last layers first
             done += b
-            overl.append(_Call(alg, "reduce_scatter", b, done / sum(per_module)))
+            overl.append(Call(alg, "reduce_scatter", b, done / sum(per_module)))
         if lay.zero == 2:
-            return overl, [], [_Call(alg, "all_gather", b) for b in everything]
-        gathers = [_Call(alg, "all_gather", b, 0.0) for b in per_module] * 2  # before forward and before backward
+            return overl, [], [Call(alg, "all_gather", b) for b in everything]
+        gathers = [Call(alg, "all_gather", b, 0.0) for b in per_module] * 2  # before forward and before backward
         return overl, gathers, []
     if lay.dp_sync == "gather-scatter":
-        return [], [_Call("gather_scatter", "all_reduce", total)], []
+        return [], [Call("gather_scatter", "all_reduce", total)], []
     if lay.dp_sync == "allreduce":
-        return [], [_Call(alg, "all_reduce", s) for s in sizes], []
+        return [], [Call(alg, "all_reduce", s) for s in sizes], []
     cap = int(lay.bucket_mb * 2**20)
     buckets = _buckets(list(reversed(sizes)), cap, DDP_FIRST_BUCKET if lay.dp_sync == "ddp" else None)
-    return [_Call(alg, "all_reduce", b, done / total) for b, done in buckets], [], []
+    return [Call(alg, "all_reduce", b, done / total) for b, done in buckets], [], []
 
 
-def _tp_calls(t: Trace, lay: Layout, micro: int) -> list[_Call]:
+def _tp_calls(t: Trace, lay: Layout, micro: int) -> list[Call]:
     """Megatron MLP blocks: per (column, row) pair of Linears, one all-reduce of the block's output
     in forward and one of its input gradient in backward."""
     if lay.tp == 1:
@@ -130,17 +130,17 @@ def _tp_calls(t: Trace, lay: Layout, micro: int) -> list[_Call]:
     e, calls = t.element_size, []
     pairs = list(zip(t.linear_shapes[0::2], t.linear_shapes[1::2]))
     for (d_in, _), (_, d_out) in pairs:
-        calls += [_Call("native", "all_reduce", micro * d_out * e), _Call("native", "all_reduce", micro * d_in * e)]
+        calls += [Call("native", "all_reduce", micro * d_out * e), Call("native", "all_reduce", micro * d_in * e)]
     return calls * lay.grad_accum
 
 
-class _Timer:
+class Timer:
     def __init__(self, cal: Calibration, link: Link, n: int, same_host: bool = False):
         self.cal, self.link, self.n = cal, link, n
         self.world = n if same_host else None  # use the fit measured at this world size (shared cores)
         self.link_free = 0.0  # when the link last went idle (for the token bucket)
 
-    def duration(self, call: _Call, start: float) -> float:
+    def duration(self, call: Call, start: float) -> float:
         if self.n <= 1:
             return 0.0
         ab = self.cal.alpha_beta(call.algorithm, self.world)
@@ -204,13 +204,13 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     fwd = t.forward_flops_per_sample * micro * lay.grad_accum / lay.tp / comp.rate
     bwd = flops / comp.rate - fwd
     overlapped, after, after_step = _calls(t, lay)
-    timer = _Timer(cal, link, lay.dp, same_host=lay.oversubscription > 1)
+    timer = Timer(cal, link, lay.dp, same_host=lay.oversubscription > 1)
     exposed_pre = 0.0
     if lay.zero == 3:  # all-gathers before each layer's forward and backward: the layer waits
         for c in after:
             exposed_pre += timer.duration(c, 0.0)
         after = []
-    tp_timer = _Timer(cal, link if lay.dp == 1 else Link(), lay.tp)  # a TP group shares a node's fast links
+    tp_timer = Timer(cal, link if lay.dp == 1 else Link(), lay.tp)  # a TP group shares a node's fast links
     tp_time = sum(tp_timer.duration(c, 0.0) for c in _tp_calls(t, lay, micro))
     comm_total = exposed_pre + tp_time
     start_bwd = fwd + exposed_pre / 2

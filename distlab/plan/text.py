@@ -75,14 +75,19 @@ def format_sweep(rows: list[dict], min_efficiency: float = 0.5) -> str:
     return "\n".join(lines + [""] + verdicts)
 
 
-def format_validation(rows: list[dict], summary: dict) -> str:
+def format_validation(rows: list[dict], summaries: dict[str, dict]) -> str:
     lines = [f"{'run':<34} {'N':>2} {'link':<8} {'measured':>10} {'predicted':>10} {'error':>7} {'state bytes':>13} "
              f"{'predicted':>13}"]
     for r in rows:
+        mem = "" if r["measured_model_state_bytes"] is None else \
+            f" {r['measured_model_state_bytes']:>13,} {r['predicted_model_state_bytes']:>13,}"
         lines.append(f"{r['run'][:34]:<34} {r['world_size']:>2} {r['link']:<8} {_ms(r['measured_step_s']):>10} "
-                     f"{_ms(r['predicted_step_s']):>10} {r['time_rel_err']:>+7.1%} "
-                     f"{r['measured_model_state_bytes'] or 0:>13,} {r['predicted_model_state_bytes']:>13,}")
-    lines.append(f"step time: median |error| {summary['median_abs_time_err']:.1%}, max {summary['max_abs_time_err']:.1%} "
-                 f"over {summary['runs']} runs; memory: {summary['memory_exact_runs']} of "
-                 f"{summary['memory_checked_runs']} exact")
+                     f"{_ms(r['predicted_step_s']):>10} {r['time_rel_err']:>+7.1%}{mem}")
+    for kind, summary in summaries.items():
+        what = "step time" if kind == "training" else "collective time"
+        line = (f"{what}: median |error| {summary['median_abs_time_err']:.1%}, max {summary['max_abs_time_err']:.1%} "
+                f"over {summary['runs']} {'runs' if kind == 'training' else 'collectives'}")
+        if summary["memory_checked_runs"]:
+            line += f"; memory: {summary['memory_exact_runs']} of {summary['memory_checked_runs']} exact"
+        lines.append(line)
     return "\n".join(lines)

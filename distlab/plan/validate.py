@@ -5,11 +5,13 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+import torch
+
 from distlab.cluster import TBF_BURST
 from distlab.errors import ConfigError
 from distlab.plan.calibration import Calibration, json_files, load_json, run_summary, trace_for
 from distlab.plan.cost import Link
-from distlab.plan.predict import Layout, predict
+from distlab.plan.predict import Call, Layout, Timer, predict
 
 
 def _measured_runs(paths: list[str]) -> list[tuple[dict, Link, str]]:
@@ -47,8 +49,9 @@ def layout_of(summary: dict, threads: int | None = None) -> Layout:
 
 
 def validate(cal: Calibration, paths: list[str], world_min: int = 2) -> list[dict]:
-    """Predicted vs measured step time and memory for every run under ``paths`` with at least
-    ``world_min`` workers."""
+    """Predicted vs measured step time and memory for every training run under ``paths`` with at
+    least ``world_min`` workers (rows of kind ``training``), then every collective measured across
+    nodes (kind ``collective``)."""
     traces: dict = {}
     rows = []
     for s, link, label in _measured_runs(paths):
@@ -58,7 +61,7 @@ def validate(cal: Calibration, paths: list[str], world_min: int = 2) -> list[dic
         p = predict(trace_for(s, traces), lay, link, cal)
         measured = s["time_per_step_s_median"]
         mem = s.get("model_state_bytes_per_rank")
-        rows.append({"run": label, "model": s["model"], "world_size": s["world_size"], "link": link.name,
+        rows.append({"kind": "training", "run": label, "model": s["model"], "world_size": s["world_size"], "link": link.name,
                      "dp_sync": lay.dp_sync, "zero": lay.zero, "tp": lay.tp, "local_batch_size": s["local_batch_size"],
                      "measured_step_s": measured, "predicted_step_s": p["step_s"],
                      "time_rel_err": (p["step_s"] - measured) / measured,
@@ -66,9 +69,10 @@ def validate(cal: Calibration, paths: list[str], world_min: int = 2) -> list[dic
                      "measured_model_state_bytes": mem, "predicted_model_state_bytes": p["model_state_bytes_per_rank"],
                      "memory_exact": p["model_state_exact"],
                      "memory_rel_err": (p["model_state_bytes_per_rank"] - mem) / mem if mem else None})
+    rows += validate_collectives(cal, paths)
     if not rows:
         raise ConfigError(f"no runs with {world_min}+ workers under {', '.join(paths)} (run directories with "
-                          f"summary.json, or bench scaling JSON)")
+                          f"summary.json, bench scaling JSON, or bench collectives JSON measured across nodes)")
     return rows
 
 
@@ -78,3 +82,36 @@ def summarize(rows: list[dict]) -> dict:
     return {"runs": len(rows), "median_abs_time_err": statistics.median(errs), "max_abs_time_err": max(errs),
             "memory_exact_runs": sum(1 for m in mem if m == 0), "memory_checked_runs": len(mem),
             "max_abs_memory_err": max(mem) if mem else None}
+
+
+def validate_collectives(cal: Calibration, paths: list[str]) -> list[dict]:
+    """Predicted vs measured time of every collective measured across nodes (``bench collectives``
+    launched on a cluster, records with a ``link``): the communication model alone."""
+    rows = []
+    for path in json_files(paths):
+        data = load_json(path)
+        if not (isinstance(data, list) and data and isinstance(data[0], dict) and "algorithm" in data[0]):
+            continue
+        for r in data:
+            if r.get("link") in (None, "loopback") or r.get("op", "sum") not in ("sum", "avg") or not r["numel"]:
+                continue
+            link = Link.parse(r["link"], r.get("latency"), r.get("burst"))
+            n = r["world_size"]
+            nbytes = r["numel"] * torch.empty(0, dtype=getattr(torch, r.get("dtype", "float32"))).element_size()
+            timer = Timer(cal, link, n, same_host=bool(r.get("oversubscribed")))
+            timer.link_free = 0.0  # the bench runs the algorithms back to back: the link never idles long
+            predicted = timer.duration(Call(r["algorithm"], "all_reduce", nbytes), 0.0)
+            measured = r["time_s_median"]
+            rows.append({"kind": "collective", "run": f"{r['algorithm']} {r['numel']:.0e} el.", "model": "-",
+                         "world_size": n, "link": link.name, "dp_sync": r["algorithm"], "zero": None, "tp": None,
+                         "local_batch_size": None, "measured_step_s": measured, "predicted_step_s": predicted,
+                         "time_rel_err": (predicted - measured) / measured, "predicted_compute_s": 0.0,
+                         "predicted_exposed_comm_s": predicted, "measured_model_state_bytes": None,
+                         "predicted_model_state_bytes": None, "memory_exact": False, "memory_rel_err": None})
+    return rows
+
+
+def summaries(rows: list[dict]) -> dict[str, dict]:
+    """:func:`summarize` per kind of row (``training``, ``collective``), in that order."""
+    return {kind: summarize([r for r in rows if r["kind"] == kind]) for kind in ("training", "collective")
+            if any(r["kind"] == kind for r in rows)}
