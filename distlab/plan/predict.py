@@ -231,8 +231,9 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
         cur, timer.link_free, comm_total = cur + d, cur + d, comm_total + d
     step = cur + tp_time
     compute = comp.time(flops)
-    out.update({"compute_basis": (f"calibrated at {comp.threads} threads per rank" if comp.scaled_from is None else
-                                  f"not calibrated at {comp.threads} threads per rank: the rate measured at "
+    per_rank = f"{comp.threads} thread{'s' if comp.threads != 1 else ''} per rank"
+    out.update({"compute_basis": (f"calibrated at {per_rank}" if comp.scaled_from is None else
+                                  f"not calibrated at {per_rank}: the rate measured at "
                                   f"{comp.scaled_from} scaled by {comp.threads}/{comp.scaled_from}"),
                 "oversubscription": lay.oversubscription, "compute_s": compute, "comm_s": comm_total, "exposed_comm_s": step - compute, "step_s": step,
                 "samples_per_s": lay.global_batch / step, "threads_per_rank": comp.threads,
