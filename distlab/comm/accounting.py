@@ -52,7 +52,6 @@ def stats() -> CommStats:
 def reset() -> None:
     global _STATS
     _STATS = CommStats()
-_LOCK = threading.Lock()
 
 
 def record_call(name: str) -> None:

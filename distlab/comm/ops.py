@@ -42,6 +42,11 @@ def combine(op: str, acc: torch.Tensor, x: torch.Tensor) -> None:
     _COMBINE[op](acc, x)
 
 
+def combiner(op: str) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """The in-place function ``combine`` calls for ``op`` (for loops over many segments)."""
+    return _COMBINE[op]
+
+
 def finish(op: str, t: torch.Tensor, world_size: int) -> None:
     """After the reduction: ``avg`` divides by the group size."""
     if op == "avg" and world_size > 1:

@@ -30,10 +30,22 @@ from torch.distributed import distributed_c10d as c10d
 
 from distlab.comm import accounting
 
-_PARTNERS: dict[int, tuple[object, object]] = {}  # id(group) -> (group, partner backend or None)
-_PARTNERS_LOCK = threading.Lock()
+_LINKS: dict[int, "_Links"] = {}  # id(group) -> its links, made by prepare()
+_LINKS_LOCK = threading.Lock()
 _THREAD = threading.local()
 TAG_SPACE = 1 << 16  # tags an algorithm may use within one space
+
+
+class _Links:
+    """How this process reaches the members of one group: the group's own backend object and the
+    duplex partner (or None), plus this process's group rank. Messages go to these objects
+    directly, in group ranks -- ``dist.isend``'s Python checks cost more than the send itself
+    (~16 vs ~11 us per message here), and a ring sends ``2(n-1)`` of them per all-reduce."""
+
+    __slots__ = ("group", "pg", "partner", "rank")
+
+    def __init__(self, group: dist.ProcessGroup, partner) -> None:
+        self.group, self.pg, self.partner, self.rank = group, group, partner, dist.get_rank(group)
 
 
 def use_tag_space(index: int) -> None:
@@ -44,10 +56,6 @@ def use_tag_space(index: int) -> None:
 
 def _tag(tag: int) -> int:
     return getattr(_THREAD, "tag_base", 0) + tag
-
-
-def _global(group: dist.ProcessGroup | None, rank: int) -> int:
-    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 def _make_partner(group: dist.ProcessGroup):
@@ -63,41 +71,69 @@ def _make_partner(group: dist.ProcessGroup):
     return dist.ProcessGroupGloo(prefix, dist.get_rank(group), dist.get_world_size(group), timeout)
 
 
+def _resolve(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    return group if group is not None else dist.group.WORLD
+
+
 def prepare(group: dist.ProcessGroup | None) -> None:
-    """Create ``group``'s duplex partner if it has none yet. Collective: every member calls it,
-    at the same collective (distlab's collectives do, before their first message)."""
-    g = group if group is not None else dist.group.WORLD
-    with _PARTNERS_LOCK:  # once per process, whichever thread gets here first
-        entry = _PARTNERS.get(id(g))
-        if entry is None or entry[0] is not g:  # a new group (ids of destroyed ones can be reused)
-            _PARTNERS[id(g)] = (g, _make_partner(g))
+    """Create ``group``'s links (and duplex partner) if it has none yet. Collective: every member
+    calls it, at the same collective (distlab's collectives do, before their first message)."""
+    g = _resolve(group)
+    with _LINKS_LOCK:  # once per process, whichever thread gets here first
+        links = _LINKS.get(id(g))
+        if links is None or links.group is not g:  # a new group (ids of destroyed ones can be reused)
+            _LINKS[id(g)] = _Links(g, _make_partner(g))
+
+
+def _links(group: dist.ProcessGroup | None) -> _Links:
+    g = _resolve(group)
+    links = _LINKS.get(id(g))
+    if links is None or links.group is not g:  # not prepared: one direction per pair, as before
+        return _Links(g, None)
+    return links
 
 
 def _partner(group: dist.ProcessGroup | None):
-    g = group if group is not None else dist.group.WORLD
-    entry = _PARTNERS.get(id(g))
-    return entry[1] if entry is not None and entry[0] is g else None
+    return _links(group).partner
+
+
+class Peer:
+    """One peer of a group, with the connection and this thread's tags resolved once: for loops
+    that send or receive many messages to the same rank (the ring's neighbours)."""
+
+    __slots__ = ("peer", "_send", "_recv", "_base")
+
+    def __init__(self, group: dist.ProcessGroup | None, peer: int) -> None:
+        links = _links(group)
+        duplex = links.partner is not None
+        self.peer = peer
+        self._send = (links.partner if duplex and links.rank > peer else links.pg).send
+        self._recv = (links.partner if duplex and peer > links.rank else links.pg).recv
+        self._base = _tag(0)
+
+    def isend(self, t: torch.Tensor, tag: int = 0):
+        n = t.numel()
+        if n == 0:
+            return None
+        accounting.record_send(n * t.element_size())
+        return self._send([t], self.peer, self._base + tag)
+
+    def irecv(self, t: torch.Tensor, tag: int = 0):
+        """Messages with the same ``(peer, tag)`` match in the order they were posted."""
+        n = t.numel()
+        if n == 0:
+            return None
+        accounting.record_recv(n * t.element_size())
+        return self._recv([t], self.peer, self._base + tag)
 
 
 def isend(t: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0):
-    if t.numel() == 0:
-        return None
-    accounting.record_send(t.numel() * t.element_size())
-    partner = _partner(group)
-    if partner is not None and dist.get_rank(group) > dst:
-        return partner.send([t], dst, _tag(tag))
-    return dist.isend(t, _global(group, dst), group=group, tag=_tag(tag))
+    return Peer(group, dst).isend(t, tag)
 
 
 def irecv(t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, tag: int = 0):
     """Messages with the same ``(peer, tag)`` match in the order they were posted."""
-    if t.numel() == 0:
-        return None
-    accounting.record_recv(t.numel() * t.element_size())
-    partner = _partner(group)
-    if partner is not None and src > dist.get_rank(group):
-        return partner.recv([t], src, _tag(tag))
-    return dist.irecv(t, _global(group, src), group=group, tag=_tag(tag))
+    return Peer(group, src).irecv(t, tag)
 
 
 def wait_all(works) -> None:

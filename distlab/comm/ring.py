@@ -29,12 +29,11 @@ import math
 
 import torch
 
-from distlab.comm import chunked
-from distlab.comm.ops import combine, workspace
+from distlab.comm import chunked, p2p
+from distlab.comm.ops import combiner, workspace
 from distlab.comm.p2p import irecv, isend, wait_all
 
 SEGMENT_BYTES = 4 << 20  # segments of at most this much (4 MiB: fewer, larger messages won on 2 cores)
-EARLY_AG = True
 WINDOW = 8  # reduce-scatter receives posted ahead of the one being waited on
 _RS_TAG, _AG_TAG = 0, 1
 
@@ -51,57 +50,43 @@ def _stream(chunks: list[torch.Tensor], op: str | None, group, rank: int, n: int
 
     Steps ``< n-1`` reduce (``op``) what they receive into the chunk; later steps copy (receive in
     place). Step ``s`` sends chunk ``(rank-s-1) % n`` right and receives chunk ``(rank-s-2) % n``
-    from the left.
+    from the left. Messages are numbered ``m = (s - first) * per + k`` (segment ``k``); all the
+    views a message needs are cut before the first one moves, so the loop below does nothing
+    but wait, reduce and pass on (it runs once per message; Python's cost per message is what
+    the ring pays beyond gloo's C++ one).
     """
-    right, left = (rank + 1) % n, (rank - 1) % n
+    right, left = p2p.Peer(group, (rank + 1) % n), p2p.Peer(group, (rank - 1) % n)
     seg = _segments(chunks)
     per = len(seg[0])
-    rs_steps = max(0, min(last, n - 1) - first)  # reducing steps in this call
     total = (last - first) * per
-
-    def where(m: int) -> tuple[int, int, int]:
-        s, k = divmod(m, per)
-        return first + s, k, (rank - first - s - 2) % n  # step, segment, chunk received
+    n_rs = max(0, min(last, n - 1) - first) * per  # messages that are reduced in, not copied
+    into = [seg[(rank - first - m // per - 2) % n][m % per] for m in range(total)]  # where m ends up
 
     # All-gather receives go straight to their final place: post them all now.
-    recvs: dict[int, object] = {}
-
-    def post_ag(m: int) -> None:
-        if n_rs <= m < total and m not in recvs:
-            _, k, c = where(m)
-            recvs[m] = irecv(seg[c][k], left, group, tag=_AG_TAG)
-
-    n_rs = rs_steps * per
-    for m in range(n_rs, total if EARLY_AG else min(total, n_rs + per)):
-        post_ag(m)
-
+    recvs: list = [None] * total
+    for m in range(n_rs, total):
+        recvs[m] = left.irecv(into[m], _AG_TAG)
     # Reduce-scatter receives land in a rotating scratch buffer, WINDOW messages ahead.
     window = min(WINDOW, n_rs)
-    size = seg[0][0].numel()  # segment 0 is the largest
-    scratch = workspace(window * size, seg[0][0]).view(window, size) if window else None
-
-    def post_rs(m: int) -> None:
-        if m < n_rs:
-            _, k, c = where(m)
-            recvs[m] = irecv(scratch[m % window][: seg[c][k].numel()], left, group, tag=_RS_TAG)
-
-    for m in range(window):
-        post_rs(m)
-    sends = []
-    for k in range(per):  # the first step's segments are ready now
-        step = first
-        sends.append(isend(seg[(rank - step - 1) % n][k], right, group,
-                           tag=_RS_TAG if step < n - 1 else _AG_TAG))
+    if window:
+        size = seg[0][0].numel()  # segment 0 is the largest
+        scratch = workspace(window * size, seg[0][0]).view(window, size)
+        slots = [scratch[m % window][: into[m].numel()] for m in range(n_rs)]
+        for m in range(window):
+            recvs[m] = left.irecv(slots[m], _RS_TAG)
+        reduce = combiner(op)
+    step_tag = _RS_TAG if first < n - 1 else _AG_TAG
+    sends = [right.isend(seg[(rank - first - 1) % n][k], step_tag) for k in range(per)]  # ready now
     for m in range(total):
-        step, k, c = where(m)
-        wait_all([recvs.pop(m)])
+        work = recvs[m]
+        if work is not None:
+            work.wait()
         if m < n_rs:
-            combine(op, seg[c][k], scratch[m % window][: seg[c][k].numel()])
-            post_rs(m + window)  # its scratch slot is free again
-        if not EARLY_AG:
-            post_ag(m + per)
+            reduce(into[m], slots[m])
+            if m + window < n_rs:  # its scratch slot is free again
+                recvs[m + window] = left.irecv(slots[m + window], _RS_TAG)
         if m + per < total:  # what just arrived goes out as the next step's segment
-            sends.append(isend(seg[c][k], right, group, tag=_RS_TAG if step + 1 < n - 1 else _AG_TAG))
+            sends.append(right.isend(into[m], _RS_TAG if m + per < n_rs else _AG_TAG))
     wait_all(sends)
 
 
