@@ -99,16 +99,21 @@ def _partner(group: dist.ProcessGroup | None):
 
 class Peer:
     """One peer of a group, with the connection and this thread's tags resolved once: for loops
-    that send or receive many messages to the same rank (the ring's neighbours)."""
+    that send or receive many messages to the same rank (the ring's neighbours).
+
+    ``duplex=False`` keeps both directions on the group's own connection, for patterns in which
+    no pair of ranks sends to each other at once (a ring of 3 or more: each connection carries
+    one direction anyway); the partner would only add a second network thread to wake. Both
+    ends of a pair must pass the same value."""
 
     __slots__ = ("peer", "_send", "_recv", "_base")
 
-    def __init__(self, group: dist.ProcessGroup | None, peer: int) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, peer: int, duplex: bool = True) -> None:
         links = _links(group)
-        duplex = links.partner is not None
+        partner = links.partner if duplex else None
         self.peer = peer
-        self._send = (links.partner if duplex and links.rank > peer else links.pg).send
-        self._recv = (links.partner if duplex and peer > links.rank else links.pg).recv
+        self._send = (partner if partner is not None and links.rank > peer else links.pg).send
+        self._recv = (partner if partner is not None and peer > links.rank else links.pg).recv
         self._base = _tag(0)
 
     def isend(self, t: torch.Tensor, tag: int = 0):

@@ -17,15 +17,18 @@ Making it fast (the plain version above spends its time waiting):
   transfers of later segments, and a large chunk no longer waits for its whole self to arrive.
 * **Receives posted early.** gloo (like MPI's rendezvous protocol) only moves a large message once
   the receiver has posted its receive; a receive posted late costs a round trip of notices
-  between the two processes' network threads. The first receive and the first sends go out at
-  once; then every all-gather receive is posted, straight into its final place (its own tag keeps
-  it apart from the reduce-scatter's), and the reduce-scatter receives into a rotating scratch
-  buffer ``WINDOW`` messages ahead.
+  between the two processes' network threads. Every receive is posted before the first send:
+  the reduce-scatter's into a rotating scratch buffer ``WINDOW`` messages ahead, the all-gather's
+  straight into their final place (their own tag keeps them apart).
 * **Little Python per message.** With 4-8 processes on 2 cores the ring is CPU-bound, and every
   microsecond of Python per message is CPU that gloo's C++ ring does not spend: the connection
   and tags are resolved once per neighbour (:class:`~distlab.comm.p2p.Peer`), every view is cut
   before the loop, and messages go to the process group objects directly, not through
   ``dist.isend``'s checks (this took 1e6-element all-reduces from 1.12-1.20x native to ~1.0x).
+* **No duplex partner from 3 ranks on.** In a ring of 3 or more no two ranks send to each other,
+  so each of the group's connections already carries one direction; routing the wrap-around pair
+  over :mod:`~distlab.comm.p2p`'s second group only woke a second network thread in two of the
+  processes (5-7% slower at 4 ranks, interleaved A/B). Two ranks still use it.
 """
 
 from __future__ import annotations
@@ -57,38 +60,33 @@ def _stream(chunks: list[torch.Tensor], op: str | None, group, rank: int, n: int
 
     Steps ``< n-1`` reduce (``op``) what they receive into the chunk; later steps copy (receive in
     place). Step ``s`` sends chunk ``(rank-s-1) % n`` right and receives chunk ``(rank-s-2) % n``
-    from the left. Messages are numbered ``m = (s - first) * per + k`` (segment ``k``). The first
-    receive and the first sends go out before anything else is prepared (the neighbours can start
-    at once); then every view the other messages need is cut, so the loop does nothing but wait,
+    from the left. Messages are numbered ``m = (s - first) * per + k`` (segment ``k``). Every view
+    is cut and every receive posted before the first send, so the loop does nothing but wait,
     reduce and pass on -- Python's cost per message is what this ring pays beyond gloo's C++ one.
     """
-    right, left = p2p.Peer(group, (rank + 1) % n), p2p.Peer(group, (rank - 1) % n)
+    duplex = n == 2  # from 3 ranks on, every connection carries one direction of the ring anyway
+    right, left = p2p.Peer(group, (rank + 1) % n, duplex), p2p.Peer(group, (rank - 1) % n, duplex)
     seg = _segments(chunks)
     per = len(seg[0])
     total = (last - first) * per
     if total == 0:
         return
     n_rs = max(0, min(last, n - 1) - first) * per  # messages that are reduced in, not copied
+    into = [seg[(rank - first - m // per - 2) % n][m % per] for m in range(total)]  # where m ends up
     recvs: list = [None] * total
     window = min(WINDOW, n_rs)
     if window:  # reduce-scatter receives land in a rotating scratch buffer, WINDOW messages ahead
         size = seg[0][0].numel()  # segment 0 is the largest
         scratch = workspace(window * size, seg[0][0]).view(window, size)
-        slot0 = scratch[0][: seg[(rank - first - 2) % n][0].numel()]
-        recvs[0] = left.irecv(slot0, _RS_TAG)
-    else:  # all-gather receives go straight to their final place
-        recvs[0] = left.irecv(seg[(rank - first - 2) % n][0], _AG_TAG)
-    step_tag = _RS_TAG if first < n - 1 else _AG_TAG
-    sends = [right.isend(seg[(rank - first - 1) % n][k], step_tag) for k in range(per)]  # ready now
-
-    into = [seg[(rank - first - m // per - 2) % n][m % per] for m in range(total)]  # where m ends up
-    for m in range(max(n_rs, 1), total):  # every all-gather receive, now
-        recvs[m] = left.irecv(into[m], _AG_TAG)
-    if window:
-        slots = [slot0] + [scratch[m % window][: into[m].numel()] for m in range(1, n_rs)]
-        for m in range(1, window):
+        slots = [scratch[m % window][: into[m].numel()] for m in range(n_rs)]
+        for m in range(window):
             recvs[m] = left.irecv(slots[m], _RS_TAG)
         reduce = combiner(op)
+    for m in range(n_rs, total):  # all-gather receives go straight to their final place
+        recvs[m] = left.irecv(into[m], _AG_TAG)
+    step_tag = _RS_TAG if first < n - 1 else _AG_TAG
+    send = right.isend
+    sends = [send(seg[(rank - first - 1) % n][k], step_tag) for k in range(per)]  # ready now
     for m in range(total):
         work = recvs[m]
         if work is not None:
@@ -98,7 +96,7 @@ def _stream(chunks: list[torch.Tensor], op: str | None, group, rank: int, n: int
             if m + window < n_rs:  # its scratch slot is free again
                 recvs[m + window] = left.irecv(slots[m + window], _RS_TAG)
         if m + per < total:  # what just arrived goes out as the next step's segment
-            sends.append(right.isend(into[m], _RS_TAG if m + per < n_rs else _AG_TAG))
+            sends.append(send(into[m], _RS_TAG if m + per < n_rs else _AG_TAG))
     wait_all(sends)
 
 
