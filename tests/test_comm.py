@@ -208,12 +208,18 @@ def _segmented(rank, world):
         comm.all_gather(gathered, _input(rank, k, dtype, "sum", seed=2), algorithm="ring")
         if not torch.equal(gathered, torch.cat([_input(r, k, dtype, "sum", seed=2) for r in range(world)])):
             failures.append(f"all_gather {dtype}")
-    return failures, p2p._partner(None) is not None
+    # Which connection a ring neighbour uses: the partner only for two ranks (where the pair sends
+    # both ways at once); from three on, the group's own connection carries one direction anyway.
+    wrap = p2p.Peer(None, (rank - 1) % world, world == 2)  # rank 0 receives the wrap-around pair
+    own = wrap._recv.__self__ is dist.group.WORLD
+    return failures, p2p._partner(None) is not None, own
 
 
 @pytest.mark.parametrize("world,duplex", [(2, "1"), (3, "1"), (4, "1"), (2, "0")])
 def test_ring_pipeline_with_many_segments_and_both_channel_layouts(world, duplex):
     results = run_ranks(_segmented, world, timeout=300, envs=[{"DISTLAB_P2P_DUPLEX": duplex}] * world)
-    failures = sorted({f for r, _ in results for f in r})
+    failures = sorted({f for r, _, _ in results for f in r})
     assert not failures, failures
-    assert all(has_partner == (duplex == "1") for _, has_partner in results)
+    assert all(has_partner == (duplex == "1") for _, has_partner, _ in results)
+    own_connection = results[0][2]  # rank 0's receive from rank world-1
+    assert own_connection == (world > 2 or duplex == "0")
