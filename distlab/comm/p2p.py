@@ -1,7 +1,10 @@
 """Point-to-point messages in group ranks, counted by the accounting module.
 
-Every distlab algorithm talks through these functions and nothing else. Peers are ranks *within*
-``group``; zero-element tensors are not sent (both sides know the sizes and skip alike).
+Every distlab algorithm talks through these functions (or a :class:`Peer`, the same thing with
+the connection resolved once) and nothing else. Peers are ranks *within* ``group``; zero-element
+tensors are not sent (both sides know the sizes and skip alike). Messages go to the process-group
+objects directly: ``dist.isend``'s Python checks cost about as much as gloo's own work for a small
+message, and the ring is CPU-bound on small machines.
 
 **One direction per socket (gloo).** gloo moves a message over one TCP connection per pair of
 ranks, guarded by one lock. When both ranks of a pair send large messages to each other at once
@@ -11,7 +14,8 @@ small machine the two end up taking turns: a 400 KB exchange took ~1 ms instead 
 So :func:`prepare` gives each gloo group a *duplex partner*: a second gloo process group over the
 same ranks (its own connections and network thread). Messages from the lower rank of a pair travel
 on the group, messages from the higher rank on its partner, so every socket carries one direction.
-``DISTLAB_P2P_DUPLEX=0`` turns this off (for comparison); groups of other backends never use it.
+``DISTLAB_P2P_DUPLEX=0`` turns this off (for comparison); groups of other backends never use it;
+a pattern where no pair sends both ways (a ring of three or more) opts out per peer.
 
 **A tag space per thread.** Messages match by ``(peer, tag)`` in posting order, so two threads
 running collectives on the same group at once (the bucketed data-parallel sync reduces buckets on
