@@ -55,23 +55,27 @@ def reset() -> None:
 
 
 def record_call(name: str) -> None:
-    _STATS.calls += 1
-    _STATS.by_collective[name] = _STATS.by_collective.get(name, 0) + 1
+    with _LOCK:  # `+=` is not atomic across threads (the bucketed sync counts from its own thread)
+        _STATS.calls += 1
+        _STATS.by_collective[name] = _STATS.by_collective.get(name, 0) + 1
 
 
 def record_send(nbytes: int) -> None:
-    _STATS.messages_sent += 1
-    _STATS.bytes_sent += nbytes
+    with _LOCK:
+        _STATS.messages_sent += 1
+        _STATS.bytes_sent += nbytes
 
 
 def record_recv(nbytes: int) -> None:
-    _STATS.bytes_recv += nbytes
+    with _LOCK:
+        _STATS.bytes_recv += nbytes
 
 
 def record_analytic(sent: int, received: int) -> None:
-    _STATS.bytes_sent += sent
-    _STATS.bytes_recv += received
-    _STATS.analytic = True
+    with _LOCK:
+        _STATS.bytes_sent += sent
+        _STATS.bytes_recv += received
+        _STATS.analytic = True
 
 
 @contextlib.contextmanager
