@@ -44,7 +44,7 @@ def launch_options(f):
                      help="Restarts of the worker group after a failure (torchrun)."),
         click.option("--rank", type=int, default=None, help="Manual start: this process's global rank."),
         click.option("--world-size", "--num-nodes", "world_size", type=int, default=None,
-                     help="Manual start: total number of processes (one per node in the source material)."),
+                     help="Manual start: total number of processes (one per node in a one-process-per-node job)."),
         click.option("--backend", default="auto", show_default=True, help="auto (nccl on GPU, else gloo), gloo, nccl, mpi."),
         click.option("--device", default="auto", show_default=True, envvar="DISTLAB_DEVICE",
                      help="auto (cuda if available), cpu or cuda; also $DISTLAB_DEVICE."),
@@ -94,86 +94,116 @@ def cli():
 # --------------------------------------------------------------------------- train
 
 
+def _default(name: str):
+    """A field's default, from the one place it is set (TrainConfig or Strategy)."""
+    from dataclasses import fields
+
+    from distlab.parallel import Strategy
+    from distlab.train import TrainConfig
+    for cls in (TrainConfig, Strategy):
+        for f in fields(cls):
+            if f.name == name:
+                return getattr(cls(), name)
+    raise KeyError(name)
+
+
+# The strategy's flags (shared by train and plan), then train's own. Each is a field of Strategy or
+# TrainConfig, written once here with its help; the default comes from the dataclass.
+STRATEGY_OPTIONS = [
+    ("dp_sync", dict(default=None, help="Gradient sync: gather-scatter (via rank 0), allreduce (per parameter, after "
+                     "backward), bucketed (overlapped with backward; the default) or ddp (torch's DDP). With --zero: "
+                     "ZeRO's own reduce-scatter.")),
+    ("collective", dict(help="All-reduce algorithm: native (gloo/NCCL), ring, butterfly or direct (distlab.comm).")),
+    ("bucket_mb", dict(type=float, help="Bucket size in MB for --dp-sync bucketed and ddp.")),
+    ("grad_accum", dict(type=int, help="Micro-batches per optimizer step (no communication until the last).")),
+    ("sync_bn", dict(help="off, distlab (any device) or torch (nn.SyncBatchNorm, GPU only); statistics over the "
+                     "data-parallel group.")),
+    ("find_unused", dict(is_flag=True, help="Parameters without a gradient in a step count as zero.")),
+    ("tp", dict(type=int, help="Tensor-parallel size: ranks that split each Linear layer (must divide the world size).")),
+    ("tp_style", dict(help="megatron (column then row parallel, one all-reduce each way per block) or naive "
+                      "(every layer column parallel, activations all-gathered).")),
+    ("zero", dict(type=click.IntRange(0, 3), help="ZeRO stage over the data-parallel ranks: 1 shards optimizer "
+                  "state, 2 also gradients, 3 also parameters.")),
+]
+TRAIN_OPTIONS = [
+    ("model", dict(help="mlp, small-cnn, small-cnn-bn, vgg11, vgg11-bn, vgg19, vgg19-bn, resnet18.")),
+    ("mlp_widths", dict(help="Hidden widths of the MLP, comma-separated.")),
+    ("dataset", dict(help="fashion-mnist, mnist, cifar10, cifar100 or synthetic:CxHxW:K[:N].")),
+    ("data_dir", dict(help="Where datasets are (also $DISTLAB_DATA, /usr/share/datasets).")),
+    ("epochs", dict(type=int)),
+    ("max_steps", dict(type=int, help="Stop after this many optimizer steps.")),
+    ("global_batch_size", dict(type=int, aliases=("--batch-size",),
+                               help="Samples per optimizer step over all ranks (split over the data-parallel ranks).")),
+    ("lr", dict(type=float)),
+    ("optimizer", dict(help="sgd, adam or adamw.")),
+    ("lr_schedule", dict(help="constant, cosine or linear decay to 0.")),
+    ("momentum", dict(type=float, help="SGD momentum.")),
+    ("weight_decay", dict(type=float)),
+    ("seed", dict(type=int)),
+    ("log_every", dict(type=int, help="Log the loss every N steps (rank 0).")),
+    ("eval_batch_size", dict(type=int)),
+    *STRATEGY_OPTIONS,
+    ("lr_scaling", dict(help="Scale --lr with the global batch: none, linear (x G/B) or sqrt (x sqrt(G/B)), "
+                        "B = --base-batch-size.")),
+    ("base_batch_size", dict(type=int, help="The global batch size --lr was tuned for.")),
+    ("warmup_steps", dict(type=int, help="Linear LR warm-up steps.")),
+    ("val_fraction", dict(type=float, help="Hold out this fraction of the training set (seeded) for validation; the "
+                          "best validation loss and its model go into snapshots.")),
+    ("snapshot_dir", dict(help="Write snapshots here (every --snapshot-every steps and at the end).")),
+    ("snapshot_every", dict(type=int, help="Snapshot every N optimizer steps.")),
+    ("keep_snapshots", dict(type=int, help="Keep the newest K snapshots.")),
+    ("resume", dict(help="auto (newest good snapshot in --snapshot-dir; also the default after torchrun restarts "
+                    "the workers) or a snapshot directory.")),
+    ("time_budget_s", dict(default=None, help="Stop cleanly (evaluation, snapshot, summary) before this much "
+                           "training time, counted across restarts: 2h, 90m, 3600s, 1h30m.")),
+    ("out", dict(help="Run directory for metrics.jsonl and summary.json (default runs/MODEL-DATASET-TIME).")),
+    ("progress", dict(flag_pair=True, default=None, help="Progress bar on rank 0 (default: when a terminal).")),
+]
+
+
+def field_options(table):
+    """click options for ``(field, settings)`` rows: the flag from :func:`distlab.flags.flag`, the
+    default from the dataclass unless the row gives one."""
+    from distlab.flags import flag
+
+    def decorate(f):
+        for name, settings in reversed(table):
+            settings = dict(settings)
+            names = [flag(name), *settings.pop("aliases", ())]
+            if settings.pop("flag_pair", False):
+                names = [f"{flag(name)}/--no-{flag(name)[2:]}"]
+            if "default" not in settings and not settings.get("is_flag"):
+                value = _default(name)
+                settings["default"] = ",".join(map(str, value)) if isinstance(value, tuple) else value
+                settings["show_default"] = value is not None
+            f = click.option(*names, name, **settings)(f)
+        return f
+
+    return decorate
+
+
+def config_from_flags(kw: dict, table) -> dict:
+    """Pop the table's fields from click's ``kw``, converted to the dataclass's types."""
+    from distlab.train.config import parse_duration
+    values = {name: kw.pop(name) for name, _ in table}
+    if "mlp_widths" in values:
+        values["mlp_widths"] = _csv_ints(values["mlp_widths"])
+    if "time_budget_s" in values:
+        values["time_budget_s"] = parse_duration(values["time_budget_s"])
+    return values
+
+
 @cli.command()
-@click.option("--model", default="mlp", show_default=True, help="mlp, vgg11, vgg11-bn, vgg19, vgg19-bn, resnet18.")
-@click.option("--mlp-widths", default="512,256", show_default=True, help="Hidden widths of the MLP.")
-@click.option("--dataset", default="fashion-mnist", show_default=True,
-              help="fashion-mnist, mnist, cifar10, cifar100 or synthetic:CxHxW:K[:N].")
-@click.option("--data-dir", default=None, help="Where datasets are (also $DISTLAB_DATA, /usr/share/datasets).")
-@click.option("--epochs", type=int, default=1, show_default=True)
-@click.option("--max-steps", type=int, default=None, help="Stop after this many optimizer steps.")
-@click.option("--global-batch-size", "--batch-size", "global_batch_size", type=int, default=64, show_default=True,
-              help="Samples per optimizer step over all ranks (split evenly across ranks).")
-@click.option("--lr", type=float, default=0.05, show_default=True)
-@click.option("--optimizer", default="sgd", show_default=True, help="sgd, adam or adamw.")
-@click.option("--lr-schedule", default="cosine", show_default=True, help="constant, cosine or linear decay to 0.")
-@click.option("--momentum", type=float, default=0.9, show_default=True, help="SGD momentum.")
-@click.option("--weight-decay", type=float, default=0.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--log-every", type=int, default=20, show_default=True, help="Log the loss every N steps (rank 0).")
-@click.option("--eval-batch-size", type=int, default=1000, show_default=True)
-@click.option("--dp-sync", default="allreduce", show_default=True,
-              help="Gradient sync: gather-scatter (via rank 0), allreduce (per parameter, after backward), "
-                   "bucketed (overlapped with backward) or ddp (torch's DDP).")
-@click.option("--collective", default="native", show_default=True,
-              help="All-reduce algorithm: native (gloo/NCCL), ring, butterfly or direct (distlab.comm).")
-@click.option("--bucket-mb", type=float, default=25.0, show_default=True,
-              help="Bucket size in MB for --dp-sync bucketed and ddp.")
-@click.option("--find-unused", is_flag=True, help="Parameters without a gradient in a step count as zero.")
-@click.option("--grad-accum", type=int, default=1, show_default=True,
-              help="Micro-batches per optimizer step (no communication until the last).")
-@click.option("--sync-bn", default="off", show_default=True,
-              help="off, distlab (any device) or torch (nn.SyncBatchNorm, GPU only).")
-@click.option("--tp", type=int, default=1, show_default=True,
-              help="Tensor-parallel size: ranks that split each Linear layer (must divide the world size).")
-@click.option("--tp-style", default="megatron", show_default=True,
-              help="megatron (column then row parallel, one all-reduce each way per block) or naive "
-                   "(every layer column parallel, activations all-gathered).")
-@click.option("--zero", type=click.IntRange(0, 3), default=0, show_default=True,
-              help="ZeRO stage over the data-parallel ranks: 1 shards optimizer state, 2 also gradients, "
-                   "3 also parameters.")
-@click.option("--lr-scaling", default="none", show_default=True,
-              help="Scale --lr with the global batch: none, linear (x G/B) or sqrt (x sqrt(G/B)), "
-                   "B = --base-batch-size.")
-@click.option("--base-batch-size", type=int, default=None, help="The global batch size --lr was tuned for.")
-@click.option("--warmup-steps", type=int, default=0, show_default=True, help="Linear LR warm-up steps.")
-@click.option("--val-fraction", type=float, default=0.0, show_default=True,
-              help="Hold out this fraction of the training set (seeded) for validation; the best "
-                   "validation loss and its model go into snapshots.")
-@click.option("--snapshot-dir", default=None, help="Write snapshots here (every --snapshot-every steps and at the end).")
-@click.option("--snapshot-every", type=int, default=None, help="Snapshot every N optimizer steps.")
-@click.option("--keep-snapshots", type=int, default=3, show_default=True, help="Keep the newest K snapshots.")
-@click.option("--resume", default=None,
-              help="auto (newest good snapshot in --snapshot-dir; also the default after torchrun restarts "
-                   "the workers) or a snapshot directory.")
-@click.option("--time-budget", default=None,
-              help="Stop cleanly (evaluation, snapshot, summary) before this much training time, counted "
-                   "across restarts: 2h, 90m, 3600s, 1h30m.")
-@click.option("--out", default=None, help="Run directory for metrics.jsonl and summary.json.")
-@click.option("--progress/--no-progress", default=None, help="Progress bar on rank 0 (default: when a terminal).")
+@field_options(TRAIN_OPTIONS)
 @launch_options
 def train(**kw):
     """Train a model: data parallel over every rank, or data x tensor parallel with --tp."""
     from distlab.train import TrainConfig
-    from distlab.train.config import parse_duration
 
-    widths = _csv_ints(kw.pop("mlp_widths"))
-    out = kw.pop("out") or os.path.join(
-        "runs", f"{kw['model']}-{kw['dataset'].replace(':', '_')}-{time.strftime('%Y%m%d-%H%M%S')}")
-    cfg = TrainConfig(
-        model=kw.pop("model"), mlp_widths=widths, dataset=kw.pop("dataset"), data_dir=kw.pop("data_dir"),
-        epochs=kw.pop("epochs"), max_steps=kw.pop("max_steps"), global_batch_size=kw.pop("global_batch_size"),
-        lr=kw.pop("lr"), lr_schedule=kw.pop("lr_schedule"), optimizer=kw.pop("optimizer"), momentum=kw.pop("momentum"),
-        weight_decay=kw.pop("weight_decay"), seed=kw.pop("seed"), log_every=kw.pop("log_every"),
-        eval_batch_size=kw.pop("eval_batch_size"), dp_sync=kw.pop("dp_sync"), collective=kw.pop("collective"),
-        bucket_mb=kw.pop("bucket_mb"), find_unused=kw.pop("find_unused"), grad_accum=kw.pop("grad_accum"),
-        sync_bn=kw.pop("sync_bn"), tp=kw.pop("tp"), tp_style=kw.pop("tp_style"), zero=kw.pop("zero"),
-        lr_scaling=kw.pop("lr_scaling"), base_batch_size=kw.pop("base_batch_size"),
-        warmup_steps=kw.pop("warmup_steps"), val_fraction=kw.pop("val_fraction"),
-        snapshot_dir=kw.pop("snapshot_dir"), snapshot_every=kw.pop("snapshot_every"),
-        keep_snapshots=kw.pop("keep_snapshots"), resume=kw.pop("resume"),
-        time_budget_s=parse_duration(kw.pop("time_budget")), out=out, progress=kw.pop("progress"))
-
+    values = config_from_flags(kw, TRAIN_OPTIONS)
+    values["out"] = values["out"] or os.path.join(
+        "runs", f"{values['model']}-{values['dataset'].replace(':', '_')}-{time.strftime('%Y%m%d-%H%M%S')}")
+    cfg = TrainConfig.from_flags(**values)
     device = kw["device"]
 
     def check(world_size: int) -> None:
@@ -181,7 +211,7 @@ def train(**kw):
         from distlab import runtime
         from distlab.data import locate
         cfg.validate(world_size)
-        if cfg.sync_bn == "torch" and runtime.resolve_device(device, 0).type != "cuda":
+        if cfg.strategy.sync_bn == "torch" and runtime.resolve_device(device, 0).type != "cuda":
             raise ConfigError("--sync-bn torch uses torch.nn.SyncBatchNorm, which only runs on GPUs; this run is on "
                               "the CPU: use --sync-bn distlab, which works on any device")
         if not cfg.dataset.startswith("synthetic"):
@@ -192,7 +222,7 @@ def train(**kw):
 
     def body(rt):
         from distlab.train import Trainer
-        from distlab.train.report import print_summary
+        from distlab.train.summary import print_summary
         summary = Trainer(cfg, rt).fit()
         if rt.is_main:
             print_summary(summary, cfg.out)
@@ -206,8 +236,10 @@ def train(**kw):
 @cli.command()
 @click.option("--nproc", type=int, default=2, show_default=True, help="Processes (gloo, CPU) for the distributed runs.")
 @click.option("--strategy", "strategies", multiple=True,
-              help="METHOD[:COLLECTIVE][+accum=K][+syncbn], repeatable (default: every --dp-sync x --collective, "
-                   "+accum=4 for each method, and +syncbn).")
+              help="A strategy in its text form, repeatable: METHOD[:COLLECTIVE] then +accum=K, +bucket=MB, +syncbn, "
+                   "+tp=N, +naive, +zero=S, +adam (e.g. bucketed:ring+accum=4, zero=3, allreduce+tp=2+naive). "
+                   "Default: every --dp-sync x --collective, accum=4 for each method, syncbn, and tp=2 both styles "
+                   "on an even world.")
 @click.option("--steps", type=int, default=10, show_default=True, help="SGD steps per run.")
 @click.option("--global-batch-size", type=int, default=None, help="Default: 12 x --nproc.")
 @click.option("--json", "json_path", default=None, help="Write the records here.")
@@ -273,6 +305,7 @@ def report(paths, output, title, images):
 # --------------------------------------------------------------------------- plan
 
 DEFAULT_CALIBRATION = "runs/calibration.json"
+PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "zero")  # what plan's cost model reads
 
 
 @cli.group(invoke_without_command=True)
@@ -285,16 +318,12 @@ DEFAULT_CALIBRATION = "runs/calibration.json"
               help="With --params: activation bytes per sample.")
 @click.option("--layers", type=int, default=24, show_default=True, help="With --params: number of equal layers.")
 @click.option("--dp", type=int, default=1, show_default=True, help="Data-parallel ranks.")
-@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel ranks (Megatron MLP).")
-@click.option("--zero", type=int, default=0, show_default=True, help="ZeRO stage 0-3.")
-@click.option("--dp-sync", default="ddp", show_default=True)
-@click.option("--collective", default="native", show_default=True)
-@click.option("--bucket-mb", type=float, default=25.0, show_default=True)
-@click.option("--grad-accum", type=int, default=1, show_default=True)
-@click.option("--optimizer", default="adam", show_default=True)
-@click.option("--momentum", type=float, default=0.9, show_default=True)
-@click.option("--global-batch", "--global-batch-size", "global_batch", type=int, default=None,
-              help="Global batch (default: 32 per data-parallel rank).")
+@field_options([row for row in STRATEGY_OPTIONS if row[0] in PLANNED_FIELDS])
+@field_options([("optimizer", dict(help="sgd, adam or adamw (sizes the optimizer state).")),
+                ("momentum", dict(type=float, help="SGD momentum (0: no momentum buffer).")),
+                ("global_batch_size", dict(type=int, aliases=("--global-batch",),
+                                           help="Global batch, as train's; with --sweep its per-rank share at --dp "
+                                                "is kept at every size (weak scaling)."))])
 @click.option("--link", default="loopback", show_default=True,
               help="Each node's link: loopback (this machine) or a rate like 100mbit, 10gbit, 100gbit.")
 @click.option("--latency", default=None, help="Link latency per message round, e.g. 5us or 0.1ms.")
@@ -304,17 +333,17 @@ DEFAULT_CALIBRATION = "runs/calibration.json"
               help=f"Calibration JSON from `distlab plan calibrate` (default {DEFAULT_CALIBRATION} if it exists; "
                    "without one, memory only).")
 @click.option("--sweep", default=None, help="Data-parallel world sizes to sweep, e.g. 1,8,64,512,4096 (weak scaling).")
-@click.option("--strategies", default="zero=0,zero=1,zero=2,zero=3", show_default=True,
-              help="With --sweep: strategies to compare, each KEY=VALUE[+KEY=VALUE] over dp_sync, zero, tp, "
-                   "collective, grad_accum.")
+@click.option("--strategies", default="bucketed,zero=1,zero=2,zero=3", show_default=True,
+              help="With --sweep: strategies to compare, in the text form of --strategy (e.g. ddp, zero=3, "
+                   "bucketed:ring+accum=2, allreduce+tp=2).")
 @click.option("--device-memory", default=None, help="With --sweep: memory per device, e.g. 80GiB.")
 @click.option("--min-efficiency", type=float, default=0.5, show_default=True,
               help="With --sweep: below this scaling efficiency a strategy has stopped scaling.")
 @click.option("--json", "json_out", default=None, help="Also write the prediction(s) as JSON here.")
 @click.pass_context
-def plan(ctx, model, mlp_widths, dataset, num_params, activation_bytes, layers, dp, tp, zero, dp_sync, collective,
-         bucket_mb, grad_accum, optimizer, momentum, global_batch, link, latency, burst, threads, calibration, sweep,
-         strategies, device_memory, min_efficiency, json_out):
+def plan(ctx, model, mlp_widths, dataset, num_params, activation_bytes, layers, dp, optimizer, momentum,
+         global_batch_size, link, latency, burst, threads, calibration, sweep, strategies, device_memory,
+         min_efficiency, json_out, **strategy_fields):
     """Predict time per step and memory per rank of a layout, before running it.
 
     \b
@@ -338,15 +367,15 @@ def plan(ctx, model, mlp_widths, dataset, num_params, activation_bytes, layers, 
         t = memory.trace(model, shape, k, widths=widths)
     path = calibration or (DEFAULT_CALIBRATION if _os.path.exists(DEFAULT_CALIBRATION) else None)
     cal = pp.Calibration.load(path) if path else None
-    lay = pp.Layout(dp=dp, tp=tp, zero=zero, dp_sync=dp_sync, collective=collective, bucket_mb=bucket_mb,
-                    grad_accum=grad_accum, optimizer=optimizer, momentum=momentum,
-                    global_batch=global_batch or 32 * dp, threads=threads).check()
+    from distlab.parallel import Strategy
+    lay = pp.Layout(dp=dp, strategy=Strategy(**strategy_fields), optimizer=optimizer, momentum=momentum,
+                    global_batch=global_batch_size, threads=threads).check()
     net = cost.Link.parse(link, latency, burst)
     if sweep:
         worlds = list(_csv_ints(sweep))
         if not worlds or min(worlds) < 1:
             raise ConfigError(f"--sweep needs positive world sizes, not {sweep!r}")
-        strats = [pp.parse_strategy(s) for s in strategies.split(",") if s]
+        strats = [Strategy.parse(s) for s in strategies.split(",") if s]
         limit = cost.parse_bytes(device_memory) if device_memory else None
         result = pp.sweep(t, lay, worlds, net, cal, limit, strats)
         click.echo(pp.format_sweep(result, min_efficiency))
@@ -627,9 +656,8 @@ def bench_syncbn(workers, features, batches, warmup, repeats, device, out, plot_
 @click.option("--nproc", type=int, default=2, show_default=True)
 @click.option("--steps", type=int, default=30, show_default=True)
 @click.option("--batch", type=int, default=64, show_default=True, help="Global batch size.")
-@click.option("--methods", default=",".join(f"{m}:{c}" for m, c in (("gather-scatter", "native"), ("allreduce", "native"),
-              ("allreduce", "ring"), ("bucketed", "native"), ("bucketed", "ring"), ("ddp", "native"))),
-              show_default=True, help="METHOD:COLLECTIVE list.")
+@click.option("--methods", default="gather-scatter,allreduce,allreduce:ring,bucketed,bucketed:ring,ddp",
+              show_default=True, help="Strategies (text form, e.g. bucketed:ring+accum=2), comma-separated.")
 @click.option("--runs", type=int, default=1, show_default=True, help="Repeat each configuration; median of medians.")
 @click.option("--data-dir", default=None)
 @click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/dp.json.")
@@ -641,14 +669,10 @@ def bench_dp(workloads, nproc, steps, batch, methods, runs, data_dir, out, plot_
     for w in names:
         if w not in dp.WORKLOADS:
             raise ConfigError(f"unknown workload {w!r}; choose from {', '.join(dp.WORKLOADS)}")
-    pairs = []
-    for m in methods.split(","):
-        method, _, collective = m.partition(":")
-        _check_method(method, collective or "native", nproc, batch)
-        pairs.append((method, collective or "native"))
     if nproc < 2 or steps < 3 or runs < 1:
         raise ConfigError("--nproc must be at least 2, --steps at least 3 and --runs at least 1")
-    records = dp.run(names, nproc, steps, batch, pairs, runs, data_dir, out, progress=lambda s: click.echo(s, err=True))
+    chosen = _strategies(methods, nproc, batch)
+    records = dp.run(names, nproc, steps, batch, chosen, runs, data_dir, out, progress=lambda s: click.echo(s, err=True))
     click.echo(dp.table(records))
     click.echo(f"wrote {out}/dp.json", err=True)
     for path in dp.plot(records, plot_dir) if plot_dir else []:
@@ -659,7 +683,8 @@ def bench_dp(workloads, nproc, steps, batch, methods, runs, data_dir, out, plot_
 @click.option("--world", default="1,2,4", show_default=True, help="Worker counts.")
 @click.option("--modes", default="weak,strong", show_default=True,
               help="weak (fixed per-worker batch) and/or strong (fixed global batch).")
-@click.option("--methods", default="ddp", show_default=True, help="--dp-sync methods to compare.")
+@click.option("--methods", default="ddp", show_default=True,
+              help="Strategies to compare (text form: ddp, bucketed:ring, allreduce+accum=2 ...), comma-separated.")
 @click.option("--per-worker-batch", type=int, default=32, show_default=True, help="Weak scaling: batch per worker.")
 @click.option("--global-batch", type=int, default=128, show_default=True, help="Strong scaling: global batch.")
 @click.option("--model", default="mlp", show_default=True)
@@ -678,9 +703,9 @@ def bench_dp(workloads, nproc, steps, batch, methods, runs, data_dir, out, plot_
 @click.option("--plot", "plot_dir", default=None, help="Also write loss-vs-time and efficiency PNGs here.")
 def bench_scaling(world, modes, methods, per_worker_batch, global_batch, model, mlp_widths, dataset, data_dir,
                   epochs, max_steps, optimizer, lr, lr_scaling, val_fraction, cluster, bandwidths, out, plot_dir):
-    """Weak and strong scaling over 1, 2, 4 workers (or emulated nodes): the source material's table."""
+    """Weak and strong scaling over 1, 2, 4 workers (or emulated nodes): time per epoch, accuracy, efficiency."""
     from distlab.bench import scaling
-    from distlab.parallel import SYNC_METHODS
+    from distlab.parallel import Strategy
     from distlab.train.config import LR_SCALINGS
     worlds = list(_csv_ints(world))
     mode_list = [m for m in modes.split(",") if m]
@@ -689,9 +714,10 @@ def bench_scaling(world, modes, methods, per_worker_batch, global_batch, model, 
         raise ConfigError(f"--world needs positive worker counts, not {world!r}")
     if not mode_list or set(mode_list) - {"weak", "strong"}:
         raise ConfigError(f"--modes: weak and/or strong, not {modes!r}")
-    unknown = set(method_list) - set(SYNC_METHODS)
-    if not method_list or unknown:
-        raise ConfigError(f"--methods: unknown {', '.join(sorted(unknown)) or 'none'}; choose from {', '.join(SYNC_METHODS)}")
+    if not method_list:
+        raise ConfigError("--methods: give at least one strategy")
+    for m in method_list:
+        Strategy.parse(m).check(max(worlds))
     if lr_scaling not in LR_SCALINGS:
         raise ConfigError(f"--lr-scaling {lr_scaling!r}: choose one of {', '.join(LR_SCALINGS)}")
     if 1 not in worlds:
@@ -709,7 +735,9 @@ def bench_scaling(world, modes, methods, per_worker_batch, global_batch, model, 
 @bench.command("parallel")
 @click.option("--workloads", default="mlp,wide-mlp", show_default=True, help="mlp (512,256) and wide-mlp (4096,4096).")
 @click.option("--strategies", default=",".join(("dp", "zero1", "zero2", "zero3", "tp-naive", "tp-megatron", "dp2xtp",
-                                                 "torch-zero1", "torch-fsdp2", "torch-tp")), show_default=True)
+                                                 "torch-zero1", "torch-fsdp2", "torch-tp")), show_default=True,
+              help="Short names (dp, zero1-3, tp-naive, tp-megatron: tp = --nproc, dp2xtp), any strategy text "
+                   "(e.g. bucketed:ring, allreduce+tp=2+zero=1), and torch's torch-zero1, torch-fsdp2, torch-tp.")
 @click.option("--nproc", type=int, default=4, show_default=True)
 @click.option("--steps", type=int, default=20, show_default=True)
 @click.option("--batch", type=int, default=64, show_default=True, help="Global batch size.")
@@ -724,23 +752,29 @@ def bench_parallel(workloads, strategies, nproc, steps, batch, dataset, data_dir
     for w in names:
         if w not in parallel.WORKLOADS:
             raise ConfigError(f"unknown workload {w!r}; choose from {', '.join(parallel.WORKLOADS)}")
-    for s in chosen:
-        if s not in parallel.STRATEGIES:
-            raise ConfigError(f"unknown strategy {s!r}; choose from {', '.join(parallel.STRATEGIES)}")
     if nproc < 2 or nproc % 2 or steps < 3:
         raise ConfigError("--nproc must be an even number >= 2 (tensor parallel pairs) and --steps at least 3")
     for s in chosen:
-        if s in parallel.DISTLAB:
-            parallel._cfg(s, parallel.WORKLOADS[names[0]], nproc, steps, batch, dataset).validate(nproc)
+        if s not in parallel.TORCH:
+            strategy = parallel.strategy_for(s, nproc)
+            parallel.config(strategy, parallel.WORKLOADS[names[0]], steps, batch, dataset).validate(nproc)
     records = parallel.run(names, chosen, nproc, steps, batch, dataset, data_dir, out,
                            progress=lambda s: click.echo(s, err=True))
     click.echo(parallel.table(records))
     click.echo(f"wrote {out}/parallel.json", err=True)
 
 
-def _check_method(method: str, collective: str, world: int, batch: int) -> None:
-    from distlab.train import TrainConfig
-    TrainConfig(dp_sync=method, collective=collective, global_batch_size=batch).validate(world)
+def _strategies(text: str, world: int, batch: int):
+    """Comma-separated strategy texts, each checked against the world size and global batch."""
+    from distlab.parallel import Strategy
+    out = []
+    for part in (p for p in text.split(",") if p.strip()):
+        strategy = Strategy.parse(part).check(world)
+        strategy.check_batch(batch, world)
+        out.append(strategy)
+    if not out:
+        raise ConfigError("no strategy given")
+    return out
 
 
 @bench.command("markdown")
@@ -777,8 +811,9 @@ def _report_error(exc: DistlabError) -> None:
         rank = 0
     if rank != 0 and isinstance(exc, ConfigError) and not isinstance(exc, RankConfigError):
         return  # every rank finds the same config error; rank 0 says it once
+    from distlab.flags import flagify
     prefix = f"[rank {rank}] " if rank else ""
-    print(f"distlab: error: {prefix}{exc}", file=sys.stderr, flush=True)
+    print(f"distlab: error: {prefix}{flagify(str(exc))}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

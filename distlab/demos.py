@@ -16,7 +16,7 @@ def ordered_print_demo(rt: Runtime) -> None:
 
 
 def p2p_demo(rt: Runtime) -> None:
-    """Point-to-point and all-reduce, as in the c10d walkthrough of the source material."""
+    """Point-to-point and all-reduce, as in PyTorch's c10d walkthrough."""
     if rt.world_size < 2:
         raise ConfigError("demo p2p sends from rank 0 to rank 1: run it with --nproc-per-node 2 or more")
     dev = rt.device

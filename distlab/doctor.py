@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from distlab.data import REGISTRY, locate
 from distlab.errors import DataNotFoundError
+from distlab.runtime import cores
 
 
 def report(data_dir: str | None = None) -> str:
@@ -24,7 +25,7 @@ def report(data_dir: str | None = None) -> str:
             lines.append(f"cuda:{i} {p.name}, {p.total_memory / 2**30:.1f} GiB")
     else:
         lines.append("cuda: no devices (training runs on CPU with gloo)")
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    usable = cores()
     lines.append(f"cores: {os.cpu_count()} ({usable} usable by this process); torch threads {torch.get_num_threads()}")
     for name in REGISTRY:
         try:

@@ -1,4 +1,7 @@
-"""Hand-off to torchrun's own launcher (``torch.distributed.run``); nothing else starts processes.
+"""Hand-off to torchrun's own launcher (``torch.distributed.run``) for the commands users run.
+
+(:mod:`distlab.spawn` starts local ranks for code that wants their results back in-process:
+``verify``, the benches, tests.)
 
 ``distlab CMD --nproc-per-node N ...`` outside any launcher re-runs ``python -m distlab CMD ...``
 under torchrun with the same arguments; the workers see torchrun's environment and just run.
@@ -13,7 +16,7 @@ import sys
 from dataclasses import dataclass
 
 from distlab.errors import ConfigError, DistributedError
-from distlab.runtime import port_in_use
+from distlab.runtime import cores, port_in_use
 
 
 @dataclass
@@ -83,8 +86,7 @@ def launch(opts: LaunchOptions, argv: list[str]) -> int:
                                f"with --master-port (another job may be running there)")
     # One thread per core: N ranks on C cores get C // N threads each (torchrun would force 1).
     if "OMP_NUM_THREADS" not in os.environ:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        os.environ["OMP_NUM_THREADS"] = str(opts.threads or max(1, cores // opts.nproc_per_node))
+        os.environ["OMP_NUM_THREADS"] = str(opts.threads or max(1, cores() // opts.nproc_per_node))
     # The agent logs every signal and failure with a banner; workers report their own errors,
     # so keep it quiet unless asked (DISTLAB_TORCHRUN_LOG=INFO shows everything).
     logging.getLogger("torch.distributed.elastic").setLevel(os.environ.get("DISTLAB_TORCHRUN_LOG", "CRITICAL"))

@@ -175,16 +175,13 @@ def _plt():
 
 
 def _strategy_label(strategy: dict) -> str:
-    """``bucketed:ring zero=2 tp=2 accum=4 syncbn`` from a summary's strategy object."""
-    label = strategy.get("dp_sync", "?")
-    if strategy.get("collective", "native") != "native":
-        label += f":{strategy['collective']}"
-    for key, name in (("zero", "zero"), ("tp", "tp"), ("grad_accum", "accum")):
-        if strategy.get(key) not in (None, 0, 1):
-            label += f" {name}={strategy[key]}"
-    if strategy.get("sync_bn", "off") != "off":
-        label += " syncbn"
-    return label
+    """``bucketed:ring+accum=4+zero=2`` (the Strategy text form) from a summary's strategy object."""
+    from distlab.errors import ConfigError
+    from distlab.parallel import Strategy
+    try:
+        return str(Strategy.from_dict(strategy).check())
+    except (ConfigError, TypeError):
+        return strategy.get("dp_sync", "?")
 
 
 def _run_label(run: dict) -> str:
@@ -411,7 +408,7 @@ def _sweep_section(records: list[dict]) -> str:
     for name in dict.fromkeys(json.dumps(r["strategy"], sort_keys=True) for r in records):
         rs = sorted((r for r in records if json.dumps(r["strategy"], sort_keys=True) == name),
                     key=lambda r: r["layout"]["world_size"])
-        label = ",".join(f"{k}={v}" for k, v in json.loads(name).items()) or "as given"
+        label = rs[0].get("strategy_text") or ",".join(f"{k}={v}" for k, v in json.loads(name).items()) or "as given"
         worlds = [r["layout"]["world_size"] for r in rs]
         a.plot(worlds, [r["memory_bytes_per_rank"] / 2**30 for r in rs], marker="o", label=label)
         if timed:

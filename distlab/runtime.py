@@ -311,8 +311,7 @@ def init(
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
 
-    ncores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = threads or max(1, ncores // max(1, info.local_world_size))
+    threads = threads or max(1, cores() // max(1, info.local_world_size))
     torch.set_num_threads(threads)
 
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -424,11 +423,38 @@ def broadcast_module(module: torch.nn.Module, src: int = 0, group: dist.ProcessG
         dist.broadcast(tensor.data, src=dist.get_global_rank(group, src) if group else src, group=group)
 
 
+# --------------------------------------------------------------------------- lookups
+
+
+def group_size(group: dist.ProcessGroup | None = None) -> int:
+    """Ranks in ``group`` (default: the world); 1 without a process group."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def group_rank(group: dist.ProcessGroup | None = None) -> int:
+    """This process's rank in ``group`` (default: the world); 0 without a process group."""
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def reduce_scalars(values: list[float], op=dist.ReduceOp.SUM, group: dist.ProcessGroup | None = None,
+                   device: torch.device | str = "cpu") -> list[float]:
+    """Reduce a few numbers across ``group`` (default: the world) in one float64 collective."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if group_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t.tolist()
+
+
+def cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 # --------------------------------------------------------------------------- printing
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return group_rank()
 
 
 def print0(*args, **kwargs) -> None:

@@ -19,16 +19,16 @@ parameter change of at most ``lr / (1 - mu) * d`` per step, and the steps add up
 (the factor 2 covers the loss and gradient being computed in another order as well). Leaving
 out gradient synchronisation moves parameters by orders of magnitude more (tested).
 
-Strategies are written ``METHOD[:COLLECTIVE][+accum=K][+syncbn]``, e.g. ``bucketed:ring``,
-``ddp+accum=4``, ``allreduce+syncbn``. SyncBN strategies use a small CNN with BatchNorm2d, whose
-single-process reference normalises over the whole global batch.
+Strategies are written in :class:`~distlab.parallel.Strategy`'s text form, e.g. ``bucketed:ring``,
+``ddp+accum=4``, ``allreduce+syncbn``, ``zero=3``, ``allreduce+tp=2+naive``, with ``+adam`` to train
+with Adam. SyncBN strategies use a small CNN with BatchNorm2d, whose single-process reference
+normalises over the whole global batch.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -39,86 +39,61 @@ import torch
 import torch.nn.functional as F
 
 from distlab.errors import ConfigError
-from distlab.parallel import COLLECTIVES, SYNC_METHODS
+from distlab.flags import strategy_flags
+from distlab.parallel import COLLECTIVES, SYNC_METHODS, Strategy
 from distlab.train.config import TrainConfig
 
 EPS32 = torch.finfo(torch.float32).eps
-_SPEC = re.compile(r"^(?P<method>[a-z-]+)(?::(?P<collective>[a-z_]+))?(?P<mods>(?:\+[a-z]+(?:=\d+)?)*)$")
+SMALL_BUCKET_MB = 0.004  # several buckets on the tiny models below (unless a strategy sets bucket=)
 
 
 @dataclass(frozen=True)
-class Strategy:
-    dp_sync: str
-    collective: str = "native"
-    grad_accum: int = 1
-    sync_bn: bool = False
-    tp: int = 1
-    tp_style: str = "megatron"
-    zero: int = 0
+class Case:
+    """A strategy to verify and the optimizer it trains with (``+adam`` in the text form)."""
+
+    strategy: Strategy
     optimizer: str = "sgd"
 
     @property
     def name(self) -> str:
-        s = self.dp_sync + (f":{self.collective}" if self.collective != "native" else "")
-        s += f"+accum={self.grad_accum}" if self.grad_accum > 1 else ""
-        s += "+syncbn" if self.sync_bn else ""
-        s += f"+tp={self.tp}" + ("+naive" if self.tp_style == "naive" else "") if self.tp > 1 else ""
-        s += f"+zero={self.zero}" if self.zero else ""
-        return s + ("+adam" if self.optimizer == "adam" else "")
+        return str(self.strategy) + ("+adam" if self.optimizer == "adam" else "")
 
     def flags(self) -> dict:
-        return {"dp_sync": self.dp_sync, "collective": self.collective, "grad_accum": self.grad_accum,
-                "sync_bn": "distlab" if self.sync_bn else "off", "tp": self.tp, "tp_style": self.tp_style,
-                "optimizer": self.optimizer, "zero": self.zero}
+        return {**self.strategy.to_dict(), "optimizer": self.optimizer}
 
 
-def parse_strategy(text: str) -> Strategy:
-    m = _SPEC.match(text.strip())
-    if not m:
-        raise ConfigError(f"cannot read strategy {text!r}: write METHOD[:COLLECTIVE][+accum=K][+syncbn], "
-                          f"e.g. bucketed:ring or ddp+accum=4")
-    method, collective = m["method"], m["collective"] or "native"
-    if method not in SYNC_METHODS:
-        raise ConfigError(f"strategy {text!r}: unknown --dp-sync {method!r}; choose one of: {', '.join(SYNC_METHODS)}")
-    if collective not in COLLECTIVES:
-        raise ConfigError(f"strategy {text!r}: unknown collective {collective!r}; choose one of: "
-                          f"{', '.join(COLLECTIVES)}")
-    opts: dict = {}
-    for mod in filter(None, m["mods"].split("+")):
-        key, _, value = mod.partition("=")
-        if mod in ("syncbn", "naive", "adam"):
-            opts.update({"syncbn": {"sync_bn": True}, "naive": {"tp_style": "naive"},
-                         "adam": {"optimizer": "adam"}}[mod])
-        elif key in ("accum", "tp", "zero") and value:
-            opts[{"accum": "grad_accum"}.get(key, key)] = int(value)
-        else:
-            raise ConfigError(f"strategy {text!r}: unknown modifier {mod!r} "
-                              f"(known: +accum=K, +syncbn, +tp=N, +naive, +zero=S, +adam)")
-    return Strategy(method, collective, **opts)
+def parse_strategy(text: str) -> Case:
+    """The :class:`~distlab.parallel.Strategy` text form, plus ``+adam`` for the optimizer."""
+    tokens = [t.strip() for t in text.split("+")]
+    rest = "+".join(t for t in tokens if t != "adam")
+    return Case(Strategy.parse(rest) if rest else Strategy(), "adam" if "adam" in tokens else "sgd")
 
 
-def default_strategies(world_size: int | None = None) -> list[Strategy]:
-    """Every --dp-sync x --collective, each method with --grad-accum 4, SyncBN, and -- where
+def default_strategies(world_size: int | None = None) -> list[Case]:
+    """Every dp_sync x collective, each method with grad_accum 4, SyncBN, and -- where
     ``world_size`` is even -- tensor parallel over pairs of ranks in both styles."""
     out = [Strategy("gather-scatter")]
     out += [Strategy(m, c) for m in ("allreduce", "bucketed", "ddp") for c in COLLECTIVES]
     out += [Strategy(m, grad_accum=4) for m in SYNC_METHODS]
-    out += [Strategy(m, sync_bn=True) for m in ("allreduce", "bucketed", "ddp")]
+    out += [Strategy(m, sync_bn="distlab") for m in ("allreduce", "bucketed", "ddp")]
     if world_size and world_size % 2 == 0:
         out += [Strategy("allreduce", tp=2), Strategy("allreduce", tp=2, tp_style="naive")]
-    return out
+    return [Case(s) for s in out]
 
 
-def config_for(strategy: Strategy, world_size: int, steps: int, global_batch: int | None = None,
+def config_for(case: Case, world_size: int, steps: int, global_batch: int | None = None,
                seed: int = 0) -> TrainConfig:
     """A small, fast training run: an MLP (or a BN CNN for SyncBN) on synthetic data, SGD+momentum."""
-    batch = global_batch or 12 * (world_size // strategy.tp)
-    model, dataset = ("small-cnn-bn", "synthetic:3x8x8:4:480") if strategy.sync_bn else ("mlp", "synthetic:1x8x8:4:480")
+    strategy = case.strategy
+    if strategy.bucket_mb == Strategy.bucket_mb:
+        strategy = strategy.replace(bucket_mb=SMALL_BUCKET_MB)
+    batch = global_batch or 12 * strategy.dp_size(world_size)
+    bn = strategy.sync_bn != "off"
+    model, dataset = ("small-cnn-bn", "synthetic:3x8x8:4:480") if bn else ("mlp", "synthetic:1x8x8:4:480")
     return TrainConfig(model=model, mlp_widths=(32, 16), dataset=dataset, epochs=max(1, steps), max_steps=steps,
-                       global_batch_size=batch, lr=0.005 if strategy.optimizer == "adam" else 0.05, lr_schedule="constant",
-                       momentum=0.9,
-                       seed=seed, log_every=1, progress=False, verbose=False, bucket_mb=0.004, eval_every_epoch=False,
-                       **strategy.flags()).validate(world_size)
+                       global_batch_size=batch, lr=0.005 if case.optimizer == "adam" else 0.05,
+                       lr_schedule="constant", momentum=0.9, optimizer=case.optimizer, seed=seed, log_every=1,
+                       progress=False, verbose=False, eval_every_epoch=False, strategy=strategy).validate(world_size)
 
 
 def tolerance(cfg: TrainConfig) -> float:
@@ -172,11 +147,11 @@ def compare(params, losses, ref_params, ref_losses) -> dict:
     return {"max_abs_param_diff": abs_diff, "max_rel_param_diff": rel_diff, "max_loss_diff": loss_diff}
 
 
-def verify(strategies: list[Strategy], world_size: int, steps: int = 10, global_batch: int | None = None,
+def verify(strategies: list[Case], world_size: int, steps: int = 10, global_batch: int | None = None,
            timeout: float = 600.0) -> list[dict]:
     """Run every strategy on ``world_size`` gloo processes (one process group, one after another)
     and single-process; return one record per strategy (the ``--json`` contract)."""
-    from distlab.testing import run_ranks
+    from distlab.spawn import run_ranks
 
     configs = [config_for(s, world_size, steps, global_batch) for s in strategies]
     results = run_ranks(_distributed_runs, world_size, configs, timeout=timeout)[0]
@@ -218,14 +193,7 @@ def _tensors(obj):
             yield from _tensors(item)
 
 
-def train_flags(strategy: Strategy) -> list[str]:
-    f = strategy.flags()
-    return ["--dp-sync", f["dp_sync"], "--collective", f["collective"], "--grad-accum", str(f["grad_accum"]),
-            "--sync-bn", f["sync_bn"], "--tp", str(f["tp"]), "--tp-style", f["tp_style"], "--zero", str(f["zero"]),
-            "--optimizer", f["optimizer"]]
-
-
-def verify_resume(strategy: Strategy, world_size: int, steps: int, workdir: str, timeout: float = 600.0) -> dict:
+def verify_resume(case: Case, world_size: int, steps: int, workdir: str, timeout: float = 600.0) -> dict:
     """Kill a worker with SIGKILL mid-epoch under ``--max-restarts 1`` and compare the finished run with an
     uninterrupted one: the final model of every rank and the logged losses must be bitwise equal.
 
@@ -238,14 +206,15 @@ def verify_resume(strategy: Strategy, world_size: int, steps: int, workdir: str,
     if steps < 4:
         raise ConfigError(f"--resume needs at least 4 steps (snapshot, then the kill, then more steps), not {steps}")
     root = Path(workdir)
-    model, dataset = ("small-cnn-bn", "synthetic:3x8x8:4:4096") if strategy.sync_bn else \
+    model, dataset = ("small-cnn-bn", "synthetic:3x8x8:4:4096") if case.strategy.sync_bn != "off" else \
         ("mlp", "synthetic:1x16x16:10:4096")
     batch = 16 * world_size
     every, kill_step = max(1, steps // 4), steps // 2 + 1
     base = [sys.executable, "-m", "distlab", "train", "--nproc-per-node", str(world_size), "--device", "cpu",
             "--model", model, "--mlp-widths", "64,32", "--dataset", dataset, "--global-batch-size", str(batch),
             "--max-steps", str(steps), "--snapshot-every", str(every), "--lr", "0.003", "--lr-schedule", "cosine",
-            "--log-every", "1", "--no-progress", "--comm-timeout", "60", *train_flags(strategy)]
+            "--log-every", "1", "--no-progress", "--comm-timeout", "60", "--optimizer", case.optimizer,
+            *strategy_flags(case.strategy)]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "DISTLAB_KILL_AT_STEP")}
     runs = {}
     for name, extra, extra_env in (("straight", [], {}),
@@ -269,7 +238,7 @@ def verify_resume(strategy: Strategy, world_size: int, steps: int, workdir: str,
     same_shapes = [x.shape for x in a_tensors] == [y.shape for y in b_tensors]
     loss_diff = max((abs(x - y) for x, y in zip(a_losses, b_losses)), default=0.0)
     bitwise = same_shapes and all(torch.equal(x, y) for x, y in zip(a_tensors, b_tensors)) and a_losses == b_losses
-    return {"strategy": f"{strategy.name} (kill+resume)", "flags": strategy.flags(), "world_size": world_size,
+    return {"strategy": f"{case.name} (kill+resume)", "flags": case.flags(), "world_size": world_size,
             "steps": steps, "model": model, "global_batch_size": batch, "max_abs_param_diff": param_diff,
             "max_rel_param_diff": 0.0 if bitwise else float("nan"), "max_loss_diff": loss_diff, "tolerance": 0.0,
             "killed": f"rank {world_size - 1} by SIGKILL after step {kill_step}",

@@ -10,7 +10,7 @@ import sys
 
 from distlab import runtime
 from distlab.plan.memory import Optim, trace, zero_peak_bytes
-from distlab.testing import run_ranks
+from distlab.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig
 
 # (zero, optimizer, grad_accum, dp_sync)

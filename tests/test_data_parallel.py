@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from distlab import runtime
 from distlab.data import load_dataset
 from distlab.models import build_model
-from distlab.testing import run_ranks
+from distlab.parallel import build_mesh
+from distlab.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig, evaluate
 from distlab.verify import reference_run
 
@@ -34,7 +35,7 @@ def _config(dp_sync: str, out: str | None = None, collective: str = "native", gr
                     max_steps=10, global_batch_size=12, lr=0.1, lr_schedule="constant", optimizer="sgd",
                     momentum=0.9, weight_decay=1e-4, seed=3, log_every=1, dp_sync=dp_sync, out=out,
                     progress=False, collective=collective, grad_accum=grad_accum, bucket_mb=0.004)
-    return TrainConfig(**{**settings, **overrides})
+    return TrainConfig.from_flags(**{**settings, **overrides})
 
 
 def _reference(cfg: TrainConfig):
@@ -45,7 +46,7 @@ def _reference(cfg: TrainConfig):
 def _train(rank, world, cfg: TrainConfig, skip_sync: bool = False):
     trainer = Trainer(cfg, runtime.from_process_group())
     if skip_sync:
-        trainer.model.method.sync = lambda module: None
+        trainer.engine.wrapper.method.sync = lambda module: None
     trainer.fit()
     return [p.detach().clone() for p in trainer.net.parameters()]
 
@@ -104,7 +105,7 @@ def _evaluate(rank, world, spec):
     data = load_dataset(spec, "test", seed=0)
     torch.manual_seed(0)
     model = build_model("mlp", data.input_shape, data.num_classes, widths=(8,))
-    return evaluate(model, data, runtime.from_process_group(), batch_size=4)
+    return evaluate(model, data, build_mesh(1), batch_size=4)
 
 
 def test_distributed_evaluation_is_exact_when_the_test_set_does_not_divide():
@@ -128,14 +129,14 @@ def _die_mid_training(rank, world, cfg: TrainConfig):
 
     from distlab.errors import DistributedError
     trainer = Trainer(cfg, runtime.from_process_group())
-    sync = trainer.model.method.sync
+    sync = trainer.engine.wrapper.method.sync
 
     def sync_or_die(module):
         if rank == 1 and trainer.step == 3:
             os._exit(17)  # a worker vanishing mid-step, without a word
         sync(module)
 
-    trainer.model.method.sync = sync_or_die
+    trainer.engine.wrapper.method.sync = sync_or_die
     try:
         trainer.fit()
     except DistributedError as exc:
@@ -144,7 +145,7 @@ def _die_mid_training(rank, world, cfg: TrainConfig):
 
 
 def test_a_peer_dying_mid_step_is_a_clear_error_not_a_hang():
-    from distlab.testing import RankFailure
+    from distlab.spawn import RankFailure
     with pytest.raises(RankFailure) as err:
         run_ranks(_die_mid_training, 2, _config("allreduce"), timeout=90)
     text = str(err.value)
@@ -208,9 +209,9 @@ def _unused_parameter(rank, world, find_unused):
 
 
 def test_bucketed_parameters_without_gradient_error_or_count_as_zero():
-    from distlab.testing import RankFailure
+    from distlab.spawn import RankFailure
     with pytest.raises(RankFailure, match=r"received no gradient in this step \(unused.bias, unused.weight\); "
-                                          r"pass --find-unused"):
+                                          r"pass `find_unused`"):
         run_ranks(_unused_parameter, 2, False, timeout=60)
     results = run_ranks(_unused_parameter, 2, True, timeout=60)
     assert all(unused == 0.0 for unused, _ in results)
@@ -219,16 +220,16 @@ def test_bucketed_parameters_without_gradient_error_or_count_as_zero():
 
 def test_bad_data_parallel_flags_are_clear_errors():
     from distlab.errors import ConfigError
-    with pytest.raises(ConfigError, match="--bucket-mb must be positive, not 0"):
-        _config("bucketed").__class__(bucket_mb=0).validate(1)
-    with pytest.raises(ConfigError, match="--grad-accum must be at least 1, not 0"):
-        TrainConfig(grad_accum=0).validate(1)
-    with pytest.raises(ConfigError, match="unknown --dp-sync 'param-server'"):
-        TrainConfig(dp_sync="param-server").validate(1)
-    with pytest.raises(ConfigError, match="unknown --collective 'tree'"):
-        TrainConfig(collective="tree").validate(1)
+    with pytest.raises(ConfigError, match="`bucket_mb` must be positive, not 0"):
+        TrainConfig.from_flags(bucket_mb=0).validate(1)
+    with pytest.raises(ConfigError, match="`grad_accum` must be at least 1, not 0"):
+        TrainConfig.from_flags(grad_accum=0).validate(1)
+    with pytest.raises(ConfigError, match="unknown `dp_sync` 'param-server'"):
+        TrainConfig.from_flags(dp_sync="param-server").validate(1)
+    with pytest.raises(ConfigError, match="unknown `collective` 'tree'"):
+        TrainConfig.from_flags(collective="tree").validate(1)
     with pytest.raises(ConfigError, match="gather-scatter is its own communication pattern"):
-        TrainConfig(dp_sync="gather-scatter", collective="ring").validate(1)
-    with pytest.raises(ConfigError, match="must split into --grad-accum 4 equal micro-batches on each of 2 ranks: "
+        TrainConfig.from_flags(dp_sync="gather-scatter", collective="ring").validate(1)
+    with pytest.raises(ConfigError, match="must split into `grad_accum` 4 equal micro-batches on each of 2 ranks: "
                                           "use a multiple of 8"):
-        TrainConfig(global_batch_size=12, grad_accum=4).validate(2)
+        TrainConfig.from_flags(global_batch_size=12, grad_accum=4).validate(2)

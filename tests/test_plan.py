@@ -13,7 +13,7 @@ from distlab.errors import ConfigError
 from distlab.plan import cost
 from distlab.plan.memory import Optim, generic_trace, trace, zero_peak_bytes
 from distlab.plan import Calibration, Layout, calibrate, format_sweep, predict, summaries, sweep, validate
-from distlab.testing import run_ranks
+from distlab.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig
 
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "plan"

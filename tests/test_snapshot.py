@@ -18,7 +18,7 @@ import torch
 
 from distlab import runtime
 from distlab.errors import ConfigError
-from distlab.testing import run_ranks
+from distlab.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig
 from distlab.train import snapshot as snap
 from distlab.train.config import parse_duration
@@ -151,16 +151,16 @@ def test_durations_and_lr_scaling():
     with pytest.raises(ConfigError, match="2h, 90m"):
         parse_duration("two hours")
     base = dict(dataset="synthetic:1x8x8:4:96", global_batch_size=64, lr=0.1)
-    assert TrainConfig(**base, lr_scaling="linear", base_batch_size=16).effective_lr == pytest.approx(0.4)
-    assert TrainConfig(**base, lr_scaling="sqrt", base_batch_size=16).effective_lr == pytest.approx(0.2)
-    assert TrainConfig(**base).effective_lr == 0.1
-    with pytest.raises(ConfigError, match="--base-batch-size"):
-        TrainConfig(**base, lr_scaling="sqrt").validate(2)
-    with pytest.raises(ConfigError, match="--snapshot-dir"):
-        TrainConfig(**base, snapshot_every=5).validate(1)
-    cfg = TrainConfig(**base, warmup_steps=4, lr_schedule="constant")
+    assert TrainConfig.from_flags(**base, lr_scaling="linear", base_batch_size=16).effective_lr == pytest.approx(0.4)
+    assert TrainConfig.from_flags(**base, lr_scaling="sqrt", base_batch_size=16).effective_lr == pytest.approx(0.2)
+    assert TrainConfig.from_flags(**base).effective_lr == 0.1
+    with pytest.raises(ConfigError, match="`base_batch_size`"):
+        TrainConfig.from_flags(**base, lr_scaling="sqrt").validate(2)
+    with pytest.raises(ConfigError, match="`snapshot_dir`"):
+        TrainConfig.from_flags(**base, snapshot_every=5).validate(1)
+    cfg = TrainConfig.from_flags(**base, warmup_steps=4, lr_schedule="constant")
     assert [lr_multiplier(s, cfg, 100) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
-    cfg = TrainConfig(**base, warmup_steps=2, lr_schedule="cosine")
+    cfg = TrainConfig.from_flags(**base, warmup_steps=2, lr_schedule="cosine")
     assert lr_multiplier(50, cfg, 100) == pytest.approx(0.5) and lr_multiplier(0, cfg, 100) == 0.5
 
 
@@ -171,7 +171,7 @@ def _cfg(tmp, **kw):
     settings = dict(model="mlp", mlp_widths=(32, 16), dataset="synthetic:1x8x8:4:192", epochs=3, max_steps=None,
                     global_batch_size=16, lr=0.05, lr_schedule="cosine", optimizer="sgd", seed=5, log_every=2,
                     progress=False, verbose=False, val_fraction=0.25, snapshot_dir=str(tmp))
-    return TrainConfig(**{**settings, **kw})
+    return TrainConfig.from_flags(**{**settings, **kw})
 
 
 def _resume_vs_straight(rank, world, straight, first, second):

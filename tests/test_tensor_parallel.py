@@ -20,7 +20,7 @@ from distlab.models import build_model
 from distlab.parallel import ColumnParallelLinear, RowParallelLinear, apply_tensor_parallel, build_mesh
 from distlab.parallel.mesh import layout
 from distlab.parallel.tensor_parallel import full_parameters
-from distlab.testing import run_ranks
+from distlab.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig
 from distlab.verify import reference_run
 
@@ -38,7 +38,7 @@ def test_mesh_layout_is_tensor_parallel_major(world, tp, tp_groups, dp_groups):
 
 
 def test_a_tp_that_does_not_divide_the_world_is_refused():
-    with pytest.raises(ConfigError, match=r"--tp 3 does not divide the world size 4.*1, 2, 4"):
+    with pytest.raises(ConfigError, match=r"`tp` 3 does not divide the world size 4.*1, 2, 4"):
         layout(4, 3)
 
 
@@ -128,13 +128,13 @@ def test_the_row_parallel_all_reduce_is_what_makes_the_block_right():
 
 
 def test_widths_tp_does_not_divide_and_models_without_linear_layers_are_refused():
-    with pytest.raises(ConfigError, match=r"layer 2 has 16 input features, not divisible by --tp 3"):
+    with pytest.raises(ConfigError, match=r"layer 2 has 16 input features, not divisible by `tp` 3"):
         RowParallelLinear(nn.Linear(16, 5), group=_FakeGroup(3), name="2")
-    with pytest.raises(ConfigError, match=r"has 10 output features, not divisible by --tp 4"):
+    with pytest.raises(ConfigError, match=r"has 10 output features, not divisible by `tp` 4"):
         ColumnParallelLinear(nn.Linear(3, 10), group=_FakeGroup(4))
     with pytest.raises(ConfigError, match="needs a model with Linear layers"):
         apply_tensor_parallel(nn.Sequential(nn.Conv2d(1, 2, 3)), None)
-    with pytest.raises(ConfigError, match="--tp-style"):
+    with pytest.raises(ConfigError, match="`tp_style`"):
         apply_tensor_parallel(_mlp(), None, "diagonal")
 
 
@@ -148,9 +148,9 @@ class _FakeGroup:
 @pytest.fixture(autouse=True)
 def _fake_group_size(monkeypatch):
     from distlab.parallel import tensor_parallel as tp
-    real_size, real_rank = tp._size, tp._rank
-    monkeypatch.setattr(tp, "_size", lambda g: g.n if isinstance(g, _FakeGroup) else real_size(g))
-    monkeypatch.setattr(tp, "_rank", lambda g: 0 if isinstance(g, _FakeGroup) else real_rank(g))
+    real_size, real_rank = tp.group_size, tp.group_rank
+    monkeypatch.setattr(tp, "group_size", lambda g: g.n if isinstance(g, _FakeGroup) else real_size(g))
+    monkeypatch.setattr(tp, "group_rank", lambda g: 0 if isinstance(g, _FakeGroup) else real_rank(g))
 
 
 # ----------------------------------------------------------------------------- training
@@ -161,7 +161,7 @@ def _cfg(tp, style="megatron", model="mlp", **kw):
                     global_batch_size=12, lr=0.1, lr_schedule="constant", optimizer="sgd", momentum=0.9,
                     weight_decay=1e-4, seed=3, log_every=1, dp_sync="allreduce", progress=False, verbose=False,
                     eval_every_epoch=False, tp=tp, tp_style=style)
-    return TrainConfig(**{**settings, **kw})
+    return TrainConfig.from_flags(**{**settings, **kw})
 
 
 def _train(rank, world, cfg):
@@ -197,13 +197,13 @@ def _mesh_with_wrong_dp(rank, world):
 
 def test_a_mesh_whose_tp_x_dp_is_not_the_world_is_refused():
     for message in run_ranks(_mesh_with_wrong_dp, 4, timeout=60):
-        assert message and "--tp 2 x dp 3 = 6 processes, but the world has 4" in message
+        assert message and "`tp` 2 x dp 3 = 6 processes, but the world has 4" in message
 
 
 def test_tp_flags_are_checked_against_the_world_and_batch():
-    with pytest.raises(ConfigError, match="--tp 3 does not divide the world size 4"):
+    with pytest.raises(ConfigError, match="`tp` 3 does not divide the world size 4"):
         _cfg(3).validate(4)
-    with pytest.raises(ConfigError, match=r"not divisible by the data-parallel size 2 \(world 4 / --tp 2\)"):
+    with pytest.raises(ConfigError, match=r"not divisible by the data-parallel size 2 \(world 4 / `tp` 2\)"):
         _cfg(2, global_batch_size=13).validate(4)
-    with pytest.raises(ConfigError, match="--tp-style"):
+    with pytest.raises(ConfigError, match="`tp_style`"):
         _cfg(2, "diagonal").validate(4)

@@ -14,7 +14,7 @@ from torch import nn
 from distlab import comm, runtime
 from distlab.errors import ConfigError
 from distlab.parallel import Zero
-from distlab.testing import run_ranks
+from distlab.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig
 from distlab.verify import reference_run
 
@@ -27,13 +27,13 @@ def _cfg(zero, **kw):
                     global_batch_size=12, lr=0.1, lr_schedule="constant", optimizer="sgd", momentum=0.9,
                     weight_decay=1e-4, seed=3, log_every=1, dp_sync="allreduce", progress=False, verbose=False,
                     eval_every_epoch=False, zero=zero)
-    return TrainConfig(**{**settings, **kw})
+    return TrainConfig.from_flags(**{**settings, **kw})
 
 
 def _train(rank, world, cfg):
     trainer = Trainer(cfg.validate(world), runtime.from_process_group())
     summary = trainer.fit()
-    freed = all(u.full.untyped_storage().nbytes() == 0 for u in trainer.model.units) if cfg.zero == 3 else None
+    freed = all(u.full.untyped_storage().nbytes() == 0 for u in trainer.engine.wrapper.units) if cfg.strategy.zero == 3 else None
     return trainer.full_parameters(), [r["loss"] for r in trainer.history], summary, freed
 
 
@@ -136,7 +136,7 @@ def test_full_and_sharded_state_dicts_round_trip_and_refuse_another_layout():
     for same, zeroed, restored, errors in run_ranks(_state_round_trip, 3, timeout=60):
         assert all(same) and zeroed == 0.0 and all(restored)
         assert "its parameter 0.weight has 35 elements, this model's 0.weight has 40" in errors[0]
-        assert "zero_stage 3" in errors[1] and "--zero" in errors[1]
+        assert "zero_stage 3" in errors[1] and "`zero`" in errors[1]
 
 
 def _gathered_during_forward(rank, world):
@@ -164,11 +164,11 @@ def test_zero3_holds_only_the_running_layer_in_full():
 
 
 def test_incompatible_zero_flags_are_refused():
-    with pytest.raises(ConfigError, match="--zero 2 does its own gradient sync.*--dp-sync ddp"):
+    with pytest.raises(ConfigError, match="`zero` 2 does its own gradient sync.*`dp_sync` ddp"):
         _cfg(2, dp_sync="ddp").validate(2)
-    with pytest.raises(ConfigError, match="--zero 1 does its own gradient sync.*--dp-sync gather-scatter"):
+    with pytest.raises(ConfigError, match="`zero` 1 does its own gradient sync.*`dp_sync` gather-scatter"):
         _cfg(1, dp_sync="gather-scatter").validate(2)
-    with pytest.raises(ConfigError, match="--zero 4: choose 0"):
+    with pytest.raises(ConfigError, match="unknown `zero` 4; choose one of: 0"):
         _cfg(4).validate(2)
-    with pytest.raises(ConfigError, match="--find-unused is implied by --zero"):
+    with pytest.raises(ConfigError, match="`find_unused` is implied by `zero`"):
         _cfg(1, find_unused=True).validate(2)

@@ -26,7 +26,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from distlab import comm
-from distlab.testing import run_ranks
+from distlab.runtime import cores as runtime_cores
+from distlab.spawn import run_ranks
 from distlab.train.metrics import atomic_write_text, peak_rss_mb
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -164,7 +165,7 @@ def run(worlds, sizes, algorithms, ops=("sum",), dtypes=("float32",), warmup: in
         out: str | Path | None = None, progress=print, runs: int = 1) -> list[dict]:
     """Run the suite ``runs`` times (fresh processes each) and write ``out/collectives.json``:
     one record per configuration with the median over runs of each run's median time."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = runtime_cores()
     ceiling = tcp_loopback_gbps()
     progress(f"ceiling: raw TCP over loopback, one way, 2 processes: {ceiling:.2f} GB/s")
     algorithms = [comm.check_algorithm(a) for a in algorithms]

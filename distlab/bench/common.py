@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import platform
 from pathlib import Path
 
 import torch
 
+from distlab.runtime import cores
 from distlab.train.metrics import atomic_write_text
-
-
-def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def machine(ranks: int, threads_per_rank: int) -> dict:
@@ -30,3 +26,11 @@ def write(records: list[dict], out: str | Path | None, suite: str) -> Path | Non
     path = Path(out) / f"{suite}.json"
     atomic_write_text(path, json.dumps(records, indent=1) + "\n")
     return path
+
+
+def train_on_ranks(rank: int, world: int, cfg) -> dict | None:
+    """One training run on ranks started by :func:`distlab.spawn.run_ranks`: rank 0's summary."""
+    from distlab import runtime
+    from distlab.train import Trainer
+    summary = Trainer(cfg.validate(world), runtime.from_process_group()).fit()
+    return summary if rank == 0 else None

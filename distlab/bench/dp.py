@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import statistics
 
-from distlab.bench.common import cores, machine, write
+from distlab.bench.common import cores, machine, train_on_ranks, write
 from distlab.errors import DataNotFoundError
-from distlab.testing import run_ranks
+from distlab.parallel import Strategy
+from distlab.spawn import run_ranks
 from distlab.train.config import TrainConfig
 
 WORKLOADS = {
@@ -31,8 +32,8 @@ WORKLOADS = {
     "resnet18-syncbn": {"model": "resnet18", "dataset": "cifar100", "fallback": "synthetic:3x32x32:100:8192",
                         "sync_bn": "distlab", "lr": 0.05},
 }
-METHODS = (("gather-scatter", "native"), ("allreduce", "native"), ("allreduce", "ring"),
-           ("bucketed", "native"), ("bucketed", "ring"), ("ddp", "native"))
+METHODS = tuple(Strategy.parse(m) for m in ("gather-scatter", "allreduce", "allreduce:ring", "bucketed",
+                                             "bucketed:ring", "ddp"))
 
 
 def _dataset(workload: dict, data_dir: str | None) -> tuple[str, bool]:
@@ -49,22 +50,17 @@ def _dataset(workload: dict, data_dir: str | None) -> tuple[str, bool]:
         return workload["fallback"], False
 
 
-def _train(rank: int, world: int, cfg: TrainConfig) -> dict | None:
-    from distlab import runtime
-    from distlab.train import Trainer
-    summary = Trainer(cfg, runtime.from_process_group()).fit()
-    return summary if rank == 0 else None
-
-
 def run(workloads=("mlp", "vgg11", "resnet18-syncbn"), nproc: int = 2, steps: int = 30, batch: int = 64,
         methods=METHODS, runs: int = 1, data_dir: str | None = None, out=None, progress=print) -> list[dict]:
     records = []
     for name in workloads:
         w = WORKLOADS[name]
         dataset, real = _dataset(w, data_dir)
-        plan = [(1, ("allreduce", "native"))] + [(nproc, m) for m in methods]
-        for world, (dp_sync, collective) in plan:
-            label = "single process" if world == 1 else f"{dp_sync}:{collective}"
+        plan = [(1, Strategy("allreduce"))] + [(nproc, m) for m in methods]
+        for world, strategy in plan:
+            if world > 1 and w["sync_bn"] != "off":
+                strategy = strategy.replace(sync_bn=w["sync_bn"])
+            label = "single process" if world == 1 else str(strategy)
             threads = max(1, cores() // world)
             summaries = []
             for i in range(runs):
@@ -72,14 +68,15 @@ def run(workloads=("mlp", "vgg11", "resnet18-syncbn"), nproc: int = 2, steps: in
                 cfg = TrainConfig(model=w["model"], dataset=dataset, data_dir=data_dir, epochs=1000, max_steps=steps,
                                   global_batch_size=batch, lr=w["lr"], lr_schedule="constant", seed=0,
                                   log_every=max(1, steps), progress=False, verbose=False, eval_every_epoch=False,
-                                  dp_sync=dp_sync, collective=collective, sync_bn=w["sync_bn"] if world > 1 else "off",
-                                  timing_warmup_steps=min(5, steps // 3))
-                summaries.append(run_ranks(_train, world, cfg, timeout=3600, threads=threads)[0])
+                                  strategy=strategy, timing_warmup_steps=min(5, steps // 3))
+                summaries.append(run_ranks(train_on_ranks, world, cfg, timeout=3600, threads=threads)[0])
             s = summaries[0]
             med = statistics.median(x["time_per_step_s_median"] for x in summaries)
             records.append({
                 "workload": name, "model": w["model"], "dataset": dataset, "real_data": real, "world_size": world,
-                "dp_sync": dp_sync if world > 1 else None, "collective": collective if world > 1 else None,
+                "dp_sync": strategy.dp_sync if world > 1 else None,
+                "collective": strategy.collective if world > 1 else None,
+                "strategy_text": str(strategy) if world > 1 else None,
                 "sync_bn": s["strategy"]["sync_bn"], "global_batch_size": batch, "steps": steps, "runs": runs,
                 "time_per_step_s_median": med, "time_per_step_s_per_run": [x["time_per_step_s_median"] for x in summaries],
                 "samples_per_s_median": batch / med, "peak_rss_mb": max(x["peak_rss_mb"] for x in summaries),

@@ -23,48 +23,31 @@ import time
 
 import torch
 
-from distlab.bench.common import cores, machine, write
-from distlab.testing import run_ranks
+from distlab.bench.common import cores, machine, train_on_ranks, write
+from distlab.parallel import Strategy
+from distlab.parallel.state_bytes import model_state_bytes
+from distlab.spawn import run_ranks
 from distlab.train.config import TrainConfig
 
 WORKLOADS = {"mlp": (512, 256), "wide-mlp": (4096, 4096)}
-DISTLAB = {"dp": {}, "zero1": {"zero": 1}, "zero2": {"zero": 2}, "zero3": {"zero": 3},
-           "tp-naive": {"tp": "n", "tp_style": "naive"}, "tp-megatron": {"tp": "n", "tp_style": "megatron"},
-           "dp2xtp": {"tp": 2, "tp_style": "megatron"}}
+# Short names for the usual set; any Strategy text works too. N is replaced by --nproc.
+ALIASES = {"dp": "allreduce", "zero1": "zero=1", "zero2": "zero=2", "zero3": "zero=3",
+           "tp-naive": "allreduce+tp=N+naive", "tp-megatron": "allreduce+tp=N", "dp2xtp": "allreduce+tp=2"}
 TORCH = ("torch-zero1", "torch-fsdp2", "torch-tp")
-STRATEGIES = tuple(DISTLAB) + TORCH
+STRATEGIES = tuple(ALIASES) + TORCH
 COUNTERPART = {"torch-zero1": "zero1", "torch-fsdp2": "zero3", "torch-tp": "tp-megatron"}
 
 
-def _cfg(strategy: str, widths, nproc: int, steps: int, batch: int, dataset: str) -> TrainConfig:
-    opts = {k: (nproc if v == "n" else v) for k, v in DISTLAB.get(strategy, {}).items()}
+def strategy_for(name: str, nproc: int) -> Strategy:
+    """A distlab strategy by alias or text form, checked against ``nproc`` processes."""
+    return Strategy.parse(ALIASES.get(name, name).replace("=N", f"={nproc}")).check(nproc)
+
+
+def config(strategy: Strategy, widths, steps: int, batch: int, dataset: str) -> TrainConfig:
     return TrainConfig(model="mlp", mlp_widths=tuple(widths), dataset=dataset, epochs=1000, max_steps=steps,
                        global_batch_size=batch, optimizer="adam", lr=1e-3, lr_schedule="constant", seed=0,
                        log_every=steps, progress=False, verbose=False, eval_every_epoch=False,
-                       timing_warmup_steps=min(5, steps // 3), **opts)
-
-
-def _distlab(rank: int, world: int, cfg: TrainConfig) -> dict | None:
-    from distlab import runtime
-    from distlab.train import Trainer
-    s = Trainer(cfg.validate(world), runtime.from_process_group()).fit()
-    return s if rank == 0 else None
-
-
-def _state_bytes(model: torch.nn.Module, optimizer) -> int:
-    """Local bytes of parameters, gradients and optimizer state (DTensors: their local shards)."""
-    def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
-    seen, total = set(), 0
-    tensors = [local(t) for p in model.parameters() for t in (p, p.grad) if t is not None]
-    state = getattr(optimizer, "optim", optimizer).state  # ZeroRedundancyOptimizer keeps its shard's in .optim
-    tensors += [local(v) for s in state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    for t in tensors:
-        key = t.untyped_storage().data_ptr()
-        if key not in seen and t.untyped_storage().nbytes():
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
+                       timing_warmup_steps=min(5, steps // 3), strategy=strategy)
 
 
 def _torch(rank: int, world: int, kind: str, cfg: TrainConfig) -> dict | None:
@@ -124,7 +107,7 @@ def _torch(rank: int, world: int, kind: str, cfg: TrainConfig) -> dict | None:
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
         if step == 0:
-            state = _state_bytes(model, opt)
+            state = model_state_bytes(model, opt)
     t = torch.tensor([peak_rss_mb(), state], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     mean_loss = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64)  # as the trainer logs it
@@ -146,16 +129,18 @@ def run(workloads=("mlp", "wide-mlp"), strategies=STRATEGIES, nproc: int = 4, st
         widths = WORKLOADS[name]
         for strategy in strategies:
             progress(f"{name}: {strategy} on {nproc} processes")
-            cfg = _cfg(strategy, widths, nproc, steps, batch, dataset)
+            cfg = config(Strategy() if strategy in TORCH else strategy_for(strategy, nproc), widths, steps, batch,
+                         dataset)
             cfg.data_dir = data_dir
             base = {"workload": name, "mlp_widths": list(widths), "strategy": strategy, "world_size": nproc,
+                    "strategy_text": None if strategy in TORCH else str(cfg.strategy),
                     "implementation": "torch" if strategy in TORCH else "distlab", "global_batch_size": batch,
                     "steps": steps, "optimizer": "adam", "dataset": dataset, **machine(nproc, threads)}
             try:
                 if strategy in TORCH:
                     s = run_ranks(_torch, nproc, strategy, cfg, timeout=1800, threads=threads)[0]
                 else:
-                    s = run_ranks(_distlab, nproc, cfg, timeout=1800, threads=threads)[0]
+                    s = run_ranks(train_on_ranks, nproc, cfg, timeout=1800, threads=threads)[0]
             except Exception as exc:  # a torch built-in that does not run on CPU/gloo here
                 first = str(exc).strip().splitlines()
                 records.append({**base, "supported": False,

@@ -35,6 +35,8 @@ from pathlib import Path
 from distlab.bench.common import cores, machine, write
 from distlab.cluster import TBF_BURST
 from distlab.errors import ConfigError, DistlabError
+from distlab.flags import strategy_flags
+from distlab.parallel import Strategy
 
 
 def _train_args(mode: str, world: int, per_worker: int, global_batch: int, method: str, opts: dict,
@@ -42,8 +44,8 @@ def _train_args(mode: str, world: int, per_worker: int, global_batch: int, metho
     batch = per_worker * world if mode == "weak" else global_batch
     args = ["--model", opts["model"], "--dataset", opts["dataset"], "--global-batch-size", str(batch),
             "--optimizer", opts["optimizer"], "--lr", str(opts["lr"]), "--lr-schedule", "constant",
-            "--val-fraction", str(opts["val_fraction"]), "--dp-sync", method, "--log-every", str(opts["log_every"]),
-            "--no-progress", "--device", "cpu", "--seed", str(opts["seed"]), "--out", str(out)]
+            "--val-fraction", str(opts["val_fraction"]), *strategy_flags(Strategy.parse(method)),
+            "--log-every", str(opts["log_every"]), "--no-progress", "--device", "cpu", "--seed", str(opts["seed"]), "--out", str(out)]
     if opts.get("data_dir"):
         args += ["--data-dir", opts["data_dir"]]
     if opts.get("mlp_widths"):
@@ -173,7 +175,7 @@ def _fmt(v, spec):
 
 
 def table(records: list[dict]) -> str:
-    """The source material's table, one row per run (plus where, method and communication share)."""
+    """The weak/strong scaling table, one row per run (plus where, method and communication share)."""
     head = (f"{'mode':<6} {'method':<14} {'link':<8} {'N':>2} {'LR':>9} {'batch':>6} {'steps/ep':>8} "
             f"{'epoch s':>8} {'eff':>5} {'sync':>5} {'ovh':>5} {'best val':>8} {'test loss':>9} {'top-1':>7}")
     rows = [head]

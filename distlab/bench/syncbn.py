@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from distlab.bench.common import machine, write
 from distlab.parallel import SyncBatchNorm
-from distlab.testing import run_ranks
+from distlab.spawn import run_ranks
 from distlab.train.metrics import peak_rss_mb
 
 IMPLEMENTATIONS = ("distlab", "local", "torch")

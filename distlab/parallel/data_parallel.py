@@ -43,6 +43,7 @@ from distlab import comm
 from distlab.comm import p2p
 from distlab.comm.accounting import allreduce_bytes_per_rank
 from distlab.errors import ConfigError
+from distlab.parallel.state_bytes import model_state_bytes
 from distlab.runtime import broadcast_module
 
 COLLECTIVES = ("native", "ring", "butterfly", "direct")
@@ -67,7 +68,7 @@ class GradSync:
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         collective = comm.ALIASES.get(collective, collective)
         if collective not in self.collectives:
-            raise ConfigError(f"--dp-sync {self.name} cannot use --collective {collective!r}; it works with: "
+            raise ConfigError(f"`dp_sync` {self.name} cannot use `collective` {collective!r}; it works with: "
                               f"{', '.join(self.collectives)}")
         self.collective = collective
 
@@ -84,6 +85,10 @@ class GradSync:
     def bytes_per_sync(self, module: nn.Module) -> int | None:
         """Bytes each rank sends in one gradient sync (the textbook volume of the pattern)."""
         return allreduce_bytes_per_rank(_grad_bytes(module), self.world_size)
+
+    def uncounted_bytes(self, module: nn.Module) -> int:
+        """Bytes per sync that :mod:`distlab.comm`'s accounting cannot see (0: it sees them all)."""
+        return 0
 
 
 class AllReduceSync(GradSync):
@@ -167,7 +172,19 @@ class _Bucket:
         self.work = None  # a torch Work (native) or a Future (distlab algorithm on the comm thread)
 
 
-class BucketedSync(GradSync):
+class _BucketSync(GradSync):
+    """Base of the methods that reduce in buckets of ``bucket_mb`` MB during backward."""
+
+    def __init__(self, group=None, collective: str = "native", bucket_mb: float = 25.0,
+                 find_unused: bool = False, **options):
+        super().__init__(group, collective)
+        if not bucket_mb > 0:
+            raise ConfigError(f"`bucket_mb` must be positive, not {bucket_mb}")
+        self.bucket_mb = bucket_mb
+        self.find_unused = find_unused
+
+
+class BucketedSync(_BucketSync):
     """Bucketed all-reduce overlapped with backward (the idea behind DDP, Li et al. VLDB 2020).
 
     At wrap time parameters are grouped, in reverse registration order, into buckets of at most
@@ -189,11 +206,8 @@ class BucketedSync(GradSync):
 
     def __init__(self, group=None, collective: str = "native", bucket_mb: float = 25.0,
                  find_unused: bool = False, **options):
-        super().__init__(group, collective)
-        if not bucket_mb > 0:
-            raise ConfigError(f"--bucket-mb must be positive, not {bucket_mb}")
+        super().__init__(group, collective, bucket_mb, find_unused)
         self.bucket_bytes = int(bucket_mb * 2**20)
-        self.find_unused = find_unused
         self.buckets: list[_Bucket] = []
         self.where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket index, position)
         self.names: dict[int, str] = {}
@@ -264,7 +278,7 @@ class BucketedSync(GradSync):
                 self._reset()
                 raise ConfigError(
                     f"{len(missing)} parameter(s) received no gradient in this step ({', '.join(missing[:5])}"
-                    f"{', ...' if len(missing) > 5 else ''}); pass --find-unused (find_unused=True) to treat "
+                    f"{', ...' if len(missing) > 5 else ''}); pass `find_unused` to treat "
                     f"their gradients as zero, or remove them from the model")
             for b in self.buckets[self.next_launch:]:
                 b.ready = set(range(len(b.params)))
@@ -306,21 +320,13 @@ def _ddp_comm_hook(state, bucket):  # no annotations: DDP rejects the string one
     return fut
 
 
-class TorchDDPSync(GradSync):
+class TorchDDPSync(_BucketSync):
     """torch's ``DistributedDataParallel`` (Li et al., VLDB 2020): gradients are all-reduced in
     buckets of ``bucket_mb`` MB during backward, overlapping communication with computation.
     A non-native ``collective`` replaces DDP's all-reduce through a communication hook (it runs
     synchronously inside the hook, so it does not overlap)."""
 
     name = "ddp"
-
-    def __init__(self, group=None, collective: str = "native", bucket_mb: float = 25.0,
-                 find_unused: bool = False, **options):
-        super().__init__(group, collective)
-        if not bucket_mb > 0:
-            raise ConfigError(f"--bucket-mb must be positive, not {bucket_mb}")
-        self.bucket_mb = bucket_mb
-        self.find_unused = find_unused
 
     def wrap(self, module: nn.Module) -> nn.Module:
         device_ids = [module_device(module).index] if module_device(module).type == "cuda" else None
@@ -333,6 +339,11 @@ class TorchDDPSync(GradSync):
 
     def sync(self, module: nn.Module) -> None:
         pass  # DDP already reduced during backward
+
+    def uncounted_bytes(self, module: nn.Module) -> int:
+        """DDP's own all-reduce runs inside autograd, out of distlab's sight: its textbook volume.
+        A distlab collective installed as its hook is counted like any other."""
+        return (self.bytes_per_sync(module) or 0) if self.collective == "native" and self.world_size > 1 else 0
 
     def no_sync(self, module: nn.Module):
         return module.no_sync()
@@ -362,12 +373,14 @@ class DataParallel(nn.Module):
                  broadcast: bool = True, **options):
         super().__init__()
         if method not in SYNC_METHODS:
-            raise ConfigError(f"unknown --dp-sync {method!r}; choose one of: {', '.join(SYNC_METHODS)}")
+            raise ConfigError(f"unknown `dp_sync` {method!r}; choose one of: {', '.join(SYNC_METHODS)}")
         if broadcast:
             broadcast_module(module, src=0, group=group)
         self.method = SYNC_METHODS[method](group, **options)
         self.wrapped = self.method.wrap(module)
         self._module = [module]  # not a submodule twice: state_dict keys stay those of `module`
+        self._optimizer: torch.optim.Optimizer | None = None
+        self.peak_bytes = 0
 
     @property
     def module(self) -> nn.Module:
@@ -388,3 +401,34 @@ class DataParallel(nn.Module):
 
     def bytes_per_sync(self) -> int | None:
         return self.method.bytes_per_sync(self.module)
+
+    # -- the interface it shares with Zero (what distlab.parallel.Engine calls) ------------------
+
+    sharded = False  # every rank holds the same model state
+
+    def optimizer_parameters(self) -> list[nn.Parameter]:
+        """Build the optimizer over these: the model's own parameters."""
+        return list(self.module.parameters())
+
+    def track(self, optimizer: torch.optim.Optimizer) -> None:
+        """Count ``optimizer``'s state in :meth:`observe`."""
+        self._optimizer = optimizer
+
+    def observe(self) -> int:
+        """Update and return :attr:`peak_bytes` with the parameters, gradients and optimizer state held now."""
+        self.peak_bytes = max(self.peak_bytes, model_state_bytes(self.module, self._optimizer))
+        return self.peak_bytes
+
+    def uncounted_bytes_per_sync(self) -> int:
+        return self.method.uncounted_bytes(self.module)
+
+    def gathered(self):
+        """The full parameters are always in place."""
+        return contextlib.nullcontext(self.module)
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's model state: a copy of the (replicated) module's ``state_dict``."""
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state)

@@ -38,6 +38,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlab import comm
+from distlab.errors import ConfigError
+
+MODES = ("off", "distlab", "torch")  # what `Strategy.sync_bn` may be: see apply_sync_bn
 
 
 def _reduce(packed: torch.Tensor, group, collective: str) -> None:
@@ -164,3 +167,20 @@ def convert_sync_batchnorm(module: nn.Module, group: dist.ProcessGroup | None = 
     for name, child in module.named_children():
         out.add_module(name, convert_sync_batchnorm(child, group, collective))
     return out
+
+
+def apply_sync_bn(module: nn.Module, mode: str, group: dist.ProcessGroup | None = None) -> nn.Module:
+    """``mode`` off (each rank normalises by its own batch), ``distlab`` (:class:`SyncBatchNorm`, any
+    device) or ``torch`` (``nn.SyncBatchNorm``, CUDA only), with statistics over ``group`` -- under
+    tensor parallel that must be the data-parallel group, or every sample would count tp times."""
+    if mode == "distlab":
+        return convert_sync_batchnorm(module, group)
+    if mode == "torch":
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        if device.type != "cuda":
+            raise ConfigError(f"`sync_bn` torch uses torch.nn.SyncBatchNorm, which only runs on GPUs (this model is on "
+                              f"{device.type}); use `sync_bn` distlab, which works on any device")
+        return nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group=group)
+    if mode != "off":
+        raise ConfigError(f"unknown `sync_bn` {mode!r}; choose one of: {', '.join(MODES)}")
+    return module

@@ -30,31 +30,23 @@ seed and then sharded computes exactly what the unsharded one does.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from distlab import comm
 from distlab.errors import ConfigError
+from distlab.runtime import group_rank, group_size
 
 STYLES = ("megatron", "naive")
 
 
-def _size(group) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
-
-
-def _rank(group) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
-
-
 def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
-    return comm.all_reduce(t.contiguous(), op="sum", algorithm="native", group=group) if _size(group) > 1 else t
+    return comm.all_reduce(t.contiguous(), op="sum", algorithm="native", group=group) if group_size(group) > 1 else t
 
 
 def _gather(t: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's ``t`` along ``dim`` (in group-rank order)."""
-    n = _size(group)
+    n = group_size(group)
     if n == 1:
         return t
     flat = t.movedim(dim, 0).contiguous()  # gather along dim 0, then move it back
@@ -68,8 +60,8 @@ def _gather_last(t: torch.Tensor, group) -> torch.Tensor:
 
 
 def _split_last(t: torch.Tensor, group) -> torch.Tensor:
-    n = _size(group)
-    return t if n == 1 else t.chunk(n, dim=-1)[_rank(group)].contiguous()
+    n = group_size(group)
+    return t if n == 1 else t.chunk(n, dim=-1)[group_rank(group)].contiguous()
 
 
 class _CopyToGroup(torch.autograd.Function):
@@ -115,39 +107,61 @@ class _SplitToGroup(torch.autograd.Function):
         return _gather_last(g, ctx.group), None
 
 
-def copy_to_group(x, group=None):
+def copy_to_group(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Identity forward; all-reduce (sum) of the gradient backward. Enters a column-parallel region."""
     return _CopyToGroup.apply(x, group)
 
 
-def reduce_from_group(x, group=None):
+def reduce_from_group(x: torch.Tensor, group=None) -> torch.Tensor:
+    """All-reduce (sum) forward; identity backward. Leaves a row-parallel region."""
     return _ReduceFromGroup.apply(x, group)
 
 
-def gather_from_group(x, group=None):
+def gather_from_group(x: torch.Tensor, group=None) -> torch.Tensor:
+    """All-gather along the last dimension forward; keep this rank's slice of the gradient backward."""
     return _GatherFromGroup.apply(x, group)
 
 
-def split_to_group(x, group=None):
+def split_to_group(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Keep this rank's slice of the last dimension forward; all-gather the gradient backward."""
     return _SplitToGroup.apply(x, group)
 
 
 def _check_divisible(width: int, n: int, what: str, name: str) -> None:
     if width % n:
-        raise ConfigError(f"tensor parallel: layer {name} has {width} {what}, not divisible by --tp {n}; "
-                          f"choose a --tp that divides it or widths that --tp divides")
+        raise ConfigError(f"tensor parallel: layer {name} has {width} {what}, not divisible by `tp` {n}; "
+                          f"choose a `tp` that divides it or widths that `tp` divides")
 
 
 class ColumnParallelLinear(nn.Module):
-    """This rank's ``out/t`` output features of ``linear``; ``gather_output`` all-gathers the full ``y``."""
+    """This rank's ``out/t`` output features of ``linear``; ``gather_output`` all-gathers the full ``y``.
+
+    Built from a full ``nn.Linear`` (its rows sliced: the same function as the whole layer) or,
+    with :meth:`from_shard`, from this rank's ``(out/t, in)`` weight and ``(out/t,)`` bias alone.
+    """
 
     def __init__(self, linear: nn.Linear, group=None, gather_output: bool = True, name: str = "linear"):
-        super().__init__()
-        n, r = _size(group), _rank(group)
+        n, r = group_size(group), group_rank(group)
         _check_divisible(linear.out_features, n, "output features", name)
+        bias = linear.bias.detach().chunk(n)[r] if linear.bias is not None else None
+        self._setup(linear.weight.detach().chunk(n, dim=0)[r], bias, group, gather_output, linear.in_features,
+                    linear.out_features)
+
+    @classmethod
+    def from_shard(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None,
+                   gather_output: bool = True) -> "ColumnParallelLinear":
+        """A layer whose full weight is ``(t * weight.shape[0], weight.shape[1])``; this rank holds ``weight``."""
+        layer = cls.__new__(cls)
+        layer._setup(weight.detach(), None if bias is None else bias.detach(), group, gather_output,
+                     weight.shape[1], weight.shape[0] * group_size(group))
+        return layer
+
+    def _setup(self, weight, bias, group, gather_output, in_features, out_features) -> None:
+        nn.Module.__init__(self)
         self.group, self.gather_output = group, gather_output
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = nn.Parameter(linear.weight.detach().chunk(n, dim=0)[r].clone())
-        self.bias = nn.Parameter(linear.bias.detach().chunk(n)[r].clone()) if linear.bias is not None else None
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(weight.clone())
+        self.bias = nn.Parameter(bias.clone()) if bias is not None else None
 
     def full_parameters(self) -> list[torch.Tensor]:
         """The unsharded weight (and bias), gathered from the group (collective)."""
@@ -164,13 +178,28 @@ class RowParallelLinear(nn.Module):
     the (replicated) bias added once. ``input_is_parallel``: ``x`` is already this rank's slice."""
 
     def __init__(self, linear: nn.Linear, group=None, input_is_parallel: bool = True, name: str = "linear"):
-        super().__init__()
-        n, r = _size(group), _rank(group)
+        n, r = group_size(group), group_rank(group)
         _check_divisible(linear.in_features, n, "input features", name)
+        bias = linear.bias.detach() if linear.bias is not None else None
+        self._setup(linear.weight.detach().chunk(n, dim=1)[r], bias, group, input_is_parallel, linear.in_features,
+                    linear.out_features)
+
+    @classmethod
+    def from_shard(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None,
+                   input_is_parallel: bool = True) -> "RowParallelLinear":
+        """A layer whose full weight is ``(weight.shape[0], t * weight.shape[1])``; this rank holds
+        ``weight`` and the whole (replicated) ``bias``."""
+        layer = cls.__new__(cls)
+        layer._setup(weight.detach(), None if bias is None else bias.detach(), group, input_is_parallel,
+                     weight.shape[1] * group_size(group), weight.shape[0])
+        return layer
+
+    def _setup(self, weight, bias, group, input_is_parallel, in_features, out_features) -> None:
+        nn.Module.__init__(self)
         self.group, self.input_is_parallel = group, input_is_parallel
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = nn.Parameter(linear.weight.detach().chunk(n, dim=1)[r].clone())
-        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(weight.clone())
+        self.bias = nn.Parameter(bias.clone()) if bias is not None else None
 
     def full_parameters(self) -> list[torch.Tensor]:
         """The unsharded weight (and the replicated bias), gathered from the group (collective)."""
@@ -193,7 +222,7 @@ def apply_tensor_parallel(model: nn.Module, group=None, style: str = "megatron")
     stays whole. Replicated layers compute the same thing on every rank of the group.
     """
     if style not in STYLES:
-        raise ConfigError(f"unknown --tp-style {style!r}; choose one of: {', '.join(STYLES)}")
+        raise ConfigError(f"unknown `tp_style` {style!r}; choose one of: {', '.join(STYLES)}")
     found = False
     for seq_name, seq in list(model.named_modules()):
         if not isinstance(seq, nn.Sequential):
@@ -211,7 +240,7 @@ def apply_tensor_parallel(model: nn.Module, group=None, style: str = "megatron")
             for a in linears[:-1]:
                 seq[a] = ColumnParallelLinear(seq[a], group, gather_output=True, name=f"{prefix}{a}")
     if not found:
-        raise ConfigError(f"--tp needs a model with Linear layers in an nn.Sequential; {type(model).__name__} has "
+        raise ConfigError(f"`tp` needs a model with Linear layers in an nn.Sequential; {type(model).__name__} has "
                           f"none to split")
     return model
 
@@ -230,4 +259,19 @@ def full_parameters(model: nn.Module) -> list[torch.Tensor]:
             visit(child)
 
     visit(model)
+    return out
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` as the unsharded model has it: tensor-parallel shards gathered under
+    their own keys (collective over each layer's group), everything else copied."""
+    out: dict[str, torch.Tensor] = {}
+    for name, m in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            out.update(zip((prefix + "weight", prefix + "bias"), m.full_parameters()))
+            continue
+        for key, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False)):
+            if t is not None:
+                out[prefix + key] = t.detach().clone()
     return out

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -41,7 +42,8 @@ from torch import nn
 
 from distlab import comm
 from distlab.errors import ConfigError
-from distlab.runtime import broadcast_module
+from distlab.parallel.state_bytes import optimizer_tensors, storage_bytes
+from distlab.runtime import broadcast_module, group_rank, group_size
 
 STAGES = (0, 1, 2, 3)
 COALESCE_BELOW = 1 << 16  # elements: smaller units share collectives
@@ -52,16 +54,16 @@ def goes_alone(numel: int) -> bool:
     return numel >= COALESCE_BELOW
 
 
-def _size(group) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
+@dataclass(frozen=True)
+class Shard:
+    """Where one parameter's shard lives: ``shard`` holds elements ``[offset, offset + numel)`` of the
+    flattened parameter (zero padding past the end: ``shard.numel()`` may exceed ``numel``)."""
 
-
-def _rank(group) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
-
-
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.untyped_storage().nbytes()
+    name: str
+    param: nn.Parameter
+    shard: nn.Parameter
+    offset: int
+    numel: int
 
 
 class _Unit:
@@ -121,15 +123,15 @@ class Zero(nn.Module):
                  collective: str = "native"):
         super().__init__()
         if stage not in (1, 2, 3):
-            raise ConfigError(f"--zero {stage}: choose a ZeRO stage of 1, 2 or 3 (0 is plain data parallel)")
+            raise ConfigError(f"`zero` {stage}: choose a ZeRO stage of 1, 2 or 3 (0 is plain data parallel)")
         self._module = module
         self.stage, self.group, self.collective = stage, group, comm.check_algorithm(collective)
-        n, rank = _size(group), _rank(group)
+        n, rank = group_size(group), group_rank(group)
         broadcast_module(module, src=0, group=group)  # start from rank 0's weights, like data parallel
         self.units = [_Unit(f"{name}.{pname}" if name else pname, m, p, n, rank)
                       for name, m in module.named_modules() for pname, p in m.named_parameters(recurse=False)]
         if not self.units:
-            raise ConfigError("--zero needs a model with parameters")
+            raise ConfigError("`zero` needs a model with parameters")
         self._by_module: dict[nn.Module, list[_Unit]] = {}
         for unit in self.units:
             self._by_module.setdefault(unit.module, []).append(unit)
@@ -160,13 +162,51 @@ class Zero(nn.Module):
     def forward(self, *args, **kwargs):
         return self._module(*args, **kwargs)
 
+    sharded = True  # ranks hold different model states
+
     def shard_parameters(self) -> list[nn.Parameter]:
         """One flat parameter per unit: this rank's shard. Build the optimizer over these."""
         return [u.shard for u in self.units]
 
+    optimizer_parameters = shard_parameters
+
+    def shards(self) -> dict[str, Shard]:
+        """Parameter name -> where this rank's shard of it lives (the public parameter-to-shard map)."""
+        return {u.name: Shard(u.name, u.param, u.shard, u.rank * u.shard_numel,
+                              max(0, min(u.numel, (u.rank + 1) * u.shard_numel) - u.rank * u.shard_numel))
+                for u in self.units}
+
+    def shard_of(self, param: nn.Parameter) -> nn.Parameter:
+        """This rank's flat shard of ``param`` (the tensor the optimizer updates)."""
+        for u in self.units:
+            if u.param is param:
+                return u.shard
+        raise KeyError("not a parameter of the model this Zero wraps")
+
+    @torch.no_grad()
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Parameter name -> the full averaged gradient, shaped like the parameter (collective: an
+        all-gather of every shard's gradient). Valid between :meth:`sync_gradients` and the next
+        ``zero_grad``; a shard without a gradient contributes zeros."""
+        out = {}
+        for u in self.units:
+            full = torch.empty(u.padded, dtype=u.full.dtype, device=u.full.device)
+            grad = u.shard.grad if u.shard.grad is not None else torch.zeros_like(u.shard)
+            comm.all_gather(full, grad, algorithm=self.collective, group=self.group)
+            out[u.name] = full[:u.numel].view_as(u.param).clone()
+        return out
+
     def track(self, optimizer: torch.optim.Optimizer) -> None:
         """Count ``optimizer``'s state in :attr:`peak_bytes`."""
         self._optimizer = optimizer
+
+    def observe(self) -> int:
+        """Update and return :attr:`peak_bytes` (the hooks also update it at every gather and reduce)."""
+        self._observe()
+        return self.peak_bytes
+
+    def uncounted_bytes_per_sync(self) -> int:
+        return 0  # every byte goes through distlab.comm, which counts it
 
     # ------------------------------------------------------------------ stage 3 hooks
 
@@ -282,9 +322,6 @@ class Zero(nn.Module):
         if self.stage < 3:
             self._gather(self.units)
 
-    def bytes_per_sync(self) -> int | None:
-        return None  # counted by distlab's collectives
-
     # ------------------------------------------------------------------ state
 
     @contextlib.contextmanager
@@ -309,7 +346,7 @@ class Zero(nn.Module):
 
     def sharded_state_dict(self) -> dict:
         """This rank's part: its shards and buffers (a snapshot writes one per rank)."""
-        return {"zero_stage": self.stage, "world_size": _size(self.group), "rank": _rank(self.group),
+        return {"zero_stage": self.stage, "world_size": group_size(self.group), "rank": group_rank(self.group),
                 "units": [{"name": u.name, "numel": u.numel, "shard": u.shard.detach().clone()} for u in self.units],
                 "buffers": {k: v.detach().clone() for k, v in self._module.named_buffers()}}
 
@@ -319,7 +356,7 @@ class Zero(nn.Module):
         for key in ("zero_stage", "world_size", "rank"):
             if state.get(key) != mine[key]:
                 raise ConfigError(f"sharded snapshot was written with {key} {state.get(key)}, this run has "
-                                  f"{mine[key]}: resume with the same --zero and data-parallel size")
+                                  f"{mine[key]}: resume with the same `zero` and data-parallel size")
         theirs = [(u["name"], u["numel"]) for u in state["units"]]
         ours = [(u["name"], u["numel"]) for u in mine["units"]]
         if theirs != ours:
@@ -341,30 +378,8 @@ class Zero(nn.Module):
 
     def held_bytes(self, *extra: torch.Tensor) -> int:
         """Bytes of parameters + gradients + optimizer state this rank holds right now."""
-        seen: set[int] = set()
-        total = 0
-
-        def add(t: torch.Tensor | None) -> None:
-            nonlocal total
-            if t is not None and t.untyped_storage().nbytes():
-                key = t.untyped_storage().data_ptr()
-                if key not in seen:
-                    seen.add(key)
-                    total += _nbytes(t)
-
-        for unit in self.units:
-            add(unit.full)
-            add(unit.shard)
-            add(unit.shard.grad)
-            add(unit.param.grad)
-        for t in extra:
-            add(t)
-        if self._optimizer is not None:
-            for state in self._optimizer.state.values():
-                for v in state.values():
-                    if isinstance(v, torch.Tensor):
-                        add(v)
-        return total
+        tensors = [t for u in self.units for t in (u.full, u.shard, u.shard.grad, u.param.grad)]
+        return storage_bytes(tensors + list(extra) + optimizer_tensors(self._optimizer))
 
     def _observe(self, *extra: torch.Tensor) -> None:
         self.peak_bytes = max(self.peak_bytes, self.held_bytes(*extra))
@@ -376,17 +391,3 @@ def _flatten(out) -> list:
     if isinstance(out, dict):
         return [t for o in out.values() for t in _flatten(o)]
     return [out]
-
-
-def model_state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes of ``module``'s parameters and gradients plus ``optimizer``'s state (plain, unsharded)."""
-    seen: set[int] = set()
-    total = 0
-    tensors = [t for p in module.parameters() for t in (p, p.grad)]
-    if optimizer is not None:
-        tensors += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    for t in tensors:
-        if t is not None and t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            total += _nbytes(t)
-    return total

@@ -8,10 +8,10 @@ time and memory; sweeps), ``validate`` (predictions vs measured runs), ``text`` 
 from distlab.plan.calibration import Calibration, calibrate
 from distlab.plan.cost import Link
 from distlab.plan.memory import Optim, Trace, generic_trace, trace, zero_peak_bytes
-from distlab.plan.predict import Layout, parse_strategy, predict, sweep
+from distlab.plan.predict import Layout, predict, sweep
 from distlab.plan.text import format_prediction, format_sweep, format_validation
 from distlab.plan.validate import summaries, summarize, validate
 
 __all__ = ["Calibration", "Layout", "Link", "Optim", "Trace", "calibrate", "format_prediction", "format_sweep",
-           "format_validation", "generic_trace", "parse_strategy", "predict", "summaries", "summarize", "sweep", "trace",
+           "format_validation", "generic_trace", "predict", "summaries", "summarize", "sweep", "trace",
            "validate", "zero_peak_bytes"]

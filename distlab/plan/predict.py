@@ -11,25 +11,17 @@ import math
 from dataclasses import dataclass, replace
 
 from distlab.errors import ConfigError
+from distlab.parallel import Strategy
 from distlab.parallel.zero import goes_alone
 from distlab.plan.calibration import Calibration
 from distlab.plan.cost import ALGORITHMS, DDP_FIRST_BUCKET, Link, rounds, volume
 from distlab.plan.memory import Optim, Trace, data_parallel_bytes, zero_peak_bytes
 
-DP_SYNCS = ("ddp", "bucketed", "allreduce", "gather-scatter")
-STRATEGY_KEYS = {"dp_sync": str, "zero": int, "tp": int, "collective": str, "grad_accum": int, "bucket_mb": float}
-
-
 @dataclass(frozen=True)
 class Layout:
-    """What to predict for: world layout, strategy and batch."""
+    """What to predict for: data-parallel size, the strategy (tp, ZeRO, sync method ...), batch, optimizer."""
     dp: int = 1
-    tp: int = 1
-    zero: int = 0
-    dp_sync: str = "ddp"
-    collective: str = "native"
-    bucket_mb: float = 25.0
-    grad_accum: int = 1
+    strategy: Strategy = Strategy()
     optimizer: str = "sgd"
     momentum: float = 0.9
     global_batch: int = 64
@@ -37,23 +29,22 @@ class Layout:
     oversubscription: float = 1.0  # ranks x threads per core on the busiest host: compute runs this much slower
 
     def check(self) -> "Layout":
-        if self.dp < 1 or self.tp < 1:
-            raise ConfigError(f"--dp {self.dp} --tp {self.tp}: both must be at least 1")
-        if self.global_batch % (self.dp * self.grad_accum):
-            raise ConfigError(f"global batch {self.global_batch} does not split over {self.dp} data-parallel "
-                              f"ranks x {self.grad_accum} micro-batches: choose a multiple of "
-                              f"{self.dp * self.grad_accum}")
-        if self.dp_sync not in DP_SYNCS:
-            raise ConfigError(f"unknown --dp-sync {self.dp_sync!r}; choose one of: {', '.join(DP_SYNCS)}")
-        if self.collective not in ALGORITHMS:
-            raise ConfigError(f"unknown --collective {self.collective!r}; choose one of: {', '.join(ALGORITHMS)}")
-        if self.zero not in (0, 1, 2, 3):
-            raise ConfigError(f"--zero {self.zero}: choose 0, 1, 2 or 3")
+        if self.dp < 1:
+            raise ConfigError(f"`dp` {self.dp} must be at least 1")
+        self.strategy.check(self.world)
+        self.strategy.check_batch(self.global_batch, self.world)
         return self
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp
+        return self.dp * self.strategy.tp
+
+    tp = property(lambda self: self.strategy.tp)
+    zero = property(lambda self: self.strategy.zero)
+    dp_sync = property(lambda self: self.strategy.dp_sync)
+    collective = property(lambda self: self.strategy.collective)
+    bucket_mb = property(lambda self: self.strategy.bucket_mb)
+    grad_accum = property(lambda self: self.strategy.grad_accum)
 
 
 @dataclass
@@ -162,8 +153,8 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     """Memory per rank and (with a calibration) time per step of ``lay`` over ``link``."""
     lay.check()
     if lay.tp > 1 and len(t.linear_shapes) < 2:
-        raise ConfigError(f"--tp {lay.tp}: distlab's tensor parallel shards pairs of Linear layers (MLPs); this model "
-                          f"has {len(t.linear_shapes)} Linear layer(s): plan it with --tp 1")
+        raise ConfigError(f"`tp` {lay.tp}: distlab's tensor parallel shards pairs of Linear layers (MLPs); this model "
+                          f"has {len(t.linear_shapes)} Linear layer(s): plan it with `tp` 1")
     micro = lay.global_batch // lay.dp // lay.grad_accum
     optim = Optim.of(lay.optimizer, lay.momentum)
     if lay.tp == 1:
@@ -244,32 +235,18 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
 # ---------------------------------------------------------------------------------- sweep
 
 def sweep(t: Trace, base: Layout, worlds: list[int], link: Link, cal: Calibration | None,
-          device_memory: int | None, strategies: list[dict]) -> list[dict]:
-    """Predictions for each strategy (a dict of Layout overrides) at each data-parallel world size
-    (the global batch grows with it: weak scaling), with whether it fits in ``device_memory``."""
+          device_memory: int | None, strategies: list[Strategy]) -> list[dict]:
+    """Predictions for each strategy at each data-parallel world size (the global batch grows with
+    it: weak scaling), with whether it fits in ``device_memory``."""
     rows = []
     per_rank = base.global_batch // base.dp
-    for strat in strategies:
+    for strategy in strategies:
         for n in worlds:
-            lay = replace(base, dp=n, global_batch=per_rank * n, **strat)
+            lay = replace(base, dp=n, global_batch=per_rank * n, strategy=strategy)
             p = predict(t, lay, link, cal)
             p["fits"] = device_memory is None or p["memory_bytes_per_rank"] <= device_memory
             p["device_memory_bytes"] = device_memory
-            p["strategy"] = strat
+            p["strategy"] = strategy.to_dict()
+            p["strategy_text"] = str(strategy)
             rows.append(p)
     return rows
-
-
-def parse_strategy(text: str) -> dict:
-    """``zero=3``, ``dp_sync=allreduce+collective=ring`` -> Layout overrides."""
-    out = {}
-    for part in text.split("+"):
-        key, _, value = part.partition("=")
-        key = key.strip().replace("-", "_")
-        if key not in STRATEGY_KEYS or not value:
-            raise ConfigError(f"--strategies: {part!r} is not KEY=VALUE with KEY one of {', '.join(STRATEGY_KEYS)}")
-        try:
-            out[key] = STRATEGY_KEYS[key](value)
-        except ValueError:
-            raise ConfigError(f"--strategies: {part!r}: {value!r} is not a {STRATEGY_KEYS[key].__name__}") from None
-    return out

@@ -40,7 +40,9 @@ def format_prediction(p: dict) -> str:
 
 
 def _strategy_name(s: dict) -> str:
-    return ",".join(f"{k}={v}" for k, v in s.items()) or "as given"
+    """The strategy's text form (``zero=3``, ``bucketed:ring``)."""
+    from distlab.parallel import Strategy
+    return str(Strategy.from_dict(s))
 
 
 def format_sweep(rows: list[dict], min_efficiency: float = 0.5) -> str:

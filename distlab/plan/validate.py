@@ -11,6 +11,7 @@ from distlab.cluster import TBF_BURST
 from distlab.errors import ConfigError
 from distlab.plan.calibration import Calibration, json_files, load_json, run_summary, trace_for
 from distlab.plan.cost import Link
+from distlab.parallel import Strategy
 from distlab.plan.predict import Call, Layout, Timer, predict
 
 
@@ -41,9 +42,7 @@ def layout_of(summary: dict, threads: int | None = None) -> Layout:
     tp = st.get("tp") or 1
     threads = threads or summary.get("threads_per_rank") or 1
     over = summary["world_size"] * threads / summary["cores"] if summary.get("cores") else 1.0
-    return Layout(dp=summary["world_size"] // tp, tp=tp, zero=st.get("zero") or 0, dp_sync=st.get("dp_sync", "ddp"),
-                  collective=st.get("collective", "native"), bucket_mb=st.get("bucket_mb", 25.0),
-                  grad_accum=st.get("grad_accum", 1), optimizer=summary.get("optimizer", "sgd"),
+    return Layout(dp=summary["world_size"] // tp, strategy=Strategy.from_dict(st), optimizer=summary.get("optimizer", "sgd"),
                   momentum=cfg.get("momentum", 0.9), global_batch=summary["global_batch_size"],
                   threads=threads, oversubscription=max(1.0, over))
 

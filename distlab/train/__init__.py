@@ -1,6 +1,7 @@
-"""Training: configuration, the Trainer loop, evaluation and run outputs."""
+"""Training: configuration, the Trainer (build + loop), run state (snapshots, time budget), evaluation, summary."""
 
 from distlab.train.config import TrainConfig
-from distlab.train.trainer import Trainer, evaluate
+from distlab.train.evaluate import evaluate
+from distlab.train.trainer import Trainer
 
 __all__ = ["TrainConfig", "Trainer", "evaluate"]

@@ -1,4 +1,8 @@
-"""Run a function on N real gloo processes on 127.0.0.1, for tests and equivalence checks.
+"""Start N local ranks and run a function on them: ``verify``, the benches, library users and tests.
+
+Commands a user runs start their workers through torchrun (:mod:`distlab.launch`); this module
+is for code that wants results back in the calling process -- an equivalence check, a benchmark,
+a test -- without a command line in between.
 
 ``run_ranks(fn, n, *args)`` spawns ``n`` processes; each joins a process group (rendezvous through
 a TCP store that this process hosts on a free port, so there is no port race), calls

@@ -1,0 +1,175 @@
+"""``parallelize(model, strategy, mesh) -> Engine``: a built model, spread over ranks as a Strategy says.
+
+:func:`parallelize` applies, in this order:
+
+1. **tensor parallel** over the mesh's TP group (shards sliced from the full, seeded model, so
+   it computes what the unsharded one does);
+2. **SyncBN over the data-parallel group** (under tensor parallel the ranks of a TP group see
+   the same samples: reducing statistics over the world would count each sample ``tp`` times);
+3. **data parallel or ZeRO** over the data-parallel group.
+
+The :class:`Engine` is the one interface a training loop needs, whatever the strategy: build the
+optimizer over :meth:`Engine.parameters`, then per step :meth:`Engine.forward_backward` (its
+micro-batches, communication only after the last), ``optimizer.step()``, :meth:`Engine.after_step`.
+For state: :meth:`Engine.full_state_dict` (the single-process model, gathered),
+:meth:`Engine.sharded_state_dict` / :meth:`Engine.load_sharded_state_dict` (this rank's part,
+for snapshots), :meth:`Engine.gathered` (full parameters in place, e.g. for evaluation). For
+cost: :meth:`Engine.observe` / :attr:`Engine.peak_bytes` (model-state bytes) and
+:meth:`Engine.uncounted_bytes_per_step` (what :mod:`distlab.comm` cannot count).
+
+Data parallel (:class:`~distlab.parallel.DataParallel`) and ZeRO (:class:`~distlab.parallel.Zero`)
+implement the same small interface, so nothing here asks which one it holds.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+from distlab.parallel import tensor_parallel
+from distlab.parallel.data_parallel import DataParallel
+from distlab.parallel.mesh import Mesh
+from distlab.parallel.strategy import Strategy
+from distlab.parallel.sync_bn import apply_sync_bn
+from distlab.parallel.zero import Zero
+
+
+class Engine:
+    """A model spread over the mesh by a strategy (make one with :func:`parallelize`)."""
+
+    def __init__(self, wrapper: DataParallel | Zero, strategy: Strategy, mesh: Mesh):
+        self.wrapper, self.strategy, self.mesh = wrapper, strategy, mesh
+        self.sync_seconds = 0.0  # of the last step: gradient sync after backward + after_step
+
+    @property
+    def module(self) -> nn.Module:
+        """The plain model (tensor-parallel layers in place of the sharded ones)."""
+        return self.wrapper.module
+
+    @property
+    def sharded(self) -> bool:
+        """Whether ranks hold different model states (ZeRO or tensor-parallel shards)."""
+        return self.wrapper.sharded or self.mesh.tp > 1
+
+    def __call__(self, *args, **kwargs):
+        return self.wrapper(*args, **kwargs)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """What the optimizer updates on this rank (ZeRO: this rank's flat shards)."""
+        return self.wrapper.optimizer_parameters()
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Count ``optimizer``'s state in the memory accounting; returns it."""
+        self.wrapper.track(optimizer)
+        return optimizer
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    # ------------------------------------------------------------------ a step
+
+    def no_sync(self):
+        """Backward accumulates gradients locally and communicates nothing (all but the last micro-batch)."""
+        return self.wrapper.no_sync()
+
+    def sync(self) -> None:
+        """After the step's last backward: make every gradient (or gradient shard) the global mean."""
+        t0 = time.perf_counter()
+        self.wrapper.sync_gradients()
+        self.sync_seconds = time.perf_counter() - t0
+
+    def after_step(self) -> None:
+        """After ``optimizer.step()`` (ZeRO 1-2: all-gather the updated shards)."""
+        t0 = time.perf_counter()
+        self.wrapper.after_step()
+        self.sync_seconds += time.perf_counter() - t0
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor,
+                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float:
+        """Forward and backward over ``strategy.grad_accum`` equal micro-batches of ``(x, y)``, then :meth:`sync`.
+
+        Every micro-batch but the last runs under :meth:`no_sync`; each micro-batch loss is divided by
+        K, so the accumulated gradient is the mean over the whole local batch -- the step equals one
+        step on the K-times-larger batch. Returns this rank's mean loss over its samples.
+        """
+        k = self.strategy.grad_accum
+        micro = len(x) // k
+        total = 0.0
+        for i in range(k):
+            xm, ym = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
+            if i < k - 1:
+                with self.no_sync():
+                    loss = loss_fn(self(xm), ym) / k
+                    loss.backward()
+            else:
+                loss = loss_fn(self(xm), ym) / k
+                loss.backward()
+            total += loss.item()
+        self.sync()
+        return total
+
+    # ------------------------------------------------------------------ state
+
+    def gathered(self):
+        """Context: the full parameters in place (collective under ZeRO-3; free otherwise)."""
+        return self.wrapper.gathered()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The single-process model's ``state_dict``: ZeRO and tensor-parallel shards gathered
+        (collective: every rank calls it and gets it)."""
+        with self.gathered():
+            return tensor_parallel.full_state_dict(self.module)
+
+    def full_parameters(self) -> list[torch.Tensor]:
+        """Copies of the unsharded model's parameters in registration order (collective)."""
+        with self.gathered():
+            return tensor_parallel.full_parameters(self.module)
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's part of the model state (a snapshot writes one per rank)."""
+        return self.wrapper.sharded_state_dict()
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        self.wrapper.load_sharded_state_dict(state)
+
+    # ------------------------------------------------------------------ cost
+
+    def observe(self) -> int:
+        """Record the model-state bytes held now; returns the peak so far (see :attr:`peak_bytes`)."""
+        return self.wrapper.observe()
+
+    @property
+    def peak_bytes(self) -> int:
+        """Peak bytes of parameters + gradients + optimizer state on this rank (ZeRO: tracked at
+        every gather and reduce; data parallel: at the calls of :meth:`observe`)."""
+        return self.wrapper.peak_bytes
+
+    def uncounted_bytes_per_step(self) -> int:
+        """Bytes a rank sends per step that :mod:`distlab.comm` does not see (torch's DDP all-reduce,
+        at its textbook volume); 0 for everything distlab sends itself."""
+        return self.wrapper.uncounted_bytes_per_sync()
+
+
+def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
+    """Spread ``model`` (built and seeded the same way on every rank) over ``mesh`` as ``strategy`` says.
+
+    Starts from rank 0's weights (data parallel and ZeRO broadcast them over the data-parallel
+    group), so every replica begins equal.
+    """
+    strategy.check(mesh.world_size)
+    if mesh.tp != strategy.tp:
+        raise ValueError(f"the mesh has tp {mesh.tp} but the strategy tp {strategy.tp}: build the mesh from "
+                         f"the strategy (build_mesh(strategy.tp))")
+    if strategy.tp > 1:
+        model = tensor_parallel.apply_tensor_parallel(model, mesh.tp_group, strategy.tp_style)
+    model = apply_sync_bn(model, strategy.sync_bn, mesh.dp_group)
+    if strategy.zero:
+        wrapper = Zero(model, strategy.zero, group=mesh.dp_group, collective=strategy.collective)
+    else:
+        wrapper = DataParallel(model, strategy.dp_sync, group=mesh.dp_group, bucket_mb=strategy.bucket_mb,
+                               collective=strategy.collective, find_unused=strategy.find_unused)
+    return Engine(wrapper, strategy, mesh)

@@ -1,0 +1,45 @@
+"""Bytes of model state held by one rank: parameters, gradients and optimizer state.
+
+One rule for every strategy (and for torch's, in ``bench parallel``): count each storage once,
+however many tensors view it (a ZeRO parameter is a view of its padded flat buffer), count a
+DTensor by its local shard, and skip storages that hold nothing (ZeRO-3's freed buffers).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (``None`` and empty storages count 0)."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = _local(t).untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """Every tensor of ``optimizer``'s state (torch's ZeroRedundancyOptimizer keeps its shard's in ``.optim``)."""
+    if optimizer is None:
+        return []
+    state = getattr(optimizer, "optim", optimizer).state
+    return [v for s in state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+def model_state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Bytes of ``module``'s parameters and gradients plus ``optimizer``'s state, as held right now."""
+    tensors = [t for p in module.parameters() for t in (p, p.grad)]
+    return storage_bytes(tensors + optimizer_tensors(optimizer))

@@ -1,0 +1,202 @@
+"""One description of a parallel layout: :class:`Strategy`, its text form, and its checks.
+
+Every part of distlab that names a layout -- ``distlab train``'s flags, ``verify --strategy``,
+``bench dp --methods``, ``bench parallel --strategies``, ``plan --strategies`` and the
+``"strategy"`` object of ``summary.json`` -- goes through this one class. It is frozen, compares
+by value, and is checked once against a world size (:meth:`Strategy.check`), with messages that
+name the fields and the numbers.
+
+**Text form** (``str`` and :meth:`Strategy.parse`): ``METHOD[:COLLECTIVE]`` then ``+``-separated
+modifiers, e.g. ``bucketed:ring+accum=4+syncbn``, ``zero=3``, ``allreduce+tp=2+naive``::
+
+    METHOD          dp_sync: gather-scatter, allreduce, bucketed, ddp (default bucketed; with
+                    ZeRO, ZeRO's own reduce-scatter, written without a method)
+    :COLLECTIVE     collective: native, ring, butterfly, direct
+    accum=K         grad_accum: micro-batches per optimizer step
+    bucket=MB       bucket_mb: bucket size of bucketed and ddp
+    syncbn[=KIND]   sync_bn: distlab (the default of the bare word) or torch
+    find_unused     find_unused: parameters without a gradient count as zero
+    tp=N, naive     tp and tp_style (megatron unless naive)
+    zero=S          zero: ZeRO stage 1-3
+
+Any field may also be written ``FIELD=VALUE`` (``dp_sync=ddp+collective=ring``), so plan's
+``KEY=VALUE+KEY=VALUE`` spellings read the same. :meth:`Strategy.to_dict` is the JSON object of
+``summary.json`` (:meth:`Strategy.from_dict` reads it back, old files included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+
+from distlab.errors import ConfigError
+from distlab.parallel.data_parallel import COLLECTIVES, SYNC_METHODS
+from distlab.parallel.sync_bn import MODES as SYNC_BN
+from distlab.parallel.tensor_parallel import STYLES as TP_STYLES
+from distlab.parallel.zero import STAGES as ZERO_STAGES
+DEFAULT_DP_SYNC = "bucketed"  # the fastest exact method on CPU/gloo (README, data-parallel table)
+ZERO_DP_SYNC = "allreduce"    # what a ZeRO strategy records: its gradients are reduced after backward
+
+_KEYS = {"accum": "grad_accum", "bucket": "bucket_mb", "style": "tp_style", "method": "dp_sync", "syncbn": "sync_bn"}
+_WORDS = {"naive": ("tp_style", "naive"), "megatron": ("tp_style", "megatron"), "syncbn": ("sync_bn", "distlab"),
+          "find_unused": ("find_unused", True), "find-unused": ("find_unused", True)}
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How a model is spread over ranks. ``dp_sync=None`` means the default for the layout."""
+
+    dp_sync: str | None = None
+    collective: str = "native"
+    bucket_mb: float = 25.0
+    grad_accum: int = 1
+    sync_bn: str = "off"
+    find_unused: bool = False
+    tp: int = 1
+    tp_style: str = "megatron"
+    zero: int = 0
+
+    def __post_init__(self):
+        if self.dp_sync is None:
+            object.__setattr__(self, "dp_sync", ZERO_DP_SYNC if self.zero else DEFAULT_DP_SYNC)
+        if self.tp == 1:  # no tensor parallel: the style means nothing, keep equal strategies equal
+            object.__setattr__(self, "tp_style", "megatron")
+
+    # ------------------------------------------------------------------ checks
+
+    def check(self, world_size: int | None = None) -> "Strategy":
+        """Every field, every combination, and (with ``world_size``) the mesh: raise ConfigError naming them."""
+        _choice("dp_sync", self.dp_sync, tuple(SYNC_METHODS))
+        _choice("collective", self.collective, COLLECTIVES)
+        _choice("sync_bn", self.sync_bn, SYNC_BN)
+        _choice("tp_style", self.tp_style, TP_STYLES)
+        _choice("zero", self.zero, ZERO_STAGES)
+        if not self.bucket_mb > 0:
+            raise ConfigError(f"`bucket_mb` must be positive, not {self.bucket_mb}")
+        if self.grad_accum < 1:
+            raise ConfigError(f"`grad_accum` must be at least 1, not {self.grad_accum}")
+        if self.tp < 1:
+            raise ConfigError(f"`tp` must be at least 1, not {self.tp}")
+        if self.dp_sync == "gather-scatter" and self.collective != "native":
+            raise ConfigError(f"`dp_sync` gather-scatter is its own communication pattern (through rank 0) and "
+                              f"cannot use `collective` {self.collective}: drop `collective` or pick another `dp_sync`")
+        if self.zero and self.dp_sync != ZERO_DP_SYNC:
+            raise ConfigError(f"`zero` {self.zero} does its own gradient sync (reduce-scatter to each shard's owner), "
+                              f"so `dp_sync` {self.dp_sync} cannot apply: drop `dp_sync` or set `zero` 0")
+        if self.zero and self.find_unused:
+            raise ConfigError(f"`find_unused` is implied by `zero` {self.zero} (parameters without a gradient count as "
+                              f"zero): drop `find_unused`")
+        if world_size is not None and world_size % self.tp:
+            divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+            raise ConfigError(f"`tp` {self.tp} does not divide the world size {world_size}: use a `tp` that divides it "
+                              f"(e.g. {divisors})")
+        return self
+
+    def dp_size(self, world_size: int) -> int:
+        """Data-parallel ranks: each holds a shard of the global batch."""
+        return world_size // self.tp
+
+    def check_batch(self, global_batch: int, world_size: int) -> None:
+        """The global batch must split into equal micro-batches on every data-parallel rank."""
+        dp = self.dp_size(world_size)
+        what = f"world size {dp}" if self.tp == 1 else f"the data-parallel size {dp} (world {world_size} / `tp` {self.tp})"
+        if global_batch % dp:
+            raise ConfigError(f"`global_batch_size` {global_batch} is not divisible by {what}: use a multiple of "
+                              f"{dp} (e.g. {dp * max(1, global_batch // dp)})")
+        unit = dp * self.grad_accum
+        if global_batch % unit:
+            ranks = f"{dp} data-parallel ranks" if self.tp > 1 else f"{world_size} ranks"
+            raise ConfigError(f"`global_batch_size` {global_batch} must split into `grad_accum` {self.grad_accum} equal "
+                              f"micro-batches on each of {ranks}: use a multiple of {unit} "
+                              f"(e.g. {unit * max(1, global_batch // unit)})")
+
+    # ------------------------------------------------------------------ text and JSON
+
+    def __str__(self) -> str:
+        parts = []
+        if not self.zero or self.collective != "native" or self.dp_sync != ZERO_DP_SYNC:
+            parts.append(self.dp_sync + (f":{self.collective}" if self.collective != "native" else ""))
+        if self.grad_accum != 1:
+            parts.append(f"accum={self.grad_accum}")
+        if self.bucket_mb != Strategy.bucket_mb:
+            parts.append(f"bucket={self.bucket_mb:g}")
+        if self.sync_bn != "off":
+            parts.append("syncbn" if self.sync_bn == "distlab" else f"syncbn={self.sync_bn}")
+        if self.find_unused:
+            parts.append("find_unused")
+        if self.tp != 1:
+            parts.append(f"tp={self.tp}" + ("+naive" if self.tp_style == "naive" else ""))
+        if self.zero:
+            parts.append(f"zero={self.zero}")
+        return "+".join(parts)
+
+    @classmethod
+    def parse(cls, text: str, **defaults) -> "Strategy":
+        """Read the text form (see the module docstring); ``defaults`` fill fields the text leaves out."""
+        values: dict = dict(defaults)
+        tokens = [t.strip() for t in text.strip().split("+")]
+        if not text.strip() or any(not t for t in tokens):
+            raise ConfigError(f"cannot read strategy {text!r}: write METHOD[:COLLECTIVE][+MODIFIER...], "
+                              f"e.g. bucketed:ring+accum=4 or zero=3 or allreduce+tp=2+naive")
+        for i, token in enumerate(tokens):
+            key, eq, value = token.partition("=")
+            key = key.replace("-", "_") if key.replace("-", "_") in _FIELDS else key
+            if eq:
+                name = _KEYS.get(key, key)
+                if name not in _FIELDS:
+                    raise ConfigError(f"strategy {text!r}: unknown modifier {token!r} (known: accum=K, bucket=MB, "
+                                      f"syncbn[=torch], find_unused, tp=N, naive, zero=S, or FIELD=VALUE with FIELD "
+                                      f"one of {', '.join(_FIELDS)})")
+                values[name] = _convert(name, value, text)
+            elif token in _WORDS:
+                name, value = _WORDS[token]
+                values[name] = value
+            elif i == 0:
+                method, _, collective = token.partition(":")
+                if method:
+                    values["dp_sync"] = method
+                if collective:
+                    values["collective"] = collective
+            else:
+                raise ConfigError(f"strategy {text!r}: {token!r} is not a modifier; the method "
+                                  f"({', '.join(SYNC_METHODS)}) comes first")
+        return cls(**values).check()
+
+    def to_dict(self) -> dict:
+        """The JSON object of ``summary.json["strategy"]`` (``tp_style`` is null without tensor parallel)."""
+        d = dataclasses.asdict(self)
+        d["tp_style"] = self.tp_style if self.tp > 1 else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Strategy":
+        """Read :meth:`to_dict` output (unknown keys ignored, missing ones default)."""
+        return cls(**{k: v for k, v in d.items() if k in _FIELDS and v is not None})
+
+    def replace(self, **changes) -> "Strategy":
+        return dataclasses.replace(self, **changes)
+
+
+_FIELDS = {f.name: f for f in fields(Strategy)}
+
+
+def _choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"unknown `{name}` {value!r}; choose one of: {', '.join(str(a) for a in allowed)}")
+
+
+def _convert(name: str, value: str, text: str):
+    kind = type(getattr(Strategy(), name))
+    try:
+        if kind is bool:
+            if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(value)
+            return value.lower() in ("1", "true", "yes")
+        return kind(value)
+    except ValueError:
+        raise ConfigError(f"strategy {text!r}: {name}={value!r} is not a {kind.__name__}") from None
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a field: ``grad_accum`` -> ``--grad-accum``."""
+    return "--" + name.replace("_", "-")

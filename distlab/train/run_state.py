@@ -1,0 +1,203 @@
+"""What a run carries across snapshots and restarts: step, history, evaluations, best model, time used.
+
+:class:`RunState` owns the snapshot side of training (save every ``snapshot_every`` steps and at
+the end, resume from ``resume`` or after a torchrun restart) and the time budget (stop before one
+more step, the final evaluation and snapshot would overrun ``time_budget``, counted across
+restarts). The training loop asks it two questions -- :meth:`RunState.out_of_time` and
+:meth:`RunState.maybe_snapshot` -- and tells it what happened (:meth:`RunState.advance`,
+:meth:`RunState.record_eval`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch.distributed as dist
+
+from distlab.parallel import Engine
+from distlab.runtime import Runtime, reduce_scalars
+from distlab.train import snapshot
+from distlab.train.config import TrainConfig
+from distlab.train.snapshot import SnapshotError
+
+
+def restart_count() -> int:
+    """How often torchrun's agent restarted this worker group (0 on the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+def fault_injection_hook(rank: int) -> Callable[[int], None] | None:
+    """Test hook from ``DISTLAB_KILL_AT_STEP=RANK:STEP``: SIGKILL that rank right after that step, on
+    the first attempt only (a real, unannounced death for the fault-tolerance tests); else None."""
+    spec = os.environ.get("DISTLAB_KILL_AT_STEP")
+    if not spec or restart_count() > 0:
+        return None
+    victim, at = (int(v) for v in spec.split(":"))
+    if victim != rank:
+        return None
+
+    def hook(step: int) -> None:
+        if step == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+class RunState:
+    """Step, logged history, evaluations, best validation model, time used; saved in every snapshot."""
+
+    def __init__(self, cfg: TrainConfig, rt: Runtime, engine: Engine, optimizer, scheduler, layout: dict,
+                 eval_samples: int):
+        self.cfg, self.rt, self.engine = cfg, rt, engine
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.layout = layout  # what a snapshot must agree on to be resumed by this run
+        self.eval_samples = eval_samples  # test (+ validation) samples, for the time-budget estimate
+        self.restart_count = restart_count()
+        self.step = 0
+        self.history: list[dict] = []  # the logged records (every rank has them)
+        self.evals: list[dict] = []
+        self.best_val_loss: float | None = None
+        self.best_val_step: int | None = None
+        self.best_state: dict | None = None
+        self.last_loss = float("nan")
+        self.attempts = 0
+        self.window_loss, self.window_steps = 0.0, 0  # training loss since the last log line
+        self.resumed_from: str | None = None
+        self.last_snapshot: str | None = None
+        self._saved_step: int | None = None
+        self._snapshot_s: float | None = None  # seconds the last snapshot took (None: none yet)
+        self._eval_s: float | None = None
+        self._time_before = 0.0  # training time of earlier attempts
+        self._start = time.perf_counter()
+
+    # ------------------------------------------------------------------ start and progress
+
+    def begin(self) -> None:
+        """Resume if asked (or after a restart), count this attempt and start its clock."""
+        self.resumed_from = self._restore()
+        self.attempts += 1
+        self._start = time.perf_counter()
+
+    def time_used(self) -> float:
+        """Training time over every attempt: the snapshot's count plus this attempt's."""
+        return self._time_before + (time.perf_counter() - self._start)
+
+    def advance(self, loss: float) -> None:
+        self.step += 1
+        self.window_loss += loss
+        self.window_steps += 1
+
+    def close_window(self) -> float:
+        """The global mean training loss since the last call (local means averaged over ranks)."""
+        total, = reduce_scalars([self.window_loss], device=self.rt.device)
+        self.last_loss = total / (self.window_steps * self.rt.world_size)
+        self.window_loss, self.window_steps = 0.0, 0
+        return self.last_loss
+
+    def record_eval(self, record: dict, seconds: float) -> None:
+        """Keep an evaluation; a new best validation loss also keeps its model (every rank's shard when
+        ranks hold different states, rank 0's copy otherwise)."""
+        self.evals.append(record)
+        self._eval_s = seconds
+        val = record.get("val_loss")
+        if val is not None and (self.best_val_loss is None or val < self.best_val_loss):
+            self.best_val_loss, self.best_val_step = val, self.step
+            if self.engine.sharded or self.rt.is_main:
+                self.best_state = self.engine.sharded_state_dict()
+
+    # ------------------------------------------------------------------ time budget
+
+    def out_of_time(self, step_times: list[float]) -> bool:
+        """Would one more step, then the final evaluation and snapshot, overrun ``time_budget``?
+
+        Collective when a budget is set (one scalar all-reduce, MAX) so every rank stops at the same step.
+        """
+        budget = self.cfg.time_budget_s
+        if budget is None:
+            return False
+        recent = statistics.median(step_times[-20:]) if step_times else 0.0
+        # no evaluation yet: forward passes take ~1/3 of a training step per sample
+        eval_s = self._eval_s if self._eval_s is not None else \
+            recent * self.eval_samples / self.cfg.global_batch_size / 3
+        # before the first snapshot: its bytes at a slow disk's 100 MB/s
+        snapshot_s = self._snapshot_s if self._snapshot_s is not None else self.engine.peak_bytes / 1e8
+        margin = max(0.02 * budget, 0.2)  # summary, clocks of ranks that stop last
+        need, = reduce_scalars([self.time_used() + 2 * recent + eval_s + snapshot_s + margin],
+                               op=dist.ReduceOp.MAX, device=self.rt.device)
+        return need >= budget
+
+    # ------------------------------------------------------------------ snapshots
+
+    def maybe_snapshot(self, total_steps: int) -> float:
+        """Snapshot if ``snapshot_every`` says so (not at the end: :meth:`final_snapshot` does);
+        returns the seconds it took (0 if none)."""
+        every = self.cfg.snapshot_every
+        if every and self.step % every == 0 and self.step < total_steps:
+            self.save()
+            return self._snapshot_s
+        return 0.0
+
+    def final_snapshot(self) -> None:
+        if self.cfg.snapshot_dir and self._saved_step != self.step:
+            self.save()
+
+    def _run_fields(self) -> dict:
+        return {"history": self.history, "evals": self.evals, "best_val_loss": self.best_val_loss,
+                "best_val_step": self.best_val_step, "time_used_s": self.time_used(), "last_loss": self.last_loss,
+                "attempts": self.attempts}
+
+    def save(self) -> None:
+        t0 = time.perf_counter()
+        payload = {"model": self.engine.sharded_state_dict(), "optimizer": self.optimizer.state_dict(),
+                   "scheduler": self.scheduler.state_dict(), "rng": snapshot.rng_state(), "step": self.step,
+                   "window": [self.window_loss, self.window_steps], "run": self._run_fields()}
+        if self.best_state is not None:
+            payload["best_model"] = self.best_state
+        path = snapshot.save(self.cfg.snapshot_dir, self.step, payload, self.layout, self.cfg.keep_snapshots)
+        self.last_snapshot = str(path)
+        self._saved_step = self.step
+        self._snapshot_s = time.perf_counter() - t0
+
+    def _restore(self) -> str | None:
+        """Load the snapshot ``resume`` names (``auto``: the newest good one), if any; return its path.
+
+        Without ``resume``, a group that torchrun restarted after a failure (its
+        ``TORCHELASTIC_RESTART_COUNT`` > 0) resumes ``auto`` from ``snapshot_dir``.
+        """
+        cfg = self.cfg
+        target = cfg.resume
+        if target is None and cfg.snapshot_dir and self.restart_count > 0:
+            target = "auto"
+        if target is None:
+            return None
+        warn = (lambda m: print(m, file=sys.stderr, flush=True)) if self.rt.is_main else (lambda m: None)
+        loaded = snapshot.resume(target, cfg.snapshot_dir, self.layout, on_warning=warn)
+        if loaded is None:
+            warn(f"distlab: no snapshot in {cfg.snapshot_dir} yet: starting from step 0")
+            return None
+        p = loaded.payload
+        try:
+            self.engine.load_sharded_state_dict(p["model"])
+        except (RuntimeError, KeyError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0]
+            raise SnapshotError(f"snapshot {loaded.path} holds another model than this run's: {first[:300]}") from None
+        self.optimizer.load_state_dict(p["optimizer"])
+        self.scheduler.load_state_dict(p["scheduler"])
+        self.step = self._saved_step = int(p["step"])
+        self.window_loss, self.window_steps = float(p["window"][0]), int(p["window"][1])
+        run = p["run"]
+        self.history = list(run["history"])
+        self.evals = list(run["evals"])
+        self.best_val_loss, self.best_val_step = run["best_val_loss"], run["best_val_step"]
+        self.last_loss, self.attempts = run["last_loss"], run["attempts"]
+        self._time_before = run["time_used_s"]
+        self.best_state = p.get("best_model")
+        snapshot.set_rng_state(p["rng"])  # last: nothing below draws random numbers before training
+        if self.rt.is_main and cfg.verbose:
+            print(f"resumed from {loaded.path} at step {self.step}", file=sys.stderr, flush=True)
+        return str(loaded.path)

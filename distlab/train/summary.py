@@ -1,0 +1,167 @@
+"""``summary.json`` (the DESIGN.md contract) from a finished run, and its human-readable view."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from distlab.models import count_parameters
+from distlab.runtime import reduce_scalars
+from distlab.train.metrics import median_excluding_warmup, peak_rss_mb
+
+SYNC_TIME_BASIS = ("seconds per step spent in the gradient sync after backward and in the post-step parameter "
+                   "all-gather (ZeRO); sync that overlaps backward (bucketed, ddp) counts only where backward had "
+                   "to wait for it")
+MODEL_STATE_BASIS = "peak bytes of parameters + gradients + optimizer state held by one rank (max over ranks)"
+
+
+@dataclass
+class StepTimes:
+    """Per optimizer step of this attempt: wall seconds, seconds in the gradient sync, bytes sent."""
+
+    step: list[float] = field(default_factory=list)
+    sync: list[float] = field(default_factory=list)
+    sent: list[int] = field(default_factory=list)
+
+    def add(self, step_s: float, sync_s: float, sent: int) -> None:
+        self.step.append(step_s)
+        self.sync.append(sync_s)
+        self.sent.append(sent)
+
+
+def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
+    """Every rank calls it (it reduces peaks over ranks); the result is the same everywhere."""
+    cfg, rt, run, engine = trainer.cfg, trainer.rt, trainer.run, trainer.engine
+    rss, state_bytes = reduce_scalars([peak_rss_mb(), engine.peak_bytes], op=dist.ReduceOp.MAX, device=rt.device)
+    cuda_mb = None
+    if rt.device.type == "cuda":
+        cuda_mb, = reduce_scalars([torch.cuda.max_memory_allocated(rt.device) / 2**20], op=dist.ReduceOp.MAX,
+                                  device=rt.device)
+    median = median_excluding_warmup(times.step, cfg.timing_warmup_steps)
+    uncounted = engine.uncounted_bytes_per_step()
+    sent = (int(statistics.median(times.sent)) if times.sent else 0) + uncounted if rt.world_size > 1 else 0
+    final = run.evals[-1] if run.evals else {"test_loss": None, "test_accuracy": None}
+    strategy, mesh = cfg.strategy, engine.mesh
+    module_params = count_parameters(engine.module)
+    return {
+        "world_size": rt.world_size,
+        "strategy": strategy.to_dict(),
+        "strategy_text": str(strategy),
+        "mesh": {"dp": mesh.dp, "tp": mesh.tp, "layout": mesh.describe()},
+        "model": cfg.model,
+        "dataset": cfg.dataset,
+        "input_shape": list(trainer.train_set.input_shape),
+        "num_classes": trainer.train_set.num_classes,
+        "global_batch_size": cfg.global_batch_size,
+        "local_batch_size": trainer.local_batch,
+        "micro_batch_size": trainer.local_batch // strategy.grad_accum,
+        "steps": run.step,
+        "steps_per_epoch": trainer.steps_per_epoch,
+        "epochs": round(run.step / trainer.steps_per_epoch, 4),
+        "final_train_loss": run.last_loss,
+        "test_accuracy": final["test_accuracy"],
+        "test_loss": final["test_loss"],
+        "best_val_loss": run.best_val_loss,
+        "best_val_step": run.best_val_step,
+        "val_samples": len(trainer.val_set) if trainer.val_set is not None else 0,
+        "time_per_step_s_median": median,
+        "timing_warmup_steps": min(cfg.timing_warmup_steps, len(times.step) // 2),
+        "epoch_time_s": median * trainer.steps_per_epoch if median else None,
+        "sync_time_s_median": median_excluding_warmup(times.sync, cfg.timing_warmup_steps),
+        "sync_time_basis": SYNC_TIME_BASIS,
+        "samples_per_s": cfg.global_batch_size / median if median else None,
+        "peak_rss_mb": rss,
+        "peak_cuda_mb": cuda_mb,
+        "comm_bytes_per_step": sent,
+        "comm_bytes_basis": ("counted by distlab.comm (messages of distlab's algorithms; torch's native "
+                             "collectives at their textbook volume)" + (
+                                 "; DDP's gradient all-reduce at the textbook 2(n-1)/n x gradient bytes"
+                                 if uncounted else "")),
+        "model_state_bytes_per_rank": int(state_bytes),
+        "model_state_basis": MODEL_STATE_BASIS,
+        "wall_time_s": wall_s,
+        "time_used_s": run.time_used(),
+        "time_budget_s": cfg.time_budget_s,
+        "stopped": stopped,
+        "resumed_from": run.resumed_from,
+        "attempts": run.attempts,
+        "restart_count": run.restart_count,
+        "snapshot": run.last_snapshot,
+        "evals": run.evals,
+        "optimizer": cfg.optimizer,
+        "lr": cfg.lr,
+        "lr_scaling": cfg.lr_scaling,
+        "base_batch_size": cfg.base_batch_size,
+        "lr_effective": cfg.effective_lr,
+        "warmup_steps": cfg.warmup_steps,
+        "lr_schedule": cfg.lr_schedule,
+        "seed": cfg.seed,
+        "num_parameters": trainer.num_parameters,
+        "num_parameters_per_rank": module_params,
+        "backend": rt.backend,
+        "device": str(rt.device),
+        "launcher": rt.launcher,
+        "threads_per_rank": rt.threads,
+        "cores": os.cpu_count(),
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "hostname": socket.gethostname(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "config": cfg.to_dict(),
+    }
+
+
+def _fmt(value, spec: str = "", unit: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{unit}"
+
+
+def print_summary(summary: dict, out: str | None) -> None:
+    """The human-readable view rank 0 prints at the end of a run."""
+    s = summary
+    per_rank = s.get("num_parameters_per_rank")
+    params = f"{s['num_parameters']:,} params" + (f", {per_rank:,} per rank" if per_rank not in (None,
+                                                                                              s["num_parameters"]) else "")
+    rows = [
+        ("model / dataset", f"{s['model']} ({params}) / {s['dataset']}"),
+        ("world size", f"{s['world_size']} x {s['threads_per_rank']} threads, {s['backend']} on {s['device']}"),
+        ("strategy", s.get("strategy_text") or f"{s['strategy']['dp_sync']}"),
+        ("mesh", (s.get("mesh") or {}).get("layout", "n/a")),
+        ("global batch", f"{s['global_batch_size']} ({s['local_batch_size']} per data-parallel rank"
+                         + (f", micro-batches of {s['micro_batch_size']}"
+                            if s.get("micro_batch_size", s["local_batch_size"]) != s["local_batch_size"] else "")
+                         + ")"),
+        ("steps / epochs", f"{s['steps']} / {s['epochs']:g}"),
+        ("final train loss", _fmt(s["final_train_loss"], ".4f")),
+        ("test accuracy", _fmt(None if s["test_accuracy"] is None else 100 * s["test_accuracy"], ".2f", "%")),
+        ("test loss", _fmt(s["test_loss"], ".4f")),
+        ("time/step (median)", _fmt(None if s["time_per_step_s_median"] is None
+                                    else 1000 * s["time_per_step_s_median"], ".2f", " ms")),
+        ("samples/s", _fmt(s["samples_per_s"], ",.0f")),
+        ("comm bytes/step/rank", _fmt(s["comm_bytes_per_step"], ",")),
+        ("model state/rank", _fmt(None if s.get("model_state_bytes_per_rank") is None
+                                  else s["model_state_bytes_per_rank"] / 2**20, ".2f", " MiB (peak)")),
+        ("peak RSS per rank", _fmt(s["peak_rss_mb"], ".0f", " MB")),
+        ("wall time", _fmt(s["wall_time_s"], ".1f", " s")),
+    ]
+    if s.get("best_val_loss") is not None:
+        rows.insert(9, ("best val loss", f"{s['best_val_loss']:.4f} (step {s['best_val_step']})"))
+    if s.get("lr_scaling", "none") != "none":
+        rows.insert(6, ("effective lr", f"{s['lr_effective']:.4g} (--lr {s['lr']:g}, {s['lr_scaling']} scaling "
+                                        f"from batch {s['base_batch_size']})"))
+    if s.get("resumed_from"):
+        rows.append(("resumed from", s["resumed_from"]))
+    if s.get("stopped") == "time_budget":
+        rows.append(("stopped", f"time budget {s['time_budget_s']:g} s reached after {s['time_used_s']:.1f} s"))
+    if s.get("snapshot"):
+        rows.append(("last snapshot", s["snapshot"]))
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows), flush=True)
+    if out:
+        print(f"summary: {out}/summary.json  metrics: {out}/metrics.jsonl", flush=True)
