@@ -223,3 +223,23 @@ def test_ring_pipeline_with_many_segments_and_both_channel_layouts(world, duplex
     assert all(has_partner == (duplex == "1") for _, has_partner, _ in results)
     own_connection = results[0][2]  # rank 0's receive from rank world-1
     assert own_connection == (world > 2 or duplex == "0")
+
+
+def _ops_as_torch_names_and_per_algorithm(rank, world):
+    from distlab.comm import ring
+    out = {}
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX, "AVG", "Sum"):
+        t = torch.tensor([float(rank + 1), 2.0 * rank])
+        comm.all_reduce(t, op=op, algorithm="ring")
+        out[str(op)] = t.tolist()
+    direct = torch.tensor([float(rank + 1)])
+    ring.all_reduce(direct, "avg", None, rank, world)  # an algorithm module on its own: avg is the mean too
+    out["ring-module-avg"] = direct.tolist()
+    return out
+
+
+def test_ops_accept_reduce_op_and_any_case_and_avg_means_mean_everywhere():
+    for out in run_ranks(_ops_as_torch_names_and_per_algorithm, 3, timeout=60):
+        assert out[str(dist.ReduceOp.SUM)] == [6.0, 6.0] and out[str(dist.ReduceOp.MAX)] == [3.0, 4.0]
+        assert out["AVG"] == [2.0, 2.0] and out["Sum"] == [6.0, 6.0]
+        assert out["ring-module-avg"] == [2.0]

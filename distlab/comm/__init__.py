@@ -3,7 +3,9 @@
 ``all_reduce(tensor, op="sum", algorithm="native", group=None)`` works in place like torch's;
 ``reduce_scatter(output, input)``, ``all_gather(output, input)`` and ``broadcast(tensor, src)``
 follow torch's ``*_tensor`` shapes (``input``/``output`` of ``n`` times the other's size). Ops:
-``sum avg max min product``. Algorithms (one module each):
+``sum avg max min product`` in any case, or torch's ``dist.ReduceOp``; ``avg`` is the mean over
+the group. Algorithms (one module each; their ``all_reduce(buf, op, group, rank, n)`` work on a
+flat contiguous buffer with the same meaning of ``op``, without the checks and accounting done here):
 
 =================  ==========================================================================
 ``native``         torch.distributed's own (gloo / NCCL); bytes counted analytically
@@ -53,7 +55,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return (t if t.is_contiguous() else t.contiguous()).view(-1)
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "native",
+def all_reduce(tensor: torch.Tensor, op: str | dist.ReduceOp = "sum", algorithm: str = "native",
                group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Reduce ``tensor`` over the group, in place, and return it."""
     algorithm, op = check_algorithm(algorithm), check_op(op, tensor.dtype)
@@ -67,10 +69,10 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "native",
         nbytes = buf.numel() * buf.element_size()
         accounting.record_analytic(accounting.allreduce_bytes_per_rank(nbytes, n),
                                    accounting.allreduce_bytes_per_rank(nbytes, n))
+        finish(op, buf, n)
     else:
         p2p.prepare(group)
-        ALGORITHMS[algorithm].all_reduce(buf, op, group, rank, n)
-    finish(op, buf, n)
+        ALGORITHMS[algorithm].all_reduce(buf, op, group, rank, n)  # divides for avg itself
     if buf.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
         tensor.copy_(buf.view_as(tensor))
     return tensor
@@ -86,7 +88,7 @@ _native_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.re
 _native_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", algorithm: str = "native",
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str | dist.ReduceOp = "sum", algorithm: str = "native",
                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``output`` (k elements) on group rank ``r`` = reduction of ``input[r*k:(r+1)*k]`` (n*k elements)."""
     algorithm, op = check_algorithm(algorithm), check_op(op, input.dtype)
@@ -103,10 +105,10 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", a
         _native_reduce_scatter(out, inp, op=NATIVE[op], group=group)
         nbytes = inp.numel() * inp.element_size()
         accounting.record_analytic((n - 1) * nbytes // n, (n - 1) * nbytes // n)
+        finish(op, out, n)
     else:
         p2p.prepare(group)
-        ALGORITHMS[algorithm].reduce_scatter(out, inp, op, group, rank, n)
-    finish(op, out, n)
+        ALGORITHMS[algorithm].reduce_scatter(out, inp, op, group, rank, n)  # divides for avg itself
     if out.data_ptr() != output.data_ptr() or not output.is_contiguous():
         output.copy_(out.view_as(output))
     return output

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from distlab.comm import p2p
-from distlab.comm.ops import combine, combiner, workspace
+from distlab.comm.ops import combine, combiner, finish, workspace
 from distlab.comm.p2p import irecv, isend, wait_all
 
 
@@ -90,6 +90,11 @@ def _butterfly(buf: torch.Tensor, op: str | None, group, v: int, p: int, rem: in
 
 
 def all_reduce(buf: torch.Tensor, op: str, group, rank: int, n: int) -> None:
+    _all_reduce(buf, op, group, rank, n)
+    finish(op, buf, n)
+
+
+def _all_reduce(buf: torch.Tensor, op: str, group, rank: int, n: int) -> None:
     p, rem = _layout(n)
     v = _active_rank(rank, rem)
     if rank < 2 * rem:  # fold
@@ -113,8 +118,9 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: str, group, rank: i
     if rem == 0:
         _butterfly(work, op, group, rank, p, 0, double=False)
     else:
-        all_reduce(work, op, group, rank, n)
+        _all_reduce(work, op, group, rank, n)
     out.copy_(work.chunk(n)[rank] if work.numel() else work)
+    finish(op, out, n)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, rank: int, n: int) -> None:

@@ -1,11 +1,14 @@
 """The wrappers shared by chunk-owning algorithms (ring, direct): given how to reduce-scatter and
-all-gather a list of ``n`` chunks, build all-reduce, reduce-scatter and all-gather on buffers."""
+all-gather a list of ``n`` chunks, build all-reduce, reduce-scatter and all-gather on buffers
+(with :func:`distlab.comm.all_reduce`'s semantics: ``avg`` divides by the group size)."""
 
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
+
+from distlab.comm.ops import finish
 
 
 def build(reduce_scatter_chunks: Callable, all_gather_chunks: Callable):
@@ -15,11 +18,13 @@ def build(reduce_scatter_chunks: Callable, all_gather_chunks: Callable):
         chunks = list(torch.tensor_split(buf, n))  # sizes differ by at most one element
         reduce_scatter_chunks(chunks, op, group, rank, n)
         all_gather_chunks(chunks, group, rank, n)
+        finish(op, buf, n)
 
     def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: str, group, rank: int, n: int) -> None:
         chunks = list(inp.clone().chunk(n)) if inp.numel() else [inp] * n
         reduce_scatter_chunks(chunks, op, group, rank, n)
         out.copy_(chunks[rank])
+        finish(op, out, n)
 
     def all_gather(out: torch.Tensor, inp: torch.Tensor, group, rank: int, n: int) -> None:
         chunks = list(out.chunk(n)) if out.numel() else [out] * n

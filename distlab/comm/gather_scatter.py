@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from distlab.comm.ops import combine
+from distlab.comm.ops import combine, finish
 from distlab.comm.p2p import irecv, isend, wait_all
 
 ROOT = 0
@@ -25,6 +25,7 @@ def all_reduce(buf: torch.Tensor, op: str, group, rank: int, n: int) -> None:
     else:
         wait_all([isend(buf, ROOT, group)])
         wait_all([irecv(buf, ROOT, group)])
+    finish(op, buf, n)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: str, group, rank: int, n: int) -> None:
@@ -41,6 +42,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: str, group, rank: i
     else:
         wait_all([isend(inp, ROOT, group)])
         wait_all([irecv(out, ROOT, group)])
+    finish(op, out, n)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, rank: int, n: int) -> None:

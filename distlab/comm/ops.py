@@ -28,9 +28,19 @@ NATIVE = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "product": dist.Re
           "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def check_op(op: str, dtype: torch.dtype) -> str:
-    if op not in OPS:
-        raise ConfigError(f"unknown reduction op {op!r}; choose one of: {', '.join(OPS)}")
+_FROM_TORCH = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.PRODUCT: "product",
+               dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
+
+
+def check_op(op: str | dist.ReduceOp, dtype: torch.dtype) -> str:
+    """The op's name: a name in any case (``"sum"``, ``"AVG"``) or a ``torch.distributed.ReduceOp``."""
+    if isinstance(op, str):
+        name = op.lower()
+    else:
+        name = next((n for r, n in _FROM_TORCH.items() if op == r), None)
+    if name not in OPS:
+        raise ConfigError(f"unknown reduction op {op!r}; choose one of: {', '.join(OPS)} (or the ReduceOp of each)")
+    op = name
     if op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
         raise ConfigError(f"op 'avg' on {dtype} is not defined (integer division would round); use op 'sum' "
                           f"and divide, or reduce a floating-point tensor")

@@ -38,7 +38,7 @@ import math
 import torch
 
 from distlab.comm import chunked, p2p
-from distlab.comm.ops import combiner, workspace
+from distlab.comm.ops import combiner, finish, workspace
 from distlab.comm.p2p import irecv, isend, wait_all
 
 SEGMENT_BYTES = 4 << 20  # segments of at most this much (4 MiB: fewer, larger messages won on 2 cores)
@@ -120,6 +120,7 @@ _, reduce_scatter, all_gather = chunked.build(reduce_scatter_chunks, all_gather_
 def all_reduce(buf: torch.Tensor, op: str, group, rank: int, n: int) -> None:
     """Both phases as one stream, so the all-gather starts segment by segment as chunks finish."""
     _all_reduce_chunks(list(torch.tensor_split(buf, n)), op, group, rank, n)
+    finish(op, buf, n)
 
 
 def broadcast(buf: torch.Tensor, src: int, group, rank: int, n: int) -> None:
