@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from distlab import comm, runtime
 from distlab.models import build_model
 from distlab.parallel import DataParallel, Zero
-from distlab.parallel.zero import model_state_bytes
+from distlab.parallel.state_bytes import model_state_bytes
 from distlab.plan.memory import Optim, trace, zero_peak_bytes
 from distlab.runtime import print0
 

@@ -26,7 +26,7 @@ def shape(model: str) -> tuple[tuple[int, ...], str]:
 def measure(rank, world, runs):
     out = []
     for model, zero, opt, accum, dp in runs:
-        cfg = TrainConfig(model=model, dataset=shape(model)[1], max_steps=2, global_batch_size=4 * world,
+        cfg = TrainConfig.from_flags(model=model, dataset=shape(model)[1], max_steps=2, global_batch_size=4 * world,
                           optimizer=opt, lr=0.01, zero=zero, grad_accum=accum, dp_sync=dp, progress=False,
                           verbose=False, eval_every_epoch=False, log_every=1, eval_batch_size=64)
         out.append(Trainer(cfg.validate(world), runtime.from_process_group()).fit()["model_state_bytes_per_rank"])

@@ -23,6 +23,7 @@ RUNS = {
     "07_zero.py": (2, "distlab plan predicted every peak exactly"),
     "08_fault_tolerance.py": (None, "and resumed from step-00000020 instead"),
     "09_emulated_cluster.py": (None, "predicted"),
+    "10_own_training_loop.py": (4, "equal to single-process training"),
 }
 
 

@@ -13,6 +13,7 @@ from distlab.errors import ConfigError
 from distlab.plan import cost
 from distlab.plan.memory import Optim, generic_trace, trace, zero_peak_bytes
 from distlab.plan import Calibration, Layout, calibrate, format_sweep, predict, summaries, sweep, validate
+from distlab.parallel import Strategy
 from distlab.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig
 
@@ -29,7 +30,7 @@ def _measure(rank, world, runs):
     out = []
     for model, zero, opt, accum, dp in runs:
         dataset = SHAPES.get(model, CNN)[1]
-        cfg = TrainConfig(model=model, dataset=dataset, max_steps=2, global_batch_size=4 * world, optimizer=opt,
+        cfg = TrainConfig.from_flags(model=model, dataset=dataset, max_steps=2, global_batch_size=4 * world, optimizer=opt,
                           lr=0.01, zero=zero, grad_accum=accum, dp_sync=dp, progress=False, verbose=False,
                           eval_every_epoch=False, log_every=1, eval_batch_size=64)
         out.append(Trainer(cfg.validate(world), runtime.from_process_group()).fit()["model_state_bytes_per_rank"])
@@ -149,7 +150,10 @@ def test_plan_cli_predicts_sweeps_and_validates(committed, tmp_path, run_cli):
     assert p["model_state_exact"] and p["step_s"] > p["compute_s"] > 0 and "exposed" in r.stdout
     r = run_cli("plan", "--params", "7e9", "--link", "100gbit", "--sweep", "8,64,512", "--device-memory", "80GiB",
                 "--calibration", str(cal), check=True)
-    assert "zero=0: never fits in memory" in r.stdout and "zero=3: fits at every size" in r.stdout
+    assert "bucketed: never fits in memory" not in r.stdout  # train's default optimizer, SGD: no state
+    r = run_cli("plan", "--params", "7e9", "--link", "100gbit", "--sweep", "8,64,512", "--device-memory", "80GiB",
+                "--optimizer", "adam", "--calibration", str(cal), check=True)
+    assert "bucketed: never fits in memory" in r.stdout and "zero=3: fits at every size" in r.stdout
     r = run_cli("plan", "validate", str(committed), "--calibration", str(cal), "--target", "0.0001",
                 "--min-world", "1")
     assert r.returncode == 1 and "above the target" in r.stderr
@@ -159,7 +163,7 @@ def test_plan_cli_predicts_sweeps_and_validates(committed, tmp_path, run_cli):
 def test_plan_refuses_bad_input_naming_the_fix(committed, tmp_path, capsys):
     """Flag errors, in this process (they only parse flags): one line each, exit 2."""
     from distlab.cli import main
-    for args, message in [(["--dp", "3", "--global-batch", "64"], "does not split over 3"),
+    for args, message in [(["--dp", "3", "--global-batch", "64"], "--global-batch-size 64 is not divisible by world size 3"),
                           (["--calibration", str(tmp_path / "none.json")], "plan calibrate"),
                           (["--sweep", "8", "--strategies", "zero=9x"], "not a int"),
                           (["--link", "fast"], "100mbit"),
@@ -171,16 +175,16 @@ def test_plan_refuses_bad_input_naming_the_fix(committed, tmp_path, capsys):
     cal = calibrate([str(committed)])
     cal.collectives.pop("ring")
     with pytest.raises(ConfigError, match="bench collectives --algorithms ring"):
-        predict(trace("mlp", (1, 28, 28), 10), Layout(dp=2, collective="ring"), cost.Link(), cal)
+        predict(trace("mlp", (1, 28, 28), 10), Layout(dp=2, strategy=Strategy(collective="ring")), cost.Link(), cal)
 
 
 def test_sweep_finds_where_memory_runs_out():
     t = generic_trace(7 * 10**9, 1e6, 32)
     rows = sweep(t, Layout(dp=8, optimizer="adam", global_batch=8 * 4), [8, 64, 512], cost.Link.parse("100gbit"),
-                 None, 80 * 2**30, [{"zero": 0}, {"zero": 3}])
+                 None, 80 * 2**30, [Strategy(), Strategy(zero=3)])
     fits = {(r["strategy"]["zero"], r["layout"]["dp"]): r["fits"] for r in rows}
     assert not any(fits[0, n] for n in (8, 64, 512)) and all(fits[3, n] for n in (8, 64, 512))
-    assert "zero=0: never fits" in format_sweep(rows)
+    assert "bucketed: never fits" in format_sweep(rows)
     z3 = [r["memory_bytes_per_rank"] for r in rows if r["strategy"]["zero"] == 3]
     assert z3 == sorted(z3, reverse=True)
     assert predict(t, Layout(dp=8, optimizer="adam", global_batch=32), cost.Link(), None).keys().isdisjoint({"step_s"})

@@ -100,10 +100,11 @@ def test_plan_validation_gets_its_plot_and_images_are_written(tmp_path):
 
 
 def test_plan_sweep_gets_memory_and_fit_plot(tmp_path):
+    from distlab.parallel import Strategy
     from distlab.plan import Layout, Link, generic_trace, sweep
     from distlab.report import write_report
     rows = sweep(generic_trace(10**9, 0.0, 8), Layout(dp=8, optimizer="adam"), [8, 64], Link(), None, 8 * 2**30,
-                 [{"zero": 0}, {"zero": 3}])
+                 [Strategy(), Strategy(zero=3)])
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps(rows))
     inputs = write_report([str(path)], tmp_path / "r.html")

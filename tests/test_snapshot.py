@@ -22,7 +22,7 @@ from distlab.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig
 from distlab.train import snapshot as snap
 from distlab.train.config import parse_duration
-from distlab.train.trainer import lr_multiplier
+from distlab.train.optim import lr_multiplier
 
 LAYOUT = {"model": "mlp", "world_size": 1, "strategy": {"zero": 0}}
 

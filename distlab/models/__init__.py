@@ -22,6 +22,7 @@ Builder = Callable[..., nn.Module]
 
 REGISTRY: dict[str, Builder] = {
     "mlp": lambda shape, k, widths=(512, 256), **_: MLP(shape, k, tuple(widths)),
+    "mlp-bn": lambda shape, k, widths=(512, 256), **_: MLP(shape, k, tuple(widths), batch_norm=True),
     "vgg11": lambda shape, k, **_: VGG(11, shape, k, batch_norm=False),
     "vgg11-bn": lambda shape, k, **_: VGG(11, shape, k, batch_norm=True),
     "vgg19": lambda shape, k, **_: VGG(19, shape, k, batch_norm=False),

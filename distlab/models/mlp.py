@@ -1,4 +1,5 @@
-"""Multilayer perceptron: flatten, then Linear + ReLU for each hidden width, then a Linear head."""
+"""Multilayer perceptron: flatten, then Linear + ReLU for each hidden width, then a Linear head
+(``mlp-bn``: with a BatchNorm1d over the last hidden features, before the head)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ from torch import nn
 
 
 class MLP(nn.Module):
-    def __init__(self, input_shape: tuple[int, ...], num_classes: int, widths: tuple[int, ...] = (512, 256)):
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, widths: tuple[int, ...] = (512, 256),
+                 batch_norm: bool = False):
         super().__init__()
         layers: list[nn.Module] = [nn.Flatten()]
         prev = math.prod(input_shape)
         for w in widths:
             layers += [nn.Linear(prev, w), nn.ReLU()]
             prev = w
+        if batch_norm:
+            layers.append(nn.BatchNorm1d(prev))
         layers.append(nn.Linear(prev, num_classes))
         self.net = nn.Sequential(*layers)
 

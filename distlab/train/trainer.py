@@ -203,7 +203,7 @@ class Trainer:
         """What a snapshot must agree on to be resumed by this run (compared field by field)."""
         cfg = self.cfg
         return {"world_size": self.rt.world_size, "model": cfg.model,
-                "mlp_widths": list(cfg.mlp_widths) if cfg.model == "mlp" else None,
+                "mlp_widths": list(cfg.mlp_widths) if cfg.model.startswith("mlp") else None,
                 "num_parameters": self.num_parameters, "dataset": cfg.dataset, "strategy": cfg.strategy.to_dict(),
                 "global_batch_size": cfg.global_batch_size, "optimizer": cfg.optimizer, "seed": cfg.seed,
                 "val_fraction": cfg.val_fraction}

@@ -1,0 +1,84 @@
+"""Strategy: one text form that round-trips, checks that name fields, and the SyncBN group under tensor parallel."""
+
+import pytest
+import torch
+
+from distlab import runtime
+from distlab.errors import ConfigError
+from distlab.parallel import Strategy
+from distlab.spawn import run_ranks
+from distlab.train import Trainer, TrainConfig
+from distlab.verify import default_strategies, parse_strategy
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_verified_strategy_round_trips_through_text_and_json(world):
+    for case in default_strategies(world):
+        s = case.strategy
+        assert Strategy.parse(str(s)) == s, str(s)
+        assert Strategy.from_dict(s.to_dict()) == s
+        assert parse_strategy(case.name) == case
+    assert parse_strategy("allreduce+adam").optimizer == "adam"
+
+
+def test_text_form_spellings_and_aliases():
+    s = Strategy.parse("bucketed:ring+accum=4+tp=2+naive+syncbn+bucket=5")
+    assert (s.dp_sync, s.collective, s.grad_accum, s.tp, s.tp_style, s.sync_bn, s.bucket_mb) == \
+        ("bucketed", "ring", 4, 2, "naive", "distlab", 5.0)
+    assert Strategy.parse("dp_sync=ddp+collective=ring") == Strategy("ddp", "ring")  # plan's KEY=VALUE form
+    assert Strategy.parse("zero=3") == Strategy(dp_sync="allreduce", zero=3)  # ZeRO's own sync, no method
+    assert str(Strategy()) == "bucketed"  # the default method
+    assert Strategy(tp=1, tp_style="naive") == Strategy()  # the style means nothing without tensor parallel
+    # summary.json from before the Strategy class (no find_unused key) still reads
+    old = {"dp_sync": "allreduce", "collective": "native", "bucket_mb": 25.0, "zero": 1, "tp": 1, "tp_style": None,
+           "sync_bn": "off", "grad_accum": 1}
+    assert str(Strategy.from_dict(old)) == "zero=1"
+
+
+@pytest.mark.parametrize("text,message", [
+    ("bucketed+zero=1", "`zero` 1 does its own gradient sync.*`dp_sync` bucketed"),
+    ("gather-scatter:ring", "`dp_sync` gather-scatter is its own communication pattern"),
+    ("allreduce+accum=0", "`grad_accum` must be at least 1, not 0"),
+    ("allreduce+zero=4", "unknown `zero` 4"),
+    ("allreduce+frobnicate", "'frobnicate' is not a modifier"),
+    ("allreduce+tp=x", "tp='x' is not a int"),
+    ("", "cannot read strategy"),
+])
+def test_bad_strategies_name_the_field(text, message):
+    with pytest.raises(ConfigError, match=message):
+        Strategy.parse(text)
+
+
+def test_the_mesh_and_batch_are_checked_with_numbers():
+    with pytest.raises(ConfigError, match="`tp` 3 does not divide the world size 4"):
+        Strategy(tp=3).check(4)
+    with pytest.raises(ConfigError, match=r"must split into `grad_accum` 4 .* use a multiple of 8"):
+        Strategy(grad_accum=4).check_batch(12, 2)
+
+
+# ----------------------------------------------------------------------------- SyncBN under tensor parallel
+
+def _tp_bn_cfg(tp: int) -> TrainConfig:
+    # mlp-bn: the (column, row) block, then BatchNorm1d over its replicated output, then the head.
+    return TrainConfig.from_flags(model="mlp-bn", mlp_widths=(32, 16), dataset="synthetic:1x8x8:4:192", epochs=1,
+                                  max_steps=6, global_batch_size=16, lr=0.1, lr_schedule="constant", momentum=0.9,
+                                  seed=2, log_every=1, progress=False, verbose=False, eval_every_epoch=False,
+                                  dp_sync="allreduce", sync_bn="distlab", tp=tp)
+
+
+def _train_tp_bn(rank, world, tp):
+    trainer = Trainer(_tp_bn_cfg(tp), runtime.from_process_group())
+    summary = trainer.fit()
+    state = trainer.engine.full_state_dict()
+    return summary["test_loss"], state["net.5.running_var"], state["net.5.running_mean"]
+
+
+def test_syncbn_under_tensor_parallel_reduces_over_the_data_parallel_group_only():
+    """4 ranks as dp 2 x tp 2 end where 2 ranks of plain data parallel end: the statistics of a global
+    batch of 16 samples, not 32 (each sample counted tp times would change the unbiased running variance
+    by 16/15 vs 32/31 and, through eval's running statistics, the test loss)."""
+    loss2, var2, mean2 = run_ranks(_train_tp_bn, 2, 1, timeout=120)[0]
+    for loss4, var4, mean4 in run_ranks(_train_tp_bn, 4, 2, timeout=120):
+        assert torch.allclose(mean4, mean2, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(var4, var2, rtol=1e-5, atol=1e-6)
+        assert abs(loss4 - loss2) <= 1e-5 * max(1.0, abs(loss2))
