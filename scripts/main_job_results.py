@@ -23,7 +23,9 @@ import torch
 
 RUNS = [
     ("1 process", []),
+    ("2 processes, --dp-sync gather-scatter", ["--nproc-per-node", "2", "--dp-sync", "gather-scatter"]),
     ("2 processes, --dp-sync allreduce", ["--nproc-per-node", "2", "--dp-sync", "allreduce"]),
+    ("2 processes, --dp-sync bucketed (the default)", ["--nproc-per-node", "2", "--dp-sync", "bucketed"]),
     ("2 processes, --dp-sync ddp", ["--nproc-per-node", "2", "--dp-sync", "ddp"]),
 ]
 BASE = ["train", "--model", "mlp", "--dataset", "fashion-mnist", "--epochs", "1", "--log-every", "1000",
