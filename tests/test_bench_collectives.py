@@ -66,11 +66,12 @@ def test_bench_syncbn_records_accuracy_time_and_memory(run_cli, tmp_path):
 
 def test_bench_dp_trains_each_method_and_compares_with_ddp(tmp_path):
     from distlab.bench import dp
+    from distlab.parallel import Strategy
     dp.WORKLOADS["tiny"] = {"model": "mlp", "dataset": "synthetic:1x8x8:4:512", "fallback": None, "sync_bn": "off",
                             "lr": 0.05}
     try:
         records = dp.run(["tiny"], nproc=2, steps=6, batch=16,
-                         methods=[("allreduce", "native"), ("bucketed", "ring"), ("ddp", "native")],
+                         methods=[Strategy.parse(m) for m in ("allreduce", "bucketed:ring", "ddp")],
                          out=tmp_path, progress=lambda s: None)
     finally:
         del dp.WORKLOADS["tiny"]
