@@ -186,14 +186,15 @@ def test_verify_reports_every_strategy_against_single_process(run_cli, tmp_path)
                 "tolerance", "passed"} <= r.keys()
         assert r["world_size"] == 3 and r["steps"] == 5 and r["passed"]
         assert 0 < r["tolerance"] < 1e-4 and r["max_abs_param_diff"] <= r["tolerance"]
-    assert records[2]["flags"] == {"dp_sync": "allreduce", "collective": "ring", "grad_accum": 1, "sync_bn": "distlab",
-                                   "tp": 1, "tp_style": "megatron", "zero": 0, "optimizer": "sgd"}
+    assert records[2]["flags"] == {"dp_sync": "allreduce", "collective": "ring", "bucket_mb": 25.0, "grad_accum": 1,
+                                   "sync_bn": "distlab", "find_unused": False, "tp": 1, "tp_style": None, "zero": 0,
+                                   "optimizer": "sgd"}
     assert "PASS" in proc.stdout and "FAIL" not in proc.stdout
 
 
 def test_verify_rejects_unreadable_strategies(run_cli):
     proc = run_cli("verify", "--strategy", "bucketed:tree")
-    assert proc.returncode == 2 and "unknown collective 'tree'" in proc.stderr
+    assert proc.returncode == 2 and "unknown --collective 'tree'" in proc.stderr
     proc = run_cli("verify", "--strategy", "ddp+accum=5", "--nproc", "2")
     assert proc.returncode == 2 and "must split into --grad-accum 5" in proc.stderr
 
