@@ -3,7 +3,7 @@
 Rank ``r`` owns chunk ``r``. Every rank sends each chunk straight to its owner, the owner reduces
 the ``n`` copies (in rank order) and sends the result straight back to everyone. Two rounds,
 ``2(n-1)/n * S`` bytes per rank like the ring, but ``n-1`` messages in flight per round (some
-course material calls this one "butterfly") and ``(n-1)/n * S`` of receive buffers.
+others call this one "butterfly") and ``(n-1)/n * S`` of receive buffers.
 """
 
 from __future__ import annotations

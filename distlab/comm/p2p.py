@@ -10,7 +10,7 @@ message, and the ring is CPU-bound on small machines.
 ranks, guarded by one lock. When both ranks of a pair send large messages to each other at once
 (a ring of two, every butterfly exchange, the direct all-to-all), each sender holds the pair's
 lock while it writes, the receiving network thread cannot get it to drain the socket, and on a
-small machine the two end up taking turns: a 400 KB exchange took ~1 ms instead of ~0.3 ms here.
+small machine the two end up taking turns (a several-fold slower exchange; ``docs/01-collectives.md``).
 So :func:`prepare` gives each gloo group a *duplex partner*: a second gloo process group over the
 same ranks (its own connections and network thread). Messages from the lower rank of a pair travel
 on the group, messages from the higher rank on its partner, so every socket carries one direction.

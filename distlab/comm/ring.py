@@ -24,11 +24,13 @@ Making it fast (the plain version above spends its time waiting):
   microsecond of Python per message is CPU that gloo's C++ ring does not spend: the connection
   and tags are resolved once per neighbour (:class:`~distlab.comm.p2p.Peer`), every view is cut
   before the loop, and messages go to the process group objects directly, not through
-  ``dist.isend``'s checks (this took 1e6-element all-reduces from 1.12-1.20x native to ~1.0x).
+  ``dist.isend``'s checks.
 * **No duplex partner from 3 ranks on.** In a ring of 3 or more no two ranks send to each other,
   so each of the group's connections already carries one direction; routing the wrap-around pair
   over :mod:`~distlab.comm.p2p`'s second group only woke a second network thread in two of the
-  processes (5-7% slower at 4 ranks, interleaved A/B). Two ranks still use it.
+  processes. Two ranks still use it.
+
+What each choice measured on a 2-core machine: ``docs/01-collectives.md`` ("How the ring was tuned").
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ from distlab.comm import chunked, p2p
 from distlab.comm.ops import combiner, finish, workspace
 from distlab.comm.p2p import irecv, isend, wait_all
 
-SEGMENT_BYTES = 4 << 20  # segments of at most this much (4 MiB: fewer, larger messages won on 2 cores)
-WINDOW = 8  # reduce-scatter receives posted ahead of the one being waited on (2 was 6-20% slower)
+SEGMENT_BYTES = 4 << 20  # segments of at most this much: fewer, larger messages cost less CPU
+WINDOW = 8  # reduce-scatter receives posted ahead of the one being waited on
 _RS_TAG, _AG_TAG = 0, 1
 
 
