@@ -30,7 +30,7 @@ def test_bench_collectives_writes_the_contract(run_cli, tmp_path):
 
 def test_bench_rejects_bad_flags(run_cli):
     proc = run_cli("bench", "collectives", "--ops", "mean")
-    assert proc.returncode == 2 and "unknown op 'mean'" in proc.stderr
+    assert proc.returncode == 2 and "unknown --ops value 'mean'" in proc.stderr
 
 
 def test_crossover_is_the_size_from_which_ring_stays_faster():

@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from distlab import comm
-from distlab.runtime import cores as runtime_cores
+from distlab.bench.common import at_least, choose
+from distlab.comm.ops import OPS
+from distlab.runtime import cores as runtime_cores, free_port
 from distlab.spawn import run_ranks
 from distlab.train.metrics import atomic_write_text, peak_rss_mb
 
@@ -37,39 +38,44 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.f
 # --------------------------------------------------------------------------- the ceiling
 
 
-def _tcp_sink(port_q, nbytes: int, rounds: int) -> None:
-    with socket.create_server(("127.0.0.1", 0)) as srv:
-        port_q.put(srv.getsockname()[1])
-        conn, _ = srv.accept()
-        with conn:
-            buf = bytearray(1 << 20)
-            view = memoryview(buf)
-            left = nbytes * rounds
-            while left > 0:
-                got = conn.recv_into(view[: min(len(buf), left)])
-                if not got:
-                    break
-                left -= got
-            conn.sendall(b"k")
+def _tcp_pair(rank: int, world: int, port: int, nbytes: int, rounds: int) -> float:
+    """Rank 0 listens on ``port`` and drains; rank 1 sends ``rounds`` x ``nbytes`` and times it."""
+    if rank == 0:
+        with socket.create_server(("127.0.0.1", port)) as srv:
+            srv.settimeout(30)
+            conn, _ = srv.accept()
+            with conn:
+                view = memoryview(bytearray(1 << 20))
+                left = nbytes * rounds
+                while left > 0:
+                    got = conn.recv_into(view[: min(len(view), left)])
+                    if not got:
+                        break
+                    left -= got
+                conn.sendall(b"k")
+        return 0.0
+    deadline = time.monotonic() + 30
+    while True:  # until rank 0 listens
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=30)
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+    payload = bytes(nbytes)
+    with s:
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            s.sendall(payload)
+        s.recv(1)
+        return nbytes * rounds / (time.perf_counter() - t0) / 1e9
 
 
 def tcp_loopback_gbps(nbytes: int = 4_000_000, rounds: int = 50) -> float:
     """One-way TCP throughput between two processes on 127.0.0.1, in GB/s (best of 3)."""
-    ctx = mp.get_context("spawn")
-    best = 0.0
-    payload = bytes(nbytes)
-    for _ in range(3):
-        q = ctx.Queue()
-        sink = ctx.Process(target=_tcp_sink, args=(q, nbytes, rounds), daemon=True)
-        sink.start()
-        with socket.create_connection(("127.0.0.1", q.get(timeout=30))) as s:
-            t0 = time.perf_counter()
-            for _ in range(rounds):
-                s.sendall(payload)
-            s.recv(1)
-            best = max(best, nbytes * rounds / (time.perf_counter() - t0) / 1e9)
-        sink.join(timeout=10)
-    return best
+    return max(run_ranks(_tcp_pair, 2, free_port(), nbytes, rounds, init_group=False, timeout=120)[1]
+               for _ in range(3))
 
 
 # --------------------------------------------------------------------------- one world size
@@ -161,14 +167,22 @@ def _merge_runs(runs: list[list[dict]]) -> list[dict]:
     return merged
 
 
+def check(worlds, algorithms, ops, dtypes, warmup: int, repeats: int, runs: int) -> list[str]:
+    """Every argument of :func:`run`, before a process starts; the algorithms' canonical names."""
+    at_least(repeats=(repeats, 1), runs=(runs, 1), warmup=(warmup, 0), world=(min(worlds, default=0), 1))
+    choose("--ops", ops, OPS)
+    choose("--dtypes", dtypes, DTYPES)
+    return [comm.check_algorithm(a) for a in algorithms]
+
+
 def run(worlds, sizes, algorithms, ops=("sum",), dtypes=("float32",), warmup: int = 3, repeats: int = 20,
         out: str | Path | None = None, progress=print, runs: int = 1) -> list[dict]:
     """Run the suite ``runs`` times (fresh processes each) and write ``out/collectives.json``:
     one record per configuration with the median over runs of each run's median time."""
+    algorithms = check(worlds, algorithms, ops, dtypes, warmup, repeats, runs)
     cores = runtime_cores()
     ceiling = tcp_loopback_gbps()
     progress(f"ceiling: raw TCP over loopback, one way, 2 processes: {ceiling:.2f} GB/s")
-    algorithms = [comm.check_algorithm(a) for a in algorithms]
     records = []
     for world in worlds:
         results = []
@@ -269,7 +283,7 @@ def run_here(rank: int, world: int, sizes, algorithms, ops=("sum",), dtypes=("fl
     the same processes. Rank 0 writes ``out/collectives.json`` (records name the ``link``) and
     returns the records; other ranks return None."""
     torch.set_num_threads(1)
-    algorithms = [comm.check_algorithm(a) for a in algorithms]
+    algorithms = check([world], algorithms, ops, dtypes, warmup, repeats, runs)
     results = [_bench_world(rank, world, algorithms, list(ops), list(sizes), list(dtypes), warmup, repeats)
                for _ in range(runs)]
     if rank != 0:

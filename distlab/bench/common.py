@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from distlab.errors import ConfigError
 from distlab.runtime import cores
 from distlab.train.metrics import atomic_write_text
 
@@ -18,6 +19,24 @@ def machine(ranks: int, threads_per_rank: int) -> dict:
     return {"ranks": ranks, "threads_per_rank": threads_per_rank, "cores": cores(),
             "oversubscribed": ranks * threads_per_rank > cores(), "torch_version": torch.__version__,
             "host": platform.node(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def choose(flag: str, names, allowed) -> list[str]:
+    """``names`` (a list, or comma-separated text) checked against ``allowed``; at least one."""
+    chosen = [n.strip() for n in (names.split(",") if isinstance(names, str) else names) if n.strip()]
+    for n in chosen:
+        if n not in allowed:
+            raise ConfigError(f"unknown {flag} value {n!r}; choose from {', '.join(allowed)}")
+    if not chosen:
+        raise ConfigError(f"{flag}: give at least one of {', '.join(allowed)}")
+    return chosen
+
+
+def at_least(**minimums: tuple[int, int]) -> None:
+    """``name=(value, minimum)``: raise naming every flag below its minimum."""
+    low = [f"--{k.replace('_', '-')} {v} (at least {m})" for k, (v, m) in minimums.items() if v is None or v < m]
+    if low:
+        raise ConfigError("too small: " + ", ".join(low))
 
 
 def write(records: list[dict], out: str | Path | None, suite: str) -> Path | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import statistics
 
-from distlab.bench.common import cores, machine, train_on_ranks, write
+from distlab.bench.common import at_least, choose, cores, machine, train_on_ranks, write
 from distlab.errors import DataNotFoundError
 from distlab.parallel import Strategy
 from distlab.spawn import run_ranks
@@ -52,6 +52,10 @@ def _dataset(workload: dict, data_dir: str | None) -> tuple[str, bool]:
 
 def run(workloads=("mlp", "vgg11", "resnet18-syncbn"), nproc: int = 2, steps: int = 30, batch: int = 64,
         methods=METHODS, runs: int = 1, data_dir: str | None = None, out=None, progress=print) -> list[dict]:
+    workloads = choose("--workloads", workloads, WORKLOADS)
+    at_least(nproc=(nproc, 2), steps=(steps, 3), runs=(runs, 1))
+    for m in methods:
+        m.check(nproc).check_batch(batch, nproc)
     records = []
     for name in workloads:
         w = WORKLOADS[name]

@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from distlab.bench.common import cores, machine, train_on_ranks, write
+from distlab.bench.common import at_least, choose, cores, machine, train_on_ranks, write
+from distlab.errors import ConfigError
 from distlab.parallel import Strategy
 from distlab.parallel.state_bytes import model_state_bytes
 from distlab.spawn import run_ranks
@@ -123,6 +124,13 @@ def _torch(rank: int, world: int, kind: str, cfg: TrainConfig) -> dict | None:
 
 def run(workloads=("mlp", "wide-mlp"), strategies=STRATEGIES, nproc: int = 4, steps: int = 20, batch: int = 64,
         dataset: str = "fashion-mnist", data_dir: str | None = None, out=None, progress=print) -> list[dict]:
+    workloads = choose("--workloads", workloads, WORKLOADS)
+    at_least(nproc=(nproc, 2), steps=(steps, 3))
+    if nproc % 2:
+        raise ConfigError(f"--nproc {nproc}: tensor parallel pairs ranks, use an even number")
+    for s in strategies:  # every flag and the batch split, before a process starts
+        if s not in TORCH:
+            config(strategy_for(s, nproc), WORKLOADS[workloads[0]], steps, batch, dataset).validate(nproc)
     threads = max(1, cores() // nproc)
     records = []
     for name in workloads:

@@ -32,11 +32,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from distlab.bench.common import cores, machine, write
+from distlab.bench.common import at_least, choose, cores, machine, write
 from distlab.cluster import TBF_BURST
 from distlab.errors import ConfigError, DistlabError
 from distlab.flags import strategy_flags
 from distlab.parallel import Strategy
+from distlab.train.config import LR_SCALINGS
 
 
 def _train_args(mode: str, world: int, per_worker: int, global_batch: int, method: str, opts: dict,
@@ -102,6 +103,15 @@ def run(worlds=(1, 2, 4), modes=("weak", "strong"), methods=("ddp",), per_worker
         lr_scaling: str = "sqrt", val_fraction: float = 0.1, bandwidths=(None,), cluster: bool = False,
         out: str | Path = "runs/bench", timeout: float = 3600, progress=print, mlp_widths: str | None = None) -> list[dict]:
     """Run the grid; return the records (also written to ``OUT/scaling.json``)."""
+    at_least(world=(min(worlds, default=0), 1))
+    modes = choose("--modes", modes, ("weak", "strong"))
+    lr_scaling = choose("--lr-scaling", [lr_scaling], LR_SCALINGS)[0]
+    if not methods:
+        raise ConfigError("--methods: give at least one strategy")
+    for m in methods:
+        Strategy.parse(m).check(max(worlds))
+    if 1 not in worlds:
+        worlds = [1, *worlds]  # efficiency is relative to one worker
     for w in worlds:
         if "strong" in modes and global_batch % w:
             raise ConfigError(f"strong scaling splits --global-batch {global_batch} over {w} workers: use a "

@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from distlab.bench.common import machine, write
+from distlab.bench.common import at_least, machine, write
 from distlab.parallel import SyncBatchNorm
 from distlab.spawn import run_ranks
 from distlab.train.metrics import peak_rss_mb
@@ -113,6 +113,7 @@ def _bench(rank: int, world: int, features_list, batches, impls, warmup: int, re
 
 def run(workers=(1, 2, 4), features=(128, 256, 512, 1024), batches=(32, 64), impls=IMPLEMENTATIONS,
         warmup: int = 5, repeats: int = 50, device: str = "cpu", out=None, progress=print) -> list[dict]:
+    at_least(repeats=(repeats, 1), warmup=(warmup, 0))
     records = []
     for w in workers:
         bad = [b for b in batches if b % w]

@@ -162,6 +162,18 @@ class Strategy:
                                   f"({', '.join(SYNC_METHODS)}) comes first")
         return cls(**values).check()
 
+    @classmethod
+    def parse_list(cls, text: str, world: int | None = None, global_batch: int | None = None) -> list["Strategy"]:
+        """Comma-separated text forms, each checked against ``world`` (and the batch split) if given."""
+        out = [cls.parse(part) for part in text.split(",") if part.strip()]
+        if not out:
+            raise ConfigError(f"no strategy in {text!r}: give at least one, e.g. bucketed,zero=1")
+        for s in out if world else ():
+            s.check(world)
+            if global_batch:
+                s.check_batch(global_batch, world)
+        return out
+
     def to_dict(self) -> dict:
         """The JSON object of ``summary.json["strategy"]`` (``tp_style`` is null without tensor parallel)."""
         d = dataclasses.asdict(self)

@@ -14,7 +14,7 @@ from distlab.errors import ConfigError
 from distlab.parallel import Strategy
 from distlab.parallel.zero import goes_alone
 from distlab.plan.calibration import Calibration
-from distlab.plan.cost import ALGORITHMS, DDP_FIRST_BUCKET, Link, rounds, volume
+from distlab.plan.cost import DDP_FIRST_BUCKET, Link, rounds, volume
 from distlab.plan.memory import Optim, Trace, data_parallel_bytes, zero_peak_bytes
 
 @dataclass(frozen=True)

@@ -1,0 +1,63 @@
+"""``distlab``: thin command line over the packages (parse, build config, call in, print).
+
+One module per command family: :mod:`.train` (train, verify, report, doctor), :mod:`.plan`,
+:mod:`.bench`, :mod:`.cluster` (cluster, demo); :mod:`.options` holds what they share.
+
+Every command that runs on several processes takes the same launch flags: ``--nproc-per-node N``
+hands off to torchrun (with its flag names); ``--rank R --world-size W --master-addr A`` starts
+one rank of a manual multi-node job; under torchrun, mpirun or srun the command just runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# c10d logs connection failures with C++ stack frames; distlab reports them as one line.
+# Set TORCH_CPP_LOG_LEVEL=INFO to see them again. Must be set before torch is imported.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+
+import click  # noqa: E402
+
+from distlab.cli import bench, cluster, plan, train  # noqa: E402
+from distlab.errors import ConfigError, DistlabError, RankConfigError  # noqa: E402
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="distlab")
+def cli():
+    """distlab: distributed training from first principles, measured against PyTorch's own."""
+
+
+for command in (train.train, train.verify, train.report, plan.plan, cluster.cluster, cluster.demo, bench.bench,
+                train.doctor):
+    cli.add_command(command)
+
+
+def _report_error(exc: DistlabError) -> None:
+    from distlab.runtime import detect_launch
+    try:
+        rank = detect_launch().rank
+    except DistlabError:
+        rank = 0
+    if rank != 0 and isinstance(exc, ConfigError) and not isinstance(exc, RankConfigError):
+        return  # every rank finds the same config error; rank 0 says it once
+    from distlab.flags import flagify
+    prefix = f"[rank {rank}] " if rank else ""
+    print(f"distlab: error: {prefix}{flagify(str(exc))}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        rv = cli.main(args=argv, prog_name="distlab", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        sys.exit(130)
+    except DistlabError as exc:
+        _report_error(exc)
+        sys.exit(exc.exit_code)
+    sys.exit(rv if isinstance(rv, int) else 0)

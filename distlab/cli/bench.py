@@ -1,0 +1,170 @@
+"""``distlab bench``: every command writes OUT/SUITE.json and prints a table."""
+
+from __future__ import annotations
+
+import click
+
+from distlab.cli.options import csv_ints, float_list, launch_options, run_distributed
+from distlab.errors import ConfigError
+
+
+@click.group()
+def bench():
+    """Measure: every command writes DIR/SUITE.json and prints a table."""
+
+
+def _progress(line: str) -> None:
+    click.echo(line, err=True)
+
+
+def _finish(module, records: list[dict], out: str, suite: str, plot_dir: str | None = None) -> None:
+    """The table, then what was written: OUT/SUITE.json and, with --plot, the module's PNGs."""
+    click.echo(module.table(records))
+    click.echo(f"wrote {out}/{suite}.json", err=True)
+    for path in module.plot(records, plot_dir) if plot_dir else ():
+        click.echo(f"wrote {path}", err=True)
+
+
+
+@bench.command("collectives")
+@click.option("--world", default="1,2,4,8,16,32", show_default=True, help="World sizes (processes).")
+@click.option("--sizes", default="1e3,1e4,1e5,1e6", show_default=True, help="Elements per tensor.")
+@click.option("--algorithms", default="native,ring,butterfly,direct,gather_scatter", show_default=True)
+@click.option("--ops", default="sum", show_default=True, help="sum, avg, max, min, product.")
+@click.option("--dtypes", default="float32", show_default=True, help="float32, float64, float16, bfloat16.")
+@click.option("--warmup", type=int, default=3, show_default=True)
+@click.option("--repeats", type=int, default=20, show_default=True, help="Timed calls per run.")
+@click.option("--runs", type=int, default=1, show_default=True,
+              help="Independent runs (fresh processes); times are the median of the runs' medians.")
+@click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/collectives.json.")
+@click.option("--plot", "plot_dir", default=None, help="Also write time and busbw PNGs here.")
+@click.option("--link", default=None,
+              help="Launched across nodes: the link they ran over, recorded in the JSON (e.g. 1gbit).")
+@click.option("--burst", default=None, help="Launched across nodes: the links' token-bucket burst, recorded.")
+@launch_options
+def bench_collectives(world, sizes, algorithms, ops, dtypes, warmup, repeats, runs, out, plot_dir, link, burst, **kw):
+    """All-reduce algorithms vs torch's native one: time, bandwidth, accuracy, bytes, memory.
+
+    Spawns its own ranks on this machine (one run per --world size); launched like training
+    (--nproc-per-node with --nnodes ..., or under torchrun / `distlab cluster run`), it measures the
+    group it was started in instead -- across the nodes' real links."""
+    from distlab import runtime
+    from distlab.bench import collectives
+    args = (float_list(sizes), algorithms.split(","), ops.split(","), dtypes.split(","), warmup, repeats)
+    if kw["nproc_per_node"] is not None or kw["rank"] is not None or runtime.under_launcher():
+        kw["threads"] = kw["threads"] or 1
+        records = run_distributed(kw, lambda rt: collectives.run_here(rt.rank, rt.world_size, *args, runs, out, link,
+                                                                      burst))
+        if records is not None:
+            _finish(collectives, records, out, "collectives")
+        return
+    sizes_, algos, ops_, dtypes_, _, _ = args
+    records = collectives.run(float_list(world), sizes_, algos, ops_, dtypes_, warmup, repeats, out, _progress, runs)
+    for w, numel in collectives.crossovers(records).items():
+        click.echo(f"world {w}: ring faster than butterfly "
+                   + (f"from {numel:,} elements up" if numel else "at no size measured"))
+    _finish(collectives, records, out, "collectives", plot_dir)
+
+
+@bench.command("syncbn")
+@click.option("--workers", default="1,2,4", show_default=True, help="Process counts.")
+@click.option("--features", default="128,256,512,1024", show_default=True)
+@click.option("--batches", default="32,64", show_default=True, help="Global batch sizes.")
+@click.option("--warmup", type=int, default=5, show_default=True)
+@click.option("--repeats", type=int, default=50, show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda (torch's SyncBN needs cuda).")
+@click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/syncbn.json.")
+@click.option("--plot", "plot_dir", default=None, help="Also write time-vs-features PNGs here.")
+def bench_syncbn(workers, features, batches, warmup, repeats, device, out, plot_dir):
+    """SyncBatchNorm (distlab's, torch's on GPU) vs local BatchNorm: accuracy, time, memory."""
+    from distlab.bench import syncbn
+    records = syncbn.run(csv_ints(workers), csv_ints(features), csv_ints(batches), warmup=warmup, repeats=repeats,
+                         device=device, out=out, progress=_progress)
+    _finish(syncbn, records, out, "syncbn", plot_dir)
+
+
+@bench.command("dp")
+@click.option("--workloads", default="mlp,vgg11,resnet18-syncbn", show_default=True)
+@click.option("--nproc", type=int, default=2, show_default=True)
+@click.option("--steps", type=int, default=30, show_default=True)
+@click.option("--batch", type=int, default=64, show_default=True, help="Global batch size.")
+@click.option("--methods", default="gather-scatter,allreduce,allreduce:ring,bucketed,bucketed:ring,ddp",
+              show_default=True, help="Strategies (text form, e.g. bucketed:ring+accum=2), comma-separated.")
+@click.option("--runs", type=int, default=1, show_default=True, help="Repeat each configuration; median of medians.")
+@click.option("--data-dir", default=None)
+@click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/dp.json.")
+@click.option("--plot", "plot_dir", default=None, help="Also write samples/s bar charts here.")
+def bench_dp(workloads, nproc, steps, batch, methods, runs, data_dir, out, plot_dir):
+    """Every --dp-sync method vs DDP on real training: samples/s, bytes/step, memory, accuracy."""
+    from distlab.bench import dp
+    from distlab.parallel import Strategy
+    records = dp.run(workloads.split(","), nproc, steps, batch, Strategy.parse_list(methods), runs, data_dir, out,
+                     progress=_progress)
+    _finish(dp, records, out, "dp", plot_dir)
+
+
+@bench.command("scaling")
+@click.option("--world", default="1,2,4", show_default=True, help="Worker counts.")
+@click.option("--modes", default="weak,strong", show_default=True,
+              help="weak (fixed per-worker batch) and/or strong (fixed global batch).")
+@click.option("--methods", default="ddp", show_default=True,
+              help="Strategies to compare (text form: ddp, bucketed:ring, allreduce+accum=2 ...), comma-separated.")
+@click.option("--per-worker-batch", type=int, default=32, show_default=True, help="Weak scaling: batch per worker.")
+@click.option("--global-batch", type=int, default=128, show_default=True, help="Strong scaling: global batch.")
+@click.option("--model", default="mlp", show_default=True)
+@click.option("--mlp-widths", default=None, help="Hidden widths of the MLP (default: the model's).")
+@click.option("--dataset", default="fashion-mnist", show_default=True)
+@click.option("--data-dir", default=None)
+@click.option("--epochs", type=int, default=1, show_default=True)
+@click.option("--max-steps", type=int, default=None, help="Cap every run at this many steps.")
+@click.option("--optimizer", default="adam", show_default=True)
+@click.option("--lr", type=float, default=1e-3, show_default=True, help="LR at the per-worker batch (weak) / global batch (strong).")
+@click.option("--lr-scaling", default="sqrt", show_default=True, help="Weak scaling LR rule: none, linear, sqrt.")
+@click.option("--val-fraction", type=float, default=0.1, show_default=True)
+@click.option("--cluster", is_flag=True, help="Run multi-worker runs on an emulated cluster, one node per worker (root).")
+@click.option("--bandwidths", default="100mbit,1gbit,10gbit", show_default=True, help="With --cluster: link rates.")
+@click.option("--out", default="runs/bench-scaling", show_default=True, help="Writes OUT/scaling.json and OUT/runs/.")
+@click.option("--plot", "plot_dir", default=None, help="Also write loss-vs-time and efficiency PNGs here.")
+def bench_scaling(world, modes, methods, per_worker_batch, global_batch, model, mlp_widths, dataset, data_dir,
+                  epochs, max_steps, optimizer, lr, lr_scaling, val_fraction, cluster, bandwidths, out, plot_dir):
+    """Weak and strong scaling over 1, 2, 4 workers (or emulated nodes): time per epoch, accuracy, efficiency."""
+    from distlab.bench import scaling
+    links = [b for b in bandwidths.split(",") if b] if cluster else [None]
+    records = scaling.run(list(csv_ints(world)), modes.split(","), [m for m in methods.split(",") if m],
+                          per_worker_batch, global_batch, model, dataset, data_dir, epochs, max_steps, optimizer, lr,
+                          lr_scaling, val_fraction, links, cluster, out, progress=_progress, mlp_widths=mlp_widths)
+    _finish(scaling, records, out, "scaling", plot_dir)
+
+
+@bench.command("parallel")
+@click.option("--workloads", default="mlp,wide-mlp", show_default=True, help="mlp (512,256) and wide-mlp (4096,4096).")
+@click.option("--strategies", default=",".join(("dp", "zero1", "zero2", "zero3", "tp-naive", "tp-megatron", "dp2xtp",
+                                                 "torch-zero1", "torch-fsdp2", "torch-tp")), show_default=True,
+              help="Short names (dp, zero1-3, tp-naive, tp-megatron: tp = --nproc, dp2xtp), any strategy text "
+                   "(e.g. bucketed:ring, allreduce+tp=2+zero=1), and torch's torch-zero1, torch-fsdp2, torch-tp.")
+@click.option("--nproc", type=int, default=4, show_default=True)
+@click.option("--steps", type=int, default=20, show_default=True)
+@click.option("--batch", type=int, default=64, show_default=True, help="Global batch size.")
+@click.option("--dataset", default="fashion-mnist", show_default=True)
+@click.option("--data-dir", default=None)
+@click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/parallel.json.")
+def bench_parallel(workloads, strategies, nproc, steps, batch, dataset, data_dir, out):
+    """DP, ZeRO-1/2/3, tensor parallel and DP x TP beside torch's ZeRO, FSDP2 and DTensor TP."""
+    from distlab.bench import parallel
+    records = parallel.run(workloads.split(","), [s for s in strategies.split(",") if s], nproc, steps, batch,
+                           dataset, data_dir, out, progress=_progress)
+    _finish(parallel, records, out, "parallel")
+
+
+
+@bench.command("markdown")
+@click.argument("paths", nargs=-1, required=True)
+def bench_markdown(paths):
+    """Print README-ready Markdown tables from bench JSON files."""
+    from distlab.bench import markdown
+    for p in paths:
+        try:
+            click.echo(markdown.render(p) + "\n")
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigError(f"cannot make a table from {p}: {exc}") from None
+

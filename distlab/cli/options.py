@@ -1,0 +1,181 @@
+"""What several commands share: launch flags, the strategy and training flags (one row per config
+field, the default read from the dataclass), and small parsers."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from distlab.errors import ConfigError
+
+
+def csv_ints(value: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise ConfigError(f"expected comma-separated integers, got {value!r}") from None
+
+
+
+def float_list(value: str) -> list[int]:
+    try:
+        return [int(float(v)) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"expected comma-separated numbers, got {value!r}") from None
+
+
+def launch_options(f):
+    """The flags every multi-process command shares (torchrun's names where they overlap)."""
+    options = [
+        click.option("--nproc-per-node", type=int, default=None,
+                     help="Start N local workers through torchrun (omit under torchrun/mpirun/srun)."),
+        click.option("--nnodes", default="1", show_default=True, help="Number of nodes (torchrun's N or MIN:MAX)."),
+        click.option("--node-rank", type=int, default=0, show_default=True, help="This node's rank (torchrun)."),
+        click.option("--master-addr", "--master-ip", "master_addr", default=None,
+                     help="Address of rank 0 / node 0 (default 127.0.0.1)."),
+        click.option("--master-port", type=int, default=None,
+                     help="Port of rank 0 / node 0 (default: a free one on a single node, else 29500)."),
+        click.option("--rdzv-endpoint", default=None, help="torchrun c10d rendezvous HOST:PORT (elastic jobs)."),
+        click.option("--max-restarts", type=int, default=0, show_default=True,
+                     help="Restarts of the worker group after a failure (torchrun)."),
+        click.option("--rank", type=int, default=None, help="Manual start: this process's global rank."),
+        click.option("--world-size", "--num-nodes", "world_size", type=int, default=None,
+                     help="Manual start: total number of processes (one per node in a one-process-per-node job)."),
+        click.option("--backend", default="auto", show_default=True, help="auto (nccl on GPU, else gloo), gloo, nccl, mpi."),
+        click.option("--device", default="auto", show_default=True, envvar="DISTLAB_DEVICE",
+                     help="auto (cuda if available), cpu or cuda; also $DISTLAB_DEVICE."),
+        click.option("--comm-timeout", type=float, default=300.0, show_default=True,
+                     help="Seconds before a missing or dead peer becomes an error (start-up and collectives)."),
+        click.option("--threads", type=int, default=None,
+                     help="Torch threads per rank (default: cores // local ranks)."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def run_distributed(kw: dict, body, planned_check=None):
+    """Launch through torchrun if asked, else join the job and call ``body(runtime)``."""
+    from distlab import runtime
+    from distlab.launch import LaunchOptions, launch
+
+    lopts = LaunchOptions(kw.pop("nproc_per_node"), kw.pop("nnodes"), kw.pop("node_rank"), kw["master_addr"],
+                          kw["master_port"], kw.pop("rdzv_endpoint"), kw.pop("max_restarts"), kw["threads"])
+    manual = kw["rank"] is not None or kw["world_size"] is not None
+    if lopts.nproc_per_node is not None and not runtime.under_launcher():
+        if manual:
+            raise ConfigError("--nproc-per-node (torchrun launch) and --rank/--world-size (manual start) "
+                              "cannot be combined: use one or the other")
+        runtime.check_local_devices(kw["device"], lopts.nproc_per_node)
+        if planned_check:
+            planned_check(lopts.planned_world_size())
+        sys.exit(launch(lopts, sys.argv[1:]))
+    if planned_check and manual and kw["world_size"]:
+        planned_check(kw["world_size"])
+    rt = runtime.init(backend=kw.pop("backend"), device=kw.pop("device"), timeout_s=kw.pop("comm_timeout"),
+                      threads=kw.pop("threads"), rank=kw.pop("rank"), world_size=kw.pop("world_size"),
+                      master_addr=kw.pop("master_addr"), master_port=kw.pop("master_port"))
+    try:
+        return body(rt)
+    finally:
+        runtime.shutdown()
+
+
+def default_of(name: str):
+    """A field's default, from the one place it is set (TrainConfig or Strategy)."""
+    from dataclasses import fields
+
+    from distlab.parallel import Strategy
+    from distlab.train import TrainConfig
+    for cls in (TrainConfig, Strategy):
+        for f in fields(cls):
+            if f.name == name:
+                return getattr(cls(), name)
+    raise KeyError(name)
+
+
+# The strategy's flags (shared by train and plan), then train's own. Each is a field of Strategy or
+# TrainConfig, written once here with its help; the default comes from the dataclass.
+STRATEGY_OPTIONS = [
+    ("dp_sync", dict(default=None, help="Gradient sync: gather-scatter (via rank 0), allreduce (per parameter, after "
+                     "backward), bucketed (overlapped with backward; the default) or ddp (torch's DDP). With --zero: "
+                     "ZeRO's own reduce-scatter.")),
+    ("collective", dict(help="All-reduce algorithm: native (gloo/NCCL), ring, butterfly or direct (distlab.comm).")),
+    ("bucket_mb", dict(type=float, help="Bucket size in MB for --dp-sync bucketed and ddp.")),
+    ("grad_accum", dict(type=int, help="Micro-batches per optimizer step (no communication until the last).")),
+    ("sync_bn", dict(help="off, distlab (any device) or torch (nn.SyncBatchNorm, GPU only); statistics over the "
+                     "data-parallel group.")),
+    ("find_unused", dict(is_flag=True, help="Parameters without a gradient in a step count as zero.")),
+    ("tp", dict(type=int, help="Tensor-parallel size: ranks that split each Linear layer (must divide the world size).")),
+    ("tp_style", dict(help="megatron (column then row parallel, one all-reduce each way per block) or naive "
+                      "(every layer column parallel, activations all-gathered).")),
+    ("zero", dict(type=click.IntRange(0, 3), help="ZeRO stage over the data-parallel ranks: 1 shards optimizer "
+                  "state, 2 also gradients, 3 also parameters.")),
+]
+TRAIN_OPTIONS = [
+    ("model", dict(help="mlp, small-cnn, small-cnn-bn, vgg11, vgg11-bn, vgg19, vgg19-bn, resnet18.")),
+    ("mlp_widths", dict(help="Hidden widths of the MLP, comma-separated.")),
+    ("dataset", dict(help="fashion-mnist, mnist, cifar10, cifar100 or synthetic:CxHxW:K[:N].")),
+    ("data_dir", dict(help="Where datasets are (also $DISTLAB_DATA, /usr/share/datasets).")),
+    ("epochs", dict(type=int)),
+    ("max_steps", dict(type=int, help="Stop after this many optimizer steps.")),
+    ("global_batch_size", dict(type=int, aliases=("--batch-size",),
+                               help="Samples per optimizer step over all ranks (split over the data-parallel ranks).")),
+    ("lr", dict(type=float)),
+    ("optimizer", dict(help="sgd, adam or adamw.")),
+    ("lr_schedule", dict(help="constant, cosine or linear decay to 0.")),
+    ("momentum", dict(type=float, help="SGD momentum.")),
+    ("weight_decay", dict(type=float)),
+    ("seed", dict(type=int)),
+    ("log_every", dict(type=int, help="Log the loss every N steps (rank 0).")),
+    ("eval_batch_size", dict(type=int)),
+    *STRATEGY_OPTIONS,
+    ("lr_scaling", dict(help="Scale --lr with the global batch: none, linear (x G/B) or sqrt (x sqrt(G/B)), "
+                        "B = --base-batch-size.")),
+    ("base_batch_size", dict(type=int, help="The global batch size --lr was tuned for.")),
+    ("warmup_steps", dict(type=int, help="Linear LR warm-up steps.")),
+    ("val_fraction", dict(type=float, help="Hold out this fraction of the training set (seeded) for validation; the "
+                          "best validation loss and its model go into snapshots.")),
+    ("snapshot_dir", dict(help="Write snapshots here (every --snapshot-every steps and at the end).")),
+    ("snapshot_every", dict(type=int, help="Snapshot every N optimizer steps.")),
+    ("keep_snapshots", dict(type=int, help="Keep the newest K snapshots.")),
+    ("resume", dict(help="auto (newest good snapshot in --snapshot-dir; also the default after torchrun restarts "
+                    "the workers) or a snapshot directory.")),
+    ("time_budget_s", dict(default=None, help="Stop cleanly (evaluation, snapshot, summary) before this much "
+                           "training time, counted across restarts: 2h, 90m, 3600s, 1h30m.")),
+    ("out", dict(help="Run directory for metrics.jsonl and summary.json (default runs/MODEL-DATASET-TIME).")),
+    ("progress", dict(flag_pair=True, default=None, help="Progress bar on rank 0 (default: when a terminal).")),
+]
+
+
+def field_options(table):
+    """click options for ``(field, settings)`` rows: the flag from :func:`distlab.flags.flag`, the
+    default from the dataclass unless the row gives one."""
+    from distlab.flags import flag
+
+    def decorate(f):
+        for name, settings in reversed(table):
+            settings = dict(settings)
+            names = [flag(name), *settings.pop("aliases", ())]
+            if settings.pop("flag_pair", False):
+                names = [f"{flag(name)}/--no-{flag(name)[2:]}"]
+            if "default" not in settings and not settings.get("is_flag"):
+                value = default_of(name)
+                settings["default"] = ",".join(map(str, value)) if isinstance(value, tuple) else value
+                settings["show_default"] = value is not None
+            f = click.option(*names, name, **settings)(f)
+        return f
+
+    return decorate
+
+
+def config_from_flags(kw: dict, table) -> dict:
+    """Pop the table's fields from click's ``kw``, converted to the dataclass's types."""
+    from distlab.train.config import parse_duration
+    values = {name: kw.pop(name) for name, _ in table}
+    if "mlp_widths" in values:
+        values["mlp_widths"] = csv_ints(values["mlp_widths"])
+    if "time_budget_s" in values:
+        values["time_budget_s"] = parse_duration(values["time_budget_s"])
+    return values

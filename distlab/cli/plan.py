@@ -1,0 +1,149 @@
+"""``distlab plan``: predict step time and memory; calibrate and validate the cost model."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from distlab.cli.options import STRATEGY_OPTIONS, csv_ints, field_options
+from distlab.errors import ConfigError
+
+DEFAULT_CALIBRATION = "runs/calibration.json"
+PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "zero")  # what plan's cost model reads
+
+
+@click.group(invoke_without_command=True)
+@click.option("--model", default="mlp", show_default=True, help="A registered model (ignored with --params).")
+@click.option("--mlp-widths", default=None, help="Hidden widths of the MLP, e.g. 1024,512.")
+@click.option("--dataset", default="fashion-mnist", show_default=True, help="Gives the input shape and classes.")
+@click.option("--params", "num_params", type=float, default=None,
+              help="Plan for a model known only by its parameter count (e.g. 7e9) instead of --model.")
+@click.option("--activation-bytes", type=float, default=0.0, show_default=True,
+              help="With --params: activation bytes per sample.")
+@click.option("--layers", type=int, default=24, show_default=True, help="With --params: number of equal layers.")
+@click.option("--dp", type=int, default=1, show_default=True, help="Data-parallel ranks.")
+@field_options([row for row in STRATEGY_OPTIONS if row[0] in PLANNED_FIELDS])
+@field_options([("optimizer", dict(help="sgd, adam or adamw (sizes the optimizer state).")),
+                ("momentum", dict(type=float, help="SGD momentum (0: no momentum buffer).")),
+                ("global_batch_size", dict(type=int, aliases=("--global-batch",),
+                                           help="Global batch, as train's; with --sweep its per-rank share at --dp "
+                                                "is kept at every size (weak scaling)."))])
+@click.option("--link", default="loopback", show_default=True,
+              help="Each node's link: loopback (this machine) or a rate like 100mbit, 10gbit, 100gbit.")
+@click.option("--latency", default=None, help="Link latency per message round, e.g. 5us or 0.1ms.")
+@click.option("--burst", default=None, help="Token-bucket burst of the link (the emulated cluster's is 512kb).")
+@click.option("--threads", type=int, default=None, help="Threads per rank (picks the compute calibration).")
+@click.option("--calibration", default=None,
+              help=f"Calibration JSON from `distlab plan calibrate` (default {DEFAULT_CALIBRATION} if it exists; "
+                   "without one, memory only).")
+@click.option("--sweep", default=None, help="Data-parallel world sizes to sweep, e.g. 1,8,64,512,4096 (weak scaling).")
+@click.option("--strategies", default="bucketed,zero=1,zero=2,zero=3", show_default=True,
+              help="With --sweep: strategies to compare, in the text form of --strategy (e.g. ddp, zero=3, "
+                   "bucketed:ring+accum=2, allreduce+tp=2).")
+@click.option("--device-memory", default=None, help="With --sweep: memory per device, e.g. 80GiB.")
+@click.option("--min-efficiency", type=float, default=0.5, show_default=True,
+              help="With --sweep: below this scaling efficiency a strategy has stopped scaling.")
+@click.option("--json", "json_out", default=None, help="Also write the prediction(s) as JSON here.")
+@click.pass_context
+def plan(ctx, model, mlp_widths, dataset, num_params, activation_bytes, layers, dp, optimizer, momentum,
+         global_batch_size, link, latency, burst, threads, calibration, sweep, strategies, device_memory,
+         min_efficiency, json_out, **strategy_fields):
+    """Predict time per step and memory per rank of a layout, before running it.
+
+    \b
+    distlab plan --model resnet18 --dataset cifar10 --dp 8 --zero 2 --link 10gbit
+    distlab plan --params 7e9 --activation-bytes 4e6 --link 100gbit --sweep 8,64,512,4096 --device-memory 80GiB
+    distlab plan calibrate runs/bench-collectives runs/bench-scaling -o runs/calibration.json
+    distlab plan validate runs/bench-scaling-cluster
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    import json as _json
+    import os as _os
+    from distlab.data import dataset_shape
+    from distlab import plan as pp
+    from distlab.plan import cost, memory
+    if num_params is not None:
+        t = memory.generic_trace(int(num_params), activation_bytes, layers)
+    else:
+        shape, k = dataset_shape(dataset)
+        widths = csv_ints(mlp_widths) if mlp_widths else (512, 256)
+        t = memory.trace(model, shape, k, widths=widths)
+    path = calibration or (DEFAULT_CALIBRATION if _os.path.exists(DEFAULT_CALIBRATION) else None)
+    cal = pp.Calibration.load(path) if path else None
+    from distlab.parallel import Strategy
+    lay = pp.Layout(dp=dp, strategy=Strategy(**strategy_fields), optimizer=optimizer, momentum=momentum,
+                    global_batch=global_batch_size, threads=threads).check()
+    net = cost.Link.parse(link, latency, burst)
+    if sweep:
+        worlds = list(csv_ints(sweep))
+        if not worlds or min(worlds) < 1:
+            raise ConfigError(f"--sweep needs positive world sizes, not {sweep!r}")
+        strats = [Strategy.parse(s) for s in strategies.split(",") if s]
+        limit = cost.parse_bytes(device_memory) if device_memory else None
+        result = pp.sweep(t, lay, worlds, net, cal, limit, strats)
+        click.echo(pp.format_sweep(result, min_efficiency))
+    else:
+        result = pp.predict(t, lay, net, cal)
+        click.echo(pp.format_prediction(result))
+    if cal is not None:
+        click.echo(f"(calibration: {path}, {cal.machine.get('host', '?')}, {cal.machine.get('date', '?')})", err=True)
+    if json_out:
+        from distlab.train.metrics import atomic_write_text
+        atomic_write_text(json_out, _json.dumps(result, indent=1) + "\n")
+        click.echo(f"wrote {json_out}", err=True)
+
+
+@plan.command("calibrate")
+@click.argument("paths", nargs=-1, required=True)
+@click.option("-o", "--output", default=DEFAULT_CALIBRATION, show_default=True)
+def plan_calibrate(paths, output):
+    """Fit collectives' latency and bandwidth (alpha-beta) and the compute rate from bench results.
+
+    PATHS: `distlab bench collectives` output, run directories of one-worker training runs and
+    `distlab bench scaling` output (its one-worker runs), or directories holding them."""
+    from distlab import plan as pp
+    cal = pp.calibrate(list(paths))
+    cal.save(output)
+    for name, ab in cal.collectives.items():
+        click.echo(f"{name:<15} alpha {ab.alpha * 1e6:8.1f} us/round  beta {ab.beta * 1e9:7.3f} ns/byte "
+                   f"({1 / ab.beta / 1e9 if ab.beta else float('inf'):.2f} GB/s)  {ab.points} points, "
+                   f"median |error| {ab.median_rel_err:.1%}, max {ab.max_rel_err:.1%}")
+    for c in cal.compute.values():
+        click.echo(f"compute         {c.rate / 1e9:8.2f} GFLOP/s + {c.overhead * 1e3:.2f} ms/step at {c.threads} "
+                   f"threads/rank  {c.points} runs, median |error| {c.median_rel_err:.1%}, max {c.max_rel_err:.1%}")
+    click.echo(f"wrote {output} ({len(cal.sources)} sources)", err=True)
+
+
+@plan.command("validate")
+@click.argument("paths", nargs=-1, required=True)
+@click.option("--calibration", default=DEFAULT_CALIBRATION, show_default=True)
+@click.option("--json", "json_out", default=None, help="Write the per-run comparison here.")
+@click.option("--target", type=float, default=0.2, show_default=True,
+              help="Exit 1 if the median absolute step-time error is above this.")
+@click.option("--min-world", type=int, default=2, show_default=True,
+              help="Only runs with at least this many workers (1 also checks the compute model alone).")
+def plan_validate(paths, calibration, json_out, target, min_world):
+    """Compare predictions with measured runs (run directories, bench scaling JSON): per-run error."""
+    import json as _json
+    from distlab import plan as pp
+    cal = pp.Calibration.load(calibration)
+    rows = pp.validate(cal, list(paths), world_min=min_world)
+    per_kind = pp.summaries(rows)
+    click.echo(pp.format_validation(rows, per_kind))
+    judged = per_kind.get("training") or per_kind["collective"]  # the target is on training runs when given
+    if json_out:
+        from distlab.train.metrics import atomic_write_text
+        atomic_write_text(json_out, _json.dumps({"kind": "distlab-plan-validation",
+                                                 "summary": {**judged, "target": target, "calibration": calibration,
+                                                             "calibration_machine": cal.machine},
+                                                 "summaries": per_kind, "runs": rows}, indent=1) + "\n")
+        click.echo(f"wrote {json_out}", err=True)
+    if judged["median_abs_time_err"] > target:
+        click.echo(f"distlab: median |error| {judged['median_abs_time_err']:.1%} is above the target {target:.0%}",
+                   err=True)
+        sys.exit(1)
+
+
+# --------------------------------------------------------------------------- cluster

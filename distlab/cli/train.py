@@ -1,0 +1,129 @@
+"""Commands that train and check: ``train``, ``verify``, ``report``, ``doctor``."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import click
+
+from distlab.cli.options import TRAIN_OPTIONS, config_from_flags, field_options, launch_options, run_distributed
+from distlab.errors import ConfigError
+
+
+@click.command()
+@field_options(TRAIN_OPTIONS)
+@launch_options
+def train(**kw):
+    """Train a model: data parallel over every rank, or data x tensor parallel with --tp."""
+    from distlab.train import TrainConfig
+
+    values = config_from_flags(kw, TRAIN_OPTIONS)
+    values["out"] = values["out"] or os.path.join(
+        "runs", f"{values['model']}-{values['dataset'].replace(':', '_')}-{time.strftime('%Y%m%d-%H%M%S')}")
+    cfg = TrainConfig.from_flags(**values)
+    device = kw["device"]
+
+    def check(world_size: int) -> None:
+        # Before any process starts: flags, the batch split and the data on disk.
+        from distlab import runtime
+        from distlab.data import locate
+        cfg.validate(world_size)
+        if cfg.strategy.sync_bn == "torch" and runtime.resolve_device(device, 0).type != "cuda":
+            raise ConfigError("--sync-bn torch uses torch.nn.SyncBatchNorm, which only runs on GPUs; this run is on "
+                              "the CPU: use --sync-bn distlab, which works on any device")
+        if not cfg.dataset.startswith("synthetic"):
+            locate(cfg.dataset, cfg.data_dir)
+        if cfg.resume not in (None, "auto"):
+            from distlab.train.snapshot import check_path
+            check_path(cfg.resume)
+
+    def body(rt):
+        from distlab.train import Trainer
+        from distlab.train.summary import print_summary
+        summary = Trainer(cfg, rt).fit()
+        if rt.is_main:
+            print_summary(summary, cfg.out)
+
+    run_distributed(kw, body, check)
+
+
+# --------------------------------------------------------------------------- verify
+
+
+@click.command()
+@click.option("--nproc", type=int, default=2, show_default=True, help="Processes (gloo, CPU) for the distributed runs.")
+@click.option("--strategy", "strategies", multiple=True,
+              help="A strategy in its text form, repeatable: METHOD[:COLLECTIVE] then +accum=K, +bucket=MB, +syncbn, "
+                   "+tp=N, +naive, +zero=S, +adam (e.g. bucketed:ring+accum=4, zero=3, allreduce+tp=2+naive). "
+                   "Default: every --dp-sync x --collective, accum=4 for each method, syncbn, and tp=2 both styles "
+                   "on an even world.")
+@click.option("--steps", type=int, default=10, show_default=True, help="SGD steps per run.")
+@click.option("--global-batch-size", type=int, default=None, help="Default: 12 x --nproc.")
+@click.option("--json", "json_path", default=None, help="Write the records here.")
+@click.option("--resume", "resume", is_flag=True,
+              help="Instead: SIGKILL a worker mid-run under torchrun --max-restarts 1 and check that the resumed "
+                   "run ends bitwise equal to an uninterrupted one (default strategy allreduce+adam).")
+@click.option("--workdir", default=None, help="With --resume: keep both runs here (default: a temporary directory).")
+def verify(nproc, strategies, steps, global_batch_size, json_path, resume, workdir):
+    """Prove each strategy equals single-process training: largest parameter and loss differences."""
+    import json
+    import tempfile
+
+    from distlab import verify as v
+    from distlab.train.metrics import atomic_write_text
+    if nproc < 1 or steps < 1:
+        raise ConfigError("--nproc and --steps must be at least 1")
+    chosen = [v.parse_strategy(s) for s in strategies] or (
+        [v.parse_strategy("allreduce+adam")] if resume else v.default_strategies(nproc))
+    for s in chosen:  # flags and batch split, before any process starts
+        v.config_for(s, nproc, steps, global_batch_size)
+    click.echo(f"{'killing and resuming' if resume else 'verifying'} {len(chosen)} strategies on {nproc} processes, "
+               f"{steps} steps each ...", err=True)
+    if resume:
+        with tempfile.TemporaryDirectory(prefix="distlab-verify-") as tmp:
+            records = [v.verify_resume(s, nproc, steps, os.path.join(workdir or tmp, f"{i}-{s.name}"))
+                       for i, s in enumerate(chosen)]
+    else:
+        records = v.verify(chosen, nproc, steps, global_batch_size)
+    click.echo(v.table(records))
+    if json_path:
+        atomic_write_text(json_path, json.dumps(records, indent=1) + "\n")
+        click.echo(f"wrote {json_path}", err=True)
+    failed = [r["strategy"] for r in records if not r["passed"]]
+    if failed:
+        click.echo(f"{len(failed)} strategies differ from single-process training beyond float32 rounding: "
+                   f"{', '.join(failed)}", err=True)
+        sys.exit(1)
+
+
+# --------------------------------------------------------------------------- report
+
+
+@click.command()
+@click.argument("paths", nargs=-1, required=True)
+@click.option("-o", "--output", default="report.html", show_default=True, help="The HTML file to write.")
+@click.option("--title", default="distlab report", show_default=True)
+@click.option("--images", default=None, help="Also write every plot as a PNG file into this directory.")
+def report(paths, output, title, images):
+    """One self-contained HTML page (plots + tables) from run directories and bench, verify and
+    plan validate JSON files."""
+    from distlab.report import write_report
+    inputs = write_report(list(paths), output, title, images)
+    for path in inputs.images:
+        click.echo(f"wrote {path}", err=True)
+    for path, why in inputs.problems:
+        click.echo(f"distlab: warning: {path}: {why}", err=True)
+    click.echo(f"wrote {output} ({len(inputs.read)} inputs, {len(inputs.problems)} could not be used)", err=True)
+
+
+
+
+@click.command()
+@click.option("--data-dir", default=None, help="Also look for datasets here.")
+def doctor(data_dir):
+    """What this machine offers: torch, backends, devices, cores, datasets."""
+    from distlab.doctor import report
+    click.echo(report(data_dir))
+
