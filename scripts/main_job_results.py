@@ -1,11 +1,13 @@
 """Measure the README's main-job table in one invocation: the same 1-epoch MLP run on 1 and 2
 processes, with each gradient-sync method, run one after another on an otherwise idle machine.
 
-    .venv/bin/python scripts/main_job_results.py --out runs/main-job
+    .venv/bin/python scripts/main_job_results.py --out runs/main-job --runs 3
 
 Writes OUT/results.json (every run's summary.json plus machine facts) and prints a Markdown table.
-Each time/step is the median over the run's steps (first 5 excluded); ratios are against the
-single-process run of the same invocation.
+Each run's time/step is the median over its steps (first 5 excluded). With ``--runs R`` the whole
+set runs R times, interleaved (round r runs every configuration once); the table shows the median
+over rounds, and each ratio is the median of the per-round ratios against that round's
+single-process run, with its range.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -35,28 +38,38 @@ BASE = ["train", "--model", "mlp", "--dataset", "fashion-mnist", "--epochs", "1"
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/main-job")
+    ap.add_argument("--runs", type=int, default=3, help="Rounds of the whole set (median and range reported).")
     args = ap.parse_args()
     out = Path(args.out)
     exe = [str(Path(sys.executable).with_name("distlab"))]
-    results = []
-    for name, extra in RUNS:
-        run_dir = out / name.split(",")[0].replace(" ", "-") / (extra[-1] if extra else "single")
-        subprocess.run([*exe, *BASE, *extra, "--out", str(run_dir)], check=True, stdout=subprocess.DEVNULL)
-        results.append({"name": name, **json.loads((run_dir / "summary.json").read_text())})
+    rounds = []
+    for i in range(args.runs):
+        results = []
+        for name, extra in RUNS:
+            run_dir = out / f"round{i}" / (extra[-1] if extra else "single")
+            subprocess.run([*exe, *BASE, *extra, "--out", str(run_dir)], check=True, stdout=subprocess.DEVNULL)
+            results.append({"name": name, **json.loads((run_dir / "summary.json").read_text())})
+        rounds.append(results)
     facts = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-             "cores": os.cpu_count(), "torch": torch.__version__, "command": " ".join(["distlab", *BASE])}
-    (out / "results.json").write_text(json.dumps({"facts": facts, "runs": results}, indent=2) + "\n")
+             "cores": os.cpu_count(), "torch": torch.__version__, "command": " ".join(["distlab", *BASE]),
+             "rounds": args.runs}
+    (out / "results.json").write_text(json.dumps({"facts": facts, "rounds": rounds}, indent=2) + "\n")
 
-    base = results[0]["time_per_step_s_median"]
-    print(f"| run | test accuracy | time/step (median) | samples/s | vs 1 process | bytes sent/step/rank | wall time |")
-    print("|---|---|---|---|---|---|---|")
-    for r in results:
-        t = r["time_per_step_s_median"]
-        print(f"| {r['name']} ({r['world_size']} x {r['threads_per_rank']} threads) | {100 * r['test_accuracy']:.2f}% | "
-              f"{1000 * t:.2f} ms | {r['samples_per_s']:,.0f} | {base / t:.2f}x | {r['comm_bytes_per_step']:,} | "
-              f"{r['wall_time_s']:.1f} s |")
+    def med(values):
+        return statistics.median(values)
+
+    print("| run | test accuracy | time/step (median) | samples/s | vs 1 process (range) | bytes sent/step/rank |")
+    print("|---|---|---|---|---|---|")
+    for j, (name, _) in enumerate(RUNS):
+        rows = [r[j] for r in rounds]
+        ratios = [r[0]["time_per_step_s_median"] / r[j]["time_per_step_s_median"] for r in rounds]
+        first = rows[0]
+        print(f"| {name} ({first['world_size']} x {first['threads_per_rank']} threads) | "
+              f"{100 * med([r['test_accuracy'] for r in rows]):.2f}% | "
+              f"{1000 * med([r['time_per_step_s_median'] for r in rows]):.2f} ms | "
+              f"{med([r['samples_per_s'] for r in rows]):,.0f} | {med(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) | "
+              f"{first['comm_bytes_per_step']:,} |")
     print(f"\n{facts}")
-
 
 if __name__ == "__main__":
     main()

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -56,6 +57,17 @@ def test_keep_last_k(tmp_path):
     for step in (1, 2, 3, 4, 5):
         _save(tmp_path, step, keep=2)
     assert [p.name for p in snap.snapshots(tmp_path)] == ["step-00000005", "step-00000004"]
+
+
+def test_pruning_never_touches_another_runs_snapshots(tmp_path):
+    for step in (500, 550, 600):
+        _save(tmp_path, step, keep=3, layout={**LAYOUT, "run_id": "older"})
+    for step in (10, 20, 30, 40, 50, 60):
+        _save(tmp_path, step, keep=3, layout={**LAYOUT, "run_id": "newer"})
+    names = [p.name for p in snap.snapshots(tmp_path)]
+    assert names == ["step-00000600", "step-00000550", "step-00000500", "step-00000060", "step-00000050",
+                     "step-00000040"]
+    assert [p.name for p in snap.foreign(tmp_path, "newer")] == names[:3]
 
 
 def test_crash_while_writing_leaves_the_previous_snapshot(tmp_path, monkeypatch):
@@ -207,6 +219,41 @@ def test_stop_and_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, worl
         assert same_params and same_optimizer
         assert resumed_from.endswith(f"step-{steps:08d}")
         assert best_step is not None
+
+
+def _fit(cfg):
+    return Trainer(cfg.validate(1), runtime.from_process_group()).fit()
+
+
+def test_a_fresh_run_never_uses_another_runs_snapshot_dir_and_a_resume_keeps_its_identity(tmp_path):
+    run_ranks(_fresh_run_and_resume, 1, tmp_path, timeout=120)
+
+
+def _fresh_run_and_resume(rank, world, tmp_path):
+    first = _fit(_cfg(tmp_path / "s", max_steps=6, snapshot_every=3, keep_snapshots=2))
+    before = sorted(p.name for p in (tmp_path / "s").iterdir())
+    with pytest.raises(snap.SnapshotError, match=r"holds 2 snapshot\(s\) of another run .*`resume` auto"):
+        _fit(_cfg(tmp_path / "s", max_steps=4, snapshot_every=2))
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == before  # nothing written, nothing pruned
+    with pytest.raises(snap.SnapshotError, match="lr 0.05, this run has 0.1"):  # another configuration
+        _fit(_cfg(tmp_path / "s", max_steps=9, snapshot_every=3, resume="auto", lr=0.1))
+    resumed = _fit(_cfg(tmp_path / "s", max_steps=9, snapshot_every=3, keep_snapshots=2, resume="auto"))
+    assert resumed["run_id"] == first["run_id"] and resumed["fingerprint"] == first["fingerprint"]
+    assert resumed["resumed_from"].endswith("step-00000006") and Path(resumed["snapshot"]).is_dir()
+    assert [p.name for p in snap.snapshots(tmp_path / "s")] == ["step-00000009", "step-00000006"]
+
+
+def test_out_and_snapshot_dir_of_another_run_are_refused_before_launch(run_cli, tmp_path):
+    args = ("train", "--dataset", "synthetic:1x8x8:4:256", "--mlp-widths", "16", "--max-steps", "4",
+            "--no-progress", "--snapshot-every", "2")
+    run_cli(*args, "--out", "run", "--snapshot-dir", "snaps", check=True)
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    proc = run_cli(*args, "--out", "run", "--snapshot-dir", "other")
+    assert proc.returncode == 2 and "--out run already holds a run" in proc.stderr
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics and not (tmp_path / "other").exists()
+    proc = run_cli(*args, "--out", "run2", "--snapshot-dir", "snaps", "--nproc-per-node", "2")
+    assert proc.returncode == 2 and "--snapshot-dir snaps holds 2 snapshot(s) of another run" in proc.stderr
+    assert "--resume auto" in proc.stderr and not (tmp_path / "run2").exists()
 
 
 def test_time_budget_stops_cleanly_with_a_snapshot_and_summary(run_cli, tmp_path):

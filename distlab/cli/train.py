@@ -38,6 +38,11 @@ def train(**kw):
         if cfg.resume not in (None, "auto"):
             from distlab.train.snapshot import check_path
             check_path(cfg.resume)
+        if cfg.resume is None:
+            from distlab.train.run_state import directory_problem
+            problem = directory_problem(cfg.snapshot_dir, cfg.out, "", fresh=True)
+            if problem:
+                raise ConfigError(problem)
 
     def body(rt):
         from distlab.train import Trainer

@@ -10,11 +10,15 @@ restarts). The training loop asks it two questions -- :meth:`RunState.out_of_tim
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import statistics
 import sys
 import time
+import uuid
+from pathlib import Path
 from typing import Callable
 
 import torch.distributed as dist
@@ -29,6 +33,31 @@ from distlab.train.snapshot import SnapshotError
 def restart_count() -> int:
     """How often torchrun's agent restarted this worker group (0 on the first attempt)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+def fingerprint(layout: dict) -> str:
+    """A short hash of what a snapshot must agree on to be resumed (the run's configuration)."""
+    return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def directory_problem(snapshot_dir: str | None, out: str | None, run_id: str | None, fresh: bool) -> str | None:
+    """Why run ``run_id`` may not use these directories (None: it may).
+
+    ``snapshot_dir`` must hold no other run's snapshots (a fresh run would otherwise prune them by
+    step number, or a later ``--resume auto`` would pick up the wrong run); a ``fresh`` run's
+    ``out`` must not hold another run's ``metrics.jsonl`` or ``summary.json`` (they would be
+    overwritten). ``run_id=""`` stands for a run that has no id yet (every snapshot is another's).
+    """
+    theirs = snapshot.foreign(snapshot_dir, run_id)
+    if theirs:
+        return (f"`snapshot_dir` {snapshot_dir} holds {len(theirs)} snapshot(s) of another run (newest "
+                f"{theirs[0].name}): continue that run with `resume` auto, or give this run its own `snapshot_dir`")
+    if out and fresh:
+        held = [name for name in ("summary.json", "metrics.jsonl") if (Path(out) / name).exists()]
+        if held:
+            return (f"`out` {out} already holds a run ({' and '.join(held)}): give this run another `out` "
+                    f"(the default makes a new one per run), or continue that run with `resume`")
+    return None
 
 
 def fault_injection_hook(rank: int) -> Callable[[int], None] | None:
@@ -58,6 +87,8 @@ class RunState:
         self.layout = layout  # what a snapshot must agree on to be resumed by this run
         self.eval_samples = eval_samples  # test (+ validation) samples, for the time-budget estimate
         self.restart_count = restart_count()
+        self.run_id: str | None = None  # who wrote a snapshot: set by begin(), kept across resumes
+        self.fingerprint = fingerprint(layout)
         self.step = 0
         self.history: list[dict] = []  # the logged records (every rank has them)
         self.evals: list[dict] = []
@@ -80,6 +111,15 @@ class RunState:
     def begin(self) -> None:
         """Resume if asked (or after a restart), count this attempt and start its clock."""
         self.resumed_from = self._restore()
+        if self.resumed_from is None:
+            self.run_id = snapshot.broadcast_object(uuid.uuid4().hex[:12])  # one id on every rank
+        # A fresh first attempt checks its output too; a restarted group may rewrite its own.
+        fresh = self.resumed_from is None and self.restart_count == 0
+        problem = directory_problem(self.cfg.snapshot_dir, self.cfg.out, self.run_id, fresh) \
+            if self.rt.is_main else None
+        problem = snapshot.broadcast_object(problem)
+        if problem:
+            raise SnapshotError(problem)
         self.attempts += 1
         self._start = time.perf_counter()
 
@@ -158,7 +198,8 @@ class RunState:
                    "window": [self.window_loss, self.window_steps], "run": self._run_fields()}
         if self.best_state is not None:
             payload["best_model"] = self.best_state
-        path = snapshot.save(self.cfg.snapshot_dir, self.step, payload, self.layout, self.cfg.keep_snapshots)
+        meta = {"run_id": self.run_id, "fingerprint": self.fingerprint, **self.layout}
+        path = snapshot.save(self.cfg.snapshot_dir, self.step, payload, meta, self.cfg.keep_snapshots)
         self.last_snapshot = str(path)
         self._saved_step = self.step
         self._snapshot_s = time.perf_counter() - t0
@@ -181,6 +222,7 @@ class RunState:
             warn(f"distlab: no snapshot in {cfg.snapshot_dir} yet: starting from step 0")
             return None
         p = loaded.payload
+        self.run_id = loaded.meta.get("run_id")
         try:
             self.engine.load_sharded_state_dict(p["model"])
         except (RuntimeError, KeyError, ValueError) as exc:

@@ -11,6 +11,11 @@ complete new snapshot or none at all -- never half of one where a reader would f
 existing directory of the same name (a snapshot that was refused as bad) is moved aside, never
 overwritten. Only the newest ``keep`` snapshots are kept.
 
+**Owned.** ``meta.json`` names the run that wrote it (``run_id``, kept across resumes and restarts)
+and the fingerprint of its configuration. A run prunes only its own snapshots and refuses to
+start fresh in a directory holding another run's (:func:`foreign`): it never deletes, overwrites
+or resumes what it did not write.
+
 **Safe to read.** Files are loaded with ``torch.load(weights_only=True)`` (tensors and plain
 containers only: nothing in a file is ever executed) after their checksum matched. A snapshot
 from another model, world size or strategy is refused with an error naming the difference.
@@ -39,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.errors import ConfigError
+from distlab.runtime import group_rank, group_size
 
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -66,9 +72,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return group_rank(), group_size()
 
 
 def _barrier() -> None:
@@ -76,7 +80,8 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _broadcast_object(obj):
+def broadcast_object(obj):
+    """Rank 0's ``obj`` on every rank (as is without a process group)."""
     rank, world = _world()
     if world == 1:
         return obj
@@ -140,8 +145,8 @@ def _write_file(path: Path, data: bytes) -> None:
 def save(directory: str | Path, step: int, payload: dict, meta: dict, keep: int) -> Path:
     """Write this rank's ``payload`` into snapshot ``step`` (collective: every rank calls it).
 
-    ``meta`` (rank 0's) describes the run layout; it goes into ``meta.json`` with every rank
-    file's checksum. Returns the snapshot directory.
+    ``meta`` (rank 0's) describes the run (its ``run_id`` and layout); it goes into ``meta.json``
+    with every rank file's checksum. Returns the snapshot directory.
     """
     rank, world = _world()
     root = Path(directory)
@@ -169,7 +174,7 @@ def save(directory: str | Path, step: int, payload: dict, meta: dict, keep: int)
             warnings.warn(f"moved the earlier snapshot {final} aside to {aside.name}", stacklevel=2)
         os.replace(tmp, final)
         _fsync_dir(root)
-        prune(root, keep)
+        prune(root, keep, meta.get("run_id"))
     _barrier()  # committed for everyone before anyone goes on (or stops)
     return final
 
@@ -183,12 +188,26 @@ def snapshots(directory: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)), reverse=True)
 
 
-def prune(directory: str | Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` snapshots (``keep`` <= 0 keeps all)."""
+def owner(path: Path) -> str | None:
+    """The ``run_id`` in a snapshot's ``meta.json`` (None: unreadable, or written before runs had one)."""
+    try:
+        return json.loads((path / "meta.json").read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def prune(directory: str | Path, keep: int, run_id: str | None = None) -> None:
+    """Delete all but the newest ``keep`` snapshots of run ``run_id`` (``keep`` <= 0 keeps all);
+    other runs' snapshots are never touched."""
     if keep <= 0:
         return
-    for old in snapshots(directory)[keep:]:
+    for old in [p for p in snapshots(directory) if owner(p) == run_id][keep:]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def foreign(directory: str | Path | None, run_id: str | None) -> list[Path]:
+    """Snapshots in ``directory`` that run ``run_id`` did not write, newest first."""
+    return [p for p in snapshots(directory) if owner(p) != run_id] if directory else []
 
 
 # --------------------------------------------------------------------------- read
@@ -280,7 +299,7 @@ def _first_reason(reason: str | None) -> str:
     reasons = _gather_objects(reason)
     rank, _ = _world()
     first = next((r for r in reasons if r), "refused by another rank") if rank == 0 else None
-    return _broadcast_object(first)
+    return broadcast_object(first)
 
 
 def resume(target: str, directory: str | None, expected: dict, on_warning=print) -> Loaded | None:
@@ -300,7 +319,7 @@ def resume(target: str, directory: str | None, expected: dict, on_warning=print)
         return loaded
     if directory is None:
         raise ConfigError("--resume auto looks in --snapshot-dir: give one")
-    candidates = _broadcast_object([str(p) for p in snapshots(directory)])
+    candidates = broadcast_object([str(p) for p in snapshots(directory)])
     refused = []
     for candidate in candidates:
         loaded, reason = _try(Path(candidate), expected, rank)

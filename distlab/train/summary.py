@@ -91,6 +91,8 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "time_budget_s": cfg.time_budget_s,
         "stopped": stopped,
         "resumed_from": run.resumed_from,
+        "run_id": run.run_id,
+        "fingerprint": run.fingerprint,
         "attempts": run.attempts,
         "restart_count": run.restart_count,
         "snapshot": run.last_snapshot,

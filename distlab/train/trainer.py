@@ -206,4 +206,6 @@ class Trainer:
                 "mlp_widths": list(cfg.mlp_widths) if cfg.model.startswith("mlp") else None,
                 "num_parameters": self.num_parameters, "dataset": cfg.dataset, "strategy": cfg.strategy.to_dict(),
                 "global_batch_size": cfg.global_batch_size, "optimizer": cfg.optimizer, "seed": cfg.seed,
-                "val_fraction": cfg.val_fraction}
+                "val_fraction": cfg.val_fraction, "lr": cfg.lr, "lr_schedule": cfg.lr_schedule,
+                "lr_scaling": cfg.lr_scaling, "base_batch_size": cfg.base_batch_size, "warmup_steps": cfg.warmup_steps,
+                "momentum": cfg.momentum, "weight_decay": cfg.weight_decay}
