@@ -5,6 +5,7 @@ import os
 import socket
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from distlab.data.idx import write_idx
@@ -48,6 +49,25 @@ def test_train_two_processes_writes_metrics_and_summary(run_cli, tmp_path):
     assert records[-1]["loss"] < records[0]["loss"]  # it learns
     assert proc.stdout.count("final train loss") == 1  # rank 0 printed the summary, once
     assert proc.stdout.count("eval epoch") == 2
+    # The header, before the first step, says what runs: data and where from, strategy, mesh, batch.
+    head = proc.stdout[:proc.stdout.index("step ")]
+    assert "data     synthetic:1x8x8:4:512 from generated: 512 train, 128 test" in head
+    assert "strategy ddp on 2 processes x 1 threads" in head
+    assert "mesh     dp 2: ranks 0-1 in one data-parallel group" in head
+    assert "batch    32 global = 2 data-parallel rank(s) x 16; 32 steps, 16 per epoch" in head
+
+
+def test_header_shows_the_tensor_parallel_mesh_and_what_is_split(run_cli, tmp_path):
+    proc = run_cli("train", "--nproc-per-node", "4", "--tp", "2", "--model", "mlp-bn", "--mlp-widths", "16,8", "--dataset",
+                   "synthetic:1x8x8:4:256", "--global-batch-size", "16", "--max-steps", "2", "--grad-accum", "2",
+                   "--no-progress", "--out", str(tmp_path / "run"), check=True)
+    assert "mesh     dp 2 x tp 2: TP groups [0, 1] [2, 3]; DP groups [0, 2] [1, 3]" in proc.stdout
+    assert "(micro-batches of 4 x 2)" in proc.stdout
+    split = next(line for line in proc.stdout.splitlines() if line.startswith("tensor parallel:"))
+    assert "2 Linear layers split (net.1, net.3)" in split and "the rest is replicated" in split  # BN and head are not
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["mesh"]["layout"].startswith("dp 2 x tp 2") and summary["micro_batch_size"] == 4
+    assert summary["num_parameters_per_rank"] < summary["num_parameters"]
 
 
 def test_single_process_without_launcher(run_cli, tmp_path):
@@ -57,6 +77,25 @@ def test_single_process_without_launcher(run_cli, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 1 and summary["steps"] == 5 and summary["launcher"] == "single"
     assert summary["comm_bytes_per_step"] == 0
+    proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:256", "--max-steps", "1", "--no-progress", check=True)
+    head = proc.stdout.split("eval epoch")[0]
+    assert "strategy single process" in head and "mesh" not in head
+
+
+def test_an_explicit_data_dir_without_the_data_is_an_error_not_ignored(run_cli, tmp_path):
+    system = tmp_path / "system" / "fashion-mnist"
+    system.mkdir(parents=True)
+    _write_fake_mnist(system)
+    env = {"DISTLAB_SYSTEM_DATASETS": str(tmp_path / "system"), "DISTLAB_DATA": ""}
+    proc = run_cli("train", "--data-dir", str(tmp_path / "typo"), "--max-steps", "1", env=env)
+    _one_line_error(proc, f"--data-dir {tmp_path / 'typo'} does not exist", "would be used without --data-dir",
+                    "synthetic:1x28x28:10:60000")
+    proc = run_cli("train", "--max-steps", "1", "--global-batch-size", "4", "--no-progress", "--out", str(tmp_path / "run"),
+                   env=env, check=True)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["data_path"] == str(system) and f"from {system}" in proc.stdout
+    proc = run_cli("train", "--dataset", "cifar10", "--data-dir", str(tmp_path), env=env)
+    _one_line_error(proc, "cifar-10-batches-py", "--dataset synthetic:3x32x32:10:50000")
 
 
 def test_manual_multi_node_style_start(run_cli, tmp_path):
@@ -152,13 +191,17 @@ def test_conflicting_launch_flags(run_cli):
     _one_line_error(proc, "cannot be combined")
 
 
+def _write_fake_mnist(d: Path, n: int = 8) -> None:
+    """Four small IDX files in Fashion-MNIST's layout (all-zero images, labels 0-9)."""
+    for prefix in ("train", "t10k"):
+        write_idx(d / f"{prefix}-images-idx3-ubyte.gz", np.zeros((n, 28, 28), np.uint8))
+        write_idx(d / f"{prefix}-labels-idx1-ubyte.gz", (np.arange(n) % 10).astype(np.uint8))
+
+
 def test_corrupt_dataset_file_is_a_clear_error(run_cli, tmp_path):
     d = tmp_path / "fashion-mnist"
     d.mkdir()
-    import numpy as np
-    for prefix in ("train", "t10k"):
-        write_idx(d / f"{prefix}-images-idx3-ubyte.gz", np.zeros((4, 28, 28), np.uint8))
-        write_idx(d / f"{prefix}-labels-idx1-ubyte.gz", np.zeros(4, np.uint8))
+    _write_fake_mnist(d)
     Path(d / "train-images-idx3-ubyte.gz").write_bytes(b"not gzip at all")
     proc = run_cli("train", "--data-dir", str(tmp_path), "--global-batch-size", "2")
     _one_line_error(proc, "train-images-idx3-ubyte.gz")

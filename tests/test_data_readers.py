@@ -115,9 +115,11 @@ def test_missing_dataset_names_package_paths_and_alternative(tmp_path, monkeypat
     monkeypatch.delenv("DISTLAB_DATA", raising=False)
     with pytest.raises(DataNotFoundError) as err:
         locate("fashion-mnist", tmp_path / "mine")
-    msg = str(err.value)
-    assert "dataset-fashion-mnist" in msg and str(tmp_path / "mine") in msg and str(tmp_path / "system") in msg
-    assert "synthetic:" in msg
+    msg = str(err.value)  # a named directory is the only one searched
+    assert "dataset-fashion-mnist" in msg and str(tmp_path / "mine") in msg and str(tmp_path / "system") not in msg
+    assert "--dataset synthetic:1x28x28:10:60000" in msg
+    with pytest.raises(DataNotFoundError, match=str(tmp_path / "system")):
+        locate("fashion-mnist")
     with pytest.raises(DataNotFoundError, match="cifar-10-batches-py"):
         locate("cifar10", tmp_path)
 

@@ -1,9 +1,11 @@
 """Datasets by name: ``fashion-mnist``, ``mnist``, ``cifar10``, ``cifar100``, ``synthetic:CxHxW:K[:N]``.
 
 Real data is read from its standard on-disk format and never downloaded. Each name is looked for
-in ``--data-dir``, then ``$DISTLAB_DATA``, then ``/usr/share/datasets`` (or ``$DISTLAB_SYSTEM_DATASETS``; where Debian's
-``dataset-fashion-mnist`` package puts its files). A missing dataset is a
-:class:`~distlab.errors.DataNotFoundError` naming the paths searched and how to get the data.
+in ``--data-dir`` if given, else ``$DISTLAB_DATA`` if set, else ``/usr/share/datasets`` (or
+``$DISTLAB_SYSTEM_DATASETS``; where Debian's ``dataset-fashion-mnist`` package puts its files).
+A directory the user named is the only one searched: one that lacks the data is an error, never
+a silent fall-back elsewhere. A missing dataset is a :class:`~distlab.errors.DataNotFoundError`
+naming the paths searched, how to get the data, and a synthetic stand-in of its shape and size.
 """
 
 from __future__ import annotations
@@ -90,27 +92,48 @@ def canonical_name(name: str) -> str:
     return name
 
 
+def system_root() -> Path:
+    return Path(os.environ.get("DISTLAB_SYSTEM_DATASETS") or SYSTEM_DIR)
+
+
 def search_roots(data_dir: str | os.PathLike | None = None) -> list[Path]:
-    roots = [Path(data_dir)] if data_dir else []
-    if os.environ.get("DISTLAB_DATA"):
-        roots.append(Path(os.environ["DISTLAB_DATA"]))
-    roots.append(Path(os.environ.get("DISTLAB_SYSTEM_DATASETS", SYSTEM_DIR)))
-    return roots
+    """Where to look: the directory the user named (``data_dir``, else ``$DISTLAB_DATA``), or the system's."""
+    named = data_dir or os.environ.get("DISTLAB_DATA")
+    return [Path(named)] if named else [system_root()]
+
+
+def stand_in(name: str) -> str:
+    """The synthetic dataset of ``name``'s shape, classes and training-set size."""
+    (c, h, w), k = SHAPES[name]
+    return f"synthetic:{c}x{h}x{w}:{k}:{TRAIN_SIZES[name]}"
 
 
 def locate(name: str, data_dir: str | os.PathLike | None = None) -> Path:
     """The directory holding dataset ``name``'s files, or a DataNotFoundError saying where we looked."""
     info = REGISTRY[canonical_name(name)]
-    searched = []
-    for root in search_roots(data_dir):
+
+    def find(root: Path) -> tuple[Path | None, list[str]]:
+        searched = []
         for sub in info.subdirs:
             d = root / sub if sub else root
             searched.append(str(d))
             if d.is_dir() and info.find(d):
-                return d
+                return d, searched
+        return None, searched
+
+    root, = search_roots(data_dir)
+    found, searched = find(root)
+    if found is not None:
+        return found
+    named = "--data-dir" if data_dir else "$DISTLAB_DATA" if os.environ.get("DISTLAB_DATA") else None
+    hint = ""
+    if named and not root.is_dir():
+        hint = f"{named} {root} does not exist; "
+    if named and find(system_root())[0] is not None:
+        hint += f"the system's copy in {system_root()} would be used without {named}; "
     raise DataNotFoundError(
-        f"dataset {info.name} not found (searched: {', '.join(dict.fromkeys(searched))}); "
-        f"{info.how_to_get}; or train on generated data with --dataset synthetic:1x28x28:10"
+        f"dataset {info.name} not found (searched: {', '.join(dict.fromkeys(searched))}); {hint}"
+        f"{info.how_to_get}; or train on generated data of its shape and size with --dataset {stand_in(info.name)}"
     )
 
 
@@ -131,6 +154,7 @@ def load_dataset(name: str, split: str, data_dir: str | os.PathLike | None = Non
 
 SHAPES = {"mnist": ((1, 28, 28), 10), "fashion-mnist": ((1, 28, 28), 10), "cifar10": ((3, 32, 32), 10),
           "cifar100": ((3, 32, 32), 100)}
+TRAIN_SIZES = {"mnist": 60000, "fashion-mnist": 60000, "cifar10": 50000, "cifar100": 50000}
 
 
 def dataset_shape(name: str) -> tuple[tuple[int, ...], int]:
@@ -143,4 +167,4 @@ def dataset_shape(name: str) -> tuple[tuple[int, ...], int]:
 
 
 __all__ = ["ImageDataset", "REGISTRY", "canonical_name", "dataset_names", "dataset_shape", "load_dataset", "locate",
-           "search_roots"]
+           "search_roots", "stand_in"]

@@ -1,4 +1,5 @@
-"""``summary.json`` (the DESIGN.md contract) from a finished run, and its human-readable view."""
+"""What a run says about itself: the header rank 0 prints before training, ``summary.json`` at the
+end (the JSON contract in docs/ARCHITECTURE.md) and its human-readable view."""
 
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "mesh": {"dp": mesh.dp, "tp": mesh.tp, "layout": mesh.describe()},
         "model": cfg.model,
         "dataset": cfg.dataset,
+        "data_path": trainer.train_set.source or None,
         "input_shape": list(trainer.train_set.input_shape),
         "num_classes": trainer.train_set.num_classes,
         "global_batch_size": cfg.global_batch_size,
@@ -120,6 +122,47 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
     }
 
 
+def tensor_parallel_share(module: torch.nn.Module) -> tuple[list[str], int, int]:
+    """The tensor-parallel layers of ``module`` (names), their parameters on this rank, all parameters."""
+    from distlab.parallel import ColumnParallelLinear, RowParallelLinear
+    layers = [(name, m) for name, m in module.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    return [n for n, _ in layers], sum(count_parameters(m) for _, m in layers), count_parameters(module)
+
+
+def header(trainer) -> list[str]:
+    """What is about to run, before the first step: data, model, strategy, mesh, batch, parameters."""
+    cfg, rt, mesh, run = trainer.cfg, trainer.rt, trainer.mesh, trainer.run
+    data = trainer.train_set
+    where = data.source or "generated"
+    lines = [f"data     {cfg.dataset} from {where}: {len(data):,} train, {len(trainer.test_set):,} test"
+             + (f", {len(trainer.val_set):,} validation" if trainer.val_set is not None else "")
+             + f" ({'x'.join(map(str, data.input_shape))}, {data.num_classes} classes)"]
+    per_rank = count_parameters(trainer.engine.module)
+    lines.append(f"model    {cfg.model}: {trainer.num_parameters:,} parameters"
+                 + (f", {per_rank:,} on each rank" if per_rank != trainer.num_parameters else ""))
+    if rt.world_size == 1:
+        lines.append(f"strategy single process ({rt.threads} threads, {rt.device})"
+                     + (f", {cfg.strategy.grad_accum} micro-batches per step" if cfg.strategy.grad_accum > 1 else ""))
+    else:
+        lines.append(f"strategy {cfg.strategy} on {rt.world_size} processes x {rt.threads} threads, "
+                     f"{rt.backend} on {rt.device.type}")
+        lines.append(f"mesh     {mesh.describe()}")
+    if cfg.strategy.tp > 1:
+        names, tp_params, total = tensor_parallel_share(trainer.engine.module)
+        lines.append(f"tensor parallel: {len(names)} Linear layers split ({', '.join(names) or 'none'}), "
+                     f"{tp_params:,} of this rank's {total:,} parameters; the rest is replicated")
+    micro = trainer.local_batch // cfg.strategy.grad_accum
+    lines.append(f"batch    {cfg.global_batch_size} global = {mesh.dp} data-parallel rank(s) x {trainer.local_batch}"
+                 + (f" (micro-batches of {micro} x {cfg.strategy.grad_accum})" if cfg.strategy.grad_accum > 1 else "")
+                 + f"; {trainer.total_steps} steps, {trainer.steps_per_epoch} per epoch")
+    lines.append(f"state    {trainer.engine.peak_bytes / 2**20:.2f} MiB of parameters on this rank before the "
+                 f"first step (gradients and optimizer state follow; the summary gives the peak)")
+    if cfg.snapshot_dir:
+        lines.append(f"snapshots {cfg.snapshot_dir}" + (f" every {cfg.snapshot_every} steps" if cfg.snapshot_every else "")
+                     + f", run {run.run_id}" + (f", resumed from {run.resumed_from}" if run.resumed_from else ""))
+    return lines
+
+
 def _fmt(value, spec: str = "", unit: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{unit}"
 
@@ -131,9 +174,10 @@ def print_summary(summary: dict, out: str | None) -> None:
     params = f"{s['num_parameters']:,} params" + (f", {per_rank:,} per rank" if per_rank not in (None,
                                                                                               s["num_parameters"]) else "")
     rows = [
-        ("model / dataset", f"{s['model']} ({params}) / {s['dataset']}"),
+        ("model / dataset", f"{s['model']} ({params}) / {s['dataset']}"
+                            + (f" from {s['data_path']}" if s.get("data_path") not in (None, "generated") else "")),
         ("world size", f"{s['world_size']} x {s['threads_per_rank']} threads, {s['backend']} on {s['device']}"),
-        ("strategy", s.get("strategy_text") or f"{s['strategy']['dp_sync']}"),
+        ("strategy", "single process" if s["world_size"] == 1 else s.get("strategy_text") or s["strategy"]["dp_sync"]),
         ("mesh", (s.get("mesh") or {}).get("layout", "n/a")),
         ("global batch", f"{s['global_batch_size']} ({s['local_batch_size']} per data-parallel rank"
                          + (f", micro-batches of {s['micro_batch_size']}"

@@ -29,7 +29,7 @@ from distlab.train.evaluate import evaluate
 from distlab.train.metrics import MetricsLog, write_summary
 from distlab.train.optim import build_optimizer, build_scheduler
 from distlab.train.run_state import RunState, fault_injection_hook
-from distlab.train.summary import StepTimes, summarize
+from distlab.train.summary import StepTimes, header, summarize
 
 
 class Trainer:
@@ -117,6 +117,8 @@ class Trainer:
         cfg, run, engine = self.cfg, self.run, self.engine
         engine.observe()  # the state's bytes before the first step (the time budget's snapshot estimate)
         run.begin()
+        for line in header(self):
+            self.say(line)
         self.log = MetricsLog(cfg.out if self.rt.is_main else None, run.history)
         self.bar.update(run.step)
         times, batches, stopped = StepTimes(), None, "completed"
