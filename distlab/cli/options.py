@@ -117,7 +117,8 @@ TRAIN_OPTIONS = [
     ("model", dict(help="mlp, small-cnn, small-cnn-bn, vgg11, vgg11-bn, vgg19, vgg19-bn, resnet18.")),
     ("mlp_widths", dict(help="Hidden widths of the MLP, comma-separated.")),
     ("dataset", dict(help="fashion-mnist, mnist, cifar10, cifar100 or synthetic:CxHxW:K[:N].")),
-    ("data_dir", dict(help="Where datasets are (also $DISTLAB_DATA, /usr/share/datasets).")),
+    ("data_dir", dict(help="Where the dataset is; the only place searched when given (default: $DISTLAB_DATA, "
+                     "else /usr/share/datasets).")),
     ("epochs", dict(type=int)),
     ("max_steps", dict(type=int, help="Stop after this many optimizer steps.")),
     ("global_batch_size", dict(type=int, aliases=("--batch-size",),
