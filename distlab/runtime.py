@@ -30,6 +30,7 @@ import random
 import re
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -260,12 +261,63 @@ def _is_loopback(host: str | None) -> bool:
 # --------------------------------------------------------------------------- init
 
 
-def _tcp_url(addr: str, port: int) -> str:
-    return f"tcp://[{addr}]:{port}" if ":" in addr else f"tcp://{addr}:{port}"
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _meet(info: LaunchInfo, timeout_s: float, every_s: float = 10.0, say=_say) -> dist.Store:
+    """Bring every rank together at ``MASTER_ADDR:MASTER_PORT`` and return the store they share.
+
+    Rank 0 hosts a TCP store there; the others connect to it. Every ~``every_s`` seconds a rank
+    that still waits says so (rank 0: how many ranks are missing; the others: that rank 0 is not
+    up yet), and after ``timeout_s`` seconds in all start-up fails naming who was missing.
+    """
+    where = f"{info.master_addr}:{info.master_port}"
+    deadline = time.monotonic() + timeout_s
+    if info.rank == 0:
+        store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, is_master=True,
+                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    else:
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, is_master=False,
+                                      timeout=datetime.timedelta(seconds=max(0.5, min(every_s, left))))
+                break
+            except (dist.DistError, RuntimeError) as exc:
+                if deadline - time.monotonic() <= 0:
+                    raise DistributedError(
+                        f"rank {info.rank} could not reach rank 0 at {where} within {timeout_s:g}s "
+                        f"({_first_line(exc)}); check that rank 0 is running and that {info.master_addr} is "
+                        f"reachable from this host, or raise --init-timeout") from None
+                say(f"distlab: rank {info.rank}: waiting for rank 0 at {where} "
+                    f"({deadline - time.monotonic():.0f}s of the start-up timeout left)")
+    arrived = store.add("distlab/arrived", 1)
+    said = time.monotonic()
+    while arrived < info.world_size:
+        now = time.monotonic()
+        if now >= deadline:
+            raise DistributedError(
+                f"rank {info.rank} waited {timeout_s:g}s at {where} but only {arrived} of {info.world_size} ranks "
+                f"joined: start every rank with the same --master-addr/--master-port and world size, or raise "
+                f"--init-timeout")
+        if info.rank == 0 and now - said >= every_s:
+            say(f"distlab: waiting for {info.world_size - arrived} of {info.world_size} ranks at {where} "
+                f"({deadline - now:.0f}s of the start-up timeout left)")
+            said = now
+        time.sleep(0.05)
+        arrived = store.add("distlab/arrived", 0)
+    return store
+
+
+def _first_line(exc: BaseException) -> str:
+    """An exception's first line without c10d's internal store keys."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return re.sub(r",?\s*keys?:\s.*$", "", text)[:300]
 
 
 def _explain_init_failure(exc: Exception, info: LaunchInfo, timeout_s: float) -> DistributedError:
-    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    msg = _first_line(exc)
     where = f"{info.master_addr}:{info.master_port}"
     if "EADDRINUSE" in msg or "address already in use" in msg.lower():
         return DistributedError(
@@ -292,6 +344,7 @@ def init(
     backend: str = "auto",
     device: str = "auto",
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    init_timeout_s: float | None = None,
     threads: int | None = None,
     rank: int | None = None,
     world_size: int | None = None,
@@ -301,8 +354,9 @@ def init(
 ) -> Runtime:
     """Start the default process group for this process and return its :class:`Runtime`.
 
-    A peer that never arrives makes every rank fail with :class:`DistributedError` after
-    ``timeout_s`` seconds; ``timeout_s`` is also the group's timeout for every collective.
+    ``timeout_s`` is the group's timeout for every collective. Start-up has its own,
+    ``init_timeout_s`` (default: the same): a peer that never arrives makes every rank fail with
+    :class:`DistributedError` after it, and the ranks that wait say so every ~10 s meanwhile.
     """
     info = detect_launch(env, rank=rank, world_size=world_size, master_addr=master_addr,
                          master_port=master_port)
@@ -341,12 +395,11 @@ def init(
                 dist.init_process_group(backend, store=dist.PrefixStore(f"distlab/attempt-{attempt}", store),
                                         rank=info.rank, world_size=info.world_size, timeout=timeout)
             else:
-                dist.init_process_group(
-                    backend, init_method=_tcp_url(info.master_addr, info.master_port),
-                    rank=info.rank, world_size=info.world_size, timeout=timeout,
-                )
+                store = _meet(info, init_timeout_s or timeout_s)
+                dist.init_process_group(backend, store=dist.PrefixStore("distlab/group", store), rank=info.rank,
+                                        world_size=info.world_size, timeout=timeout)
     except (dist.DistError, RuntimeError, ValueError) as exc:
-        raise _explain_init_failure(exc, info, timeout_s) from exc
+        raise _explain_init_failure(exc, info, init_timeout_s or timeout_s) from exc
     return Runtime(info.rank, info.world_size, info.local_rank, info.local_world_size, dev,
                    backend, info.launcher, threads)
 

@@ -182,6 +182,38 @@ def test_unreachable_master_fails_clearly():
     assert msg is not None and "could not reach rank 0" in msg
 
 
+def _init_and_report(rank, world, port, delay):
+    """Start after ``delay`` seconds, with progress lines every 0.5 s collected in ``said``."""
+    time.sleep(delay)
+    lines = []
+    info = runtime.detect_launch({}, rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port)
+    store = runtime._meet(info, timeout_s=20, every_s=0.5, say=lines.append)
+    dist.init_process_group("gloo", store=dist.PrefixStore("distlab/group", store), rank=rank, world_size=world)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t.item(), lines
+
+
+@pytest.mark.parametrize("late", [0, 1])
+def test_waiting_ranks_say_who_they_wait_for_and_meet_when_the_late_one_comes(late):
+    # 3 ranks by hand; rank ``late`` arrives 3 s after the others. Rank 0 reports the missing ranks,
+    # a rank waiting for rank 0 reports that; no line carries c10d's internal store keys.
+    port = runtime.free_port()
+    results = run_ranks(_meet_with_one_late, 3, port, late, init_group=False, timeout=60)
+    assert [r[0] for r in results] == [3.0, 3.0, 3.0]
+    lines = [line for _, said in results for line in said]
+    if late == 1:
+        assert any(f"waiting for 1 of 3 ranks at 127.0.0.1:{port}" in line for line in results[0][1])
+    else:
+        assert any(f"waiting for rank 0 at 127.0.0.1:{port}" in line for line in results[1][1] + results[2][1])
+    assert not any("/default_pg" in line or "keys" in line for line in lines)
+
+
+def _meet_with_one_late(rank, world, port, late):
+    return _init_and_report(rank, world, port, 3.0 if rank == late else 0.0)
+
+
 def test_port_in_use_is_a_clear_error():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

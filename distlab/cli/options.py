@@ -46,7 +46,10 @@ def launch_options(f):
         click.option("--device", default="auto", show_default=True, envvar="DISTLAB_DEVICE",
                      help="auto (cuda if available), cpu or cuda; also $DISTLAB_DEVICE."),
         click.option("--comm-timeout", type=float, default=300.0, show_default=True,
-                     help="Seconds before a missing or dead peer becomes an error (start-up and collectives)."),
+                     help="Seconds a collective waits for a dead or hung peer before it becomes an error."),
+        click.option("--init-timeout", type=float, default=None,
+                     help="Seconds start-up waits for every rank to arrive (default: --comm-timeout); waiting "
+                          "ranks say so every ~10 s."),
         click.option("--threads", type=int, default=None,
                      help="Torch threads per rank (default: cores // local ranks)."),
     ]
@@ -74,6 +77,7 @@ def run_distributed(kw: dict, body, planned_check=None):
     if planned_check and manual and kw["world_size"]:
         planned_check(kw["world_size"])
     rt = runtime.init(backend=kw.pop("backend"), device=kw.pop("device"), timeout_s=kw.pop("comm_timeout"),
+                      init_timeout_s=kw.pop("init_timeout"),
                       threads=kw.pop("threads"), rank=kw.pop("rank"), world_size=kw.pop("world_size"),
                       master_addr=kw.pop("master_addr"), master_port=kw.pop("master_port"))
     try:
