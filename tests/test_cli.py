@@ -261,3 +261,20 @@ def test_sync_bn_torch_on_cpu_is_refused_before_launch(run_cli):
     error = _one_line_error(proc, "--sync-bn torch uses torch.nn.SyncBatchNorm, which only runs on GPUs",
                        "use --sync-bn distlab")
     assert proc.returncode == 2, error
+
+
+def test_bench_markdown_renders_every_bench_json_the_repository_holds(run_cli):
+    root = Path(__file__).resolve().parents[1] / "results"
+    files = [p for p in root.rglob("*.json") if p.name in ("collectives.json", "dp.json", "syncbn.json",
+                                                           "scaling.json", "parallel.json")
+             or p.parent.name == "bench-collectives"]
+    kinds = {p.name for p in files}
+    assert {"collectives.json", "scaling.json", "parallel.json"} <= kinds, kinds
+    proc = run_cli("bench", "markdown", *map(str, files), check=True)
+    tables = [t for t in proc.stdout.split("\n\n") if t.strip()]
+    assert len(tables) == len(files)
+    for table in tables:
+        lines = table.strip().splitlines()
+        assert lines[0].startswith("| ") and set(lines[1]) <= set("|-") and len(lines) >= 3
+        rows = [line for line in lines if line.startswith("|")]  # a footnote may follow
+        assert len(rows) >= 3 and all(line.count("|") == lines[0].count("|") for line in rows)

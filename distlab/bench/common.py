@@ -39,6 +39,16 @@ def at_least(**minimums: tuple[int, int]) -> None:
         raise ConfigError("too small: " + ", ".join(low))
 
 
+def format_table(headers: list[str], rows: list[list[str]], markdown: bool = False) -> str:
+    """Rows of display cells as aligned text (first column left, the rest right) or as Markdown."""
+    if markdown:
+        return "\n".join(["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+                         + ["| " + " | ".join(row) + " |" for row in rows])
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
+    return "\n".join(" ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in
+                              enumerate(zip(row, widths))).rstrip() for row in [headers, *rows])
+
+
 def write(records: list[dict], out: str | Path | None, suite: str) -> Path | None:
     if not out:
         return None

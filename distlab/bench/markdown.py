@@ -50,14 +50,23 @@ def syncbn(records: list[dict]) -> str:
 
 
 def render(path: str | Path) -> str:
+    """The Markdown table of any JSON file a ``distlab bench`` command writes."""
     records = json.loads(Path(path).read_text())
+    if not isinstance(records, list):
+        raise ValueError("not a list of bench records")
     if not records:
         return f"(no records in {path})"
     first = records[0]
     if "algorithm" in first:
         return collectives(records)
-    if "workload" in first:
+    if "mlp_widths" in first and "strategy" in first:
+        from distlab.bench import parallel
+        return parallel.table(records, markdown=True)
+    if "scaling_efficiency" in first:
+        from distlab.bench import scaling
+        return scaling.table(records, markdown=True)
+    if "samples_per_s_median" in first:
         return dp(records)
-    if "implementation" in first:
+    if "features" in first:
         return syncbn(records)
-    raise ValueError(f"{path}: not a bench file distlab knows (collectives, dp, syncbn)")
+    raise ValueError(f"{path}: not a bench file distlab knows (collectives, dp, syncbn, scaling, parallel)")

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from distlab.bench.common import at_least, choose, cores, machine, train_on_ranks, write
+from distlab.bench.common import at_least, choose, cores, format_table, machine, train_on_ranks, write
 from distlab.errors import ConfigError
 from distlab.parallel import Strategy
 from distlab.parallel.state_bytes import model_state_bytes
@@ -166,19 +166,20 @@ def run(workloads=("mlp", "wide-mlp"), strategies=STRATEGIES, nproc: int = 4, st
     return records
 
 
-def table(records: list[dict]) -> str:
+def table(records: list[dict], markdown: bool = False) -> str:
+    """One row per run: time per step (and against torch's counterpart), bytes sent, model state, memory, loss."""
     by = {(r["workload"], r["strategy"]): r for r in records}
-    lines = [f"{'workload':<9} {'strategy':<12} {'ms/step':>8} {'vs torch':>8} {'MB/step':>8} {'state MB/rank':>13} "
-             f"{'RSS MB':>7} {'loss':>7}"]
+    rows = []
     for r in records:
         if not r.get("supported"):
-            lines.append(f"{r['workload']:<9} {r['strategy']:<12} not supported: {r['error'][:70]}")
+            rows.append([r["workload"], r["strategy"], "not supported: " + str(r.get("error", ""))[:60], *["-"] * 5])
             continue
         theirs = next((t for t, d in COUNTERPART.items() if d == r["strategy"]), None)
         other = by.get((r["workload"], theirs)) if theirs else None
         ratio = (f"{r['time_per_step_s_median'] / other['time_per_step_s_median']:.2f}x"
                  if other and other.get("supported") else "-")
-        lines.append(f"{r['workload']:<9} {r['strategy']:<12} {1000 * r['time_per_step_s_median']:>8.1f} {ratio:>8} "
-                     f"{r['comm_bytes_per_step'] / 2**20:>8.2f} {r['model_state_bytes_per_rank'] / 2**20:>13.2f} "
-                     f"{r['peak_rss_mb']:>7.0f} {r['final_train_loss']:>7.4f}")
-    return "\n".join(lines)
+        rows.append([r["workload"], r["strategy"], f"{1000 * r['time_per_step_s_median']:.1f}", ratio,
+                     f"{r['comm_bytes_per_step'] / 2**20:.2f}", f"{r['model_state_bytes_per_rank'] / 2**20:.2f}",
+                     f"{r['peak_rss_mb']:.0f}", f"{r['final_train_loss']:.4f}"])
+    return format_table(["workload", "strategy", "ms/step", "vs torch", "MiB sent/step", "state MiB/rank",
+                         "peak RSS MB", "loss"], rows, markdown)

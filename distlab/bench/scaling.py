@@ -9,8 +9,8 @@ its ``summary.json`` and ``metrics.jsonl`` stay in ``OUT/runs/...``.
 Per run: LR, global batch, steps per epoch, epoch time (median step time x steps per epoch,
 evaluation excluded), scaling efficiency, best validation loss, test loss, top-1 accuracy, and
 the communication share of a step. Scaling efficiency is throughput per worker relative to one
-worker: ``samples_per_s(N) / (N * samples_per_s(1))`` -- for weak scaling that is the source
-material's ``epoch_time(1) / (N * epoch_time(N))``.
+worker: ``samples_per_s(N) / (N * samples_per_s(1))`` -- for weak scaling that is
+``epoch_time(1) / (N * epoch_time(N))``.
 
 Communication share, two ways: ``sync_share`` = time blocked in the gradient sync after backward
 (and ZeRO's parameter all-gather) / step time, measured in the step; it misses communication that
@@ -32,7 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from distlab.bench.common import at_least, choose, cores, machine, write
+from distlab.bench.common import at_least, choose, cores, format_table, machine, write
 from distlab.cluster import TBF_BURST
 from distlab.errors import ConfigError, DistlabError
 from distlab.flags import strategy_flags
@@ -184,19 +184,23 @@ def _fmt(v, spec):
     return f"{'-':>{width}}" if v is None else format(v, spec)
 
 
-def table(records: list[dict]) -> str:
-    """The weak/strong scaling table, one row per run (plus where, method and communication share)."""
-    head = (f"{'mode':<6} {'method':<14} {'link':<8} {'N':>2} {'LR':>9} {'batch':>6} {'steps/ep':>8} "
-            f"{'epoch s':>8} {'eff':>5} {'sync':>5} {'ovh':>5} {'best val':>8} {'test loss':>9} {'top-1':>7}")
-    rows = [head]
+def table(records: list[dict], markdown: bool = False) -> str:
+    """The weak/strong scaling table, one row per run (plus where, method and communication share).
+    "epoch s" is the median step time x steps per epoch: with ``--max-steps`` an estimate, not a
+    measured epoch (marked ``*``)."""
+    rows = []
     for r in records:
-        rows.append(f"{r['mode']:<6} {r['dp_sync']:<14} {r['bandwidth'] or 'lo':<8} {r['world_size']:>2} "
-                    f"{r['lr']:>9.3g} {r['global_batch_size']:>6} {r['steps_per_epoch']:>8} "
-                    f"{_fmt(r['epoch_time_s'], '8.2f')} {_fmt(r['scaling_efficiency'], '5.2f')} "
-                    f"{_fmt(r['sync_share'], '5.0%')} {_fmt(r['overhead_share'], '5.0%')} "
-                    f"{_fmt(r['best_val_loss'], '8.4f')} {_fmt(r['test_loss'], '9.4f')} "
-                    f"{_fmt(None if r['test_accuracy'] is None else 100 * r['test_accuracy'], '6.2f')}%")
-    return "\n".join(rows)
+        est = "*" if r.get("steps") is not None and r["steps"] < r["steps_per_epoch"] else ""
+        rows.append([r["mode"], r["dp_sync"], r["bandwidth"] or "lo", str(r["world_size"]), f"{r['lr']:.3g}",
+                     str(r["global_batch_size"]), str(r["steps_per_epoch"]), _fmt(r["epoch_time_s"], ".2f") + est,
+                     _fmt(r["scaling_efficiency"], ".2f"), _fmt(r["sync_share"], ".0%"),
+                     _fmt(r["overhead_share"], ".0%"), _fmt(r["best_val_loss"], ".4f"), _fmt(r["test_loss"], ".4f"),
+                     _fmt(None if r["test_accuracy"] is None else 100 * r["test_accuracy"], ".2f") + "%"])
+    out = format_table(["mode", "method", "link", "N", "LR", "batch", "steps/ep", "epoch s", "eff", "sync", "ovh",
+                        "best val", "test loss", "top-1"], rows, markdown)
+    if any(row[7].endswith("*") for row in rows):
+        out += "\n* fewer steps than an epoch ran (--max-steps): epoch time extrapolated from the median step"
+    return out
 
 
 def plot(records: list[dict], directory: str | Path) -> list[Path]:
