@@ -67,6 +67,59 @@ def _describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of ``--flag V`` or ``--flag=V`` in a command line (the last one given)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def failure_report(failures: dict[int, tuple[int | None, float]], argv: list[str]) -> str:
+    """One line for workers that failed: ``{rank: (exit code, time)}`` from torchrun's agent.
+
+    Names the rank that failed first and how (a signal, or an exit code after its own message), the
+    ranks torchrun then stopped, the last logged step (``--out``'s metrics.jsonl) and, when there are
+    snapshots in ``--snapshot-dir``, how to go on from the newest.
+    """
+    import json
+    from pathlib import Path
+
+    from distlab.train.snapshot import snapshots
+
+    order = sorted(failures, key=lambda r: (failures[r][1] or 0, r))
+    first = order[0]
+    stopped = [r for r in order[1:] if failures[r][0] == -signal.SIGTERM]
+    others = [r for r in order[1:] if r not in stopped]
+    parts = [f"rank {first} {_describe_exit(failures[first][0])} first"]
+    parts += [f"rank {r} {_describe_exit(failures[r][0])}" for r in others]
+    if stopped:
+        parts.append(f"torchrun then stopped rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))}")
+    line = "workers failed: " + "; ".join(parts)
+    if any((failures[r][0] or 0) > 0 for r in failures):
+        line += " (their own messages are above)"
+    out = _flag_value(argv, "--out")
+    metrics = Path(out) / "metrics.jsonl" if out else None
+    if metrics and metrics.is_file():
+        lines = metrics.read_text().splitlines()
+        if lines:
+            try:
+                line += f"; last logged step {json.loads(lines[-1])['step']}"
+            except (ValueError, KeyError):
+                pass
+    snap_dir = _flag_value(argv, "--snapshot-dir")
+    found = snapshots(snap_dir) if snap_dir else []
+    if found:
+        line += (f"; snapshots in {snap_dir} (newest {found[0].name}): rerun the same command with --resume auto "
+                 f"to go on from there")
+    elif snap_dir:
+        line += f"; no snapshot in {snap_dir} yet"
+    return line
+
+
 def launch(opts: LaunchOptions, argv: list[str]) -> int:
     """Run ``python -m distlab *argv`` on ``nproc_per_node`` local workers under torchrun.
 
@@ -95,10 +148,11 @@ def launch(opts: LaunchOptions, argv: list[str]) -> int:
     except ChildFailedError as exc:
         codes = {rank: f.exitcode for rank, f in exc.failures.items()}
         first = next((c for c in codes.values() if c and c > 0), 1)
-        config_error = all(c == ConfigError.exit_code for c in codes.values())
-        if not (config_error and opts.node_rank == 0):  # else rank 0 already said what was wrong
-            ranks = ", ".join(f"rank {r} ({_describe_exit(c)})" for r, c in sorted(codes.items()))
-            print(f"distlab: error: workers failed: {ranks}; see their messages above", file=sys.stderr,
-                  flush=True)
+        # A config error: every rank exits with its code (or is stopped); rank 0 already said what was wrong.
+        config_error = ConfigError.exit_code in codes.values() and \
+            all(c in (ConfigError.exit_code, -signal.SIGTERM) for c in codes.values())
+        if not (config_error and opts.node_rank == 0):
+            failures = {r: (f.exitcode, getattr(f, "timestamp", 0)) for r, f in exc.failures.items()}
+            print(f"distlab: error: {failure_report(failures, argv)}", file=sys.stderr, flush=True)
         return first
     return 0

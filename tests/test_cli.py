@@ -278,3 +278,33 @@ def test_bench_markdown_renders_every_bench_json_the_repository_holds(run_cli):
         assert lines[0].startswith("| ") and set(lines[1]) <= set("|-") and len(lines) >= 3
         rows = [line for line in lines if line.startswith("|")]  # a footnote may follow
         assert len(rows) >= 3 and all(line.count("|") == lines[0].count("|") for line in rows)
+
+
+def test_a_worker_killed_mid_run_is_reported_by_rank_signal_step_and_snapshot(run_cli, tmp_path):
+    # Rank 1 SIGKILLs itself right after step 5 (no restarts): one line names it, the signal, the last
+    # logged step and how to go on from the newest snapshot; nobody printed anything else to see.
+    proc = run_cli("train", "--nproc-per-node", "2", "--dataset", "synthetic:1x8x8:4:512", "--mlp-widths", "16",
+                   "--global-batch-size", "16", "--max-steps", "20", "--log-every", "2", "--snapshot-every", "2",
+                   "--snapshot-dir", "snaps", "--out", "run", "--no-progress", "--comm-timeout", "20",
+                   env={"DISTLAB_KILL_AT_STEP": "1:5"}, timeout=120)
+    assert proc.returncode != 0
+    line = next(line for line in proc.stderr.splitlines() if "workers failed" in line)
+    assert "rank 1 killed by SIGKILL first" in line and "last logged step 4" in line
+    assert "snapshots in snaps (newest step-00000004): rerun the same command with --resume auto" in line
+
+
+def test_failure_report_says_messages_are_above_only_when_a_worker_printed_one():
+    import signal
+
+    from distlab.launch import failure_report
+    killed = failure_report({0: (-signal.SIGTERM, 2.0), 1: (-signal.SIGKILL, 1.0)}, ["train"])
+    assert killed == "workers failed: rank 1 killed by SIGKILL first; torchrun then stopped rank 0"
+    failed = failure_report({0: (1, 1.0), 1: (-signal.SIGTERM, 2.0)}, ["train", "--snapshot-dir", "/nonexistent"])
+    assert "rank 0 exit code 1 first" in failed and "their own messages are above" in failed
+    assert "no snapshot in /nonexistent yet" in failed
+
+
+def test_an_unavailable_backend_is_refused_once_before_launch(run_cli):
+    proc = run_cli("train", "--nproc-per-node", "2", "--backend", "mpi", "--dataset", "synthetic:1x8x8:4")
+    _one_line_error(proc, "no MPI backend", "--backend gloo")
+    assert proc.returncode == 2 and "workers failed" not in proc.stderr

@@ -71,6 +71,7 @@ def run_distributed(kw: dict, body, planned_check=None):
             raise ConfigError("--nproc-per-node (torchrun launch) and --rank/--world-size (manual start) "
                               "cannot be combined: use one or the other")
         runtime.check_local_devices(kw["device"], lopts.nproc_per_node)
+        runtime.resolve_backend(kw["backend"], runtime.resolve_device(kw["device"], 0))  # once, before any worker
         if planned_check:
             planned_check(lopts.planned_world_size())
         sys.exit(launch(lopts, sys.argv[1:]))
