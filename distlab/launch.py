@@ -90,7 +90,8 @@ def failure_report(failures: dict[int, tuple[int | None, float]], argv: list[str
 
     from distlab.train.snapshot import snapshots
 
-    order = sorted(failures, key=lambda r: (failures[r][1] or 0, r))
+    # torchrun stops the survivors with SIGTERM once one worker failed: those never come first.
+    order = sorted(failures, key=lambda r: (failures[r][0] == -signal.SIGTERM, failures[r][1] or 0, r))
     first = order[0]
     stopped = [r for r in order[1:] if failures[r][0] == -signal.SIGTERM]
     others = [r for r in order[1:] if r not in stopped]

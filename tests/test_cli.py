@@ -163,7 +163,7 @@ def test_unknown_model_and_dataset(run_cli):
 def test_missing_dataset_names_package_and_paths(run_cli, tmp_path):
     env = {"DISTLAB_SYSTEM_DATASETS": str(tmp_path / "nothing-here"), "DISTLAB_DATA": ""}
     proc = run_cli("train", "--nproc-per-node", "2", "--data-dir", str(tmp_path / "mine"), env=env)
-    _one_line_error(proc, "dataset-fashion-mnist", str(tmp_path / "mine"), str(tmp_path / "nothing-here"))
+    _one_line_error(proc, "dataset-fashion-mnist", str(tmp_path / "mine"), "synthetic:1x28x28:10:60000")
 
 
 def test_port_already_in_use(run_cli):
