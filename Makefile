@@ -22,6 +22,7 @@ data:
 	@sh scripts/install-data.sh
 
 run: setup data
+	rm -rf runs/quickstart  # the main job's own output, made afresh each time (a new run never overwrites another's)
 	$(BIN)/distlab train --nproc-per-node $(NPROC) --model mlp --dataset fashion-mnist --epochs 1 --out runs/quickstart
 
 test: setup data
