@@ -12,9 +12,11 @@ of these (searched a few levels deep). The page has, for what the inputs contain
 * scaling: efficiency vs workers and loss vs time;
 * under every plot, the table of the numbers behind it; machine, torch version and date per input.
 
-Plots are PNGs embedded as base64, so the file stands alone. An input that is missing, unreadable
-or not something distlab wrote is listed at the top of the page (and on stderr); it never stops
-the report.
+Plots are PNGs embedded as base64, so the file stands alone. Tables show numbers with their units
+(ms, MiB, %). An input named on the command line that is missing, unreadable or not something
+distlab wrote is listed at the top of the page (and on stderr); JSON files met while searching a
+directory that distlab did not write as run, bench, verify or plan output (snapshot ``meta.json``,
+a calibration) are skipped quietly and counted. Nothing stops the report.
 """
 
 from __future__ import annotations
@@ -26,8 +28,12 @@ import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
+
+from distlab.plots import integer_ticks, pyplot, style
 
 BENCH_KINDS = ("collectives", "dp", "syncbn", "parallel", "scaling", "verify", "plan", "sweep")
+BENCH_FILES = {f"{kind}.json" for kind in BENCH_KINDS}  # names the bench commands write: never skipped quietly
 PLAN_VALIDATION = "distlab-plan-validation"
 
 
@@ -38,6 +44,7 @@ class Inputs:
     problems: list[tuple[str, str]] = field(default_factory=list)                # (path, what is wrong)
     read: list[tuple[str, str]] = field(default_factory=list)                    # (path, kind)
     images: list[Path] = field(default_factory=list)                             # PNGs written (--images)
+    skipped: list[str] = field(default_factory=list)    # JSON found in a directory that distlab did not write
 
 
 # --------------------------------------------------------------------------- reading
@@ -88,18 +95,27 @@ def _read_run(path: Path, inputs: Inputs) -> None:
     inputs.read.append((str(path), "run"))
 
 
-def _read_file(path: Path, inputs: Inputs) -> None:
+def _read_file(path: Path, inputs: Inputs, explicit: bool) -> None:
+    """A JSON file named on the command line (or with a bench file's name) must be usable; any other
+    one found in a directory is skipped quietly when it is not distlab's output."""
+    quiet = not explicit and path.name not in BENCH_FILES
     try:
         records = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError, OSError) as exc:
-        inputs.problems.append((str(path), f"not valid JSON: {exc}"))
+        if quiet:
+            inputs.skipped.append(str(path))
+        else:
+            inputs.problems.append((str(path), f"not valid JSON: {exc}"))
         return
     if isinstance(records, dict) and records.get("kind") == PLAN_VALIDATION:
         records = records.get("runs")  # `distlab plan validate --json`: the per-run rows
     kind = bench_kind(records)
     if kind is None:
-        inputs.problems.append((str(path), "not a distlab bench, verify or plan validate file (a list of records "
-                                           "it knows)"))
+        if quiet:
+            inputs.skipped.append(str(path))
+        else:
+            inputs.problems.append((str(path), "not a distlab bench, verify or plan validate file (a list of "
+                                               "records it knows)"))
         return
     inputs.bench.setdefault(kind, []).append((str(path), records))
     inputs.read.append((str(path), kind))
@@ -114,7 +130,7 @@ def collect(paths: list[str], depth: int = 4) -> Inputs:
             inputs.problems.append((str(path), "does not exist"))
         elif path.is_file():
             if path.suffix == ".json" or explicit:
-                _read_file(path, inputs)
+                _read_file(path, inputs, explicit)
         elif (path / "summary.json").exists() or (path / "metrics.jsonl").exists():
             _read_run(path, inputs)
         elif level < depth:
@@ -151,27 +167,63 @@ def _png(fig) -> str:
     return f'<img alt="plot" src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">'
 
 
-def _cell(v) -> str:
-    if v is None:
-        return "-"
+def _auto(v) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
     if isinstance(v, float):
         return f"{v:.4g}"
     if isinstance(v, (dict, list)):
-        return html.escape(json.dumps(v)[:80])
-    return html.escape(str(v))
+        return json.dumps(v)[:80]
+    return str(v)
 
 
-def _table(rows: list[dict], columns: list[str]) -> str:
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{_cell(r.get(c))}</td>" for c in columns) + "</tr>" for r in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+def _ms(seconds) -> str:
+    return f"{1000 * seconds:.3g}" if seconds < 0.1 else f"{1000 * seconds:,.0f}"
 
 
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
+def _size(nbytes) -> str:
+    """Bytes in the unit that reads best: 512 B, 3.1 KiB, 2.04 MiB, 1.2 GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _pct(fraction) -> str:
+    return f"{100 * fraction:.2f}%"
+
+
+def _sci(v) -> str:
+    return f"{v:.1e}"
+
+
+def _date(text) -> str:
+    return str(text)[:10]
+
+
+@dataclass(frozen=True)
+class Col:
+    """A table column: the record's field, the header a reader sees (with the unit), the format."""
+    key: str
+    header: str
+    fmt: Callable = _auto
+
+    def cell(self, row: dict) -> str:
+        v = row.get(self.key)
+        if v is None:
+            return "-"
+        try:
+            return html.escape(self.fmt(v))
+        except (TypeError, ValueError):
+            return html.escape(str(v))
+
+
+def _table(rows: list[dict], columns: list[Col]) -> str:
+    head = "".join(f"<th>{html.escape(c.header)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{c.cell(r)}</td>" for c in columns) + "</tr>" for r in rows)
+    return f"<div class='table'><table><tr>{head}</tr>{body}</table></div>"
 
 
 def _strategy_label(strategy: dict) -> str:
@@ -200,15 +252,15 @@ def _legend(ax, n: int) -> None:
 
 
 def _runs_section(runs: list[dict]) -> str:
-    plt = _plt()
+    plt = pyplot()
     out = ["<h2>Training runs</h2>"]
     with_metrics = [r for r in runs if r["metrics"]]
     if with_metrics:
         fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
-        for r in with_metrics:
-            label = _run_label(r)
-            a.plot([m["step"] for m in r["metrics"]], [m["loss"] for m in r["metrics"]], label=label)
-            b.plot([m.get("time_s", 0) for m in r["metrics"]], [m["loss"] for m in r["metrics"]], label=label)
+        for i, r in enumerate(with_metrics):
+            label, kw = _run_label(r), style(i, len(r["metrics"]))
+            a.plot([m["step"] for m in r["metrics"]], [m["loss"] for m in r["metrics"]], label=label, **kw)
+            b.plot([m.get("time_s", 0) for m in r["metrics"]], [m["loss"] for m in r["metrics"]], label=label, **kw)
         a.set(xlabel="step", ylabel="training loss", title="loss vs step")
         b.set(xlabel="wall time (s)", ylabel="training loss", title="loss vs time")
         _legend(b, len(with_metrics))
@@ -224,20 +276,25 @@ def _runs_section(runs: list[dict]) -> str:
             lo = min(100 * r["summary"]["test_accuracy"] for r in acc)
             ax.set_ylim(max(0, lo - 5), 100)
             out.append(_png(fig))
-        rows = [{"run": r["path"], "world": r["summary"].get("world_size"),
-                 "strategy": _strategy_label(r["summary"].get("strategy") or {}), "steps": r["summary"].get("steps"),
-                 "test accuracy": r["summary"].get("test_accuracy"), "test loss": r["summary"].get("test_loss"),
-                 "ms/step": 1000 * r["summary"]["time_per_step_s_median"]
-                 if r["summary"].get("time_per_step_s_median") else None,
-                 "samples/s": r["summary"].get("samples_per_s"),
-                 "bytes/step/rank": r["summary"].get("comm_bytes_per_step"),
-                 "state MB/rank": (r["summary"]["model_state_bytes_per_rank"] / 2**20
-                                   if r["summary"].get("model_state_bytes_per_rank") else None),
-                 "peak RSS MB": r["summary"].get("peak_rss_mb"), "torch": r["summary"].get("torch_version"),
-                 "host": r["summary"].get("hostname"), "date": r["summary"].get("date")} for r in done]
-        out.append(_table(rows, list(rows[0])))
+        rows = [{**r["summary"], "run": _short(r["path"]),
+                 "strategy_label": _strategy_label(r["summary"].get("strategy") or {})} for r in done]
+        out.append(_table(rows, RUN_COLUMNS))
         out.append(_scaling_from_runs(done))
     return "\n".join(out)
+
+
+RUN_COLUMNS = [Col("run", "run"), Col("world_size", "ranks"), Col("strategy_label", "strategy"), Col("steps", "steps"),
+               Col("test_accuracy", "test accuracy", _pct), Col("test_loss", "test loss"),
+               Col("time_per_step_s_median", "ms/step (median)", _ms), Col("samples_per_s", "samples/s", "{:,.0f}".format),
+               Col("comm_bytes_per_step", "sent per step per rank", _size),
+               Col("model_state_bytes_per_rank", "model state per rank", _size),
+               Col("peak_rss_mb", "peak RSS (MB)", "{:,.0f}".format), Col("torch_version", "torch"),
+               Col("hostname", "host"), Col("date", "date", _date)]
+
+
+def _short(path: str) -> str:
+    """The last two parts of a path: enough to tell runs apart in a table."""
+    return "/".join(Path(path).parts[-2:])
 
 
 def _scaling_from_runs(runs: list[dict]) -> str:
@@ -253,50 +310,57 @@ def _scaling_from_runs(runs: list[dict]) -> str:
     groups = {k: v for k, v in groups.items() if len({s["world_size"] for s in v}) > 1}
     if not groups:
         return ""
-    plt = _plt()
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
-    rows = []
-    for name, summaries in groups.items():
+    rows, all_worlds = [], []
+    for i, (name, summaries) in enumerate(groups.items()):
         by_world: dict[int, list[float]] = {}
         for s in summaries:
             by_world.setdefault(s["world_size"], []).append(s["samples_per_s"])
         worlds = sorted(by_world)
+        all_worlds += worlds
         sps = [statistics.median(by_world[w]) for w in worlds]
         eff = [x / (w * sps[0] / worlds[0]) for w, x in zip(worlds, sps)]
-        a.plot(worlds, sps, marker="o", label=name)
-        b.plot(worlds, eff, marker="o", label=name)
-        rows += [{"strategy": name, "world size": w, "samples/s": x, "efficiency": e}
+        a.plot(worlds, sps, label=name, **style(i))
+        b.plot(worlds, eff, label=name, **style(i))
+        rows += [{"strategy": name, "world_size": w, "samples_per_s": x, "efficiency": e}
                  for w, x, e in zip(worlds, sps, eff)]
     a.set(xlabel="world size", ylabel="samples/s", title="throughput vs world size")
     b.set(xlabel="world size", ylabel="efficiency (per-rank throughput / smallest run's)", title="scaling efficiency")
+    for ax in (a, b):
+        integer_ticks(ax, all_worlds)
     _legend(b, len(groups))
-    return "<h3>Scaling across runs (same per-rank batch)</h3>" + _png(fig) + _table(rows, list(rows[0]))
+    cols = [Col("strategy", "model, data, strategy, batch per rank"), Col("world_size", "ranks"),
+            Col("samples_per_s", "samples/s (median)", "{:,.0f}".format), Col("efficiency", "scaling efficiency", "{:.2f}".format)]
+    return "<h3>Scaling across runs (same per-rank batch)</h3>" + _png(fig) + _table(rows, cols)
 
 
 def _collectives_section(records: list[dict]) -> str:
-    plt = _plt()
+    plt = pyplot()
     out = []
     for world in sorted({r["world_size"] for r in records}):
         fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
-        for algo in dict.fromkeys(r["algorithm"] for r in records):
+        for i, algo in enumerate(dict.fromkeys(r["algorithm"] for r in records)):
             pts = sorted((r["numel"], r["time_s_median"], r["busbw_gbps"]) for r in records
                          if r["world_size"] == world and r["algorithm"] == algo and r["numel"] > 0)
             if pts:
                 n, t, bw = zip(*pts)
-                a.plot(n, t, marker="o", label=algo)
-                b.plot(n, bw, marker="o", label=algo)
+                a.plot(n, t, label=algo, **style(i))
+                b.plot(n, bw, label=algo, **style(i))
         a.set(xscale="log", yscale="log", xlabel="elements", ylabel="median time (s)",
               title=f"all-reduce time, world size {world}")
         b.set(xscale="log", xlabel="elements", ylabel="bus bandwidth (GB/s)", title=f"bus bandwidth, world size {world}")
         _legend(b, len(b.lines))
         out.append(_png(fig))
-    cols = ["algorithm", "op", "world_size", "numel", "dtype", "time_s_median", "busbw_gbps", "rel_err",
-            "bytes_sent_per_rank", "peak_rss_mb"]
+    cols = [Col("algorithm", "algorithm"), Col("op", "op"), Col("world_size", "ranks"), Col("numel", "elements"),
+            Col("dtype", "dtype"), Col("time_s_median", "time (ms, median)", _ms),
+            Col("busbw_gbps", "bus bandwidth (GB/s)", "{:.3g}".format), Col("rel_err", "relative error", _sci),
+            Col("bytes_sent_per_rank", "sent per rank", _size), Col("peak_rss_mb", "peak RSS (MB)", "{:,.0f}".format)]
     return "\n".join(out) + _table(records, cols)
 
 
 def _bar(labels: list[str], values: list[float], ylabel: str, title: str) -> str:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(5, 0.8 * len(labels)), 3.6))
     ax.bar(range(len(values)), values)
     ax.set_xticks(range(len(values)), labels, rotation=25, ha="right", fontsize=7)
@@ -307,8 +371,12 @@ def _bar(labels: list[str], values: list[float], ylabel: str, title: str) -> str
 def _dp_section(records: list[dict]) -> str:
     labels = [f"{r['workload']} x{r['world_size']} {r['dp_sync']}:{r.get('collective', 'native')}" for r in records]
     img = _bar(labels, [r.get("samples_per_s_median") or 0 for r in records], "samples/s", "data parallel: throughput")
-    cols = ["workload", "world_size", "dp_sync", "collective", "time_per_step_s_median", "samples_per_s_median",
-            "comm_bytes_per_step", "peak_rss_mb", "final_train_loss", "test_accuracy"]
+    cols = [Col("workload", "workload"), Col("world_size", "ranks"), Col("dp_sync", "method"),
+            Col("collective", "collective"), Col("time_per_step_s_median", "ms/step (median)", _ms),
+            Col("samples_per_s_median", "samples/s", "{:,.0f}".format),
+            Col("comm_bytes_per_step", "sent per step per rank", _size),
+            Col("peak_rss_mb", "peak RSS (MB)", "{:,.0f}".format), Col("final_train_loss", "final loss", "{:.4f}".format),
+            Col("test_accuracy", "test accuracy", _pct)]
     return img + _table(records, cols)
 
 
@@ -319,55 +387,67 @@ def _parallel_section(records: list[dict]) -> str:
                 "parameters + gradients + optimizer state per rank")
     imgs += _bar(labels, [r["comm_bytes_per_step"] / 2**20 for r in ok], "MiB per step per rank", "bytes sent per step")
     imgs += _bar(labels, [1000 * r["time_per_step_s_median"] for r in ok], "ms", "time per step (median)")
-    cols = ["workload", "strategy", "world_size", "supported", "time_per_step_s_median", "comm_bytes_per_step",
-            "model_state_bytes_per_rank", "peak_rss_mb", "final_train_loss"]
+    cols = [Col("workload", "workload"), Col("strategy", "strategy"), Col("world_size", "ranks"),
+            Col("supported", "ran"), Col("time_per_step_s_median", "ms/step (median)", _ms),
+            Col("comm_bytes_per_step", "sent per step per rank", _size),
+            Col("model_state_bytes_per_rank", "model state per rank", _size),
+            Col("peak_rss_mb", "peak RSS (MB)", "{:,.0f}".format), Col("final_train_loss", "loss", "{:.4f}".format)]
     return imgs + _table(records, cols)
 
 
 def _syncbn_section(records: list[dict]) -> str:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for impl in dict.fromkeys(r["implementation"] for r in records):
-        pts = sorted((r["workers"], r["time_s_median"]) for r in records
+    for i, impl in enumerate(dict.fromkeys(r["implementation"] for r in records)):
+        pts = sorted((r["workers"], r["time_s_median"] * 1e3) for r in records
                      if r["implementation"] == impl and r.get("available") and r.get("time_s_median"))
         if pts:
-            ax.plot(*zip(*pts), marker="o", label=impl)
-    ax.set(xlabel="workers", ylabel="median time (s)", title="batch norm forward + backward")
+            ax.plot(*zip(*pts), label=impl, **style(i))
+    ax.set(xlabel="workers", ylabel="median time (ms)", title="batch norm forward + backward")
+    integer_ticks(ax, [r["workers"] for r in records])
     _legend(ax, len(ax.lines))
-    cols = [c for c in ("implementation", "workers", "features", "batch", "time_s_median", "max_abs_out_diff",
-                        "max_abs_grad_diff") if any(c in r for r in records)]
-    return _png(fig) + _table(records, cols)
+    cols = [Col("implementation", "implementation"), Col("workers", "workers"), Col("features", "features"),
+            Col("batch", "batch"), Col("time_s_median", "time (ms, median)", _ms),
+            Col("max_abs_out_diff", "max |output diff|", _sci), Col("max_abs_grad_diff", "max |grad diff|", _sci)]
+    return _png(fig) + _table(records, [c for c in cols if any(c.key in r for r in records)])
 
 
 def _scaling_section(records: list[dict]) -> str:
-    plt = _plt()
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
-    for key in dict.fromkeys((r["mode"], r["dp_sync"], r.get("bandwidth") or "lo") for r in records):
+    for i, key in enumerate(dict.fromkeys((r["mode"], r["dp_sync"], r.get("bandwidth") or "lo") for r in records)):
         rs = sorted((r for r in records if (r["mode"], r["dp_sync"], r.get("bandwidth") or "lo") == key),
                     key=lambda r: r["world_size"])
         label = " ".join(map(str, key))
-        a.plot([r["world_size"] for r in rs], [r["scaling_efficiency"] or 0 for r in rs], marker="o", label=label)
+        a.plot([r["world_size"] for r in rs], [r["scaling_efficiency"] or 0 for r in rs], label=label, **style(i))
         for r in rs:
             if r.get("loss_curve"):
                 t, loss = zip(*r["loss_curve"])
-                b.plot(t, loss, label=f"{label} N={r['world_size']}")
+                b.plot(t, loss, label=f"{label} N={r['world_size']}", **style(len(b.lines), len(t)))
     a.set(xlabel="workers", ylabel="scaling efficiency", title="scaling efficiency", ylim=(0, 1.1))
+    integer_ticks(a, [r["world_size"] for r in records])
     b.set(xlabel="training time (s)", ylabel="loss", title="loss vs time")
     a.legend(fontsize=7)
     _legend(b, len(b.lines))
-    cols = ["mode", "dp_sync", "bandwidth", "world_size", "lr", "global_batch_size", "steps_per_epoch", "epoch_time_s",
-            "scaling_efficiency", "sync_share", "overhead_share", "best_val_loss", "test_loss", "test_accuracy"]
+    cols = [Col("mode", "mode"), Col("dp_sync", "method"), Col("bandwidth", "link"), Col("world_size", "workers"),
+            Col("lr", "LR", "{:.3g}".format), Col("global_batch_size", "global batch"),
+            Col("steps_per_epoch", "steps per epoch"), Col("epoch_time_s", "epoch (s)", "{:.2f}".format),
+            Col("scaling_efficiency", "efficiency", "{:.2f}".format), Col("sync_share", "sync share", "{:.0%}".format),
+            Col("overhead_share", "overhead share", "{:.0%}".format), Col("best_val_loss", "best val loss", "{:.4f}".format),
+            Col("test_loss", "test loss", "{:.4f}".format), Col("test_accuracy", "test accuracy", _pct)]
     return _png(fig) + _table(records, cols)
 
 
 def _verify_section(records: list[dict]) -> str:
-    cols = ["strategy", "world_size", "steps", "max_abs_param_diff", "max_loss_diff", "tolerance", "passed"]
+    cols = [Col("strategy", "strategy"), Col("world_size", "ranks"), Col("steps", "steps"),
+            Col("max_abs_param_diff", "max |param diff|", _sci), Col("max_loss_diff", "max |loss diff|", _sci),
+            Col("tolerance", "tolerance", _sci), Col("passed", "passed")]
     return _table(records, cols)
 
 
 def _plan_section(records: list[dict]) -> str:
     """``distlab plan validate``: predicted vs measured step time, per link and world size."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 5))
     markers = "osD^v<>"
     worlds = sorted({r["world_size"] for r in records})
@@ -392,30 +472,31 @@ def _plan_section(records: list[dict]) -> str:
            ylabel="predicted ms",
            title=f"distlab plan: predicted vs measured (median |error|: {medians})")
     ax.legend(fontsize=6)
-    cols = ["kind", "run", "world_size", "link", "dp_sync", "zero", "measured_step_s", "predicted_step_s", "time_rel_err",
-            "predicted_compute_s", "predicted_exposed_comm_s", "measured_model_state_bytes",
-            "predicted_model_state_bytes"]
+    cols = [Col("kind", "kind"), Col("run", "run", _short), Col("world_size", "ranks"), Col("link", "link"),
+            Col("dp_sync", "method"), Col("zero", "ZeRO"), Col("measured_step_s", "measured (ms)", _ms),
+            Col("predicted_step_s", "predicted (ms)", _ms), Col("time_rel_err", "error", "{:+.1%}".format),
+            Col("predicted_compute_s", "compute (ms)", _ms), Col("predicted_exposed_comm_s", "exposed comm (ms)", _ms),
+            Col("measured_model_state_bytes", "model state measured", _size),
+            Col("predicted_model_state_bytes", "model state predicted", _size)]
     return _png(fig) + _table(records, cols)
 
 
 def _sweep_section(records: list[dict]) -> str:
     """``distlab plan --sweep --json``: memory per rank and scaling efficiency vs world size."""
-    plt = _plt()
+    plt = pyplot()
     timed = all("step_s" in r for r in records)
     fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(12 if timed else 6.5, 4.5), squeeze=False)
     a, b = axes[0][0], axes[0][-1]
     rows = []
-    for name in dict.fromkeys(json.dumps(r["strategy"], sort_keys=True) for r in records):
+    for i, name in enumerate(dict.fromkeys(json.dumps(r["strategy"], sort_keys=True) for r in records)):
         rs = sorted((r for r in records if json.dumps(r["strategy"], sort_keys=True) == name),
                     key=lambda r: r["layout"]["world_size"])
         label = rs[0].get("strategy_text") or ",".join(f"{k}={v}" for k, v in json.loads(name).items()) or "as given"
         worlds = [r["layout"]["world_size"] for r in rs]
-        a.plot(worlds, [r["memory_bytes_per_rank"] / 2**30 for r in rs], marker="o", label=label)
+        a.plot(worlds, [r["memory_bytes_per_rank"] / 2**30 for r in rs], label=label, **style(i))
         if timed:
-            b.plot(worlds, [r["scaling_efficiency"] for r in rs], marker="o", label=label)
-        rows += [{"strategy": label, "world_size": w, "memory GiB/rank": r["memory_bytes_per_rank"] / 2**30,
-                  "fits": r.get("fits"), "step_s": r.get("step_s"), "samples_per_s": r.get("samples_per_s"),
-                  "scaling_efficiency": r.get("scaling_efficiency")} for w, r in zip(worlds, rs)]
+            b.plot(worlds, [r["scaling_efficiency"] for r in rs], label=label, **style(i))
+        rows += [{**r, "strategy": label, "world_size": w} for w, r in zip(worlds, rs)]
     limit = records[0].get("device_memory_bytes")
     if limit:
         a.axhline(limit / 2**30, color="black", ls="--", lw=1, label="device memory")
@@ -426,7 +507,9 @@ def _sweep_section(records: list[dict]) -> str:
         b.set(xscale="log", xlabel="data-parallel ranks", ylabel="scaling efficiency", ylim=(0, 1.05),
               title=f"planned scaling efficiency, link {records[0]['link']['name']}")
         b.legend(fontsize=7)
-    cols = ["strategy", "world_size", "memory GiB/rank", "fits", "step_s", "samples_per_s", "scaling_efficiency"]
+    cols = [Col("strategy", "strategy"), Col("world_size", "ranks"), Col("memory_bytes_per_rank", "memory per rank", _size),
+            Col("fits", "fits"), Col("step_s", "step (ms)", _ms), Col("samples_per_s", "samples/s", "{:,.0f}".format),
+            Col("scaling_efficiency", "efficiency", "{:.2f}".format)]
     return _png(fig) + _table(rows, cols)
 
 
@@ -439,16 +522,21 @@ SECTIONS = {"collectives": ("Collectives", _collectives_section), "dp": ("Data p
 
 
 def _machine(records: list[dict]) -> str:
+    """Where the records were measured, as far as they say ("" when they say nothing)."""
     r = records[0]
     facts = [f"torch {r['torch_version']}" if r.get("torch_version") else None,
              f"host {r.get('host') or r.get('hostname')}" if (r.get("host") or r.get("hostname")) else None,
              f"{r['cores']} cores" if r.get("cores") else None, r.get("date")]
-    return ", ".join(f for f in facts if f) or "machine not recorded"
+    return ", ".join(f for f in facts if f)
 
 
-CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1300px}table{border-collapse:collapse;
-margin:.5em 0 2em;font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}
-th{background:#f0f0f0}img{max-width:100%}.problem{color:#a00}code{background:#f4f4f4}"""
+# A 1280-px window shows the whole page: tables wrap their headers and scroll inside themselves
+# rather than widen the page.
+CSS = """body{font-family:system-ui,sans-serif;margin:1.5em auto;padding:0 1em;max-width:1200px}
+.table{overflow-x:auto;max-width:100%}table{border-collapse:collapse;margin:.5em 0 2em;font-size:12px}
+td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}th{background:#f0f0f0;max-width:9em}
+td:first-child,th:first-child{text-align:left}img{max-width:100%;height:auto}.problem{color:#a00}
+code{background:#f4f4f4;overflow-wrap:anywhere}h2{overflow-wrap:anywhere}"""
 
 
 def render(inputs: Inputs, title: str = "distlab report") -> str:
@@ -464,14 +552,18 @@ def render(inputs: Inputs, title: str = "distlab report") -> str:
             except (KeyError, TypeError, ValueError) as exc:  # a file that looks right but lacks fields
                 inputs.problems.append((path, f"{kind} records lack a field: {exc!r}"))
                 continue
-            body.append(f"<h2>{name}: <code>{html.escape(path)}</code></h2><p>{html.escape(_machine(records))}</p>"
-                        + content)
+            machine = _machine(records)
+            body.append(f"<h2>{name}: <code>{html.escape(path)}</code></h2>"
+                        + (f"<p>{html.escape(machine)}</p>" if machine else "") + content)
     head = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>",
             f"<p>Generated {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')} by "
             f"<code>distlab report</code>.</p><h2>Inputs</h2>",
-            _table([{"input": p, "kind": k} for p, k in inputs.read], ["input", "kind"]) if inputs.read
-            else "<p>No usable inputs.</p>"]
+            _table([{"input": p, "kind": k} for p, k in inputs.read], [Col("input", "input"), Col("kind", "kind")])
+            if inputs.read else "<p>No usable inputs.</p>"]
+    if inputs.skipped:
+        head.append(f"<p>{len(inputs.skipped)} other JSON file(s) in the directories searched were skipped: not "
+                    f"run, bench, verify or plan validate output (snapshot meta.json, calibrations, ...).</p>")
     if inputs.problems:
         head.append("<h3 class='problem'>Inputs that could not be used</h3><ul>" + "".join(
             f"<li class='problem'><code>{html.escape(p)}</code>: {html.escape(why)}</li>" for p, why in inputs.problems)

@@ -155,7 +155,8 @@ def verify(strategies: list[Case], world_size: int, steps: int = 10, global_batc
 
     configs = [config_for(s, world_size, steps, global_batch) for s in strategies]
     results = run_ranks(_distributed_runs, world_size, configs, timeout=timeout)[0]
-    records = []
+    from distlab.bench.common import machine_facts
+    records, facts = [], machine_facts()
     for strategy, cfg, (params, losses) in zip(strategies, configs, results):
         ref_params, ref_losses = reference_run(cfg)
         diffs = compare(params, losses, ref_params, ref_losses)
@@ -163,7 +164,7 @@ def verify(strategies: list[Case], world_size: int, steps: int = 10, global_batc
         records.append({"strategy": strategy.name, "flags": strategy.flags(), "world_size": world_size,
                         "steps": steps, "model": cfg.model, "global_batch_size": cfg.global_batch_size, **diffs,
                         "tolerance": tol,
-                        "passed": diffs["max_abs_param_diff"] <= tol and diffs["max_loss_diff"] <= tol})
+                        "passed": diffs["max_abs_param_diff"] <= tol and diffs["max_loss_diff"] <= tol, **facts})
     return records
 
 
@@ -201,6 +202,7 @@ def verify_resume(case: Case, world_size: int, steps: int, workdir: str, timeout
     the group; the workers resume from the newest snapshot on their own). The last rank dies right
     after step ``steps // 2 + 1``; snapshots are taken every ``steps // 4`` steps.
     """
+    from distlab.bench.common import machine_facts
     from distlab.train import snapshot
 
     if steps < 4:
@@ -243,5 +245,6 @@ def verify_resume(case: Case, world_size: int, steps: int, workdir: str, timeout
             "max_rel_param_diff": 0.0 if bitwise else float("nan"), "max_loss_diff": loss_diff, "tolerance": 0.0,
             "killed": f"rank {world_size - 1} by SIGKILL after step {kill_step}",
             "restarts": b_summary["restart_count"], "resumed_from": b_summary["resumed_from"],
-            "passed": bitwise and b_summary["restart_count"] == 1 and b_summary["resumed_from"] is not None}
+            "passed": bitwise and b_summary["restart_count"] == 1 and b_summary["resumed_from"] is not None,
+            **machine_facts()}
 

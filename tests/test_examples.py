@@ -1,7 +1,9 @@
 """Every script under examples/ runs to completion, the way its docstring says to run it.
 
 The examples assert their own claims (equal to single-process training, exact memory
-predictions, bitwise resume, ...); here each must exit 0 and print its conclusion.
+predictions, bitwise resume, ...); here each must exit 0 and print its conclusion, and every
+output block in docs/ marked as its output must agree with what it printed
+(``scripts/doc_outputs.py`` says how a block is matched).
 """
 
 import os
@@ -11,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+sys.path.insert(0, str(ROOT / "scripts"))
+import doc_outputs  # noqa: E402 - scripts/ is not a package
 # script -> (processes under torchrun, or None for plain python; text its output must contain)
 RUNS = {
     "01_collectives.py": (4, "all-gather of the chunks: [6.0, 10.0"),
@@ -47,3 +52,26 @@ def test_example_runs(script, tmp_path):
     if "skipped:" in proc.stdout:
         pytest.skip(proc.stdout.strip().splitlines()[-1])
     assert expected in proc.stdout, proc.stdout[-3000:]
+    shown = [b for b in doc_outputs.all_blocks() if f"examples/{script}" in b.command]
+    for block in shown:
+        assert doc_outputs.agrees(block.text, proc.stdout), (
+            f"{block.where()} shows output that `{block.command}` no longer prints:\n--- page\n{block.text}\n"
+            f"--- output\n{proc.stdout}\nrerun: python scripts/doc_outputs.py {block.page.relative_to(ROOT)}")
+
+
+def test_pages_show_the_output_of_the_example_they_run():
+    """Each example's page has at least one block checked against its output, and every block names
+    a command the suite runs: an example as RUNS runs it, or a distlab command (tests/test_docs.py)."""
+    blocks = doc_outputs.all_blocks()
+    for script in RUNS:
+        if script != "10_own_training_loop.py":  # the library example has no page of its own
+            assert any(f"examples/{script}" in b.command for b in blocks), f"no page shows the output of {script}"
+    for block in blocks:
+        words = block.command.split()
+        if any(w.startswith("examples/") for w in words):
+            script = next(w for w in words if w.startswith("examples/"))[len("examples/"):]
+            nproc = RUNS[script][0]
+            runner = f"torchrun --standalone --nproc-per-node {nproc}" if nproc else "python"
+            assert block.command.removeprefix("sudo ") == f"{runner} examples/{script}", block.where()
+        else:
+            assert words[0] == "distlab", block.where()

@@ -48,7 +48,10 @@ def test_report_names_every_input_and_lists_bad_ones(run_cli, tmp_path):
     # Plots are embedded PNGs: loss curves + accuracy for the run, time/busbw for world size 2.
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
     assert len(images) == 3 and all(base64.b64decode(i)[:4] == b"\x89PNG" for i in images)
-    assert "<th>busbw_gbps</th>" in page and "<th>test accuracy</th>" in page and "<th>passed</th>" in page
+    # headers say what and in which unit; cells are human numbers
+    assert "<th>bus bandwidth (GB/s)</th>" in page and "<th>test accuracy</th>" in page and "<th>passed</th>" in page
+    assert "<th>time (ms, median)</th>" in page and "<td>391 KiB</td>" in page and "<td>100,000</td>" in page
+    assert "time_s_median" not in page and "bytes_sent_per_rank" not in page
     assert "2.13.0+cpu" in page and "testhost" in page  # machine and torch version per bench input
     assert "src=\"http" not in page and "<script" not in page  # self-contained
 
@@ -65,19 +68,79 @@ def test_a_directory_without_inputs_is_reported(tmp_path):
     assert inputs.problems == [(str(tmp_path / "empty"), "no runs or bench files found in it")]
 
 
+def test_snapshots_and_other_json_in_a_searched_directory_are_skipped_quietly(run_cli, tmp_path):
+    """A directory with a run, its snapshots (meta.json) and a calibration: the run is used, the two
+    JSON files distlab did not write as report input are counted, not listed as problems."""
+    run_cli("train", "--dataset", "synthetic:1x8x8:4:512", "--max-steps", "6", "--no-progress", "--out", "all/run",
+            "--snapshot-dir", "all/snaps", "--snapshot-every", "3", check=True)
+    (tmp_path / "all" / "calibration.json").write_text(json.dumps({"collectives": {}}))
+    (tmp_path / "all" / "collectives.json").write_text("[{broken")  # a bench file's name: never quiet
+    proc = run_cli("report", "all", "-o", "r.html")
+    assert proc.returncode == 0, proc.stderr
+    page = (tmp_path / "r.html").read_text()
+    assert "<td>all/run</td>" in page
+    assert "meta.json" not in page and "calibration.json" not in page
+    assert "3 other JSON file(s) in the directories searched were skipped" in page  # 2 snapshots + calibration
+    assert "3 other JSON file(s) skipped" in proc.stderr and "meta.json" not in proc.stderr
+    assert "collectives.json: not valid JSON" in proc.stderr
+
+
+def test_verify_records_say_where_they_ran_and_old_ones_say_nothing(tmp_path):
+    from distlab.report import write_report
+    (tmp_path / "old.json").write_text(json.dumps(_verify()))
+    (tmp_path / "new.json").write_text(json.dumps([{**_verify()[0], "torch_version": "2.13.0+cpu", "host": "h1",
+                                                    "cores": 2, "date": "2026-11-23T10:00:00+00:00"}]))
+    write_report([str(tmp_path / "old.json"), str(tmp_path / "new.json")], tmp_path / "r.html")
+    page = (tmp_path / "r.html").read_text()
+    assert "not recorded" not in page and "torch 2.13.0+cpu, host h1, 2 cores" in page
+    assert "<td>1.0e-08</td>" in page  # the parameter difference, in scientific notation
+
+
+def test_lines_that_coincide_stay_apart_and_worker_axes_have_integer_ticks():
+    from distlab.plots import integer_ticks, pyplot, style
+    plt = pyplot()
+    fig, ax = plt.subplots()
+    for i in range(3):  # three runs with identical losses
+        ax.plot(range(50), [1.0 / (k + 1) for k in range(50)], **style(i, 50))
+    kinds = {(line.get_linestyle(), line.get_marker(), str(line.get_markevery())) for line in ax.lines}
+    assert len(kinds) == 3
+    integer_ticks(ax, [1, 2, 4, 2])
+    assert list(ax.get_xticks()) == [1, 2, 4]
+    plt.close(fig)
+
+
 CHROMIUM = next((shutil.which(c) for c in ("chromium", "chromium-browser", "google-chrome") if shutil.which(c)), None)
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no Chromium here to render the page headless")
-def test_report_renders_to_a_non_blank_screenshot(tmp_path):
+def test_report_of_every_committed_result_fits_a_1280_px_window(tmp_path):
+    """The widest inputs there are -- every JSON and run under results/ (scaling tables, plan
+    validation, parallel, collectives, three training runs) -- in a 1280-px window: nothing wider
+    than the window, and the screenshot is a real page, not blank."""
+    from pathlib import Path
+
     from distlab.report import write_report
-    (tmp_path / "collectives.json").write_text(json.dumps(_collectives()))
-    write_report([str(tmp_path / "collectives.json")], tmp_path / "r.html")
+    results = Path(__file__).resolve().parent.parent / "results"
+    inputs = write_report([str(results)], tmp_path / "r.html")
+    assert {"run", "collectives", "parallel", "scaling"} <= {k for _, k in inputs.read} and not inputs.problems
+    page = (tmp_path / "r.html").read_text()
+    # measure in a copy (the report itself has no scripts): the page's width as the browser lays it out
+    probe = page.replace("</body>", "<script>document.title = 'W' + document.documentElement.scrollWidth + 'x' "
+                                    "+ document.documentElement.clientWidth;</script></body>")
+    (tmp_path / "probe.html").write_text(probe)
+    browser = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1280,900"]
+    dom = subprocess.run([*browser, "--dump-dom", f"file://{tmp_path / 'probe.html'}"], capture_output=True,
+                         text=True, timeout=120).stdout
+    width = re.search(r"<title>W(\d+)x(\d+)</title>", dom)
+    assert width, dom[:500]
+    assert int(width.group(1)) <= int(width.group(2)) <= 1280, f"page is {width.group(1)} px wide in a 1280-px window"
     shot = tmp_path / "shot.png"
-    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
-                    "--window-size=1200,900", f"file://{tmp_path / 'r.html'}"], capture_output=True, timeout=120)
+    subprocess.run([*browser, f"--screenshot={shot}", f"file://{tmp_path / 'r.html'}"], capture_output=True,
+                   timeout=120)
     from PIL import Image  # noqa: PLC0415 - matplotlib brings pillow
-    pixels = Image.open(shot).convert("L").getextrema()
+    image = Image.open(shot)
+    assert image.size[0] == 1280
+    pixels = image.convert("L").getextrema()
     assert pixels[0] < 128 < pixels[1]  # dark text/lines on a light page: not blank
 
 
@@ -94,7 +157,8 @@ def test_plan_validation_gets_its_plot_and_images_are_written(tmp_path):
     inputs = write_report([str(path)], tmp_path / "r.html", images=tmp_path / "img")
     page = (tmp_path / "r.html").read_text()
     assert inputs.read == [(str(path), "plan")] and not inputs.problems
-    assert "Cost model" in page and "<td>r1</td>" in page and "<th>predicted_step_s</th>" in page
+    assert "Cost model" in page and "<td>r1</td>" in page and "<th>predicted (ms)</th>" in page
+    assert "<td>+10.0%</td>" in page and "<td>22</td>" in page  # error, predicted ms
     assert [p.name for p in inputs.images] == ["01-distlab-plan--predicted-vs-measured--med.png"]
     assert inputs.images[0].read_bytes()[:4] == b"\x89PNG"
 

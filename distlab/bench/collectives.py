@@ -242,9 +242,8 @@ def crossovers(records: list[dict], latency: str = "butterfly", bandwidth: str =
 
 def plot(records: list[dict], directory: str | Path) -> list[Path]:
     """Time-vs-size and busbw-vs-size PNGs, one pair per world size."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from distlab.plots import pyplot, style
+    plt = pyplot()
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -258,7 +257,7 @@ def plot(records: list[dict], directory: str | Path) -> list[Path]:
                              if r["world_size"] == world and r["algorithm"] == algo and r["op"] == records[0]["op"]
                              and r["numel"] > 0)
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=algo)
+                    ax.plot(*zip(*pts), label=algo, **style(len(ax.lines)))
             ax.set_xscale("log")
             ax.set_yscale("log" if key == "time_s_median" else "linear")
             ax.set_xlabel("elements (float32)")

@@ -14,11 +14,16 @@ from distlab.runtime import cores
 from distlab.train.metrics import atomic_write_text
 
 
+def machine_facts() -> dict:
+    """Where and when a record was made: torch, host, cores, date (UTC)."""
+    return {"cores": cores(), "torch_version": torch.__version__, "host": platform.node(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
 def machine(ranks: int, threads_per_rank: int) -> dict:
     """Where and how a record was measured (so a table can say it)."""
-    return {"ranks": ranks, "threads_per_rank": threads_per_rank, "cores": cores(),
-            "oversubscribed": ranks * threads_per_rank > cores(), "torch_version": torch.__version__,
-            "host": platform.node(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    return {"ranks": ranks, "threads_per_rank": threads_per_rank,
+            "oversubscribed": ranks * threads_per_rank > cores(), **machine_facts()}
 
 
 def choose(flag: str, names, allowed) -> list[str]:

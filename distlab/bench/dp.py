@@ -122,10 +122,10 @@ def table(records: list[dict]) -> str:
 
 def plot(records: list[dict], directory) -> list:
     """One PNG per workload: samples/s per method (bars), DDP's level as a line."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from pathlib import Path
+
+    from distlab.plots import pyplot
+    plt = pyplot()
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

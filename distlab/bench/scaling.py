@@ -205,9 +205,8 @@ def table(records: list[dict], markdown: bool = False) -> str:
 
 def plot(records: list[dict], directory: str | Path) -> list[Path]:
     """Loss vs wall time per run, and efficiency vs world size (per mode, method and link)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from distlab.plots import integer_ticks, pyplot, style
+    plt = pyplot()
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -218,7 +217,8 @@ def plot(records: list[dict], directory: str | Path) -> list[Path]:
         for r in [r for r in records if (r["mode"], r["dp_sync"], r["bandwidth"] or "lo") == (mode, method, link)]:
             if r["loss_curve"]:
                 t, loss = zip(*r["loss_curve"])
-                axes[0 if mode == "weak" else 1].plot(t, loss, label=f"{method} {link} N={r['world_size']}")
+                ax = axes[0 if mode == "weak" else 1]
+                ax.plot(t, loss, label=f"{method} {link} N={r['world_size']}", **style(len(ax.lines), len(t)))
     for ax, mode in zip(axes, ("weak", "strong")):
         ax.set_title(f"{mode} scaling: training loss vs time")
         ax.set_xlabel("training time (s)")
@@ -235,8 +235,9 @@ def plot(records: list[dict], directory: str | Path) -> list[Path]:
         rs = sorted((r for r in records if (r["mode"], r["dp_sync"], r["bandwidth"] or "lo") == (mode, method, link)
                      and r["scaling_efficiency"] is not None), key=lambda r: r["world_size"])
         if rs:
-            ax.plot([r["world_size"] for r in rs], [r["scaling_efficiency"] for r in rs], marker="o",
-                    label=f"{mode} {method} {link}")
+            ax.plot([r["world_size"] for r in rs], [r["scaling_efficiency"] for r in rs],
+                    label=f"{mode} {method} {link}", **style(len(ax.lines)))
+    integer_ticks(ax, [r["world_size"] for r in records])
     ax.set_xlabel("workers")
     ax.set_ylabel("scaling efficiency")
     ax.set_ylim(0, 1.1)

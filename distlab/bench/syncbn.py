@@ -149,10 +149,10 @@ def table(records: list[dict]) -> str:
 
 def plot(records: list[dict], directory) -> list:
     """One PNG per worker count: forward+backward time vs features, per implementation and batch."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from pathlib import Path
+
+    from distlab.plots import pyplot, style
+    plt = pyplot()
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -165,7 +165,7 @@ def plot(records: list[dict], directory) -> list:
                 pts = sorted((r["features"], 1000 * r["time_s_median"]) for r in ok
                              if r["workers"] == workers and r["implementation"] == impl and r["batch"] == batch)
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=f"{impl}, batch {batch}")
+                    ax.plot(*zip(*pts), label=f"{impl}, batch {batch}", **style(len(ax.lines)))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("features")

@@ -120,7 +120,9 @@ def report(paths, output, title, images):
         click.echo(f"wrote {path}", err=True)
     for path, why in inputs.problems:
         click.echo(f"distlab: warning: {path}: {why}", err=True)
-    click.echo(f"wrote {output} ({len(inputs.read)} inputs, {len(inputs.problems)} could not be used)", err=True)
+    skipped = f", {len(inputs.skipped)} other JSON file(s) skipped" if inputs.skipped else ""
+    click.echo(f"wrote {output} ({len(inputs.read)} inputs, {len(inputs.problems)} could not be used{skipped})",
+               err=True)
 
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.models import count_parameters
-from distlab.runtime import reduce_scalars
+from distlab.runtime import cores, reduce_scalars
 from distlab.train.metrics import median_excluding_warmup, peak_rss_mb
 
 SYNC_TIME_BASIS = ("seconds per step spent in the gradient sync after backward and in the post-step parameter "
@@ -114,6 +114,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "launcher": rt.launcher,
         "threads_per_rank": rt.threads,
         "cores": os.cpu_count(),
+        "oversubscribed": oversubscription(rt) is not None,
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
         "hostname": socket.gethostname(),
@@ -127,6 +128,21 @@ def tensor_parallel_share(module: torch.nn.Module) -> tuple[list[str], int, int]
     from distlab.parallel import ColumnParallelLinear, RowParallelLinear
     layers = [(name, m) for name, m in module.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     return [n for n, _ in layers], sum(count_parameters(m) for _, m in layers), count_parameters(module)
+
+
+def oversubscription(rt) -> str | None:
+    """A warning when this host's ranks run more threads than it has cores (then ranks wait for
+    each other's cores and every time measured is the sharing's, not the method's); else None."""
+    if rt.device.type != "cpu":
+        return None
+    have, want = cores(), rt.local_world_size * rt.threads
+    if want <= have:
+        return None
+    fix = (f"--threads {max(1, have // rt.local_world_size)}" if rt.threads > 1 and rt.local_world_size <= have
+           else f"at most {have} ranks per host")
+    return (f"warning  {rt.local_world_size} rank(s) x {rt.threads} thread(s) on this host = {want} threads for "
+            f"{have} cores: oversubscribed, so steps are slower than this machine allows and times measure the "
+            f"sharing; use {fix} for timings that mean something")
 
 
 def header(trainer) -> list[str]:
@@ -157,6 +173,9 @@ def header(trainer) -> list[str]:
                  + f"; {trainer.total_steps} steps, {trainer.steps_per_epoch} per epoch")
     lines.append(f"state    {trainer.engine.peak_bytes / 2**20:.2f} MiB of parameters on this rank before the "
                  f"first step (gradients and optimizer state follow; the summary gives the peak)")
+    crowded = oversubscription(rt)
+    if crowded:
+        lines.append(crowded)
     if cfg.snapshot_dir:
         lines.append(f"snapshots {cfg.snapshot_dir}" + (f" every {cfg.snapshot_every} steps" if cfg.snapshot_every else "")
                      + f", run {run.run_id}" + (f", resumed from {run.resumed_from}" if run.resumed_from else ""))

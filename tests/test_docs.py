@@ -1,0 +1,69 @@
+"""The README and docs/ say what the code does: the README's first screen gets a new user to a
+multi-process run and to every capability's page; every link resolves; every output block of a
+distlab command agrees with what that command prints now (example scripts' blocks are checked in
+tests/test_examples.py, where the scripts run)."""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import doc_outputs  # noqa: E402 - scripts/ is not a package
+
+README = (ROOT / "README.md").read_text()
+PAGES = sorted((ROOT / "docs").glob("[0-9][0-9]-*.md"))
+
+
+def test_the_first_80_lines_get_a_new_user_running_and_to_every_page():
+    first = "\n".join(README.splitlines()[:80])
+    assert "make run" in first and "make test" in first                           # set-up from a clone
+    assert re.search(r"distlab train --nproc-per-node \d", first)                 # a multi-process run
+    for launcher in ("torchrun", "--master-ip", "srun", "mpirun"):                # every way to launch
+        assert launcher in first, launcher
+    for page in PAGES + [ROOT / "docs" / "RESULTS.md", ROOT / "docs" / "ARCHITECTURE.md"]:
+        assert f"(docs/{page.name})" in first, f"the README's first screen does not link docs/{page.name}"
+    sections = [line for line in README.splitlines() if line.startswith("## ")]
+    assert sections.index("## Using it") < sections.index("## Results") < sections.index("## Development")
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("doc", [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))],
+                         ids=lambda p: p.name)
+def test_every_relative_link_resolves(doc):
+    text = doc.read_text()
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        path, _, anchor = target.partition("#")
+        where = (doc.parent / path).resolve() if path else doc
+        assert where.exists(), f"{doc.name}: link to {target} points nowhere"
+        if anchor and where.suffix == ".md":
+            anchors = {_anchor(h) for h in re.findall(r"^#+ (.+)$", where.read_text(), flags=re.M)}
+            assert anchor in anchors, f"{doc.name}: no heading for #{anchor} in {where.name}"
+
+
+COMMAND_BLOCKS = [b for b in doc_outputs.all_blocks() if b.command.startswith("distlab ")]
+
+
+@pytest.mark.parametrize("block", COMMAND_BLOCKS, ids=lambda b: b.where())
+def test_command_output_blocks_agree_with_the_command(block, tmp_path):
+    output = doc_outputs.run(block.command, tmp_path, timeout=240)
+    assert doc_outputs.agrees(block.text, output), (
+        f"{block.where()} shows output that `{block.command}` no longer prints:\n--- page\n{block.text}\n"
+        f"--- output\n{output}")
+
+
+def test_a_stale_block_is_caught():
+    """The matcher is strict where it must be: a byte count that changed is a disagreement, a time
+    that changed is not."""
+    printed = "  ring            result 10  bytes sent by rank 0   32, by rank 1   36\n  step 4.48 ms\n"
+    assert doc_outputs.agrees("  ring   result 10  bytes sent by rank 0   32, by rank 1   36\n  step 9.1 ms", printed)
+    assert not doc_outputs.agrees("  ring   result 10  bytes sent by rank 0   36, by rank 1   36", printed)
+    assert doc_outputs.agrees("...\n  step 1 ms", printed) and not doc_outputs.agrees("  step 4.48 s", printed)
