@@ -44,7 +44,7 @@ def main(root: Path) -> None:
     print("  what the restarted workers said:")
     for line in killed.stderr.splitlines():
         if "resum" in line.lower() or "snapshot" in line.lower():
-            print("   ", line.strip()[:150])
+            print("   ", line.strip().replace(f"{root}/", ""))
     a, b = losses(root / "straight" / "run"), losses(root / "killed" / "run")
     print(f"logged losses: {len(a)} vs {len(b)}, identical: {a == b}  (last {a[-1]:.6f} vs {b[-1]:.6f})")
     assert a == b, "the resumed run must log exactly the uninterrupted run's losses"
@@ -61,7 +61,7 @@ def main(root: Path) -> None:
     print(f"after corrupting {newest.name}/rank-00000.pt, --resume auto says:")
     for line in again.stderr.splitlines():
         if "snapshot" in line.lower():
-            print("   ", line.strip()[:160])
+            print("   ", line.strip().replace(f"{root}/", ""))
     resumed = json.loads((root / "killed" / "run" / "summary.json").read_text())["resumed_from"]
     assert Path(resumed).name == snaps[-2].name, resumed
     print(f"and resumed from {Path(resumed).name} instead.")

@@ -51,7 +51,7 @@ def test_report_names_every_input_and_lists_bad_ones(run_cli, tmp_path):
     # headers say what and in which unit; cells are human numbers
     assert "<th>bus bandwidth (GB/s)</th>" in page and "<th>test accuracy</th>" in page and "<th>passed</th>" in page
     assert "<th>time (ms, median)</th>" in page and "<td>391 KiB</td>" in page and "<td>100,000</td>" in page
-    assert "time_s_median" not in page and "bytes_sent_per_rank" not in page
+    assert "<th>time_s_median</th>" not in page and "<th>bytes_sent_per_rank</th>" not in page
     assert "2.13.0+cpu" in page and "testhost" in page  # machine and torch version per bench input
     assert "src=\"http" not in page and "<script" not in page  # self-contained
 
@@ -79,7 +79,7 @@ def test_snapshots_and_other_json_in_a_searched_directory_are_skipped_quietly(ru
     assert proc.returncode == 0, proc.stderr
     page = (tmp_path / "r.html").read_text()
     assert "<td>all/run</td>" in page
-    assert "meta.json" not in page and "calibration.json" not in page
+    assert "step-0000" not in page and "all/calibration.json" not in page
     assert "3 other JSON file(s) in the directories searched were skipped" in page  # 2 snapshots + calibration
     assert "3 other JSON file(s) skipped" in proc.stderr and "meta.json" not in proc.stderr
     assert "collectives.json: not valid JSON" in proc.stderr
