@@ -69,7 +69,7 @@ def main(root: Path) -> None:
     print("  " + plan.stdout.strip().replace("\n", "\n  "))
     predicted = json.loads((root / "plan.json").read_text())["step_s"]
     err = (predicted - two["time_per_step_s_median"]) / two["time_per_step_s_median"]
-    print(f"predicted {predicted * 1e3:.2f} ms/step vs measured {two['time_per_step_s_median'] * 1e3:.2f}: "
+    print(f"predicted {predicted * 1e3:.2f} ms/step vs measured {two['time_per_step_s_median'] * 1e3:.2f} ms/step: "
           f"{err:+.0%}")
     assert two["model_state_bytes_per_rank"] == json.loads((root / "plan.json").read_text())["model_state_bytes_per_rank"]
 
