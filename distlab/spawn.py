@@ -108,6 +108,13 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 6
                     errors[r] = f"process exited with code {p.exitcode} without reporting a result"
     finally:
         hung = [r for r in range(world_size) if r not in done and r not in errors]
+        if not hung and not errors:
+            # Every rank reported: let each finish exiting, so its exit handlers release what it
+            # holds (a rank killed mid-exit leaves its semaphores to the resource tracker's
+            # "leaked semaphore" warning at shutdown).
+            grace = time.monotonic() + 10
+            for p in procs:
+                p.join(timeout=max(0.0, grace - time.monotonic()))
         for p in procs:
             if p.is_alive():
                 p.kill()
