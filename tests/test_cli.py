@@ -77,9 +77,21 @@ def test_single_process_without_launcher(run_cli, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 1 and summary["steps"] == 5 and summary["launcher"] == "single"
     assert summary["comm_bytes_per_step"] == 0
-    proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:256", "--max-steps", "1", "--no-progress", check=True)
+    proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:256", "--max-steps", "1", "--no-progress", "--threads",
+                   "1", check=True)
     head = proc.stdout.split("eval epoch")[0]
     assert "strategy single process" in head and "mesh" not in head
+    assert "oversubscribed" not in head and summary["oversubscribed"] is False
+
+
+def test_more_threads_than_cores_is_warned_in_the_header(run_cli, tmp_path):
+    from distlab.runtime import cores
+    proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:256", "--max-steps", "1", "--no-progress", "--threads",
+                   str(cores() + 1), "--out", "over", check=True)
+    head = proc.stdout.split("eval epoch")[0]
+    assert f"1 rank(s) x {cores() + 1} thread(s) on this host = {cores() + 1} threads for {cores()} cores" in head
+    assert "oversubscribed" in head and f"--threads {cores()}" in head
+    assert json.loads((tmp_path / "over" / "summary.json").read_text())["oversubscribed"] is True
 
 
 def test_an_explicit_data_dir_without_the_data_is_an_error_not_ignored(run_cli, tmp_path):
@@ -233,6 +245,7 @@ def test_verify_reports_every_strategy_against_single_process(run_cli, tmp_path)
                                    "sync_bn": "distlab", "find_unused": False, "tp": 1, "tp_style": None, "zero": 0,
                                    "optimizer": "sgd"}
     assert "PASS" in proc.stdout and "FAIL" not in proc.stdout
+    assert records[0]["torch_version"] and records[0]["host"] and records[0]["date"]  # where it ran, for reports
 
 
 def test_verify_rejects_unreadable_strategies(run_cli):
