@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from distlab.errors import ConfigError
 from distlab.flags import strategy_flags
@@ -49,24 +48,29 @@ SMALL_BUCKET_MB = 0.004  # several buckets on the tiny models below (unless a st
 
 @dataclass(frozen=True)
 class Case:
-    """A strategy to verify and the optimizer it trains with (``+adam`` in the text form)."""
+    """A strategy to verify, the optimizer it trains with (``+adam`` in the text form) and the
+    model (``+gpt``: a small transformer on synthetic text; otherwise an MLP, or a BN CNN for SyncBN)."""
 
     strategy: Strategy
     optimizer: str = "sgd"
+    model: str | None = None
 
     @property
     def name(self) -> str:
-        return str(self.strategy) + ("+adam" if self.optimizer == "adam" else "")
+        return (str(self.strategy) + ("+adam" if self.optimizer == "adam" else "")
+                + (f"+{self.model}" if self.model else ""))
 
     def flags(self) -> dict:
-        return {**self.strategy.to_dict(), "optimizer": self.optimizer}
+        return {**self.strategy.to_dict(), "optimizer": self.optimizer, **({"model": self.model} if self.model else {})}
 
 
 def parse_strategy(text: str) -> Case:
-    """The :class:`~distlab.parallel.Strategy` text form, plus ``+adam`` for the optimizer."""
+    """The :class:`~distlab.parallel.Strategy` text form, plus ``+adam`` for the optimizer and
+    ``+gpt`` for the transformer."""
     tokens = [t.strip() for t in text.split("+")]
-    rest = "+".join(t for t in tokens if t != "adam")
-    return Case(Strategy.parse(rest) if rest else Strategy(), "adam" if "adam" in tokens else "sgd")
+    rest = "+".join(t for t in tokens if t not in ("adam", "gpt"))
+    return Case(Strategy.parse(rest) if rest else Strategy(), "adam" if "adam" in tokens else "sgd",
+                "gpt" if "gpt" in tokens else None)
 
 
 def default_strategies(world_size: int | None = None) -> list[Case]:
@@ -90,7 +94,10 @@ def config_for(case: Case, world_size: int, steps: int, global_batch: int | None
     batch = global_batch or 12 * strategy.dp_size(world_size)
     bn = strategy.sync_bn != "off"
     model, dataset = ("small-cnn-bn", "synthetic:3x8x8:4:480") if bn else ("mlp", "synthetic:1x8x8:4:480")
-    return TrainConfig(model=model, mlp_widths=(32, 16), dataset=dataset, epochs=max(1, steps), max_steps=steps,
+    if case.model == "gpt":
+        model, dataset = "gpt", "synthetic-text:4000"
+    return TrainConfig(model=model, mlp_widths=(32, 16), n_layer=2, n_head=4, n_embd=16, block_size=8,
+                       dataset=dataset, epochs=max(1, steps), max_steps=steps,
                        global_batch_size=batch, lr=0.005 if case.optimizer == "adam" else 0.05,
                        lr_schedule="constant", momentum=0.9, optimizer=case.optimizer, seed=seed, log_every=1,
                        progress=False, verbose=False, eval_every_epoch=False, strategy=strategy).validate(world_size)
@@ -102,13 +109,12 @@ def tolerance(cfg: TrainConfig) -> float:
 
 def reference_run(cfg: TrainConfig) -> tuple[list[torch.Tensor], list[float]]:
     """Single-process SGD on the sequential global batches (no distlab trainer involved)."""
-    from distlab.data import load_dataset
     from distlab.data.sampler import sequential_batches
-    from distlab.models import build_model
+    from distlab.models import build_model, task_loss
 
-    data = load_dataset(cfg.dataset, "train", seed=cfg.seed)
+    data = cfg.load("train")
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, data.input_shape, data.num_classes, widths=cfg.mlp_widths)
+    model = build_model(cfg.model, data.input_shape, data.num_classes, **cfg.model_options())
     opt = (torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay) if cfg.optimizer == "adam"
            else torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay))
     losses, step, epoch = [], 0, 0
@@ -119,7 +125,7 @@ def reference_run(cfg: TrainConfig) -> tuple[list[torch.Tensor], list[float]]:
                 break
             x, y = data.batch(torch.tensor(idx))
             opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
+            loss = task_loss(model(x), y)
             loss.backward()
             opt.step()
             losses.append(loss.item())

@@ -119,9 +119,14 @@ STRATEGY_OPTIONS = [
                   "state, 2 also gradients, 3 also parameters.")),
 ]
 TRAIN_OPTIONS = [
-    ("model", dict(help="mlp, small-cnn, small-cnn-bn, vgg11, vgg11-bn, vgg19, vgg19-bn, resnet18.")),
+    ("model", dict(help="Images: mlp, mlp-bn, small-cnn-bn, vgg11, vgg11-bn, vgg19, vgg19-bn, resnet18; text: gpt.")),
     ("mlp_widths", dict(help="Hidden widths of the MLP, comma-separated.")),
-    ("dataset", dict(help="fashion-mnist, mnist, cifar10, cifar100 or synthetic:CxHxW:K[:N].")),
+    ("n_layer", dict(type=int, help="gpt: transformer blocks.")),
+    ("n_head", dict(type=int, help="gpt: attention heads per block (must divide --n-embd).")),
+    ("n_embd", dict(type=int, help="gpt: width of the residual stream.")),
+    ("block_size", dict(type=int, help="gpt: context length in tokens (bytes) per sample.")),
+    ("dataset", dict(help="Images: fashion-mnist, mnist, cifar10, cifar100, synthetic:CxHxW:K[:N]; text (bytes as "
+                     "tokens): fortunes, synthetic-text[:N].")),
     ("data_dir", dict(help="Where the dataset is; the only place searched when given (default: $DISTLAB_DATA, "
                      "else /usr/share/datasets).")),
     ("epochs", dict(type=int)),

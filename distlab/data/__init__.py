@@ -1,8 +1,10 @@
-"""Datasets by name: ``fashion-mnist``, ``mnist``, ``cifar10``, ``cifar100``, ``synthetic:CxHxW:K[:N]``.
+"""Datasets by name: images -- ``fashion-mnist``, ``mnist``, ``cifar10``, ``cifar100``,
+``synthetic:CxHxW:K[:N]`` -- and text -- ``fortunes``, ``synthetic-text[:N]`` (:mod:`distlab.data.text`).
 
 Real data is read from its standard on-disk format and never downloaded. Each name is looked for
-in ``--data-dir`` if given, else ``$DISTLAB_DATA`` if set, else ``/usr/share/datasets`` (or
-``$DISTLAB_SYSTEM_DATASETS``; where Debian's ``dataset-fashion-mnist`` package puts its files).
+in ``--data-dir`` if given, else ``$DISTLAB_DATA`` if set, else where its Debian package installs it
+(``/usr/share/datasets``, or ``$DISTLAB_SYSTEM_DATASETS``, for ``dataset-fashion-mnist``;
+``/usr/share/games/fortunes`` for ``fortunes``).
 A directory the user named is the only one searched: one that lacks the data is an error, never
 a silent fall-back elsewhere. A missing dataset is a :class:`~distlab.errors.DataNotFoundError`
 naming the paths searched, how to get the data, and a synthetic stand-in of its shape and size.
@@ -22,6 +24,8 @@ from distlab.data.cifar import read_cifar
 from distlab.data.dataset import ImageDataset
 from distlab.data.idx import find_idx_pair, read_idx
 from distlab.data.synthetic import make_synthetic, parse_spec
+from distlab.data.text import FORTUNES_SYSTEM_DIR, TextDataset, fortunes_present, make_synthetic_text, parse_synthetic, \
+    read_fortunes
 from distlab.errors import ConfigError, DataNotFoundError
 
 SYSTEM_DIR = "/usr/share/datasets"  # where Debian's dataset-* packages install; $DISTLAB_SYSTEM_DATASETS overrides
@@ -37,6 +41,8 @@ class DatasetInfo:
     how_to_get: str
     find: Callable[[Path], bool]
     read: Callable[[Path, str], tuple]
+    text: bool = False               # a token stream (TextDataset), not images
+    system: str | None = None        # where its Debian package installs it, if not under SYSTEM_DIR
 
 
 def _idx_present(d: Path) -> bool:
@@ -74,15 +80,28 @@ REGISTRY: dict[str, DatasetInfo] = {
         "unpack cifar-100-python.tar.gz into --data-dir (giving --data-dir/cifar-100-python/train, test)",
         *_cifar("cifar100")),
 }
+REGISTRY["fortunes"] = DatasetInfo(
+    "fortunes", ("fortunes", ""), (), (), False,
+    "install Debian's package (apt-get install fortunes) or put fortune files (each with its .dat index) in "
+    "--data-dir/fortunes", fortunes_present, read_fortunes, text=True, system=FORTUNES_SYSTEM_DIR)
 ALIASES = {"fashion_mnist": "fashion-mnist", "fmnist": "fashion-mnist", "cifar-10": "cifar10",
            "cifar-100": "cifar100"}
 
 
 def dataset_names() -> list[str]:
-    return [*REGISTRY, "synthetic:CxHxW:K[:N]"]
+    return [*REGISTRY, "synthetic:CxHxW:K[:N]", "synthetic-text[:N]"]
+
+
+def is_text(name: str) -> bool:
+    """Whether dataset ``name`` is a token stream (next-token prediction) rather than labelled images."""
+    name = canonical_name(name)
+    return name.startswith("synthetic-text") or (name in REGISTRY and REGISTRY[name].text)
 
 
 def canonical_name(name: str) -> str:
+    if name.startswith("synthetic-text"):
+        parse_synthetic(name)
+        return name
     if name.startswith("synthetic"):
         parse_spec(name)
         return name
@@ -104,6 +123,8 @@ def search_roots(data_dir: str | os.PathLike | None = None) -> list[Path]:
 
 def stand_in(name: str) -> str:
     """The synthetic dataset of ``name``'s shape, classes and training-set size."""
+    if REGISTRY[name].text:
+        return f"synthetic-text:{TRAIN_SIZES[name]}"
     (c, h, w), k = SHAPES[name]
     return f"synthetic:{c}x{h}x{w}:{k}:{TRAIN_SIZES[name]}"
 
@@ -121,16 +142,17 @@ def locate(name: str, data_dir: str | os.PathLike | None = None) -> Path:
                 return d, searched
         return None, searched
 
-    root, = search_roots(data_dir)
+    named = "--data-dir" if data_dir else "$DISTLAB_DATA" if os.environ.get("DISTLAB_DATA") else None
+    system = Path(info.system) if info.system else system_root()
+    root = search_roots(data_dir)[0] if named else system
     found, searched = find(root)
     if found is not None:
         return found
-    named = "--data-dir" if data_dir else "$DISTLAB_DATA" if os.environ.get("DISTLAB_DATA") else None
     hint = ""
     if named and not root.is_dir():
         hint = f"{named} {root} does not exist; "
-    if named and find(system_root())[0] is not None:
-        hint += f"the system's copy in {system_root()} would be used without {named}; "
+    if named and find(system)[0] is not None:
+        hint += f"the system's copy in {system} would be used without {named}; "
     raise DataNotFoundError(
         f"dataset {info.name} not found (searched: {', '.join(dict.fromkeys(searched))}); {hint}"
         f"{info.how_to_get}; or train on generated data of its shape and size with --dataset {stand_in(info.name)}"
@@ -138,15 +160,21 @@ def locate(name: str, data_dir: str | os.PathLike | None = None) -> Path:
 
 
 def load_dataset(name: str, split: str, data_dir: str | os.PathLike | None = None,
-                 seed: int = 0) -> ImageDataset:
-    """Load ``split`` ("train" or "test") of dataset ``name`` into memory."""
+                 seed: int = 0, block_size: int = 64) -> ImageDataset | TextDataset:
+    """Load ``split`` ("train" or "test") of dataset ``name`` into memory (text: as windows of
+    ``block_size`` tokens)."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', not {split!r}")
     name = canonical_name(name)
+    if name.startswith("synthetic-text"):
+        return make_synthetic_text(name, split, seed, block_size)
     if name.startswith("synthetic"):
         return make_synthetic(name, split, seed)
     info = REGISTRY[name]
     where = locate(name, data_dir)
+    if info.text:
+        tokens = torch.from_numpy(info.read(where, split))
+        return TextDataset.from_tokens(name, split, tokens, block_size, str(where))
     images, labels, k = info.read(where, split)
     return ImageDataset(name, split, torch.from_numpy(images.copy()), torch.from_numpy(labels.copy()), k,
                         info.mean, info.std, augment=info.augment and split == "train", source=str(where))
@@ -154,17 +182,20 @@ def load_dataset(name: str, split: str, data_dir: str | os.PathLike | None = Non
 
 SHAPES = {"mnist": ((1, 28, 28), 10), "fashion-mnist": ((1, 28, 28), 10), "cifar10": ((3, 32, 32), 10),
           "cifar100": ((3, 32, 32), 100)}
-TRAIN_SIZES = {"mnist": 60000, "fashion-mnist": 60000, "cifar10": 50000, "cifar100": 50000}
+TRAIN_SIZES = {"mnist": 60000, "fashion-mnist": 60000, "cifar10": 50000, "cifar100": 50000, "fortunes": 2313988}
 
 
-def dataset_shape(name: str) -> tuple[tuple[int, ...], int]:
-    """``(input shape, number of classes)`` of dataset ``name`` without reading it."""
+def dataset_shape(name: str, block_size: int = 64) -> tuple[tuple[int, ...], int]:
+    """``(input shape, number of classes)`` of dataset ``name`` without reading it (text: a window
+    of ``block_size`` tokens and the byte vocabulary)."""
     name = canonical_name(name)
+    if is_text(name):
+        return (block_size,), 256
     if name.startswith("synthetic"):
         shape, k, _ = parse_spec(name)
         return shape, k
     return SHAPES[name]
 
 
-__all__ = ["ImageDataset", "REGISTRY", "canonical_name", "dataset_names", "dataset_shape", "load_dataset", "locate",
-           "search_roots", "stand_in"]
+__all__ = ["ImageDataset", "REGISTRY", "TextDataset", "canonical_name", "dataset_names", "dataset_shape", "is_text",
+           "load_dataset", "locate", "search_roots", "stand_in"]

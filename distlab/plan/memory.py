@@ -23,11 +23,10 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from distlab.errors import ConfigError
-from distlab.models import build_model
+from distlab.models import build_model, task_loss
 from distlab.parallel.zero import goes_alone
 
 STEP_TENSOR_BYTES = 4  # Adam's per-parameter ``step`` (a float32 scalar tensor)
@@ -110,8 +109,12 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
     for u, p in enumerate(params):
         handles.append(p.register_post_accumulate_grad_hook(lambda p, u=u: out.events.append(("grad", u))))
     model.train()
-    x = torch.empty((batch, *input_shape), device="meta")
-    y = torch.zeros(batch, dtype=torch.long, device="meta")
+    if getattr(model, "block_size", None):  # a language model: token ids in, the next tokens as targets
+        x = torch.zeros((batch, *input_shape), dtype=torch.long, device="meta")
+        y = torch.zeros((batch, *input_shape), dtype=torch.long, device="meta")
+    else:
+        x = torch.empty((batch, *input_shape), device="meta")
+        y = torch.zeros(batch, dtype=torch.long, device="meta")
     saved = []
 
     def pack(t):
@@ -119,7 +122,7 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
         return t
 
     with FlopCounterMode(display=False) as fwd, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = F.cross_entropy(model(x), y)
+        loss = task_loss(model(x), y)
     with FlopCounterMode(display=False) as bwd:
         loss.backward()
     out.forward_flops_per_sample = fwd.get_total_flops() / batch

@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field, fields
 
-from distlab.data import canonical_name
+from distlab.data import canonical_name, is_text, load_dataset
 from distlab.errors import ConfigError
-from distlab.models import check_model_name
+from distlab.models import TEXT_MODELS, check_model_name
 from distlab.parallel import Strategy
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -40,6 +40,10 @@ def parse_duration(text: str | float | None) -> float | None:
 class TrainConfig:
     model: str = "mlp"
     mlp_widths: tuple[int, ...] = (512, 256)
+    n_layer: int = 2        # gpt: transformer blocks
+    n_head: int = 4         # gpt: attention heads per block
+    n_embd: int = 128       # gpt: width of the residual stream
+    block_size: int = 64    # gpt: tokens per sample (context length)
     dataset: str = "fashion-mnist"
     data_dir: str | None = None
     epochs: int = 1
@@ -115,7 +119,25 @@ class TrainConfig:
             raise ConfigError(f"`time_budget` must be positive, not {self.time_budget_s:g}s")
         if any(w < 1 for w in self.mlp_widths):
             raise ConfigError(f"`mlp_widths` must be positive integers, not {self.mlp_widths}")
+        for name in ("n_layer", "n_head", "n_embd", "block_size"):
+            _at_least(name, getattr(self, name), 1)
+        if self.n_embd % self.n_head:
+            raise ConfigError(f"`n_embd` {self.n_embd} must be divisible by `n_head` {self.n_head} (each head gets "
+                              f"n_embd / n_head dimensions)")
+        text_model, text_data = self.model in TEXT_MODELS, is_text(self.dataset)
+        if text_model != text_data:
+            raise ConfigError(f"model {self.model} {'predicts tokens' if text_model else 'classifies images'} but "
+                              f"dataset {self.dataset} is {'text' if text_data else 'images'}: use "
+                              + ("--model gpt" if text_data else "a text dataset (fortunes, synthetic-text)"))
         return self
+
+    def model_options(self) -> dict:
+        """The builder options of :func:`distlab.models.build_model` for this config's model."""
+        return {"widths": self.mlp_widths, "n_layer": self.n_layer, "n_head": self.n_head, "n_embd": self.n_embd}
+
+    def load(self, split: str):
+        """This config's dataset, ``split`` "train" or "test"."""
+        return load_dataset(self.dataset, split, self.data_dir, seed=self.seed, block_size=self.block_size)
 
     def lr_factor(self) -> float:
         """``lr_scaling``: the multiplier of ``lr`` for this global batch (1 with ``none``)."""

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from distlab.data.loader import EvalLoader
+from distlab.models import task_correct, task_loss
 from distlab.parallel import Mesh
 from distlab.runtime import reduce_scalars
 
@@ -13,7 +13,9 @@ from distlab.runtime import reduce_scalars
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, dataset, mesh: Mesh, device: torch.device | str = "cpu",
              batch_size: int = 1000) -> dict:
-    """Exact global loss and accuracy: disjoint shards, per-rank sums, one all-reduce.
+    """Exact global loss and accuracy: disjoint shards, per-rank sums, one all-reduce. For a
+    language model both are per token: ``test_loss`` in nats per token, ``test_accuracy`` the
+    share of next tokens predicted exactly, ``test_tokens`` how many.
 
     Shards cover the dataset exactly once whatever its size (no padding, no drop), so the
     result equals a single process evaluating the whole set, up to float64 summation order.
@@ -26,10 +28,13 @@ def evaluate(model: torch.nn.Module, dataset, mesh: Mesh, device: torch.device |
     for x, y in EvalLoader(dataset, rank=mesh.dp_rank, world_size=mesh.dp, batch_size=batch_size):
         x, y = x.to(device), y.to(device)
         out = model(x)
-        loss_sum += F.cross_entropy(out, y, reduction="sum").item()
-        correct += int((out.argmax(1) == y).sum())
-        count += len(y)
+        loss_sum += task_loss(out, y, reduction="sum").item()
+        right, scored = task_correct(out, y)
+        correct, count = correct + right, count + scored
     model.train(was_training)
     loss_sum, correct, count = reduce_scalars([loss_sum, correct, count], group=mesh.dp_group, device=device)
-    return {"test_loss": loss_sum / max(count, 1), "test_accuracy": correct / max(count, 1),
-            "test_samples": int(count)}
+    samples = len(dataset)
+    result = {"test_loss": loss_sum / max(count, 1), "test_accuracy": correct / max(count, 1), "test_samples": samples}
+    if count != samples:
+        result["test_tokens"] = int(count)
+    return result

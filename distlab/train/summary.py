@@ -4,6 +4,7 @@ end (the JSON contract in docs/ARCHITECTURE.md) and its human-readable view."""
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import platform
 import socket
@@ -35,6 +36,17 @@ class StepTimes:
         self.step.append(step_s)
         self.sync.append(sync_s)
         self.sent.append(sent)
+
+
+def _text_facts(trainer, final: dict) -> dict:
+    """For a language model: the unit of its losses, perplexity, and the baseline to beat."""
+    data = trainer.train_set
+    if not hasattr(data, "unigram_entropy"):
+        return {}
+    loss = final.get("test_loss")
+    return {"loss_unit": "nats/token", "block_size": data.block_size, "train_tokens": len(data) * data.block_size,
+            "test_perplexity": math.exp(loss) if loss is not None else None,
+            "unigram_entropy": data.unigram_entropy}
 
 
 def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
@@ -70,6 +82,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "final_train_loss": run.last_loss,
         "test_accuracy": final["test_accuracy"],
         "test_loss": final["test_loss"],
+        **_text_facts(trainer, final),
         "best_val_loss": run.best_val_loss,
         "best_val_step": run.best_val_step,
         "val_samples": len(trainer.val_set) if trainer.val_set is not None else 0,
@@ -150,11 +163,19 @@ def header(trainer) -> list[str]:
     cfg, rt, mesh, run = trainer.cfg, trainer.rt, trainer.mesh, trainer.run
     data = trainer.train_set
     where = data.source or "generated"
-    lines = [f"data     {cfg.dataset} from {where}: {len(data):,} train, {len(trainer.test_set):,} test"
-             + (f", {len(trainer.val_set):,} validation" if trainer.val_set is not None else "")
-             + f" ({'x'.join(map(str, data.input_shape))}, {data.num_classes} classes)"]
+    if hasattr(data, "unigram_entropy"):
+        lines = [f"data     {cfg.dataset} from {where}: {len(data):,} train, {len(trainer.test_set):,} test"
+                 + (f", {len(trainer.val_set):,} validation" if trainer.val_set is not None else "")
+                 + f" windows of {data.block_size} tokens (bytes); unigram entropy {data.unigram_entropy:.3f} "
+                   f"nats/token: the loss to beat"]
+    else:
+        lines = [f"data     {cfg.dataset} from {where}: {len(data):,} train, {len(trainer.test_set):,} test"
+                 + (f", {len(trainer.val_set):,} validation" if trainer.val_set is not None else "")
+                 + f" ({'x'.join(map(str, data.input_shape))}, {data.num_classes} classes)"]
     per_rank = count_parameters(trainer.engine.module)
-    lines.append(f"model    {cfg.model}: {trainer.num_parameters:,} parameters"
+    shape = (f" ({cfg.n_layer} blocks, {cfg.n_head} heads, width {cfg.n_embd}, context {cfg.block_size})"
+             if hasattr(data, "unigram_entropy") else "")
+    lines.append(f"model    {cfg.model}{shape}: {trainer.num_parameters:,} parameters"
                  + (f", {per_rank:,} on each rank" if per_rank != trainer.num_parameters else ""))
     if rt.world_size == 1:
         lines.append(f"strategy single process ({rt.threads} threads, {rt.device})"
@@ -204,8 +225,11 @@ def print_summary(summary: dict, out: str | None) -> None:
                          + ")"),
         ("steps / epochs", f"{s['steps']} / {s['epochs']:g}"),
         ("final train loss", _fmt(s["final_train_loss"], ".4f")),
-        ("test accuracy", _fmt(None if s["test_accuracy"] is None else 100 * s["test_accuracy"], ".2f", "%")),
-        ("test loss", _fmt(s["test_loss"], ".4f")),
+        ("test accuracy", _fmt(None if s["test_accuracy"] is None else 100 * s["test_accuracy"], ".2f", "%")
+                          + (" of next tokens" if s.get("loss_unit") else "")),
+        ("test loss", _fmt(s["test_loss"], ".4f") + (f" nats/token, perplexity {s['test_perplexity']:.2f} (unigram "
+                                                       f"entropy {s['unigram_entropy']:.3f})"
+                                                       if s.get("test_perplexity") else "")),
         ("time/step (median)", _fmt(None if s["time_per_step_s_median"] is None
                                     else 1000 * s["time_per_step_s_median"], ".2f", " ms")),
         ("samples/s", _fmt(s["samples_per_s"], ",.0f")),

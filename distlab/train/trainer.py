@@ -14,14 +14,12 @@ import time
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from distlab import comm
-from distlab.data import load_dataset
 from distlab.data.loader import TrainLoader
 from distlab.errors import ConfigError, DistributedError
-from distlab.models import build_model, count_parameters
+from distlab.models import TEXT_MODELS, build_model, count_parameters, task_loss
 from distlab.parallel import build_mesh, parallelize
 from distlab.runtime import Runtime, is_comm_failure, seed_everything
 from distlab.train.config import TrainConfig
@@ -42,8 +40,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, rt: Runtime, hooks: list[Callable[[int], None]] | None = None):
         self.cfg = cfg = cfg.validate(rt.world_size)
         self.rt = rt
-        self.train_set = load_dataset(cfg.dataset, "train", cfg.data_dir, seed=cfg.seed)
-        self.test_set = load_dataset(cfg.dataset, "test", cfg.data_dir, seed=cfg.seed)
+        self.train_set, self.test_set = cfg.load("train"), cfg.load("test")
         self.val_set = None
         if cfg.val_fraction:  # a seeded, fixed split: the same on every rank and every restart
             n_val = max(1, round(cfg.val_fraction * len(self.train_set)))
@@ -60,7 +57,7 @@ class Trainer:
                               f"{len(self.train_set)} training samples of {cfg.dataset}")
         seed_everything(cfg.seed)  # the same full model on every rank; parallelize shards it
         net = build_model(cfg.model, self.train_set.input_shape, self.train_set.num_classes,
-                          widths=cfg.mlp_widths).to(rt.device)
+                          **cfg.model_options()).to(rt.device)
         self.num_parameters = count_parameters(net)
         self.engine = parallelize(net, cfg.strategy, self.mesh)
         self.optimizer = self.engine.attach(build_optimizer(self.engine.parameters(), cfg))
@@ -137,7 +134,7 @@ class Trainer:
             lr = self.optimizer.param_groups[0]["lr"]
             with comm.counting() as sent:
                 self.optimizer.zero_grad(set_to_none=True)
-                loss = engine.forward_backward(x, y, F.cross_entropy)
+                loss = engine.forward_backward(x, y, task_loss)
                 self.optimizer.step()
                 engine.after_step()
             if not times.step:  # gradients and optimizer state all exist now: the peak of plain DP
@@ -206,6 +203,8 @@ class Trainer:
         cfg = self.cfg
         return {"world_size": self.rt.world_size, "model": cfg.model,
                 "mlp_widths": list(cfg.mlp_widths) if cfg.model.startswith("mlp") else None,
+                **({"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd, "block_size": cfg.block_size}
+                   if cfg.model in TEXT_MODELS else {}),
                 "num_parameters": self.num_parameters, "dataset": cfg.dataset, "strategy": cfg.strategy.to_dict(),
                 "global_batch_size": cfg.global_batch_size, "optimizer": cfg.optimizer, "seed": cfg.seed,
                 "val_fraction": cfg.val_fraction, "lr": cfg.lr, "lr_schedule": cfg.lr_schedule,

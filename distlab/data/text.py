@@ -1,0 +1,164 @@
+"""Text for next-token prediction: the ``fortunes`` corpus and ``synthetic-text[:N]``.
+
+Tokens are bytes (a vocabulary of 256: UTF-8 text needs no tokenizer and has nothing out of
+vocabulary). A split's text is one token stream cut into windows of ``block_size + 1`` tokens,
+each starting ``block_size`` after the one before, so an epoch predicts every token of the stream
+(but the first) once. A sample is a window: the input is its first ``block_size`` tokens, the
+targets the same tokens shifted by one.
+
+**fortunes** is Debian's ``fortunes`` package (``apt-get install fortunes``): English quotations,
+jokes and verse in ``/usr/share/games/fortunes``, one file per topic, each with a ``.dat`` index
+beside it. A fortune is the text between lines holding only ``%``. The split rule: taking the
+topic files in name order and their fortunes in file order, fortune number ``i`` (from 0) is in the
+validation split (``test``) when ``i % 10 == 9``, otherwise in ``train`` -- a tenth, interleaved
+through every topic, so both splits cover all of them. Fortunes are joined with ``"\\n%\\n"`` as on
+disk.
+
+**synthetic-text[:N]** (``N`` training tokens, default 200,000; a tenth as many for ``test``) is
+a seeded stream from a random first-order Markov chain: each byte is followed by one of 8 bytes
+chosen for it, with probabilities 1/2, 1/4, ... -- about 1.4 nats per token of conditional entropy
+against ~5.4 for the unigram distribution, so a model must learn from context to beat the
+baseline, and can.
+
+:attr:`TextDataset.unigram_entropy` (nats per token) is the loss of the best model that ignores
+context: the baseline to beat.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from distlab.errors import ConfigError
+
+VOCAB = 256
+SYNTHETIC = re.compile(r"^synthetic-text(?::(\d+))?$")
+SYNTHETIC_TRAIN = 200_000
+FORTUNES_SYSTEM_DIR = "/usr/share/games/fortunes"
+VALIDATION_EVERY = 10  # fortune i is validation when i % 10 == 9
+SEPARATOR = b"\n%\n"
+
+
+@dataclass
+class TextDataset:
+    """A token stream (uint8) seen as windows of ``block_size + 1`` tokens starting at ``starts``."""
+
+    name: str
+    split: str
+    tokens: torch.Tensor
+    block_size: int
+    starts: torch.Tensor
+    source: str = ""
+    num_classes: int = VOCAB
+    augment: bool = False
+
+    @classmethod
+    def from_tokens(cls, name: str, split: str, tokens: torch.Tensor, block_size: int, source: str) -> "TextDataset":
+        if block_size < 1:
+            raise ConfigError(f"`block_size` must be positive, not {block_size}")
+        windows = (len(tokens) - 1) // block_size
+        if windows < 1:
+            raise ConfigError(f"the {split} split of {name} has {len(tokens):,} tokens: too few for one window of "
+                              f"--block-size {block_size} + 1")
+        return cls(name, split, tokens, block_size, torch.arange(windows) * block_size, source)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    @property
+    def input_shape(self) -> tuple[int]:
+        return (self.block_size,)
+
+    @property
+    def tokens_per_sample(self) -> int:
+        return self.block_size
+
+    def batch(self, indices: torch.Tensor, *, augment: bool = False,
+              generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        offsets = self.starts[indices][:, None] + torch.arange(self.block_size + 1)
+        window = self.tokens[offsets].long()
+        return window[:, :-1], window[:, 1:]
+
+    def subset(self, indices: torch.Tensor, split: str) -> "TextDataset":
+        """The windows ``indices`` only (a validation split carved from the training windows)."""
+        return TextDataset(self.name, split, self.tokens, self.block_size, self.starts[indices], self.source)
+
+    @property
+    def unigram_entropy(self) -> float:
+        """Entropy of the byte distribution of this split's stream, in nats per token."""
+        counts = torch.bincount(self.tokens.long(), minlength=VOCAB).double()
+        p = counts[counts > 0] / counts.sum()
+        return float(-(p * p.log()).sum())
+
+
+# --------------------------------------------------------------------------- fortunes
+
+
+def fortune_files(directory: Path) -> list[Path]:
+    """The fortune files of ``directory``: those with a ``.dat`` index beside them, in name order."""
+    return sorted(p for p in directory.iterdir()
+                  if p.is_file() and p.suffix not in (".dat", ".u8") and p.with_name(p.name + ".dat").is_file())
+
+
+def fortunes_present(directory: Path) -> bool:
+    return directory.is_dir() and bool(fortune_files(directory))
+
+
+def read_fortunes(directory: Path, split: str) -> np.ndarray:
+    """The ``split`` ("train" or "test") token stream of the corpus in ``directory`` (uint8)."""
+    pieces, i = [], 0
+    for path in fortune_files(directory):
+        text = path.read_bytes().replace(b"\r\n", b"\n")
+        for fortune in re.split(rb"(?m)^%\n", text + b"\n"):
+            fortune = fortune.strip(b"\n")
+            if not fortune:
+                continue
+            if (i % VALIDATION_EVERY == VALIDATION_EVERY - 1) == (split == "test"):
+                pieces.append(fortune)
+            i += 1
+    if not pieces:
+        raise ConfigError(f"{directory}: no fortunes found in its fortune files")
+    return np.frombuffer(SEPARATOR.join(pieces) + SEPARATOR, dtype=np.uint8).copy()
+
+
+# --------------------------------------------------------------------------- synthetic-text
+
+
+def parse_synthetic(spec: str) -> int:
+    m = SYNTHETIC.match(spec)
+    if not m or (m.group(1) is not None and int(m.group(1)) < 2):
+        raise ConfigError(f"bad synthetic text {spec!r}: write synthetic-text or synthetic-text:TOKENS "
+                          f"(e.g. synthetic-text:100000)")
+    return int(m.group(1) or SYNTHETIC_TRAIN)
+
+
+def make_synthetic_text(spec: str, split: str, seed: int, block_size: int) -> TextDataset:
+    n_train = parse_synthetic(spec)
+    n = n_train if split == "train" else max(block_size + 1, n_train // 10)
+    rng = np.random.default_rng(seed)                              # the chain: the same for both splits
+    successors = np.stack([rng.choice(VOCAB, 8, replace=False) for _ in range(VOCAB)])
+    probs = 0.5 ** np.arange(1, 9)
+    probs /= probs.sum()
+    rng = np.random.default_rng([seed, 1 if split == "train" else 2])
+    picks = rng.choice(8, size=n, p=probs)
+    stream = np.empty(n, dtype=np.uint8)
+    token = int(rng.integers(VOCAB))
+    for i in range(n):
+        stream[i] = token
+        token = int(successors[token, picks[i]])
+    return TextDataset.from_tokens(spec, split, torch.from_numpy(stream), block_size, "generated")
+
+
+def conditional_entropy_of_synthetic() -> float:
+    """Nats per token of the synthetic chain (the loss a perfect model reaches)."""
+    probs = 0.5 ** np.arange(1, 9)
+    probs /= probs.sum()
+    return float(-(probs * np.log(probs)).sum())
+
+
+__all__ = ["TextDataset", "fortune_files", "fortunes_present", "make_synthetic_text", "read_fortunes",
+           "conditional_entropy_of_synthetic", "FORTUNES_SYSTEM_DIR", "VOCAB"]

@@ -1,0 +1,102 @@
+"""A decoder-only transformer (GPT-2's layout, Radford et al. 2019) small enough for CPU cores.
+
+Token and position embeddings, ``n_layer`` blocks of pre-LayerNorm causal self-attention and MLP
+with residual connections, a final LayerNorm and the LM head. Input: token ids ``(B, T)``;
+output: logits ``(B, T, vocab)`` (loss: cross-entropy of position ``t``'s logits against token
+``t + 1``, see :func:`distlab.models.task_loss`).
+
+The model is one ``nn.Sequential`` (embedding, blocks, head), so a pipeline can cut it between
+any two layers. Attention keeps its query, key and value projections as separate ``Linear``
+layers and reads the number of heads from their width, so tensor parallel can give each rank
+whole heads by splitting the three column-wise and the output projection row-wise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Embedding(nn.Module):
+    """Token + learned position embeddings."""
+
+    def __init__(self, vocab: int, block_size: int, n_embd: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, n_embd)
+        self.pos = nn.Embedding(block_size, n_embd)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.pos.num_embeddings:
+            raise ValueError(f"sequence of {t} tokens is longer than the model's block size {self.pos.num_embeddings}")
+        return self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int):
+        super().__init__()
+        if n_embd % n_head:
+            raise ValueError(f"n_embd {n_embd} must be divisible by n_head {n_head}")
+        self.head_dim = n_embd // n_head
+        self.q = nn.Linear(n_embd, n_embd)
+        self.k = nn.Linear(n_embd, n_embd)
+        self.v = nn.Linear(n_embd, n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        heads = q.shape[-1] // self.head_dim  # this rank's heads: all of them, or its share under TP
+        q, k, v = (z.view(b, t, heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, heads * self.head_dim))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.ln2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the projection to vocabulary logits."""
+
+    def __init__(self, n_embd: int, vocab: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(n_embd)
+        self.out = nn.Linear(n_embd, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln(x))
+
+
+class GPT(nn.Sequential):
+    """``GPT(vocab, block_size, n_layer, n_head, n_embd)``: embedding, ``n_layer`` blocks, head."""
+
+    def __init__(self, vocab: int, block_size: int, n_layer: int = 2, n_head: int = 4, n_embd: int = 128):
+        for name, value in (("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd), ("block_size", block_size)):
+            if value < 1:
+                raise ValueError(f"{name} must be positive, not {value}")
+        super().__init__(Embedding(vocab, block_size, n_embd), *(Block(n_embd, n_head) for _ in range(n_layer)),
+                         Head(n_embd, vocab))
+        self.block_size, self.n_layer, self.n_head, self.n_embd = block_size, n_layer, n_head, n_embd
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        """GPT-2's: N(0, 0.02) weights, zero biases, residual projections scaled by 1/sqrt(2 n_layer)."""
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * self.n_layer) if name.endswith(("attn.proj.weight", "mlp.2.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
