@@ -68,6 +68,10 @@ def parse_strategy(text: str) -> Case:
     """The :class:`~distlab.parallel.Strategy` text form, plus ``+adam`` for the optimizer and
     ``+gpt`` for the transformer."""
     tokens = [t.strip() for t in text.split("+")]
+    if "gpt" in tokens and "adam" in tokens:
+        raise ConfigError(f"{text}: Adam on the transformer has no float32 tolerance to verify against -- it divides "
+                          f"each gradient entry by its own size, so entries whose gradient is rounding noise move by "
+                          f"up to lr either way; verify the transformer with SGD (drop +adam)")
     rest = "+".join(t for t in tokens if t not in ("adam", "gpt"))
     return Case(Strategy.parse(rest) if rest else Strategy(), "adam" if "adam" in tokens else "sgd",
                 "gpt" if "gpt" in tokens else None)

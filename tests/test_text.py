@@ -116,16 +116,18 @@ def test_gpt_learns_from_context_through_the_cli(run_cli, tmp_path):
     assert "unigram entropy" in proc.stdout and "nats/token" in proc.stdout
 
 
-def test_gpt_data_parallel_equals_one_process(tmp_path):
-    """Data parallel over 2 ranks trains the transformer exactly as one process does (float32
-    rounding; the tolerance is verify's)."""
+def test_gpt_data_and_tensor_parallel_equal_one_process():
+    """On 4 ranks: data parallel, ZeRO-1, and a 2 x 2 mesh with attention split by heads and the
+    vocabulary split in embedding, head and loss, each train the transformer as one process does
+    (float32 rounding; verify's tolerance)."""
     from distlab.verify import parse_strategy, verify
-    records = verify([parse_strategy("bucketed+gpt"), parse_strategy("allreduce:ring+gpt+adam")], 2, steps=4,
-                     timeout=300)
+    cases = ["bucketed+gpt", "zero=1+gpt", "allreduce+tp=2+gpt"]
+    records = verify([parse_strategy(c) for c in cases], 4, steps=4, timeout=300)
     for r in records:
-        assert r["passed"], r
-        assert r["max_abs_param_diff"] <= r["tolerance"]
-    assert [r["strategy"] for r in records] == ["bucketed+gpt", "allreduce:ring+adam+gpt"]
+        assert r["passed"] and r["max_abs_param_diff"] <= r["tolerance"], r
+    assert [r["strategy"] for r in records] == cases
+    with pytest.raises(ConfigError, match="no float32 tolerance"):
+        parse_strategy("bucketed+gpt+adam")
 
 
 def test_fortunes_copy_is_used_from_a_named_data_dir(run_cli, tmp_path):

@@ -41,13 +41,17 @@ class CausalSelfAttention(nn.Module):
         if n_embd % n_head:
             raise ValueError(f"n_embd {n_embd} must be divisible by n_head {n_head}")
         self.head_dim = n_embd // n_head
-        self.q = nn.Linear(n_embd, n_embd)
-        self.k = nn.Linear(n_embd, n_embd)
-        self.v = nn.Linear(n_embd, n_embd)
+        self.enter = nn.Identity()  # where a parallel region begins when tensor parallel splits the heads
+        # No biases on q, k, v: a key bias shifts every score of a query equally, which softmax ignores,
+        # so its gradient is pure rounding noise that Adam would blow up into lr-sized steps.
+        self.q = nn.Linear(n_embd, n_embd, bias=False)
+        self.k = nn.Linear(n_embd, n_embd, bias=False)
+        self.v = nn.Linear(n_embd, n_embd, bias=False)
         self.proj = nn.Linear(n_embd, n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
+        x = self.enter(x)
         q, k, v = self.q(x), self.k(x), self.v(x)
         heads = q.shape[-1] // self.head_dim  # this rank's heads: all of them, or its share under TP
         q, k, v = (z.view(b, t, heads, self.head_dim).transpose(1, 2) for z in (q, k, v))

@@ -29,11 +29,13 @@ from typing import Callable
 import torch
 from torch import nn
 
+from distlab.models import task_correct, task_loss
 from distlab.parallel import tensor_parallel
 from distlab.parallel.data_parallel import DataParallel
 from distlab.parallel.mesh import Mesh
 from distlab.parallel.strategy import Strategy
 from distlab.parallel.sync_bn import apply_sync_bn
+from distlab.parallel.transformer_tp import vocab_parallel_head
 from distlab.parallel.zero import Zero
 
 
@@ -43,6 +45,20 @@ class Engine:
     def __init__(self, wrapper: DataParallel | Zero, strategy: Strategy, mesh: Mesh):
         self.wrapper, self.strategy, self.mesh = wrapper, strategy, mesh
         self.sync_seconds = 0.0  # of the last step: gradient sync after backward + after_step
+        self._vocab_head = vocab_parallel_head(wrapper.module)
+
+    def loss(self, out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """The task's loss of this model's output: cross-entropy per sample or per token, computed
+        across the vocabulary shards when tensor parallel split the LM head (no full logits)."""
+        if self._vocab_head is not None:
+            return self._vocab_head.loss(out, y, reduction)
+        return task_loss(out, y, reduction)
+
+    def correct(self, out: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:
+        """(right predictions, predictions) of this model's output, as :meth:`loss` scores it."""
+        if self._vocab_head is not None:
+            return self._vocab_head.correct(out, y)
+        return task_correct(out, y)
 
     @property
     def module(self) -> nn.Module:

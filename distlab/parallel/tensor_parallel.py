@@ -159,6 +159,7 @@ class ColumnParallelLinear(nn.Module):
     def _setup(self, weight, bias, group, gather_output, in_features, out_features) -> None:
         nn.Module.__init__(self)
         self.group, self.gather_output = group, gather_output
+        self.copy_input = True  # False: the caller entered the parallel region already (one all-reduce for several)
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(weight.clone())
         self.bias = nn.Parameter(bias.clone()) if bias is not None else None
@@ -169,7 +170,7 @@ class ColumnParallelLinear(nn.Module):
         return full + ([_gather(self.bias.detach(), self.group, 0)] if self.bias is not None else [])
 
     def forward(self, x):
-        y = F.linear(copy_to_group(x, self.group), self.weight, self.bias)
+        y = F.linear(copy_to_group(x, self.group) if self.copy_input else x, self.weight, self.bias)
         return gather_from_group(y, self.group) if self.gather_output else y
 
 
@@ -220,10 +221,15 @@ def apply_tensor_parallel(model: nn.Module, group=None, style: str = "megatron")
     (column, row); a last unpaired Linear -- the classifier head -- stays whole. Naive: every
     Linear but the last in its Sequential becomes column parallel with gathered output; the head
     stays whole. Replicated layers compute the same thing on every rank of the group.
+
+    Transformer parts are split first, the same in both styles
+    (:mod:`distlab.parallel.transformer_tp`): attention by heads, the token embedding, LM head and
+    loss by vocabulary.
     """
+    from distlab.parallel.transformer_tp import apply_transformer_tensor_parallel
     if style not in STYLES:
         raise ConfigError(f"unknown `tp_style` {style!r}; choose one of: {', '.join(STYLES)}")
-    found = False
+    found = apply_transformer_tensor_parallel(model, group)
     for seq_name, seq in list(model.named_modules()):
         if not isinstance(seq, nn.Sequential):
             continue
@@ -251,7 +257,7 @@ def full_parameters(model: nn.Module) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
 
     def visit(m: nn.Module) -> None:
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+        if hasattr(m, "full_parameters"):  # a sharded layer: it gathers its own
             out.extend(m.full_parameters())
             return
         out.extend(p.detach().clone() for p in m.parameters(recurse=False))
@@ -268,7 +274,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, m in model.named_modules():
         prefix = f"{name}." if name else ""
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+        if hasattr(m, "full_parameters"):  # a sharded layer: weight (and bias), gathered
             out.update(zip((prefix + "weight", prefix + "bias"), m.full_parameters()))
             continue
         for key, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False)):

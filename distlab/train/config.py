@@ -124,6 +124,12 @@ class TrainConfig:
         if self.n_embd % self.n_head:
             raise ConfigError(f"`n_embd` {self.n_embd} must be divisible by `n_head` {self.n_head} (each head gets "
                               f"n_embd / n_head dimensions)")
+        tp = self.strategy.tp
+        if self.model in TEXT_MODELS and tp > 1:
+            for what, count in (("`n_head`", self.n_head), ("`n_embd`", self.n_embd), ("the vocabulary (bytes)", 256)):
+                if count % tp:
+                    raise ConfigError(f"tensor parallel splits attention heads, widths and the vocabulary over `tp` "
+                                      f"{tp} ranks: {what} {count} is not divisible by {tp}")
         text_model, text_data = self.model in TEXT_MODELS, is_text(self.dataset)
         if text_model != text_data:
             raise ConfigError(f"model {self.model} {'predicts tokens' if text_model else 'classifies images'} but "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from distlab.data.loader import EvalLoader
@@ -12,7 +14,7 @@ from distlab.runtime import reduce_scalars
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, dataset, mesh: Mesh, device: torch.device | str = "cpu",
-             batch_size: int = 1000) -> dict:
+             batch_size: int = 1000, loss_fn: Callable = task_loss, correct_fn: Callable = task_correct) -> dict:
     """Exact global loss and accuracy: disjoint shards, per-rank sums, one all-reduce. For a
     language model both are per token: ``test_loss`` in nats per token, ``test_accuracy`` the
     share of next tokens predicted exactly, ``test_tokens`` how many.
@@ -21,6 +23,8 @@ def evaluate(model: torch.nn.Module, dataset, mesh: Mesh, device: torch.device |
     result equals a single process evaluating the whole set, up to float64 summation order.
     Shards go to the data-parallel ranks (the ranks of a tensor-parallel group evaluate the same
     samples together) and the sums to the data-parallel group. BatchNorm uses its running statistics.
+    ``loss_fn`` and ``correct_fn`` score an output (an Engine's :meth:`~distlab.parallel.Engine.loss`
+    and :meth:`~distlab.parallel.Engine.correct`, which know when the logits are sharded).
     """
     was_training = model.training
     model.eval()
@@ -28,8 +32,8 @@ def evaluate(model: torch.nn.Module, dataset, mesh: Mesh, device: torch.device |
     for x, y in EvalLoader(dataset, rank=mesh.dp_rank, world_size=mesh.dp, batch_size=batch_size):
         x, y = x.to(device), y.to(device)
         out = model(x)
-        loss_sum += task_loss(out, y, reduction="sum").item()
-        right, scored = task_correct(out, y)
+        loss_sum += loss_fn(out, y, reduction="sum").item()
+        right, scored = correct_fn(out, y)
         correct, count = correct + right, count + scored
     model.train(was_training)
     loss_sum, correct, count = reduce_scalars([loss_sum, correct, count], group=mesh.dp_group, device=device)

@@ -139,7 +139,9 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
 def tensor_parallel_share(module: torch.nn.Module) -> tuple[list[str], int, int]:
     """The tensor-parallel layers of ``module`` (names), their parameters on this rank, all parameters."""
     from distlab.parallel import ColumnParallelLinear, RowParallelLinear
-    layers = [(name, m) for name, m in module.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    from distlab.parallel.transformer_tp import VocabParallelEmbedding
+    layers = [(name, m) for name, m in module.named_modules()
+              if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))]
     return [n for n, _ in layers], sum(count_parameters(m) for _, m in layers), count_parameters(module)
 
 
@@ -186,7 +188,7 @@ def header(trainer) -> list[str]:
         lines.append(f"mesh     {mesh.describe()}")
     if cfg.strategy.tp > 1:
         names, tp_params, total = tensor_parallel_share(trainer.engine.module)
-        lines.append(f"tensor parallel: {len(names)} Linear layers split ({', '.join(names) or 'none'}), "
+        lines.append(f"tensor parallel: {len(names)} layers split ({', '.join(names) or 'none'}), "
                      f"{tp_params:,} of this rank's {total:,} parameters; the rest is replicated")
     micro = trainer.local_batch // cfg.strategy.grad_accum
     lines.append(f"batch    {cfg.global_batch_size} global = {mesh.dp} data-parallel rank(s) x {trainer.local_batch}"

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from distlab import comm
 from distlab.data.loader import TrainLoader
 from distlab.errors import ConfigError, DistributedError
-from distlab.models import TEXT_MODELS, build_model, count_parameters, task_loss
+from distlab.models import TEXT_MODELS, build_model, count_parameters
 from distlab.parallel import build_mesh, parallelize
 from distlab.runtime import Runtime, is_comm_failure, seed_everything
 from distlab.train.config import TrainConfig
@@ -134,7 +134,7 @@ class Trainer:
             lr = self.optimizer.param_groups[0]["lr"]
             with comm.counting() as sent:
                 self.optimizer.zero_grad(set_to_none=True)
-                loss = engine.forward_backward(x, y, task_loss)
+                loss = engine.forward_backward(x, y, engine.loss)
                 self.optimizer.step()
                 engine.after_step()
             if not times.step:  # gradients and optimizer state all exist now: the peak of plain DP
@@ -186,9 +186,10 @@ class Trainer:
     def _evaluate(self, epoch: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
         with self.engine.gathered():  # ZeRO-3: one gather for the whole evaluation
-            result = evaluate(self.net, self.test_set, self.mesh, self.rt.device, cfg.eval_batch_size)
+            score = dict(loss_fn=self.engine.loss, correct_fn=self.engine.correct)
+            result = evaluate(self.net, self.test_set, self.mesh, self.rt.device, cfg.eval_batch_size, **score)
             if self.val_set is not None:
-                val = evaluate(self.net, self.val_set, self.mesh, self.rt.device, cfg.eval_batch_size)
+                val = evaluate(self.net, self.val_set, self.mesh, self.rt.device, cfg.eval_batch_size, **score)
                 result.update(val_loss=val["test_loss"], val_accuracy=val["test_accuracy"])
         record = {"epoch": epoch, "step": self.run.step, "time_s": self.run.time_used(), **result}
         self.run.record_eval(record, time.perf_counter() - t0)

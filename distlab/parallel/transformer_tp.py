@@ -1,0 +1,173 @@
+"""Tensor parallel for transformers (Megatron-LM's layout): attention split by heads, the
+vocabulary split in the embedding, the LM head and the cross-entropy.
+
+Over the ``t`` ranks of a tensor-parallel group:
+
+* **attention** -- the query, key and value projections are column parallel (each rank computes
+  ``n_head / t`` whole heads), the output projection row parallel. The block's input enters the
+  parallel region once (:func:`~distlab.parallel.tensor_parallel.copy_to_group`: one all-reduce of
+  its gradient backward, not one per projection) and leaves it with one all-reduce forward. The MLP
+  is the column/row pair of :func:`~distlab.parallel.tensor_parallel.apply_tensor_parallel`.
+* **vocabulary-parallel embedding** -- rank ``r`` holds token rows ``[r V/t, (r+1) V/t)``, looks up
+  the tokens it holds (zeros for the others) and the group sums: one all-reduce of ``(B, T, C)``.
+* **vocabulary-parallel LM head and cross-entropy** -- each rank computes the logits of its
+  ``V/t`` tokens only; :func:`vocab_parallel_cross_entropy` needs three all-reduces of one number
+  per token (the max, the sum of exponentials, the target's logit) where gathering the logits would
+  move ``V`` numbers per token: no rank ever holds a full ``(B, T, V)`` tensor.
+
+Shards are slices of the full, seeded model, so the sharded model computes what the whole one does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distlab import comm
+from distlab.errors import ConfigError
+from distlab.models.gpt import CausalSelfAttention, Embedding, Head
+from distlab.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, _gather, copy_to_group,
+                                              reduce_from_group)
+from distlab.runtime import group_rank, group_size
+
+
+class CopyToGroup(nn.Module):
+    """The entry of a parallel region as a module: identity forward, gradient all-reduced backward."""
+
+    def __init__(self, group=None):
+        super().__init__()
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return copy_to_group(x, self.group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's ``V/t`` rows of ``embedding``; lookups of other ranks' tokens are summed in."""
+
+    def __init__(self, embedding: nn.Embedding, group=None, name: str = "embedding"):
+        super().__init__()
+        n, r = group_size(group), group_rank(group)
+        if embedding.num_embeddings % n:
+            raise ConfigError(f"tensor parallel: {name} has a vocabulary of {embedding.num_embeddings}, not divisible "
+                              f"by `tp` {n}")
+        self.group, self.num_embeddings = group, embedding.num_embeddings
+        rows = embedding.num_embeddings // n
+        self.start, self.end = r * rows, (r + 1) * rows
+        self.weight = nn.Parameter(embedding.weight.detach()[self.start:self.end].clone())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.end)
+        out = F.embedding((ids - self.start).masked_fill(outside, 0), self.weight)
+        return reduce_from_group(out.masked_fill(outside[..., None], 0.0), self.group)
+
+    def full_parameters(self) -> list[torch.Tensor]:
+        return [_gather(self.weight.detach(), self.group, 0)]
+
+
+def _reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:
+    return comm.all_reduce(t, op=op, algorithm="native", group=group) if group_size(group) > 1 else t
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, start):
+        logits = logits.float()
+        top = _reduce(logits.max(-1).values, "max", group)
+        shifted = logits - top[:, None]
+        exp = shifted.exp()
+        total = _reduce(exp.sum(-1), "sum", group)
+        local = target - start
+        mine = (local >= 0) & (local < logits.shape[-1])
+        local = local.masked_fill(~mine, 0)
+        picked = _reduce(shifted.gather(-1, local[:, None]).squeeze(-1).masked_fill(~mine, 0.0), "sum", group)
+        ctx.save_for_backward(exp / total[:, None], local, mine)
+        return total.log() - picked
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine = ctx.saved_tensors
+        g = softmax.clone()
+        rows = torch.arange(len(local), device=g.device)[mine]
+        g[rows, local[mine]] -= 1.0
+        return g * grad[:, None], None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group, start: int,
+                                 reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of logits split over the vocabulary: ``logits`` ``(..., V/t)`` are this
+    rank's columns ``[start, start + V/t)``, ``target`` ``(...)`` the true token ids. Equal to
+    ``F.cross_entropy`` of the gathered logits."""
+    per_token = _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), target.flatten(), group, start)
+    return per_token.mean() if reduction == "mean" else per_token.sum() if reduction == "sum" else per_token
+
+
+@torch.no_grad()
+def vocab_parallel_correct(logits: torch.Tensor, target: torch.Tensor, group, start: int) -> tuple[int, int]:
+    """(tokens whose argmax over the whole vocabulary is the target, tokens); ties go to the lowest
+    id, as ``argmax`` does."""
+    value, index = logits.max(-1)
+    best = _reduce(value.clone(), "max", group)
+    mine = torch.where(value == best, index + start, torch.full_like(index, 2**62))
+    winner = _reduce(mine, "min", group)
+    return int((winner == target).sum()), target.numel()
+
+
+class VocabParallelHead(nn.Module):
+    """The LM head with its output projection column parallel over the vocabulary: returns this
+    rank's ``V/t`` logits per token (score them with :func:`vocab_parallel_cross_entropy`)."""
+
+    def __init__(self, head: Head, group=None, name: str = "head"):
+        super().__init__()
+        self.ln = head.ln
+        self.out = ColumnParallelLinear(head.out, group, gather_output=False, name=f"{name}.out")
+        self.group = group
+        self.start = group_rank(group) * (head.out.out_features // group_size(group))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln(x))
+
+    def loss(self, logits: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, target, self.group, self.start, reduction)
+
+    def correct(self, logits: torch.Tensor, target: torch.Tensor) -> tuple[int, int]:
+        return vocab_parallel_correct(logits, target, self.group, self.start)
+
+
+def shard_attention(attn: CausalSelfAttention, group, name: str) -> None:
+    """Give this rank ``n_head / t`` whole heads of ``attn``, in place."""
+    n = group_size(group)
+    heads = attn.q.out_features // attn.head_dim
+    if heads % n:
+        raise ConfigError(f"tensor parallel: {name} has {heads} heads, not divisible by `tp` {n}")
+    attn.enter = CopyToGroup(group)  # one gradient all-reduce for q, k and v together
+    for part in ("q", "k", "v"):
+        layer = ColumnParallelLinear(getattr(attn, part), group, gather_output=False, name=f"{name}.{part}")
+        layer.copy_input = False
+        setattr(attn, part, layer)
+    attn.proj = RowParallelLinear(attn.proj, group, input_is_parallel=True, name=f"{name}.proj")
+
+
+def apply_transformer_tensor_parallel(model: nn.Module, group=None) -> bool:
+    """Shard the transformer parts of ``model`` in place: attention by heads, the token embedding
+    and LM head by vocabulary. Returns whether there were any."""
+    found = False
+    for name, module in list(model.named_modules()):
+        if isinstance(module, CausalSelfAttention):
+            shard_attention(module, group, name)
+            found = True
+        elif isinstance(module, Embedding):
+            module.tok = VocabParallelEmbedding(module.tok, group, name=f"{name}.tok")
+            found = True
+    if isinstance(model, nn.Sequential):
+        for i, module in enumerate(model):
+            if isinstance(module, Head):
+                model[i] = VocabParallelHead(module, group, name=str(i))
+                found = True
+    return found
+
+
+def vocab_parallel_head(model: nn.Module) -> VocabParallelHead | None:
+    """The model's vocabulary-parallel head, if tensor parallel gave it one."""
+    return next((m for m in model.modules() if isinstance(m, VocabParallelHead)), None)

@@ -1,0 +1,105 @@
+"""Tensor parallel for the transformer: attention split by heads, vocabulary-parallel embedding,
+head and cross-entropy, each equal to the unsharded model, and the bytes they send equal to the
+analytic volumes.
+
+Tolerance: one forward/backward of a float32 model whose sums are split over ranks differs from
+the unsharded one by rounding only: 1e-5 on outputs, losses and updated parameters (values of
+order 1, sums of at most a few hundred terms: a few hundred x eps32 = ~3e-5 relative at worst).
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distlab import comm
+from distlab.comm.accounting import allreduce_bytes_per_rank
+from distlab.models import GPT, task_correct, task_loss
+from distlab.parallel import apply_tensor_parallel
+from distlab.parallel.tensor_parallel import full_parameters, full_state_dict
+from distlab.parallel.transformer_tp import vocab_parallel_correct, vocab_parallel_cross_entropy
+from distlab.spawn import RankFailure, run_ranks
+
+TOL = 1e-5
+B, T, C, L, HEADS, V = 3, 8, 16, 2, 4, 256
+
+
+def _gpt():
+    torch.manual_seed(0)
+    return GPT(V, T, n_layer=L, n_head=HEADS, n_embd=C)
+
+
+def _one_step(rank, world):
+    full = _gpt()
+    sharded = apply_tensor_parallel(copy.deepcopy(full), dist.group.WORLD)
+    head = sharded[-1]
+    x = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(2))
+    ref_loss = task_loss(full(x), y)
+    ref_loss.backward()
+    with comm.counting() as fwd:
+        out = sharded(x)
+        loss = head.loss(out, y)
+    with comm.counting() as bwd:
+        loss.backward()
+    lr = 0.5
+    with torch.no_grad():
+        for p in list(full.parameters()) + list(sharded.parameters()):
+            p -= lr * p.grad
+    param_diff = max((a - b.detach()).abs().max().item() for a, b in zip(full_parameters(sharded), full.parameters()))
+    keys_equal = list(full_state_dict(sharded)) == list(full.state_dict())
+    local_vocab = out.shape[-1]
+    return (abs(loss.item() - ref_loss.item()), param_diff, keys_equal, local_vocab, fwd.calls, bwd.calls,
+            fwd.bytes_sent, bwd.bytes_sent, type(head).__name__, type(sharded[0].tok).__name__)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_transformer_equals_the_unsharded_one_and_sends_the_analytic_bytes(world):
+    act = B * T * C * 4           # one activation tensor (B, T, C) in bytes
+    per_token = B * T * 4          # one float per token
+    for r in run_ranks(_one_step, world, timeout=120):
+        loss_diff, param_diff, keys_equal, local_vocab, fwd_calls, bwd_calls, fwd_bytes, bwd_bytes, head, emb = r
+        assert loss_diff <= TOL and param_diff <= TOL and keys_equal
+        assert local_vocab == V // world and head == "VocabParallelHead" and emb == "VocabParallelEmbedding"
+        # forward: embedding, then attention and MLP per block, then max / sum / target logit of the loss
+        assert fwd_calls == 1 + 2 * L + 3
+        assert fwd_bytes == allreduce_bytes_per_rank(act, world) * (1 + 2 * L) + \
+            3 * allreduce_bytes_per_rank(per_token, world)
+        # backward: one input-gradient all-reduce per attention (not one each for q, k, v), one per
+        # MLP, one for the head's input; the embedding's is identity
+        assert bwd_calls == 2 * L + 1
+        assert bwd_bytes == allreduce_bytes_per_rank(act, world) * (2 * L + 1)
+
+
+def _loss_and_accuracy(rank, world):
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 7, 12, generator=g)
+    logits[0, 0, 3] = logits[0, 0, 9] = 50.0          # a tie: argmax takes the lowest id, 3
+    target = torch.randint(0, 12, (5, 7), generator=g)
+    target[0, 0] = 3
+    mine = logits.chunk(world, -1)[rank].clone().requires_grad_()
+    start = rank * (12 // world)
+    loss = vocab_parallel_cross_entropy(mine, target, dist.group.WORLD, start)
+    loss.backward()
+    full = logits.clone().requires_grad_()
+    ref = task_loss(full, target)
+    ref.backward()
+    grad_diff = (mine.grad - full.grad.chunk(world, -1)[rank]).abs().max().item()
+    return abs(loss.item() - ref.item()), grad_diff, vocab_parallel_correct(mine, target, dist.group.WORLD, start), \
+        task_correct(logits, target)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_vocab_parallel_cross_entropy_and_accuracy_equal_the_gathered_ones(world):
+    for loss_diff, grad_diff, correct, expected in run_ranks(_loss_and_accuracy, world, timeout=60):
+        assert loss_diff <= TOL and grad_diff <= TOL and correct == expected
+
+
+def _shard_odd_heads(rank, world):
+    apply_tensor_parallel(GPT(V, T, n_layer=1, n_head=3, n_embd=12), dist.group.WORLD)
+
+
+def test_heads_the_group_does_not_divide_are_refused():
+    with pytest.raises(RankFailure, match="3 heads, not divisible by `tp` 2"):
+        run_ranks(_shard_odd_heads, 2, timeout=60)
