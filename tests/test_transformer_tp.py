@@ -30,15 +30,21 @@ def _gpt():
     return GPT(V, T, n_layer=L, n_head=HEADS, n_embd=C)
 
 
-def _one_step(rank, world):
+def _one_step(rank, world, sp=False):
     full = _gpt()
-    sharded = apply_tensor_parallel(copy.deepcopy(full), dist.group.WORLD)
+    sharded = apply_tensor_parallel(copy.deepcopy(full), dist.group.WORLD, sequence_parallel=sp)
     head = sharded[-1]
     x = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(2))
     ref_loss = task_loss(full(x), y)
     ref_loss.backward()
-    with comm.counting() as fwd:
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with comm.counting() as fwd, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = sharded(x)
         loss = head.loss(out, y)
     with comm.counting() as bwd:
@@ -51,7 +57,7 @@ def _one_step(rank, world):
     keys_equal = list(full_state_dict(sharded)) == list(full.state_dict())
     local_vocab = out.shape[-1]
     return (abs(loss.item() - ref_loss.item()), param_diff, keys_equal, local_vocab, fwd.calls, bwd.calls,
-            fwd.bytes_sent, bwd.bytes_sent, type(head).__name__, type(sharded[0].tok).__name__)
+            fwd.bytes_sent, bwd.bytes_sent, type(head).__name__, type(sharded[0].tok).__name__, sum(saved))
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -59,7 +65,7 @@ def test_sharded_transformer_equals_the_unsharded_one_and_sends_the_analytic_byt
     act = B * T * C * 4           # one activation tensor (B, T, C) in bytes
     per_token = B * T * 4          # one float per token
     for r in run_ranks(_one_step, world, timeout=120):
-        loss_diff, param_diff, keys_equal, local_vocab, fwd_calls, bwd_calls, fwd_bytes, bwd_bytes, head, emb = r
+        loss_diff, param_diff, keys_equal, local_vocab, fwd_calls, bwd_calls, fwd_bytes, bwd_bytes, head, emb, _ = r
         assert loss_diff <= TOL and param_diff <= TOL and keys_equal
         assert local_vocab == V // world and head == "VocabParallelHead" and emb == "VocabParallelEmbedding"
         # forward: embedding, then attention and MLP per block, then max / sum / target logit of the loss
@@ -103,3 +109,38 @@ def _shard_odd_heads(rank, world):
 def test_heads_the_group_does_not_divide_are_refused():
     with pytest.raises(RankFailure, match="3 heads, not divisible by `tp` 2"):
         run_ranks(_shard_odd_heads, 2, timeout=60)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sequence_parallel_equals_the_unsharded_model_moves_the_same_bytes_and_saves_less(world):
+    """The LayerNorm/residual regions split along the sequence: the same function, the same
+    activation bytes on the wire (all-gather + reduce-scatter = all-reduce), plus one all-reduce
+    per gradient of the parameters those regions hold; fewer activation bytes saved for backward."""
+    plain = run_ranks(_one_step, world, False, timeout=120)
+    split = run_ranks(_one_step, world, True, timeout=120)
+    for p, s in zip(plain, split):
+        loss_diff, param_diff, keys_equal, _, fwd_calls, bwd_calls, fwd_bytes, bwd_bytes, _, _, saved = s
+        assert loss_diff <= TOL and param_diff <= TOL and keys_equal
+        assert fwd_bytes == p[6]  # forward: exactly the bytes of the all-reduces it replaces
+        assert fwd_calls == 1 + 4 * L + 1 + 3
+        # backward: the same activation bytes, plus one all-reduce per gradient of the parameters the
+        # split regions hold: the position embedding (T x C), per block two LayerNorms and two
+        # row-parallel biases (6 tensors of C), the head's LayerNorm (2 of C)
+        shared = [T * C] + [C] * (6 * L + 2)
+        assert bwd_bytes == p[7] + sum(allreduce_bytes_per_rank(4 * n, world) for n in shared)
+        assert bwd_calls == 1 + 4 * L + 1 + len(shared)
+        assert saved < p[10]  # activations kept for backward: the sequence-split regions hold 1/tp
+
+
+def test_sequence_parallel_is_refused_where_it_cannot_apply():
+    from distlab.errors import ConfigError
+    from distlab.parallel import Strategy
+    from distlab.train.config import TrainConfig
+    with pytest.raises(ConfigError, match="needs `tp` of 2 or more"):
+        Strategy.parse("allreduce+sp")
+    assert str(Strategy.parse("allreduce+tp=2+sp")) == "allreduce+tp=2+sp"
+    with pytest.raises(ConfigError, match="model mlp has none"):
+        TrainConfig(model="mlp", strategy=Strategy(tp=2, sequence_parallel=True)).validate(2)
+    with pytest.raises(ConfigError, match="`block_size` 9"):
+        TrainConfig(model="gpt", dataset="synthetic-text", block_size=9,
+                    strategy=Strategy(tp=2, sequence_parallel=True)).validate(2)

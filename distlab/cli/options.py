@@ -115,6 +115,9 @@ STRATEGY_OPTIONS = [
     ("tp", dict(type=int, help="Tensor-parallel size: ranks that split each Linear layer (must divide the world size).")),
     ("tp_style", dict(help="megatron (column then row parallel, one all-reduce each way per block) or naive "
                       "(every layer column parallel, activations all-gathered).")),
+    ("sequence_parallel", dict(is_flag=True, help="With --tp on a transformer: LayerNorm and residual regions split "
+                               "along the sequence (all-gather / reduce-scatter in place of all-reduce: same bytes, "
+                               "1/tp of those activations).")),
     ("zero", dict(type=click.IntRange(0, 3), help="ZeRO stage over the data-parallel ranks: 1 shards optimizer "
                   "state, 2 also gradients, 3 also parameters.")),
 ]

@@ -50,8 +50,8 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(n_embd, n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.enter(x)  # under sequence parallel this gathers the whole sequence
         b, t, _ = x.shape
-        x = self.enter(x)
         q, k, v = self.q(x), self.k(x), self.v(x)
         heads = q.shape[-1] // self.head_dim  # this rank's heads: all of them, or its share under TP
         q, k, v = (z.view(b, t, heads, self.head_dim).transpose(1, 2) for z in (q, k, v))

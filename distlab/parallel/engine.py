@@ -181,7 +181,8 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
         raise ValueError(f"the mesh has tp {mesh.tp} but the strategy tp {strategy.tp}: build the mesh from "
                          f"the strategy (build_mesh(strategy.tp))")
     if strategy.tp > 1:
-        model = tensor_parallel.apply_tensor_parallel(model, mesh.tp_group, strategy.tp_style)
+        model = tensor_parallel.apply_tensor_parallel(model, mesh.tp_group, strategy.tp_style,
+                                                      strategy.sequence_parallel)
     model = apply_sync_bn(model, strategy.sync_bn, mesh.dp_group)
     if strategy.zero:
         wrapper = Zero(model, strategy.zero, group=mesh.dp_group, collective=strategy.collective)

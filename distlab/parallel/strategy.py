@@ -17,6 +17,8 @@ modifiers, e.g. ``bucketed:ring+accum=4+syncbn``, ``zero=3``, ``allreduce+tp=2+n
     syncbn[=KIND]   sync_bn: distlab (the default of the bare word) or torch
     find_unused     find_unused: parameters without a gradient count as zero
     tp=N, naive     tp and tp_style (megatron unless naive)
+    sp              sequence_parallel: a transformer's LayerNorm/residual regions split along the
+                    sequence over the tensor-parallel group (needs tp)
     zero=S          zero: ZeRO stage 1-3
 
 Any field may also be written ``FIELD=VALUE`` (``dp_sync=ddp+collective=ring``), so plan's
@@ -39,7 +41,7 @@ ZERO_DP_SYNC = "allreduce"    # what a ZeRO strategy records: its gradients are 
 
 _KEYS = {"accum": "grad_accum", "bucket": "bucket_mb", "style": "tp_style", "method": "dp_sync", "syncbn": "sync_bn"}
 _WORDS = {"naive": ("tp_style", "naive"), "megatron": ("tp_style", "megatron"), "syncbn": ("sync_bn", "distlab"),
-          "find_unused": ("find_unused", True), "find-unused": ("find_unused", True)}
+          "find_unused": ("find_unused", True), "find-unused": ("find_unused", True), "sp": ("sequence_parallel", True)}
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class Strategy:
     find_unused: bool = False
     tp: int = 1
     tp_style: str = "megatron"
+    sequence_parallel: bool = False
     zero: int = 0
 
     def __post_init__(self):
@@ -77,6 +80,9 @@ class Strategy:
             raise ConfigError(f"`grad_accum` must be at least 1, not {self.grad_accum}")
         if self.tp < 1:
             raise ConfigError(f"`tp` must be at least 1, not {self.tp}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("`sequence_parallel` splits the sequence over the tensor-parallel group: it needs `tp` "
+                              "of 2 or more")
         if self.dp_sync == "gather-scatter" and self.collective != "native":
             raise ConfigError(f"`dp_sync` gather-scatter is its own communication pattern (through rank 0) and "
                               f"cannot use `collective` {self.collective}: drop `collective` or pick another `dp_sync`")
@@ -125,7 +131,8 @@ class Strategy:
         if self.find_unused:
             parts.append("find_unused")
         if self.tp != 1:
-            parts.append(f"tp={self.tp}" + ("+naive" if self.tp_style == "naive" else ""))
+            parts.append(f"tp={self.tp}" + ("+naive" if self.tp_style == "naive" else "")
+                         + ("+sp" if self.sequence_parallel else ""))
         if self.zero:
             parts.append(f"zero={self.zero}")
         return "+".join(parts)

@@ -17,7 +17,13 @@ function               forward                    backward
 ``reduce_from_group``  all-reduce                 identity
 ``gather_from_group``  all-gather the last dim    keep this rank's slice
 ``split_to_group``     keep this rank's slice     all-gather the last dim
+``gather_sequence``    all-gather dim 1           reduce-scatter dim 1
+``scatter_sequence``   reduce-scatter dim 1       all-gather dim 1
 =====================  =========================  =============================
+
+The last two are sequence parallel's (Korthikanti et al. 2022) replacements for ``copy_to_group``
+and ``reduce_from_group`` around a block whose outside is split along the sequence (dim 1 of
+``(batch, sequence, features)``): an all-gather plus a reduce-scatter move what one all-reduce does.
 
 **Megatron style** (an MLP block ``B(act(A(x)))``): ``A`` column parallel, ``B`` row parallel --
 the activation stays split between them, so a block costs one all-reduce forward (after ``B``)
@@ -57,6 +63,19 @@ def _gather(t: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
 
 def _gather_last(t: torch.Tensor, group) -> torch.Tensor:
     return _gather(t, group, -1)
+
+
+def _reduce_scatter(t: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Sum ``t`` over the group and keep this rank's ``1/n`` slice along ``dim``."""
+    n = group_size(group)
+    if n == 1:
+        return t
+    if t.shape[dim] % n:
+        raise ConfigError(f"sequence parallel: a sequence of {t.shape[dim]} does not split over `tp` {n}")
+    flat = t.movedim(dim, 0).contiguous()
+    out = torch.empty((flat.shape[0] // n, *flat.shape[1:]), dtype=t.dtype, device=t.device)
+    comm.reduce_scatter(out, flat, op="sum", algorithm="native", group=group)
+    return out.movedim(0, dim).contiguous()
 
 
 def _split_last(t: torch.Tensor, group) -> torch.Tensor:
@@ -105,6 +124,38 @@ class _SplitToGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return _gather_last(g, ctx.group), None
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather(x, group, 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter(g, ctx.group, 1), None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, group, 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g.contiguous(), ctx.group, 1), None
+
+
+def gather_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
+    """All-gather along the sequence forward; reduce-scatter of the gradient backward."""
+    return _GatherSequence.apply(x, group)
+
+
+def scatter_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Reduce-scatter along the sequence forward; all-gather of the gradient backward."""
+    return _ScatterSequence.apply(x, group)
 
 
 def copy_to_group(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -160,6 +211,7 @@ class ColumnParallelLinear(nn.Module):
         nn.Module.__init__(self)
         self.group, self.gather_output = group, gather_output
         self.copy_input = True  # False: the caller entered the parallel region already (one all-reduce for several)
+        self.sequence_parallel = False  # True: the input is split along the sequence; all-gather it first
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(weight.clone())
         self.bias = nn.Parameter(bias.clone()) if bias is not None else None
@@ -170,7 +222,11 @@ class ColumnParallelLinear(nn.Module):
         return full + ([_gather(self.bias.detach(), self.group, 0)] if self.bias is not None else [])
 
     def forward(self, x):
-        y = F.linear(copy_to_group(x, self.group) if self.copy_input else x, self.weight, self.bias)
+        if self.sequence_parallel:
+            x = gather_sequence(x, self.group)
+        elif self.copy_input:
+            x = copy_to_group(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
         return gather_from_group(y, self.group) if self.gather_output else y
 
 
@@ -198,6 +254,7 @@ class RowParallelLinear(nn.Module):
     def _setup(self, weight, bias, group, input_is_parallel, in_features, out_features) -> None:
         nn.Module.__init__(self)
         self.group, self.input_is_parallel = group, input_is_parallel
+        self.sequence_parallel = False  # True: reduce-scatter the output along the sequence instead of all-reducing
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(weight.clone())
         self.bias = nn.Parameter(bias.clone()) if bias is not None else None
@@ -210,11 +267,13 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = split_to_group(x, self.group)
-        y = reduce_from_group(F.linear(x, self.weight), self.group)
+        y = F.linear(x, self.weight)
+        y = scatter_sequence(y, self.group) if self.sequence_parallel else reduce_from_group(y, self.group)
         return y + self.bias if self.bias is not None else y
 
 
-def apply_tensor_parallel(model: nn.Module, group=None, style: str = "megatron") -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, group=None, style: str = "megatron",
+                          sequence_parallel: bool = False) -> nn.Module:
     """Shard the Linear layers of every ``nn.Sequential`` in ``model`` over ``group``, in place.
 
     Megatron: consecutive Linear layers (with only element-wise layers between) pair up as
@@ -224,7 +283,8 @@ def apply_tensor_parallel(model: nn.Module, group=None, style: str = "megatron")
 
     Transformer parts are split first, the same in both styles
     (:mod:`distlab.parallel.transformer_tp`): attention by heads, the token embedding, LM head and
-    loss by vocabulary.
+    loss by vocabulary; ``sequence_parallel`` also splits their LayerNorm and residual regions
+    along the sequence.
     """
     from distlab.parallel.transformer_tp import apply_transformer_tensor_parallel
     if style not in STYLES:
@@ -248,6 +308,9 @@ def apply_tensor_parallel(model: nn.Module, group=None, style: str = "megatron")
     if not found:
         raise ConfigError(f"`tp` needs a model with Linear layers in an nn.Sequential; {type(model).__name__} has "
                           f"none to split")
+    if sequence_parallel:
+        from distlab.parallel.transformer_tp import apply_sequence_parallel
+        apply_sequence_parallel(model, group)
     return model
 
 

@@ -15,6 +15,14 @@ Over the ``t`` ranks of a tensor-parallel group:
   per token (the max, the sum of exponentials, the target's logit) where gathering the logits would
   move ``V`` numbers per token: no rank ever holds a full ``(B, T, V)`` tensor.
 
+**Sequence parallel** (``sequence_parallel``; Korthikanti et al. 2022) also splits what lies
+between those blocks -- the LayerNorms, the residual stream, the position embedding -- along the
+sequence: each rank keeps ``T/t`` positions there. Entering a block all-gathers the sequence,
+leaving it reduce-scatters (the two together move exactly the bytes of the all-reduce they
+replace), so the activations of those regions take ``1/t`` of the memory. Their parameters
+(LayerNorms, position embedding, the row-parallel biases) see only this rank's positions; their
+gradients are summed over the group as they are computed.
+
 Shards are slices of the full, seeded model, so the sharded model computes what the whole one does.
 """
 
@@ -26,9 +34,9 @@ from torch import nn
 
 from distlab import comm
 from distlab.errors import ConfigError
-from distlab.models.gpt import CausalSelfAttention, Embedding, Head
-from distlab.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, _gather, copy_to_group,
-                                              reduce_from_group)
+from distlab.models.gpt import Block, CausalSelfAttention, Embedding, Head
+from distlab.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, _all_reduce, _gather,
+                                              copy_to_group, gather_sequence, reduce_from_group, scatter_sequence)
 from distlab.runtime import group_rank, group_size
 
 
@@ -43,6 +51,18 @@ class CopyToGroup(nn.Module):
         return copy_to_group(x, self.group)
 
 
+class GatherSequence(nn.Module):
+    """The entry of a parallel region under sequence parallel: all-gather the sequence forward,
+    reduce-scatter the gradient backward."""
+
+    def __init__(self, group=None):
+        super().__init__()
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_sequence(x, self.group)
+
+
 class VocabParallelEmbedding(nn.Module):
     """This rank's ``V/t`` rows of ``embedding``; lookups of other ranks' tokens are summed in."""
 
@@ -53,14 +73,15 @@ class VocabParallelEmbedding(nn.Module):
             raise ConfigError(f"tensor parallel: {name} has a vocabulary of {embedding.num_embeddings}, not divisible "
                               f"by `tp` {n}")
         self.group, self.num_embeddings = group, embedding.num_embeddings
+        self.sequence_parallel = False  # True: reduce-scatter along the sequence instead of all-reducing
         rows = embedding.num_embeddings // n
         self.start, self.end = r * rows, (r + 1) * rows
         self.weight = nn.Parameter(embedding.weight.detach()[self.start:self.end].clone())
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.end)
-        out = F.embedding((ids - self.start).masked_fill(outside, 0), self.weight)
-        return reduce_from_group(out.masked_fill(outside[..., None], 0.0), self.group)
+        out = F.embedding((ids - self.start).masked_fill(outside, 0), self.weight).masked_fill(outside[..., None], 0.0)
+        return scatter_sequence(out, self.group) if self.sequence_parallel else reduce_from_group(out, self.group)
 
     def full_parameters(self) -> list[torch.Tensor]:
         return [_gather(self.weight.detach(), self.group, 0)]
@@ -121,12 +142,13 @@ class VocabParallelHead(nn.Module):
     def __init__(self, head: Head, group=None, name: str = "head"):
         super().__init__()
         self.ln = head.ln
+        self.enter = nn.Identity()  # sequence parallel: GatherSequence
         self.out = ColumnParallelLinear(head.out, group, gather_output=False, name=f"{name}.out")
         self.group = group
         self.start = group_rank(group) * (head.out.out_features // group_size(group))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.ln(x))
+        return self.out(self.enter(self.ln(x)))
 
     def loss(self, logits: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, target, self.group, self.start, reduction)
@@ -149,9 +171,55 @@ def shard_attention(attn: CausalSelfAttention, group, name: str) -> None:
     attn.proj = RowParallelLinear(attn.proj, group, input_is_parallel=True, name=f"{name}.proj")
 
 
+class SequenceParallelEmbedding(nn.Module):
+    """Token embedding (vocabulary parallel, reduce-scattered) plus this rank's rows of the
+    position embedding: output ``(B, T/t, C)``, this rank's positions."""
+
+    def __init__(self, embedding: Embedding, group=None):
+        super().__init__()
+        self.tok, self.pos, self.group = embedding.tok, embedding.pos, group
+        self.tok.sequence_parallel = True
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t, n = idx.shape[1], group_size(self.group)
+        if t > self.pos.num_embeddings:
+            raise ValueError(f"sequence of {t} tokens is longer than the model's block size {self.pos.num_embeddings}")
+        if t % n:
+            raise ConfigError(f"sequence parallel: a sequence of {t} tokens does not split over `tp` {n}")
+        start = group_rank(self.group) * (t // n)
+        return self.tok(idx) + self.pos(torch.arange(start, start + t // n, device=idx.device))
+
+
+def apply_sequence_parallel(model: nn.Module, group=None) -> list[nn.Parameter]:
+    """After tensor parallel: split the regions between the parallel blocks along the sequence, in
+    place; returns the parameters whose gradients are now summed over the group."""
+    if not (isinstance(model, nn.Sequential) and len(model) and isinstance(model[0], Embedding)):
+        raise ConfigError("sequence parallel splits a transformer's sequence: it needs --model gpt")
+    model[0] = SequenceParallelEmbedding(model[0], group)
+    shared = [model[0].pos.weight]
+    for block in model:
+        if isinstance(block, Block):
+            if not (isinstance(block.mlp[0], ColumnParallelLinear) and isinstance(block.mlp[2], RowParallelLinear)):
+                raise ConfigError("sequence parallel needs the megatron `tp_style` (column then row parallel)")
+            block.attn.enter = GatherSequence(group)
+            block.attn.proj.sequence_parallel = True
+            block.mlp[0].sequence_parallel = block.mlp[2].sequence_parallel = True
+            shared += [*block.ln1.parameters(), *block.ln2.parameters(), block.attn.proj.bias, block.mlp[2].bias]
+        elif isinstance(block, VocabParallelHead):
+            block.enter = GatherSequence(group)
+            block.out.copy_input = False
+            shared += list(block.ln.parameters())
+    shared = [p for p in shared if p is not None]
+    for p in shared:
+        p.sequence_parallel = True
+        p.register_hook(lambda g: _all_reduce(g.contiguous().clone(), group))
+    return shared
+
+
 def apply_transformer_tensor_parallel(model: nn.Module, group=None) -> bool:
     """Shard the transformer parts of ``model`` in place: attention by heads, the token embedding
-    and LM head by vocabulary. Returns whether there were any."""
+    and LM head by vocabulary. Returns whether there were any. (Sequence parallel is applied by
+    :func:`apply_sequence_parallel` once the MLPs are split too.)"""
     found = False
     for name, module in list(model.named_modules()):
         if isinstance(module, CausalSelfAttention):

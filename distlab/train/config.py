@@ -130,6 +130,13 @@ class TrainConfig:
                 if count % tp:
                     raise ConfigError(f"tensor parallel splits attention heads, widths and the vocabulary over `tp` "
                                       f"{tp} ranks: {what} {count} is not divisible by {tp}")
+        if self.strategy.sequence_parallel:
+            if self.model not in TEXT_MODELS:
+                raise ConfigError(f"`sequence_parallel` splits a transformer's sequence: model {self.model} has none "
+                                  f"(use --model gpt, or drop `sequence_parallel`)")
+            if self.block_size % tp:
+                raise ConfigError(f"`sequence_parallel` splits each sequence of `block_size` {self.block_size} tokens "
+                                  f"over `tp` {tp} ranks: choose a `block_size` that {tp} divides")
         text_model, text_data = self.model in TEXT_MODELS, is_text(self.dataset)
         if text_model != text_data:
             raise ConfigError(f"model {self.model} {'predicts tokens' if text_model else 'classifies images'} but "
