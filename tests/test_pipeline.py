@@ -1,0 +1,83 @@
+"""Pipeline parallel: stages balanced by parameters, GPipe and 1F1B each equal to one step of the
+unsplit model (loss and every gradient, to float32 rounding: 1e-5 on values of order 1), 1F1B
+holding at most P - s micro-batches in flight.
+
+Tolerance: the only difference from the unsplit step is that the batch's loss is a sum of M
+micro-batch means instead of one mean -- a few float32 roundings on sums of at most 48 terms.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distlab.errors import ConfigError
+from distlab.models import GPT, task_loss
+from distlab.parallel.pipeline import PipelineStage, partition
+from distlab.spawn import run_ranks
+
+TOL = 1e-5
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(),
+                         nn.Linear(16, 5))
+
+
+def _gpt():
+    torch.manual_seed(0)
+    return GPT(256, 8, n_layer=2, n_head=2, n_embd=16)
+
+
+def _data(kind):
+    g = torch.Generator().manual_seed(1)
+    if kind == "mlp":
+        return torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
+    return torch.randint(0, 256, (8, 8), generator=g), torch.randint(0, 256, (8, 8), generator=g)
+
+
+def _step(rank, world, kind, schedule, microbatches):
+    build = _mlp if kind == "mlp" else _gpt
+    full, model = build(), build()
+    x, y = _data(kind)
+    ref = task_loss(full(x), y)
+    ref.backward()
+    stage = PipelineStage(model, dist.group.WORLD, microbatches, schedule)
+    loss = stage.train_step(x if stage.first else None, y if stage.last else None, task_loss)
+    grad_diff = 0.0
+    for name, layer in stage.layers.items():
+        for p, q in zip(layer.parameters(), full[int(name)].parameters()):
+            grad_diff = max(grad_diff, (p.grad - q.grad).abs().max().item())
+    loss_diff = abs(loss.item() - ref.item()) if loss is not None else None
+    return stage.stage, list(stage.layers), grad_diff, loss_diff, stage.last_timing
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("world,microbatches", [(2, 1), (2, 4), (4, 8)])
+def test_a_pipelined_step_equals_the_unsplit_step(kind, schedule, world, microbatches):
+    results = run_ranks(_step, world, kind, schedule, microbatches, timeout=120)
+    layers = [name for _, names, *_ in results for name in names]
+    assert layers == [str(i) for i in range(len(_mlp() if kind == "mlp" else _gpt()))]  # every layer, once, in order
+    for stage, _, grad_diff, loss_diff, timing in results:
+        assert grad_diff <= TOL
+        assert (loss_diff is not None) == (stage == world - 1) and (loss_diff is None or loss_diff <= TOL)
+        assert timing["bubble_ideal"] == pytest.approx((world - 1) / (microbatches + world - 1))
+        assert 0.0 <= timing["bubble_measured"] < 1.0
+        # activations held at once: GPipe all M at the turn; 1F1B at most P - s
+        expected = microbatches if schedule == "gpipe" else min(microbatches, world - stage)
+        assert timing["in_flight_peak"] == expected
+
+
+def test_stages_are_balanced_by_parameters_or_as_given():
+    gpt = _gpt()  # embedding, 2 blocks, head
+    assert partition(gpt, 2) == [(0, 2), (2, 4)]
+    assert partition(gpt, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert partition(gpt, 2, balance=[1, 3]) == [(0, 1), (1, 4)]
+    mlp = _mlp()  # parameters: 416 | 0 | 1056 | 0 | 528 | 0 | 85
+    assert partition(mlp, 2) == [(0, 3), (3, 7)]
+    with pytest.raises(ConfigError, match="between 1 and 4 stages"):
+        partition(gpt, 5)
+    with pytest.raises(ConfigError, match="summing to 4"):
+        partition(gpt, 2, balance=[1, 1])
