@@ -32,7 +32,7 @@ from typing import Callable
 
 from distlab.plots import integer_ticks, pyplot, style
 
-BENCH_KINDS = ("collectives", "dp", "syncbn", "parallel", "scaling", "verify", "plan", "sweep")
+BENCH_KINDS = ("collectives", "dp", "syncbn", "parallel", "pipeline", "scaling", "verify", "plan", "sweep")
 BENCH_FILES = {f"{kind}.json" for kind in BENCH_KINDS}  # names the bench commands write: never skipped quietly
 PLAN_VALIDATION = "distlab-plan-validation"
 
@@ -59,6 +59,8 @@ def bench_kind(records) -> str | None:
         return "collectives"
     if "mode" in first and "scaling_efficiency" in first:
         return "scaling"
+    if "schedule" in first and "microbatches" in first:
+        return "pipeline"
     if "workload" in first and "strategy" in first:
         return "parallel"
     if "workload" in first and "dp_sync" in first:
@@ -395,6 +397,24 @@ def _parallel_section(records: list[dict]) -> str:
     return imgs + _table(records, cols)
 
 
+def _pipeline_section(records: list[dict]) -> str:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for i, key in enumerate(dict.fromkeys((r["implementation"], r["schedule"]) for r in records)):
+        rs = sorted((r for r in records if (r["implementation"], r["schedule"]) == key), key=lambda r: r["microbatches"])
+        ax.plot([r["microbatches"] for r in rs], [1000 * r["time_per_step_s_median"] for r in rs],
+                label=" ".join(key), **style(i))
+    integer_ticks(ax, [r["microbatches"] for r in records])
+    ax.set(xlabel="micro-batches", ylabel="ms per step (median)", title=f"pipeline, {records[0]['stages']} stages")
+    _legend(ax, len(ax.lines))
+    cols = [Col("schedule", "schedule"), Col("microbatches", "micro-batches"), Col("implementation", "implementation"),
+            Col("time_per_step_s_median", "ms/step (median)", _ms), Col("vs_torch", "vs torch", "{:.2f}x".format),
+            Col("bubble_measured", "bubble measured", "{:.2f}".format),
+            Col("bubble_ideal", "bubble (P-1)/(M+P-1)", "{:.2f}".format),
+            Col("max_loss_diff_vs_torch", "max |loss diff| vs torch", _sci)]
+    return _png(fig) + _table(records, cols)
+
+
 def _syncbn_section(records: list[dict]) -> str:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -516,6 +536,7 @@ def _sweep_section(records: list[dict]) -> str:
 SECTIONS = {"collectives": ("Collectives", _collectives_section), "dp": ("Data parallel", _dp_section),
             "syncbn": ("Synchronized batch norm", _syncbn_section),
             "parallel": ("Tensor parallel and ZeRO", _parallel_section),
+            "pipeline": ("Pipeline parallel", _pipeline_section),
             "scaling": ("Scaling", _scaling_section), "verify": ("Equivalence (distlab verify)", _verify_section),
             "plan": ("Cost model (distlab plan validate)", _plan_section),
             "sweep": ("Plan sweep (distlab plan --sweep)", _sweep_section)}

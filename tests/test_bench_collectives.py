@@ -102,3 +102,21 @@ def test_bench_parallel_smoke_runs_distlab_and_torch_side_by_side(run_cli, tmp_p
     losses = [r["final_train_loss"] for r in records.values()]
     assert max(losses) - min(losses) < 1e-4
     assert records["zero3"]["comm_bytes_per_step"] > 0 and "vs torch" in proc.stdout
+
+
+def test_bench_pipeline_runs_distlab_and_torch_pipelining_on_the_same_split(run_cli, tmp_path):
+    proc = run_cli("bench", "pipeline", "--microbatches", "2", "--schedules", "gpipe,1f1b", "--steps", "3",
+                   "--batch", "8", "--out", "bp", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    records = json.loads((tmp_path / "bp" / "pipeline.json").read_text())
+    assert {(r["schedule"], r["implementation"]) for r in records} == {
+        ("gpipe", "distlab"), ("gpipe", "torch"), ("1f1b", "distlab"), ("1f1b", "torch")}
+    for r in records:
+        assert r["bubble_ideal"] == 1 / 3 and len(r["losses"]) == 3
+        if r["implementation"] == "distlab":
+            # the same model, seed, split and batches: torch's losses to float rounding
+            assert r["max_loss_diff_vs_torch"] <= 1e-5 and r["bytes_sent_per_stage"][0] > 0
+            assert r["microbatches_held_per_stage"] == ([2, 2] if r["schedule"] == "gpipe" else [2, 1])
+    assert "vs torch" in proc.stdout
+    markdown = run_cli("bench", "markdown", "bp/pipeline.json", check=True).stdout
+    assert markdown.startswith("| schedule | M |")

@@ -64,7 +64,7 @@ def test_header_shows_the_tensor_parallel_mesh_and_what_is_split(run_cli, tmp_pa
     assert "mesh     dp 2 x tp 2: TP groups [0, 1] [2, 3]; DP groups [0, 2] [1, 3]" in proc.stdout
     assert "(micro-batches of 4 x 2)" in proc.stdout
     split = next(line for line in proc.stdout.splitlines() if line.startswith("tensor parallel:"))
-    assert "2 Linear layers split (net.1, net.3)" in split and "the rest is replicated" in split  # BN and head are not
+    assert "2 layers split (net.1, net.3)" in split and "the rest is replicated" in split  # BN and head are not
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["mesh"]["layout"].startswith("dp 2 x tp 2") and summary["micro_batch_size"] == 4
     assert summary["num_parameters_per_rank"] < summary["num_parameters"]

@@ -62,6 +62,9 @@ def render(path: str | Path) -> str:
     if "mlp_widths" in first and "strategy" in first:
         from distlab.bench import parallel
         return parallel.table(records, markdown=True)
+    if "schedule" in first and "microbatches" in first:
+        from distlab.bench import pipeline
+        return pipeline.table(records, markdown=True)
     if "scaling_efficiency" in first:
         from distlab.bench import scaling
         return scaling.table(records, markdown=True)
@@ -69,4 +72,4 @@ def render(path: str | Path) -> str:
         return dp(records)
     if "features" in first:
         return syncbn(records)
-    raise ValueError(f"{path}: not a bench file distlab knows (collectives, dp, syncbn, scaling, parallel)")
+    raise ValueError(f"{path}: not a bench file distlab knows (collectives, dp, syncbn, scaling, parallel, pipeline)")

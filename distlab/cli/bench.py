@@ -157,6 +157,25 @@ def bench_parallel(workloads, strategies, nproc, steps, batch, dataset, data_dir
 
 
 
+@bench.command("pipeline")
+@click.option("--nproc", type=int, default=2, show_default=True, help="Pipeline stages (processes).")
+@click.option("--microbatches", default="1,2,4,8", show_default=True, help="Micro-batch counts M.")
+@click.option("--schedules", default="gpipe,1f1b", show_default=True)
+@click.option("--implementations", default="distlab,torch", show_default=True,
+              help="distlab (PipelineStage) and torch (torch.distributed.pipelining).")
+@click.option("--steps", type=int, default=10, show_default=True)
+@click.option("--batch", type=int, default=32, show_default=True, help="Sequences per step.")
+@click.option("--runs", type=int, default=1, show_default=True, help="Interleaved rounds; times are medians.")
+@click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/pipeline.json.")
+@click.option("--plot", "plot_dir", default=None, help="Also write a step-time and bubble PNG here.")
+def bench_pipeline(nproc, microbatches, schedules, implementations, steps, batch, runs, out, plot_dir):
+    """GPipe and 1F1B, distlab's beside torch.distributed.pipelining: time, bubble, memory, losses."""
+    from distlab.bench import pipeline
+    records = pipeline.run(nproc, csv_ints(microbatches), schedules, implementations, steps, batch, runs, out,
+                           progress=_progress)
+    _finish(pipeline, records, out, "pipeline", plot_dir)
+
+
 @bench.command("markdown")
 @click.argument("paths", nargs=-1, required=True)
 def bench_markdown(paths):

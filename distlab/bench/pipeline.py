@@ -1,0 +1,191 @@
+"""``distlab bench pipeline``: distlab's GPipe and 1F1B beside ``torch.distributed.pipelining``.
+
+The GPT on synthetic text, cut into ``--nproc`` stages by :func:`~distlab.parallel.partition`
+(the same split for both implementations), trains ``--steps`` SGD steps of ``--batch`` sequences
+for each schedule (GPipe, 1F1B) and each micro-batch count ``M``: distlab's
+:class:`~distlab.parallel.PipelineStage` and torch's ``PipelineStage`` with ``ScheduleGPipe`` /
+``Schedule1F1B``, the same model, seed and batches. Interleaved over ``--runs`` rounds.
+
+Per run: median step time (the first steps excluded), the step losses (equal across the two
+implementations up to float rounding: the same computation), and for distlab the measured bubble
+(time the busiest stage waits for a neighbour, over the step), the ideal ``(P - 1) / (M + P - 1)``,
+the most micro-batches a stage held at once, and the bytes each stage sends per step (torch sends
+the same activations and gradients). torch's ``Schedule1F1B`` needs ``M >= P``; smaller ``M`` runs
+distlab's alone.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from distlab.bench.common import at_least, choose, cores, format_table, machine, write
+from distlab.spawn import run_ranks
+
+SCHEDULES = ("gpipe", "1f1b")
+IMPLEMENTATIONS = ("distlab", "torch")
+MODEL = dict(n_layer=4, n_head=4, n_embd=128, block_size=64)  # 6 layers: embedding, 4 blocks, head
+
+
+def _batches(steps: int, batch: int, seed: int = 0):
+    from distlab.data import load_dataset
+    data = load_dataset("synthetic-text:100000", "train", seed=seed, block_size=MODEL["block_size"])
+    g = torch.Generator().manual_seed(seed)
+    return [data.batch(torch.randint(0, len(data), (batch,), generator=g)) for _ in range(steps)]
+
+
+def _one(rank: int, world: int, impl: str, schedule: str, microbatches: int, steps: int, batch: int,
+         warmup: int) -> dict:
+    import torch.distributed as dist
+
+    from distlab import comm
+    from distlab.models import GPT, task_loss
+    from distlab.parallel import PipelineStage, partition
+
+    torch.manual_seed(0)
+    model = GPT(256, MODEL["block_size"], MODEL["n_layer"], MODEL["n_head"], MODEL["n_embd"])
+    start, end = partition(model, world)[rank]
+    first, last = rank == 0, rank == world - 1
+    if impl == "distlab":
+        stage = PipelineStage(model, dist.group.WORLD, microbatches, schedule)
+        params = stage.parameters()
+    else:
+        from torch.distributed.pipelining import PipelineStage as TorchStage
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+        sub = torch.nn.Sequential(*[model[i] for i in range(start, end)])
+        tstage = TorchStage(sub, rank, world, torch.device("cpu"), group=dist.group.WORLD)
+        sched = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(tstage, microbatches, loss_fn=task_loss)
+        params = sub.parameters()
+    opt = torch.optim.SGD(params, lr=0.1)
+    times, losses, sent, bubbles, held = [], [], [], [], []
+    for x, y in _batches(steps, batch):
+        opt.zero_grad(set_to_none=True)
+        dist.barrier()
+        t0 = time.perf_counter()
+        with comm.counting() as c:
+            if impl == "distlab":
+                loss = stage.train_step(x if first else None, y if last else None, task_loss)
+            else:
+                out: list = []
+                if first:
+                    sched.step(x)
+                elif last:
+                    sched.step(target=y, losses=out)
+                else:
+                    sched.step()
+                loss = torch.stack(out).mean().detach() if last else None
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        sent.append(c.bytes_sent)
+        if last:
+            losses.append(float(loss))
+        if impl == "distlab":
+            bubbles.append(stage.last_timing["bubble_measured"])
+            held.append(stage.last_timing["in_flight_peak"])
+    timed = times[warmup:] or times
+    return {"rank": rank, "step_s": statistics.median(timed), "losses": losses,
+            "bubble": statistics.median(bubbles[warmup:] or bubbles) if bubbles else None,
+            "held": max(held) if held else None, "sent": statistics.median(sent) if impl == "distlab" else None}
+
+
+def _cells(rank: int, world: int, cells: list[tuple], steps: int, batch: int, warmup: int) -> list[dict]:
+    """Every (implementation, schedule, M) cell in one process group, one after another."""
+    return [_one(rank, world, impl, schedule, m, steps, batch, warmup) for impl, schedule, m in cells]
+
+
+def run(nproc: int, microbatches: list[int], schedules: list[str], impls: list[str], steps: int, batch: int,
+        runs: int, out: str | None, progress=None) -> list[dict]:
+    schedules = choose("--schedules", schedules, SCHEDULES)
+    impls = choose("--implementations", impls, IMPLEMENTATIONS)
+    at_least(nproc=(nproc, 2), steps=(steps, 2), runs=(runs, 1))
+    from distlab.errors import ConfigError
+    for m in microbatches:
+        if m < 1 or batch % m:
+            raise ConfigError(f"--batch {batch} must split into every --microbatches value; {m} does not divide it")
+    threads = max(1, cores() // nproc)
+    warmup = min(3, steps // 3)
+    todo = [(impl, schedule, m) for schedule in schedules for m in microbatches for impl in impls
+            if not (impl == "torch" and schedule == "1f1b" and m < nproc)]  # torch's 1F1B needs M >= P
+    cells: dict[tuple, list[dict]] = {}
+    for i in range(runs):
+        if progress:
+            progress(f"round {i + 1} of {runs}: {len(todo)} runs on {nproc} stages")
+        per_rank = run_ranks(_cells, nproc, todo, steps, batch, warmup, timeout=1800, threads=threads)
+        for k, (impl, schedule, m) in enumerate(todo):
+            ranks = [results[k] for results in per_rank]
+            cells.setdefault((schedule, m, impl), []).append({
+                "step_s": max(r["step_s"] for r in ranks), "losses": ranks[-1]["losses"],
+                "bubble": max((r["bubble"] for r in ranks if r["bubble"] is not None), default=None),
+                "held": [r["held"] for r in ranks], "sent": [r["sent"] for r in ranks]})
+    records = []
+    for (schedule, m, impl), rounds in cells.items():
+        times = [r["step_s"] for r in rounds]
+        first = rounds[0]
+        records.append({"schedule": schedule, "microbatches": m, "implementation": impl, "stages": nproc,
+                        "model": "gpt", **MODEL, "batch": batch, "steps": steps,
+                        "time_per_step_s_median": statistics.median(times), "time_per_step_s_runs": times,
+                        "losses": first["losses"], "bubble_measured": first["bubble"],
+                        "bubble_ideal": (nproc - 1) / (m + nproc - 1), "microbatches_held_per_stage": first["held"],
+                        "bytes_sent_per_stage": first["sent"], **machine(nproc, threads)})
+    by_key = {(r["schedule"], r["microbatches"], r["implementation"]): r for r in records}
+    for r in records:
+        other = by_key.get((r["schedule"], r["microbatches"], "torch"))
+        if r["implementation"] == "distlab" and other:
+            r["vs_torch"] = r["time_per_step_s_median"] / other["time_per_step_s_median"]
+            ratios = [a / b for a, b in zip(r["time_per_step_s_runs"], other["time_per_step_s_runs"])]
+            r["vs_torch_range"] = [min(ratios), max(ratios)]
+            r["max_loss_diff_vs_torch"] = max(abs(a - b) for a, b in zip(r["losses"], other["losses"]))
+    write(records, out, "pipeline")
+    return records
+
+
+def table(records: list[dict], markdown: bool = False) -> str:
+    rows = []
+    for r in records:
+        ratio = (f"{r['vs_torch']:.2f}x ({r['vs_torch_range'][0]:.2f}-{r['vs_torch_range'][1]:.2f})"
+                 if r.get("vs_torch") else "-")
+        rows.append([r["schedule"], str(r["microbatches"]), r["implementation"],
+                     f"{1000 * r['time_per_step_s_median']:.1f}", ratio,
+                     f"{r['bubble_measured']:.2f}" if r.get("bubble_measured") is not None else "-",
+                     f"{r['bubble_ideal']:.2f}",
+                     "/".join(map(str, r["microbatches_held_per_stage"])) if r["implementation"] == "distlab" else "-",
+                     f"{r['losses'][-1]:.4f}",
+                     f"{r['max_loss_diff_vs_torch']:.1e}" if "max_loss_diff_vs_torch" in r else "-"])
+    return format_table(["schedule", "M", "implementation", "ms/step", "vs torch (range)", "bubble",
+                         "ideal (P-1)/(M+P-1)", "held per stage", "last loss", "|loss - torch's|"], rows, markdown)
+
+
+def plot(records: list[dict], directory) -> list:
+    from pathlib import Path
+
+    from distlab.plots import integer_ticks, pyplot, style
+    plt = pyplot()
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    i = 0
+    for schedule in dict.fromkeys(r["schedule"] for r in records):
+        for impl in dict.fromkeys(r["implementation"] for r in records):
+            rs = sorted((r for r in records if r["schedule"] == schedule and r["implementation"] == impl),
+                        key=lambda r: r["microbatches"])
+            a.plot([r["microbatches"] for r in rs], [1000 * r["time_per_step_s_median"] for r in rs],
+                   label=f"{impl} {schedule}", **style(i))
+            i += 1
+            if impl == "distlab":
+                b.plot([r["microbatches"] for r in rs], [r["bubble_measured"] for r in rs],
+                       label=f"measured, {schedule}", **style(i))
+    ms = sorted({r["microbatches"] for r in records})
+    p = records[0]["stages"]
+    b.plot(ms, [(p - 1) / (m + p - 1) for m in ms], color="black", linestyle="--", label="(P-1)/(M+P-1)")
+    a.set(xlabel="micro-batches M", ylabel="ms per step (median)", title=f"pipeline step time, {p} stages")
+    b.set(xlabel="micro-batches M", ylabel="bubble (share of the step waiting)", title="pipeline bubble")
+    for ax in (a, b):
+        integer_ticks(ax, ms)
+        ax.legend(fontsize=7)
+    path = directory / "pipeline.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [path]
