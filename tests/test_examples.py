@@ -28,7 +28,8 @@ RUNS = {
     "07_zero.py": (2, "distlab plan predicted every peak exactly"),
     "08_fault_tolerance.py": (None, "and resumed from step-00000020 instead"),
     "09_emulated_cluster.py": (None, "predicted"),
-    "10_own_training_loop.py": (4, "equal to single-process training"),
+    "10_pipeline.py": (2, "both schedules compute the unsplit step"),
+    "own_training_loop.py": (4, "equal to single-process training"),
 }
 
 
@@ -64,7 +65,7 @@ def test_pages_show_the_output_of_the_example_they_run():
     a command the suite runs: an example as RUNS runs it, or a distlab command (tests/test_docs.py)."""
     blocks = doc_outputs.all_blocks()
     for script in RUNS:
-        if script != "10_own_training_loop.py":  # the library example has no page of its own
+        if script != "own_training_loop.py":  # the library example has no page of its own
             assert any(f"examples/{script}" in b.command for b in blocks), f"no page shows the output of {script}"
     for block in blocks:
         words = block.command.split()

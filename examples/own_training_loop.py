@@ -1,6 +1,6 @@
 """distlab's pieces in a training loop of your own: Strategy, parallelize, the Engine, comm, Zero's shards.
 
-    torchrun --standalone --nproc-per-node 4 examples/10_own_training_loop.py
+    torchrun --standalone --nproc-per-node 4 examples/own_training_loop.py
 
 No Trainer, no config: a hand-written loop trains an MLP on 4 ranks laid out as 2 data-parallel
 x 2 tensor-parallel, with ZeRO-1 over the data-parallel pairs and 2 accumulated micro-batches --
