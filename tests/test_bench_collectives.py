@@ -90,11 +90,10 @@ def test_bench_dp_trains_each_method_and_compares_with_ddp(tmp_path):
 def test_bench_parallel_smoke_runs_distlab_and_torch_side_by_side(run_cli, tmp_path):
     # The torch built-in loops (ZeroRedundancyOptimizer, FSDP2, DTensor TP) are exercised only here.
     proc = run_cli("bench", "parallel", "--workloads", "mlp", "--strategies",
-                   "zero3,tp-megatron,torch-zero1,torch-fsdp2,torch-tp", "--nproc", "4", "--steps", "3",
+                   "zero3,tp-megatron,torch-zero1,torch-fsdp2,torch-tp", "--nproc", "2", "--steps", "3",
                    "--batch", "16", "--dataset", "synthetic:1x28x28:10:256", "--out", "bp", timeout=300)
     assert proc.returncode == 0, proc.stderr
-    # every rank exits on its own before the next strategy starts: nothing left for the resource tracker
-    assert "leaked semaphore" not in proc.stderr, proc.stderr[-2000:]
+    assert "leaked semaphore" not in proc.stderr, proc.stderr[-2000:]  # see tests/test_spawn.py
     records = {r["strategy"]: r for r in json.loads((tmp_path / "bp" / "parallel.json").read_text())}
     assert set(records) == {"zero3", "tp-megatron", "torch-zero1", "torch-fsdp2", "torch-tp"}
     assert all(r["supported"] for r in records.values()), [r.get("error") for r in records.values()]
