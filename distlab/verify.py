@@ -79,20 +79,24 @@ def parse_strategy(text: str) -> Case:
 
 def default_strategies(world_size: int | None = None) -> list[Case]:
     """Every dp_sync x collective, each method with grad_accum 4, SyncBN, and -- where
-    ``world_size`` is even -- tensor parallel over pairs of ranks in both styles."""
+    ``world_size`` is even -- tensor parallel over pairs of ranks in both styles and two-stage
+    pipelines with each schedule (with tensor parallel too where it divides by 4)."""
     out = [Strategy("gather-scatter")]
     out += [Strategy(m, c) for m in ("allreduce", "bucketed", "ddp") for c in COLLECTIVES]
     out += [Strategy(m, grad_accum=4) for m in SYNC_METHODS]
     out += [Strategy(m, sync_bn="distlab") for m in ("allreduce", "bucketed", "ddp")]
     if world_size and world_size % 2 == 0:
         out += [Strategy("allreduce", tp=2), Strategy("allreduce", tp=2, tp_style="naive")]
+        out += [Strategy("bucketed", pp=2, microbatches=3), Strategy("allreduce", pp=2, microbatches=4, pp_schedule="gpipe")]
+    if world_size and world_size % 4 == 0:
+        out += [Strategy("bucketed", tp=2, pp=2, microbatches=2)]
     return [Case(s) for s in out]
 
 
 def config_for(case: Case, world_size: int, steps: int, global_batch: int | None = None,
                seed: int = 0) -> TrainConfig:
     """A small, fast training run: an MLP (or a BN CNN for SyncBN) on synthetic data, SGD+momentum."""
-    strategy = case.strategy
+    strategy = case.strategy.check(world_size)
     if strategy.bucket_mb == Strategy.bucket_mb:
         strategy = strategy.replace(bucket_mb=SMALL_BUCKET_MB)
     batch = global_batch or 12 * strategy.dp_size(world_size)

@@ -76,7 +76,12 @@ def test_stages_are_balanced_by_parameters_or_as_given():
     assert partition(gpt, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert partition(gpt, 2, balance=[1, 3]) == [(0, 1), (1, 4)]
     mlp = _mlp()  # parameters: 416 | 0 | 1056 | 0 | 528 | 0 | 85
-    assert partition(mlp, 2) == [(0, 3), (3, 7)]
+    assert partition(mlp, 2) == [(0, 4), (4, 7)]  # a ReLU stays with the Linear before it
+    assert partition(mlp, 4) == [(0, 2), (2, 4), (4, 6), (6, 7)]  # every stage has parameters to train
+    with pytest.raises(ConfigError, match="4 layers with parameters.*at most 4 stages"):
+        partition(mlp, 5)
+    with pytest.raises(ConfigError, match="leaves stage 1 without parameters"):
+        partition(mlp, 3, balance=[1, 1, 5])  # layer 1 is a ReLU
     with pytest.raises(ConfigError, match="between 1 and 4 stages"):
         partition(gpt, 5)
     with pytest.raises(ConfigError, match="summing to 4"):

@@ -34,11 +34,13 @@ TOL = 1e-5
     (8, 2, [[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2, 4, 6], [1, 3, 5, 7]]),  # the example
 ])
 def test_mesh_layout_is_tensor_parallel_major(world, tp, tp_groups, dp_groups):
-    assert layout(world, tp) == (tp_groups, dp_groups)
+    groups = layout(world, tp)
+    assert (groups.tp_groups, groups.dp_groups) == (tp_groups, dp_groups)
+    assert groups.pp_groups == [[r] for r in range(world)]
 
 
 def test_a_tp_that_does_not_divide_the_world_is_refused():
-    with pytest.raises(ConfigError, match=r"`tp` 3 does not divide the world size 4.*1, 2, 4"):
+    with pytest.raises(ConfigError, match=r"`tp` 3 does not divide the world size 4 .*1, 2, 4"):
         layout(4, 3)
 
 

@@ -120,6 +120,12 @@ STRATEGY_OPTIONS = [
                                "1/tp of those activations).")),
     ("zero", dict(type=click.IntRange(0, 3), help="ZeRO stage over the data-parallel ranks: 1 shards optimizer "
                   "state, 2 also gradients, 3 also parameters.")),
+    ("pp", dict(type=int, help="Pipeline stages: the model's layers cut into this many parts on as many ranks "
+                "(tp x pp must divide the world size; the rest is data parallel).")),
+    ("microbatches", dict(type=int, default=None, help="With --pp: micro-batches per step on each pipeline (must "
+                          "divide the per-rank batch; default --pp).")),
+    ("pp_schedule", dict(help="With --pp: gpipe (all forwards, then all backwards) or 1f1b (one forward, one "
+                         "backward: at most --pp micro-batches held).")),
 ]
 TRAIN_OPTIONS = [
     ("model", dict(help="Images: mlp, mlp-bn, small-cnn-bn, vgg11, vgg11-bn, vgg19, vgg19-bn, resnet18; text: gpt.")),

@@ -25,3 +25,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+    def pipeline_layers(self) -> list[tuple[str, nn.Module]]:
+        """The layers in order, under their names here (what a pipeline cuts into stages)."""
+        return [(f"net.{i}", layer) for i, layer in enumerate(self.net)]

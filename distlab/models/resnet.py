@@ -38,3 +38,8 @@ class ResNet18(nn.Module):
 
     def forward(self, x):
         return self.fc(self.pool(self.layers(self.stem(x))).flatten(1))
+
+    def pipeline_layers(self) -> list[tuple[str, nn.Module]]:
+        """The layers in order, under their names here (what a pipeline cuts into stages)."""
+        return ([(f"stem.{i}", m) for i, m in enumerate(self.stem)] + [(f"layers.{i}", m) for i, m in enumerate(self.layers)]
+                + [("pool", self.pool), ("flatten", nn.Flatten()), ("fc", self.fc)])

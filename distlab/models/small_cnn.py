@@ -27,3 +27,8 @@ class SmallCNN(nn.Module):
 
     def forward(self, x):
         return self.classifier(self.pool(self.features(x)).flatten(1))
+
+    def pipeline_layers(self) -> list[tuple[str, nn.Module]]:
+        """The layers in order, under their names here (what a pipeline cuts into stages)."""
+        return ([(f"features.{i}", m) for i, m in enumerate(self.features)]
+                + [("pool", self.pool), ("flatten", nn.Flatten()), ("classifier", self.classifier)])

@@ -46,3 +46,8 @@ class VGG(nn.Module):
 
     def forward(self, x):
         return self.classifier(self.pool(self.features(x)))
+
+    def pipeline_layers(self) -> list[tuple[str, nn.Module]]:
+        """The layers in order, under their names here (what a pipeline cuts into stages)."""
+        return ([(f"features.{i}", m) for i, m in enumerate(self.features)] + [("pool", self.pool)]
+                + [(f"classifier.{i}", m) for i, m in enumerate(self.classifier)])

@@ -4,9 +4,13 @@
 
 1. **tensor parallel** over the mesh's TP group (shards sliced from the full, seeded model, so
    it computes what the unsharded one does);
-2. **SyncBN over the data-parallel group** (under tensor parallel the ranks of a TP group see
+2. **pipeline parallel** over the mesh's pipeline: this rank keeps its stage's layers
+   (:class:`~distlab.parallel.PipelineStage`), cut where the *unsharded* model's parameters
+   balance, so every rank of a TP group cuts at the same layers;
+3. **SyncBN over the data-parallel group** (under tensor parallel the ranks of a TP group see
    the same samples: reducing statistics over the world would count each sample ``tp`` times);
-3. **data parallel or ZeRO** over the data-parallel group.
+4. **data parallel or ZeRO** over the data-parallel group (the ranks holding the same stage and
+   tensor-parallel shard).
 
 The :class:`Engine` is the one interface a training loop needs, whatever the strategy: build the
 optimizer over :meth:`Engine.parameters`, then per step :meth:`Engine.forward_backward` (its
@@ -27,25 +31,30 @@ import time
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from distlab.models import task_correct, task_loss
 from distlab.parallel import tensor_parallel
 from distlab.parallel.data_parallel import DataParallel
 from distlab.parallel.mesh import Mesh
+from distlab.parallel.pipeline import PipelineStage, partition
 from distlab.parallel.strategy import Strategy
 from distlab.parallel.sync_bn import apply_sync_bn
-from distlab.parallel.transformer_tp import vocab_parallel_head
+from distlab.parallel.transformer_tp import VocabParallelHead, vocab_parallel_head
 from distlab.parallel.zero import Zero
 
 
 class Engine:
     """A model spread over the mesh by a strategy (make one with :func:`parallelize`)."""
 
-    def __init__(self, wrapper: DataParallel | Zero, strategy: Strategy, mesh: Mesh):
+    def __init__(self, wrapper: DataParallel | Zero, strategy: Strategy, mesh: Mesh,
+                 vocab_head: VocabParallelHead | None = None):
         self.wrapper, self.strategy, self.mesh = wrapper, strategy, mesh
         self.sync_seconds = 0.0  # of the last step: gradient sync after backward + after_step
-        self._vocab_head = vocab_parallel_head(wrapper.module)
+        self._vocab_head = vocab_head if vocab_head is not None else vocab_parallel_head(wrapper.module)
+        self.pipeline: PipelineStage | None = wrapper.module if isinstance(wrapper.module, PipelineStage) else None
+        self.pipeline_timings: list[dict] = []  # PipelineStage.last_timing of every step
 
     def loss(self, out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """The task's loss of this model's output: cross-entropy per sample or per token, computed
@@ -67,8 +76,8 @@ class Engine:
 
     @property
     def sharded(self) -> bool:
-        """Whether ranks hold different model states (ZeRO or tensor-parallel shards)."""
-        return self.wrapper.sharded or self.mesh.tp > 1
+        """Whether ranks hold different model states (ZeRO, tensor-parallel shards, pipeline stages)."""
+        return self.wrapper.sharded or self.mesh.tp > 1 or self.mesh.pp > 1
 
     def __call__(self, *args, **kwargs):
         return self.wrapper(*args, **kwargs)
@@ -111,7 +120,13 @@ class Engine:
         Every micro-batch but the last runs under :meth:`no_sync`; each micro-batch loss is divided by
         K, so the accumulated gradient is the mean over the whole local batch -- the step equals one
         step on the K-times-larger batch. Returns this rank's mean loss over its samples.
+
+        On a pipeline the stage runs its schedule over ``strategy.microbatches`` micro-batches
+        (:meth:`PipelineStage.train_step`; every backward but the last under :meth:`no_sync`); the
+        loss, known on the last stage, is broadcast along the pipeline so every rank returns it.
         """
+        if self.pipeline is not None:
+            return self._pipeline_step(x, y, loss_fn)
         k = self.strategy.grad_accum
         micro = len(x) // k
         total = 0.0
@@ -128,6 +143,15 @@ class Engine:
         self.sync()
         return total
 
+    def _pipeline_step(self, x, y, loss_fn) -> float:
+        stage, mesh = self.pipeline, self.mesh
+        loss = stage.train_step(x if stage.first else None, y if stage.last else None, loss_fn, self.no_sync)
+        self.pipeline_timings.append(stage.last_timing)
+        value = (loss.detach() if loss is not None else torch.zeros(())).reshape(1).to(torch.float32)
+        dist.broadcast(value, src=mesh.pp_ranks[-1], group=mesh.pp_group)
+        self.sync()
+        return value.item()
+
     # ------------------------------------------------------------------ state
 
     def gathered(self):
@@ -138,12 +162,28 @@ class Engine:
         """The single-process model's ``state_dict``: ZeRO and tensor-parallel shards gathered
         (collective: every rank calls it and gets it)."""
         with self.gathered():
-            return tensor_parallel.full_state_dict(self.module)
+            state = tensor_parallel.full_state_dict(self.module)
+        if self.pipeline is None:
+            return state
+        mine = {self.pipeline.model_key(k): v for k, v in state.items()}
+        merged: dict[str, torch.Tensor] = {}
+        for part in self._gather_stages(mine):  # stage order is the model's order
+            merged.update(part)
+        return merged
 
     def full_parameters(self) -> list[torch.Tensor]:
         """Copies of the unsharded model's parameters in registration order (collective)."""
         with self.gathered():
-            return tensor_parallel.full_parameters(self.module)
+            mine = tensor_parallel.full_parameters(self.module)
+        if self.pipeline is None:
+            return mine
+        return [t for part in self._gather_stages(mine) for t in part]
+
+    def _gather_stages(self, mine):
+        """Every stage's ``mine``, in stage order (collective over the pipeline)."""
+        parts = [None] * self.mesh.pp
+        dist.all_gather_object(parts, mine, group=self.mesh.pp_group)
+        return parts
 
     def sharded_state_dict(self) -> dict:
         """This rank's part of the model state (a snapshot writes one per rank)."""
@@ -177,16 +217,21 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
     group), so every replica begins equal.
     """
     strategy.check(mesh.world_size)
-    if mesh.tp != strategy.tp:
-        raise ValueError(f"the mesh has tp {mesh.tp} but the strategy tp {strategy.tp}: build the mesh from "
-                         f"the strategy (build_mesh(strategy.tp))")
+    if (mesh.tp, mesh.pp) != (strategy.tp, strategy.pp):
+        raise ValueError(f"the mesh has tp {mesh.tp}, pp {mesh.pp} but the strategy tp {strategy.tp}, pp "
+                         f"{strategy.pp}: build the mesh from the strategy (build_mesh(strategy.tp, pp=strategy.pp))")
+    if strategy.pp > 1:  # cut by the unsharded model's parameters: the same layers on every rank of a TP group
+        balance = [end - start for start, end in partition(model, strategy.pp)]
     if strategy.tp > 1:
         model = tensor_parallel.apply_tensor_parallel(model, mesh.tp_group, strategy.tp_style,
                                                       strategy.sequence_parallel)
+    vocab_head = vocab_parallel_head(model)  # before the cut: the loss needs it on the last stage
+    if strategy.pp > 1:
+        model = PipelineStage(model, mesh.pp_group, strategy.microbatches, strategy.pp_schedule, balance)
     model = apply_sync_bn(model, strategy.sync_bn, mesh.dp_group)
     if strategy.zero:
         wrapper = Zero(model, strategy.zero, group=mesh.dp_group, collective=strategy.collective)
     else:
         wrapper = DataParallel(model, strategy.dp_sync, group=mesh.dp_group, bucket_mb=strategy.bucket_mb,
                                collective=strategy.collective, find_unused=strategy.find_unused)
-    return Engine(wrapper, strategy, mesh)
+    return Engine(wrapper, strategy, mesh, vocab_head)

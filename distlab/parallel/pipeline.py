@@ -1,8 +1,9 @@
 """Pipeline parallel: a model's layers in ``P`` stages on ``P`` ranks, micro-batches flowing through.
 
-The model is an ``nn.Sequential`` (the MLP, VGG's feature and classifier stacks flattened, the
-GPT: embedding, blocks, head). :func:`partition` cuts it into ``P`` contiguous stages balanced by
-parameter count (or at the layer counts given). Stage ``s`` runs on rank ``s`` of the pipeline
+The model is a sequence of layers: an ``nn.Sequential`` (the GPT: embedding, blocks, head), or a
+model that lists its layers in order with ``pipeline_layers()`` (the MLP; VGG's features, pool and
+classifier; ResNet's stem, blocks and head) -- :func:`sequential_layers`. :func:`partition` cuts
+it into ``P`` contiguous stages balanced by parameter count (or at the layer counts given). Stage ``s`` runs on rank ``s`` of the pipeline
 group: it receives its input activation from stage ``s - 1`` (the first stage reads the batch),
 runs its layers, and sends the output to stage ``s + 1``; the last stage computes the loss. In the
 backward pass gradients travel the other way. A step splits the batch into ``M`` micro-batches,
@@ -30,8 +31,9 @@ each other's sends.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 from torch import nn
@@ -46,34 +48,59 @@ _HEADER = 10  # int64s: dtype code, ndim, up to 8 sizes
 ACT, GRAD = 0, 1  # message tags
 
 
-def partition(model: nn.Sequential, stages: int, balance: list[int] | None = None) -> list[tuple[int, int]]:
-    """``[(start, end), ...]``: the layer range of each stage. ``balance`` gives the number of
-    layers per stage; otherwise stages are cut where the running parameter count crosses each
-    ``k / stages`` of the total (every stage gets at least one layer)."""
-    n = len(model)
+def sequential_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``[(name, layer), ...]``: the model as layers applied one after another, each under its
+    name in ``model`` (so a stage's state-dict keys can be written as the whole model's)."""
+    if isinstance(model, nn.Sequential):
+        return [(str(i), layer) for i, layer in enumerate(model)]
+    listed = getattr(model, "pipeline_layers", None)
+    if listed is None:
+        raise ConfigError(f"a pipeline cuts a model into consecutive layers: {type(model).__name__} is not an "
+                          f"nn.Sequential and has no pipeline_layers() listing its layers in order")
+    return list(listed())
+
+
+def partition(model: nn.Module, stages: int, balance: list[int] | None = None) -> list[tuple[int, int]]:
+    """``[(start, end), ...]``: the layer range of each stage (indices into :func:`sequential_layers`).
+
+    ``balance`` gives the number of layers per stage. Otherwise stage ``k`` starts at the first
+    layer with parameters where the parameters before it reach ``k / stages`` of the total; layers
+    without parameters (activations, pooling, flatten) stay with the layer before them, so every
+    stage has parameters to train whenever the model has at least ``stages`` layers with some.
+    """
+    layers = [layer for _, layer in sequential_layers(model)]
+    n = len(layers)
     if stages < 1 or stages > n:
-        raise ConfigError(f"pipeline: {stages} stages for a model of {n} layers; use between 1 and {n} stages")
+        raise ConfigError(f"`pp` {stages}: the model has {n} layers to cut into stages; use between 1 and {n} "
+                          f"stages")
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     if balance is not None:
         if len(balance) != stages or sum(balance) != n or min(balance) < 1:
             raise ConfigError(f"pipeline: balance {balance} must give {stages} positive layer counts summing to {n}")
         bounds = [0]
         for b in balance:
             bounds.append(bounds[-1] + b)
-        return list(zip(bounds[:-1], bounds[1:]))
-    sizes = [sum(p.numel() for p in layer.parameters()) for layer in model]
-    total = sum(sizes) or n
-    sizes = sizes if sum(sizes) else [1] * n
-    cuts, running = [0], 0
-    for i, size in enumerate(sizes[:-1]):
-        running += size
-        k = len(cuts)  # the cut this layer might close
-        layers_left, stages_left = n - (i + 1), stages - k
-        if k < stages and (running >= k * total / stages or layers_left == stages_left):
-            if i + 1 > cuts[-1]:
-                cuts.append(i + 1)
-    while len(cuts) < stages:  # too few cuts (tiny models): split the last stage layer by layer
-        cuts.append(cuts[-1] + 1)
-    cuts.append(n)
+        ranges = list(zip(bounds[:-1], bounds[1:]))
+        empty = [s for s, (a, b) in enumerate(ranges) if not sum(sizes[a:b])]
+        if empty and sum(sizes):
+            raise ConfigError(f"pipeline: balance {balance} leaves stage {empty[0]} without parameters; give every "
+                              f"stage a layer with parameters")
+        return ranges
+    if not sum(sizes):  # nothing to balance: layers count equally
+        sizes = [1] * n
+    heavy = [i for i, size in enumerate(sizes) if size]  # the layers a stage may start at (and the first)
+    if stages > len(heavy):
+        raise ConfigError(f"`pp` {stages}: the model has {len(heavy)} layers with parameters, and a stage without "
+                          f"any would have nothing to train; use at most {len(heavy)} stages")
+    before = [0]  # parameters before each heavy layer
+    for i in heavy[:-1]:
+        before.append(before[-1] + sizes[i])
+    total, starts = sum(sizes), [0]
+    for k in range(1, stages):
+        low, high = starts[-1] + 1, len(heavy) - (stages - k)  # leave a heavy layer for every later stage
+        crossing = next((j for j in range(low, len(heavy)) if before[j] >= k * total / stages), high)
+        starts.append(min(max(crossing, low), high))
+    cuts = [0] + [heavy[j] for j in starts[1:]] + [n]
     return list(zip(cuts[:-1], cuts[1:]))
 
 
@@ -81,12 +108,13 @@ class PipelineStage(nn.Module):
     """This rank's stage of ``model`` on the pipeline ``group`` (stage = group rank).
 
     ``model`` is the whole model, built and seeded the same way on every rank; the stage keeps its
-    layers (under their original indices, so state-dict keys match the unsplit model's) and drops
-    the rest. :meth:`train_step` runs one step's forwards and backwards; the optimizer then updates
-    this stage's parameters.
+    layers (in ``layers`` under their index in :func:`sequential_layers`; :meth:`model_key` turns a
+    stage key into the whole model's) and drops the rest. :meth:`train_step` runs one step's
+    forwards and backwards; the optimizer then updates this stage's parameters. :meth:`infer`
+    passes one batch through the pipeline without gradients (evaluation).
     """
 
-    def __init__(self, model: nn.Sequential, group=None, microbatches: int = 1, schedule: str = "1f1b",
+    def __init__(self, model: nn.Module, group=None, microbatches: int = 1, schedule: str = "1f1b",
                  balance: list[int] | None = None):
         super().__init__()
         if schedule not in SCHEDULES:
@@ -97,12 +125,29 @@ class PipelineStage(nn.Module):
         self.stages, self.stage = group_size(group), group_rank(group)
         self.ranges = partition(model, self.stages, balance)
         start, end = self.ranges[self.stage]
-        self.layers = nn.ModuleDict({str(i): model[i] for i in range(start, end)})
+        named = sequential_layers(model)
+        self.names = {str(i): named[i][0] for i in range(start, end)}
+        self.layer_names = [name for name, _ in named]
+        self.layer_parameters = [sum(p.numel() for p in layer.parameters()) for _, layer in named]
+        self.layers = nn.ModuleDict({str(i): named[i][1] for i in range(start, end)})
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
         self._prev = Peer(group, self.stage - 1) if not self.first else None
         self._next = Peer(group, self.stage + 1) if not self.last else None
         self.last_timing: dict = {}
         self.in_flight_peak = 0
+        self._waited = self._compute = 0.0
+
+    def describe(self) -> list[dict]:
+        """Every stage: its layer range, first and last layer names, and parameters (on this rank's
+        tensor-parallel shard, if any)."""
+        return [{"stage": s, "layers": [a, b], "first": self.layer_names[a], "last": self.layer_names[b - 1],
+                 "parameters": sum(self.layer_parameters[a:b])} for s, (a, b) in enumerate(self.ranges)]
+
+    def model_key(self, key: str) -> str:
+        """A key of this stage's ``state_dict`` or module name (``layers.3.weight``) as the whole
+        model's (``net.3.weight``)."""
+        _, index, *rest = key.split(".", 2)
+        return ".".join([self.names[index], *rest])
 
     # ------------------------------------------------------------------ pieces
 
@@ -150,25 +195,34 @@ class PipelineStage(nn.Module):
         self.in_flight_peak = max(self.in_flight_peak, len(self._saved))
 
     def _backward_one(self, grad: torch.Tensor | None) -> torch.Tensor | None:
-        """The oldest stored micro-batch's backward; returns the gradient of its input."""
+        """The oldest stored micro-batch's backward; returns the gradient of its input. All but the
+        step's last backward run under ``no_sync`` (data parallel communicates after the last)."""
         x, out = self._saved.pop(0)
+        self._backwards_left -= 1
         t0 = time.perf_counter()
-        torch.autograd.backward(out, None if self.last else grad)
+        with self._no_sync() if self._backwards_left else contextlib.nullcontext():
+            torch.autograd.backward(out, None if self.last else grad)
         self._compute += time.perf_counter() - t0
         return None if self.first else x.grad
 
     # ------------------------------------------------------------------ a step
 
-    def train_step(self, x: torch.Tensor | None, y: torch.Tensor | None, loss_fn: Callable) -> torch.Tensor | None:
+    def train_step(self, x: torch.Tensor | None, y: torch.Tensor | None, loss_fn: Callable,
+                   no_sync: Callable[[], ContextManager] | None = None) -> torch.Tensor | None:
         """Forward and backward of one batch as ``M`` micro-batches. ``x`` is read on the first
         stage, ``y`` on the last (others may pass None). Gradients accumulate into this stage's
-        parameters. Returns the batch's mean loss on the last stage, None elsewhere."""
+        parameters. Returns the batch's mean loss on the last stage, None elsewhere.
+
+        ``no_sync``: a context in which backward communicates nothing (a data-parallel wrapper's);
+        every backward but the step's last runs in it, so gradients are reduced once, overlapped
+        with the last micro-batch's backward where the method can."""
         m = self.microbatches
         xs = list(x.chunk(m)) if self.first else [None] * m
         ys = list(y.chunk(m)) if self.last else [None] * m
         if self.first and len(xs) != m:
             raise ConfigError(f"pipeline: a batch of {len(x)} does not split into {m} micro-batches")
         self._saved, self._losses, self._keep = [], [], []
+        self._no_sync, self._backwards_left = no_sync or contextlib.nullcontext, m
         self._waited = self._compute = 0.0
         self.in_flight_peak = 0
         t0 = time.perf_counter()
@@ -183,6 +237,17 @@ class PipelineStage(nn.Module):
                             "in_flight_peak": self.in_flight_peak}
         self._keep = []
         return torch.stack(self._losses).sum() if self.last else None
+
+    @torch.no_grad()
+    def infer(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """One batch forward through the whole pipeline without gradients: the output on the last
+        stage, None elsewhere (``x`` is read on the first stage). Every stage calls it once per batch."""
+        self._keep = []
+        out = self(x if self.first else self._recv_act())
+        if not self.last:
+            wait_all(self._send_act(out))
+        self._keep = []
+        return out if self.last else None
 
     def _input(self, xs, i):
         return xs[i] if self.first else self._recv_act()

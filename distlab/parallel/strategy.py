@@ -20,6 +20,9 @@ modifiers, e.g. ``bucketed:ring+accum=4+syncbn``, ``zero=3``, ``allreduce+tp=2+n
     sp              sequence_parallel: a transformer's LayerNorm/residual regions split along the
                     sequence over the tensor-parallel group (needs tp)
     zero=S          zero: ZeRO stage 1-3
+    pp=P            pp: pipeline stages (the model's layers cut into P parts on P ranks)
+    mb=M            microbatches: a pipeline step's micro-batches (default P)
+    gpipe, 1f1b     pp_schedule: the order of a stage's forwards and backwards (default 1f1b)
 
 Any field may also be written ``FIELD=VALUE`` (``dp_sync=ddp+collective=ring``), so plan's
 ``KEY=VALUE+KEY=VALUE`` spellings read the same. :meth:`Strategy.to_dict` is the JSON object of
@@ -33,15 +36,18 @@ from dataclasses import dataclass, fields
 
 from distlab.errors import ConfigError
 from distlab.parallel.data_parallel import COLLECTIVES, SYNC_METHODS
+from distlab.parallel.pipeline import SCHEDULES as PP_SCHEDULES
 from distlab.parallel.sync_bn import MODES as SYNC_BN
 from distlab.parallel.tensor_parallel import STYLES as TP_STYLES
 from distlab.parallel.zero import STAGES as ZERO_STAGES
 DEFAULT_DP_SYNC = "bucketed"  # the fastest exact method on CPU/gloo (README, data-parallel table)
 ZERO_DP_SYNC = "allreduce"    # what a ZeRO strategy records: its gradients are reduced after backward
 
-_KEYS = {"accum": "grad_accum", "bucket": "bucket_mb", "style": "tp_style", "method": "dp_sync", "syncbn": "sync_bn"}
+_KEYS = {"accum": "grad_accum", "bucket": "bucket_mb", "style": "tp_style", "method": "dp_sync", "syncbn": "sync_bn",
+         "mb": "microbatches", "schedule": "pp_schedule"}
 _WORDS = {"naive": ("tp_style", "naive"), "megatron": ("tp_style", "megatron"), "syncbn": ("sync_bn", "distlab"),
-          "find_unused": ("find_unused", True), "find-unused": ("find_unused", True), "sp": ("sequence_parallel", True)}
+          "find_unused": ("find_unused", True), "find-unused": ("find_unused", True), "sp": ("sequence_parallel", True),
+          "gpipe": ("pp_schedule", "gpipe"), "1f1b": ("pp_schedule", "1f1b")}
 
 
 @dataclass(frozen=True)
@@ -58,12 +64,19 @@ class Strategy:
     tp_style: str = "megatron"
     sequence_parallel: bool = False
     zero: int = 0
+    pp: int = 1
+    microbatches: int | None = None  # None: pp (1 without a pipeline)
+    pp_schedule: str = "1f1b"
 
     def __post_init__(self):
         if self.dp_sync is None:
             object.__setattr__(self, "dp_sync", ZERO_DP_SYNC if self.zero else DEFAULT_DP_SYNC)
         if self.tp == 1:  # no tensor parallel: the style means nothing, keep equal strategies equal
             object.__setattr__(self, "tp_style", "megatron")
+        if self.microbatches is None:
+            object.__setattr__(self, "microbatches", self.pp if isinstance(self.pp, int) and self.pp > 1 else 1)
+        if self.pp == 1:  # no pipeline: no schedule
+            object.__setattr__(self, "pp_schedule", "1f1b")
 
     # ------------------------------------------------------------------ checks
 
@@ -74,12 +87,22 @@ class Strategy:
         _choice("sync_bn", self.sync_bn, SYNC_BN)
         _choice("tp_style", self.tp_style, TP_STYLES)
         _choice("zero", self.zero, ZERO_STAGES)
+        _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         if not self.bucket_mb > 0:
             raise ConfigError(f"`bucket_mb` must be positive, not {self.bucket_mb}")
         if self.grad_accum < 1:
             raise ConfigError(f"`grad_accum` must be at least 1, not {self.grad_accum}")
         if self.tp < 1:
             raise ConfigError(f"`tp` must be at least 1, not {self.tp}")
+        if self.pp < 1:
+            raise ConfigError(f"`pp` must be at least 1, not {self.pp}")
+        if self.microbatches < 1:
+            raise ConfigError(f"`microbatches` must be at least 1, not {self.microbatches}")
+        if self.pp > 1:
+            self._check_pipeline()
+        elif self.microbatches != 1:
+            raise ConfigError(f"`microbatches` {self.microbatches} splits a pipeline's batch, and there is no pipeline "
+                              f"(`pp` 1): set `pp`, or use `grad_accum` for gradient accumulation")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("`sequence_parallel` splits the sequence over the tensor-parallel group: it needs `tp` "
                               "of 2 or more")
@@ -92,26 +115,57 @@ class Strategy:
         if self.zero and self.find_unused:
             raise ConfigError(f"`find_unused` is implied by `zero` {self.zero} (parameters without a gradient count as "
                               f"zero): drop `find_unused`")
-        if world_size is not None and world_size % self.tp:
+        if world_size is not None and world_size % (self.tp * self.pp):
             divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
-            raise ConfigError(f"`tp` {self.tp} does not divide the world size {world_size}: use a `tp` that divides it "
-                              f"(e.g. {divisors})")
+            if self.pp == 1:
+                raise ConfigError(f"`tp` {self.tp} does not divide the world size {world_size}: use a `tp` that divides "
+                                  f"it (e.g. {divisors})")
+            what = f"`pp` {self.pp}" if self.tp == 1 else f"`tp` {self.tp} x `pp` {self.pp} = {self.tp * self.pp}"
+            raise ConfigError(f"{what} does not divide the world size {world_size}: the world is data x tensor x "
+                              f"pipeline parallel, so the product of `tp` and `pp` must divide it ({divisors})")
         return self
+
+    def _check_pipeline(self) -> None:
+        """The combinations a pipeline refuses, each with its reason."""
+        if self.grad_accum != 1:
+            raise ConfigError(f"a pipeline accumulates gradients over its `microbatches` already: drop `grad_accum` "
+                              f"{self.grad_accum} and set `microbatches` to {self.grad_accum * self.microbatches}")
+        if self.zero >= 2:
+            raise ConfigError(f"`zero` {self.zero} with `pp` {self.pp}: ZeRO-2/3 reduce-scatter gradients (and ZeRO-3 "
+                              f"gathers parameters) layer by layer in every backward, and a pipeline runs "
+                              f"`microbatches` backwards per step, each interleaved with other micro-batches' forwards; "
+                              f"use `zero` 1, which shards the optimizer state and composes with pipelines")
+        if self.dp_sync == "ddp":
+            raise ConfigError(f"`dp_sync` ddp with `pp` {self.pp}: torch's DDP must see every forward through its "
+                              f"wrapper, and a pipeline stage runs its layers piece by piece; use `dp_sync` bucketed "
+                              f"(the same bucketed all-reduce, overlapped with the last micro-batch's backward)")
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro-batches each rank runs per optimizer step (`grad_accum` or a pipeline's `microbatches`)."""
+        return self.grad_accum * self.microbatches
 
     def dp_size(self, world_size: int) -> int:
         """Data-parallel ranks: each holds a shard of the global batch."""
-        return world_size // self.tp
+        return world_size // (self.tp * self.pp)
 
     def check_batch(self, global_batch: int, world_size: int) -> None:
         """The global batch must split into equal micro-batches on every data-parallel rank."""
         dp = self.dp_size(world_size)
-        what = f"world size {dp}" if self.tp == 1 else f"the data-parallel size {dp} (world {world_size} / `tp` {self.tp})"
+        model = " x ".join(f"`{k}` {v}" for k, v in (("tp", self.tp), ("pp", self.pp)) if v > 1)
+        what = f"world size {dp}" if dp == world_size else f"the data-parallel size {dp} (world {world_size} / {model})"
         if global_batch % dp:
             raise ConfigError(f"`global_batch_size` {global_batch} is not divisible by {what}: use a multiple of "
                               f"{dp} (e.g. {dp * max(1, global_batch // dp)})")
+        if self.pp > 1 and (global_batch // dp) % self.microbatches:
+            unit = dp * self.microbatches
+            raise ConfigError(f"`microbatches` {self.microbatches} does not divide the per-rank batch {global_batch // dp} "
+                              f"(`global_batch_size` {global_batch} / {dp} data-parallel ranks): use a "
+                              f"`global_batch_size` that is a multiple of {unit} (e.g. {unit * max(1, global_batch // unit)}) "
+                              f"or `microbatches` that divides {global_batch // dp}")
         unit = dp * self.grad_accum
         if global_batch % unit:
-            ranks = f"{dp} data-parallel ranks" if self.tp > 1 else f"{world_size} ranks"
+            ranks = f"{dp} data-parallel ranks" if dp != world_size else f"{world_size} ranks"
             raise ConfigError(f"`global_batch_size` {global_batch} must split into `grad_accum` {self.grad_accum} equal "
                               f"micro-batches on each of {ranks}: use a multiple of {unit} "
                               f"(e.g. {unit * max(1, global_batch // unit)})")
@@ -135,6 +189,8 @@ class Strategy:
                          + ("+sp" if self.sequence_parallel else ""))
         if self.zero:
             parts.append(f"zero={self.zero}")
+        if self.pp != 1:
+            parts += [f"pp={self.pp}", f"mb={self.microbatches}", self.pp_schedule]
         return "+".join(parts)
 
     @classmethod
@@ -152,7 +208,7 @@ class Strategy:
                 name = _KEYS.get(key, key)
                 if name not in _FIELDS:
                     raise ConfigError(f"strategy {text!r}: unknown modifier {token!r} (known: accum=K, bucket=MB, "
-                                      f"syncbn[=torch], find_unused, tp=N, naive, zero=S, or FIELD=VALUE with FIELD "
+                                      f"syncbn[=torch], find_unused, tp=N, naive, sp, zero=S, pp=P, mb=M, gpipe, 1f1b, or FIELD=VALUE with FIELD "
                                       f"one of {', '.join(_FIELDS)})")
                 values[name] = _convert(name, value, text)
             elif token in _WORDS:
@@ -185,6 +241,7 @@ class Strategy:
         """The JSON object of ``summary.json["strategy"]`` (``tp_style`` is null without tensor parallel)."""
         d = dataclasses.asdict(self)
         d["tp_style"] = self.tp_style if self.tp > 1 else None
+        d["pp_schedule"] = self.pp_schedule if self.pp > 1 else None
         return d
 
     @classmethod

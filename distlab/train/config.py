@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field, fields
 
-from distlab.data import canonical_name, is_text, load_dataset
+from distlab.data import canonical_name, dataset_shape, is_text, load_dataset
 from distlab.errors import ConfigError
 from distlab.models import TEXT_MODELS, check_model_name
 from distlab.parallel import Strategy
@@ -137,12 +137,28 @@ class TrainConfig:
             if self.block_size % tp:
                 raise ConfigError(f"`sequence_parallel` splits each sequence of `block_size` {self.block_size} tokens "
                                   f"over `tp` {tp} ranks: choose a `block_size` that {tp} divides")
+        if self.strategy.pp > 1:
+            self._check_pipeline()
         text_model, text_data = self.model in TEXT_MODELS, is_text(self.dataset)
         if text_model != text_data:
             raise ConfigError(f"model {self.model} {'predicts tokens' if text_model else 'classifies images'} but "
                               f"dataset {self.dataset} is {'text' if text_data else 'images'}: use "
                               + ("--model gpt" if text_data else "a text dataset (fortunes, synthetic-text)"))
         return self
+
+    def _check_pipeline(self) -> None:
+        """The model must cut into `pp` stages, each with parameters (cut on a model built without memory)."""
+        import torch
+
+        from distlab.models import build_model
+        from distlab.parallel.pipeline import partition
+        shape, classes = dataset_shape(self.dataset, self.block_size)
+        with torch.device("meta"):
+            net = build_model(self.model, shape, classes, **self.model_options())
+        try:
+            partition(net, self.strategy.pp)
+        except ConfigError as exc:
+            raise ConfigError(f"model {self.model}: {exc}") from None
 
     def model_options(self) -> dict:
         """The builder options of :func:`distlab.models.build_model` for this config's model."""

@@ -8,7 +8,7 @@ import torch
 
 from distlab.data.loader import EvalLoader
 from distlab.models import task_correct, task_loss
-from distlab.parallel import Mesh
+from distlab.parallel import Mesh, PipelineStage
 from distlab.runtime import reduce_scalars
 
 
@@ -21,22 +21,30 @@ def evaluate(model: torch.nn.Module, dataset, mesh: Mesh, device: torch.device |
 
     Shards cover the dataset exactly once whatever its size (no padding, no drop), so the
     result equals a single process evaluating the whole set, up to float64 summation order.
-    Shards go to the data-parallel ranks (the ranks of a tensor-parallel group evaluate the same
-    samples together) and the sums to the data-parallel group. BatchNorm uses its running statistics.
+    Shards go to the data-parallel ranks (the ranks of a tensor-parallel group or of a pipeline
+    evaluate the same samples together); one rank per shard (:attr:`Mesh.reports`: tensor-parallel
+    rank 0 of the last stage) contributes its sums to one all-reduce over the world. A
+    :class:`~distlab.parallel.PipelineStage` passes each batch along the pipeline
+    (:meth:`~distlab.parallel.PipelineStage.infer`) and scores it on the last stage. BatchNorm uses
+    its running statistics.
     ``loss_fn`` and ``correct_fn`` score an output (an Engine's :meth:`~distlab.parallel.Engine.loss`
     and :meth:`~distlab.parallel.Engine.correct`, which know when the logits are sharded).
     """
     was_training = model.training
     model.eval()
     loss_sum, correct, count = 0.0, 0, 0
+    run = model.infer if isinstance(model, PipelineStage) else model
     for x, y in EvalLoader(dataset, rank=mesh.dp_rank, world_size=mesh.dp, batch_size=batch_size):
         x, y = x.to(device), y.to(device)
-        out = model(x)
+        out = run(x)
+        if out is None:  # a pipeline stage before the last: it passed the batch on
+            continue
         loss_sum += loss_fn(out, y, reduction="sum").item()
         right, scored = correct_fn(out, y)
         correct, count = correct + right, count + scored
     model.train(was_training)
-    loss_sum, correct, count = reduce_scalars([loss_sum, correct, count], group=mesh.dp_group, device=device)
+    mine = [loss_sum, correct, count] if mesh.reports else [0.0, 0, 0]
+    loss_sum, correct, count = reduce_scalars(mine, device=device)
     samples = len(dataset)
     result = {"test_loss": loss_sum / max(count, 1), "test_accuracy": correct / max(count, 1), "test_samples": samples}
     if count != samples:

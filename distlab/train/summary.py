@@ -67,7 +67,8 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "world_size": rt.world_size,
         "strategy": strategy.to_dict(),
         "strategy_text": str(strategy),
-        "mesh": {"dp": mesh.dp, "tp": mesh.tp, "layout": mesh.describe()},
+        "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "layout": mesh.describe()},
+        **({"pipeline": pipeline_facts(engine, cfg.timing_warmup_steps, rt.device)} if engine.pipeline is not None else {}),
         "model": cfg.model,
         "dataset": cfg.dataset,
         "data_path": trainer.train_set.source or None,
@@ -75,7 +76,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "num_classes": trainer.train_set.num_classes,
         "global_batch_size": cfg.global_batch_size,
         "local_batch_size": trainer.local_batch,
-        "micro_batch_size": trainer.local_batch // strategy.grad_accum,
+        "micro_batch_size": trainer.local_batch // strategy.micro_steps,
         "steps": run.step,
         "steps_per_epoch": trainer.steps_per_epoch,
         "epochs": round(run.step / trainer.steps_per_epoch, 4),
@@ -136,6 +137,21 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
     }
 
 
+def pipeline_facts(engine, warmup: int, device) -> dict:
+    """The pipeline's stages, schedule and measured bubble (every rank calls it: it reduces over the world)."""
+    stage, strategy = engine.pipeline, engine.strategy
+    timings = engine.pipeline_timings[min(warmup, len(engine.pipeline_timings) // 2):]
+    bubble = statistics.median(t["bubble_measured"] for t in timings) if timings else 0.0
+    peak = max((t["in_flight_peak"] for t in timings), default=0)
+    total, = reduce_scalars([bubble], device=device)
+    worst, = reduce_scalars([peak], op=dist.ReduceOp.MAX, device=device)
+    return {"stages": stage.describe(), "microbatches": strategy.microbatches, "schedule": strategy.pp_schedule,
+            "bubble_measured": total / dist.get_world_size(), "bubble_ideal": (strategy.pp - 1) / (
+                strategy.microbatches + strategy.pp - 1), "in_flight_peak": int(worst),
+            "bubble_basis": "per step, the share of a stage's step spent waiting for a neighbour's activation or "
+                            "gradient (median over steps after warm-up, mean over ranks); ideal: (P - 1) / (M + P - 1)"}
+
+
 def tensor_parallel_share(module: torch.nn.Module) -> tuple[list[str], int, int]:
     """The tensor-parallel layers of ``module`` (names), their parameters on this rank, all parameters."""
     from distlab.parallel import ColumnParallelLinear, RowParallelLinear
@@ -178,21 +194,30 @@ def header(trainer) -> list[str]:
     shape = (f" ({cfg.n_layer} blocks, {cfg.n_head} heads, width {cfg.n_embd}, context {cfg.block_size})"
              if hasattr(data, "unigram_entropy") else "")
     lines.append(f"model    {cfg.model}{shape}: {trainer.num_parameters:,} parameters"
-                 + (f", {per_rank:,} on each rank" if per_rank != trainer.num_parameters else ""))
+                 + (f", {per_rank:,} on each rank" if per_rank != trainer.num_parameters and mesh.pp == 1 else ""))
     if rt.world_size == 1:
         lines.append(f"strategy single process ({rt.threads} threads, {rt.device})"
-                     + (f", {cfg.strategy.grad_accum} micro-batches per step" if cfg.strategy.grad_accum > 1 else ""))
+                     + (f", {cfg.strategy.micro_steps} micro-batches per step" if cfg.strategy.micro_steps > 1 else ""))
     else:
         lines.append(f"strategy {cfg.strategy} on {rt.world_size} processes x {rt.threads} threads, "
                      f"{rt.backend} on {rt.device.type}")
         lines.append(f"mesh     {mesh.describe()}")
     if cfg.strategy.tp > 1:
         names, tp_params, total = tensor_parallel_share(trainer.engine.module)
+        if trainer.engine.pipeline is not None:
+            names = [trainer.engine.pipeline.model_key(n) for n in names]
         lines.append(f"tensor parallel: {len(names)} layers split ({', '.join(names) or 'none'}), "
                      f"{tp_params:,} of this rank's {total:,} parameters; the rest is replicated")
-    micro = trainer.local_batch // cfg.strategy.grad_accum
+    stage = trainer.engine.pipeline
+    if stage is not None:
+        cuts = "; ".join(f"stage {d['stage']} = layers {d['layers'][0]}-{d['layers'][1] - 1} ({d['first']} .. "
+                         f"{d['last']}), {d['parameters']:,} parameters" for d in stage.describe())
+        lines.append(f"pipeline {cfg.strategy.pp} stages, schedule {cfg.strategy.pp_schedule}, {cfg.strategy.microbatches} "
+                     f"micro-batches per step (ideal bubble {(cfg.strategy.pp - 1) / (cfg.strategy.microbatches + cfg.strategy.pp - 1):.0%}): {cuts}")
+    micro_steps = cfg.strategy.micro_steps
+    micro = trainer.local_batch // micro_steps
     lines.append(f"batch    {cfg.global_batch_size} global = {mesh.dp} data-parallel rank(s) x {trainer.local_batch}"
-                 + (f" (micro-batches of {micro} x {cfg.strategy.grad_accum})" if cfg.strategy.grad_accum > 1 else "")
+                 + (f" (micro-batches of {micro} x {micro_steps})" if micro_steps > 1 else "")
                  + f"; {trainer.total_steps} steps, {trainer.steps_per_epoch} per epoch")
     lines.append(f"state    {trainer.engine.peak_bytes / 2**20:.2f} MiB of parameters on this rank before the "
                  f"first step (gradients and optimizer state follow; the summary gives the peak)")

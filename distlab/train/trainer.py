@@ -47,8 +47,8 @@ class Trainer:
             perm = torch.randperm(len(self.train_set), generator=torch.Generator().manual_seed(cfg.seed))
             self.val_set = self.train_set.subset(perm[:n_val].sort().values, "val")
             self.train_set = self.train_set.subset(perm[n_val:].sort().values, "train")
-        # The mesh: data is split over the data-parallel ranks only (a TP group sees the same batch).
-        self.mesh = build_mesh(cfg.strategy.tp)
+        # The mesh: data is split over the data-parallel ranks only (a TP group and a pipeline see the same batch).
+        self.mesh = build_mesh(cfg.strategy.tp, pp=cfg.strategy.pp)
         self.local_batch = cfg.global_batch_size // self.mesh.dp
         self.loader = TrainLoader(self.train_set, rank=self.mesh.dp_rank, world_size=self.mesh.dp,
                                   local_batch=self.local_batch, shuffle=True, seed=cfg.seed)
