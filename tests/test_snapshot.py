@@ -204,7 +204,8 @@ def _opt_tensors(trainer):
 
 
 @pytest.mark.parametrize("world,extra", [(2, {}), (2, {"zero": 3, "optimizer": "adam", "lr": 0.01}),
-                                         (2, {"tp": 2, "dp_sync": "bucketed"})])
+                                         (2, {"tp": 2, "dp_sync": "bucketed"}),
+                                         (2, {"pp": 2, "microbatches": 4, "optimizer": "adam", "lr": 0.01})])
 def test_stop_and_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, world, extra):
     # 144 training samples / 16 = 9 steps an epoch, 27 in all: the first part stops at step 13,
     # mid-epoch, with a snapshot; the second resumes from it (--resume auto) and finishes.

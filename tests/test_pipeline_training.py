@@ -1,0 +1,129 @@
+"""Pipeline parallel in the Trainer: the data x tensor x pipeline mesh, the strategy's pipeline
+fields and refusals, runs equal to one process (verify's float32 tolerance) on 4 and 8 ranks,
+evaluation along the pipeline, the gathered model, and bad input refused before launch."""
+
+import math
+
+import pytest
+import torch
+
+from distlab import runtime
+from distlab.errors import ConfigError
+from distlab.models import build_model
+from distlab.parallel import Strategy
+from distlab.parallel.mesh import build_mesh, layout
+from distlab.spawn import run_ranks
+from distlab.train import TrainConfig, Trainer
+from distlab.train.evaluate import evaluate
+from distlab.verify import parse_strategy, verify
+
+
+def test_the_3d_mesh_puts_tensor_parallel_innermost_and_stages_outermost():
+    groups = layout(8, tp=2, pp=2)  # dp 2
+    assert groups.tp_groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups.dp_groups == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups.pp_groups == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    every = sorted(r for kind in (groups.tp_groups, groups.dp_groups, groups.pp_groups) for g in kind for r in g)
+    assert every == sorted(list(range(8)) * 3)  # each rank in exactly one group of each kind
+    assert layout(4, tp=1, pp=4).pp_groups == [[0, 1, 2, 3]]
+    with pytest.raises(ConfigError, match=r"`tp` 2 x `pp` 2 = 4 does not divide the world size 6"):
+        layout(6, tp=2, pp=2)
+
+
+def test_pipeline_fields_in_the_text_form_and_their_refusals():
+    s = Strategy.parse("bucketed+tp=2+pp=2+mb=4+gpipe")
+    assert (s.pp, s.microbatches, s.pp_schedule, s.micro_steps) == (2, 4, "gpipe", 4)
+    assert Strategy.parse(str(s)) == s
+    assert Strategy(pp=4).microbatches == 4 and Strategy().microbatches == 1  # default: one per stage
+    assert Strategy.from_dict(s.to_dict()) == s and Strategy().to_dict()["pp_schedule"] is None
+    assert s.dp_size(8) == 2
+    for text, message in [
+        ("bucketed+mb=4", "there is no pipeline"),
+        ("bucketed+pp=2+accum=2", "drop `grad_accum` 2 and set `microbatches` to 4"),
+        ("zero=2+pp=2", "use `zero` 1"),
+        ("zero=3+pp=2", "use `zero` 1"),
+        ("ddp+pp=2", "use `dp_sync` bucketed"),
+        ("bucketed+pp=2+schedule=interleaved", "unknown `pp_schedule`"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            Strategy.parse(text)
+    with pytest.raises(ConfigError, match=r"`pp` 3 does not divide the world size 4"):
+        Strategy(pp=3).check(4)
+    with pytest.raises(ConfigError, match=r"`microbatches` 3 does not divide the per-rank batch 8"):
+        Strategy(pp=2, microbatches=3).check_batch(16, 4)  # dp 2: 8 per rank
+
+
+def test_a_model_with_too_few_layers_or_a_bad_split_is_refused_by_the_config():
+    gpt = dict(model="gpt", dataset="synthetic-text", n_layer=2, n_head=4, n_embd=32, global_batch_size=16)
+    TrainConfig.from_flags(**gpt, pp=4).validate(4)  # embedding, 2 blocks, head: 4 stages fit
+    with pytest.raises(ConfigError, match="model gpt: `pp` 8: the model has 4 layers"):
+        TrainConfig.from_flags(**gpt, pp=8).validate(8)
+    with pytest.raises(ConfigError, match="model mlp: `pp` 4: the model has 3 layers with parameters"):
+        TrainConfig.from_flags(model="mlp", dataset="synthetic:1x8x8:4:64", pp=4).validate(4)
+    with pytest.raises(ConfigError, match="`n_head` 4 is not divisible by 3"):
+        TrainConfig.from_flags(**gpt, tp=3).validate(3)
+    with pytest.raises(ConfigError, match="needs `tp` of 2 or more"):
+        TrainConfig.from_flags(**gpt, sequence_parallel=True, pp=2).validate(2)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--nproc-per-node", "4", "--pp", "3"], "--pp 3 does not divide the world size 4"),
+    (["--nproc-per-node", "2", "--pp", "2", "--microbatches", "3", "--batch-size", "16"],
+     "--microbatches 3 does not divide the per-rank batch 16"),
+])
+def test_bad_pipeline_flags_are_one_line_before_launch(run_cli, args, message):
+    proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--max-steps", "1", *args, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "waiting for" not in proc.stderr + proc.stdout  # refused before any worker started
+
+
+def test_pipelines_equal_one_process_on_4_ranks():
+    """Two- and four-stage pipelines with each schedule, alone (pp 4), with data parallel (dp 2 x
+    pp 2, also with ZeRO-1) and with tensor parallel (tp 2 x pp 2, also sequence parallel) train
+    the transformer -- and a two-stage MLP -- as one process does (verify's float32 tolerance)."""
+    cases = ["bucketed+pp=2+mb=3+1f1b", "bucketed+pp=4+mb=4+gpipe+gpt", "bucketed+pp=2+mb=2+1f1b+gpt",
+             "zero=1+pp=2+mb=4+gpipe+gpt", "allreduce+tp=2+pp=2+mb=2+1f1b+gpt", "bucketed+tp=2+sp+pp=2+mb=2+1f1b+gpt"]
+    records = verify([parse_strategy(c) for c in cases], 4, steps=4, timeout=300)
+    for r in records:
+        assert r["passed"] and r["max_abs_param_diff"] <= r["tolerance"], r
+    assert [r["strategy"] for r in records] == cases
+
+
+def test_data_tensor_and_pipeline_parallel_together_on_8_ranks():
+    """dp 2 x tp 2 x pp 2 (8 processes on 2 cores: slow, but correctness does not care)."""
+    records = verify([parse_strategy("bucketed+tp=2+sp+pp=2+mb=2+1f1b+gpt")], 8, steps=3, timeout=300)
+    assert records[0]["passed"] and records[0]["max_abs_param_diff"] <= records[0]["tolerance"], records[0]
+
+
+def _pipeline_run(rank, world):
+    cfg = TrainConfig.from_flags(model="mlp", mlp_widths=(32, 16), dataset="synthetic:1x8x8:4:256", max_steps=6,
+                                 global_batch_size=32, lr=0.05, log_every=3, progress=False, verbose=False,
+                                 pp=2, microbatches=4, pp_schedule="1f1b")
+    trainer = Trainer(cfg, runtime.from_process_group())
+    summary = trainer.fit()
+    return summary, trainer.engine.full_state_dict(), trainer.engine.pipeline.in_flight_peak
+
+
+def test_a_pipeline_run_evaluates_reports_and_gathers_the_whole_model():
+    results = run_ranks(_pipeline_run, 2, timeout=120)
+    summary, state, _ = results[0]
+    assert results[1][0]["test_loss"] == summary["test_loss"]  # every rank reports the same
+    torch.manual_seed(0)
+    whole = build_model("mlp", (1, 8, 8), 4, widths=(32, 16))
+    assert list(state) == list(whole.state_dict())  # the single-process model's keys, in its order
+    whole.load_state_dict(state)
+    data = TrainConfig(model="mlp", dataset="synthetic:1x8x8:4:256").load("test")
+    alone = evaluate(whole, data, build_mesh(1))
+    assert math.isclose(alone["test_loss"], summary["test_loss"], rel_tol=1e-6)  # evaluated along the pipeline
+    assert alone["test_accuracy"] == summary["test_accuracy"]
+    pipe = summary["pipeline"]
+    # layers Flatten, Linear 2080, ReLU | Linear 528, ReLU, Linear 68: cut where half the parameters are passed
+    assert [s["layers"] for s in pipe["stages"]] == [[0, 3], [3, 6]]
+    assert [s["parameters"] for s in pipe["stages"]] == [2080, 596]
+    assert pipe["bubble_ideal"] == pytest.approx(1 / 5)
+    assert 0.0 < pipe["bubble_measured"] < 1.0
+    assert [r[2] for r in results] == [2, 1]  # 1F1B: stage s holds at most P - s micro-batches
+    assert summary["mesh"]["pp"] == 2 and "pipelines (stage 0 first) [0, 1]" in summary["mesh"]["layout"]
+    assert summary["micro_batch_size"] == 8
