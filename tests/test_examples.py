@@ -29,6 +29,7 @@ RUNS = {
     "08_fault_tolerance.py": (None, "and resumed from step-00000020 instead"),
     "09_emulated_cluster.py": (None, "predicted"),
     "10_pipeline.py": (2, "both schedules compute the unsplit step"),
+    "11_3d_transformer.py": (8, "equal to single-process training"),
     "own_training_loop.py": (4, "equal to single-process training"),
 }
 

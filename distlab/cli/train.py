@@ -16,7 +16,7 @@ from distlab.errors import ConfigError
 @field_options(TRAIN_OPTIONS)
 @launch_options
 def train(**kw):
-    """Train a model: data parallel over every rank, or data x tensor parallel with --tp."""
+    """Train a model: data parallel over every rank, with --tp and --pp a data x tensor x pipeline mesh."""
     from distlab.train import TrainConfig
 
     values = config_from_flags(kw, TRAIN_OPTIONS)
@@ -61,9 +61,9 @@ def train(**kw):
 @click.option("--nproc", type=int, default=2, show_default=True, help="Processes (gloo, CPU) for the distributed runs.")
 @click.option("--strategy", "strategies", multiple=True,
               help="A strategy in its text form, repeatable: METHOD[:COLLECTIVE] then +accum=K, +bucket=MB, +syncbn, "
-                   "+tp=N, +naive, +zero=S, +adam (e.g. bucketed:ring+accum=4, zero=3, allreduce+tp=2+naive). "
-                   "Default: every --dp-sync x --collective, accum=4 for each method, syncbn, and tp=2 both styles "
-                   "on an even world.")
+                   "+tp=N, +naive, +sp, +zero=S, +pp=P, +mb=M, +gpipe/+1f1b, +adam, +gpt (e.g. bucketed:ring+accum=4, "
+                   "zero=3, allreduce+tp=2+naive, bucketed+tp=2+pp=2+gpt). Default: every --dp-sync x --collective, "
+                   "accum=4 for each method, syncbn, and on an even world tp=2 both styles and two-stage pipelines.")
 @click.option("--steps", type=int, default=10, show_default=True, help="SGD steps per run.")
 @click.option("--global-batch-size", type=int, default=None, help="Default: 12 x --nproc.")
 @click.option("--json", "json_path", default=None, help="Write the records here.")
