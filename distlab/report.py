@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from distlab.bench.common import human_bytes
 from distlab.plots import integer_ticks, pyplot, style
 
 BENCH_KINDS = ("collectives", "dp", "syncbn", "parallel", "pipeline", "scaling", "verify", "plan", "sweep")
@@ -186,11 +187,7 @@ def _ms(seconds) -> str:
 
 
 def _size(nbytes) -> str:
-    """Bytes in the unit that reads best: 512 B, 3.1 KiB, 2.04 MiB, 1.2 GiB."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.0f} B"
+    return human_bytes(nbytes)
 
 
 def _pct(fraction) -> str:
@@ -411,6 +408,8 @@ def _pipeline_section(records: list[dict]) -> str:
             Col("time_per_step_s_median", "ms/step (median)", _ms), Col("vs_torch", "vs torch", "{:.2f}x".format),
             Col("bubble_measured", "bubble measured", "{:.2f}".format),
             Col("bubble_ideal", "bubble (P-1)/(M+P-1)", "{:.2f}".format),
+            Col("activation_peak_bytes_per_stage", "peak activations per stage",
+                lambda v: " / ".join(_size(b) for b in v)),
             Col("max_loss_diff_vs_torch", "max |loss diff| vs torch", _sci)]
     return _png(fig) + _table(records, cols)
 

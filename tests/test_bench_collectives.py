@@ -116,6 +116,10 @@ def test_bench_pipeline_runs_distlab_and_torch_pipelining_on_the_same_split(run_
             # the same model, seed, split and batches: torch's losses to float rounding
             assert r["max_loss_diff_vs_torch"] <= 1e-5 and r["bytes_sent_per_stage"][0] > 0
             assert r["microbatches_held_per_stage"] == ([2, 2] if r["schedule"] == "gpipe" else [2, 1])
+            # peak activations, measured the same way for both: distlab's stages hold no more than torch's
+            theirs = next(t for t in records if t["implementation"] == "torch" and t["schedule"] == r["schedule"])
+            assert all(0 < a <= b for a, b in zip(r["activation_peak_bytes_per_stage"],
+                                                  theirs["activation_peak_bytes_per_stage"]))
     assert "vs torch" in proc.stdout
     markdown = run_cli("bench", "markdown", "bp/pipeline.json", check=True).stdout
     assert markdown.startswith("| schedule | M |")

@@ -68,3 +68,11 @@ def train_on_ranks(rank: int, world: int, cfg) -> dict | None:
     from distlab.train import Trainer
     summary = Trainer(cfg.validate(world), runtime.from_process_group()).fit()
     return summary if rank == 0 else None
+
+
+def human_bytes(nbytes) -> str:
+    """Bytes in the unit that reads best: 512 B, 3.1 KiB, 2.04 MiB, 1.2 GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"

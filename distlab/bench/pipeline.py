@@ -10,7 +10,8 @@ Per run: median step time (the first steps excluded), the step losses (equal acr
 implementations up to float rounding: the same computation), and for distlab the measured bubble
 (time the busiest stage waits for a neighbour, over the step), the ideal ``(P - 1) / (M + P - 1)``,
 the most micro-batches a stage held at once, and the bytes each stage sends per step (torch sends
-the same activations and gradients). torch's ``Schedule1F1B`` needs ``M >= P``; smaller ``M`` runs
+the same activations and gradients); for both, each stage's peak activation memory (the storages
+autograd saved for backward, measured by :class:`~distlab.parallel.pipeline.ActivationMeter`). torch's ``Schedule1F1B`` needs ``M >= P``; smaller ``M`` runs
 distlab's alone.
 """
 
@@ -21,7 +22,7 @@ import time
 
 import torch
 
-from distlab.bench.common import at_least, choose, cores, format_table, machine, write
+from distlab.bench.common import at_least, choose, cores, format_table, human_bytes, machine, write
 from distlab.spawn import run_ranks
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -43,6 +44,7 @@ def _one(rank: int, world: int, impl: str, schedule: str, microbatches: int, ste
     from distlab import comm
     from distlab.models import GPT, task_loss
     from distlab.parallel import PipelineStage, partition
+    from distlab.parallel.pipeline import ActivationMeter
 
     torch.manual_seed(0)
     model = GPT(256, MODEL["block_size"], MODEL["n_layer"], MODEL["n_head"], MODEL["n_embd"])
@@ -59,7 +61,7 @@ def _one(rank: int, world: int, impl: str, schedule: str, microbatches: int, ste
         sched = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(tstage, microbatches, loss_fn=task_loss)
         params = sub.parameters()
     opt = torch.optim.SGD(params, lr=0.1)
-    times, losses, sent, bubbles, held = [], [], [], [], []
+    times, losses, sent, bubbles, held, activations = [], [], [], [], [], []
     for x, y in _batches(steps, batch):
         opt.zero_grad(set_to_none=True)
         dist.barrier()
@@ -69,12 +71,14 @@ def _one(rank: int, world: int, impl: str, schedule: str, microbatches: int, ste
                 loss = stage.train_step(x if first else None, y if last else None, task_loss)
             else:
                 out: list = []
-                if first:
-                    sched.step(x)
-                elif last:
-                    sched.step(target=y, losses=out)
-                else:
-                    sched.step()
+                with ActivationMeter(sub.parameters()) as meter:  # what distlab's stage measures of itself
+                    if first:
+                        sched.step(x)
+                    elif last:
+                        sched.step(target=y, losses=out)
+                    else:
+                        sched.step()
+                activations.append(meter.peak)
                 loss = torch.stack(out).mean().detach() if last else None
         opt.step()
         times.append(time.perf_counter() - t0)
@@ -84,10 +88,11 @@ def _one(rank: int, world: int, impl: str, schedule: str, microbatches: int, ste
         if impl == "distlab":
             bubbles.append(stage.last_timing["bubble_measured"])
             held.append(stage.last_timing["in_flight_peak"])
+            activations.append(stage.last_timing["activation_peak_bytes"])
     timed = times[warmup:] or times
     return {"rank": rank, "step_s": statistics.median(timed), "losses": losses,
             "bubble": statistics.median(bubbles[warmup:] or bubbles) if bubbles else None,
-            "held": max(held) if held else None, "sent": statistics.median(sent) if impl == "distlab" else None}
+            "held": max(held) if held else None, "activation_peak_bytes": max(activations), "sent": statistics.median(sent) if impl == "distlab" else None}
 
 
 def _cells(rank: int, world: int, cells: list[tuple], steps: int, batch: int, warmup: int) -> list[dict]:
@@ -118,7 +123,8 @@ def run(nproc: int, microbatches: list[int], schedules: list[str], impls: list[s
             cells.setdefault((schedule, m, impl), []).append({
                 "step_s": max(r["step_s"] for r in ranks), "losses": ranks[-1]["losses"],
                 "bubble": max((r["bubble"] for r in ranks if r["bubble"] is not None), default=None),
-                "held": [r["held"] for r in ranks], "sent": [r["sent"] for r in ranks]})
+                "held": [r["held"] for r in ranks], "activations": [r["activation_peak_bytes"] for r in ranks],
+                "sent": [r["sent"] for r in ranks]})
     records = []
     for (schedule, m, impl), rounds in cells.items():
         times = [r["step_s"] for r in rounds]
@@ -128,6 +134,7 @@ def run(nproc: int, microbatches: list[int], schedules: list[str], impls: list[s
                         "time_per_step_s_median": statistics.median(times), "time_per_step_s_runs": times,
                         "losses": first["losses"], "bubble_measured": first["bubble"],
                         "bubble_ideal": (nproc - 1) / (m + nproc - 1), "microbatches_held_per_stage": first["held"],
+                        "activation_peak_bytes_per_stage": first["activations"],
                         "bytes_sent_per_stage": first["sent"], **machine(nproc, threads)})
     by_key = {(r["schedule"], r["microbatches"], r["implementation"]): r for r in records}
     for r in records:
@@ -151,10 +158,12 @@ def table(records: list[dict], markdown: bool = False) -> str:
                      f"{r['bubble_measured']:.2f}" if r.get("bubble_measured") is not None else "-",
                      f"{r['bubble_ideal']:.2f}",
                      "/".join(map(str, r["microbatches_held_per_stage"])) if r["implementation"] == "distlab" else "-",
+                     "/".join(human_bytes(b) for b in r["activation_peak_bytes_per_stage"])
+                     if r.get("activation_peak_bytes_per_stage") else "-",
                      f"{r['losses'][-1]:.4f}",
                      f"{r['max_loss_diff_vs_torch']:.1e}" if "max_loss_diff_vs_torch" in r else "-"])
     return format_table(["schedule", "M", "implementation", "ms/step", "vs torch (range)", "bubble",
-                         "ideal (P-1)/(M+P-1)", "held per stage", "last loss", "|loss - torch's|"], rows, markdown)
+                         "ideal (P-1)/(M+P-1)", "held per stage", "activations per stage", "last loss", "|loss - torch's|"], rows, markdown)
 
 
 def plot(records: list[dict], directory) -> list:

@@ -104,6 +104,65 @@ def partition(model: nn.Module, stages: int, balance: list[int] | None = None) -
     return list(zip(cuts[:-1], cuts[1:]))
 
 
+class ActivationMeter:
+    """Bytes autograd holds for backward, live and at their peak, while the context is open.
+
+    Every tensor saved for backward passes through a pack hook; its storage is counted once
+    however many tensors view it, from the first save until the last saved reference is released
+    (after its backward, or when its graph is dropped). Parameters are excepted (``params``: they
+    are held whatever the schedule). Works for any code run in this thread, so it measures torch's
+    pipeline schedules the same way as distlab's.
+    """
+
+    def __init__(self, params=()):
+        self._params = {p.untyped_storage().data_ptr() for p in params}
+        self._refs: dict[int, list[int]] = {}  # storage pointer -> [saved references, bytes]
+        self.live = self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _Held.unpack)
+
+    def _pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._params or not key:
+            return t
+        ref = self._refs.setdefault(key, [0, storage.nbytes()])
+        if ref[0] == 0:
+            self.live += ref[1]
+            self.peak = max(self.peak, self.live)
+        ref[0] += 1
+        return _Held(t, self, key)
+
+    def _release(self, key: int) -> None:
+        ref = self._refs[key]
+        ref[0] -= 1
+        if ref[0] == 0:
+            self.live -= ref[1]
+            del self._refs[key]
+
+    def __enter__(self) -> "ActivationMeter":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+class _Held:
+    """A saved tensor with its meter: releases its count when autograd drops it."""
+
+    __slots__ = ("tensor", "meter", "key")
+
+    def __init__(self, tensor: torch.Tensor, meter: ActivationMeter, key: int):
+        self.tensor, self.meter, self.key = tensor, meter, key
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor if isinstance(held, _Held) else held
+
+    def __del__(self):
+        self.meter._release(self.key)
+
+
 class PipelineStage(nn.Module):
     """This rank's stage of ``model`` on the pipeline ``group`` (stage = group rank).
 
@@ -134,7 +193,7 @@ class PipelineStage(nn.Module):
         self._prev = Peer(group, self.stage - 1) if not self.first else None
         self._next = Peer(group, self.stage + 1) if not self.last else None
         self.last_timing: dict = {}
-        self.in_flight_peak = 0
+        self.in_flight_peak = self.activation_peak_bytes = 0
         self._waited = self._compute = 0.0
 
     def describe(self) -> list[dict]:
@@ -186,11 +245,9 @@ class PipelineStage(nn.Module):
         t0 = time.perf_counter()
         out = self(x)
         if self.last:
-            loss = loss_fn(out, y) / self.microbatches
-            self._losses.append(loss.detach())
-            self._saved.append((x, loss))
-        else:
-            self._saved.append((x, out))
+            out = loss_fn(out, y) / self.microbatches
+            self._losses.append(out.detach())
+        self._saved.append((x, out))
         self._compute += time.perf_counter() - t0
         self.in_flight_peak = max(self.in_flight_peak, len(self._saved))
 
@@ -226,15 +283,17 @@ class PipelineStage(nn.Module):
         self._waited = self._compute = 0.0
         self.in_flight_peak = 0
         t0 = time.perf_counter()
-        if self.schedule == "gpipe":
-            self._gpipe(xs, ys, loss_fn)
-        else:
-            self._one_f_one_b(xs, ys, loss_fn)
+        with ActivationMeter(self.parameters()) as meter:
+            if self.schedule == "gpipe":
+                self._gpipe(xs, ys, loss_fn)
+            else:
+                self._one_f_one_b(xs, ys, loss_fn)
+        self.activation_peak_bytes = meter.peak
         step = time.perf_counter() - t0
         self.last_timing = {"step_s": step, "wait_s": self._waited, "compute_s": self._compute,
                             "bubble_measured": self._waited / step if step else 0.0,
                             "bubble_ideal": (self.stages - 1) / (m + self.stages - 1),
-                            "in_flight_peak": self.in_flight_peak}
+                            "in_flight_peak": self.in_flight_peak, "activation_peak_bytes": self.activation_peak_bytes}
         self._keep = []
         return torch.stack(self._losses).sum() if self.last else None
 

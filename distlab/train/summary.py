@@ -143,13 +143,17 @@ def pipeline_facts(engine, warmup: int, device) -> dict:
     timings = engine.pipeline_timings[min(warmup, len(engine.pipeline_timings) // 2):]
     bubble = statistics.median(t["bubble_measured"] for t in timings) if timings else 0.0
     peak = max((t["in_flight_peak"] for t in timings), default=0)
+    held = max((t["activation_peak_bytes"] for t in timings), default=0)
     total, = reduce_scalars([bubble], device=device)
-    worst, = reduce_scalars([peak], op=dist.ReduceOp.MAX, device=device)
+    worst, held = reduce_scalars([peak, held], op=dist.ReduceOp.MAX, device=device)
     return {"stages": stage.describe(), "microbatches": strategy.microbatches, "schedule": strategy.pp_schedule,
             "bubble_measured": total / dist.get_world_size(), "bubble_ideal": (strategy.pp - 1) / (
                 strategy.microbatches + strategy.pp - 1), "in_flight_peak": int(worst),
+            "activation_peak_bytes": int(held),
             "bubble_basis": "per step, the share of a stage's step spent waiting for a neighbour's activation or "
-                            "gradient (median over steps after warm-up, mean over ranks); ideal: (P - 1) / (M + P - 1)"}
+                            "gradient (median over steps after warm-up, mean over ranks); ideal: (P - 1) / (M + P - 1); in_flight_peak and "
+                            "activation_peak_bytes (storages saved for backward, parameters excepted): the most any "
+                            "stage held at once"}
 
 
 def tensor_parallel_share(module: torch.nn.Module) -> tuple[list[str], int, int]:
