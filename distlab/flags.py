@@ -33,6 +33,10 @@ def strategy_flags(strategy: Strategy) -> list[str]:
         value = getattr(strategy, f.name)
         if isinstance(value, bool):
             out += [flag(f.name)] if value else []
+        elif value is None:
+            continue
+        elif isinstance(value, tuple):
+            out += [flag(f.name), ",".join(map(str, value))]
         else:
             out += [flag(f.name), f"{value:g}" if isinstance(value, float) else str(value)]
     return out

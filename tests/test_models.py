@@ -32,3 +32,21 @@ def test_batchnorm_variants_have_batchnorm():
 def test_unknown_model():
     with pytest.raises(ConfigError, match="unknown model 'vgg13'.*mlp"):
         build_model("vgg13", (3, 32, 32), 10)
+
+
+@pytest.mark.parametrize("name", model_names())
+def test_the_layers_a_pipeline_cuts_compute_the_model(name):
+    """Applied one after another, ``sequential_layers`` give the model's own output (so a pipeline
+    of any registered model computes that model), and hold every parameter once."""
+    from distlab.parallel.pipeline import sequential_layers
+    torch.manual_seed(0)
+    shape, classes = ((16,), 256) if name in TEXT_MODELS else ((3, 32, 32), 10)
+    model = build_model(name, shape, classes).eval()
+    x = torch.randint(0, 256, (2, 16)) if name in TEXT_MODELS else torch.randn(2, *shape)
+    layers = sequential_layers(model)
+    out = x
+    for _, layer in layers:
+        out = layer(out)
+    assert torch.equal(out, model(x))
+    held = [p for _, layer in layers for p in layer.parameters()]
+    assert len({id(p) for p in held}) == len(held) == len(list(model.parameters()))

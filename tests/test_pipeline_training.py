@@ -37,6 +37,8 @@ def test_pipeline_fields_in_the_text_form_and_their_refusals():
     assert Strategy(pp=4).microbatches == 4 and Strategy().microbatches == 1  # default: one per stage
     assert Strategy.from_dict(s.to_dict()) == s and Strategy().to_dict()["pp_schedule"] is None
     assert s.dp_size(8) == 2
+    b = Strategy.parse("bucketed+pp=2+balance=1:3")
+    assert b.pp_balance == (1, 3) and Strategy.parse(str(b)) == b and Strategy.from_dict(b.to_dict()) == b
     for text, message in [
         ("bucketed+mb=4", "there is no pipeline"),
         ("bucketed+pp=2+accum=2", "drop `grad_accum` 2 and set `microbatches` to 4"),
@@ -44,6 +46,8 @@ def test_pipeline_fields_in_the_text_form_and_their_refusals():
         ("zero=3+pp=2", "use `zero` 1"),
         ("ddp+pp=2", "use `dp_sync` bucketed"),
         ("bucketed+pp=2+schedule=interleaved", "unknown `pp_schedule`"),
+        ("bucketed+pp=2+balance=1:2:1", "must give 2 positive layer counts"),
+        ("bucketed+balance=1:3", "there is no pipeline"),
     ]:
         with pytest.raises(ConfigError, match=message):
             Strategy.parse(text)
@@ -81,10 +85,14 @@ def test_bad_pipeline_flags_are_one_line_before_launch(run_cli, args, message):
 
 def test_pipelines_equal_one_process_on_4_ranks():
     """Two- and four-stage pipelines with each schedule, alone (pp 4), with data parallel (dp 2 x
-    pp 2, also with ZeRO-1) and with tensor parallel (tp 2 x pp 2, also sequence parallel) train
-    the transformer -- and a two-stage MLP -- as one process does (verify's float32 tolerance)."""
-    cases = ["bucketed+pp=2+mb=3+1f1b", "bucketed+pp=4+mb=4+gpipe+gpt", "bucketed+pp=2+mb=2+1f1b+gpt",
-             "zero=1+pp=2+mb=4+gpipe+gpt", "allreduce+tp=2+pp=2+mb=2+1f1b+gpt", "bucketed+tp=2+sp+pp=2+mb=2+1f1b+gpt"]
+    pp 2, also with ZeRO-1 and with a given split) and with tensor parallel (tp 2 x pp 2, also
+    sequence parallel) train the transformer as one process does (verify's float32 tolerance); so
+    do a two-stage MLP and a two-stage CNN with SyncBatchNorm over the data-parallel pairs (one
+    micro-batch: BatchNorm then normalises over the whole global batch, as the single process does)."""
+    cases = ["bucketed+pp=2+mb=3+1f1b", "bucketed+pp=4+mb=4+gpipe+gpt", "bucketed+pp=2+mb=2+1f1b+balance=1:3+gpt",
+             "bucketed+pp=2+mb=2+1f1b+gpt",
+             "zero=1+pp=2+mb=4+gpipe+gpt", "allreduce+tp=2+pp=2+mb=2+1f1b+gpt", "bucketed+tp=2+sp+pp=2+mb=2+1f1b+gpt",
+             "allreduce+syncbn+pp=2+mb=1+1f1b"]
     records = verify([parse_strategy(c) for c in cases], 4, steps=4, timeout=300)
     for r in records:
         assert r["passed"] and r["max_abs_param_diff"] <= r["tolerance"], r

@@ -126,6 +126,8 @@ STRATEGY_OPTIONS = [
                           "divide the per-rank batch; default --pp).")),
     ("pp_schedule", dict(help="With --pp: gpipe (all forwards, then all backwards) or 1f1b (one forward, one "
                          "backward: at most --pp micro-batches held).")),
+    ("pp_balance", dict(default=None, help="With --pp: layers per stage, comma-separated (default: cut where the "
+                        "parameters balance; the header lists the layers).")),
 ]
 TRAIN_OPTIONS = [
     ("model", dict(help="Images: mlp, mlp-bn, small-cnn-bn, vgg11, vgg11-bn, vgg19, vgg19-bn, resnet18; text: gpt.")),
@@ -196,6 +198,8 @@ def config_from_flags(kw: dict, table) -> dict:
     values = {name: kw.pop(name) for name, _ in table}
     if "mlp_widths" in values:
         values["mlp_widths"] = csv_ints(values["mlp_widths"])
+    if values.get("pp_balance") is not None:
+        values["pp_balance"] = csv_ints(values["pp_balance"])
     if "time_budget_s" in values:
         values["time_budget_s"] = parse_duration(values["time_budget_s"])
     return values

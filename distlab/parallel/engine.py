@@ -221,7 +221,7 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
         raise ValueError(f"the mesh has tp {mesh.tp}, pp {mesh.pp} but the strategy tp {strategy.tp}, pp "
                          f"{strategy.pp}: build the mesh from the strategy (build_mesh(strategy.tp, pp=strategy.pp))")
     if strategy.pp > 1:  # cut by the unsharded model's parameters: the same layers on every rank of a TP group
-        balance = [end - start for start, end in partition(model, strategy.pp)]
+        balance = [end - start for start, end in partition(model, strategy.pp, strategy.pp_balance)]
     if strategy.tp > 1:
         model = tensor_parallel.apply_tensor_parallel(model, mesh.tp_group, strategy.tp_style,
                                                       strategy.sequence_parallel)

@@ -63,8 +63,8 @@ def sequential_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def partition(model: nn.Module, stages: int, balance: list[int] | None = None) -> list[tuple[int, int]]:
     """``[(start, end), ...]``: the layer range of each stage (indices into :func:`sequential_layers`).
 
-    ``balance`` gives the number of layers per stage. Otherwise stage ``k`` starts at the first
-    layer with parameters where the parameters before it reach ``k / stages`` of the total; layers
+    ``balance`` gives the number of layers per stage. Otherwise stage ``k`` starts at the layer
+    with parameters where the parameters before it come nearest ``k / stages`` of the total; layers
     without parameters (activations, pooling, flatten) stay with the layer before them, so every
     stage has parameters to train whenever the model has at least ``stages`` layers with some.
     """
@@ -98,8 +98,7 @@ def partition(model: nn.Module, stages: int, balance: list[int] | None = None) -
     total, starts = sum(sizes), [0]
     for k in range(1, stages):
         low, high = starts[-1] + 1, len(heavy) - (stages - k)  # leave a heavy layer for every later stage
-        crossing = next((j for j in range(low, len(heavy)) if before[j] >= k * total / stages), high)
-        starts.append(min(max(crossing, low), high))
+        starts.append(min(range(low, high + 1), key=lambda j: abs(before[j] - k * total / stages)))
     cuts = [0] + [heavy[j] for j in starts[1:]] + [n]
     return list(zip(cuts[:-1], cuts[1:]))
 

@@ -23,6 +23,7 @@ modifiers, e.g. ``bucketed:ring+accum=4+syncbn``, ``zero=3``, ``allreduce+tp=2+n
     pp=P            pp: pipeline stages (the model's layers cut into P parts on P ranks)
     mb=M            microbatches: a pipeline step's micro-batches (default P)
     gpipe, 1f1b     pp_schedule: the order of a stage's forwards and backwards (default 1f1b)
+    balance=A:B:..  pp_balance: layers per stage (default: cut where the parameters balance)
 
 Any field may also be written ``FIELD=VALUE`` (``dp_sync=ddp+collective=ring``), so plan's
 ``KEY=VALUE+KEY=VALUE`` spellings read the same. :meth:`Strategy.to_dict` is the JSON object of
@@ -44,7 +45,7 @@ DEFAULT_DP_SYNC = "bucketed"  # the fastest exact method on CPU/gloo (README, da
 ZERO_DP_SYNC = "allreduce"    # what a ZeRO strategy records: its gradients are reduced after backward
 
 _KEYS = {"accum": "grad_accum", "bucket": "bucket_mb", "style": "tp_style", "method": "dp_sync", "syncbn": "sync_bn",
-         "mb": "microbatches", "schedule": "pp_schedule"}
+         "mb": "microbatches", "schedule": "pp_schedule", "balance": "pp_balance"}
 _WORDS = {"naive": ("tp_style", "naive"), "megatron": ("tp_style", "megatron"), "syncbn": ("sync_bn", "distlab"),
           "find_unused": ("find_unused", True), "find-unused": ("find_unused", True), "sp": ("sequence_parallel", True),
           "gpipe": ("pp_schedule", "gpipe"), "1f1b": ("pp_schedule", "1f1b")}
@@ -67,6 +68,7 @@ class Strategy:
     pp: int = 1
     microbatches: int | None = None  # None: pp (1 without a pipeline)
     pp_schedule: str = "1f1b"
+    pp_balance: tuple[int, ...] | None = None  # layers per stage; None: balanced by parameters
 
     def __post_init__(self):
         if self.dp_sync is None:
@@ -77,6 +79,8 @@ class Strategy:
             object.__setattr__(self, "microbatches", self.pp if isinstance(self.pp, int) and self.pp > 1 else 1)
         if self.pp == 1:  # no pipeline: no schedule
             object.__setattr__(self, "pp_schedule", "1f1b")
+        if self.pp_balance is not None:  # JSON gives a list; the dataclass is frozen and hashable
+            object.__setattr__(self, "pp_balance", tuple(int(b) for b in self.pp_balance))
 
     # ------------------------------------------------------------------ checks
 
@@ -100,6 +104,9 @@ class Strategy:
             raise ConfigError(f"`microbatches` must be at least 1, not {self.microbatches}")
         if self.pp > 1:
             self._check_pipeline()
+        elif self.pp_balance is not None:
+            raise ConfigError(f"`pp_balance` {','.join(map(str, self.pp_balance))} gives layers per pipeline stage, and "
+                              f"there is no pipeline (`pp` 1): set `pp` or drop `pp_balance`")
         elif self.microbatches != 1:
             raise ConfigError(f"`microbatches` {self.microbatches} splits a pipeline's batch, and there is no pipeline "
                               f"(`pp` 1): set `pp`, or use `grad_accum` for gradient accumulation")
@@ -127,6 +134,9 @@ class Strategy:
 
     def _check_pipeline(self) -> None:
         """The combinations a pipeline refuses, each with its reason."""
+        if self.pp_balance is not None and (len(self.pp_balance) != self.pp or min(self.pp_balance) < 1):
+            raise ConfigError(f"`pp_balance` {','.join(map(str, self.pp_balance))} must give {self.pp} positive layer "
+                              f"counts, one per stage of `pp` {self.pp}")
         if self.grad_accum != 1:
             raise ConfigError(f"a pipeline accumulates gradients over its `microbatches` already: drop `grad_accum` "
                               f"{self.grad_accum} and set `microbatches` to {self.grad_accum * self.microbatches}")
@@ -191,6 +201,7 @@ class Strategy:
             parts.append(f"zero={self.zero}")
         if self.pp != 1:
             parts += [f"pp={self.pp}", f"mb={self.microbatches}", self.pp_schedule]
+            parts += [f"balance={':'.join(map(str, self.pp_balance))}"] if self.pp_balance else []
         return "+".join(parts)
 
     @classmethod
@@ -242,6 +253,7 @@ class Strategy:
         d = dataclasses.asdict(self)
         d["tp_style"] = self.tp_style if self.tp > 1 else None
         d["pp_schedule"] = self.pp_schedule if self.pp > 1 else None
+        d["pp_balance"] = list(self.pp_balance) if self.pp_balance else None
         return d
 
     @classmethod
@@ -262,6 +274,11 @@ def _choice(name: str, value, allowed) -> None:
 
 
 def _convert(name: str, value: str, text: str):
+    if name == "pp_balance":
+        try:
+            return tuple(int(v) for v in value.replace(",", ":").split(":"))
+        except ValueError:
+            raise ConfigError(f"strategy {text!r}: balance={value!r} is not layer counts like 2:3") from None
     kind = type(getattr(Strategy(), name))
     try:
         if kind is bool:

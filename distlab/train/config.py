@@ -156,7 +156,7 @@ class TrainConfig:
         with torch.device("meta"):
             net = build_model(self.model, shape, classes, **self.model_options())
         try:
-            partition(net, self.strategy.pp)
+            partition(net, self.strategy.pp, self.strategy.pp_balance)
         except ConfigError as exc:
             raise ConfigError(f"model {self.model}: {exc}") from None
 
