@@ -388,6 +388,7 @@ def _parallel_section(records: list[dict]) -> str:
     imgs += _bar(labels, [1000 * r["time_per_step_s_median"] for r in ok], "ms", "time per step (median)")
     cols = [Col("workload", "workload"), Col("strategy", "strategy"), Col("world_size", "ranks"),
             Col("supported", "ran"), Col("time_per_step_s_median", "ms/step (median)", _ms),
+            Col("vs_torch", "vs torch", "{:.2f}x".format),
             Col("comm_bytes_per_step", "sent per step per rank", _size),
             Col("model_state_bytes_per_rank", "model state per rank", _size),
             Col("peak_rss_mb", "peak RSS (MB)", "{:,.0f}".format), Col("final_train_loss", "loss", "{:.4f}".format)]

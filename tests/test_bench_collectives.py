@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 RECORD_FIELDS = {"algorithm", "op", "world_size", "numel", "dtype", "time_s_median", "time_s_min", "time_s_max",
                  "algbw_gbps", "busbw_gbps", "max_abs_err", "rel_err", "peak_rss_mb", "bytes_sent_per_rank",
                  "tcp_loopback_gbps", "busbw_pct_of_tcp", "threads_per_rank", "cores"}
@@ -101,6 +103,22 @@ def test_bench_parallel_smoke_runs_distlab_and_torch_side_by_side(run_cli, tmp_p
     losses = [r["final_train_loss"] for r in records.values()]
     assert max(losses) - min(losses) < 1e-4
     assert records["zero3"]["comm_bytes_per_step"] > 0 and "vs torch" in proc.stdout
+
+
+def test_bench_parallel_puts_transformer_tensor_and_sequence_parallel_beside_dtensor(run_cli, tmp_path):
+    proc = run_cli("bench", "parallel", "--workloads", "gpt", "--strategies", "tp-sp,torch-tp,torch-tp-sp",
+                   "--nproc", "2", "--steps", "3", "--batch", "8", "--text-dataset", "synthetic-text",
+                   "--out", "bp", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    records = {r["strategy"]: r for r in json.loads((tmp_path / "bp" / "parallel.json").read_text())}
+    assert set(records) == {"tp-sp", "torch-tp", "torch-tp-sp"}
+    assert all(r["supported"] and r["model"] == "gpt" for r in records.values()), records
+    # DTensor's plan computes the same model: the same losses up to float rounding
+    losses = [r["final_train_loss"] for r in records.values()]
+    assert max(losses) - min(losses) < 1e-4
+    # the same collectives of the same activations: distlab's counted bytes equal torch's textbook volume
+    assert records["tp-sp"]["comm_bytes_per_step"] == pytest.approx(records["torch-tp-sp"]["comm_bytes_per_step"],
+                                                                    rel=0.05)
 
 
 def test_bench_pipeline_runs_distlab_and_torch_pipelining_on_the_same_split(run_cli, tmp_path):

@@ -137,22 +137,28 @@ def bench_scaling(world, modes, methods, per_worker_batch, global_batch, model, 
 
 
 @bench.command("parallel")
-@click.option("--workloads", default="mlp,wide-mlp", show_default=True, help="mlp (512,256) and wide-mlp (4096,4096).")
+@click.option("--workloads", default="mlp,wide-mlp,gpt", show_default=True,
+              help="mlp (512,256) and wide-mlp (4096,4096) on --dataset; gpt (2 blocks, width 128) on --text-dataset.")
 @click.option("--strategies", default=",".join(("dp", "zero1", "zero2", "zero3", "tp-naive", "tp-megatron", "dp2xtp",
-                                                 "torch-zero1", "torch-fsdp2", "torch-tp")), show_default=True,
-              help="Short names (dp, zero1-3, tp-naive, tp-megatron: tp = --nproc, dp2xtp), any strategy text "
-                   "(e.g. bucketed:ring, allreduce+tp=2+zero=1), and torch's torch-zero1, torch-fsdp2, torch-tp.")
+                                                 "tp-sp", "torch-zero1", "torch-fsdp2", "torch-tp", "torch-tp-sp")),
+              show_default=True,
+              help="Short names (dp, zero1-3, tp-naive, tp-megatron, tp-sp: tp = --nproc, dp2xtp), any strategy "
+                   "text (e.g. bucketed:ring, allreduce+tp=2+zero=1), and torch's torch-zero1, torch-fsdp2, torch-tp, "
+                   "torch-tp-sp (DTensor). Sequence parallel (tp-sp, torch-tp-sp) runs on gpt only.")
 @click.option("--nproc", type=int, default=4, show_default=True)
 @click.option("--steps", type=int, default=20, show_default=True)
 @click.option("--batch", type=int, default=64, show_default=True, help="Global batch size.")
 @click.option("--dataset", default="fashion-mnist", show_default=True)
+@click.option("--text-dataset", default="fortunes", show_default=True, help="The gpt workload's data.")
+@click.option("--runs", type=int, default=1, show_default=True,
+              help="Interleaved rounds of every cell: medians over them, ratios with their range.")
 @click.option("--data-dir", default=None)
 @click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/parallel.json.")
-def bench_parallel(workloads, strategies, nproc, steps, batch, dataset, data_dir, out):
+def bench_parallel(workloads, strategies, nproc, steps, batch, dataset, text_dataset, runs, data_dir, out):
     """DP, ZeRO-1/2/3, tensor parallel and DP x TP beside torch's ZeRO, FSDP2 and DTensor TP."""
     from distlab.bench import parallel
     records = parallel.run(workloads.split(","), [s for s in strategies.split(",") if s], nproc, steps, batch,
-                           dataset, data_dir, out, progress=_progress)
+                           dataset, data_dir, out, progress=_progress, text_dataset=text_dataset, runs=runs)
     _finish(parallel, records, out, "parallel")
 
 
