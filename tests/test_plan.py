@@ -11,6 +11,7 @@ import pytest
 from distlab import runtime
 from distlab.errors import ConfigError
 from distlab.plan import cost
+from distlab.plan.cost import Link
 from distlab.plan.memory import Optim, generic_trace, trace, zero_peak_bytes
 from distlab.plan import Calibration, Layout, calibrate, format_sweep, predict, summaries, sweep, validate
 from distlab.parallel import Strategy
@@ -204,3 +205,46 @@ def test_bench_collectives_launched_across_ranks_records_its_link(committed, tmp
     assert [r["kind"] for r in rows] == ["collective"] * 4 and all(r["predicted_step_s"] > 0 for r in rows)
     assert calibrate([str(committed), str(tmp_path / "cc")]).collectives["ring"].points == \
         cal.collectives["ring"].points  # across-node records never enter the host fit
+
+
+def _pipeline_state(rank, world, strategies):
+    out = []
+    for text in strategies:
+        cfg = TrainConfig(model="gpt", dataset="synthetic-text:4000", n_layer=2, n_head=2, n_embd=16,
+                                     block_size=8, max_steps=2, global_batch_size=8, optimizer="adamw", lr=0.01,
+                                     strategy=Strategy.parse(text), progress=False, verbose=False,
+                                     eval_every_epoch=False, log_every=1)
+        s = Trainer(cfg.validate(world), runtime.from_process_group()).fit()
+        out.append((s["model_state_bytes_per_rank"], s["comm_bytes_per_step"]))
+    return out
+
+
+def test_pipeline_memory_is_predicted_exactly_per_stage():
+    """The plan cuts the model as the run does and sizes each stage's state: the largest equals the
+    measured peak over ranks exactly, for data parallel and ZeRO-1 over the stage's replicas; the
+    bytes a stage sends are its boundary activations both ways plus its gradients' all-reduce."""
+    strategies = ["bucketed+pp=2+mb=2", "zero=1+pp=2+mb=4+gpipe", "bucketed+pp=4+mb=2"]
+    measured = run_ranks(_pipeline_state, 4, strategies, timeout=300)[0]
+    t = trace("gpt", (8,), 256, n_layer=2, n_head=2, n_embd=16)
+    for text, (state, _) in zip(strategies, measured):
+        strategy = Strategy.parse(text)
+        lay = Layout(dp=4 // strategy.pp, strategy=strategy, optimizer="adamw", global_batch=8)
+        p = predict(t, lay, Link(), None)
+        assert p["model_state_bytes_per_rank"] == state, text
+        assert p["model_state_exact"] and p["pipeline"]["bubble_ideal"] == (strategy.pp - 1) / (
+            strategy.microbatches + strategy.pp - 1)
+    # pp 4 on 4 ranks: no data parallel; the busiest stage sends 2 micro-batches of 2 x 8 x 16 floats each way
+    lay = Layout(dp=1, strategy=Strategy.parse(strategies[2]), optimizer="adamw", global_batch=8)
+    assert predict(t, lay, Link(), None)["pipeline"]["p2p_bytes_per_step_per_rank"] == 2 * 2 * (4 * 8 * 16 * 4)
+    with pytest.raises(ConfigError, match="at most 4 stages|between 1 and 4"):
+        predict(t, Layout(dp=1, strategy=Strategy(pp=5), global_batch=10), Link(), None)
+
+
+def test_sequence_parallel_splits_the_layernorm_activations_in_the_plan():
+    t = trace("gpt", (64,), 256)
+    acts = {sp: predict(t, Layout(strategy=Strategy(tp=2, sequence_parallel=sp), global_batch=8), Link(), None)
+            ["activation_bytes_per_rank"] for sp in (False, True)}
+    whole = predict(t, Layout(dp=2, global_batch=16), Link(), None)["activation_bytes_per_rank"]  # same 8 per rank
+    replicated = sum(layer.replicated_saved_bytes for layer in t.layers) * 8
+    assert acts[True] == pytest.approx(whole / 2, abs=2)
+    assert acts[False] == pytest.approx(whole / 2 + replicated / 2, abs=2)

@@ -10,13 +10,18 @@ from distlab.cli.options import STRATEGY_OPTIONS, csv_ints, field_options
 from distlab.errors import ConfigError
 
 DEFAULT_CALIBRATION = "runs/calibration.json"
-PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "zero")  # what plan's cost model reads
+PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "sequence_parallel", "zero", "pp",
+                  "microbatches", "pp_schedule", "pp_balance")  # what plan's cost model reads
 
 
 @click.group(invoke_without_command=True)
 @click.option("--model", default="mlp", show_default=True, help="A registered model (ignored with --params).")
 @click.option("--mlp-widths", default=None, help="Hidden widths of the MLP, e.g. 1024,512.")
 @click.option("--dataset", default="fashion-mnist", show_default=True, help="Gives the input shape and classes.")
+@click.option("--n-layer", type=int, default=2, show_default=True, help="gpt: transformer blocks.")
+@click.option("--n-head", type=int, default=4, show_default=True, help="gpt: attention heads.")
+@click.option("--n-embd", type=int, default=128, show_default=True, help="gpt: width.")
+@click.option("--block-size", type=int, default=64, show_default=True, help="gpt: context in tokens.")
 @click.option("--params", "num_params", type=float, default=None,
               help="Plan for a model known only by its parameter count (e.g. 7e9) instead of --model.")
 @click.option("--activation-bytes", type=float, default=0.0, show_default=True,
@@ -46,7 +51,7 @@ PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "zer
               help="With --sweep: below this scaling efficiency a strategy has stopped scaling.")
 @click.option("--json", "json_out", default=None, help="Also write the prediction(s) as JSON here.")
 @click.pass_context
-def plan(ctx, model, mlp_widths, dataset, num_params, activation_bytes, layers, dp, optimizer, momentum,
+def plan(ctx, model, mlp_widths, dataset, n_layer, n_head, n_embd, block_size, num_params, activation_bytes, layers, dp, optimizer, momentum,
          global_batch_size, link, latency, burst, threads, calibration, sweep, strategies, device_memory,
          min_efficiency, json_out, **strategy_fields):
     """Predict time per step and memory per rank of a layout, before running it.
@@ -54,6 +59,7 @@ def plan(ctx, model, mlp_widths, dataset, num_params, activation_bytes, layers, 
     \b
     distlab plan --model resnet18 --dataset cifar10 --dp 8 --zero 2 --link 10gbit
     distlab plan --params 7e9 --activation-bytes 4e6 --link 100gbit --sweep 8,64,512,4096 --device-memory 80GiB
+    distlab plan --model gpt --dataset fortunes --dp 2 --tp 2 --pp 2 --microbatches 4 --sequence-parallel
     distlab plan calibrate runs/bench-collectives runs/bench-scaling -o runs/calibration.json
     distlab plan validate runs/bench-scaling-cluster
     """
@@ -67,12 +73,14 @@ def plan(ctx, model, mlp_widths, dataset, num_params, activation_bytes, layers, 
     if num_params is not None:
         t = memory.generic_trace(int(num_params), activation_bytes, layers)
     else:
-        shape, k = dataset_shape(dataset)
+        shape, k = dataset_shape(dataset, block_size)
         widths = csv_ints(mlp_widths) if mlp_widths else (512, 256)
-        t = memory.trace(model, shape, k, widths=widths)
+        t = memory.trace(model, shape, k, widths=widths, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
     path = calibration or (DEFAULT_CALIBRATION if _os.path.exists(DEFAULT_CALIBRATION) else None)
     cal = pp.Calibration.load(path) if path else None
     from distlab.parallel import Strategy
+    if strategy_fields.get("pp_balance") is not None:
+        strategy_fields["pp_balance"] = csv_ints(strategy_fields["pp_balance"])
     lay = pp.Layout(dp=dp, strategy=Strategy(**strategy_fields), optimizer=optimizer, momentum=momentum,
                     global_batch=global_batch_size, threads=threads).check()
     net = cost.Link.parse(link, latency, burst)

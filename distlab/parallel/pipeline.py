@@ -68,23 +68,27 @@ def partition(model: nn.Module, stages: int, balance: list[int] | None = None) -
     without parameters (activations, pooling, flatten) stay with the layer before them, so every
     stage has parameters to train whenever the model has at least ``stages`` layers with some.
     """
-    layers = [layer for _, layer in sequential_layers(model)]
-    n = len(layers)
+    return cut([sum(p.numel() for p in layer.parameters()) for _, layer in sequential_layers(model)], stages, balance)
+
+
+def cut(sizes: list[int], stages: int, balance: list[int] | None = None) -> list[tuple[int, int]]:
+    """:func:`partition` on the layers' parameter counts alone (what ``distlab plan`` cuts by)."""
+    n = len(sizes)
     if stages < 1 or stages > n:
         raise ConfigError(f"`pp` {stages}: the model has {n} layers to cut into stages; use between 1 and {n} "
                           f"stages")
-    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     if balance is not None:
         if len(balance) != stages or sum(balance) != n or min(balance) < 1:
-            raise ConfigError(f"pipeline: balance {balance} must give {stages} positive layer counts summing to {n}")
+            raise ConfigError(f"pipeline: balance {list(balance)} must give {stages} positive layer counts summing "
+                              f"to {n}")
         bounds = [0]
         for b in balance:
             bounds.append(bounds[-1] + b)
         ranges = list(zip(bounds[:-1], bounds[1:]))
         empty = [s for s, (a, b) in enumerate(ranges) if not sum(sizes[a:b])]
         if empty and sum(sizes):
-            raise ConfigError(f"pipeline: balance {balance} leaves stage {empty[0]} without parameters; give every "
-                              f"stage a layer with parameters")
+            raise ConfigError(f"pipeline: balance {list(balance)} leaves stage {empty[0]} without parameters; give "
+                              f"every stage a layer with parameters")
         return ranges
     if not sum(sizes):  # nothing to balance: layers count equally
         sizes = [1] * n

@@ -131,10 +131,12 @@ def summary_flops(summary: dict, traces: dict) -> float:
 def trace_for(summary: dict, traces: dict) -> Trace:
     shape, k = (tuple(summary["input_shape"]), summary["num_classes"]) if "input_shape" in summary else \
         dataset_shape(summary["dataset"])
-    widths = tuple(summary.get("config", {}).get("mlp_widths") or (512, 256))
-    key = (summary["model"], shape, k, widths)
+    cfg = summary.get("config", {})
+    widths = tuple(cfg.get("mlp_widths") or (512, 256))
+    sizes = {name: cfg[name] for name in ("n_layer", "n_head", "n_embd") if name in cfg}
+    key = (summary["model"], shape, k, widths, tuple(sorted(sizes.items())))
     if key not in traces:
-        traces[key] = trace(summary["model"], shape, k, widths=widths)
+        traces[key] = trace(summary["model"], shape, k, widths=widths, **sizes)
     return traces[key]
 
 

@@ -52,6 +52,20 @@ class Optim:
         return self.per_element * numel * element_size + (self.per_tensor if self.per_element else 0)
 
 
+@dataclass(frozen=True)
+class Layer:
+    """One layer of the model as a pipeline cuts it (:func:`distlab.parallel.pipeline.sequential_layers`),
+    per sample: its parameters, forward FLOPs, bytes autograd saves for backward (and of those, the
+    bytes saved in LayerNorm and embedding regions, which tensor parallel replicates unless
+    sequence parallel splits them), and the bytes of its output (what a stage boundary sends)."""
+    name: str
+    parameters: int
+    forward_flops: float
+    saved_bytes: float
+    replicated_saved_bytes: float
+    output_bytes: float
+
+
 @dataclass
 class Trace:
     """A model's parameter tensors and the order ZeRO's hooks fire in one training step."""
@@ -64,6 +78,7 @@ class Trace:
     forward_flops_per_sample: float = 0.0
     activation_bytes_per_sample: float = 0.0  # tensors autograd saves for backward (an upper bound)
     linear_shapes: list[tuple[int, int]] = field(default_factory=list)  # (in, out) of each nn.Linear, in order
+    layers: list[Layer] = field(default_factory=list)  # the pipeline's view (empty: the model cannot be cut)
 
     @property
     def num_parameters(self) -> int:
@@ -131,7 +146,57 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
     out.linear_shapes = [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)]
     for h in handles:
         h.remove()
+    out.layers = profile_layers(model, x)
     return out
+
+
+def profile_layers(model: nn.Module, x: torch.Tensor) -> list[Layer]:
+    """Each layer of ``model`` run alone on the meta device, in order, from input ``x``: what a
+    pipeline stage of it computes, saves and sends (empty if the model is not a sequence of layers)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from distlab.parallel.pipeline import sequential_layers
+    try:
+        named = sequential_layers(model)
+    except ConfigError:
+        return []
+    batch, layers, inside = x.shape[0], [], [0]
+    hooks = []
+    for m in model.modules():
+        if isinstance(m, (nn.LayerNorm, nn.Embedding)):
+            hooks.append(m.register_forward_pre_hook(lambda m, a: inside.__setitem__(0, inside[0] + 1)))
+            hooks.append(m.register_forward_hook(lambda m, a, o: inside.__setitem__(0, inside[0] - 1)))
+    for name, layer in named:
+        saved, replicated = [0], [0]
+        params = {id(p) for p in layer.parameters()}
+
+        def pack(t, saved=saved, replicated=replicated, params=params):
+            if id(t) not in params and (t._base is None or id(t._base) not in params):  # weights stay anyway
+                nbytes = t.numel() * t.element_size()
+                saved[0] += nbytes
+                replicated[0] += nbytes if inside[0] else 0
+            return t
+
+        with FlopCounterMode(display=False) as flops, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            x = layer(x)
+        layers.append(Layer(name, sum(p.numel() for p in layer.parameters()), flops.get_total_flops() / batch,
+                            saved[0] / batch, replicated[0] / batch, x.numel() * x.element_size() / batch))
+    for h in hooks:
+        h.remove()
+    return layers
+
+
+def stage_trace(t: Trace, names: list[str]) -> Trace:
+    """The part of ``t`` a pipeline stage holds: the parameters under the layers ``names``, and the
+    events of their modules (ZeRO's bookkeeping over a stage)."""
+    mine = [u for u, unit in enumerate(t.names) if any(unit.startswith(n + ".") for n in names)]
+    modules = sorted({t.module_of[u] for u in mine})
+    unit_of, module_index = {u: i for i, u in enumerate(mine)}, {m: i for i, m in enumerate(modules)}
+    events = [(kind, unit_of[k] if kind == "grad" else module_index[k]) for kind, k in t.events
+              if (kind == "grad" and k in unit_of) or (kind != "grad" and k in module_index)]
+    return Trace([t.names[u] for u in mine], [t.numels[u] for u in mine], t.element_size,
+                 [module_index[t.module_of[u]] for u in mine], events,
+                 linear_shapes=t.linear_shapes, layers=[l for l in t.layers if l.name in names])
 
 
 def data_parallel_bytes(t: Trace, optim: Optim, tp: int = 1) -> int:
@@ -268,6 +333,8 @@ def generic_trace(num_parameters: int, activation_bytes_per_sample: float, layer
         t.module_of += [i, i]
     width = max(1, math.isqrt(weight))  # each layer a square dense block, for tensor parallel's activations
     t.linear_shapes = [(width, width)] * layers
+    t.layers = [Layer(str(i), t.numels[2 * i] + bias, 2.0 * (t.numels[2 * i] + bias),
+                      activation_bytes_per_sample / layers, 0.0, width * element_size) for i in range(layers)]
     t.events = [(k, i) for i in range(layers) for k in ("fwd", "fwd_done")]
     for i in reversed(range(layers)):
         t.events += [("bwd", i), ("grad", 2 * i + 1), ("grad", 2 * i)]

@@ -15,7 +15,8 @@ from distlab.parallel import Strategy
 from distlab.parallel.zero import goes_alone
 from distlab.plan.calibration import Calibration
 from distlab.plan.cost import DDP_FIRST_BUCKET, Link, rounds, volume
-from distlab.plan.memory import Optim, Trace, data_parallel_bytes, zero_peak_bytes
+from distlab.plan.memory import Optim, Trace, data_parallel_bytes, stage_trace, zero_peak_bytes
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -37,9 +38,10 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.strategy.tp
+        return self.dp * self.strategy.tp * self.strategy.pp
 
     tp = property(lambda self: self.strategy.tp)
+    pp = property(lambda self: self.strategy.pp)
     zero = property(lambda self: self.strategy.zero)
     dp_sync = property(lambda self: self.strategy.dp_sync)
     collective = property(lambda self: self.strategy.collective)
@@ -155,46 +157,55 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     if lay.tp > 1 and len(t.linear_shapes) < 2:
         raise ConfigError(f"`tp` {lay.tp}: distlab's tensor parallel shards pairs of Linear layers (MLPs); this model "
                           f"has {len(t.linear_shapes)} Linear layer(s): plan it with `tp` 1")
-    micro = lay.global_batch // lay.dp // lay.grad_accum
+    micro = lay.global_batch // lay.dp // lay.strategy.micro_steps
     optim = Optim.of(lay.optimizer, lay.momentum)
-    if lay.tp == 1:
-        state = zero_peak_bytes(t, lay.zero, lay.dp, optim, lay.grad_accum) if lay.zero else \
-            data_parallel_bytes(t, optim)
-        exact = True
-    else:  # tensor parallel: every rank holds 1/tp of the (sharded) layers -- an estimate
-        shrunk = replace(t, numels=[math.ceil(m / lay.tp) for m in t.numels])
-        state = zero_peak_bytes(shrunk, lay.zero, lay.dp, optim, lay.grad_accum) if lay.zero else \
-            data_parallel_bytes(shrunk, optim)
-        exact = False
+    stages = _stages(t, lay, micro, optim)
+    heaviest = max(stages, key=lambda st: st["model_state_bytes"])
+    t_rank = heaviest["trace"]  # what the rank with the most model state holds
+    state, exact = heaviest["model_state_bytes"], lay.tp == 1
     e, n = t.element_size, lay.dp
-    shards = [math.ceil(m / lay.tp / n) for m in t.numels]
-    full = [math.ceil(m / lay.tp) for m in t.numels]
+    shards = [math.ceil(m / lay.tp / n) for m in t_rank.numels]
+    full = [math.ceil(m / lay.tp) for m in t_rank.numels]
     parts = {  # the textbook split (ZeRO paper, table 1): what each kind comes to between steps
         "parameter_bytes_per_rank": e * sum(shards if lay.zero == 3 else full),
         "gradient_bytes_per_rank": e * sum(shards if lay.zero >= 2 else full),
         "optimizer_bytes_per_rank": sum(optim.bytes(m, e) for m in (shards if lay.zero >= 1 else full)),
     }
-    out = {"layout": {"dp": lay.dp, "tp": lay.tp, "zero": lay.zero, "dp_sync": lay.dp_sync,
+    out = {"layout": {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero, "dp_sync": lay.dp_sync,
                       "collective": lay.collective, "global_batch_size": lay.global_batch,
-                      "grad_accum": lay.grad_accum, "optimizer": lay.optimizer, "world_size": lay.world},
+                      "grad_accum": lay.grad_accum, "microbatches": lay.strategy.microbatches,
+                      "pp_schedule": lay.strategy.pp_schedule if lay.pp > 1 else None,
+                      "sequence_parallel": lay.strategy.sequence_parallel,
+                      "optimizer": lay.optimizer, "world_size": lay.world},
            "link": {"name": link.name, "bandwidth_Bps": link.bandwidth, "latency_s": link.latency,
                     "burst_bytes": link.burst},
            "num_parameters": t.num_parameters,
            "model_state_bytes_per_rank": int(state), "model_state_exact": exact,
-           "model_state_basis": "peak of parameters + gradients + optimizer state, with ZeRO's transient buffers",
+           "model_state_basis": "peak of parameters + gradients + optimizer state, with ZeRO's transient buffers"
+                                + (" (the pipeline stage holding the most)" if lay.pp > 1 else ""),
            **parts,
-           "activation_bytes_per_rank": int(t.activation_bytes_per_sample * micro / lay.tp),
-           "activation_basis": "tensors autograd saves for backward, one micro-batch (an upper bound)"}
-    out["memory_bytes_per_rank"] = out["model_state_bytes_per_rank"] + out["activation_bytes_per_rank"]
+           "activation_bytes_per_rank": int(max(st["activation_bytes"] for st in stages)),
+           "activation_basis": _activation_basis(lay)}
+    out["memory_bytes_per_rank"] = max(st["model_state_bytes"] + st["activation_bytes"] for st in stages)
+    if lay.pp > 1:
+        out["pipeline"] = {
+            "stages": [{k: v for k, v in st.items() if k != "trace"} for st in stages],
+            "microbatches": lay.strategy.microbatches, "schedule": lay.strategy.pp_schedule,
+            "bubble_ideal": (lay.pp - 1) / (lay.strategy.microbatches + lay.pp - 1),
+            "p2p_bytes_per_step_per_rank": max(st["sent_bytes_per_step"] for st in stages)}
     if cal is None:
         return out
     comp = cal.compute_for(lay.threads)
     if lay.oversubscription > 1:
         comp = replace(comp, rate=comp.rate / lay.oversubscription, overhead=comp.overhead * lay.oversubscription)
-    flops = t.flops_per_sample * micro * lay.grad_accum / lay.tp
-    fwd = t.forward_flops_per_sample * micro * lay.grad_accum / lay.tp / comp.rate
+    share = max(st["flops_share"] for st in stages)  # the slowest stage sets the pipeline's pace
+    flops = t.flops_per_sample * share * micro * lay.strategy.micro_steps / lay.tp
+    fwd = t.forward_flops_per_sample * share * micro * lay.strategy.micro_steps / lay.tp / comp.rate
     bwd = flops / comp.rate - fwd
-    overlapped, after, after_step = _calls(t, lay)
+    if lay.pp > 1:  # fill and drain: every stage idles (P - 1) micro-batch slots of the step
+        stretch = (lay.strategy.microbatches + lay.pp - 1) / lay.strategy.microbatches
+        fwd, bwd = fwd * stretch, bwd * stretch
+    overlapped, after, after_step = _calls(t_rank, lay)
     timer = Timer(cal, link, lay.dp, same_host=lay.oversubscription > 1)
     exposed_pre = 0.0
     if lay.zero == 3:  # all-gathers before each layer's forward and backward: the layer waits
@@ -202,7 +213,13 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
             exposed_pre += timer.duration(c, 0.0)
         after = []
     tp_timer = Timer(cal, link if lay.dp == 1 else Link(), lay.tp)  # a TP group shares a node's fast links
-    tp_time = sum(tp_timer.duration(c, 0.0) for c in _tp_calls(t, lay, micro))
+    tp_time = sum(tp_timer.duration(c, 0.0) for c in _tp_calls(t, lay, micro)) * share
+    p2p_time = 0.0
+    if lay.pp > 1:  # a stage's sends and receives, one message each per micro-batch and direction
+        p2p_timer = Timer(cal, link, 2)
+        boundary = max(st["boundary_bytes_per_microbatch"] for st in stages)
+        p2p_time = 2 * lay.strategy.microbatches * p2p_timer.duration(Call("native", "all_gather", 2 * boundary), 0.0)
+    tp_time += p2p_time
     comm_total = exposed_pre + tp_time
     start_bwd = fwd + exposed_pre / 2
     end_bwd = start_bwd + bwd + exposed_pre / 2
@@ -221,7 +238,8 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
         d = timer.duration(c, cur)
         cur, timer.link_free, comm_total = cur + d, cur + d, comm_total + d
     step = cur + tp_time
-    compute = comp.time(flops)
+    compute = comp.time(flops) * ((lay.strategy.microbatches + lay.pp - 1) / lay.strategy.microbatches
+                                  if lay.pp > 1 else 1.0)
     per_rank = f"{comp.threads} thread{'s' if comp.threads != 1 else ''} per rank"
     out.update({"compute_basis": (f"calibrated at {per_rank}" if comp.scaled_from is None else
                                   f"not calibrated at {per_rank}: the rate measured at "
@@ -229,6 +247,57 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
                 "oversubscription": lay.oversubscription, "compute_s": compute, "comm_s": comm_total, "exposed_comm_s": step - compute, "step_s": step,
                 "samples_per_s": lay.global_batch / step, "threads_per_rank": comp.threads,
                 "scaling_efficiency": compute / step if step else None})
+    return out
+
+
+def _activation_basis(lay: Layout) -> str:
+    basis = "tensors autograd saves for backward, one micro-batch (an upper bound)"
+    if lay.tp > 1:
+        basis += (", split over the tensor-parallel ranks" if lay.strategy.sequence_parallel else
+                  ", split over the tensor-parallel ranks except in LayerNorm and embedding regions (replicated "
+                  "without sequence parallel)")
+    if lay.pp > 1:
+        basis += (f"; a pipeline stage holds {lay.strategy.microbatches} micro-batches (gpipe)"
+                  if lay.strategy.pp_schedule == "gpipe" else "; stage s holds min(M, P - s) micro-batches (1f1b)")
+    return basis
+
+
+def _stages(t: Trace, lay: Layout, micro: int, optim: Optim) -> list[dict]:
+    """Per pipeline stage (one stage: the whole model): its trace, model state, activations held,
+    share of the FLOPs and bytes it sends per micro-batch. Cut as the training run cuts
+    (:func:`distlab.parallel.pipeline.cut`, by parameters or ``pp_balance``)."""
+    from distlab.parallel.pipeline import cut
+    if lay.pp > 1 and not t.layers:
+        raise ConfigError("`pp`: this model is not a sequence of layers a pipeline can cut; plan it with `pp` 1")
+    layers = t.layers or []
+    ranges = cut([layer.parameters for layer in layers], lay.pp, lay.strategy.pp_balance) if lay.pp > 1 else \
+        [(0, len(layers))]
+    total_flops = sum(layer.forward_flops for layer in layers) or 1.0
+    sp, out = lay.strategy.sequence_parallel, []
+    for s, (a, b) in enumerate(ranges):
+        mine = layers[a:b]
+        sub = stage_trace(t, [layer.name for layer in mine]) if lay.pp > 1 else t
+        if lay.tp > 1:
+            sub = replace(sub, numels=[math.ceil(m / lay.tp) for m in sub.numels])
+        state = zero_peak_bytes(sub, lay.zero, lay.dp, optim, lay.grad_accum) if lay.zero else \
+            data_parallel_bytes(sub, optim)
+        if mine:
+            saved = sum(layer.saved_bytes for layer in mine)
+            replicated = 0.0 if sp else sum(layer.replicated_saved_bytes for layer in mine)
+        else:  # a model without a layer profile: the whole-model estimate
+            saved, replicated = t.activation_bytes_per_sample, 0.0
+        per_sample = (saved - replicated) / lay.tp + replicated
+        held = 1 if lay.pp == 1 else (lay.strategy.microbatches if lay.strategy.pp_schedule == "gpipe"
+                                      else min(lay.strategy.microbatches, lay.pp - s))
+        boundary = (mine[-1].output_bytes * micro / (lay.tp if sp else 1)) if mine and s < len(ranges) - 1 else 0.0
+        before = (layers[a - 1].output_bytes * micro / (lay.tp if sp else 1)) if a > 0 else 0.0
+        out.append({"stage": s, "layers": [a, b], "first": mine[0].name if mine else None,
+                    "last": mine[-1].name if mine else None, "parameters": sum(sub.numels),
+                    "model_state_bytes": int(state), "activation_bytes": int(per_sample * micro * held),
+                    "flops_share": sum(layer.forward_flops for layer in mine) / total_flops if lay.pp > 1 else 1.0,
+                    "boundary_bytes_per_microbatch": int(boundary),
+                    "sent_bytes_per_step": int((boundary + before) * lay.strategy.microbatches),
+                    "trace": sub})
     return out
 
 

@@ -15,9 +15,11 @@ def _ms(s) -> str:
 
 def format_prediction(p: dict) -> str:
     lay = p["layout"]
-    lines = [f"layout        dp {lay['dp']} x tp {lay['tp']} = {lay['world_size']} ranks, zero {lay['zero']}, "
+    mesh = f"dp {lay['dp']} x tp {lay['tp']}" + (f" x pp {lay['pp']}" if lay.get("pp", 1) > 1 else "")
+    lines = [f"layout        {mesh} = {lay['world_size']} ranks, zero {lay['zero']}, "
              f"{lay['dp_sync']}/{lay['collective']}, global batch {lay['global_batch_size']}, "
-             f"grad accum {lay['grad_accum']}, {lay['optimizer']}",
+             f"grad accum {lay['grad_accum']}, {lay['optimizer']}"
+             + (", sequence parallel" if lay.get("sequence_parallel") else ""),
              f"link          {p['link']['name']}" + (f", latency {p['link']['latency_s'] * 1e6:.3g} us"
                                                      if p['link']['latency_s'] else ""),
              f"parameters    {p['num_parameters']:,}",
@@ -26,8 +28,18 @@ def format_prediction(p: dict) -> str:
              f"model state   {_gib(p['model_state_bytes_per_rank'])} per rank "
              f"({'exact: what distlab will measure' if p['model_state_exact'] else 'estimate'}; "
              f"{p['model_state_bytes_per_rank']:,} bytes: parameters + gradients + optimizer state at their peak)",
-             f"activations   {_gib(p['activation_bytes_per_rank'])} per rank (estimate, one micro-batch)",
+             f"activations   {_gib(p['activation_bytes_per_rank'])} per rank (estimate: {p['activation_basis']})",
              f"memory        {_gib(p['memory_bytes_per_rank'])} per rank"]
+    if p.get("pipeline"):
+        pl = p["pipeline"]
+        lines.append(f"pipeline      {len(pl['stages'])} stages, {pl['schedule']}, {pl['microbatches']} micro-batches: "
+                     f"bubble (P-1)/(M+P-1) = {pl['bubble_ideal']:.2f}; sends {_gib(pl['p2p_bytes_per_step_per_rank'])} "
+                     f"per step between stages (the busiest rank)")
+        for st in pl["stages"]:
+            lines.append(f"  stage {st['stage']}     layers {st['layers'][0]}-{st['layers'][1] - 1} ({st['first']} .. "
+                         f"{st['last']}), {st['parameters']:,} parameters per rank: model state "
+                         f"{_gib(st['model_state_bytes'])}, activations {_gib(st['activation_bytes'])}, "
+                         f"{st['flops_share']:.0%} of the FLOPs")
     if "step_s" in p:
         lines += [f"compute       {_ms(p['compute_s'])} per step ({p['compute_basis']}"
                   + (f", {p['oversubscription']:.2g}x oversubscribed" if p["oversubscription"] > 1 else "") + ")",

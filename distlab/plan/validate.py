@@ -39,10 +39,10 @@ def _measured_runs(paths: list[str]) -> list[tuple[dict, Link, str]]:
 
 def layout_of(summary: dict, threads: int | None = None) -> Layout:
     st, cfg = summary.get("strategy", {}), summary.get("config", {})
-    tp = st.get("tp") or 1
+    tp, pp = st.get("tp") or 1, st.get("pp") or 1
     threads = threads or summary.get("threads_per_rank") or 1
     over = summary["world_size"] * threads / summary["cores"] if summary.get("cores") else 1.0
-    return Layout(dp=summary["world_size"] // tp, strategy=Strategy.from_dict(st), optimizer=summary.get("optimizer", "sgd"),
+    return Layout(dp=summary["world_size"] // (tp * pp), strategy=Strategy.from_dict(st), optimizer=summary.get("optimizer", "sgd"),
                   momentum=cfg.get("momentum", 0.9), global_batch=summary["global_batch_size"],
                   threads=threads, oversubscription=max(1.0, over))
 
@@ -61,7 +61,7 @@ def validate(cal: Calibration, paths: list[str], world_min: int = 2) -> list[dic
         measured = s["time_per_step_s_median"]
         mem = s.get("model_state_bytes_per_rank")
         rows.append({"kind": "training", "run": label, "model": s["model"], "world_size": s["world_size"], "link": link.name,
-                     "dp_sync": lay.dp_sync, "zero": lay.zero, "tp": lay.tp, "local_batch_size": s["local_batch_size"],
+                     "dp_sync": lay.dp_sync, "zero": lay.zero, "tp": lay.tp, "pp": lay.pp, "local_batch_size": s["local_batch_size"],
                      "measured_step_s": measured, "predicted_step_s": p["step_s"],
                      "time_rel_err": (p["step_s"] - measured) / measured,
                      "predicted_compute_s": p["compute_s"], "predicted_exposed_comm_s": p["exposed_comm_s"],
