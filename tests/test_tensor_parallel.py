@@ -40,7 +40,7 @@ def test_mesh_layout_is_tensor_parallel_major(world, tp, tp_groups, dp_groups):
 
 
 def test_a_tp_that_does_not_divide_the_world_is_refused():
-    with pytest.raises(ConfigError, match=r"`tp` 3 does not divide the world size 4 .*1, 2, 4"):
+    with pytest.raises(ConfigError, match=r"`tp` 3 does not divide the world size 4: .*1, 2, 4"):
         layout(4, 3)
 
 
