@@ -63,34 +63,41 @@ CASES = [(m, "native", 1, w) for m in METHODS for w in (2, 3)] + [
     (m, "native", 4, 3) for m in METHODS]
 
 
-@pytest.mark.parametrize("dp_sync,collective,grad_accum,world", CASES)
-def test_data_parallel_equals_single_process(tmp_path, dp_sync, collective, grad_accum, world):
-    cfg = _config(dp_sync, out=str(tmp_path), collective=collective, grad_accum=grad_accum)
-    ref_params, ref_losses = _reference(cfg)
-    per_rank = run_ranks(_train, world, cfg, timeout=120)
+def _train_each(rank, world, cfgs):
+    return [_train(rank, world, cfg) for cfg in cfgs]
 
-    for other in per_rank[1:]:  # replicas stay bitwise in sync: every rank applies the same update
-        assert all(torch.equal(a, b) for a, b in zip(per_rank[0], other))
-    assert _max_diff(per_rank[0], ref_params) <= ATOL
 
-    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in logged] == list(range(1, 11))
-    assert max(abs(r["loss"] - ref) for r, ref in zip(logged, ref_losses)) <= ATOL
+@pytest.mark.parametrize("world", [2, 3])
+def test_data_parallel_equals_single_process(tmp_path, world):
+    """Every case of CASES on ``world`` ranks, one after another in one process group (one start-up)."""
+    cases = [c for c in CASES if c[3] == world]
+    cfgs = [_config(m, out=str(tmp_path / f"run{i}"), collective=c, grad_accum=a) for i, (m, c, a, _) in enumerate(cases)]
+    per_rank = run_ranks(_train_each, world, cfgs, timeout=600)
+    for i, (case, cfg) in enumerate(zip(cases, cfgs)):
+        ref_params, ref_losses = _reference(cfg)
+        runs = [results[i] for results in per_rank]
+        for other in runs[1:]:  # replicas stay bitwise in sync: every rank applies the same update
+            assert all(torch.equal(a, b) for a, b in zip(runs[0], other)), case
+        assert _max_diff(runs[0], ref_params) <= ATOL, case
+        logged = [json.loads(line) for line in (tmp_path / f"run{i}" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in logged] == list(range(1, 11)), case
+        assert max(abs(r["loss"] - ref) for r, ref in zip(logged, ref_losses)) <= ATOL, case
 
 
 BN_CNN = {"model": "small-cnn-bn", "dataset": "synthetic:3x8x8:4:96"}
 
 
-@pytest.mark.parametrize("dp_sync,world", [("allreduce", 2), ("bucketed", 3), ("ddp", 3)])
-def test_sync_bn_data_parallel_equals_single_process_batchnorm(dp_sync, world):
+@pytest.mark.parametrize("world,methods", [(2, ["allreduce"]), (3, ["bucketed", "ddp"])])
+def test_sync_bn_data_parallel_equals_single_process_batchnorm(world, methods):
     """With --sync-bn distlab, a BN network on W ranks trains exactly like one process whose
     BatchNorm sees the whole global batch; with --sync-bn off it does not (the control)."""
-    cfg = _config(dp_sync, sync_bn="distlab", **BN_CNN)
-    ref_params, _ = _reference(cfg)
-    per_rank = run_ranks(_train, world, cfg, timeout=120)
-    assert _max_diff(per_rank[0], ref_params) <= ATOL
-    local = run_ranks(_train, world, _config(dp_sync, sync_bn="off", **BN_CNN), timeout=120)
-    assert _max_diff(local[0], ref_params) > 100 * ATOL
+    cfgs = [_config(m, sync_bn=mode, **BN_CNN) for m in methods for mode in ("distlab", "off")]
+    per_rank = run_ranks(_train_each, world, cfgs, timeout=300)  # every run one after another, one start-up
+    for i, method in enumerate(methods):
+        ref_params, _ = _reference(cfgs[2 * i])
+        synced, local = per_rank[0][2 * i], per_rank[0][2 * i + 1]
+        assert _max_diff(synced, ref_params) <= ATOL, method
+        assert _max_diff(local, ref_params) > 100 * ATOL, method
 
 
 def test_negative_control_without_gradient_sync_diverges():

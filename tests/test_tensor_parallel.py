@@ -172,16 +172,21 @@ def _train(rank, world, cfg):
     return trainer.full_parameters(), [r["loss"] for r in trainer.history], summary
 
 
-@pytest.mark.parametrize("world,tp,style", [(4, 2, "megatron"), (4, 2, "naive"), (2, 2, "megatron")])
-def test_data_x_tensor_parallel_training_equals_single_process(world, tp, style):
-    cfg = _cfg(tp, style)
-    ref_params, ref_losses = reference_run(cfg)
-    results = run_ranks(_train, world, cfg, timeout=180)
-    for params, losses, _ in results:  # every rank gathers the same full model
-        assert max((a - b).abs().max().item() for a, b in zip(params, ref_params)) <= 2e-5
-        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 2e-5
-    summary = results[0][2]
-    assert summary["strategy"]["tp"] == tp and summary["strategy"]["tp_style"] == style
+def _train_each(rank, world, cfgs):
+    return [_train(rank, world, cfg) for cfg in cfgs]
+
+
+@pytest.mark.parametrize("world,cases", [(4, [(2, "megatron"), (2, "naive")]), (2, [(2, "megatron")])])
+def test_data_x_tensor_parallel_training_equals_single_process(world, cases):
+    cfgs = [_cfg(tp, style) for tp, style in cases]
+    per_rank = run_ranks(_train_each, world, cfgs, timeout=300)  # the cases one after another, one start-up
+    for i, ((tp, style), cfg) in enumerate(zip(cases, cfgs)):
+        ref_params, ref_losses = reference_run(cfg)
+        for params, losses, _ in (results[i] for results in per_rank):  # every rank gathers the same full model
+            assert max((a - b).abs().max().item() for a, b in zip(params, ref_params)) <= 2e-5, (tp, style)
+            assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 2e-5, (tp, style)
+        summary = per_rank[0][i][2]
+        assert summary["strategy"]["tp"] == tp and summary["strategy"]["tp_style"] == style
 
 
 def test_tensor_parallel_applies_to_vgg_classifier():

@@ -46,20 +46,28 @@ def _max_diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("zero,world,extra", [
-    (1, 2, {}), (2, 3, {}), (3, 3, {}), (3, 2, {"optimizer": "adam", "lr": 0.005}),
-    (2, 2, {"grad_accum": 2}), (3, 4, {"tp": 2}), (3, 2, {"collective": "ring"}),
-])
-def test_zero_training_equals_single_process(zero, world, extra):
-    cfg = _cfg(zero, **extra)
-    ref_params, ref_losses = reference_run(cfg)
-    results = run_ranks(_train, world, cfg, timeout=180)
-    for params, losses, summary, freed in results:
-        assert _max_diff(params, ref_params) <= ATOL
-        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= ATOL
-        assert summary["strategy"]["zero"] == zero
-        if zero == 3:
-            assert freed  # between steps a rank holds only its shards
+CASES = [(1, 2, {}), (2, 3, {}), (3, 3, {}), (3, 2, {"optimizer": "adam", "lr": 0.005}),
+         (2, 2, {"grad_accum": 2}), (3, 4, {"tp": 2}), (3, 2, {"collective": "ring"})]
+
+
+def _train_all(rank, world, cfgs):
+    return [_train(rank, world, cfg) for cfg in cfgs]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_zero_training_equals_single_process(world):
+    """Every case of CASES on ``world`` ranks, in one process group (one start-up)."""
+    cases = [(zero, extra) for zero, w, extra in CASES if w == world]
+    cfgs = [_cfg(zero, **extra) for zero, extra in cases]
+    per_rank = run_ranks(_train_all, world, cfgs, timeout=300)
+    for i, ((zero, extra), cfg) in enumerate(zip(cases, cfgs)):
+        ref_params, ref_losses = reference_run(cfg)
+        for params, losses, summary, freed in (results[i] for results in per_rank):
+            assert _max_diff(params, ref_params) <= ATOL, (zero, extra)
+            assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= ATOL, (zero, extra)
+            assert summary["strategy"]["zero"] == zero
+            if zero == 3:
+                assert freed, (zero, extra)  # between steps a rank holds only its shards
 
 
 def test_zero_with_a_sum_instead_of_a_mean_diverges():
