@@ -141,3 +141,24 @@ def test_bench_pipeline_runs_distlab_and_torch_pipelining_on_the_same_split(run_
     assert "vs torch" in proc.stdout
     markdown = run_cli("bench", "markdown", "bp/pipeline.json", check=True).stdout
     assert markdown.startswith("| schedule | M |")
+
+
+def test_bench_dp_sweeps_bucket_sizes_of_the_bucketed_methods():
+    from distlab.bench import dp
+    from distlab.parallel import Strategy
+    methods = [Strategy.parse(m) for m in ("allreduce", "bucketed", "ddp")]
+    swept = dp.with_buckets(methods, [1.0, 25.0])
+    assert [str(m) for m in swept] == ["allreduce", "bucketed+bucket=1", "bucketed", "ddp+bucket=1", "ddp"]
+    assert dp.with_buckets(methods, None) == methods
+
+    def record(method, bucket, sps):
+        name, _, collective = method.partition(":")
+        return {"workload": "mlp", "world_size": 2, "dp_sync": name, "collective": collective or "native",
+                "bucket_mb": bucket, "time_per_step_s_median": 64 / sps, "samples_per_s_median": sps,
+                "comm_bytes_per_step": 0, "peak_rss_mb": 1, "final_train_loss": 1.0, "test_accuracy": None}
+    rows = dp.rows([record("bucketed", 1.0, 150), record("bucketed", 25.0, 300), record("ddp", 1.0, 100),
+                    record("ddp", 25.0, 200), record("allreduce", None, 100)])
+    # each bucket size against DDP at the same size; other methods against DDP at its default size
+    assert [(r["method"], r["vs_ddp"]) for r in rows] == [
+        ("bucketed:native 1 MB", "1.50x"), ("bucketed:native 25 MB", "1.50x"), ("ddp:native 1 MB", "1.00x"),
+        ("ddp:native 25 MB", "1.00x"), ("allreduce:native", "0.50x")]

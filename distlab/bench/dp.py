@@ -50,10 +50,24 @@ def _dataset(workload: dict, data_dir: str | None) -> tuple[str, bool]:
         return workload["fallback"], False
 
 
+def with_buckets(methods: list[Strategy], bucket_mbs: list[float] | None) -> list[Strategy]:
+    """Each bucketed or ddp method once per bucket size (in that order); other methods once."""
+    if not bucket_mbs:
+        return list(methods)
+    out = []
+    for m in methods:
+        out += [m.replace(bucket_mb=b) for b in bucket_mbs] if m.dp_sync in ("bucketed", "ddp") else [m]
+    return out
+
+
 def run(workloads=("mlp", "vgg11", "resnet18-syncbn"), nproc: int = 2, steps: int = 30, batch: int = 64,
-        methods=METHODS, runs: int = 1, data_dir: str | None = None, out=None, progress=print) -> list[dict]:
+        methods=METHODS, runs: int = 1, data_dir: str | None = None, out=None, progress=print,
+        bucket_mbs: list[float] | None = None) -> list[dict]:
+    """Every method (each bucket size of ``bucket_mbs`` for bucketed and ddp) on every workload, and
+    one process for reference."""
     workloads = choose("--workloads", workloads, WORKLOADS)
     at_least(nproc=(nproc, 2), steps=(steps, 3), runs=(runs, 1))
+    methods = with_buckets(methods, bucket_mbs)
     for m in methods:
         m.check(nproc).check_batch(batch, nproc)
     records = []
@@ -81,6 +95,7 @@ def run(workloads=("mlp", "vgg11", "resnet18-syncbn"), nproc: int = 2, steps: in
                 "dp_sync": strategy.dp_sync if world > 1 else None,
                 "collective": strategy.collective if world > 1 else None,
                 "strategy_text": str(strategy) if world > 1 else None,
+                "bucket_mb": strategy.bucket_mb if world > 1 and strategy.dp_sync in ("bucketed", "ddp") else None,
                 "sync_bn": s["strategy"]["sync_bn"], "global_batch_size": batch, "steps": steps, "runs": runs,
                 "time_per_step_s_median": med, "time_per_step_s_per_run": [x["time_per_step_s_median"] for x in summaries],
                 "samples_per_s_median": batch / med, "peak_rss_mb": max(x["peak_rss_mb"] for x in summaries),
@@ -94,16 +109,21 @@ def run(workloads=("mlp", "vgg11", "resnet18-syncbn"), nproc: int = 2, steps: in
 
 def rows(records: list[dict]) -> list[dict]:
     """Display cells per record: method label, ratio to DDP's samples/s, MB per step, accuracy."""
-    ddp = {r["workload"]: r["samples_per_s_median"] for r in records if r["dp_sync"] == "ddp"
-           and r["collective"] == "native"}
+    sizes = {r.get("bucket_mb") for r in records if r.get("bucket_mb") is not None}
+    swept = len(sizes) > 1  # several bucket sizes: label them, and compare with DDP at the same size
+    ddp = {(r["workload"], r.get("bucket_mb") if swept else None): r["samples_per_s_median"] for r in records
+           if r["dp_sync"] == "ddp" and r["collective"] == "native"}
     out = []
     for r in records:
+        bucket = r.get("bucket_mb") if swept else None
+        key = (r["workload"], bucket if bucket is not None else (min(sizes, key=lambda b: abs(b - 25)) if swept else None))
+        label = "1 process" if r["world_size"] == 1 else f"{r['dp_sync']}:{r['collective']}"
         out.append({
             "workload": r["workload"], "procs": r["world_size"],
-            "method": "1 process" if r["world_size"] == 1 else f"{r['dp_sync']}:{r['collective']}",
+            "method": label + (f" {bucket:g} MB" if bucket is not None else ""),
             "ms": f"{1000 * r['time_per_step_s_median']:.1f}", "sps": f"{r['samples_per_s_median']:.0f}",
-            "vs_ddp": (f"{r['samples_per_s_median'] / ddp[r['workload']]:.2f}x"
-                       if r["workload"] in ddp and r["world_size"] > 1 else "-"),
+            "vs_ddp": (f"{r['samples_per_s_median'] / ddp[key]:.2f}x"
+                       if key in ddp and r["world_size"] > 1 else "-"),
             "mb": "?" if r["comm_bytes_per_step"] is None else f"{r['comm_bytes_per_step'] / 2**20:.1f}",
             "rss": f"{r['peak_rss_mb']:.0f}", "loss": f"{r['final_train_loss']:.3f}",
             "acc": "-" if r["test_accuracy"] is None else f"{100 * r['test_accuracy']:.1f}%",
@@ -136,7 +156,7 @@ def plot(records: list[dict], directory) -> list:
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.bar(range(len(cells)), values, color=["#888" if c["procs"] == 1 else "#4477aa" for c in cells])
         ax.set_xticks(range(len(cells)), [c["method"] for c in cells], rotation=30, ha="right")
-        ddp = [float(c["sps"]) for c in cells if c["method"] == "ddp:native"]
+        ddp = [float(c["sps"]) for c in cells if c["method"] in ("ddp:native", "ddp:native 25 MB")]
         if ddp:
             ax.axhline(ddp[0], color="#cc3311", linestyle="--", label="torch DDP")
             ax.legend()

@@ -91,15 +91,25 @@ def bench_syncbn(workers, features, batches, warmup, repeats, device, out, plot_
 @click.option("--methods", default="gather-scatter,allreduce,allreduce:ring,bucketed,bucketed:ring,ddp",
               show_default=True, help="Strategies (text form, e.g. bucketed:ring+accum=2), comma-separated.")
 @click.option("--runs", type=int, default=1, show_default=True, help="Repeat each configuration; median of medians.")
+@click.option("--bucket-mb", "bucket_mbs", default=None,
+              help="Bucket sizes in MB to sweep for the bucketed and ddp methods, e.g. 1,5,25,100.")
 @click.option("--data-dir", default=None)
 @click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/dp.json.")
 @click.option("--plot", "plot_dir", default=None, help="Also write samples/s bar charts here.")
-def bench_dp(workloads, nproc, steps, batch, methods, runs, data_dir, out, plot_dir):
+def bench_dp(workloads, nproc, steps, batch, methods, runs, bucket_mbs, data_dir, out, plot_dir):
     """Every --dp-sync method vs DDP on real training: samples/s, bytes/step, memory, accuracy."""
     from distlab.bench import dp
     from distlab.parallel import Strategy
+    sizes = None
+    if bucket_mbs:
+        try:
+            sizes = [float(b) for b in bucket_mbs.split(",") if b.strip()]
+        except ValueError:
+            raise ConfigError(f"--bucket-mb takes sizes in MB separated by commas, e.g. 1,5,25,100; not {bucket_mbs!r}") from None
+        if not sizes or min(sizes) <= 0:
+            raise ConfigError(f"--bucket-mb sizes must be positive, not {bucket_mbs!r}")
     records = dp.run(workloads.split(","), nproc, steps, batch, Strategy.parse_list(methods), runs, data_dir, out,
-                     progress=_progress)
+                     progress=_progress, bucket_mbs=sizes)
     _finish(dp, records, out, "dp", plot_dir)
 
 
