@@ -23,6 +23,7 @@ import time
 import torch
 
 from distlab.bench.common import at_least, choose, cores, format_table, human_bytes, machine, write
+from distlab.parallel.pipeline import ideal_bubble
 from distlab.spawn import run_ranks
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -133,7 +134,7 @@ def run(nproc: int, microbatches: list[int], schedules: list[str], impls: list[s
                         "model": "gpt", **MODEL, "batch": batch, "steps": steps,
                         "time_per_step_s_median": statistics.median(times), "time_per_step_s_runs": times,
                         "losses": first["losses"], "bubble_measured": first["bubble"],
-                        "bubble_ideal": (nproc - 1) / (m + nproc - 1), "microbatches_held_per_stage": first["held"],
+                        "bubble_ideal": ideal_bubble(nproc, m), "microbatches_held_per_stage": first["held"],
                         "activation_peak_bytes_per_stage": first["activations"],
                         "bytes_sent_per_stage": first["sent"], **machine(nproc, threads)})
     by_key = {(r["schedule"], r["microbatches"], r["implementation"]): r for r in records}

@@ -3,8 +3,8 @@
 The model is a sequence of layers: an ``nn.Sequential`` (the GPT: embedding, blocks, head), or a
 model that lists its layers in order with ``pipeline_layers()`` (the MLP; VGG's features, pool and
 classifier; ResNet's stem, blocks and head) -- :func:`sequential_layers`. :func:`partition` cuts
-it into ``P`` contiguous stages balanced by parameter count (or at the layer counts given). Stage ``s`` runs on rank ``s`` of the pipeline
-group: it receives its input activation from stage ``s - 1`` (the first stage reads the batch),
+it into ``P`` contiguous stages balanced by parameter count (or at the layer counts given).
+Stage ``s`` runs on rank ``s`` of the pipeline group: it receives its input activation from stage ``s - 1`` (the first stage reads the batch),
 runs its layers, and sends the output to stage ``s + 1``; the last stage computes the loss. In the
 backward pass gradients travel the other way. A step splits the batch into ``M`` micro-batches,
 each loss divided by ``M``, so the accumulated gradients are those of the whole batch: the step
@@ -46,6 +46,12 @@ SCHEDULES = ("gpipe", "1f1b")
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 _HEADER = 10  # int64s: dtype code, ndim, up to 8 sizes
 ACT, GRAD = 0, 1  # message tags
+
+
+def ideal_bubble(stages: int, microbatches: int) -> float:
+    """The share of a step each stage idles while the pipeline fills and drains, with equal stages:
+    ``(P - 1) / (M + P - 1)``."""
+    return (stages - 1) / (microbatches + stages - 1)
 
 
 def sequential_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -295,7 +301,7 @@ class PipelineStage(nn.Module):
         step = time.perf_counter() - t0
         self.last_timing = {"step_s": step, "wait_s": self._waited, "compute_s": self._compute,
                             "bubble_measured": self._waited / step if step else 0.0,
-                            "bubble_ideal": (self.stages - 1) / (m + self.stages - 1),
+                            "bubble_ideal": ideal_bubble(self.stages, m),
                             "in_flight_peak": self.in_flight_peak, "activation_peak_bytes": self.activation_peak_bytes}
         self._keep = []
         return torch.stack(self._losses).sum() if self.last else None

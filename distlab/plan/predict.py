@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from distlab.errors import ConfigError
 from distlab.parallel import Strategy
+from distlab.parallel.pipeline import ideal_bubble
 from distlab.parallel.zero import goes_alone
 from distlab.plan.calibration import Calibration
 from distlab.plan.cost import DDP_FIRST_BUCKET, Link, rounds, volume
@@ -191,7 +192,7 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
         out["pipeline"] = {
             "stages": [{k: v for k, v in st.items() if k != "trace"} for st in stages],
             "microbatches": lay.strategy.microbatches, "schedule": lay.strategy.pp_schedule,
-            "bubble_ideal": (lay.pp - 1) / (lay.strategy.microbatches + lay.pp - 1),
+            "bubble_ideal": ideal_bubble(lay.pp, lay.strategy.microbatches),
             "p2p_bytes_per_step_per_rank": max(st["sent_bytes_per_step"] for st in stages)}
     if cal is None:
         return out
@@ -202,9 +203,9 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     flops = t.flops_per_sample * share * micro * lay.strategy.micro_steps / lay.tp
     fwd = t.forward_flops_per_sample * share * micro * lay.strategy.micro_steps / lay.tp / comp.rate
     bwd = flops / comp.rate - fwd
-    if lay.pp > 1:  # fill and drain: every stage idles (P - 1) micro-batch slots of the step
-        stretch = (lay.strategy.microbatches + lay.pp - 1) / lay.strategy.microbatches
-        fwd, bwd = fwd * stretch, bwd * stretch
+    # fill and drain: every stage idles P - 1 micro-batch slots of the step, M / (M + P - 1) busy
+    stretch = 1.0 / (1.0 - ideal_bubble(lay.pp, lay.strategy.microbatches))
+    fwd, bwd = fwd * stretch, bwd * stretch
     overlapped, after, after_step = _calls(t_rank, lay)
     timer = Timer(cal, link, lay.dp, same_host=lay.oversubscription > 1)
     exposed_pre = 0.0
@@ -238,8 +239,7 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
         d = timer.duration(c, cur)
         cur, timer.link_free, comm_total = cur + d, cur + d, comm_total + d
     step = cur + tp_time
-    compute = comp.time(flops) * ((lay.strategy.microbatches + lay.pp - 1) / lay.strategy.microbatches
-                                  if lay.pp > 1 else 1.0)
+    compute = comp.time(flops) * stretch
     per_rank = f"{comp.threads} thread{'s' if comp.threads != 1 else ''} per rank"
     out.update({"compute_basis": (f"calibrated at {per_rank}" if comp.scaled_from is None else
                                   f"not calibrated at {per_rank}: the rate measured at "

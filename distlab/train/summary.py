@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.models import count_parameters
+from distlab.parallel.pipeline import ideal_bubble
 from distlab.runtime import cores, reduce_scalars
 from distlab.train.metrics import median_excluding_warmup, peak_rss_mb
 
@@ -68,7 +69,8 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "strategy": strategy.to_dict(),
         "strategy_text": str(strategy),
         "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "layout": mesh.describe()},
-        **({"pipeline": pipeline_facts(engine, cfg.timing_warmup_steps, rt.device)} if engine.pipeline is not None else {}),
+        **({"pipeline": pipeline_facts(engine, cfg.timing_warmup_steps, rt.device)}
+           if engine.pipeline is not None else {}),
         "model": cfg.model,
         "dataset": cfg.dataset,
         "data_path": trainer.train_set.source or None,
@@ -147,11 +149,12 @@ def pipeline_facts(engine, warmup: int, device) -> dict:
     total, = reduce_scalars([bubble], device=device)
     worst, held = reduce_scalars([peak, held], op=dist.ReduceOp.MAX, device=device)
     return {"stages": stage.describe(), "microbatches": strategy.microbatches, "schedule": strategy.pp_schedule,
-            "bubble_measured": total / dist.get_world_size(), "bubble_ideal": (strategy.pp - 1) / (
-                strategy.microbatches + strategy.pp - 1), "in_flight_peak": int(worst),
+            "bubble_measured": total / dist.get_world_size(), "bubble_ideal": ideal_bubble(strategy.pp, strategy.microbatches),
+            "in_flight_peak": int(worst),
             "activation_peak_bytes": int(held),
             "bubble_basis": "per step, the share of a stage's step spent waiting for a neighbour's activation or "
-                            "gradient (median over steps after warm-up, mean over ranks); ideal: (P - 1) / (M + P - 1); in_flight_peak and "
+                            "gradient (median over steps after warm-up, mean over ranks); ideal: (P - 1) / (M + P - 1); "
+                            "in_flight_peak and "
                             "activation_peak_bytes (storages saved for backward, parameters excepted): the most any "
                             "stage held at once"}
 
@@ -216,8 +219,9 @@ def header(trainer) -> list[str]:
     if stage is not None:
         cuts = "; ".join(f"stage {d['stage']} = layers {d['layers'][0]}-{d['layers'][1] - 1} ({d['first']} .. "
                          f"{d['last']}), {d['parameters']:,} parameters" for d in stage.describe())
-        lines.append(f"pipeline {cfg.strategy.pp} stages, schedule {cfg.strategy.pp_schedule}, {cfg.strategy.microbatches} "
-                     f"micro-batches per step (ideal bubble {(cfg.strategy.pp - 1) / (cfg.strategy.microbatches + cfg.strategy.pp - 1):.0%}): {cuts}")
+        st = cfg.strategy
+        lines.append(f"pipeline {st.pp} stages, schedule {st.pp_schedule}, {st.microbatches} micro-batches per step "
+                     f"(ideal bubble {ideal_bubble(st.pp, st.microbatches):.0%}): {cuts}")
     micro_steps = cfg.strategy.micro_steps
     micro = trainer.local_batch // micro_steps
     lines.append(f"batch    {cfg.global_batch_size} global = {mesh.dp} data-parallel rank(s) x {trainer.local_batch}"
