@@ -32,7 +32,11 @@ def test_text_form_spellings_and_aliases():
     # summary.json from before the Strategy class (no find_unused key) still reads
     old = {"dp_sync": "allreduce", "collective": "native", "bucket_mb": 25.0, "zero": 1, "tp": 1, "tp_style": None,
            "sync_bn": "off", "grad_accum": 1}
-    assert str(Strategy.from_dict(old)) == "zero=1"
+    # it ran ZeRO on the backend's own collectives, which is no longer ZeRO's default: kept
+    assert str(Strategy.from_dict(old)) == "allreduce:native+zero=1"
+    assert Strategy.parse("allreduce:native+zero=1") == Strategy.from_dict(old)
+    assert Strategy.parse("zero=1").collective == "auto" and Strategy().collective == "native"
+    assert Strategy().replace(zero=1) == Strategy(zero=1)  # defaults follow the layout
 
 
 @pytest.mark.parametrize("text,message", [

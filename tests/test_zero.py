@@ -14,6 +14,7 @@ from torch import nn
 from distlab import comm, runtime
 from distlab.errors import ConfigError
 from distlab.parallel import Zero
+from distlab.plan.memory import Optim, trace, zero_peak_bytes
 from distlab.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig
 from distlab.verify import reference_run
@@ -46,8 +47,12 @@ def _max_diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
+# bucket_mb 0.002 (2 KB): the 64x32 weight alone, the rest in buckets of several units, so
+# stages 1-2 launch several reduce-scatters during backward (and stage 2 waits for the oldest).
 CASES = [(1, 2, {}), (2, 3, {}), (3, 3, {}), (3, 2, {"optimizer": "adam", "lr": 0.005}),
-         (2, 2, {"grad_accum": 2}), (3, 4, {"tp": 2}), (3, 2, {"collective": "ring"})]
+         (2, 2, {"grad_accum": 2}), (3, 4, {"tp": 2}), (3, 2, {"collective": "ring"}),
+         (1, 3, {"bucket_mb": 0.002}), (2, 3, {"bucket_mb": 0.002, "grad_accum": 2}),
+         (2, 2, {"bucket_mb": 0.002, "collective": "ring"})]
 
 
 def _train_all(rank, world, cfgs):
@@ -100,9 +105,11 @@ def test_bytes_per_step_match_the_analytic_volumes():
 
 def test_model_state_memory_shrinks_with_each_stage():
     """Peak bytes of parameters + gradients + optimizer state per rank (Adam: 16 bytes/parameter
-    unsharded). ZeRO-3 on 4 ranks: within (unsharded / 4) x 1.1 plus the largest layer's
-    parameters and its gradient, which exist together while that layer's backward runs."""
-    cfg = dict(mlp_widths=(256, 256), optimizer="adam", lr=0.005, max_steps=2, global_batch_size=16)
+    unsharded). Buckets of 0.1 MB (three here), so ZeRO-2 frees the first bucket's gradients
+    before the last is sent, which ZeRO-1 holds to the end of backward. ZeRO-3 on 4 ranks: within
+    (unsharded / 4) x 1.1 plus the largest layer's parameters and its gradient, which exist
+    together while that layer's backward runs."""
+    cfg = dict(mlp_widths=(256, 256), optimizer="adam", lr=0.005, max_steps=2, global_batch_size=16, bucket_mb=0.1)
     summaries = run_ranks(_train_each, 4, [_cfg(z, **cfg) for z in (0, 1, 2, 3)], timeout=180)[0]
     held = {z: s["model_state_bytes_per_rank"] for z, s in zip((0, 1, 2, 3), summaries)}
     params = 64 * 256 + 256 + 256 * 256 + 256 + 256 * 4 + 4
@@ -110,6 +117,9 @@ def test_model_state_memory_shrinks_with_each_stage():
     assert held[0] >= 16 * params  # params + grads + Adam's two moments
     assert held[0] > held[1] > held[2] > held[3]
     assert held[3] <= held[0] / 4 * 1.1 + 2 * largest
+    t = trace("mlp", (1, 8, 8), 4, widths=(256, 256))  # the plan follows the buckets byte for byte
+    for z in (1, 2):
+        assert zero_peak_bytes(t, z, 4, Optim.of("adam"), bucket_mb=0.1) == held[z], z
 
 
 def _state_round_trip(rank, world):

@@ -48,7 +48,10 @@ ALIASES = {"dp": "allreduce", "zero1": "zero=1", "zero2": "zero=2", "zero3": "ze
            "tp-sp": "allreduce+tp=N+sp"}
 TORCH = ("torch-zero1", "torch-fsdp2", "torch-tp", "torch-tp-sp")
 STRATEGIES = tuple(ALIASES) + TORCH
-COUNTERPART = {"torch-zero1": "zero1", "torch-fsdp2": "zero3", "torch-tp": "tp-megatron", "torch-tp-sp": "tp-sp"}
+# distlab's strategy -> torch's counterpart it is compared with (ZeRO-2 too: torch has no ZeRO-2
+# of its own for a plain model but ZeroRedundancyOptimizer + DDP moves the same bytes)
+COUNTERPART = {"zero1": "torch-zero1", "zero2": "torch-zero1", "zero3": "torch-fsdp2", "tp-megatron": "torch-tp",
+               "tp-sp": "torch-tp-sp"}
 TEXT_ONLY = ("tp-sp", "torch-tp-sp")  # sequence parallel splits a transformer's sequence
 
 
@@ -251,7 +254,7 @@ def run(workloads=("mlp", "wide-mlp", "gpt"), strategies=STRATEGIES, nproc: int 
         if r["supported"]:
             r["time_per_step_s_median"] = statistics.median(r["time_per_step_s_runs"])
     for r in records:
-        theirs = next((t for t, d in COUNTERPART.items() if d == r["strategy"]), None)
+        theirs = COUNTERPART.get(r["strategy"])
         other = cells.get((r["workload"], theirs)) if theirs else None
         if r["supported"] and other and other["supported"]:
             ratios = [a / b for a, b in zip(r["time_per_step_s_runs"], other["time_per_step_s_runs"])]
@@ -269,7 +272,7 @@ def table(records: list[dict], markdown: bool = False) -> str:
         if not r.get("supported"):
             rows.append([r["workload"], r["strategy"], "not supported: " + str(r.get("error", ""))[:60], *["-"] * 5])
             continue
-        theirs = next((t for t, d in COUNTERPART.items() if d == r["strategy"]), None)
+        theirs = COUNTERPART.get(r["strategy"])
         other = by.get((r["workload"], theirs)) if theirs else None
         ratio = (f"{r['time_per_step_s_median'] / other['time_per_step_s_median']:.2f}x" if other and other.get("supported")
                  else "-")

@@ -13,6 +13,7 @@ flat contiguous buffer with the same meaning of ``op``, without the checks and a
 ``butterfly``      recursive halving + doubling, ``2 log2 n`` steps, any ``n`` (fold/unfold)
 ``direct``         all-to-all reduce-scatter + all-gather, 2 rounds of ``n-1`` messages
 ``gather_scatter`` everything through rank 0 (the parameter server)
+``auto``           per collective and backend, the one measured fastest (:func:`resolve`)
 =================  ==========================================================================
 
 Any number of elements (0, 1, not divisible by the group size), any dtype that torch can add on
@@ -41,9 +42,24 @@ ALIASES = {"gather-scatter": "gather_scatter", "torch": "native", "recursive-hal
 
 def check_algorithm(name: str) -> str:
     name = ALIASES.get(name, name)
-    if name not in ALGORITHMS:
-        raise ConfigError(f"unknown collective algorithm {name!r}; choose one of: {', '.join(ALGORITHMS)}")
+    if name not in ALGORITHMS and name != "auto":
+        raise ConfigError(f"unknown collective algorithm {name!r}; choose one of: {', '.join(ALGORITHMS)}, auto")
     return name
+
+
+def resolve(algorithm: str, collective: str, group: dist.ProcessGroup | None = None) -> str:
+    """The algorithm that runs ``collective`` (``all_reduce``, ``reduce_scatter``, ``all_gather``,
+    ``broadcast``) for ``algorithm``: itself, or for ``auto`` the one measured fastest on the
+    group's backend -- NCCL's own on NCCL; on gloo its own all-reduce and broadcast, but distlab's
+    ring for reduce-scatter and all-gather, which take gloo 1.5-3x as long at every size from
+    4 KB to 64 MB (``distlab bench collectives``; docs/01)."""
+    algorithm = check_algorithm(algorithm)
+    if algorithm != "auto":
+        return algorithm
+    if (collective in ("reduce_scatter", "all_gather") and dist.is_initialized()
+            and dist.get_backend(group) == "gloo"):
+        return "ring"
+    return "native"
 
 
 def _group_info(group) -> tuple[int, int]:
@@ -58,7 +74,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 def all_reduce(tensor: torch.Tensor, op: str | dist.ReduceOp = "sum", algorithm: str = "native",
                group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Reduce ``tensor`` over the group, in place, and return it."""
-    algorithm, op = check_algorithm(algorithm), check_op(op, tensor.dtype)
+    algorithm, op = resolve(algorithm, "all_reduce", group), check_op(op, tensor.dtype)
     rank, n = _group_info(group)
     accounting.record_call(f"all_reduce/{algorithm}")
     if n == 1:
@@ -89,9 +105,11 @@ _native_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str | dist.ReduceOp = "sum", algorithm: str = "native",
-                   group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """``output`` (k elements) on group rank ``r`` = reduction of ``input[r*k:(r+1)*k]`` (n*k elements)."""
-    algorithm, op = check_algorithm(algorithm), check_op(op, input.dtype)
+                   group: dist.ProcessGroup | None = None, scratch: bool = False) -> torch.Tensor:
+    """``output`` (k elements) on group rank ``r`` = reduction of ``input[r*k:(r+1)*k]`` (n*k elements).
+    ``scratch=True`` lets distlab's algorithms reduce inside ``input`` (its contents are then
+    undefined) instead of a copy of it: a copy of a large buffer can cost as much as the reduction."""
+    algorithm, op = resolve(algorithm, "reduce_scatter", group), check_op(op, input.dtype)
     rank, n = _group_info(group)
     _check_sizes(output, input, n, "reduce_scatter")
     if input.numel() != n * output.numel():
@@ -108,7 +126,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str | dist.Red
         finish(op, out, n)
     else:
         p2p.prepare(group)
-        ALGORITHMS[algorithm].reduce_scatter(out, inp, op, group, rank, n)  # divides for avg itself
+        ALGORITHMS[algorithm].reduce_scatter(out, inp, op, group, rank, n, scratch)  # divides for avg itself
     if out.data_ptr() != output.data_ptr() or not output.is_contiguous():
         output.copy_(out.view_as(output))
     return output
@@ -117,7 +135,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str | dist.Red
 def all_gather(output: torch.Tensor, input: torch.Tensor, algorithm: str = "native",
                group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``output[r*k:(r+1)*k]`` = group rank ``r``'s ``input`` (k elements each)."""
-    algorithm = check_algorithm(algorithm)
+    algorithm = resolve(algorithm, "all_gather", group)
     rank, n = _group_info(group)
     _check_sizes(output, input, n, "all_gather")
     if output.numel() != n * input.numel():
@@ -142,7 +160,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, algorithm: str = "nati
 def broadcast(tensor: torch.Tensor, src: int = 0, algorithm: str = "native",
               group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Copy group rank ``src``'s ``tensor`` to every rank, in place."""
-    algorithm = check_algorithm(algorithm)
+    algorithm = resolve(algorithm, "broadcast", group)
     rank, n = _group_info(group)
     if not 0 <= src < n:
         raise ConfigError(f"broadcast: src {src} is outside the group's ranks 0..{n - 1}")
@@ -163,4 +181,4 @@ def broadcast(tensor: torch.Tensor, src: int = 0, algorithm: str = "native",
 
 
 __all__ = ["ALGORITHMS", "OPS", "CommStats", "all_gather", "all_reduce", "broadcast", "check_algorithm",
-           "counting", "reduce_scatter"]
+           "counting", "reduce_scatter", "resolve"]

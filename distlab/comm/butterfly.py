@@ -110,10 +110,11 @@ def _all_reduce(buf: torch.Tensor, op: str, group, rank: int, n: int) -> None:
         wait_all([isend(buf, rank - 1, group)] if v >= 0 else [irecv(buf, rank + 1, group)])
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: str, group, rank: int, n: int) -> None:
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: str, group, rank: int, n: int,
+                   scratch: bool = False) -> None:
     """Power of two: recursive halving alone (rank r ends with chunk r). Otherwise the fold breaks
     that mapping, so it is a full butterfly all-reduce and a slice (more bytes; documented)."""
-    work = inp.clone()
+    work = inp if scratch else inp.clone()
     p, rem = _layout(n)
     if rem == 0:
         _butterfly(work, op, group, rank, p, 0, double=False)

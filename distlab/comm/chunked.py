@@ -20,8 +20,10 @@ def build(reduce_scatter_chunks: Callable, all_gather_chunks: Callable):
         all_gather_chunks(chunks, group, rank, n)
         finish(op, buf, n)
 
-    def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: str, group, rank: int, n: int) -> None:
-        chunks = list(inp.clone().chunk(n)) if inp.numel() else [inp] * n
+    def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: str, group, rank: int, n: int,
+                       scratch: bool = False) -> None:
+        work = inp if scratch else inp.clone()  # the chunks are reduced in place
+        chunks = list(work.chunk(n)) if work.numel() else [work] * n
         reduce_scatter_chunks(chunks, op, group, rank, n)
         out.copy_(chunks[rank])
         finish(op, out, n)

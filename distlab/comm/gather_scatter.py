@@ -28,10 +28,11 @@ def all_reduce(buf: torch.Tensor, op: str, group, rank: int, n: int) -> None:
     finish(op, buf, n)
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: str, group, rank: int, n: int) -> None:
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, op: str, group, rank: int, n: int,
+                   scratch: bool = False) -> None:
     """Rank 0 gathers and reduces everything, then sends each rank only its chunk."""
     if rank == ROOT:
-        acc = inp.clone()
+        acc = inp if scratch else inp.clone()
         incoming = {j: torch.empty_like(inp) for j in range(n) if j != ROOT}
         wait_all([irecv(incoming[j], j, group) for j in incoming])
         for j in sorted(incoming):

@@ -67,6 +67,8 @@ class GradSync:
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         collective = comm.ALIASES.get(collective, collective)
+        if collective == "auto":  # an all-reduce: the backend's own is the fastest (comm.resolve)
+            collective = "native"
         if collective not in self.collectives:
             raise ConfigError(f"`dp_sync` {self.name} cannot use `collective` {collective!r}; it works with: "
                               f"{', '.join(self.collectives)}")

@@ -230,7 +230,8 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
         model = PipelineStage(model, mesh.pp_group, strategy.microbatches, strategy.pp_schedule, balance)
     model = apply_sync_bn(model, strategy.sync_bn, mesh.dp_group)
     if strategy.zero:
-        wrapper = Zero(model, strategy.zero, group=mesh.dp_group, collective=strategy.collective)
+        wrapper = Zero(model, strategy.zero, group=mesh.dp_group, collective=strategy.collective,
+                       bucket_mb=strategy.bucket_mb)
     else:
         wrapper = DataParallel(model, strategy.dp_sync, group=mesh.dp_group, bucket_mb=strategy.bucket_mb,
                                collective=strategy.collective, find_unused=strategy.find_unused)

@@ -11,7 +11,8 @@ modifiers, e.g. ``bucketed:ring+accum=4+syncbn``, ``zero=3``, ``allreduce+tp=2+n
 
     METHOD          dp_sync: gather-scatter, allreduce, bucketed, ddp (default bucketed; with
                     ZeRO, ZeRO's own reduce-scatter, written without a method)
-    :COLLECTIVE     collective: native, ring, butterfly, direct
+    :COLLECTIVE     collective: native, ring, butterfly, direct, auto (default native; with
+                    zero, auto: distlab's ring for reduce-scatter and all-gather on gloo)
     accum=K         grad_accum: micro-batches per optimizer step
     bucket=MB       bucket_mb: bucket size of bucketed and ddp
     syncbn[=KIND]   sync_bn: distlab (the default of the bare word) or torch
@@ -56,7 +57,7 @@ class Strategy:
     """How a model is spread over ranks. ``dp_sync=None`` means the default for the layout."""
 
     dp_sync: str | None = None
-    collective: str = "native"
+    collective: str | None = None  # None: the default for the layout (default_collective)
     bucket_mb: float = 25.0
     grad_accum: int = 1
     sync_bn: str = "off"
@@ -73,6 +74,8 @@ class Strategy:
     def __post_init__(self):
         if self.dp_sync is None:
             object.__setattr__(self, "dp_sync", ZERO_DP_SYNC if self.zero else DEFAULT_DP_SYNC)
+        if self.collective is None:
+            object.__setattr__(self, "collective", self.default_collective)
         if self.tp == 1:  # no tensor parallel: the style means nothing, keep equal strategies equal
             object.__setattr__(self, "tp_style", "megatron")
         if self.microbatches is None:
@@ -87,7 +90,7 @@ class Strategy:
     def check(self, world_size: int | None = None) -> "Strategy":
         """Every field, every combination, and (with ``world_size``) the mesh: raise ConfigError naming them."""
         _choice("dp_sync", self.dp_sync, tuple(SYNC_METHODS))
-        _choice("collective", self.collective, COLLECTIVES)
+        _choice("collective", self.collective, COLLECTIVES + ("auto",))
         _choice("sync_bn", self.sync_bn, SYNC_BN)
         _choice("tp_style", self.tp_style, TP_STYLES)
         _choice("zero", self.zero, ZERO_STAGES)
@@ -113,7 +116,7 @@ class Strategy:
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("`sequence_parallel` splits the sequence over the tensor-parallel group: it needs `tp` "
                               "of 2 or more")
-        if self.dp_sync == "gather-scatter" and self.collective != "native":
+        if self.dp_sync == "gather-scatter" and self.collective not in ("native", "auto"):
             raise ConfigError(f"`dp_sync` gather-scatter is its own communication pattern (through rank 0) and "
                               f"cannot use `collective` {self.collective}: drop `collective` or pick another `dp_sync`")
         if self.zero and self.dp_sync != ZERO_DP_SYNC:
@@ -182,10 +185,17 @@ class Strategy:
 
     # ------------------------------------------------------------------ text and JSON
 
+    @property
+    def default_collective(self) -> str:
+        """ZeRO's reduce-scatters and all-gathers: ``auto`` (gloo's own take 1.5-3x as long as
+        distlab's ring); an all-reduce: ``native``."""
+        return "auto" if self.zero else "native"
+
     def __str__(self) -> str:
         parts = []
-        if not self.zero or self.collective != "native" or self.dp_sync != ZERO_DP_SYNC:
-            parts.append(self.dp_sync + (f":{self.collective}" if self.collective != "native" else ""))
+        default = self.collective == self.default_collective
+        if not self.zero or not default or self.dp_sync != ZERO_DP_SYNC:
+            parts.append(self.dp_sync + ("" if default else f":{self.collective}"))
         if self.grad_accum != 1:
             parts.append(f"accum={self.grad_accum}")
         if self.bucket_mb != Strategy.bucket_mb:
@@ -262,6 +272,12 @@ class Strategy:
         return cls(**{k: v for k, v in d.items() if k in _FIELDS and v is not None})
 
     def replace(self, **changes) -> "Strategy":
+        """A copy with ``changes``; a ``dp_sync`` or ``collective`` left at its default for this
+        layout becomes the default of the new one (``Strategy().replace(zero=1)`` is ``zero=1``)."""
+        before = Strategy(zero=self.zero)
+        for name in ("dp_sync", "collective"):
+            if name not in changes and getattr(self, name) == getattr(before, name):
+                changes[name] = None
         return dataclasses.replace(self, **changes)
 
 

@@ -3,15 +3,25 @@
 Plain data parallel keeps a full copy of parameters, gradients and optimizer state on each of
 the ``N`` ranks. ZeRO shards them:
 
-* **stage 1** -- optimizer state: after backward, gradients are reduce-scattered, each rank's
-  optimizer updates only its ``1/N`` shard, and the updated shards are all-gathered back into the
-  full parameters. Bytes sent per step: reduce-scatter + all-gather = exactly an all-reduce.
-* **stage 2** -- plus gradients: each unit's gradients are reduce-scattered *during* backward, as
-  soon as they are all ready, and the full gradients freed: a rank holds ``1/N`` of them.
+* **stage 1** -- optimizer state: gradients are reduce-scattered, each rank's optimizer updates
+  only its ``1/N`` shard, and the updated shards are all-gathered back into the full parameters.
+  Bytes sent per step: reduce-scatter + all-gather = exactly an all-reduce.
+* **stage 2** -- plus gradients: the full gradients are freed as soon as their bucket is handed
+  to the reduce-scatter, and at most two buckets are in flight: a rank holds ``1/N`` of the
+  gradients plus two buckets.
 * **stage 3** -- plus parameters: a rank keeps only its shard; a unit's full parameters are
   all-gathered just before its forward and freed after it, all-gathered again just before its
   backward (a pre-hook on the node that produced its output) and freed once its gradients are
   reduce-scattered. Bytes per step: two all-gathers + one reduce-scatter = 1.5x an all-reduce.
+
+**Buckets (stages 1-2).** As the bucketed data parallel does for its all-reduce, parameters are
+grouped in reverse registration order (about the order backward produces their gradients) into
+buckets of at most ``bucket_mb``; a post-accumulate-grad hook counts each gradient in, and when a
+bucket's last one arrives its gradients are copied rank-major into one flat buffer (row ``r`` =
+rank ``r``'s slice of every parameter in the bucket) and one reduce-scatter starts
+*asynchronously* -- ``async_op`` for the native collective, a communication thread for distlab's
+algorithms -- while backward computes earlier layers. Buckets launch in index order on every
+rank. After the optimizer step, one all-gather per bucket puts the updated shards back.
 
 **Units and the flat partition.** Each parameter is a unit: flattened, zero-padded to a multiple
 of ``N``, and rank ``r`` owns elements ``[r*S, (r+1)*S)`` with ``S = ceil(numel / N)``. The
@@ -33,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -41,6 +52,8 @@ import torch.distributed as dist
 from torch import nn
 
 from distlab import comm
+from distlab.comm import p2p
+from distlab.comm.ops import NATIVE
 from distlab.errors import ConfigError
 from distlab.parallel.state_bytes import optimizer_tensors, storage_bytes
 from distlab.runtime import broadcast_module, group_rank, group_size
@@ -111,6 +124,34 @@ class _Unit:
         return flat
 
 
+class _Bucket:
+    """Units whose gradients travel in one reduce-scatter (stages 1-2)."""
+
+    def __init__(self, units: list[_Unit]):
+        self.units = units
+        self.shard_numel = sum(u.shard_numel for u in units)
+        self.ready = 0  # gradients arrived this backward
+        self.flat: torch.Tensor | None = None  # rank-major gradients, while the reduce-scatter runs
+        self.out: torch.Tensor | None = None  # this rank's averaged slice of every unit
+        self.work = None  # a torch Work (native), a Future (distlab algorithm on the comm thread) or None
+
+
+def _buckets(units: list[_Unit], cap_bytes: int) -> list[_Bucket]:
+    """``units`` in reverse order, cut into buckets of at most ``cap_bytes`` (a larger unit alone) and one dtype."""
+    out: list[_Bucket] = []
+    current: list[_Unit] = []
+    size = 0
+    for u in reversed(units):
+        if current and (size + u.full_bytes > cap_bytes or u.full.dtype != current[0].full.dtype):
+            out.append(_Bucket(current))
+            current, size = [], 0
+        current.append(u)
+        size += u.full_bytes
+    if current:
+        out.append(_Bucket(current))
+    return out
+
+
 class Zero(nn.Module):
     """ZeRO stage 1, 2 or 3 around ``module`` over ``group`` (default: the world).
 
@@ -120,13 +161,17 @@ class Zero(nn.Module):
     """
 
     def __init__(self, module: nn.Module, stage: int, group: dist.ProcessGroup | None = None,
-                 collective: str = "native"):
+                 collective: str = "auto", bucket_mb: float = 25.0):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ConfigError(f"`zero` {stage}: choose a ZeRO stage of 1, 2 or 3 (0 is plain data parallel)")
+        if not bucket_mb > 0:
+            raise ConfigError(f"`bucket_mb` must be positive, not {bucket_mb}")
         self._module = module
         self.stage, self.group, self.collective = stage, group, comm.check_algorithm(collective)
         n, rank = group_size(group), group_rank(group)
+        self._rs = comm.resolve(collective, "reduce_scatter", group)  # what `auto` means here
+        self._ag = comm.resolve(collective, "all_gather", group)
         broadcast_module(module, src=0, group=group)  # start from rank 0's weights, like data parallel
         self.units = [_Unit(f"{name}.{pname}" if name else pname, m, p, n, rank)
                       for name, m in module.named_modules() for pname, p in m.named_parameters(recurse=False)]
@@ -141,7 +186,19 @@ class Zero(nn.Module):
         self.peak_bytes = 0
         self._handles = []
         self._ready: dict[nn.Module, int] = {}  # per module: parameters whose gradient arrived this backward
-        if stage >= 2:
+        self.buckets: list[_Bucket] = []
+        self._next_launch = 0
+        self._executor: ThreadPoolExecutor | None = None
+        if stage < 3:
+            self.buckets = _buckets(self.units, int(bucket_mb * 2**20))
+            for b, bucket in enumerate(self.buckets):
+                for unit in bucket.units:
+                    self._handles.append(unit.param.register_post_accumulate_grad_hook(
+                        lambda p, b=b: self._on_bucket_grad(b)))
+            if n > 1 and self._rs != "native":
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distlab-zero",
+                                                    initializer=p2p.use_tag_space, initargs=(1,))
+        if stage == 3:
             for unit in self.units:
                 self._handles.append(unit.param.register_post_accumulate_grad_hook(
                     lambda p, unit=unit: self._on_grad_ready(unit)))
@@ -192,7 +249,7 @@ class Zero(nn.Module):
         for u in self.units:
             full = torch.empty(u.padded, dtype=u.full.dtype, device=u.full.device)
             grad = u.shard.grad if u.shard.grad is not None else torch.zeros_like(u.shard)
-            comm.all_gather(full, grad, algorithm=self.collective, group=self.group)
+            comm.all_gather(full, grad, algorithm=self._ag, group=self.group)
             out[u.name] = full[:u.numel].view_as(u.param).clone()
         return out
 
@@ -232,7 +289,74 @@ class Zero(nn.Module):
             self._gather(units)
             self._observe()
 
-    # ------------------------------------------------------------------ gradients
+    # ------------------------------------------------------------------ gradients, stages 1-2: buckets
+
+    def _on_bucket_grad(self, b: int) -> None:
+        if not self._syncing:
+            return
+        bucket = self.buckets[b]
+        if b < self._next_launch:
+            raise ConfigError("a second backward reached a bucket already being reduced: run every backward but a "
+                              "step's last under `no_sync()` (gradient accumulation), then sync_gradients()")
+        bucket.ready += 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while (self._next_launch < len(self.buckets)
+               and self.buckets[self._next_launch].ready >= len(self.buckets[self._next_launch].units)):
+            self._launch(self._next_launch)
+            self._next_launch += 1
+
+    @torch.no_grad()
+    def _launch(self, b: int) -> None:
+        """Copy bucket ``b``'s gradients rank-major into one buffer (freeing each full gradient once
+        copied) and start its reduce-scatter; stage 2 first completes the bucket two back."""
+        if self.stage == 2 and b >= 2:
+            self._finish(b - 2)  # at most two buckets' gradients in flight
+        bucket = self.buckets[b]
+        units, n = bucket.units, bucket.units[0].n
+        if len(units) == 1:
+            bucket.flat = units[0].flat_grad()
+        else:
+            bucket.flat = torch.empty(n * bucket.shard_numel, dtype=units[0].full.dtype, device=units[0].full.device)
+            rows, col = bucket.flat.view(n, bucket.shard_numel), 0
+            for u in units:  # row r = rank r's slice of every unit, so one reduce-scatter serves them all
+                rows[:, col:col + u.shard_numel].copy_(u.flat_grad().view(n, u.shard_numel))
+                col += u.shard_numel
+                u.param.grad = None
+        units[0].param.grad = None  # a lone unit's buffer may be its gradient: the bucket holds it now
+        bucket.out = torch.empty(bucket.shard_numel, dtype=bucket.flat.dtype, device=bucket.flat.device)
+        self._observe()
+        if n == 1:
+            bucket.out.copy_(bucket.flat)
+        elif self._rs == "native":
+            comm.accounting.record_call("reduce_scatter/native")
+            nbytes = bucket.flat.numel() * bucket.flat.element_size()
+            comm.accounting.record_analytic((n - 1) * nbytes // n, (n - 1) * nbytes // n)
+            bucket.work = comm._native_reduce_scatter(bucket.out, bucket.flat, op=NATIVE["sum"], group=self.group,
+                                                      async_op=True)
+        else:
+            bucket.work = self._executor.submit(comm.reduce_scatter, bucket.out, bucket.flat, "avg", self._rs,
+                                                self.group, True)  # the bucket is scratch once sent
+
+    def _finish(self, b: int) -> None:
+        """Wait for bucket ``b``'s reduce-scatter; its units' shard gradients become views of the result."""
+        bucket = self.buckets[b]
+        if bucket.out is None:
+            return
+        if isinstance(bucket.work, Future):
+            bucket.work.result()
+        elif bucket.work is not None:
+            bucket.work.wait()
+            bucket.out.div_(bucket.units[0].n)
+        offset = 0
+        for u in bucket.units:
+            u.shard.grad = bucket.out[offset:offset + u.shard_numel]
+            offset += u.shard_numel
+            u.reduced = True
+        bucket.flat = bucket.out = bucket.work = None
+
+    # ------------------------------------------------------------------ gradients, stage 3: per module
 
     def _on_grad_ready(self, unit: _Unit) -> None:
         """Once every parameter of a module has its gradient: reduce-scatter them (one collective)."""
@@ -261,21 +385,35 @@ class Zero(nn.Module):
         return alone + list(by_dtype.values())
 
     def _gather(self, units: list[_Unit]) -> None:
-        """All-gather the shards of ``units`` into their full parameters."""
+        """All-gather the shards of ``units`` into their full parameters (native: every collective
+        started before the first is waited for, so their latencies overlap)."""
         for u in units:
             u.materialize()
+        pending = []
         for group in self._groups(units):
             n = group[0].n
             if len(group) == 1:
-                comm.all_gather(group[0].full, group[0].shard.detach(), algorithm=self.collective, group=self.group)
-                continue
-            mine = torch.cat([u.shard.detach() for u in group])
-            out = torch.empty((n, mine.numel()), dtype=mine.dtype, device=mine.device)
-            comm.all_gather(out, mine, algorithm=self.collective, group=self.group)
-            offset = 0
-            for u in group:  # row r holds rank r's shards of every unit, one after another
-                u.full.view(n, u.shard_numel).copy_(out[:, offset:offset + u.shard_numel])
-                offset += u.shard_numel
+                out, mine = group[0].full, group[0].shard.detach()
+            else:
+                mine = torch.cat([u.shard.detach() for u in group])
+                out = torch.empty((n, mine.numel()), dtype=mine.dtype, device=mine.device)
+            if self._ag == "native" and n > 1:
+                comm.accounting.record_call("all_gather/native")
+                nbytes = out.numel() * out.element_size()
+                comm.accounting.record_analytic((n - 1) * nbytes // n, (n - 1) * nbytes // n)
+                work = comm._native_all_gather(out.view(-1), mine, group=self.group, async_op=True)
+            else:
+                comm.all_gather(out, mine, algorithm=self._ag, group=self.group)
+                work = None
+            pending.append((group, out, work))
+        for group, out, work in pending:
+            if work is not None:
+                work.wait()
+            if len(group) > 1:
+                offset = 0
+                for u in group:  # row r holds rank r's shards of every unit, one after another
+                    u.full.view(u.n, u.shard_numel).copy_(out[:, offset:offset + u.shard_numel])
+                    offset += u.shard_numel
 
     def _reduce(self, units: list[_Unit]) -> None:
         """Reduce-scatter (average) the gradients of ``units`` into their shards' gradients and drop
@@ -288,7 +426,7 @@ class Zero(nn.Module):
                 [f.view(n, u.shard_numel) for u, f in zip(group, flats)], dim=1).view(-1)
             self._observe(*flats, flat)
             out = torch.empty(flat.numel() // n, dtype=flat.dtype, device=flat.device)
-            comm.reduce_scatter(out, flat, op="avg", algorithm=self.collective, group=self.group)
+            comm.reduce_scatter(out, flat, op="avg", algorithm=self._rs, group=self.group, scratch=True)
             offset = 0
             for u in group:
                 u.shard.grad = out[offset:offset + u.shard_numel]
@@ -307,6 +445,17 @@ class Zero(nn.Module):
 
     def sync_gradients(self) -> None:
         """After the step's last backward: every unit's averaged gradient shard is in place."""
+        if self.buckets:
+            for bucket in self.buckets[self._next_launch:]:  # buckets with parameters that got no gradient
+                bucket.ready = len(bucket.units)
+            try:
+                self._launch_ready()
+                for b in range(len(self.buckets)):
+                    self._finish(b)
+            finally:
+                for bucket in self.buckets:
+                    bucket.ready, bucket.flat, bucket.out, bucket.work = 0, None, None, None
+                self._next_launch = 0
         pending = [u for u in self.units if not u.reduced]  # stage 1: all; 2-3: those whose backward never ran
         if pending:
             self._reduce(pending)
@@ -379,6 +528,7 @@ class Zero(nn.Module):
     def held_bytes(self, *extra: torch.Tensor) -> int:
         """Bytes of parameters + gradients + optimizer state this rank holds right now."""
         tensors = [t for u in self.units for t in (u.full, u.shard, u.shard.grad, u.param.grad)]
+        tensors += [t for b in self.buckets for t in (b.flat, b.out)]
         return storage_bytes(tensors + list(extra) + optimizer_tensors(self._optimizer))
 
     def _observe(self, *extra: torch.Tensor) -> None:

@@ -211,7 +211,7 @@ def data_parallel_bytes(t: Trace, optim: Optim, tp: int = 1) -> int:
 class _Zero:
     """ZeRO's bookkeeping (distlab.parallel.zero.Zero) over sizes instead of tensors."""
 
-    def __init__(self, t: Trace, stage: int, world: int, optim: Optim):
+    def __init__(self, t: Trace, stage: int, world: int, optim: Optim, bucket_mb: float = 25.0):
         self.t, self.stage, self.n = t, stage, world
         e = t.element_size
         self.shard = [math.ceil(n / world) for n in t.numels]
@@ -227,6 +227,21 @@ class _Zero:
         self.outs: list[int] = []  # reduce-scatter outputs held as shard gradients (bytes)
         self.ready: dict[int, int] = {}
         self.peak = 0
+        # stages 1-2: buckets of units in reverse order, as distlab.parallel.zero._buckets cuts them
+        self.buckets: list[list[int]] = []
+        cap, size = int(bucket_mb * 2**20), 0
+        for u in reversed(range(len(t.numels))):
+            if self.buckets and self.buckets[-1] and size + self.padded[u] * e > cap:
+                self.buckets.append([])
+                size = 0
+            if not self.buckets:
+                self.buckets.append([])
+            self.buckets[-1].append(u)
+            size += self.padded[u] * e
+        self.bucket_of = {u: b for b, units in enumerate(self.buckets) for u in units}
+        self.flats: dict[int, int] = {}  # buckets in flight: bytes of their rank-major gradient buffer
+        self.next_launch = 0
+        self.bucket_ready = [0] * len(self.buckets)
 
     def held(self, extra: int = 0) -> int:
         e = self.e
@@ -256,9 +271,30 @@ class _Zero:
                 self.reduced[u] = True
                 self.has_grad[u] = False
 
+    def held_buckets(self) -> int:
+        return sum(self.flats.values())
+
+    def launch_ready(self) -> None:
+        """Zero._launch_ready: buckets whose gradients are all in, in index order."""
+        while (self.next_launch < len(self.buckets)
+               and self.bucket_ready[self.next_launch] >= len(self.buckets[self.next_launch])):
+            b = self.next_launch
+            if self.stage == 2 and b >= 2:
+                self.flats.pop(b - 2, None)  # the bucket two back completes first
+            units = self.buckets[b]
+            self.flats[b] = sum(self.padded[u] for u in units) * self.e
+            for u in units:
+                self.has_grad[u] = False
+            self.outs.append(sum(self.shard[u] for u in units) * self.e)
+            self.observe(self.held_buckets())
+            self.next_launch += 1
+
     def step(self, micro_batches: int) -> None:
         """One optimizer step in steady state (optimizer state exists)."""
         self.outs = []  # zero_grad(set_to_none=True)
+        if self.stage < 3:
+            self.bucket_step(micro_batches)
+            return
         for i in range(micro_batches):
             syncing = i == micro_batches - 1
             for kind, k in self.t.events:
@@ -299,16 +335,35 @@ class _Zero:
         if self.stage < 3:
             self.gathered = [True] * len(self.gathered)
 
+    def bucket_step(self, micro_batches: int) -> None:
+        """Stages 1-2: gradients reduce-scattered in buckets as backward fills them."""
+        for i in range(micro_batches):
+            syncing = i == micro_batches - 1
+            for kind, k in self.t.events:
+                if kind == "grad":
+                    self.has_grad[k] = True
+                    if syncing:
+                        self.bucket_ready[self.bucket_of[k]] += 1
+                        self.launch_ready()
+        self.bucket_ready = [len(units) for units in self.buckets]  # sync_gradients: the rest count as zero
+        self.launch_ready()
+        self.flats.clear()
+        self.next_launch = 0
+        self.bucket_ready = [0] * len(self.buckets)
+        self.observe()  # after_step
 
-def zero_peak_bytes(t: Trace, stage: int, world: int, optim: Optim, grad_accum: int = 1) -> int:
-    """The peak of parameters + gradients + optimizer state one rank holds under ZeRO ``stage``."""
+
+def zero_peak_bytes(t: Trace, stage: int, world: int, optim: Optim, grad_accum: int = 1,
+                    bucket_mb: float = 25.0) -> int:
+    """The peak of parameters + gradients + optimizer state one rank holds under ZeRO ``stage``
+    (stages 1-2 reduce in buckets of ``bucket_mb``)."""
     if stage == 0:
         return data_parallel_bytes(t, optim)
     if stage not in (1, 2, 3):
         raise ConfigError(f"ZeRO stage {stage}: choose 0, 1, 2 or 3")
     if world < 1:
         raise ConfigError(f"world size {world}: must be at least 1")
-    sim = _Zero(t, stage, world, optim)
+    sim = _Zero(t, stage, world, optim, bucket_mb)
     sim.step(grad_accum)
     sim.step(grad_accum)  # the second step starts from the first one's leftovers: steady state
     return sim.peak

@@ -72,6 +72,28 @@ def _buckets(sizes: list[int], cap: int, first_cap: int | None = None) -> list[t
     return out
 
 
+def _zero_buckets(sizes: list[int], cap: int) -> list[tuple[int, int]]:
+    """ZeRO's buckets (distlab.parallel.zero._buckets: a bucket closes *before* the unit that would
+    overflow it) as (bytes, bytes of gradients ready when it is launched)."""
+    out, cur, done = [], 0, 0
+    for s in sizes:
+        if cur and cur + s > cap:
+            out.append((cur, done))
+            cur = 0
+        cur += s
+        done += s
+    if cur:
+        out.append((cur, done))
+    return out
+
+
+def _resolved(alg: str, collective: str) -> str:
+    """``auto`` as distlab.comm.resolve picks it on gloo (the backend the plan is calibrated on)."""
+    if alg != "auto":
+        return alg
+    return "ring" if collective in ("reduce_scatter", "all_gather") else "native"
+
+
 def _calls(t: Trace, lay: Layout) -> tuple[list[Call], list[Call], list[Call]]:
     """(overlappable during backward, after backward, after the optimizer step) collectives of the
     data-parallel group, and for ZeRO-3 the exposed all-gathers are returned in 'after backward'
@@ -96,17 +118,18 @@ def _calls(t: Trace, lay: Layout) -> tuple[list[Call], list[Call], list[Call]]:
 
         per_module = [sum(padded[u] for u in g) for m in modules.values() for g in groups(m)]
         everything = [sum(padded[u] for u in g) for g in groups(list(range(len(sizes))))]
-        if lay.zero == 1:
-            return [], [Call(alg, "reduce_scatter", b) for b in everything], \
-                [Call(alg, "all_gather", b) for b in everything]
+        rs, ag = _resolved(alg, "reduce_scatter"), _resolved(alg, "all_gather")
+        if lay.zero < 3:  # bucketed reduce-scatters overlapped with backward; all-gathers after the step
+            buckets = _zero_buckets(list(reversed(padded)), int(lay.bucket_mb * 2**20))
+            return ([Call(rs, "reduce_scatter", b, done / sum(padded)) for b, done in buckets], [],
+                    [Call(ag, "all_gather", b) for b in everything])
         done, overl = 0, []
         for b in reversed(per_module):  # backward reaches the last layers first
             done += b
-            overl.append(Call(alg, "reduce_scatter", b, done / sum(per_module)))
-        if lay.zero == 2:
-            return overl, [], [Call(alg, "all_gather", b) for b in everything]
-        gathers = [Call(alg, "all_gather", b, 0.0) for b in per_module] * 2  # before forward and before backward
+            overl.append(Call(rs, "reduce_scatter", b, done / sum(per_module)))
+        gathers = [Call(ag, "all_gather", b, 0.0) for b in per_module] * 2  # before forward and before backward
         return overl, gathers, []
+    alg = _resolved(alg, "all_reduce")
     if lay.dp_sync == "gather-scatter":
         return [], [Call("gather_scatter", "all_reduce", total)], []
     if lay.dp_sync == "allreduce":
@@ -279,7 +302,7 @@ def _stages(t: Trace, lay: Layout, micro: int, optim: Optim) -> list[dict]:
         sub = stage_trace(t, [layer.name for layer in mine]) if lay.pp > 1 else t
         if lay.tp > 1:
             sub = replace(sub, numels=[math.ceil(m / lay.tp) for m in sub.numels])
-        state = zero_peak_bytes(sub, lay.zero, lay.dp, optim, lay.grad_accum) if lay.zero else \
+        state = zero_peak_bytes(sub, lay.zero, lay.dp, optim, lay.grad_accum, lay.bucket_mb) if lay.zero else \
             data_parallel_bytes(sub, optim)
         if mine:
             saved = sum(layer.saved_bytes for layer in mine)
