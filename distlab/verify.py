@@ -78,13 +78,17 @@ def parse_strategy(text: str) -> Case:
 
 
 def default_strategies(world_size: int | None = None) -> list[Case]:
-    """Every dp_sync x collective, each method with grad_accum 4, SyncBN, and -- where
+    """Every dp_sync x collective, each method with grad_accum 4, SyncBN, ZeRO 1-3, activation
+    checkpointing (with SyncBN too), and -- where
     ``world_size`` is even -- tensor parallel over pairs of ranks in both styles and two-stage
     pipelines with each schedule (with tensor parallel too where it divides by 4)."""
     out = [Strategy("gather-scatter")]
     out += [Strategy(m, c) for m in ("allreduce", "bucketed", "ddp") for c in COLLECTIVES]
     out += [Strategy(m, grad_accum=4) for m in SYNC_METHODS]
     out += [Strategy(m, sync_bn="distlab") for m in ("allreduce", "bucketed", "ddp")]
+    out += [Strategy(zero=z) for z in (1, 2, 3)]  # bucketed reduce-scatters (small buckets here); prefetching ZeRO-3
+    out += [Strategy("bucketed", activation_checkpointing=True),
+            Strategy("bucketed", sync_bn="distlab", activation_checkpointing=True)]
     if world_size and world_size % 2 == 0:
         out += [Strategy("allreduce", tp=2), Strategy("allreduce", tp=2, tp_style="naive")]
         out += [Strategy("bucketed", pp=2, microbatches=3), Strategy("allreduce", pp=2, microbatches=4, pp_schedule="gpipe")]

@@ -62,7 +62,7 @@ def test_memory_prediction_equals_measured_state_bytes_for_vgg():
 def test_generic_model_memory_follows_the_textbook_ratios():
     """A 1B-parameter model on 64 ranks with Adam: DP holds 16 bytes/parameter (+ Adam's step
     tensors); ZeRO-1 4 + 4 + 12/64, ZeRO-2 4 + 16/64 plus one layer's gradient in flight, ZeRO-3
-    16/64 plus the layers being gathered."""
+    16/64 plus the layers being gathered (the running one and the prefetched next)."""
     n, layers, world = 10**9, 20, 64
     t = generic_trace(n, 0.0, layers)
     dp = zero_peak_bytes(t, 0, world, Optim.of("adam"))

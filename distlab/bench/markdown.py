@@ -65,6 +65,9 @@ def render(path: str | Path) -> str:
     if "schedule" in first and "microbatches" in first:
         from distlab.bench import pipeline
         return pipeline.table(records, markdown=True)
+    if "activation_peak_bytes_checkpointed" in first:
+        from distlab.bench import checkpointing
+        return checkpointing.table(records, markdown=True)
     if "scaling_efficiency" in first:
         from distlab.bench import scaling
         return scaling.table(records, markdown=True)
@@ -72,4 +75,5 @@ def render(path: str | Path) -> str:
         return dp(records)
     if "features" in first:
         return syncbn(records)
-    raise ValueError(f"{path}: not a bench file distlab knows (collectives, dp, syncbn, scaling, parallel, pipeline)")
+    raise ValueError(f"{path}: not a bench file distlab knows (collectives, dp, syncbn, scaling, parallel, pipeline, "
+                     f"checkpointing)")

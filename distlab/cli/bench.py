@@ -192,6 +192,19 @@ def bench_pipeline(nproc, microbatches, schedules, implementations, steps, batch
     _finish(pipeline, records, out, "pipeline", plot_dir)
 
 
+@bench.command("checkpointing")
+@click.option("--workloads", default="vgg11-bn,resnet18,gpt", show_default=True)
+@click.option("--steps", type=int, default=6, show_default=True, help="Steps per variant (the first 2 untimed).")
+@click.option("--batch", type=int, default=32, show_default=True)
+@click.option("--runs", type=int, default=1, show_default=True, help="Interleaved rounds of both variants.")
+@click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/checkpointing.json.")
+def bench_checkpointing(workloads, steps, batch, runs, out):
+    """Activation checkpointing: peak activation bytes and time per step, with and without (one process)."""
+    from distlab.bench import checkpointing
+    records = checkpointing.run(workloads, steps=steps, batch=batch, runs=runs, out=out, progress=_progress)
+    _finish(checkpointing, records, out, "checkpointing")
+
+
 @bench.command("markdown")
 @click.argument("paths", nargs=-1, required=True)
 def bench_markdown(paths):

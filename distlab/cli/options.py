@@ -120,6 +120,9 @@ STRATEGY_OPTIONS = [
                                "1/tp of those activations).")),
     ("zero", dict(type=click.IntRange(0, 3), help="ZeRO stage over the data-parallel ranks: 1 shards optimizer "
                   "state, 2 also gradients, 3 also parameters.")),
+    ("activation_checkpointing", dict(is_flag=True, help="Keep only each block's input (VGG stage, ResNet block, "
+                                      "transformer block) and recompute the rest in backward: less activation "
+                                      "memory for about a third more compute.")),
     ("pp", dict(type=int, help="Pipeline stages: the model's layers cut into this many parts on as many ranks "
                 "(tp x pp must divide the world size; the rest is data parallel).")),
     ("microbatches", dict(type=int, default=None, help="With --pp: micro-batches per step on each pipeline (must "

@@ -96,6 +96,10 @@ class GPT(nn.Sequential):
         self.block_size, self.n_layer, self.n_head, self.n_embd = block_size, n_layer, n_head, n_embd
         self._init_weights()
 
+    def checkpoint_blocks(self):
+        """Activation checkpointing's blocks: the transformer blocks (not the embedding or the head)."""
+        return [(self, [(i, i + 1) for i in range(1, len(self) - 1)])]
+
     def _init_weights(self) -> None:
         """GPT-2's: N(0, 0.02) weights, zero biases, residual projections scaled by 1/sqrt(2 n_layer)."""
         for name, p in self.named_parameters():

@@ -26,6 +26,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
+    def checkpoint_blocks(self):
+        """Activation checkpointing's blocks: each Linear with what follows it."""
+        from distlab.parallel.checkpointing import groups_starting_at
+        return [(self.net, groups_starting_at(self.net, (nn.Linear,)))]
+
     def pipeline_layers(self) -> list[tuple[str, nn.Module]]:
         """The layers in order, under their names here (what a pipeline cuts into stages)."""
         return [(f"net.{i}", layer) for i, layer in enumerate(self.net)]

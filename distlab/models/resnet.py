@@ -39,6 +39,10 @@ class ResNet18(nn.Module):
     def forward(self, x):
         return self.fc(self.pool(self.layers(self.stem(x))).flatten(1))
 
+    def checkpoint_blocks(self):
+        """Activation checkpointing's blocks: the stem, and each residual block."""
+        return [(self.stem, [(0, len(self.stem))]), (self.layers, [(i, i + 1) for i in range(len(self.layers))])]
+
     def pipeline_layers(self) -> list[tuple[str, nn.Module]]:
         """The layers in order, under their names here (what a pipeline cuts into stages)."""
         return ([(f"stem.{i}", m) for i, m in enumerate(self.stem)] + [(f"layers.{i}", m) for i, m in enumerate(self.layers)]

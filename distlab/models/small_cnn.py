@@ -28,6 +28,11 @@ class SmallCNN(nn.Module):
     def forward(self, x):
         return self.classifier(self.pool(self.features(x)).flatten(1))
 
+    def checkpoint_blocks(self):
+        """Activation checkpointing's blocks: the stages of ``features`` (each ends at a pooling)."""
+        from distlab.parallel.checkpointing import groups_ending_after
+        return [(self.features, groups_ending_after(self.features, (nn.MaxPool2d,)))]
+
     def pipeline_layers(self) -> list[tuple[str, nn.Module]]:
         """The layers in order, under their names here (what a pipeline cuts into stages)."""
         return ([(f"features.{i}", m) for i, m in enumerate(self.features)]

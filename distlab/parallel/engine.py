@@ -36,6 +36,7 @@ from torch import nn
 
 from distlab.models import task_correct, task_loss
 from distlab.parallel import tensor_parallel
+from distlab.parallel.checkpointing import apply_activation_checkpointing
 from distlab.parallel.data_parallel import DataParallel
 from distlab.parallel.mesh import Mesh
 from distlab.parallel.pipeline import PipelineStage, partition
@@ -220,6 +221,8 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
     if (mesh.tp, mesh.pp) != (strategy.tp, strategy.pp):
         raise ValueError(f"the mesh has tp {mesh.tp}, pp {mesh.pp} but the strategy tp {strategy.tp}, pp "
                          f"{strategy.pp}: build the mesh from the strategy (build_mesh(strategy.tp, pp=strategy.pp))")
+    if strategy.activation_checkpointing:
+        apply_activation_checkpointing(model)
     if strategy.pp > 1:  # cut by the unsharded model's parameters: the same layers on every rank of a TP group
         balance = [end - start for start, end in partition(model, strategy.pp, strategy.pp_balance)]
     if strategy.tp > 1:

@@ -21,6 +21,7 @@ modifiers, e.g. ``bucketed:ring+accum=4+syncbn``, ``zero=3``, ``allreduce+tp=2+n
     sp              sequence_parallel: a transformer's LayerNorm/residual regions split along the
                     sequence over the tensor-parallel group (needs tp)
     zero=S          zero: ZeRO stage 1-3
+    ckpt            activation_checkpointing: recompute each block's activations in backward
     pp=P            pp: pipeline stages (the model's layers cut into P parts on P ranks)
     mb=M            microbatches: a pipeline step's micro-batches (default P)
     gpipe, 1f1b     pp_schedule: the order of a stage's forwards and backwards (default 1f1b)
@@ -49,7 +50,8 @@ _KEYS = {"accum": "grad_accum", "bucket": "bucket_mb", "style": "tp_style", "met
          "mb": "microbatches", "schedule": "pp_schedule", "balance": "pp_balance"}
 _WORDS = {"naive": ("tp_style", "naive"), "megatron": ("tp_style", "megatron"), "syncbn": ("sync_bn", "distlab"),
           "find_unused": ("find_unused", True), "find-unused": ("find_unused", True), "sp": ("sequence_parallel", True),
-          "gpipe": ("pp_schedule", "gpipe"), "1f1b": ("pp_schedule", "1f1b")}
+          "gpipe": ("pp_schedule", "gpipe"), "1f1b": ("pp_schedule", "1f1b"),
+          "ckpt": ("activation_checkpointing", True)}
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class Strategy:
     microbatches: int | None = None  # None: pp (1 without a pipeline)
     pp_schedule: str = "1f1b"
     pp_balance: tuple[int, ...] | None = None  # layers per stage; None: balanced by parameters
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
 
     def __post_init__(self):
         if self.dp_sync is None:
@@ -148,6 +151,9 @@ class Strategy:
                               f"gathers parameters) layer by layer in every backward, and a pipeline runs "
                               f"`microbatches` backwards per step, each interleaved with other micro-batches' forwards; "
                               f"use `zero` 1, which shards the optimizer state and composes with pipelines")
+        if self.activation_checkpointing:
+            raise ConfigError(f"`activation_checkpointing` with `pp` {self.pp} is not supported yet: a stage holds "
+                              f"layers, not the model's blocks; drop one of them")
         if self.dp_sync == "ddp":
             raise ConfigError(f"`dp_sync` ddp with `pp` {self.pp}: torch's DDP must see every forward through its "
                               f"wrapper, and a pipeline stage runs its layers piece by piece; use `dp_sync` bucketed "
@@ -212,6 +218,8 @@ class Strategy:
         if self.pp != 1:
             parts += [f"pp={self.pp}", f"mb={self.microbatches}", self.pp_schedule]
             parts += [f"balance={':'.join(map(str, self.pp_balance))}"] if self.pp_balance else []
+        if self.activation_checkpointing:
+            parts.append("ckpt")
         return "+".join(parts)
 
     @classmethod

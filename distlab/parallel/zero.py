@@ -7,8 +7,8 @@ the ``N`` ranks. ZeRO shards them:
   only its ``1/N`` shard, and the updated shards are all-gathered back into the full parameters.
   Bytes sent per step: reduce-scatter + all-gather = exactly an all-reduce.
 * **stage 2** -- plus gradients: the full gradients are freed as soon as their bucket is handed
-  to the reduce-scatter, and at most two buckets are in flight: a rank holds ``1/N`` of the
-  gradients plus two buckets.
+  to the reduce-scatter, and one bucket is in flight at a time (a bucket's reduce-scatter overlaps
+  the backward that fills the next): a rank holds ``1/N`` of the gradients plus one bucket.
 * **stage 3** -- plus parameters: a rank keeps only its shard; a unit's full parameters are
   all-gathered just before its forward and freed after it, all-gathered again just before its
   backward (a pre-hook on the node that produced its output) and freed once its gradients are
@@ -118,6 +118,9 @@ class _Unit:
         g = self.param.grad
         if g is not None and self.padded == self.numel and g.is_contiguous():
             return g.view(-1)
+        base = g._base if g is not None else None
+        if base is not None and base.numel() == self.padded and base.data_ptr() == g.data_ptr() and base.dim() == 1:
+            return base  # already written into a padded buffer (ZeRO-3's Linear)
         flat = torch.zeros(self.padded, dtype=self.full.dtype, device=self.full.device)
         if g is not None:
             flat[:self.numel].copy_(g.reshape(-1))
@@ -198,15 +201,28 @@ class Zero(nn.Module):
             if n > 1 and self._rs != "native":
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distlab-zero",
                                                     initializer=p2p.use_tag_space, initargs=(1,))
+        self._order: list[nn.Module] = []  # stage 3: modules in the order the first forward gathers them
+        self._bwd_order: list[nn.Module] = []  # ... and the first backward
+        self._order_known = False
+        self._position: dict[nn.Module, int] = {}
+        self._bwd_position: dict[nn.Module, int] = {}
+        self._prefetched: dict[nn.Module, list] = {}  # module -> collectives under way into its full parameters
+        self.prefetch = True
         if stage == 3:
-            for unit in self.units:
-                self._handles.append(unit.param.register_post_accumulate_grad_hook(
-                    lambda p, unit=unit: self._on_grad_ready(unit)))
-        if stage == 3:
+            if n > 1 and self._ag != "native":
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distlab-zero",
+                                                    initializer=p2p.use_tag_space, initargs=(1,))
             for m, units in self._by_module.items():
                 for unit in units:
                     unit.free()
-                self._handles.append(m.register_forward_pre_hook(lambda m, args, units=units: self._before_forward(units)))
+                if sharded_linear(m, [u.param for u in units]):  # the weight's gradient never meets the full weight
+                    m.forward = lambda x, m=m, units=units: self._linear(m, units, x)
+                    continue
+                for unit in units:
+                    self._handles.append(unit.param.register_post_accumulate_grad_hook(
+                        lambda p, unit=unit: self._on_grad_ready(unit)))
+                self._handles.append(m.register_forward_pre_hook(
+                    lambda m, args, units=units: self._before_forward(m, units)))
                 self._handles.append(m.register_forward_hook(
                     lambda m, args, out, units=units: self._after_forward(units, m, out)))
 
@@ -267,11 +283,10 @@ class Zero(nn.Module):
 
     # ------------------------------------------------------------------ stage 3 hooks
 
-    def _before_forward(self, units: list[_Unit]) -> None:
+    def _before_forward(self, module: nn.Module, units: list[_Unit]) -> None:
         if self._pinned:
             return
-        self._gather(units)
-        self._observe()
+        self._fetch(module, units, forward=True)
 
     def _after_forward(self, units: list[_Unit], module: nn.Module, out) -> None:
         if self._pinned:
@@ -282,12 +297,64 @@ class Zero(nn.Module):
             return
         nodes = {t.grad_fn for t in _flatten(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None}
         for node in nodes:  # backward reaches the module's own nodes only through its outputs' nodes
-            node.register_prehook(lambda grads, units=units: self._before_backward(units))
+            node.register_prehook(lambda grads, module=module, units=units: self._before_backward(module, units))
 
-    def _before_backward(self, units: list[_Unit]) -> None:
-        if not all(u.gathered for u in units):
+    def _before_backward(self, module: nn.Module, units: list[_Unit]) -> None:
+        if module in self._prefetched or not all(u.gathered for u in units):  # prefetched: still arriving
+            self._fetch(module, units, forward=False)
+
+    def _fetch(self, module: nn.Module, units: list[_Unit], forward: bool) -> None:
+        """Make ``module``'s full parameters present (waiting for its prefetch, or gathering now),
+        then start gathering the module that needs its parameters next: the following one in
+        forward, and in backward the next one that needed them in the first step's backward (a
+        first Linear, whose input needs no gradient, needs none)."""
+        if module in self._prefetched:
+            self._wait_prefetch(module)
+        elif not all(u.gathered for u in units):
             self._gather(units)
-            self._observe()
+        self._observe()
+        order, position = (self._order, self._position) if forward else (self._bwd_order, self._bwd_position)
+        if not self._order_known:
+            if module not in position:
+                position[module] = len(order)
+                order.append(module)
+            return
+        i = position.get(module)
+        if self.prefetch and i is not None and i + 1 < len(order):
+            following = order[i + 1]
+            ahead = self._by_module[following]
+            if following not in self._prefetched and not all(u.gathered for u in ahead):
+                self._prefetched[following] = self._gather(ahead, wait=False)
+                self._observe()
+
+    def _wait_prefetch(self, module: nn.Module) -> None:
+        self._finish_gather(self._prefetched.pop(module))
+
+    def _drain(self) -> None:
+        """Wait for prefetches nobody used (every rank issued them) and drop their parameters."""
+        for module in list(self._prefetched):
+            self._wait_prefetch(module)
+            for u in self._by_module[module]:
+                u.free()
+
+    def _linear(self, module: nn.Module, units: list[_Unit], x: torch.Tensor) -> torch.Tensor:
+        if self._pinned:
+            return nn.functional.linear(x, module.weight, module.bias)
+        return _ShardedLinear.apply(x, self, module, units, *[u.shard for u in units])
+
+    def _linear_grads(self, units: list[_Unit], g: torch.Tensor, x: torch.Tensor) -> None:
+        """The weight's (and bias') gradient of a sharded Linear, written straight into a padded
+        flat buffer (the full weight is already released), accumulated or reduce-scattered."""
+        weight = units[0]
+        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+        flat = (torch.empty if weight.padded == weight.numel else torch.zeros)(
+            weight.padded, dtype=weight.full.dtype, device=weight.full.device)
+        torch.mm(g2.t(), x2, out=flat[:weight.numel].view_as(weight.param))
+        grads = [flat[:weight.numel].view_as(weight.param)] + [g2.sum(0) for _ in units[1:]]
+        for u, grad in zip(units, grads):
+            u.param.grad = grad if u.param.grad is None else u.param.grad.add_(grad)
+        if self._syncing:
+            self._reduce(units)
 
     # ------------------------------------------------------------------ gradients, stages 1-2: buckets
 
@@ -310,9 +377,9 @@ class Zero(nn.Module):
     @torch.no_grad()
     def _launch(self, b: int) -> None:
         """Copy bucket ``b``'s gradients rank-major into one buffer (freeing each full gradient once
-        copied) and start its reduce-scatter; stage 2 first completes the bucket two back."""
-        if self.stage == 2 and b >= 2:
-            self._finish(b - 2)  # at most two buckets' gradients in flight
+        copied) and start its reduce-scatter; stage 2 first completes the bucket before."""
+        if self.stage == 2 and b >= 1:
+            self._finish(b - 1)  # one bucket in flight: its reduce overlapped the backward that filled this one
         bucket = self.buckets[b]
         units, n = bucket.units, bucket.units[0].n
         if len(units) == 1:
@@ -384,9 +451,11 @@ class Zero(nn.Module):
             by_dtype.setdefault(u.full.dtype, []).append(u)
         return alone + list(by_dtype.values())
 
-    def _gather(self, units: list[_Unit]) -> None:
-        """All-gather the shards of ``units`` into their full parameters (native: every collective
-        started before the first is waited for, so their latencies overlap)."""
+    def _gather(self, units: list[_Unit], wait: bool = True):
+        """All-gather the shards of ``units`` into their full parameters. Every collective is
+        started before the first is waited for (native: ``async_op``; distlab's algorithms: on the
+        communication thread when there is one); ``wait=False`` returns them unfinished, for
+        :meth:`_finish_gather`."""
         for u in units:
             u.materialize()
         pending = []
@@ -397,17 +466,31 @@ class Zero(nn.Module):
             else:
                 mine = torch.cat([u.shard.detach() for u in group])
                 out = torch.empty((n, mine.numel()), dtype=mine.dtype, device=mine.device)
-            if self._ag == "native" and n > 1:
+            if n == 1:
+                out.view(-1).copy_(mine)
+                work = None
+            elif self._ag == "native":
                 comm.accounting.record_call("all_gather/native")
                 nbytes = out.numel() * out.element_size()
                 comm.accounting.record_analytic((n - 1) * nbytes // n, (n - 1) * nbytes // n)
                 work = comm._native_all_gather(out.view(-1), mine, group=self.group, async_op=True)
+            elif self._executor is not None and not wait:
+                work = self._executor.submit(comm.all_gather, out, mine, self._ag, self.group)
             else:
                 comm.all_gather(out, mine, algorithm=self._ag, group=self.group)
                 work = None
             pending.append((group, out, work))
+        if not wait:
+            return pending
+        self._finish_gather(pending)
+        return None
+
+    @staticmethod
+    def _finish_gather(pending) -> None:
         for group, out, work in pending:
-            if work is not None:
+            if isinstance(work, Future):
+                work.result()
+            elif work is not None:
                 work.wait()
             if len(group) > 1:
                 offset = 0
@@ -456,7 +539,10 @@ class Zero(nn.Module):
                 for bucket in self.buckets:
                     bucket.ready, bucket.flat, bucket.out, bucket.work = 0, None, None, None
                 self._next_launch = 0
-        pending = [u for u in self.units if not u.reduced]  # stage 1: all; 2-3: those whose backward never ran
+        self._drain()
+        if self.stage == 3 and self._order:
+            self._order_known = True
+        pending = [u for u in self.units if not u.reduced]  # stage 3: those whose backward never ran
         if pending:
             self._reduce(pending)
         self._ready.clear()
@@ -479,6 +565,7 @@ class Zero(nn.Module):
         if self.stage < 3 or self._pinned:
             yield self._module
             return
+        self._drain()
         self._gather(self.units)
         self._pinned = True
         try:
@@ -533,6 +620,42 @@ class Zero(nn.Module):
 
     def _observe(self, *extra: torch.Tensor) -> None:
         self.peak_bytes = max(self.peak_bytes, self.held_bytes(*extra))
+
+
+def sharded_linear(module: nn.Module, params: list[nn.Parameter]) -> bool:
+    """Whether ZeRO-3 runs ``module`` (owning ``params``) as :class:`_ShardedLinear`: an
+    ``nn.Linear`` with torch's own forward whose parameters are exactly its weight and bias."""
+    return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+            and params == [p for p in (module.weight, module.bias) if p is not None])
+
+
+class _ShardedLinear(torch.autograd.Function):
+    """ZeRO-3's Linear: the full weight exists only inside forward and inside the input-gradient
+    product of backward; the weight gradient is computed after the weight is released, into the
+    reduce-scatter's buffer. Gradients reach the shards through :meth:`Zero._reduce`, not autograd."""
+
+    @staticmethod
+    def forward(ctx, x, zero, module, units, *shards):
+        zero._fetch(module, units, forward=True)
+        out = nn.functional.linear(x, units[0].param, units[1].param if len(units) > 1 else None)
+        for u in units:
+            u.free()
+        ctx.save_for_backward(x)
+        ctx.zero, ctx.module, ctx.units = zero, module, units
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        zero, module, units = ctx.zero, ctx.module, ctx.units
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            zero._fetch(module, units, forward=False)
+            grad_x = g.matmul(units[0].param)
+            for u in units:
+                u.free()
+        zero._linear_grads(units, g, x)
+        return (grad_x, None, None, None) + (None,) * len(units)
 
 
 def _flatten(out) -> list:

@@ -79,6 +79,8 @@ class Trace:
     activation_bytes_per_sample: float = 0.0  # tensors autograd saves for backward (an upper bound)
     linear_shapes: list[tuple[int, int]] = field(default_factory=list)  # (in, out) of each nn.Linear, in order
     layers: list[Layer] = field(default_factory=list)  # the pipeline's view (empty: the model cannot be cut)
+    sharded_linear: list[bool] = field(default_factory=list)  # module -> ZeRO-3 runs it as its sharded Linear
+    input_grad: list[bool] = field(default_factory=list)  # module -> its input needs a gradient
 
     @property
     def num_parameters(self) -> int:
@@ -118,8 +120,16 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
         for node in {t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None}:
             handles.append(node.register_prehook(lambda grads, i=index[id(m)]: out.events.append(("bwd", i))))
 
+    from distlab.parallel.zero import sharded_linear
+    out.sharded_linear = [sharded_linear(m, [p for _, p in m.named_parameters(recurse=False)]) for m in modules]
+    out.input_grad = [True] * len(modules)
+
+    def before_forward(m, args):
+        out.events.append(("fwd", index[id(m)]))
+        out.input_grad[index[id(m)]] = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
     for m in modules:
-        handles.append(m.register_forward_pre_hook(lambda m, args: out.events.append(("fwd", index[id(m)]))))
+        handles.append(m.register_forward_pre_hook(before_forward))
         handles.append(m.register_forward_hook(after_forward))
     for u, p in enumerate(params):
         handles.append(p.register_post_accumulate_grad_hook(lambda p, u=u: out.events.append(("grad", u))))
@@ -194,9 +204,11 @@ def stage_trace(t: Trace, names: list[str]) -> Trace:
     unit_of, module_index = {u: i for i, u in enumerate(mine)}, {m: i for i, m in enumerate(modules)}
     events = [(kind, unit_of[k] if kind == "grad" else module_index[k]) for kind, k in t.events
               if (kind == "grad" and k in unit_of) or (kind != "grad" and k in module_index)]
+    pick = (lambda flags: [flags[m] for m in modules] if flags else [])
     return Trace([t.names[u] for u in mine], [t.numels[u] for u in mine], t.element_size,
                  [module_index[t.module_of[u]] for u in mine], events,
-                 linear_shapes=t.linear_shapes, layers=[l for l in t.layers if l.name in names])
+                 linear_shapes=t.linear_shapes, layers=[l for l in t.layers if l.name in names],
+                 sharded_linear=pick(t.sharded_linear), input_grad=pick(t.input_grad))
 
 
 def data_parallel_bytes(t: Trace, optim: Optim, tp: int = 1) -> int:
@@ -227,6 +239,14 @@ class _Zero:
         self.outs: list[int] = []  # reduce-scatter outputs held as shard gradients (bytes)
         self.ready: dict[int, int] = {}
         self.peak = 0
+        # stage 3: sharded Linears (their weight gradient lands in a padded buffer) and prefetching
+        self.linear = [bool(t.sharded_linear[m]) if m < len(t.sharded_linear) else False
+                       for m in range(len(t.module_of) and max(t.module_of) + 1)]
+        self.grad_bytes = [(self.padded[u] if self.linear[t.module_of[u]] and self.first_of_module(u) else n) * e
+                           for u, n in enumerate(t.numels)]
+        self.order: dict[bool, list[int]] = {True: [], False: []}  # forward / backward gather order of step 1
+        self.order_known = False
+        self.prefetched: set[int] = set()
         # stages 1-2: buckets of units in reverse order, as distlab.parallel.zero._buckets cuts them
         self.buckets: list[list[int]] = []
         cap, size = int(bucket_mb * 2**20), 0
@@ -243,12 +263,40 @@ class _Zero:
         self.next_launch = 0
         self.bucket_ready = [0] * len(self.buckets)
 
+    def first_of_module(self, u: int) -> bool:
+        return self.units_of[self.t.module_of[u]][0] == u
+
     def held(self, extra: int = 0) -> int:
         e = self.e
         total = sum(self.padded[u] * e for u in range(len(self.padded)) if self.gathered[u])
         total += sum(self.shard) * e + self.optim_bytes + sum(self.outs) + extra
-        total += sum(self.t.numels[u] * e for u in range(len(self.padded)) if self.has_grad[u])
+        total += sum(self.grad_bytes[u] for u in range(len(self.padded)) if self.has_grad[u])
         return total
+
+    def fetch(self, m: int, forward: bool) -> None:
+        """Zero._fetch: the module's parameters present, then the next module's gather started."""
+        units = self.units_of[m]
+        self.prefetched.discard(m)
+        for u in units:
+            self.gathered[u] = True
+        self.observe()
+        order = self.order[forward]
+        if not self.order_known:
+            if m not in order:
+                order.append(m)
+            return
+        i = order.index(m) if m in order else None
+        if i is not None and i + 1 < len(order):
+            nxt = order[i + 1]
+            if nxt not in self.prefetched and not all(self.gathered[u] for u in self.units_of[nxt]):
+                self.prefetched.add(nxt)
+                for u in self.units_of[nxt]:
+                    self.gathered[u] = True
+                self.observe()
+
+    def free(self, m: int) -> None:
+        for u in self.units_of[m]:
+            self.gathered[u] = False
 
     def observe(self, extra: int = 0) -> None:
         self.peak = max(self.peak, self.held(extra))
@@ -261,8 +309,8 @@ class _Zero:
     def reduce(self, units: list[int]) -> None:
         for group in self.groups(units):
             # a flat padded copy of each gradient that needs padding, then (several units) their concatenation
-            extra = sum(self.padded[u] * self.e for u in group if self.padded[u] != self.t.numels[u]
-                        or not self.has_grad[u])
+            extra = sum(self.padded[u] * self.e for u in group if not self.has_grad[u]
+                        or self.grad_bytes[u] != self.padded[u] * self.e)
             if len(group) > 1:
                 extra += sum(self.padded[u] for u in group) * self.e
             self.observe(extra)
@@ -279,8 +327,8 @@ class _Zero:
         while (self.next_launch < len(self.buckets)
                and self.bucket_ready[self.next_launch] >= len(self.buckets[self.next_launch])):
             b = self.next_launch
-            if self.stage == 2 and b >= 2:
-                self.flats.pop(b - 2, None)  # the bucket two back completes first
+            if self.stage == 2 and b >= 1:
+                self.flats.pop(b - 1, None)  # the bucket before completes first
             units = self.buckets[b]
             self.flats[b] = sum(self.padded[u] for u in units) * self.e
             for u in units:
@@ -298,32 +346,37 @@ class _Zero:
         for i in range(micro_batches):
             syncing = i == micro_batches - 1
             for kind, k in self.t.events:
-                if kind == "fwd" and self.stage == 3:
-                    for u in self.units_of[k]:
-                        self.gathered[u] = True
-                    self.observe()
-                elif kind == "fwd_done" and self.stage == 3:
-                    for u in self.units_of[k]:
-                        self.gathered[u] = False
-                elif kind == "bwd" and self.stage == 3:
-                    if not all(self.gathered[u] for u in self.units_of[k]):
-                        for u in self.units_of[k]:
-                            self.gathered[u] = True
-                        self.observe()
-                elif kind == "grad":
+                if kind == "fwd":
+                    self.fetch(k, forward=True)
+                elif kind == "fwd_done":
+                    self.free(k)
+                elif kind == "bwd" and self.linear[k]:  # _ShardedLinear.backward
+                    if self.t.input_grad[k]:
+                        self.fetch(k, forward=False)
+                        self.free(k)
+                    units = self.units_of[k]
+                    for u in units:
+                        self.has_grad[u] = True
+                    if syncing:
+                        self.reduce(units)
+                elif kind == "bwd":
+                    if k in self.prefetched or not all(self.gathered[u] for u in self.units_of[k]):
+                        self.fetch(k, forward=False)
+                elif kind == "grad" and not self.linear[self.t.module_of[k]]:
                     self.has_grad[k] = True
-                    if self.stage >= 2:
-                        m = self.t.module_of[k]
-                        count = self.ready.get(m, 0) + 1
-                        if count < len(self.units_of[m]):
-                            self.ready[m] = count
-                            continue
-                        self.ready[m] = 0
-                        if syncing:
-                            self.reduce(self.units_of[m])
-                        if self.stage == 3:
-                            for u in self.units_of[m]:
-                                self.gathered[u] = False
+                    m = self.t.module_of[k]
+                    count = self.ready.get(m, 0) + 1
+                    if count < len(self.units_of[m]):
+                        self.ready[m] = count
+                        continue
+                    self.ready[m] = 0
+                    if syncing:
+                        self.reduce(self.units_of[m])
+                    self.free(m)
+        for m in list(self.prefetched):  # Zero._drain
+            self.prefetched.discard(m)
+            self.free(m)
+        self.order_known = self.order_known or bool(self.order[True])
         pending = [u for u in range(len(self.reduced)) if not self.reduced[u]]
         if pending:
             self.reduce(pending)
@@ -390,6 +443,8 @@ def generic_trace(num_parameters: int, activation_bytes_per_sample: float, layer
     t.linear_shapes = [(width, width)] * layers
     t.layers = [Layer(str(i), t.numels[2 * i] + bias, 2.0 * (t.numels[2 * i] + bias),
                       activation_bytes_per_sample / layers, 0.0, width * element_size) for i in range(layers)]
+    t.sharded_linear = [True] * layers  # dense layers: ZeRO-3 runs them as its sharded Linear
+    t.input_grad = [i > 0 for i in range(layers)]
     t.events = [(k, i) for i in range(layers) for k in ("fwd", "fwd_done")]
     for i in reversed(range(layers)):
         t.events += [("bwd", i), ("grad", 2 * i + 1), ("grad", 2 * i)]

@@ -1,0 +1,128 @@
+"""Activation checkpointing: keep a block's input, recompute its inside during backward.
+
+Autograd keeps every tensor a backward formula needs until that backward runs, so a step's peak
+activation memory grows with depth. Checkpointing a *block* (a VGG stage, a ResNet block, a
+transformer block) keeps only the block's input; backward runs the block's forward again to get
+the rest, one block at a time: about a third more compute for a peak of one block's activations
+plus every block's input. distlab uses ``torch.utils.checkpoint`` (non-reentrant, RNG state
+preserved, so dropout draws the same masks) and adds what it lacks:
+
+* **BatchNorm's running statistics updated once.** The recomputed forward is a train-mode forward
+  and would update ``running_mean`` / ``running_var`` / ``num_batches_tracked`` a second time;
+  they are saved before the recomputation and put back after it. Gradients and statistics equal
+  the un-checkpointed step's bit for bit (``tests/test_checkpointing.py``).
+* **Blocks, not layers.** A model lists its blocks with ``checkpoint_blocks()``: ``[(container,
+  [(start, end), ...])]``, ranges of an ``nn.Sequential``'s children. The container's class is
+  swapped for a subclass whose forward runs each range under ``checkpoint`` -- its children,
+  parameters and ``state_dict`` keys are untouched, so snapshots and the single-process model see
+  no difference. A plain ``nn.Sequential`` model checkpoints each child.
+
+Under evaluation (``no_grad`` or ``eval()``) nothing is recomputed: the blocks run plainly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from distlab.errors import ConfigError
+
+
+def checkpoint_blocks(model: nn.Module) -> list[tuple[nn.Sequential, list[tuple[int, int]]]]:
+    """``model``'s blocks: its own ``checkpoint_blocks()``, or for an ``nn.Sequential`` each child."""
+    listed = getattr(model, "checkpoint_blocks", None)
+    if listed is not None:
+        return list(listed())
+    if isinstance(model, nn.Sequential):
+        return [(model, [(i, i + 1) for i in range(len(model))])]
+    raise ConfigError(f"activation checkpointing recomputes blocks: {type(model).__name__} is not an nn.Sequential "
+                      f"and has no checkpoint_blocks() listing them")
+
+
+def groups_ending_after(container: nn.Sequential, kinds: tuple[type, ...]) -> list[tuple[int, int]]:
+    """Ranges of ``container``'s children, each ending after a module of ``kinds`` (or at the end)."""
+    out, start = [], 0
+    for i, m in enumerate(container):
+        if isinstance(m, kinds):
+            out.append((start, i + 1))
+            start = i + 1
+    if start < len(container):
+        out.append((start, len(container)))
+    return out
+
+
+def groups_starting_at(container: nn.Sequential, kinds: tuple[type, ...]) -> list[tuple[int, int]]:
+    """Ranges of ``container``'s children, a new one at each module of ``kinds`` (but the first)."""
+    starts = [0] + [i for i, m in enumerate(container) if i and isinstance(m, kinds)]
+    return list(zip(starts, starts[1:] + [len(container)]))
+
+
+@contextlib.contextmanager
+def _running_stats_kept(modules: list[nn.Module]) -> Iterator[None]:
+    """Put BatchNorm's running statistics back after a recomputed forward updated them again."""
+    norms = [m for mod in modules for m in mod.modules()
+             if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats and m.running_mean is not None]
+    saved = [(m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone()) for m in norms]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, (mean, var, count) in zip(norms, saved):
+                m.running_mean.copy_(mean)
+                m.running_var.copy_(var)
+                m.num_batches_tracked.copy_(count)
+
+
+def _run(modules: list[nn.Module], x):
+    for m in modules:
+        x = m(x)
+    return x
+
+
+def _contexts(modules: list[nn.Module]):
+    return contextlib.nullcontext(), _running_stats_kept(modules)
+
+
+class _Checkpointed:
+    """Mixed into an ``nn.Sequential``'s class: runs ``_checkpoint_ranges`` under ``checkpoint``."""
+
+    _checkpoint_ranges: list[tuple[int, int]]
+
+    def forward(self, x):
+        children = list(self)
+        recompute = self.training and torch.is_grad_enabled()
+        done = 0
+        for start, end in self._checkpoint_ranges:
+            x = _run(children[done:start], x)  # children outside every block run plainly
+            block = children[start:end]
+            if recompute:
+                x = checkpoint(_run, block, x, use_reentrant=False, context_fn=functools.partial(_contexts, block))
+            else:
+                x = _run(block, x)
+            done = end
+        return _run(children[done:], x)
+
+
+def apply_activation_checkpointing(model: nn.Module) -> int:
+    """Make ``model``'s blocks recompute their activations in backward; returns how many blocks."""
+    count = 0
+    for container, ranges in checkpoint_blocks(model):
+        if not isinstance(container, nn.Sequential):
+            raise ConfigError(f"checkpoint_blocks() must list ranges of nn.Sequential children, not of "
+                              f"{type(container).__name__}")
+        ranges = sorted(ranges)
+        if any(a >= b or b > len(container) for a, b in ranges) or any(
+                b > c for (_, b), (c, _) in zip(ranges, ranges[1:])):
+            raise ConfigError(f"checkpoint_blocks(): ranges {ranges} must be non-empty, ordered, disjoint and "
+                              f"within the {len(container)} children")
+        cls = type(container)
+        if not issubclass(cls, _Checkpointed):
+            container.__class__ = type(f"Checkpointed{cls.__name__}", (_Checkpointed, cls), {})
+        container._checkpoint_ranges = ranges
+        count += len(ranges)
+    return count

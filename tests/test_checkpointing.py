@@ -1,0 +1,76 @@
+"""Activation checkpointing: the same gradients and BatchNorm statistics bit for bit, fewer bytes
+held for backward, and the blocks each model lists."""
+
+import pytest
+import torch
+from torch import nn
+
+from distlab.errors import ConfigError
+from distlab.models import build_model, task_loss
+from distlab.parallel import Strategy
+from distlab.parallel.checkpointing import apply_activation_checkpointing, checkpoint_blocks
+from distlab.parallel.pipeline import ActivationMeter
+
+MODELS = [("mlp", (1, 8, 8), {"widths": (32, 32, 16)}), ("mlp-bn", (1, 8, 8), {}), ("vgg11-bn", (3, 16, 16), {}),
+          ("resnet18", (3, 8, 8), {}), ("gpt", (16,), {"vocab": 20, "n_layer": 3, "n_embd": 32})]
+
+
+def _step(name, shape, options, checkpointed):
+    torch.manual_seed(0)
+    if name == "gpt":
+        from distlab.models.gpt import GPT
+        model = GPT(options["vocab"], shape[0], n_layer=options["n_layer"], n_head=4, n_embd=options["n_embd"])
+        x = torch.randint(0, options["vocab"], (4, *shape))
+        y = torch.randint(0, options["vocab"], (4, *shape))
+    else:
+        model = build_model(name, shape, 10, **options)
+        x, y = torch.randn(4, *shape), torch.randint(0, 10, (4,))
+    blocks = apply_activation_checkpointing(model) if checkpointed else 0
+    model.train()
+    with ActivationMeter(model.parameters()) as meter:
+        loss = task_loss(model(x), y)
+        loss.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    return loss.detach(), grads, {k: v.clone() for k, v in model.state_dict().items()}, meter.peak, blocks
+
+
+@pytest.mark.parametrize("name,shape,options", MODELS, ids=[m[0] for m in MODELS])
+def test_checkpointed_step_is_bitwise_equal_and_holds_less(name, shape, options):
+    loss, grads, state, peak, _ = _step(name, shape, options, False)
+    loss_c, grads_c, state_c, peak_c, blocks = _step(name, shape, options, True)
+    assert blocks >= 2
+    assert torch.equal(loss, loss_c)
+    assert grads.keys() == grads_c.keys() and all(torch.equal(grads[k], grads_c[k]) for k in grads), name
+    # BatchNorm's running statistics (and every other buffer) updated once, not twice
+    assert state.keys() == state_c.keys() and all(torch.equal(state[k], state_c[k]) for k in state), name
+    # An MLP's Linear + ReLU block saves nothing but its input anyway (ReLU's output is the next
+    # Linear's input): no gain there. Convolution, BatchNorm and attention blocks save much more.
+    assert peak_c < peak if name in ("vgg11-bn", "resnet18", "gpt") else peak_c <= peak, (name, peak_c, peak)
+
+
+def test_blocks_listed_per_model_and_state_dict_keys_unchanged():
+    vgg = build_model("vgg11", (3, 32, 32), 10)
+    keys = list(vgg.state_dict())
+    [(features, ranges)] = checkpoint_blocks(vgg)
+    assert len(ranges) == 5 and all(isinstance(features[end - 1], nn.MaxPool2d) for _, end in ranges)  # 5 stages
+    apply_activation_checkpointing(vgg)
+    assert list(vgg.state_dict()) == keys
+    resnet = build_model("resnet18", (3, 32, 32), 10)
+    assert [len(r) for _, r in checkpoint_blocks(resnet)] == [1, 8]  # the stem and 8 residual blocks
+    with pytest.raises(ConfigError, match="has no checkpoint_blocks"):
+        checkpoint_blocks(nn.Linear(2, 2))
+
+
+def test_strategy_text_and_refusal():
+    s = Strategy.parse("bucketed+ckpt")
+    assert s.activation_checkpointing and str(s) == "bucketed+ckpt" and Strategy.from_dict(s.to_dict()) == s
+    with pytest.raises(ConfigError, match="`activation_checkpointing` with `pp` 2"):
+        Strategy(pp=2, activation_checkpointing=True).check(2)
+
+
+def test_bench_checkpointing_records_both_variants(tmp_path):
+    from distlab.bench import checkpointing
+    from distlab.bench.markdown import render
+    [r] = checkpointing.run(["gpt"], steps=2, batch=2, out=tmp_path, progress=lambda *_: None)
+    assert r["gradients_bitwise_equal"] and r["activation_peak_bytes_checkpointed"] < r["activation_peak_bytes_plain"]
+    assert r["time_per_step_s_plain"] > 0 and "| gpt | 2 |" in render(tmp_path / "checkpointing.json")
