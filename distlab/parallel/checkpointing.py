@@ -78,6 +78,21 @@ def _running_stats_kept(modules: list[nn.Module]) -> Iterator[None]:
                 m.num_batches_tracked.copy_(count)
 
 
+class _Held(torch.autograd.Function):
+    """Identity that saves its input for backward: the block input ``checkpoint`` keeps alive
+    becomes visible to saved-tensor accounting (:class:`~distlab.parallel.pipeline.ActivationMeter`),
+    which would otherwise miss it (checkpoint holds it outside autograd's saved tensors)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
 def _run(modules: list[nn.Module], x):
     for m in modules:
         x = m(x)
@@ -101,7 +116,8 @@ class _Checkpointed:
             x = _run(children[done:start], x)  # children outside every block run plainly
             block = children[start:end]
             if recompute:
-                x = checkpoint(_run, block, x, use_reentrant=False, context_fn=functools.partial(_contexts, block))
+                x = checkpoint(_run, block, _Held.apply(x), use_reentrant=False,
+                               context_fn=functools.partial(_contexts, block))
             else:
                 x = _run(block, x)
             done = end

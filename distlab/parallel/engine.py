@@ -2,6 +2,8 @@
 
 :func:`parallelize` applies, in this order:
 
+0. **activation checkpointing** of the model's blocks, if asked
+   (:mod:`~distlab.parallel.checkpointing`: recompute in backward, ``state_dict`` unchanged);
 1. **tensor parallel** over the mesh's TP group (shards sliced from the full, seeded model, so
    it computes what the unsharded one does);
 2. **pipeline parallel** over the mesh's pipeline: this rank keeps its stage's layers
