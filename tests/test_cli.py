@@ -244,7 +244,8 @@ def test_verify_reports_every_strategy_against_single_process(run_cli, tmp_path)
     assert records[2]["flags"] == {"dp_sync": "allreduce", "collective": "ring", "bucket_mb": 25.0, "grad_accum": 1,
                                    "sync_bn": "distlab", "find_unused": False, "tp": 1, "tp_style": None,
                                    "sequence_parallel": False, "zero": 0, "pp": 1, "microbatches": 1,
-                                   "pp_schedule": None, "pp_balance": None, "optimizer": "sgd"}
+                                   "pp_schedule": None, "pp_balance": None, "activation_checkpointing": False,
+                                   "optimizer": "sgd"}
     assert "PASS" in proc.stdout and "FAIL" not in proc.stdout
     assert records[0]["torch_version"] and records[0]["host"] and records[0]["date"]  # where it ran, for reports
 
