@@ -1,6 +1,6 @@
 """``distlab bench checkpointing``: what activation checkpointing saves and what it costs.
 
-Per model, one process trains the same steps from the same seed twice -- plainly, and with every
+Per model, one process trains the same steps from the same initial weights twice -- plainly, and with every
 block checkpointed (:mod:`distlab.parallel.checkpointing`) -- and records per variant the median
 time per step (first steps excluded) and the peak bytes autograd held for backward
 (:class:`~distlab.parallel.pipeline.ActivationMeter`: the activations, parameters excepted), and
