@@ -123,6 +123,12 @@ STRATEGY_OPTIONS = [
     ("activation_checkpointing", dict(is_flag=True, help="Keep only each block's input (VGG stage, ResNet block, "
                                       "transformer block) and recompute the rest in backward: less activation "
                                       "memory for about a third more compute.")),
+    ("precision", dict(help="fp32, bf16 (autocast in bfloat16: CPU and GPU) or fp16 (autocast in float16 with dynamic "
+                       "loss scaling: GPU only); parameters and optimizer state stay float32.")),
+    ("reduce_dtype", dict(default=None, help="Dtype gradients are communicated in: fp32, bf16 or fp16 (default: "
+                          "the gradients' own, float32).")),
+    ("grad_compression", dict(help="none, fp16, bf16 or powersgd:R (rank-R PowerSGD with error feedback and warm "
+                              "start; --dp-sync allreduce, bucketed or ddp, the last through torch's hooks).")),
     ("pp", dict(type=int, help="Pipeline stages: the model's layers cut into this many parts on as many ranks "
                 "(tp x pp must divide the world size; the rest is data parallel).")),
     ("microbatches", dict(type=int, default=None, help="With --pp: micro-batches per step on each pipeline (must "

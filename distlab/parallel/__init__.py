@@ -7,9 +7,11 @@ transformer's: heads, vocabulary, sequence), ``PipelineStage`` (GPipe, 1F1B), ``
 and the ``Mesh`` of data x tensor parallel groups.
 """
 
+from distlab.parallel.compression import CastCodec, Codec, PowerSGD, build_codec
 from distlab.parallel.data_parallel import COLLECTIVES, SYNC_METHODS, DataParallel
 from distlab.parallel.engine import Engine, parallelize
 from distlab.parallel.mesh import Mesh, build_mesh
+from distlab.parallel.precision import LossScaler, Precision
 from distlab.parallel.pipeline import SCHEDULES as PP_SCHEDULES, PipelineStage, partition
 from distlab.parallel.strategy import Strategy
 from distlab.parallel.sync_bn import MODES as SYNC_BN, SyncBatchNorm, apply_sync_bn, convert_sync_batchnorm
@@ -21,5 +23,5 @@ from distlab.parallel.zero import STAGES as ZERO_STAGES, Shard, Zero
 __all__ = ["COLLECTIVES", "ColumnParallelLinear", "DataParallel", "Engine", "Mesh", "PP_SCHEDULES", "PipelineStage",
            "RowParallelLinear", "SYNC_BN",
            "SYNC_METHODS", "Shard", "Strategy", "SyncBatchNorm", "TP_STYLES", "ZERO_STAGES", "Zero",
-           "apply_sync_bn", "apply_tensor_parallel", "build_mesh", "convert_sync_batchnorm", "copy_to_group",
+           "apply_sync_bn", "CastCodec", "Codec", "PowerSGD", "build_codec", "LossScaler", "Precision", "apply_tensor_parallel", "build_mesh", "convert_sync_batchnorm", "copy_to_group",
            "gather_from_group", "parallelize", "partition", "reduce_from_group", "split_to_group"]

@@ -43,6 +43,7 @@ from distlab import comm
 from distlab.comm import p2p
 from distlab.comm.accounting import allreduce_bytes_per_rank
 from distlab.errors import ConfigError
+from distlab.parallel.compression import CastCodec, Codec, PowerSGD, bytes_per_rank
 from distlab.parallel.state_bytes import model_state_bytes
 from distlab.runtime import broadcast_module
 
@@ -63,8 +64,10 @@ class GradSync:
     name = "base"
     collectives: tuple[str, ...] = COLLECTIVES
 
-    def __init__(self, group: dist.ProcessGroup | None = None, collective: str = "native", **options):
+    def __init__(self, group: dist.ProcessGroup | None = None, collective: str = "native",
+                 codec: Codec | None = None, **options):
         self.group = group
+        self.codec = codec if codec is not None else Codec()  # exact unless compression or a reduce dtype
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         collective = comm.ALIASES.get(collective, collective)
         if collective == "auto":  # an all-reduce: the backend's own is the fastest (comm.resolve)
@@ -86,6 +89,8 @@ class GradSync:
 
     def bytes_per_sync(self, module: nn.Module) -> int | None:
         """Bytes each rank sends in one gradient sync (the textbook volume of the pattern)."""
+        if not self.codec.exact:
+            return bytes_per_rank(self.codec, [p.shape for p in _grad_params(module)], self.world_size)
         return allreduce_bytes_per_rank(_grad_bytes(module), self.world_size)
 
     def uncounted_bytes(self, module: nn.Module) -> int:
@@ -106,10 +111,16 @@ class AllReduceSync(GradSync):
     def sync(self, module: nn.Module) -> None:
         if self.world_size == 1:
             return
-        for p in _grad_params(module):
+        for i, p in enumerate(_grad_params(module)):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            comm.all_reduce(p.grad, op="avg", algorithm=self.collective, group=self.group)
+            if self.codec.exact:
+                comm.all_reduce(p.grad, op="avg", algorithm=self.collective, group=self.group)
+                continue
+            flat = p.grad.reshape(-1)
+            self.codec.all_reduce_mean(flat, [p.shape], i, self.collective, self.group)
+            if flat.data_ptr() != p.grad.data_ptr():
+                p.grad.copy_(flat.view_as(p.grad))
 
 
 def _flatten_grads(params: list[nn.Parameter]) -> torch.Tensor:
@@ -121,7 +132,7 @@ def _unflatten_into_grads(flat: torch.Tensor, params: list[nn.Parameter]) -> Non
     for p in params:
         view = flat[offset:offset + p.numel()].view_as(p)
         if p.grad is None:
-            p.grad = view.clone()
+            p.grad = view.to(p.dtype, copy=True)
         else:
             p.grad.copy_(view)
         offset += p.numel()
@@ -172,14 +183,15 @@ class _Bucket:
         self.ready: set[int] = set()
         self.buffer: torch.Tensor | None = None
         self.work = None  # a torch Work (native) or a Future (distlab algorithm on the comm thread)
+        self.is_sum = True  # the buffer will hold the sum (divide by the group size), else the mean
 
 
 class _BucketSync(GradSync):
     """Base of the methods that reduce in buckets of ``bucket_mb`` MB during backward."""
 
     def __init__(self, group=None, collective: str = "native", bucket_mb: float = 25.0,
-                 find_unused: bool = False, **options):
-        super().__init__(group, collective)
+                 find_unused: bool = False, codec: Codec | None = None, **options):
+        super().__init__(group, collective, codec)
         if not bucket_mb > 0:
             raise ConfigError(f"`bucket_mb` must be positive, not {bucket_mb}")
         self.bucket_mb = bucket_mb
@@ -207,8 +219,8 @@ class BucketedSync(_BucketSync):
     name = "bucketed"
 
     def __init__(self, group=None, collective: str = "native", bucket_mb: float = 25.0,
-                 find_unused: bool = False, **options):
-        super().__init__(group, collective, bucket_mb, find_unused)
+                 find_unused: bool = False, codec: Codec | None = None, **options):
+        super().__init__(group, collective, bucket_mb, find_unused, codec)
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.buckets: list[_Bucket] = []
         self.where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket index, position)
@@ -235,7 +247,8 @@ class BucketedSync(_BucketSync):
             for i, p in enumerate(bucket.params):
                 self.where[id(p)] = (b, i)
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
-        if self.world_size > 1 and self.collective != "native":
+        on_thread = self.collective != "native" or isinstance(self.codec, PowerSGD)
+        if self.world_size > 1 and on_thread:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distlab-comm",
                                                 initializer=p2p.use_tag_space, initargs=(1,))
         return module
@@ -258,7 +271,14 @@ class BucketedSync(_BucketSync):
     def _launch(self, bucket: _Bucket) -> None:
         with torch.no_grad():
             bucket.buffer = _flatten_grads(bucket.params)
-        if self.collective == "native":
+            bucket.is_sum = self.codec.exact
+            if isinstance(self.codec, CastCodec) and self.collective == "native":  # pre-divided, narrow, summed
+                bucket.buffer = bucket.buffer.div_(self.world_size).to(self.codec.dtype)
+        if not self.codec.exact and not (isinstance(self.codec, CastCodec) and self.collective == "native"):
+            shapes = [p.shape for p in bucket.params]
+            bucket.work = self._executor.submit(self.codec.all_reduce_mean, bucket.buffer, shapes,
+                                                self.buckets.index(bucket), self.collective, self.group)
+        elif self.collective == "native":
             comm.accounting.record_call("all_reduce/native")
             nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
             vol = allreduce_bytes_per_rank(nbytes, self.world_size)
@@ -291,7 +311,8 @@ class BucketedSync(_BucketSync):
                     bucket.work.result()
                 else:
                     bucket.work.wait()
-                bucket.buffer.div_(self.world_size)
+                if bucket.is_sum:
+                    bucket.buffer.div_(self.world_size)
                 _unflatten_into_grads(bucket.buffer, bucket.params)
         finally:
             self._reset()
@@ -335,7 +356,18 @@ class TorchDDPSync(_BucketSync):
         ddp = nn.parallel.DistributedDataParallel(
             module, device_ids=device_ids, process_group=self.group, bucket_cap_mb=self.bucket_mb,
             find_unused_parameters=self.find_unused)
-        if self.collective != "native":
+        if isinstance(self.codec, PowerSGD):
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+            # torch needs two plain iterations before compressing with error feedback (its minimum)
+            state = powerSGD_hook.PowerSGDState(process_group=self.group, matrix_approximation_rank=self.codec.rank,
+                                                start_powerSGD_iter=2, use_error_feedback=True, warm_start=True,
+                                                min_compression_rate=2, random_seed=0)
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        elif isinstance(self.codec, CastCodec):
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            hook = default_hooks.fp16_compress_hook if self.codec.name == "fp16" else default_hooks.bf16_compress_hook
+            ddp.register_comm_hook(self.group, hook)
+        elif self.collective != "native":
             ddp.register_comm_hook((self.collective, self.group), _ddp_comm_hook)
         return ddp
 
@@ -344,7 +376,8 @@ class TorchDDPSync(_BucketSync):
 
     def uncounted_bytes(self, module: nn.Module) -> int:
         """DDP's own all-reduce runs inside autograd, out of distlab's sight: its textbook volume.
-        A distlab collective installed as its hook is counted like any other."""
+        A distlab collective installed as its hook is counted like any other; torch's compression hooks
+        count at their compressed volume."""
         return (self.bytes_per_sync(module) or 0) if self.collective == "native" and self.world_size > 1 else 0
 
     def no_sync(self, module: nn.Module):

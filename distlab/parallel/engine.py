@@ -29,6 +29,7 @@ implement the same small interface, so nothing here asks which one it holds.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable
 
@@ -41,7 +42,9 @@ from distlab.parallel import tensor_parallel
 from distlab.parallel.checkpointing import apply_activation_checkpointing
 from distlab.parallel.data_parallel import DataParallel
 from distlab.parallel.mesh import Mesh
+from distlab.parallel.compression import build_codec
 from distlab.parallel.pipeline import PipelineStage, partition
+from distlab.parallel.precision import DTYPES, Precision, check_device
 from distlab.parallel.strategy import Strategy
 from distlab.parallel.sync_bn import apply_sync_bn
 from distlab.parallel.transformer_tp import VocabParallelHead, vocab_parallel_head
@@ -52,8 +55,10 @@ class Engine:
     """A model spread over the mesh by a strategy (make one with :func:`parallelize`)."""
 
     def __init__(self, wrapper: DataParallel | Zero, strategy: Strategy, mesh: Mesh,
-                 vocab_head: VocabParallelHead | None = None):
+                 vocab_head: VocabParallelHead | None = None, precision: Precision | None = None):
         self.wrapper, self.strategy, self.mesh = wrapper, strategy, mesh
+        self.precision = precision if precision is not None else Precision(strategy.precision)
+        self._found_inf = False  # fp16: this step's gradients overflowed on some rank (the step is skipped)
         self.sync_seconds = 0.0  # of the last step: gradient sync after backward + after_step
         self._vocab_head = vocab_head if vocab_head is not None else vocab_parallel_head(wrapper.module)
         self.pipeline: PipelineStage | None = wrapper.module if isinstance(wrapper.module, PipelineStage) else None
@@ -110,6 +115,18 @@ class Engine:
         self.wrapper.sync_gradients()
         self.sync_seconds = time.perf_counter() - t0
 
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """``optimizer.step()`` then :meth:`after_step`; under fp16 loss scaling a step whose gradients
+        overflowed on any rank is skipped on every rank. Returns whether the optimizer stepped."""
+        scaler = self.precision.scaler
+        stepped = not (scaler is not None and self._found_inf)
+        if stepped:
+            optimizer.step()
+        if scaler is not None:
+            scaler.update(self._found_inf)
+        self.after_step()
+        return stepped
+
     def after_step(self) -> None:
         """After ``optimizer.step()`` (ZeRO 1-2: all-gather the updated shards)."""
         t0 = time.perf_counter()
@@ -135,15 +152,14 @@ class Engine:
         total = 0.0
         for i in range(k):
             xm, ym = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
-            if i < k - 1:
-                with self.no_sync():
+            with self.no_sync() if i < k - 1 else contextlib.nullcontext():
+                with self.precision.autocast():
                     loss = loss_fn(self(xm), ym) / k
-                    loss.backward()
-            else:
-                loss = loss_fn(self(xm), ym) / k
-                loss.backward()
+                self.precision.backward(loss)
             total += loss.item()
         self.sync()
+        if self.precision.scaler is not None:  # after the reduction: every rank unscales the same sums
+            self._found_inf = self.precision.scaler.unscale_(self.parameters())
         return total
 
     def _pipeline_step(self, x, y, loss_fn) -> float:
@@ -223,6 +239,8 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
     if (mesh.tp, mesh.pp) != (strategy.tp, strategy.pp):
         raise ValueError(f"the mesh has tp {mesh.tp}, pp {mesh.pp} but the strategy tp {strategy.tp}, pp "
                          f"{strategy.pp}: build the mesh from the strategy (build_mesh(strategy.tp, pp=strategy.pp))")
+    device = next(model.parameters()).device
+    check_device(strategy.precision, device)
     if strategy.activation_checkpointing:
         apply_activation_checkpointing(model)
     if strategy.pp > 1:  # cut by the unsharded model's parameters: the same layers on every rank of a TP group
@@ -235,9 +253,11 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
         model = PipelineStage(model, mesh.pp_group, strategy.microbatches, strategy.pp_schedule, balance)
     model = apply_sync_bn(model, strategy.sync_bn, mesh.dp_group)
     if strategy.zero:
+        wire = strategy.wire_dtype
         wrapper = Zero(model, strategy.zero, group=mesh.dp_group, collective=strategy.collective,
-                       bucket_mb=strategy.bucket_mb)
+                       bucket_mb=strategy.bucket_mb, reduce_dtype=DTYPES[wire] if wire else None)
     else:
         wrapper = DataParallel(model, strategy.dp_sync, group=mesh.dp_group, bucket_mb=strategy.bucket_mb,
-                               collective=strategy.collective, find_unused=strategy.find_unused)
-    return Engine(wrapper, strategy, mesh, vocab_head)
+                               collective=strategy.collective, find_unused=strategy.find_unused,
+                               codec=build_codec(strategy))
+    return Engine(wrapper, strategy, mesh, vocab_head, Precision(strategy.precision, device))

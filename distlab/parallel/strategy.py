@@ -22,6 +22,11 @@ modifiers, e.g. ``bucketed:ring+accum=4+syncbn``, ``zero=3``, ``allreduce+tp=2+n
                     sequence over the tensor-parallel group (needs tp)
     zero=S          zero: ZeRO stage 1-3
     ckpt            activation_checkpointing: recompute each block's activations in backward
+    bf16, fp16      precision: forward and backward under autocast in that dtype (fp32 master
+                    weights and optimizer state; fp16 with dynamic loss scaling, GPU only)
+    reduce=DTYPE    reduce_dtype: the dtype gradients are communicated in (fp32, bf16, fp16)
+    compress=C      grad_compression: none, fp16, bf16 or powersgd:R (rank-R PowerSGD with error
+                    feedback and warm start; data parallel's allreduce, bucketed and ddp)
     pp=P            pp: pipeline stages (the model's layers cut into P parts on P ranks)
     mb=M            microbatches: a pipeline step's micro-batches (default P)
     gpipe, 1f1b     pp_schedule: the order of a stage's forwards and backwards (default 1f1b)
@@ -43,15 +48,17 @@ from distlab.parallel.pipeline import SCHEDULES as PP_SCHEDULES
 from distlab.parallel.sync_bn import MODES as SYNC_BN
 from distlab.parallel.tensor_parallel import STYLES as TP_STYLES
 from distlab.parallel.zero import STAGES as ZERO_STAGES
+PRECISIONS = ("fp32", "bf16", "fp16")
 DEFAULT_DP_SYNC = "bucketed"  # the fastest exact method on CPU/gloo (README, data-parallel table)
 ZERO_DP_SYNC = "allreduce"    # what a ZeRO strategy records: its gradients are reduced after backward
 
-_KEYS = {"accum": "grad_accum", "bucket": "bucket_mb", "style": "tp_style", "method": "dp_sync", "syncbn": "sync_bn",
+_KEYS = {"reduce": "reduce_dtype", "compress": "grad_compression", "accum": "grad_accum", "bucket": "bucket_mb", "style": "tp_style", "method": "dp_sync", "syncbn": "sync_bn",
          "mb": "microbatches", "schedule": "pp_schedule", "balance": "pp_balance"}
 _WORDS = {"naive": ("tp_style", "naive"), "megatron": ("tp_style", "megatron"), "syncbn": ("sync_bn", "distlab"),
           "find_unused": ("find_unused", True), "find-unused": ("find_unused", True), "sp": ("sequence_parallel", True),
           "gpipe": ("pp_schedule", "gpipe"), "1f1b": ("pp_schedule", "1f1b"),
-          "ckpt": ("activation_checkpointing", True)}
+          "ckpt": ("activation_checkpointing", True), "bf16": ("precision", "bf16"), "fp16": ("precision", "fp16"),
+          "fp32": ("precision", "fp32")}
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,9 @@ class Strategy:
     pp_schedule: str = "1f1b"
     pp_balance: tuple[int, ...] | None = None  # layers per stage; None: balanced by parameters
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    precision: str = "fp32"  # autocast dtype of forward/backward (parameters and optimizer state stay fp32)
+    reduce_dtype: str | None = None  # dtype of gradient communication; None: the gradients' own (fp32)
+    grad_compression: str = "none"  # none, fp16, bf16, powersgd:R
 
     def __post_init__(self):
         if self.dp_sync is None:
@@ -98,6 +108,10 @@ class Strategy:
         _choice("tp_style", self.tp_style, TP_STYLES)
         _choice("zero", self.zero, ZERO_STAGES)
         _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        _choice("precision", self.precision, PRECISIONS)
+        if self.reduce_dtype is not None:
+            _choice("reduce_dtype", self.reduce_dtype, PRECISIONS)
+        self._check_compression()
         if not self.bucket_mb > 0:
             raise ConfigError(f"`bucket_mb` must be positive, not {self.bucket_mb}")
         if self.grad_accum < 1:
@@ -138,6 +152,47 @@ class Strategy:
                               f"pipeline parallel, so the product of `tp` and `pp` must divide it ({divisors})")
         return self
 
+    def _check_compression(self) -> None:
+        """`grad_compression` and `reduce_dtype`: what they apply to, each refusal with its reason."""
+        kind, rank = parse_compression(self.grad_compression)
+        if kind == "none" and self.reduce_dtype in (None, "fp32"):
+            return
+        what = (f"`grad_compression` {self.grad_compression}" if kind != "none"
+                else f"`reduce_dtype` {self.reduce_dtype}")
+        if self.dp_sync == "gather-scatter":
+            raise ConfigError(f"{what} with `dp_sync` gather-scatter: rank 0 gathers and averages the gradients as "
+                              f"they are, and there is no all-reduce to compress; use `dp_sync` allreduce, bucketed "
+                              f"or ddp")
+        if kind in ("fp16", "bf16") and self.reduce_dtype not in (None, kind):
+            raise ConfigError(f"`grad_compression` {kind} sends gradients in {kind} and `reduce_dtype` "
+                              f"{self.reduce_dtype} says otherwise: keep one of them")
+        if kind == "powersgd":
+            if self.zero:
+                raise ConfigError(f"{what} with `zero` {self.zero}: PowerSGD compresses an all-reduce into two "
+                                  f"small ones, and ZeRO reduce-scatters each gradient to its shard's owner; use "
+                                  f"`grad_compression` fp16/bf16 (or `reduce_dtype`) with ZeRO, or PowerSGD "
+                                  f"without it")
+            if self.reduce_dtype not in (None, "fp32"):
+                raise ConfigError(f"{what} with `reduce_dtype` {self.reduce_dtype}: PowerSGD's factors are "
+                                  f"orthogonalised and travel in float32; drop `reduce_dtype`")
+        if self.dp_sync == "ddp" and self.collective != "native":
+            raise ConfigError(f"{what} with `dp_sync` ddp runs as torch's communication hook, which replaces the "
+                              f"all-reduce of `collective` {self.collective}: use `dp_sync` bucketed for distlab's "
+                              f"compression over {self.collective}, or `collective` native")
+
+    @property
+    def wire_dtype(self) -> str | None:
+        """The dtype gradients travel in when not float32 (`reduce_dtype`, or fp16/bf16 compression); else None."""
+        kind = self.grad_compression if self.grad_compression in ("fp16", "bf16") else None
+        wire = self.reduce_dtype or kind
+        return None if wire in (None, "fp32") else wire
+
+    @property
+    def exact(self) -> bool:
+        """Whether the step equals single-process float32 training up to summation order (no
+        reduced precision anywhere, no compression)."""
+        return self.precision == "fp32" and self.wire_dtype is None and self.grad_compression == "none"
+
     def _check_pipeline(self) -> None:
         """The combinations a pipeline refuses, each with its reason."""
         if self.pp_balance is not None and (len(self.pp_balance) != self.pp or min(self.pp_balance) < 1):
@@ -154,6 +209,10 @@ class Strategy:
         if self.activation_checkpointing:
             raise ConfigError(f"`activation_checkpointing` with `pp` {self.pp} is not supported yet: a stage holds "
                               f"layers, not the model's blocks; drop one of them")
+        if self.precision != "fp32":
+            raise ConfigError(f"`precision` {self.precision} with `pp` {self.pp} is not supported yet: a stage runs "
+                              f"forwards and backwards interleaved, and autocast belongs around forwards only; use "
+                              f"`precision` fp32 with pipelines")
         if self.dp_sync == "ddp":
             raise ConfigError(f"`dp_sync` ddp with `pp` {self.pp}: torch's DDP must see every forward through its "
                               f"wrapper, and a pipeline stage runs its layers piece by piece; use `dp_sync` bucketed "
@@ -220,6 +279,12 @@ class Strategy:
             parts += [f"balance={':'.join(map(str, self.pp_balance))}"] if self.pp_balance else []
         if self.activation_checkpointing:
             parts.append("ckpt")
+        if self.precision != "fp32":
+            parts.append(self.precision)
+        if self.reduce_dtype is not None:
+            parts.append(f"reduce={self.reduce_dtype}")
+        if self.grad_compression != "none":
+            parts.append(f"compress={self.grad_compression}")
         return "+".join(parts)
 
     @classmethod
@@ -237,7 +302,8 @@ class Strategy:
                 name = _KEYS.get(key, key)
                 if name not in _FIELDS:
                     raise ConfigError(f"strategy {text!r}: unknown modifier {token!r} (known: accum=K, bucket=MB, "
-                                      f"syncbn[=torch], find_unused, tp=N, naive, sp, zero=S, pp=P, mb=M, gpipe, 1f1b, or FIELD=VALUE with FIELD "
+                                      f"syncbn[=torch], find_unused, tp=N, naive, sp, zero=S, pp=P, mb=M, gpipe, 1f1b, ckpt, bf16, fp16, "
+                                      f"reduce=DTYPE, compress=C, or FIELD=VALUE with FIELD "
                                       f"one of {', '.join(_FIELDS)})")
                 values[name] = _convert(name, value, text)
             elif token in _WORDS:
@@ -303,6 +369,8 @@ def _convert(name: str, value: str, text: str):
             return tuple(int(v) for v in value.replace(",", ":").split(":"))
         except ValueError:
             raise ConfigError(f"strategy {text!r}: balance={value!r} is not layer counts like 2:3") from None
+    if name == "reduce_dtype":
+        return value
     kind = type(getattr(Strategy(), name))
     try:
         if kind is bool:
@@ -312,6 +380,25 @@ def _convert(name: str, value: str, text: str):
         return kind(value)
     except ValueError:
         raise ConfigError(f"strategy {text!r}: {name}={value!r} is not a {kind.__name__}") from None
+
+
+def parse_compression(text: str) -> tuple[str, int]:
+    """``grad_compression`` -> (kind, PowerSGD rank or 0): ``powersgd:4`` -> ("powersgd", 4)."""
+    kind, _, rank = str(text).partition(":")
+    if kind in ("none", "fp16", "bf16") and not rank:
+        return kind, 0
+    if kind != "powersgd":
+        raise ConfigError(f"unknown `grad_compression` {text!r}; choose one of: none, fp16, bf16, powersgd:R "
+                          f"(R the rank of PowerSGD's approximation, e.g. powersgd:4)")
+    try:
+        r = int(rank)
+    except ValueError:
+        raise ConfigError(f"`grad_compression` {text!r}: give PowerSGD's rank as a positive integer, e.g. "
+                          f"powersgd:4") from None
+    if r < 1:
+        raise ConfigError(f"`grad_compression` {text!r}: PowerSGD's rank must be at least 1 (rank 0 would send "
+                          f"nothing); try powersgd:4, or none to send gradients uncompressed")
+    return kind, r
 
 
 def flag(name: str) -> str:

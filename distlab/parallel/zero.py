@@ -164,13 +164,14 @@ class Zero(nn.Module):
     """
 
     def __init__(self, module: nn.Module, stage: int, group: dist.ProcessGroup | None = None,
-                 collective: str = "auto", bucket_mb: float = 25.0):
+                 collective: str = "auto", bucket_mb: float = 25.0, reduce_dtype: torch.dtype | None = None):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ConfigError(f"`zero` {stage}: choose a ZeRO stage of 1, 2 or 3 (0 is plain data parallel)")
         if not bucket_mb > 0:
             raise ConfigError(f"`bucket_mb` must be positive, not {bucket_mb}")
         self._module = module
+        self.reduce_dtype = reduce_dtype  # gradients travel in this dtype (None: their own)
         self.stage, self.group, self.collective = stage, group, comm.check_algorithm(collective)
         n, rank = group_size(group), group_rank(group)
         self._rs = comm.resolve(collective, "reduce_scatter", group)  # what `auto` means here
@@ -349,8 +350,11 @@ class Zero(nn.Module):
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
         flat = (torch.empty if weight.padded == weight.numel else torch.zeros)(
             weight.padded, dtype=weight.full.dtype, device=weight.full.device)
-        torch.mm(g2.t(), x2, out=flat[:weight.numel].view_as(weight.param))
-        grads = [flat[:weight.numel].view_as(weight.param)] + [g2.sum(0) for _ in units[1:]]
+        if g2.dtype == flat.dtype and x2.dtype == flat.dtype:
+            torch.mm(g2.t(), x2, out=flat[:weight.numel].view_as(weight.param))
+        else:  # under autocast: the product in the forward's dtype, kept in the parameters' dtype
+            flat[:weight.numel].view_as(weight.param).copy_(torch.mm(g2.t(), x2.to(g2.dtype)))
+        grads = [flat[:weight.numel].view_as(weight.param)] + [g2.sum(0).to(flat.dtype) for _ in units[1:]]
         for u, grad in zip(units, grads):
             u.param.grad = grad if u.param.grad is None else u.param.grad.add_(grad)
         if self._syncing:
@@ -382,17 +386,20 @@ class Zero(nn.Module):
             self._finish(b - 1)  # one bucket in flight: its reduce overlapped the backward that filled this one
         bucket = self.buckets[b]
         units, n = bucket.units, bucket.units[0].n
+        wire = self.reduce_dtype
         if len(units) == 1:
-            bucket.flat = units[0].flat_grad()
+            bucket.flat = self._narrow(units[0].flat_grad())
         else:
-            bucket.flat = torch.empty(n * bucket.shard_numel, dtype=units[0].full.dtype, device=units[0].full.device)
+            bucket.flat = torch.empty(n * bucket.shard_numel, dtype=wire or units[0].full.dtype,
+                                      device=units[0].full.device)
             rows, col = bucket.flat.view(n, bucket.shard_numel), 0
             for u in units:  # row r = rank r's slice of every unit, so one reduce-scatter serves them all
-                rows[:, col:col + u.shard_numel].copy_(u.flat_grad().view(n, u.shard_numel))
+                rows[:, col:col + u.shard_numel].copy_(self._narrow(u.flat_grad()).view(n, u.shard_numel))
                 col += u.shard_numel
                 u.param.grad = None
         units[0].param.grad = None  # a lone unit's buffer may be its gradient: the bucket holds it now
         bucket.out = torch.empty(bucket.shard_numel, dtype=bucket.flat.dtype, device=bucket.flat.device)
+        op = "sum" if wire is not None else "avg"  # a narrow dtype is pre-divided (no float16 overflow)
         self._observe()
         if n == 1:
             bucket.out.copy_(bucket.flat)
@@ -403,7 +410,7 @@ class Zero(nn.Module):
             bucket.work = comm._native_reduce_scatter(bucket.out, bucket.flat, op=NATIVE["sum"], group=self.group,
                                                       async_op=True)
         else:
-            bucket.work = self._executor.submit(comm.reduce_scatter, bucket.out, bucket.flat, "avg", self._rs,
+            bucket.work = self._executor.submit(comm.reduce_scatter, bucket.out, bucket.flat, op, self._rs,
                                                 self.group, True)  # the bucket is scratch once sent
 
     def _finish(self, b: int) -> None:
@@ -415,10 +422,12 @@ class Zero(nn.Module):
             bucket.work.result()
         elif bucket.work is not None:
             bucket.work.wait()
-            bucket.out.div_(bucket.units[0].n)
+            if self.reduce_dtype is None:
+                bucket.out.div_(bucket.units[0].n)
+        out = bucket.out if self.reduce_dtype is None else bucket.out.to(bucket.units[0].full.dtype)
         offset = 0
         for u in bucket.units:
-            u.shard.grad = bucket.out[offset:offset + u.shard_numel]
+            u.shard.grad = out[offset:offset + u.shard_numel]
             offset += u.shard_numel
             u.reduced = True
         bucket.flat = bucket.out = bucket.work = None
@@ -503,19 +512,33 @@ class Zero(nn.Module):
         the full gradients."""
         for group in self._groups(units):
             n = group[0].n
-            flats = [u.flat_grad() for u in group]
+            flats = [self._narrow(u.flat_grad()) for u in group]
             # rank-major: row r = rank r's slice of every unit, so one reduce-scatter serves them all
             flat = flats[0] if len(group) == 1 else torch.cat(
                 [f.view(n, u.shard_numel) for u, f in zip(group, flats)], dim=1).view(-1)
             self._observe(*flats, flat)
             out = torch.empty(flat.numel() // n, dtype=flat.dtype, device=flat.device)
-            comm.reduce_scatter(out, flat, op="avg", algorithm=self._rs, group=self.group, scratch=True)
+            op = "sum" if self.reduce_dtype is not None else "avg"
+            comm.reduce_scatter(out, flat, op=op, algorithm=self._rs, group=self.group, scratch=True)
+            if self.reduce_dtype is not None:
+                out = out.to(group[0].full.dtype)
             offset = 0
             for u in group:
                 u.shard.grad = out[offset:offset + u.shard_numel]
                 offset += u.shard_numel
                 u.reduced = True
                 u.param.grad = None
+
+    def _narrow(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` as it travels: divided by the group size and cast when gradients travel in a
+        narrower dtype (the sum of ``N`` pre-divided values is the mean, without float16 overflow)."""
+        if self.reduce_dtype is None or flat.dtype == self.reduce_dtype:
+            return flat
+        return flat.div(self.group_size).to(self.reduce_dtype)
+
+    @property
+    def group_size(self) -> int:
+        return self.units[0].n
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -651,7 +674,7 @@ class _ShardedLinear(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             zero._fetch(module, units, forward=False)
-            grad_x = g.matmul(units[0].param)
+            grad_x = g.matmul(units[0].param.to(g.dtype)).to(x.dtype)
             for u in units:
                 u.free()
         zero._linear_grads(units, g, x)

@@ -135,8 +135,7 @@ class Trainer:
             with comm.counting() as sent:
                 self.optimizer.zero_grad(set_to_none=True)
                 loss = engine.forward_backward(x, y, engine.loss)
-                self.optimizer.step()
-                engine.after_step()
+                engine.step(self.optimizer)
             if not times.step:  # gradients and optimizer state all exist now: the peak of plain DP
                 engine.observe()
             self.scheduler.step()
