@@ -19,6 +19,16 @@ parameter change of at most ``lr / (1 - mu) * d`` per step, and the steps add up
 (the factor 2 covers the loss and gradient being computed in another order as well). Leaving
 out gradient synchronisation moves parameters by orders of magnitude more (tested).
 
+**Reduced precision.** Under ``bf16``/``fp16`` autocast the reference trains under the same
+autocast. The products are then rounded to the narrow dtype (unit roundoff ``u_p``: 2^-8 for
+bfloat16, 2^-11 for float16) per rank instead of once over the whole batch, and activations
+computed with another blocking may round the other way: the per-step gradient perturbation grows
+by ``4 u_p`` (two roundings on either side). Gradients communicated in a narrow dtype (``reduce=``,
+``compress=fp16|bf16``) are rounded once before sending and up to ``N - 1`` times in the sum:
+``+ N u_w``. So ``d = B eps + 4 u_p + N u_w`` replaces ``B eps`` above. PowerSGD has no rounding
+bound -- a low-rank approximation is not the mean -- so its runs are reported as approximate, with
+the measured deviation and no pass/fail.
+
 Strategies are written in :class:`~distlab.parallel.Strategy`'s text form, e.g. ``bucketed:ring``,
 ``ddp+accum=4``, ``allreduce+syncbn``, ``zero=3``, ``allreduce+tp=2+naive``, with ``+adam`` to train
 with Adam. SyncBN strategies use a small CNN with BatchNorm2d, whose single-process reference
@@ -79,7 +89,7 @@ def parse_strategy(text: str) -> Case:
 
 def default_strategies(world_size: int | None = None) -> list[Case]:
     """Every dp_sync x collective, each method with grad_accum 4, SyncBN, ZeRO 1-3, activation
-    checkpointing (with SyncBN too), and -- where
+    checkpointing (with SyncBN too), bf16 autocast, a bf16 reduction, PowerSGD, and -- where
     ``world_size`` is even -- tensor parallel over pairs of ranks in both styles and two-stage
     pipelines with each schedule (with tensor parallel too where it divides by 4)."""
     out = [Strategy("gather-scatter")]
@@ -89,6 +99,8 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
     out += [Strategy(zero=z) for z in (1, 2, 3)]  # bucketed reduce-scatters (small buckets here); prefetching ZeRO-3
     out += [Strategy("bucketed", activation_checkpointing=True),
             Strategy("bucketed", sync_bn="distlab", activation_checkpointing=True)]
+    out += [Strategy("bucketed", precision="bf16"), Strategy(zero=2, reduce_dtype="bf16"),  # bounded by bf16 rounding
+            Strategy("bucketed", grad_compression="powersgd:2")]  # approximate: its deviation is reported
     if world_size and world_size % 2 == 0:
         out += [Strategy("allreduce", tp=2), Strategy("allreduce", tp=2, tp_style="naive")]
         out += [Strategy("bucketed", pp=2, microbatches=3), Strategy("allreduce", pp=2, microbatches=4, pp_schedule="gpipe")]
@@ -115,14 +127,25 @@ def config_for(case: Case, world_size: int, steps: int, global_batch: int | None
                        progress=False, verbose=False, eval_every_epoch=False, strategy=strategy).validate(world_size)
 
 
-def tolerance(cfg: TrainConfig) -> float:
-    return 2 * cfg.max_steps * cfg.lr / (1 - cfg.momentum) * cfg.global_batch_size * EPS32
+UNIT_ROUNDOFF = {"fp32": 0.0, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}  # beyond float32's (counted in B eps)
+
+
+def tolerance(cfg: TrainConfig, world_size: int = 1) -> float | None:
+    """The float32 bound of the module docstring, widened for reduced precision; None where there
+    is no rounding bound (PowerSGD)."""
+    s = cfg.strategy
+    if s.grad_compression.startswith("powersgd"):
+        return None
+    d = cfg.global_batch_size * EPS32 + 4 * UNIT_ROUNDOFF[s.precision]
+    d += s.dp_size(world_size) * UNIT_ROUNDOFF[s.wire_dtype or "fp32"]
+    return 2 * cfg.max_steps * cfg.lr / (1 - cfg.momentum) * d
 
 
 def reference_run(cfg: TrainConfig) -> tuple[list[torch.Tensor], list[float]]:
     """Single-process SGD on the sequential global batches (no distlab trainer involved)."""
     from distlab.data.sampler import sequential_batches
     from distlab.models import build_model, task_loss
+    from distlab.parallel import Precision
 
     data = cfg.load("train")
     torch.manual_seed(cfg.seed)
@@ -137,7 +160,8 @@ def reference_run(cfg: TrainConfig) -> tuple[list[torch.Tensor], list[float]]:
                 break
             x, y = data.batch(torch.tensor(idx))
             opt.zero_grad()
-            loss = task_loss(model(x), y)
+            with Precision(cfg.strategy.precision).autocast():
+                loss = task_loss(model(x), y)
             loss.backward()
             opt.step()
             losses.append(loss.item())
@@ -178,11 +202,11 @@ def verify(strategies: list[Case], world_size: int, steps: int = 10, global_batc
     for strategy, cfg, (params, losses) in zip(strategies, configs, results):
         ref_params, ref_losses = reference_run(cfg)
         diffs = compare(params, losses, ref_params, ref_losses)
-        tol = tolerance(cfg)
+        tol = tolerance(cfg, world_size)
+        passed = None if tol is None else diffs["max_abs_param_diff"] <= tol and diffs["max_loss_diff"] <= tol
         records.append({"strategy": strategy.name, "flags": strategy.flags(), "world_size": world_size,
                         "steps": steps, "model": cfg.model, "global_batch_size": cfg.global_batch_size, **diffs,
-                        "tolerance": tol,
-                        "passed": diffs["max_abs_param_diff"] <= tol and diffs["max_loss_diff"] <= tol, **facts})
+                        "tolerance": tol, "approximate": not cfg.strategy.exact, "passed": passed, **facts})
     return records
 
 
@@ -192,8 +216,12 @@ def table(records: list[dict]) -> str:
             f"{'tolerance':>9}  result"]
     for r in records:
         rows.append(f"{r['strategy']:<{width}} {r['world_size']:>5} {r['steps']:>5} {r['max_abs_param_diff']:>12.2e} "
-                    f"{r['max_rel_param_diff']:>9.1e} {r['max_loss_diff']:>11.2e} {r['tolerance']:>9.1e}  "
-                    f"{'PASS' if r['passed'] else 'FAIL'}")
+                    f"{r['max_rel_param_diff']:>9.1e} {r['max_loss_diff']:>11.2e} "
+                    + (f"{'-':>9}  APPROX" if r["passed"] is None else
+                       f"{r['tolerance']:>9.1e}  {'PASS' if r['passed'] else 'FAIL'}"))
+    if any(r["passed"] is None for r in records):
+        rows.append("APPROX: compressed gradients are an approximation of the mean, with no rounding bound; the "
+                    "columns give its measured deviation from single-process training.")
     return "\n".join(rows)
 
 

@@ -245,6 +245,7 @@ def test_verify_reports_every_strategy_against_single_process(run_cli, tmp_path)
                                    "sync_bn": "distlab", "find_unused": False, "tp": 1, "tp_style": None,
                                    "sequence_parallel": False, "zero": 0, "pp": 1, "microbatches": 1,
                                    "pp_schedule": None, "pp_balance": None, "activation_checkpointing": False,
+                                   "precision": "fp32", "reduce_dtype": None, "grad_compression": "none",
                                    "optimizer": "sgd"}
     assert "PASS" in proc.stdout and "FAIL" not in proc.stdout
     assert records[0]["torch_version"] and records[0]["host"] and records[0]["date"]  # where it ran, for reports

@@ -33,6 +33,8 @@ def train(**kw):
         if cfg.strategy.sync_bn == "torch" and runtime.resolve_device(device, 0).type != "cuda":
             raise ConfigError("--sync-bn torch uses torch.nn.SyncBatchNorm, which only runs on GPUs; this run is on "
                               "the CPU: use --sync-bn distlab, which works on any device")
+        from distlab.parallel.precision import check_device
+        check_device(cfg.strategy.precision, runtime.resolve_device(device, 0))
         if not cfg.dataset.startswith("synthetic"):
             locate(cfg.dataset, cfg.data_dir)
         if cfg.resume not in (None, "auto"):
@@ -61,7 +63,8 @@ def train(**kw):
 @click.option("--nproc", type=int, default=2, show_default=True, help="Processes (gloo, CPU) for the distributed runs.")
 @click.option("--strategy", "strategies", multiple=True,
               help="A strategy in its text form, repeatable: METHOD[:COLLECTIVE] then +accum=K, +bucket=MB, +syncbn, "
-                   "+tp=N, +naive, +sp, +zero=S, +pp=P, +mb=M, +gpipe/+1f1b, +adam, +gpt (e.g. bucketed:ring+accum=4, "
+                   "+tp=N, +naive, +sp, +zero=S, +pp=P, +mb=M, +gpipe/+1f1b, +ckpt, +bf16, +reduce=DTYPE, +compress=C, "
+                   "+adam, +gpt (e.g. bucketed:ring+accum=4, "
                    "zero=3, allreduce+tp=2+naive, bucketed+tp=2+pp=2+gpt). Default: every --dp-sync x --collective, "
                    "accum=4 for each method, syncbn, and on an even world tp=2 both styles and two-stage pipelines.")
 @click.option("--steps", type=int, default=10, show_default=True, help="SGD steps per run.")
@@ -96,9 +99,9 @@ def verify(nproc, strategies, steps, global_batch_size, json_path, resume, workd
     if json_path:
         atomic_write_text(json_path, json.dumps(records, indent=1) + "\n")
         click.echo(f"wrote {json_path}", err=True)
-    failed = [r["strategy"] for r in records if not r["passed"]]
+    failed = [r["strategy"] for r in records if r["passed"] is False]
     if failed:
-        click.echo(f"{len(failed)} strategies differ from single-process training beyond float32 rounding: "
+        click.echo(f"{len(failed)} strategies differ from single-process training beyond their rounding bound: "
                    f"{', '.join(failed)}", err=True)
         sys.exit(1)
 

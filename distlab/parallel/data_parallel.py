@@ -333,11 +333,11 @@ class BucketedSync(_BucketSync):
 
 
 def _ddp_comm_hook(state, bucket):  # no annotations: DDP rejects the string ones of `from __future__`
-    """DDP communication hook running one of distlab's all-reduce algorithms on DDP's bucket
-    (``state`` = (algorithm, group)); returns a completed ``Future[Tensor]``."""
-    algorithm, group = state
+    """DDP communication hook averaging DDP's bucket with distlab's codec and all-reduce algorithm
+    (``state`` = (codec, algorithm, group)); returns a completed ``Future[Tensor]``."""
+    codec, algorithm, group = state
     buf = bucket.buffer()
-    comm.all_reduce(buf, op="avg", algorithm=algorithm, group=group)
+    codec.all_reduce_mean(buf, [buf.shape], bucket.index(), algorithm, group)
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(buf)
     return fut
@@ -363,12 +363,11 @@ class TorchDDPSync(_BucketSync):
                                                 start_powerSGD_iter=2, use_error_feedback=True, warm_start=True,
                                                 min_compression_rate=2, random_seed=0)
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        elif isinstance(self.codec, CastCodec):
+        elif isinstance(self.codec, CastCodec) and self.codec.name == "fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-            hook = default_hooks.fp16_compress_hook if self.codec.name == "fp16" else default_hooks.bf16_compress_hook
-            ddp.register_comm_hook(self.group, hook)
-        elif self.collective != "native":
-            ddp.register_comm_hook((self.collective, self.group), _ddp_comm_hook)
+            ddp.register_comm_hook(self.group, default_hooks.fp16_compress_hook)
+        elif self.collective != "native" or not self.codec.exact:  # torch's bf16 hook needs NCCL: distlab's cast
+            ddp.register_comm_hook((self.codec, self.collective, self.group), _ddp_comm_hook)
         return ddp
 
     def sync(self, module: nn.Module) -> None:

@@ -175,7 +175,7 @@ class Strategy:
             if self.reduce_dtype not in (None, "fp32"):
                 raise ConfigError(f"{what} with `reduce_dtype` {self.reduce_dtype}: PowerSGD's factors are "
                                   f"orthogonalised and travel in float32; drop `reduce_dtype`")
-        if self.dp_sync == "ddp" and self.collective != "native":
+        if self.dp_sync == "ddp" and self.collective != "native" and kind in ("powersgd", "fp16"):
             raise ConfigError(f"{what} with `dp_sync` ddp runs as torch's communication hook, which replaces the "
                               f"all-reduce of `collective` {self.collective}: use `dp_sync` bucketed for distlab's "
                               f"compression over {self.collective}, or `collective` native")
