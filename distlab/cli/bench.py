@@ -113,6 +113,27 @@ def bench_dp(workloads, nproc, steps, batch, methods, runs, bucket_mbs, data_dir
     _finish(dp, records, out, "dp", plot_dir)
 
 
+@bench.command("compression")
+@click.option("--strategies", default=",".join(("bucketed", "bucketed+compress=powersgd:4", "ddp+compress=powersgd:4",
+                                                "bucketed+compress=fp16", "ddp+compress=fp16")), show_default=True,
+              help="Strategies in their text form; the first is the baseline of 'speedup'.")
+@click.option("--nodes", type=int, default=2, show_default=True, help="Workers (emulated nodes with --cluster).")
+@click.option("--epochs", type=int, default=1, show_default=True)
+@click.option("--max-steps", type=int, default=None, help="Stop each run after this many steps.")
+@click.option("--cluster", is_flag=True, help="One worker per emulated node (network namespaces; needs root).")
+@click.option("--bandwidth", default="100mbit", show_default=True, help="With --cluster: the links' rate.")
+@click.option("--runs", type=int, default=3, show_default=True, help="Rounds of every strategy, interleaved.")
+@click.option("--data-dir", default=None)
+@click.option("--out", default="runs/bench-compression", show_default=True, help="Writes OUT/compression.json.")
+@click.option("--plot", "plot_dir", default=None, help="Also write a PNG here.")
+def bench_compression(strategies, nodes, epochs, max_steps, cluster, bandwidth, runs, data_dir, out, plot_dir):
+    """Gradient compression (fp16, bf16, PowerSGD) vs uncompressed and vs torch's DDP hooks: time, accuracy, bytes."""
+    from distlab.bench import compression
+    records = compression.run([s for s in strategies.split(",") if s], nodes, epochs, max_steps, cluster, bandwidth,
+                              runs, data_dir, out, progress=_progress)
+    _finish(compression, records, out, "compression", plot_dir)
+
+
 @bench.command("scaling")
 @click.option("--world", default="1,2,4", show_default=True, help="Worker counts.")
 @click.option("--modes", default="weak,strong", show_default=True,
