@@ -170,3 +170,24 @@ def test_bytes_per_step_are_the_compressed_volume():
     assert full == 4 * sum(math.prod(s) for s in shapes)
     assert results[1][0] == full // 2
     assert results[2][0] == results[3][0] == PowerSGD(2).wire_bytes(shapes) < full
+
+
+def test_plan_counts_compressed_bytes_and_powersgd_state():
+    from distlab.plan.memory import trace
+    from distlab.plan.predict import Layout, _calls, predict
+    from distlab.plan.cost import Link
+    t = trace("mlp", (1, 28, 28), 10)
+    grads = 4 * t.num_parameters
+
+    def sent(text):
+        calls = [c for part in _calls(t, Layout(dp=2, strategy=Strategy.parse(text))) for c in part]
+        return sum(c.nbytes for c in calls), len(calls)
+
+    assert sent("bucketed") == (grads, 1)
+    assert sent("bucketed+compress=fp16")[0] == grads / 2 and sent("zero=2+reduce=bf16")[0] < sent("zero=2")[0]
+    shapes = [torch.Size(s) for s in t.shapes]
+    volume, calls = sent("bucketed+compress=powersgd:4")
+    assert volume == pytest.approx(PowerSGD(4).wire_bytes(shapes)) and calls == 3  # rest, P, Q in a row
+    p = predict(t, Layout(dp=2, strategy=Strategy.parse("bucketed+compress=powersgd:4")), Link(), None)
+    # error feedback of the three weight matrices (each saves at least half at rank 4) + their Qs (cols x 4)
+    assert p["compression_state_bytes_per_rank"] == 4 * (512 * 784 + 784 * 4 + 256 * 512 + 512 * 4 + 10 * 256 + 256 * 4)

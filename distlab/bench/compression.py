@@ -23,6 +23,7 @@ from pathlib import Path
 
 from distlab.bench.common import cores, format_table, machine, write
 from distlab.bench.scaling import _on_cluster, _run
+from distlab.cluster import TBF_BURST
 from distlab.errors import ConfigError
 from distlab.flags import strategy_flags
 from distlab.parallel import Strategy
@@ -76,7 +77,8 @@ def run(strategies=DEFAULT_STRATEGIES, nodes: int = 2, epochs: int = 1, max_step
              else f"one machine, {nodes} workers over loopback, {threads} thread(s) each")
     for rec in records:
         rec.update(machine(nodes, threads), where=where, bandwidth=bandwidth if cluster else None, runs=runs,
-                   epochs=epochs, max_steps=max_steps)
+                   epochs=epochs, max_steps=max_steps, burst=TBF_BURST if cluster else None,
+                   run_dir=rec["run_dirs"][0])  # one run per strategy for `plan validate`
     write(records, root, "compression")
     return records
 

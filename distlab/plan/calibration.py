@@ -99,7 +99,7 @@ def json_files(paths: list[str]) -> list[Path]:
     for p in map(Path, paths):
         if p.is_dir():
             found += sorted(q for q in p.rglob("*.json") if q.name in ("collectives.json", "summary.json",
-                                                                        "scaling.json"))
+                                                                        "scaling.json", "compression.json"))
         elif p.exists():
             found.append(p)
         else:

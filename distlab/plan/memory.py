@@ -81,6 +81,7 @@ class Trace:
     layers: list[Layer] = field(default_factory=list)  # the pipeline's view (empty: the model cannot be cut)
     sharded_linear: list[bool] = field(default_factory=list)  # module -> ZeRO-3 runs it as its sharded Linear
     input_grad: list[bool] = field(default_factory=list)  # module -> its input needs a gradient
+    shapes: list[tuple[int, ...]] = field(default_factory=list)  # unit -> parameter shape (PowerSGD's matrices)
 
     @property
     def num_parameters(self) -> int:
@@ -98,7 +99,7 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
             model = build_model(model, input_shape, num_classes, **options)
     else:
         model = model.to("meta")
-    modules, names, numels, module_of = [], [], [], []
+    modules, names, numels, module_of, shapes = [], [], [], [], []
     for name, m in model.named_modules():
         own = list(m.named_parameters(recurse=False))
         if own:
@@ -106,11 +107,12 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
         for pname, p in own:
             names.append(f"{name}.{pname}" if name else pname)
             numels.append(p.numel())
+            shapes.append(tuple(p.shape))
             module_of.append(len(modules) - 1)
     if not names:
         raise ConfigError("the model has no parameters: nothing to plan")
     params = [p for m in modules for _, p in m.named_parameters(recurse=False)]
-    out = Trace(names, numels, params[0].element_size(), module_of)
+    out = Trace(names, numels, params[0].element_size(), module_of, shapes=shapes)
     handles = []
     index = {id(m): i for i, m in enumerate(modules)}
 
@@ -208,7 +210,8 @@ def stage_trace(t: Trace, names: list[str]) -> Trace:
     return Trace([t.names[u] for u in mine], [t.numels[u] for u in mine], t.element_size,
                  [module_index[t.module_of[u]] for u in mine], events,
                  linear_shapes=t.linear_shapes, layers=[l for l in t.layers if l.name in names],
-                 sharded_linear=pick(t.sharded_linear), input_grad=pick(t.input_grad))
+                 sharded_linear=pick(t.sharded_linear), input_grad=pick(t.input_grad),
+                 shapes=[t.shapes[u] for u in mine] if t.shapes else [])
 
 
 def data_parallel_bytes(t: Trace, optim: Optim, tp: int = 1) -> int:

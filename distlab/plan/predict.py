@@ -10,8 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import torch
+
 from distlab.errors import ConfigError
 from distlab.parallel import Strategy
+from distlab.parallel.compression import PowerSGD, _compressible, build_codec
+from distlab.parallel.precision import DTYPES
 from distlab.parallel.pipeline import ideal_bubble
 from distlab.parallel.zero import goes_alone
 from distlab.plan.calibration import Calibration
@@ -119,24 +123,71 @@ def _calls(t: Trace, lay: Layout) -> tuple[list[Call], list[Call], list[Call]]:
         per_module = [sum(padded[u] for u in g) for m in modules.values() for g in groups(m)]
         everything = [sum(padded[u] for u in g) for g in groups(list(range(len(sizes))))]
         rs, ag = _resolved(alg, "reduce_scatter"), _resolved(alg, "all_gather")
+        wire = lay.strategy.wire_dtype  # gradients reduce-scattered in a narrower dtype
+        narrow = DTYPES[wire].itemsize / e if wire else 1.0
         if lay.zero < 3:  # bucketed reduce-scatters overlapped with backward; all-gathers after the step
             buckets = _zero_buckets(list(reversed(padded)), int(lay.bucket_mb * 2**20))
-            return ([Call(rs, "reduce_scatter", b, done / sum(padded)) for b, done in buckets], [],
+            return ([Call(rs, "reduce_scatter", b * narrow, done / sum(padded)) for b, done in buckets], [],
                     [Call(ag, "all_gather", b) for b in everything])
         done, overl = 0, []
         for b in reversed(per_module):  # backward reaches the last layers first
             done += b
-            overl.append(Call(rs, "reduce_scatter", b, done / sum(per_module)))
+            overl.append(Call(rs, "reduce_scatter", b * narrow, done / sum(per_module)))
         gathers = [Call(ag, "all_gather", b, 0.0) for b in per_module] * 2  # before forward and before backward
         return overl, gathers, []
     alg = _resolved(alg, "all_reduce")
     if lay.dp_sync == "gather-scatter":
         return [], [Call("gather_scatter", "all_reduce", total)], []
+    wire = _wire_sizes(t, lay)  # what each gradient puts on the wire (compressed or narrowed)
+    parts = _powersgd_parts(t, lay)  # PowerSGD: three all-reduces in a row (uncompressed rest, P, Q)
     if lay.dp_sync == "allreduce":
-        return [], [Call(alg, "all_reduce", s) for s in sizes], []
+        return [], [Call(alg, "all_reduce", w * f) for w in wire for f in parts], []
     cap = int(lay.bucket_mb * 2**20)
     buckets = _buckets(list(reversed(sizes)), cap, DDP_FIRST_BUCKET if lay.dp_sync == "ddp" else None)
-    return [Call(alg, "all_reduce", b, done / total) for b, done in buckets], [], []
+    scale = sum(wire) / total  # buckets are cut by gradient bytes and send their compressed share
+    return [Call(alg, "all_reduce", b * scale * f, done / total) for b, done in buckets for f in parts], [], []
+
+
+def _powersgd_parts(t: Trace, lay: Layout) -> list[float]:
+    """The shares of a PowerSGD buffer's bytes in its three all-reduces (vectors and small matrices
+    as they are, then P, then Q); ``[1.0]`` (one all-reduce) for every other codec."""
+    codec = build_codec(lay.strategy)
+    if not isinstance(codec, PowerSGD):
+        return [1.0]
+    rest = p = q = 0
+    for shape in t.shapes or [(m,) for m in t.numels]:
+        dims = _compressible(torch.Size(shape), codec.rank)
+        if dims:
+            p, q = p + dims[2] * dims[0], q + dims[2] * dims[1]
+        else:
+            rest += math.prod(shape)
+    total = rest + p + q
+    return [x / total for x in (rest, p, q) if x]
+
+
+def _wire_sizes(t: Trace, lay: Layout) -> list[float]:
+    """Bytes each gradient puts into the data-parallel all-reduce: its own, or as the strategy's
+    codec sends it (``reduce_dtype``/fp16/bf16: 2 bytes an element; PowerSGD: R(n+m) numbers)."""
+    codec = build_codec(lay.strategy)
+    if codec.exact:
+        return [m * t.element_size for m in t.numels]
+    shapes = t.shapes or [(m,) for m in t.numels]
+    return [codec.wire_bytes([torch.Size(s)], t.element_size) for s in shapes]
+
+
+def compression_state_bytes(t: Trace, lay: Layout) -> int:
+    """PowerSGD's per-rank state: the error feedback (one gradient per compressed matrix) and the
+    warm-start Q (m x R each); 0 for every other codec."""
+    codec = build_codec(lay.strategy)
+    if not isinstance(codec, PowerSGD) or lay.dp == 1:
+        return 0
+    total = 0
+    for shape in t.shapes:
+        dims = _compressible(torch.Size(shape), codec.rank)
+        if dims:
+            rows, cols, r = dims
+            total += (rows * cols + cols * r) * t.element_size
+    return total
 
 
 def _tp_calls(t: Trace, lay: Layout, micro: int) -> list[Call]:
@@ -210,7 +261,13 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
            **parts,
            "activation_bytes_per_rank": int(max(st["activation_bytes"] for st in stages)),
            "activation_basis": _activation_basis(lay)}
-    out["memory_bytes_per_rank"] = max(st["model_state_bytes"] + st["activation_bytes"] for st in stages)
+    narrow = 0.5 if lay.strategy.precision != "fp32" else 1.0  # autocast saves its products' inputs in 2 bytes
+    if narrow != 1.0:
+        out["activation_bytes_per_rank"] = int(out["activation_bytes_per_rank"] * narrow)
+        out["activation_basis"] += f"; halved under {lay.strategy.precision} autocast (products save 2-byte inputs)"
+    out["compression_state_bytes_per_rank"] = compression_state_bytes(t_rank, lay)
+    out["memory_bytes_per_rank"] = int(max(st["model_state_bytes"] + narrow * st["activation_bytes"] for st in stages)
+                                       + out["compression_state_bytes_per_rank"])
     if lay.pp > 1:
         out["pipeline"] = {
             "stages": [{k: v for k, v in st.items() if k != "trace"} for st in stages],
