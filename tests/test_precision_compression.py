@@ -191,3 +191,13 @@ def test_plan_counts_compressed_bytes_and_powersgd_state():
     p = predict(t, Layout(dp=2, strategy=Strategy.parse("bucketed+compress=powersgd:4")), Link(), None)
     # error feedback of the three weight matrices (each saves at least half at rank 4) + their Qs (cols x 4)
     assert p["compression_state_bytes_per_rank"] == 4 * (512 * 784 + 784 * 4 + 256 * 512 + 512 * 4 + 10 * 256 + 256 * 4)
+
+
+def test_bench_compression_pairs_distlab_with_torch_hooks(tmp_path):
+    from distlab.bench import compression
+    records = compression.run(("bucketed", "bucketed+compress=fp16", "ddp+compress=fp16"), nodes=2, max_steps=6,
+                              runs=1, out=tmp_path, progress=lambda line: None)
+    by = {r["strategy"]: r for r in records}
+    assert by["bucketed"]["speedup"] == 1.0 and by["bucketed+compress=fp16"]["vs_torch_strategy"] == "ddp+compress=fp16"
+    assert by["bucketed+compress=fp16"]["comm_bytes_per_step"] * 2 == by["bucketed"]["comm_bytes_per_step"]
+    assert (tmp_path / "compression.json").exists() and "vs torch's hook" in compression.table(records)

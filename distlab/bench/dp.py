@@ -12,12 +12,18 @@ and a final evaluation. Per run: median time per step (first steps excluded), sa
 per rank, bytes sent per rank per step (distlab's accounting; unknown inside torch's DDP), final
 training loss and test accuracy. With ``--runs R`` each configuration runs R times and the
 median of the runs' medians is reported. Every rank uses ``cores // nproc`` torch threads (the
-single-process baseline uses all cores).
+single-process baseline uses all cores). ``--cluster`` runs every multi-process configuration as
+``distlab train`` with one worker per emulated node (:mod:`distlab.cluster`, links at
+``--bandwidth``, each node pinned to ``cores // nproc`` cores; the baseline gets as many threads).
 """
 
 from __future__ import annotations
 
+import json
 import statistics
+import sys
+import tempfile
+from pathlib import Path
 
 from distlab.bench.common import at_least, choose, cores, machine, train_on_ranks, write
 from distlab.errors import DataNotFoundError
@@ -60,16 +66,35 @@ def with_buckets(methods: list[Strategy], bucket_mbs: list[float] | None) -> lis
     return out
 
 
+def _train_on_cluster(cfg: TrainConfig, nodes: int, bandwidth: str, workdir: Path) -> dict:
+    """One run as ``distlab train`` with one worker per emulated node (links at ``bandwidth``); its summary."""
+    from distlab.bench.scaling import _on_cluster
+    from distlab.flags import strategy_flags
+    out = workdir / f"run-{len(list(workdir.glob('run-*')))}"
+    args = ["--model", cfg.model, "--dataset", cfg.dataset, "--global-batch-size", str(cfg.global_batch_size),
+            "--lr", str(cfg.lr), "--lr-schedule", cfg.lr_schedule, "--seed", str(cfg.seed), "--epochs", "1000",
+            "--max-steps", str(cfg.max_steps), "--log-every", str(cfg.log_every), "--no-progress", "--device", "cpu",
+            *strategy_flags(cfg.strategy), "--out", str(out)]
+    args += ["--data-dir", cfg.data_dir] if cfg.data_dir else []
+    _on_cluster([sys.executable, "-m", "distlab", "train", "--nproc-per-node", "1", *args], nodes, bandwidth, 3600)
+    return json.loads((out / "summary.json").read_text())
+
+
 def run(workloads=("mlp", "vgg11", "resnet18-syncbn"), nproc: int = 2, steps: int = 30, batch: int = 64,
         methods=METHODS, runs: int = 1, data_dir: str | None = None, out=None, progress=print,
-        bucket_mbs: list[float] | None = None) -> list[dict]:
+        bucket_mbs: list[float] | None = None, cluster: bool = False, bandwidth: str = "1gbit") -> list[dict]:
     """Every method (each bucket size of ``bucket_mbs`` for bucketed and ddp) on every workload, and
-    one process for reference."""
+    one process for reference; with ``cluster``, every multi-process run has one worker per emulated
+    node, its links shaped to ``bandwidth``."""
     workloads = choose("--workloads", workloads, WORKLOADS)
     at_least(nproc=(nproc, 2), steps=(steps, 3), runs=(runs, 1))
     methods = with_buckets(methods, bucket_mbs)
     for m in methods:
         m.check(nproc).check_batch(batch, nproc)
+    if cluster:
+        from distlab import cluster as cl
+        cl.check_capable()
+    workdir = Path(tempfile.mkdtemp(prefix="distlab-bench-dp-"))
     records = []
     for name in workloads:
         w = WORKLOADS[name]
@@ -79,7 +104,7 @@ def run(workloads=("mlp", "vgg11", "resnet18-syncbn"), nproc: int = 2, steps: in
             if world > 1 and w["sync_bn"] != "off":
                 strategy = strategy.replace(sync_bn=w["sync_bn"])
             label = "single process" if world == 1 else str(strategy)
-            threads = max(1, cores() // world)
+            threads = max(1, cores() // (nproc if cluster else world))  # a node gets cores // nodes
             summaries = []
             for i in range(runs):
                 progress(f"{name} ({dataset}): {label} on {world} process(es)" + (f", run {i + 1}" if runs > 1 else ""))
@@ -87,7 +112,10 @@ def run(workloads=("mlp", "vgg11", "resnet18-syncbn"), nproc: int = 2, steps: in
                                   global_batch_size=batch, lr=w["lr"], lr_schedule="constant", seed=0,
                                   log_every=max(1, steps), progress=False, verbose=False, eval_every_epoch=False,
                                   strategy=strategy, timing_warmup_steps=min(5, steps // 3))
-                summaries.append(run_ranks(train_on_ranks, world, cfg, timeout=3600, threads=threads)[0])
+                if cluster and world > 1:
+                    summaries.append(_train_on_cluster(cfg.validate(world), world, bandwidth, workdir))
+                else:
+                    summaries.append(run_ranks(train_on_ranks, world, cfg, timeout=3600, threads=threads)[0])
             s = summaries[0]
             med = statistics.median(x["time_per_step_s_median"] for x in summaries)
             records.append({
@@ -102,6 +130,9 @@ def run(workloads=("mlp", "vgg11", "resnet18-syncbn"), nproc: int = 2, steps: in
                 "comm_bytes_per_step": s["comm_bytes_per_step"], "final_train_loss": s["final_train_loss"],
                 "test_accuracy": s["test_accuracy"], "test_loss": s["test_loss"],
                 "num_parameters": s["num_parameters"], **machine(world, threads),
+                "where": (f"emulated cluster, {world} nodes x 1 worker, links {bandwidth}" if cluster and world > 1
+                          else f"one machine, {world} process(es) x {threads} thread(s)"),
+                "bandwidth": bandwidth if cluster and world > 1 else None,
             })
     write(records, out, "dp")
     return records

@@ -96,7 +96,9 @@ def bench_syncbn(workers, features, batches, warmup, repeats, device, out, plot_
 @click.option("--data-dir", default=None)
 @click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/dp.json.")
 @click.option("--plot", "plot_dir", default=None, help="Also write samples/s bar charts here.")
-def bench_dp(workloads, nproc, steps, batch, methods, runs, bucket_mbs, data_dir, out, plot_dir):
+@click.option("--cluster", is_flag=True, help="One worker per emulated node (network namespaces; needs root).")
+@click.option("--bandwidth", default="1gbit", show_default=True, help="With --cluster: the links' rate.")
+def bench_dp(workloads, nproc, steps, batch, methods, runs, bucket_mbs, data_dir, out, plot_dir, cluster, bandwidth):
     """Every --dp-sync method vs DDP on real training: samples/s, bytes/step, memory, accuracy."""
     from distlab.bench import dp
     from distlab.parallel import Strategy
@@ -109,7 +111,7 @@ def bench_dp(workloads, nproc, steps, batch, methods, runs, bucket_mbs, data_dir
         if not sizes or min(sizes) <= 0:
             raise ConfigError(f"--bucket-mb sizes must be positive, not {bucket_mbs!r}")
     records = dp.run(workloads.split(","), nproc, steps, batch, Strategy.parse_list(methods), runs, data_dir, out,
-                     progress=_progress, bucket_mbs=sizes)
+                     progress=_progress, bucket_mbs=sizes, cluster=cluster, bandwidth=bandwidth)
     _finish(dp, records, out, "dp", plot_dir)
 
 
