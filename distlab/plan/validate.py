@@ -24,13 +24,14 @@ def _measured_runs(paths: list[str]) -> list[tuple[dict, Link, str]]:
         data = load_json(path)
         if isinstance(data, list) and data and isinstance(data[0], dict) and "run_dir" in data[0]:
             for r in data:
-                s = run_summary(path, r["run_dir"])
-                if s is None or str(s.resolve()) in seen:
-                    continue
-                seen.add(str(s.resolve()))
-                bw = r.get("bandwidth")
-                link = Link.parse(bw, r.get("delay"), r.get("burst", TBF_BURST)) if bw else Link()
-                runs.append((load_json(s), link, f"{Path(r['run_dir']).name}"))
+                for run_dir in r.get("run_dirs") or [r["run_dir"]]:  # bench compression: one per round
+                    s = run_summary(path, run_dir)
+                    if s is None or str(s.resolve()) in seen:
+                        continue
+                    seen.add(str(s.resolve()))
+                    bw = r.get("bandwidth")
+                    link = Link.parse(bw, r.get("delay"), r.get("burst", TBF_BURST)) if bw else Link()
+                    runs.append((load_json(s), link, f"{Path(run_dir).name}"))
         elif isinstance(data, dict) and "world_size" in data and "model" in data and str(path.resolve()) not in seen:
             seen.add(str(path.resolve()))
             runs.append((data, Link(), path.parent.name))
