@@ -466,3 +466,16 @@ class DataParallel(nn.Module):
 
     def load_sharded_state_dict(self, state: dict) -> None:
         self.module.load_state_dict(state)
+
+    def parameter_slots(self) -> list[tuple[str, nn.Parameter, tuple[int, int] | None]]:
+        """(key, parameter, flat range) of each optimizer parameter: the whole of every parameter."""
+        return [(k, p, None) for k, p in self.module.named_parameters()]
+
+    @staticmethod
+    def split_state(state: dict, keys: list[str]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        """A :meth:`sharded_state_dict` as (the optimizer parameters' tensors, the buffers)."""
+        return [state[k] for k in keys], {k: v for k, v in state.items() if k not in set(keys)}
+
+    def state_from(self, params: list[torch.Tensor], buffers: dict[str, torch.Tensor]) -> dict:
+        """The :meth:`sharded_state_dict` holding ``params`` (in :meth:`parameter_slots` order) and ``buffers``."""
+        return {**{k: t for (k, _, _), t in zip(self.parameter_slots(), params)}, **buffers}

@@ -44,11 +44,13 @@ from distlab.parallel.data_parallel import DataParallel
 from distlab.parallel.mesh import Mesh
 from distlab.parallel.compression import build_codec
 from distlab.parallel.pipeline import PipelineStage, partition
+from distlab.parallel.placement import Placement, take
 from distlab.parallel.precision import DTYPES, Precision, check_device
 from distlab.parallel.strategy import Strategy
 from distlab.parallel.sync_bn import apply_sync_bn
 from distlab.parallel.transformer_tp import VocabParallelHead, vocab_parallel_head
 from distlab.parallel.zero import Zero
+from distlab.runtime import group_rank, group_size
 
 
 class Engine:
@@ -210,6 +212,53 @@ class Engine:
 
     def load_sharded_state_dict(self, state: dict) -> None:
         self.wrapper.load_sharded_state_dict(state)
+
+    # ------------------------------------------------------------------ placement (changing layout)
+
+    def placement(self) -> dict:
+        """Where this rank's state sits in the whole model (plain data; a snapshot stores it):
+        ``keys`` and ``params`` -- the optimizer parameters' local keys and their
+        :class:`~distlab.parallel.placement.Placement` dicts, in the optimizer's order -- and
+        ``buffers`` (local key -> the whole model's key)."""
+        split = {}
+        for m in self.module.modules():
+            for pname, dim in getattr(m, "tp_split", {}).items():
+                t = getattr(m, pname, None)
+                if t is not None:
+                    split[id(t)] = (dim, group_size(m.group), group_rank(m.group))
+        whole = self.pipeline.model_key if self.pipeline is not None else (lambda k: k)
+        keys, params = [], []
+        for key, p, flat in self.wrapper.parameter_slots():
+            dim, parts, part = split.get(id(p), (None, 1, 0))
+            shape = list(p.shape)
+            if dim is not None:
+                shape[dim] *= parts
+            start, length = flat if flat is not None else (0, None)
+            keys.append(key)
+            params.append(Placement(whole(key), tuple(shape), dim, parts, part, start, length).to_dict())
+        names = {*dict(self.module.named_buffers()), *self.module.state_dict(keep_vars=True)} - set(keys)
+        return {"keys": keys, "params": params, "buffers": {k: whole(k) for k in sorted(names)}}
+
+    @staticmethod
+    def split_sharded_state(state: dict, placement: dict) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        """A :meth:`sharded_state_dict` (of any layout, described by its ``placement``) as its
+        optimizer parameters' tensors and its buffers under the whole model's keys."""
+        kind = Zero if "zero_stage" in state else DataParallel
+        params, buffers = kind.split_state(state, placement["keys"])
+        return params, {placement["buffers"][k]: v for k, v in buffers.items() if k in placement["buffers"]}
+
+    def sharded_state_from_full(self, full: dict[str, torch.Tensor], placement: dict | None = None) -> dict:
+        """This rank's :meth:`sharded_state_dict` cut out of the whole model's ``state_dict``
+        (no communication: every rank cuts its own pieces)."""
+        placement = placement or self.placement()
+        missing = [p["name"] for p in placement["params"] if p["name"] not in full]
+        missing += [k for k in placement["buffers"].values() if k not in full]
+        if missing:
+            raise KeyError(f"the state has no {missing[0]!r} ({len(missing)} missing)")
+        params = [take(full[p["name"]], Placement.from_dict(p), local.numel())
+                  for p, local in zip(placement["params"], self.parameters())]
+        buffers = {k: full[name].detach().clone() for k, name in placement["buffers"].items()}
+        return self.wrapper.state_from(params, buffers)
 
     # ------------------------------------------------------------------ cost
 

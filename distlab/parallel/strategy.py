@@ -233,8 +233,11 @@ class Strategy:
         model = " x ".join(f"`{k}` {v}" for k, v in (("tp", self.tp), ("pp", self.pp)) if v > 1)
         what = f"world size {dp}" if dp == world_size else f"the data-parallel size {dp} (world {world_size} / {model})"
         if global_batch % dp:
+            fits = [d for d in range(1, global_batch + 1) if global_batch % d == 0][:8]
             raise ConfigError(f"`global_batch_size` {global_batch} is not divisible by {what}: use a multiple of "
-                              f"{dp} (e.g. {dp * max(1, global_batch // dp)})")
+                              f"{dp} (e.g. {dp * max(1, global_batch // dp)}), or keep {global_batch} (a resumed snapshot keeps "
+                              f"its global batch) on a {'world' if dp == world_size else 'data-parallel'} size that "
+                              f"divides it: {', '.join(map(str, fits))}")
         if self.pp > 1 and (global_batch // dp) % self.microbatches:
             unit = dp * self.microbatches
             raise ConfigError(f"`microbatches` {self.microbatches} does not divide the per-rank batch {global_batch // dp} "

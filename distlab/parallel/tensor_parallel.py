@@ -191,6 +191,8 @@ class ColumnParallelLinear(nn.Module):
     with :meth:`from_shard`, from this rank's ``(out/t, in)`` weight and ``(out/t,)`` bias alone.
     """
 
+    tp_split = {"weight": 0, "bias": 0}  # parameter -> the dimension its shards split (snapshots reshard by it)
+
     def __init__(self, linear: nn.Linear, group=None, gather_output: bool = True, name: str = "linear"):
         n, r = group_size(group), group_rank(group)
         _check_divisible(linear.out_features, n, "output features", name)
@@ -233,6 +235,8 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """This rank's ``in/t`` input features of ``linear``; the partial outputs are all-reduced and
     the (replicated) bias added once. ``input_is_parallel``: ``x`` is already this rank's slice."""
+
+    tp_split = {"weight": 1}  # the bias is replicated
 
     def __init__(self, linear: nn.Linear, group=None, input_is_parallel: bool = True, name: str = "linear"):
         n, r = group_size(group), group_rank(group)

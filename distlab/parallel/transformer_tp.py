@@ -66,6 +66,8 @@ class GatherSequence(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """This rank's ``V/t`` rows of ``embedding``; lookups of other ranks' tokens are summed in."""
 
+    tp_split = {"weight": 0}
+
     def __init__(self, embedding: nn.Embedding, group=None, name: str = "embedding"):
         super().__init__()
         n, r = group_size(group), group_rank(group)

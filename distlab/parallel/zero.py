@@ -635,6 +635,23 @@ class Zero(nn.Module):
         if gathered:
             self._gather(gathered)
 
+    def parameter_slots(self) -> list[tuple[str, nn.Parameter, tuple[int, int] | None]]:
+        """(key, parameter, flat range) of each optimizer parameter: this rank's range of each unit."""
+        return [(u.name, u.param, (u.rank * u.shard_numel,
+                                   max(0, min(u.numel, (u.rank + 1) * u.shard_numel) - u.rank * u.shard_numel)))
+                for u in self.units]
+
+    @staticmethod
+    def split_state(state: dict, keys: list[str]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        """A :meth:`sharded_state_dict` as (the optimizer parameters' tensors: the shards, the buffers)."""
+        return [u["shard"] for u in state["units"]], dict(state["buffers"])
+
+    def state_from(self, params: list[torch.Tensor], buffers: dict[str, torch.Tensor]) -> dict:
+        """The :meth:`sharded_state_dict` holding shards ``params`` (in unit order) and ``buffers``."""
+        return {"zero_stage": self.stage, "world_size": group_size(self.group), "rank": group_rank(self.group),
+                "units": [{"name": u.name, "numel": u.numel, "shard": t} for u, t in zip(self.units, params)],
+                "buffers": buffers}
+
     def held_bytes(self, *extra: torch.Tensor) -> int:
         """Bytes of parameters + gradients + optimizer state this rank holds right now."""
         tensors = [t for u in self.units for t in (u.full, u.shard, u.shard.grad, u.param.grad)]

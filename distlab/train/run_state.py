@@ -23,11 +23,14 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from distlab.parallel import Engine
+from distlab.parallel import Engine, Strategy
 from distlab.runtime import Runtime, reduce_scalars
-from distlab.train import snapshot
+from distlab.train import reshard, snapshot
 from distlab.train.config import TrainConfig
 from distlab.train.snapshot import SnapshotError
+
+
+RESHARDABLE = ("world_size", "strategy")  # a snapshot may differ from the run in these: it is resharded
 
 
 def restart_count() -> int:
@@ -97,6 +100,9 @@ class RunState:
         self.best_state: dict | None = None
         self.last_loss = float("nan")
         self.attempts = 0
+        self.layouts: list[dict] = []  # per attempt: the step it began at, its world size and strategy
+        self.resharded_from: dict | None = None  # this attempt's snapshot's layout, when it differed
+        self._placement: dict | None = None
         self.window_loss, self.window_steps = 0.0, 0  # training loss since the last log line
         self.resumed_from: str | None = None
         self.last_snapshot: str | None = None
@@ -121,7 +127,16 @@ class RunState:
         if problem:
             raise SnapshotError(problem)
         self.attempts += 1
+        self.layouts.append({"attempt": self.attempts, "step": self.step, "world_size": self.rt.world_size,
+                             "strategy": str(self.cfg.strategy)})
         self._start = time.perf_counter()
+
+    @property
+    def placement(self) -> dict:
+        """Where this rank's tensors sit in the whole model (saved with every snapshot; fixed for a run)."""
+        if self._placement is None:
+            self._placement = self.engine.placement()
+        return self._placement
 
     def time_used(self) -> float:
         """Training time over every attempt: the snapshot's count plus this attempt's."""
@@ -189,12 +204,14 @@ class RunState:
     def _run_fields(self) -> dict:
         return {"history": self.history, "evals": self.evals, "best_val_loss": self.best_val_loss,
                 "best_val_step": self.best_val_step, "time_used_s": self.time_used(), "last_loss": self.last_loss,
-                "attempts": self.attempts}
+                "attempts": self.attempts, "layouts": self.layouts}
 
     def save(self) -> None:
         t0 = time.perf_counter()
-        payload = {"model": self.engine.sharded_state_dict(), "optimizer": self.optimizer.state_dict(),
+        payload = {"model": self.engine.sharded_state_dict(), "placement": self.placement,
+                   "optimizer": self.optimizer.state_dict(),
                    "scheduler": self.scheduler.state_dict(), "rng": snapshot.rng_state(), "step": self.step,
+                   "samples": self.step * self.cfg.global_batch_size,
                    "window": [self.window_loss, self.window_steps], "run": self._run_fields()}
         if self.best_state is not None:
             payload["best_model"] = self.best_state
@@ -217,29 +234,57 @@ class RunState:
         if target is None:
             return None
         warn = (lambda m: print(m, file=sys.stderr, flush=True)) if self.rt.is_main else (lambda m: None)
-        loaded = snapshot.resume(target, cfg.snapshot_dir, self.layout, on_warning=warn)
+        loaded = snapshot.resume(target, cfg.snapshot_dir, self.layout, on_warning=warn, reshardable=RESHARDABLE)
         if loaded is None:
             warn(f"distlab: no snapshot in {cfg.snapshot_dir} yet: starting from step 0")
             return None
-        p = loaded.payload
+        p = loaded.payload  # old rank 0's when resharding
         self.run_id = loaded.meta.get("run_id")
-        try:
-            self.engine.load_sharded_state_dict(p["model"])
-        except (RuntimeError, KeyError, ValueError) as exc:
-            first = str(exc).strip().splitlines()[0]
-            raise SnapshotError(f"snapshot {loaded.path} holds another model than this run's: {first[:300]}") from None
-        self.optimizer.load_state_dict(p["optimizer"])
+        if loaded.resharded:
+            self._reshard(loaded)
+        else:
+            try:
+                self.engine.load_sharded_state_dict(p["model"])
+            except (RuntimeError, KeyError, ValueError) as exc:
+                first = str(exc).strip().splitlines()[0]
+                raise SnapshotError(f"snapshot {loaded.path} holds another model than this run's: "
+                                    f"{first[:300]}") from None
+            self.optimizer.load_state_dict(p["optimizer"])
+            self.best_state = p.get("best_model")
         self.scheduler.load_state_dict(p["scheduler"])
         self.step = self._saved_step = int(p["step"])
         self.window_loss, self.window_steps = float(p["window"][0]), int(p["window"][1])
+        if loaded.resharded:  # each rank's share of the window's loss sum: the logged mean stays the global mean
+            self.window_loss = sum(float(q["window"][0]) for q in loaded.payloads) / len(loaded.payloads)
         run = p["run"]
         self.history = list(run["history"])
         self.evals = list(run["evals"])
         self.best_val_loss, self.best_val_step = run["best_val_loss"], run["best_val_step"]
         self.last_loss, self.attempts = run["last_loss"], run["attempts"]
+        self.layouts = list(run.get("layouts", []))
         self._time_before = run["time_used_s"]
-        self.best_state = p.get("best_model")
-        snapshot.set_rng_state(p["rng"])  # last: nothing below draws random numbers before training
+        rng = p["rng"] if not loaded.resharded else loaded.payloads[self.rt.rank % len(loaded.payloads)]["rng"]
+        snapshot.set_rng_state(rng)  # last: nothing below draws random numbers before training
         if self.rt.is_main and cfg.verbose:
-            print(f"resumed from {loaded.path} at step {self.step}", file=sys.stderr, flush=True)
+            how = ""
+            if loaded.resharded:
+                was = self.resharded_from
+                how = (f", resharded from {was['world_size']} ranks ({was['strategy']}) to {self.rt.world_size} "
+                       f"({cfg.strategy})")
+            print(f"resumed from {loaded.path} at step {self.step}{how}", file=sys.stderr, flush=True)
         return str(loaded.path)
+
+    def _reshard(self, loaded: snapshot.Loaded) -> None:
+        """Load a snapshot written under another world size or strategy (every old rank's payload)."""
+        meta = loaded.meta
+        self.resharded_from = {"world_size": meta.get("world_size"),
+                               "strategy": str(Strategy.from_dict(meta["strategy"]))
+                               if isinstance(meta.get("strategy"), dict) else str(meta.get("strategy"))}
+        try:
+            best = reshard.load(self.engine, self.optimizer, loaded.payloads)
+        except (reshard.ReshardError, KeyError, ValueError, RuntimeError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise SnapshotError(f"snapshot {loaded.path} (written by {meta.get('world_size')} ranks) cannot be "
+                                f"resharded to this run's layout: {first[:300]}") from None
+        if self.engine.sharded or self.rt.is_main:
+            self.best_state = best

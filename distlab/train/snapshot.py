@@ -18,7 +18,9 @@ or resumes what it did not write.
 
 **Safe to read.** Files are loaded with ``torch.load(weights_only=True)`` (tensors and plain
 containers only: nothing in a file is ever executed) after their checksum matched. A snapshot
-from another model, world size or strategy is refused with an error naming the difference.
+from another model or training configuration is refused with an error naming the difference; one
+from another world size or strategy is read whole by every rank and resharded
+(:mod:`distlab.train.reshard`).
 
 The directory must be visible to every rank under the same path (one machine, or a shared
 file system across nodes, as torch's distributed checkpoints assume).
@@ -271,16 +273,28 @@ def load_rank_file(path: Path, meta: dict, rank: int) -> dict:
 
 @dataclass
 class Loaded:
+    """A snapshot to resume: this rank's ``payload`` -- or, when it was written under another
+    layout, every old rank's (``payloads``, in rank order; ``payload`` is then old rank 0's)."""
+
     path: Path
     meta: dict
     payload: dict
+    payloads: list[dict] | None = None
+
+    @property
+    def resharded(self) -> bool:
+        return self.payloads is not None
 
 
-def _try(path: Path, expected: dict, rank: int) -> tuple[Loaded | None, str | None]:
+def _try(path: Path, expected: dict, rank: int, reshardable: tuple[str, ...] = ()) -> tuple[Loaded | None, str | None]:
+    """Load ``path`` for ``rank``; keys in ``reshardable`` may differ from ``expected`` (then every rank file is read)."""
     try:
         meta = read_meta(path)
-        check_compatible(path, meta, expected)
-        return Loaded(path, meta, load_rank_file(path, meta, rank)), None
+        check_compatible(path, meta, {k: v for k, v in expected.items() if k not in reshardable})
+        if all(meta.get(k) == expected.get(k) for k in reshardable):
+            return Loaded(path, meta, load_rank_file(path, meta, rank)), None
+        payloads = [load_rank_file(path, meta, r) for r in range(len(meta["files"]))]
+        return Loaded(path, meta, payloads[0], payloads), None
     except SnapshotError as exc:
         return None, str(exc)
 
@@ -302,18 +316,21 @@ def _first_reason(reason: str | None) -> str:
     return broadcast_object(first)
 
 
-def resume(target: str, directory: str | None, expected: dict, on_warning=print) -> Loaded | None:
+def resume(target: str, directory: str | None, expected: dict, on_warning=print,
+           reshardable: tuple[str, ...] = ()) -> Loaded | None:
     """Find and load the snapshot to resume from (collective: every rank calls it).
 
     ``target`` is ``"auto"`` (the newest snapshot in ``directory`` that every rank can load;
     bad ones are skipped with a warning; ``None`` if there is none at all) or a snapshot path
-    (used as is, or a clear error). Every rank gets its own payload of the same snapshot.
+    (used as is, or a clear error). Every rank gets its own payload of the same snapshot -- or,
+    where it differs from ``expected`` only in ``reshardable`` keys (world size, strategy), every
+    rank's payloads, to reshard (:mod:`distlab.train.reshard`).
     """
     rank, _ = _world()
     if target != "auto":
         check_path(target)  # the same answer on every rank: they share the file system
         path = Path(target)
-        loaded, reason = _try(path, expected, rank)
+        loaded, reason = _try(path, expected, rank, reshardable)
         if not _all_ok(loaded is not None):
             raise SnapshotError(_first_reason(reason))
         return loaded
@@ -322,7 +339,7 @@ def resume(target: str, directory: str | None, expected: dict, on_warning=print)
     candidates = broadcast_object([str(p) for p in snapshots(directory)])
     refused = []
     for candidate in candidates:
-        loaded, reason = _try(Path(candidate), expected, rank)
+        loaded, reason = _try(Path(candidate), expected, rank, reshardable)
         if _all_ok(loaded is not None):
             if refused and rank == 0:
                 on_warning(f"distlab: warning: resuming from {candidate}, the newest good snapshot "

@@ -112,6 +112,8 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "run_id": run.run_id,
         "fingerprint": run.fingerprint,
         "attempts": run.attempts,
+        "layouts": run.layouts,
+        "resharded_from": run.resharded_from,
         "restart_count": run.restart_count,
         "snapshot": run.last_snapshot,
         "evals": run.evals,
@@ -281,6 +283,10 @@ def print_summary(summary: dict, out: str | None) -> None:
                                         f"from batch {s['base_batch_size']})"))
     if s.get("resumed_from"):
         rows.append(("resumed from", s["resumed_from"]))
+    layouts = s.get("layouts") or []
+    if len({(l["world_size"], l["strategy"]) for l in layouts}) > 1:
+        rows.append(("layouts", " -> ".join(f"{l['world_size']} ranks {l['strategy'] or 'allreduce'} from step "
+                                            f"{l['step']}" for l in layouts)))
     if s.get("stopped") == "time_budget":
         rows.append(("stopped", f"time budget {s['time_budget_s']:g} s reached after {s['time_used_s']:.1f} s"))
     if s.get("snapshot"):

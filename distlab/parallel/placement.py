@@ -1,0 +1,105 @@
+"""Where each tensor a rank holds sits in the whole model: what lets a snapshot change layout.
+
+Every strategy cuts the single-process model's tensors the same three ways, in this order:
+
+1. **pipeline parallel** keeps some layers on a stage, under other keys (``layers.3.weight`` is
+   the model's ``net.3.weight``);
+2. **tensor parallel** keeps part ``part`` of ``parts`` equal slices along one dimension
+   (``torch.chunk``): rows of a column-parallel weight, columns of a row-parallel one, rows of a
+   vocabulary-parallel embedding;
+3. **ZeRO** flattens what is left and keeps elements ``[start, start + length)`` of it, padded with
+   zeros to the shard size.
+
+A :class:`Placement` records those three cuts for one local tensor -- enough to cut it out of
+the full tensor (:func:`take`) and to put every rank's pieces back together (:func:`assemble`)
+without the layout that made them. Element-wise optimizer state (momentum, Adam's moments) is
+placed like its parameter, so the same placements move the optimizer state. A snapshot stores
+each rank's placements beside its tensors; loading it at another world size, ZeRO stage, ``tp``
+or ``pp`` assembles the full tensors and cuts this layout's pieces out of them (the layout-free
+middle form is what ``distlab export`` writes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One local tensor's place in the whole model's tensor ``name`` of shape ``shape``."""
+
+    name: str
+    shape: tuple[int, ...]
+    dim: int | None = None  # tensor parallel: the dimension split into ``parts`` (None: whole)
+    parts: int = 1
+    part: int = 0
+    start: int = 0  # ZeRO: the flat range of the (tensor-parallel) piece this rank keeps
+    length: int | None = None  # None: the whole piece, unflattened
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "shape": list(self.shape)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Placement":
+        return cls(**{**d, "shape": tuple(d["shape"])})
+
+    def piece_shape(self) -> tuple[int, ...]:
+        """The shape of the tensor-parallel piece (before ZeRO flattens it)."""
+        shape = list(self.shape)
+        if self.dim is not None:
+            shape[self.dim] = torch.empty(shape[self.dim]).chunk(self.parts)[self.part].numel()
+        return tuple(shape)
+
+
+def take(full: torch.Tensor, p: Placement, numel: int | None = None) -> torch.Tensor:
+    """This placement's piece of ``full`` (a copy); a flat ZeRO piece is zero-padded to ``numel``."""
+    if tuple(full.shape) != tuple(p.shape):
+        raise ValueError(f"{p.name}: the full tensor has shape {tuple(full.shape)}, the placement {p.shape}")
+    piece = full.chunk(p.parts, p.dim)[p.part] if p.dim is not None else full
+    if p.length is None:
+        return piece.detach().clone().contiguous()
+    flat = piece.reshape(-1)[p.start:p.start + p.length]
+    out = torch.zeros(max(numel or 0, p.length), dtype=full.dtype, device=full.device)
+    out[:p.length].copy_(flat)
+    return out
+
+
+def assemble(pieces: list[tuple[Placement, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The whole tensors from every rank's ``(placement, piece)`` pairs (replicas are read once).
+
+    Raises ``ValueError`` naming a tensor whose pieces do not cover it: a snapshot missing a rank.
+    """
+    full: dict[str, torch.Tensor] = {}
+    covered: dict[str, int] = {}
+    flats: dict[tuple, tuple[torch.Tensor, set]] = {}  # (name, parts, part) -> flattened TP piece, ranges seen
+    seen = set()
+    for p, t in pieces:
+        if p.name not in full:
+            full[p.name] = torch.zeros(p.shape, dtype=t.dtype, device=t.device)
+            covered[p.name] = 0
+        key = (p.name, p.dim, p.parts, p.part)
+        if p.length is None:
+            if key in seen:
+                continue  # a replica (data parallel) of a piece already placed
+            seen.add(key)
+            region = full[p.name].chunk(p.parts, p.dim)[p.part] if p.dim is not None else full[p.name]
+            region.copy_(t.reshape(region.shape))
+            covered[p.name] += region.numel()
+            continue
+        flat, ranges = flats.setdefault(key, (torch.zeros(p.piece_shape(), dtype=t.dtype).reshape(-1), set()))
+        if (p.start, p.length) in ranges:
+            continue
+        ranges.add((p.start, p.length))
+        flat[p.start:p.start + p.length].copy_(t.reshape(-1)[:p.length])
+        covered[p.name] += p.length
+    for (name, dim, parts, part), (flat, _) in flats.items():
+        region = full[name].chunk(parts, dim)[part] if dim is not None else full[name]
+        region.copy_(flat.view(region.shape))
+    short = [name for name, n in covered.items() if n != full[name].numel()]
+    if short:
+        name = short[0]
+        raise ValueError(f"the pieces of {name} cover {covered[name]} of its {full[name].numel()} elements "
+                         f"(a rank's file is missing, or two layouts were mixed)")
+    return full
