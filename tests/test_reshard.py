@@ -15,10 +15,12 @@ import torch.distributed as dist
 
 from distlab import runtime
 from distlab.errors import ConfigError
+from distlab.models import build_model
 from distlab.parallel.placement import Placement, assemble, take
-from distlab.spawn import run_ranks
+from distlab.spawn import RankFailure, run_ranks
 from distlab.train import Trainer, TrainConfig
 from distlab.train import reshard
+from distlab.train.export import export
 from distlab.train import snapshot as snap
 
 AT, END = 7, 13
@@ -143,3 +145,49 @@ def test_a_snapshot_missing_a_rank_file_entry_cannot_be_resharded(tmp_path):
                "model": {"w": torch.ones(2)}, "optimizer": {"state": {}, "param_groups": [{"params": [0]}]}}
     with pytest.raises(reshard.ReshardError, match="cover 2 of its 4"):
         reshard.full_model([payload])
+
+
+# --------------------------------------------------------------------------- export and --init-from
+
+
+def _train_and_gather(rank, world, cfg):
+    trainer = Trainer(cfg.validate(world), runtime.from_process_group())
+    trainer.fit()
+    return trainer.engine.full_state_dict()
+
+
+def _init_from(rank, world, cfg):
+    return Trainer(cfg.validate(world), runtime.from_process_group()).full_parameters()
+
+
+@pytest.mark.parametrize("extra", [{"pp": 2, "microbatches": 2}, {"zero": 3, "tp": 2}])
+def test_export_writes_the_whole_model_and_init_from_starts_from_it(tmp_path, extra):
+    world = 2 if "pp" in extra else 4
+    cfg = _cfg(tmp_path / "a", max_steps=6, snapshot_every=3, **extra)
+    whole = run_ranks(_train_and_gather, world, cfg, timeout=180)[0]
+    info = export(tmp_path / "a" / snap.step_dir_name(6), tmp_path / "model.pt")
+    state = torch.load(tmp_path / "model.pt", weights_only=True)  # plain torch, no distlab object inside
+    assert state.keys() == whole.keys() and all(torch.equal(state[k], whole[k]) for k in whole)
+    assert info["step"] == 6 and info["build"] == "distlab.models.build_model('mlp', (1, 8, 8), 4, widths=(32, 16))"
+    plain = build_model("mlp", (1, 8, 8), 4, widths=(32, 16))
+    plain.load_state_dict(state)  # strict: the single-process model's keys and shapes
+    started = run_ranks(_init_from, 2, _cfg(tmp_path / "b", init_from=str(tmp_path / "model.pt"), zero=2), timeout=120)
+    for params in started:
+        assert all(torch.equal(p, q) for p, q in zip(params, plain.parameters()))
+    other = _cfg(tmp_path / "c", init_from=str(tmp_path / "model.pt"), mlp_widths=(32, 8))
+    with pytest.raises(RankFailure, match=r"`init_from` .*model.pt is for another model: net.3.weight has shape "
+                                          r"\(16, 32\), this model's \(8, 32\)"):
+        run_ranks(_init_from, 1, other, timeout=60)
+
+
+def test_export_and_init_from_refuse_bad_input_in_one_line(run_cli, tmp_path):
+    proc = run_cli("export", "nowhere", "-o", "m.pt")
+    assert proc.returncode == 2 and "error: snapshot nowhere: no snapshot there" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and not (tmp_path / "m.pt").exists()
+    torch.save({"not": "tensors", "code": print}, tmp_path / "evil.pt")  # weights_only refuses the function
+    proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--max-steps", "1",
+                   "--init-from", "evil.pt", "--no-progress")
+    assert proc.returncode == 2 and "`init_from`" not in proc.stderr
+    assert "--init-from evil.pt cannot be loaded safely" in proc.stderr, proc.stderr
+    proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--init-from", "missing.pt")
+    assert proc.returncode == 2 and "--init-from missing.pt: no such file" in proc.stderr

@@ -1,6 +1,6 @@
 """``distlab``: thin command line over the packages (parse, build config, call in, print).
 
-One module per command family: :mod:`.train` (train, verify, report, doctor), :mod:`.plan`,
+One module per command family: :mod:`.train` (train, export, verify, report, doctor), :mod:`.plan`,
 :mod:`.bench`, :mod:`.cluster` (cluster, demo); :mod:`.options` holds what they share.
 
 Every command that runs on several processes takes the same launch flags: ``--nproc-per-node N``
@@ -29,7 +29,7 @@ def cli():
     """distlab: distributed training from first principles, measured against PyTorch's own."""
 
 
-for command in (train.train, train.verify, train.report, plan.plan, cluster.cluster, cluster.demo, bench.bench,
+for command in (train.train, train.export, train.verify, train.report, plan.plan, cluster.cluster, cluster.demo, bench.bench,
                 train.doctor):
     cli.add_command(command)
 

@@ -40,6 +40,8 @@ def train(**kw):
         if cfg.resume not in (None, "auto"):
             from distlab.train.snapshot import check_path
             check_path(cfg.resume)
+        from distlab.train.export import check_init
+        check_init(cfg.init_from)
         if cfg.resume is None:
             from distlab.train.run_state import directory_problem
             problem = directory_problem(cfg.snapshot_dir, cfg.out, "", fresh=True)
@@ -54,6 +56,29 @@ def train(**kw):
             print_summary(summary, cfg.out)
 
     run_distributed(kw, body, check)
+
+
+# --------------------------------------------------------------------------- export
+
+
+@click.command()
+@click.argument("snapshot_path", metavar="SNAPSHOT")
+@click.option("-o", "--out", required=True, help="The file to write (e.g. model.pt).")
+@click.option("--best", is_flag=True, help="The best validation model the snapshot keeps (runs with --val-fraction).")
+def export(snapshot_path, out, best):
+    """Write a snapshot's whole model (any layout, shards put back together) as one state_dict file.
+
+    torch.load(OUT, weights_only=True) and model.load_state_dict accept it; distlab train --init-from
+    starts a run from it.
+    """
+    from distlab.train.export import export as write
+
+    info = write(snapshot_path, out, best)
+    click.echo(f"wrote {info['out']}: {info['model']} at step {info['step']} ({info['world_size']} ranks), "
+               f"{info['tensors']} tensors, {info['parameters']:,} parameters, {info['bytes']:,} bytes, "
+               f"sha256 {info['sha256'][:16]}")
+    click.echo(f"load it: model = {info['build']}; model.load_state_dict(torch.load({info['out']!r}, "
+               f"weights_only=True))")
 
 
 # --------------------------------------------------------------------------- verify

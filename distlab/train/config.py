@@ -67,6 +67,7 @@ class TrainConfig:
     snapshot_every: int | None = None
     keep_snapshots: int = 3
     resume: str | None = None  # "auto" or a snapshot directory
+    init_from: str | None = None  # a whole-model state_dict file to start from (a resumed snapshot wins)
     time_budget_s: float | None = None
     out: str | None = None
     progress: bool | None = None  # None: on when stderr is a terminal

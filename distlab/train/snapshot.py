@@ -228,15 +228,16 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
-def check_path(path: str | Path) -> None:
-    """Before launching: ``--resume PATH`` must be a snapshot directory (one with ``meta.json``)."""
+def check_path(path: str | Path, what: str = "--resume") -> None:
+    """Before launching: ``--resume PATH`` (or ``what`` PATH) must be a snapshot directory (one with ``meta.json``)."""
     path = Path(path)
     if (path / "meta.json").is_file():
         return
     if snapshots(path):
-        raise SnapshotError(f"--resume {path} holds snapshots but is not one: use --resume auto --snapshot-dir "
-                            f"{path} for the newest good one, or name one, e.g. --resume {snapshots(path)[0]}")
-    raise SnapshotError(f"--resume {path}: no snapshot there (a snapshot is a step-NNNNNNNN directory with a "
+        hint = f"use --resume auto --snapshot-dir {path} for the newest good one, or name one" if what == "--resume" \
+            else "name one"
+        raise SnapshotError(f"{what} {path} holds snapshots but is not one: {hint}, e.g. {what} {snapshots(path)[0]}")
+    raise SnapshotError(f"{what} {path}: no snapshot there (a snapshot is a step-NNNNNNNN directory with a "
                         f"meta.json, written by --snapshot-dir)")
 
 

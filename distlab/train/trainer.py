@@ -24,6 +24,7 @@ from distlab.parallel import build_mesh, parallelize
 from distlab.runtime import Runtime, is_comm_failure, seed_everything
 from distlab.train.config import TrainConfig
 from distlab.train.evaluate import evaluate
+from distlab.train.export import load_init
 from distlab.train.metrics import MetricsLog, write_summary
 from distlab.train.optim import build_optimizer, build_scheduler
 from distlab.train.run_state import RunState, fault_injection_hook
@@ -57,7 +58,10 @@ class Trainer:
                               f"{len(self.train_set)} training samples of {cfg.dataset}")
         seed_everything(cfg.seed)  # the same full model on every rank; parallelize shards it
         net = build_model(cfg.model, self.train_set.input_shape, self.train_set.num_classes,
-                          **cfg.model_options()).to(rt.device)
+                          **cfg.model_options())
+        if cfg.init_from:  # before the layout cuts it: every rank reads the whole file
+            load_init(net, cfg.init_from)
+        net = net.to(rt.device)
         self.num_parameters = count_parameters(net)
         self.engine = parallelize(net, cfg.strategy, self.mesh)
         self.optimizer = self.engine.attach(build_optimizer(self.engine.parameters(), cfg))

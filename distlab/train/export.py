@@ -1,0 +1,115 @@
+"""A snapshot's model as one plain file, and a run that starts from one.
+
+:func:`export` reads every rank file of a snapshot (checksums checked, ``weights_only`` loads),
+puts the shards back together by their placements (:mod:`distlab.train.reshard`) and writes the
+whole model's ``state_dict`` -- the keys and shapes of the single-process model, whatever the
+layout that trained it -- with ``torch.save``, atomically. Plain PyTorch reads it::
+
+    model = distlab.models.build_model("mlp", (1, 28, 28), 10, widths=(512, 256))
+    model.load_state_dict(torch.load("model.pt", weights_only=True))
+
+:func:`load_init` is the other way: ``distlab train --init-from model.pt`` starts every rank from
+such a file (one distlab exported, or any ``torch.save(model.state_dict())`` of the same model).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from distlab.errors import ConfigError
+from distlab.train import reshard, snapshot
+from distlab.train.snapshot import SnapshotError
+
+
+def whole_state(path: str | Path, best: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
+    """The whole model's ``state_dict`` in snapshot ``path`` (``best``: the best validation model), and its meta."""
+    path = Path(path)
+    snapshot.check_path(path, "snapshot")
+    meta = snapshot.read_meta(path)
+    payloads = [snapshot.load_rank_file(path, meta, r) for r in range(len(meta["files"]))]
+    key = "best_model" if best else "model"
+    if not any(key in p for p in payloads):
+        raise SnapshotError(f"snapshot {path} holds no best validation model (the run had no --val-fraction)")
+    if any("placement" not in p for p in payloads):
+        if len(payloads) == 1 or not _sharded(meta):
+            return dict(payloads[0][key]), meta  # one replicated model: rank 0's is the whole one
+        raise SnapshotError(f"snapshot {path} was written before snapshots recorded where each tensor sits, by a "
+                            f"sharded layout: resume it with the settings that wrote it and snapshot again")
+    try:
+        return reshard.full_model(payloads, key), meta
+    except reshard.ReshardError as exc:
+        raise SnapshotError(f"snapshot {path}: {exc}") from None
+
+
+def _sharded(meta: dict) -> bool:
+    strategy = meta.get("strategy") or {}
+    return bool(strategy.get("zero")) or strategy.get("tp", 1) > 1 or strategy.get("pp", 1) > 1
+
+
+def export(path: str | Path, out: str | Path, best: bool = False) -> dict:
+    """Write snapshot ``path``'s whole model to ``out`` (atomically); returns what was written."""
+    state, meta = whole_state(path, best)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return {"out": str(out), "step": meta.get("step"), "model": meta.get("model"), "dataset": meta.get("dataset"),
+            "build": build_call(meta), "world_size": meta.get("world_size"),
+            "tensors": len(state), "parameters": sum(t.numel() for t in state.values() if t.is_floating_point()),
+            "bytes": out.stat().st_size, "sha256": hashlib.sha256(out.read_bytes()).hexdigest()}
+
+
+def build_call(meta: dict) -> str:
+    """The ``build_model`` call that makes the model a snapshot's ``meta`` describes (as Python text)."""
+    from distlab.data import dataset_shape
+    try:
+        shape, classes = dataset_shape(meta["dataset"], meta.get("block_size") or 64)
+    except Exception:  # noqa: BLE001 - a dataset name this version does not know: leave it to the user
+        shape, classes = "INPUT_SHAPE", "CLASSES"
+    options = {"widths": tuple(meta["mlp_widths"])} if meta.get("mlp_widths") else \
+        {k: meta[k] for k in ("n_layer", "n_head", "n_embd") if meta.get(k) is not None}
+    args = "".join(f", {k}={v!r}" for k, v in options.items())
+    return f"distlab.models.build_model({meta.get('model')!r}, {tuple(shape) if isinstance(shape, (list, tuple)) else shape}, {classes}{args})"
+
+
+def check_init(path: str | None) -> None:
+    """Before launching: ``--init-from`` must name a readable file."""
+    if path is not None and not Path(path).is_file():
+        raise ConfigError(f"`init_from` {path}: no such file (give a whole-model state_dict, e.g. one "
+                          f"`distlab export SNAPSHOT -o model.pt` wrote)")
+
+
+def load_init(model: nn.Module, path: str) -> None:
+    """Load the whole-model ``state_dict`` file ``path`` into ``model`` (safely: tensors only), or say what differs."""
+    check_init(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not loadable"
+        raise ConfigError(f"`init_from` {path} cannot be loaded safely as a state_dict "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+    if not isinstance(state, dict):
+        raise ConfigError(f"`init_from` {path} holds a {type(state).__name__}, not a state_dict")
+    mine = model.state_dict()
+    missing, extra = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
+    if missing or extra:
+        raise ConfigError(f"`init_from` {path} is for another model: "
+                          + (f"{len(missing)} key(s) missing (first {missing[0]})" if missing else "")
+                          + ("; " if missing and extra else "")
+                          + (f"{len(extra)} unexpected (first {extra[0]})" if extra else ""))
+    for k, v in state.items():
+        if tuple(v.shape) != tuple(mine[k].shape):
+            raise ConfigError(f"`init_from` {path} is for another model: {k} has shape {tuple(v.shape)}, this "
+                              f"model's {tuple(mine[k].shape)}")
+    model.load_state_dict(state)
