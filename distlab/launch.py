@@ -9,11 +9,15 @@ under torchrun with the same arguments; the workers see torchrun's environment a
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from distlab.errors import ConfigError, DistributedError
 from distlab.runtime import cores, port_in_use
@@ -121,11 +125,33 @@ def failure_report(failures: dict[int, tuple[int | None, float]], argv: list[str
     return line
 
 
+def _stopped_by_signal(sig: int, argv: list[str], since: float) -> int:
+    """torchrun's agent got ``sig`` and passed it on: 0 if the workers stopped cleanly as preempted
+    (a summary written after ``since`` says so), else 128 + the signal's number, with a line saying
+    what happened."""
+    out = _flag_value(argv, "--out") or os.environ.get("DISTLAB_OUT")
+    summary = None
+    if out:
+        path = Path(out) / "summary.json"
+        with contextlib.suppress(OSError, ValueError):
+            if path.stat().st_mtime >= since:
+                summary = json.loads(path.read_text())
+    name = signal.Signals(sig).name
+    if summary and summary.get("stopped") == "preempted":
+        where = f"; snapshot {summary['snapshot']} (continue with --resume auto)" if summary.get("snapshot") else ""
+        print(f"distlab: stopped by {name} at step {summary['steps']} as asked{where}", file=sys.stderr, flush=True)
+        return 0
+    print(f"distlab: error: stopped by {name} before the workers had stopped cleanly (no preempted summary"
+          f"{f' in {out}' if out else ''})", file=sys.stderr, flush=True)
+    return 128 + int(sig)
+
+
 def launch(opts: LaunchOptions, argv: list[str]) -> int:
     """Run ``python -m distlab *argv`` on ``nproc_per_node`` local workers under torchrun.
 
     Returns the exit code: 0, or the first failed worker's exit code.
     """
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -144,8 +170,11 @@ def launch(opts: LaunchOptions, argv: list[str]) -> int:
     # The agent logs every signal and failure with a banner; workers report their own errors,
     # so keep it quiet unless asked (DISTLAB_TORCHRUN_LOG=INFO shows everything).
     logging.getLogger("torch.distributed.elastic").setLevel(os.environ.get("DISTLAB_TORCHRUN_LOG", "CRITICAL"))
+    started = time.time()
     try:
         run(parse_args(torchrun_args(opts, argv)))
+    except SignalException as exc:
+        return _stopped_by_signal(exc.sigval, argv, started)
     except ChildFailedError as exc:
         codes = {rank: f.exitcode for rank, f in exc.failures.items()}
         first = next((c for c in codes.values() if c and c > 0), 1)

@@ -20,8 +20,12 @@ def train(**kw):
     from distlab.train import TrainConfig
 
     values = config_from_flags(kw, TRAIN_OPTIONS)
-    values["out"] = values["out"] or os.path.join(
+    from distlab.runtime import under_launcher
+    inherited = os.environ.get("DISTLAB_OUT") if under_launcher() else None  # the launching command's default
+    values["out"] = values["out"] or inherited or os.path.join(
         "runs", f"{values['model']}-{values['dataset'].replace(':', '_')}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if kw["nproc_per_node"] is not None and not under_launcher():
+        os.environ["DISTLAB_OUT"] = values["out"]  # torchrun's workers inherit it: one default for every rank
     cfg = TrainConfig.from_flags(**values)
     device = kw["device"]
 

@@ -64,18 +64,26 @@ def directory_problem(snapshot_dir: str | None, out: str | None, run_id: str | N
 
 
 def fault_injection_hook(rank: int) -> Callable[[int], None] | None:
-    """Test hook from ``DISTLAB_KILL_AT_STEP=RANK:STEP``: SIGKILL that rank right after that step, on
-    the first attempt only (a real, unannounced death for the fault-tolerance tests); else None."""
-    spec = os.environ.get("DISTLAB_KILL_AT_STEP")
-    if not spec or restart_count() > 0:
-        return None
-    victim, at = (int(v) for v in spec.split(":"))
-    if victim != rank:
+    """Test hooks, on the first attempt only (real, unannounced signals for the fault-tolerance tests):
+    ``DISTLAB_KILL_AT_STEP=RANK:STEP`` SIGKILLs that rank right after that step;
+    ``DISTLAB_TERM_AGENT_AT_STEP=RANK:STEP`` makes it send SIGTERM to its parent (torchrun's agent,
+    which passes it on to every worker: a preemption). None when neither names this rank."""
+    hooks = []
+    for variable, target, sig in (("DISTLAB_KILL_AT_STEP", os.getpid, signal.SIGKILL),
+                                  ("DISTLAB_TERM_AGENT_AT_STEP", os.getppid, signal.SIGTERM)):
+        spec = os.environ.get(variable)
+        if not spec or restart_count() > 0:
+            continue
+        victim, at = (int(v) for v in spec.split(":"))
+        if victim == rank:
+            hooks.append((at, target, sig))
+    if not hooks:
         return None
 
     def hook(step: int) -> None:
-        if step == at:
-            os.kill(os.getpid(), signal.SIGKILL)
+        for at, target, sig in hooks:
+            if step == at:
+                os.kill(target(), sig)
 
     return hook
 

@@ -287,6 +287,8 @@ def print_summary(summary: dict, out: str | None) -> None:
     if len({(l["world_size"], l["strategy"]) for l in layouts}) > 1:
         rows.append(("layouts", " -> ".join(f"{l['world_size']} ranks {l['strategy'] or 'allreduce'} from step "
                                             f"{l['step']}" for l in layouts)))
+    if s.get("stopped") == "preempted":
+        rows.append(("stopped", f"preempted (SIGTERM) at step {s['steps']}"))
     if s.get("stopped") == "time_budget":
         rows.append(("stopped", f"time budget {s['time_budget_s']:g} s reached after {s['time_used_s']:.1f} s"))
     if s.get("snapshot"):

@@ -27,6 +27,7 @@ from distlab.train.evaluate import evaluate
 from distlab.train.export import load_init
 from distlab.train.metrics import MetricsLog, write_summary
 from distlab.train.optim import build_optimizer, build_scheduler
+from distlab.train.preemption import Preemption
 from distlab.train.run_state import RunState, fault_injection_hook
 from distlab.train.summary import StepTimes, header, summarize
 
@@ -122,17 +123,36 @@ class Trainer:
             self.say(line)
         self.log = MetricsLog(cfg.out if self.rt.is_main else None, run.history)
         self.bar.update(run.step)
-        times, batches, stopped = StepTimes(), None, "completed"
+        times = StepTimes()
         engine.train()
         start = self._window_t0 = time.perf_counter()
+        with Preemption(self.rt.device) as preemption:
+            stopped = self._loop(times, preemption)
+        self.bar.close()
+        if stopped == "time_budget" and (not run.evals or run.evals[-1]["step"] != run.step):
+            result = self._evaluate(run.step // self.steps_per_epoch)
+            self.say(f"time budget reached at step {run.step}: test accuracy {100 * result['test_accuracy']:.2f}%")
+        run.final_snapshot()
+        if stopped == "preempted":
+            self.say(f"preempted (SIGTERM) at step {run.step}: " + (
+                f"snapshot {run.last_snapshot}; continue with --resume auto" if run.last_snapshot else
+                "no --snapshot-dir, so the progress is lost"))
+        summary = summarize(self, stopped, times, time.perf_counter() - start)
+        if self.rt.is_main and cfg.out:
+            write_summary(cfg.out, summary)
+        return summary
+
+    def _loop(self, times: StepTimes, preemption: Preemption) -> str:
+        """Steps until the end, the time budget or a preemption; returns which stopped it."""
+        cfg, run, engine = self.cfg, self.run, self.engine
+        batches = None
         while run.step < self.total_steps:
             epoch, position = divmod(run.step, self.steps_per_epoch)
             if batches is None or position == 0:
                 self.loader.set_epoch(epoch)
                 batches = self.loader.iter_from(position)
             if run.out_of_time(times.step):
-                stopped = "time_budget"
-                break
+                return "time_budget"
             t0 = time.perf_counter()
             x, y = (t.to(self.rt.device, non_blocking=True) for t in next(batches))
             lr = self.optimizer.param_groups[0]["lr"]
@@ -156,15 +176,9 @@ class Trainer:
                 if cfg.eval_every_epoch or run.step >= self.total_steps:
                     self._evaluate(epoch)
             self._window_t0 += run.maybe_snapshot(self.total_steps)
-        self.bar.close()
-        if stopped == "time_budget" and (not run.evals or run.evals[-1]["step"] != run.step):
-            result = self._evaluate(run.step // self.steps_per_epoch)
-            self.say(f"time budget reached at step {run.step}: test accuracy {100 * result['test_accuracy']:.2f}%")
-        run.final_snapshot()
-        summary = summarize(self, stopped, times, time.perf_counter() - start)
-        if self.rt.is_main and cfg.out:
-            write_summary(cfg.out, summary)
-        return summary
+            if preemption.poll():
+                return "preempted"
+        return "completed"
 
     # ------------------------------------------------------------------ logging and evaluation
 
