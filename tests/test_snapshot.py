@@ -79,10 +79,12 @@ def test_crash_while_writing_leaves_the_previous_snapshot(tmp_path, monkeypatch)
             raise OSError("disk died")  # the rank file of step 2 is on disk, its meta.json never is
         real(path, data)
     monkeypatch.setattr(snap, "_write_file", crash_on_meta)
-    with pytest.raises(OSError):
+    with pytest.raises(snap.SnapshotError, match=r"the snapshot of step 2 could not be written: disk died writing "
+                                                 r".*tmp-step-00000002; the previous snapshot .*step-00000001 is intact"):
         _save(tmp_path, 2, value=2.0)
     monkeypatch.setattr(snap, "_write_file", real)
     assert [p.name for p in snap.snapshots(tmp_path)] == ["step-00000001"]
+    assert not (tmp_path / ".tmp-step-00000002").exists()  # the partial snapshot is removed
     assert torch.equal(snap.resume("auto", str(tmp_path), LAYOUT).payload["model"]["w"], torch.ones(3, 4))
     _save(tmp_path, 2, value=2.0)  # the half-written attempt does not get in the way of the next
     assert snap.resume("auto", str(tmp_path), LAYOUT).meta["step"] == 2

@@ -36,6 +36,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import time
 import warnings
 from dataclasses import dataclass
@@ -75,11 +76,6 @@ def _fsync_dir(path: Path) -> None:
 
 def _world() -> tuple[int, int]:
     return group_rank(), group_size()
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def broadcast_object(obj):
@@ -144,41 +140,86 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def _problem(exc: OSError, path: Path) -> str:
+    """One line for a failed write: what, where, and the system's reason."""
+    reason = exc.strerror or str(exc)
+    return f"{reason} (errno {exc.errno}) writing {path}" if exc.errno else f"{reason} writing {path}"
+
+
+def _kill_while_writing(rank: int, step: int) -> None:
+    """Fault drill: ``DISTLAB_KILL_IN_SNAPSHOT=RANK:STEP`` SIGKILLs that rank after its file of that
+    step's snapshot is written and before the snapshot is committed (first attempt only)."""
+    spec = os.environ.get("DISTLAB_KILL_IN_SNAPSHOT")
+    if spec and int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) == 0:
+        victim, at = (int(v) for v in spec.split(":"))
+        if (victim, at) == (rank, step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def save(directory: str | Path, step: int, payload: dict, meta: dict, keep: int) -> Path:
     """Write this rank's ``payload`` into snapshot ``step`` (collective: every rank calls it).
 
     ``meta`` (rank 0's) describes the run (its ``run_id`` and layout); it goes into ``meta.json``
-    with every rank file's checksum. Returns the snapshot directory.
+    with every rank file's checksum. Returns the snapshot directory. A write that fails on any rank
+    (a full disk, a read-only directory) fails on every rank with one :class:`SnapshotError`; the
+    partial snapshot is removed and the earlier ones are untouched.
     """
     rank, world = _world()
     root = Path(directory)
     final = root / step_dir_name(step)
     tmp = root / f".tmp-{step_dir_name(step)}"
+    error = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():  # left by a crash mid-write: never committed, so nobody reads it
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    _barrier()
-    data = _serialize(payload)
-    _write_file(tmp / rank_file_name(rank), data)
-    digest = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    digests = _gather_objects(digest)
-    if rank == 0:
-        record = {"format": FORMAT, "step": step, "world_size": world,
-                  "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                  "files": {rank_file_name(r): d for r, d in enumerate(digests)}, **meta}
-        _write_file(tmp / "meta.json", (json.dumps(record, indent=1) + "\n").encode())
-        _fsync_dir(tmp)
-        if final.exists():  # a snapshot of this step that was refused: keep it for inspection
-            aside = root / f"{final.name}.bad-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-            os.replace(final, aside)
-            warnings.warn(f"moved the earlier snapshot {final} aside to {aside.name}", stacklevel=2)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        prune(root, keep, meta.get("run_id"))
-    _barrier()  # committed for everyone before anyone goes on (or stops)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():  # left by a crash mid-write: never committed, so nobody reads it
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as exc:
+            error = _problem(exc, tmp)
+    error = broadcast_object(error)  # also: the directory exists before anyone writes into it
+    if error is None:
+        try:
+            data = _serialize(payload)
+            _write_file(tmp / rank_file_name(rank), data)
+            digest = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        except OSError as exc:
+            digest = {"error": _problem(exc, tmp / rank_file_name(rank))}
+        _kill_while_writing(rank, step)
+        digests = _gather_objects(digest)
+        if rank == 0:
+            error = next((d["error"] for d in digests if "error" in d), None)
+            if error is None:
+                try:
+                    _commit(root, tmp, final, step, world, digests, meta, keep)
+                except OSError as exc:
+                    error = _problem(exc, tmp)
+            if error is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+        error = broadcast_object(error)  # committed (or not) for everyone before anyone goes on
+    if error is not None:
+        previous = next((p for p in snapshots(root) if p != final), None)
+        kept = f"the previous snapshot {previous} is intact" if previous else "there is no earlier snapshot"
+        raise SnapshotError(f"the snapshot of step {step} could not be written: {error}; {kept}. Free space in "
+                            f"{root} or give another --snapshot-dir, then continue with --resume auto")
     return final
+
+
+def _commit(root: Path, tmp: Path, final: Path, step: int, world: int, digests: list, meta: dict,
+            keep: int) -> None:
+    """Rank 0: write ``meta.json`` into the complete ``tmp`` and rename it into place; prune."""
+    record = {"format": FORMAT, "step": step, "world_size": world,
+              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "files": {rank_file_name(r): d for r, d in enumerate(digests)}, **meta}
+    _write_file(tmp / "meta.json", (json.dumps(record, indent=1) + "\n").encode())
+    _fsync_dir(tmp)
+    if final.exists():  # a snapshot of this step that was refused: keep it for inspection
+        aside = root / f"{final.name}.bad-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        os.replace(final, aside)
+        warnings.warn(f"moved the earlier snapshot {final} aside to {aside.name}", stacklevel=3)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    prune(root, keep, meta.get("run_id"))
 
 
 def snapshots(directory: str | Path) -> list[Path]:
