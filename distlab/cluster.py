@@ -18,6 +18,12 @@ command -- ``--node-rank I --master-addr NODE0 --master-port P`` appended, so re
 collective really cross the emulated network. ``{node_rank}``, ``{node_addr}``, ``{master_addr}``
 and ``{nnodes}`` in ``CMD`` are replaced for other programs. Output lines are prefixed with the node.
 
+Faults, for elastic training and fault drills: ``kill-node I`` SIGKILLs every process of node
+``I`` (a machine that died; the running ``run`` does not count it as a failure), ``revive-node I``
+starts the last ``run`` command on it again (an elastic job takes it in at its next
+re-rendezvous), ``cut-link I`` drops every packet to and from it (netem loss 100%: a pulled cable,
+the processes still alive) and ``mend-link I`` restores the link.
+
 Every object is recorded in a state file *before* it is created, so ``down`` removes all of it,
 also after a crash half-way through ``up``. Needs root and iproute2 (``ip``, ``tc``).
 """
@@ -29,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -69,6 +76,9 @@ class Cluster:
     delay: str | None
     bridge: str
     nodes: list[Node] = field(default_factory=list)
+    command: list[str] = field(default_factory=list)  # the last `run`'s command (what `revive-node` starts again)
+    killed: list[int] = field(default_factory=list)  # nodes `kill-node` stopped since that run began
+    cut: list[int] = field(default_factory=list)  # nodes whose link `cut-link` dropped
 
     @property
     def master_addr(self) -> str:
@@ -89,7 +99,8 @@ class Cluster:
         try:
             data = json.loads(path.read_text())
             return cls(data["name"], data["bandwidth"], data.get("delay"), data["bridge"],
-                       [Node(**n) for n in data["nodes"]])
+                       [Node(**n) for n in data["nodes"]], list(data.get("command", [])),
+                       list(data.get("killed", [])), list(data.get("cut", [])))
         except (ValueError, KeyError, TypeError) as exc:
             raise ClusterError(f"the cluster state file {path} is unreadable ({exc}); remove the namespaces "
                                f"dl-{name}-n* and the bridge dlbr-{name} by hand, then delete the file") from None
@@ -237,6 +248,18 @@ def node_command(cluster: Cluster, node: Node, cmd: list[str], master_port: int 
             args += ["--master-port", str(master_port)]
         if "--nnodes" not in given:
             args += ["--nnodes", str(len(cluster.nodes))]
+        if "--rdzv-endpoint" in given:  # the node at the endpoint hosts the c10d store (torchrun cannot tell:
+            # every namespace has the same hostname)
+            host = args[args.index("--rdzv-endpoint") + 1].rsplit(":", 1)[0]
+            setting = f"is_host={'true' if host == node.addr else 'false'}"
+            if "--rdzv-conf" in given:
+                at = args.index("--rdzv-conf") + 1
+                if "is_host" not in args[at]:
+                    args[at] = f"{args[at]},{setting}"
+            else:
+                args += ["--rdzv-conf", setting]
+            if "--local-addr" not in given:  # the workers find rank 0's store there (not at "localhost")
+                args += ["--local-addr", node.addr]
     env = ["env", "GLOO_SOCKET_IFNAME=eth0", f"DISTLAB_NODE_RANK={node.rank}", f"DISTLAB_NODE_ADDR={node.addr}",
            f"MASTER_ADDR={cluster.master_addr}"]
     if node.cores:
@@ -258,9 +281,9 @@ def run(cmd: list[str], name: str = "dl", timeout: float | None = None, out=None
         raise ConfigError("distlab cluster run needs a command after --, e.g. "
                           "distlab cluster run -- distlab train --nproc-per-node 1")
     check_capable()
-    cluster = Cluster.load(name)
-    if cluster is None:
-        raise ClusterError(f"no cluster {name!r} is up: `distlab cluster up --nodes K` first")
+    cluster = _loaded(name)
+    cluster.command, cluster.killed = list(cmd), []
+    cluster.save()
     procs, pumps = [], []
     for node in cluster.nodes:
         p = subprocess.Popen(node_command(cluster, node, cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -283,4 +306,81 @@ def run(cmd: list[str], name: str = "dl", timeout: float | None = None, out=None
         raise
     for t in pumps:
         t.join(timeout=5)
-    return next((c for c in codes if c), 0)
+    killed = set(_loaded(name).killed)  # a node killed on purpose is not a failure of the command
+    return next((c for node, c in zip(cluster.nodes, codes) if c and node.rank not in killed), 0)
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def _loaded(name: str) -> Cluster:
+    cluster = Cluster.load(name)
+    if cluster is None:
+        raise ClusterError(f"no cluster {name!r} is up: `distlab cluster up --nodes K` first")
+    return cluster
+
+
+def _node(cluster: Cluster, index: int) -> Node:
+    if not 0 <= index < len(cluster.nodes):
+        raise ConfigError(f"node {index}: cluster {cluster.name!r} has nodes 0 to {len(cluster.nodes) - 1}")
+    return cluster.nodes[index]
+
+
+def kill_node(index: int, name: str = "dl") -> list[int]:
+    """SIGKILL every process in node ``index``'s namespace (a machine that died); returns their pids.
+    The running ``cluster run`` then treats that node's exit as intended."""
+    check_capable()
+    cluster = _loaded(name)
+    node = _node(cluster, index)
+    if index not in cluster.killed:
+        cluster.killed.append(index)
+        cluster.save()  # before the kill: `run` reads it when the node's command ends
+    pids = [int(p) for p in _sh("ip", "netns", "pids", node.netns).stdout.split()]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+def revive_node(index: int, name: str = "dl", timeout: float | None = None, out=None) -> int:
+    """Start the last ``cluster run`` command again on node ``index`` (a machine back from the dead:
+    an elastic job takes it in at its next re-rendezvous); runs until it ends, returns its exit code."""
+    check_capable()
+    cluster = _loaded(name)
+    node = _node(cluster, index)
+    if not cluster.command:
+        raise ClusterError(f"cluster {name!r} has run nothing yet: revive-node starts the last `cluster run` command")
+    if _sh("ip", "netns", "pids", node.netns).stdout.split():
+        raise ClusterError(f"node {index} still has processes running: kill-node {index} first")
+    cluster.killed = [k for k in cluster.killed if k != index]
+    cluster.save()
+    p = subprocess.Popen(node_command(cluster, node, cluster.command), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, bufsize=1)
+    pump = threading.Thread(target=_pump, args=(p.stdout, f"[node {index}] ", out or sys.stdout), daemon=True)
+    pump.start()
+    try:
+        code = p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise ClusterError(f"node {index}'s command was still running after {timeout:g}s and was killed") from None
+    pump.join(timeout=5)
+    return code
+
+
+def cut_link(index: int, name: str = "dl", restore: bool = False) -> None:
+    """Drop every packet to and from node ``index`` (netem loss 100% on both ends of its link) -- a
+    cable pulled, the machine still up; ``restore`` puts the link's shaping back."""
+    check_capable()
+    cluster = _loaded(name)
+    node = _node(cluster, index)
+    ns = ["ip", "netns", "exec", node.netns]
+    for prefix, dev in ((ns, "eth0"), ([], node.host_if)):
+        _sh(*prefix, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+        if restore:
+            _shape(prefix, dev, cluster.bandwidth, cluster.delay)
+        else:
+            _sh(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "netem", "loss", "100%")
+    cluster.cut = sorted(set(cluster.cut) - {index}) if restore else sorted(set(cluster.cut) | {index})
+    cluster.save()

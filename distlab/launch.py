@@ -33,6 +33,8 @@ class LaunchOptions:
     rdzv_endpoint: str | None = None
     max_restarts: int = 0
     threads: int | None = None
+    rdzv_conf: str | None = None
+    local_addr: str | None = None
 
     @property
     def max_nodes(self) -> int:
@@ -45,6 +47,20 @@ class LaunchOptions:
         """World size the launch will produce (the maximum, for an elastic MIN:MAX range)."""
         return (self.nproc_per_node or 1) * self.max_nodes
 
+    @property
+    def elastic(self) -> bool:
+        return ":" in self.nnodes
+
+    def possible_world_sizes(self) -> list[int]:
+        """Every world size the job may run at: one per node count of a MIN:MAX range."""
+        try:
+            low, high = (int(v) for v in self.nnodes.split(":")) if self.elastic else (self.max_nodes,) * 2
+        except ValueError:
+            raise ConfigError(f"--nnodes {self.nnodes!r} is not N or MIN:MAX") from None
+        if not 1 <= low <= high:
+            raise ConfigError(f"--nnodes {self.nnodes}: need 1 <= MIN <= MAX")
+        return [(self.nproc_per_node or 1) * n for n in range(low, high + 1)]
+
 
 def torchrun_args(opts: LaunchOptions, argv: list[str]) -> list[str]:
     """The torchrun command line equivalent to this launch (without the ``torchrun`` word)."""
@@ -52,6 +68,8 @@ def torchrun_args(opts: LaunchOptions, argv: list[str]) -> list[str]:
             "--max-restarts", str(opts.max_restarts)]
     if opts.rdzv_endpoint:
         args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", opts.rdzv_endpoint]
+        args += ["--rdzv-conf", opts.rdzv_conf] if opts.rdzv_conf else []
+        args += ["--local-addr", opts.local_addr] if opts.local_addr else []
     else:
         args += ["--node-rank", str(opts.node_rank)]
         if opts.master_addr:
@@ -159,6 +177,11 @@ def launch(opts: LaunchOptions, argv: list[str]) -> int:
         raise ConfigError(f"--nproc-per-node must be at least 1, not {opts.nproc_per_node}")
     if opts.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be at least 0, not {opts.max_restarts}")
+    if opts.elastic and not opts.rdzv_endpoint:
+        raise ConfigError(f"--nnodes {opts.nnodes} (elastic) needs --rdzv-endpoint HOST:PORT: a fixed master cannot "
+                          f"take nodes in or let them go")
+    if opts.rdzv_conf and not opts.rdzv_endpoint:
+        raise ConfigError("--rdzv-conf sets up the c10d rendezvous of --rdzv-endpoint: give that too")
     addr = opts.master_addr or "127.0.0.1"
     if (not opts.rdzv_endpoint and opts.node_rank == 0 and opts.master_port is not None
             and port_in_use(addr if addr != "localhost" else "127.0.0.1", opts.master_port)):

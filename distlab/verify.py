@@ -37,18 +37,11 @@ normalises over the whole global batch.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from distlab.errors import ConfigError
-from distlab.flags import strategy_flags
 from distlab.parallel import COLLECTIVES, SYNC_METHODS, Strategy
 from distlab.train.config import TrainConfig
 
@@ -223,74 +216,3 @@ def table(records: list[dict]) -> str:
         rows.append("APPROX: compressed gradients are an approximation of the mean, with no rounding bound; the "
                     "columns give its measured deviation from single-process training.")
     return "\n".join(rows)
-
-
-# --------------------------------------------------------------------------- kill and resume
-
-
-def _tensors(obj):
-    """Every tensor inside nested dicts/lists, in a fixed order."""
-    if torch.is_tensor(obj):
-        yield obj
-    elif isinstance(obj, dict):
-        for key in sorted(obj, key=str):
-            yield from _tensors(obj[key])
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors(item)
-
-
-def verify_resume(case: Case, world_size: int, steps: int, workdir: str, timeout: float = 600.0) -> dict:
-    """Kill a worker with SIGKILL mid-epoch under ``--max-restarts 1`` and compare the finished run with an
-    uninterrupted one: the final model of every rank and the logged losses must be bitwise equal.
-
-    Both runs are real ``distlab train --nproc-per-node N`` jobs (torchrun's elastic agent restarts
-    the group; the workers resume from the newest snapshot on their own). The last rank dies right
-    after step ``steps // 2 + 1``; snapshots are taken every ``steps // 4`` steps.
-    """
-    from distlab.bench.common import machine_facts
-    from distlab.train import snapshot
-
-    if steps < 4:
-        raise ConfigError(f"--resume needs at least 4 steps (snapshot, then the kill, then more steps), not {steps}")
-    root = Path(workdir)
-    model, dataset = ("small-cnn-bn", "synthetic:3x8x8:4:4096") if case.strategy.sync_bn != "off" else \
-        ("mlp", "synthetic:1x16x16:10:4096")
-    batch = 16 * world_size
-    every, kill_step = max(1, steps // 4), steps // 2 + 1
-    base = [sys.executable, "-m", "distlab", "train", "--nproc-per-node", str(world_size), "--device", "cpu",
-            "--model", model, "--mlp-widths", "64,32", "--dataset", dataset, "--global-batch-size", str(batch),
-            "--max-steps", str(steps), "--snapshot-every", str(every), "--lr", "0.003", "--lr-schedule", "cosine",
-            "--log-every", "1", "--no-progress", "--comm-timeout", "60", "--optimizer", case.optimizer,
-            *strategy_flags(case.strategy)]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "DISTLAB_KILL_AT_STEP")}
-    runs = {}
-    for name, extra, extra_env in (("straight", [], {}),
-                                   ("killed", ["--max-restarts", "1"],
-                                    {"DISTLAB_KILL_AT_STEP": f"{world_size - 1}:{kill_step}"})):
-        out = root / name
-        shutil.rmtree(out, ignore_errors=True)
-        proc = subprocess.run([*base, *extra, "--snapshot-dir", str(out / "snapshots"), "--out", str(out / "run")],
-                              capture_output=True, text=True, timeout=timeout, env={**env, **extra_env})
-        if proc.returncode != 0:
-            raise ConfigError(f"the {name} run failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
-        summary = json.loads((out / "run" / "summary.json").read_text())
-        path = Path(summary["snapshot"])
-        meta = snapshot.read_meta(path)
-        models = [snapshot.load_rank_file(path, meta, r)["model"] for r in range(world_size)]
-        losses = [json.loads(line)["loss"] for line in (out / "run" / "metrics.jsonl").open()]
-        runs[name] = (summary, [t for m in models for t in _tensors(m)], losses)
-    (_, a_tensors, a_losses), (b_summary, b_tensors, b_losses) = runs["straight"], runs["killed"]
-    param_diff = max(((x.double() - y.double()).abs().max().item() for x, y in zip(a_tensors, b_tensors)
-                      if x.numel()), default=0.0)
-    same_shapes = [x.shape for x in a_tensors] == [y.shape for y in b_tensors]
-    loss_diff = max((abs(x - y) for x, y in zip(a_losses, b_losses)), default=0.0)
-    bitwise = same_shapes and all(torch.equal(x, y) for x, y in zip(a_tensors, b_tensors)) and a_losses == b_losses
-    return {"strategy": f"{case.name} (kill+resume)", "flags": case.flags(), "world_size": world_size,
-            "steps": steps, "model": model, "global_batch_size": batch, "max_abs_param_diff": param_diff,
-            "max_rel_param_diff": 0.0 if bitwise else float("nan"), "max_loss_diff": loss_diff, "tolerance": 0.0,
-            "killed": f"rank {world_size - 1} by SIGKILL after step {kill_step}",
-            "restarts": b_summary["restart_count"], "resumed_from": b_summary["resumed_from"],
-            "passed": bitwise and b_summary["restart_count"] == 1 and b_summary["resumed_from"] is not None,
-            **machine_facts()}
-

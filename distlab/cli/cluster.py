@@ -74,6 +74,46 @@ def cluster_run(name, timeout, cmd):
     sys.exit(c.run(list(cmd), name, timeout))
 
 
+@cluster.command("kill-node")
+@click.argument("index", type=int)
+@click.option("--name", default="dl", show_default=True)
+def cluster_kill_node(index, name):
+    """SIGKILL every process on node INDEX (a machine that died)."""
+    from distlab import cluster as c
+    pids = c.kill_node(index, name)
+    click.echo(f"node {index}: killed {len(pids)} process(es)" + (f" ({', '.join(map(str, pids))})" if pids else ""))
+
+
+@cluster.command("revive-node")
+@click.argument("index", type=int)
+@click.option("--name", default="dl", show_default=True)
+@click.option("--timeout", type=float, default=None, help="Kill the command after this many seconds.")
+def cluster_revive_node(index, name, timeout):
+    """Start the last `cluster run` command again on node INDEX (an elastic job takes it in)."""
+    from distlab import cluster as c
+    sys.exit(c.revive_node(index, name, timeout))
+
+
+@cluster.command("cut-link")
+@click.argument("index", type=int)
+@click.option("--name", default="dl", show_default=True)
+def cluster_cut_link(index, name):
+    """Drop every packet to and from node INDEX (netem loss 100%); mend-link restores it."""
+    from distlab import cluster as c
+    c.cut_link(index, name)
+    click.echo(f"node {index}: link cut (every packet dropped both ways)")
+
+
+@cluster.command("mend-link")
+@click.argument("index", type=int)
+@click.option("--name", default="dl", show_default=True)
+def cluster_mend_link(index, name):
+    """Restore node INDEX's link (its shaping as `up` made it)."""
+    from distlab import cluster as c
+    c.cut_link(index, name, restore=True)
+    click.echo(f"node {index}: link restored")
+
+
 # --------------------------------------------------------------------------- demo
 
 

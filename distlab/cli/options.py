@@ -37,6 +37,10 @@ def launch_options(f):
         click.option("--master-port", type=int, default=None,
                      help="Port of rank 0 / node 0 (default: a free one on a single node, else 29500)."),
         click.option("--rdzv-endpoint", default=None, help="torchrun c10d rendezvous HOST:PORT (elastic jobs)."),
+        click.option("--local-addr", default=None,
+                     help="This node's address as the other nodes reach it (torchrun; elastic jobs)."),
+        click.option("--rdzv-conf", default=None,
+                     help="torchrun rendezvous settings, e.g. last_call_timeout=5,join_timeout=300 (elastic jobs)."),
         click.option("--max-restarts", type=int, default=0, show_default=True,
                      help="Restarts of the worker group after a failure (torchrun)."),
         click.option("--rank", type=int, default=None, help="Manual start: this process's global rank."),
@@ -64,7 +68,8 @@ def run_distributed(kw: dict, body, planned_check=None):
     from distlab.launch import LaunchOptions, launch
 
     lopts = LaunchOptions(kw.pop("nproc_per_node"), kw.pop("nnodes"), kw.pop("node_rank"), kw["master_addr"],
-                          kw["master_port"], kw.pop("rdzv_endpoint"), kw.pop("max_restarts"), kw["threads"])
+                          kw["master_port"], kw.pop("rdzv_endpoint"), kw.pop("max_restarts"), kw["threads"],
+                          kw.pop("rdzv_conf"), kw.pop("local_addr"))
     manual = kw["rank"] is not None or kw["world_size"] is not None
     if lopts.nproc_per_node is not None and not runtime.under_launcher():
         if manual:
@@ -72,8 +77,9 @@ def run_distributed(kw: dict, body, planned_check=None):
                               "cannot be combined: use one or the other")
         runtime.check_local_devices(kw["device"], lopts.nproc_per_node)
         runtime.resolve_backend(kw["backend"], runtime.resolve_device(kw["device"], 0))  # once, before any worker
-        if planned_check:
-            planned_check(lopts.planned_world_size())
+        if planned_check:  # an elastic job may run at any world size of its range: each must work
+            for world in lopts.possible_world_sizes():
+                planned_check(world)
         sys.exit(launch(lopts, sys.argv[1:]))
     if planned_check and manual and kw["world_size"]:
         planned_check(kw["world_size"])

@@ -101,37 +101,51 @@ def export(snapshot_path, out, best):
 @click.option("--json", "json_path", default=None, help="Write the records here.")
 @click.option("--resume", "resume", is_flag=True,
               help="Instead: SIGKILL a worker mid-run under torchrun --max-restarts 1 and check that the resumed "
-                   "run ends bitwise equal to an uninterrupted one (default strategy allreduce+adam).")
-@click.option("--workdir", default=None, help="With --resume: keep both runs here (default: a temporary directory).")
-def verify(nproc, strategies, steps, global_batch_size, json_path, resume, workdir):
+                   "run ends bitwise equal to an uninterrupted one (the kill drill of --faults; default strategy "
+                   "allreduce+adam).")
+@click.option("--faults", "faults", default=None, is_flag=False, flag_value="all", metavar="DRILLS",
+              help="Instead: fault drills on real jobs, all or a comma list of kill, kill-in-snapshot, preempt, "
+                   "reshard, disk-full: bitwise equal to an uninterrupted run after each (reshard: within float32 "
+                   "rounding); disk-full fails in one line keeping the earlier snapshot (root only). Default "
+                   "strategy allreduce+adam.")
+@click.option("--workdir", default=None, help="With --resume or --faults: keep the runs here (default: a temporary "
+                                              "directory).")
+def verify(nproc, strategies, steps, global_batch_size, json_path, resume, faults, workdir):
     """Prove each strategy equals single-process training: largest parameter and loss differences."""
     import json
     import tempfile
 
+    from distlab import faults as f
     from distlab import verify as v
     from distlab.train.metrics import atomic_write_text
     if nproc < 1 or steps < 1:
         raise ConfigError("--nproc and --steps must be at least 1")
+    if resume and faults:
+        raise ConfigError("--resume is the kill drill of --faults: give one of them")
+    drills = ["kill"] if resume else (list(f.DRILLS) if faults == "all" else
+                                      [d.strip() for d in faults.split(",") if d.strip()] if faults else None)
     chosen = [v.parse_strategy(s) for s in strategies] or (
-        [v.parse_strategy("allreduce+adam")] if resume else v.default_strategies(nproc))
+        [v.parse_strategy("allreduce+adam")] if drills else v.default_strategies(nproc))
     for s in chosen:  # flags and batch split, before any process starts
         v.config_for(s, nproc, steps, global_batch_size)
-    click.echo(f"{'killing and resuming' if resume else 'verifying'} {len(chosen)} strategies on {nproc} processes, "
-               f"{steps} steps each ...", err=True)
-    if resume:
+    what = f"fault drills ({', '.join(drills)}) for" if drills else "verifying"
+    click.echo(f"{what} {len(chosen)} strategies on {nproc} processes, {steps} steps each ...", err=True)
+    if drills:
         with tempfile.TemporaryDirectory(prefix="distlab-verify-") as tmp:
-            records = [v.verify_resume(s, nproc, steps, os.path.join(workdir or tmp, f"{i}-{s.name}"))
-                       for i, s in enumerate(chosen)]
+            records = [r for i, s in enumerate(chosen)
+                       for r in f.run_drills(s, nproc, steps, os.path.join(workdir or tmp, f"{i}-{s.name}"), drills)]
+        click.echo(f.table(records))
     else:
         records = v.verify(chosen, nproc, steps, global_batch_size)
-    click.echo(v.table(records))
+        click.echo(v.table(records))
     if json_path:
         atomic_write_text(json_path, json.dumps(records, indent=1) + "\n")
         click.echo(f"wrote {json_path}", err=True)
-    failed = [r["strategy"] for r in records if r["passed"] is False]
+    failed = [r["strategy"] + (f" ({r['drill']})" if "drill" in r else "") for r in records if r["passed"] is False]
     if failed:
-        click.echo(f"{len(failed)} strategies differ from single-process training beyond their rounding bound: "
-                   f"{', '.join(failed)}", err=True)
+        reason = "failed their fault drills" if drills else \
+            "differ from single-process training beyond their rounding bound"
+        click.echo(f"{len(failed)} strategies {reason}: {', '.join(failed)}", err=True)
         sys.exit(1)
 
 

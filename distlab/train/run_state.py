@@ -88,6 +88,21 @@ def fault_injection_hook(rank: int) -> Callable[[int], None] | None:
     return hook
 
 
+def last_logged_step(out: str | None) -> int | None:
+    """The last step in ``out``'s ``metrics.jsonl`` (None: no such file or no step in it)."""
+    path = Path(out) / "metrics.jsonl" if out else None
+    if path is None or not path.is_file():
+        return None
+    step = None
+    with path.open() as f:
+        for line in f:
+            try:
+                step = int(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):
+                continue
+    return step
+
+
 class RunState:
     """Step, logged history, evaluations, best validation model, time used; saved in every snapshot."""
 
@@ -135,8 +150,13 @@ class RunState:
         if problem:
             raise SnapshotError(problem)
         self.attempts += 1
-        self.layouts.append({"attempt": self.attempts, "step": self.step, "world_size": self.rt.world_size,
-                             "strategy": str(self.cfg.strategy)})
+        entry = {"attempt": self.attempts, "step": self.step, "world_size": self.rt.world_size,
+                 "strategy": str(self.cfg.strategy)}
+        if self.resumed_from is not None and self.rt.is_main:
+            logged = last_logged_step(self.cfg.out)
+            if logged is not None:  # steps the attempt before reached (as far as it logged) that are done again
+                entry["lost_steps"] = max(0, logged - self.step)
+        self.layouts.append(entry)
         self._start = time.perf_counter()
 
     @property

@@ -287,6 +287,9 @@ def print_summary(summary: dict, out: str | None) -> None:
     if len({(l["world_size"], l["strategy"]) for l in layouts}) > 1:
         rows.append(("layouts", " -> ".join(f"{l['world_size']} ranks {l['strategy'] or 'allreduce'} from step "
                                             f"{l['step']}" for l in layouts)))
+    lost = [l["lost_steps"] for l in layouts if l.get("lost_steps") is not None]
+    if lost:
+        rows.append(("lost work", f"{sum(lost)} step(s) done again over {len(layouts) - 1} resume(s)"))
     if s.get("stopped") == "preempted":
         rows.append(("stopped", f"preempted (SIGTERM) at step {s['steps']}"))
     if s.get("stopped") == "time_budget":

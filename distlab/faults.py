@@ -1,0 +1,243 @@
+"""Fault drills (``distlab verify --faults``): real failures injected into real ``distlab train`` jobs.
+
+For one strategy on N processes, an uninterrupted run (``straight``) is compared with runs that
+suffer, each once:
+
+* ``kill`` -- the last rank dies by SIGKILL right after a step mid-epoch; torchrun's agent
+  (``--max-restarts 1``) restarts the group, which resumes from the newest snapshot on its own;
+* ``kill-in-snapshot`` -- the last rank dies by SIGKILL after writing its file of a snapshot and
+  before the snapshot is committed; the restarted group must resume from the *previous* one (the
+  partial snapshot is never loaded) and clear it away;
+* ``preempt`` -- SIGTERM reaches torchrun's agent (as Slurm or Kubernetes send it); every rank stops
+  at one step, snapshots and exits 0; ``--resume auto`` finishes the run;
+* ``reshard`` -- as ``preempt``, but the run is finished on half the processes (same global batch):
+  the snapshot is resharded;
+* ``disk-full`` -- snapshots go to a tmpfs with room for one and a half: the run must fail in one
+  line naming the full disk, leaving the earlier snapshot intact (root only; skipped otherwise).
+
+``kill``, ``kill-in-snapshot`` and ``preempt`` must end *bitwise* equal to ``straight`` -- every
+rank's final model and every logged loss: a resumed run replays exactly the float operations of an
+uninterrupted one. ``reshard`` sums in another order after the switch, so it must agree within the
+float32 rounding bound of :mod:`distlab.verify` (twice it: both runs deviate from exact arithmetic).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from distlab.errors import ConfigError
+from distlab.flags import strategy_flags
+
+DRILLS = ("kill", "kill-in-snapshot", "preempt", "reshard", "disk-full")
+EPS32 = torch.finfo(torch.float32).eps
+_HOOKS = ("DISTLAB_KILL_AT_STEP", "DISTLAB_KILL_IN_SNAPSHOT", "DISTLAB_TERM_AGENT_AT_STEP")
+
+
+def _tensors(obj):
+    """Every tensor inside nested dicts/lists, in a fixed order."""
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for key in sorted(obj, key=str):
+            yield from _tensors(obj[key])
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+
+
+class _Job:
+    """The ``distlab train`` command of one strategy's drills, and how to run and read it."""
+
+    def __init__(self, case, world_size: int, steps: int, root: Path, timeout: float):
+        self.case, self.world, self.steps, self.root, self.timeout = case, world_size, steps, root, timeout
+        sync_bn = case.strategy.sync_bn != "off"
+        self.model, self.dataset = ("small-cnn-bn", "synthetic:3x8x8:4:4096") if sync_bn else \
+            ("mlp", "synthetic:1x16x16:10:4096")
+        self.batch = 16 * case.strategy.dp_size(world_size)
+        self.lr = 0.003
+        self.every, self.fault_step = max(1, steps // 4), steps // 2 + 1
+
+    def command(self, world: int | None = None) -> list[str]:
+        return [sys.executable, "-m", "distlab", "train", "--nproc-per-node", str(world or self.world),
+                "--device", "cpu", "--model", self.model, "--mlp-widths", "64,32", "--dataset", self.dataset,
+                "--global-batch-size", str(self.batch), "--max-steps", str(self.steps),
+                "--snapshot-every", str(self.every), "--lr", str(self.lr), "--lr-schedule", "cosine",
+                "--log-every", "1", "--no-progress", "--comm-timeout", "60", "--optimizer", self.case.optimizer,
+                *strategy_flags(self.case.strategy)]
+
+    def run(self, name: str, extra: list[str] = (), env: dict | None = None, world: int | None = None,
+            fresh: bool = True, expect: int | None = 0) -> subprocess.CompletedProcess:
+        out = self.root / name
+        if fresh:
+            shutil.rmtree(out, ignore_errors=True)
+        base_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", *_HOOKS)}
+        proc = subprocess.run([*self.command(world), *extra, "--snapshot-dir", str(out / "snapshots"),
+                               "--out", str(out / "run")],
+                              capture_output=True, text=True, timeout=self.timeout, env={**base_env, **(env or {})})
+        if expect is not None and proc.returncode != expect:
+            raise ConfigError(f"the {name} run of {self.case.name} exited {proc.returncode}, not {expect}:\n"
+                              f"{proc.stderr[-2000:]}")
+        return proc
+
+    def result(self, name: str) -> tuple[dict, list[torch.Tensor], list[float]]:
+        """(summary, every rank's final model tensors, logged losses) of run ``name``."""
+        from distlab.train import snapshot
+        out = self.root / name
+        summary = json.loads((out / "run" / "summary.json").read_text())
+        path = Path(summary["snapshot"])
+        meta = snapshot.read_meta(path)
+        models = [snapshot.load_rank_file(path, meta, r)["model"] for r in range(len(meta["files"]))]
+        losses = [json.loads(line)["loss"] for line in (out / "run" / "metrics.jsonl").open()]
+        return summary, [t for m in models for t in _tensors(m)], losses
+
+
+def _diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(((x.double() - y.double()).abs().max().item() for x, y in zip(a, b) if x.numel()), default=0.0)
+
+
+def _bitwise_record(job: _Job, straight, name: str, drill: str, detail: str, ok: bool = True) -> dict:
+    (_, a, a_losses), (summary, b, b_losses) = straight, job.result(name)
+    same_shapes = [x.shape for x in a] == [y.shape for y in b]
+    bitwise = same_shapes and all(torch.equal(x, y) for x, y in zip(a, b)) and a_losses == b_losses
+    return {"drill": drill, "detail": detail, "max_abs_param_diff": _diff(a, b) if same_shapes else float("nan"),
+            "max_loss_diff": max((abs(x - y) for x, y in zip(a_losses, b_losses)), default=0.0), "tolerance": 0.0,
+            "bitwise": bitwise, "restarts": summary["restart_count"], "attempts": summary["attempts"],
+            "resumed_from": summary["resumed_from"], "passed": bool(bitwise and ok)}
+
+
+def drill_kill(job: _Job, straight) -> dict:
+    job.run("killed", ["--max-restarts", "1"], {"DISTLAB_KILL_AT_STEP": f"{job.world - 1}:{job.fault_step}"})
+    record = _bitwise_record(job, straight, "killed", "kill",
+                             f"rank {job.world - 1} SIGKILLed after step {job.fault_step}")
+    record["passed"] = record["passed"] and record["restarts"] == 1 and record["resumed_from"] is not None
+    return record
+
+
+def drill_kill_in_snapshot(job: _Job, straight) -> dict:
+    at = 2 * job.every
+    job.run("killed-in-snapshot", ["--max-restarts", "1"], {"DISTLAB_KILL_IN_SNAPSHOT": f"{job.world - 1}:{at}"})
+    record = _bitwise_record(job, straight, "killed-in-snapshot", "kill-in-snapshot",
+                             f"rank {job.world - 1} SIGKILLed while writing the snapshot of step {at}")
+    leftovers = [p.name for p in (job.root / "killed-in-snapshot" / "snapshots").iterdir() if p.name.startswith(".")]
+    previous = str(record["resumed_from"] or "").endswith(f"step-{job.every:08d}")
+    record["passed"] = record["passed"] and record["restarts"] == 1 and previous and not leftovers
+    if leftovers:
+        record["detail"] += f"; left behind: {', '.join(leftovers)}"
+    return record
+
+
+def drill_preempt(job: _Job, straight) -> dict:
+    proc = job.run("preempted", env={"DISTLAB_TERM_AGENT_AT_STEP": f"{job.world - 1}:{job.fault_step}"})
+    first = json.loads((job.root / "preempted" / "run" / "summary.json").read_text())
+    job.run("preempted", ["--resume", "auto"], fresh=False)
+    record = _bitwise_record(job, straight, "preempted", "preempt",
+                             f"SIGTERM to torchrun's agent after step {job.fault_step}: stopped at step "
+                             f"{first['steps']} (exit {proc.returncode}), then --resume auto")
+    record["passed"] = record["passed"] and first["stopped"] == "preempted" and record["attempts"] == 2
+    return record
+
+
+def drill_reshard(job: _Job, straight) -> dict | None:
+    to = job.world // 2
+    try:
+        if to < 1:
+            return None
+        job.case.strategy.check(to)
+        job.case.strategy.check_batch(job.batch, to)
+    except ConfigError:
+        return None  # the layout does not fit on half the processes
+    job.run("resharded", env={"DISTLAB_TERM_AGENT_AT_STEP": f"{job.world - 1}:{job.fault_step}"})
+    job.run("resharded", ["--resume", "auto"], world=to, fresh=False)
+    from distlab.train.export import whole_state
+    summary, _, losses = job.result("resharded")
+    a, _ = whole_state(straight[0]["snapshot"])
+    b, _ = whole_state(summary["snapshot"])
+    diff = max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())
+    tol = 2 * (2 * job.steps * job.lr / (1 - 0.9) * job.batch * EPS32)  # twice verify's bound: both runs round
+    layouts = " -> ".join(f"{entry['world_size']} ranks from step {entry['step']}" for entry in summary["layouts"])
+    return {"drill": "reshard", "detail": f"preempted, finished on {to} process(es): {layouts}",
+            "max_abs_param_diff": diff, "max_loss_diff": max(abs(x - y) for x, y in zip(straight[2], losses)),
+            "tolerance": tol, "bitwise": False, "restarts": 0, "attempts": summary["attempts"],
+            "resumed_from": summary["resumed_from"],
+            "passed": diff <= tol and [e["world_size"] for e in summary["layouts"]] == [job.world, to]}
+
+
+def drill_disk_full(job: _Job, straight) -> dict | None:
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return {"drill": "disk-full", "detail": "skipped: a small tmpfs needs root and mount(8)", "passed": None}
+    from distlab.train import snapshot
+    one = sum(f.stat().st_size for f in Path(straight[0]["snapshot"]).iterdir())
+    disk = job.root / "disk-full" / "snapshots"
+    shutil.rmtree(job.root / "disk-full", ignore_errors=True)
+    disk.mkdir(parents=True)
+    size = (int(1.5 * one) // 4096 + 1) * 4096
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        return {"drill": "disk-full", "detail": f"skipped: cannot mount a tmpfs ({mounted.stderr.strip()})",
+                "passed": None}
+    try:
+        proc = job.run("disk-full", fresh=False, expect=None)
+        errors = [line for line in proc.stderr.splitlines() if "error" in line]
+        kept = snapshot.snapshots(disk)
+        intact = len(kept) == 1
+        if intact:
+            meta = snapshot.read_meta(kept[0])
+            for r in range(len(meta["files"])):
+                snapshot.load_rank_file(kept[0], meta, r)
+        ok = proc.returncode == 2 and len(errors) == 1 and "No space left on device" in errors[0] and intact
+        return {"drill": "disk-full", "detail": (errors[0] if errors else proc.stderr[-300:]).strip()[:300],
+                "passed": ok, "kept": [p.name for p in kept]}
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+RUNNERS = {"kill": drill_kill, "kill-in-snapshot": drill_kill_in_snapshot, "preempt": drill_preempt,
+           "reshard": drill_reshard, "disk-full": drill_disk_full}
+
+
+def run_drills(case, world_size: int, steps: int, workdir: str, drills=DRILLS, timeout: float = 600.0) -> list[dict]:
+    """Every drill in ``drills`` for one strategy; one record each (``passed`` None: skipped, with why)."""
+    from distlab.bench.common import machine_facts
+    unknown = [d for d in drills if d not in RUNNERS]
+    if unknown:
+        raise ConfigError(f"unknown fault drill {unknown[0]!r}; choose from: {', '.join(DRILLS)}")
+    if steps < 8:
+        raise ConfigError(f"fault drills need at least 8 steps (snapshots every steps/4, a fault after steps/2), "
+                          f"not {steps}")
+    job = _Job(case, world_size, steps, Path(workdir), timeout)
+    job.run("straight")
+    straight = job.result("straight")
+    records = []
+    for drill in drills:
+        record = RUNNERS[drill](job, straight)
+        if record is None:
+            record = {"drill": drill, "detail": f"skipped: {case.name} does not fit on {world_size // 2} process(es)",
+                      "passed": None}
+        records.append({"strategy": case.name, "flags": case.flags(), "world_size": world_size, "steps": steps,
+                        "model": job.model, "global_batch_size": job.batch, **record, **machine_facts()})
+    return records
+
+
+def table(records: list[dict]) -> str:
+    width = max([20] + [len(r["strategy"]) for r in records])
+    rows = [f"{'strategy':<{width}} {'world':>5} {'drill':<16} {'max |dparam|':>12} {'tolerance':>9}  result  detail"]
+    for r in records:
+        if r["passed"] is None:
+            rows.append(f"{r['strategy']:<{width}} {r['world_size']:>5} {r['drill']:<16} {'-':>12} {'-':>9}  SKIP    "
+                        f"{r['detail']}")
+            continue
+        verdict = "PASS" if r["passed"] else "FAIL"
+        diff = f"{r['max_abs_param_diff']:.2e}" if "max_abs_param_diff" in r else "-"
+        tol = "bitwise" if r.get("bitwise") is not None and r.get("tolerance") == 0.0 else \
+            (f"{r['tolerance']:.1e}" if "tolerance" in r else "-")
+        rows.append(f"{r['strategy']:<{width}} {r['world_size']:>5} {r['drill']:<16} {diff:>12} {tol:>9}  "
+                    f"{verdict:<6}  {r['detail']}")
+    return "\n".join(rows)
