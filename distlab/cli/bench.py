@@ -136,6 +136,28 @@ def bench_compression(strategies, nodes, epochs, max_steps, cluster, bandwidth, 
     _finish(compression, records, out, "compression", plot_dir)
 
 
+@bench.command("elastic")
+@click.option("--nodes", type=int, default=2, show_default=True, help="Emulated nodes, one worker each.")
+@click.option("--epochs", type=int, default=1, show_default=True)
+@click.option("--max-steps", type=int, default=None, help="Stop each run after this many steps.")
+@click.option("--kill-at-step", type=int, default=400, show_default=True,
+              help="Kill the last node once rank 0 has logged this step.")
+@click.option("--snapshot-every", type=int, default=100, show_default=True)
+@click.option("--log-every", type=int, default=10, show_default=True, help="Also the resolution of 'steps redone'.")
+@click.option("--revive", is_flag=True, help="Start the node again later; the job takes it back in.")
+@click.option("--bandwidth", default="1gbit", show_default=True, help="The links' rate.")
+@click.option("--data-dir", default=None)
+@click.option("--out", default="runs/bench-elastic", show_default=True, help="Writes OUT/elastic.json.")
+@click.option("--plot", "plot_dir", default=None, help="Also write a PNG here.")
+def bench_elastic(nodes, epochs, max_steps, kill_at_step, snapshot_every, log_every, revive, bandwidth, data_dir, out,
+                  plot_dir):
+    """Lose a node mid-epoch on the emulated cluster (root): the rest re-form, reshard and finish; vs uninterrupted."""
+    from distlab.bench import elastic
+    records = elastic.run(nodes, epochs, kill_at_step, snapshot_every, log_every, revive,
+                          None if bandwidth == "none" else bandwidth, data_dir, max_steps, out=out, progress=_progress)
+    _finish(elastic, records, out, "elastic", plot_dir)
+
+
 @bench.command("scaling")
 @click.option("--world", default="1,2,4", show_default=True, help="Worker counts.")
 @click.option("--modes", default="weak,strong", show_default=True,

@@ -382,6 +382,13 @@ class TorchDDPSync(_BucketSync):
     def no_sync(self, module: nn.Module):
         return module.no_sync()
 
+    @property
+    def rebuilds_buckets(self) -> bool:
+        """DDP re-cuts its buckets after the first backward, in the order gradients arrived (not
+        with ``find_unused_parameters``)."""
+        return not self.find_unused
+
+
 SYNC_METHODS: dict[str, type[GradSync]] = {
     "gather-scatter": GatherScatterSync,
     "allreduce": AllReduceSync,
@@ -426,6 +433,11 @@ class DataParallel(nn.Module):
 
     def sync_gradients(self) -> None:
         self.method.sync(self.module)
+
+    @property
+    def needs_priming(self) -> bool:
+        """Whether a resumed run must replay a first backward (:meth:`distlab.parallel.Engine.prime`)."""
+        return getattr(self.method, "rebuilds_buckets", False) and self.method.world_size > 1
 
     def no_sync(self):
         return self.method.no_sync(self.wrapped)

@@ -164,6 +164,33 @@ class Engine:
             self._found_inf = self.precision.scaler.unscale_(self.parameters())
         return total
 
+    @property
+    def needs_priming(self) -> bool:
+        """Whether a resumed run must call :meth:`prime` before its first step to be bitwise."""
+        return getattr(self.wrapper, "needs_priming", False)
+
+    def prime(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Before the first step of a resumed run: replay the backward after which torch's DDP re-cuts
+        its buckets (in the order gradients arrived), so the resumed run reduces in the same buckets --
+        the same float sums -- as the uninterrupted one, whose buckets were re-cut after its first step.
+        Evaluation mode, one micro-batch, RNG restored and gradients dropped: nothing else changes."""
+        if not self.needs_priming:
+            return
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            micro = len(x) // self.strategy.grad_accum
+            self.loss(self(x[:micro]), y[:micro]).backward()
+        finally:
+            self.module.train(was_training)
+            for p in self.module.parameters():
+                p.grad = None
+            torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+
     def _pipeline_step(self, x, y, loss_fn) -> float:
         stage, mesh = self.pipeline, self.mesh
         loss = stage.train_step(x if stage.first else None, y if stage.last else None, loss_fn, self.no_sync)

@@ -125,6 +125,11 @@ class Trainer:
         self.bar.update(run.step)
         times = StepTimes()
         engine.train()
+        if run.resumed_from is not None and engine.needs_priming and run.step < self.total_steps:
+            epoch, position = divmod(run.step, self.steps_per_epoch)  # torch's DDP: re-cut its buckets as the
+            self.loader.set_epoch(epoch)                              # uninterrupted run did
+            x, y = next(self.loader.iter_from(position))
+            engine.prime(x.to(self.rt.device), y.to(self.rt.device))
         start = self._window_t0 = time.perf_counter()
         with Preemption(self.rt.device) as preemption:
             stopped = self._loop(times, preemption)
