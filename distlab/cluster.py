@@ -370,17 +370,12 @@ def revive_node(index: int, name: str = "dl", timeout: float | None = None, out=
 
 
 def cut_link(index: int, name: str = "dl", restore: bool = False) -> None:
-    """Drop every packet to and from node ``index`` (netem loss 100% on both ends of its link) -- a
-    cable pulled, the machine still up; ``restore`` puts the link's shaping back."""
+    """Pull node ``index``'s cable: its port on the bridge goes down, so every frame to and from it is
+    dropped while the node itself stays up (its interface, addresses and routes unchanged: its
+    sockets see silence, not an error -- like a dead switch port). ``restore`` plugs it back in."""
     check_capable()
     cluster = _loaded(name)
     node = _node(cluster, index)
-    ns = ["ip", "netns", "exec", node.netns]
-    for prefix, dev in ((ns, "eth0"), ([], node.host_if)):
-        _sh(*prefix, "tc", "qdisc", "del", "dev", dev, "root", check=False)
-        if restore:
-            _shape(prefix, dev, cluster.bandwidth, cluster.delay)
-        else:
-            _sh(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "netem", "loss", "100%")
+    _sh("ip", "link", "set", "dev", node.host_if, "up" if restore else "down")
     cluster.cut = sorted(set(cluster.cut) - {index}) if restore else sorted(set(cluster.cut) | {index})
     cluster.save()

@@ -13,7 +13,12 @@ suffer, each once:
 * ``reshard`` -- as ``preempt``, but the run is finished on half the processes (same global batch):
   the snapshot is resharded;
 * ``disk-full`` -- snapshots go to a tmpfs with room for one and a half: the run must fail in one
-  line naming the full disk, leaving the earlier snapshot intact (root only; skipped otherwise).
+  line naming the full disk, leaving the earlier snapshot intact (root only; skipped otherwise);
+* ``link-cut`` (asked for by name: it builds an emulated cluster, root only) -- the job runs on two
+  emulated nodes; mid-epoch every packet to and from node 1 is dropped (netem loss 100%: a cable
+  pulled, the machine up). Every rank must fail within ``--comm-timeout`` (plus the few seconds of a
+  roll call) with a line naming who is unreachable -- the ranks of node 0 name node 1's ranks, node
+  1's ranks say they are cut off -- and, the link mended, ``--resume auto`` must finish bitwise.
 
 ``kill``, ``kill-in-snapshot`` and ``preempt`` must end *bitwise* equal to ``straight`` -- every
 rank's final model and every logged loss: a resumed run replays exactly the float operations of an
@@ -32,10 +37,12 @@ from pathlib import Path
 
 import torch
 
-from distlab.errors import ConfigError
+from distlab.errors import ConfigError, DistlabError
 from distlab.flags import strategy_flags
 
-DRILLS = ("kill", "kill-in-snapshot", "preempt", "reshard", "disk-full")
+DRILLS = ("kill", "kill-in-snapshot", "preempt", "reshard", "disk-full")  # what `--faults` alone runs
+OPT_IN = ("link-cut",)
+CUT_TIMEOUT_S = 10  # --comm-timeout of the link-cut drill
 EPS32 = torch.finfo(torch.float32).eps
 _HOOKS = ("DISTLAB_KILL_AT_STEP", "DISTLAB_KILL_IN_SNAPSHOT", "DISTLAB_TERM_AGENT_AT_STEP")
 
@@ -199,8 +206,84 @@ def drill_disk_full(job: _Job, straight) -> dict | None:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
+def drill_link_cut(job: _Job, straight) -> dict:
+    import tempfile
+    import threading
+    import time
+
+    from distlab import cluster as cl
+    try:
+        cl.check_capable()
+    except DistlabError as exc:
+        return {"drill": "link-cut", "detail": f"skipped: the emulated cluster cannot run here ({exc})",
+                "passed": None}
+    if job.world % 2:
+        return {"drill": "link-cut", "detail": f"skipped: {job.world} processes do not split over 2 nodes",
+                "passed": None}
+    out = job.root / "link-cut"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    name, state, old = f"lc{os.getpid() % 10000}", tempfile.mkdtemp(prefix="distlab-cluster-"), \
+        os.environ.get("DISTLAB_CLUSTER_STATE_DIR")
+    os.environ["DISTLAB_CLUSTER_STATE_DIR"] = state
+    base = [*job.command(job.world // 2), "--snapshot-dir", str(out / "snapshots"), "--out", str(out / "run")]
+    base[base.index("--comm-timeout") + 1] = str(CUT_TIMEOUT_S)
+    try:
+        from distlab.runtime import cores
+        per_rank = max(1, cores() // job.world)  # the threads each rank of `straight` had: the same float ops
+        cl.up(2, "1gbit", None, min(cores(), per_rank * (job.world // 2)), name)
+        try:
+            codes: dict = {}
+            log = open(out / "cut.log", "w")
+            runner = threading.Thread(target=lambda: codes.setdefault("cut", cl.run(
+                [*base, "--max-restarts", "0"], name, job.timeout, out=log)), daemon=True)
+            runner.start()
+            metrics = out / "run" / "metrics.jsonl"
+            while runner.is_alive() and (not metrics.is_file() or
+                                         len(metrics.read_text().splitlines()) < job.fault_step):
+                time.sleep(0.05)
+            cut_at = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+            t0 = time.perf_counter()
+            cl.cut_link(1, name)
+            runner.join(job.timeout)
+            failed_after = time.perf_counter() - t0
+            log.close()
+            text = (out / "cut.log").read_text()
+            cl.cut_link(1, name, restore=True)
+            with open(out / "resume.log", "w") as log:
+                resumed = cl.run([*base, "--resume", "auto"], name, job.timeout, out=log)
+        finally:
+            cl.down(name)
+    finally:
+        if old is None:
+            os.environ.pop("DISTLAB_CLUSTER_STATE_DIR", None)
+        else:
+            os.environ["DISTLAB_CLUSTER_STATE_DIR"] = old
+        shutil.rmtree(state, ignore_errors=True)
+    per_node = job.world // 2
+    lost = ", ".join(str(r) for r in range(per_node, job.world))
+    named = f"rank{'s' if per_node > 1 else ''} {lost} did not answer a roll call"
+    errors = [line.split("error: ", 1)[-1] for line in text.splitlines() if "communication failed" in line]
+    named_ok = any(named in e for e in errors if e.startswith("rank 0:")) and \
+        any("cut off from the job" in e for e in errors if e.startswith(f"rank {job.world - 1}:"))
+    limit = CUT_TIMEOUT_S + 15  # the collective's timeout, the roll call (<= 5 s), agents' teardown
+    record = {"drill": "link-cut", "cut_at_step": cut_at, "failed_after_s": failed_after,
+              "comm_timeout_s": CUT_TIMEOUT_S, "exit_code": codes.get("cut"), "resume_exit_code": resumed,
+              "errors": errors[:4]}
+    if resumed != 0:
+        return {**record, "detail": f"the resumed run failed (exit {resumed}): see {out / 'resume.log'}",
+                "passed": False}
+    record.update({k: v for k, v in _bitwise_record(job, straight, "link-cut", "link-cut", "").items()
+                   if k not in ("detail", "passed")})
+    record["detail"] = (f"node 1's link cut after step {cut_at}: every rank failed {failed_after:.1f} s later "
+                        f"(--comm-timeout {CUT_TIMEOUT_S}); rank 0 said: "
+                        f"{next((e for e in errors if e.startswith('rank 0:')), 'nothing')[:160]}")
+    record["passed"] = bool(codes.get("cut") and named_ok and failed_after <= limit and record["bitwise"])
+    return record
+
+
 RUNNERS = {"kill": drill_kill, "kill-in-snapshot": drill_kill_in_snapshot, "preempt": drill_preempt,
-           "reshard": drill_reshard, "disk-full": drill_disk_full}
+           "reshard": drill_reshard, "disk-full": drill_disk_full, "link-cut": drill_link_cut}
 
 
 def run_drills(case, world_size: int, steps: int, workdir: str, drills=DRILLS, timeout: float = 600.0) -> list[dict]:
@@ -208,7 +291,7 @@ def run_drills(case, world_size: int, steps: int, workdir: str, drills=DRILLS, t
     from distlab.bench.common import machine_facts
     unknown = [d for d in drills if d not in RUNNERS]
     if unknown:
-        raise ConfigError(f"unknown fault drill {unknown[0]!r}; choose from: {', '.join(DRILLS)}")
+        raise ConfigError(f"unknown fault drill {unknown[0]!r}; choose from: {', '.join(DRILLS + OPT_IN)}")
     if steps < 8:
         raise ConfigError(f"fault drills need at least 8 steps (snapshots every steps/4, a fault after steps/2), "
                           f"not {steps}")

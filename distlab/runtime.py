@@ -392,12 +392,13 @@ def init(
                 agent = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
                 store = dist.TCPStore(info.master_addr, info.master_port, info.world_size,
                                       is_master=not agent and info.rank == 0, timeout=timeout)
-                dist.init_process_group(backend, store=dist.PrefixStore(f"distlab/attempt-{attempt}", store),
-                                        rank=info.rank, world_size=info.world_size, timeout=timeout)
+                store = dist.PrefixStore(f"distlab/attempt-{attempt}", store)
             else:
-                store = _meet(info, init_timeout_s or timeout_s)
-                dist.init_process_group(backend, store=dist.PrefixStore("distlab/group", store), rank=info.rank,
-                                        world_size=info.world_size, timeout=timeout)
+                store = dist.PrefixStore("distlab/group", _meet(info, init_timeout_s or timeout_s))
+            dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,
+                                    timeout=timeout)
+            global _STORE
+            _STORE = (store, f"{info.master_addr}:{info.master_port}")
     except (dist.DistError, RuntimeError, ValueError) as exc:
         raise _explain_init_failure(exc, info, init_timeout_s or timeout_s) from exc
     return Runtime(info.rank, info.world_size, info.local_rank, info.local_world_size, dev,
@@ -427,6 +428,51 @@ def is_comm_failure(exc: BaseException) -> bool:
     return False
 
 
+_STORE: tuple[dist.Store, str] | None = None  # the job's store and its address (roll_call names it)
+
+
+def roll_call(tag: str, window_s: float = 3.0) -> tuple[list[int] | None, str | None]:
+    """After a collective failed: which ranks still answer through the job's store (the rendezvous's
+    key-value store, reached over its own TCP connection, not gloo's) within ``window_s`` seconds.
+
+    Every rank that runs it writes ``tag``/its rank, then waits for the others' keys. Returns
+    ``(missing ranks, None)``, or ``(None, why)`` when this rank cannot reach the store itself (its
+    node is the one cut off, or the store's host is gone); ``(None, None)`` without a store to ask. Store calls on a dead link block in C++
+    for the store's own timeout, so they run on a daemon thread that is abandoned after the window.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [], None
+    import threading
+    try:
+        store = dist.distributed_c10d._get_default_store()  # the store the default group met through
+    except (RuntimeError, ValueError, AttributeError):
+        return None, None
+    address = _STORE[1] if _STORE is not None else "its address"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    answer: dict = {}
+
+    def call() -> None:
+        try:
+            store.set(f"roll-call/{tag}/{rank}", "1")
+            deadline = time.monotonic() + window_s
+            while True:
+                missing = [r for r in range(world) if not store.check([f"roll-call/{tag}/{r}"])]
+                if not missing or time.monotonic() > deadline:
+                    answer["missing"] = missing
+                    return
+                time.sleep(0.1)
+        except Exception as exc:  # the store's host is gone or unreachable  # noqa: BLE001
+            answer["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+
+    thread = threading.Thread(target=call, name="distlab-roll-call", daemon=True)
+    thread.start()
+    thread.join(window_s + 2.0)
+    if "missing" in answer:
+        return answer["missing"], None
+    return None, (f"this rank cannot reach the job's store at {address} either ("
+                  f"{answer.get('error') or f'no answer in {window_s + 2.0:g} s'})")
+
+
 def shutdown() -> None:
     """Leave the job: free what still holds the group (DDP reducers, gloo work) before destroying it.
 
@@ -447,9 +493,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_in_use(host: str, port: int) -> bool:
-    """True if something already listens on ``host:port`` (so rank 0 could not bind it)."""
+    """True if something already listens on ``host:port`` (so rank 0 could not bind it). Connections
+    of an earlier job still in TIME_WAIT do not count: the store binds with SO_REUSEADDR too."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

@@ -156,3 +156,40 @@ def test_two_node_training_run_crosses_the_emulated_network(state_dir, tmp_path,
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 12 and summary["comm_bytes_per_step"] > 0
     assert "[node 0] test accuracy" in proc.stdout  # rank 0's summary, on node 0
+
+
+@needs_netns
+def test_a_lost_node_leaves_the_others_to_reshard_from_the_newest_snapshot_and_finish(tmp_path):
+    # two emulated nodes, torchrun --nnodes 1:2 with c10d rendezvous on node 0; node 1 is SIGKILLed (every
+    # process in its namespace) once rank 0 has logged step 60: node 0 re-forms the group alone, reshards
+    # the newest snapshot (world 2 -> 1, global batch kept) and finishes the epoch
+    from distlab.bench import elastic
+    job = ["--model", "mlp", "--mlp-widths", "256,128", "--dataset", "synthetic:1x16x16:10:9600",
+           "--global-batch-size", "32", "--lr", "0.01", "--optimizer", "adam"]
+    record, = elastic.run(nodes=2, kill_at_step=60, snapshot_every=25, log_every=5, bandwidth="100mbit", job=job,
+                          out=tmp_path / "el", timeout=240, uninterrupted=False, progress=lambda s: None)
+    assert record["stopped"] == "completed" and record["steps"] == 300
+    assert [(e["world_size"], e["attempt"]) for e in record["layouts"]] == [(2, 1), (1, 2)]
+    resumed = record["layouts"][1]["step"]
+    assert resumed % 25 == 0 and 0 < resumed <= record["killed_at_step"]  # the newest snapshot before the loss
+    assert 0 <= record["lost_steps"][0] <= 25  # at most one snapshot interval done again
+    summary = json.loads((tmp_path / "el" / "node-lost" / "summary.json").read_text())
+    assert summary["resharded_from"] and summary["world_size"] == 1
+
+
+@needs_netns
+def test_a_cut_link_fails_every_rank_in_time_naming_who_and_a_restart_recovers(run_cli, tmp_path):
+    # distlab verify --faults link-cut: node 1's bridge port goes down after step 6 (the machine stays up, its
+    # sockets hear nothing); every rank must fail within --comm-timeout 10 (+ the roll call, teardown), rank 0
+    # naming rank 1 and rank 1 saying it is cut off; the link mended, --resume auto ends bitwise equal to an
+    # uninterrupted run
+    proc = run_cli("verify", "--faults", "link-cut", "--nproc", "2", "--workdir", "w", "--json", "r.json",
+                   timeout=400)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    r, = json.loads((tmp_path / "r.json").read_text())
+    assert r["passed"] and r["bitwise"] and r["exit_code"] != 0 and r["resume_exit_code"] == 0, r
+    assert r["comm_timeout_s"] <= r["failed_after_s"] <= r["comm_timeout_s"] + 15
+    said = {e.split(":")[0]: e for e in r["errors"]}
+    assert "rank 1 did not answer a roll call through the job's store" in said["rank 0"]
+    assert "this rank cannot reach the job's store" in said["rank 1"] and "cut off" in said["rank 1"]
+    assert r["resumed_from"].endswith("step-00000006")

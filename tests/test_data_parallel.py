@@ -157,6 +157,7 @@ def test_a_peer_dying_mid_step_is_a_clear_error_not_a_hang():
         run_ranks(_die_mid_training, 2, _config("allreduce"), timeout=90)
     text = str(err.value)
     assert "clear error: rank 0: communication failed at step 4" in text
+    assert "rank 1 did not answer a roll call through the job's store" in text  # who, not only that
     assert "exited with code 17" in text and "still running" not in text
 
 

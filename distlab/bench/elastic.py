@@ -59,8 +59,8 @@ def _command(nodes: int, run_dir: Path, job: list[str], snapshot_every: int, log
 def run(nodes: int = 2, epochs: int = 1, kill_at_step: int = 400, snapshot_every: int = 100, log_every: int = 10,
         revive: bool = False, bandwidth: str | None = "1gbit", data_dir: str | None = None,
         max_steps: int | None = None, job: list[str] | None = None, out: str | Path = "runs/bench-elastic",
-        timeout: float = 3600, progress=print) -> list[dict]:
-    """The uninterrupted run and the node-loss run; one record for the pair."""
+        timeout: float = 3600, uninterrupted: bool = True, progress=print) -> list[dict]:
+    """The uninterrupted run (unless ``uninterrupted`` is False) and the node-loss run; one record."""
     from distlab import cluster as cl
     if nodes < 2:
         raise ConfigError("--nodes must be at least 2 (one is lost)")
@@ -80,7 +80,7 @@ def run(nodes: int = 2, epochs: int = 1, kill_at_step: int = 400, snapshot_every
         cl.up(nodes, bandwidth, None, max(1, cores() // nodes), name)
         try:
             results = {}
-            for kind in ("uninterrupted", "node-lost"):
+            for kind in ("uninterrupted", "node-lost")[0 if uninterrupted else 1:]:
                 run_dir = root / kind
                 shutil.rmtree(run_dir, ignore_errors=True)
                 run_dir.mkdir(parents=True)
@@ -96,21 +96,22 @@ def run(nodes: int = 2, epochs: int = 1, kill_at_step: int = 400, snapshot_every
         else:
             os.environ["DISTLAB_CLUSTER_STATE_DIR"] = old
         shutil.rmtree(state, ignore_errors=True)
-    straight, lost = results["uninterrupted"], results["node-lost"]
-    s, summary = straight["summary"], lost["summary"]
+    straight, lost = results.get("uninterrupted"), results["node-lost"]
+    s, summary = (straight or {}).get("summary", {}), lost["summary"]
     resumes = summary["layouts"][1:]
     record = {"nodes": nodes, "bandwidth": bandwidth, "epochs": epochs, "max_steps": max_steps,
               "snapshot_every": snapshot_every, "log_every": log_every, "killed_node": nodes - 1,
               "killed_at_step": lost["killed_at"], "revived_at_step": lost.get("revived_at"), "revive": revive,
               "steps": summary["steps"], "stopped": summary["stopped"],
-              "test_accuracy_uninterrupted": s["test_accuracy"], "test_accuracy_node_lost": summary["test_accuracy"],
-              "accuracy_diff_points": 100 * (summary["test_accuracy"] - s["test_accuracy"]),
+              "test_accuracy_uninterrupted": s.get("test_accuracy"), "test_accuracy_node_lost": summary["test_accuracy"],
+              "accuracy_diff_points": 100 * (summary["test_accuracy"] - s["test_accuracy"]) if s else None,
               "layouts": summary["layouts"], "attempts": summary["attempts"],
               "resumed_at_steps": [entry["step"] for entry in resumes],
               "lost_steps": [entry.get("lost_steps") for entry in resumes],
               "lost_steps_max_bound": snapshot_every,
-              "wall_time_s_uninterrupted": straight["wall_s"], "wall_time_s_node_lost": lost["wall_s"],
-              "time_per_step_s_median_uninterrupted": s["time_per_step_s_median"],
+              "wall_time_s_uninterrupted": straight["wall_s"] if straight else None,
+              "wall_time_s_node_lost": lost["wall_s"],
+              "time_per_step_s_median_uninterrupted": s.get("time_per_step_s_median"),
               "run_dirs": [str(root / "uninterrupted"), str(root / "node-lost")],
               "where": f"emulated cluster, {nodes} nodes x 1 worker, links {bandwidth or 'unshaped'}",
               **machine(nodes, max(1, cores() // nodes))}
@@ -160,15 +161,19 @@ def _one(cl, name: str, cmd: list[str], run_dir: Path, nodes: int, kill: bool, k
     return out
 
 
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.2f}%"
+
+
 def table(records: list[dict], markdown: bool = False) -> str:
     rows = []
     for r in records:
         layouts = " -> ".join(f"{e['world_size']}@{e['step']}" for e in r["layouts"])
         lost = ", ".join("?" if x is None else str(x) for x in r["lost_steps"]) or "-"
         rows.append([str(r["nodes"]), r["bandwidth"] or "-", str(r["killed_at_step"]), layouts, lost,
-                     f"{100 * r['test_accuracy_uninterrupted']:.2f}%", f"{100 * r['test_accuracy_node_lost']:.2f}%",
-                     f"{r['accuracy_diff_points']:+.2f}", f"{r['wall_time_s_uninterrupted']:.0f} / "
-                     f"{r['wall_time_s_node_lost']:.0f} s"])
+                     _pct(r["test_accuracy_uninterrupted"]), _pct(r["test_accuracy_node_lost"]),
+                     "-" if r["accuracy_diff_points"] is None else f"{r['accuracy_diff_points']:+.2f}",
+                     f"{r['wall_time_s_uninterrupted'] or 0:.0f} / {r['wall_time_s_node_lost']:.0f} s"])
     return format_table(["nodes", "link", "killed at", "world@step", "steps redone", "acc. uninterrupted",
                          "acc. node lost", "diff (pt)", "wall (both)"], rows, markdown)
 

@@ -43,7 +43,7 @@ def _report_error(exc: DistlabError) -> None:
     if rank != 0 and isinstance(exc, ConfigError) and not isinstance(exc, RankConfigError):
         return  # every rank finds the same config error; rank 0 says it once
     from distlab.flags import flagify
-    prefix = f"[rank {rank}] " if rank else ""
+    prefix = f"[rank {rank}] " if rank and not str(exc).startswith(f"rank {rank}:") else ""
     print(f"distlab: error: {prefix}{flagify(str(exc))}", file=sys.stderr, flush=True)
 
 

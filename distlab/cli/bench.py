@@ -158,6 +158,22 @@ def bench_elastic(nodes, epochs, max_steps, kill_at_step, snapshot_every, log_ev
     _finish(elastic, records, out, "elastic", plot_dir)
 
 
+@bench.command("snapshot-format")
+@click.option("--workloads", default="main,wide-mlp-zero3", show_default=True,
+              help="main (the main job's MLP, data parallel, SGD) and/or wide-mlp-zero3 (4096x4096, ZeRO-3, Adam).")
+@click.option("--nproc", type=int, default=2, show_default=True)
+@click.option("--runs", type=int, default=3, show_default=True, help="Saves and loads per format (medians).")
+@click.option("--dataset", default="fashion-mnist", show_default=True, help="Only its shapes matter.")
+@click.option("--dir", "directory", default=None, help="Write the snapshots under this directory (its disk).")
+@click.option("--out", default="runs/bench-snapshot-format", show_default=True,
+              help="Writes OUT/snapshot-format.json.")
+def bench_snapshot_format(workloads, nproc, runs, dataset, directory, out):
+    """distlab's snapshot files vs torch.distributed.checkpoint: save and load time, bytes on disk."""
+    from distlab.bench import snapshot_format
+    records = snapshot_format.run(workloads, nproc, runs, dataset, directory, out, progress=_progress)
+    _finish(snapshot_format, records, out, "snapshot-format", None)
+
+
 @bench.command("scaling")
 @click.option("--world", default="1,2,4", show_default=True, help="Worker counts.")
 @click.option("--modes", default="weak,strong", show_default=True,

@@ -98,17 +98,17 @@ def cluster_revive_node(index, name, timeout):
 @click.argument("index", type=int)
 @click.option("--name", default="dl", show_default=True)
 def cluster_cut_link(index, name):
-    """Drop every packet to and from node INDEX (netem loss 100%); mend-link restores it."""
+    """Pull node INDEX's cable (its bridge port down: every frame dropped, the node up); mend-link restores it."""
     from distlab import cluster as c
     c.cut_link(index, name)
-    click.echo(f"node {index}: link cut (every packet dropped both ways)")
+    click.echo(f"node {index}: link cut (its bridge port is down: every frame to and from it is dropped)")
 
 
 @cluster.command("mend-link")
 @click.argument("index", type=int)
 @click.option("--name", default="dl", show_default=True)
 def cluster_mend_link(index, name):
-    """Restore node INDEX's link (its shaping as `up` made it)."""
+    """Plug node INDEX's cable back in (its shaping unchanged)."""
     from distlab import cluster as c
     c.cut_link(index, name, restore=True)
     click.echo(f"node {index}: link restored")

@@ -107,7 +107,9 @@ def export(snapshot_path, out, best):
               help="Instead: fault drills on real jobs, all or a comma list of kill, kill-in-snapshot, preempt, "
                    "reshard, disk-full: bitwise equal to an uninterrupted run after each (reshard: within float32 "
                    "rounding); disk-full fails in one line keeping the earlier snapshot (root only). Default "
-                   "strategy allreduce+adam.")
+                   "strategy allreduce+adam. Asked for by name only: link-cut (2 emulated nodes, root; node 1's "
+                   "link dropped mid-epoch: every rank fails within --comm-timeout naming who is unreachable, "
+                   "then --resume auto finishes bitwise).")
 @click.option("--workdir", default=None, help="With --resume or --faults: keep the runs here (default: a temporary "
                                               "directory).")
 def verify(nproc, strategies, steps, global_batch_size, json_path, resume, faults, workdir):

@@ -21,7 +21,7 @@ from distlab.data.loader import TrainLoader
 from distlab.errors import ConfigError, DistributedError
 from distlab.models import TEXT_MODELS, build_model, count_parameters
 from distlab.parallel import build_mesh, parallelize
-from distlab.runtime import Runtime, is_comm_failure, seed_everything
+from distlab.runtime import Runtime, is_comm_failure, roll_call, seed_everything
 from distlab.train.config import TrainConfig
 from distlab.train.evaluate import evaluate
 from distlab.train.export import load_init
@@ -109,11 +109,27 @@ class Trainer:
             return self._fit()
         except Exception as exc:
             if is_comm_failure(exc):
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise DistributedError(
-                    f"rank {self.rt.rank}: communication failed at step {self.run.step + 1} ({first[:300]}); a peer "
-                    f"died, hung or became unreachable -- check the other ranks' messages") from exc
+                raise self._comm_failure(exc) from exc
             raise
+
+    def _comm_failure(self, exc: BaseException) -> DistributedError:
+        """The one line a failed collective becomes: the step, the backend's words, and who is missing
+        (a roll call through the job's store, which does not go through gloo's connections)."""
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        step = self.run.step + 1
+        missing, cut_off = roll_call(f"step-{step}")
+        if cut_off:
+            who = f"{cut_off}: this rank's node is cut off from the job (its network or the store's host)"
+        elif missing:
+            names = ", ".join(str(r) for r in missing)
+            who = (f"rank{'s' if len(missing) > 1 else ''} {names} did not answer a roll call through the job's "
+                   f"store: dead, hung or unreachable -- check {'their' if len(missing) > 1 else 'its'} node")
+        elif missing is None:
+            who = "a peer died, hung or became unreachable -- check the other ranks' messages"
+        else:
+            who = "every rank answered a roll call through the job's store: a peer hung or its link to this one failed"
+        return DistributedError(f"rank {self.rt.rank}: communication failed at step {step} ({first[:300]}); {who}; "
+                                f"a restart resumes from the newest snapshot (--resume auto)")
 
     def _fit(self) -> dict:
         cfg, run, engine = self.cfg, self.run, self.engine
