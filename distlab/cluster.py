@@ -354,8 +354,7 @@ def revive_node(index: int, name: str = "dl", timeout: float | None = None, out=
         raise ClusterError(f"cluster {name!r} has run nothing yet: revive-node starts the last `cluster run` command")
     if _sh("ip", "netns", "pids", node.netns).stdout.split():
         raise ClusterError(f"node {index} still has processes running: kill-node {index} first")
-    cluster.killed = [k for k in cluster.killed if k != index]
-    cluster.save()
+    # it stays in `killed`: the running `cluster run` still holds the killed process's exit code
     p = subprocess.Popen(node_command(cluster, node, cluster.command), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, bufsize=1)
     pump = threading.Thread(target=_pump, args=(p.stdout, f"[node {index}] ", out or sys.stdout), daemon=True)

@@ -190,6 +190,11 @@ def launch(opts: LaunchOptions, argv: list[str]) -> int:
     # One thread per core: N ranks on C cores get C // N threads each (torchrun would force 1).
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(opts.threads or max(1, cores() // opts.nproc_per_node))
+    if opts.elastic:
+        # torch's agents share one TCP store across rendezvous rounds and publish its address only in
+        # the first round they take part in: a node that joins a later round waits for an address
+        # nobody writes. Without sharing, rank 0 publishes it every round (and hosts the workers' store).
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # The agent logs every signal and failure with a banner; workers report their own errors,
     # so keep it quiet unless asked (DISTLAB_TORCHRUN_LOG=INFO shows everything).
     logging.getLogger("torch.distributed.elastic").setLevel(os.environ.get("DISTLAB_TORCHRUN_LOG", "CRITICAL"))

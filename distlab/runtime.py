@@ -392,7 +392,9 @@ def init(
                 agent = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
                 store = dist.TCPStore(info.master_addr, info.master_port, info.world_size,
                                       is_master=not agent and info.rank == 0, timeout=timeout)
-                store = dist.PrefixStore(f"distlab/attempt-{attempt}", store)
+                # A store rank 0 hosts is new each attempt (and a node that joined an elastic job later
+                # counts its restarts from 0): no attempt in the prefix, or the nodes would never meet.
+                store = dist.PrefixStore(f"distlab/attempt-{attempt}" if agent else "distlab/group", store)
             else:
                 store = dist.PrefixStore("distlab/group", _meet(info, init_timeout_s or timeout_s))
             dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,

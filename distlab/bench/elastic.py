@@ -88,6 +88,7 @@ def run(nodes: int = 2, epochs: int = 1, kill_at_step: int = 400, snapshot_every
                 progress(f"elastic: {kind} run on {nodes} nodes ...")
                 results[kind] = _one(cl, name, cmd, run_dir, nodes, kind == "node-lost", kill_at_step, revive,
                                      log_every, timeout, progress)
+                shutil.rmtree(run_dir / "snapshots", ignore_errors=True)  # the record keeps what they did
         finally:
             cl.down(name)
     finally:

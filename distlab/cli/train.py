@@ -28,6 +28,7 @@ def train(**kw):
         os.environ["DISTLAB_OUT"] = values["out"]  # torchrun's workers inherit it: one default for every rank
     cfg = TrainConfig.from_flags(**values)
     device = kw["device"]
+    elastic = ":" in str(kw.get("nnodes") or "")  # a node may join a running job: its workers decide
 
     def check(world_size: int) -> None:
         # Before any process starts: flags, the batch split and the data on disk.
@@ -46,7 +47,7 @@ def train(**kw):
             check_path(cfg.resume)
         from distlab.train.export import check_init
         check_init(cfg.init_from)
-        if cfg.resume is None:
+        if cfg.resume is None and not elastic:
             from distlab.train.run_state import directory_problem
             problem = directory_problem(cfg.snapshot_dir, cfg.out, "", fresh=True)
             if problem:

@@ -113,6 +113,7 @@ class RunState:
         self.layout = layout  # what a snapshot must agree on to be resumed by this run
         self.eval_samples = eval_samples  # test (+ validation) samples, for the time-budget estimate
         self.restart_count = restart_count()
+        self.restarted = False  # any rank's agent restarted the group (begin() agrees on it)
         self.run_id: str | None = None  # who wrote a snapshot: set by begin(), kept across resumes
         self.fingerprint = fingerprint(layout)
         self.step = 0
@@ -139,11 +140,15 @@ class RunState:
 
     def begin(self) -> None:
         """Resume if asked (or after a restart), count this attempt and start its clock."""
+        # Restarted if any rank's agent restarted it: a node that joins an elastic job later starts its
+        # workers at restart count 0 while the others' count on -- they all resume together.
+        self.restarted = reduce_scalars([float(self.restart_count > 0)], dist.ReduceOp.MAX,
+                                        device=self.rt.device)[0] > 0
         self.resumed_from = self._restore()
         if self.resumed_from is None:
             self.run_id = snapshot.broadcast_object(uuid.uuid4().hex[:12])  # one id on every rank
         # A fresh first attempt checks its output too; a restarted group may rewrite its own.
-        fresh = self.resumed_from is None and self.restart_count == 0
+        fresh = self.resumed_from is None and not self.restarted
         problem = directory_problem(self.cfg.snapshot_dir, self.cfg.out, self.run_id, fresh) \
             if self.rt.is_main else None
         problem = snapshot.broadcast_object(problem)
@@ -257,7 +262,7 @@ class RunState:
         """
         cfg = self.cfg
         target = cfg.resume
-        if target is None and cfg.snapshot_dir and self.restart_count > 0:
+        if target is None and cfg.snapshot_dir and self.restarted:
             target = "auto"
         if target is None:
             return None
