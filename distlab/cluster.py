@@ -30,6 +30,7 @@ also after a crash half-way through ``up``. Needs root and iproute2 (``ip``, ``t
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -38,6 +39,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -194,6 +196,26 @@ def up(nodes: int, bandwidth: str | None = "1gbit", delay: str | None = None, co
         down(name)
         raise
     return cluster
+
+
+@contextlib.contextmanager
+def private(nodes: int, bandwidth: str | None, cores_per_node: int | None, name: str):
+    """A cluster of its own for a drill or benchmark: its state in a temporary directory (so it never
+    meets the user's clusters), brought up, yielded, and taken down whatever happens."""
+    state, old = tempfile.mkdtemp(prefix="distlab-cluster-"), os.environ.get("DISTLAB_CLUSTER_STATE_DIR")
+    os.environ["DISTLAB_CLUSTER_STATE_DIR"] = state
+    try:
+        up(nodes, bandwidth, None, cores_per_node, name)
+        try:
+            yield
+        finally:
+            down(name)
+    finally:
+        if old is None:
+            os.environ.pop("DISTLAB_CLUSTER_STATE_DIR", None)
+        else:
+            os.environ["DISTLAB_CLUSTER_STATE_DIR"] = old
+        shutil.rmtree(state, ignore_errors=True)
 
 
 def down(name: str = "dl") -> list[str]:

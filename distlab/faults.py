@@ -47,16 +47,16 @@ EPS32 = torch.finfo(torch.float32).eps
 _HOOKS = ("DISTLAB_KILL_AT_STEP", "DISTLAB_KILL_IN_SNAPSHOT", "DISTLAB_TERM_AGENT_AT_STEP")
 
 
-def _tensors(obj):
+def tensors(obj):
     """Every tensor inside nested dicts/lists, in a fixed order."""
     if torch.is_tensor(obj):
         yield obj
     elif isinstance(obj, dict):
         for key in sorted(obj, key=str):
-            yield from _tensors(obj[key])
+            yield from tensors(obj[key])
     elif isinstance(obj, (list, tuple)):
         for item in obj:
-            yield from _tensors(item)
+            yield from tensors(item)
 
 
 class _Job:
@@ -102,7 +102,7 @@ class _Job:
         meta = snapshot.read_meta(path)
         models = [snapshot.load_rank_file(path, meta, r)["model"] for r in range(len(meta["files"]))]
         losses = [json.loads(line)["loss"] for line in (out / "run" / "metrics.jsonl").open()]
-        return summary, [t for m in models for t in _tensors(m)], losses
+        return summary, [t for m in models for t in tensors(m)], losses
 
 
 def _diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -207,7 +207,6 @@ def drill_disk_full(job: _Job, straight) -> dict | None:
 
 
 def drill_link_cut(job: _Job, straight) -> dict:
-    import tempfile
     import threading
     import time
 
@@ -223,18 +222,14 @@ def drill_link_cut(job: _Job, straight) -> dict:
     out = job.root / "link-cut"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    name, state, old = f"lc{os.getpid() % 10000}", tempfile.mkdtemp(prefix="distlab-cluster-"), \
-        os.environ.get("DISTLAB_CLUSTER_STATE_DIR")
-    os.environ["DISTLAB_CLUSTER_STATE_DIR"] = state
+    name = f"lc{os.getpid() % 10000}"
     base = [*job.command(job.world // 2), "--snapshot-dir", str(out / "snapshots"), "--out", str(out / "run")]
     base[base.index("--comm-timeout") + 1] = str(CUT_TIMEOUT_S)
-    try:
-        from distlab.runtime import cores
-        per_rank = max(1, cores() // job.world)  # the threads each rank of `straight` had: the same float ops
-        cl.up(2, "1gbit", None, min(cores(), per_rank * (job.world // 2)), name)
-        try:
-            codes: dict = {}
-            log = open(out / "cut.log", "w")
+    from distlab.runtime import cores
+    per_rank = max(1, cores() // job.world)  # the threads each rank of `straight` had: the same float ops
+    with cl.private(2, "1gbit", min(cores(), per_rank * (job.world // 2)), name):
+        codes: dict = {}
+        with open(out / "cut.log", "w") as log:
             runner = threading.Thread(target=lambda: codes.setdefault("cut", cl.run(
                 [*base, "--max-restarts", "0"], name, job.timeout, out=log)), daemon=True)
             runner.start()
@@ -247,19 +242,10 @@ def drill_link_cut(job: _Job, straight) -> dict:
             cl.cut_link(1, name)
             runner.join(job.timeout)
             failed_after = time.perf_counter() - t0
-            log.close()
-            text = (out / "cut.log").read_text()
-            cl.cut_link(1, name, restore=True)
-            with open(out / "resume.log", "w") as log:
-                resumed = cl.run([*base, "--resume", "auto"], name, job.timeout, out=log)
-        finally:
-            cl.down(name)
-    finally:
-        if old is None:
-            os.environ.pop("DISTLAB_CLUSTER_STATE_DIR", None)
-        else:
-            os.environ["DISTLAB_CLUSTER_STATE_DIR"] = old
-        shutil.rmtree(state, ignore_errors=True)
+        text = (out / "cut.log").read_text()
+        cl.cut_link(1, name, restore=True)
+        with open(out / "resume.log", "w") as log:
+            resumed = cl.run([*base, "--resume", "auto"], name, job.timeout, out=log)
     per_node = job.world // 2
     lost = ", ".join(str(r) for r in range(per_node, job.world))
     named = f"rank{'s' if per_node > 1 else ''} {lost} did not answer a roll call"

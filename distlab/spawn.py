@@ -43,7 +43,7 @@ _PRELOAD = ["torch", "torch.distributed", "distlab.spawn", "distlab.train", "dis
 
 
 def _context():
-    """The fork server (Linux, imports preloaded once per session) or plain spawn."""
+    """The fork server (Linux; its imports are preloaded once per calling process) or plain spawn."""
     method = os.environ.get("DISTLAB_SPAWN", "forkserver" if sys.platform == "linux" else "spawn")
     if method not in ("forkserver", "spawn"):
         raise ValueError(f"DISTLAB_SPAWN={method!r}: use forkserver or spawn")

@@ -26,7 +26,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -72,31 +71,18 @@ def run(nodes: int = 2, epochs: int = 1, kill_at_step: int = 400, snapshot_every
     job += ["--max-steps", str(max_steps)] if max_steps else []
     job += ["--data-dir", data_dir] if data_dir else []
     name = f"el{os.getpid() % 10000}"
-    state = tempfile.mkdtemp(prefix="distlab-cluster-")
-    old = os.environ.get("DISTLAB_CLUSTER_STATE_DIR")
-    os.environ["DISTLAB_CLUSTER_STATE_DIR"] = state
     restarts = 3
-    try:
-        cl.up(nodes, bandwidth, None, max(1, cores() // nodes), name)
-        try:
-            results = {}
-            for kind in ("uninterrupted", "node-lost")[0 if uninterrupted else 1:]:
-                run_dir = root / kind
-                shutil.rmtree(run_dir, ignore_errors=True)
-                run_dir.mkdir(parents=True)
-                cmd = _command(nodes, run_dir, job, snapshot_every, log_every, restarts)
-                progress(f"elastic: {kind} run on {nodes} nodes ...")
-                results[kind] = _one(cl, name, cmd, run_dir, nodes, kind == "node-lost", kill_at_step, revive,
-                                     log_every, timeout, progress)
-                shutil.rmtree(run_dir / "snapshots", ignore_errors=True)  # the record keeps what they did
-        finally:
-            cl.down(name)
-    finally:
-        if old is None:
-            os.environ.pop("DISTLAB_CLUSTER_STATE_DIR", None)
-        else:
-            os.environ["DISTLAB_CLUSTER_STATE_DIR"] = old
-        shutil.rmtree(state, ignore_errors=True)
+    results = {}
+    with cl.private(nodes, bandwidth, max(1, cores() // nodes), name):
+        for kind in ("uninterrupted", "node-lost")[0 if uninterrupted else 1:]:
+            run_dir = root / kind
+            shutil.rmtree(run_dir, ignore_errors=True)
+            run_dir.mkdir(parents=True)
+            cmd = _command(nodes, run_dir, job, snapshot_every, log_every, restarts)
+            progress(f"elastic: {kind} run on {nodes} nodes ...")
+            results[kind] = _one(cl, name, cmd, run_dir, nodes, kind == "node-lost", kill_at_step, revive,
+                                 log_every, timeout, progress)
+            shutil.rmtree(run_dir / "snapshots", ignore_errors=True)  # the record keeps what they did
     straight, lost = results.get("uninterrupted"), results["node-lost"]
     s, summary = (straight or {}).get("summary", {}), lost["summary"]
     resumes = summary["layouts"][1:]

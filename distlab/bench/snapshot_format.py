@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from distlab.bench.common import at_least, choose, format_table, machine, write
+from distlab.faults import tensors as _tensors
 from distlab.parallel import Strategy
 from distlab.train.config import TrainConfig
 
@@ -115,17 +116,6 @@ def _measure(rank: int, world: int, cfg: TrainConfig, root: str, runs: int, shar
             shutil.rmtree(theirs, ignore_errors=True)
     state_bytes = sum(t.numel() * t.element_size() for t in _tensors(_dcp_state(trainer, rank, sharded)))
     return {"times": times, "sizes": sizes, "state_bytes": state_bytes}
-
-
-def _tensors(obj):
-    if torch.is_tensor(obj):
-        yield obj
-    elif isinstance(obj, dict):
-        for key in sorted(obj, key=str):
-            yield from _tensors(obj[key])
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors(item)
 
 
 def run(workloads=tuple(WORKLOADS), nproc: int = 2, runs: int = 3, dataset: str = "fashion-mnist",
