@@ -70,13 +70,16 @@ def torchrun_args(opts: LaunchOptions, argv: list[str]) -> list[str]:
         args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", opts.rdzv_endpoint]
         args += ["--rdzv-conf", opts.rdzv_conf] if opts.rdzv_conf else []
         args += ["--local-addr", opts.local_addr] if opts.local_addr else []
+    elif opts.master_port is None and opts.max_nodes == 1:
+        # One node and no port asked for: a rendezvous on a free port (torchrun --standalone). torch
+        # before 2.12 otherwise binds the static rendezvous to 29500, and two jobs on a host collide.
+        args += ["--standalone"]
     else:
         args += ["--node-rank", str(opts.node_rank)]
         if opts.master_addr:
             args += ["--master-addr", opts.master_addr]
         if opts.master_port is not None:
             args += ["--master-port", str(opts.master_port)]
-        # with no port on one node, torchrun picks a free one itself
     return args + ["-m", "distlab", *argv]
 
 

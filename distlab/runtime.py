@@ -190,6 +190,14 @@ def under_launcher(env: Mapping[str, str] | None = None) -> bool:
 # --------------------------------------------------------------------------- backend + device
 
 
+def hide_gpus(env=None) -> None:
+    """A run decided to be on CPU: hide the GPUs from this process and every process it starts
+    (``CUDA_VISIBLE_DEVICES=""``), so torch's own defaults -- the device type of a DeviceMesh that
+    FSDP2 builds, DDP communication hooks that synchronize CUDA -- see the device distlab's side uses.
+    Takes effect in processes that have not touched CUDA yet (workers, spawned ranks)."""
+    (os.environ if env is None else env)["CUDA_VISIBLE_DEVICES"] = ""
+
+
 def resolve_device(device: str, local_rank: int) -> torch.device:
     if device not in DEVICES:
         raise ConfigError(f"--device {device!r} is not one of {', '.join(DEVICES)}")

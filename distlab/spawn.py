@@ -55,9 +55,11 @@ def _context():
 
 def _worker(rank: int, world_size: int, port: int | None, fn: Callable, args: tuple, kwargs: dict,
             env: Mapping[str, str] | None, results, timeout: float, backend: str, threads: int,
-            pg_timeout: float, parent_env: Mapping[str, str]) -> None:
+            pg_timeout: float, parent_env: Mapping[str, str], gpus: bool) -> None:
     os.environ.clear()  # the caller's environment now, not the fork server's at its start
     os.environ.update(parent_env)
+    if not gpus:  # CPU ranks: torch's defaults must not pick a GPU either (runtime.hide_gpus)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ.update(env or {})
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(threads)
@@ -78,13 +80,14 @@ def _worker(rank: int, world_size: int, port: int | None, fn: Callable, args: tu
 def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 60.0,
               envs: Sequence[Mapping[str, str]] | None = None, init_group: bool = True,
               backend: str = "gloo", threads: int = 1, pg_timeout: float | None = None,
-              **kwargs) -> list[Any]:
+              gpus: bool = False, **kwargs) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes; return their results.
 
     ``fn`` must be importable by name (a module-level function). ``envs[r]`` is added to rank
     ``r``'s environment. With ``init_group=False`` the processes start no process group (for
     testing code that starts its own). ``pg_timeout`` (default ``timeout``) is the process
-    group's timeout for every collective.
+    group's timeout for every collective. The ranks see no GPU unless ``gpus`` (one device decision
+    for the run: torch's own code in a rank then defaults to the CPU as distlab's does).
     """
     ctx = _context()
     results = ctx.Queue()
@@ -96,7 +99,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 6
         port = store.port
     procs = [ctx.Process(target=_worker, daemon=True, name=f"distlab-rank{r}",
                          args=(r, world_size, port, fn, args, kwargs, envs[r] if envs else None, results,
-                               timeout, backend, threads, pg_timeout or timeout, dict(os.environ)))
+                               timeout, backend, threads, pg_timeout or timeout, dict(os.environ), gpus))
              for r in range(world_size)]
     for p in procs:
         p.start()

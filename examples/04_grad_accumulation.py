@@ -16,6 +16,7 @@ from distlab import comm, runtime
 from distlab.models import build_model
 from distlab.parallel import DataParallel
 from distlab.runtime import print0
+from distlab.verify import sgd_tolerance
 
 STEPS, GLOBAL_BATCH = 10, 64
 
@@ -67,7 +68,7 @@ def main() -> None:
             diff = max((a - b).abs().max().item() for a, b in zip(net.parameters(), single.parameters()))
             label = f"K={k}" + ("" if use_no_sync else " syncing every micro-batch")
             print0(f"  {label:<30} max |param - single process| {diff:.1e}   bytes sent per step {sent.bytes_sent / STEPS:,.0f}")
-            assert diff < 1e-5, (k, diff)
+            assert diff <= sgd_tolerance(STEPS, 0.05, GLOBAL_BATCH, momentum=0.9), (k, diff)  # float32 bound
             assert sent.bytes_sent == STEPS * (1 if use_no_sync else k) * 2 * (n - 1) / n * 4 * count(net)
     print0("no_sync: the same parameters as one big batch, and one gradient sync per step whatever K is.\n"
            "Syncing every micro-batch gives the same parameters too (averaging is linear: the average of\n"

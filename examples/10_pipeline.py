@@ -15,11 +15,12 @@ import torch.distributed as dist
 from distlab.models import GPT, task_loss
 from distlab.parallel import PipelineStage, partition
 from distlab.runtime import ordered_print, print0
+from distlab.verify import sum_tolerance
 
 
 def gpt():
     torch.manual_seed(0)
-    return GPT(256, 32, n_layer=4, n_head=4, n_embd=64)
+    return GPT(256, 32, n_layer=4, n_head=4, n_embd=64).double()  # float64: a bound far below any bug
 
 
 def main():
@@ -30,6 +31,9 @@ def main():
     x, y = torch.randint(0, 256, (8, 32), generator=g), torch.randint(0, 256, (8, 32), generator=g)
     full = gpt()
     task_loss(full(x), y).backward()  # the reference: one step of the whole model
+    # a gradient entry sums over the 8 x 32 tokens the terms of every layer's fan-in along its chain
+    scale = max([1.0] + [p.grad.abs().max().item() for p in full.parameters()])
+    bound = sum_tolerance(x.numel() * (4 * (64 + 4 * 64) + 256), scale, torch.float64)
 
     names = ["embedding", "block 1", "block 2", "block 3", "block 4", "head"]
     print0(f"stages, balanced by parameters: {[names[a:b] for a, b in partition(full, world)]}")
@@ -45,7 +49,7 @@ def main():
             ordered_print(f"{schedule:5} M={m}  stage {rank}: held {t['in_flight_peak']} micro-batch(es), "
                           f"bubble {t['bubble_measured']:.2f} (ideal {t['bubble_ideal']:.2f}), "
                           f"max |grad - one process| {diff:.1e}")
-            assert diff < 1e-5, diff
+            assert diff <= bound, (diff, bound)
     print0("both schedules compute the unsplit step; 1F1B holds at most P - s micro-batches on stage s")
     dist.destroy_process_group()
 

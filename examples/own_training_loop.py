@@ -18,6 +18,7 @@ from torch import nn
 from distlab import comm
 from distlab.parallel import ColumnParallelLinear, Strategy, build_mesh, parallelize
 from distlab.runtime import print0
+from distlab.verify import gradient_tolerance, sgd_tolerance
 
 STEPS, GLOBAL_BATCH = 6, 32
 
@@ -67,8 +68,9 @@ def main() -> None:
     mine = engine.full_state_dict()
     diff = max((mine[k] - v).abs().max().item() for k, v in ref.state_dict().items())
     head_grad = (full_grads["5.weight"] - ref_grads["5.weight"]).abs().max().item()
-    assert diff <= 2e-5, f"parameters differ from one process by {diff:.2e}"
-    assert head_grad <= 1e-5, f"the last step's gradient differs by {head_grad:.2e}"
+    # float32 summation order only: bounds derived in distlab.verify (the same ones `distlab verify` uses)
+    assert diff <= sgd_tolerance(STEPS, 0.1, GLOBAL_BATCH, 0.9), f"parameters differ from one process by {diff:.2e}"
+    assert head_grad <= gradient_tolerance(GLOBAL_BATCH), f"the last step's gradient differs by {head_grad:.2e}"
 
     # A tensor-parallel layer from this rank's shard alone (no full layer built anywhere).
     w = torch.randn(16 // mesh.tp, 8, generator=torch.Generator().manual_seed(mesh.tp_rank))

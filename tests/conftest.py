@@ -8,6 +8,21 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Multi-rank tests run CPU ranks with gloo on any host, a GPU one included (one GPU cannot hold several
+# ranks): the CLI, benches, examples and library calls read this; tests marked ``gpu`` ask for CUDA.
+os.environ.setdefault("DISTLAB_DEVICE", "cpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``gpu`` tests run where CUDA is present and skip, saying why, elsewhere."""
+    import torch
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False here)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
 
 def distlab_exe() -> list[str]:
     """The real console script when installed, else ``python -m distlab``."""

@@ -52,7 +52,8 @@ def test_train_two_processes_writes_metrics_and_summary(run_cli, tmp_path):
     # The header, before the first step, says what runs: data and where from, strategy, mesh, batch.
     head = proc.stdout[:proc.stdout.index("step ")]
     assert "data     synthetic:1x8x8:4:512 from generated: 512 train, 128 test" in head
-    assert "strategy ddp on 2 processes x 1 threads" in head
+    from distlab.runtime import cores
+    assert f"strategy ddp on 2 processes x {max(1, cores() // 2)} threads" in head  # cores // local ranks
     assert "mesh     dp 2: ranks 0-1 in one data-parallel group" in head
     assert "batch    32 global = 2 data-parallel rank(s) x 16; 32 steps, 16 per epoch" in head
 
@@ -68,6 +69,30 @@ def test_header_shows_the_tensor_parallel_mesh_and_what_is_split(run_cli, tmp_pa
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["mesh"]["layout"].startswith("dp 2 x tp 2") and summary["micro_batch_size"] == 4
     assert summary["num_parameters_per_rank"] < summary["num_parameters"]
+
+
+def test_a_single_node_launch_takes_a_free_port_not_29500(run_cli, tmp_path):
+    """torchrun's static rendezvous binds 29500 by default (torch before 2.12): two jobs on one host, or
+    a test suite under pytest -n, collided. One node without --master-port rendezvous on a free port."""
+    import socket
+
+    from distlab.launch import LaunchOptions, torchrun_args
+    args = torchrun_args(LaunchOptions(nproc_per_node=2), ["train"])
+    assert "--standalone" in args and "--master-port" not in args
+    pinned = torchrun_args(LaunchOptions(nproc_per_node=2, master_port=6000), ["train"])
+    assert "--standalone" not in pinned and pinned[pinned.index("--master-port") + 1] == "6000"
+    holder = socket.socket()
+    try:  # someone else's job on 29500 (if nothing else holds it already)
+        holder.bind(("127.0.0.1", 29500))
+        holder.listen()
+    except OSError:
+        pass
+    try:
+        run_cli("train", "--nproc-per-node", "2", "--dataset", "synthetic:1x8x8:4:256", "--global-batch-size", "16",
+                "--max-steps", "2", "--no-progress", "--out", "run", check=True)
+    finally:
+        holder.close()
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["world_size"] == 2
 
 
 def test_single_process_without_launcher(run_cli, tmp_path):

@@ -3,10 +3,11 @@
 Each case trains under layout A with a snapshot at step 7 (mid-epoch) and goes on to step 13;
 layout B resumes that snapshot. Right after loading, B's gathered parameters and optimizer state
 must *equal* A's at step 7 (resharding copies tensors, it computes nothing). B then trains on to
-step 13 on the same samples; its parameters must agree with A's to float32 summation-order noise
-(the layouts sum gradients in different orders): six steps on parameters of O(0.1) at lr <= 0.05
-change each by rounding of ~1e-7 per step, so 1e-5 is far above that noise and far below what a
-skipped or repeated batch does (~1e-3 and more, checked below).
+step 13 on the same samples; with SGD its parameters must agree with A's within distlab.verify's
+float32 bound for the 13 steps (the layouts sum gradients in different orders; 3.7e-5 here), far
+below what a skipped or repeated batch does (~1e-3 and more, checked below). Adam has no such
+bound (it divides each entry by its own size, so rounding noise can move an entry by up to lr):
+its cases check the resharded state exactly and that training goes on from it.
 """
 
 import pytest
@@ -22,6 +23,7 @@ from distlab.train import Trainer, TrainConfig
 from distlab.train import reshard
 from distlab.train.export import export
 from distlab.train import snapshot as snap
+from distlab.verify import tolerance
 
 AT, END = 7, 13
 
@@ -108,7 +110,11 @@ def test_a_snapshot_resumes_under_another_layout_exactly(tmp_path, case):
         assert all(torch.equal(x, y) for x, y in zip(params_a, params_b))
         assert summary["steps"] == AT and out["steps"] == END
         diff = max((x - y).abs().max().item() for x, y in zip(final_a, final_b))
-        assert diff < 1e-5, diff
+        bound = tolerance(cfg_a.validate(world_a))
+        if bound is not None:  # SGD
+            assert diff <= bound, (diff, bound)
+        else:  # Adam: no bound; the exact state checks above are the proof, and training went on from it
+            assert all(torch.isfinite(t).all() for t in final_b)
         moved = max((x - y).abs().max().item() for x, y in zip(params_a, final_a))
         assert moved > 1e-3  # the six steps after the snapshot change the model far beyond the tolerance
         layouts = out["layouts"]

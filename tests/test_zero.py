@@ -3,7 +3,8 @@ the memory they hold, and their sharded state.
 
 Tolerance: the data-parallel bound (tests/test_data_parallel.py): gradients are the same
 averages, reduce-scattered instead of all-reduced, so runs differ by float32 summation order
-only: 2e-5 over 10 SGD steps. A ZeRO that summed instead of averaged, updated the wrong slice or
+only: distlab.verify's bound, 2.9e-5 over 10 SGD steps (Adam has none: its runs are compared
+bitwise on resume and resharding, tests/test_snapshot.py and tests/test_reshard.py). A ZeRO that summed instead of averaged, updated the wrong slice or
 missed an all-gather is off by O(1e-2) or more (the control below).
 """
 
@@ -17,9 +18,7 @@ from distlab.parallel import Zero
 from distlab.plan.memory import Optim, trace, zero_peak_bytes
 from distlab.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig
-from distlab.verify import reference_run
-
-ATOL = 2e-5
+from distlab.verify import reference_run, tolerance
 
 
 def _cfg(zero, **kw):
@@ -29,6 +28,9 @@ def _cfg(zero, **kw):
                     weight_decay=1e-4, seed=3, log_every=1, dp_sync="allreduce", progress=False, verbose=False,
                     eval_every_epoch=False, zero=zero)
     return TrainConfig.from_flags(**{**settings, **kw})
+
+
+ATOL = tolerance(_cfg(1))  # 2 x 10 steps x lr 0.1 / (1 - 0.9) x batch 12 x eps32 = 2.9e-5
 
 
 def _train(rank, world, cfg):
@@ -49,7 +51,7 @@ def _max_diff(a, b):
 
 # bucket_mb 0.002 (2 KB): the 64x32 weight alone, the rest in buckets of several units, so
 # stages 1-2 launch several reduce-scatters during backward (and stage 2 waits for the one before).
-CASES = [(1, 2, {}), (2, 3, {}), (3, 3, {}), (3, 2, {"optimizer": "adam", "lr": 0.005}),
+CASES = [(1, 2, {}), (2, 3, {}), (3, 3, {}), (3, 2, {"bucket_mb": 0.002}),
          (2, 2, {"grad_accum": 2}), (3, 4, {"tp": 2}), (3, 2, {"collective": "ring"}),
          (1, 3, {"bucket_mb": 0.002}), (2, 3, {"bucket_mb": 0.002, "grad_accum": 2}),
          (2, 2, {"bucket_mb": 0.002, "collective": "ring"})]

@@ -84,6 +84,7 @@ def _torch(rank: int, world: int, kind: str, cfg: TrainConfig) -> dict | None:
     from distlab.train.metrics import median_excluding_warmup, peak_rss_mb
 
     data = cfg.load("train")
+    device = torch.device("cpu")  # distlab's side: gloo ranks on the CPU (runtime.from_process_group)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, data.input_shape, data.num_classes, **cfg.model_options())
     params = sum(p.numel() for p in model.parameters())
@@ -96,25 +97,27 @@ def _torch(rank: int, world: int, kind: str, cfg: TrainConfig) -> dict | None:
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=cfg.lr)
         sent = 3 * (n - 1) * params * 4 // n  # gradient all-reduce + every shard broadcast to the others
     elif kind == "torch-fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh(device.type, (world,))  # the run's device, not torch's default (cuda if present)
         for m in model.modules():
             if isinstance(m, torch.nn.Linear):
-                fully_shard(m)
-        fully_shard(model)
+                fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
         sent = 3 * (n - 1) * params * 4 // n  # all-gather forward, all-gather backward, reduce-scatter
     elif kind in ("torch-tp", "torch-tp-sp") and cfg.model == "gpt":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
         sp = kind == "torch-tp-sp"
-        parallelize_module(model, init_device_mesh("cpu", (world,)), gpt_tp_plan(len(model), sp))
+        parallelize_module(model, init_device_mesh(device.type, (world,)), gpt_tp_plan(len(model), sp))
         opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
         dp, scoring = 1, loss_parallel
         sent = gpt_tp_bytes(cfg, n, sp)
     elif kind == "torch-tp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device.type, (world,))
         first, second = [str(i) for i, m in enumerate(model.net) if isinstance(m, torch.nn.Linear)][:2]
         parallelize_module(model.net, mesh, {first: ColwiseParallel(), second: RowwiseParallel()})
         opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)

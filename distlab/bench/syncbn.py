@@ -122,7 +122,7 @@ def run(workers=(1, 2, 4), features=(128, 256, 512, 1024), batches=(32, 64), imp
             raise ConfigError(f"global batch {bad[0]} does not split over {w} workers")
         progress(f"{w} worker(s): {len(features)} widths x {len(batches)} batches x {len(impls)} implementations ...")
         rows = run_ranks(_bench, w, list(features), list(batches), list(impls), warmup, repeats, device,
-                         timeout=1800, threads=1)[0]
+                         timeout=1800, threads=1, gpus=device != "cpu")[0]
         for r in rows:
             r.update(machine(w, 1))
         records += rows

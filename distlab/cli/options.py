@@ -76,7 +76,10 @@ def run_distributed(kw: dict, body, planned_check=None):
             raise ConfigError("--nproc-per-node (torchrun launch) and --rank/--world-size (manual start) "
                               "cannot be combined: use one or the other")
         runtime.check_local_devices(kw["device"], lopts.nproc_per_node)
-        runtime.resolve_backend(kw["backend"], runtime.resolve_device(kw["device"], 0))  # once, before any worker
+        device = runtime.resolve_device(kw["device"], 0)
+        runtime.resolve_backend(kw["backend"], device)  # once, before any worker
+        if device.type == "cpu":
+            runtime.hide_gpus()  # the workers' torch defaults to the CPU too (DDP hooks, device meshes)
         if planned_check:  # an elastic job may run at any world size of its range: each must work
             for world in lopts.possible_world_sizes():
                 planned_check(world)
