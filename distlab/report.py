@@ -33,7 +33,7 @@ from typing import Callable
 from distlab.bench.common import human_bytes
 from distlab.plots import integer_ticks, pyplot, style
 
-BENCH_KINDS = ("collectives", "dp", "syncbn", "parallel", "pipeline", "scaling", "verify", "plan", "sweep")
+BENCH_KINDS = ("collectives", "dp", "syncbn", "parallel", "pipeline", "scaling", "verify", "plan", "sweep", "overhead")
 BENCH_FILES = {f"{kind}.json" for kind in BENCH_KINDS}  # names the bench commands write: never skipped quietly
 PLAN_VALIDATION = "distlab-plan-validation"
 
@@ -62,6 +62,8 @@ def bench_kind(records) -> str | None:
         return "scaling"
     if "schedule" in first and "microbatches" in first:
         return "pipeline"
+    if "side" in first and "round" in first and "precision" in first:
+        return "overhead"
     if "workload" in first and "strategy" in first:
         return "parallel"
     if "workload" in first and "dp_sync" in first:
@@ -415,6 +417,23 @@ def _pipeline_section(records: list[dict]) -> str:
     return _png(fig) + _table(records, cols)
 
 
+def _overhead_section(records: list[dict]) -> str:
+    from distlab.bench import overhead
+    plt = pyplot()
+    rows = overhead.summarize(records)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar([f"{r['workload']} {r['precision']}" for r in rows], [r["ratio_median"] for r in rows],
+           yerr=[[r["ratio_median"] - r["ratio_min"] for r in rows], [r["ratio_max"] - r["ratio_median"] for r in rows]],
+           capsize=4)
+    ax.axhline(1.0, color="grey", lw=1, ls="--")
+    ax.set(ylabel="distlab / plain loop", title=f"median step, {rows[0]['device']}")
+    cols = [Col("workload", "workload"), Col("precision", "precision"), Col("device", "device"),
+            Col("plain_s", "plain ms/step", _ms), Col("distlab_s", "distlab ms/step", _ms),
+            Col("ratio_median", "distlab / plain", "{:.2f}x".format), Col("ratio_min", "min", "{:.2f}x".format),
+            Col("ratio_max", "max", "{:.2f}x".format), Col("rounds", "rounds")]
+    return _png(fig) + _table(rows, cols)
+
+
 def _syncbn_section(records: list[dict]) -> str:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -539,7 +558,8 @@ SECTIONS = {"collectives": ("Collectives", _collectives_section), "dp": ("Data p
             "pipeline": ("Pipeline parallel", _pipeline_section),
             "scaling": ("Scaling", _scaling_section), "verify": ("Equivalence (distlab verify)", _verify_section),
             "plan": ("Cost model (distlab plan validate)", _plan_section),
-            "sweep": ("Plan sweep (distlab plan --sweep)", _sweep_section)}
+            "sweep": ("Plan sweep (distlab plan --sweep)", _sweep_section),
+            "overhead": ("Single-process overhead (distlab bench overhead)", _overhead_section)}
 
 
 def _machine(records: list[dict]) -> str:

@@ -48,7 +48,7 @@ def main() -> None:
         full_grads = engine.wrapper.full_gradients()  # ZeRO: every parameter's averaged gradient, gathered
         opt.step()
         engine.after_step()  # ZeRO-1: all-gather the updated shards
-        mean = torch.tensor([loss])
+        mean = loss.reshape(1).clone()  # this rank's loss: a float64 tensor (no wait for the device until read)
         comm.all_reduce(mean, op=dist.ReduceOp.AVG, group=mesh.dp_group)  # torch's op; gloo has no AVG, distlab does
         print0(f"step loss {mean.item():.4f}")
 

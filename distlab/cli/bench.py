@@ -253,6 +253,27 @@ def bench_pipeline(nproc, microbatches, schedules, implementations, steps, batch
     _finish(pipeline, records, out, "pipeline", plot_dir)
 
 
+@bench.command("overhead")
+@click.option("--workloads", default="mlp,gpt", show_default=True,
+              help="mlp (784-512-256-10, batch 64, fashion-mnist) and gpt (the default GPT, 32 x 64 tokens).")
+@click.option("--precisions", default="fp32,bf16", show_default=True, help="fp32, bf16, fp16 (GPU only).")
+@click.option("--steps", type=int, default=300, show_default=True, help="Steps per side and round.")
+@click.option("--runs", type=int, default=3, show_default=True, help="Interleaved rounds of every side.")
+@click.option("--device", default="auto", show_default=True, envvar="DISTLAB_DEVICE",
+              help="auto (cuda if available), cpu or cuda: both sides run there.")
+@click.option("--threads", type=int, default=None, help="Torch threads of each side (default: every core).")
+@click.option("--dataset", default=None, help="Instead of the workload's data set.")
+@click.option("--data-dir", default=None)
+@click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/overhead.json.")
+@click.option("--plot", "plot_dir", default=None, help="Also write a ratio PNG here.")
+def bench_overhead(workloads, precisions, steps, runs, device, threads, dataset, data_dir, out, plot_dir):
+    """distlab's single-process step beside a plain PyTorch loop: same model, data, precision, device."""
+    from distlab.bench import overhead
+    records = overhead.run(workloads, precisions, steps, runs, device, threads, dataset, data_dir, out,
+                           progress=_progress)
+    _finish(overhead, records, out, "overhead", plot_dir)
+
+
 @bench.command("checkpointing")
 @click.option("--workloads", default="vgg11-bn,resnet18,gpt", show_default=True)
 @click.option("--steps", type=int, default=6, show_default=True, help="Steps per variant (the first 2 untimed).")

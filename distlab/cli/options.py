@@ -158,6 +158,8 @@ TRAIN_OPTIONS = [
                      "tokens): fortunes, synthetic-text[:N].")),
     ("data_dir", dict(help="Where the dataset is; the only place searched when given (default: $DISTLAB_DATA, "
                      "else /usr/share/datasets).")),
+    ("data_on_device", dict(help="auto, on or off: keep the data set in GPU memory and gather each batch there "
+                            "(auto: on a GPU run whose data takes at most 25% of the free GPU memory).")),
     ("epochs", dict(type=int)),
     ("max_steps", dict(type=int, help="Stop after this many optimizer steps.")),
     ("global_batch_size", dict(type=int, aliases=("--batch-size",),

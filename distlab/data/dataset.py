@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -37,8 +37,13 @@ class ImageDataset:
     def input_shape(self) -> tuple[int, int, int]:
         return tuple(self.images.shape[1:])  # type: ignore[return-value]
 
+    def to(self, device: torch.device | str) -> "ImageDataset":
+        """The same data set with its tensors on ``device`` (batches are then gathered there)."""
+        return replace(self, images=self.images.to(device), labels=self.labels.to(device))
+
     def batch(self, indices: torch.Tensor, *, augment: bool = False,
               generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        indices = torch.as_tensor(indices).to(self.images.device, non_blocking=True)
         x = normalize(self.images[indices], self.mean, self.std)
         if augment:
             x = random_crop_flip(x, generator or torch.Generator().manual_seed(0))

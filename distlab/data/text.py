@@ -27,7 +27,7 @@ context: the baseline to beat.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -79,10 +79,15 @@ class TextDataset:
 
     def batch(self, indices: torch.Tensor, *, augment: bool = False,
               generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        offsets = self.starts[indices][:, None] + torch.arange(self.block_size + 1)
+        indices = torch.as_tensor(indices).to(self.starts.device, non_blocking=True)
+        offsets = self.starts[indices][:, None] + torch.arange(self.block_size + 1, device=self.starts.device)
         window = self.tokens[offsets].long()
         # contiguous: torch's pipelining checks strides against its own, and copies to a GPU go faster
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+    def to(self, device: torch.device | str) -> "TextDataset":
+        """The same windows with the token stream on ``device`` (batches are then gathered there)."""
+        return replace(self, tokens=self.tokens.to(device), starts=self.starts.to(device))
 
     def subset(self, indices: torch.Tensor, split: str) -> "TextDataset":
         """The windows ``indices`` only (a validation split carved from the training windows)."""

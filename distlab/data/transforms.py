@@ -9,8 +9,8 @@ def normalize(images: torch.Tensor, mean: tuple[float, ...], std: tuple[float, .
     """uint8 (B,C,H,W) -> float32 ``(x/255 - mean) / std`` per channel; float input is returned as is."""
     if images.dtype != torch.uint8:
         return images.float()
-    m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
-    s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+    m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1).to(images.device)
+    s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1).to(images.device)
     return (images.float().div_(255.0) - m) / s
 
 
@@ -18,15 +18,17 @@ def random_crop_flip(x: torch.Tensor, generator: torch.Generator, padding: int =
     """Per sample: zero-pad by ``padding``, crop back to H x W at a random offset, flip with p=1/2.
 
     Vectorised over the batch (one gather, no Python loop over samples), as in the standard
-    CIFAR recipe (``RandomCrop(32, padding=4)`` + ``RandomHorizontalFlip``).
+    CIFAR recipe (``RandomCrop(32, padding=4)`` + ``RandomHorizontalFlip``). The draws come from
+    ``generator`` on the host (the same on any device); the gathers run where ``x`` is.
     """
     b, _, h, w = x.shape
+    dev = x.device
     padded = torch.nn.functional.pad(x, (padding, padding, padding, padding))
-    dy = torch.randint(0, 2 * padding + 1, (b,), generator=generator)
-    dx = torch.randint(0, 2 * padding + 1, (b,), generator=generator)
-    flip = torch.rand(b, generator=generator) < 0.5
-    rows = (dy.view(b, 1) + torch.arange(h).view(1, h))                      # (b, h)
-    cols = torch.arange(w).view(1, w).expand(b, w)
+    dy = torch.randint(0, 2 * padding + 1, (b,), generator=generator).to(dev)
+    dx = torch.randint(0, 2 * padding + 1, (b,), generator=generator).to(dev)
+    flip = (torch.rand(b, generator=generator) < 0.5).to(dev)
+    rows = (dy.view(b, 1) + torch.arange(h, device=dev).view(1, h))         # (b, h)
+    cols = torch.arange(w, device=dev).view(1, w).expand(b, w)
     cols = torch.where(flip.view(b, 1), w - 1 - cols, cols) + dx.view(b, 1)  # (b, w)
     idx_r = rows.view(b, 1, h, 1).expand(b, x.shape[1], h, padded.shape[-1])
     out = padded.gather(2, idx_r)                                             # (b, c, h, W+2p)

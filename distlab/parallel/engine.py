@@ -136,12 +136,14 @@ class Engine:
         self.sync_seconds += time.perf_counter() - t0
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor,
-                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float:
+                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Forward and backward over ``strategy.grad_accum`` equal micro-batches of ``(x, y)``, then :meth:`sync`.
 
         Every micro-batch but the last runs under :meth:`no_sync`; each micro-batch loss is divided by
         K, so the accumulated gradient is the mean over the whole local batch -- the step equals one
-        step on the K-times-larger batch. Returns this rank's mean loss over its samples.
+        step on the K-times-larger batch. Returns this rank's mean loss over its samples as a 0-dim
+        float64 tensor on the device (the micro-batch losses summed in float64, as Python floats would
+        be): reading it is the caller's choice, so a step waits for the device only where it must.
 
         On a pipeline the stage runs its schedule over ``strategy.microbatches`` micro-batches
         (:meth:`PipelineStage.train_step`; every backward but the last under :meth:`no_sync`); the
@@ -151,14 +153,15 @@ class Engine:
             return self._pipeline_step(x, y, loss_fn)
         k = self.strategy.grad_accum
         micro = len(x) // k
-        total = 0.0
+        total = None
         for i in range(k):
             xm, ym = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
             with self.no_sync() if i < k - 1 else contextlib.nullcontext():
                 with self.precision.autocast():
                     loss = loss_fn(self(xm), ym) / k
                 self.precision.backward(loss)
-            total += loss.item()
+            part = loss.detach().to(torch.float64)
+            total = part if total is None else total + part
         self.sync()
         if self.precision.scaler is not None:  # after the reduction: every rank unscales the same sums
             self._found_inf = self.precision.scaler.unscale_(self.parameters())
@@ -198,7 +201,7 @@ class Engine:
         value = (loss.detach() if loss is not None else torch.zeros(())).reshape(1).to(torch.float32)
         dist.broadcast(value, src=mesh.pp_ranks[-1], group=mesh.pp_group)
         self.sync()
-        return value.item()
+        return value[0].to(torch.float64)
 
     # ------------------------------------------------------------------ state
 

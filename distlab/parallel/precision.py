@@ -61,12 +61,18 @@ class LossScaler:
 
     @torch.no_grad()
     def unscale_(self, params) -> bool:
+        """Divide every gradient by the scale and say whether any, on any rank, is inf/NaN. One fused
+        pass per dtype (torch's own ``_amp_foreach_non_finite_check_and_unscale_``, as GradScaler),
+        one all-reduce of the verdict and one read of it: not a kernel and a sync per parameter."""
         grads = [p.grad for p in params if p.grad is not None]
-        inv = 1.0 / self.scale_value
-        found = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+        device = grads[0].device if grads else torch.device("cpu")
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        inv = torch.full((1,), 1.0 / self.scale_value, dtype=torch.float32, device=device)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in grads:
-            g.mul_(inv)
-            found = torch.maximum(found, (~torch.isfinite(g)).any().to(torch.float32))
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for same in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv)
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
         return bool(found.item())

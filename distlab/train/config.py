@@ -46,6 +46,7 @@ class TrainConfig:
     block_size: int = 64    # gpt: tokens per sample (context length)
     dataset: str = "fashion-mnist"
     data_dir: str | None = None
+    data_on_device: str = "auto"  # auto | on | off: the data set in GPU memory (distlab.data.resident)
     epochs: int = 1
     max_steps: int | None = None
     global_batch_size: int = 64
@@ -95,6 +96,7 @@ class TrainConfig:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
+        _choice("data_on_device", self.data_on_device, ("auto", "on", "off"))
         if self.global_batch_size < 1:
             raise ConfigError(f"`global_batch_size` must be positive, not {self.global_batch_size}")
         self.strategy.check(world_size)

@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 
 from distlab.parallel import Engine, Strategy
@@ -175,14 +176,16 @@ class RunState:
         """Training time over every attempt: the snapshot's count plus this attempt's."""
         return self._time_before + (time.perf_counter() - self._start)
 
-    def advance(self, loss: float) -> None:
+    def advance(self, loss: float | torch.Tensor) -> None:
+        """One more step of this rank's mean ``loss`` (a float, or a 0-dim tensor read only when the
+        window closes or a snapshot is written: no wait for the device per step)."""
         self.step += 1
-        self.window_loss += loss
+        self.window_loss = self.window_loss + loss
         self.window_steps += 1
 
     def close_window(self) -> float:
         """The global mean training loss since the last call (local means averaged over ranks)."""
-        total, = reduce_scalars([self.window_loss], device=self.rt.device)
+        total, = reduce_scalars([float(self.window_loss)], device=self.rt.device)
         self.last_loss = total / (self.window_steps * self.rt.world_size)
         self.window_loss, self.window_steps = 0.0, 0
         return self.last_loss
@@ -245,7 +248,7 @@ class RunState:
                    "optimizer": self.optimizer.state_dict(),
                    "scheduler": self.scheduler.state_dict(), "rng": snapshot.rng_state(), "step": self.step,
                    "samples": self.step * self.cfg.global_batch_size,
-                   "window": [self.window_loss, self.window_steps], "run": self._run_fields()}
+                   "window": [float(self.window_loss), self.window_steps], "run": self._run_fields()}
         if self.best_state is not None:
             payload["best_model"] = self.best_state
         meta = {"run_id": self.run_id, "fingerprint": self.fingerprint, **self.layout}

@@ -74,6 +74,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "model": cfg.model,
         "dataset": cfg.dataset,
         "data_path": trainer.train_set.source or None,
+        "data_on_device": trainer.data_resident,
         "input_shape": list(trainer.train_set.input_shape),
         "num_classes": trainer.train_set.num_classes,
         "global_batch_size": cfg.global_batch_size,
@@ -199,6 +200,7 @@ def header(trainer) -> list[str]:
         lines = [f"data     {cfg.dataset} from {where}: {len(data):,} train, {len(trainer.test_set):,} test"
                  + (f", {len(trainer.val_set):,} validation" if trainer.val_set is not None else "")
                  + f" ({'x'.join(map(str, data.input_shape))}, {data.num_classes} classes)"]
+    lines.append(f"         {trainer.data_where}")
     per_rank = count_parameters(trainer.engine.module)
     shape = (f" ({cfg.n_layer} blocks, {cfg.n_head} heads, width {cfg.n_embd}, context {cfg.block_size})"
              if hasattr(data, "unigram_entropy") else "")

@@ -18,6 +18,8 @@ from tqdm import tqdm
 
 from distlab import comm
 from distlab.data.loader import TrainLoader
+from distlab.data.resident import decide as decide_residence
+from distlab.data.resident import nbytes as data_nbytes
 from distlab.errors import ConfigError, DistributedError
 from distlab.models import TEXT_MODELS, build_model, count_parameters
 from distlab.parallel import build_mesh, parallelize
@@ -49,6 +51,12 @@ class Trainer:
             perm = torch.randperm(len(self.train_set), generator=torch.Generator().manual_seed(cfg.seed))
             self.val_set = self.train_set.subset(perm[:n_val].sort().values, "val")
             self.train_set = self.train_set.subset(perm[n_val:].sort().values, "train")
+        # The data set in GPU memory when it fits (distlab.data.resident); the sampler is the same either way.
+        self.data_resident, self.data_where = decide_residence(
+            cfg.data_on_device, rt.device, data_nbytes(self.train_set, self.test_set, self.val_set))
+        if self.data_resident:
+            self.train_set, self.test_set = self.train_set.to(rt.device), self.test_set.to(rt.device)
+            self.val_set = self.val_set.to(rt.device) if self.val_set is not None else None
         # The mesh: data is split over the data-parallel ranks only (a TP group and a pipeline see the same batch).
         self.mesh = build_mesh(cfg.strategy.tp, pp=cfg.strategy.pp)
         self.local_batch = cfg.global_batch_size // self.mesh.dp

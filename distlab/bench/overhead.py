@@ -1,0 +1,195 @@
+"""``distlab bench overhead``: distlab's single-process step beside a plain PyTorch loop.
+
+The same model, data, optimizer, precision and device, trained for ``--steps`` steps per side in
+interleaved rounds (plain, distlab, plain, distlab, ...: slow drift of the machine hits both
+alike), each side in a fresh process. The sides:
+
+* ``plain`` -- the loop a PyTorch user writes: ``torch.utils.data.DataLoader`` over the normalised
+  training set (shuffled, ``drop_last``), each batch copied to the device (``non_blocking``),
+  ``torch.autocast`` for bf16/fp16 and ``torch.amp.GradScaler`` for fp16;
+* ``plain-resident`` (GPU runs only) -- the same loop with the data already in GPU memory, a batch
+  gathered there by a shuffled permutation: the fastest plain loop;
+* ``distlab`` -- ``distlab train``'s :class:`~distlab.train.Trainer` on one process
+  (``data_on_device`` auto: resident on a GPU when the data fits).
+
+A step is timed from taking its batch to the end of the optimizer step (the device synchronised on
+a GPU), first steps excluded; a side's time is its median step. Per round the ratio distlab / plain
+is taken; the table gives the median ratio of the rounds and their range.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from distlab.bench.common import at_least, choose, format_table, machine, write
+from distlab.train.config import TrainConfig
+
+WORKLOADS = {"mlp": dict(model="mlp", mlp_widths=(512, 256), dataset="fashion-mnist", global_batch_size=64),
+             "gpt": dict(model="gpt", dataset="synthetic-text", global_batch_size=32)}
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def config(workload: str, precision: str, steps: int, dataset: str | None, data_dir: str | None) -> TrainConfig:
+    settings = {**WORKLOADS[workload], **({"dataset": dataset} if dataset else {})}
+    return TrainConfig.from_flags(**settings, data_dir=data_dir, epochs=1000, max_steps=steps, lr=0.01,
+                                  lr_schedule="constant", optimizer="sgd", momentum=0.9, seed=0, log_every=steps,
+                                  progress=False, verbose=False, eval_every_epoch=False,
+                                  timing_warmup_steps=min(10, steps // 4), precision=precision)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _plain(rank: int, world: int, cfg: TrainConfig, device_name: str, resident: bool) -> dict:
+    """The plain loop: one process, no distlab in the step."""
+    from distlab.models import build_model, task_loss
+    from distlab.train.metrics import median_excluding_warmup
+
+    device = torch.device(device_name)
+    data = cfg.load("train")
+    x_all, y_all = data.batch(torch.arange(len(data)))  # normalised once, as a Dataset's transform would
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, data.input_shape, data.num_classes, **cfg.model_options()).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.strategy.precision)
+    scaler = torch.amp.GradScaler(device.type) if cfg.strategy.precision == "fp16" else None
+    b = cfg.global_batch_size
+    if resident:
+        x_all, y_all = x_all.to(device), y_all.to(device)
+        g = torch.Generator(device=device).manual_seed(cfg.seed)
+
+        def batches():
+            while True:
+                perm = torch.randperm(len(x_all), device=device, generator=g)
+                for i in range(len(perm) // b):
+                    idx = perm[i * b:(i + 1) * b]
+                    yield x_all[idx], y_all[idx]
+    else:
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x_all, y_all), batch_size=b, shuffle=True,
+                                             drop_last=True, pin_memory=device.type == "cuda",
+                                             generator=torch.Generator().manual_seed(cfg.seed))
+
+        def batches():
+            while True:
+                yield from loader
+    it, times = batches(), []
+    model.train()
+    for _ in range(cfg.max_steps):
+        t0 = time.perf_counter()
+        x, y = (t.to(device, non_blocking=True) for t in next(it))
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = task_loss(model(x), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return {"time_per_step_s_median": median_excluding_warmup(times, cfg.timing_warmup_steps),
+            "final_loss": float(loss.detach())}
+
+
+def _distlab(rank: int, world: int, cfg: TrainConfig, device_name: str) -> dict:
+    from distlab import runtime
+    from distlab.train import Trainer
+    trainer = Trainer(cfg.validate(1), runtime.from_process_group(torch.device(device_name)))
+    summary = trainer.fit()
+    return {"time_per_step_s_median": summary["time_per_step_s_median"], "final_loss": summary["final_train_loss"],
+            "data_on_device": summary["data_on_device"]}
+
+
+def resolve_device(device: str) -> str:
+    from distlab.runtime import resolve_device as resolve
+    return resolve(device, 0).type
+
+
+def run(workloads=("mlp",), precisions=("fp32",), steps: int = 300, runs: int = 3, device: str = "auto",
+        threads: int | None = None, dataset: str | None = None, data_dir: str | None = None, out=None,
+        progress=print) -> list[dict]:
+    """Every workload x precision: ``runs`` interleaved rounds of each side; one record per side and round."""
+    from distlab.runtime import cores
+    from distlab.spawn import run_ranks
+
+    workloads = choose("--workloads", workloads, WORKLOADS)
+    precisions = choose("--precisions", precisions, PRECISIONS)
+    at_least(steps=(steps, 20), runs=(runs, 1))
+    dev = resolve_device(device)
+    if "fp16" in precisions and dev != "cuda":
+        from distlab.errors import ConfigError
+        raise ConfigError("--precisions fp16 needs a CUDA GPU (float16 autocast and loss scaling are GPU-only); "
+                          "measure fp32 and bf16 here")
+    threads = threads or cores()  # one process: every core, on both sides alike
+    sides = ["plain", *(["plain-resident"] if dev == "cuda" else []), "distlab"]
+    records = []
+    for workload in workloads:
+        for precision in precisions:
+            cfg = config(workload, precision, steps, dataset, data_dir)
+            for r in range(runs):
+                progress(f"{workload} {precision} on {dev}: round {r + 1}/{runs} ...")
+                for side in sides:
+                    fn, args = (_distlab, (cfg, dev)) if side == "distlab" else (_plain, (cfg, dev, side != "plain"))
+                    res = run_ranks(fn, 1, *args, timeout=3600, threads=threads, gpus=dev == "cuda")[0]
+                    records.append({"workload": workload, "model": cfg.model, "dataset": cfg.dataset,
+                                    "precision": precision, "device": dev, "side": side, "round": r, "steps": steps,
+                                    "global_batch_size": cfg.global_batch_size, **res, **machine(1, threads)})
+    write(records, out, "overhead")
+    return records
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Per workload x precision: each side's median step (median over rounds) and distlab / plain per
+    round -- median and range."""
+    rows = []
+    for key in dict.fromkeys((r["workload"], r["precision"], r["device"]) for r in records):
+        mine = [r for r in records if (r["workload"], r["precision"], r["device"]) == key]
+        by = {side: {r["round"]: r["time_per_step_s_median"] for r in mine if r["side"] == side}
+              for side in dict.fromkeys(r["side"] for r in mine)}
+        ratios = [by["distlab"][k] / by["plain"][k] for k in by["distlab"] if k in by.get("plain", {})]
+        rows.append({"workload": key[0], "precision": key[1], "device": key[2], "rounds": len(ratios),
+                     **{f"{side}_s": statistics.median(v.values()) for side, v in by.items()},
+                     "ratio_median": statistics.median(ratios) if ratios else None,
+                     "ratio_min": min(ratios, default=None), "ratio_max": max(ratios, default=None)})
+    return rows
+
+
+def table(records: list[dict], markdown: bool = False) -> str:
+    rows = summarize(records)
+    resident = any("plain-resident_s" in r for r in rows)
+    headers = ["workload", "precision", "device", "plain ms", *(["plain, data on GPU ms"] if resident else []),
+               "distlab ms", "distlab / plain", "range", "rounds"]
+    cells = []
+    for r in rows:
+        cells.append([r["workload"], r["precision"], r["device"], f"{1e3 * r['plain_s']:.2f}",
+                      *([f"{1e3 * r['plain-resident_s']:.2f}" if "plain-resident_s" in r else "-"] if resident else []),
+                      f"{1e3 * r['distlab_s']:.2f}", f"{r['ratio_median']:.2f}x",
+                      f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}", str(r["rounds"])])
+    return format_table(headers, cells, markdown)
+
+
+def plot(records: list[dict], directory) -> list:
+    from pathlib import Path
+
+    from distlab.plots import pyplot
+    plt = pyplot()
+    rows = summarize(records)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    labels = [f"{r['workload']} {r['precision']}" for r in rows]
+    ax.bar(labels, [r["ratio_median"] for r in rows],
+           yerr=[[r["ratio_median"] - r["ratio_min"] for r in rows], [r["ratio_max"] - r["ratio_median"] for r in rows]],
+           capsize=4)
+    ax.axhline(1.0, color="grey", lw=1, ls="--")
+    ax.set(ylabel="distlab / plain loop (median step)", title=f"single-process overhead on {rows[0]['device']}")
+    path = Path(directory) / "overhead.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return [path]

@@ -1,0 +1,87 @@
+"""The single-process step path every device shares: where the data lives, loss scaling's unscale,
+no host sync per micro-batch, and ``distlab bench overhead`` (plain PyTorch loop vs distlab)."""
+
+import json
+
+import pytest
+import torch
+
+from distlab.data import load_dataset
+from distlab.data.resident import AUTO_FRACTION, decide
+from distlab.errors import ConfigError
+from distlab.parallel.precision import LossScaler
+
+
+def test_data_residence_is_decided_once_and_said():
+    cuda = torch.device("cuda", 0)
+    on, why = decide("auto", cuda, need=10 * 2**20, free=80 * 2**30)
+    assert on and "resident on cuda:0" in why and "auto" in why
+    on, why = decide("auto", cuda, need=int(AUTO_FRACTION * 8 * 2**30) + 1, free=8 * 2**30)
+    assert not on and "over auto's 25%" in why and "data_on_device on forces it" in why
+    assert decide("on", cuda, need=7 * 2**30, free=8 * 2**30)[0]  # forced
+    assert not decide("off", cuda, need=1, free=8 * 2**30)[0]
+    on, why = decide("auto", torch.device("cpu"), need=47 * 2**20)
+    assert not on and "host memory" in why
+    with pytest.raises(ConfigError, match="this run is on cpu"):
+        decide("on", torch.device("cpu"), need=1)
+    with pytest.raises(ConfigError, match="choose one of: auto, on, off"):
+        decide("sometimes", torch.device("cpu"), need=1)
+
+
+@pytest.mark.parametrize("name", ["synthetic:3x8x8:4:64", "synthetic-text:2000"])
+def test_a_moved_data_set_gives_the_same_batches(name):
+    data = load_dataset(name, "train", block_size=8)
+    moved = data.to("cpu")  # the same code path a GPU takes: indices follow the data to its device
+    idx = [3, 0, 7, 7]  # a list, as the sampler gives
+    for a, b in zip(data.batch(torch.tensor(idx)), moved.batch(idx)):
+        assert torch.equal(a, b)
+
+
+def test_fused_unscale_matches_dividing_each_gradient_and_finds_any_inf():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7)),
+              torch.nn.Parameter(torch.randn(2))]
+    grads = [torch.randn_like(p) * 1024 for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    params[2].grad = None  # no gradient this step: skipped, not an error
+    scaler = LossScaler(init_scale=1024.0)
+    assert scaler.unscale_(params) is False
+    for p, g in zip(params[:2], grads[:2]):
+        assert torch.equal(p.grad, g / 1024)  # a power of two: the division is exact
+    params[1].grad[3] = float("nan")
+    assert scaler.unscale_(params) is True
+
+
+def _fb(rank, world):
+    from distlab.parallel import Strategy, build_mesh, parallelize
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 4))
+    engine = parallelize(net, Strategy.parse("allreduce+accum=2"), build_mesh(1))
+    x, y = torch.randn(8, 1, 4, 4), torch.randint(0, 4, (8,))
+    loss = engine.forward_backward(x, y, engine.loss)
+    first = torch.nn.functional.cross_entropy(net(x[:4]), y[:4]).item() / 2
+    second = torch.nn.functional.cross_entropy(net(x[4:]), y[4:]).item() / 2
+    return loss, first + second
+
+
+def test_forward_backward_leaves_the_loss_on_the_device_summed_as_floats_would_be():
+    (loss, floats), = __import__("distlab.spawn", fromlist=["run_ranks"]).run_ranks(_fb, 1)
+    assert isinstance(loss, torch.Tensor) and loss.dtype == torch.float64 and loss.dim() == 0
+    assert loss.item() == floats  # float64 sum of the float32 micro-batch losses: bitwise what Python adds
+
+
+def test_bench_overhead_smoke_on_cpu(run_cli, tmp_path):
+    proc = run_cli("bench", "overhead", "--workloads", "mlp", "--precisions", "fp32", "--steps", "20", "--runs", "2",
+                   "--dataset", "synthetic:1x28x28:10:2048", "--threads", "1", "--out", "o", "--plot", "p",
+                   timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    records = json.loads((tmp_path / "o" / "overhead.json").read_text())
+    assert [(r["side"], r["round"]) for r in records] == [("plain", 0), ("distlab", 0), ("plain", 1), ("distlab", 1)]
+    assert all(r["device"] == "cpu" and r["time_per_step_s_median"] > 0 for r in records)
+    assert records[1]["data_on_device"] is False
+    assert "distlab / plain" in proc.stdout and (tmp_path / "p" / "overhead.png").stat().st_size > 1000
+    from distlab.report import bench_kind
+    assert bench_kind(records) == "overhead"
+    proc = run_cli("bench", "overhead", "--precisions", "fp16", "--steps", "20", "--device", "cpu")
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
