@@ -22,6 +22,7 @@ single      none of the above: one process, world size 1
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import gc
 import ipaddress
@@ -554,6 +555,31 @@ def reduce_scalars(values: list[float], op=dist.ReduceOp.SUM, group: dist.Proces
     if group_size(group) > 1:
         dist.all_reduce(t, op=op, group=group)
     return t.tolist()
+
+
+MMAP_THRESHOLD = 32 << 20   # glibc's largest: blocks up to this come from the heap and are reused
+TRIM_THRESHOLD = 128 << 20  # free memory the heap keeps before it gives any back to the OS
+
+
+def tune_host_allocator() -> str | None:
+    """Keep a training step's host-memory blocks in the process instead of mapping and unmapping
+    them every step. glibc serves blocks of 128 KiB and more with ``mmap`` until its dynamic
+    threshold has seen one that size freed, and gives the heap's free top back to the OS: a CPU
+    step's activations (MiBs each) are then page-faulted in anew every step. Measured on the GPT in
+    bf16 on 2 cores: 80 ms per step before, 72 ms with these settings -- what a loop that happened to
+    free one large tensor first gets by luck. ``mallopt`` with fixed thresholds (32 MiB, the most
+    glibc allows, and a 128 MiB trim threshold) makes it so by design. Linux with glibc only; a
+    no-op elsewhere or with ``DISTLAB_MALLOC_TUNE=0``. Returns what it set, or None."""
+    if os.environ.get("DISTLAB_MALLOC_TUNE", "1") == "0" or not sys.platform.startswith("linux"):
+        return None
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return None
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    if mallopt(m_mmap_threshold, MMAP_THRESHOLD) != 1 or mallopt(m_trim_threshold, TRIM_THRESHOLD) != 1:
+        return None
+    return f"glibc malloc: blocks up to {MMAP_THRESHOLD >> 20} MiB reused, {TRIM_THRESHOLD >> 20} MiB kept before trimming"
 
 
 def cores() -> int:

@@ -246,7 +246,8 @@ class BucketedSync(_BucketSync):
         for b, bucket in enumerate(self.buckets):
             for i, p in enumerate(bucket.params):
                 self.where[id(p)] = (b, i)
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+                if self.world_size > 1:  # one process has nothing to send: no Python call per gradient
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
         on_thread = self.collective != "native" or isinstance(self.codec, PowerSGD)
         if self.world_size > 1 and on_thread:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distlab-comm",

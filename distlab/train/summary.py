@@ -75,6 +75,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "dataset": cfg.dataset,
         "data_path": trainer.train_set.source or None,
         "data_on_device": trainer.data_resident,
+        "host_allocator": trainer.host_allocator,
         "input_shape": list(trainer.train_set.input_shape),
         "num_classes": trainer.train_set.num_classes,
         "global_batch_size": cfg.global_batch_size,

@@ -23,7 +23,7 @@ from distlab.data.resident import nbytes as data_nbytes
 from distlab.errors import ConfigError, DistributedError
 from distlab.models import TEXT_MODELS, build_model, count_parameters
 from distlab.parallel import build_mesh, parallelize
-from distlab.runtime import Runtime, is_comm_failure, roll_call, seed_everything
+from distlab.runtime import Runtime, is_comm_failure, roll_call, seed_everything, tune_host_allocator
 from distlab.train.config import TrainConfig
 from distlab.train.evaluate import evaluate
 from distlab.train.export import load_init
@@ -44,6 +44,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, rt: Runtime, hooks: list[Callable[[int], None]] | None = None):
         self.cfg = cfg = cfg.validate(rt.world_size)
         self.rt = rt
+        self.host_allocator = tune_host_allocator()  # before the data and the model take memory
         self.train_set, self.test_set = cfg.load("train"), cfg.load("test")
         self.val_set = None
         if cfg.val_fraction:  # a seeded, fixed split: the same on every rank and every restart
