@@ -192,4 +192,7 @@ def test_a_cut_link_fails_every_rank_in_time_naming_who_and_a_restart_recovers(r
     said = {e.split(":")[0]: e for e in r["errors"]}
     assert "rank 1 did not answer a roll call through the job's store" in said["rank 0"]
     assert "this rank cannot reach the job's store" in said["rank 1"] and "cut off" in said["rank 1"]
-    assert r["resumed_from"].endswith("step-00000006")
+    # the newest snapshot committed before the cut: step 6's, or step 4's when the cut (taken as soon as step 6 is
+    # logged) came while step 6's snapshot was still being written -- which one is the machine's timing
+    resumed = int(r["resumed_from"].rsplit("step-", 1)[1])
+    assert resumed % 2 == 0 and 4 <= resumed <= r["cut_at_step"], (resumed, r["cut_at_step"])
