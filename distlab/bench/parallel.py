@@ -1,6 +1,7 @@
 """``distlab bench parallel``: model-state parallelism side by side with torch's built-ins.
 
-Every configuration trains the same model from the same seed on the same batches with Adam for
+Every configuration trains the same model from the same seed on the same batches with Adam (or
+``--optimizer sgd``: SGD with momentum 0.9, whose runs agree within distlab.verify's bound) for
 ``--steps`` steps on ``--nproc`` gloo processes:
 
 distlab (through :class:`~distlab.train.Trainer`): ``dp`` (all-reduce), ``zero1``, ``zero2``,
@@ -66,11 +67,15 @@ def strategy_for(name: str, nproc: int) -> Strategy:
     return Strategy.parse(ALIASES.get(name, name).replace("=N", f"={nproc}")).check(nproc)
 
 
-def config(strategy: Strategy, widths, steps: int, batch: int, dataset: str) -> TrainConfig:
+OPTIMIZERS = {"adam": 1e-3, "sgd": 0.05}  # optimizer -> learning rate (SGD with momentum 0.9)
+
+
+def config(strategy: Strategy, widths, steps: int, batch: int, dataset: str, optimizer: str = "adam") -> TrainConfig:
     """The run of one cell: the MLP of ``widths``, or (``widths`` None) the default GPT."""
     model = "gpt" if widths is None else "mlp"
     return TrainConfig(model=model, mlp_widths=tuple(widths or (512, 256)), dataset=dataset, epochs=1000, max_steps=steps,
-                       global_batch_size=batch, optimizer="adam", lr=1e-3, lr_schedule="constant", seed=0,
+                       global_batch_size=batch, optimizer=optimizer, lr=OPTIMIZERS[optimizer], momentum=0.9,
+                       lr_schedule="constant", seed=0,
                        log_every=steps, progress=False, verbose=False, eval_every_epoch=False,
                        timing_warmup_steps=min(5, steps // 3), strategy=strategy)
 
@@ -90,11 +95,13 @@ def _torch(rank: int, world: int, kind: str, cfg: TrainConfig) -> dict | None:
     params = sum(p.numel() for p in model.parameters())
     n, dp = world, world
     scoring = contextlib.nullcontext  # where the loss is computed and differentiated
+    kind_of_opt, opt_args = ((torch.optim.Adam, {"lr": cfg.lr}) if cfg.optimizer == "adam" else
+                             (torch.optim.SGD, {"lr": cfg.lr, "momentum": cfg.momentum}))
     if kind == "torch-zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model)
-        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=cfg.lr)
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=kind_of_opt, **opt_args)
         sent = 3 * (n - 1) * params * 4 // n  # gradient all-reduce + every shard broadcast to the others
     elif kind == "torch-fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -104,14 +111,14 @@ def _torch(rank: int, world: int, kind: str, cfg: TrainConfig) -> dict | None:
             if isinstance(m, torch.nn.Linear):
                 fully_shard(m, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        opt = kind_of_opt(model.parameters(), **opt_args)
         sent = 3 * (n - 1) * params * 4 // n  # all-gather forward, all-gather backward, reduce-scatter
     elif kind in ("torch-tp", "torch-tp-sp") and cfg.model == "gpt":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
         sp = kind == "torch-tp-sp"
         parallelize_module(model, init_device_mesh(device.type, (world,)), gpt_tp_plan(len(model), sp))
-        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        opt = kind_of_opt(model.parameters(), **opt_args)
         dp, scoring = 1, loss_parallel
         sent = gpt_tp_bytes(cfg, n, sp)
     elif kind == "torch-tp":
@@ -120,7 +127,7 @@ def _torch(rank: int, world: int, kind: str, cfg: TrainConfig) -> dict | None:
         mesh = init_device_mesh(device.type, (world,))
         first, second = [str(i) for i, m in enumerate(model.net) if isinstance(m, torch.nn.Linear)][:2]
         parallelize_module(model.net, mesh, {first: ColwiseParallel(), second: RowwiseParallel()})
-        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        opt = kind_of_opt(model.parameters(), **opt_args)
         dp = 1
         # The block's output is all-reduced forward; backward has nothing to reduce, since the
         # block's input (the images) needs no gradient -- distlab's Megatron layers count the same.
@@ -201,11 +208,12 @@ def gpt_tp_bytes(cfg: TrainConfig, n: int, sp: bool) -> int:
 
 def run(workloads=("mlp", "wide-mlp", "gpt"), strategies=STRATEGIES, nproc: int = 4, steps: int = 20, batch: int = 64,
         dataset: str = "fashion-mnist", data_dir: str | None = None, out=None, progress=print,
-        text_dataset: str = "fortunes", runs: int = 1) -> list[dict]:
+        text_dataset: str = "fortunes", runs: int = 1, optimizer: str = "adam") -> list[dict]:
     """Every (workload, strategy) cell, ``runs`` interleaved rounds of each: a record per cell with
     the median step time over the rounds and, where torch has the counterpart, the ratio of the
     medians with the range of the rounds' ratios."""
     workloads = choose("--workloads", workloads, WORKLOADS)
+    optimizer, = choose("--optimizer", [optimizer], OPTIMIZERS)
     at_least(nproc=(nproc, 2), steps=(steps, 3), runs=(runs, 1))
     if nproc % 2:
         raise ConfigError(f"--nproc {nproc}: tensor parallel pairs ranks, use an even number")
@@ -213,7 +221,7 @@ def run(workloads=("mlp", "wide-mlp", "gpt"), strategies=STRATEGIES, nproc: int 
         for s in strategies:
             if s not in TORCH and applies(name, s):
                 data = text_dataset if name in TEXT_WORKLOADS else dataset
-                config(strategy_for(s, nproc), WORKLOADS[name], steps, batch, data).validate(nproc)
+                config(strategy_for(s, nproc), WORKLOADS[name], steps, batch, data, optimizer).validate(nproc)
     threads = max(1, cores() // nproc)
     cells: dict[tuple[str, str], dict] = {}
     for round_ in range(runs):
@@ -226,13 +234,13 @@ def run(workloads=("mlp", "wide-mlp", "gpt"), strategies=STRATEGIES, nproc: int 
                 progress(f"{name}: {strategy} on {nproc} processes" + (f" (round {round_ + 1} of {runs})"
                                                                         if runs > 1 else ""))
                 cfg = config(Strategy() if strategy in TORCH else strategy_for(strategy, nproc), widths, steps,
-                             batch, data)
+                             batch, data, optimizer)
                 cfg.data_dir = data_dir
                 base = {"workload": name, "mlp_widths": list(widths) if widths else None, "model": cfg.model,
                         "strategy": strategy, "world_size": nproc,
                         "strategy_text": None if strategy in TORCH else str(cfg.strategy),
                         "implementation": "torch" if strategy in TORCH else "distlab", "global_batch_size": batch,
-                        "steps": steps, "optimizer": "adam", "dataset": data, **machine(nproc, threads)}
+                        "steps": steps, "optimizer": optimizer, "dataset": data, **machine(nproc, threads)}
                 try:
                     if strategy in TORCH:
                         s = run_ranks(_torch, nproc, strategy, cfg, timeout=1800, threads=threads)[0]

@@ -223,13 +223,16 @@ def bench_scaling(world, modes, methods, per_worker_batch, global_batch, model, 
 @click.option("--text-dataset", default="fortunes", show_default=True, help="The gpt workload's data.")
 @click.option("--runs", type=int, default=1, show_default=True,
               help="Interleaved rounds of every cell: medians over them, ratios with their range.")
+@click.option("--optimizer", default="adam", show_default=True,
+              help="adam (lr 1e-3) or sgd (lr 0.05, momentum 0.9: runs agree within the float32 bound).")
 @click.option("--data-dir", default=None)
 @click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/parallel.json.")
-def bench_parallel(workloads, strategies, nproc, steps, batch, dataset, text_dataset, runs, data_dir, out):
+def bench_parallel(workloads, strategies, nproc, steps, batch, dataset, text_dataset, runs, optimizer, data_dir, out):
     """DP, ZeRO-1/2/3, tensor parallel and DP x TP beside torch's ZeRO, FSDP2 and DTensor TP."""
     from distlab.bench import parallel
     records = parallel.run(workloads.split(","), [s for s in strategies.split(",") if s], nproc, steps, batch,
-                           dataset, data_dir, out, progress=_progress, text_dataset=text_dataset, runs=runs)
+                           dataset, data_dir, out, progress=_progress, text_dataset=text_dataset, runs=runs,
+                           optimizer=optimizer)
     _finish(parallel, records, out, "parallel")
 
 
