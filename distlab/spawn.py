@@ -68,6 +68,11 @@ def _worker(rank: int, world_size: int, port: int | None, fn: Callable, args: tu
             store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=datetime.timedelta(seconds=timeout))
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                     timeout=datetime.timedelta(seconds=pg_timeout))
+            # Every rank through start-up before any goes on: a rank whose function returns at once
+            # would otherwise close its sockets while a slower peer is still connecting to them, and
+            # that peer's start-up fails ("Connection closed by peer") -- seen under load.
+            store.set(f"distlab/spawn/started/{rank}", "1")
+            store.wait([f"distlab/spawn/started/{r}" for r in range(world_size)])
         out = fn(rank, world_size, *args, **kwargs)
         results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
