@@ -419,14 +419,7 @@ def _pipeline_section(records: list[dict]) -> str:
 
 def _overhead_section(records: list[dict]) -> str:
     from distlab.bench import overhead
-    plt = pyplot()
-    rows = overhead.summarize(records)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar([f"{r['workload']} {r['precision']}" for r in rows], [r["ratio_median"] for r in rows],
-           yerr=[[r["ratio_median"] - r["ratio_min"] for r in rows], [r["ratio_max"] - r["ratio_median"] for r in rows]],
-           capsize=4)
-    ax.axhline(1.0, color="grey", lw=1, ls="--")
-    ax.set(ylabel="distlab / plain loop", title=f"median step, {rows[0]['device']}")
+    fig, rows = overhead.figure(records), overhead.summarize(records)
     cols = [Col("workload", "workload"), Col("precision", "precision"), Col("device", "device"),
             Col("plain_s", "plain ms/step", _ms), Col("distlab_s", "distlab ms/step", _ms),
             Col("ratio_median", "distlab / plain", "{:.2f}x".format), Col("ratio_min", "min", "{:.2f}x".format),

@@ -83,6 +83,8 @@ def test_bench_overhead_smoke_on_cpu(run_cli, tmp_path):
     assert "distlab / plain" in proc.stdout and (tmp_path / "p" / "overhead.png").stat().st_size > 1000
     from distlab.report import bench_kind
     assert bench_kind(records) == "overhead"
+    page = run_cli("report", "o", "-o", "r.html", check=True) and (tmp_path / "r.html").read_text()
+    assert "Single-process overhead" in page and "distlab / plain" in page
     proc = run_cli("bench", "overhead", "--precisions", "fp16", "--steps", "20", "--device", "cpu")
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr
 

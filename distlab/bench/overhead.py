@@ -107,22 +107,17 @@ def _distlab(rank: int, world: int, cfg: TrainConfig, device_name: str) -> dict:
             "data_on_device": summary["data_on_device"]}
 
 
-def resolve_device(device: str) -> str:
-    from distlab.runtime import resolve_device as resolve
-    return resolve(device, 0).type
-
-
 def run(workloads=("mlp",), precisions=("fp32",), steps: int = 300, runs: int = 3, device: str = "auto",
         threads: int | None = None, dataset: str | None = None, data_dir: str | None = None, out=None,
         progress=print) -> list[dict]:
     """Every workload x precision: ``runs`` interleaved rounds of each side; one record per side and round."""
-    from distlab.runtime import cores
+    from distlab.runtime import cores, resolve_device
     from distlab.spawn import run_ranks
 
     workloads = choose("--workloads", workloads, WORKLOADS)
     precisions = choose("--precisions", precisions, PRECISIONS)
     at_least(steps=(steps, 20), runs=(runs, 1))
-    dev = resolve_device(device)
+    dev = resolve_device(device, 0).type
     if "fp16" in precisions and dev != "cuda":
         from distlab.errors import ConfigError
         raise ConfigError("--precisions fp16 needs a CUDA GPU (float16 autocast and loss scaling are GPU-only); "
@@ -175,21 +170,27 @@ def table(records: list[dict], markdown: bool = False) -> str:
     return format_table(headers, cells, markdown)
 
 
-def plot(records: list[dict], directory) -> list:
-    from pathlib import Path
-
+def figure(records: list[dict]):
+    """The bar chart of distlab / plain per workload and precision (median, range of the rounds)."""
     from distlab.plots import pyplot
     plt = pyplot()
     rows = summarize(records)
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    labels = [f"{r['workload']} {r['precision']}" for r in rows]
-    ax.bar(labels, [r["ratio_median"] for r in rows],
+    ax.bar([f"{r['workload']} {r['precision']}" for r in rows], [r["ratio_median"] for r in rows],
            yerr=[[r["ratio_median"] - r["ratio_min"] for r in rows], [r["ratio_max"] - r["ratio_median"] for r in rows]],
            capsize=4)
     ax.axhline(1.0, color="grey", lw=1, ls="--")
     ax.set(ylabel="distlab / plain loop (median step)", title=f"single-process overhead on {rows[0]['device']}")
+    return fig
+
+
+def plot(records: list[dict], directory) -> list:
+    from pathlib import Path
+
+    from distlab.plots import pyplot
+    fig = figure(records)
     path = Path(directory) / "overhead.png"
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    pyplot().close(fig)
     return [path]
