@@ -8,15 +8,18 @@ from __future__ import annotations
 
 
 class DistlabError(Exception):
-    """Base class: a problem the user can fix. ``exit_code`` is what the CLI exits with."""
+    """Base class: a problem the user can fix. ``exit_code`` is what the CLI exits with;
+    ``every_rank`` says every rank meets the same one (then rank 0 alone prints it)."""
 
     exit_code = 1
+    every_rank = False
 
 
 class ConfigError(DistlabError):
     """Invalid flags or an invalid combination of flags; found before any work is done."""
 
     exit_code = 2
+    every_rank = True
 
 
 class RankConfigError(ConfigError):
@@ -25,10 +28,26 @@ class RankConfigError(ConfigError):
     Plain :class:`ConfigError`s are the same on every rank, so only rank 0 prints them.
     """
 
+    every_rank = False
+
 
 class DataNotFoundError(ConfigError):
     """A dataset that is not on disk where we looked."""
 
 
+class NonFiniteError(DistlabError):
+    """Training produced a non-finite loss or gradient (nan, inf) outside fp16's loss scaling: the
+    step was not applied, so the model and optimizer still hold the last good state. Every rank
+    finds it at the same step."""
+
+    every_rank = True
+
+
 class DistributedError(DistlabError):
     """Start-up or communication failed: a peer is missing or dead, a port is taken."""
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """The first non-empty line of ``exc``'s message (its type's name when it has none), at most ``limit`` chars."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return (lines[0] if lines else type(exc).__name__)[:limit]

@@ -133,7 +133,8 @@ def drill_kill_in_snapshot(job: _Job, straight) -> dict:
     job.run("killed-in-snapshot", ["--max-restarts", "1"], {"DISTLAB_KILL_IN_SNAPSHOT": f"{job.world - 1}:{at}"})
     record = _bitwise_record(job, straight, "killed-in-snapshot", "kill-in-snapshot",
                              f"rank {job.world - 1} SIGKILLed while writing the snapshot of step {at}")
-    leftovers = [p.name for p in (job.root / "killed-in-snapshot" / "snapshots").iterdir() if p.name.startswith(".")]
+    leftovers = [p.name for p in (job.root / "killed-in-snapshot" / "snapshots").iterdir()
+                 if p.name.startswith(".tmp-")]
     previous = str(record["resumed_from"] or "").endswith(f"step-{job.every:08d}")
     record["passed"] = record["passed"] and record["restarts"] == 1 and previous and not leftovers
     if leftovers:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distlab.errors import ConfigError, DistributedError
-from distlab.runtime import cores, port_in_use
+from distlab.runtime import LAUNCHER_PID, cores, port_in_use
 
 
 @dataclass
@@ -146,17 +146,23 @@ def failure_report(failures: dict[int, tuple[int | None, float]], argv: list[str
     return line
 
 
-def _stopped_by_signal(sig: int, argv: list[str], since: float) -> int:
-    """torchrun's agent got ``sig`` and passed it on: 0 if the workers stopped cleanly as preempted
-    (a summary written after ``since`` says so), else 128 + the signal's number, with a line saying
-    what happened."""
+def _fresh_summary(argv: list[str], since: float) -> tuple[str | None, dict | None]:
+    """The run's ``--out`` and its summary.json if written after ``since`` (by this launch's workers)."""
     out = _flag_value(argv, "--out") or os.environ.get("DISTLAB_OUT")
     summary = None
     if out:
         path = Path(out) / "summary.json"
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, RecursionError):
             if path.stat().st_mtime >= since:
                 summary = json.loads(path.read_text())
+    return out, summary if isinstance(summary, dict) else None
+
+
+def _stopped_by_signal(sig: int, argv: list[str], since: float) -> int:
+    """torchrun's agent got ``sig`` and passed it on: 0 if the workers stopped cleanly as preempted
+    (a summary written after ``since`` says so), else 128 + the signal's number, with a line saying
+    what happened."""
+    out, summary = _fresh_summary(argv, since)
     name = signal.Signals(sig).name
     if summary and summary.get("stopped") == "preempted":
         where = f"; snapshot {summary['snapshot']} (continue with --resume auto)" if summary.get("snapshot") else ""
@@ -201,6 +207,7 @@ def launch(opts: LaunchOptions, argv: list[str]) -> int:
     # The agent logs every signal and failure with a banner; workers report their own errors,
     # so keep it quiet unless asked (DISTLAB_TORCHRUN_LOG=INFO shows everything).
     logging.getLogger("torch.distributed.elastic").setLevel(os.environ.get("DISTLAB_TORCHRUN_LOG", "CRITICAL"))
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers die with this process (runtime.follow_launcher)
     started = time.time()
     try:
         run(parse_args(torchrun_args(opts, argv)))
@@ -212,7 +219,9 @@ def launch(opts: LaunchOptions, argv: list[str]) -> int:
         # A config error: every rank exits with its code (or is stopped); rank 0 already said what was wrong.
         config_error = ConfigError.exit_code in codes.values() and \
             all(c in (ConfigError.exit_code, -signal.SIGTERM) for c in codes.values())
-        if not (config_error and opts.node_rank == 0):
+        # Every rank stopped on non-finite gradients at the same step: rank 0 said so in one line.
+        diverged = (_fresh_summary(argv, started)[1] or {}).get("stopped") == "non_finite"
+        if not ((config_error or diverged) and opts.node_rank == 0):
             failures = {r: (f.exitcode, getattr(f, "timestamp", 0)) for r, f in exc.failures.items()}
             print(f"distlab: error: {failure_report(failures, argv)}", file=sys.stderr, flush=True)
         return first

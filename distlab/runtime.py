@@ -29,6 +29,7 @@ import ipaddress
 import os
 import random
 import re
+import signal
 import socket
 import sys
 import time
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distlab.errors import ConfigError, DistributedError, RankConfigError
+from distlab.errors import ConfigError, DistributedError, RankConfigError, first_line
 
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_TIMEOUT_S = 300.0
@@ -188,6 +189,26 @@ def under_launcher(env: Mapping[str, str] | None = None) -> bool:
     return detect_launch(env).launcher not in ("single", "manual")
 
 
+LAUNCHER_PID = "DISTLAB_LAUNCHER_PID"  # set by `distlab ... --nproc-per-node N` for its workers
+
+
+def follow_launcher() -> bool:
+    """A worker of a distlab launch dies with its launcher: SIGKILL on the parent's death (Linux
+    ``prctl(PR_SET_PDEATHSIG)``), so a ``kill -9`` of the command stops the whole job -- no orphaned
+    workers go on training and writing beside a restart. True if armed."""
+    if os.environ.get(LAUNCHER_PID) != str(os.getppid()) or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG = 1
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.environ.get(LAUNCHER_PID) != str(os.getppid()):  # the launcher died before the call: go now
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
 # --------------------------------------------------------------------------- backend + device
 
 
@@ -321,7 +342,7 @@ def _meet(info: LaunchInfo, timeout_s: float, every_s: float = 10.0, say=_say) -
 
 def _first_line(exc: BaseException) -> str:
     """An exception's first line without c10d's internal store keys."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = first_line(exc, 10**6)
     return re.sub(r",?\s*keys?:\s.*$", "", text)[:300]
 
 
@@ -367,6 +388,7 @@ def init(
     ``init_timeout_s`` (default: the same): a peer that never arrives makes every rank fail with
     :class:`DistributedError` after it, and the ranks that wait say so every ~10 s meanwhile.
     """
+    follow_launcher()
     info = detect_launch(env, rank=rank, world_size=world_size, master_addr=master_addr,
                          master_port=master_port)
     dev = resolve_device(device, info.local_rank)
@@ -473,7 +495,7 @@ def roll_call(tag: str, window_s: float = 3.0) -> tuple[list[int] | None, str | 
                     return
                 time.sleep(0.1)
         except Exception as exc:  # the store's host is gone or unreachable  # noqa: BLE001
-            answer["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            answer["error"] = f"{type(exc).__name__}: {first_line(exc, 10**6)}"
 
     thread = threading.Thread(target=call, name="distlab-roll-call", daemon=True)
     thread.start()

@@ -195,5 +195,10 @@ def test_export_and_init_from_refuse_bad_input_in_one_line(run_cli, tmp_path):
                    "--init-from", "evil.pt", "--no-progress")
     assert proc.returncode == 2 and "`init_from`" not in proc.stderr
     assert "--init-from evil.pt cannot be loaded safely" in proc.stderr, proc.stderr
+    (tmp_path / "empty.pt").write_bytes(b"")
+    proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--max-steps", "1",
+                   "--init-from", "empty.pt", "--no-progress")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "--init-from empty.pt cannot be loaded safely as a state_dict" in proc.stderr
     proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--init-from", "missing.pt")
     assert proc.returncode == 2 and "--init-from missing.pt: no such file" in proc.stderr

@@ -10,6 +10,7 @@ all means some state was lost or restored wrongly.
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -27,10 +28,15 @@ from distlab.train.optim import lr_multiplier
 LAYOUT = {"model": "mlp", "world_size": 1, "strategy": {"zero": 0}}
 
 
+def _payload(step, value=1.0):
+    return {"model": {"w": torch.full((3, 4), float(value))}, "optimizer": {}, "scheduler": {}, "step": step,
+            "rng": snap.rng_state(), "window": [0.0, 0],
+            "run": {"history": [{"step": step, "loss": 0.5}], "evals": [], "best_val_loss": None,
+                    "best_val_step": None, "time_used_s": 1.0, "last_loss": 0.5, "attempts": 1, "layouts": []}}
+
+
 def _save(root, step, value=1.0, keep=5, layout=LAYOUT):
-    payload = {"model": {"w": torch.full((3, 4), float(value))}, "step": step, "rng": snap.rng_state(),
-               "run": {"history": [{"step": step, "loss": 0.5}], "best_val_loss": None}}
-    return snap.save(root, step, payload, layout, keep)
+    return snap.save(root, step, _payload(step, value), layout, keep)
 
 
 # --------------------------------------------------------------------------- files
@@ -122,8 +128,9 @@ def test_snapshot_of_another_layout_is_refused_naming_the_difference(tmp_path):
     other = {**LAYOUT, "world_size": 4}
     with pytest.raises(snap.SnapshotError, match=r"world size 1, this run has 4"):
         snap.resume(str(tmp_path / "step-00000001"), None, other)
-    with pytest.raises(snap.SnapshotError, match=r"none of the 1 snapshots.*strategy"):
+    with pytest.raises(snap.IncompatibleSnapshot, match=r"strategy \{'zero': 0\}, this run has \{'zero': 3\}"):
         snap.resume("auto", str(tmp_path), {**LAYOUT, "strategy": {"zero": 3}})
+    assert [p.name for p in snap.snapshots(tmp_path)] == ["step-00000001"]  # a good snapshot stays where it is
     assert snap.resume("auto", str(tmp_path / "empty"), LAYOUT) is None  # nothing yet: start afresh
 
 
@@ -141,9 +148,91 @@ def test_loading_never_executes_code_from_a_snapshot(tmp_path):
     meta["files"]["rank-00000.pt"] = {"sha256": hashlib.sha256(data.read_bytes()).hexdigest(),
                                       "bytes": data.stat().st_size}
     (path / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(snap.SnapshotError, match="cannot be loaded safely"):
+    with pytest.raises(snap.SnapshotError, match="cannot be loaded safely: it holds a Python object") as refused:
         snap.resume(str(path), None, LAYOUT)
-    assert not marker.exists()
+    assert not marker.exists() and "\n" not in str(refused.value)  # one line, not torch's page of advice
+
+
+def _rehash(path, payload):
+    """Write ``payload`` as rank 0's file of snapshot ``path`` with a matching checksum (only the schema
+    check stands between it and a resume)."""
+    import hashlib
+    data = path / "rank-00000.pt"
+    torch.save(payload, data)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["files"]["rank-00000.pt"] = {"sha256": hashlib.sha256(data.read_bytes()).hexdigest(),
+                                      "bytes": data.stat().st_size}
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+def _edit_meta(path, change):
+    meta = json.loads((path / "meta.json").read_text())
+    change(meta)
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+def _edit_payload(path, change):
+    payload = _payload(2, 2.0)
+    change(payload)
+    _rehash(path, payload)
+
+
+MALFORMED = {
+    "files as a list": lambda p: _edit_meta(p, lambda m: m.update(files=list(m["files"]))),
+    "deeply nested meta.json": lambda p: (p / "meta.json").write_text("[" * 100_000 + "]" * 100_000),
+    "meta.json a list": lambda p: (p / "meta.json").write_text("[1, 2]"),
+    "meta step a string": lambda p: _edit_meta(p, lambda m: m.update(step="2")),
+    "meta step of another directory": lambda p: _edit_meta(p, lambda m: m.update(step=7)),
+    "world size 0": lambda p: _edit_meta(p, lambda m: m.update(world_size=0)),
+    "a checksum that is a number": lambda p: _edit_meta(p, lambda m: m["files"]["rank-00000.pt"].update(sha256=5)),
+    "missing run": lambda p: _edit_payload(p, lambda d: d.pop("run")),
+    "run history a string": lambda p: _edit_payload(p, lambda d: d["run"].update(history="x")),
+    "bad RNG state": lambda p: _edit_payload(p, lambda d: d["rng"].update(torch=torch.zeros(3))),
+    "bad numpy RNG state": lambda p: _edit_payload(p, lambda d: d["rng"]["numpy"].update(keys=torch.zeros(2))),
+    "payload step -100": lambda p: _edit_payload(p, lambda d: d.update(step=-100)),
+    "payload step 1e18": lambda p: _edit_payload(p, lambda d: d.update(step=10 ** 18)),
+    "window of three": lambda p: _edit_payload(p, lambda d: d.update(window=[0.0, 1, 2])),
+    "model a list": lambda p: _edit_payload(p, lambda d: d.update(model=[1])),
+    "a payload that is a tensor": lambda p: _rehash(p, torch.zeros(2)),
+}
+
+
+@pytest.mark.parametrize("variant", list(MALFORMED))
+def test_a_malformed_snapshot_is_one_line_and_auto_falls_back_past_it(tmp_path, variant):
+    _save(tmp_path, 1, value=1.0)
+    newest = _save(tmp_path, 2, value=2.0)
+    MALFORMED[variant](newest)
+    with pytest.raises(snap.DamagedSnapshot) as refused:
+        snap.resume(str(newest), None, LAYOUT)
+    assert "\n" not in str(refused.value) and str(newest) in str(refused.value) and len(str(refused.value)) < 400
+    warnings = []
+    loaded = snap.resume("auto", str(tmp_path), LAYOUT, on_warning=warnings.append)
+    assert loaded.meta["step"] == 1 and torch.equal(loaded.payload["model"]["w"], torch.ones(3, 4))
+    assert len(warnings) == 2 and "moved aside to step-00000002.bad-" in warnings[0]
+    assert [p.name for p in snap.snapshots(tmp_path)] == ["step-00000001"]  # out of every later count, not deleted
+    assert len(list(tmp_path.glob("step-00000002.bad-*"))) == 1
+
+
+def test_a_damaged_snapshot_is_nobodys_and_pruning_keeps_good_ones(tmp_path):
+    for step in (10, 20):
+        _save(tmp_path, step, keep=2, layout={**LAYOUT, "run_id": "r"})
+    (tmp_path / "step-00000020" / "meta.json").write_text("{not json")
+    assert snap.foreign(tmp_path, "r") == []  # unreadable is not "another run's"
+    assert [p.name for p in snap.foreign(tmp_path, "s")] == ["step-00000010"]
+    # An explicit resume of step 10 while step 20 is good: the run's new line never deletes what it just wrote.
+    shutil.rmtree(tmp_path / "step-00000020")
+    _save(tmp_path, 20, keep=2, layout={**LAYOUT, "run_id": "r"})
+    _save(tmp_path, 11, keep=1, layout={**LAYOUT, "run_id": "r"})
+    assert [p.name for p in snap.snapshots(tmp_path)] == ["step-00000020", "step-00000011"]
+
+
+def test_snapshot_names_hold_steps_of_any_size(tmp_path):
+    _save(tmp_path, 5, keep=2)
+    big = _save(tmp_path, 123_456_789, keep=2)
+    assert big.name == "step-123456789" and snap.snapshots(tmp_path)[0] == big
+    assert snap.resume("auto", str(tmp_path), LAYOUT).meta["step"] == 123_456_789
+    _save(tmp_path, 10 ** 12, keep=2)
+    assert [snap.step_of(p) for p in snap.snapshots(tmp_path)] == [10 ** 12, 123_456_789]  # step 5 pruned
 
 
 def test_resume_path_checks(tmp_path):
@@ -207,7 +296,10 @@ def _opt_tensors(trainer):
 @pytest.mark.parametrize("world,extra", [(2, {}), (2, {"zero": 3, "optimizer": "adam", "lr": 0.01}),
                                          (4, {"dp_sync": "ddp"}),  # DDP re-cuts its buckets (4: a 2-rank sum is order-free)
                                          (2, {"tp": 2, "dp_sync": "bucketed"}),
-                                         (2, {"pp": 2, "microbatches": 4, "optimizer": "adam", "lr": 0.01})])
+                                         (2, {"pp": 2, "microbatches": 4, "optimizer": "adam", "lr": 0.01}),
+                                         # PowerSGD's error feedback and warm start, distlab's and torch's DDP hook
+                                         (2, {"grad_compression": "powersgd:2"}),
+                                         (2, {"dp_sync": "ddp", "grad_compression": "powersgd:2"})])
 def test_stop_and_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, world, extra):
     # 144 training samples / 16 = 9 steps an epoch, 27 in all: the first part stops at step 13,
     # mid-epoch, with a snapshot; the second resumes from it (--resume auto) and finishes.
@@ -224,6 +316,10 @@ def test_stop_and_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, worl
         assert best_step is not None
 
 
+def _constant_cfg(tmp, **kw):
+    return _cfg(tmp, **{"lr_schedule": "constant", **kw})
+
+
 def _fit(cfg):
     return Trainer(cfg.validate(1), runtime.from_process_group()).fit()
 
@@ -233,6 +329,7 @@ def test_a_fresh_run_never_uses_another_runs_snapshot_dir_and_a_resume_keeps_its
 
 
 def _fresh_run_and_resume(rank, world, tmp_path):
+    _cfg = _constant_cfg  # the run is made longer on resume: only a constant LR schedule allows that
     first = _fit(_cfg(tmp_path / "s", max_steps=6, snapshot_every=3, keep_snapshots=2))
     before = sorted(p.name for p in (tmp_path / "s").iterdir())
     with pytest.raises(snap.SnapshotError, match=r"holds 2 snapshot\(s\) of another run .*`resume` auto"):
@@ -246,6 +343,23 @@ def _fresh_run_and_resume(rank, world, tmp_path):
     assert [p.name for p in snap.snapshots(tmp_path / "s")] == ["step-00000009", "step-00000006"]
 
 
+def test_a_corrupt_newest_snapshot_is_moved_aside_and_the_run_goes_on_from_the_previous(tmp_path):
+    run_ranks(_corrupt_newest_then_resume, 1, tmp_path, timeout=120)
+
+
+def _corrupt_newest_then_resume(rank, world, tmp_path):
+    kw = dict(snapshot_every=2, lr_schedule="constant")
+    first = _fit(_cfg(tmp_path / "s", max_steps=4, keep_snapshots=2, **kw))
+    (tmp_path / "s" / "step-00000004" / "meta.json").write_text("{not json")
+    # keep 1 and a snapshot every step: pruning counts the good snapshots of this run only
+    resumed = _fit(_cfg(tmp_path / "s", max_steps=3, keep_snapshots=1, resume="auto", **{**kw, "snapshot_every": 1}))
+    assert resumed["resumed_from"].endswith("step-00000002") and resumed["run_id"] == first["run_id"]
+    assert [p.name for p in snap.snapshots(tmp_path / "s")] == ["step-00000003"]
+    assert len(list((tmp_path / "s").glob("step-00000004.bad-*"))) == 1  # kept for inspection, in no count
+    again = _fit(_cfg(tmp_path / "s", max_steps=5, keep_snapshots=1, resume="auto", **kw))
+    assert again["resumed_from"].endswith("step-00000003") and again["steps"] == 5
+
+
 def test_out_and_snapshot_dir_of_another_run_are_refused_before_launch(run_cli, tmp_path):
     args = ("train", "--dataset", "synthetic:1x8x8:4:256", "--mlp-widths", "16", "--max-steps", "4",
             "--no-progress", "--snapshot-every", "2")
@@ -257,6 +371,159 @@ def test_out_and_snapshot_dir_of_another_run_are_refused_before_launch(run_cli, 
     proc = run_cli(*args, "--out", "run2", "--snapshot-dir", "snaps", "--nproc-per-node", "2")
     assert proc.returncode == 2 and "--snapshot-dir snaps holds 2 snapshot(s) of another run" in proc.stderr
     assert "--resume auto" in proc.stderr and not (tmp_path / "run2").exists()
+
+
+TINY = ("train", "--dataset", "synthetic:1x8x8:4:256", "--mlp-widths", "16", "--no-progress", "--snapshot-every", "2")
+
+
+def test_resume_never_touches_another_runs_out_and_a_finished_run_stays_as_it_was(run_cli, tmp_path):
+    run_cli(*TINY, "--max-steps", "4", "--out", "a", "--snapshot-dir", "sa", check=True)
+    run_cli(*TINY, "--max-steps", "4", "--out", "b", "--snapshot-dir", "sb", check=True)
+    a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in "ab")
+    files = {p: p.read_bytes() for d in "ab" for p in (tmp_path / d).iterdir() if p.suffix in (".json", ".jsonl")}
+    proc = run_cli(*TINY, "--max-steps", "4", "--out", "b", "--snapshot-dir", "sa", "--resume", "auto")
+    assert proc.returncode == 2 and f"--out b holds run {b['run_id']}, this run resumes run {a['run_id']}" in \
+        proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    proc = run_cli(*TINY, "--max-steps", "4", "--out", "a", "--snapshot-dir", "sa", "--resume", "auto", check=True)
+    assert f"run {a['run_id']} had finished (step 4" in proc.stderr and "nothing changed" in proc.stderr
+    assert all(p.read_bytes() == data for p, data in files.items())  # no summary rewritten, no resume counted
+    proc = run_cli(*TINY, "--max-steps", "4", "--out", "a", "--snapshot-dir", "sa", "--resume", "auto", "--lr", "0.2")
+    assert proc.returncode == 2 and "was written with lr 0.05, this run has 0.2" in proc.stderr
+    assert "none of" not in proc.stderr and "move them away" not in proc.stderr
+    proc = run_cli(*TINY, "--max-steps", "3", "--out", "a", "--snapshot-dir", "sa", "--resume", "auto")
+    assert proc.returncode == 2 and "total steps 4, this run has 3 (the LR schedule decays" in proc.stderr, proc.stderr
+    run_cli("train", "--dataset", "synthetic:1x8x8:4:256", "--mlp-widths", "16", "--no-progress", "--max-steps", "2",
+            "--out", "c", check=True)
+    proc = run_cli(*TINY, "--max-steps", "2", "--out", "c", "--snapshot-dir", "sc")  # c's run left no snapshot
+    assert proc.returncode == 2 and "--out c already holds a run" in proc.stderr and "--resume" not in proc.stderr
+    proc = run_cli(*TINY, "--max-steps", "2", "--out", "a", "--snapshot-dir", "fresh")
+    assert proc.returncode == 2 and "--resume auto --snapshot-dir sa" in proc.stderr, proc.stderr
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory nobody may write into: a read-only tmpfs as root (permission bits do not stop root),
+    mode 0555 otherwise."""
+    import subprocess
+    path = tmp_path / "ro"
+    path.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
+                                                   capture_output=True).returncode == 0
+    if not mounted:
+        path.chmod(0o555)
+        if os.access(path, os.W_OK):
+            pytest.skip("cannot make a read-only directory here")
+    yield path
+    if mounted:
+        subprocess.run(["umount", str(path)], check=False)
+    path.chmod(0o755)
+
+
+def test_unwritable_directories_and_export_targets_are_one_line_before_any_work(run_cli, tmp_path, read_only_dir):
+    import hashlib
+    (tmp_path / "afile").write_text("x")
+    for flags, message in ((("--snapshot-dir", "afile"), "--snapshot-dir afile is a file, not a directory"),
+                           (("--snapshot-dir", "s", "--out", "afile/run"), "--out afile/run cannot be made: afile is"),
+                           (("--snapshot-dir", "ro/s"), "--snapshot-dir ro/s cannot be written"),
+                           (("--snapshot-dir", "s", "--out", "ro"), "--out ro cannot be written")):
+        proc = run_cli(*TINY, "--max-steps", "2", *flags)
+        assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+        assert not (tmp_path / "s").exists()  # refused before anything was made
+    run_cli(*TINY, "--max-steps", "2", "--snapshot-dir", "s", "--out", "run", check=True)
+    for target, message in (("run", "-o run is a directory"), ("ro/model.pt", "-o ro/model.pt could not be written")):
+        proc = run_cli("export", "s/step-00000002", "-o", target)
+        assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert list(read_only_dir.iterdir()) == [] and not list((tmp_path / "run").glob("*.pt"))
+    proc = run_cli("export", "s/step-00000002", "-o", "model.pt", check=True)
+    digest = hashlib.sha256((tmp_path / "model.pt").read_bytes()).hexdigest()
+    assert (tmp_path / "model.pt.sha256").read_text() == f"{digest}  model.pt\n" and digest[:16] in proc.stdout
+
+
+def _strict_json(path):
+    def refuse(token):
+        raise AssertionError(f"{path} holds {token}: not strict JSON")
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_non_finite_settings_are_refused_and_a_diverging_run_stops_at_its_step_keeping_the_last_good_state(
+        run_cli, tmp_path):
+    torch.save({"net.1.weight": torch.full((16, 64), float("nan")), "net.1.bias": torch.zeros(16)},
+               tmp_path / "nan.pt")
+    for flags, name in ((("--lr", "nan"), "--lr"), (("--lr", "inf"), "--lr"), (("--weight-decay", "nan"), "--weight-decay"),
+                        (("--time-budget", "nan"), "--time-budget"), (("--momentum", "-1"), "--momentum"),
+                        (("--eval-batch-size", "0"), "--eval-batch-size"), (("--init-from", "nan.pt"), "non-finite")):
+        proc = run_cli(*TINY, "--max-steps", "2", "--snapshot-dir", "s", "--out", "r", *flags)
+        assert proc.returncode == 2 and name in proc.stderr and proc.stderr.count("\n") == 1, (flags, proc.stderr)
+        assert not (tmp_path / "r").exists()
+    proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:2560", "--mlp-widths", "16", "--lr", "1e20",
+                   "--nproc-per-node", "2", "--max-steps", "20", "--snapshot-dir", "s", "--snapshot-every", "10",
+                   "--out", "r", "--no-progress")
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "distlab: error: training diverged at step 2: the gradients are not finite" in proc.stderr
+    assert "the last good state is in s/step-00000001" in proc.stderr
+    summary = _strict_json(tmp_path / "r" / "summary.json")
+    assert summary["stopped"] == "non_finite" and summary["steps"] == 1
+    for record in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines():
+        json.loads(record, parse_constant=lambda t: pytest.fail(f"metrics.jsonl holds {t}"))
+    meta = snap.read_meta(tmp_path / "s" / "step-00000001")
+    assert all(torch.isfinite(t).all() for r in range(2) for t in
+               snap.load_rank_file(tmp_path / "s" / "step-00000001", meta, r)["model"].values())
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_one_run_per_snapshot_dir_and_workers_die_with_their_launcher(run_cli, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+    long_run = [sys.executable, "-m", "distlab", "train", "--dataset", "synthetic:1x8x8:4:200000", "--mlp-widths",
+                "16", "--no-progress", "--nproc-per-node", "2", "--device", "cpu", "--snapshot-every", "5",
+                "--snapshot-dir", "s", "--out", "run", "--lr-schedule", "constant"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    first = subprocess.Popen(long_run, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not snap.snapshots(tmp_path / "s"):
+            assert first.poll() is None, first.stderr.read()
+            time.sleep(0.2)
+        holder = json.loads((tmp_path / "s" / ".distlab-lock").read_text())
+        assert holder["pid"] == first.pid and holder["run_id"]
+        proc = run_cli(*TINY, "--max-steps", "4", "--snapshot-dir", "s", "--out", "second", "--resume", "auto")
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"--snapshot-dir s is in use by another run (run id {holder['run_id']}, pid {first.pid} on host" \
+            in proc.stderr and not (tmp_path / "second").exists()
+        workers = [c for c in _children(first.pid)]
+        assert len(workers) == 2 and all(_alive(w) for w in workers)
+        first.send_signal(signal.SIGKILL)  # the launcher only
+        first.wait(timeout=30)
+        deadline = time.time() + 30
+        while time.time() < deadline and any(_alive(w) for w in workers):
+            time.sleep(0.1)
+        assert not any(_alive(w) for w in workers)  # no orphan trains on beside a restart
+    finally:
+        if first.poll() is None:
+            first.kill()
+    # The lock died with its holder: the restart takes the directory and goes on from the newest snapshot.
+    newest = snap.step_of(snap.snapshots(tmp_path / "s")[0])
+    proc = run_cli(*TINY[:-2], "--dataset", "synthetic:1x8x8:4:200000", "--nproc-per-node", "2", "--snapshot-every",
+                   "5", "--snapshot-dir", "s", "--out", "run", "--lr-schedule", "constant", "--resume", "auto",
+                   "--max-steps", str(newest + 2), check=True)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == newest + 2 and summary["run_id"] == holder["run_id"]
 
 
 def test_time_budget_stops_cleanly_with_a_snapshot_and_summary(run_cli, tmp_path):

@@ -20,7 +20,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 import click  # noqa: E402
 
 from distlab.cli import bench, cluster, plan, train  # noqa: E402
-from distlab.errors import ConfigError, DistlabError, RankConfigError  # noqa: E402
+from distlab.errors import DistlabError  # noqa: E402
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -40,8 +40,8 @@ def _report_error(exc: DistlabError) -> None:
         rank = detect_launch().rank
     except DistlabError:
         rank = 0
-    if rank != 0 and isinstance(exc, ConfigError) and not isinstance(exc, RankConfigError):
-        return  # every rank finds the same config error; rank 0 says it once
+    if rank != 0 and exc.every_rank:
+        return  # every rank finds the same error; rank 0 says it once
     from distlab.flags import flagify
     prefix = f"[rank {rank}] " if rank and not str(exc).startswith(f"rank {rank}:") else ""
     print(f"distlab: error: {prefix}{flagify(str(exc))}", file=sys.stderr, flush=True)

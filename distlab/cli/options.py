@@ -62,8 +62,9 @@ def launch_options(f):
     return f
 
 
-def run_distributed(kw: dict, body, planned_check=None):
-    """Launch through torchrun if asked, else join the job and call ``body(runtime)``."""
+def run_distributed(kw: dict, body, planned_check=None, prelaunch=None):
+    """Launch through torchrun if asked (after ``planned_check`` for each world size the launch may
+    have, then ``prelaunch()``), else join the job and call ``body(runtime)``."""
     from distlab import runtime
     from distlab.launch import LaunchOptions, launch
 
@@ -83,9 +84,13 @@ def run_distributed(kw: dict, body, planned_check=None):
         if planned_check:  # an elastic job may run at any world size of its range: each must work
             for world in lopts.possible_world_sizes():
                 planned_check(world)
+        if prelaunch:
+            prelaunch()
         sys.exit(launch(lopts, sys.argv[1:]))
     if planned_check and manual and kw["world_size"]:
         planned_check(kw["world_size"])
+    elif planned_check and not manual and not runtime.under_launcher():
+        planned_check(1)  # one process: the same checks before any work
     rt = runtime.init(backend=kw.pop("backend"), device=kw.pop("device"), timeout_s=kw.pop("comm_timeout"),
                       init_timeout_s=kw.pop("init_timeout"),
                       threads=kw.pop("threads"), rank=kw.pop("rank"), world_size=kw.pop("world_size"),

@@ -27,8 +27,12 @@ def train(**kw):
     if kw["nproc_per_node"] is not None and not under_launcher():
         os.environ["DISTLAB_OUT"] = values["out"]  # torchrun's workers inherit it: one default for every rank
     cfg = TrainConfig.from_flags(**values)
+    from distlab.train.lock import check_writable
+    check_writable(cfg.snapshot_dir, "snapshot_dir")  # before anything starts: one line, not a failed snapshot later
+    check_writable(cfg.out, "out")
     device = kw["device"]
     elastic = ":" in str(kw.get("nnodes") or "")  # a node may join a running job: its workers decide
+    multi_node = str(kw.get("nnodes") or "1") != "1"  # launchers on several hosts: rank 0 locks the directories
 
     def check(world_size: int) -> None:
         # Before any process starts: flags, the batch split and the data on disk.
@@ -56,11 +60,22 @@ def train(**kw):
     def body(rt):
         from distlab.train import Trainer
         from distlab.train.summary import print_summary
-        summary = Trainer(cfg, rt).fit()
-        if rt.is_main:
+        trainer = Trainer(cfg, rt)
+        summary = trainer.fit()
+        if rt.is_main and trainer.already_finished:
+            click.echo(f"distlab: run {summary.get('run_id')} had finished (step {summary.get('steps')}, "
+                       f"{cfg.out}/summary.json): nothing to do, nothing changed", err=True)
+        elif rt.is_main:
             print_summary(summary, cfg.out)
 
-    run_distributed(kw, body, check)
+    def prelaunch() -> None:
+        # One run per directory: held from here, before any worker starts, to the end; the workers die
+        # with this process (runtime.follow_launcher), so the lock never outlives the job.
+        from distlab.train import lock
+        lock.hold(cfg.snapshot_dir, flag="snapshot_dir", export_to_children=True)
+        lock.hold(cfg.out, flag="out", export_to_children=True)
+
+    run_distributed(kw, body, check, None if multi_node else prelaunch)
 
 
 # --------------------------------------------------------------------------- export
@@ -81,7 +96,7 @@ def export(snapshot_path, out, best):
     info = write(snapshot_path, out, best)
     click.echo(f"wrote {info['out']}: {info['model']} at step {info['step']} ({info['world_size']} ranks), "
                f"{info['tensors']} tensors, {info['parameters']:,} parameters, {info['bytes']:,} bytes, "
-               f"sha256 {info['sha256'][:16]}")
+               f"sha256 {info['sha256'][:16]}... in {info['sha256_file']}")
     click.echo(f"load it: model = {info['build']}; model.load_state_dict(torch.load({info['out']!r}, "
                f"weights_only=True))")
 

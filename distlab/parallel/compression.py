@@ -53,6 +53,13 @@ class Codec:
                         group: dist.ProcessGroup | None) -> None:
         comm.all_reduce(flat, op="avg", algorithm=algorithm, group=group)
 
+    def state_dict(self) -> dict:
+        """What the codec carries from step to step (nothing, unless it compresses with memory)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
     def wire_bytes(self, shapes: Sequence[torch.Size], element_size: int = 4) -> int:
         """Bytes one all-reduce input of ``shapes`` puts on the wire (before the all-reduce's own factor)."""
         return sum(math.prod(s) for s in shapes) * element_size
@@ -85,6 +92,11 @@ def _compressible(shape: torch.Size, rank: int) -> tuple[int, int, int] | None:
     return (rows, cols, r) if rows * cols >= MIN_COMPRESSION_RATE * r * (rows + cols) else None
 
 
+def _key(k):
+    """A PowerSGD state key as it was used: nested tuples (a saved one may come back as lists)."""
+    return tuple(_key(v) for v in k) if isinstance(k, (list, tuple)) else k
+
+
 class PowerSGD(Codec):
     """Rank-``rank`` PowerSGD with error feedback and warm start (module docstring)."""
 
@@ -94,6 +106,14 @@ class PowerSGD(Codec):
         self.name, self.rank, self.seed = f"powersgd:{rank}", rank, seed
         self.error: dict = {}  # key -> this rank's residual of each compressed matrix
         self.q: dict = {}  # key -> last step's Q (the warm start)
+
+    def state_dict(self) -> dict:
+        """The error feedback and warm-start factors (this rank's: snapshots keep them per rank)."""
+        return {"error": [[k, t] for k, t in self.error.items()], "q": [[k, t] for k, t in self.q.items()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.error = {_key(k): t for k, t in state.get("error", [])}
+        self.q = {_key(k): t for k, t in state.get("q", [])}
 
     def _initial_q(self, key, cols: int, r: int, like: torch.Tensor) -> torch.Tensor:
         """The first Q of a matrix: random, and the same on every rank (seeded by its key)."""

@@ -93,6 +93,15 @@ class GradSync:
             return bytes_per_rank(self.codec, [p.shape for p in _grad_params(module)], self.world_size)
         return allreduce_bytes_per_rank(_grad_bytes(module), self.world_size)
 
+    def state_dict(self) -> dict:
+        """What the sync carries from step to step (a compressing codec's memory), for snapshots."""
+        codec = self.codec.state_dict()
+        return {"codec": codec} if codec else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "codec" in state:
+            self.codec.load_state_dict(state["codec"])
+
     def uncounted_bytes(self, module: nn.Module) -> int:
         """Bytes per sync that :mod:`distlab.comm`'s accounting cannot see (0: it sees them all)."""
         return 0
@@ -364,6 +373,7 @@ class TorchDDPSync(_BucketSync):
                                                 start_powerSGD_iter=2, use_error_feedback=True, warm_start=True,
                                                 min_compression_rate=2, random_seed=0)
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            self.powersgd = state
         elif isinstance(self.codec, CastCodec) and self.codec.name == "fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             ddp.register_comm_hook(self.group, default_hooks.fp16_compress_hook)
@@ -373,6 +383,29 @@ class TorchDDPSync(_BucketSync):
 
     def sync(self, module: nn.Module) -> None:
         pass  # DDP already reduced during backward
+
+    def state_dict(self) -> dict:
+        """torch's PowerSGD hook state (error feedback, warm-start P and Q per bucket, its iteration and
+        random generator) as tensors and numbers; {} for the other hooks."""
+        s = getattr(self, "powersgd", None)
+        if s is None:
+            return {}
+        kind, keys, pos, has_gauss, gauss = s.rng.get_state()
+        return {"powersgd": {"iter": s.iter, "error": dict(s.error_dict), "p": dict(s.p_memory_dict),
+                             "q": dict(s.q_memory_dict), "next_stats_report": s.next_stats_report,
+                             "numel": [s.total_numel_before_compression, s.total_numel_after_compression],
+                             "rng": {"keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                                     "has_gauss": int(has_gauss), "gauss": float(gauss)}}}
+
+    def load_state_dict(self, state: dict) -> None:
+        s, saved = getattr(self, "powersgd", None), state.get("powersgd")
+        if s is None or saved is None:
+            return
+        s.iter, s.next_stats_report = int(saved["iter"]), int(saved["next_stats_report"])
+        s.error_dict, s.p_memory_dict, s.q_memory_dict = dict(saved["error"]), dict(saved["p"]), dict(saved["q"])
+        s.total_numel_before_compression, s.total_numel_after_compression = (int(n) for n in saved["numel"])
+        r = saved["rng"]
+        s.rng.set_state(("MT19937", r["keys"].numpy().astype("uint32"), r["pos"], r["has_gauss"], r["gauss"]))
 
     def uncounted_bytes(self, module: nn.Module) -> int:
         """DDP's own all-reduce runs inside autograd, out of distlab's sight: its textbook volume.
@@ -448,6 +481,13 @@ class DataParallel(nn.Module):
 
     def bytes_per_sync(self) -> int | None:
         return self.method.bytes_per_sync(self.module)
+
+    def sync_state_dict(self) -> dict:
+        """The gradient sync's own state across steps (compression memory); {} when it has none."""
+        return self.method.state_dict()
+
+    def load_sync_state_dict(self, state: dict) -> None:
+        self.method.load_state_dict(state)
 
     # -- the interface it shares with Zero (what distlab.parallel.Engine calls) ------------------
 

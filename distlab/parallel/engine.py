@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distlab.errors import NonFiniteError
 from distlab.models import task_correct, task_loss
 from distlab.parallel import tensor_parallel
 from distlab.parallel.checkpointing import apply_activation_checkpointing
@@ -61,6 +62,7 @@ class Engine:
         self.wrapper, self.strategy, self.mesh = wrapper, strategy, mesh
         self.precision = precision if precision is not None else Precision(strategy.precision)
         self._found_inf = False  # fp16: this step's gradients overflowed on some rank (the step is skipped)
+        self.check_finite = True  # step() refuses non-finite gradients (outside fp16's loss scaling)
         self.sync_seconds = 0.0  # of the last step: gradient sync after backward + after_step
         self._vocab_head = vocab_head if vocab_head is not None else vocab_parallel_head(wrapper.module)
         self.pipeline: PipelineStage | None = wrapper.module if isinstance(wrapper.module, PipelineStage) else None
@@ -121,6 +123,11 @@ class Engine:
         """``optimizer.step()`` then :meth:`after_step`; under fp16 loss scaling a step whose gradients
         overflowed on any rank is skipped on every rank. Returns whether the optimizer stepped."""
         scaler = self.precision.scaler
+        if scaler is None and self.check_finite and not self._gradients_finite():
+            # Before the update: the model and optimizer keep the last good state (a snapshot can save it).
+            fp32 = "" if self.strategy.precision == "fp32" else f", or train in fp32 (not {self.strategy.precision})"
+            raise NonFiniteError(f"the gradients are not finite (nan or inf) on some rank: the step was not "
+                                 f"applied; lower the learning rate or check the data{fp32}")
         stepped = not (scaler is not None and self._found_inf)
         if stepped:
             optimizer.step()
@@ -128,6 +135,20 @@ class Engine:
             scaler.update(self._found_inf)
         self.after_step()
         return stepped
+
+    def _gradients_finite(self) -> bool:
+        """Whether every gradient (this rank's, then every rank's where ranks hold different ones) is
+        finite: one max-abs per tensor (no overflow, nan propagates), one read; one all-reduce only
+        where ranks hold different gradients (replicas all hold the same reduced ones)."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        device = grads[0].device if grads else torch.device("cpu")
+        local = torch.stack(torch._foreach_norm(grads, float("inf"))).max().isfinite() if grads else \
+            torch.tensor(True, device=device)
+        if not self.sharded or not dist.is_initialized() or dist.get_world_size() == 1:
+            return bool(local)
+        flag = (~local).to(torch.float32).reshape(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return not bool(flag.item())
 
     def after_step(self) -> None:
         """After ``optimizer.step()`` (ZeRO 1-2: all-gather the updated shards)."""
@@ -181,6 +202,8 @@ class Engine:
             return
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        # A compression hook counts and remembers the replayed pass (torch's writes into its P and Q in place).
+        sync_state = _cloned(self.wrapper.sync_state_dict())
         was_training = self.module.training
         self.module.eval()
         try:
@@ -193,6 +216,7 @@ class Engine:
             torch.set_rng_state(rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
+            self.wrapper.load_sync_state_dict(sync_state)
 
     def _pipeline_step(self, x, y, loss_fn) -> float:
         stage, mesh = self.pipeline, self.mesh
@@ -242,6 +266,23 @@ class Engine:
 
     def load_sharded_state_dict(self, state: dict) -> None:
         self.wrapper.load_sharded_state_dict(state)
+
+    def extra_state(self) -> dict:
+        """What a step carries to the next outside the model and optimizer: fp16's loss scaler and the
+        gradient sync's compression memory (PowerSGD's error feedback and warm-start factors, this
+        rank's). Snapshots keep it so that a resume continues bitwise."""
+        state = {"grad_sync": self.wrapper.sync_state_dict()}
+        if self.precision.scaler is not None:
+            state["loss_scaler"] = self.precision.scaler.state_dict()
+        return state
+
+    def load_extra_state(self, state: dict, same_layout: bool = True) -> None:
+        """Restore :meth:`extra_state`. The compression memory belongs to one rank of one layout: after a
+        change of layout (``same_layout`` False) it starts afresh, as after a new start."""
+        if self.precision.scaler is not None and "loss_scaler" in state:
+            self.precision.scaler.load_state_dict(state["loss_scaler"])
+        if same_layout and state.get("grad_sync"):
+            self.wrapper.load_sync_state_dict(state["grad_sync"])
 
     # ------------------------------------------------------------------ placement (changing layout)
 
@@ -340,3 +381,14 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
                                collective=strategy.collective, find_unused=strategy.find_unused,
                                codec=build_codec(strategy))
     return Engine(wrapper, strategy, mesh, vocab_head, Precision(strategy.precision, device))
+
+
+def _cloned(obj):
+    """A copy of nested dicts and lists whose tensors are copies too."""
+    if torch.is_tensor(obj):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _cloned(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cloned(v) for v in obj)
+    return obj

@@ -603,6 +603,13 @@ class Zero(nn.Module):
         with self.gathered() as m:
             return {k: v.detach().clone() for k, v in m.state_dict().items()}
 
+    def sync_state_dict(self) -> dict:
+        """Nothing carries over between ZeRO's gradient syncs (its casts have no memory)."""
+        return {}
+
+    def load_sync_state_dict(self, state: dict) -> None:
+        pass
+
     def sharded_state_dict(self) -> dict:
         """This rank's part: its shards and buffers (a snapshot writes one per rank)."""
         return {"zero_stage": self.stage, "world_size": group_size(self.group), "rank": group_rank(self.group),

@@ -7,6 +7,8 @@ backquotes (`global_batch_size`): the command line shows them as its flags.
 
 from __future__ import annotations
 
+import math
+
 import re
 from dataclasses import asdict, dataclass, field, fields
 
@@ -91,6 +93,11 @@ class TrainConfig:
 
     def validate(self, world_size: int) -> "TrainConfig":
         """Check every field against the others and the world size; raise ConfigError naming numbers."""
+        for owner in (self, self.strategy):  # nan and inf pass every comparison below: refuse them first
+            for f in fields(owner):
+                value = getattr(owner, f.name)
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise ConfigError(f"`{f.name}` must be a finite number, not {value}")
         check_model_name(self.model)
         self.dataset = canonical_name(self.dataset)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
@@ -101,7 +108,7 @@ class TrainConfig:
             raise ConfigError(f"`global_batch_size` must be positive, not {self.global_batch_size}")
         self.strategy.check(world_size)
         self.strategy.check_batch(self.global_batch_size, world_size)
-        for name in ("epochs", "log_every", "keep_snapshots"):
+        for name in ("epochs", "log_every", "keep_snapshots", "eval_batch_size"):
             _at_least(name, getattr(self, name), 1)
         for name in ("max_steps", "snapshot_every", "base_batch_size"):
             if getattr(self, name) is not None:
@@ -109,6 +116,10 @@ class TrainConfig:
         _at_least("warmup_steps", self.warmup_steps, 0)
         if self.lr <= 0:
             raise ConfigError(f"`lr` must be positive, not {self.lr}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError(f"`momentum` must be in [0, 1), not {self.momentum} (0.9 is usual; 0 turns it off)")
+        if self.weight_decay < 0:
+            raise ConfigError(f"`weight_decay` must be at least 0, not {self.weight_decay}")
         if self.lr_scaling != "none" and not self.base_batch_size:
             raise ConfigError(f"`lr_scaling` {self.lr_scaling} scales `lr` from the batch size it was tuned for: "
                               f"give that as `base_batch_size` (e.g. {self.global_batch_size})")

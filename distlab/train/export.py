@@ -14,6 +14,7 @@ such a file (one distlab exported, or any ``torch.save(model.state_dict())`` of 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from pathlib import Path
@@ -21,8 +22,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from distlab.errors import ConfigError
+from distlab.errors import ConfigError, first_line
 from distlab.train import reshard, snapshot
+from distlab.train.metrics import atomic_write_text
 from distlab.train.snapshot import SnapshotError
 
 
@@ -53,22 +55,36 @@ def _sharded(meta: dict) -> bool:
 
 def export(path: str | Path, out: str | Path, best: bool = False) -> dict:
     """Write snapshot ``path``'s whole model to ``out`` (atomically); returns what was written."""
-    state, meta = whole_state(path, best)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_dir():
+        raise ConfigError(f"-o {out} is a directory: give the file to write, e.g. {out / 'model.pt'}")
+    state, meta = whole_state(path, best)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)
+    except OSError as exc:  # a read-only or full disk: nothing partial is left, the reason in one line
+        raise ConfigError(f"-o {out} could not be written: {exc.strerror or exc} (errno {exc.errno}); nothing was "
+                          f"written") from None
+    except RuntimeError as exc:  # torch.save reports a failed write (ENOSPC) as a RuntimeError
+        raise ConfigError(f"-o {out} could not be written: {first_line(exc, 200)}; nothing was written") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # on a read-only disk there is nothing to remove
+            tmp.unlink(missing_ok=True)
+    digest = hashlib.sha256(out.read_bytes()).hexdigest()
+    checksum = out.with_name(out.name + ".sha256")  # `sha256sum -c model.pt.sha256` checks it
+    try:
+        atomic_write_text(checksum, f"{digest}  {out.name}\n")
+    except OSError as exc:
+        raise ConfigError(f"wrote {out}, but not its checksum {checksum}: {exc.strerror or exc}") from None
     return {"out": str(out), "step": meta.get("step"), "model": meta.get("model"), "dataset": meta.get("dataset"),
             "build": build_call(meta), "world_size": meta.get("world_size"),
             "tensors": len(state), "parameters": sum(t.numel() for t in state.values() if t.is_floating_point()),
-            "bytes": out.stat().st_size, "sha256": hashlib.sha256(out.read_bytes()).hexdigest()}
+            "bytes": out.stat().st_size, "sha256": digest, "sha256_file": str(checksum)}
 
 
 def build_call(meta: dict) -> str:
@@ -85,22 +101,34 @@ def build_call(meta: dict) -> str:
 
 
 def check_init(path: str | None) -> None:
-    """Before launching: ``--init-from`` must name a readable file."""
-    if path is not None and not Path(path).is_file():
+    """Before launching: ``--init-from`` must name a file that loads safely as a state_dict (read
+    memory-mapped: a large file costs no copy)."""
+    if path is not None:
+        _read_init(path, mmap=True)
+
+
+def _read_init(path: str, mmap: bool = False) -> dict:
+    if not Path(path).is_file():
         raise ConfigError(f"`init_from` {path}: no such file (give a whole-model state_dict, e.g. one "
                           f"`distlab export SNAPSHOT -o model.pt` wrote)")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not loadable"
+        why = snapshot.refusal(exc) if Path(path).stat().st_size else "the file is empty"
+        raise ConfigError(f"`init_from` {path} cannot be loaded safely as a state_dict ({why})") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
+        what = type(state).__name__ if not isinstance(state, dict) else "dict with other values than tensors"
+        raise ConfigError(f"`init_from` {path} holds a {what}, not a state_dict (names to tensors)")
+    for key, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ConfigError(f"`init_from` {path}: {key} holds non-finite values (nan or inf): a run from it "
+                              f"would train nothing; export a good snapshot instead")
+    return state
 
 
 def load_init(model: nn.Module, path: str) -> None:
     """Load the whole-model ``state_dict`` file ``path`` into ``model`` (safely: tensors only), or say what differs."""
-    check_init(path)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not loadable"
-        raise ConfigError(f"`init_from` {path} cannot be loaded safely as a state_dict "
-                          f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
-    if not isinstance(state, dict):
-        raise ConfigError(f"`init_from` {path} holds a {type(state).__name__}, not a state_dict")
+    state = _read_init(path)
     mine = model.state_dict()
     missing, extra = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
     if missing or extra:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import resource
 import statistics
@@ -34,6 +35,23 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         raise
 
 
+def strict(obj):
+    """``obj`` with every non-finite float (nan, inf) replaced by None: strict JSON, which every
+    parser reads (Python's json would write the non-standard ``NaN`` and ``Infinity``)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict(v) for v in obj]
+    return obj
+
+
+def dumps(obj, **kw) -> str:
+    """Strict JSON text of ``obj`` (:func:`strict`)."""
+    return json.dumps(strict(obj), allow_nan=False, **kw)
+
+
 class MetricsLog:
     """Appends one JSON line per log step to ``DIR/metrics.jsonl`` (no-op when ``directory`` is None)."""
 
@@ -41,17 +59,17 @@ class MetricsLog:
         """Start the file afresh with ``records`` (a resumed run's history up to its snapshot)."""
         self.path = Path(directory) / "metrics.jsonl" if directory else None
         if self.path:
-            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in records))
+            atomic_write_text(self.path, "".join(dumps(r) + "\n" for r in records))
 
     def write(self, record: dict) -> None:
         if self.path:
             with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(dumps(record) + "\n")
 
 
 def write_summary(directory: str | Path, summary: dict) -> Path:
     path = Path(directory) / "summary.json"
-    atomic_write_text(path, json.dumps(summary, indent=2) + "\n")
+    atomic_write_text(path, dumps(summary, indent=2) + "\n")
     return path
 
 

@@ -24,9 +24,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from distlab.errors import ConfigError, first_line
 from distlab.parallel import Engine, Strategy
 from distlab.runtime import Runtime, reduce_scalars
-from distlab.train import reshard, snapshot
+from distlab.train import lock, reshard, snapshot
 from distlab.train.config import TrainConfig
 from distlab.train.snapshot import SnapshotError
 
@@ -44,23 +45,68 @@ def fingerprint(layout: dict) -> str:
     return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def directory_problem(snapshot_dir: str | None, out: str | None, run_id: str | None, fresh: bool) -> str | None:
+def _summary(out: str | None) -> dict | None:
+    """``out``'s summary.json (None: none, or unreadable)."""
+    try:
+        summary = json.loads((Path(out) / "summary.json").read_text()) if out else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def _first_record(out: str) -> dict | None:
+    try:
+        with (Path(out) / "metrics.jsonl").open() as f:
+            record = json.loads(f.readline())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def finished_summary(out: str | None, run_id: str | None) -> dict | None:
+    """``out``'s summary.json when it says run ``run_id`` completed (None otherwise)."""
+    summary = _summary(out)
+    if summary and summary.get("run_id") == run_id and summary.get("stopped") in (None, "completed"):
+        return summary
+    return None
+
+
+def directory_problem(snapshot_dir: str | None, out: str | None, run_id: str | None, fresh: bool,
+                      history: list[dict] | None = None) -> str | None:
     """Why run ``run_id`` may not use these directories (None: it may).
 
     ``snapshot_dir`` must hold no other run's snapshots (a fresh run would otherwise prune them by
-    step number, or a later ``--resume auto`` would pick up the wrong run); a ``fresh`` run's
-    ``out`` must not hold another run's ``metrics.jsonl`` or ``summary.json`` (they would be
-    overwritten). ``run_id=""`` stands for a run that has no id yet (every snapshot is another's).
+    step number, or a later ``--resume auto`` would pick up the wrong run). ``out`` must not hold
+    another run's ``metrics.jsonl`` or ``summary.json`` (they would be overwritten): for a ``fresh``
+    run none at all; for a resumed one only its own (the run id in summary.json, else the first
+    logged record, which the snapshot's ``history`` repeats). ``run_id=""`` stands for a run that
+    has no id yet (every snapshot is another's).
     """
     theirs = snapshot.foreign(snapshot_dir, run_id)
     if theirs:
         return (f"`snapshot_dir` {snapshot_dir} holds {len(theirs)} snapshot(s) of another run (newest "
                 f"{theirs[0].name}): continue that run with `resume` auto, or give this run its own `snapshot_dir`")
-    if out and fresh:
-        held = [name for name in ("summary.json", "metrics.jsonl") if (Path(out) / name).exists()]
-        if held:
-            return (f"`out` {out} already holds a run ({' and '.join(held)}): give this run another `out` "
-                    f"(the default makes a new one per run), or continue that run with `resume`")
+    if not out:
+        return None
+    held = [name for name in ("summary.json", "metrics.jsonl") if (Path(out) / name).exists()]
+    if not held:
+        return None
+    summary = _summary(out)
+    if fresh:
+        where = summary.get("snapshot") if summary else None
+        go_on = (f", or continue that run with `resume` auto `snapshot_dir` {Path(where).parent}"
+                 if where and Path(where).is_dir() else " (it left no snapshot to continue from)")
+        return (f"`out` {out} already holds a run ({' and '.join(held)}): give this run another `out` "
+                f"(the default makes a new one per run){go_on}")
+    theirs_id = summary.get("run_id") if summary else None
+    if summary is not None and theirs_id != run_id:
+        return (f"`out` {out} holds run {theirs_id}, this run resumes run {run_id}: give the `out` this run "
+                f"wrote before, or another one")
+    if summary is None and history:
+        first = _first_record(out)
+        if first is not None and first.get("step") == history[0].get("step") and first != history[0]:
+            return (f"`out` {out} holds the metrics of another run than the one resumed ({run_id}): give the "
+                    f"`out` this run wrote before, or another one")
     return None
 
 
@@ -136,6 +182,8 @@ class RunState:
         self._eval_s: float | None = None
         self._time_before = 0.0  # training time of earlier attempts
         self._start = time.perf_counter()
+        self._locked: list[str] = []  # directories this process locked (released by end())
+        self._resumed_note: str | None = None
 
     # ------------------------------------------------------------------ start and progress
 
@@ -145,16 +193,22 @@ class RunState:
         # workers at restart count 0 while the others' count on -- they all resume together.
         self.restarted = reduce_scalars([float(self.restart_count > 0)], dist.ReduceOp.MAX,
                                         device=self.rt.device)[0] > 0
+        self._hold_directories()  # one run per directory, before anything in them is read or moved
         self.resumed_from = self._restore()
         if self.resumed_from is None:
             self.run_id = snapshot.broadcast_object(uuid.uuid4().hex[:12])  # one id on every rank
         # A fresh first attempt checks its output too; a restarted group may rewrite its own.
         fresh = self.resumed_from is None and not self.restarted
-        problem = directory_problem(self.cfg.snapshot_dir, self.cfg.out, self.run_id, fresh) \
+        problem = directory_problem(self.cfg.snapshot_dir, self.cfg.out, self.run_id, fresh, self.history) \
             if self.rt.is_main else None
         problem = snapshot.broadcast_object(problem)
         if problem:
             raise SnapshotError(problem)
+        if self.rt.is_main:
+            for directory in (self.cfg.snapshot_dir, self.cfg.out):
+                lock.note_run(directory, self.run_id)
+            if self._resumed_note:
+                print(self._resumed_note, file=sys.stderr, flush=True)
         self.attempts += 1
         entry = {"attempt": self.attempts, "step": self.step, "world_size": self.rt.world_size,
                  "strategy": str(self.cfg.strategy)}
@@ -164,6 +218,27 @@ class RunState:
                 entry["lost_steps"] = max(0, logged - self.step)
         self.layouts.append(entry)
         self._start = time.perf_counter()
+
+    def _hold_directories(self) -> None:
+        """Rank 0 locks ``snapshot_dir`` and ``out`` unless this process or its launcher holds them
+        already (a launching command takes them before its workers start); every rank hears a refusal."""
+        problem = None
+        if self.rt.is_main:
+            try:
+                for directory, flag in ((self.cfg.snapshot_dir, "snapshot_dir"), (self.cfg.out, "out")):
+                    if lock.hold(directory, flag=flag):
+                        self._locked.append(directory)
+            except ConfigError as exc:
+                problem = str(exc)
+        problem = snapshot.broadcast_object(problem)
+        if problem:
+            self.end()
+            raise SnapshotError(problem)
+
+    def end(self) -> None:
+        """Release the directories this process locked (the run is over, or failed)."""
+        while self._locked:
+            lock.release(self._locked.pop())
 
     @property
     def placement(self) -> dict:
@@ -248,7 +323,8 @@ class RunState:
                    "optimizer": self.optimizer.state_dict(),
                    "scheduler": self.scheduler.state_dict(), "rng": snapshot.rng_state(), "step": self.step,
                    "samples": self.step * self.cfg.global_batch_size,
-                   "window": [float(self.window_loss), self.window_steps], "run": self._run_fields()}
+                   "window": [float(self.window_loss), self.window_steps], "run": self._run_fields(),
+                   "extra": self.engine.extra_state()}
         if self.best_state is not None:
             payload["best_model"] = self.best_state
         meta = {"run_id": self.run_id, "fingerprint": self.fingerprint, **self.layout}
@@ -282,12 +358,14 @@ class RunState:
             try:
                 self.engine.load_sharded_state_dict(p["model"])
             except (RuntimeError, KeyError, ValueError) as exc:
-                first = str(exc).strip().splitlines()[0]
+                first = first_line(exc)
                 raise SnapshotError(f"snapshot {loaded.path} holds another model than this run's: "
                                     f"{first[:300]}") from None
             self.optimizer.load_state_dict(p["optimizer"])
             self.best_state = p.get("best_model")
         self.scheduler.load_state_dict(p["scheduler"])
+        mine = p if not loaded.resharded else loaded.payloads[self.rt.rank % len(loaded.payloads)]
+        self.engine.load_extra_state(mine.get("extra", {}), same_layout=not loaded.resharded)
         self.step = self._saved_step = int(p["step"])
         self.window_loss, self.window_steps = float(p["window"][0]), int(p["window"][1])
         if loaded.resharded:  # each rank's share of the window's loss sum: the logged mean stays the global mean
@@ -307,7 +385,7 @@ class RunState:
                 was = self.resharded_from
                 how = (f", resharded from {was['world_size']} ranks ({was['strategy']}) to {self.rt.world_size} "
                        f"({cfg.strategy})")
-            print(f"resumed from {loaded.path} at step {self.step}{how}", file=sys.stderr, flush=True)
+            self._resumed_note = f"resumed from {loaded.path} at step {self.step}{how}"  # said once begin() agrees
         return str(loaded.path)
 
     def _reshard(self, loaded: snapshot.Loaded) -> None:
@@ -319,7 +397,7 @@ class RunState:
         try:
             best = reshard.load(self.engine, self.optimizer, loaded.payloads)
         except (reshard.ReshardError, KeyError, ValueError, RuntimeError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = first_line(exc)
             raise SnapshotError(f"snapshot {loaded.path} (written by {meta.get('world_size')} ranks) cannot be "
                                 f"resharded to this run's layout: {first[:300]}") from None
         if self.engine.sharded or self.rt.is_main:

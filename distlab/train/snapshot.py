@@ -46,15 +46,26 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distlab.errors import ConfigError
+from distlab.errors import ConfigError, first_line
 from distlab.runtime import group_rank, group_size
 
 FORMAT = 1
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")  # 8 digits at least: any step fits
+MAX_JSON_BYTES = 16 << 20  # a meta.json is a few KiB: anything this large is not one
 
 
 class SnapshotError(ConfigError):
     """A snapshot that cannot be used: missing, truncated, corrupt, or from another run layout."""
+
+
+class DamagedSnapshot(SnapshotError):
+    """A snapshot that cannot be read: missing files, wrong checksums, a malformed description or
+    payload. ``--resume auto`` moves it aside and falls back to an older one."""
+
+
+class IncompatibleSnapshot(SnapshotError):
+    """A readable snapshot of another configuration (its first difference named). Not damage: it is
+    left where it is, and ``--resume auto`` does not fall back past it."""
 
 
 def step_dir_name(step: int) -> str:
@@ -214,12 +225,16 @@ def _commit(root: Path, tmp: Path, final: Path, step: int, world: int, digests: 
     _write_file(tmp / "meta.json", (json.dumps(record, indent=1) + "\n").encode())
     _fsync_dir(tmp)
     if final.exists():  # a snapshot of this step that was refused: keep it for inspection
-        aside = root / f"{final.name}.bad-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        os.replace(final, aside)
+        aside = move_aside(final)
         warnings.warn(f"moved the earlier snapshot {final} aside to {aside.name}", stacklevel=3)
     os.replace(tmp, final)
     _fsync_dir(root)
-    prune(root, keep, meta.get("run_id"))
+    prune(root, keep, meta.get("run_id"), newest=step)
+
+
+def step_of(path: Path) -> int:
+    """The step in a snapshot directory's name."""
+    return int(_STEP_DIR.match(path.name).group(1))
 
 
 def snapshots(directory: str | Path) -> list[Path]:
@@ -227,46 +242,107 @@ def snapshots(directory: str | Path) -> list[Path]:
     root = Path(directory)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)), reverse=True)
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()]
+    return sorted(found, key=step_of, reverse=True)
 
 
-def owner(path: Path) -> str | None:
-    """The ``run_id`` in a snapshot's ``meta.json`` (None: unreadable, or written before runs had one)."""
+_UNREADABLE = object()
+
+
+def owner(path: Path):
+    """The ``run_id`` in a snapshot's ``meta.json`` (None: written before runs had one); the
+    :data:`_UNREADABLE` marker when its description cannot be read (a damaged snapshot is nobody's)."""
     try:
-        return json.loads((path / "meta.json").read_text()).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        return None
+        return read_meta(path).get("run_id")
+    except SnapshotError:
+        return _UNREADABLE
 
 
-def prune(directory: str | Path, keep: int, run_id: str | None = None) -> None:
-    """Delete all but the newest ``keep`` snapshots of run ``run_id`` (``keep`` <= 0 keeps all);
-    other runs' snapshots are never touched."""
+def prune(directory: str | Path, keep: int, run_id: str | None = None, newest: int | None = None) -> None:
+    """Keep the newest ``keep`` snapshots of run ``run_id`` at or below step ``newest`` (the one just
+    written, which counts as one of them); delete its older ones (``keep`` <= 0 keeps all).
+
+    Only snapshots whose description reads and names ``run_id`` are counted or deleted: another
+    run's, a damaged one (moved aside by ``--resume auto``) and one of a higher step (a line of the
+    run that was abandoned by resuming an older snapshot) are never touched.
+    """
     if keep <= 0:
         return
-    for old in [p for p in snapshots(directory) if owner(p) == run_id][keep:]:
+    mine = [p for p in snapshots(directory) if (newest is None or step_of(p) <= newest) and owner(p) == run_id]
+    for old in mine[keep:]:
         shutil.rmtree(old, ignore_errors=True)
 
 
 def foreign(directory: str | Path | None, run_id: str | None) -> list[Path]:
-    """Snapshots in ``directory`` that run ``run_id`` did not write, newest first."""
-    return [p for p in snapshots(directory) if owner(p) != run_id] if directory else []
+    """Readable snapshots in ``directory`` that run ``run_id`` did not write, newest first (a damaged
+    snapshot is not another run's: ``--resume auto`` moves it aside)."""
+    if not directory:
+        return []
+    return [p for p in snapshots(directory) if (who := owner(p)) is not _UNREADABLE and who != run_id]
+
+
+def move_aside(path: Path) -> Path:
+    """Rename a refused snapshot to ``step-N.bad-TIME-PID`` (kept for inspection, out of every count)."""
+    aside = path.parent / f"{path.name}.bad-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    os.replace(path, aside)
+    return aside
 
 
 # --------------------------------------------------------------------------- read
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def read_meta(path: Path) -> dict:
+    """A snapshot's ``meta.json``, after checking it is one: a :class:`DamagedSnapshot` otherwise."""
+    path = Path(path)
     meta_path = path / "meta.json"
     if not meta_path.is_file():
-        raise SnapshotError(f"snapshot {path} has no meta.json (not a distlab snapshot, or not completely written)")
+        raise DamagedSnapshot(f"snapshot {path} has no meta.json (not a distlab snapshot, or not completely written)")
     try:
+        if meta_path.stat().st_size > MAX_JSON_BYTES:
+            raise ValueError(f"{meta_path.stat().st_size:,} bytes")
         meta = json.loads(meta_path.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise SnapshotError(f"snapshot {path}: meta.json is corrupt ({exc})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or "files" not in meta:
-        raise SnapshotError(f"snapshot {path}: meta.json is not a distlab snapshot description of format {FORMAT}")
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise DamagedSnapshot(f"snapshot {path}: meta.json is corrupt ({first_line(exc, 120)})") from None
+    problem = _meta_problem(meta, path)
+    if problem:
+        raise DamagedSnapshot(f"snapshot {path}: meta.json is malformed ({problem})")
     return meta
+
+
+def _meta_problem(meta, path: Path) -> str | None:
+    """What makes ``meta`` not a snapshot description of this format (None: it is one)."""
+    if not isinstance(meta, dict):
+        return f"a {type(meta).__name__}, not an object"
+    if meta.get("format") != FORMAT:
+        return f"format {meta.get('format')!r}, this version reads {FORMAT}"
+    step, world, files = meta.get("step"), meta.get("world_size"), meta.get("files")
+    if not _is_int(step) or step < 0:
+        return f"step {step!r} is not a step number"
+    if _STEP_DIR.match(path.name) and step_of(path) != step:
+        return f"step {step} in the directory of step {step_of(path)}"
+    if not _is_int(world) or world < 1:
+        return f"world_size {world!r} is not a number of ranks"
+    if not isinstance(files, dict):
+        return f"files is a {type(files).__name__}, not an object"
+    expected = [rank_file_name(r) for r in range(world)]
+    if sorted(files) != expected:
+        return f"files names {len(files)} rank file(s), world_size {world} needs {expected[0]} .. {expected[-1]}"
+    for name, entry in files.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
+                and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"]) and _is_int(entry.get("bytes"))
+                and entry["bytes"] >= 0):
+            return f"the entry of {name} is not a sha256 and a byte count"
+    if not isinstance(meta.get("run_id"), (str, type(None))):
+        return "run_id is not a string"
+    return None
 
 
 def check_path(path: str | Path, what: str = "--resume") -> None:
@@ -282,14 +358,20 @@ def check_path(path: str | Path, what: str = "--resume") -> None:
                         f"meta.json, written by --snapshot-dir)")
 
 
+_WHY = {"total_steps": " (the LR schedule decays over the run's steps: a changed --max-steps or --epochs would "
+                      "bend its curve mid-run; only --lr-schedule constant runs may change their length)"}
+
+
 def check_compatible(path: Path, meta: dict, expected: dict) -> None:
     """Refuse a snapshot whose run layout differs from this run's, naming the first difference."""
     for key, want in expected.items():
         have = meta.get(key)
         if have != want:
             label = key.replace("_", " ")
-            raise SnapshotError(f"snapshot {path} was written with {label} {have!r}, this run has {want!r}: "
-                                f"resume with the same settings, or start afresh with another --snapshot-dir")
+            why = _WHY.get(key, "")
+            raise IncompatibleSnapshot(f"snapshot {path} was written with {label} {have!r}, this run has {want!r}"
+                                       f"{why}: resume with the same settings, or start afresh with another "
+                                       f"--snapshot-dir")
 
 
 def load_rank_file(path: Path, meta: dict, rank: int) -> dict:
@@ -298,19 +380,86 @@ def load_rank_file(path: Path, meta: dict, rank: int) -> dict:
     expected = meta["files"].get(name)
     file = path / name
     if expected is None:
-        raise SnapshotError(f"snapshot {path} has no entry for {name} (written by {len(meta['files'])} ranks)")
+        raise DamagedSnapshot(f"snapshot {path} has no entry for {name} (written by {len(meta['files'])} ranks)")
     if not file.is_file():
-        raise SnapshotError(f"snapshot {path} is missing {name}")
+        raise DamagedSnapshot(f"snapshot {path} is missing {name}")
     data = file.read_bytes()
     if len(data) != expected["bytes"]:
-        raise SnapshotError(f"snapshot {file} is truncated or altered: {len(data)} bytes, meta.json says "
-                            f"{expected['bytes']}")
+        raise DamagedSnapshot(f"snapshot {file} is truncated or altered: {len(data)} bytes, meta.json says "
+                              f"{expected['bytes']}")
     if hashlib.sha256(data).hexdigest() != expected["sha256"]:
-        raise SnapshotError(f"snapshot {file} is corrupt: its SHA-256 does not match meta.json")
+        raise DamagedSnapshot(f"snapshot {file} is corrupt: its SHA-256 does not match meta.json")
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not loadable"
-        raise SnapshotError(f"snapshot {file} cannot be loaded safely ({type(exc).__name__}: {exc})") from None
+        raise DamagedSnapshot(f"snapshot {file} cannot be loaded safely: {refusal(exc)}") from None
+    problem = payload_problem(payload, meta["step"])
+    if problem:
+        raise DamagedSnapshot(f"snapshot {file} is malformed: {problem}")
+    return payload
+
+
+def refusal(exc: BaseException) -> str:
+    """One line for a file ``torch.load(weights_only=True)`` would not read (torch's own message is a page)."""
+    text = str(exc)
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text) or re.search(r"unsupported (?:global|class) (\S+)",
+                                                                                  text, re.IGNORECASE)
+    if found:
+        return f"it holds a Python object ({found.group(1).rstrip('.,')}), not only tensors (refused unread: " \
+               f"weights_only)"
+    return f"{type(exc).__name__}: {first_line(exc, 200)}"
+
+
+def payload_problem(payload, step: int) -> str | None:
+    """What makes a rank file's payload unusable by a resume (None: nothing): the keys and types
+    :class:`~distlab.train.run_state.RunState` reads, the step of its ``meta.json``, RNG states
+    that the generators accept."""
+    if not isinstance(payload, dict):
+        return f"a {type(payload).__name__}, not a dict"
+    for key in ("model", "optimizer", "scheduler", "rng", "step", "window", "run"):
+        if key not in payload:
+            return f"no {key!r}"
+    if not _is_int(payload["step"]) or payload["step"] != step:
+        return f"step {payload['step']!r}, meta.json says {step}"
+    for key in ("model", "optimizer", "scheduler", "run") + tuple(k for k in ("best_model", "placement", "extra")
+                                                                  if k in payload):
+        if not isinstance(payload[key], dict):
+            return f"{key!r} is a {type(payload[key]).__name__}, not a dict"
+    window = payload["window"]
+    if not (isinstance(window, (list, tuple)) and len(window) == 2 and _is_number(window[0])
+            and _is_int(window[1]) and window[1] >= 0):
+        return "'window' is not [loss sum, steps]"
+    run = payload["run"]
+    for key, ok in (("history", lambda v: isinstance(v, list) and all(isinstance(r, dict) for r in v)),
+                    ("evals", lambda v: isinstance(v, list) and all(isinstance(r, dict) for r in v)),
+                    ("best_val_loss", lambda v: v is None or _is_number(v)),
+                    ("best_val_step", lambda v: v is None or _is_int(v)),
+                    ("time_used_s", lambda v: _is_number(v) and 0 <= v < float("inf")),
+                    ("last_loss", _is_number),
+                    ("attempts", lambda v: _is_int(v) and v >= 0),
+                    ("layouts", lambda v: isinstance(v, list) and all(isinstance(r, dict) for r in v))):
+        if key == "layouts" and key not in run:  # written before runs recorded their layouts
+            continue
+        if key not in run or not ok(run[key]):
+            return f"run.{key} is {'missing' if key not in run else repr(run[key])[:60]}"
+    return _rng_problem(payload["rng"])
+
+
+def _rng_problem(state) -> str | None:
+    """Whether fresh generators accept these states (the process's own are not touched)."""
+    try:
+        torch.Generator().set_state(state["torch"])
+        n = state["numpy"]
+        np.random.RandomState().set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"],
+                                           n["has_gauss"], n["gauss"]))
+        p = state["python"]
+        random.Random().setstate((p["version"], tuple(p["internal"]), p["gauss_next"]))
+        for s in state.get("cuda", []):
+            if not (torch.is_tensor(s) and s.dtype == torch.uint8):
+                raise TypeError("a CUDA state is not a byte tensor")
+    except Exception as exc:  # noqa: BLE001 - any failure: a generator would not take it
+        return f"'rng' is not a generator state ({type(exc).__name__}: {first_line(exc, 100)})"
+    return None
 
 
 @dataclass
@@ -329,7 +478,8 @@ class Loaded:
 
 
 def _try(path: Path, expected: dict, rank: int, reshardable: tuple[str, ...] = ()) -> tuple[Loaded | None, str | None]:
-    """Load ``path`` for ``rank``; keys in ``reshardable`` may differ from ``expected`` (then every rank file is read)."""
+    """Load ``path`` for ``rank``; keys in ``reshardable`` may differ from ``expected`` (then every rank file is read).
+    The reason for a refusal starts with ``damaged:`` or ``incompatible:``."""
     try:
         meta = read_meta(path)
         check_compatible(path, meta, {k: v for k, v in expected.items() if k not in reshardable})
@@ -337,8 +487,12 @@ def _try(path: Path, expected: dict, rank: int, reshardable: tuple[str, ...] = (
             return Loaded(path, meta, load_rank_file(path, meta, rank)), None
         payloads = [load_rank_file(path, meta, r) for r in range(len(meta["files"]))]
         return Loaded(path, meta, payloads[0], payloads), None
+    except IncompatibleSnapshot as exc:
+        return None, f"incompatible:{exc}"
     except SnapshotError as exc:
-        return None, str(exc)
+        return None, f"damaged:{exc}"
+    except OSError as exc:  # unreadable (permissions, I/O error): damaged for this run's purpose
+        return None, f"damaged:snapshot {path} cannot be read ({first_line(exc, 200)})"
 
 
 def _all_ok(ok: bool) -> bool:
@@ -350,23 +504,33 @@ def _all_ok(ok: bool) -> bool:
     return bool(flag.item())
 
 
-def _first_reason(reason: str | None) -> str:
-    """One rank's reason for refusing, the same on every rank."""
+def _first_reason(reason: str | None) -> tuple[str, bool]:
+    """One rank's reason for refusing, the same on every rank; and whether it is damage (not
+    another configuration)."""
     reasons = _gather_objects(reason)
     rank, _ = _world()
-    first = next((r for r in reasons if r), "refused by another rank") if rank == 0 else None
-    return broadcast_object(first)
+    first = None
+    if rank == 0:
+        refused = [r for r in reasons if r]
+        # another configuration is the stronger answer: every rank's damage would not change it
+        first = next((r for r in refused if r.startswith("incompatible:")), refused[0] if refused else
+                     "damaged:refused by another rank")
+    first = broadcast_object(first)
+    kind, _, text = first.partition(":")
+    return text, kind == "damaged"
 
 
 def resume(target: str, directory: str | None, expected: dict, on_warning=print,
            reshardable: tuple[str, ...] = ()) -> Loaded | None:
     """Find and load the snapshot to resume from (collective: every rank calls it).
 
-    ``target`` is ``"auto"`` (the newest snapshot in ``directory`` that every rank can load;
-    bad ones are skipped with a warning; ``None`` if there is none at all) or a snapshot path
-    (used as is, or a clear error). Every rank gets its own payload of the same snapshot -- or,
-    where it differs from ``expected`` only in ``reshardable`` keys (world size, strategy), every
-    rank's payloads, to reshard (:mod:`distlab.train.reshard`).
+    ``target`` is ``"auto"`` or a snapshot path (used as is, or a clear error). ``auto`` takes the
+    newest snapshot in ``directory`` that every rank can load (``None`` if there is none at all): a
+    damaged one (unreadable, malformed, wrong checksum) is moved aside as ``step-N.bad-...`` with a
+    warning and the next older one is tried; one of another configuration stops the search with an
+    :class:`IncompatibleSnapshot` naming the setting that differs. Every rank gets its own payload
+    of the same snapshot -- or, where it differs from ``expected`` only in ``reshardable`` keys
+    (world size, strategy), every rank's payloads, to reshard (:mod:`distlab.train.reshard`).
     """
     rank, _ = _world()
     if target != "auto":
@@ -374,7 +538,8 @@ def resume(target: str, directory: str | None, expected: dict, on_warning=print,
         path = Path(target)
         loaded, reason = _try(path, expected, rank, reshardable)
         if not _all_ok(loaded is not None):
-            raise SnapshotError(_first_reason(reason))
+            text, damaged = _first_reason(reason)
+            raise (DamagedSnapshot if damaged else IncompatibleSnapshot)(text)
         return loaded
     if directory is None:
         raise ConfigError("--resume auto looks in --snapshot-dir: give one")
@@ -385,13 +550,22 @@ def resume(target: str, directory: str | None, expected: dict, on_warning=print,
         if _all_ok(loaded is not None):
             if refused and rank == 0:
                 on_warning(f"distlab: warning: resuming from {candidate}, the newest good snapshot "
-                           f"({len(refused)} newer one(s) refused)")
+                           f"({len(refused)} newer one(s) damaged and moved aside)")
             return loaded
-        reason = _first_reason(reason)
-        refused.append(reason)
+        text, damaged = _first_reason(reason)
+        if not damaged:
+            raise IncompatibleSnapshot(text)
+        refused.append(text)
         if rank == 0:
-            on_warning(f"distlab: warning: {reason}; trying an older snapshot")
+            where = "kept in place (it could not be moved)"
+            try:
+                where = f"moved aside to {move_aside(Path(candidate)).name}"
+            except OSError:
+                pass
+            on_warning(f"distlab: warning: {text}; {where}; trying an older snapshot")
+        broadcast_object(None)  # nobody reads the directory while rank 0 renames in it
     if refused:
-        raise SnapshotError(f"none of the {len(refused)} snapshots in {directory} can be used (the newest: "
-                            f"{refused[0]}); move them away or use another --snapshot-dir to start afresh")
+        raise DamagedSnapshot(f"none of the {len(refused)} snapshots in {directory} can be used (the newest: "
+                              f"{refused[0]}); they were moved aside as step-N.bad-*: start afresh with "
+                              f"--resume off the command line, or restore a good copy")
     return None

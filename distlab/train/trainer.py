@@ -20,7 +20,7 @@ from distlab import comm
 from distlab.data.loader import TrainLoader
 from distlab.data.resident import decide as decide_residence
 from distlab.data.resident import nbytes as data_nbytes
-from distlab.errors import ConfigError, DistributedError
+from distlab.errors import ConfigError, DistributedError, NonFiniteError, first_line
 from distlab.models import TEXT_MODELS, build_model, count_parameters
 from distlab.parallel import build_mesh, parallelize
 from distlab.runtime import Runtime, is_comm_failure, roll_call, seed_everything, tune_host_allocator
@@ -30,7 +30,7 @@ from distlab.train.export import load_init
 from distlab.train.metrics import MetricsLog, write_summary
 from distlab.train.optim import build_optimizer, build_scheduler
 from distlab.train.preemption import Preemption
-from distlab.train.run_state import RunState, fault_injection_hook
+from distlab.train.run_state import RunState, fault_injection_hook, finished_summary
 from distlab.train.summary import StepTimes, header, summarize
 
 
@@ -88,6 +88,8 @@ class Trainer:
         self.say = self._printer(show_bar)
         self.log = MetricsLog(None)
         self._window_t0 = time.perf_counter()
+        self.already_finished = False  # fit() found the resumed run complete and changed nothing
+        self._nonfinite = ""  # why the run stopped on non-finite gradients
 
     @property
     def net(self) -> torch.nn.Module:
@@ -120,11 +122,13 @@ class Trainer:
             if is_comm_failure(exc):
                 raise self._comm_failure(exc) from exc
             raise
+        finally:
+            self.run.end()  # the directories' locks
 
     def _comm_failure(self, exc: BaseException) -> DistributedError:
         """The one line a failed collective becomes: the step, the backend's words, and who is missing
         (a roll call through the job's store, which does not go through gloo's connections)."""
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         step = self.run.step + 1
         missing, cut_off = roll_call(f"step-{step}")
         if cut_off:
@@ -144,6 +148,11 @@ class Trainer:
         cfg, run, engine = self.cfg, self.run, self.engine
         engine.observe()  # the state's bytes before the first step (the time budget's snapshot estimate)
         run.begin()
+        done = finished_summary(cfg.out, run.run_id) if run.resumed_from is not None and \
+            run.step >= self.total_steps else None
+        if done is not None:  # resumed a run that had finished: say so, change nothing
+            self.already_finished = True
+            return done
         for line in header(self):
             self.say(line)
         self.log = MetricsLog(cfg.out if self.rt.is_main else None, run.history)
@@ -170,6 +179,9 @@ class Trainer:
         summary = summarize(self, stopped, times, time.perf_counter() - start)
         if self.rt.is_main and cfg.out:
             write_summary(cfg.out, summary)
+        if stopped == "non_finite":
+            snap = f"; the last good state is in {run.last_snapshot}" if run.last_snapshot else ""
+            raise NonFiniteError(f"training diverged at {self._nonfinite}{snap}")
         return summary
 
     def _loop(self, times: StepTimes, preemption: Preemption) -> str:
@@ -189,7 +201,11 @@ class Trainer:
             with comm.counting() as sent:
                 self.optimizer.zero_grad(set_to_none=True)
                 loss = engine.forward_backward(x, y, engine.loss)
-                engine.step(self.optimizer)
+                try:
+                    engine.step(self.optimizer)
+                except NonFiniteError as exc:  # nothing applied: the state is still that of the last step
+                    self._nonfinite = f"step {run.step + 1}: {exc}"
+                    return "non_finite"
             if not times.step:  # gradients and optimizer state all exist now: the peak of plain DP
                 engine.observe()
             self.scheduler.step()
@@ -257,4 +273,6 @@ class Trainer:
                 "global_batch_size": cfg.global_batch_size, "optimizer": cfg.optimizer, "seed": cfg.seed,
                 "val_fraction": cfg.val_fraction, "lr": cfg.lr, "lr_schedule": cfg.lr_schedule,
                 "lr_scaling": cfg.lr_scaling, "base_batch_size": cfg.base_batch_size, "warmup_steps": cfg.warmup_steps,
-                "momentum": cfg.momentum, "weight_decay": cfg.weight_decay}
+                "momentum": cfg.momentum, "weight_decay": cfg.weight_decay,
+                # a schedule that decays over the run depends on its length: changing it would bend the curve
+                **({"total_steps": self.total_steps} if cfg.lr_schedule != "constant" else {})}
