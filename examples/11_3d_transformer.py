@@ -56,7 +56,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         with comm.counting() as sent:
             loss = engine.forward_backward(xs, ys, engine.loss)  # the pipeline's schedule, then DP sync
-            opt.step()
+            engine.step(opt)
         if step == 0:
             ordered_print(f"step 0: rank {mesh.rank} sent {sent.bytes_sent:>7,} bytes")
         print0(f"step {step}: loss {loss:.4f} (replica 0)")

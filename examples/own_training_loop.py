@@ -46,8 +46,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         loss = engine.forward_backward(xs, ys, F.cross_entropy)  # 2 micro-batches, one reduce-scatter
         full_grads = engine.wrapper.full_gradients()  # ZeRO: every parameter's averaged gradient, gathered
-        opt.step()
-        engine.after_step()  # ZeRO-1: all-gather the updated shards
+        engine.step(opt)  # the optimizer step, then ZeRO-1's all-gather of the updated shards
         mean = loss.reshape(1).clone()  # this rank's loss: a float64 tensor (no wait for the device until read)
         comm.all_reduce(mean, op=dist.ReduceOp.AVG, group=mesh.dp_group)  # torch's op; gloo has no AVG, distlab does
         print0(f"step loss {mean.item():.4f}")

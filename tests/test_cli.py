@@ -349,3 +349,28 @@ def test_an_unavailable_backend_is_refused_once_before_launch(run_cli):
     proc = run_cli("train", "--nproc-per-node", "2", "--backend", "mpi", "--dataset", "synthetic:1x8x8:4")
     _one_line_error(proc, "no MPI backend", "--backend gloo")
     assert proc.returncode == 2 and "workers failed" not in proc.stderr
+
+
+def test_zero_from_the_command_line_uses_its_documented_default_collective(run_cli, tmp_path):
+    # The flag's default used to be read after Strategy had resolved it for no ZeRO: native, not auto.
+    run_cli("train", "--dataset", "synthetic:1x8x8:4:256", "--mlp-widths", "16", "--max-steps", "2", "--zero", "2",
+            "--nproc-per-node", "2", "--out", "z", "--no-progress", check=True)
+    run_cli("train", "--dataset", "synthetic:1x8x8:4:256", "--mlp-widths", "16", "--max-steps", "2",
+            "--nproc-per-node", "2", "--out", "dp", "--no-progress", check=True)
+    collective = {d: json.loads((tmp_path / d / "summary.json").read_text())["strategy"]["collective"] for d in ("z", "dp")}
+    assert collective == {"z": "auto", "dp": "native"}
+    help_text = run_cli("train", "--help").stdout
+    assert "auto (per collective, the one measured fastest)" in " ".join(help_text.split())
+
+
+def test_logged_throughput_counts_only_training_time_when_a_window_spans_evaluations(run_cli, tmp_path):
+    # 2 steps per epoch, an evaluation after each, a log line every 8 steps: each
+    # window spans 4 evaluations. Timed from the last evaluation, a window counted 8 steps in the time of 2.
+    run_cli("train", "--dataset", "synthetic:1x8x8:4:128", "--mlp-widths", "16", "--global-batch-size", "64",
+            "--epochs", "16", "--log-every", "8", "--out", "r", "--no-progress",
+            check=True)
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 4
+    for r in records:  # the window's mean step against the run's median step: the same training throughput
+        assert 0.4 < r["samples_per_s"] / summary["samples_per_s"] < 2.5, (r, summary["samples_per_s"])

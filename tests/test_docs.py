@@ -67,3 +67,12 @@ def test_a_stale_block_is_caught():
     assert doc_outputs.agrees("  ring   result 10  bytes sent by rank 0   32, by rank 1   36\n  step 9.1 ms", printed)
     assert not doc_outputs.agrees("  ring   result 10  bytes sent by rank 0   36, by rank 1   36", printed)
     assert doc_outputs.agrees("...\n  step 1 ms", printed) and not doc_outputs.agrees("  step 4.48 s", printed)
+
+
+def test_there_is_one_way_to_step_an_engine():
+    # opt.step() then engine.after_step() skipped fp16's overflow handling: Engine.step(opt) does all of it.
+    from distlab.parallel import Engine
+    assert not hasattr(Engine, "after_step")
+    texts = [p for p in [*ROOT.glob("docs/*.md"), ROOT / "README.md", *ROOT.glob("examples/*.py")]
+             if "engine.after_step" in p.read_text() or re.search(r"engine = parallelize[\s\S]*\bopt\.step\(\)", p.read_text())]
+    assert texts == []

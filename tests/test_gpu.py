@@ -130,3 +130,22 @@ def test_a_snapshot_written_on_gpu_resumes_on_cpu_and_back(run_cli, tmp_path):
     b, c = (json.loads((tmp_path / d / "summary.json").read_text()) for d in "bc")
     assert b["resumed_from"].endswith("step-00000004") and b["device"] == "cpu"
     assert c["resumed_from"].endswith("step-00000006") and c["device"].startswith("cuda") and c["steps"] == 8
+
+
+def _fp16_resume(rank, world, tmp):
+    """fp16 with its loss scaler: straight 10 steps vs 6 steps, a snapshot, then a resume to 10."""
+    base = dict(precision="fp16", lr=0.5)  # a large LR: the scaler backs off and grows within the run
+    straight = Trainer(_cfg(**base), runtime.from_process_group(torch.device("cuda")))
+    straight.fit()
+    first = _cfg(**base, max_steps=6, snapshot_dir=str(tmp), snapshot_every=3)
+    Trainer(first, runtime.from_process_group(torch.device("cuda"))).fit()
+    second = Trainer(_cfg(**base, snapshot_dir=str(tmp), resume="auto"), runtime.from_process_group(torch.device("cuda")))
+    second.fit()
+    same = all(torch.equal(a, b) for a, b in zip(straight.full_parameters(), second.full_parameters()))
+    scales = [t.engine.precision.scaler.state_dict() for t in (straight, second)]
+    return same, scales
+
+
+def test_fp16_resume_is_bitwise_with_the_loss_scaler_restored(tmp_path):
+    (same, (a, b)), = run_ranks(_fp16_resume, 1, tmp_path / "s", gpus=True, timeout=300)
+    assert same and a == b

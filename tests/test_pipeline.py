@@ -108,3 +108,41 @@ def test_1f1b_holds_less_activation_memory_than_gpipe():
         assert per_microbatch > 0
         assert peaks["1f1b", 8] == peaks["gpipe", 8] - (8 - (2 - stage)) * per_microbatch
         assert peaks["1f1b", 8] < peaks["gpipe", 8] / 3
+
+
+def _uneven(rank, world, via_engine):
+    import time
+    model = _mlp()
+    x, y = torch.randn(10, 12), torch.randint(0, 5, (10,))  # 10 samples do not split into 4 micro-batches
+    t0 = time.perf_counter()
+    try:
+        if via_engine:
+            from distlab.parallel import Strategy, build_mesh, parallelize
+            engine = parallelize(model, Strategy(pp=world, microbatches=4), build_mesh(1, pp=world))
+            engine.forward_backward(x, y, engine.loss)
+        else:
+            stage = PipelineStage(model, dist.group.WORLD, 4, "1f1b")
+            stage.train_step(x if stage.first else None, y if stage.last else None, task_loss, batch_size=10)
+    except ConfigError as exc:
+        return str(exc), time.perf_counter() - t0
+    return None, time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("via_engine", [False, True])
+def test_a_batch_that_does_not_split_into_equal_microbatches_is_refused_on_every_stage(via_engine):
+    # Before: 3, 3, 3, 1 each divided by 4 (a wrong loss and gradients), and a middle stage waited forever.
+    for message, seconds in run_ranks(_uneven, 3, via_engine, timeout=60):
+        assert message and "a batch of 10 samples does not split into 4 equal pipeline micro-batches" in message
+        assert seconds < 10  # refused at once, not after a communication timeout
+
+
+def _accumulate(rank, world):
+    from distlab.parallel import Strategy, build_mesh, parallelize
+    engine = parallelize(_mlp(), Strategy(grad_accum=4), build_mesh(1))
+    with pytest.raises(ConfigError, match="a batch of 10 samples does not split into 4 equal accumulation"):
+        engine.forward_backward(torch.randn(10, 12), torch.randint(0, 5, (10,)), engine.loss)
+    return True
+
+
+def test_accumulation_never_drops_the_samples_left_over():
+    assert run_ranks(_accumulate, 2, timeout=60) == [True, True]

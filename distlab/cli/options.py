@@ -120,7 +120,9 @@ STRATEGY_OPTIONS = [
     ("dp_sync", dict(default=None, help="Gradient sync: gather-scatter (via rank 0), allreduce (per parameter, after "
                      "backward), bucketed (overlapped with backward; the default) or ddp (torch's DDP). With --zero: "
                      "ZeRO's own reduce-scatter.")),
-    ("collective", dict(help="All-reduce algorithm: native (gloo/NCCL), ring, butterfly or direct (distlab.comm).")),
+    ("collective", dict(default=None, help="Collective algorithm: native (gloo/NCCL), ring, butterfly or direct "
+                        "(distlab.comm), or auto (per collective, the one measured fastest). Default: native for "
+                        "data parallel's all-reduce, auto for --zero's reduce-scatter and all-gather.")),
     ("bucket_mb", dict(type=float, help="Bucket size in MB for --dp-sync bucketed and ddp.")),
     ("grad_accum", dict(type=int, help="Micro-batches per optimizer step (no communication until the last).")),
     ("sync_bn", dict(help="off, distlab (any device) or torch (nn.SyncBatchNorm, GPU only); statistics over the "

@@ -16,7 +16,7 @@
 
 The :class:`Engine` is the one interface a training loop needs, whatever the strategy: build the
 optimizer over :meth:`Engine.parameters`, then per step :meth:`Engine.forward_backward` (its
-micro-batches, communication only after the last), ``optimizer.step()``, :meth:`Engine.after_step`.
+micro-batches, communication only after the last), :meth:`Engine.step` (the optimizer step and what follows it).
 For state: :meth:`Engine.full_state_dict` (the single-process model, gathered),
 :meth:`Engine.sharded_state_dict` / :meth:`Engine.load_sharded_state_dict` (this rank's part,
 for snapshots), :meth:`Engine.gathered` (full parameters in place, e.g. for evaluation). For
@@ -44,7 +44,7 @@ from distlab.parallel.checkpointing import apply_activation_checkpointing
 from distlab.parallel.data_parallel import DataParallel
 from distlab.parallel.mesh import Mesh
 from distlab.parallel.compression import build_codec
-from distlab.parallel.pipeline import PipelineStage, partition
+from distlab.parallel.pipeline import PipelineStage, check_microbatches, partition
 from distlab.parallel.placement import Placement, take
 from distlab.parallel.precision import DTYPES, Precision, check_device
 from distlab.parallel.strategy import Strategy
@@ -120,7 +120,8 @@ class Engine:
         self.sync_seconds = time.perf_counter() - t0
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """``optimizer.step()`` then :meth:`after_step`; under fp16 loss scaling a step whose gradients
+        """``optimizer.step()`` then what the layout needs after it (ZeRO 1-2: all-gather the updated
+        shards) -- the one way to step: under fp16 loss scaling a step whose gradients
         overflowed on any rank is skipped on every rank. Returns whether the optimizer stepped."""
         scaler = self.precision.scaler
         if scaler is None and self.check_finite and not self._gradients_finite():
@@ -133,7 +134,7 @@ class Engine:
             optimizer.step()
         if scaler is not None:
             scaler.update(self._found_inf)
-        self.after_step()
+        self._after_step()
         return stepped
 
     def _gradients_finite(self) -> bool:
@@ -150,7 +151,7 @@ class Engine:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return not bool(flag.item())
 
-    def after_step(self) -> None:
+    def _after_step(self) -> None:
         """After ``optimizer.step()`` (ZeRO 1-2: all-gather the updated shards)."""
         t0 = time.perf_counter()
         self.wrapper.after_step()
@@ -173,6 +174,7 @@ class Engine:
         if self.pipeline is not None:
             return self._pipeline_step(x, y, loss_fn)
         k = self.strategy.grad_accum
+        check_microbatches(len(x), k, "accumulation micro-batches (grad_accum)")  # never drop len(x) % k samples
         micro = len(x) // k
         total = None
         for i in range(k):
@@ -220,7 +222,8 @@ class Engine:
 
     def _pipeline_step(self, x, y, loss_fn) -> float:
         stage, mesh = self.pipeline, self.mesh
-        loss = stage.train_step(x if stage.first else None, y if stage.last else None, loss_fn, self.no_sync)
+        loss = stage.train_step(x if stage.first else None, y if stage.last else None, loss_fn, self.no_sync,
+                                batch_size=len(x) if x is not None else None)
         self.pipeline_timings.append(stage.last_timing)
         value = (loss.detach() if loss is not None else torch.zeros(())).reshape(1).to(torch.float32)
         dist.broadcast(value, src=mesh.pp_ranks[-1], group=mesh.pp_group)

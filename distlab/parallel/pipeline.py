@@ -172,6 +172,14 @@ class _Held:
         self.meter._release(self.key)
 
 
+def check_microbatches(batch: int | None, microbatches: int, what: str = "pipeline micro-batches") -> None:
+    """Refuse a batch that does not split into equal micro-batches (unequal ones would weigh each
+    sample differently: 10 into 4 is 3, 3, 3, 1, each averaged and then divided by 4)."""
+    if batch is not None and batch % microbatches:
+        raise ConfigError(f"a batch of {batch} samples does not split into {microbatches} equal {what}: give a "
+                          f"batch that {microbatches} divides")
+
+
 class PipelineStage(nn.Module):
     """This rank's stage of ``model`` on the pipeline ``group`` (stage = group rank).
 
@@ -274,19 +282,25 @@ class PipelineStage(nn.Module):
     # ------------------------------------------------------------------ a step
 
     def train_step(self, x: torch.Tensor | None, y: torch.Tensor | None, loss_fn: Callable,
-                   no_sync: Callable[[], ContextManager] | None = None) -> torch.Tensor | None:
-        """Forward and backward of one batch as ``M`` micro-batches. ``x`` is read on the first
+                   no_sync: Callable[[], ContextManager] | None = None,
+                   batch_size: int | None = None) -> torch.Tensor | None:
+        """Forward and backward of one batch as ``M`` equal micro-batches. ``x`` is read on the first
         stage, ``y`` on the last (others may pass None). Gradients accumulate into this stage's
         parameters. Returns the batch's mean loss on the last stage, None elsewhere.
 
         ``no_sync``: a context in which backward communicates nothing (a data-parallel wrapper's);
         every backward but the step's last runs in it, so gradients are reduced once, overlapped
-        with the last micro-batch's backward where the method can."""
+        with the last micro-batch's backward where the method can.
+
+        A batch that ``M`` does not divide is refused before any message: on the stages that hold
+        ``x`` or ``y``, and on every stage when ``batch_size`` is given (a middle stage cannot see
+        the batch; without it, it would wait for a first stage that already refused)."""
         m = self.microbatches
+        for have in (batch_size, len(x) if self.first and x is not None else None,
+                     len(y) if self.last and y is not None else None):
+            check_microbatches(have, m)
         xs = list(x.chunk(m)) if self.first else [None] * m
         ys = list(y.chunk(m)) if self.last else [None] * m
-        if self.first and len(xs) != m:
-            raise ConfigError(f"pipeline: a batch of {len(x)} does not split into {m} micro-batches")
         self._saved, self._losses, self._keep = [], [], []
         self._no_sync, self._backwards_left = no_sync or contextlib.nullcontext, m
         self._waited = self._compute = 0.0

@@ -87,7 +87,7 @@ class Trainer:
                         desc=f"{cfg.model} x{rt.world_size}")
         self.say = self._printer(show_bar)
         self.log = MetricsLog(None)
-        self._window_t0 = time.perf_counter()
+        self._window_s, self._window_timed = 0.0, 0  # training seconds and steps since the last log line
         self.already_finished = False  # fit() found the resumed run complete and changed nothing
         self._nonfinite = ""  # why the run stopped on non-finite gradients
 
@@ -164,7 +164,7 @@ class Trainer:
             self.loader.set_epoch(epoch)                              # uninterrupted run did
             x, y = next(self.loader.iter_from(position))
             engine.prime(x.to(self.rt.device), y.to(self.rt.device))
-        start = self._window_t0 = time.perf_counter()
+        start = time.perf_counter()
         with Preemption(self.rt.device) as preemption:
             stopped = self._loop(times, preemption)
         self.bar.close()
@@ -211,7 +211,9 @@ class Trainer:
             self.scheduler.step()
             if self.rt.device.type == "cuda":
                 torch.cuda.synchronize(self.rt.device)
-            times.add(time.perf_counter() - t0, engine.sync_seconds, sent.bytes_sent)
+            step_s = time.perf_counter() - t0
+            times.add(step_s, engine.sync_seconds, sent.bytes_sent)
+            self._window_s, self._window_timed = self._window_s + step_s, self._window_timed + 1
             run.advance(loss)
             self.bar.update(1)
             for hook in self.hooks:
@@ -221,7 +223,7 @@ class Trainer:
             if run.step % self.steps_per_epoch == 0 or run.step >= self.total_steps:
                 if cfg.eval_every_epoch or run.step >= self.total_steps:
                     self._evaluate(epoch)
-            self._window_t0 += run.maybe_snapshot(self.total_steps)
+            run.maybe_snapshot(self.total_steps)
             if preemption.poll():
                 return "preempted"
         return "completed"
@@ -234,17 +236,17 @@ class Trainer:
         return self.bar.write if show_bar else (lambda s: print(s, flush=True))
 
     def _log(self, epoch: int, lr: float) -> None:
-        steps = self.run.window_steps
         loss = self.run.close_window()  # collective
-        now = time.perf_counter()
-        record = {"step": self.run.step, "epoch": epoch, "loss": loss, "lr": lr,
-                  "samples_per_s": steps * self.cfg.global_batch_size / (now - self._window_t0),
+        # Throughput of the window's steps alone (timed in this attempt): evaluations, snapshots and a
+        # restart in between are not training time.
+        rate = self._window_timed * self.cfg.global_batch_size / self._window_s if self._window_s else None
+        record = {"step": self.run.step, "epoch": epoch, "loss": loss, "lr": lr, "samples_per_s": rate,
                   "time_s": self.run.time_used()}
         self.run.history.append(record)
         self.log.write(record)
         self.say(f"step {record['step']:>6}/{self.total_steps} | epoch {epoch} | loss {loss:.4f} | "
-                 f"lr {lr:.4g} | {record['samples_per_s']:,.0f} samples/s")
-        self._window_t0 = time.perf_counter()
+                 f"lr {lr:.4g} | {rate or 0:,.0f} samples/s")
+        self._window_s, self._window_timed = 0.0, 0
 
     def _evaluate(self, epoch: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
@@ -259,7 +261,6 @@ class Trainer:
         val = f" | val loss {result['val_loss']:.4f}" if "val_loss" in result else ""
         self.say(f"eval epoch {epoch} | test loss {result['test_loss']:.4f} | test accuracy "
                  f"{100 * result['test_accuracy']:.2f}% ({result['test_samples']} samples){val}")
-        self._window_t0 = time.perf_counter()  # evaluation time is not training throughput
         return record
 
     def _layout(self) -> dict:
