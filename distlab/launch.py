@@ -164,10 +164,15 @@ def _stopped_by_signal(sig: int, argv: list[str], since: float) -> int:
     what happened."""
     out, summary = _fresh_summary(argv, since)
     name = signal.Signals(sig).name
-    if summary and summary.get("stopped") == "preempted":
-        where = f"; snapshot {summary['snapshot']} (continue with --resume auto)" if summary.get("snapshot") else ""
+    if summary and summary.get("stopped") in ("preempted", "interrupted"):
+        where = f"; snapshot {summary['snapshot']} (continue with --resume auto)" if summary.get("snapshot") else \
+            "; no --snapshot-dir, so the progress is lost"
         print(f"distlab: stopped by {name} at step {summary['steps']} as asked{where}", file=sys.stderr, flush=True)
-        return 0
+        return 0 if summary["stopped"] == "preempted" else 128 + int(sig)  # Ctrl-C: the shell's "interrupted"
+    if sig == signal.SIGINT:
+        print("distlab: stopped at once (a second Ctrl-C): the step in progress is lost; earlier snapshots are "
+              "intact", file=sys.stderr, flush=True)
+        return 128 + int(sig)
     print(f"distlab: error: stopped by {name} before the workers had stopped cleanly (no preempted summary"
           f"{f' in {out}' if out else ''})", file=sys.stderr, flush=True)
     return 128 + int(sig)
@@ -206,7 +211,10 @@ def launch(opts: LaunchOptions, argv: list[str]) -> int:
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # The agent logs every signal and failure with a banner; workers report their own errors,
     # so keep it quiet unless asked (DISTLAB_TORCHRUN_LOG=INFO shows everything).
-    logging.getLogger("torch.distributed.elastic").setLevel(os.environ.get("DISTLAB_TORCHRUN_LOG", "CRITICAL"))
+    level = os.environ.get("DISTLAB_TORCHRUN_LOG", "CRITICAL")
+    for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:  # torch sets each module's own level
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(level)
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers die with this process (runtime.follow_launcher)
     started = time.time()
     try:

@@ -470,6 +470,50 @@ def test_non_finite_settings_are_refused_and_a_diverging_run_stops_at_its_step_k
                snap.load_rank_file(tmp_path / "s" / "step-00000001", meta, r)["model"].values())
 
 
+def test_a_first_ctrl_c_stops_cleanly_and_a_second_stops_at_once():
+    import signal
+    from distlab.train.preemption import Preemption
+    with Preemption() as stop:
+        assert stop.poll() is None
+        os.kill(os.getpid(), signal.SIGINT)  # delivered to this (main) thread before kill returns
+        assert stop.poll() == "interrupted"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # the handler runs between bytecodes
+                pass
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("nproc", [None, "2"])
+def test_ctrl_c_snapshots_writes_its_summary_and_exits_130(tmp_path, nproc):
+    import signal
+    import subprocess
+    import sys
+    import time
+    cmd = [sys.executable, "-m", "distlab", "train", "--dataset", "synthetic:1x8x8:4:200000", "--mlp-widths", "16",
+           "--no-progress", "--device", "cpu", "--snapshot-every", "20", "--snapshot-dir", "s", "--out", "run",
+           "--lr-schedule", "constant", *(["--nproc-per-node", nproc] if nproc else [])]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not snap.snapshots(tmp_path / "s"):
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    summary = _strict_json(tmp_path / "run" / "summary.json")
+    assert proc.returncode == 130 and summary["stopped"] == "interrupted", (out, err)
+    assert summary["snapshot"].endswith(f"step-{summary['steps']:08d}")  # the step it stopped at, saved
+    assert "Traceback" not in err and not any(line.startswith(("W", "E", "[")) for line in err.splitlines()), err
+    if nproc:
+        assert f"stopped by SIGINT at step {summary['steps']} as asked; snapshot" in err
+    else:
+        assert f"interrupted (Ctrl-C) at step {summary['steps']}" in out
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for task in Path(f"/proc/{pid}/task").iterdir():

@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
-    except click.Abort:
+    except (click.Abort, KeyboardInterrupt):
+        print("distlab: stopped at once (Ctrl-C)", file=sys.stderr, flush=True)
         sys.exit(130)
     except DistlabError as exc:
         _report_error(exc)

@@ -67,6 +67,8 @@ def train(**kw):
                        f"{cfg.out}/summary.json): nothing to do, nothing changed", err=True)
         elif rt.is_main:
             print_summary(summary, cfg.out)
+        if summary.get("stopped") == "interrupted" and not under_launcher():
+            sys.exit(130)  # Ctrl-C, after the clean stop: the shell's "interrupted" (a launcher says it itself)
 
     def prelaunch() -> None:
         # One run per directory: held from here, before any worker starts, to the end; the workers die

@@ -1,4 +1,4 @@
-"""Preemption: SIGTERM makes every rank stop at the same step boundary, snapshot and exit 0.
+"""Preemption: SIGTERM (or a first Ctrl-C) makes every rank stop at the same step boundary and snapshot.
 
 Slurm (``scancel``, a job's time limit, a higher-priority job) and Kubernetes (an evicted pod)
 send SIGTERM and, some seconds later, SIGKILL. torchrun's agent passes SIGTERM on to its workers
@@ -12,6 +12,10 @@ every rank reads the same value for the same step, so all stop at the same bound
 steps after the first rank saw the signal -- and the per-step cost is one 4-byte collective that
 overlaps a whole step. The loop then snapshots (``--resume auto`` continues bitwise) and writes its
 summary with ``"stopped": "preempted"``.
+
+SIGINT (Ctrl-C; under torchrun its agent passes it on) does the same with ``"stopped":
+"interrupted"``; a second SIGINT before the stop raises ``KeyboardInterrupt`` at once (no snapshot
+of the step in progress; the earlier ones stay).
 """
 
 from __future__ import annotations
@@ -23,41 +27,53 @@ import torch
 import torch.distributed as dist
 
 
+REASONS = {1: "preempted", 2: "interrupted"}  # flag value -> why the run stopped (the larger one wins)
+
+
 class Preemption:
-    """Context: SIGTERM sets a flag; :meth:`poll` (collective, once per step) says when every rank stops."""
+    """Context: SIGTERM or SIGINT sets a flag; :meth:`poll` (collective, once per step) says when every
+    rank stops, and why."""
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
-        self.signalled = False  # this rank received SIGTERM
-        self._previous = None
+        self.signalled = 0  # what this rank received: 0 nothing, 1 SIGTERM, 2 SIGINT
+        self._previous: dict = {}
         self._pending: tuple | None = None  # (work, flag tensor) of the last poll's all-reduce
 
     def __enter__(self) -> "Preemption":
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
-            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        self._restore()
         if self._pending is not None and exc[0] is None:
             self._pending[0].wait()  # never leave a collective half done
         self._pending = None
 
-    def _on_signal(self, signum, frame) -> None:
-        self.signalled = True
+    def _restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
 
-    def poll(self) -> bool:
-        """Whether some rank had been signalled by the previous call (every rank gets the same answer)."""
+    def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.signalled == 2:  # a second Ctrl-C: stop now
+            self._restore()
+            raise KeyboardInterrupt
+        self.signalled = max(self.signalled, 2 if signum == signal.SIGINT else 1)
+
+    def poll(self) -> str | None:
+        """Why some rank was signalled by the previous call ("preempted", "interrupted"), the same on
+        every rank; None to go on."""
         if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return self.signalled
+            return REASONS.get(self.signalled)
         if self._pending is not None:
             work, flag = self._pending
             work.wait()
             self._pending = None
             if flag.item():
-                return True  # on every rank: none starts another all-reduce
-        flag = torch.tensor([1 if self.signalled else 0], dtype=torch.int32, device=self.device)
+                return REASONS[int(flag.item())]  # on every rank: none starts another all-reduce
+        flag = torch.tensor([self.signalled], dtype=torch.int32, device=self.device)
         self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
-        return False
+        return None

@@ -293,8 +293,9 @@ def print_summary(summary: dict, out: str | None) -> None:
     lost = [l["lost_steps"] for l in layouts if l.get("lost_steps") is not None]
     if lost:
         rows.append(("lost work", f"{sum(lost)} step(s) done again over {len(layouts) - 1} resume(s)"))
-    if s.get("stopped") == "preempted":
-        rows.append(("stopped", f"preempted (SIGTERM) at step {s['steps']}"))
+    if s.get("stopped") in ("preempted", "interrupted"):
+        how = "preempted (SIGTERM)" if s["stopped"] == "preempted" else "interrupted (Ctrl-C)"
+        rows.append(("stopped", f"{how} at step {s['steps']}"))
     if s.get("stopped") == "time_budget":
         rows.append(("stopped", f"time budget {s['time_budget_s']:g} s reached after {s['time_used_s']:.1f} s"))
     if s.get("snapshot"):

@@ -172,8 +172,9 @@ class Trainer:
             result = self._evaluate(run.step // self.steps_per_epoch)
             self.say(f"time budget reached at step {run.step}: test accuracy {100 * result['test_accuracy']:.2f}%")
         run.final_snapshot()
-        if stopped == "preempted":
-            self.say(f"preempted (SIGTERM) at step {run.step}: " + (
+        if stopped in ("preempted", "interrupted"):
+            how = "preempted (SIGTERM)" if stopped == "preempted" else "interrupted (Ctrl-C)"
+            self.say(f"{how} at step {run.step}: " + (
                 f"snapshot {run.last_snapshot}; continue with --resume auto" if run.last_snapshot else
                 "no --snapshot-dir, so the progress is lost"))
         summary = summarize(self, stopped, times, time.perf_counter() - start)
@@ -224,8 +225,9 @@ class Trainer:
                 if cfg.eval_every_epoch or run.step >= self.total_steps:
                     self._evaluate(epoch)
             run.maybe_snapshot(self.total_steps)
-            if preemption.poll():
-                return "preempted"
+            reason = preemption.poll()
+            if reason:
+                return reason
         return "completed"
 
     # ------------------------------------------------------------------ logging and evaluation
