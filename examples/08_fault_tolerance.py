@@ -56,7 +56,7 @@ def main(root: Path) -> None:
     data = bytearray(rank_file.read_bytes())
     data[len(data) // 2] ^= 0xFF
     rank_file.write_bytes(bytes(data))
-    again = train(root / "killed", "--resume", "auto", "--max-steps", str(STEPS + 5))
+    again = train(root / "killed", "--resume", "auto")  # the same run: it redoes steps 21-24 from step 20
     assert again.returncode == 0, again.stderr
     print(f"after corrupting {newest.name}/rank-00000.pt, --resume auto says:")
     for line in again.stderr.splitlines():
