@@ -25,6 +25,7 @@ import base64
 import html
 import io
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,22 +80,53 @@ def bench_kind(records) -> str | None:
     return None
 
 
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# summary.json fields the page draws or tabulates: None, or a finite number (in range, where it has one)
+_SUMMARY_NUMBERS = {"test_accuracy": (0.0, 1.0), "test_loss": None, "time_per_step_s_median": None,
+                    "samples_per_s": None, "comm_bytes_per_step": None, "model_state_bytes_per_rank": None,
+                    "peak_rss_mb": None, "steps": None, "local_batch_size": None}
+
+
+def _summary_problem(summary) -> str | None:
+    """Why a summary.json cannot be drawn (None: it can)."""
+    if not isinstance(summary, dict) or "world_size" not in summary:
+        return "summary.json is not a distlab run summary (no world_size)"
+    if not (isinstance(summary["world_size"], int) and not isinstance(summary["world_size"], bool)
+            and summary["world_size"] >= 1):
+        return f"summary.json world_size {summary['world_size']!r} is not a number of ranks"
+    if not isinstance(summary.get("strategy"), (dict, type(None))):
+        return f"summary.json strategy {summary['strategy']!r} is not a strategy object"
+    for key, bounds in _SUMMARY_NUMBERS.items():
+        v = summary.get(key)
+        if v is not None and (not _finite(v) or (bounds and not bounds[0] <= v <= bounds[1])):
+            return f"summary.json {key} {v!r} is not " + (f"a number in [{bounds[0]:g}, {bounds[1]:g}]" if bounds
+                                                           else "a finite number")
+    return None
+
+
 def _read_run(path: Path, inputs: Inputs) -> None:
     summary, metrics = None, []
     try:
         if (path / "summary.json").is_file():
             summary = json.loads((path / "summary.json").read_text())
-            if not isinstance(summary, dict) or "world_size" not in summary:
-                raise ValueError("summary.json is not a distlab run summary (no world_size)")
+            problem = _summary_problem(summary)
+            if problem:
+                raise ValueError(problem)
         if (path / "metrics.jsonl").is_file():
             for n, line in enumerate((path / "metrics.jsonl").read_text().splitlines(), 1):
                 if line.strip():
                     record = json.loads(line)
-                    if not isinstance(record, dict) or "step" not in record or "loss" not in record:
-                        raise ValueError(f"metrics.jsonl line {n} has no step/loss")
-                    metrics.append(record)
-    except (ValueError, UnicodeDecodeError, OSError) as exc:
-        inputs.problems.append((str(path), f"unreadable run: {exc}"))
+                    if not isinstance(record, dict) or not _finite(record.get("step")) or \
+                            not (record.get("loss") is None or _finite(record["loss"])):
+                        raise ValueError(f"metrics.jsonl line {n} has no step and loss numbers")
+                    if record["loss"] is not None and (record.get("time_s") is None or _finite(record["time_s"])):
+                        metrics.append(record)  # a diverged step (loss null) has no point to draw
+    except (ValueError, UnicodeDecodeError, OSError, RecursionError) as exc:
+        why = "nested too deeply to read" if isinstance(exc, RecursionError) else str(exc)
+        inputs.problems.append((str(path), f"unreadable run: {why[:300]}"))
         return
     inputs.runs.append({"path": str(path), "summary": summary, "metrics": metrics})
     inputs.read.append((str(path), "run"))
@@ -106,11 +138,12 @@ def _read_file(path: Path, inputs: Inputs, explicit: bool) -> None:
     quiet = not explicit and path.name not in BENCH_FILES
     try:
         records = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError, OSError) as exc:
+    except (ValueError, UnicodeDecodeError, OSError, RecursionError) as exc:
         if quiet:
             inputs.skipped.append(str(path))
         else:
-            inputs.problems.append((str(path), f"not valid JSON: {exc}"))
+            why = "nested too deeply to read" if isinstance(exc, RecursionError) else str(exc)[:300]
+            inputs.problems.append((str(path), f"not valid JSON: {why}"))
         return
     if isinstance(records, dict) and records.get("kind") == PLAN_VALIDATION:
         records = records.get("runs")  # `distlab plan validate --json`: the per-run rows
@@ -122,8 +155,23 @@ def _read_file(path: Path, inputs: Inputs, explicit: bool) -> None:
             inputs.problems.append((str(path), "not a distlab bench, verify or plan validate file (a list of "
                                                "records it knows)"))
         return
+    problem = _records_problem(records)
+    if problem:
+        inputs.problems.append((str(path), f"{kind} records: {problem}"))
+        return
     inputs.bench.setdefault(kind, []).append((str(path), records))
     inputs.read.append((str(path), kind))
+
+
+def _records_problem(records: list[dict]) -> str | None:
+    """A field that holds numbers in some records must hold finite numbers (or null) in all of them."""
+    numeric = {k for r in records for k, v in r.items() if _finite(v)}
+    for n, r in enumerate(records):
+        for key in numeric & set(r):
+            v = r[key]
+            if v is not None and not _finite(v):
+                return f"record {n} has {key} = {str(v)[:40]!r} where numbers are expected"
+    return None
 
 
 def collect(paths: list[str], depth: int = 4) -> Inputs:
@@ -577,14 +625,19 @@ def render(inputs: Inputs, title: str = "distlab report") -> str:
     import datetime
     body = []
     if inputs.runs:
-        body.append(_runs_section(inputs.runs))
+        try:
+            body.append(_runs_section(inputs.runs))
+        except Exception as exc:  # noqa: BLE001 - data distlab did not write; the page goes on without it
+            inputs.problems += [(r["path"], f"runs could not be drawn: {type(exc).__name__}: {exc}"[:300])
+                                for r in inputs.runs]
     for kind in BENCH_KINDS:
         for path, records in inputs.bench.get(kind, []):
             name, section = SECTIONS[kind]
             try:
                 content = section(records)
-            except (KeyError, TypeError, ValueError) as exc:  # a file that looks right but lacks fields
-                inputs.problems.append((path, f"{kind} records lack a field: {exc!r}"))
+            except Exception as exc:  # noqa: BLE001 - a file that looks right but lacks fields or holds other values
+                inputs.problems.append((path, f"{kind} records lack a field or hold another value: {exc!r}"[:300]))
+                pyplot().close("all")
                 continue
             machine = _machine(records)
             body.append(f"<h2>{name}: <code>{html.escape(path)}</code></h2>"
@@ -609,7 +662,12 @@ def write_report(paths: list[str], out: str | Path, title: str = "distlab report
                  images: str | Path | None = None) -> Inputs:
     """Write the page; with ``images``, also every plot as a PNG file in that directory (for a
     README); their paths are in ``inputs.images``."""
+    from distlab.errors import ConfigError
     from distlab.train.metrics import atomic_write_text
+    if Path(out).is_dir():
+        raise ConfigError(f"-o {out} is a directory: give the HTML file to write, e.g. {Path(out) / 'report.html'}")
+    if images and Path(images).exists() and not Path(images).is_dir():
+        raise ConfigError(f"--images {images} is a file: give a directory for the PNG files")
     inputs = collect(paths)
     if images:
         Path(images).mkdir(parents=True, exist_ok=True)

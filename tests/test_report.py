@@ -175,3 +175,34 @@ def test_plan_sweep_gets_memory_and_fit_plot(tmp_path):
     page = (tmp_path / "r.html").read_text()
     assert inputs.read == [(str(path), "sweep")] and not inputs.problems
     assert "Plan sweep" in page and "<td>zero=3</td>" in page and page.count("data:image/png") == 1
+
+
+def test_report_survives_anything_it_scans(run_cli, tmp_path):
+    run_cli("train", "--dataset", "synthetic:1x8x8:4:256", "--mlp-widths", "16", "--max-steps", "4", "--no-progress",
+            "--out", "runs/good", check=True)
+    good = json.loads((tmp_path / "runs" / "good" / "summary.json").read_text())
+    for name, change in (("inf-accuracy", {"test_accuracy": float("inf")}), ("text-accuracy", {"test_accuracy": "high"}),
+                         ("text-strategy", {"strategy": "zero"}), ("text-world", {"world_size": "two"})):
+        (tmp_path / "runs" / name).mkdir()
+        (tmp_path / "runs" / name / "summary.json").write_text(json.dumps({**good, **change}))
+    nested = "[" * 100_000 + "]" * 100_000
+    (tmp_path / "runs" / "deep").mkdir()
+    (tmp_path / "runs" / "deep" / "summary.json").write_text(nested)
+    (tmp_path / "runs" / "collectives.json").write_text(nested)  # a bench file's name: must be usable
+    (tmp_path / "runs" / "notes.json").write_text(nested)
+    bad_bench = _collectives()
+    bad_bench[0]["time_s_median"] = "slow"
+    (tmp_path / "runs" / "bench").mkdir()
+    (tmp_path / "runs" / "bench" / "collectives.json").write_text(json.dumps(bad_bench))
+    proc = run_cli("report", "runs", "-o", "report.html")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    page = (tmp_path / "report.html").read_text()
+    for name in ("inf-accuracy", "text-accuracy", "text-strategy", "text-world", "deep", "collectives.json",
+                 "bench/collectives.json"):
+        assert f"runs/{name}" in proc.stderr and f"runs/{name}" in page, name  # listed at the top, not fatal
+    assert "runs/good" in page and page.index("could not be used") < page.index("Training runs")
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("x")
+    for args, message in ((("-o", "adir"), "-o adir is a directory"), (("--images", "afile"), "--images afile is a file")):
+        proc = run_cli("report", "runs", *args)
+        assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
