@@ -3,6 +3,7 @@
 Tests that need root and iproute2 skip (saying why) where network namespaces cannot be created.
 """
 
+import ipaddress
 import json
 import os
 import shutil
@@ -71,7 +72,8 @@ def test_up_status_down_and_cleanup_after_a_crash(state_dir, monkeypatch):
     made = c.up(2, bandwidth="100mbit", name=name)
     try:
         st = c.status(name)
-        assert [n["present"] for n in st["nodes"]] == [True, True] and st["master_addr"] == "10.77.1.1"
+        assert [n["present"] for n in st["nodes"]] == [True, True] and st["master_addr"] == made.master_addr
+        assert made.master_addr.endswith(".1.1") and made.nodes[1].addr.endswith(".2.1")
         qdisc = subprocess.run(["ip", "netns", "exec", made.nodes[1].netns, "tc", "qdisc", "show", "dev", "eth0"],
                                capture_output=True, text=True).stdout
         assert "tbf" in qdisc and "100Mbit" in qdisc
@@ -99,6 +101,67 @@ def test_up_status_down_and_cleanup_after_a_crash(state_dir, monkeypatch):
     assert not c.state_path(name).exists()
 
 
+def _ip(*args, check=True):
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+@needs_netns
+def test_the_cluster_touches_only_what_it_made(state_dir):
+    name = _name()
+    _ip("link", "add", f"dlbr-{name}", "type", "bridge")  # the user's own bridge, by chance of that name
+    _ip("netns", "add", f"dl-{name}-n1")
+    try:
+        with pytest.raises(c.ClusterError, match=f"dlbr-{name}, network namespace dl-{name}-n1 exist"):
+            c.up(2, name=name)
+        assert _ip("link", "show", f"dlbr-{name}", check=False).returncode == 0  # the rollback did not delete it
+        assert f"dl-{name}-n1" in _ip("netns", "list").stdout and not c.state_path(name).exists()
+        # A crafted state file naming someone else's bridge and namespace: down leaves them alone.
+        state_dir.mkdir(parents=True, exist_ok=True)
+        c.Cluster(name, None, None, f"dlbr-{name}", [c.Node(0, f"dl-{name}-n1", f"dl{name}-0", "10.77.1.1")],
+                  token="feed", created=[{"kind": "link", "name": f"dlbr-{name}", "id": 1},
+                                         {"kind": "netns", "name": f"dl-{name}-n1", "id": 1}]).save()
+        removed = c.down(name)
+        assert list(removed) == [] and {n for n, _ in removed.left} == {f"dlbr-{name}", f"dl-{name}-n1"}
+        assert _ip("link", "show", f"dlbr-{name}", check=False).returncode == 0
+        assert f"dl-{name}-n1" in _ip("netns", "list").stdout
+    finally:
+        _ip("link", "del", f"dlbr-{name}", check=False)
+        _ip("netns", "del", f"dl-{name}-n1", check=False)
+
+
+@needs_netns
+def test_down_ends_the_processes_a_killed_run_left_and_clusters_get_their_own_networks(state_dir, run_cli):
+    import time
+    first, second = _name(), f"u{os.getpid() % 100000}"
+    a = c.up(1, bandwidth=None, name=first)
+    try:
+        b = c.up(1, bandwidth=None, name=second)
+        try:
+            nets = [ipaddress.ip_network(x.subnet) for x in (a, b)]
+            assert not nets[0].overlaps(nets[1]) and ipaddress.ip_address(b.master_addr) in nets[1]
+        finally:
+            c.down(second)
+        # What `kill -9` of `cluster run` leaves: a node's command running on under init, in the namespace.
+        orphan = subprocess.Popen(["ip", "netns", "exec", a.nodes[0].netns, "sleep", "300"],
+                                  start_new_session=True)
+        time.sleep(0.5)
+        proc = run_cli("cluster", "down", "--name", first, env={"DISTLAB_CLUSTER_STATE_DIR": str(state_dir)})
+        assert proc.returncode == 0 and f"ended 1 process(es) still running in {a.nodes[0].netns}" in proc.stdout
+        assert orphan.wait(timeout=10) is not None
+    finally:
+        c.down(first)
+
+
+def test_a_free_network_is_chosen_around_the_hosts_routes(monkeypatch):
+    used = [ipaddress.ip_network("10.77.0.0/16"), ipaddress.ip_network("10.78.3.0/24"),
+            ipaddress.ip_network("0.0.0.0/0")]  # a default route overlaps everything and is ignored
+    monkeypatch.setattr(c, "_networks_in_use", lambda: used)
+    assert c.free_subnet() == ipaddress.ip_network("10.79.0.0/16")
+    monkeypatch.setattr(c, "_networks_in_use", lambda: [ipaddress.ip_network("10.0.0.0/8")])
+    with pytest.raises(c.ClusterError, match="every candidate network"):
+        c.free_subnet()
+
+
 @needs_netns
 def test_bandwidth_is_shaped(state_dir, tmp_path):
     name = _name()
@@ -107,7 +170,7 @@ def test_bandwidth_is_shaped(state_dir, tmp_path):
     server.write_text(textwrap.dedent("""
         import socket, sys
         s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("10.77.1.1", 29600)); s.listen(1); print("ready", flush=True)
+        s.bind((sys.argv[1], 29600)); s.listen(1); print("ready", flush=True)
         conn, _ = s.accept(); n = 0
         while True:
             b = conn.recv(1 << 20)
@@ -117,17 +180,17 @@ def test_bandwidth_is_shaped(state_dir, tmp_path):
     """))
     client = tmp_path / "client.py"
     client.write_text(textwrap.dedent("""
-        import socket, time
-        s = socket.create_connection(("10.77.1.1", 29600), timeout=30)
+        import socket, sys, time
+        s = socket.create_connection((sys.argv[1], 29600), timeout=30)
         data = b"x" * (1 << 20); t = time.perf_counter()
         for _ in range(6): s.sendall(data)
         s.shutdown(socket.SHUT_WR); s.recv(1); print(6 * 8 * (1 << 20) / (time.perf_counter() - t) / 1e6)
     """))
     try:
-        srv = subprocess.Popen(["ip", "netns", "exec", made.nodes[0].netns, sys.executable, str(server)],
+        srv = subprocess.Popen(["ip", "netns", "exec", made.nodes[0].netns, sys.executable, str(server), made.master_addr],
                                stdout=subprocess.PIPE, text=True)
         assert srv.stdout.readline().strip() == "ready"
-        out = subprocess.run(["ip", "netns", "exec", made.nodes[1].netns, sys.executable, str(client)],
+        out = subprocess.run(["ip", "netns", "exec", made.nodes[1].netns, sys.executable, str(client), made.master_addr],
                              capture_output=True, text=True, timeout=60)
         mbit = float(out.stdout.strip())
         assert int(srv.communicate(timeout=30)[0].strip()) == 6 << 20

@@ -39,8 +39,15 @@ def cluster_down(name):
     """Remove everything `up` created (also after a crash)."""
     from distlab import cluster as c
     c.check_capable()
+    if c.Cluster.load(name) is None:
+        click.echo(f"no cluster {name!r} was up")
+        return
     removed = c.down(name)
-    click.echo(f"removed {', '.join(removed)}" if removed else f"no cluster {name!r} was up")
+    for netns, pids in removed.ended.items():
+        click.echo(f"ended {len(pids)} process(es) still running in {netns} ({', '.join(map(str, pids))})")
+    for what, why in removed.left:
+        click.echo(f"left {what}: {why}")
+    click.echo(f"removed {', '.join(removed)}" if removed else "removed nothing")
 
 
 @cluster.command("status")
