@@ -152,6 +152,14 @@ def _validate_name(name: str) -> None:
                           f"interface names, which Linux limits to 15 characters)")
 
 
+_DELAY = re.compile(r"^\d+(\.\d+)?(s|sec|secs|ms|msec|msecs|us|usec|usecs)$")
+
+
+def _validate_delay(flag: str, value: str | None) -> None:
+    if value is not None and not _DELAY.match(value.lower()):
+        raise ConfigError(f"{flag} {value!r}: write a tc time such as 100us, 0.1ms or 5ms")
+
+
 def _validate_rate(flag: str, value: str | None) -> None:
     if value is not None and not _RATE.match(value.lower()):
         raise ConfigError(f"{flag} {value!r}: write a tc rate such as 100mbit, 1gbit or 10gbit")
@@ -176,6 +184,7 @@ def up(nodes: int, bandwidth: str | None = "1gbit", delay: str | None = None, co
     """Create the emulated cluster (see the module docstring); refuse if ``name`` already exists."""
     _validate_name(name)
     _validate_rate("--bandwidth", bandwidth)
+    _validate_delay("--delay", delay)
     if nodes < 1 or nodes > 250:
         raise ConfigError(f"--nodes must be between 1 and 250, not {nodes}")
     ncores = os.cpu_count() or 1

@@ -70,6 +70,27 @@ def train_on_ranks(rank: int, world: int, cfg) -> dict | None:
     return summary if rank == 0 else None
 
 
+def check_train(world_size: int, **fields) -> None:
+    """Before a bench starts ``distlab train`` runs: the checks the run itself makes before launching
+    (every field, the batch split, the data on disk), so a bad setting fails the bench in one line
+    before its first run rather than in the middle of the grid."""
+    from distlab.data import locate
+    from distlab.train import TrainConfig
+    cfg = TrainConfig.from_flags(**{k: v for k, v in fields.items() if v is not None}).validate(world_size)
+    if not cfg.dataset.startswith("synthetic"):
+        locate(cfg.dataset, cfg.data_dir)
+
+
+def fresh_run_dir(path: str | Path) -> Path:
+    """A bench's own run directory for one of its runs, emptied of what an earlier run of the bench
+    left there (the bench rewrites its results, as it rewrites its JSON)."""
+    import shutil
+    path = Path(path)
+    if path.is_dir():
+        shutil.rmtree(path)
+    return path
+
+
 def human_bytes(nbytes) -> str:
     """Bytes in the unit that reads best: 512 B, 3.1 KiB, 2.04 MiB, 1.2 GiB."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

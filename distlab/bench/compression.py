@@ -21,7 +21,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from distlab.bench.common import cores, format_table, machine, write
+from distlab.bench.common import cores, format_table, fresh_run_dir, machine, write
 from distlab.bench.scaling import _on_cluster, _run
 from distlab.cluster import TBF_BURST
 from distlab.errors import ConfigError
@@ -59,7 +59,7 @@ def run(strategies=DEFAULT_STRATEGIES, nodes: int = 2, epochs: int = 1, max_step
     per_run: dict[str, list[dict]] = {str(s): [] for s in parsed}
     for r in range(runs):
         for s in parsed:
-            run_dir = root / "runs" / f"{str(s).replace('+', '_').replace(':', '-')}-r{r}"
+            run_dir = fresh_run_dir(root / "runs" / f"{str(s).replace('+', '_').replace(':', '-')}-r{r}")
             args = [*MAIN_JOB, "--epochs", str(epochs), *strategy_flags(s), "--log-every", "100", "--no-progress",
                     "--device", "cpu", "--out", str(run_dir)]
             args += ["--max-steps", str(max_steps)] if max_steps else []

@@ -32,7 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from distlab.bench.common import at_least, choose, cores, format_table, machine, write
+from distlab.bench.common import at_least, check_train, choose, cores, format_table, fresh_run_dir, machine, write
 from distlab.cluster import TBF_BURST
 from distlab.errors import ConfigError, DistlabError
 from distlab.flags import strategy_flags
@@ -116,9 +116,24 @@ def run(worlds=(1, 2, 4), modes=("weak", "strong"), methods=("ddp",), per_worker
         if "strong" in modes and global_batch % w:
             raise ConfigError(f"strong scaling splits --global-batch {global_batch} over {w} workers: use a "
                               f"multiple of every world size (e.g. {global_batch * max(worlds)})")
+    try:
+        widths = tuple(int(v) for v in mlp_widths.split(",")) if mlp_widths else None
+    except ValueError:
+        raise ConfigError(f"--mlp-widths takes comma-separated integers, not {mlp_widths!r}") from None
+    for mode in modes:
+        for method in methods:
+            for w in worlds:
+                weak = mode == "weak"
+                check_train(w, model=model, dataset=dataset, data_dir=data_dir, epochs=epochs, max_steps=max_steps,
+                            optimizer=optimizer, lr=lr, val_fraction=val_fraction, mlp_widths=widths,
+                            global_batch_size=per_worker_batch * w if weak else global_batch,
+                            lr_scaling=lr_scaling if weak else "none", base_batch_size=per_worker_batch if weak else None,
+                            strategy=Strategy.parse(method))
     if cluster:
         from distlab import cluster as cl
         cl.check_capable()
+        for bandwidth in bandwidths:
+            cl._validate_rate("--bandwidths", bandwidth)
     opts = {"model": model, "dataset": dataset, "data_dir": data_dir, "epochs": epochs, "max_steps": max_steps,
             "optimizer": optimizer, "lr": lr, "lr_scaling": lr_scaling, "val_fraction": val_fraction, "seed": 0,
             "log_every": 10, "mlp_widths": mlp_widths}
@@ -134,7 +149,7 @@ def run(worlds=(1, 2, 4), modes=("weak", "strong"), methods=("ddp",), per_worker
                         records.append({**baselines[mode, method], "bandwidth": bandwidth})
                         continue
                     tag = f"{mode}-{method}-w{world}" + (f"-{bandwidth}" if bandwidth and world > 1 else "")
-                    run_dir = (root / "runs" / tag).resolve()
+                    run_dir = fresh_run_dir((root / "runs" / tag).resolve())
                     args = _train_args(mode, world, per_worker_batch, global_batch, method, opts, run_dir)
                     progress(f"scaling: {tag} ...")
                     if cluster and world > 1:

@@ -127,6 +127,8 @@ def run(workloads=tuple(WORKLOADS), nproc: int = 2, runs: int = 3, dataset: str 
     records = []
     for workload in chosen:
         cfg = _config(workload, dataset, nproc)
+        if directory:
+            Path(directory).mkdir(parents=True, exist_ok=True)
         root = tempfile.mkdtemp(prefix="distlab-snapfmt-", dir=directory)
         try:
             progress(f"snapshot-format: {workload} on {nproc} processes, {runs} runs ...")

@@ -114,6 +114,10 @@ def _bench(rank: int, world: int, features_list, batches, impls, warmup: int, re
 def run(workers=(1, 2, 4), features=(128, 256, 512, 1024), batches=(32, 64), impls=IMPLEMENTATIONS,
         warmup: int = 5, repeats: int = 50, device: str = "cpu", out=None, progress=print) -> list[dict]:
     at_least(repeats=(repeats, 1), warmup=(warmup, 0))
+    if min(batches) < 2 * max(workers):
+        from distlab.errors import ConfigError
+        raise ConfigError(f"batch normalisation needs two samples per worker at least: --batches {min(batches)} over "
+                          f"{max(workers)} worker(s)")
     records = []
     for w in workers:
         bad = [b for b in batches if b % w]

@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> None:
         rv = cli.main(args=argv, prog_name="distlab", standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
-    except click.ClickException as exc:
-        exc.show()
+    except click.ClickException as exc:  # a flag click could not take: one line, as every other bad input
+        print(f"distlab: error: {exc.format_message()}", file=sys.stderr, flush=True)
         sys.exit(exc.exit_code)
     except (click.Abort, KeyboardInterrupt):
         print("distlab: stopped at once (Ctrl-C)", file=sys.stderr, flush=True)

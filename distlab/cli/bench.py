@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from distlab.cli.options import csv_ints, float_list, launch_options, run_distributed
+from distlab.cli.options import (COUNT, NONNEGATIVE, Number, csv_ints, device_name, float_list, launch_options,
+                                 run_distributed, writable_dir)
 from distlab.errors import ConfigError
 
 
@@ -32,12 +33,12 @@ def _finish(module, records: list[dict], out: str, suite: str, plot_dir: str | N
 @click.option("--algorithms", default="native,ring,butterfly,direct,gather_scatter", show_default=True)
 @click.option("--ops", default="sum", show_default=True, help="sum, avg, max, min, product.")
 @click.option("--dtypes", default="float32", show_default=True, help="float32, float64, float16, bfloat16.")
-@click.option("--warmup", type=int, default=3, show_default=True)
-@click.option("--repeats", type=int, default=20, show_default=True, help="Timed calls per run.")
-@click.option("--runs", type=int, default=1, show_default=True,
+@click.option("--warmup", type=NONNEGATIVE, default=3, show_default=True)
+@click.option("--repeats", type=COUNT, default=20, show_default=True, help="Timed calls per run.")
+@click.option("--runs", type=COUNT, default=1, show_default=True,
               help="Independent runs (fresh processes); times are the median of the runs' medians.")
-@click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/collectives.json.")
-@click.option("--plot", "plot_dir", default=None, help="Also write time and busbw PNGs here.")
+@click.option("--out", callback=writable_dir, default="runs/bench", show_default=True, help="Writes OUT/collectives.json.")
+@click.option("--plot", "plot_dir", callback=writable_dir, default=None, help="Also write time and busbw PNGs here.")
 @click.option("--link", default=None,
               help="Launched across nodes: the link they ran over, recorded in the JSON (e.g. 1gbit).")
 @click.option("--burst", default=None, help="Launched across nodes: the links' token-bucket burst, recorded.")
@@ -70,11 +71,11 @@ def bench_collectives(world, sizes, algorithms, ops, dtypes, warmup, repeats, ru
 @click.option("--workers", default="1,2,4", show_default=True, help="Process counts.")
 @click.option("--features", default="128,256,512,1024", show_default=True)
 @click.option("--batches", default="32,64", show_default=True, help="Global batch sizes.")
-@click.option("--warmup", type=int, default=5, show_default=True)
-@click.option("--repeats", type=int, default=50, show_default=True)
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda (torch's SyncBN needs cuda).")
-@click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/syncbn.json.")
-@click.option("--plot", "plot_dir", default=None, help="Also write time-vs-features PNGs here.")
+@click.option("--warmup", type=NONNEGATIVE, default=5, show_default=True)
+@click.option("--repeats", type=COUNT, default=50, show_default=True)
+@click.option("--device", callback=device_name, default="cpu", show_default=True, help="cpu or cuda (torch's SyncBN needs cuda).")
+@click.option("--out", callback=writable_dir, default="runs/bench", show_default=True, help="Writes OUT/syncbn.json.")
+@click.option("--plot", "plot_dir", callback=writable_dir, default=None, help="Also write time-vs-features PNGs here.")
 def bench_syncbn(workers, features, batches, warmup, repeats, device, out, plot_dir):
     """SyncBatchNorm (distlab's, torch's on GPU) vs local BatchNorm: accuracy, time, memory."""
     from distlab.bench import syncbn
@@ -85,17 +86,17 @@ def bench_syncbn(workers, features, batches, warmup, repeats, device, out, plot_
 
 @bench.command("dp")
 @click.option("--workloads", default="mlp,vgg11,resnet18-syncbn", show_default=True)
-@click.option("--nproc", type=int, default=2, show_default=True)
-@click.option("--steps", type=int, default=30, show_default=True)
-@click.option("--batch", type=int, default=64, show_default=True, help="Global batch size.")
+@click.option("--nproc", type=COUNT, default=2, show_default=True)
+@click.option("--steps", type=COUNT, default=30, show_default=True)
+@click.option("--batch", type=COUNT, default=64, show_default=True, help="Global batch size.")
 @click.option("--methods", default="gather-scatter,allreduce,allreduce:ring,bucketed,bucketed:ring,ddp",
               show_default=True, help="Strategies (text form, e.g. bucketed:ring+accum=2), comma-separated.")
-@click.option("--runs", type=int, default=1, show_default=True, help="Repeat each configuration; median of medians.")
+@click.option("--runs", type=COUNT, default=1, show_default=True, help="Repeat each configuration; median of medians.")
 @click.option("--bucket-mb", "bucket_mbs", default=None,
               help="Bucket sizes in MB to sweep for the bucketed and ddp methods, e.g. 1,5,25,100.")
 @click.option("--data-dir", default=None)
-@click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/dp.json.")
-@click.option("--plot", "plot_dir", default=None, help="Also write samples/s bar charts here.")
+@click.option("--out", callback=writable_dir, default="runs/bench", show_default=True, help="Writes OUT/dp.json.")
+@click.option("--plot", "plot_dir", callback=writable_dir, default=None, help="Also write samples/s bar charts here.")
 @click.option("--cluster", is_flag=True, help="One worker per emulated node (network namespaces; needs root).")
 @click.option("--bandwidth", default="1gbit", show_default=True, help="With --cluster: the links' rate.")
 def bench_dp(workloads, nproc, steps, batch, methods, runs, bucket_mbs, data_dir, out, plot_dir, cluster, bandwidth):
@@ -119,15 +120,15 @@ def bench_dp(workloads, nproc, steps, batch, methods, runs, bucket_mbs, data_dir
 @click.option("--strategies", default=",".join(("bucketed", "bucketed+compress=powersgd:4", "ddp+compress=powersgd:4",
                                                 "bucketed+compress=fp16", "ddp+compress=fp16")), show_default=True,
               help="Strategies in their text form; the first is the baseline of 'speedup'.")
-@click.option("--nodes", type=int, default=2, show_default=True, help="Workers (emulated nodes with --cluster).")
-@click.option("--epochs", type=int, default=1, show_default=True)
-@click.option("--max-steps", type=int, default=None, help="Stop each run after this many steps.")
+@click.option("--nodes", type=COUNT, default=2, show_default=True, help="Workers (emulated nodes with --cluster).")
+@click.option("--epochs", type=COUNT, default=1, show_default=True)
+@click.option("--max-steps", type=COUNT, default=None, help="Stop each run after this many steps.")
 @click.option("--cluster", is_flag=True, help="One worker per emulated node (network namespaces; needs root).")
 @click.option("--bandwidth", default="100mbit", show_default=True, help="With --cluster: the links' rate.")
-@click.option("--runs", type=int, default=3, show_default=True, help="Rounds of every strategy, interleaved.")
+@click.option("--runs", type=COUNT, default=3, show_default=True, help="Rounds of every strategy, interleaved.")
 @click.option("--data-dir", default=None)
-@click.option("--out", default="runs/bench-compression", show_default=True, help="Writes OUT/compression.json.")
-@click.option("--plot", "plot_dir", default=None, help="Also write a PNG here.")
+@click.option("--out", callback=writable_dir, default="runs/bench-compression", show_default=True, help="Writes OUT/compression.json.")
+@click.option("--plot", "plot_dir", callback=writable_dir, default=None, help="Also write a PNG here.")
 def bench_compression(strategies, nodes, epochs, max_steps, cluster, bandwidth, runs, data_dir, out, plot_dir):
     """Gradient compression (fp16, bf16, PowerSGD) vs uncompressed and vs torch's DDP hooks: time, accuracy, bytes."""
     from distlab.bench import compression
@@ -137,18 +138,18 @@ def bench_compression(strategies, nodes, epochs, max_steps, cluster, bandwidth, 
 
 
 @bench.command("elastic")
-@click.option("--nodes", type=int, default=2, show_default=True, help="Emulated nodes, one worker each.")
-@click.option("--epochs", type=int, default=1, show_default=True)
-@click.option("--max-steps", type=int, default=None, help="Stop each run after this many steps.")
-@click.option("--kill-at-step", type=int, default=400, show_default=True,
+@click.option("--nodes", type=COUNT, default=2, show_default=True, help="Emulated nodes, one worker each.")
+@click.option("--epochs", type=COUNT, default=1, show_default=True)
+@click.option("--max-steps", type=COUNT, default=None, help="Stop each run after this many steps.")
+@click.option("--kill-at-step", type=COUNT, default=400, show_default=True,
               help="Kill the last node once rank 0 has logged this step.")
-@click.option("--snapshot-every", type=int, default=100, show_default=True)
-@click.option("--log-every", type=int, default=10, show_default=True, help="Also the resolution of 'steps redone'.")
+@click.option("--snapshot-every", type=COUNT, default=100, show_default=True)
+@click.option("--log-every", type=COUNT, default=10, show_default=True, help="Also the resolution of 'steps redone'.")
 @click.option("--revive", is_flag=True, help="Start the node again later; the job takes it back in.")
 @click.option("--bandwidth", default="1gbit", show_default=True, help="The links' rate.")
 @click.option("--data-dir", default=None)
-@click.option("--out", default="runs/bench-elastic", show_default=True, help="Writes OUT/elastic.json.")
-@click.option("--plot", "plot_dir", default=None, help="Also write a PNG here.")
+@click.option("--out", callback=writable_dir, default="runs/bench-elastic", show_default=True, help="Writes OUT/elastic.json.")
+@click.option("--plot", "plot_dir", callback=writable_dir, default=None, help="Also write a PNG here.")
 def bench_elastic(nodes, epochs, max_steps, kill_at_step, snapshot_every, log_every, revive, bandwidth, data_dir, out,
                   plot_dir):
     """Lose a node mid-epoch on the emulated cluster (root): the rest re-form, reshard and finish; vs uninterrupted."""
@@ -161,11 +162,11 @@ def bench_elastic(nodes, epochs, max_steps, kill_at_step, snapshot_every, log_ev
 @bench.command("snapshot-format")
 @click.option("--workloads", default="main,wide-mlp-zero3", show_default=True,
               help="main (the main job's MLP, data parallel, SGD) and/or wide-mlp-zero3 (4096x4096, ZeRO-3, Adam).")
-@click.option("--nproc", type=int, default=2, show_default=True)
-@click.option("--runs", type=int, default=3, show_default=True, help="Saves and loads per format (medians).")
+@click.option("--nproc", type=COUNT, default=2, show_default=True)
+@click.option("--runs", type=COUNT, default=3, show_default=True, help="Saves and loads per format (medians).")
 @click.option("--dataset", default="fashion-mnist", show_default=True, help="Only its shapes matter.")
-@click.option("--dir", "directory", default=None, help="Write the snapshots under this directory (its disk).")
-@click.option("--out", default="runs/bench-snapshot-format", show_default=True,
+@click.option("--dir", "directory", callback=writable_dir, default=None, help="Write the snapshots under this directory (its disk).")
+@click.option("--out", callback=writable_dir, default="runs/bench-snapshot-format", show_default=True,
               help="Writes OUT/snapshot-format.json.")
 def bench_snapshot_format(workloads, nproc, runs, dataset, directory, out):
     """distlab's snapshot files vs torch.distributed.checkpoint: save and load time, bytes on disk."""
@@ -180,22 +181,22 @@ def bench_snapshot_format(workloads, nproc, runs, dataset, directory, out):
               help="weak (fixed per-worker batch) and/or strong (fixed global batch).")
 @click.option("--methods", default="ddp", show_default=True,
               help="Strategies to compare (text form: ddp, bucketed:ring, allreduce+accum=2 ...), comma-separated.")
-@click.option("--per-worker-batch", type=int, default=32, show_default=True, help="Weak scaling: batch per worker.")
-@click.option("--global-batch", type=int, default=128, show_default=True, help="Strong scaling: global batch.")
+@click.option("--per-worker-batch", type=COUNT, default=32, show_default=True, help="Weak scaling: batch per worker.")
+@click.option("--global-batch", type=COUNT, default=128, show_default=True, help="Strong scaling: global batch.")
 @click.option("--model", default="mlp", show_default=True)
 @click.option("--mlp-widths", default=None, help="Hidden widths of the MLP (default: the model's).")
 @click.option("--dataset", default="fashion-mnist", show_default=True)
 @click.option("--data-dir", default=None)
-@click.option("--epochs", type=int, default=1, show_default=True)
-@click.option("--max-steps", type=int, default=None, help="Cap every run at this many steps.")
+@click.option("--epochs", type=COUNT, default=1, show_default=True)
+@click.option("--max-steps", type=COUNT, default=None, help="Cap every run at this many steps.")
 @click.option("--optimizer", default="adam", show_default=True)
-@click.option("--lr", type=float, default=1e-3, show_default=True, help="LR at the per-worker batch (weak) / global batch (strong).")
+@click.option("--lr", type=Number(0.0, low_open=True), default=1e-3, show_default=True, help="LR at the per-worker batch (weak) / global batch (strong).")
 @click.option("--lr-scaling", default="sqrt", show_default=True, help="Weak scaling LR rule: none, linear, sqrt.")
-@click.option("--val-fraction", type=float, default=0.1, show_default=True)
+@click.option("--val-fraction", type=Number(0.0, 1.0, high_open=True), default=0.1, show_default=True)
 @click.option("--cluster", is_flag=True, help="Run multi-worker runs on an emulated cluster, one node per worker (root).")
 @click.option("--bandwidths", default="100mbit,1gbit,10gbit", show_default=True, help="With --cluster: link rates.")
-@click.option("--out", default="runs/bench-scaling", show_default=True, help="Writes OUT/scaling.json and OUT/runs/.")
-@click.option("--plot", "plot_dir", default=None, help="Also write loss-vs-time and efficiency PNGs here.")
+@click.option("--out", callback=writable_dir, default="runs/bench-scaling", show_default=True, help="Writes OUT/scaling.json and OUT/runs/.")
+@click.option("--plot", "plot_dir", callback=writable_dir, default=None, help="Also write loss-vs-time and efficiency PNGs here.")
 def bench_scaling(world, modes, methods, per_worker_batch, global_batch, model, mlp_widths, dataset, data_dir,
                   epochs, max_steps, optimizer, lr, lr_scaling, val_fraction, cluster, bandwidths, out, plot_dir):
     """Weak and strong scaling over 1, 2, 4 workers (or emulated nodes): time per epoch, accuracy, efficiency."""
@@ -216,17 +217,17 @@ def bench_scaling(world, modes, methods, per_worker_batch, global_batch, model, 
               help="Short names (dp, zero1-3, tp-naive, tp-megatron, tp-sp: tp = --nproc, dp2xtp), any strategy "
                    "text (e.g. bucketed:ring, allreduce+tp=2+zero=1), and torch's torch-zero1, torch-fsdp2, torch-tp, "
                    "torch-tp-sp (DTensor). Sequence parallel (tp-sp, torch-tp-sp) runs on gpt only.")
-@click.option("--nproc", type=int, default=4, show_default=True)
-@click.option("--steps", type=int, default=20, show_default=True)
-@click.option("--batch", type=int, default=64, show_default=True, help="Global batch size.")
+@click.option("--nproc", type=COUNT, default=4, show_default=True)
+@click.option("--steps", type=COUNT, default=20, show_default=True)
+@click.option("--batch", type=COUNT, default=64, show_default=True, help="Global batch size.")
 @click.option("--dataset", default="fashion-mnist", show_default=True)
 @click.option("--text-dataset", default="fortunes", show_default=True, help="The gpt workload's data.")
-@click.option("--runs", type=int, default=1, show_default=True,
+@click.option("--runs", type=COUNT, default=1, show_default=True,
               help="Interleaved rounds of every cell: medians over them, ratios with their range.")
 @click.option("--optimizer", default="adam", show_default=True,
               help="adam (lr 1e-3) or sgd (lr 0.05, momentum 0.9: runs agree within the float32 bound).")
 @click.option("--data-dir", default=None)
-@click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/parallel.json.")
+@click.option("--out", callback=writable_dir, default="runs/bench", show_default=True, help="Writes OUT/parallel.json.")
 def bench_parallel(workloads, strategies, nproc, steps, batch, dataset, text_dataset, runs, optimizer, data_dir, out):
     """DP, ZeRO-1/2/3, tensor parallel and DP x TP beside torch's ZeRO, FSDP2 and DTensor TP."""
     from distlab.bench import parallel
@@ -238,16 +239,16 @@ def bench_parallel(workloads, strategies, nproc, steps, batch, dataset, text_dat
 
 
 @bench.command("pipeline")
-@click.option("--nproc", type=int, default=2, show_default=True, help="Pipeline stages (processes).")
+@click.option("--nproc", type=COUNT, default=2, show_default=True, help="Pipeline stages (processes).")
 @click.option("--microbatches", default="1,2,4,8", show_default=True, help="Micro-batch counts M.")
 @click.option("--schedules", default="gpipe,1f1b", show_default=True)
 @click.option("--implementations", default="distlab,torch", show_default=True,
               help="distlab (PipelineStage) and torch (torch.distributed.pipelining).")
-@click.option("--steps", type=int, default=10, show_default=True)
-@click.option("--batch", type=int, default=32, show_default=True, help="Sequences per step.")
-@click.option("--runs", type=int, default=1, show_default=True, help="Interleaved rounds; times are medians.")
-@click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/pipeline.json.")
-@click.option("--plot", "plot_dir", default=None, help="Also write a step-time and bubble PNG here.")
+@click.option("--steps", type=COUNT, default=10, show_default=True)
+@click.option("--batch", type=COUNT, default=32, show_default=True, help="Sequences per step.")
+@click.option("--runs", type=COUNT, default=1, show_default=True, help="Interleaved rounds; times are medians.")
+@click.option("--out", callback=writable_dir, default="runs/bench", show_default=True, help="Writes OUT/pipeline.json.")
+@click.option("--plot", "plot_dir", callback=writable_dir, default=None, help="Also write a step-time and bubble PNG here.")
 def bench_pipeline(nproc, microbatches, schedules, implementations, steps, batch, runs, out, plot_dir):
     """GPipe and 1F1B, distlab's beside torch.distributed.pipelining: time, bubble, memory, losses."""
     from distlab.bench import pipeline
@@ -260,15 +261,15 @@ def bench_pipeline(nproc, microbatches, schedules, implementations, steps, batch
 @click.option("--workloads", default="mlp,gpt", show_default=True,
               help="mlp (784-512-256-10, batch 64, fashion-mnist) and gpt (the default GPT, 32 x 64 tokens).")
 @click.option("--precisions", default="fp32,bf16", show_default=True, help="fp32, bf16, fp16 (GPU only).")
-@click.option("--steps", type=int, default=300, show_default=True, help="Steps per side and round.")
-@click.option("--runs", type=int, default=3, show_default=True, help="Interleaved rounds of every side.")
-@click.option("--device", default="auto", show_default=True, envvar="DISTLAB_DEVICE",
+@click.option("--steps", type=COUNT, default=300, show_default=True, help="Steps per side and round.")
+@click.option("--runs", type=COUNT, default=3, show_default=True, help="Interleaved rounds of every side.")
+@click.option("--device", callback=device_name, default="auto", show_default=True, envvar="DISTLAB_DEVICE",
               help="auto (cuda if available), cpu or cuda: both sides run there.")
-@click.option("--threads", type=int, default=None, help="Torch threads of each side (default: every core).")
+@click.option("--threads", type=COUNT, default=None, help="Torch threads of each side (default: every core).")
 @click.option("--dataset", default=None, help="Instead of the workload's data set.")
 @click.option("--data-dir", default=None)
-@click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/overhead.json.")
-@click.option("--plot", "plot_dir", default=None, help="Also write a ratio PNG here.")
+@click.option("--out", callback=writable_dir, default="runs/bench", show_default=True, help="Writes OUT/overhead.json.")
+@click.option("--plot", "plot_dir", callback=writable_dir, default=None, help="Also write a ratio PNG here.")
 def bench_overhead(workloads, precisions, steps, runs, device, threads, dataset, data_dir, out, plot_dir):
     """distlab's single-process step beside a plain PyTorch loop: same model, data, precision, device."""
     from distlab.bench import overhead
@@ -279,10 +280,10 @@ def bench_overhead(workloads, precisions, steps, runs, device, threads, dataset,
 
 @bench.command("checkpointing")
 @click.option("--workloads", default="vgg11-bn,resnet18,gpt", show_default=True)
-@click.option("--steps", type=int, default=6, show_default=True, help="Steps per variant (the first 2 untimed).")
-@click.option("--batch", type=int, default=32, show_default=True)
-@click.option("--runs", type=int, default=1, show_default=True, help="Interleaved rounds of both variants.")
-@click.option("--out", default="runs/bench", show_default=True, help="Writes OUT/checkpointing.json.")
+@click.option("--steps", type=COUNT, default=6, show_default=True, help="Steps per variant (the first 2 untimed).")
+@click.option("--batch", type=COUNT, default=32, show_default=True)
+@click.option("--runs", type=COUNT, default=1, show_default=True, help="Interleaved rounds of both variants.")
+@click.option("--out", callback=writable_dir, default="runs/bench", show_default=True, help="Writes OUT/checkpointing.json.")
 def bench_checkpointing(workloads, steps, batch, runs, out):
     """Activation checkpointing: peak activation bytes and time per step, with and without (one process)."""
     from distlab.bench import checkpointing

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from distlab.cli.options import launch_options, run_distributed
+from distlab.cli.options import COUNT, NONNEGATIVE, SECONDS, launch_options, run_distributed
 
 
 @click.group()
@@ -16,10 +16,10 @@ def cluster():
 
 
 @cluster.command("up")
-@click.option("--nodes", type=int, required=True, help="Number of nodes (network namespaces).")
+@click.option("--nodes", type=COUNT, required=True, help="Number of nodes (network namespaces).")
 @click.option("--bandwidth", default="1gbit", show_default=True, help="Link rate of every node (tc rate: 100mbit, 10gbit).")
 @click.option("--delay", default=None, help="One-way link latency added with netem (e.g. 0.1ms).")
-@click.option("--cores-per-node", type=int, default=None, help="Pin each node's processes to this many cores.")
+@click.option("--cores-per-node", type=COUNT, default=None, help="Pin each node's processes to this many cores.")
 @click.option("--name", default="dl", show_default=True, help="Cluster name (1-6 letters/digits).")
 def cluster_up(nodes, bandwidth, delay, cores_per_node, name):
     """Create K nodes on their own addresses behind one bridge, links shaped to --bandwidth."""
@@ -73,7 +73,7 @@ def cluster_status(name, as_json):
 
 @cluster.command("run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--name", default="dl", show_default=True)
-@click.option("--timeout", type=float, default=None, help="Kill the command on every node after this many seconds.")
+@click.option("--timeout", type=SECONDS, default=None, help="Kill the command on every node after this many seconds.")
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
 def cluster_run(name, timeout, cmd):
     """Run CMD on every node at once (distlab commands get --node-rank/--master-addr/--nnodes)."""
@@ -82,7 +82,7 @@ def cluster_run(name, timeout, cmd):
 
 
 @cluster.command("kill-node")
-@click.argument("index", type=int)
+@click.argument("index", type=NONNEGATIVE)
 @click.option("--name", default="dl", show_default=True)
 def cluster_kill_node(index, name):
     """SIGKILL every process on node INDEX (a machine that died)."""
@@ -92,9 +92,9 @@ def cluster_kill_node(index, name):
 
 
 @cluster.command("revive-node")
-@click.argument("index", type=int)
+@click.argument("index", type=NONNEGATIVE)
 @click.option("--name", default="dl", show_default=True)
-@click.option("--timeout", type=float, default=None, help="Kill the command after this many seconds.")
+@click.option("--timeout", type=SECONDS, default=None, help="Kill the command after this many seconds.")
 def cluster_revive_node(index, name, timeout):
     """Start the last `cluster run` command again on node INDEX (an elastic job takes it in)."""
     from distlab import cluster as c
@@ -102,7 +102,7 @@ def cluster_revive_node(index, name, timeout):
 
 
 @cluster.command("cut-link")
-@click.argument("index", type=int)
+@click.argument("index", type=NONNEGATIVE)
 @click.option("--name", default="dl", show_default=True)
 def cluster_cut_link(index, name):
     """Pull node INDEX's cable (its bridge port down: every frame dropped, the node up); mend-link restores it."""
@@ -112,7 +112,7 @@ def cluster_cut_link(index, name):
 
 
 @cluster.command("mend-link")
-@click.argument("index", type=int)
+@click.argument("index", type=NONNEGATIVE)
 @click.option("--name", default="dl", show_default=True)
 def cluster_mend_link(index, name):
     """Plug node INDEX's cable back in (its shaping unchanged)."""
@@ -146,13 +146,13 @@ def demo_p2p(**kw):
 
 
 @demo.command("sampler")
-@click.option("--length", type=int, default=10, show_default=True, help="Dataset length (item i is 10*i).")
-@click.option("--num-replicas", type=int, default=None, help="Replicas to show (default: the world size).")
+@click.option("--length", type=NONNEGATIVE, default=10, show_default=True, help="Dataset length (item i is 10*i).")
+@click.option("--num-replicas", type=COUNT, default=None, help="Replicas to show (default: the world size).")
 @click.option("--shuffle/--no-shuffle", default=False, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--epoch", type=int, default=0, show_default=True)
+@click.option("--epoch", type=NONNEGATIVE, default=0, show_default=True)
 @click.option("--drop-last/--no-drop-last", default=False, show_default=True, help="DistributedSampler drop_last.")
-@click.option("--batch-size", type=int, default=2, show_default=True, help="BatchSampler batch size.")
+@click.option("--batch-size", type=COUNT, default=2, show_default=True, help="BatchSampler batch size.")
 @click.option("--batch-drop-last/--no-batch-drop-last", default=False, show_default=True,
               help="BatchSampler drop_last.")
 @launch_options

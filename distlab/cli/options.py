@@ -3,6 +3,8 @@ field, the default read from the dataclass), and small parsers."""
 
 from __future__ import annotations
 
+import math
+
 import sys
 
 import click
@@ -10,51 +12,125 @@ import click
 from distlab.errors import ConfigError
 
 
-def csv_ints(value: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in value.split(",") if v.strip())
-    except ValueError:
-        raise ConfigError(f"expected comma-separated integers, got {value!r}") from None
+COUNT = click.IntRange(min=1)  # how many of something: at least one
+NONNEGATIVE = click.IntRange(min=0)
 
+
+class Number(click.ParamType):
+    """A finite float within bounds (click's FloatRange lets nan through every comparison)."""
+
+    name = "number"
+
+    def __init__(self, low: float | None = None, high: float | None = None, low_open: bool = False,
+                 high_open: bool = False):
+        self.low, self.high, self.low_open, self.high_open = low, high, low_open, high_open
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, float):
+            number = value
+        else:
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value} is not a finite number", param, ctx)
+        below = self.low is not None and (number <= self.low if self.low_open else number < self.low)
+        above = self.high is not None and (number >= self.high if self.high_open else number > self.high)
+        if below or above:
+            lo = "" if self.low is None else f"{'>' if self.low_open else '>='} {self.low:g}"
+            hi = "" if self.high is None else f"{'<' if self.high_open else '<='} {self.high:g}"
+            self.fail(f"{value} is not {' and '.join(x for x in (lo, hi) if x)}", param, ctx)
+        return number
+
+
+SECONDS = Number(0.0, 1e6, low_open=True)  # a timeout: more than 0, at most ~11 days
+
+
+def device_name(ctx, param, value):
+    """click callback: a device name distlab knows (auto, cpu, cuda)."""
+    from distlab.runtime import DEVICES
+    if value is not None and value not in DEVICES:
+        raise click.BadParameter(f"{value!r} is not one of {', '.join(DEVICES)}")
+    return value
+
+
+def writable_dir(ctx, param, value):
+    """click callback: a directory this command may write into (made later; checked now)."""
+    from distlab.train.lock import check_writable
+    if value is not None:
+        if not str(value).strip():
+            raise click.BadParameter("is empty: give a directory")
+        check_writable(value, param.opts[-1].lstrip("-"))
+    return value
+
+
+def output_file(ctx, param, value):
+    """click callback: a file this command will write (not a directory; its directory writable)."""
+    from pathlib import Path
+
+    from distlab.train.lock import check_writable
+    if value is not None:
+        path = Path(value)
+        if not str(value).strip() or path.name in ("", ".", "..") or path.is_dir():
+            raise click.BadParameter(f"{value!r} is a directory, not a file to write" if path.is_dir() and
+                                     str(value).strip() else "is empty: give a file name")
+        check_writable(path.parent if str(path.parent) else ".", param.opts[-1].lstrip("-"))
+    return value
+
+
+def csv_ints(value: str) -> tuple[int, ...]:
+    """Comma-separated positive integers (widths, counts, sizes), at least one."""
+    try:
+        numbers = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise ConfigError(f"expected comma-separated positive integers, got {value!r}") from None
+    if not numbers or min(numbers) < 1:
+        raise ConfigError(f"expected comma-separated positive integers, got {value!r}")
+    return numbers
 
 
 def float_list(value: str) -> list[int]:
+    """Comma-separated positive counts, written as numbers (``1e6``), at least one."""
     try:
-        return [int(float(v)) for v in value.split(",") if v.strip()]
+        numbers = [float(v) for v in value.split(",") if v.strip()]
     except ValueError:
         raise ConfigError(f"expected comma-separated numbers, got {value!r}") from None
+    if not numbers or not all(math.isfinite(n) and 1 <= n <= 1e12 for n in numbers):
+        raise ConfigError(f"expected comma-separated counts from 1 to 1e12 (e.g. 1e3,1e6), got {value!r}")
+    return [int(n) for n in numbers]
 
 
 def launch_options(f):
     """The flags every multi-process command shares (torchrun's names where they overlap)."""
     options = [
-        click.option("--nproc-per-node", type=int, default=None,
+        click.option("--nproc-per-node", type=COUNT, default=None,
                      help="Start N local workers through torchrun (omit under torchrun/mpirun/srun)."),
         click.option("--nnodes", default="1", show_default=True, help="Number of nodes (torchrun's N or MIN:MAX)."),
-        click.option("--node-rank", type=int, default=0, show_default=True, help="This node's rank (torchrun)."),
+        click.option("--node-rank", type=NONNEGATIVE, default=0, show_default=True, help="This node's rank (torchrun)."),
         click.option("--master-addr", "--master-ip", "master_addr", default=None,
                      help="Address of rank 0 / node 0 (default 127.0.0.1)."),
-        click.option("--master-port", type=int, default=None,
+        click.option("--master-port", type=click.IntRange(1, 65535), default=None,
                      help="Port of rank 0 / node 0 (default: a free one on a single node, else 29500)."),
         click.option("--rdzv-endpoint", default=None, help="torchrun c10d rendezvous HOST:PORT (elastic jobs)."),
         click.option("--local-addr", default=None,
                      help="This node's address as the other nodes reach it (torchrun; elastic jobs)."),
         click.option("--rdzv-conf", default=None,
                      help="torchrun rendezvous settings, e.g. last_call_timeout=5,join_timeout=300 (elastic jobs)."),
-        click.option("--max-restarts", type=int, default=0, show_default=True,
+        click.option("--max-restarts", type=NONNEGATIVE, default=0, show_default=True,
                      help="Restarts of the worker group after a failure (torchrun)."),
-        click.option("--rank", type=int, default=None, help="Manual start: this process's global rank."),
-        click.option("--world-size", "--num-nodes", "world_size", type=int, default=None,
+        click.option("--rank", type=NONNEGATIVE, default=None, help="Manual start: this process's global rank."),
+        click.option("--world-size", "--num-nodes", "world_size", type=COUNT, default=None,
                      help="Manual start: total number of processes (one per node in a one-process-per-node job)."),
         click.option("--backend", default="auto", show_default=True, help="auto (nccl on GPU, else gloo), gloo, nccl, mpi."),
-        click.option("--device", default="auto", show_default=True, envvar="DISTLAB_DEVICE",
+        click.option("--device", default="auto", show_default=True, envvar="DISTLAB_DEVICE", callback=device_name,
                      help="auto (cuda if available), cpu or cuda; also $DISTLAB_DEVICE."),
-        click.option("--comm-timeout", type=float, default=300.0, show_default=True,
+        click.option("--comm-timeout", type=SECONDS, default=300.0, show_default=True,
                      help="Seconds a collective waits for a dead or hung peer before it becomes an error."),
-        click.option("--init-timeout", type=float, default=None,
+        click.option("--init-timeout", type=SECONDS, default=None,
                      help="Seconds start-up waits for every rank to arrive (default: --comm-timeout); waiting "
                           "ranks say so every ~10 s."),
-        click.option("--threads", type=int, default=None,
+        click.option("--threads", type=COUNT, default=None,
                      help="Torch threads per rank (default: cores // local ranks)."),
     ]
     for option in reversed(options):

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from distlab.cli.options import STRATEGY_OPTIONS, csv_ints, field_options
+from distlab.cli.options import COUNT, STRATEGY_OPTIONS, Number, csv_ints, field_options, output_file
 from distlab.errors import ConfigError
 
 DEFAULT_CALIBRATION = "runs/calibration.json"
@@ -19,19 +19,19 @@ PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "seq
 @click.option("--model", default="mlp", show_default=True, help="A registered model (ignored with --params).")
 @click.option("--mlp-widths", default=None, help="Hidden widths of the MLP, e.g. 1024,512.")
 @click.option("--dataset", default="fashion-mnist", show_default=True, help="Gives the input shape and classes.")
-@click.option("--n-layer", type=int, default=2, show_default=True, help="gpt: transformer blocks.")
-@click.option("--n-head", type=int, default=4, show_default=True, help="gpt: attention heads.")
-@click.option("--n-embd", type=int, default=128, show_default=True, help="gpt: width.")
-@click.option("--block-size", type=int, default=64, show_default=True, help="gpt: context in tokens.")
-@click.option("--params", "num_params", type=float, default=None,
+@click.option("--n-layer", type=COUNT, default=2, show_default=True, help="gpt: transformer blocks.")
+@click.option("--n-head", type=COUNT, default=4, show_default=True, help="gpt: attention heads.")
+@click.option("--n-embd", type=COUNT, default=128, show_default=True, help="gpt: width.")
+@click.option("--block-size", type=COUNT, default=64, show_default=True, help="gpt: context in tokens.")
+@click.option("--params", "num_params", type=Number(0.0, low_open=True), default=None,
               help="Plan for a model known only by its parameter count (e.g. 7e9) instead of --model.")
-@click.option("--activation-bytes", type=float, default=0.0, show_default=True,
+@click.option("--activation-bytes", type=Number(0.0), default=0.0, show_default=True,
               help="With --params: activation bytes per sample.")
-@click.option("--layers", type=int, default=24, show_default=True, help="With --params: number of equal layers.")
-@click.option("--dp", type=int, default=1, show_default=True, help="Data-parallel ranks.")
+@click.option("--layers", type=COUNT, default=24, show_default=True, help="With --params: number of equal layers.")
+@click.option("--dp", type=COUNT, default=1, show_default=True, help="Data-parallel ranks.")
 @field_options([row for row in STRATEGY_OPTIONS if row[0] in PLANNED_FIELDS])
 @field_options([("optimizer", dict(help="sgd, adam or adamw (sizes the optimizer state).")),
-                ("momentum", dict(type=float, help="SGD momentum (0: no momentum buffer).")),
+                ("momentum", dict(type=Number(0.0, 1.0, high_open=True), help="SGD momentum (0: no momentum buffer).")),
                 ("global_batch_size", dict(type=int, aliases=("--global-batch",),
                                            help="Global batch, as train's; with --sweep its per-rank share at --dp "
                                                 "is kept at every size (weak scaling)."))])
@@ -39,7 +39,7 @@ PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "seq
               help="Each node's link: loopback (this machine) or a rate like 100mbit, 10gbit, 100gbit.")
 @click.option("--latency", default=None, help="Link latency per message round, e.g. 5us or 0.1ms.")
 @click.option("--burst", default=None, help="Token-bucket burst of the link (the emulated cluster's is 512kb).")
-@click.option("--threads", type=int, default=None, help="Threads per rank (picks the compute calibration).")
+@click.option("--threads", type=COUNT, default=None, help="Threads per rank (picks the compute calibration).")
 @click.option("--calibration", default=None,
               help=f"Calibration JSON from `distlab plan calibrate` (default {DEFAULT_CALIBRATION} if it exists; "
                    "without one, memory only).")
@@ -48,9 +48,9 @@ PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "seq
               help="With --sweep: strategies to compare, in the text form of --strategy (e.g. ddp, zero=3, "
                    "bucketed:ring+accum=2, allreduce+tp=2).")
 @click.option("--device-memory", default=None, help="With --sweep: memory per device, e.g. 80GiB.")
-@click.option("--min-efficiency", type=float, default=0.5, show_default=True,
+@click.option("--min-efficiency", type=Number(0.0, 1.0), default=0.5, show_default=True,
               help="With --sweep: below this scaling efficiency a strategy has stopped scaling.")
-@click.option("--json", "json_out", default=None, help="Also write the prediction(s) as JSON here.")
+@click.option("--json", "json_out", default=None, callback=output_file, help="Also write the prediction(s) as JSON here.")
 @click.pass_context
 def plan(ctx, model, mlp_widths, dataset, n_layer, n_head, n_embd, block_size, num_params, activation_bytes, layers, dp, optimizer, momentum,
          global_batch_size, link, latency, burst, threads, calibration, sweep, strategies, device_memory,
@@ -106,7 +106,7 @@ def plan(ctx, model, mlp_widths, dataset, n_layer, n_head, n_embd, block_size, n
 
 @plan.command("calibrate")
 @click.argument("paths", nargs=-1, required=True)
-@click.option("-o", "--output", default=DEFAULT_CALIBRATION, show_default=True)
+@click.option("-o", "--output", default=DEFAULT_CALIBRATION, callback=output_file, show_default=True)
 def plan_calibrate(paths, output):
     """Fit collectives' latency and bandwidth (alpha-beta) and the compute rate from bench results.
 
@@ -128,10 +128,10 @@ def plan_calibrate(paths, output):
 @plan.command("validate")
 @click.argument("paths", nargs=-1, required=True)
 @click.option("--calibration", default=DEFAULT_CALIBRATION, show_default=True)
-@click.option("--json", "json_out", default=None, help="Write the per-run comparison here.")
-@click.option("--target", type=float, default=0.2, show_default=True,
+@click.option("--json", "json_out", default=None, callback=output_file, help="Write the per-run comparison here.")
+@click.option("--target", type=Number(0.0, low_open=True), default=0.2, show_default=True,
               help="Exit 1 if the median absolute step-time error is above this.")
-@click.option("--min-world", type=int, default=2, show_default=True,
+@click.option("--min-world", type=COUNT, default=2, show_default=True,
               help="Only runs with at least this many workers (1 also checks the compute model alone).")
 def plan_validate(paths, calibration, json_out, target, min_world):
     """Compare predictions with measured runs (run directories, bench scaling JSON): per-run error."""

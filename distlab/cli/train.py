@@ -8,7 +8,8 @@ import time
 
 import click
 
-from distlab.cli.options import TRAIN_OPTIONS, config_from_flags, field_options, launch_options, run_distributed
+from distlab.cli.options import (COUNT, TRAIN_OPTIONS, config_from_flags, field_options, launch_options, output_file,
+                                 run_distributed, writable_dir)
 from distlab.errors import ConfigError
 
 
@@ -107,16 +108,16 @@ def export(snapshot_path, out, best):
 
 
 @click.command()
-@click.option("--nproc", type=int, default=2, show_default=True, help="Processes (gloo, CPU) for the distributed runs.")
+@click.option("--nproc", type=COUNT, default=2, show_default=True, help="Processes (gloo, CPU) for the distributed runs.")
 @click.option("--strategy", "strategies", multiple=True,
               help="A strategy in its text form, repeatable: METHOD[:COLLECTIVE] then +accum=K, +bucket=MB, +syncbn, "
                    "+tp=N, +naive, +sp, +zero=S, +pp=P, +mb=M, +gpipe/+1f1b, +ckpt, +bf16, +reduce=DTYPE, +compress=C, "
                    "+adam, +gpt (e.g. bucketed:ring+accum=4, "
                    "zero=3, allreduce+tp=2+naive, bucketed+tp=2+pp=2+gpt). Default: every --dp-sync x --collective, "
                    "accum=4 for each method, syncbn, and on an even world tp=2 both styles and two-stage pipelines.")
-@click.option("--steps", type=int, default=10, show_default=True, help="SGD steps per run.")
-@click.option("--global-batch-size", type=int, default=None, help="Default: 12 x --nproc.")
-@click.option("--json", "json_path", default=None, help="Write the records here.")
+@click.option("--steps", type=COUNT, default=10, show_default=True, help="SGD steps per run.")
+@click.option("--global-batch-size", type=COUNT, default=None, help="Default: 12 x --nproc.")
+@click.option("--json", "json_path", default=None, callback=output_file, help="Write the records here.")
 @click.option("--resume", "resume", is_flag=True,
               help="Instead: SIGKILL a worker mid-run under torchrun --max-restarts 1 and check that the resumed "
                    "run ends bitwise equal to an uninterrupted one (the kill drill of --faults; default strategy "
@@ -128,7 +129,7 @@ def export(snapshot_path, out, best):
                    "strategy allreduce+adam. Asked for by name only: link-cut (2 emulated nodes, root; node 1's "
                    "link dropped mid-epoch: every rank fails within --comm-timeout naming who is unreachable, "
                    "then --resume auto finishes bitwise).")
-@click.option("--workdir", default=None, help="With --resume or --faults: keep the runs here (default: a temporary "
+@click.option("--workdir", default=None, callback=writable_dir, help="With --resume or --faults: keep the runs here (default: a temporary "
                                               "directory).")
 def verify(nproc, strategies, steps, global_batch_size, json_path, resume, faults, workdir):
     """Prove each strategy equals single-process training: largest parameter and loss differences."""
@@ -144,6 +145,12 @@ def verify(nproc, strategies, steps, global_batch_size, json_path, resume, fault
         raise ConfigError("--resume is the kill drill of --faults: give one of them")
     drills = ["kill"] if resume else (list(f.DRILLS) if faults == "all" else
                                       [d.strip() for d in faults.split(",") if d.strip()] if faults else None)
+    unknown = [d for d in drills or [] if d not in f.RUNNERS]
+    if unknown:
+        raise ConfigError(f"unknown fault drill {unknown[0]!r}; choose from: {', '.join(f.DRILLS + f.OPT_IN)}")
+    if drills and steps < 8:
+        raise ConfigError(f"fault drills need at least 8 steps (snapshots every steps/4, a fault after steps/2), "
+                          f"not {steps}")
     chosen = [v.parse_strategy(s) for s in strategies] or (
         [v.parse_strategy("allreduce+adam")] if drills else v.default_strategies(nproc))
     for s in chosen:  # flags and batch split, before any process starts

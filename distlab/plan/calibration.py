@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from distlab.data import dataset_shape
-from distlab.errors import ConfigError
+from distlab.errors import ConfigError, first_line
 from distlab.plan.cost import AlphaBeta, Compute, fit_alpha_beta, fit_compute, rounds, volume
 from distlab.plan.memory import Trace, trace
 from distlab.train.metrics import atomic_write_text
@@ -63,7 +63,9 @@ class Calibration:
         except FileNotFoundError:
             raise ConfigError(f"calibration {path} not found: make it with `distlab plan calibrate BENCH_DIRS -o "
                               f"{path}`") from None
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        except OSError as exc:
+            raise ConfigError(f"calibration {path} cannot be read ({exc.strerror or exc})") from None
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
             raise ConfigError(f"calibration {path} is not a valid calibration file ({exc}); make it again with "
                               f"`distlab plan calibrate`") from None
 
@@ -110,8 +112,8 @@ def json_files(paths: list[str]) -> list[Path]:
 def load_json(path: Path):
     try:
         return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path} is not readable JSON ({exc})") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ConfigError(f"{path} is not readable JSON ({first_line(exc, 200)})") from None
 
 
 def run_summary(bench_json: Path, run_dir: str) -> Path | None:

@@ -1,0 +1,178 @@
+"""Every flag of every command, fed edge values (property-based, hypothesis): the command either
+succeeds or exits 2 with one ``distlab: error:`` line -- never a traceback, never a run that starts
+and then fails for a reason it could have known before it started.
+
+Each command runs in this process (``distlab.cli.main``) from a small base invocation that succeeds
+quickly as is; hypothesis replaces one of its flags (or adds one) with an edge value: 0, negative,
+nan, inf, huge, empty, of the wrong type. The examples are derandomized, so a failure reproduces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+from pathlib import Path
+
+import click
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from distlab.cli import cli
+
+EDGES = ["0", "-1", "-5", "nan", "inf", "-inf", "1e30", "", "x", "1.5", ",", "0,0", "-1,2"]
+
+# A cheap invocation of each command that succeeds as it is ({tmp}: the test's directory).
+BASE = {
+    "train": "--dataset synthetic:1x8x8:4:64 --mlp-widths 8 --max-steps 1 --no-progress --out o",
+    "export": "{tmp}/snap/step-00000002 -o m.pt",
+    "verify": "--nproc 1 --steps 2 --strategy allreduce",
+    "report": "{tmp}/run -o r.html",
+    "plan": "--model mlp --dataset synthetic:1x8x8:4:64",
+    "plan calibrate": "{tmp}/run -o cal.json",
+    "plan validate": "{tmp}/run",
+    "cluster up": "--nodes 1 --bandwidth none --name {name}",
+    "cluster down": "--name {name}",
+    "cluster status": "--name {name}",
+    "cluster run": "--name {name} -- true",
+    "cluster kill-node": "0 --name {name}",
+    "cluster revive-node": "0 --name {name}",
+    "cluster cut-link": "0 --name {name}",
+    "cluster mend-link": "0 --name {name}",
+    "demo ordered-print": "",
+    "demo p2p": "",
+    "demo sampler": "--length 10 --num-replicas 2",
+    "doctor": "",
+    "bench collectives": "--world 1 --sizes 8 --algorithms native --warmup 0 --repeats 1 --out b",
+    "bench syncbn": "--workers 1 --features 4 --batches 4 --warmup 0 --repeats 1 --out b",
+    "bench dp": "--workloads mlp --nproc 1 --steps 2 --batch 4 --methods allreduce --out b --data-dir {tmp}",
+    "bench compression": "--strategies bucketed --nodes 1 --max-steps 2 --runs 1 --out b --data-dir {tmp}",
+    "bench elastic": "--nodes 1 --max-steps 2 --out b --data-dir {tmp}",
+    "bench snapshot-format": "--workloads main --nproc 1 --runs 1 --dataset synthetic:1x8x8:4:64 --out b",
+    "bench scaling": "--world 1 --modes weak --dataset synthetic:1x8x8:4:256 --max-steps 2 --per-worker-batch 8 --out b",
+    "bench parallel": "--workloads mlp --strategies dp --nproc 1 --steps 2 --batch 4 --dataset synthetic:1x8x8:4:64 "
+                      "--out b",
+    "bench pipeline": "--nproc 1 --microbatches 1 --schedules gpipe --implementations distlab --steps 2 --batch 4 "
+                      "--out b",
+    "bench overhead": "--workloads mlp --precisions fp32 --steps 2 --runs 1 --dataset synthetic:1x8x8:4:64 --out b",
+    "bench checkpointing": "--workloads gpt --steps 3 --batch 2 --out b",
+    "bench markdown": "{tmp}/b",
+}
+
+
+def _commands(group: click.Group = cli, path: tuple = ()):
+    for name, cmd in sorted(group.commands.items()):
+        if isinstance(cmd, click.Group):
+            if cmd.invoke_without_command or not cmd.commands:
+                yield " ".join(path + (name,)), cmd
+            yield from _commands(cmd, path + (name,))
+        else:
+            yield " ".join(path + (name,)), cmd
+
+
+COMMANDS = dict(_commands())
+
+
+def _options(cmd: click.Command) -> list[str]:
+    return sorted(o.opts[-1] if o.opts[-1].startswith("--") else o.opts[0] for o in cmd.params
+                  if isinstance(o, click.Option) and not o.is_flag and not o.hidden and o.name != "help")
+
+
+def test_every_command_has_a_base_invocation():
+    assert sorted(COMMANDS) == sorted(BASE)
+
+
+def _invoke(argv: list[str], cwd: Path) -> tuple[int, str, str]:
+    """Run ``distlab ARGV`` in this process; (exit code, stdout, stderr). The environment and the
+    working directory are restored afterwards (commands set variables for the workers they start)."""
+    from distlab.cli import main
+    env, here, threads = dict(os.environ), os.getcwd(), torch.get_num_threads()
+    out, err = io.StringIO(), io.StringIO()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main(argv)
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(env)
+        torch.set_num_threads(threads)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A run with snapshots (export, report, plan read it) made once."""
+    tmp = tmp_path_factory.mktemp("flags")
+    code, _, err = _invoke(["train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--max-steps", "2",
+                            "--snapshot-dir", str(tmp / "snap"), "--snapshot-every", "1", "--out", str(tmp / "run"),
+                            "--no-progress"], tmp)
+    assert code == 0, err
+    return tmp
+
+
+def _argv(command: str, flag: str | None, value: str | None, tmp: Path) -> list[str]:
+    name = f"f{os.getpid() % 10000}"
+    base = BASE[command].format(tmp=tmp, name=name)
+    head, _, tail = base.partition(" -- ")
+    args = head.split()
+    if flag is not None:
+        if flag in args:  # replace the base's value
+            args[args.index(flag) + 1] = value
+        else:
+            args += [flag, value]
+    return command.split() + args + (["--", *tail.split()] if tail else [])
+
+
+def _check(command: str, argv: list[str], tmp: Path) -> None:
+    cwd = tmp / "cwd"
+    cwd.mkdir(exist_ok=True)
+    code, out, err = _invoke(argv, cwd)
+    shown = f"distlab {' '.join(argv)} -> exit {code}\nstdout: {out[-1500:]}\nstderr: {err[-3000:]}"
+    assert "Traceback" not in err + out, shown
+    if code == 2:  # one line saying what was wrong (warnings may precede it), nothing started before it
+        lines = [line for line in err.splitlines() if line.strip() and not line.startswith("distlab: warning:")]
+        assert len(lines) == 1 and lines[0].startswith("distlab: error:"), shown
+    else:
+        assert code == 0, shown  # anything else would be a failure after the start
+
+
+@pytest.mark.parametrize("command", sorted(BASE))
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_every_flag_takes_edge_values_without_a_traceback(command, data, workdir):
+    flags = _options(COMMANDS[command])
+    if command.startswith("cluster") and os.geteuid() != 0:
+        pytest.skip("cluster commands need root")
+    flag = data.draw(st.sampled_from(flags)) if flags else None
+    value = data.draw(st.sampled_from(EDGES)) if flag else None
+    os.environ["DISTLAB_CLUSTER_STATE_DIR"] = str(workdir / "clusters")  # never the user's clusters
+    try:
+        _check(command, _argv(command, flag, value, workdir), workdir)
+    finally:
+        if command.startswith("cluster"):
+            from distlab import cluster
+            cluster.down(f"f{os.getpid() % 10000}")
+        os.environ.pop("DISTLAB_CLUSTER_STATE_DIR")
+
+
+@pytest.mark.parametrize("command,flag,value", [
+    ("train", "--momentum", "-1"), ("train", "--eval-batch-size", "0"), ("train", "--comm-timeout", "nan"),
+    ("train", "--master-port", "99999"), ("train", "--out", "{tmp}/run/summary.json"), ("train", "--lr", "inf"),
+    ("plan", "--params", "nan"), ("bench collectives", "--sizes", "-5"), ("bench syncbn", "--batches", "0"),
+    ("verify", "--json", "{tmp}"), ("plan calibrate", "-o", ""), ("cluster up", "--delay", "-1"),
+])
+def test_the_edge_values_that_once_gave_tracebacks_are_one_line(command, flag, value, workdir):
+    if command.startswith("cluster") and os.geteuid() != 0:
+        pytest.skip("cluster commands need root")
+    argv = _argv(command, flag, value.format(tmp=workdir), workdir)
+    code, out, err = _invoke(argv, workdir / "cwd" if (workdir / "cwd").is_dir() else workdir)
+    assert code == 2 and err.startswith("distlab: error:") and err.count("\n") == 1, (argv, code, out, err)
