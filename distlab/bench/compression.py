@@ -21,7 +21,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from distlab.bench.common import cores, format_table, fresh_run_dir, machine, write
+from distlab.bench.common import check_train, cores, format_table, fresh_run_dir, machine, write
 from distlab.bench.scaling import _on_cluster, _run
 from distlab.cluster import TBF_BURST
 from distlab.errors import ConfigError
@@ -51,6 +51,8 @@ def run(strategies=DEFAULT_STRATEGIES, nodes: int = 2, epochs: int = 1, max_step
     parsed = [Strategy.parse(s) for s in strategies]
     for s in parsed:
         s.check(nodes)
+        check_train(nodes, model="mlp", dataset="fashion-mnist", global_batch_size=64, data_dir=data_dir,
+                    epochs=epochs, max_steps=max_steps, **s.to_dict())
     if cluster:
         from distlab import cluster as cl
         cl.check_capable()

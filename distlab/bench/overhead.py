@@ -122,6 +122,11 @@ def run(workloads=("mlp",), precisions=("fp32",), steps: int = 300, runs: int = 
         from distlab.errors import ConfigError
         raise ConfigError("--precisions fp16 needs a CUDA GPU (float16 autocast and loss scaling are GPU-only); "
                           "measure fp32 and bf16 here")
+    for workload in workloads:  # every configuration checked before the first round
+        cfg = config(workload, precisions[0], steps, dataset, data_dir).validate(1)
+        if not cfg.dataset.startswith("synthetic"):
+            from distlab.data import locate
+            locate(cfg.dataset, cfg.data_dir)
     threads = threads or cores()  # one process: every core, on both sides alike
     sides = ["plain", *(["plain-resident"] if dev == "cuda" else []), "distlab"]
     records = []

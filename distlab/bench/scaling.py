@@ -128,7 +128,7 @@ def run(worlds=(1, 2, 4), modes=("weak", "strong"), methods=("ddp",), per_worker
                             optimizer=optimizer, lr=lr, val_fraction=val_fraction, mlp_widths=widths,
                             global_batch_size=per_worker_batch * w if weak else global_batch,
                             lr_scaling=lr_scaling if weak else "none", base_batch_size=per_worker_batch if weak else None,
-                            strategy=Strategy.parse(method))
+                            **Strategy.parse(method).to_dict())
     if cluster:
         from distlab import cluster as cl
         cl.check_capable()

@@ -138,6 +138,37 @@ def launch_options(f):
     return f
 
 
+def _resolvable(flag: str, host: str) -> None:
+    import socket
+    try:
+        socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError):
+        raise ConfigError(f"{flag} {host!r}: no such host (give a name or address this machine resolves)") from None
+
+
+def check_addresses(lopts) -> None:
+    """Before a launch: the node count, node rank and every address are well formed and resolve."""
+    worlds = lopts.possible_world_sizes()  # --nnodes N or MIN:MAX
+    if not lopts.elastic and lopts.node_rank >= lopts.max_nodes:
+        raise ConfigError(f"--node-rank {lopts.node_rank} with --nnodes {lopts.nnodes}: node ranks go from 0 to "
+                          f"{lopts.max_nodes - 1}")
+    if lopts.rdzv_endpoint is not None:
+        host, colon, port = lopts.rdzv_endpoint.rpartition(":")
+        host = host if colon else lopts.rdzv_endpoint
+        if colon and not (port.isdigit() and 1 <= int(port) <= 65535):
+            raise ConfigError(f"--rdzv-endpoint {lopts.rdzv_endpoint!r}: write HOST:PORT with a port from 1 to 65535")
+        if not host:
+            raise ConfigError(f"--rdzv-endpoint {lopts.rdzv_endpoint!r}: write HOST:PORT")
+        _resolvable("--rdzv-endpoint", host.strip("[]"))
+    for flag, host in (("--master-addr", lopts.master_addr), ("--local-addr", lopts.local_addr)):
+        if host is not None:
+            _resolvable(flag, host)
+    if lopts.rdzv_conf is not None and not all("=" in item for item in lopts.rdzv_conf.split(",")):
+        raise ConfigError(f"--rdzv-conf {lopts.rdzv_conf!r}: write KEY=VALUE pairs separated by commas, e.g. "
+                          f"last_call_timeout=5,join_timeout=300")
+    return worlds
+
+
 def run_distributed(kw: dict, body, planned_check=None, prelaunch=None):
     """Launch through torchrun if asked (after ``planned_check`` for each world size the launch may
     have, then ``prelaunch()``), else join the job and call ``body(runtime)``."""
@@ -152,6 +183,7 @@ def run_distributed(kw: dict, body, planned_check=None, prelaunch=None):
         if manual:
             raise ConfigError("--nproc-per-node (torchrun launch) and --rank/--world-size (manual start) "
                               "cannot be combined: use one or the other")
+        check_addresses(lopts)
         runtime.check_local_devices(kw["device"], lopts.nproc_per_node)
         device = runtime.resolve_device(kw["device"], 0)
         runtime.resolve_backend(kw["backend"], device)  # once, before any worker
