@@ -374,3 +374,31 @@ def test_logged_throughput_counts_only_training_time_when_a_window_spans_evaluat
     assert len(records) == 4
     for r in records:  # the window's mean step against the run's median step: the same training throughput
         assert r["samples_per_s"] / summary["samples_per_s"] < 2.5, (r, summary["samples_per_s"])  # was 4x
+
+
+def test_settings_that_do_nothing_are_refused_or_warned_never_labelled_active(run_cli, tmp_path):
+    proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--max-steps", "1",
+                   "--sync-bn", "distlab", "--nproc-per-node", "2")
+    assert proc.returncode == 2 and "--sync-bn distlab: model mlp has no BatchNorm layer" in proc.stderr
+    proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--max-steps", "1",
+                   "--zero", "3", "--out", "z", "--no-progress", check=True)
+    assert "warning  zero 3: one data-parallel rank, so nothing is sharded" in proc.stdout
+    assert json.loads((tmp_path / "z" / "summary.json").read_text())["inactive"][0].startswith("zero 3:")
+    proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8,8", "--max-steps", "1",
+                   "--tp", "2", "--nproc-per-node", "2", "--dp-sync", "bucketed", "--out", "t", "--no-progress",
+                   check=True)
+    assert "warning  dp_sync bucketed: one data-parallel rank, no gradient to synchronise" in proc.stdout
+    proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--max-steps", "1",
+                   "--nproc-per-node", "2", "--out", "d", "--no-progress", check=True)
+    assert "warning" not in proc.stdout and json.loads((tmp_path / "d" / "summary.json").read_text())["inactive"] == []
+
+
+def test_the_header_states_zeros_memory_exactly_and_says_when_it_costs_more_than_data_parallel(run_cli, tmp_path):
+    args = ("train", "--dataset", "synthetic:1x28x28:10:512", "--max-steps", "2", "--nproc-per-node", "2",
+            "--no-progress")
+    zero = run_cli(*args, "--zero", "1", "--out", "z", check=True).stdout
+    assert "state    2.04 MiB of parameters + 1.02 MiB of the strategy's own copies" in zero  # 535,818 x 4 bytes
+    peak = json.loads((tmp_path / "z" / "summary.json").read_text())["model_state_bytes_per_rank"] / 2**20
+    assert f"holds more than plain data parallel would ({peak:.2f} vs 6.13 MiB predicted)" in zero
+    adam = run_cli(*args, "--zero", "1", "--optimizer", "adam", "--out", "a", check=True).stdout
+    assert "holds more than plain data parallel" not in adam  # Adam's two moments: sharding them pays off

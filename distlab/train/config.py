@@ -153,6 +153,8 @@ class TrainConfig:
                                   f"over `tp` {tp} ranks: choose a `block_size` that {tp} divides")
         if self.strategy.pp > 1:
             self._check_pipeline()
+        if self.strategy.sync_bn != "off":
+            self._check_batch_norm()
         text_model, text_data = self.model in TEXT_MODELS, is_text(self.dataset)
         if text_model != text_data:
             raise ConfigError(f"model {self.model} {'predicts tokens' if text_model else 'classifies images'} but "
@@ -173,6 +175,20 @@ class TrainConfig:
             partition(net, self.strategy.pp, self.strategy.pp_balance)
         except ConfigError as exc:
             raise ConfigError(f"model {self.model}: {exc}") from None
+
+    def _check_batch_norm(self) -> None:
+        """`sync_bn` needs BatchNorm layers to synchronise (the model built without memory)."""
+        import torch
+        from torch import nn
+
+        from distlab.models import build_model
+        shape, classes = dataset_shape(self.dataset, self.block_size)
+        with torch.device("meta"):
+            net = build_model(self.model, shape, classes, **self.model_options())
+        if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules()):
+            raise ConfigError(f"`sync_bn` {self.strategy.sync_bn}: model {self.model} has no BatchNorm layer, so there "
+                              f"is nothing to synchronise; drop `sync_bn` (or train a model with BatchNorm, e.g. "
+                              f"small-cnn-bn, mlp-bn, resnet18)")
 
     def model_options(self) -> dict:
         """The builder options of :func:`distlab.models.build_model` for this config's model."""

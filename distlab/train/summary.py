@@ -67,6 +67,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
     return {
         "world_size": rt.world_size,
         "strategy": strategy.to_dict(),
+        "inactive": inactive_settings(strategy, trainer.mesh),  # settings that did nothing in this run, and why
         "strategy_text": str(strategy),
         "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "layout": mesh.describe()},
         **({"pipeline": pipeline_facts(engine, cfg.timing_warmup_steps, rt.device)}
@@ -187,6 +188,49 @@ def oversubscription(rt) -> str | None:
             f"sharing; use {fix} for timings that mean something")
 
 
+def inactive_settings(strategy, mesh) -> list[str]:
+    """Settings of this run that do nothing here, each with why (the header warns, the summary lists them)."""
+    notes = []
+    if mesh.dp == 1:
+        if strategy.zero:
+            notes.append(f"zero {strategy.zero}: one data-parallel rank, so nothing is sharded (its flat shard copies "
+                         f"only cost memory): drop --zero, or run more data-parallel ranks")
+        if strategy.grad_compression != "none" or strategy.reduce_dtype:
+            notes.append("gradient compression / reduce dtype: one data-parallel rank, no gradient is sent")
+        if strategy.sync_bn != "off":
+            notes.append(f"sync_bn {strategy.sync_bn}: one data-parallel rank, its BatchNorm statistics are already "
+                         f"the whole batch's")
+        if mesh.world_size > 1 and not strategy.zero:
+            notes.append(f"dp_sync {strategy.dp_sync}: one data-parallel rank, no gradient to synchronise (the mesh is "
+                         f"{mesh.describe()})")
+    return notes
+
+
+def zero_costs_more(trainer) -> str | None:
+    """Why ZeRO would hold more model state per rank than plain data parallel here (None: it holds
+    less), by the memory model of ``distlab plan`` (exact for these models, see docs/RESULTS.md)."""
+    from distlab.plan.memory import Optim, data_parallel_bytes, trace, zero_peak_bytes
+    cfg, mesh = trainer.cfg, trainer.mesh
+    if mesh.tp > 1 or mesh.pp > 1:
+        return None
+    try:
+        t = trace(cfg.model, tuple(trainer.train_set.input_shape), trainer.train_set.num_classes,
+                  **cfg.model_options())
+    except Exception:  # noqa: BLE001 - a model the memory model cannot trace: no prediction, no warning
+        return None
+    optim = Optim.of(cfg.optimizer, cfg.momentum)
+    st = cfg.strategy
+    zero = zero_peak_bytes(t, st.zero, mesh.dp, optim, grad_accum=st.grad_accum, bucket_mb=st.bucket_mb)
+    plain = data_parallel_bytes(t, optim)
+    if zero <= plain:
+        return None
+    helps = "more ranks" + (", Adam" if cfg.optimizer == "sgd" else "") + (", or stage 2-3" if st.zero == 1 else "")
+    return (f"zero {st.zero} on {mesh.dp} data-parallel ranks holds more than plain data parallel would "
+            f"({zero / 2**20:.2f} vs {plain / 2**20:.2f} MiB predicted): with {cfg.optimizer}"
+            f"{f' (momentum {cfg.momentum:g})' if cfg.optimizer == 'sgd' else ''} the state it shards is small next "
+            f"to the full gradients and flat shard copies it keeps; ZeRO pays off with {helps}")
+
+
 def header(trainer) -> list[str]:
     """What is about to run, before the first step: data, model, strategy, mesh, batch, parameters."""
     cfg, rt, mesh, run = trainer.cfg, trainer.rt, trainer.mesh, trainer.run
@@ -232,11 +276,20 @@ def header(trainer) -> list[str]:
     lines.append(f"batch    {cfg.global_batch_size} global = {mesh.dp} data-parallel rank(s) x {trainer.local_batch}"
                  + (f" (micro-batches of {micro} x {micro_steps})" if micro_steps > 1 else "")
                  + f"; {trainer.total_steps} steps, {trainer.steps_per_epoch} per epoch")
-    lines.append(f"state    {trainer.engine.peak_bytes / 2**20:.2f} MiB of parameters on this rank before the "
-                 f"first step (gradients and optimizer state follow; the summary gives the peak)")
+    held = sum(p.numel() * p.element_size() for p in trainer.engine.module.parameters())
+    extra = trainer.engine.peak_bytes - held
+    lines.append(f"state    {held / 2**20:.2f} MiB of parameters"
+                 + (f" + {extra / 2**20:.2f} MiB of the strategy's own copies (ZeRO's flat shards)" if extra > 0 else "")
+                 + " on this rank before the first step (gradients and optimizer state follow; the summary gives "
+                   "the peak)")
+    if cfg.strategy.zero and mesh.dp > 1:
+        costlier = zero_costs_more(trainer)
+        if costlier:
+            lines.append(f"warning  {costlier}")
     crowded = oversubscription(rt)
     if crowded:
         lines.append(crowded)
+    lines += [f"warning  {note}" for note in inactive_settings(cfg.strategy, mesh)]
     if cfg.snapshot_dir:
         lines.append(f"snapshots {cfg.snapshot_dir}" + (f" every {cfg.snapshot_every} steps" if cfg.snapshot_every else "")
                      + f", run {run.run_id}" + (f", resumed from {run.resumed_from}" if run.resumed_from else ""))
