@@ -438,7 +438,9 @@ def node_command(cluster: Cluster, node: Node, cmd: list[str], master_port: int 
             if "--local-addr" not in given:  # the workers find rank 0's store there (not at "localhost")
                 args += ["--local-addr", node.addr]
     env = ["env", "GLOO_SOCKET_IFNAME=eth0", f"DISTLAB_NODE_RANK={node.rank}", f"DISTLAB_NODE_ADDR={node.addr}",
-           f"MASTER_ADDR={cluster.master_addr}"]
+           f"MASTER_ADDR={cluster.master_addr}", f"DISTLAB_CLUSTER_NODES={len(cluster.nodes)}",
+           f"DISTLAB_CLUSTER_LINK={cluster.bandwidth or 'unshaped'}", f"DISTLAB_CLUSTER_DELAY={cluster.delay or ''}",
+           f"DISTLAB_CLUSTER_BURST={TBF_BURST}"]
     if node.cores:
         env += [f"OMP_NUM_THREADS={len(node.cores)}"]
     pin = ["taskset", "-c", ",".join(map(str, node.cores))] if node.cores else []

@@ -14,6 +14,7 @@ import textwrap
 import pytest
 
 from distlab import cluster as c
+from distlab.plan import cost
 from distlab.errors import ConfigError
 
 
@@ -219,6 +220,11 @@ def test_two_node_training_run_crosses_the_emulated_network(state_dir, tmp_path,
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 12 and summary["comm_bytes_per_step"] > 0
     assert "[node 0] test accuracy" in proc.stdout  # rank 0's summary, on node 0
+    # The run says where it ran, so `plan validate` compares it with the 1gbit link, not loopback.
+    assert summary["cluster"] == {"nodes": 2, "link": "1gbit", "delay": None, "burst": c.TBF_BURST}
+    from distlab.plan.validate import _measured_runs
+    (_, link, _), = _measured_runs([str(tmp_path / "run")])
+    assert link.name == cost.Link.parse("1gbit", None, c.TBF_BURST).name != cost.Link().name
 
 
 @needs_netns

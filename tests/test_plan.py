@@ -248,3 +248,19 @@ def test_sequence_parallel_splits_the_layernorm_activations_in_the_plan():
     replicated = sum(layer.replicated_saved_bytes for layer in t.layers) * 8
     assert acts[True] == pytest.approx(whole / 2, abs=2)
     assert acts[False] == pytest.approx(whole / 2 + replicated / 2, abs=2)
+
+
+def test_plan_says_what_it_cannot_know_and_refuses_what_it_would_ignore(run_cli, tmp_path):
+    run_cli("train", "--dataset", "synthetic:1x8x8:4:256", "--mlp-widths", "16", "--max-steps", "8",
+            "--no-progress", "--out", "one", check=True)
+    run_cli("bench", "collectives", "--world", "2", "--sizes", "8,4096", "--algorithms", "native,ring", "--repeats", "2",
+            "--out", "coll", check=True)
+    run_cli("plan", "calibrate", "coll", "one", "-o", "cal.json", check=True)
+    assert json.loads((tmp_path / "cal.json").read_text())["machine"]["device"] == "cpu"
+    proc = run_cli("plan", "--params", "7e9", "--link", "100gbit", "--sweep", "8,64", "--device-memory", "80GiB",
+                   "--calibration", "cal.json", check=True)
+    assert "--params without --activation-bytes: activations are counted as 0 bytes" in proc.stderr
+    assert "the step times come from a calibration measured on the CPUs of" in proc.stderr
+    proc = run_cli("plan", "--params", "7e9", "--activation-bytes", "4e6", "--sweep", "8,64", "--zero", "3")
+    assert proc.returncode == 2 and "--zero with --sweep: the sweep compares the layouts of --strategies" in \
+        proc.stderr

@@ -25,7 +25,7 @@ PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "seq
 @click.option("--block-size", type=COUNT, default=64, show_default=True, help="gpt: context in tokens.")
 @click.option("--params", "num_params", type=Number(0.0, low_open=True), default=None,
               help="Plan for a model known only by its parameter count (e.g. 7e9) instead of --model.")
-@click.option("--activation-bytes", type=Number(0.0), default=0.0, show_default=True,
+@click.option("--activation-bytes", type=Number(0.0), default=None,
               help="With --params: activation bytes per sample.")
 @click.option("--layers", type=COUNT, default=24, show_default=True, help="With --params: number of equal layers.")
 @click.option("--dp", type=COUNT, default=1, show_default=True, help="Data-parallel ranks.")
@@ -72,7 +72,10 @@ def plan(ctx, model, mlp_widths, dataset, n_layer, n_head, n_embd, block_size, n
     from distlab import plan as pp
     from distlab.plan import cost, memory
     if num_params is not None:
-        t = memory.generic_trace(int(num_params), activation_bytes, layers)
+        if activation_bytes is None:
+            click.echo("distlab: warning: --params without --activation-bytes: activations are counted as 0 bytes "
+                       "per sample (give their bytes per sample for the memory they take)", err=True)
+        t = memory.generic_trace(int(num_params), activation_bytes or 0.0, layers)
     else:
         shape, k = dataset_shape(dataset, block_size)
         widths = csv_ints(mlp_widths) if mlp_widths else (512, 256)
@@ -86,6 +89,10 @@ def plan(ctx, model, mlp_widths, dataset, n_layer, n_head, n_embd, block_size, n
                     global_batch=global_batch_size, threads=threads).check()
     net = cost.Link.parse(link, latency, burst)
     if sweep:
+        given = [k for k in strategy_fields if ctx.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT]
+        if given:
+            raise ConfigError(f"--{given[0].replace('_', '-')} with --sweep: the sweep compares the layouts of "
+                              f"--strategies (now {strategies}); put it there, e.g. --strategies zero=3,bucketed")
         worlds = list(csv_ints(sweep))
         if not worlds or min(worlds) < 1:
             raise ConfigError(f"--sweep needs positive world sizes, not {sweep!r}")
@@ -98,6 +105,11 @@ def plan(ctx, model, mlp_widths, dataset, n_layer, n_head, n_embd, block_size, n
         click.echo(pp.format_prediction(result))
     if cal is not None:
         click.echo(f"(calibration: {path}, {cal.machine.get('host', '?')}, {cal.machine.get('date', '?')})", err=True)
+        if device_memory and cal.machine.get("device", "cpu") == "cpu":
+            click.echo(f"distlab: warning: the step times come from a calibration measured on the CPUs of "
+                       f"{cal.machine.get('host', '?')} ({cal.machine.get('cores', '?')} cores), not on devices of "
+                       f"{device_memory}: they are that machine's times; run `distlab plan calibrate` on the target "
+                       f"for its own (the memory columns hold anywhere)", err=True)
     if json_out:
         from distlab.train.metrics import atomic_write_text
         atomic_write_text(json_out, _json.dumps(result, indent=1) + "\n")

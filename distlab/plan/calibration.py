@@ -186,6 +186,7 @@ def calibrate(paths: list[str]) -> Calibration:
     if not coll and not comp:
         raise ConfigError(f"no bench collectives JSON or one-worker training runs under {', '.join(paths)}")
     machine = {"host": socket.gethostname(), "cores": os.cpu_count(), "torch_version": torch.__version__,
+               "device": "cuda" if torch.cuda.is_available() and os.environ.get("DISTLAB_DEVICE") != "cpu" else "cpu",
                "python_version": platform.python_version(),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     return Calibration({a: fit_alpha_beta(v) for a, v in coll.items()},

@@ -17,7 +17,8 @@ from distlab.plan.predict import Call, Layout, Timer, predict
 
 def _measured_runs(paths: list[str]) -> list[tuple[dict, Link, str]]:
     """(summary, link, label) of every multi- or one-worker run found: bench scaling records
-    (with the emulated link they ran over) and run directories (loopback)."""
+    (with the emulated link they ran over) and run directories (the emulated link their summary records
+    when ``distlab cluster run`` started them, else loopback)."""
     runs, seen = [], set()
     # bench JSON first: a run directory it names is then known with the link it ran over
     for path in sorted(json_files(paths), key=lambda p: p.name == "summary.json"):
@@ -34,7 +35,10 @@ def _measured_runs(paths: list[str]) -> list[tuple[dict, Link, str]]:
                     runs.append((load_json(s), link, f"{Path(run_dir).name}"))
         elif isinstance(data, dict) and "world_size" in data and "model" in data and str(path.resolve()) not in seen:
             seen.add(str(path.resolve()))
-            runs.append((data, Link(), path.parent.name))
+            where = data.get("cluster") or {}  # a run on the emulated cluster records its link
+            bw = where.get("link") if where.get("link") not in (None, "unshaped") else None
+            link = Link.parse(bw, where.get("delay"), where.get("burst") or TBF_BURST) if bw else Link()
+            runs.append((data, link, path.parent.name))
     return runs
 
 

@@ -68,6 +68,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "world_size": rt.world_size,
         "strategy": strategy.to_dict(),
         "inactive": inactive_settings(strategy, trainer.mesh),  # settings that did nothing in this run, and why
+        "cluster": emulated_cluster(),  # the emulated cluster's nodes and links the run crossed (None: none)
         "strategy_text": str(strategy),
         "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "layout": mesh.describe()},
         **({"pipeline": pipeline_facts(engine, cfg.timing_warmup_steps, rt.device)}
@@ -186,6 +187,14 @@ def oversubscription(rt) -> str | None:
     return (f"warning  {rt.local_world_size} rank(s) x {rt.threads} thread(s) on this host = {want} threads for "
             f"{have} cores: oversubscribed, so steps are slower than this machine allows and times measure the "
             f"sharing; use {fix} for timings that mean something")
+
+
+def emulated_cluster() -> dict | None:
+    """The emulated cluster this run was started on by ``distlab cluster run`` (its nodes and link)."""
+    if not os.environ.get("DISTLAB_CLUSTER_NODES"):
+        return None
+    return {"nodes": int(os.environ["DISTLAB_CLUSTER_NODES"]), "link": os.environ.get("DISTLAB_CLUSTER_LINK"),
+            "delay": os.environ.get("DISTLAB_CLUSTER_DELAY") or None, "burst": os.environ.get("DISTLAB_CLUSTER_BURST")}
 
 
 def inactive_settings(strategy, mesh) -> list[str]:
