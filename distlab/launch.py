@@ -43,10 +43,6 @@ class LaunchOptions:
         except ValueError:
             raise ConfigError(f"--nnodes {self.nnodes!r} is not N or MIN:MAX") from None
 
-    def planned_world_size(self) -> int:
-        """World size the launch will produce (the maximum, for an elastic MIN:MAX range)."""
-        return (self.nproc_per_node or 1) * self.max_nodes
-
     @property
     def elastic(self) -> bool:
         return ":" in self.nnodes

@@ -73,10 +73,6 @@ class TextDataset:
     def input_shape(self) -> tuple[int]:
         return (self.block_size,)
 
-    @property
-    def tokens_per_sample(self) -> int:
-        return self.block_size
-
     def batch(self, indices: torch.Tensor, *, augment: bool = False,
               generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         indices = torch.as_tensor(indices).to(self.starts.device, non_blocking=True)

@@ -479,9 +479,6 @@ class DataParallel(nn.Module):
     def after_step(self) -> None:
         """Nothing after the optimizer step: every replica updated its own full copy."""
 
-    def bytes_per_sync(self) -> int | None:
-        return self.method.bytes_per_sync(self.module)
-
     def sync_state_dict(self) -> dict:
         """The gradient sync's own state across steps (compression memory); {} when it has none."""
         return self.method.state_dict()

@@ -403,7 +403,3 @@ def parse_compression(text: str) -> tuple[str, int]:
                           f"nothing); try powersgd:4, or none to send gradients uncompressed")
     return kind, r
 
-
-def flag(name: str) -> str:
-    """The command-line flag of a field: ``grad_accum`` -> ``--grad-accum``."""
-    return "--" + name.replace("_", "-")

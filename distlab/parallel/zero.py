@@ -250,13 +250,6 @@ class Zero(nn.Module):
                               max(0, min(u.numel, (u.rank + 1) * u.shard_numel) - u.rank * u.shard_numel))
                 for u in self.units}
 
-    def shard_of(self, param: nn.Parameter) -> nn.Parameter:
-        """This rank's flat shard of ``param`` (the tensor the optimizer updates)."""
-        for u in self.units:
-            if u.param is param:
-                return u.shard
-        raise KeyError("not a parameter of the model this Zero wraps")
-
     @torch.no_grad()
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Parameter name -> the full averaged gradient, shaped like the parameter (collective: an
