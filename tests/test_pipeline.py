@@ -39,12 +39,12 @@ def _data(kind):
     return torch.randint(0, 256, (8, 8), generator=g), torch.randint(0, 256, (8, 8), generator=g)
 
 
-def _bound(full: nn.Module, x: torch.Tensor, loss: torch.Tensor) -> float:
+def _bound(full: nn.Module, x: torch.Tensor, loss: torch.Tensor, dtype=torch.float64) -> float:
     """sum_tolerance over every term that feeds one value, at the largest magnitude of the reference."""
     widest = max(max(p.shape) for p in full.parameters())
     scale = max([loss.abs().item(), 1.0] + [p.grad.abs().max().item() for p in full.parameters()]
                 + [p.abs().max().item() for p in full.parameters()])
-    return sum_tolerance(len(x) * widest * len(full), scale, torch.float64)
+    return sum_tolerance(len(x) * widest * len(full), scale, dtype)
 
 
 def _step(rank, world, kind, schedule, microbatches):
@@ -61,7 +61,8 @@ def _step(rank, world, kind, schedule, microbatches):
         for p, q in zip(layer.parameters(), full[int(name)].parameters()):
             grad_diff = max(grad_diff, (p.grad - q.grad).abs().max().item())
     loss_diff = abs(loss.item() - ref.item()) if loss is not None else None
-    return stage.stage, list(stage.layers), grad_diff, loss_diff, stage.last_timing, _bound(full, x, ref)
+    return (stage.stage, list(stage.layers), grad_diff, loss_diff, stage.last_timing, _bound(full, x, ref),
+            _bound(full, x, ref, torch.float32))
 
 
 @pytest.mark.parametrize("kind,schedule,world,microbatches", [
@@ -71,8 +72,8 @@ def test_a_pipelined_step_equals_the_unsplit_step(kind, schedule, world, microba
     results = run_ranks(_step, world, kind, schedule, microbatches, timeout=120)
     layers = [name for _, names, *_ in results for name in names]
     assert layers == [str(i) for i in range(len(_mlp() if kind == "mlp" else _gpt()))]  # every layer, once, in order
-    for stage, _, grad_diff, loss_diff, timing, bound in results:
-        assert bound < 1e-6 and grad_diff <= bound
+    for stage, _, grad_diff, loss_diff, timing, bound, float32_bound in results:
+        assert bound < float32_bound and grad_diff <= bound  # float64's bound: far tighter than float32 rounding
         assert (loss_diff is not None) == (stage == world - 1) and (loss_diff is None or loss_diff <= bound)
         assert timing["bubble_ideal"] == pytest.approx((world - 1) / (microbatches + world - 1))
         assert 0.0 <= timing["bubble_measured"] < 1.0
@@ -122,10 +123,8 @@ def test_1f1b_holds_less_activation_memory_than_gpipe():
 
 
 def _uneven(rank, world, via_engine):
-    import time
     model = _mlp()
     x, y = torch.randn(10, 12), torch.randint(0, 5, (10,))  # 10 samples do not split into 4 micro-batches
-    t0 = time.perf_counter()
     try:
         if via_engine:
             from distlab.parallel import Strategy, build_mesh, parallelize
@@ -135,16 +134,17 @@ def _uneven(rank, world, via_engine):
             stage = PipelineStage(model, dist.group.WORLD, 4, "1f1b")
             stage.train_step(x if stage.first else None, y if stage.last else None, task_loss, batch_size=10)
     except ConfigError as exc:
-        return str(exc), time.perf_counter() - t0
-    return None, time.perf_counter() - t0
+        return str(exc)
+    return None
 
 
 @pytest.mark.parametrize("via_engine", [False, True])
 def test_a_batch_that_does_not_split_into_equal_microbatches_is_refused_on_every_stage(via_engine):
     # Before: 3, 3, 3, 1 each divided by 4 (a wrong loss and gradients), and a middle stage waited forever.
-    for message, seconds in run_ranks(_uneven, 3, via_engine, timeout=60):
+    # A middle stage that did not refuse would wait for the first stage's activations: run_ranks reports
+    # that as a hang (its timeout) or a communication error, never as this ConfigError on every rank.
+    for message in run_ranks(_uneven, 3, via_engine, timeout=60):
         assert message and "a batch of 10 samples does not split into 4 equal pipeline micro-batches" in message
-        assert seconds < 10  # refused at once, not after a communication timeout
 
 
 def _accumulate(rank, world):
