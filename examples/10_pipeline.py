@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from distlab.models import GPT, task_loss
 from distlab.parallel import PipelineStage, partition
-from distlab.runtime import ordered_print, print0
+from distlab.runtime import ordered_print, print0, shutdown
 from distlab.verify import sum_tolerance
 
 
@@ -51,7 +51,7 @@ def main():
                           f"max |grad - one process| {diff:.1e}")
             assert diff <= bound, (diff, bound)
     print0("both schedules compute the unsplit step; 1F1B holds at most P - s micro-batches on stage s")
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ Tutorial: docs/11-3d-parallel-transformer.md.
 """
 
 import torch
-import torch.distributed as dist
 
 from distlab import comm, runtime
 from distlab.models import GPT, task_loss
@@ -74,7 +73,7 @@ def main() -> None:
     assert diff <= tolerance, f"parameters differ from one process by {diff:.2e} > {tolerance:.1e}"
     print0(f"max |parameter - one process| {diff:.1e} (float32 tolerance {tolerance:.1e}): equal to single-process "
            f"training")
-    dist.destroy_process_group()
+    runtime.shutdown()
 
 
 if __name__ == "__main__":

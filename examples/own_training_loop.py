@@ -17,7 +17,7 @@ from torch import nn
 
 from distlab import comm
 from distlab.parallel import ColumnParallelLinear, Strategy, build_mesh, parallelize
-from distlab.runtime import print0
+from distlab.runtime import print0, shutdown
 from distlab.verify import gradient_tolerance, sgd_tolerance
 
 STEPS, GLOBAL_BATCH = 6, 32
@@ -78,7 +78,7 @@ def main() -> None:
     assert out.shape == (3, 16) and col.out_features == 16
     print0(f"{strategy} on {mesh.describe()}: parameters within {diff:.1e} of one process "
            f"(gradients {head_grad:.1e}); equal to single-process training")
-    dist.destroy_process_group()
+    shutdown()  # frees what holds gloo work, distlab's extra groups, then destroy_process_group
 
 
 if __name__ == "__main__":

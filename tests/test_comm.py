@@ -243,3 +243,23 @@ def test_ops_accept_reduce_op_and_any_case_and_avg_means_mean_everywhere():
         assert out[str(dist.ReduceOp.SUM)] == [6.0, 6.0] and out[str(dist.ReduceOp.MAX)] == [3.0, 4.0]
         assert out["AVG"] == [2.0, 2.0] and out["Sum"] == [6.0, 6.0]
         assert out["ring-module-avg"] == [2.0]
+
+
+def _partners_released(rank, world):
+    import atexit
+
+    from distlab import runtime
+    from distlab.comm import p2p
+    comm.all_reduce(torch.ones(8), algorithm="ring")  # a ring of two: the pair gets a duplex partner
+    had_partner = p2p._partner(None) is not None
+    runtime.shutdown()
+    at_exit = atexit.unregister(p2p.release) is None and p2p._RELEASE_AT_EXIT
+    return had_partner, len(p2p._LINKS), at_exit
+
+
+def test_shutdown_releases_the_duplex_partners_torch_does_not_know():
+    """torch's destroy_process_group leaves the partner groups alone; left to the interpreter's own
+    teardown, gloo can abort a process that had finished its work. runtime.shutdown releases them,
+    and an atexit handler does for a script that destroys the group itself."""
+    for had_partner, links_left, at_exit in run_ranks(_partners_released, 2, timeout=120):
+        assert had_partner and links_left == 0 and at_exit

@@ -15,7 +15,11 @@ So :func:`prepare` gives each gloo group a *duplex partner*: a second gloo proce
 same ranks (its own connections and network thread). Messages from the lower rank of a pair travel
 on the group, messages from the higher rank on its partner, so every socket carries one direction.
 ``DISTLAB_P2P_DUPLEX=0`` turns this off (for comparison); groups of other backends never use it;
-a pattern where no pair sends both ways (a ring of three or more) opts out per peer.
+a pattern where no pair sends both ways (a ring of three or more) opts out per peer. Partners are
+not known to ``torch.distributed``, so ``destroy_process_group`` leaves them: :func:`release` shuts
+them down (``runtime.shutdown`` calls it, and an ``atexit`` handler does at the latest). A gloo
+group torn down later, while the interpreter itself is being dismantled, can abort the process
+("terminate called without an active exception") after a run that otherwise succeeded.
 
 **A tag space per thread.** Messages match by ``(peer, tag)`` in posting order, so two threads
 running collectives on the same group at once (the bucketed data-parallel sync reduces buckets on
@@ -25,6 +29,7 @@ other's messages. :func:`use_tag_space` gives a thread its own range of tags.
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 
@@ -70,7 +75,30 @@ def _make_partner(group: dist.ProcessGroup):
     except (AttributeError, KeyError, RuntimeError):  # a torch without these internals: one direction only
         return None
     prefix = dist.PrefixStore(f"distlab-duplex/{group.group_name}/", store)
-    return dist.ProcessGroupGloo(prefix, dist.get_rank(group), dist.get_world_size(group), timeout)
+    partner = dist.ProcessGroupGloo(prefix, dist.get_rank(group), dist.get_world_size(group), timeout)
+    global _RELEASE_AT_EXIT
+    if not _RELEASE_AT_EXIT:  # before the interpreter starts tearing itself down
+        atexit.register(release)
+        _RELEASE_AT_EXIT = True
+    return partner
+
+
+_RELEASE_AT_EXIT = False
+
+
+def release() -> None:
+    """Shut down every duplex partner and forget every group's links (idempotent). Call it when the
+    collectives are over, before or after ``destroy_process_group``: a later :func:`prepare` starts
+    afresh."""
+    with _LINKS_LOCK:
+        links = list(_LINKS.values())
+        _LINKS.clear()
+    for link in links:
+        if link.partner is not None:
+            try:
+                link.partner.shutdown()
+            except RuntimeError:  # already broken (a peer died): nothing left to free
+                pass
 
 
 def _resolve(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
