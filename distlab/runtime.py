@@ -40,7 +40,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distlab.comm import p2p
 from distlab.errors import ConfigError, DistributedError, RankConfigError, first_line
 
 DEFAULT_MASTER_PORT = 29500
@@ -507,17 +506,29 @@ def roll_call(tag: str, window_s: float = 3.0) -> tuple[list[int] | None, str | 
                   f"{answer.get('error') or f'no answer in {window_s + 2.0:g} s'})")
 
 
+_AT_SHUTDOWN: list = []  # what shutdown() calls before destroying the group (most recent first)
+
+
+def at_shutdown(release) -> None:
+    """Have :func:`shutdown` call ``release()`` before it destroys the process group (once, however
+    often it is registered): for what holds gloo connections torch does not know about."""
+    if release not in _AT_SHUTDOWN:
+        _AT_SHUTDOWN.append(release)
+
+
 def shutdown() -> None:
     """Leave the job: free what still holds the group (DDP reducers, gloo work) before destroying it.
 
     Without the collect, a DDP model in a reference cycle outlives the group and is torn down during
     interpreter exit, where gloo occasionally aborts the process ("terminate called without an
-    active exception": 2 of 32 two-rank DDP runs here before, 0 of 30 with it). The duplex partners
-    of distlab's point-to-point collectives (:func:`distlab.comm.p2p.release`) go first, for the same reason.
+    active exception": 2 of 32 two-rank DDP runs here before, 0 of 30 with it). What registered with
+    :func:`at_shutdown` goes first, for the same reason (the duplex partners of distlab's
+    point-to-point collectives: :func:`distlab.comm.p2p.release`).
     """
     if dist.is_initialized():
         gc.collect()
-        p2p.release()
+        for release in reversed(_AT_SHUTDOWN):
+            release()
         dist.destroy_process_group()
 
 

@@ -42,8 +42,8 @@ def main() -> None:
     print0(f"{strategy} on {rt.world_size} ranks -- {mesh.describe()}")
     print0(f"GPT of {sum(p.numel() for p in gpt().parameters()):,} parameters: {', '.join(NAMES)}")
     engine = parallelize(gpt(), strategy, mesh)
-    stage = engine.pipeline
-    held = [NAMES[int(i)] for i in stage.layers]
+    first, end = engine.schedule.stages()[mesh.pp_rank]["layers"]  # this stage's layers of the whole model
+    held = NAMES[first:end]
     mine = sum(p.numel() for p in engine.module.parameters())
     ordered_print(f"rank {mesh.rank}: stage {mesh.pp_rank}, replica {mesh.dp_rank}, shard {mesh.tp_rank}: "
                   f"{' + '.join(held)}, {mine:,} parameters")

@@ -1,4 +1,4 @@
-"""distlab's pieces in a training loop of your own: Strategy, parallelize, the Engine, comm, Zero's shards.
+"""distlab's pieces in a training loop of your own: Strategy, parallelize, the Engine, comm, placements.
 
     torchrun --standalone --nproc-per-node 4 examples/own_training_loop.py
 
@@ -6,9 +6,12 @@ No Trainer, no config: a hand-written loop trains an MLP on 4 ranks laid out as 
 x 2 tensor-parallel, with ZeRO-1 over the data-parallel pairs and 2 accumulated micro-batches --
 one ``Strategy`` -- and checks at the end that it computed what one process computes on the same
 global batches (to float32 rounding). Along the way it uses the library directly: the mesh's
-groups, ``comm.all_reduce`` with torch's ``ReduceOp``, ZeRO's public parameter-to-shard map and its
-full gradients, and the tensor-parallel layers built from shards alone. Tutorial: docs/README.md.
+groups, ``comm.all_reduce`` with torch's ``ReduceOp``, the Engine's full gradients and its map of
+where each parameter's piece sits in the whole model, and the tensor-parallel layers built from
+shards alone -- only public methods of the Engine. Tutorial: docs/README.md.
 """
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -45,16 +48,16 @@ def main() -> None:
         xs, ys = x[mesh.dp_rank * local:(mesh.dp_rank + 1) * local], y[mesh.dp_rank * local:(mesh.dp_rank + 1) * local]
         opt.zero_grad(set_to_none=True)
         loss = engine.forward_backward(xs, ys, F.cross_entropy)  # 2 micro-batches, one reduce-scatter
-        full_grads = engine.wrapper.full_gradients()  # ZeRO: every parameter's averaged gradient, gathered
+        full_grads = engine.full_gradients()  # every parameter's averaged gradient (ZeRO: its shards gathered)
         engine.step(opt)  # the optimizer step, then ZeRO-1's all-gather of the updated shards
         mean = loss.reshape(1).clone()  # this rank's loss: a float64 tensor (no wait for the device until read)
         comm.all_reduce(mean, op=dist.ReduceOp.AVG, group=mesh.dp_group)  # torch's op; gloo has no AVG, distlab does
         print0(f"step loss {mean.item():.4f}")
 
-    shards = engine.wrapper.shards()  # parameter name -> (shard tensor, offset, numel) on this rank
-    first = shards["1.weight"]
-    print0(f"rank 0 owns elements {first.offset}..{first.offset + first.numel} of layer 1's weight shard "
-           f"({first.param.numel()} elements on this tensor-parallel rank)")
+    first = engine.placements()["1.weight"]  # where this rank's piece of the model's tensor sits in it
+    piece = math.prod(first.piece_shape())
+    print0(f"rank 0 owns elements {first.start}..{first.start + first.length} of its {piece} elements of layer 1's "
+           f"weight {list(first.shape)} (tensor-parallel part {first.part} of {first.parts} along dim {first.dim})")
 
     # The reference: one process, the whole model, the same global batches.
     ref = model()

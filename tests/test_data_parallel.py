@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from distlab import runtime
 from distlab.data import load_dataset
 from distlab.models import build_model
-from distlab.parallel import build_mesh
+from distlab.parallel import Strategy, build_mesh, parallelize
 from distlab.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig, evaluate
 from distlab.verify import reference_run, tolerance
@@ -47,7 +47,7 @@ def _reference(cfg: TrainConfig):
 def _train(rank, world, cfg: TrainConfig, skip_sync: bool = False):
     trainer = Trainer(cfg, runtime.from_process_group())
     if skip_sync:
-        trainer.engine.wrapper.method.sync = lambda module: None
+        trainer.engine.grad_sync.method.sync = lambda module: None
     trainer.fit()
     return [p.detach().clone() for p in trainer.net.parameters()]
 
@@ -113,7 +113,7 @@ def _evaluate(rank, world, spec):
     data = load_dataset(spec, "test", seed=0)
     torch.manual_seed(0)
     model = build_model("mlp", data.input_shape, data.num_classes, widths=(8,))
-    return evaluate(model, data, build_mesh(1), batch_size=4)
+    return evaluate(parallelize(model, Strategy(), build_mesh(1)), data, batch_size=4)
 
 
 def test_distributed_evaluation_is_exact_when_the_test_set_does_not_divide():
@@ -137,14 +137,14 @@ def _die_mid_training(rank, world, cfg: TrainConfig):
 
     from distlab.errors import DistributedError
     trainer = Trainer(cfg, runtime.from_process_group())
-    sync = trainer.engine.wrapper.method.sync
+    sync = trainer.engine.grad_sync.method.sync
 
     def sync_or_die(module):
         if rank == 1 and trainer.step == 3:
             os._exit(17)  # a worker vanishing mid-step, without a word
         sync(module)
 
-    trainer.engine.wrapper.method.sync = sync_or_die
+    trainer.engine.grad_sync.method.sync = sync_or_die
     try:
         trainer.fit()
     except DistributedError as exc:

@@ -10,7 +10,7 @@ import torch
 from distlab import runtime
 from distlab.errors import ConfigError
 from distlab.models import build_model
-from distlab.parallel import Strategy
+from distlab.parallel import Strategy, parallelize
 from distlab.parallel.mesh import build_mesh, layout
 from distlab.spawn import run_ranks
 from distlab.train import TrainConfig, Trainer
@@ -111,7 +111,7 @@ def _pipeline_run(rank, world):
                                  pp=2, microbatches=4, pp_schedule="1f1b")
     trainer = Trainer(cfg, runtime.from_process_group())
     summary = trainer.fit()
-    return summary, trainer.engine.full_state_dict(), trainer.engine.pipeline.in_flight_peak
+    return summary, trainer.engine.full_state_dict(), trainer.engine.schedule.stage.in_flight_peak
 
 
 def test_a_pipeline_run_evaluates_reports_and_gathers_the_whole_model():
@@ -123,7 +123,7 @@ def test_a_pipeline_run_evaluates_reports_and_gathers_the_whole_model():
     assert list(state) == list(whole.state_dict())  # the single-process model's keys, in its order
     whole.load_state_dict(state)
     data = TrainConfig(model="mlp", dataset="synthetic:1x8x8:4:256").load("test")
-    alone = evaluate(whole, data, build_mesh(1))
+    alone = evaluate(parallelize(whole, Strategy(), build_mesh(1)), data)
     assert math.isclose(alone["test_loss"], summary["test_loss"], rel_tol=1e-6)  # evaluated along the pipeline
     assert alone["test_accuracy"] == summary["test_accuracy"]
     pipe = summary["pipeline"]

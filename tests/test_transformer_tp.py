@@ -18,7 +18,7 @@ from distlab.comm.accounting import allreduce_bytes_per_rank
 from distlab.models import GPT, task_correct, task_loss
 from distlab.parallel import apply_tensor_parallel
 from distlab.parallel.tensor_parallel import full_parameters, full_state_dict
-from distlab.parallel.transformer_tp import vocab_parallel_correct, vocab_parallel_cross_entropy
+from distlab.parallel.transformer_tp import vocab_parallel_correct, vocab_parallel_cross_entropy, vocab_parallel_head
 from distlab.spawn import RankFailure, run_ranks
 
 TOL = 1e-5
@@ -33,7 +33,7 @@ def _gpt():
 def _one_step(rank, world, sp=False):
     full = _gpt()
     sharded = apply_tensor_parallel(copy.deepcopy(full), dist.group.WORLD, sequence_parallel=sp)
-    head = sharded[-1]
+    head = vocab_parallel_head(sharded)  # the LM head's output layer, split by vocabulary
     x = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(2))
     ref_loss = task_loss(full(x), y)
@@ -67,7 +67,7 @@ def test_sharded_transformer_equals_the_unsharded_one_and_sends_the_analytic_byt
     for r in run_ranks(_one_step, world, timeout=120):
         loss_diff, param_diff, keys_equal, local_vocab, fwd_calls, bwd_calls, fwd_bytes, bwd_bytes, head, emb, _ = r
         assert loss_diff <= TOL and param_diff <= TOL and keys_equal
-        assert local_vocab == V // world and head == "VocabParallelHead" and emb == "VocabParallelEmbedding"
+        assert local_vocab == V // world and head == "VocabParallelLinear" and emb == "VocabParallelEmbedding"
         # forward: embedding, then attention and MLP per block, then max / sum / target logit of the loss
         assert fwd_calls == 1 + 2 * L + 3
         assert fwd_bytes == allreduce_bytes_per_rank(act, world) * (1 + 2 * L) + \

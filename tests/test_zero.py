@@ -36,7 +36,7 @@ ATOL = tolerance(_cfg(1))  # 2 x 10 steps x lr 0.1 / (1 - 0.9) x batch 12 x eps3
 def _train(rank, world, cfg):
     trainer = Trainer(cfg.validate(world), runtime.from_process_group())
     summary = trainer.fit()
-    freed = all(u.full.untyped_storage().nbytes() == 0 for u in trainer.engine.wrapper.units) if cfg.strategy.zero == 3 else None
+    freed = all(u.full.untyped_storage().nbytes() == 0 for u in trainer.engine.grad_sync.units) if cfg.strategy.zero == 3 else None
     return trainer.full_parameters(), [r["loss"] for r in trainer.history], summary, freed
 
 

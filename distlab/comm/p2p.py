@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from distlab import runtime
 from distlab.comm import accounting
 
 _LINKS: dict[int, "_Links"] = {}  # id(group) -> its links, made by prepare()
@@ -77,7 +78,8 @@ def _make_partner(group: dist.ProcessGroup):
     prefix = dist.PrefixStore(f"distlab-duplex/{group.group_name}/", store)
     partner = dist.ProcessGroupGloo(prefix, dist.get_rank(group), dist.get_world_size(group), timeout)
     global _RELEASE_AT_EXIT
-    if not _RELEASE_AT_EXIT:  # before the interpreter starts tearing itself down
+    if not _RELEASE_AT_EXIT:  # at runtime.shutdown, or at the latest before the interpreter tears itself down
+        runtime.at_shutdown(release)
         atexit.register(release)
         _RELEASE_AT_EXIT = True
     return partner

@@ -19,6 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distlab.errors import ConfigError
+from distlab.models.plans import linear_plan
+
 
 class Embedding(nn.Module):
     """Token + learned position embeddings."""
@@ -78,10 +81,11 @@ class Head(nn.Module):
     def __init__(self, n_embd: int, vocab: int):
         super().__init__()
         self.ln = nn.LayerNorm(n_embd)
+        self.enter = nn.Identity()  # where the vocabulary-parallel region begins under tensor parallel
         self.out = nn.Linear(n_embd, vocab, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.ln(x))
+        return self.out(self.enter(self.ln(x)))
 
 
 class GPT(nn.Sequential):
@@ -99,6 +103,22 @@ class GPT(nn.Sequential):
     def checkpoint_blocks(self):
         """Activation checkpointing's blocks: the transformer blocks (not the embedding or the head)."""
         return [(self, [(i, i + 1) for i in range(1, len(self) - 1)])]
+
+    def tensor_parallel_plan(self, tp: int, style: str, sequence_parallel: bool) -> dict[str, str]:
+        """Tensor parallel's plan (Megatron-LM's layout, the same in both styles but for the MLPs):
+        the token embedding and the LM head split by vocabulary, attention by heads (q, k, v column
+        parallel after one region entry, the projection row parallel), each MLP as
+        :func:`~distlab.models.plans.linear_plan` splits it; under sequence parallel the
+        LayerNorms and the position embedding see ``block_size / tp`` positions."""
+        if self.n_head % tp:
+            raise ConfigError(f"tensor parallel: attention has {self.n_head} heads, not divisible by `tp` {tp}")
+        plan = {"0.tok": "vocab_embedding", "0": "sequence_embedding"}
+        for i in range(1, len(self) - 1):
+            plan |= {f"{i}.ln1": "sequence", f"{i}.attn.enter": "enter", f"{i}.attn.q": "colwise_entered",
+                     f"{i}.attn.k": "colwise_entered", f"{i}.attn.v": "colwise_entered", f"{i}.attn.proj": "rowwise",
+                     f"{i}.ln2": "sequence", **linear_plan(self[i].mlp, f"{i}.mlp", style)}
+        head = len(self) - 1
+        return plan | {f"{head}.ln": "sequence", f"{head}.enter": "enter", f"{head}.out": "vocab_output"}
 
     def _init_weights(self) -> None:
         """GPT-2's: N(0, 0.02) weights, zero biases, residual projections scaled by 1/sqrt(2 n_layer)."""

@@ -8,6 +8,8 @@ import math
 import torch
 from torch import nn
 
+from distlab.models.plans import groups_starting_at, linear_plan
+
 
 class MLP(nn.Module):
     def __init__(self, input_shape: tuple[int, ...], num_classes: int, widths: tuple[int, ...] = (512, 256),
@@ -28,8 +30,12 @@ class MLP(nn.Module):
 
     def checkpoint_blocks(self):
         """Activation checkpointing's blocks: each Linear with what follows it."""
-        from distlab.parallel.checkpointing import groups_starting_at
         return [(self.net, groups_starting_at(self.net, (nn.Linear,)))]
+
+    def tensor_parallel_plan(self, tp: int, style: str, sequence_parallel: bool) -> dict[str, str]:
+        """Tensor parallel's plan: the Linear layers paired as column then row parallel (megatron) or
+        each gathered (naive); a left-over last Linear (the classifier) stays whole."""
+        return linear_plan(self.net, "net", style)
 
     def pipeline_layers(self) -> list[tuple[str, nn.Module]]:
         """The layers in order, under their names here (what a pipeline cuts into stages)."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from distlab.models.plans import groups_ending_after
+
 
 class SmallCNN(nn.Module):
     def __init__(self, input_shape: tuple[int, ...], num_classes: int, channels: tuple[int, int] = (8, 16),
@@ -30,7 +32,6 @@ class SmallCNN(nn.Module):
 
     def checkpoint_blocks(self):
         """Activation checkpointing's blocks: the stages of ``features`` (each ends at a pooling)."""
-        from distlab.parallel.checkpointing import groups_ending_after
         return [(self.features, groups_ending_after(self.features, (nn.MaxPool2d,)))]
 
     def pipeline_layers(self) -> list[tuple[str, nn.Module]]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from distlab.models.plans import groups_ending_after, linear_plan
+
 CONFIGS = {
     11: [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
     19: [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M",
@@ -49,8 +51,11 @@ class VGG(nn.Module):
 
     def checkpoint_blocks(self):
         """Activation checkpointing's blocks: the stages of ``features`` (each ends at a pooling)."""
-        from distlab.parallel.checkpointing import groups_ending_after
         return [(self.features, groups_ending_after(self.features, (nn.MaxPool2d,)))]
+
+    def tensor_parallel_plan(self, tp: int, style: str, sequence_parallel: bool) -> dict[str, str]:
+        """Tensor parallel's plan: the classifier's Linear layers (the convolutions stay whole)."""
+        return linear_plan(self.classifier, "classifier", style)
 
     def pipeline_layers(self) -> list[tuple[str, nn.Module]]:
         """The layers in order, under their names here (what a pipeline cuts into stages)."""

@@ -44,24 +44,6 @@ def checkpoint_blocks(model: nn.Module) -> list[tuple[nn.Sequential, list[tuple[
                       f"and has no checkpoint_blocks() listing them")
 
 
-def groups_ending_after(container: nn.Sequential, kinds: tuple[type, ...]) -> list[tuple[int, int]]:
-    """Ranges of ``container``'s children, each ending after a module of ``kinds`` (or at the end)."""
-    out, start = [], 0
-    for i, m in enumerate(container):
-        if isinstance(m, kinds):
-            out.append((start, i + 1))
-            start = i + 1
-    if start < len(container):
-        out.append((start, len(container)))
-    return out
-
-
-def groups_starting_at(container: nn.Sequential, kinds: tuple[type, ...]) -> list[tuple[int, int]]:
-    """Ranges of ``container``'s children, a new one at each module of ``kinds`` (but the first)."""
-    starts = [0] + [i for i, m in enumerate(container) if i and isinstance(m, kinds)]
-    return list(zip(starts, starts[1:] + [len(container)]))
-
-
 @contextlib.contextmanager
 def _running_stats_kept(modules: list[nn.Module]) -> Iterator[None]:
     """Put BatchNorm's running statistics back after a recomputed forward updated them again."""

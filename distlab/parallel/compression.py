@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from distlab import comm
 from distlab.comm.accounting import allreduce_bytes_per_rank
+from distlab.errors import ConfigError
 from distlab.parallel.precision import DTYPES
 from distlab.runtime import group_size
 
@@ -173,9 +174,27 @@ class PowerSGD(Codec):
         return total
 
 
+def parse_compression(text: str) -> tuple[str, int]:
+    """``grad_compression`` -> (kind, PowerSGD rank or 0): ``powersgd:4`` -> ("powersgd", 4)."""
+    kind, _, rank = str(text).partition(":")
+    if kind in ("none", "fp16", "bf16") and not rank:
+        return kind, 0
+    if kind != "powersgd":
+        raise ConfigError(f"unknown `grad_compression` {text!r}; choose one of: none, fp16, bf16, powersgd:R "
+                          f"(R the rank of PowerSGD's approximation, e.g. powersgd:4)")
+    try:
+        r = int(rank)
+    except ValueError:
+        raise ConfigError(f"`grad_compression` {text!r}: give PowerSGD's rank as a positive integer, e.g. "
+                          f"powersgd:4") from None
+    if r < 1:
+        raise ConfigError(f"`grad_compression` {text!r}: PowerSGD's rank must be at least 1 (rank 0 would send "
+                          f"nothing); try powersgd:4, or none to send gradients uncompressed")
+    return kind, r
+
+
 def build_codec(strategy) -> Codec:
     """The codec of a :class:`~distlab.parallel.Strategy`'s ``grad_compression`` / ``reduce_dtype``."""
-    from distlab.parallel.strategy import parse_compression
     kind, rank = parse_compression(strategy.grad_compression)
     if kind == "powersgd":
         return PowerSGD(rank)

@@ -43,7 +43,7 @@ from distlab import comm
 from distlab.comm import p2p
 from distlab.comm.accounting import allreduce_bytes_per_rank
 from distlab.errors import ConfigError
-from distlab.parallel.compression import CastCodec, Codec, PowerSGD, bytes_per_rank
+from distlab.parallel.compression import CastCodec, Codec, PowerSGD, build_codec, bytes_per_rank
 from distlab.parallel.state_bytes import model_state_bytes
 from distlab.runtime import broadcast_module
 
@@ -58,7 +58,7 @@ def _grad_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in _grad_params(module))
 
 
-class GradSync:
+class SyncMethod:
     """Base: how a data-parallel wrapper makes gradients the global mean."""
 
     name = "base"
@@ -107,7 +107,7 @@ class GradSync:
         return 0
 
 
-class AllReduceSync(GradSync):
+class AllReduceSync(SyncMethod):
     """After backward, all-reduce (average) each parameter's gradient.
 
     ``len(parameters)`` collectives per step, each of one parameter's size; a parameter that got
@@ -147,7 +147,7 @@ def _unflatten_into_grads(flat: torch.Tensor, params: list[nn.Parameter]) -> Non
         offset += p.numel()
 
 
-class GatherScatterSync(GradSync):
+class GatherScatterSync(SyncMethod):
     """The parameter server: ``gather`` all gradients (one flat buffer per rank) to rank 0, which
     sums them and divides by the world size; ``scatter`` sends the mean back to every rank.
 
@@ -195,7 +195,7 @@ class _Bucket:
         self.is_sum = True  # the buffer will hold the sum (divide by the group size), else the mean
 
 
-class _BucketSync(GradSync):
+class _BucketSync(SyncMethod):
     """Base of the methods that reduce in buckets of ``bucket_mb`` MB during backward."""
 
     def __init__(self, group=None, collective: str = "native", bucket_mb: float = 25.0,
@@ -423,7 +423,7 @@ class TorchDDPSync(_BucketSync):
         return not self.find_unused
 
 
-SYNC_METHODS: dict[str, type[GradSync]] = {
+SYNC_METHODS: dict[str, type[SyncMethod]] = {
     "gather-scatter": GatherScatterSync,
     "allreduce": AllReduceSync,
     "bucketed": BucketedSync,
@@ -465,8 +465,20 @@ class DataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         return self.wrapped(*args, **kwargs)
 
+    @classmethod
+    def from_strategy(cls, module: nn.Module, strategy, group: dist.ProcessGroup | None = None) -> "DataParallel":
+        """``module`` over ``group`` with the strategy's sync method, bucket size, collective and compression."""
+        return cls(module, strategy.dp_sync, group=group, bucket_mb=strategy.bucket_mb, collective=strategy.collective,
+                   find_unused=strategy.find_unused, codec=build_codec(strategy))
+
     def sync_gradients(self) -> None:
         self.method.sync(self.module)
+
+    @torch.no_grad()
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Parameter name -> a copy of its averaged gradient (every replica holds the whole of it)."""
+        return {k: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                for k, p in self.module.named_parameters()}
 
     @property
     def needs_priming(self) -> bool:
@@ -520,6 +532,11 @@ class DataParallel(nn.Module):
     def parameter_slots(self) -> list[tuple[str, nn.Parameter, tuple[int, int] | None]]:
         """(key, parameter, flat range) of each optimizer parameter: the whole of every parameter."""
         return [(k, p, None) for k, p in self.module.named_parameters()]
+
+    @staticmethod
+    def reads(state: dict) -> bool:
+        """Whether ``state`` is a :meth:`sharded_state_dict` of data parallel: a plain ``state_dict``."""
+        return all(torch.is_tensor(v) for v in state.values())
 
     @staticmethod
     def split_state(state: dict, keys: list[str]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:

@@ -23,13 +23,13 @@ for snapshots), :meth:`Engine.gathered` (full parameters in place, e.g. for eval
 cost: :meth:`Engine.observe` / :attr:`Engine.peak_bytes` (model-state bytes) and
 :meth:`Engine.uncounted_bytes_per_step` (what :mod:`distlab.comm` cannot count).
 
-Data parallel (:class:`~distlab.parallel.DataParallel`) and ZeRO (:class:`~distlab.parallel.Zero`)
-implement the same small interface, so nothing here asks which one it holds.
+The Engine holds a :class:`~distlab.parallel.protocols.GradSync` (data parallel or ZeRO) and a
+:class:`~distlab.parallel.protocols.StepSchedule` (accumulation or a pipeline) and only calls what
+those protocols promise: nothing here asks which one it holds.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Callable
 
@@ -43,30 +43,32 @@ from distlab.parallel import tensor_parallel
 from distlab.parallel.checkpointing import apply_activation_checkpointing
 from distlab.parallel.data_parallel import DataParallel
 from distlab.parallel.mesh import Mesh
-from distlab.parallel.compression import build_codec
-from distlab.parallel.pipeline import PipelineStage, check_microbatches, partition
+from distlab.parallel.pipeline import PipelineStage, partition
 from distlab.parallel.placement import Placement, take
-from distlab.parallel.precision import DTYPES, Precision, check_device
+from distlab.parallel.precision import Precision, check_device
+from distlab.parallel.protocols import GradSync, StepSchedule
+from distlab.parallel.schedule import Accumulate, Pipelined
 from distlab.parallel.strategy import Strategy
 from distlab.parallel.sync_bn import apply_sync_bn
-from distlab.parallel.transformer_tp import VocabParallelHead, vocab_parallel_head
+from distlab.parallel.tp_plan import apply_tensor_parallel
+from distlab.parallel.transformer_tp import VocabParallelLinear, vocab_parallel_head
 from distlab.parallel.zero import Zero
 from distlab.runtime import group_rank, group_size
 
 
 class Engine:
-    """A model spread over the mesh by a strategy (make one with :func:`parallelize`)."""
+    """A model spread over the mesh by a strategy (make one with :func:`parallelize`): one
+    :class:`~distlab.parallel.protocols.GradSync` and one
+    :class:`~distlab.parallel.protocols.StepSchedule`, whatever they are."""
 
-    def __init__(self, wrapper: DataParallel | Zero, strategy: Strategy, mesh: Mesh,
-                 vocab_head: VocabParallelHead | None = None, precision: Precision | None = None):
-        self.wrapper, self.strategy, self.mesh = wrapper, strategy, mesh
+    def __init__(self, grad_sync: GradSync, schedule: StepSchedule, strategy: Strategy, mesh: Mesh,
+                 vocab_head: VocabParallelLinear | None = None, precision: Precision | None = None):
+        self.grad_sync, self.schedule, self.strategy, self.mesh = grad_sync, schedule, strategy, mesh
         self.precision = precision if precision is not None else Precision(strategy.precision)
         self._found_inf = False  # fp16: this step's gradients overflowed on some rank (the step is skipped)
         self.check_finite = True  # step() refuses non-finite gradients (outside fp16's loss scaling)
         self.sync_seconds = 0.0  # of the last step: gradient sync after backward + after_step
-        self._vocab_head = vocab_head if vocab_head is not None else vocab_parallel_head(wrapper.module)
-        self.pipeline: PipelineStage | None = wrapper.module if isinstance(wrapper.module, PipelineStage) else None
-        self.pipeline_timings: list[dict] = []  # PipelineStage.last_timing of every step
+        self._vocab_head = vocab_head if vocab_head is not None else vocab_parallel_head(grad_sync.module)
 
     def loss(self, out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """The task's loss of this model's output: cross-entropy per sample or per token, computed
@@ -84,23 +86,29 @@ class Engine:
     @property
     def module(self) -> nn.Module:
         """The plain model (tensor-parallel layers in place of the sharded ones)."""
-        return self.wrapper.module
+        return self.grad_sync.module
 
     @property
     def sharded(self) -> bool:
         """Whether ranks hold different model states (ZeRO, tensor-parallel shards, pipeline stages)."""
-        return self.wrapper.sharded or self.mesh.tp > 1 or self.mesh.pp > 1
+        return self.grad_sync.sharded or self.mesh.tp > 1 or self.mesh.pp > 1
 
     def __call__(self, *args, **kwargs):
-        return self.wrapper(*args, **kwargs)
+        return self.grad_sync(*args, **kwargs)
+
+    @torch.no_grad()
+    def infer(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The model's output for one batch, without gradients, where it is known (a pipeline's last
+        stage; every rank elsewhere), None on the other stages. Every rank calls it once per batch."""
+        return self.schedule.infer(self, x)
 
     def parameters(self) -> list[nn.Parameter]:
         """What the optimizer updates on this rank (ZeRO: this rank's flat shards)."""
-        return self.wrapper.optimizer_parameters()
+        return self.grad_sync.optimizer_parameters()
 
     def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Count ``optimizer``'s state in the memory accounting; returns it."""
-        self.wrapper.track(optimizer)
+        self.grad_sync.track(optimizer)
         return optimizer
 
     def train(self, mode: bool = True) -> "Engine":
@@ -111,12 +119,12 @@ class Engine:
 
     def no_sync(self):
         """Backward accumulates gradients locally and communicates nothing (all but the last micro-batch)."""
-        return self.wrapper.no_sync()
+        return self.grad_sync.no_sync()
 
     def sync(self) -> None:
         """After the step's last backward: make every gradient (or gradient shard) the global mean."""
         t0 = time.perf_counter()
-        self.wrapper.sync_gradients()
+        self.grad_sync.sync_gradients()
         self.sync_seconds = time.perf_counter() - t0
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -154,46 +162,30 @@ class Engine:
     def _after_step(self) -> None:
         """After ``optimizer.step()`` (ZeRO 1-2: all-gather the updated shards)."""
         t0 = time.perf_counter()
-        self.wrapper.after_step()
+        self.grad_sync.after_step()
         self.sync_seconds += time.perf_counter() - t0
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor,
                          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """Forward and backward over ``strategy.grad_accum`` equal micro-batches of ``(x, y)``, then :meth:`sync`.
+        """The step's forwards and backwards as the schedule runs them (``strategy.grad_accum``
+        micro-batches, or the pipeline's ``strategy.microbatches``; every backward but the last under
+        :meth:`no_sync`), then :meth:`sync`.
 
-        Every micro-batch but the last runs under :meth:`no_sync`; each micro-batch loss is divided by
-        K, so the accumulated gradient is the mean over the whole local batch -- the step equals one
-        step on the K-times-larger batch. Returns this rank's mean loss over its samples as a 0-dim
-        float64 tensor on the device (the micro-batch losses summed in float64, as Python floats would
-        be): reading it is the caller's choice, so a step waits for the device only where it must.
-
-        On a pipeline the stage runs its schedule over ``strategy.microbatches`` micro-batches
-        (:meth:`PipelineStage.train_step`; every backward but the last under :meth:`no_sync`); the
-        loss, known on the last stage, is broadcast along the pipeline so every rank returns it.
+        The step equals one step on the whole local batch: each micro-batch loss is divided by their
+        number. Returns this rank's mean loss over its samples as a 0-dim float64 tensor on the
+        device (on a pipeline every rank returns the last stage's): reading it is the caller's
+        choice, so a step waits for the device only where it must.
         """
-        if self.pipeline is not None:
-            return self._pipeline_step(x, y, loss_fn)
-        k = self.strategy.grad_accum
-        check_microbatches(len(x), k, "accumulation micro-batches (grad_accum)")  # never drop len(x) % k samples
-        micro = len(x) // k
-        total = None
-        for i in range(k):
-            xm, ym = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
-            with self.no_sync() if i < k - 1 else contextlib.nullcontext():
-                with self.precision.autocast():
-                    loss = loss_fn(self(xm), ym) / k
-                self.precision.backward(loss)
-            part = loss.detach().to(torch.float64)
-            total = part if total is None else total + part
+        loss = self.schedule.forward_backward(self, x, y, loss_fn)
         self.sync()
         if self.precision.scaler is not None:  # after the reduction: every rank unscales the same sums
             self._found_inf = self.precision.scaler.unscale_(self.parameters())
-        return total
+        return loss
 
     @property
     def needs_priming(self) -> bool:
         """Whether a resumed run must call :meth:`prime` before its first step to be bitwise."""
-        return getattr(self.wrapper, "needs_priming", False)
+        return self.grad_sync.needs_priming
 
     def prime(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Before the first step of a resumed run: replay the backward after which torch's DDP re-cuts
@@ -205,7 +197,7 @@ class Engine:
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         # A compression hook counts and remembers the replayed pass (torch's writes into its P and Q in place).
-        sync_state = _cloned(self.wrapper.sync_state_dict())
+        sync_state = _cloned(self.grad_sync.sync_state_dict())
         was_training = self.module.training
         self.module.eval()
         try:
@@ -218,63 +210,48 @@ class Engine:
             torch.set_rng_state(rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
-            self.wrapper.load_sync_state_dict(sync_state)
-
-    def _pipeline_step(self, x, y, loss_fn) -> float:
-        stage, mesh = self.pipeline, self.mesh
-        loss = stage.train_step(x if stage.first else None, y if stage.last else None, loss_fn, self.no_sync,
-                                batch_size=len(x) if x is not None else None)
-        self.pipeline_timings.append(stage.last_timing)
-        value = (loss.detach() if loss is not None else torch.zeros(())).reshape(1).to(torch.float32)
-        dist.broadcast(value, src=mesh.pp_ranks[-1], group=mesh.pp_group)
-        self.sync()
-        return value[0].to(torch.float64)
+            self.grad_sync.load_sync_state_dict(sync_state)
 
     # ------------------------------------------------------------------ state
 
     def gathered(self):
         """Context: the full parameters in place (collective under ZeRO-3; free otherwise)."""
-        return self.wrapper.gathered()
+        return self.grad_sync.gathered()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The single-process model's ``state_dict``: ZeRO and tensor-parallel shards gathered
         (collective: every rank calls it and gets it)."""
         with self.gathered():
             state = tensor_parallel.full_state_dict(self.module)
-        if self.pipeline is None:
-            return state
-        mine = {self.pipeline.model_key(k): v for k, v in state.items()}
         merged: dict[str, torch.Tensor] = {}
-        for part in self._gather_stages(mine):  # stage order is the model's order
-            merged.update(part)
+        for part in self.schedule.gather_stages({self.schedule.model_key(k): v for k, v in state.items()}):
+            merged.update(part)  # stage order is the model's order
         return merged
 
     def full_parameters(self) -> list[torch.Tensor]:
         """Copies of the unsharded model's parameters in registration order (collective)."""
         with self.gathered():
             mine = tensor_parallel.full_parameters(self.module)
-        if self.pipeline is None:
-            return mine
-        return [t for part in self._gather_stages(mine) for t in part]
+        return [t for part in self.schedule.gather_stages(mine) for t in part]
 
-    def _gather_stages(self, mine):
-        """Every stage's ``mine``, in stage order (collective over the pipeline)."""
-        parts = [None] * self.mesh.pp
-        dist.all_gather_object(parts, mine, group=self.mesh.pp_group)
-        return parts
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters (the whole model's keys; tensor-parallel pieces as held) -> their
+        averaged gradient, unsharded by ZeRO (collective under ZeRO): between :meth:`forward_backward`
+        and the next ``zero_grad``."""
+        return {self.schedule.model_key(k): g for k, g in self.grad_sync.full_gradients().items()}
 
     def sharded_state_dict(self) -> dict:
         """This rank's part of the model state (a snapshot writes one per rank)."""
-        return self.wrapper.sharded_state_dict()
+        return self.grad_sync.sharded_state_dict()
 
     def load_sharded_state_dict(self, state: dict) -> None:
-        self.wrapper.load_sharded_state_dict(state)
+        self.grad_sync.load_sharded_state_dict(state)
 
     def extra_state(self) -> dict:
         """What a step carries to the next outside the model and optimizer: fp16's loss scaler and the
         gradient sync's compression memory (PowerSGD's error feedback and warm-start factors, this
         rank's). Snapshots keep it so that a resume continues bitwise."""
-        state = {"grad_sync": self.wrapper.sync_state_dict()}
+        state = {"grad_sync": self.grad_sync.sync_state_dict()}
         if self.precision.scaler is not None:
             state["loss_scaler"] = self.precision.scaler.state_dict()
         return state
@@ -285,7 +262,7 @@ class Engine:
         if self.precision.scaler is not None and "loss_scaler" in state:
             self.precision.scaler.load_state_dict(state["loss_scaler"])
         if same_layout and state.get("grad_sync"):
-            self.wrapper.load_sync_state_dict(state["grad_sync"])
+            self.grad_sync.load_sync_state_dict(state["grad_sync"])
 
     # ------------------------------------------------------------------ placement (changing layout)
 
@@ -300,9 +277,9 @@ class Engine:
                 t = getattr(m, pname, None)
                 if t is not None:
                     split[id(t)] = (dim, group_size(m.group), group_rank(m.group))
-        whole = self.pipeline.model_key if self.pipeline is not None else (lambda k: k)
+        whole = self.schedule.model_key
         keys, params = [], []
-        for key, p, flat in self.wrapper.parameter_slots():
+        for key, p, flat in self.grad_sync.parameter_slots():
             dim, parts, part = split.get(id(p), (None, 1, 0))
             shape = list(p.shape)
             if dim is not None:
@@ -317,9 +294,15 @@ class Engine:
     def split_sharded_state(state: dict, placement: dict) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
         """A :meth:`sharded_state_dict` (of any layout, described by its ``placement``) as its
         optimizer parameters' tensors and its buffers under the whole model's keys."""
-        kind = Zero if "zero_stage" in state else DataParallel
+        kind = next(k for k in GRAD_SYNCS if k.reads(state))
         params, buffers = kind.split_state(state, placement["keys"])
         return params, {placement["buffers"][k]: v for k, v in buffers.items() if k in placement["buffers"]}
+
+    def placements(self) -> dict[str, Placement]:
+        """The whole model's parameter name -> where this rank's optimizer parameter for it sits in
+        it (tensor-parallel part, ZeRO's flat range): :meth:`placement` as objects."""
+        p = self.placement()
+        return {d["name"]: Placement.from_dict(d) for d in p["params"]}
 
     def sharded_state_from_full(self, full: dict[str, torch.Tensor], placement: dict | None = None) -> dict:
         """This rank's :meth:`sharded_state_dict` cut out of the whole model's ``state_dict``
@@ -332,24 +315,24 @@ class Engine:
         params = [take(full[p["name"]], Placement.from_dict(p), local.numel())
                   for p, local in zip(placement["params"], self.parameters())]
         buffers = {k: full[name].detach().clone() for k, name in placement["buffers"].items()}
-        return self.wrapper.state_from(params, buffers)
+        return self.grad_sync.state_from(params, buffers)
 
     # ------------------------------------------------------------------ cost
 
     def observe(self) -> int:
         """Record the model-state bytes held now; returns the peak so far (see :attr:`peak_bytes`)."""
-        return self.wrapper.observe()
+        return self.grad_sync.observe()
 
     @property
     def peak_bytes(self) -> int:
         """Peak bytes of parameters + gradients + optimizer state on this rank (ZeRO: tracked at
         every gather and reduce; data parallel: at the calls of :meth:`observe`)."""
-        return self.wrapper.peak_bytes
+        return self.grad_sync.peak_bytes
 
     def uncounted_bytes_per_step(self) -> int:
         """Bytes a rank sends per step that :mod:`distlab.comm` does not see (torch's DDP all-reduce,
         at its textbook volume); 0 for everything distlab sends itself."""
-        return self.wrapper.uncounted_bytes_per_sync()
+        return self.grad_sync.uncounted_bytes_per_sync()
 
 
 def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
@@ -369,21 +352,18 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
     if strategy.pp > 1:  # cut by the unsharded model's parameters: the same layers on every rank of a TP group
         balance = [end - start for start, end in partition(model, strategy.pp, strategy.pp_balance)]
     if strategy.tp > 1:
-        model = tensor_parallel.apply_tensor_parallel(model, mesh.tp_group, strategy.tp_style,
-                                                      strategy.sequence_parallel)
+        model = apply_tensor_parallel(model, mesh.tp_group, strategy.tp_style, strategy.sequence_parallel)
     vocab_head = vocab_parallel_head(model)  # before the cut: the loss needs it on the last stage
+    schedule: StepSchedule = Accumulate(strategy.grad_accum)
     if strategy.pp > 1:
         model = PipelineStage(model, mesh.pp_group, strategy.microbatches, strategy.pp_schedule, balance)
+        schedule = Pipelined(model, mesh)
     model = apply_sync_bn(model, strategy.sync_bn, mesh.dp_group)
-    if strategy.zero:
-        wire = strategy.wire_dtype
-        wrapper = Zero(model, strategy.zero, group=mesh.dp_group, collective=strategy.collective,
-                       bucket_mb=strategy.bucket_mb, reduce_dtype=DTYPES[wire] if wire else None)
-    else:
-        wrapper = DataParallel(model, strategy.dp_sync, group=mesh.dp_group, bucket_mb=strategy.bucket_mb,
-                               collective=strategy.collective, find_unused=strategy.find_unused,
-                               codec=build_codec(strategy))
-    return Engine(wrapper, strategy, mesh, vocab_head, Precision(strategy.precision, device))
+    grad_sync = (Zero if strategy.zero else DataParallel).from_strategy(model, strategy, mesh.dp_group)
+    return Engine(grad_sync, schedule, strategy, mesh, vocab_head, Precision(strategy.precision, device))
+
+
+GRAD_SYNCS: tuple[type, ...] = (Zero, DataParallel)  # the kinds a sharded_state_dict can come from
 
 
 def _cloned(obj):

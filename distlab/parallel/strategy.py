@@ -43,6 +43,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 
 from distlab.errors import ConfigError
+from distlab.parallel.compression import parse_compression
 from distlab.parallel.data_parallel import COLLECTIVES, SYNC_METHODS
 from distlab.parallel.pipeline import SCHEDULES as PP_SCHEDULES
 from distlab.parallel.sync_bn import MODES as SYNC_BN
@@ -383,23 +384,4 @@ def _convert(name: str, value: str, text: str):
         return kind(value)
     except ValueError:
         raise ConfigError(f"strategy {text!r}: {name}={value!r} is not a {kind.__name__}") from None
-
-
-def parse_compression(text: str) -> tuple[str, int]:
-    """``grad_compression`` -> (kind, PowerSGD rank or 0): ``powersgd:4`` -> ("powersgd", 4)."""
-    kind, _, rank = str(text).partition(":")
-    if kind in ("none", "fp16", "bf16") and not rank:
-        return kind, 0
-    if kind != "powersgd":
-        raise ConfigError(f"unknown `grad_compression` {text!r}; choose one of: none, fp16, bf16, powersgd:R "
-                          f"(R the rank of PowerSGD's approximation, e.g. powersgd:4)")
-    try:
-        r = int(rank)
-    except ValueError:
-        raise ConfigError(f"`grad_compression` {text!r}: give PowerSGD's rank as a positive integer, e.g. "
-                          f"powersgd:4") from None
-    if r < 1:
-        raise ConfigError(f"`grad_compression` {text!r}: PowerSGD's rank must be at least 1 (rank 0 would send "
-                          f"nothing); try powersgd:4, or none to send gradients uncompressed")
-    return kind, r
 

@@ -30,7 +30,8 @@ the activation stays split between them, so a block costs one all-reduce forward
 and one backward (the input gradient of ``A``). **Naive style**: every layer column parallel with
 its output gathered: an all-gather after every layer forward, and an all-reduce of every layer's
 input gradient backward. Shards are slices of the full layer, so a model built from the same
-seed and then sharded computes exactly what the unsharded one does.
+seed and then sharded computes exactly what the unsharded one does. Which layers of a model are
+split, and how, is the model's own plan (:mod:`distlab.parallel.tp_plan` applies it).
 """
 
 from __future__ import annotations
@@ -274,48 +275,6 @@ class RowParallelLinear(nn.Module):
         y = F.linear(x, self.weight)
         y = scatter_sequence(y, self.group) if self.sequence_parallel else reduce_from_group(y, self.group)
         return y + self.bias if self.bias is not None else y
-
-
-def apply_tensor_parallel(model: nn.Module, group=None, style: str = "megatron",
-                          sequence_parallel: bool = False) -> nn.Module:
-    """Shard the Linear layers of every ``nn.Sequential`` in ``model`` over ``group``, in place.
-
-    Megatron: consecutive Linear layers (with only element-wise layers between) pair up as
-    (column, row); a last unpaired Linear -- the classifier head -- stays whole. Naive: every
-    Linear but the last in its Sequential becomes column parallel with gathered output; the head
-    stays whole. Replicated layers compute the same thing on every rank of the group.
-
-    Transformer parts are split first, the same in both styles
-    (:mod:`distlab.parallel.transformer_tp`): attention by heads, the token embedding, LM head and
-    loss by vocabulary; ``sequence_parallel`` also splits their LayerNorm and residual regions
-    along the sequence.
-    """
-    from distlab.parallel.transformer_tp import apply_transformer_tensor_parallel
-    if style not in STYLES:
-        raise ConfigError(f"unknown `tp_style` {style!r}; choose one of: {', '.join(STYLES)}")
-    found = apply_transformer_tensor_parallel(model, group)
-    for seq_name, seq in list(model.named_modules()):
-        if not isinstance(seq, nn.Sequential):
-            continue
-        linears = [i for i, m in enumerate(seq) if isinstance(m, nn.Linear)]
-        if not linears:
-            continue
-        found = True
-        prefix = f"{seq_name}." if seq_name else ""
-        if style == "megatron":
-            for a, b in zip(linears[0::2], linears[1::2]):
-                seq[a] = ColumnParallelLinear(seq[a], group, gather_output=False, name=f"{prefix}{a}")
-                seq[b] = RowParallelLinear(seq[b], group, input_is_parallel=True, name=f"{prefix}{b}")
-        else:
-            for a in linears[:-1]:
-                seq[a] = ColumnParallelLinear(seq[a], group, gather_output=True, name=f"{prefix}{a}")
-    if not found:
-        raise ConfigError(f"`tp` needs a model with Linear layers in an nn.Sequential; {type(model).__name__} has "
-                          f"none to split")
-    if sequence_parallel:
-        from distlab.parallel.transformer_tp import apply_sequence_parallel
-        apply_sequence_parallel(model, group)
-    return model
 
 
 def full_parameters(model: nn.Module) -> list[torch.Tensor]:

@@ -1,13 +1,15 @@
-"""Tensor parallel for transformers (Megatron-LM's layout): attention split by heads, the
-vocabulary split in the embedding, the LM head and the cross-entropy.
+"""The layers of tensor parallel for transformers (Megatron-LM's layout): attention split by heads,
+the vocabulary split in the embedding, the LM head and the cross-entropy. A model's
+``tensor_parallel_plan()`` says where they go (:mod:`distlab.models.plans` names the styles) and
+:mod:`distlab.parallel.tp_plan` puts them there; nothing here knows a model.
 
 Over the ``t`` ranks of a tensor-parallel group:
 
 * **attention** -- the query, key and value projections are column parallel (each rank computes
   ``n_head / t`` whole heads), the output projection row parallel. The block's input enters the
   parallel region once (:func:`~distlab.parallel.tensor_parallel.copy_to_group`: one all-reduce of
-  its gradient backward, not one per projection) and leaves it with one all-reduce forward. The MLP
-  is the column/row pair of :func:`~distlab.parallel.tensor_parallel.apply_tensor_parallel`.
+  its gradient backward, not one per projection: :class:`CopyToGroup`) and leaves it with one
+  all-reduce forward. The MLP is a column/row pair.
 * **vocabulary-parallel embedding** -- rank ``r`` holds token rows ``[r V/t, (r+1) V/t)``, looks up
   the tokens it holds (zeros for the others) and the group sums: one all-reduce of ``(B, T, C)``.
 * **vocabulary-parallel LM head and cross-entropy** -- each rank computes the logits of its
@@ -34,9 +36,8 @@ from torch import nn
 
 from distlab import comm
 from distlab.errors import ConfigError
-from distlab.models.gpt import Block, CausalSelfAttention, Embedding, Head
-from distlab.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, _all_reduce, _gather,
-                                              copy_to_group, gather_sequence, reduce_from_group, scatter_sequence)
+from distlab.parallel.tensor_parallel import (ColumnParallelLinear, _gather, copy_to_group, gather_sequence,
+                                              reduce_from_group, scatter_sequence)
 from distlab.runtime import group_rank, group_size
 
 
@@ -137,20 +138,16 @@ def vocab_parallel_correct(logits: torch.Tensor, target: torch.Tensor, group, st
     return int((winner == target).sum()), target.numel()
 
 
-class VocabParallelHead(nn.Module):
-    """The LM head with its output projection column parallel over the vocabulary: returns this
-    rank's ``V/t`` logits per token (score them with :func:`vocab_parallel_cross_entropy`)."""
+class VocabParallelLinear(ColumnParallelLinear):
+    """An output projection to vocabulary logits, column parallel over the vocabulary: returns this
+    rank's ``V/t`` logits per token, scored across the shards by :meth:`loss` and :meth:`correct`
+    (no rank builds the full logits). Its input has entered the parallel region before it (an
+    ``enter`` of the model's plan), so it does not copy it again."""
 
-    def __init__(self, head: Head, group=None, name: str = "head"):
-        super().__init__()
-        self.ln = head.ln
-        self.enter = nn.Identity()  # sequence parallel: GatherSequence
-        self.out = ColumnParallelLinear(head.out, group, gather_output=False, name=f"{name}.out")
-        self.group = group
-        self.start = group_rank(group) * (head.out.out_features // group_size(group))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.enter(self.ln(x)))
+    def __init__(self, linear: nn.Linear, group=None, name: str = "head"):
+        super().__init__(linear, group, gather_output=False, name=name)
+        self.copy_input = False
+        self.start = group_rank(group) * (linear.out_features // group_size(group))
 
     def loss(self, logits: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, target, self.group, self.start, reduction)
@@ -159,25 +156,12 @@ class VocabParallelHead(nn.Module):
         return vocab_parallel_correct(logits, target, self.group, self.start)
 
 
-def shard_attention(attn: CausalSelfAttention, group, name: str) -> None:
-    """Give this rank ``n_head / t`` whole heads of ``attn``, in place."""
-    n = group_size(group)
-    heads = attn.q.out_features // attn.head_dim
-    if heads % n:
-        raise ConfigError(f"tensor parallel: {name} has {heads} heads, not divisible by `tp` {n}")
-    attn.enter = CopyToGroup(group)  # one gradient all-reduce for q, k and v together
-    for part in ("q", "k", "v"):
-        layer = ColumnParallelLinear(getattr(attn, part), group, gather_output=False, name=f"{name}.{part}")
-        layer.copy_input = False
-        setattr(attn, part, layer)
-    attn.proj = RowParallelLinear(attn.proj, group, input_is_parallel=True, name=f"{name}.proj")
-
-
 class SequenceParallelEmbedding(nn.Module):
     """Token embedding (vocabulary parallel, reduce-scattered) plus this rank's rows of the
-    position embedding: output ``(B, T/t, C)``, this rank's positions."""
+    position embedding: output ``(B, T/t, C)``, this rank's positions. Built from a module with
+    ``tok`` (a :class:`VocabParallelEmbedding`) and ``pos`` (an ``nn.Embedding``) that adds them."""
 
-    def __init__(self, embedding: Embedding, group=None):
+    def __init__(self, embedding: nn.Module, group=None):
         super().__init__()
         self.tok, self.pos, self.group = embedding.tok, embedding.pos, group
         self.tok.sequence_parallel = True
@@ -192,52 +176,6 @@ class SequenceParallelEmbedding(nn.Module):
         return self.tok(idx) + self.pos(torch.arange(start, start + t // n, device=idx.device))
 
 
-def apply_sequence_parallel(model: nn.Module, group=None) -> list[nn.Parameter]:
-    """After tensor parallel: split the regions between the parallel blocks along the sequence, in
-    place; returns the parameters whose gradients are now summed over the group."""
-    if not (isinstance(model, nn.Sequential) and len(model) and isinstance(model[0], Embedding)):
-        raise ConfigError("sequence parallel splits a transformer's sequence: it needs --model gpt")
-    model[0] = SequenceParallelEmbedding(model[0], group)
-    shared = [model[0].pos.weight]
-    for block in model:
-        if isinstance(block, Block):
-            if not (isinstance(block.mlp[0], ColumnParallelLinear) and isinstance(block.mlp[2], RowParallelLinear)):
-                raise ConfigError("sequence parallel needs the megatron `tp_style` (column then row parallel)")
-            block.attn.enter = GatherSequence(group)
-            block.attn.proj.sequence_parallel = True
-            block.mlp[0].sequence_parallel = block.mlp[2].sequence_parallel = True
-            shared += [*block.ln1.parameters(), *block.ln2.parameters(), block.attn.proj.bias, block.mlp[2].bias]
-        elif isinstance(block, VocabParallelHead):
-            block.enter = GatherSequence(group)
-            block.out.copy_input = False
-            shared += list(block.ln.parameters())
-    shared = [p for p in shared if p is not None]
-    for p in shared:
-        p.sequence_parallel = True
-        p.register_hook(lambda g: _all_reduce(g.contiguous().clone(), group))
-    return shared
-
-
-def apply_transformer_tensor_parallel(model: nn.Module, group=None) -> bool:
-    """Shard the transformer parts of ``model`` in place: attention by heads, the token embedding
-    and LM head by vocabulary. Returns whether there were any. (Sequence parallel is applied by
-    :func:`apply_sequence_parallel` once the MLPs are split too.)"""
-    found = False
-    for name, module in list(model.named_modules()):
-        if isinstance(module, CausalSelfAttention):
-            shard_attention(module, group, name)
-            found = True
-        elif isinstance(module, Embedding):
-            module.tok = VocabParallelEmbedding(module.tok, group, name=f"{name}.tok")
-            found = True
-    if isinstance(model, nn.Sequential):
-        for i, module in enumerate(model):
-            if isinstance(module, Head):
-                model[i] = VocabParallelHead(module, group, name=str(i))
-                found = True
-    return found
-
-
-def vocab_parallel_head(model: nn.Module) -> VocabParallelHead | None:
-    """The model's vocabulary-parallel head, if tensor parallel gave it one."""
-    return next((m for m in model.modules() if isinstance(m, VocabParallelHead)), None)
+def vocab_parallel_head(model: nn.Module) -> VocabParallelLinear | None:
+    """The model's vocabulary-parallel output layer, if tensor parallel gave it one."""
+    return next((m for m in model.modules() if isinstance(m, VocabParallelLinear)), None)

@@ -55,6 +55,7 @@ from distlab import comm
 from distlab.comm import p2p
 from distlab.comm.ops import NATIVE
 from distlab.errors import ConfigError
+from distlab.parallel.precision import DTYPES
 from distlab.parallel.state_bytes import optimizer_tensors, storage_bytes
 from distlab.runtime import broadcast_module, group_rank, group_size
 
@@ -227,6 +228,13 @@ class Zero(nn.Module):
                 self._handles.append(m.register_forward_hook(
                     lambda m, args, out, units=units: self._after_forward(units, m, out)))
 
+    @classmethod
+    def from_strategy(cls, module: nn.Module, strategy, group: dist.ProcessGroup | None = None) -> "Zero":
+        """``module`` over ``group`` at the strategy's ZeRO stage, collective, bucket size and wire dtype."""
+        wire = strategy.wire_dtype
+        return cls(module, strategy.zero, group=group, collective=strategy.collective, bucket_mb=strategy.bucket_mb,
+                   reduce_dtype=DTYPES[wire] if wire else None)
+
     # ------------------------------------------------------------------ the wrapped model
 
     @property
@@ -237,6 +245,7 @@ class Zero(nn.Module):
         return self._module(*args, **kwargs)
 
     sharded = True  # ranks hold different model states
+    needs_priming = False  # its buckets are fixed at construction: a resumed run reduces in the same ones
 
     def shard_parameters(self) -> list[nn.Parameter]:
         """One flat parameter per unit: this rank's shard. Build the optimizer over these."""
@@ -640,6 +649,11 @@ class Zero(nn.Module):
         return [(u.name, u.param, (u.rank * u.shard_numel,
                                    max(0, min(u.numel, (u.rank + 1) * u.shard_numel) - u.rank * u.shard_numel)))
                 for u in self.units]
+
+    @staticmethod
+    def reads(state: dict) -> bool:
+        """Whether ``state`` is a :meth:`sharded_state_dict` of ZeRO (of any stage and group size)."""
+        return "zero_stage" in state
 
     @staticmethod
     def split_state(state: dict, keys: list[str]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:

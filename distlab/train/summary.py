@@ -71,8 +71,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "cluster": emulated_cluster(),  # the emulated cluster's nodes and links the run crossed (None: none)
         "strategy_text": str(strategy),
         "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "layout": mesh.describe()},
-        **({"pipeline": pipeline_facts(engine, cfg.timing_warmup_steps, rt.device)}
-           if engine.pipeline is not None else {}),
+        **engine.schedule.report(cfg.timing_warmup_steps, rt.device),  # a pipeline's stages and bubble
         "model": cfg.model,
         "dataset": cfg.dataset,
         "data_path": trainer.train_set.source or None,
@@ -143,26 +142,6 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "config": cfg.to_dict(),
     }
-
-
-def pipeline_facts(engine, warmup: int, device) -> dict:
-    """The pipeline's stages, schedule and measured bubble (every rank calls it: it reduces over the world)."""
-    stage, strategy = engine.pipeline, engine.strategy
-    timings = engine.pipeline_timings[min(warmup, len(engine.pipeline_timings) // 2):]
-    bubble = statistics.median(t["bubble_measured"] for t in timings) if timings else 0.0
-    peak = max((t["in_flight_peak"] for t in timings), default=0)
-    held = max((t["activation_peak_bytes"] for t in timings), default=0)
-    total, = reduce_scalars([bubble], device=device)
-    worst, held = reduce_scalars([peak, held], op=dist.ReduceOp.MAX, device=device)
-    return {"stages": stage.describe(), "microbatches": strategy.microbatches, "schedule": strategy.pp_schedule,
-            "bubble_measured": total / dist.get_world_size(), "bubble_ideal": ideal_bubble(strategy.pp, strategy.microbatches),
-            "in_flight_peak": int(worst),
-            "activation_peak_bytes": int(held),
-            "bubble_basis": "per step, the share of a stage's step spent waiting for a neighbour's activation or "
-                            "gradient (median over steps after warm-up, mean over ranks); ideal: (P - 1) / (M + P - 1); "
-                            "in_flight_peak and "
-                            "activation_peak_bytes (storages saved for backward, parameters excepted): the most any "
-                            "stage held at once"}
 
 
 def tensor_parallel_share(module: torch.nn.Module) -> tuple[list[str], int, int]:
@@ -269,14 +248,13 @@ def header(trainer) -> list[str]:
         lines.append(f"mesh     {mesh.describe()}")
     if cfg.strategy.tp > 1:
         names, tp_params, total = tensor_parallel_share(trainer.engine.module)
-        if trainer.engine.pipeline is not None:
-            names = [trainer.engine.pipeline.model_key(n) for n in names]
+        names = [trainer.engine.schedule.model_key(n) for n in names]
         lines.append(f"tensor parallel: {len(names)} layers split ({', '.join(names) or 'none'}), "
                      f"{tp_params:,} of this rank's {total:,} parameters; the rest is replicated")
-    stage = trainer.engine.pipeline
-    if stage is not None:
+    stages = trainer.engine.schedule.stages()
+    if stages:
         cuts = "; ".join(f"stage {d['stage']} = layers {d['layers'][0]}-{d['layers'][1] - 1} ({d['first']} .. "
-                         f"{d['last']}), {d['parameters']:,} parameters" for d in stage.describe())
+                         f"{d['last']}), {d['parameters']:,} parameters" for d in stages)
         st = cfg.strategy
         lines.append(f"pipeline {st.pp} stages, schedule {st.pp_schedule}, {st.microbatches} micro-batches per step "
                      f"(ideal bubble {ideal_bubble(st.pp, st.microbatches):.0%}): {cuts}")

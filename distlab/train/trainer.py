@@ -253,10 +253,9 @@ class Trainer:
     def _evaluate(self, epoch: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
         with self.engine.gathered():  # ZeRO-3: one gather for the whole evaluation
-            score = dict(loss_fn=self.engine.loss, correct_fn=self.engine.correct)
-            result = evaluate(self.net, self.test_set, self.mesh, self.rt.device, cfg.eval_batch_size, **score)
+            result = evaluate(self.engine, self.test_set, self.rt.device, cfg.eval_batch_size)
             if self.val_set is not None:
-                val = evaluate(self.net, self.val_set, self.mesh, self.rt.device, cfg.eval_batch_size, **score)
+                val = evaluate(self.engine, self.val_set, self.rt.device, cfg.eval_batch_size)
                 result.update(val_loss=val["test_loss"], val_accuracy=val["test_accuracy"])
         record = {"epoch": epoch, "step": self.run.step, "time_s": self.run.time_used(), **result}
         self.run.record_eval(record, time.perf_counter() - t0)

@@ -1,0 +1,141 @@
+"""The contract under the Engine: what a gradient sync and a step schedule provide.
+
+An :class:`~distlab.parallel.Engine` holds one :class:`GradSync` and one :class:`StepSchedule`
+and calls nothing else of them: it never asks which one it holds. Adding a strategy of either
+kind is one class that implements the protocol (checked by ``isinstance(obj, GradSync)``:
+``tests/test_protocols.py`` checks every implementation) and one line where
+:func:`~distlab.parallel.parallelize` picks it.
+
+====================  ===========================================================================
+``GradSync``          keeps the replicas of one model in step over the data-parallel group:
+                      :class:`~distlab.parallel.DataParallel` (gather-scatter, allreduce, bucketed,
+                      ddp) and :class:`~distlab.parallel.Zero` (stages 1, 2, 3)
+``StepSchedule``      runs one optimizer step's forwards and backwards:
+                      :class:`~distlab.parallel.schedule.Accumulate` (k micro-batches, one sync after
+                      the last) and :class:`~distlab.parallel.schedule.Pipelined` (a
+                      :class:`~distlab.parallel.PipelineStage`'s GPipe or 1F1B schedule)
+====================  ===========================================================================
+
+A step, as the Engine runs it::
+
+    loss = schedule.forward_backward(engine, x, y, loss_fn)  # every backward but the last in grad_sync.no_sync()
+    grad_sync.sync_gradients()                                 # the global mean gradient (or this rank's shard of it)
+    optimizer.step()                                           # over grad_sync.optimizer_parameters()
+    grad_sync.after_step()                                     # ZeRO 1-2: all-gather the updated shards
+"""
+
+from __future__ import annotations
+
+from typing import Callable, ContextManager, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+# (key, parameter, flat range) of one optimizer parameter: the local key of the model parameter it
+# updates, that parameter, and the range of its flattened elements it holds (None: all of them).
+Slot = tuple[str, nn.Parameter, "tuple[int, int] | None"]
+
+
+@runtime_checkable
+class GradSync(Protocol):
+    """Keeps the data-parallel replicas of ``module`` in step: one object per model, made over the
+    mesh's data-parallel group (the ranks that hold the same pipeline stage and tensor-parallel shard)."""
+
+    sharded: bool  # whether ranks of the group hold different model state (ZeRO) or the same (replicas)
+    peak_bytes: int  # the most parameter + gradient + optimizer-state bytes held so far on this rank
+
+    @property
+    def module(self) -> nn.Module:
+        """The model (its ``state_dict`` has the keys the module had before wrapping)."""
+
+    @property
+    def needs_priming(self) -> bool:
+        """Whether a resumed run must replay one backward before its first step to be bitwise
+        (torch's DDP re-cuts its buckets after the first step: :meth:`Engine.prime`)."""
+
+    def __call__(self, *args, **kwargs): ...
+
+    # -- a step
+    def optimizer_parameters(self) -> list[nn.Parameter]:
+        """What the optimizer updates on this rank (ZeRO: this rank's flat shards)."""
+
+    def track(self, optimizer: torch.optim.Optimizer) -> None:
+        """Count ``optimizer``'s state in :attr:`peak_bytes`."""
+
+    def no_sync(self) -> ContextManager:
+        """Backward inside accumulates local gradients and communicates nothing."""
+
+    def sync_gradients(self) -> None:
+        """After the step's last backward: every (shard of every) gradient is the group's mean."""
+
+    def after_step(self) -> None:
+        """After ``optimizer.step()``: what the layout needs (ZeRO 1-2: all-gather the shards)."""
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Parameter name -> its whole averaged gradient (collective under ZeRO), between
+        :meth:`sync_gradients` and the next ``zero_grad``."""
+
+    # -- state
+    def gathered(self) -> ContextManager[nn.Module]:
+        """The full parameters in place for the duration (collective under ZeRO-3)."""
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's part of the model state (plain tensors; a snapshot writes one per rank)."""
+
+    def load_sharded_state_dict(self, state: dict) -> None: ...
+
+    def sync_state_dict(self) -> dict:
+        """What the sync carries from one step to the next (compression memory); ``{}`` if nothing."""
+
+    def load_sync_state_dict(self, state: dict) -> None: ...
+
+    # -- placement (changing layout)
+    def parameter_slots(self) -> list[Slot]:
+        """Each optimizer parameter's :data:`Slot`, in :meth:`optimizer_parameters` order."""
+
+    @staticmethod
+    def reads(state: dict) -> bool:
+        """Whether ``state`` is a :meth:`sharded_state_dict` of this kind (of any group size)."""
+
+    @staticmethod
+    def split_state(state: dict, keys: list[str]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        """A :meth:`sharded_state_dict` of this kind as (the optimizer parameters' tensors, buffers)."""
+
+    def state_from(self, params: list[torch.Tensor], buffers: dict[str, torch.Tensor]) -> dict:
+        """The :meth:`sharded_state_dict` that holds ``params`` (slot order) and ``buffers``."""
+
+    # -- cost
+    def observe(self) -> int:
+        """Record the model-state bytes held now; returns :attr:`peak_bytes`."""
+
+    def uncounted_bytes_per_sync(self) -> int:
+        """Bytes a rank sends per sync that :mod:`distlab.comm` does not count (torch's DDP)."""
+
+
+@runtime_checkable
+class StepSchedule(Protocol):
+    """How one optimizer step's forwards and backwards run, and how this rank's keys map to the
+    whole model's (a pipeline stage holds some of its layers under its own keys)."""
+
+    def forward_backward(self, engine, x: torch.Tensor, y: torch.Tensor,
+                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Forwards and backwards of this rank's batch, every backward but the last under
+        ``engine.no_sync()``; gradients not yet synced. Returns this rank's mean loss as a 0-dim
+        float64 tensor (every rank of a pipeline returns the same)."""
+
+    def infer(self, engine, x: torch.Tensor) -> torch.Tensor | None:
+        """The model's output for one batch without gradients, where it is known (a pipeline's last
+        stage), None elsewhere. Every rank calls it once per batch."""
+
+    def model_key(self, key: str) -> str:
+        """A key of this rank's ``state_dict`` (or a module name) as the whole model's."""
+
+    def gather_stages(self, mine: object) -> list:
+        """Every stage's ``mine``, in the model's order (collective over the pipeline; ``[mine]``
+        without one)."""
+
+    def stages(self) -> list[dict]:
+        """The pipeline's stages (layer ranges, names, parameters); ``[]`` without a pipeline."""
+
+    def report(self, warmup: int, device: torch.device | str) -> dict:
+        """What the schedule measured, for summary.json (collective over the world; ``{}`` if nothing)."""

@@ -1,0 +1,112 @@
+"""The two step schedules (:class:`~distlab.parallel.protocols.StepSchedule`): accumulate k
+micro-batches, or run this rank's pipeline stage.
+
+The Engine calls ``forward_backward`` and then syncs; neither schedule syncs itself. Both run
+every backward but the step's last under ``engine.no_sync()``, so data parallel and ZeRO reduce
+once per step, overlapped with the last backward where the method can.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from distlab.parallel.pipeline import PipelineStage, check_microbatches, ideal_bubble
+from distlab.runtime import reduce_scalars
+
+
+class Accumulate:
+    """``k`` equal micro-batches per step (``strategy.grad_accum``): each loss divided by ``k``, so
+    the accumulated gradient is the mean over the whole local batch and the step equals one step on
+    the k-times-larger batch. ``k == 1`` is a plain step."""
+
+    def __init__(self, k: int = 1):
+        self.k = k
+
+    def forward_backward(self, engine, x: torch.Tensor, y: torch.Tensor,
+                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        k = self.k
+        check_microbatches(len(x), k, "accumulation micro-batches (grad_accum)")  # never drop len(x) % k samples
+        micro = len(x) // k
+        total = None
+        for i in range(k):
+            xm, ym = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
+            with engine.no_sync() if i < k - 1 else contextlib.nullcontext():
+                with engine.precision.autocast():
+                    loss = loss_fn(engine(xm), ym) / k
+                engine.precision.backward(loss)
+            # the micro-batch losses summed in float64, as Python floats would be; read when the caller wants
+            part = loss.detach().to(torch.float64)
+            total = part if total is None else total + part
+        return total
+
+    def infer(self, engine, x: torch.Tensor) -> torch.Tensor:
+        return engine(x)
+
+    def model_key(self, key: str) -> str:
+        return key
+
+    def gather_stages(self, mine):
+        return [mine]
+
+    def stages(self) -> list[dict]:
+        return []
+
+    def report(self, warmup: int, device) -> dict:
+        return {}
+
+
+class Pipelined:
+    """This rank's :class:`~distlab.parallel.PipelineStage` runs its schedule (GPipe or 1F1B) over
+    ``microbatches`` micro-batches; the loss, known on the last stage, is broadcast along the
+    pipeline so every rank returns it. Each step's timings are kept for :meth:`report`."""
+
+    def __init__(self, stage: PipelineStage, mesh):
+        self.stage, self.mesh = stage, mesh
+        self.timings: list[dict] = []  # PipelineStage.last_timing of every step
+
+    def forward_backward(self, engine, x, y, loss_fn) -> torch.Tensor:
+        stage = self.stage
+        loss = stage.train_step(x if stage.first else None, y if stage.last else None, loss_fn, engine.no_sync,
+                                batch_size=len(x) if x is not None else None)
+        self.timings.append(stage.last_timing)
+        value = (loss.detach() if loss is not None else torch.zeros(())).reshape(1).to(torch.float32)
+        dist.broadcast(value, src=self.mesh.pp_ranks[-1], group=self.mesh.pp_group)
+        return value[0].to(torch.float64)
+
+    def infer(self, engine, x: torch.Tensor) -> torch.Tensor | None:
+        return self.stage.infer(x)
+
+    def model_key(self, key: str) -> str:
+        return self.stage.model_key(key)
+
+    def gather_stages(self, mine):
+        parts = [None] * self.mesh.pp
+        dist.all_gather_object(parts, mine, group=self.mesh.pp_group)
+        return parts
+
+    def stages(self) -> list[dict]:
+        return self.stage.describe()
+
+    def report(self, warmup: int, device) -> dict:
+        """The stages, schedule and measured bubble (every rank calls it: it reduces over the world)."""
+        stage = self.stage
+        timings = self.timings[min(warmup, len(self.timings) // 2):]
+        bubble = statistics.median(t["bubble_measured"] for t in timings) if timings else 0.0
+        peak = max((t["in_flight_peak"] for t in timings), default=0)
+        held = max((t["activation_peak_bytes"] for t in timings), default=0)
+        total, = reduce_scalars([bubble], device=device)
+        worst, held = reduce_scalars([peak, held], op=dist.ReduceOp.MAX, device=device)
+        return {"pipeline": {
+            "stages": stage.describe(), "microbatches": stage.microbatches, "schedule": stage.schedule,
+            "bubble_measured": total / dist.get_world_size(),
+            "bubble_ideal": ideal_bubble(stage.stages, stage.microbatches),
+            "in_flight_peak": int(worst), "activation_peak_bytes": int(held),
+            "bubble_basis": "per step, the share of a stage's step spent waiting for a neighbour's activation or "
+                            "gradient (median over steps after warm-up, mean over ranks); ideal: (P - 1) / (M + P - 1); "
+                            "in_flight_peak and activation_peak_bytes (storages saved for backward, parameters "
+                            "excepted): the most any stage held at once"}}

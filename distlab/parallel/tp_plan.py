@@ -1,0 +1,115 @@
+"""Apply a model's tensor-parallel plan: any model, any plan, no model named here.
+
+A model says which of its modules are split and how (``tensor_parallel_plan(tp, style,
+sequence_parallel)`` -> ``{module name: style}``; the styles are listed in
+:mod:`distlab.models.plans`); :func:`apply_tensor_parallel` swaps each named module for its
+parallel version over the group, in the plan's order, slicing the full, seeded module so the
+sharded model computes what the whole one does. A plain ``nn.Sequential`` without a plan gets
+the default one (:func:`~distlab.models.plans.linear_plan` of its Linear layers); any other model
+without one is refused, naming the method it must provide.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from distlab.errors import ConfigError
+from distlab.models.plans import STYLES as PLAN_STYLES, linear_plan
+from distlab.parallel.tensor_parallel import STYLES, ColumnParallelLinear, RowParallelLinear, _all_reduce
+from distlab.parallel.transformer_tp import (CopyToGroup, GatherSequence, SequenceParallelEmbedding,
+                                             VocabParallelEmbedding, VocabParallelLinear)
+from distlab.runtime import group_size
+
+
+def plan_of(model: nn.Module, tp: int, style: str = "megatron", sequence_parallel: bool = False) -> dict[str, str]:
+    """``model``'s tensor-parallel plan for ``tp`` ranks (its own, or a plain ``nn.Sequential``'s default)."""
+    if style not in STYLES:
+        raise ConfigError(f"unknown `tp_style` {style!r}; choose one of: {', '.join(STYLES)}")
+    declared = getattr(model, "tensor_parallel_plan", None)
+    if declared is not None:
+        plan = dict(declared(tp, style, sequence_parallel))
+    elif isinstance(model, nn.Sequential):
+        plan = linear_plan(model, "", style)
+    else:
+        raise ConfigError(f"`tp` splits the layers a model names in its tensor_parallel_plan(tp, style, "
+                          f"sequence_parallel) method; {type(model).__name__} has none (see distlab.models.plans)")
+    if not plan:
+        raise ConfigError(f"`tp` needs a model with Linear layers to split; {type(model).__name__}'s tensor-parallel "
+                          f"plan is empty")
+    unknown = sorted({s for s in plan.values() if s not in PLAN_STYLES})
+    if unknown:
+        raise ConfigError(f"{type(model).__name__}'s tensor-parallel plan has unknown style(s) {', '.join(unknown)}; "
+                          f"styles: {', '.join(PLAN_STYLES)}")
+    if sequence_parallel and not any(s in ("sequence", "sequence_embedding") for s in plan.values()):
+        raise ConfigError(f"`sequence_parallel` splits a transformer's sequence: {type(model).__name__}'s "
+                          f"tensor-parallel plan declares no sequence-parallel regions")
+    if sequence_parallel and "colwise_gather" in plan.values():
+        raise ConfigError("sequence parallel needs the megatron `tp_style` (column then row parallel)")
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, group=None, style: str = "megatron",
+                          sequence_parallel: bool = False) -> nn.Module:
+    """Split ``model`` over ``group`` as its plan says, in place; returns it. ``sequence_parallel``
+    also splits the regions between the parallel blocks along the sequence (the plan's ``sequence``
+    modules; their parameters' gradients are then summed over the group as they are computed)."""
+    plan = plan_of(model, group_size(group), style, sequence_parallel)
+    shared: list[nn.Parameter] = []  # parameters that see this rank's positions only
+    for name, kind in plan.items():
+        module = model.get_submodule(name)
+        new = _parallel(module, kind, group, name, sequence_parallel, shared)
+        if new is not module:
+            _replace(model, name, new)
+    for p in dict.fromkeys(shared):  # once each, in order
+        p.register_hook(lambda g: _all_reduce(g.contiguous().clone(), group))
+    return model
+
+
+def _parallel(m: nn.Module, kind: str, group, name: str, sp: bool, shared: list) -> nn.Module:
+    """The parallel version of ``m`` for plan style ``kind`` (or ``m`` itself, changed in place)."""
+    if kind in ("colwise", "colwise_gather", "colwise_entered", "rowwise", "vocab_output"):
+        _expect(m, nn.Linear, kind, name)
+    if kind in ("colwise", "colwise_gather", "colwise_entered"):
+        layer = ColumnParallelLinear(m, group, gather_output=kind == "colwise_gather", name=name)
+        layer.copy_input = kind != "colwise_entered"
+        layer.sequence_parallel = sp and kind == "colwise"
+        return layer
+    if kind == "rowwise":
+        layer = RowParallelLinear(m, group, input_is_parallel=True, name=name)
+        layer.sequence_parallel = sp
+        if sp and layer.bias is not None:
+            shared.append(layer.bias)
+        return layer
+    if kind == "vocab_output":
+        return VocabParallelLinear(m, group, name=name)
+    if kind == "enter":
+        _expect(m, nn.Identity, kind, name)
+        return GatherSequence(group) if sp else CopyToGroup(group)
+    if kind == "vocab_embedding":
+        _expect(m, nn.Embedding, kind, name)
+        return VocabParallelEmbedding(m, group, name=name)
+    if kind == "sequence":
+        if sp:
+            shared.extend(m.parameters())
+        return m
+    # sequence_embedding
+    if not sp:
+        return m
+    if not (isinstance(getattr(m, "tok", None), VocabParallelEmbedding) and isinstance(getattr(m, "pos", None),
+                                                                                       nn.Embedding)):
+        raise ConfigError(f"tensor-parallel plan: {name} is a sequence_embedding but has no vocabulary-parallel `tok` "
+                          f"and `pos` embeddings (list {name}.tok as a vocab_embedding before it)")
+    embedding = SequenceParallelEmbedding(m, group)
+    shared.append(embedding.pos.weight)
+    return embedding
+
+
+def _expect(m: nn.Module, kind: type, style: str, name: str) -> None:
+    if type(m) is not kind:
+        raise ConfigError(f"tensor-parallel plan: {name} is a {type(m).__name__}, but style {style} applies to an "
+                          f"nn.{kind.__name__}")
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, new)

@@ -1,0 +1,59 @@
+"""The contract under the Engine (distlab.parallel.protocols): every gradient sync and step schedule
+implements its protocol, and an Engine of each combination runs a step through nothing else."""
+
+import torch
+import torch.nn.functional as F
+
+from distlab.models import build_model
+from distlab.parallel import DataParallel, Strategy, Zero, build_mesh, parallelize
+from distlab.parallel.data_parallel import SYNC_METHODS
+from distlab.parallel.protocols import GradSync, StepSchedule
+from distlab.parallel.schedule import Accumulate
+from distlab.parallel.zero import STAGES
+from distlab.spawn import run_ranks
+from distlab.verify import gradient_tolerance
+
+
+def _model():
+    torch.manual_seed(0)
+    return build_model("mlp", (1, 4, 4), 3, widths=(8,))
+
+
+def test_every_gradient_sync_and_schedule_implements_its_protocol():
+    syncs = [DataParallel(_model(), method) for method in SYNC_METHODS if method != "ddp"]
+    syncs += [Zero(_model(), stage) for stage in STAGES if stage]
+    for sync in syncs:
+        assert isinstance(sync, GradSync), type(sync).__name__
+    assert isinstance(Accumulate(2), StepSchedule)
+    engine = parallelize(_model(), Strategy.parse("zero=2+accum=2"), build_mesh(1))
+    assert isinstance(engine.grad_sync, GradSync) and isinstance(engine.schedule, StepSchedule)
+
+
+def test_a_state_dict_is_read_back_by_the_kind_that_wrote_it():
+    dp, zero = DataParallel(_model()), Zero(_model(), 3)
+    assert DataParallel.reads(dp.sharded_state_dict()) and not Zero.reads(dp.sharded_state_dict())
+    assert Zero.reads(zero.sharded_state_dict()) and not DataParallel.reads(zero.sharded_state_dict())
+
+
+def _step(rank, world):
+    x, y = torch.randn(8, 1, 4, 4, generator=torch.Generator().manual_seed(1)), torch.arange(8) % 3
+    engine = parallelize(_model(), Strategy.parse("zero=3+accum=2"), build_mesh(1))
+    mine = slice(rank * 4, (rank + 1) * 4)
+    engine.forward_backward(x[mine], y[mine], F.cross_entropy)
+    grads = engine.full_gradients()
+    with engine.gathered():
+        out = engine.infer(x)
+    return grads, out
+
+
+def test_the_engine_steps_infers_and_reports_gradients_through_its_protocols():
+    """Two ranks, ZeRO-3 and 2 accumulated micro-batches each: the gathered full gradients are one
+    process's on the whole batch (within the float32 bound of verify), and infer is the model's output."""
+    x, y = torch.randn(8, 1, 4, 4, generator=torch.Generator().manual_seed(1)), torch.arange(8) % 3
+    plain = _model()
+    F.cross_entropy(plain(x), y).backward()
+    for grads, out in run_ranks(_step, 2, timeout=120):
+        assert list(grads) == [k for k, _ in plain.named_parameters()]
+        for k, p in plain.named_parameters():
+            assert (grads[k] - p.grad).abs().max() <= gradient_tolerance(8), k
+        assert torch.equal(out, plain(x).detach())
