@@ -247,22 +247,20 @@ class Engine:
     def load_sharded_state_dict(self, state: dict) -> None:
         self.grad_sync.load_sharded_state_dict(state)
 
-    def extra_state(self) -> dict:
-        """What a step carries to the next outside the model and optimizer: fp16's loss scaler and the
-        gradient sync's compression memory (PowerSGD's error feedback and warm-start factors, this
-        rank's). Snapshots keep it so that a resume continues bitwise."""
-        state = {"grad_sync": self.grad_sync.sync_state_dict()}
+    def register_state(self, registry) -> None:
+        """Register what a step carries to the next outside the model and optimizer with a run-state
+        ``registry`` (:class:`distlab.train.registry.StateRegistry`): the gradient sync's compression
+        memory (PowerSGD's error feedback and warm-start factors: this rank's, of this layout, so it
+        starts afresh on another) and fp16's loss scaler. Snapshots keep them, so a resume continues
+        bitwise."""
+        registry.register("grad_sync", self.grad_sync.sync_state_dict, self._load_sync_state, reshard="fresh",
+                          optional=True)
         if self.precision.scaler is not None:
-            state["loss_scaler"] = self.precision.scaler.state_dict()
-        return state
+            registry.register_stateful("loss_scaler", self.precision.scaler, optional=True)
 
-    def load_extra_state(self, state: dict, same_layout: bool = True) -> None:
-        """Restore :meth:`extra_state`. The compression memory belongs to one rank of one layout: after a
-        change of layout (``same_layout`` False) it starts afresh, as after a new start."""
-        if self.precision.scaler is not None and "loss_scaler" in state:
-            self.precision.scaler.load_state_dict(state["loss_scaler"])
-        if same_layout and state.get("grad_sync"):
-            self.grad_sync.load_sync_state_dict(state["grad_sync"])
+    def _load_sync_state(self, state: dict) -> None:
+        if state:
+            self.grad_sync.load_sync_state_dict(state)
 
     # ------------------------------------------------------------------ placement (changing layout)
 

@@ -29,6 +29,7 @@ from distlab.parallel import Engine, Strategy
 from distlab.runtime import Runtime, reduce_scalars
 from distlab.train import lock, reshard, snapshot
 from distlab.train.config import TrainConfig
+from distlab.train.registry import StateRegistry
 from distlab.train.snapshot import SnapshotError
 
 
@@ -184,6 +185,26 @@ class RunState:
         self._start = time.perf_counter()
         self._locked: list[str] = []  # directories this process locked (released by end())
         self._resumed_note: str | None = None
+        self._loading = None  # the snapshot being loaded (named by errors)
+        self.registry = self._registry()
+
+    def _registry(self) -> StateRegistry:
+        """Every piece of state a snapshot keeps, by name (a payload's keys), in loading order."""
+        reg, engine = StateRegistry(), self.engine
+        reg.register("model", engine.sharded_state_dict, self._load_model, reshard="layout")
+        reg.register("placement", lambda: self.placement)  # read by a resume under another layout
+        reg.register_stateful("optimizer", self.optimizer, reshard="layout")
+        reg.register_stateful("scheduler", self.scheduler)
+        extra = StateRegistry()
+        engine.register_state(extra)  # compression memory, loss scaler
+        reg.register_registry("extra", extra, optional=True)
+        reg.register("step", lambda: self.step, self._load_step)
+        reg.register("samples", lambda: self.step * self.cfg.global_batch_size)
+        reg.register("window", lambda: [float(self.window_loss), self.window_steps], self._load_window, reshard="all")
+        reg.register("run", self._run_fields, self._load_run_fields)
+        reg.register("best_model", lambda: self.best_state, self._load_best, reshard="layout", optional=True)
+        reg.register("rng", snapshot.rng_state, snapshot.set_rng_state, reshard="mine")  # last: nothing after draws
+        return reg
 
     # ------------------------------------------------------------------ start and progress
 
@@ -317,16 +338,36 @@ class RunState:
                 "best_val_step": self.best_val_step, "time_used_s": self.time_used(), "last_loss": self.last_loss,
                 "attempts": self.attempts, "layouts": self.layouts}
 
+    def _load_run_fields(self, run: dict) -> None:
+        self.history = list(run["history"])
+        self.evals = list(run["evals"])
+        self.best_val_loss, self.best_val_step = run["best_val_loss"], run["best_val_step"]
+        self.last_loss, self.attempts = run["last_loss"], run["attempts"]
+        self.layouts = list(run.get("layouts", []))
+        self._time_before = run["time_used_s"]
+
+    def _load_model(self, state: dict) -> None:
+        try:
+            self.engine.load_sharded_state_dict(state)
+        except (RuntimeError, KeyError, ValueError) as exc:
+            raise SnapshotError(f"snapshot {self._loading} holds another model than this run's: "
+                                f"{first_line(exc)[:300]}") from None
+
+    def _load_step(self, step: int) -> None:
+        self.step = self._saved_step = int(step)
+
+    def _load_window(self, windows: list) -> None:
+        """Each rank's share of the loss sum since the last log line (on another layout: the old
+        ranks' sum spread evenly, so the logged mean stays the global mean)."""
+        self.window_loss = sum(float(w[0]) for w in windows) / len(windows)
+        self.window_steps = int(windows[0][1])
+
+    def _load_best(self, state: dict) -> None:
+        self.best_state = state
+
     def save(self) -> None:
         t0 = time.perf_counter()
-        payload = {"model": self.engine.sharded_state_dict(), "placement": self.placement,
-                   "optimizer": self.optimizer.state_dict(),
-                   "scheduler": self.scheduler.state_dict(), "rng": snapshot.rng_state(), "step": self.step,
-                   "samples": self.step * self.cfg.global_batch_size,
-                   "window": [float(self.window_loss), self.window_steps], "run": self._run_fields(),
-                   "extra": self.engine.extra_state()}
-        if self.best_state is not None:
-            payload["best_model"] = self.best_state
+        payload = self.registry.state_dict()
         meta = {"run_id": self.run_id, "fingerprint": self.fingerprint, **self.layout}
         path = snapshot.save(self.cfg.snapshot_dir, self.step, payload, meta, self.cfg.keep_snapshots)
         self.last_snapshot = str(path)
@@ -350,35 +391,12 @@ class RunState:
         if loaded is None:
             warn(f"distlab: no snapshot in {cfg.snapshot_dir} yet: starting from step 0")
             return None
-        p = loaded.payload  # old rank 0's when resharding
         self.run_id = loaded.meta.get("run_id")
+        self._loading = loaded.path
         if loaded.resharded:
-            self._reshard(loaded)
-        else:
-            try:
-                self.engine.load_sharded_state_dict(p["model"])
-            except (RuntimeError, KeyError, ValueError) as exc:
-                first = first_line(exc)
-                raise SnapshotError(f"snapshot {loaded.path} holds another model than this run's: "
-                                    f"{first[:300]}") from None
-            self.optimizer.load_state_dict(p["optimizer"])
-            self.best_state = p.get("best_model")
-        self.scheduler.load_state_dict(p["scheduler"])
-        mine = p if not loaded.resharded else loaded.payloads[self.rt.rank % len(loaded.payloads)]
-        self.engine.load_extra_state(mine.get("extra", {}), same_layout=not loaded.resharded)
-        self.step = self._saved_step = int(p["step"])
-        self.window_loss, self.window_steps = float(p["window"][0]), int(p["window"][1])
-        if loaded.resharded:  # each rank's share of the window's loss sum: the logged mean stays the global mean
-            self.window_loss = sum(float(q["window"][0]) for q in loaded.payloads) / len(loaded.payloads)
-        run = p["run"]
-        self.history = list(run["history"])
-        self.evals = list(run["evals"])
-        self.best_val_loss, self.best_val_step = run["best_val_loss"], run["best_val_step"]
-        self.last_loss, self.attempts = run["last_loss"], run["attempts"]
-        self.layouts = list(run.get("layouts", []))
-        self._time_before = run["time_used_s"]
-        rng = p["rng"] if not loaded.resharded else loaded.payloads[self.rt.rank % len(loaded.payloads)]["rng"]
-        snapshot.set_rng_state(rng)  # last: nothing below draws random numbers before training
+            self._reshard(loaded)  # the layout-cut state: model, optimizer, best model
+        # every registered piece by its name (old rank 0's payload when resharding; the rest by their rules)
+        self.registry.load_state_dict(loaded.payload, loaded.payloads if loaded.resharded else None, self.rt.rank)
         if self.rt.is_main and cfg.verbose:
             how = ""
             if loaded.resharded:
