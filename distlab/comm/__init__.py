@@ -16,6 +16,11 @@ flat contiguous buffer with the same meaning of ``op``, without the checks and a
 ``auto``           per collective and backend, the one measured fastest (:func:`resolve`)
 =================  ==========================================================================
 
+Every collective takes ``async_op=True`` and then returns a :class:`Handle` (``wait()`` completes
+it and returns the output): torch's own work for ``native``, this process's communication thread
+(:func:`run_async`) for distlab's algorithms. Bytes are counted here, for every algorithm:
+messages as they are sent, native collectives at their analytic volume (the callers count nothing).
+
 Any number of elements (0, 1, not divisible by the group size), any dtype that torch can add on
 the device, contiguous or not, CPU or CUDA, any process group (ranks are group ranks). Tensors
 must have the same size on every rank: a mismatch is caught by the transport as a message-size
@@ -24,7 +29,10 @@ error where a message differs (it is not checked up front, which would cost a co
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -71,27 +79,94 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return (t if t.is_contiguous() else t.contiguous()).view(-1)
 
 
+def _into(result: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """``buf``'s values in ``result`` (where ``buf`` was a contiguous copy of it); returns ``result``."""
+    if buf.data_ptr() != result.data_ptr() or not result.is_contiguous():
+        result.copy_(buf.view_as(result))
+    return result
+
+
+class Handle:
+    """A collective under way (``async_op=True``): :meth:`wait` completes it and returns its output.
+
+    One type whatever runs the collective -- torch's work object for the native ones (then
+    ``avg``'s division and the copy back into a non-contiguous output), or a future on this
+    process's communication thread for distlab's algorithms (:func:`run_async`). Waiting twice is
+    waiting once."""
+
+    __slots__ = ("_finish", "_result")
+
+    def __init__(self, finish: Callable[[], torch.Tensor]):
+        self._finish, self._result = finish, None
+
+    def wait(self) -> torch.Tensor:
+        if self._finish is not None:
+            self._result, self._finish = self._finish(), None
+        return self._result
+
+    @classmethod
+    def completed(cls, result: torch.Tensor) -> "Handle":
+        handle = cls(lambda: result)
+        handle.wait()
+        return handle
+
+
+_THREAD: ThreadPoolExecutor | None = None
+_THREAD_LOCK = threading.Lock()
+
+
+def run_async(fn: Callable[..., torch.Tensor], *args, **kwargs) -> Handle:
+    """Run ``fn(*args, **kwargs)`` -- distlab collectives, or a composite of them (a compression
+    codec) -- on this process's communication thread and return its :class:`Handle`.
+
+    One thread, first come first served: every rank must submit the same collectives in the same
+    order (as every rank must call collectives in the same order anyway). It sends in its own tag
+    space (:func:`p2p.use_tag_space` 1), so the main thread's collectives on the same group cannot
+    take its messages."""
+    global _THREAD
+    with _THREAD_LOCK:
+        if _THREAD is None:
+            _THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distlab-comm",
+                                         initializer=p2p.use_tag_space, initargs=(1,))
+    future = _THREAD.submit(fn, *args, **kwargs)
+    return Handle(future.result)
+
+
+def _native(name: str, sent: int, received: int, start: Callable, finish: Callable[[], torch.Tensor],
+            async_op: bool) -> torch.Tensor | Handle:
+    """Start a native collective (``start()`` returns torch's work), count its analytic bytes, and
+    finish it now or at the handle's wait."""
+    accounting.record_call(f"{name}/native")
+    accounting.record_analytic(sent, received)
+    work = start()
+    handle = Handle(lambda: (work.wait(), finish())[1])
+    return handle if async_op else handle.wait()
+
+
+def _done(result: torch.Tensor, async_op: bool) -> torch.Tensor | Handle:
+    return Handle.completed(result) if async_op else result
+
+
 def all_reduce(tensor: torch.Tensor, op: str | dist.ReduceOp = "sum", algorithm: str = "native",
-               group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Reduce ``tensor`` over the group, in place, and return it."""
+               group: dist.ProcessGroup | None = None, async_op: bool = False) -> torch.Tensor | Handle:
+    """Reduce ``tensor`` over the group, in place, and return it (``async_op``: its :class:`Handle`)."""
     algorithm, op = resolve(algorithm, "all_reduce", group), check_op(op, tensor.dtype)
+    if async_op and algorithm != "native":
+        return run_async(all_reduce, tensor, op, algorithm, group)
     rank, n = _group_info(group)
-    accounting.record_call(f"all_reduce/{algorithm}")
     if n == 1:
-        return tensor
+        accounting.record_call(f"all_reduce/{algorithm}")
+        return _done(tensor, async_op)
     buf = _flat(tensor)
     if algorithm == "native":
-        dist.all_reduce(buf, op=NATIVE[op], group=group)
-        nbytes = buf.numel() * buf.element_size()
-        accounting.record_analytic(accounting.allreduce_bytes_per_rank(nbytes, n),
-                                   accounting.allreduce_bytes_per_rank(nbytes, n))
-        finish(op, buf, n)
-    else:
-        p2p.prepare(group)
-        ALGORITHMS[algorithm].all_reduce(buf, op, group, rank, n)  # divides for avg itself
-    if buf.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
-        tensor.copy_(buf.view_as(tensor))
-    return tensor
+        volume = accounting.allreduce_bytes_per_rank(buf.numel() * buf.element_size(), n)
+        return _native("all_reduce", volume, volume,
+                       lambda: dist.all_reduce(buf, op=NATIVE[op], group=group, async_op=True),
+                       lambda: (finish(op, buf, n), _into(tensor, buf))[1], async_op)
+    accounting.record_call(f"all_reduce/{algorithm}")
+    p2p.prepare(group)
+    ALGORITHMS[algorithm].all_reduce(buf, op, group, rank, n)  # divides for avg itself
+    return _into(tensor, buf)
 
 
 def _check_sizes(out: torch.Tensor, inp: torch.Tensor, n: int, name: str) -> None:
@@ -105,80 +180,112 @@ _native_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str | dist.ReduceOp = "sum", algorithm: str = "native",
-                   group: dist.ProcessGroup | None = None, scratch: bool = False) -> torch.Tensor:
+                   group: dist.ProcessGroup | None = None, scratch: bool = False,
+                   async_op: bool = False) -> torch.Tensor | Handle:
     """``output`` (k elements) on group rank ``r`` = reduction of ``input[r*k:(r+1)*k]`` (n*k elements).
     ``scratch=True`` lets distlab's algorithms reduce inside ``input`` (its contents are then
-    undefined) instead of a copy of it: a copy of a large buffer can cost as much as the reduction."""
+    undefined) instead of a copy of it: a copy of a large buffer can cost as much as the reduction.
+    Returns ``output`` (``async_op``: its :class:`Handle`)."""
     algorithm, op = resolve(algorithm, "reduce_scatter", group), check_op(op, input.dtype)
     rank, n = _group_info(group)
     _check_sizes(output, input, n, "reduce_scatter")
     if input.numel() != n * output.numel():
         raise ConfigError(f"reduce_scatter: input has {input.numel()} elements, expected {n} x output's "
                           f"{output.numel()} = {n * output.numel()}")
-    accounting.record_call(f"reduce_scatter/{algorithm}")
+    if async_op and algorithm != "native":
+        return run_async(reduce_scatter, output, input, op, algorithm, group, scratch)
     out, inp = _flat(output), _flat(input)
     if n == 1:
+        accounting.record_call(f"reduce_scatter/{algorithm}")
         out.copy_(inp)
-    elif algorithm == "native":
-        _native_reduce_scatter(out, inp, op=NATIVE[op], group=group)
-        nbytes = inp.numel() * inp.element_size()
-        accounting.record_analytic((n - 1) * nbytes // n, (n - 1) * nbytes // n)
-        finish(op, out, n)
-    else:
-        p2p.prepare(group)
-        ALGORITHMS[algorithm].reduce_scatter(out, inp, op, group, rank, n, scratch)  # divides for avg itself
-    if out.data_ptr() != output.data_ptr() or not output.is_contiguous():
-        output.copy_(out.view_as(output))
-    return output
+        return _done(_into(output, out), async_op)
+    if algorithm == "native":
+        volume = (n - 1) * inp.numel() * inp.element_size() // n
+        return _native("reduce_scatter", volume, volume,
+                       lambda: _native_reduce_scatter(out, inp, op=NATIVE[op], group=group, async_op=True),
+                       lambda: (finish(op, out, n), _into(output, out))[1], async_op)
+    accounting.record_call(f"reduce_scatter/{algorithm}")
+    p2p.prepare(group)
+    ALGORITHMS[algorithm].reduce_scatter(out, inp, op, group, rank, n, scratch)  # divides for avg itself
+    return _into(output, out)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, algorithm: str = "native",
-               group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """``output[r*k:(r+1)*k]`` = group rank ``r``'s ``input`` (k elements each)."""
+               group: dist.ProcessGroup | None = None, async_op: bool = False) -> torch.Tensor | Handle:
+    """``output[r*k:(r+1)*k]`` = group rank ``r``'s ``input`` (k elements each). Returns ``output``
+    (``async_op``: its :class:`Handle`)."""
     algorithm = resolve(algorithm, "all_gather", group)
     rank, n = _group_info(group)
     _check_sizes(output, input, n, "all_gather")
     if output.numel() != n * input.numel():
         raise ConfigError(f"all_gather: output has {output.numel()} elements, expected {n} x input's "
                           f"{input.numel()} = {n * input.numel()}")
-    accounting.record_call(f"all_gather/{algorithm}")
+    if async_op and algorithm != "native":
+        return run_async(all_gather, output, input, algorithm, group)
     out, inp = _flat(output), _flat(input)
     if n == 1:
+        accounting.record_call(f"all_gather/{algorithm}")
         out.copy_(inp)
-    elif algorithm == "native":
-        _native_all_gather(out, inp, group=group)
-        nbytes = out.numel() * out.element_size()
-        accounting.record_analytic((n - 1) * nbytes // n, (n - 1) * nbytes // n)
-    else:
-        p2p.prepare(group)
-        ALGORITHMS[algorithm].all_gather(out, inp, group, rank, n)
-    if out.data_ptr() != output.data_ptr() or not output.is_contiguous():
-        output.copy_(out.view_as(output))
-    return output
+        return _done(_into(output, out), async_op)
+    if algorithm == "native":
+        volume = (n - 1) * out.numel() * out.element_size() // n
+        return _native("all_gather", volume, volume,
+                       lambda: _native_all_gather(out, inp, group=group, async_op=True),
+                       lambda: _into(output, out), async_op)
+    accounting.record_call(f"all_gather/{algorithm}")
+    p2p.prepare(group)
+    ALGORITHMS[algorithm].all_gather(out, inp, group, rank, n)
+    return _into(output, out)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, algorithm: str = "native",
-              group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Copy group rank ``src``'s ``tensor`` to every rank, in place."""
+              group: dist.ProcessGroup | None = None, async_op: bool = False) -> torch.Tensor | Handle:
+    """Copy group rank ``src``'s ``tensor`` to every rank, in place (``async_op``: its :class:`Handle`)."""
     algorithm = resolve(algorithm, "broadcast", group)
     rank, n = _group_info(group)
     if not 0 <= src < n:
         raise ConfigError(f"broadcast: src {src} is outside the group's ranks 0..{n - 1}")
-    accounting.record_call(f"broadcast/{algorithm}")
+    if async_op and algorithm != "native":
+        return run_async(broadcast, tensor, src, algorithm, group)
     if n == 1:
-        return tensor
+        accounting.record_call(f"broadcast/{algorithm}")
+        return _done(tensor, async_op)
     buf = _flat(tensor)
     if algorithm == "native":
-        dist.broadcast(buf, src=src if group is None else dist.get_global_rank(group, src), group=group)
         nbytes = buf.numel() * buf.element_size()
-        accounting.record_analytic(nbytes if rank == src else 0, 0 if rank == src else nbytes)
-    else:
-        p2p.prepare(group)
-        ALGORITHMS[algorithm].broadcast(buf, src, group, rank, n)
-    if buf.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
-        tensor.copy_(buf.view_as(tensor))
-    return tensor
+        root = src if group is None else dist.get_global_rank(group, src)
+        return _native("broadcast", nbytes if rank == src else 0, 0 if rank == src else nbytes,
+                       lambda: dist.broadcast(buf, src=root, group=group, async_op=True),
+                       lambda: _into(tensor, buf), async_op)
+    accounting.record_call(f"broadcast/{algorithm}")
+    p2p.prepare(group)
+    ALGORITHMS[algorithm].broadcast(buf, src, group, rank, n)
+    return _into(tensor, buf)
 
 
-__all__ = ["ALGORITHMS", "OPS", "CommStats", "all_gather", "all_reduce", "broadcast", "check_algorithm",
-           "counting", "reduce_scatter", "resolve"]
+def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int = 0,
+           group: dist.ProcessGroup | None = None) -> list[torch.Tensor] | None:
+    """torch's ``gather`` (native only), counted: every rank's ``tensor`` into ``dst``'s ``gather_list``
+    (``dst`` a group rank; None elsewhere). Returns ``gather_list``."""
+    rank, n = _group_info(group)
+    nbytes = tensor.numel() * tensor.element_size()
+    root = dst if group is None else dist.get_global_rank(group, dst)
+    return _native("gather", 0 if rank == dst else nbytes, (n - 1) * nbytes if rank == dst else 0,
+                   lambda: dist.gather(tensor, gather_list, dst=root, group=group, async_op=True),
+                   lambda: gather_list, False)
+
+
+def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int = 0,
+            group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """torch's ``scatter`` (native only), counted: ``src``'s ``scatter_list[r]`` into rank ``r``'s
+    ``tensor`` (``src`` a group rank). Returns ``tensor``."""
+    rank, n = _group_info(group)
+    nbytes = tensor.numel() * tensor.element_size()
+    root = src if group is None else dist.get_global_rank(group, src)
+    return _native("scatter", (n - 1) * nbytes if rank == src else 0, 0 if rank == src else nbytes,
+                   lambda: dist.scatter(tensor, scatter_list, src=root, group=group, async_op=True),
+                   lambda: tensor, False)
+
+
+__all__ = ["ALGORITHMS", "OPS", "CommStats", "Handle", "all_gather", "all_reduce", "broadcast", "check_algorithm",
+           "counting", "gather", "reduce_scatter", "resolve", "run_async", "scatter"]

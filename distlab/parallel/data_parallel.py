@@ -32,7 +32,6 @@ accumulate locally and communicate nothing.
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator
 
 import torch
@@ -40,7 +39,6 @@ import torch.distributed as dist
 from torch import nn
 
 from distlab import comm
-from distlab.comm import p2p
 from distlab.comm.accounting import allreduce_bytes_per_rank
 from distlab.errors import ConfigError
 from distlab.parallel.compression import CastCodec, Codec, PowerSGD, build_codec, bytes_per_rank
@@ -165,19 +163,10 @@ class GatherScatterSync(SyncMethod):
         params = _grad_params(module)
         flat = _flatten_grads(params)
         rank = dist.get_rank(self.group)
-        root = 0 if self.group is None else dist.get_global_rank(self.group, 0)
         gathered = [torch.empty_like(flat) for _ in range(self.world_size)] if rank == 0 else None
-        dist.gather(flat, gathered, dst=root, group=self.group)
-        if rank == 0:
-            mean = torch.stack(gathered).sum(0).div_(self.world_size)
-            scatter_list = [mean] * self.world_size
-        else:
-            scatter_list = None
-        dist.scatter(flat, scatter_list, src=root, group=self.group)
-        comm.accounting.record_call("gather_scatter/native")
-        nbytes = flat.numel() * flat.element_size()
-        n = self.world_size - 1
-        comm.accounting.record_analytic(n * nbytes if rank == 0 else nbytes, n * nbytes if rank == 0 else nbytes)
+        comm.gather(flat, gathered, dst=0, group=self.group)
+        scatter_list = [torch.stack(gathered).sum(0).div_(self.world_size)] * self.world_size if rank == 0 else None
+        comm.scatter(flat, scatter_list, src=0, group=self.group)
         _unflatten_into_grads(flat, params)
 
     def bytes_per_sync(self, module: nn.Module) -> int | None:
@@ -191,7 +180,7 @@ class _Bucket:
         self.numel = sum(p.numel() for p in params)
         self.ready: set[int] = set()
         self.buffer: torch.Tensor | None = None
-        self.work = None  # a torch Work (native) or a Future (distlab algorithm on the comm thread)
+        self.work: comm.Handle | None = None  # its all-reduce under way
         self.is_sum = True  # the buffer will hold the sum (divide by the group size), else the mean
 
 
@@ -236,7 +225,6 @@ class BucketedSync(_BucketSync):
         self.names: dict[int, str] = {}
         self.next_launch = 0
         self.enabled = True
-        self._executor: ThreadPoolExecutor | None = None
         self._hooks = []
 
     def wrap(self, module: nn.Module) -> nn.Module:
@@ -257,10 +245,6 @@ class BucketedSync(_BucketSync):
                 self.where[id(p)] = (b, i)
                 if self.world_size > 1:  # one process has nothing to send: no Python call per gradient
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
-        on_thread = self.collective != "native" or isinstance(self.codec, PowerSGD)
-        if self.world_size > 1 and on_thread:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distlab-comm",
-                                                initializer=p2p.use_tag_space, initargs=(1,))
         return module
 
     # -- during backward ---------------------------------------------------------------------
@@ -285,17 +269,11 @@ class BucketedSync(_BucketSync):
             if isinstance(self.codec, CastCodec) and self.collective == "native":  # pre-divided, narrow, summed
                 bucket.buffer = bucket.buffer.div_(self.world_size).to(self.codec.dtype)
         if not self.codec.exact and not (isinstance(self.codec, CastCodec) and self.collective == "native"):
-            shapes = [p.shape for p in bucket.params]
-            bucket.work = self._executor.submit(self.codec.all_reduce_mean, bucket.buffer, shapes,
-                                                self.buckets.index(bucket), self.collective, self.group)
-        elif self.collective == "native":
-            comm.accounting.record_call("all_reduce/native")
-            nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
-            vol = allreduce_bytes_per_rank(nbytes, self.world_size)
-            comm.accounting.record_analytic(vol, vol)
-            bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            shapes = [p.shape for p in bucket.params]  # a codec of several collectives: on the communication thread
+            bucket.work = comm.run_async(self.codec.all_reduce_mean, bucket.buffer, shapes,
+                                         self.buckets.index(bucket), self.collective, self.group)
         else:
-            bucket.work = self._executor.submit(comm.all_reduce, bucket.buffer, "sum", self.collective, self.group)
+            bucket.work = comm.all_reduce(bucket.buffer, "sum", self.collective, self.group, async_op=True)
 
     # -- at the step ---------------------------------------------------------------------------
 
@@ -317,10 +295,7 @@ class BucketedSync(_BucketSync):
             self._launch_ready()
         try:
             for bucket in self.buckets:
-                if isinstance(bucket.work, Future):
-                    bucket.work.result()
-                else:
-                    bucket.work.wait()
+                bucket.work.wait()
                 if bucket.is_sum:
                     bucket.buffer.div_(self.world_size)
                 _unflatten_into_grads(bucket.buffer, bucket.params)

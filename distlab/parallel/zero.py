@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -52,8 +51,6 @@ import torch.distributed as dist
 from torch import nn
 
 from distlab import comm
-from distlab.comm import p2p
-from distlab.comm.ops import NATIVE
 from distlab.errors import ConfigError
 from distlab.parallel.precision import DTYPES
 from distlab.parallel.state_bytes import optimizer_tensors, storage_bytes
@@ -137,7 +134,7 @@ class _Bucket:
         self.ready = 0  # gradients arrived this backward
         self.flat: torch.Tensor | None = None  # rank-major gradients, while the reduce-scatter runs
         self.out: torch.Tensor | None = None  # this rank's averaged slice of every unit
-        self.work = None  # a torch Work (native), a Future (distlab algorithm on the comm thread) or None
+        self.work: comm.Handle | None = None  # its reduce-scatter under way
 
 
 def _buckets(units: list[_Unit], cap_bytes: int) -> list[_Bucket]:
@@ -193,16 +190,12 @@ class Zero(nn.Module):
         self._ready: dict[nn.Module, int] = {}  # per module: parameters whose gradient arrived this backward
         self.buckets: list[_Bucket] = []
         self._next_launch = 0
-        self._executor: ThreadPoolExecutor | None = None
         if stage < 3:
             self.buckets = _buckets(self.units, int(bucket_mb * 2**20))
             for b, bucket in enumerate(self.buckets):
                 for unit in bucket.units:
                     self._handles.append(unit.param.register_post_accumulate_grad_hook(
                         lambda p, b=b: self._on_bucket_grad(b)))
-            if n > 1 and self._rs != "native":
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distlab-zero",
-                                                    initializer=p2p.use_tag_space, initargs=(1,))
         self._order: list[nn.Module] = []  # stage 3: modules in the order the first forward gathers them
         self._bwd_order: list[nn.Module] = []  # ... and the first backward
         self._order_known = False
@@ -211,9 +204,6 @@ class Zero(nn.Module):
         self._prefetched: dict[nn.Module, list] = {}  # module -> collectives under way into its full parameters
         self.prefetch = True
         if stage == 3:
-            if n > 1 and self._ag != "native":
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distlab-zero",
-                                                    initializer=p2p.use_tag_space, initargs=(1,))
             for m, units in self._by_module.items():
                 for unit in units:
                     unit.free()
@@ -403,29 +393,15 @@ class Zero(nn.Module):
         bucket.out = torch.empty(bucket.shard_numel, dtype=bucket.flat.dtype, device=bucket.flat.device)
         op = "sum" if wire is not None else "avg"  # a narrow dtype is pre-divided (no float16 overflow)
         self._observe()
-        if n == 1:
-            bucket.out.copy_(bucket.flat)
-        elif self._rs == "native":
-            comm.accounting.record_call("reduce_scatter/native")
-            nbytes = bucket.flat.numel() * bucket.flat.element_size()
-            comm.accounting.record_analytic((n - 1) * nbytes // n, (n - 1) * nbytes // n)
-            bucket.work = comm._native_reduce_scatter(bucket.out, bucket.flat, op=NATIVE["sum"], group=self.group,
-                                                      async_op=True)
-        else:
-            bucket.work = self._executor.submit(comm.reduce_scatter, bucket.out, bucket.flat, op, self._rs,
-                                                self.group, True)  # the bucket is scratch once sent
+        bucket.work = comm.reduce_scatter(bucket.out, bucket.flat, op, self._rs, self.group, scratch=True,
+                                          async_op=True)  # the bucket is scratch once sent
 
     def _finish(self, b: int) -> None:
         """Wait for bucket ``b``'s reduce-scatter; its units' shard gradients become views of the result."""
         bucket = self.buckets[b]
         if bucket.out is None:
             return
-        if isinstance(bucket.work, Future):
-            bucket.work.result()
-        elif bucket.work is not None:
-            bucket.work.wait()
-            if self.reduce_dtype is None:
-                bucket.out.div_(bucket.units[0].n)
+        bucket.work.wait()
         out = bucket.out if self.reduce_dtype is None else bucket.out.to(bucket.units[0].full.dtype)
         offset = 0
         for u in bucket.units:
@@ -477,19 +453,8 @@ class Zero(nn.Module):
             else:
                 mine = torch.cat([u.shard.detach() for u in group])
                 out = torch.empty((n, mine.numel()), dtype=mine.dtype, device=mine.device)
-            if n == 1:
-                out.view(-1).copy_(mine)
-                work = None
-            elif self._ag == "native":
-                comm.accounting.record_call("all_gather/native")
-                nbytes = out.numel() * out.element_size()
-                comm.accounting.record_analytic((n - 1) * nbytes // n, (n - 1) * nbytes // n)
-                work = comm._native_all_gather(out.view(-1), mine, group=self.group, async_op=True)
-            elif self._executor is not None and not wait:
-                work = self._executor.submit(comm.all_gather, out, mine, self._ag, self.group)
-            else:
-                comm.all_gather(out, mine, algorithm=self._ag, group=self.group)
-                work = None
+            # native: torch's async work; distlab's algorithms: the communication thread (all started before any wait)
+            work = comm.all_gather(out, mine, algorithm=self._ag, group=self.group, async_op=True)
             pending.append((group, out, work))
         if not wait:
             return pending
@@ -499,10 +464,7 @@ class Zero(nn.Module):
     @staticmethod
     def _finish_gather(pending) -> None:
         for group, out, work in pending:
-            if isinstance(work, Future):
-                work.result()
-            elif work is not None:
-                work.wait()
+            work.wait()
             if len(group) > 1:
                 offset = 0
                 for u in group:  # row r holds rank r's shards of every unit, one after another

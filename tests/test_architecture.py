@@ -1,0 +1,134 @@
+"""The package's shape, as docs/ARCHITECTURE.md draws it: imports point down the layers, there is
+no import cycle (counting imports inside functions: none may hide one), the Engine and evaluation
+never ask which strategy they hold, and no parallel module knows a concrete model."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "distlab"
+
+# Top to bottom; a module may import its own layer and the layers below it (docs/ARCHITECTURE.md).
+LAYERS = [
+    ("commands", ["distlab", "distlab.__main__", "distlab.cli"]),
+    ("tools", ["distlab.tools", "distlab.bench", "distlab.plan", "distlab.launch"]),
+    ("training", ["distlab.train"]),
+    ("strategies", ["distlab.parallel"]),
+    ("collectives, data, models", ["distlab.comm", "distlab.data", "distlab.models"]),
+    ("runtime", ["distlab.runtime"]),
+    ("errors", ["distlab.errors"]),
+]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str) -> set[tuple[str, bool]]:
+    """(imported distlab module, whether the import is inside a function or class)."""
+    tree = ast.parse(MODULES[module].read_text())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.startswith("distlab")]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("distlab"):
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+                     for a in node.names]
+        else:
+            continue
+        for name in names:
+            target = _resolve(name)
+            if target and target != module:
+                out.add((target, node.col_offset > 0))
+    return out
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def _layer(module: str) -> int:
+    best = None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and (best is None or len(p) > best[1]):
+                best = (i, len(p))
+    assert best is not None, f"{module} belongs to no layer of ARCHITECTURE.md: add it to LAYERS and the page"
+    return best[0]
+
+
+def test_every_module_belongs_to_a_layer_and_imports_point_down():
+    upward = [f"{m} ({LAYERS[_layer(m)][0]}) -> {t} ({LAYERS[_layer(t)][0]})"
+              for m, targets in GRAPH.items() for t, _ in targets if _layer(t) < _layer(m)]
+    assert not upward, "imports up the layers:\n" + "\n".join(sorted(upward))
+
+
+def test_no_import_cycle_even_through_imports_inside_functions():
+    graph = {m: {t for t, _ in targets} for m, targets in GRAPH.items()}
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def _source(module: str) -> str:
+    return MODULES[module].read_text()
+
+
+def test_the_engine_and_evaluation_never_ask_which_strategy_they_hold():
+    for module in ("distlab.parallel.engine", "distlab.train.evaluate"):
+        tree = ast.parse(_source(module))
+        engine_class = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Engine"]
+        bodies = engine_class or [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "evaluate"]
+        assert bodies, module
+        for body in bodies:
+            calls = [n.func.id for n in ast.walk(body) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+            assert "isinstance" not in calls, f"{module} asks isinstance"
+            names = {n.attr for n in ast.walk(body) if isinstance(n, ast.Attribute)}
+            names |= {n.id for n in ast.walk(body) if isinstance(n, ast.Name)}
+            assert not names & {"pipeline", "PipelineStage", "Zero", "DataParallel", "zero", "pp"}, (
+                f"{module} branches on a strategy: {sorted(names & {'pipeline', 'PipelineStage', 'Zero', 'DataParallel', 'zero', 'pp'})}")
+
+
+def test_no_parallel_module_imports_a_concrete_model():
+    concrete = {m for m in MODULES if m.startswith("distlab.models.") and m != "distlab.models.plans"}
+    for module, targets in GRAPH.items():
+        if module.startswith("distlab.parallel"):
+            assert not {t for t, _ in targets} & concrete, f"{module} imports {sorted({t for t, _ in targets} & concrete)}"
