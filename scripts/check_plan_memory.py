@@ -9,7 +9,8 @@ accumulation. Exits 1 on any difference.
 import sys
 
 from distlab import runtime
-from distlab.plan.memory import Optim, trace, zero_peak_bytes
+from distlab.parallel.cost import Optim, trace
+from distlab.parallel.zero.cost import zero_peak_bytes
 from distlab.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig
 

@@ -12,7 +12,8 @@ from distlab import runtime
 from distlab.errors import ConfigError
 from distlab.plan import cost
 from distlab.plan.cost import Link
-from distlab.plan.memory import Optim, generic_trace, trace, zero_peak_bytes
+from distlab.parallel.cost import Optim, generic_trace, trace
+from distlab.parallel.zero.cost import zero_peak_bytes
 from distlab.plan import Calibration, Layout, calibrate, format_sweep, predict, summaries, sweep, validate
 from distlab.parallel import Strategy
 from distlab.spawn import run_ranks

@@ -173,7 +173,7 @@ def test_bytes_per_step_are_the_compressed_volume():
 
 
 def test_plan_counts_compressed_bytes_and_powersgd_state():
-    from distlab.plan.memory import trace
+    from distlab.parallel.cost import trace
     from distlab.plan.predict import Layout, _calls, predict
     from distlab.plan.cost import Link
     t = trace("mlp", (1, 28, 28), 10)

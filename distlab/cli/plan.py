@@ -70,16 +70,17 @@ def plan(ctx, model, mlp_widths, dataset, n_layer, n_head, n_embd, block_size, n
     import os as _os
     from distlab.data import dataset_shape
     from distlab import plan as pp
-    from distlab.plan import cost, memory
+    from distlab.parallel.cost import generic_trace, trace
+    from distlab.plan import cost
     if num_params is not None:
         if activation_bytes is None:
             click.echo("distlab: warning: --params without --activation-bytes: activations are counted as 0 bytes "
                        "per sample (give their bytes per sample for the memory they take)", err=True)
-        t = memory.generic_trace(int(num_params), activation_bytes or 0.0, layers)
+        t = generic_trace(int(num_params), activation_bytes or 0.0, layers)
     else:
         shape, k = dataset_shape(dataset, block_size)
         widths = csv_ints(mlp_widths) if mlp_widths else (512, 256)
-        t = memory.trace(model, shape, k, widths=widths, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+        t = trace(model, shape, k, widths=widths, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
     path = calibration or (DEFAULT_CALIBRATION if _os.path.exists(DEFAULT_CALIBRATION) else None)
     cal = pp.Calibration.load(path) if path else None
     from distlab.parallel import Strategy

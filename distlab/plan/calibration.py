@@ -21,7 +21,7 @@ import torch
 from distlab.data import dataset_shape
 from distlab.errors import ConfigError, first_line
 from distlab.plan.cost import AlphaBeta, Compute, fit_alpha_beta, fit_compute, rounds, volume
-from distlab.plan.memory import Trace, trace
+from distlab.parallel.cost import Trace, trace
 from distlab.train.metrics import atomic_write_text
 
 

@@ -1,6 +1,6 @@
 """``distlab plan``: a layout's memory per rank and time per step, and sweeps over world sizes.
 
-:func:`predict` turns a model :class:`~distlab.plan.memory.Trace`, a :class:`Layout` and a
+:func:`predict` turns a model :class:`~distlab.parallel.cost.Trace`, a :class:`Layout` and a
 :class:`~distlab.plan.cost.Link` into memory per rank (exact for DP and ZeRO) and, with a
 :class:`~distlab.plan.calibration.Calibration`, time per step; :func:`sweep` walks world sizes.
 """
@@ -20,7 +20,8 @@ from distlab.parallel.pipeline import ideal_bubble
 from distlab.parallel.zero import goes_alone
 from distlab.plan.calibration import Calibration
 from distlab.plan.cost import DDP_FIRST_BUCKET, Link, rounds, volume
-from distlab.plan.memory import Optim, Trace, data_parallel_bytes, stage_trace, zero_peak_bytes
+from distlab.parallel.cost import Optim, Trace, data_parallel_bytes, stage_trace
+from distlab.parallel.zero.cost import zero_peak_bytes
 
 
 @dataclass(frozen=True)

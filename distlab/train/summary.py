@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 
 from distlab.models import count_parameters
+from distlab.parallel.cost import Optim, data_parallel_bytes, trace
 from distlab.parallel.pipeline import ideal_bubble
+from distlab.parallel.zero.cost import zero_peak_bytes
 from distlab.runtime import cores, reduce_scalars
 from distlab.train.metrics import median_excluding_warmup, peak_rss_mb
 
@@ -197,7 +199,6 @@ def inactive_settings(strategy, mesh) -> list[str]:
 def zero_costs_more(trainer) -> str | None:
     """Why ZeRO would hold more model state per rank than plain data parallel here (None: it holds
     less), by the memory model of ``distlab plan`` (exact for these models, see docs/RESULTS.md)."""
-    from distlab.plan.memory import Optim, data_parallel_bytes, trace, zero_peak_bytes
     cfg, mesh = trainer.cfg, trainer.mesh
     if mesh.tp > 1 or mesh.pp > 1:
         return None

@@ -1,4 +1,5 @@
-"""Per-rank memory of parameters, gradients and optimizer state, predicted without running.
+"""What a model costs, traced without running it: parameters, FLOPs, saved activations, and the
+per-rank memory of parameters, gradients and optimizer state each strategy holds.
 
 The prediction is the same quantity distlab measures (``model_state_bytes_per_rank`` in
 ``summary.json``) and must equal it *exactly* for plain data parallel and ZeRO 1-3:
@@ -11,7 +12,7 @@ The prediction is the same quantity distlab measures (``model_state_bytes_per_ra
   points lie inside backward, so the peak depends on the *order* in which backward produces
   gradients. :func:`trace` finds that order by running forward and backward once on the
   ``meta`` device (no memory, no arithmetic, any model size) with the hooks ZeRO installs, and
-  :func:`zero_peak_bytes` replays ZeRO's bookkeeping over the traced events for any world size.
+  :func:`distlab.parallel.zero.cost.zero_peak_bytes` replays ZeRO's bookkeeping over the traced events for any world size.
 
 Optimizer state per element: SGD with momentum 1 (the momentum buffer; none without momentum),
 Adam/AdamW 2 (the two moments) plus a 4-byte ``step`` tensor per parameter tensor.
@@ -24,12 +25,15 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from distlab.errors import ConfigError
 from distlab.models import build_model, task_loss
-from distlab.parallel.zero import goes_alone
+from distlab.parallel.pipeline import sequential_layers
+from distlab.parallel.zero.units import sharded_linear
 
 STEP_TENSOR_BYTES = 4  # Adam's per-parameter ``step`` (a float32 scalar tensor)
+
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class Optim:
         return self.per_element * numel * element_size + (self.per_tensor if self.per_element else 0)
 
 
+
 @dataclass(frozen=True)
 class Layer:
     """One layer of the model as a pipeline cuts it (:func:`distlab.parallel.pipeline.sequential_layers`),
@@ -64,6 +69,7 @@ class Layer:
     saved_bytes: float
     replicated_saved_bytes: float
     output_bytes: float
+
 
 
 @dataclass
@@ -88,12 +94,11 @@ class Trace:
         return sum(self.numels)
 
 
+
 def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), num_classes: int = 10,
           batch: int = 2, **options) -> Trace:
     """Run one forward + backward of ``model`` (an ``nn.Module`` or a registered name) on the meta
     device, recording the events ZeRO reacts to and the FLOPs per sample."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     if isinstance(model, str):
         with torch.device("meta"):
             model = build_model(model, input_shape, num_classes, **options)
@@ -122,7 +127,6 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
         for node in {t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None}:
             handles.append(node.register_prehook(lambda grads, i=index[id(m)]: out.events.append(("bwd", i))))
 
-    from distlab.parallel.zero import sharded_linear
     out.sharded_linear = [sharded_linear(m, [p for _, p in m.named_parameters(recurse=False)]) for m in modules]
     out.input_grad = [True] * len(modules)
 
@@ -162,12 +166,10 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
     return out
 
 
+
 def profile_layers(model: nn.Module, x: torch.Tensor) -> list[Layer]:
     """Each layer of ``model`` run alone on the meta device, in order, from input ``x``: what a
     pipeline stage of it computes, saves and sends (empty if the model is not a sequence of layers)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from distlab.parallel.pipeline import sequential_layers
     try:
         named = sequential_layers(model)
     except ConfigError:
@@ -198,6 +200,7 @@ def profile_layers(model: nn.Module, x: torch.Tensor) -> list[Layer]:
     return layers
 
 
+
 def stage_trace(t: Trace, names: list[str]) -> Trace:
     """The part of ``t`` a pipeline stage holds: the parameters under the layers ``names``, and the
     events of their modules (ZeRO's bookkeeping over a stage)."""
@@ -214,6 +217,7 @@ def stage_trace(t: Trace, names: list[str]) -> Trace:
                  shapes=[t.shapes[u] for u in mine] if t.shapes else [])
 
 
+
 def data_parallel_bytes(t: Trace, optim: Optim, tp: int = 1) -> int:
     """Plain data parallel: parameters + gradients + optimizer state, all replicated."""
     if tp > 1:
@@ -222,207 +226,6 @@ def data_parallel_bytes(t: Trace, optim: Optim, tp: int = 1) -> int:
     e = t.element_size
     return sum(2 * n * e + optim.bytes(n, e) for n in t.numels)
 
-
-class _Zero:
-    """ZeRO's bookkeeping (distlab.parallel.zero.Zero) over sizes instead of tensors."""
-
-    def __init__(self, t: Trace, stage: int, world: int, optim: Optim, bucket_mb: float = 25.0):
-        self.t, self.stage, self.n = t, stage, world
-        e = t.element_size
-        self.shard = [math.ceil(n / world) for n in t.numels]
-        self.padded = [s * world for s in self.shard]
-        self.e = e
-        self.optim_bytes = sum(optim.bytes(s, e) for s in self.shard)
-        self.units_of: dict[int, list[int]] = {}
-        for u, m in enumerate(t.module_of):
-            self.units_of.setdefault(m, []).append(u)
-        self.gathered = [stage < 3] * len(t.numels)
-        self.has_grad = [False] * len(t.numels)
-        self.reduced = [False] * len(t.numels)
-        self.outs: list[int] = []  # reduce-scatter outputs held as shard gradients (bytes)
-        self.ready: dict[int, int] = {}
-        self.peak = 0
-        # stage 3: sharded Linears (their weight gradient lands in a padded buffer) and prefetching
-        self.linear = [bool(t.sharded_linear[m]) if m < len(t.sharded_linear) else False
-                       for m in range(len(t.module_of) and max(t.module_of) + 1)]
-        self.grad_bytes = [(self.padded[u] if self.linear[t.module_of[u]] and self.first_of_module(u) else n) * e
-                           for u, n in enumerate(t.numels)]
-        self.order: dict[bool, list[int]] = {True: [], False: []}  # forward / backward gather order of step 1
-        self.order_known = False
-        self.prefetched: set[int] = set()
-        # stages 1-2: buckets of units in reverse order, as distlab.parallel.zero._buckets cuts them
-        self.buckets: list[list[int]] = []
-        cap, size = int(bucket_mb * 2**20), 0
-        for u in reversed(range(len(t.numels))):
-            if self.buckets and self.buckets[-1] and size + self.padded[u] * e > cap:
-                self.buckets.append([])
-                size = 0
-            if not self.buckets:
-                self.buckets.append([])
-            self.buckets[-1].append(u)
-            size += self.padded[u] * e
-        self.bucket_of = {u: b for b, units in enumerate(self.buckets) for u in units}
-        self.flats: dict[int, int] = {}  # buckets in flight: bytes of their rank-major gradient buffer
-        self.next_launch = 0
-        self.bucket_ready = [0] * len(self.buckets)
-
-    def first_of_module(self, u: int) -> bool:
-        return self.units_of[self.t.module_of[u]][0] == u
-
-    def held(self, extra: int = 0) -> int:
-        e = self.e
-        total = sum(self.padded[u] * e for u in range(len(self.padded)) if self.gathered[u])
-        total += sum(self.shard) * e + self.optim_bytes + sum(self.outs) + extra
-        total += sum(self.grad_bytes[u] for u in range(len(self.padded)) if self.has_grad[u])
-        return total
-
-    def fetch(self, m: int, forward: bool) -> None:
-        """Zero._fetch: the module's parameters present, then the next module's gather started."""
-        units = self.units_of[m]
-        self.prefetched.discard(m)
-        for u in units:
-            self.gathered[u] = True
-        self.observe()
-        order = self.order[forward]
-        if not self.order_known:
-            if m not in order:
-                order.append(m)
-            return
-        i = order.index(m) if m in order else None
-        if i is not None and i + 1 < len(order):
-            nxt = order[i + 1]
-            if nxt not in self.prefetched and not all(self.gathered[u] for u in self.units_of[nxt]):
-                self.prefetched.add(nxt)
-                for u in self.units_of[nxt]:
-                    self.gathered[u] = True
-                self.observe()
-
-    def free(self, m: int) -> None:
-        for u in self.units_of[m]:
-            self.gathered[u] = False
-
-    def observe(self, extra: int = 0) -> None:
-        self.peak = max(self.peak, self.held(extra))
-
-    def groups(self, units: list[int]) -> list[list[int]]:
-        alone = [u for u in units if goes_alone(self.t.numels[u])]
-        small = [u for u in units if not goes_alone(self.t.numels[u])]
-        return [[u] for u in alone] + ([small] if small else [])
-
-    def reduce(self, units: list[int]) -> None:
-        for group in self.groups(units):
-            # a flat padded copy of each gradient that needs padding, then (several units) their concatenation
-            extra = sum(self.padded[u] * self.e for u in group if not self.has_grad[u]
-                        or self.grad_bytes[u] != self.padded[u] * self.e)
-            if len(group) > 1:
-                extra += sum(self.padded[u] for u in group) * self.e
-            self.observe(extra)
-            self.outs.append(sum(self.shard[u] for u in group) * self.e)
-            for u in group:
-                self.reduced[u] = True
-                self.has_grad[u] = False
-
-    def held_buckets(self) -> int:
-        return sum(self.flats.values())
-
-    def launch_ready(self) -> None:
-        """Zero._launch_ready: buckets whose gradients are all in, in index order."""
-        while (self.next_launch < len(self.buckets)
-               and self.bucket_ready[self.next_launch] >= len(self.buckets[self.next_launch])):
-            b = self.next_launch
-            if self.stage == 2 and b >= 1:
-                self.flats.pop(b - 1, None)  # the bucket before completes first
-            units = self.buckets[b]
-            self.flats[b] = sum(self.padded[u] for u in units) * self.e
-            for u in units:
-                self.has_grad[u] = False
-            self.outs.append(sum(self.shard[u] for u in units) * self.e)
-            self.observe(self.held_buckets())
-            self.next_launch += 1
-
-    def step(self, micro_batches: int) -> None:
-        """One optimizer step in steady state (optimizer state exists)."""
-        self.outs = []  # zero_grad(set_to_none=True)
-        if self.stage < 3:
-            self.bucket_step(micro_batches)
-            return
-        for i in range(micro_batches):
-            syncing = i == micro_batches - 1
-            for kind, k in self.t.events:
-                if kind == "fwd":
-                    self.fetch(k, forward=True)
-                elif kind == "fwd_done":
-                    self.free(k)
-                elif kind == "bwd" and self.linear[k]:  # _ShardedLinear.backward
-                    if self.t.input_grad[k]:
-                        self.fetch(k, forward=False)
-                        self.free(k)
-                    units = self.units_of[k]
-                    for u in units:
-                        self.has_grad[u] = True
-                    if syncing:
-                        self.reduce(units)
-                elif kind == "bwd":
-                    if k in self.prefetched or not all(self.gathered[u] for u in self.units_of[k]):
-                        self.fetch(k, forward=False)
-                elif kind == "grad" and not self.linear[self.t.module_of[k]]:
-                    self.has_grad[k] = True
-                    m = self.t.module_of[k]
-                    count = self.ready.get(m, 0) + 1
-                    if count < len(self.units_of[m]):
-                        self.ready[m] = count
-                        continue
-                    self.ready[m] = 0
-                    if syncing:
-                        self.reduce(self.units_of[m])
-                    self.free(m)
-        for m in list(self.prefetched):  # Zero._drain
-            self.prefetched.discard(m)
-            self.free(m)
-        self.order_known = self.order_known or bool(self.order[True])
-        pending = [u for u in range(len(self.reduced)) if not self.reduced[u]]
-        if pending:
-            self.reduce(pending)
-        self.ready.clear()
-        self.reduced = [False] * len(self.reduced)
-        if self.stage == 3:
-            self.gathered = [False] * len(self.gathered)
-        self.observe()  # after_step
-        if self.stage < 3:
-            self.gathered = [True] * len(self.gathered)
-
-    def bucket_step(self, micro_batches: int) -> None:
-        """Stages 1-2: gradients reduce-scattered in buckets as backward fills them."""
-        for i in range(micro_batches):
-            syncing = i == micro_batches - 1
-            for kind, k in self.t.events:
-                if kind == "grad":
-                    self.has_grad[k] = True
-                    if syncing:
-                        self.bucket_ready[self.bucket_of[k]] += 1
-                        self.launch_ready()
-        self.bucket_ready = [len(units) for units in self.buckets]  # sync_gradients: the rest count as zero
-        self.launch_ready()
-        self.flats.clear()
-        self.next_launch = 0
-        self.bucket_ready = [0] * len(self.buckets)
-        self.observe()  # after_step
-
-
-def zero_peak_bytes(t: Trace, stage: int, world: int, optim: Optim, grad_accum: int = 1,
-                    bucket_mb: float = 25.0) -> int:
-    """The peak of parameters + gradients + optimizer state one rank holds under ZeRO ``stage``
-    (stages 1-2 reduce in buckets of ``bucket_mb``)."""
-    if stage == 0:
-        return data_parallel_bytes(t, optim)
-    if stage not in (1, 2, 3):
-        raise ConfigError(f"ZeRO stage {stage}: choose 0, 1, 2 or 3")
-    if world < 1:
-        raise ConfigError(f"world size {world}: must be at least 1")
-    sim = _Zero(t, stage, world, optim, bucket_mb)
-    sim.step(grad_accum)
-    sim.step(grad_accum)  # the second step starts from the first one's leftovers: steady state
-    return sim.peak
 
 
 def generic_trace(num_parameters: int, activation_bytes_per_sample: float, layers: int = 24,
@@ -452,3 +255,4 @@ def generic_trace(num_parameters: int, activation_bytes_per_sample: float, layer
     for i in reversed(range(layers)):
         t.events += [("bwd", i), ("grad", 2 * i + 1), ("grad", 2 * i)]
     return t
+

@@ -1,0 +1,216 @@
+"""ZeRO's bookkeeping (:class:`~distlab.parallel.zero.Zero`) replayed over sizes instead of tensors:
+the same units, buckets, gathers, frees and observation points, driven by a model's traced events
+(:func:`distlab.parallel.cost.trace`). Its peak equals the measured one byte for byte
+(``tests/test_zero.py``), so ``distlab plan`` predicts ZeRO's memory for any world size without running.
+"""
+
+from __future__ import annotations
+
+import math
+
+from distlab.errors import ConfigError
+from distlab.parallel.cost import Optim, Trace, data_parallel_bytes
+from distlab.parallel.zero.units import goes_alone
+
+class ZeroReplay:
+    """ZeRO's bookkeeping (distlab.parallel.zero.Zero) over sizes instead of tensors."""
+
+    def __init__(self, t: Trace, stage: int, world: int, optim: Optim, bucket_mb: float = 25.0):
+        self.t, self.stage, self.n = t, stage, world
+        e = t.element_size
+        self.shard = [math.ceil(n / world) for n in t.numels]
+        self.padded = [s * world for s in self.shard]
+        self.e = e
+        self.optim_bytes = sum(optim.bytes(s, e) for s in self.shard)
+        self.units_of: dict[int, list[int]] = {}
+        for u, m in enumerate(t.module_of):
+            self.units_of.setdefault(m, []).append(u)
+        self.gathered = [stage < 3] * len(t.numels)
+        self.has_grad = [False] * len(t.numels)
+        self.reduced = [False] * len(t.numels)
+        self.outs: list[int] = []  # reduce-scatter outputs held as shard gradients (bytes)
+        self.ready: dict[int, int] = {}
+        self.peak = 0
+        # stage 3: sharded Linears (their weight gradient lands in a padded buffer) and prefetching
+        self.linear = [bool(t.sharded_linear[m]) if m < len(t.sharded_linear) else False
+                       for m in range(len(t.module_of) and max(t.module_of) + 1)]
+        self.grad_bytes = [(self.padded[u] if self.linear[t.module_of[u]] and self.first_of_module(u) else n) * e
+                           for u, n in enumerate(t.numels)]
+        self.order: dict[bool, list[int]] = {True: [], False: []}  # forward / backward gather order of step 1
+        self.order_known = False
+        self.prefetched: set[int] = set()
+        # stages 1-2: buckets of units in reverse order, as distlab.parallel.zero._buckets cuts them
+        self.buckets: list[list[int]] = []
+        cap, size = int(bucket_mb * 2**20), 0
+        for u in reversed(range(len(t.numels))):
+            if self.buckets and self.buckets[-1] and size + self.padded[u] * e > cap:
+                self.buckets.append([])
+                size = 0
+            if not self.buckets:
+                self.buckets.append([])
+            self.buckets[-1].append(u)
+            size += self.padded[u] * e
+        self.bucket_of = {u: b for b, units in enumerate(self.buckets) for u in units}
+        self.flats: dict[int, int] = {}  # buckets in flight: bytes of their rank-major gradient buffer
+        self.next_launch = 0
+        self.bucket_ready = [0] * len(self.buckets)
+
+    def first_of_module(self, u: int) -> bool:
+        return self.units_of[self.t.module_of[u]][0] == u
+
+    def held(self, extra: int = 0) -> int:
+        e = self.e
+        total = sum(self.padded[u] * e for u in range(len(self.padded)) if self.gathered[u])
+        total += sum(self.shard) * e + self.optim_bytes + sum(self.outs) + extra
+        total += sum(self.grad_bytes[u] for u in range(len(self.padded)) if self.has_grad[u])
+        return total
+
+    def fetch(self, m: int, forward: bool) -> None:
+        """Zero._fetch: the module's parameters present, then the next module's gather started."""
+        units = self.units_of[m]
+        self.prefetched.discard(m)
+        for u in units:
+            self.gathered[u] = True
+        self.observe()
+        order = self.order[forward]
+        if not self.order_known:
+            if m not in order:
+                order.append(m)
+            return
+        i = order.index(m) if m in order else None
+        if i is not None and i + 1 < len(order):
+            nxt = order[i + 1]
+            if nxt not in self.prefetched and not all(self.gathered[u] for u in self.units_of[nxt]):
+                self.prefetched.add(nxt)
+                for u in self.units_of[nxt]:
+                    self.gathered[u] = True
+                self.observe()
+
+    def free(self, m: int) -> None:
+        for u in self.units_of[m]:
+            self.gathered[u] = False
+
+    def observe(self, extra: int = 0) -> None:
+        self.peak = max(self.peak, self.held(extra))
+
+    def groups(self, units: list[int]) -> list[list[int]]:
+        alone = [u for u in units if goes_alone(self.t.numels[u])]
+        small = [u for u in units if not goes_alone(self.t.numels[u])]
+        return [[u] for u in alone] + ([small] if small else [])
+
+    def reduce(self, units: list[int]) -> None:
+        for group in self.groups(units):
+            # a flat padded copy of each gradient that needs padding, then (several units) their concatenation
+            extra = sum(self.padded[u] * self.e for u in group if not self.has_grad[u]
+                        or self.grad_bytes[u] != self.padded[u] * self.e)
+            if len(group) > 1:
+                extra += sum(self.padded[u] for u in group) * self.e
+            self.observe(extra)
+            self.outs.append(sum(self.shard[u] for u in group) * self.e)
+            for u in group:
+                self.reduced[u] = True
+                self.has_grad[u] = False
+
+    def held_buckets(self) -> int:
+        return sum(self.flats.values())
+
+    def launch_ready(self) -> None:
+        """Zero._launch_ready: buckets whose gradients are all in, in index order."""
+        while (self.next_launch < len(self.buckets)
+               and self.bucket_ready[self.next_launch] >= len(self.buckets[self.next_launch])):
+            b = self.next_launch
+            if self.stage == 2 and b >= 1:
+                self.flats.pop(b - 1, None)  # the bucket before completes first
+            units = self.buckets[b]
+            self.flats[b] = sum(self.padded[u] for u in units) * self.e
+            for u in units:
+                self.has_grad[u] = False
+            self.outs.append(sum(self.shard[u] for u in units) * self.e)
+            self.observe(self.held_buckets())
+            self.next_launch += 1
+
+    def step(self, micro_batches: int) -> None:
+        """One optimizer step in steady state (optimizer state exists)."""
+        self.outs = []  # zero_grad(set_to_none=True)
+        if self.stage < 3:
+            self.bucket_step(micro_batches)
+            return
+        for i in range(micro_batches):
+            syncing = i == micro_batches - 1
+            for kind, k in self.t.events:
+                if kind == "fwd":
+                    self.fetch(k, forward=True)
+                elif kind == "fwd_done":
+                    self.free(k)
+                elif kind == "bwd" and self.linear[k]:  # _ShardedLinear.backward
+                    if self.t.input_grad[k]:
+                        self.fetch(k, forward=False)
+                        self.free(k)
+                    units = self.units_of[k]
+                    for u in units:
+                        self.has_grad[u] = True
+                    if syncing:
+                        self.reduce(units)
+                elif kind == "bwd":
+                    if k in self.prefetched or not all(self.gathered[u] for u in self.units_of[k]):
+                        self.fetch(k, forward=False)
+                elif kind == "grad" and not self.linear[self.t.module_of[k]]:
+                    self.has_grad[k] = True
+                    m = self.t.module_of[k]
+                    count = self.ready.get(m, 0) + 1
+                    if count < len(self.units_of[m]):
+                        self.ready[m] = count
+                        continue
+                    self.ready[m] = 0
+                    if syncing:
+                        self.reduce(self.units_of[m])
+                    self.free(m)
+        for m in list(self.prefetched):  # Zero._drain
+            self.prefetched.discard(m)
+            self.free(m)
+        self.order_known = self.order_known or bool(self.order[True])
+        pending = [u for u in range(len(self.reduced)) if not self.reduced[u]]
+        if pending:
+            self.reduce(pending)
+        self.ready.clear()
+        self.reduced = [False] * len(self.reduced)
+        if self.stage == 3:
+            self.gathered = [False] * len(self.gathered)
+        self.observe()  # after_step
+        if self.stage < 3:
+            self.gathered = [True] * len(self.gathered)
+
+    def bucket_step(self, micro_batches: int) -> None:
+        """Stages 1-2: gradients reduce-scattered in buckets as backward fills them."""
+        for i in range(micro_batches):
+            syncing = i == micro_batches - 1
+            for kind, k in self.t.events:
+                if kind == "grad":
+                    self.has_grad[k] = True
+                    if syncing:
+                        self.bucket_ready[self.bucket_of[k]] += 1
+                        self.launch_ready()
+        self.bucket_ready = [len(units) for units in self.buckets]  # sync_gradients: the rest count as zero
+        self.launch_ready()
+        self.flats.clear()
+        self.next_launch = 0
+        self.bucket_ready = [0] * len(self.buckets)
+        self.observe()  # after_step
+
+
+
+def zero_peak_bytes(t: Trace, stage: int, world: int, optim: Optim, grad_accum: int = 1,
+                    bucket_mb: float = 25.0) -> int:
+    """The peak of parameters + gradients + optimizer state one rank holds under ZeRO ``stage``
+    (stages 1-2 reduce in buckets of ``bucket_mb``)."""
+    if stage == 0:
+        return data_parallel_bytes(t, optim)
+    if stage not in (1, 2, 3):
+        raise ConfigError(f"ZeRO stage {stage}: choose 0, 1, 2 or 3")
+    if world < 1:
+        raise ConfigError(f"world size {world}: must be at least 1")
+    sim = ZeroReplay(t, stage, world, optim, bucket_mb)
+    sim.step(grad_accum)
+    sim.step(grad_accum)  # the second step starts from the first one's leftovers: steady state
+    return sim.peak
+

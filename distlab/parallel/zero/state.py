@@ -1,0 +1,90 @@
+"""ZeRO's state: this rank's shards and buffers for snapshots, where they sit in the whole model
+(placement), and the bytes of model state it holds (the peak ``plan`` predicts exactly)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from distlab.errors import ConfigError
+from distlab.parallel.state_bytes import optimizer_tensors, storage_bytes
+from distlab.runtime import group_rank, group_size
+
+
+class ShardedState:
+    """The state half of :class:`~distlab.parallel.zero.Zero` (attributes set by its constructor)."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's ``state_dict`` (collective under stage 3; every rank gets it)."""
+        with self.gathered() as m:
+            return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+    def sync_state_dict(self) -> dict:
+        """Nothing carries over between ZeRO's gradient syncs (its casts have no memory)."""
+        return {}
+
+    def load_sync_state_dict(self, state: dict) -> None:
+        pass
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's part: its shards and buffers (a snapshot writes one per rank)."""
+        return {"zero_stage": self.stage, "world_size": group_size(self.group), "rank": group_rank(self.group),
+                "units": [{"name": u.name, "numel": u.numel, "shard": u.shard.detach().clone()} for u in self.units],
+                "buffers": {k: v.detach().clone() for k, v in self._module.named_buffers()}}
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        """Restore :meth:`sharded_state_dict` output; a different layout is refused, naming it."""
+        mine = self.sharded_state_dict()
+        for key in ("zero_stage", "world_size", "rank"):
+            if state.get(key) != mine[key]:
+                raise ConfigError(f"sharded snapshot was written with {key} {state.get(key)}, this run has "
+                                  f"{mine[key]}: resume with the same `zero` and data-parallel size")
+        theirs = [(u["name"], u["numel"]) for u in state["units"]]
+        ours = [(u["name"], u["numel"]) for u in mine["units"]]
+        if theirs != ours:
+            if len(theirs) != len(ours):
+                raise ConfigError(f"sharded snapshot is for another model: it has {len(theirs)} parameters, this "
+                                  f"model {len(ours)}")
+            (a, na), (b, nb) = next((x, y) for x, y in zip(theirs, ours) if x != y)
+            raise ConfigError(f"sharded snapshot is for another model: its parameter {a} has {na} elements, this "
+                              f"model's {b} has {nb}")
+        with torch.no_grad():
+            for unit, saved in zip(self.units, state["units"]):
+                unit.shard.copy_(saved["shard"])
+            buffers = dict(self._module.named_buffers())
+            for k, v in state["buffers"].items():
+                buffers[k].copy_(v)
+        gathered = [u for u in self.units if u.gathered]
+        if gathered:
+            self._gather(gathered)
+
+    def parameter_slots(self) -> list[tuple[str, nn.Parameter, tuple[int, int] | None]]:
+        """(key, parameter, flat range) of each optimizer parameter: this rank's range of each unit."""
+        return [(u.name, u.param, (u.rank * u.shard_numel,
+                                   max(0, min(u.numel, (u.rank + 1) * u.shard_numel) - u.rank * u.shard_numel)))
+                for u in self.units]
+
+    @staticmethod
+    def reads(state: dict) -> bool:
+        """Whether ``state`` is a :meth:`sharded_state_dict` of ZeRO (of any stage and group size)."""
+        return "zero_stage" in state
+
+    @staticmethod
+    def split_state(state: dict, keys: list[str]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        """A :meth:`sharded_state_dict` as (the optimizer parameters' tensors: the shards, the buffers)."""
+        return [u["shard"] for u in state["units"]], dict(state["buffers"])
+
+    def state_from(self, params: list[torch.Tensor], buffers: dict[str, torch.Tensor]) -> dict:
+        """The :meth:`sharded_state_dict` holding shards ``params`` (in unit order) and ``buffers``."""
+        return {"zero_stage": self.stage, "world_size": group_size(self.group), "rank": group_rank(self.group),
+                "units": [{"name": u.name, "numel": u.numel, "shard": t} for u, t in zip(self.units, params)],
+                "buffers": buffers}
+
+    def held_bytes(self, *extra: torch.Tensor) -> int:
+        """Bytes of parameters + gradients + optimizer state this rank holds right now."""
+        tensors = [t for u in self.units for t in (u.full, u.shard, u.shard.grad, u.param.grad)]
+        tensors += [t for b in self.buckets for t in (b.flat, b.out)]
+        return storage_bytes(tensors + list(extra) + optimizer_tensors(self._optimizer))
+
+    def _observe(self, *extra: torch.Tensor) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes(*extra))

@@ -1,0 +1,211 @@
+"""The ZeRO wrapper: units and hooks set up, the step's sync and after-step, the Engine's interface
+(:class:`~distlab.parallel.protocols.GradSync`). The work is in its parts: reduce, gather, state."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distlab import comm
+from distlab.errors import ConfigError
+from distlab.parallel.precision import DTYPES
+from distlab.parallel.zero.gather import GatherOnDemand
+from distlab.parallel.zero.reduce import BucketedReduce
+from distlab.parallel.zero.state import ShardedState
+from distlab.parallel.zero.units import Shard, _Bucket, _buckets, _Unit, sharded_linear
+from distlab.runtime import broadcast_module, group_rank, group_size
+
+STAGES = (0, 1, 2, 3)
+
+
+class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
+    """ZeRO stage 1, 2 or 3 around ``module`` over ``group`` (default: the world).
+
+    Use like the data-parallel wrapper: ``forward``, ``no_sync()`` for gradient accumulation,
+    ``sync_gradients()`` after the last backward, then ``optimizer.step()`` on an optimizer built
+    over :meth:`shard_parameters`, then :meth:`after_step`.
+    """
+
+    def __init__(self, module: nn.Module, stage: int, group: dist.ProcessGroup | None = None,
+                 collective: str = "auto", bucket_mb: float = 25.0, reduce_dtype: torch.dtype | None = None):
+        super().__init__()
+        if stage not in (1, 2, 3):
+            raise ConfigError(f"`zero` {stage}: choose a ZeRO stage of 1, 2 or 3 (0 is plain data parallel)")
+        if not bucket_mb > 0:
+            raise ConfigError(f"`bucket_mb` must be positive, not {bucket_mb}")
+        self._module = module
+        self.reduce_dtype = reduce_dtype  # gradients travel in this dtype (None: their own)
+        self.stage, self.group, self.collective = stage, group, comm.check_algorithm(collective)
+        n, rank = group_size(group), group_rank(group)
+        self._rs = comm.resolve(collective, "reduce_scatter", group)  # what `auto` means here
+        self._ag = comm.resolve(collective, "all_gather", group)
+        broadcast_module(module, src=0, group=group)  # start from rank 0's weights, like data parallel
+        self.units = [_Unit(f"{name}.{pname}" if name else pname, m, p, n, rank)
+                      for name, m in module.named_modules() for pname, p in m.named_parameters(recurse=False)]
+        if not self.units:
+            raise ConfigError("`zero` needs a model with parameters")
+        self._by_module: dict[nn.Module, list[_Unit]] = {}
+        for unit in self.units:
+            self._by_module.setdefault(unit.module, []).append(unit)
+        self._pinned = False  # inside gathered(): stage-3 hooks leave the full parameters alone
+        self._syncing = True
+        self._optimizer: torch.optim.Optimizer | None = None
+        self.peak_bytes = 0
+        self._handles = []
+        self._ready: dict[nn.Module, int] = {}  # per module: parameters whose gradient arrived this backward
+        self.buckets: list[_Bucket] = []
+        self._next_launch = 0
+        if stage < 3:
+            self.buckets = _buckets(self.units, int(bucket_mb * 2**20))
+            for b, bucket in enumerate(self.buckets):
+                for unit in bucket.units:
+                    self._handles.append(unit.param.register_post_accumulate_grad_hook(
+                        lambda p, b=b: self._on_bucket_grad(b)))
+        self._order: list[nn.Module] = []  # stage 3: modules in the order the first forward gathers them
+        self._bwd_order: list[nn.Module] = []  # ... and the first backward
+        self._order_known = False
+        self._position: dict[nn.Module, int] = {}
+        self._bwd_position: dict[nn.Module, int] = {}
+        self._prefetched: dict[nn.Module, list] = {}  # module -> collectives under way into its full parameters
+        self.prefetch = True
+        if stage == 3:
+            for m, units in self._by_module.items():
+                for unit in units:
+                    unit.free()
+                if sharded_linear(m, [u.param for u in units]):  # the weight's gradient never meets the full weight
+                    m.forward = lambda x, m=m, units=units: self._linear(m, units, x)
+                    continue
+                for unit in units:
+                    self._handles.append(unit.param.register_post_accumulate_grad_hook(
+                        lambda p, unit=unit: self._on_grad_ready(unit)))
+                self._handles.append(m.register_forward_pre_hook(
+                    lambda m, args, units=units: self._before_forward(m, units)))
+                self._handles.append(m.register_forward_hook(
+                    lambda m, args, out, units=units: self._after_forward(units, m, out)))
+
+    @classmethod
+    def from_strategy(cls, module: nn.Module, strategy, group: dist.ProcessGroup | None = None) -> "Zero":
+        """``module`` over ``group`` at the strategy's ZeRO stage, collective, bucket size and wire dtype."""
+        wire = strategy.wire_dtype
+        return cls(module, strategy.zero, group=group, collective=strategy.collective, bucket_mb=strategy.bucket_mb,
+                   reduce_dtype=DTYPES[wire] if wire else None)
+
+    # ------------------------------------------------------------------ the wrapped model
+
+    @property
+    def module(self) -> nn.Module:
+        return self._module
+
+    def forward(self, *args, **kwargs):
+        return self._module(*args, **kwargs)
+
+    sharded = True  # ranks hold different model states
+    needs_priming = False  # its buckets are fixed at construction: a resumed run reduces in the same ones
+
+    def shard_parameters(self) -> list[nn.Parameter]:
+        """One flat parameter per unit: this rank's shard. Build the optimizer over these."""
+        return [u.shard for u in self.units]
+
+    optimizer_parameters = shard_parameters
+
+    def shards(self) -> dict[str, Shard]:
+        """Parameter name -> where this rank's shard of it lives (the public parameter-to-shard map)."""
+        return {u.name: Shard(u.name, u.param, u.shard, u.rank * u.shard_numel,
+                              max(0, min(u.numel, (u.rank + 1) * u.shard_numel) - u.rank * u.shard_numel))
+                for u in self.units}
+
+    @torch.no_grad()
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Parameter name -> the full averaged gradient, shaped like the parameter (collective: an
+        all-gather of every shard's gradient). Valid between :meth:`sync_gradients` and the next
+        ``zero_grad``; a shard without a gradient contributes zeros."""
+        out = {}
+        for u in self.units:
+            full = torch.empty(u.padded, dtype=u.full.dtype, device=u.full.device)
+            grad = u.shard.grad if u.shard.grad is not None else torch.zeros_like(u.shard)
+            comm.all_gather(full, grad, algorithm=self._ag, group=self.group)
+            out[u.name] = full[:u.numel].view_as(u.param).clone()
+        return out
+
+    def track(self, optimizer: torch.optim.Optimizer) -> None:
+        """Count ``optimizer``'s state in :attr:`peak_bytes`."""
+        self._optimizer = optimizer
+
+    def observe(self) -> int:
+        """Update and return :attr:`peak_bytes` (the hooks also update it at every gather and reduce)."""
+        self._observe()
+        return self.peak_bytes
+
+    def uncounted_bytes_per_sync(self) -> int:
+        return 0  # every byte goes through distlab.comm, which counts it
+
+    # ------------------------------------------------------------------ the step
+
+    @property
+    def group_size(self) -> int:
+        return self.units[0].n
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate full local gradients without communicating (the micro-batches of a step)."""
+        self._syncing = False
+        try:
+            yield
+        finally:
+            self._syncing = True
+
+    def sync_gradients(self) -> None:
+        """After the step's last backward: every unit's averaged gradient shard is in place."""
+        if self.buckets:
+            for bucket in self.buckets[self._next_launch:]:  # buckets with parameters that got no gradient
+                bucket.ready = len(bucket.units)
+            try:
+                self._launch_ready()
+                for b in range(len(self.buckets)):
+                    self._finish(b)
+            finally:
+                for bucket in self.buckets:
+                    bucket.ready, bucket.flat, bucket.out, bucket.work = 0, None, None, None
+                self._next_launch = 0
+        self._drain()
+        if self.stage == 3 and self._order:
+            self._order_known = True
+        pending = [u for u in self.units if not u.reduced]  # stage 3: those whose backward never ran
+        if pending:
+            self._reduce(pending)
+        self._ready.clear()
+        for unit in self.units:
+            unit.reduced = False
+            if self.stage == 3:
+                unit.free()
+
+    def after_step(self) -> None:
+        """After ``optimizer.step()``: stages 1-2 all-gather the updated shards into the parameters."""
+        self._observe()
+        if self.stage < 3:
+            self._gather(self.units)
+
+    # ------------------------------------------------------------------ state
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[nn.Module]:
+        """The full parameters in place for the duration (collective under stage 3)."""
+        if self.stage < 3 or self._pinned:
+            yield self._module
+            return
+        self._drain()
+        self._gather(self.units)
+        self._pinned = True
+        try:
+            yield self._module
+        finally:
+            self._pinned = False
+            for unit in self.units:
+                unit.free()
+
+    def _observe(self, *extra: torch.Tensor) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes(*extra))
