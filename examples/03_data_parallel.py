@@ -20,7 +20,7 @@ from distlab import comm, runtime
 from distlab.models import build_model
 from distlab.parallel import DataParallel
 from distlab.runtime import print0
-from distlab.verify import sgd_tolerance
+from distlab.tools.verify import sgd_tolerance
 
 STEPS, GLOBAL_BATCH, LR = 30, 64, 0.05
 
@@ -77,7 +77,7 @@ def main() -> None:
         if kind == "bucketed":
             grads = sum(p.numel() * 4 for p in params)
             print0(f"  {'':<15} bytes sent per step {sent / STEPS:,.0f} = 2(n-1)/n x {grads:,} bytes of gradients")
-        bound = sgd_tolerance(STEPS, LR, GLOBAL_BATCH)  # float32 summation order, derived in distlab.verify
+        bound = sgd_tolerance(STEPS, LR, GLOBAL_BATCH)  # float32 summation order, derived in distlab.tools.verify
         assert diff <= bound, f"{kind} drifted from single-process training by {diff} (bound {bound:.1e})"
     print0("all three equal single-process training up to float32 rounding")
     runtime.shutdown()

@@ -16,7 +16,7 @@ from distlab import comm, runtime
 from distlab.models import build_model
 from distlab.parallel import DataParallel
 from distlab.runtime import print0
-from distlab.verify import sgd_tolerance
+from distlab.tools.verify import sgd_tolerance
 
 STEPS, GLOBAL_BATCH = 10, 64
 

@@ -20,7 +20,7 @@ from distlab.models import build_model
 from distlab.parallel import apply_tensor_parallel
 from distlab.parallel.tensor_parallel import full_parameters
 from distlab.runtime import print0
-from distlab.verify import sum_tolerance
+from distlab.tools.verify import sum_tolerance
 
 BATCH = 32
 

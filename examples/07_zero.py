@@ -7,7 +7,7 @@ For each, the script prints the peak bytes of parameters + gradients + optimizer
 held and the bytes it sent per step, then asks ``distlab.plan`` to predict that peak from the
 model's shapes alone and checks the prediction is exact. The same runs with SGD + momentum show how
 far the parameters are from single-process training, within the float32 bound
-``distlab.verify.sgd_tolerance`` derives (Adam has none: it divides each gradient entry by its own
+``distlab.tools.verify.sgd_tolerance`` derives (Adam has none: it divides each gradient entry by its own
 size, so rounding noise can move an entry by up to lr). Tutorial: docs/07-zero.md.
 """
 
@@ -21,7 +21,7 @@ from distlab.parallel.state_bytes import model_state_bytes
 from distlab.parallel.cost import Optim, trace
 from distlab.parallel.zero.cost import zero_peak_bytes
 from distlab.runtime import print0
-from distlab.verify import sgd_tolerance
+from distlab.tools.verify import sgd_tolerance
 
 STEPS, GLOBAL_BATCH, WIDTHS = 5, 32, (256, 128)
 SGD_LR, MOMENTUM = 0.05, 0.9

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from distlab.models import GPT, task_loss
 from distlab.parallel import PipelineStage, partition
 from distlab.runtime import ordered_print, print0, shutdown
-from distlab.verify import sum_tolerance
+from distlab.tools.verify import sum_tolerance
 
 
 def gpt():

@@ -21,7 +21,7 @@ from torch import nn
 from distlab import comm
 from distlab.parallel import ColumnParallelLinear, Strategy, build_mesh, parallelize
 from distlab.runtime import print0, shutdown
-from distlab.verify import gradient_tolerance, sgd_tolerance
+from distlab.tools.verify import gradient_tolerance, sgd_tolerance
 
 STEPS, GLOBAL_BATCH = 6, 32
 
@@ -70,7 +70,7 @@ def main() -> None:
     mine = engine.full_state_dict()
     diff = max((mine[k] - v).abs().max().item() for k, v in ref.state_dict().items())
     head_grad = (full_grads["5.weight"] - ref_grads["5.weight"]).abs().max().item()
-    # float32 summation order only: bounds derived in distlab.verify (the same ones `distlab verify` uses)
+    # float32 summation order only: bounds derived in distlab.tools.verify (the same ones `distlab verify` uses)
     assert diff <= sgd_tolerance(STEPS, 0.1, GLOBAL_BATCH, 0.9), f"parameters differ from one process by {diff:.2e}"
     assert head_grad <= gradient_tolerance(GLOBAL_BATCH), f"the last step's gradient differs by {head_grad:.2e}"
 

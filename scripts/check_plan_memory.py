@@ -11,7 +11,7 @@ import sys
 from distlab import runtime
 from distlab.parallel.cost import Optim, trace
 from distlab.parallel.zero.cost import zero_peak_bytes
-from distlab.spawn import run_ranks
+from distlab.launch.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig
 
 # (zero, optimizer, grad_accum, dp_sync)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from distlab.verify import sgd_tolerance
+from distlab.tools.verify import sgd_tolerance
 
 RECORD_FIELDS = {"algorithm", "op", "world_size", "numel", "dtype", "time_s_median", "time_s_min", "time_s_max",
                  "algbw_gbps", "busbw_gbps", "max_abs_err", "rel_err", "peak_rss_mb", "bytes_sent_per_rank",

@@ -76,7 +76,7 @@ def test_a_single_node_launch_takes_a_free_port_not_29500(run_cli, tmp_path):
     a test suite under pytest -n, collided. One node without --master-port rendezvous on a free port."""
     import socket
 
-    from distlab.launch import LaunchOptions, torchrun_args
+    from distlab.launch.torchrun import LaunchOptions, torchrun_args
     args = torchrun_args(LaunchOptions(nproc_per_node=2), ["train"])
     assert "--standalone" in args and "--master-port" not in args
     pinned = torchrun_args(LaunchOptions(nproc_per_node=2, master_port=6000), ["train"])
@@ -286,7 +286,7 @@ def test_verify_rejects_unreadable_strategies(run_cli):
 def test_verify_comparison_catches_a_difference():
     import torch
 
-    from distlab.verify import compare, config_for, parse_strategy, reference_run, tolerance
+    from distlab.tools.verify import compare, config_for, parse_strategy, reference_run, tolerance
     cfg = config_for(parse_strategy("allreduce"), 2, steps=3)
     params, losses = reference_run(cfg)
     assert compare(params, losses, params, losses)["max_abs_param_diff"] == 0.0
@@ -337,7 +337,7 @@ def test_a_worker_killed_mid_run_is_reported_by_rank_signal_step_and_snapshot(ru
 def test_failure_report_says_messages_are_above_only_when_a_worker_printed_one():
     import signal
 
-    from distlab.launch import failure_report
+    from distlab.launch.torchrun import failure_report
     killed = failure_report({0: (-signal.SIGTERM, 2.0), 1: (-signal.SIGKILL, 1.0)}, ["train"])
     assert killed == "workers failed: rank 1 killed by SIGKILL first; torchrun then stopped rank 0"
     failed = failure_report({0: (1, 1.0), 1: (-signal.SIGTERM, 2.0)}, ["train", "--snapshot-dir", "/nonexistent"])

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from distlab import cluster as c
+from distlab.launch import cluster as c
 from distlab.plan import cost
 from distlab.errors import ConfigError
 

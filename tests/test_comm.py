@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from distlab import comm
 from distlab.errors import ConfigError
-from distlab.spawn import RankFailure, run_ranks
+from distlab.launch.spawn import RankFailure, run_ranks
 
 ALGOS = ["native", "ring", "butterfly", "direct", "gather_scatter"]
 SIZES = [0, 1, 7, 1000, 1001]

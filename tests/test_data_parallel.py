@@ -6,7 +6,7 @@ ranks (gloo) and divided, instead of summed in one go. Each gradient entry then 
 most ~12 ulp relative (float32 eps = 1.2e-7, so ~1.5e-6 relative), and with |grad| <= ~1,
 lr 0.1 and momentum 0.9 over 10 steps the parameter drift is bounded by about
 10 steps x 10 (momentum amplification) x 0.1 x 1.5e-6 = 1.5e-5 in the worst case; in practice
-errors do not all align and stay near 1e-7. We assert distlab.verify's bound, 2.9e-5 here. Leaving out the gradient
+errors do not all align and stay near 1e-7. We assert distlab.tools.verify's bound, 2.9e-5 here. Leaving out the gradient
 sync (the negative control) moves parameters by ~1e-2, three orders of magnitude more.
 """
 
@@ -20,9 +20,9 @@ from distlab import runtime
 from distlab.data import load_dataset
 from distlab.models import build_model
 from distlab.parallel import Strategy, build_mesh, parallelize
-from distlab.spawn import run_ranks
+from distlab.launch.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig, evaluate
-from distlab.verify import reference_run, tolerance
+from distlab.tools.verify import reference_run, tolerance
 
 
 def _config(dp_sync: str, out: str | None = None, collective: str = "native", grad_accum: int = 1,
@@ -153,7 +153,7 @@ def _die_mid_training(rank, world, cfg: TrainConfig):
 
 
 def test_a_peer_dying_mid_step_is_a_clear_error_not_a_hang():
-    from distlab.spawn import RankFailure
+    from distlab.launch.spawn import RankFailure
     with pytest.raises(RankFailure) as err:
         run_ranks(_die_mid_training, 2, _config("allreduce"), timeout=90)
     text = str(err.value)
@@ -218,7 +218,7 @@ def _unused_parameter(rank, world, find_unused):
 
 
 def test_bucketed_parameters_without_gradient_error_or_count_as_zero():
-    from distlab.spawn import RankFailure
+    from distlab.launch.spawn import RankFailure
     with pytest.raises(RankFailure, match=r"received no gradient in this step \(unused.bias, unused.weight\); "
                                           r"pass `find_unused`"):
         run_ranks(_unused_parameter, 2, False, timeout=60)

@@ -66,7 +66,7 @@ def _fb(rank, world):
 
 
 def test_forward_backward_leaves_the_loss_on_the_device_summed_as_floats_would_be():
-    (loss, floats), = __import__("distlab.spawn", fromlist=["run_ranks"]).run_ranks(_fb, 1)
+    (loss, floats), = __import__("distlab.launch.spawn", fromlist=["run_ranks"]).run_ranks(_fb, 1)
     assert isinstance(loss, torch.Tensor) and loss.dtype == torch.float64 and loss.dim() == 0
     assert loss.item() == floats  # float64 sum of the float32 micro-batch losses: bitwise what Python adds
 
@@ -81,7 +81,7 @@ def test_bench_overhead_smoke_on_cpu(run_cli, tmp_path):
     assert all(r["device"] == "cpu" and r["time_per_step_s_median"] > 0 for r in records)
     assert records[1]["data_on_device"] is False
     assert "distlab / plain" in proc.stdout and (tmp_path / "p" / "overhead.png").stat().st_size > 1000
-    from distlab.report import bench_kind
+    from distlab.tools.report import bench_kind
     assert bench_kind(records) == "overhead"
     page = run_cli("report", "o", "-o", "r.html", check=True) and (tmp_path / "r.html").read_text()
     assert "Single-process overhead" in page and "distlab / plain" in page
@@ -126,7 +126,7 @@ def test_the_host_allocator_keeps_a_steps_blocks_in_the_heap():
     import sys
     if not sys.platform.startswith("linux"):
         pytest.skip("mallopt is glibc's (Linux)")
-    from distlab.spawn import run_ranks
+    from distlab.launch.spawn import run_ranks
     tuned, = run_ranks(_where_a_block_comes_from, 1, True)  # each in a fresh process
     if tuned is None or tuned[0] is None:
         pytest.skip("not glibc 2.33+: no mallopt / mallinfo2")

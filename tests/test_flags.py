@@ -165,7 +165,7 @@ def test_every_base_invocation_succeeds(command, workdir):
         code, out, err = _invoke(_argv(command, None, None, workdir), cwd)
     finally:
         if command == "cluster up":
-            from distlab import cluster
+            from distlab.launch import cluster
             cluster.down(f"f{os.getpid() % 10000}")
         os.environ.pop("DISTLAB_CLUSTER_STATE_DIR")
     expected = 2 if command in NEEDS_A_CLUSTER else 0
@@ -202,7 +202,7 @@ def test_every_flag_takes_edge_values_without_a_traceback(command, data, workdir
         _check(command, _argv(command, flag, value, workdir), workdir)
     finally:
         if command.startswith("cluster"):
-            from distlab import cluster
+            from distlab.launch import cluster
             cluster.down(f"f{os.getpid() % 10000}")
         os.environ.pop("DISTLAB_CLUSTER_STATE_DIR")
 

@@ -1,6 +1,6 @@
 """The GPU path: run where CUDA is present, skipped with the reason elsewhere (``gpu`` marker).
 
-Equivalence bounds are distlab.verify's (float32 summation order; bf16/fp16 unit roundoff), so they
+Equivalence bounds are distlab.tools.verify's (float32 summation order; bf16/fp16 unit roundoff), so they
 hold on any GPU: a GPU run and the CPU reference differ in how they sum, not in what.
 """
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from distlab import runtime
-from distlab.spawn import run_ranks
+from distlab.launch.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig
-from distlab.verify import reference_run, tolerance
+from distlab.tools.verify import reference_run, tolerance
 
 pytestmark = pytest.mark.gpu
 

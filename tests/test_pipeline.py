@@ -3,7 +3,7 @@ unsplit model (loss and every gradient), 1F1B holding at most P - s micro-batche
 
 Tolerance: the only difference from the unsplit step is the order of sums -- the batch's loss is a
 sum of M micro-batch means instead of one mean, and each gradient sums its micro-batches' parts.
-Both sides run in float64 and are compared within ``distlab.verify.sum_tolerance`` for every term
+Both sides run in float64 and are compared within ``distlab.tools.verify.sum_tolerance`` for every term
 that feeds one value (batch x widest layer x depth) at the largest magnitude seen: about 1e-10 here,
 while a wrong cut or a lost micro-batch moves values by 1e-2 or more.
 """
@@ -16,8 +16,8 @@ from torch import nn
 from distlab.errors import ConfigError
 from distlab.models import GPT, task_loss
 from distlab.parallel.pipeline import PipelineStage, partition
-from distlab.spawn import run_ranks
-from distlab.verify import sum_tolerance
+from distlab.launch.spawn import run_ranks
+from distlab.tools.verify import sum_tolerance
 
 
 

@@ -12,10 +12,10 @@ from distlab.errors import ConfigError
 from distlab.models import build_model
 from distlab.parallel import Strategy, parallelize
 from distlab.parallel.mesh import build_mesh, layout
-from distlab.spawn import run_ranks
+from distlab.launch.spawn import run_ranks
 from distlab.train import TrainConfig, Trainer
 from distlab.train.evaluate import evaluate
-from distlab.verify import parse_strategy, verify
+from distlab.tools.verify import parse_strategy, verify
 
 
 def test_the_3d_mesh_puts_tensor_parallel_innermost_and_stages_outermost():

@@ -16,7 +16,7 @@ from distlab.parallel.cost import Optim, generic_trace, trace
 from distlab.parallel.zero.cost import zero_peak_bytes
 from distlab.plan import Calibration, Layout, calibrate, format_sweep, predict, summaries, sweep, validate
 from distlab.parallel import Strategy
-from distlab.spawn import run_ranks
+from distlab.launch.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig
 
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "plan"

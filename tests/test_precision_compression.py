@@ -3,7 +3,7 @@
 Tolerances: PowerSGD's algebra (a low-rank mean recovered exactly, the error-feedback identity)
 is float32 arithmetic on O(1) numbers over a few products: 1e-4. A float16 cast of a mean is off
 by at most N x 2^-11 relative (one rounding before sending, N-1 in the sum). Training runs use
-verify's derived bound (distlab/verify.py); a bf16 run must also *differ* from float32 training
+verify's derived bound (distlab/tools/verify.py); a bf16 run must also *differ* from float32 training
 by more than float32 rounding, or autocast was not applied.
 """
 
@@ -17,8 +17,8 @@ from distlab.errors import ConfigError
 from distlab.parallel import CastCodec, LossScaler, PowerSGD, Strategy, parallelize
 from distlab.parallel.compression import bytes_per_rank
 from distlab.parallel.mesh import build_mesh
-from distlab.spawn import run_ranks
-from distlab.verify import compare, config_for, parse_strategy, reference_run, tolerance, verify
+from distlab.launch.spawn import run_ranks
+from distlab.tools.verify import compare, config_for, parse_strategy, reference_run, tolerance, verify
 
 
 def _gather(t: torch.Tensor) -> list[torch.Tensor]:

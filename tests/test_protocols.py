@@ -10,8 +10,8 @@ from distlab.parallel.data_parallel import SYNC_METHODS
 from distlab.parallel.protocols import GradSync, StepSchedule
 from distlab.parallel.schedule import Accumulate
 from distlab.parallel.zero import STAGES
-from distlab.spawn import run_ranks
-from distlab.verify import gradient_tolerance
+from distlab.launch.spawn import run_ranks
+from distlab.tools.verify import gradient_tolerance
 
 
 def _model():

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from distlab.report import bench_kind, collect
+from distlab.tools.report import bench_kind, collect
 
 
 def _collectives():
@@ -86,7 +86,7 @@ def test_snapshots_and_other_json_in_a_searched_directory_are_skipped_quietly(ru
 
 
 def test_verify_records_say_where_they_ran_and_old_ones_say_nothing(tmp_path):
-    from distlab.report import write_report
+    from distlab.tools.report import write_report
     (tmp_path / "old.json").write_text(json.dumps(_verify()))
     (tmp_path / "new.json").write_text(json.dumps([{**_verify()[0], "torch_version": "2.13.0+cpu", "host": "h1",
                                                     "cores": 2, "date": "2026-11-23T10:00:00+00:00"}]))
@@ -97,7 +97,7 @@ def test_verify_records_say_where_they_ran_and_old_ones_say_nothing(tmp_path):
 
 
 def test_lines_that_coincide_stay_apart_and_worker_axes_have_integer_ticks():
-    from distlab.plots import integer_ticks, pyplot, style
+    from distlab.tools.plots import integer_ticks, pyplot, style
     plt = pyplot()
     fig, ax = plt.subplots()
     for i in range(3):  # three runs with identical losses
@@ -119,7 +119,7 @@ def test_report_of_every_committed_result_fits_a_1280_px_window(tmp_path):
     than the window, and the screenshot is a real page, not blank."""
     from pathlib import Path
 
-    from distlab.report import write_report
+    from distlab.tools.report import write_report
     results = Path(__file__).resolve().parent.parent / "results"
     inputs = write_report([str(results)], tmp_path / "r.html")
     assert {"run", "collectives", "parallel", "scaling"} <= {k for _, k in inputs.read} and not inputs.problems
@@ -147,7 +147,7 @@ def test_report_of_every_committed_result_fits_a_1280_px_window(tmp_path):
 def test_plan_validation_gets_its_plot_and_images_are_written(tmp_path):
     """`plan validate --json` output is a report input: a predicted-vs-measured plot and its table;
     --images writes every plot as a PNG file too."""
-    from distlab.report import write_report
+    from distlab.tools.report import write_report
     rows = [{"run": f"r{i}", "world_size": 2, "link": "1gbit", "dp_sync": "ddp", "zero": 0, "measured_step_s": t,
              "predicted_step_s": t * 1.1, "time_rel_err": 0.1, "predicted_compute_s": 0.001,
              "predicted_exposed_comm_s": t, "measured_model_state_bytes": 10, "predicted_model_state_bytes": 10}
@@ -166,7 +166,7 @@ def test_plan_validation_gets_its_plot_and_images_are_written(tmp_path):
 def test_plan_sweep_gets_memory_and_fit_plot(tmp_path):
     from distlab.parallel import Strategy
     from distlab.plan import Layout, Link, generic_trace, sweep
-    from distlab.report import write_report
+    from distlab.tools.report import write_report
     rows = sweep(generic_trace(10**9, 0.0, 8), Layout(dp=8, optimizer="adam"), [8, 64], Link(), None, 8 * 2**30,
                  [Strategy(), Strategy(zero=3)])
     path = tmp_path / "sweep.json"

@@ -3,7 +3,7 @@
 Each case trains under layout A with a snapshot at step 7 (mid-epoch) and goes on to step 13;
 layout B resumes that snapshot. Right after loading, B's gathered parameters and optimizer state
 must *equal* A's at step 7 (resharding copies tensors, it computes nothing). B then trains on to
-step 13 on the same samples; with SGD its parameters must agree with A's within distlab.verify's
+step 13 on the same samples; with SGD its parameters must agree with A's within distlab.tools.verify's
 float32 bound for the 13 steps (the layouts sum gradients in different orders; 3.7e-5 here), far
 below what a skipped or repeated batch does (~1e-3 and more, checked below). Adam has no such
 bound (it divides each entry by its own size, so rounding noise can move an entry by up to lr):
@@ -18,12 +18,12 @@ from distlab import runtime
 from distlab.errors import ConfigError
 from distlab.models import build_model
 from distlab.parallel.placement import Placement, assemble, take
-from distlab.spawn import RankFailure, run_ranks
+from distlab.launch.spawn import RankFailure, run_ranks
 from distlab.train import Trainer, TrainConfig
 from distlab.train import reshard
 from distlab.train.export import export
 from distlab.train import snapshot as snap
-from distlab.verify import tolerance
+from distlab.tools.verify import tolerance
 
 AT, END = 7, 13
 

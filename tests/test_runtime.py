@@ -10,7 +10,7 @@ import torch.distributed as dist
 from distlab import runtime
 from distlab.errors import ConfigError, DistributedError
 from distlab.runtime import detect_launch, slurm_first_host
-from distlab.spawn import run_ranks
+from distlab.launch.spawn import run_ranks
 
 # --------------------------------------------------------------------------- detection (pure)
 

@@ -19,7 +19,7 @@ import torch
 
 from distlab import runtime
 from distlab.errors import ConfigError
-from distlab.spawn import run_ranks
+from distlab.launch.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig
 from distlab.train import snapshot as snap
 from distlab.train.config import parse_duration

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distlab.spawn import RankFailure, run_ranks
+from distlab.launch.spawn import RankFailure, run_ranks
 
 
 def _sum_ranks(rank, world):

@@ -6,9 +6,9 @@ import torch
 from distlab import runtime
 from distlab.errors import ConfigError
 from distlab.parallel import Strategy
-from distlab.spawn import run_ranks
+from distlab.launch.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig
-from distlab.verify import default_strategies, parse_strategy
+from distlab.tools.verify import default_strategies, parse_strategy
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from distlab import comm
 from distlab.parallel import SyncBatchNorm, convert_sync_batchnorm
-from distlab.spawn import run_ranks
+from distlab.launch.spawn import run_ranks
 
 TOL = 1e-4
 

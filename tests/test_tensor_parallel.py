@@ -5,7 +5,7 @@ summed in another order (row parallel: per-rank partial sums, then an all-reduce
 inputs and weights of size ~1/sqrt(fan_in), outputs and gradients are O(1) and each differs by
 a few float32 ulps times the fan-in at worst: fan-in <= 32 here gives <= 32 x 1.2e-7 ~ 4e-6. We
 assert 1e-5. A missing all-reduce (or a shard taken from the wrong rows) is off by O(0.1).
-Training equivalence uses distlab.verify's float32 bound for the run (2.9e-5 here).
+Training equivalence uses distlab.tools.verify's float32 bound for the run (2.9e-5 here).
 """
 
 import pytest
@@ -20,9 +20,9 @@ from distlab.models import build_model
 from distlab.parallel import ColumnParallelLinear, RowParallelLinear, apply_tensor_parallel, build_mesh
 from distlab.parallel.mesh import layout
 from distlab.parallel.tensor_parallel import full_parameters
-from distlab.spawn import run_ranks
+from distlab.launch.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig
-from distlab.verify import reference_run, tolerance
+from distlab.tools.verify import reference_run, tolerance
 
 TOL = 1e-5
 

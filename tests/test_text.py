@@ -122,7 +122,7 @@ def test_gpt_data_and_tensor_parallel_equal_one_process():
     """On 4 ranks: data parallel, ZeRO-1, and a 2 x 2 mesh with attention split by heads and the
     vocabulary split in embedding, head and loss -- also with sequence parallel -- each train the
     transformer as one process does (float32 rounding; verify's tolerance)."""
-    from distlab.verify import parse_strategy, verify
+    from distlab.tools.verify import parse_strategy, verify
     cases = ["bucketed+gpt", "zero=1+gpt", "allreduce+tp=2+gpt", "allreduce+tp=2+sp+gpt"]
     records = verify([parse_strategy(c) for c in cases], 4, steps=4, timeout=300)
     for r in records:

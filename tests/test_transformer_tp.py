@@ -19,7 +19,7 @@ from distlab.models import GPT, task_correct, task_loss
 from distlab.parallel import apply_tensor_parallel
 from distlab.parallel.tensor_parallel import full_parameters, full_state_dict
 from distlab.parallel.transformer_tp import vocab_parallel_correct, vocab_parallel_cross_entropy, vocab_parallel_head
-from distlab.spawn import RankFailure, run_ranks
+from distlab.launch.spawn import RankFailure, run_ranks
 
 TOL = 1e-5
 B, T, C, L, HEADS, V = 3, 8, 16, 2, 4, 256

@@ -3,7 +3,7 @@ the memory they hold, and their sharded state.
 
 Tolerance: the data-parallel bound (tests/test_data_parallel.py): gradients are the same
 averages, reduce-scattered instead of all-reduced, so runs differ by float32 summation order
-only: distlab.verify's bound, 2.9e-5 over 10 SGD steps (Adam has none: its runs are compared
+only: distlab.tools.verify's bound, 2.9e-5 over 10 SGD steps (Adam has none: its runs are compared
 bitwise on resume and resharding, tests/test_snapshot.py and tests/test_reshard.py). A ZeRO that summed instead of averaged, updated the wrong slice or
 missed an all-gather is off by O(1e-2) or more (the control below).
 """
@@ -17,9 +17,9 @@ from distlab.errors import ConfigError
 from distlab.parallel import Zero
 from distlab.parallel.cost import Optim, trace
 from distlab.parallel.zero.cost import zero_peak_bytes
-from distlab.spawn import run_ranks
+from distlab.launch.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig
-from distlab.verify import reference_run, tolerance
+from distlab.tools.verify import reference_run, tolerance
 
 
 def _cfg(zero, **kw):

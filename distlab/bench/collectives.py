@@ -28,7 +28,7 @@ from distlab import comm
 from distlab.bench.common import at_least, choose
 from distlab.comm.ops import OPS
 from distlab.runtime import cores as runtime_cores, free_port
-from distlab.spawn import run_ranks
+from distlab.launch.spawn import run_ranks
 from distlab.train.metrics import atomic_write_text, peak_rss_mb
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -242,7 +242,7 @@ def crossovers(records: list[dict], latency: str = "butterfly", bandwidth: str =
 
 def plot(records: list[dict], directory: str | Path) -> list[Path]:
     """Time-vs-size and busbw-vs-size PNGs, one pair per world size."""
-    from distlab.plots import pyplot, style
+    from distlab.tools.plots import pyplot, style
     plt = pyplot()
 
     directory = Path(directory)

@@ -63,7 +63,7 @@ def write(records: list[dict], out: str | Path | None, suite: str) -> Path | Non
 
 
 def train_on_ranks(rank: int, world: int, cfg) -> dict | None:
-    """One training run on ranks started by :func:`distlab.spawn.run_ranks`: rank 0's summary."""
+    """One training run on ranks started by :func:`distlab.launch.spawn.run_ranks`: rank 0's summary."""
     from distlab import runtime
     from distlab.train import Trainer
     summary = Trainer(cfg.validate(world), runtime.from_process_group()).fit()

@@ -23,9 +23,9 @@ from pathlib import Path
 
 from distlab.bench.common import check_train, cores, format_table, fresh_run_dir, machine, write
 from distlab.bench.scaling import _on_cluster, _run
-from distlab.cluster import TBF_BURST
+from distlab.launch.cluster import TBF_BURST
 from distlab.errors import ConfigError
-from distlab.flags import strategy_flags
+from distlab.tools.flags import strategy_flags
 from distlab.parallel import Strategy
 
 DEFAULT_STRATEGIES = ("bucketed", "bucketed+compress=powersgd:4", "ddp+compress=powersgd:4",
@@ -54,7 +54,7 @@ def run(strategies=DEFAULT_STRATEGIES, nodes: int = 2, epochs: int = 1, max_step
         check_train(nodes, model="mlp", dataset="fashion-mnist", global_batch_size=64, data_dir=data_dir,
                     epochs=epochs, max_steps=max_steps, **s.to_dict())
     if cluster:
-        from distlab import cluster as cl
+        from distlab.launch import cluster as cl
         cl.check_capable()
     root = Path(out).resolve()
     threads = max(1, cores() // nodes)

@@ -13,7 +13,7 @@ per rank, bytes sent per rank per step (distlab's accounting; unknown inside tor
 training loss and test accuracy. With ``--runs R`` each configuration runs R times and the
 median of the runs' medians is reported. Every rank uses ``cores // nproc`` torch threads (the
 single-process baseline uses all cores). ``--cluster`` runs every multi-process configuration as
-``distlab train`` with one worker per emulated node (:mod:`distlab.cluster`, links at
+``distlab train`` with one worker per emulated node (:mod:`distlab.launch.cluster`, links at
 ``--bandwidth``, each node pinned to ``cores // nproc`` cores; the baseline gets as many threads).
 """
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from distlab.bench.common import at_least, choose, cores, machine, train_on_ranks, write
 from distlab.errors import DataNotFoundError
 from distlab.parallel import Strategy
-from distlab.spawn import run_ranks
+from distlab.launch.spawn import run_ranks
 from distlab.train.config import TrainConfig
 
 WORKLOADS = {
@@ -69,7 +69,7 @@ def with_buckets(methods: list[Strategy], bucket_mbs: list[float] | None) -> lis
 def _train_on_cluster(cfg: TrainConfig, nodes: int, bandwidth: str, workdir: Path) -> dict:
     """One run as ``distlab train`` with one worker per emulated node (links at ``bandwidth``); its summary."""
     from distlab.bench.scaling import _on_cluster
-    from distlab.flags import strategy_flags
+    from distlab.tools.flags import strategy_flags
     out = workdir / f"run-{len(list(workdir.glob('run-*')))}"
     args = ["--model", cfg.model, "--dataset", cfg.dataset, "--global-batch-size", str(cfg.global_batch_size),
             "--lr", str(cfg.lr), "--lr-schedule", cfg.lr_schedule, "--seed", str(cfg.seed), "--epochs", "1000",
@@ -92,7 +92,7 @@ def run(workloads=("mlp", "vgg11", "resnet18-syncbn"), nproc: int = 2, steps: in
     for m in methods:
         m.check(nproc).check_batch(batch, nproc)
     if cluster:
-        from distlab import cluster as cl
+        from distlab.launch import cluster as cl
         cl.check_capable()
     workdir = Path(tempfile.mkdtemp(prefix="distlab-bench-dp-"))
     records = []
@@ -175,7 +175,7 @@ def plot(records: list[dict], directory) -> list:
     """One PNG per workload: samples/s per method (bars), DDP's level as a line."""
     from pathlib import Path
 
-    from distlab.plots import pyplot
+    from distlab.tools.plots import pyplot
     plt = pyplot()
 
     directory = Path(directory)

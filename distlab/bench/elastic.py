@@ -60,7 +60,7 @@ def run(nodes: int = 2, epochs: int = 1, kill_at_step: int = 400, snapshot_every
         max_steps: int | None = None, job: list[str] | None = None, out: str | Path = "runs/bench-elastic",
         timeout: float = 3600, uninterrupted: bool = True, progress=print) -> list[dict]:
     """The uninterrupted run (unless ``uninterrupted`` is False) and the node-loss run; one record."""
-    from distlab import cluster as cl
+    from distlab.launch import cluster as cl
     if nodes < 2:
         raise ConfigError("--nodes must be at least 2 (one is lost)")
     if not 0 < kill_at_step:

@@ -112,7 +112,7 @@ def run(workloads=("mlp",), precisions=("fp32",), steps: int = 300, runs: int = 
         progress=print) -> list[dict]:
     """Every workload x precision: ``runs`` interleaved rounds of each side; one record per side and round."""
     from distlab.runtime import cores, resolve_device
-    from distlab.spawn import run_ranks
+    from distlab.launch.spawn import run_ranks
 
     workloads = choose("--workloads", workloads, WORKLOADS)
     precisions = choose("--precisions", precisions, PRECISIONS)
@@ -177,7 +177,7 @@ def table(records: list[dict], markdown: bool = False) -> str:
 
 def figure(records: list[dict]):
     """The bar chart of distlab / plain per workload and precision (median, range of the rounds)."""
-    from distlab.plots import pyplot
+    from distlab.tools.plots import pyplot
     plt = pyplot()
     rows = summarize(records)
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -192,7 +192,7 @@ def figure(records: list[dict]):
 def plot(records: list[dict], directory) -> list:
     from pathlib import Path
 
-    from distlab.plots import pyplot
+    from distlab.tools.plots import pyplot
     fig = figure(records)
     path = Path(directory) / "overhead.png"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """``distlab bench parallel``: model-state parallelism side by side with torch's built-ins.
 
 Every configuration trains the same model from the same seed on the same batches with Adam (or
-``--optimizer sgd``: SGD with momentum 0.9, whose runs agree within distlab.verify's bound) for
+``--optimizer sgd``: SGD with momentum 0.9, whose runs agree within distlab.tools.verify's bound) for
 ``--steps`` steps on ``--nproc`` gloo processes:
 
 distlab (through :class:`~distlab.train.Trainer`): ``dp`` (all-reduce), ``zero1``, ``zero2``,
@@ -38,7 +38,7 @@ from distlab.bench.common import at_least, choose, cores, format_table, machine,
 from distlab.errors import ConfigError
 from distlab.parallel import Strategy
 from distlab.parallel.state_bytes import model_state_bytes
-from distlab.spawn import run_ranks
+from distlab.launch.spawn import run_ranks
 from distlab.train.config import TrainConfig
 
 WORKLOADS = {"mlp": (512, 256), "wide-mlp": (4096, 4096), "gpt": None}

@@ -24,7 +24,7 @@ import torch
 
 from distlab.bench.common import at_least, choose, cores, format_table, human_bytes, machine, write
 from distlab.parallel.pipeline import ideal_bubble
-from distlab.spawn import run_ranks
+from distlab.launch.spawn import run_ranks
 
 SCHEDULES = ("gpipe", "1f1b")
 IMPLEMENTATIONS = ("distlab", "torch")
@@ -170,7 +170,7 @@ def table(records: list[dict], markdown: bool = False) -> str:
 def plot(records: list[dict], directory) -> list:
     from pathlib import Path
 
-    from distlab.plots import integer_ticks, pyplot, style
+    from distlab.tools.plots import integer_ticks, pyplot, style
     plt = pyplot()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ Communication share, two ways: ``sync_share`` = time blocked in the gradient syn
 overlaps backward (``bucketed``, ``ddp``). ``overhead_share`` = ``1 - T(1) / T(N)`` for weak scaling
 (the same per-worker work; everything extra is communication and contention), which catches all of it.
 
-``--cluster`` runs every method on an emulated cluster (:mod:`distlab.cluster`), one node per
+``--cluster`` runs every method on an emulated cluster (:mod:`distlab.launch.cluster`), one node per
 worker, at each ``--bandwidths`` rate, so the gradient sync crosses shaped links. Each node is
 pinned to ``cores // nodes`` cores, and the 1-worker baseline (run once per method, on this
 machine) gets as many threads, so ``overhead_share`` compares equal compute.
@@ -33,9 +33,9 @@ import tempfile
 from pathlib import Path
 
 from distlab.bench.common import at_least, check_train, choose, cores, format_table, fresh_run_dir, machine, write
-from distlab.cluster import TBF_BURST
+from distlab.launch.cluster import TBF_BURST
 from distlab.errors import ConfigError, DistlabError
-from distlab.flags import strategy_flags
+from distlab.tools.flags import strategy_flags
 from distlab.parallel import Strategy
 from distlab.train.config import LR_SCALINGS
 
@@ -130,7 +130,7 @@ def run(worlds=(1, 2, 4), modes=("weak", "strong"), methods=("ddp",), per_worker
                             lr_scaling=lr_scaling if weak else "none", base_batch_size=per_worker_batch if weak else None,
                             **Strategy.parse(method).to_dict())
     if cluster:
-        from distlab import cluster as cl
+        from distlab.launch import cluster as cl
         cl.check_capable()
         for bandwidth in bandwidths:
             cl._validate_rate("--bandwidths", bandwidth)
@@ -173,7 +173,7 @@ def run(worlds=(1, 2, 4), modes=("weak", "strong"), methods=("ddp",), per_worker
 
 def _on_cluster(cmd: list[str], nodes: int, bandwidth: str | None, timeout: float) -> None:
     """One worker per emulated node, each pinned to its share of the cores, links at ``bandwidth``."""
-    from distlab import cluster as cl
+    from distlab.launch import cluster as cl
     name = f"sc{os.getpid() % 10000}"
     state = tempfile.mkdtemp(prefix="distlab-cluster-")
     old = os.environ.get("DISTLAB_CLUSTER_STATE_DIR")
@@ -220,7 +220,7 @@ def table(records: list[dict], markdown: bool = False) -> str:
 
 def plot(records: list[dict], directory: str | Path) -> list[Path]:
     """Loss vs wall time per run, and efficiency vs world size (per mode, method and link)."""
-    from distlab.plots import integer_ticks, pyplot, style
+    from distlab.tools.plots import integer_ticks, pyplot, style
     plt = pyplot()
 
     directory = Path(directory)

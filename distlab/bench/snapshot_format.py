@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from distlab.bench.common import at_least, choose, format_table, machine, write
-from distlab.faults import tensors as _tensors
+from distlab.tools.faults import tensors as _tensors
 from distlab.parallel import Strategy
 from distlab.train.config import TrainConfig
 
@@ -121,7 +121,7 @@ def _measure(rank: int, world: int, cfg: TrainConfig, root: str, runs: int, shar
 def run(workloads=tuple(WORKLOADS), nproc: int = 2, runs: int = 3, dataset: str = "fashion-mnist",
         directory: str | None = None, out: str | None = "runs/bench-snapshot-format", progress=print) -> list[dict]:
     """One record per (workload, format)."""
-    from distlab.spawn import run_ranks
+    from distlab.launch.spawn import run_ranks
     chosen = choose("--workloads", workloads, tuple(WORKLOADS))
     at_least(nproc=(nproc, 1), runs=(runs, 1))
     records = []

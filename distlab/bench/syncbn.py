@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from distlab.bench.common import at_least, machine, write
 from distlab.parallel import SyncBatchNorm
-from distlab.spawn import run_ranks
+from distlab.launch.spawn import run_ranks
 from distlab.train.metrics import peak_rss_mb
 
 IMPLEMENTATIONS = ("distlab", "local", "torch")
@@ -155,7 +155,7 @@ def plot(records: list[dict], directory) -> list:
     """One PNG per worker count: forward+backward time vs features, per implementation and batch."""
     from pathlib import Path
 
-    from distlab.plots import pyplot, style
+    from distlab.tools.plots import pyplot, style
     plt = pyplot()
 
     directory = Path(directory)

@@ -42,7 +42,7 @@ def _report_error(exc: DistlabError) -> None:
         rank = 0
     if rank != 0 and exc.every_rank:
         return  # every rank finds the same error; rank 0 says it once
-    from distlab.flags import flagify
+    from distlab.tools.flags import flagify
     prefix = f"[rank {rank}] " if rank and not str(exc).startswith(f"rank {rank}:") else ""
     print(f"distlab: error: {prefix}{flagify(str(exc))}", file=sys.stderr, flush=True)
 

@@ -23,7 +23,7 @@ def cluster():
 @click.option("--name", default="dl", show_default=True, help="Cluster name (1-6 letters/digits).")
 def cluster_up(nodes, bandwidth, delay, cores_per_node, name):
     """Create K nodes on their own addresses behind one bridge, links shaped to --bandwidth."""
-    from distlab import cluster as c
+    from distlab.launch import cluster as c
     made = c.up(nodes, None if bandwidth == "none" else bandwidth, delay, cores_per_node, name)
     for node in made.nodes:
         cores = f", cores {','.join(map(str, node.cores))}" if node.cores else ""
@@ -37,7 +37,7 @@ def cluster_up(nodes, bandwidth, delay, cores_per_node, name):
 @click.option("--name", default="dl", show_default=True)
 def cluster_down(name):
     """Remove everything `up` created (also after a crash)."""
-    from distlab import cluster as c
+    from distlab.launch import cluster as c
     c.check_capable()
     if c.Cluster.load(name) is None:
         click.echo(f"no cluster {name!r} was up")
@@ -57,7 +57,7 @@ def cluster_status(name, as_json):
     """What is up: nodes, addresses, link rate."""
     import json
 
-    from distlab import cluster as c
+    from distlab.launch import cluster as c
     state = c.status(name)
     if as_json:
         click.echo(json.dumps(state, indent=1))
@@ -77,7 +77,7 @@ def cluster_status(name, as_json):
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
 def cluster_run(name, timeout, cmd):
     """Run CMD on every node at once (distlab commands get --node-rank/--master-addr/--nnodes)."""
-    from distlab import cluster as c
+    from distlab.launch import cluster as c
     sys.exit(c.run(list(cmd), name, timeout))
 
 
@@ -86,7 +86,7 @@ def cluster_run(name, timeout, cmd):
 @click.option("--name", default="dl", show_default=True)
 def cluster_kill_node(index, name):
     """SIGKILL every process on node INDEX (a machine that died)."""
-    from distlab import cluster as c
+    from distlab.launch import cluster as c
     pids = c.kill_node(index, name)
     click.echo(f"node {index}: killed {len(pids)} process(es)" + (f" ({', '.join(map(str, pids))})" if pids else ""))
 
@@ -97,7 +97,7 @@ def cluster_kill_node(index, name):
 @click.option("--timeout", type=SECONDS, default=None, help="Kill the command after this many seconds.")
 def cluster_revive_node(index, name, timeout):
     """Start the last `cluster run` command again on node INDEX (an elastic job takes it in)."""
-    from distlab import cluster as c
+    from distlab.launch import cluster as c
     sys.exit(c.revive_node(index, name, timeout))
 
 
@@ -106,7 +106,7 @@ def cluster_revive_node(index, name, timeout):
 @click.option("--name", default="dl", show_default=True)
 def cluster_cut_link(index, name):
     """Pull node INDEX's cable (its bridge port down: every frame dropped, the node up); mend-link restores it."""
-    from distlab import cluster as c
+    from distlab.launch import cluster as c
     c.cut_link(index, name)
     click.echo(f"node {index}: link cut (its bridge port is down: every frame to and from it is dropped)")
 
@@ -116,7 +116,7 @@ def cluster_cut_link(index, name):
 @click.option("--name", default="dl", show_default=True)
 def cluster_mend_link(index, name):
     """Plug node INDEX's cable back in (its shaping unchanged)."""
-    from distlab import cluster as c
+    from distlab.launch import cluster as c
     c.cut_link(index, name, restore=True)
     click.echo(f"node {index}: link restored")
 
@@ -133,7 +133,7 @@ def demo():
 @launch_options
 def demo_ordered_print(**kw):
     """Every rank prints one line; the lines come out in rank order, always."""
-    from distlab.demos import ordered_print_demo
+    from distlab.tools.demos import ordered_print_demo
     run_distributed(kw, ordered_print_demo)
 
 
@@ -141,7 +141,7 @@ def demo_ordered_print(**kw):
 @launch_options
 def demo_p2p(**kw):
     """Blocking and non-blocking send/recv of a 3x4 tensor, then an all-reduce (needs 2+ ranks)."""
-    from distlab.demos import p2p_demo
+    from distlab.tools.demos import p2p_demo
     run_distributed(kw, p2p_demo)
 
 
@@ -158,7 +158,7 @@ def demo_p2p(**kw):
 @launch_options
 def demo_sampler(**kw):
     """How DistributedSampler + BatchSampler split a dataset, and how local batches make the global one."""
-    from distlab.demos import sampler_demo
+    from distlab.tools.demos import sampler_demo
     opts = {k: kw.pop(k) for k in ("length", "num_replicas", "shuffle", "seed", "epoch", "drop_last",
                                     "batch_size", "batch_drop_last")}
     run_distributed(kw, functools.partial(sampler_demo, **opts))

@@ -173,7 +173,7 @@ def run_distributed(kw: dict, body, planned_check=None, prelaunch=None):
     """Launch through torchrun if asked (after ``planned_check`` for each world size the launch may
     have, then ``prelaunch()``), else join the job and call ``body(runtime)``."""
     from distlab import runtime
-    from distlab.launch import LaunchOptions, launch
+    from distlab.launch.torchrun import LaunchOptions, launch
 
     lopts = LaunchOptions(kw.pop("nproc_per_node"), kw.pop("nnodes"), kw.pop("node_rank"), kw["master_addr"],
                           kw["master_port"], kw.pop("rdzv_endpoint"), kw.pop("max_restarts"), kw["threads"],
@@ -310,9 +310,9 @@ TRAIN_OPTIONS = [
 
 
 def field_options(table):
-    """click options for ``(field, settings)`` rows: the flag from :func:`distlab.flags.flag`, the
+    """click options for ``(field, settings)`` rows: the flag from :func:`distlab.tools.flags.flag`, the
     default from the dataclass unless the row gives one."""
-    from distlab.flags import flag
+    from distlab.tools.flags import flag
 
     def decorate(f):
         for name, settings in reversed(table):

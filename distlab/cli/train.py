@@ -136,8 +136,8 @@ def verify(nproc, strategies, steps, global_batch_size, json_path, resume, fault
     import json
     import tempfile
 
-    from distlab import faults as f
-    from distlab import verify as v
+    from distlab.tools import faults as f
+    from distlab.tools import verify as v
     from distlab.train.metrics import atomic_write_text
     if nproc < 1 or steps < 1:
         raise ConfigError("--nproc and --steps must be at least 1")
@@ -187,7 +187,7 @@ def verify(nproc, strategies, steps, global_batch_size, json_path, resume, fault
 def report(paths, output, title, images):
     """One self-contained HTML page (plots + tables) from run directories and bench, verify and
     plan validate JSON files."""
-    from distlab.report import write_report
+    from distlab.tools.report import write_report
     inputs = write_report(list(paths), output, title, images)
     for path in inputs.images:
         click.echo(f"wrote {path}", err=True)
@@ -204,6 +204,6 @@ def report(paths, output, title, images):
 @click.option("--data-dir", default=None, help="Also look for datasets here.")
 def doctor(data_dir):
     """What this machine offers: torch, backends, devices, cores, datasets."""
-    from distlab.doctor import report
+    from distlab.tools.doctor import report
     click.echo(report(data_dir))
 

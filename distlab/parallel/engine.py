@@ -91,7 +91,7 @@ class Engine:
     @property
     def sharded(self) -> bool:
         """Whether ranks hold different model states (ZeRO, tensor-parallel shards, pipeline stages)."""
-        return self.grad_sync.sharded or self.mesh.tp > 1 or self.mesh.pp > 1
+        return self.grad_sync.sharded or self.mesh.splits_model
 
     def __call__(self, *args, **kwargs):
         return self.grad_sync(*args, **kwargs)

@@ -82,6 +82,11 @@ class Mesh:
         return self.pp_rank == self.pp - 1
 
     @property
+    def splits_model(self) -> bool:
+        """Whether ranks hold different parts of the model (tensor-parallel shards, pipeline stages)."""
+        return self.tp > 1 or self.pp > 1
+
+    @property
     def reports(self) -> bool:
         """Whether this rank's scores count once in a sum over the world: one rank per data shard
         (the last pipeline stage, tensor-parallel rank 0)."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from distlab.cluster import TBF_BURST
+from distlab.launch.cluster import TBF_BURST
 from distlab.errors import ConfigError
 from distlab.plan.calibration import Calibration, json_files, load_json, run_summary, trace_for
 from distlab.plan.cost import Link

@@ -1,6 +1,6 @@
 """Start N local ranks and run a function on them: ``verify``, the benches, library users and tests.
 
-Commands a user runs start their workers through torchrun (:mod:`distlab.launch`); this module
+Commands a user runs start their workers through torchrun (:mod:`distlab.launch.torchrun`); this module
 is for code that wants results back in the calling process -- an equivalence check, a benchmark,
 a test -- without a command line in between.
 
@@ -39,7 +39,7 @@ class RankFailure(AssertionError):
     """One or more ranks raised, died or hung; the message holds each rank's story."""
 
 
-_PRELOAD = ["torch", "torch.distributed", "distlab.spawn", "distlab.train", "distlab.parallel"]
+_PRELOAD = ["torch", "torch.distributed", "distlab.launch.spawn", "distlab.train", "distlab.parallel"]
 
 
 def _context():

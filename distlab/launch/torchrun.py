@@ -1,6 +1,6 @@
 """Hand-off to torchrun's own launcher (``torch.distributed.run``) for the commands users run.
 
-(:mod:`distlab.spawn` starts local ranks for code that wants their results back in-process:
+(:mod:`distlab.launch.spawn` starts local ranks for code that wants their results back in-process:
 ``verify``, the benches, tests.)
 
 ``distlab CMD --nproc-per-node N ...`` outside any launcher re-runs ``python -m distlab CMD ...``

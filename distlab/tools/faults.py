@@ -23,7 +23,7 @@ suffer, each once:
 ``kill``, ``kill-in-snapshot`` and ``preempt`` must end *bitwise* equal to ``straight`` -- every
 rank's final model and every logged loss: a resumed run replays exactly the float operations of an
 uninterrupted one. ``reshard`` sums in another order after the switch, so it must agree within the
-float32 rounding bound of :mod:`distlab.verify` (twice it: both runs deviate from exact arithmetic).
+float32 rounding bound of :mod:`distlab.tools.verify` (twice it: both runs deviate from exact arithmetic).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 
 from distlab.errors import ConfigError, DistlabError
-from distlab.flags import strategy_flags
-from distlab.verify import sgd_tolerance
+from distlab.tools.flags import strategy_flags
+from distlab.tools.verify import sgd_tolerance
 
 DRILLS = ("kill", "kill-in-snapshot", "preempt", "reshard", "disk-full")  # what `--faults` alone runs
 OPT_IN = ("link-cut",)
@@ -163,7 +163,7 @@ def drill_reshard(job: _Job, straight) -> dict | None:
     except ConfigError:
         return None  # the layout does not fit on half the processes
     if job.case.optimizer != "sgd":
-        # Another layout sums in another order, and only SGD has a rounding bound (distlab.verify): the
+        # Another layout sums in another order, and only SGD has a rounding bound (distlab.tools.verify): the
         # drill runs its own uninterrupted and resharded jobs with SGD (momentum 0.9), same layout.
         job = _Job(dataclasses.replace(job.case, optimizer="sgd"), job.world, job.steps, job.root / "sgd", job.timeout)
         job.run("straight")
@@ -219,7 +219,7 @@ def drill_link_cut(job: _Job, straight) -> dict:
     import threading
     import time
 
-    from distlab import cluster as cl
+    from distlab.launch import cluster as cl
     try:
         cl.check_capable()
     except DistlabError as exc:

@@ -217,7 +217,7 @@ def verify(strategies: list[Case], world_size: int, steps: int = 10, global_batc
            timeout: float = 600.0) -> list[dict]:
     """Run every strategy on ``world_size`` gloo processes (one process group, one after another)
     and single-process; return one record per strategy (the ``--json`` contract)."""
-    from distlab.spawn import run_ranks
+    from distlab.launch.spawn import run_ranks
 
     configs = [config_for(s, world_size, steps, global_batch) for s in strategies]
     results = run_ranks(_distributed_runs, world_size, configs, timeout=timeout)[0]

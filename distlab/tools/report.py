@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 from distlab.bench.common import human_bytes
-from distlab.plots import integer_ticks, pyplot, style
+from distlab.tools.plots import integer_ticks, pyplot, style
 
 BENCH_KINDS = ("collectives", "dp", "syncbn", "parallel", "pipeline", "scaling", "verify", "plan", "sweep", "overhead")
 BENCH_FILES = {f"{kind}.json" for kind in BENCH_KINDS}  # names the bench commands write: never skipped quietly
