@@ -174,13 +174,15 @@ def test_bytes_per_step_are_the_compressed_volume():
 
 def test_plan_counts_compressed_bytes_and_powersgd_state():
     from distlab.parallel.cost import trace
-    from distlab.plan.predict import Layout, _calls, predict
+    from distlab.plan.predict import Layout, grad_sync_cost, predict
     from distlab.plan.cost import Link
     t = trace("mlp", (1, 28, 28), 10)
     grads = 4 * t.num_parameters
 
     def sent(text):
-        calls = [c for part in _calls(t, Layout(dp=2, strategy=Strategy.parse(text))) for c in part]
+        strategy = Strategy.parse(text)
+        planned = grad_sync_cost(strategy).planned_calls(t, strategy, 2)
+        calls = planned.before_layers + planned.during_backward + planned.after_backward + planned.after_step
         return sum(c.nbytes for c in calls), len(calls)
 
     assert sent("bucketed") == (grads, 1)

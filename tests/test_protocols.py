@@ -57,3 +57,19 @@ def test_the_engine_steps_infers_and_reports_gradients_through_its_protocols():
         for k, p in plain.named_parameters():
             assert (grads[k] - p.grad).abs().max() <= gradient_tolerance(8), k
         assert torch.equal(out, plain(x).detach())
+
+
+def test_each_gradient_sync_has_a_cost_model_beside_it_that_plan_picks_as_parallelize_does():
+    from distlab.parallel.cost import DataParallelCost, Optim, trace
+    from distlab.parallel.zero.cost import ZeroCost
+    from distlab.plan.predict import grad_sync_cost
+    t = trace("mlp", (1, 4, 4), 3, widths=(8,))
+    for text in ("allreduce", "bucketed", "gather-scatter", "zero=1", "zero=2", "zero=3"):
+        strategy = Strategy.parse(text)
+        built = type(parallelize(_model(), strategy, build_mesh(1)).grad_sync)
+        cost = grad_sync_cost(strategy)
+        assert {DataParallel: DataParallelCost, Zero: ZeroCost}[built] is cost, text
+        planned = cost.planned_calls(t, strategy, 4)
+        sent = planned.before_layers + planned.during_backward + planned.after_backward + planned.after_step
+        assert sent and all(c.nbytes > 0 for c in sent), text  # four ranks: something to send
+        assert cost.planned_memory(t, Optim.of("sgd"), strategy, 4) > 0

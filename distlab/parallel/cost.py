@@ -29,9 +29,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from distlab.errors import ConfigError
 from distlab.models import build_model, task_loss
+from distlab.parallel.compression import PowerSGD, _compressible, build_codec
 from distlab.parallel.pipeline import sequential_layers
 from distlab.parallel.zero.units import sharded_linear
 
+DDP_FIRST_BUCKET = 1 << 20    # torch DDP caps its first bucket at 1 MiB
 STEP_TENSOR_BYTES = 4  # Adam's per-parameter ``step`` (a float32 scalar tensor)
 
 
@@ -256,3 +258,129 @@ def generic_trace(num_parameters: int, activation_bytes_per_sample: float, layer
         t.events += [("bwd", i), ("grad", 2 * i + 1), ("grad", 2 * i)]
     return t
 
+
+# ---------------------------------------------------------------------------------- what a step sends
+
+@dataclass
+class Call:
+    """One collective of a step, for the time model of ``distlab plan``."""
+    algorithm: str
+    kind: str           # all_reduce | reduce_scatter | all_gather
+    nbytes: float       # the whole tensor (all-reduce) / the full, gathered size (RS, AG)
+    ready: float = 1.0  # fraction of backward done when it may start (1 = after backward)
+
+
+@dataclass
+class PlannedCalls:
+    """A gradient sync's collectives in one step, by when they run."""
+    before_layers: list[Call] = field(default_factory=list)  # exposed: a layer waits for them (ZeRO-3's gathers)
+    during_backward: list[Call] = field(default_factory=list)  # may overlap backward, from ``ready`` on
+    after_backward: list[Call] = field(default_factory=list)
+    after_step: list[Call] = field(default_factory=list)
+
+
+def resolved(algorithm: str, collective: str) -> str:
+    """``auto`` as :func:`distlab.comm.resolve` picks it on gloo (the backend the plan is calibrated on)."""
+    if algorithm != "auto":
+        return algorithm
+    return "ring" if collective in ("reduce_scatter", "all_gather") else "native"
+
+
+def _buckets(sizes: list[int], cap: int, first_cap: int | None = None) -> list[tuple[int, int]]:
+    """(bytes, bytes of gradients ready when it is full) of buckets over ``sizes`` in backward order."""
+    out, cur, done, limit = [], 0, 0, first_cap or cap
+    for s in sizes:
+        cur += s
+        done += s
+        if cur >= limit:
+            out.append((cur, done))
+            cur, limit = 0, cap
+    if cur:
+        out.append((cur, done))
+    return out
+
+
+def _powersgd_parts(t: Trace, strategy) -> list[float]:
+    """The shares of a PowerSGD buffer's bytes in its three all-reduces (vectors and small matrices
+    as they are, then P, then Q); ``[1.0]`` (one all-reduce) for every other codec."""
+    codec = build_codec(strategy)
+    if not isinstance(codec, PowerSGD):
+        return [1.0]
+    rest = p = q = 0
+    for shape in t.shapes or [(m,) for m in t.numels]:
+        dims = _compressible(torch.Size(shape), codec.rank)
+        if dims:
+            p, q = p + dims[2] * dims[0], q + dims[2] * dims[1]
+        else:
+            rest += math.prod(shape)
+    total = rest + p + q
+    return [x / total for x in (rest, p, q) if x]
+
+
+def _wire_sizes(t: Trace, strategy) -> list[float]:
+    """Bytes each gradient puts into the data-parallel all-reduce: its own, or as the strategy's
+    codec sends it (``reduce_dtype``/fp16/bf16: 2 bytes an element; PowerSGD: R(n+m) numbers)."""
+    codec = build_codec(strategy)
+    if codec.exact:
+        return [m * t.element_size for m in t.numels]
+    shapes = t.shapes or [(m,) for m in t.numels]
+    return [codec.wire_bytes([torch.Size(s)], t.element_size) for s in shapes]
+
+
+class DataParallelCost:
+    """What :class:`~distlab.parallel.DataParallel` sends and holds, on a model's sizes (the plan's
+    model of it, beside :class:`~distlab.parallel.zero.cost.ZeroCost`)."""
+
+    @staticmethod
+    def planned_calls(t: Trace, strategy, n: int) -> PlannedCalls:
+        """The data-parallel group's collectives of one step: one all-reduce per parameter
+        (``allreduce``) or per bucket as backward fills it (``bucketed``, ``ddp`` with torch's 1 MiB
+        first bucket), three in a row per buffer under PowerSGD, or the parameter server's round trip."""
+        if n == 1:
+            return PlannedCalls()
+        sizes = [m * t.element_size for m in t.numels]
+        total = sum(sizes)
+        alg = resolved(strategy.collective, "all_reduce")
+        if strategy.dp_sync == "gather-scatter":
+            return PlannedCalls(after_backward=[Call("gather_scatter", "all_reduce", total)])
+        wire = _wire_sizes(t, strategy)  # what each gradient puts on the wire (compressed or narrowed)
+        parts = _powersgd_parts(t, strategy)  # PowerSGD: three all-reduces in a row (uncompressed rest, P, Q)
+        if strategy.dp_sync == "allreduce":
+            return PlannedCalls(after_backward=[Call(alg, "all_reduce", w * f) for w in wire for f in parts])
+        cap = int(strategy.bucket_mb * 2**20)
+        buckets = _buckets(list(reversed(sizes)), cap, DDP_FIRST_BUCKET if strategy.dp_sync == "ddp" else None)
+        scale = sum(wire) / total  # buckets are cut by gradient bytes and send their compressed share
+        return PlannedCalls(during_backward=[Call(alg, "all_reduce", b * scale * f, done / total)
+                                             for b, done in buckets for f in parts])
+
+    @staticmethod
+    def planned_memory(t: Trace, optim: Optim, strategy, n: int) -> int:
+        """Parameters + gradients + optimizer state, all replicated (exact: measured the same way)."""
+        return data_parallel_bytes(t, optim)
+
+    @staticmethod
+    def planned_extra_state(t: Trace, strategy, n: int) -> int:
+        """PowerSGD's per-rank state: the error feedback (one gradient per compressed matrix) and the
+        warm-start Q (m x R each); 0 for every other codec."""
+        codec = build_codec(strategy)
+        if not isinstance(codec, PowerSGD) or n == 1:
+            return 0
+        total = 0
+        for shape in t.shapes:
+            dims = _compressible(torch.Size(shape), codec.rank)
+            if dims:
+                rows, cols, r = dims
+                total += (rows * cols + cols * r) * t.element_size
+        return total
+
+
+def tensor_parallel_calls(t: Trace, strategy, micro: int) -> list[Call]:
+    """Megatron MLP blocks: per (column, row) pair of Linears, one all-reduce of the block's output
+    in forward and one of its input gradient in backward."""
+    if strategy.tp == 1:
+        return []
+    e, calls = t.element_size, []
+    pairs = list(zip(t.linear_shapes[0::2], t.linear_shapes[1::2]))
+    for (d_in, _), (_, d_out) in pairs:
+        calls += [Call("native", "all_reduce", micro * d_out * e), Call("native", "all_reduce", micro * d_in * e)]
+    return calls * strategy.grad_accum

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from distlab.errors import ConfigError
 
 TCP_EFFICIENCY = 1448 / 1514  # TCP payload (MSS with timestamps) per Ethernet frame on the wire
-DDP_FIRST_BUCKET = 1 << 20    # torch DDP caps its first bucket at 1 MiB
 ALGORITHMS = ("native", "ring", "butterfly", "direct", "gather_scatter")
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}

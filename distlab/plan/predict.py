@@ -10,18 +10,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-import torch
-
 from distlab.errors import ConfigError
 from distlab.parallel import Strategy
-from distlab.parallel.compression import PowerSGD, _compressible, build_codec
-from distlab.parallel.precision import DTYPES
-from distlab.parallel.pipeline import ideal_bubble
-from distlab.parallel.zero import goes_alone
+from distlab.parallel.cost import Call, DataParallelCost, Optim, Trace, stage_trace, tensor_parallel_calls
+from distlab.parallel.pipeline import cut, ideal_bubble
+from distlab.parallel.zero.cost import ZeroCost
 from distlab.plan.calibration import Calibration
-from distlab.plan.cost import DDP_FIRST_BUCKET, Link, rounds, volume
-from distlab.parallel.cost import Optim, Trace, data_parallel_bytes, stage_trace
-from distlab.parallel.zero.cost import zero_peak_bytes
+from distlab.plan.cost import Link, rounds, volume
 
 
 @dataclass(frozen=True)
@@ -55,152 +50,10 @@ class Layout:
     grad_accum = property(lambda self: self.strategy.grad_accum)
 
 
-@dataclass
-class Call:
-    algorithm: str
-    kind: str           # all_reduce | reduce_scatter | all_gather
-    nbytes: float       # the whole tensor (all-reduce) / the full, gathered size (RS, AG)
-    ready: float = 1.0  # fraction of backward done when it may start (1 = after backward)
-
-
-def _buckets(sizes: list[int], cap: int, first_cap: int | None = None) -> list[tuple[int, int]]:
-    """(bytes, bytes of gradients ready when it is full) of buckets over ``sizes`` in backward order."""
-    out, cur, done, limit = [], 0, 0, first_cap or cap
-    for s in sizes:
-        cur += s
-        done += s
-        if cur >= limit:
-            out.append((cur, done))
-            cur, limit = 0, cap
-    if cur:
-        out.append((cur, done))
-    return out
-
-
-def _zero_buckets(sizes: list[int], cap: int) -> list[tuple[int, int]]:
-    """ZeRO's buckets (distlab.parallel.zero._buckets: a bucket closes *before* the unit that would
-    overflow it) as (bytes, bytes of gradients ready when it is launched)."""
-    out, cur, done = [], 0, 0
-    for s in sizes:
-        if cur and cur + s > cap:
-            out.append((cur, done))
-            cur = 0
-        cur += s
-        done += s
-    if cur:
-        out.append((cur, done))
-    return out
-
-
-def _resolved(alg: str, collective: str) -> str:
-    """``auto`` as distlab.comm.resolve picks it on gloo (the backend the plan is calibrated on)."""
-    if alg != "auto":
-        return alg
-    return "ring" if collective in ("reduce_scatter", "all_gather") else "native"
-
-
-def _calls(t: Trace, lay: Layout) -> tuple[list[Call], list[Call], list[Call]]:
-    """(overlappable during backward, after backward, after the optimizer step) collectives of the
-    data-parallel group, and for ZeRO-3 the exposed all-gathers are returned in 'after backward'
-    with ready 0 ... see predict()."""
-    n, e = lay.dp, t.element_size
-    sizes = [m * e for m in t.numels]
-    total = sum(sizes)
-    if n == 1:
-        return [], [], []
-    alg = lay.collective
-    if lay.zero:
-        shard = [math.ceil(m / n) for m in t.numels]
-        padded = [s * n * e for s in shard]
-        modules: dict[int, list[int]] = {}
-        for u, m in enumerate(t.module_of):
-            modules.setdefault(m, []).append(u)
-
-        def groups(units):  # ZeRO's collective batches (distlab.parallel.zero.Zero._groups)
-            alone = [[u] for u in units if goes_alone(t.numels[u])]
-            small = [u for u in units if not goes_alone(t.numels[u])]
-            return alone + ([small] if small else [])
-
-        per_module = [sum(padded[u] for u in g) for m in modules.values() for g in groups(m)]
-        everything = [sum(padded[u] for u in g) for g in groups(list(range(len(sizes))))]
-        rs, ag = _resolved(alg, "reduce_scatter"), _resolved(alg, "all_gather")
-        wire = lay.strategy.wire_dtype  # gradients reduce-scattered in a narrower dtype
-        narrow = DTYPES[wire].itemsize / e if wire else 1.0
-        if lay.zero < 3:  # bucketed reduce-scatters overlapped with backward; all-gathers after the step
-            buckets = _zero_buckets(list(reversed(padded)), int(lay.bucket_mb * 2**20))
-            return ([Call(rs, "reduce_scatter", b * narrow, done / sum(padded)) for b, done in buckets], [],
-                    [Call(ag, "all_gather", b) for b in everything])
-        done, overl = 0, []
-        for b in reversed(per_module):  # backward reaches the last layers first
-            done += b
-            overl.append(Call(rs, "reduce_scatter", b * narrow, done / sum(per_module)))
-        gathers = [Call(ag, "all_gather", b, 0.0) for b in per_module] * 2  # before forward and before backward
-        return overl, gathers, []
-    alg = _resolved(alg, "all_reduce")
-    if lay.dp_sync == "gather-scatter":
-        return [], [Call("gather_scatter", "all_reduce", total)], []
-    wire = _wire_sizes(t, lay)  # what each gradient puts on the wire (compressed or narrowed)
-    parts = _powersgd_parts(t, lay)  # PowerSGD: three all-reduces in a row (uncompressed rest, P, Q)
-    if lay.dp_sync == "allreduce":
-        return [], [Call(alg, "all_reduce", w * f) for w in wire for f in parts], []
-    cap = int(lay.bucket_mb * 2**20)
-    buckets = _buckets(list(reversed(sizes)), cap, DDP_FIRST_BUCKET if lay.dp_sync == "ddp" else None)
-    scale = sum(wire) / total  # buckets are cut by gradient bytes and send their compressed share
-    return [Call(alg, "all_reduce", b * scale * f, done / total) for b, done in buckets for f in parts], [], []
-
-
-def _powersgd_parts(t: Trace, lay: Layout) -> list[float]:
-    """The shares of a PowerSGD buffer's bytes in its three all-reduces (vectors and small matrices
-    as they are, then P, then Q); ``[1.0]`` (one all-reduce) for every other codec."""
-    codec = build_codec(lay.strategy)
-    if not isinstance(codec, PowerSGD):
-        return [1.0]
-    rest = p = q = 0
-    for shape in t.shapes or [(m,) for m in t.numels]:
-        dims = _compressible(torch.Size(shape), codec.rank)
-        if dims:
-            p, q = p + dims[2] * dims[0], q + dims[2] * dims[1]
-        else:
-            rest += math.prod(shape)
-    total = rest + p + q
-    return [x / total for x in (rest, p, q) if x]
-
-
-def _wire_sizes(t: Trace, lay: Layout) -> list[float]:
-    """Bytes each gradient puts into the data-parallel all-reduce: its own, or as the strategy's
-    codec sends it (``reduce_dtype``/fp16/bf16: 2 bytes an element; PowerSGD: R(n+m) numbers)."""
-    codec = build_codec(lay.strategy)
-    if codec.exact:
-        return [m * t.element_size for m in t.numels]
-    shapes = t.shapes or [(m,) for m in t.numels]
-    return [codec.wire_bytes([torch.Size(s)], t.element_size) for s in shapes]
-
-
-def compression_state_bytes(t: Trace, lay: Layout) -> int:
-    """PowerSGD's per-rank state: the error feedback (one gradient per compressed matrix) and the
-    warm-start Q (m x R each); 0 for every other codec."""
-    codec = build_codec(lay.strategy)
-    if not isinstance(codec, PowerSGD) or lay.dp == 1:
-        return 0
-    total = 0
-    for shape in t.shapes:
-        dims = _compressible(torch.Size(shape), codec.rank)
-        if dims:
-            rows, cols, r = dims
-            total += (rows * cols + cols * r) * t.element_size
-    return total
-
-
-def _tp_calls(t: Trace, lay: Layout, micro: int) -> list[Call]:
-    """Megatron MLP blocks: per (column, row) pair of Linears, one all-reduce of the block's output
-    in forward and one of its input gradient in backward."""
-    if lay.tp == 1:
-        return []
-    e, calls = t.element_size, []
-    pairs = list(zip(t.linear_shapes[0::2], t.linear_shapes[1::2]))
-    for (d_in, _), (_, d_out) in pairs:
-        calls += [Call("native", "all_reduce", micro * d_out * e), Call("native", "all_reduce", micro * d_in * e)]
-    return calls * lay.grad_accum
+def grad_sync_cost(strategy: Strategy):
+    """The cost model of the gradient sync :func:`~distlab.parallel.parallelize` builds for ``strategy``
+    (each says what it sends, ``planned_calls``, and holds, ``planned_memory``)."""
+    return ZeroCost if strategy.zero else DataParallelCost
 
 
 class Timer:
@@ -266,7 +119,8 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     if narrow != 1.0:
         out["activation_bytes_per_rank"] = int(out["activation_bytes_per_rank"] * narrow)
         out["activation_basis"] += f"; halved under {lay.strategy.precision} autocast (products save 2-byte inputs)"
-    out["compression_state_bytes_per_rank"] = compression_state_bytes(t_rank, lay)
+    sync = grad_sync_cost(lay.strategy)
+    out["compression_state_bytes_per_rank"] = sync.planned_extra_state(t_rank, lay.strategy, lay.dp)
     out["memory_bytes_per_rank"] = int(max(st["model_state_bytes"] + narrow * st["activation_bytes"] for st in stages)
                                        + out["compression_state_bytes_per_rank"])
     if lay.pp > 1:
@@ -287,15 +141,12 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     # fill and drain: every stage idles P - 1 micro-batch slots of the step, M / (M + P - 1) busy
     stretch = 1.0 / (1.0 - ideal_bubble(lay.pp, lay.strategy.microbatches))
     fwd, bwd = fwd * stretch, bwd * stretch
-    overlapped, after, after_step = _calls(t_rank, lay)
+    calls = sync.planned_calls(t_rank, lay.strategy, lay.dp)
+    overlapped, after, after_step = calls.during_backward, calls.after_backward, calls.after_step
     timer = Timer(cal, link, lay.dp, same_host=lay.oversubscription > 1)
-    exposed_pre = 0.0
-    if lay.zero == 3:  # all-gathers before each layer's forward and backward: the layer waits
-        for c in after:
-            exposed_pre += timer.duration(c, 0.0)
-        after = []
+    exposed_pre = sum(timer.duration(c, 0.0) for c in calls.before_layers)  # ZeRO-3's gathers: the layer waits
     tp_timer = Timer(cal, link if lay.dp == 1 else Link(), lay.tp)  # a TP group shares a node's fast links
-    tp_time = sum(tp_timer.duration(c, 0.0) for c in _tp_calls(t, lay, micro)) * share
+    tp_time = sum(tp_timer.duration(c, 0.0) for c in tensor_parallel_calls(t, lay.strategy, micro)) * share
     p2p_time = 0.0
     if lay.pp > 1:  # a stage's sends and receives, one message each per micro-batch and direction
         p2p_timer = Timer(cal, link, 2)
@@ -347,7 +198,6 @@ def _stages(t: Trace, lay: Layout, micro: int, optim: Optim) -> list[dict]:
     """Per pipeline stage (one stage: the whole model): its trace, model state, activations held,
     share of the FLOPs and bytes it sends per micro-batch. Cut as the training run cuts
     (:func:`distlab.parallel.pipeline.cut`, by parameters or ``pp_balance``)."""
-    from distlab.parallel.pipeline import cut
     if lay.pp > 1 and not t.layers:
         raise ConfigError("`pp`: this model is not a sequence of layers a pipeline can cut; plan it with `pp` 1")
     layers = t.layers or []
@@ -360,8 +210,7 @@ def _stages(t: Trace, lay: Layout, micro: int, optim: Optim) -> list[dict]:
         sub = stage_trace(t, [layer.name for layer in mine]) if lay.pp > 1 else t
         if lay.tp > 1:
             sub = replace(sub, numels=[math.ceil(m / lay.tp) for m in sub.numels])
-        state = zero_peak_bytes(sub, lay.zero, lay.dp, optim, lay.grad_accum, lay.bucket_mb) if lay.zero else \
-            data_parallel_bytes(sub, optim)
+        state = grad_sync_cost(lay.strategy).planned_memory(sub, optim, lay.strategy, lay.dp)
         if mine:
             saved = sum(layer.saved_bytes for layer in mine)
             replicated = 0.0 if sp else sum(layer.replicated_saved_bytes for layer in mine)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 
 from distlab.errors import ConfigError
-from distlab.parallel.cost import Optim, Trace, data_parallel_bytes
+from distlab.parallel.cost import Call, Optim, PlannedCalls, Trace, data_parallel_bytes, resolved
+from distlab.parallel.precision import DTYPES
 from distlab.parallel.zero.units import goes_alone
 
 class ZeroReplay:
@@ -214,3 +215,65 @@ def zero_peak_bytes(t: Trace, stage: int, world: int, optim: Optim, grad_accum: 
     sim.step(grad_accum)  # the second step starts from the first one's leftovers: steady state
     return sim.peak
 
+
+def _zero_buckets(sizes: list[int], cap: int) -> list[tuple[int, int]]:
+    """ZeRO's buckets (:func:`distlab.parallel.zero.units._buckets`: a bucket closes *before* the
+    unit that would overflow it) as (bytes, bytes of gradients ready when it is launched)."""
+    out, cur, done = [], 0, 0
+    for s in sizes:
+        if cur and cur + s > cap:
+            out.append((cur, done))
+            cur = 0
+        cur += s
+        done += s
+    if cur:
+        out.append((cur, done))
+    return out
+
+
+class ZeroCost:
+    """What :class:`~distlab.parallel.zero.Zero` sends and holds, on a model's sizes (the plan's model of it)."""
+
+    @staticmethod
+    def planned_calls(t: Trace, strategy, n: int) -> PlannedCalls:
+        """Stages 1-2: bucketed reduce-scatters overlapped with backward, then one all-gather per
+        collective batch after the optimizer step; stage 3: each module's reduce-scatter as its
+        gradients arrive, and its all-gathers before forward and before backward (exposed)."""
+        if n == 1:
+            return PlannedCalls()
+        e = t.element_size
+        padded = [math.ceil(m / n) * n * e for m in t.numels]
+        modules: dict[int, list[int]] = {}
+        for u, m in enumerate(t.module_of):
+            modules.setdefault(m, []).append(u)
+
+        def groups(units):  # the collective batches of Zero._groups
+            alone = [[u] for u in units if goes_alone(t.numels[u])]
+            small = [u for u in units if not goes_alone(t.numels[u])]
+            return alone + ([small] if small else [])
+
+        per_module = [sum(padded[u] for u in g) for m in modules.values() for g in groups(m)]
+        everything = [sum(padded[u] for u in g) for g in groups(list(range(len(padded))))]
+        rs, ag = resolved(strategy.collective, "reduce_scatter"), resolved(strategy.collective, "all_gather")
+        wire = strategy.wire_dtype  # gradients reduce-scattered in a narrower dtype
+        narrow = DTYPES[wire].itemsize / e if wire else 1.0
+        if strategy.zero < 3:
+            buckets = _zero_buckets(list(reversed(padded)), int(strategy.bucket_mb * 2**20))
+            return PlannedCalls(during_backward=[Call(rs, "reduce_scatter", b * narrow, done / sum(padded))
+                                                 for b, done in buckets],
+                                after_step=[Call(ag, "all_gather", b) for b in everything])
+        done, overlapped = 0, []
+        for b in reversed(per_module):  # backward reaches the last layers first
+            done += b
+            overlapped.append(Call(rs, "reduce_scatter", b * narrow, done / sum(per_module)))
+        gathers = [Call(ag, "all_gather", b, 0.0) for b in per_module] * 2  # before forward and before backward
+        return PlannedCalls(before_layers=gathers, during_backward=overlapped)
+
+    @staticmethod
+    def planned_memory(t: Trace, optim: Optim, strategy, n: int) -> int:
+        """The exact peak (:func:`zero_peak_bytes`)."""
+        return zero_peak_bytes(t, strategy.zero, n, optim, strategy.grad_accum, strategy.bucket_mb)
+
+    @staticmethod
+    def planned_extra_state(t: Trace, strategy, n: int) -> int:
+        return 0  # its casts have no memory (PowerSGD is refused with ZeRO)
