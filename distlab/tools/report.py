@@ -52,32 +52,21 @@ class Inputs:
 # --------------------------------------------------------------------------- reading
 
 
+_KINDS = [  # a bench's JSON by the fields of its first record, in this order
+    ("collectives", ("algorithm", "busbw_gbps")), ("scaling", ("mode", "scaling_efficiency")),
+    ("pipeline", ("schedule", "microbatches")), ("overhead", ("side", "round", "precision")),
+    ("parallel", ("workload", "strategy")), ("dp", ("workload", "dp_sync")), ("syncbn", ("implementation", "workers")),
+    ("verify", ("strategy", "passed")), ("plan", ("predicted_step_s", "measured_step_s")),
+    ("sweep", ("layout", "memory_bytes_per_rank", "strategy")),
+]
+
+
 def bench_kind(records) -> str | None:
     """Which distlab bench (or verify) wrote ``records``; None if none did."""
     if not isinstance(records, list) or not records or not all(isinstance(r, dict) for r in records):
         return None
     first = records[0]
-    if "algorithm" in first and "busbw_gbps" in first:
-        return "collectives"
-    if "mode" in first and "scaling_efficiency" in first:
-        return "scaling"
-    if "schedule" in first and "microbatches" in first:
-        return "pipeline"
-    if "side" in first and "round" in first and "precision" in first:
-        return "overhead"
-    if "workload" in first and "strategy" in first:
-        return "parallel"
-    if "workload" in first and "dp_sync" in first:
-        return "dp"
-    if "implementation" in first and "workers" in first:
-        return "syncbn"
-    if "strategy" in first and "passed" in first:
-        return "verify"
-    if "predicted_step_s" in first and "measured_step_s" in first:
-        return "plan"
-    if "layout" in first and "memory_bytes_per_rank" in first and "strategy" in first:
-        return "sweep"
-    return None
+    return next((kind for kind, keys in _KINDS if all(k in first for k in keys)), None)
 
 
 def _finite(v) -> bool:
