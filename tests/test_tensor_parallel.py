@@ -215,3 +215,42 @@ def test_tp_flags_are_checked_against_the_world_and_batch():
         _cfg(2, global_batch_size=13).validate(4)
     with pytest.raises(ConfigError, match="`tp_style`"):
         _cfg(2, "diagonal").validate(4)
+
+
+class _OwnPlan(nn.Module):
+    """Not an nn.Sequential: a model whose tensor-parallel plan is its own (what a user's model does)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = nn.Linear(12, 32), nn.Linear(32, 5)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+    def tensor_parallel_plan(self, tp, style, sequence_parallel):
+        return {"up": "colwise", "down": "rowwise"}
+
+
+def _own_plan(rank, world):
+    from distlab.tools.verify import sum_tolerance
+    full, sharded = _OwnPlan(), apply_tensor_parallel(_OwnPlan(), dist.group.WORLD)
+    x = torch.randn(8, 12, generator=torch.Generator().manual_seed(1))
+    diff = (sharded(x) - full(x)).abs().max().item()
+    bound = sum_tolerance(12 + 32, max(1.0, full.up(x).abs().max().item()))  # the terms along one output
+    return type(sharded.up).__name__, type(sharded.down).__name__, diff <= bound
+
+
+def test_any_model_that_declares_a_plan_is_split_by_it_and_one_without_is_refused_naming_the_method():
+    for up, down, close in run_ranks(_own_plan, 2, timeout=60):
+        assert (up, down, close) == ("ColumnParallelLinear", "RowParallelLinear", True)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_plan\(tp, style, sequence_parallel\).*ResNet18 has none"):
+        apply_tensor_parallel(build_model("resnet18", (3, 8, 8), 10), None)
+    bad = _OwnPlan()
+    bad.tensor_parallel_plan = lambda tp, style, sp: {"up": "diagonal"}
+    with pytest.raises(ConfigError, match="unknown style"):
+        apply_tensor_parallel(bad, None)
+    wrong = _OwnPlan()
+    wrong.tensor_parallel_plan = lambda tp, style, sp: {"up": "vocab_embedding"}
+    with pytest.raises(ConfigError, match="up is a Linear, but style vocab_embedding applies to an nn.Embedding"):
+        apply_tensor_parallel(wrong, None)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from torch import nn
 
-STYLES = ("colwise", "colwise_gather", "colwise_entered", "rowwise", "enter", "vocab_embedding", "vocab_output",
+PLAN_STYLES = ("colwise", "colwise_gather", "colwise_entered", "rowwise", "enter", "vocab_embedding", "vocab_output",
           "sequence", "sequence_embedding")
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from torch import nn
 
 from distlab.errors import ConfigError
-from distlab.models.plans import STYLES as PLAN_STYLES, linear_plan
+from distlab.models.plans import PLAN_STYLES, linear_plan
 from distlab.parallel.tensor_parallel import STYLES, ColumnParallelLinear, RowParallelLinear, _all_reduce
 from distlab.parallel.transformer_tp import (CopyToGroup, GatherSequence, SequenceParallelEmbedding,
                                              VocabParallelEmbedding, VocabParallelLinear)
