@@ -216,6 +216,9 @@ def test_every_flag_takes_edge_values_without_a_traceback(command, data, workdir
     ("demo p2p", "--master-addr", "no-such-host.invalid"), ("demo p2p", "--nnodes", "0"),
     ("demo p2p", "--nnodes", "x"), ("demo p2p", "--node-rank", "3"), ("demo p2p", "--rdzv-conf", "x"),
     ("demo p2p", "--master-port", "0"), ("demo ordered-print", "--world-size", "0"),
+    ("bench compression", "--strategies", ""), ("bench compression", "--strategies", ",,"),
+    ("bench parallel", "--strategies", ""), ("bench parallel", "--workloads", ""), ("bench dp", "--workloads", ""),
+    ("bench pipeline", "--schedules", ""),
 ])
 def test_the_edge_values_that_once_gave_tracebacks_are_one_line(command, flag, value, workdir):
     if command.startswith("cluster") and os.geteuid() != 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from distlab.cli.options import (COUNT, NONNEGATIVE, Number, csv_ints, device_name, float_list, launch_options,
-                                 run_distributed, writable_dir)
+                                 name_list, run_distributed, writable_dir)
 from distlab.errors import ConfigError
 
 
@@ -119,7 +119,7 @@ def bench_dp(workloads, nproc, steps, batch, methods, runs, bucket_mbs, data_dir
 @bench.command("compression")
 @click.option("--strategies", default=",".join(("bucketed", "bucketed+compress=powersgd:4", "ddp+compress=powersgd:4",
                                                 "bucketed+compress=fp16", "ddp+compress=fp16")), show_default=True,
-              help="Strategies in their text form; the first is the baseline of 'speedup'.")
+              callback=name_list, help="Strategies in their text form; the first is the baseline of 'speedup'.")
 @click.option("--nodes", type=COUNT, default=2, show_default=True, help="Workers (emulated nodes with --cluster).")
 @click.option("--epochs", type=COUNT, default=1, show_default=True)
 @click.option("--max-steps", type=COUNT, default=None, help="Stop each run after this many steps.")
@@ -132,7 +132,7 @@ def bench_dp(workloads, nproc, steps, batch, methods, runs, bucket_mbs, data_dir
 def bench_compression(strategies, nodes, epochs, max_steps, cluster, bandwidth, runs, data_dir, out, plot_dir):
     """Gradient compression (fp16, bf16, PowerSGD) vs uncompressed and vs torch's DDP hooks: time, accuracy, bytes."""
     from distlab.bench import compression
-    records = compression.run([s for s in strategies.split(",") if s], nodes, epochs, max_steps, cluster, bandwidth,
+    records = compression.run(strategies, nodes, epochs, max_steps, cluster, bandwidth,
                               runs, data_dir, out, progress=_progress)
     _finish(compression, records, out, "compression", plot_dir)
 
@@ -213,7 +213,7 @@ def bench_scaling(world, modes, methods, per_worker_batch, global_batch, model, 
               help="mlp (512,256) and wide-mlp (4096,4096) on --dataset; gpt (2 blocks, width 128) on --text-dataset.")
 @click.option("--strategies", default=",".join(("dp", "zero1", "zero2", "zero3", "tp-naive", "tp-megatron", "dp2xtp",
                                                  "tp-sp", "torch-zero1", "torch-fsdp2", "torch-tp", "torch-tp-sp")),
-              show_default=True,
+              show_default=True, callback=name_list,
               help="Short names (dp, zero1-3, tp-naive, tp-megatron, tp-sp: tp = --nproc, dp2xtp), any strategy "
                    "text (e.g. bucketed:ring, allreduce+tp=2+zero=1), and torch's torch-zero1, torch-fsdp2, torch-tp, "
                    "torch-tp-sp (DTensor). Sequence parallel (tp-sp, torch-tp-sp) runs on gpt only.")
@@ -231,7 +231,7 @@ def bench_scaling(world, modes, methods, per_worker_batch, global_batch, model, 
 def bench_parallel(workloads, strategies, nproc, steps, batch, dataset, text_dataset, runs, optimizer, data_dir, out):
     """DP, ZeRO-1/2/3, tensor parallel and DP x TP beside torch's ZeRO, FSDP2 and DTensor TP."""
     from distlab.bench import parallel
-    records = parallel.run(workloads.split(","), [s for s in strategies.split(",") if s], nproc, steps, batch,
+    records = parallel.run(workloads.split(","), strategies, nproc, steps, batch,
                            dataset, data_dir, out, progress=_progress, text_dataset=text_dataset, runs=runs,
                            optimizer=optimizer)
     _finish(parallel, records, out, "parallel")

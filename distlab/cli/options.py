@@ -65,6 +65,14 @@ def writable_dir(ctx, param, value):
     return value
 
 
+def name_list(ctx, param, value):
+    """click callback: comma-separated names, at least one -> a list."""
+    names = [v.strip() for v in str(value).split(",") if v.strip()]
+    if not names:
+        raise click.BadParameter(f"names nothing ({value!r}): give at least one, comma-separated")
+    return names
+
+
 def output_file(ctx, param, value):
     """click callback: a file this command will write (not a directory; its directory writable)."""
     from pathlib import Path
