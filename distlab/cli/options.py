@@ -271,7 +271,10 @@ STRATEGY_OPTIONS = [
                         "parameters balance; the header lists the layers).")),
 ]
 TRAIN_OPTIONS = [
-    ("model", dict(help="Images: mlp, mlp-bn, small-cnn-bn, vgg11, vgg11-bn, vgg19, vgg19-bn, resnet18; text: gpt.")),
+    ("model", dict(help="Images: mlp, mlp-bn, small-cnn-bn, vgg11, vgg11-bn, vgg19, vgg19-bn, resnet18; text: gpt; "
+                   "or your own: path/to/file.py:build or package.module:build (a callable returning an nn.Module).")),
+    ("model_args", dict(multiple=True, default=(), help="key=value for your model's builder (repeat the flag; "
+                        "values read as Python literals: 64, 0.1, True, 'text').")),
     ("mlp_widths", dict(help="Hidden widths of the MLP, comma-separated.")),
     ("n_layer", dict(type=int, help="gpt: transformer blocks.")),
     ("n_head", dict(type=int, help="gpt: attention heads per block (must divide --n-embd).")),
@@ -344,6 +347,8 @@ def config_from_flags(kw: dict, table) -> dict:
     values = {name: kw.pop(name) for name, _ in table}
     if "mlp_widths" in values:
         values["mlp_widths"] = csv_ints(values["mlp_widths"])
+    if "model_args" in values:
+        values["model_args"] = tuple(values["model_args"])
     if values.get("pp_balance") is not None:
         values["pp_balance"] = csv_ints(values["pp_balance"])
     if "time_budget_s" in values:

@@ -5,6 +5,14 @@
 blocks, for fast checks) for images; ``gpt`` (``n_layer``, ``n_head``, ``n_embd``; the block size
 is the input shape) for text. Adding one is a builder plus a registry line.
 
+**Your own model**: ``path/to/file.py:build`` or ``package.module:build`` names a callable that
+returns an ``nn.Module`` (:func:`load_builder`); ``model_args`` (``key=value`` strings, values read
+as Python literals where they are one) are passed to it as keyword arguments, and ``input_shape`` /
+``num_classes`` too where its signature names them. The file is run as Python -- it is the user's
+own code, named on their command line, never anything read from a data or snapshot file. How a
+model describes itself to the strategies (checkpoint blocks, pipeline layers, a tensor-parallel
+plan): :mod:`distlab.models.plans`.
+
 :func:`task_loss` and :func:`task_correct` score either kind of output: a classifier's ``(B, K)``
 logits against ``(B,)`` labels, or a language model's ``(B, T, V)`` logits against the ``(B, T)``
 next tokens (mean over tokens: nats per token).
@@ -12,13 +20,20 @@ next tokens (mean over tokens: nats per token).
 
 from __future__ import annotations
 
+import ast
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.errors import ConfigError
+from distlab.errors import ConfigError, first_line
 from distlab.models.gpt import GPT
 from distlab.models.mlp import MLP
 from distlab.models.resnet import ResNet18
@@ -45,14 +60,93 @@ def model_names() -> list[str]:
     return list(REGISTRY)
 
 
+def is_user_model(name: str) -> bool:
+    """Whether ``name`` names the user's own builder (``FILE.py:NAME`` or ``module:NAME``)."""
+    return ":" in name
+
+
 def check_model_name(name: str) -> str:
-    if name not in REGISTRY:
-        raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(REGISTRY)}")
+    if is_user_model(name):
+        load_builder(name)
+    elif name not in REGISTRY:
+        raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(REGISTRY)}, or your own as "
+                          f"path/to/file.py:build or package.module:build")
     return name
 
 
+_LOADED: dict[str, Callable[..., nn.Module]] = {}
+
+
+def load_builder(spec: str) -> Callable[..., nn.Module]:
+    """The callable ``spec`` names: ``path/to/file.py:build`` (the file run as a module) or
+    ``package.module:build`` (imported; the working directory is searched too). One line naming
+    the file on any failure."""
+    if spec in _LOADED:
+        return _LOADED[spec]
+    where, _, attr = spec.rpartition(":")
+    if not where or not attr.isidentifier():
+        raise ConfigError(f"--model {spec}: write your model as path/to/file.py:build or package.module:build")
+    try:
+        if where.endswith(".py") or os.sep in where:
+            path = Path(where)
+            if not path.is_file():
+                raise ConfigError(f"--model {spec}: there is no file {where}")
+            name = f"distlab_user_model_{abs(hash(str(path.resolve()))):x}"
+            loader_spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[name] = module  # dataclasses and pickling look their module up here
+            loader_spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path and "" not in sys.path:
+                sys.path.append(os.getcwd())
+            module = importlib.import_module(where)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's code can fail any way: one line naming it
+        raise ConfigError(f"--model {spec}: {where} failed to load: {type(exc).__name__}: {first_line(exc)}") from None
+    builder = getattr(module, attr, None)
+    if not callable(builder):
+        raise ConfigError(f"--model {spec}: {where} has no callable {attr!r}")
+    _LOADED[spec] = builder
+    return builder
+
+
+def parse_model_args(items) -> dict:
+    """``("width=64", "name=small")`` -> ``{"width": 64, "name": "small"}`` (Python literals where
+    the value is one, else the text)."""
+    out = {}
+    for item in items or ():
+        key, eq, text = str(item).partition("=")
+        key = key.strip()
+        if not eq or not key.isidentifier():
+            raise ConfigError(f"--model-arg {item!r}: write it as key=value (e.g. width=64)")
+        try:
+            out[key] = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            out[key] = text.strip()
+    return out
+
+
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, **options) -> nn.Module:
-    return REGISTRY[check_model_name(name)](tuple(input_shape), num_classes, **options)
+    if not is_user_model(name):
+        return REGISTRY[check_model_name(name)](tuple(input_shape), num_classes, **options)
+    builder = load_builder(name)
+    kwargs = parse_model_args(options.get("model_args"))
+    try:
+        accepted = inspect.signature(builder).parameters
+    except (TypeError, ValueError):
+        accepted = {}
+    for key, value in (("input_shape", tuple(input_shape)), ("num_classes", num_classes)):
+        if key in accepted and key not in kwargs:
+            kwargs[key] = value
+    try:
+        model = builder(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - the user's builder: one line naming it and its arguments
+        raise ConfigError(f"--model {name}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) failed: "
+                          f"{type(exc).__name__}: {first_line(exc)}") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"--model {name} returned a {type(model).__name__}, not a torch nn.Module")
+    return model
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -72,4 +166,5 @@ def task_correct(out: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:
 
 
 __all__ = ["GPT", "MLP", "ResNet18", "SmallCNN", "TEXT_MODELS", "VGG", "build_model", "check_model_name",
-           "count_parameters", "model_names", "task_correct", "task_loss"]
+           "count_parameters", "is_user_model", "load_builder", "model_names", "parse_model_args", "task_correct",
+           "task_loss"]

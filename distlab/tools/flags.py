@@ -13,7 +13,7 @@ from dataclasses import fields
 
 from distlab.parallel import Strategy
 
-SPECIAL = {"time_budget_s": "--time-budget"}
+SPECIAL = {"time_budget_s": "--time-budget", "model_args": "--model-arg"}
 
 
 def flag(name: str) -> str:

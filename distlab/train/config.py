@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from distlab.data import canonical_name, dataset_shape, is_text, load_dataset
 from distlab.errors import ConfigError
-from distlab.models import TEXT_MODELS, check_model_name
+from distlab.models import TEXT_MODELS, check_model_name, is_user_model, parse_model_args
 from distlab.parallel import Strategy
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -40,7 +40,8 @@ def parse_duration(text: str | float | None) -> float | None:
 
 @dataclass
 class TrainConfig:
-    model: str = "mlp"
+    model: str = "mlp"      # a registered name, or your own: path/to/file.py:build, package.module:build
+    model_args: tuple[str, ...] = ()  # your model's builder arguments, key=value
     mlp_widths: tuple[int, ...] = (512, 256)
     n_layer: int = 2        # gpt: transformer blocks
     n_head: int = 4         # gpt: attention heads per block
@@ -145,32 +146,48 @@ class TrainConfig:
                     raise ConfigError(f"tensor parallel splits attention heads, widths and the vocabulary over `tp` "
                                       f"{tp} ranks: {what} {count} is not divisible by {tp}")
         if self.strategy.sequence_parallel:
-            if self.model not in TEXT_MODELS:
+            if self.model not in TEXT_MODELS and not is_user_model(self.model):
                 raise ConfigError(f"`sequence_parallel` splits a transformer's sequence: model {self.model} has none "
                                   f"(use --model gpt, or drop `sequence_parallel`)")
             if self.block_size % tp:
                 raise ConfigError(f"`sequence_parallel` splits each sequence of `block_size` {self.block_size} tokens "
                                   f"over `tp` {tp} ranks: choose a `block_size` that {tp} divides")
+        parse_model_args(self.model_args)
+        if self.model_args and not is_user_model(self.model):
+            raise ConfigError(f"`model_args` are for your own model's builder (--model file.py:build); model "
+                              f"{self.model} takes its own flags")
+        if tp > 1:
+            self._check_tensor_parallel()
         if self.strategy.pp > 1:
             self._check_pipeline()
         if self.strategy.sync_bn != "off":
             self._check_batch_norm()
         text_model, text_data = self.model in TEXT_MODELS, is_text(self.dataset)
-        if text_model != text_data:
+        if text_model != text_data and not is_user_model(self.model):
             raise ConfigError(f"model {self.model} {'predicts tokens' if text_model else 'classifies images'} but "
                               f"dataset {self.dataset} is {'text' if text_data else 'images'}: use "
                               + ("--model gpt" if text_data else "a text dataset (fortunes, synthetic-text)"))
         return self
 
-    def _check_pipeline(self) -> None:
-        """The model must cut into `pp` stages, each with parameters (cut on a model built without memory)."""
+    def _meta_model(self):
+        """This config's model built on the meta device (no memory, no arithmetic)."""
         import torch
 
         from distlab.models import build_model
-        from distlab.parallel.pipeline import partition
         shape, classes = dataset_shape(self.dataset, self.block_size)
         with torch.device("meta"):
-            net = build_model(self.model, shape, classes, **self.model_options())
+            return build_model(self.model, shape, classes, **self.model_options())
+
+    def _check_tensor_parallel(self) -> None:
+        """The model must declare a tensor-parallel plan (a plain nn.Sequential has a default one)."""
+        from distlab.parallel.tp_plan import plan_of
+        s = self.strategy
+        plan_of(self._meta_model(), s.tp, s.tp_style, s.sequence_parallel)
+
+    def _check_pipeline(self) -> None:
+        """The model must cut into `pp` stages, each with parameters (cut on a model built without memory)."""
+        from distlab.parallel.pipeline import partition
+        net = self._meta_model()
         try:
             partition(net, self.strategy.pp, self.strategy.pp_balance)
         except ConfigError as exc:
@@ -178,13 +195,8 @@ class TrainConfig:
 
     def _check_batch_norm(self) -> None:
         """`sync_bn` needs BatchNorm layers to synchronise (the model built without memory)."""
-        import torch
         from torch import nn
-
-        from distlab.models import build_model
-        shape, classes = dataset_shape(self.dataset, self.block_size)
-        with torch.device("meta"):
-            net = build_model(self.model, shape, classes, **self.model_options())
+        net = self._meta_model()
         if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in net.modules()):
             raise ConfigError(f"`sync_bn` {self.strategy.sync_bn}: model {self.model} has no BatchNorm layer, so there "
                               f"is nothing to synchronise; drop `sync_bn` (or train a model with BatchNorm, e.g. "
@@ -192,7 +204,8 @@ class TrainConfig:
 
     def model_options(self) -> dict:
         """The builder options of :func:`distlab.models.build_model` for this config's model."""
-        return {"widths": self.mlp_widths, "n_layer": self.n_layer, "n_head": self.n_head, "n_embd": self.n_embd}
+        return {"widths": self.mlp_widths, "n_layer": self.n_layer, "n_head": self.n_head, "n_embd": self.n_embd,
+                "model_args": self.model_args}
 
     def load(self, split: str):
         """This config's dataset, ``split`` "train" or "test"."""
@@ -212,6 +225,7 @@ class TrainConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["mlp_widths"] = list(self.mlp_widths)
+        d["model_args"] = list(self.model_args)
         d["strategy"] = self.strategy.to_dict()
         return d
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from distlab.models import count_parameters
+from distlab.models import count_parameters, is_user_model
 from distlab.parallel.cost import Optim, data_parallel_bytes, trace
 from distlab.parallel.pipeline import ideal_bubble
 from distlab.parallel.zero.cost import zero_peak_bytes
@@ -237,7 +237,11 @@ def header(trainer) -> list[str]:
     lines.append(f"         {trainer.data_where}")
     per_rank = count_parameters(trainer.engine.module)
     shape = (f" ({cfg.n_layer} blocks, {cfg.n_head} heads, width {cfg.n_embd}, context {cfg.block_size})"
-             if hasattr(data, "unigram_entropy") else "")
+             if hasattr(data, "unigram_entropy") and not is_user_model(cfg.model) else "")
+    if is_user_model(cfg.model):  # where it came from
+        where, _, name = cfg.model.rpartition(":")
+        args = ", ".join(cfg.model_args)
+        shape = f" (your model: {name}({args}) from {where}, a {type(trainer.engine.module).__name__})"
     lines.append(f"model    {cfg.model}{shape}: {trainer.num_parameters:,} parameters"
                  + (f", {per_rank:,} on each rank" if per_rank != trainer.num_parameters and mesh.pp == 1 else ""))
     if rt.world_size == 1:

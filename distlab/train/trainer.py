@@ -268,6 +268,7 @@ class Trainer:
         """What a snapshot must agree on to be resumed by this run (compared field by field)."""
         cfg = self.cfg
         return {"world_size": self.rt.world_size, "model": cfg.model,
+                **({"model_args": list(cfg.model_args)} if cfg.model_args else {}),
                 "mlp_widths": list(cfg.mlp_widths) if cfg.model.startswith("mlp") else None,
                 **({"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd, "block_size": cfg.block_size}
                    if cfg.model in TEXT_MODELS else {}),
