@@ -131,7 +131,11 @@ def export(snapshot_path, out, best):
                    "then --resume auto finishes bitwise).")
 @click.option("--workdir", default=None, callback=writable_dir, help="With --resume or --faults: keep the runs here (default: a temporary "
                                               "directory).")
-def verify(nproc, strategies, steps, global_batch_size, json_path, resume, faults, workdir):
+@click.option("--model", default=None, help="Your own model (path/to/file.py:build or package.module:build) instead "
+                                            "of the built-in ones; by default the strategies it supports.")
+@click.option("--model-arg", "model_args", multiple=True, help="With --model: key=value for its builder (repeatable).")
+@click.option("--dataset", default=None, help="With --model: the data (default synthetic:3x8x8:4:480).")
+def verify(nproc, strategies, steps, global_batch_size, json_path, resume, faults, workdir, model, model_args, dataset):
     """Prove each strategy equals single-process training: largest parameter and loss differences."""
     import json
     import tempfile
@@ -151,10 +155,24 @@ def verify(nproc, strategies, steps, global_batch_size, json_path, resume, fault
     if drills and steps < 8:
         raise ConfigError(f"fault drills need at least 8 steps (snapshots every steps/4, a fault after steps/2), "
                           f"not {steps}")
+    if (model_args or dataset) and not model:
+        raise ConfigError("--model-arg and --dataset are for your own --model")
+    if model and drills:
+        raise ConfigError("--model verifies your model's strategies; the fault drills use the built-in model")
+    mine = dict(model=model, model_args=model_args, dataset=dataset) if model else {}
     chosen = [v.parse_strategy(s) for s in strategies] or (
         [v.parse_strategy("allreduce+adam")] if drills else v.default_strategies(nproc))
-    for s in chosen:  # flags and batch split, before any process starts
-        v.config_for(s, nproc, steps, global_batch_size)
+    usable = []
+    for s in chosen:  # flags, batch split and what the model declares, before any process starts
+        try:
+            v.config_for(s, nproc, steps, global_batch_size, **mine)
+            usable.append(s)
+        except ConfigError as exc:
+            if strategies or not model:  # asked for by name: refuse; a default the model cannot run: say so
+                raise
+            from distlab.tools.flags import flagify
+            click.echo(f"skipped {s.name}: {flagify(str(exc))}", err=True)
+    chosen = usable
     what = f"fault drills ({', '.join(drills)}) for" if drills else "verifying"
     click.echo(f"{what} {len(chosen)} strategies on {nproc} processes, {steps} steps each ...", err=True)
     if drills:
@@ -163,7 +181,7 @@ def verify(nproc, strategies, steps, global_batch_size, json_path, resume, fault
                        for r in f.run_drills(s, nproc, steps, os.path.join(workdir or tmp, f"{i}-{s.name}"), drills)]
         click.echo(f.table(records))
     else:
-        records = v.verify(chosen, nproc, steps, global_batch_size)
+        records = v.verify(chosen, nproc, steps, global_batch_size, **mine)
         click.echo(v.table(records))
     if json_path:
         atomic_write_text(json_path, json.dumps(records, indent=1) + "\n")

@@ -34,14 +34,19 @@ from distlab.errors import ConfigError
 
 
 def checkpoint_blocks(model: nn.Module) -> list[tuple[nn.Sequential, list[tuple[int, int]]]]:
-    """``model``'s blocks: its own ``checkpoint_blocks()``, or for an ``nn.Sequential`` each child."""
+    """``model``'s blocks: its own ``checkpoint_blocks()``; for an ``nn.Sequential`` each child; by
+    default each child of every ``nn.Sequential`` the model holds directly (a user's model with a
+    ``self.blocks = nn.Sequential(...)`` checkpoints each block)."""
     listed = getattr(model, "checkpoint_blocks", None)
     if listed is not None:
         return list(listed())
     if isinstance(model, nn.Sequential):
         return [(model, [(i, i + 1) for i in range(len(model))])]
-    raise ConfigError(f"activation checkpointing recomputes blocks: {type(model).__name__} is not an nn.Sequential "
-                      f"and has no checkpoint_blocks() listing them")
+    held = [m for m in model.children() if isinstance(m, nn.Sequential) and len(m)]
+    if held:
+        return [(m, [(i, i + 1) for i in range(len(m))]) for m in held]
+    raise ConfigError(f"activation checkpointing recomputes blocks: {type(model).__name__} is not an nn.Sequential, "
+                      f"holds none and has no checkpoint_blocks() listing them")
 
 
 @contextlib.contextmanager

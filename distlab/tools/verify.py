@@ -105,18 +105,26 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
     return [Case(s) for s in out]
 
 
+USER_DATASET = "synthetic:3x8x8:4:480"  # for a user's model unless --dataset says otherwise
+
+
 def config_for(case: Case, world_size: int, steps: int, global_batch: int | None = None,
-               seed: int = 0) -> TrainConfig:
-    """A small, fast training run: an MLP (or a BN CNN for SyncBN) on synthetic data, SGD+momentum."""
+               seed: int = 0, model: str | None = None, model_args: tuple[str, ...] = (),
+               dataset: str | None = None) -> TrainConfig:
+    """A small, fast training run: an MLP (or a BN CNN for SyncBN) on synthetic data, SGD+momentum;
+    or ``model`` (your own, ``file.py:build``, with ``model_args``) on ``dataset``."""
     strategy = case.strategy.check(world_size)
     if strategy.bucket_mb == Strategy.bucket_mb:
         strategy = strategy.replace(bucket_mb=SMALL_BUCKET_MB)
     batch = global_batch or 12 * strategy.dp_size(world_size)
     bn = strategy.sync_bn != "off"
+    mine, data = model, dataset
     model, dataset = ("small-cnn-bn", "synthetic:3x8x8:4:480") if bn else ("mlp", "synthetic:1x8x8:4:480")
     if case.model == "gpt":
         model, dataset = "gpt", "synthetic-text:4000"
-    return TrainConfig(model=model, mlp_widths=(32, 16), n_layer=2, n_head=4, n_embd=16, block_size=8,
+    if mine:
+        model, dataset = mine, data or USER_DATASET
+    return TrainConfig(model=model, model_args=tuple(model_args) if mine else (), mlp_widths=(32, 16), n_layer=2, n_head=4, n_embd=16, block_size=8,
                        dataset=dataset, epochs=max(1, steps), max_steps=steps,
                        global_batch_size=batch, lr=0.005 if case.optimizer == "adam" else 0.05,
                        lr_schedule="constant", momentum=0.9, optimizer=case.optimizer, seed=seed, log_every=1,
@@ -214,12 +222,13 @@ def compare(params, losses, ref_params, ref_losses) -> dict:
 
 
 def verify(strategies: list[Case], world_size: int, steps: int = 10, global_batch: int | None = None,
-           timeout: float = 600.0) -> list[dict]:
+           timeout: float = 600.0, **model) -> list[dict]:
     """Run every strategy on ``world_size`` gloo processes (one process group, one after another)
-    and single-process; return one record per strategy (the ``--json`` contract)."""
+    and single-process; return one record per strategy (the ``--json`` contract). ``model``:
+    :func:`config_for`'s ``model``, ``model_args`` and ``dataset`` (your own model)."""
     from distlab.launch.spawn import run_ranks
 
-    configs = [config_for(s, world_size, steps, global_batch) for s in strategies]
+    configs = [config_for(s, world_size, steps, global_batch, **model) for s in strategies]
     results = run_ranks(_distributed_runs, world_size, configs, timeout=timeout)[0]
     from distlab.bench.common import machine_facts
     records, facts = [], machine_facts()

@@ -158,6 +158,9 @@ class TrainConfig:
                               f"{self.model} takes its own flags")
         if tp > 1:
             self._check_tensor_parallel()
+        if self.strategy.activation_checkpointing:
+            from distlab.parallel.checkpointing import checkpoint_blocks
+            checkpoint_blocks(self._meta_model())
         if self.strategy.pp > 1:
             self._check_pipeline()
         if self.strategy.sync_bn != "off":
