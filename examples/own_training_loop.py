@@ -2,8 +2,9 @@
 
     torchrun --standalone --nproc-per-node 4 examples/own_training_loop.py
 
-No Trainer, no config: a hand-written loop trains an MLP on 4 ranks laid out as 2 data-parallel
-x 2 tensor-parallel, with ZeRO-1 over the data-parallel pairs and 2 accumulated micro-batches --
+No Trainer, no config: a hand-written loop trains an MLP on Fashion-MNIST (the real IDX files,
+through the public loading API: ``load_dataset`` and ``batch``, and the sampler's ``rank_batches``)
+on 4 ranks laid out as 2 data-parallel x 2 tensor-parallel, with ZeRO-1 over the data-parallel pairs and 2 accumulated micro-batches --
 one ``Strategy`` -- and checks at the end that it computed what one process computes on the same
 global batches (to float32 rounding). Along the way it uses the library directly: the mesh's
 groups, ``comm.all_reduce`` with torch's ``ReduceOp``, the Engine's full gradients and its map of
@@ -19,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlab import comm
+from distlab.data import load_dataset
+from distlab.data.sampler import rank_batches, sequential_batches
 from distlab.parallel import ColumnParallelLinear, Strategy, build_mesh, parallelize
 from distlab.runtime import print0, shutdown
 from distlab.tools.verify import gradient_tolerance, sgd_tolerance
@@ -28,24 +31,26 @@ STEPS, GLOBAL_BATCH = 6, 32
 
 def model() -> nn.Module:
     torch.manual_seed(0)  # the same full model on every rank; parallelize shards it
-    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 10))
 
 
-def batches():
-    g = torch.Generator().manual_seed(1)
-    for _ in range(STEPS):
-        yield torch.randn(GLOBAL_BATCH, 1, 8, 8, generator=g), torch.randint(0, 4, (GLOBAL_BATCH,), generator=g)
+def local_batches(data, replicas: int, replica: int):
+    """This data-parallel rank's first STEPS batches: torch's DistributedSampler over the data set's
+    indices (every rank the same permutation, rank r its strided share), read with ``batch``."""
+    for idx in rank_batches(len(data), num_replicas=replicas, rank=replica, batch_size=GLOBAL_BATCH // replicas,
+                            seed=1)[:STEPS]:
+        yield data.batch(torch.tensor(idx))  # (normalised images, labels)
 
 
 def main() -> None:
     dist.init_process_group("gloo")
     strategy = Strategy.parse("zero=1+tp=2+accum=2").check(dist.get_world_size())
     mesh = build_mesh(strategy.tp)
+    data = load_dataset("fashion-mnist", "train")  # 60,000 images from the real IDX files (`make data`)
     engine = parallelize(model(), strategy, mesh)
     opt = engine.attach(torch.optim.SGD(engine.parameters(), lr=0.1, momentum=0.9))
-    local = GLOBAL_BATCH // mesh.dp  # each data-parallel rank takes its slice; a TP pair shares one
-    for x, y in batches():
-        xs, ys = x[mesh.dp_rank * local:(mesh.dp_rank + 1) * local], y[mesh.dp_rank * local:(mesh.dp_rank + 1) * local]
+    # Each data-parallel rank reads its share; the two ranks of a TP pair read the same one.
+    for xs, ys in local_batches(data, mesh.dp, mesh.dp_rank):
         opt.zero_grad(set_to_none=True)
         loss = engine.forward_backward(xs, ys, F.cross_entropy)  # 2 micro-batches, one reduce-scatter
         full_grads = engine.full_gradients()  # every parameter's averaged gradient (ZeRO: its shards gathered)
@@ -62,7 +67,8 @@ def main() -> None:
     # The reference: one process, the whole model, the same global batches.
     ref = model()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    for x, y in batches():
+    for idx in sequential_batches(len(data), batch_size=GLOBAL_BATCH, seed=1)[:STEPS]:  # the same global batches
+        x, y = data.batch(torch.tensor(idx))
         ref_opt.zero_grad()
         F.cross_entropy(ref(x), y).backward()
         ref_grads = {k: p.grad.clone() for k, p in ref.named_parameters()}
