@@ -43,6 +43,21 @@ MODEL = textwrap.dedent('''
         return TinyNet(input_shape[0], num_classes, width)
 
 
+    class TinyNetWithPlan(TinyNet):
+        """The same network with a two-layer head it declares for tensor parallel."""
+
+        def __init__(self, channels, classes, width):
+            super().__init__(channels, classes, width)
+            self.head = nn.Sequential(nn.Linear(width, 4 * width), nn.ReLU(), nn.Linear(4 * width, classes))
+
+        def tensor_parallel_plan(self, tp, style, sequence_parallel):
+            return {"head.0": "colwise", "head.2": "rowwise"}
+
+
+    def build_with_plan(input_shape, num_classes, width=8):
+        return TinyNetWithPlan(input_shape[0], num_classes, width)
+
+
     def not_a_model():
         return 42
 ''')
@@ -81,6 +96,14 @@ def test_your_model_trains_under_zero_and_data_parallel_equal_to_one_process(mod
         params, kind = per_rank[0][i]
         assert kind == "TinyNet"
         assert max((a - b).abs().max().item() for a, b in zip(params, ref_params)) <= tolerance(cfg), cfg.strategy
+
+
+def test_the_same_file_with_a_declared_plan_runs_tensor_parallel_equal_to_one_process(model_file, tmp_path):
+    cfg = _config(model_file, model=f"{model_file}:build_with_plan", tp=2, out=str(tmp_path / "tp")).validate(2)
+    (params, kind), = run_ranks(_train_each, 2, [cfg], timeout=300)[0]
+    ref_params, _ = reference_run(cfg)
+    assert kind == "TinyNetWithPlan"
+    assert max((a - b).abs().max().item() for a, b in zip(params, ref_params)) <= tolerance(cfg)
 
 
 def test_what_the_model_does_not_declare_is_refused_before_launch_naming_the_method(model_file):
