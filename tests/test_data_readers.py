@@ -163,3 +163,69 @@ def test_random_crop_flip_is_a_crop_of_the_padded_image_or_its_mirror():
         assert any(torch.equal(out[i], c) for c in candidates)
     again = random_crop_flip(x, torch.Generator().manual_seed(0), padding=2)
     assert torch.equal(out, again)
+
+
+# ---------------------------------------------------------------------------------- tensors:FILE
+
+def test_tensors_file_splits_standardises_with_train_statistics_and_reads_npz(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(50, 2, 3, 3, generator=g) * 4 + 7, torch.arange(50) % 5
+    torch.save({"inputs": x, "labels": y}, tmp_path / "d.pt")
+    train, test = (load_dataset(f"tensors:{tmp_path / 'd.pt'}", s) for s in ("train", "test"))
+    assert (len(train), len(test), train.num_classes, train.input_shape) == (45, 5, 5, (2, 3, 3))
+    raw = {tuple(v.tolist()) for v in x.flatten(1)}
+    mean, std = torch.tensor(train.mean).view(1, -1, 1, 1), torch.tensor(train.std).view(1, -1, 1, 1)
+    back = [tuple(v.tolist()) for v in (torch.cat([train.images, test.images]) * std + mean).flatten(1)]
+    assert len(back) == 50 and all(min(abs(torch.tensor(b) - torch.tensor(r)).max().item() for r in raw) < 1e-4
+                                   for b in back[:3])  # every sample once, in one of the splits
+    assert train.images.mean(dim=(0, 2, 3)).abs().max() < 1e-4  # the training split's own statistics
+    again = load_dataset(f"tensors:{tmp_path / 'd.pt'}", "test", seed=9)  # the held-out split ignores the run seed
+    assert torch.equal(again.images, test.images)
+    torch.save({"x": x[:40], "y": y[:40], "x_test": x[40:], "y_test": y[40:]}, tmp_path / "own.pt")
+    assert len(load_dataset(f"tensors:{tmp_path / 'own.pt'}", "test")) == 10  # the file's own test split
+    np.savez(tmp_path / "u8.npz", images=np.full((20, 4, 4), 255, dtype=np.uint8), labels=np.arange(20) % 2)
+    u8 = load_dataset(f"tensors:{tmp_path / 'u8.npz'}", "train")
+    assert u8.input_shape == (1, 4, 4) and u8.images.dtype == torch.uint8 and u8.mean == (1.0,)
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "there is no file"),
+    (b"not a pickle", "cannot read it"),
+    ({"features": torch.zeros(4, 3)}, "no inputs / x / images among its keys"),
+    ({"inputs": torch.zeros(4, 3), "labels": torch.zeros(4)}, "labels must be one class index per sample"),
+    ({"inputs": torch.zeros(4, 3), "labels": torch.zeros(3, dtype=torch.long)}, "labels must be one class index"),
+    ({"inputs": torch.zeros(4, 3), "labels": -torch.ones(4, dtype=torch.long)}, "class indices 0..K-1"),
+    ({"inputs": torch.zeros(4, 3, dtype=torch.bool), "labels": torch.zeros(4, dtype=torch.long)}, "uint8 or floating"),
+    ([1, 2], "holds a list, not a dict"),
+])
+def test_a_bad_tensors_file_is_one_line_naming_it(tmp_path, content, message):
+    path = tmp_path / "bad.pt"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        torch.save(content, path)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_dataset(f"tensors:{path}", "train")
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def _train_tensors(rank, world, cfg):
+    from distlab import runtime
+    from distlab.train import Trainer
+    trainer = Trainer(cfg, runtime.from_process_group())
+    trainer.fit()
+    return [p.detach().clone() for p in trainer.engine.full_parameters()]
+
+
+def test_training_on_a_tensors_file_over_two_ranks_equals_one_process(tmp_path):
+    from distlab.launch.spawn import run_ranks
+    from distlab.tools.verify import reference_run, tolerance
+    from distlab.train import TrainConfig
+    g = torch.Generator().manual_seed(1)
+    torch.save({"inputs": torch.randn(120, 1, 4, 4, generator=g), "labels": torch.arange(120) % 3}, tmp_path / "d.pt")
+    cfg = TrainConfig(model="mlp", mlp_widths=(8,), dataset=f"tensors:{tmp_path / 'd.pt'}", max_steps=5,
+                      global_batch_size=12, lr=0.1, lr_schedule="constant", momentum=0.9, seed=2, progress=False,
+                      out=str(tmp_path / "run")).validate(2)
+    params = run_ranks(_train_tensors, 2, cfg, timeout=120)[0]
+    ref, _ = reference_run(cfg)
+    assert max((a - b).abs().max().item() for a, b in zip(params, ref)) <= tolerance(cfg)

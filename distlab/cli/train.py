@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
+from pathlib import Path
 
 import click
 
 from distlab.cli.options import (COUNT, TRAIN_OPTIONS, config_from_flags, field_options, launch_options, output_file,
                                  run_distributed, writable_dir)
 from distlab.errors import ConfigError
+
+
+def _slug(name: str) -> str:
+    """A model's or data set's name as one word of a directory name (a file's name, not its path):
+    ``synthetic:1x8x8:4:256`` -> ``synthetic_1x8x8_4_256``, ``tensors:/data/x.pt`` -> ``tensors_x.pt``."""
+    return re.sub(r"[^A-Za-z0-9.=-]+", "_", "_".join(Path(part).name for part in name.split(":")))
 
 
 @click.command()
@@ -24,7 +32,7 @@ def train(**kw):
     from distlab.runtime import under_launcher
     inherited = os.environ.get("DISTLAB_OUT") if under_launcher() else None  # the launching command's default
     values["out"] = values["out"] or inherited or os.path.join(
-        "runs", f"{values['model']}-{values['dataset'].replace(':', '_')}-{time.strftime('%Y%m%d-%H%M%S')}")
+        "runs", f"{_slug(values['model'])}-{_slug(values['dataset'])}-{time.strftime('%Y%m%d-%H%M%S')}")
     if kw["nproc_per_node"] is not None and not under_launcher():
         os.environ["DISTLAB_OUT"] = values["out"]  # torchrun's workers inherit it: one default for every rank
     cfg = TrainConfig.from_flags(**values)
@@ -45,7 +53,7 @@ def train(**kw):
                               "the CPU: use --sync-bn distlab, which works on any device")
         from distlab.parallel.precision import check_device
         check_device(cfg.strategy.precision, runtime.resolve_device(device, 0))
-        if not cfg.dataset.startswith("synthetic"):
+        if not cfg.dataset.startswith(("synthetic", "tensors:")):
             locate(cfg.dataset, cfg.data_dir)
         if cfg.resume not in (None, "auto"):
             from distlab.train.snapshot import check_path

@@ -1,5 +1,6 @@
 """Datasets by name: images -- ``fashion-mnist``, ``mnist``, ``cifar10``, ``cifar100``,
-``synthetic:CxHxW:K[:N]`` -- and text -- ``fortunes``, ``synthetic-text[:N]`` (:mod:`distlab.data.text`).
+``synthetic:CxHxW:K[:N]`` -- text -- ``fortunes``, ``synthetic-text[:N]`` (:mod:`distlab.data.text`)
+-- and your own inputs and labels, ``tensors:FILE`` (a ``.pt`` or ``.npz``: :mod:`distlab.data.tensors`).
 
 Real data is read from its standard on-disk format and never downloaded. Each name is looked for
 in ``--data-dir`` if given, else ``$DISTLAB_DATA`` if set, else where its Debian package installs it
@@ -24,6 +25,7 @@ from distlab.data.cifar import read_cifar
 from distlab.data.dataset import ImageDataset
 from distlab.data.idx import find_idx_pair, read_idx
 from distlab.data.synthetic import make_synthetic, parse_spec
+from distlab.data.tensors import PREFIX as TENSORS, load_tensors, path_of, tensors_shape
 from distlab.data.text import FORTUNES_SYSTEM_DIR, TextDataset, fortunes_present, make_synthetic_text, parse_synthetic, \
     read_fortunes
 from distlab.errors import ConfigError, DataNotFoundError
@@ -89,16 +91,19 @@ ALIASES = {"fashion_mnist": "fashion-mnist", "fmnist": "fashion-mnist", "cifar-1
 
 
 def dataset_names() -> list[str]:
-    return [*REGISTRY, "synthetic:CxHxW:K[:N]", "synthetic-text[:N]"]
+    return [*REGISTRY, "synthetic:CxHxW:K[:N]", "synthetic-text[:N]", "tensors:FILE"]
 
 
 def is_text(name: str) -> bool:
     """Whether dataset ``name`` is a token stream (next-token prediction) rather than labelled images."""
     name = canonical_name(name)
-    return name.startswith("synthetic-text") or (name in REGISTRY and REGISTRY[name].text)
+    return name.startswith("synthetic-text") or (name in REGISTRY and REGISTRY[name].text)  # tensors: images
 
 
 def canonical_name(name: str) -> str:
+    if name.startswith(TENSORS):
+        path_of(name)
+        return name
     if name.startswith("synthetic-text"):
         parse_synthetic(name)
         return name
@@ -166,6 +171,8 @@ def load_dataset(name: str, split: str, data_dir: str | os.PathLike | None = Non
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', not {split!r}")
     name = canonical_name(name)
+    if name.startswith(TENSORS):
+        return load_tensors(name, split)
     if name.startswith("synthetic-text"):
         return make_synthetic_text(name, split, seed, block_size)
     if name.startswith("synthetic"):
@@ -189,6 +196,8 @@ def dataset_shape(name: str, block_size: int = 64) -> tuple[tuple[int, ...], int
     """``(input shape, number of classes)`` of dataset ``name`` without reading it (text: a window
     of ``block_size`` tokens and the byte vocabulary)."""
     name = canonical_name(name)
+    if name.startswith(TENSORS):
+        return tensors_shape(name)
     if is_text(name):
         return (block_size,), 256
     if name.startswith("synthetic"):
