@@ -180,6 +180,13 @@ def test_export_writes_the_whole_model_and_init_from_starts_from_it(tmp_path, ex
     started = run_ranks(_init_from, 2, _cfg(tmp_path / "b", init_from=str(tmp_path / "model.pt"), zero=2), timeout=120)
     for params in started:
         assert all(torch.equal(p, q) for p, q in zip(params, plain.parameters()))
+    export(tmp_path / "a" / snap.step_dir_name(6), tmp_path / "model.safetensors")  # the ecosystem's format
+    from safetensors.torch import load_file
+    safe = load_file(tmp_path / "model.safetensors")
+    assert safe.keys() == whole.keys() and all(torch.equal(safe[k], whole[k]) for k in whole)
+    started = run_ranks(_init_from, 2, _cfg(tmp_path / "s", init_from=str(tmp_path / "model.safetensors")),
+                        timeout=120)
+    assert all(torch.equal(p, q) for p, q in zip(started[0], plain.parameters()))
     other = _cfg(tmp_path / "c", init_from=str(tmp_path / "model.pt"), mlp_widths=(32, 8))
     with pytest.raises(RankFailure, match=r"`init_from` .*model.pt is for another model: net.3.weight has shape "
                                           r"\(16, 32\), this model's \(8, 32\)"):
@@ -195,6 +202,10 @@ def test_export_and_init_from_refuse_bad_input_in_one_line(run_cli, tmp_path):
                    "--init-from", "evil.pt", "--no-progress")
     assert proc.returncode == 2 and "`init_from`" not in proc.stderr
     assert "--init-from evil.pt cannot be loaded safely" in proc.stderr, proc.stderr
+    (tmp_path / "junk.safetensors").write_bytes(b"not safetensors at all")
+    proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--init-from", "junk.safetensors")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "--init-from junk.safetensors cannot be loaded safely as a state_dict" in proc.stderr
     (tmp_path / "empty.pt").write_bytes(b"")
     proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--max-steps", "1",
                    "--init-from", "empty.pt", "--no-progress")

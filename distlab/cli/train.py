@@ -94,13 +94,13 @@ def train(**kw):
 
 @click.command()
 @click.argument("snapshot_path", metavar="SNAPSHOT")
-@click.option("-o", "--out", required=True, help="The file to write (e.g. model.pt).")
+@click.option("-o", "--out", required=True, help="The file to write: model.pt (torch.save), or model.safetensors.")
 @click.option("--best", is_flag=True, help="The best validation model the snapshot keeps (runs with --val-fraction).")
 def export(snapshot_path, out, best):
     """Write a snapshot's whole model (any layout, shards put back together) as one state_dict file.
 
-    torch.load(OUT, weights_only=True) and model.load_state_dict accept it; distlab train --init-from
-    starts a run from it.
+    torch.load(OUT, weights_only=True) (or safetensors.torch.load_file for a .safetensors OUT) and
+    model.load_state_dict accept it; distlab train --init-from starts a run from it.
     """
     from distlab.train.export import export as write
 
@@ -108,8 +108,9 @@ def export(snapshot_path, out, best):
     click.echo(f"wrote {info['out']}: {info['model']} at step {info['step']} ({info['world_size']} ranks), "
                f"{info['tensors']} tensors, {info['parameters']:,} parameters, {info['bytes']:,} bytes, "
                f"sha256 {info['sha256'][:16]}... in {info['sha256_file']}")
-    click.echo(f"load it: model = {info['build']}; model.load_state_dict(torch.load({info['out']!r}, "
-               f"weights_only=True))")
+    read = (f"safetensors.torch.load_file({info['out']!r})" if info["out"].endswith(".safetensors") else
+            f"torch.load({info['out']!r}, weights_only=True)")
+    click.echo(f"load it: model = {info['build']}; model.load_state_dict({read})")
 
 
 # --------------------------------------------------------------------------- verify

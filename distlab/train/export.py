@@ -3,13 +3,16 @@
 :func:`export` reads every rank file of a snapshot (checksums checked, ``weights_only`` loads),
 puts the shards back together by their placements (:mod:`distlab.train.reshard`) and writes the
 whole model's ``state_dict`` -- the keys and shapes of the single-process model, whatever the
-layout that trained it -- with ``torch.save``, atomically. Plain PyTorch reads it::
+layout that trained it -- atomically, with ``torch.save``, or as safetensors (the format the
+ecosystem exchanges weights in) when the file name ends in ``.safetensors``. Plain PyTorch reads it::
 
     model = distlab.models.build_model("mlp", (1, 28, 28), 10, widths=(512, 256))
     model.load_state_dict(torch.load("model.pt", weights_only=True))
+    model.load_state_dict(safetensors.torch.load_file("model.safetensors"))
 
-:func:`load_init` is the other way: ``distlab train --init-from model.pt`` starts every rank from
-such a file (one distlab exported, or any ``torch.save(model.state_dict())`` of the same model).
+:func:`load_init` is the other way: ``distlab train --init-from model.pt`` (or ``.safetensors``)
+starts every rank from such a file (one distlab exported, or any ``torch.save(model.state_dict())``
+or ``safetensors.torch.save_file`` of the same model).
 """
 
 from __future__ import annotations
@@ -63,7 +66,12 @@ def export(path: str | Path, out: str | Path, best: bool = False) -> dict:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            if _safetensors(out):
+                from safetensors.torch import save
+                f.write(save({k: v.contiguous() for k, v in state.items()},
+                             metadata={"format": "pt", "model": str(meta.get("model")), "step": str(meta.get("step"))}))
+            else:
+                torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)
@@ -85,6 +93,10 @@ def export(path: str | Path, out: str | Path, best: bool = False) -> dict:
             "build": build_call(meta), "world_size": meta.get("world_size"),
             "tensors": len(state), "parameters": sum(t.numel() for t in state.values() if t.is_floating_point()),
             "bytes": out.stat().st_size, "sha256": digest, "sha256_file": str(checksum)}
+
+
+def _safetensors(path: str | Path) -> bool:
+    return Path(path).suffix == ".safetensors"
 
 
 def build_call(meta: dict) -> str:
@@ -112,9 +124,14 @@ def _read_init(path: str, mmap: bool = False) -> dict:
         raise ConfigError(f"`init_from` {path}: no such file (give a whole-model state_dict, e.g. one "
                           f"`distlab export SNAPSHOT -o model.pt` wrote)")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        if _safetensors(path):  # memory-mapped by design, and tensors only
+            from safetensors.torch import load_file
+            state = load_file(path)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not loadable"
-        why = snapshot.refusal(exc) if Path(path).stat().st_size else "the file is empty"
+        why = (snapshot.refusal(exc) if not _safetensors(path) else f"{type(exc).__name__}: {first_line(exc, 200)}") \
+            if Path(path).stat().st_size else "the file is empty"
         raise ConfigError(f"`init_from` {path} cannot be loaded safely as a state_dict ({why})") from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
         what = type(state).__name__ if not isinstance(state, dict) else "dict with other values than tensors"
