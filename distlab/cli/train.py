@@ -23,12 +23,20 @@ def _slug(name: str) -> str:
 
 @click.command()
 @field_options(TRAIN_OPTIONS)
+@click.option("--config", "config_file", default=None,
+              help="Settings from this TOML file (keys: the flags' names with underscores; every run writes its "
+                   "own as OUT/config.toml); flags given beside it override it.")
 @launch_options
-def train(**kw):
+def train(config_file, **kw):
     """Train a model: data parallel over every rank, with --tp and --pp a data x tensor x pipeline mesh."""
     from distlab.train import TrainConfig
 
     values = config_from_flags(kw, TRAIN_OPTIONS)
+    if config_file:  # the file's settings where the command line did not give the flag
+        ctx = click.get_current_context()
+        for key, value in TrainConfig.read_toml(config_file).items():
+            if key not in values or ctx.get_parameter_source(key) in (None, click.core.ParameterSource.DEFAULT):
+                values[key] = value
     from distlab.runtime import under_launcher
     inherited = os.environ.get("DISTLAB_OUT") if under_launcher() else None  # the launching command's default
     values["out"] = values["out"] or inherited or os.path.join(

@@ -13,7 +13,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 
 from distlab.data import canonical_name, dataset_shape, is_text, load_dataset
-from distlab.errors import ConfigError
+from distlab.errors import ConfigError, first_line
 from distlab.models import TEXT_MODELS, check_model_name, is_user_model, parse_model_args
 from distlab.parallel import Strategy
 
@@ -225,12 +225,62 @@ class TrainConfig:
     def effective_lr(self) -> float:
         return self.lr * self.lr_factor()
 
+    def to_toml(self) -> str:
+        """This config as a TOML file ``distlab train --config`` reads: every setting of what is trained,
+        flat (the strategy's fields beside the others, as the flags are), not where its outputs go."""
+        import tomli_w
+        flat = {**{k: v for k, v in self.to_dict().items() if k != "strategy"}, **self.strategy.to_dict()}
+        flat = {k: list(v) if isinstance(v, tuple) else v for k, v in flat.items()
+                if v is not None and k not in RUN_PLACE}
+        return "# distlab train --config this file (flags given beside it override it)\n" + tomli_w.dumps(flat)
+
+    @classmethod
+    def read_toml(cls, path: str) -> dict:
+        """A ``--config`` file's settings by field name (lists as tuples); one line naming the file and
+        the key for anything wrong."""
+        import tomllib
+        try:
+            with open(path, "rb") as f:
+                values = tomllib.load(f)
+        except OSError as exc:
+            raise ConfigError(f"--config {path}: {exc.strerror or exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"--config {path} is not TOML: {first_line(exc)}") from None
+        types = {f.name: str(f.type) for owner in (cls, Strategy) for f in fields(owner) if f.name != "strategy"}
+        for key, value in values.items():
+            if key not in types:
+                raise ConfigError(f"--config {path}: unknown setting {key!r} (the file's keys are the flags' names "
+                                  f"with underscores, e.g. global_batch_size)")
+            if not _of_type(value, types[key]):
+                raise ConfigError(f"--config {path}: {key} = {value!r} is not a {types[key].replace(' | None', '')}")
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["mlp_widths"] = list(self.mlp_widths)
         d["model_args"] = list(self.model_args)
         d["strategy"] = self.strategy.to_dict()
         return d
+
+
+RUN_PLACE = ("out", "resume", "snapshot_dir", "snapshot_every", "keep_snapshots")  # where, not what: not in to_toml
+
+
+def _of_type(value, annotation: str) -> bool:
+    """Whether a TOML value fits a field annotated ``annotation`` (``int | None``, ``tuple[int, ...]`` ...)."""
+    words = set(re.findall(r"[a-z]+", annotation))
+    if isinstance(value, bool):
+        return "bool" in words
+    if isinstance(value, int):
+        return bool(words & {"int", "float"})
+    if isinstance(value, float):
+        return "float" in words
+    if isinstance(value, str):
+        return "str" in words
+    if isinstance(value, list):
+        inner = set(re.findall(r"[a-z]+", annotation.partition("[")[2]))
+        return "tuple" in words and all(_of_type(v, " ".join(inner)) for v in value)
+    return False
 
 
 def _choice(name: str, value, allowed) -> None:

@@ -143,6 +143,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "hostname": socket.gethostname(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "config": cfg.to_dict(),
+        "config_toml": cfg.to_toml(),  # the same settings as OUT/config.toml: distlab train --config reruns it
     }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -27,7 +28,7 @@ from distlab.runtime import Runtime, is_comm_failure, roll_call, seed_everything
 from distlab.train.config import TrainConfig
 from distlab.train.evaluate import evaluate
 from distlab.train.export import load_init
-from distlab.train.metrics import MetricsLog, write_summary
+from distlab.train.metrics import MetricsLog, atomic_write_text, write_summary
 from distlab.train.optim import build_optimizer, build_scheduler
 from distlab.train.preemption import Preemption
 from distlab.train.run_state import RunState, fault_injection_hook, finished_summary
@@ -179,6 +180,7 @@ class Trainer:
                 "no --snapshot-dir, so the progress is lost"))
         summary = summarize(self, stopped, times, time.perf_counter() - start)
         if self.rt.is_main and cfg.out:
+            atomic_write_text(Path(cfg.out) / "config.toml", cfg.to_toml())  # `distlab train --config` reruns it
             write_summary(cfg.out, summary)
         if stopped == "non_finite":
             snap = f"; the last good state is in {run.last_snapshot}" if run.last_snapshot else ""
