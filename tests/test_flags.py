@@ -30,6 +30,7 @@ EDGES = ["0", "-1", "-5", "nan", "inf", "-inf", "1e30", "", "x", "1.5", ",", "0,
 BASE = {
     "train": "--dataset synthetic:1x8x8:4:64 --mlp-widths 8 --max-steps 1 --no-progress --out o",
     "export": "{tmp}/snap/step-00000002 -o m.pt",
+    "generate": "{tmp}/gsnap/step-00000001 --max-new-tokens 4",
     "verify": "--nproc 1 --steps 2 --strategy allreduce",
     "report": "{tmp}/run -o r.html",
     "plan": "--model mlp --dataset synthetic:1x8x8:4:64",
@@ -129,6 +130,9 @@ def workdir(tmp_path_factory):
                  ["train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--epochs", "2", "--max-steps",
                   "2", "--snapshot-dir", str(tmp / "snap"), "--snapshot-every", "1", "--out", str(tmp / "run"),
                   "--no-progress"],
+                 ["train", "--model", "gpt", "--dataset", "synthetic-text:2000", "--n-layer", "1", "--n-embd", "16",
+                  "--block-size", "8", "--max-steps", "1", "--snapshot-dir", str(tmp / "gsnap"), "--out",
+                  str(tmp / "grun"), "--no-progress"],
                  ["bench", "collectives", "--world", "2", "--sizes", "8,4096", "--algorithms", "native", "--warmup", "0",
                   "--repeats", "1", "--out", str(tmp / "bench")],
                  ["plan", "calibrate", str(tmp / "bench"), str(tmp / "run"), "-o", str(tmp / "cal.json")]):

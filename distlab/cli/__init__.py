@@ -29,7 +29,7 @@ def cli():
     """distlab: distributed training from first principles, measured against PyTorch's own."""
 
 
-for command in (train.train, train.export, train.verify, train.report, plan.plan, cluster.cluster, cluster.demo, bench.bench,
+for command in (train.train, train.export, train.generate, train.verify, train.report, plan.plan, cluster.cluster, cluster.demo, bench.bench,
                 train.doctor):
     cli.add_command(command)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import click
 
-from distlab.cli.options import (COUNT, TRAIN_OPTIONS, config_from_flags, field_options, launch_options, output_file,
-                                 run_distributed, writable_dir)
+from distlab.cli.options import (COUNT, NONNEGATIVE, TRAIN_OPTIONS, Number, config_from_flags, field_options,
+                                 launch_options, output_file, run_distributed, writable_dir)
 from distlab.errors import ConfigError
 
 
@@ -119,6 +119,24 @@ def export(snapshot_path, out, best):
     read = (f"safetensors.torch.load_file({info['out']!r})" if info["out"].endswith(".safetensors") else
             f"torch.load({info['out']!r}, weights_only=True)")
     click.echo(f"load it: model = {info['build']}; model.load_state_dict({read})")
+
+
+@click.command()
+@click.argument("source", metavar="RUN_DIR|SNAPSHOT|MODEL_FILE")
+@click.option("--prompt", default="", help="The text to continue (UTF-8 bytes are the tokens).")
+@click.option("--max-new-tokens", type=COUNT, default=200, show_default=True)
+@click.option("--temperature", type=Number(0.0, 100.0), default=0.8, show_default=True,
+              help="0: always the most likely byte; higher: more varied.")
+@click.option("--top-k", type=COUNT, default=None, help="Sample among the K most likely bytes only.")
+@click.option("--seed", type=NONNEGATIVE, default=0, show_default=True, help="The same seed prints the same text.")
+@click.option("--n-head", type=COUNT, default=None, help="For a plain model file: its attention heads.")
+def generate(source, prompt, max_new_tokens, temperature, top_k, seed, n_head):
+    """Print text from a trained GPT: a run directory (its last snapshot), a snapshot of any layout, or an
+    exported model file."""
+    from distlab.tools.generate import generate as sample, load_gpt
+    model, where = load_gpt(source, n_head)
+    click.echo(f"{where}: {sum(p.numel() for p in model.parameters()):,} parameters; seed {seed}", err=True)
+    click.echo(sample(model, prompt, max_new_tokens, temperature, top_k, seed))
 
 
 # --------------------------------------------------------------------------- verify

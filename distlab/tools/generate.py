@@ -1,0 +1,80 @@
+"""``distlab generate``: text from a trained GPT -- a run directory, a snapshot of any layout, or an
+exported ``model.pt`` / ``.safetensors``.
+
+The whole model is put back together from the snapshot's shards (as ``distlab export`` does) and
+built as the run built it (its ``meta.json``: blocks, heads, width, context). Tokens are bytes:
+the prompt is encoded as UTF-8 and the output decoded with invalid bytes replaced. Sampling is
+autoregressive over the last ``block_size`` tokens: temperature ``T`` (0: always the most likely
+token), optionally only the ``top_k`` most likely, drawn from a generator seeded with ``seed`` --
+the same command prints the same text.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from distlab.errors import ConfigError
+from distlab.models import GPT
+
+VOCAB = 256  # byte tokens
+
+
+def load_gpt(source: str | Path, n_head: int | None = None) -> tuple[GPT, str]:
+    """The GPT ``source`` holds, and a word on where it came from."""
+    from distlab.train import export
+    path = Path(source)
+    if path.is_dir() and (path / "summary.json").is_file() and not (path / "meta.json").is_file():
+        summary = json.loads((path / "summary.json").read_text())
+        if not summary.get("snapshot"):
+            raise ConfigError(f"run {path} wrote no snapshot (give it --snapshot-dir), so there is no model to "
+                              f"sample from; export one, or give a snapshot directory")
+        path = Path(summary["snapshot"])
+    if path.is_dir():
+        state, meta = export.whole_state(path)
+        if meta.get("model") != "gpt":
+            raise ConfigError(f"snapshot {path} holds a {meta.get('model')} model; generate needs a gpt")
+        heads, layers = meta.get("n_head"), meta.get("n_layer")
+        where = f"snapshot {path} (step {meta.get('step')})"
+    elif path.is_file():
+        export.check_init(str(path))
+        state = export._read_init(str(path))
+        layers = len({k.split(".")[0] for k in state if k.split(".")[0].isdigit()}) - 2
+        heads, where = n_head, f"model file {path}"
+        if heads is None:
+            raise ConfigError(f"{path} is a plain state_dict: give the model's --n-head (its other sizes are read "
+                              f"from the tensors' shapes)")
+    else:
+        raise ConfigError(f"{source}: no run directory, snapshot or model file there")
+    try:
+        tok, pos = state["0.tok.weight"], state["0.pos.weight"]
+        model = GPT(tok.shape[0], pos.shape[0], n_layer=layers, n_head=heads, n_embd=tok.shape[1])
+        model.load_state_dict(state)
+    except (KeyError, RuntimeError, ValueError) as exc:
+        raise ConfigError(f"{where} does not hold a GPT of distlab's layout: {str(exc).splitlines()[0][:200]}") from None
+    return model.eval(), where
+
+
+@torch.no_grad()
+def generate(model: GPT, prompt: str, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+             seed: int = 0) -> str:
+    """``prompt`` followed by ``max_new_tokens`` sampled bytes, decoded."""
+    if temperature < 0 or (top_k is not None and top_k < 1):
+        raise ConfigError("--temperature must be at least 0 and --top-k at least 1")
+    ids = list(prompt.encode("utf-8")) or [ord("\n")]
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.tensor([ids], dtype=torch.long)
+    for _ in range(max_new_tokens):
+        logits = model(tokens[:, -model.block_size:])[0, -1].float()
+        if temperature == 0:
+            nxt = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if top_k is not None and top_k < logits.numel():
+                cutoff = torch.topk(logits, top_k).values[-1]
+                logits = logits.masked_fill(logits < cutoff, float("-inf"))
+            nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+        tokens = torch.cat([tokens, torch.tensor([[nxt]])], dim=1)
+    return prompt + bytes(tokens[0, len(ids):].tolist()).decode("utf-8", errors="replace")

@@ -1,0 +1,53 @@
+"""``distlab generate``: text from a trained GPT, from a snapshot of any layout (here tp 2 x pp 2),
+its run directory or an exported file -- the same text from each, the same text for the same seed."""
+
+import subprocess
+
+import pytest
+import torch
+
+from distlab.errors import ConfigError
+from distlab.tools.generate import generate, load_gpt
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory):
+    from tests.conftest import distlab_exe
+    tmp = tmp_path_factory.mktemp("gen")
+    args = ["train", "--model", "gpt", "--dataset", "synthetic-text:4000", "--n-layer", "2", "--n-embd", "16",
+            "--n-head", "2", "--block-size", "16", "--max-steps", "4", "--global-batch-size", "8", "--tp", "2",
+            "--pp", "2", "--nproc-per-node", "4", "--device", "cpu", "--snapshot-dir", str(tmp / "s"), "--out",
+            str(tmp / "run"), "--no-progress"]
+    proc = subprocess.run([*distlab_exe(), *args], capture_output=True, text=True, timeout=300, cwd=tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp
+
+
+def test_the_same_text_from_the_run_its_snapshot_and_its_export_and_for_the_same_seed(run_cli, gpt_run):
+    snap = gpt_run / "s" / "step-00000004"
+    from_run = run_cli("generate", str(gpt_run / "run"), "--prompt", "ab", "--max-new-tokens", "12", "--seed", "5",
+                       check=True).stdout
+    from_snapshot = run_cli("generate", str(snap), "--prompt", "ab", "--max-new-tokens", "12", "--seed", "5",
+                            check=True).stdout
+    assert from_run == from_snapshot and from_run.startswith("ab")
+    run_cli("export", str(snap), "-o", str(gpt_run / "m.pt"), check=True)
+    plain, _ = load_gpt(gpt_run / "m.pt", n_head=2)
+    sharded, _ = load_gpt(snap)  # tp x pp shards put back together
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), sharded.parameters()))
+    assert generate(plain, "ab", 12, 0.8, None, 5) + "\n" == from_run
+    greedy = [generate(plain, "ab", 12, 0.0, None, s) for s in (1, 2)]  # temperature 0: the seed does not matter
+    assert greedy[0] == greedy[1] and greedy[0].startswith("ab")
+
+
+def test_what_cannot_generate_is_one_line(run_cli, gpt_run, tmp_path):
+    with pytest.raises(ConfigError, match="give the model's --n-head"):
+        load_gpt(_exported(run_cli, gpt_run))
+    proc = run_cli("generate", str(tmp_path / "nothing"))
+    assert proc.returncode == 2 and "no run directory, snapshot or model file there" in proc.stderr
+    proc = run_cli("generate", str(gpt_run / "s" / "step-00000004"), "--temperature", "-1")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+
+
+def _exported(run_cli, gpt_run):
+    run_cli("export", str(gpt_run / "s" / "step-00000004"), "-o", str(gpt_run / "m.pt"), check=True)
+    return gpt_run / "m.pt"
