@@ -229,3 +229,72 @@ def test_training_on_a_tensors_file_over_two_ranks_equals_one_process(tmp_path):
     params = run_ranks(_train_tensors, 2, cfg, timeout=120)[0]
     ref, _ = reference_run(cfg)
     assert max((a - b).abs().max().item() for a, b in zip(params, ref)) <= tolerance(cfg)
+
+
+# ---------------------------------------------------------------------------------- imagefolder:DIR
+
+def _png(path, value, size=(6, 5), mode="L"):
+    from PIL import Image
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shape = (size[1], size[0]) if mode == "L" else (size[1], size[0], 3)
+    Image.fromarray(np.full(shape, value, dtype=np.uint8), mode=mode).save(path)
+
+
+def test_imagefolder_reads_class_subfolders_splits_them_and_normalises_with_train_statistics(tmp_path):
+    for c, value in (("b_dogs", 200), ("a_cats", 10)):
+        for i in range(10):
+            _png(tmp_path / "flat" / c / f"{i}.png", value + i)
+    (tmp_path / "flat" / "a_cats" / "notes.txt").write_text("not an image: ignored")
+    train, test = (load_dataset(f"imagefolder:{tmp_path / 'flat'}", s) for s in ("train", "test"))
+    assert (len(train), len(test), train.num_classes, train.input_shape) == (18, 2, 2, (1, 5, 6))
+    assert sorted(test.labels.tolist()) == [0, 1]  # a seeded tenth of each class, labels by sorted name
+    assert set(train.images[train.labels == 0].flatten().tolist()) <= set(range(10, 20))  # a_cats = 0
+    pixels = train.images.float() / 255
+    assert train.mean[0] == pytest.approx(pixels.mean().item()) and train.std[0] == pytest.approx(pixels.std().item())
+    x, _ = train.batch(torch.arange(len(train)))
+    assert abs(x.mean().item()) < 1e-5  # normalised with the training split's own statistics
+    for split, n in (("train", 3), ("test", 1)):
+        for c in ("x", "y"):
+            for i in range(n):
+                _png(tmp_path / "own" / split / c / f"{i}.png", 50, mode="RGB")
+    own = load_dataset(f"imagefolder:{tmp_path / 'own'}", "test")
+    assert len(own) == 2 and own.input_shape == (3, 5, 6)  # its own test split, RGB
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing", "there is no directory"),
+    ("one_class", "at least two"),
+    ("sizes", "is 7x5, the others 6x5: give every image one size"),
+    ("corrupt", "cannot read an image"),
+])
+def test_a_bad_imagefolder_is_one_line(tmp_path, case, message):
+    root = tmp_path / "d"
+    if case != "missing":
+        for c in ("a", "b") if case != "one_class" else ("a",):
+            for i in range(3):
+                _png(root / c / f"{i}.png", 9)
+    if case == "sizes":
+        _png(root / "b" / "odd.png", 9, size=(7, 5))
+    if case == "corrupt":
+        (root / "b" / "bad.png").write_bytes(b"\x89PNG not really")
+    with pytest.raises(ConfigError, match=message) as info:
+        load_dataset(f"imagefolder:{root}", "train")
+    assert "\n" not in str(info.value)
+
+
+def test_training_on_an_imagefolder_over_two_ranks_equals_one_process(tmp_path):
+    from distlab.launch.spawn import run_ranks
+    from distlab.tools.verify import reference_run, tolerance
+    from distlab.train import TrainConfig
+    rng = np.random.RandomState(0)
+    for c in ("a", "b", "c"):
+        for i in range(14):
+            from PIL import Image
+            (tmp_path / "imgs" / c).mkdir(parents=True, exist_ok=True)
+            Image.fromarray(rng.randint(0, 256, (4, 4), dtype=np.uint8), mode="L").save(tmp_path / "imgs" / c / f"{i}.png")
+    cfg = TrainConfig(model="mlp", mlp_widths=(8,), dataset=f"imagefolder:{tmp_path / 'imgs'}", max_steps=5, epochs=2,
+                      global_batch_size=12, lr=0.1, lr_schedule="constant", momentum=0.9, seed=2, progress=False,
+                      out=str(tmp_path / "run")).validate(2)
+    params = run_ranks(_train_tensors, 2, cfg, timeout=120)[0]
+    ref, _ = reference_run(cfg)
+    assert max((a - b).abs().max().item() for a, b in zip(params, ref)) <= tolerance(cfg)

@@ -282,7 +282,7 @@ TRAIN_OPTIONS = [
     ("block_size", dict(type=int, help="gpt: context length in tokens (bytes) per sample.")),
     ("dataset", dict(help="Images: fashion-mnist, mnist, cifar10, cifar100, synthetic:CxHxW:K[:N]; text (bytes as "
                      "tokens): fortunes, synthetic-text[:N]; your own: tensors:FILE (.pt or .npz with inputs and "
-                     "labels).")),
+                     "labels), imagefolder:DIR (a subfolder of PNG/JPEG images per class).")),
     ("data_dir", dict(help="Where the dataset is; the only place searched when given (default: $DISTLAB_DATA, "
                      "else /usr/share/datasets).")),
     ("data_on_device", dict(help="auto, on or off: keep the data set in GPU memory and gather each batch there "

@@ -61,7 +61,7 @@ def train(config_file, **kw):
                               "the CPU: use --sync-bn distlab, which works on any device")
         from distlab.parallel.precision import check_device
         check_device(cfg.strategy.precision, runtime.resolve_device(device, 0))
-        if not cfg.dataset.startswith(("synthetic", "tensors:")):
+        if not cfg.dataset.startswith(("synthetic", "tensors:", "imagefolder:")):
             locate(cfg.dataset, cfg.data_dir)
         if cfg.resume not in (None, "auto"):
             from distlab.train.snapshot import check_path

@@ -1,6 +1,7 @@
 """Datasets by name: images -- ``fashion-mnist``, ``mnist``, ``cifar10``, ``cifar100``,
 ``synthetic:CxHxW:K[:N]`` -- text -- ``fortunes``, ``synthetic-text[:N]`` (:mod:`distlab.data.text`)
--- and your own inputs and labels, ``tensors:FILE`` (a ``.pt`` or ``.npz``: :mod:`distlab.data.tensors`).
+-- and your own: inputs and labels, ``tensors:FILE`` (a ``.pt`` or ``.npz``: :mod:`distlab.data.tensors`);
+images in class subfolders, ``imagefolder:DIR`` (:mod:`distlab.data.imagefolder`).
 
 Real data is read from its standard on-disk format and never downloaded. Each name is looked for
 in ``--data-dir`` if given, else ``$DISTLAB_DATA`` if set, else where its Debian package installs it
@@ -24,6 +25,7 @@ from distlab.data.cifar import LAYOUTS as CIFAR_LAYOUTS
 from distlab.data.cifar import read_cifar
 from distlab.data.dataset import ImageDataset
 from distlab.data.idx import find_idx_pair, read_idx
+from distlab.data.imagefolder import PREFIX as FOLDER, imagefolder_shape, load_imagefolder, root_of
 from distlab.data.synthetic import make_synthetic, parse_spec
 from distlab.data.tensors import PREFIX as TENSORS, load_tensors, path_of, tensors_shape
 from distlab.data.text import FORTUNES_SYSTEM_DIR, TextDataset, fortunes_present, make_synthetic_text, parse_synthetic, \
@@ -91,7 +93,7 @@ ALIASES = {"fashion_mnist": "fashion-mnist", "fmnist": "fashion-mnist", "cifar-1
 
 
 def dataset_names() -> list[str]:
-    return [*REGISTRY, "synthetic:CxHxW:K[:N]", "synthetic-text[:N]", "tensors:FILE"]
+    return [*REGISTRY, "synthetic:CxHxW:K[:N]", "synthetic-text[:N]", "tensors:FILE", "imagefolder:DIR"]
 
 
 def is_text(name: str) -> bool:
@@ -103,6 +105,9 @@ def is_text(name: str) -> bool:
 def canonical_name(name: str) -> str:
     if name.startswith(TENSORS):
         path_of(name)
+        return name
+    if name.startswith(FOLDER):
+        root_of(name)
         return name
     if name.startswith("synthetic-text"):
         parse_synthetic(name)
@@ -173,6 +178,8 @@ def load_dataset(name: str, split: str, data_dir: str | os.PathLike | None = Non
     name = canonical_name(name)
     if name.startswith(TENSORS):
         return load_tensors(name, split)
+    if name.startswith(FOLDER):
+        return load_imagefolder(name, split)
     if name.startswith("synthetic-text"):
         return make_synthetic_text(name, split, seed, block_size)
     if name.startswith("synthetic"):
@@ -198,6 +205,8 @@ def dataset_shape(name: str, block_size: int = 64) -> tuple[tuple[int, ...], int
     name = canonical_name(name)
     if name.startswith(TENSORS):
         return tensors_shape(name)
+    if name.startswith(FOLDER):
+        return imagefolder_shape(name)
     if is_text(name):
         return (block_size,), 256
     if name.startswith("synthetic"):

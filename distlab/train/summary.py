@@ -235,7 +235,7 @@ def header(trainer) -> list[str]:
         lines = [f"data     {cfg.dataset} from {where}: {len(data):,} train, {len(trainer.test_set):,} test"
                  + (f", {len(trainer.val_set):,} validation" if trainer.val_set is not None else "")
                  + f" ({'x'.join(map(str, data.input_shape))}, {data.num_classes} classes)"]
-        if cfg.dataset.startswith("tensors:"):  # statistics computed from the training split
+        if cfg.dataset.startswith(("tensors:", "imagefolder:")):  # statistics computed from the training split
             lines.append(f"         normalised per channel with the training split's mean "
                          f"{', '.join(f'{m:.4g}' for m in data.mean)} and std {', '.join(f'{s:.4g}' for s in data.std)}")
     lines.append(f"         {trainer.data_where}")
