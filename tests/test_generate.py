@@ -31,8 +31,8 @@ def test_the_same_text_from_the_run_its_snapshot_and_its_export_and_for_the_same
                             check=True).stdout
     assert from_run == from_snapshot and from_run.startswith("ab")
     run_cli("export", str(snap), "-o", str(gpt_run / "m.pt"), check=True)
-    plain, _ = load_gpt(gpt_run / "m.pt", n_head=2)
-    sharded, _ = load_gpt(snap)  # tp x pp shards put back together
+    plain, _, _ = load_gpt(gpt_run / "m.pt", n_head=2)
+    sharded, _, _ = load_gpt(snap)  # tp x pp shards put back together
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), sharded.parameters()))
     assert generate(plain, "ab", 12, 0.8, None, 5) + "\n" == from_run
     greedy = [generate(plain, "ab", 12, 0.0, None, s) for s in (1, 2)]  # temperature 0: the seed does not matter

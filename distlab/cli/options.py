@@ -279,10 +279,13 @@ TRAIN_OPTIONS = [
     ("n_layer", dict(type=int, help="gpt: transformer blocks.")),
     ("n_head", dict(type=int, help="gpt: attention heads per block (must divide --n-embd).")),
     ("n_embd", dict(type=int, help="gpt: width of the residual stream.")),
-    ("block_size", dict(type=int, help="gpt: context length in tokens (bytes) per sample.")),
-    ("dataset", dict(help="Images: fashion-mnist, mnist, cifar10, cifar100, synthetic:CxHxW:K[:N]; text (bytes as "
-                     "tokens): fortunes, synthetic-text[:N]; your own: tensors:FILE (.pt or .npz with inputs and "
-                     "labels), imagefolder:DIR (a subfolder of PNG/JPEG images per class).")),
+    ("block_size", dict(type=int, help="gpt: context length in tokens per sample.")),
+    ("dataset", dict(help="Images: fashion-mnist, mnist, cifar10, cifar100, synthetic:CxHxW:K[:N]; text: fortunes, "
+                     "synthetic-text[:N]; your own: tensors:FILE (.pt or .npz with inputs and labels), "
+                     "imagefolder:DIR (a subfolder of PNG/JPEG images per class), text:PATH (a text file, documents "
+                     "separated by blank lines, or a directory of text files).")),
+    ("tokenizer", dict(help="Text: bytes (a token per byte) or bpe:N (a byte-level BPE of N tokens learned from the "
+                       "training split; kept in OUT/tokenizer.json and in snapshots).")),
     ("data_dir", dict(help="Where the dataset is; the only place searched when given (default: $DISTLAB_DATA, "
                      "else /usr/share/datasets).")),
     ("data_on_device", dict(help="auto, on or off: keep the data set in GPU memory and gather each batch there "

@@ -61,7 +61,7 @@ def train(config_file, **kw):
                               "the CPU: use --sync-bn distlab, which works on any device")
         from distlab.parallel.precision import check_device
         check_device(cfg.strategy.precision, runtime.resolve_device(device, 0))
-        if not cfg.dataset.startswith(("synthetic", "tensors:", "imagefolder:")):
+        if not cfg.dataset.startswith(("synthetic", "tensors:", "imagefolder:", "text:")):
             locate(cfg.dataset, cfg.data_dir)
         if cfg.resume not in (None, "auto"):
             from distlab.train.snapshot import check_path
@@ -115,7 +115,8 @@ def export(snapshot_path, out, best):
     info = write(snapshot_path, out, best)
     click.echo(f"wrote {info['out']}: {info['model']} at step {info['step']} ({info['world_size']} ranks), "
                f"{info['tensors']} tensors, {info['parameters']:,} parameters, {info['bytes']:,} bytes, "
-               f"sha256 {info['sha256'][:16]}... in {info['sha256_file']}")
+               f"sha256 {info['sha256'][:16]}... in {info['sha256_file']}"
+               + (f"; its tokenizer in {info['tokenizer_file']}" if info.get("tokenizer_file") else ""))
     read = (f"safetensors.torch.load_file({info['out']!r})" if info["out"].endswith(".safetensors") else
             f"torch.load({info['out']!r}, weights_only=True)")
     click.echo(f"load it: model = {info['build']}; model.load_state_dict({read})")
@@ -123,20 +124,24 @@ def export(snapshot_path, out, best):
 
 @click.command()
 @click.argument("source", metavar="RUN_DIR|SNAPSHOT|MODEL_FILE")
-@click.option("--prompt", default="", help="The text to continue (UTF-8 bytes are the tokens).")
+@click.option("--prompt", default="", help="The text to continue (tokenized as the model was trained).")
 @click.option("--max-new-tokens", type=COUNT, default=200, show_default=True)
 @click.option("--temperature", type=Number(0.0, 100.0), default=0.8, show_default=True,
-              help="0: always the most likely byte; higher: more varied.")
-@click.option("--top-k", type=COUNT, default=None, help="Sample among the K most likely bytes only.")
+              help="0: always the most likely token; higher: more varied.")
+@click.option("--top-k", type=COUNT, default=None, help="Sample among the K most likely tokens only.")
 @click.option("--seed", type=NONNEGATIVE, default=0, show_default=True, help="The same seed prints the same text.")
 @click.option("--n-head", type=COUNT, default=None, help="For a plain model file: its attention heads.")
-def generate(source, prompt, max_new_tokens, temperature, top_k, seed, n_head):
+@click.option("--tokenizer", "tokenizer_file", default=None,
+              help="For a plain model file trained with a BPE: its tokenizer.json (default: MODEL_FILE.tokenizer.json "
+                   "beside it, which export writes; a model of 256 tokens reads bytes).")
+def generate(source, prompt, max_new_tokens, temperature, top_k, seed, n_head, tokenizer_file):
     """Print text from a trained GPT: a run directory (its last snapshot), a snapshot of any layout, or an
     exported model file."""
     from distlab.tools.generate import generate as sample, load_gpt
-    model, where = load_gpt(source, n_head)
-    click.echo(f"{where}: {sum(p.numel() for p in model.parameters()):,} parameters; seed {seed}", err=True)
-    click.echo(sample(model, prompt, max_new_tokens, temperature, top_k, seed))
+    model, tokenizer, where = load_gpt(source, n_head, tokenizer_file)
+    click.echo(f"{where}: {sum(p.numel() for p in model.parameters()):,} parameters, {tokenizer.spec} tokens; "
+               f"seed {seed}", err=True)
+    click.echo(sample(model, prompt, max_new_tokens, temperature, top_k, seed, tokenizer))
 
 
 # --------------------------------------------------------------------------- verify

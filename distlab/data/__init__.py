@@ -1,7 +1,9 @@
 """Datasets by name: images -- ``fashion-mnist``, ``mnist``, ``cifar10``, ``cifar100``,
 ``synthetic:CxHxW:K[:N]`` -- text -- ``fortunes``, ``synthetic-text[:N]`` (:mod:`distlab.data.text`)
 -- and your own: inputs and labels, ``tensors:FILE`` (a ``.pt`` or ``.npz``: :mod:`distlab.data.tensors`);
-images in class subfolders, ``imagefolder:DIR`` (:mod:`distlab.data.imagefolder`).
+images in class subfolders, ``imagefolder:DIR`` (:mod:`distlab.data.imagefolder`); text, ``text:PATH``
+(a file or a directory of files: :mod:`distlab.data.textfiles`). Text is tokenized as bytes or with
+a BPE learned from its training split (``tokenizer``: :mod:`distlab.data.tokenizer`).
 
 Real data is read from its standard on-disk format and never downloaded. Each name is looked for
 in ``--data-dir`` if given, else ``$DISTLAB_DATA`` if set, else where its Debian package installs it
@@ -14,6 +16,7 @@ naming the paths searched, how to get the data, and a synthetic stand-in of its 
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +31,8 @@ from distlab.data.idx import find_idx_pair, read_idx
 from distlab.data.imagefolder import PREFIX as FOLDER, imagefolder_shape, load_imagefolder, root_of
 from distlab.data.synthetic import make_synthetic, parse_spec
 from distlab.data.tensors import PREFIX as TENSORS, load_tensors, path_of, tensors_shape
+from distlab.data import tokenizer as tokenizers
+from distlab.data import textfiles
 from distlab.data.text import FORTUNES_SYSTEM_DIR, TextDataset, fortunes_present, make_synthetic_text, parse_synthetic, \
     read_fortunes
 from distlab.errors import ConfigError, DataNotFoundError
@@ -93,13 +98,13 @@ ALIASES = {"fashion_mnist": "fashion-mnist", "fmnist": "fashion-mnist", "cifar-1
 
 
 def dataset_names() -> list[str]:
-    return [*REGISTRY, "synthetic:CxHxW:K[:N]", "synthetic-text[:N]", "tensors:FILE", "imagefolder:DIR"]
+    return [*REGISTRY, "synthetic:CxHxW:K[:N]", "synthetic-text[:N]", "tensors:FILE", "imagefolder:DIR", "text:PATH"]
 
 
 def is_text(name: str) -> bool:
     """Whether dataset ``name`` is a token stream (next-token prediction) rather than labelled images."""
     name = canonical_name(name)
-    return name.startswith("synthetic-text") or (name in REGISTRY and REGISTRY[name].text)  # tensors: images
+    return name.startswith(("synthetic-text", textfiles.PREFIX)) or (name in REGISTRY and REGISTRY[name].text)
 
 
 def canonical_name(name: str) -> str:
@@ -108,6 +113,9 @@ def canonical_name(name: str) -> str:
         return name
     if name.startswith(FOLDER):
         root_of(name)
+        return name
+    if name.startswith(textfiles.PREFIX):
+        textfiles.path_of(name)
         return name
     if name.startswith("synthetic-text"):
         parse_synthetic(name)
@@ -170,28 +178,52 @@ def locate(name: str, data_dir: str | os.PathLike | None = None) -> Path:
 
 
 def load_dataset(name: str, split: str, data_dir: str | os.PathLike | None = None,
-                 seed: int = 0, block_size: int = 64) -> ImageDataset | TextDataset:
+                 seed: int = 0, block_size: int = 64, tokenizer: str = "bytes") -> ImageDataset | TextDataset:
     """Load ``split`` ("train" or "test") of dataset ``name`` into memory (text: as windows of
-    ``block_size`` tokens)."""
+    ``block_size`` tokens of ``tokenizer``, bytes or ``bpe:N`` learned from the training split)."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', not {split!r}")
     name = canonical_name(name)
+    if tokenizer != tokenizers.BYTES and not is_text(name):
+        raise ConfigError(f"`tokenizer` {tokenizer} is for text; dataset {name} is images")
     if name.startswith(TENSORS):
         return load_tensors(name, split)
     if name.startswith(FOLDER):
         return load_imagefolder(name, split)
     if name.startswith("synthetic-text"):
+        if tokenizer != tokenizers.BYTES:
+            raise ConfigError(f"{name} is random bytes, not text a tokenizer can learn from: keep `tokenizer` bytes")
         return make_synthetic_text(name, split, seed, block_size)
     if name.startswith("synthetic"):
         return make_synthetic(name, split, seed)
+    if is_text(name):
+        tokens, tok, nbytes, where = _tokenized(name, str(data_dir) if data_dir else None, split, tokenizer)
+        return TextDataset.from_tokens(name, split, tokens, block_size, where, tokenizer=tok, text_bytes=nbytes)
     info = REGISTRY[name]
     where = locate(name, data_dir)
-    if info.text:
-        tokens = torch.from_numpy(info.read(where, split))
-        return TextDataset.from_tokens(name, split, tokens, block_size, str(where))
     images, labels, k = info.read(where, split)
     return ImageDataset(name, split, torch.from_numpy(images.copy()), torch.from_numpy(labels.copy()), k,
                         info.mean, info.std, augment=info.augment and split == "train", source=str(where))
+
+
+def _text(name: str, data_dir: str | None) -> tuple[bytes, bytes, str]:
+    """(training text, test text, where it came from) of a text data set."""
+    if name.startswith(textfiles.PREFIX):
+        train, test = textfiles.split_bytes(name)
+        return train, test, str(textfiles.path_of(name))
+    where = locate(name, data_dir)
+    read = REGISTRY[name].read
+    return read(where, "train").tobytes(), read(where, "test").tobytes(), str(where)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenized(name: str, data_dir: str | None, split: str, spec: str):
+    """(tokens, tokenizer, bytes of text, source) of one split; the tokenizer learns from the training split."""
+    train, test, where = _text(name, data_dir)
+    tok = tokenizers.build(spec, train)
+    text = train if split == "train" else test
+    tokens = torch.from_numpy(tok.encode(text))
+    return tokens, tok, len(text), where
 
 
 SHAPES = {"mnist": ((1, 28, 28), 10), "fashion-mnist": ((1, 28, 28), 10), "cifar10": ((3, 32, 32), 10),
@@ -199,16 +231,16 @@ SHAPES = {"mnist": ((1, 28, 28), 10), "fashion-mnist": ((1, 28, 28), 10), "cifar
 TRAIN_SIZES = {"mnist": 60000, "fashion-mnist": 60000, "cifar10": 50000, "cifar100": 50000, "fortunes": 2313988}
 
 
-def dataset_shape(name: str, block_size: int = 64) -> tuple[tuple[int, ...], int]:
+def dataset_shape(name: str, block_size: int = 64, tokenizer: str = "bytes") -> tuple[tuple[int, ...], int]:
     """``(input shape, number of classes)`` of dataset ``name`` without reading it (text: a window
-    of ``block_size`` tokens and the byte vocabulary)."""
+    of ``block_size`` tokens and the tokenizer's vocabulary)."""
     name = canonical_name(name)
     if name.startswith(TENSORS):
         return tensors_shape(name)
     if name.startswith(FOLDER):
         return imagefolder_shape(name)
     if is_text(name):
-        return (block_size,), 256
+        return (block_size,), tokenizers.vocab_size(tokenizer)
     if name.startswith("synthetic"):
         shape, k, _ = parse_spec(name)
         return shape, k

@@ -1,7 +1,8 @@
 """Text for next-token prediction: the ``fortunes`` corpus and ``synthetic-text[:N]``.
 
-Tokens are bytes (a vocabulary of 256: UTF-8 text needs no tokenizer and has nothing out of
-vocabulary). A split's text is one token stream cut into windows of ``block_size + 1`` tokens,
+Tokens are bytes by default (a vocabulary of 256: UTF-8 text needs no tokenizer and has nothing
+out of vocabulary), or a byte-level BPE learned from the training split (``--tokenizer bpe:N``,
+:mod:`distlab.data.tokenizer`). A split's text is one token stream cut into windows of ``block_size + 1`` tokens,
 each starting ``block_size`` after the one before, so an epoch predicts every token of the stream
 (but the first) once. A sample is a window: the input is its first ``block_size`` tokens, the
 targets the same tokens shifted by one.
@@ -45,7 +46,11 @@ SEPARATOR = b"\n%\n"
 
 @dataclass
 class TextDataset:
-    """A token stream (uint8) seen as windows of ``block_size + 1`` tokens starting at ``starts``."""
+    """A token stream seen as windows of ``block_size + 1`` tokens starting at ``starts``.
+
+    ``tokenizer`` made the stream (:mod:`distlab.data.tokenizer`: bytes by default, a vocabulary of
+    ``num_classes``); ``tokens_per_byte`` is its rate on this split's text (1 for bytes).
+    """
 
     name: str
     split: str
@@ -55,16 +60,22 @@ class TextDataset:
     source: str = ""
     num_classes: int = VOCAB
     augment: bool = False
+    tokenizer: object = None
+    tokens_per_byte: float = 1.0
 
     @classmethod
-    def from_tokens(cls, name: str, split: str, tokens: torch.Tensor, block_size: int, source: str) -> "TextDataset":
+    def from_tokens(cls, name: str, split: str, tokens: torch.Tensor, block_size: int, source: str,
+                    tokenizer=None, text_bytes: int | None = None) -> "TextDataset":
         if block_size < 1:
             raise ConfigError(f"`block_size` must be positive, not {block_size}")
         windows = (len(tokens) - 1) // block_size
         if windows < 1:
             raise ConfigError(f"the {split} split of {name} has {len(tokens):,} tokens: too few for one window of "
                               f"--block-size {block_size} + 1")
-        return cls(name, split, tokens, block_size, torch.arange(windows) * block_size, source)
+        vocab = tokenizer.vocab_size if tokenizer is not None else VOCAB
+        rate = len(tokens) / text_bytes if text_bytes else 1.0
+        return cls(name, split, tokens, block_size, torch.arange(windows) * block_size, source, vocab,
+                   tokenizer=tokenizer, tokens_per_byte=rate)
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -87,12 +98,12 @@ class TextDataset:
 
     def subset(self, indices: torch.Tensor, split: str) -> "TextDataset":
         """The windows ``indices`` only (a validation split carved from the training windows)."""
-        return TextDataset(self.name, split, self.tokens, self.block_size, self.starts[indices], self.source)
+        return replace(self, split=split, starts=self.starts[indices])
 
     @property
     def unigram_entropy(self) -> float:
-        """Entropy of the byte distribution of this split's stream, in nats per token."""
-        counts = torch.bincount(self.tokens.long(), minlength=VOCAB).double()
+        """Entropy of the token distribution of this split's stream, in nats per token."""
+        counts = torch.bincount(self.tokens.long().cpu(), minlength=self.num_classes).double()
         p = counts[counts > 0] / counts.sum()
         return float(-(p * p.log()).sum())
 

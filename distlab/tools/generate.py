@@ -2,8 +2,10 @@
 exported ``model.pt`` / ``.safetensors``.
 
 The whole model is put back together from the snapshot's shards (as ``distlab export`` does) and
-built as the run built it (its ``meta.json``: blocks, heads, width, context). Tokens are bytes:
-the prompt is encoded as UTF-8 and the output decoded with invalid bytes replaced. Sampling is
+built as the run built it (its ``meta.json``: blocks, heads, width, context). Tokens are those the
+run trained on: bytes (the prompt encoded as UTF-8, the output decoded with invalid bytes
+replaced), or the run's BPE (kept in the snapshot's ``meta.json``, ``OUT/tokenizer.json``, and
+beside an exported model as ``MODEL_FILE.tokenizer.json``). Sampling is
 autoregressive over the last ``block_size`` tokens: temperature ``T`` (0: always the most likely
 token), optionally only the ``top_k`` most likely, drawn from a generator seeded with ``seed`` --
 the same command prints the same text.
@@ -16,14 +18,13 @@ from pathlib import Path
 
 import torch
 
+from distlab.data import tokenizer as tokenizers
 from distlab.errors import ConfigError
 from distlab.models import GPT
 
-VOCAB = 256  # byte tokens
 
-
-def load_gpt(source: str | Path, n_head: int | None = None) -> tuple[GPT, str]:
-    """The GPT ``source`` holds, and a word on where it came from."""
+def load_gpt(source: str | Path, n_head: int | None = None, tokenizer_file: str | None = None) -> tuple:
+    """The GPT ``source`` holds, its tokenizer, and a word on where it came from."""
     from distlab.train import export
     path = Path(source)
     if path.is_dir() and (path / "summary.json").is_file() and not (path / "meta.json").is_file():
@@ -38,11 +39,16 @@ def load_gpt(source: str | Path, n_head: int | None = None) -> tuple[GPT, str]:
             raise ConfigError(f"snapshot {path} holds a {meta.get('model')} model; generate needs a gpt")
         heads, layers = meta.get("n_head"), meta.get("n_layer")
         where = f"snapshot {path} (step {meta.get('step')})"
+        text = meta.get("tokenizer_json")
+        tokenizer = tokenizers.BPETokenizer.from_json(text, where=f"snapshot {path}'s tokenizer") \
+            if isinstance(text, str) and not tokenizer_file else None
     elif path.is_file():
         export.check_init(str(path))
         state = export._read_init(str(path))
         layers = len({k.split(".")[0] for k in state if k.split(".")[0].isdigit()}) - 2
         heads, where = n_head, f"model file {path}"
+        beside = path.with_name(path.name + ".tokenizer.json")
+        tokenizer = None if tokenizer_file or not beside.is_file() else tokenizers.load(str(beside))
         if heads is None:
             raise ConfigError(f"{path} is a plain state_dict: give the model's --n-head (its other sizes are read "
                               f"from the tensors' shapes)")
@@ -54,16 +60,27 @@ def load_gpt(source: str | Path, n_head: int | None = None) -> tuple[GPT, str]:
         model.load_state_dict(state)
     except (KeyError, RuntimeError, ValueError) as exc:
         raise ConfigError(f"{where} does not hold a GPT of distlab's layout: {str(exc).splitlines()[0][:200]}") from None
-    return model.eval(), where
+    if tokenizer_file:
+        tokenizer = tokenizers.load(tokenizer_file)
+    if tokenizer is None:
+        if tok.shape[0] != 256:
+            raise ConfigError(f"{where} has a vocabulary of {tok.shape[0]:,} tokens, not bytes: give its "
+                              f"tokenizer with --tokenizer (the run's OUT/tokenizer.json)")
+        tokenizer = tokenizers.ByteTokenizer()
+    elif tokenizer.learned > tok.shape[0]:
+        raise ConfigError(f"the tokenizer has {tokenizer.learned:,} tokens, {where} only {tok.shape[0]:,}: "
+                          f"give the tokenizer it was trained with")
+    return model.eval(), tokenizer, where
 
 
 @torch.no_grad()
 def generate(model: GPT, prompt: str, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-             seed: int = 0) -> str:
-    """``prompt`` followed by ``max_new_tokens`` sampled bytes, decoded."""
+             seed: int = 0, tokenizer=None) -> str:
+    """``prompt`` followed by ``max_new_tokens`` sampled tokens, decoded (``tokenizer``: bytes by default)."""
     if temperature < 0 or (top_k is not None and top_k < 1):
         raise ConfigError("--temperature must be at least 0 and --top-k at least 1")
-    ids = list(prompt.encode("utf-8")) or [ord("\n")]
+    tokenizer = tokenizer or tokenizers.ByteTokenizer()
+    ids = tokenizer.encode(prompt.encode("utf-8")).tolist() or tokenizer.encode(b"\n").tolist()
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.tensor([ids], dtype=torch.long)
     for _ in range(max_new_tokens):
@@ -77,4 +94,4 @@ def generate(model: GPT, prompt: str, max_new_tokens: int, temperature: float = 
                 logits = logits.masked_fill(logits < cutoff, float("-inf"))
             nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
         tokens = torch.cat([tokens, torch.tensor([[nxt]])], dim=1)
-    return prompt + bytes(tokens[0, len(ids):].tolist()).decode("utf-8", errors="replace")
+    return prompt + tokenizer.decode(tokens[0, len(ids):].tolist())

@@ -13,6 +13,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 
 from distlab.data import canonical_name, dataset_shape, is_text, load_dataset
+from distlab.data.tokenizer import vocab_size as tokenizer_vocab
 from distlab.errors import ConfigError, first_line
 from distlab.models import TEXT_MODELS, check_model_name, is_user_model, parse_model_args
 from distlab.parallel import Strategy
@@ -48,6 +49,7 @@ class TrainConfig:
     n_embd: int = 128       # gpt: width of the residual stream
     block_size: int = 64    # gpt: tokens per sample (context length)
     dataset: str = "fashion-mnist"
+    tokenizer: str = "bytes"  # text: bytes, or bpe:N learned from the training split (distlab.data.tokenizer)
     data_dir: str | None = None
     data_on_device: str = "auto"  # auto | on | off: the data set in GPU memory (distlab.data.resident)
     epochs: int = 1
@@ -101,6 +103,13 @@ class TrainConfig:
                     raise ConfigError(f"`{f.name}` must be a finite number, not {value}")
         check_model_name(self.model)
         self.dataset = canonical_name(self.dataset)
+        vocab = tokenizer_vocab(self.tokenizer)
+        if self.tokenizer != "bytes" and not is_text(self.dataset):
+            raise ConfigError(f"`tokenizer` {self.tokenizer} is for text; dataset {self.dataset} is images "
+                              f"(drop `tokenizer`)")
+        if self.tokenizer != "bytes" and self.dataset.startswith("synthetic-text"):
+            raise ConfigError(f"{self.dataset} is random bytes, not text a tokenizer can learn from: keep `tokenizer` "
+                              f"bytes")
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
@@ -141,7 +150,8 @@ class TrainConfig:
                               f"n_embd / n_head dimensions)")
         tp = self.strategy.tp
         if self.model in TEXT_MODELS and tp > 1:
-            for what, count in (("`n_head`", self.n_head), ("`n_embd`", self.n_embd), ("the vocabulary (bytes)", 256)):
+            for what, count in (("`n_head`", self.n_head), ("`n_embd`", self.n_embd),
+                                (f"the vocabulary ({self.tokenizer})", vocab)):
                 if count % tp:
                     raise ConfigError(f"tensor parallel splits attention heads, widths and the vocabulary over `tp` "
                                       f"{tp} ranks: {what} {count} is not divisible by {tp}")
@@ -169,7 +179,7 @@ class TrainConfig:
         if text_model != text_data and not is_user_model(self.model):
             raise ConfigError(f"model {self.model} {'predicts tokens' if text_model else 'classifies images'} but "
                               f"dataset {self.dataset} is {'text' if text_data else 'images'}: use "
-                              + ("--model gpt" if text_data else "a text dataset (fortunes, synthetic-text)"))
+                              + ("--model gpt" if text_data else "a text dataset (fortunes, synthetic-text, text:PATH)"))
         return self
 
     def _meta_model(self):
@@ -177,7 +187,7 @@ class TrainConfig:
         import torch
 
         from distlab.models import build_model
-        shape, classes = dataset_shape(self.dataset, self.block_size)
+        shape, classes = dataset_shape(self.dataset, self.block_size, self.tokenizer)
         with torch.device("meta"):
             return build_model(self.model, shape, classes, **self.model_options())
 
@@ -212,7 +222,8 @@ class TrainConfig:
 
     def load(self, split: str):
         """This config's dataset, ``split`` "train" or "test"."""
-        return load_dataset(self.dataset, split, self.data_dir, seed=self.seed, block_size=self.block_size)
+        return load_dataset(self.dataset, split, self.data_dir, seed=self.seed, block_size=self.block_size,
+                            tokenizer=self.tokenizer)
 
     def lr_factor(self) -> float:
         """``lr_scaling``: the multiplier of ``lr`` for this global batch (1 with ``none``)."""

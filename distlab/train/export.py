@@ -89,7 +89,14 @@ def export(path: str | Path, out: str | Path, best: bool = False) -> dict:
         atomic_write_text(checksum, f"{digest}  {out.name}\n")
     except OSError as exc:
         raise ConfigError(f"wrote {out}, but not its checksum {checksum}: {exc.strerror or exc}") from None
-    return {"out": str(out), "step": meta.get("step"), "model": meta.get("model"), "dataset": meta.get("dataset"),
+    tokenizer = None
+    if isinstance(meta.get("tokenizer_json"), str):  # a text model's tokenizer goes with it (generate reads it)
+        tokenizer = out.with_name(out.name + ".tokenizer.json")
+        try:
+            atomic_write_text(tokenizer, meta["tokenizer_json"])
+        except OSError as exc:
+            raise ConfigError(f"wrote {out}, but not its tokenizer {tokenizer}: {exc.strerror or exc}") from None
+    return {"tokenizer_file": str(tokenizer) if tokenizer else None,"out": str(out), "step": meta.get("step"), "model": meta.get("model"), "dataset": meta.get("dataset"),
             "build": build_call(meta), "world_size": meta.get("world_size"),
             "tensors": len(state), "parameters": sum(t.numel() for t in state.values() if t.is_floating_point()),
             "bytes": out.stat().st_size, "sha256": digest, "sha256_file": str(checksum)}
@@ -103,7 +110,7 @@ def build_call(meta: dict) -> str:
     """The ``build_model`` call that makes the model a snapshot's ``meta`` describes (as Python text)."""
     from distlab.data import dataset_shape
     try:
-        shape, classes = dataset_shape(meta["dataset"], meta.get("block_size") or 64)
+        shape, classes = dataset_shape(meta["dataset"], meta.get("block_size") or 64, meta.get("tokenizer") or "bytes")
     except Exception:  # noqa: BLE001 - a dataset name this version does not know: leave it to the user
         shape, classes = "INPUT_SHAPE", "CLASSES"
     options = {"widths": tuple(meta["mlp_widths"])} if meta.get("mlp_widths") else \

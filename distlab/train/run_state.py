@@ -155,10 +155,11 @@ class RunState:
     """Step, logged history, evaluations, best validation model, time used; saved in every snapshot."""
 
     def __init__(self, cfg: TrainConfig, rt: Runtime, engine: Engine, optimizer, scheduler, layout: dict,
-                 eval_samples: int):
+                 eval_samples: int, attachments: dict | None = None):
         self.cfg, self.rt, self.engine = cfg, rt, engine
         self.optimizer, self.scheduler = optimizer, scheduler
         self.layout = layout  # what a snapshot must agree on to be resumed by this run
+        self.attachments = dict(attachments or {})  # kept in meta.json for readers (the tokenizer), not compared
         self.eval_samples = eval_samples  # test (+ validation) samples, for the time-budget estimate
         self.restart_count = restart_count()
         self.restarted = False  # any rank's agent restarted the group (begin() agrees on it)
@@ -368,7 +369,7 @@ class RunState:
     def save(self) -> None:
         t0 = time.perf_counter()
         payload = self.registry.state_dict()
-        meta = {"run_id": self.run_id, "fingerprint": self.fingerprint, **self.layout}
+        meta = {**self.attachments, "run_id": self.run_id, "fingerprint": self.fingerprint, **self.layout}
         path = snapshot.save(self.cfg.snapshot_dir, self.step, payload, meta, self.cfg.keep_snapshots)
         self.last_snapshot = str(path)
         self._saved_step = self.step

@@ -47,9 +47,23 @@ def _text_facts(trainer, final: dict) -> dict:
     if not hasattr(data, "unigram_entropy"):
         return {}
     loss = final.get("test_loss")
+    rate = trainer.test_set.tokens_per_byte  # tokens per byte of the test text: 1 for bytes
+    tok = data.tokenizer
     return {"loss_unit": "nats/token", "block_size": data.block_size, "train_tokens": len(data) * data.block_size,
             "test_perplexity": math.exp(loss) if loss is not None else None,
-            "unigram_entropy": data.unigram_entropy}
+            "unigram_entropy": data.unigram_entropy,
+            # nats per byte of text: the loss that compares tokenizers (a token of BPE covers several bytes)
+            "tokenizer": tok.spec if tok is not None else "bytes", "vocab_size": data.num_classes,
+            "test_tokens_per_byte": rate, "test_loss_per_byte": loss * rate if loss is not None else None}
+
+
+def _tokens(data) -> str:
+    """What a token is: a byte, or a BPE's token (its vocabulary, learned size and rate on the text)."""
+    tok = data.tokenizer
+    if tok is None or tok.spec == "bytes":
+        return "bytes"
+    return (f"{tok.spec}: byte-level BPE learned from the training split, {tok.learned:,} of {tok.vocab_size:,} "
+            f"tokens, {data.tokens_per_byte:.3f} tokens/byte")
 
 
 def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
@@ -229,8 +243,8 @@ def header(trainer) -> list[str]:
     if hasattr(data, "unigram_entropy"):
         lines = [f"data     {cfg.dataset} from {where}: {len(data):,} train, {len(trainer.test_set):,} test"
                  + (f", {len(trainer.val_set):,} validation" if trainer.val_set is not None else "")
-                 + f" windows of {data.block_size} tokens (bytes); unigram entropy {data.unigram_entropy:.3f} "
-                   f"nats/token: the loss to beat"]
+                 + f" windows of {data.block_size} tokens ({_tokens(data)}); unigram entropy "
+                   f"{data.unigram_entropy:.3f} nats/token: the loss to beat"]
     else:
         lines = [f"data     {cfg.dataset} from {where}: {len(data):,} train, {len(trainer.test_set):,} test"
                  + (f", {len(trainer.val_set):,} validation" if trainer.val_set is not None else "")
@@ -318,7 +332,9 @@ def print_summary(summary: dict, out: str | None) -> None:
                           + (" of next tokens" if s.get("loss_unit") else "")),
         ("test loss", _fmt(s["test_loss"], ".4f") + (f" nats/token, perplexity {s['test_perplexity']:.2f} (unigram "
                                                        f"entropy {s['unigram_entropy']:.3f})"
-                                                       if s.get("test_perplexity") else "")),
+                                                       if s.get("test_perplexity") else "")
+                      + (f"; {s['test_loss_per_byte']:.4f} nats/byte ({s['tokenizer']})"
+                         if s.get("test_loss_per_byte") is not None and s.get("tokenizer") != "bytes" else "")),
         ("time/step (median)", _fmt(None if s["time_per_step_s_median"] is None
                                     else 1000 * s["time_per_step_s_median"], ".2f", " ms")),
         ("samples/s", _fmt(s["samples_per_s"], ",.0f")),

@@ -81,7 +81,10 @@ class Trainer:
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         eval_samples = len(self.test_set) + (len(self.val_set) if self.val_set is not None else 0)
-        self.run = RunState(cfg, rt, self.engine, self.optimizer, self.scheduler, self._layout(), eval_samples)
+        self.tokenizer = getattr(self.train_set, "tokenizer", None)  # text: what made the tokens (bytes or BPE)
+        tokenizer_json = self.tokenizer.to_json() if self.tokenizer is not None else None
+        self.run = RunState(cfg, rt, self.engine, self.optimizer, self.scheduler, self._layout(), eval_samples,
+                            attachments={"tokenizer_json": tokenizer_json} if tokenizer_json else None)
         self.hooks = list(hooks or []) + [h for h in [fault_injection_hook(rt.rank)] if h]
         show_bar = rt.is_main and (cfg.progress if cfg.progress is not None else sys.stderr.isatty())
         self.bar = tqdm(total=self.total_steps, disable=not show_bar, unit="step", dynamic_ncols=True,
@@ -157,6 +160,8 @@ class Trainer:
         for line in header(self):
             self.say(line)
         self.log = MetricsLog(cfg.out if self.rt.is_main else None, run.history)
+        if self.rt.is_main and cfg.out and self.tokenizer is not None and self.tokenizer.to_json():
+            atomic_write_text(Path(cfg.out) / "tokenizer.json", self.tokenizer.to_json())  # generate reads it
         self.bar.update(run.step)
         times = StepTimes()
         engine.train()
@@ -274,7 +279,9 @@ class Trainer:
                 "mlp_widths": list(cfg.mlp_widths) if cfg.model.startswith("mlp") else None,
                 **({"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd, "block_size": cfg.block_size}
                    if cfg.model in TEXT_MODELS else {}),
-                "num_parameters": self.num_parameters, "dataset": cfg.dataset, "strategy": cfg.strategy.to_dict(),
+                "num_parameters": self.num_parameters, "dataset": cfg.dataset,
+                **({"tokenizer": cfg.tokenizer, "tokenizer_sha256": self.tokenizer.sha256}
+                   if cfg.tokenizer != "bytes" else {}), "strategy": cfg.strategy.to_dict(),
                 "global_batch_size": cfg.global_batch_size, "optimizer": cfg.optimizer, "seed": cfg.seed,
                 "val_fraction": cfg.val_fraction, "lr": cfg.lr, "lr_schedule": cfg.lr_schedule,
                 "lr_scaling": cfg.lr_scaling, "base_batch_size": cfg.base_batch_size, "warmup_steps": cfg.warmup_steps,

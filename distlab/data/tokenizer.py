@@ -1,0 +1,144 @@
+"""Tokenizers for text: ``bytes`` (the default) and ``bpe:N``, a byte-level BPE trained on the training split.
+
+``bytes``: a token is a byte of the UTF-8 text (a vocabulary of 256, nothing out of vocabulary,
+no training). ``bpe:N``: byte-level byte-pair encoding (GPT-2's scheme) with a vocabulary of ``N``
+tokens, learned from the training split alone with Hugging Face's ``tokenizers`` -- the 256
+bytes first, then the most frequent adjacent pair merged into a new token until there are ``N``
+(fewer if the text runs out of pairs seen twice; the model's vocabulary is ``N`` either way, so
+its shape is known before any text is read). Training is deterministic: every rank, and every
+restart, trains the same tokenizer from the same text, and a run keeps it beside its outputs
+(``OUT/tokenizer.json``) and in its snapshots, so ``distlab generate`` and a resume use that one.
+
+Text is read as UTF-8 (a byte that is not UTF-8 becomes U+FFFD for BPE; ``bytes`` keeps it).
+``tokens_per_byte`` of a split turns a loss per token into a loss per byte, the measure that
+compares tokenizers: ``nats/byte = nats/token x tokens/byte``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+
+import numpy as np
+
+from distlab.errors import ConfigError, first_line
+
+BYTES = "bytes"
+_BPE = re.compile(r"^bpe:(\d+)$")
+MIN_BPE, MAX_BPE = 257, 1 << 20
+INSTALL = "pip install tokenizers"
+
+
+def parse(spec: str) -> int | None:
+    """``bytes`` -> None; ``bpe:N`` -> N; anything else a ConfigError saying what to write."""
+    if spec == BYTES:
+        return None
+    m = _BPE.match(spec or "")
+    if not m or not MIN_BPE <= int(m.group(1)) <= MAX_BPE:
+        raise ConfigError(f"unknown `tokenizer` {spec!r}: write bytes, or bpe:N with N from {MIN_BPE} to {MAX_BPE:,} "
+                          f"(the vocabulary size, e.g. bpe:4096)")
+    return int(m.group(1))
+
+
+def vocab_size(spec: str) -> int:
+    """The model's vocabulary under tokenizer ``spec`` (known without reading any text)."""
+    n = parse(spec)
+    return 256 if n is None else n
+
+
+class ByteTokenizer:
+    """A token per byte."""
+
+    spec = BYTES
+    vocab_size = 256
+    sha256 = None
+
+    def encode(self, data: bytes) -> np.ndarray:
+        return np.frombuffer(data, dtype=np.uint8).copy()
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def to_json(self) -> None:
+        return None
+
+
+class BPETokenizer:
+    """A byte-level BPE of ``vocab_size`` tokens (Hugging Face ``tokenizers``), saved as its JSON."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self._tok = tokenizer
+        self.vocab_size = vocab_size
+        self.spec = f"bpe:{vocab_size}"
+        self._json = tokenizer.to_str()
+        self.sha256 = hashlib.sha256(self._json.encode()).hexdigest()
+
+    @property
+    def learned(self) -> int:
+        """Tokens it actually has (at most ``vocab_size``)."""
+        return self._tok.get_vocab_size()
+
+    def encode(self, data: bytes) -> np.ndarray:
+        text = data.decode("utf-8", errors="replace")
+        # line by line, as it was trained (a token never spans a line break); decode(encode(t)) == t
+        pieces = self._tok.encode_batch(text.splitlines(keepends=True)) if text else []
+        ids = [i for enc in pieces for i in enc.ids]
+        return np.asarray(ids, dtype=np.int32)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+    def to_json(self) -> str:
+        return self._json
+
+    @classmethod
+    def from_json(cls, text: str, vocab_size: int | None = None, where: str = "the tokenizer") -> "BPETokenizer":
+        Tokenizer = _library().Tokenizer
+        try:
+            tok = Tokenizer.from_str(text)
+        except Exception as exc:  # the library raises its own Exception types for a bad file
+            raise ConfigError(f"{where} is not a tokenizer file of Hugging Face tokenizers ({first_line(exc, 160)})") \
+                from None
+        return cls(tok, max(vocab_size or 0, tok.get_vocab_size()))
+
+
+def _library():
+    try:
+        import tokenizers
+    except ImportError:
+        raise ConfigError(f"`tokenizer` bpe needs Hugging Face's tokenizers: {INSTALL}") from None
+    return tokenizers
+
+
+@functools.lru_cache(maxsize=4)
+def train_bpe(text: bytes, vocab_size: int) -> BPETokenizer:
+    """A byte-level BPE of ``vocab_size`` tokens learned from ``text`` (deterministic)."""
+    lib = _library()
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    tok = lib.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
+    lines = text.decode("utf-8", errors="replace").splitlines(keepends=True)
+    tok.train_from_iterator(lines, trainer, length=len(lines))
+    return BPETokenizer(tok, vocab_size)
+
+
+def build(spec: str, train_text: bytes) -> ByteTokenizer | BPETokenizer:
+    """The tokenizer ``spec`` names, trained on ``train_text`` where it learns."""
+    n = parse(spec)
+    return ByteTokenizer() if n is None else train_bpe(train_text, n)
+
+
+def load(path: str) -> ByteTokenizer | BPETokenizer:
+    """A tokenizer file (``tokenizer.json`` beside a run or an exported model)."""
+    try:
+        text = open(path, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--tokenizer {path}: {getattr(exc, 'strerror', None) or first_line(exc, 120)}") from None
+    return BPETokenizer.from_json(text, where=f"--tokenizer {path}")
+
+
+__all__ = ["BYTES", "BPETokenizer", "ByteTokenizer", "build", "load", "parse", "train_bpe", "vocab_size"]
