@@ -320,6 +320,8 @@ TRAIN_OPTIONS = [
     ("time_budget_s", dict(default=None, help="Stop cleanly (evaluation, snapshot, summary) before this much "
                            "training time, counted across restarts: 2h, 90m, 3600s, 1h30m.")),
     ("out", dict(help="Run directory for metrics.jsonl and summary.json (default runs/MODEL-DATASET-TIME).")),
+    ("tensorboard", dict(default=None, help="Also write TensorBoard event files here (loss, LR, throughput, "
+                         "evaluations, each rank's memory; needs pip install tensorboard).")),
     ("progress", dict(flag_pair=True, default=None, help="Progress bar on rank 0 (default: when a terminal).")),
 ]
 

@@ -47,6 +47,7 @@ def train(config_file, **kw):
     from distlab.train.lock import check_writable
     check_writable(cfg.snapshot_dir, "snapshot_dir")  # before anything starts: one line, not a failed snapshot later
     check_writable(cfg.out, "out")
+    check_writable(cfg.tensorboard, "tensorboard")
     device = kw["device"]
     elastic = ":" in str(kw.get("nnodes") or "")  # a node may join a running job: its workers decide
     multi_node = str(kw.get("nnodes") or "1") != "1"  # launchers on several hosts: rank 0 locks the directories

@@ -76,6 +76,7 @@ class TrainConfig:
     init_from: str | None = None  # a whole-model state_dict file to start from (a resumed snapshot wins)
     time_budget_s: float | None = None
     out: str | None = None
+    tensorboard: str | None = None  # also write TensorBoard event files here (distlab.train.tensorboard)
     progress: bool | None = None  # None: on when stderr is a terminal
     verbose: bool = True  # rank 0 prints a line per log step and evaluation
     timing_warmup_steps: int = 5
@@ -137,6 +138,11 @@ class TrainConfig:
             raise ConfigError(f"`val_fraction` must be in [0, 1), not {self.val_fraction}")
         if self.snapshot_every and not self.snapshot_dir:
             raise ConfigError("`snapshot_every` needs `snapshot_dir` (where to write the snapshots)")
+        if self.tensorboard is not None:
+            if not str(self.tensorboard).strip():
+                raise ConfigError("`tensorboard` is empty: give the directory for TensorBoard's event files")
+            from distlab.train.tensorboard import check_available
+            check_available()
         if self.resume == "auto" and not self.snapshot_dir:
             raise ConfigError("`resume` auto picks the newest snapshot in `snapshot_dir`: give `snapshot_dir`")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
@@ -274,7 +280,7 @@ class TrainConfig:
         return d
 
 
-RUN_PLACE = ("out", "resume", "snapshot_dir", "snapshot_every", "keep_snapshots")  # where, not what: not in to_toml
+RUN_PLACE = ("out", "resume", "snapshot_dir", "snapshot_every", "keep_snapshots", "tensorboard")  # where, not what: not in to_toml
 
 
 def _of_type(value, annotation: str) -> bool:

@@ -33,6 +33,7 @@ from distlab.train.optim import build_optimizer, build_scheduler
 from distlab.train.preemption import Preemption
 from distlab.train.run_state import RunState, fault_injection_hook, finished_summary
 from distlab.train.summary import StepTimes, header, summarize
+from distlab.train.tensorboard import TensorBoardLog
 
 
 class Trainer:
@@ -91,6 +92,7 @@ class Trainer:
                         desc=f"{cfg.model} x{rt.world_size}")
         self.say = self._printer(show_bar)
         self.log = MetricsLog(None)
+        self.tb = TensorBoardLog(None, False, rt.device)
         self._window_s, self._window_timed = 0.0, 0  # training seconds and steps since the last log line
         self.already_finished = False  # fit() found the resumed run complete and changed nothing
         self._nonfinite = ""  # why the run stopped on non-finite gradients
@@ -127,6 +129,7 @@ class Trainer:
                 raise self._comm_failure(exc) from exc
             raise
         finally:
+            self.tb.close()
             self.run.end()  # the directories' locks
 
     def _comm_failure(self, exc: BaseException) -> DistributedError:
@@ -160,6 +163,8 @@ class Trainer:
         for line in header(self):
             self.say(line)
         self.log = MetricsLog(cfg.out if self.rt.is_main else None, run.history)
+        self.tb = TensorBoardLog(cfg.tensorboard, self.rt.is_main, self.rt.device,
+                                 purge_step=run.step + 1 if run.resumed_from is not None else None)
         if self.rt.is_main and cfg.out and self.tokenizer is not None and self.tokenizer.to_json():
             atomic_write_text(Path(cfg.out) / "tokenizer.json", self.tokenizer.to_json())  # generate reads it
         self.bar.update(run.step)
@@ -253,6 +258,8 @@ class Trainer:
                   "time_s": self.run.time_used()}
         self.run.history.append(record)
         self.log.write(record)
+        self.tb.scalars("train", record, record["step"])
+        self.tb.memory(record["step"])  # collective when on
         self.say(f"step {record['step']:>6}/{self.total_steps} | epoch {epoch} | loss {loss:.4f} | "
                  f"lr {lr:.4g} | {rate or 0:,.0f} samples/s")
         self._window_s, self._window_timed = 0.0, 0
@@ -266,6 +273,7 @@ class Trainer:
                 result.update(val_loss=val["test_loss"], val_accuracy=val["test_accuracy"])
         record = {"epoch": epoch, "step": self.run.step, "time_s": self.run.time_used(), **result}
         self.run.record_eval(record, time.perf_counter() - t0)
+        self.tb.scalars("eval", result, self.run.step)
         val = f" | val loss {result['val_loss']:.4f}" if "val_loss" in result else ""
         self.say(f"eval epoch {epoch} | test loss {result['test_loss']:.4f} | test accuracy "
                  f"{100 * result['test_accuracy']:.2f}% ({result['test_samples']} samples){val}")

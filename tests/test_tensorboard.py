@@ -1,0 +1,44 @@
+"""``--tensorboard DIR``: event files TensorBoard's own reader loads, holding what metrics.jsonl holds
+(loss, LR, throughput at the same steps), the evaluations and every rank's memory; refused before
+launch, with the install line, where the package is missing."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("tensorboard", reason="the tensorboard package is an optional extra (pip install tensorboard)")
+
+
+def _scalars(directory):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(directory))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_event_files_hold_the_runs_numbers_at_its_steps(run_cli, tmp_path):
+    run_cli("train", "--model", "mlp", "--mlp-widths", "8", "--dataset", "synthetic:1x4x4:3:240", "--max-steps", "6",
+            "--global-batch-size", "12", "--log-every", "2", "--nproc-per-node", "2", "--tensorboard", "tb",
+            "--out", "run", "--no-progress", check=True, timeout=240)
+    scalars = _scalars(tmp_path / "tb")
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [s for s, _ in scalars["train/loss"]] == [r["step"] for r in records] == [2, 4, 6]
+    for (_, value), r in zip(scalars["train/loss"], records):
+        assert value == pytest.approx(r["loss"], rel=1e-6)  # float32 in the event file
+    assert [v for _, v in scalars["train/lr"]] == pytest.approx([r["lr"] for r in records], rel=1e-6)
+    assert "train/samples_per_s" in scalars
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert scalars["eval/test_accuracy"][-1] == (6, pytest.approx(summary["test_accuracy"], rel=1e-6))
+    for rank in (0, 1):  # every rank's memory, gathered to rank 0
+        assert all(v > 10 for _, v in scalars[f"memory/rank_{rank}_rss_mb"])
+    assert "tensorboard" not in (tmp_path / "run" / "config.toml").read_text()  # where, not what
+
+
+def test_a_missing_package_is_refused_before_launch_with_the_install_line():
+    code = ("import sys; sys.modules['tensorboard'] = None\n"
+            "from distlab.train.config import TrainConfig\n"
+            "TrainConfig(dataset='synthetic:1x4x4:3', tensorboard='tb').validate(1)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "pip install tensorboard" in proc.stderr
