@@ -51,3 +51,23 @@ def test_what_cannot_generate_is_one_line(run_cli, gpt_run, tmp_path):
 def _exported(run_cli, gpt_run):
     run_cli("export", str(gpt_run / "s" / "step-00000004"), "-o", str(gpt_run / "m.pt"), check=True)
     return gpt_run / "m.pt"
+
+
+def test_samples_during_training_are_logged_and_change_nothing_else(run_cli, tmp_path):
+    """--sample-every N: a sample at every N-th step and the last, in that step's metrics record and
+    printed; the run's numbers are bitwise those of the same run without samples (sampling draws from
+    its own generator, and the model is rebuilt without initialising anything)."""
+    import json
+    common = ["train", "--model", "gpt", "--dataset", "synthetic-text:3000", "--n-layer", "1", "--n-embd", "16",
+              "--n-head", "2", "--block-size", "16", "--max-steps", "5", "--global-batch-size", "8", "--log-every",
+              "5", "--no-progress"]
+    plain = run_cli(*common, "--out", "plain", check=True)
+    sampled = run_cli(*common, "--sample-every", "2", "--out", "sampled", check=True)
+    records = [json.loads(line) for line in (tmp_path / "sampled" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "sample" in r] == [2, 4, 5]
+    assert all(isinstance(r["sample"], str) and r["sample"] for r in records if "sample" in r)
+    assert sampled.stdout.count("sample   ") == 3 and "sample   " not in plain.stdout
+    a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("plain", "sampled"))
+    assert (a["test_loss"], a["test_accuracy"]) == (b["test_loss"], b["test_accuracy"])  # the same final model
+    proc = run_cli("train", "--model", "mlp", "--dataset", "synthetic:1x4x4:2", "--sample-every", "2")
+    assert proc.returncode == 2 and "does not generate text" in proc.stderr

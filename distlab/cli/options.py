@@ -301,6 +301,8 @@ TRAIN_OPTIONS = [
     ("weight_decay", dict(type=float)),
     ("seed", dict(type=int)),
     ("log_every", dict(type=int, help="Log the loss every N steps (rank 0).")),
+    ("sample_every", dict(type=int, default=None, help="gpt: every N steps (and at the end) print a short text the "
+                          "model generates, also kept in that step's metrics.jsonl record as 'sample'.")),
     ("eval_batch_size", dict(type=int)),
     *STRATEGY_OPTIONS,
     ("lr_scaling", dict(help="Scale --lr with the global batch: none, linear (x G/B) or sqrt (x sqrt(G/B)), "

@@ -55,9 +55,8 @@ def load_gpt(source: str | Path, n_head: int | None = None, tokenizer_file: str 
     else:
         raise ConfigError(f"{source}: no run directory, snapshot or model file there")
     try:
-        tok, pos = state["0.tok.weight"], state["0.pos.weight"]
-        model = GPT(tok.shape[0], pos.shape[0], n_layer=layers, n_head=heads, n_embd=tok.shape[1])
-        model.load_state_dict(state)
+        model = gpt_from_state(state, layers, heads)
+        tok = state["0.tok.weight"]
     except (KeyError, RuntimeError, ValueError) as exc:
         raise ConfigError(f"{where} does not hold a GPT of distlab's layout: {str(exc).splitlines()[0][:200]}") from None
     if tokenizer_file:
@@ -71,6 +70,17 @@ def load_gpt(source: str | Path, n_head: int | None = None, tokenizer_file: str 
         raise ConfigError(f"the tokenizer has {tokenizer.learned:,} tokens, {where} only {tok.shape[0]:,}: "
                           f"give the tokenizer it was trained with")
     return model.eval(), tokenizer, where
+
+
+def gpt_from_state(state: dict[str, torch.Tensor], n_layer: int, n_head: int) -> GPT:
+    """A GPT holding ``state`` (a whole model's state_dict), its sizes read from the tensors' shapes.
+    Built on the meta device and given the tensors: no random initialisation, so the run's random
+    streams are untouched (a sample mid-training changes nothing that follows)."""
+    tok, pos = state["0.tok.weight"], state["0.pos.weight"]
+    with torch.device("meta"):
+        model = GPT(tok.shape[0], pos.shape[0], n_layer=n_layer, n_head=n_head, n_embd=tok.shape[1])
+    model.load_state_dict(state, assign=True)
+    return model.eval()
 
 
 @torch.no_grad()

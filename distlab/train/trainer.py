@@ -32,6 +32,7 @@ from distlab.train.metrics import MetricsLog, atomic_write_text, write_summary
 from distlab.train.optim import build_optimizer, build_scheduler
 from distlab.train.preemption import Preemption
 from distlab.train.run_state import RunState, fault_injection_hook, finished_summary
+from distlab.train.snapshot import broadcast_object
 from distlab.train.summary import StepTimes, header, summarize
 from distlab.train.tensorboard import TensorBoardLog
 
@@ -231,8 +232,9 @@ class Trainer:
             self.bar.update(1)
             for hook in self.hooks:
                 hook(run.step)
-            if run.step % cfg.log_every == 0 or run.step == self.total_steps:
-                self._log(epoch, lr)
+            sample = bool(cfg.sample_every) and (run.step % cfg.sample_every == 0 or run.step == self.total_steps)
+            if run.step % cfg.log_every == 0 or run.step == self.total_steps or sample:
+                self._log(epoch, lr, sample)
             if run.step % self.steps_per_epoch == 0 or run.step >= self.total_steps:
                 if cfg.eval_every_epoch or run.step >= self.total_steps:
                     self._evaluate(epoch)
@@ -249,13 +251,15 @@ class Trainer:
             return lambda s: None
         return self.bar.write if show_bar else (lambda s: print(s, flush=True))
 
-    def _log(self, epoch: int, lr: float) -> None:
+    def _log(self, epoch: int, lr: float, sample: bool = False) -> None:
         loss = self.run.close_window()  # collective
         # Throughput of the window's steps alone (timed in this attempt): evaluations, snapshots and a
         # restart in between are not training time.
         rate = self._window_timed * self.cfg.global_batch_size / self._window_s if self._window_s else None
         record = {"step": self.run.step, "epoch": epoch, "loss": loss, "lr": lr, "samples_per_s": rate,
                   "time_s": self.run.time_used()}
+        if sample:
+            record["sample"] = self._sample()
         self.run.history.append(record)
         self.log.write(record)
         self.tb.scalars("train", record, record["step"])
@@ -263,6 +267,21 @@ class Trainer:
         self.say(f"step {record['step']:>6}/{self.total_steps} | epoch {epoch} | loss {loss:.4f} | "
                  f"lr {lr:.4g} | {rate or 0:,.0f} samples/s")
         self._window_s, self._window_timed = 0.0, 0
+        if sample:
+            self.say(f"sample   {record['sample']!r}")
+
+    def _sample(self, tokens: int = 48) -> str:
+        """A short text the model generates now, the same on every rank (collective: the whole model
+        is gathered; rank 0 samples, seeded by the run's seed and step, apart from the run's own random
+        streams, then tells the others)."""
+        from distlab.tools.generate import generate, gpt_from_state
+        state = {k: v.detach().float().cpu() for k, v in self.engine.full_state_dict().items()}
+        text = None
+        if self.rt.is_main:
+            model = gpt_from_state(state, self.cfg.n_layer, self.cfg.n_head)
+            text = generate(model, "", tokens, temperature=0.8, top_k=None, seed=self.cfg.seed + self.run.step,
+                            tokenizer=self.tokenizer)
+        return broadcast_object(text)
 
     def _evaluate(self, epoch: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
