@@ -45,9 +45,10 @@ def test_report_names_every_input_and_lists_bad_ones(run_cli, tmp_path):
     for name in ("broken.json", "foreign.json", "lacking.json", "missing-dir"):
         assert name in problems and f"{name}:" in proc.stderr
     assert "not valid JSON" in problems and "does not exist" in problems and "lack a field" in problems
-    # Plots are embedded PNGs: loss curves + accuracy for the run, time/busbw for world size 2.
+    # Plots are embedded PNGs: loss curves + accuracy + the final model's mistakes for the run, time/busbw for
+    # world size 2.
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
-    assert len(images) == 3 and all(base64.b64decode(i)[:4] == b"\x89PNG" for i in images)
+    assert len(images) == 4 and all(base64.b64decode(i)[:4] == b"\x89PNG" for i in images)
     # headers say what and in which unit; cells are human numbers
     assert "<th>bus bandwidth (GB/s)</th>" in page and "<th>test accuracy</th>" in page and "<th>passed</th>" in page
     assert "<th>time (ms, median)</th>" in page and "<td>391 KiB</td>" in page and "<td>100,000</td>" in page
@@ -206,3 +207,37 @@ def test_report_survives_anything_it_scans(run_cli, tmp_path):
     for args, message in ((("-o", "adir"), "-o adir is a directory"), (("--images", "afile"), "--images afile is a file")):
         proc = run_cli("report", "runs", *args)
         assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_runs_are_grouped_by_data_set_and_a_classifier_shows_its_mistakes(run_cli, tmp_path):
+    """A language model's nats/token and a classifier's loss never share axes: a section per data set
+    (units in titles and headers); a classifier's final confusion matrix and misclassified images come
+    from its predictions.npz, which agrees with its accuracy."""
+    import numpy as np
+    for name, data in (("img-a", "synthetic:1x4x4:3:240"), ("img-b", "synthetic:1x4x4:3:240"),
+                       ("other", "synthetic:1x6x6:2:120")):
+        run_cli("train", "--mlp-widths", "8", "--dataset", data, "--max-steps", "4", "--global-batch-size", "12",
+                "--no-progress", "--out", name, check=True)
+    run_cli("train", "--model", "gpt", "--dataset", "synthetic-text:2000", "--n-layer", "1", "--n-embd", "16",
+            "--n-head", "2", "--block-size", "16", "--max-steps", "3", "--global-batch-size", "8", "--no-progress",
+            "--out", "text", check=True)
+    summary = json.loads((tmp_path / "img-a" / "summary.json").read_text())
+    with np.load(tmp_path / "img-a" / summary["predictions"], allow_pickle=False) as f:
+        confusion, labels, predictions = f["confusion"], f["labels"], f["predictions"]
+        from distlab.data import load_dataset
+        assert confusion.shape == (3, 3) and confusion.sum() == len(load_dataset("synthetic:1x4x4:3:240", "test"))
+        assert np.trace(confusion) / confusion.sum() == pytest.approx(summary["test_accuracy"])
+        assert len(labels) == min(36, confusion.sum() - np.trace(confusion)) and (labels != predictions).all()
+        assert f["images"].shape == (len(labels), 1, 4, 4)
+    assert "predictions" not in json.loads((tmp_path / "text" / "summary.json").read_text())  # a language model
+    proc = run_cli("report", ".", "-o", "r.html", "--images", "png", check=True)
+    page = (tmp_path / "r.html").read_text()
+    heads = re.findall(r"<h2>Training runs: ([^<]+)</h2>", page)
+    assert heads == ["synthetic-text:2000 &mdash; next-token prediction", "synthetic:1x4x4:3:240 &mdash; "
+                     "classification", "synthetic:1x6x6:2:120 &mdash; classification"]
+    text_part = page.split("synthetic-text:2000 &mdash;")[1].split("<h2>")[0]
+    assert "<th>test loss (nats/token)</th>" in text_part and "img-a" not in text_part
+    assert page.count("what the final model gets wrong") == 3 and proc.returncode == 0
+    names = sorted(p.name for p in (tmp_path / "png").iterdir())
+    assert sum("confusion" in n for n in names) == 3 and any("synthetic-text-2000" in n and "loss-vs-step" in n
+                                                            for n in names)

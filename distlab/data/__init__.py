@@ -203,7 +203,8 @@ def load_dataset(name: str, split: str, data_dir: str | os.PathLike | None = Non
     where = locate(name, data_dir)
     images, labels, k = info.read(where, split)
     return ImageDataset(name, split, torch.from_numpy(images.copy()), torch.from_numpy(labels.copy()), k,
-                        info.mean, info.std, augment=info.augment and split == "train", source=str(where))
+                        info.mean, info.std, augment=info.augment and split == "train", source=str(where),
+                        class_names=CLASS_NAMES.get(name))
 
 
 def _text(name: str, data_dir: str | None) -> tuple[bytes, bytes, str]:
@@ -226,6 +227,12 @@ def _tokenized(name: str, data_dir: str | None, split: str, spec: str):
     return tokens, tok, len(text), where
 
 
+CLASS_NAMES = {
+    "fashion-mnist": ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
+                      "Ankle boot"),
+    "mnist": tuple(str(d) for d in range(10)),
+    "cifar10": ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"),
+}
 SHAPES = {"mnist": ((1, 28, 28), 10), "fashion-mnist": ((1, 28, 28), 10), "cifar10": ((3, 32, 32), 10),
           "cifar100": ((3, 32, 32), 100)}
 TRAIN_SIZES = {"mnist": 60000, "fashion-mnist": 60000, "cifar10": 50000, "cifar100": 50000, "fortunes": 2313988}

@@ -25,6 +25,7 @@ class ImageDataset:
     std: tuple[float, ...]
     augment: bool = False
     source: str = ""
+    class_names: tuple[str, ...] | None = None  # label i's name, where the data set has names
 
     def __post_init__(self) -> None:
         if self.images.ndim != 4 or len(self.images) != len(self.labels):
@@ -51,8 +52,7 @@ class ImageDataset:
 
     def subset(self, indices: torch.Tensor, split: str) -> "ImageDataset":
         """A copy holding only ``indices`` (e.g. a validation split carved from the training set)."""
-        return ImageDataset(self.name, split, self.images[indices], self.labels[indices], self.num_classes,
-                            self.mean, self.std, self.augment, self.source)
+        return replace(self, split=split, images=self.images[indices], labels=self.labels[indices])
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         x, y = self.batch(torch.tensor([i]))

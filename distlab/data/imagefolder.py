@@ -102,7 +102,8 @@ def _load(spec: str):
 def load_imagefolder(spec: str, split: str) -> ImageDataset:
     x, y, xt, yt, names, mean, std = _load(spec)
     images, labels = (x, y) if split == "train" else (xt, yt)
-    return ImageDataset(spec, split, images, labels, len(names), mean, std, source=str(root_of(spec)))
+    return ImageDataset(spec, split, images, labels, len(names), mean, std, source=str(root_of(spec)),
+                        class_names=names)
 
 
 def imagefolder_shape(spec: str) -> tuple[tuple[int, ...], int]:

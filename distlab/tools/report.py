@@ -5,8 +5,11 @@ Inputs, in any mix: run directories (``summary.json`` and/or ``metrics.jsonl``, 
 ``parallel.json``, ``scaling.json``), ``distlab verify --json`` files, and directories holding any
 of these (searched a few levels deep). The page has, for what the inputs contain:
 
-* training runs: loss vs step and vs wall time, test accuracy, and -- where runs of one strategy
-  span several world sizes -- samples/s and scaling efficiency vs world size;
+* training runs, one section per data set and task (a language model's nats/token never share an
+  axis with a classifier's loss): loss vs step and vs wall time, test accuracy, a table, and --
+  where runs of one strategy span several world sizes -- samples/s and scaling efficiency vs world
+  size; for a classifier, the final model's confusion matrix and misclassified test images (the
+  run's ``predictions.npz``);
 * collectives: time and bus bandwidth vs message size per algorithm and world size;
 * data parallel, SyncBN, tensor parallel / ZeRO: time, memory per rank and bytes per step;
 * scaling: efficiency vs workers and loss vs time;
@@ -277,7 +280,10 @@ def _strategy_label(strategy: dict) -> str:
 def _run_label(run: dict) -> str:
     s = run["summary"] or {}
     name = Path(run["path"]).name
-    return f"{name} (x{s['world_size']} {_strategy_label(s.get('strategy') or {})})" if s else name
+    if not s:
+        return name
+    layout = "one process" if s["world_size"] == 1 else f"x{s['world_size']} {_strategy_label(s.get('strategy') or {})}"
+    return f"{name} ({layout})"
 
 
 def _legend(ax, n: int) -> None:
@@ -289,9 +295,31 @@ def _legend(ax, n: int) -> None:
 # --------------------------------------------------------------------------- sections
 
 
-def _runs_section(runs: list[dict]) -> str:
+def _task(summary: dict | None) -> tuple[str, str, str]:
+    """(what the runs do, the loss's unit, what accuracy counts) from a run's summary."""
+    if not summary:
+        return "runs without a summary.json", "", ""
+    if summary.get("loss_unit") == "nats/token":
+        return "next-token prediction", "nats/token", "next tokens predicted"
+    return "classification", "cross-entropy, nats/sample", "test samples classified"
+
+
+def _runs_sections(runs: list[dict]) -> list[str]:
+    """One section per data set and task: only runs that measure the same thing share axes."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in runs:
+        s = r["summary"] or {}
+        groups.setdefault((str(s.get("dataset") or ""), _task(r["summary"])[0]), []).append(r)
+    return [_runs_section(dataset, rs) for (dataset, _), rs in sorted(groups.items())]
+
+
+def _runs_section(dataset: str, runs: list[dict]) -> str:
     plt = pyplot()
-    out = ["<h2>Training runs</h2>"]
+    task, unit, counted = _task(runs[0]["summary"])
+    unit_text = f" ({unit})" if unit else ""
+    out = [f"<h2>Training runs: {html.escape(dataset or 'unknown data set')} &mdash; {html.escape(task)}</h2>",
+           f"<p>{len(runs)} run(s); losses{html.escape(unit_text)}" + (f", accuracy: {html.escape(counted)}"
+                                                                       if counted else "") + ".</p>"]
     with_metrics = [r for r in runs if r["metrics"]]
     if with_metrics:
         fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
@@ -299,26 +327,80 @@ def _runs_section(runs: list[dict]) -> str:
             label, kw = _run_label(r), style(i, len(r["metrics"]))
             a.plot([m["step"] for m in r["metrics"]], [m["loss"] for m in r["metrics"]], label=label, **kw)
             b.plot([m.get("time_s", 0) for m in r["metrics"]], [m["loss"] for m in r["metrics"]], label=label, **kw)
-        a.set(xlabel="step", ylabel="training loss", title="loss vs step")
-        b.set(xlabel="wall time (s)", ylabel="training loss", title="loss vs time")
+        a.set(xlabel="step", ylabel=f"training loss{unit_text}", title=f"{dataset}: loss vs step")
+        b.set(xlabel="wall time (s)", ylabel=f"training loss{unit_text}", title=f"{dataset}: loss vs time")
         _legend(b, len(with_metrics))
         out.append(_png(fig))
     done = [r for r in runs if r["summary"]]
     if done:
         acc = [r for r in done if r["summary"].get("test_accuracy") is not None]
-        if acc:
-            fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(acc)), 3.6))
-            ax.bar(range(len(acc)), [100 * r["summary"]["test_accuracy"] for r in acc])
-            ax.set_xticks(range(len(acc)), [_run_label(r) for r in acc], rotation=20, ha="right", fontsize=7)
-            ax.set(ylabel="test accuracy (%)", title="test accuracy")
-            lo = min(100 * r["summary"]["test_accuracy"] for r in acc)
-            ax.set_ylim(max(0, lo - 5), 100)
+        if acc:  # horizontal bars: a run's label reads along its bar, however many runs
+            fig, ax = plt.subplots(figsize=(9, 0.9 + 0.32 * len(acc)))
+            values = [100 * r["summary"]["test_accuracy"] for r in acc]
+            ax.barh(range(len(acc)), values)
+            ax.set_yticks(range(len(acc)), [_run_label(r) for r in acc], fontsize=7)
+            ax.invert_yaxis()
+            for i, v in enumerate(values):
+                ax.text(v, i, f" {v:.2f}%", va="center", fontsize=7)
+            lo, hi = min(values), max(values)
+            ax.set_xlim(max(0.0, lo - 0.25 * (hi - lo) - 2), min(100.0, hi + 0.12 * max(hi - lo, 10) + 2))
+            ax.set(xlabel=f"test accuracy (%, {counted})", title=f"{dataset}: test accuracy")
             out.append(_png(fig))
         rows = [{**r["summary"], "run": _short(r["path"]),
                  "strategy_label": _strategy_label(r["summary"].get("strategy") or {})} for r in done]
-        out.append(_table(rows, RUN_COLUMNS))
+        columns = RUN_COLUMNS if unit != "nats/token" else \
+            [c if c.key != "test_loss" else Col("test_loss", "test loss (nats/token)") for c in RUN_COLUMNS[:6]] + \
+            [Col("test_loss_per_byte", "test loss (nats/byte)"), Col("tokenizer", "tokenizer")] + RUN_COLUMNS[6:]
+        out.append(_table(rows, columns))
         out.append(_scaling_from_runs(done))
+        for r in done:
+            out.append(_predictions(r))
     return "\n".join(out)
+
+
+def _predictions(run: dict) -> str:
+    """The final model's confusion matrix and misclassified test images (the run's predictions.npz)."""
+    name = (run["summary"] or {}).get("predictions")
+    if not isinstance(name, str) or Path(name).name != name or not (Path(run["path"]) / name).is_file():
+        return ""
+    import numpy as np
+    with np.load(Path(run["path"]) / name, allow_pickle=False) as f:
+        d = {k: f[k] for k in ("step", "confusion", "images", "labels", "predictions", "class_names")}
+    confusion, names = d["confusion"].astype(float), [str(n) for n in d["class_names"]]
+    k = len(confusion)
+    if confusion.shape != (k, k) or len(names) != k or len(d["images"]) != len(d["labels"]):
+        raise ValueError(f"{run['path']}/{name}: arrays of inconsistent shapes")
+    plt = pyplot()
+    shown = len(d["images"])
+    cols = 6
+    rows = max(1, -(-shown // cols))
+    fig = plt.figure(figsize=(13, max(5.0, 1.25 * rows)))
+    grid = fig.add_gridspec(rows, 2 * cols, width_ratios=[1] * cols + [0.55] * cols)
+    ax = fig.add_subplot(grid[:, :cols])
+    rates = confusion / np.maximum(confusion.sum(1, keepdims=True), 1)
+    ax.imshow(rates, cmap="Blues", vmin=0, vmax=1)
+    labels = names if k <= 20 else [str(i) if i % max(1, k // 10) == 0 else "" for i in range(k)]
+    ax.set_xticks(range(k), labels, rotation=45, ha="right", fontsize=7)
+    ax.set_yticks(range(k), labels, fontsize=7)
+    if k <= 12:
+        for i in range(k):
+            for j in range(k):
+                ax.text(j, i, f"{int(confusion[i, j])}", ha="center", va="center", fontsize=6,
+                        color="white" if rates[i, j] > 0.5 else "black")
+    ax.set(xlabel="predicted", ylabel="true", title=f"{_run_label(run)}: confusion (step {int(d['step'])}, "
+                                                      f"rows sum to 100%)")
+    for n in range(shown):
+        sub = fig.add_subplot(grid[n // cols, cols + n % cols])
+        img = d["images"][n].astype(float)
+        img = (img - img.min()) / max(img.max() - img.min(), 1e-12)  # any stored range shown in full
+        sub.imshow(img[0] if img.shape[0] == 1 else img.transpose(1, 2, 0), cmap="gray" if img.shape[0] == 1
+                   else None)
+        sub.set_title(f"{names[d['labels'][n]][:10]}\n-> {names[d['predictions'][n]][:10]}", fontsize=6)
+        sub.axis("off")
+    out = _png(fig)
+    return (f"<h3>{html.escape(_run_label(run))}: what the final model gets wrong</h3><p>Confusion matrix of the "
+            f"test set (counts; colour: share of the true class) and the first {shown} misclassified test images, "
+            f"true -> predicted.</p>{out}")
 
 
 RUN_COLUMNS = [Col("run", "run"), Col("world_size", "ranks"), Col("strategy_label", "strategy"), Col("steps", "steps"),
@@ -615,7 +697,7 @@ def render(inputs: Inputs, title: str = "distlab report") -> str:
     body = []
     if inputs.runs:
         try:
-            body.append(_runs_section(inputs.runs))
+            body.extend(_runs_sections(inputs.runs))
         except Exception as exc:  # noqa: BLE001 - data distlab did not write; the page goes on without it
             inputs.problems += [(r["path"], f"runs could not be drawn: {type(exc).__name__}: {exc}"[:300])
                                 for r in inputs.runs]

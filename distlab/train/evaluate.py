@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import torch
 
+import torch.distributed as dist
+
 from distlab.data.loader import EvalLoader
 from distlab.parallel import Engine
-from distlab.runtime import reduce_scalars
+from distlab.runtime import group_size, reduce_scalars
+
+SHOWN = 36  # misclassified samples kept for a picture
 
 
 @torch.no_grad()
-def evaluate(engine: Engine, dataset, device: torch.device | str = "cpu", batch_size: int = 1000) -> dict:
+def evaluate(engine: Engine, dataset, device: torch.device | str = "cpu", batch_size: int = 1000,
+             details: bool = False) -> dict:
     """Exact global loss and accuracy of ``engine``'s model: disjoint shards, per-rank sums, one
     all-reduce. For a language model both are per token: ``test_loss`` in nats per token,
     ``test_accuracy`` the share of next tokens predicted exactly, ``test_tokens`` how many.
@@ -23,12 +28,22 @@ def evaluate(engine: Engine, dataset, device: torch.device | str = "cpu", batch_
     through :meth:`Engine.infer <distlab.parallel.Engine.infer>` (along the pipeline, if there is
     one) and is scored by :meth:`Engine.loss <distlab.parallel.Engine.loss>` and ``correct``, which
     know when the logits are sharded. BatchNorm uses its running statistics.
+
+    ``details`` (a classifier: one row of logits per sample): also ``confusion``, the
+    ``classes x classes`` counts (row: true label, column: prediction), exact as the sums are, and
+    ``misclassified``, the (index, label, prediction) of the first :data:`SHOWN` wrong test samples
+    in index order -- what ``distlab report`` draws.
     """
     mesh = engine.mesh
     was_training = engine.module.training
     engine.module.eval()
     loss_sum, correct, count = 0.0, 0, 0
-    for x, y in EvalLoader(dataset, rank=mesh.dp_rank, world_size=mesh.dp, batch_size=batch_size):
+    k = dataset.num_classes
+    confusion = torch.zeros(k * k, dtype=torch.float64, device=device) if details else None
+    wrong = torch.full((SHOWN, 3), -1, dtype=torch.int64, device=device) if details else None
+    shown = 0
+    loader = EvalLoader(dataset, rank=mesh.dp_rank, world_size=mesh.dp, batch_size=batch_size)
+    for start, (x, y) in zip(range(0, len(loader.indices), batch_size), loader):
         x, y = x.to(device), y.to(device)
         out = engine.infer(x)
         if out is None:  # a pipeline stage before the last: it passed the batch on
@@ -36,6 +51,13 @@ def evaluate(engine: Engine, dataset, device: torch.device | str = "cpu", batch_
         loss_sum += engine.loss(out, y, reduction="sum").item()
         right, scored = engine.correct(out, y)
         correct, count = correct + right, count + scored
+        if details and out.dim() == 2:  # a classifier's logits, (batch, classes)
+            pred = out.argmax(-1)
+            confusion += torch.bincount(y * k + pred, minlength=k * k).double()
+            idx = torch.as_tensor(loader.indices[start:start + len(y)], device=device)
+            missed = (pred != y).nonzero().flatten()[:SHOWN - shown]
+            wrong[shown:shown + len(missed)] = torch.stack([idx[missed], y[missed], pred[missed]], dim=1)
+            shown += len(missed)
     engine.module.train(was_training)
     mine = [loss_sum, correct, count] if mesh.reports else [0.0, 0, 0]
     loss_sum, correct, count = reduce_scalars(mine, device=device)
@@ -43,4 +65,17 @@ def evaluate(engine: Engine, dataset, device: torch.device | str = "cpu", batch_
     result = {"test_loss": loss_sum / max(count, 1), "test_accuracy": correct / max(count, 1), "test_samples": samples}
     if count != samples:
         result["test_tokens"] = int(count)
+    if details:
+        if not mesh.reports:
+            confusion.zero_()
+            wrong.fill_(-1)
+        if group_size() > 1:
+            dist.all_reduce(confusion)
+            every = [torch.empty_like(wrong) for _ in range(group_size())]
+            dist.all_gather(every, wrong)
+            wrong = torch.cat(every)
+        rows = sorted(tuple(r) for r in wrong.cpu().tolist() if r[0] >= 0)[:SHOWN]
+        if confusion.sum() > 0:  # a classifier (a language model's logits are per token)
+            result["confusion"] = confusion.reshape(k, k).long().cpu()
+            result["misclassified"] = rows
     return result

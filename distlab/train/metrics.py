@@ -15,6 +15,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import torch
+
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     path = Path(path)
@@ -71,6 +73,29 @@ def write_summary(directory: str | Path, summary: dict) -> Path:
     path = Path(directory) / "summary.json"
     atomic_write_text(path, dumps(summary, indent=2) + "\n")
     return path
+
+
+def write_predictions(directory: Path, test_set, step: int, confusion, misclassified: list) -> str:
+    """``DIR/predictions.npz`` (atomically): the last evaluation's confusion matrix (row: true label,
+    column: prediction) and its first misclassified test samples -- the images as the data set holds
+    them, their labels and predictions, their indices -- and the class names. Plain arrays, read with
+    ``numpy.load(allow_pickle=False)``; ``distlab report`` draws them. Returns the file's name."""
+    import numpy as np
+    rows = np.asarray(misclassified, dtype=np.int64).reshape(-1, 3)
+    idx = torch.as_tensor(rows[:, 0], dtype=torch.long)
+    images = test_set.images[idx.to(test_set.images.device)].cpu().numpy() if len(rows) else \
+        np.zeros((0, *test_set.input_shape), dtype=np.uint8)
+    names = test_set.class_names or tuple(str(i) for i in range(test_set.num_classes))
+    path = Path(directory) / "predictions.npz"
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        np.savez_compressed(f, step=np.int64(step), confusion=confusion.numpy().astype(np.int64), images=images,
+                            labels=rows[:, 1], predictions=rows[:, 2], indices=rows[:, 0],
+                            class_names=np.asarray(names, dtype=str))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path.name
 
 
 def peak_rss_mb() -> float:

@@ -28,7 +28,7 @@ from distlab.runtime import Runtime, is_comm_failure, roll_call, seed_everything
 from distlab.train.config import TrainConfig
 from distlab.train.evaluate import evaluate
 from distlab.train.export import load_init
-from distlab.train.metrics import MetricsLog, atomic_write_text, write_summary
+from distlab.train.metrics import MetricsLog, atomic_write_text, write_predictions, write_summary
 from distlab.train.optim import build_optimizer, build_scheduler
 from distlab.train.preemption import Preemption
 from distlab.train.run_state import RunState, fault_injection_hook, finished_summary
@@ -97,6 +97,7 @@ class Trainer:
         self._window_s, self._window_timed = 0.0, 0  # training seconds and steps since the last log line
         self.already_finished = False  # fit() found the resumed run complete and changed nothing
         self._nonfinite = ""  # why the run stopped on non-finite gradients
+        self._predictions = None  # (step, confusion matrix, misclassified rows) of the newest evaluation
 
     @property
     def net(self) -> torch.nn.Module:
@@ -192,6 +193,8 @@ class Trainer:
         summary = summarize(self, stopped, times, time.perf_counter() - start)
         if self.rt.is_main and cfg.out:
             atomic_write_text(Path(cfg.out) / "config.toml", cfg.to_toml())  # `distlab train --config` reruns it
+            if self._predictions is not None:
+                summary["predictions"] = write_predictions(Path(cfg.out), self.test_set, *self._predictions)
             write_summary(cfg.out, summary)
         if stopped == "non_finite":
             snap = f"; the last good state is in {run.last_snapshot}" if run.last_snapshot else ""
@@ -286,7 +289,9 @@ class Trainer:
     def _evaluate(self, epoch: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
         with self.engine.gathered():  # ZeRO-3: one gather for the whole evaluation
-            result = evaluate(self.engine, self.test_set, self.rt.device, cfg.eval_batch_size)
+            result = evaluate(self.engine, self.test_set, self.rt.device, cfg.eval_batch_size, details=True)
+            if "confusion" in result:  # a classifier: the newest evaluation's counts and mistakes, for the report
+                self._predictions = (self.run.step, result.pop("confusion"), result.pop("misclassified"))
             if self.val_set is not None:
                 val = evaluate(self.engine, self.val_set, self.rt.device, cfg.eval_batch_size)
                 result.update(val_loss=val["test_loss"], val_accuracy=val["test_accuracy"])
