@@ -38,6 +38,14 @@ class Embedding(nn.Module):
         return self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
 
 
+class CausalAttention(nn.Module):
+    """Causal scaled dot-product attention of ``(q, k, v)``, each ``(B, H, T, D)`` (context parallel
+    puts its ring or all-to-all version here)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int):
         super().__init__()
@@ -51,6 +59,7 @@ class CausalSelfAttention(nn.Module):
         self.k = nn.Linear(n_embd, n_embd, bias=False)
         self.v = nn.Linear(n_embd, n_embd, bias=False)
         self.proj = nn.Linear(n_embd, n_embd)
+        self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.enter(x)  # under sequence parallel this gathers the whole sequence
@@ -58,7 +67,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.q(x), self.k(x), self.v(x)
         heads = q.shape[-1] // self.head_dim  # this rank's heads: all of them, or its share under TP
         q, k, v = (z.view(b, t, heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, t, heads * self.head_dim))
 
 
@@ -119,6 +128,12 @@ class GPT(nn.Sequential):
                      f"{i}.ln2": "sequence", **linear_plan(self[i].mlp, f"{i}.mlp", style)}
         head = len(self) - 1
         return plan | {f"{head}.ln": "sequence", f"{head}.enter": "enter", f"{head}.out": "vocab_output"}
+
+    def context_parallel_plan(self) -> dict[str, str]:
+        """Context parallel's plan: the position embedding reads each rank's global positions, and
+        every block's attention core runs over the whole sequence (ring or all-to-all)."""
+        return {"0.pos": "context_positions",
+                **{f"{i}.attn.core": "context_attention" for i in range(1, len(self) - 1)}}
 
     def _init_weights(self) -> None:
         """GPT-2's: N(0, 0.02) weights, zero biases, residual projections scaled by 1/sqrt(2 n_layer)."""

