@@ -63,3 +63,38 @@ def test_ulysses_needs_heads_that_divide():
     from distlab.launch.spawn import RankFailure, run_ranks
     with pytest.raises(RankFailure, match="do not divide; use --cp-style ring"):
         run_ranks(_attention, 2, "ulysses", 3, 8, timeout=60)
+
+
+def test_training_with_the_sequence_split_equals_one_process():
+    """On 4 ranks: dp 2 x cp 2, cp 4 (ring and Ulysses), cp with tensor parallel, cp with a pipeline
+    and with ZeRO -- each trains the transformer as one process does (verify's float32 bound, SGD)."""
+    from distlab.tools.verify import parse_strategy, verify
+    cases = ["bucketed+cp=2+gpt", "bucketed+cp=4+gpt", "bucketed+cp=4+ulysses+gpt", "allreduce+tp=2+cp=2+gpt",
+             "allreduce+tp=2+cp=2+ulysses+gpt", "bucketed+cp=2+pp=2+mb=2+gpt", "cp=2+zero=2+gpt"]
+    records = verify([parse_strategy(c) for c in cases], 4, steps=3, timeout=300)
+    for r in records:
+        assert r["passed"] and r["max_abs_param_diff"] <= r["tolerance"], r
+
+
+def test_the_cli_splits_the_sequence_and_each_rank_holds_its_share_of_the_activations(run_cli, tmp_path):
+    common = ["train", "--model", "gpt", "--dataset", "synthetic-text:6000", "--n-layer", "1", "--n-embd", "32",
+              "--n-head", "4", "--block-size", "64", "--global-batch-size", "8", "--max-steps", "3", "--lr-schedule",
+              "constant", "--no-progress"]
+    run_cli(*common, "--out", "one", check=True)
+    proc = run_cli(*common, "--nproc-per-node", "2", "--cp", "2", "--out", "cp2", check=True, timeout=240)
+    assert "dp 1 x cp 2: CP groups [0, 1]" in proc.stdout and "32 tokens each, chunks c and 3-c of 4" in proc.stdout
+    import json
+    one, cp2 = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "cp2"))
+    assert cp2["strategy"]["cp"] == 2 and cp2["mesh"]["cp"] == 2 and not cp2["inactive"]
+    # each rank holds its 32 of the 64 tokens' activations: about half (the embedding's ids and the loss's
+    # targets are small); never more than 0.6 of one process's
+    ratio = cp2["activation_peak_bytes"] / one["activation_peak_bytes"]
+    assert 0.4 < ratio < 0.6, ratio
+    assert abs(cp2["test_loss"] - one["test_loss"]) <= 1e-3 * one["test_loss"]
+    bad = run_cli(*common, "--nproc-per-node", "2", "--cp", "2", "--block-size", "66", "--out", "bad")
+    assert bad.returncode == 2 and "2 x --cp = 4 equal chunks" in bad.stderr
+    bad = run_cli(*common, "--nproc-per-node", "2", "--cp", "2", "--tp", "2", "--out", "bad")
+    assert bad.returncode == 2 and "does not divide the world size 2" in bad.stderr
+    bad = run_cli("train", "--model", "mlp", "--dataset", "synthetic:1x4x4:2", "--nproc-per-node", "2", "--cp", "2",
+                  "--out", "bad")
+    assert bad.returncode == 2 and "context_parallel_plan" in bad.stderr

@@ -250,6 +250,10 @@ STRATEGY_OPTIONS = [
     ("sequence_parallel", dict(is_flag=True, help="With --tp on a transformer: LayerNorm and residual regions split "
                                "along the sequence (all-gather / reduce-scatter in place of all-reduce: same bytes, "
                                "1/tp of those activations).")),
+    ("cp", dict(type=int, help="Context-parallel size: ranks that split every sequence for the whole model (a "
+                "transformer; tp x cp x pp must divide the world size; --block-size divisible by 2 x cp).")),
+    ("cp_style", dict(help="With --cp: ring (key/value blocks passed around the ring, exact online softmax) or "
+                      "ulysses (all-to-all from sequence shards to head shards and back; heads divisible by cp).")),
     ("zero", dict(type=click.IntRange(0, 3), help="ZeRO stage over the data-parallel ranks: 1 shards optimizer "
                   "state, 2 also gradients, 3 also parameters.")),
     ("activation_checkpointing", dict(is_flag=True, help="Keep only each block's input (VGG stage, ResNet block, "

@@ -6,10 +6,10 @@ attention needs every earlier token's key and value. Two ways to get them (``cp_
 **Ring** (Liu et al. 2023, "Ring Attention with Blockwise Transformers"): the ranks pass their
 key/value blocks around the ring, ``cp - 1`` hops; each rank scores its queries against every
 block as it passes and merges the partial results exactly with the log-sum-exp of each block
-(the online softmax of FlashAttention), so no rank ever holds the whole sequence's keys or the
-``T x T`` scores. Backward runs the same ring the other way: each hop's gradient goes back to the
-rank the block came from. Per layer and rank: ``(cp - 1) x 2 x B x H x T/cp x D`` elements
-forward and as many backward.
+(FlashAttention's online softmax), so no rank ever holds the whole sequence's keys or any block's
+scores after its forward: backward recomputes them while the blocks go round once more, each
+carrying its key/value gradient, which reaches its own rank with a last hop. Per layer and rank:
+``cp - 1`` hops of ``2 x B x H x T/cp x D`` elements forward, ``2 (cp - 1) + 1`` backward.
 
 **Ulysses** (Jacobs et al. 2023, DeepSpeed-Ulysses): an all-to-all turns the queries, keys and
 values from "my tokens, every head" into "every token, my heads" (``H / cp`` heads each), plain
@@ -77,64 +77,100 @@ class ContextLayout:
         return tuple(x.index_select(1, index) for x in tensors)
 
 
-class ContextPositions(nn.Module):
-    """A position embedding that, called with this rank's local positions ``0..t-1``, returns the
-    rows of their global positions (the layout's chunks)."""
+class ContextPositions:
+    """Makes a position embedding, called with this rank's local positions ``0..t-1``, return the
+    rows of their global positions (the layout's chunks): a forward pre-hook on the embedding, so
+    the module, its parameter and its key stay what they were."""
 
-    def __init__(self, pos: nn.Embedding, layout: ContextLayout):
-        super().__init__()
-        self.pos, self.layout = pos, layout
+    def __init__(self, layout: ContextLayout):
+        self.layout = layout
 
-    @property
-    def weight(self) -> nn.Parameter:
-        return self.pos.weight
-
-    @property
-    def num_embeddings(self) -> int:
-        return self.pos.num_embeddings
-
-    def forward(self, local: torch.Tensor) -> torch.Tensor:
+    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+        local = args[0]
         t = local.numel() * self.layout.cp
-        return self.pos(self.layout.positions(t, device=local.device)[local])
+        return (self.layout.positions(t, device=local.device)[local],)
 
 
 # --------------------------------------------------------------------------- ring attention
 
 
-class _RingPass(torch.autograd.Function):
-    """Forward: send to the next rank of the ring, receive from the previous one. Backward: the
-    gradient goes the other way (to the previous rank, from the next)."""
+def _hop(t: torch.Tensor, group, rank: int, n: int) -> torch.Tensor:
+    """Send ``t`` to the next rank of the ring and return what the previous one sent."""
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    p2p.exchange(t.contiguous(), (rank + 1) % n, out, (rank - 1) % n, group)
+    return out
+
+
+def _pairs(layout: ContextLayout, owner: int):
+    """The (query half, key half, causal) blocks that rank ``layout.rank``'s queries score against
+    rank ``owner``'s keys: a key chunk before the query chunk in full, the same chunk under the
+    causal mask, a later one not at all (the mask empties it)."""
+    for j, k_chunk in enumerate(layout.chunks(owner)):
+        for i, q_chunk in enumerate(layout.chunks()):
+            if k_chunk <= q_chunk:
+                yield i, j, k_chunk == q_chunk
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+    s = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+    if causal:  # the diagonal block: query i sees keys 0..i of it
+        t = s.shape[-1]
+        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return s
+
+
+class _RingAttention(torch.autograd.Function):
+    """Exact causal attention with key/value blocks passed around the ring (FlashAttention's
+    recurrence, block by block). Saves only this rank's q, k, v, output and log-sum-exp -- never a
+    block's scores -- and recomputes the scores in backward, where the blocks go round again with
+    their accumulating key/value gradients, which end with a last hop at the rank they belong to."""
 
     @staticmethod
-    def forward(ctx, x, group, rank, n):
-        ctx.group, ctx.rank, ctx.n = group, rank, n
-        out = torch.empty_like(x)
-        p2p.exchange(x.contiguous(), (rank + 1) % n, out, (rank - 1) % n, group)
+    def forward(ctx, q, k, v, group, layout: ContextLayout):
+        n, rank = layout.cp, layout.rank
+        h = q.shape[2] // 2
+        qs = (q[:, :, :h], q[:, :, h:])
+        out = [torch.zeros_like(qs[0]), torch.zeros_like(qs[1])]
+        lse = [torch.full(qs[0].shape[:-1] + (1,), float("-inf"), dtype=q.dtype, device=q.device) for _ in range(2)]
+        kv = torch.stack([k, v])
+        for step in range(n):
+            if step:
+                kv = _hop(kv, group, rank, n)
+            for i, j, causal in _pairs(layout, (rank - step) % n):
+                s = _scores(qs[i], kv[0, :, :, j * h:(j + 1) * h], causal)
+                block_lse = torch.logsumexp(s, dim=-1, keepdim=True)
+                new = torch.logaddexp(lse[i], block_lse)  # the online softmax: rescale what is there, add the block
+                out[i] = out[i] * torch.exp(lse[i] - new) + torch.exp(s - new) @ kv[1, :, :, j * h:(j + 1) * h]
+                lse[i] = new
+        out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.layout = group, layout
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        out = torch.empty_like(grad)
-        p2p.exchange(grad.contiguous(), (ctx.rank - 1) % ctx.n, out, (ctx.rank + 1) % ctx.n, ctx.group)
-        return out, None, None, None
-
-
-def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``q`` over one key/value block: (output normalised within the block, log-sum-exp
-    of each query's scores), ``(B, H, tq, D)`` and ``(B, H, tq, 1)``."""
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-    if causal:  # the diagonal block: query i sees keys 0..i of it
-        t = scores.shape[-1]
-        mask = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    return torch.exp(scores - lse) @ v, lse
-
-
-def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Blockwise results merged exactly: softmax over all keys = each block's weighted by its share."""
-    lse = torch.logsumexp(torch.cat([l for _, l in parts], dim=-1), dim=-1, keepdim=True)
-    return sum(torch.exp(l - lse) * o for o, l in parts)
+        q, k, v, out, lse = ctx.saved_tensors
+        layout, group = ctx.layout, ctx.group
+        n, rank = layout.cp, layout.rank
+        h = q.shape[2] // 2
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        delta = (grad * out).sum(-1, keepdim=True)  # rowsum(dO * O): softmax's backward, once per query
+        dq = torch.zeros_like(q)
+        travel = torch.cat([torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=k.dtype, device=k.device)])
+        for step in range(n):
+            if step:
+                travel = _hop(travel, group, rank, n)  # a block's keys and values with their gradient so far
+            for i, j, causal in _pairs(layout, (rank - step) % n):
+                qi, gi = slice(i * h, (i + 1) * h), slice(j * h, (j + 1) * h)
+                kb, vb = travel[0, :, :, gi], travel[1, :, :, gi]
+                p = torch.exp(_scores(q[:, :, qi], kb, causal) - lse[:, :, qi])
+                travel[3, :, :, gi] += p.transpose(-2, -1) @ grad[:, :, qi]                       # dV
+                ds = p * (grad[:, :, qi] @ vb.transpose(-2, -1) - delta[:, :, qi])
+                dq[:, :, qi] += (ds @ kb) * scale
+                travel[2, :, :, gi] += (ds.transpose(-2, -1) @ q[:, :, qi]) * scale               # dK
+        # the block held last is the next rank's: its gradient goes home in one more hop (nothing with n = 1)
+        dkv = _hop(travel[2:], group, rank, n) if n > 1 else travel[2:]
+        return dq, dkv[0], dkv[1], None, None
 
 
 class RingAttention(nn.Module):
@@ -146,24 +182,7 @@ class RingAttention(nn.Module):
         self.group, self.layout = group, layout
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        n, rank = self.layout.cp, self.layout.rank
-        half = q.shape[2] // 2
-        queries = [(q[:, :, :half], self.layout.chunks()[0]), (q[:, :, half:], self.layout.chunks()[1])]
-        parts: list[list] = [[], []]
-        kv = torch.stack([k, v])  # one message per hop
-        for step in range(n):
-            owner = (rank - step) % n  # whose keys and values this rank holds now
-            if step:
-                kv = _RingPass.apply(kv, self.group, rank, n)
-            for (kc, vc), chunk in zip(((kv[0, :, :, :half], kv[1, :, :, :half]),
-                                        (kv[0, :, :, half:], kv[1, :, :, half:])), self.layout.chunks(owner)):
-                for i, (qc, q_chunk) in enumerate(queries):
-                    if chunk < q_chunk:
-                        parts[i].append(_block(qc, kc, vc, causal=False))
-                    elif chunk == q_chunk:
-                        parts[i].append(_block(qc, kc, vc, causal=True))
-                    # chunk > q_chunk: every key is after every query -- the mask empties it, skip
-        return torch.cat([_merge(parts[0]), _merge(parts[1])], dim=2)
+        return _RingAttention.apply(q, k, v, self.group, self.layout)
 
 
 # --------------------------------------------------------------------------- Ulysses
@@ -171,7 +190,7 @@ class RingAttention(nn.Module):
 
 def _all_to_all(chunks: list[torch.Tensor], group, rank: int, n: int) -> list[torch.Tensor]:
     """Chunk ``j`` to rank ``j``; returns what each rank sent this one (in rank order)."""
-    out = [torch.empty_like(c) for c in chunks]
+    out = [torch.empty(c.shape, dtype=c.dtype, device=c.device) for c in chunks]
     out[rank] = chunks[rank]
     works = []
     for j in range(n):
@@ -262,17 +281,20 @@ def apply_context_parallel(model: nn.Module, group, style: str = "ring") -> Cont
             if not isinstance(module, nn.Embedding):
                 raise ConfigError(f"context-parallel plan: {name} is a {type(module).__name__}, but "
                                   f"context_positions applies to an nn.Embedding of positions")
-            new = ContextPositions(module, layout)
-        else:
-            new = (RingAttention if style == "ring" else UlyssesAttention)(group, layout)
+            module.register_forward_pre_hook(ContextPositions(layout))
+            continue
+        new = (RingAttention if style == "ring" else UlyssesAttention)(group, layout)
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, new)
     return layout
 
 
 def ring_bytes(batch: int, heads: int, t: int, head_dim: int, cp: int, itemsize: int = 4) -> int:
-    """Bytes one rank sends per attention layer and step, forward and backward (ring style)."""
-    return 2 * (cp - 1) * 2 * batch * heads * (t // cp) * head_dim * itemsize
+    """Bytes one rank sends per attention layer and step (ring style): forward, ``cp - 1`` hops of its
+    keys and values; backward, ``cp - 1`` hops of keys, values and their gradients, and the last hop
+    of the gradients home -- ``(4 cp - 3)`` times one rank's keys and values."""
+    kv = 2 * batch * heads * (t // cp) * head_dim * itemsize
+    return ((cp - 1) + 2 * (cp - 1) + 1) * kv if cp > 1 else 0
 
 
 def ulysses_bytes(batch: int, heads: int, t: int, head_dim: int, cp: int, itemsize: int = 4) -> int:

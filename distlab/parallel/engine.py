@@ -2,7 +2,10 @@
 
 :func:`parallelize` applies, in this order:
 
-0. **activation checkpointing** of the model's blocks, if asked
+0. **context parallel** over the mesh's CP group (the model's position embedding and attention
+   as its ``context_parallel_plan`` names them: :mod:`~distlab.parallel.context_parallel`); the
+   Engine then cuts every batch to this rank's tokens;
+   **activation checkpointing** of the model's blocks, if asked
    (:mod:`~distlab.parallel.checkpointing`: recompute in backward, ``state_dict`` unchanged);
 1. **tensor parallel** over the mesh's TP group (shards sliced from the full, seeded model, so
    it computes what the unsharded one does);
@@ -11,8 +14,8 @@
    balance, so every rank of a TP group cuts at the same layers;
 3. **SyncBN over the data-parallel group** (under tensor parallel the ranks of a TP group see
    the same samples: reducing statistics over the world would count each sample ``tp`` times);
-4. **data parallel or ZeRO** over the data-parallel group (the ranks holding the same stage and
-   tensor-parallel shard).
+4. **data parallel or ZeRO** over the replica group (the data- and context-parallel ranks holding
+   the same stage and tensor-parallel shard).
 
 The :class:`Engine` is the one interface a training loop needs, whatever the strategy: build the
 optimizer over :meth:`Engine.parameters`, then per step :meth:`Engine.forward_backward` (its
@@ -41,6 +44,7 @@ from distlab.errors import NonFiniteError
 from distlab.models import task_correct, task_loss
 from distlab.parallel import tensor_parallel
 from distlab.parallel.checkpointing import apply_activation_checkpointing
+from distlab.parallel.context_parallel import ContextLayout, apply_context_parallel
 from distlab.parallel.data_parallel import DataParallel
 from distlab.parallel.mesh import Mesh
 from distlab.parallel.pipeline import PipelineStage, partition
@@ -62,8 +66,10 @@ class Engine:
     :class:`~distlab.parallel.protocols.StepSchedule`, whatever they are."""
 
     def __init__(self, grad_sync: GradSync, schedule: StepSchedule, strategy: Strategy, mesh: Mesh,
-                 vocab_head: VocabParallelLinear | None = None, precision: Precision | None = None):
+                 vocab_head: VocabParallelLinear | None = None, precision: Precision | None = None,
+                 context: ContextLayout | None = None):
         self.grad_sync, self.schedule, self.strategy, self.mesh = grad_sync, schedule, strategy, mesh
+        self.context = context  # context parallel: which tokens of each sequence this rank holds
         self.precision = precision if precision is not None else Precision(strategy.precision)
         self._found_inf = False  # fp16: this step's gradients overflowed on some rank (the step is skipped)
         self.check_finite = True  # step() refuses non-finite gradients (outside fp16's loss scaling)
@@ -95,6 +101,12 @@ class Engine:
 
     def __call__(self, *args, **kwargs):
         return self.grad_sync(*args, **kwargs)
+
+    def shard(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's part of each batch tensor along the sequence (context parallel: its chunks of
+        every sequence, inputs and targets alike); the tensors themselves otherwise. Evaluation cuts
+        its batches with it before :meth:`infer` and scores the output against the cut targets."""
+        return self.context.shard(*tensors) if self.context is not None else tensors
 
     @torch.no_grad()
     def infer(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -174,8 +186,10 @@ class Engine:
         The step equals one step on the whole local batch: each micro-batch loss is divided by their
         number. Returns this rank's mean loss over its samples as a 0-dim float64 tensor on the
         device (on a pipeline every rank returns the last stage's): reading it is the caller's
-        choice, so a step waits for the device only where it must.
+        choice, so a step waits for the device only where it must. Under context parallel ``x`` and
+        ``y`` are whole sequences; the step runs on this rank's tokens of them (:meth:`shard`).
         """
+        x, y = self.shard(x, y)
         loss = self.schedule.forward_backward(self, x, y, loss_fn)
         self.sync()
         if self.precision.scaler is not None:  # after the reduction: every rank unscales the same sums
@@ -202,7 +216,8 @@ class Engine:
         self.module.eval()
         try:
             micro = len(x) // self.strategy.grad_accum
-            self.loss(self(x[:micro]), y[:micro]).backward()
+            x, y = self.shard(x[:micro], y[:micro])
+            self.loss(self(x), y).backward()
         finally:
             self.module.train(was_training)
             for p in self.module.parameters():
@@ -340,11 +355,13 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
     group), so every replica begins equal.
     """
     strategy.check(mesh.world_size)
-    if (mesh.tp, mesh.pp) != (strategy.tp, strategy.pp):
-        raise ValueError(f"the mesh has tp {mesh.tp}, pp {mesh.pp} but the strategy tp {strategy.tp}, pp "
-                         f"{strategy.pp}: build the mesh from the strategy (build_mesh(strategy.tp, pp=strategy.pp))")
+    if (mesh.tp, mesh.pp, mesh.cp) != (strategy.tp, strategy.pp, strategy.cp):
+        raise ValueError(f"the mesh has tp {mesh.tp}, pp {mesh.pp}, cp {mesh.cp} but the strategy tp {strategy.tp}, pp "
+                         f"{strategy.pp}, cp {strategy.cp}: build the mesh from the strategy "
+                         f"(build_mesh(strategy.tp, pp=strategy.pp, cp=strategy.cp))")
     device = next(model.parameters()).device
     check_device(strategy.precision, device)
+    context = apply_context_parallel(model, mesh.cp_group, strategy.cp_style) if strategy.cp > 1 else None
     if strategy.activation_checkpointing:
         apply_activation_checkpointing(model)
     if strategy.pp > 1:  # cut by the unsharded model's parameters: the same layers on every rank of a TP group
@@ -356,9 +373,9 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
     if strategy.pp > 1:
         model = PipelineStage(model, mesh.pp_group, strategy.microbatches, strategy.pp_schedule, balance)
         schedule = Pipelined(model, mesh)
-    model = apply_sync_bn(model, strategy.sync_bn, mesh.dp_group)
-    grad_sync = (Zero if strategy.zero else DataParallel).from_strategy(model, strategy, mesh.dp_group)
-    return Engine(grad_sync, schedule, strategy, mesh, vocab_head, Precision(strategy.precision, device))
+    model = apply_sync_bn(model, strategy.sync_bn, mesh.replica_group)
+    grad_sync = (Zero if strategy.zero else DataParallel).from_strategy(model, strategy, mesh.replica_group)
+    return Engine(grad_sync, schedule, strategy, mesh, vocab_head, Precision(strategy.precision, device), context)
 
 
 GRAD_SYNCS: tuple[type, ...] = (Zero, DataParallel)  # the kinds a sharded_state_dict can come from

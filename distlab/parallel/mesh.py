@@ -1,12 +1,18 @@
-"""The process mesh: data x tensor x pipeline parallel, tensor innermost, pipeline outermost.
+"""The process mesh: pipeline x data x context x tensor parallel, tensor innermost, pipeline outermost.
 
-A world of ``pp * dp * tp`` ranks. Rank ``r`` is ``(pp_rank, dp_rank, tp_rank)`` with
-``r = (pp_rank * dp + dp_rank) * tp + tp_rank``:
+A world of ``pp * dp * cp * tp`` ranks. Rank ``r`` is ``(pp_rank, dp_rank, cp_rank, tp_rank)`` with
+``r = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank``:
 
 * **TP groups** are blocks of ``tp`` consecutive ranks: they exchange activations in every layer,
   so they should share a host (launchers number a host's ranks consecutively).
 * **DP groups** take the ranks with the same pipeline stage and tensor-parallel rank: they
   exchange gradients once per step; their members see disjoint shards of the batch.
+* **CP groups** (context parallel) take the ranks with the same pipeline stage, data-parallel and
+  tensor-parallel rank: they read the same batch and each keeps its share of every sequence; they
+  pass keys and values (or all-to-all their heads) in every attention layer.
+* **Replica groups** are the data- and context-parallel ranks together (the same stage and
+  tensor-parallel rank): they hold the same part of the model, so gradients are averaged over them
+  and ZeRO shards over them. Without context parallel they are the DP groups.
 * **PP groups** (pipelines) take the ranks with the same data- and tensor-parallel rank, one per
   stage, in stage order: they pass activations and gradients point-to-point, neighbour to
   neighbour, a few times per step.
@@ -36,23 +42,29 @@ class Layout:
     tp_groups: list[list[int]]
     dp_groups: list[list[int]]
     pp_groups: list[list[int]]
+    cp_groups: list[list[int]]
+    replica_groups: list[list[int]]
 
 
-def layout(world_size: int, tp: int, pp: int = 1) -> Layout:
-    """Which global ranks form each group of a ``tp`` x ``pp`` mesh on ``world_size`` ranks."""
-    if tp < 1 or pp < 1 or world_size % (tp * pp):
+def layout(world_size: int, tp: int, pp: int = 1, cp: int = 1) -> Layout:
+    """Which global ranks form each group of a ``tp`` x ``cp`` x ``pp`` mesh on ``world_size`` ranks."""
+    if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp):
         divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
-        what = f"`tp` {tp}" if pp == 1 else f"`tp` {tp} x `pp` {pp} = {tp * pp}"
+        sizes = [f"`{k}` {v}" for k, v in (("tp", tp), ("cp", cp), ("pp", pp)) if v != 1 or k == "tp"]
+        what = sizes[0] if len(sizes) == 1 else f"{' x '.join(sizes)} = {tp * pp * cp}"
         raise ConfigError(f"{what} does not divide the world size {world_size}: use sizes whose product divides "
                           f"it ({divisors})")
-    dp = world_size // (tp * pp)
+    dp = world_size // (tp * pp * cp)
 
-    def rank(p: int, d: int, t: int) -> int:
-        return (p * dp + d) * tp + t
+    def rank(p: int, d: int, c: int, t: int) -> int:
+        return ((p * dp + d) * cp + c) * tp + t
 
-    return Layout(tp_groups=[[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
-                  dp_groups=[[rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
-                  pp_groups=[[rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)])
+    P, D, C, T = range(pp), range(dp), range(cp), range(tp)
+    return Layout(tp_groups=[[rank(p, d, c, t) for t in T] for p in P for d in D for c in C],
+                  dp_groups=[[rank(p, d, c, t) for d in D] for p in P for c in C for t in T],
+                  pp_groups=[[rank(p, d, c, t) for p in P] for d in D for c in C for t in T],
+                  cp_groups=[[rank(p, d, c, t) for c in C] for p in P for d in D for t in T],
+                  replica_groups=[[rank(p, d, c, t) for d in D for c in C] for p in P for t in T])
 
 
 def _groups(groups: list[list[int]]) -> str:
@@ -75,6 +87,16 @@ class Mesh:
     pp_rank: int = 0
     pp_group: dist.ProcessGroup | None = None
     pp_ranks: list[int] | None = None
+    cp: int = 1
+    cp_rank: int = 0
+    cp_group: dist.ProcessGroup | None = None
+    cp_ranks: list[int] | None = None
+    replica_group: dist.ProcessGroup | None = None  # data x context parallel: gradients averaged, ZeRO shards
+    replica_ranks: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.replica_ranks is None:  # no context parallel: the replicas are the data-parallel ranks
+            self.replica_group, self.replica_ranks = self.dp_group, self.dp_ranks
 
     @property
     def last_stage(self) -> bool:
@@ -87,46 +109,58 @@ class Mesh:
         return self.tp > 1 or self.pp > 1
 
     @property
+    def replicas(self) -> int:
+        """Ranks holding the same part of the model (data x context parallel)."""
+        return self.dp * self.cp
+
+    @property
     def reports(self) -> bool:
-        """Whether this rank's scores count once in a sum over the world: one rank per data shard
-        (the last pipeline stage, tensor-parallel rank 0)."""
+        """Whether this rank's scores count once in a sum over the world: one rank per data shard and
+        share of its sequences (the last pipeline stage, tensor-parallel rank 0; every context-parallel
+        rank, each for its own tokens)."""
         return self.last_stage and self.tp_rank == 0
 
     def describe(self) -> str:
         """``dp 2 x tp 2: TP groups [0, 1] [2, 3]; DP groups [0, 2] [1, 3]`` (or one word for dp only)."""
         if self.world_size == 1:
             return "single process"
-        if self.tp == 1 and self.pp == 1:
+        if self.tp == 1 and self.pp == 1 and self.cp == 1:
             return f"dp {self.dp}: ranks 0-{self.world_size - 1} in one data-parallel group"
-        groups = layout(self.world_size, self.tp, self.pp)
-        sizes = " x ".join(f"{name} {n}" for name, n in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp))
-                           if n > 1 or name == "dp")
+        groups = layout(self.world_size, self.tp, self.pp, self.cp)
+        sizes = " x ".join(f"{name} {n}" for name, n in (("pp", self.pp), ("dp", self.dp), ("cp", self.cp),
+                                                           ("tp", self.tp)) if n > 1 or name == "dp")
         parts = ([f"TP groups {_groups(groups.tp_groups)}"] if self.tp > 1 else []) + \
+                ([f"CP groups {_groups(groups.cp_groups)}"] if self.cp > 1 else []) + \
                 [f"DP groups {_groups(groups.dp_groups)}"] + \
+                ([f"gradients averaged over {_groups(groups.replica_groups)}"] if self.cp > 1 else []) + \
                 ([f"pipelines (stage 0 first) {_groups(groups.pp_groups)}"] if self.pp > 1 else [])
         return f"{sizes}: {'; '.join(parts)}"
 
 
-def build_mesh(tp: int = 1, dp: int | None = None, pp: int = 1) -> Mesh:
-    """The mesh of this process (collective when tp or pp > 1: every rank calls it, in the same order)."""
+def build_mesh(tp: int = 1, dp: int | None = None, pp: int = 1, cp: int = 1) -> Mesh:
+    """The mesh of this process (collective when tp, pp or cp > 1: every rank calls it, in the same order)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    groups = layout(world, tp, pp)
-    if dp is not None and tp * dp * pp != world:
-        raise ConfigError(f"`tp` {tp} x dp {dp}{f' x `pp` {pp}' if pp > 1 else ''} = {tp * dp * pp} processes, but "
-                          f"the world has {world}: make the product equal the number of processes")
+    groups = layout(world, tp, pp, cp)
+    if dp is not None and tp * dp * pp * cp != world:
+        extra = "".join(f" x `{k}` {v}" for k, v in (("cp", cp), ("pp", pp)) if v > 1)
+        raise ConfigError(f"`tp` {tp} x dp {dp}{extra} = {tp * dp * pp * cp} processes, but the world has {world}: "
+                          f"make the product equal the number of processes")
 
     def mine(kind: list[list[int]]) -> list[int]:
         return next(g for g in kind if rank in g)
 
-    made: dict[str, dist.ProcessGroup | None] = {"tp": None, "dp": None, "pp": None}
-    if world > 1 and (tp > 1 or pp > 1):
+    made: dict[str, dist.ProcessGroup | None] = {"tp": None, "cp": None, "dp": None, "replica": None, "pp": None}
+    if world > 1 and (tp > 1 or pp > 1 or cp > 1):
         # new_group is collective over the whole world: every rank creates every group, in one order
-        for kind, needed in (("tp", tp > 1), ("dp", True), ("pp", pp > 1)):
+        for kind, needed in (("tp", tp > 1), ("cp", cp > 1), ("dp", True), ("replica", cp > 1), ("pp", pp > 1)):
             for g in getattr(groups, f"{kind}_groups") if needed else ():
                 pg = dist.new_group(g)
                 if rank in g:
                     made[kind] = pg
     tp_ranks, dp_ranks, pp_ranks = mine(groups.tp_groups), mine(groups.dp_groups), mine(groups.pp_groups)
-    return Mesh(rank, world, tp, world // (tp * pp), tp_ranks.index(rank), dp_ranks.index(rank), made["tp"],
-                made["dp"], tp_ranks, dp_ranks, pp, pp_ranks.index(rank), made["pp"], pp_ranks)
+    cp_ranks = mine(groups.cp_groups)
+    return Mesh(rank, world, tp, world // (tp * pp * cp), tp_ranks.index(rank), dp_ranks.index(rank), made["tp"],
+                made["dp"], tp_ranks, dp_ranks, pp, pp_ranks.index(rank), made["pp"], pp_ranks,
+                cp, cp_ranks.index(rank), made["cp"], cp_ranks,
+                made["replica"], mine(groups.replica_groups) if cp > 1 else None)

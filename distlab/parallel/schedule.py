@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from distlab.parallel.pipeline import PipelineStage, check_microbatches, ideal_bubble
+from distlab.parallel.pipeline import ActivationMeter, PipelineStage, check_microbatches, ideal_bubble
 from distlab.runtime import reduce_scalars
 
 
@@ -24,11 +24,24 @@ class Accumulate:
     the accumulated gradient is the mean over the whole local batch and the step equals one step on
     the k-times-larger batch. ``k == 1`` is a plain step."""
 
+    MEASURED_STEP = 2  # the step whose activations are metered (the first may build caches)
+
     def __init__(self, k: int = 1):
         self.k = k
+        self.steps = 0
+        self.activation_peak_bytes: int | None = None  # saved for backward at once, one metered step
 
     def forward_backward(self, engine, x: torch.Tensor, y: torch.Tensor,
                          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        self.steps += 1
+        if self.steps != self.MEASURED_STEP:
+            return self._run(engine, x, y, loss_fn)
+        with ActivationMeter(engine.module.parameters()) as meter:  # one step: the hooks cost a little
+            loss = self._run(engine, x, y, loss_fn)
+        self.activation_peak_bytes = meter.peak
+        return loss
+
+    def _run(self, engine, x: torch.Tensor, y: torch.Tensor, loss_fn) -> torch.Tensor:
         k = self.k
         check_microbatches(len(x), k, "accumulation micro-batches (grad_accum)")  # never drop len(x) % k samples
         micro = len(x) // k
@@ -57,7 +70,13 @@ class Accumulate:
         return []
 
     def report(self, warmup: int, device) -> dict:
-        return {}
+        """The most activation bytes any rank held for backward at once (one metered step)."""
+        if self.activation_peak_bytes is None:
+            return {}
+        held, = reduce_scalars([self.activation_peak_bytes], op=dist.ReduceOp.MAX, device=device)
+        return {"activation_peak_bytes": int(held),
+                "activation_basis": f"storages autograd saved for backward at once (parameters excepted), step "
+                                    f"{self.MEASURED_STEP}, the most of any rank"}
 
 
 class Pipelined:

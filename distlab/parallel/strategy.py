@@ -20,6 +20,8 @@ modifiers, e.g. ``bucketed:ring+accum=4+syncbn``, ``zero=3``, ``allreduce+tp=2+n
     tp=N, naive     tp and tp_style (megatron unless naive)
     sp              sequence_parallel: a transformer's LayerNorm/residual regions split along the
                     sequence over the tensor-parallel group (needs tp)
+    cp=N, ulysses   cp and cp_style: context parallel, every sequence split over N ranks for the
+                    whole model, attention by ring (the default) or by all-to-all over heads
     zero=S          zero: ZeRO stage 1-3
     ckpt            activation_checkpointing: recompute each block's activations in backward
     bf16, fp16      precision: forward and backward under autocast in that dtype (fp32 master
@@ -44,6 +46,7 @@ from dataclasses import dataclass, fields
 
 from distlab.errors import ConfigError
 from distlab.parallel.compression import parse_compression
+from distlab.parallel.context_parallel import STYLES as CP_STYLES
 from distlab.parallel.data_parallel import COLLECTIVES, SYNC_METHODS
 from distlab.parallel.pipeline import SCHEDULES as PP_SCHEDULES
 from distlab.parallel.sync_bn import MODES as SYNC_BN
@@ -54,12 +57,13 @@ DEFAULT_DP_SYNC = "bucketed"  # the fastest exact method on CPU/gloo (README, da
 ZERO_DP_SYNC = "allreduce"    # what a ZeRO strategy records: its gradients are reduced after backward
 
 _KEYS = {"reduce": "reduce_dtype", "compress": "grad_compression", "accum": "grad_accum", "bucket": "bucket_mb", "style": "tp_style", "method": "dp_sync", "syncbn": "sync_bn",
-         "mb": "microbatches", "schedule": "pp_schedule", "balance": "pp_balance"}
+         "mb": "microbatches", "schedule": "pp_schedule", "balance": "pp_balance",
+         "cp_style": "cp_style"}
 _WORDS = {"naive": ("tp_style", "naive"), "megatron": ("tp_style", "megatron"), "syncbn": ("sync_bn", "distlab"),
           "find_unused": ("find_unused", True), "find-unused": ("find_unused", True), "sp": ("sequence_parallel", True),
           "gpipe": ("pp_schedule", "gpipe"), "1f1b": ("pp_schedule", "1f1b"),
           "ckpt": ("activation_checkpointing", True), "bf16": ("precision", "bf16"), "fp16": ("precision", "fp16"),
-          "fp32": ("precision", "fp32")}
+          "fp32": ("precision", "fp32"), "ulysses": ("cp_style", "ulysses")}
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,8 @@ class Strategy:
     tp: int = 1
     tp_style: str = "megatron"
     sequence_parallel: bool = False
+    cp: int = 1              # context parallel: each sequence split over cp ranks (distlab.parallel.context_parallel)
+    cp_style: str = "ring"   # ring (key/value blocks around the ring) or ulysses (all-to-all over heads)
     zero: int = 0
     pp: int = 1
     microbatches: int | None = None  # None: pp (1 without a pipeline)
@@ -92,6 +98,8 @@ class Strategy:
             object.__setattr__(self, "collective", self.default_collective)
         if self.tp == 1:  # no tensor parallel: the style means nothing, keep equal strategies equal
             object.__setattr__(self, "tp_style", "megatron")
+        if self.cp == 1:
+            object.__setattr__(self, "cp_style", "ring")
         if self.microbatches is None:
             object.__setattr__(self, "microbatches", self.pp if isinstance(self.pp, int) and self.pp > 1 else 1)
         if self.pp == 1:  # no pipeline: no schedule
@@ -107,6 +115,7 @@ class Strategy:
         _choice("collective", self.collective, COLLECTIVES + ("auto",))
         _choice("sync_bn", self.sync_bn, SYNC_BN)
         _choice("tp_style", self.tp_style, TP_STYLES)
+        _choice("cp_style", self.cp_style, CP_STYLES)
         _choice("zero", self.zero, ZERO_STAGES)
         _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _choice("precision", self.precision, PRECISIONS)
@@ -121,6 +130,11 @@ class Strategy:
             raise ConfigError(f"`tp` must be at least 1, not {self.tp}")
         if self.pp < 1:
             raise ConfigError(f"`pp` must be at least 1, not {self.pp}")
+        if self.cp < 1:
+            raise ConfigError(f"`cp` must be at least 1, not {self.cp}")
+        if self.cp > 1 and self.sequence_parallel:
+            raise ConfigError(f"`sequence_parallel` and `cp` {self.cp} both split the sequence: context parallel "
+                              f"already splits it for the whole model; drop `sequence_parallel`")
         if self.microbatches < 1:
             raise ConfigError(f"`microbatches` must be at least 1, not {self.microbatches}")
         if self.pp > 1:
@@ -143,8 +157,14 @@ class Strategy:
         if self.zero and self.find_unused:
             raise ConfigError(f"`find_unused` is implied by `zero` {self.zero} (parameters without a gradient count as "
                               f"zero): drop `find_unused`")
-        if world_size is not None and world_size % (self.tp * self.pp):
+        if world_size is not None and world_size % (self.tp * self.pp * self.cp):
             divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+            if self.cp > 1:
+                sizes = " x ".join(f"`{k}` {v}" for k, v in (("tp", self.tp), ("cp", self.cp), ("pp", self.pp))
+                                   if v > 1)
+                raise ConfigError(f"{sizes} = {self.tp * self.cp * self.pp} does not divide the world size "
+                                  f"{world_size}: the world is data x context x tensor x pipeline parallel, so the "
+                                  f"product of `tp`, `cp` and `pp` must divide it ({divisors})")
             if self.pp == 1:
                 raise ConfigError(f"`tp` {self.tp} does not divide the world size {world_size}: use a `tp` that divides "
                                   f"it (e.g. {divisors})")
@@ -226,12 +246,12 @@ class Strategy:
 
     def dp_size(self, world_size: int) -> int:
         """Data-parallel ranks: each holds a shard of the global batch."""
-        return world_size // (self.tp * self.pp)
+        return world_size // (self.tp * self.pp * self.cp)
 
     def check_batch(self, global_batch: int, world_size: int) -> None:
         """The global batch must split into equal micro-batches on every data-parallel rank."""
         dp = self.dp_size(world_size)
-        model = " x ".join(f"`{k}` {v}" for k, v in (("tp", self.tp), ("pp", self.pp)) if v > 1)
+        model = " x ".join(f"`{k}` {v}" for k, v in (("tp", self.tp), ("cp", self.cp), ("pp", self.pp)) if v > 1)
         what = f"world size {dp}" if dp == world_size else f"the data-parallel size {dp} (world {world_size} / {model})"
         if global_batch % dp:
             fits = [d for d in range(1, global_batch + 1) if global_batch % d == 0][:8]
@@ -276,6 +296,8 @@ class Strategy:
         if self.tp != 1:
             parts.append(f"tp={self.tp}" + ("+naive" if self.tp_style == "naive" else "")
                          + ("+sp" if self.sequence_parallel else ""))
+        if self.cp != 1:
+            parts.append(f"cp={self.cp}" + ("+ulysses" if self.cp_style == "ulysses" else ""))
         if self.zero:
             parts.append(f"zero={self.zero}")
         if self.pp != 1:
@@ -306,7 +328,7 @@ class Strategy:
                 name = _KEYS.get(key, key)
                 if name not in _FIELDS:
                     raise ConfigError(f"strategy {text!r}: unknown modifier {token!r} (known: accum=K, bucket=MB, "
-                                      f"syncbn[=torch], find_unused, tp=N, naive, sp, zero=S, pp=P, mb=M, gpipe, 1f1b, ckpt, bf16, fp16, "
+                                      f"syncbn[=torch], find_unused, tp=N, naive, sp, cp=N, ulysses, zero=S, pp=P, mb=M, gpipe, 1f1b, ckpt, bf16, fp16, "
                                       f"reduce=DTYPE, compress=C, or FIELD=VALUE with FIELD "
                                       f"one of {', '.join(_FIELDS)})")
                 values[name] = _convert(name, value, text)
@@ -337,9 +359,12 @@ class Strategy:
         return out
 
     def to_dict(self) -> dict:
-        """The JSON object of ``summary.json["strategy"]`` (``tp_style`` is null without tensor parallel)."""
+        """The JSON object of ``summary.json["strategy"]`` (``tp_style`` is null without tensor parallel;
+        ``cp`` and ``cp_style`` only with context parallel)."""
         d = dataclasses.asdict(self)
         d["tp_style"] = self.tp_style if self.tp > 1 else None
+        if self.cp == 1:  # no context parallel: the object (and a snapshot's fingerprint) is as before it existed
+            del d["cp"], d["cp_style"]
         d["pp_schedule"] = self.pp_schedule if self.pp > 1 else None
         d["pp_balance"] = list(self.pp_balance) if self.pp_balance else None
         return d

@@ -86,8 +86,9 @@ def parse_strategy(text: str) -> Case:
 def default_strategies(world_size: int | None = None) -> list[Case]:
     """Every dp_sync x collective, each method with grad_accum 4, SyncBN, ZeRO 1-3, activation
     checkpointing (with SyncBN too), bf16 autocast, a bf16 reduction, PowerSGD, and -- where
-    ``world_size`` is even -- tensor parallel over pairs of ranks in both styles and two-stage
-    pipelines with each schedule (with tensor parallel too where it divides by 4)."""
+    ``world_size`` is even -- tensor parallel over pairs of ranks in both styles, two-stage
+    pipelines with each schedule and context parallel on the transformer in both styles (with
+    tensor parallel, and context x pipeline, where it divides by 4)."""
     out = [Strategy("gather-scatter")]
     out += [Strategy(m, c) for m in ("allreduce", "bucketed", "ddp") for c in COLLECTIVES]
     out += [Strategy(m, grad_accum=4) for m in SYNC_METHODS]
@@ -100,9 +101,15 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
     if world_size and world_size % 2 == 0:
         out += [Strategy("allreduce", tp=2), Strategy("allreduce", tp=2, tp_style="naive")]
         out += [Strategy("bucketed", pp=2, microbatches=3), Strategy("allreduce", pp=2, microbatches=4, pp_schedule="gpipe")]
+    cases = [Case(s) for s in out]
+    if world_size and world_size % 2 == 0:
+        cases += [Case(Strategy("bucketed", cp=2), model="gpt"), Case(Strategy("bucketed", cp=2, cp_style="ulysses"),
+                                                                      model="gpt")]
     if world_size and world_size % 4 == 0:
-        out += [Strategy("bucketed", tp=2, pp=2, microbatches=2)]
-    return [Case(s) for s in out]
+        cases += [Case(Strategy("bucketed", tp=2, pp=2, microbatches=2)),
+                  Case(Strategy("allreduce", tp=2, cp=2), model="gpt"),
+                  Case(Strategy("bucketed", cp=2, pp=2, microbatches=2), model="gpt")]
+    return cases
 
 
 USER_DATASET = "synthetic:3x8x8:4:480"  # for a user's model unless --dataset says otherwise

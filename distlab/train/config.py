@@ -178,6 +178,8 @@ class TrainConfig:
                               f"{self.model} takes its own flags")
         if tp > 1:
             self._check_tensor_parallel()
+        if self.strategy.cp > 1:
+            self._check_context_parallel()
         if self.strategy.activation_checkpointing:
             from distlab.parallel.checkpointing import checkpoint_blocks
             checkpoint_blocks(self._meta_model())
@@ -206,6 +208,18 @@ class TrainConfig:
         from distlab.parallel.tp_plan import plan_of
         s = self.strategy
         plan_of(self._meta_model(), s.tp, s.tp_style, s.sequence_parallel)
+
+    def _check_context_parallel(self) -> None:
+        """The model must declare where positions and attention are; each sequence must cut into 2 x cp chunks."""
+        from distlab.parallel.context_parallel import ContextLayout, plan_of
+        cp = self.strategy.cp
+        plan_of(self._meta_model())
+        if self.model in TEXT_MODELS or is_text(self.dataset):
+            ContextLayout(cp, 0).check(self.block_size)
+        if self.strategy.cp_style == "ulysses" and (self.n_head // self.strategy.tp) % cp:
+            raise ConfigError(f"`cp_style` ulysses gives each of `cp` {cp} ranks whole heads: "
+                              f"{self.n_head // self.strategy.tp} heads per tensor-parallel rank do not divide by {cp}; "
+                              f"use `cp_style` ring")
 
     def _check_pipeline(self) -> None:
         """The model must cut into `pp` stages, each with parameters (cut on a model built without memory)."""

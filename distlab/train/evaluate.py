@@ -44,7 +44,7 @@ def evaluate(engine: Engine, dataset, device: torch.device | str = "cpu", batch_
     shown = 0
     loader = EvalLoader(dataset, rank=mesh.dp_rank, world_size=mesh.dp, batch_size=batch_size)
     for start, (x, y) in zip(range(0, len(loader.indices), batch_size), loader):
-        x, y = x.to(device), y.to(device)
+        x, y = engine.shard(x.to(device), y.to(device))  # context parallel: this rank's tokens
         out = engine.infer(x)
         if out is None:  # a pipeline stage before the last: it passed the batch on
             continue

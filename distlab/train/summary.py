@@ -86,7 +86,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "inactive": inactive_settings(strategy, trainer.mesh),  # settings that did nothing in this run, and why
         "cluster": emulated_cluster(),  # the emulated cluster's nodes and links the run crossed (None: none)
         "strategy_text": str(strategy),
-        "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "layout": mesh.describe()},
+        "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "cp": mesh.cp, "layout": mesh.describe()},
         **engine.schedule.report(cfg.timing_warmup_steps, rt.device),  # a pipeline's stages and bubble
         "model": cfg.model,
         "dataset": cfg.dataset,
@@ -196,7 +196,7 @@ def emulated_cluster() -> dict | None:
 def inactive_settings(strategy, mesh) -> list[str]:
     """Settings of this run that do nothing here, each with why (the header warns, the summary lists them)."""
     notes = []
-    if mesh.dp == 1:
+    if mesh.replicas == 1:
         if strategy.zero:
             notes.append(f"zero {strategy.zero}: one data-parallel rank, so nothing is sharded (its flat shard copies "
                          f"only cost memory): drop --zero, or run more data-parallel ranks")
@@ -224,12 +224,12 @@ def zero_costs_more(trainer) -> str | None:
         return None
     optim = Optim.of(cfg.optimizer, cfg.momentum)
     st = cfg.strategy
-    zero = zero_peak_bytes(t, st.zero, mesh.dp, optim, grad_accum=st.grad_accum, bucket_mb=st.bucket_mb)
+    zero = zero_peak_bytes(t, st.zero, mesh.replicas, optim, grad_accum=st.grad_accum, bucket_mb=st.bucket_mb)
     plain = data_parallel_bytes(t, optim)
     if zero <= plain:
         return None
     helps = "more ranks" + (", Adam" if cfg.optimizer == "sgd" else "") + (", or stage 2-3" if st.zero == 1 else "")
-    return (f"zero {st.zero} on {mesh.dp} data-parallel ranks holds more than plain data parallel would "
+    return (f"zero {st.zero} on {mesh.replicas} data-parallel ranks holds more than plain data parallel would "
             f"({zero / 2**20:.2f} vs {plain / 2**20:.2f} MiB predicted): with {cfg.optimizer}"
             f"{f' (momentum {cfg.momentum:g})' if cfg.optimizer == 'sgd' else ''} the state it shards is small next "
             f"to the full gradients and flat shard copies it keeps; ZeRO pays off with {helps}")
@@ -285,6 +285,9 @@ def header(trainer) -> list[str]:
     micro = trainer.local_batch // micro_steps
     lines.append(f"batch    {cfg.global_batch_size} global = {mesh.dp} data-parallel rank(s) x {trainer.local_batch}"
                  + (f" (micro-batches of {micro} x {micro_steps})" if micro_steps > 1 else "")
+                 + (f", each sequence split over {mesh.cp} context-parallel ranks ({cfg.strategy.cp_style}: "
+                    f"{cfg.block_size // mesh.cp} tokens each, chunks c and {2 * mesh.cp - 1}-c of {2 * mesh.cp})"
+                    if mesh.cp > 1 else "")
                  + f"; {trainer.total_steps} steps, {trainer.steps_per_epoch} per epoch")
     held = sum(p.numel() * p.element_size() for p in trainer.engine.module.parameters())
     extra = trainer.engine.peak_bytes - held
@@ -292,7 +295,7 @@ def header(trainer) -> list[str]:
                  + (f" + {extra / 2**20:.2f} MiB of the strategy's own copies (ZeRO's flat shards)" if extra > 0 else "")
                  + " on this rank before the first step (gradients and optimizer state follow; the summary gives "
                    "the peak)")
-    if cfg.strategy.zero and mesh.dp > 1:
+    if cfg.strategy.zero and mesh.replicas > 1:
         costlier = zero_costs_more(trainer)
         if costlier:
             lines.append(f"warning  {costlier}")
