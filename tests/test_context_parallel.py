@@ -98,3 +98,21 @@ def test_the_cli_splits_the_sequence_and_each_rank_holds_its_share_of_the_activa
     bad = run_cli("train", "--model", "mlp", "--dataset", "synthetic:1x4x4:2", "--nproc-per-node", "2", "--cp", "2",
                   "--out", "bad")
     assert bad.returncode == 2 and "context_parallel_plan" in bad.stderr
+
+
+def test_the_plan_splits_activations_and_counts_the_ring_and_all_to_all_bytes():
+    from distlab.parallel import Strategy
+    from distlab.parallel.cost import trace
+    from distlab.plan.cost import Link
+    from distlab.plan.predict import Layout, predict
+    t = trace("gpt", (64,), 256, n_layer=2, n_head=4, n_embd=32)
+    assert t.attention_kv_bytes_per_sample == 2 * 2 * 64 * 32 * 4  # 2 attentions x (keys + values) x T x C floats
+    one = predict(t, Layout(dp=1, global_batch=8), Link(), None)
+    dp2 = predict(t, Layout(dp=2, global_batch=8), Link(), None)
+    for style, volume in (("ring", ring_bytes), ("ulysses", ulysses_bytes)):
+        p = predict(t, Layout(dp=1, strategy=Strategy(cp=2, cp_style=style), global_batch=8), Link(), None)
+        assert p["context_parallel"]["bytes_per_step_per_rank"] == 2 * volume(8, 4, 64, 8, 2)  # 2 attentions
+        assert p["activation_bytes_per_rank"] == one["activation_bytes_per_rank"] // 2
+        assert p["model_state_bytes_per_rank"] == dp2["model_state_bytes_per_rank"]  # 2 replicas, as dp 2
+    with pytest.raises(ConfigError, match="declares no attention"):
+        predict(trace("mlp"), Layout(dp=1, strategy=Strategy(cp=2)), Link(), None)

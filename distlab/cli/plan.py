@@ -10,7 +10,8 @@ from distlab.cli.options import COUNT, STRATEGY_OPTIONS, Number, csv_ints, field
 from distlab.errors import ConfigError
 
 DEFAULT_CALIBRATION = "runs/calibration.json"
-PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "sequence_parallel", "zero", "pp",
+PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "sequence_parallel", "cp", "cp_style",
+                  "zero", "pp",
                   "microbatches", "pp_schedule", "pp_balance", "precision", "reduce_dtype",
                   "grad_compression")  # what plan's cost model reads
 

@@ -292,7 +292,7 @@ def apply_context_parallel(model: nn.Module, group, style: str = "ring") -> Cont
 def ring_bytes(batch: int, heads: int, t: int, head_dim: int, cp: int, itemsize: int = 4) -> int:
     """Bytes one rank sends per attention layer and step (ring style): forward, ``cp - 1`` hops of its
     keys and values; backward, ``cp - 1`` hops of keys, values and their gradients, and the last hop
-    of the gradients home -- ``(4 cp - 3)`` times one rank's keys and values."""
+    of the gradients home -- ``3 cp - 2`` times one rank's keys and values."""
     kv = 2 * batch * heads * (t // cp) * head_dim * itemsize
     return ((cp - 1) + 2 * (cp - 1) + 1) * kv if cp > 1 else 0
 

@@ -90,6 +90,7 @@ class Trace:
     sharded_linear: list[bool] = field(default_factory=list)  # module -> ZeRO-3 runs it as its sharded Linear
     input_grad: list[bool] = field(default_factory=list)  # module -> its input needs a gradient
     shapes: list[tuple[int, ...]] = field(default_factory=list)  # unit -> parameter shape (PowerSGD's matrices)
+    attention_kv_bytes_per_sample: float = 0.0  # keys + values of every attention a context_parallel_plan names
 
     @property
     def num_parameters(self) -> int:
@@ -141,6 +142,14 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
         handles.append(m.register_forward_hook(after_forward))
     for u, p in enumerate(params):
         handles.append(p.register_post_accumulate_grad_hook(lambda p, u=u: out.events.append(("grad", u))))
+    cores = getattr(model, "context_parallel_plan", None)
+    for name, kind in (cores() if cores else {}).items():  # what context parallel would pass around
+
+        def kv(m, args, result):
+            out.attention_kv_bytes_per_sample += sum(a.numel() * a.element_size() for a in args[1:3]) / batch
+
+        if kind == "context_attention":
+            handles.append(model.get_submodule(name).register_forward_hook(kv))
     model.train()
     if getattr(model, "block_size", None):  # a language model: token ids in, the next tokens as targets
         x = torch.zeros((batch, *input_shape), dtype=torch.long, device="meta")

@@ -39,10 +39,16 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.strategy.tp * self.strategy.pp
+        return self.dp * self.strategy.tp * self.strategy.pp * self.strategy.cp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that hold the same part of the model: data x context parallel."""
+        return self.dp * self.strategy.cp
 
     tp = property(lambda self: self.strategy.tp)
     pp = property(lambda self: self.strategy.pp)
+    cp = property(lambda self: self.strategy.cp)
     zero = property(lambda self: self.strategy.zero)
     dp_sync = property(lambda self: self.strategy.dp_sync)
     collective = property(lambda self: self.strategy.collective)
@@ -92,7 +98,7 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     heaviest = max(stages, key=lambda st: st["model_state_bytes"])
     t_rank = heaviest["trace"]  # what the rank with the most model state holds
     state, exact = heaviest["model_state_bytes"], lay.tp == 1
-    e, n = t.element_size, lay.dp
+    e, n = t.element_size, lay.replicas
     shards = [math.ceil(m / lay.tp / n) for m in t_rank.numels]
     full = [math.ceil(m / lay.tp) for m in t_rank.numels]
     parts = {  # the textbook split (ZeRO paper, table 1): what each kind comes to between steps
@@ -100,7 +106,10 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
         "gradient_bytes_per_rank": e * sum(shards if lay.zero >= 2 else full),
         "optimizer_bytes_per_rank": sum(optim.bytes(m, e) for m in (shards if lay.zero >= 1 else full)),
     }
-    out = {"layout": {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero": lay.zero, "dp_sync": lay.dp_sync,
+    if lay.cp > 1 and not t.attention_kv_bytes_per_sample:
+        raise ConfigError(f"`cp` {lay.cp}: context parallel splits a transformer's sequences, and this model declares "
+                          f"no attention (context_parallel_plan); plan it with `cp` 1")
+    out = {"layout": {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "zero": lay.zero, "dp_sync": lay.dp_sync,
                       "collective": lay.collective, "global_batch_size": lay.global_batch,
                       "grad_accum": lay.grad_accum, "microbatches": lay.strategy.microbatches,
                       "pp_schedule": lay.strategy.pp_schedule if lay.pp > 1 else None,
@@ -120,7 +129,7 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
         out["activation_bytes_per_rank"] = int(out["activation_bytes_per_rank"] * narrow)
         out["activation_basis"] += f"; halved under {lay.strategy.precision} autocast (products save 2-byte inputs)"
     sync = grad_sync_cost(lay.strategy)
-    out["compression_state_bytes_per_rank"] = sync.planned_extra_state(t_rank, lay.strategy, lay.dp)
+    out["compression_state_bytes_per_rank"] = sync.planned_extra_state(t_rank, lay.strategy, lay.replicas)
     out["memory_bytes_per_rank"] = int(max(st["model_state_bytes"] + narrow * st["activation_bytes"] for st in stages)
                                        + out["compression_state_bytes_per_rank"])
     if lay.pp > 1:
@@ -129,21 +138,33 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
             "microbatches": lay.strategy.microbatches, "schedule": lay.strategy.pp_schedule,
             "bubble_ideal": ideal_bubble(lay.pp, lay.strategy.microbatches),
             "p2p_bytes_per_step_per_rank": max(st["sent_bytes_per_step"] for st in stages)}
+    cp_bytes = _context_bytes(t, lay, micro)
+    if lay.cp > 1:
+        out["context_parallel"] = {
+            "cp": lay.cp, "style": lay.strategy.cp_style, "bytes_per_step_per_rank": int(cp_bytes),
+            "tokens_per_rank_share": 1 / lay.cp,
+            "bytes_basis": ("ring: per attention and micro-batch, cp - 1 hops of the rank's keys and values forward, "
+                            "2 (cp - 1) + 1 backward (the gradients travel with them, then home)"
+                            if lay.strategy.cp_style == "ring" else
+                            "ulysses: per attention and micro-batch, 4 all-to-alls forward (q, k, v, out) and 4 "
+                            "backward, each sending (cp - 1) / cp of the rank's tensor"),
+            "attention_balance": "rank c holds chunks c and 2cp - 1 - c of 2cp: every rank scores the same number "
+                                 "of query-key pairs under the causal mask"}
     if cal is None:
         return out
     comp = cal.compute_for(lay.threads)
     if lay.oversubscription > 1:
         comp = replace(comp, rate=comp.rate / lay.oversubscription, overhead=comp.overhead * lay.oversubscription)
     share = max(st["flops_share"] for st in stages)  # the slowest stage sets the pipeline's pace
-    flops = t.flops_per_sample * share * micro * lay.strategy.micro_steps / lay.tp
-    fwd = t.forward_flops_per_sample * share * micro * lay.strategy.micro_steps / lay.tp / comp.rate
+    flops = t.flops_per_sample * share * micro * lay.strategy.micro_steps / lay.tp / lay.cp
+    fwd = t.forward_flops_per_sample * share * micro * lay.strategy.micro_steps / lay.tp / lay.cp / comp.rate
     bwd = flops / comp.rate - fwd
     # fill and drain: every stage idles P - 1 micro-batch slots of the step, M / (M + P - 1) busy
     stretch = 1.0 / (1.0 - ideal_bubble(lay.pp, lay.strategy.microbatches))
     fwd, bwd = fwd * stretch, bwd * stretch
-    calls = sync.planned_calls(t_rank, lay.strategy, lay.dp)
+    calls = sync.planned_calls(t_rank, lay.strategy, lay.replicas)
     overlapped, after, after_step = calls.during_backward, calls.after_backward, calls.after_step
-    timer = Timer(cal, link, lay.dp, same_host=lay.oversubscription > 1)
+    timer = Timer(cal, link, lay.replicas, same_host=lay.oversubscription > 1)
     exposed_pre = sum(timer.duration(c, 0.0) for c in calls.before_layers)  # ZeRO-3's gathers: the layer waits
     tp_timer = Timer(cal, link if lay.dp == 1 else Link(), lay.tp)  # a TP group shares a node's fast links
     tp_time = sum(tp_timer.duration(c, 0.0) for c in tensor_parallel_calls(t, lay.strategy, micro)) * share
@@ -152,6 +173,9 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
         p2p_timer = Timer(cal, link, 2)
         boundary = max(st["boundary_bytes_per_microbatch"] for st in stages)
         p2p_time = 2 * lay.strategy.microbatches * p2p_timer.duration(Call("native", "all_gather", 2 * boundary), 0.0)
+    if lay.cp > 1:  # context parallel's messages, on the critical path of every attention (not overlapped here)
+        cp_timer = Timer(cal, link if lay.dp == 1 else Link(), 2)
+        p2p_time += share * cp_timer.duration(Call("native", "all_gather", 2 * cp_bytes), 0.0)
     tp_time += p2p_time
     comm_total = exposed_pre + tp_time
     start_bwd = fwd + exposed_pre / 2
@@ -182,8 +206,21 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     return out
 
 
+def _context_bytes(t: Trace, lay: Layout, micro: int) -> float:
+    """Bytes a rank sends per step for context parallel (the module docstring of
+    :mod:`distlab.parallel.context_parallel`): its keys and values are ``1 / (cp tp)`` of the model's."""
+    if lay.cp == 1:
+        return 0.0
+    cp = lay.cp
+    kv = t.attention_kv_bytes_per_sample * micro / (cp * lay.tp)  # this rank's keys and values, every attention
+    per_micro = (3 * cp - 2) * kv if lay.strategy.cp_style == "ring" else 4 * (cp - 1) / cp * kv
+    return per_micro * lay.strategy.micro_steps
+
+
 def _activation_basis(lay: Layout) -> str:
     basis = "tensors autograd saves for backward, one micro-batch (an upper bound)"
+    if lay.cp > 1:
+        basis += f", each rank holding 1/{lay.cp} of every sequence's tokens (context parallel)"
     if lay.tp > 1:
         basis += (", split over the tensor-parallel ranks" if lay.strategy.sequence_parallel else
                   ", split over the tensor-parallel ranks except in LayerNorm and embedding regions (replicated "
@@ -210,13 +247,13 @@ def _stages(t: Trace, lay: Layout, micro: int, optim: Optim) -> list[dict]:
         sub = stage_trace(t, [layer.name for layer in mine]) if lay.pp > 1 else t
         if lay.tp > 1:
             sub = replace(sub, numels=[math.ceil(m / lay.tp) for m in sub.numels])
-        state = grad_sync_cost(lay.strategy).planned_memory(sub, optim, lay.strategy, lay.dp)
+        state = grad_sync_cost(lay.strategy).planned_memory(sub, optim, lay.strategy, lay.replicas)
         if mine:
             saved = sum(layer.saved_bytes for layer in mine)
             replicated = 0.0 if sp else sum(layer.replicated_saved_bytes for layer in mine)
         else:  # a model without a layer profile: the whole-model estimate
             saved, replicated = t.activation_bytes_per_sample, 0.0
-        per_sample = (saved - replicated) / lay.tp + replicated
+        per_sample = ((saved - replicated) / lay.tp + replicated) / lay.cp
         held = 1 if lay.pp == 1 else (lay.strategy.microbatches if lay.strategy.pp_schedule == "gpipe"
                                       else min(lay.strategy.microbatches, lay.pp - s))
         boundary = (mine[-1].output_bytes * micro / (lay.tp if sp else 1)) if mine and s < len(ranges) - 1 else 0.0

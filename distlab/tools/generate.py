@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from distlab.data import tokenizer as tokenizers
 from distlab.errors import ConfigError
 from distlab.models import GPT
+from distlab.models.generation import generate, gpt_from_state
+
+__all__ = ["generate", "gpt_from_state", "load_gpt"]
 
 
 def load_gpt(source: str | Path, n_head: int | None = None, tokenizer_file: str | None = None) -> tuple:
@@ -70,38 +71,3 @@ def load_gpt(source: str | Path, n_head: int | None = None, tokenizer_file: str 
         raise ConfigError(f"the tokenizer has {tokenizer.learned:,} tokens, {where} only {tok.shape[0]:,}: "
                           f"give the tokenizer it was trained with")
     return model.eval(), tokenizer, where
-
-
-def gpt_from_state(state: dict[str, torch.Tensor], n_layer: int, n_head: int) -> GPT:
-    """A GPT holding ``state`` (a whole model's state_dict), its sizes read from the tensors' shapes.
-    Built on the meta device and given the tensors: no random initialisation, so the run's random
-    streams are untouched (a sample mid-training changes nothing that follows)."""
-    tok, pos = state["0.tok.weight"], state["0.pos.weight"]
-    with torch.device("meta"):
-        model = GPT(tok.shape[0], pos.shape[0], n_layer=n_layer, n_head=n_head, n_embd=tok.shape[1])
-    model.load_state_dict(state, assign=True)
-    return model.eval()
-
-
-@torch.no_grad()
-def generate(model: GPT, prompt: str, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-             seed: int = 0, tokenizer=None) -> str:
-    """``prompt`` followed by ``max_new_tokens`` sampled tokens, decoded (``tokenizer``: bytes by default)."""
-    if temperature < 0 or (top_k is not None and top_k < 1):
-        raise ConfigError("--temperature must be at least 0 and --top-k at least 1")
-    tokenizer = tokenizer or tokenizers.ByteTokenizer()
-    ids = tokenizer.encode(prompt.encode("utf-8")).tolist() or tokenizer.encode(b"\n").tolist()
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.tensor([ids], dtype=torch.long)
-    for _ in range(max_new_tokens):
-        logits = model(tokens[:, -model.block_size:])[0, -1].float()
-        if temperature == 0:
-            nxt = int(logits.argmax())
-        else:
-            logits = logits / temperature
-            if top_k is not None and top_k < logits.numel():
-                cutoff = torch.topk(logits, top_k).values[-1]
-                logits = logits.masked_fill(logits < cutoff, float("-inf"))
-            nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
-        tokens = torch.cat([tokens, torch.tensor([[nxt]])], dim=1)
-    return prompt + tokenizer.decode(tokens[0, len(ids):].tolist())

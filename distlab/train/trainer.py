@@ -277,7 +277,7 @@ class Trainer:
         """A short text the model generates now, the same on every rank (collective: the whole model
         is gathered; rank 0 samples, seeded by the run's seed and step, apart from the run's own random
         streams, then tells the others)."""
-        from distlab.tools.generate import generate, gpt_from_state
+        from distlab.models.generation import generate, gpt_from_state
         state = {k: v.detach().float().cpu() for k, v in self.engine.full_state_dict().items()}
         text = None
         if self.rt.is_main:
