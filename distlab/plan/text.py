@@ -15,7 +15,8 @@ def _ms(s) -> str:
 
 def format_prediction(p: dict) -> str:
     lay = p["layout"]
-    mesh = f"dp {lay['dp']} x tp {lay['tp']}" + (f" x pp {lay['pp']}" if lay.get("pp", 1) > 1 else "")
+    mesh = f"dp {lay['dp']} x tp {lay['tp']}" + (f" x cp {lay['cp']}" if lay.get("cp", 1) > 1 else "") \
+        + (f" x pp {lay['pp']}" if lay.get("pp", 1) > 1 else "")
     lines = [f"layout        {mesh} = {lay['world_size']} ranks, zero {lay['zero']}, "
              f"{lay['dp_sync']}/{lay['collective']}, global batch {lay['global_batch_size']}, "
              f"grad accum {lay['grad_accum']}, {lay['optimizer']}"
@@ -30,6 +31,11 @@ def format_prediction(p: dict) -> str:
              f"{p['model_state_bytes_per_rank']:,} bytes: parameters + gradients + optimizer state at their peak)",
              f"activations   {_gib(p['activation_bytes_per_rank'])} per rank (estimate: {p['activation_basis']})",
              f"memory        {_gib(p['memory_bytes_per_rank'])} per rank"]
+    if p.get("context_parallel"):
+        c = p["context_parallel"]
+        lines.append(f"context       cp {c['cp']} ({c['style']}): each rank holds 1/{c['cp']} of every sequence, sends "
+                     f"{_gib(c['bytes_per_step_per_rank'])} per step in attention ({c['bytes_basis']}); "
+                     f"{c['attention_balance']}")
     if p.get("pipeline"):
         pl = p["pipeline"]
         lines.append(f"pipeline      {len(pl['stages'])} stages, {pl['schedule']}, {pl['microbatches']} micro-batches: "
