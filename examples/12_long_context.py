@@ -35,20 +35,22 @@ def train(strategy: Strategy | None, data) -> tuple[list[torch.Tensor], int, int
     """(parameters after STEPS steps, activation bytes held at the first step's peak, bytes sent per step)."""
     net = model()
     if strategy is None:
-        opt, step = torch.optim.SGD(net.parameters(), lr=LR), None
+        ref_opt = torch.optim.SGD(net.parameters(), lr=LR)
     else:
         engine = parallelize(net, strategy, build_mesh(strategy.tp, cp=strategy.cp))
         opt = torch.optim.SGD(engine.parameters(), lr=LR)
     held = sent = 0
     for i, idx in enumerate(sequential_batches(len(data), batch_size=BATCH, seed=1)[:STEPS]):
         x, y = data.batch(torch.tensor(idx))  # every rank the whole batch of whole sequences
-        opt.zero_grad()
         with ActivationMeter(net.parameters()) as meter, comm.counting() as c:
             if strategy is None:
+                ref_opt.zero_grad()
                 task_loss(net(x), y).backward()
+                ref_opt.step()
             else:
+                opt.zero_grad()
                 engine.forward_backward(x, y, engine.loss)  # this rank's tokens of each sequence
-        opt.step()
+                engine.step(opt)  # the optimizer step (and what the layout needs after it)
         if i == 0:
             held, sent = meter.peak, c.bytes_sent
     params = [p.detach().clone() for p in (net.parameters() if strategy is None else engine.full_parameters())]
