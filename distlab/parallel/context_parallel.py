@@ -203,31 +203,20 @@ def _all_to_all(chunks: list[torch.Tensor], group, rank: int, n: int) -> list[to
     return out
 
 
-class _SequenceToHeads(torch.autograd.Function):
-    """``(B, H, t, D)`` on each rank (its tokens, every head) -> ``(B, H/n, n t, D)`` (every rank's
-    tokens, in rank order, for this rank's heads). Backward: the inverse all-to-all."""
+class _AllToAll(torch.autograd.Function):
+    """Split ``x`` along ``split`` into ``n`` pieces, piece ``j`` to rank ``j``, and concatenate what
+    arrives along ``cat``. Sequence -> heads is ``split=1`` (heads), ``cat=2`` (tokens, in rank order);
+    heads -> sequence the reverse. Backward: the same exchange with the dimensions swapped."""
 
     @staticmethod
-    def forward(ctx, x, group, rank, n):
-        ctx.group, ctx.rank, ctx.n = group, rank, n
-        return torch.cat(_all_to_all(list(x.chunk(n, dim=1)), group, rank, n), dim=2)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _HeadsToSequence.apply(grad, ctx.group, ctx.rank, ctx.n), None, None, None
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    """The inverse of :class:`_SequenceToHeads`."""
-
-    @staticmethod
-    def forward(ctx, x, group, rank, n):
-        ctx.group, ctx.rank, ctx.n = group, rank, n
-        return torch.cat(_all_to_all(list(x.chunk(n, dim=2)), group, rank, n), dim=1)
+    def forward(ctx, x, group, rank, n, split, cat):
+        ctx.args = (group, rank, n, split, cat)
+        return torch.cat(_all_to_all(list(x.chunk(n, dim=split)), group, rank, n), dim=cat)
 
     @staticmethod
     def backward(ctx, grad):
-        return _SequenceToHeads.apply(grad, ctx.group, ctx.rank, ctx.n), None, None, None
+        group, rank, n, split, cat = ctx.args
+        return _AllToAll.apply(grad, group, rank, n, cat, split), None, None, None, None, None
 
 
 class UlyssesAttention(nn.Module):
@@ -246,10 +235,11 @@ class UlyssesAttention(nn.Module):
         t = q.shape[2] * n
         order = torch.cat([self.layout.positions(t, r, q.device) for r in range(n)])  # gathered tokens' positions
         back = torch.argsort(order)  # gathered order -> sequence order
-        q, k, v = (_SequenceToHeads.apply(z, self.group, rank, n).index_select(2, back) for z in (q, k, v))
+        # (B, H, t, D) -> (B, H/n, n t, D): every rank's tokens (rank order, then sequence order), my heads
+        q, k, v = (_AllToAll.apply(z, self.group, rank, n, 1, 2).index_select(2, back) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.index_select(2, order)  # back to the gathered order: rank r's tokens at block r
-        return _HeadsToSequence.apply(y, self.group, rank, n)
+        return _AllToAll.apply(y, self.group, rank, n, 2, 1)
 
 
 # --------------------------------------------------------------------------- the plan
