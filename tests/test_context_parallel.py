@@ -143,3 +143,12 @@ def test_a_context_parallel_run_resumes_bitwise_and_on_another_layout(run_cli, t
     assert all(torch.equal(models["s"][k], models["again"][k]) for k in models["s"])
     diff = max((models["s"][k] - models["one"][k]).abs().max().item() for k in models["s"])
     assert diff <= sgd_tolerance(6, 0.05, 8 * 32, 0.9)
+
+
+def test_fault_drills_run_the_transformer_for_its_cases(tmp_path):
+    """`verify --faults ... --strategy bucketed+cp=2+gpt` drills the GPT (an MLP cannot split a sequence)."""
+    from distlab.tools.faults import _Job
+    from distlab.tools.verify import parse_strategy
+    command = _Job(parse_strategy("bucketed+cp=2+gpt"), 2, 8, tmp_path, 60).command()
+    assert command[command.index("--model") + 1] == "gpt" and "--block-size" in command and "--cp" in command
+    assert _Job(parse_strategy("bucketed"), 2, 8, tmp_path, 60).command().count("mlp") == 1

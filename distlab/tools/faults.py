@@ -68,13 +68,17 @@ class _Job:
         sync_bn = case.strategy.sync_bn != "off"
         self.model, self.dataset = ("small-cnn-bn", "synthetic:3x8x8:4:4096") if sync_bn else \
             ("mlp", "synthetic:1x16x16:10:4096")
+        self.shape = ["--mlp-widths", "64,32"]
+        if case.model == "gpt":  # the transformer (context parallel and the other sequence layouts need it)
+            self.model, self.dataset = "gpt", "synthetic-text:20000"
+            self.shape = ["--n-layer", "2", "--n-head", "4", "--n-embd", "32", "--block-size", "16"]
         self.batch = 16 * case.strategy.dp_size(world_size)
         self.lr = 0.003
         self.every, self.fault_step = max(1, steps // 4), steps // 2 + 1
 
     def command(self, world: int | None = None) -> list[str]:
         return [sys.executable, "-m", "distlab", "train", "--nproc-per-node", str(world or self.world),
-                "--device", "cpu", "--model", self.model, "--mlp-widths", "64,32", "--dataset", self.dataset,
+                "--device", "cpu", "--model", self.model, *self.shape, "--dataset", self.dataset,
                 "--global-batch-size", str(self.batch), "--max-steps", str(self.steps),
                 "--snapshot-every", str(self.every), "--lr", str(self.lr), "--lr-schedule", "cosine",
                 "--log-every", "1", "--no-progress", "--comm-timeout", "60", "--optimizer", self.case.optimizer,
