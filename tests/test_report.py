@@ -241,3 +241,22 @@ def test_runs_are_grouped_by_data_set_and_a_classifier_shows_its_mistakes(run_cl
     names = sorted(p.name for p in (tmp_path / "png").iterdir())
     assert sum("confusion" in n for n in names) == 3 and any("synthetic-text-2000" in n and "loss-vs-step" in n
                                                             for n in names)
+
+
+def test_predictions_are_kept_only_for_a_classifier_of_the_data_sets_classes():
+    """A model with more outputs than the data set has classes (a user's, say) evaluates as before and
+    keeps no confusion matrix (its predictions could name classes the data set does not have)."""
+    import torch
+    from torch import nn
+
+    from distlab.data import load_dataset
+    from distlab.parallel import Strategy, build_mesh, parallelize
+    from distlab.train.evaluate import evaluate
+    data = load_dataset("synthetic:1x4x4:3:60", "test")
+    torch.manual_seed(0)
+    for outputs, kept in ((3, True), (5, False)):
+        engine = parallelize(nn.Sequential(nn.Flatten(), nn.Linear(16, outputs)), Strategy(), build_mesh())
+        result = evaluate(engine, data, details=True)
+        assert ("confusion" in result) == kept and 0 <= result["test_accuracy"] <= 1
+        if kept:
+            assert int(result["confusion"].sum()) == len(data)

@@ -51,7 +51,7 @@ def evaluate(engine: Engine, dataset, device: torch.device | str = "cpu", batch_
         loss_sum += engine.loss(out, y, reduction="sum").item()
         right, scored = engine.correct(out, y)
         correct, count = correct + right, count + scored
-        if details and out.dim() == 2:  # a classifier's logits, (batch, classes)
+        if details and out.dim() == 2 and out.shape[1] == k:  # a classifier's logits, (batch, classes)
             pred = out.argmax(-1)
             confusion += torch.bincount(y * k + pred, minlength=k * k).double()
             idx = torch.as_tensor(loader.indices[start:start + len(y)], device=device)
