@@ -90,7 +90,9 @@ def test_the_cli_splits_the_sequence_and_each_rank_holds_its_share_of_the_activa
     # targets are small); never more than 0.6 of one process's
     ratio = cp2["activation_peak_bytes"] / one["activation_peak_bytes"]
     assert 0.4 < ratio < 0.6, ratio
-    assert abs(cp2["test_loss"] - one["test_loss"]) <= 1e-3 * one["test_loss"]
+    # the same 3 SGD steps in another summation order: verify's float32 bound (it bounds losses as parameters)
+    from distlab.tools.verify import sgd_tolerance
+    assert abs(cp2["test_loss"] - one["test_loss"]) <= sgd_tolerance(3, 0.05, 8 * 64, 0.9)
     bad = run_cli(*common, "--nproc-per-node", "2", "--cp", "2", "--block-size", "66", "--out", "bad")
     assert bad.returncode == 2 and "2 x --cp = 4 equal chunks" in bad.stderr
     bad = run_cli(*common, "--nproc-per-node", "2", "--cp", "2", "--tp", "2", "--out", "bad")

@@ -75,7 +75,3 @@ def split_bytes(spec: str) -> tuple[bytes, bytes]:
         test = [d for i, d in enumerate(docs) if i in held]
     return JOIN.join(train) + b"\n", JOIN.join(test) + b"\n"
 
-
-def run_name(spec: str) -> str:
-    """A short name for run directories: the file or directory's own name, not its path."""
-    return path_of(spec).name or "text"
