@@ -564,10 +564,13 @@ def seed_everything(seed: int) -> None:
 
 @torch.no_grad()
 def broadcast_module(module: torch.nn.Module, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
-    """Overwrite every parameter and buffer with rank ``src``'s (one broadcast per tensor)."""
+    """Overwrite every parameter and buffer with rank ``src``'s (one broadcast per tensor); a
+    parameter replicated over a group of its own (``sync_group``, an expert shard) only by that group."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     for tensor in list(module.parameters()) + list(module.buffers()):
+        if getattr(tensor, "sync_group", group) is not group:
+            continue
         dist.broadcast(tensor.data, src=dist.get_global_rank(group, src) if group else src, group=group)
 
 

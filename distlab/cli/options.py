@@ -254,6 +254,9 @@ STRATEGY_OPTIONS = [
                 "transformer; tp x cp x pp must divide the world size; --block-size divisible by 2 x cp).")),
     ("cp_style", dict(help="With --cp: ring (key/value blocks passed around the ring, exact online softmax) or "
                       "ulysses (all-to-all from sequence shards to head shards and back; heads divisible by cp).")),
+    ("ep", dict(type=int, help="Expert-parallel size: data-parallel ranks that share out a mixture of experts' "
+                "experts (--model gpt-moe; divides the data-parallel size and --experts), tokens exchanged by "
+                "all-to-all.")),
     ("zero", dict(type=click.IntRange(0, 3), help="ZeRO stage over the data-parallel ranks: 1 shards optimizer "
                   "state, 2 also gradients, 3 also parameters.")),
     ("activation_checkpointing", dict(is_flag=True, help="Keep only each block's input (VGG stage, ResNet block, "
@@ -275,7 +278,7 @@ STRATEGY_OPTIONS = [
                         "parameters balance; the header lists the layers).")),
 ]
 TRAIN_OPTIONS = [
-    ("model", dict(help="Images: mlp, mlp-bn, small-cnn-bn, vgg11, vgg11-bn, vgg19, vgg19-bn, resnet18; text: gpt; "
+    ("model", dict(help="Images: mlp, mlp-bn, small-cnn-bn, vgg11, vgg11-bn, vgg19, vgg19-bn, resnet18; text: gpt, gpt-moe (mixture of experts); "
                    "or your own: path/to/file.py:build or package.module:build (a callable returning an nn.Module).")),
     ("model_args", dict(multiple=True, default=(), help="key=value for your model's builder (repeat the flag; "
                         "values read as Python literals: 64, 0.1, True, 'text').")),
@@ -284,6 +287,13 @@ TRAIN_OPTIONS = [
     ("n_head", dict(type=int, help="gpt: attention heads per block (must divide --n-embd).")),
     ("n_embd", dict(type=int, help="gpt: width of the residual stream.")),
     ("block_size", dict(type=int, help="gpt: context length in tokens per sample.")),
+    ("experts", dict(type=int, help="gpt-moe: experts per mixture-of-experts layer (every block's MLP).")),
+    ("top_k", dict(type=int, help="gpt-moe: experts each token is routed to (gates: the router's softmax over "
+                   "them, renormalised).")),
+    ("capacity_factor", dict(type=float, default=None, help="gpt-moe: each expert takes at most ceil(F x "
+                             "tokens x top_k / experts) token-slots per forward, the rest dropped and counted "
+                             "(default: dropless).")),
+    ("aux_coef", dict(type=float, help="gpt-moe: weight of the per-sequence load-balancing loss.")),
     ("dataset", dict(help="Images: fashion-mnist, mnist, cifar10, cifar100, synthetic:CxHxW:K[:N]; text: fortunes, "
                      "synthetic-text[:N]; your own: tensors:FILE (.pt or .npz with inputs and labels), "
                      "imagefolder:DIR (a subfolder of PNG/JPEG images per class), text:PATH (a text file, documents "

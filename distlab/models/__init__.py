@@ -52,8 +52,12 @@ REGISTRY: dict[str, Builder] = {
     "resnet18": lambda shape, k, **_: ResNet18(shape, k),
     "small-cnn-bn": lambda shape, k, **_: SmallCNN(shape, k, batch_norm=True),
     "gpt": lambda shape, k, n_layer=2, n_head=4, n_embd=128, **_: GPT(k, shape[0], n_layer, n_head, n_embd),
+    "gpt-moe": lambda shape, k, n_layer=2, n_head=4, n_embd=128, experts=8, top_k=2, capacity_factor=None,
+    aux_coef=0.01, **_: GPT(k, shape[0], n_layer, n_head, n_embd, experts=experts, top_k=top_k,
+                            capacity_factor=capacity_factor, aux_coef=aux_coef),
 }
-TEXT_MODELS = ("gpt",)
+TEXT_MODELS = ("gpt", "gpt-moe")
+MOE_MODELS = ("gpt-moe",)
 
 
 def model_names() -> list[str]:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlab.errors import ConfigError
+from distlab.models.moe import MoE
 from distlab.models.plans import linear_plan
 
 
@@ -72,12 +73,16 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int):
+    """Pre-LayerNorm attention and MLP, each a residual branch; ``moe`` (keyword arguments of
+    :class:`~distlab.models.moe.MoE`) makes the MLP a mixture of experts."""
+
+    def __init__(self, n_embd: int, n_head: int, moe: dict | None = None):
         super().__init__()
         self.ln1 = nn.LayerNorm(n_embd)
         self.attn = CausalSelfAttention(n_embd, n_head)
         self.ln2 = nn.LayerNorm(n_embd)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+        self.mlp = MoE(n_embd, **moe) if moe else \
+            nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -98,15 +103,20 @@ class Head(nn.Module):
 
 
 class GPT(nn.Sequential):
-    """``GPT(vocab, block_size, n_layer, n_head, n_embd)``: embedding, ``n_layer`` blocks, head."""
+    """``GPT(vocab, block_size, n_layer, n_head, n_embd)``: embedding, ``n_layer`` blocks, head.
+    With ``experts`` E > 0 every block's MLP is a mixture of E experts, each token sent to
+    ``top_k`` of them (:class:`~distlab.models.moe.MoE`; ``capacity_factor`` None is dropless)."""
 
-    def __init__(self, vocab: int, block_size: int, n_layer: int = 2, n_head: int = 4, n_embd: int = 128):
+    def __init__(self, vocab: int, block_size: int, n_layer: int = 2, n_head: int = 4, n_embd: int = 128,
+                 experts: int = 0, top_k: int = 2, capacity_factor: float | None = None, aux_coef: float = 0.01):
         for name, value in (("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd), ("block_size", block_size)):
             if value < 1:
                 raise ValueError(f"{name} must be positive, not {value}")
-        super().__init__(Embedding(vocab, block_size, n_embd), *(Block(n_embd, n_head) for _ in range(n_layer)),
+        moe = dict(experts=experts, top_k=top_k, capacity_factor=capacity_factor, aux_coef=aux_coef) if experts else None
+        super().__init__(Embedding(vocab, block_size, n_embd), *(Block(n_embd, n_head, moe) for _ in range(n_layer)),
                          Head(n_embd, vocab))
         self.block_size, self.n_layer, self.n_head, self.n_embd = block_size, n_layer, n_head, n_embd
+        self.experts = experts
         self._init_weights()
 
     def checkpoint_blocks(self):
@@ -125,15 +135,23 @@ class GPT(nn.Sequential):
         for i in range(1, len(self) - 1):
             plan |= {f"{i}.ln1": "sequence", f"{i}.attn.enter": "enter", f"{i}.attn.q": "colwise_entered",
                      f"{i}.attn.k": "colwise_entered", f"{i}.attn.v": "colwise_entered", f"{i}.attn.proj": "rowwise",
-                     f"{i}.ln2": "sequence", **linear_plan(self[i].mlp, f"{i}.mlp", style)}
+                     f"{i}.ln2": "sequence"}
+            if not self.experts:  # experts stay whole on every tensor-parallel rank (expert parallel splits them)
+                plan |= linear_plan(self[i].mlp, f"{i}.mlp", style)
         head = len(self) - 1
         return plan | {f"{head}.ln": "sequence", f"{head}.enter": "enter", f"{head}.out": "vocab_output"}
 
     def context_parallel_plan(self) -> dict[str, str]:
-        """Context parallel's plan: the position embedding reads each rank's global positions, and
-        every block's attention core runs over the whole sequence (ring or all-to-all)."""
+        """Context parallel's plan: the position embedding reads each rank's global positions, every
+        block's attention core runs over the whole sequence (ring or all-to-all), and a mixture of
+        experts completes its per-sequence routing counts over the sequence's ranks."""
+        moe = {f"{i}.mlp": "context_sequence_stats" for i in range(1, len(self) - 1) if self.experts}
         return {"0.pos": "context_positions",
-                **{f"{i}.attn.core": "context_attention" for i in range(1, len(self) - 1)}}
+                **{f"{i}.attn.core": "context_attention" for i in range(1, len(self) - 1)}, **moe}
+
+    def expert_parallel_plan(self) -> dict[str, str]:
+        """Expert parallel's plan: each block's experts sharded over the expert-parallel ranks."""
+        return {f"{i}.mlp.experts": "experts" for i in range(1, len(self) - 1)} if self.experts else {}
 
     def _init_weights(self) -> None:
         """GPT-2's: N(0, 0.02) weights, zero biases, residual projections scaled by 1/sqrt(2 n_layer)."""
@@ -141,5 +159,6 @@ class GPT(nn.Sequential):
             if name.endswith("bias"):
                 nn.init.zeros_(p)
             elif p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * self.n_layer) if name.endswith(("attn.proj.weight", "mlp.2.weight")) else 0.02
+                residual = ("attn.proj.weight", "mlp.2.weight", "experts.down_weight")
+                std = 0.02 / math.sqrt(2 * self.n_layer) if name.endswith(residual) else 0.02
                 nn.init.normal_(p, 0.0, std)

@@ -29,7 +29,10 @@ data- and context-parallel ranks together gives the whole sequence's mean.
 
 A model joins by declaring ``context_parallel_plan()``: ``{module name: style}`` with the
 styles ``context_positions`` (an ``nn.Embedding`` of positions, called with ``arange(t)``) and
-``context_attention`` (a module computing causal attention from ``(q, k, v)``, ``(B, H, t, D)``).
+``context_attention`` (a module computing causal attention from ``(q, k, v)``, ``(B, H, t, D)``)
+and ``context_sequence_stats`` (a module with a ``sequence_group`` attribute, set to the
+context-parallel group, over which it completes statistics of whole sequences: a mixture of
+experts' routing counts).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from distlab.errors import ConfigError
 from distlab.runtime import group_rank, group_size
 
 STYLES = ("ring", "ulysses")
-PLAN_STYLES = ("context_positions", "context_attention")
+PLAN_STYLES = ("context_positions", "context_attention", "context_sequence_stats")
 
 
 class ContextLayout:
@@ -272,6 +275,12 @@ def apply_context_parallel(model: nn.Module, group, style: str = "ring") -> Cont
                 raise ConfigError(f"context-parallel plan: {name} is a {type(module).__name__}, but "
                                   f"context_positions applies to an nn.Embedding of positions")
             module.register_forward_pre_hook(ContextPositions(layout))
+            continue
+        if kind == "context_sequence_stats":
+            if not hasattr(module, "sequence_group"):
+                raise ConfigError(f"context-parallel plan: {name} ({type(module).__name__}) has no `sequence_group` "
+                                  f"attribute to complete its per-sequence statistics over")
+            module.sequence_group = group
             continue
         new = (RingAttention if style == "ring" else UlyssesAttention)(group, layout)
         parent, _, leaf = name.rpartition(".")

@@ -49,7 +49,9 @@ COLLECTIVES = ("native", "ring", "butterfly", "direct")
 
 
 def _grad_params(module: nn.Module) -> list[nn.Parameter]:
-    return [p for p in module.parameters() if p.requires_grad]
+    """The parameters whose gradients data parallel averages: all that train, but those replicated
+    over a group of their own (``sync_group``: expert-parallel shards, reduced by their owner)."""
+    return [p for p in module.parameters() if p.requires_grad and not hasattr(p, "sync_group")]
 
 
 def _grad_bytes(module: nn.Module) -> int:
@@ -338,6 +340,9 @@ class TorchDDPSync(_BucketSync):
 
     def wrap(self, module: nn.Module) -> nn.Module:
         device_ids = [module_device(module).index] if module_device(module).type == "cuda" else None
+        own = [n for n, p in module.named_parameters() if hasattr(p, "sync_group")]
+        if own:  # expert shards: neither broadcast nor reduced over the data-parallel group
+            nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, own)
         ddp = nn.parallel.DistributedDataParallel(
             module, device_ids=device_ids, process_group=self.group, bucket_cap_mb=self.bucket_mb,
             find_unused_parameters=self.find_unused)

@@ -5,6 +5,9 @@
 0. **context parallel** over the mesh's CP group (the model's position embedding and attention
    as its ``context_parallel_plan`` names them: :mod:`~distlab.parallel.context_parallel`); the
    Engine then cuts every batch to this rank's tokens;
+   **expert parallel** over the mesh's EP group (the experts its ``expert_parallel_plan`` names:
+   :mod:`~distlab.parallel.expert_parallel`), after the pipeline's cut is chosen; the Engine then
+   reduces the expert gradients over their own replicas;
    **activation checkpointing** of the model's blocks, if asked
    (:mod:`~distlab.parallel.checkpointing`: recompute in backward, ``state_dict`` unchanged);
 1. **tensor parallel** over the mesh's TP group (shards sliced from the full, seeded model, so
@@ -46,6 +49,7 @@ from distlab.parallel import tensor_parallel
 from distlab.parallel.checkpointing import apply_activation_checkpointing
 from distlab.parallel.context_parallel import ContextLayout, apply_context_parallel
 from distlab.parallel.data_parallel import DataParallel
+from distlab.parallel.expert_parallel import ExpertParallel, apply_expert_parallel
 from distlab.parallel.mesh import Mesh
 from distlab.parallel.pipeline import PipelineStage, partition
 from distlab.parallel.placement import Placement, take
@@ -67,9 +71,10 @@ class Engine:
 
     def __init__(self, grad_sync: GradSync, schedule: StepSchedule, strategy: Strategy, mesh: Mesh,
                  vocab_head: VocabParallelLinear | None = None, precision: Precision | None = None,
-                 context: ContextLayout | None = None):
+                 context: ContextLayout | None = None, experts: ExpertParallel | None = None):
         self.grad_sync, self.schedule, self.strategy, self.mesh = grad_sync, schedule, strategy, mesh
         self.context = context  # context parallel: which tokens of each sequence this rank holds
+        self.experts = experts  # expert parallel: the expert shards, reduced over their own replicas
         self.precision = precision if precision is not None else Precision(strategy.precision)
         self._found_inf = False  # fp16: this step's gradients overflowed on some rank (the step is skipped)
         self.check_finite = True  # step() refuses non-finite gradients (outside fp16's loss scaling)
@@ -96,7 +101,8 @@ class Engine:
 
     @property
     def sharded(self) -> bool:
-        """Whether ranks hold different model states (ZeRO, tensor-parallel shards, pipeline stages)."""
+        """Whether ranks hold different model states (ZeRO, tensor-parallel shards, pipeline stages,
+        expert shards)."""
         return self.grad_sync.sharded or self.mesh.splits_model
 
     def __call__(self, *args, **kwargs):
@@ -137,6 +143,8 @@ class Engine:
         """After the step's last backward: make every gradient (or gradient shard) the global mean."""
         t0 = time.perf_counter()
         self.grad_sync.sync_gradients()
+        if self.experts is not None:
+            self.experts.sync_gradients()
         self.sync_seconds = time.perf_counter() - t0
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -355,10 +363,10 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
     group), so every replica begins equal.
     """
     strategy.check(mesh.world_size)
-    if (mesh.tp, mesh.pp, mesh.cp) != (strategy.tp, strategy.pp, strategy.cp):
-        raise ValueError(f"the mesh has tp {mesh.tp}, pp {mesh.pp}, cp {mesh.cp} but the strategy tp {strategy.tp}, pp "
-                         f"{strategy.pp}, cp {strategy.cp}: build the mesh from the strategy "
-                         f"(build_mesh(strategy.tp, pp=strategy.pp, cp=strategy.cp))")
+    if (mesh.tp, mesh.pp, mesh.cp, mesh.ep) != (strategy.tp, strategy.pp, strategy.cp, strategy.ep):
+        raise ValueError(f"the mesh has tp {mesh.tp}, pp {mesh.pp}, cp {mesh.cp}, ep {mesh.ep} but the strategy tp "
+                         f"{strategy.tp}, pp {strategy.pp}, cp {strategy.cp}, ep {strategy.ep}: build the mesh from the "
+                         f"strategy (build_mesh(strategy.tp, pp=strategy.pp, cp=strategy.cp, ep=strategy.ep))")
     device = next(model.parameters()).device
     check_device(strategy.precision, device)
     context = apply_context_parallel(model, mesh.cp_group, strategy.cp_style) if strategy.cp > 1 else None
@@ -366,6 +374,12 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
         apply_activation_checkpointing(model)
     if strategy.pp > 1:  # cut by the unsharded model's parameters: the same layers on every rank of a TP group
         balance = [end - start for start, end in partition(model, strategy.pp, strategy.pp_balance)]
+    for m in model.modules():  # a mixture of experts' balance loss: its share of the step, as the task loss's
+        if hasattr(m, "aux_scale"):
+            m.aux_scale = 1.0 / strategy.micro_steps
+    experts = None
+    if strategy.ep > 1:
+        experts = apply_expert_parallel(model, mesh.ep_group, mesh.expert_data_group, mesh.replicas)
     if strategy.tp > 1:
         model = apply_tensor_parallel(model, mesh.tp_group, strategy.tp_style, strategy.sequence_parallel)
     vocab_head = vocab_parallel_head(model)  # before the cut: the loss needs it on the last stage
@@ -375,7 +389,8 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
         schedule = Pipelined(model, mesh)
     model = apply_sync_bn(model, strategy.sync_bn, mesh.replica_group)
     grad_sync = (Zero if strategy.zero else DataParallel).from_strategy(model, strategy, mesh.replica_group)
-    return Engine(grad_sync, schedule, strategy, mesh, vocab_head, Precision(strategy.precision, device), context)
+    return Engine(grad_sync, schedule, strategy, mesh, vocab_head, Precision(strategy.precision, device), context,
+                  experts)
 
 
 GRAD_SYNCS: tuple[type, ...] = (Zero, DataParallel)  # the kinds a sharded_state_dict can come from

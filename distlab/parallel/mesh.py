@@ -13,6 +13,10 @@ A world of ``pp * dp * cp * tp`` ranks. Rank ``r`` is ``(pp_rank, dp_rank, cp_ra
 * **Replica groups** are the data- and context-parallel ranks together (the same stage and
   tensor-parallel rank): they hold the same part of the model, so gradients are averaged over them
   and ZeRO shards over them. Without context parallel they are the DP groups.
+* **EP groups** (expert parallel) cut each DP group into blocks of ``ep`` consecutive data-parallel
+  ranks: a mixture of experts' experts are sharded over them and its tokens travel between them
+  by all-to-all. **Expert-data groups** take the replica ranks holding the same expert shard
+  (the same ``dp_rank mod ep``): expert gradients are reduced over them.
 * **PP groups** (pipelines) take the ranks with the same data- and tensor-parallel rank, one per
   stage, in stage order: they pass activations and gradients point-to-point, neighbour to
   neighbour, a few times per step.
@@ -44,10 +48,13 @@ class Layout:
     pp_groups: list[list[int]]
     cp_groups: list[list[int]]
     replica_groups: list[list[int]]
+    ep_groups: list[list[int]]
+    expert_data_groups: list[list[int]]
 
 
-def layout(world_size: int, tp: int, pp: int = 1, cp: int = 1) -> Layout:
-    """Which global ranks form each group of a ``tp`` x ``cp`` x ``pp`` mesh on ``world_size`` ranks."""
+def layout(world_size: int, tp: int, pp: int = 1, cp: int = 1, ep: int = 1) -> Layout:
+    """Which global ranks form each group of a ``tp`` x ``cp`` x ``pp`` mesh on ``world_size`` ranks,
+    with expert parallel over blocks of ``ep`` data-parallel ranks."""
     if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp):
         divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
         sizes = [f"`{k}` {v}" for k, v in (("tp", tp), ("cp", cp), ("pp", pp)) if v != 1 or k == "tp"]
@@ -55,6 +62,9 @@ def layout(world_size: int, tp: int, pp: int = 1, cp: int = 1) -> Layout:
         raise ConfigError(f"{what} does not divide the world size {world_size}: use sizes whose product divides "
                           f"it ({divisors})")
     dp = world_size // (tp * pp * cp)
+    if ep < 1 or dp % ep:
+        raise ConfigError(f"`ep` {ep} must divide the data-parallel size {dp} (expert parallel shards the experts "
+                          f"over data-parallel ranks): choose an `ep` that divides {dp}")
 
     def rank(p: int, d: int, c: int, t: int) -> int:
         return ((p * dp + d) * cp + c) * tp + t
@@ -64,7 +74,11 @@ def layout(world_size: int, tp: int, pp: int = 1, cp: int = 1) -> Layout:
                   dp_groups=[[rank(p, d, c, t) for d in D] for p in P for c in C for t in T],
                   pp_groups=[[rank(p, d, c, t) for p in P] for d in D for c in C for t in T],
                   cp_groups=[[rank(p, d, c, t) for c in C] for p in P for d in D for t in T],
-                  replica_groups=[[rank(p, d, c, t) for d in D for c in C] for p in P for t in T])
+                  replica_groups=[[rank(p, d, c, t) for d in D for c in C] for p in P for t in T],
+                  ep_groups=[[rank(p, d, c, t) for d in range(b * ep, (b + 1) * ep)]
+                             for p in P for b in range(dp // ep) for c in C for t in T],
+                  expert_data_groups=[[rank(p, d, c, t) for d in D if d % ep == e for c in C]
+                                      for p in P for e in range(ep) for t in T])
 
 
 def _groups(groups: list[list[int]]) -> str:
@@ -93,6 +107,12 @@ class Mesh:
     cp_ranks: list[int] | None = None
     replica_group: dist.ProcessGroup | None = None  # data x context parallel: gradients averaged, ZeRO shards
     replica_ranks: list[int] | None = None
+    ep: int = 1
+    ep_rank: int = 0
+    ep_group: dist.ProcessGroup | None = None  # expert parallel: the ranks sharing out the experts
+    ep_ranks: list[int] | None = None
+    expert_data_group: dist.ProcessGroup | None = None  # the replicas of this rank's expert shard
+    expert_data_ranks: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.replica_ranks is None:  # no context parallel: the replicas are the data-parallel ranks
@@ -105,8 +125,9 @@ class Mesh:
 
     @property
     def splits_model(self) -> bool:
-        """Whether ranks hold different parts of the model (tensor-parallel shards, pipeline stages)."""
-        return self.tp > 1 or self.pp > 1
+        """Whether ranks hold different parts of the model (tensor-parallel shards, pipeline stages,
+        expert shards)."""
+        return self.tp > 1 or self.pp > 1 or self.ep > 1
 
     @property
     def replicas(self) -> int:
@@ -124,24 +145,28 @@ class Mesh:
         """``dp 2 x tp 2: TP groups [0, 1] [2, 3]; DP groups [0, 2] [1, 3]`` (or one word for dp only)."""
         if self.world_size == 1:
             return "single process"
-        if self.tp == 1 and self.pp == 1 and self.cp == 1:
+        if self.tp == 1 and self.pp == 1 and self.cp == 1 and self.ep == 1:
             return f"dp {self.dp}: ranks 0-{self.world_size - 1} in one data-parallel group"
-        groups = layout(self.world_size, self.tp, self.pp, self.cp)
+        groups = layout(self.world_size, self.tp, self.pp, self.cp, self.ep)
         sizes = " x ".join(f"{name} {n}" for name, n in (("pp", self.pp), ("dp", self.dp), ("cp", self.cp),
                                                            ("tp", self.tp)) if n > 1 or name == "dp")
         parts = ([f"TP groups {_groups(groups.tp_groups)}"] if self.tp > 1 else []) + \
                 ([f"CP groups {_groups(groups.cp_groups)}"] if self.cp > 1 else []) + \
                 [f"DP groups {_groups(groups.dp_groups)}"] + \
+                ([f"EP groups {_groups(groups.ep_groups)}; expert gradients over "
+                  f"{_groups(groups.expert_data_groups)}"] if self.ep > 1 else []) + \
                 ([f"gradients averaged over {_groups(groups.replica_groups)}"] if self.cp > 1 else []) + \
                 ([f"pipelines (stage 0 first) {_groups(groups.pp_groups)}"] if self.pp > 1 else [])
+        if self.ep > 1:
+            sizes = sizes.replace(f"dp {self.dp}", f"dp {self.dp} (ep {self.ep})")
         return f"{sizes}: {'; '.join(parts)}"
 
 
-def build_mesh(tp: int = 1, dp: int | None = None, pp: int = 1, cp: int = 1) -> Mesh:
-    """The mesh of this process (collective when tp, pp or cp > 1: every rank calls it, in the same order)."""
+def build_mesh(tp: int = 1, dp: int | None = None, pp: int = 1, cp: int = 1, ep: int = 1) -> Mesh:
+    """The mesh of this process (collective when tp, pp, cp or ep > 1: every rank calls it, in the same order)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    groups = layout(world, tp, pp, cp)
+    groups = layout(world, tp, pp, cp, ep)
     if dp is not None and tp * dp * pp * cp != world:
         extra = "".join(f" x `{k}` {v}" for k, v in (("cp", cp), ("pp", pp)) if v > 1)
         raise ConfigError(f"`tp` {tp} x dp {dp}{extra} = {tp * dp * pp * cp} processes, but the world has {world}: "
@@ -150,10 +175,12 @@ def build_mesh(tp: int = 1, dp: int | None = None, pp: int = 1, cp: int = 1) -> 
     def mine(kind: list[list[int]]) -> list[int]:
         return next(g for g in kind if rank in g)
 
-    made: dict[str, dist.ProcessGroup | None] = {"tp": None, "cp": None, "dp": None, "replica": None, "pp": None}
-    if world > 1 and (tp > 1 or pp > 1 or cp > 1):
+    made: dict[str, dist.ProcessGroup | None] = {"tp": None, "cp": None, "dp": None, "replica": None, "pp": None,
+                                                 "ep": None, "expert_data": None}
+    if world > 1 and (tp > 1 or pp > 1 or cp > 1 or ep > 1):
         # new_group is collective over the whole world: every rank creates every group, in one order
-        for kind, needed in (("tp", tp > 1), ("cp", cp > 1), ("dp", True), ("replica", cp > 1), ("pp", pp > 1)):
+        for kind, needed in (("tp", tp > 1), ("cp", cp > 1), ("dp", tp > 1 or pp > 1 or cp > 1), ("replica", cp > 1),
+                             ("pp", pp > 1), ("ep", ep > 1), ("expert_data", ep > 1)):
             for g in getattr(groups, f"{kind}_groups") if needed else ():
                 pg = dist.new_group(g)
                 if rank in g:
@@ -163,4 +190,6 @@ def build_mesh(tp: int = 1, dp: int | None = None, pp: int = 1, cp: int = 1) -> 
     return Mesh(rank, world, tp, world // (tp * pp * cp), tp_ranks.index(rank), dp_ranks.index(rank), made["tp"],
                 made["dp"], tp_ranks, dp_ranks, pp, pp_ranks.index(rank), made["pp"], pp_ranks,
                 cp, cp_ranks.index(rank), made["cp"], cp_ranks,
-                made["replica"], mine(groups.replica_groups) if cp > 1 else None)
+                made["replica"], mine(groups.replica_groups) if cp > 1 else None,
+                ep, mine(groups.ep_groups).index(rank), made["ep"], mine(groups.ep_groups),
+                made["expert_data"], mine(groups.expert_data_groups))

@@ -22,6 +22,8 @@ modifiers, e.g. ``bucketed:ring+accum=4+syncbn``, ``zero=3``, ``allreduce+tp=2+n
                     sequence over the tensor-parallel group (needs tp)
     cp=N, ulysses   cp and cp_style: context parallel, every sequence split over N ranks for the
                     whole model, attention by ring (the default) or by all-to-all over heads
+    ep=N            ep: expert parallel, a mixture of experts' experts sharded over N of the
+                    data-parallel ranks (tokens dispatched to them by all-to-all)
     zero=S          zero: ZeRO stage 1-3
     ckpt            activation_checkpointing: recompute each block's activations in backward
     bf16, fp16      precision: forward and backward under autocast in that dtype (fp32 master
@@ -81,6 +83,7 @@ class Strategy:
     sequence_parallel: bool = False
     cp: int = 1              # context parallel: each sequence split over cp ranks (distlab.parallel.context_parallel)
     cp_style: str = "ring"   # ring (key/value blocks around the ring) or ulysses (all-to-all over heads)
+    ep: int = 1              # expert parallel: experts sharded over ep data-parallel ranks (distlab.parallel.expert_parallel)
     zero: int = 0
     pp: int = 1
     microbatches: int | None = None  # None: pp (1 without a pipeline)
@@ -135,6 +138,10 @@ class Strategy:
         if self.cp > 1 and self.sequence_parallel:
             raise ConfigError(f"`sequence_parallel` and `cp` {self.cp} both split the sequence: context parallel "
                               f"already splits it for the whole model; drop `sequence_parallel`")
+        if self.ep < 1:
+            raise ConfigError(f"`ep` must be at least 1, not {self.ep}")
+        if self.ep > 1:
+            self._check_expert_parallel()
         if self.microbatches < 1:
             raise ConfigError(f"`microbatches` must be at least 1, not {self.microbatches}")
         if self.pp > 1:
@@ -171,7 +178,26 @@ class Strategy:
             what = f"`pp` {self.pp}" if self.tp == 1 else f"`tp` {self.tp} x `pp` {self.pp} = {self.tp * self.pp}"
             raise ConfigError(f"{what} does not divide the world size {world_size}: the world is data x tensor x "
                               f"pipeline parallel, so the product of `tp` and `pp` must divide it ({divisors})")
+        if world_size is not None and self.dp_size(world_size) % self.ep:
+            dp = self.dp_size(world_size)
+            fits = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0)
+            raise ConfigError(f"`ep` {self.ep} does not divide the data-parallel size {dp} (world {world_size}"
+                              f"{'' if dp == world_size else ' / tp x cp x pp'}): expert parallel shards the experts "
+                              f"over data-parallel ranks; use an `ep` of {fits}")
         return self
+
+    def _check_expert_parallel(self) -> None:
+        """The combinations expert parallel refuses, each with its reason."""
+        if self.zero:
+            raise ConfigError(f"`zero` {self.zero} with `ep` {self.ep}: ZeRO shards the model state over the data-"
+                              f"parallel ranks as if they held the same model, and under expert parallel they hold "
+                              f"different experts; use `ep` (the experts are already split) without `zero`")
+        if self.sequence_parallel:
+            raise ConfigError(f"`sequence_parallel` with `ep` {self.ep}: the tensor-parallel ranks would route "
+                              f"different tokens to the same experts; drop `sequence_parallel`")
+        if self.grad_compression != "none":
+            raise ConfigError(f"`grad_compression` {self.grad_compression} with `ep` {self.ep}: the expert gradients "
+                              f"are reduced over their own ranks, uncompressed; drop `grad_compression`")
 
     def _check_compression(self) -> None:
         """`grad_compression` and `reduce_dtype`: what they apply to, each refusal with its reason."""
@@ -298,6 +324,8 @@ class Strategy:
                          + ("+sp" if self.sequence_parallel else ""))
         if self.cp != 1:
             parts.append(f"cp={self.cp}" + ("+ulysses" if self.cp_style == "ulysses" else ""))
+        if self.ep != 1:
+            parts.append(f"ep={self.ep}")
         if self.zero:
             parts.append(f"zero={self.zero}")
         if self.pp != 1:
@@ -328,7 +356,7 @@ class Strategy:
                 name = _KEYS.get(key, key)
                 if name not in _FIELDS:
                     raise ConfigError(f"strategy {text!r}: unknown modifier {token!r} (known: accum=K, bucket=MB, "
-                                      f"syncbn[=torch], find_unused, tp=N, naive, sp, cp=N, ulysses, zero=S, pp=P, mb=M, gpipe, 1f1b, ckpt, bf16, fp16, "
+                                      f"syncbn[=torch], find_unused, tp=N, naive, sp, cp=N, ulysses, ep=N, zero=S, pp=P, mb=M, gpipe, 1f1b, ckpt, bf16, fp16, "
                                       f"reduce=DTYPE, compress=C, or FIELD=VALUE with FIELD "
                                       f"one of {', '.join(_FIELDS)})")
                 values[name] = _convert(name, value, text)
@@ -360,11 +388,13 @@ class Strategy:
 
     def to_dict(self) -> dict:
         """The JSON object of ``summary.json["strategy"]`` (``tp_style`` is null without tensor parallel;
-        ``cp`` and ``cp_style`` only with context parallel)."""
+        ``cp`` and ``cp_style`` only with context parallel, ``ep`` only with expert parallel)."""
         d = dataclasses.asdict(self)
         d["tp_style"] = self.tp_style if self.tp > 1 else None
         if self.cp == 1:  # no context parallel: the object (and a snapshot's fingerprint) is as before it existed
             del d["cp"], d["cp_style"]
+        if self.ep == 1:  # likewise without expert parallel
+            del d["ep"]
         d["pp_schedule"] = self.pp_schedule if self.pp > 1 else None
         d["pp_balance"] = list(self.pp_balance) if self.pp_balance else None
         return d

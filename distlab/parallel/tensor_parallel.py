@@ -300,8 +300,9 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, m in model.named_modules():
         prefix = f"{name}." if name else ""
-        if hasattr(m, "full_parameters"):  # a sharded layer: weight (and bias), gathered
-            out.update(zip((prefix + "weight", prefix + "bias"), m.full_parameters()))
+        if hasattr(m, "full_parameters"):  # a sharded layer: its own parameters, gathered
+            names = [k for k, _ in m.named_parameters(recurse=False)]
+            out.update(zip((prefix + k for k in names), m.full_parameters()))
             continue
         for key, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False)):
             if t is not None:

@@ -49,6 +49,7 @@ from distlab.parallel import COLLECTIVES, SYNC_METHODS, Strategy
 from distlab.train.config import TrainConfig
 
 EPS32 = torch.finfo(torch.float32).eps
+CASE_MODELS = ("gpt", "gpt-moe")  # +gpt: the transformer; +gpt-moe: with mixture-of-experts MLPs (8 experts, top 2)
 SMALL_BUCKET_MB = 0.004  # several buckets on the tiny models below (unless a strategy sets bucket=)
 
 
@@ -74,13 +75,13 @@ def parse_strategy(text: str) -> Case:
     """The :class:`~distlab.parallel.Strategy` text form, plus ``+adam`` for the optimizer and
     ``+gpt`` for the transformer."""
     tokens = [t.strip() for t in text.split("+")]
-    if "gpt" in tokens and "adam" in tokens:
+    model = next((t for t in tokens if t in CASE_MODELS), None)
+    if model and "adam" in tokens:
         raise ConfigError(f"{text}: Adam on the transformer has no float32 tolerance to verify against -- it divides "
                           f"each gradient entry by its own size, so entries whose gradient is rounding noise move by "
                           f"up to lr either way; verify the transformer with SGD (drop +adam)")
-    rest = "+".join(t for t in tokens if t not in ("adam", "gpt"))
-    return Case(Strategy.parse(rest) if rest else Strategy(), "adam" if "adam" in tokens else "sgd",
-                "gpt" if "gpt" in tokens else None)
+    rest = "+".join(t for t in tokens if t not in ("adam", *CASE_MODELS))
+    return Case(Strategy.parse(rest) if rest else Strategy(), "adam" if "adam" in tokens else "sgd", model)
 
 
 def default_strategies(world_size: int | None = None) -> list[Case]:
@@ -127,8 +128,8 @@ def config_for(case: Case, world_size: int, steps: int, global_batch: int | None
     bn = strategy.sync_bn != "off"
     mine, data = model, dataset
     model, dataset = ("small-cnn-bn", "synthetic:3x8x8:4:480") if bn else ("mlp", "synthetic:1x8x8:4:480")
-    if case.model == "gpt":
-        model, dataset = "gpt", "synthetic-text:4000"
+    if case.model in CASE_MODELS:
+        model, dataset = case.model, "synthetic-text:4000"
     if mine:
         model, dataset = mine, data or USER_DATASET
     return TrainConfig(model=model, model_args=tuple(model_args) if mine else (), mlp_widths=(32, 16), n_layer=2, n_head=4, n_embd=16, block_size=8,

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from distlab.data import canonical_name, dataset_shape, is_text, load_dataset
 from distlab.data.tokenizer import vocab_size as tokenizer_vocab
 from distlab.errors import ConfigError, first_line
-from distlab.models import TEXT_MODELS, check_model_name, is_user_model, parse_model_args
+from distlab.models import MOE_MODELS, TEXT_MODELS, check_model_name, is_user_model, parse_model_args
 from distlab.parallel import Strategy
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -48,6 +48,10 @@ class TrainConfig:
     n_head: int = 4         # gpt: attention heads per block
     n_embd: int = 128       # gpt: width of the residual stream
     block_size: int = 64    # gpt: tokens per sample (context length)
+    experts: int = 8        # gpt-moe: experts per mixture-of-experts layer
+    top_k: int = 2          # gpt-moe: experts each token is sent to
+    capacity_factor: float | None = None  # gpt-moe: None is dropless; else each expert takes ceil(f x slots / E)
+    aux_coef: float = 0.01  # gpt-moe: weight of the load-balancing loss
     dataset: str = "fashion-mnist"
     tokenizer: str = "bytes"  # text: bytes, or bpe:N learned from the training split (distlab.data.tokenizer)
     data_dir: str | None = None
@@ -178,6 +182,10 @@ class TrainConfig:
                               f"{self.model} takes its own flags")
         if tp > 1:
             self._check_tensor_parallel()
+        if self.model in MOE_MODELS:
+            self._check_experts()
+        if self.strategy.ep > 1:
+            self._check_expert_parallel()
         if self.strategy.cp > 1:
             self._check_context_parallel()
         if self.strategy.activation_checkpointing:
@@ -208,6 +216,25 @@ class TrainConfig:
         from distlab.parallel.tp_plan import plan_of
         s = self.strategy
         plan_of(self._meta_model(), s.tp, s.tp_style, s.sequence_parallel)
+
+    def _check_experts(self) -> None:
+        _at_least("experts", self.experts, 2)
+        if not 1 <= self.top_k <= self.experts:
+            raise ConfigError(f"`top_k` {self.top_k} must be between 1 and `experts` {self.experts} (each token goes "
+                              f"to top_k of the experts)")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ConfigError(f"`capacity_factor` must be positive, not {self.capacity_factor:g} (leave it out for "
+                              f"dropless routing)")
+        if not self.aux_coef >= 0:
+            raise ConfigError(f"`aux_coef` must be 0 or more, not {self.aux_coef:g}")
+
+    def _check_expert_parallel(self) -> None:
+        """The model must name its experts; their number must split over `ep`."""
+        from distlab.parallel.expert_parallel import plan_of
+        plan_of(self._meta_model())
+        if self.model in MOE_MODELS and self.experts % self.strategy.ep:
+            raise ConfigError(f"expert parallel shards `experts` {self.experts} over `ep` {self.strategy.ep} ranks: "
+                              f"choose an `ep` that divides {self.experts}")
 
     def _check_context_parallel(self) -> None:
         """The model must declare where positions and attention are; each sequence must cut into 2 x cp chunks."""
@@ -242,7 +269,9 @@ class TrainConfig:
     def model_options(self) -> dict:
         """The builder options of :func:`distlab.models.build_model` for this config's model."""
         return {"widths": self.mlp_widths, "n_layer": self.n_layer, "n_head": self.n_head, "n_embd": self.n_embd,
-                "model_args": self.model_args}
+                "model_args": self.model_args,
+                **({"experts": self.experts, "top_k": self.top_k, "capacity_factor": self.capacity_factor,
+                    "aux_coef": self.aux_coef} if self.model in MOE_MODELS else {})}
 
     def load(self, split: str):
         """This config's dataset, ``split`` "train" or "test"."""

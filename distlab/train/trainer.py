@@ -62,7 +62,7 @@ class Trainer:
             self.train_set, self.test_set = self.train_set.to(rt.device), self.test_set.to(rt.device)
             self.val_set = self.val_set.to(rt.device) if self.val_set is not None else None
         # The mesh: data is split over the data-parallel ranks only (a TP group and a pipeline see the same batch).
-        self.mesh = build_mesh(cfg.strategy.tp, pp=cfg.strategy.pp, cp=cfg.strategy.cp)
+        self.mesh = build_mesh(cfg.strategy.tp, pp=cfg.strategy.pp, cp=cfg.strategy.cp, ep=cfg.strategy.ep)
         self.local_batch = cfg.global_batch_size // self.mesh.dp
         self.loader = TrainLoader(self.train_set, rank=self.mesh.dp_rank, world_size=self.mesh.dp,
                                   local_batch=self.local_batch, shuffle=True, seed=cfg.seed)

@@ -1,0 +1,177 @@
+"""Mixture of experts: a router sends each token to ``top_k`` of ``experts`` feed-forward networks.
+
+:class:`MoE` replaces a transformer block's MLP (Shazeer et al. 2017; GShard, Lepikhin et al.
+2020; Switch, Fedus et al. 2021; Mixtral's top-2 of 8). Per token: the router's softmax over the
+experts, the ``top_k`` largest probabilities renormalised to sum to one as the gates, the
+token's output the gate-weighted sum of its experts' outputs.
+
+**Dropless by default.** Every token reaches all of its experts, however unbalanced the routing:
+no token's output depends on which other tokens share its batch, so a run split over ranks in
+any way computes what one process computes on the whole batch. With a ``capacity_factor`` an
+expert takes at most ``ceil(capacity_factor x slots / experts)`` of the token-slots a forward
+routes (``slots = tokens x top_k``), the earliest first; the rest are dropped (they add nothing;
+the residual carries the token on) and counted. Drops depend on which tokens share a forward --
+each rank's micro-batch -- so a capacity-limited run equals one process only where nothing is
+dropped.
+
+**Load-balancing loss, per sequence.** Routing collapses onto a few experts unless training is
+told to spread it. The auxiliary loss is Switch's ``E x sum_e f_e P_e`` (``f_e``: the fraction
+of slots routed to expert ``e``; ``P_e``: its mean router probability), computed for each
+*sequence* and averaged over sequences (the sequence-wise balance loss of DeepSeek-V3). Per
+sequence, it splits over data-parallel ranks, micro-batches and pipeline stages exactly like
+the task loss does -- a mean over samples -- so every layout trains the single-process model.
+Only context parallel, which splits a sequence itself, completes ``f`` with one all-reduce of the
+counts over its ranks (:attr:`MoE.sequence_group`). The loss reaches the router without passing
+through the model's output: its gradient (``aux_coef`` times :attr:`MoE.aux_scale`, the step's
+micro-batch share) is added in backward where the layer's output is (Megatron-LM's
+``MoEAuxLossAutoScaler`` does the same), so a pipeline stage needs no extra loss term.
+
+**The experts** are one :class:`GroupedExperts` module holding them stacked (``(E, d, h)``
+weights), fed the routed tokens sorted by expert with the count of each. Expert parallel
+(:mod:`distlab.parallel.expert_parallel`) swaps it for a shard of ``E / ep`` experts that
+exchanges tokens with all-to-all; the router and the combination stay here.
+
+**Statistics.** Each training forward adds its routed slots per expert to :attr:`MoE.load` and
+its dropped slots to :attr:`MoE.dropped` (recomputation under activation checkpointing does not
+count twice); :attr:`MoE.last_aux` is the last balance loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class GroupedExperts(nn.Module):
+    """``experts`` two-layer GELU MLPs ``d -> hidden -> d`` stored stacked: ``up_weight (E, d, h)``,
+    ``up_bias (E, h)``, ``down_weight (E, h, d)``, ``down_bias (E, d)``. ``forward(tokens, counts)``:
+    ``tokens`` sorted by expert, ``counts[e]`` of them for expert ``e``; returns their outputs in
+    the same order."""
+
+    def __init__(self, experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.up_weight = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.up_bias = nn.Parameter(torch.zeros(experts, hidden))
+        self.down_weight = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.down_bias = nn.Parameter(torch.zeros(experts, dim))
+        for w in (self.up_weight, self.down_weight):
+            nn.init.normal_(w, 0.0, 0.02)
+
+    @property
+    def num_experts(self) -> int:
+        return self.up_weight.shape[0]
+
+    def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        outs = []
+        for e, piece in enumerate(tokens.split(counts)):
+            if len(piece):
+                h = F.gelu(piece @ self.up_weight[e] + self.up_bias[e])
+                outs.append(h @ self.down_weight[e] + self.down_bias[e])
+        if not outs:  # nothing routed here: an empty result still joins the graph of every expert
+            return tokens.new_zeros(0, self.down_weight.shape[-1]) + 0 * sum(p.sum() for p in self.parameters())
+        return torch.cat(outs)
+
+
+class _AuxLossGrad(torch.autograd.Function):
+    """Identity on ``out``; in backward, the balance loss ``aux`` receives the gradient ``scale``
+    as if ``scale x aux`` had been added to the loss."""
+
+    @staticmethod
+    def forward(ctx, out, aux, scale):
+        ctx.scale = scale
+        ctx.aux_shape, ctx.aux_dtype = aux.shape, aux.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
+
+
+def _recomputing() -> bool:
+    """Whether this forward runs inside backward (activation checkpointing's recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts feed-forward layer on ``(B, T, d)`` (module docstring)."""
+
+    def __init__(self, dim: int, experts: int, top_k: int = 2, hidden: int | None = None,
+                 capacity_factor: float | None = None, aux_coef: float = 0.01):
+        super().__init__()
+        if experts < 2:
+            raise ValueError(f"a mixture of experts needs at least 2 experts, not {experts}")
+        if not 1 <= top_k <= experts:
+            raise ValueError(f"top_k {top_k} must be between 1 and the number of experts {experts}")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be positive, not {capacity_factor}")
+        self.num_experts, self.top_k = experts, top_k
+        self.capacity_factor, self.aux_coef = capacity_factor, aux_coef
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = GroupedExperts(experts, dim, hidden or 4 * dim)
+        self.aux_scale = 1.0  # the step's share of this forward's loss (1 / micro-batches); the Engine sets it
+        self.sequence_group = None  # context parallel: the ranks holding the other parts of each sequence
+        self.reset_statistics()
+
+    def reset_statistics(self) -> None:
+        self.load = torch.zeros(self.num_experts, dtype=torch.float64)  # slots routed per expert
+        self.dropped = 0  # slots dropped by the capacity limit
+        self.routed = 0   # slots routed (dropped ones included)
+        self.last_aux: torch.Tensor | None = None
+
+    def capacity(self, slots: int) -> int | None:
+        """The most slots an expert takes from a forward routing ``slots`` (None: dropless)."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * slots / self.num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        flat = x.reshape(-1, d)
+        probs = self.router(flat).float().softmax(-1)                       # (N, E)
+        gates, chosen = probs.topk(self.top_k, dim=-1)                       # (N, k)
+        gates = gates / gates.sum(-1, keepdim=True)
+        expert_of = chosen.reshape(-1)                                       # slot -> expert
+        order = torch.argsort(expert_of, stable=True)                        # slots by expert, then token
+        counts = torch.bincount(expert_of, minlength=self.num_experts)
+        kept, kept_counts = order, counts
+        cap = self.capacity(len(expert_of))
+        if cap is not None:
+            start = torch.cumsum(counts, 0) - counts
+            position = torch.arange(len(order), device=x.device) - start[expert_of[order]]
+            keep = position < cap
+            kept, kept_counts = order[keep], counts.clamp(max=cap)
+        token_of = kept // self.top_k
+        out = self.experts(flat[token_of], kept_counts.tolist())
+        weighted = out * gates.reshape(-1)[kept].unsqueeze(-1).to(out.dtype)
+        y = torch.zeros((b * t, d), dtype=weighted.dtype, device=x.device).index_add_(0, token_of, weighted)
+        if self.training and torch.is_grad_enabled():
+            aux = self._balance_loss(probs.view(b, t, -1), chosen.view(b, t, -1))
+            y = _AuxLossGrad.apply(y, aux, self.aux_coef * self.aux_scale)
+            if not _recomputing():
+                self.last_aux = aux.detach()
+                self.load += counts.detach().to("cpu", torch.float64)
+                self.routed += len(expert_of)
+                self.dropped += len(expert_of) - len(kept)
+        return y.view(b, t, d).to(x.dtype)
+
+    def _balance_loss(self, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """``mean over sequences of E x sum_e f_e P_e`` with ``f`` over the whole sequence (summed over
+        :attr:`sequence_group`) and ``P`` over this rank's tokens of it."""
+        b, t, e = probs.shape
+        seq = torch.arange(b, device=probs.device).repeat_interleave(t * self.top_k)
+        f = torch.bincount(seq * e + chosen.reshape(-1), minlength=b * e).view(b, e).to(probs.dtype)
+        tokens = t
+        if self.sequence_group is not None and dist.get_world_size(self.sequence_group) > 1:
+            dist.all_reduce(f, group=self.sequence_group)
+            tokens = t * dist.get_world_size(self.sequence_group)
+        f = f / (tokens * self.top_k)
+        return e * (f * probs.mean(1)).sum(-1).mean()
+
+    def statistics(self) -> dict:
+        """This rank's routing counts since the last reset."""
+        return {"load": [int(v) for v in self.load.tolist()], "routed": int(self.routed), "dropped": int(self.dropped),
+                "aux_loss": None if self.last_aux is None else float(self.last_aux)}

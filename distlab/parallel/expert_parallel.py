@@ -1,0 +1,179 @@
+"""Expert parallel: a mixture of experts' experts sharded over ``ep`` data-parallel ranks.
+
+Each of the ``ep`` ranks of an EP group keeps ``E / ep`` experts (rank ``r``: experts
+``r E/ep .. (r+1) E/ep - 1``) and its own tokens, as data parallel gives them. In every MoE
+layer the router (replicated) picks each token's experts; the token-slots, already sorted by
+expert, go to the ranks holding their experts in one all-to-all (GShard's dispatch), each rank
+runs its experts on what arrived from every rank, and a second all-to-all brings the outputs
+home (combine), where the gates weight them. Backward runs the same two exchanges in reverse.
+Sizes vary per step (routing decides them), so the per-expert counts travel first, in a small
+all-to-all of their own. Per layer and rank, forward: ``(ep - 1)/ep``-ish of the routed slots
+each way, ``2 x slots x d`` elements in all that leave the rank (exactly: the slots routed to
+other ranks, out and back), the same again backward; :mod:`distlab.comm` counts every byte.
+
+**Gradients.** The experts are not replicas across the EP group, so the data-parallel sync
+leaves them out (each carries ``sync_group``: the group it is replicated over). After backward
+an expert's gradient on its rank holds every EP rank's tokens' contributions, each scaled by its
+own rank's ``1 / local batch``; :meth:`ExpertParallel.sync_gradients` sums it over the
+*expert-data group* (the replicas of the same shard: same ``dp_rank mod ep``, every context-
+parallel rank) and divides by the number of replicas of the whole model, which makes it the
+single-process mean over the global batch, exactly as data parallel does for the rest.
+
+**State.** The shard keeps the stacked expert tensors' names, split along dimension 0 over the EP
+group (``tp_split``, as a tensor-parallel layer), so full state dicts, snapshots and resharding
+gather and cut experts like any split parameter: a snapshot taken at one ``ep`` resumes at another.
+
+A model joins by declaring ``expert_parallel_plan()``: ``{module name: "experts"}`` for each
+module that computes its experts from ``(tokens sorted by expert, counts per expert)`` with
+parameters stacked along a first dimension of size ``experts``
+(:class:`distlab.models.moe.GroupedExperts`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from distlab import comm
+from distlab.comm import p2p
+from distlab.errors import ConfigError
+from distlab.parallel.tensor_parallel import _gather
+from distlab.runtime import broadcast_module, group_rank, group_size
+
+PLAN_STYLES = ("experts",)
+
+
+def _all_to_all(chunks: list[torch.Tensor], sizes: list[int], group, rank: int) -> list[torch.Tensor]:
+    """Chunk ``j`` to rank ``j``; returns what rank ``j`` sent this one (``sizes[j]`` rows each)."""
+    first = chunks[rank]
+    out = [first.new_empty((s, *first.shape[1:])) for s in sizes]
+    out[rank] = first
+    works = [p2p.irecv(out[j], j, group) for j in range(len(sizes)) if j != rank and sizes[j]]
+    works += [p2p.isend(chunks[j].contiguous(), j, group) for j in range(len(chunks)) if j != rank and len(chunks[j])]
+    p2p.wait_all(works)
+    return out
+
+
+class _Exchange(torch.autograd.Function):
+    """Rows ``send[j]`` of ``x`` (in order) to rank ``j``; returns the rows every rank sent here, in
+    rank order. Backward: the reverse exchange of the gradients."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, group, rank):
+        ctx.args = (send, recv, group, rank)
+        return torch.cat(_all_to_all(list(x.split(send)), recv, group, rank))
+
+    @staticmethod
+    def backward(ctx, grad):
+        send, recv, group, rank = ctx.args
+        return _Exchange.apply(grad.contiguous(), recv, send, group, rank), None, None, None, None
+
+
+class ExpertShard(nn.Module):
+    """This rank's ``E / ep`` experts of ``experts`` (same parameter names, split along dimension 0),
+    exchanging tokens with the other ranks of ``group`` (module docstring)."""
+
+    def __init__(self, experts: nn.Module, group, sync_group=None):
+        super().__init__()
+        params = dict(experts.named_parameters(recurse=False))
+        if not params or any(p.dim() == 0 for p in params.values()):
+            raise ConfigError(f"expert parallel: {type(experts).__name__} must hold its experts stacked along a first "
+                              f"dimension; it has {', '.join(params) or 'no parameters'}")
+        total = next(iter(params.values())).shape[0]
+        n, r = group_size(group), group_rank(group)
+        if any(p.shape[0] != total for p in params.values()):
+            raise ConfigError(f"expert parallel: the parameters of {type(experts).__name__} disagree on the number of "
+                              f"experts (first dimensions {[tuple(p.shape)[0] for p in params.values()]})")
+        if total % n:
+            raise ConfigError(f"expert parallel shards {total} experts over `ep` {n} ranks: choose an `ep` that divides "
+                              f"{total} (or a number of experts that {n} divides)")
+        self.group, self.ep, self.ep_rank, self.num_experts, self.local = group, n, r, total, total // n
+        self.tp_split = dict.fromkeys(params, 0)  # snapshots and full state dicts gather along it
+        self._compute = type(experts).forward  # the experts' own computation, run on this shard's slices
+        for name, p in params.items():
+            shard = nn.Parameter(p.detach()[r * self.local:(r + 1) * self.local].clone(), requires_grad=p.requires_grad)
+            shard.sync_group = sync_group  # replicated over the expert-data group, not the data-parallel group
+            self.register_parameter(name, shard)
+
+    def full_parameters(self) -> list[torch.Tensor]:
+        """Every expert's tensors, gathered from the EP group (collective)."""
+        return [_gather(p.detach(), self.group, 0) for p in self.parameters(recurse=False)]
+
+    def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        n, local, rank = self.ep, self.local, self.ep_rank
+        if len(counts) != self.num_experts:
+            raise ValueError(f"expert parallel: {len(counts)} counts for {self.num_experts} experts")
+        mine = torch.tensor(counts, dtype=torch.int64).view(n, local)  # row j: slots for rank j's experts
+        theirs = torch.cat(_all_to_all(list(mine.split(1)), [1] * n, self.group, rank))  # row j: from rank j
+        send, recv = mine.sum(1).tolist(), theirs.sum(1).tolist()
+        arrived = _Exchange.apply(tokens, send, recv, self.group, rank)  # by source rank, then expert
+        starts = (torch.cumsum(theirs.flatten(), 0) - theirs.flatten()).view(n, local).tolist()
+        sizes = theirs.tolist()
+        by_expert = [torch.arange(starts[s][e], starts[s][e] + sizes[s][e]) for e in range(local) for s in range(n)]
+        perm = torch.cat(by_expert).to(tokens.device) if by_expert else torch.zeros(0, dtype=torch.long)
+        out = self._compute(self, arrived.index_select(0, perm), theirs.sum(0).tolist())
+        home = torch.zeros_like(out).index_copy(0, perm, out)  # back to arrival order
+        return _Exchange.apply(home, recv, send, self.group, rank)
+
+
+class ExpertParallel:
+    """The expert shards of a model and their gradient reduction (module docstring)."""
+
+    def __init__(self, shards: list[ExpertShard], data_group, replicas: int):
+        self.shards, self.data_group, self.replicas = shards, data_group, replicas
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for s in self.shards for p in s.parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def sync_gradients(self) -> None:
+        """Expert gradients: summed over the expert-data group, divided by the model's replica count."""
+        params = self.parameters()
+        if not params:
+            return
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        if group_size(self.data_group) > 1:
+            comm.all_reduce(flat, "sum", group=self.data_group)
+        flat.div_(self.replicas)
+        offset = 0
+        for p in params:
+            view = flat[offset:offset + p.numel()].view_as(p)
+            if p.grad is None:
+                p.grad = view.clone()
+            else:
+                p.grad.copy_(view)
+            offset += p.numel()
+
+
+def plan_of(model: nn.Module) -> dict[str, str]:
+    declared = getattr(model, "expert_parallel_plan", None)
+    plan = dict(declared()) if declared is not None else {}
+    if not plan:
+        raise ConfigError(f"`ep` shards the experts of a mixture-of-experts model that names them in an "
+                          f"expert_parallel_plan() method; {type(model).__name__} has none (the built-in gpt-moe has)")
+    unknown = sorted({s for s in plan.values() if s not in PLAN_STYLES})
+    if unknown:
+        raise ConfigError(f"{type(model).__name__}'s expert-parallel plan has unknown styles {', '.join(unknown)}; "
+                          f"the one style is: experts")
+    return plan
+
+
+def apply_expert_parallel(model: nn.Module, group, data_group, replicas: int) -> ExpertParallel:
+    """Shard every module the model's plan names over ``group`` (in place); the shards start from
+    the first replica's experts (a broadcast over ``data_group``, as data parallel starts from rank 0)."""
+    shards = []
+    for name in plan_of(model):
+        shard = ExpertShard(model.get_submodule(name), group, data_group)
+        broadcast_module(shard, src=0, group=data_group)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, shard)
+        shards.append(shard)
+    return ExpertParallel(shards, data_group, replicas)
+
+
+def dispatch_bytes(slots_out: int, dim: int, itemsize: int = 4) -> int:
+    """Bytes one rank sends per MoE layer and step for ``slots_out`` token-slots routed to other
+    ranks' experts: forward, the tokens out and, as the other ranks' outputs come home, as many
+    back in; backward the same again -- counted from the sender's side, ``2 x 2 x slots x d``
+    elements when the routing is symmetric (what every rank sends equals what it receives)."""
+    return 4 * slots_out * dim * itemsize
