@@ -14,13 +14,16 @@ from distlab.errors import ConfigError
 from distlab.models.gpt import GPT
 
 
-def gpt_from_state(state: dict[str, torch.Tensor], n_layer: int, n_head: int) -> GPT:
-    """A GPT holding ``state`` (a whole model's state_dict), its sizes read from the tensors' shapes.
-    Built on the meta device and given the tensors: no random initialisation, so the run's random
-    streams are untouched (a sample mid-training changes nothing that follows)."""
+def gpt_from_state(state: dict[str, torch.Tensor], n_layer: int, n_head: int, top_k: int = 2) -> GPT:
+    """A GPT holding ``state`` (a whole model's state_dict), its sizes read from the tensors' shapes
+    (a mixture of experts' number of experts too; ``top_k`` is not in the tensors). Built on the meta
+    device and given the tensors: no random initialisation, so the run's random streams are
+    untouched (a sample mid-training changes nothing that follows)."""
     tok, pos = state["0.tok.weight"], state["0.pos.weight"]
+    experts = state["1.mlp.experts.up_weight"].shape[0] if "1.mlp.experts.up_weight" in state else 0
     with torch.device("meta"):
-        model = GPT(tok.shape[0], pos.shape[0], n_layer=n_layer, n_head=n_head, n_embd=tok.shape[1])
+        model = GPT(tok.shape[0], pos.shape[0], n_layer=n_layer, n_head=n_head, n_embd=tok.shape[1], experts=experts,
+                    top_k=top_k)
     model.load_state_dict(state, assign=True)
     return model.eval()
 

@@ -131,7 +131,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         flat = x.reshape(-1, d)
-        probs = self.router(flat).float().softmax(-1)                       # (N, E)
+        logits = self.router(flat)
+        probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(-1)  # (N, E), at least fp32
         gates, chosen = probs.topk(self.top_k, dim=-1)                       # (N, k)
         gates = gates / gates.sum(-1, keepdim=True)
         expert_of = chosen.reshape(-1)                                       # slot -> expert
@@ -171,7 +172,7 @@ class MoE(nn.Module):
         f = f / (tokens * self.top_k)
         return e * (f * probs.mean(1)).sum(-1).mean()
 
-    def statistics(self) -> dict:
+    def routing_statistics(self) -> dict:
         """This rank's routing counts since the last reset."""
         return {"load": [int(v) for v in self.load.tolist()], "routed": int(self.routed), "dropped": int(self.dropped),
                 "aux_loss": None if self.last_aux is None else float(self.last_aux)}

@@ -7,9 +7,10 @@ expert, go to the ranks holding their experts in one all-to-all (GShard's dispat
 runs its experts on what arrived from every rank, and a second all-to-all brings the outputs
 home (combine), where the gates weight them. Backward runs the same two exchanges in reverse.
 Sizes vary per step (routing decides them), so the per-expert counts travel first, in a small
-all-to-all of their own. Per layer and rank, forward: ``(ep - 1)/ep``-ish of the routed slots
-each way, ``2 x slots x d`` elements in all that leave the rank (exactly: the slots routed to
-other ranks, out and back), the same again backward; :mod:`distlab.comm` counts every byte.
+all-to-all of their own. Per layer and rank (:func:`exchange_bytes`): the slots it routes to other
+ranks' experts go out and the outputs of the slots other ranks routed to it go back, forward; the
+same rows' gradients travel the other way in backward; with balanced routing about
+``4 (ep - 1)/ep x slots x d`` elements. :mod:`distlab.comm` counts every byte.
 
 **Gradients.** The experts are not replicas across the EP group, so the data-parallel sync
 leaves them out (each carries ``sync_group``: the group it is replicated over). After backward
@@ -171,9 +172,9 @@ def apply_expert_parallel(model: nn.Module, group, data_group, replicas: int) ->
     return ExpertParallel(shards, data_group, replicas)
 
 
-def dispatch_bytes(slots_out: int, dim: int, itemsize: int = 4) -> int:
-    """Bytes one rank sends per MoE layer and step for ``slots_out`` token-slots routed to other
-    ranks' experts: forward, the tokens out and, as the other ranks' outputs come home, as many
-    back in; backward the same again -- counted from the sender's side, ``2 x 2 x slots x d``
-    elements when the routing is symmetric (what every rank sends equals what it receives)."""
-    return 4 * slots_out * dim * itemsize
+def exchange_bytes(sent: int, received: int, dim: int, ep: int, local: int, itemsize: int = 4) -> int:
+    """Bytes one rank sends in one MoE layer's forward and backward: the per-expert counts
+    (``ep - 1`` messages of ``local`` int64s), then ``sent`` token-slots out to other ranks' experts
+    and the ``received`` slots' outputs back (forward), and the same rows' gradients the other way
+    (backward) -- ``2 (sent + received) x dim`` elements in all."""
+    return (ep - 1) * local * 8 + 2 * (sent + received) * dim * itemsize

@@ -69,8 +69,8 @@ class _Job:
         self.model, self.dataset = ("small-cnn-bn", "synthetic:3x8x8:4:4096") if sync_bn else \
             ("mlp", "synthetic:1x16x16:10:4096")
         self.shape = ["--mlp-widths", "64,32"]
-        if case.model == "gpt":  # the transformer (context parallel and the other sequence layouts need it)
-            self.model, self.dataset = "gpt", "synthetic-text:20000"
+        if case.model in ("gpt", "gpt-moe"):  # the transformer (the sequence and expert layouts need it)
+            self.model, self.dataset = case.model, "synthetic-text:20000"
             self.shape = ["--n-layer", "2", "--n-head", "4", "--n-embd", "32", "--block-size", "16"]
         self.batch = 16 * case.strategy.dp_size(world_size)
         self.lr = 0.003

@@ -36,8 +36,8 @@ def load_gpt(source: str | Path, n_head: int | None = None, tokenizer_file: str 
         path = Path(summary["snapshot"])
     if path.is_dir():
         state, meta = export.whole_state(path)
-        if meta.get("model") != "gpt":
-            raise ConfigError(f"snapshot {path} holds a {meta.get('model')} model; generate needs a gpt")
+        if meta.get("model") not in ("gpt", "gpt-moe"):
+            raise ConfigError(f"snapshot {path} holds a {meta.get('model')} model; generate needs a gpt or gpt-moe")
         heads, layers = meta.get("n_head"), meta.get("n_layer")
         where = f"snapshot {path} (step {meta.get('step')})"
         text = meta.get("tokenizer_json")
@@ -56,7 +56,7 @@ def load_gpt(source: str | Path, n_head: int | None = None, tokenizer_file: str 
     else:
         raise ConfigError(f"{source}: no run directory, snapshot or model file there")
     try:
-        model = gpt_from_state(state, layers, heads)
+        model = gpt_from_state(state, layers, heads, top_k=meta.get("top_k", 2) if path.is_dir() else 2)
         tok = state["0.tok.weight"]
     except (KeyError, RuntimeError, ValueError) as exc:
         raise ConfigError(f"{where} does not hold a GPT of distlab's layout: {str(exc).splitlines()[0][:200]}") from None

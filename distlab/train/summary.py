@@ -66,6 +66,45 @@ def _tokens(data) -> str:
             f"tokens, {data.tokens_per_byte:.3f} tokens/byte")
 
 
+def expert_load(engine) -> dict | None:
+    """A mixture of experts' routing over the run (collective): per MoE layer (whole-model name) the
+    token-slots routed to each expert, summed over every rank that routed its own tokens (one per
+    tensor-parallel group), the slots dropped by a capacity limit and the last balance loss; None
+    for a model without experts."""
+    layers = {engine.schedule.model_key(name): m for name, m in engine.module.named_modules()
+              if name and callable(getattr(m, "routing_statistics", None))}
+    mine = {k: m.routing_statistics() for k, m in layers.items()} if engine.mesh.tp_rank == 0 else {}
+    parts = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+    merged: dict[str, dict] = {}
+    for part in parts:
+        for name, st in part.items():
+            m = merged.setdefault(name, {"load": [0] * len(st["load"]), "routed": 0, "dropped": 0, "aux": []})
+            m["load"] = [a + b for a, b in zip(m["load"], st["load"])]
+            m["routed"] += st["routed"]
+            m["dropped"] += st["dropped"]
+            if st["aux_loss"] is not None:
+                m["aux"].append(st["aux_loss"])
+    if not merged:
+        return None
+    out = {}
+    for name in sorted(merged, key=lambda k: [int(p) if p.isdigit() else p for p in k.split(".")]):
+        m = merged[name]
+        mean = sum(m["load"]) / len(m["load"])
+        out[name] = {"load": m["load"], "max_over_mean": max(m["load"]) / mean if mean else None,
+                     "routed": m["routed"], "dropped": m["dropped"],
+                     "aux_loss": sum(m["aux"]) / len(m["aux"]) if m["aux"] else None}
+    total = [sum(col) for col in zip(*(v["load"] for v in out.values()))]
+    routed, dropped = sum(v["routed"] for v in out.values()), sum(v["dropped"] for v in out.values())
+    return {"layers": out, "load": total, "max_over_mean": max(total) * len(total) / sum(total) if sum(total) else None,
+            "routed": routed, "dropped": dropped, "dropped_fraction": dropped / routed if routed else 0.0,
+            "basis": "token-slots (tokens x top_k) routed to each expert by the training forwards of this run, all "
+                     "ranks; dropped: slots over an expert's capacity; aux_loss: the last step's balance loss "
+                     "(mean over ranks)"}
+
+
 def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
     """Every rank calls it (it reduces peaks over ranks); the result is the same everywhere."""
     cfg, rt, run, engine = trainer.cfg, trainer.rt, trainer.run, trainer.engine
@@ -86,7 +125,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "inactive": inactive_settings(strategy, trainer.mesh),  # settings that did nothing in this run, and why
         "cluster": emulated_cluster(),  # the emulated cluster's nodes and links the run crossed (None: none)
         "strategy_text": str(strategy),
-        "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "cp": mesh.cp, "layout": mesh.describe()},
+        "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "cp": mesh.cp, "ep": mesh.ep, "layout": mesh.describe()},
         **engine.schedule.report(cfg.timing_warmup_steps, rt.device),  # a pipeline's stages and bubble
         "model": cfg.model,
         "dataset": cfg.dataset,
@@ -105,6 +144,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "test_accuracy": final["test_accuracy"],
         "test_loss": final["test_loss"],
         **_text_facts(trainer, final),
+        "experts": expert_load(engine),
         "best_val_loss": run.best_val_loss,
         "best_val_step": run.best_val_step,
         "val_samples": len(trainer.val_set) if trainer.val_set is not None else 0,
@@ -254,7 +294,11 @@ def header(trainer) -> list[str]:
                          f"{', '.join(f'{m:.4g}' for m in data.mean)} and std {', '.join(f'{s:.4g}' for s in data.std)}")
     lines.append(f"         {trainer.data_where}")
     per_rank = count_parameters(trainer.engine.module)
-    shape = (f" ({cfg.n_layer} blocks, {cfg.n_head} heads, width {cfg.n_embd}, context {cfg.block_size})"
+    moe = "" if cfg.model != "gpt-moe" else (
+        f", MLPs of {cfg.experts} experts, top-{cfg.top_k}, "
+        + ("dropless" if cfg.capacity_factor is None else f"capacity factor {cfg.capacity_factor:g}")
+        + f", balance loss x {cfg.aux_coef:g}")
+    shape = (f" ({cfg.n_layer} blocks, {cfg.n_head} heads, width {cfg.n_embd}, context {cfg.block_size}{moe})"
              if hasattr(data, "unigram_entropy") and not is_user_model(cfg.model) else "")
     if is_user_model(cfg.model):  # where it came from
         where, _, name = cfg.model.rpartition(":")
@@ -347,6 +391,12 @@ def print_summary(summary: dict, out: str | None) -> None:
         ("peak RSS per rank", _fmt(s["peak_rss_mb"], ".0f", " MB")),
         ("wall time", _fmt(s["wall_time_s"], ".1f", " s")),
     ]
+    experts = s.get("experts")
+    if experts:
+        rows.insert(8, ("expert load", f"{' '.join(str(v) for v in experts['load'])} token-slots per expert (all "
+                                       f"layers), max/mean {experts['max_over_mean']:.2f}; dropped "
+                                       f"{experts['dropped']:,} of {experts['routed']:,} "
+                                       f"({100 * experts['dropped_fraction']:.2f}%)"))
     if s.get("best_val_loss") is not None:
         rows.insert(9, ("best val loss", f"{s['best_val_loss']:.4f} (step {s['best_val_step']})"))
     if s.get("lr_scaling", "none") != "none":

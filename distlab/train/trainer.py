@@ -22,7 +22,7 @@ from distlab.data.loader import TrainLoader
 from distlab.data.resident import decide as decide_residence
 from distlab.data.resident import nbytes as data_nbytes
 from distlab.errors import ConfigError, DistributedError, NonFiniteError, first_line
-from distlab.models import TEXT_MODELS, build_model, count_parameters
+from distlab.models import MOE_MODELS, TEXT_MODELS, build_model, count_parameters
 from distlab.parallel import build_mesh, parallelize
 from distlab.runtime import Runtime, is_comm_failure, roll_call, seed_everything, tune_host_allocator
 from distlab.train.config import TrainConfig
@@ -281,7 +281,7 @@ class Trainer:
         state = {k: v.detach().float().cpu() for k, v in self.engine.full_state_dict().items()}
         text = None
         if self.rt.is_main:
-            model = gpt_from_state(state, self.cfg.n_layer, self.cfg.n_head)
+            model = gpt_from_state(state, self.cfg.n_layer, self.cfg.n_head, self.cfg.top_k)
             text = generate(model, "", tokens, temperature=0.8, top_k=None, seed=self.cfg.seed + self.run.step,
                             tokenizer=self.tokenizer)
         return broadcast_object(text)
@@ -311,6 +311,8 @@ class Trainer:
                 "mlp_widths": list(cfg.mlp_widths) if cfg.model.startswith("mlp") else None,
                 **({"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd, "block_size": cfg.block_size}
                    if cfg.model in TEXT_MODELS else {}),
+                **({"experts": cfg.experts, "top_k": cfg.top_k, "capacity_factor": cfg.capacity_factor,
+                    "aux_coef": cfg.aux_coef} if cfg.model in MOE_MODELS else {}),
                 "num_parameters": self.num_parameters, "dataset": cfg.dataset,
                 **({"tokenizer": cfg.tokenizer, "tokenizer_sha256": self.tokenizer.sha256}
                    if cfg.tokenizer != "bytes" else {}), "strategy": cfg.strategy.to_dict(),

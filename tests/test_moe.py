@@ -1,0 +1,180 @@
+"""Mixture of experts (distlab.models.moe) and expert parallel (distlab.parallel.expert_parallel)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from distlab.models.moe import MoE
+from distlab.tools.verify import sum_tolerance
+
+F64 = torch.float64
+
+
+def test_the_balance_loss_reaches_the_router_as_if_it_were_added_to_the_loss():
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 8, dtype=F64)
+    layer = MoE(8, experts=4, top_k=2, aux_coef=0.1).to(F64)
+    plain = copy.deepcopy(layer)
+    plain.aux_coef = 0.0
+    layer(x).sum().backward()
+    # by hand: the same layer without the injected gradient, plus 0.1 x the balance loss in the loss
+    probs = plain.router(x.reshape(-1, 8)).softmax(-1)
+    chosen = probs.topk(2, dim=-1).indices
+    (plain(x).sum() + 0.1 * plain._balance_loss(probs.view(3, 5, 4), chosen.view(3, 5, 2))).backward()
+    for a, b in zip(layer.parameters(), plain.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-12, atol=1e-15)
+    # half the step's share (two micro-batches): half the balance loss's gradient
+    half, none = copy.deepcopy(layer), copy.deepcopy(layer)
+    half.aux_scale, none.aux_coef = 0.5, 0.0
+    for m in (half, none):
+        m.zero_grad()
+        m(x).sum().backward()
+    full = layer.router.weight.grad - none.router.weight.grad
+    assert full.abs().max() > 0
+    assert torch.allclose(half.router.weight.grad - none.router.weight.grad, 0.5 * full, rtol=1e-9, atol=1e-15)
+    # a router that cannot tell experts apart balances perfectly: the loss is exactly 1
+    flat = MoE(8, experts=4, top_k=2)
+    torch.nn.init.zeros_(flat.router.weight)
+    flat(x.float())
+    assert flat.last_aux.item() == pytest.approx(1.0, abs=1e-6)
+    assert flat.routing_statistics()["routed"] == 3 * 5 * 2
+
+
+def test_dropless_routing_is_per_token_and_a_capacity_drops_the_latest_slots():
+    torch.manual_seed(1)
+    layer = MoE(8, experts=4, top_k=2).to(F64).eval()
+    x = torch.randn(4, 5, 8, dtype=F64)
+    whole = layer(x)
+    apart = torch.cat([layer(x[i:i + 1]) for i in range(4)])
+    assert (whole - apart).abs().max() <= sum_tolerance(8 * 32, 1.0, F64)
+    capped = copy.deepcopy(layer).train()
+    capped.capacity_factor = 0.5
+    out = capped(x)
+    chosen = layer.router(x.reshape(-1, 8)).softmax(-1).topk(2, dim=-1).indices.reshape(-1)
+    counts = torch.bincount(chosen, minlength=4)
+    cap = capped.capacity(len(chosen))
+    assert cap == 5 and capped.routing_statistics()["dropped"] == int((counts - cap).clamp(min=0).sum()) > 0
+    # the first token's slots come first at every expert: kept; a token whose slots all came late: zero
+    assert torch.allclose(out.reshape(-1, 8)[0], whole.reshape(-1, 8)[0])
+    rank_at = {}
+    for slot, e in enumerate(chosen.tolist()):
+        rank_at[slot] = sum(1 for s in range(slot) if chosen[s] == e)
+    dropped = [t for t in range(20) if all(rank_at[2 * t + j] >= cap for j in range(2))]
+    assert dropped and all(out.reshape(-1, 8)[t].abs().max() == 0 for t in dropped)
+
+
+def _expert_layer(rank, world):
+    import torch.distributed as dist
+
+    from distlab.comm import accounting
+    from distlab.parallel.expert_parallel import ExpertShard, exchange_bytes
+    torch.manual_seed(3)
+    ref = MoE(8, experts=6, top_k=2, aux_coef=0.1).to(F64)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(world, 2, 5, 8, generator=g, dtype=F64)  # each rank's own batch
+    grad = torch.randn(world, 2, 5, 8, generator=g, dtype=F64)
+    layer = copy.deepcopy(ref)
+    loads, xs = [], x.clone().requires_grad_()
+    for r in range(world):  # the whole layer on every rank's batch, one forward each
+        ref.reset_statistics()
+        ref(xs[r]).backward(grad[r])
+        loads.append(ref.routing_statistics()["load"])
+        if r == rank:
+            mine_ref = ref(x[r]).detach()
+    layer.experts = ExpertShard(layer.experts, None)
+    accounting.reset()
+    mine = x[rank].clone().requires_grad_()
+    out = layer(mine)
+    out.backward(grad[rank])
+    sent = accounting.stats().bytes_sent
+    local = 6 // world
+    ours = range(rank * local, (rank + 1) * local)
+    routed_out = sum(v for e, v in enumerate(loads[rank]) if e not in ours)
+    routed_in = sum(loads[s][e] for s in range(world) if s != rank for e in ours)
+    router = layer.router.weight.grad.clone()
+    dist.all_reduce(router)  # the router is replicated: its gradient sums over the ranks' tokens
+    diffs = [(out - mine_ref).abs().max().item(), (router - ref.router.weight.grad).abs().max().item(),
+             (mine.grad - xs.grad[rank]).abs().max().item()]
+    for name, p in layer.experts.named_parameters():
+        whole = getattr(ref.experts, name).grad[rank * local:(rank + 1) * local]
+        diffs.append((p.grad - whole).abs().max().item())
+    full = layer.experts.full_parameters()
+    gathered = all(torch.equal(a, b.detach()) for a, b in zip(full, ref.experts.parameters()))
+    return diffs, sent, exchange_bytes(routed_out, routed_in, 8, world, local, itemsize=8), gathered
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_experts_sharded_over_ranks_compute_what_the_whole_layer_does_and_count_their_bytes(world):
+    from distlab.launch.spawn import run_ranks
+    results = run_ranks(_expert_layer, world, timeout=120)
+    bound = sum_tolerance(8 * 32 * 2 * world, 10.0, F64)  # float64, sums of a few hundred terms in another order
+    for diffs, sent, volume, gathered in results:
+        assert max(diffs) <= bound, (diffs, bound)
+        assert sent == volume and gathered
+
+
+def test_training_with_experts_sharded_equals_one_process():
+    """On 4 ranks: the MoE transformer (8 experts, top 2) with ep 2 and 4, with DDP, with tensor
+    parallel, a pipeline and context parallel -- each equal to one process (verify's float32 bound, SGD)."""
+    from distlab.tools.verify import parse_strategy, verify
+    cases = ["bucketed+ep=4+gpt-moe", "ddp+ep=2+gpt-moe", "allreduce+tp=2+ep=2+gpt-moe",
+             "bucketed+ep=2+pp=2+mb=2+gpt-moe", "bucketed+cp=2+ep=2+gpt-moe"]
+    records = verify([parse_strategy(c) for c in cases], 4, steps=3, timeout=300)
+    for r in records:
+        assert r["passed"] and r["max_abs_param_diff"] <= r["tolerance"], r
+
+
+def test_the_cli_trains_experts_in_parallel_reports_their_load_and_resumes_on_another_layout(run_cli, tmp_path):
+    """ep 2 on 2 ranks: the header shows the groups, the summary every expert's load (all the routed
+    slots); its step-3 snapshot resumed by one process (the experts gathered whole) ends within
+    verify's float32 bound of the uninterrupted run."""
+    import shutil
+
+    from distlab.tools.verify import sgd_tolerance
+    common = ["train", "--model", "gpt-moe", "--dataset", "synthetic-text:6000", "--n-layer", "2", "--n-embd", "16",
+              "--n-head", "2", "--block-size", "16", "--experts", "4", "--top-k", "2", "--global-batch-size", "8",
+              "--max-steps", "6", "--lr-schedule", "constant", "--no-progress", "--snapshot-every", "3",
+              "--keep-snapshots", "5"]
+    proc = run_cli(*common, "--nproc-per-node", "2", "--ep", "2", "--snapshot-dir", "s", "--out", "ep2", check=True,
+                   timeout=240)
+    assert "dp 2 (ep 2): DP groups [0, 1]; EP groups [0, 1]" in proc.stdout and "expert load" in proc.stdout
+    summary = json.loads((tmp_path / "ep2" / "summary.json").read_text())
+    experts = summary["experts"]
+    assert summary["strategy"]["ep"] == 2 and summary["mesh"]["ep"] == 2
+    assert sum(experts["load"]) == experts["routed"] == 6 * 8 * 16 * 2 * 2  # steps x batch x tokens x top-k x layers
+    assert experts["dropped"] == 0 and sorted(experts["layers"]) == ["1.mlp", "2.mlp"]
+    (tmp_path / "one").mkdir()
+    shutil.copytree(tmp_path / "s" / "step-00000003", tmp_path / "one" / "step-00000003")
+    run_cli(*common, "--snapshot-dir", "one", "--resume", "auto", "--out", "one-out", check=True, timeout=240)
+    models = {}
+    for d in ("s", "one"):
+        run_cli("export", f"{d}/step-00000006", "-o", f"{d}.pt", check=True)
+        models[d] = torch.load(tmp_path / f"{d}.pt", weights_only=True)
+    assert models["s"]["1.mlp.experts.up_weight"].shape[0] == 4
+    diff = max((models["s"][k] - models["one"][k]).abs().max().item() for k in models["s"])
+    assert diff <= sgd_tolerance(6, 0.05, 8 * 16, 0.9)
+    for flags, message in ((["--ep", "3"], "--ep 3 does not divide the data-parallel size 2"),
+                           (["--ep", "2", "--zero", "1"], "hold different experts"),
+                           (["--ep", "2", "--model", "gpt"], "expert_parallel_plan"),
+                           (["--ep", "2", "--experts", "3"], "choose an --ep that divides 3")):
+        bad = run_cli(*common, "--nproc-per-node", "2", *flags, "--snapshot-dir", "bad-s", "--out", "bad")
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+
+
+def test_fault_drills_and_strategies_name_expert_parallel(tmp_path):
+    from distlab.parallel import Strategy
+    from distlab.parallel.mesh import layout
+    from distlab.tools.faults import _Job
+    from distlab.tools.verify import parse_strategy
+    case = parse_strategy("bucketed+ep=2+gpt-moe")
+    assert case.model == "gpt-moe" and case.strategy == Strategy(ep=2) and str(case.strategy) == "bucketed+ep=2"
+    command = _Job(case, 2, 8, tmp_path, 60).command()
+    assert command[command.index("--model") + 1] == "gpt-moe" and "--ep" in command
+    assert "ep" not in Strategy().to_dict() and Strategy.from_dict(Strategy(ep=2).to_dict()) == Strategy(ep=2)
+    groups = layout(8, tp=1, pp=2, ep=2)  # dp 4 per stage: EP pairs, expert gradients over the same shard's ranks
+    assert groups.ep_groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups.expert_data_groups == [[0, 2], [1, 3], [4, 6], [5, 7]]
