@@ -31,6 +31,7 @@ RUNS = {
     "10_pipeline.py": (2, "both schedules compute the unsplit step"),
     "11_3d_transformer.py": (8, "equal to single-process training"),
     "12_long_context.py": (2, "ring and Ulysses both equal single-process training"),
+    "13_experts.py": (2, "experts split over the ranks train the single-process model"),
     "own_training_loop.py": (4, "equal to single-process training"),
 }
 

@@ -178,3 +178,26 @@ def test_fault_drills_and_strategies_name_expert_parallel(tmp_path):
     groups = layout(8, tp=1, pp=2, ep=2)  # dp 4 per stage: EP pairs, expert gradients over the same shard's ranks
     assert groups.ep_groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert groups.expert_data_groups == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+def _idle_experts(rank, world):
+    """Every token prefers the first rank's experts: the second rank's receive nothing, yet must take
+    part in every exchange, backward included, step after step."""
+    from distlab.parallel.expert_parallel import ExpertShard
+    torch.manual_seed(4)
+    layer = MoE(8, experts=6, top_k=2).to(F64)
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[:3] = torch.rand(3, 8, dtype=F64) + 1  # positive inputs: experts 0-2 always win
+    layer.experts = ExpertShard(layer.experts, None)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x = torch.rand(2, 5, 8, generator=g, dtype=F64).requires_grad_()
+        layer(x).sum().backward()
+    return layer.routing_statistics()["load"], x.grad.abs().sum().item()
+
+
+def test_a_rank_whose_experts_receive_no_tokens_still_exchanges_their_gradients():
+    from distlab.launch.spawn import run_ranks
+    (load, grad), _ = run_ranks(_idle_experts, 2, timeout=60)
+    assert sum(load[3:]) == 0 and sum(load) == 3 * 2 * 5 * 2 and grad > 0

@@ -10,7 +10,7 @@ from distlab.cli.options import COUNT, STRATEGY_OPTIONS, Number, csv_ints, field
 from distlab.errors import ConfigError
 
 DEFAULT_CALIBRATION = "runs/calibration.json"
-PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "sequence_parallel", "cp", "cp_style",
+PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "sequence_parallel", "cp", "cp_style", "ep",
                   "zero", "pp",
                   "microbatches", "pp_schedule", "pp_balance", "precision", "reduce_dtype",
                   "grad_compression")  # what plan's cost model reads
@@ -24,6 +24,8 @@ PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "seq
 @click.option("--n-head", type=COUNT, default=4, show_default=True, help="gpt: attention heads.")
 @click.option("--n-embd", type=COUNT, default=128, show_default=True, help="gpt: width.")
 @click.option("--block-size", type=COUNT, default=64, show_default=True, help="gpt: context in tokens.")
+@click.option("--experts", type=COUNT, default=8, show_default=True, help="gpt-moe: experts per MoE layer.")
+@click.option("--top-k", type=COUNT, default=2, show_default=True, help="gpt-moe: experts per token.")
 @click.option("--params", "num_params", type=Number(0.0, low_open=True), default=None,
               help="Plan for a model known only by its parameter count (e.g. 7e9) instead of --model.")
 @click.option("--activation-bytes", type=Number(0.0), default=None,
@@ -53,7 +55,7 @@ PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "seq
               help="With --sweep: below this scaling efficiency a strategy has stopped scaling.")
 @click.option("--json", "json_out", default=None, callback=output_file, help="Also write the prediction(s) as JSON here.")
 @click.pass_context
-def plan(ctx, model, mlp_widths, dataset, n_layer, n_head, n_embd, block_size, num_params, activation_bytes, layers, dp, optimizer, momentum,
+def plan(ctx, model, mlp_widths, dataset, n_layer, n_head, n_embd, block_size, experts, top_k, num_params, activation_bytes, layers, dp, optimizer, momentum,
          global_batch_size, link, latency, burst, threads, calibration, sweep, strategies, device_memory,
          min_efficiency, json_out, **strategy_fields):
     """Predict time per step and memory per rank of a layout, before running it.
@@ -62,6 +64,7 @@ def plan(ctx, model, mlp_widths, dataset, n_layer, n_head, n_embd, block_size, n
     distlab plan --model resnet18 --dataset cifar10 --dp 8 --zero 2 --link 10gbit
     distlab plan --params 7e9 --activation-bytes 4e6 --link 100gbit --sweep 8,64,512,4096 --device-memory 80GiB
     distlab plan --model gpt --dataset fortunes --dp 2 --tp 2 --pp 2 --microbatches 4 --sequence-parallel
+    distlab plan --model gpt-moe --experts 8 --dataset fortunes --dp 4 --ep 4
     distlab plan calibrate runs/bench-collectives runs/bench-scaling -o runs/calibration.json
     distlab plan validate runs/bench-scaling-cluster
     """
@@ -81,7 +84,8 @@ def plan(ctx, model, mlp_widths, dataset, n_layer, n_head, n_embd, block_size, n
     else:
         shape, k = dataset_shape(dataset, block_size)
         widths = csv_ints(mlp_widths) if mlp_widths else (512, 256)
-        t = trace(model, shape, k, widths=widths, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+        t = trace(model, shape, k, widths=widths, n_layer=n_layer, n_head=n_head, n_embd=n_embd, experts=experts,
+                  top_k=top_k)
     path = calibration or (DEFAULT_CALIBRATION if _os.path.exists(DEFAULT_CALIBRATION) else None)
     cal = pp.Calibration.load(path) if path else None
     from distlab.parallel import Strategy

@@ -71,8 +71,9 @@ class GroupedExperts(nn.Module):
             if len(piece):
                 h = F.gelu(piece @ self.up_weight[e] + self.up_bias[e])
                 outs.append(h @ self.down_weight[e] + self.down_bias[e])
-        if not outs:  # nothing routed here: an empty result still joins the graph of every expert
-            return tokens.new_zeros(0, self.down_weight.shape[-1]) + 0 * sum(p.sum() for p in self.parameters())
+        if not outs:  # nothing routed here: an empty result still joins the graph of the tokens and every expert
+            joined = tokens.sum() + sum(p.sum() for p in self.parameters())
+            return tokens.new_zeros(0, self.down_weight.shape[-1]) + 0 * joined
         return torch.cat(outs)
 
 
@@ -137,6 +138,8 @@ class MoE(nn.Module):
         gates = gates / gates.sum(-1, keepdim=True)
         expert_of = chosen.reshape(-1)                                       # slot -> expert
         order = torch.argsort(expert_of, stable=True)                        # slots by expert, then token
+        if x.is_meta:  # traced without data (distlab plan): routing assumed balanced, nothing dropped
+            return self._balanced(x, flat, order, gates)
         counts = torch.bincount(expert_of, minlength=self.num_experts)
         kept, kept_counts = order, counts
         cap = self.capacity(len(expert_of))
@@ -158,6 +161,15 @@ class MoE(nn.Module):
                 self.routed += len(expert_of)
                 self.dropped += len(expert_of) - len(kept)
         return y.view(b, t, d).to(x.dtype)
+
+    def _balanced(self, x, flat, order, gates) -> torch.Tensor:
+        """The forward's shapes and operations with every expert given an equal share of the slots."""
+        slots, e = len(order), self.num_experts
+        counts = [slots // e + (i < slots % e) for i in range(e)]
+        token_of = order // self.top_k
+        out = self.experts(flat[token_of], counts)
+        weighted = out * gates.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+        return torch.zeros_like(flat, dtype=weighted.dtype).index_add_(0, token_of, weighted).view(x.shape).to(x.dtype)
 
     def _balance_loss(self, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """``mean over sequences of E x sum_e f_e P_e`` with ``f`` over the whole sequence (summed over

@@ -91,6 +91,8 @@ class Trace:
     input_grad: list[bool] = field(default_factory=list)  # module -> its input needs a gradient
     shapes: list[tuple[int, ...]] = field(default_factory=list)  # unit -> parameter shape (PowerSGD's matrices)
     attention_kv_bytes_per_sample: float = 0.0  # keys + values of every attention a context_parallel_plan names
+    expert_names: list[str] = field(default_factory=list)  # units of the experts an expert_parallel_plan names
+    expert_slot_bytes_per_sample: float = 0.0  # token-slots entering those experts, every layer (balanced routing)
 
     @property
     def num_parameters(self) -> int:
@@ -150,6 +152,14 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
 
         if kind == "context_attention":
             handles.append(model.get_submodule(name).register_forward_hook(kv))
+    experts = getattr(model, "expert_parallel_plan", None)
+    for name in (experts() if experts else {}):  # what expert parallel would shard and send
+
+        def slots(m, args, result):
+            out.expert_slot_bytes_per_sample += args[0].numel() * args[0].element_size() / batch
+
+        out.expert_names += [f"{name}.{p}" for p, _ in model.get_submodule(name).named_parameters()]
+        handles.append(model.get_submodule(name).register_forward_hook(slots))
     model.train()
     if getattr(model, "block_size", None):  # a language model: token ids in, the next tokens as targets
         x = torch.zeros((batch, *input_shape), dtype=torch.long, device="meta")
@@ -225,7 +235,8 @@ def stage_trace(t: Trace, names: list[str]) -> Trace:
                  [module_index[t.module_of[u]] for u in mine], events,
                  linear_shapes=t.linear_shapes, layers=[l for l in t.layers if l.name in names],
                  sharded_linear=pick(t.sharded_linear), input_grad=pick(t.input_grad),
-                 shapes=[t.shapes[u] for u in mine] if t.shapes else [])
+                 shapes=[t.shapes[u] for u in mine] if t.shapes else [],
+                 expert_names=[n for n in t.expert_names if any(n.startswith(k + ".") for k in names)])
 
 
 

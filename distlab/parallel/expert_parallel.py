@@ -113,6 +113,8 @@ class ExpertShard(nn.Module):
         by_expert = [torch.arange(starts[s][e], starts[s][e] + sizes[s][e]) for e in range(local) for s in range(n)]
         perm = torch.cat(by_expert).to(tokens.device) if by_expert else torch.zeros(0, dtype=torch.long)
         out = self._compute(self, arrived.index_select(0, perm), theirs.sum(0).tolist())
+        if not len(arrived):  # nothing came: keep `arrived` in the graph, or this rank's backward would skip
+            out = out + arrived.sum()  # the dispatch's exchange that every other rank runs (0: empty)
         home = torch.zeros_like(out).index_copy(0, perm, out)  # back to arrival order
         return _Exchange.apply(home, recv, send, self.group, rank)
 

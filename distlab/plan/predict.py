@@ -49,6 +49,7 @@ class Layout:
     tp = property(lambda self: self.strategy.tp)
     pp = property(lambda self: self.strategy.pp)
     cp = property(lambda self: self.strategy.cp)
+    ep = property(lambda self: self.strategy.ep)
     zero = property(lambda self: self.strategy.zero)
     dp_sync = property(lambda self: self.strategy.dp_sync)
     collective = property(lambda self: self.strategy.collective)
@@ -106,10 +107,22 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
         "gradient_bytes_per_rank": e * sum(shards if lay.zero >= 2 else full),
         "optimizer_bytes_per_rank": sum(optim.bytes(m, e) for m in (shards if lay.zero >= 1 else full)),
     }
+    if lay.ep > 1:
+        if not t.expert_names:
+            raise ConfigError(f"`ep` {lay.ep}: expert parallel shards a mixture of experts' experts, and this model "
+                              f"declares none (expert_parallel_plan); plan it with `ep` 1")
+        # each rank keeps 1/ep of the experts: their parameters, gradients and optimizer state
+        expert = [m for name, m in zip(t_rank.names, t_rank.numels) if name in set(t_rank.expert_names)]
+        gone = [m - m // lay.ep for m in expert]
+        state -= sum(2 * e * m + optim.bytes(m, e) for m in gone)
+        exact = False
+        parts["parameter_bytes_per_rank"] -= e * sum(gone)
+        parts["gradient_bytes_per_rank"] -= e * sum(gone)
+        parts["optimizer_bytes_per_rank"] -= sum(optim.bytes(m, e) for m in gone)
     if lay.cp > 1 and not t.attention_kv_bytes_per_sample:
         raise ConfigError(f"`cp` {lay.cp}: context parallel splits a transformer's sequences, and this model declares "
                           f"no attention (context_parallel_plan); plan it with `cp` 1")
-    out = {"layout": {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "zero": lay.zero, "dp_sync": lay.dp_sync,
+    out = {"layout": {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "zero": lay.zero, "dp_sync": lay.dp_sync,
                       "collective": lay.collective, "global_batch_size": lay.global_batch,
                       "grad_accum": lay.grad_accum, "microbatches": lay.strategy.microbatches,
                       "pp_schedule": lay.strategy.pp_schedule if lay.pp > 1 else None,
@@ -150,6 +163,14 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
                             "backward, each sending (cp - 1) / cp of the rank's tensor"),
             "attention_balance": "rank c holds chunks c and 2cp - 1 - c of 2cp: every rank scores the same number "
                                  "of query-key pairs under the causal mask"}
+    ep_bytes = _expert_bytes(t, lay, micro)
+    if lay.ep > 1:
+        out["expert_parallel"] = {
+            "ep": lay.ep, "expert_share_per_rank": 1 / lay.ep, "bytes_per_step_per_rank": int(ep_bytes),
+            "bytes_basis": "per MoE layer and micro-batch, with balanced routing: (ep - 1)/ep of the rank's token-slots "
+                           "out to other ranks' experts and as many outputs back, forward, and their gradients in "
+                           "backward (4 (ep - 1)/ep x slots x width), plus the per-expert counts",
+            "memory_basis": "experts' parameters, gradients and optimizer state / ep; the rest replicated"}
     if cal is None:
         return out
     comp = cal.compute_for(lay.threads)
@@ -176,6 +197,9 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     if lay.cp > 1:  # context parallel's messages, on the critical path of every attention (not overlapped here)
         cp_timer = Timer(cal, link if lay.dp == 1 else Link(), 2)
         p2p_time += share * cp_timer.duration(Call("native", "all_gather", 2 * cp_bytes), 0.0)
+    if lay.ep > 1:  # the all-to-alls: every MoE layer waits for its tokens (not overlapped here)
+        ep_timer = Timer(cal, link if lay.dp // lay.ep == 1 and lay.cp == 1 else Link(), lay.ep)
+        p2p_time += share * ep_timer.duration(Call("native", "all_gather", ep_bytes), 0.0)
     tp_time += p2p_time
     comm_total = exposed_pre + tp_time
     start_bwd = fwd + exposed_pre / 2
@@ -204,6 +228,19 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
                 "samples_per_s": lay.global_batch / step, "threads_per_rank": comp.threads,
                 "scaling_efficiency": compute / step if step else None})
     return out
+
+
+def _expert_bytes(t: Trace, lay: Layout, micro: int) -> float:
+    """Bytes a rank sends per step for expert parallel (:func:`~distlab.parallel.expert_parallel.exchange_bytes`
+    with balanced routing: ``(ep - 1)/ep`` of its slots leave, as many arrive)."""
+    if lay.ep == 1:
+        return 0.0
+    ep, steps = lay.ep, lay.strategy.micro_steps
+    slots = t.expert_slot_bytes_per_sample * micro / lay.cp  # this rank's token-slots' bytes, every MoE layer
+    layers = len({n.rsplit(".", 1)[0] for n in t.expert_names})
+    experts = t.shapes[t.names.index(t.expert_names[0])][0] if t.shapes else 0
+    counts = layers * (ep - 1) * 8 * (experts // ep)  # each layer's per-expert counts, int64
+    return steps * (4 * (ep - 1) / ep * slots + counts)
 
 
 def _context_bytes(t: Trace, lay: Layout, micro: int) -> float:

@@ -15,7 +15,8 @@ def _ms(s) -> str:
 
 def format_prediction(p: dict) -> str:
     lay = p["layout"]
-    mesh = f"dp {lay['dp']} x tp {lay['tp']}" + (f" x cp {lay['cp']}" if lay.get("cp", 1) > 1 else "") \
+    mesh = f"dp {lay['dp']}" + (f" (ep {lay['ep']})" if lay.get("ep", 1) > 1 else "") + f" x tp {lay['tp']}" \
+        + (f" x cp {lay['cp']}" if lay.get("cp", 1) > 1 else "") \
         + (f" x pp {lay['pp']}" if lay.get("pp", 1) > 1 else "")
     lines = [f"layout        {mesh} = {lay['world_size']} ranks, zero {lay['zero']}, "
              f"{lay['dp_sync']}/{lay['collective']}, global batch {lay['global_batch_size']}, "
@@ -36,6 +37,10 @@ def format_prediction(p: dict) -> str:
         lines.append(f"context       cp {c['cp']} ({c['style']}): each rank holds 1/{c['cp']} of every sequence, sends "
                      f"{_gib(c['bytes_per_step_per_rank'])} per step in attention ({c['bytes_basis']}); "
                      f"{c['attention_balance']}")
+    if p.get("expert_parallel"):
+        x = p["expert_parallel"]
+        lines.append(f"experts       ep {x['ep']}: each rank holds 1/{x['ep']} of the experts ({x['memory_basis']}), sends "
+                     f"{_gib(x['bytes_per_step_per_rank'])} per step in all-to-alls ({x['bytes_basis']})")
     if p.get("pipeline"):
         pl = p["pipeline"]
         lines.append(f"pipeline      {len(pl['stages'])} stages, {pl['schedule']}, {pl['microbatches']} micro-batches: "
