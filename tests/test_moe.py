@@ -201,3 +201,24 @@ def test_a_rank_whose_experts_receive_no_tokens_still_exchanges_their_gradients(
     from distlab.launch.spawn import run_ranks
     (load, grad), _ = run_ranks(_idle_experts, 2, timeout=60)
     assert sum(load[3:]) == 0 and sum(load) == 3 * 2 * 5 * 2 and grad > 0
+
+
+def test_the_plan_shards_the_experts_state_and_counts_the_all_to_all_bytes():
+    from distlab.errors import ConfigError
+    from distlab.parallel import Strategy
+    from distlab.parallel.cost import trace
+    from distlab.plan.cost import Link
+    from distlab.plan.predict import Layout, predict
+    t = trace("gpt-moe", (16,), 256, n_layer=2, n_head=4, n_embd=32, experts=8, top_k=2)
+    expert = sum(n for name, n in zip(t.names, t.numels) if name in t.expert_names)
+    assert len(t.expert_names) == 8 and expert == 2 * 8 * (32 * 128 + 128 + 128 * 32 + 32)
+    dp = predict(t, Layout(dp=4, global_batch=16), Link(), None)
+    ep = predict(t, Layout(dp=4, strategy=Strategy(ep=4), global_batch=16), Link(), None)
+    assert dp["parameter_bytes_per_rank"] - ep["parameter_bytes_per_rank"] == 4 * (expert - expert // 4)
+    # 4 samples x 16 tokens x top-2 slots x width 32 floats per MoE layer, 2 layers; 3/4 of them leave, out and
+    # back, forward and backward; plus each layer's per-expert counts (3 peers x 2 local experts x 8 bytes)
+    slots = 4 * 16 * 2 * 32 * 4 * 2
+    assert ep["expert_parallel"]["bytes_per_step_per_rank"] == 4 * 3 / 4 * slots + 2 * 3 * 2 * 8
+    with pytest.raises(ConfigError, match="declares none"):
+        predict(trace("gpt", (16,), 256, n_embd=32), Layout(dp=4, strategy=Strategy(ep=4), global_batch=16), Link(),
+                None)
