@@ -47,14 +47,14 @@ def _bound(full: nn.Module, x: torch.Tensor, loss: torch.Tensor, dtype=torch.flo
     return sum_tolerance(len(x) * widest * len(full), scale, dtype)
 
 
-def _step(rank, world, kind, schedule, microbatches):
+def _step(rank, world, kind, schedule, microbatches, virtual=1):
     build = _mlp if kind == "mlp" else _gpt
     full, model = build().double(), build().double()
     x, y = _data(kind)
     x = x.double() if x.is_floating_point() else x
     ref = task_loss(full(x), y)
     ref.backward()
-    stage = PipelineStage(model, dist.group.WORLD, microbatches, schedule)
+    stage = PipelineStage(model, dist.group.WORLD, microbatches, schedule, virtual=virtual)
     loss = stage.train_step(x if stage.first else None, y if stage.last else None, task_loss)
     grad_diff = 0.0
     for name, layer in stage.layers.items():
@@ -80,6 +80,38 @@ def test_a_pipelined_step_equals_the_unsplit_step(kind, schedule, world, microba
         # activations held at once: GPipe all M at the turn; 1F1B at most P - s
         expected = microbatches if schedule == "gpipe" else min(microbatches, world - stage)
         assert timing["in_flight_peak"] == expected
+
+
+@pytest.mark.parametrize("kind,schedule,world,microbatches,virtual", [
+    ("mlp", "1f1b", 2, 4, 2), ("gpt", "1f1b", 2, 4, 2), ("gpt", "zb", 2, 4, 1), ("mlp", "zb", 4, 4, 1),
+    ("gpt", "zb", 2, 2, 2)])
+def test_interleaved_and_zero_bubble_steps_equal_the_unsplit_step(kind, schedule, world, microbatches, virtual):
+    """Interleaved 1F1B (V chunks per rank) and zero bubble (backward split into the input's and the
+    weights' gradients): the unsplit step's loss and gradients, and an ideal bubble below 1F1B's."""
+    results = run_ranks(_step, world, kind, schedule, microbatches, virtual, timeout=120)
+    # rank r holds virtual stages r, r + P, ...: every layer once
+    layers = sorted(int(name) for _, names, *_ in results for name in names)
+    assert layers == list(range(len(_mlp() if kind == "mlp" else _gpt())))
+    one_f_one_b = (world - 1) / (microbatches + world - 1)
+    for stage, _, grad_diff, loss_diff, timing, bound, float32_bound in results:
+        assert bound < float32_bound and grad_diff <= bound
+        assert (loss_diff is not None) == (stage == world - 1) and (loss_diff is None or loss_diff <= bound)
+        assert 0 < timing["bubble_ideal"] < one_f_one_b and 0.0 <= timing["bubble_measured"] < 1.0
+
+
+def test_the_schedules_action_lists_give_the_known_bubbles():
+    from distlab.parallel.pipeline import check_virtual, ideal_bubble, schedule_actions
+    for p, m in ((2, 4), (4, 8), (4, 4)):  # interleaved 1F1B: (P - 1) / (V M + P - 1), Megatron's order
+        for v in (2, 3):
+            assert ideal_bubble(p, m, "1f1b", v) == pytest.approx((p - 1) / (v * m + p - 1))
+        assert ideal_bubble(p, m, "zb", 1) < ideal_bubble(p, m, "1f1b", 1) / 2  # ZB-H1: W fills the idle slots
+    plan = schedule_actions("zb", 4, 1, 4)
+    assert [a[0] + str(a[2]) for a in plan[3]] == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3", "W0", "W1", "W2", "W3"]
+    assert all(sorted(a[:3] for a in acts if a[0] == "F") == [("F", 0, m) for m in range(4)] for acts in plan)
+    with pytest.raises(ConfigError, match="multiple of `pp` 4"):
+        check_virtual(4, 2, 6, "1f1b")
+    with pytest.raises(ConfigError, match="GPipe"):
+        check_virtual(2, 2, 4, "gpipe")
 
 
 def test_stages_are_balanced_by_parameters_or_as_given():

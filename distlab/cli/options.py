@@ -272,8 +272,11 @@ STRATEGY_OPTIONS = [
                 "(tp x pp must divide the world size; the rest is data parallel).")),
     ("microbatches", dict(type=int, default=None, help="With --pp: micro-batches per step on each pipeline (must "
                           "divide the per-rank batch; default --pp).")),
-    ("pp_schedule", dict(help="With --pp: gpipe (all forwards, then all backwards) or 1f1b (one forward, one "
-                         "backward: at most --pp micro-batches held).")),
+    ("pp_schedule", dict(help="With --pp: gpipe (all forwards, then all backwards), 1f1b (one forward, one "
+                         "backward: at most --pp micro-batches held) or zb (zero bubble: each backward split into "
+                         "the input's gradient and the weights', which fill 1F1B's idle slots).")),
+    ("pp_virtual", dict(type=int, help="With --pp: model chunks per pipeline rank (interleaved 1F1B, bubble "
+                        "(P-1)/(V M + P-1); --microbatches a multiple of --pp; or zero bubble).")),
     ("pp_balance", dict(default=None, help="With --pp: layers per stage, comma-separated (default: cut where the "
                         "parameters balance; the header lists the layers).")),
 ]

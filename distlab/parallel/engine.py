@@ -246,16 +246,14 @@ class Engine:
         (collective: every rank calls it and gets it)."""
         with self.gathered():
             state = tensor_parallel.full_state_dict(self.module)
-        merged: dict[str, torch.Tensor] = {}
-        for part in self.schedule.gather_stages({self.schedule.model_key(k): v for k, v in state.items()}):
-            merged.update(part)  # stage order is the model's order
-        return merged
+        return dict(self.schedule.gather_model(list(state.items())))
 
     def full_parameters(self) -> list[torch.Tensor]:
         """Copies of the unsharded model's parameters in registration order (collective)."""
         with self.gathered():
             mine = tensor_parallel.full_parameters(self.module)
-        return [t for part in self.schedule.gather_stages(mine) for t in part]
+        keys = [k for k, _ in self.module.named_parameters()]
+        return [t for _, t in self.schedule.gather_model(list(zip(keys, mine)))]
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """This rank's parameters (the whole model's keys; tensor-parallel pieces as held) -> their
@@ -373,7 +371,8 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
     if strategy.activation_checkpointing:
         apply_activation_checkpointing(model)
     if strategy.pp > 1:  # cut by the unsharded model's parameters: the same layers on every rank of a TP group
-        balance = [end - start for start, end in partition(model, strategy.pp, strategy.pp_balance)]
+        balance = [end - start for start, end in partition(model, strategy.pp * strategy.pp_virtual,
+                                                            strategy.pp_balance)]
     for m in model.modules():  # a mixture of experts' balance loss: its share of the step, as the task loss's
         if hasattr(m, "aux_scale"):
             m.aux_scale = 1.0 / strategy.micro_steps
@@ -385,7 +384,8 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
     vocab_head = vocab_parallel_head(model)  # before the cut: the loss needs it on the last stage
     schedule: StepSchedule = Accumulate(strategy.grad_accum)
     if strategy.pp > 1:
-        model = PipelineStage(model, mesh.pp_group, strategy.microbatches, strategy.pp_schedule, balance)
+        model = PipelineStage(model, mesh.pp_group, strategy.microbatches, strategy.pp_schedule, balance,
+                              strategy.pp_virtual)
         schedule = Pipelined(model, mesh)
     model = apply_sync_bn(model, strategy.sync_bn, mesh.replica_group)
     grad_sync = (Zero if strategy.zero else DataParallel).from_strategy(model, strategy, mesh.replica_group)

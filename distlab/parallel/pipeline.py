@@ -19,7 +19,23 @@ Two schedules (the order in which each stage runs its ``M`` forwards and ``M`` b
   ``P - s`` micro-batches' activations, whatever ``M``; the idle time is the same as GPipe's.
 
 Either way a stage idles while the pipeline fills and drains: the *bubble*, ``(P - 1) / (M + P - 1)``
-of the step with equal stages. :attr:`PipelineStage.last_timing` measures it per step: time spent
+of the step with equal stages. Two schedules shrink it:
+
+* **Interleaved 1F1B** (Narayanan et al. 2021, Megatron-LM's virtual pipeline; ``virtual`` V > 1):
+  the layers are cut into ``P x V`` chunks and rank ``r`` holds chunks ``r, r + P, r + 2P, ...``, so
+  a micro-batch crosses every rank V times, each pass a V-th of the work: filling and draining cost
+  a V-th as long, the bubble ``(P - 1) / (V M + P - 1)``, for V times the messages.
+* **Zero bubble** (``zb``: ZB-H1 of Qi et al. 2024): each backward is split in two -- ``B``, the
+  gradient of the stage's input, which the previous stage waits for, and ``W``, the gradients of
+  its weights, which nobody waits for -- and the ``W`` passes fill the slots where 1F1B idles.
+
+Both run from an explicit action list per rank (:func:`schedule_actions`): a list scheduler plays
+the step on every rank with unit costs (forward 1, backward 2, or ``B`` 1 and ``W`` 1), always taking
+a ready backward first, then a forward while the rank holds fewer micro-batches than the 1F1B limit
+(Megatron's warm-up count when interleaved), then a ``W``. Each rank runs its actions in that order;
+the order is a topological order of the step's dependencies and every send is non-blocking, so
+no schedule can deadlock, and each message stream (one per chunk boundary and direction, its own
+tag) carries its micro-batches in order. The same simulation gives each schedule's ideal bubble. :attr:`PipelineStage.last_timing` measures it per step: time spent
 waiting for a neighbour's message over the step's time.
 
 Messages are point-to-point (:mod:`distlab.comm.p2p`, so the bytes are counted): an activation
@@ -42,16 +58,121 @@ from distlab.comm.p2p import Peer, wait_all
 from distlab.errors import ConfigError
 from distlab.runtime import group_rank, group_size
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb")
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 _HEADER = 10  # int64s: dtype code, ndim, up to 8 sizes
 ACT, GRAD = 0, 1  # message tags
 
 
-def ideal_bubble(stages: int, microbatches: int) -> float:
+def ideal_bubble(stages: int, microbatches: int, schedule: str = "1f1b", virtual: int = 1) -> float:
     """The share of a step each stage idles while the pipeline fills and drains, with equal stages:
-    ``(P - 1) / (M + P - 1)``."""
-    return (stages - 1) / (microbatches + stages - 1)
+    ``(P - 1) / (M + P - 1)`` for GPipe and 1F1B; for the action-list schedules (interleaved, zero
+    bubble) the idle share of the unit-cost simulation :func:`schedule_actions` plays, mean over ranks."""
+    if virtual == 1 and schedule in ("gpipe", "1f1b"):
+        return (stages - 1) / (microbatches + stages - 1)
+    plan = schedule_actions(schedule, stages, virtual, microbatches)
+    span = max(a[3] + a[4] for acts in plan for a in acts)
+    busy = [sum(a[4] for a in acts) for acts in plan]
+    return sum(1 - b / span for b in busy) / stages
+
+
+def schedule_actions(schedule: str, stages: int, virtual: int, microbatches: int) -> list[list[tuple]]:
+    """Every rank's actions for one step, in order: ``(kind, chunk, microbatch, start, cost)`` with
+    kind ``F`` (forward), ``B`` (backward; under ``zb`` only the input's gradient) or ``W`` (``zb``:
+    the weights' gradients). Virtual stage ``k = chunk x P + rank`` (module docstring)."""
+    P, V, M = stages, virtual, microbatches
+    K, split = P * V, schedule == "zb"
+    cost = {"F": 1, "B": 1 if split else 2, "W": 1}
+    if not split and V > 1:
+        return _timed(_megatron_interleaved(P, V, M), P, cost)
+    end: dict[tuple, int] = {}  # (kind, k, m) -> when it finishes
+    started: set[tuple] = set()
+    plan: list[list[tuple]] = [[] for _ in range(P)]
+    free = [0] * P
+    limit = [min(M * V, (P - r - 1) * 2 + (V - 1) * P + 1) if V > 1 else P - r for r in range(P)]
+    held = [0] * P  # micro-batch chunks forwarded and not yet backward (the 1F1B memory limit)
+    waiting_w: list[list[tuple]] = [[] for _ in range(P)]
+    total, t = M * K * (3 if split else 2), 0
+
+    def done(key) -> bool:
+        return key in end and end[key] <= t
+
+    while len(started) < total:
+        for r in range(P):
+            if free[r] > t:
+                continue
+            ks = [c * P + r for c in range(V)]
+            pick = None
+            ready_b = [("B", k, m) for k in ks for m in range(M) if ("B", k, m) not in started
+                       and done(("F", k, m)) and (k == K - 1 or done(("B", k + 1, m)))
+                       and (m == 0 or ("B", k, m - 1) in started)]
+            if ready_b:
+                pick = min(ready_b, key=lambda a: (a[2], -a[1]))
+            elif held[r] < limit[r]:
+                ready_f = [("F", k, m) for k in ks for m in range(M) if ("F", k, m) not in started
+                           and (k == 0 or done(("F", k - 1, m))) and (m == 0 or ("F", k, m - 1) in started)]
+                if ready_f:
+                    pick = min(ready_f, key=lambda a: (a[2] // P, a[1], a[2]))
+            if pick is None and waiting_w[r]:
+                pick = waiting_w[r].pop(0)
+            if pick is None:
+                continue
+            kind, k, m = pick
+            started.add(pick)
+            end[pick] = t + cost[kind]
+            free[r] = end[pick]
+            held[r] += {"F": 1, "B": -1, "W": 0}[kind]
+            if kind == "B" and split:
+                waiting_w[r].append(("W", k, m))
+            plan[r].append((kind, k // P, m, t, cost[kind]))
+        t += 1
+    return plan
+
+
+def _megatron_interleaved(P: int, V: int, M: int) -> list[list[tuple]]:
+    """Megatron-LM's interleaved 1F1B order per rank (``M`` a multiple of ``P``): forwards in groups of
+    ``P`` micro-batches per chunk, chunk 0 first; backwards the same with the chunks reversed;
+    ``(P - r - 1) 2 + (V - 1) P`` warm-up forwards, then one forward one backward, then the rest."""
+    total = M * V
+
+    def unit(i: int, backward: bool) -> tuple[int, int]:
+        chunk = (i // P) % V
+        return (V - 1 - chunk if backward else chunk), (i // (P * V)) * P + i % P
+
+    orders = []
+    for r in range(P):
+        warm = min((P - r - 1) * 2 + (V - 1) * P, total)
+        acts = [("F", *unit(i, False)) for i in range(warm)]
+        for i in range(total - warm):
+            acts += [("F", *unit(warm + i, False)), ("B", *unit(i, True))]
+        acts += [("B", *unit(i, True)) for i in range(total - warm, total)]
+        orders.append(acts)
+    return orders
+
+
+def _timed(orders: list[list[tuple]], P: int, cost: dict) -> list[list[tuple]]:
+    """Each rank's actions ``(kind, chunk, microbatch)`` in the given order, each started as soon as
+    the rank is free and its inputs are there (unit costs): ``(kind, chunk, microbatch, start, cost)``."""
+    K = P * max(c for acts in orders for _, c, _ in acts) + P
+    end: dict[tuple, int] = {}
+    nxt, free, plan, t = [0] * P, [0] * P, [[] for _ in range(P)], 0
+    while any(nxt[r] < len(orders[r]) for r in range(P)):
+        if t > 10 * sum(len(o) for o in orders) * max(cost.values()):
+            raise RuntimeError("pipeline schedule: the action order deadlocks")  # a bug, not a user error
+        for r in range(P):
+            if free[r] > t or nxt[r] == len(orders[r]):
+                continue
+            kind, c, m = orders[r][nxt[r]]
+            k = c * P + r
+            need = [("F", k - 1, m)] if kind == "F" and k else []
+            if kind == "B":
+                need = [("F", k, m)] + ([("B", k + 1, m)] if k < K - 1 else [])
+            if all(key in end and end[key] <= t for key in need):
+                end[(kind, k, m)] = free[r] = t + cost[kind]
+                plan[r].append((kind, c, m, t, cost[kind]))
+                nxt[r] += 1
+        t += 1
+    return plan
 
 
 def sequential_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -191,39 +312,49 @@ class PipelineStage(nn.Module):
     """
 
     def __init__(self, model: nn.Module, group=None, microbatches: int = 1, schedule: str = "1f1b",
-                 balance: list[int] | None = None):
+                 balance: list[int] | None = None, virtual: int = 1):
         super().__init__()
         if schedule not in SCHEDULES:
             raise ConfigError(f"unknown `pp_schedule` {schedule!r}; choose one of: {', '.join(SCHEDULES)}")
         if microbatches < 1:
             raise ConfigError(f"`microbatches` must be at least 1, not {microbatches}")
-        self.group, self.schedule, self.microbatches = group, schedule, microbatches
+        self.group, self.schedule, self.microbatches, self.virtual = group, schedule, microbatches, virtual
         self.stages, self.stage = group_size(group), group_rank(group)
-        self.ranges = partition(model, self.stages, balance)
-        start, end = self.ranges[self.stage]
+        check_virtual(self.stages, virtual, microbatches, schedule)
+        self.ranges = partition(model, self.stages * virtual, balance)
         named = sequential_layers(model)
-        self.names = {str(i): named[i][0] for i in range(start, end)}
+        # chunk c of this rank is virtual stage c x P + rank (the whole model's layers start..end-1)
+        self.chunks = [[str(i) for i in range(*self.ranges[c * self.stages + self.stage])] for c in range(virtual)]
+        mine = [int(i) for chunk in self.chunks for i in chunk]
+        self.names = {str(i): named[i][0] for i in mine}
         self.layer_names = [name for name, _ in named]
         self.layer_parameters = [sum(p.numel() for p in layer.parameters()) for _, layer in named]
-        self.layers = nn.ModuleDict({str(i): named[i][1] for i in range(start, end)})
+        self.layers = nn.ModuleDict({str(i): named[i][1] for i in mine})
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
-        self._prev = Peer(group, self.stage - 1) if not self.first else None
-        self._next = Peer(group, self.stage + 1) if not self.last else None
+        wraps = virtual > 1  # a micro-batch goes round the ranks V times: the last rank feeds the first
+        self._prev = Peer(group, (self.stage - 1) % self.stages) if not self.first or wraps else None
+        self._next = Peer(group, (self.stage + 1) % self.stages) if not self.last or wraps else None
         self.last_timing: dict = {}
         self.in_flight_peak = self.activation_peak_bytes = 0
         self._waited = self._compute = 0.0
 
     def describe(self) -> list[dict]:
-        """Every stage: its layer range, first and last layer names, and parameters (on this rank's
-        tensor-parallel shard, if any)."""
+        """Every stage (virtual stage, when interleaved: ``rank`` holds it): its layer range, first
+        and last layer names, and parameters (on this rank's tensor-parallel shard, if any)."""
         return [{"stage": s, "layers": [a, b], "first": self.layer_names[a], "last": self.layer_names[b - 1],
-                 "parameters": sum(self.layer_parameters[a:b])} for s, (a, b) in enumerate(self.ranges)]
+                 "parameters": sum(self.layer_parameters[a:b]), **({"rank": s % self.stages} if self.virtual > 1 else {})}
+                for s, (a, b) in enumerate(self.ranges)]
 
     def model_key(self, key: str) -> str:
         """A key of this stage's ``state_dict`` or module name (``layers.3.weight``) as the whole
         model's (``net.3.weight``)."""
         _, index, *rest = key.split(".", 2)
         return ".".join([self.names[index], *rest])
+
+    def chunk_of(self, key: str) -> int:
+        """Which of this rank's chunks holds the layer of a stage key (``layers.3.weight``)."""
+        index = key.split(".", 2)[1]
+        return next(c for c, chunk in enumerate(self.chunks) if index in chunk)
 
     # ------------------------------------------------------------------ pieces
 
@@ -232,7 +363,12 @@ class PipelineStage(nn.Module):
             x = layer(x)
         return x
 
-    def _send_act(self, t: torch.Tensor) -> list:
+    def _run_chunk(self, c: int, x: torch.Tensor) -> torch.Tensor:
+        for key in self.chunks[c]:
+            x = self.layers[key](x)
+        return x
+
+    def _send_act(self, t: torch.Tensor, tag: int = ACT) -> list:
         shape = list(t.shape)
         if len(shape) > _HEADER - 2:
             raise ConfigError(f"pipeline: activations of {len(shape)} dimensions are not supported (at most 8)")
@@ -240,14 +376,14 @@ class PipelineStage(nn.Module):
                               dtype=torch.int64)
         t = t.detach().contiguous()
         self._keep += [header, t]  # alive until the send completes
-        return [self._next.isend(header, ACT), self._next.isend(t, ACT)]
+        return [self._next.isend(header, tag), self._next.isend(t, tag)]
 
-    def _recv_act(self) -> torch.Tensor:
+    def _recv_act(self, tag: int = ACT) -> torch.Tensor:
         header = torch.empty(_HEADER, dtype=torch.int64)
-        self._wait(self._prev.irecv(header, ACT))
+        self._wait(self._prev.irecv(header, tag))
         dtype, ndim = _DTYPES[int(header[0])], int(header[1])
         t = torch.empty([int(s) for s in header[2:2 + ndim]], dtype=dtype)
-        self._wait(self._prev.irecv(t, ACT))
+        self._wait(self._prev.irecv(t, tag))
         return t
 
     def _wait(self, *works) -> None:
@@ -309,13 +445,15 @@ class PipelineStage(nn.Module):
         with ActivationMeter(self.parameters()) as meter:
             if self.schedule == "gpipe":
                 self._gpipe(xs, ys, loss_fn)
-            else:
+            elif self.schedule == "1f1b" and self.virtual == 1:
                 self._one_f_one_b(xs, ys, loss_fn)
+            else:
+                self._actions(xs, ys, loss_fn)
         self.activation_peak_bytes = meter.peak
         step = time.perf_counter() - t0
         self.last_timing = {"step_s": step, "wait_s": self._waited, "compute_s": self._compute,
                             "bubble_measured": self._waited / step if step else 0.0,
-                            "bubble_ideal": ideal_bubble(self.stages, m),
+                            "bubble_ideal": ideal_bubble(self.stages, m, self.schedule, self.virtual),
                             "in_flight_peak": self.in_flight_peak, "activation_peak_bytes": self.activation_peak_bytes}
         self._keep = []
         return torch.stack(self._losses).sum() if self.last else None
@@ -325,6 +463,15 @@ class PipelineStage(nn.Module):
         """One batch forward through the whole pipeline without gradients: the output on the last
         stage, None elsewhere (``x`` is read on the first stage). Every stage calls it once per batch."""
         self._keep = []
+        if self.virtual > 1:
+            last_k = self.stages * self.virtual - 1
+            for c in range(self.virtual):
+                k = c * self.stages + self.stage
+                out = self._run_chunk(c, x if k == 0 else self._recv_act(_act_tag(k)))
+                if k != last_k:
+                    wait_all(self._send_act(out, _act_tag(k + 1)))
+            self._keep = []
+            return out if self.last else None
         out = self(x if self.first else self._recv_act())
         if not self.last:
             wait_all(self._send_act(out))
@@ -378,3 +525,98 @@ class PipelineStage(nn.Module):
             if not self.first:
                 sends.append(self._prev.isend(g_in.contiguous(), GRAD))
         self._wait(*sends)
+
+    def _actions(self, xs, ys, loss_fn) -> None:
+        """Run this rank's list of :func:`schedule_actions` (interleaved 1F1B, zero bubble)."""
+        P, M, split = self.stages, self.microbatches, self.schedule == "zb"
+        last_k = P * self.virtual - 1
+        acts = schedule_actions(self.schedule, P, self.virtual, M)[self.stage]
+        accumulating = "W" if split else "B"
+        final = {c: i for i, (kind, c, *_) in enumerate(acts) if kind == accumulating}  # a chunk's last: syncs
+        saved: dict[tuple[int, int], list] = {}
+        sends, held = [], 0
+        for i, (kind, c, m, _, _) in enumerate(acts):
+            k = c * P + self.stage
+            t0 = time.perf_counter()
+            if kind == "F":
+                x = xs[m] if k == 0 else self._recv_act(_act_tag(k))
+                t0 = time.perf_counter()
+                if k:
+                    x.requires_grad_()
+                captured, hooks = [], []
+                if split:  # each module's own output, from which its weights' gradients are taken later
+                    for key in self.chunks[c]:
+                        for mod in self.layers[key].modules():
+                            own = [p for p in mod.parameters(recurse=False) if p.requires_grad]
+                            if own:
+                                hooks.append(mod.register_forward_hook(
+                                    lambda mod, a, out, own=own: captured.append((out, own))
+                                    if isinstance(out, torch.Tensor) and out.requires_grad else None))
+                try:
+                    out = self._run_chunk(c, x)
+                finally:
+                    for h in hooks:
+                        h.remove()
+                if k == last_k:
+                    out = loss_fn(out, ys[m]) / M
+                    self._losses.append(out.detach())
+                self._compute += time.perf_counter() - t0
+                if k != last_k:
+                    sends += self._send_act(out, _act_tag(k + 1))
+                saved[(c, m)] = [x, out, captured]
+                held += 1
+                self.in_flight_peak = max(self.in_flight_peak, held)
+            elif kind == "B":
+                x, out, captured = saved[(c, m)]
+                grad = None
+                if k != last_k:
+                    grad = torch.empty_like(out)
+                    self._wait(self._next.irecv(grad, _grad_tag(k + 1)))
+                t0 = time.perf_counter()
+                if split:  # the input's gradient only; keep the graph and the modules' output gradients for W
+                    outs = [o for o, _ in captured]
+                    got = torch.autograd.grad(out, ([x] if k else []) + outs, grad, retain_graph=True,
+                                              allow_unused=True)
+                    g_in = got[0] if k else None
+                    saved[(c, m)][2] = [(o, own, g) for (o, own), g in zip(captured, got[1 if k else 0:])
+                                        if g is not None]
+                else:
+                    with self._no_sync() if i != final[c] else contextlib.nullcontext():
+                        torch.autograd.backward(out, grad)
+                    g_in = x.grad if k else None
+                    del saved[(c, m)]
+                    held -= 1
+                self._compute += time.perf_counter() - t0
+                if k:
+                    sends.append(self._prev.isend(g_in.contiguous(), _grad_tag(k)))
+            else:  # W: the weights' gradients, from the outputs' gradients B kept
+                _, _, pairs = saved.pop((c, m))
+                held -= 1
+                with self._no_sync() if i != final[c] else contextlib.nullcontext():
+                    for o, own, g in pairs:  # one module at a time: from its output to its own weights only
+                        torch.autograd.backward(o, g, inputs=own)
+                self._compute += time.perf_counter() - t0
+        self._wait(*sends)
+
+
+def _act_tag(k: int) -> int:
+    """Tag of the activations entering virtual stage ``k`` (interleaved and zero-bubble schedules)."""
+    return 2 + 2 * k
+
+
+def _grad_tag(k: int) -> int:
+    """Tag of the gradients of virtual stage ``k``'s input, sent back to stage ``k - 1``."""
+    return 3 + 2 * k
+
+
+def check_virtual(stages: int, virtual: int, microbatches: int, schedule: str) -> None:
+    """The refusals of interleaving: V >= 1, not with GPipe, and (interleaved 1F1B) M a multiple of P."""
+    if virtual < 1:
+        raise ConfigError(f"`pp_virtual` must be at least 1, not {virtual}")
+    if virtual > 1 and schedule == "gpipe":
+        raise ConfigError(f"`pp_virtual` {virtual} interleaves 1F1B or zero-bubble schedules; GPipe runs every forward "
+                          f"before any backward and gains nothing from chunks: use `pp_schedule` 1f1b or zb")
+    if virtual > 1 and schedule == "1f1b" and microbatches % stages:
+        raise ConfigError(f"interleaved 1F1B (`pp_virtual` {virtual}) sends micro-batches round the {stages} stages in "
+                          f"groups of {stages}: `microbatches` {microbatches} must be a multiple of `pp` {stages}")
+

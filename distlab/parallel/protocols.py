@@ -131,8 +131,12 @@ class StepSchedule(Protocol):
         """A key of this rank's ``state_dict`` (or a module name) as the whole model's."""
 
     def gather_stages(self, mine: object) -> list:
-        """Every stage's ``mine``, in the model's order (collective over the pipeline; ``[mine]``
+        """Every pipeline rank's ``mine``, in rank order (collective over the pipeline; ``[mine]``
         without one)."""
+
+    def gather_model(self, pairs: list[tuple[str, object]]) -> list[tuple[str, object]]:
+        """``(key of this rank's module, value)`` pairs of every rank, as ``(the whole model's key,
+        value)`` in the model's order (collective over the pipeline; interleaved chunks included)."""
 
     def stages(self) -> list[dict]:
         """The pipeline's stages (layer ranges, names, parameters); ``[]`` without a pipeline."""

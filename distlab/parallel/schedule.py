@@ -66,6 +66,9 @@ class Accumulate:
     def gather_stages(self, mine):
         return [mine]
 
+    def gather_model(self, pairs):
+        return list(pairs)
+
     def stages(self) -> list[dict]:
         return []
 
@@ -108,6 +111,14 @@ class Pipelined:
         dist.all_gather_object(parts, mine, group=self.mesh.pp_group)
         return parts
 
+    def gather_model(self, pairs):
+        """Each rank's pairs split by chunk, gathered, and laid out virtual stage by virtual stage
+        (chunk ``c`` of rank ``r`` is stage ``c P + r``)."""
+        stage = self.stage
+        chunks = [[(stage.model_key(k), v) for k, v in pairs if stage.chunk_of(k) == c] for c in range(stage.virtual)]
+        parts = self.gather_stages(chunks)
+        return [kv for c in range(stage.virtual) for part in parts for kv in part[c]]
+
     def stages(self) -> list[dict]:
         return self.stage.describe()
 
@@ -123,7 +134,8 @@ class Pipelined:
         return {"pipeline": {
             "stages": stage.describe(), "microbatches": stage.microbatches, "schedule": stage.schedule,
             "bubble_measured": total / dist.get_world_size(),
-            "bubble_ideal": ideal_bubble(stage.stages, stage.microbatches),
+            "bubble_ideal": ideal_bubble(stage.stages, stage.microbatches, stage.schedule, stage.virtual),
+            **({"virtual": stage.virtual} if stage.virtual > 1 else {}),
             "in_flight_peak": int(worst), "activation_peak_bytes": int(held),
             "bubble_basis": "per step, the share of a stage's step spent waiting for a neighbour's activation or "
                             "gradient (median over steps after warm-up, mean over ranks); ideal: (P - 1) / (M + P - 1); "

@@ -33,7 +33,9 @@ modifiers, e.g. ``bucketed:ring+accum=4+syncbn``, ``zero=3``, ``allreduce+tp=2+n
                     feedback and warm start; data parallel's allreduce, bucketed and ddp)
     pp=P            pp: pipeline stages (the model's layers cut into P parts on P ranks)
     mb=M            microbatches: a pipeline step's micro-batches (default P)
-    gpipe, 1f1b     pp_schedule: the order of a stage's forwards and backwards (default 1f1b)
+    gpipe, 1f1b, zb pp_schedule: the order of a stage's forwards and backwards (default 1f1b; zb:
+                    zero bubble, backward split into input and weight gradients)
+    vpp=V           pp_virtual: V model chunks per pipeline rank (interleaved 1F1B, or zero bubble)
     balance=A:B:..  pp_balance: layers per stage (default: cut where the parameters balance)
 
 Any field may also be written ``FIELD=VALUE`` (``dp_sync=ddp+collective=ring``), so plan's
@@ -59,11 +61,11 @@ DEFAULT_DP_SYNC = "bucketed"  # the fastest exact method on CPU/gloo (README, da
 ZERO_DP_SYNC = "allreduce"    # what a ZeRO strategy records: its gradients are reduced after backward
 
 _KEYS = {"reduce": "reduce_dtype", "compress": "grad_compression", "accum": "grad_accum", "bucket": "bucket_mb", "style": "tp_style", "method": "dp_sync", "syncbn": "sync_bn",
-         "mb": "microbatches", "schedule": "pp_schedule", "balance": "pp_balance",
+         "mb": "microbatches", "schedule": "pp_schedule", "balance": "pp_balance", "vpp": "pp_virtual",
          "cp_style": "cp_style"}
 _WORDS = {"naive": ("tp_style", "naive"), "megatron": ("tp_style", "megatron"), "syncbn": ("sync_bn", "distlab"),
           "find_unused": ("find_unused", True), "find-unused": ("find_unused", True), "sp": ("sequence_parallel", True),
-          "gpipe": ("pp_schedule", "gpipe"), "1f1b": ("pp_schedule", "1f1b"),
+          "gpipe": ("pp_schedule", "gpipe"), "1f1b": ("pp_schedule", "1f1b"), "zb": ("pp_schedule", "zb"),
           "ckpt": ("activation_checkpointing", True), "bf16": ("precision", "bf16"), "fp16": ("precision", "fp16"),
           "fp32": ("precision", "fp32"), "ulysses": ("cp_style", "ulysses")}
 
@@ -89,6 +91,7 @@ class Strategy:
     microbatches: int | None = None  # None: pp (1 without a pipeline)
     pp_schedule: str = "1f1b"
     pp_balance: tuple[int, ...] | None = None  # layers per stage; None: balanced by parameters
+    pp_virtual: int = 1      # model chunks per pipeline rank (interleaved schedules)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     precision: str = "fp32"  # autocast dtype of forward/backward (parameters and optimizer state stay fp32)
     reduce_dtype: str | None = None  # dtype of gradient communication; None: the gradients' own (fp32)
@@ -107,6 +110,8 @@ class Strategy:
             object.__setattr__(self, "microbatches", self.pp if isinstance(self.pp, int) and self.pp > 1 else 1)
         if self.pp == 1:  # no pipeline: no schedule
             object.__setattr__(self, "pp_schedule", "1f1b")
+            if isinstance(self.pp_virtual, int) and self.pp_virtual >= 1:
+                object.__setattr__(self, "pp_virtual", 1)
         if self.pp_balance is not None:  # JSON gives a list; the dataclass is frozen and hashable
             object.__setattr__(self, "pp_balance", tuple(int(b) for b in self.pp_balance))
 
@@ -242,9 +247,19 @@ class Strategy:
 
     def _check_pipeline(self) -> None:
         """The combinations a pipeline refuses, each with its reason."""
-        if self.pp_balance is not None and (len(self.pp_balance) != self.pp or min(self.pp_balance) < 1):
-            raise ConfigError(f"`pp_balance` {','.join(map(str, self.pp_balance))} must give {self.pp} positive layer "
-                              f"counts, one per stage of `pp` {self.pp}")
+        from distlab.parallel.pipeline import check_virtual
+        check_virtual(self.pp, self.pp_virtual, self.microbatches, self.pp_schedule)
+        parts = self.pp * self.pp_virtual
+        if self.pp_balance is not None and (len(self.pp_balance) != parts or min(self.pp_balance) < 1):
+            chunks = f" ({self.pp_virtual} chunks on each of {self.pp} ranks)" if self.pp_virtual > 1 else ""
+            raise ConfigError(f"`pp_balance` {','.join(map(str, self.pp_balance))} must give {parts} positive layer "
+                              f"counts, one per stage{chunks}")
+        if self.pp_schedule == "zb" and self.sequence_parallel:
+            raise ConfigError("`pp_schedule` zb with `sequence_parallel`: a weight-gradient pass would run the sequence "
+                              "all-gathers again; use `pp_schedule` 1f1b with sequence parallel")
+        if self.pp_schedule == "zb" and self.ep > 1:
+            raise ConfigError(f"`pp_schedule` zb with `ep` {self.ep}: the experts' weight gradients sit behind the "
+                              f"combine all-to-all, which a separate weight pass would run again; use `pp_schedule` 1f1b")
         if self.grad_accum != 1:
             raise ConfigError(f"a pipeline accumulates gradients over its `microbatches` already: drop `grad_accum` "
                               f"{self.grad_accum} and set `microbatches` to {self.grad_accum * self.microbatches}")
@@ -330,6 +345,7 @@ class Strategy:
             parts.append(f"zero={self.zero}")
         if self.pp != 1:
             parts += [f"pp={self.pp}", f"mb={self.microbatches}", self.pp_schedule]
+            parts += [f"vpp={self.pp_virtual}"] if self.pp_virtual != 1 else []
             parts += [f"balance={':'.join(map(str, self.pp_balance))}"] if self.pp_balance else []
         if self.activation_checkpointing:
             parts.append("ckpt")
@@ -356,7 +372,7 @@ class Strategy:
                 name = _KEYS.get(key, key)
                 if name not in _FIELDS:
                     raise ConfigError(f"strategy {text!r}: unknown modifier {token!r} (known: accum=K, bucket=MB, "
-                                      f"syncbn[=torch], find_unused, tp=N, naive, sp, cp=N, ulysses, ep=N, zero=S, pp=P, mb=M, gpipe, 1f1b, ckpt, bf16, fp16, "
+                                      f"syncbn[=torch], find_unused, tp=N, naive, sp, cp=N, ulysses, ep=N, zero=S, pp=P, mb=M, gpipe, 1f1b, zb, vpp=V, ckpt, bf16, fp16, "
                                       f"reduce=DTYPE, compress=C, or FIELD=VALUE with FIELD "
                                       f"one of {', '.join(_FIELDS)})")
                 values[name] = _convert(name, value, text)
@@ -395,6 +411,8 @@ class Strategy:
             del d["cp"], d["cp_style"]
         if self.ep == 1:  # likewise without expert parallel
             del d["ep"]
+        if self.pp_virtual == 1:  # and without interleaving
+            del d["pp_virtual"]
         d["pp_schedule"] = self.pp_schedule if self.pp > 1 else None
         d["pp_balance"] = list(self.pp_balance) if self.pp_balance else None
         return d

@@ -253,7 +253,7 @@ class TrainConfig:
         from distlab.parallel.pipeline import partition
         net = self._meta_model()
         try:
-            partition(net, self.strategy.pp, self.strategy.pp_balance)
+            partition(net, self.strategy.pp * self.strategy.pp_virtual, self.strategy.pp_balance)
         except ConfigError as exc:
             raise ConfigError(f"model {self.model}: {exc}") from None
 
