@@ -126,20 +126,24 @@ def test_bench_parallel_puts_transformer_tensor_and_sequence_parallel_beside_dte
 
 
 def test_bench_pipeline_runs_distlab_and_torch_pipelining_on_the_same_split(run_cli, tmp_path):
-    proc = run_cli("bench", "pipeline", "--microbatches", "2", "--schedules", "gpipe,1f1b", "--steps", "3",
-                   "--batch", "8", "--out", "bp", timeout=300)
+    proc = run_cli("bench", "pipeline", "--microbatches", "2", "--schedules", "gpipe,1f1b,interleaved", "--steps",
+                   "3", "--batch", "8", "--out", "bp", timeout=300)
     assert proc.returncode == 0, proc.stderr
     records = json.loads((tmp_path / "bp" / "pipeline.json").read_text())
     assert {(r["schedule"], r["implementation"]) for r in records} == {
-        ("gpipe", "distlab"), ("gpipe", "torch"), ("1f1b", "distlab"), ("1f1b", "torch")}
+        ("gpipe", "distlab"), ("gpipe", "torch"), ("1f1b", "distlab"), ("1f1b", "torch"),
+        ("interleaved", "distlab"), ("interleaved", "torch")}
     for r in records:
-        assert r["bubble_ideal"] == 1 / 3 and len(r["losses"]) == 3
+        # (P - 1) / (M + P - 1); interleaved with 2 chunks per rank: (P - 1) / (V M + P - 1)
+        assert r["bubble_ideal"] == pytest.approx(1 / 5 if r["schedule"] == "interleaved" else 1 / 3)
+        assert len(r["losses"]) == 3
         if r["implementation"] == "distlab":
             # the same model, seed, split and batches: torch's losses within verify's float32 bound (SGD lr 0.1,
             # no momentum, 3 steps, a mean over 8 sequences x 64 tokens)
             assert r["max_loss_diff_vs_torch"] <= 2 * sgd_tolerance(3, 0.1, 8 * 64)
             assert r["bytes_sent_per_stage"][0] > 0
-            assert r["microbatches_held_per_stage"] == ([2, 2] if r["schedule"] == "gpipe" else [2, 1])
+            if r["schedule"] != "interleaved":
+                assert r["microbatches_held_per_stage"] == ([2, 2] if r["schedule"] == "gpipe" else [2, 1])
             # peak activations, measured the same way for both: distlab's stages hold no more than torch's
             theirs = next(t for t in records if t["implementation"] == "torch" and t["schedule"] == r["schedule"])
             assert all(0 < a <= b for a, b in zip(r["activation_peak_bytes_per_stage"],

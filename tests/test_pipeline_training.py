@@ -135,3 +135,21 @@ def test_a_pipeline_run_evaluates_reports_and_gathers_the_whole_model():
     assert [r[2] for r in results] == [2, 1]  # 1F1B: stage s holds at most P - s micro-batches
     assert summary["mesh"]["pp"] == 2 and "pipelines (stage 0 first) [0, 1]" in summary["mesh"]["layout"]
     assert summary["micro_batch_size"] == 8
+
+
+def test_interleaved_and_zero_bubble_pipelines_train_the_single_process_model():
+    """On 4 ranks: interleaved 1F1B (2 chunks per rank) with data parallel, zero bubble with tensor
+    parallel and with ZeRO-1 -- each equal to one process within verify's float32 bound (SGD)."""
+    from distlab.parallel import Strategy
+    from distlab.tools.verify import parse_strategy, verify
+    cases = ["bucketed+pp=2+mb=4+vpp=2+gpt", "allreduce+tp=2+pp=2+mb=2+zb+gpt", "zero=1+pp=2+mb=4+zb+gpt"]
+    records = verify([parse_strategy(c) for c in cases], 4, steps=3, timeout=300)
+    for r in records:
+        assert r["passed"] and r["max_abs_param_diff"] <= r["tolerance"], r
+    s = Strategy.parse("bucketed+pp=2+mb=4+zb+vpp=2")
+    assert (s.pp_schedule, s.pp_virtual) == ("zb", 2) and str(s) == "bucketed+pp=2+mb=4+zb+vpp=2"
+    assert "pp_virtual" not in Strategy(pp=2).to_dict() and Strategy.from_dict(s.to_dict()) == s
+    for text, message in (("pp=2+mb=3+vpp=2", "multiple of `pp` 2"), ("pp=2+gpipe+vpp=2", "GPipe"),
+                          ("pp=2+mb=2+zb+tp=2+sp", "sequence_parallel"), ("pp=2+balance=1:1+vpp=2", "4 positive")):
+        with pytest.raises(ConfigError, match=message):
+            Strategy.parse(text)

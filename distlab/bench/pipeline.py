@@ -1,10 +1,22 @@
-"""``distlab bench pipeline``: distlab's GPipe and 1F1B beside ``torch.distributed.pipelining``.
+"""``distlab bench pipeline``: distlab's pipeline schedules beside ``torch.distributed.pipelining``.
 
 The GPT on synthetic text, cut into ``--nproc`` stages by :func:`~distlab.parallel.partition`
 (the same split for both implementations), trains ``--steps`` SGD steps of ``--batch`` sequences
-for each schedule (GPipe, 1F1B) and each micro-batch count ``M``: distlab's
-:class:`~distlab.parallel.PipelineStage` and torch's ``PipelineStage`` with ``ScheduleGPipe`` /
-``Schedule1F1B``, the same model, seed and batches. Interleaved over ``--runs`` rounds.
+for each schedule and each micro-batch count ``M``: distlab's
+:class:`~distlab.parallel.PipelineStage` and torch's ``PipelineStage``, the same model, seed and
+batches. Interleaved over ``--runs`` rounds. The schedules, distlab's / torch's:
+
+==================  =================================================================================
+``gpipe``           GPipe / ``ScheduleGPipe``
+``1f1b``            1F1B / ``Schedule1F1B``
+``interleaved``     interleaved 1F1B, ``--virtual`` V chunks per rank / ``ScheduleInterleaved1F1B``
+                    with V stages per rank (``M`` a multiple of the stages)
+``zb``              zero bubble (ZB-H1), one chunk per rank / none (torch's zero-bubble schedules
+                    need several stages per rank): distlab's alone
+``interleaved-zb``  zero bubble with V chunks per rank / ``ScheduleInterleavedZeroBubble``
+==================  =================================================================================
+
+With ``P x V`` chunks the GPT gets at least ``P V - 2`` blocks (every chunk a layer).
 
 Per run: median step time (the first steps excluded), the step losses (equal across the two
 implementations up to float rounding: the same computation), and for distlab the measured bubble
@@ -26,9 +38,22 @@ from distlab.bench.common import at_least, choose, cores, format_table, human_by
 from distlab.parallel.pipeline import ideal_bubble
 from distlab.launch.spawn import run_ranks
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "interleaved-zb")
+TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+         "interleaved-zb": "ScheduleInterleavedZeroBubble"}  # zb: torch has no single-stage zero bubble
 IMPLEMENTATIONS = ("distlab", "torch")
 MODEL = dict(n_layer=4, n_head=4, n_embd=128, block_size=64)  # 6 layers: embedding, 4 blocks, head
+
+
+def _mine(schedule: str, virtual: int) -> tuple[str, int]:
+    """distlab's ``pp_schedule`` and chunks per rank for a bench schedule."""
+    return {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved": ("1f1b", virtual), "zb": ("zb", 1),
+            "interleaved-zb": ("zb", virtual)}[schedule]
+
+
+def _layers(world: int, virtual: int) -> int:
+    """Blocks of the bench GPT: the default 4, or enough that every one of ``P V`` chunks gets a layer."""
+    return max(MODEL["n_layer"], world * virtual - 2)
 
 
 def _batches(steps: int, batch: int, seed: int = 0):
@@ -39,7 +64,7 @@ def _batches(steps: int, batch: int, seed: int = 0):
 
 
 def _one(rank: int, world: int, impl: str, schedule: str, microbatches: int, steps: int, batch: int,
-         warmup: int) -> dict:
+         warmup: int, virtual: int = 2) -> dict:
     import torch.distributed as dist
 
     from distlab import comm
@@ -48,18 +73,22 @@ def _one(rank: int, world: int, impl: str, schedule: str, microbatches: int, ste
     from distlab.parallel.pipeline import ActivationMeter
 
     torch.manual_seed(0)
-    model = GPT(256, MODEL["block_size"], MODEL["n_layer"], MODEL["n_head"], MODEL["n_embd"])
-    start, end = partition(model, world)[rank]
+    model = GPT(256, MODEL["block_size"], _layers(world, virtual), MODEL["n_head"], MODEL["n_embd"])
+    pp_schedule, chunks = _mine(schedule, virtual)
     first, last = rank == 0, rank == world - 1
     if impl == "distlab":
-        stage = PipelineStage(model, dist.group.WORLD, microbatches, schedule)
+        stage = PipelineStage(model, dist.group.WORLD, microbatches, pp_schedule, virtual=chunks)
         params = stage.parameters()
     else:
+        from torch.distributed import pipelining
         from torch.distributed.pipelining import PipelineStage as TorchStage
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-        sub = torch.nn.Sequential(*[model[i] for i in range(start, end)])
-        tstage = TorchStage(sub, rank, world, torch.device("cpu"), group=dist.group.WORLD)
-        sched = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(tstage, microbatches, loss_fn=task_loss)
+        ranges = partition(model, world * chunks)
+        subs = [torch.nn.Sequential(*[model[i] for i in range(*ranges[c * world + rank])]) for c in range(chunks)]
+        tstages = [TorchStage(sub, c * world + rank, world * chunks, torch.device("cpu"), group=dist.group.WORLD)
+                   for c, sub in enumerate(subs)]
+        kind = getattr(pipelining, TORCH[schedule])
+        sched = kind(tstages if chunks > 1 else tstages[0], microbatches, loss_fn=task_loss)
+        sub = torch.nn.ModuleList(subs)
         params = sub.parameters()
     opt = torch.optim.SGD(params, lr=0.1)
     times, losses, sent, bubbles, held, activations = [], [], [], [], [], []
@@ -96,16 +125,25 @@ def _one(rank: int, world: int, impl: str, schedule: str, microbatches: int, ste
             "held": max(held) if held else None, "activation_peak_bytes": max(activations), "sent": statistics.median(sent) if impl == "distlab" else None}
 
 
-def _cells(rank: int, world: int, cells: list[tuple], steps: int, batch: int, warmup: int) -> list[dict]:
+def _cells(rank: int, world: int, cells: list[tuple], steps: int, batch: int, warmup: int,
+           virtual: int = 2) -> list[dict]:
     """Every (implementation, schedule, M) cell in one process group, one after another."""
-    return [_one(rank, world, impl, schedule, m, steps, batch, warmup) for impl, schedule, m in cells]
+    return [_one(rank, world, impl, schedule, m, steps, batch, warmup, virtual) for impl, schedule, m in cells]
+
+
+def _fits(impl: str, schedule: str, m: int, nproc: int) -> bool:
+    """Whether a cell can run: torch's 1F1B needs M >= P, interleaving M a multiple of P, and torch
+    has no single-stage zero bubble."""
+    if impl == "torch" and (schedule not in TORCH or (schedule == "1f1b" and m < nproc)):
+        return False
+    return not (schedule.startswith("interleaved") and m % nproc)
 
 
 def run(nproc: int, microbatches: list[int], schedules: list[str], impls: list[str], steps: int, batch: int,
-        runs: int, out: str | None, progress=None) -> list[dict]:
+        runs: int, out: str | None, progress=None, virtual: int = 2) -> list[dict]:
     schedules = choose("--schedules", schedules, SCHEDULES)
     impls = choose("--implementations", impls, IMPLEMENTATIONS)
-    at_least(nproc=(nproc, 2), steps=(steps, 2), runs=(runs, 1))
+    at_least(nproc=(nproc, 2), steps=(steps, 2), runs=(runs, 1), virtual=(virtual, 2))
     from distlab.errors import ConfigError
     for m in microbatches:
         if m < 1 or batch % m:
@@ -113,12 +151,12 @@ def run(nproc: int, microbatches: list[int], schedules: list[str], impls: list[s
     threads = max(1, cores() // nproc)
     warmup = min(3, steps // 3)
     todo = [(impl, schedule, m) for schedule in schedules for m in microbatches for impl in impls
-            if not (impl == "torch" and schedule == "1f1b" and m < nproc)]  # torch's 1F1B needs M >= P
+            if _fits(impl, schedule, m, nproc)]
     cells: dict[tuple, list[dict]] = {}
     for i in range(runs):
         if progress:
             progress(f"round {i + 1} of {runs}: {len(todo)} runs on {nproc} stages")
-        per_rank = run_ranks(_cells, nproc, todo, steps, batch, warmup, timeout=1800, threads=threads)
+        per_rank = run_ranks(_cells, nproc, todo, steps, batch, warmup, virtual, timeout=1800, threads=threads)
         for k, (impl, schedule, m) in enumerate(todo):
             ranks = [results[k] for results in per_rank]
             cells.setdefault((schedule, m, impl), []).append({
@@ -130,11 +168,14 @@ def run(nproc: int, microbatches: list[int], schedules: list[str], impls: list[s
     for (schedule, m, impl), rounds in cells.items():
         times = [r["step_s"] for r in rounds]
         first = rounds[0]
+        pp_schedule, chunks = _mine(schedule, virtual)
         records.append({"schedule": schedule, "microbatches": m, "implementation": impl, "stages": nproc,
-                        "model": "gpt", **MODEL, "batch": batch, "steps": steps,
+                        "virtual": chunks, "model": "gpt", **MODEL, "n_layer": _layers(nproc, virtual),
+                        "batch": batch, "steps": steps,
                         "time_per_step_s_median": statistics.median(times), "time_per_step_s_runs": times,
                         "losses": first["losses"], "bubble_measured": first["bubble"],
-                        "bubble_ideal": ideal_bubble(nproc, m), "microbatches_held_per_stage": first["held"],
+                        "bubble_ideal": ideal_bubble(nproc, m, pp_schedule, chunks),
+                        "microbatches_held_per_stage": first["held"],
                         "activation_peak_bytes_per_stage": first["activations"],
                         "bytes_sent_per_stage": first["sent"], **machine(nproc, threads)})
     by_key = {(r["schedule"], r["microbatches"], r["implementation"]): r for r in records}
@@ -164,7 +205,7 @@ def table(records: list[dict], markdown: bool = False) -> str:
                      f"{r['losses'][-1]:.4f}",
                      f"{r['max_loss_diff_vs_torch']:.1e}" if "max_loss_diff_vs_torch" in r else "-"])
     return format_table(["schedule", "M", "implementation", "ms/step", "vs torch (range)", "bubble",
-                         "ideal (P-1)/(M+P-1)", "held per stage", "activations per stage", "last loss", "|loss - torch's|"], rows, markdown)
+                         "ideal", "held per stage", "activations per stage", "last loss", "|loss - torch's|"], rows, markdown)
 
 
 def plot(records: list[dict], directory) -> list:

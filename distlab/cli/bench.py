@@ -241,7 +241,10 @@ def bench_parallel(workloads, strategies, nproc, steps, batch, dataset, text_dat
 @bench.command("pipeline")
 @click.option("--nproc", type=COUNT, default=2, show_default=True, help="Pipeline stages (processes).")
 @click.option("--microbatches", default="1,2,4,8", show_default=True, help="Micro-batch counts M.")
-@click.option("--schedules", default="gpipe,1f1b", show_default=True)
+@click.option("--schedules", default="gpipe,1f1b", show_default=True,
+              help="gpipe, 1f1b, interleaved (--virtual chunks per rank), zb (zero bubble), interleaved-zb.")
+@click.option("--virtual", type=COUNT, default=2, show_default=True,
+              help="Chunks per rank for the interleaved schedules.")
 @click.option("--implementations", default="distlab,torch", show_default=True,
               help="distlab (PipelineStage) and torch (torch.distributed.pipelining).")
 @click.option("--steps", type=COUNT, default=10, show_default=True)
@@ -249,11 +252,12 @@ def bench_parallel(workloads, strategies, nproc, steps, batch, dataset, text_dat
 @click.option("--runs", type=COUNT, default=1, show_default=True, help="Interleaved rounds; times are medians.")
 @click.option("--out", callback=writable_dir, default="runs/bench", show_default=True, help="Writes OUT/pipeline.json.")
 @click.option("--plot", "plot_dir", callback=writable_dir, default=None, help="Also write a step-time and bubble PNG here.")
-def bench_pipeline(nproc, microbatches, schedules, implementations, steps, batch, runs, out, plot_dir):
-    """GPipe and 1F1B, distlab's beside torch.distributed.pipelining: time, bubble, memory, losses."""
+def bench_pipeline(nproc, microbatches, schedules, virtual, implementations, steps, batch, runs, out, plot_dir):
+    """Pipeline schedules (GPipe, 1F1B, interleaved, zero bubble), distlab's beside
+    torch.distributed.pipelining: time, bubble, memory, losses."""
     from distlab.bench import pipeline
     records = pipeline.run(nproc, csv_ints(microbatches), schedules, implementations, steps, batch, runs, out,
-                           progress=_progress)
+                           progress=_progress, virtual=virtual)
     _finish(pipeline, records, out, "pipeline", plot_dir)
 
 

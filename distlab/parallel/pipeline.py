@@ -33,7 +33,8 @@ Both run from an explicit action list per rank (:func:`schedule_actions`): a lis
 the step on every rank with unit costs (forward 1, backward 2, or ``B`` 1 and ``W`` 1), always taking
 a ready backward first, then a forward while the rank holds fewer micro-batches than the 1F1B limit
 (Megatron's warm-up count when interleaved), then a ``W``. Each rank runs its actions in that order;
-the order is a topological order of the step's dependencies and every send is non-blocking, so
+(a micro-batch counts as held until its last backward pass -- its ``W`` under zero bubble, which
+keeps the graph for it: ZB-H1's memory, 1F1B's limit); the order is a topological order of the step's dependencies and every send is non-blocking, so
 no schedule can deadlock, and each message stream (one per chunk boundary and direction, its own
 tag) carries its micro-batches in order. The same simulation gives each schedule's ideal bubble. :attr:`PipelineStage.last_timing` measures it per step: time spent
 waiting for a neighbour's message over the step's time.
@@ -121,7 +122,7 @@ def schedule_actions(schedule: str, stages: int, virtual: int, microbatches: int
             started.add(pick)
             end[pick] = t + cost[kind]
             free[r] = end[pick]
-            held[r] += {"F": 1, "B": -1, "W": 0}[kind]
+            held[r] += {"F": 1, "B": 0 if split else -1, "W": -1}[kind]  # zb: the graph is held until W
             if kind == "B" and split:
                 waiting_w[r].append(("W", k, m))
             plan[r].append((kind, k // P, m, t, cost[kind]))
