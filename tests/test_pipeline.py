@@ -113,6 +113,14 @@ def test_the_schedules_action_lists_give_the_known_bubbles():
     assert all(sorted(a[:3] for a in acts if a[0] == "F") == [("F", 0, m) for m in range(4)] for acts in plan)
     with pytest.raises(ConfigError, match="multiple of `pp` 4"):
         check_virtual(4, 2, 6, "1f1b")
+    from distlab.parallel import Strategy
+    from distlab.parallel.cost import trace
+    from distlab.plan.cost import Link
+    from distlab.plan.predict import Layout, predict
+    t = trace("gpt", (8,), 256, n_layer=2, n_head=2, n_embd=16)  # 4 layers: embedding, 2 blocks, head
+    p = predict(t, Layout(strategy=Strategy(pp=2, microbatches=4, pp_virtual=2), global_batch=8), Link(), None)
+    assert p["pipeline"]["bubble_ideal"] == pytest.approx(1 / 9)
+    assert [st["chunks"] for st in p["pipeline"]["stages"]] == [[[0, 1], [2, 3]], [[1, 2], [3, 4]]]
     with pytest.raises(ConfigError, match="GPipe"):
         check_virtual(2, 2, 4, "gpipe")
 

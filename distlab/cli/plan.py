@@ -12,7 +12,7 @@ from distlab.errors import ConfigError
 DEFAULT_CALIBRATION = "runs/calibration.json"
 PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "sequence_parallel", "cp", "cp_style", "ep",
                   "zero", "pp",
-                  "microbatches", "pp_schedule", "pp_balance", "precision", "reduce_dtype",
+                  "microbatches", "pp_schedule", "pp_virtual", "pp_balance", "precision", "reduce_dtype",
                   "grad_compression")  # what plan's cost model reads
 
 

@@ -149,7 +149,9 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
         out["pipeline"] = {
             "stages": [{k: v for k, v in st.items() if k != "trace"} for st in stages],
             "microbatches": lay.strategy.microbatches, "schedule": lay.strategy.pp_schedule,
-            "bubble_ideal": ideal_bubble(lay.pp, lay.strategy.microbatches),
+            "virtual": lay.strategy.pp_virtual,
+            "bubble_ideal": ideal_bubble(lay.pp, lay.strategy.microbatches, lay.strategy.pp_schedule,
+                                         lay.strategy.pp_virtual),
             "p2p_bytes_per_step_per_rank": max(st["sent_bytes_per_step"] for st in stages)}
     cp_bytes = _context_bytes(t, lay, micro)
     if lay.cp > 1:
@@ -181,7 +183,8 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     fwd = t.forward_flops_per_sample * share * micro * lay.strategy.micro_steps / lay.tp / lay.cp / comp.rate
     bwd = flops / comp.rate - fwd
     # fill and drain: every stage idles P - 1 micro-batch slots of the step, M / (M + P - 1) busy
-    stretch = 1.0 / (1.0 - ideal_bubble(lay.pp, lay.strategy.microbatches))
+    stretch = 1.0 / (1.0 - ideal_bubble(lay.pp, lay.strategy.microbatches, lay.strategy.pp_schedule,
+                                         lay.strategy.pp_virtual))
     fwd, bwd = fwd * stretch, bwd * stretch
     calls = sync.planned_calls(t_rank, lay.strategy, lay.replicas)
     overlapped, after, after_step = calls.during_backward, calls.after_backward, calls.after_step
@@ -263,8 +266,13 @@ def _activation_basis(lay: Layout) -> str:
                   ", split over the tensor-parallel ranks except in LayerNorm and embedding regions (replicated "
                   "without sequence parallel)")
     if lay.pp > 1:
+        v = lay.strategy.pp_virtual
         basis += (f"; a pipeline stage holds {lay.strategy.microbatches} micro-batches (gpipe)"
-                  if lay.strategy.pp_schedule == "gpipe" else "; stage s holds min(M, P - s) micro-batches (1f1b)")
+                  if lay.strategy.pp_schedule == "gpipe" else
+                  f"; rank s holds min(V M, 2 (P - s - 1) + (V - 1) P + 1) chunk-micro-batches of its {v} chunks "
+                  f"(interleaved)" if v > 1 else
+                  f"; stage s holds min(M, P - s) micro-batches ({lay.strategy.pp_schedule}"
+                  + (": a graph kept until its weight pass" if lay.strategy.pp_schedule == "zb" else "") + ")")
     return basis
 
 
@@ -275,12 +283,14 @@ def _stages(t: Trace, lay: Layout, micro: int, optim: Optim) -> list[dict]:
     if lay.pp > 1 and not t.layers:
         raise ConfigError("`pp`: this model is not a sequence of layers a pipeline can cut; plan it with `pp` 1")
     layers = t.layers or []
-    ranges = cut([layer.parameters for layer in layers], lay.pp, lay.strategy.pp_balance) if lay.pp > 1 else \
+    v = lay.strategy.pp_virtual if lay.pp > 1 else 1
+    cuts = cut([layer.parameters for layer in layers], lay.pp * v, lay.strategy.pp_balance) if lay.pp > 1 else \
         [(0, len(layers))]
     total_flops = sum(layer.forward_flops for layer in layers) or 1.0
-    sp, out = lay.strategy.sequence_parallel, []
-    for s, (a, b) in enumerate(ranges):
-        mine = layers[a:b]
+    sp, out, m_total = lay.strategy.sequence_parallel, [], lay.strategy.microbatches
+    for s in range(lay.pp):
+        chunks = [cuts[c * lay.pp + s] for c in range(v)]  # rank s holds virtual stages s, s + P, ...
+        mine = [layer for a, b in chunks for layer in layers[a:b]]
         sub = stage_trace(t, [layer.name for layer in mine]) if lay.pp > 1 else t
         if lay.tp > 1:
             sub = replace(sub, numels=[math.ceil(m / lay.tp) for m in sub.numels])
@@ -291,16 +301,27 @@ def _stages(t: Trace, lay: Layout, micro: int, optim: Optim) -> list[dict]:
         else:  # a model without a layer profile: the whole-model estimate
             saved, replicated = t.activation_bytes_per_sample, 0.0
         per_sample = ((saved - replicated) / lay.tp + replicated) / lay.cp
-        held = 1 if lay.pp == 1 else (lay.strategy.microbatches if lay.strategy.pp_schedule == "gpipe"
-                                      else min(lay.strategy.microbatches, lay.pp - s))
-        boundary = (mine[-1].output_bytes * micro / (lay.tp if sp else 1)) if mine and s < len(ranges) - 1 else 0.0
-        before = (layers[a - 1].output_bytes * micro / (lay.tp if sp else 1)) if a > 0 else 0.0
-        out.append({"stage": s, "layers": [a, b], "first": mine[0].name if mine else None,
+        if lay.pp == 1:
+            held = 1.0
+        elif lay.strategy.pp_schedule == "gpipe":
+            held = m_total
+        elif v > 1:  # Megatron's warm-up chunks in flight, each a V-th of the rank's layers
+            held = min(m_total * v, (lay.pp - s - 1) * 2 + (v - 1) * lay.pp + 1) / v
+        else:
+            held = min(m_total, lay.pp - s)
+        boundary = before = 0.0
+        for k, (a, b) in ((c * lay.pp + s, chunks[c]) for c in range(v)):
+            if k < len(cuts) - 1 and b > a:
+                boundary += layers[b - 1].output_bytes * micro / (lay.tp if sp else 1)
+            if a > 0:
+                before += layers[a - 1].output_bytes * micro / (lay.tp if sp else 1)
+        out.append({"stage": s, "layers": [chunks[0][0], chunks[-1][1]], "first": mine[0].name if mine else None,
                     "last": mine[-1].name if mine else None, "parameters": sum(sub.numels),
+                    **({"chunks": [list(c) for c in chunks]} if v > 1 else {}),
                     "model_state_bytes": int(state), "activation_bytes": int(per_sample * micro * held),
                     "flops_share": sum(layer.forward_flops for layer in mine) / total_flops if lay.pp > 1 else 1.0,
                     "boundary_bytes_per_microbatch": int(boundary),
-                    "sent_bytes_per_step": int((boundary + before) * lay.strategy.microbatches),
+                    "sent_bytes_per_step": int((boundary + before) * m_total),
                     "trace": sub})
     return out
 

@@ -43,11 +43,17 @@ def format_prediction(p: dict) -> str:
                      f"{_gib(x['bytes_per_step_per_rank'])} per step in all-to-alls ({x['bytes_basis']})")
     if p.get("pipeline"):
         pl = p["pipeline"]
-        lines.append(f"pipeline      {len(pl['stages'])} stages, {pl['schedule']}, {pl['microbatches']} micro-batches: "
-                     f"bubble (P-1)/(M+P-1) = {pl['bubble_ideal']:.2f}; sends {_gib(pl['p2p_bytes_per_step_per_rank'])} "
-                     f"per step between stages (the busiest rank)")
+        virtual = pl.get("virtual", 1)
+        formula = ("(P-1)/(M+P-1)" if pl["schedule"] in ("gpipe", "1f1b") and virtual == 1 else
+                   "(P-1)/(VM+P-1)" if pl["schedule"] == "1f1b" else "its unit-cost schedule's")
+        chunks = f", {virtual} chunks per rank" if virtual > 1 else ""
+        lines.append(f"pipeline      {len(pl['stages'])} stages, {pl['schedule']}{chunks}, {pl['microbatches']} "
+                     f"micro-batches: bubble {formula} = {pl['bubble_ideal']:.2f}; sends "
+                     f"{_gib(pl['p2p_bytes_per_step_per_rank'])} per step between stages (the busiest rank)")
         for st in pl["stages"]:
-            lines.append(f"  stage {st['stage']}     layers {st['layers'][0]}-{st['layers'][1] - 1} ({st['first']} .. "
+            where = (", ".join(f"{a}-{b - 1}" for a, b in st["chunks"]) if st.get("chunks") else
+                     f"{st['layers'][0]}-{st['layers'][1] - 1}")
+            lines.append(f"  stage {st['stage']}     layers {where} ({st['first']} .. "
                          f"{st['last']}), {st['parameters']:,} parameters per rank: model state "
                          f"{_gib(st['model_state_bytes'])}, activations {_gib(st['activation_bytes'])}, "
                          f"{st['flops_share']:.0%} of the FLOPs")

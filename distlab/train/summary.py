@@ -324,7 +324,7 @@ def header(trainer) -> list[str]:
                          f"{d['last']}), {d['parameters']:,} parameters" for d in stages)
         st = cfg.strategy
         lines.append(f"pipeline {st.pp} stages, schedule {st.pp_schedule}, {st.microbatches} micro-batches per step "
-                     f"(ideal bubble {ideal_bubble(st.pp, st.microbatches):.0%}): {cuts}")
+                     f"(ideal bubble {ideal_bubble(st.pp, st.microbatches, st.pp_schedule, st.pp_virtual):.0%}): {cuts}")
     micro_steps = cfg.strategy.micro_steps
     micro = trainer.local_batch // micro_steps
     lines.append(f"batch    {cfg.global_batch_size} global = {mesh.dp} data-parallel rank(s) x {trainer.local_batch}"
