@@ -88,8 +88,9 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
     """Every dp_sync x collective, each method with grad_accum 4, SyncBN, ZeRO 1-3, activation
     checkpointing (with SyncBN too), bf16 autocast, a bf16 reduction, PowerSGD, and -- where
     ``world_size`` is even -- tensor parallel over pairs of ranks in both styles, two-stage
-    pipelines with each schedule and context parallel on the transformer in both styles (with
-    tensor parallel, and context x pipeline, where it divides by 4)."""
+    pipelines with each schedule and context parallel on the transformer in both styles, the
+    mixture of experts with expert parallel, interleaved and zero-bubble pipelines (with tensor
+    parallel, context x pipeline and expert x pipeline where it divides by 4)."""
     out = [Strategy("gather-scatter")]
     out += [Strategy(m, c) for m in ("allreduce", "bucketed", "ddp") for c in COLLECTIVES]
     out += [Strategy(m, grad_accum=4) for m in SYNC_METHODS]
@@ -106,10 +107,14 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
     if world_size and world_size % 2 == 0:
         cases += [Case(Strategy("bucketed", cp=2), model="gpt"), Case(Strategy("bucketed", cp=2, cp_style="ulysses"),
                                                                       model="gpt")]
+        cases += [Case(Strategy("bucketed", ep=2), model="gpt-moe"),
+                  Case(Strategy("bucketed", pp=2, microbatches=4, pp_virtual=2), model="gpt"),
+                  Case(Strategy("bucketed", pp=2, microbatches=4, pp_schedule="zb"), model="gpt")]
     if world_size and world_size % 4 == 0:
         cases += [Case(Strategy("bucketed", tp=2, pp=2, microbatches=2)),
                   Case(Strategy("allreduce", tp=2, cp=2), model="gpt"),
-                  Case(Strategy("bucketed", cp=2, pp=2, microbatches=2), model="gpt")]
+                  Case(Strategy("bucketed", cp=2, pp=2, microbatches=2), model="gpt"),
+                  Case(Strategy("bucketed", ep=2, pp=2, microbatches=2), model="gpt-moe")]
     return cases
 
 

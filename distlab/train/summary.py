@@ -320,10 +320,12 @@ def header(trainer) -> list[str]:
                      f"{tp_params:,} of this rank's {total:,} parameters; the rest is replicated")
     stages = trainer.engine.schedule.stages()
     if stages:
-        cuts = "; ".join(f"stage {d['stage']} = layers {d['layers'][0]}-{d['layers'][1] - 1} ({d['first']} .. "
-                         f"{d['last']}), {d['parameters']:,} parameters" for d in stages)
+        cuts = "; ".join(f"stage {d['stage']}{' on rank ' + str(d['rank']) if 'rank' in d else ''} = layers "
+                         f"{d['layers'][0]}-{d['layers'][1] - 1} ({d['first']} .. {d['last']}), {d['parameters']:,} "
+                         f"parameters" for d in stages)
         st = cfg.strategy
-        lines.append(f"pipeline {st.pp} stages, schedule {st.pp_schedule}, {st.microbatches} micro-batches per step "
+        chunks = f" x {st.pp_virtual} chunks each (interleaved)" if st.pp_virtual > 1 else ""
+        lines.append(f"pipeline {st.pp} stages{chunks}, schedule {st.pp_schedule}, {st.microbatches} micro-batches per step "
                      f"(ideal bubble {ideal_bubble(st.pp, st.microbatches, st.pp_schedule, st.pp_virtual):.0%}): {cuts}")
     micro_steps = cfg.strategy.micro_steps
     micro = trainer.local_batch // micro_steps
