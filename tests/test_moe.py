@@ -138,7 +138,9 @@ def test_the_cli_trains_experts_in_parallel_reports_their_load_and_resumes_on_an
     common = ["train", "--model", "gpt-moe", "--dataset", "synthetic-text:6000", "--n-layer", "2", "--n-embd", "16",
               "--n-head", "2", "--block-size", "16", "--experts", "4", "--top-k", "2", "--global-batch-size", "8",
               "--max-steps", "6", "--lr-schedule", "constant", "--no-progress", "--snapshot-every", "3",
-              "--keep-snapshots", "5"]
+              "--keep-snapshots", "5", "--eval-batch-size", "18", "--comm-timeout", "60"]
+    # 37 test windows over 2 ranks, 18 a batch: one rank evaluates 2 batches, the other 1 and an empty one
+    # (every forward exchanges tokens between them)
     proc = run_cli(*common, "--nproc-per-node", "2", "--ep", "2", "--snapshot-dir", "s", "--out", "ep2", check=True,
                    timeout=240)
     assert "dp 2 (ep 2): DP groups [0, 1]; EP groups [0, 1]" in proc.stdout and "expert load" in proc.stdout

@@ -43,10 +43,16 @@ def evaluate(engine: Engine, dataset, device: torch.device | str = "cpu", batch_
     wrong = torch.full((SHOWN, 3), -1, dtype=torch.int64, device=device) if details else None
     shown = 0
     loader = EvalLoader(dataset, rank=mesh.dp_rank, world_size=mesh.dp, batch_size=batch_size)
-    for start, (x, y) in zip(range(0, len(loader.indices), batch_size), loader):
+    batches = list(zip(range(0, len(loader.indices), batch_size), loader))
+    if mesh.ep > 1 and batches:  # expert parallel exchanges tokens between data-parallel ranks in every
+        # forward: every rank runs as many as the largest shard needs (empty batches where its own ran out)
+        most = -(-(-(-len(dataset) // mesh.dp)) // batch_size)
+        x0, y0 = batches[0][1]
+        batches += [(len(loader.indices), (x0[:0], y0[:0]))] * (most - len(batches))
+    for start, (x, y) in batches:
         x, y = engine.shard(x.to(device), y.to(device))  # context parallel: this rank's tokens
         out = engine.infer(x)
-        if out is None:  # a pipeline stage before the last: it passed the batch on
+        if out is None or not len(y):  # a pipeline stage before the last (it passed the batch on); an empty batch
             continue
         loss_sum += engine.loss(out, y, reduction="sum").item()
         right, scored = engine.correct(out, y)
