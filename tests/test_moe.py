@@ -119,10 +119,11 @@ def test_experts_sharded_over_ranks_compute_what_the_whole_layer_does_and_count_
 
 def test_training_with_experts_sharded_equals_one_process():
     """On 4 ranks: the MoE transformer (8 experts, top 2) with ep 2 and 4, with DDP, with tensor
-    parallel, a pipeline and context parallel -- each equal to one process (verify's float32 bound, SGD)."""
+    parallel, a pipeline and context parallel, and under sequence parallel (each tensor-parallel rank
+    routing its own positions) -- each equal to one process (verify's float32 bound, SGD)."""
     from distlab.tools.verify import parse_strategy, verify
     cases = ["bucketed+ep=4+gpt-moe", "ddp+ep=2+gpt-moe", "allreduce+tp=2+ep=2+gpt-moe",
-             "bucketed+ep=2+pp=2+mb=2+gpt-moe", "bucketed+cp=2+ep=2+gpt-moe"]
+             "bucketed+ep=2+pp=2+mb=2+gpt-moe", "bucketed+cp=2+ep=2+gpt-moe", "allreduce+tp=2+sp+gpt-moe"]
     records = verify([parse_strategy(c) for c in cases], 4, steps=3, timeout=300)
     for r in records:
         assert r["passed"] and r["max_abs_param_diff"] <= r["tolerance"], r

@@ -136,7 +136,9 @@ class GPT(nn.Sequential):
             plan |= {f"{i}.ln1": "sequence", f"{i}.attn.enter": "enter", f"{i}.attn.q": "colwise_entered",
                      f"{i}.attn.k": "colwise_entered", f"{i}.attn.v": "colwise_entered", f"{i}.attn.proj": "rowwise",
                      f"{i}.ln2": "sequence"}
-            if not self.experts:  # experts stay whole on every tensor-parallel rank (expert parallel splits them)
+            if self.experts:  # experts stay whole on every tensor-parallel rank (expert parallel splits them);
+                plan[f"{i}.mlp"] = "sequence_stats"  # under sequence parallel each routes its own positions
+            else:
                 plan |= linear_plan(self[i].mlp, f"{i}.mlp", style)
         head = len(self) - 1
         return plan | {f"{head}.ln": "sequence", f"{head}.enter": "enter", f"{head}.out": "vocab_output"}

@@ -20,8 +20,9 @@ of slots routed to expert ``e``; ``P_e``: its mean router probability), computed
 *sequence* and averaged over sequences (the sequence-wise balance loss of DeepSeek-V3). Per
 sequence, it splits over data-parallel ranks, micro-batches and pipeline stages exactly like
 the task loss does -- a mean over samples -- so every layout trains the single-process model.
-Only context parallel, which splits a sequence itself, completes ``f`` with one all-reduce of the
-counts over its ranks (:attr:`MoE.sequence_group`). The loss reaches the router without passing
+Only context and sequence parallel, which split a sequence itself, complete ``f`` with one
+all-reduce of the counts over their ranks (:attr:`MoE.sequence_group`; under sequence parallel the
+gradients are summed over the group, not averaged, so each rank's share is scaled by its tokens). The loss reaches the router without passing
 through the model's output: its gradient (``aux_coef`` times :attr:`MoE.aux_scale`, the step's
 micro-batch share) is added in backward where the layer's output is (Megatron-LM's
 ``MoEAuxLossAutoScaler`` does the same), so a pipeline stage needs no extra loss term.
@@ -114,7 +115,8 @@ class MoE(nn.Module):
         self.router = nn.Linear(dim, experts, bias=False)
         self.experts = GroupedExperts(experts, dim, hidden or 4 * dim)
         self.aux_scale = 1.0  # the step's share of this forward's loss (1 / micro-batches); the Engine sets it
-        self.sequence_group = None  # context parallel: the ranks holding the other parts of each sequence
+        self.sequence_group = None  # context or sequence parallel: the ranks holding the other parts of each sequence
+        self.sequence_grad = "mean"  # how their gradients combine: averaged (context parallel) or summed (sequence)
         self.reset_statistics()
 
     def reset_statistics(self) -> None:
@@ -182,7 +184,9 @@ class MoE(nn.Module):
             dist.all_reduce(f, group=self.sequence_group)
             tokens = t * dist.get_world_size(self.sequence_group)
         f = f / (tokens * self.top_k)
-        return e * (f * probs.mean(1)).sum(-1).mean()
+        aux = e * (f * probs.mean(1)).sum(-1).mean()
+        # summed gradients (sequence parallel) must add up to the whole sequence's mean probability
+        return aux * t / tokens if self.sequence_grad == "sum" else aux
 
     def routing_statistics(self) -> dict:
         """This rank's routing counts since the last reset."""

@@ -27,6 +27,9 @@ The tensor-parallel styles (``distlab.parallel.tp_plan`` applies them, to any mo
                             logits stay split and the loss is computed across them
 ``sequence``                (sequence parallel) a module between the parallel regions that sees
                             ``T / tp`` positions: its parameters' gradients are summed over the group
+``sequence_stats``          (sequence parallel) a ``sequence`` module that also computes statistics
+                            of whole sequences (a mixture of experts' routing counts): it gets the
+                            group as its ``sequence_group`` and ``sequence_grad = "sum"``
 ``sequence_embedding``      (sequence parallel) a module with token and position embeddings ``tok``
                             and ``pos`` (``tok`` a ``vocab_embedding``) that returns this rank's
                             positions: ``tok(idx)`` reduce-scattered plus its rows of ``pos``
@@ -41,7 +44,7 @@ from __future__ import annotations
 from torch import nn
 
 PLAN_STYLES = ("colwise", "colwise_gather", "colwise_entered", "rowwise", "enter", "vocab_embedding", "vocab_output",
-          "sequence", "sequence_embedding")
+          "sequence", "sequence_stats", "sequence_embedding")
 
 
 def groups_ending_after(container: nn.Sequential, kinds: tuple[type, ...]) -> list[tuple[int, int]]:

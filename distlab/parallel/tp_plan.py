@@ -40,7 +40,7 @@ def plan_of(model: nn.Module, tp: int, style: str = "megatron", sequence_paralle
     if unknown:
         raise ConfigError(f"{type(model).__name__}'s tensor-parallel plan has unknown style(s) {', '.join(unknown)}; "
                           f"styles: {', '.join(PLAN_STYLES)}")
-    if sequence_parallel and not any(s in ("sequence", "sequence_embedding") for s in plan.values()):
+    if sequence_parallel and not any(s in ("sequence", "sequence_stats", "sequence_embedding") for s in plan.values()):
         raise ConfigError(f"`sequence_parallel` splits a transformer's sequence: {type(model).__name__}'s "
                           f"tensor-parallel plan declares no sequence-parallel regions")
     if sequence_parallel and "colwise_gather" in plan.values():
@@ -88,9 +88,14 @@ def _parallel(m: nn.Module, kind: str, group, name: str, sp: bool, shared: list)
     if kind == "vocab_embedding":
         _expect(m, nn.Embedding, kind, name)
         return VocabParallelEmbedding(m, group, name=name)
-    if kind == "sequence":
+    if kind in ("sequence", "sequence_stats"):
         if sp:
             shared.extend(m.parameters())
+            if kind == "sequence_stats":
+                if not hasattr(m, "sequence_group"):
+                    raise ConfigError(f"tensor-parallel plan: {name} ({type(m).__name__}) is sequence_stats but has "
+                                      f"no `sequence_group` attribute to complete its statistics over")
+                m.sequence_group, m.sequence_grad = group, "sum"
         return m
     # sequence_embedding
     if not sp:

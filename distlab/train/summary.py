@@ -69,11 +69,12 @@ def _tokens(data) -> str:
 def expert_load(engine) -> dict | None:
     """A mixture of experts' routing over the run (collective): per MoE layer (whole-model name) the
     token-slots routed to each expert, summed over every rank that routed its own tokens (one per
-    tensor-parallel group), the slots dropped by a capacity limit and the last balance loss; None
+    tensor-parallel group, or all of them under sequence parallel), the slots dropped by a capacity limit and the last balance loss; None
     for a model without experts."""
     layers = {engine.schedule.model_key(name): m for name, m in engine.module.named_modules()
               if name and callable(getattr(m, "routing_statistics", None))}
-    mine = {k: m.routing_statistics() for k, m in layers.items()} if engine.mesh.tp_rank == 0 else {}
+    own_tokens = engine.mesh.tp_rank == 0 or engine.strategy.sequence_parallel  # SP: each TP rank routes its own
+    mine = {k: m.routing_statistics() for k, m in layers.items()} if own_tokens else {}
     parts = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         parts = [None] * dist.get_world_size()
