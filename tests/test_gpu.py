@@ -61,6 +61,17 @@ def test_single_gpu_training_equals_cpu_training_within_the_float32_bound():
     assert _max_diff(params, ref_params) <= tolerance(cfg)
 
 
+def test_the_mixture_of_experts_on_one_gpu_equals_cpu_training_within_the_float32_bound():
+    """The MoE GPT's routing, sorting by expert and combination run on the device (dropless): the
+    same steps as on the CPU, up to float32 summation order."""
+    cfg = _cfg(model="gpt-moe", dataset="synthetic-text:4000", n_layer=2, n_head=4, n_embd=16, block_size=8,
+               experts=4, top_k=2, lr=0.05, max_steps=4)
+    (params, _, summary), = run_ranks(_train_on, 1, cfg, "cuda", gpus=True, timeout=300)
+    ref_params, _ = reference_run(cfg)  # on the CPU
+    assert summary["device"].startswith("cuda") and summary["experts"]["dropped"] == 0
+    assert _max_diff(params, ref_params) <= tolerance(cfg)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_reduced_precision_on_gpu_within_its_derived_bound(precision):
     cfg = _cfg(precision=precision, max_steps=5)

@@ -104,7 +104,8 @@ class ExpertShard(nn.Module):
         n, local, rank = self.ep, self.local, self.ep_rank
         if len(counts) != self.num_experts:
             raise ValueError(f"expert parallel: {len(counts)} counts for {self.num_experts} experts")
-        mine = torch.tensor(counts, dtype=torch.int64).view(n, local)  # row j: slots for rank j's experts
+        # row j: slots for rank j's experts (on the tokens' device: NCCL sends device tensors only)
+        mine = torch.tensor(counts, dtype=torch.int64, device=tokens.device).view(n, local)
         theirs = torch.cat(_all_to_all(list(mine.split(1)), [1] * n, self.group, rank))  # row j: from rank j
         send, recv = mine.sum(1).tolist(), theirs.sum(1).tolist()
         arrived = _Exchange.apply(tokens, send, recv, self.group, rank)  # by source rank, then expert
