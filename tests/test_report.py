@@ -260,3 +260,17 @@ def test_predictions_are_kept_only_for_a_classifier_of_the_data_sets_classes():
         assert ("confusion" in result) == kept and 0 <= result["test_accuracy"] <= 1
         if kept:
             assert int(result["confusion"].sum()) == len(data)
+
+
+def test_a_mixture_of_experts_run_gets_its_expert_load_figure():
+    """results/moe-fortunes: one process and --ep 4, both with summary.json's `experts`; a run without
+    experts gets no such figure."""
+    from pathlib import Path
+
+    from distlab.tools.report import _expert_load
+    root = Path(__file__).resolve().parent.parent / "results" / "moe-fortunes"
+    runs = [{"path": str(root / d), "summary": json.loads((root / d / "summary.json").read_text()), "metrics": []}
+            for d in ("one", "ep4")]
+    assert all(sum(r["summary"]["experts"]["load"]) == r["summary"]["experts"]["routed"] for r in runs)
+    assert _expert_load(runs).count("<img") == 1
+    assert _expert_load([]) == ""

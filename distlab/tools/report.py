@@ -9,7 +9,7 @@ of these (searched a few levels deep). The page has, for what the inputs contain
   axis with a classifier's loss): loss vs step and vs wall time, test accuracy, a table, and --
   where runs of one strategy span several world sizes -- samples/s and scaling efficiency vs world
   size; for a classifier, the final model's confusion matrix and misclassified test images (the
-  run's ``predictions.npz``);
+  run's ``predictions.npz``); for a mixture of experts, each expert's share of the routed tokens;
 * collectives: time and bus bandwidth vs message size per algorithm and world size;
 * data parallel, SyncBN, tensor parallel / ZeRO: time, memory per rank and bytes per step;
 * scaling: efficiency vs workers and loss vs time;
@@ -355,7 +355,30 @@ def _runs_section(dataset: str, runs: list[dict]) -> str:
         out.append(_scaling_from_runs(done))
         for r in done:
             out.append(_predictions(r))
+        out.append(_expert_load([r for r in done if (r["summary"].get("experts") or {}).get("load")]))
     return "\n".join(out)
+
+
+def _expert_load(runs: list[dict]) -> str:
+    """Mixture-of-experts runs: the token-slots each expert received, all layers, one bar group per run
+    (a balanced router gives equal bars; the summary's max/mean in the legend)."""
+    if not runs:
+        return ""
+    plt = pyplot()
+    width = 0.8 / len(runs)
+    experts = max(len(r["summary"]["experts"]["load"]) for r in runs)
+    fig, ax = plt.subplots(figsize=(min(12, max(10, 0.5 * experts * len(runs))), 3.8))
+    for i, r in enumerate(runs):
+        x = r["summary"]["experts"]
+        share = [v / max(sum(x["load"]), 1) for v in x["load"]]
+        ax.bar([e + i * width for e in range(len(share))], share, width,
+               label=f"{_run_label(r)} (max/mean {x['max_over_mean']:.2f}, dropped {100 * x['dropped_fraction']:.1f}%)")
+    ax.axhline(1 / experts, color="black", linestyle="--", linewidth=0.8)
+    ax.set_xticks([e + 0.4 - width / 2 for e in range(experts)], [str(e) for e in range(experts)])
+    ax.set(xlabel="expert", ylabel="share of routed token-slots", title="mixture of experts: load per expert "
+           "(dashed: balanced)")
+    _legend(ax, len(runs))
+    return _png(fig)
 
 
 def _predictions(run: dict) -> str:
