@@ -62,6 +62,9 @@ def test_a_model_with_too_few_layers_or_a_bad_split_is_refused_by_the_config():
     TrainConfig.from_flags(**gpt, pp=4).validate(4)  # embedding, 2 blocks, head: 4 stages fit
     with pytest.raises(ConfigError, match="model gpt: `pp` 8: the model has 4 layers"):
         TrainConfig.from_flags(**gpt, pp=8).validate(8)
+    TrainConfig.from_flags(**gpt, pp=2, pp_virtual=2, microbatches=2).validate(2)  # 4 chunks of one layer
+    with pytest.raises(ConfigError, match=r"`pp` 2 x `pp_virtual` 3 = 6 chunks.*4 layers.*lower `pp_virtual`"):
+        TrainConfig.from_flags(**gpt, pp=2, pp_virtual=3, microbatches=2).validate(2)
     with pytest.raises(ConfigError, match="model mlp: `pp` 4: the model has 3 layers with parameters"):
         TrainConfig.from_flags(model="mlp", dataset="synthetic:1x8x8:4:64", pp=4).validate(4)
     with pytest.raises(ConfigError, match="`n_head` 4 is not divisible by 3"):

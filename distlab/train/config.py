@@ -252,10 +252,15 @@ class TrainConfig:
         """The model must cut into `pp` stages, each with parameters (cut on a model built without memory)."""
         from distlab.parallel.pipeline import partition
         net = self._meta_model()
+        s = self.strategy
         try:
-            partition(net, self.strategy.pp * self.strategy.pp_virtual, self.strategy.pp_balance)
+            partition(net, s.pp * s.pp_virtual, s.pp_balance)
         except ConfigError as exc:
-            raise ConfigError(f"model {self.model}: {exc}") from None
+            if s.pp_virtual == 1:
+                raise ConfigError(f"model {self.model}: {exc}") from None
+            reason = str(exc).split(": ", 1)[-1].replace(" stages", " chunks")
+            raise ConfigError(f"model {self.model}: `pp` {s.pp} x `pp_virtual` {s.pp_virtual} = {s.pp * s.pp_virtual} "
+                              f"chunks, each of at least one layer: {reason}; lower `pp_virtual`") from None
 
     def _check_batch_norm(self) -> None:
         """`sync_bn` needs BatchNorm layers to synchronise (the model built without memory)."""
