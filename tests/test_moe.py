@@ -160,12 +160,16 @@ def test_the_cli_trains_experts_in_parallel_reports_their_load_and_resumes_on_an
     assert models["s"]["1.mlp.experts.up_weight"].shape[0] == 4
     diff = max((models["s"][k] - models["one"][k]).abs().max().item() for k in models["s"])
     assert diff <= sgd_tolerance(6, 0.05, 8 * 16, 0.9)
-    for flags, message in ((["--ep", "3"], "--ep 3 does not divide the data-parallel size 2"),
-                           (["--ep", "2", "--zero", "1"], "hold different experts"),
-                           (["--ep", "2", "--model", "gpt"], "expert_parallel_plan"),
-                           (["--ep", "2", "--experts", "3"], "choose an --ep that divides 3")):
-        bad = run_cli(*common, "--nproc-per-node", "2", *flags, "--snapshot-dir", "bad-s", "--out", "bad")
-        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+    bad = run_cli(*common, "--nproc-per-node", "2", "--ep", "3", "--snapshot-dir", "bad-s", "--out", "bad")
+    assert bad.returncode == 2 and "--ep 3 does not divide the data-parallel size 2" in bad.stderr, bad.stderr
+    from distlab.errors import ConfigError
+    from distlab.train import TrainConfig
+    moe = dict(model="gpt-moe", dataset="synthetic-text:6000", n_layer=2, n_embd=16, n_head=2, block_size=16,
+               experts=4, global_batch_size=8)
+    for changes, message in (({"zero": 1}, "hold different experts"), ({"model": "gpt"}, "expert_parallel_plan"),
+                             ({"experts": 3}, "choose an `ep` that divides 3")):
+        with pytest.raises(ConfigError, match=message):
+            TrainConfig.from_flags(**{**moe, "ep": 2, **changes}).validate(2)
 
 
 def test_fault_drills_and_strategies_name_expert_parallel(tmp_path):
