@@ -536,6 +536,9 @@ class PipelineStage(nn.Module):
         final = {c: i for i, (kind, c, *_) in enumerate(acts) if kind == accumulating}  # a chunk's last: syncs
         saved: dict[tuple[int, int], list] = {}
         sends, held = [], 0
+        owners = [[(mod, own) for key in chunk for mod in self.layers[key].modules()  # modules with weights
+                   if (own := [p for p in mod.parameters(recurse=False) if p.requires_grad])]
+                  for chunk in self.chunks] if split else []
         for i, (kind, c, m, _, _) in enumerate(acts):
             k = c * P + self.stage
             t0 = time.perf_counter()
@@ -546,13 +549,10 @@ class PipelineStage(nn.Module):
                     x.requires_grad_()
                 captured, hooks = [], []
                 if split:  # each module's own output, from which its weights' gradients are taken later
-                    for key in self.chunks[c]:
-                        for mod in self.layers[key].modules():
-                            own = [p for p in mod.parameters(recurse=False) if p.requires_grad]
-                            if own:
-                                hooks.append(mod.register_forward_hook(
-                                    lambda mod, a, out, own=own: captured.append((out, own))
-                                    if isinstance(out, torch.Tensor) and out.requires_grad else None))
+                    for mod, own in owners[c]:
+                        hooks.append(mod.register_forward_hook(
+                            lambda mod, a, out, own=own: captured.append((out, own))
+                            if isinstance(out, torch.Tensor) and out.requires_grad else None))
                 try:
                     out = self._run_chunk(c, x)
                 finally:
