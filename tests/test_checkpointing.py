@@ -61,11 +61,11 @@ def test_blocks_listed_per_model_and_state_dict_keys_unchanged():
         checkpoint_blocks(nn.Linear(2, 2))
 
 
-def test_strategy_text_and_refusal():
+def test_strategy_text_and_composition():
     s = Strategy.parse("bucketed+ckpt")
     assert s.activation_checkpointing and str(s) == "bucketed+ckpt" and Strategy.from_dict(s.to_dict()) == s
-    with pytest.raises(ConfigError, match="`activation_checkpointing` with `pp` 2"):
-        Strategy(pp=2, activation_checkpointing=True).check(2)
+    s = Strategy.parse("bucketed+pp=2+ckpt+bf16")  # with pipelines too (tests/test_pipeline.py)
+    assert s.check(2).activation_checkpointing and s.precision == "bf16"
 
 
 def test_bench_checkpointing_records_both_variants(tmp_path):

@@ -165,6 +165,92 @@ def test_1f1b_holds_less_activation_memory_than_gpipe():
         assert peaks["1f1b", 8] < peaks["gpipe", 8] / 3
 
 
+def _checkpointed_and_scaled(rank, world, schedule, virtual):
+    """One step of a GPT stage three ways: plain; with its transformer blocks checkpointed; with the
+    loss scaled by 2^10 before backward (fp16's loss scaling, run here in float32) and the gradients
+    unscaled after."""
+    from distlab.parallel.checkpointing import block_names
+    from distlab.parallel.precision import LossScaler, Precision
+    x, y = _data("gpt")
+    out = {}
+    for name, blocks, precision in (("plain", None, None), ("ckpt", block_names(_gpt()), None),
+                                    ("scaled", None, Precision("fp32", scaler=LossScaler(init_scale=2.0 ** 10)))):
+        stage = PipelineStage(_gpt(), dist.group.WORLD, 4, schedule, virtual=virtual, checkpoint=blocks)
+        loss = stage.train_step(x if stage.first else None, y if stage.last else None, task_loss, precision=precision)
+        found = precision.scaler.unscale_(stage.parameters()) if precision is not None else False
+        out[name] = ([p.grad.clone() for p in stage.parameters()], loss, stage.last_timing["activation_peak_bytes"],
+                     found, sum(ck for segments in stage.segments for _, ck in segments))
+    return out
+
+
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("zb", 1), ("1f1b", 2)])
+def test_a_stage_checkpoints_its_blocks_and_scales_its_loss_leaving_every_gradient_bitwise(schedule, virtual):
+    """Exact, not within a bound: recomputing a block runs the same float operations again, and
+    scaling by a power of two (then dividing by it) changes no bit of a float32 that neither
+    overflows nor underflows. Checkpointing holds less for backward on every stage."""
+    for out in run_ranks(_checkpointed_and_scaled, 2, schedule, virtual, timeout=120):
+        plain_grads, plain_loss, plain_held, _, none = out["plain"]
+        assert none == 0 and out["ckpt"][4] == 1  # each rank holds one of the two blocks
+        for name in ("ckpt", "scaled"):
+            grads, loss, held, found, _ = out[name]
+            assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads)), name
+            assert (loss is None and plain_loss is None) or torch.equal(loss, plain_loss)
+            assert found is False
+        assert out["ckpt"][2] < plain_held
+
+
+def _bf16_step(rank, world):
+    from distlab.parallel.precision import Precision
+    full, model = _gpt(), _gpt()
+    x, y = _data("gpt")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = task_loss(full(x), y)
+    ref.backward()
+    stage = PipelineStage(model, dist.group.WORLD, 1, "1f1b")
+    loss = stage.train_step(x if stage.first else None, y if stage.last else None, task_loss,
+                            precision=Precision("bf16"))
+    same = [torch.equal(p.grad, q.grad) for name, layer in stage.layers.items()
+            for p, q in zip(layer.parameters(), full[int(name)].parameters())]
+    return same, None if loss is None else torch.equal(loss, ref.detach())
+
+
+def test_a_stage_runs_its_forwards_under_autocast():
+    # One micro-batch: every stage runs the very operations of the single process's autocast step, so
+    # the loss and every gradient are bitwise its; a stage that ran float32 would differ at bf16's 4e-3.
+    (same0, loss0), (same1, loss1) = run_ranks(_bf16_step, 2, timeout=120)
+    assert all(same0) and all(same1) and loss0 is None and loss1 is True
+
+
+def _one_stage_overflows(rank, world):
+    from distlab.parallel import Strategy, build_mesh, parallelize
+    from distlab.parallel.precision import LossScaler, Precision
+    engine = parallelize(_mlp(), Strategy(pp=world, microbatches=2, activation_checkpointing=True),
+                         build_mesh(1, pp=world))
+    engine.precision = Precision("fp32", scaler=LossScaler(init_scale=2.0 ** 8))  # fp16's scaler, on the CPU
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+    x, y = _data("mlp")
+    before = [p.detach().clone() for p in engine.parameters()]
+    hook = engine.parameters()[0].register_hook(lambda g: g * float("inf")) if rank == 0 else None
+    engine.forward_backward(x, y, engine.loss)
+    stepped = engine.step(opt)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, engine.parameters()))
+    if hook is not None:
+        hook.remove()
+    opt.zero_grad(set_to_none=True)
+    engine.forward_backward(x, y, engine.loss)
+    blocks = sum(ck for segments in engine.schedule.stage.segments for _, ck in segments)
+    return stepped, unchanged, engine.precision.scaler.scale_value, engine.step(opt), blocks
+
+
+def test_an_overflow_on_one_stage_skips_the_step_on_every_stage():
+    # Only the first stage's gradients are inf; the last stage's are finite and must not step alone.
+    # (The engine also hands the stages the model's blocks to checkpoint: an nn.Sequential's are its layers.)
+    results = run_ranks(_one_stage_overflows, 2, timeout=120)
+    for stepped, unchanged, scale, next_stepped, _ in results:
+        assert (stepped, unchanged, scale, next_stepped) == (False, True, 2.0 ** 7, True)
+    assert [r[4] for r in results] == [4, 3]  # the 7 layers, cut after the second ReLU
+
+
 def _uneven(rank, world, via_engine):
     model = _mlp()
     x, y = torch.randn(10, 12), torch.randint(0, 5, (10,))  # 10 samples do not split into 4 micro-batches

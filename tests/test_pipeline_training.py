@@ -102,6 +102,18 @@ def test_pipelines_equal_one_process_on_4_ranks():
     assert [r["strategy"] for r in records] == cases
 
 
+def test_pipelines_with_activation_checkpointing_and_bf16_equal_one_process():
+    """Each stage recomputes the blocks it holds, and runs its forwards under autocast (the single
+    process runs under the same autocast): within verify's bound for float32, and for bfloat16's
+    rounding where the run is bf16 -- with 1F1B, zero bubble and interleaving."""
+    cases = ["bucketed+pp=2+mb=2+1f1b+ckpt", "bucketed+pp=2+mb=4+1f1b+bf16+gpt", "bucketed+pp=2+mb=2+zb+ckpt+gpt",
+             "bucketed+pp=2+mb=4+1f1b+vpp=2+ckpt+bf16+gpt"]
+    records = verify([parse_strategy(c) for c in cases], 2, steps=3, timeout=300)
+    for r in records:
+        assert r["passed"] and r["max_abs_param_diff"] <= r["tolerance"], r
+    assert [r["strategy"] for r in records] == cases
+
+
 def test_data_tensor_and_pipeline_parallel_together_on_8_ranks():
     """dp 2 x tp 2 x pp 2 (8 processes on 2 cores: slow, but correctness does not care)."""
     records = verify([parse_strategy("bucketed+tp=2+sp+pp=2+mb=2+1f1b+gpt")], 8, steps=3, timeout=300)

@@ -251,6 +251,60 @@ def test_sequence_parallel_splits_the_layernorm_activations_in_the_plan():
     assert acts[False] == pytest.approx(whole / 2 + replicated / 2, abs=2)
 
 
+def _gpt():
+    import torch
+    from distlab.models import GPT
+    torch.manual_seed(0)
+    return GPT(256, 8, n_layer=2, n_head=2, n_embd=16)
+
+
+def _stage_activation_peaks(rank, world):
+    import torch
+    import torch.distributed as dist
+    from distlab.models import task_loss
+    from distlab.parallel.checkpointing import block_names
+    from distlab.parallel.pipeline import PipelineStage
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 256, (8, 8), generator=g), torch.randint(0, 256, (8, 8), generator=g)
+    peaks = {}
+    for ckpt in (False, True):
+        stage = PipelineStage(_gpt(), dist.group.WORLD, 4, "1f1b", checkpoint=block_names(_gpt()) if ckpt else None)
+        stage.train_step(x if stage.first else None, y if stage.last else None, task_loss)
+        peaks[ckpt] = stage.last_timing["activation_peak_bytes"]
+    return peaks, x.numel() * x.element_size()
+
+
+def test_the_plan_bounds_what_checkpointed_pipeline_stages_hold():
+    import torch
+    """The plan counts every tensor a micro-batch's layers save (a storage saved twice, twice), of a
+    checkpointed block only its input; the meter counts each storage once, but the batch the
+    micro-batches view as one storage (its bytes, once). So measured <= planned + the batch's bytes,
+    with checkpointing and without, on every stage -- and both fall with checkpointing."""
+    t = trace(_gpt(), (8,), 256, batch=2)
+    planned = {ckpt: predict(t, Layout(dp=1, global_batch=8, strategy=Strategy(
+        pp=2, microbatches=4, activation_checkpointing=ckpt)), Link(), None) for ckpt in (False, True)}
+    for s, (measured, batch_bytes) in enumerate(run_ranks(_stage_activation_peaks, 2, timeout=120)):
+        stage = {ckpt: planned[ckpt]["pipeline"]["stages"][s]["activation_bytes"] for ckpt in (False, True)}
+        for ckpt in (False, True):
+            assert measured[ckpt] <= stage[ckpt] + batch_bytes, (s, ckpt, measured, stage)
+        assert measured[True] < measured[False] and stage[True] < stage[False]
+    recompute = planned[True]["activation_checkpointing"]
+    assert recompute["blocks"] == 2 and 0 < recompute["recompute_flops_share"] < 1 and recompute["recompute_bytes_per_rank"] > 0
+
+
+    class Whole(torch.nn.Module):  # neither layers nor blocks listed: nothing per layer to count
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(64, 4)
+
+        def forward(self, x):
+            return self.a(x.flatten(1))
+
+    with pytest.raises(ConfigError, match="lists no layers"):
+        predict(trace(Whole(), (1, 8, 8), 4), Layout(dp=1, global_batch=8, strategy=Strategy(
+            activation_checkpointing=True)), Link(), None)
+
+
 def test_plan_says_what_it_cannot_know_and_refuses_what_it_would_ignore(run_cli, tmp_path):
     run_cli("train", "--dataset", "synthetic:1x8x8:4:256", "--mlp-widths", "16", "--max-steps", "8",
             "--no-progress", "--out", "one", check=True)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator
 
 import torch
 from torch import nn
@@ -49,17 +48,22 @@ def checkpoint_blocks(model: nn.Module) -> list[tuple[nn.Sequential, list[tuple[
                       f"holds none and has no checkpoint_blocks() listing them")
 
 
-@contextlib.contextmanager
-def _running_stats_kept(modules: list[nn.Module]) -> Iterator[None]:
-    """Put BatchNorm's running statistics back after a recomputed forward updated them again."""
-    norms = [m for mod in modules for m in mod.modules()
-             if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats and m.running_mean is not None]
-    saved = [(m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone()) for m in norms]
-    try:
-        yield
-    finally:
+class _RunningStatsKept:
+    """Puts BatchNorm's running statistics back after a recomputed forward updated them again.
+    Entered at every recomputation of its block (one per backward through it: zero bubble's weight
+    pass recomputes a second time), so it saves on entry, not once."""
+
+    def __init__(self, modules: list[nn.Module]):
+        self.norms = [m for mod in modules for m in mod.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
+                      and m.track_running_stats and m.running_mean is not None]
+
+    def __enter__(self):
+        self.saved = [(m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone())
+                      for m in self.norms]
+
+    def __exit__(self, *exc):
         with torch.no_grad():
-            for m, (mean, var, count) in zip(norms, saved):
+            for m, (mean, var, count) in zip(self.norms, self.saved):
                 m.running_mean.copy_(mean)
                 m.running_var.copy_(var)
                 m.num_batches_tracked.copy_(count)
@@ -87,7 +91,23 @@ def _run(modules: list[nn.Module], x):
 
 
 def _contexts(modules: list[nn.Module]):
-    return contextlib.nullcontext(), _running_stats_kept(modules)
+    return contextlib.nullcontext(), _RunningStatsKept(modules)
+
+
+def run_checkpointed(block: list[nn.Module], x):
+    """``block`` (modules applied in turn) on ``x``, keeping only ``x`` for backward and recomputing
+    the rest there; plainly where nothing will be differentiated (``no_grad``) or in eval mode."""
+    if not (torch.is_grad_enabled() and any(m.training for m in block)):
+        return _run(block, x)
+    return checkpoint(_run, block, _Held.apply(x), use_reentrant=False, context_fn=functools.partial(_contexts, block))
+
+
+def block_names(model: nn.Module) -> list[list[str]]:
+    """The names (in ``model.named_modules()``) of each block's modules, in order: what a pipeline
+    stage, which runs the model's layers one by one rather than through their container, checkpoints."""
+    names = {id(m): name for name, m in model.named_modules()}
+    return [[names[id(m)] for m in list(container)[start:end]] for container, ranges in checkpoint_blocks(model)
+            for start, end in ranges]
 
 
 class _Checkpointed:
@@ -97,16 +117,10 @@ class _Checkpointed:
 
     def forward(self, x):
         children = list(self)
-        recompute = self.training and torch.is_grad_enabled()
         done = 0
         for start, end in self._checkpoint_ranges:
             x = _run(children[done:start], x)  # children outside every block run plainly
-            block = children[start:end]
-            if recompute:
-                x = checkpoint(_run, block, _Held.apply(x), use_reentrant=False,
-                               context_fn=functools.partial(_contexts, block))
-            else:
-                x = _run(block, x)
+            x = run_checkpointed(children[start:end], x)
             done = end
         return _run(children[done:], x)
 

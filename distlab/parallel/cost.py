@@ -21,13 +21,14 @@ Adam/AdamW 2 (the two moments) plus a 4-byte ``step`` tensor per parameter tenso
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from distlab.errors import ConfigError
+from distlab.parallel.checkpointing import block_names
 from distlab.models import build_model, task_loss
 from distlab.parallel.compression import PowerSGD, _compressible, build_codec
 from distlab.parallel.pipeline import sequential_layers
@@ -93,6 +94,8 @@ class Trace:
     attention_kv_bytes_per_sample: float = 0.0  # keys + values of every attention a context_parallel_plan names
     expert_names: list[str] = field(default_factory=list)  # units of the experts an expert_parallel_plan names
     expert_slot_bytes_per_sample: float = 0.0  # token-slots entering those experts, every layer (balanced routing)
+    blocks: list[list[str]] = field(default_factory=list)  # activation checkpointing's blocks, as layer names
+    input_bytes_per_sample: float = 0.0  # the model's input (what a checkpointed first layer keeps)
 
     @property
     def num_parameters(self) -> int:
@@ -183,14 +186,20 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
     out.linear_shapes = [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)]
     for h in handles:
         h.remove()
-    out.layers = profile_layers(model, x)
+    out.layers = profile_layers(model, x, y)
+    out.input_bytes_per_sample = x.numel() * x.element_size() / batch
+    try:
+        out.blocks = block_names(model)
+    except ConfigError:  # nothing to checkpoint: a plan with `activation_checkpointing` is refused by the config
+        out.blocks = []
     return out
 
 
 
-def profile_layers(model: nn.Module, x: torch.Tensor) -> list[Layer]:
+def profile_layers(model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = None) -> list[Layer]:
     """Each layer of ``model`` run alone on the meta device, in order, from input ``x``: what a
-    pipeline stage of it computes, saves and sends (empty if the model is not a sequence of layers)."""
+    pipeline stage of it computes, saves and sends (empty if the model is not a sequence of layers).
+    With the targets ``y``, what the loss saves counts to the last layer (the last stage computes it)."""
     try:
         named = sequential_layers(model)
     except ConfigError:
@@ -218,6 +227,12 @@ def profile_layers(model: nn.Module, x: torch.Tensor) -> list[Layer]:
                             saved[0] / batch, replicated[0] / batch, x.numel() * x.element_size() / batch))
     for h in hooks:
         h.remove()
+    if y is not None and layers:  # the loss's own (a language model's log-probabilities: as large as its logits)
+        held = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            task_loss(x, y)
+        layers[-1] = replace(layers[-1], saved_bytes=layers[-1].saved_bytes + sum(held) / batch)
     return layers
 
 
@@ -272,6 +287,8 @@ def generic_trace(num_parameters: int, activation_bytes_per_sample: float, layer
     t.layers = [Layer(str(i), t.numels[2 * i] + bias, 2.0 * (t.numels[2 * i] + bias),
                       activation_bytes_per_sample / layers, 0.0, width * element_size) for i in range(layers)]
     t.sharded_linear = [True] * layers  # dense layers: ZeRO-3 runs them as its sharded Linear
+    t.blocks = [[str(i)] for i in range(layers)]  # each layer a block for activation checkpointing
+    t.input_bytes_per_sample = width * element_size
     t.input_grad = [i > 0 for i in range(layers)]
     t.events = [(k, i) for i in range(layers) for k in ("fwd", "fwd_done")]
     for i in reversed(range(layers)):

@@ -46,7 +46,7 @@ from torch import nn
 from distlab.errors import NonFiniteError
 from distlab.models import task_correct, task_loss
 from distlab.parallel import tensor_parallel
-from distlab.parallel.checkpointing import apply_activation_checkpointing
+from distlab.parallel.checkpointing import apply_activation_checkpointing, block_names
 from distlab.parallel.context_parallel import ContextLayout, apply_context_parallel
 from distlab.parallel.data_parallel import DataParallel
 from distlab.parallel.expert_parallel import ExpertParallel, apply_expert_parallel
@@ -368,7 +368,10 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
     device = next(model.parameters()).device
     check_device(strategy.precision, device)
     context = apply_context_parallel(model, mesh.cp_group, strategy.cp_style) if strategy.cp > 1 else None
-    if strategy.activation_checkpointing:
+    blocks = None
+    if strategy.activation_checkpointing and strategy.pp > 1:
+        blocks = block_names(model)  # a stage runs layers one by one: it checkpoints the blocks by name
+    elif strategy.activation_checkpointing:
         apply_activation_checkpointing(model)
     if strategy.pp > 1:  # cut by the unsharded model's parameters: the same layers on every rank of a TP group
         balance = [end - start for start, end in partition(model, strategy.pp * strategy.pp_virtual,
@@ -385,7 +388,7 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
     schedule: StepSchedule = Accumulate(strategy.grad_accum)
     if strategy.pp > 1:
         model = PipelineStage(model, mesh.pp_group, strategy.microbatches, strategy.pp_schedule, balance,
-                              strategy.pp_virtual)
+                              strategy.pp_virtual, blocks)
         schedule = Pipelined(model, mesh)
     model = apply_sync_bn(model, strategy.sync_bn, mesh.replica_group)
     grad_sync = (Zero if strategy.zero else DataParallel).from_strategy(model, strategy, mesh.replica_group)

@@ -56,6 +56,7 @@ import torch
 from torch import nn
 
 from distlab.comm.p2p import Peer, wait_all
+from distlab.parallel.checkpointing import run_checkpointed
 from distlab.errors import ConfigError
 from distlab.runtime import group_rank, group_size
 
@@ -313,7 +314,7 @@ class PipelineStage(nn.Module):
     """
 
     def __init__(self, model: nn.Module, group=None, microbatches: int = 1, schedule: str = "1f1b",
-                 balance: list[int] | None = None, virtual: int = 1):
+                 balance: list[int] | None = None, virtual: int = 1, checkpoint: list[list[str]] | None = None):
         super().__init__()
         if schedule not in SCHEDULES:
             raise ConfigError(f"unknown `pp_schedule` {schedule!r}; choose one of: {', '.join(SCHEDULES)}")
@@ -331,11 +332,15 @@ class PipelineStage(nn.Module):
         self.layer_names = [name for name, _ in named]
         self.layer_parameters = [sum(p.numel() for p in layer.parameters()) for _, layer in named]
         self.layers = nn.ModuleDict({str(i): named[i][1] for i in mine})
+        # activation checkpointing: each run of a chunk's layers that belong to one block recomputes in backward
+        block_of = {name: b for b, names in enumerate(checkpoint or []) for name in names}
+        self.segments = [self._segments(chunk, block_of) for chunk in self.chunks]
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
         wraps = virtual > 1  # a micro-batch goes round the ranks V times: the last rank feeds the first
         self._prev = Peer(group, (self.stage - 1) % self.stages) if not self.first or wraps else None
         self._next = Peer(group, (self.stage + 1) % self.stages) if not self.last or wraps else None
         self.last_timing: dict = {}
+        self._precision = None  # train_step's
         self.in_flight_peak = self.activation_peak_bytes = 0
         self._waited = self._compute = 0.0
 
@@ -359,15 +364,44 @@ class PipelineStage(nn.Module):
 
     # ------------------------------------------------------------------ pieces
 
+    def _segments(self, chunk: list[str], block_of: dict[str, int]) -> list[tuple[list[str], bool]]:
+        """The chunk's layer keys as consecutive runs: ``(keys, checkpointed)``, a checkpointed run being
+        the part of one block this chunk holds (a block cut by a stage boundary recomputes per part).
+        Keys, not modules: SyncBN and others replace layers in ``self.layers`` after the cut."""
+        runs: list[tuple[list[str], int | None]] = []
+        for key in chunk:
+            b = block_of.get(self.names[key])
+            if runs and b is not None and runs[-1][1] == b:
+                runs[-1][0].append(key)
+            else:
+                runs.append(([key], b))
+        return [(keys, b is not None) for keys, b in runs]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers.values():
-            x = layer(x)
+        for c in range(self.virtual):
+            x = self._run_chunk(c, x)
         return x
 
     def _run_chunk(self, c: int, x: torch.Tensor) -> torch.Tensor:
-        for key in self.chunks[c]:
-            x = self.layers[key](x)
+        for keys, checkpointed in self.segments[c]:
+            modules = [self.layers[key] for key in keys]
+            if checkpointed:
+                x = run_checkpointed(modules, x)
+            else:
+                for m in modules:
+                    x = m(x)
         return x
+
+    def _loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's share of the step's loss, kept for the step's total; what backward starts
+        from (under fp16 loss scaling: times the scale)."""
+        loss = loss / self.microbatches
+        self._losses.append(loss.detach())
+        scaler = self._precision.scaler if self._precision is not None else None
+        return scaler.scale(loss) if scaler is not None else loss
+
+    def _autocast(self) -> ContextManager:
+        return self._precision.autocast() if self._precision is not None else contextlib.nullcontext()
 
     def _send_act(self, t: torch.Tensor, tag: int = ACT) -> list:
         shape = list(t.shape)
@@ -397,10 +431,10 @@ class PipelineStage(nn.Module):
         if not self.first:
             x = x.requires_grad_()
         t0 = time.perf_counter()
-        out = self(x)
-        if self.last:
-            out = loss_fn(out, y) / self.microbatches
-            self._losses.append(out.detach())
+        with self._autocast():
+            out = self(x)
+            if self.last:
+                out = self._loss(loss_fn(out, y))
         self._saved.append((x, out))
         self._compute += time.perf_counter() - t0
         self.in_flight_peak = max(self.in_flight_peak, len(self._saved))
@@ -420,10 +454,14 @@ class PipelineStage(nn.Module):
 
     def train_step(self, x: torch.Tensor | None, y: torch.Tensor | None, loss_fn: Callable,
                    no_sync: Callable[[], ContextManager] | None = None,
-                   batch_size: int | None = None) -> torch.Tensor | None:
+                   batch_size: int | None = None, precision=None) -> torch.Tensor | None:
         """Forward and backward of one batch as ``M`` equal micro-batches. ``x`` is read on the first
         stage, ``y`` on the last (others may pass None). Gradients accumulate into this stage's
         parameters. Returns the batch's mean loss on the last stage, None elsewhere.
+
+        ``precision`` (a :class:`~distlab.parallel.precision.Precision`): forwards and the loss run
+        under its autocast; under fp16 backward starts from the loss times its scaler's scale (the
+        gradients crossing stages are scaled too; the engine unscales after the step's reduction).
 
         ``no_sync``: a context in which backward communicates nothing (a data-parallel wrapper's);
         every backward but the step's last runs in it, so gradients are reduced once, overlapped
@@ -440,6 +478,7 @@ class PipelineStage(nn.Module):
         ys = list(y.chunk(m)) if self.last else [None] * m
         self._saved, self._losses, self._keep = [], [], []
         self._no_sync, self._backwards_left = no_sync or contextlib.nullcontext, m
+        self._precision = precision
         self._waited = self._compute = 0.0
         self.in_flight_peak = 0
         t0 = time.perf_counter()
@@ -554,13 +593,13 @@ class PipelineStage(nn.Module):
                             lambda mod, a, out, own=own: captured.append((out, own))
                             if isinstance(out, torch.Tensor) and out.requires_grad else None))
                 try:
-                    out = self._run_chunk(c, x)
+                    with self._autocast():
+                        out = self._run_chunk(c, x)
+                        if k == last_k:
+                            out = self._loss(loss_fn(out, ys[m]))
                 finally:
                     for h in hooks:
                         h.remove()
-                if k == last_k:
-                    out = loss_fn(out, ys[m]) / M
-                    self._losses.append(out.detach())
                 self._compute += time.perf_counter() - t0
                 if k != last_k:
                     sends += self._send_act(out, _act_tag(k + 1))

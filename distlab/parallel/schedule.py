@@ -94,7 +94,7 @@ class Pipelined:
     def forward_backward(self, engine, x, y, loss_fn) -> torch.Tensor:
         stage = self.stage
         loss = stage.train_step(x if stage.first else None, y if stage.last else None, loss_fn, engine.no_sync,
-                                batch_size=len(x) if x is not None else None)
+                                batch_size=len(x) if x is not None else None, precision=engine.precision)
         self.timings.append(stage.last_timing)
         value = (loss.detach() if loss is not None else torch.zeros(())).reshape(1).to(torch.float32)
         dist.broadcast(value, src=self.mesh.pp_ranks[-1], group=self.mesh.pp_group)

@@ -268,13 +268,6 @@ class Strategy:
                               f"gathers parameters) layer by layer in every backward, and a pipeline runs "
                               f"`microbatches` backwards per step, each interleaved with other micro-batches' forwards; "
                               f"use `zero` 1, which shards the optimizer state and composes with pipelines")
-        if self.activation_checkpointing:
-            raise ConfigError(f"`activation_checkpointing` with `pp` {self.pp} is not supported yet: a stage holds "
-                              f"layers, not the model's blocks; drop one of them")
-        if self.precision != "fp32":
-            raise ConfigError(f"`precision` {self.precision} with `pp` {self.pp} is not supported yet: a stage runs "
-                              f"forwards and backwards interleaved, and autocast belongs around forwards only; use "
-                              f"`precision` fp32 with pipelines")
         if self.dp_sync == "ddp":
             raise ConfigError(f"`dp_sync` ddp with `pp` {self.pp}: torch's DDP must see every forward through its "
                               f"wrapper, and a pipeline stage runs its layers piece by piece; use `dp_sync` bucketed "

@@ -95,6 +95,10 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
                           f"has {len(t.linear_shapes)} Linear layer(s): plan it with `tp` 1")
     micro = lay.global_batch // lay.dp // lay.strategy.micro_steps
     optim = Optim.of(lay.optimizer, lay.momentum)
+    if lay.strategy.activation_checkpointing and not (t.blocks and t.layers):
+        raise ConfigError("`activation_checkpointing`: plan counts what each layer keeps, and this model lists no "
+                          + ("blocks (checkpoint_blocks)" if t.layers else "layers (pipeline_layers)")
+                          + "; plan it without checkpointing")
     stages = _stages(t, lay, micro, optim)
     heaviest = max(stages, key=lambda st: st["model_state_bytes"])
     t_rank = heaviest["trace"]  # what the rank with the most model state holds
@@ -143,8 +147,15 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
         out["activation_basis"] += f"; halved under {lay.strategy.precision} autocast (products save 2-byte inputs)"
     sync = grad_sync_cost(lay.strategy)
     out["compression_state_bytes_per_rank"] = sync.planned_extra_state(t_rank, lay.strategy, lay.replicas)
-    out["memory_bytes_per_rank"] = int(max(st["model_state_bytes"] + narrow * st["activation_bytes"] for st in stages)
-                                       + out["compression_state_bytes_per_rank"])
+    out["memory_bytes_per_rank"] = int(max(st["model_state_bytes"] + narrow * (st["activation_bytes"] + st["recompute_bytes"])
+                                           for st in stages) + out["compression_state_bytes_per_rank"])
+    if lay.strategy.activation_checkpointing:
+        out["activation_checkpointing"] = {
+            "blocks": len(t.blocks), "recompute_bytes_per_rank": int(narrow * max(st["recompute_bytes"] for st in stages)),
+            "recompute_flops_share": max(st["recompute_flops_share"] for st in stages),
+            "basis": "each block's input kept for backward (in activation_bytes_per_rank); in backward one block at a "
+                     "time recomputes its inside for one micro-batch (recompute_bytes_per_rank, in "
+                     "memory_bytes_per_rank), a second forward of the blocks' layers (in the step time)"}
     if lay.pp > 1:
         out["pipeline"] = {
             "stages": [{k: v for k, v in st.items() if k != "trace"} for st in stages],
@@ -178,8 +189,11 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     comp = cal.compute_for(lay.threads)
     if lay.oversubscription > 1:
         comp = replace(comp, rate=comp.rate / lay.oversubscription, overhead=comp.overhead * lay.oversubscription)
-    share = max(st["flops_share"] for st in stages)  # the slowest stage sets the pipeline's pace
-    flops = t.flops_per_sample * share * micro * lay.strategy.micro_steps / lay.tp / lay.cp
+    pace = max(stages, key=lambda st: st["flops_share"] * t.flops_per_sample
+               + st["recompute_flops_share"] * t.forward_flops_per_sample)  # the slowest stage sets the pace
+    share = pace["flops_share"]
+    flops = (t.flops_per_sample * share + t.forward_flops_per_sample * pace["recompute_flops_share"]) * micro \
+        * lay.strategy.micro_steps / lay.tp / lay.cp  # checkpointing's recomputation runs in backward
     fwd = t.forward_flops_per_sample * share * micro * lay.strategy.micro_steps / lay.tp / lay.cp / comp.rate
     bwd = flops / comp.rate - fwd
     # fill and drain: every stage idles P - 1 micro-batch slots of the step, M / (M + P - 1) busy
@@ -259,6 +273,8 @@ def _context_bytes(t: Trace, lay: Layout, micro: int) -> float:
 
 def _activation_basis(lay: Layout) -> str:
     basis = "tensors autograd saves for backward, one micro-batch (an upper bound)"
+    if lay.strategy.activation_checkpointing:
+        basis += ", of checkpointed blocks only their inputs"
     if lay.cp > 1:
         basis += f", each rank holding 1/{lay.cp} of every sequence's tokens (context parallel)"
     if lay.tp > 1:
@@ -274,6 +290,20 @@ def _activation_basis(lay: Layout) -> str:
                   f"; stage s holds min(M, P - s) micro-batches ({lay.strategy.pp_schedule}"
                   + (": a graph kept until its weight pass" if lay.strategy.pp_schedule == "zb" else "") + ")")
     return basis
+
+
+def _runs(t: Trace, a: int, b: int) -> list[tuple[list[int], bool]]:
+    """Layers ``a..b-1`` as consecutive runs ``(indices, checkpointed)``: each part of one
+    activation-checkpointing block a run (as a pipeline stage recomputes them), other layers alone."""
+    block_of = {name: k for k, names in enumerate(t.blocks) for name in names}
+    runs: list[tuple[list[int], int | None]] = []
+    for i in range(a, b):
+        k = block_of.get(t.layers[i].name)
+        if runs and k is not None and runs[-1][1] == k:
+            runs[-1][0].append(i)
+        else:
+            runs.append(([i], k))
+    return [(run, k is not None) for run, k in runs]
 
 
 def _stages(t: Trace, lay: Layout, micro: int, optim: Optim) -> list[dict]:
@@ -295,7 +325,22 @@ def _stages(t: Trace, lay: Layout, micro: int, optim: Optim) -> list[dict]:
         if lay.tp > 1:
             sub = replace(sub, numels=[math.ceil(m / lay.tp) for m in sub.numels])
         state = grad_sync_cost(lay.strategy).planned_memory(sub, optim, lay.strategy, lay.replicas)
-        if mine:
+        recompute = recompute_flops = 0.0
+        if mine and lay.strategy.activation_checkpointing:
+            saved = replicated = 0.0
+            for a, b in chunks:
+                for run, checkpointed in _runs(t, a, b):
+                    if checkpointed:  # the block's input kept (replicated over TP unless sequence parallel)
+                        kept = layers[run[0] - 1].output_bytes if run[0] else t.input_bytes_per_sample
+                        saved, replicated = saved + kept, replicated + (0.0 if sp else kept)
+                        inside = sum(layers[i].saved_bytes for i in run)  # while recomputed, one at a time
+                        rep = 0.0 if sp else sum(layers[i].replicated_saved_bytes for i in run)
+                        recompute = max(recompute, ((inside - rep) / lay.tp + rep) / lay.cp * micro)
+                        recompute_flops += sum(layers[i].forward_flops for i in run)
+                    else:
+                        saved += sum(layers[i].saved_bytes for i in run)
+                        replicated += 0.0 if sp else sum(layers[i].replicated_saved_bytes for i in run)
+        elif mine:
             saved = sum(layer.saved_bytes for layer in mine)
             replicated = 0.0 if sp else sum(layer.replicated_saved_bytes for layer in mine)
         else:  # a model without a layer profile: the whole-model estimate
@@ -320,6 +365,7 @@ def _stages(t: Trace, lay: Layout, micro: int, optim: Optim) -> list[dict]:
                     **({"chunks": [list(c) for c in chunks]} if v > 1 else {}),
                     "model_state_bytes": int(state), "activation_bytes": int(per_sample * micro * held),
                     "flops_share": sum(layer.forward_flops for layer in mine) / total_flops if lay.pp > 1 else 1.0,
+                    "recompute_flops_share": recompute_flops / total_flops, "recompute_bytes": int(recompute),
                     "boundary_bytes_per_microbatch": int(boundary),
                     "sent_bytes_per_step": int((boundary + before) * m_total),
                     "trace": sub})

@@ -32,6 +32,11 @@ def format_prediction(p: dict) -> str:
              f"{p['model_state_bytes_per_rank']:,} bytes: parameters + gradients + optimizer state at their peak)",
              f"activations   {_gib(p['activation_bytes_per_rank'])} per rank (estimate: {p['activation_basis']})",
              f"memory        {_gib(p['memory_bytes_per_rank'])} per rank"]
+    if p.get("activation_checkpointing"):
+        a = p["activation_checkpointing"]
+        lines.append(f"recompute     {a['blocks']} checkpointed blocks: {_gib(a['recompute_bytes_per_rank'])} per rank more "
+                     f"while one is recomputed in backward (in memory), {a['recompute_flops_share']:.0%} of the forward "
+                     f"FLOPs run again")
     if p.get("context_parallel"):
         c = p["context_parallel"]
         lines.append(f"context       cp {c['cp']} ({c['style']}): each rank holds 1/{c['cp']} of every sequence, sends "
