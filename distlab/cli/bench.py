@@ -287,11 +287,18 @@ def bench_overhead(workloads, precisions, steps, runs, device, threads, dataset,
 @click.option("--steps", type=COUNT, default=6, show_default=True, help="Steps per variant (the first 2 untimed).")
 @click.option("--batch", type=COUNT, default=32, show_default=True)
 @click.option("--runs", type=COUNT, default=1, show_default=True, help="Interleaved rounds of both variants.")
+@click.option("--pp", type=COUNT, default=1, show_default=True,
+              help="Pipeline stages: each variant runs as a 1F1B pipeline on this many local processes (1 thread each).")
+@click.option("--microbatches", type=COUNT, default=None, help="With --pp: micro-batches per step (default: --pp).")
+@click.option("--precision", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+              help="Both variants under this autocast.")
 @click.option("--out", callback=writable_dir, default="runs/bench", show_default=True, help="Writes OUT/checkpointing.json.")
-def bench_checkpointing(workloads, steps, batch, runs, out):
-    """Activation checkpointing: peak activation bytes and time per step, with and without (one process)."""
+def bench_checkpointing(workloads, steps, batch, runs, pp, microbatches, precision, out):
+    """Activation checkpointing: peak activation bytes and time per step, with and without (one process, or
+    a pipeline with --pp)."""
     from distlab.bench import checkpointing
-    records = checkpointing.run(workloads, steps=steps, batch=batch, runs=runs, out=out, progress=_progress)
+    records = checkpointing.run(workloads, steps=steps, batch=batch, runs=runs, out=out, progress=_progress, pp=pp,
+                                microbatches=microbatches, precision=precision)
     _finish(checkpointing, records, out, "checkpointing")
 
 
