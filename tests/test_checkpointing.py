@@ -74,3 +74,18 @@ def test_bench_checkpointing_records_both_variants(tmp_path):
     [r] = checkpointing.run(["gpt"], steps=2, batch=2, out=tmp_path, progress=lambda *_: None)
     assert r["gradients_bitwise_equal"] and r["activation_peak_bytes_checkpointed"] < r["activation_peak_bytes_plain"]
     assert r["time_per_step_s_plain"] > 0 and "| gpt | 2 |" in render(tmp_path / "checkpointing.json")
+
+
+
+def test_bench_checkpointing_runs_a_pipeline_with_every_stage_checkpointed(tmp_path):
+    from distlab.bench import checkpointing
+    [r] = checkpointing.run(["gpt"], steps=2, batch=4, pp=2, microbatches=2, precision="bf16", out=tmp_path,
+                            progress=lambda *_: None)
+    assert r["gradients_bitwise_equal"] and (r["pp"], r["microbatches"], r["precision"]) == (2, 2, "bf16")
+    plain, ckpt = r["activation_peak_bytes_per_stage_plain"], r["activation_peak_bytes_per_stage_checkpointed"]
+    assert len(plain) == 2 and all(c < p for c, p in zip(ckpt, plain))  # both stages hold blocks of the 4
+    assert r["activation_peak_bytes_checkpointed"] == max(ckpt) and r["ranks"] == 2
+    from distlab.bench.markdown import render
+    from distlab.tools.report import bench_kind
+    assert "| gpt pp 2 x mb 2 bf16 | 4 |" in render(tmp_path / "checkpointing.json")  # not taken for bench pipeline's
+    assert bench_kind([r]) == "checkpointing"

@@ -62,12 +62,12 @@ def render(path: str | Path) -> str:
     if "mlp_widths" in first and "strategy" in first:
         from distlab.bench import parallel
         return parallel.table(records, markdown=True)
+    if "activation_peak_bytes_checkpointed" in first:  # before pipeline's: with --pp it names a schedule too
+        from distlab.bench import checkpointing
+        return checkpointing.table(records, markdown=True)
     if "schedule" in first and "microbatches" in first:
         from distlab.bench import pipeline
         return pipeline.table(records, markdown=True)
-    if "activation_peak_bytes_checkpointed" in first:
-        from distlab.bench import checkpointing
-        return checkpointing.table(records, markdown=True)
     if "scaling_efficiency" in first:
         from distlab.bench import scaling
         return scaling.table(records, markdown=True)

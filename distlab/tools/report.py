@@ -37,7 +37,8 @@ from typing import Callable
 from distlab.bench.common import human_bytes
 from distlab.tools.plots import integer_ticks, pyplot, style
 
-BENCH_KINDS = ("collectives", "dp", "syncbn", "parallel", "pipeline", "scaling", "verify", "plan", "sweep", "overhead")
+BENCH_KINDS = ("collectives", "dp", "syncbn", "parallel", "pipeline", "scaling", "verify", "plan", "sweep", "overhead",
+               "checkpointing")
 BENCH_FILES = {f"{kind}.json" for kind in BENCH_KINDS}  # names the bench commands write: never skipped quietly
 PLAN_VALIDATION = "distlab-plan-validation"
 
@@ -57,6 +58,7 @@ class Inputs:
 
 _KINDS = [  # a bench's JSON by the fields of its first record, in this order
     ("collectives", ("algorithm", "busbw_gbps")), ("scaling", ("mode", "scaling_efficiency")),
+    ("checkpointing", ("activation_peak_bytes_checkpointed",)),  # before pipeline's: with --pp it has a schedule
     ("pipeline", ("schedule", "microbatches")), ("overhead", ("side", "round", "precision")),
     ("parallel", ("workload", "strategy")), ("dp", ("workload", "dp_sync")), ("syncbn", ("implementation", "workers")),
     ("verify", ("strategy", "passed")), ("plan", ("predicted_step_s", "measured_step_s")),
@@ -559,6 +561,26 @@ def _pipeline_section(records: list[dict]) -> str:
     return _png(fig) + _table(records, cols)
 
 
+def _checkpointing_section(records: list[dict]) -> str:
+    plt = pyplot()
+    labels = [r["workload"] + (f" pp {r['pp']}" if r.get("pp", 1) > 1 else "") + f" {r.get('precision', 'fp32')}"
+              for r in records]
+    fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(labels)), 3.6))
+    x, w = range(len(records)), 0.4
+    ax.bar([i - w / 2 for i in x], [r["activation_peak_bytes_plain"] / 2**20 for r in records], w, label="plain")
+    ax.bar([i + w / 2 for i in x], [r["activation_peak_bytes_checkpointed"] / 2**20 for r in records], w,
+           label="checkpointed")
+    ax.set_xticks(list(x), labels, rotation=25, ha="right", fontsize=7)
+    ax.set(ylabel="MiB (the largest stage's)", title="held for backward, at the peak")
+    _legend(ax, 2)
+    cols = [Col("workload", "workload"), Col("pp", "stages"), Col("precision", "precision"), Col("batch", "batch"),
+            Col("activation_peak_bytes_plain", "held (plain)", _size),
+            Col("activation_peak_bytes_checkpointed", "held (checkpointed)", _size),
+            Col("time_per_step_s_plain", "ms/step", _ms), Col("time_per_step_s_checkpointed", "ms/step checkpointed", _ms),
+            Col("time_ratio", "time ratio", "{:.2f}x".format), Col("gradients_bitwise_equal", "same gradients")]
+    return _png(fig) + _table(records, [c for c in cols if any(c.key in r for r in records)])
+
+
 def _overhead_section(records: list[dict]) -> str:
     from distlab.bench import overhead
     fig, rows = overhead.figure(records), overhead.summarize(records)
@@ -694,7 +716,8 @@ SECTIONS = {"collectives": ("Collectives", _collectives_section), "dp": ("Data p
             "scaling": ("Scaling", _scaling_section), "verify": ("Equivalence (distlab verify)", _verify_section),
             "plan": ("Cost model (distlab plan validate)", _plan_section),
             "sweep": ("Plan sweep (distlab plan --sweep)", _sweep_section),
-            "overhead": ("Single-process overhead (distlab bench overhead)", _overhead_section)}
+            "overhead": ("Single-process overhead (distlab bench overhead)", _overhead_section),
+            "checkpointing": ("Activation checkpointing (distlab bench checkpointing)", _checkpointing_section)}
 
 
 def _machine(records: list[dict]) -> str:
