@@ -103,7 +103,6 @@ def test_powersgd_wire_bytes():
     ("zero=2+compress=powersgd:4", "reduce-scatters"),
     ("compress=fp16+reduce=bf16", "keep one"),
     ("ddp:ring+compress=powersgd:2", "torch's communication hook"),
-    ("bucketed+pp=2+bf16", "pipelines"),
     ("bucketed+precision=fp8", "unknown `precision`"),
 ])
 def test_bad_combinations_refused(text, words):
