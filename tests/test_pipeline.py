@@ -3,7 +3,7 @@ unsplit model (loss and every gradient), 1F1B holding at most P - s micro-batche
 
 Tolerance: the only difference from the unsplit step is the order of sums -- the batch's loss is a
 sum of M micro-batch means instead of one mean, and each gradient sums its micro-batches' parts.
-Both sides run in float64 and are compared within ``distlab.tools.verify.sum_tolerance`` for every term
+Both sides run in float64 and are compared within ``distlab.tools.verify.step_tolerance``: every term
 that feeds one value (batch x widest layer x depth) at the largest magnitude seen: about 1e-10 here,
 while a wrong cut or a lost micro-batch moves values by 1e-2 or more.
 """
@@ -17,7 +17,7 @@ from distlab.errors import ConfigError
 from distlab.models import GPT, task_loss
 from distlab.parallel.pipeline import PipelineStage, partition
 from distlab.launch.spawn import run_ranks
-from distlab.tools.verify import sum_tolerance
+from distlab.tools.verify import step_tolerance
 
 
 
@@ -40,11 +40,7 @@ def _data(kind):
 
 
 def _bound(full: nn.Module, x: torch.Tensor, loss: torch.Tensor, dtype=torch.float64) -> float:
-    """sum_tolerance over every term that feeds one value, at the largest magnitude of the reference."""
-    widest = max(max(p.shape) for p in full.parameters())
-    scale = max([loss.abs().item(), 1.0] + [p.grad.abs().max().item() for p in full.parameters()]
-                + [p.abs().max().item() for p in full.parameters()])
-    return sum_tolerance(len(x) * widest * len(full), scale, dtype)
+    return step_tolerance(full, len(x), loss, dtype=dtype)
 
 
 def _step(rank, world, kind, schedule, microbatches, virtual=1):

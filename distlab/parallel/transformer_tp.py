@@ -97,7 +97,7 @@ def _reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, start):
-        logits = logits.float()
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16 up, float64 kept
         top = _reduce(logits.max(-1).values, "max", group)
         shifted = logits - top[:, None]
         exp = shifted.exp()

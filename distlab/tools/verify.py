@@ -176,6 +176,22 @@ def sum_tolerance(terms: int, scale: float, dtype: torch.dtype = torch.float32) 
     return 2 * k / (1 - k) * terms * scale
 
 
+def step_tolerance(model: torch.nn.Module, samples: int, *values: torch.Tensor,
+                   dtype: torch.dtype = torch.float64) -> float:
+    """:func:`sum_tolerance` for one forward and backward of ``model`` (call it after the backward)
+    computed in another summation order -- split over ranks, micro-batches or shards. Every value
+    is fed by at most ``samples`` (rows of the batch, or tokens) x the widest parameter dimension x
+    the number of layers holding parameters terms, none larger than the largest magnitude among
+    the parameters, their gradients and ``values`` (the loss, activations), and at least 1."""
+    params = list(model.parameters())
+    layers = sum(1 for m in model.modules() if any(True for _ in m.parameters(recurse=False)))
+    widest = max(max(p.shape) for p in params)
+    scale = max([1.0] + [p.detach().abs().max().item() for p in params]
+                + [p.grad.abs().max().item() for p in params if p.grad is not None]
+                + [v.detach().abs().max().item() for v in values])
+    return sum_tolerance(samples * widest * layers, scale, dtype)
+
+
 def tolerance(cfg: TrainConfig, world_size: int = 1) -> float | None:
     """The float32 bound of the module docstring (:func:`sgd_tolerance`), widened for reduced
     precision; None where there is no rounding bound (PowerSGD, Adam)."""
