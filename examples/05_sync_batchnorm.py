@@ -15,6 +15,7 @@ from torch import nn
 from distlab import comm, runtime
 from distlab.parallel import convert_sync_batchnorm
 from distlab.runtime import print0
+from distlab.tools.verify import sum_tolerance
 
 GLOBAL_BATCH, CHANNELS = 8, 3
 
@@ -36,6 +37,15 @@ def main() -> None:
     mine = slice(rank * GLOBAL_BATCH // n, (rank + 1) * GLOBAL_BATCH // n)
 
     ref_y, ref_dx, ref_dw, ref_rm = run(nn.BatchNorm2d(CHANNELS), x, w)  # one process, all 8 images
+    # Float32 rounding alone, for sums over a channel's N = 128 values in another order: outputs,
+    # input gradients and running means come from four means (a sum's bound over N), at most
+    # x^2 / std in size; weight gradients are sums of w * (normalised x) -- verify.sum_tolerance.
+    values = x.numel() // CHANNELS
+    std = x.transpose(0, 1).reshape(CHANNELS, -1).std(dim=1).min().item()
+    xhat = (x - x.mean(dim=(0, 2, 3), keepdim=True)) / std
+    bound = {"output": sum_tolerance(4 * values, x.abs().max().item() ** 2 / min(1.0, std)) / values,
+             "weight grad": sum_tolerance(values, (w * xhat).abs().max().item())}
+    bound["input grad"] = bound["running mean"] = bound["output"]
     print0(f"BatchNorm2d({CHANNELS}) on a global batch of {GLOBAL_BATCH}, {GLOBAL_BATCH // n} images per rank")
     for name, layer in (("plain BatchNorm", nn.BatchNorm2d(CHANNELS)),
                         ("distlab SyncBatchNorm", convert_sync_batchnorm(nn.BatchNorm2d(CHANNELS)))):
@@ -48,9 +58,9 @@ def main() -> None:
         print0(f"  {name:<22} " + "  ".join(f"{k} {v:.1e}" for k, v in errs.items())
                + f"   ({sent.bytes_sent:,} bytes of statistics sent)")
         if name.startswith("distlab"):
-            assert max(errs.values()) < 1e-4, errs  # float32 rounding of sums over up to 128 values
+            assert all(errs[k] <= bound[k] for k in errs), (errs, bound)  # rounding only
         else:
-            assert errs["output"] > 1e-2  # local statistics really are different
+            assert all(errs[k] > bound[k] for k in ("output", "input grad")), (errs, bound)  # really different
     print0("SyncBatchNorm matches one process on the whole batch; plain BatchNorm does not.")
     runtime.shutdown()
 

@@ -36,8 +36,8 @@ def dp(records: list[dict]) -> str:
 
 
 def syncbn(records: list[dict]) -> str:
-    rows = ["| workers | features | batch | local BN (ms) | distlab SyncBN (ms) | ratio | SyncBN max out / grad diff | local BN max out diff |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| workers | features | batch | local BN (ms) | distlab SyncBN (ms) | ratio | SyncBN max out / grad diff | local BN max out diff | float32 rounding bound |",
+            "|---|---|---|---|---|---|---|---|---|"]
     cells = {(r["workers"], r["features"], r["batch"], r["implementation"]): r for r in records if r.get("available")}
     for w, f, b in dict.fromkeys((r["workers"], r["features"], r["batch"]) for r in records):
         loc, mine = cells.get((w, f, b, "local")), cells.get((w, f, b, "distlab"))
@@ -45,7 +45,8 @@ def syncbn(records: list[dict]) -> str:
             continue
         rows.append(f"| {w} | {f} | {b} | {1000 * loc['time_s_median']:.3f} | {1000 * mine['time_s_median']:.3f} | "
                     f"{mine['time_s_median'] / loc['time_s_median']:.2f}x | {mine['max_abs_out_diff']:.1e} / "
-                    f"{mine['max_abs_grad_diff']:.1e} | {loc['max_abs_out_diff']:.1e} |")
+                    f"{mine['max_abs_grad_diff']:.1e} | {loc['max_abs_out_diff']:.1e} | "
+                    f"{'-' if mine.get('tolerance') is None else format(mine['tolerance'], '.1e')} |")
     return "\n".join(rows)
 
 

@@ -6,7 +6,11 @@ of the first N/2 samples of the global batch``. Per implementation and cell: the
 difference of outputs and input gradients from ``BatchNorm1d`` over the whole batch (local
 BatchNorm is *expected* to differ: that is the point of SyncBN), the median forward+backward time
 (slowest rank per repeat), bytes saved for backward (measured with autograd's saved-tensor hooks)
-and peak RSS. torch's ``nn.SyncBatchNorm`` runs only on CUDA; on CPU it is recorded as not
+and peak RSS. Each cell also records ``tolerance``: how far float32 rounding alone may move those
+differences (:func:`distlab.tools.verify.sum_tolerance` for the four means over a channel's ``N``
+values that feed an output and an input gradient -- a sum's bound over ``N`` -- at the squared
+input times the weight over the smallest standard deviation); a difference above it is a different
+function, not rounding. torch's ``nn.SyncBatchNorm`` runs only on CUDA; on CPU it is recorded as not
 available.
 """
 
@@ -21,6 +25,7 @@ import torch.distributed as dist
 from distlab.bench.common import at_least, machine, write
 from distlab.parallel import SyncBatchNorm
 from distlab.launch.spawn import run_ranks
+from distlab.tools.verify import sum_tolerance
 from distlab.train.metrics import peak_rss_mb
 
 IMPLEMENTATIONS = ("distlab", "local", "torch")
@@ -57,6 +62,9 @@ def _bench(rank: int, world: int, features_list, batches, impls, warmup: int, re
             ref = torch.nn.BatchNorm1d(features).to(device)
             Y = ref(X)
             Y[: batch // 2].sum().backward()
+            std = X.detach().std(dim=0, unbiased=False).min().item()
+            scale = max(1.0, X.detach().abs().max().item()) ** 2 * max(1.0, ref.weight.abs().max().item()) / min(1.0, std)
+            tolerance = sum_tolerance(4 * batch, scale, X.dtype) / batch  # means over the batch, not sums
             per = batch // world
             lo = rank * per
             mask = (torch.arange(lo, lo + per, device=device) < batch // 2).float().unsqueeze(1)
@@ -104,6 +112,7 @@ def _bench(rank: int, world: int, features_list, batches, impls, warmup: int, re
                         "implementation": impl, "workers": world, "features": features, "batch": batch,
                         "available": True, "device": device.type,
                         "max_abs_out_diff": facts[0].item(), "max_abs_grad_diff": facts[1].item(),
+                        "tolerance": tolerance,
                         "time_s_median": statistics.median(slowest.tolist()),
                         "time_s_min": min(slowest.tolist()), "repeats": repeats,
                         "saved_for_backward_bytes": int(facts[2].item()), "peak_rss_mb": facts[3].item(),
@@ -134,9 +143,13 @@ def run(workers=(1, 2, 4), features=(128, 256, 512, 1024), batches=(32, 64), imp
     return records
 
 
+def _sci(x) -> str:
+    return "-" if x is None else f"{x:.1e}"  # results written before the bound was recorded have none
+
+
 def table(records: list[dict]) -> str:
     rows = [f"{'workers':>7} {'features':>8} {'batch':>5} {'impl':<8} {'median ms':>9} {'vs local':>8} "
-            f"{'out diff':>9} {'grad diff':>9} {'saved KB':>8}"]
+            f"{'out diff':>9} {'grad diff':>9} {'rounding':>9} {'saved KB':>8}"]
     local = {(r["workers"], r["features"], r["batch"]): r["time_s_median"] for r in records
              if r["implementation"] == "local" and r.get("available")}
     for r in records:
@@ -147,7 +160,7 @@ def table(records: list[dict]) -> str:
         ratio = f"{r['time_s_median'] / local[key]:.2f}x" if key in local else "-"
         rows.append(f"{key[0]:>7} {key[1]:>8} {key[2]:>5} {r['implementation']:<8} {1000 * r['time_s_median']:>9.3f} "
                     f"{ratio:>8} {r['max_abs_out_diff']:>9.1e} {r['max_abs_grad_diff']:>9.1e} "
-                    f"{r['saved_for_backward_bytes'] / 1024:>8.0f}")
+                    f"{_sci(r.get('tolerance')):>9} {r['saved_for_backward_bytes'] / 1024:>8.0f}")
     return "\n".join(rows)
 
 

@@ -604,7 +604,8 @@ def _syncbn_section(records: list[dict]) -> str:
     _legend(ax, len(ax.lines))
     cols = [Col("implementation", "implementation"), Col("workers", "workers"), Col("features", "features"),
             Col("batch", "batch"), Col("time_s_median", "time (ms, median)", _ms),
-            Col("max_abs_out_diff", "max |output diff|", _sci), Col("max_abs_grad_diff", "max |grad diff|", _sci)]
+            Col("max_abs_out_diff", "max |output diff|", _sci), Col("max_abs_grad_diff", "max |grad diff|", _sci),
+            Col("tolerance", "float32 rounding bound", _sci)]
     return _png(fig) + _table(records, [c for c in cols if any(c.key in r for r in records)])
 
 
