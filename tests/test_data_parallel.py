@@ -22,7 +22,7 @@ from distlab.models import build_model
 from distlab.parallel import Strategy, build_mesh, parallelize
 from distlab.launch.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig, evaluate
-from distlab.tools.verify import reference_run, tolerance
+from distlab.tools.verify import evaluation_tolerance, reference_run, tolerance
 
 
 def _config(dp_sync: str, out: str | None = None, collective: str = "native", grad_accum: int = 1,
@@ -125,11 +125,12 @@ def test_distributed_evaluation_is_exact_when_the_test_set_does_not_divide():
         x, y = data.batch(torch.arange(len(data)))
         out = model(x)
         loss, correct = F.cross_entropy(out, y, reduction="sum").item(), int((out.argmax(1) == y).sum())
+    bound = evaluation_tolerance(model, x, y)  # rounding only; a sample lost or counted twice moves it ~loss/25
     results = run_ranks(_evaluate, 3, spec, timeout=60)
     for r in results:
         assert r["test_samples"] == 25
         assert r["test_accuracy"] == correct / 25
-        assert abs(r["test_loss"] - loss / 25) <= 1e-6 * max(1.0, abs(loss / 25))
+        assert bound < 0.01 * loss / 25 and abs(r["test_loss"] - loss / 25) <= bound
 
 
 def _die_mid_training(rank, world, cfg: TrainConfig):

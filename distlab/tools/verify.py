@@ -192,6 +192,20 @@ def step_tolerance(model: torch.nn.Module, samples: int, *values: torch.Tensor,
     return sum_tolerance(samples * widest * layers, scale, dtype)
 
 
+@torch.no_grad()
+def evaluation_tolerance(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """How far two evaluations of ``model``'s mean cross-entropy over ``(x, y)`` may be apart when
+    they batch the samples differently (split over ranks, stages or micro-batches): each logit is
+    a chain of dot products (:func:`step_tolerance` for one sample), cross-entropy moves by at
+    most twice its largest logit change, and the mean of ``n`` per-sample losses in another order
+    adds ``sum_tolerance(n, largest loss) / n``."""
+    import torch.nn.functional as F
+    out = model(x)
+    losses = F.cross_entropy(out, y, reduction="none")
+    per_logit = step_tolerance(model, 1, x, out, dtype=out.dtype)
+    return 2 * per_logit + sum_tolerance(len(x), losses.abs().max().item(), out.dtype) / len(x)
+
+
 def tolerance(cfg: TrainConfig, world_size: int = 1) -> float | None:
     """The float32 bound of the module docstring (:func:`sgd_tolerance`), widened for reduced
     precision; None where there is no rounding bound (PowerSGD, Adam)."""
