@@ -8,7 +8,7 @@ from distlab.errors import ConfigError
 from distlab.parallel import Strategy
 from distlab.launch.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig
-from distlab.tools.verify import default_strategies, parse_strategy
+from distlab.tools.verify import default_strategies, parse_strategy, tolerance
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -72,17 +72,22 @@ def _tp_bn_cfg(tp: int) -> TrainConfig:
 
 def _train_tp_bn(rank, world, tp):
     trainer = Trainer(_tp_bn_cfg(tp), runtime.from_process_group())
-    summary = trainer.fit()
-    state = trainer.engine.full_state_dict()
-    return summary["test_loss"], state["net.5.running_var"], state["net.5.running_mean"]
+    trainer.fit()
+    return trainer.engine.full_state_dict()
 
 
 def test_syncbn_under_tensor_parallel_reduces_over_the_data_parallel_group_only():
     """4 ranks as dp 2 x tp 2 end where 2 ranks of plain data parallel end: the statistics of a global
-    batch of 16 samples, not 32 (each sample counted tp times would change the unbiased running variance
-    by 16/15 vs 32/31 and, through eval's running statistics, the test loss)."""
-    loss2, var2, mean2 = run_ranks(_train_tp_bn, 2, 1, timeout=120)[0]
-    for loss4, var4, mean4 in run_ranks(_train_tp_bn, 4, 2, timeout=120):
-        assert torch.allclose(mean4, mean2, rtol=1e-5, atol=1e-6)
-        assert torch.allclose(var4, var2, rtol=1e-5, atol=1e-6)
-        assert abs(loss4 - loss2) <= 1e-5 * max(1.0, abs(loss2))
+    batch of 16 samples, not 32. Each sample counted tp times would move the unbiased running variance
+    by (16/15) / (32/31) - 1 = 3.3% relative; the parameters of the two runs agree within verify's float32
+    bound (2.3e-5), and the statistics, computed from them, within a tenth of that 3.3%."""
+    signature = (16 / 15) / (32 / 31) - 1
+    bound = tolerance(_tp_bn_cfg(2), 4)
+    two = run_ranks(_train_tp_bn, 2, 1, timeout=120)[0]
+    for four in run_ranks(_train_tp_bn, 4, 2, timeout=120):
+        assert list(four) == list(two)
+        for key, value in four.items():
+            if key.endswith(("running_mean", "running_var")):
+                assert ((value - two[key]).abs() / two[key].abs().clamp(min=1.0)).max() <= signature / 10, key
+            elif value.is_floating_point():
+                assert (value - two[key]).abs().max() <= bound, key
