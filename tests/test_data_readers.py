@@ -10,6 +10,7 @@ from distlab.data import canonical_name, load_dataset, locate
 from distlab.data.cifar import write_cifar_batch
 from distlab.data.idx import read_idx, write_idx
 from distlab.data.synthetic import make_synthetic
+from distlab.tools.verify import sum_tolerance
 from distlab.data.transforms import normalize, random_crop_flip
 from distlab.errors import ConfigError, DataNotFoundError
 
@@ -176,9 +177,13 @@ def test_tensors_file_splits_standardises_with_train_statistics_and_reads_npz(tm
     raw = {tuple(v.tolist()) for v in x.flatten(1)}
     mean, std = torch.tensor(train.mean).view(1, -1, 1, 1), torch.tensor(train.std).view(1, -1, 1, 1)
     back = [tuple(v.tolist()) for v in (torch.cat([train.images, test.images]) * std + mean).flatten(1)]
-    assert len(back) == 50 and all(min(abs(torch.tensor(b) - torch.tensor(r)).max().item() for r in raw) < 1e-4
+    # rounding only: the mean and std come from sums over a channel's n values (their bound over n), and
+    # each value is normalised and restored by two operations each way
+    n = train.images[:, 0].numel()
+    bound = 4 * sum_tolerance(n, x.abs().max().item()) / n
+    assert len(back) == 50 and all(min(abs(torch.tensor(b) - torch.tensor(r)).max().item() for r in raw) <= bound
                                    for b in back[:3])  # every sample once, in one of the splits
-    assert train.images.mean(dim=(0, 2, 3)).abs().max() < 1e-4  # the training split's own statistics
+    assert train.images.mean(dim=(0, 2, 3)).abs().max() <= bound  # the training split's own statistics
     again = load_dataset(f"tensors:{tmp_path / 'd.pt'}", "test", seed=9)  # the held-out split ignores the run seed
     assert torch.equal(again.images, test.images)
     torch.save({"x": x[:40], "y": y[:40], "x_test": x[40:], "y_test": y[40:]}, tmp_path / "own.pt")
@@ -252,7 +257,8 @@ def test_imagefolder_reads_class_subfolders_splits_them_and_normalises_with_trai
     pixels = train.images.float() / 255
     assert train.mean[0] == pytest.approx(pixels.mean().item()) and train.std[0] == pytest.approx(pixels.std().item())
     x, _ = train.batch(torch.arange(len(train)))
-    assert abs(x.mean().item()) < 1e-5  # normalised with the training split's own statistics
+    bound = 2 * sum_tolerance(x.numel(), x.abs().max().item()) / x.numel()  # two means over the same pixels
+    assert abs(x.mean().item()) <= bound  # normalised with the training split's own statistics
     for split, n in (("train", 3), ("test", 1)):
         for c in ("x", "y"):
             for i in range(n):
