@@ -53,6 +53,29 @@ def test_fused_unscale_matches_dividing_each_gradient_and_finds_any_inf():
     assert scaler.unscale_(params) is True
 
 
+def test_the_finite_gradient_check_is_exact_and_leaves_gradients_bitwise():
+    """Finite gradients whose sum (or sum of squares) would overflow are finite; one nan or one -inf
+    anywhere is not; the check changes no gradient bit (the step after it is the step it was)."""
+    from distlab.parallel import Strategy, build_mesh, parallelize
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 4))
+    engine = parallelize(net, Strategy(), build_mesh(1))
+    params = list(net.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    params[0].grad[:2] = torch.finfo(torch.float32).max  # huge, finite: a sum over them overflows
+    params[0].grad[2, :3] = torch.tensor([5e-45, -0.0, -3e38])  # a subnormal, a negative zero
+    before = [p.grad.clone() for p in params]
+    assert engine._gradients_finite() is True
+    assert all(torch.equal(p.grad, b) and torch.equal(p.grad.signbit(), b.signbit()) for p, b in zip(params, before))
+    params[1].grad = None  # no gradient this step: not an error
+    assert engine._gradients_finite() is True
+    for bad in (float("nan"), float("-inf")):
+        params[3].grad = torch.zeros(4)
+        params[3].grad[1] = bad
+        assert engine._gradients_finite() is False
+
+
 def _fb(rank, world):
     from distlab.parallel import Strategy, build_mesh, parallelize
     torch.manual_seed(0)

