@@ -152,7 +152,7 @@ class Engine:
         shards) -- the one way to step: under fp16 loss scaling a step whose gradients
         overflowed on any rank is skipped on every rank. Returns whether the optimizer stepped."""
         scaler = self.precision.scaler
-        if scaler is None and self.check_finite and not self._gradients_finite():
+        if scaler is None and self.check_finite and not self._gradients_finite(optimizer):
             # Before the update: the model and optimizer keep the last good state (a snapshot can save it).
             fp32 = "" if self.strategy.precision == "fp32" else f", or train in fp32 (not {self.strategy.precision})"
             raise NonFiniteError(f"the gradients are not finite (nan or inf) on some rank: the step was not "
@@ -165,14 +165,16 @@ class Engine:
         self._after_step()
         return stepped
 
-    def _gradients_finite(self) -> bool:
+    def _gradients_finite(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """Whether every gradient (this rank's, then every rank's where ranks hold different ones) is
         finite: one fused pass over all of them (the kernel loss scaling's unscale runs, here with a
         scale of exactly 1, which changes no bit; no sum that could overflow), one read; one
         all-reduce only where ranks hold different gradients (replicas all hold the same reduced
         ones). An infinity-norm per tensor did the same at ~20x the cost on a CPU (0.64 vs 0.03 ms
-        for the 535,818 gradients of the MLP)."""
-        found = scale_and_find_non_finite([p.grad for p in self.parameters() if p.grad is not None], 1.0)
+        for the 535,818 gradients of the MLP). ``optimizer``: check what it is about to update (its
+        parameter groups, read without walking the module tree again)."""
+        params = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else self.parameters()
+        found = scale_and_find_non_finite([p.grad for p in params if p.grad is not None], 1.0)
         if not self.sharded or not dist.is_initialized() or dist.get_world_size() == 1:
             return not bool(found)
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
