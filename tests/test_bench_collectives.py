@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from distlab.tools.verify import sgd_tolerance
+from distlab.tools.verify import sgd_tolerance, sum_tolerance
 
 RECORD_FIELDS = {"algorithm", "op", "world_size", "numel", "dtype", "time_s_median", "time_s_min", "time_s_max",
                  "algbw_gbps", "busbw_gbps", "max_abs_err", "rel_err", "peak_rss_mb", "bytes_sent_per_rank",
@@ -22,7 +22,8 @@ def test_bench_collectives_writes_the_contract(run_cli, tmp_path):
         assert r["time_s_min"] <= r["time_s_median"] <= r["time_s_max"]
         assert r["runs"] == 2 and len(r["time_s_median_per_run"]) == 2  # median of the two runs' medians
         assert min(r["time_s_median_per_run"]) <= r["time_s_median"] <= max(r["time_s_median_per_run"])
-        assert r["rel_err"] <= 1e-6 and r["tcp_loopback_gbps"] > 0
+        # inputs in [-1, 1] (float32): one reduction of world_size values in some order vs float64's
+        assert r["max_abs_err"] <= sum_tolerance(r["world_size"], 1.0) and r["tcp_loopback_gbps"] > 0
     by = {(r["world_size"], r["numel"], r["algorithm"]): r for r in records}
     assert by[(1, 1000, "ring")]["bytes_sent_per_rank"] == 0
     # world 3, 1000 float32 = 4000 bytes: ring sends about 2(n-1)/n * S (chunks of 334, 333, 333)

@@ -25,8 +25,10 @@ def test_the_balance_loss_reaches_the_router_as_if_it_were_added_to_the_loss():
     probs = plain.router(x.reshape(-1, 8)).softmax(-1)
     chosen = probs.topk(2, dim=-1).indices
     (plain(x).sum() + 0.1 * plain._balance_loss(probs.view(3, 5, 4), chosen.view(3, 5, 2))).backward()
+    # float64, the same sums in another order: 15 tokens x 8 features x 4 experts feed a gradient entry
+    bound = sum_tolerance(15 * 8 * 4, max(1.0, *(p.grad.abs().max().item() for p in plain.parameters())), F64)
     for a, b in zip(layer.parameters(), plain.parameters()):
-        assert torch.allclose(a.grad, b.grad, rtol=1e-12, atol=1e-15)
+        assert (a.grad - b.grad).abs().max() <= bound
     # half the step's share (two micro-batches): half the balance loss's gradient
     half, none = copy.deepcopy(layer), copy.deepcopy(layer)
     half.aux_scale, none.aux_coef = 0.5, 0.0
@@ -35,12 +37,12 @@ def test_the_balance_loss_reaches_the_router_as_if_it_were_added_to_the_loss():
         m(x).sum().backward()
     full = layer.router.weight.grad - none.router.weight.grad
     assert full.abs().max() > 0
-    assert torch.allclose(half.router.weight.grad - none.router.weight.grad, 0.5 * full, rtol=1e-9, atol=1e-15)
+    assert ((half.router.weight.grad - none.router.weight.grad) - 0.5 * full).abs().max() <= 2 * bound
     # a router that cannot tell experts apart balances perfectly: the loss is exactly 1
     flat = MoE(8, experts=4, top_k=2)
     torch.nn.init.zeros_(flat.router.weight)
     flat(x.float())
-    assert flat.last_aux.item() == pytest.approx(1.0, abs=1e-6)
+    assert flat.last_aux.item() == pytest.approx(1.0, abs=sum_tolerance(4 * 15, 1.0))  # E * sum f P over 15 tokens
     assert flat.routing_statistics()["routed"] == 3 * 5 * 2
 
 
@@ -59,7 +61,7 @@ def test_dropless_routing_is_per_token_and_a_capacity_drops_the_latest_slots():
     cap = capped.capacity(len(chosen))
     assert cap == 5 and capped.routing_statistics()["dropped"] == int((counts - cap).clamp(min=0).sum()) > 0
     # the first token's slots come first at every expert: kept; a token whose slots all came late: zero
-    assert torch.allclose(out.reshape(-1, 8)[0], whole.reshape(-1, 8)[0])
+    assert (out.reshape(-1, 8)[0] - whole.reshape(-1, 8)[0]).abs().max() <= sum_tolerance(8 * 32, 1.0, F64)
     rank_at = {}
     for slot, e in enumerate(chosen.tolist()):
         rank_at[slot] = sum(1 for s in range(slot) if chosen[s] == e)
