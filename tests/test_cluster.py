@@ -171,7 +171,7 @@ def test_bandwidth_is_shaped(state_dir, tmp_path):
     server.write_text(textwrap.dedent("""
         import socket, sys
         s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((sys.argv[1], 29600)); s.listen(1); print("ready", flush=True)
+        s.bind((sys.argv[1], 0)); s.listen(1); print("ready", s.getsockname()[1], flush=True)  # a free port
         conn, _ = s.accept(); n = 0
         while True:
             b = conn.recv(1 << 20)
@@ -182,7 +182,7 @@ def test_bandwidth_is_shaped(state_dir, tmp_path):
     client = tmp_path / "client.py"
     client.write_text(textwrap.dedent("""
         import socket, sys, time
-        s = socket.create_connection((sys.argv[1], 29600), timeout=30)
+        s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
         data = b"x" * (1 << 20); t = time.perf_counter()
         for _ in range(6): s.sendall(data)
         s.shutdown(socket.SHUT_WR); s.recv(1); print(6 * 8 * (1 << 20) / (time.perf_counter() - t) / 1e6)
@@ -190,8 +190,10 @@ def test_bandwidth_is_shaped(state_dir, tmp_path):
     try:
         srv = subprocess.Popen(["ip", "netns", "exec", made.nodes[0].netns, sys.executable, str(server), made.master_addr],
                                stdout=subprocess.PIPE, text=True)
-        assert srv.stdout.readline().strip() == "ready"
-        out = subprocess.run(["ip", "netns", "exec", made.nodes[1].netns, sys.executable, str(client), made.master_addr],
+        ready, port = srv.stdout.readline().split()
+        assert ready == "ready"
+        out = subprocess.run(["ip", "netns", "exec", made.nodes[1].netns, sys.executable, str(client), made.master_addr,
+                              port],
                              capture_output=True, text=True, timeout=60)
         mbit = float(out.stdout.strip())
         assert int(srv.communicate(timeout=30)[0].strip()) == 6 << 20
