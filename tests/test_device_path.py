@@ -76,6 +76,26 @@ def test_the_finite_gradient_check_is_exact_and_leaves_gradients_bitwise():
         assert engine._gradients_finite() is False
 
 
+def _sharded_verdict(rank, world):
+    from distlab.parallel import Strategy, build_mesh, parallelize
+    torch.manual_seed(0)
+    engine = parallelize(torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 3)),
+                         Strategy.parse("allreduce+zero=2"), build_mesh(1))
+    shards = engine.parameters()  # this rank's flat shards: ranks hold different gradients
+    for p in shards:
+        p.grad = torch.ones_like(p)
+    verdicts = [engine._gradients_finite()]
+    if rank == 1:
+        shards[0].grad.view(-1)[0] = float("inf")  # only this rank's shard overflowed
+    verdicts.append(engine._gradients_finite())
+    return engine.sharded, verdicts
+
+
+def test_a_non_finite_shard_on_one_rank_stops_every_rank():
+    from distlab.launch.spawn import run_ranks
+    assert run_ranks(_sharded_verdict, 2, timeout=60) == [(True, [True, False])] * 2
+
+
 def _fb(rank, world):
     from distlab.parallel import Strategy, build_mesh, parallelize
     torch.manual_seed(0)
