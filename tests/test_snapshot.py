@@ -505,6 +505,7 @@ def test_ctrl_c_snapshots_writes_its_summary_and_exits_130(tmp_path, nproc):
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
+    assert (tmp_path / "run" / "summary.json").exists(), (proc.returncode, out[-3000:], err[-3000:])
     summary = _strict_json(tmp_path / "run" / "summary.json")
     assert proc.returncode == 130 and summary["stopped"] == "interrupted", (out, err)
     assert summary["snapshot"].endswith(f"step-{summary['steps']:08d}")  # the step it stopped at, saved
