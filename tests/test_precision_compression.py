@@ -75,10 +75,11 @@ def _codecs(rank, world):
 
 def test_codecs_and_loss_scaler_on_three_ranks():
     for r in run_ranks(_codecs, 3, timeout=120):
-        assert r["low_rank_bound"] < 1e-6 and r["low_rank_err"] <= r["low_rank_bound"]
-        assert r["feedback_bound"] < 1e-6
-        assert r["identity_err"] <= r["feedback_bound"] and r["bias_err"] <= r["feedback_bound"]
         assert r["approx_err"] > 1e-2  # rank 1 of a random 32x40 matrix is an approximation, not the mean
+        # the bounds sit far below what an approximation moves: they can tell exact from not
+        assert r["low_rank_bound"] < r["approx_err"] / 100 and r["low_rank_err"] <= r["low_rank_bound"]
+        assert r["feedback_bound"] < r["approx_err"] / 100
+        assert r["identity_err"] <= r["feedback_bound"] and r["bias_err"] <= r["feedback_bound"]
         assert r["same_on_all_ranks"]
         assert r["fp16_rel_err"] <= 3 * 2 ** -11
         assert r["found_inf"] is True and r["scale_after"] == 2.0

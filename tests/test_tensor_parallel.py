@@ -98,16 +98,18 @@ def _tp_vs_full(rank, world, style):
     gathered = full_parameters(sharded)
     param_diff = max((a - b.detach()).abs().max().item() for a, b in zip(gathered, full.parameters()))
     kinds = [type(m).__name__ for m in sharded]
-    bound = step_tolerance(full, len(x), ref_loss, x, xf.grad, full(x))
+    seen = (ref_loss, x, xf.grad, full(x))
+    bound = (step_tolerance(full, len(x), *seen), step_tolerance(full, len(x), *seen, dtype=torch.float32))
     return out_diff, grad_in_diff, grad_diff, param_diff, (fwd.calls, bwd.calls), kinds, bound
 
 
 @pytest.mark.parametrize("style", ["megatron", "naive"])
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_tensor_parallel_mlp_equals_the_unsharded_one(style, world):
-    for out_diff, grad_in_diff, grad_diff, param_diff, calls, kinds, bound in run_ranks(_tp_vs_full, world, style,
-                                                                                       timeout=60):
-        assert bound < 1e-6 and out_diff <= bound and grad_in_diff <= bound and grad_diff <= bound
+    for out_diff, grad_in_diff, grad_diff, param_diff, calls, kinds, (bound, float32_bound) in run_ranks(
+            _tp_vs_full, world, style, timeout=60):
+        assert bound < float32_bound  # float64's bound: far tighter than float32 rounding
+        assert out_diff <= bound and grad_in_diff <= bound and grad_diff <= bound
         assert param_diff == 0.0  # gathered shards are the seeded full weights, bit for bit
         if style == "megatron":  # one (column, row) block: one all-reduce forward, one backward
             assert kinds == ["ColumnParallelLinear", "ReLU", "RowParallelLinear", "ReLU", "Linear"]
