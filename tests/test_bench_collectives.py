@@ -71,9 +71,14 @@ def test_bench_syncbn_records_accuracy_time_and_memory(run_cli, tmp_path):
     assert "not available" in proc.stdout
 
 
-def test_bench_dp_trains_each_method_and_compares_with_ddp(tmp_path):
+def test_bench_dp_trains_each_method_and_compares_with_ddp(tmp_path, monkeypatch):
+    import tempfile
+
     from distlab.bench import dp
     from distlab.parallel import Strategy
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     dp.WORKLOADS["tiny"] = {"model": "mlp", "dataset": "synthetic:1x8x8:4:512", "fallback": None, "sync_bn": "off",
                             "lr": 0.05}
     try:
@@ -93,6 +98,7 @@ def test_bench_dp_trains_each_method_and_compares_with_ddp(tmp_path):
     assert json.loads((tmp_path / "dp.json").read_text())[1]["samples_per_s_median"] > 0
     assert "vs ddp" in dp.table(records)
     assert dp.plot(records, tmp_path / "plots")[0].stat().st_size > 1000
+    assert not list(scratch.glob("distlab-*"))  # nothing of the bench's left in the temporary directory
 
 
 def test_bench_parallel_smoke_runs_distlab_and_torch_side_by_side(run_cli, tmp_path):

@@ -28,10 +28,14 @@ def _one_line_error(proc, *needles):
 
 
 def test_train_two_processes_writes_metrics_and_summary(run_cli, tmp_path):
-    out = tmp_path / "run"
+    out, scratch = tmp_path / "run", tmp_path / "tmp"
+    scratch.mkdir()
     proc = run_cli("train", "--nproc-per-node", "2", "--model", "mlp", "--mlp-widths", "64",
                    "--dataset", "synthetic:1x8x8:4:512", "--global-batch-size", "32", "--epochs", "2",
-                   "--log-every", "4", "--dp-sync", "ddp", "--out", str(out), check=True)
+                   "--log-every", "4", "--dp-sync", "ddp", "--out", str(out), check=True, env={"TMPDIR": str(scratch)})
+    # The launch leaves nothing in the temporary directory (torchrun's log directories); torch's
+    # compile cache (torchinductor_USER) is shared by every run on purpose.
+    assert not [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")]
     summary = json.loads((out / "summary.json").read_text())
     assert SUMMARY_FIELDS <= summary.keys()
     assert summary["world_size"] == 2 and summary["launcher"] == "torchrun"

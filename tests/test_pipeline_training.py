@@ -156,7 +156,7 @@ def test_interleaved_and_zero_bubble_pipelines_train_the_single_process_model():
     """On 4 ranks: interleaved 1F1B (2 chunks per rank) with data parallel, zero bubble with tensor
     parallel and with ZeRO-1 -- each equal to one process within verify's float32 bound (SGD)."""
     from distlab.parallel import Strategy
-    from distlab.tools.verify import evaluation_tolerance, parse_strategy, verify
+    from distlab.tools.verify import parse_strategy, verify
     cases = ["bucketed+pp=2+mb=4+vpp=2+gpt", "allreduce+tp=2+pp=2+mb=2+zb+gpt", "zero=1+pp=2+mb=4+zb+gpt"]
     records = verify([parse_strategy(c) for c in cases], 4, steps=3, timeout=300)
     for r in records:

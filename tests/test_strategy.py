@@ -1,7 +1,6 @@
 """Strategy: one text form that round-trips, checks that name fields, and the SyncBN group under tensor parallel."""
 
 import pytest
-import torch
 
 from distlab import runtime
 from distlab.errors import ConfigError

@@ -66,18 +66,21 @@ def with_buckets(methods: list[Strategy], bucket_mbs: list[float] | None) -> lis
     return out
 
 
-def _train_on_cluster(cfg: TrainConfig, nodes: int, bandwidth: str, workdir: Path) -> dict:
-    """One run as ``distlab train`` with one worker per emulated node (links at ``bandwidth``); its summary."""
+def _train_on_cluster(cfg: TrainConfig, nodes: int, bandwidth: str) -> dict:
+    """One run as ``distlab train`` with one worker per emulated node (links at ``bandwidth``); its
+    summary. The run's directory is temporary and removed."""
     from distlab.bench.scaling import _on_cluster
     from distlab.tools.flags import strategy_flags
-    out = workdir / f"run-{len(list(workdir.glob('run-*')))}"
-    args = ["--model", cfg.model, "--dataset", cfg.dataset, "--global-batch-size", str(cfg.global_batch_size),
-            "--lr", str(cfg.lr), "--lr-schedule", cfg.lr_schedule, "--seed", str(cfg.seed), "--epochs", "1000",
-            "--max-steps", str(cfg.max_steps), "--log-every", str(cfg.log_every), "--no-progress", "--device", "cpu",
-            *strategy_flags(cfg.strategy), "--out", str(out)]
-    args += ["--data-dir", cfg.data_dir] if cfg.data_dir else []
-    _on_cluster([sys.executable, "-m", "distlab", "train", "--nproc-per-node", "1", *args], nodes, bandwidth, 3600)
-    return json.loads((out / "summary.json").read_text())
+    with tempfile.TemporaryDirectory(prefix="distlab-bench-dp-") as workdir:
+        out = Path(workdir) / "run"
+        args = ["--model", cfg.model, "--dataset", cfg.dataset, "--global-batch-size", str(cfg.global_batch_size),
+                "--lr", str(cfg.lr), "--lr-schedule", cfg.lr_schedule, "--seed", str(cfg.seed), "--epochs", "1000",
+                "--max-steps", str(cfg.max_steps), "--log-every", str(cfg.log_every), "--no-progress",
+                "--device", "cpu", *strategy_flags(cfg.strategy), "--out", str(out)]
+        args += ["--data-dir", cfg.data_dir] if cfg.data_dir else []
+        _on_cluster([sys.executable, "-m", "distlab", "train", "--nproc-per-node", "1", *args], nodes, bandwidth,
+                    3600)
+        return json.loads((out / "summary.json").read_text())
 
 
 def run(workloads=("mlp", "vgg11", "resnet18-syncbn"), nproc: int = 2, steps: int = 30, batch: int = 64,
@@ -94,7 +97,6 @@ def run(workloads=("mlp", "vgg11", "resnet18-syncbn"), nproc: int = 2, steps: in
     if cluster:
         from distlab.launch import cluster as cl
         cl.check_capable()
-    workdir = Path(tempfile.mkdtemp(prefix="distlab-bench-dp-"))
     records = []
     for name in workloads:
         w = WORKLOADS[name]
@@ -113,7 +115,7 @@ def run(workloads=("mlp", "vgg11", "resnet18-syncbn"), nproc: int = 2, steps: in
                                   log_every=max(1, steps), progress=False, verbose=False, eval_every_epoch=False,
                                   strategy=strategy, timing_warmup_steps=min(5, steps // 3))
                 if cluster and world > 1:
-                    summaries.append(_train_on_cluster(cfg.validate(world), world, bandwidth, workdir))
+                    summaries.append(_train_on_cluster(cfg.validate(world), world, bandwidth))
                 else:
                     summaries.append(run_ranks(train_on_ranks, world, cfg, timeout=3600, threads=threads)[0])
             s = summaries[0]

@@ -29,7 +29,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from distlab.bench.common import at_least, check_train, choose, cores, format_table, fresh_run_dir, machine, write
@@ -175,23 +174,10 @@ def _on_cluster(cmd: list[str], nodes: int, bandwidth: str | None, timeout: floa
     """One worker per emulated node, each pinned to its share of the cores, links at ``bandwidth``."""
     from distlab.launch import cluster as cl
     name = f"sc{os.getpid() % 10000}"
-    state = tempfile.mkdtemp(prefix="distlab-cluster-")
-    old = os.environ.get("DISTLAB_CLUSTER_STATE_DIR")
-    os.environ["DISTLAB_CLUSTER_STATE_DIR"] = state
-    try:
-        cl.up(nodes, bandwidth, None, max(1, cores() // nodes), name)
-        try:
-            with open(os.devnull, "w") as sink:
-                code = cl.run(cmd, name, timeout, out=sink)
-        finally:
-            cl.down(name)
-        if code:
-            raise DistlabError(f"a scaling run on the emulated cluster failed (exit {code}): {' '.join(cmd)}")
-    finally:
-        if old is None:
-            os.environ.pop("DISTLAB_CLUSTER_STATE_DIR", None)
-        else:
-            os.environ["DISTLAB_CLUSTER_STATE_DIR"] = old
+    with cl.private(nodes, bandwidth, max(1, cores() // nodes), name), open(os.devnull, "w") as sink:
+        code = cl.run(cmd, name, timeout, out=sink)
+    if code:
+        raise DistlabError(f"a scaling run on the emulated cluster failed (exit {code}): {' '.join(cmd)}")
 
 
 def _fmt(v, spec):

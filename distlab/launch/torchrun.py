@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,10 +59,11 @@ class LaunchOptions:
         return [(self.nproc_per_node or 1) * n for n in range(low, high + 1)]
 
 
-def torchrun_args(opts: LaunchOptions, argv: list[str]) -> list[str]:
+def torchrun_args(opts: LaunchOptions, argv: list[str], log_dir: str | None = None) -> list[str]:
     """The torchrun command line equivalent to this launch (without the ``torchrun`` word)."""
     args = ["--nproc-per-node", str(opts.nproc_per_node), "--nnodes", opts.nnodes,
             "--max-restarts", str(opts.max_restarts)]
+    args += ["--log-dir", log_dir] if log_dir else []
     if opts.rdzv_endpoint:
         args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", opts.rdzv_endpoint]
         args += ["--rdzv-conf", opts.rdzv_conf] if opts.rdzv_conf else []
@@ -213,8 +215,11 @@ def launch(opts: LaunchOptions, argv: list[str]) -> int:
             logging.getLogger(name).setLevel(level)
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers die with this process (runtime.follow_launcher)
     started = time.time()
+    # torchrun's agent keeps its workers' error files in a log directory (a new one in the temporary
+    # directory unless given, left behind by every launch): one of ours, removed when the job ends.
+    logs = tempfile.TemporaryDirectory(prefix="distlab-torchrun-")
     try:
-        run(parse_args(torchrun_args(opts, argv)))
+        run(parse_args(torchrun_args(opts, argv, logs.name)))
     except SignalException as exc:
         return _stopped_by_signal(exc.sigval, argv, started)
     except ChildFailedError as exc:
@@ -229,4 +234,6 @@ def launch(opts: LaunchOptions, argv: list[str]) -> int:
             failures = {r: (f.exitcode, getattr(f, "timestamp", 0)) for r, f in exc.failures.items()}
             print(f"distlab: error: {failure_report(failures, argv)}", file=sys.stderr, flush=True)
         return first
+    finally:
+        logs.cleanup()
     return 0
