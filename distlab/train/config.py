@@ -307,7 +307,10 @@ class TrainConfig:
     def read_toml(cls, path: str) -> dict:
         """A ``--config`` file's settings by field name (lists as tuples); one line naming the file and
         the key for anything wrong."""
-        import tomllib
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
+            import tomli as tomllib
         try:
             with open(path, "rb") as f:
                 values = tomllib.load(f)
