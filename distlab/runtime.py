@@ -310,9 +310,9 @@ def _meet(info: LaunchInfo, timeout_s: float, every_s: float = 10.0, say=_say) -
     else:
         while True:
             left = deadline - time.monotonic()
-            try:
+            try:  # at least 1 s: torch < 2.5 cuts a client's timeout to whole seconds (0.5 -> 0: never connects)
                 store = dist.TCPStore(info.master_addr, info.master_port, info.world_size, is_master=False,
-                                      timeout=datetime.timedelta(seconds=max(0.5, min(every_s, left))))
+                                      timeout=datetime.timedelta(seconds=max(1.0, min(every_s, left))))
                 break
             except (dist.DistError, RuntimeError) as exc:
                 if deadline - time.monotonic() <= 0:

@@ -96,9 +96,10 @@ def release() -> None:
         links = list(_LINKS.values())
         _LINKS.clear()
     for link in links:
-        if link.partner is not None:
+        shutdown = getattr(link.partner, "shutdown", None)  # torch < 2.5's gloo groups have none: dropped
+        if shutdown is not None:
             try:
-                link.partner.shutdown()
+                shutdown()
             except RuntimeError:  # already broken (a peer died): nothing left to free
                 pass
 
