@@ -75,6 +75,24 @@ def test_header_shows_the_tensor_parallel_mesh_and_what_is_split(run_cli, tmp_pa
     assert summary["num_parameters_per_rank"] < summary["num_parameters"]
 
 
+def test_the_agent_gives_stopping_workers_time_for_their_snapshot(monkeypatch):
+    """torchrun's agent SIGKILLs workers 30 s after passing SIGTERM/Ctrl-C on: a big model's stop
+    snapshot needs longer. The launch gives them STOP_GRACE_S (the scheduler's own grace, or a second
+    Ctrl-C, decides before that); a value the user set is kept."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from distlab.launch.torchrun import STOP_GRACE_S, LaunchOptions, agent_environment
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    env = agent_environment(LaunchOptions(nproc_per_node=2))
+    assert STOP_GRACE_S >= 300 and env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == str(STOP_GRACE_S)
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2)
+    if hasattr(config, "shutdown_timeout"):  # torch reads it (2.13 on; older agents wait 30 s, fixed)
+        assert config.shutdown_timeout == STOP_GRACE_S
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "45")
+    assert agent_environment(LaunchOptions(nproc_per_node=2))["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "45"
+
+
 def test_a_single_node_launch_takes_a_free_port_not_29500(run_cli, tmp_path):
     """torchrun's static rendezvous binds 29500 by default (torch before 2.12): two jobs on one host, or
     a test suite under pytest -n, collided. One node without --master-port rendezvous on a free port."""

@@ -176,6 +176,28 @@ def _stopped_by_signal(sig: int, argv: list[str], since: float) -> int:
     return 128 + int(sig)
 
 
+STOP_GRACE_S = 600  # how long torchrun's agent lets signalled workers stop before it kills them
+
+
+def agent_environment(opts: LaunchOptions) -> dict[str, str]:
+    """The environment torchrun's agent and the workers run in: this one with distlab's settings added
+    (a value the user set is kept)."""
+    env = dict(os.environ)
+    # One thread per core: N ranks on C cores get C // N threads each (torchrun would force 1).
+    env.setdefault("OMP_NUM_THREADS", str(opts.threads or max(1, cores() // opts.nproc_per_node)))
+    # The agent passes SIGTERM or Ctrl-C on and SIGKILLs the workers 30 s later: too soon for a big
+    # model's stop snapshot. The scheduler's own grace period (Slurm's KillWait, Kubernetes'
+    # terminationGracePeriodSeconds) or a second Ctrl-C decides instead; the agent's limit is only
+    # there for a worker that hangs (torch 2.13 on reads it; older agents wait 30 s).
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(STOP_GRACE_S))
+    if opts.elastic:
+        # torch's agents share one TCP store across rendezvous rounds and publish its address only in
+        # the first round they take part in: a node that joins a later round waits for an address
+        # nobody writes. Without sharing, rank 0 publishes it every round (and hosts the workers' store).
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    return env
+
+
 def launch(opts: LaunchOptions, argv: list[str]) -> int:
     """Run ``python -m distlab *argv`` on ``nproc_per_node`` local workers under torchrun.
 
@@ -199,14 +221,7 @@ def launch(opts: LaunchOptions, argv: list[str]) -> int:
             and port_in_use(addr if addr != "localhost" else "127.0.0.1", opts.master_port)):
         raise DistributedError(f"port {opts.master_port} on {addr} is already in use; pick a free one "
                                f"with --master-port (another job may be running there)")
-    # One thread per core: N ranks on C cores get C // N threads each (torchrun would force 1).
-    if "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = str(opts.threads or max(1, cores() // opts.nproc_per_node))
-    if opts.elastic:
-        # torch's agents share one TCP store across rendezvous rounds and publish its address only in
-        # the first round they take part in: a node that joins a later round waits for an address
-        # nobody writes. Without sharing, rank 0 publishes it every round (and hosts the workers' store).
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    os.environ.update(agent_environment(opts))
     # The agent logs every signal and failure with a banner; workers report their own errors,
     # so keep it quiet unless asked (DISTLAB_TORCHRUN_LOG=INFO shows everything).
     level = os.environ.get("DISTLAB_TORCHRUN_LOG", "CRITICAL")
