@@ -600,3 +600,22 @@ def test_bench_scaling_table_json_and_plots(run_cli, tmp_path):
     assert all(r["best_val_loss"] is not None and 0 <= r["test_accuracy"] <= 1 for r in records)
     assert "steps/ep" in proc.stdout and "best val" in proc.stdout
     assert (tmp_path / "plots" / "scaling-loss-vs-time.png").stat().st_size > 10_000
+
+
+def test_the_time_budget_counts_on_the_slowest_recent_step_and_leaves_out_warm_up():
+    """What the budget keeps for the end: one more step as slow as the slowest of the last 20 (a
+    loaded machine's steps are not all the typical one; a budget overrun by one slow step is one
+    the job's scheduler kills), the final evaluation and snapshot (estimated from the typical step
+    before they were ever timed) and a margin."""
+    from distlab.train.run_state import time_to_finish
+    steady = [0.002] * 19 + [0.3]  # one step slowed down by another process
+    need = time_to_finish(steady, warmup=0, eval_steps=10, eval_s=None, snapshot_s=0.05, budget=60)
+    assert need >= 0.3 + 10 * 0.002 / 3 + 0.05 + 1.2 - 1e-12  # the spike, the evaluation, the snapshot, 2%
+    # a warm-up step (allocation, first collectives) is not what the next one costs: once steady
+    # steps exist, it is left out of every estimate
+    first = time_to_finish([5.0] + [0.002] * 10, warmup=1, eval_steps=3000, eval_s=None, snapshot_s=0.0,
+                           budget=60)
+    assert first == pytest.approx(0.002 + 3000 * 0.002 / 3 + 1.2)
+    # measured evaluation and snapshot times are used as they are
+    assert time_to_finish([0.01] * 5, warmup=0, eval_steps=10, eval_s=2.0, snapshot_s=3.0, budget=10) == \
+        pytest.approx(0.01 + 2.0 + 3.0 + 0.2)

@@ -151,6 +151,23 @@ def last_logged_step(out: str | None) -> int | None:
     return step
 
 
+def time_to_finish(step_times: list[float], warmup: int, eval_steps: float, eval_s: float | None,
+                   snapshot_s: float, budget: float) -> float:
+    """Seconds to keep for the end of a run with a time budget: one more step, the final evaluation
+    and snapshot, and a margin (the summary; ranks whose clocks stop last).
+
+    The step counts as the slowest of the last 20 -- on a loaded machine steps are not all the typical
+    one, and a budget overrun by one slow step is one a scheduler kills. The first ``warmup`` steps
+    (allocation, first collectives) are left out once later ones exist. An evaluation not timed yet is
+    estimated from the typical step: a forward pass costs about a third of a training step per sample.
+    """
+    steady = step_times[warmup:] if len(step_times) > warmup else step_times
+    recent = steady[-20:]
+    slowest, typical = (max(recent), statistics.median(recent)) if recent else (0.0, 0.0)
+    evaluation = eval_s if eval_s is not None else typical * eval_steps / 3
+    return slowest + evaluation + snapshot_s + max(0.02 * budget, 0.2)
+
+
 class RunState:
     """Step, logged history, evaluations, best validation model, time used; saved in every snapshot."""
 
@@ -308,15 +325,11 @@ class RunState:
         budget = self.cfg.time_budget_s
         if budget is None:
             return False
-        recent = statistics.median(step_times[-20:]) if step_times else 0.0
-        # no evaluation yet: forward passes take ~1/3 of a training step per sample
-        eval_s = self._eval_s if self._eval_s is not None else \
-            recent * self.eval_samples / self.cfg.global_batch_size / 3
         # before the first snapshot: its bytes at a slow disk's 100 MB/s
         snapshot_s = self._snapshot_s if self._snapshot_s is not None else self.engine.peak_bytes / 1e8
-        margin = max(0.02 * budget, 0.2)  # summary, clocks of ranks that stop last
-        need, = reduce_scalars([self.time_used() + 2 * recent + eval_s + snapshot_s + margin],
-                               op=dist.ReduceOp.MAX, device=self.rt.device)
+        left = time_to_finish(step_times, self.cfg.timing_warmup_steps,
+                              self.eval_samples / self.cfg.global_batch_size, self._eval_s, snapshot_s, budget)
+        need, = reduce_scalars([self.time_used() + left], op=dist.ReduceOp.MAX, device=self.rt.device)
         return need >= budget
 
     # ------------------------------------------------------------------ snapshots
