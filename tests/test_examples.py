@@ -45,7 +45,7 @@ def test_example_runs(script, tmp_path):
     nproc, expected = RUNS[script]
     if nproc:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               str(EXAMPLES / script)]
+               "--log-dir", str(tmp_path / "torchrun-logs"), str(EXAMPLES / script)]  # not a new one in /tmp
     else:
         cmd = [sys.executable, str(EXAMPLES / script)]
         if script in ("08_fault_tolerance.py", "09_emulated_cluster.py"):
