@@ -75,13 +75,16 @@ def test_header_shows_the_tensor_parallel_mesh_and_what_is_split(run_cli, tmp_pa
     assert summary["num_parameters_per_rank"] < summary["num_parameters"]
 
 
-def test_the_agent_gives_stopping_workers_time_for_their_snapshot(monkeypatch):
+def test_the_agent_gives_stopping_workers_time_for_their_snapshot(monkeypatch, tmp_path):
     """torchrun's agent SIGKILLs workers 30 s after passing SIGTERM/Ctrl-C on: a big model's stop
     snapshot needs longer. The launch gives them STOP_GRACE_S (the scheduler's own grace, or a second
     Ctrl-C, decides before that); a value the user set is kept."""
+    import tempfile
+
     from torch.distributed.launcher.api import LaunchConfig
 
     from distlab.launch.torchrun import STOP_GRACE_S, LaunchOptions, agent_environment
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # torch's LaunchConfig makes a log directory there
     monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
     env = agent_environment(LaunchOptions(nproc_per_node=2))
     assert STOP_GRACE_S >= 300 and env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == str(STOP_GRACE_S)
