@@ -51,3 +51,14 @@ def first_line(exc: BaseException, limit: int = 300) -> str:
     """The first non-empty line of ``exc``'s message (its type's name when it has none), at most ``limit`` chars."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return (lines[0] if lines else type(exc).__name__)[:limit]
+
+
+def did_you_mean(word: str, choices, synonyms: dict | None = None) -> str:
+    """`` (did you mean X?)`` when ``word`` is a near miss of one of ``choices`` (or a known other name
+    for it, ``synonyms``: ``learning_rate`` -> ``lr``), else ``""``; for the end of an error message."""
+    import difflib
+    hit = (synonyms or {}).get(str(word).lower().replace("-", "_"))
+    if hit is None:
+        close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+        hit = close[0] if close else None
+    return f" (did you mean {hit}?)" if hit else ""

@@ -51,3 +51,73 @@ def test_the_file_holds_every_setting_of_what_is_trained_and_reads_back_to_the_s
     path.write_text(cfg.to_toml())
     back = TrainConfig.from_flags(**TrainConfig.read_toml(str(path)))
     assert {**back.to_dict(), "out": None, "snapshot_dir": None} == {**cfg.to_dict(), "out": None, "snapshot_dir": None}
+
+
+# --------------------------------------------------------------------------- a settings file runs no code
+
+def _marker_model(tmp_path):
+    """A model file that leaves a mark when it is run (imported), and a marker path."""
+    mark = tmp_path / "ran"
+    path = tmp_path / "netfile.py"
+    path.write_text(f"import pathlib\npathlib.Path({str(mark)!r}).write_text('imported')\n"
+                    "from torch import nn\n\ndef build(input_shape, num_classes):\n"
+                    "    return nn.Sequential(nn.Flatten(), nn.Linear(64, num_classes))\n")
+    return path, mark
+
+
+def test_a_config_file_naming_a_callable_runs_nothing_and_says_how_to_allow_it(run_cli, tmp_path):
+    touched = tmp_path / "touched"
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'model = "os:system"\nmodel_args = ["command=\\"touch {touched}\\""]\n'
+                   'dataset = "synthetic:1x8x8:4:64"\nmax_steps = 1\n')
+    r = run_cli("train", "--config", str(cfg), "--out", str(tmp_path / "r"))
+    assert r.returncode == 2 and not touched.exists(), (r.stdout, r.stderr)
+    assert "distlab: error:" in r.stderr and "--trust-config" in r.stderr and "--model os:system" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "r").exists()  # refused before anything was made
+    # Even when allowed, a standard-library function is not a model builder: refused before it is called.
+    r = run_cli("train", "--config", str(cfg), "--trust-config", "--out", str(tmp_path / "r"))
+    assert r.returncode == 2 and not touched.exists() and "not a model builder" in r.stderr, r.stderr
+    r = run_cli("train", "--model", "os:system", "--model-arg", f'command="touch {touched}"', "--dataset",
+                "synthetic:1x8x8:4:64", "--max-steps", "1", "--out", str(tmp_path / "r"))
+    assert r.returncode == 2 and not touched.exists() and "not a model builder" in r.stderr, r.stderr
+
+
+def test_a_config_files_own_model_runs_only_when_the_command_line_names_it_or_trusts_the_file(run_cli, tmp_path):
+    model, mark = _marker_model(tmp_path)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'model = "{model}:build"\ndataset = "synthetic:1x8x8:4:64"\nmax_steps = 1\n'
+                   'global_batch_size = 8\n')
+    r = run_cli("train", "--config", str(cfg), "--out", str(tmp_path / "a"))
+    assert r.returncode == 2 and not mark.exists(), (r.stdout, r.stderr)
+    assert f"--model {model}:build" in r.stderr and "--trust-config" in r.stderr
+    other = tmp_path / "other.py"
+    other.write_text(model.read_text())
+    r = run_cli("train", "--config", str(cfg), "--model", f"{other}:build", "--out", str(tmp_path / "b"))
+    assert r.returncode == 0 and mark.exists(), r.stderr  # the command line's model wins over the file's
+    mark.unlink()
+    run_cli("train", "--config", str(cfg), "--model", f"{model}:build", "--out", str(tmp_path / "c"), check=True)
+    assert mark.exists()
+    mark.unlink()
+    run_cli("train", "--config", str(cfg), "--trust-config", "--out", str(tmp_path / "d"), check=True)
+    assert mark.exists()
+
+
+def test_plan_reads_a_run_naming_its_own_model_without_running_that_model(run_cli, tmp_path):
+    """A summary.json is data: ``plan validate`` / ``calibrate`` skip a run whose model is the user's code."""
+    model, mark = _marker_model(tmp_path)
+    run = tmp_path / "runs" / "x"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({
+        "model": f"{model}:build", "world_size": 2, "dataset": "synthetic:1x8x8:4:64", "input_shape": [1, 8, 8],
+        "num_classes": 4, "global_batch_size": 8, "local_batch_size": 4, "time_per_step_s_median": 0.01,
+        "strategy": {"dp_sync": "bucketed"}}))
+    from pathlib import Path
+
+    from distlab.plan import calibrate, validate
+    cal = calibrate([str(Path(__file__).resolve().parents[1] / "results" / "plan" / "bench-collectives")])
+    with pytest.raises(ConfigError, match="no runs with 2"):  # the one run is skipped, its model not built
+        validate(cal, [str(tmp_path / "runs")])
+    assert not mark.exists()
+    from distlab.plan.calibration import plannable
+    assert not plannable({"model": f"{model}:build"}) and plannable({"model": "mlp"})

@@ -15,6 +15,17 @@ from distlab.cli.options import (COUNT, NONNEGATIVE, TRAIN_OPTIONS, Number, conf
 from distlab.errors import ConfigError
 
 
+def _refuse_code(config_file: str, settings: dict, model_on_command_line: bool, trusted: bool) -> None:
+    """A settings file is data: a model of the user's own that it names (code that would run) is refused
+    unless the command line names a model itself or trusts the file."""
+    from distlab.models import is_user_model
+    model = settings.get("model")
+    if model and is_user_model(str(model)) and not model_on_command_line and not trusted:
+        raise ConfigError(f"--config {config_file} names the model {model}, which would run that code; a settings "
+                          f"file runs none: name it on the command line too (--model {model}) or, if you trust the "
+                          f"file, pass --trust-config")
+
+
 def _slug(name: str) -> str:
     """A model's or data set's name as one word of a directory name (a file's name, not its path):
     ``synthetic:1x8x8:4:256`` -> ``synthetic_1x8x8_4_256``, ``tensors:/data/x.pt`` -> ``tensors_x.pt``."""
@@ -25,17 +36,23 @@ def _slug(name: str) -> str:
 @field_options(TRAIN_OPTIONS)
 @click.option("--config", "config_file", default=None,
               help="Settings from this TOML file (keys: the flags' names with underscores; every run writes its "
-                   "own as OUT/config.toml); flags given beside it override it.")
+                   "own as OUT/config.toml); flags given beside it override it. It runs no code: a model of your "
+                   "own it names runs only with --model naming it too, or --trust-config.")
+@click.option("--trust-config", is_flag=True,
+              help="Let --config name your own model (path/to/file.py:build), whose code then runs.")
 @launch_options
-def train(config_file, **kw):
+def train(config_file, trust_config, **kw):
     """Train a model: data parallel over every rank, with --tp and --pp a data x tensor x pipeline mesh."""
     from distlab.train import TrainConfig
 
     values = config_from_flags(kw, TRAIN_OPTIONS)
     if config_file:  # the file's settings where the command line did not give the flag
         ctx = click.get_current_context()
-        for key, value in TrainConfig.read_toml(config_file).items():
-            if key not in values or ctx.get_parameter_source(key) in (None, click.core.ParameterSource.DEFAULT):
+        given = {key for key in values if ctx.get_parameter_source(key) not in (None, click.core.ParameterSource.DEFAULT)}
+        settings = TrainConfig.read_toml(config_file)
+        _refuse_code(config_file, settings, "model" in given, trust_config)
+        for key, value in settings.items():
+            if key not in given:
                 values[key] = value
     from distlab.runtime import under_launcher
     inherited = os.environ.get("DISTLAB_OUT") if under_launcher() else None  # the launching command's default

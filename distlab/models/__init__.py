@@ -5,11 +5,13 @@
 blocks, for fast checks) for images; ``gpt`` (``n_layer``, ``n_head``, ``n_embd``; the block size
 is the input shape) for text. Adding one is a builder plus a registry line.
 
-**Your own model**: ``path/to/file.py:build`` or ``package.module:build`` names a callable that
-returns an ``nn.Module`` (:func:`load_builder`); ``model_args`` (``key=value`` strings, values read
+**Your own model**: ``path/to/file.py:build`` or ``package.module:build`` names a function or an
+``nn.Module`` class that returns the model (:func:`load_builder`; anything else -- a standard-library
+module's, a built-in -- is refused before it is called); ``model_args`` (``key=value`` strings, values read
 as Python literals where they are one) are passed to it as keyword arguments, and ``input_shape`` /
 ``num_classes`` too where its signature names them. The file is run as Python -- it is the user's
-own code, named on their command line, never anything read from a data or snapshot file. How a
+own code, named on their command line, never anything read from a data or snapshot file (a
+``--config`` file's model runs only when the command line names it too or says ``--trust-config``). How a
 model describes itself to the strategies (checkpoint blocks, pipeline layers, a tensor-parallel
 plan): :mod:`distlab.models.plans`.
 
@@ -33,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.errors import ConfigError, first_line
+from distlab.errors import ConfigError, did_you_mean, first_line
 from distlab.models.gpt import GPT
 from distlab.models.mlp import MLP
 from distlab.models.resnet import ResNet18
@@ -73,8 +75,8 @@ def check_model_name(name: str) -> str:
     if is_user_model(name):
         load_builder(name)
     elif name not in REGISTRY:
-        raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(REGISTRY)}, or your own as "
-                          f"path/to/file.py:build or package.module:build")
+        raise ConfigError(f"unknown model {name!r}{did_you_mean(name, REGISTRY)}; choose one of: "
+                          f"{', '.join(REGISTRY)}, or your own as path/to/file.py:build or package.module:build")
     return name
 
 
@@ -90,8 +92,12 @@ def load_builder(spec: str) -> Callable[..., nn.Module]:
     where, _, attr = spec.rpartition(":")
     if not where or not attr.isidentifier():
         raise ConfigError(f"--model {spec}: write your model as path/to/file.py:build or package.module:build")
+    from_file = where.endswith(".py") or os.sep in where
+    if not from_file and where.split(".")[0] in (*sys.stdlib_module_names, "builtins"):
+        raise ConfigError(f"--model {spec}: {where} is the standard library's, not a model builder: name a function "
+                          f"or nn.Module class of your own that returns the model (path/to/file.py:build)")
     try:
-        if where.endswith(".py") or os.sep in where:
+        if from_file:
             path = Path(where)
             if not path.is_file():
                 raise ConfigError(f"--model {spec}: there is no file {where}")
@@ -111,6 +117,11 @@ def load_builder(spec: str) -> Callable[..., nn.Module]:
     builder = getattr(module, attr, None)
     if not callable(builder):
         raise ConfigError(f"--model {spec}: {where} has no callable {attr!r}")
+    if inspect.isclass(builder) and not issubclass(builder, nn.Module) or \
+            not inspect.isclass(builder) and not inspect.isfunction(builder):
+        what = "a class that is not an nn.Module" if inspect.isclass(builder) else f"a {type(builder).__name__}"
+        raise ConfigError(f"--model {spec}: {attr} is {what}, not a model builder: name a function or nn.Module "
+                          f"class that returns the model")
     _LOADED[spec] = builder
     return builder
 

@@ -130,7 +130,17 @@ def summary_flops(summary: dict, traces: dict) -> float:
     return t.flops_per_sample * summary["local_batch_size"] / max(1, summary.get("strategy", {}).get("tp") or 1)
 
 
+def plannable(summary: dict) -> bool:
+    """Whether ``summary``'s model can be traced: a registered one. A run of the user's own model
+    (``file.py:build``) is skipped: a summary.json is data, and the code it names is not run."""
+    from distlab.models import is_user_model
+    return not is_user_model(str(summary.get("model", "")))
+
+
 def trace_for(summary: dict, traces: dict) -> Trace:
+    if not plannable(summary):
+        raise ConfigError(f"the run of {summary.get('model')} cannot be planned from its summary: its model is code "
+                          f"of the user's, which distlab does not run from a data file")
     shape, k = (tuple(summary["input_shape"]), summary["num_classes"]) if "input_shape" in summary else \
         dataset_shape(summary["dataset"])
     cfg = summary.get("config", {})
@@ -177,7 +187,8 @@ def calibrate(paths: list[str]) -> Calibration:
                     if s is not None:
                         summaries.append((s, load_json(s)))
         for spath, s in summaries:
-            if s.get("world_size") != 1 or not s.get("time_per_step_s_median") or str(spath.resolve()) in seen_runs:
+            if s.get("world_size") != 1 or not s.get("time_per_step_s_median") or str(spath.resolve()) in seen_runs \
+                    or not plannable(s):
                 continue
             seen_runs.add(str(spath.resolve()))
             sources.append(str(spath))

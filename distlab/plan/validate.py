@@ -9,7 +9,7 @@ import torch
 
 from distlab.launch.cluster import TBF_BURST
 from distlab.errors import ConfigError
-from distlab.plan.calibration import Calibration, json_files, load_json, run_summary, trace_for
+from distlab.plan.calibration import Calibration, json_files, load_json, plannable, run_summary, trace_for
 from distlab.plan.cost import Link
 from distlab.parallel import Strategy
 from distlab.plan.predict import Call, Layout, Timer, predict
@@ -59,7 +59,7 @@ def validate(cal: Calibration, paths: list[str], world_min: int = 2) -> list[dic
     traces: dict = {}
     rows = []
     for s, link, label in _measured_runs(paths):
-        if s["world_size"] < world_min or not s.get("time_per_step_s_median"):
+        if s["world_size"] < world_min or not s.get("time_per_step_s_median") or not plannable(s):
             continue
         lay = layout_of(s)
         p = predict(trace_for(s, traces), lay, link, cal)
