@@ -121,3 +121,36 @@ def test_plan_reads_a_run_naming_its_own_model_without_running_that_model(run_cl
     assert not mark.exists()
     from distlab.plan.calibration import plannable
     assert not plannable({"model": f"{model}:build"}) and plannable({"model": "mlp"})
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"\x00\xff\xfe binary \x89PNG\r\n", "is not TOML"),
+    (b"x = " + b"[" * 5000 + b"]" * 5000 + b"\n", "nested too deeply|is not TOML"),
+    (b"learning_rate = 0.1\n", r"unknown setting 'learning_rate' \(did you mean lr\?\)"),
+    (b"global_batch_sise = 8\n", r"did you mean global_batch_size\?"),
+    (b'out = "elsewhere"\n', "only the command line says \\(--out\\)"),
+    (b'snapshot_dir = "s"\n', "--snapshot-dir"),
+])
+def test_a_strange_config_file_is_one_line_naming_the_key_and_the_fix(tmp_path, content, message):
+    path = tmp_path / "c.toml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=message) as info:
+        TrainConfig.read_toml(str(path))
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_config_file_takes_the_flags_own_spellings_and_every_setting_it_takes_is_validated(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('model_arg = ["width=3"]\ntime_budget = "1h30m"\nbatch-size = 32\ntiming_warmup_steps = 2\n')
+    assert TrainConfig.read_toml(str(path)) == {"model_args": ("width=3",), "time_budget_s": 5400.0,
+                                                "global_batch_size": 32, "timing_warmup_steps": 2}
+    path.write_text("timing_warmup_steps = -7\n")
+    with pytest.raises(ConfigError, match="`timing_warmup_steps` must be at least 0, not -7"):
+        TrainConfig.from_flags(**TrainConfig.read_toml(str(path)), dataset="synthetic:1x8x8:4:64").validate(1)
+
+
+def test_a_misspelt_model_or_data_set_says_what_was_meant():
+    with pytest.raises(ConfigError, match=r"unknown model 'resnet'.*did you mean resnet18\?"):
+        TrainConfig(model="resnet", dataset="synthetic:1x8x8:4:64").validate(1)
+    with pytest.raises(ConfigError, match=r"unknown dataset 'fashon-mnist' \(did you mean fashion-mnist\?\)"):
+        TrainConfig(dataset="fashon-mnist").validate(1)

@@ -35,7 +35,7 @@ from distlab.data import tokenizer as tokenizers
 from distlab.data import textfiles
 from distlab.data.text import FORTUNES_SYSTEM_DIR, TextDataset, fortunes_present, make_synthetic_text, parse_synthetic, \
     read_fortunes
-from distlab.errors import ConfigError, DataNotFoundError
+from distlab.errors import ConfigError, DataNotFoundError, did_you_mean
 
 SYSTEM_DIR = "/usr/share/datasets"  # where Debian's dataset-* packages install; $DISTLAB_SYSTEM_DATASETS overrides
 
@@ -125,7 +125,8 @@ def canonical_name(name: str) -> str:
         return name
     name = ALIASES.get(name.lower(), name.lower())
     if name not in REGISTRY:
-        raise ConfigError(f"unknown dataset {name!r}; choose one of: {', '.join(dataset_names())}")
+        raise ConfigError(f"unknown dataset {name!r}{did_you_mean(name, [*REGISTRY, *ALIASES])}; choose one of: "
+                          f"{', '.join(dataset_names())}")
     return name
 
 

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from distlab.data import canonical_name, dataset_shape, is_text, load_dataset
 from distlab.data.tokenizer import vocab_size as tokenizer_vocab
-from distlab.errors import ConfigError, first_line
+from distlab.errors import ConfigError, did_you_mean, first_line
 from distlab.models import MOE_MODELS, TEXT_MODELS, check_model_name, is_user_model, parse_model_args
 from distlab.parallel import Strategy
 
@@ -130,6 +130,7 @@ class TrainConfig:
             if getattr(self, name) is not None:
                 _at_least(name, getattr(self, name), 1)
         _at_least("warmup_steps", self.warmup_steps, 0)
+        _at_least("timing_warmup_steps", self.timing_warmup_steps, 0)
         if self.lr <= 0:
             raise ConfigError(f"`lr` must be positive, not {self.lr}")
         if not 0.0 <= self.momentum < 1.0:
@@ -306,7 +307,10 @@ class TrainConfig:
     @classmethod
     def read_toml(cls, path: str) -> dict:
         """A ``--config`` file's settings by field name (lists as tuples); one line naming the file and
-        the key for anything wrong."""
+        the key for anything wrong. Keys are the flags' names with underscores (``model_arg``,
+        ``time_budget`` and ``batch_size`` as the flags spell them, or the fields' own names); where a
+        run writes (:data:`COMMAND_LINE_ONLY`) is refused: a file copied from another run must not write
+        into that run's directories."""
         try:
             import tomllib
         except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
@@ -316,16 +320,31 @@ class TrainConfig:
                 values = tomllib.load(f)
         except OSError as exc:
             raise ConfigError(f"--config {path}: {exc.strerror or exc}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"--config {path} is not TOML: {first_line(exc)}") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError, ValueError) as exc:
+            raise ConfigError(f"--config {path} is not TOML: {first_line(exc, 160)}") from None
+        except RecursionError:
+            raise ConfigError(f"--config {path} is nested too deeply to be a settings file (distlab's are flat: "
+                              f"key = value)") from None
         types = {f.name: str(f.type) for owner in (cls, Strategy) for f in fields(owner) if f.name != "strategy"}
-        for key, value in values.items():
+        out = {}
+        for written, value in values.items():
+            key = CONFIG_ALIASES.get(written.replace("-", "_"), written.replace("-", "_"))
+            if key in COMMAND_LINE_ONLY:
+                raise ConfigError(f"--config {path}: {written} is where a run writes or what it resumes, which only "
+                                  f"the command line says (--{key.replace('_', '-')}), so a settings file copied "
+                                  f"from another run never writes into its directories: remove it from the file")
             if key not in types:
-                raise ConfigError(f"--config {path}: unknown setting {key!r} (the file's keys are the flags' names "
-                                  f"with underscores, e.g. global_batch_size)")
+                hint = did_you_mean(written, [*types, *CONFIG_ALIASES], CONFIG_SYNONYMS)
+                raise ConfigError(f"--config {path}: unknown setting {written!r}{hint} (the file's keys are the "
+                                  f"flags' names with underscores, e.g. global_batch_size)")
+            if key == "time_budget_s" and isinstance(value, str):
+                value = parse_duration(value)
             if not _of_type(value, types[key]):
-                raise ConfigError(f"--config {path}: {key} = {value!r} is not a {types[key].replace(' | None', '')}")
-        return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+                raise ConfigError(f"--config {path}: {written} = {value!r} is not a {types[key].replace(' | None', '')}")
+            if key in out:
+                raise ConfigError(f"--config {path}: {key} is set twice (as {written} and another spelling)")
+            out[key] = tuple(value) if isinstance(value, list) else value
+        return out
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -336,6 +355,12 @@ class TrainConfig:
 
 
 RUN_PLACE = ("out", "resume", "snapshot_dir", "snapshot_every", "keep_snapshots", "tensorboard")  # where, not what: not in to_toml
+COMMAND_LINE_ONLY = ("out", "resume", "snapshot_dir", "tensorboard")  # refused in a --config file
+CONFIG_ALIASES = {"model_arg": "model_args", "time_budget": "time_budget_s", "batch_size": "global_batch_size"}
+CONFIG_SYNONYMS = {"learning_rate": "lr", "lr_rate": "lr", "steps": "max_steps", "num_steps": "max_steps",
+                   "num_epochs": "epochs", "grad_accumulation": "grad_accum", "gradient_accumulation_steps": "grad_accum",
+                   "zero_stage": "zero", "warmup": "warmup_steps", "n_heads": "n_head", "n_layers": "n_layer",
+                   "lr_scheduler": "lr_schedule", "optim": "optimizer", "data": "dataset"}
 
 
 def _of_type(value, annotation: str) -> bool:
