@@ -104,6 +104,8 @@ def train(config_file, trust_config, **kw):
             print_summary(summary, cfg.out)
         if summary.get("stopped") == "interrupted" and not under_launcher():
             sys.exit(130)  # Ctrl-C, after the clean stop: the shell's "interrupted" (a launcher says it itself)
+        from distlab.runtime import leave
+        leave()  # every rank done: exit 0 now, whatever gloo's teardown would do
 
     def prelaunch() -> None:
         # One run per directory: held from here, before any worker starts, to the end; the workers die

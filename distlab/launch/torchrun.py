@@ -176,6 +176,7 @@ def _stopped_by_signal(sig: int, argv: list[str], since: float) -> int:
     return 128 + int(sig)
 
 
+FINISHED = ("completed", "time_budget")  # a summary's `stopped` when the run did all it was asked to
 STOP_GRACE_S = 600  # how long torchrun's agent lets signalled workers stop before it kills them
 
 
@@ -239,12 +240,18 @@ def launch(opts: LaunchOptions, argv: list[str]) -> int:
         return _stopped_by_signal(exc.sigval, argv, started)
     except ChildFailedError as exc:
         codes = {rank: f.exitcode for rank, f in exc.failures.items()}
+        out, summary = _fresh_summary(argv, started)
+        if (summary or {}).get("stopped") in FINISHED:  # a worker died after the run was complete
+            failures = ", ".join(f"rank {r} {_describe_exit(c)}" for r, c in sorted(codes.items()))
+            print(f"distlab: warning: {failures} after the run had finished (step {summary.get('steps')}, "
+                  f"{out}/summary.json written): its results are complete", file=sys.stderr, flush=True)
+            return 0
         first = next((c for c in codes.values() if c and c > 0), 1)
         # A config error: every rank exits with its code (or is stopped); rank 0 already said what was wrong.
         config_error = ConfigError.exit_code in codes.values() and \
             all(c in (ConfigError.exit_code, -signal.SIGTERM) for c in codes.values())
         # Every rank stopped on non-finite gradients at the same step: rank 0 said so in one line.
-        diverged = (_fresh_summary(argv, started)[1] or {}).get("stopped") == "non_finite"
+        diverged = (summary or {}).get("stopped") == "non_finite"
         if not ((config_error or diverged) and opts.node_rank == 0):
             failures = {r: (f.exitcode, getattr(f, "timestamp", 0)) for r, f in exc.failures.items()}
             print(f"distlab: error: {failure_report(failures, argv)}", file=sys.stderr, flush=True)

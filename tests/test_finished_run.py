@@ -1,0 +1,39 @@
+"""A run that finished is never reported as failed, and a run that failed before its first step
+leaves nothing that stops the fixed command from running: the real console script through real
+torchrun, with faults placed from outside distlab (a ``sitecustomize`` in the workers)."""
+
+import json
+import textwrap
+
+TRAIN = ["train", "--nproc-per-node", "2", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8",
+         "--max-steps", "2", "--global-batch-size", "8", "--no-progress"]
+
+
+def _abort_in_workers(tmp_path, rank: int, at_hard_exit: bool = False) -> dict:
+    """An environment whose worker of global rank ``rank`` aborts (SIGABRT) in the interpreter's exit, as
+    gloo's threads occasionally do in a finished process -- and, with ``at_hard_exit``, in ``os._exit``
+    too (a worker that dies after its work whatever it does)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent(f"""
+        import atexit, os
+        if os.environ.get("RANK") == "{rank}" and os.environ.get("TORCHELASTIC_RUN_ID"):
+            atexit.register(os.abort)
+            if {at_hard_exit}:
+                os._exit = lambda code: os.abort()
+    """))
+    return {"PYTHONPATH": str(site)}
+
+
+def test_a_worker_that_would_abort_in_teardown_after_a_complete_run_exits_0(run_cli, tmp_path):
+    proc = run_cli(*TRAIN, "--out", str(tmp_path / "run"), env=_abort_in_workers(tmp_path, 1))
+    assert proc.returncode == 0, proc.stderr
+    assert "workers failed" not in proc.stderr and "SIGABRT" not in proc.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["stopped"] == "completed"
+
+
+def test_a_worker_that_dies_after_the_run_finished_does_not_make_the_run_failed(run_cli, tmp_path):
+    proc = run_cli(*TRAIN, "--out", str(tmp_path / "run"), env=_abort_in_workers(tmp_path, 1, at_hard_exit=True))
+    assert proc.returncode == 0, proc.stderr
+    assert "distlab: warning: rank 1 killed by SIGABRT after the run had finished (step 2" in proc.stderr
+    assert "distlab: error" not in proc.stderr
