@@ -153,3 +153,68 @@ def test_verify_proves_your_model_under_the_strategies_it_supports(run_cli, mode
         ("zero=2", f"{model_file}:build", True), ("bucketed+ckpt", f"{model_file}:build", True)]
     refused = run_cli("verify", "--model", f"{model_file}:build", "--nproc", "2", "--strategy", "allreduce+tp=2")
     assert refused.returncode == 2 and "tensor_parallel_plan(tp, style, sequence_parallel)" in refused.stderr
+
+
+MISFITS = textwrap.dedent('''
+    import sys
+    import torch
+    from torch import nn
+
+
+    def seven_outputs(input_shape, num_classes):
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 7))
+
+
+    def wrong_width(input_shape, num_classes):
+        return nn.Sequential(nn.Flatten(), nn.Linear(100, num_classes))
+
+
+    def no_parameters():
+        return nn.Sequential(nn.Flatten())
+
+
+    def exits():
+        sys.exit(3)
+
+
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(64, 4)
+
+        def forward(self, x):
+            return self.head(x.flatten(1)), None
+
+
+    def flat_lm(input_shape, num_classes):
+        return nn.Sequential(nn.Embedding(num_classes, 8), nn.Flatten(), nn.Linear(8 * input_shape[0], num_classes))
+''')
+
+
+@pytest.mark.parametrize("builder,dataset,message", [
+    ("seven_outputs", "synthetic:1x8x8:10:64", r"given inputs \(B, 1, 8, 8\), it returned \(B, 7\); it should return "
+                                               r"\(B, 10\): a score per class"),
+    ("wrong_width", "synthetic:1x8x8:10:64", r"gives inputs \(B, 1, 8, 8\), and the model's forward failed on them: "
+                                             r"RuntimeError: .*64.*100"),
+    ("no_parameters", "synthetic:1x8x8:10:64", "has no parameters: there is nothing to train"),
+    ("exits", "synthetic:1x8x8:10:64", r"exits\(\) called sys.exit\(3\) instead of returning a model"),
+    ("Pair", "synthetic:1x8x8:4:64", r"it returned a tuple; it should return \(B, 4\)"),
+    ("flat_lm", "synthetic-text:2000", r"token ids, it returned \(B, 256\); it should return \(B, 16, 256\): a score "
+                                       r"per token"),
+])
+def test_a_model_that_does_not_fit_the_data_is_one_line_before_any_work(tmp_path, builder, dataset, message):
+    path = tmp_path / "misfits.py"
+    path.write_text(MISFITS)
+    with pytest.raises(ConfigError, match=message) as info:
+        TrainConfig(model=f"{path}:{builder}", dataset=dataset, block_size=16).validate(1)
+    assert "\n" not in str(info.value)
+
+
+def test_a_misfit_model_is_one_line_from_train_and_verify(run_cli, tmp_path):
+    path = tmp_path / "misfits.py"
+    path.write_text(MISFITS)
+    for argv in (["train", "--nproc-per-node", "2", "--out", str(tmp_path / "run")], ["verify", "--nproc", "2"]):
+        r = run_cli(*argv, "--model", f"{path}:seven_outputs", "--dataset", "synthetic:1x8x8:10:64")
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("distlab: error:"), r.stderr
+        assert "it returned (B, 7); it should return (B, 10)" in lines[0]

@@ -222,6 +222,8 @@ def verify(nproc, strategies, steps, global_batch_size, json_path, resume, fault
     mine = dict(model=model, model_args=model_args, dataset=dataset) if model else {}
     chosen = [v.parse_strategy(s) for s in strategies] or (
         [v.parse_strategy("allreduce+adam")] if drills else v.default_strategies(nproc))
+    if model:  # the model against the data (and every check plain data parallel needs): once, for all strategies
+        v.config_for(v.parse_strategy("allreduce"), nproc, steps, global_batch_size, **mine)
     usable = []
     for s in chosen:  # flags, batch split and what the model declares, before any process starts
         try:

@@ -112,6 +112,8 @@ def load_builder(spec: str) -> Callable[..., nn.Module]:
             module = importlib.import_module(where)
     except ConfigError:
         raise
+    except SystemExit as exc:
+        raise ConfigError(f"--model {spec}: {where} called sys.exit({exc.code!r}) while it was loaded") from None
     except Exception as exc:  # noqa: BLE001 - the user's code can fail any way: one line naming it
         raise ConfigError(f"--model {spec}: {where} failed to load: {type(exc).__name__}: {first_line(exc)}") from None
     builder = getattr(module, attr, None)
@@ -156,6 +158,9 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, **opt
             kwargs[key] = value
     try:
         model = builder(**kwargs)
+    except SystemExit as exc:
+        raise ConfigError(f"--model {name}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) called "
+                          f"sys.exit({exc.code!r}) instead of returning a model") from None
     except Exception as exc:  # noqa: BLE001 - the user's builder: one line naming it and its arguments
         raise ConfigError(f"--model {name}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) failed: "
                           f"{type(exc).__name__}: {first_line(exc)}") from None

@@ -189,6 +189,8 @@ class TrainConfig:
             self._check_expert_parallel()
         if self.strategy.cp > 1:
             self._check_context_parallel()
+        if is_user_model(self.model):
+            self._check_fit()
         if self.strategy.activation_checkpointing:
             from distlab.parallel.checkpointing import checkpoint_blocks
             checkpoint_blocks(self._meta_model())
@@ -211,6 +213,38 @@ class TrainConfig:
         shape, classes = dataset_shape(self.dataset, self.block_size, self.tokenizer)
         with torch.device("meta"):
             return build_model(self.model, shape, classes, **self.model_options())
+
+    def _check_fit(self) -> None:
+        """Your model against the data, before any work: it has parameters, takes a batch of the data
+        set's inputs and returns ``(B, classes)`` logits (a classifier) or ``(B, T, vocab)`` (a language
+        model) -- one forward of 2 samples on the meta device. A model that cannot run on the meta
+        device at all (``.item()`` in its forward) is left to the run itself."""
+        import torch
+        net = self._meta_model()
+        if next(net.parameters(), None) is None:
+            raise ConfigError(f"model {self.model} has no parameters: there is nothing to train (its builder returned "
+                              f"a {type(net).__name__} without weights)")
+        shape, classes = dataset_shape(self.dataset, self.block_size, self.tokenizer)
+        text = is_text(self.dataset)
+        x = torch.zeros((2, *shape), dtype=torch.long if text else torch.float32, device="meta")
+        gives = f"(B, {', '.join(map(str, shape))}){' token ids' if text else ''}"
+        should = f"(B, {shape[0]}, {classes}): a score per token of the vocabulary" if text else \
+            f"(B, {classes}): a score per class"
+        try:
+            with torch.no_grad():
+                out = net(x)
+        except Exception as exc:  # noqa: BLE001 - the user's forward: one line naming what it was given
+            if isinstance(exc, NotImplementedError) or "meta" in str(exc).lower():
+                return
+            raise ConfigError(f"model {self.model} does not fit dataset {self.dataset}: the data set gives inputs "
+                              f"{gives}, and the model's forward failed on them: {type(exc).__name__}: "
+                              f"{first_line(exc, 200)}") from None
+        want = (2, shape[0], classes) if text else (2, classes)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
+            got = f"(B, {', '.join(map(str, out.shape[1:]))})" if isinstance(out, torch.Tensor) and out.dim() \
+                else f"a {type(out).__name__}" if not isinstance(out, torch.Tensor) else "a scalar"
+            raise ConfigError(f"model {self.model} does not fit dataset {self.dataset}: given inputs {gives}, it "
+                              f"returned {got}; it should return {should}")
 
     def _check_tensor_parallel(self) -> None:
         """The model must declare a tensor-parallel plan (a plain nn.Sequential has a default one)."""
