@@ -37,3 +37,46 @@ def test_a_worker_that_dies_after_the_run_finished_does_not_make_the_run_failed(
     assert proc.returncode == 0, proc.stderr
     assert "distlab: warning: rank 1 killed by SIGABRT after the run had finished (step 2" in proc.stderr
     assert "distlab: error" not in proc.stderr
+
+
+FAILS_IN_ITS_FIRST_STEP = textwrap.dedent("""
+    from torch import nn
+
+
+    class Net(nn.Module):
+        def __init__(self, fail):
+            super().__init__()
+            self.fail, self.head = fail, nn.Linear(64, 4)
+
+        def forward(self, x):
+            if self.fail and not x.is_meta:  # fits the data (the check before launch passes), fails for real
+                raise RuntimeError("the model's own bug")
+            return self.head(x.flatten(1))
+
+
+    def build(fail=True):
+        return Net(fail)
+""")
+
+
+def test_a_run_that_fails_before_its_first_step_leaves_nothing_in_the_way_of_the_fixed_command(run_cli, tmp_path):
+    model = tmp_path / "net.py"
+    model.write_text(FAILS_IN_ITS_FIRST_STEP)
+    for nproc in (["--nproc-per-node", "2"], []):
+        out, snaps = tmp_path / f"run{len(nproc)}", tmp_path / f"snaps{len(nproc)}"
+        flags = [*TRAIN[len(["train", "--nproc-per-node", "2"]):], "--model", f"{model}:build", "--out", str(out),
+                 "--snapshot-dir", str(snaps), *nproc]
+        failed = run_cli("train", *flags)
+        assert failed.returncode != 0 and "the model's own bug" in failed.stderr, failed.stderr
+        assert not out.exists() and not snaps.exists()  # what the failed run made is gone
+        run_cli("train", *flags, "--model-arg", "fail=False", check=True)  # the fixed command, same directories
+        assert json.loads((out / "summary.json").read_text())["stopped"] == "completed"
+
+
+def test_report_lists_an_empty_run_directory_as_failed_before_the_first_step(tmp_path):
+    from distlab.tools.report import collect
+    (tmp_path / "early").mkdir()
+    (tmp_path / "early" / "metrics.jsonl").write_text("")
+    inputs = collect([str(tmp_path)])
+    assert inputs.runs == [] and inputs.problems == [
+        (str(tmp_path / "early"), "failed before the first step: no step logged, no summary")]

@@ -122,6 +122,9 @@ def _read_run(path: Path, inputs: Inputs) -> None:
         why = "nested too deeply to read" if isinstance(exc, RecursionError) else str(exc)
         inputs.problems.append((str(path), f"unreadable run: {why[:300]}"))
         return
+    if summary is None and not metrics:
+        inputs.problems.append((str(path), "failed before the first step: no step logged, no summary"))
+        return
     inputs.runs.append({"path": str(path), "summary": summary, "metrics": metrics})
     inputs.read.append((str(path), "run"))
 
@@ -185,7 +188,7 @@ def collect(paths: list[str], depth: int = 4) -> Inputs:
             for child in children:
                 if child.is_dir() or child.suffix == ".json":
                     visit(child, level + 1, False)
-            if explicit and not any(p for p, _ in inputs.read if p.startswith(str(path))):
+            if explicit and not any(p for p, _ in inputs.read + inputs.problems if p.startswith(str(path))):
                 inputs.problems.append((str(path), "no runs or bench files found in it"))
 
     for p in paths:

@@ -12,6 +12,7 @@ that says who has the directory.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import json
@@ -27,6 +28,7 @@ NAME = ".distlab-lock"
 _ENV = "DISTLAB_HELD_LOCKS"  # set by a launching command: the directories it holds, for its workers
 
 _held: dict[str, int] = {}  # this process's locks: directory (resolved) -> open descriptor
+_made: set[str] = set()  # the directories hold() created (removed again if the run leaves nothing in them)
 
 
 class DirectoryLocked(ConfigError):
@@ -107,6 +109,7 @@ def hold(directory: str | Path | None, run_id: str | None = None, flag: str = "s
         return False
     path = Path(directory)
     try:
+        made = not path.exists()
         path.mkdir(parents=True, exist_ok=True)
         fd = os.open(path / NAME, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
@@ -119,6 +122,10 @@ def hold(directory: str | Path | None, run_id: str | None = None, flag: str = "s
         raise DirectoryLocked(f"`{flag}` {directory} is in use by another run ({_describe(holder(directory))}): "
                               f"wait for it to end, or give this run its own `{flag}`") from None
     _held[key] = fd
+    if made:
+        _made.add(key)
+    if len(_held) == 1:
+        atexit.register(release_all)  # a launching command that fails: its directories are tidied too
     _write(directory, {"host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id,
                        "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     if export_to_children:
@@ -135,11 +142,27 @@ def note_run(directory: str | Path | None, run_id: str | None) -> None:
 
 
 def release(directory: str | Path | None) -> None:
-    """Drop this process's lock on ``directory`` (the file stays: it is only a label)."""
+    """Drop this process's lock on ``directory`` (the file stays: it is only a label) -- unless
+    :func:`hold` made the directory and the run left nothing else in it (it failed before its first
+    step): then the lock file and the directory go, while still locked, so the same command can run
+    again into the same directory and nothing empty is listed as a run."""
     if not directory:
         return
-    fd = _held.pop(_key(directory), None)
+    key = _key(directory)
+    fd = _held.pop(key, None)
+    if fd is not None and key in _made:
+        _made.discard(key)
+        with contextlib.suppress(OSError):
+            if [p.name for p in Path(key).iterdir()] == [NAME]:
+                os.unlink(Path(key) / NAME)
+                os.rmdir(key)
     if fd is not None:
         with contextlib.suppress(OSError):
             fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def release_all() -> None:
+    """Release every lock this process holds (at exit)."""
+    for key in list(_held):
+        release(key)

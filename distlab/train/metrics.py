@@ -58,9 +58,10 @@ class MetricsLog:
     """Appends one JSON line per log step to ``DIR/metrics.jsonl`` (no-op when ``directory`` is None)."""
 
     def __init__(self, directory: str | Path | None, records: list[dict] = ()):
-        """Start the file afresh with ``records`` (a resumed run's history up to its snapshot)."""
+        """Start the file afresh with ``records`` (a resumed run's history up to its snapshot); a run
+        with none makes it at its first record (one that fails before logging a step leaves no file)."""
         self.path = Path(directory) / "metrics.jsonl" if directory else None
-        if self.path:
+        if self.path and (records or self.path.exists()):
             atomic_write_text(self.path, "".join(dumps(r) + "\n" for r in records))
 
     def write(self, record: dict) -> None:

@@ -89,7 +89,9 @@ def directory_problem(snapshot_dir: str | None, out: str | None, run_id: str | N
                 f"{theirs[0].name}): continue that run with `resume` auto, or give this run its own `snapshot_dir`")
     if not out:
         return None
-    held = [name for name in ("summary.json", "metrics.jsonl") if (Path(out) / name).exists()]
+    # an empty metrics.jsonl is a run that failed before it logged a step: nothing of it to keep
+    held = [name for name in ("summary.json", "metrics.jsonl") if (Path(out) / name).exists() and
+            (name == "summary.json" or (Path(out) / name).stat().st_size > 0)]
     if not held:
         return None
     summary = _summary(out)
