@@ -29,7 +29,8 @@ LAYOUT = {"model": "mlp", "world_size": 1, "strategy": {"zero": 0}}
 
 
 def _payload(step, value=1.0):
-    return {"model": {"w": torch.full((3, 4), float(value))}, "optimizer": {}, "scheduler": {}, "step": step,
+    return {"model": {"w": torch.full((3, 4), float(value))}, "scheduler": {}, "step": step,
+            "optimizer": {"state": {0: {"momentum_buffer": torch.zeros(3, 4)}}, "param_groups": [{"params": [0]}]},
             "rng": snap.rng_state(), "window": [0.0, 0],
             "run": {"history": [{"step": step, "loss": 0.5}], "evals": [], "best_val_loss": None,
                     "best_val_step": None, "time_used_s": 1.0, "last_loss": 0.5, "attempts": 1, "layouts": []}}
@@ -194,6 +195,14 @@ MALFORMED = {
     "window of three": lambda p: _edit_payload(p, lambda d: d.update(window=[0.0, 1, 2])),
     "model a list": lambda p: _edit_payload(p, lambda d: d.update(model=[1])),
     "a payload that is a tensor": lambda p: _rehash(p, torch.zeros(2)),
+    "optimizer without param_groups": lambda p: _edit_payload(p, lambda d: d["optimizer"].pop("param_groups")),
+    "optimizer param_groups a string": lambda p: _edit_payload(p, lambda d: d["optimizer"].update(param_groups="x")),
+    "optimizer state of an unlisted parameter": lambda p: _edit_payload(
+        p, lambda d: d["optimizer"]["state"].update({7: {"momentum_buffer": torch.zeros(1)}})),
+    "optimizer state a list": lambda p: _edit_payload(p, lambda d: d["optimizer"].update(state=[1])),
+    "nan weights": lambda p: _edit_payload(p, lambda d: d["model"]["w"].__setitem__((0, 0), float("nan"))),
+    "inf momentum": lambda p: _edit_payload(
+        p, lambda d: d["optimizer"]["state"][0]["momentum_buffer"].__setitem__((1, 1), float("-inf"))),
 }
 
 
@@ -341,6 +350,49 @@ def _fresh_run_and_resume(rank, world, tmp_path):
     assert resumed["run_id"] == first["run_id"] and resumed["fingerprint"] == first["fingerprint"]
     assert resumed["resumed_from"].endswith("step-00000006") and Path(resumed["snapshot"]).is_dir()
     assert [p.name for p in snap.snapshots(tmp_path / "s")] == ["step-00000009", "step-00000006"]
+
+
+def _damage_rank_file(path: Path, rank: int, change) -> None:
+    """Change rank ``rank``'s payload of snapshot ``path`` and make its checksum match again."""
+    import hashlib
+    data = path / f"rank-{rank:05d}.pt"
+    payload = torch.load(data, weights_only=True)
+    change(payload)
+    torch.save(payload, data)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["files"][data.name] = {"sha256": hashlib.sha256(data.read_bytes()).hexdigest(), "bytes": data.stat().st_size}
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+def _first_moment_reshaped(payload):
+    payload["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3)
+
+
+def _weights_renamed(payload):
+    payload["model"]["units"] = payload["model"]["units"][:1]
+
+
+@pytest.mark.parametrize("damage", [_first_moment_reshaped, _weights_renamed])
+def test_a_snapshot_whose_contents_do_not_load_is_set_aside_on_every_rank(tmp_path, damage):
+    """Checksums valid, schema valid, yet rank 0's state does not fit the run: every rank falls back."""
+    run_ranks(_damaged_contents_then_resume, 2, tmp_path, damage, timeout=180)
+
+
+def _damaged_contents_then_resume(rank, world, tmp_path, damage):
+    kw = dict(snapshot_every=2, lr_schedule="constant", optimizer="adam", lr=0.01, zero=1, val_fraction=0.0)
+
+    def _fit(cfg):
+        return Trainer(cfg.validate(world), runtime.from_process_group()).fit()
+    _fit(_cfg(tmp_path / "s", max_steps=4, **kw))
+    newest = tmp_path / "s" / "step-00000004"
+    if rank == 0:
+        _damage_rank_file(newest, 0, damage)
+    torch.distributed.barrier()
+    with pytest.raises(snap.DamagedSnapshot, match=f"snapshot {newest} .*(shape|does not load)"):
+        _fit(_cfg(tmp_path / "s", max_steps=6, resume=str(newest), **kw))
+    resumed = _fit(_cfg(tmp_path / "s", max_steps=6, resume="auto", **kw))
+    assert resumed["resumed_from"].endswith("step-00000002") and resumed["steps"] == 6
+    assert len(list((tmp_path / "s").glob("step-00000004.bad-*"))) == 1
 
 
 def test_a_corrupt_newest_snapshot_is_moved_aside_and_the_run_goes_on_from_the_previous(tmp_path):

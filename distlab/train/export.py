@@ -49,6 +49,10 @@ def whole_state(path: str | Path, best: bool = False) -> tuple[dict[str, torch.T
         return reshard.full_model(payloads, key), meta
     except reshard.ReshardError as exc:
         raise SnapshotError(f"snapshot {path}: {exc}") from None
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:  # checksums fine, contents not
+        raise snapshot.DamagedSnapshot(f"snapshot {path} is damaged: its {key.replace('_', ' ')} cannot be put "
+                                       f"together from its rank files ({type(exc).__name__}: {first_line(exc, 120)})"
+                                       ) from None
 
 
 def _sharded(meta: dict) -> bool:

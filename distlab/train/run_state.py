@@ -403,16 +403,12 @@ class RunState:
         if target is None:
             return None
         warn = (lambda m: print(m, file=sys.stderr, flush=True)) if self.rt.is_main else (lambda m: None)
-        loaded = snapshot.resume(target, cfg.snapshot_dir, self.layout, on_warning=warn, reshardable=RESHARDABLE)
+        loaded = snapshot.resume(target, cfg.snapshot_dir, self.layout, on_warning=warn, reshardable=RESHARDABLE,
+                                 accept=self._load)
         if loaded is None:
             warn(f"distlab: no snapshot in {cfg.snapshot_dir} yet: starting from step 0")
             return None
         self.run_id = loaded.meta.get("run_id")
-        self._loading = loaded.path
-        if loaded.resharded:
-            self._reshard(loaded)  # the layout-cut state: model, optimizer, best model
-        # every registered piece by its name (old rank 0's payload when resharding; the rest by their rules)
-        self.registry.load_state_dict(loaded.payload, loaded.payloads if loaded.resharded else None, self.rt.rank)
         if self.rt.is_main and cfg.verbose:
             how = ""
             if loaded.resharded:
@@ -421,6 +417,24 @@ class RunState:
                        f"({cfg.strategy})")
             self._resumed_note = f"resumed from {loaded.path} at step {self.step}{how}"  # said once begin() agrees
         return str(loaded.path)
+
+    def _load(self, loaded: snapshot.Loaded) -> str | None:
+        """Load ``loaded`` into the run; what makes it unusable (None: nothing). Everything it sets is set
+        again by the next snapshot tried, so a refused one leaves nothing behind."""
+        self._loading = loaded.path
+        if loaded.resharded:
+            self._reshard(loaded)  # the layout-cut state: model, optimizer, best model
+        try:  # every registered piece by its name (old rank 0's payload when resharding; the rest by their rules)
+            self.registry.load_state_dict(loaded.payload, loaded.payloads if loaded.resharded else None, self.rt.rank)
+        except (ConfigError, RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
+            return f"does not load into this run: {first_line(exc, 200)}"  # (SnapshotError is a ConfigError)
+        for group in self.optimizer.param_groups:  # element-wise state (momentum, Adam's moments) fits its parameter
+            for p in group["params"]:
+                for name, value in self.optimizer.state.get(p, {}).items():
+                    if torch.is_tensor(value) and value.numel() > 1 and value.shape != p.shape:
+                        return (f"holds optimizer state {name} of shape {tuple(value.shape)} for a parameter of "
+                                f"shape {tuple(p.shape)}")
+        return None
 
     def _reshard(self, loaded: snapshot.Loaded) -> None:
         """Load a snapshot written under another world size or strategy (every old rank's payload)."""

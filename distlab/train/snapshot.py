@@ -442,7 +442,43 @@ def payload_problem(payload, step: int) -> str | None:
             continue
         if key not in run or not ok(run[key]):
             return f"run.{key} is {'missing' if key not in run else repr(run[key])[:60]}"
+    problem = _optimizer_problem(payload["optimizer"])
+    if problem:
+        return problem
+    for key in ("model", "optimizer", "best_model"):  # a run never writes nan or inf weights: it stops first
+        where = _non_finite(payload.get(key), key)
+        if where:
+            return f"{where} holds nan or inf"
     return _rng_problem(payload["rng"])
+
+
+def _optimizer_problem(state: dict) -> str | None:
+    """A torch optimizer's state_dict: ``state`` by parameter index, ``param_groups`` listing them."""
+    groups, per_param = state.get("param_groups"), state.get("state")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                               and all(_is_int(i) for i in g["params"]) for g in groups):
+        return "'optimizer' has no param_groups listing parameter indices"
+    if not isinstance(per_param, dict):
+        return "'optimizer' has no per-parameter state"
+    indices = {i for g in groups for i in g["params"]}
+    for index, entry in per_param.items():
+        if index not in indices or not isinstance(entry, dict):
+            return f"'optimizer' state {str(index)[:20]!r} is not a dict of a listed parameter"
+    return None
+
+
+def _non_finite(value, where: str, depth: int = 0) -> str | None:
+    """The first floating tensor under ``value`` (nested dicts and lists) with a nan or inf, by its path."""
+    if torch.is_tensor(value):
+        return where if value.is_floating_point() and not bool(torch.isfinite(value).all()) else None
+    if depth > 8:
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for key, v in items:
+        found = _non_finite(v, f"{where}.{key}", depth + 1)
+        if found:
+            return found
+    return None
 
 
 def _rng_problem(state) -> str | None:
@@ -521,7 +557,7 @@ def _first_reason(reason: str | None) -> tuple[str, bool]:
 
 
 def resume(target: str, directory: str | None, expected: dict, on_warning=print,
-           reshardable: tuple[str, ...] = ()) -> Loaded | None:
+           reshardable: tuple[str, ...] = (), accept=None) -> Loaded | None:
     """Find and load the snapshot to resume from (collective: every rank calls it).
 
     ``target`` is ``"auto"`` or a snapshot path (used as is, or a clear error). ``auto`` takes the
@@ -531,12 +567,23 @@ def resume(target: str, directory: str | None, expected: dict, on_warning=print,
     :class:`IncompatibleSnapshot` naming the setting that differs. Every rank gets its own payload
     of the same snapshot -- or, where it differs from ``expected`` only in ``reshardable`` keys
     (world size, strategy), every rank's payloads, to reshard (:mod:`distlab.train.reshard`).
+    ``accept(loaded)`` (on every rank) loads it into the run and says what is wrong with it (None:
+    nothing): a snapshot that any rank cannot take is damaged too.
     """
     rank, _ = _world()
+
+    def attempt(path: Path) -> tuple[Loaded | None, str | None]:
+        loaded, reason = _try(path, expected, rank, reshardable)
+        if _all_ok(loaded is not None) and accept is not None:
+            problem = accept(loaded)
+            if problem is not None:
+                loaded, reason = None, f"damaged:snapshot {path} {problem}"
+        return loaded, reason
+
     if target != "auto":
         check_path(target)  # the same answer on every rank: they share the file system
         path = Path(target)
-        loaded, reason = _try(path, expected, rank, reshardable)
+        loaded, reason = attempt(path)
         if not _all_ok(loaded is not None):
             text, damaged = _first_reason(reason)
             raise (DamagedSnapshot if damaged else IncompatibleSnapshot)(text)
@@ -546,7 +593,7 @@ def resume(target: str, directory: str | None, expected: dict, on_warning=print,
     candidates = broadcast_object([str(p) for p in snapshots(directory)])
     refused = []
     for candidate in candidates:
-        loaded, reason = _try(Path(candidate), expected, rank, reshardable)
+        loaded, reason = attempt(Path(candidate))
         if _all_ok(loaded is not None):
             if refused and rank == 0:
                 on_warning(f"distlab: warning: resuming from {candidate}, the newest good snapshot "

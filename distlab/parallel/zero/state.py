@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from distlab.errors import ConfigError
@@ -33,7 +34,28 @@ class ShardedState:
                 "buffers": {k: v.detach().clone() for k, v in self._module.named_buffers()}}
 
     def load_sharded_state_dict(self, state: dict) -> None:
-        """Restore :meth:`sharded_state_dict` output; a different layout is refused, naming it."""
+        """Restore :meth:`sharded_state_dict` output; a different layout is refused, naming it. Every
+        rank of the group says whether its part loaded (one all-reduce) before the full parameters are
+        gathered, so one rank's unusable part fails every rank here, none waiting in the gather."""
+        problem = None
+        try:
+            self._copy_in(state)
+        except (ConfigError, KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
+            problem = exc
+        verdict = torch.tensor([0 if problem is None else 1], dtype=torch.int32, device=self.units[0].shard.device)
+        if group_size(self.group) > 1:
+            dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=self.group)
+        if problem is not None:
+            raise problem if isinstance(problem, ConfigError) else \
+                ConfigError(f"sharded snapshot does not fit this model: {type(problem).__name__}: {problem}")
+        if verdict.item():
+            raise ConfigError("sharded snapshot: another rank's part of it does not fit this model")
+        gathered = [u for u in self.units if u.gathered]
+        if gathered:
+            self._gather(gathered)
+
+    def _copy_in(self, state: dict) -> None:
+        """This rank's shards and buffers from ``state`` (local: no communication)."""
         mine = self.sharded_state_dict()
         for key in ("zero_stage", "world_size", "rank"):
             if state.get(key) != mine[key]:
@@ -54,9 +76,6 @@ class ShardedState:
             buffers = dict(self._module.named_buffers())
             for k, v in state["buffers"].items():
                 buffers[k].copy_(v)
-        gathered = [u for u in self.units if u.gathered]
-        if gathered:
-            self._gather(gathered)
 
     def parameter_slots(self) -> list[tuple[str, nn.Parameter, tuple[int, int] | None]]:
         """(key, parameter, flat range) of each optimizer parameter: this rank's range of each unit."""
