@@ -271,9 +271,12 @@ def test_imagefolder_reads_class_subfolders_splits_them_and_normalises_with_trai
     ("missing", "there is no directory"),
     ("one_class", "at least two"),
     ("sizes", "is 7x5, the others 6x5: give every image one size"),
-    ("corrupt", "cannot read an image"),
+    ("corrupt", r"cannot read .*bad.png \(UnidentifiedImageError"),
+    ("empty_class", r"class folder .*/c holds no images .*add some, or remove the folder"),
+    ("bomb", r"odd.png is too large to decode safely .*resize it"),
+    ("test_only_class", r"class z is in test/ but not in train/: the model would be scored on classes it never saw"),
 ])
-def test_a_bad_imagefolder_is_one_line(tmp_path, case, message):
+def test_a_bad_imagefolder_is_one_line(tmp_path, monkeypatch, case, message):
     root = tmp_path / "d"
     if case != "missing":
         for c in ("a", "b") if case != "one_class" else ("a",):
@@ -283,9 +286,37 @@ def test_a_bad_imagefolder_is_one_line(tmp_path, case, message):
         _png(root / "b" / "odd.png", 9, size=(7, 5))
     if case == "corrupt":
         (root / "b" / "bad.png").write_bytes(b"\x89PNG not really")
+    if case == "empty_class":
+        (root / "c").mkdir()
+    if case == "bomb":  # a 20000 x 20000 PNG is what Pillow refuses; its limit lowered, a 7 x 5 one is refused here
+        from PIL import Image
+        _png(root / "b" / "odd.png", 9, size=(7, 5))
+        monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 15)
+    if case == "test_only_class":
+        for split, classes in (("train", "ab"), ("test", "abz")):
+            for c in classes:
+                _png(root / split / c / "0.png", 9)
     with pytest.raises(ConfigError, match=message) as info:
         load_dataset(f"imagefolder:{root}", "train")
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_an_imagefolder_skips_what_is_not_a_regular_file_and_says_what_it_cannot_cover(tmp_path):
+    root = tmp_path / "d"
+    for split, classes in (("train", "abc"), ("test", "ab")):
+        for c in classes:
+            for i in range(2):
+                _png(root / split / c / f"{i}.png", 9)
+    os.mkfifo(root / "train" / "a" / "pipe.png")  # reading it would wait for a writer forever
+    (root / "train" / "b" / "folder.png").mkdir()
+    (root / "train" / ".cache").mkdir()  # hidden: not a class
+    train = load_dataset(f"imagefolder:{root}", "train")
+    assert len(train) == 6 and train.class_names == ("a", "b", "c")
+    skipped, untested = train.notes
+    assert skipped.startswith("skipped 2 entries named like images that are not regular files: ") and \
+        str(root / "train" / "a" / "pipe.png") in skipped
+    assert untested == "class c has no test images: the test accuracy does not cover it"
 
 
 def test_training_on_an_imagefolder_over_two_ranks_equals_one_process(tmp_path):

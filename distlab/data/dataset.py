@@ -26,6 +26,7 @@ class ImageDataset:
     augment: bool = False
     source: str = ""
     class_names: tuple[str, ...] | None = None  # label i's name, where the data set has names
+    notes: tuple[str, ...] = ()  # what reading it skipped or could not cover (the run's header says it)
 
     def __post_init__(self) -> None:
         if self.images.ndim != 4 or len(self.images) != len(self.labels):
