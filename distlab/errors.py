@@ -47,6 +47,18 @@ class DistributedError(DistlabError):
     """Start-up or communication failed: a peer is missing or dead, a port is taken."""
 
 
+class WriteError(DistlabError, OSError):
+    """A file of the run's output could not be written (a full or read-only disk): one line naming it.
+    Also an :class:`OSError` (with the original ``errno``), so code that handles those still does."""
+
+    def __init__(self, path, exc: OSError, advice: str = "free some space, or give the run another place to write"):
+        super().__init__(exc.errno, exc.strerror)
+        self.message = f"could not write {path}: {exc.strerror or exc} (errno {exc.errno}); {advice}"
+
+    def __str__(self) -> str:
+        return self.message
+
+
 def first_line(exc: BaseException, limit: int = 300) -> str:
     """The first non-empty line of ``exc``'s message (its type's name when it has none), at most ``limit`` chars."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]

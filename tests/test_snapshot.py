@@ -7,6 +7,7 @@ uninterrupted one (same batches, same RNG states, same optimizer state), so any 
 all means some state was lost or restored wrongly.
 """
 
+import contextlib
 import json
 import os
 import random
@@ -469,6 +470,38 @@ def read_only_dir(tmp_path):
     if mounted:
         subprocess.run(["umount", str(path)], check=False)
     path.chmod(0o755)
+
+
+@pytest.fixture
+def full_dir(tmp_path):
+    """A directory on a file system with no space left (a small tmpfs filled up; root only), holding an
+    empty subdirectory ``run``."""
+    import subprocess
+    path = tmp_path / "full"
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a small tmpfs and fill it")
+    (path / "run").mkdir()
+    with open(path / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"x" * 4096)
+    yield path
+    subprocess.run(["umount", str(path)], check=False)
+
+
+def test_a_full_disk_is_one_line_before_launch_and_while_running(run_cli, tmp_path, full_dir):
+    proc = run_cli(*TINY, "--max-steps", "2", "--snapshot-dir", "s", "--out", "full/run2")
+    assert proc.returncode == 2 and "--out full/run2 cannot be written" in proc.stderr, proc.stderr
+    assert "No space left on device" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    from distlab.errors import WriteError
+    from distlab.train.metrics import MetricsLog, write_summary
+    log = MetricsLog(full_dir / "run")
+    for write in (lambda: log.write({"step": 1, "loss": 0.5}), lambda: write_summary(full_dir / "run", {"steps": 1})):
+        with pytest.raises(WriteError, match=r"could not write .*/run/(metrics.jsonl|summary.json): No space left on "
+                                             r"device \(errno 28\); free some space"):
+            write()
+    assert sorted(p.name for p in (full_dir / "run").iterdir()) in ([], ["metrics.jsonl"])  # nothing half-written
 
 
 def test_unwritable_directories_and_export_targets_are_one_line_before_any_work(run_cli, tmp_path, read_only_dir):

@@ -25,6 +25,7 @@ from pathlib import Path
 from distlab.errors import ConfigError
 
 NAME = ".distlab-lock"
+PROBE_BYTES = 64 * 1024  # what check_writable writes: a disk without that much room is refused before launch
 _ENV = "DISTLAB_HELD_LOCKS"  # set by a launching command: the directories it holds, for its workers
 
 _held: dict[str, int] = {}  # this process's locks: directory (resolved) -> open descriptor
@@ -84,10 +85,14 @@ def check_writable(directory: str | Path | None, flag: str) -> None:
         probe = probe.parent
     if not probe.is_dir():
         raise ConfigError(f"`{flag}` {directory} cannot be made: {probe} is a file")
-    try:
+    try:  # real bytes, synced: an empty file can still be made on a full disk
         fd, name = tempfile.mkstemp(prefix=".distlab-probe-", dir=probe)
-        os.close(fd)
-        os.unlink(name)
+        try:
+            os.write(fd, b"\0" * PROBE_BYTES)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(name)
     except OSError as exc:
         raise ConfigError(f"`{flag}` {directory} cannot be written ({probe}: {exc.strerror or exc}): give a writable "
                           f"directory") from None

@@ -17,9 +17,23 @@ from pathlib import Path
 
 import torch
 
+from distlab.errors import WriteError
+
 
 def atomic_write_text(path: str | Path, text: str) -> None:
+    """Replace ``path`` with ``text`` (temp file, fsync, rename): a reader sees the old file or the new
+    one. A failure (a full or read-only disk) is a :class:`~distlab.errors.WriteError` naming the file;
+    nothing partial is left."""
     path = Path(path)
+    try:
+        _atomic_write_text(path, text)
+    except WriteError:
+        raise
+    except OSError as exc:
+        raise WriteError(path, exc) from None
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -66,8 +80,11 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         if self.path:
-            with open(self.path, "a") as f:
-                f.write(dumps(record) + "\n")
+            try:
+                with open(self.path, "a") as f:
+                    f.write(dumps(record) + "\n")
+            except OSError as exc:
+                raise WriteError(self.path, exc) from None
 
 
 def write_summary(directory: str | Path, summary: dict) -> Path:
