@@ -71,3 +71,40 @@ def test_samples_during_training_are_logged_and_change_nothing_else(run_cli, tmp
     assert (a["test_loss"], a["test_accuracy"]) == (b["test_loss"], b["test_accuracy"])  # the same final model
     proc = run_cli("train", "--model", "mlp", "--dataset", "synthetic:1x4x4:2", "--sample-every", "2")
     assert proc.returncode == 2 and "does not generate text" in proc.stderr
+
+
+def test_a_safetensors_export_alone_generates_and_a_pickle_is_refused_naming_the_model_file(run_cli, gpt_run, tmp_path):
+    snap = gpt_run / "s" / "step-00000004"
+    run_cli("export", str(snap), "-o", str(tmp_path / "m.safetensors"), check=True)
+    args = ["--prompt", "ab", "--max-new-tokens", "12", "--seed", "5"]
+    alone = run_cli("generate", str(tmp_path / "m.safetensors"), *args, check=True).stdout  # no --n-head
+    assert alone == run_cli("generate", str(snap), *args, check=True).stdout
+    import os
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("true",))
+    torch.save({"w": Evil()}, tmp_path / "evil.pt")
+    proc = run_cli("generate", str(tmp_path / "evil.pt"))
+    assert proc.returncode == 2 and "the model file" in proc.stderr and "init" not in proc.stderr, proc.stderr
+
+
+def test_a_long_generation_prints_as_it_goes(gpt_run):
+    """--max-new-tokens 1e9 is days of text: its first characters show at once (streamed), not never."""
+    import os
+    import select
+    import time
+
+    from tests.conftest import distlab_exe
+    proc = subprocess.Popen([*distlab_exe(), "generate", str(gpt_run / "run"), "--prompt", "ab", "--max-new-tokens",
+                             "1000000000", "--seed", "5"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "DISTLAB_DEVICE": "cpu"})
+    try:
+        got, deadline = b"", time.monotonic() + 120
+        while len(got) < 8 and time.monotonic() < deadline:
+            if select.select([proc.stdout], [], [], 1.0)[0]:
+                got += os.read(proc.stdout.fileno(), 64)
+        assert got.startswith(b"ab") and len(got) >= 8, got
+    finally:
+        proc.kill()
+        proc.wait()

@@ -42,3 +42,18 @@ def test_a_missing_package_is_refused_before_launch_with_the_install_line():
             "TrainConfig(dataset='synthetic:1x4x4:3', tensorboard='tb').validate(1)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "pip install tensorboard" in proc.stderr
+
+
+def test_a_tensorboard_directory_in_use_by_another_run_is_refused(run_cli, tmp_path):
+    from distlab.train import lock
+    held = tmp_path / "tb"
+    assert lock.hold(held, flag="tensorboard")  # this process stands for a run writing there
+    try:
+        for nproc in ([], ["--nproc-per-node", "2"]):
+            proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--max-steps", "1",
+                           "--no-progress", "--tensorboard", str(held), "--out", str(tmp_path / f"o{len(nproc)}"),
+                           *nproc)
+            assert proc.returncode == 2 and f"--tensorboard {held} is in use by another run" in proc.stderr, proc.stderr
+        assert [p.name for p in held.iterdir()] == [lock.NAME]  # no event file of the refused runs
+    finally:
+        lock.release(held)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import sys
@@ -113,6 +114,7 @@ def train(config_file, trust_config, **kw):
         from distlab.train import lock
         lock.hold(cfg.snapshot_dir, flag="snapshot_dir", export_to_children=True)
         lock.hold(cfg.out, flag="out", export_to_children=True)
+        lock.hold(cfg.tensorboard, flag="tensorboard", export_to_children=True)  # two runs' events would mix
 
     run_distributed(kw, body, check, None if multi_node else prelaunch)
 
@@ -156,12 +158,17 @@ def export(snapshot_path, out, best):
                    "beside it, which export writes; a model of 256 tokens reads bytes).")
 def generate(source, prompt, max_new_tokens, temperature, top_k, seed, n_head, tokenizer_file):
     """Print text from a trained GPT: a run directory (its last snapshot), a snapshot of any layout, or an
-    exported model file."""
-    from distlab.tools.generate import generate as sample, load_gpt
+    exported model file. The text is printed as it is sampled."""
+    from distlab.tools.generate import load_gpt, stream
     model, tokenizer, where = load_gpt(source, n_head, tokenizer_file)
     click.echo(f"{where}: {sum(p.numel() for p in model.parameters()):,} parameters, {tokenizer.spec} tokens; "
                f"seed {seed}", err=True)
-    click.echo(sample(model, prompt, max_new_tokens, temperature, top_k, seed, tokenizer))
+    pieces = stream(model, prompt, max_new_tokens, temperature, top_k, seed, tokenizer)
+    first = next(pieces, "")  # the settings are checked before anything is printed
+    for piece in itertools.chain([prompt + first], pieces):
+        click.echo(piece, nl=False)
+        sys.stdout.flush()
+    click.echo()
 
 
 # --------------------------------------------------------------------------- verify

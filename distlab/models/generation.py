@@ -32,14 +32,27 @@ def gpt_from_state(state: dict[str, torch.Tensor], n_layer: int, n_head: int, to
 def generate(model: GPT, prompt: str, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
              seed: int = 0, tokenizer=None) -> str:
     """``prompt`` followed by ``max_new_tokens`` sampled tokens, decoded (``tokenizer``: bytes by default)."""
+    return prompt + "".join(stream(model, prompt, max_new_tokens, temperature, top_k, seed, tokenizer))
+
+
+HELD_TOKENS = 8  # a piece that does not decode to whole characters waits for at most this many tokens
+
+
+@torch.no_grad()
+def stream(model: GPT, prompt: str, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+           seed: int = 0, tokenizer=None):
+    """The text after ``prompt``, piece by piece as it is sampled (``"".join`` of it is what
+    :func:`generate` appends): a token is given out as soon as it completes a character, so a long
+    generation shows from its first token. Memory stays that of one context window."""
     if temperature < 0 or (top_k is not None and top_k < 1):
         raise ConfigError("--temperature must be at least 0 and --top-k at least 1")
     tokenizer = tokenizer or tokenizers.ByteTokenizer()
     ids = tokenizer.encode(prompt.encode("utf-8")).tolist() or tokenizer.encode(b"\n").tolist()
     generator = torch.Generator().manual_seed(seed)
-    tokens = torch.tensor([ids], dtype=torch.long)
+    window = torch.tensor([ids[-model.block_size:]], dtype=torch.long)
+    pending: list[int] = []
     for _ in range(max_new_tokens):
-        logits = model(tokens[:, -model.block_size:])[0, -1].float()
+        logits = model(window)[0, -1].float()
         if temperature == 0:
             nxt = int(logits.argmax())
         else:
@@ -48,5 +61,11 @@ def generate(model: GPT, prompt: str, max_new_tokens: int, temperature: float = 
                 cutoff = torch.topk(logits, top_k).values[-1]
                 logits = logits.masked_fill(logits < cutoff, float("-inf"))
             nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
-        tokens = torch.cat([tokens, torch.tensor([[nxt]])], dim=1)
-    return prompt + tokenizer.decode(tokens[0, len(ids):].tolist())
+        window = torch.cat([window, torch.tensor([[nxt]])], dim=1)[:, -model.block_size:]
+        pending.append(nxt)
+        text = tokenizer.decode(pending)
+        if not text.endswith("\ufffd") or len(pending) >= HELD_TOKENS:  # a character cut in two waits for its rest
+            yield text
+            pending = []
+    if pending:
+        yield tokenizer.decode(pending)

@@ -19,9 +19,9 @@ from pathlib import Path
 from distlab.data import tokenizer as tokenizers
 from distlab.errors import ConfigError
 from distlab.models import GPT
-from distlab.models.generation import generate, gpt_from_state
+from distlab.models.generation import generate, gpt_from_state, stream
 
-__all__ = ["generate", "gpt_from_state", "load_gpt"]
+__all__ = ["generate", "gpt_from_state", "load_gpt", "stream"]
 
 
 def load_gpt(source: str | Path, n_head: int | None = None, tokenizer_file: str | None = None) -> tuple:
@@ -44,19 +44,21 @@ def load_gpt(source: str | Path, n_head: int | None = None, tokenizer_file: str 
         tokenizer = tokenizers.BPETokenizer.from_json(text, where=f"snapshot {path}'s tokenizer") \
             if isinstance(text, str) and not tokenizer_file else None
     elif path.is_file():
-        export.check_init(str(path))
-        state = export._read_init(str(path))
+        state, meta = export.read_state(str(path), what="the model file")
         layers = len({k.split(".")[0] for k in state if k.split(".")[0].isdigit()}) - 2
-        heads, where = n_head, f"model file {path}"
+        recorded = meta.get("n_head")
+        heads = n_head or (int(recorded) if str(recorded).isdigit() else None)
+        where = f"model file {path}"
         beside = path.with_name(path.name + ".tokenizer.json")
         tokenizer = None if tokenizer_file or not beside.is_file() else tokenizers.load(str(beside))
         if heads is None:
             raise ConfigError(f"{path} is a plain state_dict: give the model's --n-head (its other sizes are read "
-                              f"from the tensors' shapes)")
+                              f"from the tensors' shapes; a .safetensors export records it)")
     else:
         raise ConfigError(f"{source}: no run directory, snapshot or model file there")
     try:
-        model = gpt_from_state(state, layers, heads, top_k=meta.get("top_k", 2) if path.is_dir() else 2)
+        top_k = meta.get("top_k", 2)
+        model = gpt_from_state(state, layers, heads, top_k=int(top_k) if str(top_k).isdigit() else 2)
         tok = state["0.tok.weight"]
     except (KeyError, RuntimeError, ValueError) as exc:
         raise ConfigError(f"{where} does not hold a GPT of distlab's layout: {str(exc).splitlines()[0][:200]}") from None

@@ -72,8 +72,7 @@ def export(path: str | Path, out: str | Path, best: bool = False) -> dict:
         with open(tmp, "wb") as f:
             if _safetensors(out):
                 from safetensors.torch import save
-                f.write(save({k: v.contiguous() for k, v in state.items()},
-                             metadata={"format": "pt", "model": str(meta.get("model")), "step": str(meta.get("step"))}))
+                f.write(save({k: v.contiguous() for k, v in state.items()}, metadata=export_metadata(meta)))
             else:
                 torch.save(state, f)
             f.flush()
@@ -106,6 +105,13 @@ def export(path: str | Path, out: str | Path, best: bool = False) -> dict:
             "bytes": out.stat().st_size, "sha256": digest, "sha256_file": str(checksum)}
 
 
+def export_metadata(meta: dict) -> dict[str, str]:
+    """What a ``.safetensors`` export records of its model (strings, as the format keeps them): enough
+    for ``distlab generate FILE`` alone -- the heads, which no tensor's shape tells, among them."""
+    keep = ("model", "step", "n_layer", "n_head", "n_embd", "block_size", "experts", "top_k", "dataset", "tokenizer")
+    return {"format": "pt", **{k: str(meta[k]) for k in keep if meta.get(k) is not None}}
+
+
 def _safetensors(path: str | Path) -> bool:
     return Path(path).suffix == ".safetensors"
 
@@ -131,27 +137,38 @@ def check_init(path: str | None) -> None:
 
 
 def _read_init(path: str, mmap: bool = False) -> dict:
+    return read_state(path, mmap)[0]
+
+
+def read_state(path: str, mmap: bool = False, what: str = "`init_from`") -> tuple[dict, dict]:
+    """A whole-model ``state_dict`` file, read safely (tensors only), and what it records of the model
+    (a ``.safetensors`` export's metadata: ``model``, ``step``, ``n_head`` ...; empty for ``.pt``).
+    ``what`` names the file in messages (the flag or argument it came from)."""
     if not Path(path).is_file():
-        raise ConfigError(f"`init_from` {path}: no such file (give a whole-model state_dict, e.g. one "
+        raise ConfigError(f"{what} {path}: no such file (give a whole-model state_dict, e.g. one "
                           f"`distlab export SNAPSHOT -o model.pt` wrote)")
+    meta = {}
     try:
         if _safetensors(path):  # memory-mapped by design, and tensors only
+            from safetensors import safe_open
             from safetensors.torch import load_file
             state = load_file(path)
+            with safe_open(path, "pt") as f:
+                meta = dict(f.metadata() or {})
         else:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not loadable"
         why = (snapshot.refusal(exc) if not _safetensors(path) else f"{type(exc).__name__}: {first_line(exc, 200)}") \
             if Path(path).stat().st_size else "the file is empty"
-        raise ConfigError(f"`init_from` {path} cannot be loaded safely as a state_dict ({why})") from None
+        raise ConfigError(f"{what} {path} cannot be loaded safely as a state_dict ({why})") from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
-        what = type(state).__name__ if not isinstance(state, dict) else "dict with other values than tensors"
-        raise ConfigError(f"`init_from` {path} holds a {what}, not a state_dict (names to tensors)")
+        kind = type(state).__name__ if not isinstance(state, dict) else "dict with other values than tensors"
+        raise ConfigError(f"{what} {path} holds a {kind}, not a state_dict (names to tensors)")
     for key, tensor in state.items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise ConfigError(f"`init_from` {path}: {key} holds non-finite values (nan or inf): a run from it "
+            raise ConfigError(f"{what} {path}: {key} holds non-finite values (nan or inf): a run from it "
                               f"would train nothing; export a good snapshot instead")
-    return state
+    return state, meta
 
 
 def load_init(model: nn.Module, path: str) -> None:

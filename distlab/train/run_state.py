@@ -261,12 +261,14 @@ class RunState:
         self._start = time.perf_counter()
 
     def _hold_directories(self) -> None:
-        """Rank 0 locks ``snapshot_dir`` and ``out`` unless this process or its launcher holds them
-        already (a launching command takes them before its workers start); every rank hears a refusal."""
+        """Rank 0 locks ``snapshot_dir``, ``out`` and ``tensorboard`` unless this process or its launcher
+        holds them already (a launching command takes them before its workers start); every rank hears a
+        refusal."""
         problem = None
         if self.rt.is_main:
             try:
-                for directory, flag in ((self.cfg.snapshot_dir, "snapshot_dir"), (self.cfg.out, "out")):
+                for directory, flag in ((self.cfg.snapshot_dir, "snapshot_dir"), (self.cfg.out, "out"),
+                                        (self.cfg.tensorboard, "tensorboard")):
                     if lock.hold(directory, flag=flag):
                         self._locked.append(directory)
             except ConfigError as exc:
