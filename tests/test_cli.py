@@ -423,9 +423,15 @@ def test_settings_that_do_nothing_are_refused_or_warned_never_labelled_active(ru
     assert "warning  zero 3: one data-parallel rank, so nothing is sharded" in proc.stdout
     assert json.loads((tmp_path / "z" / "summary.json").read_text())["inactive"][0].startswith("zero 3:")
     proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8,8", "--max-steps", "1",
-                   "--tp", "2", "--nproc-per-node", "2", "--dp-sync", "bucketed", "--out", "t", "--no-progress",
+                   "--tp", "2", "--nproc-per-node", "2", "--dp-sync", "allreduce", "--out", "t", "--no-progress",
                    check=True)
-    assert "warning  dp_sync bucketed: one data-parallel rank, no gradient to synchronise" in proc.stdout
+    assert "warning  dp_sync allreduce: one data-parallel rank, no gradient to synchronise" in proc.stdout
+    # The default method on one data-parallel rank: no warning, and no method in the run's label.
+    proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8,8", "--max-steps", "1",
+                   "--tp", "2", "--nproc-per-node", "2", "--out", "t2", "--no-progress", check=True)
+    assert "warning" not in proc.stdout and "strategy tp=2 on 2 processes" in proc.stdout, proc.stdout
+    summary = json.loads((tmp_path / "t2" / "summary.json").read_text())
+    assert summary["inactive"] == [] and summary["strategy_label"] == "tp=2"
     proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--max-steps", "1",
                    "--nproc-per-node", "2", "--out", "d", "--no-progress", check=True)
     assert "warning" not in proc.stdout and json.loads((tmp_path / "d" / "summary.json").read_text())["inactive"] == []

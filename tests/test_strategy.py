@@ -90,3 +90,12 @@ def test_syncbn_under_tensor_parallel_reduces_over_the_data_parallel_group_only(
                 assert ((value - two[key]).abs() / two[key].abs().clamp(min=1.0)).max() <= signature / 10, key
             elif value.is_floating_point():
                 assert (value - two[key]).abs().max() <= bound, key
+
+
+def test_a_runs_label_leaves_out_the_default_sync_where_nothing_is_synchronised():
+    from distlab.parallel import Strategy
+    assert Strategy.parse("pp=2").label(2) == "pp=2+mb=2+1f1b"
+    assert Strategy.parse("pp=2").label(4) == "bucketed+pp=2+mb=2+1f1b"  # two data-parallel ranks
+    assert Strategy.parse("allreduce+tp=2").label(2) == "allreduce+tp=2"  # asked for by name: kept
+    assert Strategy().label(1) == "single process" and Strategy.parse("accum=4").label(1) == "accum=4"
+    assert Strategy.parse("bucketed:ring+tp=2").label(2) == "bucketed:ring+tp=2"

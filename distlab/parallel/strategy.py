@@ -314,6 +314,18 @@ class Strategy:
         distlab's ring); an all-reduce: ``native``."""
         return "auto" if self.zero else "native"
 
+    def label(self, world_size: int) -> str:
+        """The text form as a run's label on ``world_size`` ranks: without the default gradient sync where
+        nothing is synchronised (one data-parallel rank: ``pp=2+mb=4+1f1b``, not ``bucketed+pp=2...``),
+        ``single process`` where nothing else is left."""
+        text = str(self)
+        method = self.dp_sync + ("" if self.collective == self.default_collective else f":{self.collective}")
+        alone = world_size // max(1, self.tp * self.pp * self.cp) == 1
+        if alone and self.dp_sync == DEFAULT_DP_SYNC and self.collective == self.default_collective \
+                and text.split("+")[0] == method:
+            text = text[len(method):].lstrip("+")
+        return text or "single process"
+
     def __str__(self) -> str:
         parts = []
         default = self.collective == self.default_collective

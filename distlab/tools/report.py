@@ -241,6 +241,10 @@ def _pct(fraction) -> str:
     return f"{100 * fraction:.2f}%"
 
 
+def _loss(v) -> str:
+    return f"{v:.4f}"  # one fixed format: a loss of 4e-07 beside 0 reads 0.0000, not 4.192e-07
+
+
 def _sci(v) -> str:
     return f"{v:.1e}"
 
@@ -272,14 +276,17 @@ def _table(rows: list[dict], columns: list[Col]) -> str:
     return f"<div class='table'><table><tr>{head}</tr>{body}</table></div>"
 
 
-def _strategy_label(strategy: dict) -> str:
-    """``bucketed:ring+accum=4+zero=2`` (the Strategy text form) from a summary's strategy object."""
+def _strategy_label(strategy: dict, world_size: int | None = None) -> str:
+    """``bucketed:ring+accum=4+zero=2`` (the Strategy text form) from a summary's strategy object; given
+    the run's world size, its label (:meth:`~distlab.parallel.Strategy.label`: ``single process``, no
+    method where nothing is synchronised)."""
     from distlab.errors import ConfigError
     from distlab.parallel import Strategy
     try:
-        return str(Strategy.from_dict(strategy).check())
+        st = Strategy.from_dict(strategy).check()
     except (ConfigError, TypeError):
         return strategy.get("dp_sync", "?")
+    return st.label(world_size) if isinstance(world_size, int) and world_size >= 1 else str(st)
 
 
 def _run_label(run: dict) -> str:
@@ -287,7 +294,8 @@ def _run_label(run: dict) -> str:
     name = Path(run["path"]).name
     if not s:
         return name
-    layout = "one process" if s["world_size"] == 1 else f"x{s['world_size']} {_strategy_label(s.get('strategy') or {})}"
+    layout = "one process" if s["world_size"] == 1 else \
+        f"x{s['world_size']} {_strategy_label(s.get('strategy') or {}, s['world_size'])}"
     return f"{name} ({layout})"
 
 
@@ -309,16 +317,18 @@ def _task(summary: dict | None) -> tuple[str, str, str]:
     return "classification", "cross-entropy, nats/sample", "test samples classified"
 
 
-def _runs_sections(runs: list[dict]) -> list[str]:
+def _runs_sections(runs: list[dict], problems: list[tuple[str, str]]) -> list[str]:
     """One section per data set and task: only runs that measure the same thing share axes."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in runs:
         s = r["summary"] or {}
         groups.setdefault((str(s.get("dataset") or ""), _task(r["summary"])[0]), []).append(r)
-    return [_runs_section(dataset, rs) for (dataset, _), rs in sorted(groups.items())]
+    return [_runs_section(dataset, rs, problems) for (dataset, _), rs in sorted(groups.items())]
 
 
-def _runs_section(dataset: str, runs: list[dict]) -> str:
+def _runs_section(dataset: str, runs: list[dict], problems: list[tuple[str, str]]) -> str:
+    """One data set's runs: loss curves, accuracy bars, the table, scaling, the best run's mistakes; what
+    cannot be drawn of one run goes into ``problems`` (path, why)."""
     plt = pyplot()
     task, unit, counted = _task(runs[0]["summary"])
     unit_text = f" ({unit})" if unit else ""
@@ -347,19 +357,18 @@ def _runs_section(dataset: str, runs: list[dict]) -> str:
             ax.invert_yaxis()
             for i, v in enumerate(values):
                 ax.text(v, i, f" {v:.2f}%", va="center", fontsize=7)
-            lo, hi = min(values), max(values)
-            ax.set_xlim(max(0.0, lo - 0.25 * (hi - lo) - 2), min(100.0, hi + 0.12 * max(hi - lo, 10) + 2))
+            ax.set_xlim(0.0, min(100.0, max(values) * 1.12 + 1))  # from 0: a bar's length is its accuracy
             ax.set(xlabel=f"test accuracy (%, {counted})", title=f"{dataset}: test accuracy")
             out.append(_png(fig))
         rows = [{**r["summary"], "run": _short(r["path"]),
-                 "strategy_label": _strategy_label(r["summary"].get("strategy") or {})} for r in done]
+                 "strategy_label": _strategy_label(r["summary"].get("strategy") or {}, r["summary"].get("world_size"))}
+                for r in done]
         columns = RUN_COLUMNS if unit != "nats/token" else \
             [c if c.key != "test_loss" else Col("test_loss", "test loss (nats/token)") for c in RUN_COLUMNS[:6]] + \
             [Col("test_loss_per_byte", "test loss (nats/byte)"), Col("tokenizer", "tokenizer")] + RUN_COLUMNS[6:]
         out.append(_table(rows, columns))
         out.append(_scaling_from_runs(done))
-        for r in done:
-            out.append(_predictions(r))
+        out.append(_best_predictions(done, problems))
         out.append(_expert_load([r for r in done if (r["summary"].get("experts") or {}).get("load")]))
     return "\n".join(out)
 
@@ -384,6 +393,27 @@ def _expert_load(runs: list[dict]) -> str:
            "(dashed: balanced)")
     _legend(ax, len(runs))
     return _png(fig)
+
+
+def _best_predictions(runs: list[dict], problems: list[tuple[str, str]]) -> str:
+    """The confusion matrix and mistakes of the section's most accurate classifier (one per section keeps
+    the page short; every run's are in its own predictions.npz). A predictions file that cannot be read
+    is named and skipped: the next most accurate run's are shown instead."""
+    ranked = sorted((r for r in runs if r["summary"].get("predictions")),
+                    key=lambda r: -(r["summary"].get("test_accuracy") or 0.0))
+    for r in ranked:
+        try:
+            shown = _predictions(r)
+        except Exception as exc:  # noqa: BLE001 - a file distlab did not write as it is now: skip it, say which
+            pyplot().close("all")
+            problems.append((str(Path(r["path"]) / str(r["summary"]["predictions"])),
+                             f"predictions could not be drawn: {type(exc).__name__}: {exc}"[:300]))
+            continue
+        if shown:
+            others = len(ranked) - 1
+            return shown + (f"<p>The most accurate run's; {others} other run(s) of this section keep theirs in their "
+                            f"predictions.npz.</p>" if others > 0 else "")
+    return ""
 
 
 def _predictions(run: dict) -> str:
@@ -432,7 +462,7 @@ def _predictions(run: dict) -> str:
 
 
 RUN_COLUMNS = [Col("run", "run"), Col("world_size", "ranks"), Col("strategy_label", "strategy"), Col("steps", "steps"),
-               Col("test_accuracy", "test accuracy", _pct), Col("test_loss", "test loss"),
+               Col("test_accuracy", "test accuracy", _pct), Col("test_loss", "test loss", _loss),
                Col("time_per_step_s_median", "ms/step (median)", _ms), Col("samples_per_s", "samples/s", "{:,.0f}".format),
                Col("comm_bytes_per_step", "sent per step per rank", _size),
                Col("model_state_bytes_per_rank", "model state per rank", _size),
@@ -747,7 +777,7 @@ def render(inputs: Inputs, title: str = "distlab report") -> str:
     body = []
     if inputs.runs:
         try:
-            body.extend(_runs_sections(inputs.runs))
+            body.extend(_runs_sections(inputs.runs, inputs.problems))
         except Exception as exc:  # noqa: BLE001 - data distlab did not write; the page goes on without it
             inputs.problems += [(r["path"], f"runs could not be drawn: {type(exc).__name__}: {exc}"[:300])
                                 for r in inputs.runs]

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from distlab.models import count_parameters, is_user_model
 from distlab.parallel.cost import Optim, data_parallel_bytes, trace
 from distlab.parallel.pipeline import ideal_bubble
+from distlab.parallel.strategy import DEFAULT_DP_SYNC
 from distlab.parallel.zero.cost import zero_peak_bytes
 from distlab.runtime import cores, reduce_scalars
 from distlab.train.metrics import median_excluding_warmup, peak_rss_mb
@@ -126,6 +127,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "inactive": inactive_settings(strategy, trainer.mesh),  # settings that did nothing in this run, and why
         "cluster": emulated_cluster(),  # the emulated cluster's nodes and links the run crossed (None: none)
         "strategy_text": str(strategy),
+        "strategy_label": strategy.label(trainer.rt.world_size),
         "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "cp": mesh.cp, "ep": mesh.ep, "layout": mesh.describe()},
         **engine.schedule.report(cfg.timing_warmup_steps, rt.device),  # a pipeline's stages and bubble
         "model": cfg.model,
@@ -246,7 +248,7 @@ def inactive_settings(strategy, mesh) -> list[str]:
         if strategy.sync_bn != "off":
             notes.append(f"sync_bn {strategy.sync_bn}: one data-parallel rank, its BatchNorm statistics are already "
                          f"the whole batch's")
-        if mesh.world_size > 1 and not strategy.zero:
+        if mesh.world_size > 1 and not strategy.zero and strategy.dp_sync != DEFAULT_DP_SYNC:  # a default is no setting
             notes.append(f"dp_sync {strategy.dp_sync}: one data-parallel rank, no gradient to synchronise (the mesh is "
                          f"{mesh.describe()})")
     return notes
@@ -312,7 +314,7 @@ def header(trainer) -> list[str]:
         lines.append(f"strategy single process ({rt.threads} threads, {rt.device})"
                      + (f", {cfg.strategy.micro_steps} micro-batches per step" if cfg.strategy.micro_steps > 1 else ""))
     else:
-        lines.append(f"strategy {cfg.strategy} on {rt.world_size} processes x {rt.threads} threads, "
+        lines.append(f"strategy {cfg.strategy.label(rt.world_size)} on {rt.world_size} processes x {rt.threads} threads, "
                      f"{rt.backend} on {rt.device.type}")
         lines.append(f"mesh     {mesh.describe()}")
     if cfg.strategy.tp > 1:
@@ -371,7 +373,8 @@ def print_summary(summary: dict, out: str | None) -> None:
         ("model / dataset", f"{s['model']} ({params}) / {s['dataset']}"
                             + (f" from {s['data_path']}" if s.get("data_path") not in (None, "generated") else "")),
         ("world size", f"{s['world_size']} x {s['threads_per_rank']} threads, {s['backend']} on {s['device']}"),
-        ("strategy", "single process" if s["world_size"] == 1 else s.get("strategy_text") or s["strategy"]["dp_sync"]),
+        ("strategy", s.get("strategy_label") or ("single process" if s["world_size"] == 1 else
+                                                  s.get("strategy_text") or s["strategy"]["dp_sync"])),
         ("mesh", (s.get("mesh") or {}).get("layout", "n/a")),
         ("global batch", f"{s['global_batch_size']} ({s['local_batch_size']} per data-parallel rank"
                          + (f", micro-batches of {s['micro_batch_size']}"
