@@ -1,6 +1,7 @@
 """The real console script, in subprocesses, through real torchrun; outputs parsed as JSON."""
 
 import json
+import re
 import os
 import socket
 from pathlib import Path
@@ -446,3 +447,16 @@ def test_the_header_states_zeros_memory_exactly_and_says_when_it_costs_more_than
     assert f"holds more than plain data parallel would ({peak:.2f} vs 6.13 MiB predicted)" in zero
     adam = run_cli(*args, "--zero", "1", "--optimizer", "adam", "--out", "a", check=True).stdout
     assert "holds more than plain data parallel" not in adam  # Adam's two moments: sharding them pays off
+
+
+def test_a_restart_says_at_once_who_died_of_what_where_and_what_the_group_resumes_from(run_cli, tmp_path):
+    proc = run_cli("train", "--nproc-per-node", "2", "--dataset", "synthetic:1x8x8:4:512", "--mlp-widths", "16",
+                   "--global-batch-size", "16", "--max-steps", "8", "--log-every", "1", "--snapshot-every", "2",
+                   "--snapshot-dir", "snaps", "--out", "run", "--no-progress", "--max-restarts", "2",
+                   env={"DISTLAB_KILL_AT_STEP": "1:5"}, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    line = next((line for line in proc.stderr.splitlines() if "restarting the worker group" in line), proc.stderr)
+    assert re.search(r"^distlab: rank 1 \(pid \d+\) killed by SIGKILL after step [45] \(the last logged\); restarting "
+                     r"the worker group \(restart 1 of 2\), resuming from the newest good snapshot in snaps "
+                     r"\(step-00000004\)$", line), line
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["resumed_from"].endswith("step-00000004")

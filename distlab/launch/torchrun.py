@@ -126,14 +126,9 @@ def failure_report(failures: dict[int, tuple[int | None, float]], argv: list[str
     if any((failures[r][0] or 0) > 0 for r in failures):
         line += " (their own messages are above)"
     out = _flag_value(argv, "--out")
-    metrics = Path(out) / "metrics.jsonl" if out else None
-    if metrics and metrics.is_file():
-        lines = metrics.read_text().splitlines()
-        if lines:
-            try:
-                line += f"; last logged step {json.loads(lines[-1])['step']}"
-            except (ValueError, KeyError):
-                pass
+    step = _last_logged_step(Path(out) / "metrics.jsonl") if out else None
+    if step is not None:
+        line += f"; last logged step {step}"
     snap_dir = _flag_value(argv, "--snapshot-dir")
     found = snapshots(snap_dir) if snap_dir else []
     if found:
@@ -142,6 +137,63 @@ def failure_report(failures: dict[int, tuple[int | None, float]], argv: list[str
     elif snap_dir:
         line += f"; no snapshot in {snap_dir} yet"
     return line
+
+
+def restart_line(failures: dict, argv: list[str], restart: int, restarts: int) -> str:
+    """What the launcher says when torchrun restarts the worker group: ``failures`` (global rank ->
+    torch's ``ProcessFailure``: pid, exit code, time) name the worker that died first and of what, the
+    last logged step says where, and the snapshot directory what the group resumes from."""
+    from distlab.train.snapshot import snapshots
+
+    order = sorted(failures, key=lambda r: (failures[r].exitcode == -signal.SIGTERM,
+                                            getattr(failures[r], "timestamp", 0) or 0, r))
+    first = failures[order[0]]
+    line = f"distlab: rank {order[0]} (pid {first.pid}) {_describe_exit(first.exitcode)}"
+    out = _flag_value(argv, "--out") or os.environ.get("DISTLAB_OUT")
+    step = _last_logged_step(Path(out) / "metrics.jsonl") if out else None
+    line += f" after step {step} (the last logged)" if step is not None else " before the first logged step"
+    line += f"; restarting the worker group (restart {restart} of {restarts})"
+    snap_dir = _flag_value(argv, "--snapshot-dir")
+    found = snapshots(snap_dir) if snap_dir else []
+    if found:
+        return line + f", resuming from the newest good snapshot in {snap_dir} ({found[0].name})"
+    return line + (f": no snapshot in {snap_dir} yet, so from step 0" if snap_dir else
+                   ": no --snapshot-dir, so from step 0")
+
+
+def _last_logged_step(metrics: Path) -> int | None:
+    try:
+        lines = metrics.read_text().splitlines()
+        return int(json.loads(lines[-1])["step"]) if lines else None
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
+@contextlib.contextmanager
+def _announcing_restarts(argv: list[str]):
+    """While torchrun runs: say at once, in one line, when its agent restarts the worker group after a
+    failure (torch's agent does so silently at the log level distlab keeps). Wraps the local agent's
+    monitor, which returns the failures the agent is about to act on; restored afterwards."""
+    try:
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+        original = LocalElasticAgent._monitor_workers
+    except (ImportError, AttributeError):  # another torch: no announcement, nothing else changes
+        yield
+        return
+
+    def monitor(agent, worker_group):
+        result = original(agent, worker_group)
+        left = getattr(agent, "_remaining_restarts", 0)
+        if result.state.name in ("FAILED", "UNHEALTHY") and left > 0 and result.failures:
+            total = worker_group.spec.max_restarts
+            print(restart_line(result.failures, argv, total - left + 1, total), file=sys.stderr, flush=True)
+        return result
+
+    LocalElasticAgent._monitor_workers = monitor
+    try:
+        yield
+    finally:
+        LocalElasticAgent._monitor_workers = original
 
 
 def _fresh_summary(argv: list[str], since: float) -> tuple[str | None, dict | None]:
@@ -235,7 +287,8 @@ def launch(opts: LaunchOptions, argv: list[str]) -> int:
     # directory unless given, left behind by every launch): one of ours, removed when the job ends.
     logs = tempfile.TemporaryDirectory(prefix="distlab-torchrun-")
     try:
-        run(parse_args(torchrun_args(opts, argv, logs.name)))
+        with _announcing_restarts(argv):
+            run(parse_args(torchrun_args(opts, argv, logs.name)))
     except SignalException as exc:
         return _stopped_by_signal(exc.sigval, argv, started)
     except ChildFailedError as exc:
