@@ -644,6 +644,32 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+LOAD_AT_LAUNCH = "DISTLAB_LOAD_AT_LAUNCH"  # the launcher's reading of the load, before its workers start
+
+
+def load_before_run() -> float | None:
+    """The machine's 1-minute load average before this run added to it: what the launching command
+    read (``DISTLAB_LOAD_AT_LAUNCH``), else the reading now; None where the OS has none."""
+    try:
+        return float(os.environ[LOAD_AT_LAUNCH])
+    except (KeyError, ValueError):
+        pass
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def busy_machine(load: float | None, threads: int, have: int) -> str | None:
+    """Why timings on this machine mean less (None: they do not): it was already running ``load``
+    (1-minute average) on ``have`` cores, and ``threads`` more would share them."""
+    if load is None or load < 0.5 or load + threads <= have:
+        return None
+    return (f"the machine was busy before this run (load {load:.2f} on {have} cores; with this run's {threads} "
+            f"thread(s) the cores are shared), so steps are slower than this machine allows and timings compare "
+            f"only between runs at equal threads on an equally quiet machine")
+
+
 # --------------------------------------------------------------------------- printing
 
 

@@ -11,6 +11,9 @@ REPO = Path(__file__).resolve().parents[1]
 # Multi-rank tests run CPU ranks with gloo on any host, a GPU one included (one GPU cannot hold several
 # ranks): the CLI, benches, examples and library calls read this; tests marked ``gpu`` ask for CUDA.
 os.environ.setdefault("DISTLAB_DEVICE", "cpu")
+# A test machine is busy by design (the suite runs on every core): runs take the load before them as 0, so
+# the header's busy-machine warning does not come and go with the suite's own load (its test sets a load).
+os.environ.setdefault("DISTLAB_LOAD_AT_LAUNCH", "0")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,4 +1,5 @@
 import io
+import json
 import os
 import socket
 import time
@@ -256,3 +257,18 @@ def test_broadcast_module_makes_every_rank_equal_rank0():
     for other in states[1:]:
         for a, b in zip(states[0], other):
             assert torch.equal(a, b)
+
+
+def test_a_busy_machine_is_said_where_timings_are_made(run_cli, tmp_path, monkeypatch):
+    from distlab.runtime import busy_machine, cores
+    assert busy_machine(3.0, 2, 2).startswith("the machine was busy before this run (load 3.00 on 2 cores")
+    assert busy_machine(0.2, 2, 2) is None and busy_machine(1.0, 1, 4) is None and busy_machine(None, 8, 2) is None
+    proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--max-steps", "1",
+                   "--no-progress", "--out", "run", env={"DISTLAB_LOAD_AT_LAUNCH": "7"}, check=True)
+    assert f"warning  the machine was busy before this run (load 7.00 on {cores()} cores" in proc.stdout
+    assert "timings compare only between runs at equal threads" in proc.stdout
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["load_before_run"] == 7.0
+    from distlab.tools import doctor
+    monkeypatch.setattr(doctor.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    line = next(line for line in doctor.report().splitlines() if line.startswith("load:"))
+    assert line.startswith(f"load: 9.00 (1-minute average) on {cores()} cores -- busy: steps are slower")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distlab.errors import ConfigError, DistributedError
-from distlab.runtime import LAUNCHER_PID, cores, port_in_use
+from distlab.runtime import LAUNCHER_PID, LOAD_AT_LAUNCH, cores, port_in_use
 
 
 @dataclass
@@ -243,6 +243,8 @@ def agent_environment(opts: LaunchOptions) -> dict[str, str]:
     # terminationGracePeriodSeconds) or a second Ctrl-C decides instead; the agent's limit is only
     # there for a worker that hangs (torch 2.13 on reads it; older agents wait 30 s).
     env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(STOP_GRACE_S))
+    with contextlib.suppress(AttributeError, OSError):  # the load before the workers add theirs (the header's warning)
+        env.setdefault(LOAD_AT_LAUNCH, f"{os.getloadavg()[0]:.2f}")
     if opts.elastic:
         # torch's agents share one TCP store across rendezvous rounds and publish its address only in
         # the first round they take part in: a node that joins a later round waits for an address

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from distlab.data import REGISTRY, locate
 from distlab.errors import DataNotFoundError
-from distlab.runtime import cores
+from distlab.runtime import busy_machine, cores
 
 
 def report(data_dir: str | None = None) -> str:
@@ -27,6 +27,15 @@ def report(data_dir: str | None = None) -> str:
         lines.append("cuda: no devices (training runs on CPU with gloo)")
     usable = cores()
     lines.append(f"cores: {os.cpu_count()} ({usable} usable by this process); torch threads {torch.get_num_threads()}")
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        load = None
+    if load is not None:
+        busy = busy_machine(load, 1, usable)
+        lines.append(f"load: {load:.2f} (1-minute average) on {usable} cores" + (
+            f" -- busy: {busy.split(', so ', 1)[1]}; a run's default is {usable} // ranks threads per rank, "
+            f"which these cores are already running for others" if busy else ": quiet enough for timings"))
     for name in REGISTRY:
         try:
             lines.append(f"dataset {name}: {locate(name, data_dir)}")

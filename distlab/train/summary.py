@@ -19,7 +19,7 @@ from distlab.parallel.cost import Optim, data_parallel_bytes, trace
 from distlab.parallel.pipeline import ideal_bubble
 from distlab.parallel.strategy import DEFAULT_DP_SYNC
 from distlab.parallel.zero.cost import zero_peak_bytes
-from distlab.runtime import cores, reduce_scalars
+from distlab.runtime import busy_machine, cores, load_before_run, reduce_scalars
 from distlab.train.metrics import median_excluding_warmup, peak_rss_mb
 
 SYNC_TIME_BASIS = ("seconds per step spent in the gradient sync after backward and in the post-step parameter "
@@ -195,6 +195,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "threads_per_rank": rt.threads,
         "cores": os.cpu_count(),
         "oversubscribed": oversubscription(rt) is not None,
+        "load_before_run": load_before_run(),  # the machine's 1-minute load average before this run's own
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
         "hostname": socket.gethostname(),
@@ -352,6 +353,10 @@ def header(trainer) -> list[str]:
     crowded = oversubscription(rt)
     if crowded:
         lines.append(crowded)
+    busy = busy_machine(load_before_run(), rt.local_world_size * rt.threads, cores()) \
+        if rt.device.type == "cpu" and not crowded else None
+    if busy:
+        lines.append(f"warning  {busy}")
     lines += [f"warning  {note}" for note in inactive_settings(cfg.strategy, mesh)]
     if cfg.snapshot_dir:
         lines.append(f"snapshots {cfg.snapshot_dir}" + (f" every {cfg.snapshot_every} steps" if cfg.snapshot_every else "")
