@@ -704,3 +704,43 @@ def test_the_time_budget_counts_on_the_slowest_recent_step_and_leaves_out_warm_u
     # measured evaluation and snapshot times are used as they are
     assert time_to_finish([0.01] * 5, warmup=0, eval_steps=10, eval_s=2.0, snapshot_s=3.0, budget=10) == \
         pytest.approx(0.01 + 2.0 + 3.0 + 0.2)
+
+
+def test_a_second_ctrl_c_stops_the_launch_at_once_while_workers_are_still_stopping(tmp_path):
+    """Workers that take long to stop (here: they ignore SIGINT) hold the first Ctrl-C's clean stop; a
+    second Ctrl-C ends the job at once, the workers with it."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent("""
+        import os, signal
+        if os.environ.get("TORCHELASTIC_RUN_ID"):  # a worker: Ctrl-C does nothing to it
+            _set = signal.signal
+            signal.signal = lambda sig, handler: _set(sig, signal.SIG_IGN if sig == signal.SIGINT else handler)
+            _set(signal.SIGINT, signal.SIG_IGN)
+    """))
+    cmd = [sys.executable, "-m", "distlab", "train", "--dataset", "synthetic:1x8x8:4:200000", "--mlp-widths", "16",
+           "--no-progress", "--device", "cpu", "--snapshot-every", "20", "--snapshot-dir", "s", "--out", "run",
+           "--nproc-per-node", "2"]
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}, "PYTHONPATH": str(site)}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not snap.snapshots(tmp_path / "s"):
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        assert proc.poll() is None  # the first waits for the workers' clean stop (which never comes here)
+        proc.send_signal(signal.SIGINT)
+        start = time.time()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and time.time() - start < 30, (proc.returncode, err)
+    assert "distlab: stopped at once (a second Ctrl-C)" in err and "Traceback" not in err, err
+    assert snap.snapshots(tmp_path / "s")  # the earlier snapshots are intact

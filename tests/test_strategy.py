@@ -99,3 +99,16 @@ def test_a_runs_label_leaves_out_the_default_sync_where_nothing_is_synchronised(
     assert Strategy.parse("allreduce+tp=2").label(2) == "allreduce+tp=2"  # asked for by name: kept
     assert Strategy().label(1) == "single process" and Strategy.parse("accum=4").label(1) == "accum=4"
     assert Strategy.parse("bucketed:ring+tp=2").label(2) == "bucketed:ring+tp=2"
+
+
+def test_verify_names_every_modifier_and_answers_a_near_miss(run_cli):
+    helped = run_cli("verify", "--help", check=True).stdout
+    for modifier in ("+cp=N", "+ulysses", "+ep=N", "+zb", "+vpp=V", "+gpt-moe", "+gpipe", "+ckpt", "+adam"):
+        assert modifier in helped.replace("\n", " ").replace("  ", " "), modifier
+    from distlab.errors import ConfigError
+    from distlab.tools.verify import parse_strategy
+    with pytest.raises(ConfigError, match=r"'moe' is not a modifier \(did you mean gpt-moe\?\)"):
+        parse_strategy("bucketed+ep=2+moe")
+    with pytest.raises(ConfigError, match=r"'ulyses' is not a modifier \(did you mean ulysses\?\)"):
+        parse_strategy("bucketed+cp=2+ulyses")
+    assert parse_strategy("bucketed+pp=2+mb=4+zb+gpt").model == "gpt"

@@ -178,9 +178,10 @@ def generate(source, prompt, max_new_tokens, temperature, top_k, seed, n_head, t
 @click.option("--nproc", type=COUNT, default=2, show_default=True, help="Processes (gloo, CPU) for the distributed runs.")
 @click.option("--strategy", "strategies", multiple=True,
               help="A strategy in its text form, repeatable: METHOD[:COLLECTIVE] then +accum=K, +bucket=MB, +syncbn, "
-                   "+tp=N, +naive, +sp, +zero=S, +pp=P, +mb=M, +gpipe/+1f1b, +ckpt, +bf16, +reduce=DTYPE, +compress=C, "
-                   "+adam, +gpt (e.g. bucketed:ring+accum=4, "
-                   "zero=3, allreduce+tp=2+naive, bucketed+tp=2+pp=2+gpt). Default: every --dp-sync x --collective, "
+                   "+tp=N, +naive, +sp, +cp=N, +ulysses, +ep=N, +zero=S, +pp=P, +mb=M, +gpipe/+1f1b/+zb, +vpp=V, "
+                   "+ckpt, +bf16, +reduce=DTYPE, +compress=C; +adam (the optimizer), +gpt (the transformer) or "
+                   "+gpt-moe (with mixture-of-experts MLPs: for +ep) (e.g. bucketed:ring+accum=4, "
+                   "zero=3, allreduce+tp=2+naive, bucketed+tp=2+pp=2+gpt, bucketed+cp=2+gpt, bucketed+ep=2+gpt-moe). Default: every --dp-sync x --collective, "
                    "accum=4 for each method, syncbn, and on an even world tp=2 both styles and two-stage pipelines.")
 @click.option("--steps", type=COUNT, default=10, show_default=True, help="SGD steps per run.")
 @click.option("--global-batch-size", type=COUNT, default=None, help="Default: 12 x --nproc.")

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -196,6 +197,36 @@ def _announcing_restarts(argv: list[str]):
         LocalElasticAgent._monitor_workers = original
 
 
+@contextlib.contextmanager
+def _second_ctrl_c_stops_at_once(logs: str):
+    """While torchrun runs: its agent turns a first SIGINT (or SIGTERM) into a clean stop of the workers
+    and waits for it; a second SIGINT stops the job at once -- this process exits 130, and the workers,
+    in sessions of their own that a terminal's Ctrl-C does not reach, die with it (their parent-death
+    signal). The step in progress is lost; earlier snapshots are intact."""
+    try:
+        from torch.distributed.elastic.multiprocessing import api
+        original = api._terminate_process_handler
+    except (ImportError, AttributeError):  # another torch: its own handling stays
+        yield
+        return
+    seen = []
+
+    def handler(signum, frame):
+        if signum == signal.SIGINT and signal.SIGINT in seen:
+            print("distlab: stopped at once (a second Ctrl-C): the step in progress is lost; earlier snapshots "
+                  "are intact", file=sys.stderr, flush=True)
+            shutil.rmtree(logs, ignore_errors=True)
+            os._exit(128 + signal.SIGINT)
+        seen.append(signum)
+        original(signum, frame)  # raises torch's SignalException: the agent stops the workers cleanly
+
+    api._terminate_process_handler = handler
+    try:
+        yield
+    finally:
+        api._terminate_process_handler = original
+
+
 def _fresh_summary(argv: list[str], since: float) -> tuple[str | None, dict | None]:
     """The run's ``--out`` and its summary.json if written after ``since`` (by this launch's workers)."""
     out = _flag_value(argv, "--out") or os.environ.get("DISTLAB_OUT")
@@ -289,7 +320,7 @@ def launch(opts: LaunchOptions, argv: list[str]) -> int:
     # directory unless given, left behind by every launch): one of ours, removed when the job ends.
     logs = tempfile.TemporaryDirectory(prefix="distlab-torchrun-")
     try:
-        with _announcing_restarts(argv):
+        with _announcing_restarts(argv), _second_ctrl_c_stops_at_once(logs.name):
             run(parse_args(torchrun_args(opts, argv, logs.name)))
     except SignalException as exc:
         return _stopped_by_signal(exc.sigval, argv, started)

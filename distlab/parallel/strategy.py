@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, fields
 
-from distlab.errors import ConfigError
+from distlab.errors import ConfigError, did_you_mean
 from distlab.parallel.compression import parse_compression
 from distlab.parallel.context_parallel import STYLES as CP_STYLES
 from distlab.parallel.data_parallel import COLLECTIVES, SYNC_METHODS
@@ -68,6 +68,7 @@ _WORDS = {"naive": ("tp_style", "naive"), "megatron": ("tp_style", "megatron"), 
           "gpipe": ("pp_schedule", "gpipe"), "1f1b": ("pp_schedule", "1f1b"), "zb": ("pp_schedule", "zb"),
           "ckpt": ("activation_checkpointing", True), "bf16": ("precision", "bf16"), "fp16": ("precision", "fp16"),
           "fp32": ("precision", "fp32"), "ulysses": ("cp_style", "ulysses")}
+MODIFIER_WORDS = tuple(_WORDS)  # the modifiers written as a bare word (``+naive``, ``+zb``)
 
 
 @dataclass(frozen=True)
@@ -391,8 +392,8 @@ class Strategy:
                 if collective:
                     values["collective"] = collective
             else:
-                raise ConfigError(f"strategy {text!r}: {token!r} is not a modifier; the method "
-                                  f"({', '.join(SYNC_METHODS)}) comes first")
+                raise ConfigError(f"strategy {text!r}: {token!r} is not a modifier{did_you_mean(token, _WORDS)}; the "
+                                  f"method ({', '.join(SYNC_METHODS)}) comes first")
         return cls(**values).check()
 
     @classmethod

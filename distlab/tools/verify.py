@@ -44,8 +44,9 @@ from dataclasses import dataclass
 
 import torch
 
-from distlab.errors import ConfigError
+from distlab.errors import ConfigError, did_you_mean
 from distlab.parallel import COLLECTIVES, SYNC_METHODS, Strategy
+from distlab.parallel.strategy import MODIFIER_WORDS
 from distlab.train.config import TrainConfig
 
 EPS32 = torch.finfo(torch.float32).eps
@@ -75,6 +76,11 @@ def parse_strategy(text: str) -> Case:
     """The :class:`~distlab.parallel.Strategy` text form, plus ``+adam`` for the optimizer and
     ``+gpt`` for the transformer."""
     tokens = [t.strip() for t in text.split("+")]
+    for t in tokens[1:]:
+        hint = did_you_mean(t, (*CASE_MODELS, "adam"), {"moe": "gpt-moe", "transformer": "gpt", "adamw": "adam"})
+        if hint and t not in (*CASE_MODELS, "adam", *MODIFIER_WORDS) and "=" not in t:
+            raise ConfigError(f"strategy {text!r}: {t!r} is not a modifier{hint} (verify's models: +gpt, +gpt-moe; "
+                              f"its optimizer: +adam)")
     model = next((t for t in tokens if t in CASE_MODELS), None)
     if model and "adam" in tokens:
         raise ConfigError(f"{text}: Adam on the transformer has no float32 tolerance to verify against -- it divides "
