@@ -17,20 +17,15 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-RUNS = [
-    ("1 process", []),
-    ("2 processes, --dp-sync gather-scatter", ["--nproc-per-node", "2", "--dp-sync", "gather-scatter"]),
-    ("2 processes, --dp-sync allreduce", ["--nproc-per-node", "2", "--dp-sync", "allreduce"]),
-    ("2 processes, --dp-sync bucketed (the default)", ["--nproc-per-node", "2", "--dp-sync", "bucketed"]),
-    ("2 processes, --dp-sync ddp", ["--nproc-per-node", "2", "--dp-sync", "ddp"]),
-]
+from distlab.bench import mainjob
+from distlab.bench.mainjob import RUNS
+
 BASE = ["train", "--model", "mlp", "--dataset", "fashion-mnist", "--epochs", "1", "--log-every", "1000",
         "--no-progress"]
 
@@ -55,20 +50,7 @@ def main() -> None:
              "rounds": args.runs}
     (out / "results.json").write_text(json.dumps({"facts": facts, "rounds": rounds}, indent=2) + "\n")
 
-    def med(values):
-        return statistics.median(values)
-
-    print("| run | test accuracy | time/step (median) | samples/s | vs 1 process (range) | bytes sent/step/rank |")
-    print("|---|---|---|---|---|---|")
-    for j, (name, _) in enumerate(RUNS):
-        rows = [r[j] for r in rounds]
-        ratios = [r[0]["time_per_step_s_median"] / r[j]["time_per_step_s_median"] for r in rounds]
-        first = rows[0]
-        print(f"| {name} ({first['world_size']} x {first['threads_per_rank']} threads) | "
-              f"{100 * med([r['test_accuracy'] for r in rows]):.2f}% | "
-              f"{1000 * med([r['time_per_step_s_median'] for r in rows]):.2f} ms | "
-              f"{med([r['samples_per_s'] for r in rows]):,.0f} | {med(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) | "
-              f"{first['comm_bytes_per_step']:,} |")
+    print(mainjob.table({"facts": facts, "rounds": rounds}, markdown=True))
     print(f"\n{facts}")
 
 if __name__ == "__main__":

@@ -46,9 +46,10 @@ def at_least(**minimums: tuple[int, int]) -> None:
 
 def format_table(headers: list[str], rows: list[list[str]], markdown: bool = False) -> str:
     """Rows of display cells as aligned text (first column left, the rest right) or as Markdown."""
-    if markdown:
-        return "\n".join(["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-                         + ["| " + " | ".join(row) + " |" for row in rows])
+    if markdown:  # a "|" inside a cell (|loss - torch's|) is escaped: it would end the cell
+        def line(cells):
+            return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+        return "\n".join([line(headers), "|" + "---|" * len(headers)] + [line(row) for row in rows])
     widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
     return "\n".join(" ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in
                               enumerate(zip(row, widths))).rstrip() for row in [headers, *rows])

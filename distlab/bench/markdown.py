@@ -50,31 +50,63 @@ def syncbn(records: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def verify_records(records: list[dict]) -> str:
+    """``distlab verify --json`` records: each strategy's largest differences from one process."""
+    from distlab.bench.common import format_table
+    rows = [[r["strategy"], str(r["world_size"]), str(r["steps"]), f"{r['max_abs_param_diff']:.2e}",
+             f"{r['max_loss_diff']:.2e}", "-" if r.get("tolerance") is None else f"{r['tolerance']:.1e}",
+             "approximate" if r["passed"] is None else ("pass" if r["passed"] else "FAIL")] for r in records]
+    return format_table(["strategy", "ranks", "steps", "max abs param diff", "max loss diff", "tolerance", "result"],
+                        rows, markdown=True)
+
+
+def fault_records(records: list[dict]) -> str:
+    """``distlab verify --faults --json`` records: each drill against an uninterrupted run."""
+    from distlab.bench.common import format_table
+    rows = [[r["strategy"], str(r["world_size"]), r["drill"],
+             "-" if r.get("max_abs_param_diff") is None else f"{r['max_abs_param_diff']:.2e}",
+             "skipped" if r["passed"] is None else ("pass" if r["passed"] else "FAIL"),
+             str(r.get("detail", "")).replace("|", "/")[:120]] for r in records]
+    return format_table(["strategy", "ranks", "drill", "max abs param diff", "result", "detail"], rows, markdown=True)
+
+
+def _kind(first: dict):
+    """The table of a file whose records start with ``first`` (by the fields only that bench writes)."""
+    from distlab.bench import (checkpointing, compression, elastic, overhead, parallel, pipeline, scaling,
+                               snapshot_format)
+    tables = [
+        (("algorithm",), collectives),
+        (("drill",), fault_records),
+        (("max_abs_param_diff", "passed"), verify_records),
+        (("mlp_widths", "strategy"), lambda r: parallel.table(r, markdown=True)),
+        # before pipeline's: with --pp a checkpointing record names a schedule too
+        (("time_per_step_s_checkpointed",), lambda r: checkpointing.table(r, markdown=True)),
+        (("schedule", "microbatches"), lambda r: pipeline.table(r, markdown=True)),
+        (("scaling_efficiency",), lambda r: scaling.table(r, markdown=True)),
+        (("speedup", "test_accuracies"), lambda r: compression.table(r, markdown=True)),
+        (("killed_node",), lambda r: elastic.table(r, markdown=True)),
+        (("side", "round"), lambda r: overhead.table(r, markdown=True)),
+        (("save_s_median", "format"), lambda r: snapshot_format.table(r, markdown=True)),
+        (("samples_per_s_median",), dp),
+        (("features",), syncbn),
+    ]
+    return next((table for fields, table in tables if all(f in first for f in fields)), None)
+
+
 def render(path: str | Path) -> str:
-    """The Markdown table of any JSON file a ``distlab bench`` command writes."""
-    records = json.loads(Path(path).read_text())
-    if not isinstance(records, list):
+    """The Markdown table of any JSON file a ``distlab bench`` command (or ``verify --json``, or the main
+    job's script) writes."""
+    from distlab.bench import mainjob
+    data = json.loads(Path(path).read_text())
+    if mainjob.is_results(data):
+        return mainjob.table(data, markdown=True)
+    if not isinstance(data, list):
         raise ValueError("not a list of bench records")
-    if not records:
+    if not data:
         return f"(no records in {path})"
-    first = records[0]
-    if "algorithm" in first:
-        return collectives(records)
-    if "mlp_widths" in first and "strategy" in first:
-        from distlab.bench import parallel
-        return parallel.table(records, markdown=True)
-    if "activation_peak_bytes_checkpointed" in first:  # before pipeline's: with --pp it names a schedule too
-        from distlab.bench import checkpointing
-        return checkpointing.table(records, markdown=True)
-    if "schedule" in first and "microbatches" in first:
-        from distlab.bench import pipeline
-        return pipeline.table(records, markdown=True)
-    if "scaling_efficiency" in first:
-        from distlab.bench import scaling
-        return scaling.table(records, markdown=True)
-    if "samples_per_s_median" in first:
-        return dp(records)
-    if "features" in first:
-        return syncbn(records)
-    raise ValueError(f"{path}: not a bench file distlab knows (collectives, dp, syncbn, scaling, parallel, pipeline, "
-                     f"checkpointing)")
+    table = _kind(data[0]) if isinstance(data[0], dict) else None
+    if table is None:
+        raise ValueError(f"{path}: not a bench file distlab knows (collectives, dp, syncbn, scaling, parallel, "
+                         f"pipeline, checkpointing, compression, elastic, overhead, snapshot-format, verify, the "
+                         f"main job's results)")
+    return table(data)
