@@ -1,7 +1,9 @@
-"""The GPU path: run where CUDA is present, skipped with the reason elsewhere (``gpu`` marker).
+"""The GPU path, each test with a CPU twin: the same code path and assertions on ``cpu`` (run everywhere)
+and on ``cuda`` (``gpu`` marker: run where CUDA is present, skipped with the reason elsewhere). A change
+that breaks the path breaks the twin here, on a machine without a GPU.
 
 Equivalence bounds are distlab.tools.verify's (float32 summation order; bf16/fp16 unit roundoff), so they
-hold on any GPU: a GPU run and the CPU reference differ in how they sum, not in what.
+hold on any device: a GPU run and the CPU reference differ in how they sum, not in what.
 """
 
 import json
@@ -14,7 +16,11 @@ from distlab.launch.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig
 from distlab.tools.verify import reference_run, tolerance
 
-pytestmark = pytest.mark.gpu
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+# fp16 autocast and its loss scaling are for GPUs (refused on the CPU): the CPU twin runs bf16
+LOW_PRECISIONS = [pytest.param("cpu", "bf16", id="cpu-bf16"),
+                  pytest.param("cuda", "bf16", id="cuda-bf16", marks=pytest.mark.gpu),
+                  pytest.param("cuda", "fp16", id="cuda-fp16", marks=pytest.mark.gpu)]
 
 
 def _cfg(**kw):
@@ -42,7 +48,7 @@ def _reference_on(cfg, device):
     for idx in sequential_batches(len(data), batch_size=cfg.global_batch_size, seed=cfg.seed)[:cfg.max_steps]:
         x, y = (t.to(device) for t in data.batch(torch.tensor(idx)))
         opt.zero_grad()
-        with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+        with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
             loss = task_loss(model(x), y)
         loss.backward()
         opt.step()
@@ -53,38 +59,46 @@ def _max_diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
-def test_single_gpu_training_equals_cpu_training_within_the_float32_bound():
+def _on(device: str) -> dict:
+    """run_ranks' settings for a rank on ``device`` (GPUs hidden from a CPU rank)."""
+    return {"gpus": device == "cuda", "timeout": 300}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_single_device_training_equals_cpu_training_within_the_float32_bound(device):
     cfg = _cfg()
-    (params, _, summary), = run_ranks(_train_on, 1, cfg, "cuda", gpus=True, timeout=300)
+    (params, _, summary), = run_ranks(_train_on, 1, cfg, device, **_on(device))
     ref_params, _ = reference_run(cfg)  # on the CPU
-    assert summary["device"].startswith("cuda") and summary["data_on_device"] is True
+    assert summary["device"].startswith(device) and summary["data_on_device"] is (device == "cuda")
     assert _max_diff(params, ref_params) <= tolerance(cfg)
 
 
-def test_the_mixture_of_experts_on_one_gpu_equals_cpu_training_within_the_float32_bound():
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_mixture_of_experts_on_one_device_equals_cpu_training_within_the_float32_bound(device):
     """The MoE GPT's routing, sorting by expert and combination run on the device (dropless): the
     same steps as on the CPU, up to float32 summation order."""
     cfg = _cfg(model="gpt-moe", dataset="synthetic-text:4000", n_layer=2, n_head=4, n_embd=16, block_size=8,
                experts=4, top_k=2, lr=0.05, max_steps=4)
-    (params, _, summary), = run_ranks(_train_on, 1, cfg, "cuda", gpus=True, timeout=300)
+    (params, _, summary), = run_ranks(_train_on, 1, cfg, device, **_on(device))
     ref_params, _ = reference_run(cfg)  # on the CPU
-    assert summary["device"].startswith("cuda") and summary["experts"]["dropped"] == 0
+    assert summary["device"].startswith(device) and summary["experts"]["dropped"] == 0
     assert _max_diff(params, ref_params) <= tolerance(cfg)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_reduced_precision_on_gpu_within_its_derived_bound(precision):
+@pytest.mark.parametrize("device,precision", LOW_PRECISIONS)
+def test_reduced_precision_within_its_derived_bound(device, precision):
     cfg = _cfg(precision=precision, max_steps=5)
-    (params, losses, _), = run_ranks(_train_on, 1, cfg, "cuda", gpus=True, timeout=300)
-    assert _max_diff(params, _reference_on(cfg, "cuda")) <= tolerance(cfg)
+    (params, losses, _), = run_ranks(_train_on, 1, cfg, device, **_on(device))
+    assert _max_diff(params, _reference_on(cfg, device)) <= tolerance(cfg)
     assert all(torch.isfinite(torch.tensor(losses)))
 
 
-def test_fp16_overflow_skips_the_step_on_gpu():
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_overflowing_fp16_step_is_skipped_and_the_scale_backs_off(device):
     from distlab.parallel.precision import LossScaler
-    p = torch.nn.Parameter(torch.ones(4, device="cuda"))
+    p = torch.nn.Parameter(torch.ones(4, device=device))
     scaler = LossScaler(init_scale=2.0 ** 16)
-    with torch.autocast("cuda", dtype=torch.float16):
+    with torch.autocast("cuda", dtype=torch.float16, enabled=device == "cuda"):
         loss = (p.half() * 60000).sum()  # the scaled loss and its gradient overflow float16
     scaler.scale(loss).backward()
     found = scaler.unscale_([p])
@@ -92,71 +106,83 @@ def test_fp16_overflow_skips_the_step_on_gpu():
     assert found is True and scaler.scale_value == 2.0 ** 15 and scaler.skipped == 1
 
 
-def _nccl_world_one(rank, world):
-    rt = runtime.init(backend="nccl", device="cuda", env={})
-    t = torch.ones(3, device="cuda")
+def _world_one(rank, world, backend, device):
+    rt = runtime.init(backend=backend, device=device, env={})
+    t = torch.ones(3, device=device)
     torch.distributed.all_reduce(t)
     runtime.shutdown()
     return rt.backend, t.sum().item()
 
 
-def test_nccl_with_world_one():
-    assert run_ranks(_nccl_world_one, 1, init_group=False, gpus=True, timeout=120) == [("nccl", 3.0)]
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_devices_backend_with_world_one(device):
+    backend = "nccl" if device == "cuda" else "gloo"
+    assert run_ranks(_world_one, 1, backend, device, init_group=False, gpus=device == "cuda",
+                     timeout=120) == [(backend, 3.0)]
 
 
-def test_doctor_sees_the_gpu(run_cli):
-    proc = run_cli("doctor", env={"DISTLAB_DEVICE": "cuda"})
+@pytest.mark.parametrize("device", DEVICES)
+def test_doctor_sees_the_device(run_cli, device):
+    proc = run_cli("doctor", env={"DISTLAB_DEVICE": device})
     assert proc.returncode == 0, proc.stderr
-    assert "cuda" in proc.stdout.lower()
+    assert ("cuda:0 " in proc.stdout) if device == "cuda" else ("cores: " in proc.stdout and "load: " in proc.stdout)
 
 
-def test_resident_batches_equal_host_batches():
+@pytest.mark.parametrize("device", DEVICES)
+def test_resident_batches_equal_host_batches(device):
     from distlab.data import load_dataset
     data = load_dataset("synthetic:3x8x8:4:64", "train")
     data.augment = True
-    on_gpu = data.to("cuda")
+    resident = data.to(device)
     idx = torch.tensor([5, 1, 9, 33])
     for augment in (False, True):
         host = data.batch(idx, augment=augment, generator=torch.Generator().manual_seed(2))
-        dev = on_gpu.batch(idx, augment=augment, generator=torch.Generator().manual_seed(2))
-        assert all(d.device.type == "cuda" and torch.equal(h, d.cpu()) for h, d in zip(host, dev))
+        dev = resident.batch(idx, augment=augment, generator=torch.Generator().manual_seed(2))
+        assert all(d.device.type == device and torch.equal(h, d.cpu()) for h, d in zip(host, dev))
 
 
-def test_bench_overhead_runs_every_side_on_the_gpu(run_cli, tmp_path):
-    proc = run_cli("bench", "overhead", "--workloads", "mlp", "--precisions", "fp32,fp16", "--steps", "20",
+@pytest.mark.parametrize("device", DEVICES)
+def test_bench_overhead_runs_every_side_on_the_device(run_cli, tmp_path, device):
+    precisions = "fp32,fp16" if device == "cuda" else "fp32,bf16"
+    proc = run_cli("bench", "overhead", "--workloads", "mlp", "--precisions", precisions, "--steps", "20",
                    "--runs", "1", "--dataset", "synthetic:1x28x28:10:2048", "--out", "o",
-                   env={"DISTLAB_DEVICE": "cuda"}, timeout=600)
+                   env={"DISTLAB_DEVICE": device}, timeout=600)
     assert proc.returncode == 0, proc.stderr
     records = json.loads((tmp_path / "o" / "overhead.json").read_text())
-    assert {r["side"] for r in records} == {"plain", "plain-resident", "distlab"}
-    assert {r["device"] for r in records} == {"cuda"}
+    assert {r["side"] for r in records} == ({"plain", "plain-resident", "distlab"} if device == "cuda" else
+                                            {"plain", "distlab"})
+    assert {r["device"] for r in records} == {device}
 
 
-def test_a_snapshot_written_on_gpu_resumes_on_cpu_and_back(run_cli, tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_snapshot_resumes_on_the_other_device_and_back(run_cli, tmp_path, device):
+    """GPU -> CPU -> GPU (its twin: CPU throughout), each resume longer than the last: the constant
+    schedule lets a resumed run change its length (a decaying one refuses, naming the setting)."""
     train = ("train", "--dataset", "synthetic:1x8x8:4:256", "--global-batch-size", "16", "--no-progress",
-             "--snapshot-dir", "s", "--snapshot-every", "2")
-    run_cli(*train, "--max-steps", "4", "--out", "a", env={"DISTLAB_DEVICE": "cuda"}, check=True)
+             "--snapshot-dir", "s", "--snapshot-every", "2", "--lr-schedule", "constant")
+    run_cli(*train, "--max-steps", "4", "--out", "a", env={"DISTLAB_DEVICE": device}, check=True)
     run_cli(*train, "--max-steps", "6", "--resume", "auto", "--out", "b", env={"DISTLAB_DEVICE": "cpu"}, check=True)
-    run_cli(*train, "--max-steps", "8", "--resume", "auto", "--out", "c", env={"DISTLAB_DEVICE": "cuda"}, check=True)
+    run_cli(*train, "--max-steps", "8", "--resume", "auto", "--out", "c", env={"DISTLAB_DEVICE": device}, check=True)
     b, c = (json.loads((tmp_path / d / "summary.json").read_text()) for d in "bc")
     assert b["resumed_from"].endswith("step-00000004") and b["device"] == "cpu"
-    assert c["resumed_from"].endswith("step-00000006") and c["device"].startswith("cuda") and c["steps"] == 8
+    assert c["resumed_from"].endswith("step-00000006") and c["device"].startswith(device) and c["steps"] == 8
 
 
-def _fp16_resume(rank, world, tmp):
-    """fp16 with its loss scaler: straight 10 steps vs 6 steps, a snapshot, then a resume to 10."""
-    base = dict(precision="fp16", lr=0.5)  # a large LR: the scaler backs off and grows within the run
-    straight = Trainer(_cfg(**base), runtime.from_process_group(torch.device("cuda")))
+def _low_precision_resume(rank, world, tmp, device, precision):
+    """Straight 10 steps vs 6 steps, a snapshot, then a resume to 10 (fp16: with its loss scaler)."""
+    base = dict(precision=precision, lr=0.5)  # a large LR: fp16's scaler backs off and grows within the run
+    straight = Trainer(_cfg(**base), runtime.from_process_group(torch.device(device)))
     straight.fit()
     first = _cfg(**base, max_steps=6, snapshot_dir=str(tmp), snapshot_every=3)
-    Trainer(first, runtime.from_process_group(torch.device("cuda"))).fit()
-    second = Trainer(_cfg(**base, snapshot_dir=str(tmp), resume="auto"), runtime.from_process_group(torch.device("cuda")))
+    Trainer(first, runtime.from_process_group(torch.device(device))).fit()
+    second = Trainer(_cfg(**base, snapshot_dir=str(tmp), resume="auto"), runtime.from_process_group(torch.device(device)))
     second.fit()
     same = all(torch.equal(a, b) for a, b in zip(straight.full_parameters(), second.full_parameters()))
-    scales = [t.engine.precision.scaler.state_dict() for t in (straight, second)]
-    return same, scales
+    scalers = [t.engine.precision.scaler for t in (straight, second)]
+    return same, [s.state_dict() if s is not None else None for s in scalers]
 
 
-def test_fp16_resume_is_bitwise_with_the_loss_scaler_restored(tmp_path):
-    (same, (a, b)), = run_ranks(_fp16_resume, 1, tmp_path / "s", gpus=True, timeout=300)
-    assert same and a == b
+@pytest.mark.parametrize("device,precision", LOW_PRECISIONS)
+def test_a_low_precision_resume_is_bitwise_with_the_loss_scaler_restored(tmp_path, device, precision):
+    (same, (a, b)), = run_ranks(_low_precision_resume, 1, tmp_path / "s", device, precision, **_on(device))
+    assert same and a == b and (a is not None) == (precision == "fp16")
