@@ -11,7 +11,9 @@ A block is a pattern, not a transcript. In it:
 * times (``4.48 ms``, ``2,980 samples/s``, ``efficiency 0.13``, ``+7%``) match any number, since
   they are this machine's;
 * float32 round-off (``1.5e-08``: any number written with an exponent of -5 or below, or
-  ``0.0e+00``) matches any other round-off, since it depends on the CPU's kernels.
+  ``0.0e+00``) matches any other round-off, since it depends on the CPU's kernels;
+* counts of threads and cores (``x 1 threads``, ``on 2 cores``) match any count: a run's default
+  threads are the machine's cores divided among its ranks.
 
 Every other character -- byte counts, parameter counts, ranks, losses printed as fixed text -- must
 be what the command prints.
@@ -41,6 +43,8 @@ _TIMES = [  # (what a page shows, what it matches)
     (re.compile(rf"(?<=efficiency ){_NUM}"), _NUM),
     (re.compile(r"[-+]\d+(?:\.\d+)?%"), r"[-+]\d+(?:\.\d+)?%"),
     (re.compile(r"\d\.\d+e-(?:0[5-9]|[1-9]\d)|0\.0e\+00"), r"(?:\d\.\d+e-(?:0[5-9]|[1-9]\d)|0\.0e\+00)"),
+    (re.compile(r"\d+(?= threads?\b)"), r"\d+"),  # threads per rank follow the machine's cores
+    (re.compile(r"\d+(?= cores\b)"), r"\d+"),
 ]
 
 
