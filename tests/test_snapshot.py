@@ -570,22 +570,29 @@ def test_a_first_ctrl_c_stops_cleanly_and_a_second_stops_at_once():
     assert signal.getsignal(signal.SIGINT) is before  # the handler of before the run is back
 
 
-@pytest.mark.parametrize("nproc", [None, "2"])
-def test_ctrl_c_snapshots_writes_its_summary_and_exits_130(tmp_path, nproc):
-    import signal
+def _long_run_with_a_snapshot(tmp_path, nproc: str | None, env: dict | None = None):
+    """A run far longer than any test, started in ``tmp_path``, once it has written its first snapshot."""
     import subprocess
     import sys
     import time
     cmd = [sys.executable, "-m", "distlab", "train", "--dataset", "synthetic:1x8x8:4:200000", "--mlp-widths", "16",
            "--no-progress", "--device", "cpu", "--snapshot-every", "20", "--snapshot-dir", "s", "--out", "run",
            "--lr-schedule", "constant", *(["--nproc-per-node", nproc] if nproc else [])]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}, **(env or {})}
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not snap.snapshots(tmp_path / "s"):
+        if proc.poll() is not None:
+            raise AssertionError(proc.communicate())
+        time.sleep(0.2)
+    return proc
+
+
+@pytest.mark.parametrize("nproc", [None, "2"])
+def test_ctrl_c_snapshots_writes_its_summary_and_exits_130(tmp_path, nproc):
+    import signal
+    proc = _long_run_with_a_snapshot(tmp_path, nproc)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline and not snap.snapshots(tmp_path / "s"):
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -710,8 +717,6 @@ def test_a_second_ctrl_c_stops_the_launch_at_once_while_workers_are_still_stoppi
     """Workers that take long to stop (here: they ignore SIGINT) hold the first Ctrl-C's clean stop; a
     second Ctrl-C ends the job at once, the workers with it."""
     import signal
-    import subprocess
-    import sys
     import textwrap
     import time
     site = tmp_path / "site"
@@ -723,16 +728,8 @@ def test_a_second_ctrl_c_stops_the_launch_at_once_while_workers_are_still_stoppi
             signal.signal = lambda sig, handler: _set(sig, signal.SIG_IGN if sig == signal.SIGINT else handler)
             _set(signal.SIGINT, signal.SIG_IGN)
     """))
-    cmd = [sys.executable, "-m", "distlab", "train", "--dataset", "synthetic:1x8x8:4:200000", "--mlp-widths", "16",
-           "--no-progress", "--device", "cpu", "--snapshot-every", "20", "--snapshot-dir", "s", "--out", "run",
-           "--nproc-per-node", "2"]
-    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}, "PYTHONPATH": str(site)}
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _long_run_with_a_snapshot(tmp_path, "2", {"PYTHONPATH": str(site)})
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline and not snap.snapshots(tmp_path / "s"):
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
         time.sleep(1.0)
         assert proc.poll() is None  # the first waits for the workers' clean stop (which never comes here)

@@ -109,7 +109,6 @@ def failure_report(failures: dict[int, tuple[int | None, float]], argv: list[str
     ranks torchrun then stopped, the last logged step (``--out``'s metrics.jsonl) and, when there are
     snapshots in ``--snapshot-dir``, how to go on from the newest.
     """
-    import json
     from pathlib import Path
 
     from distlab.train.snapshot import snapshots

@@ -18,7 +18,6 @@ from pathlib import Path
 
 from distlab.data import tokenizer as tokenizers
 from distlab.errors import ConfigError
-from distlab.models import GPT
 from distlab.models.generation import generate, gpt_from_state, stream
 
 __all__ = ["generate", "gpt_from_state", "load_gpt", "stream"]
