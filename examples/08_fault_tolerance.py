@@ -41,7 +41,7 @@ def main(root: Path) -> None:
     summary = json.loads((root / "killed" / "run" / "summary.json").read_text())
     print(f"killed run: rank 1 died after step {KILL_AFTER}; {summary['restart_count']} restart; resumed from "
           f"{Path(summary['resumed_from']).name}; finished {summary['steps']} steps")
-    print("  what the restarted workers said:")
+    print("  what the launcher and the restarted workers said:")
     for line in killed.stderr.splitlines():
         if "resum" in line.lower() or "snapshot" in line.lower():
             print("   ", line.strip().replace(f"{root}/", ""))

@@ -78,6 +78,12 @@ class MetricsLog:
         if self.path and (records or self.path.exists()):
             atomic_write_text(self.path, "".join(dumps(r) + "\n" for r in records))
 
+    def touch(self) -> None:
+        """Make the file if no record has (a run that ends before its first log step: its summary comes
+        with a metrics.jsonl, empty)."""
+        if self.path and not self.path.exists():
+            atomic_write_text(self.path, "")
+
     def write(self, record: dict) -> None:
         if self.path:
             try:

@@ -192,6 +192,7 @@ class Trainer:
                 "no --snapshot-dir, so the progress is lost"))
         summary = summarize(self, stopped, times, time.perf_counter() - start)
         if self.rt.is_main and cfg.out:
+            self.log.touch()  # a run that ended before its first log step still has a (empty) metrics.jsonl
             atomic_write_text(Path(cfg.out) / "config.toml", cfg.to_toml())  # `distlab train --config` reruns it
             if self._predictions is not None:
                 summary["predictions"] = write_predictions(Path(cfg.out), self.test_set, *self._predictions)
