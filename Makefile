@@ -26,7 +26,7 @@ run: setup data
 	$(BIN)/distlab train --nproc-per-node $(NPROC) --model mlp --dataset fashion-mnist --epochs 1 --out runs/quickstart
 
 test: setup data
-	$(BIN)/python -m pytest -n auto   # every core (pytest-xdist): each test takes free ports and its own temp dirs
+	$(BIN)/python -m pytest -n auto --dist worksteal   # every core (pytest-xdist; an idle worker takes queued tests): each test takes free ports and its own temp dirs
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,5 +1,8 @@
+import contextlib
+import io
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -48,5 +51,49 @@ def run_cli(tmp_path):
             raise AssertionError(f"distlab {' '.join(args)} exited {proc.returncode}\n"
                                  f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
         return proc
+
+    return run
+
+
+def invoke(argv: list[str], cwd) -> tuple[int, str, str]:
+    """Run ``distlab ARGV`` in this process; (exit code, stdout, stderr). The environment, working
+    directory, signal handlers and torch's threads are restored afterwards (commands set variables for
+    the workers they start). No interpreter or torch start-up: for commands refused before any work."""
+    import torch
+
+    from distlab.cli import main
+    env, here, threads, args = dict(os.environ), os.getcwd(), torch.get_num_threads(), sys.argv
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
+    out, err = io.StringIO(), io.StringIO()
+    os.chdir(cwd)
+    sys.argv = ["distlab", *argv]  # a launch re-runs the command line under torchrun
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main(argv)
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        os.chdir(here)
+        sys.argv = args
+        for sig, handler in handlers.items():  # torchrun's agent installs its own and leaves them
+            signal.signal(sig, handler)
+        os.environ.clear()
+        os.environ.update(env)
+        torch.set_num_threads(threads)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def refused_here(tmp_path):
+    """``run_cli``'s twin for a command that must be refused before any work: run in this process (no
+    interpreter and torch start-up, a few seconds each), asserting it exits 2; returns the
+    CompletedProcess-like result."""
+
+    def run(*args: str):
+        code, out, err = invoke(list(args), tmp_path)
+        assert code == 2, f"distlab {' '.join(args)} exited {code}, not 2 (refused)\nstdout:\n{out}\nstderr:\n{err}"
+        return subprocess.CompletedProcess(["distlab", *args], code, out, err)
 
     return run

@@ -302,10 +302,10 @@ def test_verify_reports_every_strategy_against_single_process(run_cli, tmp_path)
     assert records[0]["torch_version"] and records[0]["host"] and records[0]["date"]  # where it ran, for reports
 
 
-def test_verify_rejects_unreadable_strategies(run_cli):
-    proc = run_cli("verify", "--strategy", "bucketed:tree")
+def test_verify_rejects_unreadable_strategies(refused_here, run_cli):
+    proc = refused_here("verify", "--strategy", "bucketed:tree")
     assert proc.returncode == 2 and "unknown --collective 'tree'" in proc.stderr
-    proc = run_cli("verify", "--strategy", "ddp+accum=5", "--nproc", "2")
+    proc = refused_here("verify", "--strategy", "ddp+accum=5", "--nproc", "2")
     assert proc.returncode == 2 and "must split into --grad-accum 5" in proc.stderr
 
 
@@ -417,8 +417,8 @@ def test_logged_throughput_counts_only_training_time_when_a_window_spans_evaluat
     assert [r["samples_per_s"] for r in records] == [64.0] * 4  # 8 steps of 64 samples in 8 seconds
 
 
-def test_settings_that_do_nothing_are_refused_or_warned_never_labelled_active(run_cli, tmp_path):
-    proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--max-steps", "1",
+def test_settings_that_do_nothing_are_refused_or_warned_never_labelled_active(refused_here, run_cli, tmp_path):
+    proc = refused_here("train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--max-steps", "1",
                    "--sync-bn", "distlab", "--nproc-per-node", "2")
     assert proc.returncode == 2 and "--sync-bn distlab: model mlp has no BatchNorm layer" in proc.stderr
     proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--max-steps", "1",

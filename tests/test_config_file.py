@@ -65,30 +65,30 @@ def _marker_model(tmp_path):
     return path, mark
 
 
-def test_a_config_file_naming_a_callable_runs_nothing_and_says_how_to_allow_it(run_cli, tmp_path):
+def test_a_config_file_naming_a_callable_runs_nothing_and_says_how_to_allow_it(refused_here, run_cli, tmp_path):
     touched = tmp_path / "touched"
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'model = "os:system"\nmodel_args = ["command=\\"touch {touched}\\""]\n'
                    'dataset = "synthetic:1x8x8:4:64"\nmax_steps = 1\n')
-    r = run_cli("train", "--config", str(cfg), "--out", str(tmp_path / "r"))
+    r = refused_here("train", "--config", str(cfg), "--out", str(tmp_path / "r"))
     assert r.returncode == 2 and not touched.exists(), (r.stdout, r.stderr)
     assert "distlab: error:" in r.stderr and "--trust-config" in r.stderr and "--model os:system" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "r").exists()  # refused before anything was made
     # Even when allowed, a standard-library function is not a model builder: refused before it is called.
-    r = run_cli("train", "--config", str(cfg), "--trust-config", "--out", str(tmp_path / "r"))
+    r = refused_here("train", "--config", str(cfg), "--trust-config", "--out", str(tmp_path / "r"))
     assert r.returncode == 2 and not touched.exists() and "not a model builder" in r.stderr, r.stderr
-    r = run_cli("train", "--model", "os:system", "--model-arg", f'command="touch {touched}"', "--dataset",
+    r = refused_here("train", "--model", "os:system", "--model-arg", f'command="touch {touched}"', "--dataset",
                 "synthetic:1x8x8:4:64", "--max-steps", "1", "--out", str(tmp_path / "r"))
     assert r.returncode == 2 and not touched.exists() and "not a model builder" in r.stderr, r.stderr
 
 
-def test_a_config_files_own_model_runs_only_when_the_command_line_names_it_or_trusts_the_file(run_cli, tmp_path):
+def test_a_config_files_own_model_runs_only_when_the_command_line_names_it_or_trusts_the_file(refused_here, run_cli, tmp_path):
     model, mark = _marker_model(tmp_path)
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'model = "{model}:build"\ndataset = "synthetic:1x8x8:4:64"\nmax_steps = 1\n'
                    'global_batch_size = 8\n')
-    r = run_cli("train", "--config", str(cfg), "--out", str(tmp_path / "a"))
+    r = refused_here("train", "--config", str(cfg), "--out", str(tmp_path / "a"))
     assert r.returncode == 2 and not mark.exists(), (r.stdout, r.stderr)
     assert f"--model {model}:build" in r.stderr and "--trust-config" in r.stderr
     run_cli("train", "--config", str(cfg), "--model", f"{model}:build", "--out", str(tmp_path / "c"), check=True)

@@ -76,7 +76,7 @@ def test_training_with_the_sequence_split_equals_one_process():
         assert r["passed"] and r["max_abs_param_diff"] <= r["tolerance"], r
 
 
-def test_the_cli_splits_the_sequence_and_each_rank_holds_its_share_of_the_activations(run_cli, tmp_path):
+def test_the_cli_splits_the_sequence_and_each_rank_holds_its_share_of_the_activations(refused_here, run_cli, tmp_path):
     common = ["train", "--model", "gpt", "--dataset", "synthetic-text:6000", "--n-layer", "1", "--n-embd", "32",
               "--n-head", "4", "--block-size", "64", "--global-batch-size", "8", "--max-steps", "3", "--lr-schedule",
               "constant", "--no-progress"]
@@ -93,11 +93,11 @@ def test_the_cli_splits_the_sequence_and_each_rank_holds_its_share_of_the_activa
     # the same 3 SGD steps in another summation order: verify's float32 bound (it bounds losses as parameters)
     from distlab.tools.verify import sgd_tolerance
     assert abs(cp2["test_loss"] - one["test_loss"]) <= sgd_tolerance(3, 0.05, 8 * 64, 0.9)
-    bad = run_cli(*common, "--nproc-per-node", "2", "--cp", "2", "--block-size", "66", "--out", "bad")
+    bad = refused_here(*common, "--nproc-per-node", "2", "--cp", "2", "--block-size", "66", "--out", "bad")
     assert bad.returncode == 2 and "2 x --cp = 4 equal chunks" in bad.stderr
-    bad = run_cli(*common, "--nproc-per-node", "2", "--cp", "2", "--tp", "2", "--out", "bad")
+    bad = refused_here(*common, "--nproc-per-node", "2", "--cp", "2", "--tp", "2", "--out", "bad")
     assert bad.returncode == 2 and "does not divide the world size 2" in bad.stderr
-    bad = run_cli("train", "--model", "mlp", "--dataset", "synthetic:1x4x4:2", "--nproc-per-node", "2", "--cp", "2",
+    bad = refused_here("train", "--model", "mlp", "--dataset", "synthetic:1x4x4:2", "--nproc-per-node", "2", "--cp", "2",
                   "--out", "bad")
     assert bad.returncode == 2 and "context_parallel_plan" in bad.stderr
 

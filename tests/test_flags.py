@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from distlab.cli import cli
+from tests.conftest import invoke as _invoke
 
 EDGES = ["0", "-1", "-5", "nan", "inf", "-inf", "1e30", "", "x", "1.5", ",", "0,0", "-1,2"]
 
@@ -92,33 +93,6 @@ def _options(cmd: click.Command) -> list[str]:
 
 def test_every_command_has_a_base_invocation():
     assert sorted(COMMANDS) == sorted(BASE)
-
-
-def _invoke(argv: list[str], cwd: Path) -> tuple[int, str, str]:
-    """Run ``distlab ARGV`` in this process; (exit code, stdout, stderr). The environment and the
-    working directory are restored afterwards (commands set variables for the workers they start)."""
-    from distlab.cli import main
-    env, here, threads, args = dict(os.environ), os.getcwd(), torch.get_num_threads(), sys.argv
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
-    out, err = io.StringIO(), io.StringIO()
-    os.chdir(cwd)
-    sys.argv = ["distlab", *argv]  # a launch re-runs the command line under torchrun
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                main(argv)
-                code = 0
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    finally:
-        os.chdir(here)
-        sys.argv = args
-        for sig, handler in handlers.items():  # torchrun's agent installs its own and leaves them
-            signal.signal(sig, handler)
-        os.environ.clear()
-        os.environ.update(env)
-        torch.set_num_threads(threads)
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -39,12 +39,12 @@ def test_the_same_text_from_the_run_its_snapshot_and_its_export_and_for_the_same
     assert greedy[0] == greedy[1] and greedy[0].startswith("ab")
 
 
-def test_what_cannot_generate_is_one_line(run_cli, gpt_run, tmp_path):
+def test_what_cannot_generate_is_one_line(refused_here, run_cli, gpt_run, tmp_path):
     with pytest.raises(ConfigError, match="give the model's --n-head"):
         load_gpt(_exported(run_cli, gpt_run))
-    proc = run_cli("generate", str(tmp_path / "nothing"))
+    proc = refused_here("generate", str(tmp_path / "nothing"))
     assert proc.returncode == 2 and "no run directory, snapshot or model file there" in proc.stderr
-    proc = run_cli("generate", str(gpt_run / "s" / "step-00000004"), "--temperature", "-1")
+    proc = refused_here("generate", str(gpt_run / "s" / "step-00000004"), "--temperature", "-1")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
 
 
@@ -53,7 +53,7 @@ def _exported(run_cli, gpt_run):
     return gpt_run / "m.pt"
 
 
-def test_samples_during_training_are_logged_and_change_nothing_else(run_cli, tmp_path):
+def test_samples_during_training_are_logged_and_change_nothing_else(refused_here, run_cli, tmp_path):
     """--sample-every N: a sample at every N-th step and the last, in that step's metrics record and
     printed; the run's numbers are bitwise those of the same run without samples (sampling draws from
     its own generator, and the model is rebuilt without initialising anything)."""
@@ -69,11 +69,11 @@ def test_samples_during_training_are_logged_and_change_nothing_else(run_cli, tmp
     assert sampled.stdout.count("sample   ") == 3 and "sample   " not in plain.stdout
     a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("plain", "sampled"))
     assert (a["test_loss"], a["test_accuracy"]) == (b["test_loss"], b["test_accuracy"])  # the same final model
-    proc = run_cli("train", "--model", "mlp", "--dataset", "synthetic:1x4x4:2", "--sample-every", "2")
+    proc = refused_here("train", "--model", "mlp", "--dataset", "synthetic:1x4x4:2", "--sample-every", "2")
     assert proc.returncode == 2 and "does not generate text" in proc.stderr
 
 
-def test_a_safetensors_export_alone_generates_and_a_pickle_is_refused_naming_the_model_file(run_cli, gpt_run, tmp_path):
+def test_a_safetensors_export_alone_generates_and_a_pickle_is_refused_naming_the_model_file(refused_here, run_cli, gpt_run, tmp_path):
     snap = gpt_run / "s" / "step-00000004"
     run_cli("export", str(snap), "-o", str(tmp_path / "m.safetensors"), check=True)
     args = ["--prompt", "ab", "--max-new-tokens", "12", "--seed", "5"]
@@ -85,7 +85,7 @@ def test_a_safetensors_export_alone_generates_and_a_pickle_is_refused_naming_the
         def __reduce__(self):
             return (os.system, ("true",))
     torch.save({"w": Evil()}, tmp_path / "evil.pt")
-    proc = run_cli("generate", str(tmp_path / "evil.pt"))
+    proc = refused_here("generate", str(tmp_path / "evil.pt"))
     assert proc.returncode == 2 and "the model file" in proc.stderr and "init" not in proc.stderr, proc.stderr
 
 

@@ -193,23 +193,23 @@ def test_export_writes_the_whole_model_and_init_from_starts_from_it(tmp_path, ex
         run_ranks(_init_from, 1, other, timeout=60)
 
 
-def test_export_and_init_from_refuse_bad_input_in_one_line(run_cli, tmp_path):
-    proc = run_cli("export", "nowhere", "-o", "m.pt")
+def test_export_and_init_from_refuse_bad_input_in_one_line(refused_here, run_cli, tmp_path):
+    proc = refused_here("export", "nowhere", "-o", "m.pt")
     assert proc.returncode == 2 and "error: snapshot nowhere: no snapshot there" in proc.stderr
     assert proc.stderr.count("\n") == 1 and not (tmp_path / "m.pt").exists()
     torch.save({"not": "tensors", "code": print}, tmp_path / "evil.pt")  # weights_only refuses the function
-    proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--max-steps", "1",
+    proc = refused_here("train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--max-steps", "1",
                    "--init-from", "evil.pt", "--no-progress")
     assert proc.returncode == 2 and "`init_from`" not in proc.stderr
     assert "--init-from evil.pt cannot be loaded safely" in proc.stderr, proc.stderr
     (tmp_path / "junk.safetensors").write_bytes(b"not safetensors at all")
-    proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--init-from", "junk.safetensors")
+    proc = refused_here("train", "--dataset", "synthetic:1x8x8:4:64", "--init-from", "junk.safetensors")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "--init-from junk.safetensors cannot be loaded safely as a state_dict" in proc.stderr
     (tmp_path / "empty.pt").write_bytes(b"")
-    proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--max-steps", "1",
+    proc = refused_here("train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--max-steps", "1",
                    "--init-from", "empty.pt", "--no-progress")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "--init-from empty.pt cannot be loaded safely as a state_dict" in proc.stderr
-    proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--init-from", "missing.pt")
+    proc = refused_here("train", "--dataset", "synthetic:1x8x8:4:64", "--init-from", "missing.pt")
     assert proc.returncode == 2 and "--init-from missing.pt: no such file" in proc.stderr

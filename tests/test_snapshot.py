@@ -413,15 +413,15 @@ def _corrupt_newest_then_resume(rank, world, tmp_path):
     assert again["resumed_from"].endswith("step-00000003") and again["steps"] == 5
 
 
-def test_out_and_snapshot_dir_of_another_run_are_refused_before_launch(run_cli, tmp_path):
+def test_out_and_snapshot_dir_of_another_run_are_refused_before_launch(refused_here, run_cli, tmp_path):
     args = ("train", "--dataset", "synthetic:1x8x8:4:256", "--mlp-widths", "16", "--max-steps", "4",
             "--no-progress", "--snapshot-every", "2")
     run_cli(*args, "--out", "run", "--snapshot-dir", "snaps", check=True)
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
-    proc = run_cli(*args, "--out", "run", "--snapshot-dir", "other")
+    proc = refused_here(*args, "--out", "run", "--snapshot-dir", "other")
     assert proc.returncode == 2 and "--out run already holds a run" in proc.stderr
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics and not (tmp_path / "other").exists()
-    proc = run_cli(*args, "--out", "run2", "--snapshot-dir", "snaps", "--nproc-per-node", "2")
+    proc = refused_here(*args, "--out", "run2", "--snapshot-dir", "snaps", "--nproc-per-node", "2")
     assert proc.returncode == 2 and "--snapshot-dir snaps holds 2 snapshot(s) of another run" in proc.stderr
     assert "--resume auto" in proc.stderr and not (tmp_path / "run2").exists()
 
@@ -429,27 +429,27 @@ def test_out_and_snapshot_dir_of_another_run_are_refused_before_launch(run_cli, 
 TINY = ("train", "--dataset", "synthetic:1x8x8:4:256", "--mlp-widths", "16", "--no-progress", "--snapshot-every", "2")
 
 
-def test_resume_never_touches_another_runs_out_and_a_finished_run_stays_as_it_was(run_cli, tmp_path):
+def test_resume_never_touches_another_runs_out_and_a_finished_run_stays_as_it_was(refused_here, run_cli, tmp_path):
     run_cli(*TINY, "--max-steps", "4", "--out", "a", "--snapshot-dir", "sa", check=True)
     run_cli(*TINY, "--max-steps", "4", "--out", "b", "--snapshot-dir", "sb", check=True)
     a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in "ab")
     files = {p: p.read_bytes() for d in "ab" for p in (tmp_path / d).iterdir() if p.suffix in (".json", ".jsonl")}
-    proc = run_cli(*TINY, "--max-steps", "4", "--out", "b", "--snapshot-dir", "sa", "--resume", "auto")
+    proc = refused_here(*TINY, "--max-steps", "4", "--out", "b", "--snapshot-dir", "sa", "--resume", "auto")
     assert proc.returncode == 2 and f"--out b holds run {b['run_id']}, this run resumes run {a['run_id']}" in \
         proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     proc = run_cli(*TINY, "--max-steps", "4", "--out", "a", "--snapshot-dir", "sa", "--resume", "auto", check=True)
     assert f"run {a['run_id']} had finished (step 4" in proc.stderr and "nothing changed" in proc.stderr
     assert all(p.read_bytes() == data for p, data in files.items())  # no summary rewritten, no resume counted
-    proc = run_cli(*TINY, "--max-steps", "4", "--out", "a", "--snapshot-dir", "sa", "--resume", "auto", "--lr", "0.2")
+    proc = refused_here(*TINY, "--max-steps", "4", "--out", "a", "--snapshot-dir", "sa", "--resume", "auto", "--lr", "0.2")
     assert proc.returncode == 2 and "was written with lr 0.05, this run has 0.2" in proc.stderr
     assert "none of" not in proc.stderr and "move them away" not in proc.stderr
-    proc = run_cli(*TINY, "--max-steps", "3", "--out", "a", "--snapshot-dir", "sa", "--resume", "auto")
+    proc = refused_here(*TINY, "--max-steps", "3", "--out", "a", "--snapshot-dir", "sa", "--resume", "auto")
     assert proc.returncode == 2 and "total steps 4, this run has 3 (the LR schedule decays" in proc.stderr, proc.stderr
     run_cli("train", "--dataset", "synthetic:1x8x8:4:256", "--mlp-widths", "16", "--no-progress", "--max-steps", "2",
             "--out", "c", check=True)
-    proc = run_cli(*TINY, "--max-steps", "2", "--out", "c", "--snapshot-dir", "sc")  # c's run left no snapshot
+    proc = refused_here(*TINY, "--max-steps", "2", "--out", "c", "--snapshot-dir", "sc")  # c's run left no snapshot
     assert proc.returncode == 2 and "--out c already holds a run" in proc.stderr and "--resume" not in proc.stderr
-    proc = run_cli(*TINY, "--max-steps", "2", "--out", "a", "--snapshot-dir", "fresh")
+    proc = refused_here(*TINY, "--max-steps", "2", "--out", "a", "--snapshot-dir", "fresh")
     assert proc.returncode == 2 and "--resume auto --snapshot-dir sa" in proc.stderr, proc.stderr
 
 
@@ -490,8 +490,8 @@ def full_dir(tmp_path):
     subprocess.run(["umount", str(path)], check=False)
 
 
-def test_a_full_disk_is_one_line_before_launch_and_while_running(run_cli, tmp_path, full_dir):
-    proc = run_cli(*TINY, "--max-steps", "2", "--snapshot-dir", "s", "--out", "full/run2")
+def test_a_full_disk_is_one_line_before_launch_and_while_running(refused_here, run_cli, tmp_path, full_dir):
+    proc = refused_here(*TINY, "--max-steps", "2", "--snapshot-dir", "s", "--out", "full/run2")
     assert proc.returncode == 2 and "--out full/run2 cannot be written" in proc.stderr, proc.stderr
     assert "No space left on device" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     from distlab.errors import WriteError
@@ -504,19 +504,19 @@ def test_a_full_disk_is_one_line_before_launch_and_while_running(run_cli, tmp_pa
     assert sorted(p.name for p in (full_dir / "run").iterdir()) in ([], ["metrics.jsonl"])  # nothing half-written
 
 
-def test_unwritable_directories_and_export_targets_are_one_line_before_any_work(run_cli, tmp_path, read_only_dir):
+def test_unwritable_directories_and_export_targets_are_one_line_before_any_work(refused_here, run_cli, tmp_path, read_only_dir):
     import hashlib
     (tmp_path / "afile").write_text("x")
     for flags, message in ((("--snapshot-dir", "afile"), "--snapshot-dir afile is a file, not a directory"),
                            (("--snapshot-dir", "s", "--out", "afile/run"), "--out afile/run cannot be made: afile is"),
                            (("--snapshot-dir", "ro/s"), "--snapshot-dir ro/s cannot be written"),
                            (("--snapshot-dir", "s", "--out", "ro"), "--out ro cannot be written")):
-        proc = run_cli(*TINY, "--max-steps", "2", *flags)
+        proc = refused_here(*TINY, "--max-steps", "2", *flags)
         assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
         assert not (tmp_path / "s").exists()  # refused before anything was made
     run_cli(*TINY, "--max-steps", "2", "--snapshot-dir", "s", "--out", "run", check=True)
     for target, message in (("run", "-o run is a directory"), ("ro/model.pt", "-o ro/model.pt could not be written")):
-        proc = run_cli("export", "s/step-00000002", "-o", target)
+        proc = refused_here("export", "s/step-00000002", "-o", target)
         assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     assert list(read_only_dir.iterdir()) == [] and not list((tmp_path / "run").glob("*.pt"))
     proc = run_cli("export", "s/step-00000002", "-o", "model.pt", check=True)
@@ -530,14 +530,14 @@ def _strict_json(path):
     return json.loads(path.read_text(), parse_constant=refuse)
 
 
-def test_non_finite_settings_are_refused_and_a_diverging_run_stops_at_its_step_keeping_the_last_good_state(
+def test_non_finite_settings_are_refused_and_a_diverging_run_stops_at_its_step_keeping_the_last_good_state(refused_here, 
         run_cli, tmp_path):
     torch.save({"net.1.weight": torch.full((16, 64), float("nan")), "net.1.bias": torch.zeros(16)},
                tmp_path / "nan.pt")
     for flags, name in ((("--lr", "nan"), "--lr"), (("--lr", "inf"), "--lr"), (("--weight-decay", "nan"), "--weight-decay"),
                         (("--time-budget", "nan"), "--time-budget"), (("--momentum", "-1"), "--momentum"),
                         (("--eval-batch-size", "0"), "--eval-batch-size"), (("--init-from", "nan.pt"), "non-finite")):
-        proc = run_cli(*TINY, "--max-steps", "2", "--snapshot-dir", "s", "--out", "r", *flags)
+        proc = refused_here(*TINY, "--max-steps", "2", "--snapshot-dir", "s", "--out", "r", *flags)
         assert proc.returncode == 2 and name in proc.stderr and proc.stderr.count("\n") == 1, (flags, proc.stderr)
         assert not (tmp_path / "r").exists()
     proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:2560", "--mlp-widths", "16", "--lr", "1e20",
@@ -622,7 +622,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_one_run_per_snapshot_dir_and_workers_die_with_their_launcher(run_cli, tmp_path):
+def test_one_run_per_snapshot_dir_and_workers_die_with_their_launcher(refused_here, run_cli, tmp_path):
     import signal
     import subprocess
     import sys
@@ -640,7 +640,7 @@ def test_one_run_per_snapshot_dir_and_workers_die_with_their_launcher(run_cli, t
             time.sleep(0.2)
         holder = json.loads((tmp_path / "s" / ".distlab-lock").read_text())
         assert holder["pid"] == first.pid and holder["run_id"]
-        proc = run_cli(*TINY, "--max-steps", "4", "--snapshot-dir", "s", "--out", "second", "--resume", "auto")
+        proc = refused_here(*TINY, "--max-steps", "4", "--snapshot-dir", "s", "--out", "second", "--resume", "auto")
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert f"--snapshot-dir s is in use by another run (run id {holder['run_id']}, pid {first.pid} on host" \
             in proc.stderr and not (tmp_path / "second").exists()

@@ -137,7 +137,7 @@ def test_bpe_text_over_two_ranks_equals_one_process(tmp_path):
     assert max((a - b).abs().max().item() for a, b in zip(params, ref)) <= tolerance(cfg)
 
 
-def test_a_bpe_run_keeps_its_tokenizer_for_generate_resume_and_export(run_cli, tmp_path):
+def test_a_bpe_run_keeps_its_tokenizer_for_generate_resume_and_export(refused_here, run_cli, tmp_path):
     root = _corpus(tmp_path / "texts")
     common = ["--model", "gpt", "--dataset", f"text:{root}", "--tokenizer", "bpe:300", "--n-layer", "1", "--n-embd",
               "16", "--n-head", "2", "--block-size", "16", "--global-batch-size", "8", "--lr-schedule", "constant",
@@ -154,7 +154,7 @@ def test_a_bpe_run_keeps_its_tokenizer_for_generate_resume_and_export(run_cli, t
     assert out.stdout.startswith("The quick") and "bpe:300 tokens" in out.stderr
     # the text changed since: its tokenizer would differ, and the snapshot says so
     (root / "doc00.txt").write_text(_prose(500, 30))
-    proc = run_cli("train", *common, "--max-steps", "6", "--resume", "auto")
+    proc = refused_here("train", *common, "--max-steps", "6", "--resume", "auto")
     assert proc.returncode == 2 and "tokenizer sha256" in proc.stderr, proc.stderr
     run_cli("export", "s/step-00000003", "-o", "m.pt", check=True)
     assert (tmp_path / "m.pt.tokenizer.json").read_text() == saved
@@ -162,5 +162,5 @@ def test_a_bpe_run_keeps_its_tokenizer_for_generate_resume_and_export(run_cli, t
                     "1", check=True)
     assert again.stdout == out.stdout
     (tmp_path / "m.pt.tokenizer.json").unlink()
-    proc = run_cli("generate", "m.pt", "--n-head", "2")
+    proc = refused_here("generate", "m.pt", "--n-head", "2")
     assert proc.returncode == 2 and "give its tokenizer with --tokenizer" in proc.stderr

@@ -144,14 +144,14 @@ def test_the_cli_trains_your_model_and_the_header_says_where_it_came_from(run_cl
         sum(p.numel() for p in torch.nn.Conv2d(4, 4, 3).parameters()) + 4 * 4 + 4
 
 
-def test_verify_proves_your_model_under_the_strategies_it_supports(run_cli, model_file, tmp_path):
+def test_verify_proves_your_model_under_the_strategies_it_supports(refused_here, run_cli, model_file, tmp_path):
     out = tmp_path / "verify.json"
     run_cli("verify", "--model", f"{model_file}:build", "--model-arg", "width=4", "--nproc", "2", "--steps", "3",
             "--strategy", "zero=2", "--strategy", "bucketed+ckpt", "--json", str(out), check=True)
     records = __import__("json").loads(out.read_text())
     assert [(r["strategy"], r["model"], r["passed"]) for r in records] == [
         ("zero=2", f"{model_file}:build", True), ("bucketed+ckpt", f"{model_file}:build", True)]
-    refused = run_cli("verify", "--model", f"{model_file}:build", "--nproc", "2", "--strategy", "allreduce+tp=2")
+    refused = refused_here("verify", "--model", f"{model_file}:build", "--nproc", "2", "--strategy", "allreduce+tp=2")
     assert refused.returncode == 2 and "tensor_parallel_plan(tp, style, sequence_parallel)" in refused.stderr
 
 
