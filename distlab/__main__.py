@@ -1,4 +1,4 @@
-from distlab.cli import main
+from distlab.cli import run
 
 if __name__ == "__main__":
-    main()
+    run()

@@ -80,3 +80,26 @@ def test_report_lists_an_empty_run_directory_as_failed_before_the_first_step(tmp
     inputs = collect([str(tmp_path)])
     assert inputs.runs == [] and inputs.problems == [
         (str(tmp_path / "early"), "failed before the first step: no step logged, no summary")]
+
+
+def test_the_command_runs_its_exit_handlers_but_no_interpreter_teardown(run_cli, tmp_path):
+    """Whatever a library leaves to the interpreter's teardown (here: an object whose finaliser fails, as
+    torch's rendezvous keep-alive thread sometimes does) adds nothing to a finished command's output;
+    exit handlers (locks, temporary directories) still run."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent(f"""
+        import atexit, pathlib
+
+        class LeftToTeardown:
+            def __del__(self):
+                raise RuntimeError("a finaliser failing at teardown")
+
+        left = LeftToTeardown()
+        atexit.register(lambda: pathlib.Path({str(tmp_path / "exit-handlers-ran")!r}).touch())
+    """))
+    proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--max-steps", "1",
+                   "--no-progress", "--out", str(tmp_path / "run"), env={"PYTHONPATH": str(site)})
+    assert proc.returncode == 0 and "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, \
+        proc.stderr
+    assert (tmp_path / "exit-handlers-ran").exists()

@@ -62,3 +62,25 @@ def main(argv: list[str] | None = None) -> None:
         _report_error(exc)
         sys.exit(exc.exit_code)
     sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def run() -> None:
+    """The ``distlab`` command itself (console script, ``python -m distlab``): :func:`main`, then the exit
+    handlers, then a hard exit with its code -- no interpreter teardown, where torch's daemon threads (a
+    launch's rendezvous keep-alive) occasionally print half a traceback into a finished command's
+    output. (In-process callers use :func:`main`, which raises ``SystemExit`` as usual.)"""
+    import atexit
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    atexit._run_exitfuncs()  # what exit would run: locks released, temporary directories removed, logs flushed
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
