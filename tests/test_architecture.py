@@ -132,3 +132,16 @@ def test_no_parallel_module_imports_a_concrete_model():
     for module, targets in GRAPH.items():
         if module.startswith("distlab.parallel"):
             assert not {t for t, _ in targets} & concrete, f"{module} imports {sorted({t for t, _ in targets} & concrete)}"
+
+
+def test_importing_the_strategies_loads_no_concrete_model():
+    """The real import closure (a package's ``__init__`` runs first): ``import distlab.parallel`` -- and
+    the whole training layer above it -- loads no model's module; models load when a run builds one."""
+    import subprocess
+    import sys
+    concrete = sorted(m for m in MODULES if m.startswith("distlab.models.") and m != "distlab.models.plans")
+    probe = ("import sys, distlab.parallel, distlab.train\n"
+             f"print(sorted(m for m in sys.modules if m in {concrete!r}))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True,
+                            cwd=ROOT).stdout.strip()
+    assert loaded == "[]", f"import distlab.parallel, distlab.train loads {loaded}"

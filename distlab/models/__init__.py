@@ -36,27 +36,63 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlab.errors import ConfigError, did_you_mean, first_line
-from distlab.models.gpt import GPT
-from distlab.models.mlp import MLP
-from distlab.models.resnet import ResNet18
-from distlab.models.small_cnn import SmallCNN
-from distlab.models.vgg import VGG
 
 Builder = Callable[..., nn.Module]
 
+# Each model's module loads when a run builds one (or asks for its class): importing the strategies
+# and the trainer loads none of them (tests/test_architecture.py).
+_CLASSES = {"GPT": "distlab.models.gpt", "MLP": "distlab.models.mlp", "ResNet18": "distlab.models.resnet",
+            "SmallCNN": "distlab.models.small_cnn", "VGG": "distlab.models.vgg"}
+
+
+def __getattr__(name: str):
+    """``distlab.models.GPT`` and the other model classes, imported on first use (PEP 562)."""
+    if name in _CLASSES:
+        return getattr(importlib.import_module(_CLASSES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _mlp(shape, k, widths=(512, 256), batch_norm=False, **_):
+    from distlab.models.mlp import MLP
+    return MLP(shape, k, tuple(widths), batch_norm=batch_norm)
+
+
+def _vgg(depth, batch_norm):
+    def build(shape, k, **_):
+        from distlab.models.vgg import VGG
+        return VGG(depth, shape, k, batch_norm=batch_norm)
+    return build
+
+
+def _resnet18(shape, k, **_):
+    from distlab.models.resnet import ResNet18
+    return ResNet18(shape, k)
+
+
+def _small_cnn_bn(shape, k, **_):
+    from distlab.models.small_cnn import SmallCNN
+    return SmallCNN(shape, k, batch_norm=True)
+
+
+def _gpt(shape, k, n_layer=2, n_head=4, n_embd=128, **_):
+    from distlab.models.gpt import GPT
+    return GPT(k, shape[0], n_layer, n_head, n_embd)
+
+
+def _gpt_moe(shape, k, n_layer=2, n_head=4, n_embd=128, experts=8, top_k=2, capacity_factor=None, aux_coef=0.01, **_):
+    from distlab.models.gpt import GPT
+    return GPT(k, shape[0], n_layer, n_head, n_embd, experts=experts, top_k=top_k, capacity_factor=capacity_factor,
+               aux_coef=aux_coef)
+
+
 REGISTRY: dict[str, Builder] = {
-    "mlp": lambda shape, k, widths=(512, 256), **_: MLP(shape, k, tuple(widths)),
-    "mlp-bn": lambda shape, k, widths=(512, 256), **_: MLP(shape, k, tuple(widths), batch_norm=True),
-    "vgg11": lambda shape, k, **_: VGG(11, shape, k, batch_norm=False),
-    "vgg11-bn": lambda shape, k, **_: VGG(11, shape, k, batch_norm=True),
-    "vgg19": lambda shape, k, **_: VGG(19, shape, k, batch_norm=False),
-    "vgg19-bn": lambda shape, k, **_: VGG(19, shape, k, batch_norm=True),
-    "resnet18": lambda shape, k, **_: ResNet18(shape, k),
-    "small-cnn-bn": lambda shape, k, **_: SmallCNN(shape, k, batch_norm=True),
-    "gpt": lambda shape, k, n_layer=2, n_head=4, n_embd=128, **_: GPT(k, shape[0], n_layer, n_head, n_embd),
-    "gpt-moe": lambda shape, k, n_layer=2, n_head=4, n_embd=128, experts=8, top_k=2, capacity_factor=None,
-    aux_coef=0.01, **_: GPT(k, shape[0], n_layer, n_head, n_embd, experts=experts, top_k=top_k,
-                            capacity_factor=capacity_factor, aux_coef=aux_coef),
+    "mlp": _mlp,
+    "mlp-bn": lambda shape, k, **options: _mlp(shape, k, **{**options, "batch_norm": True}),
+    "vgg11": _vgg(11, False), "vgg11-bn": _vgg(11, True), "vgg19": _vgg(19, False), "vgg19-bn": _vgg(19, True),
+    "resnet18": _resnet18,
+    "small-cnn-bn": _small_cnn_bn,
+    "gpt": _gpt,
+    "gpt-moe": _gpt_moe,
 }
 TEXT_MODELS = ("gpt", "gpt-moe")
 MOE_MODELS = ("gpt-moe",)
