@@ -145,3 +145,32 @@ def test_importing_the_strategies_loads_no_concrete_model():
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True,
                             cwd=ROOT).stdout.strip()
     assert loaded == "[]", f"import distlab.parallel, distlab.train loads {loaded}"
+
+
+def test_the_engine_never_asks_whether_a_component_is_there():
+    """No optional strategy members: nothing in the Engine compares one of its own attributes with None
+    or reads one with a getattr default -- a new parallelism joins as a component of the list, and
+    cannot pass this test by adding a member the Engine tests for. Evaluation asks the Engine, not the
+    mesh, what its components need."""
+    tree = ast.parse(_source("distlab.parallel.engine"))
+    engine = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Engine")
+
+    def on_self(node) -> bool:
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        return isinstance(node, ast.Name) and node.id == "self"
+
+    found = []
+    for node in ast.walk(engine):
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+            sides = [node.left, *node.comparators]
+            if any(isinstance(c, ast.Constant) and c.value is None for c in sides) and any(on_self(c) for c in sides):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") \
+                and node.args and on_self(node.args[0]):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    assert not found, "the Engine asks whether a member is there:\n" + "\n".join(found)
+    evaluate = ast.parse(_source("distlab.train.evaluate"))
+    asked = sorted({n.attr for n in ast.walk(evaluate) if isinstance(n, ast.Attribute)
+                    and isinstance(n.value, ast.Name) and n.value.id == "mesh"} & {"ep", "cp", "tp", "pp"})
+    assert not asked, f"evaluation asks the mesh for {asked}: ask the Engine's components"

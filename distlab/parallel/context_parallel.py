@@ -79,6 +79,16 @@ class ContextLayout:
         index = self.positions(t, device=tensors[0].device)
         return tuple(x.index_select(1, index) for x in tensors)
 
+    # -- the Engine's ModelSharding component: every batch cut to this rank's tokens; the gradients of
+    # -- the (replicated) model are summed over the CP ranks by the gradient sync's replica group
+    lockstep = False
+
+    def prepare_batch(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.shard(*tensors)
+
+    def reduce_gradients(self) -> None:
+        pass
+
 
 class ContextPositions:
     """Makes a position embedding, called with this rank's local positions ``0..t-1``, return the

@@ -44,55 +44,56 @@ import torch.distributed as dist
 from torch import nn
 
 from distlab.errors import NonFiniteError
-from distlab.models import task_correct, task_loss
 from distlab.parallel import tensor_parallel
 from distlab.parallel.checkpointing import apply_activation_checkpointing, block_names
-from distlab.parallel.context_parallel import ContextLayout, apply_context_parallel
+from distlab.parallel.context_parallel import apply_context_parallel
 from distlab.parallel.data_parallel import DataParallel
-from distlab.parallel.expert_parallel import ExpertParallel, apply_expert_parallel
+from distlab.parallel.expert_parallel import apply_expert_parallel
 from distlab.parallel.mesh import Mesh
 from distlab.parallel.pipeline import PipelineStage, partition
 from distlab.parallel.placement import Placement, take
 from distlab.parallel.precision import Precision, check_device, scale_and_find_non_finite
-from distlab.parallel.protocols import GradSync, StepSchedule
+from distlab.parallel.protocols import GradSync, LossHead, ModelSharding, StepSchedule
 from distlab.parallel.schedule import Accumulate, Pipelined
 from distlab.parallel.strategy import Strategy
 from distlab.parallel.sync_bn import apply_sync_bn
 from distlab.parallel.tp_plan import apply_tensor_parallel
-from distlab.parallel.transformer_tp import VocabParallelLinear, vocab_parallel_head
+from distlab.parallel.transformer_tp import TaskHead, loss_head
 from distlab.parallel.zero import Zero
 from distlab.runtime import group_rank, group_size
 
 
 class Engine:
     """A model spread over the mesh by a strategy (make one with :func:`parallelize`): one
-    :class:`~distlab.parallel.protocols.GradSync` and one
-    :class:`~distlab.parallel.protocols.StepSchedule`, whatever they are."""
+    :class:`~distlab.parallel.protocols.GradSync`, one :class:`~distlab.parallel.protocols.StepSchedule`,
+    the :class:`~distlab.parallel.protocols.ModelSharding` components in the order they act, one
+    :class:`~distlab.parallel.protocols.LossHead` and one :class:`~distlab.parallel.precision.Precision`,
+    whatever they are."""
 
     def __init__(self, grad_sync: GradSync, schedule: StepSchedule, strategy: Strategy, mesh: Mesh,
-                 vocab_head: VocabParallelLinear | None = None, precision: Precision | None = None,
-                 context: ContextLayout | None = None, experts: ExpertParallel | None = None):
+                 precision: Precision, components: tuple[ModelSharding, ...] = (), head: LossHead = TaskHead()):
         self.grad_sync, self.schedule, self.strategy, self.mesh = grad_sync, schedule, strategy, mesh
-        self.context = context  # context parallel: which tokens of each sequence this rank holds
-        self.experts = experts  # expert parallel: the expert shards, reduced over their own replicas
-        self.precision = precision if precision is not None else Precision(strategy.precision)
+        self.precision = precision  # autocast, and fp16's loss scaling (a no-op for fp32 and bf16)
+        self.components = tuple(components)  # context parallel's token layout, expert parallel's shards
+        self.head = head  # scores the output: the task's loss, or the vocabulary-parallel one
         self._found_inf = False  # fp16: this step's gradients overflowed on some rank (the step is skipped)
         self.check_finite = True  # step() refuses non-finite gradients (outside fp16's loss scaling)
         self.sync_seconds = 0.0  # of the last step: gradient sync after backward + after_step
-        self._vocab_head = vocab_head if vocab_head is not None else vocab_parallel_head(grad_sync.module)
 
     def loss(self, out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """The task's loss of this model's output: cross-entropy per sample or per token, computed
         across the vocabulary shards when tensor parallel split the LM head (no full logits)."""
-        if self._vocab_head is not None:
-            return self._vocab_head.loss(out, y, reduction)
-        return task_loss(out, y, reduction)
+        return self.head.loss(out, y, reduction)
 
     def correct(self, out: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:
         """(right predictions, predictions) of this model's output, as :meth:`loss` scores it."""
-        if self._vocab_head is not None:
-            return self._vocab_head.correct(out, y)
-        return task_correct(out, y)
+        return self.head.correct(out, y)
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether every data-parallel rank must run every forward (a component exchanges data between
+        them: expert parallel's tokens), so evaluation pads the shorter shards with empty batches."""
+        return any(c.lockstep for c in self.components)
 
     @property
     def module(self) -> nn.Module:
@@ -109,10 +110,13 @@ class Engine:
         return self.grad_sync(*args, **kwargs)
 
     def shard(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """This rank's part of each batch tensor along the sequence (context parallel: its chunks of
-        every sequence, inputs and targets alike); the tensors themselves otherwise. Evaluation cuts
-        its batches with it before :meth:`infer` and scores the output against the cut targets."""
-        return self.context.shard(*tensors) if self.context is not None else tensors
+        """This rank's part of each batch tensor, as every component cuts it in turn (context parallel:
+        its chunks of every sequence, inputs and targets alike); the tensors themselves where none
+        does. Evaluation cuts its batches with it before :meth:`infer` and scores the output against
+        the cut targets."""
+        for component in self.components:
+            tensors = component.prepare_batch(*tensors)
+        return tensors
 
     @torch.no_grad()
     def infer(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -143,25 +147,24 @@ class Engine:
         """After the step's last backward: make every gradient (or gradient shard) the global mean."""
         t0 = time.perf_counter()
         self.grad_sync.sync_gradients()
-        if self.experts is not None:
-            self.experts.sync_gradients()
+        for component in self.components:  # the reductions the sync does not make (expert gradients)
+            component.reduce_gradients()
         self.sync_seconds = time.perf_counter() - t0
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """``optimizer.step()`` then what the layout needs after it (ZeRO 1-2: all-gather the updated
         shards) -- the one way to step: under fp16 loss scaling a step whose gradients
         overflowed on any rank is skipped on every rank. Returns whether the optimizer stepped."""
-        scaler = self.precision.scaler
-        if scaler is None and self.check_finite and not self._gradients_finite(optimizer):
+        scaled = self.precision.scales_loss
+        if not scaled and self.check_finite and not self._gradients_finite(optimizer):
             # Before the update: the model and optimizer keep the last good state (a snapshot can save it).
             fp32 = "" if self.strategy.precision == "fp32" else f", or train in fp32 (not {self.strategy.precision})"
             raise NonFiniteError(f"the gradients are not finite (nan or inf) on some rank: the step was not "
                                  f"applied; lower the learning rate or check the data{fp32}")
-        stepped = not (scaler is not None and self._found_inf)
+        stepped = not self._found_inf  # only fp16's scaling finds an overflow to skip
         if stepped:
             optimizer.step()
-        if scaler is not None:
-            scaler.update(self._found_inf)
+        self.precision.update(self._found_inf)
         self._after_step()
         return stepped
 
@@ -201,8 +204,7 @@ class Engine:
         x, y = self.shard(x, y)
         loss = self.schedule.forward_backward(self, x, y, loss_fn)
         self.sync()
-        if self.precision.scaler is not None:  # after the reduction: every rank unscales the same sums
-            self._found_inf = self.precision.scaler.unscale_(self.parameters())
+        self._found_inf = self.precision.unscale_(self.parameters())  # after the reduction: the same sums everywhere
         return loss
 
     @property
@@ -277,8 +279,7 @@ class Engine:
         bitwise."""
         registry.register("grad_sync", self.grad_sync.sync_state_dict, self._load_sync_state, reshard="fresh",
                           optional=True)
-        if self.precision.scaler is not None:
-            registry.register_stateful("loss_scaler", self.precision.scaler, optional=True)
+        self.precision.register_state(registry)
 
     def _load_sync_state(self, state: dict) -> None:
         if state:
@@ -368,7 +369,9 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
                          f"strategy (build_mesh(strategy.tp, pp=strategy.pp, cp=strategy.cp, ep=strategy.ep))")
     device = next(model.parameters()).device
     check_device(strategy.precision, device)
-    context = apply_context_parallel(model, mesh.cp_group, strategy.cp_style) if strategy.cp > 1 else None
+    components: list[ModelSharding] = []  # in the order they act on a batch
+    if strategy.cp > 1:
+        components.append(apply_context_parallel(model, mesh.cp_group, strategy.cp_style))
     blocks = None
     if strategy.activation_checkpointing and strategy.pp > 1:
         blocks = block_names(model)  # a stage runs layers one by one: it checkpoints the blocks by name
@@ -380,12 +383,11 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
     for m in model.modules():  # a mixture of experts' balance loss: its share of the step, as the task loss's
         if hasattr(m, "aux_scale"):
             m.aux_scale = 1.0 / strategy.micro_steps
-    experts = None
     if strategy.ep > 1:
-        experts = apply_expert_parallel(model, mesh.ep_group, mesh.expert_data_group, mesh.replicas)
+        components.append(apply_expert_parallel(model, mesh.ep_group, mesh.expert_data_group, mesh.replicas))
     if strategy.tp > 1:
         model = apply_tensor_parallel(model, mesh.tp_group, strategy.tp_style, strategy.sequence_parallel)
-    vocab_head = vocab_parallel_head(model)  # before the cut: the loss needs it on the last stage
+    head = loss_head(model)  # before the cut: the loss needs it on the last stage
     schedule: StepSchedule = Accumulate(strategy.grad_accum)
     if strategy.pp > 1:
         model = PipelineStage(model, mesh.pp_group, strategy.microbatches, strategy.pp_schedule, balance,
@@ -393,8 +395,7 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
         schedule = Pipelined(model, mesh)
     model = apply_sync_bn(model, strategy.sync_bn, mesh.replica_group)
     grad_sync = (Zero if strategy.zero else DataParallel).from_strategy(model, strategy, mesh.replica_group)
-    return Engine(grad_sync, schedule, strategy, mesh, vocab_head, Precision(strategy.precision, device), context,
-                  experts)
+    return Engine(grad_sync, schedule, strategy, mesh, Precision(strategy.precision, device), tuple(components), head)
 
 
 GRAD_SYNCS: tuple[type, ...] = (Zero, DataParallel)  # the kinds a sharded_state_dict can come from

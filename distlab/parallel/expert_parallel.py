@@ -129,6 +129,16 @@ class ExpertParallel:
     def parameters(self) -> list[nn.Parameter]:
         return [p for s in self.shards for p in s.parameters() if p.requires_grad]
 
+    # -- the Engine's ModelSharding component: the batch as it is; the expert gradients reduced over
+    # -- their own replicas after the sync; every forward exchanges tokens between data-parallel ranks
+    lockstep = True
+
+    def prepare_batch(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tensors
+
+    def reduce_gradients(self) -> None:
+        self.sync_gradients()
+
     @torch.no_grad()
     def sync_gradients(self) -> None:
         """Expert gradients: summed over the expert-data group, divided by the model's replica count."""

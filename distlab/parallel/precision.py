@@ -124,3 +124,25 @@ class Precision:
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    # -- the Engine's precision component: fp16's loss scaling, a no-op for fp32 and bf16
+
+    @property
+    def scales_loss(self) -> bool:
+        """Whether gradients are scaled (fp16): then an overflow skips the step instead of failing it."""
+        return self.scaler is not None
+
+    def unscale_(self, params) -> bool:
+        """After the gradient sync: divide the gradients by the scale; whether any, on any rank, is
+        inf/NaN (the step is then skipped everywhere). False where nothing is scaled."""
+        return self.scaler.unscale_(params) if self.scaler is not None else False
+
+    def update(self, found_inf: bool) -> None:
+        """After the step (taken or skipped): the scale backs off or grows."""
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+
+    def register_state(self, registry) -> None:
+        """The loss scaler in a run-state registry (snapshots keep it: an fp16 resume is bitwise)."""
+        if self.scaler is not None:
+            registry.register_stateful("loss_scaler", self.scaler, optional=True)

@@ -1,7 +1,9 @@
 """The contract under the Engine: what a gradient sync and a step schedule provide.
 
-An :class:`~distlab.parallel.Engine` holds one :class:`GradSync` and one :class:`StepSchedule`
-and calls nothing else of them: it never asks which one it holds. Adding a strategy of either
+An :class:`~distlab.parallel.Engine` holds one :class:`GradSync`, one :class:`StepSchedule`, an
+ordered list of :class:`ModelSharding` components (context and expert parallel), one
+:class:`LossHead` and one :class:`~distlab.parallel.precision.Precision`, and calls nothing else of
+them: it never asks which one it holds, nor whether one is there. Adding a strategy of either
 kind is one class that implements the protocol (checked by ``isinstance(obj, GradSync)``:
 ``tests/test_protocols.py`` checks every implementation) and one line where
 :func:`~distlab.parallel.parallelize` picks it.
@@ -143,3 +145,35 @@ class StepSchedule(Protocol):
 
     def report(self, warmup: int, device: torch.device | str) -> dict:
         """What the schedule measured, for summary.json (collective over the world; ``{}`` if nothing)."""
+
+
+@runtime_checkable
+class ModelSharding(Protocol):
+    """A parallelism that splits the model or its batch beside the gradient sync and the schedule
+    (context parallel: each sequence's tokens; expert parallel: the experts). The Engine holds them
+    in one ordered list and calls every one of them at the same points of a step:
+
+    * :meth:`prepare_batch` before the forward (and evaluation's), in list order;
+    * :meth:`reduce_gradients` after the gradient sync -- the reductions the sync does not make (one
+      place after backward, as Megatron's ``finalize_model_grads``);
+    * :attr:`lockstep` -- whether its forward exchanges data between data-parallel ranks, so every
+      rank must run every batch (evaluation pads the shorter shards with empty ones).
+    """
+
+    lockstep: bool
+
+    def prepare_batch(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's part of each batch tensor (the tensors themselves where nothing is split)."""
+
+    def reduce_gradients(self) -> None:
+        """After the gradient sync: this parallelism's own reductions (nothing where it has none)."""
+
+
+@runtime_checkable
+class LossHead(Protocol):
+    """Scores the model's output: the task's loss and accuracy (computed across the vocabulary shards
+    where tensor parallel split the LM head, so no rank builds the full logits)."""
+
+    def loss(self, out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor: ...
+
+    def correct(self, out: torch.Tensor, y: torch.Tensor) -> tuple[int, int]: ...

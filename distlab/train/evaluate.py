@@ -44,8 +44,9 @@ def evaluate(engine: Engine, dataset, device: torch.device | str = "cpu", batch_
     shown = 0
     loader = EvalLoader(dataset, rank=mesh.dp_rank, world_size=mesh.dp, batch_size=batch_size)
     batches = list(zip(range(0, len(loader.indices), batch_size), loader))
-    if mesh.ep > 1 and batches:  # expert parallel exchanges tokens between data-parallel ranks in every
-        # forward: every rank runs as many as the largest shard needs (empty batches where its own ran out)
+    if engine.lockstep and batches:  # a component exchanges data between data-parallel ranks in every
+        # forward (expert parallel's tokens): every rank runs as many as the largest shard needs (empty
+        # batches where its own ran out)
         most = -(-(-(-len(dataset) // mesh.dp)) // batch_size)
         x0, y0 = batches[0][1]
         batches += [(len(loader.indices), (x0[:0], y0[:0]))] * (most - len(batches))
