@@ -127,8 +127,12 @@ def test_the_engine_and_evaluation_never_ask_which_strategy_they_hold():
                 f"{module} branches on a strategy: {sorted(names & {'pipeline', 'PipelineStage', 'Zero', 'DataParallel', 'zero', 'pp'})}")
 
 
+# What a model may declare (plans) and the step's share of a loss it adds itself: no model in them.
+MODEL_CONTRACTS = {"distlab.models.plans", "distlab.models.aux_loss"}
+
+
 def test_no_parallel_module_imports_a_concrete_model():
-    concrete = {m for m in MODULES if m.startswith("distlab.models.") and m != "distlab.models.plans"}
+    concrete = {m for m in MODULES if m.startswith("distlab.models.") and m not in MODEL_CONTRACTS}
     for module, targets in GRAPH.items():
         if module.startswith("distlab.parallel"):
             assert not {t for t, _ in targets} & concrete, f"{module} imports {sorted({t for t, _ in targets} & concrete)}"
@@ -139,7 +143,7 @@ def test_importing_the_strategies_loads_no_concrete_model():
     the whole training layer above it -- loads no model's module; models load when a run builds one."""
     import subprocess
     import sys
-    concrete = sorted(m for m in MODULES if m.startswith("distlab.models.") and m != "distlab.models.plans")
+    concrete = sorted(m for m in MODULES if m.startswith("distlab.models.") and m not in MODEL_CONTRACTS)
     probe = ("import sys, distlab.parallel, distlab.train\n"
              f"print(sorted(m for m in sys.modules if m in {concrete!r}))")
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True,

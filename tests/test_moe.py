@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from distlab.models.aux_loss import step_share
 from distlab.models.moe import MoE
 from distlab.tools.verify import sum_tolerance
 
@@ -31,10 +32,11 @@ def test_the_balance_loss_reaches_the_router_as_if_it_were_added_to_the_loss():
         assert (a.grad - b.grad).abs().max() <= bound
     # half the step's share (two micro-batches): half the balance loss's gradient
     half, none = copy.deepcopy(layer), copy.deepcopy(layer)
-    half.aux_scale, none.aux_coef = 0.5, 0.0
-    for m in (half, none):
+    none.aux_coef = 0.0
+    for m, share in ((half, 0.5), (none, 1.0)):
         m.zero_grad()
-        m(x).sum().backward()
+        with step_share(share):
+            m(x).sum().backward()
     full = layer.router.weight.grad - none.router.weight.grad
     assert full.abs().max() > 0
     assert ((half.router.weight.grad - none.router.weight.grad) - 0.5 * full).abs().max() <= 2 * bound
@@ -231,3 +233,36 @@ def test_the_plan_shards_the_experts_state_and_counts_the_all_to_all_bytes():
     with pytest.raises(ConfigError, match="declares none"):
         predict(trace("gpt", (16,), 256, n_embd=32), Layout(dp=4, strategy=Strategy(ep=4), global_batch=16), Link(),
                 None)
+
+
+def _plain_attributes(model: torch.nn.Module) -> dict:
+    """Every module's own public settings (numbers, strings, flags), by module name."""
+    return {name: {k: v for k, v in vars(m).items() if not k.startswith("_") and isinstance(v, (bool, int, float, str))}
+            for name, m in model.named_modules()}
+
+
+def test_the_schedule_gives_the_balance_loss_its_share_of_a_step_and_parallelize_leaves_the_model_as_built():
+    """A step of 2 accumulated micro-batches computes one step's gradients on the whole batch, the
+    balance loss included: the schedule says each forward's share of the step, as it divides the task
+    loss (Megatron-LM's schedules scale the MoE loss the same way) -- parallelize sets nothing on the
+    model's own layers."""
+    from distlab.models import build_model, task_loss
+    from distlab.parallel import Strategy, build_mesh, parallelize
+    torch.manual_seed(0)
+    model = build_model("gpt-moe", (8,), 16, n_layer=1, n_head=2, n_embd=8, experts=4, aux_coef=1.0).to(F64)
+    x = torch.randint(0, 16, (4, 8), generator=torch.Generator().manual_seed(1))
+    y = torch.roll(x, -1, 1)
+    grads = {}
+    for k in (1, 2):
+        copied = copy.deepcopy(model)
+        built = _plain_attributes(copied)
+        engine = parallelize(copied, Strategy(grad_accum=k), build_mesh(1))
+        assert _plain_attributes(engine.module) == built, f"parallelize changed the model's settings (accum {k})"
+        engine.forward_backward(x, y, task_loss)
+        grads[k] = {n: p.grad.clone() for n, p in engine.module.named_parameters()}
+    # float64, the same sums in another order: 32 tokens x 8 features x 4 experts x 2 layers feed a gradient entry
+    bound = sum_tolerance(32 * 8 * 4 * 2, max(1.0, *(g.abs().max().item() for g in grads[1].values())), F64)
+    router = [n for n in grads[1] if "router" in n]
+    assert router and all(grads[1][n].abs().max() > 0 for n in router)
+    for n in grads[1]:
+        assert (grads[1][n] - grads[2][n]).abs().max() <= bound, n

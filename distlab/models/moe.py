@@ -23,8 +23,8 @@ the task loss does -- a mean over samples -- so every layout trains the single-p
 Only context and sequence parallel, which split a sequence itself, complete ``f`` with one
 all-reduce of the counts over their ranks (:attr:`MoE.sequence_group`; under sequence parallel the
 gradients are summed over the group, not averaged, so each rank's share is scaled by its tokens). The loss reaches the router without passing
-through the model's output: its gradient (``aux_coef`` times :attr:`MoE.aux_scale`, the step's
-micro-batch share) is added in backward where the layer's output is (Megatron-LM's
+through the model's output: its gradient (``aux_coef`` times the forward's share of the step, which
+the schedule running the micro-batches sets: :mod:`distlab.models.aux_loss`) is added in backward where the layer's output is (Megatron-LM's
 ``MoEAuxLossAutoScaler`` does the same), so a pipeline stage needs no extra loss term.
 
 **The experts** are one :class:`GroupedExperts` module holding them stacked (``(E, d, h)``
@@ -45,6 +45,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from distlab.models.aux_loss import current_share
 
 
 class GroupedExperts(nn.Module):
@@ -114,7 +116,6 @@ class MoE(nn.Module):
         self.capacity_factor, self.aux_coef = capacity_factor, aux_coef
         self.router = nn.Linear(dim, experts, bias=False)
         self.experts = GroupedExperts(experts, dim, hidden or 4 * dim)
-        self.aux_scale = 1.0  # the step's share of this forward's loss (1 / micro-batches); the Engine sets it
         self.sequence_group = None  # context or sequence parallel: the ranks holding the other parts of each sequence
         self.sequence_grad = "mean"  # how their gradients combine: averaged (context parallel) or summed (sequence)
         self.reset_statistics()
@@ -156,7 +157,7 @@ class MoE(nn.Module):
         y = torch.zeros((b * t, d), dtype=weighted.dtype, device=x.device).index_add_(0, token_of, weighted)
         if self.training and torch.is_grad_enabled():
             aux = self._balance_loss(probs.view(b, t, -1), chosen.view(b, t, -1))
-            y = _AuxLossGrad.apply(y, aux, self.aux_coef * self.aux_scale)
+            y = _AuxLossGrad.apply(y, aux, self.aux_coef * current_share())
             if not _recomputing():
                 self.last_aux = aux.detach()
                 self.load += counts.detach().to("cpu", torch.float64)

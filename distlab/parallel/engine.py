@@ -380,9 +380,6 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
     if strategy.pp > 1:  # cut by the unsharded model's parameters: the same layers on every rank of a TP group
         balance = [end - start for start, end in partition(model, strategy.pp * strategy.pp_virtual,
                                                             strategy.pp_balance)]
-    for m in model.modules():  # a mixture of experts' balance loss: its share of the step, as the task loss's
-        if hasattr(m, "aux_scale"):
-            m.aux_scale = 1.0 / strategy.micro_steps
     if strategy.ep > 1:
         components.append(apply_expert_parallel(model, mesh.ep_group, mesh.expert_data_group, mesh.replicas))
     if strategy.tp > 1:

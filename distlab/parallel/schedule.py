@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from distlab.models.aux_loss import step_share
 from distlab.parallel.pipeline import ActivationMeter, PipelineStage, check_microbatches, ideal_bubble
 from distlab.runtime import reduce_scalars
 
@@ -46,15 +47,16 @@ class Accumulate:
         check_microbatches(len(x), k, "accumulation micro-batches (grad_accum)")  # never drop len(x) % k samples
         micro = len(x) // k
         total = None
-        for i in range(k):
-            xm, ym = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
-            with engine.no_sync() if i < k - 1 else contextlib.nullcontext():
-                with engine.precision.autocast():
-                    loss = loss_fn(engine(xm), ym) / k
-                engine.precision.backward(loss)
-            # the micro-batch losses summed in float64, as Python floats would be; read when the caller wants
-            part = loss.detach().to(torch.float64)
-            total = part if total is None else total + part
+        with step_share(1 / k):  # a loss the model adds itself (a mixture's balance loss) is divided alike
+            for i in range(k):
+                xm, ym = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
+                with engine.no_sync() if i < k - 1 else contextlib.nullcontext():
+                    with engine.precision.autocast():
+                        loss = loss_fn(engine(xm), ym) / k
+                    engine.precision.backward(loss)
+                # the micro-batch losses summed in float64, as Python floats would be; read when the caller wants
+                part = loss.detach().to(torch.float64)
+                total = part if total is None else total + part
         return total
 
     def infer(self, engine, x: torch.Tensor) -> torch.Tensor:
@@ -93,8 +95,9 @@ class Pipelined:
 
     def forward_backward(self, engine, x, y, loss_fn) -> torch.Tensor:
         stage = self.stage
-        loss = stage.train_step(x if stage.first else None, y if stage.last else None, loss_fn, engine.no_sync,
-                                batch_size=len(x) if x is not None else None, precision=engine.precision)
+        with step_share(1 / stage.microbatches):
+            loss = stage.train_step(x if stage.first else None, y if stage.last else None, loss_fn, engine.no_sync,
+                                    batch_size=len(x) if x is not None else None, precision=engine.precision)
         self.timings.append(stage.last_timing)
         value = (loss.detach() if loss is not None else torch.zeros(())).reshape(1).to(torch.float32)
         dist.broadcast(value, src=self.mesh.pp_ranks[-1], group=self.mesh.pp_group)
