@@ -23,6 +23,7 @@ from distlab import comm
 from distlab.data import load_dataset
 from distlab.data.sampler import rank_batches, sequential_batches
 from distlab.parallel import ColumnParallelLinear, Strategy, build_mesh, parallelize
+from distlab.parallel.placement import placements_of
 from distlab.runtime import print0, shutdown
 from distlab.tools.verify import gradient_tolerance, sgd_tolerance
 
@@ -59,7 +60,7 @@ def main() -> None:
         comm.all_reduce(mean, op=dist.ReduceOp.AVG, group=mesh.dp_group)  # torch's op; gloo has no AVG, distlab does
         print0(f"step loss {mean.item():.4f}")
 
-    first = engine.placements()["1.weight"]  # where this rank's piece of the model's tensor sits in it
+    first = placements_of(engine)["1.weight"]  # where this rank's piece of the model's tensor sits in it
     piece = math.prod(first.piece_shape())
     print0(f"rank 0 owns elements {first.start}..{first.start + first.length} of its {piece} elements of layer 1's "
            f"weight {list(first.shape)} (tensor-parallel part {first.part} of {first.parts} along dim {first.dim})")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from distlab import runtime
 from distlab.errors import ConfigError
 from distlab.models import build_model
-from distlab.parallel.placement import Placement, assemble, take
+from distlab.parallel.placement import Placement, assemble, placement_of, take
 from distlab.launch.spawn import RankFailure, run_ranks
 from distlab.train import Trainer, TrainConfig
 from distlab.train import reshard
@@ -37,7 +37,7 @@ def _cfg(snapshots, **kw):
 
 def _whole(trainer):
     """The whole model and optimizer state of a run, put together from every rank's pieces (collective)."""
-    mine = {"placement": trainer.engine.placement(), "model": trainer.engine.sharded_state_dict(),
+    mine = {"placement": placement_of(trainer.engine), "model": trainer.engine.sharded_state_dict(),
             "optimizer": trainer.optimizer.state_dict()}
     everyone = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
     if dist.is_initialized():

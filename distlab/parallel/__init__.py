@@ -9,8 +9,9 @@ and the ``Mesh`` of data x tensor parallel groups.
 
 from distlab.parallel.compression import CastCodec, Codec, PowerSGD, build_codec
 from distlab.parallel.data_parallel import COLLECTIVES, SYNC_METHODS, DataParallel
-from distlab.parallel.engine import Engine, parallelize
+from distlab.parallel.engine import Engine
 from distlab.parallel.mesh import Mesh, build_mesh
+from distlab.parallel.parallelize import parallelize
 from distlab.parallel.precision import LossScaler, Precision
 from distlab.parallel.pipeline import SCHEDULES as PP_SCHEDULES, PipelineStage, partition
 from distlab.parallel.strategy import Strategy

@@ -272,6 +272,21 @@ def plan_of(model: nn.Module) -> dict[str, str]:
     return plan
 
 
+class ContextParallel:
+    """The component kind (:mod:`distlab.parallel.components`): ``cp=N`` splits every sequence over the
+    mesh's context-parallel group; the component is the :class:`ContextLayout` that cuts each batch."""
+
+    name = "cp"
+
+    @staticmethod
+    def wanted(strategy) -> bool:
+        return strategy.cp > 1
+
+    @staticmethod
+    def apply(model: nn.Module, strategy, mesh) -> tuple[nn.Module, ContextLayout]:
+        return model, apply_context_parallel(model, mesh.cp_group, strategy.cp_style)
+
+
 def apply_context_parallel(model: nn.Module, group, style: str = "ring") -> ContextLayout:
     """Make ``model`` run on this rank's tokens of each sequence, as its plan says, in place; returns
     the layout the batch must be cut with."""

@@ -1,37 +1,22 @@
-"""``parallelize(model, strategy, mesh) -> Engine``: a built model, spread over ranks as a Strategy says.
+"""The :class:`Engine`: a model spread over ranks, the one interface a training loop needs.
 
-:func:`parallelize` applies, in this order:
-
-0. **context parallel** over the mesh's CP group (the model's position embedding and attention
-   as its ``context_parallel_plan`` names them: :mod:`~distlab.parallel.context_parallel`); the
-   Engine then cuts every batch to this rank's tokens;
-   **expert parallel** over the mesh's EP group (the experts its ``expert_parallel_plan`` names:
-   :mod:`~distlab.parallel.expert_parallel`), after the pipeline's cut is chosen; the Engine then
-   reduces the expert gradients over their own replicas;
-   **activation checkpointing** of the model's blocks, if asked
-   (:mod:`~distlab.parallel.checkpointing`: recompute in backward, ``state_dict`` unchanged);
-1. **tensor parallel** over the mesh's TP group (shards sliced from the full, seeded model, so
-   it computes what the unsharded one does);
-2. **pipeline parallel** over the mesh's pipeline: this rank keeps its stage's layers
-   (:class:`~distlab.parallel.PipelineStage`), cut where the *unsharded* model's parameters
-   balance, so every rank of a TP group cuts at the same layers;
-3. **SyncBN over the data-parallel group** (under tensor parallel the ranks of a TP group see
-   the same samples: reducing statistics over the world would count each sample ``tp`` times);
-4. **data parallel or ZeRO** over the replica group (the data- and context-parallel ranks holding
-   the same stage and tensor-parallel shard).
-
-The :class:`Engine` is the one interface a training loop needs, whatever the strategy: build the
-optimizer over :meth:`Engine.parameters`, then per step :meth:`Engine.forward_backward` (its
-micro-batches, communication only after the last), :meth:`Engine.step` (the optimizer step and what follows it).
+Make one with :func:`~distlab.parallel.parallelize` (the composition root, which chooses every part
+from a :class:`~distlab.parallel.Strategy`). Whatever the strategy: build the optimizer over
+:meth:`Engine.parameters`, then per step :meth:`Engine.forward_backward` (its micro-batches,
+communication only after the last), :meth:`Engine.step` (the optimizer step and what follows it).
 For state: :meth:`Engine.full_state_dict` (the single-process model, gathered),
 :meth:`Engine.sharded_state_dict` / :meth:`Engine.load_sharded_state_dict` (this rank's part,
-for snapshots), :meth:`Engine.gathered` (full parameters in place, e.g. for evaluation). For
-cost: :meth:`Engine.observe` / :attr:`Engine.peak_bytes` (model-state bytes) and
-:meth:`Engine.uncounted_bytes_per_step` (what :mod:`distlab.comm` cannot count).
+for snapshots), :meth:`Engine.gathered` (full parameters in place, e.g. for evaluation); where each
+piece sits in the whole model: :mod:`~distlab.parallel.placement`. For cost: :meth:`Engine.observe` /
+:attr:`Engine.peak_bytes` (model-state bytes) and :meth:`Engine.uncounted_bytes_per_step` (what
+:mod:`distlab.comm` cannot count).
 
-The Engine holds a :class:`~distlab.parallel.protocols.GradSync` (data parallel or ZeRO) and a
-:class:`~distlab.parallel.protocols.StepSchedule` (accumulation or a pipeline) and only calls what
-those protocols promise: nothing here asks which one it holds.
+The Engine holds a :class:`~distlab.parallel.protocols.GradSync` (data parallel or ZeRO), a
+:class:`~distlab.parallel.protocols.StepSchedule` (accumulation or a pipeline), the
+:class:`~distlab.parallel.protocols.ModelSharding` components in the order they act (context,
+expert and tensor parallel, and any registered: :mod:`~distlab.parallel.components`), one
+:class:`~distlab.parallel.protocols.LossHead` and one :class:`~distlab.parallel.precision.Precision`,
+and only calls what those promise: nothing here asks which one it holds, nor whether one is there.
 """
 
 from __future__ import annotations
@@ -45,22 +30,11 @@ from torch import nn
 
 from distlab.errors import NonFiniteError
 from distlab.parallel import tensor_parallel
-from distlab.parallel.checkpointing import apply_activation_checkpointing, block_names
-from distlab.parallel.context_parallel import apply_context_parallel
-from distlab.parallel.data_parallel import DataParallel
-from distlab.parallel.expert_parallel import apply_expert_parallel
 from distlab.parallel.mesh import Mesh
-from distlab.parallel.pipeline import PipelineStage, partition
-from distlab.parallel.placement import Placement, take
-from distlab.parallel.precision import Precision, check_device, scale_and_find_non_finite
+from distlab.parallel.precision import Precision, scale_and_find_non_finite
 from distlab.parallel.protocols import GradSync, LossHead, ModelSharding, StepSchedule
-from distlab.parallel.schedule import Accumulate, Pipelined
 from distlab.parallel.strategy import Strategy
-from distlab.parallel.sync_bn import apply_sync_bn
-from distlab.parallel.tp_plan import apply_tensor_parallel
-from distlab.parallel.transformer_tp import TaskHead, loss_head
-from distlab.parallel.zero import Zero
-from distlab.runtime import group_rank, group_size
+from distlab.parallel.transformer_tp import TaskHead
 
 
 class Engine:
@@ -285,59 +259,6 @@ class Engine:
         if state:
             self.grad_sync.load_sync_state_dict(state)
 
-    # ------------------------------------------------------------------ placement (changing layout)
-
-    def placement(self) -> dict:
-        """Where this rank's state sits in the whole model (plain data; a snapshot stores it):
-        ``keys`` and ``params`` -- the optimizer parameters' local keys and their
-        :class:`~distlab.parallel.placement.Placement` dicts, in the optimizer's order -- and
-        ``buffers`` (local key -> the whole model's key)."""
-        split = {}
-        for m in self.module.modules():
-            for pname, dim in getattr(m, "tp_split", {}).items():
-                t = getattr(m, pname, None)
-                if t is not None:
-                    split[id(t)] = (dim, group_size(m.group), group_rank(m.group))
-        whole = self.schedule.model_key
-        keys, params = [], []
-        for key, p, flat in self.grad_sync.parameter_slots():
-            dim, parts, part = split.get(id(p), (None, 1, 0))
-            shape = list(p.shape)
-            if dim is not None:
-                shape[dim] *= parts
-            start, length = flat if flat is not None else (0, None)
-            keys.append(key)
-            params.append(Placement(whole(key), tuple(shape), dim, parts, part, start, length).to_dict())
-        names = {*dict(self.module.named_buffers()), *self.module.state_dict(keep_vars=True)} - set(keys)
-        return {"keys": keys, "params": params, "buffers": {k: whole(k) for k in sorted(names)}}
-
-    @staticmethod
-    def split_sharded_state(state: dict, placement: dict) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-        """A :meth:`sharded_state_dict` (of any layout, described by its ``placement``) as its
-        optimizer parameters' tensors and its buffers under the whole model's keys."""
-        kind = next(k for k in GRAD_SYNCS if k.reads(state))
-        params, buffers = kind.split_state(state, placement["keys"])
-        return params, {placement["buffers"][k]: v for k, v in buffers.items() if k in placement["buffers"]}
-
-    def placements(self) -> dict[str, Placement]:
-        """The whole model's parameter name -> where this rank's optimizer parameter for it sits in
-        it (tensor-parallel part, ZeRO's flat range): :meth:`placement` as objects."""
-        p = self.placement()
-        return {d["name"]: Placement.from_dict(d) for d in p["params"]}
-
-    def sharded_state_from_full(self, full: dict[str, torch.Tensor], placement: dict | None = None) -> dict:
-        """This rank's :meth:`sharded_state_dict` cut out of the whole model's ``state_dict``
-        (no communication: every rank cuts its own pieces)."""
-        placement = placement or self.placement()
-        missing = [p["name"] for p in placement["params"] if p["name"] not in full]
-        missing += [k for k in placement["buffers"].values() if k not in full]
-        if missing:
-            raise KeyError(f"the state has no {missing[0]!r} ({len(missing)} missing)")
-        params = [take(full[p["name"]], Placement.from_dict(p), local.numel())
-                  for p, local in zip(placement["params"], self.parameters())]
-        buffers = {k: full[name].detach().clone() for k, name in placement["buffers"].items()}
-        return self.grad_sync.state_from(params, buffers)
-
     # ------------------------------------------------------------------ cost
 
     def observe(self) -> int:
@@ -354,48 +275,6 @@ class Engine:
         """Bytes a rank sends per step that :mod:`distlab.comm` does not see (torch's DDP all-reduce,
         at its textbook volume); 0 for everything distlab sends itself."""
         return self.grad_sync.uncounted_bytes_per_sync()
-
-
-def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
-    """Spread ``model`` (built and seeded the same way on every rank) over ``mesh`` as ``strategy`` says.
-
-    Starts from rank 0's weights (data parallel and ZeRO broadcast them over the data-parallel
-    group), so every replica begins equal.
-    """
-    strategy.check(mesh.world_size)
-    if (mesh.tp, mesh.pp, mesh.cp, mesh.ep) != (strategy.tp, strategy.pp, strategy.cp, strategy.ep):
-        raise ValueError(f"the mesh has tp {mesh.tp}, pp {mesh.pp}, cp {mesh.cp}, ep {mesh.ep} but the strategy tp "
-                         f"{strategy.tp}, pp {strategy.pp}, cp {strategy.cp}, ep {strategy.ep}: build the mesh from the "
-                         f"strategy (build_mesh(strategy.tp, pp=strategy.pp, cp=strategy.cp, ep=strategy.ep))")
-    device = next(model.parameters()).device
-    check_device(strategy.precision, device)
-    components: list[ModelSharding] = []  # in the order they act on a batch
-    if strategy.cp > 1:
-        components.append(apply_context_parallel(model, mesh.cp_group, strategy.cp_style))
-    blocks = None
-    if strategy.activation_checkpointing and strategy.pp > 1:
-        blocks = block_names(model)  # a stage runs layers one by one: it checkpoints the blocks by name
-    elif strategy.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    if strategy.pp > 1:  # cut by the unsharded model's parameters: the same layers on every rank of a TP group
-        balance = [end - start for start, end in partition(model, strategy.pp * strategy.pp_virtual,
-                                                            strategy.pp_balance)]
-    if strategy.ep > 1:
-        components.append(apply_expert_parallel(model, mesh.ep_group, mesh.expert_data_group, mesh.replicas))
-    if strategy.tp > 1:
-        model = apply_tensor_parallel(model, mesh.tp_group, strategy.tp_style, strategy.sequence_parallel)
-    head = loss_head(model)  # before the cut: the loss needs it on the last stage
-    schedule: StepSchedule = Accumulate(strategy.grad_accum)
-    if strategy.pp > 1:
-        model = PipelineStage(model, mesh.pp_group, strategy.microbatches, strategy.pp_schedule, balance,
-                              strategy.pp_virtual, blocks)
-        schedule = Pipelined(model, mesh)
-    model = apply_sync_bn(model, strategy.sync_bn, mesh.replica_group)
-    grad_sync = (Zero if strategy.zero else DataParallel).from_strategy(model, strategy, mesh.replica_group)
-    return Engine(grad_sync, schedule, strategy, mesh, Precision(strategy.precision, device), tuple(components), head)
-
-
-GRAD_SYNCS: tuple[type, ...] = (Zero, DataParallel)  # the kinds a sharded_state_dict can come from
 
 
 def _cloned(obj):

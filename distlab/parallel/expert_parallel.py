@@ -121,7 +121,18 @@ class ExpertShard(nn.Module):
 
 
 class ExpertParallel:
-    """The expert shards of a model and their gradient reduction (module docstring)."""
+    """The expert shards of a model and their gradient reduction (module docstring); as a component
+    kind (:mod:`distlab.parallel.components`), ``ep=N`` over the mesh's expert-parallel group."""
+
+    name = "ep"
+
+    @staticmethod
+    def wanted(strategy) -> bool:
+        return strategy.ep > 1
+
+    @staticmethod
+    def apply(model: nn.Module, strategy, mesh) -> tuple[nn.Module, "ExpertParallel"]:
+        return model, apply_expert_parallel(model, mesh.ep_group, mesh.expert_data_group, mesh.replicas)
 
     def __init__(self, shards: list[ExpertShard], data_group, replicas: int):
         self.shards, self.data_group, self.replicas = shards, data_group, replicas

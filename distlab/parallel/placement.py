@@ -103,3 +103,53 @@ def assemble(pieces: list[tuple[Placement, torch.Tensor]]) -> dict[str, torch.Te
         raise ValueError(f"the pieces of {name} cover {covered[name]} of its {full[name].numel()} elements "
                          f"(a rank's file is missing, or two layouts were mixed)")
     return full
+
+
+# --------------------------------------------------------------------------- an Engine's placements
+
+
+def placement_of(engine) -> dict:
+    """Where ``engine``'s state on this rank sits in the whole model (plain data; a snapshot stores
+    it): ``keys`` and ``params`` -- the optimizer parameters' local keys and their :class:`Placement`
+    dicts, in the optimizer's order -- and ``buffers`` (local key -> the whole model's key). Read from
+    the protocols only: the layers' declared splits (``tp_split``, as tensor-parallel layers and
+    expert shards declare them), the schedule's keys and the gradient sync's slots."""
+    from distlab.runtime import group_rank, group_size
+    split = {}
+    for m in engine.module.modules():
+        for pname, dim in getattr(m, "tp_split", {}).items():
+            t = getattr(m, pname, None)
+            if t is not None:
+                split[id(t)] = (dim, group_size(m.group), group_rank(m.group))
+    whole = engine.schedule.model_key
+    keys, params = [], []
+    for key, p, flat in engine.grad_sync.parameter_slots():
+        dim, parts, part = split.get(id(p), (None, 1, 0))
+        shape = list(p.shape)
+        if dim is not None:
+            shape[dim] *= parts
+        start, length = flat if flat is not None else (0, None)
+        keys.append(key)
+        params.append(Placement(whole(key), tuple(shape), dim, parts, part, start, length).to_dict())
+    names = {*dict(engine.module.named_buffers()), *engine.module.state_dict(keep_vars=True)} - set(keys)
+    return {"keys": keys, "params": params, "buffers": {k: whole(k) for k in sorted(names)}}
+
+
+def placements_of(engine) -> dict[str, Placement]:
+    """The whole model's parameter name -> where ``engine``'s optimizer parameter for it sits in it
+    (tensor-parallel part, ZeRO's flat range): :func:`placement_of` as objects."""
+    return {d["name"]: Placement.from_dict(d) for d in placement_of(engine)["params"]}
+
+
+def state_from_full(engine, full: dict[str, torch.Tensor], placement: dict | None = None) -> dict:
+    """This rank's :meth:`~distlab.parallel.Engine.sharded_state_dict` cut out of the whole model's
+    ``state_dict`` (no communication: every rank cuts its own pieces)."""
+    placement = placement or placement_of(engine)
+    missing = [p["name"] for p in placement["params"] if p["name"] not in full]
+    missing += [k for k in placement["buffers"].values() if k not in full]
+    if missing:
+        raise KeyError(f"the state has no {missing[0]!r} ({len(missing)} missing)")
+    params = [take(full[p["name"]], Placement.from_dict(p), local.numel())
+              for p, local in zip(placement["params"], engine.parameters())]
+    buffers = {k: full[name].detach().clone() for k, name in placement["buffers"].items()}
+    return engine.grad_sync.state_from(params, buffers)

@@ -37,6 +37,8 @@ modifiers, e.g. ``bucketed:ring+accum=4+syncbn``, ``zero=3``, ``allreduce+tp=2+n
                     zero bubble, backward split into input and weight gradients)
     vpp=V           pp_virtual: V model chunks per pipeline rank (interleaved 1F1B, or zero bubble)
     balance=A:B:..  pp_balance: layers per stage (default: cut where the parameters balance)
+    NAME            components: a model-sharding component registered under NAME
+                    (:mod:`distlab.parallel.components`), applied after the built-in ones
 
 Any field may also be written ``FIELD=VALUE`` (``dp_sync=ddp+collective=ring``), so plan's
 ``KEY=VALUE+KEY=VALUE`` spellings read the same. :meth:`Strategy.to_dict` is the JSON object of
@@ -49,6 +51,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 
 from distlab.errors import ConfigError, did_you_mean
+from distlab.parallel.components import names as component_names
 from distlab.parallel.compression import parse_compression
 from distlab.parallel.context_parallel import STYLES as CP_STYLES
 from distlab.parallel.data_parallel import COLLECTIVES, SYNC_METHODS
@@ -68,7 +71,6 @@ _WORDS = {"naive": ("tp_style", "naive"), "megatron": ("tp_style", "megatron"), 
           "gpipe": ("pp_schedule", "gpipe"), "1f1b": ("pp_schedule", "1f1b"), "zb": ("pp_schedule", "zb"),
           "ckpt": ("activation_checkpointing", True), "bf16": ("precision", "bf16"), "fp16": ("precision", "fp16"),
           "fp32": ("precision", "fp32"), "ulysses": ("cp_style", "ulysses")}
-MODIFIER_WORDS = tuple(_WORDS)  # the modifiers written as a bare word (``+naive``, ``+zb``)
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ class Strategy:
     precision: str = "fp32"  # autocast dtype of forward/backward (parameters and optimizer state stay fp32)
     reduce_dtype: str | None = None  # dtype of gradient communication; None: the gradients' own (fp32)
     grad_compression: str = "none"  # none, fp16, bf16, powersgd:R
+    components: tuple[str, ...] = ()  # registered model-sharding components by name (distlab.parallel.components)
 
     def __post_init__(self):
         if self.dp_sync is None:
@@ -115,6 +118,9 @@ class Strategy:
                 object.__setattr__(self, "pp_virtual", 1)
         if self.pp_balance is not None:  # JSON gives a list; the dataclass is frozen and hashable
             object.__setattr__(self, "pp_balance", tuple(int(b) for b in self.pp_balance))
+        if isinstance(self.components, (list, str)):
+            names = self.components.split(":") if isinstance(self.components, str) else self.components
+            object.__setattr__(self, "components", tuple(n for n in names if n))
 
     # ------------------------------------------------------------------ checks
 
@@ -131,6 +137,7 @@ class Strategy:
         if self.reduce_dtype is not None:
             _choice("reduce_dtype", self.reduce_dtype, PRECISIONS)
         self._check_compression()
+        self._check_components()
         if not self.bucket_mb > 0:
             raise ConfigError(f"`bucket_mb` must be positive, not {self.bucket_mb}")
         if self.grad_accum < 1:
@@ -204,6 +211,18 @@ class Strategy:
         if self.grad_compression != "none":
             raise ConfigError(f"`grad_compression` {self.grad_compression} with `ep` {self.ep}: the expert gradients "
                               f"are reduced over their own ranks, uncompressed; drop `grad_compression`")
+
+    def _check_components(self) -> None:
+        """Every name in `components` registered (distlab.parallel.components), none twice."""
+        known = component_names()
+        for name in self.components:
+            if name not in known:
+                where = f"registered: {', '.join(known)}" if known else "none is registered"
+                raise ConfigError(f"`components` names {name!r}, which is not a registered component"
+                                  f"{did_you_mean(name, known)} ({where}; register one with NAME=module:Class in "
+                                  f"DISTLAB_COMPONENTS)")
+        if len(set(self.components)) != len(self.components):
+            raise ConfigError(f"`components` names a component twice: {':'.join(self.components)}")
 
     def _check_compression(self) -> None:
         """`grad_compression` and `reduce_dtype`: what they apply to, each refusal with its reason."""
@@ -361,6 +380,7 @@ class Strategy:
             parts.append(f"reduce={self.reduce_dtype}")
         if self.grad_compression != "none":
             parts.append(f"compress={self.grad_compression}")
+        parts += list(self.components)
         return "+".join(parts)
 
     @classmethod
@@ -385,6 +405,8 @@ class Strategy:
             elif token in _WORDS:
                 name, value = _WORDS[token]
                 values[name] = value
+            elif i > 0 and token in component_names():
+                values["components"] = (*values.get("components", ()), token)
             elif i == 0:
                 method, _, collective = token.partition(":")
                 if method:
@@ -392,7 +414,8 @@ class Strategy:
                 if collective:
                     values["collective"] = collective
             else:
-                raise ConfigError(f"strategy {text!r}: {token!r} is not a modifier{did_you_mean(token, _WORDS)}; the "
+                raise ConfigError(f"strategy {text!r}: {token!r} is not a modifier"
+                                  f"{did_you_mean(token, (*_WORDS, *component_names()))}; the "
                                   f"method ({', '.join(SYNC_METHODS)}) comes first")
         return cls(**values).check()
 
@@ -419,6 +442,10 @@ class Strategy:
             del d["ep"]
         if self.pp_virtual == 1:  # and without interleaving
             del d["pp_virtual"]
+        if not self.components:  # and without registered components
+            del d["components"]
+        else:
+            d["components"] = list(self.components)
         d["pp_schedule"] = self.pp_schedule if self.pp > 1 else None
         d["pp_balance"] = list(self.pp_balance) if self.pp_balance else None
         return d
@@ -441,6 +468,12 @@ class Strategy:
 _FIELDS = {f.name: f for f in fields(Strategy)}
 
 
+def modifier_words() -> tuple[str, ...]:
+    """The modifiers written as a bare word: distlab's own (``+naive``, ``+zb``) and every registered
+    component's name (``+NAME``)."""
+    return (*_WORDS, *component_names())
+
+
 def _choice(name: str, value, allowed) -> None:
     if value not in allowed:
         raise ConfigError(f"unknown `{name}` {value!r}; choose one of: {', '.join(str(a) for a in allowed)}")
@@ -454,6 +487,8 @@ def _convert(name: str, value: str, text: str):
             raise ConfigError(f"strategy {text!r}: balance={value!r} is not layer counts like 2:3") from None
     if name == "reduce_dtype":
         return value
+    if name == "components":
+        return tuple(n for n in value.split(":") if n)
     kind = type(getattr(Strategy(), name))
     try:
         if kind is bool:

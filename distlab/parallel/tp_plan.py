@@ -48,6 +48,30 @@ def plan_of(model: nn.Module, tp: int, style: str = "megatron", sequence_paralle
     return plan
 
 
+class TensorParallel:
+    """The component kind (:mod:`distlab.parallel.components`): ``tp=N`` (``+sp``) splits the layers the
+    model's plan names over the mesh's tensor-parallel group. The split layers communicate inside their
+    own forward and backward (and sequence-parallel regions sum their gradients as they are computed),
+    so the component itself leaves the batch and the gradients as they are."""
+
+    name = "tp"
+    lockstep = False  # tensor-parallel ranks exchange data in their own group, never across replicas
+
+    @staticmethod
+    def wanted(strategy) -> bool:
+        return strategy.tp > 1
+
+    @classmethod
+    def apply(cls, model: nn.Module, strategy, mesh) -> tuple[nn.Module, "TensorParallel"]:
+        return apply_tensor_parallel(model, mesh.tp_group, strategy.tp_style, strategy.sequence_parallel), cls()
+
+    def prepare_batch(self, *tensors):
+        return tensors
+
+    def reduce_gradients(self) -> None:
+        pass
+
+
 def apply_tensor_parallel(model: nn.Module, group=None, style: str = "megatron",
                           sequence_parallel: bool = False) -> nn.Module:
     """Split ``model`` over ``group`` as its plan says, in place; returns it. ``sequence_parallel``

@@ -46,7 +46,7 @@ import torch
 
 from distlab.errors import ConfigError, did_you_mean
 from distlab.parallel import COLLECTIVES, SYNC_METHODS, Strategy
-from distlab.parallel.strategy import MODIFIER_WORDS
+from distlab.parallel.strategy import modifier_words
 from distlab.train.config import TrainConfig
 
 EPS32 = torch.finfo(torch.float32).eps
@@ -78,7 +78,7 @@ def parse_strategy(text: str) -> Case:
     tokens = [t.strip() for t in text.split("+")]
     for t in tokens[1:]:
         hint = did_you_mean(t, (*CASE_MODELS, "adam"), {"moe": "gpt-moe", "transformer": "gpt", "adamw": "adam"})
-        if hint and t not in (*CASE_MODELS, "adam", *MODIFIER_WORDS) and "=" not in t:
+        if hint and t not in (*CASE_MODELS, "adam", *modifier_words()) and "=" not in t:
             raise ConfigError(f"strategy {text!r}: {t!r} is not a modifier{hint} (verify's models: +gpt, +gpt-moe; "
                               f"its optimizer: +adam)")
     model = next((t for t in tokens if t in CASE_MODELS), None)

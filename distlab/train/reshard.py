@@ -1,10 +1,10 @@
 """Resume a snapshot under another layout: world size, ZeRO stage, ``tp`` or ``pp``.
 
-Every rank file of a snapshot carries its :meth:`~distlab.parallel.Engine.placement` -- where each
+Every rank file of a snapshot carries its :func:`~distlab.parallel.placement.placement_of` -- where each
 of its tensors sits in the whole model. To load it under another layout every new rank reads
 every old rank's file (checked as always), puts the pieces together into the whole model's
 tensors and the whole optimizer state per parameter (:func:`~distlab.parallel.placement.assemble`),
-and cuts out its own pieces (:meth:`~distlab.parallel.Engine.sharded_state_from_full`). Exact:
+and cuts out its own pieces (:func:`~distlab.parallel.placement.state_from_full`). Exact:
 the tensors are copied, never recomputed, so the gathered parameters and optimizer state equal the
 old run's bit for bit. Each new rank holds the whole state briefly while it loads (the price of
 reading any layout without the old one's process groups; torch's full-state-dict loading pays the same).
@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from distlab.parallel import Engine
-from distlab.parallel.placement import Placement, assemble, take
+from distlab.parallel.parallelize import split_sharded_state
+from distlab.parallel.placement import Placement, assemble, placement_of, state_from_full, take
 
 
 class ReshardError(ValueError):
@@ -33,7 +34,7 @@ def _pieces(payloads: list[dict], key: str) -> tuple[list[tuple[Placement, torch
         if key not in payload:
             continue
         placement = payload["placement"]
-        params, bufs = Engine.split_sharded_state(payload[key], placement)
+        params, bufs = split_sharded_state(payload[key], placement)
         pieces += [(Placement.from_dict(p), t) for p, t in zip(placement["params"], params)]
         for name, t in bufs.items():
             buffers.setdefault(name, t)  # replicated on every rank
@@ -57,7 +58,7 @@ def full_optimizer(payloads: list[dict]) -> tuple[dict[str, dict[str, torch.Tens
     scalars: dict[str, dict] = {}
     for payload in payloads:
         placement = payload["placement"]
-        params, _ = Engine.split_sharded_state(payload["model"], placement)
+        params, _ = split_sharded_state(payload["model"], placement)
         state = payload["optimizer"]["state"]
         for i, (p, local) in enumerate(zip(placement["params"], params)):
             for k, v in state.get(i, {}).items():
@@ -75,7 +76,7 @@ def full_optimizer(payloads: list[dict]) -> tuple[dict[str, dict[str, torch.Tens
 def optimizer_state(engine: Engine, optimizer: torch.optim.Optimizer, payloads: list[dict]) -> dict:
     """The ``optimizer.state_dict()`` this rank would hold had it run the old run's steps."""
     elementwise, scalars, old_groups = full_optimizer(payloads)
-    placement = engine.placement()
+    placement = placement_of(engine)
     state = {}
     for i, (p, local) in enumerate(zip(placement["params"], engine.parameters())):
         name = p["name"]
@@ -99,8 +100,8 @@ def load(engine: Engine, optimizer: torch.optim.Optimizer, payloads: list[dict])
     if any("placement" not in p for p in payloads):
         raise ReshardError("the snapshot was written before snapshots recorded where each tensor sits: "
                            "resume it with the world size and strategy that wrote it")
-    engine.load_sharded_state_dict(engine.sharded_state_from_full(full_model(payloads)))
+    engine.load_sharded_state_dict(state_from_full(engine, full_model(payloads)))
     optimizer.load_state_dict(optimizer_state(engine, optimizer, payloads))
     if not any("best_model" in p for p in payloads):
         return None
-    return engine.sharded_state_from_full(full_model(payloads, "best_model"))
+    return state_from_full(engine, full_model(payloads, "best_model"))

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from distlab.errors import ConfigError, first_line
 from distlab.parallel import Engine, Strategy
+from distlab.parallel.placement import placement_of
 from distlab.runtime import Runtime, reduce_scalars
 from distlab.train import lock, reshard, snapshot
 from distlab.train.config import TrainConfig
@@ -287,7 +288,7 @@ class RunState:
     def placement(self) -> dict:
         """Where this rank's tensors sit in the whole model (saved with every snapshot; fixed for a run)."""
         if self._placement is None:
-            self._placement = self.engine.placement()
+            self._placement = placement_of(self.engine)
         return self._placement
 
     def time_used(self) -> float:

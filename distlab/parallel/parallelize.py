@@ -1,0 +1,89 @@
+"""``parallelize(model, strategy, mesh) -> Engine``: the composition root, where a Strategy becomes parts.
+
+:func:`parallelize` applies, in this order:
+
+0. **decisions on the unsharded model**: the pipeline's cut (where the model's parameters balance,
+   so every rank of a tensor-parallel group cuts at the same layers) and the blocks activation
+   checkpointing recomputes (:mod:`~distlab.parallel.checkpointing`: ``state_dict`` unchanged);
+1. **the model-sharding components** the strategy turns on, in the registry's order
+   (:mod:`~distlab.parallel.components`): context parallel over the mesh's CP group (the Engine then
+   cuts every batch to this rank's tokens), expert parallel over its EP group (the experts'
+   gradients then reduced over their own replicas), tensor parallel over its TP group (shards
+   sliced from the full, seeded model, so it computes what the unsharded one does), then any
+   registered beside them;
+2. **the loss head**: the task's loss, or the vocabulary-parallel one where tensor parallel split
+   the LM head (before the cut: the loss needs it on the last stage);
+3. **the step schedule**: accumulation, or this rank's pipeline stage
+   (:class:`~distlab.parallel.PipelineStage`) running its schedule;
+4. **SyncBN over the data-parallel group** (under tensor parallel the ranks of a TP group see
+   the same samples: reducing statistics over the world would count each sample ``tp`` times);
+5. **the gradient sync**: data parallel or ZeRO over the replica group (the data- and
+   context-parallel ranks holding the same stage and tensor-parallel shard);
+6. **precision**: autocast, and fp16's loss scaling (a no-op for fp32 and bf16).
+
+Every choice between kinds happens here and nowhere else: the :class:`~distlab.parallel.Engine`
+calls what the protocols promise and never asks which kind it holds.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from distlab.parallel import components as registry
+from distlab.parallel.checkpointing import apply_activation_checkpointing, block_names
+from distlab.parallel.data_parallel import DataParallel
+from distlab.parallel.engine import Engine
+from distlab.parallel.mesh import Mesh
+from distlab.parallel.pipeline import PipelineStage, partition
+from distlab.parallel.precision import Precision, check_device
+from distlab.parallel.protocols import ModelSharding, StepSchedule
+from distlab.parallel.schedule import Accumulate, Pipelined
+from distlab.parallel.strategy import Strategy
+from distlab.parallel.sync_bn import apply_sync_bn
+from distlab.parallel.transformer_tp import loss_head
+from distlab.parallel.zero import Zero
+
+GRAD_SYNCS: tuple[type, ...] = (Zero, DataParallel)  # the kinds a sharded_state_dict can come from
+
+
+def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
+    """Spread ``model`` (built and seeded the same way on every rank) over ``mesh`` as ``strategy`` says.
+
+    Starts from rank 0's weights (data parallel and ZeRO broadcast them over the data-parallel
+    group), so every replica begins equal.
+    """
+    strategy.check(mesh.world_size)
+    if (mesh.tp, mesh.pp, mesh.cp, mesh.ep) != (strategy.tp, strategy.pp, strategy.cp, strategy.ep):
+        raise ValueError(f"the mesh has tp {mesh.tp}, pp {mesh.pp}, cp {mesh.cp}, ep {mesh.ep} but the strategy tp "
+                         f"{strategy.tp}, pp {strategy.pp}, cp {strategy.cp}, ep {strategy.ep}: build the mesh from the "
+                         f"strategy (build_mesh(strategy.tp, pp=strategy.pp, cp=strategy.cp, ep=strategy.ep))")
+    device = next(model.parameters()).device
+    check_device(strategy.precision, device)
+    if strategy.pp > 1:  # cut by the unsharded model's parameters: the same layers on every rank of a TP group
+        balance = [end - start for start, end in partition(model, strategy.pp * strategy.pp_virtual,
+                                                            strategy.pp_balance)]
+    blocks = block_names(model) if strategy.activation_checkpointing and strategy.pp > 1 else None
+    parts: list[ModelSharding] = []  # in the order they act on a batch
+    for kind in registry.kinds():
+        if registry.wanted(kind, strategy):
+            model, part = kind.apply(model, strategy, mesh)
+            parts.append(part)
+    if strategy.activation_checkpointing and strategy.pp == 1:  # a stage checkpoints its blocks by name
+        apply_activation_checkpointing(model)
+    head = loss_head(model)
+    schedule: StepSchedule = Accumulate(strategy.grad_accum)
+    if strategy.pp > 1:
+        model = PipelineStage(model, mesh.pp_group, strategy.microbatches, strategy.pp_schedule, balance,
+                              strategy.pp_virtual, blocks)
+        schedule = Pipelined(model, mesh)
+    model = apply_sync_bn(model, strategy.sync_bn, mesh.replica_group)
+    grad_sync = (Zero if strategy.zero else DataParallel).from_strategy(model, strategy, mesh.replica_group)
+    return Engine(grad_sync, schedule, strategy, mesh, Precision(strategy.precision, device), tuple(parts), head)
+
+
+def split_sharded_state(state: dict, placement: dict) -> tuple[list, dict]:
+    """A :meth:`~distlab.parallel.Engine.sharded_state_dict` (of any layout, described by its
+    ``placement``) as its optimizer parameters' tensors and its buffers under the whole model's keys."""
+    kind = next(k for k in GRAD_SYNCS if k.reads(state))
+    params, buffers = kind.split_state(state, placement["keys"])
+    return params, {placement["buffers"][k]: v for k, v in buffers.items() if k in placement["buffers"]}
