@@ -279,6 +279,9 @@ STRATEGY_OPTIONS = [
                         "(P-1)/(V M + P-1); --microbatches a multiple of --pp; or zero bubble).")),
     ("pp_balance", dict(default=None, help="With --pp: layers per stage, comma-separated (default: cut where the "
                         "parameters balance; the header lists the layers).")),
+    ("components", dict(default=None, help="Model-sharding components of your own, by the names they are "
+                        "registered under (DISTLAB_COMPONENTS=NAME=module:Class), colon-separated; applied after "
+                        "the built-in ones.")),
 ]
 TRAIN_OPTIONS = [
     ("model", dict(help="Images: mlp, mlp-bn, small-cnn-bn, vgg11, vgg11-bn, vgg19, vgg19-bn, resnet18; text: gpt, gpt-moe (mixture of experts); "

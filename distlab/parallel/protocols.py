@@ -1,7 +1,8 @@
 """The contract under the Engine: what a gradient sync and a step schedule provide.
 
 An :class:`~distlab.parallel.Engine` holds one :class:`GradSync`, one :class:`StepSchedule`, an
-ordered list of :class:`ModelSharding` components (context and expert parallel), one
+ordered list of :class:`ModelSharding` components (context, expert and tensor parallel, and any
+registered: :mod:`~distlab.parallel.components`), one
 :class:`LossHead` and one :class:`~distlab.parallel.precision.Precision`, and calls nothing else of
 them: it never asks which one it holds, nor whether one is there. Adding a strategy of either
 kind is one class that implements the protocol (checked by ``isinstance(obj, GradSync)``:

@@ -118,8 +118,8 @@ class Strategy:
                 object.__setattr__(self, "pp_virtual", 1)
         if self.pp_balance is not None:  # JSON gives a list; the dataclass is frozen and hashable
             object.__setattr__(self, "pp_balance", tuple(int(b) for b in self.pp_balance))
-        if isinstance(self.components, (list, str)):
-            names = self.components.split(":") if isinstance(self.components, str) else self.components
+        if not isinstance(self.components, tuple):  # None from a flag not given, a list from JSON, "a:b" from text
+            names = self.components.split(":") if isinstance(self.components, str) else self.components or ()
             object.__setattr__(self, "components", tuple(n for n in names if n))
 
     # ------------------------------------------------------------------ checks
