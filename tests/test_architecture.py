@@ -178,3 +178,13 @@ def test_the_engine_never_asks_whether_a_component_is_there():
     asked = sorted({n.attr for n in ast.walk(evaluate) if isinstance(n, ast.Attribute)
                     and isinstance(n.value, ast.Name) and n.value.id == "mesh"} & {"ep", "cp", "tp", "pp"})
     assert not asked, f"evaluation asks the mesh for {asked}: ask the Engine's components"
+
+
+def test_the_trainer_names_no_model_family():
+    """Sampling and the snapshot record ask the model (models.snapshot_record, build_model): the Trainer
+    reads no list of model names and builds no model class by name."""
+    tree = ast.parse(_source("distlab.train.trainer"))
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert not names & {"TEXT_MODELS", "MOE_MODELS", "GPT", "gpt_from_state", "MLP"}, sorted(
+        names & {"TEXT_MODELS", "MOE_MODELS", "GPT", "gpt_from_state", "MLP"})

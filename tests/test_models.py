@@ -50,3 +50,17 @@ def test_the_layers_a_pipeline_cuts_compute_the_model(name):
     assert torch.equal(out, model(x))
     held = [p for _, layer in layers for p in layer.parameters()]
     assert len({id(p) for p in held}) == len(held) == len(list(model.parameters()))
+
+
+def test_a_models_snapshot_record_is_the_one_snapshots_so_far_carry():
+    """The model declares the sizes a snapshot must agree on (snapshot_record); the record is, key for
+    key, the one every snapshot written so far carries -- so they still resume."""
+    from distlab.models import snapshot_record
+    assert snapshot_record(build_model("mlp", (1, 8, 8), 4, widths=(32, 16))) == {"mlp_widths": [32, 16]}
+    assert snapshot_record(build_model("small-cnn-bn", (3, 8, 8), 4)) == {"mlp_widths": None}
+    moe = build_model("gpt-moe", (16,), 256, n_layer=1, n_head=2, n_embd=8, experts=4, top_k=2, capacity_factor=1.5,
+                      aux_coef=0.01)
+    assert snapshot_record(moe) == {"mlp_widths": None, "n_layer": 1, "n_head": 2, "n_embd": 8, "block_size": 16,
+                                    "experts": 4, "top_k": 2, "capacity_factor": 1.5, "aux_coef": 0.01}
+    assert snapshot_record(build_model("gpt", (16,), 256, n_layer=1, n_head=2, n_embd=8)) == {
+        "mlp_widths": None, "n_layer": 1, "n_head": 2, "n_embd": 8, "block_size": 16}

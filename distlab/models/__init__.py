@@ -98,6 +98,14 @@ TEXT_MODELS = ("gpt", "gpt-moe")
 MOE_MODELS = ("gpt-moe",)
 
 
+def snapshot_record(model: nn.Module) -> dict:
+    """What a snapshot of ``model`` must agree on besides its name, arguments and parameter count: its
+    own ``snapshot_record()`` (:mod:`distlab.models.plans`). Every record has an ``mlp_widths`` entry,
+    None but for the MLP's, as every snapshot written so far has."""
+    own = getattr(model, "snapshot_record", None)
+    return {"mlp_widths": None, **(own() if callable(own) else {})}
+
+
 def model_names() -> list[str]:
     return list(REGISTRY)
 

@@ -117,7 +117,13 @@ class GPT(nn.Sequential):
                          Head(n_embd, vocab))
         self.block_size, self.n_layer, self.n_head, self.n_embd = block_size, n_layer, n_head, n_embd
         self.experts = experts
+        self.moe_options = moe or {}
         self._init_weights()
+
+    def snapshot_record(self) -> dict:
+        """The sizes a snapshot of this model must agree on (:mod:`distlab.models.plans`)."""
+        return {"n_layer": self.n_layer, "n_head": self.n_head, "n_embd": self.n_embd, "block_size": self.block_size,
+                **self.moe_options}
 
     def checkpoint_blocks(self):
         """Activation checkpointing's blocks: the transformer blocks (not the embedding or the head)."""
@@ -129,8 +135,14 @@ class GPT(nn.Sequential):
         parallel after one region entry, the projection row parallel), each MLP as
         :func:`~distlab.models.plans.linear_plan` splits it; under sequence parallel the
         LayerNorms and the position embedding see ``block_size / tp`` positions."""
-        if self.n_head % tp:
-            raise ConfigError(f"tensor parallel: attention has {self.n_head} heads, not divisible by `tp` {tp}")
+        vocab = self[0].tok.num_embeddings
+        for what, count in (("`n_head`", self.n_head), ("`n_embd`", self.n_embd), ("the vocabulary", vocab)):
+            if count % tp:
+                raise ConfigError(f"tensor parallel splits attention heads, widths and the vocabulary over `tp` {tp} "
+                                  f"ranks: {what} {count} is not divisible by {tp}")
+        if sequence_parallel and self.block_size % tp:
+            raise ConfigError(f"`sequence_parallel` splits each sequence of `block_size` {self.block_size} tokens over "
+                              f"`tp` {tp} ranks: choose a `block_size` that {tp} divides")
         plan = {"0.tok": "vocab_embedding", "0": "sequence_embedding"}
         for i in range(1, len(self) - 1):
             plan |= {f"{i}.ln1": "sequence", f"{i}.attn.enter": "enter", f"{i}.attn.q": "colwise_entered",
@@ -143,16 +155,23 @@ class GPT(nn.Sequential):
         head = len(self) - 1
         return plan | {f"{head}.ln": "sequence", f"{head}.enter": "enter", f"{head}.out": "vocab_output"}
 
-    def context_parallel_plan(self) -> dict[str, str]:
+    def context_parallel_plan(self, cp: int, style: str, tp: int = 1) -> dict[str, str]:
         """Context parallel's plan: the position embedding reads each rank's global positions, every
         block's attention core runs over the whole sequence (ring or all-to-all), and a mixture of
-        experts completes its per-sequence routing counts over the sequence's ranks."""
+        experts completes its per-sequence routing counts over the sequence's ranks. Ulysses gives
+        each of the ``cp`` ranks whole heads of this tensor-parallel rank's."""
+        if style == "ulysses" and (self.n_head // tp) % cp:
+            raise ConfigError(f"`cp_style` ulysses gives each of `cp` {cp} ranks whole heads: {self.n_head // tp} "
+                              f"heads per tensor-parallel rank do not divide by {cp}; use `cp_style` ring")
         moe = {f"{i}.mlp": "context_sequence_stats" for i in range(1, len(self) - 1) if self.experts}
         return {"0.pos": "context_positions",
                 **{f"{i}.attn.core": "context_attention" for i in range(1, len(self) - 1)}, **moe}
 
-    def expert_parallel_plan(self) -> dict[str, str]:
-        """Expert parallel's plan: each block's experts sharded over the expert-parallel ranks."""
+    def expert_parallel_plan(self, ep: int) -> dict[str, str]:
+        """Expert parallel's plan: each block's experts sharded over the ``ep`` expert-parallel ranks."""
+        if self.experts and self.experts % ep:
+            raise ConfigError(f"expert parallel shards `experts` {self.experts} over `ep` {ep} ranks: choose an `ep` "
+                              f"that divides {self.experts}")
         return {f"{i}.mlp.experts": "experts" for i in range(1, len(self) - 1)} if self.experts else {}
 
     def _init_weights(self) -> None:

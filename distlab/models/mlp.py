@@ -15,6 +15,7 @@ class MLP(nn.Module):
     def __init__(self, input_shape: tuple[int, ...], num_classes: int, widths: tuple[int, ...] = (512, 256),
                  batch_norm: bool = False):
         super().__init__()
+        self.widths = tuple(widths)
         layers: list[nn.Module] = [nn.Flatten()]
         prev = math.prod(input_shape)
         for w in widths:
@@ -24,6 +25,10 @@ class MLP(nn.Module):
             layers.append(nn.BatchNorm1d(prev))
         layers.append(nn.Linear(prev, num_classes))
         self.net = nn.Sequential(*layers)
+
+    def snapshot_record(self) -> dict:
+        """The sizes a snapshot of this model must agree on (:mod:`distlab.models.plans`)."""
+        return {"mlp_widths": list(self.widths)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)

@@ -1,7 +1,10 @@
 """How a model describes itself to the parallel strategies: plain data, no distribution.
 
 A model may define any of these methods; each strategy that needs one asks for it and refuses,
-naming the method, where a model has none:
+naming the method, where a model has none. A model checks its own limits in them (heads that ``tp``
+does not divide, experts that ``ep`` does not, a context that ``2 cp`` does not) and raises
+:class:`~distlab.errors.ConfigError` naming its numbers -- a run is refused before launch, because
+the settings check calls them on the model built on the meta device.
 
 ``checkpoint_blocks()``
     ``[(container, [(start, end), ...])]``: ranges of an ``nn.Sequential``'s children that
@@ -10,30 +13,56 @@ naming the method, where a model has none:
 ``pipeline_layers()``
     ``[(name, module), ...]``: the layers in order, what a pipeline cuts into stages.
 ``tensor_parallel_plan(tp, style, sequence_parallel)``
-    ``{module name: STYLE}`` in the order to apply them (below); the model checks its own limits
-    (say, heads that ``tp`` does not divide) and raises :class:`~distlab.errors.ConfigError`.
+    ``{module name: STYLE}`` (tensor styles below) in the order to apply them. A plain
+    ``nn.Sequential`` has a default (:func:`linear_plan`).
+``context_parallel_plan(cp, style, tp)``
+    ``{module name: STYLE}`` (context styles below): its attention, and its positions.
+``expert_parallel_plan(ep)``
+    ``{module name: STYLE}`` (the expert style below): the modules holding its experts.
+``snapshot_record()``
+    ``{field: value}``: the sizes a snapshot of this model must agree on to be resumed (plain JSON
+    values; the run adds the model's name, its arguments and its parameter count).
 
-The tensor-parallel styles (``distlab.parallel.tp_plan`` applies them, to any model):
+A *language model* -- its forward maps ``(B, T)`` token ids to ``(B, T, vocab)`` logits and it has a
+``block_size`` (its longest context) -- can also generate text (:mod:`distlab.models.generation`):
+the samples a run prints every ``--sample-every`` steps and ``distlab generate``. The older
+spellings ``context_parallel_plan()`` and ``expert_parallel_plan()`` without arguments are still
+read (:func:`plan_of` passes only the arguments a method takes).
 
-==========================  =====================================================================
-``colwise``                 an ``nn.Linear`` split by output features; the output stays split
-``colwise_gather``          the same, its output all-gathered (the naive style: every layer alone)
-``colwise_entered``         ``colwise`` after an ``enter`` (its input's gradient is reduced there)
-``rowwise``                 an ``nn.Linear`` split by input features; the outputs are summed
-``enter``                   an ``nn.Identity`` where one parallel region begins: the gradient of
-                            its input is all-reduced (one reduction for several ``colwise_entered``)
-``vocab_embedding``         an ``nn.Embedding`` split by rows (tokens); lookups summed
-``vocab_output``            an ``nn.Linear`` to vocabulary logits, split by output features; the
-                            logits stay split and the loss is computed across them
-``sequence``                (sequence parallel) a module between the parallel regions that sees
-                            ``T / tp`` positions: its parameters' gradients are summed over the group
-``sequence_stats``          (sequence parallel) a ``sequence`` module that also computes statistics
-                            of whole sequences (a mixture of experts' routing counts): it gets the
-                            group as its ``sequence_group`` and ``sequence_grad = "sum"``
-``sequence_embedding``      (sequence parallel) a module with token and position embeddings ``tok``
-                            and ``pos`` (``tok`` a ``vocab_embedding``) that returns this rank's
-                            positions: ``tok(idx)`` reduce-scattered plus its rows of ``pos``
-==========================  =====================================================================
+Every style of every plan, one table (each parallelism applies its own, to any model:
+:mod:`distlab.parallel.tp_plan`, :mod:`distlab.parallel.context_parallel`,
+:mod:`distlab.parallel.expert_parallel`):
+
+==========================  ========  ============================================================
+style                       plan      what the parallelism does to the named module
+==========================  ========  ============================================================
+``colwise``                 tensor    an ``nn.Linear`` split by output features; the output stays split
+``colwise_gather``          tensor    the same, its output all-gathered (the naive style: every layer alone)
+``colwise_entered``         tensor    ``colwise`` after an ``enter`` (its input's gradient is reduced there)
+``rowwise``                 tensor    an ``nn.Linear`` split by input features; the outputs are summed
+``enter``                   tensor    an ``nn.Identity`` where one parallel region begins: the gradient of
+                                      its input is all-reduced (one reduction for several ``colwise_entered``)
+``vocab_embedding``         tensor    an ``nn.Embedding`` split by rows (tokens); lookups summed
+``vocab_output``            tensor    an ``nn.Linear`` to vocabulary logits, split by output features; the
+                                      logits stay split and the loss is computed across them
+``sequence``                tensor    (sequence parallel) a module between the parallel regions that sees
+                                      ``T / tp`` positions: its parameters' gradients are summed over the group
+``sequence_stats``          tensor    (sequence parallel) a ``sequence`` module that also computes statistics
+                                      of whole sequences (a mixture of experts' routing counts): it gets the
+                                      group as its ``sequence_group`` and ``sequence_grad = "sum"``
+``sequence_embedding``      tensor    (sequence parallel) a module with token and position embeddings ``tok``
+                                      and ``pos`` (``tok`` a ``vocab_embedding``) that returns this rank's
+                                      positions: ``tok(idx)`` reduce-scattered plus its rows of ``pos``
+``context_positions``       context   an ``nn.Embedding`` of positions: it returns the rows of this rank's
+                                      global positions
+``context_attention``       context   an attention core ``(q, k, v) -> out`` (``(B, H, T, d)``, causal):
+                                      replaced by ring attention or Ulysses over the sequence's ranks
+``context_sequence_stats``  context   a module with per-sequence statistics (``sequence_group``): it
+                                      completes them over the sequence's ranks
+``experts``                 expert    a module computing its experts from ``(tokens sorted by expert,
+                                      counts)``, parameters stacked along a first dimension of size
+                                      ``experts``: each rank keeps ``experts / ep`` of them
+==========================  ========  ============================================================
 
 Under sequence parallel ``enter`` gathers the sequence, ``rowwise`` reduce-scatters it (and its
 bias sees this rank's positions), and ``colwise`` gathers its input's sequence.
@@ -41,10 +70,62 @@ bias sees this rank's positions), and ``colwise`` gathers its input's sequence.
 
 from __future__ import annotations
 
+import inspect
+
 from torch import nn
 
-PLAN_STYLES = ("colwise", "colwise_gather", "colwise_entered", "rowwise", "enter", "vocab_embedding", "vocab_output",
-          "sequence", "sequence_stats", "sequence_embedding")
+from distlab.errors import ConfigError
+
+STYLES = {
+    "tensor": ("colwise", "colwise_gather", "colwise_entered", "rowwise", "enter", "vocab_embedding", "vocab_output",
+               "sequence", "sequence_stats", "sequence_embedding"),
+    "context": ("context_positions", "context_attention", "context_sequence_stats"),
+    "expert": ("experts",),
+}
+PLAN_STYLES = STYLES["tensor"]  # the tensor-parallel styles (the name older code reads)
+METHODS = {"tensor": "tensor_parallel_plan(tp, style, sequence_parallel)",
+           "context": "context_parallel_plan(cp, style, tp)", "expert": "expert_parallel_plan(ep)"}
+
+
+def plan_of(model: nn.Module, plan: str, default=None, **sizes) -> dict[str, str]:
+    """``model``'s ``plan`` ("tensor", "context" or "expert") for ``sizes``, given in the order of the
+    method's signature above (``tp, style, sequence_parallel`` for the tensor plan): what its
+    ``<plan>_parallel_plan`` method returns, called with as many of them as it takes, or
+    ``default(model)`` where it has none and one is given; refused in one line, naming the method,
+    where there is neither, where the plan is empty or where it names a style of another plan."""
+    declared = getattr(model, f"{plan}_parallel_plan", None)
+    if declared is not None:
+        found = declared_plan(model, plan, **sizes)
+    elif default is not None:
+        found = default(model)
+    else:
+        found = {}
+    if not found and declared is None and default is not None:
+        raise ConfigError(f"{type(model).__name__} declares no {plan}-parallel plan and the default one is empty: this "
+                          f"layout needs a model with Linear layers to split (or a {METHODS[plan]} method)")
+    if not found:
+        what = f"{type(model).__name__} has none" if declared is None else \
+            f"{type(model).__name__}'s is empty"
+        raise ConfigError(f"this layout needs the model's {plan}-parallel plan, which a model declares in a "
+                          f"{METHODS[plan]} method; {what} (see distlab.models.plans)")
+    unknown = sorted({s for s in found.values() if s not in STYLES[plan]})
+    if unknown:
+        raise ConfigError(f"{type(model).__name__}'s {plan}-parallel plan has unknown style(s) {', '.join(unknown)}; "
+                          f"its styles: {', '.join(STYLES[plan])}")
+    return found
+
+
+def declared_plan(model: nn.Module, plan: str, **sizes) -> dict[str, str]:
+    """What ``model``'s ``<plan>_parallel_plan`` method returns for ``sizes`` (in its signature's order,
+    as many as it takes), unchecked; ``{}`` where it has none (the planner's tracer asks for names)."""
+    declared = getattr(model, f"{plan}_parallel_plan", None)
+    if declared is None:
+        return {}
+    params = inspect.signature(declared).parameters.values()
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    takes = len(sizes) if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params) else \
+        sum(p.kind in positional for p in params)
+    return dict(declared(*list(sizes.values())[:takes]))
 
 
 def groups_ending_after(container: nn.Sequential, kinds: tuple[type, ...]) -> list[tuple[int, int]]:

@@ -27,7 +27,7 @@ the global positions of the rank's tokens (:class:`ContextPositions`), and the l
 over the rank's tokens -- the same count on every rank, so averaging the gradients over the
 data- and context-parallel ranks together gives the whole sequence's mean.
 
-A model joins by declaring ``context_parallel_plan()``: ``{module name: style}`` with the
+A model joins by declaring ``context_parallel_plan(cp, style, tp)``: ``{module name: style}`` with the
 styles ``context_positions`` (an ``nn.Embedding`` of positions, called with ``arange(t)``) and
 ``context_attention`` (a module computing causal attention from ``(q, k, v)``, ``(B, H, t, D)``)
 and ``context_sequence_stats`` (a module with a ``sequence_group`` attribute, set to the
@@ -45,10 +45,10 @@ from torch import nn
 
 from distlab.comm import p2p
 from distlab.errors import ConfigError
+from distlab.models import plans
 from distlab.runtime import group_rank, group_size
 
 STYLES = ("ring", "ulysses")
-PLAN_STYLES = ("context_positions", "context_attention", "context_sequence_stats")
 
 
 class ContextLayout:
@@ -258,17 +258,14 @@ class UlyssesAttention(nn.Module):
 # --------------------------------------------------------------------------- the plan
 
 
-def plan_of(model: nn.Module) -> dict[str, str]:
-    declared = getattr(model, "context_parallel_plan", None)
-    if declared is None:
-        raise ConfigError(f"`cp` splits the sequence of a model that names its position embedding and attention in "
-                          f"a context_parallel_plan() method; {type(model).__name__} has none (the built-in gpt has)")
-    plan = dict(declared())
-    unknown = sorted({s for s in plan.values() if s not in PLAN_STYLES})
-    if unknown or "context_attention" not in plan.values():
+def plan_of(model: nn.Module, cp: int = 2, style: str = "ring", tp: int = 1) -> dict[str, str]:
+    """``model``'s context-parallel plan for ``cp`` ranks (:func:`distlab.models.plans.plan_of`): it must
+    name its attention."""
+    plan = plans.plan_of(model, "context", cp=cp, style=style, tp=tp)
+    if "context_attention" not in plan.values():
         raise ConfigError(f"{type(model).__name__}'s context-parallel plan must name its attention "
                           f"(context_attention) and may name positions (context_positions); it has "
-                          f"{', '.join(sorted(set(plan.values()))) or 'nothing'}")
+                          f"{', '.join(sorted(set(plan.values())))}")
     return plan
 
 
@@ -283,17 +280,25 @@ class ContextParallel:
         return strategy.cp > 1
 
     @staticmethod
+    def check(model: nn.Module, strategy, input_shape: tuple[int, ...]) -> None:
+        """Before launch, on the model built on the meta device: it declares a plan for this layout (its
+        own limits hold: the model raises, naming them), and a sequence of the data cuts into 2 x cp chunks."""
+        plan_of(model, strategy.cp, strategy.cp_style, strategy.tp)
+        if len(input_shape) == 1:  # token windows: (T,)
+            ContextLayout(strategy.cp, 0).check(input_shape[0])
+
+    @staticmethod
     def apply(model: nn.Module, strategy, mesh) -> tuple[nn.Module, ContextLayout]:
-        return model, apply_context_parallel(model, mesh.cp_group, strategy.cp_style)
+        return model, apply_context_parallel(model, mesh.cp_group, strategy.cp_style, strategy.tp)
 
 
-def apply_context_parallel(model: nn.Module, group, style: str = "ring") -> ContextLayout:
+def apply_context_parallel(model: nn.Module, group, style: str = "ring", tp: int = 1) -> ContextLayout:
     """Make ``model`` run on this rank's tokens of each sequence, as its plan says, in place; returns
     the layout the batch must be cut with."""
     if style not in STYLES:
         raise ConfigError(f"unknown `cp_style` {style!r}; choose one of: {', '.join(STYLES)}")
     layout = ContextLayout(group_size(group), group_rank(group))
-    for name, kind in plan_of(model).items():
+    for name, kind in plan_of(model, layout.cp, style, tp).items():
         module = model.get_submodule(name)
         if kind == "context_positions":
             if not isinstance(module, nn.Embedding):

@@ -30,6 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from distlab.errors import ConfigError
 from distlab.parallel.checkpointing import block_names
 from distlab.models import build_model, task_loss
+from distlab.models.plans import declared_plan
 from distlab.parallel.compression import PowerSGD, _compressible, build_codec
 from distlab.parallel.pipeline import sequential_layers
 from distlab.parallel.zero.units import sharded_linear
@@ -147,16 +148,14 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
         handles.append(m.register_forward_hook(after_forward))
     for u, p in enumerate(params):
         handles.append(p.register_post_accumulate_grad_hook(lambda p, u=u: out.events.append(("grad", u))))
-    cores = getattr(model, "context_parallel_plan", None)
-    for name, kind in (cores() if cores else {}).items():  # what context parallel would pass around
+    for name, kind in declared_plan(model, "context", cp=1, style="ring", tp=1).items():  # what CP would pass around
 
         def kv(m, args, result):
             out.attention_kv_bytes_per_sample += sum(a.numel() * a.element_size() for a in args[1:3]) / batch
 
         if kind == "context_attention":
             handles.append(model.get_submodule(name).register_forward_hook(kv))
-    experts = getattr(model, "expert_parallel_plan", None)
-    for name in (experts() if experts else {}):  # what expert parallel would shard and send
+    for name in declared_plan(model, "expert", ep=1):  # what expert parallel would shard and send
 
         def slots(m, args, result):
             out.expert_slot_bytes_per_sample += args[0].numel() * args[0].element_size() / batch

@@ -24,7 +24,7 @@ single-process mean over the global batch, exactly as data parallel does for the
 group (``tp_split``, as a tensor-parallel layer), so full state dicts, snapshots and resharding
 gather and cut experts like any split parameter: a snapshot taken at one ``ep`` resumes at another.
 
-A model joins by declaring ``expert_parallel_plan()``: ``{module name: "experts"}`` for each
+A model joins by declaring ``expert_parallel_plan(ep)``: ``{module name: "experts"}`` for each
 module that computes its experts from ``(tokens sorted by expert, counts per expert)`` with
 parameters stacked along a first dimension of size ``experts``
 (:class:`distlab.models.moe.GroupedExperts`).
@@ -38,10 +38,10 @@ from torch import nn
 from distlab import comm
 from distlab.comm import p2p
 from distlab.errors import ConfigError
+from distlab.models import plans
 from distlab.parallel.tensor_parallel import _gather
 from distlab.runtime import broadcast_module, group_rank, group_size
 
-PLAN_STYLES = ("experts",)
 
 
 def _all_to_all(chunks: list[torch.Tensor], sizes: list[int], group, rank: int) -> list[torch.Tensor]:
@@ -131,6 +131,12 @@ class ExpertParallel:
         return strategy.ep > 1
 
     @staticmethod
+    def check(model: nn.Module, strategy, input_shape: tuple[int, ...]) -> None:
+        """Before launch, on the model built on the meta device: it names its experts, and its own
+        limits hold (the model raises, naming them: say, experts that `ep` does not divide)."""
+        plan_of(model, strategy.ep)
+
+    @staticmethod
     def apply(model: nn.Module, strategy, mesh) -> tuple[nn.Module, "ExpertParallel"]:
         return model, apply_expert_parallel(model, mesh.ep_group, mesh.expert_data_group, mesh.replicas)
 
@@ -170,24 +176,16 @@ class ExpertParallel:
             offset += p.numel()
 
 
-def plan_of(model: nn.Module) -> dict[str, str]:
-    declared = getattr(model, "expert_parallel_plan", None)
-    plan = dict(declared()) if declared is not None else {}
-    if not plan:
-        raise ConfigError(f"`ep` shards the experts of a mixture-of-experts model that names them in an "
-                          f"expert_parallel_plan() method; {type(model).__name__} has none (the built-in gpt-moe has)")
-    unknown = sorted({s for s in plan.values() if s not in PLAN_STYLES})
-    if unknown:
-        raise ConfigError(f"{type(model).__name__}'s expert-parallel plan has unknown styles {', '.join(unknown)}; "
-                          f"the one style is: experts")
-    return plan
+def plan_of(model: nn.Module, ep: int = 2) -> dict[str, str]:
+    """``model``'s expert-parallel plan for ``ep`` ranks (:func:`distlab.models.plans.plan_of`)."""
+    return plans.plan_of(model, "expert", ep=ep)
 
 
 def apply_expert_parallel(model: nn.Module, group, data_group, replicas: int) -> ExpertParallel:
     """Shard every module the model's plan names over ``group`` (in place); the shards start from
     the first replica's experts (a broadcast over ``data_group``, as data parallel starts from rank 0)."""
     shards = []
-    for name in plan_of(model):
+    for name in plan_of(model, group_size(group)):
         shard = ExpertShard(model.get_submodule(name), group, data_group)
         broadcast_module(shard, src=0, group=data_group)
         parent, _, leaf = name.rpartition(".")

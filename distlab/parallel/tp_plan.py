@@ -14,7 +14,8 @@ from __future__ import annotations
 from torch import nn
 
 from distlab.errors import ConfigError
-from distlab.models.plans import PLAN_STYLES, linear_plan
+from distlab.models import plans
+from distlab.models.plans import linear_plan
 from distlab.parallel.tensor_parallel import STYLES, ColumnParallelLinear, RowParallelLinear, _all_reduce
 from distlab.parallel.transformer_tp import (CopyToGroup, GatherSequence, SequenceParallelEmbedding,
                                              VocabParallelEmbedding, VocabParallelLinear)
@@ -22,24 +23,12 @@ from distlab.runtime import group_size
 
 
 def plan_of(model: nn.Module, tp: int, style: str = "megatron", sequence_parallel: bool = False) -> dict[str, str]:
-    """``model``'s tensor-parallel plan for ``tp`` ranks (its own, or a plain ``nn.Sequential``'s default)."""
+    """``model``'s tensor-parallel plan for ``tp`` ranks (its own, or a plain ``nn.Sequential``'s default:
+    :func:`distlab.models.plans.plan_of`), checked for what sequence parallel needs."""
     if style not in STYLES:
         raise ConfigError(f"unknown `tp_style` {style!r}; choose one of: {', '.join(STYLES)}")
-    declared = getattr(model, "tensor_parallel_plan", None)
-    if declared is not None:
-        plan = dict(declared(tp, style, sequence_parallel))
-    elif isinstance(model, nn.Sequential):
-        plan = linear_plan(model, "", style)
-    else:
-        raise ConfigError(f"`tp` splits the layers a model names in its tensor_parallel_plan(tp, style, "
-                          f"sequence_parallel) method; {type(model).__name__} has none (see distlab.models.plans)")
-    if not plan:
-        raise ConfigError(f"`tp` needs a model with Linear layers to split; {type(model).__name__}'s tensor-parallel "
-                          f"plan is empty")
-    unknown = sorted({s for s in plan.values() if s not in PLAN_STYLES})
-    if unknown:
-        raise ConfigError(f"{type(model).__name__}'s tensor-parallel plan has unknown style(s) {', '.join(unknown)}; "
-                          f"styles: {', '.join(PLAN_STYLES)}")
+    default = (lambda m: linear_plan(m, "", style)) if isinstance(model, nn.Sequential) else None
+    plan = plans.plan_of(model, "tensor", default, tp=tp, style=style, sequence_parallel=sequence_parallel)
     if sequence_parallel and not any(s in ("sequence", "sequence_stats", "sequence_embedding") for s in plan.values()):
         raise ConfigError(f"`sequence_parallel` splits a transformer's sequence: {type(model).__name__}'s "
                           f"tensor-parallel plan declares no sequence-parallel regions")
@@ -60,6 +49,12 @@ class TensorParallel:
     @staticmethod
     def wanted(strategy) -> bool:
         return strategy.tp > 1
+
+    @staticmethod
+    def check(model: nn.Module, strategy, input_shape: tuple[int, ...]) -> None:
+        """Before launch, on the model built on the meta device: it declares a plan for this layout (and
+        its own limits hold: the model raises, naming them)."""
+        plan_of(model, strategy.tp, strategy.tp_style, strategy.sequence_parallel)
 
     @classmethod
     def apply(cls, model: nn.Module, strategy, mesh) -> tuple[nn.Module, "TensorParallel"]:

@@ -22,7 +22,7 @@ from distlab.data.loader import TrainLoader
 from distlab.data.resident import decide as decide_residence
 from distlab.data.resident import nbytes as data_nbytes
 from distlab.errors import ConfigError, DistributedError, NonFiniteError, first_line
-from distlab.models import MOE_MODELS, TEXT_MODELS, build_model, count_parameters
+from distlab.models import build_model, count_parameters, snapshot_record
 from distlab.parallel import build_mesh, parallelize
 from distlab.runtime import Runtime, is_comm_failure, roll_call, seed_everything, tune_host_allocator
 from distlab.train.config import TrainConfig
@@ -76,6 +76,7 @@ class Trainer:
             load_init(net, cfg.init_from)
         net = net.to(rt.device)
         self.num_parameters = count_parameters(net)
+        self.model_record = snapshot_record(net)  # the model's own sizes, before the layout cuts it
         self.engine = parallelize(net, cfg.strategy, self.mesh)
         self.optimizer = self.engine.attach(build_optimizer(self.engine.parameters(), cfg))
         self.steps_per_epoch = len(self.loader)
@@ -278,12 +279,15 @@ class Trainer:
         """A short text the model generates now, the same on every rank (collective: the whole model
         is gathered; rank 0 samples, seeded by the run's seed and step, apart from the run's own random
         streams, then tells the others)."""
-        from distlab.models.generation import generate, gpt_from_state
+        from distlab.models.generation import generate
         state = {k: v.detach().float().cpu() for k, v in self.engine.full_state_dict().items()}
         text = None
         if self.rt.is_main:
-            model = gpt_from_state(state, self.cfg.n_layer, self.cfg.n_head, self.cfg.top_k)
-            text = generate(model, "", tokens, temperature=0.8, top_k=None, seed=self.cfg.seed + self.run.step,
+            with torch.device("meta"):  # built without initialising: the run's random streams are untouched
+                model = build_model(self.cfg.model, self.train_set.input_shape, self.train_set.num_classes,
+                                    **self.cfg.model_options())
+            model.load_state_dict(state, assign=True)
+            text = generate(model.eval(), "", tokens, temperature=0.8, top_k=None, seed=self.cfg.seed + self.run.step,
                             tokenizer=self.tokenizer)
         return broadcast_object(text)
 
@@ -309,11 +313,7 @@ class Trainer:
         cfg = self.cfg
         return {"world_size": self.rt.world_size, "model": cfg.model,
                 **({"model_args": list(cfg.model_args)} if cfg.model_args else {}),
-                "mlp_widths": list(cfg.mlp_widths) if cfg.model.startswith("mlp") else None,
-                **({"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd, "block_size": cfg.block_size}
-                   if cfg.model in TEXT_MODELS else {}),
-                **({"experts": cfg.experts, "top_k": cfg.top_k, "capacity_factor": cfg.capacity_factor,
-                    "aux_coef": cfg.aux_coef} if cfg.model in MOE_MODELS else {}),
+                **self.model_record,
                 "num_parameters": self.num_parameters, "dataset": cfg.dataset,
                 **({"tokenizer": cfg.tokenizer, "tokenizer_sha256": self.tokenizer.sha256}
                    if cfg.tokenizer != "bytes" else {}), "strategy": cfg.strategy.to_dict(),
