@@ -188,3 +188,26 @@ def test_the_trainer_names_no_model_family():
         a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
     assert not names & {"TEXT_MODELS", "MOE_MODELS", "GPT", "gpt_from_state", "MLP"}, sorted(
         names & {"TEXT_MODELS", "MOE_MODELS", "GPT", "gpt_from_state", "MLP"})
+
+
+def test_no_private_name_is_used_outside_its_module():
+    """A leading underscore means "this file only": nothing imports one from another distlab module or
+    reads one through a module it imported (``from distlab.x import _helper``, ``x._helper``)."""
+    found = []
+    for module in MODULES:
+        tree = ast.parse(_source(module))
+        aliases = {}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("distlab"):
+                for a in n.names:
+                    if a.name.startswith("_") and not a.name.startswith("__"):
+                        found.append(f"{module}: from {n.module} import {a.name}")
+                    if f"{n.module}.{a.name}" in MODULES:
+                        aliases[a.asname or a.name] = f"{n.module}.{a.name}"
+            elif isinstance(n, ast.Import):
+                aliases |= {a.asname: a.name for a in n.names if a.name.startswith("distlab") and a.asname}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in aliases \
+                    and n.attr.startswith("_") and not n.attr.startswith("__"):
+                found.append(f"{module}: {n.value.id}.{n.attr}")
+    assert not found, "private names used outside their module:\n" + "\n".join(found)

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from distlab.bench.common import check_train, cores, format_table, fresh_run_dir, machine, write
-from distlab.bench.scaling import _on_cluster, _run
+from distlab.bench.scaling import on_cluster, run_command
 from distlab.launch.cluster import TBF_BURST
 from distlab.errors import ConfigError
 from distlab.tools.flags import strategy_flags
@@ -70,9 +70,9 @@ def run(strategies=DEFAULT_STRATEGIES, nodes: int = 2, epochs: int = 1, max_step
             shutil.rmtree(run_dir, ignore_errors=True)  # a previous invocation's run: replaced
             distlab = [sys.executable, "-m", "distlab", "train"]
             if cluster:
-                _on_cluster(distlab + ["--nproc-per-node", "1", *args], nodes, bandwidth, timeout)
+                on_cluster(distlab + ["--nproc-per-node", "1", *args], nodes, bandwidth, timeout)
             else:
-                _run(distlab + ["--nproc-per-node", str(nodes), "--threads", str(threads), *args], timeout)
+                run_command(distlab + ["--nproc-per-node", str(nodes), "--threads", str(threads), *args], timeout)
             per_run[str(s)].append({**json.loads((run_dir / "summary.json").read_text()), "run_dir": str(run_dir)})
     records = _records(per_run, [str(s) for s in parsed], runs)
     where = (f"emulated cluster, {nodes} nodes x 1 worker ({threads} core(s) each), links {bandwidth}" if cluster

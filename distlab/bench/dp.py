@@ -69,7 +69,7 @@ def with_buckets(methods: list[Strategy], bucket_mbs: list[float] | None) -> lis
 def _train_on_cluster(cfg: TrainConfig, nodes: int, bandwidth: str) -> dict:
     """One run as ``distlab train`` with one worker per emulated node (links at ``bandwidth``); its
     summary. The run's directory is temporary and removed."""
-    from distlab.bench.scaling import _on_cluster
+    from distlab.bench.scaling import on_cluster
     from distlab.tools.flags import strategy_flags
     with tempfile.TemporaryDirectory(prefix="distlab-bench-dp-") as workdir:
         out = Path(workdir) / "run"
@@ -78,7 +78,7 @@ def _train_on_cluster(cfg: TrainConfig, nodes: int, bandwidth: str) -> dict:
                 "--max-steps", str(cfg.max_steps), "--log-every", str(cfg.log_every), "--no-progress",
                 "--device", "cpu", *strategy_flags(cfg.strategy), "--out", str(out)]
         args += ["--data-dir", cfg.data_dir] if cfg.data_dir else []
-        _on_cluster([sys.executable, "-m", "distlab", "train", "--nproc-per-node", "1", *args], nodes, bandwidth,
+        on_cluster([sys.executable, "-m", "distlab", "train", "--nproc-per-node", "1", *args], nodes, bandwidth,
                     3600)
         return json.loads((out / "summary.json").read_text())
 

@@ -88,7 +88,7 @@ def _add_efficiency(records: list[dict]) -> None:
                                if r["mode"] == "weak" else None)
 
 
-def _run(cmd: list[str], timeout: float) -> None:
+def run_command(cmd: list[str], timeout: float) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
@@ -132,7 +132,7 @@ def run(worlds=(1, 2, 4), modes=("weak", "strong"), methods=("ddp",), per_worker
         from distlab.launch import cluster as cl
         cl.check_capable()
         for bandwidth in bandwidths:
-            cl._validate_rate("--bandwidths", bandwidth)
+            cl.validate_rate("--bandwidths", bandwidth)
     opts = {"model": model, "dataset": dataset, "data_dir": data_dir, "epochs": epochs, "max_steps": max_steps,
             "optimizer": optimizer, "lr": lr, "lr_scaling": lr_scaling, "val_fraction": val_fraction, "seed": 0,
             "log_every": 10, "mlp_widths": mlp_widths}
@@ -152,11 +152,11 @@ def run(worlds=(1, 2, 4), modes=("weak", "strong"), methods=("ddp",), per_worker
                     args = _train_args(mode, world, per_worker_batch, global_batch, method, opts, run_dir)
                     progress(f"scaling: {tag} ...")
                     if cluster and world > 1:
-                        _on_cluster(distlab + ["--nproc-per-node", "1", *args], world, bandwidth, timeout)
+                        on_cluster(distlab + ["--nproc-per-node", "1", *args], world, bandwidth, timeout)
                     else:
                         # On the cluster every node gets cores // nodes: the baseline worker gets the same.
                         threads = max(1, cores() // (max(worlds) if cluster else world))
-                        _run(distlab + ["--nproc-per-node", str(world), "--threads", str(threads), *args], timeout)
+                        run_command(distlab + ["--nproc-per-node", str(world), "--threads", str(threads), *args], timeout)
                     rec = _record(run_dir, mode, method, bandwidth if cluster else None)
                     rec.update(machine(world, rec["threads_per_rank"]))
                     rec["where"] = (f"emulated cluster, {world} nodes x 1 worker, links {bandwidth}"
@@ -170,7 +170,7 @@ def run(worlds=(1, 2, 4), modes=("weak", "strong"), methods=("ddp",), per_worker
     return records
 
 
-def _on_cluster(cmd: list[str], nodes: int, bandwidth: str | None, timeout: float) -> None:
+def on_cluster(cmd: list[str], nodes: int, bandwidth: str | None, timeout: float) -> None:
     """One worker per emulated node, each pinned to its share of the cores, links at ``bandwidth``."""
     from distlab.launch import cluster as cl
     name = f"sc{os.getpid() % 10000}"

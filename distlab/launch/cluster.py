@@ -160,7 +160,7 @@ def _validate_delay(flag: str, value: str | None) -> None:
         raise ConfigError(f"{flag} {value!r}: write a tc time such as 100us, 0.1ms or 5ms")
 
 
-def _validate_rate(flag: str, value: str | None) -> None:
+def validate_rate(flag: str, value: str | None) -> None:
     if value is not None and not _RATE.match(value.lower()):
         raise ConfigError(f"{flag} {value!r}: write a tc rate such as 100mbit, 1gbit or 10gbit")
 
@@ -183,7 +183,7 @@ def up(nodes: int, bandwidth: str | None = "1gbit", delay: str | None = None, co
        name: str = "dl") -> Cluster:
     """Create the emulated cluster (see the module docstring); refuse if ``name`` already exists."""
     _validate_name(name)
-    _validate_rate("--bandwidth", bandwidth)
+    validate_rate("--bandwidth", bandwidth)
     _validate_delay("--delay", delay)
     if nodes < 1 or nodes > 250:
         raise ConfigError(f"--nodes must be between 1 and 250, not {nodes}")

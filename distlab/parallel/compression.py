@@ -83,7 +83,7 @@ class CastCodec(Codec):
         return sum(math.prod(s) for s in shapes) * self.dtype.itemsize
 
 
-def _compressible(shape: torch.Size, rank: int) -> tuple[int, int, int] | None:
+def compressible(shape: torch.Size, rank: int) -> tuple[int, int, int] | None:
     """``(rows, cols, r)`` if a gradient of ``shape`` is worth compressing at ``rank``, else None."""
     if len(shape) < 2:
         return None
@@ -128,7 +128,7 @@ class PowerSGD(Codec):
             numel = math.prod(shape)
             view = flat[offset:offset + numel]
             offset += numel
-            dims = _compressible(shape, self.rank)
+            dims = compressible(shape, self.rank)
             if dims is None:
                 rest.append(view)
             else:
@@ -169,7 +169,7 @@ class PowerSGD(Codec):
     def wire_bytes(self, shapes, element_size: int = 4) -> int:
         total = 0
         for shape in shapes:
-            dims = _compressible(shape, self.rank)
+            dims = compressible(shape, self.rank)
             total += (dims[2] * (dims[0] + dims[1]) if dims else math.prod(shape)) * element_size
         return total
 

@@ -31,7 +31,7 @@ from distlab.errors import ConfigError
 from distlab.parallel.checkpointing import block_names
 from distlab.models import build_model, task_loss
 from distlab.models.plans import declared_plan
-from distlab.parallel.compression import PowerSGD, _compressible, build_codec
+from distlab.parallel.compression import PowerSGD, compressible, build_codec
 from distlab.parallel.pipeline import sequential_layers
 from distlab.parallel.zero.units import sharded_linear
 
@@ -344,7 +344,7 @@ def _powersgd_parts(t: Trace, strategy) -> list[float]:
         return [1.0]
     rest = p = q = 0
     for shape in t.shapes or [(m,) for m in t.numels]:
-        dims = _compressible(torch.Size(shape), codec.rank)
+        dims = compressible(torch.Size(shape), codec.rank)
         if dims:
             p, q = p + dims[2] * dims[0], q + dims[2] * dims[1]
         else:
@@ -403,7 +403,7 @@ class DataParallelCost:
             return 0
         total = 0
         for shape in t.shapes:
-            dims = _compressible(torch.Size(shape), codec.rank)
+            dims = compressible(torch.Size(shape), codec.rank)
             if dims:
                 rows, cols, r = dims
                 total += (rows * cols + cols * r) * t.element_size

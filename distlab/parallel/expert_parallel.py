@@ -39,7 +39,7 @@ from distlab import comm
 from distlab.comm import p2p
 from distlab.errors import ConfigError
 from distlab.models import plans
-from distlab.parallel.tensor_parallel import _gather
+from distlab.parallel.tensor_parallel import all_gather_along
 from distlab.runtime import broadcast_module, group_rank, group_size
 
 
@@ -98,7 +98,7 @@ class ExpertShard(nn.Module):
 
     def full_parameters(self) -> list[torch.Tensor]:
         """Every expert's tensors, gathered from the EP group (collective)."""
-        return [_gather(p.detach(), self.group, 0) for p in self.parameters(recurse=False)]
+        return [all_gather_along(p.detach(), self.group, 0) for p in self.parameters(recurse=False)]
 
     def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         n, local, rank = self.ep, self.local, self.ep_rank

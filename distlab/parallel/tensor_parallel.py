@@ -47,11 +47,11 @@ from distlab.runtime import group_rank, group_size
 STYLES = ("megatron", "naive")
 
 
-def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
     return comm.all_reduce(t.contiguous(), op="sum", algorithm="native", group=group) if group_size(group) > 1 else t
 
 
-def _gather(t: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+def all_gather_along(t: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's ``t`` along ``dim`` (in group-rank order)."""
     n = group_size(group)
     if n == 1:
@@ -63,7 +63,7 @@ def _gather(t: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
 
 
 def _gather_last(t: torch.Tensor, group) -> torch.Tensor:
-    return _gather(t, group, -1)
+    return all_gather_along(t, group, -1)
 
 
 def _reduce_scatter(t: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -92,13 +92,13 @@ class _CopyToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _all_reduce(g.clone(), ctx.group), None
+        return all_reduce_sum(g.clone(), ctx.group), None
 
 
 class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
+        return all_reduce_sum(x.clone(), group)
 
     @staticmethod
     def backward(ctx, g):
@@ -131,7 +131,7 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _gather(x, group, 1)
+        return all_gather_along(x, group, 1)
 
     @staticmethod
     def backward(ctx, g):
@@ -146,7 +146,7 @@ class _ScatterSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _gather(g.contiguous(), ctx.group, 1), None
+        return all_gather_along(g.contiguous(), ctx.group, 1), None
 
 
 def gather_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -221,8 +221,8 @@ class ColumnParallelLinear(nn.Module):
 
     def full_parameters(self) -> list[torch.Tensor]:
         """The unsharded weight (and bias), gathered from the group (collective)."""
-        full = [_gather(self.weight.detach(), self.group, 0)]
-        return full + ([_gather(self.bias.detach(), self.group, 0)] if self.bias is not None else [])
+        full = [all_gather_along(self.weight.detach(), self.group, 0)]
+        return full + ([all_gather_along(self.bias.detach(), self.group, 0)] if self.bias is not None else [])
 
     def forward(self, x):
         if self.sequence_parallel:
@@ -266,7 +266,7 @@ class RowParallelLinear(nn.Module):
 
     def full_parameters(self) -> list[torch.Tensor]:
         """The unsharded weight (and the replicated bias), gathered from the group (collective)."""
-        full = [_gather(self.weight.detach(), self.group, 1)]
+        full = [all_gather_along(self.weight.detach(), self.group, 1)]
         return full + ([self.bias.detach().clone()] if self.bias is not None else [])
 
     def forward(self, x):

@@ -16,7 +16,7 @@ from torch import nn
 from distlab.errors import ConfigError
 from distlab.models import plans
 from distlab.models.plans import linear_plan
-from distlab.parallel.tensor_parallel import STYLES, ColumnParallelLinear, RowParallelLinear, _all_reduce
+from distlab.parallel.tensor_parallel import STYLES, ColumnParallelLinear, RowParallelLinear, all_reduce_sum
 from distlab.parallel.transformer_tp import (CopyToGroup, GatherSequence, SequenceParallelEmbedding,
                                              VocabParallelEmbedding, VocabParallelLinear)
 from distlab.runtime import group_size
@@ -80,7 +80,7 @@ def apply_tensor_parallel(model: nn.Module, group=None, style: str = "megatron",
         if new is not module:
             _replace(model, name, new)
     for p in dict.fromkeys(shared):  # once each, in order
-        p.register_hook(lambda g: _all_reduce(g.contiguous().clone(), group))
+        p.register_hook(lambda g: all_reduce_sum(g.contiguous().clone(), group))
     return model
 
 

@@ -37,7 +37,7 @@ from torch import nn
 from distlab import comm
 from distlab.errors import ConfigError
 from distlab.models import task_correct, task_loss
-from distlab.parallel.tensor_parallel import (ColumnParallelLinear, _gather, copy_to_group, gather_sequence,
+from distlab.parallel.tensor_parallel import (ColumnParallelLinear, all_gather_along, copy_to_group, gather_sequence,
                                               reduce_from_group, scatter_sequence)
 from distlab.runtime import group_rank, group_size
 
@@ -88,7 +88,7 @@ class VocabParallelEmbedding(nn.Module):
         return scatter_sequence(out, self.group) if self.sequence_parallel else reduce_from_group(out, self.group)
 
     def full_parameters(self) -> list[torch.Tensor]:
-        return [_gather(self.weight.detach(), self.group, 0)]
+        return [all_gather_along(self.weight.detach(), self.group, 0)]
 
 
 def _reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:

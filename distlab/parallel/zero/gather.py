@@ -10,18 +10,18 @@ import torch
 from torch import nn
 
 from distlab import comm
-from distlab.parallel.zero.units import _Unit
+from distlab.parallel.zero.units import Unit
 
 
 class GatherOnDemand:
     """The gather half of :class:`~distlab.parallel.zero.Zero` (attributes set by its constructor)."""
 
-    def _before_forward(self, module: nn.Module, units: list[_Unit]) -> None:
+    def _before_forward(self, module: nn.Module, units: list[Unit]) -> None:
         if self._pinned:
             return
         self._fetch(module, units, forward=True)
 
-    def _after_forward(self, units: list[_Unit], module: nn.Module, out) -> None:
+    def _after_forward(self, units: list[Unit], module: nn.Module, out) -> None:
         if self._pinned:
             return
         for unit in units:
@@ -32,11 +32,11 @@ class GatherOnDemand:
         for node in nodes:  # backward reaches the module's own nodes only through its outputs' nodes
             node.register_prehook(lambda grads, module=module, units=units: self._before_backward(module, units))
 
-    def _before_backward(self, module: nn.Module, units: list[_Unit]) -> None:
+    def _before_backward(self, module: nn.Module, units: list[Unit]) -> None:
         if module in self._prefetched or not all(u.gathered for u in units):  # prefetched: still arriving
             self._fetch(module, units, forward=False)
 
-    def _fetch(self, module: nn.Module, units: list[_Unit], forward: bool) -> None:
+    def _fetch(self, module: nn.Module, units: list[Unit], forward: bool) -> None:
         """Make ``module``'s full parameters present (waiting for its prefetch, or gathering now),
         then start gathering the module that needs its parameters next: the following one in
         forward, and in backward the next one that needed them in the first step's backward (a
@@ -70,12 +70,12 @@ class GatherOnDemand:
             for u in self._by_module[module]:
                 u.free()
 
-    def _linear(self, module: nn.Module, units: list[_Unit], x: torch.Tensor) -> torch.Tensor:
+    def _linear(self, module: nn.Module, units: list[Unit], x: torch.Tensor) -> torch.Tensor:
         if self._pinned:
             return nn.functional.linear(x, module.weight, module.bias)
         return _ShardedLinear.apply(x, self, module, units, *[u.shard for u in units])
 
-    def _linear_grads(self, units: list[_Unit], g: torch.Tensor, x: torch.Tensor) -> None:
+    def _linear_grads(self, units: list[Unit], g: torch.Tensor, x: torch.Tensor) -> None:
         """The weight's (and bias') gradient of a sharded Linear, written straight into a padded
         flat buffer (the full weight is already released), accumulated or reduce-scattered."""
         weight = units[0]
@@ -92,7 +92,7 @@ class GatherOnDemand:
         if self._syncing:
             self._reduce(units)
 
-    def _on_grad_ready(self, unit: _Unit) -> None:
+    def _on_grad_ready(self, unit: Unit) -> None:
         """Once every parameter of a module has its gradient: reduce-scatter them (one collective)."""
         units = self._by_module[unit.module]
         count = self._ready.get(unit.module, 0) + 1
@@ -106,7 +106,7 @@ class GatherOnDemand:
             for u in units:
                 u.free()
 
-    def _gather(self, units: list[_Unit], wait: bool = True):
+    def _gather(self, units: list[Unit], wait: bool = True):
         """All-gather the shards of ``units`` into their full parameters. Every collective is
         started before the first is waited for (native: ``async_op``; distlab's algorithms: on the
         communication thread when there is one); ``wait=False`` returns them unfinished, for

@@ -8,7 +8,7 @@ import torch
 
 from distlab import comm
 from distlab.errors import ConfigError
-from distlab.parallel.zero.units import _Unit, goes_alone
+from distlab.parallel.zero.units import Unit, goes_alone
 
 
 class BucketedReduce:
@@ -71,18 +71,18 @@ class BucketedReduce:
         bucket.flat = bucket.out = bucket.work = None
 
     @staticmethod
-    def _groups(units: list[_Unit]) -> list[list[_Unit]]:
+    def _groups(units: list[Unit]) -> list[list[Unit]]:
         """Collective batches: a large unit goes alone (without padding its gradient and its full
         buffer are used in place; with padding, one padded copy of its gradient); the small ones
         share one collective (a copy of small tensors is cheaper than a collective's latency)."""
         alone = [[u] for u in units if goes_alone(u.numel)]
         small = [u for u in units if not goes_alone(u.numel)]
-        by_dtype: dict[torch.dtype, list[_Unit]] = {}
+        by_dtype: dict[torch.dtype, list[Unit]] = {}
         for u in small:
             by_dtype.setdefault(u.full.dtype, []).append(u)
         return alone + list(by_dtype.values())
 
-    def _reduce(self, units: list[_Unit]) -> None:
+    def _reduce(self, units: list[Unit]) -> None:
         """Reduce-scatter (average) the gradients of ``units`` into their shards' gradients and drop
         the full gradients."""
         for group in self._groups(units):

@@ -31,7 +31,7 @@ class Shard:
     numel: int
 
 
-class _Unit:
+class Unit:
     """One parameter, flattened, zero-padded and split evenly over the group."""
 
     def __init__(self, name: str, module: nn.Module, param: nn.Parameter, n: int, rank: int):
@@ -79,10 +79,10 @@ class _Unit:
         return flat
 
 
-class _Bucket:
+class Bucket:
     """Units whose gradients travel in one reduce-scatter (stages 1-2)."""
 
-    def __init__(self, units: list[_Unit]):
+    def __init__(self, units: list[Unit]):
         self.units = units
         self.shard_numel = sum(u.shard_numel for u in units)
         self.ready = 0  # gradients arrived this backward
@@ -91,19 +91,19 @@ class _Bucket:
         self.work: comm.Handle | None = None  # its reduce-scatter under way
 
 
-def _buckets(units: list[_Unit], cap_bytes: int) -> list[_Bucket]:
+def cut_buckets(units: list[Unit], cap_bytes: int) -> list[Bucket]:
     """``units`` in reverse order, cut into buckets of at most ``cap_bytes`` (a larger unit alone) and one dtype."""
-    out: list[_Bucket] = []
-    current: list[_Unit] = []
+    out: list[Bucket] = []
+    current: list[Unit] = []
     size = 0
     for u in reversed(units):
         if current and (size + u.full_bytes > cap_bytes or u.full.dtype != current[0].full.dtype):
-            out.append(_Bucket(current))
+            out.append(Bucket(current))
             current, size = [], 0
         current.append(u)
         size += u.full_bytes
     if current:
-        out.append(_Bucket(current))
+        out.append(Bucket(current))
     return out
 
 

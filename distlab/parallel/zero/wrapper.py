@@ -16,7 +16,7 @@ from distlab.parallel.precision import DTYPES
 from distlab.parallel.zero.gather import GatherOnDemand
 from distlab.parallel.zero.reduce import BucketedReduce
 from distlab.parallel.zero.state import ShardedState
-from distlab.parallel.zero.units import Shard, _Bucket, _buckets, _Unit, sharded_linear
+from distlab.parallel.zero.units import Shard, Bucket, cut_buckets, Unit, sharded_linear
 from distlab.runtime import broadcast_module, group_rank, group_size
 
 STAGES = (0, 1, 2, 3)
@@ -44,11 +44,11 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
         self._rs = comm.resolve(collective, "reduce_scatter", group)  # what `auto` means here
         self._ag = comm.resolve(collective, "all_gather", group)
         broadcast_module(module, src=0, group=group)  # start from rank 0's weights, like data parallel
-        self.units = [_Unit(f"{name}.{pname}" if name else pname, m, p, n, rank)
+        self.units = [Unit(f"{name}.{pname}" if name else pname, m, p, n, rank)
                       for name, m in module.named_modules() for pname, p in m.named_parameters(recurse=False)]
         if not self.units:
             raise ConfigError("`zero` needs a model with parameters")
-        self._by_module: dict[nn.Module, list[_Unit]] = {}
+        self._by_module: dict[nn.Module, list[Unit]] = {}
         for unit in self.units:
             self._by_module.setdefault(unit.module, []).append(unit)
         self._pinned = False  # inside gathered(): stage-3 hooks leave the full parameters alone
@@ -57,10 +57,10 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
         self.peak_bytes = 0
         self._handles = []
         self._ready: dict[nn.Module, int] = {}  # per module: parameters whose gradient arrived this backward
-        self.buckets: list[_Bucket] = []
+        self.buckets: list[Bucket] = []
         self._next_launch = 0
         if stage < 3:
-            self.buckets = _buckets(self.units, int(bucket_mb * 2**20))
+            self.buckets = cut_buckets(self.units, int(bucket_mb * 2**20))
             for b, bucket in enumerate(self.buckets):
                 for unit in bucket.units:
                     self._handles.append(unit.param.register_post_accumulate_grad_hook(
