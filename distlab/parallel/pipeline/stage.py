@@ -1,50 +1,7 @@
-"""Pipeline parallel: a model's layers in ``P`` stages on ``P`` ranks, micro-batches flowing through.
-
-The model is a sequence of layers: an ``nn.Sequential`` (the GPT: embedding, blocks, head), or a
-model that lists its layers in order with ``pipeline_layers()`` (the MLP; VGG's features, pool and
-classifier; ResNet's stem, blocks and head) -- :func:`sequential_layers`. :func:`partition` cuts
-it into ``P`` contiguous stages balanced by parameter count (or at the layer counts given).
-Stage ``s`` runs on rank ``s`` of the pipeline group: it receives its input activation from stage ``s - 1`` (the first stage reads the batch),
-runs its layers, and sends the output to stage ``s + 1``; the last stage computes the loss. In the
-backward pass gradients travel the other way. A step splits the batch into ``M`` micro-batches,
-each loss divided by ``M``, so the accumulated gradients are those of the whole batch: the step
-equals one step of the unsplit model.
-
-Two schedules (the order in which each stage runs its ``M`` forwards and ``M`` backwards):
-
-* **GPipe** (Huang et al. 2019): all forwards, then all backwards. Every stage holds the
-  activations of all ``M`` micro-batches at the turn.
-* **1F1B** (PipeDream-flush, Narayanan et al. 2021): stage ``s`` runs ``P - s - 1`` forwards to
-  fill the pipeline, then alternates one forward and one backward, then drains. It holds at most
-  ``P - s`` micro-batches' activations, whatever ``M``; the idle time is the same as GPipe's.
-
-Either way a stage idles while the pipeline fills and drains: the *bubble*, ``(P - 1) / (M + P - 1)``
-of the step with equal stages. Two schedules shrink it:
-
-* **Interleaved 1F1B** (Narayanan et al. 2021, Megatron-LM's virtual pipeline; ``virtual`` V > 1):
-  the layers are cut into ``P x V`` chunks and rank ``r`` holds chunks ``r, r + P, r + 2P, ...``, so
-  a micro-batch crosses every rank V times, each pass a V-th of the work: filling and draining cost
-  a V-th as long, the bubble ``(P - 1) / (V M + P - 1)``, for V times the messages.
-* **Zero bubble** (``zb``: ZB-H1 of Qi et al. 2024): each backward is split in two -- ``B``, the
-  gradient of the stage's input, which the previous stage waits for, and ``W``, the gradients of
-  its weights, which nobody waits for -- and the ``W`` passes fill the slots where 1F1B idles.
-
-Both run from an explicit action list per rank (:func:`schedule_actions`): a list scheduler plays
-the step on every rank with unit costs (forward 1, backward 2, or ``B`` 1 and ``W`` 1), always taking
-a ready backward first, then a forward while the rank holds fewer micro-batches than the 1F1B limit
-(Megatron's warm-up count when interleaved), then a ``W``. Each rank runs its actions in that order;
-(a micro-batch counts as held until its last backward pass -- its ``W`` under zero bubble, which
-keeps the graph for it: ZB-H1's memory, 1F1B's limit); the order is a topological order of the step's dependencies and every send is non-blocking, so
-no schedule can deadlock, and each message stream (one per chunk boundary and direction, its own
-tag) carries its micro-batches in order. The same simulation gives each schedule's ideal bubble. :attr:`PipelineStage.last_timing` measures it per step: time spent
-waiting for a neighbour's message over the step's time.
-
-Messages are point-to-point (:mod:`distlab.comm.p2p`, so the bytes are counted): an activation
-goes with a small header giving its shape (stage outputs differ in shape: a CNN's feature maps, a
-transformer's ``(B, T, C)``); a gradient has its activation's shape, which the sender's neighbour
-knows. A send and the receive a stage needs next are posted together, so neighbours never wait on
-each other's sends.
-"""
+"""One rank's pipeline stage (:class:`PipelineStage`): its layers, the messages to its neighbours and
+the step loops of every schedule -- GPipe and 1F1B by hand, the others from their action lists. One
+class with its step loops over ~400 lines: they share the stage's message streams and timing, and
+read best side by side."""
 
 from __future__ import annotations
 
@@ -56,184 +13,15 @@ import torch
 from torch import nn
 
 from distlab.comm.p2p import Peer, wait_all
-from distlab.parallel.checkpointing import run_checkpointed
 from distlab.errors import ConfigError
+from distlab.parallel.checkpointing import run_checkpointed
+from distlab.parallel.pipeline.actions import SCHEDULES, check_virtual, ideal_bubble, schedule_actions
+from distlab.parallel.pipeline.partition import partition, sequential_layers
 from distlab.runtime import group_rank, group_size
 
-SCHEDULES = ("gpipe", "1f1b", "zb")
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 _HEADER = 10  # int64s: dtype code, ndim, up to 8 sizes
 ACT, GRAD = 0, 1  # message tags
-
-
-def ideal_bubble(stages: int, microbatches: int, schedule: str = "1f1b", virtual: int = 1) -> float:
-    """The share of a step each stage idles while the pipeline fills and drains, with equal stages:
-    ``(P - 1) / (M + P - 1)`` for GPipe and 1F1B; for the action-list schedules (interleaved, zero
-    bubble) the idle share of the unit-cost simulation :func:`schedule_actions` plays, mean over ranks."""
-    if virtual == 1 and schedule in ("gpipe", "1f1b"):
-        return (stages - 1) / (microbatches + stages - 1)
-    plan = schedule_actions(schedule, stages, virtual, microbatches)
-    span = max(a[3] + a[4] for acts in plan for a in acts)
-    busy = [sum(a[4] for a in acts) for acts in plan]
-    return sum(1 - b / span for b in busy) / stages
-
-
-def schedule_actions(schedule: str, stages: int, virtual: int, microbatches: int) -> list[list[tuple]]:
-    """Every rank's actions for one step, in order: ``(kind, chunk, microbatch, start, cost)`` with
-    kind ``F`` (forward), ``B`` (backward; under ``zb`` only the input's gradient) or ``W`` (``zb``:
-    the weights' gradients). Virtual stage ``k = chunk x P + rank`` (module docstring)."""
-    P, V, M = stages, virtual, microbatches
-    K, split = P * V, schedule == "zb"
-    cost = {"F": 1, "B": 1 if split else 2, "W": 1}
-    if not split and V > 1:
-        return _timed(_megatron_interleaved(P, V, M), P, cost)
-    end: dict[tuple, int] = {}  # (kind, k, m) -> when it finishes
-    started: set[tuple] = set()
-    plan: list[list[tuple]] = [[] for _ in range(P)]
-    free = [0] * P
-    limit = [min(M * V, (P - r - 1) * 2 + (V - 1) * P + 1) if V > 1 else P - r for r in range(P)]
-    held = [0] * P  # micro-batch chunks forwarded and not yet backward (the 1F1B memory limit)
-    waiting_w: list[list[tuple]] = [[] for _ in range(P)]
-    total, t = M * K * (3 if split else 2), 0
-
-    def done(key) -> bool:
-        return key in end and end[key] <= t
-
-    while len(started) < total:
-        for r in range(P):
-            if free[r] > t:
-                continue
-            ks = [c * P + r for c in range(V)]
-            pick = None
-            ready_b = [("B", k, m) for k in ks for m in range(M) if ("B", k, m) not in started
-                       and done(("F", k, m)) and (k == K - 1 or done(("B", k + 1, m)))
-                       and (m == 0 or ("B", k, m - 1) in started)]
-            if ready_b:
-                pick = min(ready_b, key=lambda a: (a[2], -a[1]))
-            elif held[r] < limit[r]:
-                ready_f = [("F", k, m) for k in ks for m in range(M) if ("F", k, m) not in started
-                           and (k == 0 or done(("F", k - 1, m))) and (m == 0 or ("F", k, m - 1) in started)]
-                if ready_f:
-                    pick = min(ready_f, key=lambda a: (a[2] // P, a[1], a[2]))
-            if pick is None and waiting_w[r]:
-                pick = waiting_w[r].pop(0)
-            if pick is None:
-                continue
-            kind, k, m = pick
-            started.add(pick)
-            end[pick] = t + cost[kind]
-            free[r] = end[pick]
-            held[r] += {"F": 1, "B": 0 if split else -1, "W": -1}[kind]  # zb: the graph is held until W
-            if kind == "B" and split:
-                waiting_w[r].append(("W", k, m))
-            plan[r].append((kind, k // P, m, t, cost[kind]))
-        t += 1
-    return plan
-
-
-def _megatron_interleaved(P: int, V: int, M: int) -> list[list[tuple]]:
-    """Megatron-LM's interleaved 1F1B order per rank (``M`` a multiple of ``P``): forwards in groups of
-    ``P`` micro-batches per chunk, chunk 0 first; backwards the same with the chunks reversed;
-    ``(P - r - 1) 2 + (V - 1) P`` warm-up forwards, then one forward one backward, then the rest."""
-    total = M * V
-
-    def unit(i: int, backward: bool) -> tuple[int, int]:
-        chunk = (i // P) % V
-        return (V - 1 - chunk if backward else chunk), (i // (P * V)) * P + i % P
-
-    orders = []
-    for r in range(P):
-        warm = min((P - r - 1) * 2 + (V - 1) * P, total)
-        acts = [("F", *unit(i, False)) for i in range(warm)]
-        for i in range(total - warm):
-            acts += [("F", *unit(warm + i, False)), ("B", *unit(i, True))]
-        acts += [("B", *unit(i, True)) for i in range(total - warm, total)]
-        orders.append(acts)
-    return orders
-
-
-def _timed(orders: list[list[tuple]], P: int, cost: dict) -> list[list[tuple]]:
-    """Each rank's actions ``(kind, chunk, microbatch)`` in the given order, each started as soon as
-    the rank is free and its inputs are there (unit costs): ``(kind, chunk, microbatch, start, cost)``."""
-    K = P * max(c for acts in orders for _, c, _ in acts) + P
-    end: dict[tuple, int] = {}
-    nxt, free, plan, t = [0] * P, [0] * P, [[] for _ in range(P)], 0
-    while any(nxt[r] < len(orders[r]) for r in range(P)):
-        if t > 10 * sum(len(o) for o in orders) * max(cost.values()):
-            raise RuntimeError("pipeline schedule: the action order deadlocks")  # a bug, not a user error
-        for r in range(P):
-            if free[r] > t or nxt[r] == len(orders[r]):
-                continue
-            kind, c, m = orders[r][nxt[r]]
-            k = c * P + r
-            need = [("F", k - 1, m)] if kind == "F" and k else []
-            if kind == "B":
-                need = [("F", k, m)] + ([("B", k + 1, m)] if k < K - 1 else [])
-            if all(key in end and end[key] <= t for key in need):
-                end[(kind, k, m)] = free[r] = t + cost[kind]
-                plan[r].append((kind, c, m, t, cost[kind]))
-                nxt[r] += 1
-        t += 1
-    return plan
-
-
-def sequential_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``[(name, layer), ...]``: the model as layers applied one after another, each under its
-    name in ``model`` (so a stage's state-dict keys can be written as the whole model's)."""
-    if isinstance(model, nn.Sequential):
-        return [(str(i), layer) for i, layer in enumerate(model)]
-    listed = getattr(model, "pipeline_layers", None)
-    if listed is None:
-        raise ConfigError(f"a pipeline cuts a model into consecutive layers: {type(model).__name__} is not an "
-                          f"nn.Sequential and has no pipeline_layers() listing its layers in order")
-    return list(listed())
-
-
-def partition(model: nn.Module, stages: int, balance: list[int] | None = None) -> list[tuple[int, int]]:
-    """``[(start, end), ...]``: the layer range of each stage (indices into :func:`sequential_layers`).
-
-    ``balance`` gives the number of layers per stage. Otherwise stage ``k`` starts at the layer
-    with parameters where the parameters before it come nearest ``k / stages`` of the total; layers
-    without parameters (activations, pooling, flatten) stay with the layer before them, so every
-    stage has parameters to train whenever the model has at least ``stages`` layers with some.
-    """
-    return cut([sum(p.numel() for p in layer.parameters()) for _, layer in sequential_layers(model)], stages, balance)
-
-
-def cut(sizes: list[int], stages: int, balance: list[int] | None = None) -> list[tuple[int, int]]:
-    """:func:`partition` on the layers' parameter counts alone (what ``distlab plan`` cuts by)."""
-    n = len(sizes)
-    if stages < 1 or stages > n:
-        raise ConfigError(f"`pp` {stages}: the model has {n} layers to cut into stages; use between 1 and {n} "
-                          f"stages")
-    if balance is not None:
-        if len(balance) != stages or sum(balance) != n or min(balance) < 1:
-            raise ConfigError(f"pipeline: balance {list(balance)} must give {stages} positive layer counts summing "
-                              f"to {n}")
-        bounds = [0]
-        for b in balance:
-            bounds.append(bounds[-1] + b)
-        ranges = list(zip(bounds[:-1], bounds[1:]))
-        empty = [s for s, (a, b) in enumerate(ranges) if not sum(sizes[a:b])]
-        if empty and sum(sizes):
-            raise ConfigError(f"pipeline: balance {list(balance)} leaves stage {empty[0]} without parameters; give "
-                              f"every stage a layer with parameters")
-        return ranges
-    if not sum(sizes):  # nothing to balance: layers count equally
-        sizes = [1] * n
-    heavy = [i for i, size in enumerate(sizes) if size]  # the layers a stage may start at (and the first)
-    if stages > len(heavy):
-        raise ConfigError(f"`pp` {stages}: the model has {len(heavy)} layers with parameters, and a stage without "
-                          f"any would have nothing to train; use at most {len(heavy)} stages")
-    before = [0]  # parameters before each heavy layer
-    for i in heavy[:-1]:
-        before.append(before[-1] + sizes[i])
-    total, starts = sum(sizes), [0]
-    for k in range(1, stages):
-        low, high = starts[-1] + 1, len(heavy) - (stages - k)  # leave a heavy layer for every later stage
-        starts.append(min(range(low, high + 1), key=lambda j: abs(before[j] - k * total / stages)))
-    cuts = [0] + [heavy[j] for j in starts[1:]] + [n]
-    return list(zip(cuts[:-1], cuts[1:]))
 
 
 class ActivationMeter:
@@ -647,16 +435,3 @@ def _act_tag(k: int) -> int:
 def _grad_tag(k: int) -> int:
     """Tag of the gradients of virtual stage ``k``'s input, sent back to stage ``k - 1``."""
     return 3 + 2 * k
-
-
-def check_virtual(stages: int, virtual: int, microbatches: int, schedule: str) -> None:
-    """The refusals of interleaving: V >= 1, not with GPipe, and (interleaved 1F1B) M a multiple of P."""
-    if virtual < 1:
-        raise ConfigError(f"`pp_virtual` must be at least 1, not {virtual}")
-    if virtual > 1 and schedule == "gpipe":
-        raise ConfigError(f"`pp_virtual` {virtual} interleaves 1F1B or zero-bubble schedules; GPipe runs every forward "
-                          f"before any backward and gains nothing from chunks: use `pp_schedule` 1f1b or zb")
-    if virtual > 1 and schedule == "1f1b" and microbatches % stages:
-        raise ConfigError(f"interleaved 1F1B (`pp_virtual` {virtual}) sends micro-batches round the {stages} stages in "
-                          f"groups of {stages}: `microbatches` {microbatches} must be a multiple of `pp` {stages}")
-
