@@ -20,7 +20,8 @@ from distlab.comm.accounting import allreduce_bytes_per_rank
 from distlab.models import GPT, task_correct, task_loss
 from distlab.parallel import apply_tensor_parallel
 from distlab.parallel.tensor_parallel import full_parameters, full_state_dict
-from distlab.parallel.transformer_tp import vocab_parallel_correct, vocab_parallel_cross_entropy, vocab_parallel_head
+from distlab.parallel.loss_head import vocab_parallel_head
+from distlab.parallel.vocab_sequence import vocab_parallel_correct, vocab_parallel_cross_entropy
 from distlab.launch.spawn import RankFailure, run_ranks
 from distlab.tools.verify import step_tolerance, sum_tolerance
 

@@ -30,11 +30,11 @@ from torch import nn
 
 from distlab.errors import NonFiniteError
 from distlab.parallel import tensor_parallel
+from distlab.parallel.loss_head import TaskHead
 from distlab.parallel.mesh import Mesh
 from distlab.parallel.precision import Precision, scale_and_find_non_finite
 from distlab.parallel.protocols import GradSync, LossHead, ModelSharding, StepSchedule
 from distlab.parallel.strategy import Strategy
-from distlab.parallel.transformer_tp import TaskHead
 
 
 class Engine:

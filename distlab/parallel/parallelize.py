@@ -33,6 +33,7 @@ from distlab.parallel import components as registry
 from distlab.parallel.checkpointing import apply_activation_checkpointing, block_names
 from distlab.parallel.data_parallel import DataParallel
 from distlab.parallel.engine import Engine
+from distlab.parallel.loss_head import loss_head
 from distlab.parallel.mesh import Mesh
 from distlab.parallel.pipeline import PipelineStage, partition
 from distlab.parallel.precision import Precision, check_device
@@ -40,7 +41,6 @@ from distlab.parallel.protocols import ModelSharding, StepSchedule
 from distlab.parallel.schedule import Accumulate, Pipelined
 from distlab.parallel.strategy import Strategy
 from distlab.parallel.sync_bn import apply_sync_bn
-from distlab.parallel.transformer_tp import loss_head
 from distlab.parallel.zero import Zero
 
 GRAD_SYNCS: tuple[type, ...] = (Zero, DataParallel)  # the kinds a sharded_state_dict can come from

@@ -17,7 +17,7 @@ from distlab.errors import ConfigError
 from distlab.models import plans
 from distlab.models.plans import linear_plan
 from distlab.parallel.tensor_parallel import STYLES, ColumnParallelLinear, RowParallelLinear, all_reduce_sum
-from distlab.parallel.transformer_tp import (CopyToGroup, GatherSequence, SequenceParallelEmbedding,
+from distlab.parallel.vocab_sequence import (CopyToGroup, GatherSequence, SequenceParallelEmbedding,
                                              VocabParallelEmbedding, VocabParallelLinear)
 from distlab.runtime import group_size
 

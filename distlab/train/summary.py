@@ -208,7 +208,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
 def tensor_parallel_share(module: torch.nn.Module) -> tuple[list[str], int, int]:
     """The tensor-parallel layers of ``module`` (names), their parameters on this rank, all parameters."""
     from distlab.parallel import ColumnParallelLinear, RowParallelLinear
-    from distlab.parallel.transformer_tp import VocabParallelEmbedding
+    from distlab.parallel.vocab_sequence import VocabParallelEmbedding
     layers = [(name, m) for name, m in module.named_modules()
               if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))]
     return [n for n, _ in layers], sum(count_parameters(m) for _, m in layers), count_parameters(module)

@@ -1,5 +1,6 @@
-"""The layers of tensor parallel for transformers (Megatron-LM's layout): attention split by heads,
-the vocabulary split in the embedding, the LM head and the cross-entropy. A model's
+"""Tensor parallel's region, vocabulary and sequence layers for transformers (Megatron-LM's layout):
+attention split by heads, the vocabulary split in the embedding, the LM head and the cross-entropy,
+the sequence split between blocks. A model's
 ``tensor_parallel_plan()`` says where they go (:mod:`distlab.models.plans` names the styles) and
 :mod:`distlab.parallel.tp_plan` puts them there; nothing here knows a model.
 
@@ -36,7 +37,6 @@ from torch import nn
 
 from distlab import comm
 from distlab.errors import ConfigError
-from distlab.models import task_correct, task_loss
 from distlab.parallel.tensor_parallel import (ColumnParallelLinear, all_gather_along, copy_to_group, gather_sequence,
                                               reduce_from_group, scatter_sequence)
 from distlab.runtime import group_rank, group_size
@@ -175,29 +175,3 @@ class SequenceParallelEmbedding(nn.Module):
             raise ConfigError(f"sequence parallel: a sequence of {t} tokens does not split over `tp` {n}")
         start = group_rank(self.group) * (t // n)
         return self.tok(idx) + self.pos(torch.arange(start, start + t // n, device=idx.device))
-
-
-def vocab_parallel_head(model: nn.Module) -> VocabParallelLinear | None:
-    """The model's vocabulary-parallel output layer, if tensor parallel gave it one."""
-    return next((m for m in model.modules() if isinstance(m, VocabParallelLinear)), None)
-
-
-class TaskHead:
-    """The task's own scoring of whole logits: cross-entropy and accuracy per sample (a classifier) or
-    per token (a language model) -- the :class:`~distlab.parallel.protocols.LossHead` of every model
-    whose output layer tensor parallel did not split."""
-
-    @staticmethod
-    def loss(out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        return task_loss(out, y, reduction)
-
-    @staticmethod
-    def correct(out: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:
-        return task_correct(out, y)
-
-
-def loss_head(model: nn.Module):
-    """What scores ``model``'s output: its vocabulary-parallel head where tensor parallel split the LM
-    head (no rank builds the full logits), else the task's own :class:`TaskHead`."""
-    head = vocab_parallel_head(model)
-    return TaskHead() if head is None else head
