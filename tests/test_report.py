@@ -256,7 +256,7 @@ def test_runs_are_grouped_by_data_set_and_a_classifier_shows_its_mistakes(run_cl
 def test_run_tables_label_layouts_as_they_ran_and_bars_start_at_zero(tmp_path):
     """A single process is "single process", not its unused sync method; losses share one format; an
     accuracy bar's length is its accuracy (the axis starts at 0)."""
-    from distlab.tools import report
+    from distlab.tools.report import runs as sections
     runs = []
     for name, acc, loss, world, strategy in (("one", 0.82, 4.192e-07, 1, {"dp_sync": "bucketed"}),
                                               ("two", 0.88, 0.0, 2, {"dp_sync": "bucketed", "pp": 2})):
@@ -264,16 +264,16 @@ def test_run_tables_label_layouts_as_they_ran_and_bars_start_at_zero(tmp_path):
             "dataset": "d", "world_size": world, "strategy": strategy, "test_accuracy": acc, "test_loss": loss,
             "steps": 3}})
     captured = {}
-    real = report._png
+    real = sections.png
 
     def keep(fig):
         captured.setdefault("xlim", fig.axes[0].get_xlim())
         return real(fig)
-    report._png = keep
+    sections.png = keep
     try:
-        html = report._runs_section("d", runs, [])
+        html = sections._runs_section("d", runs, [])
     finally:
-        report._png = real
+        sections.png = real
     assert captured["xlim"][0] == 0.0
     cells = re.findall(r"<td>([^<]*)</td>", html)
     assert "single process" in cells and "bucketed" not in cells and "pp=2+mb=2+1f1b" in cells
@@ -304,7 +304,7 @@ def test_a_mixture_of_experts_run_gets_its_expert_load_figure():
     experts gets no such figure."""
     from pathlib import Path
 
-    from distlab.tools.report import _expert_load
+    from distlab.tools.report.runs import _expert_load
     root = Path(__file__).resolve().parent.parent / "results" / "moe-fortunes"
     runs = [{"path": str(root / d), "summary": json.loads((root / d / "summary.json").read_text()), "metrics": []}
             for d in ("one", "ep4")]

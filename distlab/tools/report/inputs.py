@@ -1,0 +1,169 @@
+"""What ``distlab report`` reads: run directories, bench, verify and plan-validation JSON (:func:`collect`),
+and why an input it was given cannot be used."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+BENCH_KINDS = ("collectives", "dp", "syncbn", "parallel", "pipeline", "scaling", "verify", "plan", "sweep", "overhead",
+               "checkpointing")
+
+
+BENCH_FILES = {f"{kind}.json" for kind in BENCH_KINDS}  # names the bench commands write: never skipped quietly
+
+
+PLAN_VALIDATION = "distlab-plan-validation"
+
+
+@dataclass
+class Inputs:
+    runs: list[dict] = field(default_factory=list)        # {"path", "summary", "metrics"}
+    bench: dict[str, list[tuple[str, list[dict]]]] = field(default_factory=dict)  # kind -> [(path, records)]
+    problems: list[tuple[str, str]] = field(default_factory=list)                # (path, what is wrong)
+    read: list[tuple[str, str]] = field(default_factory=list)                    # (path, kind)
+    images: list[Path] = field(default_factory=list)                             # PNGs written (--images)
+    skipped: list[str] = field(default_factory=list)    # JSON found in a directory that distlab did not write
+
+
+_KINDS = [  # a bench's JSON by the fields of its first record, in this order
+    ("collectives", ("algorithm", "busbw_gbps")), ("scaling", ("mode", "scaling_efficiency")),
+    ("checkpointing", ("activation_peak_bytes_checkpointed",)),  # before pipeline's: with --pp it has a schedule
+    ("pipeline", ("schedule", "microbatches")), ("overhead", ("side", "round", "precision")),
+    ("parallel", ("workload", "strategy")), ("dp", ("workload", "dp_sync")), ("syncbn", ("implementation", "workers")),
+    ("verify", ("strategy", "passed")), ("plan", ("predicted_step_s", "measured_step_s")),
+    ("sweep", ("layout", "memory_bytes_per_rank", "strategy")),
+]
+
+
+def bench_kind(records) -> str | None:
+    """Which distlab bench (or verify) wrote ``records``; None if none did."""
+    if not isinstance(records, list) or not records or not all(isinstance(r, dict) for r in records):
+        return None
+    first = records[0]
+    return next((kind for kind, keys in _KINDS if all(k in first for k in keys)), None)
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# summary.json fields the page draws or tabulates: None, or a finite number (in range, where it has one)
+_SUMMARY_NUMBERS = {"test_accuracy": (0.0, 1.0), "test_loss": None, "time_per_step_s_median": None,
+                    "samples_per_s": None, "comm_bytes_per_step": None, "model_state_bytes_per_rank": None,
+                    "peak_rss_mb": None, "steps": None, "local_batch_size": None}
+
+
+def _summary_problem(summary) -> str | None:
+    """Why a summary.json cannot be drawn (None: it can)."""
+    if not isinstance(summary, dict) or "world_size" not in summary:
+        return "summary.json is not a distlab run summary (no world_size)"
+    if not (isinstance(summary["world_size"], int) and not isinstance(summary["world_size"], bool)
+            and summary["world_size"] >= 1):
+        return f"summary.json world_size {summary['world_size']!r} is not a number of ranks"
+    if not isinstance(summary.get("strategy"), (dict, type(None))):
+        return f"summary.json strategy {summary['strategy']!r} is not a strategy object"
+    for key, bounds in _SUMMARY_NUMBERS.items():
+        v = summary.get(key)
+        if v is not None and (not _finite(v) or (bounds and not bounds[0] <= v <= bounds[1])):
+            return f"summary.json {key} {v!r} is not " + (f"a number in [{bounds[0]:g}, {bounds[1]:g}]" if bounds
+                                                           else "a finite number")
+    return None
+
+
+def _read_run(path: Path, inputs: Inputs) -> None:
+    summary, metrics = None, []
+    try:
+        if (path / "summary.json").is_file():
+            summary = json.loads((path / "summary.json").read_text())
+            problem = _summary_problem(summary)
+            if problem:
+                raise ValueError(problem)
+        if (path / "metrics.jsonl").is_file():
+            for n, line in enumerate((path / "metrics.jsonl").read_text().splitlines(), 1):
+                if line.strip():
+                    record = json.loads(line)
+                    if not isinstance(record, dict) or not _finite(record.get("step")) or \
+                            not (record.get("loss") is None or _finite(record["loss"])):
+                        raise ValueError(f"metrics.jsonl line {n} has no step and loss numbers")
+                    if record["loss"] is not None and (record.get("time_s") is None or _finite(record["time_s"])):
+                        metrics.append(record)  # a diverged step (loss null) has no point to draw
+    except (ValueError, UnicodeDecodeError, OSError, RecursionError) as exc:
+        why = "nested too deeply to read" if isinstance(exc, RecursionError) else str(exc)
+        inputs.problems.append((str(path), f"unreadable run: {why[:300]}"))
+        return
+    if summary is None and not metrics:
+        inputs.problems.append((str(path), "failed before the first step: no step logged, no summary"))
+        return
+    inputs.runs.append({"path": str(path), "summary": summary, "metrics": metrics})
+    inputs.read.append((str(path), "run"))
+
+
+def _read_file(path: Path, inputs: Inputs, explicit: bool) -> None:
+    """A JSON file named on the command line (or with a bench file's name) must be usable; any other
+    one found in a directory is skipped quietly when it is not distlab's output."""
+    quiet = not explicit and path.name not in BENCH_FILES
+    try:
+        records = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError, OSError, RecursionError) as exc:
+        if quiet:
+            inputs.skipped.append(str(path))
+        else:
+            why = "nested too deeply to read" if isinstance(exc, RecursionError) else str(exc)[:300]
+            inputs.problems.append((str(path), f"not valid JSON: {why}"))
+        return
+    if isinstance(records, dict) and records.get("kind") == PLAN_VALIDATION:
+        records = records.get("runs")  # `distlab plan validate --json`: the per-run rows
+    kind = bench_kind(records)
+    if kind is None:
+        if quiet:
+            inputs.skipped.append(str(path))
+        else:
+            inputs.problems.append((str(path), "not a distlab bench, verify or plan validate file (a list of "
+                                               "records it knows)"))
+        return
+    problem = _records_problem(records)
+    if problem:
+        inputs.problems.append((str(path), f"{kind} records: {problem}"))
+        return
+    inputs.bench.setdefault(kind, []).append((str(path), records))
+    inputs.read.append((str(path), kind))
+
+
+def _records_problem(records: list[dict]) -> str | None:
+    """A field that holds numbers in some records must hold finite numbers (or null) in all of them."""
+    numeric = {k for r in records for k, v in r.items() if _finite(v)}
+    for n, r in enumerate(records):
+        for key in numeric & set(r):
+            v = r[key]
+            if v is not None and not _finite(v):
+                return f"record {n} has {key} = {str(v)[:40]!r} where numbers are expected"
+    return None
+
+
+def collect(paths: list[str], depth: int = 4) -> Inputs:
+    """Read every input; what cannot be used goes into ``problems``."""
+    inputs = Inputs()
+
+    def visit(path: Path, level: int, explicit: bool) -> None:
+        if not path.exists():
+            inputs.problems.append((str(path), "does not exist"))
+        elif path.is_file():
+            if path.suffix == ".json" or explicit:
+                _read_file(path, inputs, explicit)
+        elif (path / "summary.json").exists() or (path / "metrics.jsonl").exists():
+            _read_run(path, inputs)
+        elif level < depth:
+            children = sorted(p for p in path.iterdir() if not p.name.startswith("."))
+            for child in children:
+                if child.is_dir() or child.suffix == ".json":
+                    visit(child, level + 1, False)
+            if explicit and not any(p for p, _ in inputs.read + inputs.problems if p.startswith(str(path))):
+                inputs.problems.append((str(path), "no runs or bench files found in it"))
+
+    for p in paths:
+        visit(Path(p), 0, True)
+    return inputs
