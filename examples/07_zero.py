@@ -18,7 +18,8 @@ from distlab import comm, runtime
 from distlab.models import build_model
 from distlab.parallel import DataParallel, Zero
 from distlab.parallel.state_bytes import model_state_bytes
-from distlab.parallel.cost import Optim, trace
+from distlab.parallel.cost import Optim
+from distlab.plan.trace import trace
 from distlab.parallel.zero.cost import zero_peak_bytes
 from distlab.runtime import print0
 from distlab.tools.verify import sgd_tolerance

@@ -9,7 +9,8 @@ accumulation. Exits 1 on any difference.
 import sys
 
 from distlab import runtime
-from distlab.parallel.cost import Optim, trace
+from distlab.parallel.cost import Optim
+from distlab.plan.trace import trace
 from distlab.parallel.zero.cost import zero_peak_bytes
 from distlab.launch.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig

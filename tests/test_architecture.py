@@ -11,8 +11,9 @@ PACKAGE = ROOT / "distlab"
 # Top to bottom; a module may import its own layer and the layers below it (docs/ARCHITECTURE.md).
 LAYERS = [
     ("commands", ["distlab", "distlab.__main__", "distlab.cli"]),
-    ("tools", ["distlab.tools", "distlab.bench", "distlab.plan", "distlab.launch"]),
+    ("tools", ["distlab.tools", "distlab.bench", "distlab.launch"]),
     ("training", ["distlab.train"]),
+    ("planning", ["distlab.plan"]),  # prices the strategies' own components; a run's summary reads it
     ("strategies", ["distlab.parallel"]),
     ("collectives, data, models", ["distlab.comm", "distlab.data", "distlab.models"]),
     ("runtime", ["distlab.runtime"]),

@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 from distlab.launch import cluster as c
-from distlab.plan import cost
+from distlab.plan import machine
 from distlab.errors import ConfigError
 
 
@@ -226,7 +226,7 @@ def test_two_node_training_run_crosses_the_emulated_network(state_dir, tmp_path,
     assert summary["cluster"] == {"nodes": 2, "link": "1gbit", "delay": None, "burst": c.TBF_BURST}
     from distlab.plan.validate import _measured_runs
     (_, link, _), = _measured_runs([str(tmp_path / "run")])
-    assert link.name == cost.Link.parse("1gbit", None, c.TBF_BURST).name != cost.Link().name
+    assert link.name == machine.Link.parse("1gbit", None, c.TBF_BURST).name != machine.Link().name
 
 
 @needs_netns

@@ -104,8 +104,8 @@ def test_the_cli_splits_the_sequence_and_each_rank_holds_its_share_of_the_activa
 
 def test_the_plan_splits_activations_and_counts_the_ring_and_all_to_all_bytes():
     from distlab.parallel import Strategy
-    from distlab.parallel.cost import trace
-    from distlab.plan.cost import Link
+    from distlab.plan.trace import trace
+    from distlab.plan.machine import Link
     from distlab.plan.predict import Layout, predict
     t = trace("gpt", (64,), 256, n_layer=2, n_head=4, n_embd=32)
     assert t.attention_kv_bytes_per_sample == 2 * 2 * 64 * 32 * 4  # 2 attentions x (keys + values) x T x C floats

@@ -217,8 +217,8 @@ def test_a_rank_whose_experts_receive_no_tokens_still_exchanges_their_gradients(
 def test_the_plan_shards_the_experts_state_and_counts_the_all_to_all_bytes():
     from distlab.errors import ConfigError
     from distlab.parallel import Strategy
-    from distlab.parallel.cost import trace
-    from distlab.plan.cost import Link
+    from distlab.plan.trace import trace
+    from distlab.plan.machine import Link
     from distlab.plan.predict import Layout, predict
     t = trace("gpt-moe", (16,), 256, n_layer=2, n_head=4, n_embd=32, experts=8, top_k=2)
     expert = sum(n for name, n in zip(t.names, t.numels) if name in t.expert_names)

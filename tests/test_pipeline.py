@@ -110,8 +110,8 @@ def test_the_schedules_action_lists_give_the_known_bubbles():
     with pytest.raises(ConfigError, match="multiple of `pp` 4"):
         check_virtual(4, 2, 6, "1f1b")
     from distlab.parallel import Strategy
-    from distlab.parallel.cost import trace
-    from distlab.plan.cost import Link
+    from distlab.plan.trace import trace
+    from distlab.plan.machine import Link
     from distlab.plan.predict import Layout, predict
     t = trace("gpt", (8,), 256, n_layer=2, n_head=2, n_embd=16)  # 4 layers: embedding, 2 blocks, head
     p = predict(t, Layout(strategy=Strategy(pp=2, microbatches=4, pp_virtual=2), global_batch=8), Link(), None)

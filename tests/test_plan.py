@@ -10,9 +10,10 @@ import pytest
 
 from distlab import runtime
 from distlab.errors import ConfigError
-from distlab.plan import cost
-from distlab.plan.cost import Link
-from distlab.parallel.cost import Optim, generic_trace, trace
+from distlab.plan import machine
+from distlab.plan.machine import Link
+from distlab.parallel.cost import Optim
+from distlab.plan.trace import generic_trace, trace
 from distlab.parallel.zero.cost import zero_peak_bytes
 from distlab.plan import Calibration, Layout, calibrate, format_sweep, predict, summaries, sweep, validate
 from distlab.parallel import Strategy
@@ -77,25 +78,25 @@ def test_generic_model_memory_follows_the_textbook_ratios():
 
 def test_alpha_beta_and_compute_fits_recover_the_generating_numbers():
     alpha, beta = 40e-6, 0.8e-9
-    samples = [(cost.rounds("ring", n), cost.volume("ring", n, s), alpha * cost.rounds("ring", n)
-                + beta * cost.volume("ring", n, s)) for n in (2, 4, 8) for s in (4e3, 4e5, 4e7)]
-    fit = cost.fit_alpha_beta(samples)
+    samples = [(machine.rounds("ring", n), machine.volume("ring", n, s), alpha * machine.rounds("ring", n)
+                + beta * machine.volume("ring", n, s)) for n in (2, 4, 8) for s in (4e3, 4e5, 4e7)]
+    fit = machine.fit_alpha_beta(samples)
     assert fit.alpha == pytest.approx(alpha, rel=1e-9) and fit.beta == pytest.approx(beta, rel=1e-9)
     assert fit.max_rel_err < 1e-9
-    comp = cost.fit_compute([(f, 0.002 + f / 5e10) for f in (1e8, 4e8, 9e8)], threads=1)
+    comp = machine.fit_compute([(f, 0.002 + f / 5e10) for f in (1e8, 4e8, 9e8)], threads=1)
     assert comp.overhead == pytest.approx(0.002, rel=1e-9) and comp.rate == pytest.approx(5e10, rel=1e-9)
 
 
 def test_volumes_and_rounds_are_the_textbook_ones():
     s = 1000.0
-    assert cost.volume("ring", 4, s) == 2 * 3 / 4 * s and cost.rounds("ring", 4) == 6
-    assert cost.volume("native", 4, s, "reduce_scatter") == 3 / 4 * s
-    assert cost.volume("gather_scatter", 4, s) == 2 * 3 * s
-    assert cost.rounds("butterfly", 8) == 6 and cost.rounds("butterfly", 6) == 2 * 2 + 2
-    assert cost.parse_rate("100mbit") == 12.5e6 and cost.parse_rate("10gbit") == 1.25e9
-    assert cost.parse_bytes("512kb") == 512 * 1024 and cost.parse_seconds("5us") == pytest.approx(5e-6)
+    assert machine.volume("ring", 4, s) == 2 * 3 / 4 * s and machine.rounds("ring", 4) == 6
+    assert machine.volume("native", 4, s, "reduce_scatter") == 3 / 4 * s
+    assert machine.volume("gather_scatter", 4, s) == 2 * 3 * s
+    assert machine.rounds("butterfly", 8) == 6 and machine.rounds("butterfly", 6) == 2 * 2 + 2
+    assert machine.parse_rate("100mbit") == 12.5e6 and machine.parse_rate("10gbit") == 1.25e9
+    assert machine.parse_bytes("512kb") == 512 * 1024 and machine.parse_seconds("5us") == pytest.approx(5e-6)
     with pytest.raises(ConfigError, match="100mbit"):
-        cost.parse_rate("fast")
+        machine.parse_rate("fast")
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +118,7 @@ def test_calibration_reproduces_what_it_was_fitted_on(committed):
     assert one_worker.points >= 4 and one_worker.median_rel_err <= 0.10
     # the file round-trips
     path = committed / "cal.json"
-    cal.save(path)
+    path.write_text(cal.to_json())
     again = Calibration.load(path)
     assert again.collectives["ring"].alpha == cal.collectives["ring"].alpha and again.compute[1].rate == one_worker.rate
 
@@ -177,19 +178,19 @@ def test_plan_refuses_bad_input_naming_the_fix(committed, tmp_path, capsys):
     cal = calibrate([str(committed)])
     cal.collectives.pop("ring")
     with pytest.raises(ConfigError, match="bench collectives --algorithms ring"):
-        predict(trace("mlp", (1, 28, 28), 10), Layout(dp=2, strategy=Strategy(collective="ring")), cost.Link(), cal)
+        predict(trace("mlp", (1, 28, 28), 10), Layout(dp=2, strategy=Strategy(collective="ring")), machine.Link(), cal)
 
 
 def test_sweep_finds_where_memory_runs_out():
     t = generic_trace(7 * 10**9, 1e6, 32)
-    rows = sweep(t, Layout(dp=8, optimizer="adam", global_batch=8 * 4), [8, 64, 512], cost.Link.parse("100gbit"),
+    rows = sweep(t, Layout(dp=8, optimizer="adam", global_batch=8 * 4), [8, 64, 512], machine.Link.parse("100gbit"),
                  None, 80 * 2**30, [Strategy(), Strategy(zero=3)])
     fits = {(r["strategy"]["zero"], r["layout"]["dp"]): r["fits"] for r in rows}
     assert not any(fits[0, n] for n in (8, 64, 512)) and all(fits[3, n] for n in (8, 64, 512))
     assert "bucketed: never fits" in format_sweep(rows)
     z3 = [r["memory_bytes_per_rank"] for r in rows if r["strategy"]["zero"] == 3]
     assert z3 == sorted(z3, reverse=True)
-    assert predict(t, Layout(dp=8, optimizer="adam", global_batch=32), cost.Link(), None).keys().isdisjoint({"step_s"})
+    assert predict(t, Layout(dp=8, optimizer="adam", global_batch=32), machine.Link(), None).keys().isdisjoint({"step_s"})
 
 
 def test_bench_collectives_launched_across_ranks_records_its_link(committed, tmp_path, run_cli):

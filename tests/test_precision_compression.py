@@ -182,9 +182,9 @@ def test_bytes_per_step_are_the_compressed_volume():
 
 
 def test_plan_counts_compressed_bytes_and_powersgd_state():
-    from distlab.parallel.cost import trace
+    from distlab.plan.trace import trace
     from distlab.plan.predict import Layout, grad_sync_cost, predict
-    from distlab.plan.cost import Link
+    from distlab.plan.machine import Link
     t = trace("mlp", (1, 28, 28), 10)
     grads = 4 * t.num_parameters
 

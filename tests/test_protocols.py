@@ -60,7 +60,8 @@ def test_the_engine_steps_infers_and_reports_gradients_through_its_protocols():
 
 
 def test_each_gradient_sync_has_a_cost_model_beside_it_that_plan_picks_as_parallelize_does():
-    from distlab.parallel.cost import DataParallelCost, Optim, trace
+    from distlab.parallel.cost import DataParallelCost, Optim
+    from distlab.plan.trace import trace
     from distlab.parallel.zero.cost import ZeroCost
     from distlab.plan.predict import grad_sync_cost
     t = trace("mlp", (1, 4, 4), 3, widths=(8,))

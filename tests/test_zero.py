@@ -15,7 +15,8 @@ from torch import nn
 from distlab import comm, runtime
 from distlab.errors import ConfigError
 from distlab.parallel import Zero
-from distlab.parallel.cost import Optim, trace
+from distlab.parallel.cost import Optim
+from distlab.plan.trace import trace
 from distlab.parallel.zero.cost import zero_peak_bytes
 from distlab.launch.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig

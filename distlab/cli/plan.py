@@ -74,8 +74,8 @@ def plan(ctx, model, mlp_widths, dataset, n_layer, n_head, n_embd, block_size, e
     import os as _os
     from distlab.data import dataset_shape
     from distlab import plan as pp
-    from distlab.parallel.cost import generic_trace, trace
-    from distlab.plan import cost
+    from distlab.plan.trace import generic_trace, trace
+    from distlab.plan import machine
     if num_params is not None:
         if activation_bytes is None:
             click.echo("distlab: warning: --params without --activation-bytes: activations are counted as 0 bytes "
@@ -93,7 +93,7 @@ def plan(ctx, model, mlp_widths, dataset, n_layer, n_head, n_embd, block_size, e
         strategy_fields["pp_balance"] = csv_ints(strategy_fields["pp_balance"])
     lay = pp.Layout(dp=dp, strategy=Strategy(**strategy_fields), optimizer=optimizer, momentum=momentum,
                     global_batch=global_batch_size, threads=threads).check()
-    net = cost.Link.parse(link, latency, burst)
+    net = machine.Link.parse(link, latency, burst)
     if sweep:
         given = [k for k in strategy_fields if ctx.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT]
         if given:
@@ -103,7 +103,7 @@ def plan(ctx, model, mlp_widths, dataset, n_layer, n_head, n_embd, block_size, e
         if not worlds or min(worlds) < 1:
             raise ConfigError(f"--sweep needs positive world sizes, not {sweep!r}")
         strats = [Strategy.parse(s) for s in strategies.split(",") if s]
-        limit = cost.parse_bytes(device_memory) if device_memory else None
+        limit = machine.parse_bytes(device_memory) if device_memory else None
         result = pp.sweep(t, lay, worlds, net, cal, limit, strats)
         click.echo(pp.format_sweep(result, min_efficiency))
     else:
@@ -132,7 +132,8 @@ def plan_calibrate(paths, output):
     `distlab bench scaling` output (its one-worker runs), or directories holding them."""
     from distlab import plan as pp
     cal = pp.calibrate(list(paths))
-    cal.save(output)
+    from distlab.train.metrics import atomic_write_text
+    atomic_write_text(output, cal.to_json())
     for name, ab in cal.collectives.items():
         click.echo(f"{name:<15} alpha {ab.alpha * 1e6:8.1f} us/round  beta {ab.beta * 1e9:7.3f} ns/byte "
                    f"({1 / ab.beta / 1e9 if ab.beta else float('inf'):.2f} GB/s)  {ab.points} points, "

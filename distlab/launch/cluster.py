@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from distlab.errors import ConfigError, DistlabError
+from distlab.plan.machine import TBF_BURST
 
 SUBNET = ipaddress.ip_network("10.77.0.0/16")  # the first candidate; up() takes the first free /16 from here
 SUBNETS = 50  # candidates: 10.77.0.0/16 .. 10.126.0.0/16
@@ -63,7 +64,6 @@ class ClusterError(DistlabError):
     exit_code = 2
 
 
-TBF_BURST = "512kb"  # tc kilobytes (1024): what a link that was idle may send at full speed
 
 def state_path(name: str) -> Path:
     base = Path(os.environ.get("DISTLAB_CLUSTER_STATE_DIR") or "/run/distlab")

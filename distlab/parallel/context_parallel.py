@@ -46,6 +46,7 @@ from torch import nn
 from distlab.comm import p2p
 from distlab.errors import ConfigError
 from distlab.models import plans
+from distlab.parallel.cost import Call, CallGroup, Price
 from distlab.runtime import group_rank, group_size
 
 STYLES = ("ring", "ulysses")
@@ -286,6 +287,30 @@ class ContextParallel:
         plan_of(model, strategy.cp, strategy.cp_style, strategy.tp)
         if len(input_shape) == 1:  # token windows: (T,)
             ContextLayout(strategy.cp, 0).check(input_shape[0])
+
+    @staticmethod
+    def price(t, t_rank, lay, micro: int, optim) -> Price:
+        """On the model's trace: its keys and values are ``1 / (cp tp)`` of the model's; per attention
+        and micro-batch the ring sends ``3 cp - 2`` of them (``cp - 1`` hops forward, ``2 (cp - 1) + 1``
+        backward), Ulysses ``4 (cp - 1) / cp`` (4 all-to-alls each way), on the critical path of every
+        attention, over a node's links where the data-parallel size is 1."""
+        if not t.attention_kv_bytes_per_sample:
+            raise ConfigError(f"`cp` {lay.cp}: context parallel splits a transformer's sequences, and this model "
+                              f"declares no attention (context_parallel_plan); plan it with `cp` 1")
+        cp, ring = lay.cp, lay.strategy.cp_style == "ring"
+        kv = t.attention_kv_bytes_per_sample * micro / (cp * lay.tp)  # this rank's keys and values, every attention
+        sent = ((3 * cp - 2) * kv if ring else 4 * (cp - 1) / cp * kv) * lay.strategy.micro_steps
+        return Price([CallGroup([Call("native", "all_gather", 2 * sent)], 2, local=lay.dp > 1)], report={
+            "context_parallel": {
+                "cp": cp, "style": lay.strategy.cp_style, "bytes_per_step_per_rank": int(sent),
+                "tokens_per_rank_share": 1 / cp,
+                "bytes_basis": ("ring: per attention and micro-batch, cp - 1 hops of the rank's keys and values "
+                                "forward, 2 (cp - 1) + 1 backward (the gradients travel with them, then home)" if ring
+                                else "ulysses: per attention and micro-batch, 4 all-to-alls forward (q, k, v, out) "
+                                "and 4 backward, each sending (cp - 1) / cp of the rank's tensor"),
+                "attention_balance": "rank c holds chunks c and 2cp - 1 - c of 2cp: every rank scores the same "
+                                     "number of query-key pairs under the causal mask"}},
+            activation_note=f", each rank holding 1/{cp} of every sequence's tokens (context parallel)")
 
     @staticmethod
     def apply(model: nn.Module, strategy, mesh) -> tuple[nn.Module, ContextLayout]:

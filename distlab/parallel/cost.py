@@ -1,43 +1,36 @@
-"""What a model costs, traced without running it: parameters, FLOPs, saved activations, and the
-per-rank memory of parameters, gradients and optimizer state each strategy holds.
+"""What a strategy costs per step and rank, on a model's sizes: the collectives it runs (:class:`Call`,
+:class:`PlannedCalls`), the memory it holds, and -- for a model-sharding component -- its
+:class:`Price`. The model's sizes are a :class:`~distlab.plan.trace.Trace` (``t`` below; traced on the
+``meta`` device by ``distlab plan``): each strategy's cost sits beside the strategy, the tracing and
+the folding of prices in :mod:`distlab.plan`.
 
-The prediction is the same quantity distlab measures (``model_state_bytes_per_rank`` in
-``summary.json``) and must equal it *exactly* for plain data parallel and ZeRO 1-3:
+Memory is the same quantity distlab measures (``model_state_bytes_per_rank`` in ``summary.json``)
+and equals it *exactly* for plain data parallel and ZeRO 1-3:
 
 * **data parallel** (stage 0): every rank holds the parameters, their gradients and the
-  optimizer state -- ``P + G + O`` bytes, measured once both gradients and state exist.
-* **ZeRO** keeps the same tensors in the shapes :mod:`distlab.parallel.zero` gives them (each
-  parameter a unit, zero-padded to a multiple of the group size; small units share one
-  collective) and measures the largest sum it ever holds at its observation points. Those
-  points lie inside backward, so the peak depends on the *order* in which backward produces
-  gradients. :func:`trace` finds that order by running forward and backward once on the
-  ``meta`` device (no memory, no arithmetic, any model size) with the hooks ZeRO installs, and
-  :func:`distlab.parallel.zero.cost.zero_peak_bytes` replays ZeRO's bookkeeping over the traced events for any world size.
+  optimizer state -- ``P + G + O`` bytes, measured once both gradients and state exist
+  (:class:`DataParallelCost`).
+* **ZeRO** keeps the same tensors in the shapes :mod:`distlab.parallel.zero` gives them and
+  measures the largest sum it ever holds at its observation points, inside backward: the peak
+  depends on the *order* in which backward produces gradients, which the trace records, and
+  :func:`distlab.parallel.zero.cost.zero_peak_bytes` replays ZeRO's bookkeeping over it for any
+  world size.
 
 Optimizer state per element: SGD with momentum 1 (the momentum buffer; none without momentum),
 Adam/AdamW 2 (the two moments) plus a 4-byte ``step`` tensor per parameter tensor.
 """
-
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
-from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from distlab.errors import ConfigError
-from distlab.parallel.checkpointing import block_names
-from distlab.models import build_model, task_loss
-from distlab.models.plans import declared_plan
 from distlab.parallel.compression import PowerSGD, compressible, build_codec
-from distlab.parallel.pipeline import sequential_layers
-from distlab.parallel.zero.units import sharded_linear
 
 DDP_FIRST_BUCKET = 1 << 20    # torch DDP caps its first bucket at 1 MiB
 STEP_TENSOR_BYTES = 4  # Adam's per-parameter ``step`` (a float32 scalar tensor)
-
 
 
 @dataclass(frozen=True)
@@ -60,239 +53,13 @@ class Optim:
         return self.per_element * numel * element_size + (self.per_tensor if self.per_element else 0)
 
 
-
-@dataclass(frozen=True)
-class Layer:
-    """One layer of the model as a pipeline cuts it (:func:`distlab.parallel.pipeline.sequential_layers`),
-    per sample: its parameters, forward FLOPs, bytes autograd saves for backward (and of those, the
-    bytes saved in LayerNorm and embedding regions, which tensor parallel replicates unless
-    sequence parallel splits them), and the bytes of its output (what a stage boundary sends)."""
-    name: str
-    parameters: int
-    forward_flops: float
-    saved_bytes: float
-    replicated_saved_bytes: float
-    output_bytes: float
-
-
-
-@dataclass
-class Trace:
-    """A model's parameter tensors and the order ZeRO's hooks fire in one training step."""
-    names: list[str]                 # unit (parameter) names, in ZeRO's unit order
-    numels: list[int]
-    element_size: int
-    module_of: list[int]             # unit -> index of the module that owns it directly
-    events: list[tuple[str, int]] = field(default_factory=list)  # (fwd|fwd_done|bwd, module) / (grad, unit)
-    flops_per_sample: float = 0.0    # forward + backward, from torch's FLOP counter
-    forward_flops_per_sample: float = 0.0
-    activation_bytes_per_sample: float = 0.0  # tensors autograd saves for backward (an upper bound)
-    linear_shapes: list[tuple[int, int]] = field(default_factory=list)  # (in, out) of each nn.Linear, in order
-    layers: list[Layer] = field(default_factory=list)  # the pipeline's view (empty: the model cannot be cut)
-    sharded_linear: list[bool] = field(default_factory=list)  # module -> ZeRO-3 runs it as its sharded Linear
-    input_grad: list[bool] = field(default_factory=list)  # module -> its input needs a gradient
-    shapes: list[tuple[int, ...]] = field(default_factory=list)  # unit -> parameter shape (PowerSGD's matrices)
-    attention_kv_bytes_per_sample: float = 0.0  # keys + values of every attention a context_parallel_plan names
-    expert_names: list[str] = field(default_factory=list)  # units of the experts an expert_parallel_plan names
-    expert_slot_bytes_per_sample: float = 0.0  # token-slots entering those experts, every layer (balanced routing)
-    blocks: list[list[str]] = field(default_factory=list)  # activation checkpointing's blocks, as layer names
-    input_bytes_per_sample: float = 0.0  # the model's input (what a checkpointed first layer keeps)
-
-    @property
-    def num_parameters(self) -> int:
-        return sum(self.numels)
-
-
-
-def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), num_classes: int = 10,
-          batch: int = 2, **options) -> Trace:
-    """Run one forward + backward of ``model`` (an ``nn.Module`` or a registered name) on the meta
-    device, recording the events ZeRO reacts to and the FLOPs per sample."""
-    if isinstance(model, str):
-        with torch.device("meta"):
-            model = build_model(model, input_shape, num_classes, **options)
-    else:
-        model = model.to("meta")
-    modules, names, numels, module_of, shapes = [], [], [], [], []
-    for name, m in model.named_modules():
-        own = list(m.named_parameters(recurse=False))
-        if own:
-            modules.append(m)
-        for pname, p in own:
-            names.append(f"{name}.{pname}" if name else pname)
-            numels.append(p.numel())
-            shapes.append(tuple(p.shape))
-            module_of.append(len(modules) - 1)
-    if not names:
-        raise ConfigError("the model has no parameters: nothing to plan")
-    params = [p for m in modules for _, p in m.named_parameters(recurse=False)]
-    out = Trace(names, numels, params[0].element_size(), module_of, shapes=shapes)
-    handles = []
-    index = {id(m): i for i, m in enumerate(modules)}
-
-    def after_forward(m, args, result):
-        out.events.append(("fwd_done", index[id(m)]))
-        tensors = result if isinstance(result, (list, tuple)) else [result]
-        for node in {t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None}:
-            handles.append(node.register_prehook(lambda grads, i=index[id(m)]: out.events.append(("bwd", i))))
-
-    out.sharded_linear = [sharded_linear(m, [p for _, p in m.named_parameters(recurse=False)]) for m in modules]
-    out.input_grad = [True] * len(modules)
-
-    def before_forward(m, args):
-        out.events.append(("fwd", index[id(m)]))
-        out.input_grad[index[id(m)]] = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-
-    for m in modules:
-        handles.append(m.register_forward_pre_hook(before_forward))
-        handles.append(m.register_forward_hook(after_forward))
-    for u, p in enumerate(params):
-        handles.append(p.register_post_accumulate_grad_hook(lambda p, u=u: out.events.append(("grad", u))))
-    for name, kind in declared_plan(model, "context", cp=1, style="ring", tp=1).items():  # what CP would pass around
-
-        def kv(m, args, result):
-            out.attention_kv_bytes_per_sample += sum(a.numel() * a.element_size() for a in args[1:3]) / batch
-
-        if kind == "context_attention":
-            handles.append(model.get_submodule(name).register_forward_hook(kv))
-    for name in declared_plan(model, "expert", ep=1):  # what expert parallel would shard and send
-
-        def slots(m, args, result):
-            out.expert_slot_bytes_per_sample += args[0].numel() * args[0].element_size() / batch
-
-        out.expert_names += [f"{name}.{p}" for p, _ in model.get_submodule(name).named_parameters()]
-        handles.append(model.get_submodule(name).register_forward_hook(slots))
-    model.train()
-    if getattr(model, "block_size", None):  # a language model: token ids in, the next tokens as targets
-        x = torch.zeros((batch, *input_shape), dtype=torch.long, device="meta")
-        y = torch.zeros((batch, *input_shape), dtype=torch.long, device="meta")
-    else:
-        x = torch.empty((batch, *input_shape), device="meta")
-        y = torch.zeros(batch, dtype=torch.long, device="meta")
-    saved = []
-
-    def pack(t):
-        saved.append(t.numel() * t.element_size())
-        return t
-
-    with FlopCounterMode(display=False) as fwd, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = task_loss(model(x), y)
-    with FlopCounterMode(display=False) as bwd:
-        loss.backward()
-    out.forward_flops_per_sample = fwd.get_total_flops() / batch
-    out.flops_per_sample = (fwd.get_total_flops() + bwd.get_total_flops()) / batch
-    out.activation_bytes_per_sample = sum(saved) / batch
-    out.linear_shapes = [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)]
-    for h in handles:
-        h.remove()
-    out.layers = profile_layers(model, x, y)
-    out.input_bytes_per_sample = x.numel() * x.element_size() / batch
-    try:
-        out.blocks = block_names(model)
-    except ConfigError:  # nothing to checkpoint: a plan with `activation_checkpointing` is refused by the config
-        out.blocks = []
-    return out
-
-
-
-def profile_layers(model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = None) -> list[Layer]:
-    """Each layer of ``model`` run alone on the meta device, in order, from input ``x``: what a
-    pipeline stage of it computes, saves and sends (empty if the model is not a sequence of layers).
-    With the targets ``y``, what the loss saves counts to the last layer (the last stage computes it)."""
-    try:
-        named = sequential_layers(model)
-    except ConfigError:
-        return []
-    batch, layers, inside = x.shape[0], [], [0]
-    hooks = []
-    for m in model.modules():
-        if isinstance(m, (nn.LayerNorm, nn.Embedding)):
-            hooks.append(m.register_forward_pre_hook(lambda m, a: inside.__setitem__(0, inside[0] + 1)))
-            hooks.append(m.register_forward_hook(lambda m, a, o: inside.__setitem__(0, inside[0] - 1)))
-    for name, layer in named:
-        saved, replicated = [0], [0]
-        params = {id(p) for p in layer.parameters()}
-
-        def pack(t, saved=saved, replicated=replicated, params=params):
-            if id(t) not in params and (t._base is None or id(t._base) not in params):  # weights stay anyway
-                nbytes = t.numel() * t.element_size()
-                saved[0] += nbytes
-                replicated[0] += nbytes if inside[0] else 0
-            return t
-
-        with FlopCounterMode(display=False) as flops, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            x = layer(x)
-        layers.append(Layer(name, sum(p.numel() for p in layer.parameters()), flops.get_total_flops() / batch,
-                            saved[0] / batch, replicated[0] / batch, x.numel() * x.element_size() / batch))
-    for h in hooks:
-        h.remove()
-    if y is not None and layers:  # the loss's own (a language model's log-probabilities: as large as its logits)
-        held = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t.numel() * t.element_size()) or t,
-                                                      lambda t: t):
-            task_loss(x, y)
-        layers[-1] = replace(layers[-1], saved_bytes=layers[-1].saved_bytes + sum(held) / batch)
-    return layers
-
-
-
-def stage_trace(t: Trace, names: list[str]) -> Trace:
-    """The part of ``t`` a pipeline stage holds: the parameters under the layers ``names``, and the
-    events of their modules (ZeRO's bookkeeping over a stage)."""
-    mine = [u for u, unit in enumerate(t.names) if any(unit.startswith(n + ".") for n in names)]
-    modules = sorted({t.module_of[u] for u in mine})
-    unit_of, module_index = {u: i for i, u in enumerate(mine)}, {m: i for i, m in enumerate(modules)}
-    events = [(kind, unit_of[k] if kind == "grad" else module_index[k]) for kind, k in t.events
-              if (kind == "grad" and k in unit_of) or (kind != "grad" and k in module_index)]
-    pick = (lambda flags: [flags[m] for m in modules] if flags else [])
-    return Trace([t.names[u] for u in mine], [t.numels[u] for u in mine], t.element_size,
-                 [module_index[t.module_of[u]] for u in mine], events,
-                 linear_shapes=t.linear_shapes, layers=[l for l in t.layers if l.name in names],
-                 sharded_linear=pick(t.sharded_linear), input_grad=pick(t.input_grad),
-                 shapes=[t.shapes[u] for u in mine] if t.shapes else [],
-                 expert_names=[n for n in t.expert_names if any(n.startswith(k + ".") for k in names)])
-
-
-
-def data_parallel_bytes(t: Trace, optim: Optim, tp: int = 1) -> int:
+def data_parallel_bytes(t, optim: Optim, tp: int = 1) -> int:
     """Plain data parallel: parameters + gradients + optimizer state, all replicated."""
     if tp > 1:
         raise ConfigError("exact memory is predicted for data parallel and ZeRO; tensor parallel is estimated "
                           "by estimate_bytes()")
     e = t.element_size
     return sum(2 * n * e + optim.bytes(n, e) for n in t.numels)
-
-
-
-def generic_trace(num_parameters: int, activation_bytes_per_sample: float, layers: int = 24,
-                  element_size: int = 4) -> Trace:
-    """A model known only by its size: ``layers`` equal blocks, each one square weight matrix (plus
-    a bias of 1/1000 of it), run in order; FLOPs 2 per parameter per sample forward, 4 backward
-    (dense layers); activations between blocks as wide as the square's side (for tensor parallel).
-    For "what about a 7B-parameter model" questions; memory is exact for *this* layer structure."""
-    if num_parameters < layers or layers < 1:
-        raise ConfigError(f"--params {num_parameters} over --layers {layers}: need at least one parameter per layer")
-    per = num_parameters // layers
-    bias = max(1, per // 1000)
-    weight = per - bias
-    t = Trace([], [], element_size, [], flops_per_sample=6.0 * num_parameters,
-              forward_flops_per_sample=2.0 * num_parameters, activation_bytes_per_sample=activation_bytes_per_sample)
-    for i in range(layers):
-        t.names += [f"{i}.weight", f"{i}.bias"]
-        t.numels += [weight + (num_parameters - per * layers if i == layers - 1 else 0), bias]
-        t.module_of += [i, i]
-    width = max(1, math.isqrt(weight))  # each layer a square dense block, for tensor parallel's activations
-    t.linear_shapes = [(width, width)] * layers
-    t.layers = [Layer(str(i), t.numels[2 * i] + bias, 2.0 * (t.numels[2 * i] + bias),
-                      activation_bytes_per_sample / layers, 0.0, width * element_size) for i in range(layers)]
-    t.sharded_linear = [True] * layers  # dense layers: ZeRO-3 runs them as its sharded Linear
-    t.blocks = [[str(i)] for i in range(layers)]  # each layer a block for activation checkpointing
-    t.input_bytes_per_sample = width * element_size
-    t.input_grad = [i > 0 for i in range(layers)]
-    t.events = [(k, i) for i in range(layers) for k in ("fwd", "fwd_done")]
-    for i in reversed(range(layers)):
-        t.events += [("bwd", i), ("grad", 2 * i + 1), ("grad", 2 * i)]
-    return t
 
 
 # ---------------------------------------------------------------------------------- what a step sends
@@ -336,7 +103,7 @@ def _buckets(sizes: list[int], cap: int, first_cap: int | None = None) -> list[t
     return out
 
 
-def _powersgd_parts(t: Trace, strategy) -> list[float]:
+def _powersgd_parts(t, strategy) -> list[float]:
     """The shares of a PowerSGD buffer's bytes in its three all-reduces (vectors and small matrices
     as they are, then P, then Q); ``[1.0]`` (one all-reduce) for every other codec."""
     codec = build_codec(strategy)
@@ -353,7 +120,7 @@ def _powersgd_parts(t: Trace, strategy) -> list[float]:
     return [x / total for x in (rest, p, q) if x]
 
 
-def _wire_sizes(t: Trace, strategy) -> list[float]:
+def _wire_sizes(t, strategy) -> list[float]:
     """Bytes each gradient puts into the data-parallel all-reduce: its own, or as the strategy's
     codec sends it (``reduce_dtype``/fp16/bf16: 2 bytes an element; PowerSGD: R(n+m) numbers)."""
     codec = build_codec(strategy)
@@ -368,7 +135,7 @@ class DataParallelCost:
     model of it, beside :class:`~distlab.parallel.zero.cost.ZeroCost`)."""
 
     @staticmethod
-    def planned_calls(t: Trace, strategy, n: int) -> PlannedCalls:
+    def planned_calls(t, strategy, n: int) -> PlannedCalls:
         """The data-parallel group's collectives of one step: one all-reduce per parameter
         (``allreduce``) or per bucket as backward fills it (``bucketed``, ``ddp`` with torch's 1 MiB
         first bucket), three in a row per buffer under PowerSGD, or the parameter server's round trip."""
@@ -390,12 +157,12 @@ class DataParallelCost:
                                              for b, done in buckets for f in parts])
 
     @staticmethod
-    def planned_memory(t: Trace, optim: Optim, strategy, n: int) -> int:
+    def planned_memory(t, optim: Optim, strategy, n: int) -> int:
         """Parameters + gradients + optimizer state, all replicated (exact: measured the same way)."""
         return data_parallel_bytes(t, optim)
 
     @staticmethod
-    def planned_extra_state(t: Trace, strategy, n: int) -> int:
+    def planned_extra_state(t, strategy, n: int) -> int:
         """PowerSGD's per-rank state: the error feedback (one gradient per compressed matrix) and the
         warm-start Q (m x R each); 0 for every other codec."""
         codec = build_codec(strategy)
@@ -410,13 +177,22 @@ class DataParallelCost:
         return total
 
 
-def tensor_parallel_calls(t: Trace, strategy, micro: int) -> list[Call]:
-    """Megatron MLP blocks: per (column, row) pair of Linears, one all-reduce of the block's output
-    in forward and one of its input gradient in backward."""
-    if strategy.tp == 1:
-        return []
-    e, calls = t.element_size, []
-    pairs = list(zip(t.linear_shapes[0::2], t.linear_shapes[1::2]))
-    for (d_in, _), (_, d_out) in pairs:
-        calls += [Call("native", "all_reduce", micro * d_out * e), Call("native", "all_reduce", micro * d_in * e)]
-    return calls * strategy.grad_accum
+@dataclass
+class CallGroup:
+    """Collectives a model-sharding component runs in every step on its critical path (nothing hides
+    them), over ``ranks`` ranks: over the run's link, or (``local``) a node's own fast links."""
+    calls: list[Call]
+    ranks: int
+    local: bool = False
+
+
+@dataclass
+class Price:
+    """What one model-sharding component costs a rank per step, priced by the component itself on the
+    model's trace (``kind.price``): ``distlab plan`` folds the prices of the components a layout turns
+    on -- the same components that train -- into its memory and time."""
+    calls: list[CallGroup] = field(default_factory=list)
+    saved: dict[str, int] = field(default_factory=dict)  # memory kind -> bytes it keeps off this rank
+    exact: bool = True          # whether the plan's memory stays exact with it
+    report: dict = field(default_factory=dict)  # plan output key -> what it says about itself
+    activation_note: str = ""   # how it changes what a rank saves for backward

@@ -39,6 +39,7 @@ from distlab import comm
 from distlab.comm import p2p
 from distlab.errors import ConfigError
 from distlab.models import plans
+from distlab.parallel.cost import Call, CallGroup, Price
 from distlab.parallel.tensor_parallel import all_gather_along
 from distlab.runtime import broadcast_module, group_rank, group_size
 
@@ -135,6 +136,36 @@ class ExpertParallel:
         """Before launch, on the model built on the meta device: it names its experts, and its own
         limits hold (the model raises, naming them: say, experts that `ep` does not divide)."""
         plan_of(model, strategy.ep)
+
+    @staticmethod
+    def price(t, t_rank, lay, micro: int, optim) -> Price:
+        """On the model's trace: each rank keeps ``1 / ep`` of the experts (their parameters, gradients
+        and optimizer state), and per MoE layer and micro-batch, with balanced routing, sends
+        :func:`exchange_bytes` -- ``(ep - 1)/ep`` of its token-slots out and as many outputs back, their
+        gradients the other way, and the per-expert counts -- on the critical path of every MoE layer."""
+        if not t.expert_names:
+            raise ConfigError(f"`ep` {lay.ep}: expert parallel shards a mixture of experts' experts, and this model "
+                              f"declares none (expert_parallel_plan); plan it with `ep` 1")
+        ep, e = lay.ep, t.element_size
+        names = set(t_rank.expert_names)
+        gone = [m - m // ep for name, m in zip(t_rank.names, t_rank.numels) if name in names]
+        saved = {"parameter_bytes_per_rank": e * sum(gone), "gradient_bytes_per_rank": e * sum(gone),
+                 "optimizer_bytes_per_rank": sum(optim.bytes(m, e) for m in gone)}
+        slots = t.expert_slot_bytes_per_sample * micro / lay.cp  # this rank's token-slots' bytes, every MoE layer
+        layers = len({n.rsplit(".", 1)[0] for n in t.expert_names})
+        experts = t.shapes[t.names.index(t.expert_names[0])][0] if t.shapes else 0
+        counts = layers * (ep - 1) * 8 * (experts // ep)  # each layer's per-expert counts, int64
+        sent = lay.strategy.micro_steps * (4 * (ep - 1) / ep * slots + counts)
+        local = not (lay.dp // ep == 1 and lay.cp == 1)
+        return Price([CallGroup([Call("native", "all_gather", sent)], ep, local=local)], saved=saved, exact=False,
+                     report={"expert_parallel": {
+                         "ep": ep, "expert_share_per_rank": 1 / ep, "bytes_per_step_per_rank": int(sent),
+                         "bytes_basis": "per MoE layer and micro-batch, with balanced routing: (ep - 1)/ep of the "
+                                        "rank's token-slots out to other ranks' experts and as many outputs back, "
+                                        "forward, and their gradients in backward (4 (ep - 1)/ep x slots x width), "
+                                        "plus the per-expert counts",
+                         "memory_basis": "experts' parameters, gradients and optimizer state / ep; the rest "
+                                         "replicated"}})
 
     @staticmethod
     def apply(model: nn.Module, strategy, mesh) -> tuple[nn.Module, "ExpertParallel"]:

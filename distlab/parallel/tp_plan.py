@@ -16,6 +16,7 @@ from torch import nn
 from distlab.errors import ConfigError
 from distlab.models import plans
 from distlab.models.plans import linear_plan
+from distlab.parallel.cost import Call, CallGroup, Price
 from distlab.parallel.tensor_parallel import STYLES, ColumnParallelLinear, RowParallelLinear, all_reduce_sum
 from distlab.parallel.vocab_sequence import (CopyToGroup, GatherSequence, SequenceParallelEmbedding,
                                              VocabParallelEmbedding, VocabParallelLinear)
@@ -59,6 +60,24 @@ class TensorParallel:
     @classmethod
     def apply(cls, model: nn.Module, strategy, mesh) -> tuple[nn.Module, "TensorParallel"]:
         return apply_tensor_parallel(model, mesh.tp_group, strategy.tp_style, strategy.sequence_parallel), cls()
+
+    @staticmethod
+    def price(t, t_rank, lay, micro: int, optim) -> Price:
+        """Megatron MLP blocks, on the model's trace: per (column, row) pair of Linears one all-reduce of
+        the block's output in forward and one of its input gradient in backward, over a node's links
+        where the data-parallel size is 1; the model state split ``tp`` ways (not exactly: replicated
+        LayerNorms and biases)."""
+        if len(t.linear_shapes) < 2:
+            raise ConfigError(f"`tp` {lay.tp}: distlab's tensor parallel shards pairs of Linear layers (MLPs); this "
+                              f"model has {len(t.linear_shapes)} Linear layer(s): plan it with `tp` 1")
+        e, calls = t.element_size, []
+        for (d_in, _), (_, d_out) in zip(t.linear_shapes[0::2], t.linear_shapes[1::2]):
+            calls += [Call("native", "all_reduce", micro * d_out * e), Call("native", "all_reduce", micro * d_in * e)]
+        note = (", split over the tensor-parallel ranks" if lay.strategy.sequence_parallel else
+                ", split over the tensor-parallel ranks except in LayerNorm and embedding regions (replicated "
+                "without sequence parallel)")
+        return Price([CallGroup(calls * lay.strategy.grad_accum, lay.tp, local=lay.dp > 1)], exact=False,
+                     activation_note=note)
 
     def prepare_batch(self, *tensors):
         return tensors

@@ -1,16 +1,20 @@
 """Predict before you run: memory per rank and time per step for a model, layout and link.
 
-The model's trace and the strategies' memory live beside the strategies
-(:mod:`distlab.parallel.cost`: a meta-device trace, data parallel's bytes;
-:mod:`distlab.parallel.zero.cost`: ZeRO's exact peak); here: ``cost`` (alpha-beta collectives,
-FLOP-rate compute, links), ``calibration`` (fits from bench results), ``predict`` (a layout's
-time and memory; sweeps), ``validate`` (predictions vs measured runs), ``text`` (tables).
+Each strategy prices itself beside its code (:mod:`distlab.parallel.cost`: the calls vocabulary,
+data parallel's cost and a component's :class:`~distlab.parallel.cost.Price`;
+:mod:`distlab.parallel.zero.cost`: ZeRO's exact peak; each model-sharding component's ``price``);
+here: ``trace`` (the model's sizes, traced on the meta device), ``machine`` (alpha-beta collectives,
+FLOP-rate compute, links), ``calibration`` (fits from bench results), ``predict`` (a layout's time
+and memory, a fold over the same components that train; sweeps), ``validate`` (predictions vs
+measured runs), ``text`` (tables). The planner sits one layer above the strategies it prices and
+below training, whose summary states the predicted memory beside the measured.
 """
 
-from distlab.parallel.cost import Optim, Trace, generic_trace, trace
+from distlab.parallel.cost import Optim
+from distlab.plan.trace import Trace, generic_trace, trace
 from distlab.parallel.zero.cost import zero_peak_bytes
 from distlab.plan.calibration import Calibration, calibrate
-from distlab.plan.cost import Link
+from distlab.plan.machine import Link
 from distlab.plan.predict import Layout, predict, sweep
 from distlab.plan.text import format_prediction, format_sweep, format_validation
 from distlab.plan.validate import summaries, summarize, validate

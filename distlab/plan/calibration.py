@@ -20,9 +20,8 @@ import torch
 
 from distlab.data import dataset_shape
 from distlab.errors import ConfigError, first_line
-from distlab.plan.cost import AlphaBeta, Compute, fit_alpha_beta, fit_compute, rounds, volume
-from distlab.parallel.cost import Trace, trace
-from distlab.train.metrics import atomic_write_text
+from distlab.plan.machine import AlphaBeta, Compute, fit_alpha_beta, fit_compute, rounds, volume
+from distlab.plan.trace import Trace, trace
 
 
 @dataclass
@@ -69,8 +68,9 @@ class Calibration:
             raise ConfigError(f"calibration {path} is not a valid calibration file ({exc}); make it again with "
                               f"`distlab plan calibrate`") from None
 
-    def save(self, path: str | os.PathLike) -> None:
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
+    def to_json(self) -> str:
+        """The calibration file's text (``distlab plan calibrate`` writes it atomically)."""
+        return json.dumps(self.to_dict(), indent=1) + "\n"
 
     def alpha_beta(self, algorithm: str, world: int | None = None) -> AlphaBeta:
         """The fit for ``algorithm``; with ``world``, the one measured at that world size if any (for

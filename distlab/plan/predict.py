@@ -1,7 +1,7 @@
 """``distlab plan``: a layout's memory per rank and time per step, and sweeps over world sizes.
 
 :func:`predict` turns a model :class:`~distlab.parallel.cost.Trace`, a :class:`Layout` and a
-:class:`~distlab.plan.cost.Link` into memory per rank (exact for DP and ZeRO) and, with a
+:class:`~distlab.plan.machine.Link` into memory per rank (exact for DP and ZeRO) and, with a
 :class:`~distlab.plan.calibration.Calibration`, time per step; :func:`sweep` walks world sizes.
 """
 
@@ -12,11 +12,13 @@ from dataclasses import dataclass, replace
 
 from distlab.errors import ConfigError
 from distlab.parallel import Strategy
-from distlab.parallel.cost import Call, DataParallelCost, Optim, Trace, stage_trace, tensor_parallel_calls
+from distlab.parallel import components
+from distlab.parallel.cost import Call, DataParallelCost, Optim
+from distlab.plan.trace import Trace, stage_trace
 from distlab.parallel.pipeline import cut, ideal_bubble
 from distlab.parallel.zero.cost import ZeroCost
 from distlab.plan.calibration import Calibration
-from distlab.plan.cost import Link, rounds, volume
+from distlab.plan.machine import Link, rounds, volume
 
 
 @dataclass(frozen=True)
@@ -90,9 +92,6 @@ class Timer:
 def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     """Memory per rank and (with a calibration) time per step of ``lay`` over ``link``."""
     lay.check()
-    if lay.tp > 1 and len(t.linear_shapes) < 2:
-        raise ConfigError(f"`tp` {lay.tp}: distlab's tensor parallel shards pairs of Linear layers (MLPs); this model "
-                          f"has {len(t.linear_shapes)} Linear layer(s): plan it with `tp` 1")
     micro = lay.global_batch // lay.dp // lay.strategy.micro_steps
     optim = Optim.of(lay.optimizer, lay.momentum)
     if lay.strategy.activation_checkpointing and not (t.blocks and t.layers):
@@ -111,21 +110,14 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
         "gradient_bytes_per_rank": e * sum(shards if lay.zero >= 2 else full),
         "optimizer_bytes_per_rank": sum(optim.bytes(m, e) for m in (shards if lay.zero >= 1 else full)),
     }
-    if lay.ep > 1:
-        if not t.expert_names:
-            raise ConfigError(f"`ep` {lay.ep}: expert parallel shards a mixture of experts' experts, and this model "
-                              f"declares none (expert_parallel_plan); plan it with `ep` 1")
-        # each rank keeps 1/ep of the experts: their parameters, gradients and optimizer state
-        expert = [m for name, m in zip(t_rank.names, t_rank.numels) if name in set(t_rank.expert_names)]
-        gone = [m - m // lay.ep for m in expert]
-        state -= sum(2 * e * m + optim.bytes(m, e) for m in gone)
-        exact = False
-        parts["parameter_bytes_per_rank"] -= e * sum(gone)
-        parts["gradient_bytes_per_rank"] -= e * sum(gone)
-        parts["optimizer_bytes_per_rank"] -= sum(optim.bytes(m, e) for m in gone)
-    if lay.cp > 1 and not t.attention_kv_bytes_per_sample:
-        raise ConfigError(f"`cp` {lay.cp}: context parallel splits a transformer's sequences, and this model declares "
-                          f"no attention (context_parallel_plan); plan it with `cp` 1")
+    # every model-sharding component the layout turns on prices itself (the same components that train)
+    prices = [kind.price(t, t_rank, lay, micro, optim) for kind in components.kinds()
+              if components.wanted(kind, lay.strategy) and getattr(kind, "price", None) is not None]
+    for price in prices:
+        for what, nbytes in price.saved.items():
+            parts[what] -= nbytes
+            state -= nbytes
+        exact = exact and price.exact
     out = {"layout": {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "zero": lay.zero, "dp_sync": lay.dp_sync,
                       "collective": lay.collective, "global_batch_size": lay.global_batch,
                       "grad_accum": lay.grad_accum, "microbatches": lay.strategy.microbatches,
@@ -140,7 +132,7 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
                                 + (" (the pipeline stage holding the most)" if lay.pp > 1 else ""),
            **parts,
            "activation_bytes_per_rank": int(max(st["activation_bytes"] for st in stages)),
-           "activation_basis": _activation_basis(lay)}
+           "activation_basis": _activation_basis(lay, prices)}
     narrow = 0.5 if lay.strategy.precision != "fp32" else 1.0  # autocast saves its products' inputs in 2 bytes
     if narrow != 1.0:
         out["activation_bytes_per_rank"] = int(out["activation_bytes_per_rank"] * narrow)
@@ -164,26 +156,8 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
             "bubble_ideal": ideal_bubble(lay.pp, lay.strategy.microbatches, lay.strategy.pp_schedule,
                                          lay.strategy.pp_virtual),
             "p2p_bytes_per_step_per_rank": max(st["sent_bytes_per_step"] for st in stages)}
-    cp_bytes = _context_bytes(t, lay, micro)
-    if lay.cp > 1:
-        out["context_parallel"] = {
-            "cp": lay.cp, "style": lay.strategy.cp_style, "bytes_per_step_per_rank": int(cp_bytes),
-            "tokens_per_rank_share": 1 / lay.cp,
-            "bytes_basis": ("ring: per attention and micro-batch, cp - 1 hops of the rank's keys and values forward, "
-                            "2 (cp - 1) + 1 backward (the gradients travel with them, then home)"
-                            if lay.strategy.cp_style == "ring" else
-                            "ulysses: per attention and micro-batch, 4 all-to-alls forward (q, k, v, out) and 4 "
-                            "backward, each sending (cp - 1) / cp of the rank's tensor"),
-            "attention_balance": "rank c holds chunks c and 2cp - 1 - c of 2cp: every rank scores the same number "
-                                 "of query-key pairs under the causal mask"}
-    ep_bytes = _expert_bytes(t, lay, micro)
-    if lay.ep > 1:
-        out["expert_parallel"] = {
-            "ep": lay.ep, "expert_share_per_rank": 1 / lay.ep, "bytes_per_step_per_rank": int(ep_bytes),
-            "bytes_basis": "per MoE layer and micro-batch, with balanced routing: (ep - 1)/ep of the rank's token-slots "
-                           "out to other ranks' experts and as many outputs back, forward, and their gradients in "
-                           "backward (4 (ep - 1)/ep x slots x width), plus the per-expert counts",
-            "memory_basis": "experts' parameters, gradients and optimizer state / ep; the rest replicated"}
+    for price in prices:
+        out.update(price.report)
     if cal is None:
         return out
     comp = cal.compute_for(lay.threads)
@@ -204,20 +178,15 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     overlapped, after, after_step = calls.during_backward, calls.after_backward, calls.after_step
     timer = Timer(cal, link, lay.replicas, same_host=lay.oversubscription > 1)
     exposed_pre = sum(timer.duration(c, 0.0) for c in calls.before_layers)  # ZeRO-3's gathers: the layer waits
-    tp_timer = Timer(cal, link if lay.dp == 1 else Link(), lay.tp)  # a TP group shares a node's fast links
-    tp_time = sum(tp_timer.duration(c, 0.0) for c in tensor_parallel_calls(t, lay.strategy, micro)) * share
-    p2p_time = 0.0
+    tp_time = 0.0  # the components' collectives, on the critical path (a local group shares a node's fast links)
+    for price in prices:
+        for group in price.calls:
+            timer_g = Timer(cal, Link() if group.local else link, group.ranks)
+            tp_time += share * sum(timer_g.duration(c, 0.0) for c in group.calls)
     if lay.pp > 1:  # a stage's sends and receives, one message each per micro-batch and direction
         p2p_timer = Timer(cal, link, 2)
         boundary = max(st["boundary_bytes_per_microbatch"] for st in stages)
-        p2p_time = 2 * lay.strategy.microbatches * p2p_timer.duration(Call("native", "all_gather", 2 * boundary), 0.0)
-    if lay.cp > 1:  # context parallel's messages, on the critical path of every attention (not overlapped here)
-        cp_timer = Timer(cal, link if lay.dp == 1 else Link(), 2)
-        p2p_time += share * cp_timer.duration(Call("native", "all_gather", 2 * cp_bytes), 0.0)
-    if lay.ep > 1:  # the all-to-alls: every MoE layer waits for its tokens (not overlapped here)
-        ep_timer = Timer(cal, link if lay.dp // lay.ep == 1 and lay.cp == 1 else Link(), lay.ep)
-        p2p_time += share * ep_timer.duration(Call("native", "all_gather", ep_bytes), 0.0)
-    tp_time += p2p_time
+        tp_time += 2 * lay.strategy.microbatches * p2p_timer.duration(Call("native", "all_gather", 2 * boundary), 0.0)
     comm_total = exposed_pre + tp_time
     start_bwd = fwd + exposed_pre / 2
     end_bwd = start_bwd + bwd + exposed_pre / 2
@@ -247,40 +216,11 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     return out
 
 
-def _expert_bytes(t: Trace, lay: Layout, micro: int) -> float:
-    """Bytes a rank sends per step for expert parallel (:func:`~distlab.parallel.expert_parallel.exchange_bytes`
-    with balanced routing: ``(ep - 1)/ep`` of its slots leave, as many arrive)."""
-    if lay.ep == 1:
-        return 0.0
-    ep, steps = lay.ep, lay.strategy.micro_steps
-    slots = t.expert_slot_bytes_per_sample * micro / lay.cp  # this rank's token-slots' bytes, every MoE layer
-    layers = len({n.rsplit(".", 1)[0] for n in t.expert_names})
-    experts = t.shapes[t.names.index(t.expert_names[0])][0] if t.shapes else 0
-    counts = layers * (ep - 1) * 8 * (experts // ep)  # each layer's per-expert counts, int64
-    return steps * (4 * (ep - 1) / ep * slots + counts)
-
-
-def _context_bytes(t: Trace, lay: Layout, micro: int) -> float:
-    """Bytes a rank sends per step for context parallel (the module docstring of
-    :mod:`distlab.parallel.context_parallel`): its keys and values are ``1 / (cp tp)`` of the model's."""
-    if lay.cp == 1:
-        return 0.0
-    cp = lay.cp
-    kv = t.attention_kv_bytes_per_sample * micro / (cp * lay.tp)  # this rank's keys and values, every attention
-    per_micro = (3 * cp - 2) * kv if lay.strategy.cp_style == "ring" else 4 * (cp - 1) / cp * kv
-    return per_micro * lay.strategy.micro_steps
-
-
-def _activation_basis(lay: Layout) -> str:
+def _activation_basis(lay: Layout, prices: list) -> str:
     basis = "tensors autograd saves for backward, one micro-batch (an upper bound)"
     if lay.strategy.activation_checkpointing:
         basis += ", of checkpointed blocks only their inputs"
-    if lay.cp > 1:
-        basis += f", each rank holding 1/{lay.cp} of every sequence's tokens (context parallel)"
-    if lay.tp > 1:
-        basis += (", split over the tensor-parallel ranks" if lay.strategy.sequence_parallel else
-                  ", split over the tensor-parallel ranks except in LayerNorm and embedding regions (replicated "
-                  "without sequence parallel)")
+    basis += "".join(p.activation_note for p in prices)
     if lay.pp > 1:
         v = lay.strategy.pp_virtual
         basis += (f"; a pipeline stage holds {lay.strategy.microbatches} micro-batches (gpipe)"

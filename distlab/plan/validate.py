@@ -7,10 +7,9 @@ from pathlib import Path
 
 import torch
 
-from distlab.launch.cluster import TBF_BURST
 from distlab.errors import ConfigError
 from distlab.plan.calibration import Calibration, json_files, load_json, plannable, run_summary, trace_for
-from distlab.plan.cost import Link
+from distlab.plan.machine import TBF_BURST, Link
 from distlab.parallel import Strategy
 from distlab.plan.predict import Call, Layout, Timer, predict
 

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from distlab.models import count_parameters, is_user_model
-from distlab.parallel.cost import Optim, data_parallel_bytes, trace
+from distlab.parallel.cost import Optim, data_parallel_bytes
+from distlab.plan.trace import trace
 from distlab.parallel.pipeline import ideal_bubble
 from distlab.parallel.strategy import DEFAULT_DP_SYNC
 from distlab.parallel.zero.cost import zero_peak_bytes

@@ -9,14 +9,14 @@ from __future__ import annotations
 import math
 
 from distlab.errors import ConfigError
-from distlab.parallel.cost import Call, Optim, PlannedCalls, Trace, data_parallel_bytes, resolved
+from distlab.parallel.cost import Call, Optim, PlannedCalls, data_parallel_bytes, resolved
 from distlab.parallel.precision import DTYPES
 from distlab.parallel.zero.units import goes_alone
 
 class ZeroReplay:
     """ZeRO's bookkeeping (distlab.parallel.zero.Zero) over sizes instead of tensors."""
 
-    def __init__(self, t: Trace, stage: int, world: int, optim: Optim, bucket_mb: float = 25.0):
+    def __init__(self, t, stage: int, world: int, optim: Optim, bucket_mb: float = 25.0):
         self.t, self.stage, self.n = t, stage, world
         e = t.element_size
         self.shard = [math.ceil(n / world) for n in t.numels]
@@ -200,7 +200,7 @@ class ZeroReplay:
 
 
 
-def zero_peak_bytes(t: Trace, stage: int, world: int, optim: Optim, grad_accum: int = 1,
+def zero_peak_bytes(t, stage: int, world: int, optim: Optim, grad_accum: int = 1,
                     bucket_mb: float = 25.0) -> int:
     """The peak of parameters + gradients + optimizer state one rank holds under ZeRO ``stage``
     (stages 1-2 reduce in buckets of ``bucket_mb``)."""
@@ -235,7 +235,7 @@ class ZeroCost:
     """What :class:`~distlab.parallel.zero.Zero` sends and holds, on a model's sizes (the plan's model of it)."""
 
     @staticmethod
-    def planned_calls(t: Trace, strategy, n: int) -> PlannedCalls:
+    def planned_calls(t, strategy, n: int) -> PlannedCalls:
         """Stages 1-2: bucketed reduce-scatters overlapped with backward, then one all-gather per
         collective batch after the optimizer step; stage 3: each module's reduce-scatter as its
         gradients arrive, and its all-gathers before forward and before backward (exposed)."""
@@ -270,10 +270,10 @@ class ZeroCost:
         return PlannedCalls(before_layers=gathers, during_backward=overlapped)
 
     @staticmethod
-    def planned_memory(t: Trace, optim: Optim, strategy, n: int) -> int:
+    def planned_memory(t, optim: Optim, strategy, n: int) -> int:
         """The exact peak (:func:`zero_peak_bytes`)."""
         return zero_peak_bytes(t, strategy.zero, n, optim, strategy.grad_accum, strategy.bucket_mb)
 
     @staticmethod
-    def planned_extra_state(t: Trace, strategy, n: int) -> int:
+    def planned_extra_state(t, strategy, n: int) -> int:
         return 0  # its casts have no memory (PowerSGD is refused with ZeRO)

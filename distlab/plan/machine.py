@@ -38,6 +38,7 @@ from distlab.errors import ConfigError
 
 TCP_EFFICIENCY = 1448 / 1514  # TCP payload (MSS with timestamps) per Ethernet frame on the wire
 ALGORITHMS = ("native", "ring", "butterfly", "direct", "gather_scatter")
+TBF_BURST = "512kb"  # tc kilobytes (1024): what a shaped link that was idle may send at full speed (the emulated cluster's)
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
