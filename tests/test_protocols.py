@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from distlab.models import build_model
 from distlab.parallel import DataParallel, Strategy, Zero, build_mesh, parallelize
 from distlab.parallel.data_parallel import SYNC_METHODS
-from distlab.parallel.protocols import GradSync, StepSchedule
+from distlab.parallel.protocols import GradSync, ShardedState, StateCost, StatePlacement, StepSchedule
 from distlab.parallel.schedule import Accumulate
 from distlab.parallel.zero import STAGES
 from distlab.launch.spawn import run_ranks
@@ -23,7 +23,8 @@ def test_every_gradient_sync_and_schedule_implements_its_protocol():
     syncs = [DataParallel(_model(), method) for method in SYNC_METHODS if method != "ddp"]
     syncs += [Zero(_model(), stage) for stage in STAGES if stage]
     for sync in syncs:
-        assert isinstance(sync, GradSync), type(sync).__name__
+        for protocol in (GradSync, ShardedState, StatePlacement, StateCost):
+            assert isinstance(sync, protocol), (type(sync).__name__, protocol.__name__)
     assert isinstance(Accumulate(2), StepSchedule)
     engine = parallelize(_model(), Strategy.parse("zero=2+accum=2"), build_mesh(1))
     assert isinstance(engine.grad_sync, GradSync) and isinstance(engine.schedule, StepSchedule)

@@ -53,6 +53,7 @@ class Engine:
         self._found_inf = False  # fp16: this step's gradients overflowed on some rank (the step is skipped)
         self.check_finite = True  # step() refuses non-finite gradients (outside fp16's loss scaling)
         self.sync_seconds = 0.0  # of the last step: gradient sync after backward + after_step
+        self._sharded = grad_sync.sharded or mesh.splits_model  # ranks hold different model states
 
     def loss(self, out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """The task's loss of this model's output: cross-entropy per sample or per token, computed
@@ -78,7 +79,7 @@ class Engine:
     def sharded(self) -> bool:
         """Whether ranks hold different model states (ZeRO, tensor-parallel shards, pipeline stages,
         expert shards)."""
-        return self.grad_sync.sharded or self.mesh.splits_model
+        return self._sharded
 
     def __call__(self, *args, **kwargs):
         return self.grad_sync(*args, **kwargs)
@@ -139,7 +140,9 @@ class Engine:
         if stepped:
             optimizer.step()
         self.precision.update(self._found_inf)
-        self._after_step()
+        t0 = time.perf_counter()
+        self.grad_sync.after_step()  # ZeRO 1-2: all-gather the updated shards
+        self.sync_seconds += time.perf_counter() - t0
         return stepped
 
     def _gradients_finite(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
@@ -156,12 +159,6 @@ class Engine:
             return not bool(found)
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
         return not bool(found.item())
-
-    def _after_step(self) -> None:
-        """After ``optimizer.step()`` (ZeRO 1-2: all-gather the updated shards)."""
-        t0 = time.perf_counter()
-        self.grad_sync.after_step()
-        self.sync_seconds += time.perf_counter() - t0
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor,
                          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -12,11 +12,16 @@ kind is one class that implements the protocol (checked by ``isinstance(obj, Gra
 ====================  ===========================================================================
 ``GradSync``          keeps the replicas of one model in step over the data-parallel group:
                       :class:`~distlab.parallel.DataParallel` (gather-scatter, allreduce, bucketed,
-                      ddp) and :class:`~distlab.parallel.Zero` (stages 1, 2, 3)
+                      ddp) and :class:`~distlab.parallel.Zero` (stages 1, 2, 3) -- what a step needs
+                      (8 members); the same object's state, placement and accounting are three more
+                      small protocols: :class:`ShardedState`, :class:`StatePlacement`, :class:`StateCost`
 ``StepSchedule``      runs one optimizer step's forwards and backwards:
                       :class:`~distlab.parallel.schedule.Accumulate` (k micro-batches, one sync after
                       the last) and :class:`~distlab.parallel.schedule.Pipelined` (a
                       :class:`~distlab.parallel.PipelineStage`'s GPipe or 1F1B schedule)
+``ModelSharding``     a parallelism that splits the model or its batch: context, expert and tensor
+                      parallel, and any registered (:mod:`~distlab.parallel.components`)
+``LossHead``          scores the output: the task's loss, or the vocabulary-parallel one
 ====================  ===========================================================================
 
 A step, as the Engine runs it::
@@ -42,10 +47,11 @@ Slot = tuple[str, nn.Parameter, "tuple[int, int] | None"]
 @runtime_checkable
 class GradSync(Protocol):
     """Keeps the data-parallel replicas of ``module`` in step: one object per model, made over the
-    mesh's data-parallel group (the ranks that hold the same pipeline stage and tensor-parallel shard)."""
+    mesh's data-parallel group (the ranks that hold the same pipeline stage and tensor-parallel shard).
+    What a step needs of it, and nothing else (the size of Megatron's data-parallel base); the same
+    object also answers :class:`ShardedState`, :class:`StatePlacement` and :class:`StateCost`."""
 
     sharded: bool  # whether ranks of the group hold different model state (ZeRO) or the same (replicas)
-    peak_bytes: int  # the most parameter + gradient + optimizer-state bytes held so far on this rank
 
     @property
     def module(self) -> nn.Module:
@@ -58,12 +64,8 @@ class GradSync(Protocol):
 
     def __call__(self, *args, **kwargs): ...
 
-    # -- a step
     def optimizer_parameters(self) -> list[nn.Parameter]:
         """What the optimizer updates on this rank (ZeRO: this rank's flat shards)."""
-
-    def track(self, optimizer: torch.optim.Optimizer) -> None:
-        """Count ``optimizer``'s state in :attr:`peak_bytes`."""
 
     def no_sync(self) -> ContextManager:
         """Backward inside accumulates local gradients and communicates nothing."""
@@ -74,13 +76,17 @@ class GradSync(Protocol):
     def after_step(self) -> None:
         """After ``optimizer.step()``: what the layout needs (ZeRO 1-2: all-gather the shards)."""
 
-    def full_gradients(self) -> dict[str, torch.Tensor]:
-        """Parameter name -> its whole averaged gradient (collective under ZeRO), between
-        :meth:`sync_gradients` and the next ``zero_grad``."""
 
-    # -- state
+@runtime_checkable
+class ShardedState(Protocol):
+    """A gradient sync's state, as this rank holds it: what a snapshot, an export and evaluation read."""
+
     def gathered(self) -> ContextManager[nn.Module]:
         """The full parameters in place for the duration (collective under ZeRO-3)."""
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Parameter name -> its whole averaged gradient (collective under ZeRO), between
+        ``sync_gradients`` and the next ``zero_grad``."""
 
     def sharded_state_dict(self) -> dict:
         """This rank's part of the model state (plain tensors; a snapshot writes one per rank)."""
@@ -92,22 +98,37 @@ class GradSync(Protocol):
 
     def load_sync_state_dict(self, state: dict) -> None: ...
 
-    # -- placement (changing layout)
+
+@runtime_checkable
+class StatePlacement(Protocol):
+    """Where a gradient sync's tensors sit in the whole model: what lets a snapshot change layout
+    (:mod:`distlab.parallel.placement` reads it)."""
+
     def parameter_slots(self) -> list[Slot]:
-        """Each optimizer parameter's :data:`Slot`, in :meth:`optimizer_parameters` order."""
+        """Each optimizer parameter's :data:`Slot`, in ``optimizer_parameters`` order."""
 
     @staticmethod
     def reads(state: dict) -> bool:
-        """Whether ``state`` is a :meth:`sharded_state_dict` of this kind (of any group size)."""
+        """Whether ``state`` is a ``sharded_state_dict`` of this kind (of any group size)."""
 
     @staticmethod
     def split_state(state: dict, keys: list[str]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-        """A :meth:`sharded_state_dict` of this kind as (the optimizer parameters' tensors, buffers)."""
+        """A ``sharded_state_dict`` of this kind as (the optimizer parameters' tensors, buffers)."""
 
     def state_from(self, params: list[torch.Tensor], buffers: dict[str, torch.Tensor]) -> dict:
-        """The :meth:`sharded_state_dict` that holds ``params`` (slot order) and ``buffers``."""
+        """The ``sharded_state_dict`` that holds ``params`` (slot order) and ``buffers``."""
 
-    # -- cost
+
+@runtime_checkable
+class StateCost(Protocol):
+    """What a gradient sync holds and sends that a run reports (its planned cost sits beside it:
+    ``DataParallelCost``, ``ZeroCost``)."""
+
+    peak_bytes: int  # the most parameter + gradient + optimizer-state bytes held so far on this rank
+
+    def track(self, optimizer: torch.optim.Optimizer) -> None:
+        """Count ``optimizer``'s state in :attr:`peak_bytes`."""
+
     def observe(self) -> int:
         """Record the model-state bytes held now; returns :attr:`peak_bytes`."""
 

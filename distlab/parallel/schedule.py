@@ -15,8 +15,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from distlab.errors import ConfigError
 from distlab.models.aux_loss import step_share
-from distlab.parallel.pipeline import ActivationMeter, PipelineStage, check_microbatches, ideal_bubble
+from distlab.parallel.pipeline import ActivationMeter, PipelineStage, ideal_bubble
 from distlab.runtime import reduce_scalars
 
 
@@ -44,7 +45,9 @@ class Accumulate:
 
     def _run(self, engine, x: torch.Tensor, y: torch.Tensor, loss_fn) -> torch.Tensor:
         k = self.k
-        check_microbatches(len(x), k, "accumulation micro-batches (grad_accum)")  # never drop len(x) % k samples
+        if len(x) % k:  # never drop len(x) % k samples, nor weigh them differently
+            raise ConfigError(f"a batch of {len(x)} samples does not split into {k} equal accumulation micro-batches "
+                              f"(grad_accum): give a batch that {k} divides")
         micro = len(x) // k
         total = None
         with step_share(1 / k):  # a loss the model adds itself (a mixture's balance loss) is divided alike
