@@ -212,3 +212,14 @@ def test_no_private_name_is_used_outside_its_module():
                     and n.attr.startswith("_") and not n.attr.startswith("__"):
                 found.append(f"{module}: {n.value.id}.{n.attr}")
     assert not found, "private names used outside their module:\n" + "\n".join(found)
+
+
+def test_a_module_over_400_lines_says_why_in_its_docstring():
+    """Rooms by idea: a module past ~400 lines either splits or gives its reason (a ``**Size.**``
+    paragraph in its docstring)."""
+    long = []
+    for module, path in MODULES.items():
+        lines = path.read_text().count("\n")
+        if lines > 420 and "**Size.**" not in (ast.get_docstring(ast.parse(path.read_text())) or ""):
+            long.append(f"{module}: {lines} lines")
+    assert not long, "modules over ~400 lines without a reason:\n" + "\n".join(long)

@@ -33,6 +33,9 @@ inode. ``down`` -- also after a crash half-way through ``up`` -- first ends the 
 running in its namespaces (``kill -9`` of a ``cluster run`` leaves its nodes' commands running),
 then deletes exactly those objects whose identity still matches, and says what it ended, removed
 and left alone. Needs root and iproute2 (``ip``, ``tc``).
+
+**Size.** One emulated cluster's whole life -- up, run, faults, down -- against one state file; the
+faults reuse the steps ``up`` takes, and ``down`` undoes exactly what ``up`` recorded.
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ communication pattern, so it takes no other collective.
 A method is a class with ``wrap(module)``, ``sync(module)`` and ``no_sync(module)``; adding one
 is a class plus a line in ``SYNC_METHODS``. ``no_sync()`` (gradient accumulation) makes backward
 accumulate locally and communicate nothing.
+
+**Size.** The four sync methods side by side -- what each sends, in which order, and why it is the
+mean -- with the one wrapper they share: reading them together is the point of the module.
 """
 
 from __future__ import annotations

@@ -43,6 +43,9 @@ modifiers, e.g. ``bucketed:ring+accum=4+syncbn``, ``zero=3``, ``allreduce+tp=2+n
 Any field may also be written ``FIELD=VALUE`` (``dp_sync=ddp+collective=ring``), so plan's
 ``KEY=VALUE+KEY=VALUE`` spellings read the same. :meth:`Strategy.to_dict` is the JSON object of
 ``summary.json`` (:meth:`Strategy.from_dict` reads it back, old files included).
+
+**Size.** One frozen class: each field's checks sit beside the combinations it refuses, the text
+form beside the fields it spells, and this docstring (the text form's reference) is a fifth of it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """What a run says about itself: the header rank 0 prints before training, ``summary.json`` at the
-end (the JSON contract in docs/ARCHITECTURE.md) and its human-readable view."""
+end (the JSON contract in docs/ARCHITECTURE.md) and its human-readable view.
+
+**Size.** The header, ``summary.json`` and its text view read one set of fields, each named once
+here: split apart, every field would be named in three files.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """One rank's pipeline stage (:class:`PipelineStage`): its layers, the messages to its neighbours and
-the step loops of every schedule -- GPipe and 1F1B by hand, the others from their action lists. One
-class with its step loops over ~400 lines: they share the stage's message streams and timing, and
-read best side by side."""
+the step loops of every schedule -- GPipe and 1F1B by hand, the others from their action lists.
+
+**Size.** One class and its step loops: they share the stage's message streams and timing, and read
+best side by side."""
 
 from __future__ import annotations
 
