@@ -77,7 +77,7 @@ class TensorParallel:
                 ", split over the tensor-parallel ranks except in LayerNorm and embedding regions (replicated "
                 "without sequence parallel)")
         return Price([CallGroup(calls * lay.strategy.grad_accum, lay.tp, local=lay.dp > 1)], exact=False,
-                     activation_note=note)
+                     state_split=lay.tp, compute_split=lay.tp, activation_note=note)
 
     def prepare_batch(self, *tensors):
         return tensors

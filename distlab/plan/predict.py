@@ -101,23 +101,23 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     stages = _stages(t, lay, micro, optim)
     heaviest = max(stages, key=lambda st: st["model_state_bytes"])
     t_rank = heaviest["trace"]  # what the rank with the most model state holds
-    state, exact = heaviest["model_state_bytes"], lay.tp == 1
+    # every model-sharding component the layout turns on prices itself (the same components that train)
+    prices = [kind.price(t, t_rank, lay, micro, optim) for kind in components.kinds()
+              if components.wanted(kind, lay.strategy) and getattr(kind, "price", None) is not None]
+    split, compute_split = math.prod(p.state_split for p in prices), math.prod(p.compute_split for p in prices)
+    state, exact = heaviest["model_state_bytes"], all(p.exact for p in prices)
     e, n = t.element_size, lay.replicas
-    shards = [math.ceil(m / lay.tp / n) for m in t_rank.numels]
-    full = [math.ceil(m / lay.tp) for m in t_rank.numels]
+    shards = [math.ceil(m / split / n) for m in t_rank.numels]
+    full = [math.ceil(m / split) for m in t_rank.numels]
     parts = {  # the textbook split (ZeRO paper, table 1): what each kind comes to between steps
         "parameter_bytes_per_rank": e * sum(shards if lay.zero == 3 else full),
         "gradient_bytes_per_rank": e * sum(shards if lay.zero >= 2 else full),
         "optimizer_bytes_per_rank": sum(optim.bytes(m, e) for m in (shards if lay.zero >= 1 else full)),
     }
-    # every model-sharding component the layout turns on prices itself (the same components that train)
-    prices = [kind.price(t, t_rank, lay, micro, optim) for kind in components.kinds()
-              if components.wanted(kind, lay.strategy) and getattr(kind, "price", None) is not None]
     for price in prices:
         for what, nbytes in price.saved.items():
             parts[what] -= nbytes
             state -= nbytes
-        exact = exact and price.exact
     out = {"layout": {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "zero": lay.zero, "dp_sync": lay.dp_sync,
                       "collective": lay.collective, "global_batch_size": lay.global_batch,
                       "grad_accum": lay.grad_accum, "microbatches": lay.strategy.microbatches,
@@ -167,8 +167,8 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
                + st["recompute_flops_share"] * t.forward_flops_per_sample)  # the slowest stage sets the pace
     share = pace["flops_share"]
     flops = (t.flops_per_sample * share + t.forward_flops_per_sample * pace["recompute_flops_share"]) * micro \
-        * lay.strategy.micro_steps / lay.tp / lay.cp  # checkpointing's recomputation runs in backward
-    fwd = t.forward_flops_per_sample * share * micro * lay.strategy.micro_steps / lay.tp / lay.cp / comp.rate
+        * lay.strategy.micro_steps / compute_split  # checkpointing's recomputation runs in backward
+    fwd = t.forward_flops_per_sample * share * micro * lay.strategy.micro_steps / compute_split / comp.rate
     bwd = flops / comp.rate - fwd
     # fill and drain: every stage idles P - 1 micro-batch slots of the step, M / (M + P - 1) busy
     stretch = 1.0 / (1.0 - ideal_bubble(lay.pp, lay.strategy.microbatches, lay.strategy.pp_schedule,
