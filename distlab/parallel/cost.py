@@ -162,6 +162,11 @@ class DataParallelCost:
         return data_parallel_bytes(t, optim)
 
     @staticmethod
+    def planned_parts(numels: list[int], optim: Optim, element_size: int, strategy, n: int) -> dict[str, int]:
+        """Parameters, gradients and optimizer state between steps, each whole on every rank."""
+        return textbook_parts(numels, optim, element_size, 0, n)
+
+    @staticmethod
     def planned_extra_state(t, strategy, n: int) -> int:
         """PowerSGD's per-rank state: the error feedback (one gradient per compressed matrix) and the
         warm-start Q (m x R each); 0 for every other codec."""
@@ -175,6 +180,16 @@ class DataParallelCost:
                 rows, cols, r = dims
                 total += (rows * cols + cols * r) * t.element_size
         return total
+
+
+def textbook_parts(numels: list[int], optim: Optim, element_size: int, stage: int, n: int) -> dict[str, int]:
+    """What parameters, gradients and optimizer state come to per rank between steps when ZeRO ``stage``
+    shards the first ``stage`` of (optimizer state, gradients, parameters) over ``n`` ranks -- the
+    textbook split of the ZeRO paper's table 1 (each tensor ``ceil(numel / n)``, no padding)."""
+    shards, e = [math.ceil(m / n) for m in numels], element_size
+    return {"parameter_bytes_per_rank": e * sum(shards if stage == 3 else numels),
+            "gradient_bytes_per_rank": e * sum(shards if stage >= 2 else numels),
+            "optimizer_bytes_per_rank": sum(optim.bytes(m, e) for m in (shards if stage >= 1 else numels))}
 
 
 @dataclass

@@ -11,14 +11,14 @@ import math
 from dataclasses import dataclass, replace
 
 from distlab.errors import ConfigError
-from distlab.parallel import Strategy
-from distlab.parallel import components
+from distlab.parallel import Strategy, components
 from distlab.parallel.cost import Call, DataParallelCost, Optim
-from distlab.plan.trace import Trace, stage_trace
-from distlab.parallel.pipeline import cut, ideal_bubble
+from distlab.parallel.pipeline import cost as schedule_cost
+from distlab.parallel.pipeline import ideal_bubble
 from distlab.parallel.zero.cost import ZeroCost
 from distlab.plan.calibration import Calibration
 from distlab.plan.machine import Link, rounds, volume
+from distlab.plan.trace import Trace
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,8 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
         raise ConfigError("`activation_checkpointing`: plan counts what each layer keeps, and this model lists no "
                           + ("blocks (checkpoint_blocks)" if t.layers else "layers (pipeline_layers)")
                           + "; plan it without checkpointing")
-    stages = _stages(t, lay, micro, optim)
+    sync = grad_sync_cost(lay.strategy)
+    stages = schedule_cost.stages(t, lay, micro, optim, sync)
     heaviest = max(stages, key=lambda st: st["model_state_bytes"])
     t_rank = heaviest["trace"]  # what the rank with the most model state holds
     # every model-sharding component the layout turns on prices itself (the same components that train)
@@ -106,14 +107,9 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
               if components.wanted(kind, lay.strategy) and getattr(kind, "price", None) is not None]
     split, compute_split = math.prod(p.state_split for p in prices), math.prod(p.compute_split for p in prices)
     state, exact = heaviest["model_state_bytes"], all(p.exact for p in prices)
-    e, n = t.element_size, lay.replicas
-    shards = [math.ceil(m / split / n) for m in t_rank.numels]
-    full = [math.ceil(m / split) for m in t_rank.numels]
-    parts = {  # the textbook split (ZeRO paper, table 1): what each kind comes to between steps
-        "parameter_bytes_per_rank": e * sum(shards if lay.zero == 3 else full),
-        "gradient_bytes_per_rank": e * sum(shards if lay.zero >= 2 else full),
-        "optimizer_bytes_per_rank": sum(optim.bytes(m, e) for m in (shards if lay.zero >= 1 else full)),
-    }
+    # the textbook split (ZeRO paper, table 1) of what each kind comes to between steps, as the gradient sync shards it
+    parts = sync.planned_parts([math.ceil(m / split) for m in t_rank.numels], optim, t.element_size, lay.strategy,
+                               lay.replicas)
     for price in prices:
         for what, nbytes in price.saved.items():
             parts[what] -= nbytes
@@ -137,7 +133,6 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     if narrow != 1.0:
         out["activation_bytes_per_rank"] = int(out["activation_bytes_per_rank"] * narrow)
         out["activation_basis"] += f"; halved under {lay.strategy.precision} autocast (products save 2-byte inputs)"
-    sync = grad_sync_cost(lay.strategy)
     out["compression_state_bytes_per_rank"] = sync.planned_extra_state(t_rank, lay.strategy, lay.replicas)
     out["memory_bytes_per_rank"] = int(max(st["model_state_bytes"] + narrow * (st["activation_bytes"] + st["recompute_bytes"])
                                            for st in stages) + out["compression_state_bytes_per_rank"])
@@ -148,14 +143,7 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
             "basis": "each block's input kept for backward (in activation_bytes_per_rank); in backward one block at a "
                      "time recomputes its inside for one micro-batch (recompute_bytes_per_rank, in "
                      "memory_bytes_per_rank), a second forward of the blocks' layers (in the step time)"}
-    if lay.pp > 1:
-        out["pipeline"] = {
-            "stages": [{k: v for k, v in st.items() if k != "trace"} for st in stages],
-            "microbatches": lay.strategy.microbatches, "schedule": lay.strategy.pp_schedule,
-            "virtual": lay.strategy.pp_virtual,
-            "bubble_ideal": ideal_bubble(lay.pp, lay.strategy.microbatches, lay.strategy.pp_schedule,
-                                         lay.strategy.pp_virtual),
-            "p2p_bytes_per_step_per_rank": max(st["sent_bytes_per_step"] for st in stages)}
+    out.update(schedule_cost.report(lay, stages))
     for price in prices:
         out.update(price.report)
     if cal is None:
@@ -183,10 +171,8 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
         for group in price.calls:
             timer_g = Timer(cal, Link() if group.local else link, group.ranks)
             tp_time += share * sum(timer_g.duration(c, 0.0) for c in group.calls)
-    if lay.pp > 1:  # a stage's sends and receives, one message each per micro-batch and direction
-        p2p_timer = Timer(cal, link, 2)
-        boundary = max(st["boundary_bytes_per_microbatch"] for st in stages)
-        tp_time += 2 * lay.strategy.microbatches * p2p_timer.duration(Call("native", "all_gather", 2 * boundary), 0.0)
+    for group in schedule_cost.calls(lay, stages):  # a pipeline stage's messages, whole (not a stage's share)
+        tp_time += sum(Timer(cal, link, group.ranks).duration(c, 0.0) for c in group.calls)
     comm_total = exposed_pre + tp_time
     start_bwd = fwd + exposed_pre / 2
     end_bwd = start_bwd + bwd + exposed_pre / 2
@@ -220,96 +206,7 @@ def _activation_basis(lay: Layout, prices: list) -> str:
     basis = "tensors autograd saves for backward, one micro-batch (an upper bound)"
     if lay.strategy.activation_checkpointing:
         basis += ", of checkpointed blocks only their inputs"
-    basis += "".join(p.activation_note for p in prices)
-    if lay.pp > 1:
-        v = lay.strategy.pp_virtual
-        basis += (f"; a pipeline stage holds {lay.strategy.microbatches} micro-batches (gpipe)"
-                  if lay.strategy.pp_schedule == "gpipe" else
-                  f"; rank s holds min(V M, 2 (P - s - 1) + (V - 1) P + 1) chunk-micro-batches of its {v} chunks "
-                  f"(interleaved)" if v > 1 else
-                  f"; stage s holds min(M, P - s) micro-batches ({lay.strategy.pp_schedule}"
-                  + (": a graph kept until its weight pass" if lay.strategy.pp_schedule == "zb" else "") + ")")
-    return basis
-
-
-def _runs(t: Trace, a: int, b: int) -> list[tuple[list[int], bool]]:
-    """Layers ``a..b-1`` as consecutive runs ``(indices, checkpointed)``: each part of one
-    activation-checkpointing block a run (as a pipeline stage recomputes them), other layers alone."""
-    block_of = {name: k for k, names in enumerate(t.blocks) for name in names}
-    runs: list[tuple[list[int], int | None]] = []
-    for i in range(a, b):
-        k = block_of.get(t.layers[i].name)
-        if runs and k is not None and runs[-1][1] == k:
-            runs[-1][0].append(i)
-        else:
-            runs.append(([i], k))
-    return [(run, k is not None) for run, k in runs]
-
-
-def _stages(t: Trace, lay: Layout, micro: int, optim: Optim) -> list[dict]:
-    """Per pipeline stage (one stage: the whole model): its trace, model state, activations held,
-    share of the FLOPs and bytes it sends per micro-batch. Cut as the training run cuts
-    (:func:`distlab.parallel.pipeline.cut`, by parameters or ``pp_balance``)."""
-    if lay.pp > 1 and not t.layers:
-        raise ConfigError("`pp`: this model is not a sequence of layers a pipeline can cut; plan it with `pp` 1")
-    layers = t.layers or []
-    v = lay.strategy.pp_virtual if lay.pp > 1 else 1
-    cuts = cut([layer.parameters for layer in layers], lay.pp * v, lay.strategy.pp_balance) if lay.pp > 1 else \
-        [(0, len(layers))]
-    total_flops = sum(layer.forward_flops for layer in layers) or 1.0
-    sp, out, m_total = lay.strategy.sequence_parallel, [], lay.strategy.microbatches
-    for s in range(lay.pp):
-        chunks = [cuts[c * lay.pp + s] for c in range(v)]  # rank s holds virtual stages s, s + P, ...
-        mine = [layer for a, b in chunks for layer in layers[a:b]]
-        sub = stage_trace(t, [layer.name for layer in mine]) if lay.pp > 1 else t
-        if lay.tp > 1:
-            sub = replace(sub, numels=[math.ceil(m / lay.tp) for m in sub.numels])
-        state = grad_sync_cost(lay.strategy).planned_memory(sub, optim, lay.strategy, lay.replicas)
-        recompute = recompute_flops = 0.0
-        if mine and lay.strategy.activation_checkpointing:
-            saved = replicated = 0.0
-            for a, b in chunks:
-                for run, checkpointed in _runs(t, a, b):
-                    if checkpointed:  # the block's input kept (replicated over TP unless sequence parallel)
-                        kept = layers[run[0] - 1].output_bytes if run[0] else t.input_bytes_per_sample
-                        saved, replicated = saved + kept, replicated + (0.0 if sp else kept)
-                        inside = sum(layers[i].saved_bytes for i in run)  # while recomputed, one at a time
-                        rep = 0.0 if sp else sum(layers[i].replicated_saved_bytes for i in run)
-                        recompute = max(recompute, ((inside - rep) / lay.tp + rep) / lay.cp * micro)
-                        recompute_flops += sum(layers[i].forward_flops for i in run)
-                    else:
-                        saved += sum(layers[i].saved_bytes for i in run)
-                        replicated += 0.0 if sp else sum(layers[i].replicated_saved_bytes for i in run)
-        elif mine:
-            saved = sum(layer.saved_bytes for layer in mine)
-            replicated = 0.0 if sp else sum(layer.replicated_saved_bytes for layer in mine)
-        else:  # a model without a layer profile: the whole-model estimate
-            saved, replicated = t.activation_bytes_per_sample, 0.0
-        per_sample = ((saved - replicated) / lay.tp + replicated) / lay.cp
-        if lay.pp == 1:
-            held = 1.0
-        elif lay.strategy.pp_schedule == "gpipe":
-            held = m_total
-        elif v > 1:  # Megatron's warm-up chunks in flight, each a V-th of the rank's layers
-            held = min(m_total * v, (lay.pp - s - 1) * 2 + (v - 1) * lay.pp + 1) / v
-        else:
-            held = min(m_total, lay.pp - s)
-        boundary = before = 0.0
-        for k, (a, b) in ((c * lay.pp + s, chunks[c]) for c in range(v)):
-            if k < len(cuts) - 1 and b > a:
-                boundary += layers[b - 1].output_bytes * micro / (lay.tp if sp else 1)
-            if a > 0:
-                before += layers[a - 1].output_bytes * micro / (lay.tp if sp else 1)
-        out.append({"stage": s, "layers": [chunks[0][0], chunks[-1][1]], "first": mine[0].name if mine else None,
-                    "last": mine[-1].name if mine else None, "parameters": sum(sub.numels),
-                    **({"chunks": [list(c) for c in chunks]} if v > 1 else {}),
-                    "model_state_bytes": int(state), "activation_bytes": int(per_sample * micro * held),
-                    "flops_share": sum(layer.forward_flops for layer in mine) / total_flops if lay.pp > 1 else 1.0,
-                    "recompute_flops_share": recompute_flops / total_flops, "recompute_bytes": int(recompute),
-                    "boundary_bytes_per_microbatch": int(boundary),
-                    "sent_bytes_per_step": int((boundary + before) * m_total),
-                    "trace": sub})
-    return out
+    return basis + "".join(p.activation_note for p in prices) + schedule_cost.activation_note(lay)
 
 
 # ---------------------------------------------------------------------------------- sweep

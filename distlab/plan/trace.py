@@ -62,6 +62,10 @@ class Trace:
     def num_parameters(self) -> int:
         return sum(self.numels)
 
+    def stage(self, names: list[str]) -> "Trace":
+        """The part a pipeline stage holding the layers ``names`` holds (:func:`stage_trace`)."""
+        return stage_trace(self, names)
+
 
 def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), num_classes: int = 10,
           batch: int = 2, **options) -> Trace:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from distlab.errors import ConfigError
-from distlab.parallel.cost import Call, Optim, PlannedCalls, data_parallel_bytes, resolved
+from distlab.parallel.cost import Call, Optim, PlannedCalls, data_parallel_bytes, resolved, textbook_parts
 from distlab.parallel.precision import DTYPES
 from distlab.parallel.zero.units import goes_alone
 
@@ -268,6 +268,11 @@ class ZeroCost:
             overlapped.append(Call(rs, "reduce_scatter", b * narrow, done / sum(per_module)))
         gathers = [Call(ag, "all_gather", b, 0.0) for b in per_module] * 2  # before forward and before backward
         return PlannedCalls(before_layers=gathers, during_backward=overlapped)
+
+    @staticmethod
+    def planned_parts(numels: list[int], optim: Optim, element_size: int, strategy, n: int) -> dict[str, int]:
+        """The textbook split of what stage ``strategy.zero`` shards (ZeRO paper, table 1)."""
+        return textbook_parts(numels, optim, element_size, strategy.zero, n)
 
     @staticmethod
     def planned_memory(t, optim: Optim, strategy, n: int) -> int:

@@ -1,0 +1,133 @@
+"""What a step schedule costs on a model's trace, beside the schedules (``distlab plan`` reads it): the
+model cut into ``P`` stages as a run cuts it (one stage without a pipeline), what each stage holds --
+its model state, the activations its schedule keeps in flight, the recomputation of checkpointed
+blocks -- its share of the FLOPs, the bytes it sends to its neighbours, and the pipeline's report and
+messages. Tensor and context parallel shrink a stage's activations as they split them (the
+replicated LayerNorm and embedding regions stay whole without sequence parallel).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from distlab.errors import ConfigError
+from distlab.parallel.cost import Call, CallGroup
+from distlab.parallel.pipeline.actions import ideal_bubble
+from distlab.parallel.pipeline.partition import cut
+
+
+def activation_note(lay) -> str:
+    """What a stage holds for backward at once, as the schedule keeps it (the plan's activation basis)."""
+    if lay.pp == 1:
+        return ""
+    v = lay.strategy.pp_virtual
+    return (f"; a pipeline stage holds {lay.strategy.microbatches} micro-batches (gpipe)"
+            if lay.strategy.pp_schedule == "gpipe" else
+            f"; rank s holds min(V M, 2 (P - s - 1) + (V - 1) P + 1) chunk-micro-batches of its {v} chunks "
+            f"(interleaved)" if v > 1 else
+            f"; stage s holds min(M, P - s) micro-batches ({lay.strategy.pp_schedule}"
+            + (": a graph kept until its weight pass" if lay.strategy.pp_schedule == "zb" else "") + ")")
+
+
+def report(lay, stages: list[dict]) -> dict:
+    """What the plan says about the pipeline (nothing without one)."""
+    if lay.pp == 1:
+        return {}
+    return {"pipeline": {
+        "stages": [{k: v for k, v in st.items() if k != "trace"} for st in stages],
+        "microbatches": lay.strategy.microbatches, "schedule": lay.strategy.pp_schedule,
+        "virtual": lay.strategy.pp_virtual,
+        "bubble_ideal": ideal_bubble(lay.pp, lay.strategy.microbatches, lay.strategy.pp_schedule,
+                                     lay.strategy.pp_virtual),
+        "p2p_bytes_per_step_per_rank": max(st["sent_bytes_per_step"] for st in stages)}}
+
+
+def calls(lay, stages: list[dict]) -> list[CallGroup]:
+    """A stage's sends and receives, one message each per micro-batch and direction, on the critical
+    path (none without a pipeline)."""
+    if lay.pp == 1:
+        return []
+    boundary = max(st["boundary_bytes_per_microbatch"] for st in stages)
+    return [CallGroup([Call("native", "all_gather", 2 * boundary)] * (2 * lay.strategy.microbatches), 2)]
+
+
+def _runs(t, a: int, b: int) -> list[tuple[list[int], bool]]:
+    """Layers ``a..b-1`` as consecutive runs ``(indices, checkpointed)``: each part of one
+    activation-checkpointing block a run (as a pipeline stage recomputes them), other layers alone."""
+    block_of = {name: k for k, names in enumerate(t.blocks) for name in names}
+    runs: list[tuple[list[int], int | None]] = []
+    for i in range(a, b):
+        k = block_of.get(t.layers[i].name)
+        if runs and k is not None and runs[-1][1] == k:
+            runs[-1][0].append(i)
+        else:
+            runs.append(([i], k))
+    return [(run, k is not None) for run, k in runs]
+
+
+def stages(t, lay, micro: int, optim, sync_cost) -> list[dict]:
+    """Per pipeline stage (one stage: the whole model): its trace, model state (as ``sync_cost``, the
+    gradient sync's cost model, holds it), activations held, share of the FLOPs and bytes it sends per
+    micro-batch. Cut as the training run cuts (:func:`~distlab.parallel.pipeline.partition.cut`, by
+    parameters or ``pp_balance``)."""
+    if lay.pp > 1 and not t.layers:
+        raise ConfigError("`pp`: this model is not a sequence of layers a pipeline can cut; plan it with `pp` 1")
+    layers = t.layers or []
+    v = lay.strategy.pp_virtual if lay.pp > 1 else 1
+    cuts = cut([layer.parameters for layer in layers], lay.pp * v, lay.strategy.pp_balance) if lay.pp > 1 else \
+        [(0, len(layers))]
+    total_flops = sum(layer.forward_flops for layer in layers) or 1.0
+    sp, out, m_total = lay.strategy.sequence_parallel, [], lay.strategy.microbatches
+    for s in range(lay.pp):
+        chunks = [cuts[c * lay.pp + s] for c in range(v)]  # rank s holds virtual stages s, s + P, ...
+        mine = [layer for a, b in chunks for layer in layers[a:b]]
+        sub = t.stage([layer.name for layer in mine]) if lay.pp > 1 else t
+        if lay.tp > 1:
+            sub = replace(sub, numels=[math.ceil(m / lay.tp) for m in sub.numels])
+        state = sync_cost.planned_memory(sub, optim, lay.strategy, lay.replicas)
+        recompute = recompute_flops = 0.0
+        if mine and lay.strategy.activation_checkpointing:
+            saved = replicated = 0.0
+            for a, b in chunks:
+                for run, checkpointed in _runs(t, a, b):
+                    if checkpointed:  # the block's input kept (replicated over TP unless sequence parallel)
+                        kept = layers[run[0] - 1].output_bytes if run[0] else t.input_bytes_per_sample
+                        saved, replicated = saved + kept, replicated + (0.0 if sp else kept)
+                        inside = sum(layers[i].saved_bytes for i in run)  # while recomputed, one at a time
+                        rep = 0.0 if sp else sum(layers[i].replicated_saved_bytes for i in run)
+                        recompute = max(recompute, ((inside - rep) / lay.tp + rep) / lay.cp * micro)
+                        recompute_flops += sum(layers[i].forward_flops for i in run)
+                    else:
+                        saved += sum(layers[i].saved_bytes for i in run)
+                        replicated += 0.0 if sp else sum(layers[i].replicated_saved_bytes for i in run)
+        elif mine:
+            saved = sum(layer.saved_bytes for layer in mine)
+            replicated = 0.0 if sp else sum(layer.replicated_saved_bytes for layer in mine)
+        else:  # a model without a layer profile: the whole-model estimate
+            saved, replicated = t.activation_bytes_per_sample, 0.0
+        per_sample = ((saved - replicated) / lay.tp + replicated) / lay.cp
+        if lay.pp == 1:
+            held = 1.0
+        elif lay.strategy.pp_schedule == "gpipe":
+            held = m_total
+        elif v > 1:  # Megatron's warm-up chunks in flight, each a V-th of the rank's layers
+            held = min(m_total * v, (lay.pp - s - 1) * 2 + (v - 1) * lay.pp + 1) / v
+        else:
+            held = min(m_total, lay.pp - s)
+        boundary = before = 0.0
+        for k, (a, b) in ((c * lay.pp + s, chunks[c]) for c in range(v)):
+            if k < len(cuts) - 1 and b > a:
+                boundary += layers[b - 1].output_bytes * micro / (lay.tp if sp else 1)
+            if a > 0:
+                before += layers[a - 1].output_bytes * micro / (lay.tp if sp else 1)
+        out.append({"stage": s, "layers": [chunks[0][0], chunks[-1][1]], "first": mine[0].name if mine else None,
+                    "last": mine[-1].name if mine else None, "parameters": sum(sub.numels),
+                    **({"chunks": [list(c) for c in chunks]} if v > 1 else {}),
+                    "model_state_bytes": int(state), "activation_bytes": int(per_sample * micro * held),
+                    "flops_share": sum(layer.forward_flops for layer in mine) / total_flops if lay.pp > 1 else 1.0,
+                    "recompute_flops_share": recompute_flops / total_flops, "recompute_bytes": int(recompute),
+                    "boundary_bytes_per_microbatch": int(boundary),
+                    "sent_bytes_per_step": int((boundary + before) * m_total),
+                    "trace": sub})
+    return out
