@@ -319,6 +319,9 @@ TRAIN_OPTIONS = [
     ("lr_schedule", dict(help="constant, cosine or linear decay to 0.")),
     ("momentum", dict(type=float, help="SGD momentum.")),
     ("weight_decay", dict(type=float)),
+    ("clip_grad_norm", dict(type=float, default=None, help="Scale each step's gradients so their global norm (the "
+                            "whole model, every parameter counted once, on any layout) is at most this; the norm "
+                            "before clipping is logged as grad_norm.")),
     ("seed", dict(type=int)),
     ("log_every", dict(type=int, help="Log the loss every N steps (rank 0).")),
     ("sample_every", dict(type=int, default=None, help="gpt: every N steps (and at the end) print a short text the "

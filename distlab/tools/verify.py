@@ -51,6 +51,7 @@ from distlab.train.config import TrainConfig
 
 EPS32 = torch.finfo(torch.float32).eps
 CASE_MODELS = ("gpt", "gpt-moe")  # +gpt: the transformer; +gpt-moe: with mixture-of-experts MLPs (8 experts, top 2)
+CLIP_NORM = 0.02  # +clip: the max-norm, below every step's gradient norm on verify's models (each step is clipped)
 SMALL_BUCKET_MB = 0.004  # several buckets on the tiny models below (unless a strategy sets bucket=)
 
 
@@ -62,32 +63,36 @@ class Case:
     strategy: Strategy
     optimizer: str = "sgd"
     model: str | None = None
+    clip: float | None = None  # +clip: gradients clipped to this global norm (CLIP_NORM)
 
     @property
     def name(self) -> str:
         return (str(self.strategy) + ("+adam" if self.optimizer == "adam" else "")
-                + (f"+{self.model}" if self.model else ""))
+                + (f"+{self.model}" if self.model else "") + ("+clip" if self.clip else ""))
 
     def flags(self) -> dict:
-        return {**self.strategy.to_dict(), "optimizer": self.optimizer, **({"model": self.model} if self.model else {})}
+        return {**self.strategy.to_dict(), "optimizer": self.optimizer, **({"model": self.model} if self.model else {}),
+                **({"clip_grad_norm": self.clip} if self.clip else {})}
 
 
 def parse_strategy(text: str) -> Case:
     """The :class:`~distlab.parallel.Strategy` text form, plus ``+adam`` for the optimizer and
     ``+gpt`` for the transformer."""
     tokens = [t.strip() for t in text.split("+")]
+    clip = CLIP_NORM if "clip" in tokens else None
+    tokens = [t for t in tokens if t != "clip"]
     for t in tokens[1:]:
-        hint = did_you_mean(t, (*CASE_MODELS, "adam"), {"moe": "gpt-moe", "transformer": "gpt", "adamw": "adam"})
+        hint = did_you_mean(t, (*CASE_MODELS, "adam", "clip"), {"moe": "gpt-moe", "transformer": "gpt", "adamw": "adam"})
         if hint and t not in (*CASE_MODELS, "adam", *modifier_words()) and "=" not in t:
             raise ConfigError(f"strategy {text!r}: {t!r} is not a modifier{hint} (verify's models: +gpt, +gpt-moe; "
-                              f"its optimizer: +adam)")
+                              f"its optimizer: +adam; +clip clips gradients by their global norm)")
     model = next((t for t in tokens if t in CASE_MODELS), None)
     if model and "adam" in tokens:
         raise ConfigError(f"{text}: Adam on the transformer has no float32 tolerance to verify against -- it divides "
                           f"each gradient entry by its own size, so entries whose gradient is rounding noise move by "
                           f"up to lr either way; verify the transformer with SGD (drop +adam)")
     rest = "+".join(t for t in tokens if t not in ("adam", *CASE_MODELS))
-    return Case(Strategy.parse(rest) if rest else Strategy(), "adam" if "adam" in tokens else "sgd", model)
+    return Case(Strategy.parse(rest) if rest else Strategy(), "adam" if "adam" in tokens else "sgd", model, clip)
 
 
 def default_strategies(world_size: int | None = None) -> list[Case]:
@@ -147,6 +152,7 @@ def config_for(case: Case, world_size: int, steps: int, global_batch: int | None
                        dataset=dataset, epochs=max(1, steps), max_steps=steps,
                        global_batch_size=batch, lr=0.005 if case.optimizer == "adam" else 0.05,
                        lr_schedule="constant", momentum=0.9, optimizer=case.optimizer, seed=seed, log_every=1,
+                       clip_grad_norm=case.clip,
                        progress=False, verbose=False, eval_every_epoch=False, strategy=strategy).validate(world_size)
 
 
@@ -154,12 +160,17 @@ UNIT_ROUNDOFF = {"fp32": 0.0, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}  # beyond f
 
 
 def sgd_tolerance(steps: int, lr: float, batch: int, momentum: float = 0.0, precision: str = "fp32",
-                  wire: str = "fp32", ranks: int = 1) -> float:
+                  wire: str = "fp32", ranks: int = 1, clip_terms: int = 0, clip_norm: float = 1.0) -> float:
     """The module docstring's bound on how far two SGD runs that differ only in summation order
     (and in where narrow dtypes round) may drift apart: ``2 * steps * lr / (1 - momentum) * d`` with
     ``d = batch * eps32 + 4 u_precision + ranks * u_wire``, for gradient entries of at most 1.
-    ``lr`` is the largest learning rate of the run."""
-    d = batch * EPS32 + 4 * UNIT_ROUNDOFF[precision] + ranks * UNIT_ROUNDOFF[wire]
+    ``lr`` is the largest learning rate of the run. Clipping to ``clip_norm`` by the global norm of
+    ``clip_terms`` gradient entries scales every entry by ``clip_norm / norm``: a sum of ``n`` squares in
+    another order is within ``n eps / 2`` relative of the exact sum (Higham), its square root within half
+    that, so the two runs' scales differ by ``n eps / 2`` relative at most -- and a clipped entry is at
+    most ``clip_norm``: ``+ n eps / 2 x min(1, clip_norm)``."""
+    d = (batch * EPS32 + 4 * UNIT_ROUNDOFF[precision] + ranks * UNIT_ROUNDOFF[wire]
+         + clip_terms * EPS32 / 2 * min(1.0, clip_norm))
     return 2 * steps * lr / (1 - momentum) * d
 
 
@@ -212,18 +223,21 @@ def evaluation_tolerance(model: torch.nn.Module, x: torch.Tensor, y: torch.Tenso
     return 2 * per_logit + sum_tolerance(len(x), losses.abs().max().item(), out.dtype) / len(x)
 
 
-def tolerance(cfg: TrainConfig, world_size: int = 1) -> float | None:
+def tolerance(cfg: TrainConfig, world_size: int = 1, num_parameters: int = 0) -> float | None:
     """The float32 bound of the module docstring (:func:`sgd_tolerance`), widened for reduced
-    precision; None where there is no rounding bound (PowerSGD, Adam)."""
+    precision and, with clipping, for the global norm of the ``num_parameters`` gradient entries; None
+    where there is no rounding bound (PowerSGD, Adam)."""
     s = cfg.strategy
     if s.grad_compression.startswith("powersgd") or cfg.optimizer != "sgd":
         return None
     return sgd_tolerance(cfg.max_steps, cfg.lr, cfg.global_batch_size, cfg.momentum, s.precision,
-                         s.wire_dtype or "fp32", s.dp_size(world_size))
+                         s.wire_dtype or "fp32", s.dp_size(world_size),
+                         num_parameters if cfg.clip_grad_norm else 0, cfg.clip_grad_norm or 1.0)
 
 
-def reference_run(cfg: TrainConfig) -> tuple[list[torch.Tensor], list[float]]:
-    """Single-process SGD on the sequential global batches (no distlab trainer involved)."""
+def reference_run(cfg: TrainConfig, norms: list[float] | None = None) -> tuple[list[torch.Tensor], list[float]]:
+    """Single-process SGD on the sequential global batches (no distlab trainer involved); with
+    ``clip_grad_norm``, ``torch.nn.utils.clip_grad_norm_`` before each step (its norms appended to ``norms``)."""
     from distlab.data.sampler import sequential_batches
     from distlab.models import build_model, task_loss
     from distlab.parallel import Precision
@@ -244,6 +258,10 @@ def reference_run(cfg: TrainConfig) -> tuple[list[torch.Tensor], list[float]]:
             with Precision(cfg.strategy.precision).autocast():
                 loss = task_loss(model(x), y)
             loss.backward()
+            if cfg.clip_grad_norm:
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+                if norms is not None:
+                    norms.append(norm.item())
             opt.step()
             losses.append(loss.item())
             step += 1
@@ -259,7 +277,8 @@ def _distributed_runs(rank: int, world: int, configs: list[TrainConfig]):
     for cfg in configs:
         trainer = Trainer(cfg, runtime.from_process_group())
         trainer.fit()
-        out.append((trainer.full_parameters(), [r["loss"] for r in trainer.history]))
+        out.append((trainer.full_parameters(), [r["loss"] for r in trainer.history],
+                    [r["grad_norm"] for r in trainer.history if "grad_norm" in r]))
     return out if rank == 0 else None
 
 
@@ -281,10 +300,16 @@ def verify(strategies: list[Case], world_size: int, steps: int = 10, global_batc
     results = run_ranks(_distributed_runs, world_size, configs, timeout=timeout)[0]
     from distlab.bench.common import machine_facts
     records, facts = [], machine_facts()
-    for strategy, cfg, (params, losses) in zip(strategies, configs, results):
-        ref_params, ref_losses = reference_run(cfg)
+    for strategy, cfg, (params, losses, norms) in zip(strategies, configs, results):
+        ref_norms: list[float] = []
+        ref_params, ref_losses = reference_run(cfg, ref_norms)
         diffs = compare(params, losses, ref_params, ref_losses)
-        tol = tolerance(cfg, world_size)
+        tol = tolerance(cfg, world_size, sum(p.numel() for p in ref_params))
+        if cfg.clip_grad_norm:  # the norms themselves (the first from equal weights), and how many steps clipped
+            rel = [abs(a - b) / b for a, b in zip(norms, ref_norms)]
+            diffs.update(first_rel_grad_norm_diff=rel[0], max_rel_grad_norm_diff=max(rel),
+                         clipped_steps=sum(n > cfg.clip_grad_norm for n in ref_norms),
+                         num_parameters=sum(p.numel() for p in ref_params))
         passed = None if tol is None else diffs["max_abs_param_diff"] <= tol and diffs["max_loss_diff"] <= tol
         records.append({"strategy": strategy.name, "flags": strategy.flags(), "world_size": world_size,
                         "steps": steps, "model": cfg.model, "global_batch_size": cfg.global_batch_size, **diffs,

@@ -63,6 +63,7 @@ class TrainConfig:
     optimizer: str = "sgd"
     momentum: float = 0.9
     weight_decay: float = 0.0
+    clip_grad_norm: float | None = None  # scale each step's gradients to this global norm at most (None: never)
     lr_schedule: str = "cosine"
     seed: int = 0
     log_every: int = 20
@@ -137,6 +138,9 @@ class TrainConfig:
             raise ConfigError(f"`momentum` must be in [0, 1), not {self.momentum} (0.9 is usual; 0 turns it off)")
         if self.weight_decay < 0:
             raise ConfigError(f"`weight_decay` must be at least 0, not {self.weight_decay}")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ConfigError(f"`clip_grad_norm` must be positive, not {self.clip_grad_norm:g} (leave it out not to "
+                              f"clip; 1.0 is usual for transformers)")
         if self.lr_scaling != "none" and not self.base_batch_size:
             raise ConfigError(f"`lr_scaling` {self.lr_scaling} scales `lr` from the batch size it was tuned for: "
                               f"give that as `base_batch_size` (e.g. {self.global_batch_size})")

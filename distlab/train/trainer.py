@@ -99,6 +99,7 @@ class Trainer:
         self.already_finished = False  # fit() found the resumed run complete and changed nothing
         self._nonfinite = ""  # why the run stopped on non-finite gradients
         self._predictions = None  # (step, confusion matrix, misclassified rows) of the newest evaluation
+        self._grad_norm = None  # the last step's gradient norm before clipping (a device tensor), with clipping
 
     @property
     def net(self) -> torch.nn.Module:
@@ -220,6 +221,8 @@ class Trainer:
             with comm.counting() as sent:
                 self.optimizer.zero_grad(set_to_none=True)
                 loss = engine.forward_backward(x, y, engine.loss)
+                if cfg.clip_grad_norm:
+                    self._grad_norm = engine.clip_grad_norm_(cfg.clip_grad_norm)
                 try:
                     engine.step(self.optimizer)
                 except NonFiniteError as exc:  # nothing applied: the state is still that of the last step
@@ -263,6 +266,8 @@ class Trainer:
         rate = self._window_timed * self.cfg.global_batch_size / self._window_s if self._window_s else None
         record = {"step": self.run.step, "epoch": epoch, "loss": loss, "lr": lr, "samples_per_s": rate,
                   "time_s": self.run.time_used()}
+        if self._grad_norm is not None:  # read once per log line, not per step
+            record["grad_norm"] = float(self._grad_norm)
         if sample:
             record["sample"] = self._sample()
         self.run.history.append(record)
@@ -321,5 +326,6 @@ class Trainer:
                 "val_fraction": cfg.val_fraction, "lr": cfg.lr, "lr_schedule": cfg.lr_schedule,
                 "lr_scaling": cfg.lr_scaling, "base_batch_size": cfg.base_batch_size, "warmup_steps": cfg.warmup_steps,
                 "momentum": cfg.momentum, "weight_decay": cfg.weight_decay,
+                **({"clip_grad_norm": cfg.clip_grad_norm} if cfg.clip_grad_norm else {}),
                 # a schedule that decays over the run depends on its length: changing it would bend the curve
                 **({"total_steps": self.total_steps} if cfg.lr_schedule != "constant" else {})}

@@ -49,6 +49,16 @@ def _runs_section(dataset: str, runs: list[dict], problems: list[tuple[str, str]
         b.set(xlabel="wall time (s)", ylabel=f"training loss{unit_text}", title=f"{dataset}: loss vs time")
         place_legend(b, len(with_metrics))
         out.append(png(fig))
+    clipped = [r for r in with_metrics if any("grad_norm" in m for m in r["metrics"])]
+    if clipped:  # --clip-grad-norm: the norm before clipping, every logged step
+        fig, ax = plt.subplots(figsize=(9, 3.6))
+        for i, r in enumerate(clipped):
+            steps = [m for m in r["metrics"] if "grad_norm" in m]
+            ax.plot([m["step"] for m in steps], [m["grad_norm"] for m in steps], label=run_label(r),
+                    **style(i, len(steps)))
+        ax.set(xlabel="step", ylabel="gradient norm before clipping", title=f"{dataset}: gradient norm")
+        place_legend(ax, len(clipped))
+        out.append(png(fig))
     done = [r for r in runs if r["summary"]]
     if done:
         acc = [r for r in done if r["summary"].get("test_accuracy") is not None]
