@@ -33,7 +33,7 @@ def _weights(rank, world):
     model = build_model("gpt", (8,), 16, n_layer=1, n_head=2, n_embd=8)
     engine = parallelize(model, Strategy(tp=2), build_mesh(2))
     names = [d["name"] for d in __import__("distlab.parallel.placement", fromlist=["x"]).placement_of(engine)["params"]]
-    return dict(zip(names, engine._norm_weights))
+    return dict(zip(names, engine._norm_weights.tolist()))
 
 
 def test_each_parameter_counts_once_over_its_replicas():

@@ -21,7 +21,6 @@ and only calls what those promise: nothing here asks which one it holds, nor whe
 
 from __future__ import annotations
 
-import collections
 import functools
 import time
 from typing import Callable
@@ -33,6 +32,7 @@ from torch import nn
 from distlab.errors import NonFiniteError
 from distlab.parallel import tensor_parallel
 from distlab.parallel.loss_head import TaskHead
+from distlab.parallel.clipping import clip_by_global_norm_, norm_weights
 from distlab.parallel.mesh import Mesh
 from distlab.parallel.placement import placement_of
 from distlab.parallel.precision import Precision, scale_and_find_non_finite
@@ -131,47 +131,18 @@ class Engine:
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale this step's gradients so that their global norm -- over the whole model, every
-        parameter counted once -- is at most ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` does on
-        one process; returns the norm before clipping (a 0-dim float32 tensor on the device, read when
-        the caller wants). Call it between :meth:`forward_backward` (the gradients are then synced and,
-        under fp16, unscaled) and :meth:`step`. A non-finite norm scales nothing: fp16 skips the step,
-        :meth:`step` refuses it otherwise.
-
-        Every rank sums the squares of what it holds, each optimizer parameter weighted by one over
-        the number of ranks that hold the same elements (replicas, the tensor-parallel ranks of a
-        LayerNorm; a ZeRO shard, a tensor-parallel slice, a pipeline stage's layers or an expert shard
-        is held by its own replicas only), and one all-reduce over the world adds them up: each
-        element of the model once, whatever the layout (Megatron's ``clip_grad_norm_fp32`` and
-        torchtitan's ``clip_grad_norm_`` count the same way)."""
-        grads = [p.grad for p in self.parameters()]
-        held = [(g, w) for g, w in zip(grads, self._norm_weights) if g is not None]
-        if held:
-            norms = torch._foreach_norm([g for g, _ in held])
-            weights = torch.tensor([w for _, w in held], dtype=torch.float64, device=norms[0].device)
-            squares = (torch.stack(norms).double().pow(2) * weights).sum()
-        else:
-            squares = torch.zeros((), dtype=torch.float64, device=self.precision.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(squares)
-        total = squares.sqrt().float()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))  # non-finite: the step decides
-        if held:
-            torch._foreach_mul_([g for g, _ in held], coef.to(held[0][0].dtype))
-        return total
+        parameter counted once, on any layout (:mod:`~distlab.parallel.clipping`) -- is at most
+        ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` does on one process; returns the norm before
+        clipping (a 0-dim float32 tensor on the device, read when the caller wants). Call it between
+        :meth:`forward_backward` (the gradients are then synced and, under fp16, unscaled) and
+        :meth:`step`. A non-finite norm scales nothing: fp16 skips the step, :meth:`step` refuses it
+        otherwise."""
+        return clip_by_global_norm_(self.parameters(), self._norm_weights, max_norm)
 
     @functools.cached_property
-    def _norm_weights(self) -> list[float]:
-        """Per optimizer parameter: one over the number of ranks holding the same elements of the model
-        (from every rank's placements, gathered once; collective on first use)."""
-        mine = [(d["name"], d["dim"], d["parts"], d["part"], d["start"], d["length"])
-                for d in placement_of(self)["params"]]
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return [1.0] * len(mine)
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        counts = collections.Counter(key for rank in everyone for key in set(rank))
-        return [1.0 / counts[key] for key in mine]
+    def _norm_weights(self) -> torch.Tensor:
+        """Per optimizer parameter, one over the ranks holding the same elements (collective on first use)."""
+        return torch.tensor(norm_weights(placement_of(self)), dtype=torch.float64, device=self.precision.device)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """``optimizer.step()`` then what the layout needs after it (ZeRO 1-2: all-gather the updated
