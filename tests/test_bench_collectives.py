@@ -72,12 +72,16 @@ def test_bench_syncbn_records_accuracy_time_and_memory(run_cli, tmp_path):
 
 
 def test_bench_dp_trains_each_method_and_compares_with_ddp(tmp_path, monkeypatch):
+    import multiprocessing.util
     import tempfile
 
     from distlab.bench import dp
     from distlab.parallel import Strategy
     scratch = tmp_path / "tmp"
     scratch.mkdir()
+    # multiprocessing keeps the first temporary directory it makes for the whole process, and a fork
+    # server started later binds its socket there: make it in the real one, not in this (long) path
+    multiprocessing.util.get_temp_dir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     dp.WORKLOADS["tiny"] = {"model": "mlp", "dataset": "synthetic:1x8x8:4:512", "fallback": None, "sync_bn": "off",
                             "lr": 0.05}
