@@ -103,3 +103,37 @@ def test_the_command_runs_its_exit_handlers_but_no_interpreter_teardown(run_cli,
     assert proc.returncode == 0 and "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, \
         proc.stderr
     assert (tmp_path / "exit-handlers-ran").exists()
+
+
+def _slow_rank_0_teardown(tmp_path) -> dict:
+    """An environment whose rank 0 takes 5 s to leave its process group, so the other rank, having met
+    the same error, exits first and torchrun's agent stops rank 0 before it has said anything."""
+    site = tmp_path / "slow-site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent("""
+        import os
+        if os.environ.get("RANK") == "0" and os.environ.get("TORCHELASTIC_RUN_ID"):
+            import time
+            import torch.distributed as dist
+            destroy = dist.destroy_process_group
+            def slowly(*args, **kwargs):
+                time.sleep(5)
+                return destroy(*args, **kwargs)
+            dist.destroy_process_group = slowly
+    """))
+    return {"PYTHONPATH": str(site)}
+
+
+def test_an_error_every_rank_meets_is_said_once_even_when_rank_0_is_stopped_before_it_could(run_cli, tmp_path):
+    slow = _slow_rank_0_teardown(tmp_path)
+    diverged = run_cli("train", "--dataset", "synthetic:1x8x8:4:2560", "--mlp-widths", "16", "--lr", "1e20",
+                       "--nproc-per-node", "2", "--max-steps", "20", "--snapshot-dir", "s", "--snapshot-every", "10",
+                       "--out", "r", "--no-progress", env=slow)
+    assert diverged.returncode == 1, diverged.stderr
+    assert diverged.stderr.count("distlab: error: training diverged at step 2") == 1, diverged.stderr
+    assert diverged.stderr.count("\n") == 1, diverged.stderr
+    first = [*TRAIN, "--snapshot-dir", "s2", "--out", "r2"]
+    run_cli(*first, check=True)
+    mismatch = run_cli(*first, "--resume", "auto", "--max-steps", "4", "--mlp-widths", "12", env=slow)
+    assert mismatch.returncode == 2, mismatch.stderr
+    assert mismatch.stderr.count("distlab: error:") == 1 and "12" in mismatch.stderr, mismatch.stderr

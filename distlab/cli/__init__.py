@@ -40,11 +40,16 @@ def _report_error(exc: DistlabError) -> None:
         rank = detect_launch().rank
     except DistlabError:
         rank = 0
+    from distlab.runtime.launch import keep_error_line
+    from distlab.tools.flags import flagify
+    # An error of one rank names it; one every rank meets is the same line wherever it is said.
+    prefix = f"[rank {rank}] " if rank and not exc.every_rank and not str(exc).startswith(f"rank {rank}:") else ""
+    line = f"distlab: error: {prefix}{flagify(str(exc))}"
+    keep_error_line(rank, line, said=False)  # the launcher says it if this rank is stopped before it could
     if rank != 0 and exc.every_rank:
         return  # every rank finds the same error; rank 0 says it once
-    from distlab.tools.flags import flagify
-    prefix = f"[rank {rank}] " if rank and not str(exc).startswith(f"rank {rank}:") else ""
-    print(f"distlab: error: {prefix}{flagify(str(exc))}", file=sys.stderr, flush=True)
+    print(line, file=sys.stderr, flush=True)
+    keep_error_line(rank, line, said=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from distlab.errors import ConfigError, DistributedError
 from distlab.runtime import LAUNCHER_PID, LOAD_AT_LAUNCH, cores, port_in_use
+from distlab.runtime.launch import ERROR_LINES, unsaid_error_line
 
 
 @dataclass
@@ -318,6 +319,9 @@ def launch(opts: LaunchOptions, argv: list[str]) -> int:
     # torchrun's agent keeps its workers' error files in a log directory (a new one in the temporary
     # directory unless given, left behind by every launch): one of ours, removed when the job ends.
     logs = tempfile.TemporaryDirectory(prefix="distlab-torchrun-")
+    said = Path(logs.name) / "error-lines"  # runtime.launch.keep_error_line
+    said.mkdir()
+    os.environ[ERROR_LINES] = str(said)
     try:
         with _announcing_restarts(argv), _second_ctrl_c_stops_at_once(logs.name):
             run(parse_args(torchrun_args(opts, argv, logs.name)))
@@ -337,7 +341,12 @@ def launch(opts: LaunchOptions, argv: list[str]) -> int:
             all(c in (ConfigError.exit_code, -signal.SIGTERM) for c in codes.values())
         # Every rank stopped on non-finite gradients at the same step: rank 0 said so in one line.
         diverged = (summary or {}).get("stopped") == "non_finite"
-        if not ((config_error or diverged) and opts.node_rank == 0):
+        # Unless torchrun's agent stopped rank 0 before it could (another rank got there first): then
+        # the launcher says the line the workers kept.
+        unsaid = unsaid_error_line(said) if (config_error or diverged) and opts.node_rank == 0 else None
+        if unsaid:
+            print(unsaid, file=sys.stderr, flush=True)
+        elif not ((config_error or diverged) and opts.node_rank == 0):
             failures = {r: (f.exitcode, getattr(f, "timestamp", 0)) for r, f in exc.failures.items()}
             print(f"distlab: error: {failure_report(failures, argv)}", file=sys.stderr, flush=True)
         return first

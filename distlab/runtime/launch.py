@@ -1,18 +1,20 @@
-"""Where this process stands in the job, read from its launcher's environment (torchrun, mpirun, Slurm)
-or flags: :class:`LaunchInfo` (:func:`detect_launch`), whether a distlab launcher started it, and free
-ports. The launchers and the variables read are listed in :mod:`distlab.runtime`."""
+"""Where this process stands in the job, read from its launcher's environment (torchrun, mpirun,
+Slurm) or flags: :class:`LaunchInfo` (:func:`detect_launch`), whether a distlab launcher started it,
+the error line a worker leaves its launcher, and free ports. The launchers and the variables read
+are listed in :mod:`distlab.runtime`."""
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import re
 import signal
 import socket
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping
-
 
 from distlab.errors import ConfigError
 
@@ -157,6 +159,45 @@ def follow_launcher() -> bool:
     if os.environ.get(LAUNCHER_PID) != str(os.getppid()):  # the launcher died before the call: go now
         os.kill(os.getpid(), signal.SIGKILL)
     return True
+
+
+ERROR_LINES = "DISTLAB_ERROR_LINES"  # where the workers of `distlab ... --nproc-per-node N` keep their error line
+
+
+def keep_error_line(rank: int, line: str, said: bool) -> None:
+    """A worker of a distlab launch keeps the one line of the error it stops on where its launcher
+    reads it (``$DISTLAB_ERROR_LINES``), and whether it has printed it. An error every rank meets is
+    printed by rank 0 alone -- but the rank that gets there first exits first, and torchrun's agent then
+    stops the others, rank 0 perhaps before it printed: the launcher then prints a kept line itself
+    (:func:`unsaid_error_line`). Nothing outside such a launch; a failed write is not the user's error."""
+    directory = os.environ.get(ERROR_LINES)
+    if not directory:
+        return
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    path = Path(directory) / f"attempt-{attempt:04d}-rank-{rank:06d}.json"
+    try:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"line": line, "said": said}))
+        os.replace(tmp, path)  # whole or absent, for a launcher reading while it is stopped
+    except OSError:
+        pass
+
+
+def unsaid_error_line(directory: str | Path) -> str | None:
+    """The launcher's half of :func:`keep_error_line`: the lowest rank's line of the last attempt, if
+    no worker of that attempt printed its own; else None."""
+    kept = {}
+    for path in Path(directory).glob("attempt-*-rank-*.json"):
+        _, attempt, _, rank = path.stem.split("-")
+        try:
+            kept[int(attempt), int(rank)] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+    if not kept:
+        return None
+    last = max(attempt for attempt, _ in kept)
+    lines = [kept[key] for key in sorted(kept) if key[0] == last]
+    return None if any(entry.get("said") for entry in lines) else lines[0].get("line")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
