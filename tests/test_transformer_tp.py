@@ -84,7 +84,7 @@ def test_sharded_transformer_equals_the_unsharded_one_and_sends_the_analytic_byt
         assert bwd_bytes == allreduce_bytes_per_rank(act, world) * (2 * L + 1)
 
 
-def _loss_and_accuracy(rank, world):
+def _loss_and_accuracy(rank, world, smoothing=0.0):
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(5, 7, 12, generator=g, dtype=torch.float64)
     logits[0, 0, 3] = logits[0, 0, 9] = 50.0          # a tie: argmax takes the lowest id, 3
@@ -92,10 +92,10 @@ def _loss_and_accuracy(rank, world):
     target[0, 0] = 3
     mine = logits.chunk(world, -1)[rank].clone().requires_grad_()
     start = rank * (12 // world)
-    loss = vocab_parallel_cross_entropy(mine, target, dist.group.WORLD, start)
+    loss = vocab_parallel_cross_entropy(mine, target, dist.group.WORLD, start, label_smoothing=smoothing)
     loss.backward()
     full = logits.clone().requires_grad_()
-    ref = task_loss(full, target)
+    ref = task_loss(full, target, label_smoothing=smoothing)
     ref.backward()
     grad_diff = (mine.grad - full.grad.chunk(world, -1)[rank]).abs().max().item()
     # the loss: a sum over 12 logits per token (its log-sum-exp), then a mean over 35 tokens, of values <= 50
@@ -109,6 +109,34 @@ def test_vocab_parallel_cross_entropy_and_accuracy_equal_the_gathered_ones(world
     for loss_diff, grad_diff, correct, expected, (bound, float32_bound) in run_ranks(_loss_and_accuracy, world,
                                                                                      timeout=60):
         assert bound < float32_bound and loss_diff <= bound and grad_diff <= bound and correct == expected
+    for loss_diff, grad_diff, _, _, (bound, _) in run_ranks(_loss_and_accuracy, world, 0.1, timeout=60):
+        assert loss_diff <= bound and grad_diff <= bound  # label smoothing: F.cross_entropy's, on the gathered logits
+
+
+def _megatron_case(rank, world, smoothing):
+    """Megatron-LM's own test of its vocabulary-parallel cross-entropy: 4 ranks each hold logits 0..7
+    repeated (16 tokens x 32 of a 128-token vocabulary), the targets are 0, 2, .., 30."""
+    mine = torch.arange(0, 8, dtype=torch.float32).repeat(16, 4).requires_grad_()
+    target = torch.arange(0, 32, 2)
+    loss = vocab_parallel_cross_entropy(mine, target, dist.group.WORLD, rank * 32, reduction="none",
+                                        label_smoothing=smoothing)
+    loss.sum().backward()
+    full = torch.arange(0, 8, dtype=torch.float32).repeat(16, 16).requires_grad_()
+    ref = task_loss(full, target, reduction="none", label_smoothing=smoothing)
+    ref.sum().backward()
+    return loss.detach(), ref.detach(), (mine.grad - full.grad.chunk(world, -1)[rank]).abs().max().item()
+
+
+def test_vocab_parallel_cross_entropy_gives_megatrons_literal_values_and_smooths_as_torch_does():
+    megatron = torch.tensor([10.2309, 8.2309, 6.2309, 4.2309] * 4)  # its expected output, to 4 decimals
+    # 128 logits per token, each at most 7: log-sum-exp's float32 rounding, far below the literal's 5e-5
+    bound = 5e-5 + sum_tolerance(128, 7.0, torch.float32)
+    grad_bound = sum_tolerance(128, 1.0, torch.float32)  # softmax: each exponential (<= 1) over their sum of 128
+    for loss, ref, grad_diff in run_ranks(_megatron_case, 4, 0.0, timeout=60):
+        assert (loss - megatron).abs().max() <= bound and (loss - ref).abs().max() <= bound and grad_diff <= grad_bound
+    for loss, ref, grad_diff in run_ranks(_megatron_case, 4, 0.2, timeout=60):
+        assert (loss - ref).abs().max() <= bound and grad_diff <= grad_bound
+        assert (loss - megatron).abs().min() > 0.1  # smoothing changed the loss (by 0.2 x (mean -log p - nll))
 
 
 def _shard_odd_heads(rank, world):

@@ -326,7 +326,15 @@ TRAIN_OPTIONS = [
     ("log_every", dict(type=int, help="Log the loss every N steps (rank 0).")),
     ("sample_every", dict(type=int, default=None, help="gpt: every N steps (and at the end) print a short text the "
                           "model generates, also kept in that step's metrics.jsonl record as 'sample'.")),
+    ("label_smoothing", dict(type=float, help="Smooth the training loss's targets: 1 - S on the true class (or "
+                             "token) plus S / classes on every class, as torch's cross_entropy (also across a "
+                             "vocabulary split by tensor parallel); evaluations report the plain cross-entropy.")),
     ("eval_batch_size", dict(type=int)),
+    ("eval_every", dict(type=int, default=None, help="Evaluate every N steps (and at the end) instead of every "
+                        "epoch; the evaluation's numbers join that step's metrics.jsonl record.")),
+    ("eval_batches", dict(type=int, default=None, help="Evaluate on the first N batches of --eval-batch-size "
+                          "samples of the test (and validation) set only: a fixed subset, the same every time "
+                          "(default: all of it).")),
     *STRATEGY_OPTIONS,
     ("lr_scaling", dict(help="Scale --lr with the global batch: none, linear (x G/B) or sqrt (x sqrt(G/B)), "
                         "B = --base-batch-size.")),

@@ -217,11 +217,13 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def task_loss(out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy per sample (classifier) or per token (language model)."""
+def task_loss(out: torch.Tensor, y: torch.Tensor, reduction: str = "mean",
+              label_smoothing: float = 0.0) -> torch.Tensor:
+    """Cross-entropy per sample (classifier) or per token (language model); ``label_smoothing`` as
+    ``F.cross_entropy``'s (the target is ``1 - s`` on the true class plus ``s / K`` on every class)."""
     if out.dim() == 3:
-        return F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction=reduction)
-    return F.cross_entropy(out, y, reduction=reduction)
+        out, y = out.flatten(0, 1), y.flatten()
+    return F.cross_entropy(out, y, reduction=reduction, label_smoothing=label_smoothing)
 
 
 def task_correct(out: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:

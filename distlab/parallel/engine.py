@@ -58,10 +58,12 @@ class Engine:
         self.sync_seconds = 0.0  # of the last step: gradient sync after backward + after_step
         self._sharded = grad_sync.sharded or mesh.splits_model  # ranks hold different model states
 
-    def loss(self, out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    def loss(self, out: torch.Tensor, y: torch.Tensor, reduction: str = "mean",
+             label_smoothing: float = 0.0) -> torch.Tensor:
         """The task's loss of this model's output: cross-entropy per sample or per token, computed
-        across the vocabulary shards when tensor parallel split the LM head (no full logits)."""
-        return self.head.loss(out, y, reduction)
+        across the vocabulary shards when tensor parallel split the LM head (no full logits);
+        ``label_smoothing`` as ``F.cross_entropy``'s."""
+        return self.head.loss(out, y, reduction, label_smoothing)
 
     def correct(self, out: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:
         """(right predictions, predictions) of this model's output, as :meth:`loss` scores it."""

@@ -22,8 +22,8 @@ class TaskHead:
     whose output layer tensor parallel did not split."""
 
     @staticmethod
-    def loss(out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        return task_loss(out, y, reduction)
+    def loss(out: torch.Tensor, y: torch.Tensor, reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor:
+        return task_loss(out, y, reduction, label_smoothing)
 
     @staticmethod
     def correct(out: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:

@@ -15,8 +15,9 @@ Over the ``t`` ranks of a tensor-parallel group:
   the tokens it holds (zeros for the others) and the group sums: one all-reduce of ``(B, T, C)``.
 * **vocabulary-parallel LM head and cross-entropy** -- each rank computes the logits of its
   ``V/t`` tokens only; :func:`vocab_parallel_cross_entropy` needs three all-reduces of one number
-  per token (the max, the sum of exponentials, the target's logit) where gathering the logits would
-  move ``V`` numbers per token: no rank ever holds a full ``(B, T, V)`` tensor.
+  per token (the max, the sum of exponentials, the target's logit; a fourth, the logits' sum, for
+  label smoothing) where gathering the logits would move ``V`` numbers per token: no rank ever
+  holds a full ``(B, T, V)`` tensor.
 
 **Sequence parallel** (``sequence_parallel``; Korthikanti et al. 2022) also splits what lies
 between those blocks -- the LayerNorms, the residual stream, the position embedding -- along the
@@ -97,7 +98,7 @@ def _reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, start):
+    def forward(ctx, logits, target, group, start, vocab, smoothing):
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16 up, float64 kept
         top = _reduce(logits.max(-1).values, "max", group)
         shifted = logits - top[:, None]
@@ -108,23 +109,36 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local = local.masked_fill(~mine, 0)
         picked = _reduce(shifted.gather(-1, local[:, None]).squeeze(-1).masked_fill(~mine, 0.0), "sum", group)
         ctx.save_for_backward(exp / total[:, None], local, mine)
-        return total.log() - picked
+        ctx.vocab, ctx.smoothing = vocab, smoothing
+        nll = total.log() - picked
+        if not smoothing:
+            return nll
+        # F.cross_entropy's smoothing: (1 - s) x nll + s x the mean over the vocabulary of -log p_j, where
+        # -log p_j = log total - shifted_j: one more all-reduce of a number per token (the shards' sums).
+        mean_shifted = _reduce(shifted.sum(-1), "sum", group) / vocab
+        return (1.0 - smoothing) * nll + smoothing * (total.log() - mean_shifted)
 
     @staticmethod
     def backward(ctx, grad):
         softmax, local, mine = ctx.saved_tensors
         g = softmax.clone()
+        if ctx.smoothing:
+            g -= ctx.smoothing / ctx.vocab  # d/dz_j of s x mean(-log p): s (p_j - 1/V)
         rows = torch.arange(len(local), device=g.device)[mine]
-        g[rows, local[mine]] -= 1.0
-        return g * grad[:, None], None, None, None
+        g[rows, local[mine]] -= 1.0 - ctx.smoothing
+        return g * grad[:, None], None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group, start: int,
-                                 reduction: str = "mean") -> torch.Tensor:
+                                 reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor:
     """Cross-entropy of logits split over the vocabulary: ``logits`` ``(..., V/t)`` are this
     rank's columns ``[start, start + V/t)``, ``target`` ``(...)`` the true token ids. Equal to
-    ``F.cross_entropy`` of the gathered logits."""
-    per_token = _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), target.flatten(), group, start)
+    ``F.cross_entropy`` of the gathered logits, ``label_smoothing`` included (the target ``1 - s`` on
+    the true token plus ``s / V`` on every token; Megatron-LM's spreads ``s`` over the other tokens
+    only, a different loss)."""
+    vocab = logits.shape[-1] * group_size(group)
+    per_token = _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), target.flatten(), group, start, vocab,
+                                                 float(label_smoothing))
     return per_token.mean() if reduction == "mean" else per_token.sum() if reduction == "sum" else per_token
 
 
@@ -150,8 +164,9 @@ class VocabParallelLinear(ColumnParallelLinear):
         self.copy_input = False
         self.start = group_rank(group) * (linear.out_features // group_size(group))
 
-    def loss(self, logits: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, target, self.group, self.start, reduction)
+    def loss(self, logits: torch.Tensor, target: torch.Tensor, reduction: str = "mean",
+             label_smoothing: float = 0.0) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, target, self.group, self.start, reduction, label_smoothing)
 
     def correct(self, logits: torch.Tensor, target: torch.Tensor) -> tuple[int, int]:
         return vocab_parallel_correct(logits, target, self.group, self.start)

@@ -52,6 +52,7 @@ from distlab.train.config import TrainConfig
 EPS32 = torch.finfo(torch.float32).eps
 CASE_MODELS = ("gpt", "gpt-moe")  # +gpt: the transformer; +gpt-moe: with mixture-of-experts MLPs (8 experts, top 2)
 CLIP_NORM = 0.02  # +clip: the max-norm, below every step's gradient norm on verify's models (each step is clipped)
+SMOOTHING = 0.1  # +smooth: the training loss's label smoothing
 SMALL_BUCKET_MB = 0.004  # several buckets on the tiny models below (unless a strategy sets bucket=)
 
 
@@ -64,15 +65,18 @@ class Case:
     optimizer: str = "sgd"
     model: str | None = None
     clip: float | None = None  # +clip: gradients clipped to this global norm (CLIP_NORM)
+    smoothing: float = 0.0  # +smooth: the loss's targets smoothed by this much (SMOOTHING)
 
     @property
     def name(self) -> str:
         return (str(self.strategy) + ("+adam" if self.optimizer == "adam" else "")
-                + (f"+{self.model}" if self.model else "") + ("+clip" if self.clip else ""))
+                + (f"+{self.model}" if self.model else "") + ("+clip" if self.clip else "")
+                + ("+smooth" if self.smoothing else ""))
 
     def flags(self) -> dict:
         return {**self.strategy.to_dict(), "optimizer": self.optimizer, **({"model": self.model} if self.model else {}),
-                **({"clip_grad_norm": self.clip} if self.clip else {})}
+                **({"clip_grad_norm": self.clip} if self.clip else {}),
+                **({"label_smoothing": self.smoothing} if self.smoothing else {})}
 
 
 def parse_strategy(text: str) -> Case:
@@ -80,19 +84,23 @@ def parse_strategy(text: str) -> Case:
     ``+gpt`` for the transformer."""
     tokens = [t.strip() for t in text.split("+")]
     clip = CLIP_NORM if "clip" in tokens else None
-    tokens = [t for t in tokens if t != "clip"]
+    smoothing = SMOOTHING if "smooth" in tokens else 0.0
+    tokens = [t for t in tokens if t not in ("clip", "smooth")]
     for t in tokens[1:]:
-        hint = did_you_mean(t, (*CASE_MODELS, "adam", "clip"), {"moe": "gpt-moe", "transformer": "gpt", "adamw": "adam"})
+        hint = did_you_mean(t, (*CASE_MODELS, "adam", "clip", "smooth"),
+                            {"moe": "gpt-moe", "transformer": "gpt", "adamw": "adam"})
         if hint and t not in (*CASE_MODELS, "adam", *modifier_words()) and "=" not in t:
             raise ConfigError(f"strategy {text!r}: {t!r} is not a modifier{hint} (verify's models: +gpt, +gpt-moe; "
-                              f"its optimizer: +adam; +clip clips gradients by their global norm)")
+                              f"its optimizer: +adam; +clip clips gradients by their global norm; +smooth smooths "
+                              f"the loss's labels)")
     model = next((t for t in tokens if t in CASE_MODELS), None)
     if model and "adam" in tokens:
         raise ConfigError(f"{text}: Adam on the transformer has no float32 tolerance to verify against -- it divides "
                           f"each gradient entry by its own size, so entries whose gradient is rounding noise move by "
                           f"up to lr either way; verify the transformer with SGD (drop +adam)")
     rest = "+".join(t for t in tokens if t not in ("adam", *CASE_MODELS))
-    return Case(Strategy.parse(rest) if rest else Strategy(), "adam" if "adam" in tokens else "sgd", model, clip)
+    return Case(Strategy.parse(rest) if rest else Strategy(), "adam" if "adam" in tokens else "sgd", model, clip,
+                smoothing)
 
 
 def default_strategies(world_size: int | None = None) -> list[Case]:
@@ -152,7 +160,7 @@ def config_for(case: Case, world_size: int, steps: int, global_batch: int | None
                        dataset=dataset, epochs=max(1, steps), max_steps=steps,
                        global_batch_size=batch, lr=0.005 if case.optimizer == "adam" else 0.05,
                        lr_schedule="constant", momentum=0.9, optimizer=case.optimizer, seed=seed, log_every=1,
-                       clip_grad_norm=case.clip,
+                       clip_grad_norm=case.clip, label_smoothing=case.smoothing,
                        progress=False, verbose=False, eval_every_epoch=False, strategy=strategy).validate(world_size)
 
 
@@ -256,7 +264,7 @@ def reference_run(cfg: TrainConfig, norms: list[float] | None = None) -> tuple[l
             x, y = data.batch(torch.tensor(idx))
             opt.zero_grad()
             with Precision(cfg.strategy.precision).autocast():
-                loss = task_loss(model(x), y)
+                loss = task_loss(model(x), y, label_smoothing=cfg.label_smoothing)
             loss.backward()
             if cfg.clip_grad_norm:
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)

@@ -69,6 +69,9 @@ class TrainConfig:
     log_every: int = 20
     eval_batch_size: int = 1000
     eval_every_epoch: bool = True
+    eval_every: int | None = None  # evaluate every N steps (and at the end) instead of every epoch
+    eval_batches: int | None = None  # evaluate on the first N x eval_batch_size samples only (None: all of them)
+    label_smoothing: float = 0.0  # the training loss's, as F.cross_entropy's (evaluations report plain cross-entropy)
     sample_every: int | None = None  # gpt: print (and log in metrics.jsonl) a short generated text every N steps
     strategy: Strategy = field(default_factory=Strategy)
     lr_scaling: str = "none"
@@ -114,6 +117,9 @@ class TrainConfig:
         if self.tokenizer != "bytes" and not is_text(self.dataset):
             raise ConfigError(f"`tokenizer` {self.tokenizer} is for text; dataset {self.dataset} is images "
                               f"(drop `tokenizer`)")
+        if self.tokenizer != "bytes" and self.dataset.startswith("tokens:"):
+            raise ConfigError(f"{self.dataset} was tokenized when it was prepared (its manifest names the tokenizer): "
+                              f"drop `tokenizer`")
         if self.tokenizer != "bytes" and self.dataset.startswith("synthetic-text"):
             raise ConfigError(f"{self.dataset} is random bytes, not text a tokenizer can learn from: keep `tokenizer` "
                               f"bytes")
@@ -127,7 +133,7 @@ class TrainConfig:
         self.strategy.check_batch(self.global_batch_size, world_size)
         for name in ("epochs", "log_every", "keep_snapshots", "eval_batch_size"):
             _at_least(name, getattr(self, name), 1)
-        for name in ("max_steps", "snapshot_every", "base_batch_size", "sample_every"):
+        for name in ("max_steps", "snapshot_every", "base_batch_size", "sample_every", "eval_every", "eval_batches"):
             if getattr(self, name) is not None:
                 _at_least(name, getattr(self, name), 1)
         _at_least("warmup_steps", self.warmup_steps, 0)
@@ -141,6 +147,9 @@ class TrainConfig:
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise ConfigError(f"`clip_grad_norm` must be positive, not {self.clip_grad_norm:g} (leave it out not to "
                               f"clip; 1.0 is usual for transformers)")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(f"`label_smoothing` must be in [0, 1), not {self.label_smoothing:g} (0.1 is usual; 0 "
+                              f"turns it off)")
         if self.lr_scaling != "none" and not self.base_batch_size:
             raise ConfigError(f"`lr_scaling` {self.lr_scaling} scales `lr` from the batch size it was tuned for: "
                               f"give that as `base_batch_size` (e.g. {self.global_batch_size})")

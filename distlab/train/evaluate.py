@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 import torch.distributed as dist
@@ -11,6 +13,15 @@ from distlab.parallel import Engine
 from distlab.runtime import group_size, reduce_scalars
 
 SHOWN = 36  # misclassified samples kept for a picture
+
+
+def first_batches(dataset, batches: int | None, batch_size: int):
+    """``--eval-batches``: the first ``batches x batch_size`` samples of ``dataset`` (all of it when that is
+    more, or ``batches`` is None) -- a fixed subset, the same at every evaluation, whose indices are the
+    whole set's."""
+    if dataset is None or batches is None or batches * batch_size >= len(dataset):
+        return dataset
+    return dataset.subset(torch.arange(batches * batch_size), dataset.split)
 
 
 @torch.no_grad()
@@ -70,8 +81,9 @@ def evaluate(engine: Engine, dataset, device: torch.device | str = "cpu", batch_
     loss_sum, correct, count = reduce_scalars(mine, device=device)
     samples = len(dataset)
     result = {"test_loss": loss_sum / max(count, 1), "test_accuracy": correct / max(count, 1), "test_samples": samples}
-    if count != samples:
+    if count != samples:  # a language model: per token, and its perplexity
         result["test_tokens"] = int(count)
+        result["test_perplexity"] = math.exp(min(result["test_loss"], 700.0))  # e^700: float64's range, not inf
     if details:
         if not mesh.reports:
             confusion.zero_()

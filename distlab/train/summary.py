@@ -151,6 +151,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "final_train_loss": run.last_loss,
         "test_accuracy": final["test_accuracy"],
         "test_loss": final["test_loss"],
+        "eval_step": final.get("step"),  # the step of that last evaluation (--eval-every: maybe before the end)
         **_text_facts(trainer, final),
         "experts": expert_load(engine),
         "best_val_loss": run.best_val_loss,

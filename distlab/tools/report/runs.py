@@ -59,6 +59,20 @@ def _runs_section(dataset: str, runs: list[dict], problems: list[tuple[str, str]
         ax.set(xlabel="step", ylabel="gradient norm before clipping", title=f"{dataset}: gradient norm")
         place_legend(ax, len(clipped))
         out.append(png(fig))
+    evaluated = [r for r in runs if len((r["summary"] or {}).get("evals") or []) >= 2]
+    if evaluated:  # --eval-every (or several epochs): the held-out loss over the run: test solid, validation dashed
+        fig, ax = plt.subplots(figsize=(9, 3.6))
+        for i, r in enumerate(evaluated):
+            evals = r["summary"]["evals"]
+            line, = ax.plot([e["step"] for e in evals], [e["test_loss"] for e in evals], label=f"{run_label(r)} test",
+                            **{**style(i, len(evals)), "linestyle": "-"})
+            val = [e for e in evals if e.get("val_loss") is not None]
+            if val:
+                ax.plot([e["step"] for e in val], [e["val_loss"] for e in val], linestyle="--", color=line.get_color(),
+                        label=f"{run_label(r)} validation")
+        ax.set(xlabel="step", ylabel=f"evaluation loss{unit_text}", title=f"{dataset}: evaluations")
+        place_legend(ax, len(evaluated))
+        out.append(png(fig))
     done = [r for r in runs if r["summary"]]
     if done:
         acc = [r for r in done if r["summary"].get("test_accuracy") is not None]

@@ -1,0 +1,71 @@
+"""Evaluation during training: every N steps (``--eval-every``), on a fixed capped subset
+(``--eval-batches``), perplexity for language models, each evaluation in its step's metrics.jsonl
+record and the last one's step in summary.json; label smoothing of the training loss."""
+
+import json
+import math
+
+import torch
+
+from distlab.data import load_dataset
+from distlab.train.evaluate import first_batches
+
+
+def _records(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_eval_every_n_steps_on_a_capped_subset_joins_the_metrics_and_the_summary_says_its_step(run_cli, tmp_path):
+    proc = run_cli("train", "--nproc-per-node", "2", "--dataset", "synthetic:1x8x8:4:256", "--mlp-widths", "8",
+                   "--max-steps", "10", "--global-batch-size", "16", "--eval-every", "4", "--eval-batches", "2",
+                   "--eval-batch-size", "8", "--log-every", "5", "--val-fraction", "0.25", "--out", "r",
+                   "--no-progress", check=True)
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert [e["step"] for e in summary["evals"]] == [4, 8, 10] and summary["eval_step"] == 10
+    assert all(e["test_samples"] == 16 and "val_loss" in e for e in summary["evals"])  # 2 batches of 8
+    records = _records(tmp_path / "r")
+    assert [r["step"] for r in records] == [4, 5, 8, 10]  # the log steps and the evaluations' steps
+    by_step = {r["step"]: r for r in records}
+    assert "test_loss" not in by_step[5] and all("loss" in r for r in records)
+    for e in summary["evals"]:
+        assert by_step[e["step"]]["test_loss"] == e["test_loss"]
+        assert by_step[e["step"]]["val_loss"] == e["val_loss"]
+    assert "eval step 4 (epoch 0)" in proc.stdout
+    from distlab.tools.report import write_report
+    inputs = write_report([str(tmp_path / "r")], tmp_path / "report.html", images=tmp_path / "img")
+    assert [p.name for p in inputs.images if "evaluations" in p.name], [p.name for p in inputs.images]
+
+
+def test_the_capped_subset_is_the_first_samples_and_the_whole_set_when_it_holds_fewer(tmp_path):
+    data = load_dataset("synthetic:1x8x8:4:64", "test")
+    first = first_batches(data, 2, 5)
+    assert len(first) == 10 and torch.equal(first.batch(torch.arange(10))[0], data.batch(torch.arange(10))[0])
+    assert first_batches(data, 1000, 5) is data and first_batches(data, None, 5) is data
+
+
+def test_a_language_models_evaluation_reports_its_perplexity_every_time(run_cli, tmp_path):
+    run_cli("train", "--model", "gpt", "--dataset", "synthetic-text:3000", "--n-layer", "1", "--n-head", "2",
+            "--n-embd", "16", "--block-size", "16", "--max-steps", "4", "--global-batch-size", "8",
+            "--eval-every", "2", "--eval-batches", "1", "--eval-batch-size", "8", "--out", "r", "--no-progress",
+            check=True)
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert [e["step"] for e in summary["evals"]] == [2, 4]
+    for e in summary["evals"]:
+        assert e["test_samples"] == 8 and e["test_tokens"] == 8 * 16  # of the 18 windows of the test text
+        assert e["test_perplexity"] == math.exp(e["test_loss"])
+    assert all("test_perplexity" in r for r in _records(tmp_path / "r") if "test_loss" in r)
+
+
+def test_eval_and_smoothing_settings_out_of_range_are_refused(refused_here):
+    for flags, name in ((("--eval-every", "0"), "eval_every"), (("--eval-batches", "0"), "eval_batches"),
+                        (("--label-smoothing", "1"), "label_smoothing"), (("--label-smoothing", "-0.1"), "label")):
+        proc = refused_here("train", "--dataset", "synthetic:1x8x8:4:64", "--max-steps", "1", *flags)
+        assert proc.returncode == 2 and name.replace("_", "-") in proc.stderr, (flags, proc.stderr)
+
+
+def test_verify_holds_label_smoothing_to_one_process_on_a_split_vocabulary(tmp_path):
+    from distlab.tools.verify import parse_strategy, verify
+    records = verify([parse_strategy("allreduce+smooth"), parse_strategy("allreduce+tp=2+gpt+smooth")], 2, steps=3,
+                     timeout=240)
+    assert all(r["passed"] for r in records), records
+    assert [r["flags"]["label_smoothing"] for r in records] == [0.1, 0.1]
