@@ -1,7 +1,8 @@
 """``distlab``: thin command line over the packages (parse, build config, call in, print).
 
-One module per command family: :mod:`.train` (train, export, verify, report, doctor), :mod:`.plan`,
-:mod:`.bench`, :mod:`.cluster` (cluster, demo); :mod:`.options` holds what they share.
+One module per command family: :mod:`.train` (train, export, verify, report, doctor), :mod:`.data`
+(prepare-text), :mod:`.plan`, :mod:`.bench`, :mod:`.cluster` (cluster, demo); :mod:`.options` holds
+what they share.
 
 Every command that runs on several processes takes the same launch flags: ``--nproc-per-node N``
 hands off to torchrun (with its flag names); ``--rank R --world-size W --master-addr A`` starts
@@ -19,7 +20,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 
 import click  # noqa: E402
 
-from distlab.cli import bench, cluster, plan, train  # noqa: E402
+from distlab.cli import bench, cluster, data, plan, train  # noqa: E402
 from distlab.errors import DistlabError  # noqa: E402
 
 
@@ -29,8 +30,8 @@ def cli():
     """distlab: distributed training from first principles, measured against PyTorch's own."""
 
 
-for command in (train.train, train.export, train.generate, train.verify, train.report, plan.plan, cluster.cluster, cluster.demo, bench.bench,
-                train.doctor):
+for command in (train.train, data.prepare_text, train.export, train.generate, train.verify, train.report, plan.plan,
+                cluster.cluster, cluster.demo, bench.bench, train.doctor):
     cli.add_command(command)
 
 

@@ -80,7 +80,10 @@ def train(config_file, trust_config, **kw):
                               "the CPU: use --sync-bn distlab, which works on any device")
         from distlab.parallel.precision import check_device
         check_device(cfg.strategy.precision, runtime.resolve_device(device, 0))
-        if not cfg.dataset.startswith(("synthetic", "tensors:", "imagefolder:", "text:")):
+        if cfg.dataset.startswith("tokens:"):
+            from distlab.data.tokens import manifest_of
+            manifest_of(cfg.dataset)  # a prepared corpus, whole: its files as long as its manifest says
+        elif not cfg.dataset.startswith(("synthetic", "tensors:", "imagefolder:", "text:")):
             locate(cfg.dataset, cfg.data_dir)
         if cfg.resume not in (None, "auto"):
             from distlab.train.snapshot import check_path
@@ -180,7 +183,8 @@ def generate(source, prompt, max_new_tokens, temperature, top_k, seed, n_head, t
               help="A strategy in its text form, repeatable: METHOD[:COLLECTIVE] then +accum=K, +bucket=MB, +syncbn, "
                    "+tp=N, +naive, +sp, +cp=N, +ulysses, +ep=N, +zero=S, +pp=P, +mb=M, +gpipe/+1f1b/+zb, +vpp=V, "
                    "+ckpt, +bf16, +reduce=DTYPE, +compress=C, and any registered component's +NAME; +adam (the "
-                   "optimizer), +clip (gradients clipped by their global norm, every step), +gpt (the transformer) "
+                   "optimizer), +clip (gradients clipped by their global norm, every step), +smooth (the loss's "
+                   "labels smoothed by 0.1), +gpt (the transformer) "
                    "or +gpt-moe (with mixture-of-experts MLPs: for +ep) (e.g. bucketed:ring+accum=4, "
                    "zero=3, allreduce+tp=2+naive, bucketed+tp=2+pp=2+gpt, bucketed+cp=2+gpt, bucketed+ep=2+gpt-moe). Default: every --dp-sync x --collective, "
                    "accum=4 for each method, syncbn, and on an even world tp=2 both styles and two-stage pipelines.")

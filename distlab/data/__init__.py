@@ -3,7 +3,9 @@
 -- and your own: inputs and labels, ``tensors:FILE`` (a ``.pt`` or ``.npz``: :mod:`distlab.data.tensors`);
 images in class subfolders, ``imagefolder:DIR`` (:mod:`distlab.data.imagefolder`); text, ``text:PATH``
 (a file or a directory of files: :mod:`distlab.data.textfiles`). Text is tokenized as bytes or with
-a BPE learned from its training split (``tokenizer``: :mod:`distlab.data.tokenizer`).
+a BPE learned from its training split (``tokenizer``: :mod:`distlab.data.tokenizer`); a corpus
+larger than memory is tokenized once by ``distlab prepare-text`` and memory-mapped as ``tokens:DIR``
+(:mod:`distlab.data.tokens`).
 
 Real data is read from its standard on-disk format and never downloaded. Each name is looked for
 in ``--data-dir`` if given, else ``$DISTLAB_DATA`` if set, else where its Debian package installs it
@@ -32,7 +34,7 @@ from distlab.data.imagefolder import PREFIX as FOLDER, imagefolder_shape, load_i
 from distlab.data.synthetic import make_synthetic, parse_spec
 from distlab.data.tensors import PREFIX as TENSORS, load_tensors, path_of, tensors_shape
 from distlab.data import tokenizer as tokenizers
-from distlab.data import textfiles
+from distlab.data import textfiles, tokens
 from distlab.data.text import FORTUNES_SYSTEM_DIR, TextDataset, fortunes_present, make_synthetic_text, parse_synthetic, \
     read_fortunes
 from distlab.errors import ConfigError, DataNotFoundError, did_you_mean
@@ -98,13 +100,15 @@ ALIASES = {"fashion_mnist": "fashion-mnist", "fmnist": "fashion-mnist", "cifar-1
 
 
 def dataset_names() -> list[str]:
-    return [*REGISTRY, "synthetic:CxHxW:K[:N]", "synthetic-text[:N]", "tensors:FILE", "imagefolder:DIR", "text:PATH"]
+    return [*REGISTRY, "synthetic:CxHxW:K[:N]", "synthetic-text[:N]", "tensors:FILE", "imagefolder:DIR", "text:PATH",
+            "tokens:DIR"]
 
 
 def is_text(name: str) -> bool:
     """Whether dataset ``name`` is a token stream (next-token prediction) rather than labelled images."""
     name = canonical_name(name)
-    return name.startswith(("synthetic-text", textfiles.PREFIX)) or (name in REGISTRY and REGISTRY[name].text)
+    return name.startswith(("synthetic-text", textfiles.PREFIX, tokens.PREFIX)) or \
+        (name in REGISTRY and REGISTRY[name].text)
 
 
 def canonical_name(name: str) -> str:
@@ -116,6 +120,9 @@ def canonical_name(name: str) -> str:
         return name
     if name.startswith(textfiles.PREFIX):
         textfiles.path_of(name)
+        return name
+    if name.startswith(tokens.PREFIX):
+        tokens.path_of(name)
         return name
     if name.startswith("synthetic-text"):
         parse_synthetic(name)
@@ -191,6 +198,8 @@ def load_dataset(name: str, split: str, data_dir: str | os.PathLike | None = Non
         return load_tensors(name, split)
     if name.startswith(FOLDER):
         return load_imagefolder(name, split)
+    if name.startswith(tokens.PREFIX):
+        return tokens.load_tokens(name, split, block_size)
     if name.startswith("synthetic-text"):
         if tokenizer != tokenizers.BYTES:
             raise ConfigError(f"{name} is random bytes, not text a tokenizer can learn from: keep `tokenizer` bytes")
@@ -198,8 +207,8 @@ def load_dataset(name: str, split: str, data_dir: str | os.PathLike | None = Non
     if name.startswith("synthetic"):
         return make_synthetic(name, split, seed)
     if is_text(name):
-        tokens, tok, nbytes, where = _tokenized(name, str(data_dir) if data_dir else None, split, tokenizer)
-        return TextDataset.from_tokens(name, split, tokens, block_size, where, tokenizer=tok, text_bytes=nbytes)
+        stream, tok, nbytes, where = _tokenized(name, str(data_dir) if data_dir else None, split, tokenizer)
+        return TextDataset.from_tokens(name, split, stream, block_size, where, tokenizer=tok, text_bytes=nbytes)
     info = REGISTRY[name]
     where = locate(name, data_dir)
     images, labels, k = info.read(where, split)
@@ -224,8 +233,7 @@ def _tokenized(name: str, data_dir: str | None, split: str, spec: str):
     train, test, where = _text(name, data_dir)
     tok = tokenizers.build(spec, train)
     text = train if split == "train" else test
-    tokens = torch.from_numpy(tok.encode(text))
-    return tokens, tok, len(text), where
+    return torch.from_numpy(tok.encode(text)), tok, len(text), where
 
 
 CLASS_NAMES = {
@@ -247,6 +255,8 @@ def dataset_shape(name: str, block_size: int = 64, tokenizer: str = "bytes") -> 
         return tensors_shape(name)
     if name.startswith(FOLDER):
         return imagefolder_shape(name)
+    if name.startswith(tokens.PREFIX):
+        return tokens.shape(name, block_size)
     if is_text(name):
         return (block_size,), tokenizers.vocab_size(tokenizer)
     if name.startswith("synthetic"):

@@ -62,6 +62,7 @@ class TextDataset:
     augment: bool = False
     tokenizer: object = None
     tokens_per_byte: float = 1.0
+    entropy: float | None = None  # the unigram entropy when known without counting (a prepared corpus's manifest)
 
     @classmethod
     def from_tokens(cls, name: str, split: str, tokens: torch.Tensor, block_size: int, source: str,
@@ -103,6 +104,8 @@ class TextDataset:
     @property
     def unigram_entropy(self) -> float:
         """Entropy of the token distribution of this split's stream, in nats per token."""
+        if self.entropy is not None:
+            return self.entropy
         counts = torch.bincount(self.tokens.long().cpu(), minlength=self.num_classes).double()
         p = counts[counts > 0] / counts.sum()
         return float(-(p * p.log()).sum())

@@ -114,6 +114,13 @@ def _library():
 @functools.lru_cache(maxsize=4)
 def train_bpe(text: bytes, vocab_size: int) -> BPETokenizer:
     """A byte-level BPE of ``vocab_size`` tokens learned from ``text`` (deterministic)."""
+    lines = text.decode("utf-8", errors="replace").splitlines(keepends=True)
+    return train_bpe_lines(lines, vocab_size, len(lines))
+
+
+def train_bpe_lines(lines, vocab_size: int, length: int | None = None) -> BPETokenizer:
+    """:func:`train_bpe` from an iterable of text lines (``keepends``), read once: a corpus streamed from
+    disk is never held whole (the trainer keeps its word counts)."""
     lib = _library()
     from tokenizers import decoders, models, pre_tokenizers, trainers
     tok = lib.Tokenizer(models.BPE())
@@ -121,8 +128,7 @@ def train_bpe(text: bytes, vocab_size: int) -> BPETokenizer:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
-    lines = text.decode("utf-8", errors="replace").splitlines(keepends=True)
-    tok.train_from_iterator(lines, trainer, length=len(lines))
+    tok.train_from_iterator(lines, trainer, length=length)
     return BPETokenizer(tok, vocab_size)
 
 
@@ -141,4 +147,4 @@ def load(path: str) -> ByteTokenizer | BPETokenizer:
     return BPETokenizer.from_json(text, where=f"--tokenizer {path}")
 
 
-__all__ = ["BYTES", "BPETokenizer", "ByteTokenizer", "build", "load", "parse", "train_bpe", "vocab_size"]
+__all__ = ["BYTES", "BPETokenizer", "ByteTokenizer", "build", "load", "parse", "train_bpe", "train_bpe_lines", "vocab_size"]

@@ -9,6 +9,7 @@ restarts lives in :class:`~distlab.train.run_state.RunState`; ``summary.json`` i
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ from distlab.models import build_model, count_parameters, snapshot_record
 from distlab.parallel import build_mesh, parallelize
 from distlab.runtime import Runtime, is_comm_failure, roll_call, seed_everything, tune_host_allocator
 from distlab.train.config import TrainConfig
-from distlab.train.evaluate import evaluate
+from distlab.train.evaluate import evaluate, first_batches
 from distlab.train.export import load_init
 from distlab.train.metrics import MetricsLog, atomic_write_text, write_predictions, write_summary
 from distlab.train.optim import build_optimizer, build_scheduler
@@ -61,6 +62,9 @@ class Trainer:
         if self.data_resident:
             self.train_set, self.test_set = self.train_set.to(rt.device), self.test_set.to(rt.device)
             self.val_set = self.val_set.to(rt.device) if self.val_set is not None else None
+        # What each evaluation scores: every sample, or with --eval-batches the same first ones every time.
+        self.eval_test, self.eval_val = (first_batches(d, cfg.eval_batches, cfg.eval_batch_size)
+                                         for d in (self.test_set, self.val_set))
         # The mesh: data is split over the data-parallel ranks only (a TP group and a pipeline see the same batch).
         self.mesh = build_mesh(cfg.strategy.tp, pp=cfg.strategy.pp, cp=cfg.strategy.cp, ep=cfg.strategy.ep)
         self.local_batch = cfg.global_batch_size // self.mesh.dp
@@ -78,12 +82,15 @@ class Trainer:
         self.num_parameters = count_parameters(net)
         self.model_record = snapshot_record(net)  # the model's own sizes, before the layout cuts it
         self.engine = parallelize(net, cfg.strategy, self.mesh)
+        # What training minimises: the task's cross-entropy, its targets smoothed if asked (not evaluations').
+        self.loss_fn = functools.partial(self.engine.loss, label_smoothing=cfg.label_smoothing) \
+            if cfg.label_smoothing else self.engine.loss
         self.optimizer = self.engine.attach(build_optimizer(self.engine.parameters(), cfg))
         self.steps_per_epoch = len(self.loader)
         total = cfg.epochs * self.steps_per_epoch
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
-        eval_samples = len(self.test_set) + (len(self.val_set) if self.val_set is not None else 0)
+        eval_samples = len(self.eval_test) + (len(self.eval_val) if self.eval_val is not None else 0)
         self.tokenizer = getattr(self.train_set, "tokenizer", None)  # text: what made the tokens (bytes or BPE)
         tokenizer_json = self.tokenizer.to_json() if self.tokenizer is not None else None
         self.run = RunState(cfg, rt, self.engine, self.optimizer, self.scheduler, self._layout(), eval_samples,
@@ -220,7 +227,7 @@ class Trainer:
             lr = self.optimizer.param_groups[0]["lr"]
             with comm.counting() as sent:
                 self.optimizer.zero_grad(set_to_none=True)
-                loss = engine.forward_backward(x, y, engine.loss)
+                loss = engine.forward_backward(x, y, self.loss_fn)
                 if cfg.clip_grad_norm:
                     self._grad_norm = engine.clip_grad_norm_(cfg.clip_grad_norm)
                 try:
@@ -240,12 +247,13 @@ class Trainer:
             self.bar.update(1)
             for hook in self.hooks:
                 hook(run.step)
-            sample = bool(cfg.sample_every) and (run.step % cfg.sample_every == 0 or run.step == self.total_steps)
-            if run.step % cfg.log_every == 0 or run.step == self.total_steps or sample:
-                self._log(epoch, lr, sample)
-            if run.step % self.steps_per_epoch == 0 or run.step >= self.total_steps:
-                if cfg.eval_every_epoch or run.step >= self.total_steps:
-                    self._evaluate(epoch)
+            last = run.step >= self.total_steps
+            sample = bool(cfg.sample_every) and (run.step % cfg.sample_every == 0 or last)
+            evaluation = self._evaluate(epoch) if last or (
+                run.step % cfg.eval_every == 0 if cfg.eval_every else
+                cfg.eval_every_epoch and run.step % self.steps_per_epoch == 0) else None
+            if run.step % cfg.log_every == 0 or last or sample or evaluation:
+                self._log(epoch, lr, sample, evaluation)  # an evaluation joins its step's record
             run.maybe_snapshot(self.total_steps)
             reason = preemption.poll()
             if reason:
@@ -259,7 +267,7 @@ class Trainer:
             return lambda s: None
         return self.bar.write if show_bar else (lambda s: print(s, flush=True))
 
-    def _log(self, epoch: int, lr: float, sample: bool = False) -> None:
+    def _log(self, epoch: int, lr: float, sample: bool = False, evaluation: dict | None = None) -> None:
         loss = self.run.close_window()  # collective
         # Throughput of the window's steps alone (timed in this attempt): evaluations, snapshots and a
         # restart in between are not training time.
@@ -270,6 +278,8 @@ class Trainer:
             record["grad_norm"] = float(self._grad_norm)
         if sample:
             record["sample"] = self._sample()
+        if evaluation:
+            record.update((k, v) for k, v in evaluation.items() if k.startswith(("test_", "val_")))
         self.run.history.append(record)
         self.log.write(record)
         self.tb.scalars("train", record, record["step"])
@@ -299,18 +309,19 @@ class Trainer:
     def _evaluate(self, epoch: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
         with self.engine.gathered():  # ZeRO-3: one gather for the whole evaluation
-            result = evaluate(self.engine, self.test_set, self.rt.device, cfg.eval_batch_size, details=True)
+            result = evaluate(self.engine, self.eval_test, self.rt.device, cfg.eval_batch_size, details=True)
             if "confusion" in result:  # a classifier: the newest evaluation's counts and mistakes, for the report
                 self._predictions = (self.run.step, result.pop("confusion"), result.pop("misclassified"))
-            if self.val_set is not None:
-                val = evaluate(self.engine, self.val_set, self.rt.device, cfg.eval_batch_size)
-                result.update(val_loss=val["test_loss"], val_accuracy=val["test_accuracy"])
+            if self.eval_val is not None:
+                val = evaluate(self.engine, self.eval_val, self.rt.device, cfg.eval_batch_size)
+                result.update({f"val_{k[len('test_'):]}": v for k, v in val.items() if k != "test_samples"})
         record = {"epoch": epoch, "step": self.run.step, "time_s": self.run.time_used(), **result}
         self.run.record_eval(record, time.perf_counter() - t0)
         self.tb.scalars("eval", result, self.run.step)
         val = f" | val loss {result['val_loss']:.4f}" if "val_loss" in result else ""
-        self.say(f"eval epoch {epoch} | test loss {result['test_loss']:.4f} | test accuracy "
-                 f"{100 * result['test_accuracy']:.2f}% ({result['test_samples']} samples){val}")
+        ppl = f" | perplexity {result['test_perplexity']:.2f}" if "test_perplexity" in result else ""
+        self.say(f"eval step {self.run.step} (epoch {epoch}) | test loss {result['test_loss']:.4f}{ppl} | test "
+                 f"accuracy {100 * result['test_accuracy']:.2f}% ({result['test_samples']} samples){val}")
         return record
 
     def _layout(self) -> dict:
@@ -320,12 +331,13 @@ class Trainer:
                 **({"model_args": list(cfg.model_args)} if cfg.model_args else {}),
                 **self.model_record,
                 "num_parameters": self.num_parameters, "dataset": cfg.dataset,
-                **({"tokenizer": cfg.tokenizer, "tokenizer_sha256": self.tokenizer.sha256}
-                   if cfg.tokenizer != "bytes" else {}), "strategy": cfg.strategy.to_dict(),
+                **({"tokenizer": self.tokenizer.spec, "tokenizer_sha256": self.tokenizer.sha256}
+                   if self.tokenizer is not None and self.tokenizer.sha256 else {}), "strategy": cfg.strategy.to_dict(),
                 "global_batch_size": cfg.global_batch_size, "optimizer": cfg.optimizer, "seed": cfg.seed,
                 "val_fraction": cfg.val_fraction, "lr": cfg.lr, "lr_schedule": cfg.lr_schedule,
                 "lr_scaling": cfg.lr_scaling, "base_batch_size": cfg.base_batch_size, "warmup_steps": cfg.warmup_steps,
                 "momentum": cfg.momentum, "weight_decay": cfg.weight_decay,
                 **({"clip_grad_norm": cfg.clip_grad_norm} if cfg.clip_grad_norm else {}),
+                **({"label_smoothing": cfg.label_smoothing} if cfg.label_smoothing else {}),
                 # a schedule that decays over the run depends on its length: changing it would bend the curve
                 **({"total_steps": self.total_steps} if cfg.lr_schedule != "constant" else {})}

@@ -1,0 +1,347 @@
+"""``tokens:DIR``: a corpus tokenized once into flat token files and memory-mapped, never loaded whole.
+
+``distlab prepare-text SRC DIR [--tokenizer bytes|bpe:N]`` (:func:`prepare`) streams ``SRC`` -- a
+text file or a directory of them, documents as ``text:PATH`` reads them (:mod:`distlab.data.textfiles`:
+a file cut at blank lines, or one document per file; ``SRC/train`` and ``SRC/test`` as given) -- line
+by line into
+
+* ``DIR/train.bin``, ``DIR/test.bin``: every token of the split, one after another, little-endian
+  ``uint16`` when the vocabulary fits in 16 bits, else ``uint32`` (nanoGPT's ``train.bin``; the
+  documents of a split joined by a blank line, the same stream ``text:PATH`` would tokenize);
+* ``DIR/manifest.json``: the tokenizer, the vocabulary, the element type, and per split its tokens,
+  documents, text bytes and the file's SHA-256; the training split's unigram entropy (the baseline
+  loss a run reports, computed once here rather than from the whole file at every start);
+* ``DIR/tokenizer.json`` for ``bpe:N`` (learned from the training documents alone, streamed to the
+  trainer of Hugging Face's ``tokenizers``).
+
+Documents are held out whole: document ``i`` (from 0, in reading order) goes to ``test`` when
+``i % 10 == 9`` -- decided as it starts, so no document is ever held in memory. The manifest is
+written last: a directory without one is not a prepared corpus.
+
+``--dataset tokens:DIR`` memory-maps the files (:func:`load_tokens`): a window is read from disk when a
+batch needs it, so a run's memory does not grow with the corpus, and windows are drawn by the same
+seeded sampler as every other data set (the same batches on every layout; a resume skips to its batch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from distlab.data import tokenizer as tokenizers
+from distlab.errors import ConfigError, WriteError
+
+PREFIX = "tokens:"
+FORMAT = "distlab-tokens/1"
+TEST_EVERY = 10  # document i is held out for testing when i % 10 == 9
+SPLITS = ("train", "test")
+
+
+# --------------------------------------------------------------------------- reading the source
+
+
+def _sources(root: Path) -> list[tuple[str | None, Path, bool]]:
+    """(split or None, file, whether the file is one document) in reading order."""
+    def files(d: Path) -> list[Path]:
+        return sorted(p for p in d.rglob("*") if p.is_file()
+                      and not any(part.startswith(".") for part in p.relative_to(d).parts))
+    if root.is_file():
+        return [(None, root, False)]
+    if (root / "train").is_dir() and (root / "test").is_dir():
+        return [(s, p, True) for s in SPLITS for p in files(root / s)]
+    return [(None, p, True) for p in files(root)]
+
+
+class _Lines:
+    """A file's lines (``\r\n`` made ``\n``, each ``\n``-terminated), read one at a time, the next one
+    visible (``head``) before it is taken."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.file = open(path, "rb")
+        except OSError as exc:
+            raise ConfigError(f"prepare-text: cannot read {path} ({exc.strerror or exc})") from None
+        self.head = self._next()
+
+    def _next(self) -> bytes | None:
+        line = self.file.readline()
+        if not line:
+            self.file.close()
+            return None
+        if b"\0" in line:
+            raise ConfigError(f"prepare-text: {self.path} is not text (it holds NUL bytes): give text files only")
+        line = line.replace(b"\r\n", b"\n")
+        return line if line.endswith(b"\n") else line + b"\n"
+
+    def pop(self) -> bytes:
+        line, self.head = self.head, self._next()
+        return line
+
+
+def _blank(line: bytes) -> bool:
+    return not line.strip(b" \t\r\n")
+
+
+def _paragraphs(lines: _Lines) -> Iterator[Iterator[bytes]]:
+    """A file's documents at blank lines: each a run of lines with text, read as it is consumed."""
+    while True:
+        while lines.head is not None and _blank(lines.head):
+            lines.pop()
+        if lines.head is None:
+            return
+
+        def paragraph() -> Iterator[bytes]:
+            while lines.head is not None and not _blank(lines.head):
+                yield lines.pop()
+        doc = paragraph()
+        yield doc
+        for _ in doc:  # whatever the reader left of it
+            pass
+
+
+def _whole(lines: _Lines) -> Iterator[Iterator[bytes]]:
+    """A file as one document without its leading and trailing empty lines (none if it holds no text)."""
+    before = []
+    while lines.head is not None and _blank(lines.head):  # held until it is known there is text
+        before.append(lines.pop())
+    if lines.head is None:
+        return
+
+    def doc() -> Iterator[bytes]:
+        yield from before[next(i for i, line in enumerate(before + [b"x"]) if line != b"\n"):]
+        pending = []
+        while lines.head is not None:
+            line = lines.pop()
+            if line == b"\n":
+                pending.append(line)
+                continue
+            yield from pending
+            pending.clear()
+            yield line
+    yield doc()
+
+
+def documents(src: str | os.PathLike) -> Iterator[tuple[str, Iterator[bytes]]]:
+    """(split, lines) of every document of ``src`` in reading order: held out as :data:`TEST_EVERY` says,
+    or in the split its directory names."""
+    root = Path(src)
+    if not root.exists():
+        raise ConfigError(f"prepare-text: there is no file or directory {root}")
+    i = 0
+    for split, path, whole in _sources(root):
+        for doc in (_whole if whole else _paragraphs)(_Lines(path)):
+            if split is None:
+                split_of = "test" if i % TEST_EVERY == TEST_EVERY - 1 else "train"
+                i += 1
+            else:
+                split_of = split
+            yield split_of, doc
+
+
+# --------------------------------------------------------------------------- writing the token files
+
+
+class SplitWriter:
+    """One split's token file, written in pieces, hashed and counted as it goes."""
+
+    def __init__(self, path: Path, dtype: np.dtype, vocab: int):
+        self.path, self.tmp, self.dtype = path, path.with_name(f".{path.name}.tmp"), dtype
+        self.file = open(self.tmp, "wb")
+        self.sha, self.tokens, self.bytes, self.documents = hashlib.sha256(), 0, 0, 0
+        self.counts = np.zeros(vocab, dtype=np.int64)
+
+    def write(self, ids: np.ndarray, text_bytes: int) -> None:
+        data = ids.astype(self.dtype).tobytes()
+        try:
+            self.file.write(data)
+        except OSError as exc:
+            raise WriteError(self.tmp, exc) from None
+        self.sha.update(data)
+        self.tokens, self.bytes = self.tokens + len(ids), self.bytes + text_bytes
+        self.counts += np.bincount(ids, minlength=len(self.counts))[:len(self.counts)]
+
+    def close(self) -> dict:
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+            os.replace(self.tmp, self.path)
+        except OSError as exc:
+            raise WriteError(self.path, exc) from None
+        return {"file": self.path.name, "tokens": self.tokens, "documents": self.documents, "bytes": self.bytes,
+                "sha256": self.sha.hexdigest()}
+
+
+def unigram_entropy(counts: np.ndarray) -> float:
+    p = counts[counts > 0] / max(int(counts.sum()), 1)
+    return float(-(p * np.log(p)).sum())
+
+
+def dtype_for(vocab: int) -> np.dtype:
+    """uint16 when every token id fits, else uint32."""
+    return np.dtype("<u2") if vocab <= 1 << 16 else np.dtype("<u4")
+
+
+def prepare(src: str | os.PathLike, out: str | os.PathLike, tokenizer: str = tokenizers.BYTES,
+            progress: bool = True) -> dict:
+    """Tokenize ``src`` into ``out`` (see the module's description); returns the manifest."""
+    from tqdm import tqdm
+
+    vocab_n = tokenizers.parse(tokenizer)
+    root, out = Path(src), Path(out)
+    if not root.exists():
+        raise ConfigError(f"prepare-text: there is no file or directory {root}")
+    if (out / "manifest.json").exists():
+        raise ConfigError(f"prepare-text: {out} already holds a prepared corpus (its manifest.json): give another "
+                          f"directory, or remove that one first")
+    total = sum(p.stat().st_size for _, p, _ in _sources(root))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise WriteError(out, exc, "give another directory") from None
+    tok = tokenizers.ByteTokenizer()
+    if vocab_n is not None:  # a first pass learns the BPE from the training documents alone
+        with tqdm(total=total, unit="B", unit_scale=True, desc="learning BPE", disable=not progress) as bar:
+            def training_lines():  # the training split's lines, as the token file will hold them
+                first = True
+                for split, doc in documents(root):
+                    if split == "train" and not first:
+                        yield "\n"  # the blank line between documents
+                    first = first and split != "train"
+                    for line in doc:
+                        bar.update(len(line))
+                        if split == "train":
+                            yield line.decode("utf-8", errors="replace")
+            tok = tokenizers.train_bpe_lines(training_lines(), vocab_n)
+    vocab = tok.vocab_size
+    dtype = dtype_for(vocab)
+    writers = {s: SplitWriter(out / f"{s}.bin", dtype, vocab) for s in SPLITS}
+    separator = tok.encode(b"\n")
+    with tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress) as bar:
+        for split, doc in documents(root):
+            w = writers[split]
+            if w.documents:
+                w.write(separator, 1)  # the blank line between documents
+            w.documents += 1
+            batch, size = [], 0
+            for line in doc:
+                batch.append(line)
+                size += len(line)
+                if size >= 1 << 20:  # a MiB of text at a time: a document is never held whole
+                    w.write(tok.encode(b"".join(batch)), size)
+                    bar.update(size)
+                    batch, size = [], 0
+            if batch:
+                w.write(tok.encode(b"".join(batch)), size)
+                bar.update(size)
+    splits = {s: w.close() for s, w in writers.items()}
+    empty = [s for s in SPLITS if not splits[s]["documents"]]
+    if empty:
+        for s in SPLITS:
+            (out / f"{s}.bin").unlink(missing_ok=True)
+        raise ConfigError(f"prepare-text: {root} gives no document to the {empty[0]} split (every {TEST_EVERY}th "
+                          f"document is held out for testing: separate documents by a blank line or give more "
+                          f"files, or give SRC/train and SRC/test)")
+    if vocab_n is not None:
+        _atomic_text(out / "tokenizer.json", tok.to_json())
+    manifest = {"format": FORMAT, "source": str(root.resolve()), "tokenizer": tok.spec, "vocab_size": vocab,
+                "dtype": dtype.name, "test_every": TEST_EVERY, "splits": splits,
+                "unigram_entropy": unigram_entropy(writers["train"].counts),
+                **({"tokenizer_sha256": tok.sha256} if tok.sha256 else {})}
+    _atomic_text(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    from distlab.train.metrics import atomic_write_text
+    atomic_write_text(path, text)
+
+
+# --------------------------------------------------------------------------- reading a prepared corpus
+
+
+def path_of(spec: str) -> Path:
+    path = Path(spec[len(PREFIX):])
+    if not spec[len(PREFIX):] or not path.is_dir():
+        raise ConfigError(f"--dataset {spec}: there is no directory {path} (make one with distlab prepare-text SRC "
+                          f"{path or 'DIR'})")
+    return path
+
+
+def manifest_of(spec: str) -> dict:
+    """The checked manifest of ``tokens:DIR``: its format, element type and every split's file, whose size
+    must be its tokens (a truncated or foreign file is refused before any work)."""
+    root = path_of(spec)
+    where = root / "manifest.json"
+    try:
+        manifest = json.loads(where.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--dataset {spec}: {root} has no manifest.json, so it is not a prepared corpus (or its "
+                          f"preparation did not finish): run distlab prepare-text SRC {root}") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ConfigError(f"--dataset {spec}: cannot read {where} ({exc})") from None
+    ok = isinstance(manifest, dict) and manifest.get("format") == FORMAT \
+        and manifest.get("dtype") in ("uint16", "uint32") and isinstance(manifest.get("vocab_size"), int) and isinstance(manifest.get("splits"), dict) \
+        and all(isinstance(manifest["splits"].get(s), dict) for s in SPLITS)
+    if not ok:
+        raise ConfigError(f"--dataset {spec}: {where} is not a manifest of distlab prepare-text ({FORMAT})")
+    item = np.dtype(manifest["dtype"]).itemsize
+    for s in SPLITS:
+        entry = manifest["splits"][s]
+        path = root / Path(str(entry.get("file", ""))).name
+        size = path.stat().st_size if path.is_file() else None
+        if size != int(entry.get("tokens", -1)) * item:
+            raise ConfigError(f"--dataset {spec}: {path} " + ("is missing" if size is None else
+                              f"holds {size:,} bytes, not the {entry.get('tokens')} tokens x {item} bytes its "
+                              f"manifest says") + ": prepare the corpus again")
+    return manifest
+
+
+def tokenizer_of(spec: str, manifest: dict):
+    if manifest["tokenizer"] == tokenizers.BYTES:
+        return tokenizers.ByteTokenizer()
+    where = path_of(spec) / "tokenizer.json"
+    try:
+        text = where.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--dataset {spec}: cannot read {where} ({exc})") from None
+    return tokenizers.BPETokenizer.from_json(text, manifest["vocab_size"], where=str(where))
+
+
+def load_tokens(spec: str, split: str, block_size: int):
+    """``split`` of ``tokens:DIR`` as windows of ``block_size + 1`` tokens over the memory-mapped file."""
+    from distlab.data.text import TextDataset
+    manifest = manifest_of(spec)
+    entry = manifest["splits"][split]
+    path = path_of(spec) / Path(entry["file"]).name
+    mapped = np.memmap(path, dtype=np.dtype(manifest["dtype"]).newbyteorder("<"), mode="r")
+    with warnings.catch_warnings():  # read only: torch warns that it cannot protect the mapping from writes
+        warnings.simplefilter("ignore", UserWarning)
+        tokens = torch.from_numpy(mapped)
+    tok = tokenizer_of(spec, manifest)
+    data = TextDataset.from_tokens(spec, split, tokens, block_size, str(path), tokenizer=tok,
+                                   text_bytes=entry["bytes"] or None)
+    data.entropy = manifest.get("unigram_entropy") if split == "train" else None
+    return data
+
+
+def shape(spec: str, block_size: int) -> tuple[tuple[int, ...], int]:
+    return (block_size,), manifest_of(spec)["vocab_size"]
+
+
+def describe(manifest: dict) -> str:
+    """One line for ``prepare-text``'s output."""
+    s = manifest["splits"]
+    return (f"{s['train']['tokens']:,} training and {s['test']['tokens']:,} test tokens ({manifest['tokenizer']}, "
+            f"{manifest['dtype']}) from {s['train']['documents']:,} + {s['test']['documents']:,} documents; "
+            f"unigram entropy {manifest['unigram_entropy']:.3f} nats/token "
+            f"({math.exp(manifest['unigram_entropy']):.1f} perplexity)")
