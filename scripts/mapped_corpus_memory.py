@@ -54,7 +54,7 @@ def make_corpus(out: Path, train_tokens: int, test_tokens: int, seed: int = 0) -
 
 
 def run(corpus: Path, out: Path, args) -> dict:
-    cmd = ["distlab", "train", "--nproc-per-node", str(args.nproc), "--model", "gpt", "--dataset", f"tokens:{corpus}",
+    cmd = [sys.executable, "-m", "distlab", "train", "--nproc-per-node", str(args.nproc), "--model", "gpt", "--dataset", f"tokens:{corpus}",
            "--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--block-size", str(args.block_size),
            "--global-batch-size", "16", "--max-steps", str(args.steps), "--eval-batches", "2",
            "--eval-batch-size", "16", "--log-every", "5", "--no-progress", "--out", str(out)]

@@ -78,3 +78,44 @@ def test_eval_loader_shards_without_padding():
     ds = _toy(10)
     seen = [x.flatten().tolist() for r in range(4) for x, _ in EvalLoader(ds, rank=r, world_size=4, batch_size=2)]
     assert sorted(itertools.chain(*seen)) == list(map(float, range(10)))
+
+
+class _Windows:
+    """A data set of ``n`` samples whose batch is its indices (what a corpus of millions of windows asks
+    of a loader: ``len`` and ``batch``)."""
+
+    augment = False
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def batch(self, idx, **_):
+        return idx, idx
+
+
+@pytest.mark.parametrize("n,world,local,shuffle", [(103, 3, 4, True), (96, 4, 3, True), (50, 2, 7, False), (9, 1, 2, True)])
+def test_a_loaders_batches_are_torchs_distributed_samplers_for_every_epoch_and_start(n, world, local, shuffle):
+    for rank in range(world):
+        loader = TrainLoader(_Windows(n), rank=rank, world_size=world, local_batch=local, shuffle=shuffle, seed=11)
+        for epoch in (0, 3):
+            loader.set_epoch(epoch)
+            expected = rank_batches(n, num_replicas=world, rank=rank, batch_size=local, shuffle=shuffle, seed=11,
+                                    epoch=epoch, drop_last=True, batch_drop_last=True)
+            assert len(loader) == len(expected)
+            assert [x.tolist() for x, _ in loader] == expected
+            assert [x.tolist() for x, _ in loader.iter_from(2)] == expected[2:]
+
+
+def test_a_loader_over_millions_of_samples_holds_no_list_of_every_index():
+    import tracemalloc
+    loader = TrainLoader(_Windows(2_000_000), rank=1, world_size=2, local_batch=8, seed=0)
+    tracemalloc.start()
+    try:
+        next(loader.iter_from(5))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak / 2**20:.1f} MB of Python objects to draw one batch"  # a list: ~70 MB

@@ -1,6 +1,8 @@
 """How a sequential global minibatch is split across ranks.
 
-distlab uses torch's :class:`~torch.utils.data.distributed.DistributedSampler` unchanged. With the
+distlab uses the order of torch's :class:`~torch.utils.data.distributed.DistributedSampler`
+(the training loader draws the very same indices as one tensor, not a list of every index:
+:class:`distlab.data.loader.TrainLoader`). With the
 same ``seed`` and ``epoch`` every rank draws the same permutation ``perm`` of the ``N`` indices
 (``drop_last=True`` first cuts it to ``W * floor(N / W)``; ``drop_last=False`` pads it by repeating
 its head up to ``W * ceil(N / W)``). Rank ``r`` then takes the strided slice ``perm[r::W]`` and a

@@ -46,7 +46,8 @@ SEPARATOR = b"\n%\n"
 
 @dataclass
 class TextDataset:
-    """A token stream seen as windows of ``block_size + 1`` tokens starting at ``starts``.
+    """A token stream seen as windows of ``block_size + 1`` tokens starting at ``starts`` (None: the
+    ``windows`` of a whole split, window ``i`` at ``i x block_size``, held as no tensor).
 
     ``tokenizer`` made the stream (:mod:`distlab.data.tokenizer`: bytes by default, a vocabulary of
     ``num_classes``); ``tokens_per_byte`` is its rate on this split's text (1 for bytes).
@@ -56,13 +57,14 @@ class TextDataset:
     split: str
     tokens: torch.Tensor
     block_size: int
-    starts: torch.Tensor
+    starts: torch.Tensor | None
     source: str = ""
     num_classes: int = VOCAB
     augment: bool = False
     tokenizer: object = None
     tokens_per_byte: float = 1.0
     entropy: float | None = None  # the unigram entropy when known without counting (a prepared corpus's manifest)
+    windows: int = 0  # how many, when ``starts`` is None
 
     @classmethod
     def from_tokens(cls, name: str, split: str, tokens: torch.Tensor, block_size: int, source: str,
@@ -75,11 +77,14 @@ class TextDataset:
                               f"--block-size {block_size} + 1")
         vocab = tokenizer.vocab_size if tokenizer is not None else VOCAB
         rate = len(tokens) / text_bytes if text_bytes else 1.0
-        return cls(name, split, tokens, block_size, torch.arange(windows) * block_size, source, vocab,
-                   tokenizer=tokenizer, tokens_per_byte=rate)
+        return cls(name, split, tokens, block_size, None, source, vocab, tokenizer=tokenizer, tokens_per_byte=rate,
+                   windows=windows)
 
     def __len__(self) -> int:
-        return len(self.starts)
+        return len(self.starts) if self.starts is not None else self.windows
+
+    def _starts(self, indices: torch.Tensor) -> torch.Tensor:
+        return self.starts[indices] if self.starts is not None else indices * self.block_size
 
     @property
     def input_shape(self) -> tuple[int]:
@@ -87,19 +92,21 @@ class TextDataset:
 
     def batch(self, indices: torch.Tensor, *, augment: bool = False,
               generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        indices = torch.as_tensor(indices).to(self.starts.device, non_blocking=True)
-        offsets = self.starts[indices][:, None] + torch.arange(self.block_size + 1, device=self.starts.device)
+        device = self.tokens.device
+        indices = torch.as_tensor(indices).to(device, non_blocking=True)
+        offsets = self._starts(indices)[:, None] + torch.arange(self.block_size + 1, device=device)
         window = self.tokens[offsets].long()
         # contiguous: torch's pipelining checks strides against its own, and copies to a GPU go faster
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
     def to(self, device: torch.device | str) -> "TextDataset":
         """The same windows with the token stream on ``device`` (batches are then gathered there)."""
-        return replace(self, tokens=self.tokens.to(device), starts=self.starts.to(device))
+        return replace(self, tokens=self.tokens.to(device),
+                       starts=self.starts.to(device) if self.starts is not None else None)
 
     def subset(self, indices: torch.Tensor, split: str) -> "TextDataset":
         """The windows ``indices`` only (a validation split carved from the training windows)."""
-        return replace(self, split=split, starts=self.starts[indices])
+        return replace(self, split=split, starts=self._starts(torch.as_tensor(indices).to(self.tokens.device)))
 
     @property
     def unigram_entropy(self) -> float:
