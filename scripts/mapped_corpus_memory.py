@@ -6,8 +6,8 @@ its size to every rank's resident memory; a mapped one adds only the pages its b
 
 makes SCRATCH/big (the large corpus: random tokens, made once; ``--scratch``, default
 /tmp/distlab-mapped-corpus) and SCRATCH/small, and writes one run directory per corpus and
-OUT/memory.json: each run's peak RSS (the largest over its ranks, from its summary.json), the
-corpus sizes, and the difference. Prepared with distlab's own writer (the manifest and checksums
+OUT/memory.json: a record per corpus with its size and its run's peak RSS (the largest over its
+ranks, from its summary.json). Prepared with distlab's own writer (the manifest and checksums
 ``prepare-text`` writes); random tokens, since what is measured is the reading, not the text.
 """
 
@@ -78,19 +78,18 @@ def main() -> None:
     out = Path(args.out)
     big_tokens = int(args.gb * 1e9) // 2
     sizes = {"big": big_tokens, "small": 1 << 20}
-    record = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "nproc": args.nproc,
-              "block_size": args.block_size, "steps": args.steps, "runs": {}}
+    records = []
     for name, n in sizes.items():
         manifest = make_corpus(Path(args.scratch) / name, n, 1 << 16)
-        bytes_on_disk = manifest["splits"]["train"]["tokens"] * 2
-        record["runs"][name] = {"train_file_bytes": bytes_on_disk,
-                                **run(Path(args.scratch) / name, out / f"run-{name}", args)}
-        print(f"{name}: {bytes_on_disk / 1e9:.2f} GB of tokens, peak RSS {record['runs'][name]['peak_rss_mb']:.0f} MB "
-              f"per rank (largest)", flush=True)
-    record["rss_difference_mb"] = record["runs"]["big"]["peak_rss_mb"] - record["runs"]["small"]["peak_rss_mb"]
-    (out / "memory.json").write_text(json.dumps(record, indent=1) + "\n")
-    print(f"difference: {record['rss_difference_mb']:+.0f} MB for {big_tokens * 2 / 1e9:.2f} GB more corpus; "
-          f"wrote {out / 'memory.json'}")
+        records.append({"corpus": name, "train_file_bytes": manifest["splits"]["train"]["tokens"] * 2,
+                        **run(Path(args.scratch) / name, out / f"run-{name}", args), "nproc": args.nproc,
+                        "block_size": args.block_size, "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d")})
+        print(f"{name}: {records[-1]['train_file_bytes'] / 1e9:.2f} GB of tokens, peak RSS "
+              f"{records[-1]['peak_rss_mb']:.0f} MB per rank (largest)", flush=True)
+    (out / "memory.json").write_text(json.dumps(records, indent=1) + "\n")
+    print(f"difference: {records[0]['peak_rss_mb'] - records[1]['peak_rss_mb']:+.0f} MB for "
+          f"{(records[0]['train_file_bytes'] - records[1]['train_file_bytes']) / 1e9:.2f} GB more corpus; wrote "
+          f"{out / 'memory.json'} (distlab bench markdown renders it)")
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ def test_train_two_processes_writes_metrics_and_summary(run_cli, tmp_path):
     assert all(METRIC_FIELDS <= r.keys() for r in records)
     assert records[-1]["loss"] < records[0]["loss"]  # it learns
     assert proc.stdout.count("final train loss") == 1  # rank 0 printed the summary, once
-    assert proc.stdout.count("eval epoch") == 2
+    assert proc.stdout.count("eval step") == 2
     # The header, before the first step, says what runs: data and where from, strategy, mesh, batch.
     head = proc.stdout[:proc.stdout.index("step ")]
     assert "data     synthetic:1x8x8:4:512 from generated: 512 train, 128 test" in head
@@ -130,7 +130,7 @@ def test_single_process_without_launcher(run_cli, tmp_path):
     assert summary["comm_bytes_per_step"] == 0
     proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:256", "--max-steps", "1", "--no-progress", "--threads",
                    "1", check=True)
-    head = proc.stdout.split("eval epoch")[0]
+    head = proc.stdout.split("eval step")[0]
     assert "strategy single process" in head and "mesh" not in head
     assert "oversubscribed" not in head and summary["oversubscribed"] is False
 
@@ -139,7 +139,7 @@ def test_more_threads_than_cores_is_warned_in_the_header(run_cli, tmp_path):
     from distlab.runtime import cores
     proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:256", "--max-steps", "1", "--no-progress", "--threads",
                    str(cores() + 1), "--out", "over", check=True)
-    head = proc.stdout.split("eval epoch")[0]
+    head = proc.stdout.split("eval step")[0]
     assert f"1 rank(s) x {cores() + 1} thread(s) on this host = {cores() + 1} threads for {cores()} cores" in head
     assert "oversubscribed" in head and f"--threads {cores()}" in head
     assert json.loads((tmp_path / "over" / "summary.json").read_text())["oversubscribed"] is True

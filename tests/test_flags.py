@@ -34,6 +34,7 @@ BASE = {
     "generate": "{tmp}/gsnap/step-00000001 --max-new-tokens 4",
     "verify": "--nproc 1 --steps 2 --strategy allreduce",
     "report": "{tmp}/run -o r.html",
+    "prepare-text": "{tmp}/corpus.txt tok",
     "plan": "--model mlp --dataset synthetic:1x8x8:4:64",
     "plan calibrate": "{tmp}/run -o cal.json",
     "plan validate": "{tmp}/run2 --calibration {tmp}/cal.json --target 1000",
@@ -99,6 +100,7 @@ def test_every_command_has_a_base_invocation():
 def workdir(tmp_path_factory):
     """A run with snapshots (export, report, plan read it) made once."""
     tmp = tmp_path_factory.mktemp("flags")
+    (tmp / "corpus.txt").write_text("".join(f"paragraph {i}\n\n" for i in range(20)))  # prepare-text's
     for argv in (["train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--max-steps", "2",
                   "--nproc-per-node", "2", "--out", str(tmp / "run2"), "--no-progress"],
                  ["train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--epochs", "2", "--max-steps",

@@ -70,6 +70,17 @@ def fault_records(records: list[dict]) -> str:
     return format_table(["strategy", "ranks", "drill", "max abs param diff", "result", "detail"], rows, markdown=True)
 
 
+def mapped_corpus(records: list[dict]) -> str:
+    """``scripts/mapped_corpus_memory.py``: a run's peak memory against the size of its memory-mapped corpus."""
+    from distlab.bench.common import format_table
+    base = min(records, key=lambda r: r["train_file_bytes"])
+    rows = [[r["corpus"], f"{r['train_file_bytes'] / 1e9:.3g} GB", f"{r['windows']:,}", str(r["nproc"]),
+             f"{r['peak_rss_mb']:.0f}", f"{r['peak_rss_mb'] - base['peak_rss_mb']:+.0f}",
+             f"{1000 * r['time_per_step_s_median']:.1f}"] for r in records]
+    return format_table(["corpus", "token file", "windows", "ranks", "peak RSS MB / rank", "vs smallest",
+                         "ms/step"], rows, markdown=True)
+
+
 def _kind(first: dict):
     """The table of a file whose records start with ``first`` (by the fields only that bench writes)."""
     from distlab.bench import (checkpointing, compression, elastic, overhead, parallel, pipeline, scaling,
@@ -89,6 +100,7 @@ def _kind(first: dict):
         (("save_s_median", "format"), lambda r: snapshot_format.table(r, markdown=True)),
         (("samples_per_s_median",), dp),
         (("features",), syncbn),
+        (("train_file_bytes", "peak_rss_mb"), mapped_corpus),
     ]
     return next((table for fields, table in tables if all(f in first for f in fields)), None)
 
@@ -108,5 +120,5 @@ def render(path: str | Path) -> str:
     if table is None:
         raise ValueError(f"{path}: not a bench file distlab knows (collectives, dp, syncbn, scaling, parallel, "
                          f"pipeline, checkpointing, compression, elastic, overhead, snapshot-format, verify, the "
-                         f"main job's results)")
+                         f"main job's results, the mapped corpus's memory)")
     return table(data)

@@ -262,8 +262,16 @@ def prepare(src: str | os.PathLike, out: str | os.PathLike, tokenizer: str = tok
 
 
 def _atomic_text(path: Path, text: str) -> None:
-    from distlab.train.metrics import atomic_write_text
-    atomic_write_text(path, text)
+    """Write ``text`` to ``path`` whole or not at all (a temporary file renamed over it)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise WriteError(path, exc) from None
 
 
 # --------------------------------------------------------------------------- reading a prepared corpus

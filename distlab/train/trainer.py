@@ -252,8 +252,9 @@ class Trainer:
             evaluation = self._evaluate(epoch) if last or (
                 run.step % cfg.eval_every == 0 if cfg.eval_every else
                 cfg.eval_every_epoch and run.step % self.steps_per_epoch == 0) else None
-            if run.step % cfg.log_every == 0 or last or sample or evaluation:
-                self._log(epoch, lr, sample, evaluation)  # an evaluation joins its step's record
+            # An evaluation joins its step's record; --eval-every's make their steps log steps.
+            if run.step % cfg.log_every == 0 or last or sample or (evaluation and cfg.eval_every):
+                self._log(epoch, lr, sample, evaluation)
             run.maybe_snapshot(self.total_steps)
             reason = preemption.poll()
             if reason:
