@@ -71,6 +71,47 @@ def test_dropless_routing_is_per_token_and_a_capacity_drops_the_latest_slots():
     assert dropped and all(out.reshape(-1, 8)[t].abs().max() == 0 for t in dropped)
 
 
+def test_a_full_expert_keeps_its_most_probable_slots_under_the_probs_policy():
+    torch.manual_seed(1)
+    x = torch.randn(4, 5, 8, dtype=F64)
+    by_position = MoE(8, experts=4, top_k=2, capacity_factor=0.5).to(F64)
+    by_prob = copy.deepcopy(by_position)
+    by_prob.drop_policy = "probs"
+    with pytest.raises(ValueError, match="drop_policy must be one of position, probs"):
+        MoE(8, experts=4, drop_policy="random")
+    probs = by_prob.router(x.reshape(-1, 8)).softmax(-1)
+    chosen = probs.topk(2, dim=-1).indices                                     # (tokens, k)
+    p_slot, e_slot = probs.gather(1, chosen).reshape(-1), chosen.reshape(-1)  # each slot's expert and probability
+    cap = by_prob.capacity(len(e_slot))
+    out_prob, out_pos = by_prob(x).reshape(-1, 8), by_position(x).reshape(-1, 8)
+    assert by_prob.dropped == by_position.dropped > 0  # the same number dropped, others chosen
+    kept = torch.zeros(len(e_slot), dtype=torch.bool)
+    for e in range(4):
+        slots = (e_slot == e).nonzero().flatten()
+        best = slots[torch.argsort(-p_slot[slots], stable=True)][:cap]
+        kept[best] = True
+        assert len(best) == min(cap, len(slots))
+        if len(slots) > cap:  # every slot kept at this expert is at least as probable as every one dropped
+            assert p_slot[best].min() >= p_slot[slots[~kept[slots]]].max()
+    # a token whose slots were all dropped gets nothing; one whose slots were all kept its whole output
+    whole = MoE(8, experts=4, top_k=2).to(F64)
+    whole.load_state_dict(by_prob.state_dict())
+    full = whole(x).reshape(-1, 8)
+    both, neither = kept.view(-1, 2).all(1), (~kept.view(-1, 2)).all(1)
+    assert both.any() and neither.any()
+    assert (out_prob[both] - full[both]).abs().max() <= sum_tolerance(8 * 32, 1.0, F64)
+    assert out_prob[neither].abs().max() == 0
+    assert not torch.equal(out_prob, out_pos)  # the policies chose differently here
+
+
+def test_a_drop_policy_without_a_capacity_is_refused(refused_here):
+    proc = refused_here("train", "--model", "gpt-moe", "--dataset", "synthetic-text:2000", "--drop-policy", "probs")
+    assert "--drop-policy probs" in proc.stderr and "--capacity-factor" in proc.stderr
+    proc = refused_here("train", "--model", "gpt-moe", "--dataset", "synthetic-text:2000", "--drop-policy", "random",
+                        "--capacity-factor", "1")
+    assert "--drop-policy" in proc.stderr and "probs" in proc.stderr
+
+
 def _expert_layer(rank, world):
     import torch.distributed as dist
 

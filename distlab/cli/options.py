@@ -299,6 +299,9 @@ TRAIN_OPTIONS = [
     ("capacity_factor", dict(type=float, default=None, help="gpt-moe: each expert takes at most ceil(F x "
                              "tokens x top_k / experts) token-slots per forward, the rest dropped and counted "
                              "(default: dropless).")),
+    ("drop_policy", dict(help="gpt-moe with --capacity-factor: which slots a full expert keeps -- position (the "
+                         "earliest) or probs (those the router gave it the highest probability; DeepSpeed's and "
+                         "Megatron-LM's default).")),
     ("aux_coef", dict(type=float, help="gpt-moe: weight of the per-sequence load-balancing loss.")),
     ("dataset", dict(help="Images: fashion-mnist, mnist, cifar10, cifar100, synthetic:CxHxW:K[:N]; text: fortunes, "
                      "synthetic-text[:N]; your own: tensors:FILE (.pt or .npz with inputs and labels), "

@@ -79,10 +79,11 @@ def _gpt(shape, k, n_layer=2, n_head=4, n_embd=128, **_):
     return GPT(k, shape[0], n_layer, n_head, n_embd)
 
 
-def _gpt_moe(shape, k, n_layer=2, n_head=4, n_embd=128, experts=8, top_k=2, capacity_factor=None, aux_coef=0.01, **_):
+def _gpt_moe(shape, k, n_layer=2, n_head=4, n_embd=128, experts=8, top_k=2, capacity_factor=None, aux_coef=0.01,
+             drop_policy="position", **_):
     from distlab.models.gpt import GPT
     return GPT(k, shape[0], n_layer, n_head, n_embd, experts=experts, top_k=top_k, capacity_factor=capacity_factor,
-               aux_coef=aux_coef)
+               aux_coef=aux_coef, drop_policy=drop_policy)
 
 
 REGISTRY: dict[str, Builder] = {

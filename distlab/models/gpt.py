@@ -108,11 +108,14 @@ class GPT(nn.Sequential):
     ``top_k`` of them (:class:`~distlab.models.moe.MoE`; ``capacity_factor`` None is dropless)."""
 
     def __init__(self, vocab: int, block_size: int, n_layer: int = 2, n_head: int = 4, n_embd: int = 128,
-                 experts: int = 0, top_k: int = 2, capacity_factor: float | None = None, aux_coef: float = 0.01):
+                 experts: int = 0, top_k: int = 2, capacity_factor: float | None = None, aux_coef: float = 0.01,
+                 drop_policy: str = "position"):
         for name, value in (("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd), ("block_size", block_size)):
             if value < 1:
                 raise ValueError(f"{name} must be positive, not {value}")
-        moe = dict(experts=experts, top_k=top_k, capacity_factor=capacity_factor, aux_coef=aux_coef) if experts else None
+        moe = dict(experts=experts, top_k=top_k, capacity_factor=capacity_factor, aux_coef=aux_coef,
+                   # named only when not the default: a snapshot of before it existed still resumes
+                   **({"drop_policy": drop_policy} if drop_policy != "position" else {})) if experts else None
         super().__init__(Embedding(vocab, block_size, n_embd), *(Block(n_embd, n_head, moe) for _ in range(n_layer)),
                          Head(n_embd, vocab))
         self.block_size, self.n_layer, self.n_head, self.n_embd = block_size, n_layer, n_head, n_embd

@@ -9,8 +9,10 @@ token's output the gate-weighted sum of its experts' outputs.
 no token's output depends on which other tokens share its batch, so a run split over ranks in
 any way computes what one process computes on the whole batch. With a ``capacity_factor`` an
 expert takes at most ``ceil(capacity_factor x slots / experts)`` of the token-slots a forward
-routes (``slots = tokens x top_k``), the earliest first; the rest are dropped (they add nothing;
-the residual carries the token on) and counted. Drops depend on which tokens share a forward --
+routes (``slots = tokens x top_k``): with ``drop_policy`` ``position`` the earliest first, with
+``probs`` (DeepSpeed's and Megatron-LM's default) those the router gave the expert the highest
+probability, the earliest first among equals; the rest are dropped (they add nothing; the residual
+carries the token on) and counted. Drops depend on which tokens share a forward --
 each rank's micro-batch -- so a capacity-limited run equals one process only where nothing is
 dropped.
 
@@ -47,6 +49,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlab.models.aux_loss import current_share
+
+DROP_POLICIES = ("position", "probs")  # which slots a full expert keeps: the earliest, or the most probable
 
 
 class GroupedExperts(nn.Module):
@@ -104,7 +108,7 @@ class MoE(nn.Module):
     """A mixture-of-experts feed-forward layer on ``(B, T, d)`` (module docstring)."""
 
     def __init__(self, dim: int, experts: int, top_k: int = 2, hidden: int | None = None,
-                 capacity_factor: float | None = None, aux_coef: float = 0.01):
+                 capacity_factor: float | None = None, aux_coef: float = 0.01, drop_policy: str = "position"):
         super().__init__()
         if experts < 2:
             raise ValueError(f"a mixture of experts needs at least 2 experts, not {experts}")
@@ -112,7 +116,9 @@ class MoE(nn.Module):
             raise ValueError(f"top_k {top_k} must be between 1 and the number of experts {experts}")
         if capacity_factor is not None and not capacity_factor > 0:
             raise ValueError(f"capacity_factor must be positive, not {capacity_factor}")
-        self.num_experts, self.top_k = experts, top_k
+        if drop_policy not in DROP_POLICIES:
+            raise ValueError(f"drop_policy must be one of {', '.join(DROP_POLICIES)}, not {drop_policy!r}")
+        self.num_experts, self.top_k, self.drop_policy = experts, top_k, drop_policy
         self.capacity_factor, self.aux_coef = capacity_factor, aux_coef
         self.router = nn.Linear(dim, experts, bias=False)
         self.experts = GroupedExperts(experts, dim, hidden or 4 * dim)
@@ -147,6 +153,9 @@ class MoE(nn.Module):
         kept, kept_counts = order, counts
         cap = self.capacity(len(expert_of))
         if cap is not None:
+            if self.drop_policy == "probs":  # at each expert, its most probable slots first (then the earliest)
+                by_prob = torch.argsort(-probs.gather(1, chosen).reshape(-1), stable=True)
+                order = by_prob[torch.argsort(expert_of[by_prob], stable=True)]
             start = torch.cumsum(counts, 0) - counts
             position = torch.arange(len(order), device=x.device) - start[expert_of[order]]
             keep = position < cap

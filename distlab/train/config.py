@@ -16,6 +16,7 @@ from distlab.data import canonical_name, dataset_shape, is_text, load_dataset
 from distlab.data.tokenizer import vocab_size as tokenizer_vocab
 from distlab.errors import ConfigError, did_you_mean, first_line
 from distlab.models import MOE_MODELS, TEXT_MODELS, check_model_name, is_user_model, parse_model_args
+from distlab.models.moe import DROP_POLICIES
 from distlab.parallel import Strategy
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -51,6 +52,7 @@ class TrainConfig:
     experts: int = 8        # gpt-moe: experts per mixture-of-experts layer
     top_k: int = 2          # gpt-moe: experts each token is sent to
     capacity_factor: float | None = None  # gpt-moe: None is dropless; else each expert takes ceil(f x slots / E)
+    drop_policy: str = "position"  # gpt-moe with a capacity: a full expert keeps its earliest or most probable slots
     aux_coef: float = 0.01  # gpt-moe: weight of the load-balancing loss
     dataset: str = "fashion-mnist"
     tokenizer: str = "bytes"  # text: bytes, or bpe:N learned from the training split (distlab.data.tokenizer)
@@ -265,6 +267,11 @@ class TrainConfig:
                               f"dropless routing)")
         if not self.aux_coef >= 0:
             raise ConfigError(f"`aux_coef` must be 0 or more, not {self.aux_coef:g}")
+        _choice("drop_policy", self.drop_policy, DROP_POLICIES)
+        if self.drop_policy != "position" and self.capacity_factor is None:
+            raise ConfigError(f"`drop_policy` {self.drop_policy} picks which slots a full expert drops, and without "
+                              f"`capacity_factor` none is ever dropped: give `capacity_factor` (e.g. 1.25) or drop "
+                              f"`drop_policy`")
 
     def _check_pipeline(self) -> None:
         """The model must cut into `pp` stages, each with parameters (cut on a model built without memory)."""
@@ -294,7 +301,7 @@ class TrainConfig:
         return {"widths": self.mlp_widths, "n_layer": self.n_layer, "n_head": self.n_head, "n_embd": self.n_embd,
                 "model_args": self.model_args,
                 **({"experts": self.experts, "top_k": self.top_k, "capacity_factor": self.capacity_factor,
-                    "aux_coef": self.aux_coef} if self.model in MOE_MODELS else {})}
+                    "aux_coef": self.aux_coef, "drop_policy": self.drop_policy} if self.model in MOE_MODELS else {})}
 
     def load(self, split: str):
         """This config's dataset, ``split`` "train" or "test"."""
