@@ -24,7 +24,7 @@ def test_the_layout_gives_each_rank_a_chunk_and_its_mirror():
         layouts[0].positions(8)
 
 
-def _attention(rank, world, style, heads, t):
+def _attention(rank, world, style, heads, t, causal=True):
     from distlab.comm import accounting
     from distlab.parallel.context_parallel import ContextLayout, RingAttention, UlyssesAttention
     g = torch.Generator().manual_seed(7)
@@ -32,11 +32,11 @@ def _attention(rank, world, style, heads, t):
     grad_out = torch.randn(2, heads, t, 8, generator=g, dtype=torch.float64)
     layout = ContextLayout(world, rank)
     leaves = [z.clone().requires_grad_() for z in (q, k, v)]
-    ref = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    ref = F.scaled_dot_product_attention(*leaves, is_causal=causal)
     ref.backward(grad_out)
     index = layout.positions(t)
     mine = [z.index_select(2, index).clone().requires_grad_() for z in (q, k, v)]
-    core = (RingAttention if style == "ring" else UlyssesAttention)(None, layout)
+    core = (RingAttention if style == "ring" else UlyssesAttention)(None, layout, causal=causal)
     accounting.reset()
     out = core(*mine)
     out.backward(grad_out.index_select(2, index))
@@ -57,6 +57,30 @@ def test_attention_over_the_ring_or_all_to_all_equals_the_whole_sequences(style,
         assert max(diffs) <= bound, (diffs, bound)
     volume = (ring_bytes if style == "ring" else ulysses_bytes)(2, heads, t, 8, world, itemsize=8)
     assert all(sent == volume for _, sent in results), ([s for _, s in results], volume)
+
+
+@pytest.mark.parametrize("style,world", [("ring", 2), ("ring", 3), ("ulysses", 2)])
+def test_non_causal_attention_over_the_ring_or_all_to_all_equals_the_whole_sequences(style, world):
+    """An encoder's attention (torch's test_ring_attention_sdpa runs is_causal=False too): every query scores
+    every key, so the ring visits every block of every rank, on the same bytes."""
+    from distlab.launch.spawn import run_ranks
+    t = 4 * world * 2
+    results = run_ranks(_attention, world, style, world, t, False, timeout=120)
+    bound = sum_tolerance(t * 8, 10.0, torch.float64)
+    for diffs, _ in results:
+        assert max(diffs) <= bound, (diffs, bound)
+    volume = (ring_bytes if style == "ring" else ulysses_bytes)(2, world, t, 8, world, itemsize=8)
+    assert all(sent == volume for _, sent in results), ([s for _, s in results], volume)
+
+
+def test_a_models_non_causal_attention_core_gets_a_non_causal_context_parallel_one():
+    from distlab.models.gpt import CausalAttention
+    from distlab.parallel.context_parallel import RingAttention, replacement
+    core = CausalAttention()
+    assert replacement(core, None, None, "ring").causal is True
+    core.causal = False  # an encoder's: declared on the module the plan names
+    assert isinstance(replacement(core, None, None, "ring"), RingAttention)
+    assert replacement(core, None, None, "ring").causal is False and replacement(core, None, None, "ulysses").causal is False
 
 
 def test_ulysses_needs_heads_that_divide():

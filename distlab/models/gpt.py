@@ -41,10 +41,12 @@ class Embedding(nn.Module):
 
 class CausalAttention(nn.Module):
     """Causal scaled dot-product attention of ``(q, k, v)``, each ``(B, H, T, D)`` (context parallel
-    puts its ring or all-to-all version here)."""
+    puts its ring or all-to-all version here, causal as :attr:`causal` says)."""
+
+    causal = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
 
 
 class CausalSelfAttention(nn.Module):

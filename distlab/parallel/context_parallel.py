@@ -29,7 +29,8 @@ data- and context-parallel ranks together gives the whole sequence's mean.
 
 A model joins by declaring ``context_parallel_plan(cp, style, tp)``: ``{module name: style}`` with the
 styles ``context_positions`` (an ``nn.Embedding`` of positions, called with ``arange(t)``) and
-``context_attention`` (a module computing causal attention from ``(q, k, v)``, ``(B, H, t, D)``)
+``context_attention`` (a module computing attention from ``(q, k, v)``, ``(B, H, t, D)``: causal,
+or over every key where the module has ``causal = False``, an encoder's)
 and ``context_sequence_stats`` (a module with a ``sequence_group`` attribute, set to the
 context-parallel group, over which it completes statistics of whole sequences: a mixture of
 experts' routing counts).
@@ -115,14 +116,14 @@ def _hop(t: torch.Tensor, group, rank: int, n: int) -> torch.Tensor:
     return out
 
 
-def _pairs(layout: ContextLayout, owner: int):
+def _pairs(layout: ContextLayout, owner: int, causal: bool = True):
     """The (query half, key half, causal) blocks that rank ``layout.rank``'s queries score against
     rank ``owner``'s keys: a key chunk before the query chunk in full, the same chunk under the
-    causal mask, a later one not at all (the mask empties it)."""
+    causal mask, a later one not at all (the mask empties it). Without the mask, every pair in full."""
     for j, k_chunk in enumerate(layout.chunks(owner)):
         for i, q_chunk in enumerate(layout.chunks()):
-            if k_chunk <= q_chunk:
-                yield i, j, k_chunk == q_chunk
+            if not causal or k_chunk <= q_chunk:
+                yield i, j, causal and k_chunk == q_chunk
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -134,13 +135,13 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
 
 
 class _RingAttention(torch.autograd.Function):
-    """Exact causal attention with key/value blocks passed around the ring (FlashAttention's
+    """Exact attention (causal or not) with key/value blocks passed around the ring (FlashAttention's
     recurrence, block by block). Saves only this rank's q, k, v, output and log-sum-exp -- never a
     block's scores -- and recomputes the scores in backward, where the blocks go round again with
     their accumulating key/value gradients, which end with a last hop at the rank they belong to."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, layout: ContextLayout):
+    def forward(ctx, q, k, v, group, layout: ContextLayout, causal: bool = True):
         n, rank = layout.cp, layout.rank
         h = q.shape[2] // 2
         qs = (q[:, :, :h], q[:, :, h:])
@@ -150,15 +151,15 @@ class _RingAttention(torch.autograd.Function):
         for step in range(n):
             if step:
                 kv = _hop(kv, group, rank, n)
-            for i, j, causal in _pairs(layout, (rank - step) % n):
-                s = _scores(qs[i], kv[0, :, :, j * h:(j + 1) * h], causal)
+            for i, j, masked in _pairs(layout, (rank - step) % n, causal):
+                s = _scores(qs[i], kv[0, :, :, j * h:(j + 1) * h], masked)
                 block_lse = torch.logsumexp(s, dim=-1, keepdim=True)
                 new = torch.logaddexp(lse[i], block_lse)  # the online softmax: rescale what is there, add the block
                 out[i] = out[i] * torch.exp(lse[i] - new) + torch.exp(s - new) @ kv[1, :, :, j * h:(j + 1) * h]
                 lse[i] = new
         out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.layout = group, layout
+        ctx.group, ctx.layout, ctx.causal = group, layout, causal
         return out
 
     @staticmethod
@@ -174,29 +175,29 @@ class _RingAttention(torch.autograd.Function):
         for step in range(n):
             if step:
                 travel = _hop(travel, group, rank, n)  # a block's keys and values with their gradient so far
-            for i, j, causal in _pairs(layout, (rank - step) % n):
+            for i, j, masked in _pairs(layout, (rank - step) % n, ctx.causal):
                 qi, gi = slice(i * h, (i + 1) * h), slice(j * h, (j + 1) * h)
                 kb, vb = travel[0, :, :, gi], travel[1, :, :, gi]
-                p = torch.exp(_scores(q[:, :, qi], kb, causal) - lse[:, :, qi])
+                p = torch.exp(_scores(q[:, :, qi], kb, masked) - lse[:, :, qi])
                 travel[3, :, :, gi] += p.transpose(-2, -1) @ grad[:, :, qi]                       # dV
                 ds = p * (grad[:, :, qi] @ vb.transpose(-2, -1) - delta[:, :, qi])
                 dq[:, :, qi] += (ds @ kb) * scale
                 travel[2, :, :, gi] += (ds.transpose(-2, -1) @ q[:, :, qi]) * scale               # dK
         # the block held last is the next rank's: its gradient goes home in one more hop (nothing with n = 1)
         dkv = _hop(travel[2:], group, rank, n) if n > 1 else travel[2:]
-        return dq, dkv[0], dkv[1], None, None
+        return dq, dkv[0], dkv[1], None, None, None
 
 
 class RingAttention(nn.Module):
-    """Causal attention of this rank's queries over the whole sequence, key/value blocks passed
-    around the context-parallel ring (module docstring)."""
+    """Attention of this rank's queries over the whole sequence, causal unless ``causal`` is False (an
+    encoder's), key/value blocks passed around the context-parallel ring (module docstring)."""
 
-    def __init__(self, group, layout: ContextLayout):
+    def __init__(self, group, layout: ContextLayout, causal: bool = True):
         super().__init__()
-        self.group, self.layout = group, layout
+        self.group, self.layout, self.causal = group, layout, causal
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return _RingAttention.apply(q, k, v, self.group, self.layout)
+        return _RingAttention.apply(q, k, v, self.group, self.layout, self.causal)
 
 
 # --------------------------------------------------------------------------- Ulysses
@@ -234,12 +235,12 @@ class _AllToAll(torch.autograd.Function):
 
 
 class UlyssesAttention(nn.Module):
-    """Causal attention with the heads split over the context-parallel ranks for its duration
-    (module docstring)."""
+    """Attention, causal unless ``causal`` is False, with the heads split over the context-parallel ranks
+    for its duration (module docstring)."""
 
-    def __init__(self, group, layout: ContextLayout):
+    def __init__(self, group, layout: ContextLayout, causal: bool = True):
         super().__init__()
-        self.group, self.layout = group, layout
+        self.group, self.layout, self.causal = group, layout, causal
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n, rank = self.layout.cp, self.layout.rank
@@ -251,7 +252,7 @@ class UlyssesAttention(nn.Module):
         back = torch.argsort(order)  # gathered order -> sequence order
         # (B, H, t, D) -> (B, H/n, n t, D): every rank's tokens (rank order, then sequence order), my heads
         q, k, v = (_AllToAll.apply(z, self.group, rank, n, 1, 2).index_select(2, back) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         y = y.index_select(2, order)  # back to the gathered order: rank r's tokens at block r
         return _AllToAll.apply(y, self.group, rank, n, 2, 1)
 
@@ -317,6 +318,12 @@ class ContextParallel:
         return model, apply_context_parallel(model, mesh.cp_group, strategy.cp_style, strategy.tp)
 
 
+def replacement(module: nn.Module, group, layout: ContextLayout, style: str) -> nn.Module:
+    """What a ``context_attention`` module becomes: the ring's or the all-to-all's attention, causal
+    unless the module says ``causal = False`` (an encoder's attention)."""
+    return (RingAttention if style == "ring" else UlyssesAttention)(group, layout, getattr(module, "causal", True))
+
+
 def apply_context_parallel(model: nn.Module, group, style: str = "ring", tp: int = 1) -> ContextLayout:
     """Make ``model`` run on this rank's tokens of each sequence, as its plan says, in place; returns
     the layout the batch must be cut with."""
@@ -337,7 +344,7 @@ def apply_context_parallel(model: nn.Module, group, style: str = "ring", tp: int
                                   f"attribute to complete its per-sequence statistics over")
             module.sequence_group = group
             continue
-        new = (RingAttention if style == "ring" else UlyssesAttention)(group, layout)
+        new = replacement(module, group, layout, style)
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, new)
     return layout
