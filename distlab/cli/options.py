@@ -332,6 +332,9 @@ TRAIN_OPTIONS = [
     ("label_smoothing", dict(type=float, help="Smooth the training loss's targets: 1 - S on the true class (or "
                              "token) plus S / classes on every class, as torch's cross_entropy (also across a "
                              "vocabulary split by tensor parallel); evaluations report the plain cross-entropy.")),
+    ("peak_tflops", dict(type=float, default=None, help="A device's dense peak TFLOP/s at the run's precision, for "
+                         "MFU (model FLOPs utilisation) beside tokens/s (default: a known GPU's data-sheet peak; "
+                         "none on a CPU).")),
     ("eval_batch_size", dict(type=int)),
     ("eval_every", dict(type=int, default=None, help="Evaluate every N steps (and at the end) instead of every "
                         "epoch; the evaluation's numbers join that step's metrics.jsonl record.")),

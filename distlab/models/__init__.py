@@ -107,6 +107,13 @@ def snapshot_record(model: nn.Module) -> dict:
     return {"mlp_widths": None, **(own() if callable(own) else {})}
 
 
+def flops_per_token(model: nn.Module) -> float | None:
+    """Training FLOPs per token of ``model`` as it counts them (its ``flops_per_token()``:
+    :mod:`distlab.models.plans`); None where it declares none."""
+    own = getattr(model, "flops_per_token", None)
+    return float(own()) if callable(own) else None
+
+
 def model_names() -> list[str]:
     return list(REGISTRY)
 
@@ -233,5 +240,5 @@ def task_correct(out: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:
 
 
 __all__ = ["GPT", "MLP", "ResNet18", "SmallCNN", "TEXT_MODELS", "VGG", "build_model", "check_model_name",
-           "count_parameters", "is_user_model", "load_builder", "model_names", "parse_model_args", "task_correct",
-           "task_loss"]
+           "count_parameters", "flops_per_token", "is_user_model", "load_builder", "model_names", "parse_model_args",
+           "task_correct", "task_loss"]

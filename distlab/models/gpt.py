@@ -130,6 +130,21 @@ class GPT(nn.Sequential):
         return {"n_layer": self.n_layer, "n_head": self.n_head, "n_embd": self.n_embd, "block_size": self.block_size,
                 **self.moe_options}
 
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token, forward and backward (PaLM's count, nanoGPT's ``estimate_mfu``): 6 x
+        the weights of the matrix multiplications a token passes through (attention and MLP projections,
+        the router and the ``top_k`` experts it is routed to, the LM head; not the embeddings' lookups,
+        biases or norms) + 12 x layers x width x block size (scores and weighted values over every key,
+        as dense attention kernels compute them)."""
+        from distlab.models.moe import GroupedExperts
+        weights = 0
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                weights += m.weight.numel()
+            elif isinstance(m, GroupedExperts):
+                weights += self.moe_options["top_k"] * (m.up_weight[0].numel() + m.down_weight[0].numel())
+        return float(6 * weights + 12 * self.n_layer * self.n_embd * self.block_size)
+
     def checkpoint_blocks(self):
         """Activation checkpointing's blocks: the transformer blocks (not the embedding or the head)."""
         return [(self, [(i, i + 1) for i in range(1, len(self) - 1)])]

@@ -22,6 +22,9 @@ the settings check calls them on the model built on the meta device.
 ``snapshot_record()``
     ``{field: value}``: the sizes a snapshot of this model must agree on to be resumed (plain JSON
     values; the run adds the model's name, its arguments and its parameter count).
+``flops_per_token()``
+    Training FLOPs per token, forward and backward (a language model's; PaLM's count): what a run's
+    tokens/s becomes MFU with (:func:`distlab.models.flops_per_token`).
 
 A *language model* -- its forward maps ``(B, T)`` token ids to ``(B, T, vocab)`` logits and it has a
 ``block_size`` (its longest context) -- can also generate text (:mod:`distlab.models.generation`):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import ipaddress
 import os
+import re
 import socket
 import sys
 
@@ -153,3 +154,33 @@ def busy_machine(load: float | None, threads: int, have: int) -> str | None:
     return (f"the machine was busy before this run (load {load:.2f} on {have} cores; with this run's {threads} "
             f"thread(s) the cores are shared), so steps are slower than this machine allows and timings compare "
             f"only between runs at equal threads on an equally quiet machine")
+
+
+# Dense peak TFLOP/s of the GPUs distlab knows, per device (tensor cores for bf16/fp16; fp32 as torch
+# runs it by default, without TF32), from the vendors' data sheets (SXM parts where there are several).
+PEAK_TFLOPS = {"H200": {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9},
+               "H100": {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9},
+               "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+               "L40S": {"bf16": 362.1, "fp16": 362.1, "fp32": 91.6},
+               "A10": {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2},
+               "L4": {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3},
+               "V100": {"fp16": 125.0, "fp32": 15.7}}
+
+
+def peak_tflops(device: torch.device, precision: str = "fp32") -> tuple[float | None, str]:
+    """(The device's dense peak TFLOP/s at ``precision``, where it comes from); (None, why) for a CPU or
+    a GPU not in :data:`PEAK_TFLOPS` -- give ``--peak-tflops`` there."""
+    if device.type != "cuda":
+        return None, "a CPU has no known peak: give --peak-tflops for MFU"
+    return peak_of(torch.cuda.get_device_name(device), precision)
+
+
+def peak_of(name: str, precision: str) -> tuple[float | None, str]:
+    """:func:`peak_tflops` of a GPU by its name (``NVIDIA A100-SXM4-80GB``)."""
+    plain = name.upper().replace("NVIDIA", " ")
+    for model in sorted(PEAK_TFLOPS, key=len, reverse=True):  # "A100" before "A10", "L40S" before "L4"
+        if re.search(rf"(?<![A-Z0-9]){model}(?![0-9])", plain):
+            peak = PEAK_TFLOPS[model].get(precision)
+            if peak is not None:
+                return peak, f"{name}: {peak:g} dense {precision} TFLOP/s (data sheet)"
+    return None, f"{name}: no known {precision} peak: give --peak-tflops for MFU"

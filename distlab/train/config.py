@@ -73,6 +73,7 @@ class TrainConfig:
     eval_every_epoch: bool = True
     eval_every: int | None = None  # evaluate every N steps (and at the end) instead of every epoch
     eval_batches: int | None = None  # evaluate on the first N x eval_batch_size samples only (None: all of them)
+    peak_tflops: float | None = None  # per device, for MFU (None: a GPU's data-sheet peak; none on a CPU)
     label_smoothing: float = 0.0  # the training loss's, as F.cross_entropy's (evaluations report plain cross-entropy)
     sample_every: int | None = None  # gpt: print (and log in metrics.jsonl) a short generated text every N steps
     strategy: Strategy = field(default_factory=Strategy)
@@ -149,6 +150,9 @@ class TrainConfig:
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise ConfigError(f"`clip_grad_norm` must be positive, not {self.clip_grad_norm:g} (leave it out not to "
                               f"clip; 1.0 is usual for transformers)")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ConfigError(f"`peak_tflops` must be positive, not {self.peak_tflops:g} (a device's dense peak, "
+                              f"e.g. 989 for an H100's bf16)")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"`label_smoothing` must be in [0, 1), not {self.label_smoothing:g} (0.1 is usual; 0 "
                               f"turns it off)")

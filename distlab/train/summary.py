@@ -163,6 +163,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "sync_time_s_median": median_excluding_warmup(times.sync, cfg.timing_warmup_steps),
         "sync_time_basis": SYNC_TIME_BASIS,
         "samples_per_s": cfg.global_batch_size / median if median else None,
+        **trainer.throughput.summary(cfg.global_batch_size / median if median else None),  # tokens/s, MFU
         "peak_rss_mb": rss,
         "peak_cuda_mb": cuda_mb,
         "comm_bytes_per_step": sent,

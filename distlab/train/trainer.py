@@ -28,6 +28,7 @@ from distlab.parallel import build_mesh, parallelize
 from distlab.runtime import Runtime, is_comm_failure, roll_call, seed_everything, tune_host_allocator
 from distlab.train.config import TrainConfig
 from distlab.train.evaluate import evaluate, first_batches
+from distlab.train.throughput import Throughput
 from distlab.train.export import load_init
 from distlab.train.metrics import MetricsLog, atomic_write_text, write_predictions, write_summary
 from distlab.train.optim import build_optimizer, build_scheduler
@@ -81,6 +82,7 @@ class Trainer:
         net = net.to(rt.device)
         self.num_parameters = count_parameters(net)
         self.model_record = snapshot_record(net)  # the model's own sizes, before the layout cuts it
+        self.throughput = Throughput.of(net, self.train_set, cfg, rt)  # tokens/s and MFU, from the whole model
         self.engine = parallelize(net, cfg.strategy, self.mesh)
         # What training minimises: the task's cross-entropy, its targets smoothed if asked (not evaluations').
         self.loss_fn = functools.partial(self.engine.loss, label_smoothing=cfg.label_smoothing) \
@@ -274,7 +276,7 @@ class Trainer:
         # restart in between are not training time.
         rate = self._window_timed * self.cfg.global_batch_size / self._window_s if self._window_s else None
         record = {"step": self.run.step, "epoch": epoch, "loss": loss, "lr": lr, "samples_per_s": rate,
-                  "time_s": self.run.time_used()}
+                  **self.throughput.of_rate(rate), "time_s": self.run.time_used()}
         if self._grad_norm is not None:  # read once per log line, not per step
             record["grad_norm"] = float(self._grad_norm)
         if sample:
@@ -286,7 +288,7 @@ class Trainer:
         self.tb.scalars("train", record, record["step"])
         self.tb.memory(record["step"])  # collective when on
         self.say(f"step {record['step']:>6}/{self.total_steps} | epoch {epoch} | loss {loss:.4f} | "
-                 f"lr {lr:.4g} | {rate or 0:,.0f} samples/s")
+                 f"lr {lr:.4g} | {rate or 0:,.0f} samples/s{self.throughput.words(record)}")
         self._window_s, self._window_timed = 0.0, 0
         if sample:
             self.say(f"sample   {record['sample']!r}")

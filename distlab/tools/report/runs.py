@@ -92,7 +92,8 @@ def _runs_section(dataset: str, runs: list[dict], problems: list[tuple[str, str]
                 for r in done]
         columns = RUN_COLUMNS if unit != "nats/token" else \
             [c if c.key != "test_loss" else Col("test_loss", "test loss (nats/token)") for c in RUN_COLUMNS[:6]] + \
-            [Col("test_loss_per_byte", "test loss (nats/byte)"), Col("tokenizer", "tokenizer")] + RUN_COLUMNS[6:]
+            [Col("test_loss_per_byte", "test loss (nats/byte)"), Col("tokenizer", "tokenizer")] + RUN_COLUMNS[6:8] + \
+            [Col("tokens_per_s", "tokens/s", "{:,.0f}".format), Col("mfu", "MFU", fmt_pct)] + RUN_COLUMNS[8:]
         out.append(html_table(rows, columns))
         out.append(_scaling_from_runs(done))
         out.append(_best_predictions(done, problems))
