@@ -5,18 +5,56 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
 
 from distlab.train.config import TrainConfig
 
 
-def build_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """``optimizer`` at the effective LR (``lr`` scaled by ``lr_scaling`` for the global batch)."""
+NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm, *([nn.RMSNorm] if hasattr(nn, "RMSNorm") else []))
+
+
+def no_decay_names(model: nn.Module) -> set[str]:
+    """The parameters AdamW's weight decay leaves alone (GPT-2's and minGPT's convention): biases, the
+    norms' scales and shifts, and embeddings -- every parameter but the weights of matrix
+    multiplications (linear and convolution weights, a mixture of experts' stacked weights). Names are
+    ``model``'s: the whole model's, before a layout cuts it."""
+    skip = set()
+    for prefix, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            if isinstance(module, (nn.Embedding, *NORMS)) or name.endswith("bias") or p.dim() < 2:
+                skip.add(f"{prefix}.{name}" if prefix else name)
+    return skip
+
+
+def decay_groups(cfg: TrainConfig) -> bool:
+    """Whether this run's optimizer splits its parameters into a decayed and an undecayed group: AdamW
+    with a weight decay (SGD's and Adam's weight decay, an L2 term, applies to every parameter)."""
+    return cfg.optimizer == "adamw" and cfg.weight_decay > 0
+
+
+def build_optimizer(params, cfg: TrainConfig, names: list[str] | None = None,
+                    no_decay: set[str] = frozenset()) -> torch.optim.Optimizer:
+    """``optimizer`` at the effective LR (``lr`` scaled by ``lr_scaling`` for the global batch). AdamW with a
+    weight decay gets two groups (:func:`decay_groups`): ``params`` whose whole-model name (``names``, in
+    their order) is in ``no_decay`` go to the second, with no decay -- the same parameters on every layout,
+    however ZeRO, tensor or pipeline parallel cut them."""
     lr = cfg.effective_lr
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adamw":
+        if decay_groups(cfg) and names is not None:
+            params = list(params)
+            groups = [{"params": [p for p, n in zip(params, names) if n not in no_decay]},
+                      {"params": [p for p, n in zip(params, names) if n in no_decay], "weight_decay": 0.0}]
+            return torch.optim.AdamW(groups, lr=lr, weight_decay=cfg.weight_decay)
         return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
     return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
+
+
+def optimizer_index(optimizer: torch.optim.Optimizer, params: list) -> list[int]:
+    """Where each of ``params`` sits in ``optimizer.state_dict()``'s numbering (its groups' order)."""
+    position = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    return [position[id(p)] for p in params]
 
 
 def lr_multiplier(step: int, cfg: TrainConfig, total_steps: int) -> float:

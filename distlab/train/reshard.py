@@ -21,6 +21,7 @@ import torch
 from distlab.parallel import Engine
 from distlab.parallel.parallelize import split_sharded_state
 from distlab.parallel.placement import Placement, assemble, placement_of, state_from_full, take
+from distlab.train.optim import optimizer_index
 
 
 class ReshardError(ValueError):
@@ -60,7 +61,8 @@ def full_optimizer(payloads: list[dict]) -> tuple[dict[str, dict[str, torch.Tens
         placement = payload["placement"]
         params, _ = split_sharded_state(payload["model"], placement)
         state = payload["optimizer"]["state"]
-        for i, (p, local) in enumerate(zip(placement["params"], params)):
+        index = placement.get("optimizer_index") or range(len(params))  # snapshots of one group: the same order
+        for i, (p, local) in zip(index, zip(placement["params"], params)):
             for k, v in state.get(i, {}).items():
                 if isinstance(v, torch.Tensor) and v.shape == local.shape:
                     pieces.setdefault(k, []).append((Placement.from_dict(p), v))
@@ -78,7 +80,8 @@ def optimizer_state(engine: Engine, optimizer: torch.optim.Optimizer, payloads: 
     elementwise, scalars, old_groups = full_optimizer(payloads)
     placement = placement_of(engine)
     state = {}
-    for i, (p, local) in enumerate(zip(placement["params"], engine.parameters())):
+    for i, (p, local) in zip(optimizer_index(optimizer, engine.parameters()),
+                             zip(placement["params"], engine.parameters())):
         name = p["name"]
         entry = {k: take(full[name], Placement.from_dict(p), local.numel()) for k, full in elementwise.items()
                  if name in full}

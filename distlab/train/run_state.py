@@ -33,6 +33,7 @@ from distlab.parallel.placement import placement_of
 from distlab.runtime import Runtime, reduce_scalars
 from distlab.train import lock, reshard, snapshot
 from distlab.train.config import TrainConfig
+from distlab.train.optim import optimizer_index
 from distlab.train.registry import StateRegistry
 from distlab.train.snapshot import SnapshotError
 
@@ -290,8 +291,9 @@ class RunState:
     @property
     def placement(self) -> dict:
         """Where this rank's tensors sit in the whole model (saved with every snapshot; fixed for a run)."""
-        if self._placement is None:
-            self._placement = placement_of(self.engine)
+        if self._placement is None:  # with the optimizer's numbering of each parameter (its groups' order)
+            self._placement = {**placement_of(self.engine),
+                               "optimizer_index": optimizer_index(self.optimizer, self.engine.parameters())}
         return self._placement
 
     def time_used(self) -> float:

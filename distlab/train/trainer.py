@@ -25,13 +25,14 @@ from distlab.data.resident import nbytes as data_nbytes
 from distlab.errors import ConfigError, DistributedError, NonFiniteError, first_line
 from distlab.models import build_model, count_parameters, snapshot_record
 from distlab.parallel import build_mesh, parallelize
+from distlab.parallel.placement import placement_of
 from distlab.runtime import Runtime, is_comm_failure, roll_call, seed_everything, tune_host_allocator
 from distlab.train.config import TrainConfig
 from distlab.train.evaluate import evaluate, first_batches
 from distlab.train.throughput import Throughput
 from distlab.train.export import load_init
 from distlab.train.metrics import MetricsLog, atomic_write_text, write_predictions, write_summary
-from distlab.train.optim import build_optimizer, build_scheduler
+from distlab.train.optim import build_optimizer, build_scheduler, decay_groups, no_decay_names
 from distlab.train.preemption import Preemption
 from distlab.train.run_state import RunState, fault_injection_hook, finished_summary
 from distlab.train.snapshot import broadcast_object
@@ -83,11 +84,13 @@ class Trainer:
         self.num_parameters = count_parameters(net)
         self.model_record = snapshot_record(net)  # the model's own sizes, before the layout cuts it
         self.throughput = Throughput.of(net, self.train_set, cfg, rt)  # tokens/s and MFU, from the whole model
+        no_decay = no_decay_names(net) if decay_groups(cfg) else set()  # by the whole model's names
         self.engine = parallelize(net, cfg.strategy, self.mesh)
         # What training minimises: the task's cross-entropy, its targets smoothed if asked (not evaluations').
         self.loss_fn = functools.partial(self.engine.loss, label_smoothing=cfg.label_smoothing) \
             if cfg.label_smoothing else self.engine.loss
-        self.optimizer = self.engine.attach(build_optimizer(self.engine.parameters(), cfg))
+        names = [p["name"] for p in placement_of(self.engine)["params"]] if no_decay else None
+        self.optimizer = self.engine.attach(build_optimizer(self.engine.parameters(), cfg, names, no_decay))
         self.steps_per_epoch = len(self.loader)
         total = cfg.epochs * self.steps_per_epoch
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
@@ -342,5 +345,6 @@ class Trainer:
                 "momentum": cfg.momentum, "weight_decay": cfg.weight_decay,
                 **({"clip_grad_norm": cfg.clip_grad_norm} if cfg.clip_grad_norm else {}),
                 **({"label_smoothing": cfg.label_smoothing} if cfg.label_smoothing else {}),
+                **({"weight_decay_groups": "no decay on biases, norms, embeddings"} if decay_groups(cfg) else {}),
                 # a schedule that decays over the run depends on its length: changing it would bend the curve
                 **({"total_steps": self.total_steps} if cfg.lr_schedule != "constant" else {})}
