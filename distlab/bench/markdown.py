@@ -84,7 +84,7 @@ def mapped_corpus(records: list[dict]) -> str:
 def _kind(first: dict):
     """The table of a file whose records start with ``first`` (by the fields only that bench writes)."""
     from distlab.bench import (checkpointing, compression, elastic, overhead, parallel, pipeline, scaling,
-                               snapshot_format)
+                               snapshot_format, snapshot_stall)
     tables = [
         (("algorithm",), collectives),
         (("drill",), fault_records),
@@ -101,6 +101,7 @@ def _kind(first: dict):
         (("samples_per_s_median",), dp),
         (("features",), syncbn),
         (("train_file_bytes", "peak_rss_mb"), mapped_corpus),
+        (("snapshot_stall_s_median", "mode"), lambda r: snapshot_stall.table(r, markdown=True)),
     ]
     return next((table for fields, table in tables if all(f in first for f in fields)), None)
 

@@ -282,6 +282,22 @@ def bench_overhead(workloads, precisions, steps, runs, device, threads, dataset,
     _finish(overhead, records, out, "overhead", plot_dir)
 
 
+@bench.command("snapshot")
+@click.option("--nproc", type=COUNT, default=2, show_default=True, help="Processes (gloo, CPU), one thread each.")
+@click.option("--state-mb", type=Number(0.001, 1e6), default=100.0, show_default=True,
+              help="The model state per rank (parameters and Adam's moments) the snapshots write, at least.")
+@click.option("--steps", type=COUNT, default=24, show_default=True)
+@click.option("--every", type=COUNT, default=4, show_default=True, help="A snapshot every N steps.")
+@click.option("--runs", type=COUNT, default=3, show_default=True, help="Interleaved rounds of both modes.")
+@click.option("--out", callback=writable_dir, default="runs/bench", show_default=True, help="Writes OUT/snapshot.json.")
+def bench_snapshot(nproc, state_mb, steps, every, runs, out):
+    """How long a snapshot stalls training: written synchronously, or copied to host memory and written in
+    the background (--snapshot-async)."""
+    from distlab.bench import snapshot_stall
+    records = snapshot_stall.run(nproc, state_mb, steps, every, runs, out, progress=_progress)
+    _finish(snapshot_stall, records, out, "snapshot", None)
+
+
 @bench.command("checkpointing")
 @click.option("--workloads", default="vgg11-bn,resnet18,gpt", show_default=True)
 @click.option("--steps", type=COUNT, default=6, show_default=True, help="Steps per variant (the first 2 untimed).")

@@ -350,6 +350,9 @@ TRAIN_OPTIONS = [
                           "best validation loss and its model go into snapshots.")),
     ("snapshot_dir", dict(help="Write snapshots here (every --snapshot-every steps and at the end).")),
     ("snapshot_every", dict(type=int, help="Snapshot every N optimizer steps.")),
+    ("snapshot_async", dict(is_flag=True, help="Copy the state to host memory at the step and write the snapshot "
+                            "in the background (the same files, checksums and atomic rename; at most one write in "
+                            "flight): training stalls for the copy only.")),
     ("keep_snapshots", dict(type=int, help="Keep the newest K snapshots.")),
     ("resume", dict(help="auto (newest good snapshot in --snapshot-dir; also the default after torchrun restarts "
                     "the workers) or a snapshot directory.")),

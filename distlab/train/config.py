@@ -83,6 +83,7 @@ class TrainConfig:
     val_fraction: float = 0.0
     snapshot_dir: str | None = None
     snapshot_every: int | None = None
+    snapshot_async: bool = False  # copy the state to host memory at the step, write it in the background
     keep_snapshots: int = 3
     resume: str | None = None  # "auto" or a snapshot directory
     init_from: str | None = None  # a whole-model state_dict file to start from (a resumed snapshot wins)
@@ -163,6 +164,8 @@ class TrainConfig:
             raise ConfigError(f"`val_fraction` must be in [0, 1), not {self.val_fraction}")
         if self.snapshot_every and not self.snapshot_dir:
             raise ConfigError("`snapshot_every` needs `snapshot_dir` (where to write the snapshots)")
+        if self.snapshot_async and not self.snapshot_dir:
+            raise ConfigError("`snapshot_async` writes snapshots in the background: give `snapshot_dir` (where)")
         if self.tensorboard is not None:
             if not str(self.tensorboard).strip():
                 raise ConfigError("`tensorboard` is empty: give the directory for TensorBoard's event files")
@@ -382,7 +385,8 @@ class TrainConfig:
         return d
 
 
-RUN_PLACE = ("out", "resume", "snapshot_dir", "snapshot_every", "keep_snapshots", "tensorboard")  # where, not what: not in to_toml
+# where and how a run writes, not what it trains: not in to_toml
+RUN_PLACE = ("out", "resume", "snapshot_dir", "snapshot_every", "snapshot_async", "keep_snapshots", "tensorboard")
 COMMAND_LINE_ONLY = ("out", "resume", "snapshot_dir", "tensorboard")  # refused in a --config file
 CONFIG_ALIASES = {"model_arg": "model_args", "time_budget": "time_budget_s", "batch_size": "global_batch_size"}
 CONFIG_SYNONYMS = {"learning_rate": "lr", "lr_rate": "lr", "steps": "max_steps", "num_steps": "max_steps",

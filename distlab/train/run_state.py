@@ -46,6 +46,54 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 
+def host_copy(obj):
+    """``obj`` with every tensor copied to host memory (detached) and every container copied: what the
+    training may change from the next step on is not shared with a snapshot being written."""
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(host_copy(v) for v in obj)
+    return obj
+
+
+class AsyncWriter:
+    """Writes snapshots on a thread of its own (``--snapshot-async``), as DCP's ``async_save`` does: the
+    same files, checksums, atomic rename and pruning as a synchronous snapshot (:func:`snapshot.save`),
+    whose few collectives run on a process group of their own, beside the training's. One write at a
+    time; a process killed mid-write leaves the previous snapshot as it was."""
+
+    def __init__(self, cfg: TrainConfig):
+        import threading
+        self.cfg, self._threading = cfg, threading
+        # every rank makes the group at the same point (collective); gloo: the host copies travel on the CPU
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() and dist.get_world_size() > 1 else None
+        self._thread = None
+        self._result: dict = {}
+
+    def start(self, step: int, payload: dict, meta: dict) -> None:
+        def write() -> None:
+            try:
+                self._result["path"] = str(snapshot.save(self.cfg.snapshot_dir, step, payload, meta,
+                                                         self.cfg.keep_snapshots, group=self.group))
+            except BaseException as exc:  # noqa: BLE001 -- handed to the training thread by wait()
+                self._result["error"] = exc
+        self._result = {}
+        self._thread = self._threading.Thread(target=write, name=f"distlab-snapshot-{step}", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> str | None:
+        """The path of the snapshot being written once it is (None: none was); its error raised here."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        self._thread = None
+        if "error" in self._result:
+            raise self._result["error"]
+        return self._result.get("path")
+
+
 def fingerprint(layout: dict) -> str:
     """A short hash of what a snapshot must agree on to be resumed (the run's configuration)."""
     return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
@@ -205,6 +253,8 @@ class RunState:
         self.last_snapshot: str | None = None
         self._saved_step: int | None = None
         self._snapshot_s: float | None = None  # seconds the last snapshot took (None: none yet)
+        self.snapshot_stalls: list[float] = []  # seconds each snapshot of this attempt held the training up
+        self._writer = AsyncWriter(cfg) if cfg.snapshot_async and cfg.snapshot_dir else None
         self._eval_s: float | None = None
         self._time_before = 0.0  # training time of earlier attempts
         self._start = time.perf_counter()
@@ -356,6 +406,7 @@ class RunState:
     def final_snapshot(self) -> None:
         if self.cfg.snapshot_dir and self._saved_step != self.step:
             self.save()
+        self.settle()  # the last one is on disk before the summary names it
 
     def _run_fields(self) -> dict:
         return {"history": self.history, "evals": self.evals, "best_val_loss": self.best_val_loss,
@@ -390,13 +441,27 @@ class RunState:
         self.best_state = state
 
     def save(self) -> None:
+        """Snapshot the run at this step. ``snapshot_async``: copy the state to host memory here and write
+        it in the background (:class:`AsyncWriter`), the previous write finished first (at most one in
+        flight); the training stalls for the copy only."""
         t0 = time.perf_counter()
+        if self._writer is not None:
+            self.last_snapshot = self._writer.wait() or self.last_snapshot  # its error, if it failed, here
         payload = self.registry.state_dict()
         meta = {**self.attachments, "run_id": self.run_id, "fingerprint": self.fingerprint, **self.layout}
-        path = snapshot.save(self.cfg.snapshot_dir, self.step, payload, meta, self.cfg.keep_snapshots)
-        self.last_snapshot = str(path)
+        if self._writer is not None:
+            self._writer.start(self.step, host_copy(payload), meta)
+        else:
+            self.last_snapshot = str(snapshot.save(self.cfg.snapshot_dir, self.step, payload, meta,
+                                                   self.cfg.keep_snapshots))
         self._saved_step = self.step
         self._snapshot_s = time.perf_counter() - t0
+        self.snapshot_stalls.append(self._snapshot_s)
+
+    def settle(self) -> None:
+        """Wait for a background snapshot still being written (collective: every rank calls it)."""
+        if self._writer is not None:
+            self.last_snapshot = self._writer.wait() or self.last_snapshot
 
     def _restore(self) -> str | None:
         """Load the snapshot ``resume`` names (``auto``: the newest good one), if any; return its path.

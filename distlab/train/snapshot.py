@@ -89,27 +89,27 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def _world() -> tuple[int, int]:
-    return group_rank(), group_size()
+def _world(group=None) -> tuple[int, int]:
+    return group_rank(group), group_size(group)
 
 
-def broadcast_object(obj):
-    """Rank 0's ``obj`` on every rank (as is without a process group)."""
-    rank, world = _world()
+def broadcast_object(obj, group=None):
+    """Rank 0's ``obj`` on every rank of ``group`` (the world by default; as is without a process group)."""
+    rank, world = _world(group)
     if world == 1:
         return obj
     box = [obj if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
-def _gather_objects(obj) -> list | None:
+def _gather_objects(obj, group=None) -> list | None:
     """Every rank's ``obj`` on rank 0 (``None`` elsewhere)."""
-    rank, world = _world()
+    rank, world = _world(group)
     if world == 1:
         return [obj]
     out = [None] * world if rank == 0 else None
-    dist.gather_object(obj, out, dst=0)
+    dist.gather_object(obj, out, dst=0, group=group)
     return out
 
 
@@ -171,15 +171,17 @@ def _kill_while_writing(rank: int, step: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def save(directory: str | Path, step: int, payload: dict, meta: dict, keep: int) -> Path:
+def save(directory: str | Path, step: int, payload: dict, meta: dict, keep: int, group=None) -> Path:
     """Write this rank's ``payload`` into snapshot ``step`` (collective: every rank calls it).
 
     ``meta`` (rank 0's) describes the run (its ``run_id`` and layout); it goes into ``meta.json``
     with every rank file's checksum. Returns the snapshot directory. A write that fails on any rank
     (a full disk, a read-only directory) fails on every rank with one :class:`SnapshotError`; the
-    partial snapshot is removed and the earlier ones are untouched.
+    partial snapshot is removed and the earlier ones are untouched. ``group``: the process group its
+    few collectives use (a group of every rank; the world by default -- an asynchronous snapshot writes
+    on a group of its own, beside the training's collectives).
     """
-    rank, world = _world()
+    rank, world = _world(group)
     root = Path(directory)
     final = root / step_dir_name(step)
     tmp = root / f".tmp-{step_dir_name(step)}"
@@ -192,7 +194,7 @@ def save(directory: str | Path, step: int, payload: dict, meta: dict, keep: int)
             tmp.mkdir()
         except OSError as exc:
             error = _problem(exc, tmp)
-    error = broadcast_object(error)  # also: the directory exists before anyone writes into it
+    error = broadcast_object(error, group)  # also: the directory exists before anyone writes into it
     if error is None:
         try:
             data = _serialize(payload)
@@ -201,7 +203,7 @@ def save(directory: str | Path, step: int, payload: dict, meta: dict, keep: int)
         except OSError as exc:
             digest = {"error": _problem(exc, tmp / rank_file_name(rank))}
         _kill_while_writing(rank, step)
-        digests = _gather_objects(digest)
+        digests = _gather_objects(digest, group)
         if rank == 0:
             error = next((d["error"] for d in digests if "error" in d), None)
             if error is None:
@@ -211,7 +213,7 @@ def save(directory: str | Path, step: int, payload: dict, meta: dict, keep: int)
                     error = _problem(exc, tmp)
             if error is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
-        error = broadcast_object(error)  # committed (or not) for everyone before anyone goes on
+        error = broadcast_object(error, group)  # committed (or not) for everyone before anyone goes on
     if error is not None:
         previous = next((p for p in snapshots(root) if p != final), None)
         kept = f"the previous snapshot {previous} is intact" if previous else "there is no earlier snapshot"

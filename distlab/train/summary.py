@@ -185,6 +185,9 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "resharded_from": run.resharded_from,
         "restart_count": run.restart_count,
         "snapshot": run.last_snapshot,
+        # how long each snapshot of this attempt held the training up (--snapshot-async: the copy to host memory)
+        "snapshot_stall_s_median": statistics.median(run.snapshot_stalls) if run.snapshot_stalls else None,
+        "snapshot_async": cfg.snapshot_async,
         "evals": run.evals,
         "optimizer": cfg.optimizer,
         "lr": cfg.lr,
