@@ -81,6 +81,23 @@ def mapped_corpus(records: list[dict]) -> str:
                          "ms/step"], rows, markdown=True)
 
 
+def clipping_cost(records: list[dict]) -> str:
+    """``scripts/clipping_cost.py``: the main job's step with and without clipping, interleaved rounds."""
+    import statistics
+
+    from distlab.bench.common import format_table
+    by = {(r["variant"], r["round"]): r["time_per_step_s_median"] for r in records}
+    rounds = sorted({r["round"] for r in records})
+    ratios = [by[("clipped", i)] / by[("plain", i)] for i in rounds if ("clipped", i) in by and ("plain", i) in by]
+    rows = []
+    for variant in ("plain", "clipped"):
+        times = [by[(variant, i)] for i in rounds if (variant, i) in by]
+        ratio = "1.000x" if variant == "plain" else \
+            f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f})" if ratios else "-"
+        rows.append([variant, f"{1e3 * statistics.median(times):.2f}", ratio, str(len(times))])
+    return format_table(["variant", "ms/step (median of rounds)", "vs plain (range)", "rounds"], rows, markdown=True)
+
+
 def _kind(first: dict):
     """The table of a file whose records start with ``first`` (by the fields only that bench writes)."""
     from distlab.bench import (checkpointing, compression, elastic, overhead, parallel, pipeline, scaling,
@@ -101,6 +118,7 @@ def _kind(first: dict):
         (("samples_per_s_median",), dp),
         (("features",), syncbn),
         (("train_file_bytes", "peak_rss_mb"), mapped_corpus),
+        (("variant", "clip_grad_norm"), clipping_cost),
         (("snapshot_stall_s_median", "mode"), lambda r: snapshot_stall.table(r, markdown=True)),
     ]
     return next((table for fields, table in tables if all(f in first for f in fields)), None)

@@ -139,12 +139,18 @@ class Engine:
         :meth:`forward_backward` (the gradients are then synced and, under fp16, unscaled) and
         :meth:`step`. A non-finite norm scales nothing: fp16 skips the step, :meth:`step` refuses it
         otherwise."""
+        if not self._sharded:  # replicas of the whole reduced gradients: each rank's norm is the global one
+            return clip_by_global_norm_(self.parameters(), self._unit_weights, max_norm, reduce=False)
         return clip_by_global_norm_(self.parameters(), self._norm_weights, max_norm)
 
     @functools.cached_property
     def _norm_weights(self) -> torch.Tensor:
         """Per optimizer parameter, one over the ranks holding the same elements (collective on first use)."""
         return torch.tensor(norm_weights(placement_of(self)), dtype=torch.float64, device=self.precision.device)
+
+    @functools.cached_property
+    def _unit_weights(self) -> torch.Tensor:
+        return torch.ones(len(self.parameters()), dtype=torch.float64, device=self.precision.device)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """``optimizer.step()`` then what the layout needs after it (ZeRO 1-2: all-gather the updated
