@@ -3,6 +3,10 @@
 The layout lives in one :class:`~distlab.parallel.Strategy` field; everything else (model, data,
 optimizer, schedule, snapshots, outputs) is a plain field here. Messages name fields in
 backquotes (`global_batch_size`): the command line shows them as its flags.
+
+**Size.** One dataclass of every training setting beside its checks: each field's validation sits with
+the fields it is checked against (a capacity with its drop policy, an evaluation cap with its batch),
+and the config-file reading shares the same names.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ from distlab.data import canonical_name, dataset_shape, is_text, load_dataset
 from distlab.data.tokenizer import vocab_size as tokenizer_vocab
 from distlab.errors import ConfigError, did_you_mean, first_line
 from distlab.models import MOE_MODELS, TEXT_MODELS, check_model_name, is_user_model, parse_model_args
-from distlab.models.moe import DROP_POLICIES
 from distlab.parallel import Strategy
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -274,6 +277,7 @@ class TrainConfig:
                               f"dropless routing)")
         if not self.aux_coef >= 0:
             raise ConfigError(f"`aux_coef` must be 0 or more, not {self.aux_coef:g}")
+        from distlab.models.moe import DROP_POLICIES  # a mixture of experts is being built anyway
         _choice("drop_policy", self.drop_policy, DROP_POLICIES)
         if self.drop_policy != "position" and self.capacity_factor is None:
             raise ConfigError(f"`drop_policy` {self.drop_policy} picks which slots a full expert drops, and without "
