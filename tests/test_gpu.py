@@ -186,3 +186,20 @@ def _low_precision_resume(rank, world, tmp, device, precision):
 def test_a_low_precision_resume_is_bitwise_with_the_loss_scaler_restored(tmp_path, device, precision):
     (same, (a, b)), = run_ranks(_low_precision_resume, 1, tmp_path / "s", device, precision, **_on(device))
     assert same and a == b and (a is not None) == (precision == "fp16")
+
+
+@pytest.mark.gpu
+def test_a_mapped_corpus_trains_from_gpu_memory(tmp_path):
+    """A prepared corpus (uint16 tokens, memory-mapped) on a GPU: data_on_device widens it there and the
+    windows drawn are the host's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False here)")
+    from distlab.data import load_dataset
+    from distlab.data.tokens import prepare
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "book.txt").write_text("".join(f"paragraph {i} of the book\n\n" for i in range(40)))
+    prepare(tmp_path / "src", tmp_path / "tok", progress=False)
+    host = load_dataset(f"tokens:{tmp_path / 'tok'}", "train", block_size=8)
+    device = host.to("cuda")
+    idx = torch.tensor([0, 5, len(host) - 1])
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(device.batch(idx), host.batch(idx)))

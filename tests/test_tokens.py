@@ -98,3 +98,13 @@ def test_a_run_on_a_mapped_corpus_resumes_bitwise_on_two_ranks(run_cli, tmp_path
     summaries = [json.loads((tmp_path / d / "summary.json").read_text()) for d in ("straight", "half")]
     assert summaries[0]["test_loss"] == summaries[1]["test_loss"] and summaries[1]["resumed_from"]
     assert summaries[0]["tokenizer"] == "bpe:300" and (tmp_path / "straight" / "tokenizer.json").exists()
+
+
+def test_a_mapped_corpus_moved_to_a_device_is_widened_to_int32_and_draws_the_same_windows(tmp_path):
+    _corpus(tmp_path / "src")
+    token_files.prepare(tmp_path / "src", tmp_path / "out", "bpe:300", progress=False)
+    mapped = load_dataset(f"tokens:{tmp_path / 'out'}", "train", block_size=4)
+    moved = mapped.to("cpu")  # what data_on_device does on a GPU (uint16 indexing is not there on every device)
+    assert moved.tokens.dtype == torch.int32 and torch.equal(moved.tokens.long(), mapped.tokens.long())
+    idx = torch.tensor([0, 3, len(mapped) - 1])
+    assert all(torch.equal(a, b) for a, b in zip(moved.batch(idx), mapped.batch(idx)))

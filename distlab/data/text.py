@@ -101,8 +101,15 @@ class TextDataset:
 
     def to(self, device: torch.device | str) -> "TextDataset":
         """The same windows with the token stream on ``device`` (batches are then gathered there)."""
-        return replace(self, tokens=self.tokens.to(device),
-                       starts=self.starts.to(device) if self.starts is not None else None)
+        tokens = self.tokens
+        if tokens.dtype in (torch.uint16, torch.uint32):  # a prepared corpus's: widened in pieces to a type
+            wide = torch.empty(len(tokens), dtype=torch.int32, device=device)  # every device indexes
+            for i in range(0, len(tokens), 1 << 24):
+                wide[i:i + (1 << 24)] = tokens[i:i + (1 << 24)].to(torch.int32).to(device)
+            tokens = wide
+        else:
+            tokens = tokens.to(device)
+        return replace(self, tokens=tokens, starts=self.starts.to(device) if self.starts is not None else None)
 
     def subset(self, indices: torch.Tensor, split: str) -> "TextDataset":
         """The windows ``indices`` only (a validation split carved from the training windows)."""
