@@ -104,12 +104,15 @@ def test_a_full_expert_keeps_its_most_probable_slots_under_the_probs_policy():
     assert not torch.equal(out_prob, out_pos)  # the policies chose differently here
 
 
-def test_a_drop_policy_without_a_capacity_is_refused(refused_here):
+def test_a_drop_policy_without_a_capacity_or_routing_settings_without_experts_are_refused(refused_here):
     proc = refused_here("train", "--model", "gpt-moe", "--dataset", "synthetic-text:2000", "--drop-policy", "probs")
     assert "--drop-policy probs" in proc.stderr and "--capacity-factor" in proc.stderr
     proc = refused_here("train", "--model", "gpt-moe", "--dataset", "synthetic-text:2000", "--drop-policy", "random",
                         "--capacity-factor", "1")
     assert "--drop-policy" in proc.stderr and "probs" in proc.stderr
+    for flags in (("--capacity-factor", "1.25"), ("--drop-policy", "probs")):
+        proc = refused_here("train", "--model", "mlp", "--dataset", "synthetic:1x8x8:4:64", *flags)
+        assert f"{flags[0]} is for a mixture of experts' routing" in proc.stderr and "model mlp" in proc.stderr
 
 
 def _expert_layer(rank, world):

@@ -194,6 +194,11 @@ class TrainConfig:
                               f"{self.model} takes its own flags")
         if self.model in MOE_MODELS:
             self._check_experts()
+        else:  # a mixture of experts' routing settings on a model without one would do nothing
+            for name, unset in (("capacity_factor", None), ("drop_policy", "position")):
+                if getattr(self, name) != unset:
+                    raise ConfigError(f"`{name}` is for a mixture of experts' routing (--model "
+                                      f"{', '.join(MOE_MODELS)}); model {self.model} has no experts: drop `{name}`")
         self._check_components()
         if is_user_model(self.model):
             self._check_fit()
