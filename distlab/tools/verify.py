@@ -109,7 +109,8 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
     ``world_size`` is even -- tensor parallel over pairs of ranks in both styles, two-stage
     pipelines with each schedule and context parallel on the transformer in both styles, the
     mixture of experts with expert parallel, interleaved and zero-bubble pipelines (with tensor
-    parallel, context x pipeline and expert x pipeline where it divides by 4)."""
+    parallel, context x pipeline and expert x pipeline where it divides by 4); clipping by the global
+    norm over ZeRO-2's shards and, on an even world, over TP+SP's transformer with label smoothing."""
     out = [Strategy("gather-scatter")]
     out += [Strategy(m, c) for m in ("allreduce", "bucketed", "ddp") for c in COLLECTIVES]
     out += [Strategy(m, grad_accum=4) for m in SYNC_METHODS]
@@ -122,8 +123,11 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
     if world_size and world_size % 2 == 0:
         out += [Strategy("allreduce", tp=2), Strategy("allreduce", tp=2, tp_style="naive")]
         out += [Strategy("bucketed", pp=2, microbatches=3), Strategy("allreduce", pp=2, microbatches=4, pp_schedule="gpipe")]
-    cases = [Case(s) for s in out]
+    cases = [Case(s) for s in out] + [Case(Strategy(zero=2), clip=CLIP_NORM)]  # clipping over ZeRO's shards
     if world_size and world_size % 2 == 0:
+        # clipping over TP's replicated LayerNorms, label smoothing across the split vocabulary
+        cases += [Case(Strategy("allreduce", tp=2, sequence_parallel=True), model="gpt", clip=CLIP_NORM,
+                       smoothing=SMOOTHING)]
         cases += [Case(Strategy("bucketed", cp=2), model="gpt"), Case(Strategy("bucketed", cp=2, cp_style="ulysses"),
                                                                       model="gpt")]
         cases += [Case(Strategy("bucketed", ep=2), model="gpt-moe"),
