@@ -28,7 +28,9 @@ from distlab.bench.common import at_least, choose, format_table, machine, write
 from distlab.train.config import TrainConfig
 
 WORKLOADS = {"mlp": dict(model="mlp", mlp_widths=(512, 256), dataset="fashion-mnist", global_batch_size=64),
-             "gpt": dict(model="gpt", dataset="synthetic-text", global_batch_size=32)}
+             "gpt": dict(model="gpt", dataset="synthetic-text", global_batch_size=32),
+             # compute ~0 (16-8-2, batch 8): what is left of a step is the framework's own cost
+             "tiny": dict(model="mlp", mlp_widths=(8,), dataset="synthetic:1x4x4:2:8192", global_batch_size=8)}
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 

@@ -263,7 +263,8 @@ def bench_pipeline(nproc, microbatches, schedules, virtual, implementations, ste
 
 @bench.command("overhead")
 @click.option("--workloads", default="mlp,gpt", show_default=True,
-              help="mlp (784-512-256-10, batch 64, fashion-mnist) and gpt (the default GPT, 32 x 64 tokens).")
+              help="mlp (784-512-256-10, batch 64, fashion-mnist), gpt (the default GPT, 32 x 64 tokens) and tiny "
+                   "(16-8-2, batch 8: a step of almost no compute, the framework's own cost).")
 @click.option("--precisions", default="fp32,bf16", show_default=True, help="fp32, bf16, fp16 (GPU only).")
 @click.option("--steps", type=COUNT, default=300, show_default=True, help="Steps per side and round.")
 @click.option("--runs", type=COUNT, default=3, show_default=True, help="Interleaved rounds of every side.")
