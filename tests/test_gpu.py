@@ -192,8 +192,6 @@ def test_a_low_precision_resume_is_bitwise_with_the_loss_scaler_restored(tmp_pat
 def test_a_mapped_corpus_trains_from_gpu_memory(tmp_path):
     """A prepared corpus (uint16 tokens, memory-mapped) on a GPU: data_on_device widens it there and the
     windows drawn are the host's."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False here)")
     from distlab.data import load_dataset
     from distlab.data.tokens import prepare
     (tmp_path / "src").mkdir()
