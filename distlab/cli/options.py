@@ -262,6 +262,9 @@ STRATEGY_OPTIONS = [
     ("activation_checkpointing", dict(is_flag=True, help="Keep only each block's input (VGG stage, ResNet block, "
                                       "transformer block) and recompute the rest in backward: less activation "
                                       "memory for about a third more compute.")),
+    ("compile", dict(is_flag=True, help="Each block (transformer block, ResNet block, VGG stage's layers) through "
+                     "torch.compile: fused kernels, the same parameters and snapshots; the first step pays the "
+                     "compilation. Composes with every layout but the zero-bubble pipeline.")),
     ("precision", dict(help="fp32, bf16 (autocast in bfloat16: CPU and GPU) or fp16 (autocast in float16 with dynamic "
                        "loss scaling: GPU only); parameters and optimizer state stay float32.")),
     ("reduce_dtype", dict(default=None, help="Dtype gradients are communicated in: fp32, bf16 or fp16 (default: "

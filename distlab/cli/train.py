@@ -182,7 +182,7 @@ def generate(source, prompt, max_new_tokens, temperature, top_k, seed, n_head, t
 @click.option("--strategy", "strategies", multiple=True,
               help="A strategy in its text form, repeatable: METHOD[:COLLECTIVE] then +accum=K, +bucket=MB, +syncbn, "
                    "+tp=N, +naive, +sp, +cp=N, +ulysses, +ep=N, +zero=S, +pp=P, +mb=M, +gpipe/+1f1b/+zb, +vpp=V, "
-                   "+ckpt, +bf16, +reduce=DTYPE, +compress=C, and any registered component's +NAME; +adam (the "
+                   "+ckpt, +compile, +bf16, +reduce=DTYPE, +compress=C, and any registered component's +NAME; +adam (the "
                    "optimizer), +clip (gradients clipped by their global norm, every step), +smooth (the loss's "
                    "labels smoothed by 0.1), +gpt (the transformer) "
                    "or +gpt-moe (with mixture-of-experts MLPs: for +ep) (e.g. bucketed:ring+accum=4, "

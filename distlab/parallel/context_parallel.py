@@ -196,6 +196,7 @@ class RingAttention(nn.Module):
         super().__init__()
         self.group, self.layout, self.causal = group, layout, causal
 
+    @torch.compiler.disable  # a collective: run as it is under --compile (a graph break), never traced
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return _RingAttention.apply(q, k, v, self.group, self.layout, self.causal)
 
@@ -242,6 +243,7 @@ class UlyssesAttention(nn.Module):
         super().__init__()
         self.group, self.layout, self.causal = group, layout, causal
 
+    @torch.compiler.disable  # a collective: run as it is under --compile (a graph break), never traced
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n, rank = self.layout.cp, self.layout.rank
         if q.shape[1] % n:

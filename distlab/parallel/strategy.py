@@ -26,6 +26,7 @@ modifiers, e.g. ``bucketed:ring+accum=4+syncbn``, ``zero=3``, ``allreduce+tp=2+n
                     data-parallel ranks (tokens dispatched to them by all-to-all)
     zero=S          zero: ZeRO stage 1-3
     ckpt            activation_checkpointing: recompute each block's activations in backward
+    compile         compile: each block (transformer block, ResNet block, ...) through ``torch.compile``
     bf16, fp16      precision: forward and backward under autocast in that dtype (fp32 master
                     weights and optimizer state; fp16 with dynamic loss scaling, GPU only)
     reduce=DTYPE    reduce_dtype: the dtype gradients are communicated in (fp32, bf16, fp16)
@@ -72,7 +73,7 @@ _KEYS = {"reduce": "reduce_dtype", "compress": "grad_compression", "accum": "gra
 _WORDS = {"naive": ("tp_style", "naive"), "megatron": ("tp_style", "megatron"), "syncbn": ("sync_bn", "distlab"),
           "find_unused": ("find_unused", True), "find-unused": ("find_unused", True), "sp": ("sequence_parallel", True),
           "gpipe": ("pp_schedule", "gpipe"), "1f1b": ("pp_schedule", "1f1b"), "zb": ("pp_schedule", "zb"),
-          "ckpt": ("activation_checkpointing", True), "bf16": ("precision", "bf16"), "fp16": ("precision", "fp16"),
+          "ckpt": ("activation_checkpointing", True), "compile": ("compile", True), "bf16": ("precision", "bf16"), "fp16": ("precision", "fp16"),
           "fp32": ("precision", "fp32"), "ulysses": ("cp_style", "ulysses")}
 
 
@@ -99,6 +100,7 @@ class Strategy:
     pp_balance: tuple[int, ...] | None = None  # layers per stage; None: balanced by parameters
     pp_virtual: int = 1      # model chunks per pipeline rank (interleaved schedules)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    compile: bool = False    # each block through torch.compile (distlab.parallel.compile)
     precision: str = "fp32"  # autocast dtype of forward/backward (parameters and optimizer state stay fp32)
     reduce_dtype: str | None = None  # dtype of gradient communication; None: the gradients' own (fp32)
     grad_compression: str = "none"  # none, fp16, bf16, powersgd:R
@@ -280,6 +282,10 @@ class Strategy:
         if self.pp_schedule == "zb" and self.sequence_parallel:
             raise ConfigError("`pp_schedule` zb with `sequence_parallel`: a weight-gradient pass would run the sequence "
                               "all-gathers again; use `pp_schedule` 1f1b with sequence parallel")
+        if self.pp_schedule == "zb" and self.compile:
+            raise ConfigError("`pp_schedule` zb with `compile`: zero bubble takes each layer's weight gradient from "
+                              "that layer's own output, which a compiled block fuses away; use `pp_schedule` 1f1b "
+                              "(or interleaved, `pp_virtual`) with `compile`, or drop `compile`")
         if self.pp_schedule == "zb" and self.ep > 1:
             raise ConfigError(f"`pp_schedule` zb with `ep` {self.ep}: the experts' weight gradients sit behind the "
                               f"combine all-to-all, which a separate weight pass would run again; use `pp_schedule` 1f1b")
@@ -377,6 +383,8 @@ class Strategy:
             parts += [f"balance={':'.join(map(str, self.pp_balance))}"] if self.pp_balance else []
         if self.activation_checkpointing:
             parts.append("ckpt")
+        if self.compile:
+            parts.append("compile")
         if self.precision != "fp32":
             parts.append(self.precision)
         if self.reduce_dtype is not None:
@@ -401,7 +409,7 @@ class Strategy:
                 name = _KEYS.get(key, key)
                 if name not in _FIELDS:
                     raise ConfigError(f"strategy {text!r}: unknown modifier {token!r} (known: accum=K, bucket=MB, "
-                                      f"syncbn[=torch], find_unused, tp=N, naive, sp, cp=N, ulysses, ep=N, zero=S, pp=P, mb=M, gpipe, 1f1b, zb, vpp=V, ckpt, bf16, fp16, "
+                                      f"syncbn[=torch], find_unused, tp=N, naive, sp, cp=N, ulysses, ep=N, zero=S, pp=P, mb=M, gpipe, 1f1b, zb, vpp=V, ckpt, compile, bf16, fp16, "
                                       f"reduce=DTYPE, compress=C, or FIELD=VALUE with FIELD "
                                       f"one of {', '.join(_FIELDS)})")
                 values[name] = _convert(name, value, text)
@@ -449,6 +457,8 @@ class Strategy:
             del d["components"]
         else:
             d["components"] = list(self.components)
+        if not self.compile:  # and without compiling
+            del d["compile"]
         d["pp_schedule"] = self.pp_schedule if self.pp > 1 else None
         d["pp_balance"] = list(self.pp_balance) if self.pp_balance else None
         return d

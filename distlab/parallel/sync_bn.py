@@ -134,6 +134,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         if x.dim() < 2:
             raise ValueError(f"SyncBatchNorm expects (N, C, ...) input with at least 2 dimensions, got {x.dim()}")
 
+    @torch.compiler.disable  # a collective: run as it is under --compile (a graph break), never traced
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
         if x.shape[1] != self.num_features:

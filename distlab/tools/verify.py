@@ -110,7 +110,8 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
     pipelines with each schedule and context parallel on the transformer in both styles, the
     mixture of experts with expert parallel, interleaved and zero-bubble pipelines (with tensor
     parallel, context x pipeline and expert x pipeline where it divides by 4); clipping by the global
-    norm over ZeRO-2's shards and, on an even world, over TP+SP's transformer with label smoothing."""
+    norm over ZeRO-2's shards and, on an even world, over TP+SP's transformer with label smoothing;
+    the transformer's blocks compiled under ZeRO-3 and activation checkpointing."""
     out = [Strategy("gather-scatter")]
     out += [Strategy(m, c) for m in ("allreduce", "bucketed", "ddp") for c in COLLECTIVES]
     out += [Strategy(m, grad_accum=4) for m in SYNC_METHODS]
@@ -124,6 +125,8 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
         out += [Strategy("allreduce", tp=2), Strategy("allreduce", tp=2, tp_style="naive")]
         out += [Strategy("bucketed", pp=2, microbatches=3), Strategy("allreduce", pp=2, microbatches=4, pp_schedule="gpipe")]
     cases = [Case(s) for s in out] + [Case(Strategy(zero=2), clip=CLIP_NORM)]  # clipping over ZeRO's shards
+    # compiled transformer blocks, ZeRO-3's gathers between their pieces, recomputed by checkpointing
+    cases += [Case(Strategy(zero=3, activation_checkpointing=True, compile=True), model="gpt")]
     if world_size and world_size % 2 == 0:
         # clipping over TP's replicated LayerNorms, label smoothing across the split vocabulary
         cases += [Case(Strategy("allreduce", tp=2, sequence_parallel=True), model="gpt", clip=CLIP_NORM,
@@ -283,14 +286,16 @@ def reference_run(cfg: TrainConfig, norms: list[float] | None = None) -> tuple[l
 
 def _distributed_runs(rank: int, world: int, configs: list[TrainConfig]):
     from distlab import runtime
+    from distlab.parallel.compile import compiled_graphs
     from distlab.train import Trainer
 
     out = []
     for cfg in configs:
+        graphs = compiled_graphs()
         trainer = Trainer(cfg, runtime.from_process_group())
         trainer.fit()
         out.append((trainer.full_parameters(), [r["loss"] for r in trainer.history],
-                    [r["grad_norm"] for r in trainer.history if "grad_norm" in r]))
+                    [r["grad_norm"] for r in trainer.history if "grad_norm" in r], compiled_graphs() - graphs))
     return out if rank == 0 else None
 
 
@@ -312,7 +317,7 @@ def verify(strategies: list[Case], world_size: int, steps: int = 10, global_batc
     results = run_ranks(_distributed_runs, world_size, configs, timeout=timeout)[0]
     from distlab.bench.common import machine_facts
     records, facts = [], machine_facts()
-    for strategy, cfg, (params, losses, norms) in zip(strategies, configs, results):
+    for strategy, cfg, (params, losses, norms, graphs) in zip(strategies, configs, results):
         ref_norms: list[float] = []
         ref_params, ref_losses = reference_run(cfg, ref_norms)
         diffs = compare(params, losses, ref_params, ref_losses)
@@ -322,6 +327,8 @@ def verify(strategies: list[Case], world_size: int, steps: int = 10, global_batc
             diffs.update(first_rel_grad_norm_diff=rel[0], max_rel_grad_norm_diff=max(rel),
                          clipped_steps=sum(n > cfg.clip_grad_norm for n in ref_norms),
                          num_parameters=sum(p.numel() for p in ref_params))
+        if cfg.strategy.compile:  # rank 0's graphs compiled by this run (none: the blocks ran eagerly)
+            diffs["compiled_graphs"] = graphs
         passed = None if tol is None else diffs["max_abs_param_diff"] <= tol and diffs["max_loss_diff"] <= tol
         records.append({"strategy": strategy.name, "flags": strategy.flags(), "world_size": world_size,
                         "steps": steps, "model": cfg.model, "global_batch_size": cfg.global_batch_size, **diffs,

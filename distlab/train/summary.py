@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.models import count_parameters, is_user_model
+from distlab.parallel.compile import compiled_graphs
 from distlab.parallel.cost import Optim, data_parallel_bytes
 from distlab.plan.trace import trace
 from distlab.parallel.pipeline import ideal_bubble
@@ -132,6 +133,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "inactive": inactive_settings(strategy, trainer.mesh),  # settings that did nothing in this run, and why
         "cluster": emulated_cluster(),  # the emulated cluster's nodes and links the run crossed (None: none)
         "strategy_text": str(strategy),
+        "compiled_graphs": compiled_graphs() if strategy.compile else None,  # this rank's, by torch.compile
         "strategy_label": strategy.label(trainer.rt.world_size),
         "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "cp": mesh.cp, "ep": mesh.ep, "layout": mesh.describe()},
         **engine.schedule.report(cfg.timing_warmup_steps, rt.device),  # a pipeline's stages and bubble

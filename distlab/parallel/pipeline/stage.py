@@ -41,6 +41,7 @@ class ActivationMeter:
         self.live = self.peak = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _Held.unpack)
 
+    @torch.compiler.disable  # counted as it runs, never traced into a compiled block's graph
     def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
         key = storage.data_ptr()
@@ -77,11 +78,14 @@ class _Held:
         self.tensor, self.meter, self.key = tensor, meter, key
 
     @staticmethod
+    @torch.compiler.disable
     def unpack(held):
         return held.tensor if isinstance(held, _Held) else held
 
     def __del__(self):
-        self.meter._release(self.key)
+        meter = getattr(self, "meter", None)  # None: built by torch.compile's tracing, never counted
+        if meter is not None:
+            meter._release(self.key)
 
 
 def check_microbatches(batch: int | None, microbatches: int, what: str = "pipeline micro-batches") -> None:

@@ -16,11 +16,13 @@ from distlab.parallel.zero.units import Unit
 class GatherOnDemand:
     """The gather half of :class:`~distlab.parallel.zero.Zero` (attributes set by its constructor)."""
 
+    @torch.compiler.disable  # run as it is under --compile: a graph break, never traced
     def _before_forward(self, module: nn.Module, units: list[Unit]) -> None:
         if self._pinned:
             return
         self._fetch(module, units, forward=True)
 
+    @torch.compiler.disable  # run as it is under --compile: a graph break, never traced
     def _after_forward(self, units: list[Unit], module: nn.Module, out) -> None:
         if self._pinned:
             return
@@ -70,6 +72,7 @@ class GatherOnDemand:
             for u in self._by_module[module]:
                 u.free()
 
+    @torch.compiler.disable  # run as it is under --compile: a graph break, never traced
     def _linear(self, module: nn.Module, units: list[Unit], x: torch.Tensor) -> torch.Tensor:
         if self._pinned:
             return nn.functional.linear(x, module.weight, module.bias)

@@ -1,0 +1,63 @@
+"""``compile``: each block through torch.compile, equal to eager training on the layouts around it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distlab import runtime
+from distlab.errors import ConfigError
+from distlab.launch.spawn import run_ranks
+from distlab.parallel import Strategy
+from distlab.tools.verify import parse_strategy, verify
+from distlab.train import Trainer, TrainConfig
+
+
+def test_compiled_blocks_train_as_eager_around_zero3_tensor_parallel_and_a_pipeline():
+    """2 ranks: ZeRO-3 (its gathers run between compiled pieces) with checkpointed blocks, TP+SP (its
+    collectives likewise) and a 1F1B pipeline each train the eager single-process model within verify's
+    float32 bound -- and each run compiled graphs (no silent fall-back to eager)."""
+    cases = ["zero=3+ckpt+compile+gpt", "allreduce+tp=2+sp+compile+gpt", "bucketed+pp=2+mb=2+compile+gpt"]
+    for r in verify([parse_strategy(c) for c in cases], 2, steps=2, timeout=300):
+        assert r["passed"], r
+        assert r["compiled_graphs"] >= 1, r
+
+
+def test_compile_keeps_the_modules_parameters_and_snapshot_keys():
+    from distlab.models import build_model
+    from distlab.parallel.compile import apply_compile, compile_units
+    torch.manual_seed(0)
+    model = build_model("gpt", (8,), 16, n_layer=3, n_head=2, n_embd=8)
+    keys, params = list(model.state_dict()), list(model.parameters())
+    assert apply_compile(model) == 3  # the transformer blocks, not the embedding or the head
+    assert list(model.state_dict()) == keys and list(model.parameters()) == params
+    assert all(b._compiled_call_impl is not None for b in compile_units(model))
+    whole = torch.nn.Linear(2, 2)  # lists no blocks, holds no Sequential: compiled whole
+    assert compile_units(whole) == [whole]
+
+
+def test_compile_with_the_zero_bubble_pipeline_is_refused_before_launch(refused_here):
+    with pytest.raises(ConfigError, match="zero bubble takes each layer's weight gradient"):
+        Strategy.parse("bucketed+pp=2+mb=2+zb+compile").check(2)
+    proc = refused_here("train", "--model", "gpt", "--dataset", "synthetic-text:400", "--nproc-per-node", "2", "--pp", "2",
+                        "--pp-schedule", "zb", "--compile")
+    assert "--pp-schedule zb with --compile" in proc.stderr
+
+
+def _compiled_then_eager(rank, world, tmp):
+    settings = dict(model="gpt", n_layer=1, n_head=2, n_embd=8, block_size=8, dataset="synthetic-text:400",
+                    global_batch_size=4, lr=0.05, lr_schedule="constant", optimizer="sgd", seed=0, epochs=5,
+                    progress=False, verbose=False, eval_every_epoch=False, snapshot_dir=str(tmp), snapshot_every=2)
+    first = Trainer(TrainConfig.from_flags(**settings, max_steps=2, compile=True).validate(1),
+                    runtime.from_process_group()).fit()
+    second = Trainer(TrainConfig.from_flags(**settings, max_steps=3, resume="auto").validate(1),
+                     runtime.from_process_group()).fit()
+    return first, second
+
+
+def test_a_compiled_runs_snapshot_resumes_without_compile_as_the_same_layout(tmp_path):
+    first, second = run_ranks(_compiled_then_eager, 1, tmp_path, timeout=240)[0]
+    assert first["compiled_graphs"] >= 1 and "compile" in first["strategy_text"]
+    assert second["compiled_graphs"] is None and second["steps"] == 3
+    assert second["resumed_from"].endswith("step-00000002") and second["resharded_from"] is None
+    assert second["fingerprint"] == first["fingerprint"]
