@@ -10,15 +10,20 @@ alike), each side in a fresh process. The sides:
 * ``plain-resident`` (GPU runs only) -- the same loop with the data already in GPU memory, a batch
   gathered there by a shuffled permutation: the fastest plain loop;
 * ``distlab`` -- ``distlab train``'s :class:`~distlab.train.Trainer` on one process
-  (``data_on_device`` auto: resident on a GPU when the data fits).
+  (``data_on_device`` auto: resident on a GPU when the data fits);
+* with ``--compile``, also ``plain-compiled`` -- the plain loop with the whole model through
+  ``torch.compile`` (nanoGPT's way: the strongest plain baseline) -- and ``distlab-compiled``
+  (``distlab train --compile``: each block compiled); the table then gives distlab-compiled /
+  plain-compiled and the compiler's speed-up of distlab's step (distlab / distlab-compiled).
 
 A step is timed from taking its batch to the end of the optimizer step (the device synchronised on
-a GPU), first steps excluded; a side's time is its median step. Per round the ratio distlab / plain
+a GPU), first steps excluded (compilation happens in the first); a side's time is its median step. Per round the ratio distlab / plain
 is taken; the table gives the median ratio of the rounds and their range.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -47,8 +52,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _plain(rank: int, world: int, cfg: TrainConfig, device_name: str, resident: bool) -> dict:
-    """The plain loop: one process, no distlab in the step."""
+def _plain(rank: int, world: int, cfg: TrainConfig, device_name: str, resident: bool, compiled: bool = False) -> dict:
+    """The plain loop: one process, no distlab in the step (``compiled``: the model through torch.compile)."""
     from distlab.models import build_model, task_loss
     from distlab.train.metrics import median_excluding_warmup
 
@@ -57,6 +62,8 @@ def _plain(rank: int, world: int, cfg: TrainConfig, device_name: str, resident: 
     x_all, y_all = data.batch(torch.arange(len(data)))  # normalised once, as a Dataset's transform would
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, data.input_shape, data.num_classes, **cfg.model_options()).to(device)
+    if compiled:
+        model.compile()
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.strategy.precision)
     scaler = torch.amp.GradScaler(device.type) if cfg.strategy.precision == "fp16" else None
@@ -111,7 +118,7 @@ def _distlab(rank: int, world: int, cfg: TrainConfig, device_name: str) -> dict:
 
 def run(workloads=("mlp",), precisions=("fp32",), steps: int = 300, runs: int = 3, device: str = "auto",
         threads: int | None = None, dataset: str | None = None, data_dir: str | None = None, out=None,
-        progress=print) -> list[dict]:
+        progress=print, compile: bool = False) -> list[dict]:
     """Every workload x precision: ``runs`` interleaved rounds of each side; one record per side and round."""
     from distlab.runtime import cores, resolve_device
     from distlab.launch.spawn import run_ranks
@@ -130,7 +137,8 @@ def run(workloads=("mlp",), precisions=("fp32",), steps: int = 300, runs: int = 
             from distlab.data import locate
             locate(cfg.dataset, cfg.data_dir)
     threads = threads or cores()  # one process: every core, on both sides alike
-    sides = ["plain", *(["plain-resident"] if dev == "cuda" else []), "distlab"]
+    sides = ["plain", *(["plain-resident"] if dev == "cuda" else []), "distlab",
+             *(["plain-compiled", "distlab-compiled"] if compile else [])]
     records = []
     for workload in workloads:
         for precision in precisions:
@@ -138,13 +146,25 @@ def run(workloads=("mlp",), precisions=("fp32",), steps: int = 300, runs: int = 
             for r in range(runs):
                 progress(f"{workload} {precision} on {dev}: round {r + 1}/{runs} ...")
                 for side in sides:
-                    fn, args = (_distlab, (cfg, dev)) if side == "distlab" else (_plain, (cfg, dev, side != "plain"))
+                    if side.startswith("distlab"):
+                        mine = dataclasses.replace(cfg, strategy=cfg.strategy.replace(compile=side == "distlab-compiled"))
+                        fn, args = _distlab, (mine, dev)
+                    else:
+                        fn, args = _plain, (cfg, dev, side == "plain-resident", side == "plain-compiled")
                     res = run_ranks(fn, 1, *args, timeout=3600, threads=threads, gpus=dev == "cuda")[0]
                     records.append({"workload": workload, "model": cfg.model, "dataset": cfg.dataset,
                                     "precision": precision, "device": dev, "side": side, "round": r, "steps": steps,
                                     "global_batch_size": cfg.global_batch_size, **res, **machine(1, threads)})
     write(records, out, "overhead")
     return records
+
+
+COMPILED_RATIOS = {"compiled_ratio": ("distlab-compiled", "plain-compiled"),  # both compiled: distlab's cost
+                   "compile_speedup": ("distlab", "distlab-compiled")}  # what compiling gains distlab's step
+
+
+def _ratios(by: dict, a: str, b: str) -> list[float]:
+    return [by[a][k] / by[b][k] for k in by.get(a, {}) if k in by.get(b, {})]
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -155,26 +175,42 @@ def summarize(records: list[dict]) -> list[dict]:
         mine = [r for r in records if (r["workload"], r["precision"], r["device"]) == key]
         by = {side: {r["round"]: r["time_per_step_s_median"] for r in mine if r["side"] == side}
               for side in dict.fromkeys(r["side"] for r in mine)}
-        ratios = [by["distlab"][k] / by["plain"][k] for k in by["distlab"] if k in by.get("plain", {})]
-        rows.append({"workload": key[0], "precision": key[1], "device": key[2], "rounds": len(ratios),
-                     **{f"{side}_s": statistics.median(v.values()) for side, v in by.items()},
-                     "ratio_median": statistics.median(ratios) if ratios else None,
-                     "ratio_min": min(ratios, default=None), "ratio_max": max(ratios, default=None)})
+        ratios = _ratios(by, "distlab", "plain")
+        row = {"workload": key[0], "precision": key[1], "device": key[2], "rounds": len(ratios),
+               **{f"{side}_s": statistics.median(v.values()) for side, v in by.items()},
+               "ratio_median": statistics.median(ratios) if ratios else None,
+               "ratio_min": min(ratios, default=None), "ratio_max": max(ratios, default=None)}
+        for name, (a, b) in COMPILED_RATIOS.items():  # with --compile: per round, like the ratio above
+            if (got := _ratios(by, a, b)):
+                row.update({f"{name}_median": statistics.median(got), f"{name}_min": min(got), f"{name}_max": max(got)})
+        rows.append(row)
     return rows
 
 
 def table(records: list[dict], markdown: bool = False) -> str:
     rows = summarize(records)
     resident = any("plain-resident_s" in r for r in rows)
+    compiled = any("compiled_ratio_median" in r for r in rows)
     headers = ["workload", "precision", "device", "plain ms", *(["plain, data on GPU ms"] if resident else []),
-               "distlab ms", "distlab / plain", "range", "rounds"]
+               "distlab ms", "distlab / plain", "range",
+               *(["plain compiled ms", "distlab compiled ms", "compiled: distlab / plain", "range",
+                  "compile speed-up", "range"] if compiled else []), "rounds"]
     cells = []
     for r in rows:
         cells.append([r["workload"], r["precision"], r["device"], f"{1e3 * r['plain_s']:.2f}",
                       *([f"{1e3 * r['plain-resident_s']:.2f}" if "plain-resident_s" in r else "-"] if resident else []),
                       f"{1e3 * r['distlab_s']:.2f}", f"{r['ratio_median']:.2f}x",
-                      f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}", str(r["rounds"])])
+                      f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}",
+                      *(_compiled_cells(r) if compiled else []), str(r["rounds"])])
     return format_table(headers, cells, markdown)
+
+
+def _compiled_cells(r: dict) -> list[str]:
+    if "compiled_ratio_median" not in r:
+        return ["-"] * 6
+    return [f"{1e3 * r['plain-compiled_s']:.2f}", f"{1e3 * r['distlab-compiled_s']:.2f}",
+            f"{r['compiled_ratio_median']:.2f}x", f"{r['compiled_ratio_min']:.2f}-{r['compiled_ratio_max']:.2f}",
+            f"{r['compile_speedup_median']:.2f}x", f"{r['compile_speedup_min']:.2f}-{r['compile_speedup_max']:.2f}"]
 
 
 def figure(records: list[dict]):

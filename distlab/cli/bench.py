@@ -275,11 +275,14 @@ def bench_pipeline(nproc, microbatches, schedules, virtual, implementations, ste
 @click.option("--data-dir", default=None)
 @click.option("--out", callback=writable_dir, default="runs/bench", show_default=True, help="Writes OUT/overhead.json.")
 @click.option("--plot", "plot_dir", callback=writable_dir, default=None, help="Also write a ratio PNG here.")
-def bench_overhead(workloads, precisions, steps, runs, device, threads, dataset, data_dir, out, plot_dir):
+@click.option("--compile", "compiled", is_flag=True,
+              help="Also both sides compiled: the plain loop's whole model through torch.compile, distlab train "
+                   "--compile (each block): their ratio, and what compiling gains distlab's step.")
+def bench_overhead(workloads, precisions, steps, runs, device, threads, dataset, data_dir, out, plot_dir, compiled):
     """distlab's single-process step beside a plain PyTorch loop: same model, data, precision, device."""
     from distlab.bench import overhead
     records = overhead.run(workloads, precisions, steps, runs, device, threads, dataset, data_dir, out,
-                           progress=_progress)
+                           progress=_progress, compile=compiled)
     _finish(overhead, records, out, "overhead", plot_dir)
 
 
