@@ -69,3 +69,21 @@ def test_a_run_with_decay_groups_resumes_on_another_layout(run_cli, tmp_path):
     assert "resharded from 2 ranks (zero=2) to 2 (bucketed+tp=2)" in proc.stderr
     meta = json.loads(next((tmp_path / "s").glob("step-00000004")).joinpath("meta.json").read_text())
     assert meta["weight_decay_groups"] == "no decay on biases, norms, embeddings"
+
+
+@pytest.mark.parametrize("schedule,warmup", [("constant", 0), ("constant", 3), ("cosine", 0)])
+def test_every_schedule_keeps_lambda_lrs_state_and_rates(schedule, warmup):
+    """A constant schedule's step only counts; its state and rates stay LambdaLR's, step for step (so a
+    snapshot of either reads the same), as do the warm-up's and the cosine's."""
+    from distlab.train.config import TrainConfig
+    from distlab.train.optim import build_scheduler, lr_multiplier
+    cfg = TrainConfig(lr_schedule=schedule, warmup_steps=warmup)
+    ours, theirs = (torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1) for _ in range(2))
+    mine = build_scheduler(ours, cfg, 10)
+    ref = torch.optim.lr_scheduler.LambdaLR(theirs, lambda s: lr_multiplier(s, cfg, 10))
+    for _ in range(6):
+        ours.step(), theirs.step()
+        mine.step(), ref.step()
+        assert ours.param_groups[0]["lr"] == theirs.param_groups[0]["lr"]
+        assert {k: v for k, v in mine.state_dict().items() if k != "lr_lambdas"} == \
+            {k: v for k, v in ref.state_dict().items() if k != "lr_lambdas"}

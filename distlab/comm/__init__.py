@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.comm import accounting, butterfly, direct, gather_scatter, p2p, ring
-from distlab.comm.accounting import CommStats, counting
+from distlab.comm.accounting import CommStats, bytes_sent, counting
 from distlab.comm.ops import NATIVE, OPS, check_op, finish
 from distlab.errors import ConfigError
 
@@ -287,5 +287,5 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: 
                    lambda: tensor, False)
 
 
-__all__ = ["ALGORITHMS", "OPS", "CommStats", "Handle", "all_gather", "all_reduce", "broadcast", "check_algorithm",
-           "counting", "gather", "reduce_scatter", "resolve", "run_async", "scatter"]
+__all__ = ["ALGORITHMS", "OPS", "CommStats", "Handle", "all_gather", "all_reduce", "broadcast", "bytes_sent",
+           "check_algorithm", "counting", "gather", "reduce_scatter", "resolve", "run_async", "scatter"]

@@ -49,6 +49,11 @@ def stats() -> CommStats:
     return _STATS.copy()
 
 
+def bytes_sent() -> int:
+    """Bytes this process has sent so far (one number: what a training step reads before and after)."""
+    return _STATS.bytes_sent
+
+
 def reset() -> None:
     global _STATS
     _STATS = CommStats()

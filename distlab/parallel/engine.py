@@ -201,7 +201,8 @@ class Engine:
         x, y = self.shard(x, y)
         loss = self.schedule.forward_backward(self, x, y, loss_fn)
         self.sync()
-        self._found_inf = self.precision.unscale_(self.parameters())  # after the reduction: the same sums everywhere
+        # after the reduction (the same sums everywhere); only fp16's scaled gradients have anything to unscale
+        self._found_inf = self.precision.scales_loss and self.precision.unscale_(self.parameters())
         return loss
 
     @property

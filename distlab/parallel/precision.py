@@ -46,13 +46,24 @@ def scale_and_find_non_finite(grads: list[torch.Tensor], factor: float) -> torch
     ``factor`` 1 it is an exact finiteness check that changes no bit."""
     device = grads[0].device if grads else torch.device("cpu")
     found = torch.zeros(1, dtype=torch.float32, device=device)
-    inv = torch.full((1,), factor, dtype=torch.float32, device=device)
+    inv = _ONE.get(device) if factor == 1.0 else None  # the plain check's factor, made once per device
+    if inv is None:
+        inv = torch.full((1,), factor, dtype=torch.float32, device=device)
+        if factor == 1.0:
+            _ONE[device] = inv
+    dtype = grads[0].dtype if grads else None
+    if all(g.dtype == dtype for g in grads):  # the usual case: one dtype, one call
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+        return found
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)
     for same in by_dtype.values():
         torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv)
     return found
+
+
+_ONE: dict[torch.device, torch.Tensor] = {}  # never written to: the kernel reads its scale
 
 
 class LossScaler:

@@ -48,6 +48,11 @@ class Accumulate:
         if len(x) % k:  # never drop len(x) % k samples, nor weigh them differently
             raise ConfigError(f"a batch of {len(x)} samples does not split into {k} equal accumulation micro-batches "
                               f"(grad_accum): give a batch that {k} divides")
+        if k == 1:  # one micro-batch: the same step (a share of 1 is the default), without the split's contexts
+            with engine.precision.autocast():
+                loss = loss_fn(engine(x), y)
+            engine.precision.backward(loss)
+            return loss.detach().to(torch.float64)
         micro = len(x) // k
         total = None
         with step_share(1 / k):  # a loss the model adds itself (a mixture's balance loss) is divided alike

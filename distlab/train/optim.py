@@ -69,5 +69,17 @@ def lr_multiplier(step: int, cfg: TrainConfig, total_steps: int) -> float:
     return warm
 
 
+class _Constant(torch.optim.lr_scheduler.LambdaLR):
+    """A LambdaLR whose multiplier is 1 at every step: a step only counts (the same state as
+    LambdaLR's, so snapshots read alike), without recomputing a learning rate that never changes."""
+
+    def step(self, epoch=None) -> None:
+        if not hasattr(self, "_last_lr"):  # the constructor's first step sets the rates: LambdaLR's own
+            return super().step(epoch)
+        self._step_count += 1
+        self.last_epoch += 1
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, total_steps))
+    kind = _Constant if cfg.lr_schedule == "constant" and not cfg.warmup_steps else torch.optim.lr_scheduler.LambdaLR
+    return kind(optimizer, lambda step: lr_multiplier(step, cfg, total_steps))

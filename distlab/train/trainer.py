@@ -230,23 +230,24 @@ class Trainer:
             t0 = time.perf_counter()
             x, y = (t.to(self.rt.device, non_blocking=True) for t in next(batches))
             lr = self.optimizer.param_groups[0]["lr"]
-            with comm.counting() as sent:
-                self.optimizer.zero_grad(set_to_none=True)
-                loss = engine.forward_backward(x, y, self.loss_fn)
-                if cfg.clip_grad_norm:
-                    self._grad_norm = engine.clip_grad_norm_(cfg.clip_grad_norm)
-                try:
-                    engine.step(self.optimizer)
-                except NonFiniteError as exc:  # nothing applied: the state is still that of the last step
-                    self._nonfinite = f"step {run.step + 1}: {exc}"
-                    return "non_finite"
+            sent = comm.bytes_sent()  # the step's bytes: the counter's growth (one read each side)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = engine.forward_backward(x, y, self.loss_fn)
+            if cfg.clip_grad_norm:
+                self._grad_norm = engine.clip_grad_norm_(cfg.clip_grad_norm)
+            try:
+                engine.step(self.optimizer)
+            except NonFiniteError as exc:  # nothing applied: the state is still that of the last step
+                self._nonfinite = f"step {run.step + 1}: {exc}"
+                return "non_finite"
+            sent = comm.bytes_sent() - sent
             if not times.step:  # gradients and optimizer state all exist now: the peak of plain DP
                 engine.observe()
             self.scheduler.step()
             if self.rt.device.type == "cuda":
                 torch.cuda.synchronize(self.rt.device)
             step_s = time.perf_counter() - t0
-            times.add(step_s, engine.sync_seconds, sent.bytes_sent)
+            times.add(step_s, engine.sync_seconds, sent)
             self._window_s, self._window_timed = self._window_s + step_s, self._window_timed + 1
             run.advance(loss)
             self.bar.update(1)
