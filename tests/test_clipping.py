@@ -59,6 +59,30 @@ def test_a_non_finite_norm_scales_nothing_and_the_step_refuses_it():
         engine.step(opt)
 
 
+def test_a_clipped_step_takes_its_verdict_from_the_norm_without_another_pass(monkeypatch):
+    """The norm is finite iff every gradient is: a clipped step reads it instead of passing over the
+    gradients again -- and still refuses a NaN (one NaN entry, the norm NaN, nothing applied)."""
+    from distlab.parallel import Strategy, build_mesh, parallelize
+    torch.manual_seed(0)
+    engine = parallelize(torch.nn.Sequential(torch.nn.Linear(3, 2)), Strategy(), build_mesh(1))
+    opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+
+    def no_second_pass(*a):
+        raise AssertionError("a clipped step passed over the gradients again")
+    monkeypatch.setattr(engine, "_gradients_finite", no_second_pass)
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 0, 1])
+    engine.forward_backward(x, y, engine.loss)
+    engine.clip_grad_norm_(0.1)
+    assert engine.step(opt)
+    engine.forward_backward(x, y, engine.loss)
+    engine.module[0].bias.grad[1] = float("nan")
+    weights = [p.detach().clone() for p in engine.parameters()]
+    assert torch.isnan(engine.clip_grad_norm_(0.1))
+    with pytest.raises(NonFiniteError):
+        engine.step(opt)
+    assert all(torch.equal(a, b) for a, b in zip(weights, engine.parameters()))
+
+
 def test_clipping_is_refused_when_it_is_not_positive(refused_here):
     proc = refused_here("train", "--model", "mlp", "--dataset", "synthetic:1x4x4:2", "--clip-grad-norm", "0")
     assert proc.returncode == 2 and "--clip-grad-norm must be positive" in proc.stderr

@@ -201,3 +201,11 @@ def test_a_mapped_corpus_trains_from_gpu_memory(tmp_path):
     device = host.to("cuda")
     idx = torch.tensor([0, 5, len(host) - 1])
     assert all(torch.equal(a.cpu(), b) for a, b in zip(device.batch(idx), host.batch(idx)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_optimizer_is_one_fused_kernel_on_a_gpu_and_torchs_default_elsewhere(device):
+    from distlab.train.optim import build_optimizer
+    for name in ("sgd", "adam", "adamw"):
+        opt = build_optimizer([torch.nn.Parameter(torch.zeros(3, device=device))], _cfg(optimizer=name))
+        assert bool(opt.defaults.get("fused")) == (device == "cuda"), name

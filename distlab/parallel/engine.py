@@ -55,6 +55,7 @@ class Engine:
         self.head = head  # scores the output: the task's loss, or the vocabulary-parallel one
         self._found_inf = False  # fp16: this step's gradients overflowed on some rank (the step is skipped)
         self.check_finite = True  # step() refuses non-finite gradients (outside fp16's loss scaling)
+        self._norm_verdict: torch.Tensor | None = None  # this step's global norm (clipping): finite iff the gradients are
         self.sync_seconds = 0.0  # of the last step: gradient sync after backward + after_step
         self._sharded = grad_sync.sharded or mesh.splits_model  # ranks hold different model states
 
@@ -140,8 +141,13 @@ class Engine:
         :meth:`step`. A non-finite norm scales nothing: fp16 skips the step, :meth:`step` refuses it
         otherwise."""
         if not self._sharded:  # replicas of the whole reduced gradients: each rank's norm is the global one
-            return clip_by_global_norm_(self.parameters(), self._unit_weights, max_norm, reduce=False)
-        return clip_by_global_norm_(self.parameters(), self._norm_weights, max_norm)
+            norm = clip_by_global_norm_(self.parameters(), self._unit_weights, max_norm, reduce=False)
+        else:
+            norm = clip_by_global_norm_(self.parameters(), self._norm_weights, max_norm)
+        # The same verdict as step()'s pass over the gradients (one non-finite entry makes the norm
+        # non-finite; float32 squares cannot overflow their float64 sum), for the price of one read.
+        self._norm_verdict = norm
+        return norm
 
     @functools.cached_property
     def _norm_weights(self) -> torch.Tensor:
@@ -157,7 +163,9 @@ class Engine:
         shards) -- the one way to step: under fp16 loss scaling a step whose gradients
         overflowed on any rank is skipped on every rank. Returns whether the optimizer stepped."""
         scaled = self.precision.scales_loss
-        if not scaled and self.check_finite and not self._gradients_finite(optimizer):
+        norm, self._norm_verdict = self._norm_verdict, None
+        if not scaled and self.check_finite and not (
+                bool(torch.isfinite(norm)) if norm is not None else self._gradients_finite(optimizer)):
             # Before the update: the model and optimizer keep the last good state (a snapshot can save it).
             fp32 = "" if self.strategy.precision == "fp32" else f", or train in fp32 (not {self.strategy.precision})"
             raise NonFiniteError(f"the gradients are not finite (nan or inf) on some rank: the step was not "

@@ -39,16 +39,19 @@ def build_optimizer(params, cfg: TrainConfig, names: list[str] | None = None,
     their order) is in ``no_decay`` go to the second, with no decay -- the same parameters on every layout,
     however ZeRO, tensor or pipeline parallel cut them."""
     lr = cfg.effective_lr
+    params = list(params)
+    # On a GPU one fused kernel per step updates every tensor (torch's default there is foreach: a kernel
+    # per operation over all tensors); on the CPU torch's default.
+    kernel = {"fused": True} if params and all(p.is_cuda for p in params) else {}
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **kernel)
     if cfg.optimizer == "adamw":
         if decay_groups(cfg) and names is not None:
-            params = list(params)
             groups = [{"params": [p for p, n in zip(params, names) if n not in no_decay]},
                       {"params": [p for p, n in zip(params, names) if n in no_decay], "weight_decay": 0.0}]
-            return torch.optim.AdamW(groups, lr=lr, weight_decay=cfg.weight_decay)
-        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
-    return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
+            return torch.optim.AdamW(groups, lr=lr, weight_decay=cfg.weight_decay, **kernel)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, **kernel)
+    return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay, **kernel)
 
 
 def optimizer_index(optimizer: torch.optim.Optimizer, params: list) -> list[int]:
