@@ -357,6 +357,9 @@ TRAIN_OPTIONS = [
                             "in the background (the same files, checksums and atomic rename; at most one write in "
                             "flight): training stalls for the copy only.")),
     ("keep_snapshots", dict(type=int, help="Keep the newest K snapshots.")),
+    ("trace", dict(default=None, help="A:B -- record every rank's timeline of optimizer steps A to B (data, "
+                   "forward, backward, each bucket's all-reduce from issue to completion, the optimizer step) "
+                   "into OUT/trace.json, Chrome's trace format: open it in Perfetto or chrome://tracing.")),
     ("resume", dict(help="auto (newest good snapshot in --snapshot-dir; also the default after torchrun restarts "
                     "the workers) or a snapshot directory.")),
     ("init_from", dict(help="Start from the weights in this whole-model state_dict file (distlab export writes "

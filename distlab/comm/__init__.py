@@ -94,15 +94,23 @@ class Handle:
     process's communication thread for distlab's algorithms (:func:`run_async`). Waiting twice is
     waiting once."""
 
-    __slots__ = ("_finish", "_result")
+    __slots__ = ("_finish", "_result", "_notify")
 
-    def __init__(self, finish: Callable[[], torch.Tensor]):
-        self._finish, self._result = finish, None
+    def __init__(self, finish: Callable[[], torch.Tensor], notify: Callable[[Callable[[], None]], None] | None = None):
+        self._finish, self._result, self._notify = finish, None, notify
 
     def wait(self) -> torch.Tensor:
         if self._finish is not None:
             self._result, self._finish = self._finish(), None
         return self._result
+
+    def on_done(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` (from whichever thread completes the collective) once it has completed:
+        now if it has, or if what runs it cannot say (then at the latest at :meth:`wait`)."""
+        if self._notify is None or self._finish is None:
+            callback()
+        else:
+            self._notify(callback)
 
     @classmethod
     def completed(cls, result: torch.Tensor) -> "Handle":
@@ -129,7 +137,17 @@ def run_async(fn: Callable[..., torch.Tensor], *args, **kwargs) -> Handle:
             _THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distlab-comm",
                                          initializer=p2p.use_tag_space, initargs=(1,))
     future = _THREAD.submit(fn, *args, **kwargs)
-    return Handle(future.result)
+    return Handle(future.result, lambda cb: future.add_done_callback(lambda f: cb()))
+
+
+def _when_done(work, callback: Callable[[], None]) -> None:
+    """``callback()`` when torch's ``work`` completes (its future; at once where the backend has none)."""
+    try:
+        future = work.get_future()
+    except (RuntimeError, AttributeError):
+        callback()
+        return
+    future.add_done_callback(lambda f: callback())
 
 
 def _native(name: str, sent: int, received: int, start: Callable, finish: Callable[[], torch.Tensor],
@@ -139,7 +157,7 @@ def _native(name: str, sent: int, received: int, start: Callable, finish: Callab
     accounting.record_call(f"{name}/native")
     accounting.record_analytic(sent, received)
     work = start()
-    handle = Handle(lambda: (work.wait(), finish())[1])
+    handle = Handle(lambda: (work.wait(), finish())[1], lambda cb: _when_done(work, cb))
     return handle if async_op else handle.wait()
 
 

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distlab import comm
+from distlab.runtime import timeline
 from distlab.comm.accounting import allreduce_bytes_per_rank
 from distlab.errors import ConfigError
 from distlab.parallel.compression import CastCodec, Codec, PowerSGD, build_codec, bytes_per_rank
@@ -123,6 +124,10 @@ class AllReduceSync(SyncMethod):
     def sync(self, module: nn.Module) -> None:
         if self.world_size == 1:
             return
+        with timeline.span("all-reduce per parameter", "communication"):
+            self._sync(module)
+
+    def _sync(self, module: nn.Module) -> None:
         for i, p in enumerate(_grad_params(module)):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -165,6 +170,10 @@ class GatherScatterSync(SyncMethod):
     def sync(self, module: nn.Module) -> None:
         if self.world_size == 1:
             return
+        with timeline.span("gather to rank 0, scatter the mean", "communication"):
+            self._sync(module)
+
+    def _sync(self, module: nn.Module) -> None:
         params = _grad_params(module)
         flat = _flatten_grads(params)
         rank = dist.get_rank(self.group)
@@ -279,6 +288,10 @@ class BucketedSync(_BucketSync):
                                          self.buckets.index(bucket), self.collective, self.group)
         else:
             bucket.work = comm.all_reduce(bucket.buffer, "sum", self.collective, self.group, async_op=True)
+        if timeline.active():
+            size = bucket.buffer.numel() * bucket.buffer.element_size()
+            timeline.async_span(f"bucket {self.buckets.index(bucket)} all-reduce {timeline.size_text(size)}",
+                                bucket.work, bytes=size)
 
     # -- at the step ---------------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ from distlab.parallel.placement import placement_of
 from distlab.parallel.precision import Precision, scale_and_find_non_finite
 from distlab.parallel.protocols import GradSync, LossHead, ModelSharding, StepSchedule
 from distlab.parallel.strategy import Strategy
+from distlab.runtime import timeline
 
 
 class Engine:
@@ -127,7 +128,8 @@ class Engine:
     def sync(self) -> None:
         """After the step's last backward: make every gradient (or gradient shard) the global mean."""
         t0 = time.perf_counter()
-        self.grad_sync.sync_gradients()
+        with timeline.span("gradient sync"):  # on the training thread: the sync's own work and its waits
+            self.grad_sync.sync_gradients()
         for component in self.components:  # the reductions the sync does not make (expert gradients)
             component.reduce_gradients()
         self.sync_seconds = time.perf_counter() - t0
@@ -140,10 +142,11 @@ class Engine:
         :meth:`forward_backward` (the gradients are then synced and, under fp16, unscaled) and
         :meth:`step`. A non-finite norm scales nothing: fp16 skips the step, :meth:`step` refuses it
         otherwise."""
-        if not self._sharded:  # replicas of the whole reduced gradients: each rank's norm is the global one
-            norm = clip_by_global_norm_(self.parameters(), self._unit_weights, max_norm, reduce=False)
-        else:
-            norm = clip_by_global_norm_(self.parameters(), self._norm_weights, max_norm)
+        with timeline.span("clip by the global norm"):
+            if not self._sharded:  # replicas of the whole reduced gradients: each rank's norm is the global one
+                norm = clip_by_global_norm_(self.parameters(), self._unit_weights, max_norm, reduce=False)
+            else:
+                norm = clip_by_global_norm_(self.parameters(), self._norm_weights, max_norm)
         # The same verdict as step()'s pass over the gradients (one non-finite entry makes the norm
         # non-finite; float32 squares cannot overflow their float64 sum), for the price of one read.
         self._norm_verdict = norm
@@ -164,15 +167,18 @@ class Engine:
         overflowed on any rank is skipped on every rank. Returns whether the optimizer stepped."""
         scaled = self.precision.scales_loss
         norm, self._norm_verdict = self._norm_verdict, None
-        if not scaled and self.check_finite and not (
-                bool(torch.isfinite(norm)) if norm is not None else self._gradients_finite(optimizer)):
+        with timeline.span("finite check"):
+            finite = scaled or not self.check_finite or (
+                bool(torch.isfinite(norm)) if norm is not None else self._gradients_finite(optimizer))
+        if not finite:
             # Before the update: the model and optimizer keep the last good state (a snapshot can save it).
             fp32 = "" if self.strategy.precision == "fp32" else f", or train in fp32 (not {self.strategy.precision})"
             raise NonFiniteError(f"the gradients are not finite (nan or inf) on some rank: the step was not "
                                  f"applied; lower the learning rate or check the data{fp32}")
         stepped = not self._found_inf  # only fp16's scaling finds an overflow to skip
         if stepped:
-            optimizer.step()
+            with timeline.span("optimizer step"):
+                optimizer.step()
         self.precision.update(self._found_inf)
         t0 = time.perf_counter()
         self.grad_sync.after_step()  # ZeRO 1-2: all-gather the updated shards

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from distlab.errors import ConfigError
 from distlab.models.aux_loss import step_share
 from distlab.parallel.pipeline import ActivationMeter, PipelineStage, ideal_bubble
-from distlab.runtime import reduce_scalars
+from distlab.runtime import reduce_scalars, timeline
 
 
 class Accumulate:
@@ -49,9 +49,10 @@ class Accumulate:
             raise ConfigError(f"a batch of {len(x)} samples does not split into {k} equal accumulation micro-batches "
                               f"(grad_accum): give a batch that {k} divides")
         if k == 1:  # one micro-batch: the same step (a share of 1 is the default), without the split's contexts
-            with engine.precision.autocast():
+            with timeline.span("forward"), engine.precision.autocast():
                 loss = loss_fn(engine(x), y)
-            engine.precision.backward(loss)
+            with timeline.span("backward"):
+                engine.precision.backward(loss)
             return loss.detach().to(torch.float64)
         micro = len(x) // k
         total = None
@@ -59,9 +60,10 @@ class Accumulate:
             for i in range(k):
                 xm, ym = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
                 with engine.no_sync() if i < k - 1 else contextlib.nullcontext():
-                    with engine.precision.autocast():
+                    with timeline.span("forward", micro_batch=i), engine.precision.autocast():
                         loss = loss_fn(engine(xm), ym) / k
-                    engine.precision.backward(loss)
+                    with timeline.span("backward", micro_batch=i):
+                        engine.precision.backward(loss)
                 # the micro-batch losses summed in float64, as Python floats would be; read when the caller wants
                 part = loss.detach().to(torch.float64)
                 total = part if total is None else total + part

@@ -10,12 +10,14 @@ restarts lives in :class:`~distlab.train.run_state.RunState`; ``summary.json`` i
 from __future__ import annotations
 
 import functools
+import json
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from distlab import comm
@@ -26,7 +28,7 @@ from distlab.errors import ConfigError, DistributedError, NonFiniteError, first_
 from distlab.models import build_model, count_parameters, snapshot_record
 from distlab.parallel import build_mesh, parallelize
 from distlab.parallel.placement import placement_of
-from distlab.runtime import Runtime, is_comm_failure, roll_call, seed_everything, tune_host_allocator
+from distlab.runtime import Runtime, is_comm_failure, roll_call, seed_everything, timeline, tune_host_allocator
 from distlab.train.config import TrainConfig
 from distlab.train.evaluate import evaluate, first_batches
 from distlab.train.throughput import Throughput
@@ -112,6 +114,7 @@ class Trainer:
         self._nonfinite = ""  # why the run stopped on non-finite gradients
         self._predictions = None  # (step, confusion matrix, misclassified rows) of the newest evaluation
         self._grad_norm = None  # the last step's gradient norm before clipping (a device tensor), with clipping
+        self.trace_record: dict | None = None  # --trace: where the timeline went, its steps, spans and clock residual
 
     @property
     def net(self) -> torch.nn.Module:
@@ -194,6 +197,8 @@ class Trainer:
         start = time.perf_counter()
         with Preemption(self.rt.device) as preemption:
             stopped = self._loop(times, preemption)
+        if timeline.active():  # the run ended inside the traced steps: what was recorded
+            self._write_trace(cfg.trace_steps())
         self.bar.close()
         if stopped == "time_budget" and (not run.evals or run.evals[-1]["step"] != run.step):
             result = self._evaluate(run.step // self.steps_per_epoch)
@@ -220,7 +225,10 @@ class Trainer:
         """Steps until the end, the time budget or a preemption; returns which stopped it."""
         cfg, run, engine = self.cfg, self.run, self.engine
         batches = None
+        traced = cfg.trace_steps() if cfg.trace else None
         while run.step < self.total_steps:
+            if traced and traced[0] <= run.step + 1 <= traced[1]:
+                timeline.start(self.rt.rank)
             epoch, position = divmod(run.step, self.steps_per_epoch)
             if batches is None or position == 0:
                 self.loader.set_epoch(epoch)
@@ -228,7 +236,8 @@ class Trainer:
             if run.out_of_time(times.step):
                 return "time_budget"
             t0 = time.perf_counter()
-            x, y = (t.to(self.rt.device, non_blocking=True) for t in next(batches))
+            with timeline.span("data"):
+                x, y = (t.to(self.rt.device, non_blocking=True) for t in next(batches))
             lr = self.optimizer.param_groups[0]["lr"]
             sent = comm.bytes_sent()  # the step's bytes: the counter's growth (one read each side)
             self.optimizer.zero_grad(set_to_none=True)
@@ -250,6 +259,8 @@ class Trainer:
             times.add(step_s, engine.sync_seconds, sent)
             self._window_s, self._window_timed = self._window_s + step_s, self._window_timed + 1
             run.advance(loss)
+            if traced and run.step == traced[1]:
+                self._write_trace(traced)
             self.bar.update(1)
             for hook in self.hooks:
                 hook(run.step)
@@ -266,6 +277,27 @@ class Trainer:
             if reason:
                 return reason
         return "completed"
+
+    def _write_trace(self, steps: tuple[int, int]) -> None:
+        """Every rank's recorded spans, on rank 0's clock, into OUT/trace.json (collective)."""
+        rec = timeline.stop()
+        offset, residual = timeline.clock_offset()
+        mine = {"rank": self.rt.rank, "offset_ns": offset, "residual_ns": residual,
+                "spans": rec.spans if rec is not None else []}
+        everyone = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+        path = Path(self.cfg.out) / "trace.json"
+        trace = timeline.chrome_trace(everyone)
+        trace["otherData"] = {"steps": list(steps), "clock_residual_us": max(r["residual_ns"] for r in everyone) / 1e3,
+                              "clock": "each rank's monotonic clock, shifted onto rank 0's by barrier releases"}
+        if self.rt.is_main:
+            atomic_write_text(path, json.dumps(trace))
+        self.trace_record = {"path": str(path), "steps": list(steps), "ranks": len(everyone),
+                             "spans": sum(len(r["spans"]) for r in everyone), **trace["otherData"]}
+        self.say(f"trace of steps {steps[0]}-{steps[1]}: {path} ({self.trace_record['spans']} spans from "
+                 f"{len(everyone)} ranks; clocks aligned within {trace['otherData']['clock_residual_us']:.0f} us)")
 
     # ------------------------------------------------------------------ logging and evaluation
 

@@ -1,0 +1,135 @@
+"""Per-rank timelines: when each rank computes, communicates and waits, as spans on one clock.
+
+A :class:`Recorder` is on only between :func:`start` and :func:`stop` (``--trace A:B``: optimizer
+steps A to B). While it is off, :func:`span` returns one shared do-nothing context and
+:func:`async_span` returns at once: the traced code pays an attribute read.
+
+* :func:`span` -- ``with timeline.span("backward"):`` -- times a block of this thread;
+* :func:`async_span` -- a collective from its issue to its completion, whichever thread completes
+  it (torch's work future, distlab's communication thread): an all-reduce that overlaps the
+  backward shows as such.
+
+Spans carry a **lane** -- ``compute`` (the training thread: data, forward, backward, optimizer),
+``communication`` (collectives, synchronous or in flight) and ``pipeline`` (a stage's sends,
+receives and waits) -- one track each in the written trace.
+
+**One clock for all ranks.** Each rank stamps with its monotonic clock (``time.perf_counter_ns``);
+:func:`clock_offset` estimates this rank's offset from rank 0's once, from the moments several
+barriers release every rank (median of the rounds), and the spread of those estimates is the
+residual the trace states: on one host the clocks are the same and the offset is the barrier's own
+skew.
+
+:func:`chrome_trace` turns every rank's spans into Chrome's Trace Event Format (one process per
+rank, one thread per lane; ``ts``/``dur`` in microseconds), which Perfetto and chrome://tracing open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import threading
+import time
+
+import torch.distributed as dist
+
+LANES = ("compute", "communication", "pipeline")  # a trace's tracks, in this order
+
+
+class Recorder:
+    """Spans of one rank: ``(name, lane, start_ns, end_ns, args)``, appended from any thread."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.spans: list[tuple[str, str, int, int, dict]] = []
+        self._lock = threading.Lock()
+
+    def add(self, name: str, lane: str, start: int, end: int, args: dict | None = None) -> None:
+        with self._lock:
+            self.spans.append((name, lane, start, end, args or {}))
+
+
+_ACTIVE: Recorder | None = None
+_OFF = contextlib.nullcontext()
+
+
+def start(rank: int) -> Recorder:
+    """Record this rank's spans from now (a recorder already on keeps its spans)."""
+    global _ACTIVE
+    if _ACTIVE is None:
+        _ACTIVE = Recorder(rank)
+    return _ACTIVE
+
+
+def stop() -> Recorder | None:
+    """Stop recording; the recorder with its spans (None: none was on)."""
+    global _ACTIVE
+    rec, _ACTIVE = _ACTIVE, None
+    return rec
+
+
+def active() -> bool:
+    return _ACTIVE is not None
+
+
+@contextlib.contextmanager
+def _timed(rec: Recorder, name: str, lane: str, args: dict):
+    t0 = time.perf_counter_ns()
+    try:
+        yield
+    finally:
+        rec.add(name, lane, t0, time.perf_counter_ns(), args)
+
+
+def span(name: str, lane: str = "compute", **args):
+    """``with span(...):`` times the block on ``lane`` while recording; nothing otherwise."""
+    rec = _ACTIVE
+    return _OFF if rec is None else _timed(rec, name, lane, args)
+
+
+def async_span(name: str, handle, lane: str = "communication", **args) -> None:
+    """A collective under way from now until ``handle`` (a :class:`distlab.comm.Handle`) completes."""
+    rec = _ACTIVE
+    if rec is None:
+        return
+    t0 = time.perf_counter_ns()
+    handle.on_done(lambda: rec.add(name, lane, t0, time.perf_counter_ns(), args))
+
+
+def size_text(nbytes: int) -> str:
+    """``1.9 MB``, ``12 KB``: a message's size in a span's name."""
+    return f"{nbytes / 2**20:.1f} MB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KB"
+
+
+def clock_offset(rounds: int = 5) -> tuple[int, int]:
+    """(this rank's offset to add to its stamps to get rank 0's clock, the residual), in ns, both 0 on
+    one process. Collective: every rank reads its clock as each of ``rounds`` barriers releases it."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return 0, 0
+    estimates = []
+    for _ in range(rounds):
+        dist.barrier()
+        now = time.perf_counter_ns()
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, now)
+        estimates.append(everyone[0] - now)
+    offset = int(statistics.median(estimates))
+    return offset, int(max(estimates) - min(estimates))
+
+
+def chrome_trace(ranks: list[dict]) -> dict:
+    """Chrome's Trace Event Format of every rank's spans; ``ranks``: per rank ``{"rank", "offset_ns",
+    "spans"}`` (:meth:`Recorder.spans`, stamped on that rank's clock)."""
+    starts = [s[2] + r["offset_ns"] for r in ranks for s in r["spans"]]
+    origin = min(starts) if starts else 0
+    events = []
+    for r in ranks:
+        pid = r["rank"]
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": f"rank {pid}"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
+        for tid, lane in enumerate(LANES):
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": lane}})
+        for name, lane, t0, t1, args in r["spans"]:
+            events.append({"ph": "X", "name": name, "cat": lane, "pid": pid, "tid": LANES.index(lane),
+                           "ts": (t0 + r["offset_ns"] - origin) / 1e3, "dur": max(t1 - t0, 0) / 1e3,
+                           **({"args": args} if args else {})})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}

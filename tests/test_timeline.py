@@ -1,0 +1,82 @@
+"""Per-rank timelines (--trace A:B): every rank's spans in Chrome's Trace Event Format, one clock."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from distlab import runtime
+from distlab.errors import ConfigError
+from distlab.launch.spawn import run_ranks
+from distlab.runtime import timeline
+from distlab.train import Trainer, TrainConfig
+
+
+def _cfg(out, **kw):
+    settings = dict(model="mlp", mlp_widths=(256, 128), dataset="synthetic:1x16x16:4:640", global_batch_size=64,
+                    max_steps=4, epochs=1, lr=0.05, optimizer="sgd", seed=0, progress=False, verbose=False,
+                    eval_every_epoch=False, out=str(out), trace="2:3")
+    return TrainConfig.from_flags(**{**settings, **kw})
+
+
+def _train(rank, world, cfg):
+    return Trainer(cfg.validate(world), runtime.from_process_group()).fit()["trace"]
+
+
+def _spans(path) -> list[dict]:
+    """trace.json checked against the Trace Event Format: metadata names every rank and lane, every
+    complete event has a name, a category, a process, a thread and a non-negative time and duration."""
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"]
+    assert trace["displayTimeUnit"] == "ms" and events
+    for e in events:
+        assert e["ph"] in ("X", "M") and isinstance(e["pid"], int) and isinstance(e["tid"], int), e
+        if e["ph"] == "X":
+            assert e["name"] and e["cat"] in timeline.LANES and e["ts"] >= 0 and e["dur"] >= 0, e
+            assert e["tid"] == timeline.LANES.index(e["cat"])
+    named = {(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert named == {(0, "rank 0"), (1, "rank 1")}
+    return [e for e in events if e["ph"] == "X"]
+
+
+def _overlaps(a: dict, b: dict) -> bool:
+    return a["ts"] < b["ts"] + b["dur"] and b["ts"] < a["ts"] + a["dur"]
+
+
+@pytest.mark.parametrize("method", ["bucketed", "gather-scatter"])
+def test_a_traced_run_shows_each_ranks_spans_and_whether_communication_hides_behind_backward(tmp_path, method):
+    """Steps 2-3 of a 2-rank run: both ranks' data, forward, backward and optimizer spans, two of each;
+    the bucketed sync's all-reduces run while the backward still computes, gather-scatter's only after it."""
+    record = run_ranks(_train, 2, _cfg(tmp_path, dp_sync=method, bucket_mb=0.05), timeout=120)[0]
+    assert record["steps"] == [2, 3] and record["ranks"] == 2 and record["clock_residual_us"] >= 0
+    spans = _spans(tmp_path / "trace.json")
+    for rank in (0, 1):
+        mine = [s for s in spans if s["pid"] == rank]
+        for name in ("data", "forward", "backward", "gradient sync", "finite check", "optimizer step"):
+            assert sum(s["name"] == name for s in mine) == 2, (rank, name)
+        comm = [s for s in mine if s["cat"] == "communication"]
+        backward = [s for s in mine if s["name"] == "backward"]
+        hidden = [c for c in comm if any(_overlaps(c, b) for b in backward)]
+        if method == "bucketed":
+            assert len(comm) >= 2 * 3 and all(c["name"].startswith("bucket ") for c in comm)
+            assert hidden, "no bucket's all-reduce overlapped a backward"
+        else:
+            assert [c["name"] for c in comm] == ["gather to rank 0, scatter the mean"] * 2 and not hidden
+
+
+def test_recording_is_off_outside_the_traced_steps():
+    assert not timeline.active()
+    assert timeline.span("forward") is timeline.span("backward")  # one shared do-nothing context
+    timeline.async_span("bucket 0", handle=None)  # returns before touching the handle
+    rec = timeline.start(0)
+    with timeline.span("forward", micro_batch=1):
+        pass
+    assert timeline.stop() is rec and [s[:2] for s in rec.spans] == [("forward", "compute")]
+    assert rec.spans[0][4] == {"micro_batch": 1} and rec.spans[0][3] >= rec.spans[0][2]
+
+
+@pytest.mark.parametrize("text,why", [("3", "give `out`"), ("a:b", "A:B"), ("0:2", "count from 1"), ("5:2", "A <= B")])
+def test_unreadable_trace_steps_are_refused(text, why):
+    with pytest.raises(ConfigError, match=why):
+        TrainConfig(trace=text, out=None if text == "3" else "run").validate(1)
