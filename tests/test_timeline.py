@@ -63,6 +63,14 @@ def test_a_traced_run_shows_each_ranks_spans_and_whether_communication_hides_beh
             assert hidden, "no bucket's all-reduce overlapped a backward"
         else:
             assert [c["name"] for c in comm] == ["gather to rank 0, scatter the mean"] * 2 and not hidden
+    # the summary's reading of the same spans; the report draws the run's Gantt chart
+    assert (record["hidden_communication"] > 0) == (method == "bucketed")
+    assert record["hidden_communication"] <= 1 and record["exposed_communication_s_per_step"] > 0
+    from distlab.tools.report import write_report
+    inputs = write_report([str(tmp_path)], tmp_path / "report.html", images=tmp_path / "img")
+    page = (tmp_path / "report.html").read_text()
+    assert "<h2>Timelines</h2>" in page and "rank 1" not in inputs.problems.__repr__()
+    assert len(inputs.images) >= 2  # the loss curves and the timeline
 
 
 def test_recording_is_off_outside_the_traced_steps():

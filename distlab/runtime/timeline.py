@@ -13,11 +13,10 @@ Spans carry a **lane** -- ``compute`` (the training thread: data, forward, backw
 ``communication`` (collectives, synchronous or in flight) and ``pipeline`` (a stage's sends,
 receives and waits) -- one track each in the written trace.
 
-**One clock for all ranks.** Each rank stamps with its monotonic clock (``time.perf_counter_ns``);
-:func:`clock_offset` estimates this rank's offset from rank 0's once, from the moments several
-barriers release every rank (median of the rounds), and the spread of those estimates is the
-residual the trace states: on one host the clocks are the same and the offset is the barrier's own
-skew.
+**One clock for all ranks.** Each rank stamps with its monotonic clock (``time.perf_counter_ns``),
+which every process of one machine shares: ranks on rank 0's machine need no correction. A rank on
+another machine estimates its offset from rank 0's once, from the moments several barriers release
+every rank (median of the rounds); the spread of those estimates is the residual the trace states.
 
 :func:`chrome_trace` turns every rank's spans into Chrome's Trace Event Format (one process per
 rank, one thread per lane; ``ts``/``dur`` in microseconds), which Perfetto and chrome://tracing open.
@@ -26,6 +25,7 @@ rank, one thread per lane; ``ts``/``dur`` in microseconds), which Perfetto and c
 from __future__ import annotations
 
 import contextlib
+import socket
 import statistics
 import threading
 import time
@@ -105,6 +105,12 @@ def clock_offset(rounds: int = 5) -> tuple[int, int]:
     one process. Collective: every rank reads its clock as each of ``rounds`` barriers releases it."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return 0, 0
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, (socket.gethostname(), _boot_id()))
+    if hosts[dist.get_rank()] == hosts[0]:  # rank 0's machine: the same monotonic clock, nothing to estimate
+        same = all(h == hosts[0] for h in hosts)
+        if same:
+            return 0, 0
     estimates = []
     for _ in range(rounds):
         dist.barrier()
@@ -112,8 +118,18 @@ def clock_offset(rounds: int = 5) -> tuple[int, int]:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, now)
         estimates.append(everyone[0] - now)
+    if hosts[dist.get_rank()] == hosts[0]:
+        return 0, 0
     offset = int(statistics.median(estimates))
     return offset, int(max(estimates) - min(estimates))
+
+
+def _boot_id() -> str:
+    """This boot of this machine (network namespaces of one host share its hostname and its clock)."""
+    try:
+        return open("/proc/sys/kernel/random/boot_id").read().strip()
+    except OSError:
+        return ""
 
 
 def chrome_trace(ranks: list[dict]) -> dict:
@@ -133,3 +149,67 @@ def chrome_trace(ranks: list[dict]) -> dict:
                            "ts": (t0 + r["offset_ns"] - origin) / 1e3, "dur": max(t1 - t0, 0) / 1e3,
                            **({"args": args} if args else {})})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+# ---------------------------------------------------------------------------- reading a trace
+
+WAITS = ("gradient sync",)  # compute-lane spans that mostly wait for communication: not compute
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _common(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
+    """The length of the intersection of two unions (each sorted and disjoint)."""
+    total, i, j = 0.0, 0, 0
+    while i < len(x) and j < len(y):
+        total += max(0.0, min(x[i][1], y[j][1]) - max(x[i][0], y[j][0]))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def analyze(trace: dict) -> dict:
+    """What a trace says, per rank and overall (times in seconds): the window each rank was traced
+    (first span to last) per step, its compute (compute-lane spans but the sync's waits), its
+    communication (the communication lane's union), the share of that communication hidden behind
+    its compute, the communication left exposed per step, and the slowest rank (the most compute:
+    the others wait for it)."""
+    steps = trace.get("otherData", {}).get("steps") or [1, 1]
+    n = max(1, steps[1] - steps[0] + 1)
+    by_rank: dict[int, list[dict]] = {}
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X":
+            by_rank.setdefault(e["pid"], []).append(e)
+    ranks = []
+    for rank, events in sorted(by_rank.items()):
+        def lane(name, keep=lambda e: True):
+            return _union([(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in events
+                           if e["cat"] == name and keep(e)])
+        compute = lane("compute", lambda e: e["name"] not in WAITS)
+        comm = lane("communication")
+        window = max(e["ts"] + e["dur"] for e in events) / 1e6 - min(e["ts"] for e in events) / 1e6
+        hidden = _common(comm, compute)
+        ranks.append({"rank": rank, "window_s_per_step": window / n, "compute_s_per_step": _length(compute) / n,
+                      "communication_s_per_step": _length(comm) / n,
+                      "hidden_communication": hidden / _length(comm) if comm else None,
+                      "exposed_communication_s_per_step": (_length(comm) - hidden) / n})
+    comm_total = sum(r["communication_s_per_step"] for r in ranks)
+    hidden_total = sum((r["hidden_communication"] or 0.0) * r["communication_s_per_step"] for r in ranks)
+    return {"steps": n, "ranks": ranks,
+            "hidden_communication": hidden_total / comm_total if comm_total else None,
+            "exposed_communication_s_per_step": max((r["exposed_communication_s_per_step"] for r in ranks), default=0.0),
+            "slowest_rank": max(ranks, key=lambda r: r["compute_s_per_step"])["rank"] if ranks else None}

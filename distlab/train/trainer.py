@@ -290,14 +290,22 @@ class Trainer:
             dist.all_gather_object(everyone, mine)
         path = Path(self.cfg.out) / "trace.json"
         trace = timeline.chrome_trace(everyone)
+        shifted = any(r["offset_ns"] or r["residual_ns"] for r in everyone)
         trace["otherData"] = {"steps": list(steps), "clock_residual_us": max(r["residual_ns"] for r in everyone) / 1e3,
-                              "clock": "each rank's monotonic clock, shifted onto rank 0's by barrier releases"}
+                              "clock": "monotonic clocks, other machines' shifted onto rank 0's by barrier releases"
+                                       if shifted else "one machine's monotonic clock"}
         if self.rt.is_main:
             atomic_write_text(path, json.dumps(trace))
+        found = timeline.analyze(trace)
         self.trace_record = {"path": str(path), "steps": list(steps), "ranks": len(everyone),
-                             "spans": sum(len(r["spans"]) for r in everyone), **trace["otherData"]}
+                             "spans": sum(len(r["spans"]) for r in everyone), **trace["otherData"],
+                             **{k: found[k] for k in ("hidden_communication", "exposed_communication_s_per_step",
+                                                      "slowest_rank")}, "per_rank": found["ranks"]}
+        clock = f"clocks aligned within {trace['otherData']['clock_residual_us']:.0f} us" if shifted else "one clock"
+        hidden = found["hidden_communication"]
         self.say(f"trace of steps {steps[0]}-{steps[1]}: {path} ({self.trace_record['spans']} spans from "
-                 f"{len(everyone)} ranks; clocks aligned within {trace['otherData']['clock_residual_us']:.0f} us)")
+                 f"{len(everyone)} ranks, {clock}" + (f"; {100 * hidden:.0f}% of communication hidden behind compute"
+                                                      if hidden is not None else "") + ")")
 
     # ------------------------------------------------------------------ logging and evaluation
 

@@ -37,6 +37,7 @@ from distlab.tools.report.benches import SECTIONS
 from distlab.tools.report.inputs import BENCH_KINDS, Inputs, bench_kind, collect
 from distlab.tools.report.pieces import Col, html_table, stop_writing_images, write_images_to
 from distlab.tools.report.runs import runs_sections
+from distlab.tools.report.timelines import timelines_section
 
 def _machine(records: list[dict]) -> str:
     """Where the records were measured, as far as they say ("" when they say nothing)."""
@@ -65,6 +66,12 @@ def render(inputs: Inputs, title: str = "distlab report") -> str:
         except Exception as exc:  # noqa: BLE001 - data distlab did not write; the page goes on without it
             inputs.problems += [(r["path"], f"runs could not be drawn: {type(exc).__name__}: {exc}"[:300])
                                 for r in inputs.runs]
+        try:
+            body.append(timelines_section(inputs.runs))
+        except Exception as exc:  # noqa: BLE001 - a trace.json distlab did not write
+            inputs.problems += [(r["path"], f"timeline could not be drawn: {type(exc).__name__}: {exc}"[:300])
+                                for r in inputs.runs if r.get("trace")]
+            pyplot().close("all")
     for kind in BENCH_KINDS:
         for path, records in inputs.bench.get(kind, []):
             name, section = SECTIONS[kind]

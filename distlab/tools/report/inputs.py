@@ -74,6 +74,23 @@ def _summary_problem(summary) -> str | None:
     return None
 
 
+def _read_trace(path: Path, inputs: Inputs) -> dict | None:
+    """``path``/trace.json (``--trace``) when it is one: Chrome trace events with numeric times."""
+    if not (path / "trace.json").is_file():
+        return None
+    try:
+        trace = json.loads((path / "trace.json").read_text())
+        events = trace["traceEvents"]
+        for e in events:
+            if e["ph"] == "X" and not (_finite(e["ts"]) and _finite(e["dur"]) and isinstance(e["pid"], int)
+                                       and isinstance(e["cat"], str) and isinstance(e["name"], str)):
+                raise ValueError(f"event {str(e)[:80]} has no numeric ts/dur, rank, lane and name")
+        return trace
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, OSError, RecursionError) as exc:
+        inputs.problems.append((str(path / "trace.json"), f"unreadable trace: {str(exc)[:300]}"))
+        return None
+
+
 def _read_run(path: Path, inputs: Inputs) -> None:
     summary, metrics = None, []
     try:
@@ -98,7 +115,7 @@ def _read_run(path: Path, inputs: Inputs) -> None:
     if summary is None and not metrics:
         inputs.problems.append((str(path), "failed before the first step: no step logged, no summary"))
         return
-    inputs.runs.append({"path": str(path), "summary": summary, "metrics": metrics})
+    inputs.runs.append({"path": str(path), "summary": summary, "metrics": metrics, "trace": _read_trace(path, inputs)})
     inputs.read.append((str(path), "run"))
 
 

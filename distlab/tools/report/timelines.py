@@ -1,0 +1,67 @@
+"""The report's timelines: each traced run (``--trace A:B``, OUT/trace.json) as a per-rank Gantt chart --
+compute, communication and pipeline lanes, coloured by kind -- with what the spans say: the share of
+communication hidden behind compute, the communication left exposed per step, the slowest rank."""
+
+from __future__ import annotations
+
+import html
+
+from distlab.runtime.timeline import LANES, analyze
+from distlab.tools.plots import pyplot
+from distlab.tools.report.pieces import Col, fmt_ms, fmt_pct, html_table, png, run_label
+
+# (what a span's name starts with or holds, its colour, the legend's word); communication lane: one colour
+KINDS = (("forward", "#4c72b0", "forward"), ("backward", "#dd8452", "backward"),
+         ("optimizer", "#55a868", "optimizer step"), ("data", "#8c8c8c", "data"),
+         ("gradient sync", "#e8a0a0", "waiting for gradients"), ("finite", "#ccb974", "checks, clipping"),
+         ("clip", "#ccb974", "checks, clipping"))
+COMMUNICATION, OTHER = ("#8172b3", "communication"), ("#64b5cd", "other")
+
+
+def _kind(span: dict) -> tuple[str, str]:
+    if span["cat"] == "communication":
+        return COMMUNICATION
+    return next(((c, w) for k, c, w in KINDS if span["name"].startswith(k)), OTHER)
+
+
+def timelines_section(runs: list[dict]) -> str:
+    traced = [r for r in runs if r.get("trace")]
+    if not traced:
+        return ""
+    out = ["<h2>Timelines</h2>", "<p>Each traced run (<code>--trace A:B</code>), every rank on one clock: the "
+           "training thread's spans (compute), its collectives from issue to completion (communication) and a "
+           "pipeline stage's messages. <em>hidden</em>: the share of communication time during which the same "
+           "rank computed; <em>exposed</em>: communication per step with no compute beside it.</p>"]
+    for r in traced:
+        found = analyze(r["trace"])
+        out.append(f"<h3>{html.escape(run_label(r))}</h3>")
+        out.append(png(_gantt(r["trace"], run_label(r))))
+        out.append(html_table(found["ranks"], [
+            Col("rank", "rank"), Col("window_s_per_step", "traced time per step (ms)", fmt_ms),
+            Col("compute_s_per_step", "compute per step (ms)", fmt_ms),
+            Col("communication_s_per_step", "communication per step (ms)", fmt_ms),
+            Col("hidden_communication", "hidden", fmt_pct),
+            Col("exposed_communication_s_per_step", "exposed per step (ms)", fmt_ms)]))
+        out.append(f"<p>Slowest rank (most compute): {found['slowest_rank']}.</p>")
+    return "\n".join(out)
+
+
+def _gantt(trace: dict, title: str):
+    plt = pyplot()
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    ranks = sorted({e["pid"] for e in spans})
+    lanes = [(rank, lane) for rank in ranks for lane in LANES if any(e["pid"] == rank and e["cat"] == lane
+                                                                    for e in spans)]
+    height = 0.9 + 0.45 * len(lanes)
+    fig, ax = plt.subplots(figsize=(12, height))
+    for row, (rank, lane) in enumerate(lanes):
+        mine = [e for e in spans if e["pid"] == rank and e["cat"] == lane]
+        ax.broken_barh([(e["ts"] / 1e3, max(e["dur"], 1.0) / 1e3) for e in mine], (row - 0.4, 0.8),
+                       facecolors=[_kind(e)[0] for e in mine], edgecolor="white", linewidth=0.3)
+    ax.set_yticks(range(len(lanes)), [f"rank {r} {lane}" for r, lane in lanes], fontsize=8)
+    ax.invert_yaxis()
+    ax.set(xlabel="time (ms)", title=f"{title}: steps {'-'.join(map(str, trace.get('otherData', {}).get('steps', [])))}")
+    seen = dict.fromkeys(_kind(e) for e in spans)
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c, _ in seen], labels=[w for _, w in seen],
+              fontsize=7, ncol=min(len(seen), 7), loc="upper center", bbox_to_anchor=(0.5, -0.12 - 1.2 / height), frameon=False)
+    return fig
