@@ -154,6 +154,7 @@ def chrome_trace(ranks: list[dict]) -> dict:
 # ---------------------------------------------------------------------------- reading a trace
 
 WAITS = ("gradient sync",)  # compute-lane spans that mostly wait for communication: not compute
+SCHEDULE = "pipeline schedule"  # a stage's whole schedule in a step, on the pipeline lane around its waits
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -187,7 +188,8 @@ def analyze(trace: dict) -> dict:
     (first span to last) per step, its compute (compute-lane spans but the sync's waits), its
     communication (the communication lane's union), the share of that communication hidden behind
     its compute, the communication left exposed per step, and the slowest rank (the most compute:
-    the others wait for it)."""
+    the others wait for it); for a pipeline, each stage's waits for its neighbours over the time its
+    schedule ran (``bench pipeline``'s measured bubble)."""
     steps = trace.get("otherData", {}).get("steps") or [1, 1]
     n = max(1, steps[1] - steps[0] + 1)
     by_rank: dict[int, list[dict]] = {}
@@ -201,15 +203,20 @@ def analyze(trace: dict) -> dict:
                            if e["cat"] == name and keep(e)])
         compute = lane("compute", lambda e: e["name"] not in WAITS)
         comm = lane("communication")
+        waits = lane("pipeline", lambda e: e["name"] != SCHEDULE)
+        schedule = _length(lane("pipeline", lambda e: e["name"] == SCHEDULE))
         window = max(e["ts"] + e["dur"] for e in events) / 1e6 - min(e["ts"] for e in events) / 1e6
         hidden = _common(comm, compute)
         ranks.append({"rank": rank, "window_s_per_step": window / n, "compute_s_per_step": _length(compute) / n,
                       "communication_s_per_step": _length(comm) / n,
                       "hidden_communication": hidden / _length(comm) if comm else None,
-                      "exposed_communication_s_per_step": (_length(comm) - hidden) / n})
+                      "exposed_communication_s_per_step": (_length(comm) - hidden) / n,
+                      # a stage's waits for its neighbours over its schedule's time (bench pipeline's bubble)
+                      **({"pipeline_wait_fraction": _length(waits) / schedule} if schedule else {})})
     comm_total = sum(r["communication_s_per_step"] for r in ranks)
     hidden_total = sum((r["hidden_communication"] or 0.0) * r["communication_s_per_step"] for r in ranks)
-    return {"steps": n, "ranks": ranks,
+    bubbles = [r["pipeline_wait_fraction"] for r in ranks if "pipeline_wait_fraction" in r]
+    return {"steps": n, "ranks": ranks, "pipeline_wait_fraction": sum(bubbles) / len(bubbles) if bubbles else None,
             "hidden_communication": hidden_total / comm_total if comm_total else None,
             "exposed_communication_s_per_step": max((r["exposed_communication_s_per_step"] for r in ranks), default=0.0),
             "slowest_rank": max(ranks, key=lambda r: r["compute_s_per_step"])["rank"] if ranks else None}

@@ -300,7 +300,8 @@ class Trainer:
         self.trace_record = {"path": str(path), "steps": list(steps), "ranks": len(everyone),
                              "spans": sum(len(r["spans"]) for r in everyone), **trace["otherData"],
                              **{k: found[k] for k in ("hidden_communication", "exposed_communication_s_per_step",
-                                                      "slowest_rank")}, "per_rank": found["ranks"]}
+                                                      "slowest_rank", "pipeline_wait_fraction")},
+                             "per_rank": found["ranks"]}
         clock = f"clocks aligned within {trace['otherData']['clock_residual_us']:.0f} us" if shifted else "one clock"
         hidden = found["hidden_communication"]
         self.say(f"trace of steps {steps[0]}-{steps[1]}: {path} ({self.trace_record['spans']} spans from "

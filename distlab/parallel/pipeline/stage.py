@@ -18,7 +18,7 @@ from distlab.errors import ConfigError
 from distlab.parallel.checkpointing import run_checkpointed
 from distlab.parallel.pipeline.actions import SCHEDULES, check_virtual, ideal_bubble, schedule_actions
 from distlab.parallel.pipeline.partition import partition, sequential_layers
-from distlab.runtime import group_rank, group_size
+from distlab.runtime import group_rank, group_size, timeline
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 _HEADER = 10  # int64s: dtype code, ndim, up to 8 sizes
@@ -135,6 +135,7 @@ class PipelineStage(nn.Module):
         self.last_timing: dict = {}
         self._precision = None  # train_step's
         self.in_flight_peak = self.activation_peak_bytes = 0
+        self._forwards = 0  # this step's forwards so far (a span's micro-batch number)
         self._waited = self._compute = 0.0
 
     def describe(self) -> list[dict]:
@@ -208,15 +209,16 @@ class PipelineStage(nn.Module):
 
     def _recv_act(self, tag: int = ACT) -> torch.Tensor:
         header = torch.empty(_HEADER, dtype=torch.int64)
-        self._wait(self._prev.irecv(header, tag))
+        self._wait(self._prev.irecv(header, tag), what="wait for an activation")
         dtype, ndim = _DTYPES[int(header[0])], int(header[1])
         t = torch.empty([int(s) for s in header[2:2 + ndim]], dtype=dtype)
-        self._wait(self._prev.irecv(t, tag))
+        self._wait(self._prev.irecv(t, tag), what="wait for an activation")
         return t
 
-    def _wait(self, *works) -> None:
+    def _wait(self, *works, what: str = "wait") -> None:
         t0 = time.perf_counter()
-        wait_all(works)
+        with timeline.span(what, "pipeline"):
+            wait_all(works)
         self._waited += time.perf_counter() - t0
 
     def _forward_one(self, x: torch.Tensor, y: torch.Tensor | None, loss_fn: Callable) -> None:
@@ -224,10 +226,11 @@ class PipelineStage(nn.Module):
         if not self.first:
             x = x.requires_grad_()
         t0 = time.perf_counter()
-        with self._autocast():
+        with timeline.span(f"stage {self.stage} F mb {self._forwards}"), self._autocast():
             out = self(x)
             if self.last:
                 out = self._loss(loss_fn(out, y))
+        self._forwards += 1
         self._saved.append((x, out))
         self._compute += time.perf_counter() - t0
         self.in_flight_peak = max(self.in_flight_peak, len(self._saved))
@@ -238,7 +241,8 @@ class PipelineStage(nn.Module):
         x, out = self._saved.pop(0)
         self._backwards_left -= 1
         t0 = time.perf_counter()
-        with self._no_sync() if self._backwards_left else contextlib.nullcontext():
+        with timeline.span(f"stage {self.stage} B mb {self.microbatches - self._backwards_left - 1}"), \
+                self._no_sync() if self._backwards_left else contextlib.nullcontext():
             torch.autograd.backward(out, None if self.last else grad)
         self._compute += time.perf_counter() - t0
         return None if self.first else x.grad
@@ -270,12 +274,12 @@ class PipelineStage(nn.Module):
         xs = list(x.chunk(m)) if self.first else [None] * m
         ys = list(y.chunk(m)) if self.last else [None] * m
         self._saved, self._losses, self._keep = [], [], []
-        self._no_sync, self._backwards_left = no_sync or contextlib.nullcontext, m
+        self._no_sync, self._backwards_left, self._forwards = no_sync or contextlib.nullcontext, m, 0
         self._precision = precision
         self._waited = self._compute = 0.0
         self.in_flight_peak = 0
         t0 = time.perf_counter()
-        with ActivationMeter(self.parameters()) as meter:
+        with ActivationMeter(self.parameters()) as meter, timeline.span(timeline.SCHEDULE, "pipeline"):
             if self.schedule == "gpipe":
                 self._gpipe(xs, ys, loss_fn)
             elif self.schedule == "1f1b" and self.virtual == 1:
@@ -320,18 +324,18 @@ class PipelineStage(nn.Module):
             self._forward_one(self._input(xs, i), ys[i], loss_fn)
             if not self.last:
                 sends += self._send_act(self._saved[-1][1])
-        self._wait(*sends)
+        self._wait(*sends, what="wait for sends")
         sends = []
         for _ in range(self.microbatches):
             grad = None
             if not self.last:
                 x, out = self._saved[0]
                 grad = torch.empty_like(out)
-                self._wait(self._next.irecv(grad, GRAD))
+                self._wait(self._next.irecv(grad, GRAD), what="wait for a gradient")
             g_in = self._backward_one(grad)
             if not self.first:
                 sends.append(self._prev.isend(g_in.contiguous(), GRAD))
-        self._wait(*sends)
+        self._wait(*sends, what="wait for sends")
 
     def _one_f_one_b(self, xs, ys, loss_fn) -> None:
         m = self.microbatches
@@ -347,17 +351,17 @@ class PipelineStage(nn.Module):
             if not self.last:
                 sends += self._send_act(self._saved[-1][1])
                 grad = torch.empty_like(self._saved[0][1])
-                self._wait(self._next.irecv(grad, GRAD))
+                self._wait(self._next.irecv(grad, GRAD), what="wait for a gradient")
             g_in = self._backward_one(grad)
             if not self.first:
                 sends.append(self._prev.isend(g_in.contiguous(), GRAD))
         for _ in range(warm):  # drain
             grad = torch.empty_like(self._saved[0][1])
-            self._wait(self._next.irecv(grad, GRAD))
+            self._wait(self._next.irecv(grad, GRAD), what="wait for a gradient")
             g_in = self._backward_one(grad)
             if not self.first:
                 sends.append(self._prev.isend(g_in.contiguous(), GRAD))
-        self._wait(*sends)
+        self._wait(*sends, what="wait for sends")
 
     def _actions(self, xs, ys, loss_fn) -> None:
         """Run this rank's list of :func:`schedule_actions` (interleaved 1F1B, zero bubble)."""
@@ -386,7 +390,7 @@ class PipelineStage(nn.Module):
                             lambda mod, a, out, own=own: captured.append((out, own))
                             if isinstance(out, torch.Tensor) and out.requires_grad else None))
                 try:
-                    with self._autocast():
+                    with timeline.span(f"stage {self.stage} chunk {c} F mb {m}"), self._autocast():
                         out = self._run_chunk(c, x)
                         if k == last_k:
                             out = self._loss(loss_fn(out, ys[m]))
@@ -404,17 +408,19 @@ class PipelineStage(nn.Module):
                 grad = None
                 if k != last_k:
                     grad = torch.empty_like(out)
-                    self._wait(self._next.irecv(grad, _grad_tag(k + 1)))
+                    self._wait(self._next.irecv(grad, _grad_tag(k + 1)), what="wait for a gradient")
                 t0 = time.perf_counter()
                 if split:  # the input's gradient only; keep the graph and the modules' output gradients for W
                     outs = [o for o, _ in captured]
-                    got = torch.autograd.grad(out, ([x] if k else []) + outs, grad, retain_graph=True,
-                                              allow_unused=True)
+                    with timeline.span(f"stage {self.stage} chunk {c} B mb {m}"):
+                        got = torch.autograd.grad(out, ([x] if k else []) + outs, grad, retain_graph=True,
+                                                  allow_unused=True)
                     g_in = got[0] if k else None
                     saved[(c, m)][2] = [(o, own, g) for (o, own), g in zip(captured, got[1 if k else 0:])
                                         if g is not None]
                 else:
-                    with self._no_sync() if i != final[c] else contextlib.nullcontext():
+                    with timeline.span(f"stage {self.stage} chunk {c} B mb {m}"), \
+                            self._no_sync() if i != final[c] else contextlib.nullcontext():
                         torch.autograd.backward(out, grad)
                     g_in = x.grad if k else None
                     del saved[(c, m)]
@@ -425,11 +431,12 @@ class PipelineStage(nn.Module):
             else:  # W: the weights' gradients, from the outputs' gradients B kept
                 _, _, pairs = saved.pop((c, m))
                 held -= 1
-                with self._no_sync() if i != final[c] else contextlib.nullcontext():
+                with timeline.span(f"stage {self.stage} chunk {c} W mb {m}"), \
+                        self._no_sync() if i != final[c] else contextlib.nullcontext():
                     for o, own, g in pairs:  # one module at a time: from its output to its own weights only
                         torch.autograd.backward(o, g, inputs=own)
                 self._compute += time.perf_counter() - t0
-        self._wait(*sends)
+        self._wait(*sends, what="wait for sends")
 
 
 def _act_tag(k: int) -> int:

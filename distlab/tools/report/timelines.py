@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import html
 
-from distlab.runtime.timeline import LANES, analyze
+from distlab.runtime.timeline import LANES, SCHEDULE, analyze
 from distlab.tools.plots import pyplot
 from distlab.tools.report.pieces import Col, fmt_ms, fmt_pct, html_table, png, run_label
 
@@ -18,9 +18,18 @@ KINDS = (("forward", "#4c72b0", "forward"), ("backward", "#dd8452", "backward"),
 COMMUNICATION, OTHER = ("#8172b3", "communication"), ("#64b5cd", "other")
 
 
+STAGE = {"F": KINDS[0][1:], "B": KINDS[1][1:], "W": ("#c44e52", "weight gradients (zero bubble)")}
+WAIT = ("#d9d9d9", "pipeline waits")
+
+
 def _kind(span: dict) -> tuple[str, str]:
     if span["cat"] == "communication":
         return COMMUNICATION
+    if span["cat"] == "pipeline":
+        return WAIT
+    words = span["name"].split()
+    if words[0] == "stage":  # "stage 1 chunk 0 F mb 2", "stage 0 B mb 3"
+        return next((STAGE[w] for w in words if w in STAGE), OTHER)
     return next(((c, w) for k, c, w in KINDS if span["name"].startswith(k)), OTHER)
 
 
@@ -41,14 +50,16 @@ def timelines_section(runs: list[dict]) -> str:
             Col("compute_s_per_step", "compute per step (ms)", fmt_ms),
             Col("communication_s_per_step", "communication per step (ms)", fmt_ms),
             Col("hidden_communication", "hidden", fmt_pct),
-            Col("exposed_communication_s_per_step", "exposed per step (ms)", fmt_ms)]))
+            Col("exposed_communication_s_per_step", "exposed per step (ms)", fmt_ms),
+            *([Col("pipeline_wait_fraction", "pipeline waits (bubble)", fmt_pct)]
+              if found["pipeline_wait_fraction"] is not None else [])]))
         out.append(f"<p>Slowest rank (most compute): {found['slowest_rank']}.</p>")
     return "\n".join(out)
 
 
 def _gantt(trace: dict, title: str):
     plt = pyplot()
-    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"] != SCHEDULE]  # around its waits
     ranks = sorted({e["pid"] for e in spans})
     lanes = [(rank, lane) for rank in ranks for lane in LANES if any(e["pid"] == rank and e["cat"] == lane
                                                                     for e in spans)]
