@@ -113,3 +113,17 @@ def test_a_pipelines_timeline_shows_every_micro_batch_and_its_measured_bubble(tm
                 sorted(f"stage {rank} {kind} mb {m}" for m in range(4) for _ in range(2)), (rank, kind)
         assert any(n.startswith("wait for") for n in names)
         assert record["per_rank"][rank]["pipeline_wait_fraction"] == pytest.approx(own, abs=0.05)
+
+
+def test_zero3s_gathers_prefetches_and_reduce_scatters_are_on_the_timeline(tmp_path):
+    """ZeRO-3 from its second step prefetches the next module's parameters while one computes; a forward
+    that waits for a gather computes only around the wait (so its gathers are not counted as hidden)."""
+    record = run_ranks(_train, 2, _cfg(tmp_path, zero=3), timeout=120)[0]
+    spans = _spans(tmp_path / "trace.json")
+    for rank in (0, 1):
+        names = [s["name"] for s in spans if s["pid"] == rank]
+        for kind in ("all-gather net.", "prefetch net.", "reduce-scatter net.", "wait for all-gather"):
+            assert any(n.startswith(kind) for n in names), (rank, kind)
+    blocking = [s for s in spans if s["cat"] == "communication" and s.get("args", {}).get("blocking")]
+    assert blocking and all(s["name"].startswith("reduce-scatter") for s in blocking)  # ZeRO-3's per-module ones
+    assert record["hidden_communication"] < 1

@@ -81,9 +81,13 @@ def _timed(rec: Recorder, name: str, lane: str, args: dict):
 
 
 def span(name: str, lane: str = "compute", **args):
-    """``with span(...):`` times the block on ``lane`` while recording; nothing otherwise."""
+    """``with span(...):`` times the block on ``lane`` while recording; nothing otherwise. The calling
+    thread is busy for the whole span: a collective timed so (on the communication lane) blocked it,
+    and a compute-lane span whose name starts with ``wait`` is time it waited."""
     rec = _ACTIVE
-    return _OFF if rec is None else _timed(rec, name, lane, args)
+    if rec is None:
+        return _OFF
+    return _timed(rec, name, lane, {**args, "blocking": True} if lane == "communication" else args)
 
 
 def async_span(name: str, handle, lane: str = "communication", **args) -> None:
@@ -153,7 +157,7 @@ def chrome_trace(ranks: list[dict]) -> dict:
 
 # ---------------------------------------------------------------------------- reading a trace
 
-WAITS = ("gradient sync",)  # compute-lane spans that mostly wait for communication: not compute
+WAITS = ("gradient sync",)  # compute-lane spans that mostly wait for communication: not compute (nor "wait ...")
 SCHEDULE = "pipeline schedule"  # a stage's whole schedule in a step, on the pipeline lane around its waits
 
 
@@ -171,21 +175,41 @@ def _length(intervals: list[tuple[float, float]]) -> float:
     return sum(b - a for a, b in intervals)
 
 
-def _common(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
-    """The length of the intersection of two unions (each sorted and disjoint)."""
-    total, i, j = 0.0, 0, 0
+def _intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The intersection of two unions (each sorted and disjoint), sorted and disjoint."""
+    out, i, j = [], 0, 0
     while i < len(x) and j < len(y):
-        total += max(0.0, min(x[i][1], y[j][1]) - max(x[i][0], y[j][0]))
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        if a < b:
+            out.append((a, b))
         if x[i][1] < y[j][1]:
             i += 1
         else:
             j += 1
-    return total
+    return out
+
+
+def _minus(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``x`` without ``y`` (unions, sorted and disjoint)."""
+    out = []
+    for a, b in x:
+        for c, d in y:
+            if d <= a or c >= b:
+                continue
+            if c > a:
+                out.append((a, c))
+            a = max(a, d)
+            if a >= b:
+                break
+        if a < b:
+            out.append((a, b))
+    return out
 
 
 def analyze(trace: dict) -> dict:
     """What a trace says, per rank and overall (times in seconds): the window each rank was traced
-    (first span to last) per step, its compute (compute-lane spans but the sync's waits), its
+    (first span to last) per step, its compute (compute-lane spans, less the time they waited: the
+    sync's, ``wait ...`` spans and collectives that blocked the training thread), its
     communication (the communication lane's union), the share of that communication hidden behind
     its compute, the communication left exposed per step, and the slowest rank (the most compute:
     the others wait for it); for a pipeline, each stage's waits for its neighbours over the time its
@@ -201,12 +225,15 @@ def analyze(trace: dict) -> dict:
         def lane(name, keep=lambda e: True):
             return _union([(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in events
                            if e["cat"] == name and keep(e)])
-        compute = lane("compute", lambda e: e["name"] not in WAITS)
+        waiting = _union(lane("compute", lambda e: e["name"] in WAITS or e["name"].startswith("wait"))
+                         + lane("communication", lambda e: (e.get("args") or {}).get("blocking")))
+        compute = _minus(lane("compute", lambda e: e["name"] not in WAITS and not e["name"].startswith("wait")),
+                         waiting)  # a forward that waits for ZeRO-3's gathers computes only around them
         comm = lane("communication")
         waits = lane("pipeline", lambda e: e["name"] != SCHEDULE)
         schedule = _length(lane("pipeline", lambda e: e["name"] == SCHEDULE))
         window = max(e["ts"] + e["dur"] for e in events) / 1e6 - min(e["ts"] for e in events) / 1e6
-        hidden = _common(comm, compute)
+        hidden = _length(_intersect(comm, compute))
         ranks.append({"rank": rank, "window_s_per_step": window / n, "compute_s_per_step": _length(compute) / n,
                       "communication_s_per_step": _length(comm) / n,
                       "hidden_communication": hidden / _length(comm) if comm else None,

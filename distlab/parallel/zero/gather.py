@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from distlab import comm
-from distlab.parallel.zero.units import Unit
+from distlab.parallel.zero.units import Unit, describe
+from distlab.runtime import timeline
 
 
 class GatherOnDemand:
@@ -126,6 +127,10 @@ class GatherOnDemand:
                 out = torch.empty((n, mine.numel()), dtype=mine.dtype, device=mine.device)
             # native: torch's async work; distlab's algorithms: the communication thread (all started before any wait)
             work = comm.all_gather(out, mine, algorithm=self._ag, group=self.group, async_op=True)
+            if timeline.active():
+                size = out.numel() * out.element_size()
+                timeline.async_span(f"{'all-gather' if wait else 'prefetch'} {describe(group)} {timeline.size_text(size)}",
+                                    work, bytes=size)
             pending.append((group, out, work))
         if not wait:
             return pending
@@ -135,7 +140,8 @@ class GatherOnDemand:
     @staticmethod
     def _finish_gather(pending) -> None:
         for group, out, work in pending:
-            work.wait()
+            with timeline.span("wait for all-gather"):
+                work.wait()
             if len(group) > 1:
                 offset = 0
                 for u in group:  # row r holds rank r's shards of every unit, one after another

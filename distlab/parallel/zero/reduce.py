@@ -8,7 +8,8 @@ import torch
 
 from distlab import comm
 from distlab.errors import ConfigError
-from distlab.parallel.zero.units import Unit, goes_alone
+from distlab.runtime import timeline
+from distlab.parallel.zero.units import Unit, describe, goes_alone
 
 
 class BucketedReduce:
@@ -55,6 +56,9 @@ class BucketedReduce:
         self._observe()
         bucket.work = comm.reduce_scatter(bucket.out, bucket.flat, op, self._rs, self.group, scratch=True,
                                           async_op=True)  # the bucket is scratch once sent
+        if timeline.active():
+            size = bucket.flat.numel() * bucket.flat.element_size()
+            timeline.async_span(f"bucket {b} reduce-scatter {timeline.size_text(size)}", bucket.work, bytes=size)
 
     def _finish(self, b: int) -> None:
         """Wait for bucket ``b``'s reduce-scatter; its units' shard gradients become views of the result."""
@@ -94,7 +98,9 @@ class BucketedReduce:
             self._observe(*flats, flat)
             out = torch.empty(flat.numel() // n, dtype=flat.dtype, device=flat.device)
             op = "sum" if self.reduce_dtype is not None else "avg"
-            comm.reduce_scatter(out, flat, op=op, algorithm=self._rs, group=self.group, scratch=True)
+            with timeline.span(f"reduce-scatter {describe(group)} {timeline.size_text(flat.numel() * flat.element_size())}",
+                               "communication"):
+                comm.reduce_scatter(out, flat, op=op, algorithm=self._rs, group=self.group, scratch=True)
             if self.reduce_dtype is not None:
                 out = out.to(group[0].full.dtype)
             offset = 0

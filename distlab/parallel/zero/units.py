@@ -112,3 +112,8 @@ def sharded_linear(module: nn.Module, params: list[nn.Parameter]) -> bool:
     ``nn.Linear`` with torch's own forward whose parameters are exactly its weight and bias."""
     return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
             and params == [p for p in (module.weight, module.bias) if p is not None])
+
+
+def describe(units: list[Unit]) -> str:
+    """One collective's units in a timeline span's name: the first one's name, and how many more."""
+    return units[0].name + (f" +{len(units) - 1}" if len(units) > 1 else "")
