@@ -48,7 +48,7 @@ from distlab.comm import p2p
 from distlab.errors import ConfigError
 from distlab.models import plans
 from distlab.parallel.cost import Call, CallGroup, Price
-from distlab.runtime import group_rank, group_size
+from distlab.runtime import group_rank, group_size, timeline
 
 STYLES = ("ring", "ulysses")
 
@@ -112,7 +112,8 @@ class ContextPositions:
 def _hop(t: torch.Tensor, group, rank: int, n: int) -> torch.Tensor:
     """Send ``t`` to the next rank of the ring and return what the previous one sent."""
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    p2p.exchange(t.contiguous(), (rank + 1) % n, out, (rank - 1) % n, group)
+    with timeline.span(f"context-parallel ring hop {timeline.size_text(t.numel() * t.element_size())}", "communication"):
+        p2p.exchange(t.contiguous(), (rank + 1) % n, out, (rank - 1) % n, group)
     return out
 
 
@@ -215,7 +216,9 @@ def _all_to_all(chunks: list[torch.Tensor], group, rank: int, n: int) -> list[to
     for j in range(n):
         if j != rank:
             works.append(p2p.isend(chunks[j].contiguous(), j, group))
-    p2p.wait_all(works)
+    sent = sum(c.numel() * c.element_size() for c in chunks)
+    with timeline.span(f"context-parallel all-to-all {timeline.size_text(sent)}", "communication"):
+        p2p.wait_all(works)
     return out
 
 

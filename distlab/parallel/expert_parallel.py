@@ -41,7 +41,7 @@ from distlab.errors import ConfigError
 from distlab.models import plans
 from distlab.parallel.cost import Call, CallGroup, Price
 from distlab.parallel.tensor_parallel import all_gather_along
-from distlab.runtime import broadcast_module, group_rank, group_size
+from distlab.runtime import broadcast_module, group_rank, group_size, timeline
 
 
 
@@ -52,7 +52,9 @@ def _all_to_all(chunks: list[torch.Tensor], sizes: list[int], group, rank: int) 
     out[rank] = first
     works = [p2p.irecv(out[j], j, group) for j in range(len(sizes)) if j != rank and sizes[j]]
     works += [p2p.isend(chunks[j].contiguous(), j, group) for j in range(len(chunks)) if j != rank and len(chunks[j])]
-    p2p.wait_all(works)
+    with timeline.span(f"expert all-to-all {timeline.size_text(sum(c.numel() * c.element_size() for c in chunks))}",
+                       "communication"):
+        p2p.wait_all(works)
     return out
 
 

@@ -42,13 +42,16 @@ from torch import nn
 
 from distlab import comm
 from distlab.errors import ConfigError
-from distlab.runtime import group_rank, group_size
+from distlab.runtime import group_rank, group_size, timeline
 
 STYLES = ("megatron", "naive")
 
 
 def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
-    return comm.all_reduce(t.contiguous(), op="sum", algorithm="native", group=group) if group_size(group) > 1 else t
+    if group_size(group) == 1:
+        return t
+    with timeline.span(f"tensor-parallel all-reduce {timeline.size_text(t.numel() * t.element_size())}", "communication"):
+        return comm.all_reduce(t.contiguous(), op="sum", algorithm="native", group=group)
 
 
 def all_gather_along(t: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
@@ -58,7 +61,8 @@ def all_gather_along(t: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
         return t
     flat = t.movedim(dim, 0).contiguous()  # gather along dim 0, then move it back
     out = torch.empty((n * flat.shape[0], *flat.shape[1:]), dtype=t.dtype, device=t.device)
-    comm.all_gather(out, flat, algorithm="native", group=group)
+    with timeline.span(f"tensor-parallel all-gather {timeline.size_text(out.numel() * out.element_size())}", "communication"):
+        comm.all_gather(out, flat, algorithm="native", group=group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -75,7 +79,8 @@ def _reduce_scatter(t: torch.Tensor, group, dim: int) -> torch.Tensor:
         raise ConfigError(f"sequence parallel: a sequence of {t.shape[dim]} does not split over `tp` {n}")
     flat = t.movedim(dim, 0).contiguous()
     out = torch.empty((flat.shape[0] // n, *flat.shape[1:]), dtype=t.dtype, device=t.device)
-    comm.reduce_scatter(out, flat, op="sum", algorithm="native", group=group)
+    with timeline.span(f"sequence-parallel reduce-scatter {timeline.size_text(flat.numel() * flat.element_size())}", "communication"):
+        comm.reduce_scatter(out, flat, op="sum", algorithm="native", group=group)
     return out.movedim(0, dim).contiguous()
 
 
