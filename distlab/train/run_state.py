@@ -30,7 +30,7 @@ import torch.distributed as dist
 from distlab.errors import ConfigError, first_line
 from distlab.parallel import Engine, Strategy
 from distlab.parallel.placement import placement_of
-from distlab.runtime import Runtime, reduce_scalars
+from distlab.runtime import Runtime, reduce_scalars, timeline
 from distlab.train import lock, reshard, snapshot
 from distlab.train.async_snapshot import AsyncWriter, host_copy
 from distlab.train.config import TrainConfig
@@ -398,15 +398,16 @@ class RunState:
         it in the background (:class:`AsyncWriter`), the previous write finished first (at most one in
         flight); the training stalls for the copy only."""
         t0 = time.perf_counter()
-        if self._writer is not None:
-            self.last_snapshot = self._writer.wait() or self.last_snapshot  # its error, if it failed, here
-        payload = self.registry.state_dict()
-        meta = {**self.attachments, "run_id": self.run_id, "fingerprint": self.fingerprint, **self.layout}
-        if self._writer is not None:
-            self._writer.start(self.step, host_copy(payload), meta)
-        else:
-            self.last_snapshot = str(snapshot.save(self.cfg.snapshot_dir, self.step, payload, meta,
-                                                   self.cfg.keep_snapshots))
+        with timeline.span("snapshot (copy to host memory)" if self._writer is not None else "snapshot"):
+            if self._writer is not None:
+                self.last_snapshot = self._writer.wait() or self.last_snapshot  # its error, if it failed, here
+            payload = self.registry.state_dict()
+            meta = {**self.attachments, "run_id": self.run_id, "fingerprint": self.fingerprint, **self.layout}
+            if self._writer is not None:
+                self._writer.start(self.step, host_copy(payload), meta)
+            else:
+                self.last_snapshot = str(snapshot.save(self.cfg.snapshot_dir, self.step, payload, meta,
+                                                       self.cfg.keep_snapshots))
         self._saved_step = self.step
         self._snapshot_s = time.perf_counter() - t0
         self.snapshot_stalls.append(self._snapshot_s)

@@ -259,8 +259,6 @@ class Trainer:
             times.add(step_s, engine.sync_seconds, sent)
             self._window_s, self._window_timed = self._window_s + step_s, self._window_timed + 1
             run.advance(loss)
-            if traced and run.step == traced[1]:
-                self._write_trace(traced)
             self.bar.update(1)
             for hook in self.hooks:
                 hook(run.step)
@@ -273,6 +271,8 @@ class Trainer:
             if run.step % cfg.log_every == 0 or last or sample or (evaluation and cfg.eval_every):
                 self._log(epoch, lr, sample, evaluation)
             run.maybe_snapshot(self.total_steps)
+            if traced and run.step == traced[1]:  # the last traced step, its evaluation and snapshot included
+                self._write_trace(traced)
             reason = preemption.poll()
             if reason:
                 return reason
@@ -356,7 +356,7 @@ class Trainer:
 
     def _evaluate(self, epoch: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
-        with self.engine.gathered():  # ZeRO-3: one gather for the whole evaluation
+        with timeline.span("evaluation"), self.engine.gathered():  # ZeRO-3: one gather for the whole evaluation
             result = evaluate(self.engine, self.eval_test, self.rt.device, cfg.eval_batch_size, details=True)
             if "confusion" in result:  # a classifier: the newest evaluation's counts and mistakes, for the report
                 self._predictions = (self.run.step, result.pop("confusion"), result.pop("misclassified"))
