@@ -127,3 +127,17 @@ def test_zero3s_gathers_prefetches_and_reduce_scatters_are_on_the_timeline(tmp_p
     blocking = [s for s in spans if s["cat"] == "communication" and s.get("args", {}).get("blocking")]
     assert blocking and all(s["name"].startswith("reduce-scatter") for s in blocking)  # ZeRO-3's per-module ones
     assert record["hidden_communication"] < 1
+
+
+def _profiled(rank, world, cfg):
+    return Trainer(cfg.validate(world), runtime.from_process_group()).fit()["profile"]
+
+
+def test_profile_writes_each_ranks_torch_profiler_trace_with_distlabs_spans_among_the_operators(tmp_path):
+    record = run_ranks(_profiled, 1, _cfg(tmp_path, trace=None, profile="2:2"), timeout=120)[0]
+    assert record["steps"] == [2, 2] and record["ranks"] == 1
+    events = json.loads((tmp_path / "profile" / "rank-00000.json").read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert {"forward", "backward", "optimizer step"} <= names  # distlab's spans, once each (one step)
+    assert any(str(n).startswith("aten::") for n in names)  # torch's operators
+    assert not timeline.active() and not timeline._LABELS  # nothing left on after the profiled steps

@@ -360,6 +360,9 @@ TRAIN_OPTIONS = [
     ("trace", dict(default=None, help="A:B -- record every rank's timeline of optimizer steps A to B (data, "
                    "forward, backward, each bucket's all-reduce from issue to completion, the optimizer step) "
                    "into OUT/trace.json, Chrome's trace format: open it in Perfetto or chrome://tracing.")),
+    ("profile", dict(default=None, help="A:B -- run torch.profiler over optimizer steps A to B: one kernel-level "
+                     "trace per rank, OUT/profile/rank-N.json (Perfetto, chrome://tracing), distlab's own spans "
+                     "(forward, bucket 3 all-reduce, ...) among torch's operators.")),
     ("resume", dict(help="auto (newest good snapshot in --snapshot-dir; also the default after torchrun restarts "
                     "the workers) or a snapshot directory.")),
     ("init_from", dict(help="Start from the weights in this whole-model state_dict file (distlab export writes "

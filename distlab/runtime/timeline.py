@@ -30,6 +30,7 @@ import statistics
 import threading
 import time
 
+import torch
 import torch.distributed as dist
 
 LANES = ("compute", "communication", "pipeline")  # a trace's tracks, in this order
@@ -50,6 +51,13 @@ class Recorder:
 
 _ACTIVE: Recorder | None = None
 _OFF = contextlib.nullcontext()
+_LABELS = False  # torch.profiler is on (--profile): every span is also a record_function range in its trace
+
+
+def label_for_profiler(on: bool) -> None:
+    """While ``on``, spans also mark torch.profiler's trace (``record_function``), recorder or not."""
+    global _LABELS
+    _LABELS = on
 
 
 def start(rank: int) -> Recorder:
@@ -86,8 +94,15 @@ def span(name: str, lane: str = "compute", **args):
     and a compute-lane span whose name starts with ``wait`` is time it waited."""
     rec = _ACTIVE
     if rec is None:
-        return _OFF
-    return _timed(rec, name, lane, {**args, "blocking": True} if lane == "communication" else args)
+        return _OFF if not _LABELS else torch.profiler.record_function(name)
+    timed = _timed(rec, name, lane, {**args, "blocking": True} if lane == "communication" else args)
+    return timed if not _LABELS else _both(torch.profiler.record_function(name), timed)
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
 
 
 def async_span(name: str, handle, lane: str = "communication", **args) -> None:

@@ -94,6 +94,7 @@ class TrainConfig:
     out: str | None = None
     tensorboard: str | None = None  # also write TensorBoard event files here (distlab.train.tensorboard)
     trace: str | None = None  # "A:B": every rank's timeline of optimizer steps A to B into OUT/trace.json
+    profile: str | None = None  # "A:B": torch.profiler over optimizer steps A to B, OUT/profile/rank-N.json
     progress: bool | None = None  # None: on when stderr is a terminal
     verbose: bool = True  # rank 0 prints a line per log step and evaluation
     timing_warmup_steps: int = 5
@@ -112,18 +113,20 @@ class TrainConfig:
         strategy = base.replace(**changes) if base is not None else Strategy(**changes)
         return cls(strategy=strategy, **values)
 
-    def trace_steps(self) -> tuple[int, int]:
-        """``trace`` "A:B" as (A, B): the first and last optimizer step traced (1-based, inclusive)."""
-        text = str(self.trace)
+    def trace_steps(self, field: str = "trace") -> tuple[int, int]:
+        """``trace`` (or ``profile``) "A:B" as (A, B): the first and last optimizer step it covers
+        (1-based, inclusive)."""
+        text = str(getattr(self, field))
         first, colon, last = text.partition(":")
         try:
             a, b = int(first), int(last if colon else first)
         except ValueError:
-            raise ConfigError(f"`trace` {text!r}: give the optimizer steps to trace as A:B (e.g. 10:12)") from None
+            raise ConfigError(f"`{field}` {text!r}: give the optimizer steps as A:B (e.g. 10:12)") from None
         if not 1 <= a <= b:
-            raise ConfigError(f"`trace` {text!r}: steps count from 1 and A:B needs A <= B (e.g. 10:12)")
+            raise ConfigError(f"`{field}` {text!r}: steps count from 1 and A:B needs A <= B (e.g. 10:12)")
         if not self.out:
-            raise ConfigError("`trace` writes OUT/trace.json: give `out` (the run's directory)")
+            where = "OUT/trace.json" if field == "trace" else "OUT/profile/"
+            raise ConfigError(f"`{field}` writes {where}: give `out` (the run's directory)")
         return a, b
 
     def validate(self, world_size: int) -> "TrainConfig":
@@ -184,6 +187,8 @@ class TrainConfig:
             raise ConfigError("`snapshot_every` needs `snapshot_dir` (where to write the snapshots)")
         if self.trace is not None:
             self.trace_steps()
+        if self.profile is not None:
+            self.trace_steps("profile")
         if self.snapshot_async and not self.snapshot_dir:
             raise ConfigError("`snapshot_async` writes snapshots in the background: give `snapshot_dir` (where)")
         if self.tensorboard is not None:
@@ -413,7 +418,7 @@ class TrainConfig:
 
 # where and how a run writes, not what it trains: not in to_toml
 RUN_PLACE = ("out", "resume", "snapshot_dir", "snapshot_every", "snapshot_async", "keep_snapshots", "tensorboard",
-             "trace")
+             "trace", "profile")
 COMMAND_LINE_ONLY = ("out", "resume", "snapshot_dir", "tensorboard")  # refused in a --config file
 CONFIG_ALIASES = {"model_arg": "model_args", "time_budget": "time_budget_s", "batch_size": "global_batch_size"}
 CONFIG_SYNONYMS = {"learning_rate": "lr", "lr_rate": "lr", "steps": "max_steps", "num_steps": "max_steps",

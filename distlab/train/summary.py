@@ -191,6 +191,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "snapshot_stall_s_median": statistics.median(run.snapshot_stalls) if run.snapshot_stalls else None,
         "snapshot_async": cfg.snapshot_async,
         "trace": trainer.trace_record,  # --trace: OUT/trace.json's steps, spans and clock residual
+        "profile": trainer.profile_record,  # --profile: OUT/profile/'s per-rank torch.profiler traces
         "evals": run.evals,
         "optimizer": cfg.optimizer,
         "lr": cfg.lr,

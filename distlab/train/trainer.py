@@ -115,6 +115,8 @@ class Trainer:
         self._predictions = None  # (step, confusion matrix, misclassified rows) of the newest evaluation
         self._grad_norm = None  # the last step's gradient norm before clipping (a device tensor), with clipping
         self.trace_record: dict | None = None  # --trace: where the timeline went, its steps, spans and clock residual
+        self._profiler = None  # --profile: torch.profiler while the profiled steps run
+        self.profile_record: dict | None = None  # --profile: where the per-rank traces went
 
     @property
     def net(self) -> torch.nn.Module:
@@ -199,6 +201,8 @@ class Trainer:
             stopped = self._loop(times, preemption)
         if timeline.active():  # the run ended inside the traced steps: what was recorded
             self._write_trace(cfg.trace_steps())
+        if self._profiler is not None:
+            self._write_profile(cfg.trace_steps("profile"))
         self.bar.close()
         if stopped == "time_budget" and (not run.evals or run.evals[-1]["step"] != run.step):
             result = self._evaluate(run.step // self.steps_per_epoch)
@@ -226,9 +230,12 @@ class Trainer:
         cfg, run, engine = self.cfg, self.run, self.engine
         batches = None
         traced = cfg.trace_steps() if cfg.trace else None
+        profiled = cfg.trace_steps("profile") if cfg.profile else None
         while run.step < self.total_steps:
             if traced and traced[0] <= run.step + 1 <= traced[1]:
                 timeline.start(self.rt.rank)
+            if profiled and profiled[0] <= run.step + 1 <= profiled[1] and self._profiler is None:
+                self._start_profiler()
             epoch, position = divmod(run.step, self.steps_per_epoch)
             if batches is None or position == 0:
                 self.loader.set_epoch(epoch)
@@ -273,6 +280,8 @@ class Trainer:
             run.maybe_snapshot(self.total_steps)
             if traced and run.step == traced[1]:  # the last traced step, its evaluation and snapshot included
                 self._write_trace(traced)
+            if profiled and run.step == profiled[1]:
+                self._write_profile(profiled)
             reason = preemption.poll()
             if reason:
                 return reason
@@ -307,6 +316,27 @@ class Trainer:
         self.say(f"trace of steps {steps[0]}-{steps[1]}: {path} ({self.trace_record['spans']} spans from "
                  f"{len(everyone)} ranks, {clock}" + (f"; {100 * hidden:.0f}% of communication hidden behind compute"
                                                       if hidden is not None else "") + ")")
+
+    def _start_profiler(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.rt.device.type == "cuda" else [])
+        self._profiler = profile(activities=activities)
+        self._profiler.__enter__()
+        timeline.label_for_profiler(True)  # distlab's spans as ranges among torch's operators
+
+    def _write_profile(self, steps: tuple[int, int]) -> None:
+        """This rank's torch.profiler trace of the profiled steps: OUT/profile/rank-N.json."""
+        timeline.label_for_profiler(False)
+        prof, self._profiler = self._profiler, None
+        prof.__exit__(None, None, None)
+        directory = Path(self.cfg.out) / "profile"
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"rank-{self.rt.rank:05d}.json"
+        tmp = path.with_name(f".{path.name}.tmp")
+        prof.export_chrome_trace(str(tmp))
+        tmp.replace(path)  # whole or absent
+        self.profile_record = {"directory": str(directory), "steps": list(steps), "ranks": self.rt.world_size}
+        self.say(f"profile of steps {steps[0]}-{steps[1]}: {directory}/rank-*.json (torch.profiler, one per rank)")
 
     # ------------------------------------------------------------------ logging and evaluation
 
