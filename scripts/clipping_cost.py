@@ -26,26 +26,33 @@ BASE = ["train", "--model", "mlp", "--dataset", "fashion-mnist", "--epochs", "1"
 VARIANTS = (("plain", []), ("clipped", ["--clip-grad-norm", "1.0"]))
 
 
+def measure(variants, base: list[str], out: Path, runs: int, name: str, fields) -> list[dict]:
+    """Each ``(variant, extra flags)`` of ``distlab BASE`` once per round, rounds interleaved; one record
+    per run (``fields(extra)`` adds the variant's own), written to OUT/NAME and rendered."""
+    exe = [sys.executable, "-m", "distlab"]
+    records = []
+    for r in range(runs):
+        for variant, extra in variants:
+            run_dir = out / f"round{r}" / variant
+            subprocess.run([*exe, *base, *extra, "--out", str(run_dir)], check=True, stdout=subprocess.DEVNULL)
+            s = json.loads((run_dir / "summary.json").read_text())
+            records.append({"variant": variant, "round": r, **fields(extra),
+                            "time_per_step_s_median": s["time_per_step_s_median"], "test_accuracy": s["test_accuracy"],
+                            "command": " ".join(["distlab", *base, *extra]), "date": time.strftime("%Y-%m-%d"),
+                            **machine(2, 1)})
+    (out / name).write_text(json.dumps(records, indent=1) + "\n")
+    from distlab.bench.markdown import render
+    print(render(out / name))
+    return records
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/clipping-cost")
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
-    out = Path(args.out)
-    exe = [sys.executable, "-m", "distlab"]
-    records = []
-    for r in range(args.runs):
-        for variant, extra in VARIANTS:
-            run_dir = out / f"round{r}" / variant
-            subprocess.run([*exe, *BASE, *extra, "--out", str(run_dir)], check=True, stdout=subprocess.DEVNULL)
-            s = json.loads((run_dir / "summary.json").read_text())
-            records.append({"variant": variant, "round": r, "clip_grad_norm": 1.0 if extra else None,
-                            "time_per_step_s_median": s["time_per_step_s_median"], "test_accuracy": s["test_accuracy"],
-                            "command": " ".join(["distlab", *BASE, *extra]), "date": time.strftime("%Y-%m-%d"),
-                            **machine(2, 1)})
-    (out / "clipping.json").write_text(json.dumps(records, indent=1) + "\n")
-    from distlab.bench.markdown import render
-    print(render(out / "clipping.json"))
+    measure(VARIANTS, BASE, Path(args.out), args.runs, "clipping.json",
+            lambda extra: {"clip_grad_norm": 1.0 if extra else None})
 
 
 if __name__ == "__main__":

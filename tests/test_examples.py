@@ -32,6 +32,7 @@ RUNS = {
     "11_3d_transformer.py": (8, "equal to single-process training"),
     "12_long_context.py": (2, "ring and Ulysses both equal single-process training"),
     "13_experts.py": (2, "experts split over the ranks train the single-process model"),
+    "14_timelines.py": (2, "the slowest rank: 1"),
     "own_training_loop.py": (4, "equal to single-process training"),
 }
 

@@ -81,21 +81,24 @@ def mapped_corpus(records: list[dict]) -> str:
                          "ms/step"], rows, markdown=True)
 
 
-def clipping_cost(records: list[dict]) -> str:
-    """``scripts/clipping_cost.py``: the main job's step with and without clipping, interleaved rounds."""
+def variant_cost(records: list[dict]) -> str:
+    """``scripts/clipping_cost.py``, ``scripts/tracing_cost.py``: the main job's step in each variant
+    (the first the baseline), interleaved rounds: per round the ratio to the baseline."""
     import statistics
 
     from distlab.bench.common import format_table
     by = {(r["variant"], r["round"]): r["time_per_step_s_median"] for r in records}
     rounds = sorted({r["round"] for r in records})
-    ratios = [by[("clipped", i)] / by[("plain", i)] for i in rounds if ("clipped", i) in by and ("plain", i) in by]
+    variants = list(dict.fromkeys(r["variant"] for r in records))
     rows = []
-    for variant in ("plain", "clipped"):
+    for variant in variants:
         times = [by[(variant, i)] for i in rounds if (variant, i) in by]
-        ratio = "1.000x" if variant == "plain" else \
+        ratios = [by[(variant, i)] / by[(variants[0], i)] for i in rounds if (variant, i) in by and (variants[0], i) in by]
+        ratio = "1.000x" if variant == variants[0] else \
             f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f})" if ratios else "-"
         rows.append([variant, f"{1e3 * statistics.median(times):.2f}", ratio, str(len(times))])
-    return format_table(["variant", "ms/step (median of rounds)", "vs plain (range)", "rounds"], rows, markdown=True)
+    return format_table(["variant", "ms/step (median of rounds)", f"vs {variants[0]} (range)", "rounds"], rows,
+                        markdown=True)
 
 
 def _kind(first: dict):
@@ -118,7 +121,7 @@ def _kind(first: dict):
         (("samples_per_s_median",), dp),
         (("features",), syncbn),
         (("train_file_bytes", "peak_rss_mb"), mapped_corpus),
-        (("variant", "clip_grad_norm"), clipping_cost),
+        (("variant", "round", "time_per_step_s_median"), variant_cost),
         (("snapshot_stall_s_median", "mode"), lambda r: snapshot_stall.table(r, markdown=True)),
     ]
     return next((table for fields, table in tables if all(f in first for f in fields)), None)

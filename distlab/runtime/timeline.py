@@ -226,8 +226,8 @@ def analyze(trace: dict) -> dict:
     (first span to last) per step, its compute (compute-lane spans, less the time they waited: the
     sync's, ``wait ...`` spans and collectives that blocked the training thread), its
     communication (the communication lane's union), the share of that communication hidden behind
-    its compute, the communication left exposed per step, and the slowest rank (the most compute:
-    the others wait for it); for a pipeline, each stage's waits for its neighbours over the time its
+    its compute, the communication left exposed per step, and the slowest rank (the one the others
+    wait for); for a pipeline, each stage's waits for its neighbours over the time its
     schedule ran (``bench pipeline``'s measured bubble)."""
     steps = trace.get("otherData", {}).get("steps") or [1, 1]
     n = max(1, steps[1] - steps[0] + 1)
@@ -261,4 +261,14 @@ def analyze(trace: dict) -> dict:
     return {"steps": n, "ranks": ranks, "pipeline_wait_fraction": sum(bubbles) / len(bubbles) if bubbles else None,
             "hidden_communication": hidden_total / comm_total if comm_total else None,
             "exposed_communication_s_per_step": max((r["exposed_communication_s_per_step"] for r in ranks), default=0.0),
-            "slowest_rank": max(ranks, key=lambda r: r["compute_s_per_step"])["rank"] if ranks else None}
+            "slowest_rank": _slowest(ranks)}
+
+
+def _slowest(ranks: list[dict]) -> int | None:
+    """The rank the others wait for: it reaches each collective last, so its own communication is
+    exposed least; without communication, the one computing most."""
+    if not ranks:
+        return None
+    if any(r["communication_s_per_step"] for r in ranks):
+        return min(ranks, key=lambda r: r["exposed_communication_s_per_step"])["rank"]
+    return max(ranks, key=lambda r: r["compute_s_per_step"])["rank"]

@@ -13,9 +13,10 @@ from distlab.tools.report.pieces import Col, fmt_ms, fmt_pct, html_table, png, r
 # (what a span's name starts with or holds, its colour, the legend's word); communication lane: one colour
 KINDS = (("forward", "#4c72b0", "forward"), ("backward", "#dd8452", "backward"),
          ("optimizer", "#55a868", "optimizer step"), ("data", "#8c8c8c", "data"),
-         ("gradient sync", "#e8a0a0", "waiting for gradients"), ("finite", "#ccb974", "checks, clipping"),
-         ("clip", "#ccb974", "checks, clipping"))
-COMMUNICATION, OTHER = ("#8172b3", "communication"), ("#64b5cd", "other")
+         ("gradient sync", "#e8a0a0", "waiting for communication"), ("finite", "#ccb974", "checks, clipping"),
+         ("clip", "#ccb974", "checks, clipping"), ("evaluation", "#64b5cd", "evaluation"),
+         ("snapshot", "#937860", "snapshot"), ("wait", "#e8a0a0", "waiting for communication"))
+COMMUNICATION, OTHER = ("#8172b3", "communication"), ("#da8bc3", "other")
 
 
 STAGE = {"F": KINDS[0][1:], "B": KINDS[1][1:], "W": ("#c44e52", "weight gradients (zero bubble)")}
@@ -53,7 +54,8 @@ def timelines_section(runs: list[dict]) -> str:
             Col("exposed_communication_s_per_step", "exposed per step (ms)", fmt_ms),
             *([Col("pipeline_wait_fraction", "pipeline waits (bubble)", fmt_pct)]
               if found["pipeline_wait_fraction"] is not None else [])]))
-        out.append(f"<p>Slowest rank (most compute): {found['slowest_rank']}.</p>")
+        out.append(f"<p>Slowest rank (the one the others wait for: its collectives are exposed least): "
+                   f"{found['slowest_rank']}.</p>")
     return "\n".join(out)
 
 
@@ -66,7 +68,8 @@ def _gantt(trace: dict, title: str):
     height = 0.9 + 0.45 * len(lanes)
     fig, ax = plt.subplots(figsize=(12, height))
     for row, (rank, lane) in enumerate(lanes):
-        mine = [e for e in spans if e["pid"] == rank and e["cat"] == lane]
+        # the longest first: a span nested in another (a wait inside a forward) is drawn on top of it
+        mine = sorted((e for e in spans if e["pid"] == rank and e["cat"] == lane), key=lambda e: -e["dur"])
         ax.broken_barh([(e["ts"] / 1e3, max(e["dur"], 1.0) / 1e3) for e in mine], (row - 0.4, 0.8),
                        facecolors=[_kind(e)[0] for e in mine], edgecolor="white", linewidth=0.3)
     ax.set_yticks(range(len(lanes)), [f"rank {r} {lane}" for r, lane in lanes], fontsize=8)
@@ -74,5 +77,5 @@ def _gantt(trace: dict, title: str):
     ax.set(xlabel="time (ms)", title=f"{title}: steps {'-'.join(map(str, trace.get('otherData', {}).get('steps', [])))}")
     seen = dict.fromkeys(_kind(e) for e in spans)
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c, _ in seen], labels=[w for _, w in seen],
-              fontsize=7, ncol=min(len(seen), 7), loc="upper center", bbox_to_anchor=(0.5, -0.12 - 1.2 / height), frameon=False)
+              fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     return fig
