@@ -12,6 +12,8 @@ from distlab.launch.spawn import run_ranks
 from distlab.runtime import timeline
 from distlab.train import Trainer, TrainConfig
 
+PLAN_RESULTS = __import__("pathlib").Path(__file__).resolve().parent.parent / "results" / "plan"
+
 
 def _cfg(out, **kw):
     settings = dict(model="mlp", mlp_widths=(256, 128), dataset="synthetic:1x16x16:4:640", global_batch_size=64,
@@ -71,6 +73,13 @@ def test_a_traced_run_shows_each_ranks_spans_and_whether_communication_hides_beh
     page = (tmp_path / "report.html").read_text()
     assert "<h2>Timelines</h2>" in page and "rank 1" not in inputs.problems.__repr__()
     assert len(inputs.images) >= 2  # the loss curves and the timeline
+    # plan validate compares the traced phases with the prediction's
+    from distlab.plan.calibration import calibrate
+    from distlab.plan.text import format_validation
+    from distlab.plan.validate import summaries, validate
+    rows = validate(calibrate([str(PLAN_RESULTS)]), [str(tmp_path)])
+    assert len(rows) == 1 and rows[0]["measured_compute_s"] > 0 and rows[0]["measured_exposed_comm_s"] > 0
+    assert "traced run, per step" in format_validation(rows, summaries(rows))
 
 
 def test_recording_is_off_outside_the_traced_steps():
@@ -141,3 +150,24 @@ def test_profile_writes_each_ranks_torch_profiler_trace_with_distlabs_spans_amon
     assert {"forward", "backward", "optimizer step"} <= names  # distlab's spans, once each (one step)
     assert any(str(n).startswith("aten::") for n in names)  # torch's operators
     assert not timeline.active() and not timeline._LABELS  # nothing left on after the profiled steps
+
+
+def test_plan_draws_the_predicted_step_on_the_same_lanes(tmp_path):
+    """plan --timeline: the predicted step as a trace (forward, backward, the gradient all-reduce) that
+    ends where the predicted step does, and its Gantt chart."""
+    from tests.conftest import invoke
+    from distlab.plan.calibration import calibrate
+    (tmp_path / "cal.json").write_text(calibrate([str(PLAN_RESULTS)]).to_json())
+    code, out, err = invoke(["plan", "--model", "mlp", "--dataset", "synthetic:1x16x16:4:960", "--dp", "2",
+                             "--dp-sync", "allreduce", "--calibration", "cal.json", "--timeline", "pred.json",
+                             "--json", "pred-plan.json"], tmp_path)
+    assert code == 0, err
+    trace = json.loads((tmp_path / "pred.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {"forward", "backward"} <= {e["name"] for e in spans}
+    assert any(e["cat"] == "communication" and e["name"].startswith("all-reduce") for e in spans)
+    step_s = json.loads((tmp_path / "pred-plan.json").read_text())["step_s"]
+    end = max(e["ts"] + e["dur"] for e in spans) / 1e6
+    assert abs(end - step_s) <= 1e-6 * step_s + 1e-8  # stamps kept in whole nanoseconds
+    assert (tmp_path / "pred.png").stat().st_size > 0
+    assert timeline.analyze(trace)["hidden_communication"] == 0.0  # per-parameter all-reduce: after backward

@@ -54,10 +54,13 @@ PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "seq
 @click.option("--min-efficiency", type=Number(0.0, 1.0), default=0.5, show_default=True,
               help="With --sweep: below this scaling efficiency a strategy has stopped scaling.")
 @click.option("--json", "json_out", default=None, callback=output_file, help="Also write the prediction(s) as JSON here.")
+@click.option("--timeline", "timeline_out", default=None, callback=output_file,
+              help="Also write the predicted step as a timeline here (needs a calibration): FILE in Chrome's "
+                   "trace format, the same lanes as a run's --trace, and FILE's .png, its Gantt chart.")
 @click.pass_context
 def plan(ctx, model, mlp_widths, dataset, n_layer, n_head, n_embd, block_size, experts, top_k, num_params, activation_bytes, layers, dp, optimizer, momentum,
          global_batch_size, link, latency, burst, threads, calibration, sweep, strategies, device_memory,
-         min_efficiency, json_out, **strategy_fields):
+         min_efficiency, json_out, timeline_out, **strategy_fields):
     """Predict time per step and memory per rank of a layout, before running it.
 
     \b
@@ -109,6 +112,8 @@ def plan(ctx, model, mlp_widths, dataset, n_layer, n_head, n_embd, block_size, e
     else:
         result = pp.predict(t, lay, net, cal)
         click.echo(pp.format_prediction(result))
+        if timeline_out:
+            _write_timeline(result, str(lay.strategy), timeline_out)
     if cal is not None:
         click.echo(f"(calibration: {path}, {cal.machine.get('host', '?')}, {cal.machine.get('date', '?')})", err=True)
         if device_memory and cal.machine.get("device", "cpu") == "cpu":
@@ -120,6 +125,27 @@ def plan(ctx, model, mlp_widths, dataset, n_layer, n_head, n_embd, block_size, e
         from distlab.train.metrics import atomic_write_text
         atomic_write_text(json_out, _json.dumps(result, indent=1) + "\n")
         click.echo(f"wrote {json_out}", err=True)
+
+
+def _write_timeline(result: dict, label: str, out: str) -> None:
+    """The predicted step's timeline: a Chrome trace and its Gantt chart beside it."""
+    import json as _json
+    from pathlib import Path
+
+    from distlab.runtime.timeline import predicted_trace
+    from distlab.tools.plots import pyplot
+    from distlab.tools.report.timelines import _gantt
+    from distlab.train.metrics import atomic_write_text
+    if "timeline" not in result:
+        raise ConfigError("--timeline draws the predicted step's time: give a calibration (--calibration, from "
+                          "`distlab plan calibrate`); without one plan predicts memory only")
+    trace = predicted_trace(result["timeline"], f"predicted: {label}")
+    atomic_write_text(out, _json.dumps(trace) + "\n")
+    png = Path(out).with_suffix(".png")
+    fig = _gantt(trace, f"predicted: {label}")
+    fig.savefig(png, dpi=90, bbox_inches="tight")
+    pyplot().close(fig)
+    click.echo(f"wrote {out} and {png}", err=True)
 
 
 @plan.command("calibrate")

@@ -176,21 +176,32 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     comm_total = exposed_pre + tp_time
     start_bwd = fwd + exposed_pre / 2
     end_bwd = start_bwd + bwd + exposed_pre / 2
+    # the predicted timeline of one step: the same lanes as a measured trace (runtime.timeline)
+    spans = [("forward", "compute", 0.0, fwd), ("backward", "compute", start_bwd, start_bwd + bwd)]
+    if exposed_pre:  # ZeRO-3's gathers before the layers: half in forward, half in backward, waited for
+        spans += [("all-gather (forward)", "communication", fwd, start_bwd),
+                  ("all-gather (backward)", "communication", start_bwd + bwd, end_bwd)]
     free = 0.0
     timer.link_free = -comp.overhead  # the optimizer step of the previous step left the link idle
     for c in sorted(overlapped, key=lambda c: c.ready):
         s = max(start_bwd + c.ready * bwd, free)
         d = timer.duration(c, s)
         free, timer.link_free, comm_total = s + d, s + d, comm_total + d
+        spans.append((_call_name(c), "communication", s, s + d))
     cur = max(end_bwd, free)
     for c in after:
         d = timer.duration(c, cur)
+        spans.append((_call_name(c), "communication", cur, cur + d))
         cur, timer.link_free, comm_total = cur + d, cur + d, comm_total + d
+    spans.append(("optimizer step", "compute", cur, cur + comp.overhead))
     cur += comp.overhead
     for c in after_step:
         d = timer.duration(c, cur)
+        spans.append((_call_name(c), "communication", cur, cur + d))
         cur, timer.link_free, comm_total = cur + d, cur + d, comm_total + d
     step = cur + tp_time
+    if tp_time:  # the components' and the pipeline's collectives, on the critical path, as one block
+        spans.append(("tensor/context/expert/pipeline collectives", "communication", cur, step))
     compute = comp.time(flops) * stretch
     per_rank = f"{comp.threads} thread{'s' if comp.threads != 1 else ''} per rank"
     out.update({"compute_basis": (f"calibrated at {per_rank}" if comp.scaled_from is None else
@@ -198,8 +209,15 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
                                   f"{comp.scaled_from} scaled by {comp.threads}/{comp.scaled_from}"),
                 "oversubscription": lay.oversubscription, "compute_s": compute, "comm_s": comm_total, "exposed_comm_s": step - compute, "step_s": step,
                 "samples_per_s": lay.global_batch / step, "threads_per_rank": comp.threads,
-                "scaling_efficiency": compute / step if step else None})
+                "scaling_efficiency": compute / step if step else None,
+                "timeline": [{"name": n, "lane": lane, "start_s": a, "end_s": b} for n, lane, a, b in spans if b > a]})
     return out
+
+
+def _call_name(c: Call) -> str:
+    """A predicted collective's span name: ``all-reduce 1.9 MB``."""
+    from distlab.runtime.timeline import size_text
+    return f"{c.kind.replace('_', '-')} {size_text(int(c.nbytes))}"
 
 
 def _activation_basis(lay: Layout, prices: list) -> str:

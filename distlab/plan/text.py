@@ -119,6 +119,15 @@ def format_validation(rows: list[dict], summaries: dict[str, dict]) -> str:
             f" {r['measured_model_state_bytes']:>13,} {r['predicted_model_state_bytes']:>13,}"
         lines.append(f"{r['run'][:34]:<34} {r['world_size']:>2} {r['link']:<8} {_ms(r['measured_step_s']):>10} "
                      f"{_ms(r['predicted_step_s']):>10} {r['time_rel_err']:>+7.1%}{mem}")
+    traced = [r for r in rows if "measured_compute_s" in r]
+    if traced:  # runs with a --trace: the step's phases, measured against predicted
+        lines += ["", f"{'traced run, per step':<34} {'compute':>10} {'predicted':>10} {'exposed comm':>13} "
+                      f"{'predicted':>10} {'bubble':>7} {'predicted':>9}"]
+        for r in traced:
+            bubble = "" if r.get("measured_bubble") is None else \
+                f" {r['measured_bubble']:>7.1%} {r['predicted_bubble']:>9.1%}"
+            lines.append(f"{r['run'][:34]:<34} {_ms(r['measured_compute_s']):>10} {_ms(r['predicted_compute_s']):>10} "
+                         f"{_ms(r['measured_exposed_comm_s']):>13} {_ms(r['predicted_exposed_comm_s']):>10}{bubble}")
     for kind, summary in summaries.items():
         what = "step time" if kind == "training" else "collective time"
         line = (f"{what}: median |error| {summary['median_abs_time_err']:.1%}, max {summary['max_abs_time_err']:.1%} "

@@ -71,12 +71,28 @@ def validate(cal: Calibration, paths: list[str], world_min: int = 2) -> list[dic
                      "predicted_compute_s": p["compute_s"], "predicted_exposed_comm_s": p["exposed_comm_s"],
                      "measured_model_state_bytes": mem, "predicted_model_state_bytes": p["model_state_bytes_per_rank"],
                      "memory_exact": p["model_state_exact"],
-                     "memory_rel_err": (p["model_state_bytes_per_rank"] - mem) / mem if mem else None})
+                     "memory_rel_err": (p["model_state_bytes_per_rank"] - mem) / mem if mem else None,
+                     **_phases(s, p)})
     rows += validate_collectives(cal, paths)
     if not rows:
         raise ConfigError(f"no runs with {world_min}+ workers under {', '.join(paths)} (run directories with "
                           f"summary.json, bench scaling JSON, or bench collectives JSON measured across nodes)")
     return rows
+
+
+def _phases(summary: dict, p: dict) -> dict:
+    """A traced run (``--trace``) compared phase by phase: compute per step (mean over ranks), exposed
+    communication per step (the most of any rank) and, for a pipeline, the stages' waits over their
+    schedule (the bubble, mean over stages) against the prediction's; {} for a run without a trace."""
+    trace = summary.get("trace") or {}
+    ranks = trace.get("per_rank") or []
+    if not ranks:
+        return {}
+    out = {"measured_compute_s": statistics.mean(r["compute_s_per_step"] for r in ranks),
+           "measured_exposed_comm_s": trace.get("exposed_communication_s_per_step")}
+    if trace.get("pipeline_wait_fraction") is not None:
+        out.update(measured_bubble=trace["pipeline_wait_fraction"], predicted_bubble=p.get("bubble_ideal"))
+    return out
 
 
 def summarize(rows: list[dict]) -> dict:

@@ -170,6 +170,20 @@ def chrome_trace(ranks: list[dict]) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
+def predicted_trace(spans: list[dict], label: str = "predicted") -> dict:
+    """``distlab plan``'s predicted step (its ``timeline``: name, lane, start_s, end_s) in the same
+    Chrome trace format as a measured one: one process, the same lanes."""
+    trace = chrome_trace([{"rank": 0, "offset_ns": 0, "spans": [
+        (s["name"], s["lane"], int(s["start_s"] * 1e9), int(s["end_s"] * 1e9),
+         {"blocking": True} if s["lane"] == "communication" and s["name"].startswith(("all-gather (", "tensor/"))
+         else {}) for s in spans]}])
+    for e in trace["traceEvents"]:
+        if e["ph"] == "M" and e["name"] == "process_name":
+            e["args"]["name"] = label
+    trace["otherData"] = {"steps": [1, 1], "clock": "predicted by distlab plan"}
+    return trace
+
+
 # ---------------------------------------------------------------------------- reading a trace
 
 WAITS = ("gradient sync",)  # compute-lane spans that mostly wait for communication: not compute (nor "wait ...")

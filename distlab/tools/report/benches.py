@@ -196,6 +196,9 @@ def _plan_section(records: list[dict]) -> str:
             Col("predicted_compute_s", "compute (ms)", fmt_ms), Col("predicted_exposed_comm_s", "exposed comm (ms)", fmt_ms),
             Col("measured_model_state_bytes", "model state measured", fmt_size),
             Col("predicted_model_state_bytes", "model state predicted", fmt_size)]
+    if any("measured_compute_s" in r for r in records):  # traced runs: their phases, measured
+        cols[9:9] = [Col("measured_compute_s", "compute measured (ms)", fmt_ms),
+                     Col("measured_exposed_comm_s", "exposed comm measured (ms)", fmt_ms)]
     return png(fig) + html_table(records, cols)
 
 
