@@ -209,3 +209,18 @@ def test_the_optimizer_is_one_fused_kernel_on_a_gpu_and_torchs_default_elsewhere
     for name in ("sgd", "adam", "adamw"):
         opt = build_optimizer([torch.nn.Parameter(torch.zeros(3, device=device))], _cfg(optimizer=name))
         assert bool(opt.defaults.get("fused")) == (device == "cuda"), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_traced_step_on_the_device(tmp_path, device):
+    """--trace on the device: the training thread's spans (CUDA events on a GPU, read once after the
+    traced steps), each step's forward, backward and optimizer step, in order."""
+    cfg = _cfg(out=str(tmp_path), trace="2:3", max_steps=4)
+    (_, _, summary), = run_ranks(_train_on, 1, cfg, device, **_on(device))
+    assert summary["trace"]["steps"] == [2, 3]
+    spans = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    names = [e["name"] for e in sorted(spans, key=lambda e: e["ts"]) if e["cat"] == "compute"]
+    for name in ("forward", "backward", "optimizer step"):
+        assert names.count(name) == 2, names
+    assert names.index("forward") < names.index("backward") < names.index("optimizer step")
+    assert all(e["dur"] >= 0 for e in spans)

@@ -37,16 +37,37 @@ LANES = ("compute", "communication", "pipeline")  # a trace's tracks, in this or
 
 
 class Recorder:
-    """Spans of one rank: ``(name, lane, start_ns, end_ns, args)``, appended from any thread."""
+    """Spans of one rank: ``(name, lane, start_ns, end_ns, args)``, appended from any thread.
 
-    def __init__(self, rank: int):
+    On a CUDA device the training thread's spans are CUDA events on the current stream (when the GPU
+    ran the work, not when the host queued it), read once at :meth:`finish` -- no synchronisation
+    inside the traced steps -- and placed on the host clock from the moment the first event was
+    queued; collectives' spans stay host-timed."""
+
+    def __init__(self, rank: int, device: torch.device | None = None):
         self.rank = rank
         self.spans: list[tuple[str, str, int, int, dict]] = []
         self._lock = threading.Lock()
+        self.cuda = device is not None and device.type == "cuda"
+        self._events: list[tuple[str, str, object, object, dict]] = []
+        if self.cuda:
+            self._base = torch.cuda.Event(enable_timing=True)
+            self._base.record()
+            self._base_ns = time.perf_counter_ns()
 
     def add(self, name: str, lane: str, start: int, end: int, args: dict | None = None) -> None:
         with self._lock:
             self.spans.append((name, lane, start, end, args or {}))
+
+    def finish(self) -> None:
+        """Turn the CUDA events into stamps (one synchronisation, after the traced steps)."""
+        if not self._events:
+            return
+        torch.cuda.synchronize()
+        for name, lane, start, end, args in self._events:
+            self.add(name, lane, self._base_ns + int(self._base.elapsed_time(start) * 1e6),
+                     self._base_ns + int(self._base.elapsed_time(end) * 1e6), args)
+        self._events = []
 
 
 _ACTIVE: Recorder | None = None
@@ -60,11 +81,12 @@ def label_for_profiler(on: bool) -> None:
     _LABELS = on
 
 
-def start(rank: int) -> Recorder:
-    """Record this rank's spans from now (a recorder already on keeps its spans)."""
+def start(rank: int, device: torch.device | None = None) -> Recorder:
+    """Record this rank's spans from now (a recorder already on keeps its spans); on a CUDA ``device``
+    the training thread's spans by CUDA events."""
     global _ACTIVE
     if _ACTIVE is None:
-        _ACTIVE = Recorder(rank)
+        _ACTIVE = Recorder(rank, device)
     return _ACTIVE
 
 
@@ -72,6 +94,8 @@ def stop() -> Recorder | None:
     """Stop recording; the recorder with its spans (None: none was on)."""
     global _ACTIVE
     rec, _ACTIVE = _ACTIVE, None
+    if rec is not None:
+        rec.finish()
     return rec
 
 
@@ -81,6 +105,17 @@ def active() -> bool:
 
 @contextlib.contextmanager
 def _timed(rec: Recorder, name: str, lane: str, args: dict):
+    if rec.cuda and lane != "communication" and threading.current_thread() is threading.main_thread():
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        try:
+            yield
+        finally:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            with rec._lock:
+                rec._events.append((name, lane, start, end, args))
+        return
     t0 = time.perf_counter_ns()
     try:
         yield

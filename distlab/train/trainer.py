@@ -233,7 +233,7 @@ class Trainer:
         profiled = cfg.trace_steps("profile") if cfg.profile else None
         while run.step < self.total_steps:
             if traced and traced[0] <= run.step + 1 <= traced[1]:
-                timeline.start(self.rt.rank)
+                timeline.start(self.rt.rank, self.rt.device)
             if profiled and profiled[0] <= run.step + 1 <= profiled[1] and self._profiler is None:
                 self._start_profiler()
             epoch, position = divmod(run.step, self.steps_per_epoch)
