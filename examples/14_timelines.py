@@ -9,8 +9,8 @@ runs it) and reads each trace back (``distlab.runtime.timeline.analyze``):
    backward (nothing hidden), bucketed starts each bucket's all-reduce while the backward computes
    the earlier layers' gradients;
 2. ZeRO-3 with and without prefetching the next module's parameters;
-3. a two-stage pipeline under GPipe, 1F1B and interleaved 1F1B: each stage's waits for its neighbour
-   (the measured bubble) beside the formula's (P-1)/(V M + P-1);
+3. a two-stage pipeline under GPipe, 1F1B, interleaved 1F1B and zero bubble: each stage's waits for
+   its neighbour (the measured bubble) beside the schedule's ideal one;
 4. one rank made slower on purpose (it sleeps 20 ms before each step): the other waits for it in
    every collective, and the trace names it.
 
@@ -75,9 +75,9 @@ def main():
                f"exposed {ms(found['exposed_communication_s_per_step'])} per step")
 
     print0("3. a two-stage pipeline, 8 micro-batches: each stage's waits over its schedule (the bubble)")
-    for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("1f1b", 2)):
-        name = f"{schedule}{'-interleaved' if virtual > 1 else ''}"
-        found = traced(f"pp-{name}", pp=2, microbatches=8, pp_schedule=schedule, pp_virtual=virtual,
+    for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("1f1b", 2), ("zb", 1)):
+        name = {"zb": "zero bubble"}.get(schedule, schedule) + ("-interleaved" if virtual > 1 else "")
+        found = traced(f"pp-{name.replace(' ', '-')}", pp=2, microbatches=8, pp_schedule=schedule, pp_virtual=virtual,
                        dp_sync="allreduce")
         stages = ", ".join(f"{100 * r['pipeline_wait_fraction']:.0f}%" for r in found["ranks"])
         print0(f"   {name:<17} waits per stage {stages}   formula {100 * ideal_bubble(2, 8, schedule, virtual):.0f}%")

@@ -57,6 +57,15 @@ def test_a_traced_run_shows_each_ranks_spans_and_whether_communication_hides_beh
         mine = [s for s in spans if s["pid"] == rank]
         for name in ("data", "forward", "backward", "gradient sync", "finite check", "optimizer step"):
             assert sum(s["name"] == name for s in mine) == 2, (rank, name)
+        assert all(s["dur"] > 0 or s["cat"] != "compute" for s in mine)
+        # each block of the MLP (Flatten, Linear+ReLU, Linear+ReLU, Linear) timed inside the step's forward
+        # and backward; the first two blocks' inputs (the data) need no gradient: no end to time backward by
+        blocks = sorted(s["name"] for s in mine if s["name"].startswith("net."))
+        assert blocks == sorted([f"{b} forward" for b in ("net.0", "net.1-net.2", "net.3-net.4", "net.5")] * 2
+                                + [f"{b} backward" for b in ("net.3-net.4", "net.5")] * 2), blocks
+        forward = [s for s in mine if s["name"] == "forward"]
+        assert all(any(f["ts"] <= s["ts"] and s["ts"] + s["dur"] <= f["ts"] + f["dur"] for f in forward)
+                   for s in mine if s["name"].endswith(" forward") and s["name"] != "forward")
         comm = [s for s in mine if s["cat"] == "communication"]
         backward = [s for s in mine if s["name"] == "backward"]
         hidden = [c for c in comm if any(_overlaps(c, b) for b in backward)]

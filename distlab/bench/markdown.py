@@ -101,6 +101,20 @@ def variant_cost(records: list[dict]) -> str:
                         markdown=True)
 
 
+def trace_table(trace: dict) -> str:
+    """A run's ``trace.json`` (``--trace``): per rank, its time per traced step, compute, communication,
+    the share hidden behind compute and the exposed rest (``runtime.timeline.analyze``)."""
+    from distlab.bench.common import format_table
+    from distlab.runtime.timeline import analyze
+    found = analyze(trace)
+    rows = [[str(r["rank"]), f"{1e3 * r['window_s_per_step']:.2f}", f"{1e3 * r['compute_s_per_step']:.2f}",
+             f"{1e3 * r['communication_s_per_step']:.2f}",
+             "-" if r["hidden_communication"] is None else f"{100 * r['hidden_communication']:.1f}%",
+             f"{1e3 * r['exposed_communication_s_per_step']:.2f}"] for r in found["ranks"]]
+    return format_table(["rank", "traced ms/step", "compute ms", "communication ms", "hidden", "exposed ms"], rows,
+                        markdown=True) + f"\n{found['steps']} steps traced; slowest rank {found['slowest_rank']}"
+
+
 def _kind(first: dict):
     """The table of a file whose records start with ``first`` (by the fields only that bench writes)."""
     from distlab.bench import (checkpointing, compression, elastic, overhead, parallel, pipeline, scaling,
@@ -134,6 +148,8 @@ def render(path: str | Path) -> str:
     data = json.loads(Path(path).read_text())
     if mainjob.is_results(data):
         return mainjob.table(data, markdown=True)
+    if isinstance(data, dict) and "traceEvents" in data:  # a run's --trace: what its spans say, per rank
+        return trace_table(data)
     if not isinstance(data, list):
         raise ValueError("not a list of bench records")
     if not data:

@@ -134,7 +134,7 @@ def _write_timeline(result: dict, label: str, out: str) -> None:
 
     from distlab.runtime.timeline import predicted_trace
     from distlab.tools.plots import pyplot
-    from distlab.tools.report.timelines import _gantt
+    from distlab.tools.report.timelines import gantt
     from distlab.train.metrics import atomic_write_text
     if "timeline" not in result:
         raise ConfigError("--timeline draws the predicted step's time: give a calibration (--calibration, from "
@@ -142,7 +142,7 @@ def _write_timeline(result: dict, label: str, out: str) -> None:
     trace = predicted_trace(result["timeline"], f"predicted: {label}")
     atomic_write_text(out, _json.dumps(trace) + "\n")
     png = Path(out).with_suffix(".png")
-    fig = _gantt(trace, f"predicted: {label}")
+    fig = gantt(trace, f"predicted: {label}")
     fig.savefig(png, dpi=90, bbox_inches="tight")
     pyplot().close(fig)
     click.echo(f"wrote {out} and {png}", err=True)

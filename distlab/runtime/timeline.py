@@ -321,3 +321,37 @@ def _slowest(ranks: list[dict]) -> int | None:
     if any(r["communication_s_per_step"] for r in ranks):
         return min(ranks, key=lambda r: r["exposed_communication_s_per_step"])["rank"]
     return max(ranks, key=lambda r: r["compute_s_per_step"])["rank"]
+
+
+# ---------------------------------------------------------------------------- a model's blocks
+
+def trace_blocks(blocks: list[tuple[str, object, object]]) -> list:
+    """Spans of each block's forward and backward while recording: ``blocks`` are ``(name, first
+    module, last module)``. Forward: from the first module's input to the last one's output; backward:
+    from the moment the gradient of the block's output arrives to the moment its input's is done
+    (tensor hooks, which change nothing). Returns the hook handles (``remove()`` each)."""
+    handles = []
+    for name, first, last in blocks:
+        state: dict = {}
+
+        def before(module, args, state=state):
+            if _ACTIVE is not None:
+                state["t0"] = time.perf_counter_ns()
+                state["x"] = args[0] if args and isinstance(args[0], torch.Tensor) else None
+
+        def after(module, args, out, name=name, state=state):
+            rec = _ACTIVE
+            if rec is None or "t0" not in state:
+                return
+            rec.add(f"{name} forward", "compute", state.pop("t0"), time.perf_counter_ns())
+            x = state.pop("x", None)
+            if not (torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad
+                    and x is not None and x.requires_grad):
+                return
+            began: list[int] = []
+            out.register_hook(lambda g: began.append(time.perf_counter_ns()))
+            x.register_hook(lambda g: rec.add(f"{name} backward", "compute", began[0], time.perf_counter_ns())
+                            if began else None)
+
+        handles += [first.register_forward_pre_hook(before), last.register_forward_hook(after)]
+    return handles

@@ -190,8 +190,8 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         # how long each snapshot of this attempt held the training up (--snapshot-async: the copy to host memory)
         "snapshot_stall_s_median": statistics.median(run.snapshot_stalls) if run.snapshot_stalls else None,
         "snapshot_async": cfg.snapshot_async,
-        "trace": trainer.trace_record,  # --trace: OUT/trace.json's steps, spans and clock residual
-        "profile": trainer.profile_record,  # --profile: OUT/profile/'s per-rank torch.profiler traces
+        "trace": trainer.observer.trace_record,  # --trace: OUT/trace.json's steps, spans and clock residual
+        "profile": trainer.observer.profile_record,  # --profile: OUT/profile/'s per-rank torch.profiler traces
         "evals": run.evals,
         "optimizer": cfg.optimizer,
         "lr": cfg.lr,

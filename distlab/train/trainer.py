@@ -10,14 +10,12 @@ restarts lives in :class:`~distlab.train.run_state.RunState`; ``summary.json`` i
 from __future__ import annotations
 
 import functools
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 from distlab import comm
@@ -32,6 +30,7 @@ from distlab.runtime import Runtime, is_comm_failure, roll_call, seed_everything
 from distlab.train.config import TrainConfig
 from distlab.train.evaluate import evaluate, first_batches
 from distlab.train.throughput import Throughput
+from distlab.train.observe import StepObserver
 from distlab.train.export import load_init
 from distlab.train.metrics import MetricsLog, atomic_write_text, write_predictions, write_summary
 from distlab.train.optim import build_optimizer, build_scheduler, decay_groups, no_decay_names
@@ -114,9 +113,7 @@ class Trainer:
         self._nonfinite = ""  # why the run stopped on non-finite gradients
         self._predictions = None  # (step, confusion matrix, misclassified rows) of the newest evaluation
         self._grad_norm = None  # the last step's gradient norm before clipping (a device tensor), with clipping
-        self.trace_record: dict | None = None  # --trace: where the timeline went, its steps, spans and clock residual
-        self._profiler = None  # --profile: torch.profiler while the profiled steps run
-        self.profile_record: dict | None = None  # --profile: where the per-rank traces went
+        self.observer = StepObserver(cfg, rt, self.engine, self.say)  # --trace, --profile
 
     @property
     def net(self) -> torch.nn.Module:
@@ -199,10 +196,7 @@ class Trainer:
         start = time.perf_counter()
         with Preemption(self.rt.device) as preemption:
             stopped = self._loop(times, preemption)
-        if timeline.active():  # the run ended inside the traced steps: what was recorded
-            self._write_trace(cfg.trace_steps())
-        if self._profiler is not None:
-            self._write_profile(cfg.trace_steps("profile"))
+        self.observer.finish()  # the run ended inside the traced or profiled steps: what was recorded
         self.bar.close()
         if stopped == "time_budget" and (not run.evals or run.evals[-1]["step"] != run.step):
             result = self._evaluate(run.step // self.steps_per_epoch)
@@ -229,13 +223,8 @@ class Trainer:
         """Steps until the end, the time budget or a preemption; returns which stopped it."""
         cfg, run, engine = self.cfg, self.run, self.engine
         batches = None
-        traced = cfg.trace_steps() if cfg.trace else None
-        profiled = cfg.trace_steps("profile") if cfg.profile else None
         while run.step < self.total_steps:
-            if traced and traced[0] <= run.step + 1 <= traced[1]:
-                timeline.start(self.rt.rank, self.rt.device)
-            if profiled and profiled[0] <= run.step + 1 <= profiled[1] and self._profiler is None:
-                self._start_profiler()
+            self.observer.before(run.step + 1)  # --trace, --profile: from their first step
             epoch, position = divmod(run.step, self.steps_per_epoch)
             if batches is None or position == 0:
                 self.loader.set_epoch(epoch)
@@ -278,65 +267,11 @@ class Trainer:
             if run.step % cfg.log_every == 0 or last or sample or (evaluation and cfg.eval_every):
                 self._log(epoch, lr, sample, evaluation)
             run.maybe_snapshot(self.total_steps)
-            if traced and run.step == traced[1]:  # the last traced step, its evaluation and snapshot included
-                self._write_trace(traced)
-            if profiled and run.step == profiled[1]:
-                self._write_profile(profiled)
+            self.observer.after(run.step)  # after their last step, its evaluation and snapshot included
             reason = preemption.poll()
             if reason:
                 return reason
         return "completed"
-
-    def _write_trace(self, steps: tuple[int, int]) -> None:
-        """Every rank's recorded spans, on rank 0's clock, into OUT/trace.json (collective)."""
-        rec = timeline.stop()
-        offset, residual = timeline.clock_offset()
-        mine = {"rank": self.rt.rank, "offset_ns": offset, "residual_ns": residual,
-                "spans": rec.spans if rec is not None else []}
-        everyone = [mine]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine)
-        path = Path(self.cfg.out) / "trace.json"
-        trace = timeline.chrome_trace(everyone)
-        shifted = any(r["offset_ns"] or r["residual_ns"] for r in everyone)
-        trace["otherData"] = {"steps": list(steps), "clock_residual_us": max(r["residual_ns"] for r in everyone) / 1e3,
-                              "clock": "monotonic clocks, other machines' shifted onto rank 0's by barrier releases"
-                                       if shifted else "one machine's monotonic clock"}
-        if self.rt.is_main:
-            atomic_write_text(path, json.dumps(trace))
-        found = timeline.analyze(trace)
-        self.trace_record = {"path": str(path), "steps": list(steps), "ranks": len(everyone),
-                             "spans": sum(len(r["spans"]) for r in everyone), **trace["otherData"],
-                             **{k: found[k] for k in ("hidden_communication", "exposed_communication_s_per_step",
-                                                      "slowest_rank", "pipeline_wait_fraction")},
-                             "per_rank": found["ranks"]}
-        clock = f"clocks aligned within {trace['otherData']['clock_residual_us']:.0f} us" if shifted else "one clock"
-        hidden = found["hidden_communication"]
-        self.say(f"trace of steps {steps[0]}-{steps[1]}: {path} ({self.trace_record['spans']} spans from "
-                 f"{len(everyone)} ranks, {clock}" + (f"; {100 * hidden:.0f}% of communication hidden behind compute"
-                                                      if hidden is not None else "") + ")")
-
-    def _start_profiler(self) -> None:
-        from torch.profiler import ProfilerActivity, profile
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.rt.device.type == "cuda" else [])
-        self._profiler = profile(activities=activities)
-        self._profiler.__enter__()
-        timeline.label_for_profiler(True)  # distlab's spans as ranges among torch's operators
-
-    def _write_profile(self, steps: tuple[int, int]) -> None:
-        """This rank's torch.profiler trace of the profiled steps: OUT/profile/rank-N.json."""
-        timeline.label_for_profiler(False)
-        prof, self._profiler = self._profiler, None
-        prof.__exit__(None, None, None)
-        directory = Path(self.cfg.out) / "profile"
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"rank-{self.rt.rank:05d}.json"
-        tmp = path.with_name(f".{path.name}.tmp")
-        prof.export_chrome_trace(str(tmp))
-        tmp.replace(path)  # whole or absent
-        self.profile_record = {"directory": str(directory), "steps": list(steps), "ranks": self.rt.world_size}
-        self.say(f"profile of steps {steps[0]}-{steps[1]}: {directory}/rank-*.json (torch.profiler, one per rank)")
 
     # ------------------------------------------------------------------ logging and evaluation
 

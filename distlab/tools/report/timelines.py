@@ -31,6 +31,8 @@ def _kind(span: dict) -> tuple[str, str]:
     words = span["name"].split()
     if words[0] == "stage":  # "stage 1 chunk 0 F mb 2", "stage 0 B mb 3"
         return next((STAGE[w] for w in words if w in STAGE), OTHER)
+    if words[-1] in ("forward", "backward"):  # a block's ("blocks.3 forward"): its phase's colour, edged
+        return KINDS[0][1:] if words[-1] == "forward" else KINDS[1][1:]
     return next(((c, w) for k, c, w in KINDS if span["name"].startswith(k)), OTHER)
 
 
@@ -45,7 +47,7 @@ def timelines_section(runs: list[dict]) -> str:
     for r in traced:
         found = analyze(r["trace"])
         out.append(f"<h3>{html.escape(run_label(r))}</h3>")
-        out.append(png(_gantt(r["trace"], run_label(r))))
+        out.append(png(gantt(r["trace"], run_label(r))))
         out.append(html_table(found["ranks"], [
             Col("rank", "rank"), Col("window_s_per_step", "traced time per step (ms)", fmt_ms),
             Col("compute_s_per_step", "compute per step (ms)", fmt_ms),
@@ -59,7 +61,7 @@ def timelines_section(runs: list[dict]) -> str:
     return "\n".join(out)
 
 
-def _gantt(trace: dict, title: str):
+def gantt(trace: dict, title: str):
     plt = pyplot()
     spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"] != SCHEDULE]  # around its waits
     ranks = sorted({e["pid"] for e in spans})
