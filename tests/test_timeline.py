@@ -180,3 +180,22 @@ def test_plan_draws_the_predicted_step_on_the_same_lanes(tmp_path):
     assert abs(end - step_s) <= 1e-6 * step_s + 1e-8  # stamps kept in whole nanoseconds
     assert (tmp_path / "pred.png").stat().st_size > 0
     assert timeline.analyze(trace)["hidden_communication"] == 0.0  # per-parameter all-reduce: after backward
+
+
+def test_tensor_parallel_collectives_say_which_block_they_belong_to(tmp_path):
+    """TP+SP on the GPT: each block's all-gathers, reduce-scatters and all-reduces, forward and backward,
+    carry the block's name (the embedding's and the head's, outside every block, carry none)."""
+    cfg = _cfg(tmp_path, model="gpt", dataset="synthetic-text:2000", n_layer=2, n_head=4, n_embd=32, block_size=16,
+               global_batch_size=8, tp=2, sequence_parallel=True, dp_sync="allreduce", trace="3:3")
+    run_ranks(_train, 2, cfg, timeout=120)
+    spans = [s for s in _spans(tmp_path / "trace.json") if s["cat"] == "communication"]
+    for rank in (0, 1):
+        by_block = {b: [s for s in spans if s["pid"] == rank and s.get("args", {}).get("block") == b]
+                    for b in ("Block 1", "Block 2")}
+        for block, mine in by_block.items():
+            kinds = {s["name"].split()[0] + " " + s["name"].split()[1] for s in mine}
+            assert kinds == {"tensor-parallel all-gather", "sequence-parallel reduce-scatter",
+                             "tensor-parallel all-reduce"}, (rank, block, kinds)
+            assert all(s["name"].endswith(f" in {block}") for s in mine)
+            # forward and backward both: as many all-gathers as reduce-scatters (each undoes the other)
+            assert sum("all-gather" in s["name"] for s in mine) == sum("reduce-scatter" in s["name"] for s in mine)

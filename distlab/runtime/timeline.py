@@ -72,6 +72,7 @@ class Recorder:
 
 _ACTIVE: Recorder | None = None
 _OFF = contextlib.nullcontext()
+_BLOCK: str | None = None  # the block the training thread is in (trace_blocks), for its collectives' spans
 _LABELS = False  # torch.profiler is on (--profile): every span is also a record_function range in its trace
 
 
@@ -92,8 +93,8 @@ def start(rank: int, device: torch.device | None = None) -> Recorder:
 
 def stop() -> Recorder | None:
     """Stop recording; the recorder with its spans (None: none was on)."""
-    global _ACTIVE
-    rec, _ACTIVE = _ACTIVE, None
+    global _ACTIVE, _BLOCK
+    rec, _ACTIVE, _BLOCK = _ACTIVE, None, None
     if rec is not None:
         rec.finish()
     return rec
@@ -130,7 +131,11 @@ def span(name: str, lane: str = "compute", **args):
     rec = _ACTIVE
     if rec is None:
         return _OFF if not _LABELS else torch.profiler.record_function(name)
-    timed = _timed(rec, name, lane, {**args, "blocking": True} if lane == "communication" else args)
+    if lane == "communication":  # a collective blocks the calling thread; within a block, it says which
+        args = {**args, "blocking": True}
+        if _BLOCK is not None and threading.current_thread() is threading.main_thread():
+            name, args["block"] = f"{name} in {_BLOCK}", _BLOCK
+    timed = _timed(rec, name, lane, args)
     return timed if not _LABELS else _both(torch.profiler.record_function(name), timed)
 
 
@@ -151,7 +156,9 @@ def async_span(name: str, handle, lane: str = "communication", **args) -> None:
 
 def size_text(nbytes: int) -> str:
     """``1.9 MB``, ``12 KB``: a message's size in a span's name."""
-    return f"{nbytes / 2**20:.1f} MB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KB"
+    if nbytes >= 2**20:
+        return f"{nbytes / 2**20:.1f} MB"
+    return f"{nbytes / 2**10:.0f} KB" if nbytes >= 2**10 else f"{nbytes} B"
 
 
 def clock_offset(rounds: int = 5) -> tuple[int, int]:
@@ -334,12 +341,16 @@ def trace_blocks(blocks: list[tuple[str, object, object]]) -> list:
     for name, first, last in blocks:
         state: dict = {}
 
-        def before(module, args, state=state):
+        def before(module, args, name=name, state=state):
+            global _BLOCK
             if _ACTIVE is not None:
                 state["t0"] = time.perf_counter_ns()
                 state["x"] = args[0] if args and isinstance(args[0], torch.Tensor) else None
+                _BLOCK = name
 
         def after(module, args, out, name=name, state=state):
+            global _BLOCK
+            _BLOCK = None
             rec = _ACTIVE
             if rec is None or "t0" not in state:
                 return
@@ -349,9 +360,20 @@ def trace_blocks(blocks: list[tuple[str, object, object]]) -> list:
                     and x is not None and x.requires_grad):
                 return
             began: list[int] = []
-            out.register_hook(lambda g: began.append(time.perf_counter_ns()))
-            x.register_hook(lambda g: rec.add(f"{name} backward", "compute", began[0], time.perf_counter_ns())
-                            if began else None)
+
+            def enter(g, name=name):  # the gradient of the block's output arrived: its backward begins
+                global _BLOCK
+                began.append(time.perf_counter_ns())
+                _BLOCK = name
+
+            def leave(g, name=name):  # its input's gradient is done: its backward ends
+                global _BLOCK
+                if _BLOCK == name:  # (the block before may have begun already: its output is this input)
+                    _BLOCK = None
+                if began:
+                    rec.add(f"{name} backward", "compute", began[0], time.perf_counter_ns())
+            out.register_hook(enter)
+            x.register_hook(leave)
 
         handles += [first.register_forward_pre_hook(before), last.register_forward_hook(after)]
     return handles

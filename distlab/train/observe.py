@@ -70,7 +70,7 @@ class StepObserver:
         for container, ranges in blocks:
             for start, end in ranges:
                 modules = list(container)[start:end]
-                first, last = names.get(id(modules[0]), "?"), names.get(id(modules[-1]), "?")
+                first, last = (_readable(names.get(id(m), "?"), m) for m in (modules[0], modules[-1]))
                 out.append((first if first == last else f"{first}-{last}", modules[0], modules[-1]))
         return out
 
@@ -128,3 +128,9 @@ class StepObserver:
         self.profile_record = {"directory": str(directory), "steps": list(steps), "ranks": self.rt.world_size}
         self.say(f"profile of steps {steps[0]}-{steps[1]}: {directory}/rank-*.json (torch.profiler, one per rank)")
 
+
+
+def _readable(name: str, module: torch.nn.Module) -> str:
+    """A block's name in a span: its path in the model, or for a child of a Sequential model (a bare
+    index) its class and index (``Block 3``)."""
+    return f"{type(module).__name__} {name}" if name.isdigit() else name
