@@ -1,6 +1,7 @@
 """distlab bench collectives through the real CLI: JSON contract, accuracy and byte fields."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -88,11 +89,16 @@ def test_bench_dp_trains_each_method_and_compares_with_ddp(tmp_path, monkeypatch
     try:
         records = dp.run(["tiny"], nproc=2, steps=6, batch=16,
                          methods=[Strategy.parse(m) for m in ("allreduce", "bucketed:ring", "ddp")],
-                         out=tmp_path, progress=lambda s: None)
+                         out=tmp_path, progress=lambda s: None, trace=True)
     finally:
         del dp.WORKLOADS["tiny"]
     assert [(r["world_size"], r["dp_sync"], r["collective"]) for r in records] == [
         (1, None, None), (2, "allreduce", "native"), (2, "bucketed", "ring"), (2, "ddp", "native")]
+    # --trace: each method's last two steps traced; the per-parameter all-reduce after backward hides nothing
+    assert "hidden_communication" not in records[0] and records[1]["hidden_communication"] == 0.0
+    assert all((tmp_path / "traces").joinpath(Path(r["trace_path"]).parent.name, "trace.json").is_file()
+               for r in records[1:])
+    assert dp.table(records).splitlines()[0].split()[-1] == "hidden"
     losses = [r["final_train_loss"] for r in records]
     # every method trains the same model the same way: two runs, each within verify's float32 bound
     assert max(losses) - min(losses) <= 2 * sgd_tolerance(6, 0.05, 16, momentum=0.9)

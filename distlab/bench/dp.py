@@ -19,6 +19,7 @@ single-process baseline uses all cores). ``--cluster`` runs every multi-process 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import sys
@@ -85,15 +86,22 @@ def _train_on_cluster(cfg: TrainConfig, nodes: int, bandwidth: str) -> dict:
 
 def run(workloads=("mlp", "vgg11", "resnet18-syncbn"), nproc: int = 2, steps: int = 30, batch: int = 64,
         methods=METHODS, runs: int = 1, data_dir: str | None = None, out=None, progress=print,
-        bucket_mbs: list[float] | None = None, cluster: bool = False, bandwidth: str = "1gbit") -> list[dict]:
+        bucket_mbs: list[float] | None = None, cluster: bool = False, bandwidth: str = "1gbit",
+        trace: bool = False) -> list[dict]:
     """Every method (each bucket size of ``bucket_mbs`` for bucketed and ddp) on every workload, and
     one process for reference; with ``cluster``, every multi-process run has one worker per emulated
-    node, its links shaped to ``bandwidth``."""
+    node, its links shaped to ``bandwidth``. ``trace``: each multi-process configuration's first run
+    traces its last two steps (OUT/traces/WORKLOAD-METHOD/trace.json) and its record says how much of
+    the communication hid behind the backward and how much was left exposed."""
     workloads = choose("--workloads", workloads, WORKLOADS)
     at_least(nproc=(nproc, 2), steps=(steps, 3), runs=(runs, 1))
     methods = with_buckets(methods, bucket_mbs)
     for m in methods:
         m.check(nproc).check_batch(batch, nproc)
+    if trace and (cluster or out is None):
+        from distlab.errors import ConfigError
+        raise ConfigError("--trace writes each method's timeline under --out, on this machine: drop --cluster"
+                          if cluster else "--trace writes each method's timeline under --out: give --out")
     if cluster:
         from distlab.launch import cluster as cl
         cl.check_capable()
@@ -114,6 +122,10 @@ def run(workloads=("mlp", "vgg11", "resnet18-syncbn"), nproc: int = 2, steps: in
                                   global_batch_size=batch, lr=w["lr"], lr_schedule="constant", seed=0,
                                   log_every=max(1, steps), progress=False, verbose=False, eval_every_epoch=False,
                                   strategy=strategy, timing_warmup_steps=min(5, steps // 3))
+                if trace and world > 1 and i == 0:
+                    slug = str(strategy).replace(":", "-").replace("+", "-").replace("=", "")
+                    cfg = dataclasses.replace(cfg, out=str(Path(out) / "traces" / f"{name}-{slug}"),
+                                              trace=f"{max(1, steps - 1)}:{steps}")
                 if cluster and world > 1:
                     summaries.append(_train_on_cluster(cfg.validate(world), world, bandwidth))
                 else:
@@ -135,6 +147,9 @@ def run(workloads=("mlp", "vgg11", "resnet18-syncbn"), nproc: int = 2, steps: in
                 "where": (f"emulated cluster, {world} nodes x 1 worker, links {bandwidth}" if cluster and world > 1
                           else f"one machine, {world} process(es) x {threads} thread(s)"),
                 "bandwidth": bandwidth if cluster and world > 1 else None,
+                **({"hidden_communication": s["trace"]["hidden_communication"],
+                    "exposed_communication_s_per_step": s["trace"]["exposed_communication_s_per_step"],
+                    "trace_path": s["trace"]["path"]} if s.get("trace") else {}),
             })
     write(records, out, "dp")
     return records
@@ -160,16 +175,19 @@ def rows(records: list[dict]) -> list[dict]:
             "mb": "?" if r["comm_bytes_per_step"] is None else f"{r['comm_bytes_per_step'] / 2**20:.1f}",
             "rss": f"{r['peak_rss_mb']:.0f}", "loss": f"{r['final_train_loss']:.3f}",
             "acc": "-" if r["test_accuracy"] is None else f"{100 * r['test_accuracy']:.1f}%",
+            "hidden": "-" if r.get("hidden_communication") is None else f"{100 * r['hidden_communication']:.0f}%",
         })
     return out
 
 
 def table(records: list[dict]) -> str:
+    traced = any("hidden_communication" in r for r in records)  # --trace: the share of communication hidden
     lines = [f"{'workload':<16} {'procs':>5} {'method':<22} {'ms/step':>8} {'samples/s':>9} {'vs ddp':>7} "
-             f"{'MB/step':>8} {'RSS MB':>7} {'loss':>6} {'test acc':>8}"]
+             f"{'MB/step':>8} {'RSS MB':>7} {'loss':>6} {'test acc':>8}" + (f" {'hidden':>7}" if traced else "")]
     for c in rows(records):
         lines.append(f"{c['workload']:<16} {c['procs']:>5} {c['method']:<22} {c['ms']:>8} {c['sps']:>9} "
-                     f"{c['vs_ddp']:>7} {c['mb']:>8} {c['rss']:>7} {c['loss']:>6} {c['acc']:>8}")
+                     f"{c['vs_ddp']:>7} {c['mb']:>8} {c['rss']:>7} {c['loss']:>6} {c['acc']:>8}"
+                     + (f" {c['hidden']:>7}" if traced else ""))
     return "\n".join(lines)
 
 

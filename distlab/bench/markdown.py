@@ -27,11 +27,12 @@ def collectives(records: list[dict]) -> str:
 
 def dp(records: list[dict]) -> str:
     from distlab.bench.dp import rows as dp_rows
-    lines = ["| workload | procs | method | ms/step | samples/s | vs DDP | MB sent/step | peak RSS MB | loss | test acc |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    traced = any("hidden_communication" in r for r in records)  # bench dp --trace
+    lines = ["| workload | procs | method | ms/step | samples/s | vs DDP | MB sent/step | peak RSS MB | loss | test acc |"
+             + (" comm hidden |" if traced else ""), "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if traced else "")]
     for c in dp_rows(records):
         lines.append(f"| {c['workload']} | {c['procs']} | {c['method']} | {c['ms']} | {c['sps']} | {c['vs_ddp']} | "
-                     f"{c['mb']} | {c['rss']} | {c['loss']} | {c['acc']} |")
+                     f"{c['mb']} | {c['rss']} | {c['loss']} | {c['acc']} |" + (f" {c['hidden']} |" if traced else ""))
     return "\n".join(lines)
 
 

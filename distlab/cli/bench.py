@@ -99,7 +99,10 @@ def bench_syncbn(workers, features, batches, warmup, repeats, device, out, plot_
 @click.option("--plot", "plot_dir", callback=writable_dir, default=None, help="Also write samples/s bar charts here.")
 @click.option("--cluster", is_flag=True, help="One worker per emulated node (network namespaces; needs root).")
 @click.option("--bandwidth", default="1gbit", show_default=True, help="With --cluster: the links' rate.")
-def bench_dp(workloads, nproc, steps, batch, methods, runs, bucket_mbs, data_dir, out, plot_dir, cluster, bandwidth):
+@click.option("--trace", is_flag=True, help="Trace the last two steps of each method's first run (OUT/traces/): "
+                                            "the table adds the share of communication hidden behind compute.")
+def bench_dp(workloads, nproc, steps, batch, methods, runs, bucket_mbs, data_dir, out, plot_dir, cluster, bandwidth,
+             trace):
     """Every --dp-sync method vs DDP on real training: samples/s, bytes/step, memory, accuracy."""
     from distlab.bench import dp
     from distlab.parallel import Strategy
@@ -112,7 +115,7 @@ def bench_dp(workloads, nproc, steps, batch, methods, runs, bucket_mbs, data_dir
         if not sizes or min(sizes) <= 0:
             raise ConfigError(f"--bucket-mb sizes must be positive, not {bucket_mbs!r}")
     records = dp.run(workloads.split(","), nproc, steps, batch, Strategy.parse_list(methods), runs, data_dir, out,
-                     progress=_progress, bucket_mbs=sizes, cluster=cluster, bandwidth=bandwidth)
+                     progress=_progress, bucket_mbs=sizes, cluster=cluster, bandwidth=bandwidth, trace=trace)
     _finish(dp, records, out, "dp", plot_dir)
 
 
