@@ -16,8 +16,11 @@ alike), each side in a fresh process. The sides:
   (``distlab train --compile``: each block compiled); the table then gives distlab-compiled /
   plain-compiled and the compiler's speed-up of distlab's step (distlab / distlab-compiled).
 
-A step is timed from taking its batch to the end of the optimizer step (the device synchronised on
-a GPU), first steps excluded (compilation happens in the first); a side's time is its median step. Per round the ratio distlab / plain
+Both sides build the same optimizer (:func:`~distlab.train.optim.build_optimizer`: torch's fused kernel
+on a GPU). A step is timed from taking its batch to taking the next one: on a CPU by the host clock, on
+a GPU by CUDA events recorded as each step starts (:class:`~distlab.train.clock.StepClock`, on both
+sides: no side waits for the device per step), first steps excluded (compilation happens in the
+first); a side's time is its median step. Per round the ratio distlab / plain
 is taken; the table gives the median ratio of the rounds and their range.
 """
 
@@ -25,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 
 import torch
 
@@ -35,27 +37,30 @@ from distlab.train.config import TrainConfig
 WORKLOADS = {"mlp": dict(model="mlp", mlp_widths=(512, 256), dataset="fashion-mnist", global_batch_size=64),
              "gpt": dict(model="gpt", dataset="synthetic-text", global_batch_size=32),
              # compute ~0 (16-8-2, batch 8): what is left of a step is the framework's own cost
-             "tiny": dict(model="mlp", mlp_widths=(8,), dataset="synthetic:1x4x4:2:8192", global_batch_size=8)}
+             "tiny": dict(model="mlp", mlp_widths=(8,), dataset="synthetic:1x4x4:2:8192", global_batch_size=8),
+             # a GPU's workload: GPT-2 small's shape on bytes (86 M parameters), AdamW as LLM trainers run it
+             "gpt-12x768": dict(model="gpt", n_layer=12, n_head=12, n_embd=768, block_size=1024,
+                                dataset="synthetic-text:4000000", global_batch_size=16, optimizer="adamw", lr=3e-4,
+                                weight_decay=0.1)}
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def config(workload: str, precision: str, steps: int, dataset: str | None, data_dir: str | None) -> TrainConfig:
-    settings = {**WORKLOADS[workload], **({"dataset": dataset} if dataset else {})}
-    return TrainConfig.from_flags(**settings, data_dir=data_dir, epochs=1000, max_steps=steps, lr=0.01,
-                                  lr_schedule="constant", optimizer="sgd", momentum=0.9, seed=0, log_every=steps,
+    settings = {"lr": 0.01, "optimizer": "sgd", "momentum": 0.9, **WORKLOADS[workload],
+                **({"dataset": dataset} if dataset else {})}
+    return TrainConfig.from_flags(**settings, data_dir=data_dir, epochs=1000, max_steps=steps,
+                                  lr_schedule="constant", seed=0, log_every=steps,
                                   progress=False, verbose=False, eval_every_epoch=False,
                                   timing_warmup_steps=min(10, steps // 4), precision=precision)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _plain(rank: int, world: int, cfg: TrainConfig, device_name: str, resident: bool, compiled: bool = False) -> dict:
     """The plain loop: one process, no distlab in the step (``compiled``: the model through torch.compile)."""
     from distlab.models import build_model, task_loss
+    from distlab.train.clock import StepClock
     from distlab.train.metrics import median_excluding_warmup
+    from distlab.train.optim import build_optimizer, decay_groups, no_decay_names
+    from distlab.train.summary import StepTimes
 
     device = torch.device(device_name)
     data = cfg.load("train")
@@ -64,7 +69,8 @@ def _plain(rank: int, world: int, cfg: TrainConfig, device_name: str, resident: 
     model = build_model(cfg.model, data.input_shape, data.num_classes, **cfg.model_options()).to(device)
     if compiled:
         model.compile()
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    no_decay = no_decay_names(model) if decay_groups(cfg) else set()
+    opt = build_optimizer(model.parameters(), cfg, [n for n, _ in model.named_parameters()], no_decay)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.strategy.precision)
     scaler = torch.amp.GradScaler(device.type) if cfg.strategy.precision == "fp16" else None
     b = cfg.global_batch_size
@@ -86,10 +92,10 @@ def _plain(rank: int, world: int, cfg: TrainConfig, device_name: str, resident: 
         def batches():
             while True:
                 yield from loader
-    it, times = batches(), []
+    it, clock, times = batches(), StepClock(device), StepTimes()
     model.train()
     for _ in range(cfg.max_steps):
-        t0 = time.perf_counter()
+        clock.start()
         x, y = (t.to(device, non_blocking=True) for t in next(it))
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
@@ -101,9 +107,9 @@ def _plain(rank: int, world: int, cfg: TrainConfig, device_name: str, resident: 
         else:
             loss.backward()
             opt.step()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return {"time_per_step_s_median": median_excluding_warmup(times, cfg.timing_warmup_steps),
+        clock.stop(times, 0.0, 0)
+    clock.flush(times)
+    return {"time_per_step_s_median": median_excluding_warmup(times.step, cfg.timing_warmup_steps),
             "final_loss": float(loss.detach())}
 
 
@@ -155,6 +161,8 @@ def run(workloads=("mlp",), precisions=("fp32",), steps: int = 300, runs: int = 
                     records.append({"workload": workload, "model": cfg.model, "dataset": cfg.dataset,
                                     "precision": precision, "device": dev, "side": side, "round": r, "steps": steps,
                                     "global_batch_size": cfg.global_batch_size, **res, **machine(1, threads)})
+                    progress(f"  {side}: {1e3 * res['time_per_step_s_median']:.3f} ms/step")
+                write(records, out, "overhead")  # each round as it ends: a run cut short keeps what it measured
     write(records, out, "overhead")
     return records
 

@@ -267,7 +267,8 @@ def bench_pipeline(nproc, microbatches, schedules, virtual, implementations, ste
 @bench.command("overhead")
 @click.option("--workloads", default="mlp,gpt", show_default=True,
               help="mlp (784-512-256-10, batch 64, fashion-mnist), gpt (the default GPT, 32 x 64 tokens) and tiny "
-                   "(16-8-2, batch 8: a step of almost no compute, the framework's own cost).")
+                   "(16-8-2, batch 8: a step of almost no compute, the framework's own cost); for a GPU "
+                   "gpt-12x768 (GPT-2 small's shape on bytes: 12 x 768, 1024 tokens, batch 16, AdamW).")
 @click.option("--precisions", default="fp32,bf16", show_default=True, help="fp32, bf16, fp16 (GPU only).")
 @click.option("--steps", type=COUNT, default=300, show_default=True, help="Steps per side and round.")
 @click.option("--runs", type=COUNT, default=3, show_default=True, help="Interleaved rounds of every side.")

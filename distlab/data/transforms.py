@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -9,9 +11,15 @@ def normalize(images: torch.Tensor, mean: tuple[float, ...], std: tuple[float, .
     """uint8 (B,C,H,W) -> float32 ``(x/255 - mean) / std`` per channel; float input is returned as is."""
     if images.dtype != torch.uint8:
         return images.float()
-    m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1).to(images.device)
-    s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1).to(images.device)
+    m, s = _moments(tuple(mean), tuple(std), images.device)
     return (images.float().div_(255.0) - m) / s
+
+
+@functools.lru_cache(maxsize=16)
+def _moments(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-channel mean and std as tensors on ``device``, made once: a copy to a GPU per batch would
+    make the host wait for the device every step."""
+    return tuple(torch.tensor(v, dtype=torch.float32).view(1, -1, 1, 1).to(device) for v in (mean, std))
 
 
 def random_crop_flip(x: torch.Tensor, generator: torch.Generator, padding: int = 4) -> torch.Tensor:

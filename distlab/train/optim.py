@@ -40,9 +40,7 @@ def build_optimizer(params, cfg: TrainConfig, names: list[str] | None = None,
     however ZeRO, tensor or pipeline parallel cut them."""
     lr = cfg.effective_lr
     params = list(params)
-    # On a GPU one fused kernel per step updates every tensor (torch's default there is foreach: a kernel
-    # per operation over all tensors); on the CPU torch's default.
-    kernel = {"fused": True} if params and all(p.is_cuda for p in params) else {}
+    kernel = kernels(params)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **kernel)
     if cfg.optimizer == "adamw":
@@ -52,6 +50,13 @@ def build_optimizer(params, cfg: TrainConfig, names: list[str] | None = None,
             return torch.optim.AdamW(groups, lr=lr, weight_decay=cfg.weight_decay, **kernel)
         return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, **kernel)
     return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay, **kernel)
+
+
+def kernels(params: list) -> dict:
+    """The optimizer's kernel: on a GPU one fused kernel per step updates every tensor (torch's default
+    there is foreach: a kernel per operation over all tensors), and it can skip a step on the device
+    (:mod:`distlab.parallel.verdict`); on the CPU torch's default."""
+    return {"fused": True} if params and all(p.is_cuda for p in params) else {}
 
 
 def optimizer_index(optimizer: torch.optim.Optimizer, params: list) -> list[int]:

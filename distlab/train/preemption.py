@@ -10,7 +10,8 @@ Instead the handler only sets a flag. At the end of every step each rank starts 
 all-reduce (MAX) of its flag and, at the end of the next step, reads the result of the one before:
 every rank reads the same value for the same step, so all stop at the same boundary -- at most two
 steps after the first rank saw the signal -- and the per-step cost is one 4-byte collective that
-overlaps a whole step. The loop then snapshots (``--resume auto`` continues bitwise) and writes its
+overlaps a whole step. On a GPU job (NCCL) the flag goes over a gloo group of its own, on the host:
+reading an NCCL result would make the host wait for the device every step. The loop then snapshots (``--resume auto`` continues bitwise) and writes its
 summary with ``"stopped": "preempted"``.
 
 SIGINT (Ctrl-C; under torchrun its agent passes it on) does the same with ``"stopped":
@@ -34,8 +35,11 @@ class Preemption:
     """Context: SIGTERM or SIGINT sets a flag; :meth:`poll` (collective, once per step) says when every
     rank stops, and why."""
 
-    def __init__(self, device: torch.device | str = "cpu"):
-        self.device = torch.device(device)
+    def __init__(self):
+        # the flag lives on the host; a job whose default group is not gloo (NCCL) gets a gloo group for it
+        self.group = None
+        if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "gloo":
+            self.group = dist.new_group(backend="gloo")  # collective: every rank builds a Preemption
         self.signalled = 0  # what this rank received: 0 nothing, 1 SIGTERM, 2 SIGINT
         self._previous: dict = {}
         self._pending: tuple | None = None  # (work, flag tensor) of the last poll's all-reduce
@@ -74,6 +78,6 @@ class Preemption:
             self._pending = None
             if flag.item():
                 return REASONS[int(flag.item())]  # on every rank: none starts another all-reduce
-        flag = torch.tensor([self.signalled], dtype=torch.int32, device=self.device)
-        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        flag = torch.tensor([self.signalled], dtype=torch.int32)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
         return None

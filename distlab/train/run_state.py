@@ -4,7 +4,7 @@
 the end, resume from ``resume`` or after a torchrun restart) and the time budget (stop before one
 more step, the final evaluation and snapshot would overrun ``time_budget``, counted across
 restarts). The training loop asks it two questions -- :meth:`RunState.out_of_time` and
-:meth:`RunState.maybe_snapshot` -- and tells it what happened (:meth:`RunState.advance`,
+:meth:`RunState.snapshot_due` -- and tells it what happened (:meth:`RunState.advance`,
 :meth:`RunState.record_eval`).
 
 **Size.** One class, the run's state across snapshots and restarts: its save, resume and reshard
@@ -347,14 +347,11 @@ class RunState:
 
     # ------------------------------------------------------------------ snapshots
 
-    def maybe_snapshot(self, total_steps: int) -> float:
-        """Snapshot if ``snapshot_every`` says so (not at the end: :meth:`final_snapshot` does);
-        returns the seconds it took (0 if none)."""
+    def snapshot_due(self, total_steps: int) -> bool:
+        """Whether ``snapshot_every`` asks for a snapshot at this step (not at the end: :meth:`final_snapshot`
+        writes that one); the trainer then calls :meth:`save`."""
         every = self.cfg.snapshot_every
-        if every and self.step % every == 0 and self.step < total_steps:
-            self.save()
-            return self._snapshot_s
-        return 0.0
+        return bool(every) and self.step % every == 0 and self.step < total_steps
 
     def final_snapshot(self) -> None:
         if self.cfg.snapshot_dir and self._saved_step != self.step:

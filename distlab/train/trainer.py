@@ -27,6 +27,7 @@ from distlab.models import build_model, count_parameters, snapshot_record
 from distlab.parallel import build_mesh, parallelize
 from distlab.parallel.placement import placement_of
 from distlab.runtime import Runtime, is_comm_failure, roll_call, seed_everything, timeline, tune_host_allocator
+from distlab.train.clock import StepClock
 from distlab.train.config import TrainConfig
 from distlab.train.evaluate import evaluate, first_batches
 from distlab.train.throughput import Throughput
@@ -39,6 +40,9 @@ from distlab.train.run_state import RunState, fault_injection_hook, finished_sum
 from distlab.train.snapshot import broadcast_object
 from distlab.train.summary import StepTimes, header, summarize
 from distlab.train.tensorboard import TensorBoardLog
+
+
+READ_EVERY = 256  # the loop reads the device at least this often (the verdict, the steps' times)
 
 
 class Trainer:
@@ -87,6 +91,7 @@ class Trainer:
         self.throughput = Throughput.of(net, self.train_set, cfg, rt)  # tokens/s and MFU, from the whole model
         no_decay = no_decay_names(net) if decay_groups(cfg) else set()  # by the whole model's names
         self.engine = parallelize(net, cfg.strategy, self.mesh)
+        self.engine.defer_verdict = True  # with a fused optimizer the verdict stays on the device (_diverged)
         # What training minimises: the task's cross-entropy, its targets smoothed if asked (not evaluations').
         self.loss_fn = functools.partial(self.engine.loss, label_smoothing=cfg.label_smoothing) \
             if cfg.label_smoothing else self.engine.loss
@@ -111,6 +116,7 @@ class Trainer:
         self._window_s, self._window_timed = 0.0, 0  # training seconds and steps since the last log line
         self.already_finished = False  # fit() found the resumed run complete and changed nothing
         self._nonfinite = ""  # why the run stopped on non-finite gradients
+        self.diverged_on_device = False  # ... found late, on the device's verdict: no final snapshot
         self._predictions = None  # (step, confusion matrix, misclassified rows) of the newest evaluation
         self._grad_norm = None  # the last step's gradient norm before clipping (a device tensor), with clipping
         self.observer = StepObserver(cfg, rt, self.engine, self.say)  # --trace, --profile
@@ -194,14 +200,17 @@ class Trainer:
             x, y = next(self.loader.iter_from(position))
             engine.prime(x.to(self.rt.device), y.to(self.rt.device))
         start = time.perf_counter()
-        with Preemption(self.rt.device) as preemption:
+        with Preemption() as preemption:
             stopped = self._loop(times, preemption)
         self.observer.finish()  # the run ended inside the traced or profiled steps: what was recorded
         self.bar.close()
         if stopped == "time_budget" and (not run.evals or run.evals[-1]["step"] != run.step):
             result = self._evaluate(run.step // self.steps_per_epoch)
             self.say(f"time budget reached at step {run.step}: test accuracy {100 * result['test_accuracy']:.2f}%")
-        run.final_snapshot()
+        if not self.diverged_on_device:
+            run.final_snapshot()
+        else:
+            run.settle()  # a background write in flight finishes: the last good state
         if stopped in ("preempted", "interrupted"):
             how = "preempted (SIGTERM)" if stopped == "preempted" else "interrupted (Ctrl-C)"
             self.say(f"{how} at step {run.step}: " + (
@@ -220,9 +229,15 @@ class Trainer:
         return summary
 
     def _loop(self, times: StepTimes, preemption: Preemption) -> str:
-        """Steps until the end, the time budget or a preemption; returns which stopped it."""
+        """Steps until the end, the time budget or a preemption; returns which stopped it.
+
+        A step queues its work and waits for the device only where the loop must read it: a log line,
+        an evaluation, a sample, a snapshot, the end (and every :data:`READ_EVERY` steps): there the
+        gradients' verdict the device kept (:meth:`~distlab.parallel.Engine.skipped_steps`) and the
+        steps' times (:class:`~distlab.train.clock.StepClock`) are read, once."""
         cfg, run, engine = self.cfg, self.run, self.engine
-        batches = None
+        clock = StepClock(self.rt.device)
+        batches, first = None, True
         while run.step < self.total_steps:
             self.observer.before(run.step + 1)  # --trace, --profile: from their first step
             epoch, position = divmod(run.step, self.steps_per_epoch)
@@ -230,8 +245,8 @@ class Trainer:
                 self.loader.set_epoch(epoch)
                 batches = self.loader.iter_from(position)
             if run.out_of_time(times.step):
-                return "time_budget"
-            t0 = time.perf_counter()
+                return "non_finite" if self._diverged() else "time_budget"
+            clock.start()
             with timeline.span("data"):
                 x, y = (t.to(self.rt.device, non_blocking=True) for t in next(batches))
             lr = self.optimizer.param_groups[0]["lr"]
@@ -246,32 +261,54 @@ class Trainer:
                 self._nonfinite = f"step {run.step + 1}: {exc}"
                 return "non_finite"
             sent = comm.bytes_sent() - sent
-            if not times.step:  # gradients and optimizer state all exist now: the peak of plain DP
+            if first:  # gradients and optimizer state all exist now: the peak of plain DP
                 engine.observe()
+                first = False
             self.scheduler.step()
-            if self.rt.device.type == "cuda":
-                torch.cuda.synchronize(self.rt.device)
-            step_s = time.perf_counter() - t0
-            times.add(step_s, engine.sync_seconds, sent)
-            self._window_s, self._window_timed = self._window_s + step_s, self._window_timed + 1
+            self._window_s += clock.stop(times, engine.sync_seconds, sent)
+            self._window_timed += 1
             run.advance(loss)
             self.bar.update(1)
             for hook in self.hooks:
                 hook(run.step)
             last = run.step >= self.total_steps
             sample = bool(cfg.sample_every) and (run.step % cfg.sample_every == 0 or last)
-            evaluation = self._evaluate(epoch) if last or (
-                run.step % cfg.eval_every == 0 if cfg.eval_every else
-                cfg.eval_every_epoch and run.step % self.steps_per_epoch == 0) else None
+            due_eval = last or (run.step % cfg.eval_every == 0 if cfg.eval_every else
+                                cfg.eval_every_epoch and run.step % self.steps_per_epoch == 0)
+            due_log = run.step % cfg.log_every == 0 or last or sample or (due_eval and cfg.eval_every)
+            due_snapshot = run.snapshot_due(self.total_steps)
+            if due_log or due_eval or due_snapshot or cfg.time_budget_s or run.step % READ_EVERY == 0:
+                if self._diverged():
+                    return "non_finite"
+                self._window_s += clock.flush(times)
+            evaluation = self._evaluate(epoch) if due_eval else None
             # An evaluation joins its step's record; --eval-every's make their steps log steps.
-            if run.step % cfg.log_every == 0 or last or sample or (evaluation and cfg.eval_every):
+            if due_log:
                 self._log(epoch, lr, sample, evaluation)
-            run.maybe_snapshot(self.total_steps)
+            if due_snapshot:
+                run.save()
             self.observer.after(run.step)  # after their last step, its evaluation and snapshot included
             reason = preemption.poll()
             if reason:
-                return reason
+                return "non_finite" if self._diverged() else reason
         return "completed"
+
+    def _diverged(self) -> bool:
+        """Whether the device skipped steps since the last read because a step's gradients were not finite
+        (the engine's verdict, kept on the device: one read). If so the model is that of the step before
+        the first bad one (every later update was skipped), which the run's step is set back to; the
+        stop writes no snapshot (other state moved on: normalisation statistics, compression memory), so
+        the newest one -- written after a read that found every step finite -- is the last good state."""
+        skipped = self.engine.skipped_steps()
+        if not skipped:
+            return False
+        first = self.run.step - skipped + 1
+        later = f"; the {skipped - 1} step{'s' if skipped > 2 else ''} after it, queued before the verdict was " \
+                f"read, were skipped too" if skipped > 1 else ""
+        self._nonfinite = f"step {first}: {self.engine.non_finite_message()}{later}"
+        self.run.step = first - 1
+        self.diverged_on_device = True
+        return True
 
     # ------------------------------------------------------------------ logging and evaluation
 
