@@ -11,14 +11,15 @@ log() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$OUT/log.txt"; }
 log "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader)"
 log "torch $(python3 -c 'import torch; print(torch.__version__, torch.version.cuda)')"
 log "gpu tests"
-timeout "${TESTS_S:-150}" python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider tests/ 2>&1 | tail -60 >> "$OUT/log.txt"
+timeout "${TESTS_S:-90}" python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider tests/ > "$OUT/tests.txt" 2>&1
+tail -25 "$OUT/tests.txt" >> "$OUT/log.txt"
 log "GPT 12x768, T 1024, batch 16, bf16: plain, plain compiled, distlab, distlab --compile"
-timeout "${LARGE_S:-250}" python3 -m distlab bench overhead --device cuda --workloads gpt-12x768 --precisions bf16 \
-    --steps 60 --runs 1 --compile --out "$OUT/gpt-12x768" >> "$OUT/log.txt" 2>&1
-log "small workloads, fp32"
-timeout "${SMALL_S:-120}" python3 -m distlab bench overhead --device cuda --workloads mlp,gpt,tiny --precisions fp32 \
-    --data-dir "${DATA_DIR:-.data}" --steps 200 --runs 3 --out "$OUT/fp32" >> "$OUT/log.txt" 2>&1
-log "small workloads, bf16"
-timeout "${BF16_S:-60}" python3 -m distlab bench overhead --device cuda --workloads mlp,gpt,tiny --precisions bf16 \
-    --data-dir "${DATA_DIR:-.data}" --steps 200 --runs 3 --out "$OUT/bf16" >> "$OUT/log.txt" 2>&1
+timeout "${LARGE_S:-220}" python3 -m distlab bench overhead --device cuda --workloads gpt-12x768 --precisions bf16 \
+    --steps 60 --runs "${LARGE_RUNS:-3}" --compile --out "$OUT/gpt-12x768" >> "$OUT/log.txt" 2>&1
+for precision in fp32 bf16; do
+    log "small workloads, $precision"
+    timeout "${SMALL_S:-75}" python3 -m distlab bench overhead --device cuda --workloads tiny,mlp,gpt \
+        --precisions $precision --data-dir "${DATA_DIR:-.data}" --steps "${SMALL_STEPS:-1000}" --runs 3 \
+        --out "$OUT/$precision" >> "$OUT/log.txt" 2>&1
+done
 log "done"

@@ -99,11 +99,16 @@ def _reads_between(rank, world, cfg, device, first, last):
                     reads.append(f"{_name} at " + "".join(traceback.format_stack(limit=4)[:-1]))
                 return _original(self, *a, **k)
             setattr(torch.Tensor, name, watched)
+    def on_warning(message, category, filename, lineno, file=None, line=None):
+        if "called a synchronizing CUDA operation" in str(message):  # the sync debug mode's, with the stack
+            import traceback
+            reads.append(f"{message} at " + "".join(traceback.format_stack(limit=8)[:-1]))
+
     trainer = _fused_trainer(cfg, device, hooks=[arm])
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = on_warning
         trainer.fit()
-    reads += [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
     return reads
 
 

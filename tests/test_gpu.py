@@ -196,7 +196,7 @@ def test_a_mapped_corpus_trains_from_gpu_memory(tmp_path):
     from distlab.data.tokens import prepare
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "book.txt").write_text("".join(f"paragraph {i} of the book\n\n" for i in range(40)))
-    prepare(tmp_path / "src", tmp_path / "tok", progress=False)
+    prepare(tmp_path / "src" / "book.txt", tmp_path / "tok", progress=False)  # a file: a document per paragraph
     host = load_dataset(f"tokens:{tmp_path / 'tok'}", "train", block_size=8)
     device = host.to("cuda")
     idx = torch.tensor([0, 5, len(host) - 1])

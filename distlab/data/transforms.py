@@ -27,14 +27,15 @@ def random_crop_flip(x: torch.Tensor, generator: torch.Generator, padding: int =
 
     Vectorised over the batch (one gather, no Python loop over samples), as in the standard
     CIFAR recipe (``RandomCrop(32, padding=4)`` + ``RandomHorizontalFlip``). The draws come from
-    ``generator`` on the host (the same on any device); the gathers run where ``x`` is.
+    ``generator`` on the host (the same on any device); the gathers run where ``x`` is (the draws copied
+    there without waiting for the device: from pageable memory the copy is done when the call returns).
     """
     b, _, h, w = x.shape
     dev = x.device
     padded = torch.nn.functional.pad(x, (padding, padding, padding, padding))
-    dy = torch.randint(0, 2 * padding + 1, (b,), generator=generator).to(dev)
-    dx = torch.randint(0, 2 * padding + 1, (b,), generator=generator).to(dev)
-    flip = (torch.rand(b, generator=generator) < 0.5).to(dev)
+    dy = torch.randint(0, 2 * padding + 1, (b,), generator=generator).to(dev, non_blocking=True)
+    dx = torch.randint(0, 2 * padding + 1, (b,), generator=generator).to(dev, non_blocking=True)
+    flip = (torch.rand(b, generator=generator) < 0.5).to(dev, non_blocking=True)
     rows = (dy.view(b, 1) + torch.arange(h, device=dev).view(1, h))         # (b, h)
     cols = torch.arange(w, device=dev).view(1, w).expand(b, w)
     cols = torch.where(flip.view(b, 1), w - 1 - cols, cols) + dx.view(b, 1)  # (b, w)

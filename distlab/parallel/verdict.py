@@ -37,15 +37,19 @@ class DeviceVerdict:
 
     def __init__(self, device: torch.device):
         self.bad = torch.zeros((), dtype=torch.float32, device=device)  # fused Adam wants a 0-dim found_inf
-        self.count = torch.zeros((), dtype=torch.int64, device=device)
+        # float32 counts exactly to 2**24 steps between reads (the trainer reads at least every 256)
+        self.count = torch.zeros((), dtype=torch.float32, device=device)
         self._zeroed: set[int] = set()  # optimizers whose momentum buffers exist
 
     @torch.no_grad()
     def decide(self, found: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
-        """This step's ``found`` (nonzero where a gradient is not finite) joins the flag; ``optimizer``'s
-        next ``step()`` skips its update while the flag is set. Nothing is read back."""
-        torch.maximum(self.bad, found.reshape(()).ne(0).to(torch.float32), out=self.bad)
-        self.count.add_(self.bad.to(torch.int64))
+        """This step's ``found`` (1 where a gradient is not finite, else 0: float32, as the unscale kernel
+        writes it, or bool) joins the flag; ``optimizer``'s next ``step()`` skips its update while the flag
+        is set. Two kernels, nothing read back."""
+        if found.dtype != torch.float32:
+            found = found.to(torch.float32)
+        torch.maximum(self.bad, found.reshape(()), out=self.bad)
+        self.count.add_(self.bad)
         if id(optimizer) not in self._zeroed:
             _zero_momentum(optimizer)
             self._zeroed.add(id(optimizer))
@@ -53,7 +57,7 @@ class DeviceVerdict:
 
     def skipped(self) -> int:
         """Steps skipped since the first non-finite one (0: every step was applied). One read."""
-        return int(self.count)
+        return int(self.count.item())
 
 
 def _zero_momentum(optimizer: torch.optim.Optimizer) -> None:
