@@ -178,3 +178,16 @@ def test_fault_drills_run_the_transformer_for_its_cases(tmp_path):
     command = _Job(parse_strategy("bucketed+cp=2+gpt"), 2, 8, tmp_path, 60).command()
     assert command[command.index("--model") + 1] == "gpt" and "--block-size" in command and "--cp" in command
     assert _Job(parse_strategy("bucketed"), 2, 8, tmp_path, 60).command().count("mlp") == 1
+
+
+def test_the_plan_says_whether_the_attention_it_prices_is_masked():
+    """The trace records whether every context-parallel attention is causal; the plan's context-parallel
+    report then says which balance holds (chunks paired under a mask, or every key for an encoder's)."""
+    from distlab.models import build_model
+    from distlab.plan.trace import trace
+    model = build_model("gpt", (16,), 32, n_layer=1, n_head=2, n_embd=8)
+    assert trace(model, (16,), 32).attention_causal is True
+    for m in model.modules():
+        if hasattr(m, "causal"):
+            m.causal = False
+    assert trace(model, (16,), 32).attention_causal is False

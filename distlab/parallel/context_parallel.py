@@ -315,7 +315,9 @@ class ContextParallel:
                                 else "ulysses: per attention and micro-batch, 4 all-to-alls forward (q, k, v, out) "
                                 "and 4 backward, each sending (cp - 1) / cp of the rank's tensor"),
                 "attention_balance": "rank c holds chunks c and 2cp - 1 - c of 2cp: every rank scores the same "
-                                     "number of query-key pairs under the causal mask"}},
+                                     "number of query-key pairs under the causal mask" if t.attention_causal else
+                                     "no mask (an encoder's attention): every rank scores its queries against every "
+                                     "key, the same number of pairs; the keys and values travel as under a mask"}},
             activation_note=f", each rank holding 1/{cp} of every sequence's tokens (context parallel)")
 
     @staticmethod

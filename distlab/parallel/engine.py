@@ -60,7 +60,7 @@ class Engine:
         # step() may leave the verdict on the device (a fused optimizer skips the update there) for
         # skipped_steps() to read later: no wait for the device per step (the Trainer's choice)
         self.defer_verdict = False
-        self._verdict: DeviceVerdict | None = None
+        self._verdict = DeviceVerdict()
         self._norm_verdict: torch.Tensor | None = None  # this step's global norm (clipping): finite iff the gradients are
         self.sync_seconds = 0.0  # of the last step: gradient sync after backward + after_step
         self._sharded = grad_sync.sharded or mesh.splits_model  # ranks hold different model states
@@ -179,8 +179,6 @@ class Engine:
         norm, self._norm_verdict = self._norm_verdict, None
         if not scaled and self.check_finite and self.defer_verdict and can_skip_on_device(optimizer):
             with timeline.span("finite check"):
-                if self._verdict is None:
-                    self._verdict = DeviceVerdict(self.precision.device)
                 found = torch.isfinite(norm).logical_not() if norm is not None else self._found_non_finite(optimizer)
                 self._verdict.decide(found, optimizer)
             with timeline.span("optimizer step"):
@@ -214,7 +212,7 @@ class Engine:
         """How many of the last steps the device skipped because a step's gradients were not finite (that
         one and every later one: 0 while all were finite) -- one read of a counter on the device, where
         :meth:`step` left the verdict there (:attr:`defer_verdict`); 0 otherwise."""
-        return self._verdict.skipped() if self._verdict is not None else 0
+        return self._verdict.skipped()
 
     def _found_non_finite(self, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
         """A 1-element tensor on the device, nonzero where a gradient (this rank's, then every rank's

@@ -33,12 +33,12 @@ def can_skip_on_device(optimizer: torch.optim.Optimizer) -> bool:
 
 
 class DeviceVerdict:
-    """The sticky non-finite flag and the count of steps it skipped, both on ``device``."""
+    """The sticky non-finite flag and the count of steps it skipped, on the device of the first verdict."""
 
-    def __init__(self, device: torch.device):
-        self.bad = torch.zeros((), dtype=torch.float32, device=device)  # fused Adam wants a 0-dim found_inf
+    def __init__(self):
+        self.bad: torch.Tensor | None = None  # made on the first step's device: fused Adam wants a 0-dim found_inf
         # float32 counts exactly to 2**24 steps between reads (the trainer reads at least every 256)
-        self.count = torch.zeros((), dtype=torch.float32, device=device)
+        self.count: torch.Tensor | None = None
         self._zeroed: set[int] = set()  # optimizers whose momentum buffers exist
 
     @torch.no_grad()
@@ -48,6 +48,9 @@ class DeviceVerdict:
         is set. Two kernels, nothing read back."""
         if found.dtype != torch.float32:
             found = found.to(torch.float32)
+        if self.bad is None:
+            self.bad = torch.zeros((), dtype=torch.float32, device=found.device)
+            self.count = torch.zeros((), dtype=torch.float32, device=found.device)
         torch.maximum(self.bad, found.reshape(()), out=self.bad)
         self.count.add_(self.bad)
         if id(optimizer) not in self._zeroed:
@@ -57,7 +60,7 @@ class DeviceVerdict:
 
     def skipped(self) -> int:
         """Steps skipped since the first non-finite one (0: every step was applied). One read."""
-        return int(self.count.item())
+        return int(self.count.item()) if self.count is not None else 0
 
 
 def _zero_momentum(optimizer: torch.optim.Optimizer) -> None:

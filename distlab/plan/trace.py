@@ -53,6 +53,7 @@ class Trace:
     input_grad: list[bool] = field(default_factory=list)  # module -> its input needs a gradient
     shapes: list[tuple[int, ...]] = field(default_factory=list)  # unit -> parameter shape (PowerSGD's matrices)
     attention_kv_bytes_per_sample: float = 0.0  # keys + values of every attention a context_parallel_plan names
+    attention_causal: bool = True  # every such attention masks later keys (False: an encoder's, over every key)
     expert_names: list[str] = field(default_factory=list)  # units of the experts an expert_parallel_plan names
     expert_slot_bytes_per_sample: float = 0.0  # token-slots entering those experts, every layer (balanced routing)
     blocks: list[list[str]] = field(default_factory=list)  # activation checkpointing's blocks, as layer names
@@ -118,6 +119,7 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
 
         if kind == "context_attention":
             handles.append(model.get_submodule(name).register_forward_hook(kv))
+            out.attention_causal = out.attention_causal and getattr(model.get_submodule(name), "causal", True)
     for name in declared_plan(model, "expert", ep=1):  # what expert parallel would shard and send
 
         def slots(m, args, result):
