@@ -741,3 +741,29 @@ def test_a_second_ctrl_c_stops_the_launch_at_once_while_workers_are_still_stoppi
     assert proc.returncode == 130 and time.time() - start < 30, (proc.returncode, err)
     assert "distlab: stopped at once (a second Ctrl-C)" in err and "Traceback" not in err, err
     assert snap.snapshots(tmp_path / "s")  # the earlier snapshots are intact
+
+
+def _poll_over_a_side_group(rank, world):
+    """As on an NCCL job (the default group's backend reported as nccl): the flag goes over a gloo group
+    of Preemption's own, on the host; rank 1's signal stops both ranks at the same poll."""
+    from unittest import mock
+    import torch.distributed as dist
+    from distlab.train.preemption import Preemption
+    with mock.patch.object(dist, "get_backend", return_value="nccl"):
+        stop = Preemption()
+    assert stop.group is not None and dist.get_world_size(stop.group) == world
+    answers = []
+    with stop:
+        for i in range(6):
+            if rank == 1 and i == 2:
+                stop.signalled = 1  # what SIGTERM's handler sets
+            answers.append(stop.poll())
+            if answers[-1]:
+                break
+    return answers
+
+
+def test_the_preemption_flag_of_a_gpu_job_goes_over_a_host_group_and_stops_every_rank_together():
+    from distlab.launch.spawn import run_ranks
+    a, b = run_ranks(_poll_over_a_side_group, 2, timeout=60)
+    assert a == b == [None, None, None, "preempted"]  # set before poll 3, read by every rank at poll 4
