@@ -396,11 +396,13 @@ def _run_on_a_ticking_clock(rank, world, out):
     evaluation lasts exactly one second, however loaded the machine is."""
     import types
 
+    import distlab.train.clock as clock_module
     import distlab.train.trainer as trainer_module
     from distlab import runtime
     from distlab.train import TrainConfig, Trainer
     ticks = iter(range(1 << 30))
-    trainer_module.time = types.SimpleNamespace(perf_counter=lambda: float(next(ticks)))
+    clock = types.SimpleNamespace(perf_counter=lambda: float(next(ticks)))
+    trainer_module.time = clock_module.time = clock  # the loop's and the step timer's clock
     cfg = TrainConfig.from_flags(dataset="synthetic:1x8x8:4:128", mlp_widths=(16,), global_batch_size=64, epochs=16,
                                  log_every=8, out=out, progress=False, verbose=False)
     summary = Trainer(cfg, runtime.from_process_group()).fit()
