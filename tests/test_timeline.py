@@ -76,7 +76,10 @@ def test_a_traced_run_shows_each_ranks_spans_and_whether_communication_hides_beh
             assert [c["name"] for c in comm] == ["gather to rank 0, scatter the mean"] * 2 and not hidden
     # the summary's reading of the same spans; the report draws the run's Gantt chart
     assert (record["hidden_communication"] > 0) == (method == "bucketed")
-    assert record["hidden_communication"] <= 1 and record["exposed_communication_s_per_step"] > 0
+    # gather-scatter's communication is all exposed; the bucketed one's may hide entirely (its last
+    # bucket can finish while backward's own end still runs, on a loaded machine)
+    exposed = record["exposed_communication_s_per_step"]
+    assert record["hidden_communication"] <= 1 and (exposed >= 0 if method == "bucketed" else exposed > 0)
     from distlab.tools.report import write_report
     inputs = write_report([str(tmp_path)], tmp_path / "report.html", images=tmp_path / "img")
     page = (tmp_path / "report.html").read_text()
@@ -87,7 +90,8 @@ def test_a_traced_run_shows_each_ranks_spans_and_whether_communication_hides_beh
     from distlab.plan.text import format_validation
     from distlab.plan.validate import summaries, validate
     rows = validate(calibrate([str(PLAN_RESULTS)]), [str(tmp_path)])
-    assert len(rows) == 1 and rows[0]["measured_compute_s"] > 0 and rows[0]["measured_exposed_comm_s"] > 0
+    assert len(rows) == 1 and rows[0]["measured_compute_s"] > 0
+    assert rows[0]["measured_exposed_comm_s"] == pytest.approx(exposed)  # the summary's reading, per step
     assert "traced run, per step" in format_validation(rows, summaries(rows))
 
 
