@@ -136,3 +136,36 @@ def test_a_step_between_reads_waits_for_nothing_on_the_device(tmp_path, device, 
     cfg = _cfg(max_steps=8, log_every=100, **kw)
     reads, = run_ranks(_reads_between, 1, cfg, device, 2, 7, gpus=device == "cuda", timeout=300)
     assert reads == [], "\n".join(reads)
+
+
+def _diverge_on_one_rank(rank, world, cfg, bad_step):
+    """Rank 1 alone gets a nan gradient at ``bad_step``: the all-reduced device verdict stops both."""
+    trainer = _fused_trainer(cfg, "cpu")
+    engine, forward_backward = trainer.engine, trainer.engine.forward_backward
+
+    def poisoned(*args):
+        loss = forward_backward(*args)
+        if rank == 1 and trainer.run.step + 1 == bad_step:
+            next(p for p in engine.parameters() if p.grad is not None).grad.view(-1)[0] = math.nan
+        return loss
+    engine.forward_backward = poisoned
+    with pytest.raises(NonFiniteError) as err:
+        trainer.fit()
+    return str(err.value), trainer.run.step, [p.detach() for p in trainer.full_parameters()]
+
+
+def _straight_on_ranks(rank, world, cfg):
+    trainer = _fused_trainer(cfg, "cpu")
+    trainer.fit()
+    return [p.detach() for p in trainer.full_parameters()]
+
+
+def test_a_sharded_layouts_device_verdict_is_every_ranks():
+    """ZeRO-1 on 2 ranks (each holds a different optimizer shard): one rank's nan reaches the other through
+    the verdict's all-reduce, on the device; both stop at step 4's log line naming step 3, with the state of
+    the 2-step run."""
+    cfg = _cfg(zero=1, max_steps=8).validate(2)
+    (m0, s0, p0), (m1, s1, p1) = run_ranks(_diverge_on_one_rank, 2, cfg, 3, timeout=120)
+    assert m0 == m1 and m0.startswith("training diverged at step 3:") and s0 == s1 == 2
+    expected = run_ranks(_straight_on_ranks, 2, _cfg(zero=1, max_steps=2).validate(2), timeout=120)[0]
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(p0, p1, expected))
