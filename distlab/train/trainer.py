@@ -304,7 +304,7 @@ class Trainer:
             return False
         first = self.run.step - skipped + 1
         later = f"; the {skipped - 1} step{'s' if skipped > 2 else ''} after it, queued before the verdict was " \
-                f"read, were skipped too" if skipped > 1 else ""
+                f"read, {'were' if skipped > 2 else 'was'} skipped too" if skipped > 1 else ""
         self._nonfinite = f"step {first}: {self.engine.non_finite_message()}{later}"
         self.run.step = first - 1
         self.diverged_on_device = True
