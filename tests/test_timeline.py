@@ -11,6 +11,7 @@ from distlab.errors import ConfigError
 from distlab.launch.spawn import run_ranks
 from distlab.runtime import timeline
 from distlab.train import Trainer, TrainConfig
+from tests.trace_format import complete_events
 
 PLAN_RESULTS = __import__("pathlib").Path(__file__).resolve().parent.parent / "results" / "plan"
 
@@ -27,19 +28,13 @@ def _train(rank, world, cfg):
 
 
 def _spans(path) -> list[dict]:
-    """trace.json checked against the Trace Event Format: metadata names every rank and lane, every
-    complete event has a name, a category, a process, a thread and a non-negative time and duration."""
+    """trace.json checked against the Trace Event Format (tests/trace_format.py: lanes, threads and the
+    nesting rule); metadata names every rank."""
     trace = json.loads(path.read_text())
-    events = trace["traceEvents"]
-    assert trace["displayTimeUnit"] == "ms" and events
-    for e in events:
-        assert e["ph"] in ("X", "M") and isinstance(e["pid"], int) and isinstance(e["tid"], int), e
-        if e["ph"] == "X":
-            assert e["name"] and e["cat"] in timeline.LANES and e["ts"] >= 0 and e["dur"] >= 0, e
-            assert e["tid"] == timeline.LANES.index(e["cat"])
-    named = {(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    spans = complete_events(trace)
+    named = {(e["pid"], e["args"]["name"]) for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
     assert named == {(0, "rank 0"), (1, "rank 1")}
-    return [e for e in events if e["ph"] == "X"]
+    return spans
 
 
 def _overlaps(a: dict, b: dict) -> bool:
@@ -59,10 +54,14 @@ def test_a_traced_run_shows_each_ranks_spans_and_whether_communication_hides_beh
             assert sum(s["name"] == name for s in mine) == 2, (rank, name)
         assert all(s["dur"] > 0 or s["cat"] != "compute" for s in mine)
         # each block of the MLP (Flatten, Linear+ReLU, Linear+ReLU, Linear) timed inside the step's forward
-        # and backward; the first two blocks' inputs (the data) need no gradient: no end to time backward by
+        # and backward -- the first Linear's backward too (fed the data, it ends with its weights'
+        # gradients); the Flatten has nothing to differentiate
         blocks = sorted(s["name"] for s in mine if s["name"].startswith("net."))
         assert blocks == sorted([f"{b} forward" for b in ("net.0", "net.1-net.2", "net.3-net.4", "net.5")] * 2
-                                + [f"{b} backward" for b in ("net.3-net.4", "net.5")] * 2), blocks
+                                + [f"{b} backward" for b in ("net.1-net.2", "net.3-net.4", "net.5")] * 2), blocks
+        backward = [s for s in mine if s["name"] == "backward"]
+        assert all(any(b["ts"] <= s["ts"] and s["ts"] + s["dur"] <= b["ts"] + b["dur"] for b in backward)
+                   for s in mine if s["name"].endswith(" backward") and s["name"] != "backward")
         forward = [s for s in mine if s["name"] == "forward"]
         assert all(any(f["ts"] <= s["ts"] and s["ts"] + s["dur"] <= f["ts"] + f["dur"] for f in forward)
                    for s in mine if s["name"].endswith(" forward") and s["name"] != "forward")
@@ -93,6 +92,26 @@ def test_a_traced_run_shows_each_ranks_spans_and_whether_communication_hides_beh
     assert len(rows) == 1 and rows[0]["measured_compute_s"] > 0
     assert rows[0]["measured_exposed_comm_s"] == pytest.approx(exposed)  # the summary's reading, per step
     assert "traced run, per step" in format_validation(rows, summaries(rows))
+
+
+GPT = dict(model="gpt", dataset="synthetic-text:2000", n_layer=2, n_head=4, n_embd=32, block_size=16, global_batch_size=8,
+           dp_sync="allreduce")
+
+
+@pytest.mark.parametrize("layout", [
+    dict(zero=2, bucket_mb=0.02), dict(zero=1, bucket_mb=0.02), dict(dp_sync="bucketed", bucket_mb=0.02),
+    dict(GPT, cp=2), dict(GPT, cp=2, cp_style="ulysses"), dict(GPT, model="gpt-moe", ep=2),
+    dict(GPT, pp=2, microbatches=4, pp_schedule="zb"), dict(GPT, pp=2, microbatches=4, pp_virtual=2),
+], ids=lambda d: "+".join(f"{k}={v}" for k, v in d.items() if k not in GPT or d[k] != GPT[k]))
+def test_every_traced_layout_writes_spans_that_nest_on_each_track(tmp_path, layout):
+    """Several buckets' reduce-scatters in flight at once, context, expert and pipeline parallel: on
+    every (rank, thread) of trace.json two spans nest or are disjoint (concurrent collectives go to a
+    lane's further threads), and each rank's communication is all still there."""
+    record = run_ranks(_train, 2, _cfg(tmp_path, **layout), timeout=120)[0]
+    spans = _spans(tmp_path / "trace.json")
+    for rank in (0, 1):
+        assert any(s["pid"] == rank and s["cat"] in ("communication", "pipeline") for s in spans), rank
+    assert record["ranks"] == 2
 
 
 def test_recording_is_off_outside_the_traced_steps():

@@ -145,7 +145,7 @@ def trace_for(summary: dict, traces: dict) -> Trace:
         dataset_shape(summary["dataset"])
     cfg = summary.get("config", {})
     widths = tuple(cfg.get("mlp_widths") or (512, 256))
-    sizes = {name: cfg[name] for name in ("n_layer", "n_head", "n_embd") if name in cfg}
+    sizes = {name: cfg[name] for name in ("n_layer", "n_head", "n_embd", "experts", "top_k") if name in cfg}
     key = (summary["model"], shape, k, widths, tuple(sorted(sizes.items())))
     if key not in traces:
         traces[key] = trace(summary["model"], shape, k, widths=widths, **sizes)

@@ -176,8 +176,13 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     comm_total = exposed_pre + tp_time
     start_bwd = fwd + exposed_pre / 2
     end_bwd = start_bwd + bwd + exposed_pre / 2
-    # the predicted timeline of one step: the same lanes as a measured trace (runtime.timeline)
-    spans = [("forward", "compute", 0.0, fwd), ("backward", "compute", start_bwd, start_bwd + bwd)]
+    # the predicted timeline of one step: the same lanes as a measured trace (runtime.timeline); a
+    # pipeline's stages each play the schedule (their forwards and backwards per micro-batch, their waits)
+    if lay.pp > 1:
+        staged = schedule_cost.timeline(lay, fwd / stretch, bwd / stretch)
+    else:
+        staged = [(0, "forward", "compute", 0.0, fwd), (0, "backward", "compute", start_bwd, start_bwd + bwd)]
+    spans = []
     if exposed_pre:  # ZeRO-3's gathers before the layers: half in forward, half in backward, waited for
         spans += [("all-gather (forward)", "communication", fwd, start_bwd),
                   ("all-gather (backward)", "communication", start_bwd + bwd, end_bwd)]
@@ -202,6 +207,8 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     step = cur + tp_time
     if tp_time:  # the components' and the pipeline's collectives, on the critical path, as one block
         spans.append(("tensor/context/expert/pipeline collectives", "communication", cur, step))
+    # what follows the forwards and backwards runs on every stage alike
+    spans = staged + [(s, *span) for s in range(lay.pp) for span in spans]
     compute = comp.time(flops) * stretch
     per_rank = f"{comp.threads} thread{'s' if comp.threads != 1 else ''} per rank"
     out.update({"compute_basis": (f"calibrated at {per_rank}" if comp.scaled_from is None else
@@ -210,7 +217,8 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
                 "oversubscription": lay.oversubscription, "compute_s": compute, "comm_s": comm_total, "exposed_comm_s": step - compute, "step_s": step,
                 "samples_per_s": lay.global_batch / step, "threads_per_rank": comp.threads,
                 "scaling_efficiency": compute / step if step else None,
-                "timeline": [{"name": n, "lane": lane, "start_s": a, "end_s": b} for n, lane, a, b in spans if b > a]})
+                "timeline": [{"rank": r, "name": n, "lane": lane, "start_s": a, "end_s": b}
+                             for r, n, lane, a, b in spans if b > a]})
     return out
 
 

@@ -43,10 +43,10 @@ def _measured_runs(paths: list[str]) -> list[tuple[dict, Link, str]]:
 
 def layout_of(summary: dict, threads: int | None = None) -> Layout:
     st, cfg = summary.get("strategy", {}), summary.get("config", {})
-    tp, pp = st.get("tp") or 1, st.get("pp") or 1
+    strategy = Strategy.from_dict(st)
     threads = threads or summary.get("threads_per_rank") or 1
     over = summary["world_size"] * threads / summary["cores"] if summary.get("cores") else 1.0
-    return Layout(dp=summary["world_size"] // (tp * pp), strategy=Strategy.from_dict(st), optimizer=summary.get("optimizer", "sgd"),
+    return Layout(dp=strategy.dp_size(summary["world_size"]), strategy=strategy, optimizer=summary.get("optimizer", "sgd"),
                   momentum=cfg.get("momentum", 0.9), global_batch=summary["global_batch_size"],
                   threads=threads, oversubscription=max(1.0, over))
 
@@ -91,7 +91,7 @@ def _phases(summary: dict, p: dict) -> dict:
     out = {"measured_compute_s": statistics.mean(r["compute_s_per_step"] for r in ranks),
            "measured_exposed_comm_s": trace.get("exposed_communication_s_per_step")}
     if trace.get("pipeline_wait_fraction") is not None:
-        out.update(measured_bubble=trace["pipeline_wait_fraction"], predicted_bubble=p.get("bubble_ideal"))
+        out.update(measured_bubble=trace["pipeline_wait_fraction"], predicted_bubble=p["pipeline"]["bubble_ideal"])
     return out
 
 

@@ -193,9 +193,38 @@ def _boot_id() -> str:
         return ""
 
 
+def tracks(intervals: list[tuple[int, int]]) -> list[int]:
+    """A track for each ``(start, end)`` of one lane such that on every track two spans nest or are
+    disjoint -- the Trace Event Format's rule for a thread's complete (``X``) events, which viewers
+    such as Perfetto drop spans for breaking. Track 0 takes every span it can (a forward and the
+    block forwards inside it, a schedule around its waits); a span that partly overlaps one already
+    there -- a bucket's reduce-scatter still in flight when the next is issued -- goes to the first
+    track it fits, a new one if none does."""
+    order = sorted(range(len(intervals)), key=lambda i: (intervals[i][0], -intervals[i][1]))
+    stacks: list[list[int]] = []  # per track, the ends of the spans still open at the current start
+    out = [0] * len(intervals)
+    for i in order:
+        start, end = intervals[i]
+        for k, stack in enumerate(stacks):
+            while stack and stack[-1] <= start:
+                stack.pop()
+            if not stack or stack[-1] >= end:
+                stack.append(end)
+                out[i] = k
+                break
+        else:
+            stacks.append([end])
+            out[i] = len(stacks) - 1
+    return out
+
+
 def chrome_trace(ranks: list[dict]) -> dict:
     """Chrome's Trace Event Format of every rank's spans; ``ranks``: per rank ``{"rank", "offset_ns",
-    "spans"}`` (:meth:`Recorder.spans`, stamped on that rank's clock)."""
+    "spans"}`` (:meth:`Recorder.spans`, stamped on that rank's clock). A process per rank, a thread per
+    lane (``tid`` the lane's index) and, where a lane's spans overlap without nesting (collectives in
+    flight at once), further threads for it (:func:`tracks`; ``tid`` the lane's index plus a multiple
+    of the number of lanes, named "communication 2", ...). Times are whole nanoseconds written in
+    microseconds, so a reader's ``ts + dur`` is exact and nesting survives the conversion."""
     starts = [s[2] + r["offset_ns"] for r in ranks for s in r["spans"]]
     origin = min(starts) if starts else 0
     events = []
@@ -203,26 +232,36 @@ def chrome_trace(ranks: list[dict]) -> dict:
         pid = r["rank"]
         events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": f"rank {pid}"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
-        for tid, lane in enumerate(LANES):
-            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": lane}})
-        for name, lane, t0, t1, args in r["spans"]:
-            events.append({"ph": "X", "name": name, "cat": lane, "pid": pid, "tid": LANES.index(lane),
-                           "ts": (t0 + r["offset_ns"] - origin) / 1e3, "dur": max(t1 - t0, 0) / 1e3,
-                           **({"args": args} if args else {})})
+        for index, lane in enumerate(LANES):
+            mine = [s for s in r["spans"] if s[1] == lane]
+            spans = [(int(t0 + r["offset_ns"] - origin), int(max(t1, t0) + r["offset_ns"] - origin))
+                     for _, _, t0, t1, _ in mine]
+            track = tracks(spans)
+            for k in range(max(track, default=0) + 1):
+                tid = index + k * len(LANES)
+                events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+                               "args": {"name": lane if k == 0 else f"{lane} {k + 1}"}})
+                events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
+                               "args": {"sort_index": index * 1000 + k}})
+            for (name, _, _, _, args), (a, b), k in zip(mine, spans, track):
+                events.append({"ph": "X", "name": name, "cat": lane, "pid": pid, "tid": index + k * len(LANES),
+                               "ts": a / 1e3, "dur": (b - a) / 1e3, **({"args": args} if args else {})})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
 def predicted_trace(spans: list[dict], label: str = "predicted") -> dict:
-    """``distlab plan``'s predicted step (its ``timeline``: name, lane, start_s, end_s) in the same
-    Chrome trace format as a measured one: one process, the same lanes."""
-    trace = chrome_trace([{"rank": 0, "offset_ns": 0, "spans": [
+    """``distlab plan``'s predicted step (its ``timeline``: rank -- a pipeline's stage, else 0 --, name,
+    lane, start_s, end_s) in the same Chrome trace format as a measured one: a process per stage, the
+    same lanes."""
+    ranks = sorted({s.get("rank", 0) for s in spans})
+    trace = chrome_trace([{"rank": r, "offset_ns": 0, "spans": [
         (s["name"], s["lane"], int(s["start_s"] * 1e9), int(s["end_s"] * 1e9),
          {"blocking": True} if s["lane"] == "communication" and s["name"].startswith(("all-gather (", "tensor/"))
-         else {}) for s in spans]}])
+         else {}) for s in spans if s.get("rank", 0) == r]} for r in ranks])
     for e in trace["traceEvents"]:
         if e["ph"] == "M" and e["name"] == "process_name":
-            e["args"]["name"] = label
-    trace["otherData"] = {"steps": [1, 1], "clock": "predicted by distlab plan"}
+            e["args"]["name"] = label if len(ranks) == 1 else f"{label}, stage {e['pid']}"
+    trace["otherData"] = {"steps": [1, 1], "clock": "predicted by distlab plan", "predicted": True}
     return trace
 
 
@@ -332,14 +371,21 @@ def _slowest(ranks: list[dict]) -> int | None:
 
 # ---------------------------------------------------------------------------- a model's blocks
 
-def trace_blocks(blocks: list[tuple[str, object, object]]) -> list:
+def trace_blocks(blocks: list[tuple[str, object, object, list]]) -> list:
     """Spans of each block's forward and backward while recording: ``blocks`` are ``(name, first
-    module, last module)``. Forward: from the first module's input to the last one's output; backward:
-    from the moment the gradient of the block's output arrives to the moment its input's is done
-    (tensor hooks, which change nothing). Returns the hook handles (``remove()`` each)."""
+    module, last module, its modules)``. Forward: from the first module's input to the last one's
+    output; backward: from the moment the gradient of the block's output arrives to the moment its
+    input's is done -- or, for a block whose input needs no gradient (the first, fed the data), the
+    moment the last of its parameters' gradients is done (tensor hooks, which change nothing). Where a
+    block's input is the output of the block before, the two spans meet at one instant (that tensor's
+    gradient) instead of overlapping by the time its hooks take. Returns the hook handles
+    (``remove()`` each)."""
     handles = []
-    for name, first, last in blocks:
+    handover: list = [None, None]  # (gradient, the block before's start) between its enter and our leave
+
+    for name, first, last, modules in blocks:
         state: dict = {}
+        params = [p for m in modules for p in m.parameters(recurse=True) if p.requires_grad]
 
         def before(module, args, name=name, state=state):
             global _BLOCK
@@ -347,8 +393,10 @@ def trace_blocks(blocks: list[tuple[str, object, object]]) -> list:
                 state["t0"] = time.perf_counter_ns()
                 state["x"] = args[0] if args and isinstance(args[0], torch.Tensor) else None
                 _BLOCK = name
+            for h in state.pop("param_hooks", []):  # the last backward's, fired or not
+                h.remove()
 
-        def after(module, args, out, name=name, state=state):
+        def after(module, args, out, name=name, state=state, params=params):
             global _BLOCK
             _BLOCK = None
             rec = _ACTIVE
@@ -356,24 +404,54 @@ def trace_blocks(blocks: list[tuple[str, object, object]]) -> list:
                 return
             rec.add(f"{name} forward", "compute", state.pop("t0"), time.perf_counter_ns())
             x = state.pop("x", None)
-            if not (torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad
-                    and x is not None and x.requires_grad):
+            if not (torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad):
                 return
             began: list[int] = []
 
             def enter(g, name=name):  # the gradient of the block's output arrived: its backward begins
                 global _BLOCK
-                began.append(time.perf_counter_ns())
+                began[:] = [time.perf_counter_ns()]
+                handover[:] = [g, began]  # the block after may end on this same gradient: its end is our start
                 _BLOCK = name
 
-            def leave(g, name=name):  # its input's gradient is done: its backward ends
+            def end(now: int, name=name):
                 global _BLOCK
                 if _BLOCK == name:  # (the block before may have begun already: its output is this input)
                     _BLOCK = None
                 if began:
-                    rec.add(f"{name} backward", "compute", began[0], time.perf_counter_ns())
+                    rec.add(f"{name} backward", "compute", began[0], now)
+                    began.clear()
+
+            def leave(g):  # its input's gradient is done: its backward ends
+                now = time.perf_counter_ns()
+                end(now)
+                if handover[0] is g:  # the block before began on this gradient: it begins as we end
+                    handover[1][:] = [now]
+                handover[:] = [None, None]
+
             out.register_hook(enter)
-            x.register_hook(leave)
+            if x is not None and x.requires_grad:
+                x.register_hook(leave)
+            elif params:  # fed the data: its backward ends with its parameters' last gradient
+                left = [len(params)]
+
+                def param_done(g, left=left):
+                    left[0] -= 1
+                    if left[0] == 0:
+                        end(time.perf_counter_ns())
+                state["param_hooks"] = [p.register_hook(param_done) for p in params]
 
         handles += [first.register_forward_pre_hook(before), last.register_forward_hook(after)]
+        handles.append(_ParamHooks(state))
     return handles
+
+
+class _ParamHooks:
+    """The parameter hooks a block's last traced backward left (removed with the block's other hooks)."""
+
+    def __init__(self, state: dict):
+        self.state = state
+
+    def remove(self) -> None:
+        for h in self.state.pop("param_hooks", []):
+            h.remove()

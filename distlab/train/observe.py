@@ -52,8 +52,8 @@ class StepObserver:
         if self._profiler is not None:
             self._write_profile(self.profiled)
 
-    def _blocks(self) -> list[tuple[str, torch.nn.Module, torch.nn.Module]]:
-        """The blocks a trace times one by one (name, first module, last module): the model's
+    def _blocks(self) -> list[tuple[str, torch.nn.Module, torch.nn.Module, list]]:
+        """The blocks a trace times one by one (name, first module, last module, its modules): the model's
         checkpointing blocks -- none where a pipeline stage (its own spans), activation checkpointing
         (a recomputation would time the block twice) or compiled blocks (hooks inside a graph) run them."""
         strategy = self.cfg.strategy
@@ -71,7 +71,7 @@ class StepObserver:
             for start, end in ranges:
                 modules = list(container)[start:end]
                 first, last = (_readable(names.get(id(m), "?"), m) for m in (modules[0], modules[-1]))
-                out.append((first if first == last else f"{first}-{last}", modules[0], modules[-1]))
+                out.append((first if first == last else f"{first}-{last}", modules[0], modules[-1], modules))
         return out
 
     def _write_trace(self, steps: tuple[int, int]) -> None:

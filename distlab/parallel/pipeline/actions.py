@@ -24,9 +24,10 @@ def ideal_bubble(stages: int, microbatches: int, schedule: str = "1f1b", virtual
 def schedule_actions(schedule: str, stages: int, virtual: int, microbatches: int) -> list[list[tuple]]:
     """Every rank's actions for one step, in order: ``(kind, chunk, microbatch, start, cost)`` with
     kind ``F`` (forward), ``B`` (backward; under ``zb`` only the input's gradient) or ``W`` (``zb``:
-    the weights' gradients). Virtual stage ``k = chunk x P + rank`` (module docstring)."""
+    the weights' gradients). Virtual stage ``k = chunk x P + rank`` (module docstring). GPipe: every
+    forward first (no limit on what a stage holds), then every backward."""
     P, V, M = stages, virtual, microbatches
-    K, split = P * V, schedule == "zb"
+    K, split, gpipe = P * V, schedule == "zb", schedule == "gpipe"
     cost = {"F": 1, "B": 1 if split else 2, "W": 1}
     if not split and V > 1:
         return _timed(_megatron_interleaved(P, V, M), P, cost)
@@ -34,7 +35,7 @@ def schedule_actions(schedule: str, stages: int, virtual: int, microbatches: int
     started: set[tuple] = set()
     plan: list[list[tuple]] = [[] for _ in range(P)]
     free = [0] * P
-    limit = [min(M * V, (P - r - 1) * 2 + (V - 1) * P + 1) if V > 1 else P - r for r in range(P)]
+    limit = [M if gpipe else min(M * V, (P - r - 1) * 2 + (V - 1) * P + 1) if V > 1 else P - r for r in range(P)]
     held = [0] * P  # micro-batch chunks forwarded and not yet backward (the 1F1B memory limit)
     waiting_w: list[list[tuple]] = [[] for _ in range(P)]
     total, t = M * K * (3 if split else 2), 0
@@ -51,13 +52,14 @@ def schedule_actions(schedule: str, stages: int, virtual: int, microbatches: int
             ready_b = [("B", k, m) for k in ks for m in range(M) if ("B", k, m) not in started
                        and done(("F", k, m)) and (k == K - 1 or done(("B", k + 1, m)))
                        and (m == 0 or ("B", k, m - 1) in started)]
-            if ready_b:
+            ready_f = [("F", k, m) for k in ks for m in range(M) if ("F", k, m) not in started
+                       and (k == 0 or done(("F", k - 1, m))) and (m == 0 or ("F", k, m - 1) in started)] \
+                if held[r] < limit[r] else []
+            forwards_left = gpipe and any(("F", k, m) not in started for k in ks for m in range(M))
+            if ready_b and not forwards_left:
                 pick = min(ready_b, key=lambda a: (a[2], -a[1]))
-            elif held[r] < limit[r]:
-                ready_f = [("F", k, m) for k in ks for m in range(M) if ("F", k, m) not in started
-                           and (k == 0 or done(("F", k - 1, m))) and (m == 0 or ("F", k, m - 1) in started)]
-                if ready_f:
-                    pick = min(ready_f, key=lambda a: (a[2] // P, a[1], a[2]))
+            elif ready_f:
+                pick = min(ready_f, key=lambda a: (a[2] // P, a[1], a[2]))
             if pick is None and waiting_w[r]:
                 pick = waiting_w[r].pop(0)
             if pick is None:

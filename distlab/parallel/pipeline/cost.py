@@ -13,8 +13,9 @@ from dataclasses import replace
 
 from distlab.errors import ConfigError
 from distlab.parallel.cost import Call, CallGroup
-from distlab.parallel.pipeline.actions import ideal_bubble
+from distlab.parallel.pipeline.actions import ideal_bubble, schedule_actions
 from distlab.parallel.pipeline.partition import cut
+from distlab.runtime.timeline import SCHEDULE
 
 
 def activation_note(lay) -> str:
@@ -50,6 +51,32 @@ def calls(lay, stages: list[dict]) -> list[CallGroup]:
         return []
     boundary = max(st["boundary_bytes_per_microbatch"] for st in stages)
     return [CallGroup([Call("native", "all_gather", 2 * boundary)] * (2 * lay.strategy.microbatches), 2)]
+
+
+def timeline(lay, forward_s: float, backward_s: float) -> list[tuple[int, str, str, float, float]]:
+    """Every stage's predicted schedule of one step, ``(stage, name, lane, start_s, end_s)``: its
+    forwards and backwards per chunk and micro-batch (named as a traced stage names them), each unit of
+    :func:`schedule_actions`' simulation lasting ``(forward_s + backward_s) / 3 M V`` -- ``forward_s``
+    and ``backward_s`` the pacing stage's compute for the whole step --, its waits for neighbours on
+    the pipeline lane and the whole schedule around them."""
+    p, v, m = lay.pp, lay.strategy.pp_virtual, lay.strategy.microbatches
+    unit = (forward_s + backward_s) / (3 * m * v)
+    plan = schedule_actions(lay.strategy.pp_schedule, p, v, m)
+    end = max(a[3] + a[4] for acts in plan for a in acts) * unit
+    spans = []
+    for s, acts in enumerate(plan):
+        free = 0.0
+        for kind, chunk, mb, start, cost in acts:
+            a, b = start * unit, (start + cost) * unit
+            if a > free:
+                spans.append((s, "wait for a gradient" if kind != "F" else "wait for an activation", "pipeline", free, a))
+            where = f"stage {s} chunk {chunk}" if v > 1 else f"stage {s}"
+            spans.append((s, f"{where} {kind} mb {mb}", "compute", a, b))
+            free = b
+        if end > free:
+            spans.append((s, "wait for the pipeline to drain", "pipeline", free, end))
+        spans.append((s, SCHEDULE, "pipeline", 0.0, end))
+    return spans
 
 
 def _runs(t, a: int, b: int) -> list[tuple[list[int], bool]]:

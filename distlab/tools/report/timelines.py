@@ -74,9 +74,14 @@ def gantt(trace: dict, title: str):
         mine = sorted((e for e in spans if e["pid"] == rank and e["cat"] == lane), key=lambda e: -e["dur"])
         ax.broken_barh([(e["ts"] / 1e3, max(e["dur"], 1.0) / 1e3) for e in mine], (row - 0.4, 0.8),
                        facecolors=[_kind(e)[0] for e in mine], edgecolor="white", linewidth=0.3)
-    ax.set_yticks(range(len(lanes)), [f"rank {r} {lane}" for r, lane in lanes], fontsize=8)
+    other = trace.get("otherData", {})
+    who = "stage" if other.get("predicted") else "rank"  # a prediction draws a pipeline's stages, a trace its ranks
+    ax.set_yticks(range(len(lanes)), [f"{who} {r} {lane}" for r, lane in lanes], fontsize=8)
     ax.invert_yaxis()
-    ax.set(xlabel="time (ms)", title=f"{title}: steps {'-'.join(map(str, trace.get('otherData', {}).get('steps', [])))}")
+    steps = other.get("steps") or [1, 1]
+    when = "one step" if other.get("predicted") else \
+        f"step {steps[0]}" if steps[0] == steps[1] else f"steps {steps[0]}-{steps[1]}"
+    ax.set(xlabel="time (ms)", title=f"{title}: {when}")
     seen = dict.fromkeys(_kind(e) for e in spans)
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c, _ in seen], labels=[w for _, w in seen],
               fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
