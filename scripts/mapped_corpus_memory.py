@@ -6,8 +6,9 @@ its size to every rank's resident memory; a mapped one adds only the pages its b
 
 makes SCRATCH/big (the large corpus: random tokens, made once; ``--scratch``, default
 /tmp/distlab-mapped-corpus) and SCRATCH/small, and writes one run directory per corpus and
-OUT/memory.json: a record per corpus with its size and its run's peak RSS (the largest over its
-ranks, from its summary.json). Prepared with distlab's own writer (the manifest and checksums
+OUT/memory.json: a record per corpus with its size and its run's peak RSS and peak anonymous memory
+(the largest over its ranks, from its summary.json): RSS counts the mapped corpus's pages the kernel
+keeps cached (and drops under pressure), anonymous memory only what the run allocated itself. Prepared with distlab's own writer (the manifest and checksums
 ``prepare-text`` writes); random tokens, since what is measured is the reading, not the text.
 """
 
@@ -61,7 +62,8 @@ def run(corpus: Path, out: Path, args) -> dict:
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     summary = json.loads((out / "summary.json").read_text())
-    return {"peak_rss_mb": summary["peak_rss_mb"], "steps": summary["steps"], "wall_s": time.perf_counter() - t0,
+    return {"peak_rss_mb": summary["peak_rss_mb"], "peak_anon_rss_mb": summary["peak_anon_rss_mb"],
+            "steps": summary["steps"], "wall_s": time.perf_counter() - t0,
             "time_per_step_s_median": summary["time_per_step_s_median"], "windows": summary["steps_per_epoch"]
             * summary["global_batch_size"]}
 
@@ -85,9 +87,11 @@ def main() -> None:
                         **run(Path(args.scratch) / name, out / f"run-{name}", args), "nproc": args.nproc,
                         "block_size": args.block_size, "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d")})
         print(f"{name}: {records[-1]['train_file_bytes'] / 1e9:.2f} GB of tokens, peak RSS "
-              f"{records[-1]['peak_rss_mb']:.0f} MB per rank (largest)", flush=True)
+              f"{records[-1]['peak_rss_mb']:.0f} MB per rank (largest), of it anonymous "
+              f"{records[-1]['peak_anon_rss_mb']:.0f} MB", flush=True)
     (out / "memory.json").write_text(json.dumps(records, indent=1) + "\n")
-    print(f"difference: {records[0]['peak_rss_mb'] - records[1]['peak_rss_mb']:+.0f} MB for "
+    print(f"difference: {records[0]['peak_rss_mb'] - records[1]['peak_rss_mb']:+.0f} MB RSS, "
+          f"{records[0]['peak_anon_rss_mb'] - records[1]['peak_anon_rss_mb']:+.0f} MB anonymous for "
           f"{(records[0]['train_file_bytes'] - records[1]['train_file_bytes']) / 1e9:.2f} GB more corpus; wrote "
           f"{out / 'memory.json'} (distlab bench markdown renders it)")
 

@@ -15,7 +15,7 @@ from distlab.plan.machine import Link
 from distlab.plan.text import format_validation
 from distlab.plan.trace import trace
 from distlab.plan.validate import summaries, validate
-from distlab.runtime import timeline
+from distlab.runtime import trace_file
 from distlab.tools.verify import config_for, default_strategies
 from tests.trace_format import complete_events
 
@@ -51,19 +51,19 @@ def test_every_verified_layout_is_predicted_drawn_and_validated(case, calibratio
     lay = Layout(dp=strategy.dp_size(WORLD), strategy=strategy, optimizer=cfg.optimizer, momentum=cfg.momentum,
                  global_batch=cfg.global_batch_size)
     p = predict(t, lay, Link(), calibration)
-    drawn = timeline.predicted_trace(p["timeline"], str(strategy))
+    drawn = trace_file.predicted_trace(p["timeline"], str(strategy))
     spans = complete_events(drawn)  # the trace format's rules, nesting on every thread included
     # a stage per pipeline rank, each with every micro-batch's forward and backward; the step ends with the prediction
     assert {e["pid"] for e in spans} == set(range(strategy.pp))
     assert max(s["end_s"] for s in p["timeline"]) == pytest.approx(p["step_s"], rel=1e-12)
-    found = timeline.analyze(drawn)
+    found = trace_file.analyze(drawn)
     if strategy.pp > 1:
         per_stage = strategy.microbatches * strategy.pp_virtual
         for s in range(strategy.pp):
             assert sum(e["pid"] == s and " F mb " in e["name"] for e in spans) == per_stage
         # the trace holds whole nanoseconds: each wait's two ends and the schedule's end truncated by < 1 ns
         waits = [e for e in spans if e["cat"] == "pipeline"]
-        schedule_s = min(e["dur"] for e in waits if e["name"] == timeline.SCHEDULE) / 1e6
+        schedule_s = min(e["dur"] for e in waits if e["name"] == trace_file.SCHEDULE) / 1e6
         bound = 3 * len(waits) * 1e-9 / schedule_s
         assert found["pipeline_wait_fraction"] == pytest.approx(p["pipeline"]["bubble_ideal"], abs=bound)
     from distlab.tools.plots import pyplot

@@ -296,7 +296,11 @@ def _resume_vs_straight(rank, world, straight, first, second):
     summary = b2.fit()
     same_params = all(torch.equal(x, y) for x, y in zip(a.full_parameters(), b2.full_parameters()))
     same_optimizer = all(torch.equal(x, y) for x, y in zip(_opt_tensors(a), _opt_tensors(b2)))
-    return same_params, same_optimizer, summary["resumed_from"], summary["best_val_step"]
+    # what they logged, but for the clock: the first part's last line (logged only because it ended
+    # there, mid-window) is gone, and the resumed part logs the window the uninterrupted run did
+    logged = [[{k: v for k, v in r.items() if not k.endswith(("_per_s", "time_s", "mfu"))} for r in t.history]
+              for t in (a, b2)]
+    return same_params, same_optimizer, summary["resumed_from"], summary["best_val_step"], logged
 
 
 def _opt_tensors(trainer):
@@ -320,8 +324,9 @@ def test_stop_and_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, worl
     first.max_steps = steps
     first.lr_schedule = straight.lr_schedule = second.lr_schedule = "constant"  # max_steps must not change the LR
     results = run_ranks(_resume_vs_straight, world, straight, first, second, timeout=180)
-    for same_params, same_optimizer, resumed_from, best_step in results:
+    for same_params, same_optimizer, resumed_from, best_step, (logged, resumed_logged) in results:
         assert same_params and same_optimizer
+        assert resumed_logged == logged and not any(r.get("end_of_run") for r in logged[:-1])
         assert resumed_from.endswith(f"step-{steps:08d}")
         assert best_step is not None
 

@@ -90,7 +90,12 @@ def test_a_run_on_a_mapped_corpus_resumes_bitwise_on_two_ranks(run_cli, tmp_path
     flags = ["train", "--nproc-per-node", "2", "--model", "gpt", "--dataset", f"tokens:{tmp_path / 'tok'}",
              "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "8", "--global-batch-size", "8",
              "--lr-schedule", "constant", "--log-every", "1", "--no-progress"]
-    run_cli(*flags, "--max-steps", "6", "--out", "straight", "--snapshot-dir", "s1", check=True)
+    proc = run_cli(*flags, "--max-steps", "6", "--out", "straight", "--snapshot-dir", "s1", check=True)
+    # the header says where the corpus is (mapped from disk, not held) and the summary which memory is whose
+    assert "memory-mapped from disk (" in proc.stdout and "in host memory (" not in proc.stdout
+    straight = json.loads((tmp_path / "straight" / "summary.json").read_text())
+    assert 0 < straight["peak_anon_rss_mb"] <= straight["peak_rss_mb"] and "RssAnon" in straight["memory_basis"]
+    assert f"{straight['peak_anon_rss_mb']:.0f} MB anonymous" in proc.stdout
     run_cli(*flags, "--max-steps", "3", "--out", "half", "--snapshot-dir", "s2", check=True)
     run_cli(*flags, "--max-steps", "6", "--out", "half", "--snapshot-dir", "s2", "--resume", "auto", check=True)
     losses = [[json.loads(line)["loss"] for line in (tmp_path / d / "metrics.jsonl").open()] for d in ("straight", "half")]
@@ -108,3 +113,22 @@ def test_a_mapped_corpus_moved_to_a_device_is_widened_to_int32_and_draws_the_sam
     assert moved.tokens.dtype == torch.int32 and torch.equal(moved.tokens.long(), mapped.tokens.long())
     idx = torch.tensor([0, 3, len(mapped) - 1])
     assert all(torch.equal(a, b) for a, b in zip(moved.batch(idx), mapped.batch(idx)))
+
+
+def test_a_mapped_corpus_is_evaluated_on_a_bounded_subset_by_default_and_the_header_says_so(run_cli, tmp_path):
+    """A prepared corpus's test split may hold millions of windows: by default an evaluation scores 200
+    global batches of them (nanoGPT's 200 batches), the same first ones every time; --eval-batches overrides."""
+    for i in range(40):  # ~2 KB documents: the test split's 10 hold ~5,000 windows of 4 tokens
+        (tmp_path / "src").mkdir(exist_ok=True)
+        (tmp_path / "src" / f"d{i:02d}.txt").write_text(" ".join(f"w{(i * 31 + j) % 97}" for j in range(500)))
+    token_files.prepare(tmp_path / "src", tmp_path / "tok", "bytes", progress=False)
+    flags = ["train", "--model", "gpt", "--dataset", f"tokens:{tmp_path / 'tok'}", "--n-layer", "1", "--n-head", "2",
+             "--n-embd", "8", "--block-size", "4", "--global-batch-size", "2", "--max-steps", "1", "--no-progress"]
+    proc = run_cli(*flags, "--out", "run", check=True)
+    test = load_dataset(f"tokens:{tmp_path / 'tok'}", "test", block_size=4)
+    assert len(test) > 400
+    assert f"each evaluation scores the first 400 of {len(test):,} test windows" in proc.stdout
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["test_tokens"] == 400 * 4
+    proc = run_cli(*flags, "--eval-batches", "3", "--eval-batch-size", "5", "--out", "three", check=True)
+    assert "the first 15 of" in proc.stdout and "(--eval-batches 3)" in proc.stdout
+    assert json.loads((tmp_path / "three" / "summary.json").read_text())["test_tokens"] == 15 * 4

@@ -21,6 +21,7 @@ from distlab.models import GPT, task_correct, task_loss
 from distlab.parallel import apply_tensor_parallel
 from distlab.parallel.tensor_parallel import full_parameters, full_state_dict
 from distlab.parallel.loss_head import vocab_parallel_head
+from distlab.models import IGNORE_INDEX
 from distlab.parallel.vocab_sequence import vocab_parallel_correct, vocab_parallel_cross_entropy
 from distlab.launch.spawn import RankFailure, run_ranks
 from distlab.tools.verify import step_tolerance, sum_tolerance
@@ -84,12 +85,15 @@ def test_sharded_transformer_equals_the_unsharded_one_and_sends_the_analytic_byt
         assert bwd_bytes == allreduce_bytes_per_rank(act, world) * (2 * L + 1)
 
 
-def _loss_and_accuracy(rank, world, smoothing=0.0):
+def _loss_and_accuracy(rank, world, smoothing=0.0, ignored=False):
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(5, 7, 12, generator=g, dtype=torch.float64)
     logits[0, 0, 3] = logits[0, 0, 9] = 50.0          # a tie: argmax takes the lowest id, 3
     target = torch.randint(0, 12, (5, 7), generator=g)
     target[0, 0] = 3
+    if ignored:  # flash-attention's parallel cross-entropy test: some targets ignored (a whole sequence too)
+        target[torch.rand(5, 7, generator=g) < 0.4] = IGNORE_INDEX
+        target[2] = IGNORE_INDEX
     mine = logits.chunk(world, -1)[rank].clone().requires_grad_()
     start = rank * (12 // world)
     loss = vocab_parallel_cross_entropy(mine, target, dist.group.WORLD, start, label_smoothing=smoothing)
@@ -111,6 +115,32 @@ def test_vocab_parallel_cross_entropy_and_accuracy_equal_the_gathered_ones(world
         assert bound < float32_bound and loss_diff <= bound and grad_diff <= bound and correct == expected
     for loss_diff, grad_diff, _, _, (bound, _) in run_ranks(_loss_and_accuracy, world, 0.1, timeout=60):
         assert loss_diff <= bound and grad_diff <= bound  # label smoothing: F.cross_entropy's, on the gathered logits
+    # ignored targets: torch's mean over the kept ones, smoothed or not; accuracy counts the kept ones only
+    for smoothing in (0.0, 0.1):
+        for loss_diff, grad_diff, correct, expected, (bound, _) in run_ranks(_loss_and_accuracy, world, smoothing,
+                                                                             True, timeout=60):
+            assert loss_diff <= bound and grad_diff <= bound and correct == expected and expected[1] < 35
+
+
+def _ignored_per_token(rank, world, smoothing):
+    """Per token: an ignored target's loss is exactly 0 and its logits' gradient exactly 0."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(16, 8 * world, generator=g)
+    target = torch.randint(0, 8 * world, (16,), generator=g)
+    target[::3] = IGNORE_INDEX
+    mine = logits.chunk(world, -1)[rank].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(mine, target, dist.group.WORLD, rank * 8, reduction="none",
+                                        label_smoothing=smoothing)
+    loss.sum().backward()
+    return loss.detach(), mine.grad, target
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+def test_ignored_targets_score_nothing_and_send_no_gradient_across_the_vocabulary_shards(smoothing):
+    for loss, grad, target in run_ranks(_ignored_per_token, 2, smoothing, timeout=60):
+        ignored = target == IGNORE_INDEX
+        assert (loss[ignored] == 0).all() and (grad[ignored] == 0).all()
+        assert (loss[~ignored] > 0).all() and (grad[~ignored].abs().sum(-1) > 0).all()
 
 
 def _megatron_case(rank, world, smoothing):

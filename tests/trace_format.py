@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from distlab.runtime import timeline
+from distlab.runtime import trace_file
 
 
 def complete_events(trace: dict) -> list[dict]:
@@ -19,8 +19,8 @@ def complete_events(trace: dict) -> list[dict]:
     for e in events:
         assert e["ph"] in ("X", "M") and isinstance(e["pid"], int) and isinstance(e["tid"], int), e
         if e["ph"] == "X":
-            assert e["name"] and e["cat"] in timeline.LANES and e["ts"] >= 0 and e["dur"] >= 0, e
-            assert e["tid"] % len(timeline.LANES) == timeline.LANES.index(e["cat"]), e
+            assert e["name"] and e["cat"] in trace_file.LANES and e["ts"] >= 0 and e["dur"] >= 0, e
+            assert e["tid"] % len(trace_file.LANES) == trace_file.LANES.index(e["cat"]), e
             assert threads.get((e["pid"], e["tid"]), "").startswith(e["cat"]), e
             spans.append(e)
     by_track: dict[tuple[int, int], list[tuple[int, int, str]]] = {}

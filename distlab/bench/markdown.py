@@ -75,11 +75,14 @@ def mapped_corpus(records: list[dict]) -> str:
     """``scripts/mapped_corpus_memory.py``: a run's peak memory against the size of its memory-mapped corpus."""
     from distlab.bench.common import format_table
     base = min(records, key=lambda r: r["train_file_bytes"])
+    anon = all(r.get("peak_anon_rss_mb") is not None for r in records)  # older records measured RSS only
     rows = [[r["corpus"], f"{r['train_file_bytes'] / 1e9:.3g} GB", f"{r['windows']:,}", str(r["nproc"]),
-             f"{r['peak_rss_mb']:.0f}", f"{r['peak_rss_mb'] - base['peak_rss_mb']:+.0f}",
-             f"{1000 * r['time_per_step_s_median']:.1f}"] for r in records]
-    return format_table(["corpus", "token file", "windows", "ranks", "peak RSS MB / rank", "vs smallest",
-                         "ms/step"], rows, markdown=True)
+             f"{r['peak_rss_mb']:.0f}", f"{r['peak_rss_mb'] - base['peak_rss_mb']:+.0f}"]
+            + ([f"{r['peak_anon_rss_mb']:.0f}", f"{r['peak_anon_rss_mb'] - base['peak_anon_rss_mb']:+.0f}"]
+               if anon else [])
+            + [f"{1000 * r['time_per_step_s_median']:.1f}"] for r in records]
+    return format_table(["corpus", "token file", "windows", "ranks", "peak RSS MB / rank", "vs smallest"]
+                        + (["anonymous MB / rank", "vs smallest"] if anon else []) + ["ms/step"], rows, markdown=True)
 
 
 def variant_cost(records: list[dict]) -> str:
@@ -104,9 +107,9 @@ def variant_cost(records: list[dict]) -> str:
 
 def trace_table(trace: dict) -> str:
     """A run's ``trace.json`` (``--trace``): per rank, its time per traced step, compute, communication,
-    the share hidden behind compute and the exposed rest (``runtime.timeline.analyze``)."""
+    the share hidden behind compute and the exposed rest (``runtime.trace_file.analyze``)."""
     from distlab.bench.common import format_table
-    from distlab.runtime.timeline import analyze
+    from distlab.runtime.trace_file import analyze
     found = analyze(trace)
     rows = [[str(r["rank"]), f"{1e3 * r['window_s_per_step']:.2f}", f"{1e3 * r['compute_s_per_step']:.2f}",
              f"{1e3 * r['communication_s_per_step']:.2f}",

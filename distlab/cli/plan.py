@@ -132,7 +132,7 @@ def _write_timeline(result: dict, label: str, out: str) -> None:
     import json as _json
     from pathlib import Path
 
-    from distlab.runtime.timeline import predicted_trace
+    from distlab.runtime.trace_file import predicted_trace
     from distlab.tools.plots import pyplot
     from distlab.tools.report.timelines import gantt
     from distlab.train.metrics import atomic_write_text

@@ -184,8 +184,8 @@ def generate(source, prompt, max_new_tokens, temperature, top_k, seed, n_head, t
                    "+tp=N, +naive, +sp, +cp=N, +ulysses, +ep=N, +zero=S, +pp=P, +mb=M, +gpipe/+1f1b/+zb, +vpp=V, "
                    "+ckpt, +compile, +bf16, +reduce=DTYPE, +compress=C, and any registered component's +NAME; +adam (the "
                    "optimizer), +clip (gradients clipped by their global norm, every step), +smooth (the loss's "
-                   "labels smoothed by 0.1), +gpt (the transformer) "
-                   "or +gpt-moe (with mixture-of-experts MLPs: for +ep) (e.g. bucketed:ring+accum=4, "
+                   "labels smoothed by 0.1), +mask (30% of the transformer's targets ignored: the loss a mean over the "
+                   "rest), +gpt (the transformer) or +gpt-moe (with mixture-of-experts MLPs: for +ep) (e.g. bucketed:ring+accum=4, "
                    "zero=3, allreduce+tp=2+naive, bucketed+tp=2+pp=2+gpt, bucketed+cp=2+gpt, bucketed+ep=2+gpt-moe). Default: every --dp-sync x --collective, "
                    "accum=4 for each method, syncbn, and on an even world tp=2 both styles and two-stage pipelines.")
 @click.option("--steps", type=COUNT, default=10, show_default=True, help="SGD steps per run.")

@@ -36,6 +36,16 @@ class ImageDataset:
         return len(self.labels)
 
     @property
+    def ignores_targets(self) -> bool:
+        """Whether some labels are not scored (never: every image has its class)."""
+        return False
+
+    @property
+    def predicts_tokens(self) -> bool:
+        """Whether a sample's targets are a sequence of tokens (no: one class per image)."""
+        return False
+
+    @property
     def input_shape(self) -> tuple[int, int, int]:
         return tuple(self.images.shape[1:])  # type: ignore[return-value]
 

@@ -22,15 +22,17 @@ MODES = ("auto", "on", "off")
 AUTO_FRACTION = 0.25  # of the GPU's free memory at start, at most, for `auto` to move the data there
 
 
-def nbytes(*datasets) -> int:
-    """Bytes of the tensors the data sets hold (images and labels, or the token stream and windows)."""
+def nbytes(*datasets, mapped: bool = False) -> int:
+    """Bytes of the tensors the data sets hold in memory (images and labels, or the token stream and
+    windows); with ``mapped``, those of the memory-mapped files they read instead (a prepared corpus)."""
     total = 0
     for ds in datasets:
         if ds is None:
             continue
-        for name in ("images", "labels", "tokens", "starts"):
+        for name in ("images", "labels", "tokens", "starts", "ignored"):
             t = getattr(ds, name, None)
-            if isinstance(t, torch.Tensor):
+            on_disk = name == "tokens" and getattr(ds, "mapped", False)
+            if isinstance(t, torch.Tensor) and on_disk == mapped:
                 total += t.numel() * t.element_size()
     return total
 
@@ -42,18 +44,23 @@ def _size(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def decide(mode: str, device: torch.device, need: int, free: int | None = None) -> tuple[bool, str]:
-    """Whether the data goes onto ``device`` and the header's words for it. ``free``: the device's
-    free bytes (default: asked of CUDA)."""
+def decide(mode: str, device: torch.device, need: int, free: int | None = None, mapped: int = 0) -> tuple[bool, str]:
+    """Whether the data goes onto ``device`` and the header's words for it. ``need``: the bytes it holds
+    in memory; ``mapped``: those it reads from memory-mapped files (a prepared corpus: pages the kernel
+    caches, not the run's memory); ``free``: the device's free bytes (default: asked of CUDA)."""
     if mode not in MODES:
         raise ConfigError(f"unknown `data_on_device` {mode!r}; choose one of: {', '.join(MODES)}")
+    where = f"in host memory ({_size(need)}" if not mapped else \
+        f"memory-mapped from disk ({_size(mapped)}, read as batches need it" \
+        + (f"; {_size(need)} more in host memory" if need else "")
     if device.type != "cuda":
         if mode == "on":
             raise ConfigError(f"`data_on_device` on keeps the data set in GPU memory, but this run is on "
                               f"{device.type}: its data is in host memory already; drop the flag or use --device cuda")
-        return False, f"in host memory ({_size(need)}; the run is on {device.type})"
+        return False, f"{where}; the run is on {device.type})"
     if mode == "off":
-        return False, f"in host memory ({_size(need)}), each batch copied to {device} (data_on_device off)"
+        return False, f"{where}), each batch copied to {device} (data_on_device off)"
+    need += mapped  # on the device the whole corpus is copied
     if free is None:
         free, _ = torch.cuda.mem_get_info(device)
     share = need / max(free, 1)

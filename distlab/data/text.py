@@ -15,8 +15,9 @@ validation split (``test``) when ``i % 10 == 9``, otherwise in ``train`` -- a te
 through every topic, so both splits cover all of them. Fortunes are joined with ``"\\n%\\n"`` as on
 disk.
 
-**synthetic-text[:N]** (``N`` training tokens, default 200,000; a tenth as many for ``test``) is
-a seeded stream from a random first-order Markov chain: each byte is followed by one of 8 bytes
+**synthetic-text[:N][:masked=F]** (``N`` training tokens, default 200,000; a tenth as many for
+``test``; ``masked=F``: a seeded share ``F`` of the positions is no target -- ``IGNORE_INDEX``, as a
+fine-tuning set's prompt tokens --, so the loss is a mean over the kept targets) is a seeded stream from a random first-order Markov chain: each byte is followed by one of 8 bytes
 chosen for it, with probabilities 1/2, 1/4, ... -- about 1.4 nats per token of conditional entropy
 against ~5.4 for the unigram distribution, so a model must learn from context to beat the
 baseline, and can.
@@ -35,9 +36,10 @@ import numpy as np
 import torch
 
 from distlab.errors import ConfigError
+from distlab.models import IGNORE_INDEX
 
 VOCAB = 256
-SYNTHETIC = re.compile(r"^synthetic-text(?::(\d+))?$")
+SYNTHETIC = re.compile(r"^synthetic-text(?::(\d+))?(?::masked=(0(?:\.\d+)?|1(?:\.0*)?|\.\d+))?$")
 SYNTHETIC_TRAIN = 200_000
 FORTUNES_SYSTEM_DIR = "/usr/share/games/fortunes"
 VALIDATION_EVERY = 10  # fortune i is validation when i % 10 == 9
@@ -65,6 +67,18 @@ class TextDataset:
     tokens_per_byte: float = 1.0
     entropy: float | None = None  # the unigram entropy when known without counting (a prepared corpus's manifest)
     windows: int = 0  # how many, when ``starts`` is None
+    ignored: torch.Tensor | None = None  # per stream position: the token there is no target (IGNORE_INDEX)
+    mapped: bool = False  # ``tokens`` is a memory-mapped file's (a prepared corpus): read from disk, not held
+
+    @property
+    def predicts_tokens(self) -> bool:
+        """Whether a sample's targets are a sequence of tokens (yes: the next token at every position)."""
+        return True
+
+    @property
+    def ignores_targets(self) -> bool:
+        """Whether some targets are :data:`~distlab.models.IGNORE_INDEX` (not scored, not learned)."""
+        return self.ignored is not None
 
     @classmethod
     def from_tokens(cls, name: str, split: str, tokens: torch.Tensor, block_size: int, source: str,
@@ -96,8 +110,11 @@ class TextDataset:
         indices = torch.as_tensor(indices).to(device, non_blocking=True)
         offsets = self._starts(indices)[:, None] + torch.arange(self.block_size + 1, device=device)
         window = self.tokens[offsets].long()
+        target = window[:, 1:]
+        if self.ignored is not None:
+            target = target.masked_fill(self.ignored[offsets[:, 1:]], IGNORE_INDEX)
         # contiguous: torch's pipelining checks strides against its own, and copies to a GPU go faster
-        return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+        return window[:, :-1].contiguous(), target.contiguous()
 
     def to(self, device: torch.device | str) -> "TextDataset":
         """The same windows with the token stream on ``device`` (batches are then gathered there)."""
@@ -107,9 +124,13 @@ class TextDataset:
             for i in range(0, len(tokens), 1 << 24):
                 wide[i:i + (1 << 24)] = tokens[i:i + (1 << 24)].to(torch.int32).to(device)
             tokens = wide
+            return replace(self, tokens=tokens, mapped=False,
+                           starts=self.starts.to(device) if self.starts is not None else None,
+                           ignored=self.ignored.to(device) if self.ignored is not None else None)
         else:
             tokens = tokens.to(device)
-        return replace(self, tokens=tokens, starts=self.starts.to(device) if self.starts is not None else None)
+        return replace(self, tokens=tokens, starts=self.starts.to(device) if self.starts is not None else None,
+                       ignored=self.ignored.to(device) if self.ignored is not None else None)
 
     def subset(self, indices: torch.Tensor, split: str) -> "TextDataset":
         """The windows ``indices`` only (a validation split carved from the training windows)."""
@@ -158,16 +179,18 @@ def read_fortunes(directory: Path, split: str) -> np.ndarray:
 # --------------------------------------------------------------------------- synthetic-text
 
 
-def parse_synthetic(spec: str) -> int:
+def parse_synthetic(spec: str) -> tuple[int, float]:
+    """(training tokens, share of targets ignored) of ``synthetic-text[:N][:masked=F]``."""
     m = SYNTHETIC.match(spec)
     if not m or (m.group(1) is not None and int(m.group(1)) < 2):
-        raise ConfigError(f"bad synthetic text {spec!r}: write synthetic-text or synthetic-text:TOKENS "
-                          f"(e.g. synthetic-text:100000)")
-    return int(m.group(1) or SYNTHETIC_TRAIN)
+        raise ConfigError(f"bad synthetic text {spec!r}: write synthetic-text, synthetic-text:TOKENS "
+                          f"(e.g. synthetic-text:100000) or synthetic-text:TOKENS:masked=F (a share F of the "
+                          f"targets ignored, between 0 and 1)")
+    return int(m.group(1) or SYNTHETIC_TRAIN), float(m.group(2) or 0.0)
 
 
 def make_synthetic_text(spec: str, split: str, seed: int, block_size: int) -> TextDataset:
-    n_train = parse_synthetic(spec)
+    n_train, masked = parse_synthetic(spec)
     n = n_train if split == "train" else max(block_size + 1, n_train // 10)
     rng = np.random.default_rng(seed)                              # the chain: the same for both splits
     successors = np.stack([rng.choice(VOCAB, 8, replace=False) for _ in range(VOCAB)])
@@ -180,7 +203,10 @@ def make_synthetic_text(spec: str, split: str, seed: int, block_size: int) -> Te
     for i in range(n):
         stream[i] = token
         token = int(successors[token, picks[i]])
-    return TextDataset.from_tokens(spec, split, torch.from_numpy(stream), block_size, "generated")
+    data = TextDataset.from_tokens(spec, split, torch.from_numpy(stream), block_size, "generated")
+    if masked:  # a seeded share of the positions is no target, as a fine-tuning prompt's tokens are not
+        data = replace(data, ignored=torch.from_numpy(rng.random(n) < masked))
+    return data
 
 
 def conditional_entropy_of_synthetic() -> float:

@@ -353,6 +353,7 @@ def load_tokens(spec: str, split: str, block_size: int):
     data = TextDataset.from_tokens(spec, split, tokens, block_size, str(path), tokenizer=tok,
                                    text_bytes=entry["bytes"] or None)
     data.entropy = manifest.get("unigram_entropy") if split == "train" else None
+    data.mapped = True
     return data
 
 

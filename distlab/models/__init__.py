@@ -225,20 +225,25 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+IGNORE_INDEX = -100  # a target that is not scored (a fine-tuning prompt's tokens): torch's default ignore_index
+
+
 def task_loss(out: torch.Tensor, y: torch.Tensor, reduction: str = "mean",
               label_smoothing: float = 0.0) -> torch.Tensor:
     """Cross-entropy per sample (classifier) or per token (language model); ``label_smoothing`` as
-    ``F.cross_entropy``'s (the target is ``1 - s`` on the true class plus ``s / K`` on every class)."""
+    ``F.cross_entropy``'s (the target is ``1 - s`` on the true class plus ``s / K`` on every class); a
+    target of :data:`IGNORE_INDEX` scores nothing and the mean is over the others."""
     if out.dim() == 3:
         out, y = out.flatten(0, 1), y.flatten()
-    return F.cross_entropy(out, y, reduction=reduction, label_smoothing=label_smoothing)
+    return F.cross_entropy(out, y, reduction=reduction, label_smoothing=label_smoothing, ignore_index=IGNORE_INDEX)
 
 
 def task_correct(out: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:
-    """(correct predictions, predictions): per sample, or per token for a language model."""
-    return int((out.argmax(-1) == y).sum()), y.numel()
+    """(correct predictions, predictions scored): per sample, or per token for a language model; an
+    :data:`IGNORE_INDEX` target is not scored."""
+    return int((out.argmax(-1) == y).sum()), int((y != IGNORE_INDEX).sum())
 
 
-__all__ = ["GPT", "MLP", "ResNet18", "SmallCNN", "TEXT_MODELS", "VGG", "build_model", "check_model_name",
+__all__ = ["IGNORE_INDEX", "GPT", "MLP", "ResNet18", "SmallCNN", "TEXT_MODELS", "VGG", "build_model", "check_model_name",
            "count_parameters", "flops_per_token", "is_user_model", "load_builder", "model_names", "parse_model_args",
            "task_correct", "task_loss"]

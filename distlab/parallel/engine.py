@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distlab import comm
 from distlab.errors import NonFiniteError
 from distlab.parallel import tensor_parallel
 from distlab.parallel.loss_head import TaskHead
@@ -233,7 +234,8 @@ class Engine:
         return not bool(self._found_non_finite(optimizer))
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor,
-                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                         ignore_index: int | None = None) -> torch.Tensor:
         """The step's forwards and backwards as the schedule runs them (``strategy.grad_accum``
         micro-batches, or the pipeline's ``strategy.microbatches``; every backward but the last under
         :meth:`no_sync`), then :meth:`sync`.
@@ -243,13 +245,36 @@ class Engine:
         device (on a pipeline every rank returns the last stage's): reading it is the caller's
         choice, so a step waits for the device only where it must. Under context parallel ``x`` and
         ``y`` are whole sequences; the step runs on this rank's tokens of them (:meth:`shard`).
+
+        ``ignore_index`` (targets that may be ignored: ``loss_fn`` scores none of them and takes
+        ``reduction="sum"``): the step is that of the mean over the kept targets of the *global*
+        batch, as one process computes it -- not a mean of micro-batch or rank means, which weigh a
+        target by how many others its micro-batch kept (:meth:`_per_kept_target`).
         """
         x, y = self.shard(x, y)
+        if ignore_index is not None:
+            loss_fn = self._per_kept_target(loss_fn, y, ignore_index)
         loss = self.schedule.forward_backward(self, x, y, loss_fn)
         self.sync()
         # after the reduction (the same sums everywhere); only fp16's scaled gradients have anything to unscale
         self._found_inf = self.precision.scales_loss and self.precision.unscale_(self.parameters())
         return loss
+
+    def _per_kept_target(self, loss_fn: Callable, y: torch.Tensor, ignore_index: int) -> Callable:
+        """``loss_fn`` as a share of the global batch's mean over kept targets: each micro-batch's sum
+        over its kept targets times ``micro_steps x replicas / N``, where ``N`` counts the kept targets
+        of the whole global batch (one all-reduce of a number over the replicas, left on the device).
+        The schedule divides by ``micro_steps`` and the gradient sync averages over the ``replicas``,
+        so the step's gradient is the sum over every kept target divided by ``N`` -- torch's ``mean``
+        with ``ignore_index`` on one process (and 0, not nan, where the global batch keeps none)."""
+        kept = (y != ignore_index).sum().to(torch.float32).reshape(1)
+        if self.mesh.replicas > 1:
+            comm.all_reduce(kept, algorithm="native", group=self.mesh.replica_group)
+        scale = self.strategy.micro_steps * self.mesh.replicas / kept.clamp(min=1.0)
+
+        def share_of_global_mean(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return loss_fn(out, target, reduction="sum") * scale[0]
+        return share_of_global_mean
 
     @property
     def needs_priming(self) -> bool:

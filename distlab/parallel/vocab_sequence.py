@@ -38,6 +38,7 @@ from torch import nn
 
 from distlab import comm
 from distlab.errors import ConfigError
+from distlab.models import IGNORE_INDEX
 from distlab.parallel.tensor_parallel import (ColumnParallelLinear, all_gather_along, copy_to_group, gather_sequence,
                                               reduce_from_group, scatter_sequence)
 from distlab.runtime import group_rank, group_size
@@ -98,59 +99,65 @@ def _reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, start, vocab, smoothing):
+    def forward(ctx, logits, target, group, start, vocab, smoothing, ignore_index):
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16 up, float64 kept
         top = _reduce(logits.max(-1).values, "max", group)
         shifted = logits - top[:, None]
         exp = shifted.exp()
         total = _reduce(exp.sum(-1), "sum", group)
+        kept = target != ignore_index  # an ignored target scores 0 and sends no gradient, as in F.cross_entropy
         local = target - start
-        mine = (local >= 0) & (local < logits.shape[-1])
+        mine = (local >= 0) & (local < logits.shape[-1]) & kept
         local = local.masked_fill(~mine, 0)
         picked = _reduce(shifted.gather(-1, local[:, None]).squeeze(-1).masked_fill(~mine, 0.0), "sum", group)
-        ctx.save_for_backward(exp / total[:, None], local, mine)
+        ctx.save_for_backward(exp / total[:, None], local, mine, kept)
         ctx.vocab, ctx.smoothing = vocab, smoothing
         nll = total.log() - picked
-        if not smoothing:
-            return nll
-        # F.cross_entropy's smoothing: (1 - s) x nll + s x the mean over the vocabulary of -log p_j, where
-        # -log p_j = log total - shifted_j: one more all-reduce of a number per token (the shards' sums).
-        mean_shifted = _reduce(shifted.sum(-1), "sum", group) / vocab
-        return (1.0 - smoothing) * nll + smoothing * (total.log() - mean_shifted)
+        if smoothing:
+            # F.cross_entropy's smoothing: (1 - s) x nll + s x the mean over the vocabulary of -log p_j, where
+            # -log p_j = log total - shifted_j: one more all-reduce of a number per token (the shards' sums).
+            mean_shifted = _reduce(shifted.sum(-1), "sum", group) / vocab
+            nll = (1.0 - smoothing) * nll + smoothing * (total.log() - mean_shifted)
+        return nll.masked_fill(~kept, 0.0)
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, local, mine = ctx.saved_tensors
+        softmax, local, mine, kept = ctx.saved_tensors
         g = softmax.clone()
         if ctx.smoothing:
             g -= ctx.smoothing / ctx.vocab  # d/dz_j of s x mean(-log p): s (p_j - 1/V)
         rows = torch.arange(len(local), device=g.device)[mine]
         g[rows, local[mine]] -= 1.0 - ctx.smoothing
-        return g * grad[:, None], None, None, None, None, None
+        return g * grad.masked_fill(~kept, 0.0)[:, None], None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group, start: int,
-                                 reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor:
+                                 reduction: str = "mean", label_smoothing: float = 0.0,
+                                 ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Cross-entropy of logits split over the vocabulary: ``logits`` ``(..., V/t)`` are this
     rank's columns ``[start, start + V/t)``, ``target`` ``(...)`` the true token ids. Equal to
     ``F.cross_entropy`` of the gathered logits, ``label_smoothing`` included (the target ``1 - s`` on
     the true token plus ``s / V`` on every token; Megatron-LM's spreads ``s`` over the other tokens
-    only, a different loss)."""
+    only, a different loss) and ``ignore_index`` too: a target equal to it scores 0 and sends no
+    gradient, and the mean is over the kept targets (nan where none is kept, as torch's)."""
     vocab = logits.shape[-1] * group_size(group)
-    per_token = _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), target.flatten(), group, start, vocab,
-                                                 float(label_smoothing))
-    return per_token.mean() if reduction == "mean" else per_token.sum() if reduction == "sum" else per_token
+    target = target.flatten()
+    per_token = _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), target, group, start, vocab,
+                                                 float(label_smoothing), ignore_index)
+    if reduction == "mean":
+        return per_token.sum() / (target != ignore_index).sum()
+    return per_token.sum() if reduction == "sum" else per_token
 
 
 @torch.no_grad()
 def vocab_parallel_correct(logits: torch.Tensor, target: torch.Tensor, group, start: int) -> tuple[int, int]:
-    """(tokens whose argmax over the whole vocabulary is the target, tokens); ties go to the lowest
-    id, as ``argmax`` does."""
+    """(tokens whose argmax over the whole vocabulary is the target, tokens whose target is kept); ties
+    go to the lowest id, as ``argmax`` does."""
     value, index = logits.max(-1)
     best = _reduce(value.clone(), "max", group)
     mine = torch.where(value == best, index + start, torch.full_like(index, 2**62))
     winner = _reduce(mine, "min", group)
-    return int((winner == target).sum()), target.numel()
+    return int((winner == target).sum()), int((target != IGNORE_INDEX).sum())
 
 
 class VocabParallelLinear(ColumnParallelLinear):

@@ -54,6 +54,7 @@ CASE_MODELS = ("gpt", "gpt-moe")  # +gpt: the transformer; +gpt-moe: with mixtur
 CLIP_NORM = 0.02  # +clip: the max-norm, below every step's gradient norm on verify's models (each step is clipped)
 SMOOTHING = 0.1  # +smooth: the training loss's label smoothing
 SMALL_BUCKET_MB = 0.004  # several buckets on the tiny models below (unless a strategy sets bucket=)
+MASKED = 0.3  # +mask: this share of the transformer's targets ignored (IGNORE_INDEX), as a fine-tuning prompt's
 
 
 @dataclass(frozen=True)
@@ -66,12 +67,13 @@ class Case:
     model: str | None = None
     clip: float | None = None  # +clip: gradients clipped to this global norm (CLIP_NORM)
     smoothing: float = 0.0  # +smooth: the loss's targets smoothed by this much (SMOOTHING)
+    masked: bool = False  # +mask: a share MASKED of the transformer's targets ignored (the loss: a mean over the rest)
 
     @property
     def name(self) -> str:
         return (str(self.strategy) + ("+adam" if self.optimizer == "adam" else "")
                 + (f"+{self.model}" if self.model else "") + ("+clip" if self.clip else "")
-                + ("+smooth" if self.smoothing else ""))
+                + ("+smooth" if self.smoothing else "") + ("+mask" if self.masked else ""))
 
     def flags(self) -> dict:
         return {**self.strategy.to_dict(), "optimizer": self.optimizer, **({"model": self.model} if self.model else {}),
@@ -85,22 +87,25 @@ def parse_strategy(text: str) -> Case:
     tokens = [t.strip() for t in text.split("+")]
     clip = CLIP_NORM if "clip" in tokens else None
     smoothing = SMOOTHING if "smooth" in tokens else 0.0
-    tokens = [t for t in tokens if t not in ("clip", "smooth")]
+    masked = "mask" in tokens
+    tokens = [t for t in tokens if t not in ("clip", "smooth", "mask")]
     for t in tokens[1:]:
-        hint = did_you_mean(t, (*CASE_MODELS, "adam", "clip", "smooth"),
-                            {"moe": "gpt-moe", "transformer": "gpt", "adamw": "adam"})
+        hint = did_you_mean(t, (*CASE_MODELS, "adam", "clip", "smooth", "mask"),
+                            {"moe": "gpt-moe", "transformer": "gpt", "adamw": "adam", "masked": "mask"})
         if hint and t not in (*CASE_MODELS, "adam", *modifier_words()) and "=" not in t:
             raise ConfigError(f"strategy {text!r}: {t!r} is not a modifier{hint} (verify's models: +gpt, +gpt-moe; "
                               f"its optimizer: +adam; +clip clips gradients by their global norm; +smooth smooths "
-                              f"the loss's labels)")
+                              f"the loss's labels; +mask ignores a share of the transformer's targets)")
     model = next((t for t in tokens if t in CASE_MODELS), None)
+    if masked and not model:
+        raise ConfigError(f"{text}: +mask ignores a share of a transformer's next-token targets; add +gpt or +gpt-moe")
     if model and "adam" in tokens:
         raise ConfigError(f"{text}: Adam on the transformer has no float32 tolerance to verify against -- it divides "
                           f"each gradient entry by its own size, so entries whose gradient is rounding noise move by "
                           f"up to lr either way; verify the transformer with SGD (drop +adam)")
     rest = "+".join(t for t in tokens if t not in ("adam", *CASE_MODELS))
     return Case(Strategy.parse(rest) if rest else Strategy(), "adam" if "adam" in tokens else "sgd", model, clip,
-                smoothing)
+                smoothing, masked)
 
 
 def default_strategies(world_size: int | None = None) -> list[Case]:
@@ -111,7 +116,9 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
     mixture of experts with expert parallel, interleaved and zero-bubble pipelines (with tensor
     parallel, context x pipeline and expert x pipeline where it divides by 4); clipping by the global
     norm over ZeRO-2's shards and, on an even world, over TP+SP's transformer with label smoothing;
-    the transformer's blocks compiled under ZeRO-3 and activation checkpointing."""
+    the transformer's blocks compiled under ZeRO-3 and activation checkpointing; ignored targets
+    (``+mask``) over data parallel with accumulation and the mixture of experts, and on an even world
+    across tensor parallel's vocabulary shards (smoothed), a pipeline and context parallel."""
     out = [Strategy("gather-scatter")]
     out += [Strategy(m, c) for m in ("allreduce", "bucketed", "ddp") for c in COLLECTIVES]
     out += [Strategy(m, grad_accum=4) for m in SYNC_METHODS]
@@ -127,12 +134,20 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
     cases = [Case(s) for s in out] + [Case(Strategy(zero=2), clip=CLIP_NORM)]  # clipping over ZeRO's shards
     # compiled transformer blocks, ZeRO-3's gathers between their pieces, recomputed by checkpointing
     cases += [Case(Strategy(zero=3, activation_checkpointing=True, compile=True), model="gpt")]
+    # ignored targets over data parallel's ranks and accumulated micro-batches: each kept target weighs alike
+    cases += [Case(Strategy("bucketed", grad_accum=2), model="gpt", masked=True),
+              Case(Strategy("bucketed"), model="gpt-moe", masked=True)]
     if world_size and world_size % 2 == 0:
         # clipping over TP's replicated LayerNorms, label smoothing across the split vocabulary
         cases += [Case(Strategy("allreduce", tp=2, sequence_parallel=True), model="gpt", clip=CLIP_NORM,
                        smoothing=SMOOTHING)]
         cases += [Case(Strategy("bucketed", cp=2), model="gpt"), Case(Strategy("bucketed", cp=2, cp_style="ulysses"),
                                                                       model="gpt")]
+        # ignored targets: a mean over the global batch's kept targets, across the vocabulary shards (with
+        # smoothing), a pipeline's last stage, context parallel's sequence chunks
+        cases += [Case(Strategy("allreduce", tp=2), model="gpt", smoothing=SMOOTHING, masked=True),
+                  Case(Strategy("bucketed", pp=2, microbatches=4), model="gpt", masked=True),
+                  Case(Strategy("bucketed", cp=2), model="gpt", masked=True)]
         cases += [Case(Strategy("bucketed", ep=2), model="gpt-moe"),
                   Case(Strategy("bucketed", pp=2, microbatches=4, pp_virtual=2), model="gpt"),
                   Case(Strategy("bucketed", pp=2, microbatches=4, pp_schedule="zb"), model="gpt")]
@@ -160,7 +175,7 @@ def config_for(case: Case, world_size: int, steps: int, global_batch: int | None
     mine, data = model, dataset
     model, dataset = ("small-cnn-bn", "synthetic:3x8x8:4:480") if bn else ("mlp", "synthetic:1x8x8:4:480")
     if case.model in CASE_MODELS:
-        model, dataset = case.model, "synthetic-text:4000"
+        model, dataset = case.model, f"synthetic-text:4000:masked={MASKED}" if case.masked else "synthetic-text:4000"
     if mine:
         model, dataset = mine, data or USER_DATASET
     return TrainConfig(model=model, model_args=tuple(model_args) if mine else (), mlp_widths=(32, 16), n_layer=2, n_head=4, n_embd=16, block_size=8,

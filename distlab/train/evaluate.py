@@ -15,6 +15,9 @@ from distlab.runtime import group_size, reduce_scalars
 SHOWN = 36  # misclassified samples kept for a picture
 
 
+MAPPED_EVAL_BATCHES = 200  # a memory-mapped corpus's default evaluation: 200 global batches (nanoGPT's eval_iters)
+
+
 def first_batches(dataset, batches: int | None, batch_size: int):
     """``--eval-batches``: the first ``batches x batch_size`` samples of ``dataset`` (all of it when that is
     more, or ``batches`` is None) -- a fixed subset, the same at every evaluation, whose indices are the
@@ -22,6 +25,16 @@ def first_batches(dataset, batches: int | None, batch_size: int):
     if dataset is None or batches is None or batches * batch_size >= len(dataset):
         return dataset
     return dataset.subset(torch.arange(batches * batch_size), dataset.split)
+
+
+def evaluation_size(batches: int | None, batch_size: int, global_batch: int, mapped: bool) -> tuple[int | None, int]:
+    """``(batches, batch size)`` an evaluation takes the first of: ``--eval-batches`` as given, else every
+    sample -- except from a memory-mapped corpus, whose test split may hold millions of windows: then
+    :data:`MAPPED_EVAL_BATCHES` batches of the global batch, as nanoGPT evaluates (a fixed subset, the
+    same every time; ``--eval-batches`` asks for more or fewer)."""
+    if batches is None and mapped:
+        return MAPPED_EVAL_BATCHES, global_batch
+    return batches, batch_size
 
 
 @torch.no_grad()
@@ -50,6 +63,7 @@ def evaluate(engine: Engine, dataset, device: torch.device | str = "cpu", batch_
     engine.module.eval()
     loss_sum, correct, count = 0.0, 0, 0
     k = dataset.num_classes
+    details = details and not dataset.predicts_tokens  # a confusion matrix is a classifier's (K x K: not a vocabulary's)
     confusion = torch.zeros(k * k, dtype=torch.float64, device=device) if details else None
     wrong = torch.full((SHOWN, 3), -1, dtype=torch.int64, device=device) if details else None
     shown = 0
@@ -81,7 +95,7 @@ def evaluate(engine: Engine, dataset, device: torch.device | str = "cpu", batch_
     loss_sum, correct, count = reduce_scalars(mine, device=device)
     samples = len(dataset)
     result = {"test_loss": loss_sum / max(count, 1), "test_accuracy": correct / max(count, 1), "test_samples": samples}
-    if count != samples:  # a language model: per token, and its perplexity
+    if dataset.predicts_tokens:  # a language model: per token (those scored), and its perplexity
         result["test_tokens"] = int(count)
         result["test_perplexity"] = math.exp(min(result["test_loss"], 700.0))  # e^700: float64's range, not inf
     if details:

@@ -123,8 +123,37 @@ def write_predictions(directory: Path, test_set, step: int, confusion, misclassi
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident set size in MB (Linux reports ru_maxrss in KiB)."""
+    """This process's peak resident set size in MB (Linux reports ru_maxrss in KiB): everything its page
+    tables mapped at once -- file pages too, such as a memory-mapped corpus's that the kernel caches and
+    can drop (see :func:`anon_rss_mb`)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+_ANON_PEAK = [0.0]  # the largest anon_rss_mb() read in this process
+
+
+def anon_rss_mb() -> float | None:
+    """This process's anonymous resident memory in MB now (``RssAnon`` of ``/proc/self/status``): what it
+    allocated itself -- tensors, the optimizer, the interpreter -- not file pages it maps (a memory-mapped
+    corpus, the libraries), which count in RSS while cached and the kernel reclaims under pressure.
+    Also kept as the peak of every reading (:func:`anon_peak_mb`); None where ``/proc`` has no such line."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"RssAnon:"):
+                    mb = int(line.split()[1]) / 1024.0
+                    _ANON_PEAK[0] = max(_ANON_PEAK[0], mb)
+                    return mb
+    except OSError:
+        pass
+    return None
+
+
+def anon_peak_mb() -> float | None:
+    """The largest anonymous resident memory read so far (:func:`anon_rss_mb`, read now too): a peak over
+    the moments it was read -- a run reads it after its first step, at every log line and evaluation and
+    at the end -- where the kernel keeps no peak of its own."""
+    return None if anon_rss_mb() is None else _ANON_PEAK[0]
 
 
 def median_excluding_warmup(times: list[float], warmup: int) -> float | None:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.errors import ConfigError
-from distlab.runtime import timeline
+from distlab.runtime import timeline, trace_file
 from distlab.train.metrics import atomic_write_text
 
 
@@ -88,14 +88,14 @@ class StepObserver:
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, mine)
         path = Path(self.cfg.out) / "trace.json"
-        trace = timeline.chrome_trace(everyone)
+        trace = trace_file.chrome_trace(everyone)
         shifted = any(r["offset_ns"] or r["residual_ns"] for r in everyone)
         trace["otherData"] = {"steps": list(steps), "clock_residual_us": max(r["residual_ns"] for r in everyone) / 1e3,
                               "clock": "monotonic clocks, other machines' shifted onto rank 0's by barrier releases"
                                        if shifted else "one machine's monotonic clock"}
         if self.rt.is_main:
             atomic_write_text(path, json.dumps(trace))
-        found = timeline.analyze(trace)
+        found = trace_file.analyze(trace)
         self.trace_record = {"path": str(path), "steps": list(steps), "ranks": len(everyone),
                              "spans": sum(len(r["spans"]) for r in everyone), **trace["otherData"],
                              **{k: found[k] for k in ("hidden_communication", "exposed_communication_s_per_step",

@@ -310,12 +310,23 @@ class RunState:
         self.window_loss = self.window_loss + loss
         self.window_steps += 1
 
-    def close_window(self) -> float:
-        """The global mean training loss since the last call (local means averaged over ranks)."""
+    def close_window(self, keep: bool = False) -> float:
+        """The global mean training loss since the last call (local means averaged over ranks). ``keep``:
+        the window stays open (a line the run logs only because it ends here): a snapshot then holds its
+        partial sums, and a resume that goes on logs the next ``log_every`` step as the uninterrupted run
+        does, over the same steps."""
         total, = reduce_scalars([float(self.window_loss)], device=self.rt.device)
         self.last_loss = total / (self.window_steps * self.rt.world_size)
-        self.window_loss, self.window_steps = 0.0, 0
+        if not keep:
+            self.window_loss, self.window_steps = 0.0, 0
         return self.last_loss
+
+    def going_on(self) -> None:
+        """A resumed run that trains further: the line its last attempt logged only because it ended there
+        (``end_of_run``) is not one the uninterrupted run logged -- it leaves the history (and
+        metrics.jsonl), and its window goes on (:meth:`close_window`)."""
+        if self.history and self.history[-1].get("end_of_run") and self.history[-1]["step"] == self.step:
+            self.history.pop()
 
     def record_eval(self, record: dict, seconds: float) -> None:
         """Keep an evaluation; a new best validation loss also keeps its model (every rank's shard when

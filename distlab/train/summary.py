@@ -26,7 +26,8 @@ from distlab.parallel.pipeline import ideal_bubble
 from distlab.parallel.strategy import DEFAULT_DP_SYNC
 from distlab.parallel.zero.cost import zero_peak_bytes
 from distlab.runtime import busy_machine, cores, load_before_run, reduce_scalars
-from distlab.train.metrics import median_excluding_warmup, peak_rss_mb
+from distlab.train.evaluate import MAPPED_EVAL_BATCHES
+from distlab.train.metrics import anon_peak_mb, median_excluding_warmup, peak_rss_mb
 
 SYNC_TIME_BASIS = ("seconds per step spent in the gradient sync after backward and in the post-step parameter "
                    "all-gather (ZeRO); sync that overlaps backward (bucketed, ddp) counts only where backward had "
@@ -58,6 +59,8 @@ def _text_facts(trainer, final: dict) -> dict:
     tok = data.tokenizer
     return {"loss_unit": "nats/token", "block_size": data.block_size, "train_tokens": len(data) * data.block_size,
             "test_perplexity": math.exp(loss) if loss is not None else None,
+            "test_tokens": final.get("test_tokens"),  # the targets the last evaluation scored (kept ones only)
+            "eval_windows": len(trainer.eval_test),
             "unigram_entropy": data.unigram_entropy,
             # nats per byte of text: the loss that compares tokenizers (a token of BPE covers several bytes)
             "tokenizer": tok.spec if tok is not None else "bytes", "vocab_size": data.num_classes,
@@ -116,7 +119,9 @@ def expert_load(engine) -> dict | None:
 def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
     """Every rank calls it (it reduces peaks over ranks); the result is the same everywhere."""
     cfg, rt, run, engine = trainer.cfg, trainer.rt, trainer.run, trainer.engine
-    rss, state_bytes = reduce_scalars([peak_rss_mb(), engine.peak_bytes], op=dist.ReduceOp.MAX, device=rt.device)
+    anon = anon_peak_mb()
+    rss, state_bytes, anon = reduce_scalars([peak_rss_mb(), engine.peak_bytes, -1.0 if anon is None else anon],
+                                            op=dist.ReduceOp.MAX, device=rt.device)
     cuda_mb = None
     if rt.device.type == "cuda":
         cuda_mb, = reduce_scalars([torch.cuda.max_memory_allocated(rt.device) / 2**20], op=dist.ReduceOp.MAX,
@@ -167,6 +172,11 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "samples_per_s": cfg.global_batch_size / median if median else None,
         **trainer.throughput.summary(cfg.global_batch_size / median if median else None),  # tokens/s, MFU
         "peak_rss_mb": rss,
+        "peak_anon_rss_mb": anon if anon >= 0 else None,
+        "memory_basis": ("peak_rss_mb: the most resident memory (ru_maxrss), file pages mapped included -- a "
+                         "memory-mapped corpus's, which the kernel caches and can drop; peak_anon_rss_mb: the most "
+                         "anonymous memory (RssAnon: what the process allocated itself) read after the first step, "
+                         "at every log line and evaluation and at the end; both the largest of any rank"),
         "peak_cuda_mb": cuda_mb,
         "comm_bytes_per_step": sent,
         "comm_bytes_basis": ("counted by distlab.comm (messages of distlab's algorithms; torch's native "
@@ -293,6 +303,18 @@ def zero_costs_more(trainer) -> str | None:
             f"to the full gradients and flat shard copies it keeps; ZeRO pays off with {helps}")
 
 
+def _evaluation_words(trainer) -> str:
+    """What every evaluation scores: the whole test split, or how much of it (``--eval-batches``, or a
+    memory-mapped corpus's bounded default)."""
+    cfg, test, scored = trainer.cfg, trainer.test_set, trainer.eval_test
+    unit = "windows" if test.predicts_tokens else "samples"
+    if len(scored) == len(test):
+        return f"each evaluation scores all {len(test):,} test {unit}"
+    why = f"--eval-batches {cfg.eval_batches}" if cfg.eval_batches else \
+        f"a memory-mapped corpus's default, {MAPPED_EVAL_BATCHES} global batches; --eval-batches N for more"
+    return f"each evaluation scores the first {len(scored):,} of {len(test):,} test {unit} ({why})"
+
+
 def header(trainer) -> list[str]:
     """What is about to run, before the first step: data, model, strategy, mesh, batch, parameters."""
     cfg, rt, mesh, run = trainer.cfg, trainer.rt, trainer.mesh, trainer.run
@@ -312,6 +334,7 @@ def header(trainer) -> list[str]:
                          f"{', '.join(f'{m:.4g}' for m in data.mean)} and std {', '.join(f'{s:.4g}' for s in data.std)}")
     lines += [f"         warning: {note}" for note in getattr(data, "notes", ())]
     lines.append(f"         {trainer.data_where}")
+    lines.append(f"         {_evaluation_words(trainer)}")
     per_rank = count_parameters(trainer.engine.module)
     moe = "" if cfg.model != "gpt-moe" else (
         f", MLPs of {cfg.experts} experts, top-{cfg.top_k}, "
@@ -415,7 +438,9 @@ def print_summary(summary: dict, out: str | None) -> None:
         ("comm bytes/step/rank", _fmt(s["comm_bytes_per_step"], ",")),
         ("model state/rank", _fmt(None if s.get("model_state_bytes_per_rank") is None
                                   else s["model_state_bytes_per_rank"] / 2**20, ".2f", " MiB (peak)")),
-        ("peak RSS per rank", _fmt(s["peak_rss_mb"], ".0f", " MB")),
+        ("peak RSS per rank", _fmt(s["peak_rss_mb"], ".0f", " MB")
+         + (f" ({s['peak_anon_rss_mb']:.0f} MB anonymous; the rest mapped files the kernel caches)"
+            if s.get("peak_anon_rss_mb") is not None else "")),
         ("wall time", _fmt(s["wall_time_s"], ".1f", " s")),
     ]
     experts = s.get("experts")

@@ -23,17 +23,17 @@ from distlab.data.loader import TrainLoader
 from distlab.data.resident import decide as decide_residence
 from distlab.data.resident import nbytes as data_nbytes
 from distlab.errors import ConfigError, DistributedError, NonFiniteError, first_line
-from distlab.models import build_model, count_parameters, snapshot_record
+from distlab.models import IGNORE_INDEX, build_model, count_parameters, snapshot_record
 from distlab.parallel import build_mesh, parallelize
 from distlab.parallel.placement import placement_of
 from distlab.runtime import Runtime, is_comm_failure, roll_call, seed_everything, timeline, tune_host_allocator
 from distlab.train.clock import StepClock
 from distlab.train.config import TrainConfig
-from distlab.train.evaluate import evaluate, first_batches
+from distlab.train.evaluate import evaluate, evaluation_size, first_batches
 from distlab.train.throughput import Throughput
 from distlab.train.observe import StepObserver
 from distlab.train.export import load_init
-from distlab.train.metrics import MetricsLog, atomic_write_text, write_predictions, write_summary
+from distlab.train.metrics import MetricsLog, anon_rss_mb, atomic_write_text, write_predictions, write_summary
 from distlab.train.optim import build_optimizer, build_scheduler, decay_groups, no_decay_names
 from distlab.train.preemption import Preemption
 from distlab.train.run_state import RunState, fault_injection_hook, finished_summary
@@ -64,14 +64,16 @@ class Trainer:
             self.val_set = self.train_set.subset(perm[:n_val].sort().values, "val")
             self.train_set = self.train_set.subset(perm[n_val:].sort().values, "train")
         # The data set in GPU memory when it fits (distlab.data.resident); the sampler is the same either way.
+        sets = (self.train_set, self.test_set, self.val_set)
         self.data_resident, self.data_where = decide_residence(
-            cfg.data_on_device, rt.device, data_nbytes(self.train_set, self.test_set, self.val_set))
+            cfg.data_on_device, rt.device, data_nbytes(*sets), mapped=data_nbytes(*sets, mapped=True))
         if self.data_resident:
             self.train_set, self.test_set = self.train_set.to(rt.device), self.test_set.to(rt.device)
             self.val_set = self.val_set.to(rt.device) if self.val_set is not None else None
         # What each evaluation scores: every sample, or with --eval-batches the same first ones every time.
-        self.eval_test, self.eval_val = (first_batches(d, cfg.eval_batches, cfg.eval_batch_size)
-                                         for d in (self.test_set, self.val_set))
+        mapped = bool(data_nbytes(*sets, mapped=True))  # a memory-mapped corpus: a bounded evaluation by default
+        eval_size = evaluation_size(cfg.eval_batches, cfg.eval_batch_size, cfg.global_batch_size, mapped)
+        self.eval_test, self.eval_val = (first_batches(d, *eval_size) for d in (self.test_set, self.val_set))
         # The mesh: data is split over the data-parallel ranks only (a TP group and a pipeline see the same batch).
         self.mesh = build_mesh(cfg.strategy.tp, pp=cfg.strategy.pp, cp=cfg.strategy.cp, ep=cfg.strategy.ep)
         self.local_batch = cfg.global_batch_size // self.mesh.dp
@@ -95,6 +97,8 @@ class Trainer:
         # What training minimises: the task's cross-entropy, its targets smoothed if asked (not evaluations').
         self.loss_fn = functools.partial(self.engine.loss, label_smoothing=cfg.label_smoothing) \
             if cfg.label_smoothing else self.engine.loss
+        # Data whose targets may be ignored: each step the mean over the global batch's kept targets
+        self.ignore_index = IGNORE_INDEX if self.train_set.ignores_targets else None
         names = [p["name"] for p in placement_of(self.engine)["params"]] if no_decay else None
         self.optimizer = self.engine.attach(build_optimizer(self.engine.parameters(), cfg, names, no_decay))
         self.steps_per_epoch = len(self.loader)
@@ -184,6 +188,8 @@ class Trainer:
         if done is not None:  # resumed a run that had finished: say so, change nothing
             self.already_finished = True
             return done
+        if run.resumed_from is not None:
+            run.going_on()
         for line in header(self):
             self.say(line)
         self.log = MetricsLog(cfg.out if self.rt.is_main else None, run.history)
@@ -252,7 +258,7 @@ class Trainer:
             lr = self.optimizer.param_groups[0]["lr"]
             sent = comm.bytes_sent()  # the step's bytes: the counter's growth (one read each side)
             self.optimizer.zero_grad(set_to_none=True)
-            loss = engine.forward_backward(x, y, self.loss_fn)
+            loss = engine.forward_backward(x, y, self.loss_fn, self.ignore_index)
             if cfg.clip_grad_norm:
                 self._grad_norm = engine.clip_grad_norm_(cfg.clip_grad_norm)
             try:
@@ -263,6 +269,7 @@ class Trainer:
             sent = comm.bytes_sent() - sent
             if first:  # gradients and optimizer state all exist now: the peak of plain DP
                 engine.observe()
+                anon_rss_mb()  # the anonymous memory's peak, read here and at every log line
                 first = False
             self.scheduler.step()
             self._window_s += clock.stop(times, engine.sync_seconds, sent)
@@ -275,7 +282,8 @@ class Trainer:
             sample = bool(cfg.sample_every) and (run.step % cfg.sample_every == 0 or last)
             due_eval = last or (run.step % cfg.eval_every == 0 if cfg.eval_every else
                                 cfg.eval_every_epoch and run.step % self.steps_per_epoch == 0)
-            due_log = run.step % cfg.log_every == 0 or last or sample or (due_eval and cfg.eval_every)
+            scheduled = run.step % cfg.log_every == 0 or sample or (due_eval and cfg.eval_every)
+            due_log = scheduled or last
             due_snapshot = run.snapshot_due(self.total_steps)
             if due_log or due_eval or due_snapshot or cfg.time_budget_s or run.step % READ_EVERY == 0:
                 if self._diverged():
@@ -284,7 +292,7 @@ class Trainer:
             evaluation = self._evaluate(epoch) if due_eval else None
             # An evaluation joins its step's record; --eval-every's make their steps log steps.
             if due_log:
-                self._log(epoch, lr, sample, evaluation)
+                self._log(epoch, lr, sample, evaluation, end_of_run=not scheduled)
             if due_snapshot:
                 run.save()
             self.observer.after(run.step)  # after their last step, its evaluation and snapshot included
@@ -317,8 +325,12 @@ class Trainer:
             return lambda s: None
         return self.bar.write if show_bar else (lambda s: print(s, flush=True))
 
-    def _log(self, epoch: int, lr: float, sample: bool = False, evaluation: dict | None = None) -> None:
-        loss = self.run.close_window()  # collective
+    def _log(self, epoch: int, lr: float, sample: bool = False, evaluation: dict | None = None,
+             end_of_run: bool = False) -> None:
+        """One line of metrics.jsonl. ``end_of_run``: logged only because the run ends at this step (not a
+        ``log_every`` step): marked so, its loss window kept open for a resume that goes on."""
+        loss = self.run.close_window(keep=end_of_run)  # collective
+        anon_rss_mb()
         # Throughput of the window's steps alone (timed in this attempt): evaluations, snapshots and a
         # restart in between are not training time.
         rate = self._window_timed * self.cfg.global_batch_size / self._window_s if self._window_s else None
@@ -326,6 +338,8 @@ class Trainer:
                   **self.throughput.of_rate(rate), "time_s": self.run.time_used()}
         if self._grad_norm is not None:  # read once per log line, not per step
             record["grad_norm"] = float(self._grad_norm)
+        if end_of_run:
+            record["end_of_run"] = True
         if sample:
             record["sample"] = self._sample()
         if evaluation:
@@ -365,6 +379,7 @@ class Trainer:
             if self.eval_val is not None:
                 val = evaluate(self.engine, self.eval_val, self.rt.device, cfg.eval_batch_size)
                 result.update({f"val_{k[len('test_'):]}": v for k, v in val.items() if k != "test_samples"})
+        anon_rss_mb()  # evaluation's batches: the anonymous memory's peak may be here
         record = {"epoch": epoch, "step": self.run.step, "time_s": self.run.time_used(), **result}
         self.run.record_eval(record, time.perf_counter() - t0)
         self.tb.scalars("eval", result, self.run.step)

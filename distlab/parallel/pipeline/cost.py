@@ -15,7 +15,7 @@ from distlab.errors import ConfigError
 from distlab.parallel.cost import Call, CallGroup
 from distlab.parallel.pipeline.actions import ideal_bubble, schedule_actions
 from distlab.parallel.pipeline.partition import cut
-from distlab.runtime.timeline import SCHEDULE
+from distlab.runtime.trace_file import SCHEDULE
 
 
 def activation_note(lay) -> str:

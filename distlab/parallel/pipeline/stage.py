@@ -19,6 +19,7 @@ from distlab.parallel.checkpointing import run_checkpointed
 from distlab.parallel.pipeline.actions import SCHEDULES, check_virtual, ideal_bubble, schedule_actions
 from distlab.parallel.pipeline.partition import partition, sequential_layers
 from distlab.runtime import group_rank, group_size, timeline
+from distlab.runtime.trace_file import SCHEDULE
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 _HEADER = 10  # int64s: dtype code, ndim, up to 8 sizes
@@ -279,7 +280,7 @@ class PipelineStage(nn.Module):
         self._waited = self._compute = 0.0
         self.in_flight_peak = 0
         t0 = time.perf_counter()
-        with ActivationMeter(self.parameters()) as meter, timeline.span(timeline.SCHEDULE, "pipeline"):
+        with ActivationMeter(self.parameters()) as meter, timeline.span(SCHEDULE, "pipeline"):
             if self.schedule == "gpipe":
                 self._gpipe(xs, ys, loss_fn)
             elif self.schedule == "1f1b" and self.virtual == 1:
