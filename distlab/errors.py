@@ -59,6 +59,17 @@ class WriteError(DistlabError, OSError):
         return self.message
 
 
+SPELLED = ("mlp", "nd", "nn.", "hf", "fp", "lm", "lstm", "rnn", "sgd", "rms", "mse", "fsdp")  # said letter by letter
+
+
+def with_article(word: object) -> str:
+    """``word`` with its indefinite article as it is said: "an mlp", "an nn.Sequential", "a Sequential",
+    "an Embedding", "a gpt" (a name said letter by letter takes the article of its first letter's sound)."""
+    text = str(word)
+    vowel = text[:1].lower() in "aeiou" or text.lower().startswith(SPELLED)
+    return f"{'an' if vowel else 'a'} {text}"
+
+
 def first_line(exc: BaseException, limit: int = 300) -> str:
     """The first non-empty line of ``exc``'s message (its type's name when it has none), at most ``limit`` chars."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]

@@ -45,10 +45,10 @@ def test_report_names_every_input_and_lists_bad_ones(run_cli, tmp_path):
     for name in ("broken.json", "foreign.json", "lacking.json", "missing-dir"):
         assert name in problems and f"{name}:" in proc.stderr
     assert "not valid JSON" in problems and "does not exist" in problems and "lack a field" in problems
-    # Plots are embedded PNGs: loss curves + accuracy + the final model's mistakes for the run, time/busbw for
-    # world size 2.
+    # Plots are embedded PNGs: loss curves + evaluations (12 steps: an epoch of 8 and the end) + accuracy + the
+    # final model's mistakes for the run, time/busbw for world size 2.
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
-    assert len(images) == 4 and all(base64.b64decode(i)[:4] == b"\x89PNG" for i in images)
+    assert len(images) == 5 and all(base64.b64decode(i)[:4] == b"\x89PNG" for i in images)
     # headers say what and in which unit; cells are human numbers
     assert "<th>bus bandwidth (GB/s)</th>" in page and "<th>test accuracy</th>" in page and "<th>passed</th>" in page
     assert "<th>time (ms, median)</th>" in page and "<td>391 KiB</td>" in page and "<td>100,000</td>" in page
@@ -239,6 +239,11 @@ def test_runs_are_grouped_by_data_set_and_a_classifier_shows_its_mistakes(run_cl
     assert "<th>test loss (nats/token)</th>" in text_part and "img-a" not in text_part
     # one per section: the most accurate classifier's mistakes (the page stays short)
     assert page.count("what the final model gets wrong") == 2 and proc.returncode == 0
+    # every picture says in words what it shows: its titles and axes (a confusion matrix's cells: counts)
+    alts = re.findall(r'<img alt="([^"]*)"', page)
+    assert alts and all(a not in ("", "plot", "a plot") for a in alts), alts
+    assert any("loss vs step (training loss" in a and "against step" in a for a in alts)
+    assert any("confusion" in a and "counts" in a for a in alts)
     names = sorted(p.name for p in (tmp_path / "png").iterdir())
     assert sum("confusion" in n for n in names) == 2 and any("synthetic-text-2000" in n and "loss-vs-step" in n
                                                             for n in names)
@@ -311,3 +316,22 @@ def test_a_mixture_of_experts_run_gets_its_expert_load_figure():
     assert all(sum(r["summary"]["experts"]["load"]) == r["summary"]["experts"]["routed"] for r in runs)
     assert _expert_load(runs).count("<img") == 1
     assert _expert_load([]) == ""
+
+
+def test_the_gradient_norm_plot_draws_each_runs_clipping_threshold(monkeypatch):
+    """A clipped run's norm before clipping, every logged step, and a line at its --clip-grad-norm: a
+    point above the line is a step that was scaled down to it."""
+    from distlab.tools.report import runs as section
+    drawn = []
+    monkeypatch.setattr(section, "png", lambda fig: drawn.append(fig) or "")
+    metrics = [{"step": s, "loss": 1.0, "time_s": 0.1 * s, "grad_norm": g} for s, g in ((1, 0.5), (2, 0.625), (3, 0.75))]
+    run = {"path": "r", "summary": {"dataset": "d", "world_size": 1, "strategy": {}, "config": {"clip_grad_norm": 0.5}},
+           "metrics": metrics}
+    try:
+        section._runs_section("d", [run], [])
+    except KeyError:  # the table wants a whole summary; the figures are drawn before it
+        pass
+    norm = next(f for f in drawn if "gradient norm" in f.axes[0].get_title())
+    lines = norm.axes[0].get_lines()
+    assert [list(line.get_ydata()) for line in lines] == [[0.5, 0.625, 0.75], [0.5, 0.5]]
+    assert "max norm 0.5" in lines[1].get_label()

@@ -263,6 +263,11 @@ def test_a_busy_machine_is_said_where_timings_are_made(run_cli, tmp_path, monkey
     from distlab.runtime import busy_machine, cores
     assert busy_machine(3.0, 2, 2).startswith("the machine was busy before this run (load 3.00 on 2 cores")
     assert busy_machine(0.2, 2, 2) is None and busy_machine(1.0, 1, 4) is None and busy_machine(None, 8, 2) is None
+    # which --threads would fit beside the load, or that none would
+    assert busy_machine(2.0, 8, 8).endswith("pass --threads 6 (1 rank x 6 beside the load fit the 8 cores)")
+    assert busy_machine(4.0, 16, 16, ranks=4).endswith("pass --threads 3 (4 ranks x 3 beside the load fit the 16 cores)")
+    assert busy_machine(9.0, 2, 2).endswith("even 1 thread per rank shares the cores: time on a quieter machine, "
+                                            "or with fewer ranks")
     proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--max-steps", "1",
                    "--no-progress", "--out", "run", env={"DISTLAB_LOAD_AT_LAUNCH": "7"}, check=True)
     assert f"warning  the machine was busy before this run (load 7.00 on {cores()} cores" in proc.stdout
@@ -272,3 +277,8 @@ def test_a_busy_machine_is_said_where_timings_are_made(run_cli, tmp_path, monkey
     monkeypatch.setattr(doctor.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
     line = next(line for line in doctor.report().splitlines() if line.startswith("load:"))
     assert line.startswith(f"load: 9.00 (1-minute average) on {cores()} cores -- busy: steps are slower")
+    assert "even 1 thread per rank shares the cores" in line or "pass --threads" in line
+    monkeypatch.setattr(doctor, "cores", lambda: 16)
+    monkeypatch.setattr(doctor.os, "getloadavg", lambda: (6.0, 6.0, 6.0))
+    line = next(line for line in doctor.report().splitlines() if line.startswith("load:"))
+    assert "a run of one process: pass --threads 10 (1 rank x 10 beside the load fit the 16 cores)" in line

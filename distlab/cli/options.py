@@ -316,8 +316,9 @@ TRAIN_OPTIONS = [
                      "else /usr/share/datasets).")),
     ("data_on_device", dict(help="auto, on or off: keep the data set in GPU memory and gather each batch there "
                             "(auto: on a GPU run whose data takes at most 25% of the free GPU memory).")),
-    ("epochs", dict(type=int)),
-    ("max_steps", dict(type=int, help="Stop after this many optimizer steps.")),
+    ("epochs", dict(type=int, help="Passes over the training set (default: 1, or as many as --max-steps takes).")),
+    ("max_steps", dict(type=int, help="Stop after this many optimizer steps (alone, it sets the run's length; with "
+                       "--epochs, whichever ends first).")),
     ("global_batch_size", dict(type=int, aliases=("--batch-size",),
                                help="Samples per optimizer step over all ranks (split over the data-parallel ranks).")),
     ("lr", dict(type=float)),

@@ -80,6 +80,9 @@ def train(config_file, trust_config, **kw):
                               "the CPU: use --sync-bn distlab, which works on any device")
         from distlab.parallel.precision import check_device
         check_device(cfg.strategy.precision, runtime.resolve_device(device, 0))
+        if cfg.strategy.compile:
+            from distlab.parallel.compile import check_toolchain
+            check_toolchain(runtime.resolve_device(device, 0))
         if cfg.dataset.startswith("tokens:"):
             from distlab.data.tokens import manifest_of
             manifest_of(cfg.dataset)  # a prepared corpus, whole: its files as long as its manifest says
@@ -126,11 +129,12 @@ def train(config_file, trust_config, **kw):
 
 
 @click.command()
-@click.argument("snapshot_path", metavar="SNAPSHOT")
+@click.argument("snapshot_path", metavar="SNAPSHOT|RUN_DIR")
 @click.option("-o", "--out", required=True, help="The file to write: model.pt (torch.save), or model.safetensors.")
 @click.option("--best", is_flag=True, help="The best validation model the snapshot keeps (runs with --val-fraction).")
 def export(snapshot_path, out, best):
-    """Write a snapshot's whole model (any layout, shards put back together) as one state_dict file.
+    """Write a snapshot's whole model (any layout, shards put back together) as one state_dict file; a
+    run directory gives its last snapshot, or the final model a language model's run leaves there.
 
     torch.load(OUT, weights_only=True) (or safetensors.torch.load_file for a .safetensors OUT) and
     model.load_state_dict accept it; distlab train --init-from starts a run from it.
@@ -138,7 +142,8 @@ def export(snapshot_path, out, best):
     from distlab.train.export import export as write
 
     info = write(snapshot_path, out, best)
-    click.echo(f"wrote {info['out']}: {info['model']} at step {info['step']} ({info['world_size']} ranks), "
+    ranks = f" ({info['world_size']} ranks)" if info.get("world_size") else ""
+    click.echo(f"wrote {info['out']}: {info['model']} at step {info['step']}{ranks}, "
                f"{info['tensors']} tensors, {info['parameters']:,} parameters, {info['bytes']:,} bytes, "
                f"sha256 {info['sha256'][:16]}... in {info['sha256_file']}"
                + (f"; its tokenizer in {info['tokenizer_file']}" if info.get("tokenizer_file") else ""))

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from distlab.data.dataset import ImageDataset
-from distlab.errors import ConfigError, first_line
+from distlab.errors import ConfigError, first_line, with_article
 
 PREFIX = "tensors:"
 TEST_FRACTION = 0.1
@@ -52,14 +52,14 @@ def _read(path: str, mtime: float) -> dict[str, torch.Tensor]:
         raise ConfigError(f"--dataset tensors:{path}: cannot read it ({type(exc).__name__}: "
                           f"{first_line(exc, 200)})") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"--dataset tensors:{path}: holds a {type(raw).__name__}, not a dict of tensors "
+        raise ConfigError(f"--dataset tensors:{path}: holds {with_article(type(raw).__name__)}, not a dict of tensors "
                           f"(save {{'inputs': x, 'labels': y}})")
     out = {}
     for name, keys in NAMES.items():
         key = next((k for k in keys if k in raw), None)
         if key is not None:
             if not torch.is_tensor(raw[key]):
-                raise ConfigError(f"--dataset tensors:{path}: {key!r} is a {type(raw[key]).__name__}, not a tensor")
+                raise ConfigError(f"--dataset tensors:{path}: {key!r} is {with_article(type(raw[key]).__name__)}, not a tensor")
             out[name] = raw[key]
     for name in ("inputs", "labels"):
         if name not in out:

@@ -66,7 +66,9 @@ def split_bytes(spec: str) -> tuple[bytes, bytes]:
     else:
         docs = _documents(root, spec)
         if len(docs) < 2:
-            what = "separate documents by a blank line" if root.is_file() else "give more than one file"
+            what = "separate documents by a blank line" if root.is_file() else \
+                "in a directory each file is one document, its paragraphs not split: give the file itself to have " \
+                "it cut into documents at blank lines, or more files"
             raise ConfigError(f"--dataset {spec}: {root} is one document, so none can be held out for testing: "
                               f"{what}, or give PATH/train and PATH/test")
         order = torch.randperm(len(docs), generator=torch.Generator().manual_seed(SPLIT_SEED)).tolist()

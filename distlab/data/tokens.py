@@ -248,9 +248,13 @@ def prepare(src: str | os.PathLike, out: str | os.PathLike, tokenizer: str = tok
     if empty:
         for s in SPLITS:
             (out / f"{s}.bin").unlink(missing_ok=True)
+        found = sum(splits[s]["documents"] for s in SPLITS)
+        how = (f"{root} is a directory: each file in it is one document, its paragraphs not split -- {found} "
+               f"document{'s' if found != 1 else ''} here; give a file itself to have it cut into documents at blank "
+               f"lines, or more files" if root.is_dir() else
+               f"{root} is cut into documents at blank lines: {found} here; separate more by blank lines")
         raise ConfigError(f"prepare-text: {root} gives no document to the {empty[0]} split (every {TEST_EVERY}th "
-                          f"document is held out for testing: separate documents by a blank line or give more "
-                          f"files, or give SRC/train and SRC/test)")
+                          f"document is held out for testing): {how}, or give SRC/train and SRC/test")
     if vocab_n is not None:
         _atomic_text(out / "tokenizer.json", tok.to_json())
     manifest = {"format": FORMAT, "source": str(root.resolve()), "tokenizer": tok.spec, "vocab_size": vocab,

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distlab.errors import ConfigError, did_you_mean, first_line
+from distlab.errors import ConfigError, did_you_mean, first_line, with_article
 
 Builder = Callable[..., nn.Module]
 
@@ -173,7 +173,7 @@ def load_builder(spec: str) -> Callable[..., nn.Module]:
         raise ConfigError(f"--model {spec}: {where} has no callable {attr!r}")
     if inspect.isclass(builder) and not issubclass(builder, nn.Module) or \
             not inspect.isclass(builder) and not inspect.isfunction(builder):
-        what = "a class that is not an nn.Module" if inspect.isclass(builder) else f"a {type(builder).__name__}"
+        what = "a class that is not an nn.Module" if inspect.isclass(builder) else with_article(type(builder).__name__)
         raise ConfigError(f"--model {spec}: {attr} is {what}, not a model builder: name a function or nn.Module "
                           f"class that returns the model")
     _LOADED[spec] = builder

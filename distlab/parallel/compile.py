@@ -22,6 +22,8 @@ one graph); evaluation and a last, smaller batch compile once more each.
 
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
 
@@ -39,12 +41,58 @@ def compile_units(model: nn.Module) -> list[nn.Module]:
     return [m for container, ranges in blocks for start, end in ranges for m in list(container)[start:end]]
 
 
+def _builtin(m: nn.Module) -> bool:
+    return type(m).__module__.startswith("torch.")
+
+
+def _compile_builtin(m: nn.Module) -> None:
+    """``m.compile()`` for one of torch's own layers (``nn.Linear``, ``nn.Conv2d`` ...): dynamo does not
+    trace a frame of torch's own files it is asked to start in (``nn.Module.compile`` of an ``nn.Linear``
+    compiles nothing), but does inline them from one of distlab's -- so the compiled call starts here."""
+    call_impl = m._call_impl
+
+    def call(*args, **kwargs):
+        return call_impl(*args, **kwargs)
+    # a code object of its own per module: dynamo caches compiled code per code object, and one shared by
+    # every layer would be recompiled for each until its cache limit, then run eagerly
+    code = call.__code__.replace(co_name=f"compiled_{type(m).__name__}_{id(m):x}")
+    m._compiled_call_impl = torch.compile(types.FunctionType(code, call.__globals__, code.co_name, None,
+                                                             call.__closure__))
+
+
 def apply_compile(model: nn.Module) -> int:
-    """Compile ``model``'s blocks in place (``nn.Module.compile``); returns how many modules."""
-    units = compile_units(model)
-    for m in units:
-        m.compile()
-    return len(units)
+    """Compile ``model``'s blocks in place (``nn.Module.compile``); returns how many modules. A block
+    module of torch's own classes is compiled through a frame of distlab's (:func:`_compile_builtin`),
+    and only where it holds parameters (a ReLU or a Flatten alone is not worth a graph)."""
+    modules = compiled_modules(model)
+    for m in modules:
+        if _builtin(m):
+            _compile_builtin(m)
+        else:
+            m.compile()
+    return len(modules)
+
+
+def compiled_modules(model: nn.Module) -> list[nn.Module]:
+    """What :func:`apply_compile` compiles of ``model``: its blocks' modules, of torch's own classes only
+    those holding parameters."""
+    return [m for m in compile_units(model) if not _builtin(m) or any(True for _ in m.parameters())]
+
+
+def check_toolchain(device: torch.device) -> None:
+    """Before any work: on a CPU, torch's inductor builds each compiled graph's kernels with a C++
+    compiler (``$CXX``, else g++ or clang++ on PATH); without one the first step would fail deep inside
+    it. Refused here in one line instead."""
+    import os
+    import shutil
+    if device.type != "cpu":
+        return
+    cxx = os.environ.get("CXX")
+    if (cxx and shutil.which(cxx)) or any(shutil.which(c) for c in ("g++", "clang++", "c++")):
+        return
+    raise ConfigError("`compile` on a CPU needs a C++ compiler -- torch's inductor builds the compiled kernels with "
+                      "one -- and none is on PATH (g++, clang++" + (f", or $CXX {cxx}" if cxx else ", or $CXX")
+                      + "): install one (apt-get install g++) or train without `compile`")
 
 
 def eager(fn):

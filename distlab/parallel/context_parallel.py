@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlab.comm import p2p
-from distlab.errors import ConfigError
+from distlab.errors import ConfigError, with_article
 from distlab.models import plans
 from distlab.parallel.cost import Call, CallGroup, Price
 from distlab.runtime import group_rank, group_size, timeline
@@ -341,7 +341,7 @@ def apply_context_parallel(model: nn.Module, group, style: str = "ring", tp: int
         module = model.get_submodule(name)
         if kind == "context_positions":
             if not isinstance(module, nn.Embedding):
-                raise ConfigError(f"context-parallel plan: {name} is a {type(module).__name__}, but "
+                raise ConfigError(f"context-parallel plan: {name} is {with_article(type(module).__name__)}, but "
                                   f"context_positions applies to an nn.Embedding of positions")
             module.register_forward_pre_hook(ContextPositions(layout))
             continue

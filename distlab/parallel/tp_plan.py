@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from distlab.errors import ConfigError
+from distlab.errors import ConfigError, with_article
 from distlab.models import plans
 from distlab.models.plans import linear_plan
 from distlab.parallel.cost import Call, CallGroup, Price
@@ -149,7 +149,7 @@ def _parallel(m: nn.Module, kind: str, group, name: str, sp: bool, shared: list)
 
 def _expect(m: nn.Module, kind: type, style: str, name: str) -> None:
     if type(m) is not kind:
-        raise ConfigError(f"tensor-parallel plan: {name} is a {type(m).__name__}, but style {style} applies to an "
+        raise ConfigError(f"tensor-parallel plan: {name} is {with_article(type(m).__name__)}, but style {style} applies to an "
                           f"nn.{kind.__name__}")
 
 

@@ -146,14 +146,22 @@ def load_before_run() -> float | None:
         return None
 
 
-def busy_machine(load: float | None, threads: int, have: int) -> str | None:
+def busy_machine(load: float | None, threads: int, have: int, ranks: int = 1) -> str | None:
     """Why timings on this machine mean less (None: they do not): it was already running ``load``
-    (1-minute average) on ``have`` cores, and ``threads`` more would share them."""
+    (1-minute average) on ``have`` cores, and ``threads`` more -- ``ranks`` processes' worth -- would
+    share them; with the ``--threads`` per rank that would fit beside the load, or, where even one
+    thread a rank would not, that it is the machine, not the layout."""
     if load is None or load < 0.5 or load + threads <= have:
         return None
+    fit = int((have - load) // ranks)  # threads per rank the free cores hold
+    per_rank = max(1, threads // ranks)
+    advice = (f"pass --threads {fit} ({ranks} rank{'s' if ranks > 1 else ''} x {fit} beside the load fit the "
+              f"{have} cores)" if 1 <= fit < per_rank else
+              f"even 1 thread per rank shares the cores: time on a quieter machine, or with fewer ranks")
     return (f"the machine was busy before this run (load {load:.2f} on {have} cores; with this run's {threads} "
-            f"thread(s) the cores are shared), so steps are slower than this machine allows and timings compare "
-            f"only between runs at equal threads on an equally quiet machine")
+            f"thread(s) the cores are shared), so steps are slower than this machine allows (a rank whose threads "
+            f"wait for busy cores can run many times slower) and timings compare only between runs at equal "
+            f"threads on an equally quiet machine; {advice}")
 
 
 # Dense peak TFLOP/s of the GPUs distlab knows, per device (tensor cores for bf16/fp16; fp32 as torch

@@ -32,10 +32,11 @@ def report(data_dir: str | None = None) -> str:
     except (AttributeError, OSError):
         load = None
     if load is not None:
-        busy = busy_machine(load, 1, usable)
+        busy = busy_machine(load, usable, usable)  # a one-process run's default: every core
         lines.append(f"load: {load:.2f} (1-minute average) on {usable} cores" + (
-            f" -- busy: {busy.split(', so ', 1)[1]}; a run's default is {usable} // ranks threads per rank, "
-            f"which these cores are already running for others" if busy else ": quiet enough for timings"))
+            f" -- busy: {busy.split(', so ', 1)[1].replace('pass --threads', 'a run of one process: pass --threads')}"
+            f"; a run's default is {usable} // ranks threads per rank, which these cores are already running for "
+            f"others" if busy else ": quiet enough for timings"))
     for name in REGISTRY:
         try:
             lines.append(f"dataset {name}: {locate(name, data_dir)}")

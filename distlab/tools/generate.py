@@ -13,11 +13,10 @@ the same command prints the same text.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from distlab.data import tokenizer as tokenizers
-from distlab.errors import ConfigError
+from distlab.errors import ConfigError, with_article
 from distlab.models.generation import generate, gpt_from_state, stream
 
 __all__ = ["generate", "gpt_from_state", "load_gpt", "stream"]
@@ -26,17 +25,11 @@ __all__ = ["generate", "gpt_from_state", "load_gpt", "stream"]
 def load_gpt(source: str | Path, n_head: int | None = None, tokenizer_file: str | None = None) -> tuple:
     """The GPT ``source`` holds, its tokenizer, and a word on where it came from."""
     from distlab.train import export
-    path = Path(source)
-    if path.is_dir() and (path / "summary.json").is_file() and not (path / "meta.json").is_file():
-        summary = json.loads((path / "summary.json").read_text())
-        if not summary.get("snapshot"):
-            raise ConfigError(f"run {path} wrote no snapshot (give it --snapshot-dir), so there is no model to "
-                              f"sample from; export one, or give a snapshot directory")
-        path = Path(summary["snapshot"])
-    if path.is_dir():
+    kind, path = export.run_source(source)  # a run directory: its last snapshot, else its final model
+    if kind == "snapshot" and path.is_dir():
         state, meta = export.whole_state(path)
         if meta.get("model") not in ("gpt", "gpt-moe"):
-            raise ConfigError(f"snapshot {path} holds a {meta.get('model')} model; generate needs a gpt or gpt-moe")
+            raise ConfigError(f"snapshot {path} holds {with_article(meta.get('model'))} model; generate needs a gpt or gpt-moe")
         heads, layers = meta.get("n_head"), meta.get("n_layer")
         where = f"snapshot {path} (step {meta.get('step')})"
         text = meta.get("tokenizer_json")
@@ -48,7 +41,7 @@ def load_gpt(source: str | Path, n_head: int | None = None, tokenizer_file: str 
         recorded = meta.get("n_head")
         heads = n_head or (int(recorded) if str(recorded).isdigit() else None)
         where = f"model file {path}"
-        beside = path.with_name(path.name + ".tokenizer.json")
+        beside = path.with_name("tokenizer.json" if path.name == export.FINAL_MODEL else path.name + ".tokenizer.json")
         tokenizer = None if tokenizer_file or not beside.is_file() else tokenizers.load(str(beside))
         if heads is None:
             raise ConfigError(f"{path} is a plain state_dict: give the model's --n-head (its other sizes are read "

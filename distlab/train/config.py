@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from distlab.data import canonical_name, dataset_shape, is_text, load_dataset
 from distlab.data.tokenizer import vocab_size as tokenizer_vocab
-from distlab.errors import ConfigError, did_you_mean, first_line
+from distlab.errors import ConfigError, did_you_mean, first_line, with_article
 from distlab.models import MOE_MODELS, TEXT_MODELS, check_model_name, is_user_model, parse_model_args
 from distlab.parallel import Strategy
 
@@ -61,7 +61,7 @@ class TrainConfig:
     tokenizer: str = "bytes"  # text: bytes, or bpe:N learned from the training split (distlab.data.tokenizer)
     data_dir: str | None = None
     data_on_device: str = "auto"  # auto | on | off: the data set in GPU memory (distlab.data.resident)
-    epochs: int = 1
+    epochs: int | None = None  # None: one epoch, or as many as `max_steps` takes when that is given
     max_steps: int | None = None
     global_batch_size: int = 64
     lr: float = 0.05
@@ -113,6 +113,14 @@ class TrainConfig:
         strategy = base.replace(**changes) if base is not None else Strategy(**changes)
         return cls(strategy=strategy, **values)
 
+    def total_steps(self, steps_per_epoch: int) -> int:
+        """How many optimizer steps the run takes: ``epochs`` epochs, cut at ``max_steps``; without
+        ``epochs``, ``max_steps`` alone (as many epochs as that takes), else one epoch."""
+        if self.epochs is None:
+            return self.max_steps or steps_per_epoch
+        total = self.epochs * steps_per_epoch
+        return min(total, self.max_steps) if self.max_steps else total
+
     def trace_steps(self, field: str = "trace") -> tuple[int, int]:
         """``trace`` (or ``profile``) "A:B" as (A, B): the first and last optimizer step it covers
         (1-based, inclusive)."""
@@ -156,9 +164,9 @@ class TrainConfig:
             raise ConfigError(f"`global_batch_size` must be positive, not {self.global_batch_size}")
         self.strategy.check(world_size)
         self.strategy.check_batch(self.global_batch_size, world_size)
-        for name in ("epochs", "log_every", "keep_snapshots", "eval_batch_size"):
+        for name in ("log_every", "keep_snapshots", "eval_batch_size"):
             _at_least(name, getattr(self, name), 1)
-        for name in ("max_steps", "snapshot_every", "base_batch_size", "sample_every", "eval_every", "eval_batches"):
+        for name in ("epochs", "max_steps", "snapshot_every", "base_batch_size", "sample_every", "eval_every", "eval_batches"):
             if getattr(self, name) is not None:
                 _at_least(name, getattr(self, name), 1)
         _at_least("warmup_steps", self.warmup_steps, 0)
@@ -256,7 +264,7 @@ class TrainConfig:
         net = self._meta_model()
         if next(net.parameters(), None) is None:
             raise ConfigError(f"model {self.model} has no parameters: there is nothing to train (its builder returned "
-                              f"a {type(net).__name__} without weights)")
+                              f"{with_article(type(net).__name__)} without weights)")
         shape, classes = dataset_shape(self.dataset, self.block_size, self.tokenizer)
         text = is_text(self.dataset)
         x = torch.zeros((2, *shape), dtype=torch.long if text else torch.float32, device="meta")
@@ -275,7 +283,7 @@ class TrainConfig:
         want = (2, shape[0], classes) if text else (2, classes)
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
             got = f"(B, {', '.join(map(str, out.shape[1:]))})" if isinstance(out, torch.Tensor) and out.dim() \
-                else f"a {type(out).__name__}" if not isinstance(out, torch.Tensor) else "a scalar"
+                else with_article(type(out).__name__) if not isinstance(out, torch.Tensor) else "a scalar"
             raise ConfigError(f"model {self.model} does not fit dataset {self.dataset}: given inputs {gives}, it "
                               f"returned {got}; it should return {should}")
 
@@ -395,6 +403,10 @@ class TrainConfig:
                 raise ConfigError(f"--config {path}: {written} is where a run writes or what it resumes, which only "
                                   f"the command line says (--{key.replace('_', '-')}), so a settings file copied "
                                   f"from another run never writes into its directories: remove it from the file")
+            if key in LAUNCH_SETTINGS:
+                raise ConfigError(f"--config {path}: {written} is a launch setting -- how many processes, where, on "
+                                  f"which device, with how many threads -- not a training setting the file holds: "
+                                  f"pass --{key.replace('_', '-')} on the command line beside --config")
             if key not in types:
                 hint = did_you_mean(written, [*types, *CONFIG_ALIASES], CONFIG_SYNONYMS)
                 raise ConfigError(f"--config {path}: unknown setting {written!r}{hint} (the file's keys are the "
@@ -420,6 +432,10 @@ class TrainConfig:
 RUN_PLACE = ("out", "resume", "snapshot_dir", "snapshot_every", "snapshot_async", "keep_snapshots", "tensorboard",
              "trace", "profile")
 COMMAND_LINE_ONLY = ("out", "resume", "snapshot_dir", "tensorboard")  # refused in a --config file
+# how and where the processes start (the launcher's flags, not TrainConfig's): refused in a --config file
+LAUNCH_SETTINGS = ("threads", "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint",
+                   "local_addr", "rdzv_conf", "max_restarts", "rank", "world_size", "num_nodes", "master_ip",
+                   "backend", "device", "comm_timeout", "init_timeout")
 CONFIG_ALIASES = {"model_arg": "model_args", "time_budget": "time_budget_s", "batch_size": "global_batch_size"}
 CONFIG_SYNONYMS = {"learning_rate": "lr", "lr_rate": "lr", "steps": "max_steps", "num_steps": "max_steps",
                    "num_epochs": "epochs", "grad_accumulation": "grad_accum", "gradient_accumulation_steps": "grad_accum",

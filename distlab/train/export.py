@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from distlab.errors import ConfigError, first_line
+from distlab.errors import ConfigError, first_line, with_article
 from distlab.train import reshard, snapshot
 from distlab.train.metrics import atomic_write_text
 from distlab.train.snapshot import SnapshotError
@@ -60,12 +61,38 @@ def _sharded(meta: dict) -> bool:
     return bool(strategy.get("zero")) or strategy.get("tp", 1) > 1 or strategy.get("pp", 1) > 1
 
 
-def export(path: str | Path, out: str | Path, best: bool = False) -> dict:
-    """Write snapshot ``path``'s whole model to ``out`` (atomically); returns what was written."""
+FINAL_MODEL = "model.safetensors"  # a text model's run without snapshots leaves its final model here, in OUT
+
+
+def run_source(path: str | Path, best: bool = False) -> tuple[str, Path]:
+    """What a run directory (one with ``summary.json`` and no ``meta.json``) holds a model in: its last
+    snapshot (``("snapshot", dir)``), else the final model it wrote (``("file", OUT/model.safetensors)``);
+    a snapshot directory or a model file as given. A run with neither is one line saying how to get one."""
+    path = Path(path)
+    if not (path.is_dir() and (path / "summary.json").is_file() and not (path / "meta.json").is_file()):
+        return ("snapshot" if path.is_dir() else "file"), path
+    try:
+        summary = json.loads((path / "summary.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"run {path}: its summary.json cannot be read ({first_line(exc, 120)})") from None
+    where = summary.get("snapshot") if isinstance(summary, dict) else None
+    if isinstance(where, str) and Path(where).is_dir():
+        return "snapshot", Path(where)
+    if (path / FINAL_MODEL).is_file() and not best:
+        return "file", path / FINAL_MODEL
+    raise ConfigError(f"run {path} kept no model: it wrote no snapshot and no {FINAL_MODEL} (a language model's "
+                      f"run without --snapshot-dir writes one at its end); run it again with --snapshot-dir DIR, whose "
+                      f"snapshots hold the model" if not best else
+                      f"run {path} kept no snapshot, so no best validation model: run it with --snapshot-dir")
+
+
+def write_state(state: dict[str, torch.Tensor], meta: dict, out: str | Path) -> dict:
+    """Write a whole-model ``state`` to ``out`` atomically -- ``.safetensors`` (with ``meta``'s facts:
+    :func:`export_metadata`) or ``torch.save`` -- its SHA-256 beside it, and a text model's tokenizer
+    (``meta["tokenizer_json"]``) as ``OUT.tokenizer.json``; returns what was written."""
     out = Path(out)
     if out.is_dir():
         raise ConfigError(f"-o {out} is a directory: give the file to write, e.g. {out / 'model.pt'}")
-    state, meta = whole_state(path, best)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -103,6 +130,22 @@ def export(path: str | Path, out: str | Path, best: bool = False) -> dict:
             "build": build_call(meta), "world_size": meta.get("world_size"),
             "tensors": len(state), "parameters": sum(t.numel() for t in state.values() if t.is_floating_point()),
             "bytes": out.stat().st_size, "sha256": digest, "sha256_file": str(checksum)}
+
+
+def export(path: str | Path, out: str | Path, best: bool = False) -> dict:
+    """Write the whole model of ``path`` -- a snapshot, or a run directory (its last snapshot, else the
+    final model it wrote) -- to ``out`` (atomically); returns what was written."""
+    kind, source = run_source(path, best)
+    if kind == "snapshot":
+        state, meta = whole_state(source, best)
+    else:
+        state, meta = read_state(str(source), what="the model file")
+        meta = {k: int(v) if isinstance(v, str) and v.isdigit() else v for k, v in meta.items()}  # as recorded
+        beside = source.with_name("tokenizer.json") if source.name == FINAL_MODEL else \
+            source.with_name(source.name + ".tokenizer.json")
+        if beside.is_file():
+            meta = {**meta, "tokenizer_json": beside.read_text(encoding="utf-8")}
+    return write_state(state, meta, out)
 
 
 def export_metadata(meta: dict) -> dict[str, str]:
@@ -163,7 +206,7 @@ def read_state(path: str, mmap: bool = False, what: str = "`init_from`") -> tupl
         raise ConfigError(f"{what} {path} cannot be loaded safely as a state_dict ({why})") from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
         kind = type(state).__name__ if not isinstance(state, dict) else "dict with other values than tensors"
-        raise ConfigError(f"{what} {path} holds a {kind}, not a state_dict (names to tensors)")
+        raise ConfigError(f"{what} {path} holds {with_article(kind)}, not a state_dict (names to tensors)")
     for key, tensor in state.items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise ConfigError(f"{what} {path}: {key} holds non-finite values (nan or inf): a run from it "

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distlab.errors import ConfigError, first_line
+from distlab.errors import ConfigError, first_line, with_article
 from distlab.runtime import group_rank, group_size
 
 FORMAT = 1
@@ -326,7 +326,7 @@ def read_meta(path: Path) -> dict:
 def _meta_problem(meta, path: Path) -> str | None:
     """What makes ``meta`` not a snapshot description of this format (None: it is one)."""
     if not isinstance(meta, dict):
-        return f"a {type(meta).__name__}, not an object"
+        return f"{with_article(type(meta).__name__)}, not an object"
     if meta.get("format") != FORMAT:
         return f"format {meta.get('format')!r}, this version reads {FORMAT}"
     step, world, files = meta.get("step"), meta.get("world_size"), meta.get("files")
@@ -337,7 +337,7 @@ def _meta_problem(meta, path: Path) -> str | None:
     if not _is_int(world) or world < 1:
         return f"world_size {world!r} is not a number of ranks"
     if not isinstance(files, dict):
-        return f"files is a {type(files).__name__}, not an object"
+        return f"files is {with_article(type(files).__name__)}, not an object"
     expected = [rank_file_name(r) for r in range(world)]
     if sorted(files) != expected:
         return f"files names {len(files)} rank file(s), world_size {world} needs {expected[0]} .. {expected[-1]}"
@@ -421,7 +421,7 @@ def payload_problem(payload, step: int) -> str | None:
     :class:`~distlab.train.run_state.RunState` reads, the step of its ``meta.json``, RNG states
     that the generators accept."""
     if not isinstance(payload, dict):
-        return f"a {type(payload).__name__}, not a dict"
+        return f"{with_article(type(payload).__name__)}, not a dict"
     for key in ("model", "optimizer", "scheduler", "rng", "step", "window", "run"):
         if key not in payload:
             return f"no {key!r}"
@@ -430,7 +430,7 @@ def payload_problem(payload, step: int) -> str | None:
     for key in ("model", "optimizer", "scheduler", "run") + tuple(k for k in ("best_model", "placement", "extra")
                                                                   if k in payload):
         if not isinstance(payload[key], dict):
-            return f"{key!r} is a {type(payload[key]).__name__}, not a dict"
+            return f"{key!r} is {with_article(type(payload[key]).__name__)}, not a dict"
     window = payload["window"]
     if not (isinstance(window, (list, tuple)) and len(window) == 2 and _is_number(window[0])
             and _is_int(window[1]) and window[1] >= 0):

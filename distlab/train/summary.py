@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from distlab.errors import with_article
 from distlab.models import count_parameters, is_user_model
-from distlab.parallel.compile import compiled_graphs
+from distlab.parallel.compile import compiled_graphs, compiled_modules
 from distlab.parallel.cost import Optim, data_parallel_bytes
 from distlab.plan.trace import trace
 from distlab.parallel.pipeline import ideal_bubble
@@ -47,6 +48,26 @@ class StepTimes:
         self.step.append(step_s)
         self.sync.append(sync_s)
         self.sent.append(sent)
+
+
+def _optimizer_words(cfg, total_steps: int) -> str:
+    """The header's line of what updates the weights: optimizer, learning rate and its schedule, weight
+    decay, clipping, label smoothing."""
+    parts = [cfg.optimizer + (f" (momentum {cfg.momentum:g})" if cfg.optimizer == "sgd" and cfg.momentum else "")]
+    lr = f"lr {cfg.effective_lr:g}" + (f" (--lr {cfg.lr:g}, {cfg.lr_scaling} scaling)" if cfg.lr_scaling != "none" else "")
+    schedule = "constant" if cfg.lr_schedule == "constant" else f"{cfg.lr_schedule} to 0 over {total_steps:,} steps"
+    parts.append(f"{lr}, {schedule}" + (f" after {cfg.warmup_steps} warmup steps" if cfg.warmup_steps else ""))
+    parts.append(f"weight decay {cfg.weight_decay:g}" if cfg.weight_decay else "no weight decay")
+    if cfg.clip_grad_norm:
+        parts.append(f"gradients clipped to a global norm of {cfg.clip_grad_norm:g}")
+    if cfg.label_smoothing:
+        parts.append(f"labels smoothed by {cfg.label_smoothing:g}")
+    return ", ".join(parts)
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 thread``, ``2 threads``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _text_facts(trainer, final: dict) -> dict:
@@ -156,6 +177,11 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "steps_per_epoch": trainer.steps_per_epoch,
         "epochs": round(run.step / trainer.steps_per_epoch, 4),
         "final_train_loss": run.last_loss,
+        "train_loss_basis": (f"the training objective: cross-entropy against labels smoothed by {cfg.label_smoothing:g}"
+                             f" (evaluations score the plain cross-entropy)" if cfg.label_smoothing else
+                             "cross-entropy, mean over the logged steps' samples"),
+        "clipped_steps": trainer.clipped_steps(),  # steps whose gradient norm was over clip_grad_norm (this attempt)
+        "steps_this_attempt": trainer.steps_this_attempt,
         "test_accuracy": final["test_accuracy"],
         "test_loss": final["test_loss"],
         "eval_step": final.get("step"),  # the step of that last evaluation (--eval-every: maybe before the end)
@@ -197,6 +223,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "resharded_from": run.resharded_from,
         "restart_count": run.restart_count,
         "snapshot": run.last_snapshot,
+        "model_file": trainer.model_file,  # a language model's run without snapshots: its final model
         # how long each snapshot of this attempt held the training up (--snapshot-async: the copy to host memory)
         "snapshot_stall_s_median": statistics.median(run.snapshot_stalls) if run.snapshot_stalls else None,
         "snapshot_async": cfg.snapshot_async,
@@ -248,7 +275,7 @@ def oversubscription(rt) -> str | None:
         return None
     fix = (f"--threads {max(1, have // rt.local_world_size)}" if rt.threads > 1 and rt.local_world_size <= have
            else f"at most {have} ranks per host")
-    return (f"warning  {rt.local_world_size} rank(s) x {rt.threads} thread(s) on this host = {want} threads for "
+    return (f"warning  {_count(rt.local_world_size, 'rank')} x {_count(rt.threads, 'thread')} on this host = {want} threads for "
             f"{have} cores: oversubscribed, so steps are slower than this machine allows and times measure the "
             f"sharing; use {fix} for timings that mean something")
 
@@ -346,14 +373,14 @@ def header(trainer) -> list[str]:
     if is_user_model(cfg.model):  # where it came from
         where, _, name = cfg.model.rpartition(":")
         args = ", ".join(cfg.model_args)
-        shape = f" (your model: {name}({args}) from {where}, a {type(trainer.engine.module).__name__})"
+        shape = f" (your model: {with_article(type(trainer.engine.module).__name__)} that {where}'s {name}({args}) returns)"
     lines.append(f"model    {cfg.model}{shape}: {trainer.num_parameters:,} parameters"
                  + (f", {per_rank:,} on each rank" if per_rank != trainer.num_parameters and mesh.pp == 1 else ""))
     if rt.world_size == 1:
-        lines.append(f"strategy single process ({rt.threads} threads, {rt.device})"
+        lines.append(f"strategy single process ({_count(rt.threads, 'thread')}, {rt.device})"
                      + (f", {cfg.strategy.micro_steps} micro-batches per step" if cfg.strategy.micro_steps > 1 else ""))
     else:
-        lines.append(f"strategy {cfg.strategy.label(rt.world_size)} on {rt.world_size} processes x {rt.threads} threads, "
+        lines.append(f"strategy {cfg.strategy.label(rt.world_size)} on {rt.world_size} processes x {_count(rt.threads, 'thread')}, "
                      f"{rt.backend} on {rt.device.type}")
         lines.append(f"mesh     {mesh.describe()}")
     if cfg.strategy.tp > 1:
@@ -378,6 +405,16 @@ def header(trainer) -> list[str]:
                     f"{cfg.block_size // mesh.cp} tokens each, chunks c and {2 * mesh.cp - 1}-c of {2 * mesh.cp})"
                     if mesh.cp > 1 else "")
                  + f"; {trainer.total_steps} steps, {trainer.steps_per_epoch} per epoch")
+    lines.append(f"optim    {_optimizer_words(cfg, trainer.total_steps)}")
+    if cfg.max_steps and cfg.epochs and cfg.max_steps > trainer.total_steps:
+        lines.append(f"warning  --max-steps {cfg.max_steps} is past --epochs {cfg.epochs}'s "
+                     f"{trainer.total_steps:,} steps: the run stops at {trainer.total_steps:,} (drop --epochs to let "
+                     f"--max-steps alone set the length)")
+    if cfg.strategy.compile:
+        n = len(compiled_modules(trainer.engine.module))
+        lines.append(f"compile  {n} module{'s' if n != 1 else ''} of the model's blocks through torch.compile: the "
+                     f"first step compiles them (seconds to minutes on a CPU), evaluation and a smaller last batch "
+                     f"once more" if n else "warning  compile: the model lists no module to compile; it runs eagerly")
     held = sum(p.numel() * p.element_size() for p in trainer.engine.module.parameters())
     extra = trainer.engine.peak_bytes - held
     lines.append(f"state    {held / 2**20:.2f} MiB of parameters"
@@ -391,7 +428,7 @@ def header(trainer) -> list[str]:
     crowded = oversubscription(rt)
     if crowded:
         lines.append(crowded)
-    busy = busy_machine(load_before_run(), rt.local_world_size * rt.threads, cores()) \
+    busy = busy_machine(load_before_run(), rt.local_world_size * rt.threads, cores(), rt.local_world_size) \
         if rt.device.type == "cpu" and not crowded else None
     if busy:
         lines.append(f"warning  {busy}")
@@ -415,7 +452,7 @@ def print_summary(summary: dict, out: str | None) -> None:
     rows = [
         ("model / dataset", f"{s['model']} ({params}) / {s['dataset']}"
                             + (f" from {s['data_path']}" if s.get("data_path") not in (None, "generated") else "")),
-        ("world size", f"{s['world_size']} x {s['threads_per_rank']} threads, {s['backend']} on {s['device']}"),
+        ("world size", f"{s['world_size']} x {_count(s['threads_per_rank'], 'thread')}, {s['backend']} on {s['device']}"),
         ("strategy", s.get("strategy_label") or ("single process" if s["world_size"] == 1 else
                                                   s.get("strategy_text") or s["strategy"]["dp_sync"])),
         ("mesh", (s.get("mesh") or {}).get("layout", "n/a")),
@@ -424,7 +461,9 @@ def print_summary(summary: dict, out: str | None) -> None:
                             if s.get("micro_batch_size", s["local_batch_size"]) != s["local_batch_size"] else "")
                          + ")"),
         ("steps / epochs", f"{s['steps']} / {s['epochs']:g}"),
-        ("final train loss", _fmt(s["final_train_loss"], ".4f")),
+        ("final train loss", _fmt(s["final_train_loss"], ".4f")
+         + (f" (labels smoothed by {s['config']['label_smoothing']:g}: not comparable with the test loss)"
+            if s.get("config", {}).get("label_smoothing") else "")),
         ("test accuracy", _fmt(None if s["test_accuracy"] is None else 100 * s["test_accuracy"], ".2f", "%")
                           + (" of next tokens" if s.get("loss_unit") else "")),
         ("test loss", _fmt(s["test_loss"], ".4f") + (f" nats/token, perplexity {s['test_perplexity']:.2f} (unigram "
@@ -443,6 +482,12 @@ def print_summary(summary: dict, out: str | None) -> None:
             if s.get("peak_anon_rss_mb") is not None else "")),
         ("wall time", _fmt(s["wall_time_s"], ".1f", " s")),
     ]
+    if s.get("clipped_steps") is not None:
+        rows.insert(-1, ("clipping", f"clipped {s['clipped_steps']} of {s['steps_this_attempt']} steps to a global "
+                                     f"norm of {s['config']['clip_grad_norm']:g}"))
+    if s.get("compiled_graphs") is not None:
+        rows.insert(-1, ("compiled", f"{s['compiled_graphs']} graphs by torch.compile (rank 0)" if s["compiled_graphs"]
+                         else "nothing: torch.compile made no graph, every block ran eagerly"))
     experts = s.get("experts")
     if experts:
         rows.insert(8, ("expert load", f"{' '.join(str(v) for v in experts['load'])} token-slots per expert (all "
@@ -470,6 +515,8 @@ def print_summary(summary: dict, out: str | None) -> None:
         rows.append(("stopped", f"time budget {s['time_budget_s']:g} s reached after {s['time_used_s']:.1f} s"))
     if s.get("snapshot"):
         rows.append(("last snapshot", s["snapshot"]))
+    if s.get("model_file"):
+        rows.append(("final model", f"{s['model_file']} (distlab generate / export read the run directory)"))
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows), flush=True)
     if out:

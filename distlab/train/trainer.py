@@ -23,7 +23,7 @@ from distlab.data.loader import TrainLoader
 from distlab.data.resident import decide as decide_residence
 from distlab.data.resident import nbytes as data_nbytes
 from distlab.errors import ConfigError, DistributedError, NonFiniteError, first_line
-from distlab.models import IGNORE_INDEX, build_model, count_parameters, snapshot_record
+from distlab.models import IGNORE_INDEX, build_model, count_parameters, is_user_model, snapshot_record
 from distlab.parallel import build_mesh, parallelize
 from distlab.parallel.placement import placement_of
 from distlab.runtime import Runtime, is_comm_failure, roll_call, seed_everything, timeline, tune_host_allocator
@@ -32,7 +32,7 @@ from distlab.train.config import TrainConfig
 from distlab.train.evaluate import evaluate, evaluation_size, first_batches
 from distlab.train.throughput import Throughput
 from distlab.train.observe import StepObserver
-from distlab.train.export import load_init
+from distlab.train.export import FINAL_MODEL, load_init, write_state
 from distlab.train.metrics import MetricsLog, anon_rss_mb, atomic_write_text, write_predictions, write_summary
 from distlab.train.optim import build_optimizer, build_scheduler, decay_groups, no_decay_names
 from distlab.train.preemption import Preemption
@@ -102,8 +102,7 @@ class Trainer:
         names = [p["name"] for p in placement_of(self.engine)["params"]] if no_decay else None
         self.optimizer = self.engine.attach(build_optimizer(self.engine.parameters(), cfg, names, no_decay))
         self.steps_per_epoch = len(self.loader)
-        total = cfg.epochs * self.steps_per_epoch
-        self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
+        self.total_steps = cfg.total_steps(self.steps_per_epoch)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         eval_samples = len(self.eval_test) + (len(self.eval_val) if self.eval_val is not None else 0)
         self.tokenizer = getattr(self.train_set, "tokenizer", None)  # text: what made the tokens (bytes or BPE)
@@ -119,10 +118,13 @@ class Trainer:
         self.tb = TensorBoardLog(None, False, rt.device)
         self._window_s, self._window_timed = 0.0, 0  # training seconds and steps since the last log line
         self.already_finished = False  # fit() found the resumed run complete and changed nothing
+        self.model_file = None  # where a language model's run without snapshots left its final model
         self._nonfinite = ""  # why the run stopped on non-finite gradients
         self.diverged_on_device = False  # ... found late, on the device's verdict: no final snapshot
         self._predictions = None  # (step, confusion matrix, misclassified rows) of the newest evaluation
         self._grad_norm = None  # the last step's gradient norm before clipping (a device tensor), with clipping
+        self._clipped = torch.zeros((), dtype=torch.int64, device=rt.device)  # steps whose norm was over the limit
+        self.steps_this_attempt = 0
         self.observer = StepObserver(cfg, rt, self.engine, self.say)  # --trace, --profile
 
     @property
@@ -215,6 +217,8 @@ class Trainer:
             self.say(f"time budget reached at step {run.step}: test accuracy {100 * result['test_accuracy']:.2f}%")
         if not self.diverged_on_device:
             run.final_snapshot()
+            if stopped != "non_finite":
+                self._final_model()
         else:
             run.settle()  # a background write in flight finishes: the last good state
         if stopped in ("preempted", "interrupted"):
@@ -261,6 +265,7 @@ class Trainer:
             loss = engine.forward_backward(x, y, self.loss_fn, self.ignore_index)
             if cfg.clip_grad_norm:
                 self._grad_norm = engine.clip_grad_norm_(cfg.clip_grad_norm)
+                self._clipped += self._grad_norm > cfg.clip_grad_norm  # on the device: read at the end
             try:
                 engine.step(self.optimizer)
             except NonFiniteError as exc:  # nothing applied: the state is still that of the last step
@@ -275,6 +280,7 @@ class Trainer:
             self._window_s += clock.stop(times, engine.sync_seconds, sent)
             self._window_timed += 1
             run.advance(loss)
+            self.steps_this_attempt += 1
             self.bar.update(1)
             for hook in self.hooks:
                 hook(run.step)
@@ -289,10 +295,12 @@ class Trainer:
                 if self._diverged():
                     return "non_finite"
                 self._window_s += clock.flush(times)
-            evaluation = self._evaluate(epoch) if due_eval else None
+            evaluation = self._evaluate(epoch, say=False) if due_eval else None
             # An evaluation joins its step's record; --eval-every's make their steps log steps.
             if due_log:
                 self._log(epoch, lr, sample, evaluation, end_of_run=not scheduled)
+            if evaluation is not None:  # after the step's own line
+                self.say(self._eval_words(evaluation))
             if due_snapshot:
                 run.save()
             self.observer.after(run.step)  # after their last step, its evaluation and snapshot included
@@ -300,6 +308,23 @@ class Trainer:
             if reason:
                 return "non_finite" if self._diverged() else reason
         return "completed"
+
+    def clipped_steps(self) -> int | None:
+        """How many of this attempt's steps had a gradient norm over ``clip_grad_norm`` (so were scaled down);
+        None without clipping. Every rank counts the same global norms."""
+        return int(self._clipped) if self.cfg.clip_grad_norm else None
+
+    def _final_model(self) -> None:
+        """A language model's run that keeps no snapshots still leaves its model: ``OUT/model.safetensors``
+        (the whole model, gathered from any layout; ``distlab generate OUT`` and ``distlab export OUT``
+        read it, with ``OUT/tokenizer.json``). Collective."""
+        cfg = self.cfg
+        if not cfg.out or cfg.snapshot_dir or not self.train_set.predicts_tokens or is_user_model(cfg.model):
+            return
+        state = {k: v.detach().cpu() for k, v in self.engine.full_state_dict().items()}
+        if self.rt.is_main:
+            write_state(state, {**self._layout(), "step": self.run.step}, Path(cfg.out) / FINAL_MODEL)
+            self.model_file = str(Path(cfg.out) / FINAL_MODEL)
 
     def _diverged(self) -> bool:
         """Whether the device skipped steps since the last read because a step's gradients were not finite
@@ -348,8 +373,9 @@ class Trainer:
         self.log.write(record)
         self.tb.scalars("train", record, record["step"])
         self.tb.memory(record["step"])  # collective when on
+        norm = f" | grad norm {record['grad_norm']:.3g}" if "grad_norm" in record else ""
         self.say(f"step {record['step']:>6}/{self.total_steps} | epoch {epoch} | loss {loss:.4f} | "
-                 f"lr {lr:.4g} | {rate or 0:,.0f} samples/s{self.throughput.words(record)}")
+                 f"lr {lr:.4g}{norm} | {rate or 0:,.0f} samples/s{self.throughput.words(record)}")
         self._window_s, self._window_timed = 0.0, 0
         if sample:
             self.say(f"sample   {record['sample']!r}")
@@ -370,7 +396,7 @@ class Trainer:
                             tokenizer=self.tokenizer)
         return broadcast_object(text)
 
-    def _evaluate(self, epoch: int) -> dict:
+    def _evaluate(self, epoch: int, say: bool = True) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
         with timeline.span("evaluation"), self.engine.gathered():  # ZeRO-3: one gather for the whole evaluation
             result = evaluate(self.engine, self.eval_test, self.rt.device, cfg.eval_batch_size, details=True)
@@ -383,11 +409,19 @@ class Trainer:
         record = {"epoch": epoch, "step": self.run.step, "time_s": self.run.time_used(), **result}
         self.run.record_eval(record, time.perf_counter() - t0)
         self.tb.scalars("eval", result, self.run.step)
-        val = f" | val loss {result['val_loss']:.4f}" if "val_loss" in result else ""
-        ppl = f" | perplexity {result['test_perplexity']:.2f}" if "test_perplexity" in result else ""
-        self.say(f"eval step {self.run.step} (epoch {epoch}) | test loss {result['test_loss']:.4f}{ppl} | test "
-                 f"accuracy {100 * result['test_accuracy']:.2f}% ({result['test_samples']} samples){val}")
+        if say:
+            self.say(self._eval_words(record))
         return record
+
+    @staticmethod
+    def _eval_words(record: dict) -> str:
+        """The console line of an evaluation."""
+        val = f" | val loss {record['val_loss']:.4f}" if "val_loss" in record else ""
+        ppl = f" | perplexity {record['test_perplexity']:.2f}" if "test_perplexity" in record else ""
+        scored = f"{record['test_tokens']:,} tokens of {record['test_samples']:,} windows" if "test_tokens" in record \
+            else f"{record['test_samples']:,} samples"
+        return (f"eval step {record['step']} (epoch {record['epoch']}) | test loss {record['test_loss']:.4f}{ppl} | "
+                f"test accuracy {100 * record['test_accuracy']:.2f}% ({scored}){val}")
 
     def _layout(self) -> dict:
         """What a snapshot must agree on to be resumed by this run (compared field by field)."""

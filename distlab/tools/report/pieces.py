@@ -29,8 +29,21 @@ def png(fig) -> str:
         path = _images[0] / f"{len(_images):02d}-{slug[:40]}.png"
         path.write_bytes(buf.getvalue())
         _images.append(path)
+    alt = alt_text(fig)
     plt.close(fig)
-    return f'<img alt="plot" src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">'
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">'
+
+
+def alt_text(fig) -> str:
+    """What a figure shows, for a reader who cannot see it: each plot's title and what it draws against
+    what; panels without axes labels (a grid of small images) counted, not read out."""
+    labelled = [ax for ax in fig.axes if ax.get_xlabel() or ax.get_ylabel()]
+    main = labelled or [ax for ax in fig.axes if ax.get_title()]
+    parts = [ax.get_title() + (f" ({ax.get_ylabel()} against {ax.get_xlabel()})" if ax.get_xlabel() and ax.get_ylabel()
+                               else "") for ax in main]
+    rest = len([ax for ax in fig.axes if ax not in main and ax.has_data()])
+    text = "; ".join(p for p in parts if p) or "a plot"
+    return text + (f"; with {rest} smaller panels" if rest else "")
 
 
 def _auto(v) -> str:

@@ -54,8 +54,11 @@ def _runs_section(dataset: str, runs: list[dict], problems: list[tuple[str, str]
         fig, ax = plt.subplots(figsize=(9, 3.6))
         for i, r in enumerate(clipped):
             steps = [m for m in r["metrics"] if "grad_norm" in m]
-            ax.plot([m["step"] for m in steps], [m["grad_norm"] for m in steps], label=run_label(r),
-                    **style(i, len(steps)))
+            line, = ax.plot([m["step"] for m in steps], [m["grad_norm"] for m in steps], label=run_label(r),
+                            **style(i, len(steps)))
+            limit = ((r["summary"] or {}).get("config") or {}).get("clip_grad_norm")
+            if isinstance(limit, (int, float)):  # where clipping starts: a norm above the line was scaled down to it
+                ax.axhline(limit, linestyle=":", color=line.get_color(), label=f"{run_label(r)}: max norm {limit:g}")
         ax.set(xlabel="step", ylabel="gradient norm before clipping", title=f"{dataset}: gradient norm")
         place_legend(ax, len(clipped))
         out.append(png(fig))
@@ -173,8 +176,9 @@ def _predictions(run: dict) -> str:
             for j in range(k):
                 ax.text(j, i, f"{int(confusion[i, j])}", ha="center", va="center", fontsize=6,
                         color="white" if rates[i, j] > 0.5 else "black")
-    ax.set(xlabel="predicted", ylabel="true", title=f"{run_label(run)}: confusion (step {int(d['step'])}, "
-                                                      f"rows sum to 100%)")
+    ax.set(xlabel="predicted", ylabel="true", title=f"{run_label(run)}: confusion (step {int(d['step'])}; "
+                                                      + ("counts; " if k <= 12 else "")
+                                                      + "colour: the share of each true class's samples)")
     for n in range(shown):
         sub = fig.add_subplot(grid[n // cols, cols + n % cols])
         img = d["images"][n].astype(float)
