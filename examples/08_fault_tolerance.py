@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from distlab.runtime.device import load_stretch  # a hang guard that a busy machine does not meet
+
 STEPS, EVERY, KILL_AFTER = 24, 5, 13
 
 
@@ -26,7 +28,7 @@ def train(out: Path, *extra: str, env: dict | None = None) -> subprocess.Complet
            "--max-steps", str(STEPS), "--log-every", "1", "--no-progress", "--comm-timeout", "30",
            "--snapshot-every", str(EVERY), "--snapshot-dir", str(out / "snapshots"), "--out", str(out / "run"), *extra]
     clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "DISTLAB_KILL_AT_STEP")}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**clean, **(env or {})})
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300 * load_stretch(), env={**clean, **(env or {})})
 
 
 def losses(run: Path) -> list[float]:

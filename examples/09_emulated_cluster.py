@@ -17,13 +17,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+from distlab.runtime.device import load_stretch  # a hang guard that a busy machine does not meet
+
 REPO = Path(__file__).resolve().parent.parent
 NAME, RATE, STEPS = "ex09", "1gbit", 60
 
 
 def distlab(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "DISTLAB_KILL_AT_STEP")}
-    proc = subprocess.run([sys.executable, "-m", "distlab", *args], capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([sys.executable, "-m", "distlab", *args], capture_output=True, text=True, timeout=300 * load_stretch(),
                           env=env)
     if check and proc.returncode != 0:
         raise SystemExit(f"distlab {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")

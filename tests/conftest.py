@@ -5,6 +5,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,47 @@ def distlab_exe() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "distlab"]
 
 
+def run_patiently(cmd: list[str], timeout: float, check: bool = False, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, **kwargs)`` with ``timeout`` as a hang guard
+    for a quiet machine: the deadline stretches with the load per core seen while it runs (a test suite
+    on a busy CI machine is slow, not hung); past it the process is killed and TimeoutExpired raised."""
+    from distlab.runtime.device import load_stretch
+    began, stretch = time.monotonic(), load_stretch()
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs) as proc:
+        while True:
+            try:
+                out, err = proc.communicate(timeout=1.0)
+                done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+                if check:
+                    done.check_returncode()
+                return done
+            except subprocess.TimeoutExpired:
+                stretch = max(stretch, load_stretch())
+                if time.monotonic() > began + timeout * stretch:
+                    proc.kill()
+                    out, err = proc.communicate()
+                    raise subprocess.TimeoutExpired(cmd, timeout * stretch, out, err) from None
+
+
+def patience(seconds: float) -> float:
+    """``seconds`` of waiting on a quiet machine, stretched by the load per core now."""
+    from distlab.runtime.device import load_stretch
+    return seconds * load_stretch()
+
+
+def communicate_patiently(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """``proc.communicate(timeout=...)`` whose deadline stretches with the load seen while waiting."""
+    from distlab.runtime.device import load_stretch
+    began, stretch = time.monotonic(), load_stretch()
+    while True:
+        try:
+            return proc.communicate(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            stretch = max(stretch, load_stretch())
+            if time.monotonic() > began + timeout * stretch:
+                raise
+
+
 @pytest.fixture
 def run_cli(tmp_path):
     """Run the distlab CLI in a subprocess; returns CompletedProcess (text)."""
@@ -45,8 +87,7 @@ def run_cli(tmp_path):
         full_env = {**os.environ, "DISTLAB_DEVICE": "cpu", **(env or {})}
         full_env.pop("RANK", None)
         full_env.pop("WORLD_SIZE", None)
-        proc = subprocess.run([*distlab_exe(), *args], capture_output=True, text=True, timeout=timeout,
-                              cwd=tmp_path, env=full_env)
+        proc = run_patiently([*distlab_exe(), *args], timeout, cwd=tmp_path, env=full_env)
         if check and proc.returncode != 0:
             raise AssertionError(f"distlab {' '.join(args)} exited {proc.returncode}\n"
                                  f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")

@@ -4,6 +4,7 @@ never ask which strategy they hold, and no parallel module knows a concrete mode
 
 import ast
 from pathlib import Path
+from tests.conftest import run_patiently
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "distlab"
@@ -147,7 +148,7 @@ def test_importing_the_strategies_loads_no_concrete_model():
     concrete = sorted(m for m in MODULES if m.startswith("distlab.models.") and m not in MODEL_CONTRACTS)
     probe = ("import sys, distlab.parallel, distlab.train\n"
              f"print(sorted(m for m in sys.modules if m in {concrete!r}))")
-    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True,
+    loaded = run_patiently([sys.executable, "-c", probe], 120, check=True,
                             cwd=ROOT).stdout.strip()
     assert loaded == "[]", f"import distlab.parallel, distlab.train loads {loaded}"
 

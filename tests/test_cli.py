@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from distlab.data.idx import write_idx
+from tests.conftest import communicate_patiently
 
 SUMMARY_FIELDS = {"world_size", "strategy", "model", "dataset", "global_batch_size", "steps", "epochs",
                   "final_train_loss", "test_accuracy", "test_loss", "time_per_step_s_median", "samples_per_s",
@@ -176,7 +177,7 @@ def test_manual_multi_node_style_start(run_cli, tmp_path):
     env["DISTLAB_DEVICE"] = "cpu"  # both "nodes" share this host; on a GPU host they would share GPU 0
     procs = [subprocess.Popen([*distlab_exe(), *args, "--rank", str(r)], cwd=tmp_path, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    outs = [p.communicate(timeout=180) for p in procs]
+    outs = [communicate_patiently(p, 180) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["launcher"] == "manual"

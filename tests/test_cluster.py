@@ -16,6 +16,7 @@ import pytest
 from distlab.launch import cluster as c
 from distlab.plan import machine
 from distlab.errors import ConfigError
+from tests.conftest import communicate_patiently, patience
 
 
 def _why_not() -> str | None:
@@ -148,7 +149,7 @@ def test_down_ends_the_processes_a_killed_run_left_and_clusters_get_their_own_ne
         time.sleep(0.5)
         proc = run_cli("cluster", "down", "--name", first, env={"DISTLAB_CLUSTER_STATE_DIR": str(state_dir)})
         assert proc.returncode == 0 and f"ended 1 process(es) still running in {a.nodes[0].netns}" in proc.stdout
-        assert orphan.wait(timeout=10) is not None
+        assert orphan.wait(timeout=patience(10)) is not None
     finally:
         c.down(first)
 
@@ -196,7 +197,7 @@ def test_bandwidth_is_shaped(state_dir, tmp_path):
                               port],
                              capture_output=True, text=True, timeout=60)
         mbit = float(out.stdout.strip())
-        assert int(srv.communicate(timeout=30)[0].strip()) == 6 << 20
+        assert int(communicate_patiently(srv, 30)[0].strip()) == 6 << 20
     finally:
         c.down(name)
     # 100 Mbit/s links: the token bucket lets a 512 KB burst through at once, the rest at the rate.

@@ -69,3 +69,32 @@ def test_verify_holds_label_smoothing_to_one_process_on_a_split_vocabulary(tmp_p
                      timeout=240)
     assert all(r["passed"] for r in records), records
     assert [r["flags"]["label_smoothing"] for r in records] == [0.1, 0.1]
+
+
+EVAL_65K = """
+import resource, sys, torch
+from dataclasses import replace
+from distlab.data.text import TextDataset
+from distlab.models import GPT
+from distlab.parallel import Strategy, build_mesh, parallelize
+from distlab.train.evaluate import evaluate
+V = 65536
+stream = torch.randint(0, V, (8 * 64 + 1,), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+data = replace(TextDataset.from_tokens("ids", "test", stream, 8, "generated"), num_classes=V)
+engine = parallelize(GPT(V, 8, n_layer=1, n_head=2, n_embd=16), Strategy(), build_mesh())
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+result = evaluate(engine, data, batch_size=16, details=True)
+grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
+print(grew, result["test_tokens"], "confusion" in result)
+"""
+
+
+def test_a_language_models_evaluation_does_not_grow_with_the_vocabulary_squared(tmp_path):
+    """A 65,536-token vocabulary: the evaluation holds a batch's logits (16 x 8 x 65,536 floats, 32 MiB) and
+    their softmax's work, well under 256 MB more than the process held before -- not a vocabulary x
+    vocabulary confusion matrix (32 GiB in float64), which is a classifier's."""
+    import sys
+    from tests.conftest import run_patiently
+    proc = run_patiently([sys.executable, "-c", EVAL_65K], 300, check=True, cwd=tmp_path)
+    grew, tokens, confusion = proc.stdout.split()
+    assert float(grew) < 256 and int(tokens) == 64 * 8 and confusion == "False", proc.stdout

@@ -7,7 +7,6 @@ output block in docs/ marked as its output must agree with what it printed
 """
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(ROOT / "scripts"))
 import doc_outputs  # noqa: E402 - scripts/ is not a package
+from tests.conftest import run_patiently  # noqa: E402
 # script -> (processes under torchrun, or None for plain python; text its output must contain)
 RUNS = {
     "01_collectives.py": (4, "all-gather of the chunks: [6.0, 10.0"),
@@ -52,7 +52,7 @@ def test_example_runs(script, tmp_path):
         if script in ("08_fault_tolerance.py", "09_emulated_cluster.py"):
             cmd.append(str(tmp_path))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    proc = run_patiently(cmd, 120, env=env, cwd=tmp_path)
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     if "skipped:" in proc.stdout:
         pytest.skip(proc.stdout.strip().splitlines()[-1])

@@ -8,6 +8,7 @@ import torch
 
 from distlab.errors import ConfigError
 from distlab.tools.generate import generate, load_gpt
+from tests.conftest import patience, run_patiently
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +19,7 @@ def gpt_run(tmp_path_factory):
             "--n-head", "2", "--block-size", "16", "--max-steps", "4", "--global-batch-size", "8", "--tp", "2",
             "--pp", "2", "--nproc-per-node", "4", "--device", "cpu", "--snapshot-dir", str(tmp / "s"), "--out",
             str(tmp / "run"), "--no-progress"]
-    proc = subprocess.run([*distlab_exe(), *args], capture_output=True, text=True, timeout=300, cwd=tmp)
+    proc = run_patiently([*distlab_exe(), *args], 300, cwd=tmp)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return tmp
 
@@ -100,7 +101,7 @@ def test_a_long_generation_prints_as_it_goes(gpt_run):
                              "1000000000", "--seed", "5"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             env={**os.environ, "DISTLAB_DEVICE": "cpu"})
     try:
-        got, deadline = b"", time.monotonic() + 120
+        got, deadline = b"", time.monotonic() + patience(120)
         while len(got) < 8 and time.monotonic() < deadline:
             if select.select([proc.stdout], [], [], 1.0)[0]:
                 got += os.read(proc.stdout.fileno(), 64)

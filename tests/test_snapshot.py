@@ -25,6 +25,7 @@ from distlab.train import Trainer, TrainConfig
 from distlab.train import snapshot as snap
 from distlab.train.config import parse_duration
 from distlab.train.optim import lr_multiplier
+from tests.conftest import communicate_patiently, patience
 
 LAYOUT = {"model": "mlp", "world_size": 1, "strategy": {"zero": 0}}
 
@@ -585,7 +586,7 @@ def _long_run_with_a_snapshot(tmp_path, nproc: str | None, env: dict | None = No
            "--lr-schedule", "constant", *(["--nproc-per-node", nproc] if nproc else [])]
     env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}, **(env or {})}
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
+    deadline = time.time() + patience(120)
     while time.time() < deadline and not snap.snapshots(tmp_path / "s"):
         if proc.poll() is not None:
             raise AssertionError(proc.communicate())
@@ -599,7 +600,7 @@ def test_ctrl_c_snapshots_writes_its_summary_and_exits_130(tmp_path, nproc):
     proc = _long_run_with_a_snapshot(tmp_path, nproc)
     try:
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        out, err = communicate_patiently(proc, 60)
     finally:
         proc.kill()
     assert (tmp_path / "run" / "summary.json").exists(), (proc.returncode, out[-3000:], err[-3000:])
@@ -639,7 +640,7 @@ def test_one_run_per_snapshot_dir_and_workers_die_with_their_launcher(refused_he
     first = subprocess.Popen(long_run, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True)
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + patience(120)
         while time.time() < deadline and not snap.snapshots(tmp_path / "s"):
             assert first.poll() is None, first.stderr.read()
             time.sleep(0.2)
@@ -652,8 +653,8 @@ def test_one_run_per_snapshot_dir_and_workers_die_with_their_launcher(refused_he
         workers = [c for c in _children(first.pid)]
         assert len(workers) == 2 and all(_alive(w) for w in workers)
         first.send_signal(signal.SIGKILL)  # the launcher only
-        first.wait(timeout=30)
-        deadline = time.time() + 30
+        first.wait(timeout=patience(30))
+        deadline = time.time() + patience(30)
         while time.time() < deadline and any(_alive(w) for w in workers):
             time.sleep(0.1)
         assert not any(_alive(w) for w in workers)  # no orphan trains on beside a restart
@@ -740,10 +741,10 @@ def test_a_second_ctrl_c_stops_the_launch_at_once_while_workers_are_still_stoppi
         assert proc.poll() is None  # the first waits for the workers' clean stop (which never comes here)
         proc.send_signal(signal.SIGINT)
         start = time.time()
-        out, err = proc.communicate(timeout=60)
+        out, err = communicate_patiently(proc, 60)
     finally:
         proc.kill()
-    assert proc.returncode == 130 and time.time() - start < 30, (proc.returncode, err)
+    assert proc.returncode == 130 and time.time() - start < patience(30), (proc.returncode, err)
     assert "distlab: stopped at once (a second Ctrl-C)" in err and "Traceback" not in err, err
     assert snap.snapshots(tmp_path / "s")  # the earlier snapshots are intact
 

@@ -48,3 +48,37 @@ def test_a_rank_that_returns_at_once_does_not_break_a_slower_peers_start_up():
 def test_hang_becomes_an_error():
     with pytest.raises(RankFailure, match="rank 0"):
         run_ranks(_hang_on_rank0, 2, timeout=8)
+
+
+def _slow(rank, world):
+    import time
+    time.sleep(3.0)
+    return rank
+
+
+def test_a_busy_machine_stretches_the_hang_guard_instead_of_calling_slow_work_a_hang(monkeypatch):
+    """A 3 s rank under a 1 s guard: a hang on a quiet machine; with the load at 10 per core the guard
+    stretches to 10 s and the ranks' results come back (a loaded CI machine is slow, not hung)."""
+    import os
+
+    from distlab.runtime.device import cores, load_stretch
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    with pytest.raises(RankFailure, match="still running after 1s"):
+        run_ranks(_slow, 2, timeout=1, init_group=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (10.0 * cores(), 0.0, 0.0))
+    assert load_stretch() == 10.0
+    assert run_ranks(_slow, 2, timeout=1, init_group=False) == [0, 1]
+
+
+def test_the_suites_subprocesses_stretch_their_guard_alike(monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    from distlab.runtime.device import cores
+    from tests.conftest import run_patiently
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_patiently([sys.executable, "-c", "import time; time.sleep(3)"], 1)
+    monkeypatch.setattr(os, "getloadavg", lambda: (10.0 * cores(), 0.0, 0.0))
+    assert run_patiently([sys.executable, "-c", "import time; time.sleep(3); print('done')"], 1).stdout == "done\n"

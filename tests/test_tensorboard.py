@@ -3,10 +3,10 @@
 launch, with the install line, where the package is missing."""
 
 import json
-import subprocess
 import sys
 
 import pytest
+from tests.conftest import run_patiently
 
 pytest.importorskip("tensorboard", reason="the tensorboard package is an optional extra (pip install tensorboard)")
 
@@ -40,7 +40,7 @@ def test_a_missing_package_is_refused_before_launch_with_the_install_line():
     code = ("import sys; sys.modules['tensorboard'] = None\n"
             "from distlab.train.config import TrainConfig\n"
             "TrainConfig(dataset='synthetic:1x4x4:3', tensorboard='tb').validate(1)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = run_patiently([sys.executable, "-c", code], 120)
     assert proc.returncode != 0 and "pip install tensorboard" in proc.stderr
 
 

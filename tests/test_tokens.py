@@ -132,3 +132,120 @@ def test_a_mapped_corpus_is_evaluated_on_a_bounded_subset_by_default_and_the_hea
     proc = run_cli(*flags, "--eval-batches", "3", "--eval-batch-size", "5", "--out", "three", check=True)
     assert "the first 15 of" in proc.stdout and "(--eval-batches 3)" in proc.stdout
     assert json.loads((tmp_path / "three" / "summary.json").read_text())["test_tokens"] == 15 * 4
+
+
+def test_prepare_text_never_writes_over_files_it_did_not_make(refused_here, tmp_path):
+    """A nanoGPT directory (train.bin and val.bin, no manifest) -- or any directory holding anything -- is
+    refused as OUT, its files untouched."""
+    _corpus(tmp_path / "src")
+    nano = tmp_path / "nano"
+    nano.mkdir()
+    for name in ("train.bin", "val.bin", "meta.pkl"):
+        (nano / name).write_bytes(b"theirs")
+    proc = refused_here("prepare-text", str(tmp_path / "src"), str(nano))
+    assert "already holds 3 entries (meta.pkl, train.bin, val.bin)" in proc.stderr
+    assert "prepare-text writes only into a new or empty directory" in proc.stderr
+    assert all((nano / n).read_bytes() == b"theirs" for n in ("train.bin", "val.bin", "meta.pkl"))
+    assert sorted(p.name for p in nano.iterdir()) == ["meta.pkl", "train.bin", "val.bin"]
+
+
+@pytest.mark.parametrize("out_exists", [False, True])
+def test_a_failed_preparation_leaves_nothing_behind(tmp_path, out_exists):
+    _corpus(tmp_path / "src", docs=40)
+    (tmp_path / "src" / "train" / "zz-binary.txt").write_bytes(b"text\0more")  # read last: everything else is written
+    out = tmp_path / "out"
+    if out_exists:
+        out.mkdir()
+    with pytest.raises(ConfigError, match="NUL bytes"):
+        token_files.prepare(tmp_path / "src", out, "bpe:300", progress=False)
+    assert (sorted(out.iterdir()) == []) if out_exists else not out.exists()  # no hidden temporaries either
+
+
+def test_a_one_line_file_is_read_in_pieces_with_the_same_tokens(tmp_path):
+    """A line of 3 MiB is read a MiB at a time (the whole line is never held), a CRLF that a piece cuts
+    after its CR included: the token files hold exactly the documents' bytes, every CRLF a LF."""
+    long = b"abc def " * (3 * 2**20 // 8)
+    cut = b"y" * (2**20 - 1)  # with its CR a whole piece: the LF comes in the next read
+    paragraphs = [b"first", long, cut, *[f"paragraph {i}".encode() for i in range(9)]]
+    (tmp_path / "one.txt").write_bytes(b"\r\n\r\n".join(paragraphs) + b"\r\n")
+    token_files.prepare(tmp_path / "one.txt", tmp_path / "out", "bytes", progress=False)
+    for split, held in (("train", False), ("test", True)):  # every 10th document is held out: the 10th here
+        docs = [p + b"\n" for i, p in enumerate(paragraphs) if (i % 10 == 9) == held]
+        mapped = load_dataset(f"tokens:{tmp_path / 'out'}", split, block_size=4)
+        assert bytes(mapped.tokens.numpy().astype("u1")) == b"\n".join(docs), split
+
+
+def test_what_a_bpe_could_not_do_as_asked_is_said(run_cli, tmp_path):
+    (tmp_path / "src.txt").write_bytes(b"hello \xff\xfe world\n\n" * 30 + b"caf\xc3\xa9 ok\n\n" * 30)
+    proc = run_cli("prepare-text", "src.txt", "out", "--tokenizer", "bpe:5000", "--no-progress", check=True)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["non_utf8_bytes"] == 27 * 2 and manifest["tokens_learned"] < 5000  # 27 of 30 paragraphs train
+    assert f"the BPE learned {manifest['tokens_learned']:,} of the 5,000 tokens asked" in proc.stderr
+    assert "54 bytes of the training text are not UTF-8" in proc.stderr
+
+
+def test_linked_directories_are_read_like_any_other_and_a_loop_once(tmp_path):
+    (tmp_path / "real").mkdir()
+    for i in range(15):
+        (tmp_path / "real" / f"d{i:02d}.txt").write_text(f"document {i}\n")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "linked").symlink_to(tmp_path / "real")
+    (tmp_path / "real" / "back").symlink_to(tmp_path / "src")  # a loop: each directory is read once
+    manifest = token_files.prepare(tmp_path / "src", tmp_path / "out", "bytes", progress=False)
+    assert sum(manifest["splits"][s]["documents"] for s in ("train", "test")) == 15
+    text = load_dataset(f"text:{tmp_path / 'src'}", "train", block_size=4)
+    assert b"document 14" in bytes(text.tokens.tolist()) or b"document 14" in bytes(
+        load_dataset(f"text:{tmp_path / 'src'}", "test", block_size=4).tokens.tolist())
+
+
+def _prepared(tmp_path) -> str:
+    _corpus(tmp_path / "src")
+    token_files.prepare(tmp_path / "src", tmp_path / "out", "bytes", progress=False)
+    return f"tokens:{tmp_path / 'out'}"
+
+
+def test_a_token_the_vocabulary_lacks_or_any_changed_byte_is_refused_before_the_first_step(tmp_path, refused_here):
+    spec = _prepared(tmp_path)
+    train = tmp_path / "out" / "train.bin"
+    good = train.read_bytes()
+    base = ["train", "--model", "gpt", "--block-size", "4", "--max-steps", "1", "--dataset", spec]
+    train.write_bytes(good[:10] + (300).to_bytes(2, "little") + good[12:])  # token 5: id 300 of a 256-byte vocabulary
+    proc = refused_here(*base)
+    assert "train.bin holds token id 300 at token 5, outside the vocabulary of 256" in proc.stderr
+    train.write_bytes(good[:10] + bytes([good[12], good[13], good[10], good[11]]) + good[14:])  # two tokens swapped
+    proc = refused_here(*base)
+    assert "train.bin is not the file its manifest describes (its SHA-256" in proc.stderr
+    assert proc.stderr.count("\n") == 1
+
+
+def test_a_checked_corpus_is_not_read_again_until_a_file_changes(tmp_path, monkeypatch):
+    spec = _prepared(tmp_path)
+    manifest = token_files.manifest_of(spec)
+    token_files.verify(spec, manifest)
+    assert (tmp_path / "out" / token_files.VERIFIED).is_file()
+    monkeypatch.setattr(token_files.hashlib, "sha256", lambda: 1 / 0)  # any read would hash
+    token_files.verify(spec, manifest)  # remembered: nothing read
+    train = tmp_path / "out" / "train.bin"
+    train.write_bytes(train.read_bytes())  # the same bytes, a new modification time: read again
+    with pytest.raises(ZeroDivisionError):
+        token_files.verify(spec, manifest)
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("tokens", "abc", "the train split's tokens 'abc' is not a count"),
+    ("sha256", None, "the train split's sha256 None is not a SHA-256"),
+    ("file", 5, "the train split's file 5 is not a file name"),
+    ("vocab_size", "x", "vocab_size 'x' is not a positive count"),
+    ("vocab_size", 70000, "vocab_size 70,000 does not fit uint16"),
+    ("unigram_entropy", "nan", "unigram_entropy 'nan' is not a number"),
+    ("tokenizer", 3, "tokenizer 3 is not a tokenizer's name"),
+])
+def test_a_malformed_manifest_is_one_line_naming_the_field(tmp_path, refused_here, field, value, says):
+    spec = _prepared(tmp_path)
+    path = tmp_path / "out" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    (manifest["splits"]["train"] if field in ("tokens", "sha256", "file") else manifest)[field] = value
+    path.write_text(json.dumps(manifest))
+    proc = refused_here("train", "--model", "gpt", "--block-size", "4", "--max-steps", "1", "--dataset", spec)
+    assert f"manifest.json is damaged: {says}; prepare the corpus again" in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1

@@ -18,8 +18,11 @@ def prepare_text(src, out, tokenizer, progress):
     """Stream the text file or directory SRC into OUT: train.bin and test.bin (every token of the split,
     uint16 when the vocabulary fits, else uint32) and manifest.json (tokenizer, counts, SHA-256). Documents
     (a file's blank-line-separated paragraphs, or one per file; SRC/train and SRC/test as given) are held out
-    whole: every 10th goes to test. Train on it with --dataset tokens:OUT (memory-mapped, never loaded whole)."""
+    whole: every 10th goes to test. Train on it with --dataset tokens:OUT (memory-mapped, never loaded whole).
+    OUT must be new or empty (nothing there is overwritten); a failure leaves nothing behind."""
     from distlab.data import tokens
     manifest = tokens.prepare(src, out, tokenizer, progress=sys.stderr.isatty() if progress is None else progress)
     click.echo(f"wrote {out}: {tokens.describe(manifest)}")
+    for note in tokens.notes(manifest):
+        click.echo(f"distlab: warning: {note}", err=True)
     click.echo(f"train on it: distlab train --model gpt --dataset tokens:{out} ...")

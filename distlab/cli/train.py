@@ -84,8 +84,8 @@ def train(config_file, trust_config, **kw):
             from distlab.parallel.compile import check_toolchain
             check_toolchain(runtime.resolve_device(device, 0))
         if cfg.dataset.startswith("tokens:"):
-            from distlab.data.tokens import manifest_of
-            manifest_of(cfg.dataset)  # a prepared corpus, whole: its files as long as its manifest says
+            from distlab.data.tokens import manifest_of, verify
+            verify(cfg.dataset, manifest_of(cfg.dataset))  # a prepared corpus, whole: its checksums and token ids
         elif not cfg.dataset.startswith(("synthetic", "tensors:", "imagefolder:", "text:")):
             locate(cfg.dataset, cfg.data_dir)
         if cfg.resume not in (None, "auto"):

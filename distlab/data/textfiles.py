@@ -1,7 +1,7 @@
 """``text:PATH``: your own text for next-token prediction -- a file, or a directory of files.
 
 Documents: in a directory, each file is one (every regular file below it, hidden ones skipped,
-in path order); a single file is cut into documents at blank lines (paragraphs, verses, speeches).
+linked directories followed, in path order); a single file is cut into documents at blank lines (paragraphs, verses, speeches).
 ``PATH/train`` and ``PATH/test``, if both are directories, are the splits as given; otherwise a
 seeded tenth of the documents (at least one, the same on every rank and every run) is held out as
 the test split, whole documents, so no text is in both. A split is its documents joined by a
@@ -14,6 +14,7 @@ A file that is not text (it holds NUL bytes) or cannot be read is an error namin
 from __future__ import annotations
 
 import functools
+import os
 import re
 from pathlib import Path
 
@@ -45,12 +46,27 @@ def _read(path: Path, spec: str) -> bytes:
     return data.replace(b"\r\n", b"\n")
 
 
+def files_below(root: Path) -> list[Path]:
+    """Every regular file below ``root`` in path order, hidden ones (a name starting with ".") and those
+    below hidden directories skipped; symbolic links to directories followed, each directory once (a
+    link back up the tree is not a loop)."""
+    out, seen = [], set()
+    for here, dirs, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(here)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        out += [Path(here) / n for n in names if not n.startswith(".") and (Path(here) / n).is_file()]
+    return sorted(out, key=lambda p: p.relative_to(root).parts)
+
+
 def _documents(path: Path, spec: str) -> list[bytes]:
     if path.is_file():
         docs = [d for d in _BLANK_LINES.split(_read(path, spec).strip(b"\n")) if d.strip()]
     else:
-        files = sorted(p for p in path.rglob("*") if p.is_file()
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        files = files_below(path)
         docs = [d for d in (_read(p, spec).strip(b"\n") for p in files) if d.strip()]
     if not docs:
         raise ConfigError(f"--dataset {spec}: {path} holds no text")

@@ -25,6 +25,7 @@ seeded sampler as every other data set (the same batches on every layout; a resu
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -36,6 +37,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from distlab.data import textfiles
 from distlab.data import tokenizer as tokenizers
 from distlab.errors import ConfigError, WriteError
 
@@ -50,9 +52,7 @@ SPLITS = ("train", "test")
 
 def _sources(root: Path) -> list[tuple[str | None, Path, bool]]:
     """(split or None, file, whether the file is one document) in reading order."""
-    def files(d: Path) -> list[Path]:
-        return sorted(p for p in d.rglob("*") if p.is_file()
-                      and not any(part.startswith(".") for part in p.relative_to(d).parts))
+    files = textfiles.files_below  # as text:PATH reads a directory: linked directories followed
     if root.is_file():
         return [(None, root, False)]
     if (root / "train").is_dir() and (root / "test").is_dir():
@@ -70,37 +70,52 @@ class _Lines:
             self.file = open(path, "rb")
         except OSError as exc:
             raise ConfigError(f"prepare-text: cannot read {path} ({exc.strerror or exc})") from None
+        self.continues = False  # whether ``head`` is the rest of a line a piece before it began
+        self.head_blank = False
         self.head = self._next()
 
+    PIECE = 1 << 20  # a line longer than this comes in pieces: a one-line file of any size is never held whole
+
     def _next(self) -> bytes | None:
-        line = self.file.readline()
+        line = self._read()
+        self.head_blank = line is not None and not self.continues and not line.strip(b" \t\r\n")
+        self.continues = line is not None and not line.endswith(b"\n")
+        return line
+
+    def _read(self) -> bytes | None:
+        line = self.file.readline(self.PIECE)
         if not line:
             self.file.close()
             return None
+        if line.endswith(b"\r"):  # a CRLF cut between two pieces: keep it together
+            line += self.file.read(1)
         if b"\0" in line:
             raise ConfigError(f"prepare-text: {self.path} is not text (it holds NUL bytes): give text files only")
         line = line.replace(b"\r\n", b"\n")
-        return line if line.endswith(b"\n") else line + b"\n"
+        if line.endswith(b"\n") or len(line) >= self.PIECE:  # a whole line, or a piece of a long one
+            return line
+        return line + b"\n"  # the file's last line, without its newline
 
     def pop(self) -> bytes:
         line, self.head = self.head, self._next()
         return line
 
 
-def _blank(line: bytes) -> bool:
-    return not line.strip(b" \t\r\n")
+def _blank(lines: _Lines) -> bool:
+    """Whether the next line holds spaces only (a piece of a long line never is one, the end of one neither)."""
+    return lines.head is not None and lines.head_blank
 
 
 def _paragraphs(lines: _Lines) -> Iterator[Iterator[bytes]]:
     """A file's documents at blank lines: each a run of lines with text, read as it is consumed."""
     while True:
-        while lines.head is not None and _blank(lines.head):
+        while _blank(lines):
             lines.pop()
         if lines.head is None:
             return
 
         def paragraph() -> Iterator[bytes]:
-            while lines.head is not None and not _blank(lines.head):
+            while lines.head is not None and not _blank(lines):
                 yield lines.pop()
         doc = paragraph()
         yield doc
@@ -111,7 +126,7 @@ def _paragraphs(lines: _Lines) -> Iterator[Iterator[bytes]]:
 def _whole(lines: _Lines) -> Iterator[Iterator[bytes]]:
     """A file as one document without its leading and trailing empty lines (none if it holds no text)."""
     before = []
-    while lines.head is not None and _blank(lines.head):  # held until it is known there is text
+    while _blank(lines):  # held until it is known there is text
         before.append(lines.pop())
     if lines.head is None:
         return
@@ -169,6 +184,13 @@ class SplitWriter:
         self.tokens, self.bytes = self.tokens + len(ids), self.bytes + text_bytes
         self.counts += np.bincount(ids, minlength=len(self.counts))[:len(self.counts)]
 
+    def abandon(self) -> None:
+        """A failed preparation: close the temporary file (only then is its disk space given back) and remove it."""
+        with contextlib.suppress(OSError):
+            self.file.close()
+        with contextlib.suppress(OSError):
+            self.tmp.unlink(missing_ok=True)
+
     def close(self) -> dict:
         try:
             self.file.flush()
@@ -193,22 +215,46 @@ def dtype_for(vocab: int) -> np.dtype:
 
 def prepare(src: str | os.PathLike, out: str | os.PathLike, tokenizer: str = tokenizers.BYTES,
             progress: bool = True) -> dict:
-    """Tokenize ``src`` into ``out`` (see the module's description); returns the manifest."""
-    from tqdm import tqdm
-
+    """Tokenize ``src`` into ``out`` (see the module's description); returns the manifest. ``out`` must be
+    new or empty: nothing already there is overwritten, and a failure leaves nothing behind."""
     vocab_n = tokenizers.parse(tokenizer)
     root, out = Path(src), Path(out)
     if not root.exists():
         raise ConfigError(f"prepare-text: there is no file or directory {root}")
-    if (out / "manifest.json").exists():
-        raise ConfigError(f"prepare-text: {out} already holds a prepared corpus (its manifest.json): give another "
-                          f"directory, or remove that one first")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"prepare-text: {out} is a file, not a directory: give a new or empty directory for OUT")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held:  # never a file it did not make: a nanoGPT directory's train.bin, another corpus, anything
+        what = "a prepared corpus (its manifest.json)" if "manifest.json" in held else \
+            f"{len(held)} entr{'ies' if len(held) > 1 else 'y'} ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''})"
+        raise ConfigError(f"prepare-text: {out} already holds {what}: prepare-text writes only into a new or empty "
+                          f"directory, so nothing already there is overwritten or lost; give another OUT")
     total = sum(p.stat().st_size for _, p, _ in _sources(root))
+    made = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise WriteError(out, exc, "give another directory") from None
+    try:
+        return _prepare(root, out, vocab_n, total, progress)
+    except BaseException:
+        # nothing of a failed preparation stays: its files (finished or hidden temporaries, which on a full
+        # disk would keep it full) and the directory it made
+        for name in (*[f"{s}.bin" for s in SPLITS], *[f".{s}.bin.tmp" for s in SPLITS], "tokenizer.json",
+                     ".tokenizer.json.tmp", "manifest.json", ".manifest.json.tmp"):
+            with contextlib.suppress(OSError):
+                (out / name).unlink(missing_ok=True)
+        if made:
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
+
+
+def _prepare(root: Path, out: Path, vocab_n: int | None, total: int, progress: bool) -> dict:
+    from tqdm import tqdm
+
     tok = tokenizers.ByteTokenizer()
+    invalid = [0]  # bytes of the training text that are not UTF-8 (a BPE reads each as U+FFFD)
     if vocab_n is not None:  # a first pass learns the BPE from the training documents alone
         with tqdm(total=total, unit="B", unit_scale=True, desc="learning BPE", disable=not progress) as bar:
             def training_lines():  # the training split's lines, as the token file will hold them
@@ -220,11 +266,33 @@ def prepare(src: str | os.PathLike, out: str | os.PathLike, tokenizer: str = tok
                     for line in doc:
                         bar.update(len(line))
                         if split == "train":
-                            yield line.decode("utf-8", errors="replace")
+                            yield _text_of(line, invalid)
             tok = tokenizers.train_bpe_lines(training_lines(), vocab_n)
     vocab = tok.vocab_size
     dtype = dtype_for(vocab)
     writers = {s: SplitWriter(out / f"{s}.bin", dtype, vocab) for s in SPLITS}
+    try:
+        return _tokenize(root, out, tok, writers, total, progress, vocab_n, invalid[0])
+    except BaseException:
+        for w in writers.values():
+            w.abandon()
+        raise
+
+
+def _text_of(line: bytes, invalid: list[int]) -> str:
+    """``line`` as text, counting into ``invalid[0]`` the bytes that are not UTF-8 (each read as U+FFFD)."""
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError:
+        invalid[0] += len(line) - len(line.decode("utf-8", errors="ignore").encode("utf-8"))
+        return line.decode("utf-8", errors="replace")
+
+
+def _tokenize(root: Path, out: Path, tok, writers: dict, total: int, progress: bool, vocab_n: int | None,
+              invalid: int) -> dict:
+    from tqdm import tqdm
+
+    vocab, dtype = tok.vocab_size, writers["train"].dtype
     separator = tok.encode(b"\n")
     with tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress) as bar:
         for split, doc in documents(root):
@@ -246,8 +314,6 @@ def prepare(src: str | os.PathLike, out: str | os.PathLike, tokenizer: str = tok
     splits = {s: w.close() for s, w in writers.items()}
     empty = [s for s in SPLITS if not splits[s]["documents"]]
     if empty:
-        for s in SPLITS:
-            (out / f"{s}.bin").unlink(missing_ok=True)
         found = sum(splits[s]["documents"] for s in SPLITS)
         how = (f"{root} is a directory: each file in it is one document, its paragraphs not split -- {found} "
                f"document{'s' if found != 1 else ''} here; give a file itself to have it cut into documents at blank "
@@ -260,7 +326,8 @@ def prepare(src: str | os.PathLike, out: str | os.PathLike, tokenizer: str = tok
     manifest = {"format": FORMAT, "source": str(root.resolve()), "tokenizer": tok.spec, "vocab_size": vocab,
                 "dtype": dtype.name, "test_every": TEST_EVERY, "splits": splits,
                 "unigram_entropy": unigram_entropy(writers["train"].counts),
-                **({"tokenizer_sha256": tok.sha256} if tok.sha256 else {})}
+                **({"tokenizer_sha256": tok.sha256, "tokens_learned": tok.learned,
+                    "non_utf8_bytes": invalid} if tok.sha256 else {})}
     _atomic_text(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
     return manifest
 
@@ -302,20 +369,107 @@ def manifest_of(spec: str) -> dict:
     except (OSError, ValueError, RecursionError) as exc:
         raise ConfigError(f"--dataset {spec}: cannot read {where} ({exc})") from None
     ok = isinstance(manifest, dict) and manifest.get("format") == FORMAT \
-        and manifest.get("dtype") in ("uint16", "uint32") and isinstance(manifest.get("vocab_size"), int) and isinstance(manifest.get("splits"), dict) \
-        and all(isinstance(manifest["splits"].get(s), dict) for s in SPLITS)
+        and isinstance(manifest.get("splits"), dict) and all(isinstance(manifest["splits"].get(s), dict) for s in SPLITS)
     if not ok:
         raise ConfigError(f"--dataset {spec}: {where} is not a manifest of distlab prepare-text ({FORMAT})")
+    bad = _malformed(manifest)
+    if bad:
+        raise ConfigError(f"--dataset {spec}: {where} is damaged: {bad}; prepare the corpus again")
     item = np.dtype(manifest["dtype"]).itemsize
     for s in SPLITS:
         entry = manifest["splits"][s]
-        path = root / Path(str(entry.get("file", ""))).name
+        path = root / Path(entry["file"]).name
         size = path.stat().st_size if path.is_file() else None
-        if size != int(entry.get("tokens", -1)) * item:
+        if size != entry["tokens"] * item:
             raise ConfigError(f"--dataset {spec}: {path} " + ("is missing" if size is None else
-                              f"holds {size:,} bytes, not the {entry.get('tokens')} tokens x {item} bytes its "
+                              f"holds {size:,} bytes, not the {entry['tokens']:,} tokens x {item} bytes its "
                               f"manifest says") + ": prepare the corpus again")
     return manifest
+
+
+def _malformed(manifest: dict) -> str | None:
+    """What in a manifest is not as prepare-text writes it (None: nothing)."""
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if manifest.get("dtype") not in ("uint16", "uint32"):
+        return f"dtype {manifest.get('dtype')!r} is neither uint16 nor uint32"
+    if not count(manifest.get("vocab_size")) or not manifest["vocab_size"]:
+        return f"vocab_size {manifest.get('vocab_size')!r} is not a positive count"
+    if manifest["vocab_size"] > np.iinfo(manifest["dtype"]).max + 1:
+        return f"vocab_size {manifest['vocab_size']:,} does not fit {manifest['dtype']}"
+    if not isinstance(manifest.get("tokenizer"), str):
+        return f"tokenizer {manifest.get('tokenizer')!r} is not a tokenizer's name"
+    entropy = manifest.get("unigram_entropy")
+    if entropy is not None and (not isinstance(entropy, (int, float)) or isinstance(entropy, bool)
+                                or not math.isfinite(entropy)):
+        return f"unigram_entropy {entropy!r} is not a number"
+    for s in SPLITS:
+        entry = manifest["splits"][s]
+        if not isinstance(entry.get("file"), str) or not entry["file"]:
+            return f"the {s} split's file {entry.get('file')!r} is not a file name"
+        for name in ("tokens", "documents", "bytes"):
+            if not count(entry.get(name)):
+                return f"the {s} split's {name} {entry.get(name)!r} is not a count"
+        digest = entry.get("sha256")
+        if not (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
+            return f"the {s} split's sha256 {digest!r} is not a SHA-256"
+    return None
+
+
+VERIFIED = ".verified.json"  # beside the token files: the sizes and times of files whose checks passed
+CHUNK = 1 << 24  # bytes read at a time: checking a corpus of any size holds this much
+
+
+def verify(spec: str, manifest: dict, progress: bool = False) -> None:
+    """Before the first step: every split's file is the one its manifest describes -- its SHA-256 -- and
+    holds no token id the vocabulary lacks (a corrupt token would crash a run mid-way, or train on wrong
+    text silently). One streaming pass per file, :data:`CHUNK` bytes at a time; a file that passed is
+    remembered by its size and modification time (``DIR/.verified.json``, where it can be written), so
+    later runs and the other ranks do not read it again. The first bad id is named with its offset."""
+    root = path_of(spec)
+    record = _verified(root)
+    dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
+    vocab = manifest["vocab_size"]
+    changed = False
+    for s in SPLITS:
+        entry = manifest["splits"][s]
+        path = root / Path(entry["file"]).name
+        st = path.stat()
+        stamp = [st.st_size, st.st_mtime_ns, entry["sha256"]]
+        if record.get(path.name) == stamp:
+            continue
+        sha, offset = hashlib.sha256(), 0
+        with open(path, "rb") as f:
+            while True:
+                chunk = f.read(CHUNK)
+                if not chunk:
+                    break
+                sha.update(chunk)
+                ids = np.frombuffer(chunk[:len(chunk) - len(chunk) % dtype.itemsize], dtype=dtype)
+                if len(ids) and int(ids.max()) >= vocab:
+                    first = int(np.argmax(ids >= vocab))
+                    raise ConfigError(f"--dataset {spec}: {path} holds token id {int(ids[first]):,} at token "
+                                      f"{offset + first:,}, outside the vocabulary of {vocab:,}: the file is damaged "
+                                      f"or from another tokenizer; prepare the corpus again")
+                offset += len(ids)
+        if sha.hexdigest() != entry["sha256"]:
+            raise ConfigError(f"--dataset {spec}: {path} is not the file its manifest describes (its SHA-256 "
+                              f"{sha.hexdigest()[:16]}... is not {entry['sha256'][:16]}...): it was changed or "
+                              f"damaged after prepare-text wrote it; prepare the corpus again")
+        record[path.name] = stamp
+        changed = True
+    if changed:
+        with contextlib.suppress(OSError):  # a read-only corpus is checked again next time, nothing worse
+            _atomic_text(root / VERIFIED, json.dumps(record) + "\n")
+
+
+def _verified(root: Path) -> dict:
+    try:
+        record = json.loads((root / VERIFIED).read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def tokenizer_of(spec: str, manifest: dict):
@@ -347,9 +501,11 @@ def _mapped(path: Path, dtype: np.dtype) -> torch.Tensor:
 
 
 def load_tokens(spec: str, split: str, block_size: int):
-    """``split`` of ``tokens:DIR`` as windows of ``block_size + 1`` tokens over the memory-mapped file."""
+    """``split`` of ``tokens:DIR`` as windows of ``block_size + 1`` tokens over the memory-mapped file
+    (checked first: :func:`verify`)."""
     from distlab.data.text import TextDataset
     manifest = manifest_of(spec)
+    verify(spec, manifest)
     entry = manifest["splits"][split]
     path = path_of(spec) / Path(entry["file"]).name
     tokens = _mapped(path, np.dtype(manifest["dtype"]).newbyteorder("<"))
@@ -363,6 +519,22 @@ def load_tokens(spec: str, split: str, block_size: int):
 
 def shape(spec: str, block_size: int) -> tuple[tuple[int, ...], int]:
     return (block_size,), manifest_of(spec)["vocab_size"]
+
+
+def notes(manifest: dict) -> list[str]:
+    """What a preparation could not do as asked: a BPE that learned fewer tokens than its vocabulary
+    holds, training text that is not UTF-8."""
+    out = []
+    learned, vocab = manifest.get("tokens_learned"), manifest.get("vocab_size")
+    if isinstance(learned, int) and isinstance(vocab, int) and learned < vocab:
+        out.append(f"the BPE learned {learned:,} of the {vocab:,} tokens asked (its training text has no more pairs "
+                   f"seen twice to merge): the files and a model's vocabulary still count {vocab:,}; "
+                   f"--tokenizer bpe:{learned} makes them no larger than what it learned")
+    if manifest.get("non_utf8_bytes"):
+        out.append(f"{manifest['non_utf8_bytes']:,} bytes of the training text are not UTF-8: the BPE reads each as "
+                   f"U+FFFD (the replacement character), so decoding does not give them back; convert the text to "
+                   f"UTF-8 first (or use --tokenizer bytes, which keeps every byte)")
+    return out
 
 
 def describe(manifest: dict) -> str:

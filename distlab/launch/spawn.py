@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from distlab.runtime.device import load_stretch
+
 
 class RankFailure(AssertionError):
     """One or more ranks raised, died or hung; the message holds each rank's story."""
@@ -93,25 +95,32 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 6
     testing code that starts its own). ``pg_timeout`` (default ``timeout``) is the process
     group's timeout for every collective. The ranks see no GPU unless ``gpus`` (one device decision
     for the run: torch's own code in a rank then defaults to the CPU as distlab's does).
+
+    ``timeout`` is a hang guard for a quiet machine: on a busy one it stretches by the load per core
+    (:func:`~distlab.runtime.device.load_stretch`, at the start for the collectives' timeout, and
+    whenever the load seen while waiting is higher for the deadline), so slow is not taken for hung.
     """
+    start_stretch = load_stretch()
+    pg_timeout = (pg_timeout or timeout) * start_stretch
     ctx = _context()
     results = ctx.Queue()
     store = None
     port = None
     if init_group:
-        store = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=datetime.timedelta(seconds=timeout),
+        store = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=datetime.timedelta(seconds=timeout * start_stretch),
                               wait_for_workers=False)
         port = store.port
     procs = [ctx.Process(target=_worker, daemon=True, name=f"distlab-rank{r}",
                          args=(r, world_size, port, fn, args, kwargs, envs[r] if envs else None, results,
-                               timeout, backend, threads, pg_timeout or timeout, dict(os.environ), gpus))
+                               timeout * start_stretch, backend, threads, pg_timeout, dict(os.environ), gpus))
              for r in range(world_size)]
     for p in procs:
         p.start()
 
     done: dict[int, Any] = {}
     errors: dict[int, str] = {}
-    deadline = time.monotonic() + timeout
+    began, stretch = time.monotonic(), start_stretch
+    deadline = began + timeout * stretch
 
     def take(item) -> None:
         rank, ok, payload = item
@@ -127,6 +136,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 6
                 continue
             except queue.Empty:
                 pass
+            stretch = max(stretch, load_stretch())  # a machine that got busier: a later deadline
+            deadline = began + timeout * stretch
             for r, p in enumerate(procs):
                 if r in done or r in errors or p.is_alive():
                     continue
@@ -157,6 +168,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 6
     if errors or hung:
         parts = [f"--- rank {r} failed:\n{errors[r]}" for r in sorted(errors)]
         if hung:
-            parts.append(f"--- ranks {hung} were still running after {timeout:g}s (a hang) and were killed")
+            parts.append(f"--- ranks {hung} were still running after {timeout * stretch:g}s ({timeout:g}s on a quiet "
+                         f"machine, stretched x{stretch:.1f} by its load; a hang) and were killed")
         raise RankFailure(f"{len(errors) + len(hung)} of {world_size} ranks failed\n" + "\n".join(parts))
     return [done[r] for r in range(world_size)]

@@ -130,6 +130,16 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def load_stretch() -> float:
+    """How many times slower than on an idle machine work may run here now: the 1-minute load average
+    per core, at least 1. Hang guards (:func:`~distlab.launch.spawn.run_ranks`, the test suite's
+    subprocesses) stretch their deadlines by it, so a busy machine is not taken for a hung one."""
+    try:
+        return max(1.0, os.getloadavg()[0] / cores())
+    except (AttributeError, OSError):
+        return 1.0
+
+
 LOAD_AT_LAUNCH = "DISTLAB_LOAD_AT_LAUNCH"  # the launcher's reading of the load, before its workers start
 
 
