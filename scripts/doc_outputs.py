@@ -43,7 +43,7 @@ _TIMES = [  # (what a page shows, what it matches)
     (re.compile(rf"(?<=efficiency ){_NUM}"), _NUM),
     (re.compile(r"[-+]\d+(?:\.\d+)?%"), r"[-+]\d+(?:\.\d+)?%"),
     (re.compile(r"\d\.\d+e-(?:0[5-9]|[1-9]\d)|0\.0e\+00"), r"(?:\d\.\d+e-(?:0[5-9]|[1-9]\d)|0\.0e\+00)"),
-    (re.compile(r"\d+(?= threads?\b)"), r"\d+"),  # threads per rank follow the machine's cores
+    (re.compile(r"\d+ threads?\b"), r"\d+ threads?"),  # threads per rank follow the machine's cores (1 thread, 4 threads)
     (re.compile(r"\d+(?= cores\b)"), r"\d+"),
 ]
 

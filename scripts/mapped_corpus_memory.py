@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from distlab.data import tokens  # noqa: E402
+from distlab.data import prepare as prep, tokens  # noqa: E402
 
 VOCAB = 256
 
@@ -36,17 +36,17 @@ def make_corpus(out: Path, train_tokens: int, test_tokens: int, seed: int = 0) -
         return json.loads((out / "manifest.json").read_text())
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    dtype = tokens.dtype_for(VOCAB)
+    dtype = prep.dtype_for(VOCAB)
     splits = {}
     for split, n in (("train", train_tokens), ("test", test_tokens)):
-        writer = tokens.SplitWriter(out / f"{split}.bin", dtype, VOCAB)
+        writer = prep.SplitWriter(out / f"{split}.bin", dtype, VOCAB)
         writer.documents = 1
         chunk = 1 << 26
         for start in range(0, n, chunk):
             writer.write(rng.integers(0, VOCAB, min(chunk, n - start), dtype=np.uint16), min(chunk, n - start))
         splits[split] = writer.close()
         if split == "train":
-            entropy = tokens.unigram_entropy(writer.counts)
+            entropy = prep.unigram_entropy(writer.counts)
     manifest = {"format": tokens.FORMAT, "source": "random bytes (scripts/mapped_corpus_memory.py)",
                 "tokenizer": "bytes", "vocab_size": VOCAB, "dtype": dtype.name, "test_every": tokens.TEST_EVERY,
                 "splits": splits, "unigram_entropy": entropy}

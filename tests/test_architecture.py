@@ -143,7 +143,6 @@ def test_no_parallel_module_imports_a_concrete_model():
 def test_importing_the_strategies_loads_no_concrete_model():
     """The real import closure (a package's ``__init__`` runs first): ``import distlab.parallel`` -- and
     the whole training layer above it -- loads no model's module; models load when a run builds one."""
-    import subprocess
     import sys
     concrete = sorted(m for m in MODULES if m.startswith("distlab.models.") and m not in MODEL_CONTRACTS)
     probe = ("import sys, distlab.parallel, distlab.train\n"

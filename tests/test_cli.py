@@ -59,7 +59,8 @@ def test_train_two_processes_writes_metrics_and_summary(run_cli, tmp_path):
     head = proc.stdout[:proc.stdout.index("step ")]
     assert "data     synthetic:1x8x8:4:512 from generated: 512 train, 128 test" in head
     from distlab.runtime import cores
-    assert f"strategy ddp on 2 processes x {max(1, cores() // 2)} threads" in head  # cores // local ranks
+    per_rank = max(1, cores() // 2)  # cores // local ranks
+    assert f"strategy ddp on 2 processes x {per_rank} thread{'s' if per_rank > 1 else ''}" in head
     assert "mesh     dp 2: ranks 0-1 in one data-parallel group" in head
     assert "batch    32 global = 2 data-parallel rank(s) x 16; 32 steps, 16 per epoch" in head
 
@@ -141,7 +142,7 @@ def test_more_threads_than_cores_is_warned_in_the_header(run_cli, tmp_path):
     proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:256", "--max-steps", "1", "--no-progress", "--threads",
                    str(cores() + 1), "--out", "over", check=True)
     head = proc.stdout.split("eval step")[0]
-    assert f"1 rank(s) x {cores() + 1} thread(s) on this host = {cores() + 1} threads for {cores()} cores" in head
+    assert f"1 rank x {cores() + 1} threads on this host = {cores() + 1} threads for {cores()} cores" in head
     assert "oversubscribed" in head and f"--threads {cores()}" in head
     assert json.loads((tmp_path / "over" / "summary.json").read_text())["oversubscribed"] is True
 

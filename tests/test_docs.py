@@ -69,7 +69,7 @@ def test_a_stale_block_is_caught():
     assert doc_outputs.agrees("...\n  step 1 ms", printed) and not doc_outputs.agrees("  step 4.48 s", printed)
     # threads and cores are the machine's: a page written on 2 cores agrees with a 16-core run
     header = "strategy tp=2 on 4 processes x 4 threads, gloo on cpu\nwarning  8 threads for 16 cores\n"
-    assert doc_outputs.agrees("strategy ... on 4 processes x 1 threads, gloo on cpu", header)
+    assert doc_outputs.agrees("strategy ... on 4 processes x 1 thread, gloo on cpu", header)
     assert doc_outputs.agrees("warning  4 threads for 2 cores", header)
     assert not doc_outputs.agrees("strategy ... on 2 processes x 4 threads, gloo on cpu", header)
 

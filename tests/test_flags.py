@@ -199,6 +199,7 @@ def test_every_flag_takes_edge_values_without_a_traceback(command, data, workdir
 @pytest.mark.parametrize("command,flag,value", [
     ("train", "--momentum", "-1"), ("train", "--eval-batch-size", "0"), ("train", "--comm-timeout", "nan"),
     ("train", "--master-port", "99999"), ("train", "--out", "{tmp}/run/summary.json"), ("train", "--lr", "inf"),
+    ("train", "--lr", "1e300"), ("train", "--weight-decay", "1e300"),
     ("plan", "--params", "nan"), ("bench collectives", "--sizes", "-5"), ("bench syncbn", "--batches", "0"),
     ("verify", "--json", "{tmp}"), ("plan calibrate", "-o", ""), ("cluster up", "--delay", "-1"),
     ("demo p2p", "--rdzv-endpoint", ","), ("demo p2p", "--rdzv-endpoint", "localhost:99999"),

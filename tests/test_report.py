@@ -335,3 +335,43 @@ def test_the_gradient_norm_plot_draws_each_runs_clipping_threshold(monkeypatch):
     lines = norm.axes[0].get_lines()
     assert [list(line.get_ydata()) for line in lines] == [[0.5, 0.625, 0.75], [0.5, 0.5]]
     assert "max norm 0.5" in lines[1].get_label()
+
+
+def test_one_runs_malformed_summary_is_that_runs_problem_alone(run_cli, tmp_path):
+    """A summary.json whose evals are not evaluations: that run is named and skipped; the other is drawn,
+    and the directory given (".") is not said to hold nothing."""
+    for name in ("good", "bad"):
+        run_cli("train", "--mlp-widths", "8", "--dataset", "synthetic:1x4x4:3:240", "--max-steps", "3",
+                "--global-batch-size", "12", "--no-progress", "--out", name, check=True)
+    summary = json.loads((tmp_path / "bad" / "summary.json").read_text())
+    summary["evals"] = "abc"
+    (tmp_path / "bad" / "summary.json").write_text(json.dumps(summary))
+    import os
+    here = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        inputs = collect(["."])
+    finally:
+        os.chdir(here)
+    assert [p for p, _ in inputs.problems] == ["bad"]  # no blame on "." or on "good"
+    assert inputs.problems[0][1].startswith("unreadable run: summary.json evals 'abc' is not a list of evaluations")
+    assert [r["path"] for r in inputs.runs] == ["good"]
+
+
+def test_a_trace_of_thousands_of_ranks_is_drawn_bounded_and_says_what_it_left_out(monkeypatch):
+    """5,000 ranks: the chart draws the first and last eight, the table the first 64 (the page says so);
+    a trace over the event limit is not drawn, and the page says why."""
+    from distlab.tools.report import timelines
+    drawn = []
+    monkeypatch.setattr(timelines, "png", lambda fig: drawn.append(fig) or "")
+    spans = [{"ph": "X", "name": n, "cat": "compute", "tid": 0, "ts": t, "dur": 1.0}
+             for n, t in (("forward", 0.0), ("backward", 2.0))]
+    trace = {"traceEvents": [{**s, "pid": p} for p in range(5000) for s in spans], "otherData": {"steps": [1, 1]}}
+    page = timelines.timelines_section([{"path": "r", "summary": {"world_size": 5000, "strategy": {}},
+                                         "trace": trace}])
+    assert "Drawn: ranks 0-7 and 4992-4999 of 5,000; the table lists the first 64." in page
+    assert len(drawn[0].axes[0].get_yticks()) == 16 and page.count("<tr>") == 65
+    monkeypatch.setattr(timelines, "MAX_EVENTS", 1000)
+    page = timelines.timelines_section([{"path": "r", "summary": {"world_size": 5000, "strategy": {}},
+                                         "trace": trace}])
+    assert "Not drawn: its trace holds 10,000 events, more than the 1,000 a page reads" in page

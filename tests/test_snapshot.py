@@ -379,9 +379,28 @@ def _weights_renamed(payload):
     payload["model"]["units"] = payload["model"]["units"][:1]
 
 
-@pytest.mark.parametrize("damage", [_first_moment_reshaped, _weights_renamed])
+def _first_moment_0d(payload):
+    payload["optimizer"]["state"][0]["exp_avg"] = torch.zeros(())
+
+
+def _first_moment_a_string(payload):
+    payload["optimizer"]["state"][0]["exp_avg"] = "abc"
+
+
+def _lr_a_string(payload):
+    payload["optimizer"]["param_groups"][0]["lr"] = "0.01"
+
+
+def _schedule_step_a_string(payload):
+    payload["scheduler"]["last_epoch"] = "4"
+
+
+@pytest.mark.parametrize("damage", [_first_moment_reshaped, _weights_renamed, _first_moment_0d, _first_moment_a_string,
+                                    _lr_a_string, _schedule_step_a_string])
 def test_a_snapshot_whose_contents_do_not_load_is_set_aside_on_every_rank(tmp_path, damage):
-    """Checksums valid, schema valid, yet rank 0's state does not fit the run: every rank falls back."""
+    """Checksums valid, yet rank 0's state does not fit the run (ZeRO-1 on 2 ranks, Adam): a moment of
+    another shape -- 0-d too --, a string where a tensor, a learning rate or a step count belongs, weights
+    of another model: every rank falls back to the snapshot before it, none crashes mid-run."""
     run_ranks(_damaged_contents_then_resume, 2, tmp_path, damage, timeout=180)
 
 
@@ -395,7 +414,7 @@ def _damaged_contents_then_resume(rank, world, tmp_path, damage):
     if rank == 0:
         _damage_rank_file(newest, 0, damage)
     torch.distributed.barrier()
-    with pytest.raises(snap.DamagedSnapshot, match=f"snapshot {newest} .*(shape|does not load)"):
+    with pytest.raises(snap.DamagedSnapshot, match=f"snapshot {newest}.* (shape|does not load|is not|not a)"):
         _fit(_cfg(tmp_path / "s", max_steps=6, resume=str(newest), **kw))
     resumed = _fit(_cfg(tmp_path / "s", max_steps=6, resume="auto", **kw))
     assert resumed["resumed_from"].endswith("step-00000002") and resumed["steps"] == 6
@@ -773,3 +792,26 @@ def test_the_preemption_flag_of_a_gpu_job_goes_over_a_host_group_and_stops_every
     from distlab.launch.spawn import run_ranks
     a, b = run_ranks(_poll_over_a_side_group, 2, timeout=60)
     assert a == b == [None, None, None, "preempted"]  # set before poll 3, read by every rank at poll 4
+
+
+def _weights_broken_at_step_2(rank, world, tmp_path):
+    from distlab.errors import NonFiniteError
+
+    def poison(step):
+        if step == 2:
+            with torch.no_grad():
+                next(trainer.engine.module.parameters()).view(-1)[0] = float("nan")
+    cfg = _cfg(tmp_path / "s", max_steps=5, snapshot_every=1, val_fraction=0.0, lr_schedule="constant")
+    trainer = Trainer(cfg.validate(world), runtime.from_process_group(), hooks=[poison])
+    with pytest.raises(NonFiniteError) as stopped:
+        trainer.fit()
+    return str(stopped.value), [p.name for p in snap.snapshots(tmp_path / "s")]
+
+
+def test_weights_that_are_not_finite_are_never_snapshotted_nor_called_the_last_good_state(tmp_path):
+    """Step 2's update leaves a nan in the weights (here put there by hand): no snapshot of step 2 is
+    written; step 3's gradients stop the run, naming step 1's snapshot as the last good state."""
+    message, kept = run_ranks(_weights_broken_at_step_2, 1, tmp_path, timeout=120)[0]
+    assert kept == ["step-00000001"], kept
+    assert "the last good state is in" in message and message.count("step-00000001") == 1
+    assert "no snapshot of step 2: its weights hold nan or inf" in message

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from distlab.data import load_dataset
+from distlab.data import prepare as preparing
 from distlab.data import tokens as token_files
 from distlab.errors import ConfigError
 
@@ -26,7 +27,7 @@ def _corpus(root, docs: int = 12):
 @pytest.mark.parametrize("tokenizer", ["bytes", "bpe:300"])
 def test_prepared_tokens_are_the_tokens_text_path_reads(tmp_path, tokenizer):
     _corpus(tmp_path / "src")
-    manifest = token_files.prepare(tmp_path / "src", tmp_path / "out", tokenizer, progress=False)
+    manifest = preparing.prepare(tmp_path / "src", tmp_path / "out", tokenizer, progress=False)
     for split in ("train", "test"):
         text = load_dataset(f"text:{tmp_path / 'src'}", split, block_size=4, tokenizer=tokenizer)
         mapped = load_dataset(f"tokens:{tmp_path / 'out'}", split, block_size=4)
@@ -51,7 +52,7 @@ def test_prepared_tokens_are_the_tokens_text_path_reads(tmp_path, tokenizer):
 def test_every_tenth_document_is_held_out_whole(tmp_path):
     src = tmp_path / "book.txt"
     src.write_text("".join(f"paragraph {i} line one\nparagraph {i} line two\n\n" for i in range(25)))
-    token_files.prepare(src, tmp_path / "out", progress=False)
+    preparing.prepare(src, tmp_path / "out", progress=False)
     test = bytes(load_dataset(f"tokens:{tmp_path / 'out'}", "test", block_size=2).tokens.tolist())
     train = bytes(load_dataset(f"tokens:{tmp_path / 'out'}", "train", block_size=2).tokens.tolist())
     assert test == b"".join(f"paragraph {i} line one\nparagraph {i} line two\n".encode() + b"\n" for i in (9, 19))[:-1]
@@ -59,14 +60,14 @@ def test_every_tenth_document_is_held_out_whole(tmp_path):
 
 
 def test_wide_vocabularies_take_four_bytes_a_token():
-    assert token_files.dtype_for(65536) == np.uint16 and token_files.dtype_for(65537) == np.uint32
+    assert preparing.dtype_for(65536) == np.uint16 and preparing.dtype_for(65537) == np.uint32
 
 
 def test_a_damaged_or_missing_corpus_is_refused_before_any_work(tmp_path, refused_here):
     _corpus(tmp_path / "src")
-    token_files.prepare(tmp_path / "src", tmp_path / "out", progress=False)
+    preparing.prepare(tmp_path / "src", tmp_path / "out", progress=False)
     with pytest.raises(ConfigError, match="already holds a prepared corpus"):
-        token_files.prepare(tmp_path / "src", tmp_path / "out", progress=False)
+        preparing.prepare(tmp_path / "src", tmp_path / "out", progress=False)
     train = tmp_path / "out" / "train.bin"
     train.write_bytes(train.read_bytes()[:-2])  # one token short
     base = ["train", "--model", "gpt", "--block-size", "4", "--max-steps", "1"]
@@ -107,7 +108,7 @@ def test_a_run_on_a_mapped_corpus_resumes_bitwise_on_two_ranks(run_cli, tmp_path
 
 def test_a_mapped_corpus_moved_to_a_device_is_widened_to_int32_and_draws_the_same_windows(tmp_path):
     _corpus(tmp_path / "src")
-    token_files.prepare(tmp_path / "src", tmp_path / "out", "bpe:300", progress=False)
+    preparing.prepare(tmp_path / "src", tmp_path / "out", "bpe:300", progress=False)
     mapped = load_dataset(f"tokens:{tmp_path / 'out'}", "train", block_size=4)
     moved = mapped.to("cpu")  # what data_on_device does on a GPU (uint16 indexing is not there on every device)
     assert moved.tokens.dtype == torch.int32 and torch.equal(moved.tokens.long(), mapped.tokens.long())
@@ -121,7 +122,7 @@ def test_a_mapped_corpus_is_evaluated_on_a_bounded_subset_by_default_and_the_hea
     for i in range(40):  # ~2 KB documents: the test split's 10 hold ~5,000 windows of 4 tokens
         (tmp_path / "src").mkdir(exist_ok=True)
         (tmp_path / "src" / f"d{i:02d}.txt").write_text(" ".join(f"w{(i * 31 + j) % 97}" for j in range(500)))
-    token_files.prepare(tmp_path / "src", tmp_path / "tok", "bytes", progress=False)
+    preparing.prepare(tmp_path / "src", tmp_path / "tok", "bytes", progress=False)
     flags = ["train", "--model", "gpt", "--dataset", f"tokens:{tmp_path / 'tok'}", "--n-layer", "1", "--n-head", "2",
              "--n-embd", "8", "--block-size", "4", "--global-batch-size", "2", "--max-steps", "1", "--no-progress"]
     proc = run_cli(*flags, "--out", "run", check=True)
@@ -157,7 +158,7 @@ def test_a_failed_preparation_leaves_nothing_behind(tmp_path, out_exists):
     if out_exists:
         out.mkdir()
     with pytest.raises(ConfigError, match="NUL bytes"):
-        token_files.prepare(tmp_path / "src", out, "bpe:300", progress=False)
+        preparing.prepare(tmp_path / "src", out, "bpe:300", progress=False)
     assert (sorted(out.iterdir()) == []) if out_exists else not out.exists()  # no hidden temporaries either
 
 
@@ -168,7 +169,7 @@ def test_a_one_line_file_is_read_in_pieces_with_the_same_tokens(tmp_path):
     cut = b"y" * (2**20 - 1)  # with its CR a whole piece: the LF comes in the next read
     paragraphs = [b"first", long, cut, *[f"paragraph {i}".encode() for i in range(9)]]
     (tmp_path / "one.txt").write_bytes(b"\r\n\r\n".join(paragraphs) + b"\r\n")
-    token_files.prepare(tmp_path / "one.txt", tmp_path / "out", "bytes", progress=False)
+    preparing.prepare(tmp_path / "one.txt", tmp_path / "out", "bytes", progress=False)
     for split, held in (("train", False), ("test", True)):  # every 10th document is held out: the 10th here
         docs = [p + b"\n" for i, p in enumerate(paragraphs) if (i % 10 == 9) == held]
         mapped = load_dataset(f"tokens:{tmp_path / 'out'}", split, block_size=4)
@@ -191,7 +192,7 @@ def test_linked_directories_are_read_like_any_other_and_a_loop_once(tmp_path):
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "linked").symlink_to(tmp_path / "real")
     (tmp_path / "real" / "back").symlink_to(tmp_path / "src")  # a loop: each directory is read once
-    manifest = token_files.prepare(tmp_path / "src", tmp_path / "out", "bytes", progress=False)
+    manifest = preparing.prepare(tmp_path / "src", tmp_path / "out", "bytes", progress=False)
     assert sum(manifest["splits"][s]["documents"] for s in ("train", "test")) == 15
     text = load_dataset(f"text:{tmp_path / 'src'}", "train", block_size=4)
     assert b"document 14" in bytes(text.tokens.tolist()) or b"document 14" in bytes(
@@ -200,7 +201,7 @@ def test_linked_directories_are_read_like_any_other_and_a_loop_once(tmp_path):
 
 def _prepared(tmp_path) -> str:
     _corpus(tmp_path / "src")
-    token_files.prepare(tmp_path / "src", tmp_path / "out", "bytes", progress=False)
+    preparing.prepare(tmp_path / "src", tmp_path / "out", "bytes", progress=False)
     return f"tokens:{tmp_path / 'out'}"
 
 

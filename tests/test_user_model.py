@@ -137,7 +137,7 @@ def test_the_cli_trains_your_model_and_the_header_says_where_it_came_from(run_cl
     r = run_cli("train", "--model", f"{model_file}:build", "--model-arg", "width=4", "--dataset",
                 "synthetic:3x8x8:4:96", "--max-steps", "2", "--global-batch-size", "12", "--out", str(tmp_path / "run"),
                 check=True)
-    assert f"(your model: build(width=4) from {model_file}, a TinyNet)" in r.stdout
+    assert f"(your model: a TinyNet that {model_file}'s build(width=4) returns)" in r.stdout
     summary = __import__("json").loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["model"] == f"{model_file}:build" and summary["config"]["model_args"] == ["width=4"]
     assert summary["num_parameters"] == sum(p.numel() for p in torch.nn.Conv2d(3, 4, 3).parameters()) + \

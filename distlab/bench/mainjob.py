@@ -30,7 +30,8 @@ def table(data: dict, markdown: bool = False) -> str:
     for j, first in enumerate(rounds[0]):
         runs = [r[j] for r in rounds]
         ratios = [r[0]["time_per_step_s_median"] / r[j]["time_per_step_s_median"] for r in rounds]
-        rows.append([f"{first['name']} ({first['world_size']} x {first.get('threads_per_rank', '?')} threads)",
+        rows.append([f"{first['name']} ({first['world_size']} x {first.get('threads_per_rank', '?')} "
+                     f"thread{'' if first.get('threads_per_rank') == 1 else 's'})",
                      f"{100 * statistics.median(r['test_accuracy'] for r in runs):.2f}%",
                      f"{1000 * statistics.median(r['time_per_step_s_median'] for r in runs):.2f} ms",
                      f"{statistics.median(r['samples_per_s'] for r in runs):,.0f}",

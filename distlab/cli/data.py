@@ -20,7 +20,7 @@ def prepare_text(src, out, tokenizer, progress):
     (a file's blank-line-separated paragraphs, or one per file; SRC/train and SRC/test as given) are held out
     whole: every 10th goes to test. Train on it with --dataset tokens:OUT (memory-mapped, never loaded whole).
     OUT must be new or empty (nothing there is overwritten); a failure leaves nothing behind."""
-    from distlab.data import tokens
+    from distlab.data import prepare as tokens
     manifest = tokens.prepare(src, out, tokenizer, progress=sys.stderr.isatty() if progress is None else progress)
     click.echo(f"wrote {out}: {tokens.describe(manifest)}")
     for note in tokens.notes(manifest):

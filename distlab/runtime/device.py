@@ -167,7 +167,7 @@ def busy_machine(load: float | None, threads: int, have: int, ranks: int = 1) ->
     per_rank = max(1, threads // ranks)
     advice = (f"pass --threads {fit} ({ranks} rank{'s' if ranks > 1 else ''} x {fit} beside the load fit the "
               f"{have} cores)" if 1 <= fit < per_rank else
-              f"even 1 thread per rank shares the cores: time on a quieter machine, or with fewer ranks")
+              "even 1 thread per rank shares the cores: time on a quieter machine, or with fewer ranks")
     return (f"the machine was busy before this run (load {load:.2f} on {have} cores; with this run's {threads} "
             f"thread(s) the cores are shared), so steps are slower than this machine allows (a rank whose threads "
             f"wait for busy cores can run many times slower) and timings compare only between runs at equal "

@@ -33,8 +33,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from distlab.runtime.trace_file import LANES
-
 
 class Recorder:
     """Spans of one rank: ``(name, lane, start_ns, end_ns, args)``, appended from any thread.

@@ -171,12 +171,18 @@ class TrainConfig:
                 _at_least(name, getattr(self, name), 1)
         _at_least("warmup_steps", self.warmup_steps, 0)
         _at_least("timing_warmup_steps", self.timing_warmup_steps, 0)
-        if self.lr <= 0:
+        if not self.lr > 0:
             raise ConfigError(f"`lr` must be positive, not {self.lr}")
         if not 0.0 <= self.momentum < 1.0:
             raise ConfigError(f"`momentum` must be in [0, 1), not {self.momentum} (0.9 is usual; 0 turns it off)")
-        if self.weight_decay < 0:
+        if not self.weight_decay >= 0:
             raise ConfigError(f"`weight_decay` must be at least 0, not {self.weight_decay}")
+        lr = self.effective_lr if self.lr_scaling == "none" or self.base_batch_size else self.lr
+        for name, value in (("lr", lr), ("weight_decay", self.weight_decay)):
+            if not value <= FLOAT32_MAX:  # the optimizer scales float32 tensors by it
+                raise ConfigError(f"`{name}` {value:g}{' (after lr_scaling)' if value != getattr(self, name) else ''} "
+                                  f"is beyond float32's range ({FLOAT32_MAX:.3g}): the optimizer multiplies float32 "
+                                  f"tensors by it ({'0.05' if name == 'lr' else '0 to 0.1'} is usual)")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise ConfigError(f"`clip_grad_norm` must be positive, not {self.clip_grad_norm:g} (leave it out not to "
                               f"clip; 1.0 is usual for transformers)")
@@ -427,6 +433,8 @@ class TrainConfig:
         d["strategy"] = self.strategy.to_dict()
         return d
 
+
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 
 # where and how a run writes, not what it trains: not in to_toml
 RUN_PLACE = ("out", "resume", "snapshot_dir", "snapshot_every", "snapshot_async", "keep_snapshots", "tensorboard",

@@ -70,7 +70,7 @@ def run_source(path: str | Path, best: bool = False) -> tuple[str, Path]:
     a snapshot directory or a model file as given. A run with neither is one line saying how to get one."""
     path = Path(path)
     if not (path.is_dir() and (path / "summary.json").is_file() and not (path / "meta.json").is_file()):
-        return ("snapshot" if path.is_dir() else "file"), path
+        return ("file" if path.is_file() else "snapshot"), path
     try:
         summary = json.loads((path / "summary.json").read_text())
     except (OSError, ValueError) as exc:

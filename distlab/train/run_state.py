@@ -204,6 +204,7 @@ class RunState:
         self.window_loss, self.window_steps = 0.0, 0  # training loss since the last log line
         self.resumed_from: str | None = None
         self.last_snapshot: str | None = None
+        self.unwritten: str | None = None  # why a snapshot due was not written (weights not finite)
         self._saved_step: int | None = None
         self._snapshot_s: float | None = None  # seconds the last snapshot took (None: none yet)
         self.snapshot_stalls: list[float] = []  # seconds each snapshot of this attempt held the training up
@@ -364,6 +365,15 @@ class RunState:
         every = self.cfg.snapshot_every
         return bool(every) and self.step % every == 0 and self.step < total_steps
 
+    def _weights_finite(self) -> bool:
+        """Whether every rank's weights are finite (one pass over them and one all-reduce of a flag)."""
+        params = [p.detach() for p in self.engine.parameters()]
+        bad = torch.zeros((), device=self.rt.device) if not params else \
+            torch.stack([torch.isfinite(p).all().logical_not() for p in params]).any().float()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bool(bad)
+
     def final_snapshot(self) -> None:
         if self.cfg.snapshot_dir and self._saved_step != self.step:
             self.save()
@@ -405,6 +415,10 @@ class RunState:
         """Snapshot the run at this step. ``snapshot_async``: copy the state to host memory here and write
         it in the background (:class:`AsyncWriter`), the previous write finished first (at most one in
         flight); the training stalls for the copy only."""
+        if not self._weights_finite():  # an update overflowed (too large a learning rate): no state worth keeping
+            self.unwritten = (f"no snapshot of step {self.step}: its weights hold nan or inf (that step's update "
+                              f"overflowed: lower the learning rate)")
+            return
         t0 = time.perf_counter()
         with timeline.span("snapshot (copy to host memory)" if self._writer is not None else "snapshot"):
             if self._writer is not None:
@@ -466,7 +480,7 @@ class RunState:
         for group in self.optimizer.param_groups:  # element-wise state (momentum, Adam's moments) fits its parameter
             for p in group["params"]:
                 for name, value in self.optimizer.state.get(p, {}).items():
-                    if torch.is_tensor(value) and value.numel() > 1 and value.shape != p.shape:
+                    if torch.is_tensor(value) and name != "step" and value.shape != p.shape:
                         return (f"holds optimizer state {name} of shape {tuple(value.shape)} for a parameter of "
                                 f"shape {tuple(p.shape)}")
         return None

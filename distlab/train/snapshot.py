@@ -36,6 +36,7 @@ import contextlib
 import hashlib
 import io
 import json
+import math
 import os
 import random
 import re
@@ -448,7 +449,7 @@ def payload_problem(payload, step: int) -> str | None:
             continue
         if key not in run or not ok(run[key]):
             return f"run.{key} is {'missing' if key not in run else repr(run[key])[:60]}"
-    problem = _optimizer_problem(payload["optimizer"])
+    problem = _optimizer_problem(payload["optimizer"]) or _scheduler_problem(payload["scheduler"])
     if problem:
         return problem
     for key in ("model", "optimizer", "best_model"):  # a run never writes nan or inf weights: it stops first
@@ -470,6 +471,35 @@ def _optimizer_problem(state: dict) -> str | None:
     for index, entry in per_param.items():
         if index not in indices or not isinstance(entry, dict):
             return f"'optimizer' state {str(index)[:20]!r} is not a dict of a listed parameter"
+        for name, value in entry.items():  # buffers are tensors (SGD's may be None); the step count a number
+            ok = (torch.is_tensor(value) and value.numel() == 1) or _is_number(value) if name == "step" else \
+                torch.is_tensor(value) or value is None
+            if not ok:  # (a tensor of another shape than its parameter's: RunState's load says so)
+                return f"'optimizer' state {name} of parameter {index} is {repr(value)[:40]}, not a tensor"
+    for g in groups:
+        for key, value in g.items():
+            if key in NUMERIC_HYPERPARAMETERS and not (_is_number(value) and math.isfinite(value) and value >= 0):
+                return f"'optimizer' {key} {repr(value)[:40]} is not a number"
+            if key == "betas" and not (isinstance(value, (list, tuple)) and len(value) == 2
+                                       and all(_is_number(b) for b in value)):
+                return f"'optimizer' betas {repr(value)[:40]} are not two numbers"
+            if key in FLAG_HYPERPARAMETERS and not (value is None or isinstance(value, bool)):
+                return f"'optimizer' {key} {repr(value)[:40]} is not a flag"
+    return None
+
+
+NUMERIC_HYPERPARAMETERS = ("lr", "initial_lr", "momentum", "dampening", "weight_decay", "eps")
+FLAG_HYPERPARAMETERS = ("nesterov", "maximize", "amsgrad", "foreach", "capturable", "differentiable", "fused")
+
+
+def _scheduler_problem(state: dict) -> str | None:
+    """torch's LR scheduler state: its step counts are counts, its learning rates numbers."""
+    for key in ("last_epoch", "_step_count"):
+        if key in state and not (_is_int(state[key]) and state[key] >= -1):
+            return f"'scheduler' {key} {repr(state[key])[:40]} is not a step count"
+    for key in ("base_lrs", "_last_lr"):
+        if key in state and not (isinstance(state[key], list) and all(_is_number(v) for v in state[key])):
+            return f"'scheduler' {key} {repr(state[key])[:40]} is not a list of learning rates"
     return None
 
 

@@ -23,7 +23,7 @@ from distlab.data.loader import TrainLoader
 from distlab.data.resident import decide as decide_residence
 from distlab.data.resident import nbytes as data_nbytes
 from distlab.errors import ConfigError, DistributedError, NonFiniteError, first_line
-from distlab.models import IGNORE_INDEX, build_model, count_parameters, is_user_model, snapshot_record
+from distlab.models import IGNORE_INDEX, build_model, count_parameters, snapshot_record
 from distlab.parallel import build_mesh, parallelize
 from distlab.parallel.placement import placement_of
 from distlab.runtime import Runtime, is_comm_failure, roll_call, seed_everything, timeline, tune_host_allocator
@@ -32,12 +32,12 @@ from distlab.train.config import TrainConfig
 from distlab.train.evaluate import evaluate, evaluation_size, first_batches
 from distlab.train.throughput import Throughput
 from distlab.train.observe import StepObserver
-from distlab.train.export import FINAL_MODEL, load_init, write_state
+from distlab.train.export import load_init
+from distlab.train import language
 from distlab.train.metrics import MetricsLog, anon_rss_mb, atomic_write_text, write_predictions, write_summary
 from distlab.train.optim import build_optimizer, build_scheduler, decay_groups, no_decay_names
 from distlab.train.preemption import Preemption
 from distlab.train.run_state import RunState, fault_injection_hook, finished_summary
-from distlab.train.snapshot import broadcast_object
 from distlab.train.summary import StepTimes, header, summarize
 from distlab.train.tensorboard import TensorBoardLog
 
@@ -218,7 +218,7 @@ class Trainer:
         if not self.diverged_on_device:
             run.final_snapshot()
             if stopped != "non_finite":
-                self._final_model()
+                self.model_file = language.final_model(self)
         else:
             run.settle()  # a background write in flight finishes: the last good state
         if stopped in ("preempted", "interrupted"):
@@ -235,6 +235,8 @@ class Trainer:
             write_summary(cfg.out, summary)
         if stopped == "non_finite":
             snap = f"; the last good state is in {run.last_snapshot}" if run.last_snapshot else ""
+            if run.unwritten:
+                snap += f" ({run.unwritten})"
             raise NonFiniteError(f"training diverged at {self._nonfinite}{snap}")
         return summary
 
@@ -314,18 +316,6 @@ class Trainer:
         None without clipping. Every rank counts the same global norms."""
         return int(self._clipped) if self.cfg.clip_grad_norm else None
 
-    def _final_model(self) -> None:
-        """A language model's run that keeps no snapshots still leaves its model: ``OUT/model.safetensors``
-        (the whole model, gathered from any layout; ``distlab generate OUT`` and ``distlab export OUT``
-        read it, with ``OUT/tokenizer.json``). Collective."""
-        cfg = self.cfg
-        if not cfg.out or cfg.snapshot_dir or not self.train_set.predicts_tokens or is_user_model(cfg.model):
-            return
-        state = {k: v.detach().cpu() for k, v in self.engine.full_state_dict().items()}
-        if self.rt.is_main:
-            write_state(state, {**self._layout(), "step": self.run.step}, Path(cfg.out) / FINAL_MODEL)
-            self.model_file = str(Path(cfg.out) / FINAL_MODEL)
-
     def _diverged(self) -> bool:
         """Whether the device skipped steps since the last read because a step's gradients were not finite
         (the engine's verdict, kept on the device: one read). If so the model is that of the step before
@@ -366,7 +356,7 @@ class Trainer:
         if end_of_run:
             record["end_of_run"] = True
         if sample:
-            record["sample"] = self._sample()
+            record["sample"] = language.sample(self)
         if evaluation:
             record.update((k, v) for k, v in evaluation.items() if k.startswith(("test_", "val_")))
         self.run.history.append(record)
@@ -379,22 +369,6 @@ class Trainer:
         self._window_s, self._window_timed = 0.0, 0
         if sample:
             self.say(f"sample   {record['sample']!r}")
-
-    def _sample(self, tokens: int = 48) -> str:
-        """A short text the model generates now, the same on every rank (collective: the whole model
-        is gathered; rank 0 samples, seeded by the run's seed and step, apart from the run's own random
-        streams, then tells the others)."""
-        from distlab.models.generation import generate
-        state = {k: v.detach().float().cpu() for k, v in self.engine.full_state_dict().items()}
-        text = None
-        if self.rt.is_main:
-            with torch.device("meta"):  # built without initialising: the run's random streams are untouched
-                model = build_model(self.cfg.model, self.train_set.input_shape, self.train_set.num_classes,
-                                    **self.cfg.model_options())
-            model.load_state_dict(state, assign=True)
-            text = generate(model.eval(), "", tokens, temperature=0.8, top_k=None, seed=self.cfg.seed + self.run.step,
-                            tokenizer=self.tokenizer)
-        return broadcast_object(text)
 
     def _evaluate(self, epoch: int, say: bool = True) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()

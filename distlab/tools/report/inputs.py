@@ -71,6 +71,20 @@ def _summary_problem(summary) -> str | None:
         if v is not None and (not _finite(v) or (bounds and not bounds[0] <= v <= bounds[1])):
             return f"summary.json {key} {v!r} is not " + (f"a number in [{bounds[0]:g}, {bounds[1]:g}]" if bounds
                                                            else "a finite number")
+    for key in ("config", "experts", "trace", "mesh", "pipeline", "cluster"):  # objects the page reads into
+        if not isinstance(summary.get(key), (dict, type(None))):
+            return f"summary.json {key} {str(summary[key])[:40]!r} is not an object"
+    for key in ("predictions", "dataset", "model", "loss_unit"):
+        if not isinstance(summary.get(key), (str, type(None))):
+            return f"summary.json {key} {str(summary[key])[:40]!r} is not a text"
+    evals = summary.get("evals")
+    if evals is not None and not (isinstance(evals, list) and all(
+            isinstance(e, dict) and _finite(e.get("step")) and (e.get("test_loss") is None or _finite(e["test_loss"]))
+            and (e.get("val_loss") is None or _finite(e["val_loss"])) for e in evals)):
+        return f"summary.json evals {str(evals)[:40]!r} is not a list of evaluations (step, test_loss)"
+    experts = summary.get("experts") or {}
+    if "load" in experts and not (isinstance(experts["load"], list) and all(_finite(v) for v in experts["load"])):
+        return f"summary.json experts.load {str(experts['load'])[:40]!r} is not a list of counts"
     return None
 
 
@@ -178,7 +192,8 @@ def collect(paths: list[str], depth: int = 4) -> Inputs:
             for child in children:
                 if child.is_dir() or child.suffix == ".json":
                     visit(child, level + 1, False)
-            if explicit and not any(p for p, _ in inputs.read + inputs.problems if p.startswith(str(path))):
+            inside = path.resolve()
+            if explicit and not any(Path(p).resolve().is_relative_to(inside) for p, _ in inputs.read + inputs.problems):
                 inputs.problems.append((str(path), "no runs or bench files found in it"))
 
     for p in paths:

@@ -45,10 +45,21 @@ def timelines_section(runs: list[dict]) -> str:
            "pipeline stage's messages. <em>hidden</em>: the share of communication time during which the same "
            "rank computed; <em>exposed</em>: communication per step with no compute beside it.</p>"]
     for r in traced:
-        found = analyze(r["trace"])
         out.append(f"<h3>{html.escape(run_label(r))}</h3>")
-        out.append(png(gantt(r["trace"], run_label(r))))
-        out.append(html_table(found["ranks"], [
+        events = len(r["trace"]["traceEvents"])
+        if events > MAX_EVENTS:  # bounded work: a page in seconds, whatever a trace holds
+            out.append(f"<p>Not drawn: its trace holds {events:,} events, more than the {MAX_EVENTS:,} a page "
+                       f"reads (trace fewer steps, <code>--trace A:A</code>, or open trace.json in Perfetto).</p>")
+            continue
+        found = analyze(r["trace"])
+        ranks = sorted({e["pid"] for e in r["trace"]["traceEvents"] if e.get("ph") == "X"})
+        drawn = ranks if len(ranks) <= MAX_RANKS_DRAWN else \
+            ranks[:MAX_RANKS_DRAWN // 2] + ranks[-MAX_RANKS_DRAWN // 2:]
+        if len(drawn) < len(ranks):
+            out.append(f"<p>Drawn: ranks {drawn[0]}-{drawn[len(drawn) // 2 - 1]} and {drawn[len(drawn) // 2]}-"
+                       f"{drawn[-1]} of {len(ranks):,}; the table lists the first {MAX_RANKS_LISTED}.</p>")
+        out.append(png(gantt(r["trace"], run_label(r), ranks=set(drawn))))
+        out.append(html_table(found["ranks"][:MAX_RANKS_LISTED], [
             Col("rank", "rank"), Col("window_s_per_step", "traced time per step (ms)", fmt_ms),
             Col("compute_s_per_step", "compute per step (ms)", fmt_ms),
             Col("communication_s_per_step", "communication per step (ms)", fmt_ms),
@@ -61,9 +72,16 @@ def timelines_section(runs: list[dict]) -> str:
     return "\n".join(out)
 
 
-def gantt(trace: dict, title: str):
+MAX_EVENTS = 200_000  # a trace with more is not drawn (the page's work stays bounded)
+MAX_RANKS_DRAWN = 16  # a Gantt chart of more ranks draws the first and last eight
+MAX_RANKS_LISTED = 64
+
+
+def gantt(trace: dict, title: str, ranks: set[int] | None = None):
+    """``trace``'s spans as a Gantt chart, a row per rank and lane (``ranks``: those ranks only)."""
     plt = pyplot()
-    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"] != SCHEDULE]  # around its waits
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"] != SCHEDULE  # around its waits
+             and (ranks is None or e["pid"] in ranks)]
     ranks = sorted({e["pid"] for e in spans})
     lanes = [(rank, lane) for rank in ranks for lane in LANES if any(e["pid"] == rank and e["cat"] == lane
                                                                     for e in spans)]

@@ -1,0 +1,340 @@
+"""``distlab prepare-text SRC DIR [--tokenizer bytes|bpe:N]`` (:func:`prepare`): a text corpus of any
+size tokenized once into the flat token files of ``tokens:DIR`` (:mod:`distlab.data.tokens` says what
+the directory holds).
+
+``SRC`` -- a text file or a directory of them, documents as ``text:PATH`` reads them
+(:mod:`distlab.data.textfiles`: a file cut at blank lines, or one document per file, linked directories
+followed; ``SRC/train`` and ``SRC/test`` as given) -- is streamed line by line, a long line a MiB at a
+time, so no document is ever held whole. Documents are held out whole: document ``i`` (from 0, in
+reading order) goes to ``test`` when ``i % 10 == 9``, decided as it starts. A BPE is learned from the
+training documents alone, streamed to the trainer of Hugging Face's ``tokenizers``.
+
+``DIR`` must be new or empty -- nothing there is overwritten -- and a failure leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from distlab.data import textfiles
+from distlab.data import tokenizer as tokenizers
+from distlab.data.tokens import FORMAT, SPLITS, TEST_EVERY, atomic_text
+from distlab.errors import ConfigError, WriteError
+
+
+# --------------------------------------------------------------------------- reading the source
+
+
+def _sources(root: Path) -> list[tuple[str | None, Path, bool]]:
+    """(split or None, file, whether the file is one document) in reading order."""
+    files = textfiles.files_below  # as text:PATH reads a directory: linked directories followed
+    if root.is_file():
+        return [(None, root, False)]
+    if (root / "train").is_dir() and (root / "test").is_dir():
+        return [(s, p, True) for s in SPLITS for p in files(root / s)]
+    return [(None, p, True) for p in files(root)]
+
+
+class _Lines:
+    """A file's lines (``\r\n`` made ``\n``, each ``\n``-terminated), read one at a time, the next one
+    visible (``head``) before it is taken."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.file = open(path, "rb")
+        except OSError as exc:
+            raise ConfigError(f"prepare-text: cannot read {path} ({exc.strerror or exc})") from None
+        self.continues = False  # whether ``head`` is the rest of a line a piece before it began
+        self.head_blank = False
+        self.head = self._next()
+
+    PIECE = 1 << 20  # a line longer than this comes in pieces: a one-line file of any size is never held whole
+
+    def _next(self) -> bytes | None:
+        line = self._read()
+        self.head_blank = line is not None and not self.continues and not line.strip(b" \t\r\n")
+        self.continues = line is not None and not line.endswith(b"\n")
+        return line
+
+    def _read(self) -> bytes | None:
+        line = self.file.readline(self.PIECE)
+        if not line:
+            self.file.close()
+            return None
+        if line.endswith(b"\r"):  # a CRLF cut between two pieces: keep it together
+            line += self.file.read(1)
+        if b"\0" in line:
+            raise ConfigError(f"prepare-text: {self.path} is not text (it holds NUL bytes): give text files only")
+        line = line.replace(b"\r\n", b"\n")
+        if line.endswith(b"\n") or len(line) >= self.PIECE:  # a whole line, or a piece of a long one
+            return line
+        return line + b"\n"  # the file's last line, without its newline
+
+    def pop(self) -> bytes:
+        line, self.head = self.head, self._next()
+        return line
+
+
+def _blank(lines: _Lines) -> bool:
+    """Whether the next line holds spaces only (a piece of a long line never is one, the end of one neither)."""
+    return lines.head is not None and lines.head_blank
+
+
+def _paragraphs(lines: _Lines) -> Iterator[Iterator[bytes]]:
+    """A file's documents at blank lines: each a run of lines with text, read as it is consumed."""
+    while True:
+        while _blank(lines):
+            lines.pop()
+        if lines.head is None:
+            return
+
+        def paragraph() -> Iterator[bytes]:
+            while lines.head is not None and not _blank(lines):
+                yield lines.pop()
+        doc = paragraph()
+        yield doc
+        for _ in doc:  # whatever the reader left of it
+            pass
+
+
+def _whole(lines: _Lines) -> Iterator[Iterator[bytes]]:
+    """A file as one document without its leading and trailing empty lines (none if it holds no text)."""
+    before = []
+    while _blank(lines):  # held until it is known there is text
+        before.append(lines.pop())
+    if lines.head is None:
+        return
+
+    def doc() -> Iterator[bytes]:
+        yield from before[next(i for i, line in enumerate(before + [b"x"]) if line != b"\n"):]
+        pending = []
+        while lines.head is not None:
+            line = lines.pop()
+            if line == b"\n":
+                pending.append(line)
+                continue
+            yield from pending
+            pending.clear()
+            yield line
+    yield doc()
+
+
+def documents(src: str | os.PathLike) -> Iterator[tuple[str, Iterator[bytes]]]:
+    """(split, lines) of every document of ``src`` in reading order: held out as :data:`TEST_EVERY` says,
+    or in the split its directory names."""
+    root = Path(src)
+    if not root.exists():
+        raise ConfigError(f"prepare-text: there is no file or directory {root}")
+    i = 0
+    for split, path, whole in _sources(root):
+        for doc in (_whole if whole else _paragraphs)(_Lines(path)):
+            if split is None:
+                split_of = "test" if i % TEST_EVERY == TEST_EVERY - 1 else "train"
+                i += 1
+            else:
+                split_of = split
+            yield split_of, doc
+
+
+# --------------------------------------------------------------------------- writing the token files
+
+
+class SplitWriter:
+    """One split's token file, written in pieces, hashed and counted as it goes."""
+
+    def __init__(self, path: Path, dtype: np.dtype, vocab: int):
+        self.path, self.tmp, self.dtype = path, path.with_name(f".{path.name}.tmp"), dtype
+        self.file = open(self.tmp, "wb")
+        self.sha, self.tokens, self.bytes, self.documents = hashlib.sha256(), 0, 0, 0
+        self.counts = np.zeros(vocab, dtype=np.int64)
+
+    def write(self, ids: np.ndarray, text_bytes: int) -> None:
+        data = ids.astype(self.dtype).tobytes()
+        try:
+            self.file.write(data)
+        except OSError as exc:
+            raise WriteError(self.tmp, exc) from None
+        self.sha.update(data)
+        self.tokens, self.bytes = self.tokens + len(ids), self.bytes + text_bytes
+        self.counts += np.bincount(ids, minlength=len(self.counts))[:len(self.counts)]
+
+    def abandon(self) -> None:
+        """A failed preparation: close the temporary file (only then is its disk space given back) and remove it."""
+        with contextlib.suppress(OSError):
+            self.file.close()
+        with contextlib.suppress(OSError):
+            self.tmp.unlink(missing_ok=True)
+
+    def close(self) -> dict:
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+            os.replace(self.tmp, self.path)
+        except OSError as exc:
+            raise WriteError(self.path, exc) from None
+        return {"file": self.path.name, "tokens": self.tokens, "documents": self.documents, "bytes": self.bytes,
+                "sha256": self.sha.hexdigest()}
+
+
+def unigram_entropy(counts: np.ndarray) -> float:
+    p = counts[counts > 0] / max(int(counts.sum()), 1)
+    return float(-(p * np.log(p)).sum())
+
+
+def dtype_for(vocab: int) -> np.dtype:
+    """uint16 when every token id fits, else uint32."""
+    return np.dtype("<u2") if vocab <= 1 << 16 else np.dtype("<u4")
+
+
+def prepare(src: str | os.PathLike, out: str | os.PathLike, tokenizer: str = tokenizers.BYTES,
+            progress: bool = True) -> dict:
+    """Tokenize ``src`` into ``out`` (see the module's description); returns the manifest. ``out`` must be
+    new or empty: nothing already there is overwritten, and a failure leaves nothing behind."""
+    vocab_n = tokenizers.parse(tokenizer)
+    root, out = Path(src), Path(out)
+    if not root.exists():
+        raise ConfigError(f"prepare-text: there is no file or directory {root}")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"prepare-text: {out} is a file, not a directory: give a new or empty directory for OUT")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held:  # never a file it did not make: a nanoGPT directory's train.bin, another corpus, anything
+        what = "a prepared corpus (its manifest.json)" if "manifest.json" in held else \
+            f"{len(held)} entr{'ies' if len(held) > 1 else 'y'} ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''})"
+        raise ConfigError(f"prepare-text: {out} already holds {what}: prepare-text writes only into a new or empty "
+                          f"directory, so nothing already there is overwritten or lost; give another OUT")
+    total = sum(p.stat().st_size for _, p, _ in _sources(root))
+    made = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise WriteError(out, exc, "give another directory") from None
+    try:
+        return _prepare(root, out, vocab_n, total, progress)
+    except BaseException:
+        # nothing of a failed preparation stays: its files (finished or hidden temporaries, which on a full
+        # disk would keep it full) and the directory it made
+        for name in (*[f"{s}.bin" for s in SPLITS], *[f".{s}.bin.tmp" for s in SPLITS], "tokenizer.json",
+                     ".tokenizer.json.tmp", "manifest.json", ".manifest.json.tmp"):
+            with contextlib.suppress(OSError):
+                (out / name).unlink(missing_ok=True)
+        if made:
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
+
+
+def _prepare(root: Path, out: Path, vocab_n: int | None, total: int, progress: bool) -> dict:
+    from tqdm import tqdm
+
+    tok = tokenizers.ByteTokenizer()
+    invalid = [0]  # bytes of the training text that are not UTF-8 (a BPE reads each as U+FFFD)
+    if vocab_n is not None:  # a first pass learns the BPE from the training documents alone
+        with tqdm(total=total, unit="B", unit_scale=True, desc="learning BPE", disable=not progress) as bar:
+            def training_lines():  # the training split's lines, as the token file will hold them
+                first = True
+                for split, doc in documents(root):
+                    if split == "train" and not first:
+                        yield "\n"  # the blank line between documents
+                    first = first and split != "train"
+                    for line in doc:
+                        bar.update(len(line))
+                        if split == "train":
+                            yield _text_of(line, invalid)
+            tok = tokenizers.train_bpe_lines(training_lines(), vocab_n)
+    vocab = tok.vocab_size
+    dtype = dtype_for(vocab)
+    writers = {s: SplitWriter(out / f"{s}.bin", dtype, vocab) for s in SPLITS}
+    try:
+        return _tokenize(root, out, tok, writers, total, progress, vocab_n, invalid[0])
+    except BaseException:
+        for w in writers.values():
+            w.abandon()
+        raise
+
+
+def _text_of(line: bytes, invalid: list[int]) -> str:
+    """``line`` as text, counting into ``invalid[0]`` the bytes that are not UTF-8 (each read as U+FFFD)."""
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError:
+        invalid[0] += len(line) - len(line.decode("utf-8", errors="ignore").encode("utf-8"))
+        return line.decode("utf-8", errors="replace")
+
+
+def _tokenize(root: Path, out: Path, tok, writers: dict, total: int, progress: bool, vocab_n: int | None,
+              invalid: int) -> dict:
+    from tqdm import tqdm
+
+    vocab, dtype = tok.vocab_size, writers["train"].dtype
+    separator = tok.encode(b"\n")
+    with tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress) as bar:
+        for split, doc in documents(root):
+            w = writers[split]
+            if w.documents:
+                w.write(separator, 1)  # the blank line between documents
+            w.documents += 1
+            batch, size = [], 0
+            for line in doc:
+                batch.append(line)
+                size += len(line)
+                if size >= 1 << 20:  # a MiB of text at a time: a document is never held whole
+                    w.write(tok.encode(b"".join(batch)), size)
+                    bar.update(size)
+                    batch, size = [], 0
+            if batch:
+                w.write(tok.encode(b"".join(batch)), size)
+                bar.update(size)
+    splits = {s: w.close() for s, w in writers.items()}
+    empty = [s for s in SPLITS if not splits[s]["documents"]]
+    if empty:
+        found = sum(splits[s]["documents"] for s in SPLITS)
+        how = (f"{root} is a directory: each file in it is one document, its paragraphs not split -- {found} "
+               f"document{'s' if found != 1 else ''} here; give a file itself to have it cut into documents at blank "
+               f"lines, or more files" if root.is_dir() else
+               f"{root} is cut into documents at blank lines: {found} here; separate more by blank lines")
+        raise ConfigError(f"prepare-text: {root} gives no document to the {empty[0]} split (every {TEST_EVERY}th "
+                          f"document is held out for testing): {how}, or give SRC/train and SRC/test")
+    if vocab_n is not None:
+        atomic_text(out / "tokenizer.json", tok.to_json())
+    manifest = {"format": FORMAT, "source": str(root.resolve()), "tokenizer": tok.spec, "vocab_size": vocab,
+                "dtype": dtype.name, "test_every": TEST_EVERY, "splits": splits,
+                "unigram_entropy": unigram_entropy(writers["train"].counts),
+                **({"tokenizer_sha256": tok.sha256, "tokens_learned": tok.learned,
+                    "non_utf8_bytes": invalid} if tok.sha256 else {})}
+    atomic_text(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def notes(manifest: dict) -> list[str]:
+    """What a preparation could not do as asked: a BPE that learned fewer tokens than its vocabulary
+    holds, training text that is not UTF-8."""
+    out = []
+    learned, vocab = manifest.get("tokens_learned"), manifest.get("vocab_size")
+    if isinstance(learned, int) and isinstance(vocab, int) and learned < vocab:
+        out.append(f"the BPE learned {learned:,} of the {vocab:,} tokens asked (its training text has no more pairs "
+                   f"seen twice to merge): the files and a model's vocabulary still count {vocab:,}; "
+                   f"--tokenizer bpe:{learned} makes them no larger than what it learned")
+    if manifest.get("non_utf8_bytes"):
+        out.append(f"{manifest['non_utf8_bytes']:,} bytes of the training text are not UTF-8: the BPE reads each as "
+                   f"U+FFFD (the replacement character), so decoding does not give them back; convert the text to "
+                   f"UTF-8 first (or use --tokenizer bytes, which keeps every byte)")
+    return out
+
+
+def describe(manifest: dict) -> str:
+    """One line for ``prepare-text``'s output."""
+    s = manifest["splits"]
+    return (f"{s['train']['tokens']:,} training and {s['test']['tokens']:,} test tokens ({manifest['tokenizer']}, "
+            f"{manifest['dtype']}) from {s['train']['documents']:,} + {s['test']['documents']:,} documents; "
+            f"unigram entropy {manifest['unigram_entropy']:.3f} nats/token "
+            f"({math.exp(manifest['unigram_entropy']):.1f} perplexity)")

@@ -1,0 +1,46 @@
+"""What a language model's run shows and leaves beyond its metrics: a text it generates now and then
+(``--sample-every``), and -- where it keeps no snapshots -- its final model as one file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from distlab.models import build_model, is_user_model
+from distlab.train.export import FINAL_MODEL, write_state
+from distlab.train.snapshot import broadcast_object
+
+
+def sample(trainer, tokens: int = 48) -> str:
+    """A short text the model generates now, the same on every rank (collective: the whole model
+    is gathered; rank 0 samples, seeded by the run's seed and step, apart from the run's own random
+    streams, then tells the others)."""
+    from distlab.models.generation import generate
+    cfg = trainer.cfg
+    state = {k: v.detach().float().cpu() for k, v in trainer.engine.full_state_dict().items()}
+    text = None
+    if trainer.rt.is_main:
+        with torch.device("meta"):  # built without initialising: the run's random streams are untouched
+            model = build_model(cfg.model, trainer.train_set.input_shape, trainer.train_set.num_classes,
+                                **cfg.model_options())
+        model.load_state_dict(state, assign=True)
+        text = generate(model.eval(), "", tokens, temperature=0.8, top_k=None, seed=cfg.seed + trainer.run.step,
+                        tokenizer=trainer.tokenizer)
+    return broadcast_object(text)
+
+
+def final_model(trainer) -> str | None:
+    """A language model's run that keeps no snapshots still leaves its model: ``OUT/model.safetensors``
+    (the whole model, gathered from any layout; ``distlab generate OUT`` and ``distlab export OUT``
+    read it, with ``OUT/tokenizer.json``). Returns its path on rank 0 (None where nothing was written,
+    and on the other ranks). Collective."""
+    cfg = trainer.cfg
+    if not cfg.out or cfg.snapshot_dir or not trainer.train_set.predicts_tokens or is_user_model(cfg.model):
+        return None
+    state = {k: v.detach().cpu() for k, v in trainer.engine.full_state_dict().items()}
+    if not trainer.rt.is_main:
+        return None
+    path = Path(cfg.out) / FINAL_MODEL
+    write_state(state, {**trainer.run.layout, "step": trainer.run.step}, path)
+    return str(path)
