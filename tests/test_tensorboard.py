@@ -57,3 +57,15 @@ def test_a_tensorboard_directory_in_use_by_another_run_is_refused(run_cli, tmp_p
         assert [p.name for p in held.iterdir()] == [lock.NAME]  # no event file of the refused runs
     finally:
         lock.release(held)
+
+
+def test_a_finished_runs_tensorboard_directory_is_not_written_by_a_new_run(run_cli, tmp_path):
+    flags = ["train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--lr-schedule", "constant",
+             "--max-steps", "2", "--no-progress", "--tensorboard", "tb", "--snapshot-dir", "s"]
+    run_cli(*flags, "--out", "first", check=True)
+    before = sorted(p.name for p in (tmp_path / "tb").iterdir())
+    proc = run_cli(*flags[:-2], "--out", "second")  # a fresh run
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "--tensorboard tb already holds another run's event files" in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "tb").iterdir()) == before and not (tmp_path / "second").exists()
+    run_cli(*flags[:-4], "--max-steps", "3", *flags[-4:], "--out", "first", "--resume", "auto", check=True)  # its own

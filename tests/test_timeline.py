@@ -223,3 +223,15 @@ def test_tensor_parallel_collectives_say_which_block_they_belong_to(tmp_path):
             assert all(s["name"].endswith(f" in {block}") for s in mine)
             # forward and backward both: as many all-gathers as reduce-scatters (each undoes the other)
             assert sum("all-gather" in s["name"] for s in mine) == sum("reduce-scatter" in s["name"] for s in mine)
+
+
+def test_steps_asked_past_the_runs_end_are_said_and_a_file_in_the_profiles_place_is_one_line(run_cli, tmp_path):
+    base = ["train", "--dataset", "synthetic:1x8x8:4:256", "--mlp-widths", "8", "--max-steps", "4", "--no-progress"]
+    proc = run_cli(*base, "--trace", "6:8", "--profile", "3:9", "--out", "run", check=True)
+    assert "warning  --trace 6:8 starts after the run's last step (4): nothing will be traced" in proc.stdout
+    assert "warning  --profile 3:9 ends after the run's last step (4): steps 3-4 are profiled" in proc.stdout
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "profile").write_text("a file of the user's")
+    proc = run_cli(*base, "--profile", "2:2", "--out", "other")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "which is a file" in proc.stderr
+    assert (tmp_path / "other" / "profile").read_text() == "a file of the user's"

@@ -188,6 +188,16 @@ MISFITS = textwrap.dedent('''
 
     def flat_lm(input_shape, num_classes):
         return nn.Sequential(nn.Embedding(num_classes, 8), nn.Flatten(), nn.Linear(8 * input_shape[0], num_classes))
+
+
+    class Reads(nn.Module):  # reads a value in its forward: the meta device cannot run it
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(64, 7)
+
+        def forward(self, x):
+            scale = 1.0 + 0.0 * x.abs().max().item()
+            return self.head(x.flatten(1)) * scale
 ''')
 
 
@@ -201,6 +211,8 @@ MISFITS = textwrap.dedent('''
     ("Pair", "synthetic:1x8x8:4:64", r"it returned a tuple; it should return \(B, 4\)"),
     ("flat_lm", "synthetic-text:2000", r"token ids, it returned \(B, 256\); it should return \(B, 16, 256\): a score "
                                        r"per token"),
+    ("Reads", "synthetic:1x8x8:10:64", r"given inputs \(B, 1, 8, 8\), it returned \(B, 7\); it should return "
+                                       r"\(B, 10\)"),  # checked on real zeros: .item() cannot run on the meta device
 ])
 def test_a_model_that_does_not_fit_the_data_is_one_line_before_any_work(tmp_path, builder, dataset, message):
     path = tmp_path / "misfits.py"

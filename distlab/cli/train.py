@@ -80,6 +80,9 @@ def train(config_file, trust_config, **kw):
                               "the CPU: use --sync-bn distlab, which works on any device")
         from distlab.parallel.precision import check_device
         check_device(cfg.strategy.precision, runtime.resolve_device(device, 0))
+        if cfg.profile and cfg.out and (Path(cfg.out) / "profile").exists() and not (Path(cfg.out) / "profile").is_dir():
+            raise ConfigError(f"--profile writes one trace per rank into {Path(cfg.out) / 'profile'}/, which is a "
+                              f"file: move it, or give another --out")
         if cfg.strategy.compile:
             from distlab.parallel.compile import check_toolchain
             check_toolchain(runtime.resolve_device(device, 0))
@@ -98,6 +101,11 @@ def train(config_file, trust_config, **kw):
             problem = directory_problem(cfg.snapshot_dir, cfg.out, "", fresh=True)
             if problem:
                 raise ConfigError(problem)
+            events = sorted(Path(cfg.tensorboard).glob("events.out.tfevents.*")) if cfg.tensorboard else []
+            if events:  # another run's curves: a new run's would be drawn into them
+                raise ConfigError(f"--tensorboard {cfg.tensorboard} already holds another run's event files "
+                                  f"({events[0].name}{', ...' if len(events) > 1 else ''}): give this run its own "
+                                  f"directory, or continue that run with --resume auto")
 
     def body(rt):
         from distlab.train import Trainer

@@ -264,8 +264,8 @@ class TrainConfig:
     def _check_fit(self) -> None:
         """Your model against the data, before any work: it has parameters, takes a batch of the data
         set's inputs and returns ``(B, classes)`` logits (a classifier) or ``(B, T, vocab)`` (a language
-        model) -- one forward of 2 samples on the meta device. A model that cannot run on the meta
-        device at all (``.item()`` in its forward) is left to the run itself."""
+        model) -- one forward of 2 samples on the meta device, or, for a model that cannot run there
+        (``.item()`` in its forward), on real zeros (:meth:`_forward_for_real`)."""
         import torch
         net = self._meta_model()
         if next(net.parameters(), None) is None:
@@ -282,16 +282,43 @@ class TrainConfig:
                 out = net(x)
         except Exception as exc:  # noqa: BLE001 - the user's forward: one line naming what it was given
             if isinstance(exc, NotImplementedError) or "meta" in str(exc).lower():
-                return
-            raise ConfigError(f"model {self.model} does not fit dataset {self.dataset}: the data set gives inputs "
-                              f"{gives}, and the model's forward failed on them: {type(exc).__name__}: "
-                              f"{first_line(exc, 200)}") from None
+                out = self._forward_for_real(net, x)  # a forward that reads values (.item()): on real zeros
+                if out is None:
+                    return
+            else:
+                raise ConfigError(f"model {self.model} does not fit dataset {self.dataset}: the data set gives inputs "
+                                  f"{gives}, and the model's forward failed on them: {type(exc).__name__}: "
+                                  f"{first_line(exc, 200)}") from None
         want = (2, shape[0], classes) if text else (2, classes)
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
             got = f"(B, {', '.join(map(str, out.shape[1:]))})" if isinstance(out, torch.Tensor) and out.dim() \
                 else with_article(type(out).__name__) if not isinstance(out, torch.Tensor) else "a scalar"
             raise ConfigError(f"model {self.model} does not fit dataset {self.dataset}: given inputs {gives}, it "
                               f"returned {got}; it should return {should}")
+
+    REAL_CHECK_PARAMETERS = 1 << 26  # a model this small is built for real when the meta device cannot run it
+
+    def _forward_for_real(self, meta_net, x):
+        """The forward of 2 zero samples on the CPU, where the meta device cannot run the model (its forward
+        reads a value: ``.item()``, data-dependent shapes): built for real when it has at most
+        :attr:`REAL_CHECK_PARAMETERS` parameters, the random streams put back after (the run's own
+        initialisation is untouched); None for a larger model (left to the run)."""
+        import torch
+
+        from distlab.models import build_model
+        if sum(p.numel() for p in meta_net.parameters()) > self.REAL_CHECK_PARAMETERS:
+            return None
+        shape, classes = dataset_shape(self.dataset, self.block_size, self.tokenizer)
+        gives = f"(B, {', '.join(map(str, shape))})"
+        with torch.random.fork_rng(devices=[]):
+            try:
+                net = build_model(self.model, shape, classes, **self.model_options())
+                with torch.no_grad():
+                    return net(torch.zeros(x.shape, dtype=x.dtype))
+            except Exception as exc:  # noqa: BLE001 - the user's code: one line naming what it was given
+                raise ConfigError(f"model {self.model} does not fit dataset {self.dataset}: the data set gives "
+                                  f"inputs {gives}, and the model's forward failed on them: {type(exc).__name__}: "
+                                  f"{first_line(exc, 200)}") from None
 
     def _check_components(self) -> None:
         """Every model-sharding component the strategy turns on checks the model (built on the meta

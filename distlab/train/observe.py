@@ -25,10 +25,26 @@ class StepObserver:
         self.cfg, self.rt, self.engine, self.say = cfg, rt, engine, say
         self.traced = cfg.trace_steps() if cfg.trace else None
         self.profiled = cfg.trace_steps("profile") if cfg.profile else None
+        profile_dir = Path(cfg.out) / "profile" if cfg.profile and cfg.out else None
+        if profile_dir is not None and profile_dir.exists() and not profile_dir.is_dir():
+            raise ConfigError(f"`profile` writes one trace per rank into {profile_dir}/, and {profile_dir} is a file: "
+                              f"move it, or give another `out`")
         self.trace_record: dict | None = None  # where the timeline went, its steps, spans, clock and reading
         self.profile_record: dict | None = None  # where the per-rank profiler traces went
         self._profiler = None
         self._block_hooks: list = []
+
+    def unreached(self, total_steps: int) -> list[str]:
+        """The header's warnings for steps asked for past the run's end (nothing would be written for them)."""
+        out = []
+        for setting, steps in (("trace", self.traced), ("profile", self.profiled)):
+            if steps and steps[0] > total_steps:
+                out.append(f"--{setting} {steps[0]}:{steps[1]} starts after the run's last step ({total_steps}): "
+                           f"nothing will be {'traced' if setting == 'trace' else 'profiled'}")
+            elif steps and steps[1] > total_steps:
+                out.append(f"--{setting} {steps[0]}:{steps[1]} ends after the run's last step ({total_steps}): "
+                           f"steps {steps[0]}-{total_steps} are {'traced' if setting == 'trace' else 'profiled'}")
+        return out
 
     def before(self, step: int) -> None:
         """Before optimizer step ``step`` (1-based): start what covers it."""

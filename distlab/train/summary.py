@@ -406,6 +406,7 @@ def header(trainer) -> list[str]:
                     if mesh.cp > 1 else "")
                  + f"; {trainer.total_steps} steps, {trainer.steps_per_epoch} per epoch")
     lines.append(f"optim    {_optimizer_words(cfg, trainer.total_steps)}")
+    lines += [f"warning  {w}" for w in trainer.observer.unreached(trainer.total_steps)]
     if cfg.max_steps and cfg.epochs and cfg.max_steps > trainer.total_steps:
         lines.append(f"warning  --max-steps {cfg.max_steps} is past --epochs {cfg.epochs}'s "
                      f"{trainer.total_steps:,} steps: the run stops at {trainer.total_steps:,} (drop --epochs to let "

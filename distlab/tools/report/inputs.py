@@ -54,7 +54,7 @@ def _finite(v) -> bool:
 # summary.json fields the page draws or tabulates: None, or a finite number (in range, where it has one)
 _SUMMARY_NUMBERS = {"test_accuracy": (0.0, 1.0), "test_loss": None, "time_per_step_s_median": None,
                     "samples_per_s": None, "comm_bytes_per_step": None, "model_state_bytes_per_rank": None,
-                    "peak_rss_mb": None, "steps": None, "local_batch_size": None}
+                    "peak_rss_mb": None, "peak_anon_rss_mb": None, "steps": None, "local_batch_size": None}
 
 
 def _summary_problem(summary) -> str | None:

@@ -198,7 +198,8 @@ RUN_COLUMNS = [Col("run", "run"), Col("world_size", "ranks"), Col("strategy_labe
                Col("time_per_step_s_median", "ms/step (median)", fmt_ms), Col("samples_per_s", "samples/s", "{:,.0f}".format),
                Col("comm_bytes_per_step", "sent per step per rank", fmt_size),
                Col("model_state_bytes_per_rank", "model state per rank", fmt_size),
-               Col("peak_rss_mb", "peak RSS (MB)", "{:,.0f}".format), Col("torch_version", "torch"),
+               Col("peak_rss_mb", "peak RSS (MB)", "{:,.0f}".format),
+               Col("peak_anon_rss_mb", "of it anonymous (MB)", "{:,.0f}".format), Col("torch_version", "torch"),
                Col("hostname", "host"), Col("date", "date", fmt_date)]
 
 
