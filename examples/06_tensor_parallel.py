@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from distlab import comm, runtime
 from distlab.models import build_model
 from distlab.parallel import apply_tensor_parallel
-from distlab.parallel.tensor_parallel import full_parameters
+from distlab.parallel.placement import full_parameters
 from distlab.runtime import print0
 from distlab.tools.verify import sum_tolerance
 

@@ -75,3 +75,37 @@ def test_each_gradient_sync_has_a_cost_model_beside_it_that_plan_picks_as_parall
         sent = planned.before_layers + planned.during_backward + planned.after_backward + planned.after_step
         assert sent and all(c.nbytes > 0 for c in sent), text  # four ranks: something to send
         assert cost.planned_memory(t, Optim.of("sgd"), strategy, 4) > 0
+
+
+def _sharded_layers(rank, world):
+    import torch.distributed as dist
+
+    from distlab.models import GPT
+    from distlab.parallel.expert_parallel import ExpertShard
+    from distlab.parallel.placement import full_state_dict
+    from distlab.parallel.protocols import ShardedLayer
+    from distlab.parallel.tp_plan import apply_tensor_parallel
+    torch.manual_seed(0)
+    whole = GPT(32, 8, n_layer=1, n_head=2, n_embd=8)
+    torch.manual_seed(0)
+    sharded = apply_tensor_parallel(GPT(32, 8, n_layer=1, n_head=2, n_embd=8), dist.group.WORLD)
+    kinds = sorted({type(m).__name__ for m in sharded.modules() if isinstance(m, ShardedLayer)})
+    gathered = full_state_dict(sharded)  # through the protocol alone
+    equal = list(gathered) == list(whole.state_dict()) and all(torch.equal(gathered[k], v)
+                                                               for k, v in whole.state_dict().items())
+    return kinds, equal, hasattr(ExpertShard, "full_parameters")
+
+
+def test_sharded_layers_are_one_protocol_that_whole_state_is_gathered_through():
+    """Tensor parallel's column, row and vocabulary layers answer ShardedLayer; the whole model's state
+    gathered through that protocol alone is the unsharded model's, key for key and bit for bit; the
+    Engine imports no strategy module to do it."""
+    import ast
+    from pathlib import Path
+    for kinds, equal, experts in run_ranks(_sharded_layers, 2, timeout=120):
+        assert {"ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelLinear"} <= \
+            set(kinds) and equal and experts, kinds
+    engine = Path(__file__).resolve().parent.parent / "distlab" / "parallel" / "engine.py"
+    imported = {n.module for n in ast.walk(ast.parse(engine.read_text())) if isinstance(n, ast.ImportFrom)}
+    assert not imported & {"distlab.parallel.tensor_parallel", "distlab.parallel.expert_parallel",
+                           "distlab.parallel.context_parallel", "distlab.parallel.zero"}, imported

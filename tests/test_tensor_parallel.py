@@ -19,7 +19,7 @@ from distlab.errors import ConfigError
 from distlab.models import build_model
 from distlab.parallel import ColumnParallelLinear, RowParallelLinear, apply_tensor_parallel, build_mesh
 from distlab.parallel.mesh import layout
-from distlab.parallel.tensor_parallel import full_parameters
+from distlab.parallel.placement import full_parameters
 from distlab.launch.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig
 from distlab.tools.verify import reference_run, step_tolerance, tolerance

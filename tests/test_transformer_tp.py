@@ -19,7 +19,7 @@ from distlab import comm
 from distlab.comm.accounting import allreduce_bytes_per_rank
 from distlab.models import GPT, task_correct, task_loss
 from distlab.parallel import apply_tensor_parallel
-from distlab.parallel.tensor_parallel import full_parameters, full_state_dict
+from distlab.parallel.placement import full_parameters, full_state_dict
 from distlab.parallel.loss_head import vocab_parallel_head
 from distlab.models import IGNORE_INDEX
 from distlab.parallel.vocab_sequence import vocab_parallel_correct, vocab_parallel_cross_entropy

@@ -31,11 +31,10 @@ from torch import nn
 
 from distlab import comm
 from distlab.errors import NonFiniteError
-from distlab.parallel import tensor_parallel
 from distlab.parallel.loss_head import TaskHead
 from distlab.parallel.clipping import clip_by_global_norm_, norm_weights
 from distlab.parallel.mesh import Mesh
-from distlab.parallel.placement import placement_of
+from distlab.parallel.placement import full_parameters, full_state_dict, placement_of
 from distlab.parallel.precision import Precision, scale_and_find_non_finite
 from distlab.parallel.protocols import GradSync, LossHead, ModelSharding, StepSchedule
 from distlab.parallel.strategy import Strategy
@@ -317,13 +316,13 @@ class Engine:
         """The single-process model's ``state_dict``: ZeRO and tensor-parallel shards gathered
         (collective: every rank calls it and gets it)."""
         with self.gathered():
-            state = tensor_parallel.full_state_dict(self.module)
+            state = full_state_dict(self.module)
         return dict(self.schedule.gather_model(list(state.items())))
 
     def full_parameters(self) -> list[torch.Tensor]:
         """Copies of the unsharded model's parameters in registration order (collective)."""
         with self.gathered():
-            mine = tensor_parallel.full_parameters(self.module)
+            mine = full_parameters(self.module)
         keys = [k for k, _ in self.module.named_parameters()]
         return [t for _, t in self.schedule.gather_model(list(zip(keys, mine)))]
 

@@ -24,6 +24,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
+from torch import nn
+
+from distlab.parallel.protocols import ShardedLayer
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,43 @@ def assemble(pieces: list[tuple[Placement, torch.Tensor]]) -> dict[str, torch.Te
     return full
 
 
+# --------------------------------------------------------------------------- whole state from shards
+
+
+def full_parameters(model: nn.Module) -> list[torch.Tensor]:
+    """``model``'s parameters in registration order, every :class:`~distlab.parallel.protocols.ShardedLayer`'s
+    shards gathered into the full tensors the unsharded model would have (collective over each layer's
+    group), the rest copied."""
+    out: list[torch.Tensor] = []
+
+    def visit(m: nn.Module) -> None:
+        if isinstance(m, ShardedLayer):  # it gathers its own
+            out.extend(m.full_parameters())
+            return
+        out.extend(p.detach().clone() for p in m.parameters(recurse=False))
+        for child in m.children():
+            visit(child)
+
+    visit(model)
+    return out
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` as the unsharded model has it: every sharded layer's parameters gathered
+    under their own keys (collective over each layer's group), everything else copied."""
+    out: dict[str, torch.Tensor] = {}
+    for name, m in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(m, ShardedLayer):
+            names = [k for k, _ in m.named_parameters(recurse=False)]
+            out.update(zip((prefix + k for k in names), m.full_parameters()))
+            continue
+        for key, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False)):
+            if t is not None:
+                out[prefix + key] = t.detach().clone()
+    return out
+
+
 # --------------------------------------------------------------------------- an Engine's placements
 
 
@@ -112,12 +152,12 @@ def placement_of(engine) -> dict:
     """Where ``engine``'s state on this rank sits in the whole model (plain data; a snapshot stores
     it): ``keys`` and ``params`` -- the optimizer parameters' local keys and their :class:`Placement`
     dicts, in the optimizer's order -- and ``buffers`` (local key -> the whole model's key). Read from
-    the protocols only: the layers' declared splits (``tp_split``, as tensor-parallel layers and
-    expert shards declare them), the schedule's keys and the gradient sync's slots."""
+    the protocols only: the sharded layers' declared splits (:class:`~distlab.parallel.protocols.ShardedLayer`:
+    tensor-parallel layers, expert shards), the schedule's keys and the gradient sync's slots."""
     from distlab.runtime import group_rank, group_size
     split = {}
-    for m in engine.module.modules():
-        for pname, dim in getattr(m, "tp_split", {}).items():
+    for m in (m for m in engine.module.modules() if isinstance(m, ShardedLayer)):
+        for pname, dim in m.tp_split.items():
             t = getattr(m, pname, None)
             if t is not None:
                 split[id(t)] = (dim, group_size(m.group), group_rank(m.group))

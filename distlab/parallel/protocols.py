@@ -200,3 +200,28 @@ class LossHead(Protocol):
              label_smoothing: float = 0.0) -> torch.Tensor: ...
 
     def correct(self, out: torch.Tensor, y: torch.Tensor) -> tuple[int, int]: ...
+
+
+@runtime_checkable
+class ShardedLayer(Protocol):
+    """A layer whose parameters each rank of ``group`` holds a part of -- tensor parallel's column,
+    row and vocabulary-parallel layers, expert parallel's expert shards -- and that puts them back
+    together itself. What reads whole state (the Engine's ``full_state_dict`` and ``full_parameters``,
+    :func:`~distlab.parallel.placement.placement_of` for snapshots and resharding) asks this protocol
+    only, never which strategy made the layer.
+
+    Two more attributes the parallelisms set, read by whoever must know (plain attributes, not
+    members of a class):
+
+    * ``parameter.sync_group`` -- a parameter replicated over a group of its own (an expert shard over
+      its expert-data group): data parallel and ZeRO leave it out, its owner reduces it, the global
+      gradient norm counts it once per that group;
+    * ``module.sequence_group`` -- a module that computes statistics over a sequence split by context
+      parallel (its tokens' share of a mean or a sum) reduces them over this group.
+    """
+
+    tp_split: dict[str, int]  # parameter name -> the dimension its shards split (the rest are replicated)
+    group: object  # the process group over whose ranks the shards are spread
+
+    def full_parameters(self) -> list[torch.Tensor]:
+        """Its parameters in registration order, whole (collective over ``group``)."""

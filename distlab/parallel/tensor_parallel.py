@@ -286,36 +286,3 @@ class RowParallelLinear(nn.Module):
         y = F.linear(x, self.weight)
         y = scatter_sequence(y, self.group) if self.sequence_parallel else reduce_from_group(y, self.group)
         return y + self.bias if self.bias is not None else y
-
-
-def full_parameters(model: nn.Module) -> list[torch.Tensor]:
-    """``model``'s parameters in registration order, tensor-parallel shards gathered into the
-    full tensors the unsharded model would have (collective over each layer's group)."""
-    out: list[torch.Tensor] = []
-
-    def visit(m: nn.Module) -> None:
-        if hasattr(m, "full_parameters"):  # a sharded layer: it gathers its own
-            out.extend(m.full_parameters())
-            return
-        out.extend(p.detach().clone() for p in m.parameters(recurse=False))
-        for child in m.children():
-            visit(child)
-
-    visit(model)
-    return out
-
-
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` as the unsharded model has it: tensor-parallel shards gathered under
-    their own keys (collective over each layer's group), everything else copied."""
-    out: dict[str, torch.Tensor] = {}
-    for name, m in model.named_modules():
-        prefix = f"{name}." if name else ""
-        if hasattr(m, "full_parameters"):  # a sharded layer: its own parameters, gathered
-            names = [k for k, _ in m.named_parameters(recurse=False)]
-            out.update(zip((prefix + k for k in names), m.full_parameters()))
-            continue
-        for key, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False)):
-            if t is not None:
-                out[prefix + key] = t.detach().clone()
-    return out
