@@ -153,10 +153,11 @@ def test_importing_the_strategies_loads_no_concrete_model():
 
 
 def test_the_engine_never_asks_whether_a_component_is_there():
-    """No optional strategy members: nothing in the Engine compares one of its own attributes with None
-    or reads one with a getattr default -- a new parallelism joins as a component of the list, and
-    cannot pass this test by adding a member the Engine tests for. Evaluation asks the Engine, not the
-    mesh, what its components need."""
+    """No optional strategy members: nothing in the Engine compares one of its own attributes -- or a
+    local taken from one -- with None, reads one with a getattr default or declares one optional
+    (``self.x: T | None``) -- a new parallelism joins as a component of the list, and cannot pass this
+    test by adding a member the Engine tests for. Evaluation asks the Engine, not the mesh, what its
+    components need."""
     tree = ast.parse(_source("distlab.parallel.engine"))
     engine = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Engine")
 
@@ -165,12 +166,25 @@ def test_the_engine_never_asks_whether_a_component_is_there():
             node = node.value
         return isinstance(node, ast.Name) and node.id == "self"
 
+    # a local taken from a member (``norm = self._norm``, ``a, self.b = self.b, None``) stands for it
+    taken = set()
+    for node in ast.walk(engine):
+        if isinstance(node, ast.Assign) and any(on_self(v) for v in ast.walk(node.value)
+                                                if isinstance(v, ast.Attribute)):
+            for target in node.targets:
+                taken |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+
+    def from_self(node) -> bool:
+        return on_self(node) or (isinstance(node, ast.Name) and node.id in taken)
+
     found = []
     for node in ast.walk(engine):
         if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
             sides = [node.left, *node.comparators]
-            if any(isinstance(c, ast.Constant) and c.value is None for c in sides) and any(on_self(c) for c in sides):
+            if any(isinstance(c, ast.Constant) and c.value is None for c in sides) and any(from_self(c) for c in sides):
                 found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, ast.AnnAssign) and on_self(node.target) and "None" in ast.unparse(node.annotation):
+            found.append(f"line {node.lineno}: an optional member {ast.unparse(node)}")
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") \
                 and node.args and on_self(node.args[0]):
             found.append(f"line {node.lineno}: {ast.unparse(node)}")

@@ -69,7 +69,7 @@ def test_a_clipped_step_takes_its_verdict_from_the_norm_without_another_pass(mon
 
     def no_second_pass(*a):
         raise AssertionError("a clipped step passed over the gradients again")
-    monkeypatch.setattr(engine, "_gradients_finite", no_second_pass)
+    monkeypatch.setattr(engine.verdict, "find", no_second_pass)
     x, y = torch.randn(4, 3), torch.tensor([0, 1, 0, 1])
     engine.forward_backward(x, y, engine.loss)
     engine.clip_grad_norm_(0.1)

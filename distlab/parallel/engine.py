@@ -30,7 +30,6 @@ import torch.distributed as dist
 from torch import nn
 
 from distlab import comm
-from distlab.errors import NonFiniteError
 from distlab.parallel.loss_head import TaskHead
 from distlab.parallel.clipping import clip_by_global_norm_, norm_weights
 from distlab.parallel.mesh import Mesh
@@ -38,7 +37,7 @@ from distlab.parallel.placement import full_parameters, full_state_dict, placeme
 from distlab.parallel.precision import Precision, scale_and_find_non_finite
 from distlab.parallel.protocols import GradSync, LossHead, ModelSharding, StepSchedule
 from distlab.parallel.strategy import Strategy
-from distlab.parallel.verdict import DeviceVerdict, can_skip_on_device
+from distlab.parallel import verdict
 from distlab.runtime import timeline
 
 
@@ -55,13 +54,9 @@ class Engine:
         self.precision = precision  # autocast, and fp16's loss scaling (a no-op for fp32 and bf16)
         self.components = tuple(components)  # context parallel's token layout, expert parallel's shards
         self.head = head  # scores the output: the task's loss, or the vocabulary-parallel one
-        self._found_inf = False  # fp16: this step's gradients overflowed on some rank (the step is skipped)
-        self.check_finite = True  # step() refuses non-finite gradients (outside fp16's loss scaling)
-        # step() may leave the verdict on the device (a fused optimizer skips the update there) for
-        # skipped_steps() to read later: no wait for the device per step (the Trainer's choice)
-        self.defer_verdict = False
-        self._verdict = DeviceVerdict()
-        self._norm_verdict: torch.Tensor | None = None  # this step's global norm (clipping): finite iff the gradients are
+        # what a step does about non-finite gradients: read on the host (or fp16's scaled skip) until
+        # attach() chooses for the optimizer (verdict.choose)
+        self.verdict = verdict.choose(precision, None, False, self._found_non_finite, self.non_finite_message)
         self.sync_seconds = 0.0  # of the last step: gradient sync after backward + after_step
         self._sharded = grad_sync.sharded or mesh.splits_model  # ranks hold different model states
 
@@ -115,9 +110,15 @@ class Engine:
         """What the optimizer updates on this rank (ZeRO: this rank's flat shards)."""
         return self.grad_sync.optimizer_parameters()
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Count ``optimizer``'s state in the memory accounting; returns it."""
+    def attach(self, optimizer: torch.optim.Optimizer, verdict_on_device: bool = False) -> torch.optim.Optimizer:
+        """Count ``optimizer``'s state in the memory accounting and choose what a step does about
+        non-finite gradients (:func:`~distlab.parallel.verdict.choose`): with ``verdict_on_device`` and an
+        optimizer that can skip its update on the device (torch's fused kernels), the verdict stays there
+        -- no wait for the device per step; :meth:`skipped_steps` reads it where the caller must know.
+        Returns ``optimizer``."""
         self.grad_sync.track(optimizer)
+        self.verdict = verdict.choose(self.precision, optimizer, verdict_on_device, self._found_non_finite,
+                                      self.non_finite_message)
         return optimizer
 
     def train(self, mode: bool = True) -> "Engine":
@@ -154,7 +155,7 @@ class Engine:
                 norm = clip_by_global_norm_(self.parameters(), self._norm_weights, max_norm)
         # The same verdict as step()'s pass over the gradients (one non-finite entry makes the norm
         # non-finite; float32 squares cannot overflow their float64 sum), for the price of one read.
-        self._norm_verdict = norm
+        self.verdict.clipped(norm)
         return norm
 
     @functools.cached_property
@@ -167,39 +168,16 @@ class Engine:
         return torch.ones(len(self.parameters()), dtype=torch.float64, device=self.precision.device)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """``optimizer.step()`` then what the layout needs after it (ZeRO 1-2: all-gather the updated
-        shards) -- the one way to step: under fp16 loss scaling a step whose gradients
-        overflowed on any rank is skipped on every rank. Returns whether the optimizer stepped.
+        """``optimizer.step()`` as the verdict decides, then what the layout needs after it (ZeRO 1-2:
+        all-gather the updated shards) -- the one way to step. Returns whether the optimizer stepped.
 
-        Non-finite gradients outside fp16 stop the run (:class:`~distlab.errors.NonFiniteError`), before
-        the update. With :attr:`defer_verdict` and an optimizer that can skip an update on the device
-        (torch's fused kernels take ``found_inf``) the verdict stays on the device instead: that step and
-        every later one is skipped there, and :meth:`skipped_steps` says so when read (returns True)."""
-        scaled = self.precision.scales_loss
-        norm, self._norm_verdict = self._norm_verdict, None
-        if not scaled and self.check_finite and self.defer_verdict and can_skip_on_device(optimizer):
-            with timeline.span("finite check"):
-                found = torch.isfinite(norm).logical_not() if norm is not None else self._found_non_finite(optimizer)
-                self._verdict.decide(found, optimizer)
-            with timeline.span("optimizer step"):
-                optimizer.step()
-            t0 = time.perf_counter()
-            self.grad_sync.after_step()  # ZeRO 1-2: all-gather the (updated or unchanged) shards
-            self.sync_seconds += time.perf_counter() - t0
-            return True
-        with timeline.span("finite check"):
-            finite = scaled or not self.check_finite or (
-                bool(torch.isfinite(norm)) if norm is not None else self._gradients_finite(optimizer))
-        if not finite:
-            # Before the update: the model and optimizer keep the last good state (a snapshot can save it).
-            raise NonFiniteError(self.non_finite_message())
-        stepped = not self._found_inf  # only fp16's scaling finds an overflow to skip
-        if stepped:
-            with timeline.span("optimizer step"):
-                optimizer.step()
-        self.precision.update(self._found_inf)
+        Non-finite gradients stop the run before the update (:class:`~distlab.errors.NonFiniteError`);
+        under fp16 loss scaling a step whose gradients overflowed on any rank is skipped on every rank;
+        with the verdict on the device (:meth:`attach`) that step and every later one is skipped there,
+        and :meth:`skipped_steps` says so when read."""
+        stepped = self.verdict.step(optimizer)
         t0 = time.perf_counter()
-        self.grad_sync.after_step()  # ZeRO 1-2: all-gather the updated shards
+        self.grad_sync.after_step()  # ZeRO 1-2: all-gather the (updated or unchanged) shards
         self.sync_seconds += time.perf_counter() - t0
         return stepped
 
@@ -211,8 +189,8 @@ class Engine:
     def skipped_steps(self) -> int:
         """How many of the last steps the device skipped because a step's gradients were not finite (that
         one and every later one: 0 while all were finite) -- one read of a counter on the device, where
-        :meth:`step` left the verdict there (:attr:`defer_verdict`); 0 otherwise."""
-        return self._verdict.skipped()
+        :meth:`step` left the verdict there (:meth:`attach`); 0 otherwise."""
+        return self.verdict.skipped()
 
     def _found_non_finite(self, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
         """A 1-element tensor on the device, nonzero where a gradient (this rank's, then every rank's
@@ -256,7 +234,7 @@ class Engine:
         loss = self.schedule.forward_backward(self, x, y, loss_fn)
         self.sync()
         # after the reduction (the same sums everywhere); only fp16's scaled gradients have anything to unscale
-        self._found_inf = self.precision.scales_loss and self.precision.unscale_(self.parameters())
+        self.verdict.unscale(self.parameters())
         return loss
 
     def _per_kept_target(self, loss_fn: Callable, y: torch.Tensor, ignore_index: int) -> Callable:

@@ -1,9 +1,23 @@
-"""Whether a step's gradients were finite, decided on the device: a step that never waits for it.
+"""Whether a step's gradients were finite, and what the step does about it: one verdict object per
+Engine (:class:`Verdict`), chosen when the optimizer is attached (:func:`choose`), so that
+:meth:`~distlab.parallel.Engine.step` has one path -- ask the verdict to step, then what the layout
+needs after the update.
 
-Outside fp16's loss scaling, non-finite gradients stop a run. Checking them before each update means
-reading a flag from the device every step: on a GPU a host synchronisation the plain loop does not
-make (it waits for the whole step to finish before the next one may be queued). Instead, where the
-optimizer can skip an update on the device -- torch's fused Adam, AdamW and SGD take a
+* :class:`HostVerdict` (the default): reads the verdict before the update -- one read from the device
+  per step -- and refuses non-finite gradients (:class:`~distlab.errors.NonFiniteError`) with the model
+  and optimizer as they were.
+* :class:`DeviceVerdict`: the verdict stays on the device, as below; where the optimizer can skip its
+  update there and the caller asked for it (the Trainer does: it reads the count where it must).
+* :class:`ScaledVerdict`: fp16's loss scaling: an overflow found while unscaling skips the step on every
+  rank and backs the scale off, as ``GradScaler`` does.
+
+A clipped step's global norm is finite iff every gradient is: each verdict takes it (:meth:`Verdict.clipped`)
+instead of passing over the gradients again.
+
+**On the device.** Outside fp16's loss scaling, non-finite gradients stop a run. Checking them before
+each update means reading a flag from the device every step: on a GPU a host synchronisation the plain
+loop does not make (it waits for the whole step to finish before the next one may be queued). Instead,
+where the optimizer can skip an update on the device -- torch's fused Adam, AdamW and SGD take a
 ``found_inf`` tensor, as :class:`torch.amp.GradScaler` uses them -- the verdict stays there:
 
 * a **sticky flag**: once a step's gradients are not finite, that step and every later one is skipped
@@ -20,7 +34,84 @@ with no dampening changes no bit of the first update (``momentum * 0 + g`` is ``
 
 from __future__ import annotations
 
+from typing import Callable, Protocol, runtime_checkable
+
 import torch
+
+from distlab.errors import NonFiniteError
+from distlab.runtime import timeline
+
+Finder = Callable[[torch.optim.Optimizer], torch.Tensor]  # 1-element, nonzero where a gradient is not finite
+
+
+@runtime_checkable
+class Verdict(Protocol):
+    """What a step does about its gradients' finiteness."""
+
+    def unscale(self, params: list[torch.Tensor]) -> None:
+        """After the gradient sync: gradients are ready (fp16: divided by the scale, overflow noted)."""
+
+    def clipped(self, norm: torch.Tensor) -> None:
+        """This step's global gradient norm, where clipping computed it (finite iff every gradient is)."""
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Decide, then update (or skip) with ``optimizer``; whether it stepped."""
+
+    def skipped(self) -> int:
+        """Steps skipped on the device since the first non-finite one (0 where none, or not kept there)."""
+
+
+class HostVerdict:
+    """Read before the update: non-finite gradients stop the run, nothing applied."""
+
+    def __init__(self, find: Finder, message: Callable[[], str]):
+        self.find, self.message = find, message
+        self._norms: list[torch.Tensor] = []  # this step's clipped norm, if clipping ran
+
+    def unscale(self, params) -> None:
+        pass
+
+    def clipped(self, norm: torch.Tensor) -> None:
+        self._norms = [norm]
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        norms, self._norms = self._norms, []
+        with timeline.span("finite check"):
+            finite = bool(torch.isfinite(norms[0])) if norms else not bool(self.find(optimizer))
+        if not finite:  # before the update: the model and optimizer keep the last good state
+            raise NonFiniteError(self.message())
+        with timeline.span("optimizer step"):
+            optimizer.step()
+        return True
+
+    def skipped(self) -> int:
+        return 0
+
+
+class ScaledVerdict:
+    """fp16's loss scaling (``precision``): an overflow on any rank skips the step everywhere and backs the
+    scale off; a clean step may grow it. Read once per step, as the scale must change before the next."""
+
+    def __init__(self, precision):
+        self.precision = precision
+        self.found = False
+
+    def unscale(self, params) -> None:
+        self.found = self.precision.unscale_(params)
+
+    def clipped(self, norm: torch.Tensor) -> None:
+        pass  # an overflow makes the norm non-finite, and unscale has found it already
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        stepped = not self.found
+        if stepped:
+            with timeline.span("optimizer step"):
+                optimizer.step()
+        self.precision.update(self.found)
+        return stepped
+
+    def skipped(self) -> int:
+        return 0
 
 
 def can_skip_on_device(optimizer: torch.optim.Optimizer) -> bool:
@@ -35,11 +126,27 @@ def can_skip_on_device(optimizer: torch.optim.Optimizer) -> bool:
 class DeviceVerdict:
     """The sticky non-finite flag and the count of steps it skipped, on the device of the first verdict."""
 
-    def __init__(self):
+    def __init__(self, find: Finder):
+        self.find = find
+        self._norms: list[torch.Tensor] = []
         self.bad: torch.Tensor | None = None  # made on the first step's device: fused Adam wants a 0-dim found_inf
         # float32 counts exactly to 2**24 steps between reads (the trainer reads at least every 256)
         self.count: torch.Tensor | None = None
         self._zeroed: set[int] = set()  # optimizers whose momentum buffers exist
+
+    def unscale(self, params) -> None:
+        pass
+
+    def clipped(self, norm: torch.Tensor) -> None:
+        self._norms = [norm]
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        norms, self._norms = self._norms, []
+        with timeline.span("finite check"):
+            self.decide(torch.isfinite(norms[0]).logical_not() if norms else self.find(optimizer), optimizer)
+        with timeline.span("optimizer step"):
+            optimizer.step()  # skipped by its own kernel while the flag is set
+        return True
 
     @torch.no_grad()
     def decide(self, found: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
@@ -70,3 +177,14 @@ def _zero_momentum(optimizer: torch.optim.Optimizer) -> None:
                 state = optimizer.state[p]
                 if state.get("momentum_buffer") is None:
                     state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def choose(precision, optimizer: torch.optim.Optimizer | None, on_device: bool, find: Finder,
+           message: Callable[[], str]) -> HostVerdict | DeviceVerdict | ScaledVerdict:
+    """The verdict of an Engine stepping ``optimizer``: fp16's scaled one; the device's where asked
+    (``on_device``) and the optimizer can skip there; else read on the host before each update."""
+    if precision.scales_loss:
+        return ScaledVerdict(precision)
+    if on_device and optimizer is not None and can_skip_on_device(optimizer):
+        return DeviceVerdict(find)
+    return HostVerdict(find, message)

@@ -93,14 +93,15 @@ class Trainer:
         self.throughput = Throughput.of(net, self.train_set, cfg, rt)  # tokens/s and MFU, from the whole model
         no_decay = no_decay_names(net) if decay_groups(cfg) else set()  # by the whole model's names
         self.engine = parallelize(net, cfg.strategy, self.mesh)
-        self.engine.defer_verdict = True  # with a fused optimizer the verdict stays on the device (_diverged)
         # What training minimises: the task's cross-entropy, its targets smoothed if asked (not evaluations').
         self.loss_fn = functools.partial(self.engine.loss, label_smoothing=cfg.label_smoothing) \
             if cfg.label_smoothing else self.engine.loss
         # Data whose targets may be ignored: each step the mean over the global batch's kept targets
         self.ignore_index = IGNORE_INDEX if self.train_set.ignores_targets else None
         names = [p["name"] for p in placement_of(self.engine)["params"]] if no_decay else None
-        self.optimizer = self.engine.attach(build_optimizer(self.engine.parameters(), cfg, names, no_decay))
+        # with a fused optimizer the gradients' verdict stays on the device, read where the loop must (_diverged)
+        self.optimizer = self.engine.attach(build_optimizer(self.engine.parameters(), cfg, names, no_decay),
+                                            verdict_on_device=True)
         self.steps_per_epoch = len(self.loader)
         self.total_steps = cfg.total_steps(self.steps_per_epoch)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
