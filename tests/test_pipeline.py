@@ -223,7 +223,7 @@ def _one_stage_overflows(rank, world):
     engine = parallelize(_mlp(), Strategy(pp=world, microbatches=2, activation_checkpointing=True),
                          build_mesh(1, pp=world))
     engine.precision = Precision("fp32", scaler=LossScaler(init_scale=2.0 ** 8))  # fp16's scaler, on the CPU
-    opt = torch.optim.SGD(engine.parameters(), lr=0.1)
+    opt = engine.attach(torch.optim.SGD(engine.parameters(), lr=0.1))  # attaching chooses the scaled verdict
     x, y = _data("mlp")
     before = [p.detach().clone() for p in engine.parameters()]
     hook = engine.parameters()[0].register_hook(lambda g: g * float("inf")) if rank == 0 else None
