@@ -61,11 +61,12 @@ class Verdict(Protocol):
         """Steps skipped on the device since the first non-finite one (0 where none, or not kept there)."""
 
 
-class HostVerdict:
-    """Read before the update: non-finite gradients stop the run, nothing applied."""
+class _Unscaled:
+    """What the host's and the device's verdicts share: nothing to unscale, and a clipped step's norm kept
+    for its check (a pass over the gradients, ``find``, where clipping did not run)."""
 
-    def __init__(self, find: Finder, message: Callable[[], str]):
-        self.find, self.message = find, message
+    def __init__(self, find: Finder):
+        self.find = find
         self._norms: list[torch.Tensor] = []  # this step's clipped norm, if clipping ran
 
     def unscale(self, params) -> None:
@@ -74,10 +75,22 @@ class HostVerdict:
     def clipped(self, norm: torch.Tensor) -> None:
         self._norms = [norm]
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+    def found(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """Nonzero where this step's gradients are not finite: from the clipped norm, else one pass."""
         norms, self._norms = self._norms, []
+        return torch.isfinite(norms[0]).logical_not() if norms else self.find(optimizer)
+
+
+class HostVerdict(_Unscaled):
+    """Read before the update: non-finite gradients stop the run, nothing applied."""
+
+    def __init__(self, find: Finder, message: Callable[[], str]):
+        super().__init__(find)
+        self.message = message
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
         with timeline.span("finite check"):
-            finite = bool(torch.isfinite(norms[0])) if norms else not bool(self.find(optimizer))
+            finite = not bool(self.found(optimizer))
         if not finite:  # before the update: the model and optimizer keep the last good state
             raise NonFiniteError(self.message())
         with timeline.span("optimizer step"):
@@ -123,27 +136,19 @@ def can_skip_on_device(optimizer: torch.optim.Optimizer) -> bool:
     return all(not g.get("dampening") for g in optimizer.param_groups)
 
 
-class DeviceVerdict:
+class DeviceVerdict(_Unscaled):
     """The sticky non-finite flag and the count of steps it skipped, on the device of the first verdict."""
 
     def __init__(self, find: Finder):
-        self.find = find
-        self._norms: list[torch.Tensor] = []
+        super().__init__(find)
         self.bad: torch.Tensor | None = None  # made on the first step's device: fused Adam wants a 0-dim found_inf
         # float32 counts exactly to 2**24 steps between reads (the trainer reads at least every 256)
         self.count: torch.Tensor | None = None
         self._zeroed: set[int] = set()  # optimizers whose momentum buffers exist
 
-    def unscale(self, params) -> None:
-        pass
-
-    def clipped(self, norm: torch.Tensor) -> None:
-        self._norms = [norm]
-
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        norms, self._norms = self._norms, []
         with timeline.span("finite check"):
-            self.decide(torch.isfinite(norms[0]).logical_not() if norms else self.find(optimizer), optimizer)
+            self.decide(self.found(optimizer), optimizer)
         with timeline.span("optimizer step"):
             optimizer.step()  # skipped by its own kernel while the flag is set
         return True
