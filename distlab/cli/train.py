@@ -97,7 +97,7 @@ def train(config_file, trust_config, **kw):
         from distlab.train.export import check_init
         check_init(cfg.init_from)
         if cfg.resume is None and not elastic:
-            from distlab.train.run_state import directory_problem
+            from distlab.train.run_dirs import directory_problem
             problem = directory_problem(cfg.snapshot_dir, cfg.out, "", fresh=True)
             if problem:
                 raise ConfigError(problem)

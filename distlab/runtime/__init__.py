@@ -244,6 +244,26 @@ def roll_call(tag: str, window_s: float = 3.0) -> tuple[list[int] | None, str | 
 _AT_SHUTDOWN: list = []  # what shutdown() calls before destroying the group (most recent first)
 
 
+
+def comm_failure(exc: BaseException, rank: int, step: int) -> DistributedError:
+    """The one line a failed collective becomes: the step, the backend's words, and who is missing
+    (a roll call through the job's store, which does not go through gloo's connections). ``step``: the
+    step it failed in."""
+    first = first_line(exc)
+    missing, cut_off = roll_call(f"step-{step}")
+    if cut_off:
+        who = f"{cut_off}: this rank's node is cut off from the job (its network or the store's host)"
+    elif missing:
+        names = ", ".join(str(r) for r in missing)
+        who = (f"rank{'s' if len(missing) > 1 else ''} {names} did not answer a roll call through the job's "
+               f"store: dead, hung or unreachable -- check {'their' if len(missing) > 1 else 'its'} node")
+    elif missing is None:
+        who = "a peer died, hung or became unreachable -- check the other ranks' messages"
+    else:
+        who = "every rank answered a roll call through the job's store: a peer hung or its link to this one failed"
+    return DistributedError(f"rank {rank}: communication failed at step {step} ({first[:300]}); {who}; "
+                            f"a restart resumes from the newest snapshot (--resume auto)")
+
 def at_shutdown(release) -> None:
     """Have :func:`shutdown` call ``release()`` before it destroys the process group (once, however
     often it is registered): for what holds gloo connections torch does not know about."""
@@ -356,7 +376,7 @@ def ordered_print(line: str, group: dist.ProcessGroup | None = None, file=None) 
 
 __all__ = ["BACKENDS", "DEFAULT_MASTER_PORT", "DEFAULT_TIMEOUT_S", "DEVICES", "LAUNCHER_PID", "LOAD_AT_LAUNCH",
            "LaunchInfo", "MMAP_THRESHOLD", "Runtime", "TRIM_THRESHOLD", "at_shutdown", "broadcast_module",
-           "busy_machine", "check_local_devices", "cores", "detect_launch", "explain_init_failure", "first_line_of",
+           "busy_machine", "comm_failure", "check_local_devices", "cores", "detect_launch", "explain_init_failure", "first_line_of",
            "follow_launcher", "free_port", "from_process_group", "group_rank", "group_size", "hide_gpus", "init",
            "is_comm_failure", "is_loopback", "leave", "load_before_run", "loopback_ifname", "ordered_print",
            "port_in_use", "print0", "reduce_scalars", "resolve_backend", "resolve_device", "roll_call",

@@ -18,9 +18,10 @@ from dataclasses import asdict, dataclass, field, fields
 
 from distlab.data import canonical_name, dataset_shape, is_text, load_dataset
 from distlab.data.tokenizer import vocab_size as tokenizer_vocab
-from distlab.errors import ConfigError, did_you_mean, first_line, with_article
+from distlab.errors import ConfigError, did_you_mean, first_line
 from distlab.models import MOE_MODELS, TEXT_MODELS, check_model_name, is_user_model, parse_model_args
 from distlab.parallel import Strategy
+from distlab.train.model_fit import check_fit
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -237,7 +238,7 @@ class TrainConfig:
                                       f"{', '.join(MOE_MODELS)}); model {self.model} has no experts: drop `{name}`")
         self._check_components()
         if is_user_model(self.model):
-            self._check_fit()
+            check_fit(self, self._meta_model())
         if self.strategy.activation_checkpointing:
             from distlab.parallel.checkpointing import checkpoint_blocks
             checkpoint_blocks(self._meta_model())
@@ -260,65 +261,6 @@ class TrainConfig:
         shape, classes = dataset_shape(self.dataset, self.block_size, self.tokenizer)
         with torch.device("meta"):
             return build_model(self.model, shape, classes, **self.model_options())
-
-    def _check_fit(self) -> None:
-        """Your model against the data, before any work: it has parameters, takes a batch of the data
-        set's inputs and returns ``(B, classes)`` logits (a classifier) or ``(B, T, vocab)`` (a language
-        model) -- one forward of 2 samples on the meta device, or, for a model that cannot run there
-        (``.item()`` in its forward), on real zeros (:meth:`_forward_for_real`)."""
-        import torch
-        net = self._meta_model()
-        if next(net.parameters(), None) is None:
-            raise ConfigError(f"model {self.model} has no parameters: there is nothing to train (its builder returned "
-                              f"{with_article(type(net).__name__)} without weights)")
-        shape, classes = dataset_shape(self.dataset, self.block_size, self.tokenizer)
-        text = is_text(self.dataset)
-        x = torch.zeros((2, *shape), dtype=torch.long if text else torch.float32, device="meta")
-        gives = f"(B, {', '.join(map(str, shape))}){' token ids' if text else ''}"
-        should = f"(B, {shape[0]}, {classes}): a score per token of the vocabulary" if text else \
-            f"(B, {classes}): a score per class"
-        try:
-            with torch.no_grad():
-                out = net(x)
-        except Exception as exc:  # noqa: BLE001 - the user's forward: one line naming what it was given
-            if isinstance(exc, NotImplementedError) or "meta" in str(exc).lower():
-                out = self._forward_for_real(net, x)  # a forward that reads values (.item()): on real zeros
-                if out is None:
-                    return
-            else:
-                raise ConfigError(f"model {self.model} does not fit dataset {self.dataset}: the data set gives inputs "
-                                  f"{gives}, and the model's forward failed on them: {type(exc).__name__}: "
-                                  f"{first_line(exc, 200)}") from None
-        want = (2, shape[0], classes) if text else (2, classes)
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
-            got = f"(B, {', '.join(map(str, out.shape[1:]))})" if isinstance(out, torch.Tensor) and out.dim() \
-                else with_article(type(out).__name__) if not isinstance(out, torch.Tensor) else "a scalar"
-            raise ConfigError(f"model {self.model} does not fit dataset {self.dataset}: given inputs {gives}, it "
-                              f"returned {got}; it should return {should}")
-
-    REAL_CHECK_PARAMETERS = 1 << 26  # a model this small is built for real when the meta device cannot run it
-
-    def _forward_for_real(self, meta_net, x):
-        """The forward of 2 zero samples on the CPU, where the meta device cannot run the model (its forward
-        reads a value: ``.item()``, data-dependent shapes): built for real when it has at most
-        :attr:`REAL_CHECK_PARAMETERS` parameters, the random streams put back after (the run's own
-        initialisation is untouched); None for a larger model (left to the run)."""
-        import torch
-
-        from distlab.models import build_model
-        if sum(p.numel() for p in meta_net.parameters()) > self.REAL_CHECK_PARAMETERS:
-            return None
-        shape, classes = dataset_shape(self.dataset, self.block_size, self.tokenizer)
-        gives = f"(B, {', '.join(map(str, shape))})"
-        with torch.random.fork_rng(devices=[]):
-            try:
-                net = build_model(self.model, shape, classes, **self.model_options())
-                with torch.no_grad():
-                    return net(torch.zeros(x.shape, dtype=x.dtype))
-            except Exception as exc:  # noqa: BLE001 - the user's code: one line naming what it was given
-                raise ConfigError(f"model {self.model} does not fit dataset {self.dataset}: the data set gives "
-                                  f"inputs {gives}, and the model's forward failed on them: {type(exc).__name__}: "
-                                  f"{first_line(exc, 200)}") from None
 
     def _check_components(self) -> None:
         """Every model-sharding component the strategy turns on checks the model (built on the meta

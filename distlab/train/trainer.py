@@ -22,11 +22,11 @@ from distlab import comm
 from distlab.data.loader import TrainLoader
 from distlab.data.resident import decide as decide_residence
 from distlab.data.resident import nbytes as data_nbytes
-from distlab.errors import ConfigError, DistributedError, NonFiniteError, first_line
+from distlab.errors import ConfigError, NonFiniteError
 from distlab.models import IGNORE_INDEX, build_model, count_parameters, snapshot_record
 from distlab.parallel import build_mesh, parallelize
 from distlab.parallel.placement import placement_of
-from distlab.runtime import Runtime, is_comm_failure, roll_call, seed_everything, timeline, tune_host_allocator
+from distlab.runtime import Runtime, comm_failure, is_comm_failure, seed_everything, timeline, tune_host_allocator
 from distlab.train.clock import StepClock
 from distlab.train.config import TrainConfig
 from distlab.train.evaluate import evaluate, evaluation_size, first_batches
@@ -37,8 +37,10 @@ from distlab.train import language
 from distlab.train.metrics import MetricsLog, anon_rss_mb, atomic_write_text, write_predictions, write_summary
 from distlab.train.optim import build_optimizer, build_scheduler, decay_groups, no_decay_names
 from distlab.train.preemption import Preemption
-from distlab.train.run_state import RunState, fault_injection_hook, finished_summary
-from distlab.train.summary import StepTimes, header, summarize
+from distlab.train.run_dirs import finished_summary
+from distlab.train.run_state import RunState, fault_injection_hook
+from distlab.train.header import header
+from distlab.train.summary import StepTimes, summarize
 from distlab.train.tensorboard import TensorBoardLog
 
 
@@ -157,30 +159,11 @@ class Trainer:
             return self._fit()
         except Exception as exc:
             if is_comm_failure(exc):
-                raise self._comm_failure(exc) from exc
+                raise comm_failure(exc, self.rt.rank, self.run.step + 1) from exc
             raise
         finally:
             self.tb.close()
             self.run.end()  # the directories' locks
-
-    def _comm_failure(self, exc: BaseException) -> DistributedError:
-        """The one line a failed collective becomes: the step, the backend's words, and who is missing
-        (a roll call through the job's store, which does not go through gloo's connections)."""
-        first = first_line(exc)
-        step = self.run.step + 1
-        missing, cut_off = roll_call(f"step-{step}")
-        if cut_off:
-            who = f"{cut_off}: this rank's node is cut off from the job (its network or the store's host)"
-        elif missing:
-            names = ", ".join(str(r) for r in missing)
-            who = (f"rank{'s' if len(missing) > 1 else ''} {names} did not answer a roll call through the job's "
-                   f"store: dead, hung or unreachable -- check {'their' if len(missing) > 1 else 'its'} node")
-        elif missing is None:
-            who = "a peer died, hung or became unreachable -- check the other ranks' messages"
-        else:
-            who = "every rank answered a roll call through the job's store: a peer hung or its link to this one failed"
-        return DistributedError(f"rank {self.rt.rank}: communication failed at step {step} ({first[:300]}); {who}; "
-                                f"a restart resumes from the newest snapshot (--resume auto)")
 
     def _fit(self) -> dict:
         cfg, run, engine = self.cfg, self.run, self.engine
