@@ -130,7 +130,7 @@ def test_the_engine_and_evaluation_never_ask_which_strategy_they_hold():
 
 
 # What a model may declare (plans) and the step's share of a loss it adds itself: no model in them.
-MODEL_CONTRACTS = {"distlab.models.plans", "distlab.models.aux_loss"}
+MODEL_CONTRACTS = {"distlab.models.plans", "distlab.models.aux_loss", "distlab.models.spec"}
 
 
 def test_no_parallel_module_imports_a_concrete_model():

@@ -146,6 +146,6 @@ def test_a_config_file_takes_the_flags_own_spellings_and_every_setting_it_takes_
 
 def test_a_misspelt_model_or_data_set_says_what_was_meant():
     with pytest.raises(ConfigError, match=r"unknown model 'resnet'.*did you mean resnet18\?"):
-        TrainConfig(model="resnet", dataset="synthetic:1x8x8:4:64").validate(1)
+        TrainConfig.from_flags(model="resnet", dataset="synthetic:1x8x8:4:64").validate(1)
     with pytest.raises(ConfigError, match=r"unknown dataset 'fashon-mnist' \(did you mean fashion-mnist\?\)"):
-        TrainConfig(dataset="fashon-mnist").validate(1)
+        TrainConfig.from_flags(dataset="fashon-mnist").validate(1)

@@ -228,7 +228,7 @@ def test_training_on_a_tensors_file_over_two_ranks_equals_one_process(tmp_path):
     from distlab.train import TrainConfig
     g = torch.Generator().manual_seed(1)
     torch.save({"inputs": torch.randn(120, 1, 4, 4, generator=g), "labels": torch.arange(120) % 3}, tmp_path / "d.pt")
-    cfg = TrainConfig(model="mlp", mlp_widths=(8,), dataset=f"tensors:{tmp_path / 'd.pt'}", max_steps=5,
+    cfg = TrainConfig.from_flags(model="mlp", mlp_widths=(8,), dataset=f"tensors:{tmp_path / 'd.pt'}", max_steps=5,
                       global_batch_size=12, lr=0.1, lr_schedule="constant", momentum=0.9, seed=2, progress=False,
                       out=str(tmp_path / "run")).validate(2)
     params = run_ranks(_train_tensors, 2, cfg, timeout=120)[0]
@@ -329,7 +329,7 @@ def test_training_on_an_imagefolder_over_two_ranks_equals_one_process(tmp_path):
             from PIL import Image
             (tmp_path / "imgs" / c).mkdir(parents=True, exist_ok=True)
             Image.fromarray(rng.randint(0, 256, (4, 4), dtype=np.uint8), mode="L").save(tmp_path / "imgs" / c / f"{i}.png")
-    cfg = TrainConfig(model="mlp", mlp_widths=(8,), dataset=f"imagefolder:{tmp_path / 'imgs'}", max_steps=5, epochs=2,
+    cfg = TrainConfig.from_flags(model="mlp", mlp_widths=(8,), dataset=f"imagefolder:{tmp_path / 'imgs'}", max_steps=5, epochs=2,
                       global_batch_size=12, lr=0.1, lr_schedule="constant", momentum=0.9, seed=2, progress=False,
                       out=str(tmp_path / "run")).validate(2)
     params = run_ranks(_train_tensors, 2, cfg, timeout=120)[0]

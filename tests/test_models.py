@@ -2,10 +2,10 @@ import pytest
 import torch
 
 from distlab.errors import ConfigError
-from distlab.models import TEXT_MODELS, build_model, count_parameters, model_names
+from distlab.models import build_model, count_parameters, is_text_model, model_names
 
 
-@pytest.mark.parametrize("name", [n for n in model_names() if n not in TEXT_MODELS])  # gpt: tests/test_text.py
+@pytest.mark.parametrize("name", [n for n in model_names() if not is_text_model(n)])  # gpt: tests/test_text.py
 @pytest.mark.parametrize("shape", [(3, 32, 32), (1, 28, 28)])
 def test_every_model_maps_images_to_logits_and_trains(name, shape):
     torch.manual_seed(0)
@@ -40,9 +40,9 @@ def test_the_layers_a_pipeline_cuts_compute_the_model(name):
     of any registered model computes that model), and hold every parameter once."""
     from distlab.parallel.pipeline import sequential_layers
     torch.manual_seed(0)
-    shape, classes = ((16,), 256) if name in TEXT_MODELS else ((3, 32, 32), 10)
+    shape, classes = ((16,), 256) if is_text_model(name) else ((3, 32, 32), 10)
     model = build_model(name, shape, classes).eval()
-    x = torch.randint(0, 256, (2, 16)) if name in TEXT_MODELS else torch.randn(2, *shape)
+    x = torch.randint(0, 256, (2, 16)) if is_text_model(name) else torch.randn(2, *shape)
     layers = sequential_layers(model)
     out = x
     for _, layer in layers:

@@ -214,7 +214,7 @@ def test_the_cli_trains_experts_in_parallel_reports_their_load_and_resumes_on_an
     from distlab.train import TrainConfig
     moe = dict(model="gpt-moe", dataset="synthetic-text:6000", n_layer=2, n_embd=16, n_head=2, block_size=16,
                experts=4, global_batch_size=8)
-    for changes, message in (({"zero": 1}, "hold different experts"), ({"model": "gpt"}, "expert_parallel_plan"),
+    for changes, message in (({"zero": 1}, "hold different experts"), ({"model": "gpt", "experts": None}, "expert_parallel_plan"),
                              ({"experts": 3}, "choose an `ep` that divides 3")):
         with pytest.raises(ConfigError, match=message):
             TrainConfig.from_flags(**{**moe, "ep": 2, **changes}).validate(2)

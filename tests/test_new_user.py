@@ -42,9 +42,14 @@ def test_the_header_console_and_summary_say_what_trains_and_how(run_cli, tmp_pat
 def test_a_users_model_is_named_as_what_its_builder_returns(run_cli, tmp_path):
     (tmp_path / "net.py").write_text("from torch import nn\n\ndef build(input_shape, num_classes, width=8):\n"
                                      "    return nn.Sequential(nn.Flatten(), nn.Linear(64, num_classes))\n")
-    proc = run_cli(*MLP, "--model", "net.py:build", "--model-arg", "width=4", "--max-steps", "1", "--out", "run",
+    own = [a for a in MLP if a not in ("--mlp-widths", "16")]
+    proc = run_cli(*own, "--model", "net.py:build", "--model-arg", "width=4", "--max-steps", "1", "--out", "run",
                    check=True)
     assert "(your model: a Sequential that net.py's build(width=4) returns)" in proc.stdout
+    # a family's option given to your own model would do nothing: refused, naming what to give instead
+    proc = run_cli(*own, "--model", "net.py:build", "--mlp-widths", "16", "--max-steps", "1", "--out", "no")
+    assert proc.returncode == 2 and "--mlp-widths is an option of model mlp, mlp-bn" in proc.stderr \
+        and "--model-arg key=value" in proc.stderr, proc.stderr
 
 
 def test_an_article_is_said_as_the_word_is():

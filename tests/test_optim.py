@@ -39,7 +39,7 @@ def _decay_only(rank, world, flags):
     strategy = Strategy(**flags).check(world)
     engine = parallelize(copy.deepcopy(full), strategy,
                          build_mesh(strategy.tp, pp=strategy.pp, cp=strategy.cp, ep=strategy.ep))
-    cfg = TrainConfig(optimizer="adamw", lr=LR, weight_decay=WD, lr_scaling="none")
+    cfg = TrainConfig.from_flags(optimizer="adamw", lr=LR, weight_decay=WD, lr_scaling="none")
     names = [p["name"] for p in placement_of(engine)["params"]]
     optimizer = build_optimizer(engine.parameters(), cfg, names, skip)
     for p in engine.parameters():
@@ -77,7 +77,7 @@ def test_every_schedule_keeps_lambda_lrs_state_and_rates(schedule, warmup):
     snapshot of either reads the same), as do the warm-up's and the cosine's."""
     from distlab.train.config import TrainConfig
     from distlab.train.optim import build_scheduler, lr_multiplier
-    cfg = TrainConfig(lr_schedule=schedule, warmup_steps=warmup)
+    cfg = TrainConfig.from_flags(lr_schedule=schedule, warmup_steps=warmup)
     ours, theirs = (torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1) for _ in range(2))
     mine = build_scheduler(ours, cfg, 10)
     ref = torch.optim.lr_scheduler.LambdaLR(theirs, lambda s: lr_multiplier(s, cfg, 10))

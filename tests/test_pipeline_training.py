@@ -136,7 +136,7 @@ def test_a_pipeline_run_evaluates_reports_and_gathers_the_whole_model():
     whole = build_model("mlp", (1, 8, 8), 4, widths=(32, 16))
     assert list(state) == list(whole.state_dict())  # the single-process model's keys, in its order
     whole.load_state_dict(state)
-    data = TrainConfig(model="mlp", dataset="synthetic:1x8x8:4:256").load("test")
+    data = TrainConfig.from_flags(model="mlp", dataset="synthetic:1x8x8:4:256").load("test")
     alone = evaluate(parallelize(whole, Strategy(), build_mesh(1)), data)
     bound = evaluation_tolerance(whole, *data.batch(torch.arange(len(data))))  # rounding only
     assert abs(alone["test_loss"] - summary["test_loss"]) <= bound  # evaluated along the pipeline

@@ -212,7 +212,7 @@ def test_bench_collectives_launched_across_ranks_records_its_link(committed, tmp
 def _pipeline_state(rank, world, strategies):
     out = []
     for text in strategies:
-        cfg = TrainConfig(model="gpt", dataset="synthetic-text:4000", n_layer=2, n_head=2, n_embd=16,
+        cfg = TrainConfig.from_flags(model="gpt", dataset="synthetic-text:4000", n_layer=2, n_head=2, n_embd=16,
                                      block_size=8, max_steps=2, global_batch_size=8, optimizer="adamw", lr=0.01,
                                      strategy=Strategy.parse(text), progress=False, verbose=False,
                                      eval_every_epoch=False, log_every=1)

@@ -33,8 +33,7 @@ def _summary(cfg, lay: Layout, p: dict, found: dict, shape, classes) -> dict:
     """What a run's summary.json says of itself, had every step taken the predicted time."""
     return {"world_size": lay.world, "model": cfg.model, "dataset": cfg.dataset, "input_shape": list(shape),
             "num_classes": classes, "strategy": cfg.strategy.to_dict(), "optimizer": cfg.optimizer,
-            "config": {"momentum": cfg.momentum, "mlp_widths": list(cfg.mlp_widths), "n_layer": cfg.n_layer,
-                       "n_head": cfg.n_head, "n_embd": cfg.n_embd, "experts": cfg.experts, "top_k": cfg.top_k},
+            "config": {"momentum": cfg.momentum, **cfg.options.to_dict()},
             "global_batch_size": cfg.global_batch_size, "local_batch_size": cfg.global_batch_size // lay.dp,
             "time_per_step_s_median": p["step_s"], "model_state_bytes_per_rank": p["model_state_bytes_per_rank"],
             "trace": {"per_rank": found["ranks"], **{k: found[k] for k in (
@@ -45,8 +44,7 @@ def _summary(cfg, lay: Layout, p: dict, found: dict, shape, classes) -> dict:
 def test_every_verified_layout_is_predicted_drawn_and_validated(case, calibration, tmp_path):
     cfg = config_for(case, WORLD, steps=2)
     shape, classes = dataset_shape(cfg.dataset, cfg.block_size)
-    t = trace(cfg.model, shape, classes, widths=cfg.mlp_widths, n_layer=cfg.n_layer, n_head=cfg.n_head,
-              n_embd=cfg.n_embd, experts=cfg.experts, top_k=cfg.top_k)
+    t = trace(cfg.model, shape, classes, options=cfg.options)
     strategy = cfg.strategy
     lay = Layout(dp=strategy.dp_size(WORLD), strategy=strategy, optimizer=cfg.optimizer, momentum=cfg.momentum,
                  global_batch=cfg.global_batch_size)

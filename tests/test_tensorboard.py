@@ -39,7 +39,7 @@ def test_event_files_hold_the_runs_numbers_at_its_steps(run_cli, tmp_path):
 def test_a_missing_package_is_refused_before_launch_with_the_install_line():
     code = ("import sys; sys.modules['tensorboard'] = None\n"
             "from distlab.train.config import TrainConfig\n"
-            "TrainConfig(dataset='synthetic:1x4x4:3', tensorboard='tb').validate(1)\n")
+            "TrainConfig.from_flags(dataset='synthetic:1x4x4:3', tensorboard='tb').validate(1)\n")
     proc = run_patiently([sys.executable, "-c", code], 120)
     assert proc.returncode != 0 and "pip install tensorboard" in proc.stderr
 

@@ -98,11 +98,11 @@ def test_gpt_is_causal_and_scores_per_token():
 
 def test_models_and_datasets_must_agree_on_the_kind_of_data():
     with pytest.raises(ConfigError, match="use --model gpt"):
-        TrainConfig(model="mlp", dataset="synthetic-text").validate(1)
+        TrainConfig.from_flags(model="mlp", dataset="synthetic-text").validate(1)
     with pytest.raises(ConfigError, match="a text dataset"):
-        TrainConfig(model="gpt", dataset="fashion-mnist").validate(1)
+        TrainConfig.from_flags(model="gpt", dataset="fashion-mnist").validate(1)
     with pytest.raises(ConfigError, match="divisible by `n_head` 3"):
-        TrainConfig(model="gpt", dataset="synthetic-text", n_head=3, n_embd=128).validate(1)
+        TrainConfig.from_flags(model="gpt", dataset="synthetic-text", n_head=3, n_embd=128).validate(1)
 
 
 def test_gpt_learns_from_context_through_the_cli(run_cli, tmp_path):

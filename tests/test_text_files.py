@@ -102,18 +102,18 @@ def test_bpe_is_learned_from_the_training_split_deterministically_and_round_trip
 def test_tokenizer_settings_are_refused_where_they_cannot_work():
     for spec, message in (("bpe:12", "bpe:N with N from 257"), ("words", "unknown `tokenizer`")):
         with pytest.raises(ConfigError, match=message):
-            TrainConfig(model="gpt", dataset="synthetic-text", tokenizer=spec).validate(1)
+            TrainConfig.from_flags(model="gpt", dataset="synthetic-text", tokenizer=spec).validate(1)
     with pytest.raises(ConfigError, match="is for text"):
-        TrainConfig(model="mlp", dataset="synthetic:1x4x4:2", tokenizer="bpe:300").validate(1)
+        TrainConfig.from_flags(model="mlp", dataset="synthetic:1x4x4:2", tokenizer="bpe:300").validate(1)
     with pytest.raises(ConfigError, match="random bytes"):
-        TrainConfig(model="gpt", dataset="synthetic-text", tokenizer="bpe:300").validate(1)
+        TrainConfig.from_flags(model="gpt", dataset="synthetic-text", tokenizer="bpe:300").validate(1)
 
 
 def test_tensor_parallel_splits_the_bpe_vocabulary(tmp_path):
     root = _corpus(tmp_path / "texts", 4)
     with pytest.raises(ConfigError, match=r"the vocabulary 301 is not divisible by 2"):
-        TrainConfig(model="gpt", dataset=f"text:{root}", tokenizer="bpe:301", n_embd=16, n_head=2,
-                    strategy=TrainConfig().strategy.replace(tp=2)).validate(2)
+        TrainConfig.from_flags(model="gpt", dataset=f"text:{root}", tokenizer="bpe:301", n_embd=16, n_head=2,
+                    strategy=TrainConfig.from_flags().strategy.replace(tp=2)).validate(2)
 
 
 def _train(rank, world, cfg):
@@ -128,7 +128,7 @@ def test_bpe_text_over_two_ranks_equals_one_process(tmp_path):
     from distlab.launch.spawn import run_ranks
     from distlab.tools.verify import reference_run, tolerance
     root = _corpus(tmp_path / "texts")
-    cfg = TrainConfig(model="gpt", dataset=f"text:{root}", tokenizer="bpe:300", n_layer=1, n_embd=16, n_head=2,
+    cfg = TrainConfig.from_flags(model="gpt", dataset=f"text:{root}", tokenizer="bpe:300", n_layer=1, n_embd=16, n_head=2,
                       block_size=16, max_steps=4, global_batch_size=8, lr=0.1, lr_schedule="constant", momentum=0.9,
                       seed=3, progress=False, out=str(tmp_path / "run")).validate(2)
     params = run_ranks(_train, 2, cfg, timeout=180)[0]

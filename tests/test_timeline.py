@@ -128,7 +128,7 @@ def test_recording_is_off_outside_the_traced_steps():
 @pytest.mark.parametrize("text,why", [("3", "give `out`"), ("a:b", "A:B"), ("0:2", "count from 1"), ("5:2", "A <= B")])
 def test_unreadable_trace_steps_are_refused(text, why):
     with pytest.raises(ConfigError, match=why):
-        TrainConfig(trace=text, out=None if text == "3" else "run").validate(1)
+        TrainConfig.from_flags(trace=text, out=None if text == "3" else "run").validate(1)
 
 
 def _pipeline(rank, world, cfg):

@@ -208,7 +208,7 @@ def test_sequence_parallel_is_refused_where_it_cannot_apply():
         Strategy.parse("allreduce+sp")
     assert str(Strategy.parse("allreduce+tp=2+sp")) == "allreduce+tp=2+sp"
     with pytest.raises(ConfigError, match="MLP.s tensor-parallel plan declares no sequence-parallel regions"):
-        TrainConfig(model="mlp", strategy=Strategy(tp=2, sequence_parallel=True)).validate(2)
+        TrainConfig.from_flags(model="mlp", strategy=Strategy(tp=2, sequence_parallel=True)).validate(2)
     with pytest.raises(ConfigError, match="`block_size` 9"):
-        TrainConfig(model="gpt", dataset="synthetic-text", block_size=9,
+        TrainConfig.from_flags(model="gpt", dataset="synthetic-text", block_size=9,
                     strategy=Strategy(tp=2, sequence_parallel=True)).validate(2)

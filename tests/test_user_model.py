@@ -126,11 +126,11 @@ def test_a_bad_model_spec_is_one_line_naming_the_file(model_file, tmp_path):
     cases[f"{broken}:build"] = "failed to load: RuntimeError: the file itself fails"
     for spec, message in cases.items():
         with pytest.raises(ConfigError, match=message):
-            TrainConfig(model=spec, dataset="synthetic:3x8x8:4:96").validate(1)._meta_model()
+            TrainConfig.from_flags(model=spec, dataset="synthetic:3x8x8:4:96").validate(1)._meta_model()
     with pytest.raises(ConfigError, match="write it as key=value"):
         _config(model_file, model_args=("width",)).validate(1)
     with pytest.raises(ConfigError, match="are for your own model's builder"):
-        TrainConfig(model="mlp", model_args=("width=3",)).validate(1)
+        TrainConfig.from_flags(model="mlp", model_args=("width=3",)).validate(1)
 
 
 def test_the_cli_trains_your_model_and_the_header_says_where_it_came_from(run_cli, model_file, tmp_path):
@@ -218,7 +218,7 @@ def test_a_model_that_does_not_fit_the_data_is_one_line_before_any_work(tmp_path
     path = tmp_path / "misfits.py"
     path.write_text(MISFITS)
     with pytest.raises(ConfigError, match=message) as info:
-        TrainConfig(model=f"{path}:{builder}", dataset=dataset, block_size=16).validate(1)
+        TrainConfig.from_flags(model=f"{path}:{builder}", dataset=dataset, block_size=16).validate(1)
     assert "\n" not in str(info.value)
 
 

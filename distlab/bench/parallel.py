@@ -73,7 +73,8 @@ OPTIMIZERS = {"adam": 1e-3, "sgd": 0.05}  # optimizer -> learning rate (SGD with
 def config(strategy: Strategy, widths, steps: int, batch: int, dataset: str, optimizer: str = "adam") -> TrainConfig:
     """The run of one cell: the MLP of ``widths``, or (``widths`` None) the default GPT."""
     model = "gpt" if widths is None else "mlp"
-    return TrainConfig(model=model, mlp_widths=tuple(widths or (512, 256)), dataset=dataset, epochs=1000, max_steps=steps,
+    sizes = {"mlp_widths": tuple(widths)} if widths else {}
+    return TrainConfig.from_flags(model=model, **sizes, dataset=dataset, epochs=1000, max_steps=steps,
                        global_batch_size=batch, optimizer=optimizer, lr=OPTIMIZERS[optimizer], momentum=0.9,
                        lr_schedule="constant", seed=0,
                        log_every=steps, progress=False, verbose=False, eval_every_epoch=False,
@@ -131,7 +132,7 @@ def _torch(rank: int, world: int, kind: str, cfg: TrainConfig) -> dict | None:
         dp = 1
         # The block's output is all-reduced forward; backward has nothing to reduce, since the
         # block's input (the images) needs no gradient -- distlab's Megatron layers count the same.
-        act = cfg.global_batch_size * cfg.mlp_widths[1] * 4
+        act = cfg.global_batch_size * cfg.options.mlp_widths[1] * 4
         sent = 2 * (n - 1) * act // n
     else:
         raise ValueError(kind)
@@ -198,12 +199,12 @@ def gpt_tp_bytes(cfg: TrainConfig, n: int, sp: bool) -> int:
     forward and two backward (all-reduces; with ``sp`` each an all-gather plus a reduce-scatter,
     half the bytes apiece); the head's input (all-reduce of its gradient, or all-gather forward and
     reduce-scatter backward); the parallel cross-entropy's three numbers per token."""
-    a = cfg.global_batch_size * cfg.block_size * cfg.n_embd * 4
+    a = cfg.global_batch_size * cfg.block_size * cfg.options.n_embd * 4
     allreduce, half = 2 * (n - 1) * a // n, (n - 1) * a // n
     per_block = 4 * 2 * half if sp else 4 * allreduce
     head = 2 * half if sp else allreduce
     tokens = cfg.global_batch_size * cfg.block_size
-    return allreduce + cfg.n_layer * per_block + head + 3 * 2 * (n - 1) * tokens * 4 // n
+    return allreduce + cfg.options.n_layer * per_block + head + 3 * 2 * (n - 1) * tokens * 4 // n
 
 
 def run(workloads=("mlp", "wide-mlp", "gpt"), strategies=STRATEGIES, nproc: int = 4, steps: int = 20, batch: int = 64,

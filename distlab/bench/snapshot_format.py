@@ -43,7 +43,7 @@ WORKLOADS = {"main": ("allreduce", (512, 256), "sgd"), "wide-mlp-zero3": ("zero=
 
 def _config(workload: str, dataset: str, nproc: int) -> TrainConfig:
     strategy, widths, optimizer = WORKLOADS[workload]
-    return TrainConfig(model="mlp", mlp_widths=widths, dataset=dataset, epochs=1, max_steps=1,
+    return TrainConfig.from_flags(model="mlp", mlp_widths=widths, dataset=dataset, epochs=1, max_steps=1,
                        global_batch_size=16 * nproc, optimizer=optimizer, lr=1e-3, momentum=0.9, seed=0,
                        log_every=1, progress=False, verbose=False, eval_every_epoch=False,
                        strategy=Strategy.parse(strategy)).validate(nproc)

@@ -10,6 +10,7 @@ import sys
 import click
 
 from distlab.errors import ConfigError
+from distlab.cli.model_flags import model_help, model_options
 
 
 COUNT = click.IntRange(min=1)  # how many of something: at least one
@@ -286,26 +287,15 @@ STRATEGY_OPTIONS = [
                         "registered under (DISTLAB_COMPONENTS=NAME=module:Class), colon-separated; applied after "
                         "the built-in ones.")),
 ]
+
+
+MODEL_OPTIONS, CSV_OPTIONS = model_options()  # CSV_OPTIONS: tuples, written comma-separated
 TRAIN_OPTIONS = [
-    ("model", dict(help="Images: mlp, mlp-bn, small-cnn-bn, vgg11, vgg11-bn, vgg19, vgg19-bn, resnet18; text: gpt, gpt-moe (mixture of experts); "
-                   "or your own: path/to/file.py:build or package.module:build (a callable returning an nn.Module).")),
+    ("model", dict(help=model_help())),
     ("model_args", dict(multiple=True, default=(), help="key=value for your model's builder (repeat the flag; "
                         "values read as Python literals: 64, 0.1, True, 'text').")),
-    ("mlp_widths", dict(help="Hidden widths of the MLP, comma-separated.")),
-    ("n_layer", dict(type=int, help="gpt: transformer blocks.")),
-    ("n_head", dict(type=int, help="gpt: attention heads per block (must divide --n-embd).")),
-    ("n_embd", dict(type=int, help="gpt: width of the residual stream.")),
-    ("block_size", dict(type=int, help="gpt: context length in tokens per sample.")),
-    ("experts", dict(type=int, help="gpt-moe: experts per mixture-of-experts layer (every block's MLP).")),
-    ("top_k", dict(type=int, help="gpt-moe: experts each token is routed to (gates: the router's softmax over "
-                   "them, renormalised).")),
-    ("capacity_factor", dict(type=float, default=None, help="gpt-moe: each expert takes at most ceil(F x "
-                             "tokens x top_k / experts) token-slots per forward, the rest dropped and counted "
-                             "(default: dropless).")),
-    ("drop_policy", dict(help="gpt-moe with --capacity-factor: which slots a full expert keeps -- position (the "
-                         "earliest) or probs (those the router gave it the highest probability; DeepSpeed's and "
-                         "Megatron-LM's default).")),
-    ("aux_coef", dict(type=float, help="gpt-moe: weight of the per-sequence load-balancing loss.")),
+    *MODEL_OPTIONS,
+    ("block_size", dict(type=int, help="Text: context length in tokens per sample.")),
     ("dataset", dict(help="Images: fashion-mnist, mnist, cifar10, cifar100, synthetic:CxHxW:K[:N]; text: fortunes, "
                      "synthetic-text[:N]; your own: tensors:FILE (.pt or .npz with inputs and labels), "
                      "imagefolder:DIR (a subfolder of PNG/JPEG images per class), text:PATH (a text file, documents "
@@ -403,8 +393,9 @@ def config_from_flags(kw: dict, table) -> dict:
     """Pop the table's fields from click's ``kw``, converted to the dataclass's types."""
     from distlab.train.config import parse_duration
     values = {name: kw.pop(name) for name, _ in table}
-    if "mlp_widths" in values:
-        values["mlp_widths"] = csv_ints(values["mlp_widths"])
+    for name, _ in MODEL_OPTIONS:
+        if name in CSV_OPTIONS and values.get(name) is not None:
+            values[name] = csv_ints(values[name])
     if "model_args" in values:
         values["model_args"] = tuple(values["model_args"])
     if values.get("pp_balance") is not None:

@@ -1,9 +1,12 @@
 """Models by name. Plain ``nn.Module``s: they know nothing of distribution.
 
-``build_model(name, input_shape, num_classes, **options)``; names: ``mlp`` (``widths``),
+``build_model(name, input_shape, num_classes, options)``; names: ``mlp`` (``mlp_widths``),
 ``vgg11``, ``vgg11-bn``, ``vgg19``, ``vgg19-bn``, ``resnet18``, ``small-cnn-bn`` (two conv + BN
-blocks, for fast checks) for images; ``gpt`` (``n_layer``, ``n_head``, ``n_embd``; the block size
-is the input shape) for text. Adding one is a builder plus a registry line.
+blocks, for fast checks) for images; ``gpt`` and ``gpt-moe`` (``n_layer``, ``n_head``, ``n_embd``,
+``experts`` ...; the block size is the input shape) for text. Each is a family's
+:class:`~distlab.models.spec.ModelSpec` -- a builder, an options dataclass whose fields are its flags,
+whether it is a text model -- registered by the family's own module; :data:`FAMILIES` names that
+module, loaded when a run first asks. Adding a family is its file plus one line there.
 
 **Your own model**: ``path/to/file.py:build`` or ``package.module:build`` names a function or an
 ``nn.Module`` class that returns the model (:func:`load_builder`; anything else -- a standard-library
@@ -36,8 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlab.errors import ConfigError, did_you_mean, first_line, with_article
+from distlab.models.spec import ModelSpec, Options
 
-Builder = Callable[..., nn.Module]
 
 # Each model's module loads when a run builds one (or asks for its class): importing the strategies
 # and the trainer loads none of them (tests/test_architecture.py).
@@ -52,51 +55,53 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _mlp(shape, k, widths=(512, 256), batch_norm=False, **_):
-    from distlab.models.mlp import MLP
-    return MLP(shape, k, tuple(widths), batch_norm=batch_norm)
-
-
-def _vgg(depth, batch_norm):
-    def build(shape, k, **_):
-        from distlab.models.vgg import VGG
-        return VGG(depth, shape, k, batch_norm=batch_norm)
-    return build
-
-
-def _resnet18(shape, k, **_):
-    from distlab.models.resnet import ResNet18
-    return ResNet18(shape, k)
-
-
-def _small_cnn_bn(shape, k, **_):
-    from distlab.models.small_cnn import SmallCNN
-    return SmallCNN(shape, k, batch_norm=True)
-
-
-def _gpt(shape, k, n_layer=2, n_head=4, n_embd=128, **_):
-    from distlab.models.gpt import GPT
-    return GPT(k, shape[0], n_layer, n_head, n_embd)
-
-
-def _gpt_moe(shape, k, n_layer=2, n_head=4, n_embd=128, experts=8, top_k=2, capacity_factor=None, aux_coef=0.01,
-             drop_policy="position", **_):
-    from distlab.models.gpt import GPT
-    return GPT(k, shape[0], n_layer, n_head, n_embd, experts=experts, top_k=top_k, capacity_factor=capacity_factor,
-               aux_coef=aux_coef, drop_policy=drop_policy)
-
-
-REGISTRY: dict[str, Builder] = {
-    "mlp": _mlp,
-    "mlp-bn": lambda shape, k, **options: _mlp(shape, k, **{**options, "batch_norm": True}),
-    "vgg11": _vgg(11, False), "vgg11-bn": _vgg(11, True), "vgg19": _vgg(19, False), "vgg19-bn": _vgg(19, True),
-    "resnet18": _resnet18,
-    "small-cnn-bn": _small_cnn_bn,
-    "gpt": _gpt,
-    "gpt-moe": _gpt_moe,
+# A registered name -> the module that defines its family (and registers its spec when loaded):
+# adding a family is its file plus one line here.
+FAMILIES = {
+    "mlp": "distlab.models.mlp", "mlp-bn": "distlab.models.mlp",
+    "vgg11": "distlab.models.vgg", "vgg11-bn": "distlab.models.vgg", "vgg19": "distlab.models.vgg",
+    "vgg19-bn": "distlab.models.vgg",
+    "resnet18": "distlab.models.resnet",
+    "small-cnn-bn": "distlab.models.small_cnn",
+    "gpt": "distlab.models.gpt", "gpt-moe": "distlab.models.gpt",
 }
-TEXT_MODELS = ("gpt", "gpt-moe")
-MOE_MODELS = ("gpt-moe",)
+_SPECS: dict[str, ModelSpec] = {}
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    """Make ``spec`` a model name of every command and API (a family's module calls it when loaded;
+    a family of your own calls it before the run)."""
+    _SPECS[spec.name] = spec
+    return spec
+
+
+def spec(name: str) -> ModelSpec:
+    """The registered family ``name`` (its module loaded on first use); one line for an unknown name."""
+    if name not in _SPECS and name in FAMILIES:
+        importlib.import_module(FAMILIES[name])
+    if name not in _SPECS:
+        check_model_name(name)
+        raise ConfigError(f"model {name} is your own builder, not a registered family")
+    return _SPECS[name]
+
+
+def specs() -> list[ModelSpec]:
+    """Every registered family, built-in ones first."""
+    return [spec(name) for name in model_names()]
+
+
+def option_owners() -> dict[str, list[str]]:
+    """``{option field: [model names that take it]}`` over every registered family."""
+    owners: dict[str, list[str]] = {}
+    for s in specs():
+        for name in s.options.names():
+            owners.setdefault(name, []).append(s.name)
+    return owners
+
+
+def is_text_model(name: str) -> bool:
+    """Whether ``name`` is a registered language model (your own builder's kind is read from its data)."""
+    return not is_user_model(name) and spec(name).text
 
 
 def snapshot_record(model: nn.Module) -> dict:
@@ -115,7 +120,7 @@ def flops_per_token(model: nn.Module) -> float | None:
 
 
 def model_names() -> list[str]:
-    return list(REGISTRY)
+    return [*FAMILIES, *(n for n in _SPECS if n not in FAMILIES)]
 
 
 def is_user_model(name: str) -> bool:
@@ -126,9 +131,9 @@ def is_user_model(name: str) -> bool:
 def check_model_name(name: str) -> str:
     if is_user_model(name):
         load_builder(name)
-    elif name not in REGISTRY:
-        raise ConfigError(f"unknown model {name!r}{did_you_mean(name, REGISTRY)}; choose one of: "
-                          f"{', '.join(REGISTRY)}, or your own as path/to/file.py:build or package.module:build")
+    elif name not in FAMILIES and name not in _SPECS:
+        raise ConfigError(f"unknown model {name!r}{did_you_mean(name, model_names())}; choose one of: "
+                          f"{', '.join(model_names())}, or your own as path/to/file.py:build or package.module:build")
     return name
 
 
@@ -196,9 +201,20 @@ def parse_model_args(items) -> dict:
     return out
 
 
-def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, **options) -> nn.Module:
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, options: Options | None = None,
+                **values) -> nn.Module:
+    """The model ``name`` for samples of ``input_shape`` and ``num_classes`` classes (a text model's
+    vocabulary): a family's with ``options`` (its :class:`~distlab.models.spec.Options`) or, without,
+    the option ``values`` by field name (others ignored: ``widths`` is ``mlp_widths``); your own
+    builder's with ``model_args``."""
     if not is_user_model(name):
-        return REGISTRY[check_model_name(name)](tuple(input_shape), num_classes, **options)
+        family = spec(check_model_name(name))
+        if options is None:
+            values.setdefault("mlp_widths", values.pop("widths", None))
+            options = family.make_options({k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items()
+                                           if k in family.options.names() and v is not None})
+        return family.build(tuple(input_shape), num_classes, options)
+    options = values
     builder = load_builder(name)
     kwargs = parse_model_args(options.get("model_args"))
     try:
@@ -244,6 +260,6 @@ def task_correct(out: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:
     return int((out.argmax(-1) == y).sum()), int((y != IGNORE_INDEX).sum())
 
 
-__all__ = ["IGNORE_INDEX", "GPT", "MLP", "ResNet18", "SmallCNN", "TEXT_MODELS", "VGG", "build_model", "check_model_name",
-           "count_parameters", "flops_per_token", "is_user_model", "load_builder", "model_names", "parse_model_args",
+__all__ = ["IGNORE_INDEX", "GPT", "MLP", "ResNet18", "ModelSpec", "Options", "SmallCNN", "VGG", "build_model", "check_model_name",
+           "count_parameters", "flops_per_token", "is_text_model", "is_user_model", "load_builder", "model_names", "register", "spec", "specs", "parse_model_args",
            "task_correct", "task_loss"]

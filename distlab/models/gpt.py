@@ -14,6 +14,7 @@ whole heads by splitting the three column-wise and the output projection row-wis
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,9 @@ from torch import nn
 
 from distlab.errors import ConfigError
 from distlab.models.moe import MoE
+from distlab.models import register
 from distlab.models.plans import linear_plan
+from distlab.models.spec import ModelSpec, Options, option
 
 
 class Embedding(nn.Module):
@@ -203,3 +206,84 @@ class GPT(nn.Sequential):
                 residual = ("attn.proj.weight", "mlp.2.weight", "experts.down_weight")
                 std = 0.02 / math.sqrt(2 * self.n_layer) if name.endswith(residual) else 0.02
                 nn.init.normal_(p, 0.0, std)
+
+
+@dataclass(frozen=True)
+class GPTOptions(Options):
+    """The decoder's sizes (``gpt``)."""
+
+    n_layer: int = option(2, "gpt: transformer blocks.")
+    n_head: int = option(4, "gpt: attention heads per block (must divide --n-embd).")
+    n_embd: int = option(128, "gpt: width of the residual stream.")
+
+    def check(self) -> None:
+        for name in ("n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"`{name}` must be at least 1, not {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ConfigError(f"`n_embd` {self.n_embd} must be divisible by `n_head` {self.n_head} (each head gets "
+                              f"n_embd / n_head dimensions)")
+
+    def describe(self) -> str:
+        return f"{self.n_layer} blocks, {self.n_head} heads, width {self.n_embd}"
+
+    def experts_options(self) -> dict:
+        """:class:`GPT`'s mixture-of-experts arguments (none: dense MLPs)."""
+        return {}
+
+
+_ROUTING = "a mixture of experts' routing"
+
+
+@dataclass(frozen=True)
+class GPTMoEOptions(GPTOptions):
+    """``gpt-moe``'s: the decoder's sizes and its mixture-of-experts MLPs."""
+
+    experts: int = option(8, "gpt-moe: experts per mixture-of-experts layer (every block's MLP).", what=_ROUTING)
+    top_k: int = option(2, "gpt-moe: experts each token is routed to (gates: the router's softmax over them, "
+                        "renormalised).", what=_ROUTING)
+    capacity_factor: float | None = option(None, "gpt-moe: each expert takes at most ceil(F x tokens x top_k / "
+                                           "experts) token-slots per forward, the rest dropped and counted "
+                                           "(default: dropless).", what=_ROUTING)
+    drop_policy: str = option("position", "gpt-moe with --capacity-factor: which slots a full expert keeps -- "
+                              "position (the earliest) or probs (those the router gave it the highest "
+                              "probability; DeepSpeed's and Megatron-LM's default).", what=_ROUTING)
+    aux_coef: float = option(0.01, "gpt-moe: weight of the per-sequence load-balancing loss.", what=_ROUTING)
+
+    def check(self) -> None:
+        super().check()
+        if self.experts < 2:
+            raise ConfigError(f"`experts` must be at least 2, not {self.experts}")
+        if not 1 <= self.top_k <= self.experts:
+            raise ConfigError(f"`top_k` {self.top_k} must be between 1 and `experts` {self.experts} (each token goes "
+                              f"to top_k of the experts)")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ConfigError(f"`capacity_factor` must be positive, not {self.capacity_factor:g} (leave it out for "
+                              f"dropless routing)")
+        if not self.aux_coef >= 0:
+            raise ConfigError(f"`aux_coef` must be 0 or more, not {self.aux_coef:g}")
+        from distlab.models.moe import DROP_POLICIES
+        if self.drop_policy not in DROP_POLICIES:
+            raise ConfigError(f"unknown `drop_policy` {self.drop_policy!r}; choose one of: {', '.join(DROP_POLICIES)}")
+        if self.drop_policy != "position" and self.capacity_factor is None:
+            raise ConfigError(f"`drop_policy` {self.drop_policy} picks which slots a full expert drops, and without "
+                              f"`capacity_factor` none is ever dropped: give `capacity_factor` (e.g. 1.25) or drop "
+                              f"`drop_policy`")
+
+    def describe(self) -> str:
+        return (f"{super().describe()}, MLPs of {self.experts} experts, top-{self.top_k}, "
+                + ("dropless" if self.capacity_factor is None else f"capacity factor {self.capacity_factor:g}, a full "
+                   f"expert keeping its {'earliest' if self.drop_policy == 'position' else 'most probable'} slots")
+                + f", balance loss x {self.aux_coef:g}")
+
+    def experts_options(self) -> dict:
+        return dict(experts=self.experts, top_k=self.top_k, capacity_factor=self.capacity_factor,
+                    aux_coef=self.aux_coef, drop_policy=self.drop_policy)
+
+
+def _build(shape, vocab, o: GPTOptions) -> GPT:
+    return GPT(vocab, shape[0], o.n_layer, o.n_head, o.n_embd, **o.experts_options())
+
+
+register(ModelSpec("gpt", _build, GPTOptions, text=True))
+register(ModelSpec("gpt-moe", _build, GPTMoEOptions, text=True, summary="mixture of experts"))

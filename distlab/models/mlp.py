@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from distlab.errors import ConfigError
+from distlab.models import register
 from distlab.models.plans import groups_starting_at, linear_plan
+from distlab.models.spec import ModelSpec, Options, option
 
 
 class MLP(nn.Module):
@@ -45,3 +49,16 @@ class MLP(nn.Module):
     def pipeline_layers(self) -> list[tuple[str, nn.Module]]:
         """The layers in order, under their names here (what a pipeline cuts into stages)."""
         return [(f"net.{i}", layer) for i, layer in enumerate(self.net)]
+
+
+@dataclass(frozen=True)
+class MLPOptions(Options):
+    mlp_widths: tuple[int, ...] = option((512, 256), "Hidden widths of the MLP, comma-separated.", csv=True)
+
+    def check(self) -> None:
+        if not self.mlp_widths or any(w < 1 for w in self.mlp_widths):
+            raise ConfigError(f"`mlp_widths` must be positive integers, not {self.mlp_widths}")
+
+
+register(ModelSpec("mlp", lambda shape, k, o: MLP(shape, k, o.mlp_widths), MLPOptions))
+register(ModelSpec("mlp-bn", lambda shape, k, o: MLP(shape, k, o.mlp_widths, batch_norm=True), MLPOptions))

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from distlab.models import register
+from distlab.models.spec import ModelSpec
+
 
 class BasicBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int):
@@ -47,3 +50,6 @@ class ResNet18(nn.Module):
         """The layers in order, under their names here (what a pipeline cuts into stages)."""
         return ([(f"stem.{i}", m) for i, m in enumerate(self.stem)] + [(f"layers.{i}", m) for i, m in enumerate(self.layers)]
                 + [("pool", self.pool), ("flatten", nn.Flatten()), ("fc", self.fc)])
+
+
+register(ModelSpec("resnet18", lambda shape, k, _: ResNet18(shape, k)))

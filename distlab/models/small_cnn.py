@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from distlab.models import register
 from distlab.models.plans import groups_ending_after
+from distlab.models.spec import ModelSpec
 
 
 class SmallCNN(nn.Module):
@@ -38,3 +40,6 @@ class SmallCNN(nn.Module):
         """The layers in order, under their names here (what a pipeline cuts into stages)."""
         return ([(f"features.{i}", m) for i, m in enumerate(self.features)]
                 + [("pool", self.pool), ("flatten", nn.Flatten()), ("classifier", self.classifier)])
+
+
+register(ModelSpec("small-cnn-bn", lambda shape, k, _: SmallCNN(shape, k, batch_norm=True)))

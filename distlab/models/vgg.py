@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from distlab.models import register
 from distlab.models.plans import groups_ending_after, linear_plan
+from distlab.models.spec import ModelSpec
 
 CONFIGS = {
     11: [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
@@ -61,3 +63,9 @@ class VGG(nn.Module):
         """The layers in order, under their names here (what a pipeline cuts into stages)."""
         return ([(f"features.{i}", m) for i, m in enumerate(self.features)] + [("pool", self.pool)]
                 + [(f"classifier.{i}", m) for i, m in enumerate(self.classifier)])
+
+
+register(ModelSpec("vgg11", lambda shape, k, _: VGG(11, shape, k)))
+register(ModelSpec("vgg11-bn", lambda shape, k, _: VGG(11, shape, k, batch_norm=True)))
+register(ModelSpec("vgg19", lambda shape, k, _: VGG(19, shape, k)))
+register(ModelSpec("vgg19-bn", lambda shape, k, _: VGG(19, shape, k, batch_norm=True)))

@@ -45,12 +45,19 @@ from dataclasses import dataclass
 import torch
 
 from distlab.errors import ConfigError, did_you_mean
+from distlab.models import spec
 from distlab.parallel import COLLECTIVES, SYNC_METHODS, Strategy
 from distlab.parallel.strategy import modifier_words
 from distlab.train.config import TrainConfig
 
 EPS32 = torch.finfo(torch.float32).eps
-CASE_MODELS = ("gpt", "gpt-moe")  # +gpt: the transformer; +gpt-moe: with mixture-of-experts MLPs (8 experts, top 2)
+
+
+def case_models() -> tuple[str, ...]:
+    """The model words of a case: every registered language model (+gpt: the transformer; +gpt-moe:
+    with mixture-of-experts MLPs, 8 experts, top 2), a family of your own registered beside them."""
+    from distlab.models import specs
+    return tuple(s.name for s in specs() if s.text)
 CLIP_NORM = 0.02  # +clip: the max-norm, below every step's gradient norm on verify's models (each step is clipped)
 SMOOTHING = 0.1  # +smooth: the training loss's label smoothing
 SMALL_BUCKET_MB = 0.004  # several buckets on the tiny models below (unless a strategy sets bucket=)
@@ -90,20 +97,20 @@ def parse_strategy(text: str) -> Case:
     masked = "mask" in tokens
     tokens = [t for t in tokens if t not in ("clip", "smooth", "mask")]
     for t in tokens[1:]:
-        hint = did_you_mean(t, (*CASE_MODELS, "adam", "clip", "smooth", "mask"),
+        hint = did_you_mean(t, (*case_models(), "adam", "clip", "smooth", "mask"),
                             {"moe": "gpt-moe", "transformer": "gpt", "adamw": "adam", "masked": "mask"})
-        if hint and t not in (*CASE_MODELS, "adam", *modifier_words()) and "=" not in t:
+        if hint and t not in (*case_models(), "adam", *modifier_words()) and "=" not in t:
             raise ConfigError(f"strategy {text!r}: {t!r} is not a modifier{hint} (verify's models: +gpt, +gpt-moe; "
                               f"its optimizer: +adam; +clip clips gradients by their global norm; +smooth smooths "
                               f"the loss's labels; +mask ignores a share of the transformer's targets)")
-    model = next((t for t in tokens if t in CASE_MODELS), None)
+    model = next((t for t in tokens if t in case_models()), None)
     if masked and not model:
         raise ConfigError(f"{text}: +mask ignores a share of a transformer's next-token targets; add +gpt or +gpt-moe")
     if model and "adam" in tokens:
         raise ConfigError(f"{text}: Adam on the transformer has no float32 tolerance to verify against -- it divides "
                           f"each gradient entry by its own size, so entries whose gradient is rounding noise move by "
                           f"up to lr either way; verify the transformer with SGD (drop +adam)")
-    rest = "+".join(t for t in tokens if t not in ("adam", *CASE_MODELS))
+    rest = "+".join(t for t in tokens if t not in ("adam", *case_models()))
     return Case(Strategy.parse(rest) if rest else Strategy(), "adam" if "adam" in tokens else "sgd", model, clip,
                 smoothing, masked)
 
@@ -174,11 +181,13 @@ def config_for(case: Case, world_size: int, steps: int, global_batch: int | None
     bn = strategy.sync_bn != "off"
     mine, data = model, dataset
     model, dataset = ("small-cnn-bn", "synthetic:3x8x8:4:480") if bn else ("mlp", "synthetic:1x8x8:4:480")
-    if case.model in CASE_MODELS:
+    if case.model in case_models():
         model, dataset = case.model, f"synthetic-text:4000:masked={MASKED}" if case.masked else "synthetic-text:4000"
     if mine:
         model, dataset = mine, data or USER_DATASET
-    return TrainConfig(model=model, model_args=tuple(model_args) if mine else (), mlp_widths=(32, 16), n_layer=2, n_head=4, n_embd=16, block_size=8,
+    small = {"mlp_widths": (32, 16), "n_layer": 2, "n_head": 4, "n_embd": 16}
+    sizes = {} if mine else {k: v for k, v in small.items() if k in spec(model).options.names()}
+    return TrainConfig.from_flags(model=model, model_args=tuple(model_args) if mine else (), **sizes, block_size=8,
                        dataset=dataset, epochs=max(1, steps), max_steps=steps,
                        global_batch_size=batch, lr=0.005 if case.optimizer == "adam" else 0.05,
                        lr_schedule="constant", momentum=0.9, optimizer=case.optimizer, seed=seed, log_every=1,

@@ -14,12 +14,13 @@ from __future__ import annotations
 import math
 
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 from distlab.data import canonical_name, dataset_shape, is_text, load_dataset
 from distlab.data.tokenizer import vocab_size as tokenizer_vocab
 from distlab.errors import ConfigError, did_you_mean, first_line
-from distlab.models import MOE_MODELS, TEXT_MODELS, check_model_name, is_user_model, parse_model_args
+from distlab.models import check_model_name, is_text_model, is_user_model, option_owners, parse_model_args, spec, specs
+from distlab.models.spec import Options
 from distlab.parallel import Strategy
 from distlab.train.model_fit import check_fit
 
@@ -48,16 +49,8 @@ def parse_duration(text: str | float | None) -> float | None:
 class TrainConfig:
     model: str = "mlp"      # a registered name, or your own: path/to/file.py:build, package.module:build
     model_args: tuple[str, ...] = ()  # your model's builder arguments, key=value
-    mlp_widths: tuple[int, ...] = (512, 256)
-    n_layer: int = 2        # gpt: transformer blocks
-    n_head: int = 4         # gpt: attention heads per block
-    n_embd: int = 128       # gpt: width of the residual stream
-    block_size: int = 64    # gpt: tokens per sample (context length)
-    experts: int = 8        # gpt-moe: experts per mixture-of-experts layer
-    top_k: int = 2          # gpt-moe: experts each token is sent to
-    capacity_factor: float | None = None  # gpt-moe: None is dropless; else each expert takes ceil(f x slots / E)
-    drop_policy: str = "position"  # gpt-moe with a capacity: a full expert keeps its earliest or most probable slots
-    aux_coef: float = 0.01  # gpt-moe: weight of the load-balancing loss
+    options: Options | None = None  # the model family's (distlab.models.spec): None is its defaults
+    block_size: int = 64    # text: tokens per sample (context length)
     dataset: str = "fashion-mnist"
     tokenizer: str = "bytes"  # text: bytes, or bpe:N learned from the training split (distlab.data.tokenizer)
     data_dir: str | None = None
@@ -100,18 +93,33 @@ class TrainConfig:
     verbose: bool = True  # rank 0 prints a line per log step and evaluation
     timing_warmup_steps: int = 5
 
+    def __post_init__(self) -> None:
+        if self.options is None and not is_user_model(self.model):
+            try:
+                self.options = spec(self.model).options()
+            except ConfigError:
+                pass  # an unknown name: validate() says so
+
     @classmethod
     def from_flags(cls, **values) -> "TrainConfig":
         """A config from one flat mapping of field names: the strategy's fields (``dp_sync``, ``zero``,
-        ``tp`` ...) go into :attr:`strategy`, the rest are this class's own. Unknown names are refused."""
-        own = {f.name for f in fields(cls)} - {"strategy"}
+        ``tp`` ...) go into :attr:`strategy`, the model family's options (``n_layer``, ``mlp_widths`` ...)
+        into :attr:`options` (None: the family's default), the rest are this class's own. Unknown names,
+        and options the model does not take, are refused."""
+        own = {f.name for f in fields(cls)}
         theirs = {f.name for f in fields(Strategy)}
-        unknown = set(values) - own - theirs
+        owners = option_owners()
+        unknown = set(values) - own - theirs - set(owners)
         if unknown:
             raise ConfigError(f"unknown training setting(s): {', '.join(sorted(unknown))}")
         changes = {k: values.pop(k) for k in list(values) if k in theirs}
+        given = {k: values.pop(k) for k in list(values) if k in owners}
+        given = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items() if v is not None}
         base = values.pop("strategy", None)
         strategy = base.replace(**changes) if base is not None else Strategy(**changes)
+        model = values.get("model", cls.model)
+        if given and not values.get("options"):
+            values["options"] = _options_of(model, given, owners)
         return cls(strategy=strategy, **values)
 
     def total_steps(self, steps_per_epoch: int) -> int:
@@ -140,8 +148,8 @@ class TrainConfig:
 
     def validate(self, world_size: int) -> "TrainConfig":
         """Check every field against the others and the world size; raise ConfigError naming numbers."""
-        for owner in (self, self.strategy):  # nan and inf pass every comparison below: refuse them first
-            for f in fields(owner):
+        for owner in (self, self.strategy, *([self.options] if self.options is not None else [])):
+            for f in fields(owner):  # nan and inf pass every comparison below: refuse them first
                 value = getattr(owner, f.name)
                 if isinstance(value, float) and not math.isfinite(value):
                     raise ConfigError(f"`{f.name}` must be a finite number, not {value}")
@@ -215,13 +223,8 @@ class TrainConfig:
             raise ConfigError("`resume` auto picks the newest snapshot in `snapshot_dir`: give `snapshot_dir`")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise ConfigError(f"`time_budget` must be positive, not {self.time_budget_s:g}s")
-        if any(w < 1 for w in self.mlp_widths):
-            raise ConfigError(f"`mlp_widths` must be positive integers, not {self.mlp_widths}")
-        for name in ("n_layer", "n_head", "n_embd", "block_size"):
-            _at_least(name, getattr(self, name), 1)
-        if self.n_embd % self.n_head:
-            raise ConfigError(f"`n_embd` {self.n_embd} must be divisible by `n_head` {self.n_head} (each head gets "
-                              f"n_embd / n_head dimensions)")
+        _at_least("block_size", self.block_size, 1)
+        self._check_options()
         if self.sample_every and not is_text(self.dataset):
             raise ConfigError(f"`sample_every` prints text a language model generates; model {self.model} on "
                               f"{self.dataset} does not generate text (drop `sample_every`)")
@@ -229,13 +232,6 @@ class TrainConfig:
         if self.model_args and not is_user_model(self.model):
             raise ConfigError(f"`model_args` are for your own model's builder (--model file.py:build); model "
                               f"{self.model} takes its own flags")
-        if self.model in MOE_MODELS:
-            self._check_experts()
-        else:  # a mixture of experts' routing settings on a model without one would do nothing
-            for name, unset in (("capacity_factor", None), ("drop_policy", "position")):
-                if getattr(self, name) != unset:
-                    raise ConfigError(f"`{name}` is for a mixture of experts' routing (--model "
-                                      f"{', '.join(MOE_MODELS)}); model {self.model} has no experts: drop `{name}`")
         self._check_components()
         if is_user_model(self.model):
             check_fit(self, self._meta_model())
@@ -246,7 +242,7 @@ class TrainConfig:
             self._check_pipeline()
         if self.strategy.sync_bn != "off":
             self._check_batch_norm()
-        text_model, text_data = self.model in TEXT_MODELS, is_text(self.dataset)
+        text_model, text_data = is_text_model(self.model), is_text(self.dataset)
         if text_model != text_data and not is_user_model(self.model):
             raise ConfigError(f"model {self.model} {'predicts tokens' if text_model else 'classifies images'} but "
                               f"dataset {self.dataset} is {'text' if text_data else 'images'}: use "
@@ -277,22 +273,18 @@ class TrainConfig:
             if check is not None:
                 check(net, self.strategy, shape)
 
-    def _check_experts(self) -> None:
-        _at_least("experts", self.experts, 2)
-        if not 1 <= self.top_k <= self.experts:
-            raise ConfigError(f"`top_k` {self.top_k} must be between 1 and `experts` {self.experts} (each token goes "
-                              f"to top_k of the experts)")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ConfigError(f"`capacity_factor` must be positive, not {self.capacity_factor:g} (leave it out for "
-                              f"dropless routing)")
-        if not self.aux_coef >= 0:
-            raise ConfigError(f"`aux_coef` must be 0 or more, not {self.aux_coef:g}")
-        from distlab.models.moe import DROP_POLICIES  # a mixture of experts is being built anyway
-        _choice("drop_policy", self.drop_policy, DROP_POLICIES)
-        if self.drop_policy != "position" and self.capacity_factor is None:
-            raise ConfigError(f"`drop_policy` {self.drop_policy} picks which slots a full expert drops, and without "
-                              f"`capacity_factor` none is ever dropped: give `capacity_factor` (e.g. 1.25) or drop "
-                              f"`drop_policy`")
+    def _check_options(self) -> None:
+        """The options are the model family's and within its limits; your own model takes `model_args`."""
+        if is_user_model(self.model):
+            if self.options is not None:
+                raise ConfigError(f"model {self.model} is your own builder: give its arguments as `model_args` "
+                                  f"key=value, not a family's options")
+            return
+        family = spec(self.model)
+        if type(self.options) is not family.options:
+            raise ConfigError(f"model {self.model} takes {family.options.__name__}, not "
+                              f"{type(self.options).__name__}")
+        self.options.check()
 
     def _check_pipeline(self) -> None:
         """The model must cut into `pp` stages, each with parameters (cut on a model built without memory)."""
@@ -318,11 +310,8 @@ class TrainConfig:
                               f"small-cnn-bn, mlp-bn, resnet18)")
 
     def model_options(self) -> dict:
-        """The builder options of :func:`distlab.models.build_model` for this config's model."""
-        return {"widths": self.mlp_widths, "n_layer": self.n_layer, "n_head": self.n_head, "n_embd": self.n_embd,
-                "model_args": self.model_args,
-                **({"experts": self.experts, "top_k": self.top_k, "capacity_factor": self.capacity_factor,
-                    "aux_coef": self.aux_coef, "drop_policy": self.drop_policy} if self.model in MOE_MODELS else {})}
+        """The keyword arguments of :func:`distlab.models.build_model` for this config's model."""
+        return {"options": self.options, "model_args": self.model_args}
 
     def load(self, split: str):
         """This config's dataset, ``split`` "train" or "test"."""
@@ -370,7 +359,9 @@ class TrainConfig:
         except RecursionError:
             raise ConfigError(f"--config {path} is nested too deeply to be a settings file (distlab's are flat: "
                               f"key = value)") from None
-        types = {f.name: str(f.type) for owner in (cls, Strategy) for f in fields(owner) if f.name != "strategy"}
+        types = {f.name: str(f.type) for owner in (cls, Strategy) for f in fields(owner)
+                 if f.name not in ("strategy", "options")}
+        types |= {f.name: str(f.type) for family in specs() for f in fields(family.options)}
         out = {}
         for written, value in values.items():
             key = CONFIG_ALIASES.get(written.replace("-", "_"), written.replace("-", "_"))
@@ -396,9 +387,12 @@ class TrainConfig:
         return out
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["mlp_widths"] = list(self.mlp_widths)
-        d["model_args"] = list(self.model_args)
+        """Every field by name, flat: the options' fields beside the others (as the flags are), the
+        strategy as its own dict."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("strategy", "options")}
+        d = {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+        if self.options is not None:
+            d |= self.options.to_dict()
         d["strategy"] = self.strategy.to_dict()
         return d
 
@@ -445,3 +439,20 @@ def _choice(name: str, value, allowed) -> None:
 def _at_least(name: str, value: int, low: int) -> None:
     if value < low:
         raise ConfigError(f"`{name}` must be at least {low}, not {value}")
+
+
+def _options_of(model: str, given: dict, owners: dict[str, list[str]]) -> Options:
+    """``model``'s options from the flags ``given``; one line naming a flag the model does not take."""
+    if is_user_model(model):
+        name = sorted(given)[0]
+        raise ConfigError(f"`{name}` is an option of model {', '.join(owners[name])}; your own model {model} takes "
+                          f"its arguments as `model_args` key=value: drop `{name}`")
+    family = spec(check_model_name(model))
+    for name in sorted(given):
+        if name not in family.options.names():
+            meta = next(f.metadata for s in specs() if s.name == owners[name][0] for f in fields(s.options)
+                        if f.name == name)
+            what = f"for {meta['what']}" if meta.get("what") else "an option"
+            raise ConfigError(f"`{name}` is {what} (--model {', '.join(owners[name])}); model {model} has no such "
+                              f"option: drop `{name}`")
+    return family.make_options(given)

@@ -109,13 +109,10 @@ def header(trainer) -> list[str]:
     lines.append(f"         {trainer.data_where}")
     lines.append(f"         {_evaluation_words(trainer)}")
     per_rank = count_parameters(trainer.engine.module)
-    moe = "" if cfg.model != "gpt-moe" else (
-        f", MLPs of {cfg.experts} experts, top-{cfg.top_k}, "
-        + ("dropless" if cfg.capacity_factor is None else f"capacity factor {cfg.capacity_factor:g}, a full expert "
-           f"keeping its {'earliest' if cfg.drop_policy == 'position' else 'most probable'} slots")
-        + f", balance loss x {cfg.aux_coef:g}")
-    shape = (f" ({cfg.n_layer} blocks, {cfg.n_head} heads, width {cfg.n_embd}, context {cfg.block_size}{moe})"
-             if hasattr(data, "unigram_entropy") and not is_user_model(cfg.model) else "")
+    described = cfg.options.describe() if cfg.options is not None else ""
+    if hasattr(data, "unigram_entropy"):
+        described = ", ".join(filter(None, (described, f"context {cfg.block_size}")))
+    shape = f" ({described})" if described and not is_user_model(cfg.model) else ""
     if is_user_model(cfg.model):  # where it came from
         where, _, name = cfg.model.rpartition(":")
         args = ", ".join(cfg.model_args)
