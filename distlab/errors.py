@@ -85,3 +85,11 @@ def did_you_mean(word: str, choices, synonyms: dict | None = None) -> str:
         close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
         hit = close[0] if close else None
     return f" (did you mean {hit}?)" if hit else ""
+
+
+def human_bytes(nbytes) -> str:
+    """Bytes in the unit that reads best: 512 B, 3.1 KiB, 2.04 MiB, 1.2 GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"

@@ -133,6 +133,14 @@ def test_the_engine_and_evaluation_never_ask_which_strategy_they_hold():
 MODEL_CONTRACTS = {"distlab.models.plans", "distlab.models.aux_loss", "distlab.models.spec"}
 
 
+def test_the_tools_never_import_a_benchmark():
+    """Benchmarks use the tools (plots, summaries), never the other way: a tool that needs something a
+    benchmark has takes it from below (machine facts from the runtime, byte words from errors)."""
+    found = sorted(f"{module} -> {t}" for module, targets in GRAPH.items() if module.startswith("distlab.tools")
+                   for t, _ in targets if t.startswith("distlab.bench"))
+    assert not found, found
+
+
 def test_no_parallel_module_imports_a_concrete_model():
     concrete = {m for m in MODULES if m.startswith("distlab.models.") and m not in MODEL_CONTRACTS}
     for module, targets in GRAPH.items():

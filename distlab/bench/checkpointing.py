@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from distlab.bench.common import at_least, choose, format_table, human_bytes, machine, write
-from distlab.errors import ConfigError
+from distlab.bench.common import at_least, choose, format_table, machine, write
+from distlab.errors import ConfigError, human_bytes
 from distlab.launch.spawn import run_ranks
 from distlab.models import build_model, task_loss
 from distlab.parallel.checkpointing import apply_activation_checkpointing, block_names

@@ -1,23 +1,15 @@
-"""What every benchmark suite shares: the machine facts stamped on each record, and writing JSON."""
+"""What every benchmark suite shares: the machine facts stamped on each record (``machine``), and writing JSON."""
 
 from __future__ import annotations
 
-import datetime
 import json
-import platform
 from pathlib import Path
 
-import torch
 
 from distlab.errors import ConfigError
 from distlab.runtime import cores
+from distlab.runtime.device import machine_facts
 from distlab.train.metrics import atomic_write_text
-
-
-def machine_facts() -> dict:
-    """Where and when a record was made: torch, host, cores, date (UTC)."""
-    return {"cores": cores(), "torch_version": torch.__version__, "host": platform.node(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def machine(ranks: int, threads_per_rank: int) -> dict:
@@ -92,9 +84,3 @@ def fresh_run_dir(path: str | Path) -> Path:
     return path
 
 
-def human_bytes(nbytes) -> str:
-    """Bytes in the unit that reads best: 512 B, 3.1 KiB, 2.04 MiB, 1.2 GiB."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.0f} B"

@@ -27,12 +27,12 @@ is taken; the table gives the median ratio of the rounds and their range.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 
 import torch
 
 from distlab.bench.common import at_least, choose, format_table, machine, write
 from distlab.train.config import TrainConfig
+from distlab.tools.overhead_summary import figure, summarize
 
 WORKLOADS = {"mlp": dict(model="mlp", mlp_widths=(512, 256), dataset="fashion-mnist", global_batch_size=64),
              "gpt": dict(model="gpt", dataset="synthetic-text", global_batch_size=32),
@@ -167,34 +167,6 @@ def run(workloads=("mlp",), precisions=("fp32",), steps: int = 300, runs: int = 
     return records
 
 
-COMPILED_RATIOS = {"compiled_ratio": ("distlab-compiled", "plain-compiled"),  # both compiled: distlab's cost
-                   "compile_speedup": ("distlab", "distlab-compiled")}  # what compiling gains distlab's step
-
-
-def _ratios(by: dict, a: str, b: str) -> list[float]:
-    return [by[a][k] / by[b][k] for k in by.get(a, {}) if k in by.get(b, {})]
-
-
-def summarize(records: list[dict]) -> list[dict]:
-    """Per workload x precision: each side's median step (median over rounds) and distlab / plain per
-    round -- median and range."""
-    rows = []
-    for key in dict.fromkeys((r["workload"], r["precision"], r["device"]) for r in records):
-        mine = [r for r in records if (r["workload"], r["precision"], r["device"]) == key]
-        by = {side: {r["round"]: r["time_per_step_s_median"] for r in mine if r["side"] == side}
-              for side in dict.fromkeys(r["side"] for r in mine)}
-        ratios = _ratios(by, "distlab", "plain")
-        row = {"workload": key[0], "precision": key[1], "device": key[2], "rounds": len(ratios),
-               **{f"{side}_s": statistics.median(v.values()) for side, v in by.items()},
-               "ratio_median": statistics.median(ratios) if ratios else None,
-               "ratio_min": min(ratios, default=None), "ratio_max": max(ratios, default=None)}
-        for name, (a, b) in COMPILED_RATIOS.items():  # with --compile: per round, like the ratio above
-            if (got := _ratios(by, a, b)):
-                row.update({f"{name}_median": statistics.median(got), f"{name}_min": min(got), f"{name}_max": max(got)})
-        rows.append(row)
-    return rows
-
-
 def table(records: list[dict], markdown: bool = False) -> str:
     rows = summarize(records)
     resident = any("plain-resident_s" in r for r in rows)
@@ -219,20 +191,6 @@ def _compiled_cells(r: dict) -> list[str]:
     return [f"{1e3 * r['plain-compiled_s']:.2f}", f"{1e3 * r['distlab-compiled_s']:.2f}",
             f"{r['compiled_ratio_median']:.2f}x", f"{r['compiled_ratio_min']:.2f}-{r['compiled_ratio_max']:.2f}",
             f"{r['compile_speedup_median']:.2f}x", f"{r['compile_speedup_min']:.2f}-{r['compile_speedup_max']:.2f}"]
-
-
-def figure(records: list[dict]):
-    """The bar chart of distlab / plain per workload and precision (median, range of the rounds)."""
-    from distlab.tools.plots import pyplot
-    plt = pyplot()
-    rows = summarize(records)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar([f"{r['workload']} {r['precision']}" for r in rows], [r["ratio_median"] for r in rows],
-           yerr=[[r["ratio_median"] - r["ratio_min"] for r in rows], [r["ratio_max"] - r["ratio_median"] for r in rows]],
-           capsize=4)
-    ax.axhline(1.0, color="grey", lw=1, ls="--")
-    ax.set(ylabel="distlab / plain loop (median step)", title=f"single-process overhead on {rows[0]['device']}")
-    return fig
 
 
 def plot(records: list[dict], directory) -> list:

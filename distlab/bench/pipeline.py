@@ -34,9 +34,10 @@ import time
 
 import torch
 
-from distlab.bench.common import at_least, choose, cores, format_table, human_bytes, machine, write
-from distlab.parallel.pipeline import ideal_bubble
+from distlab.bench.common import at_least, choose, cores, format_table, machine, write
+from distlab.errors import human_bytes
 from distlab.launch.spawn import run_ranks
+from distlab.parallel.pipeline import ideal_bubble
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "interleaved-zb")
 TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",

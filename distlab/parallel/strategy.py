@@ -64,7 +64,7 @@ from distlab.parallel.sync_bn import MODES as SYNC_BN
 from distlab.parallel.tensor_parallel import STYLES as TP_STYLES
 from distlab.parallel.zero import STAGES as ZERO_STAGES
 PRECISIONS = ("fp32", "bf16", "fp16")
-DEFAULT_DP_SYNC = "bucketed"  # the fastest exact method on CPU/gloo (README, data-parallel table)
+DEFAULT_DP_SYNC = "bucketed"  # the fastest exact method on CPU/gloo (docs/RESULTS.md, data parallel)
 ZERO_DP_SYNC = "allreduce"    # what a ZeRO strategy records: its gradients are reduced after backward
 
 _KEYS = {"reduce": "reduce_dtype", "compress": "grad_compression", "accum": "grad_accum", "bucket": "bucket_mb", "style": "tp_style", "method": "dp_sync", "syncbn": "sync_bn",

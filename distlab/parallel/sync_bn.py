@@ -120,7 +120,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
     ``collective``: the all-reduce algorithm (:mod:`distlab.comm`). ``auto`` = NCCL's own on
     NCCL groups, else ``butterfly``: the reductions are tiny (``2C+1`` numbers), so latency is
     everything, and on gloo the butterfly took 0.6 ms where gloo's own all-reduce took 3 ms
-    (1e3 elements, 2 ranks; see the README's collectives table).
+    (1e3 elements, 2 ranks; see docs/RESULTS.md's collectives table).
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,

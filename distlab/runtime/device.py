@@ -5,8 +5,10 @@ before a run (:func:`busy_machine`: a machine too busy for its timings to mean m
 from __future__ import annotations
 
 import ctypes
+import datetime
 import ipaddress
 import os
+import platform
 import re
 import socket
 import sys
@@ -202,3 +204,9 @@ def peak_of(name: str, precision: str) -> tuple[float | None, str]:
             if peak is not None:
                 return peak, f"{name}: {peak:g} dense {precision} TFLOP/s (data sheet)"
     return None, f"{name}: no known {precision} peak: give --peak-tflops for MFU"
+
+
+def machine_facts() -> dict:
+    """Where and when a record was made: torch, host, cores, date (UTC)."""
+    return {"cores": cores(), "torch_version": torch.__version__, "host": platform.node(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

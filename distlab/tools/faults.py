@@ -287,7 +287,7 @@ RUNNERS = {"kill": drill_kill, "kill-in-snapshot": drill_kill_in_snapshot, "pree
 
 def run_drills(case, world_size: int, steps: int, workdir: str, drills=DRILLS, timeout: float = 600.0) -> list[dict]:
     """Every drill in ``drills`` for one strategy; one record each (``passed`` None: skipped, with why)."""
-    from distlab.bench.common import machine_facts
+    from distlab.runtime.device import machine_facts
     unknown = [d for d in drills if d not in RUNNERS]
     if unknown:
         raise ConfigError(f"unknown fault drill {unknown[0]!r}; choose from: {', '.join(DRILLS + OPT_IN)}")

@@ -339,7 +339,7 @@ def verify(strategies: list[Case], world_size: int, steps: int = 10, global_batc
 
     configs = [config_for(s, world_size, steps, global_batch, **model) for s in strategies]
     results = run_ranks(_distributed_runs, world_size, configs, timeout=timeout)[0]
-    from distlab.bench.common import machine_facts
+    from distlab.runtime.device import machine_facts
     records, facts = [], machine_facts()
     for strategy, cfg, (params, losses, norms, graphs) in zip(strategies, configs, results):
         ref_norms: list[float] = []

@@ -2,11 +2,9 @@
 
 The layout lives in one :class:`~distlab.parallel.Strategy` field; everything else (model, data,
 optimizer, schedule, snapshots, outputs) is a plain field here. Messages name fields in
-backquotes (`global_batch_size`): the command line shows them as its flags.
-
-**Size.** One dataclass of every training setting beside its checks: each field's validation sits with
-the fields it is checked against (a capacity with its drop policy, an evaluation cap with its batch),
-and the config-file reading shares the same names.
+backquotes (`global_batch_size`): the command line shows them as its flags. The model family's own
+settings are its options object (:mod:`distlab.models.spec`), checked by the family; the settings
+file, ``--config``, is :mod:`distlab.train.config_file`.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from dataclasses import dataclass, field, fields
 
 from distlab.data import canonical_name, dataset_shape, is_text, load_dataset
 from distlab.data.tokenizer import vocab_size as tokenizer_vocab
-from distlab.errors import ConfigError, did_you_mean, first_line
+from distlab.errors import ConfigError
 from distlab.models import check_model_name, is_text_model, is_user_model, option_owners, parse_model_args, spec, specs
 from distlab.models.spec import Options
 from distlab.parallel import Strategy
@@ -330,61 +328,15 @@ class TrainConfig:
         return self.lr * self.lr_factor()
 
     def to_toml(self) -> str:
-        """This config as a TOML file ``distlab train --config`` reads: every setting of what is trained,
-        flat (the strategy's fields beside the others, as the flags are), not where its outputs go."""
-        import tomli_w
-        flat = {**{k: v for k, v in self.to_dict().items() if k != "strategy"}, **self.strategy.to_dict()}
-        flat = {k: list(v) if isinstance(v, tuple) else v for k, v in flat.items()
-                if v is not None and k not in RUN_PLACE}
-        return "# distlab train --config this file (flags given beside it override it)\n" + tomli_w.dumps(flat)
+        """This config as a TOML file ``distlab train --config`` reads (:mod:`distlab.train.config_file`)."""
+        from distlab.train.config_file import config_file_text
+        return config_file_text(self)
 
     @classmethod
     def read_toml(cls, path: str) -> dict:
-        """A ``--config`` file's settings by field name (lists as tuples); one line naming the file and
-        the key for anything wrong. Keys are the flags' names with underscores (``model_arg``,
-        ``time_budget`` and ``batch_size`` as the flags spell them, or the fields' own names); where a
-        run writes (:data:`COMMAND_LINE_ONLY`) is refused: a file copied from another run must not write
-        into that run's directories."""
-        try:
-            import tomllib
-        except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
-            import tomli as tomllib
-        try:
-            with open(path, "rb") as f:
-                values = tomllib.load(f)
-        except OSError as exc:
-            raise ConfigError(f"--config {path}: {exc.strerror or exc}") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError, ValueError) as exc:
-            raise ConfigError(f"--config {path} is not TOML: {first_line(exc, 160)}") from None
-        except RecursionError:
-            raise ConfigError(f"--config {path} is nested too deeply to be a settings file (distlab's are flat: "
-                              f"key = value)") from None
-        types = {f.name: str(f.type) for owner in (cls, Strategy) for f in fields(owner)
-                 if f.name not in ("strategy", "options")}
-        types |= {f.name: str(f.type) for family in specs() for f in fields(family.options)}
-        out = {}
-        for written, value in values.items():
-            key = CONFIG_ALIASES.get(written.replace("-", "_"), written.replace("-", "_"))
-            if key in COMMAND_LINE_ONLY:
-                raise ConfigError(f"--config {path}: {written} is where a run writes or what it resumes, which only "
-                                  f"the command line says (--{key.replace('_', '-')}), so a settings file copied "
-                                  f"from another run never writes into its directories: remove it from the file")
-            if key in LAUNCH_SETTINGS:
-                raise ConfigError(f"--config {path}: {written} is a launch setting -- how many processes, where, on "
-                                  f"which device, with how many threads -- not a training setting the file holds: "
-                                  f"pass --{key.replace('_', '-')} on the command line beside --config")
-            if key not in types:
-                hint = did_you_mean(written, [*types, *CONFIG_ALIASES], CONFIG_SYNONYMS)
-                raise ConfigError(f"--config {path}: unknown setting {written!r}{hint} (the file's keys are the "
-                                  f"flags' names with underscores, e.g. global_batch_size)")
-            if key == "time_budget_s" and isinstance(value, str):
-                value = parse_duration(value)
-            if not _of_type(value, types[key]):
-                raise ConfigError(f"--config {path}: {written} = {value!r} is not a {types[key].replace(' | None', '')}")
-            if key in out:
-                raise ConfigError(f"--config {path}: {key} is set twice (as {written} and another spelling)")
-            out[key] = tuple(value) if isinstance(value, list) else value
-        return out
+        """A ``--config`` file's settings by field name (:mod:`distlab.train.config_file`)."""
+        from distlab.train.config_file import read_config_file
+        return read_config_file(path)
 
     def to_dict(self) -> dict:
         """Every field by name, flat: the options' fields beside the others (as the flags are), the
@@ -398,38 +350,6 @@ class TrainConfig:
 
 
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
-
-# where and how a run writes, not what it trains: not in to_toml
-RUN_PLACE = ("out", "resume", "snapshot_dir", "snapshot_every", "snapshot_async", "keep_snapshots", "tensorboard",
-             "trace", "profile")
-COMMAND_LINE_ONLY = ("out", "resume", "snapshot_dir", "tensorboard")  # refused in a --config file
-# how and where the processes start (the launcher's flags, not TrainConfig's): refused in a --config file
-LAUNCH_SETTINGS = ("threads", "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint",
-                   "local_addr", "rdzv_conf", "max_restarts", "rank", "world_size", "num_nodes", "master_ip",
-                   "backend", "device", "comm_timeout", "init_timeout")
-CONFIG_ALIASES = {"model_arg": "model_args", "time_budget": "time_budget_s", "batch_size": "global_batch_size"}
-CONFIG_SYNONYMS = {"learning_rate": "lr", "lr_rate": "lr", "steps": "max_steps", "num_steps": "max_steps",
-                   "num_epochs": "epochs", "grad_accumulation": "grad_accum", "gradient_accumulation_steps": "grad_accum",
-                   "zero_stage": "zero", "warmup": "warmup_steps", "n_heads": "n_head", "n_layers": "n_layer",
-                   "lr_scheduler": "lr_schedule", "optim": "optimizer", "data": "dataset"}
-
-
-def _of_type(value, annotation: str) -> bool:
-    """Whether a TOML value fits a field annotated ``annotation`` (``int | None``, ``tuple[int, ...]`` ...)."""
-    words = set(re.findall(r"[a-z]+", annotation))
-    if isinstance(value, bool):
-        return "bool" in words
-    if isinstance(value, int):
-        return bool(words & {"int", "float"})
-    if isinstance(value, float):
-        return "float" in words
-    if isinstance(value, str):
-        return "str" in words
-    if isinstance(value, list):
-        inner = set(re.findall(r"[a-z]+", annotation.partition("[")[2]))
-        return "tuple" in words and all(_of_type(v, " ".join(inner)) for v in value)
-    return False
-
 
 def _choice(name: str, value, allowed) -> None:
     if value not in allowed:

@@ -103,8 +103,8 @@ def _checkpointing_section(records: list[dict]) -> str:
 
 
 def _overhead_section(records: list[dict]) -> str:
-    from distlab.bench import overhead
-    fig, rows = overhead.figure(records), overhead.summarize(records)
+    from distlab.tools.overhead_summary import figure, summarize
+    fig, rows = figure(records), summarize(records)
     cols = [Col("workload", "workload"), Col("precision", "precision"), Col("device", "device"),
             Col("plain_s", "plain ms/step", fmt_ms), Col("distlab_s", "distlab ms/step", fmt_ms),
             Col("ratio_median", "distlab / plain", "{:.2f}x".format), Col("ratio_min", "min", "{:.2f}x".format),

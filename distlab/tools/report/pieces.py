@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from distlab.bench.common import human_bytes
+from distlab.errors import human_bytes
 from distlab.tools.plots import pyplot
 
 _images: list[Path] = []  # render(images=DIR) also writes each plot there: [DIR, written files...]
