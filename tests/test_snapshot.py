@@ -23,6 +23,7 @@ from distlab.errors import ConfigError
 from distlab.launch.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig
 from distlab.train import snapshot as snap
+from distlab.train import snapshot_load as snap_load
 from distlab.train.config import parse_duration
 from distlab.train.optim import lr_multiplier
 from tests.conftest import communicate_patiently, patience
@@ -49,7 +50,7 @@ def test_snapshot_round_trip_and_rng(tmp_path):
     torch.manual_seed(1), np.random.seed(2), random.seed(3)
     path = _save(tmp_path, 7, value=2.5)
     expected = (torch.rand(3), np.random.rand(2), random.random())
-    loaded = snap.resume("auto", str(tmp_path), LAYOUT)
+    loaded = snap_load.resume("auto", str(tmp_path), LAYOUT)
     assert loaded.path == path and loaded.meta["step"] == 7
     assert torch.equal(loaded.payload["model"]["w"], torch.full((3, 4), 2.5))
     assert loaded.payload["run"]["history"] == [{"step": 7, "loss": 0.5}]
@@ -93,9 +94,9 @@ def test_crash_while_writing_leaves_the_previous_snapshot(tmp_path, monkeypatch)
     monkeypatch.setattr(snap, "_write_file", real)
     assert [p.name for p in snap.snapshots(tmp_path)] == ["step-00000001"]
     assert not (tmp_path / ".tmp-step-00000002").exists()  # the partial snapshot is removed
-    assert torch.equal(snap.resume("auto", str(tmp_path), LAYOUT).payload["model"]["w"], torch.ones(3, 4))
+    assert torch.equal(snap_load.resume("auto", str(tmp_path), LAYOUT).payload["model"]["w"], torch.ones(3, 4))
     _save(tmp_path, 2, value=2.0)  # the half-written attempt does not get in the way of the next
-    assert snap.resume("auto", str(tmp_path), LAYOUT).meta["step"] == 2
+    assert snap_load.resume("auto", str(tmp_path), LAYOUT).meta["step"] == 2
 
 
 @pytest.mark.parametrize("damage,message", [
@@ -109,9 +110,9 @@ def test_bad_snapshot_is_refused_and_auto_falls_back(tmp_path, damage, message):
     newest = _save(tmp_path, 2, value=2.0)
     damage(newest / "rank-00000.pt")
     with pytest.raises(snap.SnapshotError, match=message):
-        snap.resume(str(newest), None, LAYOUT)
+        snap_load.resume(str(newest), None, LAYOUT)
     warnings = []
-    loaded = snap.resume("auto", str(tmp_path), LAYOUT, on_warning=warnings.append)
+    loaded = snap_load.resume("auto", str(tmp_path), LAYOUT, on_warning=warnings.append)
     assert loaded.meta["step"] == 1 and torch.equal(loaded.payload["model"]["w"], torch.ones(3, 4))
     assert any(message in w for w in warnings) and any("newest good snapshot" in w for w in warnings)
 
@@ -123,18 +124,18 @@ def test_a_bad_snapshot_is_moved_aside_not_overwritten(tmp_path):
         _save(tmp_path, 3, value=4.0)
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("step-00000003.bad-")]
     assert len(aside) == 1 and (aside[0] / "rank-00000.pt").read_bytes() == b"garbage"
-    assert torch.equal(snap.resume("auto", str(tmp_path), LAYOUT).payload["model"]["w"], torch.full((3, 4), 4.0))
+    assert torch.equal(snap_load.resume("auto", str(tmp_path), LAYOUT).payload["model"]["w"], torch.full((3, 4), 4.0))
 
 
 def test_snapshot_of_another_layout_is_refused_naming_the_difference(tmp_path):
     _save(tmp_path, 1)
     other = {**LAYOUT, "world_size": 4}
     with pytest.raises(snap.SnapshotError, match=r"world size 1, this run has 4"):
-        snap.resume(str(tmp_path / "step-00000001"), None, other)
+        snap_load.resume(str(tmp_path / "step-00000001"), None, other)
     with pytest.raises(snap.IncompatibleSnapshot, match=r"strategy \{'zero': 0\}, this run has \{'zero': 3\}"):
-        snap.resume("auto", str(tmp_path), {**LAYOUT, "strategy": {"zero": 3}})
+        snap_load.resume("auto", str(tmp_path), {**LAYOUT, "strategy": {"zero": 3}})
     assert [p.name for p in snap.snapshots(tmp_path)] == ["step-00000001"]  # a good snapshot stays where it is
-    assert snap.resume("auto", str(tmp_path / "empty"), LAYOUT) is None  # nothing yet: start afresh
+    assert snap_load.resume("auto", str(tmp_path / "empty"), LAYOUT) is None  # nothing yet: start afresh
 
 
 def test_loading_never_executes_code_from_a_snapshot(tmp_path):
@@ -152,7 +153,7 @@ def test_loading_never_executes_code_from_a_snapshot(tmp_path):
                                       "bytes": data.stat().st_size}
     (path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(snap.SnapshotError, match="cannot be loaded safely: it holds a Python object") as refused:
-        snap.resume(str(path), None, LAYOUT)
+        snap_load.resume(str(path), None, LAYOUT)
     assert not marker.exists() and "\n" not in str(refused.value)  # one line, not torch's page of advice
 
 
@@ -214,10 +215,10 @@ def test_a_malformed_snapshot_is_one_line_and_auto_falls_back_past_it(tmp_path, 
     newest = _save(tmp_path, 2, value=2.0)
     MALFORMED[variant](newest)
     with pytest.raises(snap.DamagedSnapshot) as refused:
-        snap.resume(str(newest), None, LAYOUT)
+        snap_load.resume(str(newest), None, LAYOUT)
     assert "\n" not in str(refused.value) and str(newest) in str(refused.value) and len(str(refused.value)) < 400
     warnings = []
-    loaded = snap.resume("auto", str(tmp_path), LAYOUT, on_warning=warnings.append)
+    loaded = snap_load.resume("auto", str(tmp_path), LAYOUT, on_warning=warnings.append)
     assert loaded.meta["step"] == 1 and torch.equal(loaded.payload["model"]["w"], torch.ones(3, 4))
     assert len(warnings) == 2 and "moved aside to step-00000002.bad-" in warnings[0]
     assert [p.name for p in snap.snapshots(tmp_path)] == ["step-00000001"]  # out of every later count, not deleted
@@ -241,18 +242,18 @@ def test_snapshot_names_hold_steps_of_any_size(tmp_path):
     _save(tmp_path, 5, keep=2)
     big = _save(tmp_path, 123_456_789, keep=2)
     assert big.name == "step-123456789" and snap.snapshots(tmp_path)[0] == big
-    assert snap.resume("auto", str(tmp_path), LAYOUT).meta["step"] == 123_456_789
+    assert snap_load.resume("auto", str(tmp_path), LAYOUT).meta["step"] == 123_456_789
     _save(tmp_path, 10 ** 12, keep=2)
     assert [snap.step_of(p) for p in snap.snapshots(tmp_path)] == [10 ** 12, 123_456_789]  # step 5 pruned
 
 
 def test_resume_path_checks(tmp_path):
     _save(tmp_path, 1)
-    snap.check_path(tmp_path / "step-00000001")
+    snap_load.check_path(tmp_path / "step-00000001")
     with pytest.raises(snap.SnapshotError, match="--resume auto --snapshot-dir"):
-        snap.check_path(tmp_path)
+        snap_load.check_path(tmp_path)
     with pytest.raises(snap.SnapshotError, match="no snapshot there"):
-        snap.check_path(tmp_path / "nowhere")
+        snap_load.check_path(tmp_path / "nowhere")
 
 
 # --------------------------------------------------------------------------- flags
@@ -577,7 +578,7 @@ def test_non_finite_settings_are_refused_and_a_diverging_run_stops_at_its_step_k
         json.loads(record, parse_constant=lambda t: pytest.fail(f"metrics.jsonl holds {t}"))
     meta = snap.read_meta(tmp_path / "s" / "step-00000001")
     assert all(torch.isfinite(t).all() for r in range(2) for t in
-               snap.load_rank_file(tmp_path / "s" / "step-00000001", meta, r)["model"].values())
+               snap_load.load_rank_file(tmp_path / "s" / "step-00000001", meta, r)["model"].values())
 
 
 def test_a_first_ctrl_c_stops_cleanly_and_a_second_stops_at_once():

@@ -7,6 +7,7 @@ import json
 import torch
 
 from distlab.train import snapshot as snap
+from distlab.train import snapshot_load as snap_load
 
 FLAGS = ["train", "--dataset", "synthetic:1x8x8:4:512", "--mlp-widths", "32", "--global-batch-size", "16",
          "--lr-schedule", "constant", "--nproc-per-node", "2", "--no-progress", "--log-every", "1", "--max-steps", "8",
@@ -15,7 +16,7 @@ FLAGS = ["train", "--dataset", "synthetic:1x8x8:4:512", "--mlp-widths", "32", "-
 
 def _model(path, rank):
     meta = snap.read_meta(path)
-    return snap.load_rank_file(path, meta, rank)["model"]
+    return snap_load.load_rank_file(path, meta, rank)["model"]
 
 
 def _losses(run):
@@ -30,7 +31,7 @@ def test_an_asynchronous_snapshot_is_the_synchronous_one_and_a_kill_mid_write_ke
     assert killed.returncode != 0
     kept = [p.name for p in snap.snapshots(tmp_path / "k")]
     assert "step-00000006" not in kept and kept[0] == "step-00000004", kept
-    snap.load_rank_file(tmp_path / "k" / "step-00000004", snap.read_meta(tmp_path / "k" / "step-00000004"), 1)
+    snap_load.load_rank_file(tmp_path / "k" / "step-00000004", snap.read_meta(tmp_path / "k" / "step-00000004"), 1)
     run_cli(*FLAGS, "--snapshot-dir", "k", "--out", "k-run", "--snapshot-async", "--resume", "auto", check=True)
     assert _losses(tmp_path / "k-run") == _losses(tmp_path / "sync-run")
     summary = json.loads((tmp_path / "k-run" / "summary.json").read_text())

@@ -69,7 +69,7 @@ def _measure(rank: int, world: int, cfg: TrainConfig, root: str, runs: int, shar
     import torch.distributed.checkpoint as dcp
 
     from distlab import runtime
-    from distlab.train import Trainer, snapshot
+    from distlab.train import Trainer, snapshot, snapshot_load
     trainer = Trainer(cfg, runtime.from_process_group())
     trainer.fit()  # one step: the optimizer state exists
     run = trainer.run
@@ -87,7 +87,7 @@ def _measure(rank: int, world: int, cfg: TrainConfig, root: str, runs: int, shar
         dist.barrier()
         t0 = time.perf_counter()
         meta = snapshot.read_meta(path)
-        payload = snapshot.load_rank_file(path, meta, rank)
+        payload = snapshot_load.load_rank_file(path, meta, rank)
         dist.barrier()
         times["distlab_load"].append(time.perf_counter() - t0)
         state = _dcp_state(trainer, rank, sharded)

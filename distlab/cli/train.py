@@ -92,7 +92,7 @@ def train(config_file, trust_config, **kw):
         elif not cfg.dataset.startswith(("synthetic", "tensors:", "imagefolder:", "text:")):
             locate(cfg.dataset, cfg.data_dir)
         if cfg.resume not in (None, "auto"):
-            from distlab.train.snapshot import check_path
+            from distlab.train.snapshot_load import check_path
             check_path(cfg.resume)
         from distlab.train.export import check_init
         check_init(cfg.init_from)

@@ -101,11 +101,12 @@ class _Job:
     def result(self, name: str) -> tuple[dict, list[torch.Tensor], list[float]]:
         """(summary, every rank's final model tensors, logged losses) of run ``name``."""
         from distlab.train import snapshot
+        from distlab.train import snapshot_load
         out = self.root / name
         summary = json.loads((out / "run" / "summary.json").read_text())
         path = Path(summary["snapshot"])
         meta = snapshot.read_meta(path)
-        models = [snapshot.load_rank_file(path, meta, r)["model"] for r in range(len(meta["files"]))]
+        models = [snapshot_load.load_rank_file(path, meta, r)["model"] for r in range(len(meta["files"]))]
         losses = [json.loads(line)["loss"] for line in (out / "run" / "metrics.jsonl").open()]
         return summary, [t for m in models for t in tensors(m)], losses
 
@@ -192,7 +193,7 @@ def drill_reshard(job: _Job, straight) -> dict | None:
 def drill_disk_full(job: _Job, straight) -> dict | None:
     if os.geteuid() != 0 or shutil.which("mount") is None:
         return {"drill": "disk-full", "detail": "skipped: a small tmpfs needs root and mount(8)", "passed": None}
-    from distlab.train import snapshot
+    from distlab.train import snapshot, snapshot_load
     one = sum(f.stat().st_size for f in Path(straight[0]["snapshot"]).iterdir())
     disk = job.root / "disk-full" / "snapshots"
     shutil.rmtree(job.root / "disk-full", ignore_errors=True)
@@ -211,7 +212,7 @@ def drill_disk_full(job: _Job, straight) -> dict | None:
         if intact:
             meta = snapshot.read_meta(kept[0])
             for r in range(len(meta["files"])):
-                snapshot.load_rank_file(kept[0], meta, r)
+                snapshot_load.load_rank_file(kept[0], meta, r)
         ok = proc.returncode == 2 and len(errors) == 1 and "No space left on device" in errors[0] and intact
         return {"drill": "disk-full", "detail": (errors[0] if errors else proc.stderr[-300:]).strip()[:300],
                 "passed": ok, "kept": [p.name for p in kept]}

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from distlab.errors import ConfigError, first_line, with_article
-from distlab.train import reshard, snapshot
+from distlab.train import reshard, snapshot, snapshot_load
 from distlab.train.metrics import atomic_write_text
 from distlab.train.snapshot import SnapshotError
 
@@ -35,9 +35,9 @@ from distlab.train.snapshot import SnapshotError
 def whole_state(path: str | Path, best: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
     """The whole model's ``state_dict`` in snapshot ``path`` (``best``: the best validation model), and its meta."""
     path = Path(path)
-    snapshot.check_path(path, "snapshot")
+    snapshot_load.check_path(path, "snapshot")
     meta = snapshot.read_meta(path)
-    payloads = [snapshot.load_rank_file(path, meta, r) for r in range(len(meta["files"]))]
+    payloads = [snapshot_load.load_rank_file(path, meta, r) for r in range(len(meta["files"]))]
     key = "best_model" if best else "model"
     if not any(key in p for p in payloads):
         raise SnapshotError(f"snapshot {path} holds no best validation model (the run had no --val-fraction)")
@@ -201,7 +201,7 @@ def read_state(path: str, mmap: bool = False, what: str = "`init_from`") -> tupl
         else:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not loadable"
-        why = (snapshot.refusal(exc) if not _safetensors(path) else f"{type(exc).__name__}: {first_line(exc, 200)}") \
+        why = (snapshot_load.refusal(exc) if not _safetensors(path) else f"{type(exc).__name__}: {first_line(exc, 200)}") \
             if Path(path).stat().st_size else "the file is empty"
         raise ConfigError(f"{what} {path} cannot be loaded safely as a state_dict ({why})") from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):

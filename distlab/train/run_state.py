@@ -30,7 +30,7 @@ from distlab.errors import ConfigError, first_line
 from distlab.parallel import Engine, Strategy
 from distlab.parallel.placement import placement_of
 from distlab.runtime import Runtime, reduce_scalars, timeline
-from distlab.train import lock, reshard, snapshot
+from distlab.train import lock, reshard, snapshot, snapshot_load
 from distlab.train.async_snapshot import AsyncWriter, host_copy
 from distlab.train.config import TrainConfig
 from distlab.train.optim import optimizer_index
@@ -370,7 +370,7 @@ class RunState:
         if target is None:
             return None
         warn = (lambda m: print(m, file=sys.stderr, flush=True)) if self.rt.is_main else (lambda m: None)
-        loaded = snapshot.resume(target, cfg.snapshot_dir, self.layout, on_warning=warn, reshardable=RESHARDABLE,
+        loaded = snapshot_load.resume(target, cfg.snapshot_dir, self.layout, on_warning=warn, reshardable=RESHARDABLE,
                                  accept=self._load)
         if loaded is None:
             warn(f"distlab: no snapshot in {cfg.snapshot_dir} yet: starting from step 0")
@@ -385,7 +385,7 @@ class RunState:
             self._resumed_note = f"resumed from {loaded.path} at step {self.step}{how}"  # said once begin() agrees
         return str(loaded.path)
 
-    def _load(self, loaded: snapshot.Loaded) -> str | None:
+    def _load(self, loaded: snapshot_load.Loaded) -> str | None:
         """Load ``loaded`` into the run; what makes it unusable (None: nothing). Everything it sets is set
         again by the next snapshot tried, so a refused one leaves nothing behind."""
         self._loading = loaded.path
@@ -403,7 +403,7 @@ class RunState:
                                 f"shape {tuple(p.shape)}")
         return None
 
-    def _reshard(self, loaded: snapshot.Loaded) -> None:
+    def _reshard(self, loaded: snapshot_load.Loaded) -> None:
         """Load a snapshot written under another world size or strategy (every old rank's payload)."""
         meta = loaded.meta
         self.resharded_from = {"world_size": meta.get("world_size"),
