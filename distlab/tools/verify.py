@@ -47,7 +47,7 @@ import torch
 from distlab.errors import ConfigError, did_you_mean
 from distlab.models import spec
 from distlab.parallel import COLLECTIVES, SYNC_METHODS, Strategy
-from distlab.parallel.strategy import modifier_words
+from distlab.parallel.strategy_text import modifier_words
 from distlab.train.config import TrainConfig
 
 EPS32 = torch.finfo(torch.float32).eps
