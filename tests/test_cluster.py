@@ -14,6 +14,8 @@ import textwrap
 import pytest
 
 from distlab.launch import cluster as c
+
+from distlab.launch import cluster_jobs as c_jobs
 from distlab.plan import machine
 from distlab.errors import ConfigError
 from tests.conftest import communicate_patiently, patience
@@ -49,13 +51,13 @@ def _name() -> str:
 def test_node_command_adds_launch_flags_and_fills_placeholders():
     cluster = c.Cluster("x", "1gbit", None, "dlbr-x", [c.Node(0, "dl-x-n0", "dlx-0", "10.77.1.1", [0]),
                                                          c.Node(1, "dl-x-n1", "dlx-1", "10.77.2.1", [1])])
-    cmd = c.node_command(cluster, cluster.nodes[1], ["distlab", "train", "--nproc-per-node", "1"])
+    cmd = c_jobs.node_command(cluster, cluster.nodes[1], ["distlab", "train", "--nproc-per-node", "1"])
     assert cmd[:4] == ["ip", "netns", "exec", "dl-x-n1"]
     assert "GLOO_SOCKET_IFNAME=eth0" in cmd and cmd[cmd.index("taskset") + 2] == "1"
     tail = cmd[cmd.index("train"):]
     assert tail[tail.index("--node-rank") + 1] == "1" and tail[tail.index("--master-addr") + 1] == "10.77.1.1"
     assert tail[tail.index("--nnodes") + 1] == "2"
-    other = c.node_command(cluster, cluster.nodes[0], ["echo", "{node_rank}@{node_addr}->{master_addr}"])
+    other = c_jobs.node_command(cluster, cluster.nodes[0], ["echo", "{node_rank}@{node_addr}->{master_addr}"])
     assert other[-2:] == ["echo", "0@10.77.1.1->10.77.1.1"]
 
 
@@ -88,16 +90,16 @@ def test_up_status_down_and_cleanup_after_a_crash(state_dir, monkeypatch):
     assert c.status(name) is None
 
     # A failure half-way through `up` (here: shaping node 1) leaves nothing behind.
-    real = c._sh
+    real = c.shell
 
     def fail_on_second_tc(*args, check=True):
         if "tc" in args and "dl-" + name + "-n1" in args:
             raise c.ClusterError("simulated crash")
         return real(*args, check=check)
-    monkeypatch.setattr(c, "_sh", fail_on_second_tc)
+    monkeypatch.setattr(c, "shell", fail_on_second_tc)
     with pytest.raises(c.ClusterError, match="simulated"):
         c.up(2, name=name)
-    monkeypatch.setattr(c, "_sh", real)
+    monkeypatch.setattr(c, "shell", real)
     links = subprocess.run(["ip", "link", "show"], capture_output=True, text=True).stdout
     assert f"dlbr-{name}" not in links and f"dl{name}-0" not in links
     assert not c.state_path(name).exists()

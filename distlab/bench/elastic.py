@@ -108,10 +108,11 @@ def run(nodes: int = 2, epochs: int = 1, kill_at_step: int = 400, snapshot_every
 
 def _one(cl, name: str, cmd: list[str], run_dir: Path, nodes: int, kill: bool, kill_at_step: int, revive: bool,
          log_every: int, timeout: float, progress) -> dict:
+    from distlab.launch import cluster_jobs as cl_jobs
     codes: dict[str, int] = {}
     t0 = time.perf_counter()
     with open(run_dir / "cluster.log", "w") as log:
-        main = threading.Thread(target=lambda: codes.setdefault("run", cl.run(cmd, name, timeout, out=log)),
+        main = threading.Thread(target=lambda: codes.setdefault("run", cl_jobs.run(cmd, name, timeout, out=log)),
                                 daemon=True)
         main.start()
         out: dict = {}
@@ -121,7 +122,7 @@ def _one(cl, name: str, cmd: list[str], run_dir: Path, nodes: int, kill: bool, k
             if not main.is_alive():
                 raise DistlabError(f"the run ended before step {kill_at_step}: kill earlier (--kill-at-step)")
             out["killed_at"] = _last_step(run_dir)
-            cl.kill_node(nodes - 1, name)
+            cl_jobs.kill_node(nodes - 1, name)
             progress(f"elastic: killed node {nodes - 1} at logged step {out['killed_at']}")
             if revive:  # once the survivors have trained past the kill, bring the node back
                 target = out["killed_at"] + 2 * log_every
@@ -130,7 +131,7 @@ def _one(cl, name: str, cmd: list[str], run_dir: Path, nodes: int, kill: bool, k
                 if main.is_alive():
                     out["revived_at"] = _last_step(run_dir)
                     back = threading.Thread(
-                        target=lambda: codes.setdefault("revived", cl.revive_node(nodes - 1, name, timeout, out=log)),
+                        target=lambda: codes.setdefault("revived", cl_jobs.revive_node(nodes - 1, name, timeout, out=log)),
                         daemon=True)
                     back.start()
                     progress(f"elastic: revived node {nodes - 1} at logged step {out['revived_at']}")

@@ -173,9 +173,10 @@ def run(worlds=(1, 2, 4), modes=("weak", "strong"), methods=("ddp",), per_worker
 def on_cluster(cmd: list[str], nodes: int, bandwidth: str | None, timeout: float) -> None:
     """One worker per emulated node, each pinned to its share of the cores, links at ``bandwidth``."""
     from distlab.launch import cluster as cl
+    from distlab.launch import cluster_jobs as cl_jobs
     name = f"sc{os.getpid() % 10000}"
     with cl.private(nodes, bandwidth, max(1, cores() // nodes), name), open(os.devnull, "w") as sink:
-        code = cl.run(cmd, name, timeout, out=sink)
+        code = cl_jobs.run(cmd, name, timeout, out=sink)
     if code:
         raise DistlabError(f"a scaling run on the emulated cluster failed (exit {code}): {' '.join(cmd)}")
 

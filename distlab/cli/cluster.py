@@ -58,6 +58,7 @@ def cluster_status(name, as_json):
     import json
 
     from distlab.launch import cluster as c
+
     state = c.status(name)
     if as_json:
         click.echo(json.dumps(state, indent=1))
@@ -77,8 +78,8 @@ def cluster_status(name, as_json):
 @click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
 def cluster_run(name, timeout, cmd):
     """Run CMD on every node at once (distlab commands get --node-rank/--master-addr/--nnodes)."""
-    from distlab.launch import cluster as c
-    sys.exit(c.run(list(cmd), name, timeout))
+    from distlab.launch import cluster_jobs as c_jobs
+    sys.exit(c_jobs.run(list(cmd), name, timeout))
 
 
 @cluster.command("kill-node")
@@ -86,8 +87,8 @@ def cluster_run(name, timeout, cmd):
 @click.option("--name", default="dl", show_default=True)
 def cluster_kill_node(index, name):
     """SIGKILL every process on node INDEX (a machine that died)."""
-    from distlab.launch import cluster as c
-    pids = c.kill_node(index, name)
+    from distlab.launch import cluster_jobs as c_jobs
+    pids = c_jobs.kill_node(index, name)
     click.echo(f"node {index}: killed {len(pids)} process(es)" + (f" ({', '.join(map(str, pids))})" if pids else ""))
 
 
@@ -97,8 +98,8 @@ def cluster_kill_node(index, name):
 @click.option("--timeout", type=SECONDS, default=None, help="Kill the command after this many seconds.")
 def cluster_revive_node(index, name, timeout):
     """Start the last `cluster run` command again on node INDEX (an elastic job takes it in)."""
-    from distlab.launch import cluster as c
-    sys.exit(c.revive_node(index, name, timeout))
+    from distlab.launch import cluster_jobs as c_jobs
+    sys.exit(c_jobs.revive_node(index, name, timeout))
 
 
 @cluster.command("cut-link")
@@ -106,8 +107,8 @@ def cluster_revive_node(index, name, timeout):
 @click.option("--name", default="dl", show_default=True)
 def cluster_cut_link(index, name):
     """Pull node INDEX's cable (its bridge port down: every frame dropped, the node up); mend-link restores it."""
-    from distlab.launch import cluster as c
-    c.cut_link(index, name)
+    from distlab.launch import cluster_jobs as c_jobs
+    c_jobs.cut_link(index, name)
     click.echo(f"node {index}: link cut (its bridge port is down: every frame to and from it is dropped)")
 
 
@@ -116,8 +117,8 @@ def cluster_cut_link(index, name):
 @click.option("--name", default="dl", show_default=True)
 def cluster_mend_link(index, name):
     """Plug node INDEX's cable back in (its shaping unchanged)."""
-    from distlab.launch import cluster as c
-    c.cut_link(index, name, restore=True)
+    from distlab.launch import cluster_jobs as c_jobs
+    c_jobs.cut_link(index, name, restore=True)
     click.echo(f"node {index}: link restored")
 
 

@@ -14,17 +14,8 @@
   link is full duplex at ``RATE`` (optionally ``netem delay`` in front for a link latency);
 * where asked (``--cores-per-node C``), a set of CPU cores its processes are pinned to (``taskset``).
 
-``run -- CMD`` starts ``CMD`` once per node inside its namespace (in parallel), with
-``GLOO_SOCKET_IFNAME=eth0`` so collectives use the emulated link, and -- when ``CMD`` is a distlab
-command -- ``--node-rank I --master-addr NODE0 --master-port P`` appended, so rendezvous and every
-collective really cross the emulated network. ``{node_rank}``, ``{node_addr}``, ``{master_addr}``
-and ``{nnodes}`` in ``CMD`` are replaced for other programs. Output lines are prefixed with the node.
-
-Faults, for elastic training and fault drills: ``kill-node I`` SIGKILLs every process of node
-``I`` (a machine that died; the running ``run`` does not count it as a failure), ``revive-node I``
-starts the last ``run`` command on it again (an elastic job takes it in at its next
-re-rendezvous), ``cut-link I`` drops every packet to and from it (netem loss 100%: a pulled cable,
-the processes still alive) and ``mend-link I`` restores the link.
+Running a command on every node and the faults (kill-node, revive-node, cut-link) are
+:mod:`distlab.launch.cluster_jobs`.
 
 **Touches only what it made.** ``up`` refuses a name that exists already (a bridge, an interface or
 a namespace of the same name), and records each object in the state file as soon as it exists,
@@ -33,9 +24,6 @@ inode. ``down`` -- also after a crash half-way through ``up`` -- first ends the 
 running in its namespaces (``kill -9`` of a ``cluster run`` leaves its nodes' commands running),
 then deletes exactly those objects whose identity still matches, and says what it ended, removed
 and left alone. Needs root and iproute2 (``ip``, ``tc``).
-
-**Size.** One emulated cluster's whole life -- up, run, faults, down -- against one state file; the
-faults reuse the steps ``up`` takes, and ``down`` undoes exactly what ``up`` recorded.
 """
 
 from __future__ import annotations
@@ -48,9 +36,7 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
-import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -130,7 +116,7 @@ class Cluster:
 # --------------------------------------------------------------------------- system
 
 
-def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+def shell(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(args, capture_output=True, text=True)
     if check and proc.returncode != 0:
         raise ClusterError(f"`{' '.join(args)}` failed: {proc.stderr.strip() or proc.stdout.strip()}")
@@ -174,11 +160,11 @@ def _shape(prefix: list[str], dev: str, rate: str | None, delay: str | None) -> 
         return
     parent = ["root"]
     if delay:
-        _sh(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", delay)
+        shell(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", delay)
         parent = ["parent", "1:1"]
     if rate:
         # burst: at least one jumbo of data per timer tick at this rate; latency bounds the queue.
-        _sh(*prefix, "tc", "qdisc", "add", "dev", dev, *parent, "handle", "10:", "tbf", "rate", rate,
+        shell(*prefix, "tc", "qdisc", "add", "dev", dev, *parent, "handle", "10:", "tbf", "rate", rate,
             "burst", TBF_BURST, "latency", "100ms")
 
 
@@ -208,10 +194,10 @@ def up(nodes: int, bandwidth: str | None = "1gbit", delay: str | None = None, co
     cluster = Cluster(name, bandwidth, delay, bridge, subnet=str(subnet), token=os.urandom(4).hex())
     cluster.save()  # recorded before created: `down` can always clean up
     try:
-        _sh("ip", "link", "add", cluster.bridge, "type", "bridge")
+        shell("ip", "link", "add", cluster.bridge, "type", "bridge")
         _made(cluster, "link", cluster.bridge)
-        _sh("ip", "addr", "add", f"{subnet[254]}/{subnet.prefixlen}", "dev", cluster.bridge)
-        _sh("ip", "link", "set", cluster.bridge, "up")
+        shell("ip", "addr", "add", f"{subnet[254]}/{subnet.prefixlen}", "dev", cluster.bridge)
+        shell("ip", "link", "set", cluster.bridge, "up")
         for i in range(nodes):
             cores = ([(i * cores_per_node + c) % ncores for c in range(cores_per_node)]
                      if cores_per_node else [])
@@ -219,17 +205,17 @@ def up(nodes: int, bandwidth: str | None = "1gbit", delay: str | None = None, co
             cluster.nodes.append(node)
             cluster.save()
             ns = ["ip", "netns", "exec", node.netns]
-            _sh("ip", "netns", "add", node.netns)
+            shell("ip", "netns", "add", node.netns)
             _made(cluster, "netns", node.netns)
-            _sh("ip", "link", "add", node.host_if, "type", "veth", "peer", "name", f"dlp{name}-{i}")
+            shell("ip", "link", "add", node.host_if, "type", "veth", "peer", "name", f"dlp{name}-{i}")
             _made(cluster, "link", node.host_if)  # its peer goes with it (and with the namespace)
-            _sh("ip", "link", "set", f"dlp{name}-{i}", "netns", node.netns)
-            _sh(*ns, "ip", "link", "set", f"dlp{name}-{i}", "name", "eth0")
-            _sh(*ns, "ip", "addr", "add", f"{node.addr}/{subnet.prefixlen}", "dev", "eth0")
-            _sh(*ns, "ip", "link", "set", "eth0", "up")
-            _sh(*ns, "ip", "link", "set", "lo", "up")
-            _sh("ip", "link", "set", node.host_if, "master", cluster.bridge)
-            _sh("ip", "link", "set", node.host_if, "up")
+            shell("ip", "link", "set", f"dlp{name}-{i}", "netns", node.netns)
+            shell(*ns, "ip", "link", "set", f"dlp{name}-{i}", "name", "eth0")
+            shell(*ns, "ip", "addr", "add", f"{node.addr}/{subnet.prefixlen}", "dev", "eth0")
+            shell(*ns, "ip", "link", "set", "eth0", "up")
+            shell(*ns, "ip", "link", "set", "lo", "up")
+            shell("ip", "link", "set", node.host_if, "master", cluster.bridge)
+            shell("ip", "link", "set", node.host_if, "up")
             _shape(ns, "eth0", bandwidth, delay)       # node -> switch
             _shape([], node.host_if, bandwidth, delay)  # switch -> node
     except BaseException:
@@ -240,7 +226,7 @@ def up(nodes: int, bandwidth: str | None = "1gbit", delay: str | None = None, co
 
 def _link_id(name: str) -> dict | None:
     """A host link's ifindex and alias (None: no such link)."""
-    proc = _sh("ip", "-j", "link", "show", "dev", name, check=False)
+    proc = shell("ip", "-j", "link", "show", "dev", name, check=False)
     if proc.returncode != 0:
         return None
     try:
@@ -261,7 +247,7 @@ def _netns_id(name: str) -> int | None:
 def _made(cluster: Cluster, kind: str, name: str) -> None:
     """Mark and record an object ``up`` has just created (links: the alias; namespaces: the inode)."""
     if kind == "link":
-        _sh("ip", "link", "set", "dev", name, "alias", cluster.marker)
+        shell("ip", "link", "set", "dev", name, "alias", cluster.marker)
         ident = _link_id(name)["ifindex"]
     else:
         ident = _netns_id(name)
@@ -283,7 +269,7 @@ def _networks_in_use() -> list[ipaddress.IPv4Network]:
     found = []
     for args in (("ip", "-j", "-4", "addr", "show"), ("ip", "-j", "-4", "route", "show", "table", "all")):
         try:
-            entries = json.loads(_sh(*args, check=False).stdout or "[]")
+            entries = json.loads(shell(*args, check=False).stdout or "[]")
         except ValueError:
             continue
         for entry in entries:
@@ -342,7 +328,7 @@ class Removed(list):
 def _end_processes(netns: str) -> list[int]:
     """SIGTERM every process in ``netns``, SIGKILL what is left after 3 s; returns their pids."""
     import time
-    pids = [int(p) for p in _sh("ip", "netns", "pids", netns, check=False).stdout.split()]
+    pids = [int(p) for p in shell("ip", "netns", "pids", netns, check=False).stdout.split()]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         alive = [p for p in pids if _alive(p)]
         for pid in alive:
@@ -385,7 +371,7 @@ def down(name: str = "dl") -> Removed:
             continue
         cmd = ("ip", "netns", "del", record["name"]) if record["kind"] == "netns" else \
             ("ip", "link", "del", "dev", record["name"])
-        done = _sh(*cmd, check=False).returncode == 0
+        done = shell(*cmd, check=False).returncode == 0
         if done and (record["kind"] == "netns" or record["name"] == cluster.bridge):
             removed.append(record["name"])
     state_path(name).unlink(missing_ok=True)
@@ -397,166 +383,9 @@ def status(name: str = "dl") -> dict | None:
     cluster = Cluster.load(name)
     if cluster is None:
         return None
-    present = set(_sh("ip", "netns", "list", check=False).stdout.split())
+    present = set(shell("ip", "netns", "list", check=False).stdout.split())
     out = asdict(cluster)
     out["master_addr"] = cluster.master_addr if cluster.nodes else None
     for node in out["nodes"]:
         node["present"] = node["netns"] in present
     return out
-
-
-# --------------------------------------------------------------------------- run
-
-
-def _is_distlab(cmd: list[str]) -> bool:
-    exe = os.path.basename(cmd[0]) if cmd else ""
-    return exe == "distlab" or (exe.startswith("python") and cmd[1:3] == ["-m", "distlab"])
-
-
-def node_command(cluster: Cluster, node: Node, cmd: list[str], master_port: int = MASTER_PORT) -> list[str]:
-    """``cmd`` for ``node``: placeholders filled, distlab launch flags added, inside its namespace."""
-    values = {"node_rank": node.rank, "node_addr": node.addr, "master_addr": cluster.master_addr,
-              "nnodes": len(cluster.nodes)}
-    args = [a.format(**values) if "{" in a else a for a in cmd]
-    if _is_distlab(args):
-        given = set(args)
-        if "--node-rank" not in given:
-            args += ["--node-rank", str(node.rank)]
-        if "--master-addr" not in given and "--master-ip" not in given:
-            args += ["--master-addr", cluster.master_addr]
-        if "--master-port" not in given:
-            args += ["--master-port", str(master_port)]
-        if "--nnodes" not in given:
-            args += ["--nnodes", str(len(cluster.nodes))]
-        if "--rdzv-endpoint" in given:  # the node at the endpoint hosts the c10d store (torchrun cannot tell:
-            # every namespace has the same hostname)
-            host = args[args.index("--rdzv-endpoint") + 1].rsplit(":", 1)[0]
-            setting = f"is_host={'true' if host == node.addr else 'false'}"
-            if "--rdzv-conf" in given:
-                at = args.index("--rdzv-conf") + 1
-                if "is_host" not in args[at]:
-                    args[at] = f"{args[at]},{setting}"
-            else:
-                args += ["--rdzv-conf", setting]
-            if "--local-addr" not in given:  # the workers find rank 0's store there (not at "localhost")
-                args += ["--local-addr", node.addr]
-    env = ["env", "GLOO_SOCKET_IFNAME=eth0", f"DISTLAB_NODE_RANK={node.rank}", f"DISTLAB_NODE_ADDR={node.addr}",
-           f"MASTER_ADDR={cluster.master_addr}", f"DISTLAB_CLUSTER_NODES={len(cluster.nodes)}",
-           f"DISTLAB_CLUSTER_LINK={cluster.bandwidth or 'unshaped'}", f"DISTLAB_CLUSTER_DELAY={cluster.delay or ''}",
-           f"DISTLAB_CLUSTER_BURST={TBF_BURST}"]
-    if node.cores:
-        env += [f"OMP_NUM_THREADS={len(node.cores)}"]
-    pin = ["taskset", "-c", ",".join(map(str, node.cores))] if node.cores else []
-    return ["ip", "netns", "exec", node.netns, *env, *pin, *args]
-
-
-def _pump(stream, prefix: str, out) -> None:
-    for line in iter(stream.readline, ""):
-        out.write(f"{prefix}{line}")
-        out.flush()
-
-
-def run(cmd: list[str], name: str = "dl", timeout: float | None = None, out=None) -> int:
-    """Run ``cmd`` on every node at once, its output to ``out`` (stdout) prefixed with the node;
-    return the first non-zero exit code (0 if all succeed)."""
-    if not cmd:
-        raise ConfigError("distlab cluster run needs a command after --, e.g. "
-                          "distlab cluster run -- distlab train --nproc-per-node 1")
-    check_capable()
-    cluster = _loaded(name)
-    cluster.command, cluster.killed = list(cmd), []
-    cluster.save()
-    procs, pumps = [], []
-    for node in cluster.nodes:
-        p = subprocess.Popen(node_command(cluster, node, cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, bufsize=1)
-        t = threading.Thread(target=_pump, args=(p.stdout, f"[node {node.rank}] ", out or sys.stdout), daemon=True)
-        t.start()
-        procs.append(p)
-        pumps.append(t)
-    codes = []
-    try:
-        for p in procs:
-            codes.append(p.wait(timeout=timeout))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise ClusterError(f"the command was still running on the cluster after {timeout:g}s and was killed")
-    except KeyboardInterrupt:
-        for p in procs:
-            p.terminate()
-        raise
-    for t in pumps:
-        t.join(timeout=5)
-    killed = set(_loaded(name).killed)  # a node killed on purpose is not a failure of the command
-    return next((c for node, c in zip(cluster.nodes, codes) if c and node.rank not in killed), 0)
-
-
-# --------------------------------------------------------------------------- faults
-
-
-def _loaded(name: str) -> Cluster:
-    cluster = Cluster.load(name)
-    if cluster is None:
-        raise ClusterError(f"no cluster {name!r} is up: `distlab cluster up --nodes K` first")
-    return cluster
-
-
-def _node(cluster: Cluster, index: int) -> Node:
-    if not 0 <= index < len(cluster.nodes):
-        raise ConfigError(f"node {index}: cluster {cluster.name!r} has nodes 0 to {len(cluster.nodes) - 1}")
-    return cluster.nodes[index]
-
-
-def kill_node(index: int, name: str = "dl") -> list[int]:
-    """SIGKILL every process in node ``index``'s namespace (a machine that died); returns their pids.
-    The running ``cluster run`` then treats that node's exit as intended."""
-    check_capable()
-    cluster = _loaded(name)
-    node = _node(cluster, index)
-    if index not in cluster.killed:
-        cluster.killed.append(index)
-        cluster.save()  # before the kill: `run` reads it when the node's command ends
-    pids = [int(p) for p in _sh("ip", "netns", "pids", node.netns).stdout.split()]
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return pids
-
-
-def revive_node(index: int, name: str = "dl", timeout: float | None = None, out=None) -> int:
-    """Start the last ``cluster run`` command again on node ``index`` (a machine back from the dead:
-    an elastic job takes it in at its next re-rendezvous); runs until it ends, returns its exit code."""
-    check_capable()
-    cluster = _loaded(name)
-    node = _node(cluster, index)
-    if not cluster.command:
-        raise ClusterError(f"cluster {name!r} has run nothing yet: revive-node starts the last `cluster run` command")
-    if _sh("ip", "netns", "pids", node.netns).stdout.split():
-        raise ClusterError(f"node {index} still has processes running: kill-node {index} first")
-    # it stays in `killed`: the running `cluster run` still holds the killed process's exit code
-    p = subprocess.Popen(node_command(cluster, node, cluster.command), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, bufsize=1)
-    pump = threading.Thread(target=_pump, args=(p.stdout, f"[node {index}] ", out or sys.stdout), daemon=True)
-    pump.start()
-    try:
-        code = p.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        raise ClusterError(f"node {index}'s command was still running after {timeout:g}s and was killed") from None
-    pump.join(timeout=5)
-    return code
-
-
-def cut_link(index: int, name: str = "dl", restore: bool = False) -> None:
-    """Pull node ``index``'s cable: its port on the bridge goes down, so every frame to and from it is
-    dropped while the node itself stays up (its interface, addresses and routes unchanged: its
-    sockets see silence, not an error -- like a dead switch port). ``restore`` plugs it back in."""
-    check_capable()
-    cluster = _loaded(name)
-    node = _node(cluster, index)
-    _sh("ip", "link", "set", "dev", node.host_if, "up" if restore else "down")
-    cluster.cut = sorted(set(cluster.cut) - {index}) if restore else sorted(set(cluster.cut) | {index})
-    cluster.save()

@@ -225,6 +225,8 @@ def drill_link_cut(job: _Job, straight) -> dict:
     import time
 
     from distlab.launch import cluster as cl
+
+    from distlab.launch import cluster_jobs as cl_jobs
     try:
         cl.check_capable()
     except DistlabError as exc:
@@ -244,7 +246,7 @@ def drill_link_cut(job: _Job, straight) -> dict:
     with cl.private(2, "1gbit", min(cores(), per_rank * (job.world // 2)), name):
         codes: dict = {}
         with open(out / "cut.log", "w") as log:
-            runner = threading.Thread(target=lambda: codes.setdefault("cut", cl.run(
+            runner = threading.Thread(target=lambda: codes.setdefault("cut", cl_jobs.run(
                 [*base, "--max-restarts", "0"], name, job.timeout, out=log)), daemon=True)
             runner.start()
             metrics = out / "run" / "metrics.jsonl"
@@ -253,13 +255,13 @@ def drill_link_cut(job: _Job, straight) -> dict:
                 time.sleep(0.05)
             cut_at = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
             t0 = time.perf_counter()
-            cl.cut_link(1, name)
+            cl_jobs.cut_link(1, name)
             runner.join(job.timeout)
             failed_after = time.perf_counter() - t0
         text = (out / "cut.log").read_text()
-        cl.cut_link(1, name, restore=True)
+        cl_jobs.cut_link(1, name, restore=True)
         with open(out / "resume.log", "w") as log:
-            resumed = cl.run([*base, "--resume", "auto"], name, job.timeout, out=log)
+            resumed = cl_jobs.run([*base, "--resume", "auto"], name, job.timeout, out=log)
     per_node = job.world // 2
     lost = ", ".join(str(r) for r in range(per_node, job.world))
     named = f"rank{'s' if per_node > 1 else ''} {lost} did not answer a roll call"
