@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from distlab.models import build_model
 from distlab.parallel import DataParallel, Strategy, Zero, build_mesh, parallelize
-from distlab.parallel.sync_methods import SYNC_METHODS
+from distlab.parallel.data_parallel import SYNC_METHODS
 from distlab.parallel.protocols import GradSync, ShardedState, StateCost, StatePlacement, StepSchedule
 from distlab.parallel.schedule import Accumulate
 from distlab.parallel.zero import STAGES

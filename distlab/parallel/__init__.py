@@ -8,8 +8,7 @@ and the ``Mesh`` of data x tensor parallel groups.
 """
 
 from distlab.parallel.compression import CastCodec, Codec, PowerSGD, build_codec
-from distlab.parallel.data_parallel import DataParallel
-from distlab.parallel.sync_methods import COLLECTIVES, SYNC_METHODS
+from distlab.parallel.data_parallel import COLLECTIVES, SYNC_METHODS, DataParallel
 from distlab.parallel.engine import Engine
 from distlab.parallel.mesh import Mesh, build_mesh
 from distlab.parallel.parallelize import parallelize

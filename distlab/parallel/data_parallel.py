@@ -20,8 +20,18 @@ from torch import nn
 from distlab.errors import ConfigError
 from distlab.parallel.compression import build_codec
 from distlab.parallel.state_bytes import model_state_bytes
-from distlab.parallel.sync_methods import SYNC_METHODS
+from distlab.parallel.bucketed_sync import BucketedSync, TorchDDPSync
+from distlab.parallel.sync_methods import COLLECTIVES, AllReduceSync, GatherScatterSync, SyncMethod
 from distlab.runtime import broadcast_module
+
+
+SYNC_METHODS: dict[str, type[SyncMethod]] = {
+    "gather-scatter": GatherScatterSync,
+    "allreduce": AllReduceSync,
+    "bucketed": BucketedSync,
+    "ddp": TorchDDPSync,
+}
+__all__ = ["COLLECTIVES", "SYNC_METHODS", "DataParallel"]
 
 
 class DataParallel(nn.Module):

@@ -20,7 +20,7 @@ from distlab.errors import ConfigError, did_you_mean
 from distlab.parallel.components import names as component_names
 from distlab.parallel.compression import parse_compression
 from distlab.parallel.context_parallel import STYLES as CP_STYLES
-from distlab.parallel.sync_methods import COLLECTIVES, SYNC_METHODS
+from distlab.parallel.data_parallel import COLLECTIVES, SYNC_METHODS
 from distlab.parallel.pipeline import SCHEDULES as PP_SCHEDULES
 from distlab.parallel.sync_bn import MODES as SYNC_BN
 from distlab.parallel.tensor_parallel import STYLES as TP_STYLES

@@ -46,7 +46,7 @@ from dataclasses import fields
 from distlab.errors import ConfigError, did_you_mean
 from distlab.parallel.components import names as component_names
 from distlab.parallel.strategy import ZERO_DP_SYNC, Strategy
-from distlab.parallel.sync_methods import SYNC_METHODS
+from distlab.parallel.data_parallel import SYNC_METHODS
 
 _KEYS = {"reduce": "reduce_dtype", "compress": "grad_compression", "accum": "grad_accum", "bucket": "bucket_mb", "style": "tp_style", "method": "dp_sync", "syncbn": "sync_bn",
          "mb": "microbatches", "schedule": "pp_schedule", "balance": "pp_balance", "vpp": "pp_virtual",

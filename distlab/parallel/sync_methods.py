@@ -26,7 +26,8 @@ collective is installed as DDP's communication hook. ``gather-scatter`` is itsel
 communication pattern, so it takes no other collective.
 
 A method is a class with ``wrap(module)``, ``sync(module)`` and ``no_sync(module)``; adding one
-is a class plus a line in ``SYNC_METHODS``. ``no_sync()`` (gradient accumulation) makes backward
+is a class plus a line in
+:data:`distlab.parallel.data_parallel.SYNC_METHODS`. ``no_sync()`` (gradient accumulation) makes backward
 accumulate locally and communicate nothing.
 
 The four methods sit side by side here -- what each sends, in which order, and why it is the mean.
@@ -45,7 +46,7 @@ from distlab import comm
 from distlab.runtime import timeline
 from distlab.comm.accounting import allreduce_bytes_per_rank
 from distlab.errors import ConfigError
-from distlab.parallel.compression import CastCodec, Codec, PowerSGD, bytes_per_rank
+from distlab.parallel.compression import Codec, bytes_per_rank
 
 def module_device(module: nn.Module) -> torch.device:
     p = next(module.parameters(), None)
@@ -56,14 +57,14 @@ def module_device(module: nn.Module) -> torch.device:
 COLLECTIVES = ("native", "ring", "butterfly", "direct")
 
 
-def _grad_params(module: nn.Module) -> list[nn.Parameter]:
+def grad_params(module: nn.Module) -> list[nn.Parameter]:
     """The parameters whose gradients data parallel averages: all that train, but those replicated
     over a group of their own (``sync_group``: expert-parallel shards, reduced by their owner)."""
     return [p for p in module.parameters() if p.requires_grad and not hasattr(p, "sync_group")]
 
 
-def _grad_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in _grad_params(module))
+def grad_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in grad_params(module))
 
 
 class SyncMethod:
@@ -98,8 +99,8 @@ class SyncMethod:
     def bytes_per_sync(self, module: nn.Module) -> int | None:
         """Bytes each rank sends in one gradient sync (the textbook volume of the pattern)."""
         if not self.codec.exact:
-            return bytes_per_rank(self.codec, [p.shape for p in _grad_params(module)], self.world_size)
-        return allreduce_bytes_per_rank(_grad_bytes(module), self.world_size)
+            return bytes_per_rank(self.codec, [p.shape for p in grad_params(module)], self.world_size)
+        return allreduce_bytes_per_rank(grad_bytes(module), self.world_size)
 
     def state_dict(self) -> dict:
         """What the sync carries from step to step (a compressing codec's memory), for snapshots."""
@@ -132,7 +133,7 @@ class AllReduceSync(SyncMethod):
             self._sync(module)
 
     def _sync(self, module: nn.Module) -> None:
-        for i, p in enumerate(_grad_params(module)):
+        for i, p in enumerate(grad_params(module)):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             if self.codec.exact:
@@ -144,11 +145,11 @@ class AllReduceSync(SyncMethod):
                 p.grad.copy_(flat.view_as(p.grad))
 
 
-def _flatten_grads(params: list[nn.Parameter]) -> torch.Tensor:
+def flatten_grads(params: list[nn.Parameter]) -> torch.Tensor:
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
 
 
-def _unflatten_into_grads(flat: torch.Tensor, params: list[nn.Parameter]) -> None:
+def unflatten_into_grads(flat: torch.Tensor, params: list[nn.Parameter]) -> None:
     offset = 0
     for p in params:
         view = flat[offset:offset + p.numel()].view_as(p)
@@ -178,254 +179,15 @@ class GatherScatterSync(SyncMethod):
             self._sync(module)
 
     def _sync(self, module: nn.Module) -> None:
-        params = _grad_params(module)
-        flat = _flatten_grads(params)
+        params = grad_params(module)
+        flat = flatten_grads(params)
         rank = dist.get_rank(self.group)
         gathered = [torch.empty_like(flat) for _ in range(self.world_size)] if rank == 0 else None
         comm.gather(flat, gathered, dst=0, group=self.group)
         scatter_list = [torch.stack(gathered).sum(0).div_(self.world_size)] * self.world_size if rank == 0 else None
         comm.scatter(flat, scatter_list, src=0, group=self.group)
-        _unflatten_into_grads(flat, params)
+        unflatten_into_grads(flat, params)
 
     def bytes_per_sync(self, module: nn.Module) -> int | None:
         """Rank 0's volume (the bottleneck): it sends the mean to ``n-1`` ranks."""
-        return (self.world_size - 1) * _grad_bytes(module)
-
-
-class _Bucket:
-    def __init__(self, params: list[nn.Parameter]):
-        self.params = params
-        self.numel = sum(p.numel() for p in params)
-        self.ready: set[int] = set()
-        self.buffer: torch.Tensor | None = None
-        self.work: comm.Handle | None = None  # its all-reduce under way
-        self.is_sum = True  # the buffer will hold the sum (divide by the group size), else the mean
-
-
-class _BucketSync(SyncMethod):
-    """Base of the methods that reduce in buckets of ``bucket_mb`` MB during backward."""
-
-    def __init__(self, group=None, collective: str = "native", bucket_mb: float = 25.0,
-                 find_unused: bool = False, codec: Codec | None = None, **options):
-        super().__init__(group, collective, codec)
-        if not bucket_mb > 0:
-            raise ConfigError(f"`bucket_mb` must be positive, not {bucket_mb}")
-        self.bucket_mb = bucket_mb
-        self.find_unused = find_unused
-
-
-class BucketedSync(_BucketSync):
-    """Bucketed all-reduce overlapped with backward (the idea behind DDP, Li et al. VLDB 2020).
-
-    At wrap time parameters are grouped, in reverse registration order, into buckets of at most
-    ``bucket_mb`` MB (a larger parameter gets a bucket to itself). A post-accumulate-grad hook on
-    every parameter marks it ready; when a bucket's last parameter is ready, its gradients are
-    copied into one flat buffer and its all-reduce starts asynchronously -- ``async_op=True`` for
-    the native collective, a dedicated communication thread for distlab's algorithms -- while
-    backward goes on computing earlier layers' gradients. Buckets are launched strictly in index
-    order (a bucket that becomes ready early waits for its predecessors), so every rank issues
-    the same collectives in the same order. ``sync()`` waits for all of them and copies the
-    averaged gradients back.
-
-    A parameter that receives no gradient in a step would leave its bucket unlaunched forever;
-    by default that is an error naming the parameter, with ``find_unused=True`` its gradient
-    counts as zero (like DDP's ``find_unused_parameters``).
-    """
-
-    name = "bucketed"
-
-    def __init__(self, group=None, collective: str = "native", bucket_mb: float = 25.0,
-                 find_unused: bool = False, codec: Codec | None = None, **options):
-        super().__init__(group, collective, bucket_mb, find_unused, codec)
-        self.bucket_bytes = int(bucket_mb * 2**20)
-        self.buckets: list[_Bucket] = []
-        self.where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket index, position)
-        self.names: dict[int, str] = {}
-        self.next_launch = 0
-        self.enabled = True
-        self._hooks = []
-
-    def wrap(self, module: nn.Module) -> nn.Module:
-        self.names = {id(p): name for name, p in module.named_parameters()}
-        current: list[nn.Parameter] = []
-        size = 0
-        for p in reversed(_grad_params(module)):
-            nbytes = p.numel() * p.element_size()
-            if current and size + nbytes > self.bucket_bytes:
-                self.buckets.append(_Bucket(current))
-                current, size = [], 0
-            current.append(p)
-            size += nbytes
-        if current:
-            self.buckets.append(_Bucket(current))
-        for b, bucket in enumerate(self.buckets):
-            for i, p in enumerate(bucket.params):
-                self.where[id(p)] = (b, i)
-                if self.world_size > 1:  # one process has nothing to send: no Python call per gradient
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
-        return module
-
-    # -- during backward ---------------------------------------------------------------------
-
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if not self.enabled or self.world_size == 1:
-            return
-        b, i = self.where[id(p)]
-        self.buckets[b].ready.add(i)
-        self._launch_ready()
-
-    def _launch_ready(self) -> None:
-        while (self.next_launch < len(self.buckets)
-               and len(self.buckets[self.next_launch].ready) == len(self.buckets[self.next_launch].params)):
-            self._launch(self.buckets[self.next_launch])
-            self.next_launch += 1
-
-    def _launch(self, bucket: _Bucket) -> None:
-        with torch.no_grad():
-            bucket.buffer = _flatten_grads(bucket.params)
-            bucket.is_sum = self.codec.exact
-            if isinstance(self.codec, CastCodec) and self.collective == "native":  # pre-divided, narrow, summed
-                bucket.buffer = bucket.buffer.div_(self.world_size).to(self.codec.dtype)
-        if not self.codec.exact and not (isinstance(self.codec, CastCodec) and self.collective == "native"):
-            shapes = [p.shape for p in bucket.params]  # a codec of several collectives: on the communication thread
-            bucket.work = comm.run_async(self.codec.all_reduce_mean, bucket.buffer, shapes,
-                                         self.buckets.index(bucket), self.collective, self.group)
-        else:
-            bucket.work = comm.all_reduce(bucket.buffer, "sum", self.collective, self.group, async_op=True)
-        if timeline.active():
-            size = bucket.buffer.numel() * bucket.buffer.element_size()
-            timeline.async_span(f"bucket {self.buckets.index(bucket)} all-reduce {timeline.size_text(size)}",
-                                bucket.work, bytes=size)
-
-    # -- at the step ---------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def sync(self, module: nn.Module) -> None:
-        if self.world_size == 1:
-            return
-        if self.next_launch < len(self.buckets):  # some parameters got no gradient this step
-            missing = [self.names.get(id(p), "?") for b in self.buckets[self.next_launch:]
-                       for i, p in enumerate(b.params) if i not in b.ready]
-            if not self.find_unused:
-                self._reset()
-                raise ConfigError(
-                    f"{len(missing)} parameter(s) received no gradient in this step ({', '.join(missing[:5])}"
-                    f"{', ...' if len(missing) > 5 else ''}); pass `find_unused` to treat "
-                    f"their gradients as zero, or remove them from the model")
-            for b in self.buckets[self.next_launch:]:
-                b.ready = set(range(len(b.params)))
-            self._launch_ready()
-        try:
-            for bucket in self.buckets:
-                bucket.work.wait()
-                if bucket.is_sum:
-                    bucket.buffer.div_(self.world_size)
-                _unflatten_into_grads(bucket.buffer, bucket.params)
-        finally:
-            self._reset()
-
-    def _reset(self) -> None:
-        for bucket in self.buckets:
-            bucket.ready.clear()
-            bucket.buffer = bucket.work = None
-        self.next_launch = 0
-
-    @contextlib.contextmanager
-    def no_sync(self, module: nn.Module) -> Iterator[None]:
-        self.enabled = False
-        try:
-            yield
-        finally:
-            self.enabled = True
-
-
-def _ddp_comm_hook(state, bucket):  # no annotations: DDP rejects the string ones of `from __future__`
-    """DDP communication hook averaging DDP's bucket with distlab's codec and all-reduce algorithm
-    (``state`` = (codec, algorithm, group)); returns a completed ``Future[Tensor]``."""
-    codec, algorithm, group = state
-    buf = bucket.buffer()
-    codec.all_reduce_mean(buf, [buf.shape], bucket.index(), algorithm, group)
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(buf)
-    return fut
-
-
-class TorchDDPSync(_BucketSync):
-    """torch's ``DistributedDataParallel`` (Li et al., VLDB 2020): gradients are all-reduced in
-    buckets of ``bucket_mb`` MB during backward, overlapping communication with computation.
-    A non-native ``collective`` replaces DDP's all-reduce through a communication hook (it runs
-    synchronously inside the hook, so it does not overlap)."""
-
-    name = "ddp"
-
-    def wrap(self, module: nn.Module) -> nn.Module:
-        device_ids = [module_device(module).index] if module_device(module).type == "cuda" else None
-        own = [n for n, p in module.named_parameters() if hasattr(p, "sync_group")]
-        if own:  # expert shards: neither broadcast nor reduced over the data-parallel group
-            nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, own)
-        ddp = nn.parallel.DistributedDataParallel(
-            module, device_ids=device_ids, process_group=self.group, bucket_cap_mb=self.bucket_mb,
-            find_unused_parameters=self.find_unused)
-        if isinstance(self.codec, PowerSGD):
-            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-            # torch needs two plain iterations before compressing with error feedback (its minimum)
-            state = powerSGD_hook.PowerSGDState(process_group=self.group, matrix_approximation_rank=self.codec.rank,
-                                                start_powerSGD_iter=2, use_error_feedback=True, warm_start=True,
-                                                min_compression_rate=2, random_seed=0)
-            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-            self.powersgd = state
-        elif isinstance(self.codec, CastCodec) and self.codec.name == "fp16":
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-            ddp.register_comm_hook(self.group, default_hooks.fp16_compress_hook)
-        elif self.collective != "native" or not self.codec.exact:  # torch's bf16 hook needs NCCL: distlab's cast
-            ddp.register_comm_hook((self.codec, self.collective, self.group), _ddp_comm_hook)
-        return ddp
-
-    def sync(self, module: nn.Module) -> None:
-        pass  # DDP already reduced during backward
-
-    def state_dict(self) -> dict:
-        """torch's PowerSGD hook state (error feedback, warm-start P and Q per bucket, its iteration and
-        random generator) as tensors and numbers; {} for the other hooks."""
-        s = getattr(self, "powersgd", None)
-        if s is None:
-            return {}
-        kind, keys, pos, has_gauss, gauss = s.rng.get_state()
-        return {"powersgd": {"iter": s.iter, "error": dict(s.error_dict), "p": dict(s.p_memory_dict),
-                             "q": dict(s.q_memory_dict), "next_stats_report": s.next_stats_report,
-                             "numel": [s.total_numel_before_compression, s.total_numel_after_compression],
-                             "rng": {"keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                                     "has_gauss": int(has_gauss), "gauss": float(gauss)}}}
-
-    def load_state_dict(self, state: dict) -> None:
-        s, saved = getattr(self, "powersgd", None), state.get("powersgd")
-        if s is None or saved is None:
-            return
-        s.iter, s.next_stats_report = int(saved["iter"]), int(saved["next_stats_report"])
-        s.error_dict, s.p_memory_dict, s.q_memory_dict = dict(saved["error"]), dict(saved["p"]), dict(saved["q"])
-        s.total_numel_before_compression, s.total_numel_after_compression = (int(n) for n in saved["numel"])
-        r = saved["rng"]
-        s.rng.set_state(("MT19937", r["keys"].numpy().astype("uint32"), r["pos"], r["has_gauss"], r["gauss"]))
-
-    def uncounted_bytes(self, module: nn.Module) -> int:
-        """DDP's own all-reduce runs inside autograd, out of distlab's sight: its textbook volume.
-        A distlab collective installed as its hook is counted like any other; torch's compression hooks
-        count at their compressed volume."""
-        return (self.bytes_per_sync(module) or 0) if self.collective == "native" and self.world_size > 1 else 0
-
-    def no_sync(self, module: nn.Module):
-        return module.no_sync()
-
-    @property
-    def rebuilds_buckets(self) -> bool:
-        """DDP re-cuts its buckets after the first backward, in the order gradients arrived (not
-        with ``find_unused_parameters``)."""
-        return not self.find_unused
-
-
-SYNC_METHODS: dict[str, type[SyncMethod]] = {
-    "gather-scatter": GatherScatterSync,
-    "allreduce": AllReduceSync,
-    "bucketed": BucketedSync,
-    "ddp": TorchDDPSync,
-}
+        return (self.world_size - 1) * grad_bytes(module)
