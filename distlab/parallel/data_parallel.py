@@ -1,4 +1,4 @@
-"""Data parallel: one wrapper over a gradient-sync method (:mod:`distlab.parallel.sync_methods`).
+"""Data parallel: one wrapper over a gradient-sync method, the methods registered by name.
 
 Every rank holds the whole model and runs forward and backward on its own slice of the global
 batch; the sync method (``--dp-sync``: gather-scatter, allreduce, bucketed, ddp) then makes each
@@ -6,7 +6,9 @@ rank's ``.grad`` the mean over the whole global batch, so the optimizer step is 
 step on that batch (see ``distlab.data.sampler`` for why the slices make up the sequential
 minibatch). :class:`DataParallel` is the gradient sync the Engine drives: construction broadcasts
 rank 0's model, ``sync_gradients`` and ``no_sync`` hand over to the method, and it reports the
-bytes, state and slots the Engine and snapshots ask for.
+bytes, state and slots the Engine and snapshots ask for. The methods: :mod:`distlab.parallel.sync_methods`
+(the interface, ``gather-scatter``, ``allreduce``) and :mod:`distlab.parallel.bucketed_sync`
+(``bucketed``, ``ddp``); adding one is a class plus a line in :data:`SYNC_METHODS`.
 """
 
 from __future__ import annotations
