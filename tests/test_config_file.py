@@ -8,6 +8,7 @@ import pytest
 
 from distlab.errors import ConfigError
 from distlab.train import TrainConfig
+from distlab.train.config_file import config_file_text, read_config_file
 
 
 def test_a_run_rerun_from_its_config_file_ends_bitwise_where_it_ended_and_flags_override_it(run_cli, tmp_path):
@@ -38,18 +39,18 @@ def test_a_bad_config_file_is_one_line_naming_it(tmp_path, text, message):
     path = tmp_path / "c.toml"
     path.write_text(text)
     with pytest.raises(ConfigError, match=message) as info:
-        TrainConfig.read_toml(str(path))
+        read_config_file(str(path))
     assert str(path) in str(info.value)
     with pytest.raises(ConfigError, match="No such file"):
-        TrainConfig.read_toml(str(tmp_path / "missing.toml"))
+        read_config_file(str(tmp_path / "missing.toml"))
 
 
 def test_the_file_holds_every_setting_of_what_is_trained_and_reads_back_to_the_same_config(tmp_path):
     cfg = TrainConfig.from_flags(model="mlp", mlp_widths=(8, 4), dataset="synthetic:1x8x8:4:64", zero=2, tp=1,
                                  max_steps=5, time_budget_s=90.0, out=str(tmp_path / "x"), snapshot_dir="s")
     path = tmp_path / "c.toml"
-    path.write_text(cfg.to_toml())
-    back = TrainConfig.from_flags(**TrainConfig.read_toml(str(path)))
+    path.write_text(config_file_text(cfg))
+    back = TrainConfig.from_flags(**read_config_file(str(path)))
     assert {**back.to_dict(), "out": None, "snapshot_dir": None} == {**cfg.to_dict(), "out": None, "snapshot_dir": None}
 
 
@@ -130,18 +131,18 @@ def test_a_strange_config_file_is_one_line_naming_the_key_and_the_fix(tmp_path, 
     path = tmp_path / "c.toml"
     path.write_bytes(content)
     with pytest.raises(ConfigError, match=message) as info:
-        TrainConfig.read_toml(str(path))
+        read_config_file(str(path))
     assert str(path) in str(info.value) and "\n" not in str(info.value)
 
 
 def test_a_config_file_takes_the_flags_own_spellings_and_every_setting_it_takes_is_validated(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('model_arg = ["width=3"]\ntime_budget = "1h30m"\nbatch-size = 32\ntiming_warmup_steps = 2\n')
-    assert TrainConfig.read_toml(str(path)) == {"model_args": ("width=3",), "time_budget_s": 5400.0,
+    assert read_config_file(str(path)) == {"model_args": ("width=3",), "time_budget_s": 5400.0,
                                                 "global_batch_size": 32, "timing_warmup_steps": 2}
     path.write_text("timing_warmup_steps = -7\n")
     with pytest.raises(ConfigError, match="`timing_warmup_steps` must be at least 0, not -7"):
-        TrainConfig.from_flags(**TrainConfig.read_toml(str(path)), dataset="synthetic:1x8x8:4:64").validate(1)
+        TrainConfig.from_flags(**read_config_file(str(path)), dataset="synthetic:1x8x8:4:64").validate(1)
 
 
 def test_a_misspelt_model_or_data_set_says_what_was_meant():

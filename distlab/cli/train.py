@@ -45,12 +45,13 @@ def _slug(name: str) -> str:
 def train(config_file, trust_config, **kw):
     """Train a model: data parallel over every rank, with --tp and --pp a data x tensor x pipeline mesh."""
     from distlab.train import TrainConfig
+    from distlab.train.config_file import read_config_file
 
     values = config_from_flags(kw, TRAIN_OPTIONS)
     if config_file:  # the file's settings where the command line did not give the flag
         ctx = click.get_current_context()
         given = {key for key in values if ctx.get_parameter_source(key) not in (None, click.core.ParameterSource.DEFAULT)}
-        settings = TrainConfig.read_toml(config_file)
+        settings = read_config_file(config_file)
         _refuse_code(config_file, settings, "model" in given, trust_config)
         for key, value in settings.items():
             if key not in given:

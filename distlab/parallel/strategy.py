@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 from distlab.errors import ConfigError, did_you_mean
 from distlab.parallel.components import names as component_names
@@ -22,6 +23,7 @@ from distlab.parallel.compression import parse_compression
 from distlab.parallel.context_parallel import STYLES as CP_STYLES
 from distlab.parallel.data_parallel import COLLECTIVES, SYNC_METHODS
 from distlab.parallel.pipeline import SCHEDULES as PP_SCHEDULES
+from distlab.parallel.strategy_text import parse, parse_list, strategy_text
 from distlab.parallel.sync_bn import MODES as SYNC_BN
 from distlab.parallel.tensor_parallel import STYLES as TP_STYLES
 from distlab.parallel.zero import STAGES as ZERO_STAGES
@@ -32,6 +34,8 @@ ZERO_DP_SYNC = "allreduce"    # what a ZeRO strategy records: its gradients are 
 @dataclass(frozen=True)
 class Strategy:
     """How a model is spread over ranks. ``dp_sync=None`` means the default for the layout."""
+
+    zero_dp_sync: ClassVar[str] = ZERO_DP_SYNC  # what a ZeRO strategy records as its method
 
     dp_sync: str | None = None
     collective: str | None = None  # None: the default for the layout (default_collective)
@@ -308,21 +312,18 @@ class Strategy:
         return text or "single process"
 
     def __str__(self) -> str:
-        from distlab.parallel.strategy_text import strategy_text
         return strategy_text(self)
 
     @classmethod
     def parse(cls, text: str, **defaults) -> "Strategy":
         """Read the text form (:mod:`distlab.parallel.strategy_text`); ``defaults`` fill fields the text
         leaves out."""
-        from distlab.parallel.strategy_text import parse
-        return parse(text, **defaults)
+        return parse(cls, text, **defaults)
 
     @classmethod
     def parse_list(cls, text: str, world: int | None = None, global_batch: int | None = None) -> list["Strategy"]:
         """Comma-separated text forms, each checked against ``world`` (and the batch split) if given."""
-        from distlab.parallel.strategy_text import parse_list
-        return parse_list(text, world, global_batch)
+        return parse_list(cls, text, world, global_batch)
 
     def to_dict(self) -> dict:
         """The JSON object of ``summary.json["strategy"]`` (``tp_style`` is null without tensor parallel;

@@ -1,4 +1,5 @@
-"""The text form of a :class:`~distlab.parallel.strategy.Strategy` (``str`` and ``Strategy.parse``).
+"""The text form of a :class:`~distlab.parallel.strategy.Strategy` (``str`` and ``Strategy.parse``);
+the class is passed in (``cls``, ``self``): this module is imported by it.
 
 ``METHOD[:COLLECTIVE]`` then ``+``-separated modifiers, e.g. ``bucketed:ring+accum=4+syncbn``, ``zero=3``, ``allreduce+tp=2+naive``::
 
@@ -45,7 +46,6 @@ from dataclasses import fields
 
 from distlab.errors import ConfigError, did_you_mean
 from distlab.parallel.components import names as component_names
-from distlab.parallel.strategy import ZERO_DP_SYNC, Strategy
 from distlab.parallel.data_parallel import SYNC_METHODS
 
 _KEYS = {"reduce": "reduce_dtype", "compress": "grad_compression", "accum": "grad_accum", "bucket": "bucket_mb", "style": "tp_style", "method": "dp_sync", "syncbn": "sync_bn",
@@ -56,18 +56,17 @@ _WORDS = {"naive": ("tp_style", "naive"), "megatron": ("tp_style", "megatron"), 
           "gpipe": ("pp_schedule", "gpipe"), "1f1b": ("pp_schedule", "1f1b"), "zb": ("pp_schedule", "zb"),
           "ckpt": ("activation_checkpointing", True), "compile": ("compile", True), "bf16": ("precision", "bf16"), "fp16": ("precision", "fp16"),
           "fp32": ("precision", "fp32"), "ulysses": ("cp_style", "ulysses")}
-_FIELDS = {f.name: f for f in fields(Strategy)}
 
 
-def strategy_text(self: Strategy) -> str:
+def strategy_text(self) -> str:
     """The text form of ``self`` (what ``str(strategy)`` prints)."""
     parts = []
     default = self.collective == self.default_collective
-    if not self.zero or not default or self.dp_sync != ZERO_DP_SYNC:
+    if not self.zero or not default or self.dp_sync != self.zero_dp_sync:
         parts.append(self.dp_sync + ("" if default else f":{self.collective}"))
     if self.grad_accum != 1:
         parts.append(f"accum={self.grad_accum}")
-    if self.bucket_mb != Strategy.bucket_mb:
+    if self.bucket_mb != type(self).bucket_mb:
         parts.append(f"bucket={self.bucket_mb:g}")
     if self.sync_bn != "off":
         parts.append("syncbn" if self.sync_bn == "distlab" else f"syncbn={self.sync_bn}")
@@ -100,24 +99,25 @@ def strategy_text(self: Strategy) -> str:
     return "+".join(parts)
 
 
-def parse(text: str, **defaults) -> Strategy:
+def parse(cls: type, text: str, **defaults):
     """Read the text form (see the module docstring); ``defaults`` fill fields the text leaves out."""
     values: dict = dict(defaults)
+    known = {f.name for f in fields(cls)}
     tokens = [t.strip() for t in text.strip().split("+")]
     if not text.strip() or any(not t for t in tokens):
         raise ConfigError(f"cannot read strategy {text!r}: write METHOD[:COLLECTIVE][+MODIFIER...], "
                           f"e.g. bucketed:ring+accum=4 or zero=3 or allreduce+tp=2+naive")
     for i, token in enumerate(tokens):
         key, eq, value = token.partition("=")
-        key = key.replace("-", "_") if key.replace("-", "_") in _FIELDS else key
+        key = key.replace("-", "_") if key.replace("-", "_") in known else key
         if eq:
             name = _KEYS.get(key, key)
-            if name not in _FIELDS:
+            if name not in known:
                 raise ConfigError(f"strategy {text!r}: unknown modifier {token!r} (known: accum=K, bucket=MB, "
                                   f"syncbn[=torch], find_unused, tp=N, naive, sp, cp=N, ulysses, ep=N, zero=S, pp=P, mb=M, gpipe, 1f1b, zb, vpp=V, ckpt, compile, bf16, fp16, "
                                   f"reduce=DTYPE, compress=C, or FIELD=VALUE with FIELD "
-                                  f"one of {', '.join(_FIELDS)})")
-            values[name] = _convert(name, value, text)
+                                  f"one of {', '.join(known)})")
+            values[name] = _convert(cls, name, value, text)
         elif token in _WORDS:
             name, value = _WORDS[token]
             values[name] = value
@@ -133,11 +133,11 @@ def parse(text: str, **defaults) -> Strategy:
             raise ConfigError(f"strategy {text!r}: {token!r} is not a modifier"
                               f"{did_you_mean(token, (*_WORDS, *component_names()))}; the "
                               f"method ({', '.join(SYNC_METHODS)}) comes first")
-    return Strategy(**values).check()
+    return cls(**values).check()
 
-def parse_list(text: str, world: int | None = None, global_batch: int | None = None) -> list[Strategy]:
+def parse_list(cls: type, text: str, world: int | None = None, global_batch: int | None = None) -> list:
     """Comma-separated text forms, each checked against ``world`` (and the batch split) if given."""
-    out = [parse(part) for part in text.split(",") if part.strip()]
+    out = [parse(cls, part) for part in text.split(",") if part.strip()]
     if not out:
         raise ConfigError(f"no strategy in {text!r}: give at least one, e.g. bucketed,zero=1")
     for s in out if world else ():
@@ -153,7 +153,7 @@ def modifier_words() -> tuple[str, ...]:
     return (*_WORDS, *component_names())
 
 
-def _convert(name: str, value: str, text: str):
+def _convert(cls: type, name: str, value: str, text: str):
     if name == "pp_balance":
         try:
             return tuple(int(v) for v in value.replace(",", ":").split(":"))
@@ -163,7 +163,7 @@ def _convert(name: str, value: str, text: str):
         return value
     if name == "components":
         return tuple(n for n in value.split(":") if n)
-    kind = type(getattr(Strategy(), name))
+    kind = type(getattr(cls(), name))
     try:
         if kind is bool:
             if value.lower() not in ("1", "0", "true", "false", "yes", "no"):

@@ -327,17 +327,6 @@ class TrainConfig:
     def effective_lr(self) -> float:
         return self.lr * self.lr_factor()
 
-    def to_toml(self) -> str:
-        """This config as a TOML file ``distlab train --config`` reads (:mod:`distlab.train.config_file`)."""
-        from distlab.train.config_file import config_file_text
-        return config_file_text(self)
-
-    @classmethod
-    def read_toml(cls, path: str) -> dict:
-        """A ``--config`` file's settings by field name (:mod:`distlab.train.config_file`)."""
-        from distlab.train.config_file import read_config_file
-        return read_config_file(path)
-
     def to_dict(self) -> dict:
         """Every field by name, flat: the options' fields beside the others (as the flags are), the
         strategy as its own dict."""

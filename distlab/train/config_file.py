@@ -71,7 +71,7 @@ def read_config_file(path: str) -> dict:
     return out
 
 
-# where and how a run writes, not what it trains: not in to_toml
+# where and how a run writes, not what it trains: not in config_file_text
 RUN_PLACE = ("out", "resume", "snapshot_dir", "snapshot_every", "snapshot_async", "keep_snapshots", "tensorboard",
              "trace", "profile")
 COMMAND_LINE_ONLY = ("out", "resume", "snapshot_dir", "tensorboard")  # refused in a --config file

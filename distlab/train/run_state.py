@@ -6,9 +6,6 @@ more step, the final evaluation and snapshot would overrun ``time_budget``, coun
 restarts). The training loop asks it two questions -- :meth:`RunState.out_of_time` and
 :meth:`RunState.snapshot_due` -- and tells it what happened (:meth:`RunState.advance`,
 :meth:`RunState.record_eval`).
-
-**Size.** One class, the run's state across snapshots and restarts: its save, resume and reshard
-paths share one registry and one set of layout checks, and read best together.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from distlab.models import count_parameters
 from distlab.parallel.compile import compiled_graphs
 from distlab.parallel.strategy import DEFAULT_DP_SYNC
 from distlab.runtime import cores, load_before_run, reduce_scalars
+from distlab.train.config_file import config_file_text
 from distlab.train.metrics import anon_peak_mb, median_excluding_warmup, peak_rss_mb
 
 SYNC_TIME_BASIS = ("seconds per step spent in the gradient sync after backward and in the post-step parameter "
@@ -219,7 +220,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "hostname": socket.gethostname(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "config": cfg.to_dict(),
-        "config_toml": cfg.to_toml(),  # the same settings as OUT/config.toml: distlab train --config reruns it
+        "config_toml": config_file_text(cfg),  # the same settings as OUT/config.toml: distlab train --config reruns it
     }
 
 

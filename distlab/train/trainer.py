@@ -29,6 +29,7 @@ from distlab.parallel.placement import placement_of
 from distlab.runtime import Runtime, comm_failure, is_comm_failure, seed_everything, timeline, tune_host_allocator
 from distlab.train.clock import StepClock
 from distlab.train.config import TrainConfig
+from distlab.train.config_file import config_file_text
 from distlab.train.evaluate import evaluate, evaluation_size, first_batches
 from distlab.train.throughput import Throughput
 from distlab.train.observe import StepObserver
@@ -213,7 +214,7 @@ class Trainer:
         summary = summarize(self, stopped, times, time.perf_counter() - start)
         if self.rt.is_main and cfg.out:
             self.log.touch()  # a run that ended before its first log step still has a (empty) metrics.jsonl
-            atomic_write_text(Path(cfg.out) / "config.toml", cfg.to_toml())  # `distlab train --config` reruns it
+            atomic_write_text(Path(cfg.out) / "config.toml", config_file_text(cfg))  # `distlab train --config` reruns it
             if self._predictions is not None:
                 summary["predictions"] = write_predictions(Path(cfg.out), self.test_set, *self._predictions)
             write_summary(cfg.out, summary)

@@ -51,7 +51,8 @@ bubble), :mod:`~distlab.parallel.pipeline.stage` (a rank's stage: its layers, me
 
 from distlab.parallel.pipeline.actions import SCHEDULES, check_virtual, ideal_bubble, schedule_actions
 from distlab.parallel.pipeline.partition import cut, partition, sequential_layers
-from distlab.parallel.pipeline.stage import ACT, GRAD, ActivationMeter, PipelineStage, check_microbatches
+from distlab.parallel.pipeline.activation_meter import ActivationMeter
+from distlab.parallel.pipeline.stage import ACT, GRAD, PipelineStage, check_microbatches
 
 __all__ = ["ACT", "GRAD", "ActivationMeter", "PipelineStage", "SCHEDULES", "check_microbatches", "check_virtual",
            "cut", "ideal_bubble", "partition", "schedule_actions", "sequential_layers"]

@@ -1,8 +1,7 @@
 """One rank's pipeline stage (:class:`PipelineStage`): its layers, the messages to its neighbours and
 the step loops of every schedule -- GPipe and 1F1B by hand, the others from their action lists.
-
-**Size.** One class and its step loops: they share the stage's message streams and timing, and read
-best side by side."""
+What autograd holds for backward while a stage steps is measured by
+:class:`~distlab.parallel.pipeline.activation_meter.ActivationMeter`."""
 
 from __future__ import annotations
 
@@ -16,6 +15,7 @@ from torch import nn
 from distlab.comm.p2p import Peer, wait_all
 from distlab.errors import ConfigError
 from distlab.parallel.checkpointing import run_checkpointed
+from distlab.parallel.pipeline.activation_meter import ActivationMeter
 from distlab.parallel.pipeline.actions import SCHEDULES, check_virtual, ideal_bubble, schedule_actions
 from distlab.parallel.pipeline.partition import partition, sequential_layers
 from distlab.runtime import group_rank, group_size, timeline
@@ -24,69 +24,6 @@ from distlab.runtime.trace_file import SCHEDULE
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 _HEADER = 10  # int64s: dtype code, ndim, up to 8 sizes
 ACT, GRAD = 0, 1  # message tags
-
-
-class ActivationMeter:
-    """Bytes autograd holds for backward, live and at their peak, while the context is open.
-
-    Every tensor saved for backward passes through a pack hook; its storage is counted once
-    however many tensors view it, from the first save until the last saved reference is released
-    (after its backward, or when its graph is dropped). Parameters are excepted (``params``: they
-    are held whatever the schedule). Works for any code run in this thread, so it measures torch's
-    pipeline schedules the same way as distlab's.
-    """
-
-    def __init__(self, params=()):
-        self._params = {p.untyped_storage().data_ptr() for p in params}
-        self._refs: dict[int, list[int]] = {}  # storage pointer -> [saved references, bytes]
-        self.live = self.peak = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _Held.unpack)
-
-    @torch.compiler.disable  # counted as it runs, never traced into a compiled block's graph
-    def _pack(self, t: torch.Tensor):
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key in self._params or not key:
-            return t
-        ref = self._refs.setdefault(key, [0, storage.nbytes()])
-        if ref[0] == 0:
-            self.live += ref[1]
-            self.peak = max(self.peak, self.live)
-        ref[0] += 1
-        return _Held(t, self, key)
-
-    def _release(self, key: int) -> None:
-        ref = self._refs[key]
-        ref[0] -= 1
-        if ref[0] == 0:
-            self.live -= ref[1]
-            del self._refs[key]
-
-    def __enter__(self) -> "ActivationMeter":
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
-
-
-class _Held:
-    """A saved tensor with its meter: releases its count when autograd drops it."""
-
-    __slots__ = ("tensor", "meter", "key")
-
-    def __init__(self, tensor: torch.Tensor, meter: ActivationMeter, key: int):
-        self.tensor, self.meter, self.key = tensor, meter, key
-
-    @staticmethod
-    @torch.compiler.disable
-    def unpack(held):
-        return held.tensor if isinstance(held, _Held) else held
-
-    def __del__(self):
-        meter = getattr(self, "meter", None)  # None: built by torch.compile's tracing, never counted
-        if meter is not None:
-            meter._release(self.key)
 
 
 def check_microbatches(batch: int | None, microbatches: int, what: str = "pipeline micro-batches") -> None:
