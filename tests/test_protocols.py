@@ -84,7 +84,7 @@ def _sharded_layers(rank, world):
     from distlab.parallel.expert_parallel import ExpertShard
     from distlab.parallel.placement import full_state_dict
     from distlab.parallel.protocols import ShardedLayer
-    from distlab.parallel.tp_plan import apply_tensor_parallel
+    from distlab.parallel.tensor_parallel.plan import apply_tensor_parallel
     torch.manual_seed(0)
     whole = GPT(32, 8, n_layer=1, n_head=2, n_embd=8)
     torch.manual_seed(0)

@@ -156,7 +156,7 @@ class _FakeGroup:
 
 @pytest.fixture(autouse=True)
 def _fake_group_size(monkeypatch):
-    from distlab.parallel import tensor_parallel as tp
+    from distlab.parallel.tensor_parallel import layers as tp
     real_size, real_rank = tp.group_size, tp.group_rank
     monkeypatch.setattr(tp, "group_size", lambda g: g.n if isinstance(g, _FakeGroup) else real_size(g))
     monkeypatch.setattr(tp, "group_rank", lambda g: 0 if isinstance(g, _FakeGroup) else real_rank(g))

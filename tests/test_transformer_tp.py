@@ -22,7 +22,7 @@ from distlab.parallel import apply_tensor_parallel
 from distlab.parallel.placement import full_parameters, full_state_dict
 from distlab.parallel.loss_head import vocab_parallel_head
 from distlab.models import IGNORE_INDEX
-from distlab.parallel.vocab_sequence import vocab_parallel_correct, vocab_parallel_cross_entropy
+from distlab.parallel.tensor_parallel.vocabulary import vocab_parallel_correct, vocab_parallel_cross_entropy
 from distlab.launch.spawn import RankFailure, run_ranks
 from distlab.tools.verify import step_tolerance, sum_tolerance
 

@@ -33,7 +33,7 @@ spellings ``context_parallel_plan()`` and ``expert_parallel_plan()`` without arg
 read (:func:`plan_of` passes only the arguments a method takes).
 
 Every style of every plan, one table (each parallelism applies its own, to any model:
-:mod:`distlab.parallel.tp_plan`, :mod:`distlab.parallel.context_parallel`,
+:mod:`distlab.parallel.tensor_parallel.plan`, :mod:`distlab.parallel.context_parallel`,
 :mod:`distlab.parallel.expert_parallel`):
 
 ==========================  ========  ============================================================

@@ -18,7 +18,7 @@ from distlab.parallel.strategy import Strategy
 from distlab.parallel.sync_bn import MODES as SYNC_BN, SyncBatchNorm, apply_sync_bn, convert_sync_batchnorm
 from distlab.parallel.tensor_parallel import (STYLES as TP_STYLES, ColumnParallelLinear, RowParallelLinear,
                                               copy_to_group, gather_from_group, reduce_from_group, split_to_group)
-from distlab.parallel.tp_plan import apply_tensor_parallel
+from distlab.parallel.tensor_parallel.plan import apply_tensor_parallel
 from distlab.parallel.zero import STAGES as ZERO_STAGES, Shard, Zero
 
 __all__ = ["COLLECTIVES", "ColumnParallelLinear", "DataParallel", "Engine", "Mesh", "PP_SCHEDULES", "PipelineStage",

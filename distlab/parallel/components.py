@@ -34,7 +34,7 @@ import os
 BUILT_IN = (
     "distlab.parallel.context_parallel:ContextParallel",  # cp=N: each sequence's tokens over N ranks
     "distlab.parallel.expert_parallel:ExpertParallel",    # ep=N: the experts over N data-parallel ranks
-    "distlab.parallel.tp_plan:TensorParallel",            # tp=N (+sp): the layers over N ranks
+    "distlab.parallel.tensor_parallel.plan:TensorParallel",            # tp=N (+sp): the layers over N ranks
 )
 ENV = "DISTLAB_COMPONENTS"
 

@@ -40,7 +40,7 @@ from distlab.comm import p2p
 from distlab.errors import ConfigError
 from distlab.models import plans
 from distlab.parallel.cost import Call, CallGroup, Price
-from distlab.parallel.tensor_parallel import all_gather_along
+from distlab.parallel.tensor_parallel.mappings import all_gather_along
 from distlab.runtime import broadcast_module, group_rank, group_size, timeline
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from distlab.models import task_correct, task_loss
-from distlab.parallel.vocab_sequence import VocabParallelLinear
+from distlab.parallel.tensor_parallel.vocabulary import VocabParallelLinear
 
 
 def vocab_parallel_head(model: nn.Module) -> VocabParallelLinear | None:

@@ -46,7 +46,7 @@ def _tokens(data) -> str:
 def tensor_parallel_share(module: torch.nn.Module) -> tuple[list[str], int, int]:
     """The tensor-parallel layers of ``module`` (names), their parameters on this rank, all parameters."""
     from distlab.parallel import ColumnParallelLinear, RowParallelLinear
-    from distlab.parallel.vocab_sequence import VocabParallelEmbedding
+    from distlab.parallel.tensor_parallel.vocabulary import VocabParallelEmbedding
     layers = [(name, m) for name, m in module.named_modules()
               if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))]
     return [n for n, _ in layers], sum(count_parameters(m) for _, m in layers), count_parameters(module)

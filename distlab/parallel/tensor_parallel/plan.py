@@ -17,8 +17,9 @@ from distlab.errors import ConfigError, with_article
 from distlab.models import plans
 from distlab.models.plans import linear_plan
 from distlab.parallel.cost import Call, CallGroup, Price
-from distlab.parallel.tensor_parallel import STYLES, ColumnParallelLinear, RowParallelLinear, all_reduce_sum
-from distlab.parallel.vocab_sequence import (CopyToGroup, GatherSequence, SequenceParallelEmbedding,
+from distlab.parallel.tensor_parallel.layers import STYLES, ColumnParallelLinear, RowParallelLinear
+from distlab.parallel.tensor_parallel.mappings import all_reduce_sum
+from distlab.parallel.tensor_parallel.vocabulary import (CopyToGroup, GatherSequence, SequenceParallelEmbedding,
                                              VocabParallelEmbedding, VocabParallelLinear)
 from distlab.runtime import group_size
 

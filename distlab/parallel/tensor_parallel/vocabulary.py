@@ -2,7 +2,7 @@
 attention split by heads, the vocabulary split in the embedding, the LM head and the cross-entropy,
 the sequence split between blocks. A model's
 ``tensor_parallel_plan()`` says where they go (:mod:`distlab.models.plans` names the styles) and
-:mod:`distlab.parallel.tp_plan` puts them there; nothing here knows a model.
+:mod:`distlab.parallel.tensor_parallel.plan` puts them there; nothing here knows a model.
 
 Over the ``t`` ranks of a tensor-parallel group:
 
@@ -39,8 +39,8 @@ from torch import nn
 from distlab import comm
 from distlab.errors import ConfigError
 from distlab.models import IGNORE_INDEX
-from distlab.parallel.tensor_parallel import (ColumnParallelLinear, all_gather_along, copy_to_group, gather_sequence,
-                                              reduce_from_group, scatter_sequence)
+from distlab.parallel.tensor_parallel.layers import ColumnParallelLinear
+from distlab.parallel.tensor_parallel.mappings import (all_gather_along, copy_to_group, gather_sequence, reduce_from_group, scatter_sequence)
 from distlab.runtime import group_rank, group_size
 
 
