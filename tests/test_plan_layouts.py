@@ -15,6 +15,7 @@ from distlab.plan.machine import Link
 from distlab.plan.text import format_validation
 from distlab.plan.trace import trace
 from distlab.plan.validate import summaries, validate
+from distlab.plan import timeline_analysis
 from distlab.runtime import trace_file
 from distlab.tools.verify import config_for, default_strategies
 from tests.trace_format import complete_events
@@ -54,7 +55,7 @@ def test_every_verified_layout_is_predicted_drawn_and_validated(case, calibratio
     # a stage per pipeline rank, each with every micro-batch's forward and backward; the step ends with the prediction
     assert {e["pid"] for e in spans} == set(range(strategy.pp))
     assert max(s["end_s"] for s in p["timeline"]) == pytest.approx(p["step_s"], rel=1e-12)
-    found = trace_file.analyze(drawn)
+    found = timeline_analysis.analyze(drawn)
     if strategy.pp > 1:
         per_stage = strategy.microbatches * strategy.pp_virtual
         for s in range(strategy.pp):

@@ -9,7 +9,8 @@ import pytest
 from distlab import runtime
 from distlab.errors import ConfigError
 from distlab.launch.spawn import run_ranks
-from distlab.runtime import timeline, trace_file
+from distlab.plan import timeline_analysis
+from distlab.runtime import timeline
 from distlab.train import Trainer, TrainConfig
 from tests.trace_format import complete_events
 
@@ -203,7 +204,7 @@ def test_plan_draws_the_predicted_step_on_the_same_lanes(tmp_path):
     assert sorted(e["name"] for e in spans) == sorted(s["name"] for s in predicted["timeline"])
     assert max(s["end_s"] for s in predicted["timeline"]) == predicted["step_s"]
     assert (tmp_path / "pred.png").stat().st_size > 0
-    assert trace_file.analyze(trace)["hidden_communication"] == 0.0  # per-parameter all-reduce: after backward
+    assert timeline_analysis.analyze(trace)["hidden_communication"] == 0.0  # per-parameter all-reduce: after backward
 
 
 def test_tensor_parallel_collectives_say_which_block_they_belong_to(tmp_path):

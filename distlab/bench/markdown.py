@@ -107,9 +107,9 @@ def variant_cost(records: list[dict]) -> str:
 
 def trace_table(trace: dict) -> str:
     """A run's ``trace.json`` (``--trace``): per rank, its time per traced step, compute, communication,
-    the share hidden behind compute and the exposed rest (``runtime.trace_file.analyze``)."""
+    the share hidden behind compute and the exposed rest (``plan.timeline_analysis.analyze``)."""
     from distlab.bench.common import format_table
-    from distlab.runtime.trace_file import analyze
+    from distlab.plan.timeline_analysis import analyze
     found = analyze(trace)
     rows = [[str(r["rank"]), f"{1e3 * r['window_s_per_step']:.2f}", f"{1e3 * r['compute_s_per_step']:.2f}",
              f"{1e3 * r['communication_s_per_step']:.2f}",

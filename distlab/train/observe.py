@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.errors import ConfigError
+from distlab.plan import timeline_analysis
 from distlab.runtime import timeline, trace_file
 from distlab.train.metrics import atomic_write_text
 
@@ -111,7 +112,7 @@ class StepObserver:
                                        if shifted else "one machine's monotonic clock"}
         if self.rt.is_main:
             atomic_write_text(path, json.dumps(trace))
-        found = trace_file.analyze(trace)
+        found = timeline_analysis.analyze(trace)
         self.trace_record = {"path": str(path), "steps": list(steps), "ranks": len(everyone),
                              "spans": sum(len(r["spans"]) for r in everyone), **trace["otherData"],
                              **{k: found[k] for k in ("hidden_communication", "exposed_communication_s_per_step",

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import html
 
-from distlab.runtime.trace_file import LANES, SCHEDULE, analyze
+from distlab.plan.timeline_analysis import analyze
+from distlab.runtime.trace_file import LANES, SCHEDULE
 from distlab.tools.plots import pyplot
 from distlab.tools.report.pieces import Col, fmt_ms, fmt_pct, html_table, png, run_label
 
