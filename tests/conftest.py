@@ -37,6 +37,13 @@ def distlab_exe() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "distlab"]
 
 
+def mlp_only(settings: dict) -> dict:
+    """A test's training settings without the MLP's widths where another model is asked for (a model
+    is given only the options it takes)."""
+    return settings if settings.get("model") in ("mlp", "mlp-bn") else {k: v for k, v in settings.items()
+                                                                          if k != "mlp_widths"}
+
+
 def run_patiently(cmd: list[str], timeout: float, check: bool = False, **kwargs) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True, **kwargs)`` with ``timeout`` as a hang guard
     for a quiet machine: the deadline stretches with the load per core seen while it runs (a test suite

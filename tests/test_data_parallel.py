@@ -23,6 +23,7 @@ from distlab.parallel import Strategy, build_mesh, parallelize
 from distlab.launch.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig, evaluate
 from distlab.tools.verify import evaluation_tolerance, reference_run, tolerance
+from tests.conftest import mlp_only
 
 
 def _config(dp_sync: str, out: str | None = None, collective: str = "native", grad_accum: int = 1,
@@ -33,7 +34,7 @@ def _config(dp_sync: str, out: str | None = None, collective: str = "native", gr
                     max_steps=10, global_batch_size=12, lr=0.1, lr_schedule="constant", optimizer="sgd",
                     momentum=0.9, weight_decay=1e-4, seed=3, log_every=1, dp_sync=dp_sync, out=out,
                     progress=False, collective=collective, grad_accum=grad_accum, bucket_mb=0.004)
-    return TrainConfig.from_flags(**{**settings, **overrides})
+    return TrainConfig.from_flags(**mlp_only({**settings, **overrides}))
 
 
 ATOL = tolerance(_config("allreduce"))  # 2 x 10 steps x lr 0.1 / (1 - 0.9) x batch 12 x eps32 = 2.9e-5

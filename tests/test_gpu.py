@@ -15,6 +15,7 @@ from distlab import runtime
 from distlab.launch.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig
 from distlab.tools.verify import reference_run, tolerance
+from tests.conftest import mlp_only
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 # fp16 autocast and its loss scaling are for GPUs (refused on the CPU): the CPU twin runs bf16
@@ -27,7 +28,7 @@ def _cfg(**kw):
     settings = dict(model="mlp", mlp_widths=(32, 16), dataset="synthetic:1x8x8:4:96", epochs=2, max_steps=10,
                     global_batch_size=12, lr=0.1, lr_schedule="constant", optimizer="sgd", momentum=0.9, seed=3,
                     log_every=1, progress=False, verbose=False, eval_every_epoch=False)
-    return TrainConfig.from_flags(**{**settings, **kw}).validate(1)
+    return TrainConfig.from_flags(**mlp_only({**settings, **kw})).validate(1)
 
 
 def _train_on(rank, world, cfg, device):

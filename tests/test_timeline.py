@@ -12,6 +12,7 @@ from distlab.launch.spawn import run_ranks
 from distlab.plan import timeline_analysis
 from distlab.runtime import timeline
 from distlab.train import Trainer, TrainConfig
+from tests.conftest import mlp_only
 from tests.trace_format import complete_events
 
 PLAN_RESULTS = __import__("pathlib").Path(__file__).resolve().parent.parent / "results" / "plan"
@@ -21,7 +22,7 @@ def _cfg(out, **kw):
     settings = dict(model="mlp", mlp_widths=(256, 128), dataset="synthetic:1x16x16:4:640", global_batch_size=64,
                     max_steps=4, epochs=1, lr=0.05, optimizer="sgd", seed=0, progress=False, verbose=False,
                     eval_every_epoch=False, out=str(out), trace="2:3")
-    return TrainConfig.from_flags(**{**settings, **kw})
+    return TrainConfig.from_flags(**mlp_only({**settings, **kw}))
 
 
 def _train(rank, world, cfg):
