@@ -64,7 +64,8 @@ def test_a_run_that_fails_before_its_first_step_leaves_nothing_in_the_way_of_the
     model.write_text(FAILS_IN_ITS_FIRST_STEP)
     for nproc in (["--nproc-per-node", "2"],):  # the launcher's lock (RunState's own: the same release)
         out, snaps = tmp_path / f"run{len(nproc)}", tmp_path / f"snaps{len(nproc)}"
-        own = [a for a in TRAIN[len(["train", "--nproc-per-node", "2"]):] if a not in ("--mlp-widths", "8")]
+        own = TRAIN[len(["train", "--nproc-per-node", "2"]):]
+        own = own[:own.index("--mlp-widths")] + own[own.index("--mlp-widths") + 2:]  # your model takes no MLP widths
         flags = [*own, "--model", f"{model}:build", "--out", str(out),
                  "--snapshot-dir", str(snaps), *nproc]
         failed = run_cli("train", *flags)
