@@ -16,7 +16,7 @@ import torch
 
 from distlab import comm, runtime
 from distlab.models import GPT, task_loss
-from distlab.parallel import Strategy, build_mesh, parallelize
+from distlab.parallel import Mesh, Strategy, parallelize
 from distlab.runtime import ordered_print, print0
 
 STEPS, GLOBAL_BATCH, CONTEXT, LR, MOMENTUM = 4, 16, 16, 0.1, 0.9
@@ -38,7 +38,7 @@ def batches():
 def main() -> None:
     rt = runtime.init(device="cpu", threads=1)  # a CPU tutorial: gloo, even where GPUs exist
     strategy = Strategy.parse("bucketed+tp=2+sp+pp=2+mb=2").check(rt.world_size)
-    mesh = build_mesh(strategy.tp, pp=strategy.pp)
+    mesh = Mesh.of(strategy)
     print0(f"{strategy} on {rt.world_size} ranks -- {mesh.describe()}")
     print0(f"GPT of {sum(p.numel() for p in gpt().parameters()):,} parameters: {', '.join(NAMES)}")
     engine = parallelize(gpt(), strategy, mesh)

@@ -17,7 +17,7 @@ from distlab.comm.accounting import allreduce_bytes_per_rank
 from distlab.data import load_dataset
 from distlab.data.sampler import sequential_batches
 from distlab.models import GPT, task_loss
-from distlab.parallel import Strategy, build_mesh, parallelize
+from distlab.parallel import Mesh, Strategy, parallelize
 from distlab.parallel.context_parallel import ring_bytes, ulysses_bytes
 from distlab.parallel.pipeline import ActivationMeter
 from distlab.runtime import print0, shutdown
@@ -37,7 +37,7 @@ def train(strategy: Strategy | None, data) -> tuple[list[torch.Tensor], int, int
     if strategy is None:
         ref_opt = torch.optim.SGD(net.parameters(), lr=LR)
     else:
-        engine = parallelize(net, strategy, build_mesh(strategy.tp, cp=strategy.cp))
+        engine = parallelize(net, strategy, Mesh.of(strategy))
         opt = torch.optim.SGD(engine.parameters(), lr=LR)
     held = sent = 0
     for i, idx in enumerate(sequential_batches(len(data), batch_size=BATCH, seed=1)[:STEPS]):

@@ -22,7 +22,7 @@ from torch import nn
 from distlab import comm
 from distlab.data import load_dataset
 from distlab.data.sampler import rank_batches, sequential_batches
-from distlab.parallel import ColumnParallelLinear, Strategy, build_mesh, parallelize
+from distlab.parallel import ColumnParallelLinear, Mesh, Strategy, parallelize
 from distlab.parallel.placement import placements_of
 from distlab.runtime import print0, shutdown
 from distlab.tools.verify import gradient_tolerance, sgd_tolerance
@@ -46,7 +46,7 @@ def local_batches(data, replicas: int, replica: int):
 def main() -> None:
     dist.init_process_group("gloo")
     strategy = Strategy.parse("zero=1+tp=2+accum=2").check(dist.get_world_size())
-    mesh = build_mesh(strategy.tp)
+    mesh = Mesh.of(strategy)
     data = load_dataset("fashion-mnist", "train")  # 60,000 images from the real IDX files (`make data`)
     engine = parallelize(model(), strategy, mesh)
     opt = engine.attach(torch.optim.SGD(engine.parameters(), lr=0.1, momentum=0.9))

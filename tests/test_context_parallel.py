@@ -106,7 +106,9 @@ def test_the_cli_splits_the_sequence_and_each_rank_holds_its_share_of_the_activa
               "constant", "--no-progress"]
     run_cli(*common, "--out", "one", check=True)
     proc = run_cli(*common, "--nproc-per-node", "2", "--cp", "2", "--out", "cp2", check=True, timeout=240)
-    assert "dp 1 x cp 2: CP groups [0, 1]" in proc.stdout and "32 tokens each, chunks c and 3-c of 4" in proc.stdout
+    assert "dp 1 x cp 2: CP groups [0, 1]" in proc.stdout and "32 tokens of each sequence per context-parallel rank" in proc.stdout \
+        and "context parallel: each sequence split over 2 ranks (ring: 1/2 of its tokens each, chunks c and 3-c of 4)" \
+        in proc.stdout
     import json
     one, cp2 = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "cp2"))
     assert cp2["strategy"]["cp"] == 2 and cp2["mesh"]["cp"] == 2 and not cp2["inactive"]

@@ -28,7 +28,7 @@ def test_biases_norms_and_embeddings_are_not_decayed():
 def _decay_only(rank, world, flags):
     """One AdamW step with every gradient zero: Adam moves nothing, so each parameter is either decayed
     -- ``p x (1 - lr x wd)``, computed as torch does -- or exactly as it was."""
-    from distlab.parallel import Strategy, build_mesh, parallelize
+    from distlab.parallel import Mesh, Strategy, parallelize
     from distlab.parallel.placement import placement_of
     from distlab.train.config import TrainConfig
     from distlab.train.optim import build_optimizer
@@ -38,7 +38,7 @@ def _decay_only(rank, world, flags):
     skip = no_decay_names(full)
     strategy = Strategy(**flags).check(world)
     engine = parallelize(copy.deepcopy(full), strategy,
-                         build_mesh(strategy.tp, pp=strategy.pp, cp=strategy.cp, ep=strategy.ep))
+                         Mesh.of(strategy))
     cfg = TrainConfig.from_flags(optimizer="adamw", lr=LR, weight_decay=WD, lr_scaling="none")
     names = [p["name"] for p in placement_of(engine)["params"]]
     optimizer = build_optimizer(engine.parameters(), cfg, names, skip)

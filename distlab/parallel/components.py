@@ -2,16 +2,11 @@
 
 A component is a parallelism that splits the model or its batch beside the gradient sync and the
 step schedule -- context parallel (each sequence's tokens), expert parallel (the experts), tensor
-parallel (the layers), or one of your own. Its *kind* is a class with
-
-``name``                    its word in a strategy's text form (``+NAME``) where it has no field of
-                            its own (a built-in's is the field that turns it on: ``cp``, ``ep``, ``tp``)
-``wanted(strategy)``        classmethod, optional: whether a strategy turns it on (default: its name
-                            is among ``strategy.components``)
-``apply(model, strategy, mesh)``  classmethod: change the built, seeded model in place or return a new
-                            one; returns ``(model, component)``, the component an instance of the
-                            :class:`~distlab.parallel.protocols.ModelSharding` protocol the Engine
-                            calls at every step (``prepare_batch``, ``reduce_gradients``, ``lockstep``)
+parallel (the layers), or one of your own. Its *kind* is a subclass of
+:class:`~distlab.parallel.protocols.ComponentKind` (``name``, ``dim``, ``wanted``, ``check``, ``apply``,
+``price``, ``describe``, ``report``: the defaults are the no-ops, and a ``price`` that refuses to plan
+what it does not know); ``apply`` returns the :class:`~distlab.parallel.protocols.ModelSharding`
+component the Engine calls at every step (``prepare_batch``, ``reduce_gradients``, ``lockstep``).
 
 :func:`~distlab.parallel.parallelize` applies every wanted kind in registry order -- after the
 pipeline's cut is chosen on the unsharded model, before the cut and the gradient sync -- and hands
@@ -64,13 +59,18 @@ def register(name: str, where: str) -> None:
 
 
 def load(where: str) -> type:
-    """The class at ``module:Class``."""
+    """The :class:`~distlab.parallel.protocols.ComponentKind` at ``module:Class``."""
+    from distlab.errors import ConfigError
+    from distlab.parallel.protocols import ComponentKind
     module, _, attr = where.partition(":")
     try:
-        return getattr(importlib.import_module(module), attr)
+        kind = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
-        from distlab.errors import ConfigError
         raise ConfigError(f"component {where}: {e} (check {ENV} or distlab.parallel.components.BUILT_IN)") from None
+    if not (isinstance(kind, type) and issubclass(kind, ComponentKind)):
+        raise ConfigError(f"component {where} is not a component kind: subclass "
+                          f"distlab.parallel.protocols.ComponentKind (name, apply; check, price, describe as it has them)")
+    return kind
 
 
 def kinds() -> list[type]:
@@ -78,7 +78,6 @@ def kinds() -> list[type]:
     return [load(w) for w in (*BUILT_IN, *registered().values())]
 
 
-def wanted(kind: type, strategy) -> bool:
-    """Whether ``strategy`` turns ``kind`` on: its own ``wanted``, else its name listed in ``components``."""
-    ask = getattr(kind, "wanted", None)
-    return ask(strategy) if ask is not None else kind.name in strategy.components
+def wanted(strategy) -> list[type]:
+    """The kinds ``strategy`` turns on, in the order they are applied."""
+    return [kind for kind in kinds() if kind.wanted(strategy)]

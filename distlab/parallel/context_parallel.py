@@ -48,6 +48,7 @@ from distlab.comm import p2p
 from distlab.errors import ConfigError, with_article
 from distlab.models import plans
 from distlab.parallel.cost import Call, CallGroup, Price
+from distlab.parallel.protocols import ComponentKind
 from distlab.runtime import group_rank, group_size, timeline
 
 STYLES = ("ring", "ulysses")
@@ -276,15 +277,11 @@ def plan_of(model: nn.Module, cp: int = 2, style: str = "ring", tp: int = 1) -> 
     return plan
 
 
-class ContextParallel:
+class ContextParallel(ComponentKind):
     """The component kind (:mod:`distlab.parallel.components`): ``cp=N`` splits every sequence over the
     mesh's context-parallel group; the component is the :class:`ContextLayout` that cuts each batch."""
 
-    name = "cp"
-
-    @staticmethod
-    def wanted(strategy) -> bool:
-        return strategy.cp > 1
+    name = dim = "cp"
 
     @staticmethod
     def check(model: nn.Module, strategy, input_shape: tuple[int, ...]) -> None:
@@ -319,6 +316,13 @@ class ContextParallel:
                                      "no mask (an encoder's attention): every rank scores its queries against every "
                                      "key, the same number of pairs; the keys and values travel as under a mask"}},
             activation_note=f", each rank holding 1/{cp} of every sequence's tokens (context parallel)")
+
+    @staticmethod
+    def describe(engine) -> list[str]:
+        """How each sequence is shared out: the style and the chunks each rank holds."""
+        cp, style = engine.mesh.cp, engine.strategy.cp_style
+        return [f"context parallel: each sequence split over {cp} ranks ({style}: 1/{cp} of its tokens each, "
+                f"chunks c and {2 * cp - 1}-c of {2 * cp})"]
 
     @staticmethod
     def apply(model: nn.Module, strategy, mesh) -> tuple[nn.Module, ContextLayout]:

@@ -41,6 +41,7 @@ from distlab.errors import ConfigError
 from distlab.models import plans
 from distlab.parallel.cost import Call, CallGroup, Price
 from distlab.parallel.tensor_parallel.mappings import all_gather_along
+from distlab.parallel.protocols import ComponentKind
 from distlab.runtime import broadcast_module, group_rank, group_size, timeline
 
 
@@ -124,15 +125,11 @@ class ExpertShard(nn.Module):
         return _Exchange.apply(home, recv, send, self.group, rank)
 
 
-class ExpertParallel:
+class ExpertParallel(ComponentKind):
     """The expert shards of a model and their gradient reduction (module docstring); as a component
     kind (:mod:`distlab.parallel.components`), ``ep=N`` over the mesh's expert-parallel group."""
 
-    name = "ep"
-
-    @staticmethod
-    def wanted(strategy) -> bool:
-        return strategy.ep > 1
+    name = dim = "ep"
 
     @staticmethod
     def check(model: nn.Module, strategy, input_shape: tuple[int, ...]) -> None:
@@ -169,6 +166,13 @@ class ExpertParallel:
                                         "plus the per-expert counts",
                          "memory_basis": "experts' parameters, gradients and optimizer state / ep; the rest "
                                          "replicated"}})
+
+    @staticmethod
+    def describe(engine) -> list[str]:
+        """The experts this rank holds, and how tokens reach the others."""
+        ep = engine.mesh.ep
+        return [f"expert parallel: each mixture-of-experts layer's experts shared out over {ep} data-parallel "
+                f"ranks (1/{ep} on each), tokens sent to them and back by all-to-all"]
 
     @staticmethod
     def apply(model: nn.Module, strategy, mesh) -> tuple[nn.Module, "ExpertParallel"]:

@@ -118,6 +118,12 @@ class Mesh:
         if self.replica_ranks is None:  # no context parallel: the replicas are the data-parallel ranks
             self.replica_group, self.replica_ranks = self.dp_group, self.dp_ranks
 
+    @classmethod
+    def of(cls, strategy) -> "Mesh":
+        """This process's mesh for ``strategy``: every dimension its fields name (tp, pp, cp, ep), the rest
+        data parallel (collective: every rank calls it, in the same order)."""
+        return build_mesh(strategy.tp, pp=strategy.pp, cp=strategy.cp, ep=strategy.ep)
+
     @property
     def last_stage(self) -> bool:
         """Whether this rank holds the model's last layers (where the loss is computed)."""

@@ -57,7 +57,7 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
     if (mesh.tp, mesh.pp, mesh.cp, mesh.ep) != (strategy.tp, strategy.pp, strategy.cp, strategy.ep):
         raise ValueError(f"the mesh has tp {mesh.tp}, pp {mesh.pp}, cp {mesh.cp}, ep {mesh.ep} but the strategy tp "
                          f"{strategy.tp}, pp {strategy.pp}, cp {strategy.cp}, ep {strategy.ep}: build the mesh from the "
-                         f"strategy (build_mesh(strategy.tp, pp=strategy.pp, cp=strategy.cp, ep=strategy.ep))")
+                         f"strategy (Mesh.of(strategy))")
     device = next(model.parameters()).device
     check_device(strategy.precision, device)
     if strategy.pp > 1:  # cut by the unsharded model's parameters: the same layers on every rank of a TP group
@@ -65,10 +65,9 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
                                                             strategy.pp_balance)]
     blocks = block_names(model) if strategy.activation_checkpointing and strategy.pp > 1 else None
     parts: list[ModelSharding] = []  # in the order they act on a batch
-    for kind in registry.kinds():
-        if registry.wanted(kind, strategy):
-            model, part = kind.apply(model, strategy, mesh)
-            parts.append(part)
+    for kind in registry.wanted(strategy):
+        model, part = kind.apply(model, strategy, mesh)
+        parts.append(part)
     if strategy.activation_checkpointing and strategy.pp == 1:  # a stage checkpoints its blocks by name
         apply_activation_checkpointing(model)
     if strategy.compile:  # in place, inside the checkpointed ranges and the stage's layers alike

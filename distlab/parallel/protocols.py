@@ -22,6 +22,9 @@ kind is one class that implements the protocol (checked by ``isinstance(obj, Gra
 ``ModelSharding``     a parallelism that splits the model or its batch: context, expert and tensor
                       parallel, and any registered (:mod:`~distlab.parallel.components`)
 ``LossHead``          scores the output: the task's loss, or the vocabulary-parallel one
+``ComponentKind``     what makes a ``ModelSharding`` component: a registered class (a base with the
+                      defaults) that says when a strategy wants it, checks, applies, prices and
+                      describes it
 ====================  ===========================================================================
 
 A step, as the Engine runs it::
@@ -225,3 +228,56 @@ class ShardedLayer(Protocol):
 
     def full_parameters(self) -> list[torch.Tensor]:
         """Its parameters in registration order, whole (collective over ``group``)."""
+
+
+class ComponentKind:
+    """A model-sharding parallelism's *kind*: the class registered in :mod:`~distlab.parallel.components`
+    that makes the :class:`ModelSharding` component. Subclass it and override what is yours; the rest
+    is the default, the no-op where one is right:
+
+    ``name``                       its word in a strategy's text form (``+NAME``)
+    ``dim``                        the strategy field it owns (``cp``, ``ep``, ``tp``): its size, a
+                                   dimension of the mesh; None where it has none
+    ``wanted(strategy)``           whether a strategy turns it on: ``dim`` above 1, else ``name`` listed in
+                                   ``strategy.components``
+    ``check(model, strategy, input_shape)``  before launch, on the model built on the meta device:
+                                   raise :class:`~distlab.errors.ConfigError` naming what does not fit
+                                   (default: nothing to check)
+    ``apply(model, strategy, mesh)``  change the built, seeded model in place or return a new one;
+                                   returns ``(model, component)`` -- the one method without a default
+    ``price(t, t_rank, lay, micro, optim)``  what it costs ``distlab plan`` (a
+                                   :class:`~distlab.parallel.cost.Price`); the default refuses: the
+                                   planner never leaves a parallelism out silently
+    ``describe(engine)``           the run header's lines about it (default: none)
+    ``report(engine)``             what the run's summary keeps about it, under ``components.NAME``
+                                   (default: nothing)
+    """
+
+    name: str = ""
+    dim: str | None = None
+
+    @classmethod
+    def wanted(cls, strategy) -> bool:
+        return getattr(strategy, cls.dim) > 1 if cls.dim else cls.name in strategy.components
+
+    @classmethod
+    def check(cls, model: nn.Module, strategy, input_shape: tuple[int, ...]) -> None:
+        return None
+
+    @classmethod
+    def apply(cls, model: nn.Module, strategy, mesh) -> tuple[nn.Module, ModelSharding]:
+        raise NotImplementedError(f"component kind {cls.__name__} does not say how it applies (apply)")
+
+    @classmethod
+    def price(cls, t, t_rank, lay, micro: int, optim):
+        from distlab.errors import ConfigError
+        raise ConfigError(f"component {cls.name} cannot be planned yet: its kind {cls.__name__} has no price; plan "
+                          f"the layout without it")
+
+    @classmethod
+    def describe(cls, engine) -> list[str]:
+        return []
+
+    @classmethod
+    def report(cls, engine) -> dict:
+        return {}

@@ -103,8 +103,7 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     heaviest = max(stages, key=lambda st: st["model_state_bytes"])
     t_rank = heaviest["trace"]  # what the rank with the most model state holds
     # every model-sharding component the layout turns on prices itself (the same components that train)
-    prices = [kind.price(t, t_rank, lay, micro, optim) for kind in components.kinds()
-              if components.wanted(kind, lay.strategy) and getattr(kind, "price", None) is not None]
+    prices = [kind.price(t, t_rank, lay, micro, optim) for kind in components.wanted(lay.strategy)]
     split, compute_split = math.prod(p.state_split for p in prices), math.prod(p.compute_split for p in prices)
     state, exact = heaviest["model_state_bytes"], all(p.exact for p in prices)
     # the textbook split (ZeRO paper, table 1) of what each kind comes to between steps, as the gradient sync shards it

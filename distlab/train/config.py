@@ -261,15 +261,13 @@ class TrainConfig:
         device) and the data's sample shape: the model declares a plan for the layout, and its own limits
         hold -- heads, widths, the vocabulary, experts, a context: the model's declaration says which."""
         from distlab.parallel import components
-        wanted = [kind for kind in components.kinds() if components.wanted(kind, self.strategy)]
+        wanted = components.wanted(self.strategy)
         if not wanted:
             return
         net = self._meta_model()
         shape, _ = dataset_shape(self.dataset, self.block_size, self.tokenizer)
         for kind in wanted:
-            check = getattr(kind, "check", None)
-            if check is not None:
-                check(net, self.strategy, shape)
+            kind.check(net, self.strategy, shape)
 
     def _check_options(self) -> None:
         """The options are the model family's and within its limits; your own model takes `model_args`."""

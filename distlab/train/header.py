@@ -5,10 +5,10 @@ and every warning that makes its numbers mean less -- each setting read once, as
 
 from __future__ import annotations
 
-import torch
 
 from distlab.errors import with_article
 from distlab.models import count_parameters, is_user_model
+from distlab.parallel import components
 from distlab.parallel.compile import compiled_modules
 from distlab.parallel.cost import Optim, data_parallel_bytes
 from distlab.parallel.pipeline import ideal_bubble
@@ -41,15 +41,6 @@ def _tokens(data) -> str:
         return "bytes"
     return (f"{tok.spec}: byte-level BPE learned from the training split, {tok.learned:,} of {tok.vocab_size:,} "
             f"tokens, {data.tokens_per_byte:.3f} tokens/byte")
-
-
-def tensor_parallel_share(module: torch.nn.Module) -> tuple[list[str], int, int]:
-    """The tensor-parallel layers of ``module`` (names), their parameters on this rank, all parameters."""
-    from distlab.parallel import ColumnParallelLinear, RowParallelLinear
-    from distlab.parallel.tensor_parallel.vocabulary import VocabParallelEmbedding
-    layers = [(name, m) for name, m in module.named_modules()
-              if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))]
-    return [n for n, _ in layers], sum(count_parameters(m) for _, m in layers), count_parameters(module)
 
 
 def zero_costs_more(trainer) -> str | None:
@@ -126,11 +117,8 @@ def header(trainer) -> list[str]:
         lines.append(f"strategy {cfg.strategy.label(rt.world_size)} on {rt.world_size} processes x {plural(rt.threads, 'thread')}, "
                      f"{rt.backend} on {rt.device.type}")
         lines.append(f"mesh     {mesh.describe()}")
-    if cfg.strategy.tp > 1:
-        names, tp_params, total = tensor_parallel_share(trainer.engine.module)
-        names = [trainer.engine.schedule.model_key(n) for n in names]
-        lines.append(f"tensor parallel: {len(names)} layers split ({', '.join(names) or 'none'}), "
-                     f"{tp_params:,} of this rank's {total:,} parameters; the rest is replicated")
+    for kind in components.wanted(cfg.strategy):  # each parallelism that splits the model says how
+        lines += kind.describe(trainer.engine)
     stages = trainer.engine.schedule.stages()
     if stages:
         cuts = "; ".join(f"stage {d['stage']}{' on rank ' + str(d['rank']) if 'rank' in d else ''} = layers "
@@ -144,8 +132,7 @@ def header(trainer) -> list[str]:
     micro = trainer.local_batch // micro_steps
     lines.append(f"batch    {cfg.global_batch_size} global = {mesh.dp} data-parallel rank(s) x {trainer.local_batch}"
                  + (f" (micro-batches of {micro} x {micro_steps})" if micro_steps > 1 else "")
-                 + (f", each sequence split over {mesh.cp} context-parallel ranks ({cfg.strategy.cp_style}: "
-                    f"{cfg.block_size // mesh.cp} tokens each, chunks c and {2 * mesh.cp - 1}-c of {2 * mesh.cp})"
+                 + (f", {cfg.block_size // mesh.cp} tokens of each sequence per context-parallel rank"
                     if mesh.cp > 1 else "")
                  + f"; {trainer.total_steps} steps, {trainer.steps_per_epoch} per epoch")
     lines.append(f"optim    {_optimizer_words(cfg, trainer.total_steps)}")

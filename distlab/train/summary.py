@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.models import count_parameters
+from distlab.parallel import components
 from distlab.parallel.compile import compiled_graphs
 from distlab.parallel.strategy import DEFAULT_DP_SYNC
 from distlab.runtime import cores, load_before_run, reduce_scalars
@@ -105,6 +106,13 @@ def expert_load(engine) -> dict | None:
                      "(mean over ranks)"}
 
 
+def component_reports(engine) -> dict:
+    """``{"components": {name: report}}`` of the model-sharding parallelisms that report anything (their
+    kind's ``report(engine)``); empty where none does."""
+    reported = {kind.name: r for kind in components.wanted(engine.strategy) if (r := kind.report(engine))}
+    return {"components": reported} if reported else {}
+
+
 def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
     """Every rank calls it (it reduces peaks over ranks); the result is the same everywhere."""
     cfg, rt, run, engine = trainer.cfg, trainer.rt, trainer.run, trainer.engine
@@ -155,6 +163,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "eval_step": final.get("step"),  # the step of that last evaluation (--eval-every: maybe before the end)
         **_text_facts(trainer, final),
         "experts": expert_load(engine),
+        **component_reports(engine),
         "best_val_loss": run.best_val_loss,
         "best_val_step": run.best_val_step,
         "val_samples": len(trainer.val_set) if trainer.val_set is not None else 0,

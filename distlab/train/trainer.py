@@ -24,7 +24,7 @@ from distlab.data.resident import decide as decide_residence
 from distlab.data.resident import nbytes as data_nbytes
 from distlab.errors import ConfigError, NonFiniteError
 from distlab.models import IGNORE_INDEX, build_model, count_parameters, snapshot_record
-from distlab.parallel import build_mesh, parallelize
+from distlab.parallel import Mesh, parallelize
 from distlab.parallel.placement import placement_of
 from distlab.runtime import Runtime, comm_failure, is_comm_failure, seed_everything, timeline, tune_host_allocator
 from distlab.train.clock import StepClock
@@ -78,7 +78,7 @@ class Trainer:
         eval_size = evaluation_size(cfg.eval_batches, cfg.eval_batch_size, cfg.global_batch_size, mapped)
         self.eval_test, self.eval_val = (first_batches(d, *eval_size) for d in (self.test_set, self.val_set))
         # The mesh: data is split over the data-parallel ranks only (a TP group and a pipeline see the same batch).
-        self.mesh = build_mesh(cfg.strategy.tp, pp=cfg.strategy.pp, cp=cfg.strategy.cp, ep=cfg.strategy.ep)
+        self.mesh = Mesh.of(cfg.strategy)
         self.local_batch = cfg.global_batch_size // self.mesh.dp
         self.loader = TrainLoader(self.train_set, rank=self.mesh.dp_rank, world_size=self.mesh.dp,
                                   local_batch=self.local_batch, shuffle=True, seed=cfg.seed)

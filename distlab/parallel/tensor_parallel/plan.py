@@ -19,8 +19,9 @@ from distlab.models.plans import linear_plan
 from distlab.parallel.cost import Call, CallGroup, Price
 from distlab.parallel.tensor_parallel.layers import STYLES, ColumnParallelLinear, RowParallelLinear
 from distlab.parallel.tensor_parallel.mappings import all_reduce_sum
+from distlab.parallel.protocols import ComponentKind
 from distlab.parallel.tensor_parallel.vocabulary import (CopyToGroup, GatherSequence, SequenceParallelEmbedding,
-                                             VocabParallelEmbedding, VocabParallelLinear)
+                                                         VocabParallelEmbedding, VocabParallelLinear)
 from distlab.runtime import group_size
 
 
@@ -39,18 +40,14 @@ def plan_of(model: nn.Module, tp: int, style: str = "megatron", sequence_paralle
     return plan
 
 
-class TensorParallel:
+class TensorParallel(ComponentKind):
     """The component kind (:mod:`distlab.parallel.components`): ``tp=N`` (``+sp``) splits the layers the
     model's plan names over the mesh's tensor-parallel group. The split layers communicate inside their
     own forward and backward (and sequence-parallel regions sum their gradients as they are computed),
     so the component itself leaves the batch and the gradients as they are."""
 
-    name = "tp"
+    name = dim = "tp"
     lockstep = False  # tensor-parallel ranks exchange data in their own group, never across replicas
-
-    @staticmethod
-    def wanted(strategy) -> bool:
-        return strategy.tp > 1
 
     @staticmethod
     def check(model: nn.Module, strategy, input_shape: tuple[int, ...]) -> None:
@@ -79,6 +76,18 @@ class TensorParallel:
                 "without sequence parallel)")
         return Price([CallGroup(calls * lay.strategy.grad_accum, lay.tp, local=lay.dp > 1)], exact=False,
                      state_split=lay.tp, compute_split=lay.tp, activation_note=note)
+
+    @staticmethod
+    def describe(engine) -> list[str]:
+        """The layers split on this rank (whole-model names) and their share of its parameters."""
+        module = engine.module
+        layers = [(name, m) for name, m in module.named_modules()
+                  if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))]
+        names = [engine.schedule.model_key(n) for n, _ in layers]
+        split = sum(p.numel() for _, m in layers for p in m.parameters())
+        total = sum(p.numel() for p in module.parameters())
+        return [f"tensor parallel: {len(names)} layers split ({', '.join(names) or 'none'}), {split:,} of this "
+                f"rank's {total:,} parameters; the rest is replicated"]
 
     def prepare_batch(self, *tensors):
         return tensors
