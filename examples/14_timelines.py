@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 2 examples/14_timelines.py
 
 Trains the same small MLP a few steps per layout with ``--trace`` on (the Trainer, as ``distlab train``
-runs it) and reads each trace back (``distlab.runtime.trace_file.analyze``):
+runs it) and reads each trace back (``distlab.plan.timeline_analysis.analyze``):
 
 1. data parallel three ways: gather-scatter and per-parameter all-reduce communicate after the
    backward (nothing hidden), bucketed starts each bucket's all-reduce while the backward computes
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from distlab import runtime
 from distlab.parallel.pipeline import ideal_bubble
 from distlab.runtime import print0, shutdown
-from distlab.runtime.trace_file import analyze
+from distlab.plan.timeline_analysis import analyze
 from distlab.train import Trainer, TrainConfig
 
 OUT = Path("timelines")

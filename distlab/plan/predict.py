@@ -89,6 +89,23 @@ class Timer:
         return host + r * self.link.latency + wire
 
 
+def comm_bytes(t_rank: Trace, lay: Layout, sync, prices: list, stages: list[dict]) -> dict:
+    """The bytes one rank sends in a step (what a run counts: ``comm_bytes_per_step`` of its summary), by
+    who sends them: the gradient sync's collectives, each component's, a pipeline stage's messages --
+    each call's volume on its group (:func:`~distlab.plan.machine.volume`)."""
+    calls = sync.planned_calls(t_rank, lay.strategy, lay.replicas)
+    by = {"gradient_sync": sum(volume(c.algorithm, lay.replicas, c.nbytes, c.kind)
+                               for c in (*calls.before_layers, *calls.during_backward, *calls.after_backward,
+                                         *calls.after_step))}
+    for kind, price in zip(components.wanted(lay.strategy), prices):
+        by[kind.name] = sum(volume(c.algorithm, g.ranks, c.nbytes, c.kind) for g in price.calls for c in g.calls)
+    if lay.pp > 1:
+        by["pipeline"] = sum(volume(c.algorithm, g.ranks, c.nbytes, c.kind)
+                             for g in schedule_cost.calls(lay, stages) for c in g.calls)
+    return {"comm_bytes_per_step_per_rank": int(round(sum(by.values()))),
+            "comm_bytes_by": {k: int(round(v)) for k, v in by.items()}}
+
+
 def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     """Memory per rank and (with a calibration) time per step of ``lay`` over ``link``."""
     lay.check()
@@ -145,6 +162,7 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     out.update(schedule_cost.report(lay, stages))
     for price in prices:
         out.update(price.report)
+    out.update(comm_bytes(t_rank, lay, sync, prices, stages))
     if cal is None:
         return out
     comp = cal.compute_for(lay.threads)

@@ -1,0 +1,46 @@
+"""The planner's communication bytes against a run's counted ones: ``distlab plan`` predicts what one
+rank sends per step (``comm_bytes_per_step_per_rank``) from the model's trace and the layout, and a run
+counts it (``comm_bytes_per_step``: distlab's messages counted, torch's native collectives by their
+analytic volume). Bytes are arithmetic, not timing: where the planner prices a layout exactly, the two
+are equal."""
+
+from __future__ import annotations
+
+from distlab.data import dataset_shape
+from distlab.launch.spawn import run_ranks
+from distlab.plan import Layout, Link, predict, trace
+from distlab.tools.verify import config_for, default_strategies
+
+WORLD = 2
+
+
+def _counted(rank, world, configs):
+    from distlab import runtime
+    from distlab.train import Trainer
+    out = []
+    for cfg in configs:
+        summary = Trainer(cfg, runtime.from_process_group()).fit()
+        out.append(summary["comm_bytes_per_step"] if rank == 0 else None)
+    return out
+
+
+def _predicted(cfg) -> dict:
+    s = cfg.strategy
+    shape, classes = dataset_shape(cfg.dataset, cfg.block_size, cfg.tokenizer)
+    t = trace(cfg.model, shape, classes, options=cfg.options)
+    lay = Layout(dp=WORLD // (s.tp * s.pp * s.cp), strategy=s, optimizer=cfg.optimizer, momentum=cfg.momentum,
+                 global_batch=cfg.global_batch_size)
+    return predict(t, lay, Link(), None)
+
+
+def test_the_planner_counts_the_bytes_a_run_sends():
+    cases = default_strategies(WORLD)
+    configs = [config_for(case, WORLD, steps=2) for case in cases]
+    counted = run_ranks(_counted, WORLD, configs, timeout=600)[0]
+    rows = []
+    for case, cfg, sent in zip(cases, configs, counted):
+        p = _predicted(cfg)
+        rows.append((case.name, sent, p["comm_bytes_per_step_per_rank"], p["comm_bytes_by"]))
+    wrong = [r for r in rows if r[1] != r[2]]
+    table = "\n".join(f"{name:45} counted {sent:>10,} predicted {pred:>10,} {by}" for name, sent, pred, by in rows)
+    assert not wrong, f"{len(wrong)} of {len(rows)} layouts off:\n{table}"
