@@ -113,6 +113,14 @@ def volume(algorithm: str, n: int, nbytes: float, kind: str = "all_reduce") -> f
     return share / 2 if kind != "all_reduce" else share
 
 
+def sent(algorithm: str, n: int, nbytes: float, kind: str = "all_reduce") -> float:
+    """Bytes the first rank of the group sends in one collective (what a run counts on it): the
+    volume, but for gather-scatter, where rank 0 sends only the scatter, ``(n-1) S``."""
+    if algorithm == "gather_scatter" and n > 1:
+        return (n - 1) * nbytes
+    return volume(algorithm, n, nbytes, kind)
+
+
 @dataclass(frozen=True)
 class AlphaBeta:
     alpha: float  # seconds per message round

@@ -17,7 +17,7 @@ from distlab.parallel.pipeline import cost as schedule_cost
 from distlab.parallel.pipeline import ideal_bubble
 from distlab.parallel.zero.cost import ZeroCost
 from distlab.plan.calibration import Calibration
-from distlab.plan.machine import Link, rounds, volume
+from distlab.plan.machine import Link, rounds, sent, volume
 from distlab.plan.trace import Trace
 
 
@@ -31,6 +31,7 @@ class Layout:
     global_batch: int = 64
     threads: int | None = None
     oversubscription: float = 1.0  # ranks x threads per core on the busiest host: compute runs this much slower
+    ignored_targets: bool = False  # some targets are not scored (a fine-tuning prompt's): their count is reduced
 
     def check(self) -> "Layout":
         if self.dp < 1:
@@ -89,19 +90,22 @@ class Timer:
         return host + r * self.link.latency + wire
 
 
-def comm_bytes(t_rank: Trace, lay: Layout, sync, prices: list, stages: list[dict]) -> dict:
-    """The bytes one rank sends in a step (what a run counts: ``comm_bytes_per_step`` of its summary), by
-    who sends them: the gradient sync's collectives, each component's, a pipeline stage's messages --
-    each call's volume on its group (:func:`~distlab.plan.machine.volume`)."""
-    calls = sync.planned_calls(t_rank, lay.strategy, lay.replicas)
-    by = {"gradient_sync": sum(volume(c.algorithm, lay.replicas, c.nbytes, c.kind)
+def comm_bytes(lay: Layout, sync, prices: list, stages: list[dict]) -> dict:
+    """The bytes the first rank (the first pipeline stage, tensor-parallel rank 0) sends in a step --
+    what a run counts on it (``comm_bytes_per_step`` of its summary) -- by sender: the gradient sync's
+    collectives on its stage's parameters, each component's, the stage's messages to its neighbours,
+    and the count of kept targets where some are ignored (:func:`~distlab.plan.machine.sent` of each call)."""
+    first = stages[0]["trace"]
+    calls = sync.planned_calls(first, lay.strategy, lay.replicas)
+    by = {"gradient_sync": sum(sent(c.algorithm, lay.replicas, c.nbytes, c.kind)
                                for c in (*calls.before_layers, *calls.during_backward, *calls.after_backward,
                                          *calls.after_step))}
     for kind, price in zip(components.wanted(lay.strategy), prices):
-        by[kind.name] = sum(volume(c.algorithm, g.ranks, c.nbytes, c.kind) for g in price.calls for c in g.calls)
+        by[kind.name] = sum(sent(c.algorithm, g.ranks, c.nbytes, c.kind) for g in price.calls for c in g.calls)
     if lay.pp > 1:
-        by["pipeline"] = sum(volume(c.algorithm, g.ranks, c.nbytes, c.kind)
-                             for g in schedule_cost.calls(lay, stages) for c in g.calls)
+        by["pipeline"] = stages[0]["sent_bytes_per_step"]
+    if lay.ignored_targets:  # the global batch's kept targets, counted once per step over the replicas
+        by["kept_targets"] = sent("native", lay.replicas, 4, "all_reduce")
     return {"comm_bytes_per_step_per_rank": int(round(sum(by.values()))),
             "comm_bytes_by": {k: int(round(v)) for k, v in by.items()}}
 
@@ -162,7 +166,7 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     out.update(schedule_cost.report(lay, stages))
     for price in prices:
         out.update(price.report)
-    out.update(comm_bytes(t_rank, lay, sync, prices, stages))
+    out.update(comm_bytes(lay, sync, prices, stages))
     if cal is None:
         return out
     comp = cal.compute_for(lay.threads)

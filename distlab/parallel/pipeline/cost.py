@@ -18,6 +18,9 @@ from distlab.parallel.pipeline.partition import cut
 from distlab.runtime.trace_file import SCHEDULE
 
 
+HEADER = 10  # int64s ahead of every message between stages: dtype code, ndim, up to 8 sizes
+
+
 def activation_note(lay) -> str:
     """What a stage holds for backward at once, as the schedule keeps it (the plan's activation basis)."""
     if lay.pp == 1:
@@ -143,9 +146,11 @@ def stages(t, lay, micro: int, optim, sync_cost) -> list[dict]:
         else:
             held = min(m_total, lay.pp - s)
         boundary = before = 0.0
+        headed = 0  # activations sent per micro-batch, each after its header (a gradient's shape is known)
         for k, (a, b) in ((c * lay.pp + s, chunks[c]) for c in range(v)):
             if k < len(cuts) - 1 and b > a:
                 boundary += layers[b - 1].output_bytes * micro / (lay.tp if sp else 1)
+                headed += 1
             if a > 0:
                 before += layers[a - 1].output_bytes * micro / (lay.tp if sp else 1)
         out.append({"stage": s, "layers": [chunks[0][0], chunks[-1][1]], "first": mine[0].name if mine else None,
@@ -155,6 +160,6 @@ def stages(t, lay, micro: int, optim, sync_cost) -> list[dict]:
                     "flops_share": sum(layer.forward_flops for layer in mine) / total_flops if lay.pp > 1 else 1.0,
                     "recompute_flops_share": recompute_flops / total_flops, "recompute_bytes": int(recompute),
                     "boundary_bytes_per_microbatch": int(boundary),
-                    "sent_bytes_per_step": int((boundary + before) * m_total),
+                    "sent_bytes_per_step": int((boundary + before + 8 * HEADER * headed) * m_total),
                     "trace": sub})
     return out

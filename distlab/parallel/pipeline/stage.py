@@ -16,13 +16,13 @@ from distlab.comm.p2p import Peer, wait_all
 from distlab.errors import ConfigError
 from distlab.parallel.checkpointing import run_checkpointed
 from distlab.parallel.pipeline.activation_meter import ActivationMeter
+from distlab.parallel.pipeline.cost import HEADER as _HEADER
 from distlab.parallel.pipeline.actions import SCHEDULES, check_virtual, ideal_bubble, schedule_actions
 from distlab.parallel.pipeline.partition import partition, sequential_layers
 from distlab.runtime import group_rank, group_size, timeline
 from distlab.runtime.trace_file import SCHEDULE
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
-_HEADER = 10  # int64s: dtype code, ndim, up to 8 sizes
 ACT, GRAD = 0, 1  # message tags
 
 
