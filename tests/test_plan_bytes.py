@@ -35,7 +35,7 @@ def _predicted(cfg) -> dict:
 
 def test_the_planner_counts_the_bytes_a_run_sends():
     cases = default_strategies(WORLD)
-    configs = [config_for(case, WORLD, steps=2) for case in cases]
+    configs = [config_for(case, WORLD, steps=3) for case in cases]  # the median step: past the first
     counted = run_ranks(_counted, WORLD, configs, timeout=600)[0]
     rows = []
     for case, cfg, sent in zip(cases, configs, counted):
@@ -51,8 +51,6 @@ def test_the_planner_counts_the_bytes_a_run_sends():
 NOT_YET_EXACT = {
     # SyncBN's statistics (float64 sums forward, float32 backward, per BatchNorm layer and micro-batch)
     "allreduce+syncbn", "bucketed+syncbn", "ddp+syncbn", "bucketed+syncbn+ckpt",
-    # ZeRO-3 gathers a unit again in backward except where it is still gathered (the last forward's)
-    "zero=3", "zero=3+ckpt+compile+gpt",
     # tensor parallel priced as Linear pairs, not from the model's own plan (styles, vocabulary, sequence)
     "allreduce+tp=2", "allreduce+tp=2+naive", "allreduce+tp=2+sp+gpt+clip+smooth", "allreduce+tp=2+gpt+smooth+mask",
     # expert parallel: experts out of the data-parallel sync; the exchange follows the routing

@@ -48,20 +48,33 @@ def checkpoint_blocks(model: nn.Module) -> list[tuple[nn.Sequential, list[tuple[
                       f"holds none and has no checkpoint_blocks() listing them")
 
 
-class _RunningStatsKept:
-    """Puts BatchNorm's running statistics back after a recomputed forward updated them again.
+_RECOMPUTING: list[set[int]] = []  # the modules (ids) of each block being recomputed now, innermost last
+
+
+def recomputing() -> set[int] | None:
+    """The modules (their ``id``) of the block whose forward is being recomputed right now, in backward;
+    None outside a recomputation. ZeRO-3 prefetches no module outside it (one backward will not use)."""
+    return _RECOMPUTING[-1] if _RECOMPUTING else None
+
+
+class _Recomputation:
+    """The context of a block's recomputed forward: says which modules are being recomputed
+    (:func:`recomputing`), and puts BatchNorm's running statistics back after it updated them again.
     Entered at every recomputation of its block (one per backward through it: zero bubble's weight
     pass recomputes a second time), so it saves on entry, not once."""
 
     def __init__(self, modules: list[nn.Module]):
+        self.inside = {id(m) for mod in modules for m in mod.modules()}
         self.norms = [m for mod in modules for m in mod.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
                       and m.track_running_stats and m.running_mean is not None]
 
     def __enter__(self):
+        _RECOMPUTING.append(self.inside)
         self.saved = [(m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone())
                       for m in self.norms]
 
     def __exit__(self, *exc):
+        _RECOMPUTING.pop()
         with torch.no_grad():
             for m, (mean, var, count) in zip(self.norms, self.saved):
                 m.running_mean.copy_(mean)
@@ -91,7 +104,7 @@ def _run(modules: list[nn.Module], x):
 
 
 def _contexts(modules: list[nn.Module]):
-    return contextlib.nullcontext(), _RunningStatsKept(modules)
+    return contextlib.nullcontext(), _Recomputation(modules)
 
 
 def run_checkpointed(block: list[nn.Module], x):

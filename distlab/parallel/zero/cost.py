@@ -266,7 +266,17 @@ class ZeroCost:
         for b in reversed(per_module):  # backward reaches the last layers first
             done += b
             overlapped.append(Call(rs, "reduce_scatter", b * narrow, done / sum(per_module)))
-        gathers = [Call(ag, "all_gather", b, 0.0) for b in per_module] * 2  # before forward and before backward
+        # gathered before each forward (again where checkpointing recomputes it) and before its backward
+        # where backward needs the weights: a Linear's where its input needs a gradient, any other module's
+        # where backward reaches it (zero.gather)
+        backward = {m for kind, m in t.events if kind == "bwd"}
+        recomputed = {f"{name}." for block in t.blocks for name in block} if strategy.activation_checkpointing else set()
+        gathers = []
+        for m, units in modules.items():
+            name = t.names[units[0]].rsplit(".", 1)[0] + "."
+            times = 1 + any(name.startswith(r) for r in recomputed)
+            times += (t.input_grad[m] if t.sharded_linear[m] else m in backward) if t.sharded_linear else 1
+            gathers += [Call(ag, "all_gather", sum(padded[u] for u in g), 0.0) for g in groups(units)] * times
         return PlannedCalls(before_layers=gathers, during_backward=overlapped)
 
     @staticmethod

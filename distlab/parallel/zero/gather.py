@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from distlab import comm
+from distlab.parallel.checkpointing import recomputing
 from distlab.parallel.zero.units import Unit, describe
 from distlab.runtime import timeline
 
@@ -59,7 +60,9 @@ class GatherOnDemand:
         if self.prefetch and i is not None and i + 1 < len(order):
             following = order[i + 1]
             ahead = self._by_module[following]
-            if following not in self._prefetched and not all(u.gathered for u in ahead):
+            block = recomputing() if forward else None  # a recomputed block's forward: its own modules only
+            if following not in self._prefetched and not all(u.gathered for u in ahead) and \
+                    (block is None or id(following) in block):
                 self._prefetched[following] = self._gather(ahead, wait=False)
                 self._observe()
 
