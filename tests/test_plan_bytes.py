@@ -49,8 +49,6 @@ def test_the_planner_counts_the_bytes_a_run_sends():
 
 # What the planner does not price exactly yet, each for its reason: this list only shrinks.
 NOT_YET_EXACT = {
-    # SyncBN's statistics (float64 sums forward, float32 backward, per BatchNorm layer and micro-batch)
-    "allreduce+syncbn", "bucketed+syncbn", "ddp+syncbn", "bucketed+syncbn+ckpt",
     # tensor parallel priced as Linear pairs, not from the model's own plan (styles, vocabulary, sequence)
     "allreduce+tp=2", "allreduce+tp=2+naive", "allreduce+tp=2+sp+gpt+clip+smooth", "allreduce+tp=2+gpt+smooth+mask",
     # expert parallel: experts out of the data-parallel sync; the exchange follows the routing

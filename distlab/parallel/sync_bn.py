@@ -39,8 +39,27 @@ from torch import nn
 
 from distlab import comm
 from distlab.errors import ConfigError
+from distlab.parallel.cost import Call
 
 MODES = ("off", "distlab", "torch")  # what `Strategy.sync_bn` may be: see apply_sync_bn
+
+
+def planned_calls(t, strategy) -> list[Call]:
+    """What distlab's SyncBatchNorm sends in one step, on the model's trace: per BatchNorm layer and
+    micro-batch one all-reduce of ``2 C + 1`` float64 statistics in forward (again where activation
+    checkpointing recomputes the layer's block) and, where its input needs a gradient, one of ``2 C``
+    gradient sums in backward. Torch's ``nn.SyncBatchNorm`` (``sync_bn`` torch) is not priced."""
+    if strategy.sync_bn != "distlab":
+        return []
+    algorithm = "butterfly"  # apply_sync_bn's layers take "auto": the butterfly on gloo (_reduce)
+    recomputed = [b for block in t.blocks for b in block] if strategy.activation_checkpointing else []
+    calls = []
+    for name, channels, input_grad in t.batch_norms:
+        forwards = 1 + any(name == b or name.startswith(b + ".") for b in recomputed)
+        calls += [Call(algorithm, "all_reduce", 8 * (2 * channels + 1))] * forwards
+        if input_grad:
+            calls.append(Call(algorithm, "all_reduce", t.element_size * 2 * channels))
+    return calls * strategy.micro_steps
 
 
 def _reduce(packed: torch.Tensor, group, collective: str) -> None:

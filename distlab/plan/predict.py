@@ -15,6 +15,7 @@ from distlab.parallel import Strategy, components
 from distlab.parallel.cost import Call, DataParallelCost, Optim
 from distlab.parallel.pipeline import cost as schedule_cost
 from distlab.parallel.pipeline import ideal_bubble
+from distlab.parallel import sync_bn
 from distlab.parallel.zero.cost import ZeroCost
 from distlab.plan.calibration import Calibration
 from distlab.plan.machine import Link, rounds, sent, volume
@@ -102,6 +103,8 @@ def comm_bytes(lay: Layout, sync, prices: list, stages: list[dict]) -> dict:
                                          *calls.after_step))}
     for kind, price in zip(components.wanted(lay.strategy), prices):
         by[kind.name] = sum(sent(c.algorithm, g.ranks, c.nbytes, c.kind) for g in price.calls for c in g.calls)
+    if lay.strategy.sync_bn != "off":
+        by["sync_bn"] = sum(sent(c.algorithm, lay.replicas, c.nbytes, c.kind) for c in sync_bn.planned_calls(first, lay.strategy))
     if lay.pp > 1:
         by["pipeline"] = stages[0]["sent_bytes_per_step"]
     if lay.ignored_targets:  # the global batch's kept targets, counted once per step over the replicas

@@ -58,6 +58,7 @@ class Trace:
     expert_slot_bytes_per_sample: float = 0.0  # token-slots entering those experts, every layer (balanced routing)
     blocks: list[list[str]] = field(default_factory=list)  # activation checkpointing's blocks, as layer names
     input_bytes_per_sample: float = 0.0  # the model's input (what a checkpointed first layer keeps)
+    batch_norms: list[tuple[str, int, bool]] = field(default_factory=list)  # (name, channels, input needs a gradient)
 
     @property
     def num_parameters(self) -> int:
@@ -148,6 +149,9 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
     out.flops_per_sample = (fwd.get_total_flops() + bwd.get_total_flops()) / batch
     out.activation_bytes_per_sample = sum(saved) / batch
     out.linear_shapes = [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)]
+    named = {id(m): n for n, m in model.named_modules()}
+    out.batch_norms = [(named[id(m)], m.num_features, out.input_grad[index[id(m)]]) for m in modules
+                       if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     for h in handles:
         h.remove()
     out.layers = profile_layers(model, x, y)
