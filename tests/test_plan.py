@@ -170,7 +170,8 @@ def test_plan_refuses_bad_input_naming_the_fix(committed, tmp_path, capsys):
                           (["--calibration", str(tmp_path / "none.json")], "plan calibrate"),
                           (["--sweep", "8", "--strategies", "zero=9x"], "not a int"),
                           (["--link", "fast"], "100mbit"),
-                          (["--model", "resnet18", "--dataset", "cifar10", "--tp", "2"], "pairs of Linear layers")]:
+                          (["--model", "resnet18", "--dataset", "cifar10", "--tp", "2"],
+                           "declares no tensor-parallel plan (tensor_parallel_plan)")]:
         with pytest.raises(SystemExit) as exc:
             main(["plan", *args])
         err = capsys.readouterr().err

@@ -64,6 +64,18 @@ def data_parallel_bytes(t, optim: Optim, tp: int = 1) -> int:
 
 # ---------------------------------------------------------------------------------- what a step sends
 
+@dataclass(frozen=True)
+class ModuleIO:
+    """What a module of the model's trace takes and gives, per sample: what a tensor-parallel style
+    sends (:mod:`distlab.parallel.tensor_parallel.styles`) is priced from it."""
+    input_bytes: float   # its first input
+    output_bytes: float  # its output
+    output_rows: float   # its output's rows: the tokens of a language model's logits, 1 for a classifier's
+    input_grad: bool     # its input needs a gradient
+    element_size: int    # of its parameters
+    parameters: tuple[int, ...] = ()  # each parameter's elements, in registration order (its submodules' too)
+
+
 @dataclass
 class Call:
     """One collective of a step, for the time model of ``distlab plan``."""

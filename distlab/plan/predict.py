@@ -33,6 +33,7 @@ class Layout:
     threads: int | None = None
     oversubscription: float = 1.0  # ranks x threads per core on the busiest host: compute runs this much slower
     ignored_targets: bool = False  # some targets are not scored (a fine-tuning prompt's): their count is reduced
+    label_smoothing: bool = False  # the loss smooths its labels: one more reduction per token across a split vocabulary
 
     def check(self) -> "Layout":
         if self.dp < 1:

@@ -18,7 +18,10 @@ from distlab.errors import ConfigError
 from distlab.models import build_model, task_loss
 from distlab.models.plans import declared_plan
 from distlab.parallel.checkpointing import block_names
+from distlab.parallel.cost import ModuleIO
 from distlab.parallel.pipeline import sequential_layers
+from distlab.parallel.tensor_parallel import STYLES as TENSOR_STYLES
+from distlab.parallel.tensor_parallel.plan import plan_of as tp_plan_of
 from distlab.parallel.zero.units import sharded_linear
 
 
@@ -59,6 +62,8 @@ class Trace:
     blocks: list[list[str]] = field(default_factory=list)  # activation checkpointing's blocks, as layer names
     input_bytes_per_sample: float = 0.0  # the model's input (what a checkpointed first layer keeps)
     batch_norms: list[tuple[str, int, bool]] = field(default_factory=list)  # (name, channels, input needs a gradient)
+    tensor_plans: dict[tuple[str, bool], dict[str, str]] = field(default_factory=dict)  # (style, sp) -> the model's plan
+    module_io: dict[str, ModuleIO] = field(default_factory=dict)  # what each module those plans name takes and gives
 
     @property
     def num_parameters(self) -> int:
@@ -121,6 +126,25 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
         if kind == "context_attention":
             handles.append(model.get_submodule(name).register_forward_hook(kv))
             out.attention_causal = out.attention_causal and getattr(model.get_submodule(name), "causal", True)
+    for style in TENSOR_STYLES:  # the model's own tensor plans, and what each module they name takes and gives
+        for sp in (False, True):
+            try:
+                out.tensor_plans[(style, sp)] = tp_plan_of(model, 1, style, sp)
+            except ConfigError:
+                pass
+    for name in dict.fromkeys(n for plan in out.tensor_plans.values() for n in plan):
+
+        def io(m, args, result, name=name):
+            x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            y = result if isinstance(result, torch.Tensor) else None
+            numels = tuple(p.numel() for p in m.parameters())
+            out.module_io[name] = ModuleIO(
+                input_bytes=x.numel() * out.element_size / batch if x is not None else 0.0,
+                output_bytes=y.numel() * y.element_size() / batch if y is not None else 0.0,
+                output_rows=y.numel() / y.shape[-1] / batch if y is not None and y.dim() else 0.0,
+                input_grad=bool(x is not None and x.requires_grad), element_size=out.element_size, parameters=numels)
+
+        handles.append(model.get_submodule(name).register_forward_hook(io))
     for name in declared_plan(model, "expert", ep=1):  # what expert parallel would shard and send
 
         def slots(m, args, result):

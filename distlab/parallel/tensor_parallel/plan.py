@@ -13,15 +13,15 @@ from __future__ import annotations
 
 from torch import nn
 
-from distlab.errors import ConfigError, with_article
+from distlab.errors import ConfigError
 from distlab.models import plans
 from distlab.models.plans import linear_plan
 from distlab.parallel.cost import Call, CallGroup, Price
+from distlab.parallel.protocols import ComponentKind
 from distlab.parallel.tensor_parallel.layers import STYLES, ColumnParallelLinear, RowParallelLinear
 from distlab.parallel.tensor_parallel.mappings import all_reduce_sum
-from distlab.parallel.protocols import ComponentKind
-from distlab.parallel.tensor_parallel.vocabulary import (CopyToGroup, GatherSequence, SequenceParallelEmbedding,
-                                                         VocabParallelEmbedding, VocabParallelLinear)
+from distlab.parallel.tensor_parallel.styles import SMOOTHING_REDUCTIONS, TP_STYLES
+from distlab.parallel.tensor_parallel.vocabulary import VocabParallelEmbedding
 from distlab.runtime import group_size
 
 
@@ -61,20 +61,27 @@ class TensorParallel(ComponentKind):
 
     @staticmethod
     def price(t, t_rank, lay, micro: int, optim) -> Price:
-        """Megatron MLP blocks, on the model's trace: per (column, row) pair of Linears one all-reduce of
-        the block's output in forward and one of its input gradient in backward, over a node's links
-        where the data-parallel size is 1; the model state split ``tp`` ways (not exactly: replicated
-        LayerNorms and biases)."""
-        if len(t.linear_shapes) < 2:
-            raise ConfigError(f"`tp` {lay.tp}: distlab's tensor parallel shards pairs of Linear layers (MLPs); this "
-                              f"model has {len(t.linear_shapes)} Linear layer(s): plan it with `tp` 1")
-        e, calls = t.element_size, []
-        for (d_in, _), (_, d_out) in zip(t.linear_shapes[0::2], t.linear_shapes[1::2]):
-            calls += [Call("native", "all_reduce", micro * d_out * e), Call("native", "all_reduce", micro * d_in * e)]
-        note = (", split over the tensor-parallel ranks" if lay.strategy.sequence_parallel else
+        """From the model's own plan for the layout (traced with the model: ``t.tensor_plans``): each
+        planned module's style issues its collectives per micro-batch (:mod:`.styles`), over a node's
+        links where the data-parallel size is 1; label smoothing adds one all-reduce per token to the
+        vocabulary-parallel loss. The model state split ``tp`` ways (not exactly: replicated LayerNorms
+        and biases)."""
+        st = lay.strategy
+        plan = t.tensor_plans.get((st.tp_style, st.sequence_parallel))
+        if plan is None:
+            raise ConfigError(f"`tp` {lay.tp}: this model declares no tensor-parallel plan (tensor_parallel_plan) for "
+                              f"{st.tp_style}"
+                              f"{' with sequence parallel' if st.sequence_parallel else ''}; plan it with `tp` 1")
+        calls = []
+        for name, style in plan.items():
+            io = t.module_io[name]
+            calls += TP_STYLES[style].calls(io, micro, st.sequence_parallel)
+            if style == "vocab_output" and lay.label_smoothing:
+                calls += [Call("native", "all_reduce", 4 * io.output_rows * micro)] * SMOOTHING_REDUCTIONS
+        note = (", split over the tensor-parallel ranks" if st.sequence_parallel else
                 ", split over the tensor-parallel ranks except in LayerNorm and embedding regions (replicated "
                 "without sequence parallel)")
-        return Price([CallGroup(calls * lay.strategy.grad_accum, lay.tp, local=lay.dp > 1)], exact=False,
+        return Price([CallGroup(calls * st.micro_steps, lay.tp, local=lay.dp > 1)], exact=False,
                      state_split=lay.tp, compute_split=lay.tp, activation_note=note)
 
     @staticmethod
@@ -105,62 +112,12 @@ def apply_tensor_parallel(model: nn.Module, group=None, style: str = "megatron",
     shared: list[nn.Parameter] = []  # parameters that see this rank's positions only
     for name, kind in plan.items():
         module = model.get_submodule(name)
-        new = _parallel(module, kind, group, name, sequence_parallel, shared)
+        new = TP_STYLES[kind].apply(module, group, name, sequence_parallel, shared)
         if new is not module:
             _replace(model, name, new)
     for p in dict.fromkeys(shared):  # once each, in order
         p.register_hook(lambda g: all_reduce_sum(g.contiguous().clone(), group))
     return model
-
-
-def _parallel(m: nn.Module, kind: str, group, name: str, sp: bool, shared: list) -> nn.Module:
-    """The parallel version of ``m`` for plan style ``kind`` (or ``m`` itself, changed in place)."""
-    if kind in ("colwise", "colwise_gather", "colwise_entered", "rowwise", "vocab_output"):
-        _expect(m, nn.Linear, kind, name)
-    if kind in ("colwise", "colwise_gather", "colwise_entered"):
-        layer = ColumnParallelLinear(m, group, gather_output=kind == "colwise_gather", name=name)
-        layer.copy_input = kind != "colwise_entered"
-        layer.sequence_parallel = sp and kind == "colwise"
-        return layer
-    if kind == "rowwise":
-        layer = RowParallelLinear(m, group, input_is_parallel=True, name=name)
-        layer.sequence_parallel = sp
-        if sp and layer.bias is not None:
-            shared.append(layer.bias)
-        return layer
-    if kind == "vocab_output":
-        return VocabParallelLinear(m, group, name=name)
-    if kind == "enter":
-        _expect(m, nn.Identity, kind, name)
-        return GatherSequence(group) if sp else CopyToGroup(group)
-    if kind == "vocab_embedding":
-        _expect(m, nn.Embedding, kind, name)
-        return VocabParallelEmbedding(m, group, name=name)
-    if kind in ("sequence", "sequence_stats"):
-        if sp:
-            shared.extend(m.parameters())
-            if kind == "sequence_stats":
-                if not hasattr(m, "sequence_group"):
-                    raise ConfigError(f"tensor-parallel plan: {name} ({type(m).__name__}) is sequence_stats but has "
-                                      f"no `sequence_group` attribute to complete its statistics over")
-                m.sequence_group, m.sequence_grad = group, "sum"
-        return m
-    # sequence_embedding
-    if not sp:
-        return m
-    if not (isinstance(getattr(m, "tok", None), VocabParallelEmbedding) and isinstance(getattr(m, "pos", None),
-                                                                                       nn.Embedding)):
-        raise ConfigError(f"tensor-parallel plan: {name} is a sequence_embedding but has no vocabulary-parallel `tok` "
-                          f"and `pos` embeddings (list {name}.tok as a vocab_embedding before it)")
-    embedding = SequenceParallelEmbedding(m, group)
-    shared.append(embedding.pos.weight)
-    return embedding
-
-
-def _expect(m: nn.Module, kind: type, style: str, name: str) -> None:
-    if type(m) is not kind:
-        raise ConfigError(f"tensor-parallel plan: {name} is {with_article(type(m).__name__)}, but style {style} applies to an "
-                          f"nn.{kind.__name__}")
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:

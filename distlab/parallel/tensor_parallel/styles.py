@@ -1,0 +1,235 @@
+"""Tensor parallel's plan styles, one small class each: what it makes of the module a plan names
+(``apply``) and the collectives it issues per micro-batch (``calls``), so the planner prices the
+model's own plan the way it runs (torchtitan's ``ColwiseParallel``/``RowwiseParallel`` are the model).
+
+A style's ``calls(io, micro, sp)`` reads the module's :class:`~distlab.parallel.cost.ModuleIO` (its
+input and output per sample, whether its input needs a gradient, its parameters), ``micro`` samples
+per micro-batch and whether the sequence is split (``sp``); sizes are the whole tensors (the volume a
+collective moves over the group is the machine model's: :func:`distlab.plan.machine.sent`).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from distlab.errors import ConfigError, with_article
+from distlab.parallel.cost import Call, ModuleIO
+from distlab.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from distlab.parallel.tensor_parallel.vocabulary import (CopyToGroup, GatherSequence, SequenceParallelEmbedding,
+                                                         VocabParallelEmbedding, VocabParallelLinear)
+
+CE_REDUCTIONS = 3  # the vocabulary-parallel cross-entropy's all-reduces per token: max, sum of exponentials, target
+SMOOTHING_REDUCTIONS = 1  # label smoothing's: the sum of the logits
+
+
+def _ar(nbytes: float) -> Call:
+    return Call("native", "all_reduce", nbytes)
+
+
+def _ag(nbytes: float) -> Call:
+    return Call("native", "all_gather", nbytes)
+
+
+def _rs(nbytes: float) -> Call:
+    return Call("native", "reduce_scatter", nbytes)
+
+
+def _entering(nbytes: float, sp: bool, needs_grad: bool = True) -> list[Call]:
+    """A parallel region's entry: its input's gradient all-reduced backward; under sequence parallel the
+    sequence all-gathered forward and the gradient reduce-scattered backward."""
+    if sp:
+        return [_ag(nbytes)] + ([_rs(nbytes)] if needs_grad else [])
+    return [_ar(nbytes)] if needs_grad else []
+
+
+def _params(io: ModuleIO) -> list[Call]:
+    """Each parameter's gradient summed over the group as it is computed (a module that sees this rank's
+    positions only)."""
+    return [_ar(n * io.element_size) for n in io.parameters]
+
+
+def _expect(m: nn.Module, kind: type, style: str, name: str) -> None:
+    if type(m) is not kind:
+        raise ConfigError(f"tensor-parallel plan: {name} is {with_article(type(m).__name__)}, but style {style} applies to an "
+                          f"nn.{kind.__name__}")
+
+
+class Style:
+    """A plan style: ``apply(m, group, name, sp, shared)`` returns the module's parallel version (or the
+    module, changed in place), adding to ``shared`` the parameters whose gradients the group must sum;
+    ``calls(io, micro, sp)`` the collectives of one micro-batch."""
+
+    @staticmethod
+    def apply(m: nn.Module, group, name: str, sp: bool, shared: list) -> nn.Module:
+        return m
+
+    @staticmethod
+    def calls(io: ModuleIO, micro: int, sp: bool) -> list[Call]:
+        return []
+
+
+class Colwise(Style):
+    """An ``nn.Linear`` split by output features; the output stays split. Its input enters the region
+    (gathered along the sequence under sequence parallel)."""
+
+    @staticmethod
+    def apply(m, group, name, sp, shared):
+        _expect(m, nn.Linear, "colwise", name)
+        layer = ColumnParallelLinear(m, group, gather_output=False, name=name)
+        layer.copy_input, layer.sequence_parallel = True, sp
+        return layer
+
+    @staticmethod
+    def calls(io, micro, sp):
+        return _entering(io.input_bytes * micro, sp, io.input_grad)
+
+
+class ColwiseGather(Style):
+    """The naive style: split by output features, the output all-gathered, the input's gradient
+    all-reduced."""
+
+    @staticmethod
+    def apply(m, group, name, sp, shared):
+        _expect(m, nn.Linear, "colwise_gather", name)
+        layer = ColumnParallelLinear(m, group, gather_output=True, name=name)
+        layer.copy_input, layer.sequence_parallel = True, False
+        return layer
+
+    @staticmethod
+    def calls(io, micro, sp):
+        return [_ag(io.output_bytes * micro)] + _entering(io.input_bytes * micro, False, io.input_grad)
+
+
+class ColwiseEntered(Style):
+    """``colwise`` after an ``enter``: its input's gradient is reduced there, once for several."""
+
+    @staticmethod
+    def apply(m, group, name, sp, shared):
+        _expect(m, nn.Linear, "colwise_entered", name)
+        layer = ColumnParallelLinear(m, group, gather_output=False, name=name)
+        layer.copy_input, layer.sequence_parallel = False, False
+        return layer
+
+
+class Rowwise(Style):
+    """An ``nn.Linear`` split by input features; the partial outputs summed (reduce-scattered along the
+    sequence under sequence parallel, where its bias sees this rank's positions)."""
+
+    @staticmethod
+    def apply(m, group, name, sp, shared):
+        _expect(m, nn.Linear, "rowwise", name)
+        layer = RowParallelLinear(m, group, input_is_parallel=True, name=name)
+        layer.sequence_parallel = sp
+        if sp and layer.bias is not None:
+            shared.append(layer.bias)
+        return layer
+
+    @staticmethod
+    def calls(io, micro, sp):
+        out = io.output_bytes * micro
+        if not sp:
+            return [_ar(out)]
+        return [_rs(out), _ag(out)] + [_ar(n * io.element_size) for n in io.parameters[1:]]  # the bias
+
+
+class Enter(Style):
+    """An ``nn.Identity`` where a parallel region begins."""
+
+    @staticmethod
+    def apply(m, group, name, sp, shared):
+        _expect(m, nn.Identity, "enter", name)
+        return GatherSequence(group) if sp else CopyToGroup(group)
+
+    @staticmethod
+    def calls(io, micro, sp):
+        return _entering(io.input_bytes * micro, sp, io.input_grad)
+
+
+class VocabEmbedding(Style):
+    """An ``nn.Embedding`` split by rows (tokens); the lookups summed (under sequence parallel the
+    ``sequence_embedding`` around it reduce-scatters them instead)."""
+
+    @staticmethod
+    def apply(m, group, name, sp, shared):
+        _expect(m, nn.Embedding, "vocab_embedding", name)
+        return VocabParallelEmbedding(m, group, name=name)
+
+    @staticmethod
+    def calls(io, micro, sp):
+        return [] if sp else [_ar(io.output_bytes * micro)]
+
+
+class VocabOutput(Style):
+    """An ``nn.Linear`` to vocabulary logits split by output features (its input enters the region at an
+    ``enter`` before it); the loss computed across them: per token, three all-reduces of one number
+    (four with label smoothing, priced by the component)."""
+
+    @staticmethod
+    def apply(m, group, name, sp, shared):
+        _expect(m, nn.Linear, "vocab_output", name)
+        return VocabParallelLinear(m, group, name=name)
+
+    @staticmethod
+    def calls(io, micro, sp):
+        return [_ar(4 * io.output_rows * micro)] * CE_REDUCTIONS
+
+
+class Sequence(Style):
+    """(sequence parallel) a module between the regions that sees ``T / tp`` positions: its parameters'
+    gradients summed over the group."""
+
+    @staticmethod
+    def apply(m, group, name, sp, shared):
+        if sp:
+            shared.extend(m.parameters())
+        return m
+
+    @staticmethod
+    def calls(io, micro, sp):
+        return _params(io) if sp else []
+
+
+class SequenceStats(Sequence):
+    """(sequence parallel) a ``sequence`` module that also computes statistics of whole sequences: it
+    gets the group as its ``sequence_group``."""
+
+    @staticmethod
+    def apply(m, group, name, sp, shared):
+        if sp:
+            shared.extend(m.parameters())
+            if not hasattr(m, "sequence_group"):
+                raise ConfigError(f"tensor-parallel plan: {name} ({type(m).__name__}) is sequence_stats but has "
+                                  f"no `sequence_group` attribute to complete its statistics over")
+            m.sequence_group, m.sequence_grad = group, "sum"
+        return m
+
+
+class SequenceEmbedding(Style):
+    """(sequence parallel) token and position embeddings returning this rank's positions: the token
+    lookups reduce-scattered (all-gathered back in backward), the position rows' gradients summed."""
+
+    @staticmethod
+    def apply(m, group, name, sp, shared):
+        if not sp:
+            return m
+        if not (isinstance(getattr(m, "tok", None), VocabParallelEmbedding) and isinstance(getattr(m, "pos", None),
+                                                                                           nn.Embedding)):
+            raise ConfigError(f"tensor-parallel plan: {name} is a sequence_embedding but has no vocabulary-parallel "
+                              f"`tok` and `pos` embeddings (list {name}.tok as a vocab_embedding before it)")
+        embedding = SequenceParallelEmbedding(m, group)
+        shared.append(embedding.pos.weight)
+        return embedding
+
+    @staticmethod
+    def calls(io, micro, sp):
+        if not sp:
+            return []
+        out = io.output_bytes * micro
+        return [_rs(out), _ag(out)] + [_ar(n * io.element_size) for n in io.parameters[1:]]  # pos, after tok
+
+
+TP_STYLES: dict[str, type[Style]] = {
+    "colwise": Colwise, "colwise_gather": ColwiseGather, "colwise_entered": ColwiseEntered, "rowwise": Rowwise,
+    "enter": Enter, "vocab_embedding": VocabEmbedding, "vocab_output": VocabOutput, "sequence": Sequence,
+    "sequence_stats": SequenceStats, "sequence_embedding": SequenceEmbedding,
+}
