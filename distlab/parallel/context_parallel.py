@@ -303,7 +303,7 @@ class ContextParallel(ComponentKind):
         cp, ring = lay.cp, lay.strategy.cp_style == "ring"
         kv = t.attention_kv_bytes_per_sample * micro / (cp * lay.tp)  # this rank's keys and values, every attention
         sent = ((3 * cp - 2) * kv if ring else 4 * (cp - 1) / cp * kv) * lay.strategy.micro_steps
-        return Price([CallGroup([Call("native", "all_gather", 2 * sent)], 2, local=lay.dp > 1)], compute_split=cp, report={
+        return Price([CallGroup([Call("native", "send", sent)], 2, local=lay.dp > 1)], compute_split=cp, report={
             "context_parallel": {
                 "cp": cp, "style": lay.strategy.cp_style, "bytes_per_step_per_rank": int(sent),
                 "tokens_per_rank_share": 1 / cp,

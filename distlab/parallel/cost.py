@@ -80,8 +80,8 @@ class ModuleIO:
 class Call:
     """One collective of a step, for the time model of ``distlab plan``."""
     algorithm: str
-    kind: str           # all_reduce | reduce_scatter | all_gather
-    nbytes: float       # the whole tensor (all-reduce) / the full, gathered size (RS, AG)
+    kind: str           # all_reduce | reduce_scatter | all_gather | send (to a neighbour) | all_to_all
+    nbytes: float       # the whole tensor (all-reduce) / the full, gathered size (RS, AG) / what one rank sends
     ready: float = 1.0  # fraction of backward done when it may start (1 = after backward)
 
 

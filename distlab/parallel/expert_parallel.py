@@ -157,7 +157,7 @@ class ExpertParallel(ComponentKind):
         counts = layers * (ep - 1) * 8 * (experts // ep)  # each layer's per-expert counts, int64
         sent = lay.strategy.micro_steps * (4 * (ep - 1) / ep * slots + counts)
         local = not (lay.dp // ep == 1 and lay.cp == 1)
-        return Price([CallGroup([Call("native", "all_gather", sent)], ep, local=local)], saved=saved, exact=False,
+        return Price([CallGroup([Call("native", "all_to_all", sent)], ep, local=local)], saved=saved, exact=False,
                      report={"expert_parallel": {
                          "ep": ep, "expert_share_per_rank": 1 / ep, "bytes_per_step_per_rank": int(sent),
                          "bytes_basis": "per MoE layer and micro-batch, with balanced routing: (ep - 1)/ep of the "

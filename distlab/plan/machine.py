@@ -88,9 +88,12 @@ class Link:
 # ---------------------------------------------------------------------------------- collectives
 
 def rounds(algorithm: str, n: int, kind: str = "all_reduce") -> int:
-    """Sequential message rounds of one collective on ``n`` ranks."""
+    """Sequential message rounds of one collective on ``n`` ranks (``send``: one message to a neighbour;
+    ``all_to_all``: one to each other rank)."""
     if n <= 1:
         return 0
+    if kind in ("send", "all_to_all"):
+        return 1 if kind == "send" else n - 1
     half = kind != "all_reduce"
     if algorithm in ("native", "ring"):
         return (n - 1) * (1 if half else 2)
@@ -104,9 +107,12 @@ def rounds(algorithm: str, n: int, kind: str = "all_reduce") -> int:
 
 
 def volume(algorithm: str, n: int, nbytes: float, kind: str = "all_reduce") -> float:
-    """Bytes the busiest rank moves one way (all-reduce; reduce-scatter and all-gather are half)."""
+    """Bytes the busiest rank moves one way (all-reduce; reduce-scatter and all-gather are half; a
+    ``send`` or an ``all_to_all``: ``nbytes`` is what the rank sends)."""
     if n <= 1:
         return 0.0
+    if kind in ("send", "all_to_all"):
+        return nbytes
     if algorithm == "gather_scatter":  # rank 0 receives (n-1) S, then sends (n-1) S
         return (n - 1) * nbytes * (1 if kind != "all_reduce" else 2)
     share = 2 * (n - 1) / n * nbytes

@@ -19,7 +19,7 @@ from distlab.parallel import sync_bn
 from distlab.parallel.zero.cost import ZeroCost
 from distlab.plan.calibration import Calibration
 from distlab.plan.machine import Link, rounds, sent, volume
-from distlab.plan.trace import Trace
+from distlab.plan.trace import Trace, units_trace
 
 
 @dataclass(frozen=True)
@@ -98,12 +98,17 @@ def comm_bytes(lay: Layout, sync, prices: list, stages: list[dict]) -> dict:
     collectives on its stage's parameters, each component's, the stage's messages to its neighbours,
     and the count of kept targets where some are ignored (:func:`~distlab.plan.machine.sent` of each call)."""
     first = stages[0]["trace"]
-    calls = sync.planned_calls(first, lay.strategy, lay.replicas)
+    experts = set(first.expert_names) if lay.ep > 1 else set()  # expert shards: left out of the gradient sync
+    dense = units_trace(first, [u for u, n in enumerate(first.names) if n not in experts]) if experts else first
+    calls = sync.planned_calls(dense, lay.strategy, lay.replicas)
     by = {"gradient_sync": sum(sent(c.algorithm, lay.replicas, c.nbytes, c.kind)
                                for c in (*calls.before_layers, *calls.during_backward, *calls.after_backward,
                                          *calls.after_step))}
     for kind, price in zip(components.wanted(lay.strategy), prices):
         by[kind.name] = sum(sent(c.algorithm, g.ranks, c.nbytes, c.kind) for g in price.calls for c in g.calls)
+    if experts:  # this rank's expert shards, summed over the replicas that hold the same ones
+        shard = sum(n for name, n in zip(first.names, first.numels) if name in experts) * first.element_size / lay.ep
+        by["ep"] = by.get("ep", 0) + sent("native", lay.replicas // lay.ep, shard, "all_reduce")
     if lay.strategy.sync_bn != "off":
         by["sync_bn"] = sum(sent(c.algorithm, lay.replicas, c.nbytes, c.kind) for c in sync_bn.planned_calls(first, lay.strategy))
     if lay.pp > 1:

@@ -231,17 +231,24 @@ def stage_trace(t: Trace, names: list[str]) -> Trace:
     """The part of ``t`` a pipeline stage holds: the parameters under the layers ``names``, and the
     events of their modules (ZeRO's bookkeeping over a stage)."""
     mine = [u for u, unit in enumerate(t.names) if any(unit.startswith(n + ".") for n in names)]
+    return units_trace(t, mine, [layer for layer in t.layers if layer.name in names])
+
+
+def units_trace(t: Trace, mine: list[int], layers: list[Layer] | None = None) -> Trace:
+    """``t`` restricted to the parameter units ``mine`` (their modules, events and shapes): a pipeline
+    stage's part, or what data parallel synchronises beside expert parallel's shards."""
     modules = sorted({t.module_of[u] for u in mine})
     unit_of, module_index = {u: i for i, u in enumerate(mine)}, {m: i for i, m in enumerate(modules)}
     events = [(kind, unit_of[k] if kind == "grad" else module_index[k]) for kind, k in t.events
               if (kind == "grad" and k in unit_of) or (kind != "grad" and k in module_index)]
     pick = (lambda flags: [flags[m] for m in modules] if flags else [])
+    names = {t.names[u] for u in mine}
     return Trace([t.names[u] for u in mine], [t.numels[u] for u in mine], t.element_size,
                  [module_index[t.module_of[u]] for u in mine], events,
-                 linear_shapes=t.linear_shapes, layers=[l for l in t.layers if l.name in names],
+                 linear_shapes=t.linear_shapes, layers=t.layers if layers is None else layers,
                  sharded_linear=pick(t.sharded_linear), input_grad=pick(t.input_grad),
                  shapes=[t.shapes[u] for u in mine] if t.shapes else [],
-                 expert_names=[n for n in t.expert_names if any(n.startswith(k + ".") for k in names)])
+                 expert_names=[n for n in t.expert_names if n in names])
 
 
 def generic_trace(num_parameters: int, activation_bytes_per_sample: float, layers: int = 24,
