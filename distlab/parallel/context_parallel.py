@@ -47,7 +47,7 @@ from torch import nn
 from distlab.comm import p2p
 from distlab.errors import ConfigError, with_article
 from distlab.models import plans
-from distlab.parallel.cost import Call, CallGroup, Price
+from distlab.parallel.cost import Call, CallGroup, Price, in_stage
 from distlab.parallel.protocols import ComponentKind
 from distlab.runtime import group_rank, group_size, timeline
 
@@ -301,7 +301,9 @@ class ContextParallel(ComponentKind):
             raise ConfigError(f"`cp` {lay.cp}: context parallel splits a transformer's sequences, and this model "
                               f"declares no attention (context_parallel_plan); plan it with `cp` 1")
         cp, ring = lay.cp, lay.strategy.cp_style == "ring"
-        kv = t.attention_kv_bytes_per_sample * micro / (cp * lay.tp)  # this rank's keys and values, every attention
+        mine = sum(v for name, v in t.attention_kv.items() if in_stage(name, t_rank, lay)) if t.attention_kv else \
+            t.attention_kv_bytes_per_sample
+        kv = mine * micro / (cp * lay.tp)  # this rank's keys and values, every attention of its stage
         sent = ((3 * cp - 2) * kv if ring else 4 * (cp - 1) / cp * kv) * lay.strategy.micro_steps
         return Price([CallGroup([Call("native", "send", sent)], 2, local=lay.dp > 1)], compute_split=cp, report={
             "context_parallel": {

@@ -64,6 +64,12 @@ def data_parallel_bytes(t, optim: Optim, tp: int = 1) -> int:
 
 # ---------------------------------------------------------------------------------- what a step sends
 
+def in_stage(name: str, t_rank, lay) -> bool:
+    """Whether the module ``name`` is on the pipeline stage whose trace is ``t_rank`` (every module is
+    without a pipeline): what a component prices is that stage's part of the model."""
+    return lay.pp == 1 or any(name == layer.name or name.startswith(layer.name + ".") for layer in t_rank.layers)
+
+
 @dataclass(frozen=True)
 class ModuleIO:
     """What a module of the model's trace takes and gives, per sample: what a tensor-parallel style
@@ -83,6 +89,7 @@ class Call:
     kind: str           # all_reduce | reduce_scatter | all_gather | send (to a neighbour) | all_to_all
     nbytes: float       # the whole tensor (all-reduce) / the full, gathered size (RS, AG) / what one rank sends
     ready: float = 1.0  # fraction of backward done when it may start (1 = after backward)
+    itemsize: int = 4   # bytes per element (the butterfly splits whole elements)
 
 
 @dataclass

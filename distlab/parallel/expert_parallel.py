@@ -39,7 +39,7 @@ from distlab import comm
 from distlab.comm import p2p
 from distlab.errors import ConfigError
 from distlab.models import plans
-from distlab.parallel.cost import Call, CallGroup, Price
+from distlab.parallel.cost import Call, CallGroup, Price, in_stage
 from distlab.parallel.tensor_parallel.mappings import all_gather_along
 from distlab.parallel.protocols import ComponentKind
 from distlab.runtime import broadcast_module, group_rank, group_size, timeline
@@ -151,8 +151,9 @@ class ExpertParallel(ComponentKind):
         gone = [m - m // ep for name, m in zip(t_rank.names, t_rank.numels) if name in names]
         saved = {"parameter_bytes_per_rank": e * sum(gone), "gradient_bytes_per_rank": e * sum(gone),
                  "optimizer_bytes_per_rank": sum(optim.bytes(m, e) for m in gone)}
-        slots = t.expert_slot_bytes_per_sample * micro / lay.cp  # this rank's token-slots' bytes, every MoE layer
-        layers = len({n.rsplit(".", 1)[0] for n in t.expert_names})
+        mine = {name: v for name, v in t.expert_slots.items() if in_stage(name, t_rank, lay)} if t.expert_slots else {}
+        slots = (sum(mine.values()) if t.expert_slots else t.expert_slot_bytes_per_sample) * micro / lay.cp
+        layers = len(mine) if t.expert_slots else len({n.rsplit(".", 1)[0] for n in t.expert_names})
         experts = t.shapes[t.names.index(t.expert_names[0])][0] if t.shapes else 0
         counts = layers * (ep - 1) * 8 * (experts // ep)  # each layer's per-expert counts, int64
         sent = lay.strategy.micro_steps * (4 * (ep - 1) / ep * slots + counts)

@@ -56,9 +56,9 @@ def planned_calls(t, strategy) -> list[Call]:
     calls = []
     for name, channels, input_grad in t.batch_norms:
         forwards = 1 + any(name == b or name.startswith(b + ".") for b in recomputed)
-        calls += [Call(algorithm, "all_reduce", 8 * (2 * channels + 1))] * forwards
+        calls += [Call(algorithm, "all_reduce", 8 * (2 * channels + 1), itemsize=8)] * forwards
         if input_grad:
-            calls.append(Call(algorithm, "all_reduce", t.element_size * 2 * channels))
+            calls.append(Call(algorithm, "all_reduce", t.element_size * 2 * channels, itemsize=t.element_size))
     return calls * strategy.micro_steps
 
 

@@ -119,12 +119,30 @@ def volume(algorithm: str, n: int, nbytes: float, kind: str = "all_reduce") -> f
     return share / 2 if kind != "all_reduce" else share
 
 
-def sent(algorithm: str, n: int, nbytes: float, kind: str = "all_reduce") -> float:
+def sent(algorithm: str, n: int, nbytes: float, kind: str = "all_reduce", itemsize: int = 4) -> float:
     """Bytes the first rank of the group sends in one collective (what a run counts on it): the
-    volume, but for gather-scatter, where rank 0 sends only the scatter, ``(n-1) S``."""
+    volume, but for gather-scatter, where rank 0 sends only the scatter, ``(n-1) S``, and for the
+    butterfly's all-reduce, whose halves of an odd number of elements are not equal."""
     if algorithm == "gather_scatter" and n > 1:
         return (n - 1) * nbytes
+    if algorithm == "butterfly" and kind == "all_reduce" and n > 1:
+        return itemsize * _butterfly_first_sends(int(nbytes // itemsize), n)
     return volume(algorithm, n, nbytes, kind)
+
+
+def _butterfly_first_sends(numel: int, n: int) -> int:
+    """Elements rank 0 sends in :mod:`distlab.comm.butterfly`'s all-reduce: beyond a power of two it is
+    folded into its partner (its whole buffer); else the upper half of its segment at each halving step
+    and the kept range back at each doubling step."""
+    p = 1 << (n.bit_length() - 1)
+    if n > p:
+        return numel
+    lo, hi, d, total = 0, numel, p // 2, 0
+    while d >= 1:
+        mid = (lo + hi) // 2
+        total += (hi - mid) + (mid - lo)  # the given half now, the kept half in the doubling step
+        lo, hi, d = lo, mid, d // 2
+    return total
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ class Timer:
         return host + r * self.link.latency + wire
 
 
-def comm_bytes(lay: Layout, sync, prices: list, stages: list[dict]) -> dict:
+def comm_bytes(t: Trace, lay: Layout, sync, stages: list[dict], micro: int, optim) -> dict:
     """The bytes the first rank (the first pipeline stage, tensor-parallel rank 0) sends in a step --
     what a run counts on it (``comm_bytes_per_step`` of its summary) -- by sender: the gradient sync's
     collectives on its stage's parameters, each component's, the stage's messages to its neighbours,
@@ -104,13 +104,15 @@ def comm_bytes(lay: Layout, sync, prices: list, stages: list[dict]) -> dict:
     by = {"gradient_sync": sum(sent(c.algorithm, lay.replicas, c.nbytes, c.kind)
                                for c in (*calls.before_layers, *calls.during_backward, *calls.after_backward,
                                          *calls.after_step))}
-    for kind, price in zip(components.wanted(lay.strategy), prices):
+    for kind in components.wanted(lay.strategy):  # each priced on this stage's part of the model
+        price = kind.price(t, first, lay, micro, optim)
         by[kind.name] = sum(sent(c.algorithm, g.ranks, c.nbytes, c.kind) for g in price.calls for c in g.calls)
     if experts:  # this rank's expert shards, summed over the replicas that hold the same ones
         shard = sum(n for name, n in zip(first.names, first.numels) if name in experts) * first.element_size / lay.ep
         by["ep"] = by.get("ep", 0) + sent("native", lay.replicas // lay.ep, shard, "all_reduce")
     if lay.strategy.sync_bn != "off":
-        by["sync_bn"] = sum(sent(c.algorithm, lay.replicas, c.nbytes, c.kind) for c in sync_bn.planned_calls(first, lay.strategy))
+        by["sync_bn"] = sum(sent(c.algorithm, lay.replicas, c.nbytes, c.kind, c.itemsize)
+                            for c in sync_bn.planned_calls(first, lay.strategy))
     if lay.pp > 1:
         by["pipeline"] = stages[0]["sent_bytes_per_step"]
     if lay.ignored_targets:  # the global batch's kept targets, counted once per step over the replicas
@@ -175,7 +177,7 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     out.update(schedule_cost.report(lay, stages))
     for price in prices:
         out.update(price.report)
-    out.update(comm_bytes(lay, sync, prices, stages))
+    out.update(comm_bytes(t, lay, sync, stages, micro, optim))
     if cal is None:
         return out
     comp = cal.compute_for(lay.threads)
@@ -200,7 +202,7 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     for price in prices:
         for group in price.calls:
             timer_g = Timer(cal, Link() if group.local else link, group.ranks)
-            tp_time += share * sum(timer_g.duration(c, 0.0) for c in group.calls)
+            tp_time += sum(timer_g.duration(c, 0.0) for c in group.calls)  # priced on the stage's own part
     for group in schedule_cost.calls(lay, stages):  # a pipeline stage's messages, whole (not a stage's share)
         tp_time += sum(Timer(cal, link, group.ranks).duration(c, 0.0) for c in group.calls)
     comm_total = exposed_pre + tp_time

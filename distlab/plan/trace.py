@@ -22,6 +22,7 @@ from distlab.parallel.cost import ModuleIO
 from distlab.parallel.pipeline import sequential_layers
 from distlab.parallel.tensor_parallel import STYLES as TENSOR_STYLES
 from distlab.parallel.tensor_parallel.plan import plan_of as tp_plan_of
+from distlab.parallel.tensor_parallel.styles import TP_STYLES
 from distlab.parallel.zero.units import sharded_linear
 
 
@@ -63,6 +64,10 @@ class Trace:
     input_bytes_per_sample: float = 0.0  # the model's input (what a checkpointed first layer keeps)
     batch_norms: list[tuple[str, int, bool]] = field(default_factory=list)  # (name, channels, input needs a gradient)
     tensor_plans: dict[tuple[str, bool], dict[str, str]] = field(default_factory=dict)  # (style, sp) -> the model's plan
+    tensor_split: dict[tuple[str, bool], set[str]] = field(default_factory=dict)  # (style, sp) -> the units it shards
+    tensor_open: dict[tuple[str, bool], set[str]] = field(default_factory=dict)  # (style, sp) -> layers ending inside a region
+    attention_kv: dict[str, float] = field(default_factory=dict)  # attention -> its keys and values per sample
+    expert_slots: dict[str, float] = field(default_factory=dict)  # experts -> the token-slots entering them per sample
     module_io: dict[str, ModuleIO] = field(default_factory=dict)  # what each module those plans name takes and gives
 
     @property
@@ -120,8 +125,10 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
         handles.append(p.register_post_accumulate_grad_hook(lambda p, u=u: out.events.append(("grad", u))))
     for name, kind in declared_plan(model, "context", cp=1, style="ring", tp=1).items():  # what CP would pass around
 
-        def kv(m, args, result):
-            out.attention_kv_bytes_per_sample += sum(a.numel() * a.element_size() for a in args[1:3]) / batch
+        def kv(m, args, result, name=name):
+            nbytes = sum(a.numel() * a.element_size() for a in args[1:3]) / batch
+            out.attention_kv_bytes_per_sample += nbytes
+            out.attention_kv[name] = out.attention_kv.get(name, 0.0) + nbytes
 
         if kind == "context_attention":
             handles.append(model.get_submodule(name).register_forward_hook(kv))
@@ -129,9 +136,11 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
     for style in TENSOR_STYLES:  # the model's own tensor plans, and what each module they name takes and gives
         for sp in (False, True):
             try:
-                out.tensor_plans[(style, sp)] = tp_plan_of(model, 1, style, sp)
+                plan = out.tensor_plans[(style, sp)] = tp_plan_of(model, 1, style, sp)
             except ConfigError:
-                pass
+                continue
+            out.tensor_split[(style, sp)] = {f"{name}.{leaf}" for name, kind in plan.items()
+                                             for leaf in TP_STYLES[kind].splits}
     for name in dict.fromkeys(n for plan in out.tensor_plans.values() for n in plan):
 
         def io(m, args, result, name=name):
@@ -147,8 +156,10 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
         handles.append(model.get_submodule(name).register_forward_hook(io))
     for name in declared_plan(model, "expert", ep=1):  # what expert parallel would shard and send
 
-        def slots(m, args, result):
-            out.expert_slot_bytes_per_sample += args[0].numel() * args[0].element_size() / batch
+        def slots(m, args, result, name=name):
+            nbytes = args[0].numel() * args[0].element_size() / batch
+            out.expert_slot_bytes_per_sample += nbytes
+            out.expert_slots[name] = out.expert_slots.get(name, 0.0) + nbytes
 
         out.expert_names += [f"{name}.{p}" for p, _ in model.get_submodule(name).named_parameters()]
         handles.append(model.get_submodule(name).register_forward_hook(slots))
@@ -179,6 +190,16 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
     for h in handles:
         h.remove()
     out.layers = profile_layers(model, x, y)
+    for key, plan in out.tensor_plans.items():  # a layer whose output is still split (a column-parallel region open)
+        open_, ends = False, set()
+        for layer in out.layers:
+            for name, kind in plan.items():
+                if name == layer.name or name.startswith(layer.name + "."):
+                    open_ = kind in ("colwise", "colwise_entered") or (open_ and kind not in (
+                        "rowwise", "colwise_gather", "vocab_output"))
+            if open_:
+                ends.add(layer.name)
+        out.tensor_open[key] = ends
     out.input_bytes_per_sample = x.numel() * x.element_size() / batch
     try:
         out.blocks = block_names(model)

@@ -113,8 +113,10 @@ def stages(t, lay, micro: int, optim, sync_cost) -> list[dict]:
         chunks = [cuts[c * lay.pp + s] for c in range(v)]  # rank s holds virtual stages s, s + P, ...
         mine = [layer for a, b in chunks for layer in layers[a:b]]
         sub = t.stage([layer.name for layer in mine]) if lay.pp > 1 else t
-        if lay.tp > 1:
-            sub = replace(sub, numels=[math.ceil(m / lay.tp) for m in sub.numels])
+        if lay.tp > 1:  # the units the model's tensor plan shards (every unit where the trace has no plan)
+            split = t.tensor_split.get((lay.strategy.tp_style, lay.strategy.sequence_parallel))
+            sub = replace(sub, numels=[math.ceil(m / lay.tp) if split is None or name in split else m
+                                       for name, m in zip(sub.names, sub.numels)])
         state = sync_cost.planned_memory(sub, optim, lay.strategy, lay.replicas)
         recompute = recompute_flops = 0.0
         if mine and lay.strategy.activation_checkpointing:
@@ -147,12 +149,18 @@ def stages(t, lay, micro: int, optim, sync_cost) -> list[dict]:
             held = min(m_total, lay.pp - s)
         boundary = before = 0.0
         headed = 0  # activations sent per micro-batch, each after its header (a gradient's shape is known)
+        inside = t.tensor_open.get((lay.strategy.tp_style, sp), set()) if lay.tp > 1 else set()
+
+        def crossing(layer) -> float:  # what leaves a layer for the next stage: this rank's share of it
+            split = lay.tp if sp or layer.name in inside else 1  # sequence-split, or inside a column-parallel region
+            return layer.output_bytes * micro / split / lay.cp
+
         for k, (a, b) in ((c * lay.pp + s, chunks[c]) for c in range(v)):
             if k < len(cuts) - 1 and b > a:
-                boundary += layers[b - 1].output_bytes * micro / (lay.tp if sp else 1)
+                boundary += crossing(layers[b - 1])
                 headed += 1
             if a > 0:
-                before += layers[a - 1].output_bytes * micro / (lay.tp if sp else 1)
+                before += crossing(layers[a - 1])
         out.append({"stage": s, "layers": [chunks[0][0], chunks[-1][1]], "first": mine[0].name if mine else None,
                     "last": mine[-1].name if mine else None, "parameters": sum(sub.numels),
                     **({"chunks": [list(c) for c in chunks]} if v > 1 else {}),

@@ -16,7 +16,7 @@ from torch import nn
 from distlab.errors import ConfigError
 from distlab.models import plans
 from distlab.models.plans import linear_plan
-from distlab.parallel.cost import Call, CallGroup, Price
+from distlab.parallel.cost import Call, CallGroup, Price, in_stage
 from distlab.parallel.protocols import ComponentKind
 from distlab.parallel.tensor_parallel.layers import STYLES, ColumnParallelLinear, RowParallelLinear
 from distlab.parallel.tensor_parallel.mappings import all_reduce_sum
@@ -72,12 +72,14 @@ class TensorParallel(ComponentKind):
             raise ConfigError(f"`tp` {lay.tp}: this model declares no tensor-parallel plan (tensor_parallel_plan) for "
                               f"{st.tp_style}"
                               f"{' with sequence parallel' if st.sequence_parallel else ''}; plan it with `tp` 1")
-        calls = []
+        calls, samples = [], micro / lay.cp  # context parallel: each rank holds 1/cp of every sequence
         for name, style in plan.items():
+            if not in_stage(name, t_rank, lay):
+                continue
             io = t.module_io[name]
-            calls += TP_STYLES[style].calls(io, micro, st.sequence_parallel)
+            calls += TP_STYLES[style].calls(io, samples, st.sequence_parallel)
             if style == "vocab_output" and lay.label_smoothing:
-                calls += [Call("native", "all_reduce", 4 * io.output_rows * micro)] * SMOOTHING_REDUCTIONS
+                calls += [Call("native", "all_reduce", 4 * io.output_rows * samples)] * SMOOTHING_REDUCTIONS
         note = (", split over the tensor-parallel ranks" if st.sequence_parallel else
                 ", split over the tensor-parallel ranks except in LayerNorm and embedding regions (replicated "
                 "without sequence parallel)")

@@ -57,7 +57,10 @@ def _expect(m: nn.Module, kind: type, style: str, name: str) -> None:
 class Style:
     """A plan style: ``apply(m, group, name, sp, shared)`` returns the module's parallel version (or the
     module, changed in place), adding to ``shared`` the parameters whose gradients the group must sum;
-    ``calls(io, micro, sp)`` the collectives of one micro-batch."""
+    ``calls(io, micro, sp)`` the collectives of one micro-batch; ``splits`` the parameters it shards
+    (the layer's ``tp_split``: the rest stay whole on every rank)."""
+
+    splits: frozenset[str] = frozenset()
 
     @staticmethod
     def apply(m: nn.Module, group, name: str, sp: bool, shared: list) -> nn.Module:
@@ -71,6 +74,8 @@ class Style:
 class Colwise(Style):
     """An ``nn.Linear`` split by output features; the output stays split. Its input enters the region
     (gathered along the sequence under sequence parallel)."""
+
+    splits = frozenset(("weight", "bias"))
 
     @staticmethod
     def apply(m, group, name, sp, shared):
@@ -88,6 +93,8 @@ class ColwiseGather(Style):
     """The naive style: split by output features, the output all-gathered, the input's gradient
     all-reduced."""
 
+    splits = frozenset(("weight", "bias"))
+
     @staticmethod
     def apply(m, group, name, sp, shared):
         _expect(m, nn.Linear, "colwise_gather", name)
@@ -103,6 +110,8 @@ class ColwiseGather(Style):
 class ColwiseEntered(Style):
     """``colwise`` after an ``enter``: its input's gradient is reduced there, once for several."""
 
+    splits = frozenset(("weight", "bias"))
+
     @staticmethod
     def apply(m, group, name, sp, shared):
         _expect(m, nn.Linear, "colwise_entered", name)
@@ -114,6 +123,8 @@ class ColwiseEntered(Style):
 class Rowwise(Style):
     """An ``nn.Linear`` split by input features; the partial outputs summed (reduce-scattered along the
     sequence under sequence parallel, where its bias sees this rank's positions)."""
+
+    splits = frozenset({"weight"})
 
     @staticmethod
     def apply(m, group, name, sp, shared):
@@ -149,6 +160,8 @@ class VocabEmbedding(Style):
     """An ``nn.Embedding`` split by rows (tokens); the lookups summed (under sequence parallel the
     ``sequence_embedding`` around it reduce-scatters them instead)."""
 
+    splits = frozenset({"weight"})
+
     @staticmethod
     def apply(m, group, name, sp, shared):
         _expect(m, nn.Embedding, "vocab_embedding", name)
@@ -163,6 +176,8 @@ class VocabOutput(Style):
     """An ``nn.Linear`` to vocabulary logits split by output features (its input enters the region at an
     ``enter`` before it); the loss computed across them: per token, three all-reduces of one number
     (four with label smoothing, priced by the component)."""
+
+    splits = frozenset(("weight", "bias"))
 
     @staticmethod
     def apply(m, group, name, sp, shared):
