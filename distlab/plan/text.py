@@ -31,7 +31,9 @@ def format_prediction(p: dict) -> str:
              f"({'exact: what distlab will measure' if p['model_state_exact'] else 'estimate'}; "
              f"{p['model_state_bytes_per_rank']:,} bytes: parameters + gradients + optimizer state at their peak)",
              f"activations   {_gib(p['activation_bytes_per_rank'])} per rank (estimate: {p['activation_basis']})",
-             f"memory        {_gib(p['memory_bytes_per_rank'])} per rank"]
+             f"memory        {_gib(p['memory_bytes_per_rank'])} per rank",
+             f"sends         {p['comm_bytes_per_step_per_rank']:,} bytes per step from rank 0 ("
+             + ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in p["comm_bytes_by"].items() if v) + ")"]
     if p.get("activation_checkpointing"):
         a = p["activation_checkpointing"]
         lines.append(f"recompute     {a['blocks']} checkpointed blocks: {_gib(a['recompute_bytes_per_rank'])} per rank more "
@@ -134,5 +136,7 @@ def format_validation(rows: list[dict], summaries: dict[str, dict]) -> str:
                 f"over {summary['runs']} {'runs' if kind == 'training' else 'collectives'}")
         if summary["memory_checked_runs"]:
             line += f"; memory: {summary['memory_exact_runs']} of {summary['memory_checked_runs']} exact"
+        if summary.get("bytes_checked_runs"):
+            line += f"; bytes sent: {summary['bytes_exact_runs']} of {summary['bytes_checked_runs']} exact"
         lines.append(line)
     return "\n".join(lines)

@@ -72,6 +72,8 @@ def validate(cal: Calibration, paths: list[str], world_min: int = 2) -> list[dic
                      "measured_model_state_bytes": mem, "predicted_model_state_bytes": p["model_state_bytes_per_rank"],
                      "memory_exact": p["model_state_exact"],
                      "memory_rel_err": (p["model_state_bytes_per_rank"] - mem) / mem if mem else None,
+                     "measured_comm_bytes": s.get("comm_bytes_per_step"),
+                     "predicted_comm_bytes": p["comm_bytes_per_step_per_rank"],
                      **_phases(s, p)})
     rows += validate_collectives(cal, paths)
     if not rows:
@@ -98,9 +100,11 @@ def _phases(summary: dict, p: dict) -> dict:
 def summarize(rows: list[dict]) -> dict:
     errs = [abs(r["time_rel_err"]) for r in rows]
     mem = [abs(r["memory_rel_err"]) for r in rows if r["memory_rel_err"] is not None and r["memory_exact"]]
+    sent = [r["measured_comm_bytes"] == r["predicted_comm_bytes"] for r in rows if r.get("measured_comm_bytes") is not None]
     return {"runs": len(rows), "median_abs_time_err": statistics.median(errs), "max_abs_time_err": max(errs),
             "memory_exact_runs": sum(1 for m in mem if m == 0), "memory_checked_runs": len(mem),
-            "max_abs_memory_err": max(mem) if mem else None}
+            "max_abs_memory_err": max(mem) if mem else None,
+            "bytes_exact_runs": sum(sent), "bytes_checked_runs": len(sent)}
 
 
 def validate_collectives(cal: Calibration, paths: list[str]) -> list[dict]:
