@@ -54,6 +54,15 @@ def _expect(m: nn.Module, kind: type, style: str, name: str) -> None:
                           f"nn.{kind.__name__}")
 
 
+def _column(m: nn.Module, group, name: str, style: str, gather: bool, enters: bool, sp: bool) -> ColumnParallelLinear:
+    """``m`` split by output features: its output gathered or not, its input entering the region here
+    (the input's gradient reduced) or at an ``enter`` before it, gathered along the sequence or not."""
+    _expect(m, nn.Linear, style, name)
+    layer = ColumnParallelLinear(m, group, gather_output=gather, name=name)
+    layer.copy_input, layer.sequence_parallel = enters, sp
+    return layer
+
+
 class Style:
     """A plan style: ``apply(m, group, name, sp, shared)`` returns the module's parallel version (or the
     module, changed in place), adding to ``shared`` the parameters whose gradients the group must sum;
@@ -79,10 +88,7 @@ class Colwise(Style):
 
     @staticmethod
     def apply(m, group, name, sp, shared):
-        _expect(m, nn.Linear, "colwise", name)
-        layer = ColumnParallelLinear(m, group, gather_output=False, name=name)
-        layer.copy_input, layer.sequence_parallel = True, sp
-        return layer
+        return _column(m, group, name, "colwise", gather=False, enters=True, sp=sp)
 
     @staticmethod
     def calls(io, micro, sp):
@@ -97,10 +103,7 @@ class ColwiseGather(Style):
 
     @staticmethod
     def apply(m, group, name, sp, shared):
-        _expect(m, nn.Linear, "colwise_gather", name)
-        layer = ColumnParallelLinear(m, group, gather_output=True, name=name)
-        layer.copy_input, layer.sequence_parallel = True, False
-        return layer
+        return _column(m, group, name, "colwise_gather", gather=True, enters=True, sp=False)
 
     @staticmethod
     def calls(io, micro, sp):
@@ -114,10 +117,7 @@ class ColwiseEntered(Style):
 
     @staticmethod
     def apply(m, group, name, sp, shared):
-        _expect(m, nn.Linear, "colwise_entered", name)
-        layer = ColumnParallelLinear(m, group, gather_output=False, name=name)
-        layer.copy_input, layer.sequence_parallel = False, False
-        return layer
+        return _column(m, group, name, "colwise_entered", gather=False, enters=False, sp=False)
 
 
 class Rowwise(Style):
