@@ -29,12 +29,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distlab import comm
-from distlab.parallel.loss_head import TaskHead
 from distlab.parallel.clipping import clip_by_global_norm_, norm_weights
+from distlab.parallel.loss_head import TaskHead, per_kept_target
 from distlab.parallel.mesh import Mesh
 from distlab.parallel.placement import full_parameters, full_state_dict, placement_of
 from distlab.parallel.precision import Precision, scale_and_find_non_finite
+from distlab.parallel.priming import prime
 from distlab.parallel.protocols import GradSync, LossHead, ModelSharding, StepSchedule
 from distlab.parallel.strategy import Strategy
 from distlab.parallel import verdict
@@ -226,32 +226,16 @@ class Engine:
         ``ignore_index`` (targets that may be ignored: ``loss_fn`` scores none of them and takes
         ``reduction="sum"``): the step is that of the mean over the kept targets of the *global*
         batch, as one process computes it -- not a mean of micro-batch or rank means, which weigh a
-        target by how many others its micro-batch kept (:meth:`_per_kept_target`).
+        target by how many others its micro-batch kept (:func:`~distlab.parallel.loss_head.per_kept_target`).
         """
         x, y = self.shard(x, y)
         if ignore_index is not None:
-            loss_fn = self._per_kept_target(loss_fn, y, ignore_index)
+            loss_fn = per_kept_target(loss_fn, y, ignore_index, self.mesh, self.strategy.micro_steps)
         loss = self.schedule.forward_backward(self, x, y, loss_fn)
         self.sync()
         # after the reduction (the same sums everywhere); only fp16's scaled gradients have anything to unscale
         self.verdict.unscale(self.parameters())
         return loss
-
-    def _per_kept_target(self, loss_fn: Callable, y: torch.Tensor, ignore_index: int) -> Callable:
-        """``loss_fn`` as a share of the global batch's mean over kept targets: each micro-batch's sum
-        over its kept targets times ``micro_steps x replicas / N``, where ``N`` counts the kept targets
-        of the whole global batch (one all-reduce of a number over the replicas, left on the device).
-        The schedule divides by ``micro_steps`` and the gradient sync averages over the ``replicas``,
-        so the step's gradient is the sum over every kept target divided by ``N`` -- torch's ``mean``
-        with ``ignore_index`` on one process (and 0, not nan, where the global batch keeps none)."""
-        kept = (y != ignore_index).sum().to(torch.float32).reshape(1)
-        if self.mesh.replicas > 1:
-            comm.all_reduce(kept, algorithm="native", group=self.mesh.replica_group)
-        scale = self.strategy.micro_steps * self.mesh.replicas / kept.clamp(min=1.0)
-
-        def share_of_global_mean(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            return loss_fn(out, target, reduction="sum") * scale[0]
-        return share_of_global_mean
 
     @property
     def needs_priming(self) -> bool:
@@ -260,29 +244,9 @@ class Engine:
 
     def prime(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Before the first step of a resumed run: replay the backward after which torch's DDP re-cuts
-        its buckets (in the order gradients arrived), so the resumed run reduces in the same buckets --
-        the same float sums -- as the uninterrupted one, whose buckets were re-cut after its first step.
-        Evaluation mode, one micro-batch, RNG restored and gradients dropped: nothing else changes."""
-        if not self.needs_priming:
-            return
-        rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        # A compression hook counts and remembers the replayed pass (torch's writes into its P and Q in place).
-        sync_state = _cloned(self.grad_sync.sync_state_dict())
-        was_training = self.module.training
-        self.module.eval()
-        try:
-            micro = len(x) // self.strategy.grad_accum
-            x, y = self.shard(x[:micro], y[:micro])
-            self.loss(self(x), y).backward()
-        finally:
-            self.module.train(was_training)
-            for p in self.module.parameters():
-                p.grad = None
-            torch.set_rng_state(rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
-            self.grad_sync.load_sync_state_dict(sync_state)
+        its buckets, so the resumed run reduces in the same buckets (:func:`~distlab.parallel.priming.prime`)."""
+        if self.needs_priming:
+            prime(self, x, y)
 
     # ------------------------------------------------------------------ state
 
@@ -347,14 +311,3 @@ class Engine:
         """Bytes a rank sends per step that :mod:`distlab.comm` does not see (torch's DDP all-reduce,
         at its textbook volume); 0 for everything distlab sends itself."""
         return self.grad_sync.uncounted_bytes_per_sync()
-
-
-def _cloned(obj):
-    """A copy of nested dicts and lists whose tensors are copies too."""
-    if torch.is_tensor(obj):
-        return obj.clone()
-    if isinstance(obj, dict):
-        return {k: _cloned(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cloned(v) for v in obj)
-    return obj
