@@ -16,7 +16,8 @@ planner names one.
 **Adding a parallelism** is its own file and one line: the class's ``module:Class`` in
 :data:`BUILT_IN`, or, without touching distlab, ``NAME=module:Class`` in the ``DISTLAB_COMPONENTS``
 environment variable (comma-separated; :func:`register` adds to it, so worker processes started
-afterwards see it too). A strategy then names it (``bucketed+NAME``), ``verify`` runs it against one
+afterwards see it too). A strategy then names it (``bucketed+NAME``; ``bucketed+NAME=N`` for a kind that owns a
+mesh dimension, ``dim = name``, which the mesh then makes), ``verify`` runs it against one
 process, and a settings file can name it but never load code: only the environment and this file
 say where a kind lives.
 """

@@ -1,4 +1,4 @@
-"""The process mesh: pipeline x data x context x tensor parallel, tensor innermost, pipeline outermost.
+"""The process mesh: pipeline x data x (extra) x context x tensor parallel, tensor innermost, pipeline outermost.
 
 A world of ``pp * dp * cp * tp`` ranks. Rank ``r`` is ``(pp_rank, dp_rank, cp_rank, tp_rank)`` with
 ``r = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank``:
@@ -25,6 +25,11 @@ With tp=2, pp=2 on 8 ranks (dp 2): TP groups {0,1},{2,3},{4,5},{6,7}; DP groups 
 {4,6},{5,7}; pipelines {0,4},{1,5},{2,6},{3,7} -- ranks 0-3 hold the first stage, 4-7 the
 second. Every rank of a TP group and of a pipeline reads the same batch.
 
+* **Extra dimensions** (:class:`Dim`: a registered component kind's own, ``dim = name``, sized
+  ``+NAME=N``) sit between the data- and the context-parallel dimension, in the strategy's order:
+  a group along one is the ranks that differ only there (``mesh.dims[NAME]``); one that
+  ``replicates`` the model joins the replica groups.
+
 With tp=1 and pp=1 no group is created: the data-parallel group is the whole world (``dp_group``
 None, which every ``torch.distributed`` call reads as the default group). A group the mesh does
 not need (``tp_group`` with tp=1, ``pp_group`` with pp=1) is None and never used.
@@ -32,11 +37,24 @@ not need (``tp_group`` with tp=1, ``pp_group`` with pp=1) is None and never used
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+import math
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from distlab.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Dim:
+    """A mesh dimension beyond the built-in ones, owned by a registered component kind (its ``dim``):
+    its ``size``, and whether the ranks along it hold the same part of the model (``replicates``:
+    gradients are averaged and ZeRO shards over them, as over context parallel's)."""
+
+    name: str
+    size: int
+    replicates: bool = False
 
 
 @dataclass(frozen=True)
@@ -50,35 +68,45 @@ class Layout:
     replica_groups: list[list[int]]
     ep_groups: list[list[int]]
     expert_data_groups: list[list[int]]
+    dim_groups: dict[str, list[list[int]]] = field(default_factory=dict)  # each extra dimension's groups
 
 
-def layout(world_size: int, tp: int, pp: int = 1, cp: int = 1, ep: int = 1) -> Layout:
+def layout(world_size: int, tp: int, pp: int = 1, cp: int = 1, ep: int = 1, dims: tuple[Dim, ...] = ()) -> Layout:
     """Which global ranks form each group of a ``tp`` x ``cp`` x ``pp`` mesh on ``world_size`` ranks,
-    with expert parallel over blocks of ``ep`` data-parallel ranks."""
-    if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp):
+    with expert parallel over blocks of ``ep`` data-parallel ranks and the extra ``dims`` between the
+    data- and the context-parallel dimension (in their order, the first outermost).
+
+    A group along a dimension is the ranks that differ only there, in rank order; the groups of a kind
+    are listed in the order of their first rank."""
+    sizes = {"pp": pp, "dp": 1, **{d.name: d.size for d in dims}, "cp": cp, "tp": tp}
+    model = tp * pp * cp * math.prod(d.size for d in dims)
+    if min(sizes.values()) < 1 or world_size % model:
         divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
-        sizes = [f"`{k}` {v}" for k, v in (("tp", tp), ("cp", cp), ("pp", pp)) if v != 1 or k == "tp"]
-        what = sizes[0] if len(sizes) == 1 else f"{' x '.join(sizes)} = {tp * pp * cp}"
+        named = [f"`{k}` {sizes[k]}" for k in ("tp", "cp", "pp", *(d.name for d in dims)) if sizes[k] != 1 or k == "tp"]
+        what = named[0] if len(named) == 1 else f"{' x '.join(named)} = {model}"
         raise ConfigError(f"{what} does not divide the world size {world_size}: use sizes whose product divides "
                           f"it ({divisors})")
-    dp = world_size // (tp * pp * cp)
+    dp = sizes["dp"] = world_size // model
     if ep < 1 or dp % ep:
         raise ConfigError(f"`ep` {ep} must divide the data-parallel size {dp} (expert parallel shards the experts "
                           f"over data-parallel ranks): choose an `ep` that divides {dp}")
+    coords = list(itertools.product(*(range(n) for n in sizes.values())))  # rank r is coords[r]
+    at = {name: i for i, name in enumerate(sizes)}
 
-    def rank(p: int, d: int, c: int, t: int) -> int:
-        return ((p * dp + d) * cp + c) * tp + t
+    def along(*varying: str, key=lambda c: ()) -> list[list[int]]:
+        """The groups of ranks that differ only in ``varying`` (and agree on ``key``)."""
+        fixed = [i for name, i in at.items() if name not in varying]
+        out: dict[tuple, list[int]] = {}
+        for r, c in enumerate(coords):
+            out.setdefault((*(c[i] for i in fixed), *key(c)), []).append(r)
+        return list(out.values())
 
-    P, D, C, T = range(pp), range(dp), range(cp), range(tp)
-    return Layout(tp_groups=[[rank(p, d, c, t) for t in T] for p in P for d in D for c in C],
-                  dp_groups=[[rank(p, d, c, t) for d in D] for p in P for c in C for t in T],
-                  pp_groups=[[rank(p, d, c, t) for p in P] for d in D for c in C for t in T],
-                  cp_groups=[[rank(p, d, c, t) for c in C] for p in P for d in D for t in T],
-                  replica_groups=[[rank(p, d, c, t) for d in D for c in C] for p in P for t in T],
-                  ep_groups=[[rank(p, d, c, t) for d in range(b * ep, (b + 1) * ep)]
-                             for p in P for b in range(dp // ep) for c in C for t in T],
-                  expert_data_groups=[[rank(p, d, c, t) for d in D if d % ep == e for c in C]
-                                      for p in P for e in range(ep) for t in T])
+    replicated = ("dp", "cp", *(d.name for d in dims if d.replicates))
+    return Layout(tp_groups=along("tp"), dp_groups=along("dp"), pp_groups=along("pp"), cp_groups=along("cp"),
+                  replica_groups=along(*replicated),
+                  ep_groups=along("dp", key=lambda c: (c[at["dp"]] // ep,)),
+                  expert_data_groups=along(*replicated, key=lambda c: (c[at["dp"]] % ep,)),
+                  dim_groups={d.name: along(d.name) for d in dims})
 
 
 def _groups(groups: list[list[int]]) -> str:
@@ -113,6 +141,7 @@ class Mesh:
     ep_ranks: list[int] | None = None
     expert_data_group: dist.ProcessGroup | None = None  # the replicas of this rank's expert shard
     expert_data_ranks: list[int] | None = None
+    dims: dict[str, "Axis"] = field(default_factory=dict)  # the extra dimensions, by name (registered kinds')
 
     def __post_init__(self) -> None:
         if self.replica_ranks is None:  # no context parallel: the replicas are the data-parallel ranks
@@ -122,7 +151,12 @@ class Mesh:
     def of(cls, strategy) -> "Mesh":
         """This process's mesh for ``strategy``: every dimension its fields name (tp, pp, cp, ep), the rest
         data parallel (collective: every rank calls it, in the same order)."""
-        return build_mesh(strategy.tp, pp=strategy.pp, cp=strategy.cp, ep=strategy.ep)
+        return build_mesh(strategy.tp, pp=strategy.pp, cp=strategy.cp, ep=strategy.ep, dims=strategy.extra_dims())
+
+    def size(self, dim: str) -> int:
+        """The size of dimension ``dim`` (``tp``, ``dp``, ``pp``, ``cp``, ``ep`` or an extra one's name; 1
+        for one the mesh does not have)."""
+        return self.dims[dim].size if dim in self.dims else getattr(self, dim, 1)
 
     @property
     def last_stage(self) -> bool:
@@ -133,12 +167,13 @@ class Mesh:
     def splits_model(self) -> bool:
         """Whether ranks hold different parts of the model (tensor-parallel shards, pipeline stages,
         expert shards)."""
-        return self.tp > 1 or self.pp > 1 or self.ep > 1
+        return self.tp > 1 or self.pp > 1 or self.ep > 1 or any(not d.replicates for d in self.dims.values())
 
     @property
     def replicas(self) -> int:
-        """Ranks holding the same part of the model (data x context parallel)."""
-        return self.dp * self.cp
+        """Ranks holding the same part of the model (data x context parallel x the extra dimensions that
+        replicate it)."""
+        return self.dp * self.cp * math.prod(d.size for d in self.dims.values() if d.replicates)
 
     @property
     def reports(self) -> bool:
@@ -151,51 +186,78 @@ class Mesh:
         """``dp 2 x tp 2: TP groups [0, 1] [2, 3]; DP groups [0, 2] [1, 3]`` (or one word for dp only)."""
         if self.world_size == 1:
             return "single process"
-        if self.tp == 1 and self.pp == 1 and self.cp == 1 and self.ep == 1:
+        if self.world_size == self.dp and self.ep == 1:
             return f"dp {self.dp}: ranks 0-{self.world_size - 1} in one data-parallel group"
-        groups = layout(self.world_size, self.tp, self.pp, self.cp, self.ep)
-        sizes = " x ".join(f"{name} {n}" for name, n in (("pp", self.pp), ("dp", self.dp), ("cp", self.cp),
+        dims = tuple(self.dims.values())
+        groups = layout(self.world_size, self.tp, self.pp, self.cp, self.ep, dims)
+        sizes = " x ".join(f"{name} {n}" for name, n in (("pp", self.pp), ("dp", self.dp),
+                                                           *((d.name, d.size) for d in dims), ("cp", self.cp),
                                                            ("tp", self.tp)) if n > 1 or name == "dp")
         parts = ([f"TP groups {_groups(groups.tp_groups)}"] if self.tp > 1 else []) + \
                 ([f"CP groups {_groups(groups.cp_groups)}"] if self.cp > 1 else []) + \
+                [f"{d.name} groups {_groups(groups.dim_groups[d.name])}" for d in dims] + \
                 [f"DP groups {_groups(groups.dp_groups)}"] + \
                 ([f"EP groups {_groups(groups.ep_groups)}; expert gradients over "
                   f"{_groups(groups.expert_data_groups)}"] if self.ep > 1 else []) + \
-                ([f"gradients averaged over {_groups(groups.replica_groups)}"] if self.cp > 1 else []) + \
+                ([f"gradients averaged over {_groups(groups.replica_groups)}"] if self.replicas > self.dp else []) + \
                 ([f"pipelines (stage 0 first) {_groups(groups.pp_groups)}"] if self.pp > 1 else [])
         if self.ep > 1:
             sizes = sizes.replace(f"dp {self.dp}", f"dp {self.dp} (ep {self.ep})")
         return f"{sizes}: {'; '.join(parts)}"
 
 
-def build_mesh(tp: int = 1, dp: int | None = None, pp: int = 1, cp: int = 1, ep: int = 1) -> Mesh:
-    """The mesh of this process (collective when tp, pp, cp or ep > 1: every rank calls it, in the same order)."""
+@dataclass
+class Axis:
+    """This process's place along an extra dimension: its size, rank along it, group and the group's ranks."""
+
+    name: str
+    size: int
+    rank: int
+    group: dist.ProcessGroup | None
+    ranks: list[int]
+    replicates: bool = False
+
+
+def build_mesh(tp: int = 1, dp: int | None = None, pp: int = 1, cp: int = 1, ep: int = 1,
+               dims: tuple[Dim, ...] = ()) -> Mesh:
+    """The mesh of this process (collective when tp, pp, cp, ep or an extra dimension is above 1: every rank
+    calls it, in the same order)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    groups = layout(world, tp, pp, cp, ep)
-    if dp is not None and tp * dp * pp * cp != world:
-        extra = "".join(f" x `{k}` {v}" for k, v in (("cp", cp), ("pp", pp)) if v > 1)
-        raise ConfigError(f"`tp` {tp} x dp {dp}{extra} = {tp * dp * pp * cp} processes, but the world has {world}: "
+    dims = tuple(d for d in dims if d.size > 1)
+    groups = layout(world, tp, pp, cp, ep, dims)
+    model = tp * pp * cp * math.prod(d.size for d in dims)
+    if dp is not None and dp * model != world:
+        extra = "".join(f" x `{k}` {v}" for k, v in (("cp", cp), ("pp", pp), *((d.name, d.size) for d in dims))
+                        if v > 1)
+        raise ConfigError(f"`tp` {tp} x dp {dp}{extra} = {dp * model} processes, but the world has {world}: "
                           f"make the product equal the number of processes")
 
     def mine(kind: list[list[int]]) -> list[int]:
         return next(g for g in kind if rank in g)
 
+    replicated = cp > 1 or any(d.replicates for d in dims)
     made: dict[str, dist.ProcessGroup | None] = {"tp": None, "cp": None, "dp": None, "replica": None, "pp": None,
-                                                 "ep": None, "expert_data": None}
-    if world > 1 and (tp > 1 or pp > 1 or cp > 1 or ep > 1):
+                                                 "ep": None, "expert_data": None, **{d.name: None for d in dims}}
+    if world > 1 and (model > 1 or ep > 1):
         # new_group is collective over the whole world: every rank creates every group, in one order
-        for kind, needed in (("tp", tp > 1), ("cp", cp > 1), ("dp", tp > 1 or pp > 1 or cp > 1), ("replica", cp > 1),
-                             ("pp", pp > 1), ("ep", ep > 1), ("expert_data", ep > 1)):
-            for g in getattr(groups, f"{kind}_groups") if needed else ():
+        for kind, kind_groups, needed in (
+                ("tp", groups.tp_groups, tp > 1), ("cp", groups.cp_groups, cp > 1),
+                *((d.name, groups.dim_groups[d.name], True) for d in dims),
+                ("dp", groups.dp_groups, model > 1), ("replica", groups.replica_groups, replicated),
+                ("pp", groups.pp_groups, pp > 1), ("ep", groups.ep_groups, ep > 1),
+                ("expert_data", groups.expert_data_groups, ep > 1)):
+            for g in kind_groups if needed else ():
                 pg = dist.new_group(g)
                 if rank in g:
                     made[kind] = pg
     tp_ranks, dp_ranks, pp_ranks = mine(groups.tp_groups), mine(groups.dp_groups), mine(groups.pp_groups)
     cp_ranks = mine(groups.cp_groups)
-    return Mesh(rank, world, tp, world // (tp * pp * cp), tp_ranks.index(rank), dp_ranks.index(rank), made["tp"],
+    axes = {d.name: Axis(d.name, d.size, mine(groups.dim_groups[d.name]).index(rank), made[d.name],
+                         mine(groups.dim_groups[d.name]), d.replicates) for d in dims}
+    return Mesh(rank, world, tp, world // model, tp_ranks.index(rank), dp_ranks.index(rank), made["tp"],
                 made["dp"], tp_ranks, dp_ranks, pp, pp_ranks.index(rank), made["pp"], pp_ranks,
                 cp, cp_ranks.index(rank), made["cp"], cp_ranks,
-                made["replica"], mine(groups.replica_groups) if cp > 1 else None,
+                made["replica"], mine(groups.replica_groups) if replicated else None,
                 ep, mine(groups.ep_groups).index(rank), made["ep"], mine(groups.ep_groups),
-                made["expert_data"], mine(groups.expert_data_groups))
+                made["expert_data"], mine(groups.expert_data_groups), axes)

@@ -54,10 +54,11 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
     group), so every replica begins equal.
     """
     strategy.check(mesh.world_size)
-    if (mesh.tp, mesh.pp, mesh.cp, mesh.ep) != (strategy.tp, strategy.pp, strategy.cp, strategy.ep):
-        raise ValueError(f"the mesh has tp {mesh.tp}, pp {mesh.pp}, cp {mesh.cp}, ep {mesh.ep} but the strategy tp "
-                         f"{strategy.tp}, pp {strategy.pp}, cp {strategy.cp}, ep {strategy.ep}: build the mesh from the "
-                         f"strategy (Mesh.of(strategy))")
+    dims = ("tp", "pp", "cp", "ep", *(name for name, _ in strategy.dims), *mesh.dims)
+    if any(mesh.size(d) != strategy.size(d) for d in dims):
+        raise ValueError(f"the mesh has {', '.join(f'{d} {mesh.size(d)}' for d in dims)} but the strategy "
+                         f"{', '.join(f'{d} {strategy.size(d)}' for d in dims)}: build the mesh from the strategy "
+                         f"(Mesh.of(strategy))")
     device = next(model.parameters()).device
     check_device(strategy.precision, device)
     if strategy.pp > 1:  # cut by the unsharded model's parameters: the same layers on every rank of a TP group

@@ -236,8 +236,13 @@ class ComponentKind:
     is the default, the no-op where one is right:
 
     ``name``                       its word in a strategy's text form (``+NAME``)
-    ``dim``                        the strategy field it owns (``cp``, ``ep``, ``tp``): its size, a
-                                   dimension of the mesh; None where it has none
+    ``dim``                        the mesh dimension it owns: a strategy field (``cp``, ``ep``, ``tp``) or,
+                                   for a registered kind, its own name (its size written ``+NAME=N``,
+                                   kept in ``strategy.dims``; the mesh makes the dimension, between the
+                                   data- and the context-parallel one); None where it has none
+    ``replicates``                 whether the ranks along its own dimension hold the same part of the
+                                   model (gradients averaged and ZeRO shards over them; the data loader
+                                   gives them the same batch) -- default False: they hold different parts
     ``wanted(strategy)``           whether a strategy turns it on: ``dim`` above 1, else ``name`` listed in
                                    ``strategy.components``
     ``check(model, strategy, input_shape)``  before launch, on the model built on the meta device:
@@ -255,10 +260,11 @@ class ComponentKind:
 
     name: str = ""
     dim: str | None = None
+    replicates: bool = False
 
     @classmethod
     def wanted(cls, strategy) -> bool:
-        return getattr(strategy, cls.dim) > 1 if cls.dim else cls.name in strategy.components
+        return strategy.size(cls.dim) > 1 if cls.dim else cls.name in strategy.components
 
     @classmethod
     def check(cls, model: nn.Module, strategy, input_shape: tuple[int, ...]) -> None:

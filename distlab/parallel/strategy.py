@@ -14,11 +14,14 @@ JSON object of ``summary.json`` (:meth:`Strategy.from_dict` reads it back, old f
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
 from distlab.errors import ConfigError, did_you_mean
+from distlab.parallel.components import load as load_kind
 from distlab.parallel.components import names as component_names
+from distlab.parallel.components import registered
 from distlab.parallel.compression import parse_compression
 from distlab.parallel.context_parallel import STYLES as CP_STYLES
 from distlab.parallel.data_parallel import COLLECTIVES, SYNC_METHODS
@@ -61,6 +64,7 @@ class Strategy:
     reduce_dtype: str | None = None  # dtype of gradient communication; None: the gradients' own (fp32)
     grad_compression: str = "none"  # none, fp16, bf16, powersgd:R
     components: tuple[str, ...] = ()  # registered model-sharding components by name (distlab.parallel.components)
+    dims: tuple[tuple[str, int], ...] = ()  # registered kinds' own mesh dimensions, (name, size), outermost first
 
     def __post_init__(self):
         if self.dp_sync is None:
@@ -82,6 +86,8 @@ class Strategy:
         if not isinstance(self.components, tuple):  # None from a flag not given, a list from JSON, "a:b" from text
             names = self.components.split(":") if isinstance(self.components, str) else self.components or ()
             object.__setattr__(self, "components", tuple(n for n in names if n))
+        dims = self.dims.items() if isinstance(self.dims, dict) else self.dims or ()  # a dict from JSON
+        object.__setattr__(self, "dims", tuple((str(n), int(k)) for n, k in dims if int(k) != 1))
 
     # ------------------------------------------------------------------ checks
 
@@ -138,8 +144,13 @@ class Strategy:
         if self.zero and self.find_unused:
             raise ConfigError(f"`find_unused` is implied by `zero` {self.zero} (parameters without a gradient count as "
                               f"zero): drop `find_unused`")
-        if world_size is not None and world_size % (self.tp * self.pp * self.cp):
+        if world_size is not None and world_size % self.model_ways:
             divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+            if self.dims:
+                sizes = " x ".join(f"`{k}` {v}" for k, v in self._sizes() if v > 1)
+                raise ConfigError(f"{sizes} = {self.model_ways} does not divide the world size {world_size}: the "
+                                  f"data-parallel size is the world over their product; use sizes whose product "
+                                  f"divides it ({divisors})")
             if self.cp > 1:
                 sizes = " x ".join(f"`{k}` {v}" for k, v in (("tp", self.tp), ("cp", self.cp), ("pp", self.pp))
                                    if v > 1)
@@ -174,9 +185,10 @@ class Strategy:
                               f"are reduced over their own ranks, uncompressed; drop `grad_compression`")
 
     def _check_components(self) -> None:
-        """Every name in `components` registered (distlab.parallel.components), none twice."""
+        """Every name in `components` and `dims` registered (distlab.parallel.components), none twice; a
+        dimension's kind owns one, a listed kind none."""
         known = component_names()
-        for name in self.components:
+        for name in (*self.components, *(n for n, _ in self.dims)):
             if name not in known:
                 where = f"registered: {', '.join(known)}" if known else "none is registered"
                 raise ConfigError(f"`components` names {name!r}, which is not a registered component"
@@ -184,6 +196,17 @@ class Strategy:
                                   f"DISTLAB_COMPONENTS)")
         if len(set(self.components)) != len(self.components):
             raise ConfigError(f"`components` names a component twice: {':'.join(self.components)}")
+        for name, size in self.dims:
+            dim = load_kind(registered()[name]).dim
+            if dim != name:
+                raise ConfigError(f"component {name} has no mesh dimension of its own to size ({name}={size}): "
+                                  f"name it as +{name}")
+            if size < 1:
+                raise ConfigError(f"`{name}` must be at least 1, not {size}")
+        for name in self.components:
+            if load_kind(registered()[name]).dim == name:
+                raise ConfigError(f"component {name} splits over a mesh dimension of its own: give its size, "
+                                  f"+{name}=N")
 
     def _check_compression(self) -> None:
         """`grad_compression` and `reduce_dtype`: what they apply to, each refusal with its reason."""
@@ -265,12 +288,36 @@ class Strategy:
 
     def dp_size(self, world_size: int) -> int:
         """Data-parallel ranks: each holds a shard of the global batch."""
-        return world_size // (self.tp * self.pp * self.cp)
+        return world_size // self.model_ways
+
+    def size(self, dim: str) -> int:
+        """The size of mesh dimension ``dim``: a field's (``tp``, ``pp``, ``cp``, ``ep``) or a registered
+        kind's own (``dims``); 1 for one the strategy does not split over."""
+        return getattr(self, dim) if dim in ("tp", "pp", "cp", "ep") else dict(self.dims).get(dim, 1)
+
+    def _sizes(self) -> list[tuple[str, int]]:
+        return [("tp", self.tp), ("cp", self.cp), ("pp", self.pp), *self.dims]
+
+    @property
+    def model_ways(self) -> int:
+        """Ranks per data-parallel rank: tensor x context x pipeline parallel x the extra dimensions."""
+        return math.prod(n for _, n in self._sizes())
+
+    @property
+    def replica_ways(self) -> int:
+        """Ranks per data-parallel rank that hold the same part of the model (context parallel's, and the
+        extra dimensions that replicate it)."""
+        return self.cp * math.prod(d.size for d in self.extra_dims() if d.replicates)
+
+    def extra_dims(self) -> tuple:
+        """The registered kinds' own dimensions, as the mesh makes them (:class:`~distlab.parallel.mesh.Dim`)."""
+        from distlab.parallel.mesh import Dim
+        return tuple(Dim(name, n, load_kind(registered()[name]).replicates) for name, n in self.dims)
 
     def check_batch(self, global_batch: int, world_size: int) -> None:
         """The global batch must split into equal micro-batches on every data-parallel rank."""
         dp = self.dp_size(world_size)
-        model = " x ".join(f"`{k}` {v}" for k, v in (("tp", self.tp), ("cp", self.cp), ("pp", self.pp)) if v > 1)
+        model = " x ".join(f"`{k}` {v}" for k, v in self._sizes() if v > 1)
         what = f"world size {dp}" if dp == world_size else f"the data-parallel size {dp} (world {world_size} / {model})"
         if global_batch % dp:
             fits = [d for d in range(1, global_batch + 1) if global_batch % d == 0][:8]
@@ -305,7 +352,7 @@ class Strategy:
         ``single process`` where nothing else is left."""
         text = str(self)
         method = self.dp_sync + ("" if self.collective == self.default_collective else f":{self.collective}")
-        alone = world_size // max(1, self.tp * self.pp * self.cp) == 1
+        alone = world_size // max(1, self.model_ways) == 1
         if alone and self.dp_sync == DEFAULT_DP_SYNC and self.collective == self.default_collective \
                 and text.split("+")[0] == method:
             text = text[len(method):].lstrip("+")
@@ -340,6 +387,10 @@ class Strategy:
             del d["components"]
         else:
             d["components"] = list(self.components)
+        if not self.dims:
+            del d["dims"]
+        else:
+            d["dims"] = dict(self.dims)
         if not self.compile:  # and without compiling
             del d["compile"]
         d["pp_schedule"] = self.pp_schedule if self.pp > 1 else None

@@ -34,6 +34,7 @@ the class is passed in (``cls``, ``self``): this module is imported by it.
     balance=A:B:..  pp_balance: layers per stage (default: cut where the parameters balance)
     NAME            components: a model-sharding component registered under NAME
                     (:mod:`distlab.parallel.components`), applied after the built-in ones
+    NAME=N          dims: the size of the mesh dimension such a component owns (its kind's ``dim``)
 
 Any field may also be written ``FIELD=VALUE`` (``dp_sync=ddp+collective=ring``), so plan's
 ``KEY=VALUE+KEY=VALUE`` spellings read the same. :meth:`Strategy.to_dict` is the JSON object of
@@ -95,7 +96,7 @@ def strategy_text(self) -> str:
         parts.append(f"reduce={self.reduce_dtype}")
     if self.grad_compression != "none":
         parts.append(f"compress={self.grad_compression}")
-    parts += list(self.components)
+    parts += [f"{name}={size}" for name, size in self.dims] + list(self.components)
     return "+".join(parts)
 
 
@@ -110,7 +111,13 @@ def parse(cls: type, text: str, **defaults):
     for i, token in enumerate(tokens):
         key, eq, value = token.partition("=")
         key = key.replace("-", "_") if key.replace("-", "_") in known else key
-        if eq:
+        if eq and i > 0 and key in component_names():  # a registered kind's own dimension
+            try:
+                values["dims"] = (*values.get("dims", ()), (key, int(value)))
+            except ValueError:
+                raise ConfigError(f"strategy {text!r}: {token!r}: the size of {key}'s dimension is a whole "
+                                  f"number, not {value!r}") from None
+        elif eq:
             name = _KEYS.get(key, key)
             if name not in known:
                 raise ConfigError(f"strategy {text!r}: unknown modifier {token!r} (known: accum=K, bucket=MB, "

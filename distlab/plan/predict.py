@@ -44,12 +44,13 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.strategy.tp * self.strategy.pp * self.strategy.cp
+        return self.dp * self.strategy.model_ways
 
     @property
     def replicas(self) -> int:
-        """Ranks that hold the same part of the model: data x context parallel."""
-        return self.dp * self.strategy.cp
+        """Ranks that hold the same part of the model: data x context parallel (x the extra dimensions
+        that replicate it)."""
+        return self.dp * self.strategy.replica_ways
 
     tp = property(lambda self: self.strategy.tp)
     pp = property(lambda self: self.strategy.pp)

@@ -137,7 +137,8 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "strategy_text": str(strategy),
         "compiled_graphs": compiled_graphs() if strategy.compile else None,  # this rank's, by torch.compile
         "strategy_label": strategy.label(trainer.rt.world_size),
-        "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "cp": mesh.cp, "ep": mesh.ep, "layout": mesh.describe()},
+        "mesh": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "cp": mesh.cp, "ep": mesh.ep,
+                 **{d.name: d.size for d in mesh.dims.values()}, "layout": mesh.describe()},
         **engine.schedule.report(cfg.timing_warmup_steps, rt.device),  # a pipeline's stages and bubble
         "model": cfg.model,
         "dataset": cfg.dataset,
