@@ -171,7 +171,8 @@ def test_plan_refuses_bad_input_naming_the_fix(committed, tmp_path, capsys):
                           (["--sweep", "8", "--strategies", "zero=9x"], "not a int"),
                           (["--link", "fast"], "100mbit"),
                           (["--model", "resnet18", "--dataset", "cifar10", "--tp", "2"],
-                           "declares no tensor-parallel plan (tensor_parallel_plan)")]:
+                           "declares no tensor-parallel plan (tensor_parallel_plan)"),
+                          (["--model", "mlp", "--n-layer", "3"], "model mlp has no such option: drop --n-layer")]:
         with pytest.raises(SystemExit) as exc:
             main(["plan", *args])
         err = capsys.readouterr().err
@@ -322,3 +323,22 @@ def test_plan_says_what_it_cannot_know_and_refuses_what_it_would_ignore(run_cli,
     proc = run_cli("plan", "--params", "7e9", "--activation-bytes", "4e6", "--sweep", "8,64", "--zero", "3")
     assert proc.returncode == 2 and "--zero with --sweep: the sweep compares the layouts of --strategies" in \
         proc.stderr
+
+
+def test_plan_flags_are_the_models_options_and_the_losss(capsys):
+    """plan's model flags are the registered families' options (as train's), and a loss that ignores some
+    targets or smooths its labels is priced: the kept-target count each step, the smoothing's reduction."""
+    from distlab.cli import main
+    args = ["plan", "--model", "gpt", "--n-layer", "1", "--n-embd", "32", "--dataset", "synthetic-text", "--dp", "2",
+            "--tp", "2"]
+    outs = []
+    for extra in ([], ["--ignored-targets", "--label-smoothing", "0.1"]):
+        with pytest.raises(SystemExit) as exc:
+            main([*args, *extra])
+        assert exc.value.code == 0
+        outs.append(capsys.readouterr().out)
+    plain, both = outs
+    assert "kept targets" not in plain and "kept targets 4" in both, both
+    sent = [int(next(line for line in out.splitlines() if line.startswith("sends")).split()[1].replace(",", ""))
+            for out in (plain, both)]
+    assert sent[1] > sent[0] + 4  # the smoothing's reduction across the split vocabulary too

@@ -286,6 +286,8 @@ STRATEGY_OPTIONS = [
     ("components", dict(default=None, help="Model-sharding components of your own, by the names they are "
                         "registered under (DISTLAB_COMPONENTS=NAME=module:Class), colon-separated; applied after "
                         "the built-in ones.")),
+    ("dims", dict(default=None, help="Sizes of the mesh dimensions your own components own, NAME=N, comma-"
+                  "separated (in a strategy's text: +NAME=N); the data-parallel size shrinks by them.")),
 ]
 
 
@@ -387,6 +389,15 @@ def field_options(table):
         return f
 
     return decorate
+
+
+def model_options_of(model: str, kw: dict):
+    """Pop the model flags (:data:`MODEL_OPTIONS`) from click's ``kw``: ``model``'s options object from the
+    ones given (None where none is: the family's defaults); one line naming a flag ``model`` does not take."""
+    from distlab.models import options_from
+    given = {name: kw.pop(name) for name, _ in MODEL_OPTIONS}
+    given = {k: csv_ints(v) if k in CSV_OPTIONS else v for k, v in given.items() if v is not None}
+    return options_from(model, given) if given else None
 
 
 def config_from_flags(kw: dict, table) -> dict:

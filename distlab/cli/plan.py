@@ -6,7 +6,8 @@ import sys
 
 import click
 
-from distlab.cli.options import COUNT, STRATEGY_OPTIONS, Number, csv_ints, field_options, output_file
+from distlab.cli.options import (COUNT, MODEL_OPTIONS, STRATEGY_OPTIONS, Number, csv_ints, field_options,
+                                 model_options_of, output_file)
 from distlab.errors import ConfigError
 
 DEFAULT_CALIBRATION = "runs/calibration.json"
@@ -18,19 +19,19 @@ PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "seq
 
 @click.group(invoke_without_command=True)
 @click.option("--model", default="mlp", show_default=True, help="A registered model (ignored with --params).")
-@click.option("--mlp-widths", default=None, help="Hidden widths of the MLP, e.g. 1024,512.")
+@field_options(MODEL_OPTIONS)
 @click.option("--dataset", default="fashion-mnist", show_default=True, help="Gives the input shape and classes.")
-@click.option("--n-layer", type=COUNT, default=2, show_default=True, help="gpt: transformer blocks.")
-@click.option("--n-head", type=COUNT, default=4, show_default=True, help="gpt: attention heads.")
-@click.option("--n-embd", type=COUNT, default=128, show_default=True, help="gpt: width.")
 @click.option("--block-size", type=COUNT, default=64, show_default=True, help="gpt: context in tokens.")
-@click.option("--experts", type=COUNT, default=8, show_default=True, help="gpt-moe: experts per MoE layer.")
-@click.option("--top-k", type=COUNT, default=2, show_default=True, help="gpt-moe: experts per token.")
 @click.option("--params", "num_params", type=Number(0.0, low_open=True), default=None,
               help="Plan for a model known only by its parameter count (e.g. 7e9) instead of --model.")
 @click.option("--activation-bytes", type=Number(0.0), default=None,
               help="With --params: activation bytes per sample.")
 @click.option("--layers", type=COUNT, default=24, show_default=True, help="With --params: number of equal layers.")
+@click.option("--ignored-targets/--no-ignored-targets", default=False, show_default=True,
+              help="Some targets are not scored (label -100: a fine-tuning prompt's): the kept count is summed "
+                   "over the replicas each step.")
+@click.option("--label-smoothing", type=Number(0.0, 1.0), default=0.0, show_default=True,
+              help="The loss smooths its labels (one more reduction per token across a split vocabulary).")
 @click.option("--dp", type=COUNT, default=1, show_default=True, help="Data-parallel ranks.")
 @field_options([row for row in STRATEGY_OPTIONS if row[0] in PLANNED_FIELDS])
 @field_options([("optimizer", dict(help="sgd, adam or adamw (sizes the optimizer state).")),
@@ -58,9 +59,9 @@ PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "seq
               help="Also write the predicted step as a timeline here (needs a calibration): FILE in Chrome's "
                    "trace format, the same lanes as a run's --trace, and FILE's .png, its Gantt chart.")
 @click.pass_context
-def plan(ctx, model, mlp_widths, dataset, n_layer, n_head, n_embd, block_size, experts, top_k, num_params, activation_bytes, layers, dp, optimizer, momentum,
-         global_batch_size, link, latency, burst, threads, calibration, sweep, strategies, device_memory,
-         min_efficiency, json_out, timeline_out, **strategy_fields):
+def plan(ctx, model, dataset, block_size, num_params, activation_bytes, layers, ignored_targets, label_smoothing, dp,
+         optimizer, momentum, global_batch_size, link, latency, burst, threads, calibration, sweep, strategies,
+         device_memory, min_efficiency, json_out, timeline_out, **strategy_fields):
     """Predict time per step and memory per rank of a layout, before running it.
 
     \b
@@ -86,16 +87,15 @@ def plan(ctx, model, mlp_widths, dataset, n_layer, n_head, n_embd, block_size, e
         t = generic_trace(int(num_params), activation_bytes or 0.0, layers)
     else:
         shape, k = dataset_shape(dataset, block_size)
-        widths = csv_ints(mlp_widths) if mlp_widths else (512, 256)
-        t = trace(model, shape, k, widths=widths, n_layer=n_layer, n_head=n_head, n_embd=n_embd, experts=experts,
-                  top_k=top_k)
+        t = trace(model, shape, k, options=model_options_of(model, strategy_fields))
     path = calibration or (DEFAULT_CALIBRATION if _os.path.exists(DEFAULT_CALIBRATION) else None)
     cal = pp.Calibration.load(path) if path else None
     from distlab.parallel import Strategy
     if strategy_fields.get("pp_balance") is not None:
         strategy_fields["pp_balance"] = csv_ints(strategy_fields["pp_balance"])
     lay = pp.Layout(dp=dp, strategy=Strategy(**strategy_fields), optimizer=optimizer, momentum=momentum,
-                    global_batch=global_batch_size, threads=threads).check()
+                    global_batch=global_batch_size, threads=threads, ignored_targets=ignored_targets,
+                    label_smoothing=label_smoothing > 0).check()
     net = machine.Link.parse(link, latency, burst)
     if sweep:
         given = [k for k in strategy_fields if ctx.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT]

@@ -99,6 +99,25 @@ def option_owners() -> dict[str, list[str]]:
     return owners
 
 
+def options_from(model: str, given: dict) -> Options:
+    """``model``'s options from the flags ``given``; one line naming a flag the model does not take."""
+    from dataclasses import fields
+    owners = option_owners()
+    if is_user_model(model):
+        name = sorted(given)[0]
+        raise ConfigError(f"`{name}` is an option of model {', '.join(owners[name])}; your own model {model} takes "
+                          f"its arguments as `model_args` key=value: drop `{name}`")
+    family = spec(check_model_name(model))
+    for name in sorted(given):
+        if name not in family.options.names():
+            meta = next(f.metadata for s in specs() if s.name == owners[name][0] for f in fields(s.options)
+                        if f.name == name)
+            what = f"for {meta['what']}" if meta.get("what") else "an option"
+            raise ConfigError(f"`{name}` is {what} (--model {', '.join(owners[name])}); model {model} has no such "
+                              f"option: drop `{name}`")
+    return family.make_options(given)
+
+
 def is_text_model(name: str) -> bool:
     """Whether ``name`` is a registered language model (your own builder's kind is read from its data)."""
     return not is_user_model(name) and spec(name).text

@@ -87,7 +87,13 @@ class Strategy:
             names = self.components.split(":") if isinstance(self.components, str) else self.components or ()
             object.__setattr__(self, "components", tuple(n for n in names if n))
         dims = self.dims.items() if isinstance(self.dims, dict) else self.dims or ()  # a dict from JSON
-        object.__setattr__(self, "dims", tuple((str(n), int(k)) for n, k in dims if int(k) != 1))
+        if isinstance(dims, str):  # a flag: NAME=N,NAME=N
+            dims = [part.partition("=")[::2] for part in dims.split(",") if part.strip()]
+        try:
+            object.__setattr__(self, "dims", tuple((str(n), int(k)) for n, k in dims if int(k) != 1))
+        except (TypeError, ValueError):
+            raise ConfigError(f"`dims` {self.dims!r}: write NAME=N for each mesh dimension of your own "
+                              f"(e.g. mine=2), N a whole number") from None
 
     # ------------------------------------------------------------------ checks
 
@@ -188,10 +194,10 @@ class Strategy:
         """Every name in `components` and `dims` registered (distlab.parallel.components), none twice; a
         dimension's kind owns one, a listed kind none."""
         known = component_names()
-        for name in (*self.components, *(n for n, _ in self.dims)):
+        for field_name, name in (*(("components", n) for n in self.components), *(("dims", n) for n, _ in self.dims)):
             if name not in known:
                 where = f"registered: {', '.join(known)}" if known else "none is registered"
-                raise ConfigError(f"`components` names {name!r}, which is not a registered component"
+                raise ConfigError(f"`{field_name}` names {name!r}, which is not a registered component"
                                   f"{did_you_mean(name, known)} ({where}; register one with NAME=module:Class in "
                                   f"DISTLAB_COMPONENTS)")
         if len(set(self.components)) != len(self.components):

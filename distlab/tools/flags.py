@@ -35,6 +35,8 @@ def strategy_flags(strategy: Strategy) -> list[str]:
             out += [flag(f.name)] if value else []
         elif value is None:
             continue
+        elif f.name == "dims":
+            out += [flag(f.name), ",".join(f"{name}={size}" for name, size in value)] if value else []
         elif isinstance(value, tuple):
             out += [flag(f.name), ",".join(map(str, value))]
         else:

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field, fields
 from distlab.data import canonical_name, dataset_shape, is_text, load_dataset
 from distlab.data.tokenizer import vocab_size as tokenizer_vocab
 from distlab.errors import ConfigError
-from distlab.models import check_model_name, is_text_model, is_user_model, option_owners, parse_model_args, spec, specs
+from distlab.models import (check_model_name, is_text_model, is_user_model, option_owners, options_from,
+                            parse_model_args, spec)
 from distlab.models.spec import Options
 from distlab.parallel import Strategy
 from distlab.train.model_fit import check_fit
@@ -117,7 +118,7 @@ class TrainConfig:
         strategy = base.replace(**changes) if base is not None else Strategy(**changes)
         model = values.get("model", cls.model)
         if given and not values.get("options"):
-            values["options"] = _options_of(model, given, owners)
+            values["options"] = options_from(model, given)
         return cls(strategy=strategy, **values)
 
     def total_steps(self, steps_per_epoch: int) -> int:
@@ -346,20 +347,3 @@ def _choice(name: str, value, allowed) -> None:
 def _at_least(name: str, value: int, low: int) -> None:
     if value < low:
         raise ConfigError(f"`{name}` must be at least {low}, not {value}")
-
-
-def _options_of(model: str, given: dict, owners: dict[str, list[str]]) -> Options:
-    """``model``'s options from the flags ``given``; one line naming a flag the model does not take."""
-    if is_user_model(model):
-        name = sorted(given)[0]
-        raise ConfigError(f"`{name}` is an option of model {', '.join(owners[name])}; your own model {model} takes "
-                          f"its arguments as `model_args` key=value: drop `{name}`")
-    family = spec(check_model_name(model))
-    for name in sorted(given):
-        if name not in family.options.names():
-            meta = next(f.metadata for s in specs() if s.name == owners[name][0] for f in fields(s.options)
-                        if f.name == name)
-            what = f"for {meta['what']}" if meta.get("what") else "an option"
-            raise ConfigError(f"`{name}` is {what} (--model {', '.join(owners[name])}); model {model} has no such "
-                              f"option: drop `{name}`")
-    return family.make_options(given)
