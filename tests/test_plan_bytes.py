@@ -22,7 +22,7 @@ def _counted(rank, world, configs):
     out = []
     for cfg in configs:
         summary = Trainer(cfg, runtime.from_process_group()).fit()
-        out.append(summary["comm_bytes_per_step"] if rank == 0 else None)
+        out.append((summary["comm_bytes_per_step"], summary["model_state_bytes_per_rank"]) if rank == 0 else None)
     return out
 
 
@@ -30,7 +30,7 @@ def _predicted(cfg, world: int) -> dict:
     s = cfg.strategy
     shape, classes = dataset_shape(cfg.dataset, cfg.block_size, cfg.tokenizer)
     t = trace(cfg.model, shape, classes, options=cfg.options)
-    lay = Layout(dp=world // (s.tp * s.pp * s.cp), strategy=s, optimizer=cfg.optimizer, momentum=cfg.momentum,
+    lay = Layout(dp=s.dp_size(world), strategy=s, optimizer=cfg.optimizer, momentum=cfg.momentum,
                  global_batch=cfg.global_batch_size, ignored_targets="masked=" in cfg.dataset,
                  label_smoothing=cfg.label_smoothing > 0)
     return predict(t, lay, Link(), None)
@@ -42,9 +42,12 @@ def test_the_planner_counts_the_bytes_a_run_sends(world):
     configs = [config_for(case, world, steps=3) for case in cases]  # the median step: past the first
     counted = run_ranks(_counted, world, configs, timeout=600)[0]
     rows = []
-    for case, cfg, sent in zip(cases, configs, counted):
+    states = []
+    for case, cfg, (sent, state) in zip(cases, configs, counted):
         p = _predicted(cfg, world)
         rows.append((case.name, sent, p["comm_bytes_per_step_per_rank"], p["comm_bytes_by"]))
+        if cfg.strategy.pp == 1:  # rank 0's state is the prediction's (a pipeline's: the heaviest stage's)
+            states.append((case.name, state, p["model_state_bytes_per_rank"], p["model_state_exact"]))
     table = "\n".join(f"{name:45} counted {sent:>10,} predicted {pred:>10,} {by}" for name, sent, pred, by in rows)
     # expert parallel's exchange follows the routing, priced for balanced routing: a rank sends between none
     # and all of its token-slots where balance sends (ep-1)/ep of them -- at most twice as much for ep 2
@@ -52,3 +55,6 @@ def test_the_planner_counts_the_bytes_a_run_sends(world):
     assert routed and all(pred - ep <= sent <= pred + ep for name, sent, pred, ep in routed), f"routing bound:\n{table}"
     wrong = [name for name, sent, pred, _ in rows if sent != pred and "ep=" not in name]
     assert not wrong, f"layouts priced inexactly: {wrong}\n{table}"
+    inexact = [row for row in states if row[1] != row[2] and row[3]]
+    print("\n".join(f"{name:45} state {got:>10,} predicted {pred:>10,} exact {exact}" for name, got, pred, exact in states))
+    assert not inexact, f"model state called exact and not: {inexact}"

@@ -80,6 +80,8 @@ def plan(ctx, model, dataset, block_size, num_params, activation_bytes, layers, 
     from distlab import plan as pp
     from distlab.plan.trace import generic_trace, trace
     from distlab.plan import machine
+    options = model_options_of(model, strategy_fields) if num_params is None else \
+        [strategy_fields.pop(name) for name, _ in MODEL_OPTIONS]  # the model (and its options) ignored
     if num_params is not None:
         if activation_bytes is None:
             click.echo("distlab: warning: --params without --activation-bytes: activations are counted as 0 bytes "
@@ -87,7 +89,7 @@ def plan(ctx, model, dataset, block_size, num_params, activation_bytes, layers, 
         t = generic_trace(int(num_params), activation_bytes or 0.0, layers)
     else:
         shape, k = dataset_shape(dataset, block_size)
-        t = trace(model, shape, k, options=model_options_of(model, strategy_fields))
+        t = trace(model, shape, k, options=options)
     path = calibration or (DEFAULT_CALIBRATION if _os.path.exists(DEFAULT_CALIBRATION) else None)
     cal = pp.Calibration.load(path) if path else None
     from distlab.parallel import Strategy

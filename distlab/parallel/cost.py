@@ -227,7 +227,6 @@ class Price:
     on -- the same components that train -- into its memory and time."""
     calls: list[CallGroup] = field(default_factory=list)
     saved: dict[str, int] = field(default_factory=dict)  # memory kind -> bytes it keeps off this rank
-    state_split: int = 1        # every parameter's state is split this many ways over ranks (tensor parallel)
     compute_split: int = 1      # a rank computes 1/compute_split of the model's FLOPs (tensor, context parallel)
     exact: bool = True          # whether the plan's memory stays exact with it
     report: dict = field(default_factory=dict)  # plan output key -> what it says about itself

@@ -148,9 +148,10 @@ class ExpertParallel(ComponentKind):
                               f"declares none (expert_parallel_plan); plan it with `ep` 1")
         ep, e = lay.ep, t.element_size
         names = set(t_rank.expert_names)
-        gone = [m - m // ep for name, m in zip(t_rank.names, t_rank.numels) if name in names]
+        experts_held = [m for name, m in zip(t_rank.names, t_rank.numels) if name in names]
+        gone = [m - m // ep for m in experts_held]
         saved = {"parameter_bytes_per_rank": e * sum(gone), "gradient_bytes_per_rank": e * sum(gone),
-                 "optimizer_bytes_per_rank": sum(optim.bytes(m, e) for m in gone)}
+                 "optimizer_bytes_per_rank": sum(optim.bytes(m, e) - optim.bytes(m // ep, e) for m in experts_held)}
         mine = {name: v for name, v in t.expert_slots.items() if in_stage(name, t_rank, lay)} if t.expert_slots else {}
         slots = (sum(mine.values()) if t.expert_slots else t.expert_slot_bytes_per_sample) * micro / lay.cp
         layers = len(mine) if t.expert_slots else len({n.rsplit(".", 1)[0] for n in t.expert_names})
@@ -158,7 +159,9 @@ class ExpertParallel(ComponentKind):
         counts = layers * (ep - 1) * 8 * (experts // ep)  # each layer's per-expert counts, int64
         sent = lay.strategy.micro_steps * (4 * (ep - 1) / ep * slots + counts)
         local = not (lay.dp // ep == 1 and lay.cp == 1)
-        return Price([CallGroup([Call("native", "all_to_all", sent)], ep, local=local)], saved=saved, exact=False,
+        # exact memory: the gradient sync beside it is plain data parallel (ZeRO is refused with ep), whose
+        # peak is the sum of its parts
+        return Price([CallGroup([Call("native", "all_to_all", sent)], ep, local=local)], saved=saved, exact=True,
                      report={"expert_parallel": {
                          "ep": ep, "expert_share_per_rank": 1 / ep, "bytes_per_step_per_rank": int(sent),
                          "bytes_basis": "per MoE layer and micro-batch, with balanced routing: (ep - 1)/ep of the "

@@ -137,11 +137,11 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     t_rank = heaviest["trace"]  # what the rank with the most model state holds
     # every model-sharding component the layout turns on prices itself (the same components that train)
     prices = [kind.price(t, t_rank, lay, micro, optim) for kind in components.wanted(lay.strategy)]
-    split, compute_split = math.prod(p.state_split for p in prices), math.prod(p.compute_split for p in prices)
+    compute_split = math.prod(p.compute_split for p in prices)
     state, exact = heaviest["model_state_bytes"], all(p.exact for p in prices)
-    # the textbook split (ZeRO paper, table 1) of what each kind comes to between steps, as the gradient sync shards it
-    parts = sync.planned_parts([math.ceil(m / split) for m in t_rank.numels], optim, t.element_size, lay.strategy,
-                               lay.replicas)
+    # the textbook split (ZeRO paper, table 1) of what each kind comes to between steps, as the gradient sync
+    # shards it, on the units this rank holds (tensor parallel's already split: schedule_cost.stages)
+    parts = sync.planned_parts(t_rank.numels, optim, t.element_size, lay.strategy, lay.replicas)
     for price in prices:
         for what, nbytes in price.saved.items():
             parts[what] -= nbytes

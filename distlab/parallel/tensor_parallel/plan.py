@@ -64,8 +64,9 @@ class TensorParallel(ComponentKind):
         """From the model's own plan for the layout (traced with the model: ``t.tensor_plans``): each
         planned module's style issues its collectives per micro-batch (:mod:`.styles`), over a node's
         links where the data-parallel size is 1; label smoothing adds one all-reduce per token to the
-        vocabulary-parallel loss. The model state split ``tp`` ways (not exactly: replicated LayerNorms
-        and biases)."""
+        vocabulary-parallel loss. The model state is what the plan splits (``t.tensor_split``: the
+        pipeline's stage cost divides those units, the replicated LayerNorms and biases stay whole) --
+        exact where the plan was traced."""
         st = lay.strategy
         plan = t.tensor_plans.get((st.tp_style, st.sequence_parallel))
         if plan is None:
@@ -83,8 +84,9 @@ class TensorParallel(ComponentKind):
         note = (", split over the tensor-parallel ranks" if st.sequence_parallel else
                 ", split over the tensor-parallel ranks except in LayerNorm and embedding regions (replicated "
                 "without sequence parallel)")
-        return Price([CallGroup(calls * st.micro_steps, lay.tp, local=lay.dp > 1)], exact=False,
-                     state_split=lay.tp, compute_split=lay.tp, activation_note=note)
+        return Price([CallGroup(calls * st.micro_steps, lay.tp, local=lay.dp > 1)],
+                     exact=(st.tp_style, st.sequence_parallel) in t.tensor_split, compute_split=lay.tp,
+                     activation_note=note)
 
     @staticmethod
     def describe(engine) -> list[str]:

@@ -16,9 +16,10 @@ from distlab.parallel.zero.units import goes_alone
 class ZeroReplay:
     """ZeRO's bookkeeping (distlab.parallel.zero.Zero) over sizes instead of tensors."""
 
-    def __init__(self, t, stage: int, world: int, optim: Optim, bucket_mb: float = 25.0):
+    def __init__(self, t, stage: int, world: int, optim: Optim, bucket_mb: float = 25.0, wire_size: int | None = None):
         self.t, self.stage, self.n = t, stage, world
         e = t.element_size
+        self.we = wire_size or e  # what a gradient travels in: a narrower dtype's copies are its size
         self.shard = [math.ceil(n / world) for n in t.numels]
         self.padded = [s * world for s in self.shard]
         self.e = e
@@ -53,6 +54,7 @@ class ZeroReplay:
             size += self.padded[u] * e
         self.bucket_of = {u: b for b, units in enumerate(self.buckets) for u in units}
         self.flats: dict[int, int] = {}  # buckets in flight: bytes of their rank-major gradient buffer
+        self.out_at: dict[int, int] = {}  # buckets in flight: where their reduce-scatter output sits in outs
         self.next_launch = 0
         self.bucket_ready = [0] * len(self.buckets)
 
@@ -102,10 +104,13 @@ class ZeroReplay:
     def reduce(self, units: list[int]) -> None:
         for group in self.groups(units):
             # a flat padded copy of each gradient that needs padding, then (several units) their concatenation
-            extra = sum(self.padded[u] * self.e for u in group if not self.has_grad[u]
-                        or self.grad_bytes[u] != self.padded[u] * self.e)
+            if self.we != self.e:  # each gradient cast to the wire dtype: a copy of every one
+                extra = sum(self.padded[u] * self.we for u in group)
+            else:
+                extra = sum(self.padded[u] * self.e for u in group if not self.has_grad[u]
+                            or self.grad_bytes[u] != self.padded[u] * self.e)
             if len(group) > 1:
-                extra += sum(self.padded[u] for u in group) * self.e
+                extra += sum(self.padded[u] for u in group) * self.we
             self.observe(extra)
             self.outs.append(sum(self.shard[u] for u in group) * self.e)
             for u in group:
@@ -115,18 +120,24 @@ class ZeroReplay:
     def held_buckets(self) -> int:
         return sum(self.flats.values())
 
+    def finish(self, b: int) -> None:
+        """Zero._finish: the bucket's buffer gone, its output the shards' gradients (cast back from the wire)."""
+        if self.flats.pop(b, None) is not None:
+            self.outs[self.out_at.pop(b)] = sum(self.shard[u] for u in self.buckets[b]) * self.e
+
     def launch_ready(self) -> None:
         """Zero._launch_ready: buckets whose gradients are all in, in index order."""
         while (self.next_launch < len(self.buckets)
                and self.bucket_ready[self.next_launch] >= len(self.buckets[self.next_launch])):
             b = self.next_launch
             if self.stage == 2 and b >= 1:
-                self.flats.pop(b - 1, None)  # the bucket before completes first
+                self.finish(b - 1)  # the bucket before completes first
             units = self.buckets[b]
-            self.flats[b] = sum(self.padded[u] for u in units) * self.e
+            self.flats[b] = sum(self.padded[u] for u in units) * self.we
             for u in units:
                 self.has_grad[u] = False
-            self.outs.append(sum(self.shard[u] for u in units) * self.e)
+            self.out_at[b] = len(self.outs)
+            self.outs.append(sum(self.shard[u] for u in units) * self.we)
             self.observe(self.held_buckets())
             self.next_launch += 1
 
@@ -193,7 +204,8 @@ class ZeroReplay:
                         self.launch_ready()
         self.bucket_ready = [len(units) for units in self.buckets]  # sync_gradients: the rest count as zero
         self.launch_ready()
-        self.flats.clear()
+        for b in list(self.flats):
+            self.finish(b)
         self.next_launch = 0
         self.bucket_ready = [0] * len(self.buckets)
         self.observe()  # after_step
@@ -201,16 +213,17 @@ class ZeroReplay:
 
 
 def zero_peak_bytes(t, stage: int, world: int, optim: Optim, grad_accum: int = 1,
-                    bucket_mb: float = 25.0) -> int:
+                    bucket_mb: float = 25.0, wire_size: int | None = None) -> int:
     """The peak of parameters + gradients + optimizer state one rank holds under ZeRO ``stage``
-    (stages 1-2 reduce in buckets of ``bucket_mb``)."""
+    (stages 1-2 reduce in buckets of ``bucket_mb``; gradients travel in ``wire_size``-byte elements,
+    default their own)."""
     if stage == 0:
         return data_parallel_bytes(t, optim)
     if stage not in (1, 2, 3):
         raise ConfigError(f"ZeRO stage {stage}: choose 0, 1, 2 or 3")
     if world < 1:
         raise ConfigError(f"world size {world}: must be at least 1")
-    sim = ZeroReplay(t, stage, world, optim, bucket_mb)
+    sim = ZeroReplay(t, stage, world, optim, bucket_mb, wire_size)
     sim.step(grad_accum)
     sim.step(grad_accum)  # the second step starts from the first one's leftovers: steady state
     return sim.peak
@@ -287,7 +300,9 @@ class ZeroCost:
     @staticmethod
     def planned_memory(t, optim: Optim, strategy, n: int) -> int:
         """The exact peak (:func:`zero_peak_bytes`)."""
-        return zero_peak_bytes(t, strategy.zero, n, optim, strategy.grad_accum, strategy.bucket_mb)
+        wire = strategy.wire_dtype
+        return zero_peak_bytes(t, strategy.zero, n, optim, strategy.grad_accum, strategy.bucket_mb,
+                               DTYPES[wire].itemsize if wire else None)
 
     @staticmethod
     def planned_extra_state(t, strategy, n: int) -> int:
