@@ -10,6 +10,7 @@ from distlab.data import load_dataset
 from distlab.data.resident import AUTO_FRACTION, decide
 from distlab.errors import ConfigError
 from distlab.parallel.precision import LossScaler
+from distlab.parallel.verdict import found_non_finite
 
 
 def test_data_residence_is_decided_once_and_said():
@@ -66,14 +67,14 @@ def test_the_finite_gradient_check_is_exact_and_leaves_gradients_bitwise():
     params[0].grad[:2] = torch.finfo(torch.float32).max  # huge, finite: a sum over them overflows
     params[0].grad[2, :3] = torch.tensor([5e-45, -0.0, -3e38])  # a subnormal, a negative zero
     before = [p.grad.clone() for p in params]
-    assert engine._gradients_finite() is True
+    assert not found_non_finite(engine)
     assert all(torch.equal(p.grad, b) and torch.equal(p.grad.signbit(), b.signbit()) for p, b in zip(params, before))
     params[1].grad = None  # no gradient this step: not an error
-    assert engine._gradients_finite() is True
+    assert not found_non_finite(engine)
     for bad in (float("nan"), float("-inf")):
         params[3].grad = torch.zeros(4)
         params[3].grad[1] = bad
-        assert engine._gradients_finite() is False
+        assert found_non_finite(engine)
 
 
 def _sharded_verdict(rank, world):
@@ -84,10 +85,10 @@ def _sharded_verdict(rank, world):
     shards = engine.parameters()  # this rank's flat shards: ranks hold different gradients
     for p in shards:
         p.grad = torch.ones_like(p)
-    verdicts = [engine._gradients_finite()]
+    verdicts = [not found_non_finite(engine)]
     if rank == 1:
         shards[0].grad.view(-1)[0] = float("inf")  # only this rank's shard overflowed
-    verdicts.append(engine._gradients_finite())
+    verdicts.append(not found_non_finite(engine))
     return engine.sharded, verdicts
 
 
