@@ -53,11 +53,13 @@ style                       plan      what the parallelism does to the named mod
 ``sequence_stats``          tensor    (sequence parallel) a ``sequence`` module that also computes statistics
                                       of whole sequences (a mixture of experts' routing counts): it gets the
                                       group as its ``sequence_group`` and ``sequence_grad = "sum"``
-``sequence_embedding``      tensor    (sequence parallel) a module with token and position embeddings ``tok``
-                                      and ``pos`` (``tok`` a ``vocab_embedding``) that returns this rank's
-                                      positions: ``tok(idx)`` reduce-scattered plus its rows of ``pos``
-``context_positions``       context   an ``nn.Embedding`` of positions: it returns the rows of this rank's
-                                      global positions
+``sequence_embedding``      tensor    (sequence parallel) a module with a token embedding ``tok`` (a
+                                      ``vocab_embedding``) and maybe a position embedding ``pos`` that
+                                      returns this rank's positions: ``tok(idx)`` reduce-scattered (plus
+                                      its rows of ``pos``)
+``context_positions``       context   a module called with positions ``0..t-1`` (an ``nn.Embedding`` of
+                                      positions, a rotary table with ``reads_positions``): it is given
+                                      this rank's global positions
 ``context_attention``       context   an attention core ``(q, k, v) -> out`` (``(B, H, T, d)``, causal):
                                       replaced by ring attention or Ulysses over the sequence's ranks
 ``context_sequence_stats``  context   a module with per-sequence statistics (``sequence_group``): it

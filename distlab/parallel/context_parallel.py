@@ -28,7 +28,8 @@ over the rank's tokens -- the same count on every rank, so averaging the gradien
 data- and context-parallel ranks together gives the whole sequence's mean.
 
 A model joins by declaring ``context_parallel_plan(cp, style, tp)``: ``{module name: style}`` with the
-styles ``context_positions`` (an ``nn.Embedding`` of positions, called with ``arange(t)``) and
+styles ``context_positions`` (a module called with positions ``arange(t)``: an ``nn.Embedding`` of
+positions, or a rotary table that says ``reads_positions = True``) and
 ``context_attention`` (a module computing attention from ``(q, k, v)``, ``(B, H, t, D)``: causal,
 or over every key where the module has ``causal = False``, an encoder's)
 and ``context_sequence_stats`` (a module with a ``sequence_group`` attribute, set to the
@@ -136,58 +137,75 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
     return s
 
 
+def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``(B, H, t, D)`` as ``(B, groups, H / groups, t, D)``: the query heads each key/value head serves
+    side by side (keys and values get a group dimension of 1, which the products broadcast over)."""
+    b, h, t, d = x.shape
+    return x.view(b, groups, h // groups, t, d)
+
+
+def _group_sum(x: torch.Tensor) -> torch.Tensor:
+    """A key/value gradient summed over the query heads of its group (nothing to sum without groups)."""
+    return x if x.shape[2] == 1 else x.sum(2, keepdim=True)
+
+
 class _RingAttention(torch.autograd.Function):
     """Exact attention (causal or not) with key/value blocks passed around the ring (FlashAttention's
     recurrence, block by block). Saves only this rank's q, k, v, output and log-sum-exp -- never a
     block's scores -- and recomputes the scores in backward, where the blocks go round again with
-    their accumulating key/value gradients, which end with a last hop at the rank they belong to."""
+    their accumulating key/value gradients, which end with a last hop at the rank they belong to.
+    Grouped-query attention (fewer key/value heads than query heads) travels as it is: each key/value
+    head scores the query heads of its group, and its gradient sums theirs."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, layout: ContextLayout, causal: bool = True):
         n, rank = layout.cp, layout.rank
         h = q.shape[2] // 2
-        qs = (q[:, :, :h], q[:, :, h:])
+        shape, q = q.shape, _grouped(q, k.shape[1])  # (B, Hkv, g, t, D); keys and values (B, Hkv, 1, t, D)
+        qs = (q[..., :h, :], q[..., h:, :])
         out = [torch.zeros_like(qs[0]), torch.zeros_like(qs[1])]
         lse = [torch.full(qs[0].shape[:-1] + (1,), float("-inf"), dtype=q.dtype, device=q.device) for _ in range(2)]
-        kv = torch.stack([k, v])
+        kv = torch.stack([k, v]).unsqueeze(3)
         for step in range(n):
             if step:
                 kv = _hop(kv, group, rank, n)
             for i, j, masked in _pairs(layout, (rank - step) % n, causal):
-                s = _scores(qs[i], kv[0, :, :, j * h:(j + 1) * h], masked)
+                s = _scores(qs[i], kv[0, ..., j * h:(j + 1) * h, :], masked)
                 block_lse = torch.logsumexp(s, dim=-1, keepdim=True)
                 new = torch.logaddexp(lse[i], block_lse)  # the online softmax: rescale what is there, add the block
-                out[i] = out[i] * torch.exp(lse[i] - new) + torch.exp(s - new) @ kv[1, :, :, j * h:(j + 1) * h]
+                out[i] = out[i] * torch.exp(lse[i] - new) + torch.exp(s - new) @ kv[1, ..., j * h:(j + 1) * h, :]
                 lse[i] = new
-        out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
+        out, lse = torch.cat(out, dim=-2), torch.cat(lse, dim=-2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.layout, ctx.causal = group, layout, causal
-        return out
+        return out.reshape(shape)
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
         layout, group = ctx.layout, ctx.group
         n, rank = layout.cp, layout.rank
-        h = q.shape[2] // 2
+        h = q.shape[-2] // 2
         scale = 1.0 / math.sqrt(q.shape[-1])
+        grad = grad.reshape(out.shape)
         delta = (grad * out).sum(-1, keepdim=True)  # rowsum(dO * O): softmax's backward, once per query
         dq = torch.zeros_like(q)
-        travel = torch.cat([torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=k.dtype, device=k.device)])
+        kv = torch.stack([k, v]).unsqueeze(3)
+        travel = torch.cat([kv, torch.zeros_like(kv)])
         for step in range(n):
             if step:
                 travel = _hop(travel, group, rank, n)  # a block's keys and values with their gradient so far
             for i, j, masked in _pairs(layout, (rank - step) % n, ctx.causal):
                 qi, gi = slice(i * h, (i + 1) * h), slice(j * h, (j + 1) * h)
-                kb, vb = travel[0, :, :, gi], travel[1, :, :, gi]
-                p = torch.exp(_scores(q[:, :, qi], kb, masked) - lse[:, :, qi])
-                travel[3, :, :, gi] += p.transpose(-2, -1) @ grad[:, :, qi]                       # dV
-                ds = p * (grad[:, :, qi] @ vb.transpose(-2, -1) - delta[:, :, qi])
-                dq[:, :, qi] += (ds @ kb) * scale
-                travel[2, :, :, gi] += (ds.transpose(-2, -1) @ q[:, :, qi]) * scale               # dK
+                kb, vb = travel[0, ..., gi, :], travel[1, ..., gi, :]
+                p = torch.exp(_scores(q[..., qi, :], kb, masked) - lse[..., qi, :])
+                travel[3, ..., gi, :] += _group_sum(p.transpose(-2, -1) @ grad[..., qi, :])          # dV
+                ds = p * (grad[..., qi, :] @ vb.transpose(-2, -1) - delta[..., qi, :])
+                dq[..., qi, :] += (ds @ kb) * scale
+                travel[2, ..., gi, :] += _group_sum((ds.transpose(-2, -1) @ q[..., qi, :]) * scale)  # dK
         # the block held last is the next rank's: its gradient goes home in one more hop (nothing with n = 1)
-        dkv = _hop(travel[2:], group, rank, n) if n > 1 else travel[2:]
-        return dq, dkv[0], dkv[1], None, None, None
+        dkv = (_hop(travel[2:], group, rank, n) if n > 1 else travel[2:]).squeeze(3)
+        return dq.flatten(1, 2), dkv[0], dkv[1], None, None, None
 
 
 class RingAttention(nn.Module):
@@ -250,15 +268,16 @@ class UlyssesAttention(nn.Module):
     @torch.compiler.disable  # a collective: run as it is under --compile (a graph break), never traced
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n, rank = self.layout.cp, self.layout.rank
-        if q.shape[1] % n:
+        if q.shape[1] % n or k.shape[1] % n:
             raise ConfigError(f"context parallel (ulysses) gives each of `cp` {n} ranks whole heads: {q.shape[1]} "
-                              f"heads (per tensor-parallel rank) do not divide; use --cp-style ring")
+                              f"query and {k.shape[1]} key/value heads (per tensor-parallel rank) do not both divide; "
+                              f"use --cp-style ring")
         t = q.shape[2] * n
         order = torch.cat([self.layout.positions(t, r, q.device) for r in range(n)])  # gathered tokens' positions
         back = torch.argsort(order)  # gathered order -> sequence order
         # (B, H, t, D) -> (B, H/n, n t, D): every rank's tokens (rank order, then sequence order), my heads
         q, k, v = (_AllToAll.apply(z, self.group, rank, n, 1, 2).index_select(2, back) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=k.shape[1] != q.shape[1])
         y = y.index_select(2, order)  # back to the gathered order: rank r's tokens at block r
         return _AllToAll.apply(y, self.group, rank, n, 2, 1)
 
@@ -295,8 +314,10 @@ class ContextParallel(ComponentKind):
     def price(t, t_rank, lay, micro: int, optim) -> Price:
         """On the model's trace: its keys and values are ``1 / (cp tp)`` of the model's; per attention
         and micro-batch the ring sends ``3 cp - 2`` of them (``cp - 1`` hops forward, ``2 (cp - 1) + 1``
-        backward), Ulysses ``4 (cp - 1) / cp`` (4 all-to-alls each way), on the critical path of every
-        attention, over a node's links where the data-parallel size is 1."""
+        backward), Ulysses ``(cp - 1) / cp`` of its queries, keys, values and output each way (4
+        all-to-alls forward, 4 backward; queries and output outweigh keys and values under grouped-query
+        attention), on the critical path of every attention, over a node's links where the data-parallel
+        size is 1."""
         if not t.attention_kv_bytes_per_sample:
             raise ConfigError(f"`cp` {lay.cp}: context parallel splits a transformer's sequences, and this model "
                               f"declares no attention (context_parallel_plan); plan it with `cp` 1")
@@ -304,7 +325,9 @@ class ContextParallel(ComponentKind):
         mine = sum(v for name, v in t.attention_kv.items() if in_stage(name, t_rank, lay)) if t.attention_kv else \
             t.attention_kv_bytes_per_sample
         kv = mine * micro / (cp * lay.tp)  # this rank's keys and values, every attention of its stage
-        sent = ((3 * cp - 2) * kv if ring else 4 * (cp - 1) / cp * kv) * lay.strategy.micro_steps
+        q = sum(v for name, v in t.attention_q.items() if in_stage(name, t_rank, lay)) * micro / (cp * lay.tp) \
+            if t.attention_q else kv / 2
+        sent = ((3 * cp - 2) * kv if ring else 2 * (cp - 1) / cp * (2 * q + kv)) * lay.strategy.micro_steps
         return Price([CallGroup([Call("native", "send", sent)], 2, local=lay.dp > 1)], compute_split=cp, report={
             "context_parallel": {
                 "cp": cp, "style": lay.strategy.cp_style, "bytes_per_step_per_rank": int(sent),
@@ -312,7 +335,8 @@ class ContextParallel(ComponentKind):
                 "bytes_basis": ("ring: per attention and micro-batch, cp - 1 hops of the rank's keys and values "
                                 "forward, 2 (cp - 1) + 1 backward (the gradients travel with them, then home)" if ring
                                 else "ulysses: per attention and micro-batch, 4 all-to-alls forward (q, k, v, out) "
-                                "and 4 backward, each sending (cp - 1) / cp of the rank's tensor"),
+                                "and 4 backward, each sending (cp - 1) / cp of the rank's tensor (queries and "
+                                "output as large as the query heads, keys and values as their groups)"),
                 "attention_balance": "rank c holds chunks c and 2cp - 1 - c of 2cp: every rank scores the same "
                                      "number of query-key pairs under the causal mask" if t.attention_causal else
                                      "no mask (an encoder's attention): every rank scores its queries against every "
@@ -346,9 +370,11 @@ def apply_context_parallel(model: nn.Module, group, style: str = "ring", tp: int
     for name, kind in plan_of(model, layout.cp, style, tp).items():
         module = model.get_submodule(name)
         if kind == "context_positions":
-            if not isinstance(module, nn.Embedding):
+            if not (isinstance(module, nn.Embedding) or getattr(module, "reads_positions", False)):
                 raise ConfigError(f"context-parallel plan: {name} is {with_article(type(module).__name__)}, but "
-                                  f"context_positions applies to an nn.Embedding of positions")
+                                  f"context_positions applies to a module called with positions 0..t-1 (an "
+                                  f"nn.Embedding of positions, or one that says reads_positions = True: a rotary "
+                                  f"table)")
             module.register_forward_pre_hook(ContextPositions(layout))
             continue
         if kind == "context_sequence_stats":

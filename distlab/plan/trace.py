@@ -67,6 +67,8 @@ class Trace:
     tensor_split: dict[tuple[str, bool], set[str]] = field(default_factory=dict)  # (style, sp) -> the units it shards
     tensor_open: dict[tuple[str, bool], set[str]] = field(default_factory=dict)  # (style, sp) -> layers ending inside a region
     attention_kv: dict[str, float] = field(default_factory=dict)  # attention -> its keys and values per sample
+    attention_q: dict[str, float] = field(default_factory=dict)  # attention -> its queries per sample (as many
+    # bytes as its output; more than a key's under grouped-query attention)
     expert_slots: dict[str, float] = field(default_factory=dict)  # experts -> the token-slots entering them per sample
     module_io: dict[str, ModuleIO] = field(default_factory=dict)  # what each module those plans name takes and gives
 
@@ -129,6 +131,7 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
             nbytes = sum(a.numel() * a.element_size() for a in args[1:3]) / batch
             out.attention_kv_bytes_per_sample += nbytes
             out.attention_kv[name] = out.attention_kv.get(name, 0.0) + nbytes
+            out.attention_q[name] = out.attention_q.get(name, 0.0) + args[0].numel() * args[0].element_size() / batch
 
         if kind == "context_attention":
             handles.append(model.get_submodule(name).register_forward_hook(kv))

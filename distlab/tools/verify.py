@@ -155,6 +155,15 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
         cases += [Case(Strategy("allreduce", tp=2), model="gpt", smoothing=SMOOTHING, masked=True),
                   Case(Strategy("bucketed", pp=2, microbatches=4), model="gpt", masked=True),
                   Case(Strategy("bucketed", cp=2), model="gpt", masked=True)]
+        # the Llama family (rotary positions, grouped-query attention, SwiGLU): data parallel, ZeRO-3 recomputing,
+        # TP+SP splitting query heads and key/value groups, the ring and all-to-all over grouped heads with
+        # each rank's rotary positions offset, a pipeline
+        cases += [Case(Strategy("bucketed"), model="llama"),
+                  Case(Strategy(zero=3, activation_checkpointing=True), model="llama"),
+                  Case(Strategy("allreduce", tp=2, sequence_parallel=True), model="llama"),
+                  Case(Strategy("bucketed", cp=2), model="llama"),
+                  Case(Strategy("bucketed", cp=2, cp_style="ulysses"), model="llama"),
+                  Case(Strategy("bucketed", pp=2, microbatches=2), model="llama")]
         cases += [Case(Strategy("bucketed", ep=2), model="gpt-moe"),
                   Case(Strategy("bucketed", pp=2, microbatches=4, pp_virtual=2), model="gpt"),
                   Case(Strategy("bucketed", pp=2, microbatches=4, pp_schedule="zb"), model="gpt")]

@@ -227,12 +227,14 @@ class SequenceEmbedding(Style):
     def apply(m, group, name, sp, shared):
         if not sp:
             return m
-        if not (isinstance(getattr(m, "tok", None), VocabParallelEmbedding) and isinstance(getattr(m, "pos", None),
-                                                                                           nn.Embedding)):
+        if not (isinstance(getattr(m, "tok", None), VocabParallelEmbedding)
+                and isinstance(getattr(m, "pos", None), (nn.Embedding, type(None)))):
             raise ConfigError(f"tensor-parallel plan: {name} is a sequence_embedding but has no vocabulary-parallel "
-                              f"`tok` and `pos` embeddings (list {name}.tok as a vocab_embedding before it)")
+                              f"`tok` embedding (list {name}.tok as a vocab_embedding before it), or a `pos` that is "
+                              f"not an nn.Embedding")
         embedding = SequenceParallelEmbedding(m, group)
-        shared.append(embedding.pos.weight)
+        if embedding.pos is not None:
+            shared.append(embedding.pos.weight)
         return embedding
 
     @staticmethod
