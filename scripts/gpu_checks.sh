@@ -13,9 +13,13 @@ log "torch $(python3 -c 'import torch; print(torch.__version__, torch.version.cu
 log "gpu tests"
 timeout "${TESTS_S:-90}" python3 -m pytest -m gpu -q -n 4 -p no:cacheprovider tests/ > "$OUT/tests.txt" 2>&1
 tail -25 "$OUT/tests.txt" >> "$OUT/log.txt"
-log "GPT 12x768, T 1024, batch 16, bf16: plain, plain compiled, distlab, distlab --compile"
+log "GPT 12x768, T 1024, batch 16, bf16: plain, plain compiled, distlab, distlab --compile (the whole model)"
 timeout "${LARGE_S:-220}" python3 -m distlab bench overhead --device cuda --workloads gpt-12x768 --precisions bf16 \
     --steps 60 --runs "${LARGE_RUNS:-3}" --compile --out "$OUT/gpt-12x768" >> "$OUT/log.txt" 2>&1
+log "Llama 1B (16x2048, 32/8 heads, SwiGLU 8192), T 2048, batch 4, bf16, AdamW: both sides compiled"
+timeout "${LLAMA_S:-360}" python3 -m distlab bench overhead --device cuda --workloads llama-1b --precisions bf16 \
+    --steps 30 --runs "${LLAMA_RUNS:-2}" --compile --sides plain-compiled,distlab-compiled --out "$OUT/llama-1b" \
+    >> "$OUT/log.txt" 2>&1
 for precision in fp32 bf16; do
     log "small workloads, $precision"
     timeout "${SMALL_S:-75}" python3 -m distlab bench overhead --device cuda --workloads tiny,mlp,gpt \

@@ -92,7 +92,7 @@ def test_many_layers_of_one_class_each_compile_once(tmp_path):
 def test_the_header_says_what_compiles_and_a_missing_cxx_compiler_is_one_line(run_cli, tmp_path):
     proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:128", "--mlp-widths", "16,8", "--max-steps", "2",
                    "--compile", "--no-progress", "--out", "run", check=True)
-    assert "compile  3 modules of the model's blocks through torch.compile" in proc.stdout
+    assert "compile  the whole model (nothing in this layout acts inside it) through torch.compile" in proc.stdout
     assert "compiled              " in proc.stdout and "graphs by torch.compile" in proc.stdout
     empty = tmp_path / "nothing-on-path"
     empty.mkdir()
@@ -100,3 +100,14 @@ def test_the_header_says_what_compiles_and_a_missing_cxx_compiler_is_one_line(ru
                    env={"PATH": str(empty), "CXX": ""})
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert "--compile on a CPU needs a C++ compiler" in proc.stderr and "apt-get install g++" in proc.stderr
+
+
+def test_the_whole_model_compiles_where_nothing_acts_inside_it():
+    """One graph for the model where no hook, component, stage or recomputation sits between its blocks
+    (one replica; an all-reduce after backward); blocks one by one where one does (the bucketed sync's
+    gradient hooks fire between blocks; ZeRO; checkpointing; a pipeline; a component)."""
+    from distlab.parallel.compile import whole_model
+    assert whole_model(Strategy(), 1, 0) and whole_model(Strategy("allreduce"), 2, 0)
+    assert not whole_model(Strategy("bucketed"), 2, 0) and not whole_model(Strategy("ddp"), 2, 0)
+    assert not any(whole_model(Strategy.parse(s), 1, 0) for s in ("zero=1", "bucketed+ckpt", "bucketed+pp=2+mb=2"))
+    assert not whole_model(Strategy(), 1, 1)  # a component (tensor, context or expert parallel)

@@ -41,7 +41,13 @@ WORKLOADS = {"mlp": dict(model="mlp", mlp_widths=(512, 256), dataset="fashion-mn
              # a GPU's workload: GPT-2 small's shape on bytes (86 M parameters), AdamW as LLM trainers run it
              "gpt-12x768": dict(model="gpt", n_layer=12, n_head=12, n_embd=768, block_size=1024,
                                 dataset="synthetic-text:4000000", global_batch_size=16, optimizer="adamw", lr=3e-4,
-                                weight_decay=0.1)}
+                                weight_decay=0.1),
+             "llama": dict(model="llama", dataset="synthetic-text", global_batch_size=32),
+             # a GPU's: Llama 3.2 1B's body on bytes (16 x 2048, 32 heads / 8 key-value, SwiGLU 8192; 0.97 B
+             # parameters), 2048 tokens, batch 4 (an 80 GB GPU holds its activations eager too), AdamW
+             "llama-1b": dict(model="llama", n_layer=16, n_head=32, kv_heads=8, n_embd=2048, ffn_hidden=8192,
+                              rope_theta=500000.0, block_size=2048, dataset="synthetic-text:4000000",
+                              global_batch_size=4, optimizer="adamw", lr=3e-4, weight_decay=0.1)}
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -109,8 +115,19 @@ def _plain(rank: int, world: int, cfg: TrainConfig, device_name: str, resident: 
             opt.step()
         clock.stop(times, 0.0, 0)
     clock.flush(times)
-    return {"time_per_step_s_median": median_excluding_warmup(times.step, cfg.timing_warmup_steps),
-            "final_loss": float(loss.detach())}
+    step_s = median_excluding_warmup(times.step, cfg.timing_warmup_steps)
+    return {"time_per_step_s_median": step_s, "final_loss": float(loss.detach()),
+            "mfu": _mfu(model, x.shape, step_s, device, cfg.strategy.precision)}
+
+
+def _mfu(model, batch_shape, step_s: float, device: torch.device, precision: str) -> float | None:
+    """The plain loop's model FLOPs utilisation (as a run's: :mod:`distlab.train.throughput`), where known."""
+    from distlab.models import flops_per_token
+    from distlab.runtime.device import peak_tflops
+    flops, (peak, _) = flops_per_token(getattr(model, "_orig_mod", model)), peak_tflops(device, precision)
+    if not flops or not peak or len(batch_shape) != 2:
+        return None
+    return batch_shape[0] * batch_shape[1] * flops / step_s / (peak * 1e12)
 
 
 def _distlab(rank: int, world: int, cfg: TrainConfig, device_name: str) -> dict:
@@ -119,12 +136,12 @@ def _distlab(rank: int, world: int, cfg: TrainConfig, device_name: str) -> dict:
     trainer = Trainer(cfg.validate(1), runtime.from_process_group(torch.device(device_name)))
     summary = trainer.fit()
     return {"time_per_step_s_median": summary["time_per_step_s_median"], "final_loss": summary["final_train_loss"],
-            "data_on_device": summary["data_on_device"]}
+            "data_on_device": summary["data_on_device"], "mfu": summary.get("mfu")}
 
 
 def run(workloads=("mlp",), precisions=("fp32",), steps: int = 300, runs: int = 3, device: str = "auto",
         threads: int | None = None, dataset: str | None = None, data_dir: str | None = None, out=None,
-        progress=print, compile: bool = False) -> list[dict]:
+        progress=print, compile: bool = False, sides: str | None = None) -> list[dict]:
     """Every workload x precision: ``runs`` interleaved rounds of each side; one record per side and round."""
     from distlab.runtime import cores, resolve_device
     from distlab.launch.spawn import run_ranks
@@ -143,8 +160,9 @@ def run(workloads=("mlp",), precisions=("fp32",), steps: int = 300, runs: int = 
             from distlab.data import locate
             locate(cfg.dataset, cfg.data_dir)
     threads = threads or cores()  # one process: every core, on both sides alike
-    sides = ["plain", *(["plain-resident"] if dev == "cuda" else []), "distlab",
+    every = ["plain", *(["plain-resident"] if dev == "cuda" else []), "distlab",
              *(["plain-compiled", "distlab-compiled"] if compile else [])]
+    sides = choose("--sides", sides, every) if sides else every
     records = []
     for workload in workloads:
         for precision in precisions:
@@ -161,7 +179,8 @@ def run(workloads=("mlp",), precisions=("fp32",), steps: int = 300, runs: int = 
                     records.append({"workload": workload, "model": cfg.model, "dataset": cfg.dataset,
                                     "precision": precision, "device": dev, "side": side, "round": r, "steps": steps,
                                     "global_batch_size": cfg.global_batch_size, **res, **machine(1, threads)})
-                    progress(f"  {side}: {1e3 * res['time_per_step_s_median']:.3f} ms/step")
+                    mfu = f", MFU {100 * res['mfu']:.1f}%" if res.get("mfu") else ""
+                    progress(f"  {side}: {1e3 * res['time_per_step_s_median']:.3f} ms/step{mfu}")
                 write(records, out, "overhead")  # each round as it ends: a run cut short keeps what it measured
     write(records, out, "overhead")
     return records
@@ -177,10 +196,12 @@ def table(records: list[dict], markdown: bool = False) -> str:
                   "compile speed-up", "range"] if compiled else []), "rounds"]
     cells = []
     for r in rows:
-        cells.append([r["workload"], r["precision"], r["device"], f"{1e3 * r['plain_s']:.2f}",
-                      *([f"{1e3 * r['plain-resident_s']:.2f}" if "plain-resident_s" in r else "-"] if resident else []),
-                      f"{1e3 * r['distlab_s']:.2f}", f"{r['ratio_median']:.2f}x",
-                      f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}",
+        ms = lambda side: f"{1e3 * r[side + '_s']:.2f}" if side + "_s" in r else "-"  # noqa: E731 - a side not run: -
+        ratio = r["ratio_median"] is not None
+        cells.append([r["workload"], r["precision"], r["device"], ms("plain"),
+                      *([ms("plain-resident")] if resident else []),
+                      ms("distlab"), f"{r['ratio_median']:.2f}x" if ratio else "-",
+                      f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}" if ratio else "-",
                       *(_compiled_cells(r) if compiled else []), str(r["rounds"])])
     return format_table(headers, cells, markdown)
 
@@ -188,9 +209,11 @@ def table(records: list[dict], markdown: bool = False) -> str:
 def _compiled_cells(r: dict) -> list[str]:
     if "compiled_ratio_median" not in r:
         return ["-"] * 6
+    speedup = [f"{r['compile_speedup_median']:.2f}x", f"{r['compile_speedup_min']:.2f}-{r['compile_speedup_max']:.2f}"] \
+        if "compile_speedup_median" in r else ["-", "-"]
     return [f"{1e3 * r['plain-compiled_s']:.2f}", f"{1e3 * r['distlab-compiled_s']:.2f}",
             f"{r['compiled_ratio_median']:.2f}x", f"{r['compiled_ratio_min']:.2f}-{r['compiled_ratio_max']:.2f}",
-            f"{r['compile_speedup_median']:.2f}x", f"{r['compile_speedup_min']:.2f}-{r['compile_speedup_max']:.2f}"]
+            *speedup]
 
 
 def plot(records: list[dict], directory) -> list:

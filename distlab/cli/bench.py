@@ -268,7 +268,9 @@ def bench_pipeline(nproc, microbatches, schedules, virtual, implementations, ste
 @click.option("--workloads", default="mlp,gpt", show_default=True,
               help="mlp (784-512-256-10, batch 64, fashion-mnist), gpt (the default GPT, 32 x 64 tokens) and tiny "
                    "(16-8-2, batch 8: a step of almost no compute, the framework's own cost); for a GPU "
-                   "gpt-12x768 (GPT-2 small's shape on bytes: 12 x 768, 1024 tokens, batch 16, AdamW).")
+                   "gpt-12x768 (GPT-2 small's shape on bytes: 12 x 768, 1024 tokens, batch 16, AdamW) and llama-1b "
+                   "(16 x 2048, 32 heads / 8 key-value, SwiGLU 8192, 2048 tokens, batch 4, AdamW); llama is "
+                   "the default Llama-family decoder.")
 @click.option("--precisions", default="fp32,bf16", show_default=True, help="fp32, bf16, fp16 (GPU only).")
 @click.option("--steps", type=COUNT, default=300, show_default=True, help="Steps per side and round.")
 @click.option("--runs", type=COUNT, default=3, show_default=True, help="Interleaved rounds of every side.")
@@ -281,12 +283,17 @@ def bench_pipeline(nproc, microbatches, schedules, virtual, implementations, ste
 @click.option("--plot", "plot_dir", callback=writable_dir, default=None, help="Also write a ratio PNG here.")
 @click.option("--compile", "compiled", is_flag=True,
               help="Also both sides compiled: the plain loop's whole model through torch.compile, distlab train "
-                   "--compile (each block): their ratio, and what compiling gains distlab's step.")
-def bench_overhead(workloads, precisions, steps, runs, device, threads, dataset, data_dir, out, plot_dir, compiled):
+                   "--compile (the whole model on one process): their ratio, and what compiling gains distlab's "
+                   "step.")
+@click.option("--sides", default=None,
+              help="Only these sides, comma-separated: plain, plain-resident (GPU), distlab, plain-compiled, "
+                   "distlab-compiled (default: every side the device and --compile give).")
+def bench_overhead(workloads, precisions, steps, runs, device, threads, dataset, data_dir, out, plot_dir, compiled,
+                   sides):
     """distlab's single-process step beside a plain PyTorch loop: same model, data, precision, device."""
     from distlab.bench import overhead
     records = overhead.run(workloads, precisions, steps, runs, device, threads, dataset, data_dir, out,
-                           progress=_progress, compile=compiled)
+                           progress=_progress, compile=compiled, sides=sides)
     _finish(overhead, records, out, "overhead", plot_dir)
 
 

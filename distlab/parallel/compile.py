@@ -16,6 +16,10 @@ left to run eagerly (:func:`torch.compiler.disable` on the parallel parts' own m
 the block is compiled in the pieces between them. Activation checkpointing recomputes the compiled
 block. A model listing no blocks is compiled whole where nothing else wraps its insides.
 
+**The whole model** is one graph where nothing acts inside it (:func:`whole_model`): one replica
+or gradients reduced after backward (``allreduce``), no component, pipeline, checkpointing, ZeRO or
+SyncBN -- the plain loop's ``model.compile()``, with no graph boundary between blocks.
+
 The first step pays the compilation (seconds per distinct block on CPU; identical blocks share
 one graph); evaluation and a last, smaller batch compile once more each.
 """
@@ -60,10 +64,22 @@ def _compile_builtin(m: nn.Module) -> None:
                                                              call.__closure__))
 
 
-def apply_compile(model: nn.Module) -> int:
-    """Compile ``model``'s blocks in place (``nn.Module.compile``); returns how many modules. A block
-    module of torch's own classes is compiled through a frame of distlab's (:func:`_compile_builtin`),
-    and only where it holds parameters (a ReLU or a Flatten alone is not worth a graph)."""
+def whole_model(strategy, replicas: int, components: int) -> bool:
+    """Whether ``strategy`` leaves the model's insides alone, so it compiles whole: no component, pipeline,
+    activation checkpointing, ZeRO or SyncBN, and no gradient hook that must fire between blocks (one
+    replica, or the ``allreduce`` sync after backward)."""
+    return (not components and strategy.pp == 1 and not strategy.activation_checkpointing and not strategy.zero
+            and strategy.sync_bn == "off" and (replicas == 1 or strategy.dp_sync == "allreduce"))
+
+
+def apply_compile(model: nn.Module, whole: bool = False) -> int:
+    """Compile ``model``'s blocks in place (``nn.Module.compile``) -- or, ``whole``, the model itself;
+    returns how many modules. A block module of torch's own classes is compiled through a frame of
+    distlab's (:func:`_compile_builtin`), and only where it holds parameters (a ReLU or a Flatten
+    alone is not worth a graph)."""
+    if whole and not _builtin(model):
+        model.compile()
+        return 1
     modules = compiled_modules(model)
     for m in modules:
         if _builtin(m):
@@ -74,8 +90,10 @@ def apply_compile(model: nn.Module) -> int:
 
 
 def compiled_modules(model: nn.Module) -> list[nn.Module]:
-    """What :func:`apply_compile` compiles of ``model``: its blocks' modules, of torch's own classes only
-    those holding parameters."""
+    """What :func:`apply_compile` compiles of ``model``: the model where it was compiled whole, else its
+    blocks' modules, of torch's own classes only those holding parameters."""
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        return [model]
     return [m for m in compile_units(model) if not _builtin(m) or any(True for _ in m.parameters())]
 
 

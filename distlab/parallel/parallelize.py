@@ -31,7 +31,7 @@ from torch import nn
 
 from distlab.parallel import components as registry
 from distlab.parallel.checkpointing import apply_activation_checkpointing, block_names
-from distlab.parallel.compile import apply_compile
+from distlab.parallel.compile import apply_compile, whole_model
 from distlab.parallel.data_parallel import DataParallel
 from distlab.parallel.engine import Engine
 from distlab.parallel.loss_head import loss_head
@@ -72,7 +72,7 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
     if strategy.activation_checkpointing and strategy.pp == 1:  # a stage checkpoints its blocks by name
         apply_activation_checkpointing(model)
     if strategy.compile:  # in place, inside the checkpointed ranges and the stage's layers alike
-        apply_compile(model)
+        apply_compile(model, whole_model(strategy, mesh.replicas, len(parts)))
     head = loss_head(model)
     schedule: StepSchedule = Accumulate(strategy.grad_accum)
     if strategy.pp > 1:

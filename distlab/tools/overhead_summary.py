@@ -24,7 +24,8 @@ def summarize(records: list[dict]) -> list[dict]:
         by = {side: {r["round"]: r["time_per_step_s_median"] for r in mine if r["side"] == side}
               for side in dict.fromkeys(r["side"] for r in mine)}
         ratios = _ratios(by, "distlab", "plain")
-        row = {"workload": key[0], "precision": key[1], "device": key[2], "rounds": len(ratios),
+        row = {"workload": key[0], "precision": key[1], "device": key[2],
+               "rounds": max(len(v) for v in by.values()),
                **{f"{side}_s": statistics.median(v.values()) for side, v in by.items()},
                "ratio_median": statistics.median(ratios) if ratios else None,
                "ratio_min": min(ratios, default=None), "ratio_max": max(ratios, default=None)}
@@ -39,7 +40,7 @@ def figure(records: list[dict]):
     """The bar chart of distlab / plain per workload and precision (median, range of the rounds)."""
     from distlab.tools.plots import pyplot
     plt = pyplot()
-    rows = summarize(records)
+    rows = [r for r in summarize(records) if r["ratio_median"] is not None]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.bar([f"{r['workload']} {r['precision']}" for r in rows], [r["ratio_median"] for r in rows],
            yerr=[[r["ratio_median"] - r["ratio_min"] for r in rows], [r["ratio_max"] - r["ratio_median"] for r in rows]],

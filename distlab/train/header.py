@@ -143,9 +143,13 @@ def header(trainer) -> list[str]:
                      f"--max-steps alone set the length)")
     if cfg.strategy.compile:
         n = len(compiled_modules(trainer.engine.module))
-        lines.append(f"compile  {n} module{'s' if n != 1 else ''} of the model's blocks through torch.compile: the "
-                     f"first step compiles them (seconds to minutes on a CPU), evaluation and a smaller last batch "
-                     f"once more" if n else "warning  compile: the model lists no module to compile; it runs eagerly")
+        whole = compiled_modules(trainer.engine.module) == [trainer.engine.module]
+        what = "the whole model (nothing in this layout acts inside it)" if whole else \
+            f"{n} module{'s' if n != 1 else ''} of the model's blocks"
+        lines.append(f"compile  {what} through torch.compile: the first step compiles "
+                     f"{'it' if whole else 'them'} (seconds to minutes on a CPU), evaluation and a smaller last "
+                     f"batch once more" if n else "warning  compile: the model lists no module to compile; it runs "
+                     f"eagerly")
     held = sum(p.numel() * p.element_size() for p in trainer.engine.module.parameters())
     extra = trainer.engine.peak_bytes - held
     lines.append(f"state    {held / 2**20:.2f} MiB of parameters"
