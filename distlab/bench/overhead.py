@@ -57,7 +57,8 @@ def config(workload: str, precision: str, steps: int, dataset: str | None, data_
     return TrainConfig.from_flags(**settings, data_dir=data_dir, epochs=1000, max_steps=steps,
                                   lr_schedule="constant", seed=0, log_every=steps,
                                   progress=False, verbose=False, eval_every_epoch=False,
-                                  timing_warmup_steps=min(10, steps // 4), precision=precision)
+                                  timing_warmup_steps=min(10, steps // 4), precision=precision,
+                                  eval_batch_size=WORKLOADS[workload]["global_batch_size"], eval_batches=1)
 
 
 def _plain(rank: int, world: int, cfg: TrainConfig, device_name: str, resident: bool, compiled: bool = False) -> dict:
