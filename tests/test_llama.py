@@ -79,3 +79,29 @@ def test_llama_options_refuse_what_does_not_fit():
         model.tensor_parallel_plan(2, "megatron", False)
     with pytest.raises(ConfigError, match="1 key/value heads per tensor-parallel rank do not divide by 2"):
         model.context_parallel_plan(2, "ulysses", 1)
+
+
+def _train_llama(rank, world, out, snapshots):
+    from distlab import runtime
+    from distlab.train import Trainer, TrainConfig
+    cfg = TrainConfig.from_flags(model="llama", n_layer=1, n_head=4, kv_heads=2, n_embd=32, dataset="synthetic-text:2000",
+                                 block_size=16, max_steps=2, global_batch_size=8, progress=False, verbose=False,
+                                 eval_every_epoch=False, out=str(out), snapshot_dir=str(snapshots), snapshot_every=2,
+                                 tp=world)
+    Trainer(cfg.validate(world), runtime.from_process_group()).fit()
+
+
+def test_a_llama_run_generates_from_its_snapshot_and_its_export(tmp_path):
+    """generate rebuilds the family from the options recorded with it (the snapshot's meta, the export's
+    metadata): the same weights from both -- the snapshot's two tensor-parallel shards put back together."""
+    from distlab.launch.spawn import run_ranks
+    from distlab.tools.generate import generate, load_gpt
+    from distlab.train.export import export
+    run_ranks(_train_llama, 2, tmp_path / "run", tmp_path / "s", timeout=300)
+    export(tmp_path / "s" / "step-00000002", tmp_path / "m.safetensors")
+    exported, _, _ = load_gpt(tmp_path / "m.safetensors")
+    sharded, _, where = load_gpt(tmp_path / "s" / "step-00000002")
+    assert type(exported).__name__ == "Llama" and exported.kv_heads == 2 and "step 2" in where
+    assert all(torch.equal(a, b) for a, b in zip(exported.parameters(), sharded.parameters()))
+    text = generate(exported, "ab", 8, 0.8, None, 3)
+    assert text == generate(sharded, "ab", 8, 0.8, None, 3) and text.startswith("ab") and len(text) > 2

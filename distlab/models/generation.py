@@ -1,4 +1,4 @@
-"""Text from a GPT: rebuild one from a whole model's state, and sample from it.
+"""Text from a language model: rebuild one from a whole model's state, and sample from it.
 
 Sampling is autoregressive over the last ``block_size`` tokens: temperature ``T`` (0: always the
 most likely token), optionally only the ``top_k`` most likely, drawn from a generator seeded with
@@ -24,6 +24,34 @@ def gpt_from_state(state: dict[str, torch.Tensor], n_layer: int, n_head: int, to
     with torch.device("meta"):
         model = GPT(tok.shape[0], pos.shape[0], n_layer=n_layer, n_head=n_head, n_embd=tok.shape[1], experts=experts,
                     top_k=top_k)
+    model.load_state_dict(state, assign=True)
+    return model.eval()
+
+
+def model_from_state(state: dict[str, torch.Tensor], meta: dict):
+    """The registered text family ``meta["model"]`` built with the options ``meta`` records (a snapshot's
+    ``meta.json`` or a ``.safetensors`` export's metadata: strings are read as Python literals), its
+    vocabulary from the token embedding, holding ``state``; on the meta device, then given the tensors."""
+    import ast
+
+    from distlab.models import build_model, spec, specs
+
+    def literal(value):
+        try:
+            return ast.literal_eval(value) if isinstance(value, str) else value
+        except (ValueError, SyntaxError):
+            return value  # a word (a drop policy): the string itself
+    family = spec(meta["model"])
+    if not family.text:
+        raise ConfigError(f"{meta['model']} is not a language model: generate needs one "
+                          f"({', '.join(s.name for s in specs() if s.text)})")
+    given = {k: literal(meta[k]) for k in family.options.names() if meta.get(k) not in (None, "None")}
+    if meta.get("block_size") is None:
+        raise ConfigError("the model's context length (block_size) is not recorded with it: export it from its "
+                          "run directory or snapshot (distlab export), which records it")
+    with torch.device("meta"):
+        model = build_model(meta["model"], (int(literal(meta["block_size"])),), state["0.tok.weight"].shape[0],
+                            family.make_options(given))
     model.load_state_dict(state, assign=True)
     return model.eval()
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from distlab.data import tokenizer as tokenizers
 from distlab.errors import ConfigError, with_article
-from distlab.models.generation import generate, gpt_from_state, stream
+from distlab.models.generation import generate, gpt_from_state, model_from_state, stream
 
 __all__ = ["generate", "gpt_from_state", "load_gpt", "stream"]
 
@@ -28,8 +28,10 @@ def load_gpt(source: str | Path, n_head: int | None = None, tokenizer_file: str 
     kind, path = export.run_source(source)  # a run directory: its last snapshot, else its final model
     if kind == "snapshot" and path.is_dir():
         state, meta = export.whole_state(path)
-        if meta.get("model") not in ("gpt", "gpt-moe"):
-            raise ConfigError(f"snapshot {path} holds {with_article(meta.get('model'))} model; generate needs a gpt or gpt-moe")
+        from distlab.models import is_text_model
+        if not (isinstance(meta.get("model"), str) and is_text_model(meta["model"])):
+            raise ConfigError(f"snapshot {path} holds {with_article(meta.get('model'))} model; generate needs a "
+                              f"language model (gpt, gpt-moe, llama)")
         heads, layers = meta.get("n_head"), meta.get("n_layer")
         where = f"snapshot {path} (step {meta.get('step')})"
         text = meta.get("tokenizer_json")
@@ -43,17 +45,21 @@ def load_gpt(source: str | Path, n_head: int | None = None, tokenizer_file: str 
         where = f"model file {path}"
         beside = path.with_name("tokenizer.json" if path.name == export.FINAL_MODEL else path.name + ".tokenizer.json")
         tokenizer = None if tokenizer_file or not beside.is_file() else tokenizers.load(str(beside))
-        if heads is None:
+        if heads is None and meta.get("model") in (None, "gpt", "gpt-moe"):
             raise ConfigError(f"{path} is a plain state_dict: give the model's --n-head (its other sizes are read "
                               f"from the tensors' shapes; a .safetensors export records it)")
     else:
         raise ConfigError(f"{source}: no run directory, snapshot or model file there")
     try:
-        top_k = meta.get("top_k", 2)
-        model = gpt_from_state(state, layers, heads, top_k=int(top_k) if str(top_k).isdigit() else 2)
+        if meta.get("model") in (None, "gpt", "gpt-moe"):  # a plain state_dict's sizes from its tensors' shapes
+            top_k = meta.get("top_k", 2)
+            model = gpt_from_state(state, layers, heads, top_k=int(top_k) if str(top_k).isdigit() else 2)
+        else:  # any other family: as its options recorded with it
+            model = model_from_state(state, meta)
         tok = state["0.tok.weight"]
     except (KeyError, RuntimeError, ValueError) as exc:
-        raise ConfigError(f"{where} does not hold a GPT of distlab's layout: {str(exc).splitlines()[0][:200]}") from None
+        raise ConfigError(f"{where} does not hold {with_article(meta.get('model') or 'gpt')} model of distlab's layout: "
+                          f"{str(exc).splitlines()[0][:200]}") from None
     if tokenizer_file:
         tokenizer = tokenizers.load(tokenizer_file)
     if tokenizer is None:

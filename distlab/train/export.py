@@ -151,7 +151,13 @@ def export(path: str | Path, out: str | Path, best: bool = False) -> dict:
 def export_metadata(meta: dict) -> dict[str, str]:
     """What a ``.safetensors`` export records of its model (strings, as the format keeps them): enough
     for ``distlab generate FILE`` alone -- the heads, which no tensor's shape tells, among them."""
-    keep = ("model", "step", "n_layer", "n_head", "n_embd", "block_size", "experts", "top_k", "dataset", "tokenizer")
+    keep = ["model", "step", "n_layer", "n_head", "n_embd", "block_size", "experts", "top_k", "dataset", "tokenizer"]
+    from distlab.models import is_user_model, spec
+    if isinstance(meta.get("model"), str) and not is_user_model(meta["model"]):
+        try:
+            keep += [k for k in spec(meta["model"]).options.names() if k not in keep]  # its family's options too
+        except Exception:  # noqa: BLE001 - a family this version does not know: the common sizes only
+            pass
     return {"format": "pt", **{k: str(meta[k]) for k in keep if meta.get(k) is not None}}
 
 

@@ -149,7 +149,7 @@ def header(trainer) -> list[str]:
         lines.append(f"compile  {what} through torch.compile: the first step compiles "
                      f"{'it' if whole else 'them'} (seconds to minutes on a CPU), evaluation and a smaller last "
                      f"batch once more" if n else "warning  compile: the model lists no module to compile; it runs "
-                     f"eagerly")
+                     "eagerly")
     held = sum(p.numel() * p.element_size() for p in trainer.engine.module.parameters())
     extra = trainer.engine.peak_bytes - held
     lines.append(f"state    {held / 2**20:.2f} MiB of parameters"
