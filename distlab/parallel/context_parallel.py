@@ -270,8 +270,8 @@ class UlyssesAttention(nn.Module):
         n, rank = self.layout.cp, self.layout.rank
         if q.shape[1] % n or k.shape[1] % n:
             raise ConfigError(f"context parallel (ulysses) gives each of `cp` {n} ranks whole heads: {q.shape[1]} "
-                              f"query and {k.shape[1]} key/value heads (per tensor-parallel rank) do not both divide; "
-                              f"use --cp-style ring")
+                              f"query / {k.shape[1]} key-value heads (per tensor-parallel rank) do not divide; use "
+                              f"--cp-style ring")
         t = q.shape[2] * n
         order = torch.cat([self.layout.positions(t, r, q.device) for r in range(n)])  # gathered tokens' positions
         back = torch.argsort(order)  # gathered order -> sequence order
