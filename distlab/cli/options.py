@@ -359,8 +359,9 @@ TRAIN_OPTIONS = [
     ("resume", dict(help="auto (newest good snapshot in --snapshot-dir; also the default after torchrun restarts "
                     "the workers) or a snapshot directory.")),
     ("init_from", dict(help="Start from the weights in this whole-model state_dict file (distlab export writes "
-                       "one; any torch.save(model.state_dict()) of the same model works); a snapshot being "
-                       "resumed takes precedence.")),
+                       "one; any torch.save(model.state_dict()) of the same model works), or hf:DIR, a Hugging "
+                       "Face checkpoint (config.json + safetensors: Llama, Mistral), whose config gives the "
+                       "model's options and vocabulary; a snapshot being resumed takes precedence.")),
     ("time_budget_s", dict(default=None, help="Stop cleanly (evaluation, snapshot, summary) before this much "
                            "training time, counted across restarts: 2h, 90m, 3600s, 1h30m.")),
     ("out", dict(help="Run directory for metrics.jsonl and summary.json (default runs/MODEL-DATASET-TIME).")),

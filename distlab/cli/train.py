@@ -139,9 +139,13 @@ def train(config_file, trust_config, **kw):
 
 @click.command()
 @click.argument("snapshot_path", metavar="SNAPSHOT|RUN_DIR")
-@click.option("-o", "--out", required=True, help="The file to write: model.pt (torch.save), or model.safetensors.")
+@click.option("-o", "--out", required=True, help="The file to write: model.pt (torch.save), or model.safetensors; "
+              "with --format hf, the directory.")
 @click.option("--best", is_flag=True, help="The best validation model the snapshot keeps (runs with --val-fraction).")
-def export(snapshot_path, out, best):
+@click.option("--format", "fmt", type=click.Choice(["auto", "hf"]), default="auto", show_default=True,
+              help="auto: by OUT's suffix; hf: a Hugging Face directory (config.json, safetensors shards with an "
+                   "index, the run's tokenizer.json) that transformers' from_pretrained loads.")
+def export(snapshot_path, out, best, fmt):
     """Write a snapshot's whole model (any layout, shards put back together) as one state_dict file; a
     run directory gives its last snapshot, or the final model a language model's run leaves there.
 
@@ -150,7 +154,12 @@ def export(snapshot_path, out, best):
     """
     from distlab.train.export import export as write
 
-    info = write(snapshot_path, out, best)
+    info = write(snapshot_path, out, best, fmt)
+    if fmt == "hf":
+        click.echo(f"wrote {info['out']}: {info['model']} at step {info['step']}, {info['tensors']} tensors, "
+                   f"{info['parameters']:,} parameters ({', '.join(info['files'])})")
+        click.echo(f"load it: transformers.AutoModelForCausalLM.from_pretrained({info['out']!r})")
+        return
     ranks = f" ({info['world_size']} ranks)" if info.get("world_size") else ""
     click.echo(f"wrote {info['out']}: {info['model']} at step {info['step']}{ranks}, "
                f"{info['tensors']} tensors, {info['parameters']:,} parameters, {info['bytes']:,} bytes, "

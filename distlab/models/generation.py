@@ -28,30 +28,40 @@ def gpt_from_state(state: dict[str, torch.Tensor], n_layer: int, n_head: int, to
     return model.eval()
 
 
+def _literal(value):
+    """A recorded value: strings read as Python literals (a ``.safetensors`` export keeps strings), a word
+    that is none (a drop policy) as itself."""
+    import ast
+    try:
+        return ast.literal_eval(value) if isinstance(value, str) else value
+    except (ValueError, SyntaxError):
+        return value
+
+
+def recorded_options(meta: dict):
+    """The options of family ``meta["model"]`` that ``meta`` records (a snapshot's ``meta.json``, an export's
+    metadata), the rest its defaults."""
+    from distlab.models import spec
+    family = spec(meta["model"])
+    return family.make_options({k: _literal(meta[k]) for k in family.options.names()
+                                if meta.get(k) not in (None, "None")})
+
+
 def model_from_state(state: dict[str, torch.Tensor], meta: dict):
     """The registered text family ``meta["model"]`` built with the options ``meta`` records (a snapshot's
     ``meta.json`` or a ``.safetensors`` export's metadata: strings are read as Python literals), its
     vocabulary from the token embedding, holding ``state``; on the meta device, then given the tensors."""
-    import ast
-
     from distlab.models import build_model, spec, specs
-
-    def literal(value):
-        try:
-            return ast.literal_eval(value) if isinstance(value, str) else value
-        except (ValueError, SyntaxError):
-            return value  # a word (a drop policy): the string itself
     family = spec(meta["model"])
     if not family.text:
         raise ConfigError(f"{meta['model']} is not a language model: generate needs one "
                           f"({', '.join(s.name for s in specs() if s.text)})")
-    given = {k: literal(meta[k]) for k in family.options.names() if meta.get(k) not in (None, "None")}
     if meta.get("block_size") is None:
         raise ConfigError("the model's context length (block_size) is not recorded with it: export it from its "
                           "run directory or snapshot (distlab export), which records it")
     with torch.device("meta"):
-        model = build_model(meta["model"], (int(literal(meta["block_size"])),), state["0.tok.weight"].shape[0],
-                            family.make_options(given))
+        model = build_model(meta["model"], (int(_literal(meta["block_size"])),), state["0.tok.weight"].shape[0],
+                            recorded_options(meta))
     model.load_state_dict(state, assign=True)
     return model.eval()
 

@@ -224,6 +224,7 @@ class TrainConfig:
             raise ConfigError(f"`time_budget` must be positive, not {self.time_budget_s:g}s")
         _at_least("block_size", self.block_size, 1)
         self._check_options()
+        self._check_pretrained()
         if self.sample_every and not is_text(self.dataset):
             raise ConfigError(f"`sample_every` prints text a language model generates; model {self.model} on "
                               f"{self.dataset} does not generate text (drop `sample_every`)")
@@ -255,7 +256,7 @@ class TrainConfig:
         from distlab.models import build_model
         shape, classes = dataset_shape(self.dataset, self.block_size, self.tokenizer)
         with torch.device("meta"):
-            return build_model(self.model, shape, classes, **self.model_options())
+            return build_model(self.model, shape, self.vocab(classes), **self.model_options())
 
     def _check_components(self) -> None:
         """Every model-sharding component the strategy turns on checks the model (built on the meta
@@ -282,6 +283,48 @@ class TrainConfig:
             raise ConfigError(f"model {self.model} takes {family.options.__name__}, not "
                               f"{type(self.options).__name__}")
         self.options.check()
+
+    def pretrained(self) -> tuple[str, object, int, int] | None:
+        """``--init-from hf:DIR``: its family, options, vocabulary and positions (config.json only); else None."""
+        if not (self.init_from or "").startswith("hf:"):
+            return None
+        from distlab.models import hf
+        directory = self.init_from[3:]
+        config = hf.config_of(directory)
+        name, adapter = hf.family_of(config, directory)
+        options, vocab = adapter.options_from(config, self.init_from)
+        return name, options, vocab, int(config.get("max_position_embeddings") or 0)
+
+    def _check_pretrained(self) -> None:
+        """``--init-from hf:DIR`` builds the directory's model: its family (`model`), its options (left at the
+        family's defaults here, or equal), a context within its positions, data within its vocabulary."""
+        found = self.pretrained()
+        if found is None:
+            return
+        name, options, vocab, positions = found
+        if self.model != name:
+            raise ConfigError(f"`init_from` {self.init_from} is a {name} model: give `model` {name}")
+        default = spec(name).make_options()
+        if self.options != options:
+            if self.options != default:
+                field = next(f.name for f in fields(options) if getattr(options, f.name) != getattr(self.options, f.name))
+                raise ConfigError(f"`{field}` {getattr(self.options, field)} differs from {self.init_from}'s "
+                                  f"{getattr(options, field)}: drop `{field}` (the checkpoint's config sets it)")
+            self.options = options
+        if positions and self.block_size > positions:
+            raise ConfigError(f"`block_size` {self.block_size} is longer than the {positions} positions "
+                              f"{self.init_from} was made for (max_position_embeddings): use at most {positions}")
+        data_vocab = dataset_shape(self.dataset, self.block_size, self.tokenizer)[1]
+        if data_vocab > vocab:
+            raise ConfigError(f"{self.dataset}'s vocabulary of {data_vocab:,} tokens is larger than {self.init_from}'s "
+                              f"{vocab:,}: tokenize the data with the model's own tokenizer "
+                              f"(prepare-text --tokenizer hf:DIR)")
+
+    def vocab(self, data_classes: int) -> int:
+        """The classes (a text model's vocabulary) the model is built with: a pretrained checkpoint's, else
+        the data's."""
+        found = self.pretrained()
+        return found[2] if found else data_classes
 
     def _check_pipeline(self) -> None:
         """The model must cut into `pp` stages, each with parameters (cut on a model built without memory)."""

@@ -132,9 +132,10 @@ def write_state(state: dict[str, torch.Tensor], meta: dict, out: str | Path) -> 
             "bytes": out.stat().st_size, "sha256": digest, "sha256_file": str(checksum)}
 
 
-def export(path: str | Path, out: str | Path, best: bool = False) -> dict:
+def export(path: str | Path, out: str | Path, best: bool = False, fmt: str = "auto") -> dict:
     """Write the whole model of ``path`` -- a snapshot, or a run directory (its last snapshot, else the
-    final model it wrote) -- to ``out`` (atomically); returns what was written."""
+    final model it wrote) -- to ``out`` (atomically); returns what was written. ``fmt`` ``hf``: a
+    Hugging Face directory ``out`` (:func:`export_hf`)."""
     kind, source = run_source(path, best)
     if kind == "snapshot":
         state, meta = whole_state(source, best)
@@ -145,7 +146,32 @@ def export(path: str | Path, out: str | Path, best: bool = False) -> dict:
             source.with_name(source.name + ".tokenizer.json")
         if beside.is_file():
             meta = {**meta, "tokenizer_json": beside.read_text(encoding="utf-8")}
+    if fmt == "hf":
+        return export_hf(state, meta, out)
     return write_state(state, meta, out)
+
+
+def export_hf(state: dict[str, torch.Tensor], meta: dict, out: str | Path) -> dict:
+    """A whole model as a Hugging Face directory (:func:`distlab.models.hf.write`): its family's options
+    from ``meta`` (what the run recorded), the vocabulary from the token embedding, the context from
+    ``block_size``, and the run's tokenizer as ``tokenizer.json`` where it has one (a BPE the run learned
+    or read; a byte-level run has none to give)."""
+    from distlab.models import hf, is_text_model
+    from distlab.models.generation import recorded_options
+    name = meta.get("model")
+    if not (isinstance(name, str) and is_text_model(name)):
+        raise ConfigError(f"--format hf writes a language model's checkpoint; this one is {with_article(str(name))} "
+                          f"model")
+    options = recorded_options(meta)
+    root = hf.write(state, name, options, state["0.tok.weight"].shape[0], int(meta.get("block_size") or 64), out)
+    tokenizer = None
+    if isinstance(meta.get("tokenizer_json"), str):
+        tokenizer = root / "tokenizer.json"
+        atomic_write_text(tokenizer, meta["tokenizer_json"])
+    files = sorted(p.name for p in root.iterdir())
+    return {"out": str(root), "step": meta.get("step"), "model": name, "files": files,
+            "tokenizer_file": str(tokenizer) if tokenizer else None,
+            "tensors": len(state), "parameters": sum(t.numel() for t in state.values() if t.is_floating_point())}
 
 
 def export_metadata(meta: dict) -> dict[str, str]:
@@ -181,7 +207,10 @@ def build_call(meta: dict) -> str:
 def check_init(path: str | None) -> None:
     """Before launching: ``--init-from`` must name a file that loads safely as a state_dict (read
     memory-mapped: a large file costs no copy)."""
-    if path is not None:
+    if path is not None and path.startswith("hf:"):
+        from distlab.models import hf
+        hf.tensor_files(path[3:])  # the config is read by the settings' check
+    elif path is not None:
         _read_init(path, mmap=True)
 
 
@@ -221,8 +250,13 @@ def read_state(path: str, mmap: bool = False, what: str = "`init_from`") -> tupl
 
 
 def load_init(model: nn.Module, path: str) -> None:
-    """Load the whole-model ``state_dict`` file ``path`` into ``model`` (safely: tensors only), or say what differs."""
-    state = _read_init(path)
+    """Load the whole-model ``state_dict`` file ``path`` -- or ``hf:DIR``, a Hugging Face directory's weights
+    under distlab's names -- into ``model`` (safely: tensors only), or say what differs."""
+    if path.startswith("hf:"):
+        from distlab.models import hf
+        state = hf.read(path[3:])[3]
+    else:
+        state = _read_init(path)
     mine = model.state_dict()
     missing, extra = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
     if missing or extra:

@@ -86,7 +86,7 @@ class Trainer:
             raise ConfigError(f"`global_batch_size` {cfg.global_batch_size} is larger than the "
                               f"{len(self.train_set)} training samples of {cfg.dataset}")
         seed_everything(cfg.seed)  # the same full model on every rank; parallelize shards it
-        net = build_model(cfg.model, self.train_set.input_shape, self.train_set.num_classes,
+        net = build_model(cfg.model, self.train_set.input_shape, cfg.vocab(self.train_set.num_classes),
                           **cfg.model_options())
         if cfg.init_from:  # before the layout cuts it: every rank reads the whole file
             load_init(net, cfg.init_from)

@@ -1,0 +1,154 @@
+"""Hugging Face checkpoints in and out: a directory with ``config.json`` and the weights in
+``model.safetensors`` or shards listed by ``model.safetensors.index.json`` (``save_pretrained``'s
+layout), read and written without ``transformers``.
+
+A family reads and writes such a directory through its spec's ``adapter``
+(:class:`~distlab.models.spec.ModelSpec`): the architectures it takes (``LlamaForCausalLM`` ...), its
+options from a config (refusing, in one line, a config key that changes the math distlab does not
+do), the config it writes, and the name of each tensor both ways. Reading is safetensors only --
+no pickle, no code from the directory (``trust_remote_code`` has no equivalent here).
+
+* :func:`read` -- ``(family, options, vocab, state)`` of a directory: what ``--init-from hf:DIR``
+  and ``distlab generate hf:DIR`` build;
+* :func:`write` -- a whole model's state as such a directory (``distlab export --format hf``), with
+  the run's tokenizer files beside it when it has them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from distlab.errors import ConfigError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+SHARD_BYTES = 2 * 2**30  # save_pretrained's default largest shard (5 GB in transformers; 2 GB keeps files movable)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def config_of(directory: str | Path) -> dict:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"hf:{directory}: no config.json there (a Hugging Face model directory has config.json "
+                          f"and model.safetensors, or shards with {INDEX})")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"hf:{directory}: config.json is not JSON ({exc})") from None
+
+
+def family_of(config: dict, directory: str | Path = "") -> tuple[str, object]:
+    """The registered family (its name and adapter) that reads ``config``'s architecture."""
+    from distlab.models import specs
+    arch = (config.get("architectures") or [None])[0]
+    takers = {a: s for s in specs() if s.adapter is not None for a in s.adapter.architectures}
+    if arch not in takers:
+        raise ConfigError(f"hf:{directory}: architecture {arch!r} is not supported (distlab reads "
+                          f"{', '.join(sorted(takers)) or 'none'})")
+    return takers[arch].name, takers[arch].adapter
+
+
+def tensor_files(directory: str | Path) -> list[Path]:
+    root = Path(directory)
+    if (root / INDEX).is_file():
+        index = json.loads((root / INDEX).read_text(encoding="utf-8"))
+        names = sorted(set(index.get("weight_map", {}).values()))
+        missing = [n for n in names if not (root / n).is_file()]
+        if missing:
+            raise ConfigError(f"hf:{directory}: {INDEX} lists {missing[0]}, which is not there")
+        return [root / n for n in names]
+    if (root / SINGLE).is_file():
+        return [root / SINGLE]
+    raise ConfigError(f"hf:{directory}: no {SINGLE} and no {INDEX} (only safetensors weights are read: a "
+                      f"pytorch_model.bin is a pickle, which distlab never loads)")
+
+
+def read(directory: str | Path) -> tuple[str, object, int, dict[str, torch.Tensor]]:
+    """``(family name, options, vocabulary, state)``: the directory's model as distlab builds it, its
+    weights under distlab's names (float32, as distlab trains; a config's own dtype is a storage choice)."""
+    from safetensors import safe_open
+    config = config_of(directory)
+    name, adapter = family_of(config, directory)
+    options, vocab = adapter.options_from(config, f"hf:{directory}")
+    names = adapter.names(options)
+    state: dict[str, torch.Tensor] = {}
+    for path in tensor_files(directory):
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():
+                mine = names.get(key)
+                if mine is None:
+                    raise ConfigError(f"hf:{directory}: {path.name} holds {key}, which distlab's {name} has no "
+                                      f"place for")
+                state[mine] = f.get_tensor(key).to(torch.float32)
+    return name, options, vocab, state
+
+
+def build(directory: str | Path, block_size: int | None = None):
+    """The directory's model, built and holding its weights; and its record (family, options, vocab)."""
+    from distlab.models import build_model
+    name, options, vocab, state = read(directory)
+    config = config_of(directory)
+    block = block_size or int(config.get("max_position_embeddings") or 2048)
+    with torch.device("meta"):
+        model = build_model(name, (block,), vocab, options)
+    mine = model.state_dict()
+    missing, extra = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
+    if missing or extra:
+        raise ConfigError(f"hf:{directory} does not match its config: "
+                          + (f"{len(missing)} tensor(s) missing (first {missing[0]})" if missing else "")
+                          + (f"{len(extra)} unexpected (first {extra[0]})" if extra else ""))
+    for key, tensor in state.items():
+        if tuple(tensor.shape) != tuple(mine[key].shape):
+            raise ConfigError(f"hf:{directory}: {key} has shape {tuple(tensor.shape)}, its config says "
+                              f"{tuple(mine[key].shape)}")
+    model.load_state_dict(state, assign=True)
+    return model, {"model": name, **options.to_dict(), "vocab": vocab, "block_size": block}
+
+
+def write(state: dict[str, torch.Tensor], name: str, options, vocab: int, block_size: int, out: str | Path,
+          tokenizer_dir: str | Path | None = None, shard_bytes: int = SHARD_BYTES) -> Path:
+    """``state`` (a whole model's, distlab's names) as a Hugging Face directory ``out``: config.json,
+    safetensors shards (with an index when more than one), the tokenizer files found in ``tokenizer_dir``."""
+    from safetensors.torch import save_file
+
+    from distlab.models import spec
+    adapter = spec(name).adapter
+    if adapter is None:
+        raise ConfigError(f"model {name} has no Hugging Face layout to export to (families with one: llama)")
+    root = Path(out)
+    root.mkdir(parents=True, exist_ok=True)
+    theirs = {mine: hf_name for hf_name, mine in adapter.names(options).items()}
+    unknown = sorted(set(state) - set(theirs))
+    if unknown:
+        raise ConfigError(f"{unknown[0]} has no place in the Hugging Face layout of {name}")
+    tensors = {theirs[k]: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key in sorted(tensors):
+        nbytes = tensors[key].numel() * tensors[key].element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensors[key]
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(root / SINGLE), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(root / file), metadata={"format": "pt"})
+            weight_map.update({k: file for k in shard})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (root / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                             indent=2) + "\n", encoding="utf-8")
+    config = adapter.config_for(options, vocab, block_size)
+    (root / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    for file in TOKENIZER_FILES if tokenizer_dir else ():
+        if (Path(tokenizer_dir) / file).is_file():
+            shutil.copyfile(Path(tokenizer_dir) / file, root / file)
+    return root

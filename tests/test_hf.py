@@ -1,0 +1,92 @@
+"""Hugging Face checkpoints in and out (distlab.models.hf): a Llama or Mistral directory saved by
+``transformers`` gives distlab's ``llama`` the same logits; trained on any layout and exported with
+``--format hf`` it comes back bitwise, and ``transformers`` loads it. Tiny random configs, made here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from distlab.errors import ConfigError
+from distlab.models import hf
+
+transformers = pytest.importorskip("transformers", reason="transformers (the test extra) is not installed: "
+                                                          "pip install -e '.[test]' runs the interop tests")
+
+
+def _config(arch: str, **extra):
+    cls = {"LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig}[arch]
+    return cls(vocab_size=256, hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+               **extra)
+
+
+def _saved(arch: str, directory, **extra):
+    torch.manual_seed(0)
+    model = getattr(transformers, arch)(_config(arch, **extra)).eval()
+    model.save_pretrained(directory, max_shard_size="40KB")  # several shards and an index, as large models come
+    return model
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MistralForCausalLM"])
+def test_a_hugging_face_checkpoint_gives_the_same_logits(arch, tmp_path):
+    """Both compute in float32; each is within its rounding of the float64 result (transformers' own model
+    in float64), so they agree to twice that."""
+    theirs = _saved(arch, tmp_path, rope_theta=500000.0)
+    assert (tmp_path / hf.INDEX).is_file()
+    mine, record = hf.build(tmp_path)
+    assert record["kv_heads"] == 2 and record["rope_theta"] == 500000.0 and record["vocab"] == 256
+    x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = mine(x), theirs(x).logits
+        exact = theirs.double()(x).logits
+    bound = 2 * (b.double() - exact).abs().max().item() + torch.finfo(torch.float32).eps * exact.abs().max().item()
+    assert (a.double() - b.double()).abs().max().item() <= bound
+
+
+def _train(rank, world, directory, snapshots, strategy):
+    from distlab import runtime
+    from distlab.parallel import Strategy
+    from distlab.train import Trainer, TrainConfig
+    cfg = TrainConfig.from_flags(model="llama", init_from=f"hf:{directory}", dataset="synthetic-text:2000",
+                                 block_size=16, max_steps=1, global_batch_size=8, optimizer="sgd", momentum=0.0,
+                                 lr=1e-30, progress=False, verbose=False, eval_every_epoch=False,
+                                 snapshot_dir=str(snapshots), snapshot_every=1, strategy=Strategy.parse(strategy))
+    Trainer(cfg.validate(world), runtime.from_process_group()).fit()
+
+
+@pytest.mark.parametrize("strategy", ["allreduce+tp=2", "bucketed+pp=2+mb=2"])
+def test_in_through_a_layout_and_out_is_bitwise_and_transformers_loads_it(strategy, tmp_path):
+    """Read on 2 ranks split by the layout, one step too small to move a weight, exported: every tensor
+    as it came; transformers' from_pretrained gives the original's logits."""
+    from distlab.launch.spawn import run_ranks
+    from distlab.train.export import export
+    from safetensors.torch import load_file
+    theirs = _saved("LlamaForCausalLM", tmp_path / "in")
+    run_ranks(_train, 2, tmp_path / "in", tmp_path / "s", strategy, timeout=300)
+    export(tmp_path / "s" / "step-00000001", tmp_path / "out", fmt="hf")
+    before = {k: v for f in hf.tensor_files(tmp_path / "in") for k, v in load_file(f).items()}
+    after = {k: v for f in hf.tensor_files(tmp_path / "out") for k, v in load_file(f).items()}
+    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    x = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, theirs(x).logits)
+
+
+def test_what_distlab_would_compute_differently_is_refused_in_one_line(tmp_path):
+    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 96,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}
+    for change, message in [({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
+                            ({"tie_word_embeddings": True}, "tie_word_embeddings true"),
+                            ({"architectures": ["GPTNeoXForCausalLM"]}, "architecture 'GPTNeoXForCausalLM' is not "
+                                                                        "supported")]:
+        (tmp_path / "config.json").write_text(json.dumps({**base, **change}))
+        with pytest.raises(ConfigError, match=message):
+            hf.read(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(base))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(ConfigError, match="a pytorch_model.bin is a pickle, which distlab never loads"):
+        hf.read(tmp_path)
