@@ -105,3 +105,22 @@ def test_a_llama_run_generates_from_its_snapshot_and_its_export(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(exported.parameters(), sharded.parameters()))
     text = generate(exported, "ab", 8, 0.8, None, 3)
     assert text == generate(sharded, "ab", 8, 0.8, None, 3) and text.startswith("ab") and len(text) > 2
+
+
+def test_generation_with_the_key_value_cache_gives_the_uncached_tokens():
+    """Prefill once, then one token a step: the same tokens as running the whole window every step --
+    greedy and sampled, past the context length (where the window slides and the cache starts over) --
+    and fewer FLOPs: the blocks see each new token once."""
+    from distlab.models.generation import generate
+    torch.manual_seed(0)
+    model = build_model("llama", (16,), 256, options_from("llama", {"n_embd": 32})).eval()
+    for temperature in (0.0, 0.8):
+        cached = generate(model, "to be", 30, temperature, None, 7)
+        plain = generate(model, "to be", 30, temperature, None, 7, use_cache=False)
+        assert cached == plain and len(cached.encode()) >= len("to be") + 20, (cached, plain)
+    seen = []
+    hook = model[1].attn.q.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
+    generate(model, "to be", 4, 0.0, None, 0)
+    generate(model, "to be", 4, 0.0, None, 0, use_cache=False)
+    hook.remove()
+    assert seen == [5, 1, 1, 1] + [5, 6, 7, 8]  # tokens through the first block per step: cached, then not

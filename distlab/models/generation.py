@@ -68,9 +68,11 @@ def model_from_state(state: dict[str, torch.Tensor], meta: dict):
 
 @torch.no_grad()
 def generate(model: GPT, prompt: str, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-             seed: int = 0, tokenizer=None) -> str:
-    """``prompt`` followed by ``max_new_tokens`` sampled tokens, decoded (``tokenizer``: bytes by default)."""
-    return prompt + "".join(stream(model, prompt, max_new_tokens, temperature, top_k, seed, tokenizer))
+             seed: int = 0, tokenizer=None, use_cache: bool = True) -> str:
+    """``prompt`` followed by ``max_new_tokens`` sampled tokens, decoded (``tokenizer``: bytes by default).
+    A model with a ``decode`` method (the Llama family) keeps its keys and values: the prompt is run once,
+    then one token per step (``use_cache`` False: the whole window every step, the same tokens)."""
+    return prompt + "".join(stream(model, prompt, max_new_tokens, temperature, top_k, seed, tokenizer, use_cache))
 
 
 HELD_TOKENS = 8  # a piece that does not decode to whole characters waits for at most this many tokens
@@ -78,7 +80,7 @@ HELD_TOKENS = 8  # a piece that does not decode to whole characters waits for at
 
 @torch.no_grad()
 def stream(model: GPT, prompt: str, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-           seed: int = 0, tokenizer=None):
+           seed: int = 0, tokenizer=None, use_cache: bool = True):
     """The text after ``prompt``, piece by piece as it is sampled (``"".join`` of it is what
     :func:`generate` appends): a token is given out as soon as it completes a character, so a long
     generation shows from its first token. Memory stays that of one context window."""
@@ -89,8 +91,18 @@ def stream(model: GPT, prompt: str, max_new_tokens: int, temperature: float = 1.
     generator = torch.Generator().manual_seed(seed)
     window = torch.tensor([ids[-model.block_size:]], dtype=torch.long)
     pending: list[int] = []
+    cached = callable(getattr(model, "decode", None)) and use_cache
+    cache, fed = None, 0  # the key/value cache holds the window's first `fed` tokens
     for _ in range(max_new_tokens):
-        logits = model(window)[0, -1].float()
+        if not cached:
+            logits = model(window)[0, -1].float()
+        else:  # prefill once, then one token a step; a window that slid re-prefills (positions start again at 0)
+            if cache is not None and fed == window.shape[1] - 1:
+                out, cache = model.decode(window[:, -1:], cache, fed)
+            else:
+                out, cache = model.decode(window, None, 0)
+            fed = window.shape[1]
+            logits = out[0, -1].float()
         if temperature == 0:
             nxt = int(logits.argmax())
         else:
@@ -99,7 +111,10 @@ def stream(model: GPT, prompt: str, max_new_tokens: int, temperature: float = 1.
                 cutoff = torch.topk(logits, top_k).values[-1]
                 logits = logits.masked_fill(logits < cutoff, float("-inf"))
             nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
-        window = torch.cat([window, torch.tensor([[nxt]])], dim=1)[:, -model.block_size:]
+        grown = torch.cat([window, torch.tensor([[nxt]])], dim=1)
+        if grown.shape[1] > model.block_size:  # the window slides: the cache's positions no longer hold
+            grown, cache = grown[:, -model.block_size:], None
+        window = grown
         pending.append(nxt)
         text = tokenizer.decode(pending)
         if not text.endswith("\ufffd") or len(pending) >= HELD_TOKENS:  # a character cut in two waits for its rest

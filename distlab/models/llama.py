@@ -96,6 +96,23 @@ class LlamaAttention(nn.Module):
         y = self.core(rotate(q, cos, sin), rotate(k, cos, sin), v)
         return self.proj(y.transpose(1, 2).reshape(b, t, heads * d))
 
+    def decode(self, x: torch.Tensor, past: tuple | None, start: int) -> tuple[torch.Tensor, tuple]:
+        """Generation's step with a key/value cache: ``x`` the new tokens at positions ``start..``, ``past``
+        the earlier ones' rotated keys and values (None: a prefill, causal over ``x``; else ``x`` is one
+        token, which sees every cached key). Returns the output and the cache with ``x``'s appended."""
+        b, t, _ = x.shape
+        d = self.head_dim
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        heads, groups = q.shape[-1] // d, k.shape[-1] // d
+        q = q.view(b, t, heads, d).transpose(1, 2)
+        k, v = (z.view(b, t, groups, d).transpose(1, 2) for z in (k, v))
+        cos, sin = self.rotary(torch.arange(start, start + t, device=x.device))
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=past is None, enable_gqa=groups != heads)
+        return self.proj(y.transpose(1, 2).reshape(b, t, heads * d)), (k, v)
+
 
 class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))``."""
@@ -123,6 +140,11 @@ class LlamaBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
+
+    def decode(self, x: torch.Tensor, past: tuple | None, start: int) -> tuple[torch.Tensor, tuple]:
+        h, cache = self.attn.decode(self.ln1(x), past, start)
+        x = x + h
+        return x + self.mlp(self.ln2(x)), cache
 
 
 class TokenEmbedding(nn.Module):
@@ -163,6 +185,17 @@ class Llama(nn.Sequential):
         self.block_size, self.n_layer, self.n_head, self.kv_heads = block_size, n_layer, n_head, kv_heads
         self.n_embd, self.ffn_hidden, self.rope_theta, self.norm_eps = n_embd, hidden, rope_theta, norm_eps
         self._init_weights()
+
+    @torch.no_grad()
+    def decode(self, idx: torch.Tensor, cache: list | None, start: int) -> tuple[torch.Tensor, list]:
+        """Logits of the new tokens ``idx`` at positions ``start..`` given every block's key/value ``cache``
+        of the tokens before (None: a prefill); and the cache with them (:mod:`distlab.models.generation`)."""
+        x = self[0](idx)
+        new = []
+        for i, block in enumerate(list(self)[1:-1]):
+            x, kv = block.decode(x, cache[i] if cache else None, start)
+            new.append(kv)
+        return self[-1](x), new
 
     def snapshot_record(self) -> dict:
         """The sizes a snapshot of this model must agree on (:mod:`distlab.models.plans`)."""
