@@ -113,11 +113,13 @@ def test_generation_with_the_key_value_cache_gives_the_uncached_tokens():
     and fewer FLOPs: the blocks see each new token once."""
     from distlab.models.generation import generate
     torch.manual_seed(0)
+    for family in ("gpt", "llama"):
+        other = build_model(family, (16,), 256, options_from(family, {"n_embd": 32})).eval()
+        for temperature in (0.0, 0.8):
+            cached = generate(other, "to be", 30, temperature, None, 7)
+            plain = generate(other, "to be", 30, temperature, None, 7, use_cache=False)
+            assert cached == plain and len(cached.encode()) >= len("to be") + 20, (family, cached, plain)
     model = build_model("llama", (16,), 256, options_from("llama", {"n_embd": 32})).eval()
-    for temperature in (0.0, 0.8):
-        cached = generate(model, "to be", 30, temperature, None, 7)
-        plain = generate(model, "to be", 30, temperature, None, 7, use_cache=False)
-        assert cached == plain and len(cached.encode()) >= len("to be") + 20, (cached, plain)
     seen = []
     hook = model[1].attn.q.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
     generate(model, "to be", 4, 0.0, None, 0)

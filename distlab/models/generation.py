@@ -70,7 +70,7 @@ def model_from_state(state: dict[str, torch.Tensor], meta: dict):
 def generate(model: GPT, prompt: str, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
              seed: int = 0, tokenizer=None, use_cache: bool = True) -> str:
     """``prompt`` followed by ``max_new_tokens`` sampled tokens, decoded (``tokenizer``: bytes by default).
-    A model with a ``decode`` method (the Llama family) keeps its keys and values: the prompt is run once,
+    A model with a ``decode`` method (GPT, the Llama family) keeps its keys and values: the prompt is run once,
     then one token per step (``use_cache`` False: the whole window every step, the same tokens)."""
     return prompt + "".join(stream(model, prompt, max_new_tokens, temperature, top_k, seed, tokenizer, use_cache))
 
@@ -91,7 +91,7 @@ def stream(model: GPT, prompt: str, max_new_tokens: int, temperature: float = 1.
     generator = torch.Generator().manual_seed(seed)
     window = torch.tensor([ids[-model.block_size:]], dtype=torch.long)
     pending: list[int] = []
-    cached = callable(getattr(model, "decode", None)) and use_cache
+    cached = callable(getattr(model, "decode", None)) and getattr(model, "cacheable", True) and use_cache
     cache, fed = None, 0  # the key/value cache holds the window's first `fed` tokens
     for _ in range(max_new_tokens):
         if not cached:

@@ -76,6 +76,18 @@ class CausalSelfAttention(nn.Module):
         y = self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, t, heads * self.head_dim))
 
+    def decode(self, x: torch.Tensor, past: tuple | None) -> tuple[torch.Tensor, tuple]:
+        """Generation's step with a key/value cache (``past``: the earlier tokens' keys and values; None:
+        a prefill, causal over ``x``; else ``x`` is one token, which sees every cached key)."""
+        b, t, _ = x.shape
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        heads = q.shape[-1] // self.head_dim
+        q, k, v = (z.view(b, t, heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=past is None)
+        return self.proj(y.transpose(1, 2).reshape(b, t, heads * self.head_dim)), (k, v)
+
 
 class Block(nn.Module):
     """Pre-LayerNorm attention and MLP, each a residual branch; ``moe`` (keyword arguments of
@@ -92,6 +104,11 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
+
+    def decode(self, x: torch.Tensor, past: tuple | None) -> tuple[torch.Tensor, tuple]:
+        h, cache = self.attn.decode(self.ln1(x), past)
+        x = x + h
+        return x + self.mlp(self.ln2(x)), cache
 
 
 class Head(nn.Module):
@@ -127,6 +144,24 @@ class GPT(nn.Sequential):
         self.experts = experts
         self.moe_options = moe or {}
         self._init_weights()
+
+    @property
+    def cacheable(self) -> bool:
+        """Whether :meth:`decode` gives what the whole window gives: not where experts drop tokens over
+        capacity (how many a forward sees changes which ones)."""
+        return self.moe_options.get("capacity_factor") is None
+
+    @torch.no_grad()
+    def decode(self, idx: torch.Tensor, cache: list | None, start: int) -> tuple[torch.Tensor, list]:
+        """Logits of the new tokens ``idx`` at positions ``start..`` given every block's key/value ``cache``
+        (None: a prefill); and the cache with them (:mod:`distlab.models.generation`)."""
+        emb = self[0]
+        x = emb.tok(idx) + emb.pos(torch.arange(start, start + idx.shape[1], device=idx.device))
+        new = []
+        for i, block in enumerate(list(self)[1:-1]):
+            x, kv = block.decode(x, cache[i] if cache else None)
+            new.append(kv)
+        return self[-1](x), new
 
     def snapshot_record(self) -> dict:
         """The sizes a snapshot of this model must agree on (:mod:`distlab.models.plans`)."""
