@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from distlab.errors import ConfigError
 from distlab.models import hf
 
-transformers = pytest.importorskip("transformers", reason="transformers (the test extra) is not installed: "
-                                                          "pip install -e '.[test]' runs the interop tests")
+
+
+def _transformers():
+    return pytest.importorskip("transformers", reason="transformers (the test extra) is not installed: "
+                                                      "pip install -e '.[test]' runs the interop tests")
 
 
 def _config(arch: str, **extra):
+    transformers = _transformers()
     cls = {"LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig}[arch]
     return cls(vocab_size=256, hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -25,7 +30,7 @@ def _config(arch: str, **extra):
 
 def _saved(arch: str, directory, **extra):
     torch.manual_seed(0)
-    model = getattr(transformers, arch)(_config(arch, **extra)).eval()
+    model = getattr(_transformers(), arch)(_config(arch, **extra)).eval()
     model.save_pretrained(directory, max_shard_size="40KB")  # several shards and an index, as large models come
     return model
 
@@ -70,7 +75,7 @@ def test_in_through_a_layout_and_out_is_bitwise_and_transformers_loads_it(strate
     before = {k: v for f in hf.tensor_files(tmp_path / "in") for k, v in load_file(f).items()}
     after = {k: v for f in hf.tensor_files(tmp_path / "out") for k, v in load_file(f).items()}
     assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    back = _transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     x = torch.randint(0, 256, (1, 16))
     with torch.no_grad():
         assert torch.equal(back(x).logits, theirs(x).logits)
@@ -90,3 +95,39 @@ def test_what_distlab_would_compute_differently_is_refused_in_one_line(tmp_path)
     (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
     with pytest.raises(ConfigError, match="a pytorch_model.bin is a pickle, which distlab never loads"):
         hf.read(tmp_path)
+
+
+def _tokenizer_dir(path, vocab_size: int | None = None):
+    """A pretrained model's tokenizer files, as a Hugging Face directory holds them (a tiny BPE with <s> and
+    </s>; a config.json whose vocabulary pads it where ``vocab_size`` is given)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog\n"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    if vocab_size:
+        (path / "config.json").write_text(json.dumps({"vocab_size": vocab_size, "eos_token_id": 1}))
+    return tok
+
+
+def test_prepare_text_with_a_models_tokenizer_puts_its_eos_between_documents(tmp_path):
+    """prepare-text --tokenizer hf:DIR: the model's own tokenizer (no template tokens), its end-of-sequence
+    token between documents, the tokenizer copied beside the tokens; a vocabulary past 65,536 is uint32."""
+    from distlab.data.prepare import prepare
+    from distlab.data.tokens import load_tokens
+    tok = _tokenizer_dir(tmp_path / "model")
+    (tmp_path / "corpus.txt").write_text("\n\n".join(f"the fox {i}" for i in range(12)) + "\n")
+    manifest = prepare(tmp_path / "corpus.txt", tmp_path / "tok", f"hf:{tmp_path / 'model'}", progress=False)
+    train = np.fromfile(tmp_path / "tok" / "train.bin", dtype=manifest["dtype"])
+    eos = tok.token_to_id("</s>")
+    assert manifest["eos_token_id"] == eos and int((train == eos).sum()) == manifest["splits"]["train"]["documents"] - 1
+    assert tok.token_to_id("<s>") not in train  # no template's begin token
+    assert list(train[:len(tok.encode("the fox 0").ids)]) == tok.encode("the fox 0").ids
+    data = load_tokens(f"tokens:{tmp_path / 'tok'}", "train", 4)
+    assert data.tokenizer.decode(train[:3].tolist()) == tok.decode(train[:3].tolist())
+    _tokenizer_dir(tmp_path / "big", vocab_size=70_000)
+    wide = prepare(tmp_path / "corpus.txt", tmp_path / "wide", f"hf:{tmp_path / 'big'}", progress=False)
+    assert wide["dtype"] == "uint32" and wide["vocab_size"] == 70_000

@@ -11,8 +11,9 @@ import click
 @click.argument("src", metavar="SRC")
 @click.argument("out", metavar="OUT")
 @click.option("--tokenizer", default="bytes", show_default=True,
-              help="bytes (a token per byte) or bpe:N (a byte-level BPE of N tokens learned from the training "
-                   "documents alone; kept as OUT/tokenizer.json).")
+              help="bytes (a token per byte), bpe:N (a byte-level BPE of N tokens learned from the training "
+                   "documents alone; kept as OUT/tokenizer.json) or hf:DIR (a pretrained model's tokenizer.json, "
+                   "its end-of-sequence token between documents; copied to OUT).")
 @click.option("--progress/--no-progress", default=None, help="Progress bars (default: when a terminal).")
 def prepare_text(src, out, tokenizer, progress):
     """Stream the text file or directory SRC into OUT: train.bin and test.bin (every token of the split,

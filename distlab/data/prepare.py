@@ -200,7 +200,8 @@ def prepare(src: str | os.PathLike, out: str | os.PathLike, tokenizer: str = tok
             progress: bool = True) -> dict:
     """Tokenize ``src`` into ``out`` (see the module's description); returns the manifest. ``out`` must be
     new or empty: nothing already there is overwritten, and a failure leaves nothing behind."""
-    vocab_n = tokenizers.parse(tokenizer)
+    pretrained = tokenizers.HFTokenizer.from_dir(tokenizer[3:]) if tokenizers.is_pretrained(tokenizer) else None
+    vocab_n = None if pretrained else tokenizers.parse(tokenizer)
     root, out = Path(src), Path(out)
     if not root.exists():
         raise ConfigError(f"prepare-text: there is no file or directory {root}")
@@ -219,7 +220,7 @@ def prepare(src: str | os.PathLike, out: str | os.PathLike, tokenizer: str = tok
     except OSError as exc:
         raise WriteError(out, exc, "give another directory") from None
     try:
-        return _prepare(root, out, vocab_n, total, progress)
+        return _prepare(root, out, vocab_n, total, progress, pretrained)
     except BaseException:
         # nothing of a failed preparation stays: its files (finished or hidden temporaries, which on a full
         # disk would keep it full) and the directory it made
@@ -233,10 +234,10 @@ def prepare(src: str | os.PathLike, out: str | os.PathLike, tokenizer: str = tok
         raise
 
 
-def _prepare(root: Path, out: Path, vocab_n: int | None, total: int, progress: bool) -> dict:
+def _prepare(root: Path, out: Path, vocab_n: int | None, total: int, progress: bool, pretrained=None) -> dict:
     from tqdm import tqdm
 
-    tok = tokenizers.ByteTokenizer()
+    tok = pretrained or tokenizers.ByteTokenizer()
     invalid = [0]  # bytes of the training text that are not UTF-8 (a BPE reads each as U+FFFD)
     if vocab_n is not None:  # a first pass learns the BPE from the training documents alone
         with tqdm(total=total, unit="B", unit_scale=True, desc="learning BPE", disable=not progress) as bar:
@@ -276,7 +277,7 @@ def _tokenize(root: Path, out: Path, tok, writers: dict, total: int, progress: b
     from tqdm import tqdm
 
     vocab, dtype = tok.vocab_size, writers["train"].dtype
-    separator = tok.encode(b"\n")
+    separator = tok.separator() if hasattr(tok, "separator") else tok.encode(b"\n")  # a model's: its EOS
     with tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress) as bar:
         for split, doc in documents(root):
             w = writers[split]
@@ -304,13 +305,14 @@ def _tokenize(root: Path, out: Path, tok, writers: dict, total: int, progress: b
                f"{root} is cut into documents at blank lines: {found} here; separate more by blank lines")
         raise ConfigError(f"prepare-text: {root} gives no document to the {empty[0]} split (every {TEST_EVERY}th "
                           f"document is held out for testing): {how}, or give SRC/train and SRC/test")
-    if vocab_n is not None:
+    if tok.sha256:  # a learned or a pretrained one goes with the corpus
         atomic_text(out / "tokenizer.json", tok.to_json())
     manifest = {"format": FORMAT, "source": str(root.resolve()), "tokenizer": tok.spec, "vocab_size": vocab,
                 "dtype": dtype.name, "test_every": TEST_EVERY, "splits": splits,
                 "unigram_entropy": unigram_entropy(writers["train"].counts),
                 **({"tokenizer_sha256": tok.sha256, "tokens_learned": tok.learned,
-                    "non_utf8_bytes": invalid} if tok.sha256 else {})}
+                    "non_utf8_bytes": invalid} if tok.sha256 else {}),
+                **({"eos_token_id": tok.eos} if getattr(tok, "eos", None) is not None else {})}
     atomic_text(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
     return manifest
 

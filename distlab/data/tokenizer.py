@@ -103,6 +103,50 @@ class BPETokenizer:
         return cls(tok, max(vocab_size or 0, tok.get_vocab_size()))
 
 
+class HFTokenizer(BPETokenizer):
+    """A pretrained model's own tokenizer: its ``tokenizer.json`` (Hugging Face ``tokenizers``, any model:
+    BPE, SentencePiece-style, WordPiece), the text encoded whole and without the special tokens a
+    template would add; its vocabulary the model's (``config.json``'s ``vocab_size`` where it pads the
+    tokenizer's), its end-of-sequence token what separates documents."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos: int | None):
+        super().__init__(tokenizer, vocab_size)
+        self.spec, self.eos = "hf", eos
+
+    def encode(self, data: bytes) -> np.ndarray:
+        text = data.decode("utf-8", errors="replace")
+        ids = self._tok.encode(text, add_special_tokens=False).ids if text else []
+        return np.asarray(ids, dtype=np.int64)
+
+    def separator(self) -> np.ndarray:
+        return np.asarray([self.eos], dtype=np.int64) if self.eos is not None else self.encode(b"\n")
+
+    @classmethod
+    def from_dir(cls, directory: str) -> "HFTokenizer":
+        """``DIR/tokenizer.json`` with what ``DIR/config.json`` and ``DIR/tokenizer_config.json`` say of it."""
+        import json
+        from pathlib import Path
+        root = Path(directory)
+        if not (root / "tokenizer.json").is_file():
+            raise ConfigError(f"hf:{directory}: no tokenizer.json there (a model's tokenizer in Hugging Face "
+                              f"tokenizers' format; a tokenizer.model of SentencePiece alone is not read)")
+        tok = _library().Tokenizer.from_file(str(root / "tokenizer.json"))
+        config, tok_config = ({} if not (root / f).is_file() else json.loads((root / f).read_text(encoding="utf-8"))
+                              for f in ("config.json", "tokenizer_config.json"))
+        eos = config.get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        if eos is None and isinstance(tok_config.get("eos_token"), (str, dict)):
+            word = tok_config["eos_token"] if isinstance(tok_config["eos_token"], str) else tok_config["eos_token"].get("content")
+            eos = tok.token_to_id(word) if word else None
+        return cls(tok, max(int(config.get("vocab_size") or 0), tok.get_vocab_size()), eos)
+
+    @classmethod
+    def from_json(cls, text: str, vocab_size: int | None = None, where: str = "the tokenizer",
+                  eos: int | None = None) -> "HFTokenizer":
+        plain = BPETokenizer.from_json(text, vocab_size, where)
+        return cls(plain._tok, plain.vocab_size, eos)
+
+
 def _library():
     try:
         import tokenizers
@@ -132,6 +176,11 @@ def train_bpe_lines(lines, vocab_size: int, length: int | None = None) -> BPETok
     return BPETokenizer(tok, vocab_size)
 
 
+def is_pretrained(spec: str) -> bool:
+    """``hf:DIR``: a pretrained model's tokenizer (:class:`HFTokenizer`)."""
+    return isinstance(spec, str) and spec.startswith("hf:")
+
+
 def build(spec: str, train_text: bytes) -> ByteTokenizer | BPETokenizer:
     """The tokenizer ``spec`` names, trained on ``train_text`` where it learns."""
     n = parse(spec)
@@ -147,4 +196,4 @@ def load(path: str) -> ByteTokenizer | BPETokenizer:
     return BPETokenizer.from_json(text, where=f"--tokenizer {path}")
 
 
-__all__ = ["BYTES", "BPETokenizer", "ByteTokenizer", "build", "load", "parse", "train_bpe", "train_bpe_lines", "vocab_size"]
+__all__ = ["BYTES", "BPETokenizer", "ByteTokenizer", "HFTokenizer", "is_pretrained", "build", "load", "parse", "train_bpe", "train_bpe_lines", "vocab_size"]

@@ -189,6 +189,8 @@ def tokenizer_of(spec: str, manifest: dict):
         text = where.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"--dataset {spec}: cannot read {where} ({exc})") from None
+    if manifest["tokenizer"] == "hf":  # a pretrained model's (prepare-text --tokenizer hf:DIR)
+        return tokenizers.HFTokenizer.from_json(text, manifest["vocab_size"], str(where), manifest.get("eos_token_id"))
     return tokenizers.BPETokenizer.from_json(text, manifest["vocab_size"], where=str(where))
 
 
