@@ -23,9 +23,9 @@ def _transformers():
 def _config(arch: str, **extra):
     transformers = _transformers()
     cls = {"LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig}[arch]
-    return cls(vocab_size=256, hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
-               **extra)
+    return cls(**{**dict(vocab_size=256, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False), **extra})
 
 
 def _saved(arch: str, directory, **extra):
@@ -131,3 +131,18 @@ def test_prepare_text_with_a_models_tokenizer_puts_its_eos_between_documents(tmp
     _tokenizer_dir(tmp_path / "big", vocab_size=70_000)
     wide = prepare(tmp_path / "corpus.txt", tmp_path / "wide", f"hf:{tmp_path / 'big'}", progress=False)
     assert wide["dtype"] == "uint32" and wide["vocab_size"] == 70_000
+
+
+def test_generate_reads_a_hugging_face_directory_with_its_tokenizer(tmp_path, run_cli):
+    """distlab generate hf:DIR: the checkpoint's model and its tokenizer.json; the same text with and
+    without the key/value cache."""
+    _saved("LlamaForCausalLM", tmp_path / "small")
+    _tokenizer_dir(tmp_path / "small")  # 290 tokens for a model of 256
+    proc = run_cli("generate", f"hf:{tmp_path / 'small'}", "--max-new-tokens", "2")
+    assert proc.returncode == 2 and "the tokenizer has 290 tokens" in proc.stderr and proc.stderr.count("\n") == 1
+    _saved("LlamaForCausalLM", tmp_path / "m", vocab_size=320)
+    _tokenizer_dir(tmp_path / "m")
+    args = ["generate", f"hf:{tmp_path / 'm'}", "--prompt", "the fox", "--max-new-tokens", "8", "--seed", "3"]
+    cached, plain = (run_cli(*args, *extra, check=True) for extra in ([], ["--no-cache"]))
+    assert cached.stdout == plain.stdout and cached.stdout.startswith("the fox")
+    assert "(llama)" in cached.stderr and "hf tokens" in cached.stderr

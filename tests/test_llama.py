@@ -126,3 +126,19 @@ def test_generation_with_the_key_value_cache_gives_the_uncached_tokens():
     generate(model, "to be", 4, 0.0, None, 0, use_cache=False)
     hook.remove()
     assert seen == [5, 1, 1, 1] + [5, 6, 7, 8]  # tokens through the first block per step: cached, then not
+
+
+def test_nucleus_sampling_and_the_end_of_sequence_token():
+    """top-p keeps the smallest set of most likely tokens reaching p: a tiny p is greedy decoding whatever
+    the seed; generation stops at the tokenizer's end-of-sequence token."""
+    from distlab.data.tokenizer import ByteTokenizer
+    from distlab.models.generation import generate
+    torch.manual_seed(0)
+    model = build_model("llama", (16,), 256, options_from("llama", {"n_embd": 32})).eval()
+    greedy = generate(model, "to be", 12, 0.0, None, 0)
+    assert all(generate(model, "to be", 12, 1.0, None, seed, top_p=1e-6) == greedy for seed in (1, 2))
+    assert generate(model, "to be", 12, 1.0, None, 1, top_p=1.0) != greedy  # p 1: every token may come
+    stop = ByteTokenizer()
+    with torch.no_grad():
+        stop.eos = int(model(torch.tensor([list(b"to be")]))[0, -1].argmax())  # the first greedy token
+    assert generate(model, "to be", 12, 0.0, None, 0, stop) == "to be" != greedy

@@ -182,14 +182,19 @@ def export(snapshot_path, out, best, fmt):
 @click.option("--tokenizer", "tokenizer_file", default=None,
               help="For a plain model file trained with a BPE: its tokenizer.json (default: MODEL_FILE.tokenizer.json "
                    "beside it, which export writes; a model of 256 tokens reads bytes).")
-def generate(source, prompt, max_new_tokens, temperature, top_k, seed, n_head, tokenizer_file):
-    """Print text from a trained GPT: a run directory (its last snapshot), a snapshot of any layout, or an
-    exported model file. The text is printed as it is sampled."""
+@click.option("--top-p", type=Number(0.0, 1.0, low_open=True), default=None,
+              help="Sample among the most likely tokens whose probabilities sum to P (nucleus sampling).")
+@click.option("--cache/--no-cache", default=True, show_default=True,
+              help="Keep the keys and values: the prompt runs once, then one token a step (the same tokens).")
+def generate(source, prompt, max_new_tokens, temperature, top_k, seed, n_head, tokenizer_file, top_p, cache):
+    """Print text from a trained language model: a run directory (its last snapshot), a snapshot of any
+    layout, an exported model file, or hf:DIR (a Hugging Face checkpoint and its tokenizer.json). The text
+    is printed as it is sampled; it stops at the tokenizer's end-of-sequence token, where it has one."""
     from distlab.tools.generate import load_gpt, stream
     model, tokenizer, where = load_gpt(source, n_head, tokenizer_file)
     click.echo(f"{where}: {sum(p.numel() for p in model.parameters()):,} parameters, {tokenizer.spec} tokens; "
                f"seed {seed}", err=True)
-    pieces = stream(model, prompt, max_new_tokens, temperature, top_k, seed, tokenizer)
+    pieces = stream(model, prompt, max_new_tokens, temperature, top_k, seed, tokenizer, cache, top_p)
     first = next(pieces, "")  # the settings are checked before anything is printed
     for piece in itertools.chain([prompt + first], pieces):
         click.echo(piece, nl=False)

@@ -68,11 +68,12 @@ def model_from_state(state: dict[str, torch.Tensor], meta: dict):
 
 @torch.no_grad()
 def generate(model: GPT, prompt: str, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-             seed: int = 0, tokenizer=None, use_cache: bool = True) -> str:
+             seed: int = 0, tokenizer=None, use_cache: bool = True, top_p: float | None = None) -> str:
     """``prompt`` followed by ``max_new_tokens`` sampled tokens, decoded (``tokenizer``: bytes by default).
     A model with a ``decode`` method (GPT, the Llama family) keeps its keys and values: the prompt is run once,
     then one token per step (``use_cache`` False: the whole window every step, the same tokens)."""
-    return prompt + "".join(stream(model, prompt, max_new_tokens, temperature, top_k, seed, tokenizer, use_cache))
+    return prompt + "".join(stream(model, prompt, max_new_tokens, temperature, top_k, seed, tokenizer, use_cache,
+                                   top_p))
 
 
 HELD_TOKENS = 8  # a piece that does not decode to whole characters waits for at most this many tokens
@@ -80,12 +81,13 @@ HELD_TOKENS = 8  # a piece that does not decode to whole characters waits for at
 
 @torch.no_grad()
 def stream(model: GPT, prompt: str, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-           seed: int = 0, tokenizer=None, use_cache: bool = True):
+           seed: int = 0, tokenizer=None, use_cache: bool = True, top_p: float | None = None):
     """The text after ``prompt``, piece by piece as it is sampled (``"".join`` of it is what
     :func:`generate` appends): a token is given out as soon as it completes a character, so a long
     generation shows from its first token. Memory stays that of one context window."""
-    if temperature < 0 or (top_k is not None and top_k < 1):
-        raise ConfigError("--temperature must be at least 0 and --top-k at least 1")
+    if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
+        raise ConfigError("--temperature must be at least 0, --top-k at least 1 and --top-p in (0, 1]")
+    eos = getattr(tokenizer, "eos", None)
     tokenizer = tokenizer or tokenizers.ByteTokenizer()
     ids = tokenizer.encode(prompt.encode("utf-8")).tolist() or tokenizer.encode(b"\n").tolist()
     generator = torch.Generator().manual_seed(seed)
@@ -110,7 +112,14 @@ def stream(model: GPT, prompt: str, max_new_tokens: int, temperature: float = 1.
             if top_k is not None and top_k < logits.numel():
                 cutoff = torch.topk(logits, top_k).values[-1]
                 logits = logits.masked_fill(logits < cutoff, float("-inf"))
-            nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+            probs = torch.softmax(logits, -1)
+            if top_p is not None and top_p < 1:  # the smallest set of most likely tokens reaching top_p
+                ranked, order = probs.sort(descending=True)
+                drop = ranked.cumsum(0) - ranked >= top_p  # the tokens after the set is complete
+                probs = probs.scatter(0, order, ranked.masked_fill(drop, 0.0))
+            nxt = int(torch.multinomial(probs, 1, generator=generator))
+        if nxt == eos:  # the model's end of sequence: the text is complete
+            break
         grown = torch.cat([window, torch.tensor([[nxt]])], dim=1)
         if grown.shape[1] > model.block_size:  # the window slides: the cache's positions no longer hold
             grown, cache = grown[:, -model.block_size:], None

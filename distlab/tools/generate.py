@@ -25,6 +25,18 @@ __all__ = ["generate", "gpt_from_state", "load_gpt", "stream"]
 def load_gpt(source: str | Path, n_head: int | None = None, tokenizer_file: str | None = None) -> tuple:
     """The GPT ``source`` holds, its tokenizer, and a word on where it came from."""
     from distlab.train import export
+    if str(source).startswith("hf:"):  # a Hugging Face checkpoint with its own tokenizer
+        from distlab.models import hf
+        model, record = hf.build(str(source)[3:])
+        directory = Path(str(source)[3:])
+        tokenizer = tokenizers.load(tokenizer_file) if tokenizer_file else \
+            tokenizers.HFTokenizer.from_dir(str(directory)) if (directory / "tokenizer.json").is_file() else None
+        if tokenizer is None and record["vocab"] != 256:
+            raise ConfigError(f"{source} has no tokenizer.json and a vocabulary of {record['vocab']:,}: give --tokenizer")
+        if tokenizer is not None and tokenizer.learned > record["vocab"]:
+            raise ConfigError(f"the tokenizer has {tokenizer.learned:,} tokens, {source}'s model only "
+                              f"{record['vocab']:,}: give the tokenizer it was trained with")
+        return model, tokenizer or tokenizers.ByteTokenizer(), f"{source} ({record['model']})"
     kind, path = export.run_source(source)  # a run directory: its last snapshot, else its final model
     if kind == "snapshot" and path.is_dir():
         state, meta = export.whole_state(path)
