@@ -146,3 +146,21 @@ def test_generate_reads_a_hugging_face_directory_with_its_tokenizer(tmp_path, ru
     cached, plain = (run_cli(*args, *extra, check=True) for extra in ([], ["--no-cache"]))
     assert cached.stdout == plain.stdout and cached.stdout.startswith("the fox")
     assert "(llama)" in cached.stderr and "hf tokens" in cached.stderr
+
+
+def test_init_from_a_directory_takes_its_family_options_and_limits(tmp_path):
+    """--init-from hf:DIR without --model builds the checkpoint's family with its config's options; a
+    context past its positions, another family, an option that differs are refused in one line."""
+    from distlab.models import build_model, options_from
+    from distlab.train import TrainConfig
+    options = options_from("llama", {"n_embd": 32, "kv_heads": 1})
+    model = build_model("llama", (32,), 256, options)
+    hf.write(model.state_dict(), "llama", options, 256, 32, tmp_path)
+    flags = dict(init_from=f"hf:{tmp_path}", dataset="synthetic-text:2000", max_steps=1, progress=False)
+    cfg = TrainConfig.from_flags(**flags, block_size=16).validate(1)
+    assert cfg.model == "llama" and cfg.options.kv_heads == 1 and cfg.options.n_embd == 32
+    for extra, message in [(dict(block_size=64), "`block_size` 64 is longer than the 32 positions"),
+                           (dict(model="gpt", block_size=16), "is a llama model: give `model` llama"),
+                           (dict(model="llama", n_embd=64, block_size=16), "`n_embd` 64 differs from")]:
+        with pytest.raises(ConfigError, match=message):
+            TrainConfig.from_flags(**flags, **extra).validate(1)

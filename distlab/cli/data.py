@@ -26,4 +26,5 @@ def prepare_text(src, out, tokenizer, progress):
     click.echo(f"wrote {out}: {tokens.describe(manifest)}")
     for note in tokens.notes(manifest):
         click.echo(f"distlab: warning: {note}", err=True)
-    click.echo(f"train on it: distlab train --model gpt --dataset tokens:{out} ...")
+    start = f"--init-from {tokenizer} " if tokenizer.startswith("hf:") else "--model gpt "
+    click.echo(f"train on it: distlab train {start}--dataset tokens:{out} ...")

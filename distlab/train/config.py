@@ -302,6 +302,8 @@ class TrainConfig:
         if found is None:
             return
         name, options, vocab, positions = found
+        if self.model != name and self.model == type(self).model:  # no model named: the checkpoint's family
+            self.model, self.options = name, spec(name).make_options()
         if self.model != name:
             raise ConfigError(f"`init_from` {self.init_from} is a {name} model: give `model` {name}")
         default = spec(name).make_options()

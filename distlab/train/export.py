@@ -165,9 +165,12 @@ def export_hf(state: dict[str, torch.Tensor], meta: dict, out: str | Path) -> di
     options = recorded_options(meta)
     root = hf.write(state, name, options, state["0.tok.weight"].shape[0], int(meta.get("block_size") or 64), out)
     tokenizer = None
-    if isinstance(meta.get("tokenizer_json"), str):
+    if isinstance(meta.get("tokenizer_json"), str):  # with the config transformers' AutoTokenizer reads it by
         tokenizer = root / "tokenizer.json"
         atomic_write_text(tokenizer, meta["tokenizer_json"])
+        if not (root / "tokenizer_config.json").exists():
+            atomic_write_text(root / "tokenizer_config.json",
+                              json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}, indent=1) + "\n")
     files = sorted(p.name for p in root.iterdir())
     return {"out": str(root), "step": meta.get("step"), "model": name, "files": files,
             "tokenizer_file": str(tokenizer) if tokenizer else None,

@@ -39,6 +39,10 @@ def _tokens(data) -> str:
     tok = data.tokenizer
     if tok is None or tok.spec == "bytes":
         return "bytes"
+    if tok.spec == "hf":
+        eos = f", end of sequence {tok.eos} between documents" if getattr(tok, "eos", None) is not None else ""
+        return (f"a pretrained model's tokenizer, {tok.learned:,} tokens in a vocabulary of {tok.vocab_size:,}{eos}, "
+                f"{data.tokens_per_byte:.3f} tokens/byte")
     return (f"{tok.spec}: byte-level BPE learned from the training split, {tok.learned:,} of {tok.vocab_size:,} "
             f"tokens, {data.tokens_per_byte:.3f} tokens/byte")
 
