@@ -309,7 +309,8 @@ class TrainConfig:
         default = spec(name).make_options()
         if self.options != options:
             if self.options != default:
-                field = next(f.name for f in fields(options) if getattr(options, f.name) != getattr(self.options, f.name))
+                given = [f.name for f in fields(options) if getattr(self.options, f.name) != getattr(default, f.name)]
+                field = next((n for n in given if getattr(options, n) != getattr(self.options, n)), given[0])
                 raise ConfigError(f"`{field}` {getattr(self.options, field)} differs from {self.init_from}'s "
                                   f"{getattr(options, field)}: drop `{field}` (the checkpoint's config sets it)")
             self.options = options
