@@ -23,7 +23,7 @@ from torch import nn
 from distlab.errors import ConfigError
 from distlab.models.moe import MoE
 from distlab.models import register
-from distlab.models.plans import linear_plan
+from distlab.models.plans import decoder_tensor_plan, linear_plan
 from distlab.models.spec import ModelSpec, Options, option
 
 
@@ -193,25 +193,13 @@ class GPT(nn.Sequential):
         parallel after one region entry, the projection row parallel), each MLP as
         :func:`~distlab.models.plans.linear_plan` splits it; under sequence parallel the
         LayerNorms and the position embedding see ``block_size / tp`` positions."""
-        vocab = self[0].tok.num_embeddings
-        for what, count in (("`n_head`", self.n_head), ("`n_embd`", self.n_embd), ("the vocabulary", vocab)):
-            if count % tp:
-                raise ConfigError(f"tensor parallel splits attention heads, widths and the vocabulary over `tp` {tp} "
-                                  f"ranks: {what} {count} is not divisible by {tp}")
-        if sequence_parallel and self.block_size % tp:
-            raise ConfigError(f"`sequence_parallel` splits each sequence of `block_size` {self.block_size} tokens over "
-                              f"`tp` {tp} ranks: choose a `block_size` that {tp} divides")
-        plan = {"0.tok": "vocab_embedding", "0": "sequence_embedding"}
-        for i in range(1, len(self) - 1):
-            plan |= {f"{i}.ln1": "sequence", f"{i}.attn.enter": "enter", f"{i}.attn.q": "colwise_entered",
-                     f"{i}.attn.k": "colwise_entered", f"{i}.attn.v": "colwise_entered", f"{i}.attn.proj": "rowwise",
-                     f"{i}.ln2": "sequence"}
+        def mlp(i: int) -> dict[str, str]:
             if self.experts:  # experts stay whole on every tensor-parallel rank (expert parallel splits them);
-                plan[f"{i}.mlp"] = "sequence_stats"  # under sequence parallel each routes its own positions
-            else:
-                plan |= linear_plan(self[i].mlp, f"{i}.mlp", style)
-        head = len(self) - 1
-        return plan | {f"{head}.ln": "sequence", f"{head}.enter": "enter", f"{head}.out": "vocab_output"}
+                return {f"{i}.mlp": "sequence_stats"}  # under sequence parallel each routes its own positions
+            return linear_plan(self[i].mlp, f"{i}.mlp", style)
+        counts = (("`n_head`", self.n_head), ("`n_embd`", self.n_embd), ("the vocabulary", self[0].tok.num_embeddings))
+        return decoder_tensor_plan(self, tp, sequence_parallel, "attention heads, widths and the vocabulary", counts,
+                                   mlp)
 
     def context_parallel_plan(self, cp: int, style: str, tp: int = 1) -> dict[str, str]:
         """Context parallel's plan: the position embedding reads each rank's global positions, every

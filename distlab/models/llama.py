@@ -31,6 +31,7 @@ from torch import nn
 
 from distlab.errors import ConfigError
 from distlab.models import register
+from distlab.models.plans import decoder_tensor_plan
 from distlab.models.spec import ModelSpec, Options, option
 
 
@@ -220,27 +221,15 @@ class Llama(nn.Sequential):
         parallel after one region entry, the projection row parallel); the SwiGLU's gate and up column
         parallel, down row parallel (naive: each column parallel, gathered); under sequence parallel
         the RMSNorms see ``block_size / tp`` positions."""
-        vocab = self[0].tok.num_embeddings
-        for what, count in (("`n_head`", self.n_head), ("`kv_heads`", self.kv_heads),
-                            ("`ffn_hidden`", self.ffn_hidden), ("the vocabulary", vocab)):
-            if count % tp:
-                raise ConfigError(f"tensor parallel splits query heads, key/value heads, the MLP and the vocabulary "
-                                  f"over `tp` {tp} ranks: {what} {count} is not divisible by {tp}")
-        if sequence_parallel and self.block_size % tp:
-            raise ConfigError(f"`sequence_parallel` splits each sequence of `block_size` {self.block_size} tokens over "
-                              f"`tp` {tp} ranks: choose a `block_size` that {tp} divides")
-        plan = {"0.tok": "vocab_embedding", "0": "sequence_embedding"}
-        for i in range(1, len(self) - 1):
-            plan |= {f"{i}.ln1": "sequence", f"{i}.attn.enter": "enter", f"{i}.attn.q": "colwise_entered",
-                     f"{i}.attn.k": "colwise_entered", f"{i}.attn.v": "colwise_entered", f"{i}.attn.proj": "rowwise",
-                     f"{i}.ln2": "sequence"}
+        def mlp(i: int) -> dict[str, str]:
             if style == "megatron":
-                plan |= {f"{i}.mlp.enter": "enter", f"{i}.mlp.gate": "colwise_entered",
-                         f"{i}.mlp.up": "colwise_entered", f"{i}.mlp.down": "rowwise"}
-            else:
-                plan |= {f"{i}.mlp.{n}": "colwise_gather" for n in ("gate", "up", "down")}
-        head = len(self) - 1
-        return plan | {f"{head}.ln": "sequence", f"{head}.enter": "enter", f"{head}.out": "vocab_output"}
+                return {f"{i}.mlp.enter": "enter", f"{i}.mlp.gate": "colwise_entered", f"{i}.mlp.up": "colwise_entered",
+                        f"{i}.mlp.down": "rowwise"}
+            return {f"{i}.mlp.{n}": "colwise_gather" for n in ("gate", "up", "down")}
+        counts = (("`n_head`", self.n_head), ("`kv_heads`", self.kv_heads), ("`ffn_hidden`", self.ffn_hidden),
+                  ("the vocabulary", self[0].tok.num_embeddings))
+        return decoder_tensor_plan(self, tp, sequence_parallel, "query heads, key/value heads, the MLP and the "
+                                   "vocabulary", counts, mlp)
 
     def context_parallel_plan(self, cp: int, style: str, tp: int = 1) -> dict[str, str]:
         """Context parallel's plan: every block's rotary table reads the rank's global positions, its

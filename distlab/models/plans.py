@@ -162,3 +162,26 @@ def linear_plan(container: nn.Sequential, prefix: str, style: str, keep_last: bo
         pairs = list(zip(linears[0::2], linears[1::2]))
         return {k: v for a, b in pairs for k, v in ((name(a), "colwise"), (name(b), "rowwise"))}
     return {name(i): "colwise_gather" for i in (linears[:-1] if keep_last else linears)}
+
+
+def decoder_tensor_plan(model: nn.Sequential, tp: int, sequence_parallel: bool, splits: str,
+                        counts: tuple[tuple[str, int], ...], mlp) -> dict[str, str]:
+    """The tensor-parallel plan of a decoder laid out as embedding, blocks, head (GPT's and the Llama
+    family's): the token embedding and the LM head split by vocabulary, each block's attention by heads
+    (q, k, v column parallel after one region entry, the projection row parallel), its norms between the
+    regions (``sequence`` under sequence parallel), and ``mlp(i)`` the plan of block ``i``'s MLP. Each
+    of ``counts`` (``(what, count)``: heads, widths, the vocabulary) must divide by ``tp``."""
+    for what, count in counts:
+        if count % tp:
+            raise ConfigError(f"tensor parallel splits {splits} over `tp` {tp} ranks: {what} {count} is not "
+                              f"divisible by {tp}")
+    if sequence_parallel and model.block_size % tp:
+        raise ConfigError(f"`sequence_parallel` splits each sequence of `block_size` {model.block_size} tokens over "
+                          f"`tp` {tp} ranks: choose a `block_size` that {tp} divides")
+    plan = {"0.tok": "vocab_embedding", "0": "sequence_embedding"}
+    for i in range(1, len(model) - 1):
+        plan |= {f"{i}.ln1": "sequence", f"{i}.attn.enter": "enter", f"{i}.attn.q": "colwise_entered",
+                 f"{i}.attn.k": "colwise_entered", f"{i}.attn.v": "colwise_entered", f"{i}.attn.proj": "rowwise",
+                 f"{i}.ln2": "sequence", **mlp(i)}
+    head = len(model) - 1
+    return plan | {f"{head}.ln": "sequence", f"{head}.enter": "enter", f"{head}.out": "vocab_output"}
