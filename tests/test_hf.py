@@ -22,7 +22,8 @@ def _transformers():
 
 def _config(arch: str, **extra):
     transformers = _transformers()
-    cls = {"LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig}[arch]
+    cls = {"LlamaForCausalLM": transformers.LlamaConfig, "MistralForCausalLM": transformers.MistralConfig,
+           "Qwen2ForCausalLM": transformers.Qwen2Config}[arch]
     return cls(**{**dict(vocab_size=256, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
                          tie_word_embeddings=False), **extra})
@@ -35,11 +36,17 @@ def _saved(arch: str, directory, **extra):
     return model
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MistralForCausalLM"])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"])
 def test_a_hugging_face_checkpoint_gives_the_same_logits(arch, tmp_path):
     """Both compute in float32; each is within its rounding of the float64 result (transformers' own model
-    in float64), so they agree to twice that."""
+    in float64), so they agree to twice that. Qwen2's q/k/v biases (random here, not zeros) included; and
+    back out as the same architecture."""
     theirs = _saved(arch, tmp_path, rope_theta=500000.0)
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if name.endswith("bias"):
+                p.normal_()
+    theirs.save_pretrained(tmp_path, max_shard_size="40KB")
     assert (tmp_path / hf.INDEX).is_file()
     mine, record = hf.build(tmp_path)
     assert record["kv_heads"] == 2 and record["rope_theta"] == 500000.0 and record["vocab"] == 256
@@ -49,6 +56,9 @@ def test_a_hugging_face_checkpoint_gives_the_same_logits(arch, tmp_path):
         exact = theirs.double()(x).logits
     bound = 2 * (b.double() - exact).abs().max().item() + torch.finfo(torch.float32).eps * exact.abs().max().item()
     assert (a.double() - b.double()).abs().max().item() <= bound
+    out = hf.write(mine.state_dict(), "llama", hf.family_of(hf.config_of(tmp_path))[1].options_from(
+        hf.config_of(tmp_path), "")[0], 256, 64, tmp_path / "out")
+    assert hf.config_of(out)["architectures"] == ["Qwen2ForCausalLM" if arch.startswith("Qwen") else "LlamaForCausalLM"]
 
 
 def _train(rank, world, directory, snapshots, strategy):

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import click
+
 
 def model_options() -> tuple[list[tuple[str, dict]], set[str]]:
     """A flag per field of every registered family's options (``n_layer`` -> ``--n-layer``), its help
@@ -18,7 +20,7 @@ def model_options() -> tuple[list[tuple[str, dict]], set[str]]:
         for f in fields(family.options):
             annotation = str(f.type)
             kind = str if "tuple" in annotation else float if "float" in annotation else \
-                int if "int" in annotation else str
+                int if "int" in annotation else click.BOOL if "bool" in annotation else str
             rows.setdefault(f.name, dict(default=None, type=kind, help=f.metadata.get("help", "")))
             if "tuple" in annotation:
                 csv.add(f.name)

@@ -74,13 +74,13 @@ class GroupedAttention(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, kv_heads: int, theta: float):
+    def __init__(self, n_embd: int, n_head: int, kv_heads: int, theta: float, qkv_bias: bool = False):
         super().__init__()
         self.head_dim = n_embd // n_head
         self.enter = nn.Identity()  # where a parallel region begins when tensor parallel splits the heads
-        self.q = nn.Linear(n_embd, n_head * self.head_dim, bias=False)
-        self.k = nn.Linear(n_embd, kv_heads * self.head_dim, bias=False)
-        self.v = nn.Linear(n_embd, kv_heads * self.head_dim, bias=False)
+        self.q = nn.Linear(n_embd, n_head * self.head_dim, bias=qkv_bias)
+        self.k = nn.Linear(n_embd, kv_heads * self.head_dim, bias=qkv_bias)
+        self.v = nn.Linear(n_embd, kv_heads * self.head_dim, bias=qkv_bias)
         self.proj = nn.Linear(n_head * self.head_dim, n_embd, bias=False)
         self.rotary = RotaryTable(self.head_dim, theta)
         self.core = GroupedAttention()
@@ -131,10 +131,11 @@ class SwiGLU(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, kv_heads: int, hidden: int, theta: float, eps: float):
+    def __init__(self, n_embd: int, n_head: int, kv_heads: int, hidden: int, theta: float, eps: float,
+                 qkv_bias: bool = False):
         super().__init__()
         self.ln1 = nn.RMSNorm(n_embd, eps=eps)
-        self.attn = LlamaAttention(n_embd, n_head, kv_heads, theta)
+        self.attn = LlamaAttention(n_embd, n_head, kv_heads, theta, qkv_bias)
         self.ln2 = nn.RMSNorm(n_embd, eps=eps)
         self.mlp = SwiGLU(n_embd, hidden)
 
@@ -178,11 +179,13 @@ class Llama(nn.Sequential):
 
     def __init__(self, vocab: int, block_size: int, n_layer: int = 2, n_head: int = 4, kv_heads: int = 2,
                  n_embd: int = 128, ffn_hidden: int | None = None, rope_theta: float = 10000.0,
-                 norm_eps: float = 1e-5):
+                 norm_eps: float = 1e-5, qkv_bias: bool = False):
         hidden = ffn_hidden or default_hidden(n_embd)
         super().__init__(TokenEmbedding(vocab, n_embd),
-                         *(LlamaBlock(n_embd, n_head, kv_heads, hidden, rope_theta, norm_eps) for _ in range(n_layer)),
+                         *(LlamaBlock(n_embd, n_head, kv_heads, hidden, rope_theta, norm_eps, qkv_bias)
+                           for _ in range(n_layer)),
                          LlamaHead(n_embd, vocab, norm_eps))
+        self.qkv_bias = qkv_bias
         self.block_size, self.n_layer, self.n_head, self.kv_heads = block_size, n_layer, n_head, kv_heads
         self.n_embd, self.ffn_hidden, self.rope_theta, self.norm_eps = n_embd, hidden, rope_theta, norm_eps
         self._init_weights()
@@ -202,7 +205,7 @@ class Llama(nn.Sequential):
         """The sizes a snapshot of this model must agree on (:mod:`distlab.models.plans`)."""
         return {"n_layer": self.n_layer, "n_head": self.n_head, "kv_heads": self.kv_heads, "n_embd": self.n_embd,
                 "ffn_hidden": self.ffn_hidden, "rope_theta": self.rope_theta, "norm_eps": self.norm_eps,
-                "block_size": self.block_size}
+                "block_size": self.block_size, **({"qkv_bias": True} if self.qkv_bias else {})}
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token (PaLM's count): 6 x the weights of the matrix multiplications a token
@@ -248,9 +251,11 @@ class Llama(nn.Sequential):
         return {}
 
     def _init_weights(self) -> None:
-        """N(0, 0.02) weights, the residual projections scaled by 1/sqrt(2 n_layer), norms at one."""
+        """N(0, 0.02) weights, the residual projections scaled by 1/sqrt(2 n_layer), norms at one, biases 0."""
         for name, p in self.named_parameters():
-            if p.dim() >= 2:
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() >= 2:
                 std = 0.02 / math.sqrt(2 * self.n_layer) if name.endswith(("attn.proj.weight", "mlp.down.weight")) \
                     else 0.02
                 nn.init.normal_(p, 0.0, std)
@@ -273,6 +278,7 @@ class LlamaOptions(Options):
                                     "multiple of 64).")
     rope_theta: float = option(10000.0, "llama: rotary positions' base (Llama 2: 10000, Llama 3: 500000).")
     norm_eps: float = option(1e-5, "llama: RMSNorm's epsilon.")
+    qkv_bias: bool = option(False, "llama: biases on the query, key and value projections (Qwen2's).")
 
     def check(self) -> None:
         for name in ("n_layer", "n_head", "kv_heads", "n_embd"):
@@ -292,20 +298,23 @@ class LlamaOptions(Options):
 
     def describe(self) -> str:
         return (f"{self.n_layer} blocks, {self.n_head} heads ({self.kv_heads} key/value), width {self.n_embd}, "
-                f"SwiGLU {self.ffn_hidden or default_hidden(self.n_embd)}, rotary base {self.rope_theta:g}")
+                f"SwiGLU {self.ffn_hidden or default_hidden(self.n_embd)}, rotary base {self.rope_theta:g}"
+                + (", q/k/v biases" if self.qkv_bias else ""))
 
 
 def _build(shape, vocab, o: LlamaOptions) -> Llama:
-    return Llama(vocab, shape[0], o.n_layer, o.n_head, o.kv_heads, o.n_embd, o.ffn_hidden, o.rope_theta, o.norm_eps)
+    return Llama(vocab, shape[0], o.n_layer, o.n_head, o.kv_heads, o.n_embd, o.ffn_hidden, o.rope_theta, o.norm_eps,
+                 o.qkv_bias)
 
 
 
 
 class HFLlama:
-    """Hugging Face's Llama and Mistral checkpoints <-> ``llama`` (:mod:`distlab.models.hf`): the same
-    math, rotary positions already in the rotate-half layout distlab uses, so every tensor maps by name."""
+    """Hugging Face's Llama, Mistral and Qwen2 checkpoints <-> ``llama`` (:mod:`distlab.models.hf`): the
+    same math (Qwen2's: with q/k/v biases), rotary positions already in the rotate-half layout distlab
+    uses, so every tensor maps by name."""
 
-    architectures = ("LlamaForCausalLM", "MistralForCausalLM")
+    architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
     LAYER = {"self_attn.q_proj": "attn.q", "self_attn.k_proj": "attn.k", "self_attn.v_proj": "attn.v",
              "self_attn.o_proj": "attn.proj", "mlp.gate_proj": "mlp.gate", "mlp.up_proj": "mlp.up",
              "mlp.down_proj": "mlp.down", "input_layernorm": "ln1", "post_attention_layernorm": "ln2"}
@@ -318,6 +327,8 @@ class HFLlama:
                "lm_head.weight": f"{last}.out.weight"}
         for i in range(options.n_layer):
             out |= {f"model.layers.{i}.{theirs}.weight": f"{i + 1}.{mine}.weight" for theirs, mine in cls.LAYER.items()}
+            if options.qkv_bias:
+                out |= {f"model.layers.{i}.self_attn.{p}_proj.bias": f"{i + 1}.attn.{p}.bias" for p in "qkv"}
         return out
 
     @staticmethod
@@ -327,6 +338,8 @@ class HFLlama:
         scaling = config.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"}
                                                  if rope.get("rope_type", "default") != "default" else None)
         heads, width = config["num_attention_heads"], config["hidden_size"]
+        qwen = (config.get("architectures") or [""])[0] == "Qwen2ForCausalLM"
+        window = config.get("sliding_window") if config.get("use_sliding_window", not qwen) else None
         refused = [(scaling, f"rope_scaling {scaling} (distlab's rotary positions are unscaled)"),
                    (config.get("hidden_act", "silu") != "silu", f"hidden_act {config.get('hidden_act')!r} (SwiGLU is silu)"),
                    (config.get("attention_bias"), "attention_bias true (distlab's attention has no biases)"),
@@ -335,7 +348,8 @@ class HFLlama:
                    (config.get("head_dim") not in (None, width // heads),
                     f"head_dim {config.get('head_dim')} (distlab's heads are hidden_size / num_attention_heads = "
                     f"{width // heads} wide)"),
-                   ((config.get("sliding_window") or 0) and config["sliding_window"] < config.get("max_position_embeddings", 0),
+                   ("sliding_attention" in (config.get("layer_types") or ()) or (window or 0) and window <
+                    config.get("max_position_embeddings", 0),
                     f"sliding_window {config.get('sliding_window')} (distlab's attention sees the whole context)")]
         for bad, what in refused:
             if bad:
@@ -345,20 +359,23 @@ class HFLlama:
         options = LlamaOptions(n_layer=config["num_hidden_layers"], n_head=heads,
                                kv_heads=config.get("num_key_value_heads") or heads, n_embd=width,
                                ffn_hidden=config["intermediate_size"], rope_theta=float(theta),
-                               norm_eps=float(config.get("rms_norm_eps", 1e-6)))
+                               norm_eps=float(config.get("rms_norm_eps", 1e-6)), qkv_bias=qwen)
         options.check()
         return options, int(config["vocab_size"])
 
     @staticmethod
     def config_for(options: "LlamaOptions", vocab: int, block_size: int) -> dict:
         """The ``config.json`` of a ``LlamaForCausalLM`` computing what ``llama`` with ``options`` computes."""
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+        kind = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False} \
+            if options.qkv_bias else {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+        return {**kind, "vocab_size": vocab,
                 "hidden_size": options.n_embd, "intermediate_size": options.ffn_hidden or default_hidden(options.n_embd),
                 "num_hidden_layers": options.n_layer, "num_attention_heads": options.n_head,
                 "num_key_value_heads": options.kv_heads, "head_dim": options.n_embd // options.n_head,
                 "hidden_act": "silu", "max_position_embeddings": block_size, "rms_norm_eps": options.norm_eps,
                 "rope_theta": options.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": options.rope_theta},
-                "rope_scaling": None, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+                "rope_scaling": None, **({} if options.qkv_bias else {"attention_bias": False, "mlp_bias": False}),
+                "tie_word_embeddings": False,
                 "torch_dtype": "float32", "dtype": "float32"}
 
 
