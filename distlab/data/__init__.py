@@ -34,7 +34,7 @@ from distlab.data.imagefolder import PREFIX as FOLDER, imagefolder_shape, load_i
 from distlab.data.synthetic import make_synthetic, parse_spec
 from distlab.data.tensors import PREFIX as TENSORS, load_tensors, path_of, tensors_shape
 from distlab.data import tokenizer as tokenizers
-from distlab.data import textfiles, tokens
+from distlab.data import sft, textfiles, tokens
 from distlab.data.text import FORTUNES_SYSTEM_DIR, TextDataset, fortunes_present, make_synthetic_text, parse_synthetic, \
     read_fortunes
 from distlab.errors import ConfigError, DataNotFoundError, did_you_mean
@@ -107,7 +107,7 @@ def dataset_names() -> list[str]:
 def is_text(name: str) -> bool:
     """Whether dataset ``name`` is a token stream (next-token prediction) rather than labelled images."""
     name = canonical_name(name)
-    return name.startswith(("synthetic-text", textfiles.PREFIX, tokens.PREFIX)) or \
+    return name.startswith(("synthetic-text", textfiles.PREFIX, tokens.PREFIX, sft.PREFIX)) or \
         (name in REGISTRY and REGISTRY[name].text)
 
 
@@ -123,6 +123,9 @@ def canonical_name(name: str) -> str:
         return name
     if name.startswith(tokens.PREFIX):
         tokens.path_of(name)
+        return name
+    if name.startswith(sft.PREFIX):
+        sft.path_of(name)
         return name
     if name.startswith("synthetic-text"):
         parse_synthetic(name)
@@ -200,6 +203,8 @@ def load_dataset(name: str, split: str, data_dir: str | os.PathLike | None = Non
         return load_imagefolder(name, split)
     if name.startswith(tokens.PREFIX):
         return tokens.load_tokens(name, split, block_size)
+    if name.startswith(sft.PREFIX):
+        return sft.load_sft(name, split, block_size, tokenizer)
     if name.startswith("synthetic-text"):
         if tokenizer != tokenizers.BYTES:
             raise ConfigError(f"{name} is random bytes, not text a tokenizer can learn from: keep `tokenizer` bytes")
@@ -257,6 +262,8 @@ def dataset_shape(name: str, block_size: int = 64, tokenizer: str = "bytes") -> 
         return imagefolder_shape(name)
     if name.startswith(tokens.PREFIX):
         return tokens.shape(name, block_size)
+    if name.startswith(sft.PREFIX):
+        return sft.shape(name, block_size, tokenizer)
     if is_text(name):
         return (block_size,), tokenizers.vocab_size(tokenizer)
     if name.startswith("synthetic"):

@@ -43,6 +43,8 @@ def parse(spec: str) -> int | None:
 
 def vocab_size(spec: str) -> int:
     """The model's vocabulary under tokenizer ``spec`` (known without reading any text)."""
+    if is_pretrained(spec):
+        return HFTokenizer.from_dir(spec[3:]).vocab_size
     n = parse(spec)
     return 256 if n is None else n
 

@@ -100,6 +100,7 @@ def header(trainer) -> list[str]:
         if cfg.dataset.startswith(("tensors:", "imagefolder:")):  # statistics computed from the training split
             lines.append(f"         normalised per channel with the training split's mean "
                          f"{', '.join(f'{m:.4g}' for m in data.mean)} and std {', '.join(f'{s:.4g}' for s in data.std)}")
+    lines += [f"         {data.about}"] if getattr(data, "about", "") else []
     lines += [f"         warning: {note}" for note in getattr(data, "notes", ())]
     lines.append(f"         {trainer.data_where}")
     lines.append(f"         {_evaluation_words(trainer)}")
