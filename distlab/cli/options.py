@@ -301,9 +301,12 @@ TRAIN_OPTIONS = [
     ("dataset", dict(help="Images: fashion-mnist, mnist, cifar10, cifar100, synthetic:CxHxW:K[:N]; text: fortunes, "
                      "synthetic-text[:N]; your own: tensors:FILE (.pt or .npz with inputs and labels), "
                      "imagefolder:DIR (a subfolder of PNG/JPEG images per class), text:PATH (a text file, documents "
-                     "separated by blank lines, or a directory of text files).")),
+                     "separated by blank lines, or a directory of text files), tokens:DIR (a corpus prepare-text "
+                     "wrote, memory-mapped), sft:FILE.jsonl (prompt/completion records to fine-tune on: the loss "
+                     "on the completions).")),
     ("tokenizer", dict(help="Text: bytes (a token per byte) or bpe:N (a byte-level BPE of N tokens learned from the "
-                       "training split; kept in OUT/tokenizer.json and in snapshots).")),
+                       "training split; kept in OUT/tokenizer.json and in snapshots); for sft: records also hf:DIR "
+                       "(a pretrained model's tokenizer.json).")),
     ("data_dir", dict(help="Where the dataset is; the only place searched when given (default: $DISTLAB_DATA, "
                      "else /usr/share/datasets).")),
     ("data_on_device", dict(help="auto, on or off: keep the data set in GPU memory and gather each batch there "

@@ -161,6 +161,14 @@ class TrainConfig:
         if self.tokenizer != "bytes" and self.dataset.startswith("tokens:"):
             raise ConfigError(f"{self.dataset} was tokenized when it was prepared (its manifest names the tokenizer): "
                               f"drop `tokenizer`")
+        pretrained = self.tokenizer.startswith("hf:")
+        if pretrained and not self.dataset.startswith("sft:"):
+            raise ConfigError(f"`tokenizer` {self.tokenizer} reads fine-tuning records (sft:FILE.jsonl); tokenize a "
+                              f"corpus once with `distlab prepare-text SRC OUT --tokenizer {self.tokenizer}` and train on "
+                              f"tokens:OUT")
+        if self.dataset.startswith("sft:") and self.tokenizer != "bytes" and not pretrained:
+            raise ConfigError(f"{self.dataset}: fine-tuning records are read with bytes or a pretrained model's "
+                              f"tokenizer (hf:DIR), not {self.tokenizer}")
         if self.tokenizer != "bytes" and self.dataset.startswith("synthetic-text"):
             raise ConfigError(f"{self.dataset} is random bytes, not text a tokenizer can learn from: keep `tokenizer` "
                               f"bytes")
