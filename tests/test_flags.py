@@ -9,16 +9,11 @@ nan, inf, huge, empty, of the wrong type. The examples are derandomized, so a fa
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
-import signal
-import sys
 from pathlib import Path
 
 import click
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
