@@ -19,9 +19,9 @@ from distlab.tools.verify import default_strategies, verify
 def test_llama_trains_every_layout_as_one_process():
     """Data parallel, ZeRO-3 recomputing, TP+SP, the ring and all-to-all over grouped heads (each rank's
     rotary positions offset: without the offset the ring case is off by ~1e-5 against a 4e-6 bound),
-    a pipeline -- verify's float32 bound, on 2 ranks."""
-    cases = [c for c in default_strategies(2) if c.model == "llama"]
-    assert len(cases) == 6
+    a pipeline, and SwiGLU experts shared out by expert parallel -- verify's float32 bound, on 2 ranks."""
+    cases = [c for c in default_strategies(2) if c.model in ("llama", "llama-moe")]
+    assert len(cases) == 7
     records = verify(cases, 2, steps=3, timeout=600)
     failed = [(r["strategy"], r["max_abs_param_diff"], r["tolerance"]) for r in records if not r["passed"]]
     assert not failed, failed

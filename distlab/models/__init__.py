@@ -64,7 +64,7 @@ FAMILIES = {
     "resnet18": "distlab.models.resnet",
     "small-cnn-bn": "distlab.models.small_cnn",
     "gpt": "distlab.models.gpt", "gpt-moe": "distlab.models.gpt",
-    "llama": "distlab.models.llama",
+    "llama": "distlab.models.llama", "llama-moe": "distlab.models.llama",
 }
 _SPECS: dict[str, ModelSpec] = {}
 

@@ -14,7 +14,7 @@ whole heads by splitting the three column-wise and the output projection row-wis
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -275,33 +275,45 @@ class GPTMoEOptions(GPTOptions):
 
     def check(self) -> None:
         super().check()
-        if self.experts < 2:
-            raise ConfigError(f"`experts` must be at least 2, not {self.experts}")
-        if not 1 <= self.top_k <= self.experts:
-            raise ConfigError(f"`top_k` {self.top_k} must be between 1 and `experts` {self.experts} (each token goes "
-                              f"to top_k of the experts)")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ConfigError(f"`capacity_factor` must be positive, not {self.capacity_factor:g} (leave it out for "
-                              f"dropless routing)")
-        if not self.aux_coef >= 0:
-            raise ConfigError(f"`aux_coef` must be 0 or more, not {self.aux_coef:g}")
-        from distlab.models.moe import DROP_POLICIES
-        if self.drop_policy not in DROP_POLICIES:
-            raise ConfigError(f"unknown `drop_policy` {self.drop_policy!r}; choose one of: {', '.join(DROP_POLICIES)}")
-        if self.drop_policy != "position" and self.capacity_factor is None:
-            raise ConfigError(f"`drop_policy` {self.drop_policy} picks which slots a full expert drops, and without "
-                              f"`capacity_factor` none is ever dropped: give `capacity_factor` (e.g. 1.25) or drop "
-                              f"`drop_policy`")
+        check_experts(self)
 
     def describe(self) -> str:
-        return (f"{super().describe()}, MLPs of {self.experts} experts, top-{self.top_k}, "
-                + ("dropless" if self.capacity_factor is None else f"capacity factor {self.capacity_factor:g}, a full "
-                   f"expert keeping its {'earliest' if self.drop_policy == 'position' else 'most probable'} slots")
-                + f", balance loss x {self.aux_coef:g}")
+        return f"{super().describe()}, {describe_experts(self)}"
 
     def experts_options(self) -> dict:
         return dict(experts=self.experts, top_k=self.top_k, capacity_factor=self.capacity_factor,
                     aux_coef=self.aux_coef, drop_policy=self.drop_policy)
+
+
+EXPERT_FIELDS = tuple(f for f in fields(GPTMoEOptions) if f.name not in GPTOptions.names())  # a family's MoE options
+
+
+def check_experts(self) -> None:
+    """The mixture-of-experts options' limits (any family that has them: GPT's, the Llama family's)."""
+    if self.experts < 2:
+        raise ConfigError(f"`experts` must be at least 2, not {self.experts}")
+    if not 1 <= self.top_k <= self.experts:
+        raise ConfigError(f"`top_k` {self.top_k} must be between 1 and `experts` {self.experts} (each token goes "
+                          f"to top_k of the experts)")
+    if self.capacity_factor is not None and not self.capacity_factor > 0:
+        raise ConfigError(f"`capacity_factor` must be positive, not {self.capacity_factor:g} (leave it out for "
+                          f"dropless routing)")
+    if not self.aux_coef >= 0:
+        raise ConfigError(f"`aux_coef` must be 0 or more, not {self.aux_coef:g}")
+    from distlab.models.moe import DROP_POLICIES
+    if self.drop_policy not in DROP_POLICIES:
+        raise ConfigError(f"unknown `drop_policy` {self.drop_policy!r}; choose one of: {', '.join(DROP_POLICIES)}")
+    if self.drop_policy != "position" and self.capacity_factor is None:
+        raise ConfigError(f"`drop_policy` {self.drop_policy} picks which slots a full expert drops, and without "
+                          f"`capacity_factor` none is ever dropped: give `capacity_factor` (e.g. 1.25) or drop "
+                          f"`drop_policy`")
+
+
+def describe_experts(self) -> str:
+    return (f"MLPs of {self.experts} experts, top-{self.top_k}, "
+            + ("dropless" if self.capacity_factor is None else f"capacity factor {self.capacity_factor:g}, a full "
+               f"expert keeping its {'earliest' if self.drop_policy == 'position' else 'most probable'} slots")
+            + f", balance loss x {self.aux_coef:g}")
 
 
 def _build(shape, vocab, o: GPTOptions) -> GPT:

@@ -23,7 +23,7 @@ whole query heads and whole key/value groups.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, make_dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,7 @@ from torch import nn
 
 from distlab.errors import ConfigError
 from distlab.models import register
+from distlab.models.gpt import EXPERT_FIELDS, check_experts, describe_experts
 from distlab.models.plans import decoder_tensor_plan
 from distlab.models.spec import ModelSpec, Options, option
 
@@ -132,12 +133,16 @@ class SwiGLU(nn.Module):
 
 class LlamaBlock(nn.Module):
     def __init__(self, n_embd: int, n_head: int, kv_heads: int, hidden: int, theta: float, eps: float,
-                 qkv_bias: bool = False):
+                 qkv_bias: bool = False, moe: dict | None = None):
         super().__init__()
         self.ln1 = nn.RMSNorm(n_embd, eps=eps)
         self.attn = LlamaAttention(n_embd, n_head, kv_heads, theta, qkv_bias)
         self.ln2 = nn.RMSNorm(n_embd, eps=eps)
-        self.mlp = SwiGLU(n_embd, hidden)
+        if moe:  # a mixture of SwiGLU experts (Mixtral's layout)
+            from distlab.models.moe import MoE, SwiGLUExperts
+            self.mlp = MoE(n_embd, hidden=hidden, expert_kind=SwiGLUExperts, **moe)
+        else:
+            self.mlp = SwiGLU(n_embd, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -179,13 +184,14 @@ class Llama(nn.Sequential):
 
     def __init__(self, vocab: int, block_size: int, n_layer: int = 2, n_head: int = 4, kv_heads: int = 2,
                  n_embd: int = 128, ffn_hidden: int | None = None, rope_theta: float = 10000.0,
-                 norm_eps: float = 1e-5, qkv_bias: bool = False):
+                 norm_eps: float = 1e-5, qkv_bias: bool = False, moe: dict | None = None):
         hidden = ffn_hidden or default_hidden(n_embd)
         super().__init__(TokenEmbedding(vocab, n_embd),
-                         *(LlamaBlock(n_embd, n_head, kv_heads, hidden, rope_theta, norm_eps, qkv_bias)
+                         *(LlamaBlock(n_embd, n_head, kv_heads, hidden, rope_theta, norm_eps, qkv_bias, moe)
                            for _ in range(n_layer)),
                          LlamaHead(n_embd, vocab, norm_eps))
-        self.qkv_bias = qkv_bias
+        self.qkv_bias, self.moe_options = qkv_bias, dict(moe or {})
+        self.experts = self.moe_options.get("experts", 0)
         self.block_size, self.n_layer, self.n_head, self.kv_heads = block_size, n_layer, n_head, kv_heads
         self.n_embd, self.ffn_hidden, self.rope_theta, self.norm_eps = n_embd, hidden, rope_theta, norm_eps
         self._init_weights()
@@ -205,13 +211,20 @@ class Llama(nn.Sequential):
         """The sizes a snapshot of this model must agree on (:mod:`distlab.models.plans`)."""
         return {"n_layer": self.n_layer, "n_head": self.n_head, "kv_heads": self.kv_heads, "n_embd": self.n_embd,
                 "ffn_hidden": self.ffn_hidden, "rope_theta": self.rope_theta, "norm_eps": self.norm_eps,
-                "block_size": self.block_size, **({"qkv_bias": True} if self.qkv_bias else {})}
+                "block_size": self.block_size, **({"qkv_bias": True} if self.qkv_bias else {}), **self.moe_options}
+
+    @property
+    def cacheable(self) -> bool:
+        """Whether :meth:`decode` gives what the whole window gives (not where experts drop over capacity)."""
+        return self.moe_options.get("capacity_factor") is None
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token (PaLM's count): 6 x the weights of the matrix multiplications a token
         passes through (q, k, v, output, the MLP's three, the LM head; not the embedding lookup or the
         norms) + 12 x layers x width x block size (scores and weighted values over every key)."""
         weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        weights += sum(self.moe_options["top_k"] * m.active_weights() for m in self.modules()
+                       if hasattr(m, "active_weights"))  # the experts a token is routed to
         return float(6 * weights + 12 * self.n_layer * self.n_embd * self.block_size)
 
     def checkpoint_blocks(self):
@@ -225,11 +238,14 @@ class Llama(nn.Sequential):
         parallel, down row parallel (naive: each column parallel, gathered); under sequence parallel
         the RMSNorms see ``block_size / tp`` positions."""
         def mlp(i: int) -> dict[str, str]:
+            if self.experts:  # experts stay whole on every tensor-parallel rank (expert parallel splits them)
+                return {f"{i}.mlp": "sequence_stats"}
             if style == "megatron":
                 return {f"{i}.mlp.enter": "enter", f"{i}.mlp.gate": "colwise_entered", f"{i}.mlp.up": "colwise_entered",
                         f"{i}.mlp.down": "rowwise"}
             return {f"{i}.mlp.{n}": "colwise_gather" for n in ("gate", "up", "down")}
-        counts = (("`n_head`", self.n_head), ("`kv_heads`", self.kv_heads), ("`ffn_hidden`", self.ffn_hidden),
+        counts = (("`n_head`", self.n_head), ("`kv_heads`", self.kv_heads),
+                  *((("`ffn_hidden`", self.ffn_hidden),) if not self.experts else ()),
                   ("the vocabulary", self[0].tok.num_embeddings))
         return decoder_tensor_plan(self, tp, sequence_parallel, "query heads, key/value heads, the MLP and the "
                                    "vocabulary", counts, mlp)
@@ -245,10 +261,15 @@ class Llama(nn.Sequential):
                                       f"per tensor-parallel rank do not divide by {cp}; use `cp_style` ring")
         blocks = range(1, len(self) - 1)
         return {**{f"{i}.attn.rotary": "context_positions" for i in blocks},
-                **{f"{i}.attn.core": "context_attention" for i in blocks}}
+                **{f"{i}.attn.core": "context_attention" for i in blocks},
+                **{f"{i}.mlp": "context_sequence_stats" for i in blocks if self.experts}}
 
     def expert_parallel_plan(self, ep: int) -> dict[str, str]:
-        return {}
+        """Expert parallel's plan: each block's experts sharded over the ``ep`` expert-parallel ranks."""
+        if self.experts and self.experts % ep:
+            raise ConfigError(f"expert parallel shards `experts` {self.experts} over `ep` {ep} ranks: choose an `ep` "
+                              f"that divides {self.experts}")
+        return {f"{i}.mlp.experts": "experts" for i in range(1, len(self) - 1)} if self.experts else {}
 
     def _init_weights(self) -> None:
         """N(0, 0.02) weights, the residual projections scaled by 1/sqrt(2 n_layer), norms at one, biases 0."""
@@ -256,8 +277,8 @@ class Llama(nn.Sequential):
             if name.endswith("bias"):
                 nn.init.zeros_(p)
             elif p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * self.n_layer) if name.endswith(("attn.proj.weight", "mlp.down.weight")) \
-                    else 0.02
+                residual = ("attn.proj.weight", "mlp.down.weight", "experts.down_weight")
+                std = 0.02 / math.sqrt(2 * self.n_layer) if name.endswith(residual) else 0.02
                 nn.init.normal_(p, 0.0, std)
 
 
@@ -302,9 +323,26 @@ class LlamaOptions(Options):
                 + (", q/k/v biases" if self.qkv_bias else ""))
 
 
+def _moe_check(self) -> None:
+    LlamaOptions.check(self)
+    check_experts(self)
+
+
+# ``llama-moe``: the Llama family with every block's MLP a mixture of SwiGLU experts (Mixtral's layout); the
+# mixture's options and their checks are GPT-MoE's
+LlamaMoEOptions = make_dataclass(
+    "LlamaMoEOptions", [(f.name, f.type, field(default=f.default, metadata=f.metadata)) for f in EXPERT_FIELDS],
+    bases=(LlamaOptions,), frozen=True,
+    namespace={"check": _moe_check, "describe": lambda self: f"{LlamaOptions.describe(self)}, {describe_experts(self)}",
+               "__module__": __name__})
+
+
 def _build(shape, vocab, o: LlamaOptions) -> Llama:
+    moe = dict(experts=o.experts, top_k=o.top_k, capacity_factor=o.capacity_factor, aux_coef=o.aux_coef,
+               **({"drop_policy": o.drop_policy} if o.drop_policy != "position" else {})) \
+        if isinstance(o, LlamaMoEOptions) else None
     return Llama(vocab, shape[0], o.n_layer, o.n_head, o.kv_heads, o.n_embd, o.ffn_hidden, o.rope_theta, o.norm_eps,
-                 o.qkv_bias)
+                 o.qkv_bias, moe)
 
 
 
@@ -381,3 +419,4 @@ class HFLlama:
 
 register(ModelSpec("llama", _build, LlamaOptions, text=True, summary="rotary, RMSNorm, SwiGLU, grouped-query",
                         adapter=HFLlama))
+register(ModelSpec("llama-moe", _build, LlamaMoEOptions, text=True, summary="with mixture-of-experts MLPs"))

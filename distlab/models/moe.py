@@ -84,6 +84,38 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs)
 
 
+class SwiGLUExperts(nn.Module):
+    """``experts`` SwiGLU MLPs ``down(silu(x gate) * (x up))`` stored stacked, no biases (the Llama family's):
+    ``gate_weight``, ``up_weight (E, d, h)``, ``down_weight (E, h, d)``; ``forward`` as
+    :class:`GroupedExperts`'."""
+
+    def __init__(self, experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.gate_weight = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.up_weight = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.down_weight = nn.Parameter(torch.empty(experts, hidden, dim))
+        for w in (self.gate_weight, self.up_weight, self.down_weight):
+            nn.init.normal_(w, 0.0, 0.02)
+
+    @property
+    def num_experts(self) -> int:
+        return self.up_weight.shape[0]
+
+    def active_weights(self) -> int:
+        """Weights one token passes through in one expert (for FLOPs per token)."""
+        return self.gate_weight[0].numel() + self.up_weight[0].numel() + self.down_weight[0].numel()
+
+    def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        outs = []
+        for e, piece in enumerate(tokens.split(counts)):
+            if len(piece):
+                outs.append((F.silu(piece @ self.gate_weight[e]) * (piece @ self.up_weight[e])) @ self.down_weight[e])
+        if not outs:  # nothing routed here: an empty result still joins the graph of the tokens and every expert
+            joined = tokens.sum() + sum(p.sum() for p in self.parameters())
+            return tokens.new_zeros(0, self.down_weight.shape[-1]) + 0 * joined
+        return torch.cat(outs)
+
+
 class _AuxLossGrad(torch.autograd.Function):
     """Identity on ``out``; in backward, the balance loss ``aux`` receives the gradient ``scale``
     as if ``scale x aux`` had been added to the loss."""
@@ -108,7 +140,8 @@ class MoE(nn.Module):
     """A mixture-of-experts feed-forward layer on ``(B, T, d)`` (module docstring)."""
 
     def __init__(self, dim: int, experts: int, top_k: int = 2, hidden: int | None = None,
-                 capacity_factor: float | None = None, aux_coef: float = 0.01, drop_policy: str = "position"):
+                 capacity_factor: float | None = None, aux_coef: float = 0.01, drop_policy: str = "position",
+                 expert_kind: type = GroupedExperts):
         super().__init__()
         if experts < 2:
             raise ValueError(f"a mixture of experts needs at least 2 experts, not {experts}")
@@ -121,7 +154,7 @@ class MoE(nn.Module):
         self.num_experts, self.top_k, self.drop_policy = experts, top_k, drop_policy
         self.capacity_factor, self.aux_coef = capacity_factor, aux_coef
         self.router = nn.Linear(dim, experts, bias=False)
-        self.experts = GroupedExperts(experts, dim, hidden or 4 * dim)
+        self.experts = expert_kind(experts, dim, hidden or 4 * dim)
         self.sequence_group = None  # context or sequence parallel: the ranks holding the other parts of each sequence
         self.sequence_grad = "mean"  # how their gradients combine: averaged (context parallel) or summed (sequence)
         self.reset_statistics()

@@ -43,7 +43,7 @@ def load_gpt(source: str | Path, n_head: int | None = None, tokenizer_file: str 
         from distlab.models import is_text_model
         if not (isinstance(meta.get("model"), str) and is_text_model(meta["model"])):
             raise ConfigError(f"snapshot {path} holds {with_article(meta.get('model'))} model; generate needs a "
-                              f"language model (gpt, gpt-moe, llama)")
+                              f"language model (gpt, gpt-moe, llama, llama-moe)")
         heads, layers = meta.get("n_head"), meta.get("n_layer")
         where = f"snapshot {path} (step {meta.get('step')})"
         text = meta.get("tokenizer_json")

@@ -163,7 +163,8 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
                   Case(Strategy("allreduce", tp=2, sequence_parallel=True), model="llama"),
                   Case(Strategy("bucketed", cp=2), model="llama"),
                   Case(Strategy("bucketed", cp=2, cp_style="ulysses"), model="llama"),
-                  Case(Strategy("bucketed", pp=2, microbatches=2), model="llama")]
+                  Case(Strategy("bucketed", pp=2, microbatches=2), model="llama"),
+                  Case(Strategy("bucketed", ep=2), model="llama-moe")]  # SwiGLU experts shared out
         cases += [Case(Strategy("bucketed", ep=2), model="gpt-moe"),
                   Case(Strategy("bucketed", pp=2, microbatches=4, pp_virtual=2), model="gpt"),
                   Case(Strategy("bucketed", pp=2, microbatches=4, pp_schedule="zb"), model="gpt")]
