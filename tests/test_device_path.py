@@ -71,10 +71,13 @@ def test_the_finite_gradient_check_is_exact_and_leaves_gradients_bitwise():
     assert all(torch.equal(p.grad, b) and torch.equal(p.grad.signbit(), b.signbit()) for p, b in zip(params, before))
     params[1].grad = None  # no gradient this step: not an error
     assert not found_non_finite(engine)
+    from distlab.parallel.verdict import norms_not_finite  # the GPU's way of reaching the same verdict
+    assert float(norms_not_finite([p.grad for p in params if p.grad is not None])) == 0.0
     for bad in (float("nan"), float("-inf")):
         params[3].grad = torch.zeros(4)
         params[3].grad[1] = bad
         assert found_non_finite(engine)
+        assert float(norms_not_finite([p.grad for p in params if p.grad is not None])) == 1.0
 
 
 def _sharded_verdict(rank, world):

@@ -41,8 +41,10 @@ def test_rotary_scores_depend_on_the_relative_position_only():
         ck, sk = (x.double() for x in table(torch.tensor([n])))
         return float((rotate(q, cq, sq) * rotate(k, ck, sk)).sum())
 
-    assert score(7, 3) == pytest.approx(score(107, 103), rel=1e-5)  # float32 angles: ~1e-7 x position
-    assert abs(score(7, 3) - score(7, 4)) > 1e-3
+    eps = torch.finfo(torch.float32).eps  # the angles are float32: position x eps of rounding each
+    scale = float(q.abs().sum() * k.abs().sum())  # a bound on any score's magnitude
+    assert abs(score(7, 3) - score(107, 103)) <= 4 * 107 * eps * scale
+    assert abs(score(7, 3) - score(7, 4)) > 4 * 107 * eps * scale  # another distance: another score
     cos, sin = table(torch.tensor([5]))
     angle = 5 * theta ** (-2 * 1 / d)  # dimension pair (1, 1 + d/2)
     x = torch.zeros(1, 1, 1, d)

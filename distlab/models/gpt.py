@@ -23,7 +23,7 @@ from torch import nn
 from distlab.errors import ConfigError
 from distlab.models.moe import MoE
 from distlab.models import register
-from distlab.models.plans import decoder_tensor_plan, linear_plan
+from distlab.models.plans import decoder_expert_plan, decoder_tensor_plan, linear_plan
 from distlab.models.spec import ModelSpec, Options, option
 
 
@@ -215,20 +215,23 @@ class GPT(nn.Sequential):
 
     def expert_parallel_plan(self, ep: int) -> dict[str, str]:
         """Expert parallel's plan: each block's experts sharded over the ``ep`` expert-parallel ranks."""
-        if self.experts and self.experts % ep:
-            raise ConfigError(f"expert parallel shards `experts` {self.experts} over `ep` {ep} ranks: choose an `ep` "
-                              f"that divides {self.experts}")
-        return {f"{i}.mlp.experts": "experts" for i in range(1, len(self) - 1)} if self.experts else {}
+        return decoder_expert_plan(self, ep)
 
     def _init_weights(self) -> None:
         """GPT-2's: N(0, 0.02) weights, zero biases, residual projections scaled by 1/sqrt(2 n_layer)."""
-        for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif p.dim() >= 2:
-                residual = ("attn.proj.weight", "mlp.2.weight", "experts.down_weight")
-                std = 0.02 / math.sqrt(2 * self.n_layer) if name.endswith(residual) else 0.02
-                nn.init.normal_(p, 0.0, std)
+        init_decoder(self, ("attn.proj.weight", "mlp.2.weight", "experts.down_weight"))
+
+
+def init_decoder(model: nn.Module, residual: tuple[str, ...]) -> None:
+    """A decoder's initialisation (GPT-2's, the Llama family's): N(0, 0.02) matrices, zero biases, the
+    projections into the residual stream (names ending in ``residual``) scaled by 1/sqrt(2 n_layer);
+    norms keep their ones."""
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            nn.init.zeros_(p)
+        elif p.dim() >= 2:
+            std = 0.02 / math.sqrt(2 * model.n_layer) if name.endswith(residual) else 0.02
+            nn.init.normal_(p, 0.0, std)
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,8 @@ from torch import nn
 
 from distlab.errors import ConfigError
 from distlab.models import register
-from distlab.models.gpt import EXPERT_FIELDS, check_experts, describe_experts
-from distlab.models.plans import decoder_tensor_plan
+from distlab.models.gpt import EXPERT_FIELDS, check_experts, describe_experts, init_decoder
+from distlab.models.plans import decoder_expert_plan, decoder_tensor_plan
 from distlab.models.spec import ModelSpec, Options, option
 
 
@@ -266,20 +266,11 @@ class Llama(nn.Sequential):
 
     def expert_parallel_plan(self, ep: int) -> dict[str, str]:
         """Expert parallel's plan: each block's experts sharded over the ``ep`` expert-parallel ranks."""
-        if self.experts and self.experts % ep:
-            raise ConfigError(f"expert parallel shards `experts` {self.experts} over `ep` {ep} ranks: choose an `ep` "
-                              f"that divides {self.experts}")
-        return {f"{i}.mlp.experts": "experts" for i in range(1, len(self) - 1)} if self.experts else {}
+        return decoder_expert_plan(self, ep)
 
     def _init_weights(self) -> None:
         """N(0, 0.02) weights, the residual projections scaled by 1/sqrt(2 n_layer), norms at one, biases 0."""
-        for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif p.dim() >= 2:
-                residual = ("attn.proj.weight", "mlp.down.weight", "experts.down_weight")
-                std = 0.02 / math.sqrt(2 * self.n_layer) if name.endswith(residual) else 0.02
-                nn.init.normal_(p, 0.0, std)
+        init_decoder(self, ("attn.proj.weight", "mlp.down.weight", "experts.down_weight"))
 
 
 def default_hidden(n_embd: int) -> int:

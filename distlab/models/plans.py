@@ -185,3 +185,12 @@ def decoder_tensor_plan(model: nn.Sequential, tp: int, sequence_parallel: bool, 
                  f"{i}.ln2": "sequence", **mlp(i)}
     head = len(model) - 1
     return plan | {f"{head}.ln": "sequence", f"{head}.enter": "enter", f"{head}.out": "vocab_output"}
+
+
+def decoder_expert_plan(model: nn.Sequential, ep: int) -> dict[str, str]:
+    """Expert parallel's plan of a decoder whose blocks' MLPs are mixtures of experts (``model.experts``
+    of them; none: no plan): each block's experts sharded over the ``ep`` ranks."""
+    if model.experts and model.experts % ep:
+        raise ConfigError(f"expert parallel shards `experts` {model.experts} over `ep` {ep} ranks: choose an `ep` "
+                          f"that divides {model.experts}")
+    return {f"{i}.mlp.experts": "experts" for i in range(1, len(model) - 1)} if model.experts else {}

@@ -199,14 +199,18 @@ def found_non_finite(engine, optimizer: torch.optim.Optimizer | None = None) -> 
     without walking the module tree again)."""
     params = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else engine.parameters()
     grads = [p.grad for p in params if p.grad is not None]
-    if grads and grads[0].is_cuda:
-        found = torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite().all().logical_not()
-        found = found.to(torch.float32).reshape(1)
-    else:
-        found = scale_and_find_non_finite(grads, 1.0)
+    found = norms_not_finite(grads) if grads and grads[0].is_cuda else scale_and_find_non_finite(grads, 1.0)
     if engine.sharded and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
     return found
+
+
+def norms_not_finite(grads: list[torch.Tensor]) -> torch.Tensor:
+    """:func:`~distlab.parallel.precision.scale_and_find_non_finite`'s verdict (a 1-element float32 tensor,
+    nonzero where an entry is inf or NaN) from the fused infinity-norms: the gradients read once, nothing
+    written (NaN and inf carry through the maximum)."""
+    found = torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite().all().logical_not()
+    return found.to(torch.float32).reshape(1)
 
 
 def choose(precision, optimizer: torch.optim.Optimizer | None, on_device: bool, find: Finder,
