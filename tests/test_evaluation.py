@@ -56,8 +56,17 @@ def test_a_language_models_evaluation_reports_its_perplexity_every_time(run_cli,
     assert all("test_perplexity" in r for r in _records(tmp_path / "r") if "test_loss" in r)
 
 
+def test_a_language_model_evaluates_its_training_micro_batch_at_a_time_unless_told():
+    """1,000 windows at a time is a classifier's default; a language model's logits (B, T, vocab) at T 2,048
+    would not fit a GPU, so it scores the micro-batch its training step already held per rank."""
+    from distlab.train.evaluate import eval_batch
+    assert eval_batch(None, True, 4) == 4 and eval_batch(None, False, 4) == 1000
+    assert eval_batch(7, True, 4) == 7 and eval_batch(None, True, 0) == 1
+
+
 def test_eval_and_smoothing_settings_out_of_range_are_refused(refused_here):
     for flags, name in ((("--eval-every", "0"), "eval_every"), (("--eval-batches", "0"), "eval_batches"),
+                        (("--eval-batch-size", "0"), "eval_batch_size"),
                         (("--label-smoothing", "1"), "label_smoothing"), (("--label-smoothing", "-0.1"), "label")):
         proc = refused_here("train", "--dataset", "synthetic:1x8x8:4:64", "--max-steps", "1", *flags)
         assert proc.returncode == 2 and name.replace("_", "-") in proc.stderr, (flags, proc.stderr)

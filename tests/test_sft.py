@@ -32,6 +32,10 @@ def test_a_record_is_a_window_whose_targets_are_its_completion(tmp_path):
     assert bytes(y[0][kept].tolist()) == b"1" and kept.sum() == 1 and y[0, len(prompt) - 1] == ord("1")
     assert (y[3] != IGNORE_INDEX).sum() == 16 - len(b"Q: 3+1? A: ") + 1  # a long record: cut at the window's end
     assert "27 records, one per window padded to 17 tokens (not packed)" in train.about and "1 cut" in train.about
+    # the loss to beat is the completions' unigram entropy: the targets', not the prompts' or the padding's
+    p = torch.bincount(y[y != IGNORE_INDEX]).double()
+    p = p[p > 0] / p.sum()
+    assert train.unigram_entropy == pytest.approx(float(-(p * p.log()).sum()), rel=1e-12)
     with pytest.raises(ConfigError, match="every train record's prompt fills the window of `block_size` 8"):
         load_dataset(spec, "train", block_size=8)
 

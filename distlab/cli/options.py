@@ -334,11 +334,13 @@ TRAIN_OPTIONS = [
     ("peak_tflops", dict(type=float, default=None, help="A device's dense peak TFLOP/s at the run's precision, for "
                          "MFU (model FLOPs utilisation) beside tokens/s (default: a known GPU's data-sheet peak; "
                          "none on a CPU).")),
-    ("eval_batch_size", dict(type=int)),
+    ("eval_batch_size", dict(type=int, default=None, help="Samples each rank scores at a time in an evaluation "
+                             "(default: a language model's training micro-batch, since its logits fill memory; "
+                             "1000 for a classifier).")),
     ("eval_every", dict(type=int, default=None, help="Evaluate every N steps (and at the end) instead of every "
                         "epoch; the evaluation's numbers join that step's metrics.jsonl record.")),
     ("eval_batches", dict(type=int, default=None, help="Evaluate on the first N batches of --eval-batch-size "
-                          "samples of the test (and validation) set only: a fixed subset, the same every time "
+                          "(default 1000) samples of the test (and validation) set only: a fixed subset, the same every time "
                           "(default: all of it).")),
     *STRATEGY_OPTIONS,
     ("lr_scaling", dict(help="Scale --lr with the global batch: none, linear (x G/B) or sqrt (x sqrt(G/B)), "

@@ -139,10 +139,14 @@ class TextDataset:
 
     @property
     def unigram_entropy(self) -> float:
-        """Entropy of the token distribution of this split's stream, in nats per token."""
+        """Entropy of the token distribution of this split's stream, in nats per token: of its targets only
+        where some are ignored (fine-tuning records: the completions', not the prompts' or the padding's)."""
         if self.entropy is not None:
             return self.entropy
-        counts = torch.bincount(self.tokens.long().cpu(), minlength=self.num_classes).double()
+        tokens = self.tokens.long().cpu()
+        if self.ignored is not None:
+            tokens = tokens[~self.ignored.cpu()]
+        counts = torch.bincount(tokens, minlength=self.num_classes).double()
         p = counts[counts > 0] / counts.sum()
         return float(-(p * p.log()).sum())
 

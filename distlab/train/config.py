@@ -65,7 +65,7 @@ class TrainConfig:
     lr_schedule: str = "cosine"
     seed: int = 0
     log_every: int = 20
-    eval_batch_size: int = 1000
+    eval_batch_size: int | None = None  # per rank (None: a language model's micro-batch, else 1000 samples)
     eval_every_epoch: bool = True
     eval_every: int | None = None  # evaluate every N steps (and at the end) instead of every epoch
     eval_batches: int | None = None  # evaluate on the first N x eval_batch_size samples only (None: all of them)
@@ -180,9 +180,9 @@ class TrainConfig:
             raise ConfigError(f"`global_batch_size` must be positive, not {self.global_batch_size}")
         self.strategy.check(world_size)
         self.strategy.check_batch(self.global_batch_size, world_size)
-        for name in ("log_every", "keep_snapshots", "eval_batch_size"):
+        for name in ("log_every", "keep_snapshots"):
             _at_least(name, getattr(self, name), 1)
-        for name in ("epochs", "max_steps", "snapshot_every", "base_batch_size", "sample_every", "eval_every", "eval_batches"):
+        for name in ("eval_batch_size", "epochs", "max_steps", "snapshot_every", "base_batch_size", "sample_every", "eval_every", "eval_batches"):
             if getattr(self, name) is not None:
                 _at_least(name, getattr(self, name), 1)
         _at_least("warmup_steps", self.warmup_steps, 0)

@@ -27,6 +27,18 @@ def first_batches(dataset, batches: int | None, batch_size: int):
     return dataset.subset(torch.arange(batches * batch_size), dataset.split)
 
 
+DEFAULT_EVAL_BATCH = 1000  # samples a rank scores at a time, a classifier's default
+
+
+def eval_batch(given: int | None, predicts_tokens: bool, micro_batch: int) -> int:
+    """The samples a rank scores at a time: ``--eval-batch-size`` as given; else a language model's training
+    micro-batch per rank (its logits, ``(B, T, vocab)``, are what fills memory: 1,000 windows of 2,048
+    tokens over a 32k vocabulary would be 262 GB of float32) or a classifier's :data:`DEFAULT_EVAL_BATCH`."""
+    if given is not None:
+        return given
+    return max(1, micro_batch) if predicts_tokens else DEFAULT_EVAL_BATCH
+
+
 def evaluation_size(batches: int | None, batch_size: int, global_batch: int, mapped: bool) -> tuple[int | None, int]:
     """``(batches, batch size)`` an evaluation takes the first of: ``--eval-batches`` as given, else every
     sample -- except from a memory-mapped corpus, whose test split may hold millions of windows: then

@@ -30,7 +30,7 @@ from distlab.runtime import Runtime, comm_failure, is_comm_failure, seed_everyth
 from distlab.train.clock import StepClock
 from distlab.train.config import TrainConfig
 from distlab.train.config_file import config_file_text
-from distlab.train.evaluate import evaluate, evaluation_size, first_batches
+from distlab.train.evaluate import DEFAULT_EVAL_BATCH, eval_batch, evaluate, evaluation_size, first_batches
 from distlab.train.throughput import Throughput
 from distlab.train.observe import StepObserver
 from distlab.train.export import load_init
@@ -75,11 +75,15 @@ class Trainer:
             self.val_set = self.val_set.to(rt.device) if self.val_set is not None else None
         # What each evaluation scores: every sample, or with --eval-batches the same first ones every time.
         mapped = bool(data_nbytes(*sets, mapped=True))  # a memory-mapped corpus: a bounded evaluation by default
-        eval_size = evaluation_size(cfg.eval_batches, cfg.eval_batch_size, cfg.global_batch_size, mapped)
+        eval_size = evaluation_size(cfg.eval_batches, cfg.eval_batch_size or DEFAULT_EVAL_BATCH, cfg.global_batch_size,
+                                    mapped)
         self.eval_test, self.eval_val = (first_batches(d, *eval_size) for d in (self.test_set, self.val_set))
         # The mesh: data is split over the data-parallel ranks only (a TP group and a pipeline see the same batch).
         self.mesh = Mesh.of(cfg.strategy)
         self.local_batch = cfg.global_batch_size // self.mesh.dp
+        s = cfg.strategy
+        self.eval_batch = eval_batch(cfg.eval_batch_size, self.test_set.predicts_tokens,
+                                     self.local_batch // (s.grad_accum * s.microbatches))
         self.loader = TrainLoader(self.train_set, rank=self.mesh.dp_rank, world_size=self.mesh.dp,
                                   local_batch=self.local_batch, shuffle=True, seed=cfg.seed)
         if len(self.loader) == 0:
@@ -356,13 +360,13 @@ class Trainer:
             self.say(f"sample   {record['sample']!r}")
 
     def _evaluate(self, epoch: int, say: bool = True) -> dict:
-        cfg, t0 = self.cfg, time.perf_counter()
+        t0 = time.perf_counter()
         with timeline.span("evaluation"), self.engine.gathered():  # ZeRO-3: one gather for the whole evaluation
-            result = evaluate(self.engine, self.eval_test, self.rt.device, cfg.eval_batch_size, details=True)
+            result = evaluate(self.engine, self.eval_test, self.rt.device, self.eval_batch, details=True)
             if "confusion" in result:  # a classifier: the newest evaluation's counts and mistakes, for the report
                 self._predictions = (self.run.step, result.pop("confusion"), result.pop("misclassified"))
             if self.eval_val is not None:
-                val = evaluate(self.engine, self.eval_val, self.rt.device, cfg.eval_batch_size)
+                val = evaluate(self.engine, self.eval_val, self.rt.device, self.eval_batch)
                 result.update({f"val_{k[len('test_'):]}": v for k, v in val.items() if k != "test_samples"})
         anon_rss_mb()  # evaluation's batches: the anonymous memory's peak may be here
         record = {"epoch": epoch, "step": self.run.step, "time_s": self.run.time_used(), **result}
