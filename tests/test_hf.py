@@ -174,3 +174,48 @@ def test_init_from_a_directory_takes_its_family_options_and_limits(tmp_path):
                            (dict(model="llama", n_embd=64, block_size=16), "`n_embd` 64 differs from")]:
         with pytest.raises(ConfigError, match=message):
             TrainConfig.from_flags(**flags, **extra).validate(1)
+
+
+CHAT = ("{{ bos_token }}{% for m in messages %}{% if m['role'] not in ('system', 'user', 'assistant') %}"
+        "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+        "<|{{ m['role'] }}|>\n{{ m['content'] | trim }}{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def test_chat_records_are_rendered_by_the_models_template_as_transformers_renders_them(tmp_path):
+    """sft: chat records (messages) through the directory's chat_template, the same text as transformers'
+    apply_chat_template; the targets are the last reply's tokens and the template's end of turn only."""
+    from distlab.data import load_dataset
+    from distlab.data.chat import ChatTemplate
+    from distlab.models import IGNORE_INDEX
+    tok = _tokenizer_dir(tmp_path / "model")
+    config = json.loads((tmp_path / "model" / "tokenizer_config.json").read_text())
+    (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT}))
+    talks = [[{"role": "system", "content": "be brief"}, {"role": "user", "content": f"the fox {i}?"},
+              {"role": "assistant", "content": "the quick dog"}] for i in range(20)]
+    theirs = _transformers().AutoTokenizer.from_pretrained(str(tmp_path / "model"))
+    mine = ChatTemplate.from_dir(tmp_path / "model")
+    for talk in talks[:2]:
+        for prompt in (False, True):
+            assert mine.render(talk, prompt) == theirs.apply_chat_template(talk, tokenize=False,
+                                                                           add_generation_prompt=prompt)
+    with pytest.raises(ConfigError, match="refused a conversation: unknown role tool"):
+        mine.render([{"role": "tool", "content": "x"}])
+    (tmp_path / "named").mkdir()  # the other places a directory keeps it: named templates, chat_template.jinja
+    (tmp_path / "named" / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "</s>", "chat_template": [{"name": "tool_use", "template": "x"}, {"name": "default", "template": CHAT}]}))
+    (tmp_path / "file").mkdir()
+    (tmp_path / "file" / "chat_template.jinja").write_text("{{ messages[0]['content'] }}{{ eos_token }}")
+    assert ChatTemplate.from_dir(tmp_path / "named").render(talks[0]) == mine.render(talks[0]).replace("<s>", "")
+    assert ChatTemplate.from_dir(tmp_path / "file").render(talks[0]) == "be brief"
+    assert ChatTemplate.from_dir(tmp_path) is None
+    records = tmp_path / "chat.jsonl"
+    records.write_text("".join(json.dumps({"messages": t}) + "\n" for t in talks))
+    data = load_dataset(f"sft:{records}", "train", block_size=128, tokenizer=f"hf:{tmp_path / 'model'}")
+    x, y = data.batch(torch.arange(len(data)))
+    reply = tok.encode("the quick dog</s>").ids  # the reply and the template's end of turn: no second EOS
+    assert y[0][y[0] != IGNORE_INDEX].tolist() == reply and reply[-1] == tok.token_to_id("</s>")
+    prompt = tok.encode(mine.render(talks[0][:-1], True)).ids
+    assert x[0, :len(prompt)].tolist() == prompt and x[0, 0] == tok.token_to_id("<s>")
+    with pytest.raises(ConfigError, match="are rendered by a model's chat template: give --tokenizer hf:DIR"):
+        load_dataset(f"sft:{records}", "train", block_size=128)

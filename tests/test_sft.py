@@ -42,7 +42,7 @@ def test_a_record_is_a_window_whose_targets_are_its_completion(tmp_path):
 
 def test_bad_records_are_refused_in_one_line(tmp_path):
     (tmp_path / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n' * 12)
-    with pytest.raises(ConfigError, match="chat records \\(messages\\) need the model's chat template"):
+    with pytest.raises(ConfigError, match="chat records \\(messages\\) are rendered by a model's chat template"):
         load_dataset(f"sft:{tmp_path / 'chat.jsonl'}", "train")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "completion": "b"}\n{"prompt": 1}\n' * 6)
     with pytest.raises(ConfigError, match="bad.jsonl:2: a record is"):

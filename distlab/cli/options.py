@@ -302,8 +302,8 @@ TRAIN_OPTIONS = [
                      "synthetic-text[:N]; your own: tensors:FILE (.pt or .npz with inputs and labels), "
                      "imagefolder:DIR (a subfolder of PNG/JPEG images per class), text:PATH (a text file, documents "
                      "separated by blank lines, or a directory of text files), tokens:DIR (a corpus prepare-text "
-                     "wrote, memory-mapped), sft:FILE.jsonl (prompt/completion records to fine-tune on: the loss "
-                     "on the completions).")),
+                     "wrote, memory-mapped), sft:FILE.jsonl (prompt/completion or chat messages records to "
+                     "fine-tune on: the loss on the completions, the last replies).")),
     ("tokenizer", dict(help="Text: bytes (a token per byte) or bpe:N (a byte-level BPE of N tokens learned from the "
                        "training split; kept in OUT/tokenizer.json and in snapshots); for sft: records also hf:DIR "
                        "(a pretrained model's tokenizer.json).")),

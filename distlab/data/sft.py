@@ -1,5 +1,6 @@
 """Supervised fine-tuning records: ``sft:FILE.jsonl``, one JSON object per line with a ``prompt`` and a
-``completion`` (text).
+``completion`` (text), or a chat's ``messages`` (``[{"role": ..., "content": ...}, ...]``, the last the
+assistant's reply).
 
 Each record becomes one window of ``block_size + 1`` tokens: the prompt's tokens, the completion's, the
 tokenizer's end-of-sequence token where it has one (so the model learns to stop), then padding. Only the
@@ -9,9 +10,13 @@ batch -- on every layout (the ignored targets are honoured by the vocabulary-par
 last stage and context parallel's chunks alike). A record longer than the window is cut at its end (the
 count is reported). Records are padded one per window, not packed: no record sees another.
 
+A chat record is rendered by the model's chat template (:mod:`distlab.data.chat`, from
+``--tokenizer hf:DIR``'s ``tokenizer_config.json``): the prompt is the conversation before the last reply
+with the template's generation prompt, the completion what the whole conversation adds to it (the reply
+and the template's end-of-turn tokens). Earlier replies are context, not targets.
+
 Record ``i`` (from 0, in file order) is in ``test`` when ``i % 10 == 9``, else in ``train``. Tokens are
-bytes by default, or a pretrained model's (``--tokenizer hf:DIR``: its ``tokenizer.json``). Chat records
-(``messages``) need the model's chat template, which is not rendered yet: they are refused in one line.
+bytes by default, or a pretrained model's (``--tokenizer hf:DIR``: its ``tokenizer.json``).
 """
 
 from __future__ import annotations
@@ -47,8 +52,10 @@ def tokenizer_of(spec: str):
     return tokenizers.ByteTokenizer()
 
 
-def records(spec: str) -> list[tuple[str, str]]:
-    """``(prompt, completion)`` of every line, in file order; one line naming the first bad one."""
+def records(spec: str, template=None, template_dir: str = "") -> list[tuple[str, str]]:
+    """``(prompt, completion)`` of every line, in file order (chat records rendered by ``template``); one
+    line naming the first bad one."""
+    from distlab.data.chat import split_reply
     path, out = path_of(spec), []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -59,11 +66,16 @@ def records(spec: str) -> list[tuple[str, str]]:
             except ValueError as exc:
                 raise ConfigError(f"{path}:{number}: not a JSON object ({exc})") from None
             if isinstance(record, dict) and "messages" in record and "prompt" not in record:
-                raise ConfigError(f"{path}:{number}: chat records (messages) need the model's chat template, which "
-                                  f"distlab does not render yet: give prompt/completion records")
+                if template is None:
+                    raise ConfigError(f"{path}:{number}: chat records (messages) are rendered by a model's chat "
+                                      f"template: give --tokenizer hf:DIR of a model whose tokenizer_config.json "
+                                      f"has one" + (f" ({template_dir} has none)" if template_dir else ""))
+                out.append(split_reply(template, record["messages"], f"{path}:{number}"))
+                continue
             if not (isinstance(record, dict) and isinstance(record.get("prompt"), str)
                     and isinstance(record.get("completion"), str)):
-                raise ConfigError(f"{path}:{number}: a record is {{\"prompt\": TEXT, \"completion\": TEXT}}")
+                raise ConfigError(f"{path}:{number}: a record is {{\"prompt\": TEXT, \"completion\": TEXT}} or "
+                                  f"{{\"messages\": [{{\"role\": ..., \"content\": TEXT}}, ...]}}")
             out.append((record["prompt"], record["completion"]))
     if len(out) < TEST_EVERY:
         raise ConfigError(f"{path} has {len(out)} records: every {TEST_EVERY}th is held out for testing, so give at "
@@ -74,16 +86,22 @@ def records(spec: str) -> list[tuple[str, str]]:
 def load_sft(spec: str, split: str, block_size: int, tokenizer: str = tokenizers.BYTES):
     """The ``split`` of ``spec`` as windows, one record each (module docstring)."""
     from distlab.data.text import TextDataset
+    from distlab.data.chat import ChatTemplate
     tok = tokenizer_of(tokenizer)
-    mine = [r for i, r in enumerate(records(spec)) if (i % TEST_EVERY == TEST_EVERY - 1) == (split == "test")]
+    template_dir = tokenizer[3:] if tokenizers.is_pretrained(tokenizer) else ""
+    template = ChatTemplate.from_dir(template_dir) if template_dir else None
+    mine = [r for i, r in enumerate(records(spec, template, template_dir))
+            if (i % TEST_EVERY == TEST_EVERY - 1) == (split == "test")]
     width = block_size + 1
     stream = np.zeros(len(mine) * width, dtype=np.int64)
     ignored = np.ones(len(mine) * width, dtype=bool)
-    cut = scored = empty = 0
-    end = [tok.eos] if getattr(tok, "eos", None) is not None else []
+    cut = scored = empty = completion_tokens = completion_bytes = 0
+    eos = getattr(tok, "eos", None)
     for n, (prompt, completion) in enumerate(mine):
         head = tok.encode(prompt.encode("utf-8")).tolist()
-        tail = tok.encode(completion.encode("utf-8")).tolist() + end
+        tail = tok.encode(completion.encode("utf-8")).tolist()
+        tail += [eos] if eos is not None and tail[-1:] != [eos] else []  # unless the chat template ended it
+        completion_tokens, completion_bytes = completion_tokens + len(tail), completion_bytes + len(completion.encode())
         ids = (head + tail)[:width]
         cut += len(head) + len(tail) > width
         at = n * width
@@ -96,7 +114,9 @@ def load_sft(spec: str, split: str, block_size: int, tokenizer: str = tokenizers
                           f"tokens, leaving no completion token to learn: raise `block_size`")
     data = TextDataset(spec, split, torch.from_numpy(stream), block_size,
                        torch.arange(len(mine)) * width, str(path_of(spec)), tok.vocab_size,
-                       tokenizer=tok if tok.sha256 else None, ignored=torch.from_numpy(ignored))
+                       tokenizer=tok if tok.sha256 else None, ignored=torch.from_numpy(ignored),
+                       # the rate of the text the loss is on (a loss per byte): the completions'
+                       tokens_per_byte=completion_tokens / completion_bytes if completion_bytes else 1.0)
     data.about = describe(len(mine), scored, cut, block_size) + \
         (f"; {empty:,} with no completion token left (their prompt fills the window)" if empty else "")
     return data

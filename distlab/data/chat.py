@@ -1,0 +1,114 @@
+"""A model's chat template: how its conversations (``messages``, each ``{"role": ..., "content": ...}``)
+become text, as the model was trained to read them.
+
+A Hugging Face model directory keeps its template in ``tokenizer_config.json`` (``chat_template``: a
+Jinja template, or a list of named ones, ``default`` used) or in ``chat_template.jinja`` beside it.
+:class:`ChatTemplate` renders it the way ``transformers``' ``apply_chat_template`` does -- the same
+Jinja settings (``trim_blocks``, ``lstrip_blocks``, loop controls), the same helpers (``raise_exception``,
+``strftime_now``, a ``tojson`` that does not escape HTML), the tokenizer's special tokens as variables
+(``bos_token``, ``eos_token``, ...) -- in Jinja's *immutable sandbox*: a template is data from a
+downloaded directory, so it can read what it is given and call nothing else (no attribute of Python's
+internals, no file, no import).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from distlab.errors import ConfigError
+
+SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+def _environment():
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """``{% generation %}...{% endgeneration %}`` (templates that mark the assistant's text): its body."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+class ChatTemplate:
+    """``render(messages, add_generation_prompt)``: a conversation as the model's text."""
+
+    def __init__(self, source: str, special: dict[str, str], where: str = "the chat template"):
+        import jinja2
+        self.source, self.special, self.where = source, special, where
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.TemplateError as exc:
+            raise ConfigError(f"{where}: not a Jinja template ({exc})") from None
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        import jinja2
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         tools=None, documents=None, **self.special)
+        except jinja2.TemplateError as exc:  # the template's own refusal (raise_exception) or a sandbox breach
+            raise ConfigError(f"{self.where} refused a conversation: {exc}") from None
+
+    @classmethod
+    def from_dir(cls, directory: str | Path) -> "ChatTemplate | None":
+        """The template of a model directory (None: it has none)."""
+        root = Path(directory)
+        config_path = root / "tokenizer_config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        source, where = config.get("chat_template"), f"{config_path}: chat_template"
+        if isinstance(source, list):  # named templates: the default one
+            source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"),
+                          None)
+        if source is None and (root / "chat_template.jinja").is_file():
+            source, where = (root / "chat_template.jinja").read_text(encoding="utf-8"), str(root / "chat_template.jinja")
+        if not isinstance(source, str):
+            return None
+        special = {}
+        for name in SPECIAL:
+            value = config.get(name)
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                special[name] = value
+        return cls(source, special, where)
+
+
+def split_reply(template: ChatTemplate, messages: list, where: str) -> tuple[str, str]:
+    """``(prompt, reply)`` texts of a conversation whose last message is the assistant's: the conversation
+    before it with the template's generation prompt, and what the whole conversation adds to that."""
+    if not (isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)):
+        raise ConfigError(f"{where}: messages is a list of {{\"role\": ..., \"content\": TEXT}}")
+    if messages[-1]["role"] != "assistant":
+        raise ConfigError(f"{where}: the last message is the {messages[-1]['role']}'s; fine-tuning learns the "
+                          f"assistant's last reply, so a conversation ends with one")
+    prompt = template.render(messages[:-1], add_generation_prompt=True)
+    whole = template.render(messages)
+    if not whole.startswith(prompt):
+        raise ConfigError(f"{where}: the chat template renders the conversation before the last reply (with its "
+                          f"generation prompt) as other text than the whole conversation's start, so the reply's "
+                          f"tokens cannot be told apart")
+    return prompt, whole[len(prompt):]
