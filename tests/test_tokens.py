@@ -250,3 +250,42 @@ def test_a_malformed_manifest_is_one_line_naming_the_field(tmp_path, refused_her
     proc = refused_here("train", "--model", "gpt", "--block-size", "4", "--max-steps", "1", "--dataset", spec)
     assert f"manifest.json is damaged: {says}; prepare the corpus again" in proc.stderr, proc.stderr
     assert proc.stderr.count("\n") == 1
+
+
+def test_a_nanogpt_directory_is_read_given_its_vocabulary_and_its_pickle_never(run_cli, refused_here, tmp_path):
+    """nanoGPT's train.bin/val.bin (uint16 ids, no manifest): --vocab-size says what the ids address, val.bin
+    is the test split, the ids are checked against the vocabulary; meta.pkl (a pickle) is never read, and
+    a run says its tokens are bare ids (no tokenizer: no generated samples, no loss per byte)."""
+    root = tmp_path / "nano"
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    train, val = rng.integers(0, 300, 2000, dtype=np.uint16), rng.integers(0, 300, 400, dtype=np.uint16)
+    train.tofile(root / "train.bin")
+    val.tofile(root / "val.bin")
+    (root / "meta.pkl").write_bytes(b"\x80\x04 not a pickle: it would fail if it were read")
+    spec = f"tokens:{root}"
+    base = ["train", "--model", "gpt", "--dataset", spec, "--n-layer", "1", "--n-head", "2", "--n-embd", "8",
+            "--block-size", "8", "--global-batch-size", "4", "--max-steps", "2", "--no-progress"]
+    proc = refused_here(*base)
+    assert "give their vocabulary with --vocab-size N" in proc.stderr and "meta.pkl is a pickle, never read" in proc.stderr
+    assert "outside the vocabulary of 256" in refused_here(*base, "--vocab-size", "256").stderr
+    assert "uint16 ids address at most 65,536" in refused_here(*base, "--vocab-size", "70000").stderr
+    assert "token ids without their tokenizer" in refused_here(*base, "--vocab-size", "320", "--sample-every", "1").stderr
+    test = load_dataset(spec, "test", block_size=8, vocab_size=320)
+    x, y = test.batch(torch.tensor([1]))
+    assert test.num_classes == 320 and len(test) == (400 - 1) // 8 and x[0].tolist() == val[8:16].tolist()
+    assert y[0].tolist() == val[9:17].tolist()
+    proc = run_cli(*base, "--vocab-size", "320", "--out", "run", check=True)
+    assert "(token ids of a vocabulary of 320, no tokenizer)" in proc.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["vocab_size"] == 320 and summary["tokenizer"] == "none" and summary["test_loss_per_byte"] is None
+    assert summary["num_parameters"] == load_state_size(tmp_path / "run")
+    assert "--vocab-size 100 is smaller than synthetic-text:3000's vocabulary of 256" in refused_here(
+        "train", "--model", "gpt", "--dataset", "synthetic-text:3000", "--vocab-size", "100").stderr
+
+
+def load_state_size(run) -> int:
+    from safetensors.torch import load_file
+    state = load_file(str(run / "model.safetensors"))
+    assert state["0.tok.weight"].shape[0] == 320  # the model's vocabulary is --vocab-size's
+    return sum(t.numel() for t in state.values())

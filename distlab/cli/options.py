@@ -302,11 +302,14 @@ TRAIN_OPTIONS = [
                      "synthetic-text[:N]; your own: tensors:FILE (.pt or .npz with inputs and labels), "
                      "imagefolder:DIR (a subfolder of PNG/JPEG images per class), text:PATH (a text file, documents "
                      "separated by blank lines, or a directory of text files), tokens:DIR (a corpus prepare-text "
-                     "wrote, memory-mapped), sft:FILE.jsonl (prompt/completion or chat messages records to "
+                     "wrote, or nanoGPT's train.bin/val.bin with --vocab-size; memory-mapped), sft:FILE.jsonl (prompt/completion or chat messages records to "
                      "fine-tune on: the loss on the completions, the last replies).")),
     ("tokenizer", dict(help="Text: bytes (a token per byte) or bpe:N (a byte-level BPE of N tokens learned from the "
                        "training split; kept in OUT/tokenizer.json and in snapshots); for sft: records also hf:DIR "
                        "(a pretrained model's tokenizer.json).")),
+    ("vocab_size", dict(type=int, default=None, help="Text: the model's vocabulary -- a corpus of bare token ids' "
+                        "(nanoGPT's train.bin/val.bin say none), or more than the data's (e.g. 50304: GPT-2's 50257 "
+                        "rounded up to a multiple of 64).")),
     ("data_dir", dict(help="Where the dataset is; the only place searched when given (default: $DISTLAB_DATA, "
                      "else /usr/share/datasets).")),
     ("data_on_device", dict(help="auto, on or off: keep the data set in GPU memory and gather each batch there "

@@ -89,7 +89,7 @@ def train(config_file, trust_config, **kw):
             check_toolchain(runtime.resolve_device(device, 0))
         if cfg.dataset.startswith("tokens:"):
             from distlab.data.tokens import manifest_of, verify
-            verify(cfg.dataset, manifest_of(cfg.dataset))  # a prepared corpus, whole: its checksums and token ids
+            verify(cfg.dataset, manifest_of(cfg.dataset, cfg.vocab_size))  # a prepared corpus, whole: its checksums and token ids
         elif cfg.dataset.startswith("sft:"):
             from distlab.data.sft import records
             records(cfg.dataset)  # every record readable, before launch

@@ -189,9 +189,11 @@ def locate(name: str, data_dir: str | os.PathLike | None = None) -> Path:
 
 
 def load_dataset(name: str, split: str, data_dir: str | os.PathLike | None = None,
-                 seed: int = 0, block_size: int = 64, tokenizer: str = "bytes") -> ImageDataset | TextDataset:
+                 seed: int = 0, block_size: int = 64, tokenizer: str = "bytes",
+                 vocab_size: int | None = None) -> ImageDataset | TextDataset:
     """Load ``split`` ("train" or "test") of dataset ``name`` into memory (text: as windows of
-    ``block_size`` tokens of ``tokenizer``, bytes or ``bpe:N`` learned from the training split)."""
+    ``block_size`` tokens of ``tokenizer``, bytes or ``bpe:N`` learned from the training split;
+    ``vocab_size``: the vocabulary of a corpus of bare token ids, nanoGPT's ``train.bin``/``val.bin``)."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', not {split!r}")
     name = canonical_name(name)
@@ -202,7 +204,7 @@ def load_dataset(name: str, split: str, data_dir: str | os.PathLike | None = Non
     if name.startswith(FOLDER):
         return load_imagefolder(name, split)
     if name.startswith(tokens.PREFIX):
-        return tokens.load_tokens(name, split, block_size)
+        return tokens.load_tokens(name, split, block_size, vocab_size)
     if name.startswith(sft.PREFIX):
         return sft.load_sft(name, split, block_size, tokenizer)
     if name.startswith("synthetic-text"):
@@ -252,7 +254,8 @@ SHAPES = {"mnist": ((1, 28, 28), 10), "fashion-mnist": ((1, 28, 28), 10), "cifar
 TRAIN_SIZES = {"mnist": 60000, "fashion-mnist": 60000, "cifar10": 50000, "cifar100": 50000, "fortunes": 2313988}
 
 
-def dataset_shape(name: str, block_size: int = 64, tokenizer: str = "bytes") -> tuple[tuple[int, ...], int]:
+def dataset_shape(name: str, block_size: int = 64, tokenizer: str = "bytes",
+                  vocab_size: int | None = None) -> tuple[tuple[int, ...], int]:
     """``(input shape, number of classes)`` of dataset ``name`` without reading it (text: a window
     of ``block_size`` tokens and the tokenizer's vocabulary)."""
     name = canonical_name(name)
@@ -261,7 +264,7 @@ def dataset_shape(name: str, block_size: int = 64, tokenizer: str = "bytes") -> 
     if name.startswith(FOLDER):
         return imagefolder_shape(name)
     if name.startswith(tokens.PREFIX):
-        return tokens.shape(name, block_size)
+        return tokens.shape(name, block_size, vocab_size)
     if name.startswith(sft.PREFIX):
         return sft.shape(name, block_size, tokenizer)
     if is_text(name):

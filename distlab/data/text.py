@@ -64,7 +64,7 @@ class TextDataset:
     num_classes: int = VOCAB
     augment: bool = False
     tokenizer: object = None
-    tokens_per_byte: float = 1.0
+    tokens_per_byte: float | None = 1.0  # None: unknown (a corpus of token ids without its tokenizer)
     entropy: float | None = None  # the unigram entropy when known without counting (a prepared corpus's manifest)
     windows: int = 0  # how many, when ``starts`` is None
     ignored: torch.Tensor | None = None  # per stream position: the token there is no target (IGNORE_INDEX)
@@ -83,14 +83,14 @@ class TextDataset:
 
     @classmethod
     def from_tokens(cls, name: str, split: str, tokens: torch.Tensor, block_size: int, source: str,
-                    tokenizer=None, text_bytes: int | None = None) -> "TextDataset":
+                    tokenizer=None, text_bytes: int | None = None, vocab: int | None = None) -> "TextDataset":
         if block_size < 1:
             raise ConfigError(f"`block_size` must be positive, not {block_size}")
         windows = (len(tokens) - 1) // block_size
         if windows < 1:
             raise ConfigError(f"the {split} split of {name} has {len(tokens):,} tokens: too few for one window of "
                               f"--block-size {block_size} + 1")
-        vocab = tokenizer.vocab_size if tokenizer is not None else VOCAB
+        vocab = vocab or (tokenizer.vocab_size if tokenizer is not None else VOCAB)
         rate = len(tokens) / text_bytes if text_bytes else 1.0
         return cls(name, split, tokens, block_size, None, source, vocab, tokenizer=tokenizer, tokens_per_byte=rate,
                    windows=windows)

@@ -11,7 +11,11 @@ A prepared directory holds
   loss a run reports, computed once rather than from the whole file at every start);
 * ``DIR/tokenizer.json`` for ``bpe:N``.
 
-The manifest is written last: a directory without one is not a prepared corpus. Before a run's first
+The manifest is written last: a directory without one is not a prepared corpus -- unless it is nanoGPT's:
+``train.bin`` and ``val.bin`` of ``uint16`` token ids and nothing that says what they mean, read given the
+vocabulary (``--vocab-size``: :func:`bare_manifest`; its ``meta.pkl``, a pickle, is never read). Such a
+corpus has no tokenizer (its ids are trained on as they are, no text is generated from them) and no
+checksums (its ids are still checked against the vocabulary). Before a run's first
 step the files are checked against it (:func:`verify`: checksums and token ids, one streaming pass,
 remembered), and ``--dataset tokens:DIR`` memory-maps them (:func:`load_tokens`): a window is read from
 disk when a batch needs it, so a run's memory does not grow with the corpus, and windows are drawn by
@@ -65,11 +69,44 @@ def path_of(spec: str) -> Path:
     return path
 
 
-def manifest_of(spec: str) -> dict:
+BARE = "bare ids"  # the tokenizer of a corpus of token ids alone (nanoGPT's): none
+BARE_FILES = {"train": "train.bin", "test": "val.bin"}
+
+
+def is_bare(spec: str) -> bool:
+    """Whether ``tokens:DIR`` is nanoGPT's layout (``train.bin`` and ``val.bin``, no manifest)."""
+    root = Path(spec[len(PREFIX):])
+    return not (root / "manifest.json").exists() and all((root / f).is_file() for f in BARE_FILES.values())
+
+
+def bare_manifest(spec: str, vocab_size: int | None) -> dict:
+    """The manifest of nanoGPT's ``train.bin``/``val.bin`` (uint16 ids; ``val`` is the test split), given the
+    vocabulary it cannot say itself."""
+    root = path_of(spec)
+    if vocab_size is None:
+        raise ConfigError(f"--dataset {spec}: {root} holds train.bin and val.bin without a manifest (nanoGPT's "
+                          f"layout: uint16 token ids): give their vocabulary with --vocab-size N (e.g. 50304 for "
+                          f"GPT-2's ids){'; its meta.pkl is a pickle, never read' if (root / 'meta.pkl').exists() else ''}")
+    if not 1 <= vocab_size <= 1 << 16:
+        raise ConfigError(f"--dataset {spec}: uint16 ids address at most 65,536 tokens, not `vocab_size` "
+                          f"{vocab_size:,}")
+    splits = {}
+    for split, name in BARE_FILES.items():
+        size = (root / name).stat().st_size
+        if size % 2:
+            raise ConfigError(f"--dataset {spec}: {root / name} holds {size:,} bytes, not whole uint16 token ids")
+        splits[split] = {"file": name, "tokens": size // 2, "bytes": 0, "sha256": None}
+    return {"format": "nanogpt", "dtype": "uint16", "vocab_size": vocab_size, "tokenizer": BARE, "splits": splits}
+
+
+def manifest_of(spec: str, vocab_size: int | None = None) -> dict:
     """The checked manifest of ``tokens:DIR``: its format, element type and every split's file, whose size
-    must be its tokens (a truncated or foreign file is refused before any work)."""
+    must be its tokens (a truncated or foreign file is refused before any work); of a bare corpus,
+    :func:`bare_manifest`."""
     root = path_of(spec)
     where = root / "manifest.json"
+    if is_bare(spec):
+        return bare_manifest(spec, vocab_size)
     try:
         manifest = json.loads(where.read_text())
     except FileNotFoundError:
@@ -145,7 +182,7 @@ def verify(spec: str, manifest: dict, progress: bool = False) -> None:
         entry = manifest["splits"][s]
         path = root / Path(entry["file"]).name
         st = path.stat()
-        stamp = [st.st_size, st.st_mtime_ns, entry["sha256"]]
+        stamp = [st.st_size, st.st_mtime_ns, entry["sha256"] or vocab]  # a bare corpus: checked for its vocabulary
         if record.get(path.name) == stamp:
             continue
         sha, offset = hashlib.sha256(), 0
@@ -162,7 +199,7 @@ def verify(spec: str, manifest: dict, progress: bool = False) -> None:
                                       f"{offset + first:,}, outside the vocabulary of {vocab:,}: the file is damaged "
                                       f"or from another tokenizer; prepare the corpus again")
                 offset += len(ids)
-        if sha.hexdigest() != entry["sha256"]:
+        if entry["sha256"] and sha.hexdigest() != entry["sha256"]:
             raise ConfigError(f"--dataset {spec}: {path} is not the file its manifest describes (its SHA-256 "
                               f"{sha.hexdigest()[:16]}... is not {entry['sha256'][:16]}...): it was changed or "
                               f"damaged after prepare-text wrote it; prepare the corpus again")
@@ -182,6 +219,8 @@ def _verified(root: Path) -> dict:
 
 
 def tokenizer_of(spec: str, manifest: dict):
+    if manifest["tokenizer"] == BARE:
+        return None
     if manifest["tokenizer"] == tokenizers.BYTES:
         return tokenizers.ByteTokenizer()
     where = path_of(spec) / "tokenizer.json"
@@ -211,24 +250,26 @@ def _mapped(path: Path, dtype: np.dtype) -> torch.Tensor:
         return torch.from_numpy(array)
 
 
-def load_tokens(spec: str, split: str, block_size: int):
+def load_tokens(spec: str, split: str, block_size: int, vocab_size: int | None = None):
     """``split`` of ``tokens:DIR`` as windows of ``block_size + 1`` tokens over the memory-mapped file
-    (checked first: :func:`verify`)."""
+    (checked first: :func:`verify`); ``vocab_size``: a bare corpus's vocabulary."""
     from distlab.data.text import TextDataset
-    manifest = manifest_of(spec)
+    manifest = manifest_of(spec, vocab_size)
     verify(spec, manifest)
     entry = manifest["splits"][split]
     path = path_of(spec) / Path(entry["file"]).name
     tokens = _mapped(path, np.dtype(manifest["dtype"]).newbyteorder("<"))
     tok = tokenizer_of(spec, manifest)
     data = TextDataset.from_tokens(spec, split, tokens, block_size, str(path), tokenizer=tok,
-                                   text_bytes=entry["bytes"] or None)
+                                   text_bytes=entry["bytes"] or None, vocab=manifest["vocab_size"])
     data.entropy = manifest.get("unigram_entropy") if split == "train" else None
     data.mapped = True
+    if tok is None:  # a bare corpus: what a token is, and so its rate on text, is not known
+        data.tokens_per_byte = None
     return data
 
 
-def shape(spec: str, block_size: int) -> tuple[tuple[int, ...], int]:
-    return (block_size,), manifest_of(spec)["vocab_size"]
+def shape(spec: str, block_size: int, vocab_size: int | None = None) -> tuple[tuple[int, ...], int]:
+    return (block_size,), manifest_of(spec, vocab_size)["vocab_size"]
 
 

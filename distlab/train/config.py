@@ -52,6 +52,7 @@ class TrainConfig:
     block_size: int = 64    # text: tokens per sample (context length)
     dataset: str = "fashion-mnist"
     tokenizer: str = "bytes"  # text: bytes, or bpe:N learned from the training split (distlab.data.tokenizer)
+    vocab_size: int | None = None  # text: the model's vocabulary (a bare corpus's; else at least the data's)
     data_dir: str | None = None
     data_on_device: str = "auto"  # auto | on | off: the data set in GPU memory (distlab.data.resident)
     epochs: int | None = None  # None: one epoch, or as many as `max_steps` takes when that is given
@@ -233,6 +234,8 @@ class TrainConfig:
         _at_least("block_size", self.block_size, 1)
         self._check_options()
         self._check_pretrained()
+        if self.vocab_size is not None:
+            self._check_vocab_size()
         if self.sample_every and not is_text(self.dataset):
             raise ConfigError(f"`sample_every` prints text a language model generates; model {self.model} on "
                               f"{self.dataset} does not generate text (drop `sample_every`)")
@@ -262,7 +265,7 @@ class TrainConfig:
         import torch
 
         from distlab.models import build_model
-        shape, classes = dataset_shape(self.dataset, self.block_size, self.tokenizer)
+        shape, classes = self.data_shape()
         with torch.device("meta"):
             return build_model(self.model, shape, self.vocab(classes), **self.model_options())
 
@@ -275,9 +278,25 @@ class TrainConfig:
         if not wanted:
             return
         net = self._meta_model()
-        shape, _ = dataset_shape(self.dataset, self.block_size, self.tokenizer)
+        shape, _ = self.data_shape()
         for kind in wanted:
             kind.check(net, self.strategy, shape)
+
+    def _check_vocab_size(self) -> None:
+        """`vocab_size`: a text data set's, at least its tokenizer's; not beside a checkpoint's own."""
+        from distlab.data import tokens
+        if not is_text(self.dataset):
+            raise ConfigError(f"`vocab_size` is a language model's vocabulary; {self.dataset} is images (drop it)")
+        if self.init_from and self.init_from.startswith("hf:"):
+            raise ConfigError(f"`vocab_size` is {self.init_from}'s own (its config.json): drop `vocab_size`")
+        _at_least("vocab_size", self.vocab_size, 1)
+        data_vocab = self.data_shape()[1]
+        if data_vocab > self.vocab_size:
+            raise ConfigError(f"`vocab_size` {self.vocab_size:,} is smaller than {self.dataset}'s vocabulary of "
+                              f"{data_vocab:,} tokens: give at least {data_vocab:,} (or drop it)")
+        if self.sample_every and self.dataset.startswith(tokens.PREFIX) and tokens.is_bare(self.dataset):
+            raise ConfigError(f"`sample_every` prints generated text, and {self.dataset} is token ids without their "
+                              f"tokenizer: drop `sample_every` (or prepare the text with distlab prepare-text)")
 
     def _check_options(self) -> None:
         """The options are the model family's and within its limits; your own model takes `model_args`."""
@@ -325,7 +344,7 @@ class TrainConfig:
         if positions and self.block_size > positions:
             raise ConfigError(f"`block_size` {self.block_size} is longer than the {positions} positions "
                               f"{self.init_from} was made for (max_position_embeddings): use at most {positions}")
-        data_vocab = dataset_shape(self.dataset, self.block_size, self.tokenizer)[1]
+        data_vocab = self.data_shape()[1]
         if data_vocab > vocab:
             raise ConfigError(f"{self.dataset}'s vocabulary of {data_vocab:,} tokens is larger than {self.init_from}'s "
                               f"{vocab:,}: tokenize the data with the model's own tokenizer "
@@ -333,9 +352,9 @@ class TrainConfig:
 
     def vocab(self, data_classes: int) -> int:
         """The classes (a text model's vocabulary) the model is built with: a pretrained checkpoint's, else
-        the data's."""
+        `vocab_size`'s, else the data's."""
         found = self.pretrained()
-        return found[2] if found else data_classes
+        return found[2] if found else self.vocab_size or data_classes
 
     def _check_pipeline(self) -> None:
         """The model must cut into `pp` stages, each with parameters (cut on a model built without memory)."""
@@ -367,7 +386,11 @@ class TrainConfig:
     def load(self, split: str):
         """This config's dataset, ``split`` "train" or "test"."""
         return load_dataset(self.dataset, split, self.data_dir, seed=self.seed, block_size=self.block_size,
-                            tokenizer=self.tokenizer)
+                            tokenizer=self.tokenizer, vocab_size=self.vocab_size)
+
+    def data_shape(self) -> tuple[tuple[int, ...], int]:
+        """``(sample shape, classes)`` of this config's dataset, without reading it."""
+        return dataset_shape(self.dataset, self.block_size, self.tokenizer, self.vocab_size)
 
     def lr_factor(self) -> float:
         """``lr_scaling``: the multiplier of ``lr`` for this global batch (1 with ``none``)."""

@@ -198,7 +198,8 @@ def build_call(meta: dict) -> str:
     """The ``build_model`` call that makes the model a snapshot's ``meta`` describes (as Python text)."""
     from distlab.data import dataset_shape
     try:
-        shape, classes = dataset_shape(meta["dataset"], meta.get("block_size") or 64, meta.get("tokenizer") or "bytes")
+        shape, classes = dataset_shape(meta["dataset"], meta.get("block_size") or 64, meta.get("tokenizer") or "bytes",
+                                       meta.get("vocab_size"))
     except Exception:  # noqa: BLE001 - a dataset name this version does not know: leave it to the user
         shape, classes = "INPUT_SHAPE", "CLASSES"
     options = {"widths": tuple(meta["mlp_widths"])} if meta.get("mlp_widths") else \

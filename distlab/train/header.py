@@ -37,6 +37,8 @@ def _optimizer_words(cfg, total_steps: int) -> str:
 def _tokens(data) -> str:
     """What a token is: a byte, or a BPE's token (its vocabulary, learned size and rate on the text)."""
     tok = data.tokenizer
+    if tok is None and data.tokens_per_byte is None:
+        return f"token ids of a vocabulary of {data.num_classes:,}, no tokenizer"
     if tok is None or tok.spec == "bytes":
         return "bytes"
     if tok.spec == "hf":

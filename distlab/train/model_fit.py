@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from distlab.data import dataset_shape, is_text
+from distlab.data import is_text
 from distlab.errors import ConfigError, first_line, with_article
 
 REAL_CHECK_PARAMETERS = 1 << 26  # a model this small is built for real when the meta device cannot run it
@@ -22,7 +22,7 @@ def check_fit(cfg, net) -> None:
     if next(net.parameters(), None) is None:
         raise ConfigError(f"model {cfg.model} has no parameters: there is nothing to train (its builder returned "
                           f"{with_article(type(net).__name__)} without weights)")
-    shape, classes = dataset_shape(cfg.dataset, cfg.block_size, cfg.tokenizer)
+    shape, classes = cfg.data_shape()
     text = is_text(cfg.dataset)
     x = torch.zeros((2, *shape), dtype=torch.long if text else torch.float32, device="meta")
     gives = f"(B, {', '.join(map(str, shape))}){' token ids' if text else ''}"
@@ -56,7 +56,7 @@ def _forward_for_real(cfg, meta_net, x):
     from distlab.models import build_model
     if sum(p.numel() for p in meta_net.parameters()) > REAL_CHECK_PARAMETERS:
         return None
-    shape, classes = dataset_shape(cfg.dataset, cfg.block_size, cfg.tokenizer)
+    shape, classes = cfg.data_shape()
     gives = f"(B, {', '.join(map(str, shape))})"
     with torch.random.fork_rng(devices=[]):
         try:

@@ -62,8 +62,8 @@ def _text_facts(trainer, final: dict) -> dict:
             "eval_windows": len(trainer.eval_test),
             "unigram_entropy": data.unigram_entropy,
             # nats per byte of text: the loss that compares tokenizers (a token of BPE covers several bytes)
-            "tokenizer": tok.spec if tok is not None else "bytes", "vocab_size": data.num_classes,
-            "test_tokens_per_byte": rate, "test_loss_per_byte": loss * rate if loss is not None else None}
+            "tokenizer": tok.spec if tok is not None else "bytes" if rate else "none", "vocab_size": data.num_classes,
+            "test_tokens_per_byte": rate, "test_loss_per_byte": loss * rate if loss is not None and rate else None}
 
 
 def expert_load(engine) -> dict | None:

@@ -393,6 +393,7 @@ class Trainer:
                 **({"model_args": list(cfg.model_args)} if cfg.model_args else {}),
                 **self.model_record,
                 "num_parameters": self.num_parameters, "dataset": cfg.dataset,
+                **({"vocab_size": cfg.vocab_size} if cfg.vocab_size else {}),
                 **({"tokenizer": self.tokenizer.spec, "tokenizer_sha256": self.tokenizer.sha256}
                    if self.tokenizer is not None and self.tokenizer.sha256 else {}),
                 # compiling changes how the blocks run, not the state: a snapshot resumes with or without it
