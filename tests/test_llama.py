@@ -13,15 +13,19 @@ from distlab.errors import ConfigError
 from distlab.models import build_model, options_from
 from distlab.models.llama import RotaryTable, rotate
 from distlab.parallel.context_parallel import ContextLayout, _RingAttention
-from distlab.tools.verify import default_strategies, verify
+from distlab.tools.verify import default_strategies, parse_strategy, verify
 
 
 def test_llama_trains_every_layout_as_one_process():
     """Data parallel, ZeRO-3 recomputing, TP+SP, the ring and all-to-all over grouped heads (each rank's
     rotary positions offset: without the offset the ring case is off by ~1e-5 against a 4e-6 bound),
-    a pipeline, and SwiGLU experts shared out by expert parallel -- verify's float32 bound, on 2 ranks."""
+    a pipeline, SwiGLU experts shared out by expert parallel, and key/value heads that tensor parallel
+    does not divide kept whole on every rank (one head for 2 ranks; 3 heads read by 2 x 3 query heads, one
+    copy per query head: without the gradients summed over the group both miss by ~1e-3) -- verify's
+    float32 bound, on 2 ranks."""
     cases = [c for c in default_strategies(2) if c.model in ("llama", "llama-moe")]
-    assert len(cases) == 7
+    assert len(cases) == 8
+    cases.append(parse_strategy("allreduce+tp=2+llama+n_embd=24+n_head=6+kv_heads=3"))
     records = verify(cases, 2, steps=3, timeout=600)
     failed = [(r["strategy"], r["max_abs_param_diff"], r["tolerance"]) for r in records if not r["passed"]]
     assert not failed, failed
@@ -77,10 +81,21 @@ def test_llama_options_refuse_what_does_not_fit():
     with pytest.raises(ConfigError, match="model gpt has no such option: drop `kv_heads`"):
         options_from("gpt", {"kv_heads": 2})
     model = build_model("llama", (16,), 64, options_from("llama", {"n_embd": 64, "kv_heads": 1}))
-    with pytest.raises(ConfigError, match="`kv_heads` 1 is not divisible by 2"):
-        model.tensor_parallel_plan(2, "megatron", False)
+    plan = model.tensor_parallel_plan(2, "megatron", False)  # one key/value head for 2 ranks: whole on each
+    assert (plan["1.attn.k"], plan["1.attn.v"], plan["1.attn"], plan["1.attn.q"]) == (
+        "replicated", "replicated", "tensor_rank", "colwise_entered")
+    from distlab.parallel import Strategy
+    from distlab.plan import trace
+    t = trace("llama", (16,), 64, options=options_from("llama", {"n_embd": 64, "kv_heads": 1}))
+    # the planner prices the plan at the layout's tp (here not tp 1's), context parallel sending the whole head
+    assert t.tensor_key(Strategy("allreduce", tp=2), 2) == ("megatron", False, 2) and t.kv_share == {2: 1.0, 4: 1.0}
+    assert "1.attn.k.weight" not in t.tensor_split[("megatron", False, 2)]  # whole on every rank
+    with pytest.raises(ConfigError, match="`n_head` 4 is not divisible by 3"):
+        model.tensor_parallel_plan(3, "megatron", False)
     with pytest.raises(ConfigError, match="1 key/value heads per tensor-parallel rank do not divide by 2"):
         model.context_parallel_plan(2, "ulysses", 1)
+    with pytest.raises(ConfigError, match="1 key/value heads per tensor-parallel rank do not divide by 2"):
+        model.context_parallel_plan(2, "ulysses", 2)  # each of 2 tensor-parallel ranks reads the one head
 
 
 def _train_llama(rank, world, out, snapshots):

@@ -85,15 +85,31 @@ class LlamaAttention(nn.Module):
         self.proj = nn.Linear(n_head * self.head_dim, n_embd, bias=False)
         self.rotary = RotaryTable(self.head_dim, theta)
         self.core = GroupedAttention()
+        self.n_head, self.kv_heads = n_head, kv_heads
+        self.kv_index: list[int] | None = None  # tensor parallel with the key/value heads whole: the ones used here
+
+    def tensor_rank(self, rank: int, size: int) -> None:
+        """Tensor parallel where ``size`` does not divide the key/value heads (they stay whole on every rank,
+        :meth:`Llama.tensor_parallel_plan`): keep those this rank's query heads read (:func:`kv_heads_read`)."""
+        self.kv_index = kv_heads_read(self.n_head, self.kv_heads, rank, size)
+
+    def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x``'s queries, keys and values as ``(B, heads, t, D)``: this rank's heads (all, or its share)."""
+        b, t, _ = x.shape
+        d = self.head_dim
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        heads, groups = q.shape[-1] // d, k.shape[-1] // d
+        q = q.view(b, t, heads, d).transpose(1, 2)
+        k, v = (z.view(b, t, groups, d).transpose(1, 2) for z in (k, v))
+        if self.kv_index is not None:
+            k, v = k[:, self.kv_index], v[:, self.kv_index]
+        return q, k, v
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.enter(x)  # under sequence parallel this gathers the whole sequence
         b, t, _ = x.shape
-        d = self.head_dim
-        q, k, v = self.q(x), self.k(x), self.v(x)
-        heads, groups = q.shape[-1] // d, k.shape[-1] // d  # this rank's: all, or its share under TP
-        q = q.view(b, t, heads, d).transpose(1, 2)
-        k, v = (z.view(b, t, groups, d).transpose(1, 2) for z in (k, v))
+        q, k, v = self._heads(x)
+        heads, d = q.shape[1], self.head_dim
         cos, sin = self.rotary(torch.arange(t, device=x.device))
         y = self.core(rotate(q, cos, sin), rotate(k, cos, sin), v)
         return self.proj(y.transpose(1, 2).reshape(b, t, heads * d))
@@ -103,17 +119,26 @@ class LlamaAttention(nn.Module):
         the earlier ones' rotated keys and values (None: a prefill, causal over ``x``; else ``x`` is one
         token, which sees every cached key). Returns the output and the cache with ``x``'s appended."""
         b, t, _ = x.shape
-        d = self.head_dim
-        q, k, v = self.q(x), self.k(x), self.v(x)
-        heads, groups = q.shape[-1] // d, k.shape[-1] // d
-        q = q.view(b, t, heads, d).transpose(1, 2)
-        k, v = (z.view(b, t, groups, d).transpose(1, 2) for z in (k, v))
+        q, k, v = self._heads(x)
+        heads, groups, d = q.shape[1], k.shape[1], self.head_dim
         cos, sin = self.rotary(torch.arange(start, start + t, device=x.device))
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=past is None, enable_gqa=groups != heads)
         return self.proj(y.transpose(1, 2).reshape(b, t, heads * d)), (k, v)
+
+
+def kv_heads_read(n_head: int, kv_heads: int, rank: int, size: int) -> list[int]:
+    """The key/value heads tensor-parallel rank ``rank`` of ``size`` holds when they are not split: its query
+    heads are ``n_head / size`` consecutive ones, and it keeps the key/value heads they read -- each once
+    where they read them in equal runs (one head each for ``size`` a multiple of ``kv_heads``, grouped-query
+    attention as usual), else one per query head (plain multi-head attention over copies)."""
+    per, group = n_head // size, n_head // kv_heads
+    read = [h // group for h in range(rank * per, (rank + 1) * per)]
+    distinct = list(dict.fromkeys(read))
+    runs = per // len(distinct) if per % len(distinct) == 0 else 0
+    return distinct if runs and read == [h for h in distinct for _ in range(runs)] else read
 
 
 class SwiGLU(nn.Module):
@@ -234,9 +259,12 @@ class Llama(nn.Sequential):
     def tensor_parallel_plan(self, tp: int, style: str, sequence_parallel: bool) -> dict[str, str]:
         """Tensor parallel's plan (Megatron-LM's layout): the token embedding and the LM head split by
         vocabulary; attention by heads -- query heads and key/value groups alike (q, k, v column
-        parallel after one region entry, the projection row parallel); the SwiGLU's gate and up column
-        parallel, down row parallel (naive: each column parallel, gathered); under sequence parallel
-        the RMSNorms see ``block_size / tp`` positions."""
+        parallel after one region entry, the projection row parallel); where ``tp`` does not divide
+        the key/value heads they stay whole on every rank (``replicated``: each rank uses those its
+        query heads read, the gradients summed over the group -- Megatron-LM's and torchtitan's
+        replication for ``tp`` above the key/value heads); the SwiGLU's gate and up column parallel,
+        down row parallel (naive: each column parallel, gathered); under sequence parallel the RMSNorms
+        see ``block_size / tp`` positions."""
         def mlp(i: int) -> dict[str, str]:
             if self.experts:  # experts stay whole on every tensor-parallel rank (expert parallel splits them)
                 return {f"{i}.mlp": "sequence_stats"}
@@ -244,18 +272,29 @@ class Llama(nn.Sequential):
                 return {f"{i}.mlp.enter": "enter", f"{i}.mlp.gate": "colwise_entered", f"{i}.mlp.up": "colwise_entered",
                         f"{i}.mlp.down": "rowwise"}
             return {f"{i}.mlp.{n}": "colwise_gather" for n in ("gate", "up", "down")}
-        counts = (("`n_head`", self.n_head), ("`kv_heads`", self.kv_heads),
+        whole_kv = self.kv_heads % tp != 0
+        counts = (("`n_head`", self.n_head), *((("`kv_heads`", self.kv_heads),) if not whole_kv else ()),
                   *((("`ffn_hidden`", self.ffn_hidden),) if not self.experts else ()),
                   ("the vocabulary", self[0].tok.num_embeddings))
-        return decoder_tensor_plan(self, tp, sequence_parallel, "query heads, key/value heads, the MLP and the "
+        plan = decoder_tensor_plan(self, tp, sequence_parallel, "query heads, key/value heads, the MLP and the "
                                    "vocabulary", counts, mlp)
+        if whole_kv:
+            for i in range(1, len(self) - 1):
+                plan |= {f"{i}.attn.k": "replicated", f"{i}.attn.v": "replicated", f"{i}.attn": "tensor_rank"}
+        return plan
+
+    def kv_heads_per_rank(self, tp: int) -> int:
+        """The key/value heads a tensor-parallel rank's attention holds (:meth:`LlamaAttention.tensor_rank`)."""
+        if self.kv_heads % tp == 0:
+            return self.kv_heads // tp
+        return len(kv_heads_read(self.n_head, self.kv_heads, 0, tp))
 
     def context_parallel_plan(self, cp: int, style: str, tp: int = 1) -> dict[str, str]:
         """Context parallel's plan: every block's rotary table reads the rank's global positions, its
         attention core runs over the whole sequence (ring, or all-to-all giving each of the ``cp``
         ranks whole query heads and whole key/value groups of this tensor-parallel rank's)."""
         if style == "ulysses":
-            for what, heads in (("query heads", self.n_head // tp), ("key/value heads", self.kv_heads // tp)):
+            for what, heads in (("query heads", self.n_head // tp), ("key/value heads", self.kv_heads_per_rank(tp))):
                 if heads % cp:
                     raise ConfigError(f"`cp_style` ulysses gives each of `cp` {cp} ranks whole heads: {heads} {what} "
                                       f"per tensor-parallel rank do not divide by {cp}; use `cp_style` ring")

@@ -57,6 +57,11 @@ style                       plan      what the parallelism does to the named mod
                                       ``vocab_embedding``) and maybe a position embedding ``pos`` that
                                       returns this rank's positions: ``tok(idx)`` reduce-scattered (plus
                                       its rows of ``pos``)
+``replicated``              tensor    a module kept whole on every rank, each using part of its output (key/
+                                      value projections with fewer heads than ``tp`` splits): its
+                                      parameters' gradients are summed over the group
+``tensor_rank``             tensor    a module that takes its own share: ``m.tensor_rank(rank, size)`` is
+                                      called with the group's (an attention picking its key/value heads)
 ``context_positions``       context   a module called with positions ``0..t-1`` (an ``nn.Embedding`` of
                                       positions, a rotary table with ``reads_positions``): it is given
                                       this rank's global positions
@@ -83,7 +88,7 @@ from distlab.errors import ConfigError
 
 STYLES = {
     "tensor": ("colwise", "colwise_gather", "colwise_entered", "rowwise", "enter", "vocab_embedding", "vocab_output",
-               "sequence", "sequence_stats", "sequence_embedding"),
+               "sequence", "sequence_stats", "sequence_embedding", "replicated", "tensor_rank"),
     "context": ("context_positions", "context_attention", "context_sequence_stats"),
     "expert": ("experts",),
 }

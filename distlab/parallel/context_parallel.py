@@ -324,7 +324,9 @@ class ContextParallel(ComponentKind):
         cp, ring = lay.cp, lay.strategy.cp_style == "ring"
         mine = sum(v for name, v in t.attention_kv.items() if in_stage(name, t_rank, lay)) if t.attention_kv else \
             t.attention_kv_bytes_per_sample
-        kv = mine * micro / (cp * lay.tp)  # this rank's keys and values, every attention of its stage
+        # this rank's keys and values, every attention of its stage (a tensor-parallel rank's share: 1/tp, or the
+        # heads it keeps where tp does not divide them)
+        kv = mine * micro / cp * t.kv_share.get(lay.tp, 1 / lay.tp)
         q = sum(v for name, v in t.attention_q.items() if in_stage(name, t_rank, lay)) * micro / (cp * lay.tp) \
             if t.attention_q else kv / 2
         sent = ((3 * cp - 2) * kv if ring else 2 * (cp - 1) / cp * (2 * q + kv)) * lay.strategy.micro_steps

@@ -143,12 +143,13 @@ def trace_for(summary: dict, traces: dict) -> Trace:
                           f"of the user's, which distlab does not run from a data file")
     shape, k = (tuple(summary["input_shape"]), summary["num_classes"]) if "input_shape" in summary else \
         dataset_shape(summary["dataset"])
+    from distlab.models import check_model_name, spec
     cfg = summary.get("config", {})
-    widths = tuple(cfg.get("mlp_widths") or (512, 256))
-    sizes = {name: cfg[name] for name in ("n_layer", "n_head", "n_embd", "experts", "top_k") if name in cfg}
-    key = (summary["model"], shape, k, widths, tuple(sorted(sizes.items())))
+    names = spec(check_model_name(summary["model"])).options.names()  # the family's options the run recorded
+    sizes = {name: tuple(v) if isinstance(v, list) else v for name, v in cfg.items() if name in names}
+    key = (summary["model"], shape, k, tuple(sorted(sizes.items())))
     if key not in traces:
-        traces[key] = trace(summary["model"], shape, k, widths=widths, **sizes)
+        traces[key] = trace(summary["model"], shape, k, **sizes)
     return traces[key]
 
 

@@ -63,22 +63,35 @@ class Trace:
     blocks: list[list[str]] = field(default_factory=list)  # activation checkpointing's blocks, as layer names
     input_bytes_per_sample: float = 0.0  # the model's input (what a checkpointed first layer keeps)
     batch_norms: list[tuple[str, int, bool]] = field(default_factory=list)  # (name, channels, input needs a gradient)
-    tensor_plans: dict[tuple[str, bool], dict[str, str]] = field(default_factory=dict)  # (style, sp) -> the model's plan
-    tensor_split: dict[tuple[str, bool], set[str]] = field(default_factory=dict)  # (style, sp) -> the units it shards
-    tensor_open: dict[tuple[str, bool], set[str]] = field(default_factory=dict)  # (style, sp) -> layers ending inside a region
+    # (style, sp, tp) -> the model's plan, the units it shards, the layers ending inside a parallel region; tp 1
+    # stands for every tp whose plan is the same (:meth:`tensor_key`)
+    tensor_plans: dict[tuple[str, bool, int], dict[str, str]] = field(default_factory=dict)
+    tensor_split: dict[tuple[str, bool, int], set[str]] = field(default_factory=dict)
+    tensor_open: dict[tuple[str, bool, int], set[str]] = field(default_factory=dict)
     attention_kv: dict[str, float] = field(default_factory=dict)  # attention -> its keys and values per sample
     attention_q: dict[str, float] = field(default_factory=dict)  # attention -> its queries per sample (as many
     # bytes as its output; more than a key's under grouped-query attention)
     expert_slots: dict[str, float] = field(default_factory=dict)  # experts -> the token-slots entering them per sample
     module_io: dict[str, ModuleIO] = field(default_factory=dict)  # what each module those plans name takes and gives
+    kv_share: dict[int, float] = field(default_factory=dict)  # tp -> a rank's share of the keys and values, where
+    # not 1/tp (key/value heads kept whole: kv_heads_per_rank(tp) / kv_heads)
 
     @property
     def num_parameters(self) -> int:
         return sum(self.numels)
 
+    def tensor_key(self, strategy, tp: int) -> tuple[str, bool, int]:
+        """The key of the traced tensor plan a layout with ``tp`` ranks runs (the plan at ``tp`` where it
+        differs from the plan at 1, e.g. key/value heads kept whole where ``tp`` does not divide them)."""
+        key = (strategy.tp_style, strategy.sequence_parallel, tp)
+        return key if key in self.tensor_plans else key[:2] + (1,)
+
     def stage(self, names: list[str]) -> "Trace":
         """The part a pipeline stage holding the layers ``names`` holds (:func:`stage_trace`)."""
         return stage_trace(self, names)
+
+
+TRACED_TP = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # the tensor-parallel sizes whose plans a trace keeps
 
 
 def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), num_classes: int = 10,
@@ -138,12 +151,18 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
             out.attention_causal = out.attention_causal and getattr(model.get_submodule(name), "causal", True)
     for style in TENSOR_STYLES:  # the model's own tensor plans, and what each module they name takes and gives
         for sp in (False, True):
-            try:
-                plan = out.tensor_plans[(style, sp)] = tp_plan_of(model, 1, style, sp)
-            except ConfigError:
-                continue
-            out.tensor_split[(style, sp)] = {f"{name}.{leaf}" for name, kind in plan.items()
-                                             for leaf in TP_STYLES[kind].splits}
+            for tp in TRACED_TP:
+                try:
+                    plan = tp_plan_of(model, tp, style, sp)
+                except ConfigError:
+                    continue
+                if tp > 1 and plan == out.tensor_plans.get((style, sp, 1)):
+                    continue
+                out.tensor_plans[(style, sp, tp)] = plan
+                if hasattr(model, "kv_heads_per_rank") and model.kv_heads % tp:
+                    out.kv_share[tp] = model.kv_heads_per_rank(tp) / model.kv_heads
+                out.tensor_split[(style, sp, tp)] = {f"{name}.{leaf}" for name, kind in plan.items()
+                                                     for leaf in TP_STYLES[kind].splits}
     for name in dict.fromkeys(n for plan in out.tensor_plans.values() for n in plan):
 
         def io(m, args, result, name=name):

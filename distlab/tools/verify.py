@@ -53,6 +53,11 @@ from distlab.train.config import TrainConfig
 EPS32 = torch.finfo(torch.float32).eps
 
 
+def verify_sizes() -> dict:
+    """The small models' sizes (a case's ``+NAME=N`` sets any other option of its model's)."""
+    return {"mlp_widths": (32, 16), "n_layer": 2, "n_head": 4, "n_embd": 16}
+
+
 def case_models() -> tuple[str, ...]:
     """The model words of a case: every registered language model (+gpt: the transformer; +gpt-moe:
     with mixture-of-experts MLPs, 8 experts, top 2), a family of your own registered beside them."""
@@ -75,12 +80,13 @@ class Case:
     clip: float | None = None  # +clip: gradients clipped to this global norm (CLIP_NORM)
     smoothing: float = 0.0  # +smooth: the loss's targets smoothed by this much (SMOOTHING)
     masked: bool = False  # +mask: a share MASKED of the transformer's targets ignored (the loss: a mean over the rest)
+    options: tuple[tuple[str, int], ...] = ()  # +NAME=N after the model: its sizes beside verify's small ones
 
     @property
     def name(self) -> str:
         return (str(self.strategy) + ("+adam" if self.optimizer == "adam" else "")
-                + (f"+{self.model}" if self.model else "") + ("+clip" if self.clip else "")
-                + ("+smooth" if self.smoothing else "") + ("+mask" if self.masked else ""))
+                + (f"+{self.model}" if self.model else "") + "".join(f"+{k}={v}" for k, v in self.options)
+                + ("+clip" if self.clip else "") + ("+smooth" if self.smoothing else "") + ("+mask" if self.masked else ""))
 
     def flags(self) -> dict:
         return {**self.strategy.to_dict(), "optimizer": self.optimizer, **({"model": self.model} if self.model else {}),
@@ -89,13 +95,18 @@ class Case:
 
 
 def parse_strategy(text: str) -> Case:
-    """The :class:`~distlab.parallel.Strategy` text form, plus ``+adam`` for the optimizer and
-    ``+gpt`` for the transformer."""
+    """The :class:`~distlab.parallel.Strategy` text form, plus ``+adam`` for the optimizer, ``+gpt`` (a
+    language model) for the transformer and, after it, ``+NAME=N`` for one of its sizes (``+kv_heads=1``)."""
     tokens = [t.strip() for t in text.split("+")]
     clip = CLIP_NORM if "clip" in tokens else None
     smoothing = SMOOTHING if "smooth" in tokens else 0.0
     masked = "mask" in tokens
     tokens = [t for t in tokens if t not in ("clip", "smooth", "mask")]
+    model = next((t for t in tokens if t in case_models()), None)
+    names = spec(model).options.names() if model else ()
+    options = tuple((k, int(v)) for k, _, v in (t.partition("=") for t in tokens)
+                    if k in names and v.isdigit())
+    tokens = [t for t in tokens if t.partition("=")[0] not in dict(options)]
     for t in tokens[1:]:
         hint = did_you_mean(t, (*case_models(), "adam", "clip", "smooth", "mask"),
                             {"moe": "gpt-moe", "transformer": "gpt", "adamw": "adam", "masked": "mask"})
@@ -112,7 +123,7 @@ def parse_strategy(text: str) -> Case:
                           f"up to lr either way; verify the transformer with SGD (drop +adam)")
     rest = "+".join(t for t in tokens if t not in ("adam", *case_models()))
     return Case(Strategy.parse(rest) if rest else Strategy(), "adam" if "adam" in tokens else "sgd", model, clip,
-                smoothing, masked)
+                smoothing, masked, options)
 
 
 def default_strategies(world_size: int | None = None) -> list[Case]:
@@ -164,7 +175,9 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
                   Case(Strategy("bucketed", cp=2), model="llama"),
                   Case(Strategy("bucketed", cp=2, cp_style="ulysses"), model="llama"),
                   Case(Strategy("bucketed", pp=2, microbatches=2), model="llama"),
-                  Case(Strategy("bucketed", ep=2), model="llama-moe")]  # SwiGLU experts shared out
+                  Case(Strategy("bucketed", ep=2), model="llama-moe"),  # SwiGLU experts shared out
+                  # one key/value head for 2 tensor-parallel ranks: kept whole on each, its gradient summed
+                  Case(Strategy("allreduce", tp=2, sequence_parallel=True), model="llama", options=(("kv_heads", 1),))]
         cases += [Case(Strategy("bucketed", ep=2), model="gpt-moe"),
                   Case(Strategy("bucketed", pp=2, microbatches=4, pp_virtual=2), model="gpt"),
                   Case(Strategy("bucketed", pp=2, microbatches=4, pp_schedule="zb"), model="gpt")]
@@ -195,7 +208,7 @@ def config_for(case: Case, world_size: int, steps: int, global_batch: int | None
         model, dataset = case.model, f"synthetic-text:4000:masked={MASKED}" if case.masked else "synthetic-text:4000"
     if mine:
         model, dataset = mine, data or USER_DATASET
-    small = {"mlp_widths": (32, 16), "n_layer": 2, "n_head": 4, "n_embd": 16}
+    small = {**verify_sizes(), **dict(case.options)}
     sizes = {} if mine else {k: v for k, v in small.items() if k in spec(model).options.names()}
     return TrainConfig.from_flags(model=model, model_args=tuple(model_args) if mine else (), **sizes, block_size=8,
                        dataset=dataset, epochs=max(1, steps), max_steps=steps,

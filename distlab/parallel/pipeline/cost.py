@@ -114,7 +114,7 @@ def stages(t, lay, micro: int, optim, sync_cost) -> list[dict]:
         mine = [layer for a, b in chunks for layer in layers[a:b]]
         sub = t.stage([layer.name for layer in mine]) if lay.pp > 1 else t
         if lay.tp > 1:  # the units the model's tensor plan shards (every unit where the trace has no plan)
-            split = t.tensor_split.get((lay.strategy.tp_style, lay.strategy.sequence_parallel))
+            split = t.tensor_split.get(t.tensor_key(lay.strategy, lay.tp))
             sub = replace(sub, numels=[math.ceil(m / lay.tp) if split is None or name in split else m
                                        for name, m in zip(sub.names, sub.numels)])
         state = sync_cost.planned_memory(sub, optim, lay.strategy, lay.replicas)
@@ -149,7 +149,7 @@ def stages(t, lay, micro: int, optim, sync_cost) -> list[dict]:
             held = min(m_total, lay.pp - s)
         boundary = before = 0.0
         headed = 0  # activations sent per micro-batch, each after its header (a gradient's shape is known)
-        inside = t.tensor_open.get((lay.strategy.tp_style, sp), set()) if lay.tp > 1 else set()
+        inside = t.tensor_open.get(t.tensor_key(lay.strategy, lay.tp), set()) if lay.tp > 1 else set()
 
         def crossing(layer) -> float:  # what leaves a layer for the next stage: this rank's share of it
             split = lay.tp if sp or layer.name in inside else 1  # sequence-split, or inside a column-parallel region

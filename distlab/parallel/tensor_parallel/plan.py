@@ -68,7 +68,8 @@ class TensorParallel(ComponentKind):
         pipeline's stage cost divides those units, the replicated LayerNorms and biases stay whole) --
         exact where the plan was traced."""
         st = lay.strategy
-        plan = t.tensor_plans.get((st.tp_style, st.sequence_parallel))
+        key = t.tensor_key(st, lay.tp)
+        plan = t.tensor_plans.get(key)
         if plan is None:
             raise ConfigError(f"`tp` {lay.tp}: this model declares no tensor-parallel plan (tensor_parallel_plan) for "
                               f"{st.tp_style}"
@@ -85,7 +86,7 @@ class TensorParallel(ComponentKind):
                 ", split over the tensor-parallel ranks except in LayerNorm and embedding regions (replicated "
                 "without sequence parallel)")
         return Price([CallGroup(calls * st.micro_steps, lay.tp, local=lay.dp > 1)],
-                     exact=(st.tp_style, st.sequence_parallel) in t.tensor_split, compute_split=lay.tp,
+                     exact=key in t.tensor_split, compute_split=lay.tp,
                      activation_note=note)
 
     @staticmethod

@@ -245,8 +245,38 @@ class SequenceEmbedding(Style):
         return [_rs(out), _ag(out)] + [_ar(n * io.element_size) for n in io.parameters[1:]]  # pos, after tok
 
 
+class Replicated(Style):
+    """A module kept whole on every rank, each rank using only part of its output (grouped-query attention's
+    key/value projections where ``tp`` does not divide the key/value heads): each rank's gradient covers its
+    part, so the parameters' gradients are summed over the group."""
+
+    @staticmethod
+    def apply(m, group, name, sp, shared):
+        shared.extend(m.parameters())
+        return m
+
+    @staticmethod
+    def calls(io, micro, sp):
+        return _params(io)
+
+
+class TensorRank(Style):
+    """A module that takes its own share: told the group's rank and size (``m.tensor_rank(rank, size)``),
+    e.g. an attention choosing the key/value heads its rank's query heads read."""
+
+    @staticmethod
+    def apply(m, group, name, sp, shared):
+        from distlab.runtime import group_rank, group_size
+        if not callable(getattr(m, "tensor_rank", None)):
+            raise ConfigError(f"tensor-parallel plan: {name} ({type(m).__name__}) is tensor_rank but has no "
+                              f"tensor_rank(rank, size) method")
+        m.tensor_rank(group_rank(group), group_size(group))
+        return m
+
+
 TP_STYLES: dict[str, type[Style]] = {
     "colwise": Colwise, "colwise_gather": ColwiseGather, "colwise_entered": ColwiseEntered, "rowwise": Rowwise,
     "enter": Enter, "vocab_embedding": VocabEmbedding, "vocab_output": VocabOutput, "sequence": Sequence,
-    "sequence_stats": SequenceStats, "sequence_embedding": SequenceEmbedding,
+    "sequence_stats": SequenceStats, "sequence_embedding": SequenceEmbedding, "replicated": Replicated,
+    "tensor_rank": TensorRank,
 }
