@@ -36,12 +36,14 @@ def _saved(arch: str, directory, **extra):
     return model
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"])
-def test_a_hugging_face_checkpoint_gives_the_same_logits(arch, tmp_path):
+@pytest.mark.parametrize("arch,tied", [("LlamaForCausalLM", False), ("MistralForCausalLM", False),
+                                       ("Qwen2ForCausalLM", False), ("Qwen2ForCausalLM", True)])
+def test_a_hugging_face_checkpoint_gives_the_same_logits(arch, tied, tmp_path):
     """Both compute in float32; each is within its rounding of the float64 result (transformers' own model
-    in float64), so they agree to twice that. Qwen2's q/k/v biases (random here, not zeros) included; and
+    in float64), so they agree to twice that. Qwen2's q/k/v biases (random here, not zeros) included, and
+    its small models' tied embeddings (the checkpoint has no lm_head: one matrix in distlab too); and
     back out as the same architecture."""
-    theirs = _saved(arch, tmp_path, rope_theta=500000.0)
+    theirs = _saved(arch, tmp_path, rope_theta=500000.0, tie_word_embeddings=tied)
     with torch.no_grad():
         for name, p in theirs.named_parameters():
             if name.endswith("bias"):
@@ -56,9 +58,13 @@ def test_a_hugging_face_checkpoint_gives_the_same_logits(arch, tmp_path):
         exact = theirs.double()(x).logits
     bound = 2 * (b.double() - exact).abs().max().item() + torch.finfo(torch.float32).eps * exact.abs().max().item()
     assert (a.double() - b.double()).abs().max().item() <= bound
+    assert (mine[-1].out.weight is mine[0].tok.weight) == tied
     out = hf.write(mine.state_dict(), "llama", hf.family_of(hf.config_of(tmp_path))[1].options_from(
         hf.config_of(tmp_path), "")[0], 256, 64, tmp_path / "out")
     assert hf.config_of(out)["architectures"] == ["Qwen2ForCausalLM" if arch.startswith("Qwen") else "LlamaForCausalLM"]
+    assert hf.config_of(out)["tie_word_embeddings"] == tied
+    from safetensors.torch import load_file
+    assert ("lm_head.weight" in load_file(out / hf.SINGLE)) != tied
 
 
 def _train(rank, world, directory, snapshots, strategy):
@@ -72,14 +78,15 @@ def _train(rank, world, directory, snapshots, strategy):
     Trainer(cfg.validate(world), runtime.from_process_group()).fit()
 
 
-@pytest.mark.parametrize("strategy", ["allreduce+tp=2", "bucketed+pp=2+mb=2"])
-def test_in_through_a_layout_and_out_is_bitwise_and_transformers_loads_it(strategy, tmp_path):
+@pytest.mark.parametrize("strategy,tied", [("allreduce+tp=2", True), ("bucketed+pp=2+mb=2", False)])
+def test_in_through_a_layout_and_out_is_bitwise_and_transformers_loads_it(strategy, tied, tmp_path):
     """Read on 2 ranks split by the layout, one step too small to move a weight, exported: every tensor
-    as it came; transformers' from_pretrained gives the original's logits."""
+    as it came (a tied LM head split by the embedding's vocabulary rows: still no lm_head out);
+    transformers' from_pretrained gives the original's logits."""
     from distlab.launch.spawn import run_ranks
     from distlab.train.export import export
     from safetensors.torch import load_file
-    theirs = _saved("LlamaForCausalLM", tmp_path / "in")
+    theirs = _saved("LlamaForCausalLM", tmp_path / "in", tie_word_embeddings=tied)
     run_ranks(_train, 2, tmp_path / "in", tmp_path / "s", strategy, timeout=300)
     export(tmp_path / "s" / "step-00000001", tmp_path / "out", fmt="hf")
     before = {k: v for f in hf.tensor_files(tmp_path / "in") for k, v in load_file(f).items()}
@@ -95,7 +102,6 @@ def test_what_distlab_would_compute_differently_is_refused_in_one_line(tmp_path)
     base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 96,
             "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}
     for change, message in [({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
-                            ({"tie_word_embeddings": True}, "tie_word_embeddings true"),
                             ({"architectures": ["GPTNeoXForCausalLM"]}, "architecture 'GPTNeoXForCausalLM' is not "
                                                                         "supported")]:
         (tmp_path / "config.json").write_text(json.dumps({**base, **change}))

@@ -21,8 +21,9 @@ def test_llama_trains_every_layout_as_one_process():
     rotary positions offset: without the offset the ring case is off by ~1e-5 against a 4e-6 bound),
     a pipeline, SwiGLU experts shared out by expert parallel, and key/value heads that tensor parallel
     does not divide kept whole on every rank (one head for 2 ranks; 3 heads read by 2 x 3 query heads, one
-    copy per query head: without the gradients summed over the group both miss by ~1e-3) -- verify's
-    float32 bound, on 2 ranks."""
+    copy per query head: without the gradients summed over the group both miss by ~1e-3), the first with
+    its LM head tied to the token embedding (untied by the split, it misses by ~1e-2) -- verify's float32
+    bound, on 2 ranks."""
     cases = [c for c in default_strategies(2) if c.model in ("llama", "llama-moe")]
     assert len(cases) == 8
     cases.append(parse_strategy("allreduce+tp=2+llama+n_embd=24+n_head=6+kv_heads=3"))
@@ -159,3 +160,25 @@ def test_nucleus_sampling_and_the_end_of_sequence_token():
     with torch.no_grad():
         stop.eos = int(model(torch.tensor([list(b"to be")]))[0, -1].argmax())  # the first greedy token
     assert generate(model, "to be", 12, 0.0, None, 0, stop) == "to be" != greedy
+
+
+def test_a_tied_head_is_one_matrix_through_a_split_a_snapshot_a_reshard_and_an_export(run_cli, tmp_path):
+    """--tie-embeddings: the LM head is the token embedding's matrix; under --tp 2 both split by the same
+    vocabulary rows and stay one parameter; the snapshot keeps it once and gives it under both names whole
+    (an export loads into the tied model and an untied one alike); a resume on one process reshards it."""
+    from safetensors.torch import load_file
+    model = build_model("llama", (16,), 64, options_from("llama", {"n_embd": 32, "tie_embeddings": True}))
+    assert model[-1].out.weight is model[0].tok.weight
+    flags = ["train", "--model", "llama", "--tie-embeddings", "true", "--dataset", "synthetic-text:3000", "--n-layer",
+             "1", "--n-embd", "32", "--global-batch-size", "4", "--block-size", "16", "--no-progress",
+             "--lr-schedule", "constant", "--snapshot-dir", "s"]
+    run_cli(*flags, "--max-steps", "2", "--snapshot-every", "2", "--out", "a", "--nproc-per-node", "2", "--tp", "2",
+            check=True)
+    run_cli("export", "s/step-00000002", "--out", "m.safetensors", check=True)
+    state = load_file(str(tmp_path / "m.safetensors"))
+    assert state["2.out.weight"].shape == (256, 32) and torch.equal(state["2.out.weight"], state["0.tok.weight"])
+    for tie in (True, False):
+        build_model("llama", (16,), 256, options_from("llama", {"n_layer": 1, "n_embd": 32, "tie_embeddings": tie})
+                    ).load_state_dict(state)
+    proc = run_cli(*flags, "--max-steps", "3", "--resume", "auto", "--out", "b", check=True)
+    assert "resharded from 2 ranks (bucketed+tp=2) to 1" in proc.stderr

@@ -12,6 +12,7 @@ import torch
 from distlab.data import tokenizer as tokenizers
 from distlab.errors import ConfigError
 from distlab.models.gpt import GPT
+from distlab.models.plans import assign_state
 
 
 def gpt_from_state(state: dict[str, torch.Tensor], n_layer: int, n_head: int, top_k: int = 2) -> GPT:
@@ -24,7 +25,7 @@ def gpt_from_state(state: dict[str, torch.Tensor], n_layer: int, n_head: int, to
     with torch.device("meta"):
         model = GPT(tok.shape[0], pos.shape[0], n_layer=n_layer, n_head=n_head, n_embd=tok.shape[1], experts=experts,
                     top_k=top_k)
-    model.load_state_dict(state, assign=True)
+    assign_state(model, state)
     return model.eval()
 
 
@@ -62,7 +63,7 @@ def model_from_state(state: dict[str, torch.Tensor], meta: dict):
     with torch.device("meta"):
         model = build_model(meta["model"], (int(_literal(meta["block_size"])),), state["0.tok.weight"].shape[0],
                             recorded_options(meta))
-    model.load_state_dict(state, assign=True)
+    assign_state(model, state)
     return model.eval()
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from distlab.errors import ConfigError
+from distlab.models.plans import assign_state, with_tied
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -80,6 +81,8 @@ def read(directory: str | Path) -> tuple[str, object, int, dict[str, torch.Tenso
         with safe_open(str(path), "pt") as f:
             for key in f.keys():
                 mine = names.get(key)
+                if mine is None and key in names:  # known, and another tensor's (a tied LM head)
+                    continue
                 if mine is None:
                     raise ConfigError(f"hf:{directory}: {path.name} holds {key}, which distlab's {name} has no "
                                       f"place for")
@@ -96,6 +99,7 @@ def build(directory: str | Path, block_size: int | None = None):
     with torch.device("meta"):
         model = build_model(name, (block,), vocab, options)
     mine = model.state_dict()
+    state = with_tied(model, state)  # a tied LM head: the checkpoint keeps the embedding only
     missing, extra = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
     if missing or extra:
         raise ConfigError(f"hf:{directory} does not match its config: "
@@ -105,7 +109,7 @@ def build(directory: str | Path, block_size: int | None = None):
         if tuple(tensor.shape) != tuple(mine[key].shape):
             raise ConfigError(f"hf:{directory}: {key} has shape {tuple(tensor.shape)}, its config says "
                               f"{tuple(mine[key].shape)}")
-    model.load_state_dict(state, assign=True)
+    assign_state(model, state)
     return model, {"model": name, **options.to_dict(), "vocab": vocab, "block_size": block}
 
 
@@ -121,7 +125,8 @@ def write(state: dict[str, torch.Tensor], name: str, options, vocab: int, block_
         raise ConfigError(f"model {name} has no Hugging Face layout to export to (families with one: llama)")
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
-    theirs = {mine: hf_name for hf_name, mine in adapter.names(options).items()}
+    theirs = {mine: hf_name for hf_name, mine in adapter.names(options).items() if mine is not None}
+    state = {k: v for k, v in state.items() if k in theirs or k not in getattr(adapter, "tied", lambda o: ())(options)}
     unknown = sorted(set(state) - set(theirs))
     if unknown:
         raise ConfigError(f"{unknown[0]} has no place in the Hugging Face layout of {name}")

@@ -209,13 +209,16 @@ class Llama(nn.Sequential):
 
     def __init__(self, vocab: int, block_size: int, n_layer: int = 2, n_head: int = 4, kv_heads: int = 2,
                  n_embd: int = 128, ffn_hidden: int | None = None, rope_theta: float = 10000.0,
-                 norm_eps: float = 1e-5, qkv_bias: bool = False, moe: dict | None = None):
+                 norm_eps: float = 1e-5, qkv_bias: bool = False, moe: dict | None = None,
+                 tie_embeddings: bool = False):
         hidden = ffn_hidden or default_hidden(n_embd)
         super().__init__(TokenEmbedding(vocab, n_embd),
                          *(LlamaBlock(n_embd, n_head, kv_heads, hidden, rope_theta, norm_eps, qkv_bias, moe)
                            for _ in range(n_layer)),
                          LlamaHead(n_embd, vocab, norm_eps))
-        self.qkv_bias, self.moe_options = qkv_bias, dict(moe or {})
+        self.qkv_bias, self.moe_options, self.tie_embeddings = qkv_bias, dict(moe or {}), tie_embeddings
+        if tie_embeddings:  # one matrix: the head's logits are the hidden state's scores against every embedding
+            self[-1].out.weight = self[0].tok.weight
         self.experts = self.moe_options.get("experts", 0)
         self.block_size, self.n_layer, self.n_head, self.kv_heads = block_size, n_layer, n_head, kv_heads
         self.n_embd, self.ffn_hidden, self.rope_theta, self.norm_eps = n_embd, hidden, rope_theta, norm_eps
@@ -236,7 +239,8 @@ class Llama(nn.Sequential):
         """The sizes a snapshot of this model must agree on (:mod:`distlab.models.plans`)."""
         return {"n_layer": self.n_layer, "n_head": self.n_head, "kv_heads": self.kv_heads, "n_embd": self.n_embd,
                 "ffn_hidden": self.ffn_hidden, "rope_theta": self.rope_theta, "norm_eps": self.norm_eps,
-                "block_size": self.block_size, **({"qkv_bias": True} if self.qkv_bias else {}), **self.moe_options}
+                "block_size": self.block_size, **({"qkv_bias": True} if self.qkv_bias else {}),
+                **({"tie_embeddings": True} if self.tie_embeddings else {}), **self.moe_options}
 
     @property
     def cacheable(self) -> bool:
@@ -330,6 +334,8 @@ class LlamaOptions(Options):
     rope_theta: float = option(10000.0, "llama: rotary positions' base (Llama 2: 10000, Llama 3: 500000).")
     norm_eps: float = option(1e-5, "llama: RMSNorm's epsilon.")
     qkv_bias: bool = option(False, "llama: biases on the query, key and value projections (Qwen2's).")
+    tie_embeddings: bool = option(False, "llama: the LM head reuses the token embedding's matrix (Llama 3.2 1B "
+                                  "and 3B, Qwen2 up to 1.5B).")
 
     def check(self) -> None:
         for name in ("n_layer", "n_head", "kv_heads", "n_embd"):
@@ -350,7 +356,7 @@ class LlamaOptions(Options):
     def describe(self) -> str:
         return (f"{self.n_layer} blocks, {self.n_head} heads ({self.kv_heads} key/value), width {self.n_embd}, "
                 f"SwiGLU {self.ffn_hidden or default_hidden(self.n_embd)}, rotary base {self.rope_theta:g}"
-                + (", q/k/v biases" if self.qkv_bias else ""))
+                + (", q/k/v biases" if self.qkv_bias else "") + (", tied embeddings" if self.tie_embeddings else ""))
 
 
 def _moe_check(self) -> None:
@@ -372,7 +378,7 @@ def _build(shape, vocab, o: LlamaOptions) -> Llama:
                **({"drop_policy": o.drop_policy} if o.drop_policy != "position" else {})) \
         if isinstance(o, LlamaMoEOptions) else None
     return Llama(vocab, shape[0], o.n_layer, o.n_head, o.kv_heads, o.n_embd, o.ffn_hidden, o.rope_theta, o.norm_eps,
-                 o.qkv_bias, moe)
+                 o.qkv_bias, moe, o.tie_embeddings)
 
 
 
@@ -389,15 +395,21 @@ class HFLlama:
 
     @classmethod
     def names(cls, options: "LlamaOptions") -> dict[str, str]:
-        """Every Hugging Face tensor name -> distlab's."""
+        """Every Hugging Face tensor name -> distlab's (None: read and dropped -- a tied LM head that a
+        checkpoint holds anyway is the embedding; none is written)."""
         last = options.n_layer + 1
         out = {"model.embed_tokens.weight": "0.tok.weight", "model.norm.weight": f"{last}.ln.weight",
-               "lm_head.weight": f"{last}.out.weight"}
+               "lm_head.weight": None if options.tie_embeddings else f"{last}.out.weight"}
         for i in range(options.n_layer):
             out |= {f"model.layers.{i}.{theirs}.weight": f"{i + 1}.{mine}.weight" for theirs, mine in cls.LAYER.items()}
             if options.qkv_bias:
                 out |= {f"model.layers.{i}.self_attn.{p}_proj.bias": f"{i + 1}.attn.{p}.bias" for p in "qkv"}
         return out
+
+    @staticmethod
+    def tied(options: "LlamaOptions") -> tuple[str, ...]:
+        """distlab's names a Hugging Face checkpoint leaves out, being another's (the tied LM head)."""
+        return (f"{options.n_layer + 1}.out.weight",) if options.tie_embeddings else ()
 
     @staticmethod
     def options_from(config: dict, where: str) -> tuple["LlamaOptions", int]:
@@ -412,7 +424,6 @@ class HFLlama:
                    (config.get("hidden_act", "silu") != "silu", f"hidden_act {config.get('hidden_act')!r} (SwiGLU is silu)"),
                    (config.get("attention_bias"), "attention_bias true (distlab's attention has no biases)"),
                    (config.get("mlp_bias"), "mlp_bias true (distlab's MLP has no biases)"),
-                   (config.get("tie_word_embeddings"), "tie_word_embeddings true (distlab's LM head is its own matrix)"),
                    (config.get("head_dim") not in (None, width // heads),
                     f"head_dim {config.get('head_dim')} (distlab's heads are hidden_size / num_attention_heads = "
                     f"{width // heads} wide)"),
@@ -427,7 +438,8 @@ class HFLlama:
         options = LlamaOptions(n_layer=config["num_hidden_layers"], n_head=heads,
                                kv_heads=config.get("num_key_value_heads") or heads, n_embd=width,
                                ffn_hidden=config["intermediate_size"], rope_theta=float(theta),
-                               norm_eps=float(config.get("rms_norm_eps", 1e-6)), qkv_bias=qwen)
+                               norm_eps=float(config.get("rms_norm_eps", 1e-6)), qkv_bias=qwen,
+                               tie_embeddings=bool(config.get("tie_word_embeddings", False)))
         options.check()
         return options, int(config["vocab_size"])
 
@@ -443,7 +455,7 @@ class HFLlama:
                 "hidden_act": "silu", "max_position_embeddings": block_size, "rms_norm_eps": options.norm_eps,
                 "rope_theta": options.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": options.rope_theta},
                 "rope_scaling": None, **({} if options.qkv_bias else {"attention_bias": False, "mlp_bias": False}),
-                "tie_word_embeddings": False,
+                "tie_word_embeddings": options.tie_embeddings,
                 "torch_dtype": "float32", "dtype": "float32"}
 
 

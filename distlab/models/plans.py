@@ -138,6 +138,43 @@ def declared_plan(model: nn.Module, plan: str, **sizes) -> dict[str, str]:
     return dict(declared(*list(sizes.values())[:takes]))
 
 
+def tied_names(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter that several modules share (a tied embedding and LM head), in order."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def with_tied(model: nn.Module, state: dict) -> dict:
+    """``state`` with every name of a tied parameter that it gives under one of them only (a file keeps
+    one copy: Hugging Face's checkpoints of tied models have no ``lm_head.weight``)."""
+    out = dict(state)
+    for group in tied_names(model):
+        given = next((name for name in group if name in out), None)
+        for name in group if given else ():
+            out.setdefault(name, out[given])
+    return out
+
+
+def retie(model: nn.Module, groups: list[list[str]]) -> nn.Module:
+    """Make each group of names (:func:`tied_names`, taken before) one parameter again -- after a
+    ``load_state_dict(assign=True)``, which gives every name its own tensor."""
+    for group in groups:
+        first = model.get_parameter(group[0])
+        for name in group[1:]:
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, first)
+    return model
+
+
+def assign_state(model: nn.Module, state: dict) -> nn.Module:
+    """``model`` (built on the meta device) given the tensors of ``state``, its tied parameters one again."""
+    ties = tied_names(model)
+    model.load_state_dict(with_tied(model, state), assign=True)
+    return retie(model, ties)
+
+
 def groups_ending_after(container: nn.Sequential, kinds: tuple[type, ...]) -> list[tuple[int, int]]:
     """Ranges of ``container``'s children, each ending after a module of ``kinds`` (or at the end)."""
     out, start = [], 0

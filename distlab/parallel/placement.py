@@ -171,8 +171,12 @@ def placement_of(engine) -> dict:
         start, length = flat if flat is not None else (0, None)
         keys.append(key)
         params.append(Placement(whole(key), tuple(shape), dim, parts, part, start, length).to_dict())
-    names = {*dict(engine.module.named_buffers()), *engine.module.state_dict(keep_vars=True)} - set(keys)
-    return {"keys": keys, "params": params, "buffers": {k: whole(k) for k in sorted(names)}}
+    from distlab.models.plans import tied_names
+    # a parameter under a second name (a tied LM head): not a buffer of its own; the whole state repeats it
+    tied = {name: group[0] for group in tied_names(engine.module) for name in group[1:]}
+    names = {*dict(engine.module.named_buffers()), *engine.module.state_dict(keep_vars=True)} - set(keys) - set(tied)
+    return {"keys": keys, "params": params, "buffers": {k: whole(k) for k in sorted(names)},
+            **({"tied": [{"key": k, "name": whole(k), "of": whole(v)} for k, v in tied.items()]} if tied else {})}
 
 
 def placements_of(engine) -> dict[str, Placement]:
@@ -192,4 +196,6 @@ def state_from_full(engine, full: dict[str, torch.Tensor], placement: dict | Non
     params = [take(full[p["name"]], Placement.from_dict(p), local.numel())
               for p, local in zip(placement["params"], engine.parameters())]
     buffers = {k: full[name].detach().clone() for k, name in placement["buffers"].items()}
+    for tie in placement.get("tied", ()):  # the second name of a tied parameter loads the same tensor
+        buffers[tie["key"]] = params[[p["name"] for p in placement["params"]].index(tie["of"])]
     return engine.grad_sync.state_from(params, buffers)

@@ -104,8 +104,10 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
     else:
         model = model.to("meta")
     modules, names, numels, module_of, shapes = [], [], [], [], []
+    seen: set[int] = set()  # a parameter two modules share (a tied embedding and LM head): its first module's
     for name, m in model.named_modules():
-        own = list(m.named_parameters(recurse=False))
+        own = [(n, p) for n, p in m.named_parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for _, p in own)
         if own:
             modules.append(m)
         for pname, p in own:
@@ -115,7 +117,7 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
             module_of.append(len(modules) - 1)
     if not names:
         raise ConfigError("the model has no parameters: nothing to plan")
-    params = [p for m in modules for _, p in m.named_parameters(recurse=False)]
+    params = list(dict.fromkeys(p for m in modules for _, p in m.named_parameters(recurse=False)))
     out = Trace(names, numels, params[0].element_size(), module_of, shapes=shapes)
     handles = []
     index = {id(m): i for i, m in enumerate(modules)}

@@ -176,8 +176,10 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
                   Case(Strategy("bucketed", cp=2, cp_style="ulysses"), model="llama"),
                   Case(Strategy("bucketed", pp=2, microbatches=2), model="llama"),
                   Case(Strategy("bucketed", ep=2), model="llama-moe"),  # SwiGLU experts shared out
-                  # one key/value head for 2 tensor-parallel ranks: kept whole on each, its gradient summed
-                  Case(Strategy("allreduce", tp=2, sequence_parallel=True), model="llama", options=(("kv_heads", 1),))]
+                  # one key/value head for 2 tensor-parallel ranks: kept whole on each, its gradient summed; the
+                  # LM head tied to the token embedding, split by the same vocabulary rows
+                  Case(Strategy("allreduce", tp=2, sequence_parallel=True), model="llama",
+                       options=(("kv_heads", 1), ("tie_embeddings", 1)))]
         cases += [Case(Strategy("bucketed", ep=2), model="gpt-moe"),
                   Case(Strategy("bucketed", pp=2, microbatches=4, pp_virtual=2), model="gpt"),
                   Case(Strategy("bucketed", pp=2, microbatches=4, pp_schedule="zb"), model="gpt")]

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from distlab.errors import ConfigError, first_line, with_article
+from distlab.models.plans import with_tied
 from distlab.train import reshard, snapshot, snapshot_load
 from distlab.train.metrics import atomic_write_text
 from distlab.train.snapshot import SnapshotError
@@ -128,7 +129,7 @@ def write_state(state: dict[str, torch.Tensor], meta: dict, out: str | Path) -> 
             raise ConfigError(f"wrote {out}, but not its tokenizer {tokenizer}: {exc.strerror or exc}") from None
     return {"tokenizer_file": str(tokenizer) if tokenizer else None,"out": str(out), "step": meta.get("step"), "model": meta.get("model"), "dataset": meta.get("dataset"),
             "build": build_call(meta), "world_size": meta.get("world_size"),
-            "tensors": len(state), "parameters": sum(t.numel() for t in state.values() if t.is_floating_point()),
+            "tensors": len(state), "parameters": _parameters(state, meta),
             "bytes": out.stat().st_size, "sha256": digest, "sha256_file": str(checksum)}
 
 
@@ -174,7 +175,14 @@ def export_hf(state: dict[str, torch.Tensor], meta: dict, out: str | Path) -> di
     files = sorted(p.name for p in root.iterdir())
     return {"out": str(root), "step": meta.get("step"), "model": name, "files": files,
             "tokenizer_file": str(tokenizer) if tokenizer else None,
-            "tensors": len(state), "parameters": sum(t.numel() for t in state.values() if t.is_floating_point())}
+            "tensors": len(state), "parameters": _parameters(state, meta)}
+
+
+def _parameters(state: dict[str, torch.Tensor], meta: dict) -> int:
+    """The model's parameters: as its run counted them (a tied matrix once), else the state's floats."""
+    counted = meta.get("num_parameters")
+    return int(counted) if isinstance(counted, int) or str(counted).isdigit() else \
+        sum(t.numel() for t in state.values() if t.is_floating_point())
 
 
 def export_metadata(meta: dict) -> dict[str, str]:
@@ -202,10 +210,24 @@ def build_call(meta: dict) -> str:
                                        meta.get("vocab_size"))
     except Exception:  # noqa: BLE001 - a dataset name this version does not know: leave it to the user
         shape, classes = "INPUT_SHAPE", "CLASSES"
-    options = {"widths": tuple(meta["mlp_widths"])} if meta.get("mlp_widths") else \
-        {k: meta[k] for k in ("n_layer", "n_head", "n_embd") if meta.get(k) is not None}
+    if isinstance(meta.get("vocab_size"), int):  # a vocabulary padded past the data's
+        classes = meta["vocab_size"]
+    options = {"widths": tuple(meta["mlp_widths"])} if meta.get("mlp_widths") else _given_options(meta)
     args = "".join(f", {k}={v!r}" for k, v in options.items())
     return f"distlab.models.build_model({meta.get('model')!r}, {tuple(shape) if isinstance(shape, (list, tuple)) else shape}, {classes}{args})"
+
+
+def _given_options(meta: dict) -> dict:
+    """The family options ``meta`` records that differ from the family's defaults (sizes, kv heads, ties)."""
+    from distlab.models import spec
+    try:
+        family = spec(meta.get("model"))
+    except Exception:  # noqa: BLE001 - your own model, or one this version does not know: its sizes only
+        return {k: meta[k] for k in ("n_layer", "n_head", "n_embd") if meta.get(k) is not None}
+    from distlab.models.generation import recorded_options
+    given, default = recorded_options(meta).to_dict(), family.make_options().to_dict()
+    return {k: v for k, v in given.items() if v != default.get(k)
+            or k in ("n_layer", "n_head", "n_embd")}
 
 
 def check_init(path: str | None) -> None:
@@ -262,6 +284,7 @@ def load_init(model: nn.Module, path: str) -> None:
     else:
         state = _read_init(path)
     mine = model.state_dict()
+    state = with_tied(model, state)  # a tied LM head: a Hugging Face checkpoint keeps the embedding only
     missing, extra = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
     if missing or extra:
         raise ConfigError(f"`init_from` {path} is for another model: "

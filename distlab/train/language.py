@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from distlab.models import build_model, is_user_model
+from distlab.models.plans import assign_state
 from distlab.train.export import FINAL_MODEL, write_state
 from distlab.train.snapshot import broadcast_object
 
@@ -24,7 +25,7 @@ def sample(trainer, tokens: int = 48) -> str:
         with torch.device("meta"):  # built without initialising: the run's random streams are untouched
             model = build_model(cfg.model, trainer.train_set.input_shape, trainer.train_set.num_classes,
                                 **cfg.model_options())
-        model.load_state_dict(state, assign=True)
+        assign_state(model, state)
         text = generate(model.eval(), "", tokens, temperature=0.8, top_k=None, seed=cfg.seed + trainer.run.step,
                         tokenizer=trainer.tokenizer)
     return broadcast_object(text)

@@ -46,9 +46,13 @@ def full_model(payloads: list[dict], key: str = "model") -> dict[str, torch.Tens
     """The whole model's ``state_dict`` (parameters and buffers) from every rank's payload."""
     pieces, buffers = _pieces(payloads, key)
     try:
-        return {**assemble(pieces), **buffers}
+        whole = {**assemble(pieces), **buffers}
     except ValueError as exc:
         raise ReshardError(str(exc)) from None
+    for tie in payloads[0]["placement"].get("tied", ()):  # one parameter under two names: a copy each
+        if tie["of"] in whole:
+            whole[tie["name"]] = whole[tie["of"]].clone()
+    return whole
 
 
 def full_optimizer(payloads: list[dict]) -> tuple[dict[str, dict[str, torch.Tensor]], dict, list[dict]]:

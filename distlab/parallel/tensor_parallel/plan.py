@@ -114,12 +114,23 @@ def apply_tensor_parallel(model: nn.Module, group=None, style: str = "megatron",
     also splits the regions between the parallel blocks along the sequence (the plan's ``sequence``
     modules; their parameters' gradients are then summed over the group as they are computed)."""
     plan = plan_of(model, group_size(group), style, sequence_parallel)
+    ties = plans.tied_names(model)
     shared: list[nn.Parameter] = []  # parameters that see this rank's positions only
     for name, kind in plan.items():
         module = model.get_submodule(name)
         new = TP_STYLES[kind].apply(module, group, name, sequence_parallel, shared)
         if new is not module:
             _replace(model, name, new)
+    for names in ties:  # a tied embedding and LM head: split by the same vocabulary rows, one parameter again
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            if model.get_parameter(name) is not first:
+                if model.get_parameter(name).shape != first.shape:
+                    raise ConfigError(f"{names[0]} and {name} are one parameter, and the tensor-parallel plan splits "
+                                      f"them differently ({tuple(first.shape)} and "
+                                      f"{tuple(model.get_parameter(name).shape)} on this rank)")
+                parent, _, leaf = name.rpartition(".")
+                setattr(model.get_submodule(parent), leaf, first)
     for p in dict.fromkeys(shared):  # once each, in order
         p.register_hook(lambda g: all_reduce_sum(g.contiguous().clone(), group))
     return model

@@ -44,8 +44,11 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
         self._rs = comm.resolve(collective, "reduce_scatter", group)  # what `auto` means here
         self._ag = comm.resolve(collective, "all_gather", group)
         broadcast_module(module, src=0, group=group)  # start from rank 0's weights, like data parallel
+        owned = {id(p): (name, m, pname) for name, m in reversed(list(module.named_modules()))
+                 for pname, p in m.named_parameters(recurse=False)}  # a shared parameter: its first module's
         self.units = [Unit(f"{name}.{pname}" if name else pname, m, p, n, rank)
-                      for name, m in module.named_modules() for pname, p in m.named_parameters(recurse=False)]
+                      for name, m in module.named_modules() for pname, p in m.named_parameters(recurse=False)
+                      if owned[id(p)][1] is m]
         if not self.units:
             raise ConfigError("`zero` needs a model with parameters")
         self._by_module: dict[nn.Module, list[Unit]] = {}
