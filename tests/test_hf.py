@@ -67,11 +67,11 @@ def test_a_hugging_face_checkpoint_gives_the_same_logits(arch, tied, tmp_path):
     assert ("lm_head.weight" in load_file(out / hf.SINGLE)) != tied
 
 
-def _train(rank, world, directory, snapshots, strategy):
+def _train(rank, world, directory, snapshots, strategy, model="llama"):
     from distlab import runtime
     from distlab.parallel import Strategy
     from distlab.train import Trainer, TrainConfig
-    cfg = TrainConfig.from_flags(model="llama", init_from=f"hf:{directory}", dataset="synthetic-text:2000",
+    cfg = TrainConfig.from_flags(model=model, init_from=f"hf:{directory}", dataset="synthetic-text:2000",
                                  block_size=16, max_steps=1, global_batch_size=8, optimizer="sgd", momentum=0.0,
                                  lr=1e-30, progress=False, verbose=False, eval_every_epoch=False,
                                  snapshot_dir=str(snapshots), snapshot_every=1, strategy=Strategy.parse(strategy))
@@ -98,6 +98,56 @@ def test_in_through_a_layout_and_out_is_bitwise_and_transformers_loads_it(strate
         assert torch.equal(back(x).logits, theirs(x).logits)
 
 
+def _gpt2(directory, **extra):
+    transformers = _transformers()
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**dict(
+        vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0), **extra})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)  # not zeros: a misplaced bias shows
+    model.save_pretrained(directory)
+    return model
+
+
+def test_gpt2_checkpoints_come_in_fused_and_transposed_and_go_out_bitwise(tmp_path):
+    """GPT-2's fused c_attn (split into q, k, v) and Conv1D matrices (transposed), tied embeddings, the tanh
+    GELU: distlab's logits equal transformers' within twice its float32 rounding; in on 2 ranks with tensor
+    parallel (a context of 16 of its 64 positions: the position table's first rows), one step too small to
+    move a weight, out: every tensor as it came; and a distlab GPT of its own defaults (no q/k/v biases,
+    the exact GELU, an untied head) goes out as a GPT-2 transformers computes the same logits with."""
+    from distlab.launch.spawn import run_ranks
+    from distlab.models import build_model
+    from distlab.train.export import export
+    from safetensors.torch import load_file
+    theirs = _gpt2(tmp_path / "in")
+    mine, record = hf.build(tmp_path / "in")
+    assert record["qkv_bias"] and record["gelu"] == "tanh" and record["tie_embeddings"]
+    x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = mine(x), theirs(x).logits
+        exact = theirs.double()(x).logits
+    bound = 2 * (b.double() - exact).abs().max().item() + torch.finfo(torch.float32).eps * exact.abs().max().item()
+    assert (a.double() - b.double()).abs().max().item() <= bound
+    run_ranks(_train, 2, tmp_path / "in", tmp_path / "s", "allreduce+tp=2", "gpt", timeout=300)
+    export(tmp_path / "s" / "step-00000001", tmp_path / "out", fmt="hf")
+    before, after = (load_file(tmp_path / d / hf.SINGLE) for d in ("in", "out"))
+    wpe = "transformer.wpe.weight"
+    assert sorted(before) == sorted(after) and torch.equal(after[wpe], before[wpe][:16])
+    assert all(torch.equal(before[k], after[k]) for k in before if k != wpe)
+    torch.manual_seed(0)
+    own = build_model("gpt", (16,), 256, n_layer=1, n_head=2, n_embd=16).eval()
+    from distlab.models.gpt import GPTOptions
+    hf.write(own.state_dict(), "gpt", GPTOptions(n_layer=1, n_head=2, n_embd=16), 256, 16, tmp_path / "own")
+    back = _transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "own").eval()
+    with torch.no_grad():
+        a, b = own(x[:, :16]), back(x[:, :16]).logits
+        exact = back.double()(x[:, :16]).logits
+    bound = 2 * (b.double() - exact).abs().max().item() + torch.finfo(torch.float32).eps * exact.abs().max().item()
+    assert (a.double() - b.double()).abs().max().item() <= bound
+
+
 def test_what_distlab_would_compute_differently_is_refused_in_one_line(tmp_path):
     base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 96,
             "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -105,6 +155,12 @@ def test_what_distlab_would_compute_differently_is_refused_in_one_line(tmp_path)
                             ({"architectures": ["GPTNeoXForCausalLM"]}, "architecture 'GPTNeoXForCausalLM' is not "
                                                                         "supported")]:
         (tmp_path / "config.json").write_text(json.dumps({**base, **change}))
+        with pytest.raises(ConfigError, match=message):
+            hf.read(tmp_path)
+    gpt2 = {"architectures": ["GPT2LMHeadModel"], "vocab_size": 64, "n_embd": 32, "n_layer": 1, "n_head": 4}
+    for change, message in [({"activation_function": "relu"}, "activation_function 'relu'"),
+                            ({"n_inner": 64}, "n_inner 64 \\(distlab's MLP is 4 x n_embd = 128 wide\\)")]:
+        (tmp_path / "config.json").write_text(json.dumps({**gpt2, **change}))
         with pytest.raises(ConfigError, match=message):
             hf.read(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(base))

@@ -53,17 +53,18 @@ class CausalAttention(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int):
+    def __init__(self, n_embd: int, n_head: int, qkv_bias: bool = False):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"n_embd {n_embd} must be divisible by n_head {n_head}")
         self.head_dim = n_embd // n_head
         self.enter = nn.Identity()  # where a parallel region begins when tensor parallel splits the heads
-        # No biases on q, k, v: a key bias shifts every score of a query equally, which softmax ignores,
-        # so its gradient is pure rounding noise that Adam would blow up into lr-sized steps.
-        self.q = nn.Linear(n_embd, n_embd, bias=False)
-        self.k = nn.Linear(n_embd, n_embd, bias=False)
-        self.v = nn.Linear(n_embd, n_embd, bias=False)
+        # No biases on q, k, v by default: a key bias shifts every score of a query equally, which softmax
+        # ignores, so its gradient is pure rounding noise that Adam would blow up into lr-sized steps
+        # (GPT-2's checkpoints have them: `qkv_bias`).
+        self.q = nn.Linear(n_embd, n_embd, bias=qkv_bias)
+        self.k = nn.Linear(n_embd, n_embd, bias=qkv_bias)
+        self.v = nn.Linear(n_embd, n_embd, bias=qkv_bias)
         self.proj = nn.Linear(n_embd, n_embd)
         self.core = CausalAttention()
 
@@ -93,13 +94,15 @@ class Block(nn.Module):
     """Pre-LayerNorm attention and MLP, each a residual branch; ``moe`` (keyword arguments of
     :class:`~distlab.models.moe.MoE`) makes the MLP a mixture of experts."""
 
-    def __init__(self, n_embd: int, n_head: int, moe: dict | None = None):
+    def __init__(self, n_embd: int, n_head: int, moe: dict | None = None, qkv_bias: bool = False,
+                 gelu: str = "exact"):
         super().__init__()
         self.ln1 = nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.attn = CausalSelfAttention(n_embd, n_head, qkv_bias)
         self.ln2 = nn.LayerNorm(n_embd)
         self.mlp = MoE(n_embd, **moe) if moe else \
-            nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+            nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(approximate="tanh" if gelu == "tanh" else "none"),
+                          nn.Linear(4 * n_embd, n_embd))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -131,18 +134,24 @@ class GPT(nn.Sequential):
 
     def __init__(self, vocab: int, block_size: int, n_layer: int = 2, n_head: int = 4, n_embd: int = 128,
                  experts: int = 0, top_k: int = 2, capacity_factor: float | None = None, aux_coef: float = 0.01,
-                 drop_policy: str = "position"):
+                 drop_policy: str = "position", qkv_bias: bool = False, gelu: str = "exact",
+                 tie_embeddings: bool = False):
         for name, value in (("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd), ("block_size", block_size)):
             if value < 1:
                 raise ValueError(f"{name} must be positive, not {value}")
         moe = dict(experts=experts, top_k=top_k, capacity_factor=capacity_factor, aux_coef=aux_coef,
                    # named only when not the default: a snapshot of before it existed still resumes
                    **({"drop_policy": drop_policy} if drop_policy != "position" else {})) if experts else None
-        super().__init__(Embedding(vocab, block_size, n_embd), *(Block(n_embd, n_head, moe) for _ in range(n_layer)),
-                         Head(n_embd, vocab))
+        super().__init__(Embedding(vocab, block_size, n_embd),
+                         *(Block(n_embd, n_head, moe, qkv_bias, gelu) for _ in range(n_layer)), Head(n_embd, vocab))
         self.block_size, self.n_layer, self.n_head, self.n_embd = block_size, n_layer, n_head, n_embd
         self.experts = experts
         self.moe_options = moe or {}
+        # GPT-2's own choices, recorded only when made (a snapshot of before they existed still resumes)
+        self.choices = {k: v for k, v in (("qkv_bias", qkv_bias), ("gelu", gelu), ("tie_embeddings", tie_embeddings))
+                        if v != {"gelu": "exact"}.get(k, False)}
+        if tie_embeddings:  # one matrix: the head's logits are the hidden state's scores against every embedding
+            self[-1].out.weight = self[0].tok.weight
         self._init_weights()
 
     @property
@@ -166,7 +175,7 @@ class GPT(nn.Sequential):
     def snapshot_record(self) -> dict:
         """The sizes a snapshot of this model must agree on (:mod:`distlab.models.plans`)."""
         return {"n_layer": self.n_layer, "n_head": self.n_head, "n_embd": self.n_embd, "block_size": self.block_size,
-                **self.moe_options}
+                **self.moe_options, **self.choices}
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token, forward and backward (PaLM's count, nanoGPT's ``estimate_mfu``): 6 x
@@ -241,17 +250,25 @@ class GPTOptions(Options):
     n_layer: int = option(2, "gpt: transformer blocks.")
     n_head: int = option(4, "gpt: attention heads per block (must divide --n-embd).")
     n_embd: int = option(128, "gpt: width of the residual stream.")
+    qkv_bias: bool = option(False, "gpt, llama: biases on the query, key and value projections (GPT-2's, Qwen2's).")
+    gelu: str = option("exact", "gpt: the MLP's GELU, exact or tanh (GPT-2's approximation, its gelu_new).")
+    tie_embeddings: bool = option(False, "gpt, llama: the LM head reuses the token embedding's matrix (GPT-2's, "
+                                  "Llama 3.2 1B and 3B's, Qwen2's up to 1.5B).")
 
     def check(self) -> None:
         for name in ("n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"`{name}` must be at least 1, not {getattr(self, name)}")
+        if self.gelu not in ("exact", "tanh"):
+            raise ConfigError(f"`gelu` is exact or tanh (GPT-2's approximation), not {self.gelu!r}")
         if self.n_embd % self.n_head:
             raise ConfigError(f"`n_embd` {self.n_embd} must be divisible by `n_head` {self.n_head} (each head gets "
                               f"n_embd / n_head dimensions)")
 
     def describe(self) -> str:
-        return f"{self.n_layer} blocks, {self.n_head} heads, width {self.n_embd}"
+        return (f"{self.n_layer} blocks, {self.n_head} heads, width {self.n_embd}"
+                + (", q/k/v biases" if self.qkv_bias else "") + (", tanh GELU" if self.gelu == "tanh" else "")
+                + (", tied embeddings" if self.tie_embeddings else ""))
 
     def experts_options(self) -> dict:
         """:class:`GPT`'s mixture-of-experts arguments (none: dense MLPs)."""
@@ -320,8 +337,103 @@ def describe_experts(self) -> str:
 
 
 def _build(shape, vocab, o: GPTOptions) -> GPT:
-    return GPT(vocab, shape[0], o.n_layer, o.n_head, o.n_embd, **o.experts_options())
+    return GPT(vocab, shape[0], o.n_layer, o.n_head, o.n_embd, **o.experts_options(), qkv_bias=o.qkv_bias, gelu=o.gelu,
+               tie_embeddings=o.tie_embeddings)
 
 
-register(ModelSpec("gpt", _build, GPTOptions, text=True))
+class HFGPT2:
+    """Hugging Face's GPT-2 checkpoints (``GPT2LMHeadModel``) <-> ``gpt`` (:mod:`distlab.models.hf`): the same
+    model with GPT-2's choices (q/k/v biases, the tanh GELU, tied embeddings). Its attention's q, k and v
+    are one fused ``c_attn`` and its matrices ``Conv1D``'s ``(in, out)``: split and transposed on the way
+    in, fused and transposed on the way out (a distlab GPT without q/k/v biases goes out with zero ones)."""
+
+    architectures = ("GPT2LMHeadModel",)
+    LAYER = {"ln_1": "ln1", "ln_2": "ln2", "attn.c_proj": "attn.proj", "mlp.c_fc": "mlp.0", "mlp.c_proj": "mlp.2"}
+    MASKS = (".attn.bias", ".attn.masked_bias")  # the causal mask older checkpoints stored as buffers
+
+    @staticmethod
+    def tied(options: GPTOptions) -> tuple[str, ...]:
+        return (f"{options.n_layer + 1}.out.weight",) if options.tie_embeddings else ()
+
+    @classmethod
+    def to_mine(cls, tensors: dict, options: GPTOptions, where: str) -> dict:
+        t = {k.removeprefix("transformer."): v for k, v in tensors.items() if not k.endswith(cls.MASKS)}
+
+        def take(key):
+            if key not in t:
+                raise ConfigError(f"{where} has no {key}, which its config's GPT-2 has")
+            return t.pop(key)
+
+        n, last = options.n_embd, options.n_layer + 1
+        out = {"0.tok.weight": take("wte.weight"), "0.pos.weight": take("wpe.weight"),
+               f"{last}.ln.weight": take("ln_f.weight"), f"{last}.ln.bias": take("ln_f.bias")}
+        head = t.pop("lm_head.weight", None)
+        if not options.tie_embeddings:
+            out[f"{last}.out.weight"] = head if head is not None else take("lm_head.weight")
+        for i in range(options.n_layer):
+            theirs, mine = f"h.{i}.", f"{i + 1}."
+            weight, bias = take(theirs + "attn.c_attn.weight"), take(theirs + "attn.c_attn.bias")
+            for j, p in enumerate("qkv"):
+                out[f"{mine}attn.{p}.weight"] = weight[:, j * n:(j + 1) * n].t().contiguous()
+                out[f"{mine}attn.{p}.bias"] = bias[j * n:(j + 1) * n].clone()
+            for a, b in cls.LAYER.items():
+                w = take(f"{theirs}{a}.weight")
+                out[f"{mine}{b}.weight"] = w if a.startswith("ln") else w.t().contiguous()
+                out[f"{mine}{b}.bias"] = take(f"{theirs}{a}.bias")
+        if t:
+            raise ConfigError(f"{where} holds {sorted(t)[0]}, which distlab's gpt has no place for")
+        return out
+
+    @classmethod
+    def to_theirs(cls, state: dict, options: GPTOptions) -> dict:
+        n, last = options.n_embd, options.n_layer + 1
+        out = {"transformer.wte.weight": state["0.tok.weight"], "transformer.wpe.weight": state["0.pos.weight"],
+               "transformer.ln_f.weight": state[f"{last}.ln.weight"], "transformer.ln_f.bias": state[f"{last}.ln.bias"],
+               **({} if options.tie_embeddings else {"lm_head.weight": state[f"{last}.out.weight"]})}
+        for i in range(options.n_layer):
+            theirs, mine = f"transformer.h.{i}.", f"{i + 1}."
+            out[theirs + "attn.c_attn.weight"] = torch.cat([state[f"{mine}attn.{p}.weight"].t() for p in "qkv"], dim=1)
+            out[theirs + "attn.c_attn.bias"] = torch.cat([state.get(f"{mine}attn.{p}.bias", torch.zeros(n))
+                                                          for p in "qkv"])
+            for a, b in cls.LAYER.items():
+                w = state[f"{mine}{b}.weight"]
+                out[f"{theirs}{a}.weight"] = w if a.startswith("ln") else w.t()
+                out[f"{theirs}{a}.bias"] = state[f"{mine}{b}.bias"]
+        return out
+
+    @staticmethod
+    def options_from(config: dict, where: str) -> tuple[GPTOptions, int]:
+        act = config.get("activation_function", "gelu_new")
+        width = config["n_embd"]
+        refused = [(act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"), f"activation_function {act!r} (distlab's "
+                    f"GELU is exact or tanh)"),
+                   (config.get("n_inner") not in (None, 4 * width), f"n_inner {config.get('n_inner')} (distlab's MLP "
+                    f"is 4 x n_embd = {4 * width} wide)"),
+                   (config.get("layer_norm_epsilon", 1e-5) != 1e-5, f"layer_norm_epsilon "
+                    f"{config.get('layer_norm_epsilon')} (distlab's LayerNorms use 1e-5)"),
+                   (not config.get("scale_attn_weights", True), "scale_attn_weights false (distlab scales scores "
+                    "by 1/sqrt(head width))"),
+                   (config.get("scale_attn_by_inverse_layer_idx"), "scale_attn_by_inverse_layer_idx true")]
+        for bad, what in refused:
+            if bad:
+                raise ConfigError(f"{where}: {what}: distlab would compute another model; it reads GPT-2 configs "
+                                  f"without it")
+        options = GPTOptions(n_layer=config["n_layer"], n_head=config["n_head"], n_embd=width, qkv_bias=True,
+                             gelu="exact" if act == "gelu" else "tanh",
+                             tie_embeddings=bool(config.get("tie_word_embeddings", True)))
+        options.check()
+        return options, int(config["vocab_size"])
+
+    @staticmethod
+    def config_for(options: GPTOptions, vocab: int, block_size: int) -> dict:
+        """The ``config.json`` of a ``GPT2LMHeadModel`` computing what ``gpt`` with ``options`` computes."""
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab,
+                "n_positions": block_size, "n_ctx": block_size, "n_embd": options.n_embd, "n_layer": options.n_layer,
+                "n_head": options.n_head, "n_inner": None,
+                "activation_function": "gelu_new" if options.gelu == "tanh" else "gelu", "layer_norm_epsilon": 1e-5,
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
+                "tie_word_embeddings": options.tie_embeddings, "torch_dtype": "float32", "dtype": "float32"}
+
+
+register(ModelSpec("gpt", _build, GPTOptions, text=True, adapter=HFGPT2))
 register(ModelSpec("gpt-moe", _build, GPTMoEOptions, text=True, summary="mixture of experts"))

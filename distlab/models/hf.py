@@ -75,19 +75,41 @@ def read(directory: str | Path) -> tuple[str, object, int, dict[str, torch.Tenso
     config = config_of(directory)
     name, adapter = family_of(config, directory)
     options, vocab = adapter.options_from(config, f"hf:{directory}")
-    names = adapter.names(options)
-    state: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}
     for path in tensor_files(directory):
         with safe_open(str(path), "pt") as f:
             for key in f.keys():
-                mine = names.get(key)
-                if mine is None and key in names:  # known, and another tensor's (a tied LM head)
-                    continue
-                if mine is None:
-                    raise ConfigError(f"hf:{directory}: {path.name} holds {key}, which distlab's {name} has no "
-                                      f"place for")
-                state[mine] = f.get_tensor(key).to(torch.float32)
-    return name, options, vocab, state
+                tensors[key] = f.get_tensor(key).to(torch.float32)
+    return name, options, vocab, to_mine(adapter, options, tensors, f"hf:{directory}", name)
+
+
+def to_mine(adapter, options, tensors: dict[str, torch.Tensor], where: str, name: str) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors under distlab's names: the adapter's ``to_mine`` (a family whose tensors are
+    fused or laid out otherwise, GPT-2's), else its ``names`` (each tensor renamed; None: dropped)."""
+    if hasattr(adapter, "to_mine"):
+        return adapter.to_mine(tensors, options, where)
+    names, state = adapter.names(options), {}
+    for key, tensor in tensors.items():
+        mine = names.get(key)
+        if mine is None and key in names:  # known, and another tensor's (a tied LM head)
+            continue
+        if mine is None:
+            raise ConfigError(f"{where} holds {key}, which distlab's {name} has no place for")
+        state[mine] = tensor
+    return state
+
+
+def context_of(config: dict) -> int:
+    """The longest context a config was made for (0: it does not say)."""
+    return int(config.get("max_position_embeddings") or config.get("n_positions") or 0)
+
+
+def fit_positions(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A learned position table longer than the model's context (a run with a shorter `block_size` than the
+    checkpoint's): its first rows, the positions the run uses."""
+    mine = model.state_dict()
+    return {k: v[:mine[k].shape[0]] if k.endswith("pos.weight") and k in mine and v.dim() == 2
+            and v.shape[0] > mine[k].shape[0] and v.shape[1] == mine[k].shape[1] else v for k, v in state.items()}
 
 
 def build(directory: str | Path, block_size: int | None = None):
@@ -95,11 +117,11 @@ def build(directory: str | Path, block_size: int | None = None):
     from distlab.models import build_model
     name, options, vocab, state = read(directory)
     config = config_of(directory)
-    block = block_size or int(config.get("max_position_embeddings") or 2048)
+    block = block_size or context_of(config) or 2048
     with torch.device("meta"):
         model = build_model(name, (block,), vocab, options)
     mine = model.state_dict()
-    state = with_tied(model, state)  # a tied LM head: the checkpoint keeps the embedding only
+    state = fit_positions(model, with_tied(model, state))  # a tied LM head: the checkpoint keeps the embedding only
     missing, extra = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
     if missing or extra:
         raise ConfigError(f"hf:{directory} does not match its config: "
@@ -122,15 +144,20 @@ def write(state: dict[str, torch.Tensor], name: str, options, vocab: int, block_
     from distlab.models import spec
     adapter = spec(name).adapter
     if adapter is None:
-        raise ConfigError(f"model {name} has no Hugging Face layout to export to (families with one: llama)")
+        from distlab.models import specs
+        raise ConfigError(f"model {name} has no Hugging Face layout to export to (families with one: "
+                          f"{', '.join(s.name for s in specs() if s.adapter is not None)})")
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
-    theirs = {mine: hf_name for hf_name, mine in adapter.names(options).items() if mine is not None}
-    state = {k: v for k, v in state.items() if k in theirs or k not in getattr(adapter, "tied", lambda o: ())(options)}
-    unknown = sorted(set(state) - set(theirs))
-    if unknown:
-        raise ConfigError(f"{unknown[0]} has no place in the Hugging Face layout of {name}")
-    tensors = {theirs[k]: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    state = {k: v.detach().to("cpu") for k, v in state.items() if k not in adapter.tied(options)}
+    if hasattr(adapter, "to_theirs"):
+        tensors = {k: v.contiguous() for k, v in adapter.to_theirs(state, options).items()}
+    else:
+        theirs = {mine: hf_name for hf_name, mine in adapter.names(options).items() if mine is not None}
+        unknown = sorted(set(state) - set(theirs))
+        if unknown:
+            raise ConfigError(f"{unknown[0]} has no place in the Hugging Face layout of {name}")
+        tensors = {theirs[k]: v.contiguous() for k, v in state.items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for key in sorted(tensors):

@@ -333,9 +333,9 @@ class LlamaOptions(Options):
                                     "multiple of 64).")
     rope_theta: float = option(10000.0, "llama: rotary positions' base (Llama 2: 10000, Llama 3: 500000).")
     norm_eps: float = option(1e-5, "llama: RMSNorm's epsilon.")
-    qkv_bias: bool = option(False, "llama: biases on the query, key and value projections (Qwen2's).")
-    tie_embeddings: bool = option(False, "llama: the LM head reuses the token embedding's matrix (Llama 3.2 1B "
-                                  "and 3B, Qwen2 up to 1.5B).")
+    qkv_bias: bool = option(False, "gpt, llama: biases on the query, key and value projections (GPT-2's, Qwen2's).")
+    tie_embeddings: bool = option(False, "gpt, llama: the LM head reuses the token embedding's matrix (GPT-2's, "
+                                  "Llama 3.2 1B and 3B's, Qwen2's up to 1.5B).")
 
     def check(self) -> None:
         for name in ("n_layer", "n_head", "kv_heads", "n_embd"):

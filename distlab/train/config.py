@@ -337,7 +337,7 @@ class TrainConfig:
         config = hf.config_of(directory)
         name, adapter = hf.family_of(config, directory)
         options, vocab = adapter.options_from(config, self.init_from)
-        return name, options, vocab, int(config.get("max_position_embeddings") or 0)
+        return name, options, vocab, hf.context_of(config)
 
     def _check_pretrained(self) -> None:
         """``--init-from hf:DIR`` builds the directory's model: its family (`model`), its options (left at the
@@ -360,7 +360,7 @@ class TrainConfig:
             self.options = options
         if positions and self.block_size > positions:
             raise ConfigError(f"`block_size` {self.block_size} is longer than the {positions} positions "
-                              f"{self.init_from} was made for (max_position_embeddings): use at most {positions}")
+                              f"{self.init_from} was made for (its config's positions): use at most {positions}")
         data_vocab = self.data_shape()[1]
         if data_vocab > vocab:
             raise ConfigError(f"{self.dataset}'s vocabulary of {data_vocab:,} tokens is larger than {self.init_from}'s "

@@ -280,7 +280,7 @@ def load_init(model: nn.Module, path: str) -> None:
     under distlab's names -- into ``model`` (safely: tensors only), or say what differs."""
     if path.startswith("hf:"):
         from distlab.models import hf
-        state = hf.read(path[3:])[3]
+        state = hf.fit_positions(model, hf.read(path[3:])[3])  # a longer position table: the run's first rows
     else:
         state = _read_init(path)
     mine = model.state_dict()
