@@ -59,8 +59,7 @@ def test_a_hugging_face_checkpoint_gives_the_same_logits(arch, tied, tmp_path):
     bound = 2 * (b.double() - exact).abs().max().item() + torch.finfo(torch.float32).eps * exact.abs().max().item()
     assert (a.double() - b.double()).abs().max().item() <= bound
     assert (mine[-1].out.weight is mine[0].tok.weight) == tied
-    out = hf.write(mine.state_dict(), "llama", hf.family_of(hf.config_of(tmp_path))[1].options_from(
-        hf.config_of(tmp_path), "")[0], 256, 64, tmp_path / "out")
+    out = hf.write(mine.state_dict(), "llama", hf.options_of(hf.config_of(tmp_path), "")[2], 256, 64, tmp_path / "out")
     assert hf.config_of(out)["architectures"] == ["Qwen2ForCausalLM" if arch.startswith("Qwen") else "LlamaForCausalLM"]
     assert hf.config_of(out)["tie_word_embeddings"] == tied
     from safetensors.torch import load_file

@@ -24,6 +24,7 @@ from distlab.errors import ConfigError
 from distlab.models.moe import MoE
 from distlab.models import register
 from distlab.models.plans import decoder_expert_plan, decoder_tensor_plan, linear_plan
+from distlab.models.hf_families import HFGPT2
 from distlab.models.spec import ModelSpec, Options, option
 
 
@@ -339,100 +340,6 @@ def describe_experts(self) -> str:
 def _build(shape, vocab, o: GPTOptions) -> GPT:
     return GPT(vocab, shape[0], o.n_layer, o.n_head, o.n_embd, **o.experts_options(), qkv_bias=o.qkv_bias, gelu=o.gelu,
                tie_embeddings=o.tie_embeddings)
-
-
-class HFGPT2:
-    """Hugging Face's GPT-2 checkpoints (``GPT2LMHeadModel``) <-> ``gpt`` (:mod:`distlab.models.hf`): the same
-    model with GPT-2's choices (q/k/v biases, the tanh GELU, tied embeddings). Its attention's q, k and v
-    are one fused ``c_attn`` and its matrices ``Conv1D``'s ``(in, out)``: split and transposed on the way
-    in, fused and transposed on the way out (a distlab GPT without q/k/v biases goes out with zero ones)."""
-
-    architectures = ("GPT2LMHeadModel",)
-    LAYER = {"ln_1": "ln1", "ln_2": "ln2", "attn.c_proj": "attn.proj", "mlp.c_fc": "mlp.0", "mlp.c_proj": "mlp.2"}
-    MASKS = (".attn.bias", ".attn.masked_bias")  # the causal mask older checkpoints stored as buffers
-
-    @staticmethod
-    def tied(options: GPTOptions) -> tuple[str, ...]:
-        return (f"{options.n_layer + 1}.out.weight",) if options.tie_embeddings else ()
-
-    @classmethod
-    def to_mine(cls, tensors: dict, options: GPTOptions, where: str) -> dict:
-        t = {k.removeprefix("transformer."): v for k, v in tensors.items() if not k.endswith(cls.MASKS)}
-
-        def take(key):
-            if key not in t:
-                raise ConfigError(f"{where} has no {key}, which its config's GPT-2 has")
-            return t.pop(key)
-
-        n, last = options.n_embd, options.n_layer + 1
-        out = {"0.tok.weight": take("wte.weight"), "0.pos.weight": take("wpe.weight"),
-               f"{last}.ln.weight": take("ln_f.weight"), f"{last}.ln.bias": take("ln_f.bias")}
-        head = t.pop("lm_head.weight", None)
-        if not options.tie_embeddings:
-            out[f"{last}.out.weight"] = head if head is not None else take("lm_head.weight")
-        for i in range(options.n_layer):
-            theirs, mine = f"h.{i}.", f"{i + 1}."
-            weight, bias = take(theirs + "attn.c_attn.weight"), take(theirs + "attn.c_attn.bias")
-            for j, p in enumerate("qkv"):
-                out[f"{mine}attn.{p}.weight"] = weight[:, j * n:(j + 1) * n].t().contiguous()
-                out[f"{mine}attn.{p}.bias"] = bias[j * n:(j + 1) * n].clone()
-            for a, b in cls.LAYER.items():
-                w = take(f"{theirs}{a}.weight")
-                out[f"{mine}{b}.weight"] = w if a.startswith("ln") else w.t().contiguous()
-                out[f"{mine}{b}.bias"] = take(f"{theirs}{a}.bias")
-        if t:
-            raise ConfigError(f"{where} holds {sorted(t)[0]}, which distlab's gpt has no place for")
-        return out
-
-    @classmethod
-    def to_theirs(cls, state: dict, options: GPTOptions) -> dict:
-        n, last = options.n_embd, options.n_layer + 1
-        out = {"transformer.wte.weight": state["0.tok.weight"], "transformer.wpe.weight": state["0.pos.weight"],
-               "transformer.ln_f.weight": state[f"{last}.ln.weight"], "transformer.ln_f.bias": state[f"{last}.ln.bias"],
-               **({} if options.tie_embeddings else {"lm_head.weight": state[f"{last}.out.weight"]})}
-        for i in range(options.n_layer):
-            theirs, mine = f"transformer.h.{i}.", f"{i + 1}."
-            out[theirs + "attn.c_attn.weight"] = torch.cat([state[f"{mine}attn.{p}.weight"].t() for p in "qkv"], dim=1)
-            out[theirs + "attn.c_attn.bias"] = torch.cat([state.get(f"{mine}attn.{p}.bias", torch.zeros(n))
-                                                          for p in "qkv"])
-            for a, b in cls.LAYER.items():
-                w = state[f"{mine}{b}.weight"]
-                out[f"{theirs}{a}.weight"] = w if a.startswith("ln") else w.t()
-                out[f"{theirs}{a}.bias"] = state[f"{mine}{b}.bias"]
-        return out
-
-    @staticmethod
-    def options_from(config: dict, where: str) -> tuple[GPTOptions, int]:
-        act = config.get("activation_function", "gelu_new")
-        width = config["n_embd"]
-        refused = [(act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"), f"activation_function {act!r} (distlab's "
-                    f"GELU is exact or tanh)"),
-                   (config.get("n_inner") not in (None, 4 * width), f"n_inner {config.get('n_inner')} (distlab's MLP "
-                    f"is 4 x n_embd = {4 * width} wide)"),
-                   (config.get("layer_norm_epsilon", 1e-5) != 1e-5, f"layer_norm_epsilon "
-                    f"{config.get('layer_norm_epsilon')} (distlab's LayerNorms use 1e-5)"),
-                   (not config.get("scale_attn_weights", True), "scale_attn_weights false (distlab scales scores "
-                    "by 1/sqrt(head width))"),
-                   (config.get("scale_attn_by_inverse_layer_idx"), "scale_attn_by_inverse_layer_idx true")]
-        for bad, what in refused:
-            if bad:
-                raise ConfigError(f"{where}: {what}: distlab would compute another model; it reads GPT-2 configs "
-                                  f"without it")
-        options = GPTOptions(n_layer=config["n_layer"], n_head=config["n_head"], n_embd=width, qkv_bias=True,
-                             gelu="exact" if act == "gelu" else "tanh",
-                             tie_embeddings=bool(config.get("tie_word_embeddings", True)))
-        options.check()
-        return options, int(config["vocab_size"])
-
-    @staticmethod
-    def config_for(options: GPTOptions, vocab: int, block_size: int) -> dict:
-        """The ``config.json`` of a ``GPT2LMHeadModel`` computing what ``gpt`` with ``options`` computes."""
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab,
-                "n_positions": block_size, "n_ctx": block_size, "n_embd": options.n_embd, "n_layer": options.n_layer,
-                "n_head": options.n_head, "n_inner": None,
-                "activation_function": "gelu_new" if options.gelu == "tanh" else "gelu", "layer_norm_epsilon": 1e-5,
-                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
-                "tie_word_embeddings": options.tie_embeddings, "torch_dtype": "float32", "dtype": "float32"}
 
 
 register(ModelSpec("gpt", _build, GPTOptions, text=True, adapter=HFGPT2))

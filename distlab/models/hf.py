@@ -53,6 +53,17 @@ def family_of(config: dict, directory: str | Path = "") -> tuple[str, object]:
     return takers[arch].name, takers[arch].adapter
 
 
+def options_of(config: dict, where: str) -> tuple[str, object, object, int]:
+    """``(family name, adapter, options, vocabulary)`` of a ``config.json``: the family that reads its
+    architecture, its options checked (one line naming a key whose math distlab does not do)."""
+    from distlab.models import spec
+    name, adapter = family_of(config, where.removeprefix("hf:"))
+    values, vocab = adapter.options_from(config, where)
+    options = spec(name).make_options(values)
+    options.check()
+    return name, adapter, options, vocab
+
+
 def tensor_files(directory: str | Path) -> list[Path]:
     root = Path(directory)
     if (root / INDEX).is_file():
@@ -72,9 +83,7 @@ def read(directory: str | Path) -> tuple[str, object, int, dict[str, torch.Tenso
     """``(family name, options, vocabulary, state)``: the directory's model as distlab builds it, its
     weights under distlab's names (float32, as distlab trains; a config's own dtype is a storage choice)."""
     from safetensors import safe_open
-    config = config_of(directory)
-    name, adapter = family_of(config, directory)
-    options, vocab = adapter.options_from(config, f"hf:{directory}")
+    name, adapter, options, vocab = options_of(config_of(directory), f"hf:{directory}")
     tensors: dict[str, torch.Tensor] = {}
     for path in tensor_files(directory):
         with safe_open(str(path), "pt") as f:

@@ -33,6 +33,7 @@ from distlab.errors import ConfigError
 from distlab.models import register
 from distlab.models.gpt import EXPERT_FIELDS, check_experts, describe_experts, init_decoder
 from distlab.models.plans import decoder_expert_plan, decoder_tensor_plan
+from distlab.models.hf_families import HFLlama
 from distlab.models.spec import ModelSpec, Options, option
 
 
@@ -353,6 +354,11 @@ class LlamaOptions(Options):
             raise ConfigError(f"`rope_theta` ({self.rope_theta:g}) and `norm_eps` ({self.norm_eps:g}) must be "
                               f"positive")
 
+    @property
+    def hidden(self) -> int:
+        """The SwiGLU's hidden units: ``ffn_hidden``, or the default for the width."""
+        return self.ffn_hidden or default_hidden(self.n_embd)
+
     def describe(self) -> str:
         return (f"{self.n_layer} blocks, {self.n_head} heads ({self.kv_heads} key/value), width {self.n_embd}, "
                 f"SwiGLU {self.ffn_hidden or default_hidden(self.n_embd)}, rotary base {self.rope_theta:g}"
@@ -381,82 +387,6 @@ def _build(shape, vocab, o: LlamaOptions) -> Llama:
                  o.qkv_bias, moe, o.tie_embeddings)
 
 
-
-
-class HFLlama:
-    """Hugging Face's Llama, Mistral and Qwen2 checkpoints <-> ``llama`` (:mod:`distlab.models.hf`): the
-    same math (Qwen2's: with q/k/v biases), rotary positions already in the rotate-half layout distlab
-    uses, so every tensor maps by name."""
-
-    architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-    LAYER = {"self_attn.q_proj": "attn.q", "self_attn.k_proj": "attn.k", "self_attn.v_proj": "attn.v",
-             "self_attn.o_proj": "attn.proj", "mlp.gate_proj": "mlp.gate", "mlp.up_proj": "mlp.up",
-             "mlp.down_proj": "mlp.down", "input_layernorm": "ln1", "post_attention_layernorm": "ln2"}
-
-    @classmethod
-    def names(cls, options: "LlamaOptions") -> dict[str, str]:
-        """Every Hugging Face tensor name -> distlab's (None: read and dropped -- a tied LM head that a
-        checkpoint holds anyway is the embedding; none is written)."""
-        last = options.n_layer + 1
-        out = {"model.embed_tokens.weight": "0.tok.weight", "model.norm.weight": f"{last}.ln.weight",
-               "lm_head.weight": None if options.tie_embeddings else f"{last}.out.weight"}
-        for i in range(options.n_layer):
-            out |= {f"model.layers.{i}.{theirs}.weight": f"{i + 1}.{mine}.weight" for theirs, mine in cls.LAYER.items()}
-            if options.qkv_bias:
-                out |= {f"model.layers.{i}.self_attn.{p}_proj.bias": f"{i + 1}.attn.{p}.bias" for p in "qkv"}
-        return out
-
-    @staticmethod
-    def tied(options: "LlamaOptions") -> tuple[str, ...]:
-        """distlab's names a Hugging Face checkpoint leaves out, being another's (the tied LM head)."""
-        return (f"{options.n_layer + 1}.out.weight",) if options.tie_embeddings else ()
-
-    @staticmethod
-    def options_from(config: dict, where: str) -> tuple["LlamaOptions", int]:
-        """The options and vocabulary of a ``config.json``; one line naming a key whose math distlab does not do."""
-        rope = config.get("rope_parameters") or {}
-        scaling = config.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"}
-                                                 if rope.get("rope_type", "default") != "default" else None)
-        heads, width = config["num_attention_heads"], config["hidden_size"]
-        qwen = (config.get("architectures") or [""])[0] == "Qwen2ForCausalLM"
-        window = config.get("sliding_window") if config.get("use_sliding_window", not qwen) else None
-        refused = [(scaling, f"rope_scaling {scaling} (distlab's rotary positions are unscaled)"),
-                   (config.get("hidden_act", "silu") != "silu", f"hidden_act {config.get('hidden_act')!r} (SwiGLU is silu)"),
-                   (config.get("attention_bias"), "attention_bias true (distlab's attention has no biases)"),
-                   (config.get("mlp_bias"), "mlp_bias true (distlab's MLP has no biases)"),
-                   (config.get("head_dim") not in (None, width // heads),
-                    f"head_dim {config.get('head_dim')} (distlab's heads are hidden_size / num_attention_heads = "
-                    f"{width // heads} wide)"),
-                   ("sliding_attention" in (config.get("layer_types") or ()) or (window or 0) and window <
-                    config.get("max_position_embeddings", 0),
-                    f"sliding_window {config.get('sliding_window')} (distlab's attention sees the whole context)")]
-        for bad, what in refused:
-            if bad:
-                raise ConfigError(f"{where}: {what}: distlab would compute another model; it reads Llama-family "
-                                  f"configs without it")
-        theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
-        options = LlamaOptions(n_layer=config["num_hidden_layers"], n_head=heads,
-                               kv_heads=config.get("num_key_value_heads") or heads, n_embd=width,
-                               ffn_hidden=config["intermediate_size"], rope_theta=float(theta),
-                               norm_eps=float(config.get("rms_norm_eps", 1e-6)), qkv_bias=qwen,
-                               tie_embeddings=bool(config.get("tie_word_embeddings", False)))
-        options.check()
-        return options, int(config["vocab_size"])
-
-    @staticmethod
-    def config_for(options: "LlamaOptions", vocab: int, block_size: int) -> dict:
-        """The ``config.json`` of a ``LlamaForCausalLM`` computing what ``llama`` with ``options`` computes."""
-        kind = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False} \
-            if options.qkv_bias else {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
-        return {**kind, "vocab_size": vocab,
-                "hidden_size": options.n_embd, "intermediate_size": options.ffn_hidden or default_hidden(options.n_embd),
-                "num_hidden_layers": options.n_layer, "num_attention_heads": options.n_head,
-                "num_key_value_heads": options.kv_heads, "head_dim": options.n_embd // options.n_head,
-                "hidden_act": "silu", "max_position_embeddings": block_size, "rms_norm_eps": options.norm_eps,
-                "rope_theta": options.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": options.rope_theta},
-                "rope_scaling": None, **({} if options.qkv_bias else {"attention_bias": False, "mlp_bias": False}),
-                "tie_word_embeddings": options.tie_embeddings,
-                "torch_dtype": "float32", "dtype": "float32"}
 
 
 register(ModelSpec("llama", _build, LlamaOptions, text=True, summary="rotary, RMSNorm, SwiGLU, grouped-query",

@@ -335,8 +335,7 @@ class TrainConfig:
         from distlab.models import hf
         directory = self.init_from[3:]
         config = hf.config_of(directory)
-        name, adapter = hf.family_of(config, directory)
-        options, vocab = adapter.options_from(config, self.init_from)
+        name, _, options, vocab = hf.options_of(config, self.init_from)
         return name, options, vocab, hf.context_of(config)
 
     def _check_pretrained(self) -> None:

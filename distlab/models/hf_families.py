@@ -1,0 +1,180 @@
+"""The Hugging Face layouts of distlab's families (:mod:`distlab.models.hf` reads and writes a directory
+through them; each family's spec names its adapter): which architectures a family reads, its options
+from a ``config.json`` (refusing, in one line, what would compute another model), the config it writes,
+and its tensors both ways -- renamed one to one (:class:`HFLlama`) or converted as whole state dicts
+where the layouts differ (:class:`HFGPT2`: fused, transposed)."""
+
+from __future__ import annotations
+
+import torch
+
+from distlab.errors import ConfigError
+
+
+class HFLlama:
+    """Hugging Face's Llama, Mistral and Qwen2 checkpoints <-> ``llama`` (:mod:`distlab.models.hf`): the
+    same math (Qwen2's: with q/k/v biases), rotary positions already in the rotate-half layout distlab
+    uses, so every tensor maps by name."""
+
+    architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+    LAYER = {"self_attn.q_proj": "attn.q", "self_attn.k_proj": "attn.k", "self_attn.v_proj": "attn.v",
+             "self_attn.o_proj": "attn.proj", "mlp.gate_proj": "mlp.gate", "mlp.up_proj": "mlp.up",
+             "mlp.down_proj": "mlp.down", "input_layernorm": "ln1", "post_attention_layernorm": "ln2"}
+
+    @classmethod
+    def names(cls, options) -> dict[str, str]:
+        """Every Hugging Face tensor name -> distlab's (None: read and dropped -- a tied LM head that a
+        checkpoint holds anyway is the embedding; none is written)."""
+        last = options.n_layer + 1
+        out = {"model.embed_tokens.weight": "0.tok.weight", "model.norm.weight": f"{last}.ln.weight",
+               "lm_head.weight": None if options.tie_embeddings else f"{last}.out.weight"}
+        for i in range(options.n_layer):
+            out |= {f"model.layers.{i}.{theirs}.weight": f"{i + 1}.{mine}.weight" for theirs, mine in cls.LAYER.items()}
+            if options.qkv_bias:
+                out |= {f"model.layers.{i}.self_attn.{p}_proj.bias": f"{i + 1}.attn.{p}.bias" for p in "qkv"}
+        return out
+
+    @staticmethod
+    def tied(options) -> tuple[str, ...]:
+        """distlab's names a Hugging Face checkpoint leaves out, being another's (the tied LM head)."""
+        return (f"{options.n_layer + 1}.out.weight",) if options.tie_embeddings else ()
+
+    @staticmethod
+    def options_from(config: dict, where: str) -> tuple[dict, int]:
+        """The option values and vocabulary of a ``config.json``; one line naming a key whose math distlab
+        does not do."""
+        rope = config.get("rope_parameters") or {}
+        scaling = config.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"}
+                                                 if rope.get("rope_type", "default") != "default" else None)
+        heads, width = config["num_attention_heads"], config["hidden_size"]
+        qwen = (config.get("architectures") or [""])[0] == "Qwen2ForCausalLM"
+        window = config.get("sliding_window") if config.get("use_sliding_window", not qwen) else None
+        refused = [(scaling, f"rope_scaling {scaling} (distlab's rotary positions are unscaled)"),
+                   (config.get("hidden_act", "silu") != "silu", f"hidden_act {config.get('hidden_act')!r} (SwiGLU is silu)"),
+                   (config.get("attention_bias"), "attention_bias true (distlab's attention has no biases)"),
+                   (config.get("mlp_bias"), "mlp_bias true (distlab's MLP has no biases)"),
+                   (config.get("head_dim") not in (None, width // heads),
+                    f"head_dim {config.get('head_dim')} (distlab's heads are hidden_size / num_attention_heads = "
+                    f"{width // heads} wide)"),
+                   ("sliding_attention" in (config.get("layer_types") or ()) or (window or 0) and window <
+                    config.get("max_position_embeddings", 0),
+                    f"sliding_window {config.get('sliding_window')} (distlab's attention sees the whole context)")]
+        for bad, what in refused:
+            if bad:
+                raise ConfigError(f"{where}: {what}: distlab would compute another model; it reads Llama-family "
+                                  f"configs without it")
+        theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+        options = dict(n_layer=config["num_hidden_layers"], n_head=heads,
+                               kv_heads=config.get("num_key_value_heads") or heads, n_embd=width,
+                               ffn_hidden=config["intermediate_size"], rope_theta=float(theta),
+                               norm_eps=float(config.get("rms_norm_eps", 1e-6)), qkv_bias=qwen,
+                               tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+        return options, int(config["vocab_size"])
+
+    @staticmethod
+    def config_for(options, vocab: int, block_size: int) -> dict:
+        """The ``config.json`` of a ``LlamaForCausalLM`` computing what ``llama`` with ``options`` computes."""
+        kind = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False} \
+            if options.qkv_bias else {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+        return {**kind, "vocab_size": vocab,
+                "hidden_size": options.n_embd, "intermediate_size": options.hidden,
+                "num_hidden_layers": options.n_layer, "num_attention_heads": options.n_head,
+                "num_key_value_heads": options.kv_heads, "head_dim": options.n_embd // options.n_head,
+                "hidden_act": "silu", "max_position_embeddings": block_size, "rms_norm_eps": options.norm_eps,
+                "rope_theta": options.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": options.rope_theta},
+                "rope_scaling": None, **({} if options.qkv_bias else {"attention_bias": False, "mlp_bias": False}),
+                "tie_word_embeddings": options.tie_embeddings,
+                "torch_dtype": "float32", "dtype": "float32"}
+
+
+class HFGPT2:
+    """Hugging Face's GPT-2 checkpoints (``GPT2LMHeadModel``) <-> ``gpt`` (:mod:`distlab.models.hf`): the same
+    model with GPT-2's choices (q/k/v biases, the tanh GELU, tied embeddings). Its attention's q, k and v
+    are one fused ``c_attn`` and its matrices ``Conv1D``'s ``(in, out)``: split and transposed on the way
+    in, fused and transposed on the way out (a distlab GPT without q/k/v biases goes out with zero ones)."""
+
+    architectures = ("GPT2LMHeadModel",)
+    LAYER = {"ln_1": "ln1", "ln_2": "ln2", "attn.c_proj": "attn.proj", "mlp.c_fc": "mlp.0", "mlp.c_proj": "mlp.2"}
+    MASKS = (".attn.bias", ".attn.masked_bias")  # the causal mask older checkpoints stored as buffers
+
+    @staticmethod
+    def tied(options) -> tuple[str, ...]:
+        return (f"{options.n_layer + 1}.out.weight",) if options.tie_embeddings else ()
+
+    @classmethod
+    def to_mine(cls, tensors: dict, options, where: str) -> dict:
+        t = {k.removeprefix("transformer."): v for k, v in tensors.items() if not k.endswith(cls.MASKS)}
+
+        def take(key):
+            if key not in t:
+                raise ConfigError(f"{where} has no {key}, which its config's GPT-2 has")
+            return t.pop(key)
+
+        n, last = options.n_embd, options.n_layer + 1
+        out = {"0.tok.weight": take("wte.weight"), "0.pos.weight": take("wpe.weight"),
+               f"{last}.ln.weight": take("ln_f.weight"), f"{last}.ln.bias": take("ln_f.bias")}
+        head = t.pop("lm_head.weight", None)
+        if not options.tie_embeddings:
+            out[f"{last}.out.weight"] = head if head is not None else take("lm_head.weight")
+        for i in range(options.n_layer):
+            theirs, mine = f"h.{i}.", f"{i + 1}."
+            weight, bias = take(theirs + "attn.c_attn.weight"), take(theirs + "attn.c_attn.bias")
+            for j, p in enumerate("qkv"):
+                out[f"{mine}attn.{p}.weight"] = weight[:, j * n:(j + 1) * n].t().contiguous()
+                out[f"{mine}attn.{p}.bias"] = bias[j * n:(j + 1) * n].clone()
+            for a, b in cls.LAYER.items():
+                w = take(f"{theirs}{a}.weight")
+                out[f"{mine}{b}.weight"] = w if a.startswith("ln") else w.t().contiguous()
+                out[f"{mine}{b}.bias"] = take(f"{theirs}{a}.bias")
+        if t:
+            raise ConfigError(f"{where} holds {sorted(t)[0]}, which distlab's gpt has no place for")
+        return out
+
+    @classmethod
+    def to_theirs(cls, state: dict, options) -> dict:
+        n, last = options.n_embd, options.n_layer + 1
+        out = {"transformer.wte.weight": state["0.tok.weight"], "transformer.wpe.weight": state["0.pos.weight"],
+               "transformer.ln_f.weight": state[f"{last}.ln.weight"], "transformer.ln_f.bias": state[f"{last}.ln.bias"],
+               **({} if options.tie_embeddings else {"lm_head.weight": state[f"{last}.out.weight"]})}
+        for i in range(options.n_layer):
+            theirs, mine = f"transformer.h.{i}.", f"{i + 1}."
+            out[theirs + "attn.c_attn.weight"] = torch.cat([state[f"{mine}attn.{p}.weight"].t() for p in "qkv"], dim=1)
+            out[theirs + "attn.c_attn.bias"] = torch.cat([state.get(f"{mine}attn.{p}.bias", torch.zeros(n))
+                                                          for p in "qkv"])
+            for a, b in cls.LAYER.items():
+                w = state[f"{mine}{b}.weight"]
+                out[f"{theirs}{a}.weight"] = w if a.startswith("ln") else w.t()
+                out[f"{theirs}{a}.bias"] = state[f"{mine}{b}.bias"]
+        return out
+
+    @staticmethod
+    def options_from(config: dict, where: str) -> tuple[dict, int]:
+        act = config.get("activation_function", "gelu_new")
+        width = config["n_embd"]
+        refused = [(act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"), f"activation_function {act!r} (distlab's "
+                    f"GELU is exact or tanh)"),
+                   (config.get("n_inner") not in (None, 4 * width), f"n_inner {config.get('n_inner')} (distlab's MLP "
+                    f"is 4 x n_embd = {4 * width} wide)"),
+                   (config.get("layer_norm_epsilon", 1e-5) != 1e-5, f"layer_norm_epsilon "
+                    f"{config.get('layer_norm_epsilon')} (distlab's LayerNorms use 1e-5)"),
+                   (not config.get("scale_attn_weights", True), "scale_attn_weights false (distlab scales scores "
+                    "by 1/sqrt(head width))"),
+                   (config.get("scale_attn_by_inverse_layer_idx"), "scale_attn_by_inverse_layer_idx true")]
+        for bad, what in refused:
+            if bad:
+                raise ConfigError(f"{where}: {what}: distlab would compute another model; it reads GPT-2 configs "
+                                  f"without it")
+        options = dict(n_layer=config["n_layer"], n_head=config["n_head"], n_embd=width, qkv_bias=True,
+                             gelu="exact" if act == "gelu" else "tanh",
+                             tie_embeddings=bool(config.get("tie_word_embeddings", True)))
+        return options, int(config["vocab_size"])
+
+    @staticmethod
+    def config_for(options, vocab: int, block_size: int) -> dict:
+        """The ``config.json`` of a ``GPT2LMHeadModel`` computing what ``gpt`` with ``options`` computes."""
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab,
+                "n_positions": block_size, "n_ctx": block_size, "n_embd": options.n_embd, "n_layer": options.n_layer,
+                "n_head": options.n_head, "n_inner": None,
+                "activation_function": "gelu_new" if options.gelu == "tanh" else "gelu", "layer_norm_epsilon": 1e-5,
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
+                "tie_word_embeddings": options.tie_embeddings, "torch_dtype": "float32", "dtype": "float32"}
