@@ -217,6 +217,24 @@ def test_generate_reads_a_hugging_face_directory_with_its_tokenizer(tmp_path, ru
     cached, plain = (run_cli(*args, *extra, check=True) for extra in ([], ["--no-cache"]))
     assert cached.stdout == plain.stdout and cached.stdout.startswith("the fox")
     assert "(llama)" in cached.stderr and "hf tokens" in cached.stderr
+    # --chat: the prompt as a user's turn through the model's chat template; the reply is transformers' greedy one
+    config = json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT}))
+    reply = run_cli("generate", f"hf:{tmp_path / 'm'}", "--chat", "--prompt", "the fox?", "--temperature", "0",
+                    "--max-new-tokens", "6", check=True).stdout
+    transformers = _transformers()
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "m"))
+    ids = tok.apply_chat_template([{"role": "user", "content": "the fox?"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "m")).eval()
+    out = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=tok.eos_token_id)[0, ids.shape[1]:]
+    assert reply == tok.decode(out.tolist(), skip_special_tokens=True) + "\n"
+    from distlab.data.tokenizer import HFTokenizer
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 7]}))
+    assert {1, 7} <= HFTokenizer.from_dir(str(tmp_path / "m")).stops  # an end of turn stops it as an end of text
+    from distlab.tools.generate import chat_prompt
+    with pytest.raises(ConfigError, match="--chat renders the prompt with a model's chat template: .* has none"):
+        chat_prompt(f"hf:{tmp_path / 'small'}", "hi")
 
 
 def test_init_from_a_directory_takes_its_family_options_and_limits(tmp_path):

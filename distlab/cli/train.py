@@ -189,17 +189,20 @@ def export(snapshot_path, out, best, fmt):
               help="Sample among the most likely tokens whose probabilities sum to P (nucleus sampling).")
 @click.option("--cache/--no-cache", default=True, show_default=True,
               help="Keep the keys and values: the prompt runs once, then one token a step (the same tokens).")
-def generate(source, prompt, max_new_tokens, temperature, top_k, seed, n_head, tokenizer_file, top_p, cache):
+@click.option("--chat", is_flag=True, help="hf:DIR with a chat template: --prompt is a user's message, rendered by "
+              "the template with its generation prompt; the assistant's reply is printed.")
+def generate(source, prompt, max_new_tokens, temperature, top_k, seed, n_head, tokenizer_file, top_p, cache, chat):
     """Print text from a trained language model: a run directory (its last snapshot), a snapshot of any
     layout, an exported model file, or hf:DIR (a Hugging Face checkpoint and its tokenizer.json). The text
     is printed as it is sampled; it stops at the tokenizer's end-of-sequence token, where it has one."""
-    from distlab.tools.generate import load_gpt, stream
+    from distlab.tools.generate import chat_prompt, load_gpt, stream
     model, tokenizer, where = load_gpt(source, n_head, tokenizer_file)
+    text = chat_prompt(source, prompt) if chat else prompt
     click.echo(f"{where}: {sum(p.numel() for p in model.parameters()):,} parameters, {tokenizer.spec} tokens; "
                f"seed {seed}", err=True)
-    pieces = stream(model, prompt, max_new_tokens, temperature, top_k, seed, tokenizer, cache, top_p)
+    pieces = stream(model, text, max_new_tokens, temperature, top_k, seed, tokenizer, cache, top_p)
     first = next(pieces, "")  # the settings are checked before anything is printed
-    for piece in itertools.chain([prompt + first], pieces):
+    for piece in itertools.chain([("" if chat else prompt) + first], pieces):
         click.echo(piece, nl=False)
         sys.stdout.flush()
     click.echo()

@@ -111,9 +111,10 @@ class HFTokenizer(BPETokenizer):
     template would add; its vocabulary the model's (``config.json``'s ``vocab_size`` where it pads the
     tokenizer's), its end-of-sequence token what separates documents."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos: int | None):
+    def __init__(self, tokenizer, vocab_size: int, eos: int | None, stops: frozenset[int] = frozenset()):
         super().__init__(tokenizer, vocab_size)
         self.spec, self.eos = "hf", eos
+        self.stops = stops | ({eos} if eos is not None else set())  # where generation ends (end of turn, of text)
 
     def encode(self, data: bytes) -> np.ndarray:
         text = data.decode("utf-8", errors="replace")
@@ -133,14 +134,20 @@ class HFTokenizer(BPETokenizer):
             raise ConfigError(f"hf:{directory}: no tokenizer.json there (a model's tokenizer in Hugging Face "
                               f"tokenizers' format; a tokenizer.model of SentencePiece alone is not read)")
         tok = _library().Tokenizer.from_file(str(root / "tokenizer.json"))
-        config, tok_config = ({} if not (root / f).is_file() else json.loads((root / f).read_text(encoding="utf-8"))
-                              for f in ("config.json", "tokenizer_config.json"))
+        config, tok_config, gen_config = (
+            {} if not (root / f).is_file() else json.loads((root / f).read_text(encoding="utf-8"))
+            for f in ("config.json", "tokenizer_config.json", "generation_config.json"))
         eos = config.get("eos_token_id")
         eos = eos[0] if isinstance(eos, list) and eos else eos
-        if eos is None and isinstance(tok_config.get("eos_token"), (str, dict)):
-            word = tok_config["eos_token"] if isinstance(tok_config["eos_token"], str) else tok_config["eos_token"].get("content")
-            eos = tok.token_to_id(word) if word else None
-        return cls(tok, max(int(config.get("vocab_size") or 0), tok.get_vocab_size()), eos)
+        word = tok_config.get("eos_token")
+        word = word.get("content") if isinstance(word, dict) else word
+        named = tok.token_to_id(word) if isinstance(word, str) and word else None
+        eos = named if eos is None else eos
+        # every end the model was made to stop at: a chat model's end of turn beside the end of text
+        listed = [v for c in (config, gen_config) for v in (lambda e: e if isinstance(e, list) else [e])(
+            c.get("eos_token_id")) if isinstance(v, int)]
+        stops = frozenset(listed + ([named] if named is not None else []))
+        return cls(tok, max(int(config.get("vocab_size") or 0), tok.get_vocab_size()), eos, stops)
 
     @classmethod
     def from_json(cls, text: str, vocab_size: int | None = None, where: str = "the tokenizer",

@@ -89,6 +89,7 @@ def stream(model: GPT, prompt: str, max_new_tokens: int, temperature: float = 1.
     if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
         raise ConfigError("--temperature must be at least 0, --top-k at least 1 and --top-p in (0, 1]")
     eos = getattr(tokenizer, "eos", None)
+    stops = getattr(tokenizer, "stops", None) or ({eos} if eos is not None else set())
     tokenizer = tokenizer or tokenizers.ByteTokenizer()
     ids = tokenizer.encode(prompt.encode("utf-8")).tolist() or tokenizer.encode(b"\n").tolist()
     generator = torch.Generator().manual_seed(seed)
@@ -119,7 +120,7 @@ def stream(model: GPT, prompt: str, max_new_tokens: int, temperature: float = 1.
                 drop = ranked.cumsum(0) - ranked >= top_p  # the tokens after the set is complete
                 probs = probs.scatter(0, order, ranked.masked_fill(drop, 0.0))
             nxt = int(torch.multinomial(probs, 1, generator=generator))
-        if nxt == eos:  # the model's end of sequence: the text is complete
+        if nxt in stops:  # the model's end of sequence (or of its turn): the text is complete
             break
         grown = torch.cat([window, torch.tensor([[nxt]])], dim=1)
         if grown.shape[1] > model.block_size:  # the window slides: the cache's positions no longer hold

@@ -22,6 +22,17 @@ from distlab.models.generation import generate, gpt_from_state, model_from_state
 __all__ = ["generate", "gpt_from_state", "load_gpt", "stream"]
 
 
+def chat_prompt(source: str | Path, message: str) -> str:
+    """``message`` as a user's turn rendered by the chat template of ``source`` (hf:DIR), with the template's
+    generation prompt: the text the model continues with the assistant's reply."""
+    from distlab.data.chat import ChatTemplate
+    template = ChatTemplate.from_dir(str(source)[3:]) if str(source).startswith("hf:") else None
+    if template is None:
+        raise ConfigError(f"--chat renders the prompt with a model's chat template: {source} has none (give hf:DIR "
+                          f"of a model whose tokenizer_config.json has chat_template)")
+    return template.render([{"role": "user", "content": message}], add_generation_prompt=True)
+
+
 def load_gpt(source: str | Path, n_head: int | None = None, tokenizer_file: str | None = None) -> tuple:
     """The GPT ``source`` holds, its tokenizer, and a word on where it came from."""
     from distlab.train import export
