@@ -91,6 +91,11 @@ def test_llama_options_refuse_what_does_not_fit():
     # the planner prices the plan at the layout's tp (here not tp 1's), context parallel sending the whole head
     assert t.tensor_key(Strategy("allreduce", tp=2), 2) == ("megatron", False, 2) and t.kv_share == {2: 1.0, 4: 1.0}
     assert "1.attn.k.weight" not in t.tensor_split[("megatron", False, 2)]  # whole on every rank
+    from distlab.train import TrainConfig
+    cfg = TrainConfig.from_flags(model="llama", tie_embeddings=True, dataset="synthetic-text:2000",
+                                 strategy=Strategy(zero=3))
+    with pytest.raises(ConfigError, match="are one parameter \\(tied embeddings\\), and `zero` 3 gathers"):
+        cfg.validate(2)
     with pytest.raises(ConfigError, match="`n_head` 4 is not divisible by 3"):
         model.tensor_parallel_plan(3, "megatron", False)
     with pytest.raises(ConfigError, match="1 key/value heads per tensor-parallel rank do not divide by 2"):

@@ -22,7 +22,9 @@ import torch.distributed as dist
 def norm_weights(placement: dict) -> list[float]:
     """Per optimizer parameter of ``placement`` (:func:`~distlab.parallel.placement.placement_of`): one
     over the number of ranks in the world holding the same elements (collective: gathers every rank's)."""
-    mine = [(d["name"], d["dim"], d["parts"], d["part"], d["start"], d["length"]) for d in placement["params"]]
+    # a pipeline's copy of a tied parameter holds the same elements as the first stage's: counted once
+    mine = [(d.get("tied_to", d["name"]), d["dim"], d["parts"], d["part"], d["start"], d["length"])
+            for d in placement["params"]]
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [1.0] * len(mine)
     everyone = [None] * dist.get_world_size()

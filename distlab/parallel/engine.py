@@ -137,6 +137,7 @@ class Engine:
             self.grad_sync.sync_gradients()
         for component in self.components:  # the reductions the sync does not make (expert gradients)
             component.reduce_gradients()
+        self.schedule.reduce_gradients(self)  # a pipeline's: parameters tied across its first and last stage
         self.sync_seconds = time.perf_counter() - t0
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

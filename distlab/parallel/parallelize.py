@@ -37,6 +37,7 @@ from distlab.parallel.engine import Engine
 from distlab.parallel.loss_head import loss_head
 from distlab.parallel.mesh import Mesh
 from distlab.parallel.pipeline import PipelineStage, partition
+from distlab.models.plans import tied_names
 from distlab.parallel.precision import Precision, check_device
 from distlab.parallel.protocols import ModelSharding, StepSchedule
 from distlab.parallel.schedule import Accumulate, Pipelined
@@ -76,9 +77,10 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
     head = loss_head(model)
     schedule: StepSchedule = Accumulate(strategy.grad_accum)
     if strategy.pp > 1:
+        ties = tied_names(model)  # before the cut: a tied embedding and LM head land on two stages
         model = PipelineStage(model, mesh.pp_group, strategy.microbatches, strategy.pp_schedule, balance,
                               strategy.pp_virtual, blocks)
-        schedule = Pipelined(model, mesh)
+        schedule = Pipelined(model, mesh, ties)
     model = apply_sync_bn(model, strategy.sync_bn, mesh.replica_group)
     grad_sync = (Zero if strategy.zero else DataParallel).from_strategy(model, strategy, mesh.replica_group)
     return Engine(grad_sync, schedule, strategy, mesh, Precision(strategy.precision, device), tuple(parts), head)

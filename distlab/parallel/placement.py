@@ -46,7 +46,7 @@ class Placement:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Placement":
-        return cls(**{**d, "shape": tuple(d["shape"])})
+        return cls(**{**{k: v for k, v in d.items() if k != "tied_to"}, "shape": tuple(d["shape"])})
 
     def piece_shape(self) -> tuple[int, ...]:
         """The shape of the tensor-parallel piece (before ZeRO flattens it)."""
@@ -171,6 +171,8 @@ def placement_of(engine) -> dict:
         start, length = flat if flat is not None else (0, None)
         keys.append(key)
         params.append(Placement(whole(key), tuple(shape), dim, parts, part, start, length).to_dict())
+        if whole(key) in engine.schedule.tied:  # a pipeline's copy of a parameter the first stage holds
+            params[-1]["tied_to"] = engine.schedule.tied[whole(key)]
     from distlab.models.plans import tied_names
     # a parameter under a second name (a tied LM head): not a buffer of its own; the whole state repeats it
     tied = {name: group[0] for group in tied_names(engine.module) for name in group[1:]}

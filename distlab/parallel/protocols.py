@@ -168,6 +168,12 @@ class StepSchedule(Protocol):
     def stages(self) -> list[dict]:
         """The pipeline's stages (layer ranges, names, parameters); ``[]`` without a pipeline."""
 
+    def reduce_gradients(self, engine) -> None:
+        """After the gradient sync: the reductions the schedule's cut needs (a tied embedding and LM head
+        on the first and last stage: their gradients summed); nothing without a pipeline."""
+
+    tied: dict[str, str]  # the whole model's name of a parameter held again under another -> that one
+
     def report(self, warmup: int, device: torch.device | str) -> dict:
         """What the schedule measured, for summary.json (collective over the world; ``{}`` if nothing)."""
 

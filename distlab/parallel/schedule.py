@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from distlab import comm
 from distlab.errors import ConfigError
 from distlab.models.aux_loss import step_share
 from distlab.parallel.pipeline import ActivationMeter, PipelineStage, ideal_bubble
@@ -27,6 +28,7 @@ class Accumulate:
     the k-times-larger batch. ``k == 1`` is a plain step."""
 
     MEASURED_STEP = 2  # the step whose activations are metered (the first may build caches)
+    tied: dict[str, str] = {}  # a whole model holds its tied parameters once: nothing to reduce
 
     def __init__(self, k: int = 1):
         self.k = k
@@ -84,6 +86,9 @@ class Accumulate:
     def stages(self) -> list[dict]:
         return []
 
+    def reduce_gradients(self, engine) -> None:
+        pass
+
     def report(self, warmup: int, device) -> dict:
         """The most activation bytes any rank held for backward at once (one metered step)."""
         if self.activation_peak_bytes is None:
@@ -99,9 +104,10 @@ class Pipelined:
     ``microbatches`` micro-batches; the loss, known on the last stage, is broadcast along the
     pipeline so every rank returns it. Each step's timings are kept for :meth:`report`."""
 
-    def __init__(self, stage: PipelineStage, mesh):
+    def __init__(self, stage: PipelineStage, mesh, ties: list[list[str]] = ()):
         self.stage, self.mesh = stage, mesh
         self.timings: list[dict] = []  # PipelineStage.last_timing of every step
+        self._tie_groups(list(ties))
 
     def forward_backward(self, engine, x, y, loss_fn) -> torch.Tensor:
         stage = self.stage
@@ -134,6 +140,40 @@ class Pipelined:
 
     def stages(self) -> list[dict]:
         return self.stage.describe()
+
+    def _tie_groups(self, ties: list[list[str]]) -> None:
+        """The pairs of each pipeline's first and last stage, where a parameter is tied across them (every
+        rank makes every pair's group, in one order: new_group is collective over the world)."""
+        self.tied = {name: group[0] for group in ties for name in group[1:]}
+        self.pair = None
+        if not ties:
+            return
+        if self.mesh.pp == 2:
+            self.pair = self.mesh.pp_group
+            return
+        pipelines = [None] * dist.get_world_size()
+        dist.all_gather_object(pipelines, list(self.mesh.pp_ranks))
+        for ranks in sorted({tuple(p) for p in pipelines}):
+            group = dist.new_group([ranks[0], ranks[-1]])
+            if self.mesh.rank in (ranks[0], ranks[-1]):
+                self.pair = group
+
+    def reduce_gradients(self, engine) -> None:
+        """A parameter tied across the first and last stage (an embedding and its LM head): each stage's
+        copy took its own layers' gradient; both get the sum, so the copies stay one parameter."""
+        if self.pair is None:
+            return
+        if not hasattr(self, "_tied_index"):
+            from distlab.parallel.placement import placement_of
+            names = [p["name"] for p in placement_of(engine)["params"]]
+            held = {*self.tied, *self.tied.values()}
+            self._tied_index = [i for i, name in enumerate(names) if name in held]
+        params = engine.parameters()
+        for i in self._tied_index:
+            grad = params[i].grad
+            if grad is None:  # no loss reached it this step: its copy on the other stage still sends its share
+                grad = params[i].grad = torch.zeros_like(params[i])
+            comm.all_reduce(grad, op="sum", group=self.pair)
 
     def report(self, warmup: int, device) -> dict:
         """The stages, schedule and measured bubble (every rank calls it: it reduces over the world)."""

@@ -93,6 +93,12 @@ class Timer:
         return host + r * self.link.latency + wire
 
 
+def stage_names(t: Trace, stage: dict) -> set[str]:
+    """The parameter names under a pipeline stage's layers (a tied one's second name included)."""
+    layers = [layer.name for a, b in stage.get("chunks") or [stage["layers"]] for layer in t.layers[a:b]]
+    return {name for name in (*t.names, *t.tied) if any(name.startswith(n + ".") for n in layers)}
+
+
 def comm_bytes(t: Trace, lay: Layout, sync, stages: list[dict], micro: int, optim) -> dict:
     """The bytes the first rank (the first pipeline stage, tensor-parallel rank 0) sends in a step --
     what a run counts on it (``comm_bytes_per_step`` of its summary) -- by sender: the gradient sync's
@@ -116,6 +122,11 @@ def comm_bytes(t: Trace, lay: Layout, sync, stages: list[dict], micro: int, opti
                             for c in sync_bn.planned_calls(first, lay.strategy))
     if lay.pp > 1:
         by["pipeline"] = stages[0]["sent_bytes_per_step"]
+        for second, first_name in t.tied.items():  # a tied parameter's copy on another stage: its gradient summed
+            if second not in stage_names(t, stages[0]) and first_name in first.names:
+                numel = first.numels[first.names.index(first_name)]
+                numel = math.ceil(numel / lay.replicas) if lay.zero else numel  # ZeRO: the shards
+                by["tied"] = by.get("tied", 0) + sent("native", 2, numel * first.element_size, "all_reduce")
     if lay.ignored_targets:  # the global batch's kept targets, counted once per step over the replicas
         by["kept_targets"] = sent("native", lay.replicas, 4, "all_reduce")
     return {"comm_bytes_per_step_per_rank": int(round(sum(by.values()))),

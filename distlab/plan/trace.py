@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from distlab.errors import ConfigError
 from distlab.models import build_model, task_loss
-from distlab.models.plans import declared_plan
+from distlab.models.plans import declared_plan, tied_names
 from distlab.parallel.checkpointing import block_names
 from distlab.parallel.cost import ModuleIO
 from distlab.parallel.pipeline import sequential_layers
@@ -73,6 +73,7 @@ class Trace:
     # bytes as its output; more than a key's under grouped-query attention)
     expert_slots: dict[str, float] = field(default_factory=dict)  # experts -> the token-slots entering them per sample
     module_io: dict[str, ModuleIO] = field(default_factory=dict)  # what each module those plans name takes and gives
+    tied: dict[str, str] = field(default_factory=dict)  # a parameter's second name (a tied LM head) -> its unit's
     kv_share: dict[int, float] = field(default_factory=dict)  # tp -> a rank's share of the keys and values, where
     # not 1/tp (key/value heads kept whole: kv_heads_per_rank(tp) / kv_heads)
 
@@ -119,6 +120,7 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
         raise ConfigError("the model has no parameters: nothing to plan")
     params = list(dict.fromkeys(p for m in modules for _, p in m.named_parameters(recurse=False)))
     out = Trace(names, numels, params[0].element_size(), module_of, shapes=shapes)
+    out.tied = {name: group[0] for group in tied_names(model) for name in group[1:]}
     handles = []
     index = {id(m): i for i, m in enumerate(modules)}
 
@@ -276,7 +278,10 @@ def stage_trace(t: Trace, names: list[str]) -> Trace:
     """The part of ``t`` a pipeline stage holds: the parameters under the layers ``names``, and the
     events of their modules (ZeRO's bookkeeping over a stage)."""
     mine = [u for u, unit in enumerate(t.names) if any(unit.startswith(n + ".") for n in names)]
-    return units_trace(t, mine, [layer for layer in t.layers if layer.name in names])
+    # a tied parameter's second name on this stage (the LM head, the embedding on the first): a copy of its unit
+    mine += [t.names.index(first) for second, first in t.tied.items()
+             if any(second.startswith(n + ".") for n in names) and t.names.index(first) not in mine]
+    return units_trace(t, sorted(mine), [layer for layer in t.layers if layer.name in names])
 
 
 def units_trace(t: Trace, mine: list[int], layers: list[Layer] | None = None) -> Trace:

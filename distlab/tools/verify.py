@@ -174,7 +174,8 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
                   Case(Strategy("allreduce", tp=2, sequence_parallel=True), model="llama"),
                   Case(Strategy("bucketed", cp=2), model="llama"),
                   Case(Strategy("bucketed", cp=2, cp_style="ulysses"), model="llama"),
-                  Case(Strategy("bucketed", pp=2, microbatches=2), model="llama"),
+                  # its LM head tied to the token embedding across the two stages: their gradients summed
+                  Case(Strategy("bucketed", pp=2, microbatches=2), model="llama", options=(("tie_embeddings", 1),)),
                   Case(Strategy("bucketed", ep=2), model="llama-moe"),  # SwiGLU experts shared out
                   # one key/value head for 2 tensor-parallel ranks: kept whole on each, its gradient summed; the
                   # LM head tied to the token embedding, split by the same vocabulary rows

@@ -285,19 +285,16 @@ class TrainConfig:
 
     def _check_ties(self) -> None:
         """A parameter two modules share (a tied embedding and LM head) is one parameter on every layout
-        but ZeRO-3's (which gathers each module's own) and a pipeline's (which puts the two on different
-        stages): those are refused, naming it."""
+        but ZeRO-3's (which gathers each module's own): refused there, naming it."""
         s = self.strategy
-        if s.zero != 3 and not (isinstance(s.pp, int) and s.pp > 1):
+        if s.zero != 3:
             return
         from distlab.models.plans import tied_names
         ties = tied_names(self._meta_model())
         if ties:
-            where = "`zero` 3 gathers each module's parameters apart" if s.zero == 3 else \
-                "a pipeline puts the token embedding and the LM head on different stages"
-            raise ConfigError(f"{' and '.join(ties[0])} are one parameter (tied embeddings), and {where}: this "
-                              f"layout does not hold a tied parameter yet; use `zero` 1-2, tensor, context or expert "
-                              f"parallel, or untie it (`tie_embeddings` false)")
+            raise ConfigError(f"{' and '.join(ties[0])} are one parameter (tied embeddings), and `zero` 3 gathers "
+                              f"each module's parameters apart: this layout does not hold a tied parameter yet; use "
+                              f"`zero` 1-2, or untie it (`tie_embeddings` false)")
 
     def _check_vocab_size(self) -> None:
         """`vocab_size`: a text data set's, at least its tokenizer's; not beside a checkpoint's own."""
