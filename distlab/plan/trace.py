@@ -74,6 +74,7 @@ class Trace:
     expert_slots: dict[str, float] = field(default_factory=dict)  # experts -> the token-slots entering them per sample
     module_io: dict[str, ModuleIO] = field(default_factory=dict)  # what each module those plans name takes and gives
     tied: dict[str, str] = field(default_factory=dict)  # a parameter's second name (a tied LM head) -> its unit's
+    shared: dict[int, list[int]] = field(default_factory=dict)  # module -> units another module holds (the head's)
     kv_share: dict[int, float] = field(default_factory=dict)  # tp -> a rank's share of the keys and values, where
     # not 1/tp (key/value heads kept whole: kv_heads_per_rank(tp) / kv_heads)
 
@@ -105,22 +106,28 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
     else:
         model = model.to("meta")
     modules, names, numels, module_of, shapes = [], [], [], [], []
-    seen: set[int] = set()  # a parameter two modules share (a tied embedding and LM head): its first module's
+    seen: dict[int, int] = {}  # a parameter two modules share (a tied embedding and LM head): its first module's
+    shared: dict[int, list[int]] = {}  # module -> the units it uses that another module holds
     for name, m in model.named_modules():
-        own = [(n, p) for n, p in m.named_parameters(recurse=False) if id(p) not in seen]
-        seen.update(id(p) for _, p in own)
-        if own:
+        params = list(m.named_parameters(recurse=False))
+        own = [(n, p) for n, p in params if id(p) not in seen]
+        if params:
             modules.append(m)
         for pname, p in own:
+            seen[id(p)] = len(names)
             names.append(f"{name}.{pname}" if name else pname)
             numels.append(p.numel())
             shapes.append(tuple(p.shape))
             module_of.append(len(modules) - 1)
+        if len(own) < len(params):
+            mine = {id(p) for _, p in own}
+            shared[len(modules) - 1] = [seen[id(p)] for _, p in params if id(p) not in mine]
     if not names:
         raise ConfigError("the model has no parameters: nothing to plan")
     params = list(dict.fromkeys(p for m in modules for _, p in m.named_parameters(recurse=False)))
     out = Trace(names, numels, params[0].element_size(), module_of, shapes=shapes)
     out.tied = {name: group[0] for group in tied_names(model) for name in group[1:]}
+    out.shared = shared
     handles = []
     index = {id(m): i for i, m in enumerate(modules)}
 
@@ -130,7 +137,8 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
         for node in {t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None}:
             handles.append(node.register_prehook(lambda grads, i=index[id(m)]: out.events.append(("bwd", i))))
 
-    out.sharded_linear = [sharded_linear(m, [p for _, p in m.named_parameters(recurse=False)]) for m in modules]
+    out.sharded_linear = [sharded_linear(m, [p for _, p in m.named_parameters(recurse=False)]) and i not in shared
+                          for i, m in enumerate(modules)]  # (ZeRO-3 runs a module sharing a parameter by hooks)
     out.input_grad = [True] * len(modules)
 
     def before_forward(m, args):

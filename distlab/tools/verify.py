@@ -170,7 +170,10 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
         # TP+SP splitting query heads and key/value groups, the ring and all-to-all over grouped heads with
         # each rank's rotary positions offset, a pipeline
         cases += [Case(Strategy("bucketed"), model="llama"),
+                  # ZeRO-3 recomputing; and over 2 accumulated micro-batches, the LM head gathering the embedding
+                  # it shares
                   Case(Strategy(zero=3, activation_checkpointing=True), model="llama"),
+                  Case(Strategy(zero=3, grad_accum=2), model="llama", options=(("tie_embeddings", 1),)),
                   Case(Strategy("allreduce", tp=2, sequence_parallel=True), model="llama"),
                   Case(Strategy("bucketed", cp=2), model="llama"),
                   Case(Strategy("bucketed", cp=2, cp_style="ulysses"), model="llama"),

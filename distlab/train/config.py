@@ -244,7 +244,6 @@ class TrainConfig:
             raise ConfigError(f"`model_args` are for your own model's builder (--model file.py:build); model "
                               f"{self.model} takes its own flags")
         self._check_components()
-        self._check_ties()
         if is_user_model(self.model):
             check_fit(self, self._meta_model())
         if self.strategy.activation_checkpointing:
@@ -282,19 +281,6 @@ class TrainConfig:
         shape, _ = self.data_shape()
         for kind in wanted:
             kind.check(net, self.strategy, shape)
-
-    def _check_ties(self) -> None:
-        """A parameter two modules share (a tied embedding and LM head) is one parameter on every layout
-        but ZeRO-3's (which gathers each module's own): refused there, naming it."""
-        s = self.strategy
-        if s.zero != 3:
-            return
-        from distlab.models.plans import tied_names
-        ties = tied_names(self._meta_model())
-        if ties:
-            raise ConfigError(f"{' and '.join(ties[0])} are one parameter (tied embeddings), and `zero` 3 gathers "
-                              f"each module's parameters apart: this layout does not hold a tied parameter yet; use "
-                              f"`zero` 1-2, or untie it (`tie_embeddings` false)")
 
     def _check_vocab_size(self) -> None:
         """`vocab_size`: a text data set's, at least its tokenizer's; not beside a checkpoint's own."""

@@ -27,6 +27,9 @@ class ZeroReplay:
         self.units_of: dict[int, list[int]] = {}
         for u, m in enumerate(t.module_of):
             self.units_of.setdefault(m, []).append(u)
+        shared = getattr(t, "shared", {})  # a module using another's parameter (a tied LM head): gathers it too
+        for m, units in shared.items():
+            self.units_of.setdefault(m, []).extend(units)
         self.gathered = [stage < 3] * len(t.numels)
         self.has_grad = [False] * len(t.numels)
         self.reduced = [False] * len(t.numels)
@@ -35,7 +38,7 @@ class ZeroReplay:
         self.peak = 0
         # stage 3: sharded Linears (their weight gradient lands in a padded buffer) and prefetching
         self.linear = [bool(t.sharded_linear[m]) if m < len(t.sharded_linear) else False
-                       for m in range(len(t.module_of) and max(t.module_of) + 1)]
+                       for m in range(len(t.module_of) and max([*t.module_of, *shared]) + 1)]
         self.grad_bytes = [(self.padded[u] if self.linear[t.module_of[u]] and self.first_of_module(u) else n) * e
                            for u, n in enumerate(t.numels)]
         self.order: dict[bool, list[int]] = {True: [], False: []}  # forward / backward gather order of step 1
@@ -290,7 +293,13 @@ class ZeroCost:
             times = 1 + any(name.startswith(r) for r in recomputed)
             times += (t.input_grad[m] if t.sharded_linear[m] else m in backward) if t.sharded_linear else 1
             gathers += [Call(ag, "all_gather", sum(padded[u] for u in g), 0.0) for g in groups(units)] * times
-        return PlannedCalls(before_layers=gathers, during_backward=overlapped)
+        # a module using another's parameter (a tied LM head, outside the checkpointed blocks) gathers it before
+        # its forward; in backward the parameter stays gathered from the first module that needs it until its
+        # gradient is complete, so the holder's backward gather is the one
+        for m, units in getattr(t, "shared", {}).items():
+            gathers += [Call(ag, "all_gather", sum(padded[u] for u in g), 0.0) for g in groups(units)]
+        # every micro-batch of the step gathers again (the reduce-scatters: the last one's backward only)
+        return PlannedCalls(before_layers=gathers * strategy.micro_steps, during_backward=overlapped)
 
     @staticmethod
     def planned_parts(numels: list[int], optim: Optim, element_size: int, strategy, n: int) -> dict[str, int]:

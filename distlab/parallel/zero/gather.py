@@ -101,7 +101,7 @@ class GatherOnDemand:
 
     def _on_grad_ready(self, unit: Unit) -> None:
         """Once every parameter of a module has its gradient: reduce-scatter them (one collective)."""
-        units = self._by_module[unit.module]
+        units = [u for u in self._by_module[unit.module] if u.module is unit.module]
         count = self._ready.get(unit.module, 0) + 1
         if count < len(units):
             self._ready[unit.module] = count

@@ -54,6 +54,13 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
         self._by_module: dict[nn.Module, list[Unit]] = {}
         for unit in self.units:
             self._by_module.setdefault(unit.module, []).append(unit)
+        # a module using a parameter another owns (a tied LM head): stage 3 gathers it there too
+        unit_of = {id(u.param): u for u in self.units}
+        shared = [(m, unit_of[id(p)]) for _, m in module.named_modules() for _, p in m.named_parameters(recurse=False)
+                  if unit_of[id(p)].module is not m]
+        for m, unit in shared:
+            self._by_module.setdefault(m, []).append(unit)
+        self._shared = {id(unit) for _, unit in shared}
         self._pinned = False  # inside gathered(): stage-3 hooks leave the full parameters alone
         self._syncing = True
         self._optimizer: torch.optim.Optimizer | None = None
@@ -79,12 +86,13 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
             for m, units in self._by_module.items():
                 for unit in units:
                     unit.free()
-                if sharded_linear(m, [u.param for u in units]):  # the weight's gradient never meets the full weight
-                    m.forward = lambda x, m=m, units=units: self._linear(m, units, x)
-                    continue
+                if sharded_linear(m, [u.param for u in units]) and not any(id(u) in self._shared for u in units):
+                    m.forward = lambda x, m=m, units=units: self._linear(m, units, x)  # the weight's gradient
+                    continue  # never meets the full weight (not a shared one's: its gradient has two sources)
                 for unit in units:
-                    self._handles.append(unit.param.register_post_accumulate_grad_hook(
-                        lambda p, unit=unit: self._on_grad_ready(unit)))
+                    if unit.module is m:  # its gradient arrives once, both uses summed
+                        self._handles.append(unit.param.register_post_accumulate_grad_hook(
+                            lambda p, unit=unit: self._on_grad_ready(unit)))
                 self._handles.append(m.register_forward_pre_hook(
                     lambda m, args, units=units: self._before_forward(m, units)))
                 self._handles.append(m.register_forward_hook(
