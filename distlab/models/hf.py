@@ -108,6 +108,52 @@ def to_mine(adapter, options, tensors: dict[str, torch.Tensor], where: str, name
     return state
 
 
+class Slices:
+    """One tensor of a checkpoint, read when a piece of it is asked for: a rank of a layout reads the rows or
+    columns its placement holds (safetensors' slices), never the rest (float32, as :func:`read` gives)."""
+
+    def __init__(self, path: Path, key: str):
+        from safetensors import safe_open
+        self.path, self.key = path, key
+        with safe_open(str(path), "pt") as f:
+            self.shape = tuple(f.get_slice(key).get_shape())
+
+    def piece(self, dim: int | None, parts: int, part: int) -> torch.Tensor:
+        """Part ``part`` of ``parts`` along ``dim`` (as ``torch.chunk`` cuts it; None: the whole tensor)."""
+        from safetensors import safe_open
+        with safe_open(str(self.path), "pt") as f:
+            whole = f.get_slice(self.key)
+            if dim is None:
+                return whole[:].to(torch.float32)
+            size = -(-self.shape[dim] // parts)
+            index = tuple(slice(part * size, (part + 1) * size) if d == dim else slice(None)
+                          for d in range(len(self.shape)))
+            return whole[index].to(torch.float32)
+
+    def detach(self) -> torch.Tensor:  # a buffer or a replicated parameter: the whole tensor
+        return self.piece(None, 1, 0)
+
+
+def sliced(directory: str | Path) -> dict[str, Slices] | None:
+    """The directory's tensors under distlab's names, each read only in the pieces asked for
+    (:class:`Slices`); None where the family's adapter converts whole state dicts (GPT-2's fused q/k/v:
+    :func:`read` them whole)."""
+    name, adapter, options, _ = options_of(config_of(directory), f"hf:{directory}")
+    if hasattr(adapter, "to_mine"):
+        return None
+    from safetensors import safe_open
+    names, out = adapter.names(options), {}
+    for path in tensor_files(directory):
+        with safe_open(str(path), "pt") as f:
+            keys = list(f.keys())
+        for key in keys:
+            if names.get(key) is None and key not in names:
+                raise ConfigError(f"hf:{directory} holds {key}, which distlab's {name} has no place for")
+            if names.get(key) is not None:
+                out[names[key]] = Slices(path, key)
+    return out
+
+
 def context_of(config: dict) -> int:
     """The longest context a config was made for (0: it does not say)."""
     return int(config.get("max_position_embeddings") or config.get("n_positions") or 0)

@@ -60,11 +60,14 @@ def take(full: torch.Tensor, p: Placement, numel: int | None = None) -> torch.Te
     """This placement's piece of ``full`` (a copy); a flat ZeRO piece is zero-padded to ``numel``."""
     if tuple(full.shape) != tuple(p.shape):
         raise ValueError(f"{p.name}: the full tensor has shape {tuple(full.shape)}, the placement {p.shape}")
-    piece = full.chunk(p.parts, p.dim)[p.part] if p.dim is not None else full
+    if hasattr(full, "piece"):  # a checkpoint's tensor read in the piece asked for (distlab.models.hf.Slices)
+        piece = full.piece(p.dim, p.parts, p.part)
+    else:
+        piece = full.chunk(p.parts, p.dim)[p.part] if p.dim is not None else full
     if p.length is None:
         return piece.detach().clone().contiguous()
     flat = piece.reshape(-1)[p.start:p.start + p.length]
-    out = torch.zeros(max(numel or 0, p.length), dtype=full.dtype, device=full.device)
+    out = torch.zeros(max(numel or 0, p.length), dtype=piece.dtype, device=piece.device)
     out[:p.length].copy_(flat)
     return out
 

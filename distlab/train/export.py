@@ -283,6 +283,23 @@ def load_init(model: nn.Module, path: str) -> None:
         state = hf.fit_positions(model, hf.read(path[3:])[3])  # a longer position table: the run's first rows
     else:
         state = _read_init(path)
+    model.load_state_dict(_fitting(model, state, path))
+
+
+def init_slices(model: nn.Module, path: str) -> dict | None:
+    """``--init-from hf:DIR`` of a family whose tensors map by name: the checkpoint's tensors checked against
+    ``model`` and left unread (:class:`distlab.models.hf.Slices`), for each rank to read the pieces its
+    layout holds once it is cut (:func:`~distlab.parallel.placement.state_from_full`); None otherwise (the
+    whole file is read into the model before the cut: :func:`load_init`)."""
+    if not path.startswith("hf:"):
+        return None
+    from distlab.models import hf
+    slices = hf.sliced(path[3:])
+    return None if slices is None else _fitting(model, slices, path)
+
+
+def _fitting(model: nn.Module, state: dict, path: str) -> dict:
+    """``state`` with a tied parameter under each of its names, if its names and shapes are ``model``'s."""
     mine = model.state_dict()
     state = with_tied(model, state)  # a tied LM head: a Hugging Face checkpoint keeps the embedding only
     missing, extra = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
@@ -295,4 +312,4 @@ def load_init(model: nn.Module, path: str) -> None:
         if tuple(v.shape) != tuple(mine[k].shape):
             raise ConfigError(f"`init_from` {path} is for another model: {k} has shape {tuple(v.shape)}, this "
                               f"model's {tuple(mine[k].shape)}")
-    model.load_state_dict(state)
+    return state

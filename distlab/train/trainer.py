@@ -25,7 +25,7 @@ from distlab.data.resident import nbytes as data_nbytes
 from distlab.errors import ConfigError, NonFiniteError
 from distlab.models import IGNORE_INDEX, build_model, count_parameters, snapshot_record
 from distlab.parallel import Mesh, parallelize
-from distlab.parallel.placement import placement_of
+from distlab.parallel.placement import placement_of, state_from_full
 from distlab.runtime import Runtime, comm_failure, is_comm_failure, seed_everything, timeline, tune_host_allocator
 from distlab.train.clock import StepClock
 from distlab.train.config import TrainConfig
@@ -33,7 +33,7 @@ from distlab.train.config_file import config_file_text
 from distlab.train.evaluate import DEFAULT_EVAL_BATCH, eval_batch, evaluate, evaluation_size, first_batches
 from distlab.train.throughput import Throughput
 from distlab.train.observe import StepObserver
-from distlab.train.export import load_init
+from distlab.train.export import init_slices, load_init
 from distlab.train import language
 from distlab.train.metrics import MetricsLog, anon_rss_mb, atomic_write_text, write_predictions, write_summary
 from distlab.train.optim import build_optimizer, build_scheduler, decay_groups, no_decay_names
@@ -92,7 +92,10 @@ class Trainer:
         seed_everything(cfg.seed)  # the same full model on every rank; parallelize shards it
         net = build_model(cfg.model, self.train_set.input_shape, cfg.vocab(self.train_set.num_classes),
                           **cfg.model_options())
-        if cfg.init_from:  # before the layout cuts it: every rank reads the whole file
+        # a Hugging Face checkpoint is read after the layout cuts the model, each rank its own pieces; any other
+        # file before, whole
+        slices = init_slices(net, cfg.init_from) if cfg.init_from else None
+        if cfg.init_from and slices is None:
             load_init(net, cfg.init_from)
         net = net.to(rt.device)
         self.num_parameters = count_parameters(net)
@@ -100,6 +103,8 @@ class Trainer:
         self.throughput = Throughput.of(net, self.train_set, cfg, rt)  # tokens/s and MFU, from the whole model
         no_decay = no_decay_names(net) if decay_groups(cfg) else set()  # by the whole model's names
         self.engine = parallelize(net, cfg.strategy, self.mesh)
+        if slices is not None:
+            self.engine.load_sharded_state_dict(state_from_full(self.engine, slices))
         # What training minimises: the task's cross-entropy, its targets smoothed if asked (not evaluations').
         self.loss_fn = functools.partial(self.engine.loss, label_smoothing=cfg.label_smoothing) \
             if cfg.label_smoothing else self.engine.loss
