@@ -36,6 +36,16 @@ def _saved(arch: str, directory, **extra):
     return model
 
 
+def _agree(mine, theirs, x) -> None:
+    """distlab's logits and transformers' agree: both compute in float32, each within its rounding of the
+    float64 result (transformers' model in float64), so they agree to twice that (plus one rounding)."""
+    with torch.no_grad():
+        a, b = mine(x), theirs(x).logits
+        exact = theirs.double()(x).logits
+    bound = 2 * (b.double() - exact).abs().max().item() + torch.finfo(torch.float32).eps * exact.abs().max().item()
+    assert (a.double() - b.double()).abs().max().item() <= bound
+
+
 @pytest.mark.parametrize("arch,tied", [("LlamaForCausalLM", False), ("MistralForCausalLM", False),
                                        ("Qwen2ForCausalLM", False), ("Qwen2ForCausalLM", True)])
 def test_a_hugging_face_checkpoint_gives_the_same_logits(arch, tied, tmp_path):
@@ -53,11 +63,7 @@ def test_a_hugging_face_checkpoint_gives_the_same_logits(arch, tied, tmp_path):
     mine, record = hf.build(tmp_path)
     assert record["kv_heads"] == 2 and record["rope_theta"] == 500000.0 and record["vocab"] == 256
     x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        a, b = mine(x), theirs(x).logits
-        exact = theirs.double()(x).logits
-    bound = 2 * (b.double() - exact).abs().max().item() + torch.finfo(torch.float32).eps * exact.abs().max().item()
-    assert (a.double() - b.double()).abs().max().item() <= bound
+    _agree(mine, theirs, x)
     assert (mine[-1].out.weight is mine[0].tok.weight) == tied
     out = hf.write(mine.state_dict(), "llama", hf.options_of(hf.config_of(tmp_path), "")[2], 256, 64, tmp_path / "out")
     assert hf.config_of(out)["architectures"] == ["Qwen2ForCausalLM" if arch.startswith("Qwen") else "LlamaForCausalLM"]
@@ -144,11 +150,7 @@ def test_gpt2_checkpoints_come_in_fused_and_transposed_and_go_out_bitwise(tmp_pa
     mine, record = hf.build(tmp_path / "in")
     assert record["qkv_bias"] and record["gelu"] == "tanh" and record["tie_embeddings"]
     x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        a, b = mine(x), theirs(x).logits
-        exact = theirs.double()(x).logits
-    bound = 2 * (b.double() - exact).abs().max().item() + torch.finfo(torch.float32).eps * exact.abs().max().item()
-    assert (a.double() - b.double()).abs().max().item() <= bound
+    _agree(mine, theirs, x)
     run_ranks(_train, 2, tmp_path / "in", tmp_path / "s", "allreduce+tp=2", "gpt", timeout=300)
     export(tmp_path / "s" / "step-00000001", tmp_path / "out", fmt="hf")
     before, after = (load_file(tmp_path / d / hf.SINGLE) for d in ("in", "out"))
@@ -160,11 +162,7 @@ def test_gpt2_checkpoints_come_in_fused_and_transposed_and_go_out_bitwise(tmp_pa
     from distlab.models.gpt import GPTOptions
     hf.write(own.state_dict(), "gpt", GPTOptions(n_layer=1, n_head=2, n_embd=16), 256, 16, tmp_path / "own")
     back = _transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "own").eval()
-    with torch.no_grad():
-        a, b = own(x[:, :16]), back(x[:, :16]).logits
-        exact = back.double()(x[:, :16]).logits
-    bound = 2 * (b.double() - exact).abs().max().item() + torch.finfo(torch.float32).eps * exact.abs().max().item()
-    assert (a.double() - b.double()).abs().max().item() <= bound
+    _agree(own, back, x[:, :16])
 
 
 def test_what_distlab_would_compute_differently_is_refused_in_one_line(tmp_path):
