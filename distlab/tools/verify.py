@@ -171,9 +171,10 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
         # each rank's rotary positions offset, a pipeline
         cases += [Case(Strategy("bucketed"), model="llama"),
                   # ZeRO-3 recomputing; and over 2 accumulated micro-batches, the LM head gathering the embedding
-                  # it shares
+                  # it shares (held through backward: the peak falls in a block's recomputation)
                   Case(Strategy(zero=3, activation_checkpointing=True), model="llama"),
-                  Case(Strategy(zero=3, grad_accum=2), model="llama", options=(("tie_embeddings", 1),)),
+                  Case(Strategy(zero=3, grad_accum=2, activation_checkpointing=True), model="llama",
+                       options=(("tie_embeddings", 1),)),
                   Case(Strategy("allreduce", tp=2, sequence_parallel=True), model="llama"),
                   Case(Strategy("bucketed", cp=2), model="llama"),
                   Case(Strategy("bucketed", cp=2, cp_style="ulysses"), model="llama"),
@@ -181,9 +182,10 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
                   Case(Strategy("bucketed", pp=2, microbatches=2), model="llama", options=(("tie_embeddings", 1),)),
                   Case(Strategy("bucketed", ep=2), model="llama-moe"),  # SwiGLU experts shared out
                   # one key/value head for 2 tensor-parallel ranks: kept whole on each, its gradient summed; the
-                  # LM head tied to the token embedding, split by the same vocabulary rows
-                  Case(Strategy("allreduce", tp=2, sequence_parallel=True), model="llama",
-                       options=(("kv_heads", 1), ("tie_embeddings", 1)))]
+                  # LM head tied to the token embedding, split by the same vocabulary rows; the blocks recomputed
+                  # (their forward collectives again, but the last row-parallel layer's)
+                  Case(Strategy("allreduce", tp=2, sequence_parallel=True, activation_checkpointing=True),
+                       model="llama", options=(("kv_heads", 1), ("tie_embeddings", 1)))]
         cases += [Case(Strategy("bucketed", ep=2), model="gpt-moe"),
                   Case(Strategy("bucketed", pp=2, microbatches=4, pp_virtual=2), model="gpt"),
                   Case(Strategy("bucketed", pp=2, microbatches=4, pp_schedule="zb"), model="gpt")]

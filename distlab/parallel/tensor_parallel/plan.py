@@ -75,11 +75,14 @@ class TensorParallel(ComponentKind):
                               f"{st.tp_style}"
                               f"{' with sequence parallel' if st.sequence_parallel else ''}; plan it with `tp` 1")
         calls, samples = [], micro / lay.cp  # context parallel: each rank holds 1/cp of every sequence
+        recomputed = _recomputed(plan, t.blocks) if st.activation_checkpointing else set()
         for name, style in plan.items():
             if not in_stage(name, t_rank, lay):
                 continue
             io = t.module_io[name]
             calls += TP_STYLES[style].calls(io, samples, st.sequence_parallel)
+            if name in recomputed:  # checkpointing runs its forward again in backward
+                calls += TP_STYLES[style].forward_calls(io, samples, st.sequence_parallel)
             if style == "vocab_output" and lay.label_smoothing:
                 calls += [Call("native", "all_reduce", 4 * io.output_rows * samples)] * SMOOTHING_REDUCTIONS
         note = (", split over the tensor-parallel ranks" if st.sequence_parallel else
@@ -106,6 +109,18 @@ class TensorParallel(ComponentKind):
 
     def reduce_gradients(self) -> None:
         pass
+
+
+def _recomputed(plan: dict[str, str], blocks: list[list[str]]) -> set[str]:
+    """The planned modules activation checkpointing runs again: every one inside a checkpointed block but a
+    block's last row-parallel layer -- the recomputation stops once it has remade what backward saved (torch's
+    early stop), and that layer's output only joins the residual stream."""
+    out = set()
+    for block in blocks:  # its layers in the plan's order (tensor_rank configures a module: it is no layer)
+        mine = [name for name in plan if plan[name] != "tensor_rank" and any(
+            name == n or name.startswith(n + ".") for n in block)]
+        out.update(mine[:-1] if mine and plan[mine[-1]] == "rowwise" else mine)
+    return out
 
 
 def apply_tensor_parallel(model: nn.Module, group=None, style: str = "megatron",

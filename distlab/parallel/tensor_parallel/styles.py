@@ -79,6 +79,11 @@ class Style:
     def calls(io: ModuleIO, micro: int, sp: bool) -> list[Call]:
         return []
 
+    @staticmethod
+    def forward_calls(io: ModuleIO, micro: int, sp: bool) -> list[Call]:
+        """The forward's part of :meth:`calls` (run again where activation checkpointing recomputes it)."""
+        return []
+
 
 class Colwise(Style):
     """An ``nn.Linear`` split by output features; the output stays split. Its input enters the region
@@ -94,6 +99,10 @@ class Colwise(Style):
     def calls(io, micro, sp):
         return _entering(io.input_bytes * micro, sp, io.input_grad)
 
+    @staticmethod
+    def forward_calls(io, micro, sp):
+        return [_ag(io.input_bytes * micro)] if sp else []
+
 
 class ColwiseGather(Style):
     """The naive style: split by output features, the output all-gathered, the input's gradient
@@ -108,6 +117,10 @@ class ColwiseGather(Style):
     @staticmethod
     def calls(io, micro, sp):
         return [_ag(io.output_bytes * micro)] + _entering(io.input_bytes * micro, False, io.input_grad)
+
+    @staticmethod
+    def forward_calls(io, micro, sp):
+        return [_ag(io.output_bytes * micro)]
 
 
 class ColwiseEntered(Style):
@@ -142,6 +155,10 @@ class Rowwise(Style):
             return [_ar(out)]
         return [_rs(out), _ag(out)] + [_ar(n * io.element_size) for n in io.parameters[1:]]  # the bias
 
+    @staticmethod
+    def forward_calls(io, micro, sp):
+        return [_rs(io.output_bytes * micro) if sp else _ar(io.output_bytes * micro)]
+
 
 class Enter(Style):
     """An ``nn.Identity`` where a parallel region begins."""
@@ -154,6 +171,10 @@ class Enter(Style):
     @staticmethod
     def calls(io, micro, sp):
         return _entering(io.input_bytes * micro, sp, io.input_grad)
+
+    @staticmethod
+    def forward_calls(io, micro, sp):
+        return [_ag(io.input_bytes * micro)] if sp else []
 
 
 class VocabEmbedding(Style):
@@ -169,6 +190,10 @@ class VocabEmbedding(Style):
 
     @staticmethod
     def calls(io, micro, sp):
+        return [] if sp else [_ar(io.output_bytes * micro)]
+
+    @staticmethod
+    def forward_calls(io, micro, sp):
         return [] if sp else [_ar(io.output_bytes * micro)]
 
 
@@ -243,6 +268,10 @@ class SequenceEmbedding(Style):
             return []
         out = io.output_bytes * micro
         return [_rs(out), _ag(out)] + [_ar(n * io.element_size) for n in io.parameters[1:]]  # pos, after tok
+
+    @staticmethod
+    def forward_calls(io, micro, sp):
+        return [_rs(io.output_bytes * micro)] if sp else []
 
 
 class Replicated(Style):

@@ -16,7 +16,8 @@ from distlab.parallel.zero.units import goes_alone
 class ZeroReplay:
     """ZeRO's bookkeeping (distlab.parallel.zero.Zero) over sizes instead of tensors."""
 
-    def __init__(self, t, stage: int, world: int, optim: Optim, bucket_mb: float = 25.0, wire_size: int | None = None):
+    def __init__(self, t, stage: int, world: int, optim: Optim, bucket_mb: float = 25.0, wire_size: int | None = None,
+                 recompute: bool = False):
         self.t, self.stage, self.n = t, stage, world
         e = t.element_size
         self.we = wire_size or e  # what a gradient travels in: a narrower dtype's copies are its size
@@ -44,6 +45,17 @@ class ZeroReplay:
         self.order: dict[bool, list[int]] = {True: [], False: []}  # forward / backward gather order of step 1
         self.order_known = False
         self.prefetched: set[int] = set()
+        # activation checkpointing: each block's modules, and their forward events, run again in backward
+        self.block_of: dict[int, int] = {}
+        self.block_events: list[list[tuple[str, int]]] = []
+        self.within: set[int] | None = None  # a recomputed block's modules: the only ones prefetched meanwhile
+        for b, layers in enumerate(t.blocks if recompute else ()):
+            for m, units in self.units_of.items():
+                name = t.names[units[0]].rsplit(".", 1)[0] if t.module_of[units[0]] == m else None
+                if name is not None and any(name == n or name.startswith(n + ".") for n in layers):
+                    self.block_of[m] = b
+            self.block_events.append([(kind, m) for kind, m in t.events
+                                      if kind in ("fwd", "fwd_done") and self.block_of.get(m) == b])
         # stages 1-2: buckets of units in reverse order, as distlab.parallel.zero._buckets cuts them
         self.buckets: list[list[int]] = []
         cap, size = int(bucket_mb * 2**20), 0
@@ -86,7 +98,8 @@ class ZeroReplay:
         i = order.index(m) if m in order else None
         if i is not None and i + 1 < len(order):
             nxt = order[i + 1]
-            if nxt not in self.prefetched and not all(self.gathered[u] for u in self.units_of[nxt]):
+            if nxt not in self.prefetched and not all(self.gathered[u] for u in self.units_of[nxt]) and \
+                    (self.within is None or nxt in self.within):
                 self.prefetched.add(nxt)
                 for u in self.units_of[nxt]:
                     self.gathered[u] = True
@@ -95,6 +108,18 @@ class ZeroReplay:
     def free(self, m: int) -> None:
         for u in self.units_of[m]:
             self.gathered[u] = False
+
+    def recompute(self, block: int, done: set[int]) -> None:
+        """Activation checkpointing's forward of ``block`` again in backward: each module gathered (prefetching
+        within the block only) and freed, as its first forward did."""
+        done.add(block)
+        self.within = {m for m, b in self.block_of.items() if b == block}
+        for kind, m in self.block_events[block]:
+            if kind == "fwd":
+                self.fetch(m, forward=True)
+            else:
+                self.free(m)
+        self.within = None
 
     def observe(self, extra: int = 0) -> None:
         self.peak = max(self.peak, self.held(extra))
@@ -152,7 +177,11 @@ class ZeroReplay:
             return
         for i in range(micro_batches):
             syncing = i == micro_batches - 1
+            recomputed: set[int] = set()
             for kind, k in self.t.events:
+                block = self.block_of.get(k) if kind == "bwd" else None
+                if block is not None and block not in recomputed:
+                    self.recompute(block, recomputed)  # backward entering the block recomputes its forward
                 if kind == "fwd":
                     self.fetch(k, forward=True)
                 elif kind == "fwd_done":
@@ -216,17 +245,17 @@ class ZeroReplay:
 
 
 def zero_peak_bytes(t, stage: int, world: int, optim: Optim, grad_accum: int = 1,
-                    bucket_mb: float = 25.0, wire_size: int | None = None) -> int:
+                    bucket_mb: float = 25.0, wire_size: int | None = None, recompute: bool = False) -> int:
     """The peak of parameters + gradients + optimizer state one rank holds under ZeRO ``stage``
     (stages 1-2 reduce in buckets of ``bucket_mb``; gradients travel in ``wire_size``-byte elements,
-    default their own)."""
+    default their own; ``recompute``: activation checkpointing runs each block's forward again in backward)."""
     if stage == 0:
         return data_parallel_bytes(t, optim)
     if stage not in (1, 2, 3):
         raise ConfigError(f"ZeRO stage {stage}: choose 0, 1, 2 or 3")
     if world < 1:
         raise ConfigError(f"world size {world}: must be at least 1")
-    sim = ZeroReplay(t, stage, world, optim, bucket_mb, wire_size)
+    sim = ZeroReplay(t, stage, world, optim, bucket_mb, wire_size, recompute)
     sim.step(grad_accum)
     sim.step(grad_accum)  # the second step starts from the first one's leftovers: steady state
     return sim.peak
@@ -311,7 +340,7 @@ class ZeroCost:
         """The exact peak (:func:`zero_peak_bytes`)."""
         wire = strategy.wire_dtype
         return zero_peak_bytes(t, strategy.zero, n, optim, strategy.grad_accum, strategy.bucket_mb,
-                               DTYPES[wire].itemsize if wire else None)
+                               DTYPES[wire].itemsize if wire else None, strategy.activation_checkpointing)
 
     @staticmethod
     def planned_extra_state(t, strategy, n: int) -> int:
