@@ -322,14 +322,25 @@ class ContextParallel(ComponentKind):
             raise ConfigError(f"`cp` {lay.cp}: context parallel splits a transformer's sequences, and this model "
                               f"declares no attention (context_parallel_plan); plan it with `cp` 1")
         cp, ring = lay.cp, lay.strategy.cp_style == "ring"
+        recomputed = [n for block in t.blocks for n in block] if lay.strategy.activation_checkpointing else []
+
+        def again(name: str) -> int:  # an attention inside a checkpointed block runs its forward twice
+            return 1 + any(name == n or name.startswith(n + ".") for n in recomputed)
+
         mine = sum(v for name, v in t.attention_kv.items() if in_stage(name, t_rank, lay)) if t.attention_kv else \
             t.attention_kv_bytes_per_sample
+        mine_again = sum(v * (again(name) - 1) for name, v in t.attention_kv.items() if in_stage(name, t_rank, lay))
         # this rank's keys and values, every attention of its stage (a tensor-parallel rank's share: 1/tp, or the
         # heads it keeps where tp does not divide them)
-        kv = mine * micro / cp * t.kv_share.get(lay.tp, 1 / lay.tp)
+        share = micro / cp * t.kv_share.get(lay.tp, 1 / lay.tp)
+        kv, kv_again = mine * share, mine_again * share
         q = sum(v for name, v in t.attention_q.items() if in_stage(name, t_rank, lay)) * micro / (cp * lay.tp) \
             if t.attention_q else kv / 2
-        sent = ((3 * cp - 2) * kv if ring else 2 * (cp - 1) / cp * (2 * q + kv)) * lay.strategy.micro_steps
+        q_again = sum(v * (again(name) - 1) for name, v in t.attention_q.items() if in_stage(name, t_rank, lay)) \
+            * micro / (cp * lay.tp) if t.attention_q else kv_again / 2
+        sent = ((3 * cp - 2) * kv if ring else 2 * (cp - 1) / cp * (2 * q + kv))
+        sent += (cp - 1) * kv_again if ring else (cp - 1) / cp * (2 * q_again + kv_again)  # recomputed forwards
+        sent *= lay.strategy.micro_steps
         return Price([CallGroup([Call("native", "send", sent)], 2, local=lay.dp > 1)], compute_split=cp, report={
             "context_parallel": {
                 "cp": cp, "style": lay.strategy.cp_style, "bytes_per_step_per_rank": int(sent),
