@@ -28,7 +28,7 @@ class ZeroReplay:
         self.units_of: dict[int, list[int]] = {}
         for u, m in enumerate(t.module_of):
             self.units_of.setdefault(m, []).append(u)
-        shared = getattr(t, "shared", {})  # a module using another's parameter (a tied LM head): gathers it too
+        shared = t.shared  # a module using another's parameter (a tied LM head): gathers it too
         for m, units in shared.items():
             self.units_of.setdefault(m, []).extend(units)
         self.gathered = [stage < 3] * len(t.numels)
@@ -325,7 +325,7 @@ class ZeroCost:
         # a module using another's parameter (a tied LM head, outside the checkpointed blocks) gathers it before
         # its forward; in backward the parameter stays gathered from the first module that needs it until its
         # gradient is complete, so the holder's backward gather is the one
-        for m, units in getattr(t, "shared", {}).items():
+        for m, units in t.shared.items():
             gathers += [Call(ag, "all_gather", sum(padded[u] for u in g), 0.0) for g in groups(units)]
         # every micro-batch of the step gathers again (the reduce-scatters: the last one's backward only)
         return PlannedCalls(before_layers=gathers * strategy.micro_steps, during_backward=overlapped)
