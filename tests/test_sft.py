@@ -57,3 +57,68 @@ def test_fine_tuning_with_the_vocabulary_split_equals_one_process(tmp_path):
     spec = _records(tmp_path / "r.jsonl", prompt="{i}+1=")  # verify's windows are 8 tokens
     records = verify([parse_strategy("allreduce+tp=2")], 2, steps=2, timeout=300, model="llama", dataset=spec)
     assert all(r["passed"] for r in records), records
+
+
+# A chat model's files as a Hugging Face directory holds them: a BPE with a begin, an end-of-text and an
+# end-of-turn token; a Llama-3.1-style config listing both ends (the end of text first), a template that
+# closes every turn with the end of turn.
+CHAT = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] | trim }}<|eot|>"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def chat_model(path, template: str = CHAT, eos_token: str = "<|eot|>"):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog\n"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>", "<|eot|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": eos_token,
+                                                           "chat_template": template}))
+    (path / "config.json").write_text(json.dumps({"vocab_size": 320, "eos_token_id": [1, 2]}))
+    return tok
+
+
+def _chats(path, n=20):
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"the fox {i}?"},
+                                                     {"role": "assistant", "content": "the lazy dog"}]}) + "\n"
+                            for i in range(n)))
+    return f"sft:{path}"
+
+
+def test_chat_fine_tuning_starts_from_the_command_line_on_one_and_two_processes(run_cli, tmp_path):
+    """`distlab train --dataset sft:CHATS --tokenizer hf:DIR`, as a user types it: the pre-launch check
+    reads the records through the model's template (it refused them all), the targets are each reply and
+    the template's end of turn -- no end of text after it --, the header names the template and offers no
+    unigram baseline for a loss on the replies alone; tensor parallel's first loss is one process's."""
+    from distlab.tools.verify import sum_tolerance
+    tok = chat_model(tmp_path / "model")
+    spec = _chats(tmp_path / "chat.jsonl")
+    args = ["train", "--model", "llama", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--dataset", spec,
+            "--tokenizer", f"hf:{tmp_path / 'model'}", "--block-size", "40", "--global-batch-size", "4",
+            "--max-steps", "2", "--log-every", "1", "--no-progress"]
+    one, two = (run_cli(*args, *extra, "--out", str(tmp_path / name), check=True)
+                for name, extra in (("one", []), ("tp", ["--nproc-per-node", "2", "--tp", "2"])))
+    targets = 18 * len(tok.encode("the lazy dog<|eot|>").ids)  # 18 train records: reply + end of turn
+    for proc in (one, two):
+        head = proc.stdout[:proc.stdout.index("step ")]
+        assert f"the loss on their {targets:,} completion tokens" in head, head
+        assert f"chat template of {tmp_path / 'model' / 'tokenizer_config.json'}" in head, head
+        assert "loss to beat" not in head and "between documents" not in head, head
+    first = [json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+             for name in ("one", "tp")]
+    # the same weights and batch: 40 positions x the widest dimension (320 logits) x 12 layers of terms, each
+    # of at most the loss (~log 320) -- rounding only; a target lost or gained moves it by ~loss/72
+    assert abs(first[0] - first[1]) <= sum_tolerance(40 * 320 * 12, 10.0), first
+
+
+def test_a_chat_template_without_an_end_of_turn_ends_each_reply_with_the_tokenizers_eos_token(tmp_path):
+    """A template that closes no turn: the reply is followed by tokenizer_config.json's ``eos_token`` (what
+    the model emits to stop), not by config.json's first ``eos_token_id``."""
+    plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
+            "{% if add_generation_prompt %}assistant: {% endif %}"
+    tok = chat_model(tmp_path / "model", template=plain)
+    data = load_dataset(_chats(tmp_path / "chat.jsonl"), "train", block_size=40, tokenizer=f"hf:{tmp_path / 'model'}")
+    x, y = data.batch(torch.arange(len(data)))
+    assert y[0][y[0] != IGNORE_INDEX].tolist() == tok.encode("the lazy dog\n<|eot|>").ids

@@ -91,8 +91,8 @@ def train(config_file, trust_config, **kw):
             from distlab.data.tokens import manifest_of, verify
             verify(cfg.dataset, manifest_of(cfg.dataset, cfg.vocab_size))  # a prepared corpus, whole: its checksums and token ids
         elif cfg.dataset.startswith("sft:"):
-            from distlab.data.sft import records
-            records(cfg.dataset)  # every record readable, before launch
+            from distlab.data.sft import read
+            read(cfg.dataset, cfg.tokenizer)  # every record readable (chat ones through the template), before launch
         elif not cfg.dataset.startswith(("synthetic", "tensors:", "imagefolder:", "text:")):
             locate(cfg.dataset, cfg.data_dir)
         if cfg.resume not in (None, "auto"):

@@ -56,9 +56,10 @@ def _environment():
 class ChatTemplate:
     """``render(messages, add_generation_prompt)``: a conversation as the model's text."""
 
-    def __init__(self, source: str, special: dict[str, str], where: str = "the chat template"):
+    def __init__(self, source: str, special: dict[str, str], where: str = "the chat template", file: str = ""):
         import jinja2
         self.source, self.special, self.where = source, special, where
+        self.file = file  # the file it came from ("": given as text)
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateError as exc:
@@ -78,12 +79,13 @@ class ChatTemplate:
         root = Path(directory)
         config_path = root / "tokenizer_config.json"
         config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
-        source, where = config.get("chat_template"), f"{config_path}: chat_template"
+        source, where, file = config.get("chat_template"), f"{config_path}: chat_template", str(config_path)
         if isinstance(source, list):  # named templates: the default one
             source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"),
                           None)
         if source is None and (root / "chat_template.jinja").is_file():
-            source, where = (root / "chat_template.jinja").read_text(encoding="utf-8"), str(root / "chat_template.jinja")
+            file = where = str(root / "chat_template.jinja")
+            source = (root / "chat_template.jinja").read_text(encoding="utf-8")
         if not isinstance(source, str):
             return None
         special = {}
@@ -92,7 +94,7 @@ class ChatTemplate:
             value = value.get("content") if isinstance(value, dict) else value
             if isinstance(value, str):
                 special[name] = value
-        return cls(source, special, where)
+        return cls(source, special, where, file)
 
 
 def split_reply(template: ChatTemplate, messages: list, where: str) -> tuple[str, str]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -52,9 +53,15 @@ def tokenizer_of(spec: str):
     return tokenizers.ByteTokenizer()
 
 
-def records(spec: str, template=None, template_dir: str = "") -> list[tuple[str, str]]:
-    """``(prompt, completion)`` of every line, in file order (chat records rendered by ``template``); one
-    line naming the first bad one."""
+class Record(NamedTuple):
+    prompt: str
+    completion: str
+    chat: bool = False  # rendered by a chat template: its end of turn (if it writes one) ends the reply
+
+
+def records(spec: str, template=None, template_dir: str = "") -> list[Record]:
+    """Every line's record, in file order (chat records rendered by ``template``); one line naming the first
+    bad one."""
     from distlab.data.chat import split_reply
     path, out = path_of(spec), []
     with open(path, encoding="utf-8") as f:
@@ -70,38 +77,57 @@ def records(spec: str, template=None, template_dir: str = "") -> list[tuple[str,
                     raise ConfigError(f"{path}:{number}: chat records (messages) are rendered by a model's chat "
                                       f"template: give --tokenizer hf:DIR of a model whose tokenizer_config.json "
                                       f"has one" + (f" ({template_dir} has none)" if template_dir else ""))
-                out.append(split_reply(template, record["messages"], f"{path}:{number}"))
+                out.append(Record(*split_reply(template, record["messages"], f"{path}:{number}"), chat=True))
                 continue
             if not (isinstance(record, dict) and isinstance(record.get("prompt"), str)
                     and isinstance(record.get("completion"), str)):
                 raise ConfigError(f"{path}:{number}: a record is {{\"prompt\": TEXT, \"completion\": TEXT}} or "
                                   f"{{\"messages\": [{{\"role\": ..., \"content\": TEXT}}, ...]}}")
-            out.append((record["prompt"], record["completion"]))
+            out.append(Record(record["prompt"], record["completion"]))
     if len(out) < TEST_EVERY:
         raise ConfigError(f"{path} has {len(out)} records: every {TEST_EVERY}th is held out for testing, so give at "
                           f"least {TEST_EVERY}")
     return out
 
 
-def load_sft(spec: str, split: str, block_size: int, tokenizer: str = tokenizers.BYTES):
-    """The ``split`` of ``spec`` as windows, one record each (module docstring)."""
-    from distlab.data.text import TextDataset
+def read(spec: str, tokenizer: str = tokenizers.BYTES):
+    """``(tokenizer, template, records)`` of ``spec`` read with ``--tokenizer`` (its chat template, where its
+    directory has one) -- what a run reads, and what the command checks before it launches one."""
     from distlab.data.chat import ChatTemplate
     tok = tokenizer_of(tokenizer)
     template_dir = tokenizer[3:] if tokenizers.is_pretrained(tokenizer) else ""
     template = ChatTemplate.from_dir(template_dir) if template_dir else None
-    mine = [r for i, r in enumerate(records(spec, template, template_dir))
-            if (i % TEST_EVERY == TEST_EVERY - 1) == (split == "test")]
+    return tok, template, records(spec, template, template_dir)
+
+
+def end_of(tok, record: Record, tail: list[int]) -> list[int]:
+    """What follows a completion's tokens so the model learns to stop: nothing where a chat template ended
+    the turn with a token the model stops at (Llama 3's ``<|eot_id|>``, Qwen's ``<|im_end|>``: a second end
+    would teach it to emit both), else the tokenizer's end of sequence (a chat template that writes none:
+    its ``eos_token``) unless the completion already ends with it."""
+    stops = getattr(tok, "stops", frozenset())
+    if record.chat and stops.intersection(tail):
+        return []
+    eos = getattr(tok, "eos_token", None) if record.chat else None
+    eos = eos if eos is not None else getattr(tok, "eos", None)
+    return [eos] if eos is not None and tail[-1:] != [eos] else []
+
+
+def load_sft(spec: str, split: str, block_size: int, tokenizer: str = tokenizers.BYTES):
+    """The ``split`` of ``spec`` as windows, one record each (module docstring)."""
+    from distlab.data.text import TextDataset
+    tok, template, every = read(spec, tokenizer)
+    mine = [r for i, r in enumerate(every) if (i % TEST_EVERY == TEST_EVERY - 1) == (split == "test")]
     width = block_size + 1
     stream = np.zeros(len(mine) * width, dtype=np.int64)
     ignored = np.ones(len(mine) * width, dtype=bool)
     cut = scored = empty = completion_tokens = completion_bytes = 0
-    eos = getattr(tok, "eos", None)
-    for n, (prompt, completion) in enumerate(mine):
-        head = tok.encode(prompt.encode("utf-8")).tolist()
-        tail = tok.encode(completion.encode("utf-8")).tolist()
-        tail += [eos] if eos is not None and tail[-1:] != [eos] else []  # unless the chat template ended it
-        completion_tokens, completion_bytes = completion_tokens + len(tail), completion_bytes + len(completion.encode())
+    for n, record in enumerate(mine):
+        head = tok.encode(record.prompt.encode("utf-8")).tolist()
+        tail = tok.encode(record.completion.encode("utf-8")).tolist()
+        tail += end_of(tok, record, tail)
+        completion_tokens += len(tail)
+        completion_bytes += len(record.completion.encode())
         ids = (head + tail)[:width]
         cut += len(head) + len(tail) > width
         at = n * width
@@ -114,11 +140,14 @@ def load_sft(spec: str, split: str, block_size: int, tokenizer: str = tokenizers
                           f"tokens, leaving no completion token to learn: raise `block_size`")
     data = TextDataset(spec, split, torch.from_numpy(stream), block_size,
                        torch.arange(len(mine)) * width, str(path_of(spec)), tok.vocab_size,
-                       tokenizer=tok if tok.sha256 else None, ignored=torch.from_numpy(ignored),
+                       tokenizer=tok if tok.sha256 else None, ignored=torch.from_numpy(ignored), records=True,
                        # the rate of the text the loss is on (a loss per byte): the completions'
                        tokens_per_byte=completion_tokens / completion_bytes if completion_bytes else 1.0)
+    chats = sum(r.chat for r in mine)
     data.about = describe(len(mine), scored, cut, block_size) + \
-        (f"; {empty:,} with no completion token left (their prompt fills the window)" if empty else "")
+        (f"; {empty:,} with no completion token left (their prompt fills the window)" if empty else "") + \
+        (f"; {chats:,} chat records rendered by the chat template of {template.file}"
+         if chats else "")
     return data
 
 

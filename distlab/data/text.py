@@ -69,6 +69,7 @@ class TextDataset:
     windows: int = 0  # how many, when ``starts`` is None
     ignored: torch.Tensor | None = None  # per stream position: the token there is no target (IGNORE_INDEX)
     mapped: bool = False  # ``tokens`` is a memory-mapped file's (a prepared corpus): read from disk, not held
+    records: bool = False  # each window one record (fine-tuning), not a stretch of a stream of documents
     about: str = ""  # what the run's header adds about how the windows were made (fine-tuning records: padding)
 
     @property

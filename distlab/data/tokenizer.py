@@ -111,9 +111,11 @@ class HFTokenizer(BPETokenizer):
     template would add; its vocabulary the model's (``config.json``'s ``vocab_size`` where it pads the
     tokenizer's), its end-of-sequence token what separates documents."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos: int | None, stops: frozenset[int] = frozenset()):
+    def __init__(self, tokenizer, vocab_size: int, eos: int | None, stops: frozenset[int] = frozenset(),
+                 eos_token: int | None = None):
         super().__init__(tokenizer, vocab_size)
         self.spec, self.eos = "hf", eos
+        self.eos_token = eos if eos_token is None else eos_token  # tokenizer_config.json's eos_token: a chat's end
         self.stops = stops | ({eos} if eos is not None else set())  # where generation ends (end of turn, of text)
 
     def encode(self, data: bytes) -> np.ndarray:
@@ -147,7 +149,7 @@ class HFTokenizer(BPETokenizer):
         listed = [v for c in (config, gen_config) for v in (lambda e: e if isinstance(e, list) else [e])(
             c.get("eos_token_id")) if isinstance(v, int)]
         stops = frozenset(listed + ([named] if named is not None else []))
-        return cls(tok, max(int(config.get("vocab_size") or 0), tok.get_vocab_size()), eos, stops)
+        return cls(tok, max(int(config.get("vocab_size") or 0), tok.get_vocab_size()), eos, stops, named)
 
     @classmethod
     def from_json(cls, text: str, vocab_size: int | None = None, where: str = "the tokenizer",

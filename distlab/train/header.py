@@ -42,7 +42,8 @@ def _tokens(data) -> str:
     if tok is None or tok.spec == "bytes":
         return "bytes"
     if tok.spec == "hf":
-        eos = f", end of sequence {tok.eos} between documents" if getattr(tok, "eos", None) is not None else ""
+        eos = f", end of sequence {tok.eos} between documents" \
+            if getattr(tok, "eos", None) is not None and not data.records else ""
         return (f"a pretrained model's tokenizer, {tok.learned:,} tokens in a vocabulary of {tok.vocab_size:,}{eos}, "
                 f"{data.tokens_per_byte:.3f} tokens/byte")
     return (f"{tok.spec}: byte-level BPE learned from the training split, {tok.learned:,} of {tok.vocab_size:,} "
@@ -93,8 +94,10 @@ def header(trainer) -> list[str]:
     if hasattr(data, "unigram_entropy"):
         lines = [f"data     {cfg.dataset} from {where}: {len(data):,} train, {len(trainer.test_set):,} test"
                  + (f", {len(trainer.val_set):,} validation" if trainer.val_set is not None else "")
-                 + f" windows of {data.block_size} tokens ({_tokens(data)}); unigram entropy "
-                   f"{data.unigram_entropy:.3f} nats/token: the loss to beat"]
+                 + f" windows of {data.block_size} tokens ({_tokens(data)})"
+                 # a loss on some targets only (a fine-tune's replies) has no context-free baseline to beat
+                 + ("" if data.ignores_targets else
+                    f"; unigram entropy {data.unigram_entropy:.3f} nats/token: the loss to beat")]
     else:
         lines = [f"data     {cfg.dataset} from {where}: {len(data):,} train, {len(trainer.test_set):,} test"
                  + (f", {len(trainer.val_set):,} validation" if trainer.val_set is not None else "")

@@ -60,7 +60,7 @@ def _text_facts(trainer, final: dict) -> dict:
             "test_perplexity": math.exp(loss) if loss is not None else None,
             "test_tokens": final.get("test_tokens"),  # the targets the last evaluation scored (kept ones only)
             "eval_windows": len(trainer.eval_test),
-            "unigram_entropy": data.unigram_entropy,
+            "unigram_entropy": None if data.ignores_targets else data.unigram_entropy,  # no baseline for masked
             # nats per byte of text: the loss that compares tokenizers (a token of BPE covers several bytes)
             "tokenizer": tok.spec if tok is not None else "bytes" if rate else "none", "vocab_size": data.num_classes,
             "test_tokens_per_byte": rate, "test_loss_per_byte": loss * rate if loss is not None and rate else None}
@@ -302,9 +302,10 @@ def print_summary(summary: dict, out: str | None) -> None:
             if s.get("config", {}).get("label_smoothing") else "")),
         ("test accuracy", _fmt(None if s["test_accuracy"] is None else 100 * s["test_accuracy"], ".2f", "%")
                           + (" of next tokens" if s.get("loss_unit") else "")),
-        ("test loss", _fmt(s["test_loss"], ".4f") + (f" nats/token, perplexity {s['test_perplexity']:.2f} (unigram "
-                                                       f"entropy {s['unigram_entropy']:.3f})"
+        ("test loss", _fmt(s["test_loss"], ".4f") + (f" nats/token, perplexity {s['test_perplexity']:.2f}"
                                                        if s.get("test_perplexity") else "")
+                      + (f" (unigram entropy {s['unigram_entropy']:.3f})"
+                         if s.get("test_perplexity") and s.get("unigram_entropy") is not None else "")
                       + (f"; {s['test_loss_per_byte']:.4f} nats/byte ({s['tokenizer']})"
                          if s.get("test_loss_per_byte") is not None and s.get("tokenizer") != "bytes" else "")),
         ("time/step (median)", _fmt(None if s["time_per_step_s_median"] is None
