@@ -130,7 +130,7 @@ def test_the_engine_and_evaluation_never_ask_which_strategy_they_hold():
 
 
 # What a model may declare (plans) and the step's share of a loss it adds itself: no model in them.
-MODEL_CONTRACTS = {"distlab.models.plans", "distlab.models.aux_loss", "distlab.models.spec"}
+MODEL_CONTRACTS = {"distlab.models.plans", "distlab.models.aux_loss", "distlab.models.spec", "distlab.models.contract"}
 
 
 def test_the_tools_never_import_a_benchmark():
@@ -242,3 +242,24 @@ def test_no_module_is_over_450_lines():
     long = [f"{module}: {path.read_text().count(chr(10))} lines" for module, path in MODULES.items()
             if path.read_text().count("\n") > 450]
     assert not long, "modules over 450 lines:\n" + "\n".join(long)
+
+
+def test_no_layer_asks_whether_a_model_has_a_member():
+    """A model is a contract (distlab.models.contract.ModelContract): every member a layer asks of a model
+    -- or of a module its plans name -- has a default on the base, so nothing reads one with getattr or
+    tests for it with hasattr by name (a new family cannot pass this test by adding a member the code
+    tests for)."""
+    from distlab.models.contract import ModelContract
+    members = {n for n in vars(ModelContract) if not n.startswith("_")} | {
+        "kv_heads_per_rank", "active_weights", "sequence_group", "sequence_grad", "part", "place", "tok", "pos"}
+    found = []
+    for module in MODULES:
+        for node in ast.walk(ast.parse(_source(module))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") \
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in members:
+                found.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" \
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.JoinedStr) \
+                    and "_parallel_plan" in ast.unparse(node.args[1]):
+                found.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "a layer asks whether a model has a member:\n" + "\n".join(found)

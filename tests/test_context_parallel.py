@@ -74,9 +74,9 @@ def test_non_causal_attention_over_the_ring_or_all_to_all_equals_the_whole_seque
 
 
 def test_a_models_non_causal_attention_core_gets_a_non_causal_context_parallel_one():
-    from distlab.models.gpt import CausalAttention
+    from distlab.models.decoder import AttentionCore
     from distlab.parallel.context_parallel import RingAttention, replacement
-    core = CausalAttention()
+    core = AttentionCore()
     assert replacement(core, None, None, "ring").causal is True
     core.causal = False  # an encoder's: declared on the module the plan names
     assert isinstance(replacement(core, None, None, "ring"), RingAttention)

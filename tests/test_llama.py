@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from distlab.errors import ConfigError
 from distlab.models import build_model, options_from
-from distlab.models.llama import RotaryTable, rotate
+from distlab.models.decoder import RotaryTable, rotate
 from distlab.parallel.context_parallel import ContextLayout, _RingAttention
 from distlab.tools.verify import default_strategies, parse_strategy, verify
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from distlab.errors import ConfigError
 from distlab.models import register
+from distlab.models.llama import LlamaOptions
 from distlab.models.spec import ModelSpec, Options, option
 
 
@@ -67,7 +68,8 @@ def test_a_family_of_ones_own_trains_with_its_options_described():
 def test_its_options_are_checked_and_others_refused():
     with pytest.raises(ConfigError, match="`width` must be at least 2, not 1"):
         _cfg(width=1)
-    with pytest.raises(ConfigError, match=r"`n_layer` is an option \(--model gpt, gpt-moe, llama, llama-moe\); model bigram-mlp has no "
+    with pytest.raises(ConfigError, match=r"`n_layer` is an option \(--model gpt, gpt-moe, llama, llama-moe, scaled-llama\); model bigram-mlp "
+                                          r"has no "
                                           r"such option"):
         _cfg(n_layer=2)
     with pytest.raises(ConfigError, match=r"`width` is an option \(--model bigram-mlp\); model mlp has no such option"):
@@ -95,3 +97,29 @@ def test_it_is_planned_from_its_own_parameters():
     zero = predict(t, Layout(dp=2, global_batch=8, strategy=Strategy(zero=3)), Link(), None)
     assert plain["model_state_bytes_per_rank"] == 4 * params * 3  # weights, gradients, momentum (SGD)
     assert zero["model_state_bytes_per_rank"] < plain["model_state_bytes_per_rank"]
+
+
+def _scaled_llama(shape, vocab, o):
+    """The Llama family with Gemma's embedding: token rows scaled by sqrt(width) (the decoder's Embedding
+    says so; a family's own embedding forward, which sequence parallel must keep)."""
+    from distlab.models.llama import _build
+    model = _build(shape, vocab, o)
+    model[0].scale = o.n_embd ** 0.5
+    return model
+
+
+@dataclass(frozen=True)
+class ScaledLlamaOptions(LlamaOptions):
+    """The Llama family's options, a class of this module's: verify's ranks unpickle it, importing this
+    module, which registers the family."""
+
+
+register(ModelSpec("scaled-llama", _scaled_llama, ScaledLlamaOptions, text=True))
+
+def test_a_family_that_scales_its_embedding_trains_equal_to_one_process_under_sequence_parallel():
+    """Sequence parallel splits the family's own embedding forward (its token lookups reduce-scattered, then
+    its own scale and positions for this rank's piece); it used to rebuild it as tok(idx) + pos, which
+    dropped a scale silently (a Gemma-style model then trained another model under --sequence-parallel)."""
+    from distlab.tools.verify import parse_strategy, verify
+    records = verify([parse_strategy("allreduce+tp=2+sp+scaled-llama")], 2, steps=2, timeout=300)
+    assert all(r["passed"] for r in records), records

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlab.errors import ConfigError, did_you_mean, first_line, with_article
+from distlab.models.contract import ModelContract, contract
 from distlab.models.spec import ModelSpec, Options
 
 
@@ -128,15 +129,14 @@ def snapshot_record(model: nn.Module) -> dict:
     """What a snapshot of ``model`` must agree on besides its name, arguments and parameter count: its
     own ``snapshot_record()`` (:mod:`distlab.models.plans`). Every record has an ``mlp_widths`` entry,
     None but for the MLP's, as every snapshot written so far has."""
-    own = getattr(model, "snapshot_record", None)
-    return {"mlp_widths": None, **(own() if callable(own) else {})}
+    return {"mlp_widths": None, **contract(model).snapshot_record()}
 
 
 def flops_per_token(model: nn.Module) -> float | None:
     """Training FLOPs per token of ``model`` as it counts them (its ``flops_per_token()``:
     :mod:`distlab.models.plans`); None where it declares none."""
-    own = getattr(model, "flops_per_token", None)
-    return float(own()) if callable(own) else None
+    flops = contract(model).flops_per_token()
+    return float(flops) if flops is not None else None
 
 
 def model_names() -> list[str]:
@@ -233,7 +233,7 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, optio
             values.setdefault("mlp_widths", values.pop("widths", None))
             options = family.make_options({k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items()
                                            if k in family.options.names() and v is not None})
-        return family.build(tuple(input_shape), num_classes, options)
+        return contract(family.build(tuple(input_shape), num_classes, options))
     options = values
     builder = load_builder(name)
     kwargs = parse_model_args(options.get("model_args"))
@@ -254,7 +254,7 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, optio
                           f"{type(exc).__name__}: {first_line(exc)}") from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"--model {name} returned a {type(model).__name__}, not a torch nn.Module")
-    return model
+    return contract(model)
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -280,6 +280,6 @@ def task_correct(out: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:
     return int((out.argmax(-1) == y).sum()), int((y != IGNORE_INDEX).sum())
 
 
-__all__ = ["IGNORE_INDEX", "GPT", "MLP", "ResNet18", "ModelSpec", "Options", "SmallCNN", "VGG", "build_model", "check_model_name",
+__all__ = ["IGNORE_INDEX", "GPT", "MLP", "ModelContract", "ResNet18", "ModelSpec", "contract", "Options", "SmallCNN", "VGG", "build_model", "check_model_name",
            "count_parameters", "flops_per_token", "is_text_model", "is_user_model", "load_builder", "model_names", "register", "spec", "specs", "parse_model_args",
            "task_correct", "task_loss"]

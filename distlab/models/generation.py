@@ -12,6 +12,7 @@ import torch
 from distlab.data import tokenizer as tokenizers
 from distlab.errors import ConfigError
 from distlab.models.gpt import GPT
+from distlab.models.contract import contract
 from distlab.models.plans import assign_state
 
 
@@ -95,7 +96,7 @@ def stream(model: GPT, prompt: str, max_new_tokens: int, temperature: float = 1.
     generator = torch.Generator().manual_seed(seed)
     window = torch.tensor([ids[-model.block_size:]], dtype=torch.long)
     pending: list[int] = []
-    cached = callable(getattr(model, "decode", None)) and getattr(model, "cacheable", True) and use_cache
+    cached = contract(model).cacheable and use_cache
     cache, fed = None, 0  # the key/value cache holds the window's first `fed` tokens
     for _ in range(max_new_tokens):
         if not cached:

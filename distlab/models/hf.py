@@ -2,10 +2,10 @@
 ``model.safetensors`` or shards listed by ``model.safetensors.index.json`` (``save_pretrained``'s
 layout), read and written without ``transformers``.
 
-A family reads and writes such a directory through its spec's ``adapter``
-(:class:`~distlab.models.spec.ModelSpec`): the architectures it takes (``LlamaForCausalLM`` ...), its
-options from a config (refusing, in one line, a config key that changes the math distlab does not
-do), the config it writes, and the name of each tensor both ways. Reading is safetensors only --
+A family reads and writes such a directory through its registered adapter
+(:class:`~distlab.models.hf_families.HFAdapter`, :func:`register_adapter`): the architectures it takes
+(``LlamaForCausalLM`` ...), its options from a config (refusing, in one line, a config key that changes
+the math distlab does not do), the config it writes, and its tensors both ways. Reading is safetensors only --
 no pickle, no code from the directory (``trust_remote_code`` has no equivalent here).
 
 * :func:`read` -- ``(family, options, vocab, state)`` of a directory: what ``--init-from hf:DIR``
@@ -42,15 +42,40 @@ def config_of(directory: str | Path) -> dict:
         raise ConfigError(f"hf:{directory}: config.json is not JSON ({exc})") from None
 
 
+_ADAPTERS: dict[str, type] = {}
+
+
+def register_adapter(adapter: type) -> type:
+    """Make ``adapter`` (an :class:`~distlab.models.hf_families.HFAdapter`) read and write its ``family``'s
+    Hugging Face directories."""
+    _ADAPTERS[adapter.family] = adapter
+    return adapter
+
+
+def adapters() -> dict[str, type]:
+    """``{family: adapter}``: distlab's own, and any registered since."""
+    from distlab.models.hf_families import ADAPTERS
+    for adapter in ADAPTERS:
+        _ADAPTERS.setdefault(adapter.family, adapter)
+    return _ADAPTERS
+
+
+def adapter_of(name: str):
+    """Family ``name``'s adapter; one line naming those that have one where it has none."""
+    if name not in adapters():
+        raise ConfigError(f"model {name} has no Hugging Face layout to export to (families with one: "
+                          f"{', '.join(sorted(adapters()))})")
+    return adapters()[name]
+
+
 def family_of(config: dict, directory: str | Path = "") -> tuple[str, object]:
     """The registered family (its name and adapter) that reads ``config``'s architecture."""
-    from distlab.models import specs
     arch = (config.get("architectures") or [None])[0]
-    takers = {a: s for s in specs() if s.adapter is not None for a in s.adapter.architectures}
+    takers = {a: adapter for adapter in adapters().values() for a in adapter.architectures}
     if arch not in takers:
         raise ConfigError(f"hf:{directory}: architecture {arch!r} is not supported (distlab reads "
                           f"{', '.join(sorted(takers)) or 'none'})")
-    return takers[arch].name, takers[arch].adapter
+    return takers[arch].family, takers[arch]
 
 
 def options_of(config: dict, where: str) -> tuple[str, object, object, int]:
@@ -89,23 +114,7 @@ def read(directory: str | Path) -> tuple[str, object, int, dict[str, torch.Tenso
         with safe_open(str(path), "pt") as f:
             for key in f.keys():
                 tensors[key] = f.get_tensor(key).to(torch.float32)
-    return name, options, vocab, to_mine(adapter, options, tensors, f"hf:{directory}", name)
-
-
-def to_mine(adapter, options, tensors: dict[str, torch.Tensor], where: str, name: str) -> dict[str, torch.Tensor]:
-    """A checkpoint's tensors under distlab's names: the adapter's ``to_mine`` (a family whose tensors are
-    fused or laid out otherwise, GPT-2's), else its ``names`` (each tensor renamed; None: dropped)."""
-    if hasattr(adapter, "to_mine"):
-        return adapter.to_mine(tensors, options, where)
-    names, state = adapter.names(options), {}
-    for key, tensor in tensors.items():
-        mine = names.get(key)
-        if mine is None and key in names:  # known, and another tensor's (a tied LM head)
-            continue
-        if mine is None:
-            raise ConfigError(f"{where} holds {key}, which distlab's {name} has no place for")
-        state[mine] = tensor
-    return state
+    return name, options, vocab, adapter.to_mine(tensors, options, f"hf:{directory}")
 
 
 class Slices:
@@ -139,7 +148,7 @@ def sliced(directory: str | Path) -> dict[str, Slices] | None:
     (:class:`Slices`); None where the family's adapter converts whole state dicts (GPT-2's fused q/k/v:
     :func:`read` them whole)."""
     name, adapter, options, _ = options_of(config_of(directory), f"hf:{directory}")
-    if hasattr(adapter, "to_mine"):
+    if not adapter.sliced:
         return None
     from safetensors import safe_open
     names, out = adapter.names(options), {}
@@ -195,24 +204,11 @@ def write(state: dict[str, torch.Tensor], name: str, options, vocab: int, block_
     """``state`` (a whole model's, distlab's names) as a Hugging Face directory ``out``: config.json,
     safetensors shards (with an index when more than one), the tokenizer files found in ``tokenizer_dir``."""
     from safetensors.torch import save_file
-
-    from distlab.models import spec
-    adapter = spec(name).adapter
-    if adapter is None:
-        from distlab.models import specs
-        raise ConfigError(f"model {name} has no Hugging Face layout to export to (families with one: "
-                          f"{', '.join(s.name for s in specs() if s.adapter is not None)})")
+    adapter = adapter_of(name)
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu") for k, v in state.items() if k not in adapter.tied(options)}
-    if hasattr(adapter, "to_theirs"):
-        tensors = {k: v.contiguous() for k, v in adapter.to_theirs(state, options).items()}
-    else:
-        theirs = {mine: hf_name for hf_name, mine in adapter.names(options).items() if mine is not None}
-        unknown = sorted(set(state) - set(theirs))
-        if unknown:
-            raise ConfigError(f"{unknown[0]} has no place in the Hugging Face layout of {name}")
-        tensors = {theirs[k]: v.contiguous() for k, v in state.items()}
+    tensors = {k: v.contiguous() for k, v in adapter.to_theirs(state, options).items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for key in sorted(tensors):

@@ -1,8 +1,10 @@
 """The Hugging Face layouts of distlab's families (:mod:`distlab.models.hf` reads and writes a directory
-through them; each family's spec names its adapter): which architectures a family reads, its options
-from a ``config.json`` (refusing, in one line, what would compute another model), the config it writes,
-and its tensors both ways -- renamed one to one (:class:`HFLlama`) or converted as whole state dicts
-where the layouts differ (:class:`HFGPT2`: fused, transposed)."""
+through them): which architectures a family reads, its options from a ``config.json`` (refusing, in one
+line, what would compute another model), the config it writes, and its tensors both ways -- renamed one
+to one (:class:`HFLlama`) or converted as whole state dicts where the layouts differ (:class:`HFGPT2`:
+fused, transposed). Each is an :class:`HFAdapter` registered here by its family's name: the families
+know nothing of checkpoint formats, and a family of one's own joins with its adapter and
+:func:`distlab.models.hf.register_adapter`."""
 
 from __future__ import annotations
 
@@ -11,11 +13,68 @@ import torch
 from distlab.errors import ConfigError
 
 
-class HFLlama:
+class HFAdapter:
+    """A family's Hugging Face layout. Override what is yours; the rest is the default:
+
+    ``family``, ``architectures``       the distlab family it builds, the ``architectures`` it reads
+    ``options_from(config, where)``     ``(option values, vocabulary)`` of a ``config.json`` (required)
+    ``config_for(options, vocab, ctx)`` the ``config.json`` it writes (required)
+    ``names(options)``                  their tensor names -> distlab's (None: read and dropped); the default
+                                        :meth:`to_mine` and :meth:`to_theirs` rename by it
+    ``sliced``                          True: every tensor maps to one of distlab's whole, so a rank may read
+                                        only its slices of each (False where tensors are fused or transposed)
+    ``to_mine(tensors, options, where)``  a checkpoint's tensors under distlab's names
+    ``to_theirs(state, options)``       distlab's whole-model state under their names
+    ``tied(options)``                   distlab's names a checkpoint leaves out, being another's (a tied head)
+    """
+
+    family = ""
+    architectures: tuple[str, ...] = ()
+    sliced = True
+
+    @classmethod
+    def options_from(cls, config: dict, where: str) -> tuple[dict, int]:
+        raise NotImplementedError
+
+    @classmethod
+    def config_for(cls, options, vocab: int, block_size: int) -> dict:
+        raise NotImplementedError
+
+    @classmethod
+    def names(cls, options) -> dict[str, str | None]:
+        raise NotImplementedError
+
+    @classmethod
+    def tied(cls, options) -> tuple[str, ...]:
+        return (f"{options.n_layer + 1}.out.weight",) if options.tie_embeddings else ()
+
+    @classmethod
+    def to_mine(cls, tensors: dict, options, where: str) -> dict:
+        names, state = cls.names(options), {}
+        for key, tensor in tensors.items():
+            mine = names.get(key)
+            if mine is None and key in names:  # known, and another tensor's (a tied LM head)
+                continue
+            if mine is None:
+                raise ConfigError(f"{where} holds {key}, which distlab's {cls.family} has no place for")
+            state[mine] = tensor
+        return state
+
+    @classmethod
+    def to_theirs(cls, state: dict, options) -> dict:
+        theirs = {mine: hf_name for hf_name, mine in cls.names(options).items() if mine is not None}
+        unknown = sorted(set(state) - set(theirs))
+        if unknown:
+            raise ConfigError(f"{unknown[0]} has no place in the Hugging Face layout of {cls.family}")
+        return {theirs[k]: v for k, v in state.items()}
+
+
+class HFLlama(HFAdapter):
     """Hugging Face's Llama, Mistral and Qwen2 checkpoints <-> ``llama`` (:mod:`distlab.models.hf`): the
     same math (Qwen2's: with q/k/v biases), rotary positions already in the rotate-half layout distlab
     uses, so every tensor maps by name."""
 
+    family = "llama"
     architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
     LAYER = {"self_attn.q_proj": "attn.q", "self_attn.k_proj": "attn.k", "self_attn.v_proj": "attn.v",
              "self_attn.o_proj": "attn.proj", "mlp.gate_proj": "mlp.gate", "mlp.up_proj": "mlp.up",
@@ -34,13 +93,8 @@ class HFLlama:
                 out |= {f"model.layers.{i}.self_attn.{p}_proj.bias": f"{i + 1}.attn.{p}.bias" for p in "qkv"}
         return out
 
-    @staticmethod
-    def tied(options) -> tuple[str, ...]:
-        """distlab's names a Hugging Face checkpoint leaves out, being another's (the tied LM head)."""
-        return (f"{options.n_layer + 1}.out.weight",) if options.tie_embeddings else ()
-
-    @staticmethod
-    def options_from(config: dict, where: str) -> tuple[dict, int]:
+    @classmethod
+    def options_from(cls, config: dict, where: str) -> tuple[dict, int]:
         """The option values and vocabulary of a ``config.json``; one line naming a key whose math distlab
         does not do."""
         rope = config.get("rope_parameters") or {}
@@ -71,8 +125,8 @@ class HFLlama:
                                tie_embeddings=bool(config.get("tie_word_embeddings", False)))
         return options, int(config["vocab_size"])
 
-    @staticmethod
-    def config_for(options, vocab: int, block_size: int) -> dict:
+    @classmethod
+    def config_for(cls, options, vocab: int, block_size: int) -> dict:
         """The ``config.json`` of a ``LlamaForCausalLM`` computing what ``llama`` with ``options`` computes."""
         kind = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False} \
             if options.qkv_bias else {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
@@ -87,19 +141,17 @@ class HFLlama:
                 "torch_dtype": "float32", "dtype": "float32"}
 
 
-class HFGPT2:
+class HFGPT2(HFAdapter):
     """Hugging Face's GPT-2 checkpoints (``GPT2LMHeadModel``) <-> ``gpt`` (:mod:`distlab.models.hf`): the same
     model with GPT-2's choices (q/k/v biases, the tanh GELU, tied embeddings). Its attention's q, k and v
     are one fused ``c_attn`` and its matrices ``Conv1D``'s ``(in, out)``: split and transposed on the way
     in, fused and transposed on the way out (a distlab GPT without q/k/v biases goes out with zero ones)."""
 
+    family = "gpt"
     architectures = ("GPT2LMHeadModel",)
+    sliced = False
     LAYER = {"ln_1": "ln1", "ln_2": "ln2", "attn.c_proj": "attn.proj", "mlp.c_fc": "mlp.0", "mlp.c_proj": "mlp.2"}
     MASKS = (".attn.bias", ".attn.masked_bias")  # the causal mask older checkpoints stored as buffers
-
-    @staticmethod
-    def tied(options) -> tuple[str, ...]:
-        return (f"{options.n_layer + 1}.out.weight",) if options.tie_embeddings else ()
 
     @classmethod
     def to_mine(cls, tensors: dict, options, where: str) -> dict:
@@ -147,8 +199,8 @@ class HFGPT2:
                 out[f"{theirs}{a}.bias"] = state[f"{mine}{b}.bias"]
         return out
 
-    @staticmethod
-    def options_from(config: dict, where: str) -> tuple[dict, int]:
+    @classmethod
+    def options_from(cls, config: dict, where: str) -> tuple[dict, int]:
         act = config.get("activation_function", "gelu_new")
         width = config["n_embd"]
         refused = [(act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"), f"activation_function {act!r} (distlab's "
@@ -169,8 +221,8 @@ class HFGPT2:
                              tie_embeddings=bool(config.get("tie_word_embeddings", True)))
         return options, int(config["vocab_size"])
 
-    @staticmethod
-    def config_for(options, vocab: int, block_size: int) -> dict:
+    @classmethod
+    def config_for(cls, options, vocab: int, block_size: int) -> dict:
         """The ``config.json`` of a ``GPT2LMHeadModel`` computing what ``gpt`` with ``options`` computes."""
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab,
                 "n_positions": block_size, "n_ctx": block_size, "n_embd": options.n_embd, "n_layer": options.n_layer,
@@ -178,3 +230,6 @@ class HFGPT2:
                 "activation_function": "gelu_new" if options.gelu == "tanh" else "gelu", "layer_norm_epsilon": 1e-5,
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
                 "tie_word_embeddings": options.tie_embeddings, "torch_dtype": "float32", "dtype": "float32"}
+
+
+ADAPTERS = (HFLlama, HFGPT2)  # registered by distlab.models.hf when it first reads or writes a directory

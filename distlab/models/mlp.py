@@ -11,11 +11,12 @@ from torch import nn
 
 from distlab.errors import ConfigError
 from distlab.models import register
-from distlab.models.plans import groups_starting_at, linear_plan
+from distlab.models.contract import ModelContract, linear_plan
+from distlab.models.plans import groups_starting_at
 from distlab.models.spec import ModelSpec, Options, option
 
 
-class MLP(nn.Module):
+class MLP(ModelContract, nn.Module):
     def __init__(self, input_shape: tuple[int, ...], num_classes: int, widths: tuple[int, ...] = (512, 256),
                  batch_norm: bool = False):
         super().__init__()

@@ -42,18 +42,30 @@ count twice); :attr:`MoE.last_aux` is the last balance loss.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from distlab.errors import ConfigError
 from distlab.models.aux_loss import current_share
+from distlab.models.contract import SequenceStatistics
+from distlab.models.spec import Options, option
 
 DROP_POLICIES = ("position", "probs")  # which slots a full expert keeps: the earliest, or the most probable
 
 
-class GroupedExperts(nn.Module):
+class Experts(nn.Module):
+    """Experts stored stacked along a first dimension of size ``experts``; ``forward(tokens, counts)``."""
+
+    def active_weights(self) -> int:
+        """Weights one token passes through in one expert (for FLOPs per token)."""
+        return sum(p[0].numel() for name, p in self.named_parameters() if name.endswith("weight"))
+
+
+class GroupedExperts(Experts):
     """``experts`` two-layer GELU MLPs ``d -> hidden -> d`` stored stacked: ``up_weight (E, d, h)``,
     ``up_bias (E, h)``, ``down_weight (E, h, d)``, ``down_bias (E, d)``. ``forward(tokens, counts)``:
     ``tokens`` sorted by expert, ``counts[e]`` of them for expert ``e``; returns their outputs in
@@ -84,7 +96,7 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs)
 
 
-class SwiGLUExperts(nn.Module):
+class SwiGLUExperts(Experts):
     """``experts`` SwiGLU MLPs ``down(silu(x gate) * (x up))`` stored stacked, no biases (the Llama family's):
     ``gate_weight``, ``up_weight (E, d, h)``, ``down_weight (E, h, d)``; ``forward`` as
     :class:`GroupedExperts`'."""
@@ -100,10 +112,6 @@ class SwiGLUExperts(nn.Module):
     @property
     def num_experts(self) -> int:
         return self.up_weight.shape[0]
-
-    def active_weights(self) -> int:
-        """Weights one token passes through in one expert (for FLOPs per token)."""
-        return self.gate_weight[0].numel() + self.up_weight[0].numel() + self.down_weight[0].numel()
 
     def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         outs = []
@@ -136,7 +144,7 @@ def _recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class MoE(nn.Module):
+class MoE(SequenceStatistics):
     """A mixture-of-experts feed-forward layer on ``(B, T, d)`` (module docstring)."""
 
     def __init__(self, dim: int, experts: int, top_k: int = 2, hidden: int | None = None,
@@ -235,3 +243,57 @@ class MoE(nn.Module):
         """This rank's routing counts since the last reset."""
         return {"load": [int(v) for v in self.load.tolist()], "routed": int(self.routed), "dropped": int(self.dropped),
                 "aux_loss": None if self.last_aux is None else float(self.last_aux)}
+
+
+# --------------------------------------------------------------------------- a family's options
+
+_ROUTING = "a mixture of experts' routing"
+
+
+@dataclass(frozen=True)
+class ExpertOptions(Options):
+    """The mixture-of-experts options of a family whose MLPs are mixtures (``gpt-moe``, ``llama-moe``): put
+    first among an options class's bases, after the family's own (``class X(ExpertOptions, GPTOptions)``)."""
+
+    experts: int = option(8, "gpt-moe: experts per mixture-of-experts layer (every block's MLP).", what=_ROUTING)
+    top_k: int = option(2, "gpt-moe: experts each token is routed to (gates: the router's softmax over them, "
+                        "renormalised).", what=_ROUTING)
+    capacity_factor: float | None = option(None, "gpt-moe: each expert takes at most ceil(F x tokens x top_k / "
+                                           "experts) token-slots per forward, the rest dropped and counted "
+                                           "(default: dropless).", what=_ROUTING)
+    drop_policy: str = option("position", "gpt-moe with --capacity-factor: which slots a full expert keeps -- "
+                              "position (the earliest) or probs (those the router gave it the highest "
+                              "probability; DeepSpeed's and Megatron-LM's default).", what=_ROUTING)
+    aux_coef: float = option(0.01, "gpt-moe: weight of the per-sequence load-balancing loss.", what=_ROUTING)
+
+    def check(self) -> None:
+        super().check()
+        if self.experts < 2:
+            raise ConfigError(f"`experts` must be at least 2, not {self.experts}")
+        if not 1 <= self.top_k <= self.experts:
+            raise ConfigError(f"`top_k` {self.top_k} must be between 1 and `experts` {self.experts} (each token goes "
+                              f"to top_k of the experts)")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ConfigError(f"`capacity_factor` must be positive, not {self.capacity_factor:g} (leave it out for "
+                              f"dropless routing)")
+        if not self.aux_coef >= 0:
+            raise ConfigError(f"`aux_coef` must be 0 or more, not {self.aux_coef:g}")
+        if self.drop_policy not in DROP_POLICIES:
+            raise ConfigError(f"unknown `drop_policy` {self.drop_policy!r}; choose one of: {', '.join(DROP_POLICIES)}")
+        if self.drop_policy != "position" and self.capacity_factor is None:
+            raise ConfigError(f"`drop_policy` {self.drop_policy} picks which slots a full expert drops, and without "
+                              f"`capacity_factor` none is ever dropped: give `capacity_factor` (e.g. 1.25) or drop "
+                              f"`drop_policy`")
+
+    def describe(self) -> str:
+        return (f"{super().describe()}, MLPs of {self.experts} experts, top-{self.top_k}, "
+                + ("dropless" if self.capacity_factor is None else f"capacity factor {self.capacity_factor:g}, a full "
+                   f"expert keeping its {'earliest' if self.drop_policy == 'position' else 'most probable'} slots")
+                + f", balance loss x {self.aux_coef:g}")
+
+    def experts_options(self) -> dict:
+        """:class:`MoE`'s keyword arguments (the drop policy named only when not the default: a snapshot of
+        before it existed still resumes)."""
+        return dict(experts=self.experts, top_k=self.top_k, capacity_factor=self.capacity_factor,
+                    aux_coef=self.aux_coef, **({"drop_policy": self.drop_policy} if self.drop_policy != "position"
+                                               else {}))

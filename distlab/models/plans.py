@@ -1,7 +1,9 @@
 """How a model describes itself to the parallel strategies: plain data, no distribution.
 
-A model may define any of these methods; each strategy that needs one asks for it and refuses,
-naming the method, where a model has none. A model checks its own limits in them (heads that ``tp``
+Each is a member of :class:`~distlab.models.contract.ModelContract`, with a default; a model defines
+those it has (a model of your own need not inherit the base: :func:`~distlab.models.contract.contract`
+gives it the defaults for the rest), and each strategy that needs one refuses, naming the method, where
+a model's is empty. A model checks its own limits in them (heads that ``tp``
 does not divide, experts that ``ep`` does not, a context that ``2 cp`` does not) and raises
 :class:`~distlab.errors.ConfigError` naming its numbers -- a run is refused before launch, because
 the settings check calls them on the model built on the meta device.
@@ -85,6 +87,7 @@ import inspect
 from torch import nn
 
 from distlab.errors import ConfigError
+from distlab.models.contract import contract, declares
 
 STYLES = {
     "tensor": ("colwise", "colwise_gather", "colwise_entered", "rowwise", "enter", "vocab_embedding", "vocab_output",
@@ -97,25 +100,19 @@ METHODS = {"tensor": "tensor_parallel_plan(tp, style, sequence_parallel)",
            "context": "context_parallel_plan(cp, style, tp)", "expert": "expert_parallel_plan(ep)"}
 
 
-def plan_of(model: nn.Module, plan: str, default=None, **sizes) -> dict[str, str]:
+def plan_of(model: nn.Module, plan: str, **sizes) -> dict[str, str]:
     """``model``'s ``plan`` ("tensor", "context" or "expert") for ``sizes``, given in the order of the
     method's signature above (``tp, style, sequence_parallel`` for the tensor plan): what its
-    ``<plan>_parallel_plan`` method returns, called with as many of them as it takes, or
-    ``default(model)`` where it has none and one is given; refused in one line, naming the method,
-    where there is neither, where the plan is empty or where it names a style of another plan."""
-    declared = getattr(model, f"{plan}_parallel_plan", None)
-    if declared is not None:
-        found = declared_plan(model, plan, **sizes)
-    elif default is not None:
-        found = default(model)
-    else:
-        found = {}
-    if not found and declared is None and default is not None:
-        raise ConfigError(f"{type(model).__name__} declares no {plan}-parallel plan and the default one is empty: this "
-                          f"layout needs a model with Linear layers to split (or a {METHODS[plan]} method)")
+    ``<plan>_parallel_plan`` returns (:class:`~distlab.models.contract.ModelContract`: a plain
+    ``nn.Sequential``'s Linear layers by default), called with as many of them as it takes; refused in
+    one line, naming the method, where the plan is empty or names a style of another plan."""
+    found = declared_plan(model, plan, **sizes)
     if not found:
-        what = f"{type(model).__name__} has none" if declared is None else \
-            f"{type(model).__name__}'s is empty"
+        if plan == "tensor" and not declares(model, f"{plan}_parallel_plan") and isinstance(model, nn.Sequential):
+            raise ConfigError(f"{type(model).__name__} declares no {plan}-parallel plan and the default one is empty: "
+                              f"this layout needs a model with Linear layers to split (or a {METHODS[plan]} method)")
+        what = f"{type(model).__name__}'s is empty" if declares(model, f"{plan}_parallel_plan") else \
+            f"{type(model).__name__} has none"
         raise ConfigError(f"this layout needs the model's {plan}-parallel plan, which a model declares in a "
                           f"{METHODS[plan]} method; {what} (see distlab.models.plans)")
     unknown = sorted({s for s in found.values() if s not in STYLES[plan]})
@@ -126,11 +123,11 @@ def plan_of(model: nn.Module, plan: str, default=None, **sizes) -> dict[str, str
 
 
 def declared_plan(model: nn.Module, plan: str, **sizes) -> dict[str, str]:
-    """What ``model``'s ``<plan>_parallel_plan`` method returns for ``sizes`` (in its signature's order,
-    as many as it takes), unchecked; ``{}`` where it has none (the planner's tracer asks for names)."""
-    declared = getattr(model, f"{plan}_parallel_plan", None)
-    if declared is None:
-        return {}
+    """What ``model``'s ``<plan>_parallel_plan`` returns for ``sizes`` (in its signature's order, as many as
+    it takes), unchecked; ``{}`` where it has none (the planner's tracer asks for names)."""
+    model = contract(model)
+    declared = {"tensor": model.tensor_parallel_plan, "context": model.context_parallel_plan,
+                "expert": model.expert_parallel_plan}[plan]
     params = inspect.signature(declared).parameters.values()
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     takes = len(sizes) if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params) else \
@@ -191,48 +188,3 @@ def groups_starting_at(container: nn.Sequential, kinds: tuple[type, ...]) -> lis
     """Ranges of ``container``'s children, a new one at each module of ``kinds`` (but the first)."""
     starts = [0] + [i for i, m in enumerate(container) if i and isinstance(m, kinds)]
     return list(zip(starts, starts[1:] + [len(container)]))
-
-
-def linear_plan(container: nn.Sequential, prefix: str, style: str, keep_last: bool = True) -> dict[str, str]:
-    """The plan of the ``nn.Linear`` layers of ``container`` (named ``prefix.i``), with only
-    element-wise layers between them. Megatron: consecutive Linears pair up as (``colwise``,
-    ``rowwise``): one all-reduce per pair forward; naive: each Linear ``colwise_gather``. With
-    ``keep_last`` the last Linear that is left over -- a classifier head -- stays whole."""
-    linears = [i for i, m in enumerate(container) if isinstance(m, nn.Linear)]
-    name = (lambda i: f"{prefix}.{i}") if prefix else str
-    if style == "megatron":
-        pairs = list(zip(linears[0::2], linears[1::2]))
-        return {k: v for a, b in pairs for k, v in ((name(a), "colwise"), (name(b), "rowwise"))}
-    return {name(i): "colwise_gather" for i in (linears[:-1] if keep_last else linears)}
-
-
-def decoder_tensor_plan(model: nn.Sequential, tp: int, sequence_parallel: bool, splits: str,
-                        counts: tuple[tuple[str, int], ...], mlp) -> dict[str, str]:
-    """The tensor-parallel plan of a decoder laid out as embedding, blocks, head (GPT's and the Llama
-    family's): the token embedding and the LM head split by vocabulary, each block's attention by heads
-    (q, k, v column parallel after one region entry, the projection row parallel), its norms between the
-    regions (``sequence`` under sequence parallel), and ``mlp(i)`` the plan of block ``i``'s MLP. Each
-    of ``counts`` (``(what, count)``: heads, widths, the vocabulary) must divide by ``tp``."""
-    for what, count in counts:
-        if count % tp:
-            raise ConfigError(f"tensor parallel splits {splits} over `tp` {tp} ranks: {what} {count} is not "
-                              f"divisible by {tp}")
-    if sequence_parallel and model.block_size % tp:
-        raise ConfigError(f"`sequence_parallel` splits each sequence of `block_size` {model.block_size} tokens over "
-                          f"`tp` {tp} ranks: choose a `block_size` that {tp} divides")
-    plan = {"0.tok": "vocab_embedding", "0": "sequence_embedding"}
-    for i in range(1, len(model) - 1):
-        plan |= {f"{i}.ln1": "sequence", f"{i}.attn.enter": "enter", f"{i}.attn.q": "colwise_entered",
-                 f"{i}.attn.k": "colwise_entered", f"{i}.attn.v": "colwise_entered", f"{i}.attn.proj": "rowwise",
-                 f"{i}.ln2": "sequence", **mlp(i)}
-    head = len(model) - 1
-    return plan | {f"{head}.ln": "sequence", f"{head}.enter": "enter", f"{head}.out": "vocab_output"}
-
-
-def decoder_expert_plan(model: nn.Sequential, ep: int) -> dict[str, str]:
-    """Expert parallel's plan of a decoder whose blocks' MLPs are mixtures of experts (``model.experts``
-    of them; none: no plan): each block's experts sharded over the ``ep`` ranks."""
-    if model.experts and model.experts % ep:
-        raise ConfigError(f"expert parallel shards `experts` {model.experts} over `ep` {ep} ranks: choose an `ep` "
-                          f"that divides {model.experts}")
-    return {f"{i}.mlp.experts": "experts" for i in range(1, len(model) - 1)} if model.experts else {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from distlab.models import register
+from distlab.models.contract import ModelContract
 from distlab.models.spec import ModelSpec
 
 
@@ -26,7 +27,7 @@ class BasicBlock(nn.Module):
         return self.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
 
 
-class ResNet18(nn.Module):
+class ResNet18(ModelContract, nn.Module):
     def __init__(self, input_shape: tuple[int, int, int], num_classes: int):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(input_shape[0], 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64),

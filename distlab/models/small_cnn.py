@@ -10,11 +10,12 @@ from __future__ import annotations
 from torch import nn
 
 from distlab.models import register
+from distlab.models.contract import ModelContract
 from distlab.models.plans import groups_ending_after
 from distlab.models.spec import ModelSpec
 
 
-class SmallCNN(nn.Module):
+class SmallCNN(ModelContract, nn.Module):
     def __init__(self, input_shape: tuple[int, ...], num_classes: int, channels: tuple[int, int] = (8, 16),
                  batch_norm: bool = True):
         super().__init__()

@@ -52,15 +52,14 @@ class ModelSpec:
     """One registered model name: ``build(input_shape, classes, options)`` returns the ``nn.Module``
     (``classes`` is the vocabulary of a text model); ``options`` is its :class:`Options` class;
     ``text``: it maps ``(B, T)`` token ids to ``(B, T, vocab)`` logits (a language model) rather than
-    classifying images; ``adapter``: what reads and writes the family's weights in an outside
-    checkpoint format (names, fused or split projections), None where it has none yet."""
+    classifying images. An outside checkpoint format's adapter is registered beside it, by the format's
+    module (:func:`distlab.models.hf.register_adapter`): a family imports no checkpoint format."""
 
     name: str
     build: Callable[[tuple[int, ...], int, Any], nn.Module]
     options: type = Options
     text: bool = False
     summary: str = ""  # a few words for the flag's help (``the transformer``)
-    adapter: Any = None
 
     def make_options(self, values: dict | None = None) -> Options:
         """The options from ``values`` by field name (the rest default), checked; one line naming what

@@ -12,7 +12,8 @@ from __future__ import annotations
 from torch import nn
 
 from distlab.models import register
-from distlab.models.plans import groups_ending_after, linear_plan
+from distlab.models.contract import ModelContract, linear_plan
+from distlab.models.plans import groups_ending_after
 from distlab.models.spec import ModelSpec
 
 CONFIGS = {
@@ -22,7 +23,7 @@ CONFIGS = {
 }
 
 
-class VGG(nn.Module):
+class VGG(ModelContract, nn.Module):
     def __init__(self, depth: int, input_shape: tuple[int, int, int], num_classes: int,
                  batch_norm: bool = False, hidden: int = 512):
         super().__init__()

@@ -30,22 +30,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from distlab.errors import ConfigError
+from distlab.models.contract import contract
 
 
 def checkpoint_blocks(model: nn.Module) -> list[tuple[nn.Sequential, list[tuple[int, int]]]]:
-    """``model``'s blocks: its own ``checkpoint_blocks()``; for an ``nn.Sequential`` each child; by
-    default each child of every ``nn.Sequential`` the model holds directly (a user's model with a
-    ``self.blocks = nn.Sequential(...)`` checkpoints each block)."""
-    listed = getattr(model, "checkpoint_blocks", None)
-    if listed is not None:
-        return list(listed())
-    if isinstance(model, nn.Sequential):
-        return [(model, [(i, i + 1) for i in range(len(model))])]
-    held = [m for m in model.children() if isinstance(m, nn.Sequential) and len(m)]
-    if held:
-        return [(m, [(i, i + 1) for i in range(len(m))]) for m in held]
-    raise ConfigError(f"activation checkpointing recomputes blocks: {type(model).__name__} is not an nn.Sequential, "
-                      f"holds none and has no checkpoint_blocks() listing them")
+    """``model``'s blocks: its ``checkpoint_blocks()`` (:class:`~distlab.models.contract.ModelContract`: for
+    an ``nn.Sequential`` each child; by default each child of every ``nn.Sequential`` the model holds
+    directly -- a user's model with a ``self.blocks = nn.Sequential(...)`` checkpoints each block)."""
+    return list(contract(model).checkpoint_blocks())
 
 
 _RECOMPUTING: list[set[int]] = []  # the modules (ids) of each block being recomputed now, innermost last

@@ -48,6 +48,7 @@ from torch import nn
 from distlab.comm import p2p
 from distlab.errors import ConfigError, with_article
 from distlab.models import plans
+from distlab.models.contract import SequenceStatistics, contract
 from distlab.parallel.cost import Call, CallGroup, Price, in_stage
 from distlab.parallel.protocols import ComponentKind
 from distlab.runtime import group_rank, group_size, timeline
@@ -371,7 +372,7 @@ class ContextParallel(ComponentKind):
 def replacement(module: nn.Module, group, layout: ContextLayout, style: str) -> nn.Module:
     """What a ``context_attention`` module becomes: the ring's or the all-to-all's attention, causal
     unless the module says ``causal = False`` (an encoder's attention)."""
-    return (RingAttention if style == "ring" else UlyssesAttention)(group, layout, getattr(module, "causal", True))
+    return (RingAttention if style == "ring" else UlyssesAttention)(group, layout, contract(module).causal)
 
 
 def apply_context_parallel(model: nn.Module, group, style: str = "ring", tp: int = 1) -> ContextLayout:
@@ -383,7 +384,7 @@ def apply_context_parallel(model: nn.Module, group, style: str = "ring", tp: int
     for name, kind in plan_of(model, layout.cp, style, tp).items():
         module = model.get_submodule(name)
         if kind == "context_positions":
-            if not (isinstance(module, nn.Embedding) or getattr(module, "reads_positions", False)):
+            if not (isinstance(module, nn.Embedding) or contract(module).reads_positions):
                 raise ConfigError(f"context-parallel plan: {name} is {with_article(type(module).__name__)}, but "
                                   f"context_positions applies to a module called with positions 0..t-1 (an "
                                   f"nn.Embedding of positions, or one that says reads_positions = True: a rotary "
@@ -391,9 +392,10 @@ def apply_context_parallel(model: nn.Module, group, style: str = "ring", tp: int
             module.register_forward_pre_hook(ContextPositions(layout))
             continue
         if kind == "context_sequence_stats":
-            if not hasattr(module, "sequence_group"):
-                raise ConfigError(f"context-parallel plan: {name} ({type(module).__name__}) has no `sequence_group` "
-                                  f"attribute to complete its per-sequence statistics over")
+            if not isinstance(module, SequenceStatistics):
+                raise ConfigError(f"context-parallel plan: {name} ({type(module).__name__}) is no SequenceStatistics "
+                                  f"(distlab.models.contract) to complete its per-sequence statistics over the "
+                                  f"sequence's ranks")
             module.sequence_group = group
             continue
         new = replacement(module, group, layout, style)

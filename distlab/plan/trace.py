@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from distlab.errors import ConfigError
 from distlab.models import build_model, task_loss
+from distlab.models.contract import contract
 from distlab.models.plans import declared_plan, tied_names
 from distlab.parallel.checkpointing import block_names
 from distlab.parallel.cost import ModuleIO
@@ -160,7 +161,7 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
 
         if kind == "context_attention":
             handles.append(model.get_submodule(name).register_forward_hook(kv))
-            out.attention_causal = out.attention_causal and getattr(model.get_submodule(name), "causal", True)
+            out.attention_causal = out.attention_causal and contract(model.get_submodule(name)).causal
     for style in TENSOR_STYLES:  # the model's own tensor plans, and what each module they name takes and gives
         for sp in (False, True):
             for tp in TRACED_TP:
@@ -171,8 +172,9 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
                 if tp > 1 and plan == out.tensor_plans.get((style, sp, 1)):
                     continue
                 out.tensor_plans[(style, sp, tp)] = plan
-                if hasattr(model, "kv_heads_per_rank") and model.kv_heads % tp:
-                    out.kv_share[tp] = model.kv_heads_per_rank(tp) / model.kv_heads
+                share = contract(model).kv_share(tp)
+                if share is not None:
+                    out.kv_share[tp] = share
                 out.tensor_split[(style, sp, tp)] = {f"{name}.{leaf}" for name, kind in plan.items()
                                                      for leaf in TP_STYLES[kind].splits}
     for name in dict.fromkeys(n for plan in out.tensor_plans.values() for n in plan):
@@ -198,7 +200,7 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
         out.expert_names += [f"{name}.{p}" for p, _ in model.get_submodule(name).named_parameters()]
         handles.append(model.get_submodule(name).register_forward_hook(slots))
     model.train()
-    if getattr(model, "block_size", None):  # a language model: token ids in, the next tokens as targets
+    if contract(model).block_size:  # a language model: token ids in, the next tokens as targets
         x = torch.zeros((batch, *input_shape), dtype=torch.long, device="meta")
         y = torch.zeros((batch, *input_shape), dtype=torch.long, device="meta")
     else:

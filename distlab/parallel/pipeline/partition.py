@@ -6,18 +6,14 @@ from __future__ import annotations
 from torch import nn
 
 from distlab.errors import ConfigError
+from distlab.models.contract import contract
 
 
 def sequential_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``[(name, layer), ...]``: the model as layers applied one after another, each under its
-    name in ``model`` (so a stage's state-dict keys can be written as the whole model's)."""
-    if isinstance(model, nn.Sequential):
-        return [(str(i), layer) for i, layer in enumerate(model)]
-    listed = getattr(model, "pipeline_layers", None)
-    if listed is None:
-        raise ConfigError(f"a pipeline cuts a model into consecutive layers: {type(model).__name__} is not an "
-                          f"nn.Sequential and has no pipeline_layers() listing its layers in order")
-    return list(listed())
+    name in ``model`` (so a stage's state-dict keys can be written as the whole model's): its
+    ``pipeline_layers()`` (:class:`~distlab.models.contract.ModelContract`: an ``nn.Sequential``'s children)."""
+    return list(contract(model).pipeline_layers())
 
 
 def partition(model: nn.Module, stages: int, balance: list[int] | None = None) -> list[tuple[int, int]]:

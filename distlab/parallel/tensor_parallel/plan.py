@@ -15,7 +15,6 @@ from torch import nn
 
 from distlab.errors import ConfigError
 from distlab.models import plans
-from distlab.models.plans import linear_plan
 from distlab.parallel.cost import Call, CallGroup, Price, in_stage
 from distlab.parallel.protocols import ComponentKind
 from distlab.parallel.tensor_parallel.layers import STYLES, ColumnParallelLinear, RowParallelLinear
@@ -30,8 +29,7 @@ def plan_of(model: nn.Module, tp: int, style: str = "megatron", sequence_paralle
     :func:`distlab.models.plans.plan_of`), checked for what sequence parallel needs."""
     if style not in STYLES:
         raise ConfigError(f"unknown `tp_style` {style!r}; choose one of: {', '.join(STYLES)}")
-    default = (lambda m: linear_plan(m, "", style)) if isinstance(model, nn.Sequential) else None
-    plan = plans.plan_of(model, "tensor", default, tp=tp, style=style, sequence_parallel=sequence_parallel)
+    plan = plans.plan_of(model, "tensor", tp=tp, style=style, sequence_parallel=sequence_parallel)
     if sequence_parallel and not any(s in ("sequence", "sequence_stats", "sequence_embedding") for s in plan.values()):
         raise ConfigError(f"`sequence_parallel` splits a transformer's sequence: {type(model).__name__}'s "
                           f"tensor-parallel plan declares no sequence-parallel regions")

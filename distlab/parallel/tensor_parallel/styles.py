@@ -13,10 +13,11 @@ from __future__ import annotations
 from torch import nn
 
 from distlab.errors import ConfigError, with_article
+from distlab.models.contract import SequenceStatistics, SplitEmbedding, contract
 from distlab.parallel.cost import Call, ModuleIO
 from distlab.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from distlab.parallel.tensor_parallel.vocabulary import (CopyToGroup, GatherSequence, SequenceParallelEmbedding,
-                                                         VocabParallelEmbedding, VocabParallelLinear)
+from distlab.parallel.tensor_parallel.vocabulary import (CopyToGroup, GatherSequence, VocabParallelEmbedding,
+                                                         VocabParallelLinear)
 
 CE_REDUCTIONS = 3  # the vocabulary-parallel cross-entropy's all-reduces per token: max, sum of exponentials, target
 SMOOTHING_REDUCTIONS = 1  # label smoothing's: the sum of the logits
@@ -237,30 +238,32 @@ class SequenceStats(Sequence):
     def apply(m, group, name, sp, shared):
         if sp:
             shared.extend(m.parameters())
-            if not hasattr(m, "sequence_group"):
-                raise ConfigError(f"tensor-parallel plan: {name} ({type(m).__name__}) is sequence_stats but has "
-                                  f"no `sequence_group` attribute to complete its statistics over")
+            if not isinstance(m, SequenceStatistics):
+                raise ConfigError(f"tensor-parallel plan: {name} ({type(m).__name__}) is sequence_stats but is no "
+                                  f"SequenceStatistics (distlab.models.contract) to complete its statistics over the "
+                                  f"group")
             m.sequence_group, m.sequence_grad = group, "sum"
         return m
 
 
 class SequenceEmbedding(Style):
-    """(sequence parallel) token and position embeddings returning this rank's positions: the token
-    lookups reduce-scattered (all-gathered back in backward), the position rows' gradients summed."""
+    """(sequence parallel) a family's embedding (:class:`~distlab.models.contract.SplitEmbedding`) whose token
+    lookups are reduce-scattered (all-gathered back in backward): its own forward then places this rank's
+    piece of the positions -- scale, position rows and all -- and its other parameters' gradients (a
+    position table's) are summed over the group."""
 
     @staticmethod
     def apply(m, group, name, sp, shared):
         if not sp:
             return m
-        if not (isinstance(getattr(m, "tok", None), VocabParallelEmbedding)
-                and isinstance(getattr(m, "pos", None), (nn.Embedding, type(None)))):
-            raise ConfigError(f"tensor-parallel plan: {name} is a sequence_embedding but has no vocabulary-parallel "
-                              f"`tok` embedding (list {name}.tok as a vocab_embedding before it), or a `pos` that is "
-                              f"not an nn.Embedding")
-        embedding = SequenceParallelEmbedding(m, group)
-        if embedding.pos is not None:
-            shared.append(embedding.pos.weight)
-        return embedding
+        from distlab.runtime import group_rank
+        if not (isinstance(m, SplitEmbedding) and isinstance(m.get_submodule("tok"), VocabParallelEmbedding)):
+            raise ConfigError(f"tensor-parallel plan: {name} is a sequence_embedding but is not a SplitEmbedding "
+                              f"with a vocabulary-parallel `tok` embedding (list {name}.tok as a vocab_embedding "
+                              f"before it; distlab.models.contract.SplitEmbedding)")
+        m.tok.sequence_parallel, m.part = True, group_rank(group)
+        shared.extend(p for key, p in m.named_parameters() if not key.startswith("tok."))
+        return m
 
     @staticmethod
     def calls(io, micro, sp):
@@ -296,10 +299,7 @@ class TensorRank(Style):
     @staticmethod
     def apply(m, group, name, sp, shared):
         from distlab.runtime import group_rank, group_size
-        if not callable(getattr(m, "tensor_rank", None)):
-            raise ConfigError(f"tensor-parallel plan: {name} ({type(m).__name__}) is tensor_rank but has no "
-                              f"tensor_rank(rank, size) method")
-        m.tensor_rank(group_rank(group), group_size(group))
+        contract(m).tensor_rank(group_rank(group), group_size(group))
         return m
 
 

@@ -177,28 +177,3 @@ class VocabParallelLinear(ColumnParallelLinear):
 
     def correct(self, logits: torch.Tensor, target: torch.Tensor) -> tuple[int, int]:
         return vocab_parallel_correct(logits, target, self.group, self.start)
-
-
-class SequenceParallelEmbedding(nn.Module):
-    """Token embedding (vocabulary parallel, reduce-scattered) plus this rank's rows of the
-    position embedding: output ``(B, T/t, C)``, this rank's positions. Built from a module with
-    ``tok`` (a :class:`VocabParallelEmbedding`) and ``pos`` (an ``nn.Embedding``) that adds them, or
-    ``tok`` alone (positions elsewhere: rotary ones in attention)."""
-
-    def __init__(self, embedding: nn.Module, group=None):
-        super().__init__()
-        self.tok, self.pos, self.group = embedding.tok, getattr(embedding, "pos", None), group
-        self.tok.sequence_parallel = True
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t, n = idx.shape[1], group_size(self.group)
-        if self.pos is None:
-            if t % n:
-                raise ConfigError(f"sequence parallel: a sequence of {t} tokens does not split over `tp` {n}")
-            return self.tok(idx)
-        if t > self.pos.num_embeddings:
-            raise ValueError(f"sequence of {t} tokens is longer than the model's block size {self.pos.num_embeddings}")
-        if t % n:
-            raise ConfigError(f"sequence parallel: a sequence of {t} tokens does not split over `tp` {n}")
-        start = group_rank(self.group) * (t // n)
-        return self.tok(idx) + self.pos(torch.arange(start, start + t // n, device=idx.device))

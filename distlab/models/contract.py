@@ -1,0 +1,165 @@
+"""What every layer may ask of a model: one documented base, :class:`ModelContract`, with a default
+for each member -- the way a component kind is a typed contract (:class:`distlab.parallel.protocols.ComponentKind`).
+
+distlab's families inherit it (:class:`distlab.models.decoder.Decoder`). A model of your own need not:
+:func:`contract` makes any ``nn.Module`` one in place, with the methods its class defines winning over
+the defaults (its class gains the base after its own, in Python's method order) -- so a plain
+``nn.Sequential`` checkpoints and pipelines child by child, and a class that writes its own
+``tensor_parallel_plan`` is split by it. Code in ``parallel/``, ``plan/``, ``train/`` and ``models/``
+calls the members directly, never ``getattr``/``hasattr`` by name (``tests/test_architecture.py``).
+
+The whole model:
+
+=================================================  ================================================================
+member                                             default, and what it means
+=================================================  ================================================================
+``block_size``                                     0: the longest sequence the model reads (a language model's
+                                                   context; 0: it does not read sequences)
+``decode(idx, cache, start)``                      generation with a key/value cache; refused by default
+``cacheable``                                      False: whether :meth:`decode` gives what the whole window gives
+``kv_share(tp)``                                   None: the share of the key/value heads one of ``tp`` ranks holds
+                                                   where it is not ``1 / tp`` (heads kept whole, see ``tensor_rank``)
+``snapshot_record()``                              ``{}``: the sizes a snapshot must agree on to be resumed
+``flops_per_token()``                              None: training FLOPs per token (what tokens/s becomes MFU with)
+``checkpoint_blocks()``                            an ``nn.Sequential``'s children, else those of each
+                                                   ``nn.Sequential`` it holds directly
+``pipeline_layers()``                              an ``nn.Sequential``'s children, in order
+``tensor_parallel_plan(tp, style, sp)``            an ``nn.Sequential``'s Linear layers paired
+                                                   (:func:`distlab.models.plans.linear_plan`), else none
+``context_parallel_plan(cp, style, tp)``           none
+``expert_parallel_plan(ep)``                       none
+=================================================  ================================================================
+
+A module a plan names (made one by :func:`contract` where the parallelism asks):
+
+=================================  ============================================================================
+``causal``                         True: an attention core (``context_attention``) masks the future
+``reads_positions``                False: a module called with positions ``0..t-1`` (a rotary table) for
+                                   ``context_positions`` (an ``nn.Embedding`` always is one)
+``tensor_rank(rank, size)``        a ``tensor_rank`` module takes its share of the group; refused by default
+=================================  ============================================================================
+
+Every plan method may raise :class:`~distlab.errors.ConfigError` naming the numbers that do not fit
+(the settings check calls them on the model built on the meta device, before launch).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from distlab.errors import ConfigError
+
+
+class ModelContract:
+    """The members of the module docstring, each with its default; a family overrides what is its own."""
+
+    block_size: int = 0
+    cacheable: bool = False
+    causal: bool = True
+    reads_positions: bool = False
+
+    def decode(self, idx, cache, start: int):
+        raise ConfigError(f"{type(self).__name__} has no decode(idx, cache, start): generate without the cache")
+
+    def kv_share(self, tp: int) -> float | None:
+        return None
+
+    def snapshot_record(self) -> dict:
+        return {}
+
+    def flops_per_token(self) -> float | None:
+        return None
+
+    def checkpoint_blocks(self) -> list:
+        if isinstance(self, nn.Sequential):
+            return [(self, [(i, i + 1) for i in range(len(self))])]
+        held = [m for m in self.children() if isinstance(m, nn.Sequential) and len(m)]
+        if held:
+            return [(m, [(i, i + 1) for i in range(len(m))]) for m in held]
+        raise ConfigError(f"activation checkpointing recomputes blocks: {type(self).__name__} is not an nn.Sequential, "
+                          f"holds none and has no checkpoint_blocks() listing them")
+
+    def pipeline_layers(self) -> list:
+        if isinstance(self, nn.Sequential):
+            return [(str(i), layer) for i, layer in enumerate(self)]
+        raise ConfigError(f"a pipeline cuts a model into consecutive layers: {type(self).__name__} is not an "
+                          f"nn.Sequential and has no pipeline_layers() listing its layers in order")
+
+    def tensor_parallel_plan(self, tp: int, style: str, sequence_parallel: bool) -> dict[str, str]:
+        return linear_plan(self, "", style) if isinstance(self, nn.Sequential) else {}
+
+    def context_parallel_plan(self, cp: int, style: str, tp: int = 1) -> dict[str, str]:
+        return {}
+
+    def expert_parallel_plan(self, ep: int) -> dict[str, str]:
+        return {}
+
+    def tensor_rank(self, rank: int, size: int) -> None:
+        raise ConfigError(f"tensor-parallel plan: {type(self).__name__} is tensor_rank but has no "
+                          f"tensor_rank(rank, size) method")
+
+
+class SplitEmbedding(nn.Module):
+    """A ``sequence_embedding`` module: its token rows come from ``tok`` (which tensor parallel splits by
+    vocabulary) and its forward places them (scale, positions) at ``part x rows`` onwards -- 0 on one
+    process; under sequence parallel ``tok`` returns this rank's piece of the sequence and ``part`` is the
+    rank, so the family's own forward gives that piece's positions."""
+
+    part: int = 0
+
+
+class SequenceStatistics(nn.Module):
+    """A module that computes statistics of whole sequences (a mixture of experts' routing counts): where a
+    parallelism splits a sequence (context, sequence parallel) it sets ``sequence_group`` to the ranks
+    holding the other parts, over which the module completes them, and ``sequence_grad`` to how its
+    parameters' gradients are reduced there ("sum" under sequence parallel)."""
+
+    sequence_group = None
+    sequence_grad = "mean"
+
+
+def _reduce_ex(self, protocol):
+    """Pickled as the class it was before :func:`contract` (an adopted class is made at run time and
+    cannot be found by name), adopted again when loaded."""
+    plain = object.__new__(type(self).__mro__[1])
+    plain.__dict__.update(self.__dict__)
+    return contract, (plain,)
+
+
+def linear_plan(container: nn.Sequential, prefix: str, style: str, keep_last: bool = True) -> dict[str, str]:
+    """The plan of the ``nn.Linear`` layers of ``container`` (named ``prefix.i``), with only
+    element-wise layers between them. Megatron: consecutive Linears pair up as (``colwise``,
+    ``rowwise``): one all-reduce per pair forward; naive: each Linear ``colwise_gather``. With
+    ``keep_last`` the last Linear that is left over -- a classifier head -- stays whole."""
+    linears = [i for i, m in enumerate(container) if isinstance(m, nn.Linear)]
+    name = (lambda i: f"{prefix}.{i}") if prefix else str
+    if style == "megatron":
+        pairs = list(zip(linears[0::2], linears[1::2]))
+        return {k: v for a, b in pairs for k, v in ((name(a), "colwise"), (name(b), "rowwise"))}
+    return {name(i): "colwise_gather" for i in (linears[:-1] if keep_last else linears)}
+
+
+
+_ADOPTED: dict[type, type] = {}
+
+
+def contract(module: nn.Module) -> nn.Module:
+    """``module`` as a :class:`ModelContract` -- itself where it is one, else the same object with its class
+    given the base after its own (its own methods first, the defaults for the rest); idempotent."""
+    if isinstance(module, ModelContract):
+        return module
+    cls = type(module)
+    if cls not in _ADOPTED:
+        _ADOPTED[cls] = type(cls.__name__, (cls, ModelContract), {"__module__": cls.__module__,
+                                                                   "__qualname__": cls.__qualname__,
+                                                                   "__reduce_ex__": _reduce_ex})
+    module.__class__ = _ADOPTED[cls]
+    return module
+
+
+def declares(module: nn.Module, member: str) -> bool:
+    """Whether ``module``'s own class (not the base) defines ``member`` -- a plan it wrote, not the default."""
+    return any(member in vars(k) for k in type(contract(module)).__mro__ if k is not ModelContract and k is not object)
+
+
+__all__ = ["ModelContract", "SequenceStatistics", "SplitEmbedding", "contract", "declares", "linear_plan"]
