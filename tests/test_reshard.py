@@ -195,7 +195,7 @@ def test_export_writes_the_whole_model_and_init_from_starts_from_it(tmp_path, ex
 
 def test_export_and_init_from_refuse_bad_input_in_one_line(refused_here, run_cli, tmp_path):
     proc = refused_here("export", "nowhere", "-o", "m.pt")
-    assert proc.returncode == 2 and "error: snapshot nowhere: no snapshot there" in proc.stderr
+    assert proc.returncode == 2 and "error: nowhere: no run directory, snapshot or model file there" in proc.stderr
     assert proc.stderr.count("\n") == 1 and not (tmp_path / "m.pt").exists()
     torch.save({"not": "tensors", "code": print}, tmp_path / "evil.pt")  # weights_only refuses the function
     proc = refused_here("train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--max-steps", "1",

@@ -66,6 +66,31 @@ class ByteTokenizer:
         return None
 
 
+class IdsTokenizer:
+    """No tokenizer, the ids themselves (a corpus of token ids without its tokenizer, nanoGPT's train.bin):
+    the text is ids separated by white space, each below ``vocab_size``."""
+
+    spec = "ids"
+    sha256 = None
+    learned = 0
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def encode(self, data: bytes) -> np.ndarray:
+        words = data.decode("utf-8", errors="replace").split()
+        if not all(w.isdigit() and int(w) < self.vocab_size for w in words):
+            raise ConfigError(f"this model reads token ids (its run's corpus has no tokenizer): give --prompt as ids "
+                              f"below {self.vocab_size:,} separated by spaces, e.g. --prompt '464 2068'")
+        return np.asarray([int(w) for w in words], dtype=np.int64)
+
+    def decode(self, ids) -> str:
+        return "".join(f" {int(i)}" for i in ids)
+
+    def to_json(self) -> None:
+        return None
+
+
 class BPETokenizer:
     """A byte-level BPE of ``vocab_size`` tokens (Hugging Face ``tokenizers``), saved as its JSON."""
 
@@ -207,4 +232,4 @@ def load(path: str) -> ByteTokenizer | BPETokenizer:
     return BPETokenizer.from_json(text, where=f"--tokenizer {path}")
 
 
-__all__ = ["BYTES", "BPETokenizer", "ByteTokenizer", "HFTokenizer", "is_pretrained", "build", "load", "parse", "train_bpe", "train_bpe_lines", "vocab_size"]
+__all__ = ["BYTES", "BPETokenizer", "ByteTokenizer", "HFTokenizer", "IdsTokenizer", "is_pretrained", "build", "load", "parse", "train_bpe", "train_bpe_lines", "vocab_size"]

@@ -13,8 +13,10 @@ The whole model:
 =================================================  ================================================================
 member                                             default, and what it means
 =================================================  ================================================================
-``block_size``                                     0: the longest sequence the model reads (a language model's
-                                                   context; 0: it does not read sequences)
+``block_size``                                     0: the sequence length the model is trained on (a language
+                                                   model's window; 0: it does not read sequences)
+``context``                                        0: the longest sequence it can read (its positions: a
+                                                   checkpoint's ``max_position_embeddings``); 0: its block size
 ``decode(idx, cache, start)``                      generation with a key/value cache; refused by default
 ``cacheable``                                      False: whether :meth:`decode` gives what the whole window gives
 ``kv_share(tp)``                                   None: the share of the key/value heads one of ``tp`` ranks holds
@@ -54,6 +56,7 @@ class ModelContract:
     """The members of the module docstring, each with its default; a family overrides what is its own."""
 
     block_size: int = 0
+    context: int = 0
     cacheable: bool = False
     causal: bool = True
     reads_positions: bool = False

@@ -201,10 +201,11 @@ class Decoder(ModelContract, nn.Sequential):
     residual: tuple[str, ...] = ()
 
     def __init__(self, embedding: Embedding, blocks, head: Head, *, block_size: int, n_head: int, kv_heads: int,
-                 n_embd: int, moe: dict | None = None, tie_embeddings: bool = False):
+                 n_embd: int, moe: dict | None = None, tie_embeddings: bool = False, context: int | None = None):
         blocks = list(blocks)
         super().__init__(embedding, *blocks, head)
         self.block_size, self.n_layer, self.n_head, self.kv_heads = block_size, len(blocks), n_head, kv_heads
+        self.context = max(context or block_size, block_size)  # the longest sequence it reads; it trains on block_size
         self.n_embd, self.tie_embeddings = n_embd, tie_embeddings
         self.moe_options = dict(moe or {})
         self.experts = self.moe_options.get("experts", 0)
@@ -246,8 +247,8 @@ class Decoder(ModelContract, nn.Sequential):
         return self[-1](x), new
 
     def snapshot_record(self) -> dict:
-        """The sizes a snapshot of this model must agree on."""
-        return self.record()
+        """The sizes a snapshot of this model must agree on (its context where it is not its block size)."""
+        return {**self.record(), **({"context": self.context} if self.context != self.block_size else {})}
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token, forward and backward (PaLM's count, nanoGPT's ``estimate_mfu``): 6 x the

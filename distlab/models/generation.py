@@ -87,16 +87,34 @@ def stream(model: GPT, prompt: str, max_new_tokens: int, temperature: float = 1.
     """The text after ``prompt``, piece by piece as it is sampled (``"".join`` of it is what
     :func:`generate` appends): a token is given out as soon as it completes a character, so a long
     generation shows from its first token. Memory stays that of one context window."""
-    if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
-        raise ConfigError("--temperature must be at least 0, --top-k at least 1 and --top-p in (0, 1]")
     eos = getattr(tokenizer, "eos", None)
     stops = getattr(tokenizer, "stops", None) or ({eos} if eos is not None else set())
     tokenizer = tokenizer or tokenizers.ByteTokenizer()
     ids = tokenizer.encode(prompt.encode("utf-8")).tolist() or tokenizer.encode(b"\n").tolist()
-    generator = torch.Generator().manual_seed(seed)
-    window = torch.tensor([ids[-model.block_size:]], dtype=torch.long)
     pending: list[int] = []
-    cached = contract(model).cacheable and use_cache
+    for nxt in sample_ids(model, ids, max_new_tokens, temperature, top_k, seed, use_cache, top_p, stops):
+        pending.append(nxt)
+        text = tokenizer.decode(pending)
+        if not text.endswith("\ufffd") or len(pending) >= HELD_TOKENS:  # a character cut in two waits for its rest
+            yield text
+            pending = []
+    if pending:
+        yield tokenizer.decode(pending)
+
+
+@torch.no_grad()
+def sample_ids(model, ids: list[int], max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+               seed: int = 0, use_cache: bool = True, top_p: float | None = None, stops=frozenset()):
+    """The token ids that follow ``ids``, one at a time, until ``max_new_tokens`` or a token of ``stops`` (not
+    given out). The window is the model's context (``model.context``, else its ``block_size``): past it the
+    oldest tokens slide out."""
+    if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
+        raise ConfigError("--temperature must be at least 0, --top-k at least 1 and --top-p in (0, 1]")
+    model = contract(model)
+    context = model.context or model.block_size
+    generator = torch.Generator().manual_seed(seed)
+    window = torch.tensor([ids[-context:]], dtype=torch.long)
+    cached = model.cacheable and use_cache
     cache, fed = None, 0  # the key/value cache holds the window's first `fed` tokens
     for _ in range(max_new_tokens):
         if not cached:
@@ -122,15 +140,9 @@ def stream(model: GPT, prompt: str, max_new_tokens: int, temperature: float = 1.
                 probs = probs.scatter(0, order, ranked.masked_fill(drop, 0.0))
             nxt = int(torch.multinomial(probs, 1, generator=generator))
         if nxt in stops:  # the model's end of sequence (or of its turn): the text is complete
-            break
+            return
         grown = torch.cat([window, torch.tensor([[nxt]])], dim=1)
-        if grown.shape[1] > model.block_size:  # the window slides: the cache's positions no longer hold
-            grown, cache = grown[:, -model.block_size:], None
+        if grown.shape[1] > context:  # the window slides: the cache's positions no longer hold
+            grown, cache = grown[:, -context:], None
         window = grown
-        pending.append(nxt)
-        text = tokenizer.decode(pending)
-        if not text.endswith("\ufffd") or len(pending) >= HELD_TOKENS:  # a character cut in two waits for its rest
-            yield text
-            pending = []
-    if pending:
-        yield tokenizer.decode(pending)
+        yield nxt

@@ -36,7 +36,7 @@ class GPT(Decoder):
     def __init__(self, vocab: int, block_size: int, n_layer: int = 2, n_head: int = 4, n_embd: int = 128,
                  experts: int = 0, top_k: int = 2, capacity_factor: float | None = None, aux_coef: float = 0.01,
                  drop_policy: str = "position", qkv_bias: bool = False, gelu: str = "exact",
-                 tie_embeddings: bool = False):
+                 tie_embeddings: bool = False, context: int | None = None):
         for name, value in (("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd), ("block_size", block_size)):
             if value < 1:
                 raise ValueError(f"{name} must be positive, not {value}")
@@ -54,9 +54,10 @@ class GPT(Decoder):
                              nn.Linear(n_embd, 4 * n_embd), nn.GELU(approximate=approximate),
                              nn.Linear(4 * n_embd, n_embd)))
 
-        super().__init__(Embedding(vocab, n_embd, positions=block_size), (block() for _ in range(n_layer)),
+        positions = max(context or block_size, block_size)  # the position table: the model's whole context
+        super().__init__(Embedding(vocab, n_embd, positions=positions), (block() for _ in range(n_layer)),
                          Head(nn.LayerNorm(n_embd), n_embd, vocab), block_size=block_size, n_head=n_head,
-                         kv_heads=n_head, n_embd=n_embd, moe=moe, tie_embeddings=tie_embeddings)
+                         kv_heads=n_head, n_embd=n_embd, moe=moe, tie_embeddings=tie_embeddings, context=positions)
         # GPT-2's own choices, recorded only when made (a snapshot of before they existed still resumes)
         self.choices = {k: v for k, v in (("qkv_bias", qkv_bias), ("gelu", gelu), ("tie_embeddings", tie_embeddings))
                         if v != {"gelu": "exact"}.get(k, False)}
@@ -85,8 +86,13 @@ class GPTOptions(Options):
     gelu: str = option("exact", "gpt: the MLP's GELU, exact or tanh (GPT-2's approximation, its gelu_new).")
     tie_embeddings: bool = option(False, "gpt, llama: the LM head reuses the token embedding's matrix (GPT-2's, "
                                   "Llama 3.2 1B and 3B's, Qwen2's up to 1.5B).")
+    context: int | None = option(None, "gpt, llama: the model's own context, the longest sequence it reads "
+                                 "(GPT's position table; a checkpoint's max_position_embeddings), at least "
+                                 "--block-size, the window it trains on (default: --block-size).")
 
     def check(self) -> None:
+        if self.context is not None and self.context < 1:
+            raise ConfigError(f"`context` must be at least 1, not {self.context}")
         for name in ("n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"`{name}` must be at least 1, not {getattr(self, name)}")
@@ -113,7 +119,7 @@ class GPTMoEOptions(ExpertOptions, GPTOptions):
 
 def _build(shape, vocab, o: GPTOptions) -> GPT:
     return GPT(vocab, shape[0], o.n_layer, o.n_head, o.n_embd, **o.experts_options(), qkv_bias=o.qkv_bias, gelu=o.gelu,
-               tie_embeddings=o.tie_embeddings)
+               tie_embeddings=o.tie_embeddings, context=o.context)
 
 
 register(ModelSpec("gpt", _build, GPTOptions, text=True))

@@ -122,7 +122,8 @@ class HFLlama(HFAdapter):
                                kv_heads=config.get("num_key_value_heads") or heads, n_embd=width,
                                ffn_hidden=config["intermediate_size"], rope_theta=float(theta),
                                norm_eps=float(config.get("rms_norm_eps", 1e-6)), qkv_bias=qwen,
-                               tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+                               tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+                               context=int(config.get("max_position_embeddings") or 0) or None)
         return options, int(config["vocab_size"])
 
     @classmethod
@@ -134,7 +135,8 @@ class HFLlama(HFAdapter):
                 "hidden_size": options.n_embd, "intermediate_size": options.hidden,
                 "num_hidden_layers": options.n_layer, "num_attention_heads": options.n_head,
                 "num_key_value_heads": options.kv_heads, "head_dim": options.n_embd // options.n_head,
-                "hidden_act": "silu", "max_position_embeddings": block_size, "rms_norm_eps": options.norm_eps,
+                "hidden_act": "silu", "max_position_embeddings": options.context or block_size,
+                "rms_norm_eps": options.norm_eps,
                 "rope_theta": options.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": options.rope_theta},
                 "rope_scaling": None, **({} if options.qkv_bias else {"attention_bias": False, "mlp_bias": False}),
                 "tie_word_embeddings": options.tie_embeddings,
@@ -217,15 +219,17 @@ class HFGPT2(HFAdapter):
                 raise ConfigError(f"{where}: {what}: distlab would compute another model; it reads GPT-2 configs "
                                   f"without it")
         options = dict(n_layer=config["n_layer"], n_head=config["n_head"], n_embd=width, qkv_bias=True,
-                             gelu="exact" if act == "gelu" else "tanh",
-                             tie_embeddings=bool(config.get("tie_word_embeddings", True)))
+                       gelu="exact" if act == "gelu" else "tanh",
+                       tie_embeddings=bool(config.get("tie_word_embeddings", True)),
+                       context=int(config.get("n_positions") or config.get("n_ctx") or 0) or None)
         return options, int(config["vocab_size"])
 
     @classmethod
     def config_for(cls, options, vocab: int, block_size: int) -> dict:
         """The ``config.json`` of a ``GPT2LMHeadModel`` computing what ``gpt`` with ``options`` computes."""
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab,
-                "n_positions": block_size, "n_ctx": block_size, "n_embd": options.n_embd, "n_layer": options.n_layer,
+                "n_positions": options.context or block_size, "n_ctx": options.context or block_size,
+                "n_embd": options.n_embd, "n_layer": options.n_layer,
                 "n_head": options.n_head, "n_inner": None,
                 "activation_function": "gelu_new" if options.gelu == "tanh" else "gelu", "layer_norm_epsilon": 1e-5,
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,

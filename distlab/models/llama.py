@@ -62,7 +62,7 @@ class Llama(Decoder):
     def __init__(self, vocab: int, block_size: int, n_layer: int = 2, n_head: int = 4, kv_heads: int = 2,
                  n_embd: int = 128, ffn_hidden: int | None = None, rope_theta: float = 10000.0,
                  norm_eps: float = 1e-5, qkv_bias: bool = False, moe: dict | None = None,
-                 tie_embeddings: bool = False):
+                 tie_embeddings: bool = False, context: int | None = None):
         hidden = ffn_hidden or default_hidden(n_embd)
 
         def mlp() -> nn.Module:
@@ -76,7 +76,7 @@ class Llama(Decoder):
                         nn.RMSNorm(n_embd, eps=norm_eps), mlp()) for _ in range(n_layer))
         super().__init__(Embedding(vocab, n_embd), blocks, Head(nn.RMSNorm(n_embd, eps=norm_eps), n_embd, vocab),
                          block_size=block_size, n_head=n_head, kv_heads=kv_heads, n_embd=n_embd, moe=moe,
-                         tie_embeddings=tie_embeddings)
+                         tie_embeddings=tie_embeddings, context=context)
         self.ffn_hidden, self.rope_theta, self.norm_eps, self.qkv_bias = hidden, rope_theta, norm_eps, qkv_bias
 
     def record(self) -> dict:
@@ -116,8 +116,13 @@ class LlamaOptions(Options):
     qkv_bias: bool = option(False, "gpt, llama: biases on the query, key and value projections (GPT-2's, Qwen2's).")
     tie_embeddings: bool = option(False, "gpt, llama: the LM head reuses the token embedding's matrix (GPT-2's, "
                                   "Llama 3.2 1B and 3B's, Qwen2's up to 1.5B).")
+    context: int | None = option(None, "gpt, llama: the model's own context, the longest sequence it reads "
+                                 "(GPT's position table; a checkpoint's max_position_embeddings), at least "
+                                 "--block-size, the window it trains on (default: --block-size).")
 
     def check(self) -> None:
+        if self.context is not None and self.context < 1:
+            raise ConfigError(f"`context` must be at least 1, not {self.context}")
         for name in ("n_layer", "n_head", "kv_heads", "n_embd"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"`{name}` must be at least 1, not {getattr(self, name)}")
@@ -153,7 +158,7 @@ class LlamaMoEOptions(ExpertOptions, LlamaOptions):
 def _build(shape, vocab, o: LlamaOptions) -> Llama:
     moe = o.experts_options() if isinstance(o, LlamaMoEOptions) else None
     return Llama(vocab, shape[0], o.n_layer, o.n_head, o.kv_heads, o.n_embd, o.ffn_hidden, o.rope_theta, o.norm_eps,
-                 o.qkv_bias, moe, o.tie_embeddings)
+                 o.qkv_bias, moe, o.tie_embeddings, o.context)
 
 
 register(ModelSpec("llama", _build, LlamaOptions, text=True, summary="rotary, RMSNorm, SwiGLU, grouped-query"))

@@ -175,7 +175,7 @@ def drill_reshard(job: _Job, straight) -> dict | None:
         straight = job.result("straight")
     job.run("resharded", env={"DISTLAB_TERM_AGENT_AT_STEP": f"{job.world - 1}:{job.fault_step}"})
     job.run("resharded", ["--resume", "auto"], world=to, fresh=False)
-    from distlab.train.export import whole_state
+    from distlab.train.loading import whole_state
     summary, _, losses = job.result("resharded")
     a, _ = whole_state(straight[0]["snapshot"])
     b, _ = whole_state(summary["snapshot"])

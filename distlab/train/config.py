@@ -234,6 +234,10 @@ class TrainConfig:
         _at_least("block_size", self.block_size, 1)
         self._check_options()
         self._check_pretrained()
+        context = self.options.to_dict().get("context") if self.options is not None else None
+        if context and self.block_size > context:
+            raise ConfigError(f"`block_size` {self.block_size} is longer than the model's `context` {context}: "
+                              f"train on windows of at most {context} tokens, or give the model a longer context")
         if self.vocab_size is not None:
             self._check_vocab_size()
         if self.sample_every and not is_text(self.dataset):

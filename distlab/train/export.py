@@ -28,63 +28,9 @@ from torch import nn
 
 from distlab.errors import ConfigError, first_line, with_article
 from distlab.models.plans import with_tied
-from distlab.train import reshard, snapshot, snapshot_load
+from distlab.train import loading
+from distlab.train.loading import read_state
 from distlab.train.metrics import atomic_write_text
-from distlab.train.snapshot import SnapshotError
-
-
-def whole_state(path: str | Path, best: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
-    """The whole model's ``state_dict`` in snapshot ``path`` (``best``: the best validation model), and its meta."""
-    path = Path(path)
-    snapshot_load.check_path(path, "snapshot")
-    meta = snapshot.read_meta(path)
-    payloads = [snapshot_load.load_rank_file(path, meta, r) for r in range(len(meta["files"]))]
-    key = "best_model" if best else "model"
-    if not any(key in p for p in payloads):
-        raise SnapshotError(f"snapshot {path} holds no best validation model (the run had no --val-fraction)")
-    if any("placement" not in p for p in payloads):
-        if len(payloads) == 1 or not _sharded(meta):
-            return dict(payloads[0][key]), meta  # one replicated model: rank 0's is the whole one
-        raise SnapshotError(f"snapshot {path} was written before snapshots recorded where each tensor sits, by a "
-                            f"sharded layout: resume it with the settings that wrote it and snapshot again")
-    try:
-        return reshard.full_model(payloads, key), meta
-    except reshard.ReshardError as exc:
-        raise SnapshotError(f"snapshot {path}: {exc}") from None
-    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:  # checksums fine, contents not
-        raise snapshot.DamagedSnapshot(f"snapshot {path} is damaged: its {key.replace('_', ' ')} cannot be put "
-                                       f"together from its rank files ({type(exc).__name__}: {first_line(exc, 120)})"
-                                       ) from None
-
-
-def _sharded(meta: dict) -> bool:
-    strategy = meta.get("strategy") or {}
-    return bool(strategy.get("zero")) or strategy.get("tp", 1) > 1 or strategy.get("pp", 1) > 1
-
-
-FINAL_MODEL = "model.safetensors"  # a text model's run without snapshots leaves its final model here, in OUT
-
-
-def run_source(path: str | Path, best: bool = False) -> tuple[str, Path]:
-    """What a run directory (one with ``summary.json`` and no ``meta.json``) holds a model in: its last
-    snapshot (``("snapshot", dir)``), else the final model it wrote (``("file", OUT/model.safetensors)``);
-    a snapshot directory or a model file as given. A run with neither is one line saying how to get one."""
-    path = Path(path)
-    if not (path.is_dir() and (path / "summary.json").is_file() and not (path / "meta.json").is_file()):
-        return ("file" if path.is_file() else "snapshot"), path
-    try:
-        summary = json.loads((path / "summary.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"run {path}: its summary.json cannot be read ({first_line(exc, 120)})") from None
-    where = summary.get("snapshot") if isinstance(summary, dict) else None
-    if isinstance(where, str) and Path(where).is_dir():
-        return "snapshot", Path(where)
-    if (path / FINAL_MODEL).is_file() and not best:
-        return "file", path / FINAL_MODEL
-    raise ConfigError(f"run {path} kept no model: it wrote no snapshot and no {FINAL_MODEL} (a language model's "
-                      f"run without --snapshot-dir writes one at its end); run it again with --snapshot-dir DIR, whose "
-                      f"snapshots hold the model" if not best else
-                      f"run {path} kept no snapshot, so no best validation model: run it with --snapshot-dir")
 
 
 def write_state(state: dict[str, torch.Tensor], meta: dict, out: str | Path) -> dict:
@@ -137,16 +83,7 @@ def export(path: str | Path, out: str | Path, best: bool = False, fmt: str = "au
     """Write the whole model of ``path`` -- a snapshot, or a run directory (its last snapshot, else the
     final model it wrote) -- to ``out`` (atomically); returns what was written. ``fmt`` ``hf``: a
     Hugging Face directory ``out`` (:func:`export_hf`)."""
-    kind, source = run_source(path, best)
-    if kind == "snapshot":
-        state, meta = whole_state(source, best)
-    else:
-        state, meta = read_state(str(source), what="the model file")
-        meta = {k: int(v) if isinstance(v, str) and v.isdigit() else v for k, v in meta.items()}  # as recorded
-        beside = source.with_name("tokenizer.json") if source.name == FINAL_MODEL else \
-            source.with_name(source.name + ".tokenizer.json")
-        if beside.is_file():
-            meta = {**meta, "tokenizer_json": beside.read_text(encoding="utf-8")}
+    state, meta, _ = loading.read(path, best)
     if fmt == "hf":
         return export_hf(state, meta, out)
     return write_state(state, meta, out)
@@ -242,37 +179,6 @@ def check_init(path: str | None) -> None:
 
 def _read_init(path: str, mmap: bool = False) -> dict:
     return read_state(path, mmap)[0]
-
-
-def read_state(path: str, mmap: bool = False, what: str = "`init_from`") -> tuple[dict, dict]:
-    """A whole-model ``state_dict`` file, read safely (tensors only), and what it records of the model
-    (a ``.safetensors`` export's metadata: ``model``, ``step``, ``n_head`` ...; empty for ``.pt``).
-    ``what`` names the file in messages (the flag or argument it came from)."""
-    if not Path(path).is_file():
-        raise ConfigError(f"{what} {path}: no such file (give a whole-model state_dict, e.g. one "
-                          f"`distlab export SNAPSHOT -o model.pt` wrote)")
-    meta = {}
-    try:
-        if _safetensors(path):  # memory-mapped by design, and tensors only
-            from safetensors import safe_open
-            from safetensors.torch import load_file
-            state = load_file(path)
-            with safe_open(path, "pt") as f:
-                meta = dict(f.metadata() or {})
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not loadable"
-        why = (snapshot_load.refusal(exc) if not _safetensors(path) else f"{type(exc).__name__}: {first_line(exc, 200)}") \
-            if Path(path).stat().st_size else "the file is empty"
-        raise ConfigError(f"{what} {path} cannot be loaded safely as a state_dict ({why})") from None
-    if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
-        kind = type(state).__name__ if not isinstance(state, dict) else "dict with other values than tensors"
-        raise ConfigError(f"{what} {path} holds {with_article(kind)}, not a state_dict (names to tensors)")
-    for key, tensor in state.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise ConfigError(f"{what} {path}: {key} holds non-finite values (nan or inf): a run from it "
-                              f"would train nothing; export a good snapshot instead")
-    return state, meta
 
 
 def load_init(model: nn.Module, path: str) -> None:

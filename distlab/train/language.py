@@ -9,7 +9,8 @@ import torch
 
 from distlab.models import build_model, is_user_model
 from distlab.models.plans import assign_state
-from distlab.train.export import FINAL_MODEL, write_state
+from distlab.train.export import write_state
+from distlab.train.loading import FINAL_MODEL
 from distlab.train.snapshot import broadcast_object
 
 
