@@ -314,3 +314,41 @@ def test_chat_records_are_rendered_by_the_models_template_as_transformers_render
     assert x[0, :len(prompt)].tolist() == prompt and x[0, 0] == tok.token_to_id("<s>")
     with pytest.raises(ConfigError, match="are rendered by a model's chat template: give --tokenizer hf:DIR"):
         load_dataset(f"sft:{records}", "train", block_size=128)
+
+
+def test_a_text_starts_with_the_tokenizers_begin_token_as_transformers_tokenizes_it(tmp_path, run_cli, refused_here):
+    """A tokenizer whose post-processor puts <s> before a text (Llama's, Mistral's): generate's prompt, an SFT
+    prompt and every prepared document start with it, so distlab generate prints transformers' greedy text
+    for tokenizer(prompt) -- it never added it; a checkpoint with its own tokenizer given bytes is refused."""
+    from tokenizers import Tokenizer, processors
+    from distlab.data import load_dataset
+    from distlab.data.prepare import prepare
+    from distlab.data.tokenizer import HFTokenizer
+    _saved("LlamaForCausalLM", tmp_path / "m", vocab_size=320)
+    _tokenizer_dir(tmp_path / "m")
+    tok = Tokenizer.from_file(str(tmp_path / "m" / "tokenizer.json"))
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tok.save(str(tmp_path / "m" / "tokenizer.json"))
+    assert HFTokenizer.from_dir(str(tmp_path / "m")).begin == (bos,)
+    mine = run_cli("generate", f"hf:{tmp_path / 'm'}", "--prompt", "the fox", "--temperature", "0",
+                   "--max-new-tokens", "6", check=True).stdout
+    transformers = _transformers()
+    theirs_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "m"))
+    ids = theirs_tok("the fox", return_tensors="pt")["input_ids"]
+    assert ids[0, 0] == bos
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "m")).eval()
+    out = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=theirs_tok.eos_token_id)[0, ids.shape[1]:]
+    assert mine == "the fox" + theirs_tok.decode(out.tolist(), skip_special_tokens=True) + "\n"
+    (tmp_path / "qa.jsonl").write_text("".join(json.dumps({"prompt": f"the fox {i}", "completion": " dog"}) + "\n"
+                                               for i in range(10)))
+    x, _ = load_dataset(f"sft:{tmp_path / 'qa.jsonl'}", "train", block_size=32,
+                        tokenizer=f"hf:{tmp_path / 'm'}").batch(torch.arange(2))
+    assert x[:, 0].tolist() == [bos, bos]
+    (tmp_path / "corpus.txt").write_text("\n\n".join(f"the fox {i}" for i in range(12)) + "\n")
+    manifest = prepare(tmp_path / "corpus.txt", tmp_path / "tok", f"hf:{tmp_path / 'm'}", progress=False)
+    train = np.fromfile(tmp_path / "tok" / "train.bin", dtype=manifest["dtype"])
+    assert train[0] == bos and int((train == bos).sum()) == manifest["splits"]["train"]["documents"]
+    proc = refused_here("train", "--init-from", f"hf:{tmp_path / 'm'}", "--dataset", "synthetic-text:2000",
+                        "--block-size", "16")
+    assert f"give --tokenizer hf:{tmp_path / 'm'}" in proc.stderr and proc.stderr.count("\n") == 1

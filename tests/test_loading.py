@@ -116,3 +116,55 @@ def test_every_family_loads_from_every_source_as_the_same_model(tmp_path):
         first = logits["snapshot"]
         assert len(logits) == (4 if name in ("gpt", "llama", "gpt2-hf", "qwen2-hf") else 3), name
         assert all(torch.equal(first, other) for other in logits.values()), name
+
+
+def _chat_llama(directory):
+    """A bf16 Llama checkpoint with a chat model's tokenizer: bos 0, ends of text and of turn [1, 2], a chat
+    template, a generation_config.json listing both ends."""
+    from tests.test_sft import chat_model
+    chat_model(directory)
+    torch.manual_seed(0)
+    transformers = _transformers()
+    config = transformers.LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=96, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      bos_token_id=0, eos_token_id=[1, 2], tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+
+
+def test_an_export_ships_what_its_checkpoint_said_and_never_mixes_with_another(run_cli, tmp_path):
+    """A chat fine-tune of a bf16 checkpoint exported with --format hf: its bos/eos ids in config.json, its
+    generation_config.json, its tokenizer's tokenizer_config.json (the chat template) and bf16 weights come out
+    (they were dropped: transformers fell back to Llama 2's eos and never stopped, generate --chat refused the
+    export, the weights came back float32); --dtype float32 on demand; an OUT that holds files, or lies in a
+    snapshot, is refused in one line and left as it was (the export wrote beside another model's shards)."""
+    from safetensors import safe_open
+    from tests.test_sft import _chats
+    _chat_llama(tmp_path / "in")
+    spec = _chats(tmp_path / "chat.jsonl")
+    run_cli("train", "--init-from", f"hf:{tmp_path / 'in'}", "--tokenizer", f"hf:{tmp_path / 'in'}", "--dataset",
+            spec, "--block-size", "40", "--global-batch-size", "4", "--max-steps", "1", "--lr", "1e-30",
+            "--no-progress", "--snapshot-dir", str(tmp_path / "s"), "--out", str(tmp_path / "run"), check=True)
+    run_cli("export", str(tmp_path / "run"), "-o", str(tmp_path / "out"), "--format", "hf", check=True)
+    out, original = tmp_path / "out", tmp_path / "in"
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["dtype"]) == (0, [1, 2], "bfloat16")
+    assert (out / "generation_config.json").read_text() == (original / "generation_config.json").read_text()
+    assert json.loads((out / "tokenizer_config.json").read_text()) == \
+        json.loads((original / "tokenizer_config.json").read_text())
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    reply = run_cli("generate", f"hf:{out}", "--chat", "--prompt", "the fox?", "--temperature", "0",
+                    "--max-new-tokens", "3", check=True)
+    assert reply.returncode == 0
+    run_cli("export", str(tmp_path / "run"), "-o", str(tmp_path / "wide"), "--format", "hf", "--dtype", "float32",
+            check=True)
+    with safe_open(str(tmp_path / "wide" / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+    before = sorted(p.name for p in original.iterdir())
+    proc = run_cli("export", str(tmp_path / "run"), "-o", str(original), "--format", "hf")
+    assert proc.returncode == 2 and "already holds" in proc.stderr and proc.stderr.count("\n") == 1
+    assert sorted(p.name for p in original.iterdir()) == before
+    snapshot = next((tmp_path / "s").glob("step-*"))
+    proc = run_cli("export", str(tmp_path / "run"), "-o", str(snapshot / "hf"), "--format", "hf")
+    assert proc.returncode == 2 and "lies inside snapshot" in proc.stderr and not (snapshot / "hf").exists()
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # nothing half-written left beside

@@ -148,7 +148,10 @@ def train(config_file, trust_config, **kw):
 @click.option("--format", "fmt", type=click.Choice(["auto", "hf"]), default="auto", show_default=True,
               help="auto: by OUT's suffix; hf: a Hugging Face directory (config.json, safetensors shards with an "
                    "index, the run's tokenizer.json) that transformers' from_pretrained loads.")
-def export(snapshot_path, out, best, fmt):
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="With --format hf: the weights' dtype (default: the checkpoint's own where the run started from "
+                   "one, else float32).")
+def export(snapshot_path, out, best, fmt, dtype):
     """Write a snapshot's whole model (any layout, shards put back together) as one state_dict file; a
     run directory gives its last snapshot, or the final model a language model's run leaves there.
 
@@ -157,10 +160,10 @@ def export(snapshot_path, out, best, fmt):
     """
     from distlab.train.export import export as write
 
-    info = write(snapshot_path, out, best, fmt)
+    info = write(snapshot_path, out, best, fmt, dtype)
     if fmt == "hf":
         click.echo(f"wrote {info['out']}: {info['model']} at step {info['step']}, {info['tensors']} tensors, "
-                   f"{info['parameters']:,} parameters ({', '.join(info['files'])})")
+                   f"{info['parameters']:,} parameters in {info['dtype']} ({', '.join(info['files'])})")
         click.echo(f"load it: transformers.AutoModelForCausalLM.from_pretrained({info['out']!r})")
         return
     ranks = f" ({info['world_size']} ranks)" if info.get("world_size") else ""
@@ -200,7 +203,7 @@ def generate(source, prompt, max_new_tokens, temperature, top_k, seed, n_head, t
     text = chat_prompt(source, prompt) if chat else prompt
     click.echo(f"{where}: {sum(p.numel() for p in model.parameters()):,} parameters, {tokenizer.spec} tokens; "
                f"seed {seed}", err=True)
-    pieces = stream(model, text, max_new_tokens, temperature, top_k, seed, tokenizer, cache, top_p)
+    pieces = stream(model, text, max_new_tokens, temperature, top_k, seed, tokenizer, cache, top_p, begin=not chat)
     first = next(pieces, "")  # the settings are checked before anything is printed
     for piece in itertools.chain([("" if chat else prompt) + first], pieces):
         click.echo(piece, nl=False)

@@ -283,6 +283,8 @@ def _tokenize(root: Path, out: Path, tok, writers: dict, total: int, progress: b
             w = writers[split]
             if w.documents:
                 w.write(separator, 1)  # the blank line between documents
+            if tok.begin:  # what the tokenizer puts before a text (a pretrained model's BOS) starts each document
+                w.write(np.asarray(tok.begin, dtype=np.int64), 0)
             w.documents += 1
             batch, size = [], 0
             for line in doc:

@@ -124,6 +124,7 @@ def load_sft(spec: str, split: str, block_size: int, tokenizer: str = tokenizers
     cut = scored = empty = completion_tokens = completion_bytes = 0
     for n, record in enumerate(mine):
         head = tok.encode(record.prompt.encode("utf-8")).tolist()
+        head = head if record.chat else [*tok.begin, *head]  # a chat template writes its own BOS
         tail = tok.encode(record.completion.encode("utf-8")).tolist()
         tail += end_of(tok, record, tail)
         completion_tokens += len(tail)

@@ -55,6 +55,7 @@ class ByteTokenizer:
     spec = BYTES
     vocab_size = 256
     sha256 = None
+    begin: tuple[int, ...] = ()  # what starts a text (a pretrained tokenizer's BOS): nothing
 
     def encode(self, data: bytes) -> np.ndarray:
         return np.frombuffer(data, dtype=np.uint8).copy()
@@ -73,6 +74,7 @@ class IdsTokenizer:
     spec = "ids"
     sha256 = None
     learned = 0
+    begin: tuple[int, ...] = ()
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
@@ -93,6 +95,8 @@ class IdsTokenizer:
 
 class BPETokenizer:
     """A byte-level BPE of ``vocab_size`` tokens (Hugging Face ``tokenizers``), saved as its JSON."""
+
+    begin: tuple[int, ...] = ()
 
     def __init__(self, tokenizer, vocab_size: int):
         self._tok = tokenizer
@@ -140,6 +144,11 @@ class HFTokenizer(BPETokenizer):
                  eos_token: int | None = None):
         super().__init__(tokenizer, vocab_size)
         self.spec, self.eos = "hf", eos
+        # what the tokenizer's post-processor puts before a text (Llama's <|begin_of_text|>, Mistral's <s>): a
+        # text the model reads starts with it, as transformers' tokenizer(text) gives it
+        plain, special = (tokenizer.encode("a", add_special_tokens=flag).ids for flag in (False, True))
+        self.begin = next((tuple(special[:i]) for i in range(len(special) - len(plain) + 1)
+                           if special[i:i + len(plain)] == plain), ())
         self.eos_token = eos if eos_token is None else eos_token  # tokenizer_config.json's eos_token: a chat's end
         self.stops = stops | ({eos} if eos is not None else set())  # where generation ends (end of turn, of text)
 

@@ -83,14 +83,16 @@ HELD_TOKENS = 8  # a piece that does not decode to whole characters waits for at
 
 @torch.no_grad()
 def stream(model: GPT, prompt: str, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-           seed: int = 0, tokenizer=None, use_cache: bool = True, top_p: float | None = None):
+           seed: int = 0, tokenizer=None, use_cache: bool = True, top_p: float | None = None, begin: bool = True):
     """The text after ``prompt``, piece by piece as it is sampled (``"".join`` of it is what
     :func:`generate` appends): a token is given out as soon as it completes a character, so a long
-    generation shows from its first token. Memory stays that of one context window."""
+    generation shows from its first token. Memory stays that of one context window. The prompt starts
+    with what the tokenizer puts before a text (its BOS; ``begin`` False: a chat template wrote it)."""
     eos = getattr(tokenizer, "eos", None)
     stops = getattr(tokenizer, "stops", None) or ({eos} if eos is not None else set())
     tokenizer = tokenizer or tokenizers.ByteTokenizer()
-    ids = tokenizer.encode(prompt.encode("utf-8")).tolist() or tokenizer.encode(b"\n").tolist()
+    ids = tokenizer.encode(prompt.encode("utf-8")).tolist()
+    ids = [*(tokenizer.begin if begin else ()), *ids] or tokenizer.encode(b"\n").tolist()
     pending: list[int] = []
     for nxt in sample_ids(model, ids, max_new_tokens, temperature, top_k, seed, use_cache, top_p, stops):
         pending.append(nxt)

@@ -168,14 +168,6 @@ def context_of(config: dict) -> int:
     return int(config.get("max_position_embeddings") or config.get("n_positions") or 0)
 
 
-def fit_positions(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A learned position table longer than the model's context (a run with a shorter `block_size` than the
-    checkpoint's): its first rows, the positions the run uses."""
-    mine = model.state_dict()
-    return {k: v[:mine[k].shape[0]] if k.endswith("pos.weight") and k in mine and v.dim() == 2
-            and v.shape[0] > mine[k].shape[0] and v.shape[1] == mine[k].shape[1] else v for k, v in state.items()}
-
-
 def build(directory: str | Path, block_size: int | None = None):
     """The directory's model, built and holding its weights; and its record (family, options, vocab)."""
     from distlab.models import build_model
@@ -185,7 +177,7 @@ def build(directory: str | Path, block_size: int | None = None):
     with torch.device("meta"):
         model = build_model(name, (block,), vocab, options)
     mine = model.state_dict()
-    state = fit_positions(model, with_tied(model, state))  # a tied LM head: the checkpoint keeps the embedding only
+    state = with_tied(model, state)  # a tied LM head: the checkpoint keeps the embedding only
     missing, extra = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
     if missing or extra:
         raise ConfigError(f"hf:{directory} does not match its config: "
@@ -199,39 +191,113 @@ def build(directory: str | Path, block_size: int | None = None):
     return model, {"model": name, **options.to_dict(), "vocab": vocab, "block_size": block}
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CARRIED = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")  # with its tokenizer.json
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def carried(model_dir: str | None, tokenizer_dirs: list[str], tokenizer_sha: str | None) -> dict:
+    """What an export of a model started from Hugging Face directory ``model_dir`` must say again to be shipped:
+    its config's ``ids`` (bos/eos/pad token ids), its ``generation_config.json``, its storage ``dtype``; and the
+    ``files`` beside the run's tokenizer -- its tokenizer_config.json (chat template, special tokens),
+    special_tokens_map.json -- from the first of ``tokenizer_dirs`` whose tokenizer.json is the run's
+    (``tokenizer_sha``: its :attr:`~distlab.data.tokenizer.BPETokenizer.sha256`). Plain JSON values."""
+    import hashlib
+    out: dict = {"ids": {}, "files": {}, "dtype": None}
+    if model_dir:
+        config = config_of(model_dir)
+        out["ids"] = {k: config[k] for k in TOKEN_IDS if config.get(k) is not None}
+        dtype = config.get("torch_dtype") or config.get("dtype")
+        out["dtype"] = dtype if dtype in DTYPES else None
+        if (Path(model_dir) / "generation_config.json").is_file():
+            out["files"]["generation_config.json"] = (Path(model_dir) / "generation_config.json").read_text("utf-8")
+    for directory in tokenizer_dirs if tokenizer_sha else ():
+        path = Path(directory) / "tokenizer.json"
+        if not path.is_file():
+            continue
+        from tokenizers import Tokenizer
+        if hashlib.sha256(Tokenizer.from_file(str(path)).to_str().encode()).hexdigest() != tokenizer_sha:
+            continue
+        out["files"] |= {f: (Path(directory) / f).read_text("utf-8") for f in CARRIED if (Path(directory) / f).is_file()}
+        break
+    return out
+
+
+def check_out(out: str | Path) -> Path:
+    """``out`` for a new directory: refused in one line where it holds anything (files of another model would
+    be mixed with these and read in their place) or lies inside a snapshot (rotation deletes snapshots)."""
+    root = Path(out).resolve()
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"-o {out} is a file: give a new or empty directory for the Hugging Face checkpoint")
+    if root.is_dir() and any(root.iterdir()):
+        held = sorted(p.name for p in root.iterdir())
+        raise ConfigError(f"-o {out} already holds {len(held)} entr{'y' if len(held) == 1 else 'ies'} "
+                          f"({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): a checkpoint's files beside "
+                          f"another's would be read in their place; give a new or empty directory")
+    for parent in (root, *root.parents):
+        if (parent / "meta.json").is_file() and any(parent.glob("rank*")):
+            raise ConfigError(f"-o {out} lies inside snapshot {parent}, which a run deletes when it keeps newer "
+                              f"ones: give a directory outside the snapshots")
+    return root
+
+
 def write(state: dict[str, torch.Tensor], name: str, options, vocab: int, block_size: int, out: str | Path,
-          tokenizer_dir: str | Path | None = None, shard_bytes: int = SHARD_BYTES) -> Path:
-    """``state`` (a whole model's, distlab's names) as a Hugging Face directory ``out``: config.json,
-    safetensors shards (with an index when more than one), the tokenizer files found in ``tokenizer_dir``."""
+          tokenizer_dir: str | Path | None = None, shard_bytes: int = SHARD_BYTES, *, files: dict | None = None,
+          ids: dict | None = None, dtype: str = "float32") -> Path:
+    """``state`` (a whole model's, distlab's names) as a new Hugging Face directory ``out`` (:func:`check_out`):
+    config.json (with ``ids``: the checkpoint's bos/eos/pad token ids), safetensors shards in ``dtype`` (with an
+    index when more than one), the text ``files`` given (a tokenizer's tokenizer.json, tokenizer_config.json,
+    generation_config.json ...) and the tokenizer files found in ``tokenizer_dir``. Written into a
+    temporary directory beside ``out`` and renamed at the end: a kill mid-write leaves no ``out``."""
+    import os
+    import tempfile
+
     from safetensors.torch import save_file
     adapter = adapter_of(name)
-    root = Path(out)
-    root.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu") for k, v in state.items() if k not in adapter.tied(options)}
-    tensors = {k: v.contiguous() for k, v in adapter.to_theirs(state, options).items()}
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key in sorted(tensors):
-        nbytes = tensors[key].numel() * tensors[key].element_size()
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = tensors[key]
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(root / SINGLE), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(root / file), metadata={"format": "pt"})
-            weight_map.update({k: file for k in shard})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        (root / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                             indent=2) + "\n", encoding="utf-8")
-    config = adapter.config_for(options, vocab, block_size)
-    (root / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    for file in TOKENIZER_FILES if tokenizer_dir else ():
-        if (Path(tokenizer_dir) / file).is_file():
-            shutil.copyfile(Path(tokenizer_dir) / file, root / file)
-    return root
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype}: write float32, bfloat16 or float16")
+    final = check_out(out)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        state = {k: v.detach().to("cpu") for k, v in state.items() if k not in adapter.tied(options)}
+        tensors = {k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v).contiguous()
+                   for k, v in adapter.to_theirs(state, options).items()}
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for key in sorted(tensors):
+            nbytes = tensors[key].numel() * tensors[key].element_size()
+            if shards[-1] and size + nbytes > shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][key] = tensors[key]
+            size += nbytes
+        if len(shards) == 1:
+            save_file(shards[0], str(root / SINGLE), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(root / file), metadata={"format": "pt"})
+                weight_map.update({k: file for k in shard})
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            (root / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                 indent=2) + "\n", encoding="utf-8")
+        config = {**adapter.config_for(options, vocab, block_size), **(ids or {}), "torch_dtype": dtype,
+                  "dtype": dtype}
+        (root / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        for file in TOKENIZER_FILES if tokenizer_dir else ():
+            if (Path(tokenizer_dir) / file).is_file():
+                shutil.copyfile(Path(tokenizer_dir) / file, root / file)
+        for file, text in (files or {}).items():
+            (root / Path(file).name).write_text(text, encoding="utf-8")
+        for path in root.iterdir():  # on disk before the directory takes its name
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        if final.is_dir():
+            final.rmdir()  # empty (check_out): its place is taken whole
+        os.replace(root, final)
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    return final

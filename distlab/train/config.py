@@ -10,9 +10,9 @@ file, ``--config``, is :mod:`distlab.train.config_file`.
 from __future__ import annotations
 
 import math
-
 import re
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 from distlab.data import canonical_name, dataset_shape, is_text, load_dataset
 from distlab.data.tokenizer import vocab_size as tokenizer_vocab
@@ -344,6 +344,10 @@ class TrainConfig:
                 raise ConfigError(f"`{field}` {getattr(self.options, field)} differs from {self.init_from}'s "
                                   f"{getattr(options, field)}: drop `{field}` (the checkpoint's config sets it)")
             self.options = options
+        own = Path(self.init_from[3:]) / "tokenizer.json"
+        if own.is_file() and self.tokenizer == "bytes" and not self.dataset.startswith("tokens:"):
+            raise ConfigError(f"{self.init_from} reads text with its own tokenizer ({own}); this run would feed it "
+                              f"bytes: give --tokenizer {self.init_from}")
         if positions and self.block_size > positions:
             raise ConfigError(f"`block_size` {self.block_size} is longer than the {positions} positions "
                               f"{self.init_from} was made for (its config's positions): use at most {positions}")

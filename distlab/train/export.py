@@ -79,21 +79,25 @@ def write_state(state: dict[str, torch.Tensor], meta: dict, out: str | Path) -> 
             "bytes": out.stat().st_size, "sha256": digest, "sha256_file": str(checksum)}
 
 
-def export(path: str | Path, out: str | Path, best: bool = False, fmt: str = "auto") -> dict:
+def export(path: str | Path, out: str | Path, best: bool = False, fmt: str = "auto", dtype: str | None = None) -> dict:
     """Write the whole model of ``path`` -- a snapshot, or a run directory (its last snapshot, else the
     final model it wrote) -- to ``out`` (atomically); returns what was written. ``fmt`` ``hf``: a
-    Hugging Face directory ``out`` (:func:`export_hf`)."""
+    Hugging Face directory ``out`` (:func:`export_hf`) in ``dtype`` (default: the checkpoint's own)."""
     state, meta, _ = loading.read(path, best)
     if fmt == "hf":
-        return export_hf(state, meta, out)
+        return export_hf(state, meta, out, dtype)
+    if dtype is not None:
+        raise ConfigError("--dtype is for --format hf (a state_dict file keeps the run's float32)")
     return write_state(state, meta, out)
 
 
-def export_hf(state: dict[str, torch.Tensor], meta: dict, out: str | Path) -> dict:
+def export_hf(state: dict[str, torch.Tensor], meta: dict, out: str | Path, dtype: str | None = None) -> dict:
     """A whole model as a Hugging Face directory (:func:`distlab.models.hf.write`): its family's options
-    from ``meta`` (what the run recorded), the vocabulary from the token embedding, the context from
-    ``block_size``, and the run's tokenizer as ``tokenizer.json`` where it has one (a BPE the run learned
-    or read; a byte-level run has none to give)."""
+    from ``meta`` (what the run recorded), the vocabulary from the token embedding, the model's context, the
+    run's tokenizer as ``tokenizer.json`` where it has one (a BPE the run learned or read; a byte-level run
+    has none to give) and, for a model started from a Hugging Face checkpoint, what that checkpoint said
+    and the run kept (``meta["hf"]``: its bos/eos ids, generation_config.json, the tokenizer's
+    tokenizer_config.json with its chat template and special tokens, its dtype -- the default ``dtype``)."""
     from distlab.models import hf, is_text_model
     from distlab.models.generation import recorded_options
     name = meta.get("model")
@@ -101,17 +105,17 @@ def export_hf(state: dict[str, torch.Tensor], meta: dict, out: str | Path) -> di
         raise ConfigError(f"--format hf writes a language model's checkpoint; this one is {with_article(str(name))} "
                           f"model")
     options = recorded_options(meta)
-    root = hf.write(state, name, options, state["0.tok.weight"].shape[0], int(meta.get("block_size") or 64), out)
-    tokenizer = None
+    carried = meta.get("hf") if isinstance(meta.get("hf"), dict) else {}
+    files = dict(carried.get("files") or {})
     if isinstance(meta.get("tokenizer_json"), str):  # with the config transformers' AutoTokenizer reads it by
-        tokenizer = root / "tokenizer.json"
-        atomic_write_text(tokenizer, meta["tokenizer_json"])
-        if not (root / "tokenizer_config.json").exists():
-            atomic_write_text(root / "tokenizer_config.json",
-                              json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}, indent=1) + "\n")
-    files = sorted(p.name for p in root.iterdir())
-    return {"out": str(root), "step": meta.get("step"), "model": name, "files": files,
-            "tokenizer_file": str(tokenizer) if tokenizer else None,
+        files["tokenizer.json"] = meta["tokenizer_json"]
+        files.setdefault("tokenizer_config.json",
+                         json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}, indent=1) + "\n")
+    root = hf.write(state, name, options, state["0.tok.weight"].shape[0], int(meta.get("block_size") or 64), out,
+                    files=files, ids=carried.get("ids") or {}, dtype=dtype or carried.get("dtype") or "float32")
+    tokenizer = root / "tokenizer.json" if "tokenizer.json" in files else None
+    return {"out": str(root), "step": meta.get("step"), "model": name, "files": sorted(p.name for p in root.iterdir()),
+            "tokenizer_file": str(tokenizer) if tokenizer else None, "dtype": dtype or carried.get("dtype") or "float32",
             "tensors": len(state), "parameters": _parameters(state, meta)}
 
 
@@ -125,14 +129,16 @@ def _parameters(state: dict[str, torch.Tensor], meta: dict) -> int:
 def export_metadata(meta: dict) -> dict[str, str]:
     """What a ``.safetensors`` export records of its model (strings, as the format keeps them): enough
     for ``distlab generate FILE`` alone -- the heads, which no tensor's shape tells, among them."""
-    keep = ["model", "step", "n_layer", "n_head", "n_embd", "block_size", "experts", "top_k", "dataset", "tokenizer"]
+    keep = ["model", "step", "n_layer", "n_head", "n_embd", "block_size", "experts", "top_k", "dataset", "tokenizer",
+            "hf"]
     from distlab.models import is_user_model, spec
     if isinstance(meta.get("model"), str) and not is_user_model(meta["model"]):
         try:
             keep += [k for k in spec(meta["model"]).options.names() if k not in keep]  # its family's options too
         except Exception:  # noqa: BLE001 - a family this version does not know: the common sizes only
             pass
-    return {"format": "pt", **{k: str(meta[k]) for k in keep if meta.get(k) is not None}}
+    return {"format": "pt", **{k: json.dumps(meta[k]) if isinstance(meta[k], dict) else str(meta[k])
+                               for k in keep if meta.get(k) is not None}}
 
 
 def _safetensors(path: str | Path) -> bool:
@@ -186,7 +192,7 @@ def load_init(model: nn.Module, path: str) -> None:
     under distlab's names -- into ``model`` (safely: tensors only), or say what differs."""
     if path.startswith("hf:"):
         from distlab.models import hf
-        state = hf.fit_positions(model, hf.read(path[3:])[3])  # a longer position table: the run's first rows
+        state = hf.read(path[3:])[3]
     else:
         state = _read_init(path)
     model.load_state_dict(_fitting(model, state, path))

@@ -44,5 +44,19 @@ def final_model(trainer) -> str | None:
     if not trainer.rt.is_main:
         return None
     path = Path(cfg.out) / FINAL_MODEL
-    write_state(state, {**trainer.run.layout, "step": trainer.run.step}, path)
+    carried = {"hf": trainer.run.attachments["hf"]} if "hf" in trainer.run.attachments else {}
+    write_state(state, {**trainer.run.layout, "step": trainer.run.step, **carried}, path)
     return str(path)
+
+
+def carried(cfg, tokenizer) -> dict | None:
+    """What a run started from Hugging Face files keeps for its export to ship (:func:`distlab.models.hf.carried`):
+    the checkpoint's token ids, generation config and dtype, the files beside the tokenizer it read with --
+    from ``--init-from hf:DIR``, ``--tokenizer hf:DIR`` or the prepared corpus; None for a run without any."""
+    dirs = [s[3:] for s in (cfg.tokenizer, cfg.init_from) if isinstance(s, str) and s.startswith("hf:")]
+    dirs += [cfg.dataset.split(":", 1)[1]] if cfg.dataset.startswith("tokens:") else []
+    model_dir = cfg.init_from[3:] if isinstance(cfg.init_from, str) and cfg.init_from.startswith("hf:") else None
+    if model_dir is None and not any(d for d in dirs if (Path(d) / "tokenizer.json").is_file()):
+        return None
+    from distlab.models import hf
+    return hf.carried(model_dir, dirs, tokenizer.sha256 if tokenizer is not None else None)

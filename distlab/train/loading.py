@@ -134,8 +134,13 @@ def read(source: str | Path, best: bool = False) -> tuple[dict[str, torch.Tensor
         directory = str(source)[3:]
         name, options, vocab, state = hf.read(directory)
         context = options.to_dict().get("context") or hf.context_of(hf.config_of(directory)) or 2048
-        return state, {"model": name, **options.to_dict(), "block_size": context, "vocab": vocab,
-                       "tokenizer_dir": directory}, f"{source} ({name})"
+        meta = {"model": name, **options.to_dict(), "block_size": context, "vocab": vocab, "tokenizer_dir": directory}
+        if (Path(directory) / "tokenizer.json").is_file():  # an export of it ships its tokenizer and what it said
+            tok = tokenizers.HFTokenizer.from_dir(directory)
+            meta |= {"tokenizer_json": tok.to_json(), "hf": hf.carried(directory, [directory], tok.sha256)}
+        else:
+            meta["hf"] = hf.carried(directory, [], None)
+        return state, meta, f"{source} ({name})"
     kind, path = run_source(source, best)
     if kind == "snapshot" and path.is_dir():
         state, meta = whole_state(path, best)
@@ -144,6 +149,12 @@ def read(source: str | Path, best: bool = False) -> tuple[dict[str, torch.Tensor
         raise ConfigError(f"{source}: no run directory, snapshot or model file there")
     state, meta = read_state(str(path), what="the model file")
     meta = {k: int(v) if isinstance(v, str) and v.isdigit() else v for k, v in meta.items()}  # as recorded
+    if isinstance(meta.get("hf"), str):  # what a Hugging Face checkpoint said, kept for the export (JSON)
+        import json
+        try:
+            meta["hf"] = json.loads(meta["hf"])
+        except ValueError:
+            meta.pop("hf")
     beside = path.with_name("tokenizer.json" if path.name == FINAL_MODEL else path.name + ".tokenizer.json")
     if beside.is_file():
         meta["tokenizer_json"] = beside.read_text(encoding="utf-8")

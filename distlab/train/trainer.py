@@ -120,8 +120,10 @@ class Trainer:
         eval_samples = len(self.eval_test) + (len(self.eval_val) if self.eval_val is not None else 0)
         self.tokenizer = getattr(self.train_set, "tokenizer", None)  # text: what made the tokens (bytes or BPE)
         tokenizer_json = self.tokenizer.to_json() if self.tokenizer is not None else None
+        carried = language.carried(cfg, self.tokenizer)  # what an export of a Hugging Face model must say again
         self.run = RunState(cfg, rt, self.engine, self.optimizer, self.scheduler, self._layout(), eval_samples,
-                            attachments={"tokenizer_json": tokenizer_json} if tokenizer_json else None)
+                            attachments={**({"tokenizer_json": tokenizer_json} if tokenizer_json else {}),
+                                         **({"hf": carried} if carried else {})})
         self.hooks = list(hooks or []) + [h for h in [fault_injection_hook(rt.rank)] if h]
         show_bar = rt.is_main and (cfg.progress if cfg.progress is not None else sys.stderr.isatty())
         self.bar = tqdm(total=self.total_steps, disable=not show_bar, unit="step", dynamic_ncols=True,
