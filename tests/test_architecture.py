@@ -263,3 +263,24 @@ def test_no_layer_asks_whether_a_model_has_a_member():
                     and "_parallel_plan" in ast.unparse(node.args[1]):
                 found.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
     assert not found, "a layer asks whether a model has a member:\n" + "\n".join(found)
+
+
+def test_the_step_route_in_architecture_names_files_and_functions_that_exist():
+    """docs/ARCHITECTURE.md's route block is generated (scripts/step_route.py --write); a file or function it
+    names that no longer exists means the code moved without the block being made again."""
+    import re
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    block = text[text.index("<!-- step-route: generated"):text.index("<!-- step-route: end -->")]
+    stale = []
+    for path, names in re.findall(r"^  (distlab/\S+\.py): (.+)$", block, flags=re.M):
+        if not (ROOT / path).is_file():
+            stale.append(path)
+            continue
+        defined = set(re.findall(r"^\s*def (\w+)", (ROOT / path).read_text(), flags=re.M))
+        stale += [f"{path}: {n}" for n in names.split(", ") if not n.startswith("<") and n not in defined]
+    assert not stale, "the route block names what is gone (python scripts/step_route.py --write):\n" + "\n".join(stale)
+
+
+def test_the_readme_stays_one_page():
+    """The README is the front door: at most 300 lines (the rest lives in docs/)."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300

@@ -342,3 +342,22 @@ def test_plan_flags_are_the_models_options_and_the_losss(capsys):
     sent = [int(next(line for line in out.splitlines() if line.startswith("sends")).split()[1].replace(",", ""))
             for out in (plain, both)]
     assert sent[1] > sent[0] + 4  # the smoothing's reduction across the split vocabulary too
+
+
+def test_a_checkpoint_is_planned_from_its_config_and_a_vocabulary_from_its_size(tmp_path):
+    """`plan --model hf:DIR` reads the config alone: Llama 3 8B's (32 x 4096, 8 key/value heads, SwiGLU 14,336,
+    a vocabulary of 128,256, untied) is its 8,030,261,248 parameters -- planned with the data's 256 tokens it
+    was 6.98 B; `--vocab-size` gives any language model its vocabulary."""
+    from tests.conftest import invoke
+    (tmp_path / "l3").mkdir()
+    (tmp_path / "l3" / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192,
+        "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}))
+    code, out, err = invoke(["plan", "--model", f"hf:{tmp_path / 'l3'}", "--block-size", "16"], tmp_path)
+    assert code == 0 and "parameters    8,030,261,248" in out, (out, err)
+    code, out, err = invoke(["plan", "--model", "gpt", "--dataset", "synthetic-text", "--vocab-size", "1000"], tmp_path)
+    default = invoke(["plan", "--model", "gpt", "--dataset", "synthetic-text"], tmp_path)[1]
+    count = [int(next(x for x in o.splitlines() if x.startswith("parameters")).split()[1].replace(",", ""))
+             for o in (out, default)]
+    assert code == 0 and count[0] - count[1] == 2 * 128 * (1000 - 256)  # the embedding's and the head's rows

@@ -18,10 +18,14 @@ PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "seq
 
 
 @click.group(invoke_without_command=True)
-@click.option("--model", default="mlp", show_default=True, help="A registered model (ignored with --params).")
+@click.option("--model", default="mlp", show_default=True,
+              help="A registered model, or hf:DIR: a Hugging Face checkpoint's model from its config.json alone "
+                   "(family, options, vocabulary, context; no weights read); ignored with --params.")
 @field_options(MODEL_OPTIONS)
 @click.option("--dataset", default="fashion-mnist", show_default=True, help="Gives the input shape and classes.")
-@click.option("--block-size", type=COUNT, default=64, show_default=True, help="gpt: context in tokens.")
+@click.option("--block-size", type=COUNT, default=64, show_default=True, help="A language model's window in tokens.")
+@click.option("--vocab-size", type=COUNT, default=None,
+              help="A language model's vocabulary (default: the data's; hf:DIR's config gives its own).")
 @click.option("--params", "num_params", type=Number(0.0, low_open=True), default=None,
               help="Plan for a model known only by its parameter count (e.g. 7e9) instead of --model.")
 @click.option("--activation-bytes", type=Number(0.0), default=None,
@@ -59,7 +63,7 @@ PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "seq
               help="Also write the predicted step as a timeline here (needs a calibration): FILE in Chrome's "
                    "trace format, the same lanes as a run's --trace, and FILE's .png, its Gantt chart.")
 @click.pass_context
-def plan(ctx, model, dataset, block_size, num_params, activation_bytes, layers, ignored_targets, label_smoothing, dp,
+def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_bytes, layers, ignored_targets, label_smoothing, dp,
          optimizer, momentum, global_batch_size, link, latency, burst, threads, calibration, sweep, strategies,
          device_memory, min_efficiency, json_out, timeline_out, **strategy_fields):
     """Predict time per step and memory per rank of a layout, before running it.
@@ -69,6 +73,7 @@ def plan(ctx, model, dataset, block_size, num_params, activation_bytes, layers, 
     distlab plan --params 7e9 --activation-bytes 4e6 --link 100gbit --sweep 8,64,512,4096 --device-memory 80GiB
     distlab plan --model gpt --dataset fortunes --dp 2 --tp 2 --pp 2 --microbatches 4 --sequence-parallel
     distlab plan --model gpt-moe --experts 8 --dataset fortunes --dp 4 --ep 4
+    distlab plan --model hf:Meta-Llama-3-8B --block-size 8192 --dp 8 --zero 3 --precision bf16
     distlab plan calibrate runs/bench-collectives runs/bench-scaling -o runs/calibration.json
     distlab plan validate runs/bench-scaling-cluster
     """
@@ -80,8 +85,17 @@ def plan(ctx, model, dataset, block_size, num_params, activation_bytes, layers, 
     from distlab import plan as pp
     from distlab.plan.trace import generic_trace, trace
     from distlab.plan import machine
-    options = model_options_of(model, strategy_fields) if num_params is None else \
-        [strategy_fields.pop(name) for name, _ in MODEL_OPTIONS]  # the model (and its options) ignored
+    if model.startswith("hf:") and num_params is None:  # the checkpoint's config alone: its family, options and vocabulary (no weights read)
+        from distlab.models import hf
+        if any(strategy_fields.get(name) is not None for name, _ in MODEL_OPTIONS):
+            raise ConfigError(f"--model {model} takes its sizes from its config.json: drop the model flags")
+        [strategy_fields.pop(name) for name, _ in MODEL_OPTIONS]
+        model, _, options, vocab_size = hf.options_of(hf.config_of(model[3:]), model)
+        if ctx.get_parameter_source("dataset") is click.core.ParameterSource.DEFAULT:
+            dataset = "synthetic-text"  # token windows of --block-size
+    else:
+        options = model_options_of(model, strategy_fields) if num_params is None else \
+            [strategy_fields.pop(name) for name, _ in MODEL_OPTIONS]  # the model (and its options) ignored
     if num_params is not None:
         if activation_bytes is None:
             click.echo("distlab: warning: --params without --activation-bytes: activations are counted as 0 bytes "
@@ -89,7 +103,9 @@ def plan(ctx, model, dataset, block_size, num_params, activation_bytes, layers, 
         t = generic_trace(int(num_params), activation_bytes or 0.0, layers)
     else:
         shape, k = dataset_shape(dataset, block_size)
-        t = trace(model, shape, k, options=options)
+        if vocab_size is not None and vocab_size < k:
+            raise ConfigError(f"--vocab-size {vocab_size:,} is smaller than {dataset}'s {k:,} tokens")
+        t = trace(model, shape, vocab_size or k, options=options)
     path = calibration or (DEFAULT_CALIBRATION if _os.path.exists(DEFAULT_CALIBRATION) else None)
     cal = pp.Calibration.load(path) if path else None
     from distlab.parallel import Strategy
