@@ -168,3 +168,12 @@ def test_an_export_ships_what_its_checkpoint_said_and_never_mixes_with_another(r
     proc = run_cli("export", str(tmp_path / "run"), "-o", str(snapshot / "hf"), "--format", "hf")
     assert proc.returncode == 2 and "lies inside snapshot" in proc.stderr and not (snapshot / "hf").exists()
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # nothing half-written left beside
+
+
+def test_a_window_longer_than_the_models_context_is_refused(refused_here):
+    """--context is the model's longest sequence, --block-size the window it trains on: a window past the
+    context is refused before launch, in one line."""
+    proc = refused_here("train", "--model", "gpt", "--context", "8", "--block-size", "16", "--dataset",
+                        "synthetic-text:2000")
+    assert "--block-size 16 is longer than the model's --context 8" in proc.stderr
+    assert proc.stderr.count("\n") == 1

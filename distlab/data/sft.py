@@ -105,11 +105,9 @@ def end_of(tok, record: Record, tail: list[int]) -> list[int]:
     the turn with a token the model stops at (Llama 3's ``<|eot_id|>``, Qwen's ``<|im_end|>``: a second end
     would teach it to emit both), else the tokenizer's end of sequence (a chat template that writes none:
     its ``eos_token``) unless the completion already ends with it."""
-    stops = getattr(tok, "stops", frozenset())
-    if record.chat and stops.intersection(tail):
+    if record.chat and tok.stops.intersection(tail):
         return []
-    eos = getattr(tok, "eos_token", None) if record.chat else None
-    eos = eos if eos is not None else getattr(tok, "eos", None)
+    eos = tok.eos_token if record.chat and tok.eos_token is not None else tok.eos
     return [eos] if eos is not None and tail[-1:] != [eos] else []
 
 

@@ -56,6 +56,8 @@ class ByteTokenizer:
     vocab_size = 256
     sha256 = None
     begin: tuple[int, ...] = ()  # what starts a text (a pretrained tokenizer's BOS): nothing
+    eos = eos_token = None  # no end-of-sequence token (a pretrained tokenizer's: HFTokenizer)
+    stops: frozenset[int] = frozenset()  # where generation ends
 
     def encode(self, data: bytes) -> np.ndarray:
         return np.frombuffer(data, dtype=np.uint8).copy()
@@ -75,6 +77,8 @@ class IdsTokenizer:
     sha256 = None
     learned = 0
     begin: tuple[int, ...] = ()
+    eos = eos_token = None
+    stops: frozenset[int] = frozenset()
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
@@ -97,6 +101,8 @@ class BPETokenizer:
     """A byte-level BPE of ``vocab_size`` tokens (Hugging Face ``tokenizers``), saved as its JSON."""
 
     begin: tuple[int, ...] = ()
+    eos = eos_token = None
+    stops: frozenset[int] = frozenset()
 
     def __init__(self, tokenizer, vocab_size: int):
         self._tok = tokenizer

@@ -42,8 +42,7 @@ def _tokens(data) -> str:
     if tok is None or tok.spec == "bytes":
         return "bytes"
     if tok.spec == "hf":
-        eos = f", end of sequence {tok.eos} between documents" \
-            if getattr(tok, "eos", None) is not None and not data.records else ""
+        eos = f", end of sequence {tok.eos} between documents" if tok.eos is not None and not data.records else ""
         return (f"a pretrained model's tokenizer, {tok.learned:,} tokens in a vocabulary of {tok.vocab_size:,}{eos}, "
                 f"{data.tokens_per_byte:.3f} tokens/byte")
     return (f"{tok.spec}: byte-level BPE learned from the training split, {tok.learned:,} of {tok.vocab_size:,} "
