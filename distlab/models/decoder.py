@@ -215,13 +215,13 @@ class Decoder(ModelContract, nn.Sequential):
 
     # ------------------------------------------------------------------ what a family gives
     def mlp_plan(self, i: int, style: str) -> dict[str, str]:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not say how tensor parallel splits its MLP (mlp_plan)")
 
     def split_counts(self) -> tuple[tuple[str, int], ...]:
         return ()
 
     def record(self) -> dict:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not say what its snapshots record (record)")
 
     # ------------------------------------------------------------------ the contract
     @property

@@ -34,15 +34,15 @@ class HFAdapter:
 
     @classmethod
     def options_from(cls, config: dict, where: str) -> tuple[dict, int]:
-        raise NotImplementedError
+        raise NotImplementedError(f"adapter {cls.__name__} does not read a config.json (options_from)")
 
     @classmethod
     def config_for(cls, options, vocab: int, block_size: int) -> dict:
-        raise NotImplementedError
+        raise NotImplementedError(f"adapter {cls.__name__} does not write a config.json (config_for)")
 
     @classmethod
     def names(cls, options) -> dict[str, str | None]:
-        raise NotImplementedError
+        raise NotImplementedError(f"adapter {cls.__name__} does not name its tensors (names, or to_mine and to_theirs)")
 
     @classmethod
     def tied(cls, options) -> tuple[str, ...]:
