@@ -168,7 +168,7 @@ class MoE(SequenceStatistics):
         self.reset_statistics()
 
     def reset_statistics(self) -> None:
-        self.load = torch.zeros(self.num_experts, dtype=torch.float64)  # slots routed per expert
+        self.load = torch.zeros(self.num_experts, dtype=torch.float64, device="cpu")  # slots per expert (host)
         self.dropped = 0  # slots dropped by the capacity limit
         self.routed = 0   # slots routed (dropped ones included)
         self.last_aux: torch.Tensor | None = None

@@ -21,6 +21,7 @@ from torch import nn
 
 from distlab.errors import ConfigError
 from distlab.parallel.compression import build_codec
+from distlab.parallel.placement import adopt, on_meta
 from distlab.parallel.state_bytes import model_state_bytes
 from distlab.parallel.bucketed_sync import BucketedSync, TorchDDPSync
 from distlab.parallel.sync_methods import COLLECTIVES, AllReduceSync, GatherScatterSync, SyncMethod
@@ -127,7 +128,16 @@ class DataParallel(nn.Module):
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
     def load_sharded_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict(state)
+        """Copy ``state`` in -- or, into a model built on the meta device, take its tensors as the model's own."""
+        if not on_meta(self.module):
+            self.module.load_state_dict(state)
+            return
+        tensors = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+        missing = sorted(set(tensors) - set(state))
+        if missing:
+            raise ConfigError(f"the state has no {missing[0]!r} ({len(missing)} missing)")
+        for key, t in tensors.items():
+            adopt(t, state[key])
 
     def parameter_slots(self) -> list[tuple[str, nn.Parameter, tuple[int, int] | None]]:
         """(key, parameter, flat range) of each optimizer parameter: the whole of every parameter."""

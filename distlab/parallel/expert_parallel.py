@@ -186,7 +186,9 @@ class ExpertParallel(ComponentKind):
         self.shards, self.data_group, self.replicas = shards, data_group, replicas
 
     def parameters(self) -> list[nn.Parameter]:
-        return [p for s in self.shards for p in s.parameters() if p.requires_grad]
+        """The expert shards' parameters this rank holds (a pipeline stage's own layers': another stage's,
+        in a model built on the meta device, never get values here)."""
+        return [p for s in self.shards for p in s.parameters() if p.requires_grad and not p.is_meta]
 
     # -- the Engine's ModelSharding component: the batch as it is; the expert gradients reduced over
     # -- their own replicas after the sync; every forward exchanges tokens between data-parallel ranks

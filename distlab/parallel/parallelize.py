@@ -27,6 +27,7 @@ calls what the protocols promise and never asks which kind it holds.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from distlab.parallel import components as registry
@@ -48,11 +49,14 @@ from distlab.parallel.zero import Zero
 GRAD_SYNCS: tuple[type, ...] = (Zero, DataParallel)  # the kinds a sharded_state_dict can come from
 
 
-def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
+def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh, device: torch.device | None = None) -> Engine:
     """Spread ``model`` (built and seeded the same way on every rank) over ``mesh`` as ``strategy`` says.
 
     Starts from rank 0's weights (data parallel and ZeRO broadcast them over the data-parallel
-    group), so every replica begins equal.
+    group), so every replica begins equal. A model built on the meta device is cut as it is, and ``device``
+    names where its values will live: each rank then loads only its part
+    (:meth:`~distlab.parallel.Engine.load_sharded_state_dict`, from
+    :func:`~distlab.parallel.placement.state_from_stream`).
     """
     strategy.check(mesh.world_size)
     dims = ("tp", "pp", "cp", "ep", *(name for name, _ in strategy.dims), *mesh.dims)
@@ -60,7 +64,7 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh) -> Engine:
         raise ValueError(f"the mesh has {', '.join(f'{d} {mesh.size(d)}' for d in dims)} but the strategy "
                          f"{', '.join(f'{d} {strategy.size(d)}' for d in dims)}: build the mesh from the strategy "
                          f"(Mesh.of(strategy))")
-    device = next(model.parameters()).device
+    device = device if device is not None else next(model.parameters()).device
     check_device(strategy.precision, device)
     if strategy.pp > 1:  # cut by the unsharded model's parameters: the same layers on every rank of a TP group
         balance = [end - start for start, end in partition(model, strategy.pp * strategy.pp_virtual,

@@ -190,17 +190,63 @@ def placements_of(engine) -> dict[str, Placement]:
     return {d["name"]: Placement.from_dict(d) for d in placement_of(engine)["params"]}
 
 
-def state_from_full(engine, full: dict[str, torch.Tensor], placement: dict | None = None) -> dict:
+def state_from_full(engine, full: dict[str, torch.Tensor], placement: dict | None = None,
+                    device: torch.device | None = None) -> dict:
     """This rank's :meth:`~distlab.parallel.Engine.sharded_state_dict` cut out of the whole model's
-    ``state_dict`` (no communication: every rank cuts its own pieces)."""
+    ``state_dict`` (no communication: every rank cuts its own pieces), each piece on ``device`` if given."""
     placement = placement or placement_of(engine)
     missing = [p["name"] for p in placement["params"] if p["name"] not in full]
     missing += [k for k in placement["buffers"].values() if k not in full]
     if missing:
         raise KeyError(f"the state has no {missing[0]!r} ({len(missing)} missing)")
-    params = [take(full[p["name"]], Placement.from_dict(p), local.numel())
-              for p, local in zip(placement["params"], engine.parameters())]
-    buffers = {k: full[name].detach().clone() for k, name in placement["buffers"].items()}
+    names = {p["name"] for p in placement["params"]} | set(placement["buffers"].values())
+    return state_from_stream(engine, (([name], full[name]) for name in names), placement, device)
+
+
+def state_from_stream(engine, tensors, placement: dict | None = None, device: torch.device | None = None) -> dict:
+    """:func:`state_from_full` from ``tensors``, an iterable of ``(names, whole tensor)`` (as
+    :meth:`distlab.models.deferred.Initialisation.tensors` makes them): each is cut the moment it comes and
+    may be dropped after, so this rank holds its own pieces and one whole tensor at a time, never the model."""
+    placement = placement or placement_of(engine)
+    locals_ = list(engine.parameters())
+    wants: dict[str, list] = {}  # a whole name -> (parameter index or buffer key) that take from it
+    for i, p in enumerate(placement["params"]):
+        wants.setdefault(p["name"], []).append(i)
+    for key, name in placement["buffers"].items():
+        wants.setdefault(name, []).append(key)
+    params: list[torch.Tensor | None] = [None] * len(placement["params"])
+    buffers: dict[str, torch.Tensor] = {}
+    for names, whole in tensors:
+        for name in names:
+            for want in wants.pop(name, ()):
+                if isinstance(want, int):
+                    piece = take(whole, Placement.from_dict(placement["params"][want]), locals_[want].numel())
+                    params[want] = piece.to(device or piece.device, locals_[want].dtype)
+                else:
+                    buffers[want] = whole.detach().clone().to(device or whole.device)
+    if wants:
+        first = next(iter(wants))
+        raise KeyError(f"the state has no {first!r} ({len(wants)} missing)")
     for tie in placement.get("tied", ()):  # the second name of a tied parameter loads the same tensor
         buffers[tie["key"]] = params[[p["name"] for p in placement["params"]].index(tie["of"])]
     return engine.grad_sync.state_from(params, buffers)
+
+
+def adopt(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """Give ``tensor`` (a parameter or buffer built on the meta device) ``value``'s storage in place: the same
+    Python object, its attributes and its gradient hooks kept (a gradient sync registered them on it)."""
+    attrs = dict(tensor.__dict__)
+    hooks = (tensor._post_accumulate_grad_hooks, tensor._backward_hooks)
+    if isinstance(tensor, nn.Parameter):
+        value = nn.Parameter(value, requires_grad=tensor.requires_grad)
+    torch.utils.swap_tensors(tensor, value)
+    tensor.__dict__.update(attrs)
+    if hooks[0] is not None:
+        tensor._post_accumulate_grad_hooks = hooks[0]  # registers them on the new storage's autograd node
+    if hooks[1] is not None:
+        tensor._backward_hooks = hooks[1]
+
+
+def on_meta(module: nn.Module) -> bool:
+    """Whether ``module`` was built on the meta device and has no values yet."""
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))

@@ -288,6 +288,12 @@ class Strategy:
                               f"(the same bucketed all-reduce, overlapped with the last micro-batch's backward)")
 
     @property
+    def deferrable(self) -> bool:
+        """Whether the model can be built on the meta device and given values after the layout cuts it (each
+        rank materialising only its part); torch's DDP wraps real tensors, so its model is built whole."""
+        return self.dp_sync != "ddp"
+
+    @property
     def micro_steps(self) -> int:
         """Micro-batches each rank runs per optimizer step (`grad_accum` or a pipeline's `microbatches`)."""
         return self.grad_accum * self.microbatches

@@ -315,8 +315,11 @@ def seed_everything(seed: int) -> None:
 @torch.no_grad()
 def broadcast_module(module: torch.nn.Module, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
     """Overwrite every parameter and buffer with rank ``src``'s (one broadcast per tensor); a
-    parameter replicated over a group of its own (``sync_group``, an expert shard) only by that group."""
+    parameter replicated over a group of its own (``sync_group``, an expert shard) only by that group.
+    A model built on the meta device has nothing to send: every rank gives it the same values later."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
         return
     for tensor in list(module.parameters()) + list(module.buffers()):
         if getattr(tensor, "sync_group", group) is not group:

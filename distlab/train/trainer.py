@@ -24,8 +24,9 @@ from distlab.data.resident import decide as decide_residence
 from distlab.data.resident import nbytes as data_nbytes
 from distlab.errors import ConfigError, NonFiniteError
 from distlab.models import IGNORE_INDEX, build_model, count_parameters, snapshot_record
+from distlab.models.deferred import deferred
 from distlab.parallel import Mesh, parallelize
-from distlab.parallel.placement import placement_of, state_from_full
+from distlab.parallel.placement import placement_of, state_from_full, state_from_stream
 from distlab.runtime import Runtime, comm_failure, is_comm_failure, seed_everything, timeline, tune_host_allocator
 from distlab.train.clock import StepClock
 from distlab.train.config import TrainConfig
@@ -89,21 +90,33 @@ class Trainer:
         if len(self.loader) == 0:
             raise ConfigError(f"`global_batch_size` {cfg.global_batch_size} is larger than the "
                               f"{len(self.train_set)} training samples of {cfg.dataset}")
-        seed_everything(cfg.seed)  # the same full model on every rank; parallelize shards it
-        net = build_model(cfg.model, self.train_set.input_shape, cfg.vocab(self.train_set.num_classes),
-                          **cfg.model_options())
-        # a Hugging Face checkpoint is read after the layout cuts the model, each rank its own pieces; any other
-        # file before, whole
+        # The model is built on the meta device (shapes only) and each rank gives values only to what its layout
+        # holds, after parallelize cut it: the same values as one process's build (distlab.models.deferred), or a
+        # Hugging Face checkpoint's pieces; a file loaded whole, or a build that cannot be replayed, is built whole.
+        seed_everything(cfg.seed)
+        make = functools.partial(build_model, cfg.model, self.train_set.input_shape,
+                                 cfg.vocab(self.train_set.num_classes), **cfg.model_options())
+        net, init = deferred(make) if cfg.strategy.deferrable and (not cfg.init_from or cfg.init_from.startswith(
+            "hf:")) else (make(), None)
         slices = init_slices(net, cfg.init_from) if cfg.init_from else None
         if cfg.init_from and slices is None:
+            net = init.fill(net) if init is not None else net
+            init = None
             load_init(net, cfg.init_from)
-        net = net.to(rt.device)
+        if init is None:
+            net = net.to(rt.device)
         self.num_parameters = count_parameters(net)
         self.model_record = snapshot_record(net)  # the model's own sizes, before the layout cuts it
         self.throughput = Throughput.of(net, self.train_set, cfg, rt)  # tokens/s and MFU, from the whole model
         no_decay = no_decay_names(net) if decay_groups(cfg) else set()  # by the whole model's names
-        self.engine = parallelize(net, cfg.strategy, self.mesh)
-        if slices is not None:
+        self.engine = parallelize(net, cfg.strategy, self.mesh, rt.device)
+        if init is not None:  # the random state advances as a real build's would, checkpoint or not
+            if slices is not None:
+                init.advance()
+            pieces = state_from_full(self.engine, slices, device=rt.device) if slices is not None else \
+                state_from_stream(self.engine, init.tensors(), device=rt.device)
+            self.engine.load_sharded_state_dict(pieces)
+        elif slices is not None:
             self.engine.load_sharded_state_dict(state_from_full(self.engine, slices))
         # What training minimises: the task's cross-entropy, its targets smoothed if asked (not evaluations').
         self.loss_fn = functools.partial(self.engine.loss, label_smoothing=cfg.label_smoothing) \

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distlab.errors import ConfigError
+from distlab.parallel.placement import adopt
 from distlab.parallel.state_bytes import optimizer_tensors, storage_bytes
 from distlab.runtime import group_rank, group_size
 
@@ -70,6 +71,12 @@ class ShardedState:
             (a, na), (b, nb) = next((x, y) for x, y in zip(theirs, ours) if x != y)
             raise ConfigError(f"sharded snapshot is for another model: its parameter {a} has {na} elements, this "
                               f"model's {b} has {nb}")
+        if self.units[0].shard.is_meta:  # built on the meta device: the state's tensors become the model's
+            for unit, saved in zip(self.units, state["units"]):
+                unit.adopt(saved["shard"])
+            for k, t in self._module.named_buffers():
+                adopt(t, state["buffers"][k])
+            return
         with torch.no_grad():
             for unit, saved in zip(self.units, state["units"]):
                 unit.shard.copy_(saved["shard"])

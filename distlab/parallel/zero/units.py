@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from distlab import comm
+from distlab.parallel.placement import adopt
 
 COALESCE_BELOW = 1 << 16  # elements: smaller units share collectives
 
@@ -48,6 +49,16 @@ class Unit:
         self.shard = nn.Parameter(self.full[lo:lo + self.shard_numel].detach().clone())
         self.gathered = True
         self.reduced = False
+
+    def adopt(self, shard: torch.Tensor) -> None:
+        """Built on the meta device: take ``shard`` as this rank's shard, and a padded buffer of its own for
+        the full parameter (empty storage while not gathered: ZeRO-3 holds only the shard)."""
+        self.full = torch.zeros(self.padded, dtype=shard.dtype, device=shard.device)
+        adopt(self.param, torch.empty(self.param.shape, dtype=shard.dtype, device=shard.device))
+        self.param.data = self.full[:self.numel].view_as(self.param)  # as at construction: not an autograd view
+        adopt(self.shard, shard)
+        if not self.gathered:
+            self.full.untyped_storage().resize_(0)
 
     @property
     def full_bytes(self) -> int:
