@@ -313,6 +313,26 @@ def bench_snapshot(nproc, state_mb, steps, every, runs, out):
     _finish(snapshot_stall, records, out, "snapshot", None)
 
 
+@bench.command("load")
+@click.option("--init-from", required=True, help="hf:DIR, the checkpoint each rank loads its part of.")
+@click.option("--nproc", type=COUNT, default=4, show_default=True, help="Processes (gloo, CPU), one thread each.")
+@click.option("--layouts", default="zero=3,tp=2", show_default=True,
+              help="Strategies as `distlab verify` writes them (allreduce+tp=2, zero=3, ...), comma-separated.")
+@click.option("--modes", default="deferred,whole", show_default=True,
+              help="deferred: built on the meta device, each rank its part (what train does); whole: built whole "
+                   "on every rank, then cut.")
+@click.option("--runs", type=COUNT, default=1, show_default=True, help="Rounds of every layout and mode.")
+@click.option("--out", callback=writable_dir, default="runs/bench", show_default=True, help="Writes OUT/load.json.")
+def bench_load(init_from, nproc, layouts, modes, runs, out):
+    """The memory each rank takes to load a checkpoint before its first step: built on the meta device and
+    given only its part, or built whole first."""
+    from distlab.bench import load_peak
+    from distlab.bench.common import choose
+    records = load_peak.run(init_from, nproc, layouts.split(","), choose("--modes", modes, load_peak.MODES), runs,
+                            out, progress=_progress)
+    _finish(load_peak, records, out, "load", None)
+
+
 @bench.command("checkpointing")
 @click.option("--workloads", default="vgg11-bn,resnet18,gpt", show_default=True)
 @click.option("--steps", type=COUNT, default=6, show_default=True, help="Steps per variant (the first 2 untimed).")

@@ -18,12 +18,15 @@ returns None for the initialisation and the caller builds it whole, as before.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from distlab.runtime.meta import adopt
 
 # In-place operations whose result does not depend on the tensor's previous values.
 OVERWRITES = {"uniform_", "normal_", "fill_", "zero_", "random_", "exponential_", "geometric_", "log_normal_",
@@ -153,7 +156,6 @@ class Initialisation:
 
     def fill(self, model: nn.Module) -> nn.Module:
         """Give ``model`` (the meta build) every tensor whole, in place: a real build's model."""
-        from distlab.parallel.placement import adopt
         tensors = {**dict(model.named_parameters(remove_duplicate=False)),
                    **dict(model.named_buffers(remove_duplicate=False))}
         for names, value in self.tensors():
@@ -173,7 +175,23 @@ class Initialisation:
 
     def _empty(self, key: int) -> torch.Tensor:
         (shape, stride, _), dtype = self._made[key]
+        return transient(shape, stride, dtype)
+
+
+MAPPED_FROM = 1 << 20  # bytes: a transient tensor this large gets pages of its own
+
+
+def transient(shape, stride, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor that lives only while one tensor is made and cut. From 1 MiB up, its memory is
+    an anonymous mapping of its own, returned to the system the moment the tensor is dropped: from the heap, a
+    run's tuned allocator (:func:`distlab.runtime.device.tune_host_allocator` keeps up to 128 MiB of freed blocks)
+    would keep each freed tensor among the pieces the rank keeps, and the resident set would grow by them too."""
+    numel = sum((size - 1) * step for size, step in zip(shape, stride)) + 1 if all(shape) else 0
+    nbytes = numel * dtype.itemsize
+    if nbytes < MAPPED_FROM:
         return torch.empty_strided(shape, stride, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes)
+    return torch.frombuffer(pages, dtype=dtype, count=numel).as_strided(shape, stride)
 
 
 def deferred(build: Callable[[], nn.Module]) -> tuple[nn.Module, Initialisation | None]:

@@ -17,6 +17,7 @@ no pickle, no code from the directory (``trust_remote_code`` has no equivalent h
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -138,6 +139,15 @@ class Slices:
             index = tuple(slice(part * size, (part + 1) * size) if d == dim else slice(None)
                           for d in range(len(self.shape)))
             return whole[index].to(torch.float32)
+
+    def flat(self, start: int, length: int) -> torch.Tensor:
+        """Elements ``[start, start + length)`` of the flattened tensor, reading only the rows that hold them."""
+        from safetensors import safe_open
+        row = math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
+        first, last = start // row, -(-(start + length) // row)
+        with safe_open(str(self.path), "pt") as f:
+            rows = f.get_slice(self.key)[first:last] if self.shape else f.get_slice(self.key)[:]
+        return rows.reshape(-1)[start - first * row:start - first * row + length].to(torch.float32)
 
     def detach(self) -> torch.Tensor:  # a buffer or a replicated parameter: the whole tensor
         return self.piece(None, 1, 0)

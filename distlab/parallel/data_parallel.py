@@ -21,11 +21,11 @@ from torch import nn
 
 from distlab.errors import ConfigError
 from distlab.parallel.compression import build_codec
-from distlab.parallel.placement import adopt, on_meta
 from distlab.parallel.state_bytes import model_state_bytes
 from distlab.parallel.bucketed_sync import BucketedSync, TorchDDPSync
 from distlab.parallel.sync_methods import COLLECTIVES, AllReduceSync, GatherScatterSync, SyncMethod
 from distlab.runtime import broadcast_module
+from distlab.runtime.meta import adopt, on_meta
 
 
 SYNC_METHODS: dict[str, type[SyncMethod]] = {

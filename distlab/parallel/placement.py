@@ -60,6 +60,11 @@ def take(full: torch.Tensor, p: Placement, numel: int | None = None) -> torch.Te
     """This placement's piece of ``full`` (a copy); a flat ZeRO piece is zero-padded to ``numel``."""
     if tuple(full.shape) != tuple(p.shape):
         raise ValueError(f"{p.name}: the full tensor has shape {tuple(full.shape)}, the placement {p.shape}")
+    if hasattr(full, "piece") and p.dim is None and p.length is not None:  # ZeRO's flat range of a checkpoint's
+        flat = full.flat(p.start, p.length)  # tensor: only the rows that cover it are read
+        out = torch.zeros(max(numel or 0, p.length), dtype=flat.dtype)
+        out[:p.length].copy_(flat)
+        return out
     if hasattr(full, "piece"):  # a checkpoint's tensor read in the piece asked for (distlab.models.hf.Slices)
         piece = full.piece(p.dim, p.parts, p.part)
     else:
@@ -231,22 +236,3 @@ def state_from_stream(engine, tensors, placement: dict | None = None, device: to
         buffers[tie["key"]] = params[[p["name"] for p in placement["params"]].index(tie["of"])]
     return engine.grad_sync.state_from(params, buffers)
 
-
-def adopt(tensor: torch.Tensor, value: torch.Tensor) -> None:
-    """Give ``tensor`` (a parameter or buffer built on the meta device) ``value``'s storage in place: the same
-    Python object, its attributes and its gradient hooks kept (a gradient sync registered them on it)."""
-    attrs = dict(tensor.__dict__)
-    hooks = (tensor._post_accumulate_grad_hooks, tensor._backward_hooks)
-    if isinstance(tensor, nn.Parameter):
-        value = nn.Parameter(value, requires_grad=tensor.requires_grad)
-    torch.utils.swap_tensors(tensor, value)
-    tensor.__dict__.update(attrs)
-    if hooks[0] is not None:
-        tensor._post_accumulate_grad_hooks = hooks[0]  # registers them on the new storage's autograd node
-    if hooks[1] is not None:
-        tensor._backward_hooks = hooks[1]
-
-
-def on_meta(module: nn.Module) -> bool:
-    """Whether ``module`` was built on the meta device and has no values yet."""
-    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))

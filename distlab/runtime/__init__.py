@@ -319,7 +319,8 @@ def broadcast_module(module: torch.nn.Module, src: int = 0, group: dist.ProcessG
     A model built on the meta device has nothing to send: every rank gives it the same values later."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+    from distlab.runtime.meta import on_meta
+    if on_meta(module):
         return
     for tensor in list(module.parameters()) + list(module.buffers()):
         if getattr(tensor, "sync_group", group) is not group:

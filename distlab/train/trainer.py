@@ -24,7 +24,6 @@ from distlab.data.resident import decide as decide_residence
 from distlab.data.resident import nbytes as data_nbytes
 from distlab.errors import ConfigError, NonFiniteError
 from distlab.models import IGNORE_INDEX, build_model, count_parameters, snapshot_record
-from distlab.models.deferred import deferred
 from distlab.parallel import Mesh, parallelize
 from distlab.parallel.placement import placement_of, state_from_full, state_from_stream
 from distlab.runtime import Runtime, comm_failure, is_comm_failure, seed_everything, timeline, tune_host_allocator
@@ -96,6 +95,7 @@ class Trainer:
         seed_everything(cfg.seed)
         make = functools.partial(build_model, cfg.model, self.train_set.input_shape,
                                  cfg.vocab(self.train_set.num_classes), **cfg.model_options())
+        from distlab.models.deferred import deferred  # loads with the model, not with the training layer
         net, init = deferred(make) if cfg.strategy.deferrable and (not cfg.init_from or cfg.init_from.startswith(
             "hf:")) else (make(), None)
         slices = init_slices(net, cfg.init_from) if cfg.init_from else None

@@ -8,9 +8,9 @@ import torch.distributed as dist
 from torch import nn
 
 from distlab.errors import ConfigError
-from distlab.parallel.placement import adopt
 from distlab.parallel.state_bytes import optimizer_tensors, storage_bytes
 from distlab.runtime import group_rank, group_size
+from distlab.runtime.meta import adopt
 
 
 class ShardedState:
@@ -80,9 +80,8 @@ class ShardedState:
         with torch.no_grad():
             for unit, saved in zip(self.units, state["units"]):
                 unit.shard.copy_(saved["shard"])
-            buffers = dict(self._module.named_buffers())
-            for k, v in state["buffers"].items():
-                buffers[k].copy_(v)
+            for k, t in self._module.named_buffers():  # (a tied parameter's second name is no buffer of its own)
+                t.copy_(state["buffers"][k])
 
     def parameter_slots(self) -> list[tuple[str, nn.Parameter, tuple[int, int] | None]]:
         """(key, parameter, flat range) of each optimizer parameter: this rank's range of each unit."""

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from distlab import comm
-from distlab.parallel.placement import adopt
+from distlab.runtime.meta import adopt
 
 COALESCE_BELOW = 1 << 16  # elements: smaller units share collectives
 
@@ -53,7 +53,7 @@ class Unit:
     def adopt(self, shard: torch.Tensor) -> None:
         """Built on the meta device: take ``shard`` as this rank's shard, and a padded buffer of its own for
         the full parameter (empty storage while not gathered: ZeRO-3 holds only the shard)."""
-        self.full = torch.zeros(self.padded, dtype=shard.dtype, device=shard.device)
+        self.full = torch.empty(self.padded, dtype=shard.dtype, device=shard.device)  # untouched: gathered into
         adopt(self.param, torch.empty(self.param.shape, dtype=shard.dtype, device=shard.device))
         self.param.data = self.full[:self.numel].view_as(self.param)  # as at construction: not an autograd view
         adopt(self.shard, shard)
