@@ -1,7 +1,8 @@
 """``distlab bench load``: the memory each rank takes to load a model, before its first step.
 
 Each layout (``--layouts``, strategies as ``distlab verify`` writes them) trains ``--init-from`` (a Hugging Face
-checkpoint) on ``--nproc`` ranks, made two ways in fresh process groups: *deferred* -- what ``distlab train``
+checkpoint) on ``--nproc`` ranks -- its values read from the checkpoint, or (``random``) a new model of its
+shape initialised from the seed -- made two ways in fresh process groups: *deferred* -- what ``distlab train``
 does: the model built on the meta device, each rank giving values only to what its layout holds
 (:mod:`distlab.models.deferred`, :func:`distlab.parallel.placement.state_from_stream`) -- and *whole*: the
 model built and initialised whole on every rank first, then cut (how it was made before). Per rank: the
@@ -18,6 +19,7 @@ import statistics
 from distlab.bench.common import format_table, machine, write
 
 MODES = ("deferred", "whole")
+SOURCES = ("checkpoint", "random")
 
 
 def rss() -> int:
@@ -39,7 +41,9 @@ def peak() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
-def _load(rank: int, world: int, cfg, mode: str) -> dict:
+def _load(rank: int, world: int, cfg, mode: str, source: str) -> dict:
+    import dataclasses
+
     import torch
 
     from distlab import runtime
@@ -48,9 +52,12 @@ def _load(rank: int, world: int, cfg, mode: str) -> dict:
     import distlab.models.deferred as deferred_module
     if mode == "whole":  # the model built whole on every rank, then cut (no meta build)
         deferred_module.deferred = lambda make: (make(), None)
+    cfg = cfg.validate(world)
+    if source == "random":  # the checkpoint's shape, initialised as a new model (no file read)
+        cfg = dataclasses.replace(cfg, init_from=None, vocab_size=cfg.vocab(0))
     reset_peak()
     before = rss()
-    trainer = Trainer(cfg.validate(world), runtime.from_process_group())
+    trainer = Trainer(cfg, runtime.from_process_group())
     top = peak()
     held = trainer.engine.observe()
     shapes = [p["shape"] for p in placement_of(trainer.engine)["params"]]
@@ -68,30 +75,29 @@ def config(init_from: str, strategy: str):
                                   verbose=False, eval_every_epoch=False, strategy=Strategy.parse(strategy))
 
 
-def run(init_from: str, nproc: int = 4, layouts=("zero=3", "tp=2"), modes=MODES, runs: int = 1,
+def run(init_from: str, nproc: int = 4, layouts=("zero=3", "tp=2"), modes=MODES, sources=SOURCES, runs: int = 1,
         out: str | None = "runs/bench", progress=print) -> list[dict]:
     from distlab.launch.spawn import run_ranks
     records, facts = [], machine(nproc, 1)
     for r in range(runs):
         for layout in layouts:
-            for mode in modes:
-                progress(f"load: {layout}, {mode}, round {r + 1} of {runs}, {nproc} processes ...")
-                for rec in run_ranks(_load, nproc, config(init_from, layout), mode, timeout=3600):
-                    records.append({"layout": layout, "mode": mode, "round": r, "nproc": nproc,
-                                    "init_from": init_from, **rec, **facts})
+            for source in sources:
+                for mode in modes:
+                    progress(f"load: {layout}, {source}, {mode}, round {r + 1} of {runs}, {nproc} processes ...")
+                    for rec in run_ranks(_load, nproc, config(init_from, layout), mode, source, timeout=3600):
+                        records.append({"layout": layout, "source": source, "mode": mode, "round": r,
+                                        "nproc": nproc, "init_from": init_from, **rec, **facts})
     write(records, out, "load")
     return records
 
 
 def summarize(records: list[dict]) -> list[dict]:
     rows = []
-    for layout in dict.fromkeys(r["layout"] for r in records):
-        for mode in MODES:
-            mine = [r for r in records if r["layout"] == layout and r["mode"] == mode]
-            if not mine:
-                continue
+    for layout, source, mode in dict.fromkeys((r["layout"], r["source"], r["mode"]) for r in records):
+        mine = [r for r in records if (r["layout"], r["source"], r["mode"]) == (layout, source, mode)]
+        if mine:
             expected = [r["model_state_bytes"] + r["largest_tensor_bytes"] for r in mine]
-            rows.append({"layout": layout, "mode": mode, "ranks": mine[0]["nproc"],
+            rows.append({"layout": layout, "source": source, "mode": mode, "ranks": mine[0]["nproc"],
                          "peak": statistics.median(r["load_peak_bytes"] for r in mine),
                          "peak_max": max(r["load_peak_bytes"] for r in mine),
                          "state": statistics.median(r["model_state_bytes"] for r in mine),
@@ -102,10 +108,10 @@ def summarize(records: list[dict]) -> list[dict]:
 
 def table(records: list[dict], markdown: bool = False) -> str:
     gb = 1e9
-    cells = [[r["layout"], r["mode"], str(r["ranks"]), f"{r['peak'] / gb:.2f}", f"{r['peak_max'] / gb:.2f}",
+    cells = [[r["layout"], r["source"], r["mode"], str(r["ranks"]), f"{r['peak'] / gb:.2f}", f"{r['peak_max'] / gb:.2f}",
               f"{r['state'] / gb:.2f}", f"{r['largest'] / gb:.2f}", f"{r['expected'] / gb:.2f}",
               f"{r['peak'] / r['expected']:.2f}x", f"{r['whole'] / gb:.2f}"] for r in summarize(records)]
-    return format_table(["layout", "model built", "ranks", "load peak GB (median rank)", "max rank",
+    return format_table(["layout", "values from", "model built", "ranks", "load peak GB (median rank)", "max rank",
                          "state held GB", "largest tensor GB", "state + largest GB", "peak / (state + largest)",
                          "whole model GB"], cells, markdown)
 
@@ -114,4 +120,4 @@ def plot(records: list[dict], directory: str) -> list[str]:
     return []
 
 
-__all__ = ["MODES", "config", "plot", "run", "summarize", "table"]
+__all__ = ["MODES", "SOURCES", "config", "plot", "run", "summarize", "table"]

@@ -321,15 +321,17 @@ def bench_snapshot(nproc, state_mb, steps, every, runs, out):
 @click.option("--modes", default="deferred,whole", show_default=True,
               help="deferred: built on the meta device, each rank its part (what train does); whole: built whole "
                    "on every rank, then cut.")
+@click.option("--sources", default="checkpoint,random", show_default=True,
+              help="checkpoint: the values read from it; random: a new model of its shape, initialised from the seed.")
 @click.option("--runs", type=COUNT, default=1, show_default=True, help="Rounds of every layout and mode.")
 @click.option("--out", callback=writable_dir, default="runs/bench", show_default=True, help="Writes OUT/load.json.")
-def bench_load(init_from, nproc, layouts, modes, runs, out):
+def bench_load(init_from, nproc, layouts, modes, sources, runs, out):
     """The memory each rank takes to load a checkpoint before its first step: built on the meta device and
     given only its part, or built whole first."""
     from distlab.bench import load_peak
     from distlab.bench.common import choose
-    records = load_peak.run(init_from, nproc, layouts.split(","), choose("--modes", modes, load_peak.MODES), runs,
-                            out, progress=_progress)
+    records = load_peak.run(init_from, nproc, layouts.split(","), choose("--modes", modes, load_peak.MODES),
+                            choose("--sources", sources, load_peak.SOURCES), runs, out, progress=_progress)
     _finish(load_peak, records, out, "load", None)
 
 

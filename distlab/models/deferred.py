@@ -130,18 +130,17 @@ class Initialisation:
         if missing:
             raise NotReplayable(f"{missing[0]} was not made by a factory")
 
-    def tensors(self, values: bool = True) -> Iterator[tuple[list[str], torch.Tensor]]:
+    def tensors(self) -> Iterator[tuple[list[str], torch.Tensor]]:
         """Each tensor of the model, whole, as ``(its names, the tensor)`` -- in the order the build finished
         them, each the moment it is done (the caller keeps its part and drops it). The global random state
-        must be the one the meta build left (nothing may draw in between); it ends as a real build's would.
-        ``values=False`` only advances the random state (a model whose values come from a checkpoint)."""
+        must be the one the meta build left (nothing may draw in between); it ends as a real build's would."""
         if not torch.equal(torch.get_rng_state(), self._after_build):
             raise RuntimeError("the random state changed between the model's meta build and its initialisation: "
                                "initialise before anything else draws random numbers")
         torch.set_rng_state(self._start)
         live: dict[int, torch.Tensor] = {}
         for i, op in enumerate(self._ops):
-            final = values and op.key in self._names and i >= self._first[op.key]
+            final = op.key in self._names and i >= self._first[op.key]
             if not final:
                 if _draws(op.func):  # only its random numbers matter: draw them into a scratch tensor
                     self._scratch(op)
@@ -161,11 +160,6 @@ class Initialisation:
         for names, value in self.tensors():
             adopt(tensors[names[0]], value)  # a tied tensor is one object under each of its names
         return model
-
-    def advance(self) -> None:
-        """Leave the random state where a real build would, making no tensor."""
-        for _ in self.tensors(values=False):
-            pass
 
     def _scratch(self, op: _Op) -> None:
         if op.makes:

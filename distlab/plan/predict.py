@@ -133,6 +133,15 @@ def comm_bytes(t: Trace, lay: Layout, sync, stages: list[dict], micro: int, opti
             "comm_bytes_by": {k: int(round(v)) for k, v in by.items()}}
 
 
+def load_peak(t: Trace, parts: dict, strategy) -> int:
+    """The most model a rank holds while it loads, before its first step: its parameters as the layout places
+    them and the largest tensor whole (made or read, then cut: :mod:`distlab.models.deferred`) -- or the whole
+    model, where it is built whole first (torch's DDP wraps real tensors)."""
+    if not strategy.deferrable:
+        return t.num_parameters * t.element_size
+    return parts["parameter_bytes_per_rank"] + max(t.numels) * t.element_size
+
+
 def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     """Memory per rank and (with a calibration) time per step of ``lay`` over ``link``."""
     lay.check()
@@ -176,6 +185,7 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     if narrow != 1.0:
         out["activation_bytes_per_rank"] = int(out["activation_bytes_per_rank"] * narrow)
         out["activation_basis"] += f"; halved under {lay.strategy.precision} autocast (products save 2-byte inputs)"
+    out["load_peak_bytes_per_rank"] = load_peak(t, parts, lay.strategy)
     out["compression_state_bytes_per_rank"] = sync.planned_extra_state(t_rank, lay.strategy, lay.replicas)
     out["memory_bytes_per_rank"] = int(max(st["model_state_bytes"] + narrow * (st["activation_bytes"] + st["recompute_bytes"])
                                            for st in stages) + out["compression_state_bytes_per_rank"])

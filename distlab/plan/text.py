@@ -32,6 +32,8 @@ def format_prediction(p: dict) -> str:
              f"{p['model_state_bytes_per_rank']:,} bytes: parameters + gradients + optimizer state at their peak)",
              f"activations   {_gib(p['activation_bytes_per_rank'])} per rank (estimate: {p['activation_basis']})",
              f"memory        {_gib(p['memory_bytes_per_rank'])} per rank",
+             f"loading       {_gib(p['load_peak_bytes_per_rank'])} per rank at most, before the first step "
+             f"(its parameters as placed + the largest tensor whole, made or read, then cut)",
              f"sends         {p['comm_bytes_per_step_per_rank']:,} bytes per step from rank 0 ("
              + ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in p["comm_bytes_by"].items() if v) + ")"]
     if p.get("activation_checkpointing"):

@@ -110,9 +110,7 @@ class Trainer:
         self.throughput = Throughput.of(net, self.train_set, cfg, rt)  # tokens/s and MFU, from the whole model
         no_decay = no_decay_names(net) if decay_groups(cfg) else set()  # by the whole model's names
         self.engine = parallelize(net, cfg.strategy, self.mesh, rt.device)
-        if init is not None:  # the random state advances as a real build's would, checkpoint or not
-            if slices is not None:
-                init.advance()
+        if init is not None:  # (a checkpoint's run draws no random numbers for weights it never uses)
             pieces = state_from_full(self.engine, slices, device=rt.device) if slices is not None else \
                 state_from_stream(self.engine, init.tensors(), device=rt.device)
             self.engine.load_sharded_state_dict(pieces)
