@@ -59,6 +59,8 @@ BASE = {
     "bench overhead": "--workloads mlp --precisions fp32 --steps 20 --runs 1 --dataset synthetic:1x8x8:4:64 --out b",
     "bench checkpointing": "--workloads gpt --steps 3 --batch 2 --out b",
     "bench snapshot": "--nproc 1 --state-mb 0.1 --steps 4 --every 2 --runs 1 --out b",
+    "bench load": "--init-from hf:{tmp}/ckpt --nproc 1 --layouts allreduce --modes deferred --sources checkpoint "
+                  "--out b",
     "bench markdown": "{tmp}/bench/collectives.json",
 }
 
@@ -110,6 +112,9 @@ def workdir(tmp_path_factory):
                  ["plan", "calibrate", str(tmp / "bench"), str(tmp / "run"), "-o", str(tmp / "cal.json")]):
         code, _, err = _invoke(argv, tmp)
         assert code == 0, (argv, err)
+    from distlab.models import build_model, hf, spec  # a Hugging Face checkpoint (bench load reads it)
+    options = spec("llama").make_options(dict(n_layer=1, n_embd=16, n_head=2, kv_heads=1, ffn_hidden=32))
+    hf.write(build_model("llama", (16,), 256, options).state_dict(), "llama", options, 256, 16, tmp / "ckpt")
     return tmp
 
 

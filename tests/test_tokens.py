@@ -220,15 +220,31 @@ def test_a_token_the_vocabulary_lacks_or_any_changed_byte_is_refused_before_the_
 
 
 def test_a_checked_corpus_is_not_read_again_until_a_file_changes(tmp_path, monkeypatch):
+    """What was checked is remembered in the user's cache, never in the corpus (a forged record there
+    skipped the checks); a file rewritten with its modification time set back is read again."""
+    import os
+    monkeypatch.setenv("DISTLAB_CACHE", str(tmp_path / "cache"))
     spec = _prepared(tmp_path)
     manifest = token_files.manifest_of(spec)
+    before = sorted(p.name for p in (tmp_path / "out").iterdir())
     token_files.verify(spec, manifest)
-    assert (tmp_path / "out" / token_files.VERIFIED).is_file()
+    assert (tmp_path / "cache" / token_files.VERIFIED).is_file()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == before  # nothing written into the input
+    real = token_files.hashlib.sha256
     monkeypatch.setattr(token_files.hashlib, "sha256", lambda: 1 / 0)  # any read would hash
     token_files.verify(spec, manifest)  # remembered: nothing read
     train = tmp_path / "out" / "train.bin"
-    train.write_bytes(train.read_bytes())  # the same bytes, a new modification time: read again
+    st = train.stat()
+    train.write_bytes(train.read_bytes())  # the same bytes, the modification time put back: read again
+    os.utime(train, ns=(st.st_atime_ns, st.st_mtime_ns))
     with pytest.raises(ZeroDivisionError):
+        token_files.verify(spec, manifest)
+    monkeypatch.setattr(token_files.hashlib, "sha256", real)
+    (tmp_path / "out" / ".verified.json").write_text(json.dumps({"train.bin": "forged"}))  # read by nobody
+    good = train.read_bytes()
+    train.write_bytes(good[:10] + (300).to_bytes(2, "little") + good[12:])
+    os.utime(train, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(ConfigError, match="holds token id 300"):
         token_files.verify(spec, manifest)
 
 

@@ -78,7 +78,13 @@ def config(init_from: str, strategy: str):
 def run(init_from: str, nproc: int = 4, layouts=("zero=3", "tp=2"), modes=MODES, sources=SOURCES, runs: int = 1,
         out: str | None = "runs/bench", progress=print) -> list[dict]:
     from distlab.launch.spawn import run_ranks
+    from distlab.errors import ConfigError
     records, facts = [], machine(nproc, 1)
+    for layout in layouts:  # every layout checked here, before any rank starts
+        try:
+            config(init_from, layout).validate(nproc)
+        except ValueError as exc:
+            raise ConfigError(f"--layouts {layout!r}: {exc}") from None
     for r in range(runs):
         for layout in layouts:
             for source in sources:

@@ -121,8 +121,8 @@ def trace_table(trace: dict) -> str:
 
 def _kind(first: dict):
     """The table of a file whose records start with ``first`` (by the fields only that bench writes)."""
-    from distlab.bench import (checkpointing, compression, elastic, overhead, parallel, pipeline, scaling,
-                               snapshot_format, snapshot_stall)
+    from distlab.bench import (checkpointing, compression, elastic, load_peak, overhead, parallel, pipeline,
+                               scaling, snapshot_format, snapshot_stall)
     tables = [
         (("algorithm",), collectives),
         (("drill",), fault_records),
@@ -141,6 +141,7 @@ def _kind(first: dict):
         (("train_file_bytes", "peak_rss_mb"), mapped_corpus),
         (("variant", "round", "time_per_step_s_median"), variant_cost),
         (("snapshot_stall_s_median", "mode"), lambda r: snapshot_stall.table(r, markdown=True)),
+        (("load_peak_bytes", "largest_tensor_bytes"), lambda r: load_peak.table(r, markdown=True)),
     ]
     return next((table for fields, table in tables if all(f in first for f in fields)), None)
 
@@ -161,6 +162,6 @@ def render(path: str | Path) -> str:
     table = _kind(data[0]) if isinstance(data[0], dict) else None
     if table is None:
         raise ValueError(f"{path}: not a bench file distlab knows (collectives, dp, syncbn, scaling, parallel, "
-                         f"pipeline, checkpointing, compression, elastic, overhead, snapshot-format, verify, the "
+                         f"pipeline, checkpointing, compression, elastic, overhead, snapshot-format, snapshot, load, verify, the "
                          f"main job's results, the mapped corpus's memory)")
     return table(data)

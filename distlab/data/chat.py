@@ -13,11 +13,46 @@ internals, no file, no import).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
+import threading
+import time
 from datetime import datetime
 from pathlib import Path
 
 from distlab.errors import ConfigError
+from distlab.models.hf_files import read_json
+
+RENDER_LIMIT = 1 << 20  # characters one conversation may render to (a repetition: items)
+RENDER_SECONDS = 10.0  # seconds one conversation may take to render
+
+
+class _OutOfTime(BaseException):
+    """Raised by the alarm inside a render that ran past its budget (a BaseException: no template catches it)."""
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float):
+    """Stop the code inside after ``seconds`` (SIGALRM; in the main thread on Unix, else no limit)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def stop(signum, frame):
+        raise _OutOfTime()
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    began = time.monotonic()
+    left, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if left:  # an outer alarm was set: give it back what is left of it
+            signal.setitimer(signal.ITIMER_REAL, max(left - (time.monotonic() - began), 1e-3))
+
 
 SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -46,7 +81,23 @@ def _environment():
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    class Bounded(ImmutableSandboxedEnvironment):
+        """The sandbox, with repetition and powers bounded: ``'x' * 10**9`` is refused before it is made."""
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "*":
+                n, seq = (right, left) if isinstance(left, (str, list, tuple)) else (left, right)
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > RENDER_LIMIT:
+                    raise jinja2.exceptions.SecurityError(f"a repetition of {len(seq) * n:,} items (the limit is "
+                                                          f"{RENDER_LIMIT:,})")
+            if operator == "**" and isinstance(right, (int, float)) and isinstance(left, (int, float)) and \
+                    abs(right) > 64 and abs(left) > 1:
+                raise jinja2.exceptions.SecurityError(f"a power of {right} (the limit is 64)")
+            return super().call_binop(context, operator, left, right)
+
+    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.globals.pop("lipsum", None)  # generates text of any length
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -66,26 +117,46 @@ class ChatTemplate:
             raise ConfigError(f"{where}: not a Jinja template ({exc})") from None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The conversation as text, within a budget: at most :data:`RENDER_LIMIT` characters and
+        :data:`RENDER_SECONDS` seconds (in the main thread: an alarm stops a loop that never ends) --
+        anything the template does wrong is one line naming it."""
         import jinja2
+        out, size = [], 0
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=None, documents=None, **self.special)
+            with _deadline(RENDER_SECONDS):
+                for piece in self._template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                     tools=None, documents=None, **self.special):
+                    size += len(piece)
+                    if size > RENDER_LIMIT:
+                        raise jinja2.exceptions.SecurityError(f"it renders more than {RENDER_LIMIT:,} characters")
+                    out.append(piece)
         except jinja2.TemplateError as exc:  # the template's own refusal (raise_exception) or a sandbox breach
             raise ConfigError(f"{self.where} refused a conversation: {exc}") from None
+        except _OutOfTime:
+            raise ConfigError(f"{self.where} did not render a conversation within {RENDER_SECONDS:g} s") from None
+        except RecursionError:
+            raise ConfigError(f"{self.where} failed on a conversation: it recurses without end") from None
+        except Exception as exc:  # noqa: BLE001 - a template is someone else's code: any failure is one line
+            raise ConfigError(f"{self.where} failed on a conversation: {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:200] if str(exc) else ''}") from None
+        return "".join(out)
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> "ChatTemplate | None":
         """The template of a model directory (None: it has none)."""
         root = Path(directory)
         config_path = root / "tokenizer_config.json"
-        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        config = read_json(config_path, str(root)) if config_path.is_file() else {}
         source, where, file = config.get("chat_template"), f"{config_path}: chat_template", str(config_path)
         if isinstance(source, list):  # named templates: the default one
             source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"),
                           None)
         if source is None and (root / "chat_template.jinja").is_file():
             file = where = str(root / "chat_template.jinja")
-            source = (root / "chat_template.jinja").read_text(encoding="utf-8")
+            try:
+                source = (root / "chat_template.jinja").read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                raise ConfigError(f"{where} is not text (UTF-8)") from None
         if not isinstance(source, str):
             return None
         special = {}

@@ -59,19 +59,59 @@ class Record(NamedTuple):
     chat: bool = False  # rendered by a chat template: its end of turn (if it writes one) ends the reply
 
 
+RECORD_LIMIT = 8 << 20  # characters in one record's line
+
+
+def _lines(f, path):
+    """``f``'s lines, each at most :data:`RECORD_LIMIT` characters (a longer one is refused, not held whole)."""
+    number = 0
+    while True:
+        number += 1
+        try:
+            line = f.readline(RECORD_LIMIT + 1)
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start} of a line near line {number}): write the "
+                              f"records in UTF-8") from None
+        if not line:
+            return
+        if len(line) > RECORD_LIMIT:
+            raise ConfigError(f"{path}:{number}: a record of more than {RECORD_LIMIT:,} characters; split it")
+        yield line
+
+
+def _text(value, where: str) -> None:
+    """Every string in a parsed record is text that encodes (a lone surrogate, ``"\\ud800"``, is not)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ConfigError(f"{where}: holds a lone surrogate escape (as \\ud800), not text") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
 def records(spec: str, template=None, template_dir: str = "") -> list[Record]:
     """Every line's record, in file order (chat records rendered by ``template``); one line naming the first
     bad one."""
     from distlab.data.chat import split_reply
     path, out = path_of(spec), []
     with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+        for number, line in enumerate(_lines(f, path), 1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
+            except RecursionError:
+                raise ConfigError(f"{path}:{number}: nested too deeply to be a record") from None
             except ValueError as exc:
                 raise ConfigError(f"{path}:{number}: not a JSON object ({exc})") from None
+            _text(record, f"{path}:{number}")
             if isinstance(record, dict) and "messages" in record and "prompt" not in record:
                 if template is None:
                     raise ConfigError(f"{path}:{number}: chat records (messages) are rendered by a model's chat "
@@ -134,6 +174,9 @@ def load_sft(spec: str, split: str, block_size: int, tokenizer: str = tokenizers
         ignored[at + len(head):at + len(ids)] = False  # the completion's tokens (and the end) are targets
         scored += max(0, len(ids) - max(len(head), 1))
         empty += len(head) >= width  # the prompt fills the window: nothing of the completion is left
+    if split == "train" and not completion_tokens:
+        raise ConfigError(f"{spec}: no record has a completion token to learn (every completion is empty and "
+                          f"nothing ends it): nothing to train on")
     if empty == len(mine):
         raise ConfigError(f"{spec}: every {split} record's prompt fills the window of `block_size` {block_size} + 1 "
                           f"tokens, leaving no completion token to learn: raise `block_size`")

@@ -171,14 +171,21 @@ class HFTokenizer(BPETokenizer):
         """``DIR/tokenizer.json`` with what ``DIR/config.json`` and ``DIR/tokenizer_config.json`` say of it."""
         import json
         from pathlib import Path
-        root = Path(directory)
+
+        from distlab.models.hf_files import Config, read_json
+        root, where = Path(directory), f"hf:{directory}"
         if not (root / "tokenizer.json").is_file():
-            raise ConfigError(f"hf:{directory}: no tokenizer.json there (a model's tokenizer in Hugging Face "
+            raise ConfigError(f"{where}: no tokenizer.json there (a model's tokenizer in Hugging Face "
                               f"tokenizers' format; a tokenizer.model of SentencePiece alone is not read)")
-        tok = _library().Tokenizer.from_file(str(root / "tokenizer.json"))
+        spec = read_json(root / "tokenizer.json", where)  # text, JSON, an object, of bounded depth
+        try:
+            tok = _library().Tokenizer.from_str(json.dumps(spec))
+        except Exception as exc:  # noqa: BLE001 - the library's own parse of someone else's file: one line
+            raise ConfigError(f"{where}: tokenizer.json is not a tokenizer ({first_line(exc, 200)})") from None
         config, tok_config, gen_config = (
-            {} if not (root / f).is_file() else json.loads((root / f).read_text(encoding="utf-8"))
+            {} if not (root / f).is_file() else read_json(root / f, where)
             for f in ("config.json", "tokenizer_config.json", "generation_config.json"))
+        Config(config, where).size("vocab_size", 0, least=0)  # a whole number where it is given
         eos = config.get("eos_token_id")
         eos = eos[0] if isinstance(eos, list) and eos else eos
         word = tok_config.get("eos_token")

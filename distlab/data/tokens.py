@@ -163,7 +163,16 @@ def _malformed(manifest: dict) -> str | None:
     return None
 
 
-VERIFIED = ".verified.json"  # beside the token files: the sizes and times of files whose checks passed
+VERIFIED = "verified-tokens.json"  # in the user's cache: the files whose checks passed, and how they looked
+
+
+def cache_dir() -> Path:
+    """Where distlab remembers what it checked: ``$DISTLAB_CACHE``, else ``$XDG_CACHE_HOME/distlab``, else
+    ``~/.cache/distlab`` -- the user's own, never an input directory (whose files anyone who wrote it could
+    forge)."""
+    if os.environ.get("DISTLAB_CACHE"):
+        return Path(os.environ["DISTLAB_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "distlab"
 CHUNK = 1 << 24  # bytes read at a time: checking a corpus of any size holds this much
 
 
@@ -171,10 +180,13 @@ def verify(spec: str, manifest: dict, progress: bool = False) -> None:
     """Before the first step: every split's file is the one its manifest describes -- its SHA-256 -- and
     holds no token id the vocabulary lacks (a corrupt token would crash a run mid-way, or train on wrong
     text silently). One streaming pass per file, :data:`CHUNK` bytes at a time; a file that passed is
-    remembered by its size and modification time (``DIR/.verified.json``, where it can be written), so
-    later runs and the other ranks do not read it again. The first bad id is named with its offset."""
+    remembered in the user's cache (:func:`cache_dir`; nothing is written into the corpus) by its path, size,
+    inode and modification and change times -- a file rewritten, even with its modification time set back,
+    has a new change time -- so later runs and the other ranks do not read it again. The first bad id is
+    named with its offset."""
     root = path_of(spec)
-    record = _verified(root)
+    cache = cache_dir() / VERIFIED
+    record = _verified(cache)
     dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
     vocab = manifest["vocab_size"]
     changed = False
@@ -182,8 +194,10 @@ def verify(spec: str, manifest: dict, progress: bool = False) -> None:
         entry = manifest["splits"][s]
         path = root / Path(entry["file"]).name
         st = path.stat()
-        stamp = [st.st_size, st.st_mtime_ns, entry["sha256"] or vocab]  # a bare corpus: checked for its vocabulary
-        if record.get(path.name) == stamp:
+        key = str(path.resolve())
+        stamp = [st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns,
+                 entry["sha256"] or vocab]  # a bare corpus: checked for its vocabulary
+        if record.get(key) == stamp:
             continue
         sha, offset = hashlib.sha256(), 0
         with open(path, "rb") as f:
@@ -203,16 +217,17 @@ def verify(spec: str, manifest: dict, progress: bool = False) -> None:
             raise ConfigError(f"--dataset {spec}: {path} is not the file its manifest describes (its SHA-256 "
                               f"{sha.hexdigest()[:16]}... is not {entry['sha256'][:16]}...): it was changed or "
                               f"damaged after prepare-text wrote it; prepare the corpus again")
-        record[path.name] = stamp
+        record[key] = stamp
         changed = True
     if changed:
-        with contextlib.suppress(OSError):  # a read-only corpus is checked again next time, nothing worse
-            atomic_text(root / VERIFIED, json.dumps(record) + "\n")
+        with contextlib.suppress(OSError, WriteError):  # no cache to write: checked again next time, nothing worse
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            atomic_text(cache, json.dumps(record) + "\n")
 
 
-def _verified(root: Path) -> dict:
+def _verified(cache: Path) -> dict:
     try:
-        record = json.loads((root / VERIFIED).read_text())
+        record = json.loads(cache.read_text())
     except (OSError, ValueError, RecursionError):
         return {}
     return record if isinstance(record, dict) else {}

@@ -131,7 +131,8 @@ def sample_ids(model, ids: list[int], max_new_tokens: int, temperature: float = 
         if temperature == 0:
             nxt = int(logits.argmax())
         else:
-            logits = logits / temperature
+            # in float64 from the best logit down: a temperature of 1e-300 makes -inf of the others, not inf - inf
+            logits = (logits.double() - logits.max()) / temperature
             if top_k is not None and top_k < logits.numel():
                 cutoff = torch.topk(logits, top_k).values[-1]
                 logits = logits.masked_fill(logits < cutoff, float("-inf"))
@@ -139,6 +140,7 @@ def sample_ids(model, ids: list[int], max_new_tokens: int, temperature: float = 
             if top_p is not None and top_p < 1:  # the smallest set of most likely tokens reaching top_p
                 ranked, order = probs.sort(descending=True)
                 drop = ranked.cumsum(0) - ranked >= top_p  # the tokens after the set is complete
+                drop[0] = False  # the most likely token always stays (a top_p below float precision keeps it alone)
                 probs = probs.scatter(0, order, ranked.masked_fill(drop, 0.0))
             nxt = int(torch.multinomial(probs, 1, generator=generator))
         if nxt in stops:  # the model's end of sequence (or of its turn): the text is complete

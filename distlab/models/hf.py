@@ -24,23 +24,12 @@ from pathlib import Path
 import torch
 
 from distlab.errors import ConfigError
+from distlab.models.hf_files import INDEX, SINGLE, Config, check_layers, check_tensors, config_of, finite, headers, \
+    tensor_files
 from distlab.models.plans import assign_state, with_tied
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 SHARD_BYTES = 2 * 2**30  # save_pretrained's default largest shard (5 GB in transformers; 2 GB keeps files movable)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-def config_of(directory: str | Path) -> dict:
-    path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"hf:{directory}: no config.json there (a Hugging Face model directory has config.json "
-                          f"and model.safetensors, or shards with {INDEX})")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"hf:{directory}: config.json is not JSON ({exc})") from None
 
 
 _ADAPTERS: dict[str, type] = {}
@@ -71,7 +60,7 @@ def adapter_of(name: str):
 
 def family_of(config: dict, directory: str | Path = "") -> tuple[str, object]:
     """The registered family (its name and adapter) that reads ``config``'s architecture."""
-    arch = (config.get("architectures") or [None])[0]
+    arch = Config(config, f"hf:{directory}").architecture()
     takers = {a: adapter for adapter in adapters().values() for a in adapter.architectures}
     if arch not in takers:
         raise ConfigError(f"hf:{directory}: architecture {arch!r} is not supported (distlab reads "
@@ -90,43 +79,47 @@ def options_of(config: dict, where: str) -> tuple[str, object, object, int]:
     return name, adapter, options, vocab
 
 
-def tensor_files(directory: str | Path) -> list[Path]:
-    root = Path(directory)
-    if (root / INDEX).is_file():
-        index = json.loads((root / INDEX).read_text(encoding="utf-8"))
-        names = sorted(set(index.get("weight_map", {}).values()))
-        missing = [n for n in names if not (root / n).is_file()]
-        if missing:
-            raise ConfigError(f"hf:{directory}: {INDEX} lists {missing[0]}, which is not there")
-        return [root / n for n in names]
-    if (root / SINGLE).is_file():
-        return [root / SINGLE]
-    raise ConfigError(f"hf:{directory}: no {SINGLE} and no {INDEX} (only safetensors weights are read: a "
-                      f"pytorch_model.bin is a pickle, which distlab never loads)")
+def checked_options(directory: str | Path) -> tuple[str, object, object, int]:
+    """:func:`options_of` the directory's config, its weight files' headers checked and the layers it claims
+    held by its tensors -- before a model of that config is built, even on the meta device."""
+    where = f"hf:{directory}"
+    found = options_of(config_of(directory), where)
+    check_layers(found[2].n_layer, headers(directory), where)
+    return found
 
 
 def read(directory: str | Path) -> tuple[str, object, int, dict[str, torch.Tensor]]:
     """``(family name, options, vocabulary, state)``: the directory's model as distlab builds it, its
     weights under distlab's names (float32, as distlab trains; a config's own dtype is a storage choice)."""
     from safetensors import safe_open
-    name, adapter, options, vocab = options_of(config_of(directory), f"hf:{directory}")
+    where = f"hf:{directory}"
+    name, adapter, options, vocab = options_of(config_of(directory), where)
+    found = headers(directory)  # every file's header checked before the library opens it
+    check_layers(options.n_layer, found, where)
     tensors: dict[str, torch.Tensor] = {}
-    for path in tensor_files(directory):
+    for path in dict.fromkeys(p for p, _, _ in found.values()):
         with safe_open(str(path), "pt") as f:
             for key in f.keys():
-                tensors[key] = f.get_tensor(key).to(torch.float32)
-    return name, options, vocab, adapter.to_mine(tensors, options, f"hf:{directory}")
+                tensors[key] = finite(f.get_tensor(key).to(torch.float32), key, where)
+    state = adapter.to_mine(tensors, options, where)
+    model = _on_meta(name, options, vocab)  # what the config describes, compared with what the tensors hold
+    check_tensors({k: tuple(v.shape) for k, v in model.state_dict().items()},
+                  {k: tuple(v.shape) for k, v in with_tied(model, state).items()}, where)
+    return name, options, vocab, state
+
+
+def _on_meta(name: str, options, vocab: int, block: int = 8):
+    from distlab.models import build_model
+    with torch.device("meta"):
+        return build_model(name, (block,), vocab, options)
 
 
 class Slices:
     """One tensor of a checkpoint, read when a piece of it is asked for: a rank of a layout reads the rows or
     columns its placement holds (safetensors' slices), never the rest (float32, as :func:`read` gives)."""
 
-    def __init__(self, path: Path, key: str):
-        from safetensors import safe_open
-        self.path, self.key = path, key
-        with safe_open(str(path), "pt") as f:
-            self.shape = tuple(f.get_slice(key).get_shape())
+    def __init__(self, path: Path, key: str, shape: tuple[int, ...]):
+        self.path, self.key, self.shape = path, key, tuple(shape)  # its file's header checked (hf_files.headers)
 
     def piece(self, dim: int | None, parts: int, part: int) -> torch.Tensor:
         """Part ``part`` of ``parts`` along ``dim`` (as ``torch.chunk`` cuts it; None: the whole tensor)."""
@@ -134,11 +127,11 @@ class Slices:
         with safe_open(str(self.path), "pt") as f:
             whole = f.get_slice(self.key)
             if dim is None:
-                return whole[:].to(torch.float32)
+                return finite(whole[:].to(torch.float32), self.key, str(self.path.parent))
             size = -(-self.shape[dim] // parts)
             index = tuple(slice(part * size, (part + 1) * size) if d == dim else slice(None)
                           for d in range(len(self.shape)))
-            return whole[index].to(torch.float32)
+            return finite(whole[index].to(torch.float32), self.key, str(self.path.parent))
 
     def flat(self, start: int, length: int) -> torch.Tensor:
         """Elements ``[start, start + length)`` of the flattened tensor, reading only the rows that hold them."""
@@ -147,7 +140,8 @@ class Slices:
         first, last = start // row, -(-(start + length) // row)
         with safe_open(str(self.path), "pt") as f:
             rows = f.get_slice(self.key)[first:last] if self.shape else f.get_slice(self.key)[:]
-        return rows.reshape(-1)[start - first * row:start - first * row + length].to(torch.float32)
+        return finite(rows.reshape(-1)[start - first * row:start - first * row + length].to(torch.float32), self.key,
+                      str(self.path.parent))
 
     def detach(self) -> torch.Tensor:  # a buffer or a replicated parameter: the whole tensor
         return self.piece(None, 1, 0)
@@ -157,47 +151,32 @@ def sliced(directory: str | Path) -> dict[str, Slices] | None:
     """The directory's tensors under distlab's names, each read only in the pieces asked for
     (:class:`Slices`); None where the family's adapter converts whole state dicts (GPT-2's fused q/k/v:
     :func:`read` them whole)."""
-    name, adapter, options, _ = options_of(config_of(directory), f"hf:{directory}")
+    where = f"hf:{directory}"
+    name, adapter, options, _ = options_of(config_of(directory), where)
     if not adapter.sliced:
         return None
-    from safetensors import safe_open
+    found = headers(directory)  # every file's header checked before the library opens it
+    check_layers(options.n_layer, found, where)
     names, out = adapter.names(options), {}
-    for path in tensor_files(directory):
-        with safe_open(str(path), "pt") as f:
-            keys = list(f.keys())
-        for key in keys:
-            if names.get(key) is None and key not in names:
-                raise ConfigError(f"hf:{directory} holds {key}, which distlab's {name} has no place for")
-            if names.get(key) is not None:
-                out[names[key]] = Slices(path, key)
+    for key, (path, _, shape) in found.items():
+        if names.get(key) is None and key not in names:
+            raise ConfigError(f"{where} holds {key}, which distlab's {name} has no place for")
+        if names.get(key) is not None:
+            out[names[key]] = Slices(path, key, shape)
     return out
 
 
 def context_of(config: dict) -> int:
     """The longest context a config was made for (0: it does not say)."""
-    return int(config.get("max_position_embeddings") or config.get("n_positions") or 0)
+    return Config(config, "hf:").size("max_position_embeddings", 0, "n_positions", least=0)
 
 
 def build(directory: str | Path, block_size: int | None = None):
     """The directory's model, built and holding its weights; and its record (family, options, vocab)."""
-    from distlab.models import build_model
-    name, options, vocab, state = read(directory)
-    config = config_of(directory)
-    block = block_size or context_of(config) or 2048
-    with torch.device("meta"):
-        model = build_model(name, (block,), vocab, options)
-    mine = model.state_dict()
-    state = with_tied(model, state)  # a tied LM head: the checkpoint keeps the embedding only
-    missing, extra = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
-    if missing or extra:
-        raise ConfigError(f"hf:{directory} does not match its config: "
-                          + (f"{len(missing)} tensor(s) missing (first {missing[0]})" if missing else "")
-                          + (f"{len(extra)} unexpected (first {extra[0]})" if extra else ""))
-    for key, tensor in state.items():
-        if tuple(tensor.shape) != tuple(mine[key].shape):
-            raise ConfigError(f"hf:{directory}: {key} has shape {tuple(tensor.shape)}, its config says "
-                              f"{tuple(mine[key].shape)}")
-    assign_state(model, state)
+    name, options, vocab, state = read(directory)  # its tensors checked against its config
+    block = block_size or context_of(config_of(directory)) or 2048
+    model = _on_meta(name, options, vocab, block)
+    assign_state(model, with_tied(model, state))  # a tied LM head: the checkpoint keeps the embedding only
     return model, {"model": name, **options.to_dict(), "vocab": vocab, "block_size": block}
 
 

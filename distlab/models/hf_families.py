@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from distlab.errors import ConfigError
+from distlab.models.hf_files import Config
 
 
 class HFAdapter:
@@ -97,12 +98,18 @@ class HFLlama(HFAdapter):
     def options_from(cls, config: dict, where: str) -> tuple[dict, int]:
         """The option values and vocabulary of a ``config.json``; one line naming a key whose math distlab
         does not do."""
-        rope = config.get("rope_parameters") or {}
-        scaling = config.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"}
-                                                 if rope.get("rope_type", "default") != "default" else None)
-        heads, width = config["num_attention_heads"], config["hidden_size"]
-        qwen = (config.get("architectures") or [""])[0] == "Qwen2ForCausalLM"
-        window = config.get("sliding_window") if config.get("use_sliding_window", not qwen) else None
+        c = Config(config, where)
+        rope = c.get("rope_parameters", {})
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{where}: config.json's rope_parameters is {rope!r}: it must be an object")
+        scaling = c.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"}
+                                            if rope.get("rope_type", "default") != "default" else None)
+        heads, width = c.size("num_attention_heads"), c.size("hidden_size")
+        qwen = c.architecture() == "Qwen2ForCausalLM"
+        window = c.size("sliding_window", 0, least=0) if c.flag("use_sliding_window", not qwen) else None
+        layer_types = c.get("layer_types", [])
+        if not isinstance(layer_types, list):
+            raise ConfigError(f"{where}: config.json's layer_types is {layer_types!r}: it must be a list")
         refused = [(scaling, f"rope_scaling {scaling} (distlab's rotary positions are unscaled)"),
                    (config.get("hidden_act", "silu") != "silu", f"hidden_act {config.get('hidden_act')!r} (SwiGLU is silu)"),
                    (config.get("attention_bias"), "attention_bias true (distlab's attention has no biases)"),
@@ -110,21 +117,21 @@ class HFLlama(HFAdapter):
                    (config.get("head_dim") not in (None, width // heads),
                     f"head_dim {config.get('head_dim')} (distlab's heads are hidden_size / num_attention_heads = "
                     f"{width // heads} wide)"),
-                   ("sliding_attention" in (config.get("layer_types") or ()) or (window or 0) and window <
-                    config.get("max_position_embeddings", 0),
+                   ("sliding_attention" in layer_types or (window or 0) and window <
+                    c.size("max_position_embeddings", 0, least=0),
                     f"sliding_window {config.get('sliding_window')} (distlab's attention sees the whole context)")]
         for bad, what in refused:
             if bad:
                 raise ConfigError(f"{where}: {what}: distlab would compute another model; it reads Llama-family "
                                   f"configs without it")
-        theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
-        options = dict(n_layer=config["num_hidden_layers"], n_head=heads,
-                               kv_heads=config.get("num_key_value_heads") or heads, n_embd=width,
-                               ffn_hidden=config["intermediate_size"], rope_theta=float(theta),
-                               norm_eps=float(config.get("rms_norm_eps", 1e-6)), qkv_bias=qwen,
-                               tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-                               context=int(config.get("max_position_embeddings") or 0) or None)
-        return options, int(config["vocab_size"])
+        theta = c.number("rope_theta", Config(rope, where).number("rope_theta", 10000.0))
+        options = dict(n_layer=c.size("num_hidden_layers"), n_head=heads,
+                       kv_heads=c.size("num_key_value_heads", heads), n_embd=width,
+                       ffn_hidden=c.size("intermediate_size"), rope_theta=theta,
+                       norm_eps=c.number("rms_norm_eps", 1e-6), qkv_bias=qwen,
+                       tie_embeddings=c.flag("tie_word_embeddings", False),
+                       context=c.size("max_position_embeddings", 0, least=0) or None)
+        return options, c.size("vocab_size")
 
     @classmethod
     def config_for(cls, options, vocab: int, block_size: int) -> dict:
@@ -203,8 +210,9 @@ class HFGPT2(HFAdapter):
 
     @classmethod
     def options_from(cls, config: dict, where: str) -> tuple[dict, int]:
-        act = config.get("activation_function", "gelu_new")
-        width = config["n_embd"]
+        c = Config(config, where)
+        act = c.text("activation_function", "gelu_new")
+        width = c.size("n_embd")
         refused = [(act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"), f"activation_function {act!r} (distlab's "
                     f"GELU is exact or tanh)"),
                    (config.get("n_inner") not in (None, 4 * width), f"n_inner {config.get('n_inner')} (distlab's MLP "
@@ -218,11 +226,11 @@ class HFGPT2(HFAdapter):
             if bad:
                 raise ConfigError(f"{where}: {what}: distlab would compute another model; it reads GPT-2 configs "
                                   f"without it")
-        options = dict(n_layer=config["n_layer"], n_head=config["n_head"], n_embd=width, qkv_bias=True,
+        options = dict(n_layer=c.size("n_layer"), n_head=c.size("n_head"), n_embd=width, qkv_bias=True,
                        gelu="exact" if act == "gelu" else "tanh",
-                       tie_embeddings=bool(config.get("tie_word_embeddings", True)),
-                       context=int(config.get("n_positions") or config.get("n_ctx") or 0) or None)
-        return options, int(config["vocab_size"])
+                       tie_embeddings=c.flag("tie_word_embeddings", True),
+                       context=c.size("n_positions", 0, "n_ctx", least=0) or None)
+        return options, c.size("vocab_size")
 
     @classmethod
     def config_for(cls, options, vocab: int, block_size: int) -> dict:

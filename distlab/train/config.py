@@ -118,6 +118,9 @@ class TrainConfig:
         base = values.pop("strategy", None)
         strategy = base.replace(**changes) if base is not None else Strategy(**changes)
         model = values.get("model", cls.model)
+        if given and str(values.get("init_from") or "").startswith("hf:"):
+            named = values.get("model") not in (None, cls.model)  # the default model is no model named
+            model = values["model"] = _against_checkpoint(values["init_from"], model if named else None, given)
         if given and not values.get("options"):
             values["options"] = options_from(model, given)
         return cls(strategy=strategy, **values)
@@ -144,6 +147,10 @@ class TrainConfig:
         if not self.out:
             where = "OUT/trace.json" if field == "trace" else "OUT/profile/"
             raise ConfigError(f"`{field}` writes {where}: give `out` (the run's directory)")
+        target = Path(self.out) / ("trace.json" if field == "trace" else "profile")
+        if target.exists() and target.is_dir() == (field == "trace"):  # found only after training, otherwise
+            raise ConfigError(f"`{field}` writes {target}, which is a {'directory' if field == 'trace' else 'file'}: "
+                              f"move it, or give another `out`")
         return a, b
 
     def validate(self, world_size: int) -> "TrainConfig":
@@ -321,9 +328,8 @@ class TrainConfig:
             return None
         from distlab.models import hf
         directory = self.init_from[3:]
-        config = hf.config_of(directory)
-        name, _, options, vocab = hf.options_of(config, self.init_from)
-        return name, options, vocab, hf.context_of(config)
+        name, _, options, vocab = hf.checked_options(directory)
+        return name, options, vocab, hf.context_of(hf.config_of(directory))
 
     def _check_pretrained(self) -> None:
         """``--init-from hf:DIR`` builds the directory's model: its family (`model`), its options (left at the
@@ -337,10 +343,10 @@ class TrainConfig:
         if self.model != name:
             raise ConfigError(f"`init_from` {self.init_from} is a {name} model: give `model` {name}")
         default = spec(name).make_options()
-        if self.options != options:
-            if self.options != default:
-                given = [f.name for f in fields(options) if getattr(self.options, f.name) != getattr(default, f.name)]
-                field = next((n for n in given if getattr(options, n) != getattr(self.options, n)), given[0])
+        if self.options != options:  # (flags given on the command line were compared one by one: from_flags)
+            given = [f.name for f in fields(options) if getattr(self.options, f.name) != getattr(default, f.name)]
+            field = next((n for n in given if getattr(options, n) != getattr(self.options, n)), None)
+            if field is not None:
                 raise ConfigError(f"`{field}` {getattr(self.options, field)} differs from {self.init_from}'s "
                                   f"{getattr(options, field)}: drop `{field}` (the checkpoint's config sets it)")
             self.options = options
@@ -431,3 +437,19 @@ def _choice(name: str, value, allowed) -> None:
 def _at_least(name: str, value: int, low: int) -> None:
     if value < low:
         raise ConfigError(f"`{name}` must be at least {low}, not {value}")
+
+
+def _against_checkpoint(init_from: str, model: str | None, given: dict) -> str:
+    """Model flags given with ``--init-from hf:DIR``: the checkpoint's config.json sets every option, so a flag
+    may only say what it says -- one that differs is refused, even one equal to the family's default (it
+    would be silently overridden). Returns the family they belong to (the checkpoint's, where none is named)."""
+    from distlab.models import hf
+    name, _, options, _ = hf.checked_options(init_from[3:])
+    model = model or name
+    for key, value in given.items():
+        theirs = getattr(options, key, None) if model == name else None
+        if model == name and theirs is not None and value != theirs and \
+                (not isinstance(theirs, tuple) or tuple(value) != theirs):
+            raise ConfigError(f"`{key}` {value} differs from {init_from}'s {theirs}: drop `{key}` (the checkpoint's "
+                              f"config sets it)")
+    return model
