@@ -142,6 +142,10 @@ CASES = [
     ("config-binary", lambda d: (d / "config.json").write_bytes(b"\xff\xfe\x00\x01"), "is not text"),
     ("config-list", lambda d: (d / "config.json").write_text("[]"), "a JSON list"),
     ("config-million-layers", lambda d: _config(d, num_hidden_layers=10**6), "its tensors number at most 2"),
+    # sizes the tensors do not back: built on the meta device and compared, nothing of that size allocated
+    # (every rank built and initialised 4096-wide layers before comparing)
+    ("config-sizes-lie", lambda d: _config(d, hidden_size=4096, intermediate_size=16384, num_attention_heads=32,
+                                           num_key_value_heads=16, head_dim=128), "is for another model: "),
 ]
 
 

@@ -88,6 +88,21 @@ def checked_options(directory: str | Path) -> tuple[str, object, object, int]:
     return found
 
 
+def check_flags(directory: str | Path, model: str | None, given: dict) -> str:
+    """Model flags given with ``--init-from hf:DIR``: its config.json sets every option, so a flag may only say
+    what it says -- one that differs is refused, even one equal to the family's default (it would be silently
+    overridden). Returns the family the flags belong to (the checkpoint's, where ``model`` is None)."""
+    name, _, options, _ = checked_options(directory)
+    model = model or name
+    for key, value in given.items():
+        theirs = getattr(options, key, None) if model == name else None
+        if theirs is not None and tuple(value if isinstance(value, (list, tuple)) else [value]) != \
+                tuple(theirs if isinstance(theirs, tuple) else [theirs]):
+            raise ConfigError(f"`{key}` {value} differs from hf:{directory}'s {theirs}: drop `{key}` (the "
+                              f"checkpoint's config sets it)")
+    return model
+
+
 def read(directory: str | Path) -> tuple[str, object, int, dict[str, torch.Tensor]]:
     """``(family name, options, vocabulary, state)``: the directory's model as distlab builds it, its
     weights under distlab's names (float32, as distlab trains; a config's own dtype is a storage choice)."""
@@ -104,7 +119,7 @@ def read(directory: str | Path) -> tuple[str, object, int, dict[str, torch.Tenso
     state = adapter.to_mine(tensors, options, where)
     model = _on_meta(name, options, vocab)  # what the config describes, compared with what the tensors hold
     check_tensors({k: tuple(v.shape) for k, v in model.state_dict().items()},
-                  {k: tuple(v.shape) for k, v in with_tied(model, state).items()}, where)
+                  {k: tuple(v.shape) for k, v in with_tied(model, state).items()}, f"{where} does not match its config")
     return name, options, vocab, state
 
 

@@ -249,17 +249,19 @@ def check_layers(layers: int, names, where: str) -> None:
         raise ConfigError(f"{where}: config.json says {layers} layers, but its tensors number at most {found}")
 
 
-def check_tensors(mine: dict[str, tuple[int, ...]], theirs: dict[str, tuple[int, ...]], where: str) -> None:
-    """The model's tensor shapes (distlab's names) against the checkpoint's, before anything is read."""
+def check_tensors(mine: dict[str, tuple[int, ...]], theirs: dict[str, tuple[int, ...]], lead: str,
+                  says: str = "its config says") -> None:
+    """The model's tensor shapes (distlab's names) against a checkpoint's, before anything is read into it:
+    one line starting ``lead`` (``hf:DIR does not match its config``) naming the first difference."""
     missing, extra = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
     if missing or extra:
-        raise ConfigError(f"{where} does not match its config: "
+        raise ConfigError(f"{lead}: "
                           + (f"{len(missing)} tensor(s) missing (first {missing[0]})" if missing else "")
                           + ("; " if missing and extra else "")
                           + (f"{len(extra)} unexpected (first {extra[0]})" if extra else ""))
     for key, shape in theirs.items():
         if tuple(shape) != tuple(mine[key]):
-            raise ConfigError(f"{where}: {key} has shape {tuple(shape)}, its config says {tuple(mine[key])}")
+            raise ConfigError(f"{lead}: {key} has shape {tuple(shape)}, {says} {tuple(mine[key])}")
 
 
 def finite(tensor: torch.Tensor, name: str, where: str) -> torch.Tensor:

@@ -119,8 +119,9 @@ class TrainConfig:
         strategy = base.replace(**changes) if base is not None else Strategy(**changes)
         model = values.get("model", cls.model)
         if given and str(values.get("init_from") or "").startswith("hf:"):
+            from distlab.models import hf
             named = values.get("model") not in (None, cls.model)  # the default model is no model named
-            model = values["model"] = _against_checkpoint(values["init_from"], model if named else None, given)
+            model = values["model"] = hf.check_flags(values["init_from"][3:], model if named else None, given)
         if given and not values.get("options"):
             values["options"] = options_from(model, given)
         return cls(strategy=strategy, **values)
@@ -437,19 +438,3 @@ def _choice(name: str, value, allowed) -> None:
 def _at_least(name: str, value: int, low: int) -> None:
     if value < low:
         raise ConfigError(f"`{name}` must be at least {low}, not {value}")
-
-
-def _against_checkpoint(init_from: str, model: str | None, given: dict) -> str:
-    """Model flags given with ``--init-from hf:DIR``: the checkpoint's config.json sets every option, so a flag
-    may only say what it says -- one that differs is refused, even one equal to the family's default (it
-    would be silently overridden). Returns the family they belong to (the checkpoint's, where none is named)."""
-    from distlab.models import hf
-    name, _, options, _ = hf.checked_options(init_from[3:])
-    model = model or name
-    for key, value in given.items():
-        theirs = getattr(options, key, None) if model == name else None
-        if model == name and theirs is not None and value != theirs and \
-                (not isinstance(theirs, tuple) or tuple(value) != theirs):
-            raise ConfigError(f"`{key}` {value} differs from {init_from}'s {theirs}: drop `{key}` (the checkpoint's "
-                              f"config sets it)")
-    return model

@@ -212,16 +212,9 @@ def init_slices(model: nn.Module, path: str) -> dict | None:
 
 def _fitting(model: nn.Module, state: dict, path: str) -> dict:
     """``state`` with a tied parameter under each of its names, if its names and shapes are ``model``'s."""
-    mine = model.state_dict()
+    from distlab.models.hf_files import check_tensors
     state = with_tied(model, state)  # a tied LM head: a Hugging Face checkpoint keeps the embedding only
-    missing, extra = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
-    if missing or extra:
-        raise ConfigError(f"`init_from` {path} is for another model: "
-                          + (f"{len(missing)} key(s) missing (first {missing[0]})" if missing else "")
-                          + ("; " if missing and extra else "")
-                          + (f"{len(extra)} unexpected (first {extra[0]})" if extra else ""))
-    for k, v in state.items():
-        if tuple(v.shape) != tuple(mine[k].shape):
-            raise ConfigError(f"`init_from` {path} is for another model: {k} has shape {tuple(v.shape)}, this "
-                              f"model's {tuple(mine[k].shape)}")
+    check_tensors({k: tuple(v.shape) for k, v in model.state_dict().items()},
+                  {k: tuple(v.shape) for k, v in state.items()}, f"`init_from` {path} is for another model",
+                  "this model's")
     return state
