@@ -93,3 +93,18 @@ def human_bytes(nbytes) -> str:
         if abs(nbytes) >= scale:
             return f"{nbytes / scale:.3g} {unit}"
     return f"{nbytes:.0f} B"
+
+
+def check_place(out, flag: str = "-o") -> None:
+    """Refuse, in one line, an output path ``out`` that cannot or must not be written: a file standing where
+    one of its parent directories must be, or a place inside a snapshot (a run deletes older snapshots, and a
+    file written there would replace one of the snapshot's own)."""
+    from pathlib import Path
+    root = Path(out).resolve()
+    for parent in root.parents:
+        if parent.exists() and not parent.is_dir():
+            raise ConfigError(f"{flag} {out}: {parent} is a file, not a directory; give a path under a directory")
+    for parent in (root, *root.parents):
+        if parent.is_dir() and (parent / "meta.json").is_file() and any(parent.glob("rank*")):
+            raise ConfigError(f"{flag} {out} lies inside snapshot {parent}, which a run deletes when it keeps newer "
+                              f"ones: give a path outside the snapshots")

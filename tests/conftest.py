@@ -89,12 +89,12 @@ def communicate_patiently(proc: subprocess.Popen, timeout: float) -> tuple[str, 
 def run_cli(tmp_path):
     """Run the distlab CLI in a subprocess; returns CompletedProcess (text)."""
 
-    def run(*args: str, timeout: float = 180, env: dict | None = None, check: bool = False):
+    def run(*args: str, timeout: float = 180, env: dict | None = None, check: bool = False, **popen):
         # CPU ranks with gloo even on a GPU host (one GPU cannot hold two ranks).
         full_env = {**os.environ, "DISTLAB_DEVICE": "cpu", **(env or {})}
         full_env.pop("RANK", None)
         full_env.pop("WORLD_SIZE", None)
-        proc = run_patiently([*distlab_exe(), *args], timeout, cwd=tmp_path, env=full_env)
+        proc = run_patiently([*distlab_exe(), *args], timeout, cwd=tmp_path, env=full_env, **popen)
         if check and proc.returncode != 0:
             raise AssertionError(f"distlab {' '.join(args)} exited {proc.returncode}\n"
                                  f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")

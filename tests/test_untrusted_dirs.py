@@ -174,6 +174,23 @@ def test_what_only_the_tensors_reveal_is_refused_before_it_is_used(base, tmp_pat
     assert expected in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("changes", [dict(num_hidden_layers=10**6), dict(vocab_size=10**9)],
+                         ids=["million-layers", "vocab-1e9"])
+def test_sizes_a_config_claims_are_refused_within_bounded_memory(base, tmp_path, run_cli, changes):
+    """The command a user types, in a process whose address space is capped at 2 GiB (the CLI with torch
+    needs ~0.7 GiB): a config whose sizes would take 128 GB (or grow without end, 10^6 layers) is
+    refused in one line -- before, each was built (and initialised) first, and here ended in a MemoryError."""
+    import resource
+    d = tmp_path / "model"
+    shutil.copytree(base, d)
+    _config(d, **changes)
+    cap = 2 * 2**30
+    proc = run_cli("generate", f"hf:{d}", "--prompt", "ab", "--max-new-tokens", "1",
+                   preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (cap, cap)))
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc
+    assert len(proc.stderr.strip().splitlines()) == 1 and "config" in proc.stderr, proc.stderr
+
+
 TEMPLATES = [
     ("memory", "{{ 'x' * 10**9 }}", "a repetition of 1,000,000,000 items"),
     ("power", "{{ 2 ** 100000000 }}", "a power of 100000000"),
@@ -295,3 +312,30 @@ def test_a_trace_that_could_not_be_written_is_refused_before_training(tmp_path):
     code, out, err = invoke(["train", "--model", "mlp", "--dataset", "synthetic:1x4x4:2:64", "--global-batch-size",
                              "8", "--max-steps", "2", "--trace", "1:2", "--out", str(tmp_path / "run")], tmp_path)
     assert code == 2 and "trace.json, which is a directory" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.fixture(scope="module")
+def finished_run(base, tmp_path_factory) -> Path:
+    where = tmp_path_factory.mktemp("finished")
+    code, out, err = invoke([*TRAIN, "--init-from", f"hf:{base}", "--out", str(where / "run")], where)
+    assert code == 0, err
+    return where / "run"
+
+
+@pytest.mark.parametrize("flags,place,expected", [
+    (["--format", "hf"], "afile/sub", "afile is a file, not a directory"),  # was a FileExistsError traceback
+    ([], "afile/model.pt", "afile is a file, not a directory"),  # was "File exists (errno 17)"
+    ([], "snapshot/meta.json", "lies inside snapshot"),  # overwrote a snapshot's own file
+    (["--format", "hf"], "snapshot/hf", "lies inside snapshot")])
+def test_an_export_where_a_file_is_in_the_way_is_refused_in_one_line(finished_run, tmp_path, flags, place, expected):
+    """`export -o OUT`: a file where OUT needs a directory, or an OUT inside a snapshot (a run's rotation deletes
+    it, and a file of the snapshot it replaces is lost), is refused in one line; nothing is written."""
+    (tmp_path / "afile").write_text("mine")
+    snapshot = tmp_path / "snapshot"
+    shutil.copytree(finished_run.parent / "run", snapshot)
+    (snapshot / "meta.json").write_text("{}")
+    (snapshot / "rank0").mkdir(exist_ok=True)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    code, out, err = invoke(["export", str(finished_run), "-o", str(tmp_path / place), *flags], tmp_path)
+    assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, (code, out, err)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from distlab.errors import ConfigError
+from distlab.errors import ConfigError, check_place
 from distlab.models.hf_files import INDEX, SINGLE, Config, check_layers, check_tensors, config_of, finite, headers, \
     tensor_files
 from distlab.models.plans import assign_state, with_tied
@@ -230,6 +230,7 @@ def carried(model_dir: str | None, tokenizer_dirs: list[str], tokenizer_sha: str
 def check_out(out: str | Path) -> Path:
     """``out`` for a new directory: refused in one line where it holds anything (files of another model would
     be mixed with these and read in their place) or lies inside a snapshot (rotation deletes snapshots)."""
+    check_place(out)
     root = Path(out).resolve()
     if root.exists() and not root.is_dir():
         raise ConfigError(f"-o {out} is a file: give a new or empty directory for the Hugging Face checkpoint")
@@ -238,10 +239,6 @@ def check_out(out: str | Path) -> Path:
         raise ConfigError(f"-o {out} already holds {len(held)} entr{'y' if len(held) == 1 else 'ies'} "
                           f"({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): a checkpoint's files beside "
                           f"another's would be read in their place; give a new or empty directory")
-    for parent in (root, *root.parents):
-        if (parent / "meta.json").is_file() and any(parent.glob("rank*")):
-            raise ConfigError(f"-o {out} lies inside snapshot {parent}, which a run deletes when it keeps newer "
-                              f"ones: give a directory outside the snapshots")
     return root
 
 

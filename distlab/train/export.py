@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from distlab.errors import ConfigError, first_line, with_article
+from distlab.errors import ConfigError, check_place, first_line, with_article
 from distlab.models.plans import with_tied
 from distlab.train import loading
 from distlab.train.loading import read_state
@@ -38,6 +38,7 @@ def write_state(state: dict[str, torch.Tensor], meta: dict, out: str | Path) -> 
     :func:`export_metadata`) or ``torch.save`` -- its SHA-256 beside it, and a text model's tokenizer
     (``meta["tokenizer_json"]``) as ``OUT.tokenizer.json``; returns what was written."""
     out = Path(out)
+    check_place(out)
     if out.is_dir():
         raise ConfigError(f"-o {out} is a directory: give the file to write, e.g. {out / 'model.pt'}")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
