@@ -166,7 +166,10 @@ def test_gpt2_checkpoints_come_in_fused_and_transposed_and_go_out_bitwise(tmp_pa
 def test_what_distlab_would_compute_differently_is_refused_in_one_line(tmp_path):
     base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 96,
             "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}
-    for change, message in [({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
+    for change, message in [({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic': dynamic NTK"),
+                            ({"rope_scaling": {"rope_type": "longrope"}}, "longrope's per-dimension factors"),
+                            ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+                             "llama3 scaling needs original_max_position_embeddings"),
                             ({"architectures": ["GPTNeoXForCausalLM"]}, "architecture 'GPTNeoXForCausalLM' is not "
                                                                         "supported")]:
         (tmp_path / "config.json").write_text(json.dumps({**base, **change}))

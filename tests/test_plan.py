@@ -361,3 +361,14 @@ def test_a_checkpoint_is_planned_from_its_config_and_a_vocabulary_from_its_size(
     count = [int(next(x for x in o.splitlines() if x.startswith("parameters")).split()[1].replace(",", ""))
              for o in (out, default)]
     assert code == 0 and count[0] - count[1] == 2 * 128 * (1000 - 256)  # the embedding's and the head's rows
+
+
+def test_a_language_model_is_planned_on_token_windows_without_a_dataset(tmp_path):
+    """`plan --model llama` with no --dataset planned it on the default fashion-mnist images and ended in a
+    traceback; a text model takes token windows of --block-size, and an image dataset for it is refused."""
+    from tests.conftest import invoke
+    code, out, err = invoke(["plan", "--model", "llama", "--block-size", "8", "--global-batch-size", "4", "--cp",
+                             "2", "--rope-scaling", "llama3,factor=8,original_max_position_embeddings=16"], tmp_path)
+    assert code == 0 and "Traceback" not in out + err and "parameters    459,392" in out, (code, out, err)
+    code, out, err = invoke(["plan", "--model", "llama", "--dataset", "fashion-mnist", "--block-size", "8"], tmp_path)
+    assert code == 2 and "predicts tokens but dataset fashion-mnist is images" in err, (code, out, err)

@@ -102,6 +102,15 @@ def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_byt
                        "per sample (give their bytes per sample for the memory they take)", err=True)
         t = generic_trace(int(num_params), activation_bytes or 0.0, layers)
     else:
+        from distlab.data import is_text
+        from distlab.models import is_text_model, is_user_model
+        if not is_user_model(model) and is_text_model(model) != is_text(dataset):
+            if ctx.get_parameter_source("dataset") is not click.core.ParameterSource.DEFAULT:
+                raise ConfigError(f"model {model} {'predicts tokens' if is_text_model(model) else 'classifies images'}"
+                                  f" but dataset {dataset} is {'text' if is_text(dataset) else 'images'}: give "
+                                  + ("--model gpt" if is_text(dataset) else "a text dataset (fortunes, "
+                                                                             "synthetic-text, text:PATH)"))
+            dataset = "synthetic-text"  # a language model's default: token windows of --block-size
         shape, k = dataset_shape(dataset, block_size)
         if vocab_size is not None and vocab_size < k:
             raise ConfigError(f"--vocab-size {vocab_size:,} is smaller than {dataset}'s {k:,} tokens")

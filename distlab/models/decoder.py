@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlab.errors import ConfigError
+from distlab.models.rope import frequencies
 from distlab.models.contract import ModelContract, SplitEmbedding
 
 
@@ -59,17 +60,18 @@ class RotaryTable(ModelContract, nn.Module):
 
     reads_positions = True  # context parallel's context_positions: called with the positions 0..t-1
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary positions pair a head's dimensions: head_dim {head_dim} must be even")
-        self.head_dim, self.theta = head_dim, theta
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling  # scaling: distlab.models.rope's
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, device=positions.device,
-                                                      dtype=torch.float32) / self.head_dim))
+        inv_freq, scale = frequencies(self.head_dim, self.theta, self.scaling, positions.device)
         angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
         angles = torch.cat([angles, angles], dim=-1)
+        if scale != 1.0:  # yarn's attention factor, on the cosines and sines as transformers puts it
+            return angles.cos() * scale, angles.sin() * scale
         return angles.cos(), angles.sin()
 
 
@@ -92,10 +94,10 @@ class AttentionCore(ModelContract, nn.Module):
 
 class Attention(ModelContract, nn.Module):
     """Multi-head attention with ``kv_heads`` key/value heads (grouped-query where fewer than ``n_head``),
-    rotary positions where ``theta`` is given."""
+    rotary positions where ``theta`` is given (scaled as ``rope_scaling`` says: :mod:`distlab.models.rope`)."""
 
     def __init__(self, n_embd: int, n_head: int, kv_heads: int, qkv_bias: bool = False, proj_bias: bool = False,
-                 theta: float | None = None):
+                 theta: float | None = None, rope_scaling: dict | None = None):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"n_embd {n_embd} must be divisible by n_head {n_head}")
@@ -105,7 +107,7 @@ class Attention(ModelContract, nn.Module):
         self.k = nn.Linear(n_embd, kv_heads * self.head_dim, bias=qkv_bias)
         self.v = nn.Linear(n_embd, kv_heads * self.head_dim, bias=qkv_bias)
         self.proj = nn.Linear(n_head * self.head_dim, n_embd, bias=proj_bias)
-        self.rotary = RotaryTable(self.head_dim, theta) if theta is not None else None
+        self.rotary = RotaryTable(self.head_dim, theta, rope_scaling) if theta is not None else None
         self.core = AttentionCore()
         self.n_head, self.kv_heads = n_head, kv_heads
         self.kv_index: list[int] | None = None  # tensor parallel with the key/value heads whole: the ones used here

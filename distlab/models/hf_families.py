@@ -102,16 +102,14 @@ class HFLlama(HFAdapter):
         rope = c.get("rope_parameters", {})
         if not isinstance(rope, dict):
             raise ConfigError(f"{where}: config.json's rope_parameters is {rope!r}: it must be an object")
-        scaling = c.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"}
-                                            if rope.get("rope_type", "default") != "default" else None)
+        scaling = rope_scaling(c, rope, where)
         heads, width = c.size("num_attention_heads"), c.size("hidden_size")
         qwen = c.architecture() == "Qwen2ForCausalLM"
         window = c.size("sliding_window", 0, least=0) if c.flag("use_sliding_window", not qwen) else None
         layer_types = c.get("layer_types", [])
         if not isinstance(layer_types, list):
             raise ConfigError(f"{where}: config.json's layer_types is {layer_types!r}: it must be a list")
-        refused = [(scaling, f"rope_scaling {scaling} (distlab's rotary positions are unscaled)"),
-                   (config.get("hidden_act", "silu") != "silu", f"hidden_act {config.get('hidden_act')!r} (SwiGLU is silu)"),
+        refused = [(config.get("hidden_act", "silu") != "silu", f"hidden_act {config.get('hidden_act')!r} (SwiGLU is silu)"),
                    (config.get("attention_bias"), "attention_bias true (distlab's attention has no biases)"),
                    (config.get("mlp_bias"), "mlp_bias true (distlab's MLP has no biases)"),
                    (config.get("head_dim") not in (None, width // heads),
@@ -128,7 +126,7 @@ class HFLlama(HFAdapter):
         options = dict(n_layer=c.size("num_hidden_layers"), n_head=heads,
                        kv_heads=c.size("num_key_value_heads", heads), n_embd=width,
                        ffn_hidden=c.size("intermediate_size"), rope_theta=theta,
-                       norm_eps=c.number("rms_norm_eps", 1e-6), qkv_bias=qwen,
+                       norm_eps=c.number("rms_norm_eps", 1e-6), qkv_bias=qwen, rope_scaling=scaling,
                        tie_embeddings=c.flag("tie_word_embeddings", False),
                        context=c.size("max_position_embeddings", 0, least=0) or None)
         return options, c.size("vocab_size")
@@ -144,10 +142,47 @@ class HFLlama(HFAdapter):
                 "num_key_value_heads": options.kv_heads, "head_dim": options.n_embd // options.n_head,
                 "hidden_act": "silu", "max_position_embeddings": options.context or block_size,
                 "rms_norm_eps": options.norm_eps,
-                "rope_theta": options.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": options.rope_theta},
-                "rope_scaling": None, **({} if options.qkv_bias else {"attention_bias": False, "mlp_bias": False}),
+                **rope_config(options.rope_theta, options.rope_scaling),
+                **({} if options.qkv_bias else {"attention_bias": False, "mlp_bias": False}),
                 "tie_word_embeddings": options.tie_embeddings,
                 "torch_dtype": "float32", "dtype": "float32"}
+
+
+def rope_scaling(c: Config, rope: dict, where: str) -> str | None:
+    """The ``--rope-scaling`` of a ``config.json``: its ``rope_scaling`` (Llama 3.1's, Qwen2.5's) or the scaling
+    keys of its ``rope_parameters`` (as transformers 5 writes them), checked (:mod:`distlab.models.rope`); the
+    original context where the config leaves it out taken as transformers takes it (a top-level
+    ``original_max_position_embeddings`` first, else ``max_position_embeddings``)."""
+    scaling = c.get("rope_scaling")
+    if scaling is None and rope.get("rope_type", rope.get("type", "default")) != "default":
+        scaling = rope
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"{where}: config.json's rope_scaling is {scaling!r}: it must be an object")
+    scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")} | \
+        {"rope_type": scaling.get("rope_type", scaling.get("type", "default"))}
+    if scaling.pop("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"{where}: config.json's partial_rotary_factor: distlab rotates every dimension of a head")
+    if scaling["rope_type"] == "default":
+        return None
+    if scaling["rope_type"] in ("llama3", "yarn"):
+        original = c.size("original_max_position_embeddings", 0, least=0) or \
+            scaling.get("original_max_position_embeddings") or c.size("max_position_embeddings", 0, least=0) or None
+        scaling["original_max_position_embeddings"] = original
+        if scaling["rope_type"] == "yarn" and scaling.get("factor") is None and original:
+            scaling["factor"] = c.size("max_position_embeddings") / original
+    from distlab.models import rope as scaled
+    return scaled.text(scaled.checked(scaling, f"{where}: config.json's rope_scaling"))
+
+
+def rope_config(theta: float, scaling: str | None) -> dict:
+    """The rotary keys of a ``config.json``: ``rope_theta``, and ``rope_scaling`` with ``rope_parameters`` (the
+    form transformers 5 reads) holding the same scaling."""
+    from distlab.models import rope
+    hf = rope.to_hf(rope.parse(scaling))
+    return {"rope_theta": theta, "rope_scaling": hf,
+            "rope_parameters": {"rope_type": "default", "rope_theta": theta, **(hf or {})}}
 
 
 class HFGPT2(HFAdapter):

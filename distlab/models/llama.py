@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlab.errors import ConfigError
-from distlab.models import register
+from distlab.models import register, rope
 from distlab.models.decoder import Attention, Block, Decoder, Embedding, Head
 from distlab.models.moe import ExpertOptions
 from distlab.models.spec import ModelSpec, Options, option
@@ -62,8 +62,9 @@ class Llama(Decoder):
     def __init__(self, vocab: int, block_size: int, n_layer: int = 2, n_head: int = 4, kv_heads: int = 2,
                  n_embd: int = 128, ffn_hidden: int | None = None, rope_theta: float = 10000.0,
                  norm_eps: float = 1e-5, qkv_bias: bool = False, moe: dict | None = None,
-                 tie_embeddings: bool = False, context: int | None = None):
+                 tie_embeddings: bool = False, context: int | None = None, rope_scaling: str | None = None):
         hidden = ffn_hidden or default_hidden(n_embd)
+        scaling = rope.parse(rope_scaling)
 
         def mlp() -> nn.Module:
             if moe:  # a mixture of SwiGLU experts (Mixtral's layout)
@@ -72,17 +73,20 @@ class Llama(Decoder):
             return SwiGLU(n_embd, hidden)
 
         blocks = (Block(nn.RMSNorm(n_embd, eps=norm_eps),
-                        Attention(n_embd, n_head, kv_heads, qkv_bias, proj_bias=False, theta=rope_theta),
+                        Attention(n_embd, n_head, kv_heads, qkv_bias, proj_bias=False, theta=rope_theta,
+                                  rope_scaling=scaling),
                         nn.RMSNorm(n_embd, eps=norm_eps), mlp()) for _ in range(n_layer))
         super().__init__(Embedding(vocab, n_embd), blocks, Head(nn.RMSNorm(n_embd, eps=norm_eps), n_embd, vocab),
                          block_size=block_size, n_head=n_head, kv_heads=kv_heads, n_embd=n_embd, moe=moe,
                          tie_embeddings=tie_embeddings, context=context)
         self.ffn_hidden, self.rope_theta, self.norm_eps, self.qkv_bias = hidden, rope_theta, norm_eps, qkv_bias
+        self.rope_scaling = rope.text(scaling)
 
     def record(self) -> dict:
         return {"n_layer": self.n_layer, "n_head": self.n_head, "kv_heads": self.kv_heads, "n_embd": self.n_embd,
                 "ffn_hidden": self.ffn_hidden, "rope_theta": self.rope_theta, "norm_eps": self.norm_eps,
                 "block_size": self.block_size, **({"qkv_bias": True} if self.qkv_bias else {}),
+                **({"rope_scaling": self.rope_scaling} if self.rope_scaling else {}),
                 **({"tie_embeddings": True} if self.tie_embeddings else {}), **self.moe_options}
 
     def split_counts(self) -> tuple[tuple[str, int], ...]:
@@ -112,6 +116,10 @@ class LlamaOptions(Options):
     ffn_hidden: int | None = option(None, "llama: SwiGLU hidden units (default: 8/3 x --n-embd, rounded up to a "
                                     "multiple of 64).")
     rope_theta: float = option(10000.0, "llama: rotary positions' base (Llama 2: 10000, Llama 3: 500000).")
+    rope_scaling: str | None = option(None, "llama: rotary positions stretched to a longer context, as a "
+                                      "checkpoint's rope_scaling: TYPE,KEY=VALUE,... with its keys -- llama3,factor=8,"
+                                      "original_max_position_embeddings=8192 (Llama 3.1+), linear,factor=4, or yarn,"
+                                      "factor=4,original_max_position_embeddings=32768 (Qwen2.5).")
     norm_eps: float = option(1e-5, "llama: RMSNorm's epsilon.")
     qkv_bias: bool = option(False, "gpt, llama: biases on the query, key and value projections (GPT-2's, Qwen2's).")
     tie_embeddings: bool = option(False, "gpt, llama: the LM head reuses the token embedding's matrix (GPT-2's, "
@@ -134,6 +142,7 @@ class LlamaOptions(Options):
                               f"serves the same number of query heads)")
         if self.ffn_hidden is not None and self.ffn_hidden < 1:
             raise ConfigError(f"`ffn_hidden` must be at least 1, not {self.ffn_hidden}")
+        rope.parse(self.rope_scaling)
         if not self.rope_theta > 0 or not self.norm_eps > 0:
             raise ConfigError(f"`rope_theta` ({self.rope_theta:g}) and `norm_eps` ({self.norm_eps:g}) must be "
                               f"positive")
@@ -146,6 +155,7 @@ class LlamaOptions(Options):
     def describe(self) -> str:
         return (f"{self.n_layer} blocks, {self.n_head} heads ({self.kv_heads} key/value), width {self.n_embd}, "
                 f"SwiGLU {self.ffn_hidden or default_hidden(self.n_embd)}, rotary base {self.rope_theta:g}"
+                + (f" ({rope.describe(rope.parse(self.rope_scaling))})" if self.rope_scaling else "")
                 + (", q/k/v biases" if self.qkv_bias else "") + (", tied embeddings" if self.tie_embeddings else ""))
 
 
@@ -158,7 +168,7 @@ class LlamaMoEOptions(ExpertOptions, LlamaOptions):
 def _build(shape, vocab, o: LlamaOptions) -> Llama:
     moe = o.experts_options() if isinstance(o, LlamaMoEOptions) else None
     return Llama(vocab, shape[0], o.n_layer, o.n_head, o.kv_heads, o.n_embd, o.ffn_hidden, o.rope_theta, o.norm_eps,
-                 o.qkv_bias, moe, o.tie_embeddings, o.context)
+                 o.qkv_bias, moe, o.tie_embeddings, o.context, o.rope_scaling)
 
 
 register(ModelSpec("llama", _build, LlamaOptions, text=True, summary="rotary, RMSNorm, SwiGLU, grouped-query"))

@@ -40,7 +40,7 @@ normalises over the whole global batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -80,7 +80,8 @@ class Case:
     clip: float | None = None  # +clip: gradients clipped to this global norm (CLIP_NORM)
     smoothing: float = 0.0  # +smooth: the loss's targets smoothed by this much (SMOOTHING)
     masked: bool = False  # +mask: a share MASKED of the transformer's targets ignored (the loss: a mean over the rest)
-    options: tuple[tuple[str, int], ...] = ()  # +NAME=N after the model: its sizes beside verify's small ones
+    options: tuple[tuple[str, int | str], ...] = ()  # +NAME=N after the model: its sizes beside verify's small ones
+    # (or a text option's value: +rope_scaling=llama3,factor=8,original_max_position_embeddings=16)
 
     @property
     def name(self) -> str:
@@ -104,8 +105,9 @@ def parse_strategy(text: str) -> Case:
     tokens = [t for t in tokens if t not in ("clip", "smooth", "mask")]
     model = next((t for t in tokens if t in case_models()), None)
     names = spec(model).options.names() if model else ()
-    options = tuple((k, int(v)) for k, _, v in (t.partition("=") for t in tokens)
-                    if k in names and v.isdigit())
+    texts = {f.name for f in fields(spec(model).options) if "str" in str(f.type)} if model else set()
+    options = tuple((k, int(v) if v.isdigit() else v) for k, _, v in (t.partition("=") for t in tokens)
+                    if k in names and (v.isdigit() or k in texts and v))
     tokens = [t for t in tokens if t.partition("=")[0] not in dict(options)]
     for t in tokens[1:]:
         hint = did_you_mean(t, (*case_models(), "adam", "clip", "smooth", "mask"),
@@ -176,8 +178,12 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
                   Case(Strategy(zero=3, grad_accum=2, activation_checkpointing=True), model="llama",
                        options=(("tie_embeddings", 1),)),
                   Case(Strategy("allreduce", tp=2, sequence_parallel=True), model="llama"),
-                  Case(Strategy("bucketed", cp=2, activation_checkpointing=True), model="llama"),  # the ring again
-                  Case(Strategy("bucketed", cp=2, cp_style="ulysses"), model="llama"),
+                  # the ring again, and the all-to-all, each rank's positions through a scaled rotary table
+                  # (Llama 3.1's frequency bands; yarn's too, with its attention factor on the angles)
+                  Case(Strategy("bucketed", cp=2, activation_checkpointing=True), model="llama",
+                       options=(("rope_scaling", "llama3,factor=8,original_max_position_embeddings=16"),)),
+                  Case(Strategy("bucketed", cp=2, cp_style="ulysses"), model="llama",
+                       options=(("rope_scaling", "yarn,factor=4,original_max_position_embeddings=4"),)),
                   # its LM head tied to the token embedding across the two stages: their gradients summed
                   Case(Strategy("bucketed", pp=2, microbatches=2), model="llama", options=(("tie_embeddings", 1),)),
                   Case(Strategy("bucketed", ep=2), model="llama-moe"),  # SwiGLU experts shared out
