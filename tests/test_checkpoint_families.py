@@ -50,3 +50,51 @@ def test_a_scaled_rotary_checkpoint_gives_transformers_logits_and_goes_out_as_it
     back = _transformers().AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         assert torch.equal(back(x).logits, expected)
+
+
+def _scaled(arch: str, directory, scaling: dict, **extra):
+    """A checkpoint saved by transformers whose config.json says ``rope_scaling`` in the published form."""
+    _saved(arch, directory, **extra)
+    config = json.loads((directory / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config["rope_scaling"] = scaling
+    (directory / "config.json").write_text(json.dumps(config))
+    return getattr(_transformers(), arch).from_pretrained(directory).eval()
+
+
+def test_a_scaled_checkpoint_through_context_parallel_comes_out_bitwise(tmp_path):
+    """Llama 3.1's scaling read on 2 ranks splitting every sequence (the ring: each rank's rotary angles at its
+    chunks' global positions), one step too small to move a weight, exported: every tensor as it came, the
+    same rope_scaling, and transformers' logits from the export equal the original's."""
+    from distlab.launch.spawn import run_ranks
+    from distlab.train.export import export
+    from safetensors.torch import load_file
+    from tests.test_hf import _train
+    theirs = _scaled("LlamaForCausalLM", tmp_path / "in", LLAMA3)
+    run_ranks(_train, 2, tmp_path / "in", tmp_path / "s", "bucketed+cp=2", timeout=300)
+    export(tmp_path / "s" / "step-00000001", tmp_path / "out", fmt="hf")
+    before = {k: v for f in hf.tensor_files(tmp_path / "in") for k, v in load_file(f).items()}
+    after = {k: v for f in hf.tensor_files(tmp_path / "out") for k, v in load_file(f).items()}
+    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+    assert hf.config_of(tmp_path / "out")["rope_scaling"] == LLAMA3
+    back = _transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    x = torch.randint(0, 256, (1, 40))
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, theirs(x).logits)
+
+
+@pytest.mark.parametrize("arch,scaling", [SCALINGS[0], SCALINGS[2]], ids=["llama3", "yarn"])
+def test_generate_continues_a_scaled_checkpoint_as_transformers_does(arch, scaling, tmp_path):
+    """`distlab generate hf:DIR --temperature 0` (the key/value cache, its rotary angles at each new token's
+    position) gives transformers' greedy continuation, 40 tokens past a prompt, far past the original
+    context of 16 positions the scaling stretches."""
+    from tests.test_hf import _tokenizer_dir
+    theirs = _scaled(arch, tmp_path / "m", scaling, vocab_size=320)
+    tok = _tokenizer_dir(tmp_path / "m")
+    code, out, err = invoke(["generate", f"hf:{tmp_path / 'm'}", "--prompt", "the quick brown fox", "--temperature",
+                             "0", "--max-new-tokens", "40"], tmp_path)
+    assert code == 0, err
+    ids = torch.tensor([tok.encode("the quick brown fox").ids])
+    with torch.no_grad():
+        greedy = theirs.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=1, pad_token_id=1)[0]
+    assert out == tok.decode(greedy.tolist(), skip_special_tokens=True) + "\n"
