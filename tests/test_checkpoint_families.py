@@ -98,3 +98,82 @@ def test_generate_continues_a_scaled_checkpoint_as_transformers_does(arch, scali
     with torch.no_grad():
         greedy = theirs.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=1, pad_token_id=1)[0]
     assert out == tok.decode(greedy.tolist(), skip_special_tokens=True) + "\n"
+
+
+WINDOWS = [("MistralForCausalLM", dict(sliding_window=8)),  # Mistral 7B v0.1's: every layer
+           ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1))]  # layer 1
+
+
+@pytest.mark.parametrize("arch,window", WINDOWS, ids=["mistral", "qwen2"])
+def test_a_sliding_window_checkpoint_gives_transformers_logits_and_goes_out_as_it_came(arch, window, tmp_path):
+    """A window of 8 over sequences of 24 (Mistral: every layer; Qwen2: the layers from max_window_layers on):
+    the logits agree with transformers' within twice its float32 rounding -- attention over the whole context
+    would not -- and the export is the same architecture with the same window, transformers' logits unchanged."""
+    theirs = _saved(arch, tmp_path / "in", **window)
+    mine, record = hf.build(tmp_path / "in")
+    assert record["sliding_window"] == 8
+    x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = theirs(x).logits
+    _agree(mine, theirs, x)
+    whole = hf.build(tmp_path / "in")[0]
+    for block in list(whole)[1:-1]:
+        block.attn.core.window = None
+    with torch.no_grad():
+        assert (whole(x) - expected).abs().max() > 100 * (mine(x) - expected).abs().max()
+    out = hf.write(mine.state_dict(), "llama", hf.options_of(hf.config_of(tmp_path / "in"), "")[2], 256, 64,
+                   tmp_path / "out")
+    assert hf.config_of(out)["architectures"] == [arch] and hf.config_of(out)["sliding_window"] == 8
+    back = _transformers().AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, expected)
+
+
+@pytest.mark.parametrize("strategy", ["allreduce+tp=2", "bucketed+pp=2+mb=2", "bucketed+cp=2+ulysses"])
+def test_a_sliding_window_checkpoint_through_a_layout_comes_out_bitwise(strategy, tmp_path):
+    """Mistral's window of 8 read on 2 ranks with sequences of 16 (tensor parallel's heads, a pipeline's
+    stages, Ulysses' whole sequences per head group under the window's mask), one step too small to move a
+    weight, exported: every tensor as it came; transformers' logits from the export equal the original's."""
+    from distlab.launch.spawn import run_ranks
+    from distlab.train.export import export
+    from safetensors.torch import load_file
+    from tests.test_hf import _train
+    theirs = _saved("MistralForCausalLM", tmp_path / "in", sliding_window=8)
+    run_ranks(_train, 2, tmp_path / "in", tmp_path / "s", strategy, timeout=300)
+    export(tmp_path / "s" / "step-00000001", tmp_path / "out", fmt="hf")
+    before = {k: v for f in hf.tensor_files(tmp_path / "in") for k, v in load_file(f).items()}
+    after = {k: v for f in hf.tensor_files(tmp_path / "out") for k, v in load_file(f).items()}
+    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+    back = _transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    x = torch.randint(0, 256, (1, 24))
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, theirs(x).logits)
+
+
+def test_a_window_the_ring_does_not_build_is_refused_before_launch_and_one_as_long_as_the_block_runs(tmp_path):
+    """Context parallel's ring scores whole key blocks: a window shorter than --block-size is refused in one
+    line naming the layout, before launch; a window at least as long needs no mask, and the header says so."""
+    _saved("MistralForCausalLM", tmp_path / "m", sliding_window=8)
+    args = ["train", "--init-from", f"hf:{tmp_path / 'm'}", "--dataset", "synthetic-text:400", "--global-batch-size",
+            "2", "--max-steps", "1", "--no-progress", "--nproc-per-node", "2", "--cp", "2"]
+    code, out, err = invoke([*args, "--block-size", "16"], tmp_path)
+    assert code == 2 and "ring scores whole key blocks: a sliding window of 8 over sequences of 16" in err, err
+    assert len(err.strip().splitlines()) == 1
+    code, out, err = invoke([*args[:-4], "--block-size", "8"], tmp_path)
+    assert code == 0 and "sliding window 8 (masked only where a sequence is longer)" in out + err, (out, err)
+
+
+@pytest.mark.parametrize("arch,window", WINDOWS, ids=["mistral", "qwen2"])
+def test_generate_continues_a_sliding_window_checkpoint_as_transformers_does(arch, window, tmp_path):
+    """`distlab generate --temperature 0`: the key/value cache's new token sees only the window's last keys;
+    40 tokens, five windows long, equal to transformers' greedy continuation."""
+    from tests.test_hf import _tokenizer_dir
+    theirs = _saved(arch, tmp_path / "m", vocab_size=320, **window)
+    tok = _tokenizer_dir(tmp_path / "m")
+    code, out, err = invoke(["generate", f"hf:{tmp_path / 'm'}", "--prompt", "the quick brown fox", "--temperature",
+                             "0", "--max-new-tokens", "40"], tmp_path)
+    assert code == 0, err
+    ids = torch.tensor([tok.encode("the quick brown fox").ids])
+    with torch.no_grad():
+        greedy = theirs.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=1, pad_token_id=1)[0]
+    assert out == tok.decode(greedy.tolist(), skip_special_tokens=True) + "\n"

@@ -18,12 +18,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from distlab.errors import ConfigError
 from distlab.models.rope import frequencies
-from distlab.models.contract import ModelContract, SplitEmbedding
+from distlab.models.contract import ModelContract, SplitEmbedding, attend
 
 
 class Embedding(SplitEmbedding):
@@ -85,11 +84,15 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 class AttentionCore(ModelContract, nn.Module):
     """Scaled dot-product attention of ``(q, k, v)``, ``(B, H, t, D)`` and ``(B, H_kv, t, D)``, each key/value
-    head serving ``H / H_kv`` query heads; causal as :attr:`causal` says (context parallel puts its ring
-    or all-to-all version here)."""
+    head serving ``H / H_kv`` query heads; causal as :attr:`causal` says, within a sliding :attr:`window` where
+    one is given (context parallel puts its ring or all-to-all version here)."""
+
+    def __init__(self, window: int | None = None):
+        super().__init__()
+        self.window = window  # a sliding window: each query sees itself and the window - 1 keys before it
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=k.shape[1] != q.shape[1])
+        return attend(q, k, v, self.causal, self.window)
 
 
 class Attention(ModelContract, nn.Module):
@@ -97,7 +100,7 @@ class Attention(ModelContract, nn.Module):
     rotary positions where ``theta`` is given (scaled as ``rope_scaling`` says: :mod:`distlab.models.rope`)."""
 
     def __init__(self, n_embd: int, n_head: int, kv_heads: int, qkv_bias: bool = False, proj_bias: bool = False,
-                 theta: float | None = None, rope_scaling: dict | None = None):
+                 theta: float | None = None, rope_scaling: dict | None = None, window: int | None = None):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"n_embd {n_embd} must be divisible by n_head {n_head}")
@@ -108,7 +111,7 @@ class Attention(ModelContract, nn.Module):
         self.v = nn.Linear(n_embd, kv_heads * self.head_dim, bias=qkv_bias)
         self.proj = nn.Linear(n_head * self.head_dim, n_embd, bias=proj_bias)
         self.rotary = RotaryTable(self.head_dim, theta, rope_scaling) if theta is not None else None
-        self.core = AttentionCore()
+        self.core, self.window = AttentionCore(window), window
         self.n_head, self.kv_heads = n_head, kv_heads
         self.kv_index: list[int] | None = None  # tensor parallel with the key/value heads whole: the ones used here
 
@@ -147,8 +150,7 @@ class Attention(ModelContract, nn.Module):
         q, k, v = self._heads(x, start)
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=past is None, enable_gqa=k.shape[1] != q.shape[1])
-        return self._out(y), (k, v)
+        return self._out(attend(q, k, v, window=self.window)), (k, v)
 
 
 def kv_heads_read(n_head: int, kv_heads: int, rank: int, size: int) -> list[int]:

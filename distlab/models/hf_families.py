@@ -105,19 +105,13 @@ class HFLlama(HFAdapter):
         scaling = rope_scaling(c, rope, where)
         heads, width = c.size("num_attention_heads"), c.size("hidden_size")
         qwen = c.architecture() == "Qwen2ForCausalLM"
-        window = c.size("sliding_window", 0, least=0) if c.flag("use_sliding_window", not qwen) else None
-        layer_types = c.get("layer_types", [])
-        if not isinstance(layer_types, list):
-            raise ConfigError(f"{where}: config.json's layer_types is {layer_types!r}: it must be a list")
+        window, full = sliding(c, qwen, where)
         refused = [(config.get("hidden_act", "silu") != "silu", f"hidden_act {config.get('hidden_act')!r} (SwiGLU is silu)"),
                    (config.get("attention_bias"), "attention_bias true (distlab's attention has no biases)"),
                    (config.get("mlp_bias"), "mlp_bias true (distlab's MLP has no biases)"),
                    (config.get("head_dim") not in (None, width // heads),
                     f"head_dim {config.get('head_dim')} (distlab's heads are hidden_size / num_attention_heads = "
-                    f"{width // heads} wide)"),
-                   ("sliding_attention" in layer_types or (window or 0) and window <
-                    c.size("max_position_embeddings", 0, least=0),
-                    f"sliding_window {config.get('sliding_window')} (distlab's attention sees the whole context)")]
+                    f"{width // heads} wide)")]
         for bad, what in refused:
             if bad:
                 raise ConfigError(f"{where}: {what}: distlab would compute another model; it reads Llama-family "
@@ -127,6 +121,7 @@ class HFLlama(HFAdapter):
                        kv_heads=c.size("num_key_value_heads", heads), n_embd=width,
                        ffn_hidden=c.size("intermediate_size"), rope_theta=theta,
                        norm_eps=c.number("rms_norm_eps", 1e-6), qkv_bias=qwen, rope_scaling=scaling,
+                       sliding_window=window, full_layers=full,
                        tie_embeddings=c.flag("tie_word_embeddings", False),
                        context=c.size("max_position_embeddings", 0, least=0) or None)
         return options, c.size("vocab_size")
@@ -134,9 +129,7 @@ class HFLlama(HFAdapter):
     @classmethod
     def config_for(cls, options, vocab: int, block_size: int) -> dict:
         """The ``config.json`` of a ``LlamaForCausalLM`` computing what ``llama`` with ``options`` computes."""
-        kind = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False} \
-            if options.qkv_bias else {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
-        return {**kind, "vocab_size": vocab,
+        return {**architecture(options), "vocab_size": vocab,
                 "hidden_size": options.n_embd, "intermediate_size": options.hidden,
                 "num_hidden_layers": options.n_layer, "num_attention_heads": options.n_head,
                 "num_key_value_heads": options.kv_heads, "head_dim": options.n_embd // options.n_head,
@@ -146,6 +139,47 @@ class HFLlama(HFAdapter):
                 **({} if options.qkv_bias else {"attention_bias": False, "mlp_bias": False}),
                 "tie_word_embeddings": options.tie_embeddings,
                 "torch_dtype": "float32", "dtype": "float32"}
+
+
+def sliding(c: Config, qwen: bool, where: str) -> tuple[int | None, tuple[int, ...]]:
+    """``(sliding_window, full_layers)`` of a ``config.json``: Mistral's window over every layer, Qwen2's (with
+    ``use_sliding_window``) over the layers from ``max_window_layers`` on, or ``layer_types`` where it says
+    which layers slide; no window where none slides or it is as long as the context (it changes nothing)."""
+    window = c.size("sliding_window", 0, least=0) if c.flag("use_sliding_window", not qwen) else 0
+    layers = c.size("num_hidden_layers")
+    types = c.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers or \
+                any(t not in ("full_attention", "sliding_attention") for t in types):
+            raise ConfigError(f"{where}: config.json's layer_types must list full_attention or sliding_attention "
+                              f"for each of its {layers} layers")
+        slides = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    else:
+        slides = list(range(c.size("max_window_layers", 0, least=0) if qwen else 0, layers))
+    if slides and not window:
+        raise ConfigError(f"{where}: config.json's layer_types has sliding layers but no sliding_window")
+    context = c.size("max_position_embeddings", 0, least=0)
+    if not window or not slides or (context and window >= context):
+        return None, ()
+    return window, tuple(i for i in range(layers) if i not in slides)
+
+
+def architecture(options) -> dict:
+    """The architecture a ``llama``'s options are (Qwen2: with q/k/v biases; Mistral: a sliding window over
+    every layer; Llama: neither) and its window keys; one line for a window Llama's configs cannot say."""
+    window = options.sliding_window
+    if options.qkv_bias:
+        slides = [i for i in range(options.n_layer) if i not in options.full_layers] if window else []
+        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": bool(window),
+                "sliding_window": window, "max_window_layers": slides[0] if slides else options.n_layer,
+                "layer_types": ["sliding_attention" if i in slides else "full_attention"
+                                for i in range(options.n_layer)]}
+    if window and options.full_layers:
+        raise ConfigError(f"a sliding window with blocks {','.join(map(str, options.full_layers))} whole has no "
+                          f"Mistral config (its window is every layer's); export it without --format hf")
+    if window:
+        return {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": window}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
 
 
 def rope_scaling(c: Config, rope: dict, where: str) -> str | None:

@@ -62,7 +62,8 @@ class Llama(Decoder):
     def __init__(self, vocab: int, block_size: int, n_layer: int = 2, n_head: int = 4, kv_heads: int = 2,
                  n_embd: int = 128, ffn_hidden: int | None = None, rope_theta: float = 10000.0,
                  norm_eps: float = 1e-5, qkv_bias: bool = False, moe: dict | None = None,
-                 tie_embeddings: bool = False, context: int | None = None, rope_scaling: str | None = None):
+                 tie_embeddings: bool = False, context: int | None = None, rope_scaling: str | None = None,
+                 sliding_window: int | None = None, full_layers: tuple[int, ...] = ()):
         hidden = ffn_hidden or default_hidden(n_embd)
         scaling = rope.parse(rope_scaling)
 
@@ -74,19 +75,22 @@ class Llama(Decoder):
 
         blocks = (Block(nn.RMSNorm(n_embd, eps=norm_eps),
                         Attention(n_embd, n_head, kv_heads, qkv_bias, proj_bias=False, theta=rope_theta,
-                                  rope_scaling=scaling),
-                        nn.RMSNorm(n_embd, eps=norm_eps), mlp()) for _ in range(n_layer))
+                                  rope_scaling=scaling, window=None if i in full_layers else sliding_window),
+                        nn.RMSNorm(n_embd, eps=norm_eps), mlp()) for i in range(n_layer))
         super().__init__(Embedding(vocab, n_embd), blocks, Head(nn.RMSNorm(n_embd, eps=norm_eps), n_embd, vocab),
                          block_size=block_size, n_head=n_head, kv_heads=kv_heads, n_embd=n_embd, moe=moe,
                          tie_embeddings=tie_embeddings, context=context)
         self.ffn_hidden, self.rope_theta, self.norm_eps, self.qkv_bias = hidden, rope_theta, norm_eps, qkv_bias
         self.rope_scaling = rope.text(scaling)
+        self.sliding_window, self.full_layers = sliding_window, tuple(full_layers)
 
     def record(self) -> dict:
         return {"n_layer": self.n_layer, "n_head": self.n_head, "kv_heads": self.kv_heads, "n_embd": self.n_embd,
                 "ffn_hidden": self.ffn_hidden, "rope_theta": self.rope_theta, "norm_eps": self.norm_eps,
                 "block_size": self.block_size, **({"qkv_bias": True} if self.qkv_bias else {}),
                 **({"rope_scaling": self.rope_scaling} if self.rope_scaling else {}),
+                **({"sliding_window": self.sliding_window} if self.sliding_window else {}),
+                **({"full_layers": list(self.full_layers)} if self.full_layers else {}),
                 **({"tie_embeddings": True} if self.tie_embeddings else {}), **self.moe_options}
 
     def split_counts(self) -> tuple[tuple[str, int], ...]:
@@ -120,6 +124,11 @@ class LlamaOptions(Options):
                                       "checkpoint's rope_scaling: TYPE,KEY=VALUE,... with its keys -- llama3,factor=8,"
                                       "original_max_position_embeddings=8192 (Llama 3.1+), linear,factor=4, or yarn,"
                                       "factor=4,original_max_position_embeddings=32768 (Qwen2.5).")
+    sliding_window: int | None = option(None, "llama: each token attends to itself and the N - 1 before it "
+                                        "(Mistral 7B v0.1: 4096; default: the whole context).")
+    full_layers: tuple[int, ...] = option((), "llama: with --sliding-window, the blocks (from 0) that attend to the "
+                                          "whole context, comma-separated (Qwen2's below max_window_layers).",
+                                          csv=True)
     norm_eps: float = option(1e-5, "llama: RMSNorm's epsilon.")
     qkv_bias: bool = option(False, "gpt, llama: biases on the query, key and value projections (GPT-2's, Qwen2's).")
     tie_embeddings: bool = option(False, "gpt, llama: the LM head reuses the token embedding's matrix (GPT-2's, "
@@ -143,6 +152,13 @@ class LlamaOptions(Options):
         if self.ffn_hidden is not None and self.ffn_hidden < 1:
             raise ConfigError(f"`ffn_hidden` must be at least 1, not {self.ffn_hidden}")
         rope.parse(self.rope_scaling)
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"`sliding_window` must be at least 1, not {self.sliding_window}")
+        if self.full_layers and self.sliding_window is None:
+            raise ConfigError("`full_layers` names the blocks a sliding window spares: give `sliding_window` too")
+        if any(not 0 <= i < self.n_layer for i in self.full_layers):
+            raise ConfigError(f"`full_layers` {','.join(map(str, self.full_layers))}: the blocks are 0 to "
+                              f"{self.n_layer - 1}")
         if not self.rope_theta > 0 or not self.norm_eps > 0:
             raise ConfigError(f"`rope_theta` ({self.rope_theta:g}) and `norm_eps` ({self.norm_eps:g}) must be "
                               f"positive")
@@ -156,6 +172,9 @@ class LlamaOptions(Options):
         return (f"{self.n_layer} blocks, {self.n_head} heads ({self.kv_heads} key/value), width {self.n_embd}, "
                 f"SwiGLU {self.ffn_hidden or default_hidden(self.n_embd)}, rotary base {self.rope_theta:g}"
                 + (f" ({rope.describe(rope.parse(self.rope_scaling))})" if self.rope_scaling else "")
+                + (f", sliding window {self.sliding_window} (masked only where a sequence is longer"
+                   + (f"; blocks {','.join(map(str, self.full_layers))} see it whole" if self.full_layers else "")
+                   + ")" if self.sliding_window else "")
                 + (", q/k/v biases" if self.qkv_bias else "") + (", tied embeddings" if self.tie_embeddings else ""))
 
 
@@ -168,7 +187,7 @@ class LlamaMoEOptions(ExpertOptions, LlamaOptions):
 def _build(shape, vocab, o: LlamaOptions) -> Llama:
     moe = o.experts_options() if isinstance(o, LlamaMoEOptions) else None
     return Llama(vocab, shape[0], o.n_layer, o.n_head, o.kv_heads, o.n_embd, o.ffn_hidden, o.rope_theta, o.norm_eps,
-                 o.qkv_bias, moe, o.tie_embeddings, o.context, o.rope_scaling)
+                 o.qkv_bias, moe, o.tie_embeddings, o.context, o.rope_scaling, o.sliding_window, o.full_layers)
 
 
 register(ModelSpec("llama", _build, LlamaOptions, text=True, summary="rotary, RMSNorm, SwiGLU, grouped-query"))

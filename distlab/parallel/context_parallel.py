@@ -42,13 +42,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from distlab.comm import p2p
 from distlab.errors import ConfigError, with_article
 from distlab.models import plans
-from distlab.models.contract import SequenceStatistics, contract
+from distlab.models.contract import SequenceStatistics, attend, contract
 from distlab.parallel.cost import Call, CallGroup, Price, in_stage
 from distlab.parallel.protocols import ComponentKind
 from distlab.runtime import group_rank, group_size, timeline
@@ -213,12 +212,13 @@ class RingAttention(nn.Module):
     """Attention of this rank's queries over the whole sequence, causal unless ``causal`` is False (an
     encoder's), key/value blocks passed around the context-parallel ring (module docstring)."""
 
-    def __init__(self, group, layout: ContextLayout, causal: bool = True):
+    def __init__(self, group, layout: ContextLayout, causal: bool = True, window: int | None = None):
         super().__init__()
-        self.group, self.layout, self.causal = group, layout, causal
+        self.group, self.layout, self.causal, self.window = group, layout, causal, window
 
     @torch.compiler.disable  # a collective: run as it is under --compile (a graph break), never traced
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        check_window(self.window, q.shape[2] * self.layout.cp, "ring")
         return _RingAttention.apply(q, k, v, self.group, self.layout, self.causal)
 
 
@@ -262,9 +262,9 @@ class UlyssesAttention(nn.Module):
     """Attention, causal unless ``causal`` is False, with the heads split over the context-parallel ranks
     for its duration (module docstring)."""
 
-    def __init__(self, group, layout: ContextLayout, causal: bool = True):
+    def __init__(self, group, layout: ContextLayout, causal: bool = True, window: int | None = None):
         super().__init__()
-        self.group, self.layout, self.causal = group, layout, causal
+        self.group, self.layout, self.causal, self.window = group, layout, causal, window
 
     @torch.compiler.disable  # a collective: run as it is under --compile (a graph break), never traced
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -278,8 +278,7 @@ class UlyssesAttention(nn.Module):
         back = torch.argsort(order)  # gathered order -> sequence order
         # (B, H, t, D) -> (B, H/n, n t, D): every rank's tokens (rank order, then sequence order), my heads
         q, k, v = (_AllToAll.apply(z, self.group, rank, n, 1, 2).index_select(2, back) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=k.shape[1] != q.shape[1])
-        y = y.index_select(2, order)  # back to the gathered order: rank r's tokens at block r
+        y = attend(q, k, v, self.causal, self.window).index_select(2, order)  # (a window: its band mask)  # back to the gathered order: rank r's tokens at block r
         return _AllToAll.apply(y, self.group, rank, n, 2, 1)
 
 
@@ -307,9 +306,12 @@ class ContextParallel(ComponentKind):
     def check(model: nn.Module, strategy, input_shape: tuple[int, ...]) -> None:
         """Before launch, on the model built on the meta device: it declares a plan for this layout (its
         own limits hold: the model raises, naming them), and a sequence of the data cuts into 2 x cp chunks."""
-        plan_of(model, strategy.cp, strategy.cp_style, strategy.tp)
+        plan = plan_of(model, strategy.cp, strategy.cp_style, strategy.tp)
         if len(input_shape) == 1:  # token windows: (T,)
             ContextLayout(strategy.cp, 0).check(input_shape[0])
+            for name, module in model.named_modules():
+                if plan.get(name) == "context_attention":
+                    check_window(contract(module).window, input_shape[0], strategy.cp_style)
 
     @staticmethod
     def price(t, t_rank, lay, micro: int, optim) -> Price:
@@ -372,7 +374,17 @@ class ContextParallel(ComponentKind):
 def replacement(module: nn.Module, group, layout: ContextLayout, style: str) -> nn.Module:
     """What a ``context_attention`` module becomes: the ring's or the all-to-all's attention, causal
     unless the module says ``causal = False`` (an encoder's attention)."""
-    return (RingAttention if style == "ring" else UlyssesAttention)(group, layout, contract(module).causal)
+    return (RingAttention if style == "ring" else UlyssesAttention)(group, layout, contract(module).causal,
+                                                                   contract(module).window)
+
+
+def check_window(window: int | None, t: int, style: str) -> None:
+    """Refuse, in one line, a sliding window shorter than the sequence under the ring (its blocks are scored
+    whole: the window's band inside them is not built); a window as long as the sequence changes nothing."""
+    if style == "ring" and window is not None and window < t:
+        raise ConfigError(f"context parallel's ring scores whole key blocks: a sliding window of {window} over "
+                          f"sequences of {t} is not built there; use --cp-style ulysses (the window as a mask), "
+                          f"tensor or pipeline parallel, or a --block-size of at most {window}")
 
 
 def apply_context_parallel(model: nn.Module, group, style: str = "ring", tp: int = 1) -> ContextLayout:

@@ -177,13 +177,16 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
                   Case(Strategy(zero=3, activation_checkpointing=True), model="llama"),
                   Case(Strategy(zero=3, grad_accum=2, activation_checkpointing=True), model="llama",
                        options=(("tie_embeddings", 1),)),
-                  Case(Strategy("allreduce", tp=2, sequence_parallel=True), model="llama"),
+                  # ... under a sliding window of 4 over sequences of 8 (each rank's heads, the same band)
+                  Case(Strategy("allreduce", tp=2, sequence_parallel=True), model="llama",
+                       options=(("sliding_window", 4),)),
                   # the ring again, and the all-to-all, each rank's positions through a scaled rotary table
                   # (Llama 3.1's frequency bands; yarn's too, with its attention factor on the angles)
                   Case(Strategy("bucketed", cp=2, activation_checkpointing=True), model="llama",
                        options=(("rope_scaling", "llama3,factor=8,original_max_position_embeddings=16"),)),
-                  Case(Strategy("bucketed", cp=2, cp_style="ulysses"), model="llama",
-                       options=(("rope_scaling", "yarn,factor=4,original_max_position_embeddings=4"),)),
+                  Case(Strategy("bucketed", cp=2, cp_style="ulysses"), model="llama",  # the window as a mask
+                       options=(("rope_scaling", "yarn,factor=4,original_max_position_embeddings=4"),
+                                ("sliding_window", 4))),
                   # its LM head tied to the token embedding across the two stages: their gradients summed
                   Case(Strategy("bucketed", pp=2, microbatches=2), model="llama", options=(("tie_embeddings", 1),)),
                   Case(Strategy("bucketed", ep=2), model="llama-moe"),  # SwiGLU experts shared out
