@@ -83,23 +83,6 @@ def test_a_scaled_checkpoint_through_context_parallel_comes_out_bitwise(tmp_path
         assert torch.equal(back(x).logits, theirs(x).logits)
 
 
-@pytest.mark.parametrize("arch,scaling", [SCALINGS[0], SCALINGS[2]], ids=["llama3", "yarn"])
-def test_generate_continues_a_scaled_checkpoint_as_transformers_does(arch, scaling, tmp_path):
-    """`distlab generate hf:DIR --temperature 0` (the key/value cache, its rotary angles at each new token's
-    position) gives transformers' greedy continuation, 40 tokens past a prompt, far past the original
-    context of 16 positions the scaling stretches."""
-    from tests.test_hf import _tokenizer_dir
-    theirs = _scaled(arch, tmp_path / "m", scaling, vocab_size=320)
-    tok = _tokenizer_dir(tmp_path / "m")
-    code, out, err = invoke(["generate", f"hf:{tmp_path / 'm'}", "--prompt", "the quick brown fox", "--temperature",
-                             "0", "--max-new-tokens", "40"], tmp_path)
-    assert code == 0, err
-    ids = torch.tensor([tok.encode("the quick brown fox").ids])
-    with torch.no_grad():
-        greedy = theirs.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=1, pad_token_id=1)[0]
-    assert out == tok.decode(greedy.tolist(), skip_special_tokens=True) + "\n"
-
-
 WINDOWS = [("MistralForCausalLM", dict(sliding_window=8)),  # Mistral 7B v0.1's: every layer
            ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1))]  # layer 1
 
@@ -163,12 +146,76 @@ def test_a_window_the_ring_does_not_build_is_refused_before_launch_and_one_as_lo
     assert code == 0 and "sliding window 8 (masked only where a sequence is longer)" in out + err, (out, err)
 
 
-@pytest.mark.parametrize("arch,window", WINDOWS, ids=["mistral", "qwen2"])
-def test_generate_continues_a_sliding_window_checkpoint_as_transformers_does(arch, window, tmp_path):
-    """`distlab generate --temperature 0`: the key/value cache's new token sees only the window's last keys;
-    40 tokens, five windows long, equal to transformers' greedy continuation."""
+def _qwen3(directory, **extra):
+    """A Qwen3 checkpoint: heads of 16 over a width of 32 (4 heads: 64 wide), q/k norms with weights that
+    are not ones (a misplaced norm shows), saved by transformers."""
+    transformers = _transformers()
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**dict(
+        vocab_size=256, hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False), **extra})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+    model.save_pretrained(directory, max_shard_size="40KB")
+    return model
+
+
+def test_a_qwen3_checkpoint_gives_transformers_logits_and_goes_out_as_it_came(tmp_path):
+    """Qwen3: each query and key head RMS-normed before the rotation, heads wider than width / heads: the
+    logits agree with transformers' within twice its float32 rounding, and it goes out as Qwen3."""
+    theirs = _qwen3(tmp_path / "in")
+    mine, record = hf.build(tmp_path / "in")
+    assert record["qk_norm"] and record["head_dim"] == 16
+    x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = theirs(x).logits
+    _agree(mine, theirs, x)
+    out = hf.write(mine.state_dict(), "llama", hf.options_of(hf.config_of(tmp_path / "in"), "")[2], 256, 64,
+                   tmp_path / "out")
+    assert hf.config_of(out)["architectures"] == ["Qwen3ForCausalLM"]
+    back = _transformers().AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, expected)
+
+
+@pytest.mark.parametrize("strategy", ["allreduce+tp=2+sp", "bucketed+cp=2"])
+def test_a_qwen3_checkpoint_through_a_layout_comes_out_bitwise(strategy, tmp_path):
+    """Qwen3 on 2 ranks -- tensor parallel splitting the heads (each rank's heads through the one q/k norm
+    weight, its gradient summed), or the ring -- one step too small to move a weight, exported: every tensor
+    as it came, transformers' logits from the export equal the original's."""
+    from distlab.launch.spawn import run_ranks
+    from distlab.train.export import export
+    from safetensors.torch import load_file
+    from tests.test_hf import _train
+    theirs = _qwen3(tmp_path / "in")
+    run_ranks(_train, 2, tmp_path / "in", tmp_path / "s", strategy, timeout=300)
+    export(tmp_path / "s" / "step-00000001", tmp_path / "out", fmt="hf")
+    before = {k: v for f in hf.tensor_files(tmp_path / "in") for k, v in load_file(f).items()}
+    after = {k: v for f in hf.tensor_files(tmp_path / "out") for k, v in load_file(f).items()}
+    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+    back = _transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    x = torch.randint(0, 256, (1, 24))
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, theirs(x).logits)
+
+
+MADE = {"llama3": lambda d: _scaled(SCALINGS[0][0], d, SCALINGS[0][1], vocab_size=320),
+        "yarn": lambda d: _scaled(SCALINGS[2][0], d, SCALINGS[2][1], vocab_size=320),
+        "mistral-window": lambda d: _saved(WINDOWS[0][0], d, vocab_size=320, **WINDOWS[0][1]),
+        "qwen2-window": lambda d: _saved(WINDOWS[1][0], d, vocab_size=320, **WINDOWS[1][1]),
+        "qwen3": lambda d: _qwen3(d, vocab_size=320)}
+
+
+@pytest.mark.parametrize("made", list(MADE))
+def test_generate_continues_each_checkpoint_as_transformers_does(made, tmp_path):
+    """`distlab generate hf:DIR --temperature 0` -- the key/value cache: each new token's rotary angles at its
+    position (scaled), its query seeing only the window's last keys, its query and key heads normed -- gives
+    transformers' greedy continuation for 40 tokens, past the original context of 16 positions a scaling
+    stretches and five windows of 8."""
     from tests.test_hf import _tokenizer_dir
-    theirs = _saved(arch, tmp_path / "m", vocab_size=320, **window)
+    theirs = MADE[made](tmp_path / "m")
     tok = _tokenizer_dir(tmp_path / "m")
     code, out, err = invoke(["generate", f"hf:{tmp_path / 'm'}", "--prompt", "the quick brown fox", "--temperature",
                              "0", "--max-new-tokens", "40"], tmp_path)

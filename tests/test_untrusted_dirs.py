@@ -135,7 +135,7 @@ CASES = [
     ("config-theta-inf", lambda d: (d / "config.json").write_text(
         (d / "config.json").read_text().replace('"rope_theta": 10000.0', '"rope_theta": Infinity')),
      "finite positive number"),
-    ("config-layer-types", lambda d: _config(d, layer_types=5), "must be a list"),
+    ("config-layer-types", lambda d: _config(d, layer_types=5), "layer_types must list full_attention"),
     ("config-tied-string", lambda d: _config(d, tie_word_embeddings="false"), "must be true or false"),
     ("config-architectures-string", lambda d: _config(d, architectures="LlamaForCausalLM"), "list of class names"),
     ("config-deep", _deep, "nested too deeply"),

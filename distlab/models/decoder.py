@@ -16,6 +16,7 @@ plans' skeleton, FLOPs per token and the initialisation. Input: token ids ``(B, 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -100,17 +101,20 @@ class Attention(ModelContract, nn.Module):
     rotary positions where ``theta`` is given (scaled as ``rope_scaling`` says: :mod:`distlab.models.rope`)."""
 
     def __init__(self, n_embd: int, n_head: int, kv_heads: int, qkv_bias: bool = False, proj_bias: bool = False,
-                 theta: float | None = None, rope_scaling: dict | None = None, window: int | None = None):
+                 theta: float | None = None, rope_scaling: dict | None = None, window: int | None = None,
+                 head_dim: int | None = None, qk_norm: Callable[[int], nn.Module] | None = None):
         super().__init__()
-        if n_embd % n_head:
+        if head_dim is None and n_embd % n_head:
             raise ValueError(f"n_embd {n_embd} must be divisible by n_head {n_head}")
-        self.head_dim = n_embd // n_head
+        self.head_dim = head_dim or n_embd // n_head  # Qwen3's: its own, not n_embd / n_head
         self.enter = nn.Identity()  # where a parallel region begins when tensor parallel splits the heads
         self.q = nn.Linear(n_embd, n_head * self.head_dim, bias=qkv_bias)
         self.k = nn.Linear(n_embd, kv_heads * self.head_dim, bias=qkv_bias)
         self.v = nn.Linear(n_embd, kv_heads * self.head_dim, bias=qkv_bias)
         self.proj = nn.Linear(n_head * self.head_dim, n_embd, bias=proj_bias)
         self.rotary = RotaryTable(self.head_dim, theta, rope_scaling) if theta is not None else None
+        # Qwen3's and Gemma 3's per-head norms of queries and keys, before the rotation (one weight for every head)
+        self.q_norm, self.k_norm = (qk_norm(self.head_dim), qk_norm(self.head_dim)) if qk_norm else (None, None)
         self.core, self.window = AttentionCore(window), window
         self.n_head, self.kv_heads = n_head, kv_heads
         self.kv_index: list[int] | None = None  # tensor parallel with the key/value heads whole: the ones used here
@@ -130,6 +134,8 @@ class Attention(ModelContract, nn.Module):
         k, v = (z.view(b, t, k.shape[-1] // d, d).transpose(1, 2) for z in (k, v))
         if self.kv_index is not None:
             k, v = k[:, self.kv_index], v[:, self.kv_index]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             cos, sin = self.rotary(torch.arange(start, start + t, device=x.device))
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
@@ -211,6 +217,8 @@ class Decoder(ModelContract, nn.Sequential):
         self.block_size, self.n_layer, self.n_head, self.kv_heads = block_size, len(blocks), n_head, kv_heads
         self.context = max(context or block_size, block_size)  # the longest sequence it reads; it trains on block_size
         self.n_embd, self.tie_embeddings = n_embd, tie_embeddings
+        # the heads' width (n_embd, but where a family's head_dim is its own: Qwen3's)
+        self.attn_width = blocks[0].attn.n_head * blocks[0].attn.head_dim if blocks else n_embd
         self.moe_options = dict(moe or {})
         self.experts = self.moe_options.get("experts", 0)
         if tie_embeddings:  # one matrix: the head's logits are the hidden state's scores against every embedding
@@ -258,13 +266,13 @@ class Decoder(ModelContract, nn.Sequential):
         """Training FLOPs per token, forward and backward (PaLM's count, nanoGPT's ``estimate_mfu``): 6 x the
         weights of the matrix multiplications a token passes through (attention and MLP projections, the
         router and the ``top_k`` experts it is routed to, the LM head; not the embeddings' lookups, biases or
-        norms) + 12 x layers x width x block size (scores and weighted values over every key, as dense
+        norms) + 12 x layers x the heads' width x block size (scores and weighted values over every key, as dense
         attention kernels compute them)."""
         from distlab.models.moe import Experts
         weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         weights += sum(self.moe_options["top_k"] * m.active_weights() for m in self.modules()
                        if isinstance(m, Experts))  # the experts a token is routed to
-        return float(6 * weights + 12 * self.n_layer * self.n_embd * self.block_size)
+        return float(6 * weights + 12 * self.n_layer * self.attn_width * self.block_size)
 
     def kv_share(self, tp: int) -> float | None:
         """The share of the key/value heads one of ``tp`` ranks holds where ``tp`` does not divide them (they
@@ -311,6 +319,8 @@ class Decoder(ModelContract, nn.Sequential):
                      f"{i}.ln2": "sequence", **mlp}
             if whole_kv:
                 plan |= {f"{i}.attn.k": "replicated", f"{i}.attn.v": "replicated", f"{i}.attn": "tensor_rank"}
+            if self[i].attn.q_norm is not None:  # one weight over every head: each rank's heads add to its gradient
+                plan |= {f"{i}.attn.q_norm": "replicated", f"{i}.attn.k_norm": "replicated"}
         head = len(self) - 1
         return plan | {f"{head}.ln": "sequence", f"{head}.enter": "enter", f"{head}.out": "vocab_output"}
 

@@ -76,7 +76,7 @@ class HFLlama(HFAdapter):
     uses, so every tensor maps by name."""
 
     family = "llama"
-    architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+    architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
     LAYER = {"self_attn.q_proj": "attn.q", "self_attn.k_proj": "attn.k", "self_attn.v_proj": "attn.v",
              "self_attn.o_proj": "attn.proj", "mlp.gate_proj": "mlp.gate", "mlp.up_proj": "mlp.up",
              "mlp.down_proj": "mlp.down", "input_layernorm": "ln1", "post_attention_layernorm": "ln2"}
@@ -92,6 +92,8 @@ class HFLlama(HFAdapter):
             out |= {f"model.layers.{i}.{theirs}.weight": f"{i + 1}.{mine}.weight" for theirs, mine in cls.LAYER.items()}
             if options.qkv_bias:
                 out |= {f"model.layers.{i}.self_attn.{p}_proj.bias": f"{i + 1}.attn.{p}.bias" for p in "qkv"}
+            if options.qk_norm:
+                out |= {f"model.layers.{i}.self_attn.{p}_norm.weight": f"{i + 1}.attn.{p}_norm.weight" for p in "qk"}
         return out
 
     @classmethod
@@ -104,14 +106,13 @@ class HFLlama(HFAdapter):
             raise ConfigError(f"{where}: config.json's rope_parameters is {rope!r}: it must be an object")
         scaling = rope_scaling(c, rope, where)
         heads, width = c.size("num_attention_heads"), c.size("hidden_size")
-        qwen = c.architecture() == "Qwen2ForCausalLM"
-        window, full = sliding(c, qwen, where)
+        qwen2, qwen3 = (c.architecture() == f"Qwen{n}ForCausalLM" for n in (2, 3))
+        window, full = sliding(c, qwen2 or qwen3, where)
+        head_dim = c.size("head_dim", width // heads)
         refused = [(config.get("hidden_act", "silu") != "silu", f"hidden_act {config.get('hidden_act')!r} (SwiGLU is silu)"),
                    (config.get("attention_bias"), "attention_bias true (distlab's attention has no biases)"),
                    (config.get("mlp_bias"), "mlp_bias true (distlab's MLP has no biases)"),
-                   (config.get("head_dim") not in (None, width // heads),
-                    f"head_dim {config.get('head_dim')} (distlab's heads are hidden_size / num_attention_heads = "
-                    f"{width // heads} wide)")]
+                   (head_dim % 2, f"head_dim {head_dim} (rotary positions pair a head's dimensions)")]
         for bad, what in refused:
             if bad:
                 raise ConfigError(f"{where}: {what}: distlab would compute another model; it reads Llama-family "
@@ -120,7 +121,8 @@ class HFLlama(HFAdapter):
         options = dict(n_layer=c.size("num_hidden_layers"), n_head=heads,
                        kv_heads=c.size("num_key_value_heads", heads), n_embd=width,
                        ffn_hidden=c.size("intermediate_size"), rope_theta=theta,
-                       norm_eps=c.number("rms_norm_eps", 1e-6), qkv_bias=qwen, rope_scaling=scaling,
+                       norm_eps=c.number("rms_norm_eps", 1e-6), qkv_bias=qwen2, rope_scaling=scaling, qk_norm=qwen3,
+                       head_dim=head_dim if head_dim * heads != width else None,
                        sliding_window=window, full_layers=full,
                        tie_embeddings=c.flag("tie_word_embeddings", False),
                        context=c.size("max_position_embeddings", 0, least=0) or None)
@@ -132,11 +134,12 @@ class HFLlama(HFAdapter):
         return {**architecture(options), "vocab_size": vocab,
                 "hidden_size": options.n_embd, "intermediate_size": options.hidden,
                 "num_hidden_layers": options.n_layer, "num_attention_heads": options.n_head,
-                "num_key_value_heads": options.kv_heads, "head_dim": options.n_embd // options.n_head,
+                "num_key_value_heads": options.kv_heads, "head_dim": options.head_dim or options.n_embd // options.n_head,
                 "hidden_act": "silu", "max_position_embeddings": options.context or block_size,
                 "rms_norm_eps": options.norm_eps,
                 **rope_config(options.rope_theta, options.rope_scaling),
-                **({} if options.qkv_bias else {"attention_bias": False, "mlp_bias": False}),
+                **({} if options.qkv_bias else {"attention_bias": False}), **({} if options.qk_norm or options.qkv_bias
+                                                                               else {"mlp_bias": False}),
                 "tie_word_embeddings": options.tie_embeddings,
                 "torch_dtype": "float32", "dtype": "float32"}
 
@@ -154,10 +157,10 @@ def sliding(c: Config, qwen: bool, where: str) -> tuple[int | None, tuple[int, .
             raise ConfigError(f"{where}: config.json's layer_types must list full_attention or sliding_attention "
                               f"for each of its {layers} layers")
         slides = [i for i, t in enumerate(types) if t == "sliding_attention"]
+        if slides and not window:
+            raise ConfigError(f"{where}: config.json's layer_types has sliding layers but no sliding_window")
     else:
         slides = list(range(c.size("max_window_layers", 0, least=0) if qwen else 0, layers))
-    if slides and not window:
-        raise ConfigError(f"{where}: config.json's layer_types has sliding layers but no sliding_window")
     context = c.size("max_position_embeddings", 0, least=0)
     if not window or not slides or (context and window >= context):
         return None, ()
@@ -168,9 +171,13 @@ def architecture(options) -> dict:
     """The architecture a ``llama``'s options are (Qwen2: with q/k/v biases; Mistral: a sliding window over
     every layer; Llama: neither) and its window keys; one line for a window Llama's configs cannot say."""
     window = options.sliding_window
-    if options.qkv_bias:
+    if options.qk_norm and options.qkv_bias:
+        raise ConfigError("q/k norms with q/k/v biases have no Hugging Face architecture (Qwen3's have norms, no "
+                          "biases); export it without --format hf")
+    if options.qk_norm or options.qkv_bias:
         slides = [i for i in range(options.n_layer) if i not in options.full_layers] if window else []
-        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": bool(window),
+        qwen = "Qwen3" if options.qk_norm else "Qwen2"
+        return {"architectures": [f"{qwen}ForCausalLM"], "model_type": qwen.lower(), "use_sliding_window": bool(window),
                 "sliding_window": window, "max_window_layers": slides[0] if slides else options.n_layer,
                 "layer_types": ["sliding_attention" if i in slides else "full_attention"
                                 for i in range(options.n_layer)]}

@@ -63,7 +63,8 @@ class Llama(Decoder):
                  n_embd: int = 128, ffn_hidden: int | None = None, rope_theta: float = 10000.0,
                  norm_eps: float = 1e-5, qkv_bias: bool = False, moe: dict | None = None,
                  tie_embeddings: bool = False, context: int | None = None, rope_scaling: str | None = None,
-                 sliding_window: int | None = None, full_layers: tuple[int, ...] = ()):
+                 sliding_window: int | None = None, full_layers: tuple[int, ...] = (), head_dim: int | None = None,
+                 qk_norm: bool = False):
         hidden = ffn_hidden or default_hidden(n_embd)
         scaling = rope.parse(rope_scaling)
 
@@ -75,7 +76,8 @@ class Llama(Decoder):
 
         blocks = (Block(nn.RMSNorm(n_embd, eps=norm_eps),
                         Attention(n_embd, n_head, kv_heads, qkv_bias, proj_bias=False, theta=rope_theta,
-                                  rope_scaling=scaling, window=None if i in full_layers else sliding_window),
+                                  rope_scaling=scaling, window=None if i in full_layers else sliding_window,
+                                  head_dim=head_dim, qk_norm=(lambda d: nn.RMSNorm(d, eps=norm_eps)) if qk_norm else None),
                         nn.RMSNorm(n_embd, eps=norm_eps), mlp()) for i in range(n_layer))
         super().__init__(Embedding(vocab, n_embd), blocks, Head(nn.RMSNorm(n_embd, eps=norm_eps), n_embd, vocab),
                          block_size=block_size, n_head=n_head, kv_heads=kv_heads, n_embd=n_embd, moe=moe,
@@ -83,6 +85,7 @@ class Llama(Decoder):
         self.ffn_hidden, self.rope_theta, self.norm_eps, self.qkv_bias = hidden, rope_theta, norm_eps, qkv_bias
         self.rope_scaling = rope.text(scaling)
         self.sliding_window, self.full_layers = sliding_window, tuple(full_layers)
+        self.head_dim, self.qk_norm = head_dim, qk_norm
 
     def record(self) -> dict:
         return {"n_layer": self.n_layer, "n_head": self.n_head, "kv_heads": self.kv_heads, "n_embd": self.n_embd,
@@ -91,6 +94,7 @@ class Llama(Decoder):
                 **({"rope_scaling": self.rope_scaling} if self.rope_scaling else {}),
                 **({"sliding_window": self.sliding_window} if self.sliding_window else {}),
                 **({"full_layers": list(self.full_layers)} if self.full_layers else {}),
+                **({"head_dim": self.head_dim} if self.head_dim else {}), **({"qk_norm": True} if self.qk_norm else {}),
                 **({"tie_embeddings": True} if self.tie_embeddings else {}), **self.moe_options}
 
     def split_counts(self) -> tuple[tuple[str, int], ...]:
@@ -129,6 +133,9 @@ class LlamaOptions(Options):
     full_layers: tuple[int, ...] = option((), "llama: with --sliding-window, the blocks (from 0) that attend to the "
                                           "whole context, comma-separated (Qwen2's below max_window_layers).",
                                           csv=True)
+    head_dim: int | None = option(None, "llama: each attention head's width where it is not --n-embd / --n-head "
+                                  "(Qwen3's: 128 at every size).")
+    qk_norm: bool = option(False, "llama: an RMSNorm of each query and key head before the rotation (Qwen3's).")
     norm_eps: float = option(1e-5, "llama: RMSNorm's epsilon.")
     qkv_bias: bool = option(False, "gpt, llama: biases on the query, key and value projections (GPT-2's, Qwen2's).")
     tie_embeddings: bool = option(False, "gpt, llama: the LM head reuses the token embedding's matrix (GPT-2's, "
@@ -143,9 +150,12 @@ class LlamaOptions(Options):
         for name in ("n_layer", "n_head", "kv_heads", "n_embd"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"`{name}` must be at least 1, not {getattr(self, name)}")
-        if self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2:
+        if self.head_dim is not None and (self.head_dim < 2 or self.head_dim % 2):
+            raise ConfigError(f"`head_dim` must be even and at least 2, not {self.head_dim} (rotary positions pair a "
+                              f"head's dimensions)")
+        if self.head_dim is None and (self.n_embd % self.n_head or (self.n_embd // self.n_head) % 2):
             raise ConfigError(f"`n_embd` {self.n_embd} must split into `n_head` {self.n_head} heads of an even width "
-                              f"(rotary positions pair a head's dimensions)")
+                              f"(rotary positions pair a head's dimensions), or give `head_dim`")
         if self.n_head % self.kv_heads:
             raise ConfigError(f"`kv_heads` {self.kv_heads} must divide `n_head` {self.n_head} (each key/value head "
                               f"serves the same number of query heads)")
@@ -169,7 +179,9 @@ class LlamaOptions(Options):
         return self.ffn_hidden or default_hidden(self.n_embd)
 
     def describe(self) -> str:
-        return (f"{self.n_layer} blocks, {self.n_head} heads ({self.kv_heads} key/value), width {self.n_embd}, "
+        return (f"{self.n_layer} blocks, {self.n_head} heads ({self.kv_heads} key/value)"
+                + (f" of {self.head_dim}" if self.head_dim else "") + (", q/k norms" if self.qk_norm else "")
+                + f", width {self.n_embd}, "
                 f"SwiGLU {self.ffn_hidden or default_hidden(self.n_embd)}, rotary base {self.rope_theta:g}"
                 + (f" ({rope.describe(rope.parse(self.rope_scaling))})" if self.rope_scaling else "")
                 + (f", sliding window {self.sliding_window} (masked only where a sequence is longer"
@@ -187,7 +199,8 @@ class LlamaMoEOptions(ExpertOptions, LlamaOptions):
 def _build(shape, vocab, o: LlamaOptions) -> Llama:
     moe = o.experts_options() if isinstance(o, LlamaMoEOptions) else None
     return Llama(vocab, shape[0], o.n_layer, o.n_head, o.kv_heads, o.n_embd, o.ffn_hidden, o.rope_theta, o.norm_eps,
-                 o.qkv_bias, moe, o.tie_embeddings, o.context, o.rope_scaling, o.sliding_window, o.full_layers)
+                 o.qkv_bias, moe, o.tie_embeddings, o.context, o.rope_scaling, o.sliding_window, o.full_layers,
+                 o.head_dim, o.qk_norm)
 
 
 register(ModelSpec("llama", _build, LlamaOptions, text=True, summary="rotary, RMSNorm, SwiGLU, grouped-query"))

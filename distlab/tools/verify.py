@@ -193,8 +193,11 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
                   # one key/value head for 2 tensor-parallel ranks: kept whole on each, its gradient summed; the
                   # LM head tied to the token embedding, split by the same vocabulary rows; the blocks recomputed
                   # (their forward collectives again, but the last row-parallel layer's)
+                  # (with Qwen3's heads: wider than n_embd / n_head, each query and key head normed by one weight
+                  # whose gradient every rank's heads add to)
                   Case(Strategy("allreduce", tp=2, sequence_parallel=True, activation_checkpointing=True),
-                       model="llama", options=(("kv_heads", 1), ("tie_embeddings", 1)))]
+                       model="llama", options=(("kv_heads", 1), ("tie_embeddings", 1), ("head_dim", 8),
+                                               ("qk_norm", 1)))]
         cases += [Case(Strategy("bucketed", ep=2), model="gpt-moe"),
                   Case(Strategy("bucketed", pp=2, microbatches=4, pp_virtual=2), model="gpt"),
                   Case(Strategy("bucketed", pp=2, microbatches=4, pp_schedule="zb"), model="gpt")]
