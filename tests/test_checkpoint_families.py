@@ -201,11 +201,65 @@ def test_a_qwen3_checkpoint_through_a_layout_comes_out_bitwise(strategy, tmp_pat
         assert torch.equal(back(x).logits, theirs(x).logits)
 
 
+def _mixtral(directory, **extra):
+    """A Mixtral checkpoint (4 experts, top 2) saved by transformers, in several shards."""
+    transformers = _transformers()
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**{**dict(
+        vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64), **extra})).eval()
+    model.save_pretrained(directory, max_shard_size="40KB")
+    model.set_experts_implementation("eager")  # a loop over experts: its float64 run the reference (grouped_mm has none)
+    return model
+
+
+def test_a_mixtral_checkpoint_gives_transformers_logits_and_goes_out_as_it_came(tmp_path):
+    """Mixtral read as llama-moe: the router's float32 softmax, top-2 renormalised, every expert's w1/w3/w2
+    stacked -- no token dropped (dropless, as transformers computes it); logits within twice transformers'
+    float32 rounding; out as Mixtral, transformers' logits unchanged."""
+    theirs = _mixtral(tmp_path / "in")
+    mine, record = hf.build(tmp_path / "in")
+    assert record["model"] == "llama-moe" and record["experts"] == 4 and record["top_k"] == 2
+    assert record["capacity_factor"] is None
+    x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = theirs(x).logits
+    _agree(mine, theirs, x)
+    out = hf.write(mine.state_dict(), "llama-moe", hf.options_of(hf.config_of(tmp_path / "in"), "")[2], 256, 64,
+                   tmp_path / "out")
+    assert hf.config_of(out)["architectures"] == ["MixtralForCausalLM"]
+    back = _transformers().AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, expected)
+
+
+@pytest.mark.parametrize("strategy", ["allreduce+tp=2", "bucketed+ep=2"])
+def test_a_mixtral_checkpoint_through_a_layout_comes_out_bitwise(strategy, tmp_path):
+    """Mixtral on 2 ranks -- tensor parallel (the experts whole on each rank), or expert parallel (2 experts
+    each, tokens sent to them and back) -- one step too small to move a weight, exported: every tensor as it
+    came; transformers' logits from the export equal the original's."""
+    from distlab.launch.spawn import run_ranks
+    from distlab.train.export import export
+    from safetensors.torch import load_file
+    from tests.test_hf import _train
+    theirs = _mixtral(tmp_path / "in")
+    run_ranks(_train, 2, tmp_path / "in", tmp_path / "s", strategy, "llama-moe", timeout=300)
+    export(tmp_path / "s" / "step-00000001", tmp_path / "out", fmt="hf")
+    before = {k: v for f in hf.tensor_files(tmp_path / "in") for k, v in load_file(f).items()}
+    after = {k: v for f in hf.tensor_files(tmp_path / "out") for k, v in load_file(f).items()}
+    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+    back = _transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    x = torch.randint(0, 256, (1, 24))
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, theirs(x).logits)
+
+
 MADE = {"llama3": lambda d: _scaled(SCALINGS[0][0], d, SCALINGS[0][1], vocab_size=320),
         "yarn": lambda d: _scaled(SCALINGS[2][0], d, SCALINGS[2][1], vocab_size=320),
         "mistral-window": lambda d: _saved(WINDOWS[0][0], d, vocab_size=320, **WINDOWS[0][1]),
         "qwen2-window": lambda d: _saved(WINDOWS[1][0], d, vocab_size=320, **WINDOWS[1][1]),
-        "qwen3": lambda d: _qwen3(d, vocab_size=320)}
+        "qwen3": lambda d: _qwen3(d, vocab_size=320),
+        "mixtral": lambda d: _mixtral(d, vocab_size=320)}
 
 
 @pytest.mark.parametrize("made", list(MADE))
