@@ -278,3 +278,29 @@ def test_generate_continues_each_checkpoint_as_transformers_does(made, tmp_path)
     with torch.no_grad():
         greedy = theirs.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=1, pad_token_id=1)[0]
     assert out == tok.decode(greedy.tolist(), skip_special_tokens=True) + "\n"
+
+
+def test_a_llama_with_biases_where_its_config_puts_them_gives_transformers_logits(tmp_path):
+    """attention_bias (q, k, v and o) and mlp_bias (gate, up, down), random biases: the logits agree with
+    transformers' within twice its float32 rounding (refused before: "distlab's attention has no biases"), and
+    it goes out as the same Llama."""
+    _saved("LlamaForCausalLM", tmp_path / "made", attention_bias=True, mlp_bias=True)
+    theirs = _transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "made").eval()
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    theirs.save_pretrained(tmp_path / "in")
+    mine, record = hf.build(tmp_path / "in")
+    assert record["qkv_bias"] and record["proj_bias"] and record["mlp_bias"]
+    x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = theirs(x).logits
+    _agree(mine, theirs, x)
+    out = hf.write(mine.state_dict(), "llama", hf.options_of(hf.config_of(tmp_path / "in"), "")[2], 256, 64,
+                   tmp_path / "out")
+    config = hf.config_of(out)
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["attention_bias"] and config["mlp_bias"]
+    back = _transformers().AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, expected)

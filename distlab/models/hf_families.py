@@ -92,6 +92,10 @@ class HFLlama(HFAdapter):
             out |= {f"model.layers.{i}.{theirs}.weight": f"{i + 1}.{mine}.weight" for theirs, mine in cls.LAYER.items()}
             if options.qkv_bias:
                 out |= {f"model.layers.{i}.self_attn.{p}_proj.bias": f"{i + 1}.attn.{p}.bias" for p in "qkv"}
+            if options.proj_bias:
+                out[f"model.layers.{i}.self_attn.o_proj.bias"] = f"{i + 1}.attn.proj.bias"
+            if options.mlp_bias:
+                out |= {f"model.layers.{i}.mlp.{p}_proj.bias": f"{i + 1}.mlp.{p}.bias" for p in ("gate", "up", "down")}
             if options.qk_norm:
                 out |= {f"model.layers.{i}.self_attn.{p}_norm.weight": f"{i + 1}.attn.{p}_norm.weight" for p in "qk"}
         return out
@@ -110,8 +114,6 @@ class HFLlama(HFAdapter):
         window, full = sliding(c, qwen2 or qwen3, where)
         head_dim = c.size("head_dim", width // heads)
         refused = [(config.get("hidden_act", "silu") != "silu", f"hidden_act {config.get('hidden_act')!r} (SwiGLU is silu)"),
-                   (config.get("attention_bias"), "attention_bias true (distlab's attention has no biases)"),
-                   (config.get("mlp_bias"), "mlp_bias true (distlab's MLP has no biases)"),
                    (head_dim % 2, f"head_dim {head_dim} (rotary positions pair a head's dimensions)")]
         for bad, what in refused:
             if bad:
@@ -121,7 +123,9 @@ class HFLlama(HFAdapter):
         options = dict(n_layer=c.size("num_hidden_layers"), n_head=heads,
                        kv_heads=c.size("num_key_value_heads", heads), n_embd=width,
                        ffn_hidden=c.size("intermediate_size"), rope_theta=theta,
-                       norm_eps=c.number("rms_norm_eps", 1e-6), qkv_bias=qwen2, rope_scaling=scaling, qk_norm=qwen3,
+                       norm_eps=c.number("rms_norm_eps", 1e-6), rope_scaling=scaling, qk_norm=qwen3,
+                       qkv_bias=qwen2 or c.flag("attention_bias", False), proj_bias=c.flag("attention_bias", False),
+                       mlp_bias=c.flag("mlp_bias", False),
                        head_dim=head_dim if head_dim * heads != width else None,
                        sliding_window=window, full_layers=full,
                        tie_embeddings=c.flag("tie_word_embeddings", False),
@@ -138,8 +142,9 @@ class HFLlama(HFAdapter):
                 "hidden_act": "silu", "max_position_embeddings": options.context or block_size,
                 "rms_norm_eps": options.norm_eps,
                 **rope_config(options.rope_theta, options.rope_scaling),
-                **({} if options.qkv_bias else {"attention_bias": False}), **({} if options.qk_norm or options.qkv_bias
-                                                                               else {"mlp_bias": False}),
+                **({} if options.qkv_bias and not options.proj_bias else {"attention_bias": options.proj_bias}),
+                **({"mlp_bias": options.mlp_bias} if options.mlp_bias or not (options.qk_norm or options.qkv_bias)
+                   else {}),
                 "tie_word_embeddings": options.tie_embeddings,
                 "torch_dtype": "float32", "dtype": "float32"}
 
@@ -171,6 +176,16 @@ def architecture(options) -> dict:
     """The architecture a ``llama``'s options are (Qwen2: with q/k/v biases; Mistral: a sliding window over
     every layer; Llama: neither) and its window keys; one line for a window Llama's configs cannot say."""
     window = options.sliding_window
+    if options.proj_bias != (options.qkv_bias and options.proj_bias) or options.proj_bias and (options.qk_norm or
+                                                                                             window):
+        raise ConfigError("an output bias goes out as a Llama config's attention_bias, which puts biases on q, k, v "
+                          "and o, without q/k norms or a window: this model has no Hugging Face architecture; export "
+                          "it without --format hf")
+    if options.mlp_bias and (options.qk_norm or options.qkv_bias and not options.proj_bias or window):
+        raise ConfigError("MLP biases go out as a Llama config's mlp_bias, without Qwen's q/k/v biases, q/k norms or a "
+                          "window: this model has no Hugging Face architecture; export it without --format hf")
+    if options.proj_bias or options.mlp_bias:
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
     if options.qk_norm and options.qkv_bias:
         raise ConfigError("q/k norms with q/k/v biases have no Hugging Face architecture (Qwen3's have norms, no "
                           "biases); export it without --format hf")

@@ -17,7 +17,8 @@ residual connections, a final RMSNorm and the LM head (no biases anywhere). Inpu
 
 The skeleton -- embedding, blocks, head, the attention with its rotary table, generation's cache, the
 parallel plans -- is every decoder's (:mod:`distlab.models.decoder`); this file gives the family's own
-parts: RMSNorms, SwiGLU MLPs (or mixtures of SwiGLU experts), no biases but Qwen2's on q, k and v.
+parts: RMSNorms, SwiGLU MLPs (or mixtures of SwiGLU experts), no biases but where a checkpoint has them
+(Qwen2's on q, k and v; a Llama config's ``attention_bias`` and ``mlp_bias``).
 """
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ from distlab.models.spec import ModelSpec, Options, option
 class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, n_embd: int, hidden: int):
+    def __init__(self, n_embd: int, hidden: int, bias: bool = False):
         super().__init__()
         self.enter = nn.Identity()  # where the parallel region begins under tensor parallel
-        self.gate = nn.Linear(n_embd, hidden, bias=False)
-        self.up = nn.Linear(n_embd, hidden, bias=False)
-        self.down = nn.Linear(hidden, n_embd, bias=False)
+        self.gate = nn.Linear(n_embd, hidden, bias=bias)
+        self.up = nn.Linear(n_embd, hidden, bias=bias)
+        self.down = nn.Linear(hidden, n_embd, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.enter(x)
@@ -64,7 +65,7 @@ class Llama(Decoder):
                  norm_eps: float = 1e-5, qkv_bias: bool = False, moe: dict | None = None,
                  tie_embeddings: bool = False, context: int | None = None, rope_scaling: str | None = None,
                  sliding_window: int | None = None, full_layers: tuple[int, ...] = (), head_dim: int | None = None,
-                 qk_norm: bool = False):
+                 qk_norm: bool = False, proj_bias: bool = False, mlp_bias: bool = False):
         hidden = ffn_hidden or default_hidden(n_embd)
         scaling = rope.parse(rope_scaling)
 
@@ -72,10 +73,10 @@ class Llama(Decoder):
             if moe:  # a mixture of SwiGLU experts (Mixtral's layout)
                 from distlab.models.moe import MoE, SwiGLUExperts
                 return MoE(n_embd, hidden=hidden, expert_kind=SwiGLUExperts, **moe)
-            return SwiGLU(n_embd, hidden)
+            return SwiGLU(n_embd, hidden, mlp_bias)
 
         blocks = (Block(nn.RMSNorm(n_embd, eps=norm_eps),
-                        Attention(n_embd, n_head, kv_heads, qkv_bias, proj_bias=False, theta=rope_theta,
+                        Attention(n_embd, n_head, kv_heads, qkv_bias, proj_bias=proj_bias, theta=rope_theta,
                                   rope_scaling=scaling, window=None if i in full_layers else sliding_window,
                                   head_dim=head_dim, qk_norm=(lambda d: nn.RMSNorm(d, eps=norm_eps)) if qk_norm else None),
                         nn.RMSNorm(n_embd, eps=norm_eps), mlp()) for i in range(n_layer))
@@ -85,7 +86,7 @@ class Llama(Decoder):
         self.ffn_hidden, self.rope_theta, self.norm_eps, self.qkv_bias = hidden, rope_theta, norm_eps, qkv_bias
         self.rope_scaling = rope.text(scaling)
         self.sliding_window, self.full_layers = sliding_window, tuple(full_layers)
-        self.head_dim, self.qk_norm = head_dim, qk_norm
+        self.head_dim, self.qk_norm, self.proj_bias, self.mlp_bias = head_dim, qk_norm, proj_bias, mlp_bias
 
     def record(self) -> dict:
         return {"n_layer": self.n_layer, "n_head": self.n_head, "kv_heads": self.kv_heads, "n_embd": self.n_embd,
@@ -95,6 +96,7 @@ class Llama(Decoder):
                 **({"sliding_window": self.sliding_window} if self.sliding_window else {}),
                 **({"full_layers": list(self.full_layers)} if self.full_layers else {}),
                 **({"head_dim": self.head_dim} if self.head_dim else {}), **({"qk_norm": True} if self.qk_norm else {}),
+                **({"proj_bias": True} if self.proj_bias else {}), **({"mlp_bias": True} if self.mlp_bias else {}),
                 **({"tie_embeddings": True} if self.tie_embeddings else {}), **self.moe_options}
 
     def split_counts(self) -> tuple[tuple[str, int], ...]:
@@ -138,6 +140,9 @@ class LlamaOptions(Options):
     qk_norm: bool = option(False, "llama: an RMSNorm of each query and key head before the rotation (Qwen3's).")
     norm_eps: float = option(1e-5, "llama: RMSNorm's epsilon.")
     qkv_bias: bool = option(False, "gpt, llama: biases on the query, key and value projections (GPT-2's, Qwen2's).")
+    proj_bias: bool = option(False, "llama: a bias on the attention's output projection (a Llama config's "
+                             "attention_bias puts one on q, k, v and o).")
+    mlp_bias: bool = option(False, "llama: biases on the SwiGLU's gate, up and down projections (mlp_bias).")
     tie_embeddings: bool = option(False, "gpt, llama: the LM head reuses the token embedding's matrix (GPT-2's, "
                                   "Llama 3.2 1B and 3B's, Qwen2's up to 1.5B).")
     context: int | None = option(None, "gpt, llama: the model's own context, the longest sequence it reads "
@@ -187,7 +192,8 @@ class LlamaOptions(Options):
                 + (f", sliding window {self.sliding_window} (masked only where a sequence is longer"
                    + (f"; blocks {','.join(map(str, self.full_layers))} see it whole" if self.full_layers else "")
                    + ")" if self.sliding_window else "")
-                + (", q/k/v biases" if self.qkv_bias else "") + (", tied embeddings" if self.tie_embeddings else ""))
+                + (", q/k/v biases" if self.qkv_bias else "") + (", output bias" if self.proj_bias else "")
+                + (", MLP biases" if self.mlp_bias else "") + (", tied embeddings" if self.tie_embeddings else ""))
 
 
 @dataclass(frozen=True)
@@ -200,7 +206,7 @@ def _build(shape, vocab, o: LlamaOptions) -> Llama:
     moe = o.experts_options() if isinstance(o, LlamaMoEOptions) else None
     return Llama(vocab, shape[0], o.n_layer, o.n_head, o.kv_heads, o.n_embd, o.ffn_hidden, o.rope_theta, o.norm_eps,
                  o.qkv_bias, moe, o.tie_embeddings, o.context, o.rope_scaling, o.sliding_window, o.full_layers,
-                 o.head_dim, o.qk_norm)
+                 o.head_dim, o.qk_norm, o.proj_bias, o.mlp_bias)
 
 
 register(ModelSpec("llama", _build, LlamaOptions, text=True, summary="rotary, RMSNorm, SwiGLU, grouped-query"))
