@@ -259,7 +259,8 @@ MADE = {"llama3": lambda d: _scaled(SCALINGS[0][0], d, SCALINGS[0][1], vocab_siz
         "mistral-window": lambda d: _saved(WINDOWS[0][0], d, vocab_size=320, **WINDOWS[0][1]),
         "qwen2-window": lambda d: _saved(WINDOWS[1][0], d, vocab_size=320, **WINDOWS[1][1]),
         "qwen3": lambda d: _qwen3(d, vocab_size=320),
-        "mixtral": lambda d: _mixtral(d, vocab_size=320)}
+        "mixtral": lambda d: _mixtral(d, vocab_size=320),
+        "phi3": lambda d: _phi3(d, vocab_size=320)}
 
 
 @pytest.mark.parametrize("made", list(MADE))
@@ -304,3 +305,65 @@ def test_a_llama_with_biases_where_its_config_puts_them_gives_transformers_logit
     back = _transformers().AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         assert torch.equal(back(x).logits, expected)
+
+
+def _phi3(directory, **extra):
+    """A Phi-3 checkpoint (fused qkv_proj and gate_up_proj, a window of 8 as mini-4k's 2047) saved by
+    transformers, in several shards."""
+    transformers = _transformers()
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**{**dict(
+        vocab_size=256, hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=8, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2), **extra})).eval()
+    model.save_pretrained(directory, max_shard_size="40KB")
+    return model
+
+
+def test_a_phi3_checkpoints_fused_tensors_are_read_by_the_rows_each_piece_needs(tmp_path):
+    """Phi-3's qkv_proj and gate_up_proj: distlab's q, k, v and gate, up are their row ranges -- each piece a
+    layout asks for (rows or columns of a rank, a ZeRO range) read from the file as the whole model's tensor
+    gives it; the logits agree with transformers' within twice its float32 rounding; out as Phi-3 again."""
+    theirs = _phi3(tmp_path / "in")
+    mine, record = hf.build(tmp_path / "in")
+    assert record["sliding_window"] == 8
+    x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = theirs(x).logits
+    _agree(mine, theirs, x)
+    whole, slices = mine.state_dict(), hf.sliced(tmp_path / "in")
+    assert sorted(slices) == sorted(whole) and {"1.attn.k.weight", "1.mlp.up.weight"} <= set(slices)
+    for name, piece in slices.items():
+        assert torch.equal(piece.detach(), whole[name]), name
+        for dim in range(len(piece.shape)):
+            for part in range(2):
+                assert torch.equal(piece.piece(dim, 2, part), whole[name].chunk(2, dim)[part]), (name, dim, part)
+        assert torch.equal(piece.flat(3, 7), whole[name].reshape(-1)[3:10]), name
+    out = hf.write(whole, "llama", hf.options_of(hf.config_of(tmp_path / "in"), "")[2], 256, 64, tmp_path / "out",
+                   ids={"pad_token_id": 0}, architecture="Phi3ForCausalLM")
+    back = _transformers().AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(back).__name__ == "Phi3ForCausalLM"
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, expected)
+
+
+@pytest.mark.parametrize("strategy", ["allreduce+tp=2", "zero=3"])
+def test_a_phi3_checkpoint_through_a_layout_comes_out_bitwise_as_phi3(strategy, tmp_path):
+    """Phi-3 on 2 ranks -- tensor parallel (each rank reading its heads' rows of qkv_proj), ZeRO-3 (a flat
+    range of each) -- one step too small to move a weight, exported: Phi-3 again, every fused tensor as it
+    came; transformers' logits from the export equal the original's."""
+    from distlab.launch.spawn import run_ranks
+    from distlab.train.export import export
+    from safetensors.torch import load_file
+    from tests.test_hf import _train
+    theirs = _phi3(tmp_path / "in")
+    run_ranks(_train, 2, tmp_path / "in", tmp_path / "s", strategy, timeout=300)
+    export(tmp_path / "s" / "step-00000001", tmp_path / "out", fmt="hf")
+    assert hf.config_of(tmp_path / "out")["architectures"] == ["Phi3ForCausalLM"]
+    before = {k: v for f in hf.tensor_files(tmp_path / "in") for k, v in load_file(f).items()}
+    after = {k: v for f in hf.tensor_files(tmp_path / "out") for k, v in load_file(f).items()}
+    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+    back = _transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    x = torch.randint(0, 256, (1, 24))
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, theirs(x).logits)

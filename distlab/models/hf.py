@@ -32,40 +32,47 @@ SHARD_BYTES = 2 * 2**30  # save_pretrained's default largest shard (5 GB in tran
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-_ADAPTERS: dict[str, type] = {}
+_ADAPTERS: dict[str, type] = {}  # a family's adapter: the one it is written with by default
+_READERS: dict[str, type] = {}  # an architecture's adapter
 
 
 def register_adapter(adapter: type) -> type:
-    """Make ``adapter`` (an :class:`~distlab.models.hf_families.HFAdapter`) read and write its ``family``'s
-    Hugging Face directories."""
+    """Make ``adapter`` (an :class:`~distlab.models.hf_families.HFAdapter`) read its architectures and write its
+    ``family``'s Hugging Face directories."""
     _ADAPTERS[adapter.family] = adapter
+    _READERS.update(dict.fromkeys(adapter.architectures, adapter))
     return adapter
 
 
 def adapters() -> dict[str, type]:
-    """``{family: adapter}``: distlab's own, and any registered since."""
+    """``{family: adapter}``: distlab's own (the first of a family's is its default), and any registered since."""
     from distlab.models.hf_families import ADAPTERS
-    for adapter in ADAPTERS:
+    from distlab.models.hf_variants import VARIANTS
+    for adapter in (*ADAPTERS, *VARIANTS):
         _ADAPTERS.setdefault(adapter.family, adapter)
+        for arch in adapter.architectures:
+            _READERS.setdefault(arch, adapter)
     return _ADAPTERS
 
 
-def adapter_of(name: str):
-    """Family ``name``'s adapter; one line naming those that have one where it has none."""
+def adapter_of(name: str, architecture: str | None = None):
+    """Family ``name``'s adapter -- the one that reads ``architecture`` where one of the family's does (a model
+    started from a Phi-3 checkpoint goes out as Phi-3) --; one line naming those that have one where it has none."""
     if name not in adapters():
         raise ConfigError(f"model {name} has no Hugging Face layout to export to (families with one: "
                           f"{', '.join(sorted(adapters()))})")
-    return adapters()[name]
+    reader = _READERS.get(architecture or "")
+    return reader if reader is not None and reader.family == name else adapters()[name]
 
 
 def family_of(config: dict, directory: str | Path = "") -> tuple[str, object]:
     """The registered family (its name and adapter) that reads ``config``'s architecture."""
     arch = Config(config, f"hf:{directory}").architecture()
-    takers = {a: adapter for adapter in adapters().values() for a in adapter.architectures}
-    if arch not in takers:
+    adapters()
+    if arch not in _READERS:
         raise ConfigError(f"hf:{directory}: architecture {arch!r} is not supported (distlab reads "
-                          f"{', '.join(sorted(takers)) or 'none'})")
-    return takers[arch].family, takers[arch]
+                          f"{', '.join(sorted(_READERS)) or 'none'})")
+    return _READERS[arch].family, _READERS[arch]
 
 
 def options_of(config: dict, where: str) -> tuple[str, object, object, int]:
@@ -133,19 +140,27 @@ class Slices:
     """One tensor of a checkpoint, read when a piece of it is asked for: a rank of a layout reads the rows or
     columns its placement holds (safetensors' slices), never the rest (float32, as :func:`read` gives)."""
 
-    def __init__(self, path: Path, key: str, shape: tuple[int, ...]):
-        self.path, self.key, self.shape = path, key, tuple(shape)  # its file's header checked (hf_files.headers)
+    def __init__(self, path: Path, key: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None):
+        # its file's header checked (hf_files.headers); ``rows``: the tensor is these rows of a fused one
+        self.path, self.key, self.first = path, key, rows[0] if rows else 0
+        self.shape = (rows[1] - rows[0], *shape[1:]) if rows else tuple(shape)
 
     def piece(self, dim: int | None, parts: int, part: int) -> torch.Tensor:
         """Part ``part`` of ``parts`` along ``dim`` (as ``torch.chunk`` cuts it; None: the whole tensor)."""
         from safetensors import safe_open
         with safe_open(str(self.path), "pt") as f:
             whole = f.get_slice(self.key)
+            mine = slice(self.first, self.first + self.shape[0]) if self.shape else slice(None)
             if dim is None:
-                return finite(whole[:].to(torch.float32), self.key, str(self.path.parent))
+                return finite(whole[mine].to(torch.float32), self.key, str(self.path.parent))
             size = -(-self.shape[dim] // parts)
             index = tuple(slice(part * size, (part + 1) * size) if d == dim else slice(None)
                           for d in range(len(self.shape)))
+            if dim == 0:  # within this tensor's rows of the fused one
+                index = (slice(self.first + part * size, self.first + min((part + 1) * size, self.shape[0])),
+                         *index[1:])
+            else:
+                index = (mine, *index[1:])
             return finite(whole[index].to(torch.float32), self.key, str(self.path.parent))
 
     def flat(self, start: int, length: int) -> torch.Tensor:
@@ -154,7 +169,8 @@ class Slices:
         row = math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
         first, last = start // row, -(-(start + length) // row)
         with safe_open(str(self.path), "pt") as f:
-            rows = f.get_slice(self.key)[first:last] if self.shape else f.get_slice(self.key)[:]
+            rows = f.get_slice(self.key)[self.first + first:self.first + last] if self.shape else \
+                f.get_slice(self.key)[:]
         return finite(rows.reshape(-1)[start - first * row:start - first * row + length].to(torch.float32), self.key,
                       str(self.path.parent))
 
@@ -176,7 +192,11 @@ def sliced(directory: str | Path) -> dict[str, Slices] | None:
     for key, (path, _, shape) in found.items():
         if names.get(key) is None and key not in names:
             raise ConfigError(f"{where} holds {key}, which distlab's {name} has no place for")
-        if names.get(key) is not None:
+        if isinstance(names.get(key), tuple):  # a fused tensor: each of distlab's its rows
+            if shape[0] != names[key][-1].stop:
+                raise ConfigError(f"{where}: {key} has {shape[0]} rows; its config's make {names[key][-1].stop}")
+            out |= {r.mine: Slices(path, key, shape, (r.start, r.stop)) for r in names[key]}
+        elif names.get(key) is not None:
             out[names[key]] = Slices(path, key, shape)
     return out
 
@@ -207,9 +227,10 @@ def carried(model_dir: str | None, tokenizer_dirs: list[str], tokenizer_sha: str
     special_tokens_map.json -- from the first of ``tokenizer_dirs`` whose tokenizer.json is the run's
     (``tokenizer_sha``: its :attr:`~distlab.data.tokenizer.BPETokenizer.sha256`). Plain JSON values."""
     import hashlib
-    out: dict = {"ids": {}, "files": {}, "dtype": None}
+    out: dict = {"ids": {}, "files": {}, "dtype": None, "architecture": None}
     if model_dir:
         config = config_of(model_dir)
+        out["architecture"] = Config(config, f"hf:{model_dir}").architecture()
         out["ids"] = {k: config[k] for k in TOKEN_IDS if config.get(k) is not None}
         dtype = config.get("torch_dtype") or config.get("dtype")
         out["dtype"] = dtype if dtype in DTYPES else None
@@ -244,7 +265,7 @@ def check_out(out: str | Path) -> Path:
 
 def write(state: dict[str, torch.Tensor], name: str, options, vocab: int, block_size: int, out: str | Path,
           tokenizer_dir: str | Path | None = None, shard_bytes: int = SHARD_BYTES, *, files: dict | None = None,
-          ids: dict | None = None, dtype: str = "float32") -> Path:
+          ids: dict | None = None, dtype: str = "float32", architecture: str | None = None) -> Path:
     """``state`` (a whole model's, distlab's names) as a new Hugging Face directory ``out`` (:func:`check_out`):
     config.json (with ``ids``: the checkpoint's bos/eos/pad token ids), safetensors shards in ``dtype`` (with an
     index when more than one), the text ``files`` given (a tokenizer's tokenizer.json, tokenizer_config.json,
@@ -254,7 +275,7 @@ def write(state: dict[str, torch.Tensor], name: str, options, vocab: int, block_
     import tempfile
 
     from safetensors.torch import save_file
-    adapter = adapter_of(name)
+    adapter = adapter_of(name, architecture)
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype}: write float32, bfloat16 or float16")
     final = check_out(out)

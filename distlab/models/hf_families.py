@@ -8,10 +8,22 @@ know nothing of checkpoint formats, and a family of one's own joins with its ada
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from distlab.errors import ConfigError
 from distlab.models.hf_files import Config
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Rows ``[start, stop)`` of a fused checkpoint tensor that are one of distlab's tensors (``mine``): Phi-3's
+    ``qkv_proj`` holds q, k and v one after another, its ``gate_up_proj`` gate then up."""
+
+    mine: str
+    start: int
+    stop: int
 
 
 class HFAdapter:
@@ -20,10 +32,11 @@ class HFAdapter:
     ``family``, ``architectures``       the distlab family it builds, the ``architectures`` it reads
     ``options_from(config, where)``     ``(option values, vocabulary)`` of a ``config.json`` (required)
     ``config_for(options, vocab, ctx)`` the ``config.json`` it writes (required)
-    ``names(options)``                  their tensor names -> distlab's (None: read and dropped); the default
-                                        :meth:`to_mine` and :meth:`to_theirs` rename by it
-    ``sliced``                          True: every tensor maps to one of distlab's whole, so a rank may read
-                                        only its slices of each (False where tensors are fused or transposed)
+    ``names(options)``                  their tensor names -> distlab's (None: read and dropped; a tuple of
+                                        :class:`Rows`: a fused tensor, cut by rows); the default
+                                        :meth:`to_mine` and :meth:`to_theirs` rename (and cut, or join) by it
+    ``sliced``                          True: every tensor maps to one of distlab's whole or by rows, so a rank
+                                        may read only its slices of each (False where tensors are transposed)
     ``to_mine(tensors, options, where)``  a checkpoint's tensors under distlab's names
     ``to_theirs(state, options)``       distlab's whole-model state under their names
     ``tied(options)``                   distlab's names a checkpoint leaves out, being another's (a tied head)
@@ -58,16 +71,28 @@ class HFAdapter:
                 continue
             if mine is None:
                 raise ConfigError(f"{where} holds {key}, which distlab's {cls.family} has no place for")
-            state[mine] = tensor
+            if isinstance(mine, tuple):  # a fused tensor: each of its row ranges one of distlab's
+                if tensor.shape[0] != mine[-1].stop:
+                    raise ConfigError(f"{where}: {key} has {tensor.shape[0]} rows; its config's make {mine[-1].stop}")
+                state |= {r.mine: tensor[r.start:r.stop] for r in mine}
+            else:
+                state[mine] = tensor
         return state
 
     @classmethod
     def to_theirs(cls, state: dict, options) -> dict:
-        theirs = {mine: hf_name for hf_name, mine in cls.names(options).items() if mine is not None}
-        unknown = sorted(set(state) - set(theirs))
+        out, used = {}, set()
+        for hf_name, mine in cls.names(options).items():
+            if isinstance(mine, tuple) and all(r.mine in state for r in mine):
+                out[hf_name] = torch.cat([state[r.mine] for r in mine])
+                used |= {r.mine for r in mine}
+            elif isinstance(mine, str) and mine in state:
+                out[hf_name] = state[mine]
+                used.add(mine)
+        unknown = sorted(set(state) - used)
         if unknown:
             raise ConfigError(f"{unknown[0]} has no place in the Hugging Face layout of {cls.family}")
-        return {theirs[k]: v for k, v in state.items()}
+        return out
 
 
 class HFLlama(HFAdapter):
@@ -335,74 +360,4 @@ class HFGPT2(HFAdapter):
                 "tie_word_embeddings": options.tie_embeddings, "torch_dtype": "float32", "dtype": "float32"}
 
 
-class HFMixtral(HFLlama):
-    """Hugging Face's Mixtral checkpoints (``MixtralForCausalLM``) <-> ``llama-moe``: Llama's attention and norms,
-    every MLP a mixture of SwiGLU experts -- the router's softmax (float32) over the experts, the top
-    ``num_experts_per_tok`` renormalised as the gates, no token dropped (dropless, as transformers computes
-    it). Each expert's ``w1``/``w3``/``w2`` are ``nn.Linear`` matrices there, stacked and transposed into
-    distlab's ``gate_weight``/``up_weight`` ``(E, d, h)`` and ``down_weight`` ``(E, h, d)`` (read whole)."""
-
-    family = "llama-moe"
-    architectures = ("MixtralForCausalLM",)
-    sliced = False
-    EXPERT = (("w1", "gate_weight"), ("w3", "up_weight"), ("w2", "down_weight"))
-
-    @classmethod
-    def options_from(cls, config: dict, where: str) -> tuple[dict, int]:
-        c = Config(config, where)
-        if c.number("router_jitter_noise", 0.0, positive=False) != 0:
-            raise ConfigError(f"{where}: router_jitter_noise {config.get('router_jitter_noise')} (noise on the "
-                              f"router's inputs in training): distlab's router has none; set it to 0")
-        options, vocab = super().options_from(config, where)
-        experts = c.size("num_local_experts")
-        top_k = c.size("num_experts_per_tok", 2)
-        if top_k > experts:
-            raise ConfigError(f"{where}: num_experts_per_tok {top_k} is more than num_local_experts {experts}")
-        return {**options, "experts": experts, "top_k": top_k, "capacity_factor": None,
-                "aux_coef": abs(c.number("router_aux_loss_coef", 0.001, positive=False))}, vocab
-
-    @classmethod
-    def config_for(cls, options, vocab: int, block_size: int) -> dict:
-        if options.capacity_factor is not None:
-            raise ConfigError(f"--capacity-factor {options.capacity_factor:g} drops tokens, which Mixtral never "
-                              f"does; export a dropless mixture")
-        config = {k: v for k, v in super().config_for(options, vocab, block_size).items() if k != "mlp_bias"}
-        return {**config, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-                "sliding_window": options.sliding_window, "num_local_experts": options.experts,
-                "num_experts_per_tok": options.top_k, "router_aux_loss_coef": options.aux_coef,
-                "router_jitter_noise": 0.0, "output_router_logits": False}
-
-    @classmethod
-    def names(cls, options) -> dict[str, str | None]:
-        out = {k: v for k, v in super().names(options).items() if ".mlp." not in k}
-        for i in range(options.n_layer):
-            out[f"model.layers.{i}.block_sparse_moe.gate.weight"] = f"{i + 1}.mlp.router.weight"
-        return out
-
-    @classmethod
-    def to_mine(cls, tensors: dict, options, where: str) -> dict:
-        rest = dict(tensors)
-        state = {}
-        for i in range(options.n_layer):
-            for theirs, mine in cls.EXPERT:
-                keys = [f"model.layers.{i}.block_sparse_moe.experts.{e}.{theirs}.weight" for e in range(options.experts)]
-                missing = [k for k in keys if k not in rest]
-                if missing:
-                    raise ConfigError(f"{where} has no {missing[0]}, which its config's {options.experts} experts "
-                                      f"have")
-                state[f"{i + 1}.mlp.experts.{mine}"] = torch.stack([rest.pop(k).t() for k in keys])
-        return {**super().to_mine(rest, options, where), **state}
-
-    @classmethod
-    def to_theirs(cls, state: dict, options) -> dict:
-        rest = dict(state)
-        out = {}
-        for i in range(options.n_layer):
-            for theirs, mine in cls.EXPERT:
-                stacked = rest.pop(f"{i + 1}.mlp.experts.{mine}")
-                out |= {f"model.layers.{i}.block_sparse_moe.experts.{e}.{theirs}.weight": stacked[e].t().contiguous()
-                        for e in range(options.experts)}
-        return {**super().to_theirs(rest, options), **out}
-
-
-ADAPTERS = (HFLlama, HFGPT2, HFMixtral)  # registered by distlab.models.hf when it first reads or writes a directory
+ADAPTERS = (HFLlama, HFGPT2)  # registered by distlab.models.hf when it first reads or writes a directory

@@ -113,7 +113,8 @@ def export_hf(state: dict[str, torch.Tensor], meta: dict, out: str | Path, dtype
         files.setdefault("tokenizer_config.json",
                          json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}, indent=1) + "\n")
     root = hf.write(state, name, options, state["0.tok.weight"].shape[0], int(meta.get("block_size") or 64), out,
-                    files=files, ids=carried.get("ids") or {}, dtype=dtype or carried.get("dtype") or "float32")
+                    files=files, ids=carried.get("ids") or {}, dtype=dtype or carried.get("dtype") or "float32",
+                    architecture=carried.get("architecture"))
     tokenizer = root / "tokenizer.json" if "tokenizer.json" in files else None
     return {"out": str(root), "step": meta.get("step"), "model": name, "files": sorted(p.name for p in root.iterdir()),
             "tokenizer_file": str(tokenizer) if tokenizer else None, "dtype": dtype or carried.get("dtype") or "float32",
