@@ -12,7 +12,7 @@ modules, parameters and ``state_dict`` keys (``nn.Module.compile`` compiles in p
 What composes: data parallel's buckets fire on the parameters' gradient hooks after a compiled
 block's backward; ZeRO 1-2 reduce the same way; ZeRO-3's gathers, tensor and sequence parallel's
 collectives, context parallel's ring and expert parallel's all-to-all run inside a block and are
-left to run eagerly (:func:`torch.compiler.disable` on the parallel parts' own modules and hooks):
+left to run eagerly (:func:`distlab.runtime.eager.eager` on the parallel parts' own modules and hooks):
 the block is compiled in the pieces between them. Activation checkpointing recomputes the compiled
 block. A model listing no blocks is compiled whole where nothing else wraps its insides.
 
@@ -33,6 +33,7 @@ from torch import nn
 
 from distlab.errors import ConfigError
 from distlab.parallel.checkpointing import checkpoint_blocks
+from distlab.runtime.eager import arm
 
 
 def compile_units(model: nn.Module) -> list[nn.Module]:
@@ -76,7 +77,9 @@ def apply_compile(model: nn.Module, whole: bool = False) -> int:
     """Compile ``model``'s blocks in place (``nn.Module.compile``) -- or, ``whole``, the model itself;
     returns how many modules. A block module of torch's own classes is compiled through a frame of
     distlab's (:func:`_compile_builtin`), and only where it holds parameters (a ReLU or a Flatten
-    alone is not worth a graph)."""
+    alone is not worth a graph). The parallel parts' collectives and hooks become graph breaks first
+    (:func:`distlab.runtime.eager.arm`)."""
+    arm()
     if whole and not _builtin(model):
         model.compile()
         return 1
@@ -111,12 +114,6 @@ def check_toolchain(device: torch.device) -> None:
     raise ConfigError("`compile` on a CPU needs a C++ compiler -- torch's inductor builds the compiled kernels with "
                       "one -- and none is on PATH (g++, clang++" + (f", or $CXX {cxx}" if cxx else ", or $CXX")
                       + "): install one (apt-get install g++) or train without `compile`")
-
-
-def eager(fn):
-    """``fn`` run as it is under ``torch.compile`` (a graph break around it): collectives, hooks that
-    swap parameters, anything a compiled block must call rather than trace."""
-    return torch.compiler.disable(fn, recursive=True)
 
 
 def compiled_graphs() -> int:

@@ -51,6 +51,7 @@ from distlab.models.contract import SequenceStatistics, attend, contract
 from distlab.parallel.cost import Call, CallGroup, Price, in_stage
 from distlab.parallel.protocols import ComponentKind
 from distlab.runtime import group_rank, group_size, timeline
+from distlab.runtime.eager import eager
 
 STYLES = ("ring", "ulysses")
 
@@ -216,7 +217,7 @@ class RingAttention(nn.Module):
         super().__init__()
         self.group, self.layout, self.causal, self.window = group, layout, causal, window
 
-    @torch.compiler.disable  # a collective: run as it is under --compile (a graph break), never traced
+    @eager  # a collective: run as it is under --compile (a graph break), never traced
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         check_window(self.window, q.shape[2] * self.layout.cp, "ring")
         return _RingAttention.apply(q, k, v, self.group, self.layout, self.causal)
@@ -266,7 +267,7 @@ class UlyssesAttention(nn.Module):
         super().__init__()
         self.group, self.layout, self.causal, self.window = group, layout, causal, window
 
-    @torch.compiler.disable  # a collective: run as it is under --compile (a graph break), never traced
+    @eager  # a collective: run as it is under --compile (a graph break), never traced
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n, rank = self.layout.cp, self.layout.rank
         if q.shape[1] % n or k.shape[1] % n:

@@ -43,6 +43,7 @@ from distlab.parallel.cost import Call, CallGroup, Price, in_stage
 from distlab.parallel.tensor_parallel.mappings import all_gather_along
 from distlab.parallel.protocols import ComponentKind
 from distlab.runtime import broadcast_module, group_rank, group_size, timeline
+from distlab.runtime.eager import eager
 
 
 
@@ -104,7 +105,7 @@ class ExpertShard(nn.Module):
         """Every expert's tensors, gathered from the EP group (collective)."""
         return [all_gather_along(p.detach(), self.group, 0) for p in self.parameters(recurse=False)]
 
-    @torch.compiler.disable  # a collective: run as it is under --compile (a graph break), never traced
+    @eager  # a collective: run as it is under --compile (a graph break), never traced
     def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
         n, local, rank = self.ep, self.local, self.ep_rank
         if len(counts) != self.num_experts:

@@ -40,6 +40,7 @@ from torch import nn
 from distlab import comm
 from distlab.errors import ConfigError
 from distlab.parallel.cost import Call
+from distlab.runtime.eager import eager
 
 MODES = ("off", "distlab", "torch")  # what `Strategy.sync_bn` may be: see apply_sync_bn
 
@@ -153,7 +154,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         if x.dim() < 2:
             raise ValueError(f"SyncBatchNorm expects (N, C, ...) input with at least 2 dimensions, got {x.dim()}")
 
-    @torch.compiler.disable  # a collective: run as it is under --compile (a graph break), never traced
+    @eager  # a collective: run as it is under --compile (a graph break), never traced
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
         if x.shape[1] != self.num_features:

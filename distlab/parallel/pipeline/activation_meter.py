@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from distlab.runtime.eager import eager
+
 
 class ActivationMeter:
     """Bytes autograd holds for backward, live and at their peak, while the context is open.
@@ -23,7 +25,7 @@ class ActivationMeter:
         self.live = self.peak = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _Held.unpack)
 
-    @torch.compiler.disable  # counted as it runs, never traced into a compiled block's graph
+    @eager  # counted as it runs, never traced into a compiled block's graph
     def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
         key = storage.data_ptr()
@@ -60,7 +62,7 @@ class _Held:
         self.tensor, self.meter, self.key = tensor, meter, key
 
     @staticmethod
-    @torch.compiler.disable
+    @eager
     def unpack(held):
         return held.tensor if isinstance(held, _Held) else held
 

@@ -9,6 +9,7 @@ import torch
 from distlab import comm
 from distlab.errors import ConfigError
 from distlab.runtime import group_rank, group_size, timeline
+from distlab.runtime.eager import eager
 
 def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
     if group_size(group) == 1:
@@ -117,37 +118,37 @@ class _ScatterSequence(torch.autograd.Function):
         return all_gather_along(g.contiguous(), ctx.group, 1), None
 
 
-@torch.compiler.disable  # a collective: run as it is under --compile (a graph break), never traced
+@eager  # a collective: run as it is under --compile (a graph break), never traced
 def gather_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
     """All-gather along the sequence forward; reduce-scatter of the gradient backward."""
     return _GatherSequence.apply(x, group)
 
 
-@torch.compiler.disable  # a collective: run as it is under --compile (a graph break), never traced
+@eager  # a collective: run as it is under --compile (a graph break), never traced
 def scatter_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
     """Reduce-scatter along the sequence forward; all-gather of the gradient backward."""
     return _ScatterSequence.apply(x, group)
 
 
-@torch.compiler.disable  # a collective: run as it is under --compile (a graph break), never traced
+@eager  # a collective: run as it is under --compile (a graph break), never traced
 def copy_to_group(x: torch.Tensor, group=None) -> torch.Tensor:
     """Identity forward; all-reduce (sum) of the gradient backward. Enters a column-parallel region."""
     return _CopyToGroup.apply(x, group)
 
 
-@torch.compiler.disable  # a collective: run as it is under --compile (a graph break), never traced
+@eager  # a collective: run as it is under --compile (a graph break), never traced
 def reduce_from_group(x: torch.Tensor, group=None) -> torch.Tensor:
     """All-reduce (sum) forward; identity backward. Leaves a row-parallel region."""
     return _ReduceFromGroup.apply(x, group)
 
 
-@torch.compiler.disable  # a collective: run as it is under --compile (a graph break), never traced
+@eager  # a collective: run as it is under --compile (a graph break), never traced
 def gather_from_group(x: torch.Tensor, group=None) -> torch.Tensor:
     """All-gather along the last dimension forward; keep this rank's slice of the gradient backward."""
     return _GatherFromGroup.apply(x, group)
 
 
-@torch.compiler.disable  # a collective: run as it is under --compile (a graph break), never traced
+@eager  # a collective: run as it is under --compile (a graph break), never traced
 def split_to_group(x: torch.Tensor, group=None) -> torch.Tensor:
     """Keep this rank's slice of the last dimension forward; all-gather the gradient backward."""
     return _SplitToGroup.apply(x, group)

@@ -13,18 +13,19 @@ from distlab import comm
 from distlab.parallel.checkpointing import recomputing
 from distlab.parallel.zero.units import Unit, describe
 from distlab.runtime import timeline
+from distlab.runtime.eager import eager
 
 
 class GatherOnDemand:
     """The gather half of :class:`~distlab.parallel.zero.Zero` (attributes set by its constructor)."""
 
-    @torch.compiler.disable  # run as it is under --compile: a graph break, never traced
+    @eager  # run as it is under --compile: a graph break, never traced
     def _before_forward(self, module: nn.Module, units: list[Unit]) -> None:
         if self._pinned:
             return
         self._fetch(module, units, forward=True)
 
-    @torch.compiler.disable  # run as it is under --compile: a graph break, never traced
+    @eager  # run as it is under --compile: a graph break, never traced
     def _after_forward(self, units: list[Unit], module: nn.Module, out) -> None:
         if self._pinned:
             return
@@ -76,7 +77,7 @@ class GatherOnDemand:
             for u in self._by_module[module]:
                 u.free()
 
-    @torch.compiler.disable  # run as it is under --compile: a graph break, never traced
+    @eager  # run as it is under --compile: a graph break, never traced
     def _linear(self, module: nn.Module, units: list[Unit], x: torch.Tensor) -> torch.Tensor:
         if self._pinned:
             return nn.functional.linear(x, module.weight, module.bias)
