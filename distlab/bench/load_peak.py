@@ -13,6 +13,7 @@ first, minus the resident set before), beside what it should be: the model state
 
 from __future__ import annotations
 
+import math
 import resource
 import statistics
 
@@ -55,16 +56,17 @@ def _load(rank: int, world: int, cfg, mode: str, source: str) -> dict:
     cfg = cfg.validate(world)
     if source == "random":  # the checkpoint's shape, initialised as a new model (no file read)
         cfg = dataclasses.replace(cfg, init_from=None, vocab_size=cfg.vocab(0))
+    import time
     reset_peak()
-    before = rss()
+    before, began = rss(), time.perf_counter()
     trainer = Trainer(cfg, runtime.from_process_group())
-    top = peak()
+    top, seconds = peak(), time.perf_counter() - began  # the model made and placed: the first step comes next
     held = trainer.engine.observe()
     shapes = [p["shape"] for p in placement_of(trainer.engine)["params"]]
     largest = max(torch.Size(s).numel() for s in shapes) * 4
     return {"rank": rank, "rss_before_bytes": before, "rss_peak_bytes": top, "load_peak_bytes": top - before,
             "model_state_bytes": held, "largest_tensor_bytes": largest,
-            "whole_model_bytes": 4 * trainer.num_parameters}
+            "whole_model_bytes": 4 * trainer.num_parameters, "load_s": seconds}
 
 
 def config(init_from: str, strategy: str):
@@ -108,7 +110,8 @@ def summarize(records: list[dict]) -> list[dict]:
                          "peak_max": max(r["load_peak_bytes"] for r in mine),
                          "state": statistics.median(r["model_state_bytes"] for r in mine),
                          "largest": mine[0]["largest_tensor_bytes"], "expected": statistics.median(expected),
-                         "whole": mine[0]["whole_model_bytes"]})
+                         "whole": mine[0]["whole_model_bytes"],
+                         "seconds": statistics.median(r.get("load_s", math.nan) for r in mine)})
     return rows
 
 
@@ -116,10 +119,11 @@ def table(records: list[dict], markdown: bool = False) -> str:
     gb = 1e9
     cells = [[r["layout"], r["source"], r["mode"], str(r["ranks"]), f"{r['peak'] / gb:.2f}", f"{r['peak_max'] / gb:.2f}",
               f"{r['state'] / gb:.2f}", f"{r['largest'] / gb:.2f}", f"{r['expected'] / gb:.2f}",
-              f"{r['peak'] / r['expected']:.2f}x", f"{r['whole'] / gb:.2f}"] for r in summarize(records)]
+              f"{r['peak'] / r['expected']:.2f}x", f"{r['whole'] / gb:.2f}", f"{r['seconds']:.1f}"]
+             for r in summarize(records)]
     return format_table(["layout", "values from", "model built", "ranks", "load peak GB (median rank)", "max rank",
                          "state held GB", "largest tensor GB", "state + largest GB", "peak / (state + largest)",
-                         "whole model GB"], cells, markdown)
+                         "whole model GB", "to the first step s (median rank)"], cells, markdown)
 
 
 def plot(records: list[dict], directory: str) -> list[str]:
