@@ -260,7 +260,8 @@ MADE = {"llama3": lambda d: _scaled(SCALINGS[0][0], d, SCALINGS[0][1], vocab_siz
         "qwen2-window": lambda d: _saved(WINDOWS[1][0], d, vocab_size=320, **WINDOWS[1][1]),
         "qwen3": lambda d: _qwen3(d, vocab_size=320),
         "mixtral": lambda d: _mixtral(d, vocab_size=320),
-        "phi3": lambda d: _phi3(d, vocab_size=320)}
+        "phi3": lambda d: _phi3(d, vocab_size=320),
+        "gemma3": lambda d: _gemma3(d, vocab_size=320)}
 
 
 @pytest.mark.parametrize("made", list(MADE))
@@ -360,6 +361,76 @@ def test_a_phi3_checkpoint_through_a_layout_comes_out_bitwise_as_phi3(strategy, 
     run_ranks(_train, 2, tmp_path / "in", tmp_path / "s", strategy, timeout=300)
     export(tmp_path / "s" / "step-00000001", tmp_path / "out", fmt="hf")
     assert hf.config_of(tmp_path / "out")["architectures"] == ["Phi3ForCausalLM"]
+    before = {k: v for f in hf.tensor_files(tmp_path / "in") for k, v in load_file(f).items()}
+    after = {k: v for f in hf.tensor_files(tmp_path / "out") for k, v in load_file(f).items()}
+    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+    back = _transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    x = torch.randint(0, 256, (1, 24))
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, theirs(x).logits)
+
+
+def _gemma3(directory, **extra):
+    """A Gemma 3 text checkpoint: 3 layers, the 3rd global (linear-scaled rotary, base 10^6), the others local
+    over a window of 8 (base 10^4); heads of 16, scores scaled by 24^-0.5; norms that are not zeros."""
+    transformers = _transformers()
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**{**dict(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=8, sliding_window_pattern=3,
+        query_pre_attn_scalar=24, rope_scaling={"rope_type": "linear", "factor": 8.0}), **extra})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+        # its pad token's row starts at zeros, which a step of any size moves: not left at exactly 0 here
+        model.model.embed_tokens.weight[0].normal_(0.0, 0.02)
+    model.save_pretrained(directory, max_shard_size="40KB")
+    return model
+
+
+def test_a_gemma3_checkpoint_gives_transformers_logits_and_goes_out_as_it_came(tmp_path):
+    """Gemma 3: the scaled embedding, (1 + w) RMSNorms before and after each branch, q/k norms, GeGLU, its own
+    score scale, local layers (a window, their own rotary base) and a global one (linear-scaled): the logits
+    agree with transformers' within twice its float32 rounding -- from transformers 5's config and from the
+    published one (rope_theta, rope_local_base_freq, rope_scaling, sliding_window_pattern) -- and the export
+    is Gemma 3 again."""
+    theirs = _gemma3(tmp_path / "in")
+    mine, record = hf.build(tmp_path / "in")
+    assert record["model"] == "gemma3" and record["global_every"] == 3 and record["rope_scaling"] == "linear,factor=8"
+    x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = theirs(x).logits
+    out = hf.write(mine.state_dict(), "gemma3", hf.options_of(hf.config_of(tmp_path / "in"), "")[2], 256, 64,
+                   tmp_path / "out")
+    config = json.loads((tmp_path / "in" / "config.json").read_text())
+    for key in ("rope_parameters", "layer_types"):
+        config.pop(key)
+    config |= dict(rope_theta=1e6, rope_local_base_freq=10000, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                   sliding_window_pattern=3)
+    (tmp_path / "in" / "config.json").write_text(json.dumps(config))
+    published = hf.build(tmp_path / "in")[0]
+    with torch.no_grad():
+        assert torch.equal(published(x), mine(x))
+    _agree(mine, theirs, x)
+    assert hf.config_of(out)["architectures"] == ["Gemma3ForCausalLM"]
+    back = _transformers().AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, expected)
+
+
+@pytest.mark.parametrize("strategy", ["allreduce+tp=2+sp", "bucketed+pp=2+mb=2"])
+def test_a_gemma3_checkpoint_through_a_layout_comes_out_bitwise(strategy, tmp_path):
+    """Gemma 3 on 2 ranks -- tensor and sequence parallel (the scaled embedding and the post-branch norms on
+    each rank's positions), or a pipeline (its tied head a copy on the last stage) -- one step too small to
+    move a weight, exported: every tensor as it came; transformers' logits from the export equal the original's."""
+    from distlab.launch.spawn import run_ranks
+    from distlab.train.export import export
+    from safetensors.torch import load_file
+    from tests.test_hf import _train
+    theirs = _gemma3(tmp_path / "in")
+    run_ranks(_train, 2, tmp_path / "in", tmp_path / "s", strategy, "gemma3", timeout=300)
+    export(tmp_path / "s" / "step-00000001", tmp_path / "out", fmt="hf")
     before = {k: v for f in hf.tensor_files(tmp_path / "in") for k, v in load_file(f).items()}
     after = {k: v for f in hf.tensor_files(tmp_path / "out") for k, v in load_file(f).items()}
     assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)

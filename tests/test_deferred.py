@@ -74,6 +74,7 @@ def _config(strategy):
 
 
 def _load(rank, world, strategy):
+    import torch._dynamo  # noqa: F401 - imported by torch under the meta build's dispatch mode: code, not the model
     from distlab import runtime
     from distlab.bench.load_peak import peak, reset_peak, rss
     from distlab.train import Trainer

@@ -68,7 +68,7 @@ def test_a_family_of_ones_own_trains_with_its_options_described():
 def test_its_options_are_checked_and_others_refused():
     with pytest.raises(ConfigError, match="`width` must be at least 2, not 1"):
         _cfg(width=1)
-    with pytest.raises(ConfigError, match=r"`n_layer` is an option \(--model gpt, gpt-moe, llama, llama-moe, scaled-llama\); model bigram-mlp "
+    with pytest.raises(ConfigError, match=r"`n_layer` is an option \(--model gpt, gpt-moe, llama, llama-moe, gemma3, scaled-llama\); model bigram-mlp "
                                           r"has no "
                                           r"such option"):
         _cfg(n_layer=2)

@@ -57,6 +57,8 @@ def _load(rank: int, world: int, cfg, mode: str, source: str) -> dict:
     if source == "random":  # the checkpoint's shape, initialised as a new model (no file read)
         cfg = dataclasses.replace(cfg, init_from=None, vocab_size=cfg.vocab(0))
     import time
+
+    import torch._dynamo  # noqa: F401 - torch imports it under the meta build's dispatch mode: code, not the model
     reset_peak()
     before, began = rss(), time.perf_counter()
     trainer = Trainer(cfg, runtime.from_process_group())

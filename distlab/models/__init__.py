@@ -66,6 +66,7 @@ FAMILIES = {
     "small-cnn-bn": "distlab.models.small_cnn",
     "gpt": "distlab.models.gpt", "gpt-moe": "distlab.models.gpt",
     "llama": "distlab.models.llama", "llama-moe": "distlab.models.llama",
+    "gemma3": "distlab.models.gemma",
 }
 _SPECS: dict[str, ModelSpec] = {}
 

@@ -38,6 +38,7 @@ A module a plan names (made one by :func:`contract` where the parallelism asks):
 ``causal``                         True: an attention core (``context_attention``) masks the future
 ``window``                         None: an attention core's query sees every earlier key; N: itself and the
                                    N - 1 keys before it (a sliding window; :func:`attend` computes it)
+``scale``                          None: an attention core scales scores by ``1 / sqrt(head width)``; else by it
 ``reads_positions``                False: a module called with positions ``0..t-1`` (a rotary table) for
                                    ``context_positions`` (an ``nn.Embedding`` always is one)
 ``tensor_rank(rank, size)``        a ``tensor_rank`` module takes its share of the group; refused by default
@@ -64,6 +65,7 @@ class ModelContract:
     cacheable: bool = False
     causal: bool = True
     window: int | None = None
+    scale: float | None = None
     reads_positions: bool = False
 
     def decode(self, idx, cache, start: int):
@@ -174,20 +176,22 @@ __all__ = ["ModelContract", "SequenceStatistics", "SplitEmbedding", "contract", 
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-           window: int | None = None) -> torch.Tensor:
+           window: int | None = None, scale: float | None = None) -> torch.Tensor:
     """Scaled dot-product attention of ``q`` ``(B, H, tq, D)`` over ``k``, ``v`` ``(B, H_kv, tk, D)`` (each
     key/value head serving ``H / H_kv`` query heads), the queries the last ``tq`` of the ``tk`` positions
     (a key/value cache before them): causal, each query seeing itself and the keys before it -- only the
     ``window - 1`` nearest where a sliding ``window`` is given (transformers' ``kv_idx > q_idx - window``)
-    -- or, not ``causal``, every key. Without a window that cuts anything, the fused causal kernel."""
+    -- or, not ``causal``, every key; scores scaled by ``scale`` (default ``1 / sqrt(D)``). Without a window that
+    cuts anything, the fused causal kernel."""
     tq, tk = q.shape[2], k.shape[2]
     gqa = k.shape[1] != q.shape[1]
     if window is None or tk <= window:
         if causal and tq not in (tk, 1):
             raise ValueError(f"attend: {tq} queries over {tk} keys (a cache before them): give one query at a time")
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal and tq == tk, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal and tq == tk, enable_gqa=gqa, scale=scale)
     if not causal:
         raise ConfigError("a sliding window is a causal attention's: this attention sees every key")
     i = torch.arange(tk - tq, tk, device=q.device)[:, None]
     j = torch.arange(tk, device=q.device)[None, :]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=(j <= i) & (j > i - window), enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(j <= i) & (j > i - window), enable_gqa=gqa,
+                                          scale=scale)

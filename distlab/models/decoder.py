@@ -88,12 +88,13 @@ class AttentionCore(ModelContract, nn.Module):
     head serving ``H / H_kv`` query heads; causal as :attr:`causal` says, within a sliding :attr:`window` where
     one is given (context parallel puts its ring or all-to-all version here)."""
 
-    def __init__(self, window: int | None = None):
+    def __init__(self, window: int | None = None, scale: float | None = None):
         super().__init__()
         self.window = window  # a sliding window: each query sees itself and the window - 1 keys before it
+        self.scale = scale  # the scores' scale where it is not 1 / sqrt(head width) (Gemma's)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return attend(q, k, v, self.causal, self.window)
+        return attend(q, k, v, self.causal, self.window, self.scale)
 
 
 class Attention(ModelContract, nn.Module):
@@ -102,7 +103,8 @@ class Attention(ModelContract, nn.Module):
 
     def __init__(self, n_embd: int, n_head: int, kv_heads: int, qkv_bias: bool = False, proj_bias: bool = False,
                  theta: float | None = None, rope_scaling: dict | None = None, window: int | None = None,
-                 head_dim: int | None = None, qk_norm: Callable[[int], nn.Module] | None = None):
+                 head_dim: int | None = None, qk_norm: Callable[[int], nn.Module] | None = None,
+                 scale: float | None = None):
         super().__init__()
         if head_dim is None and n_embd % n_head:
             raise ValueError(f"n_embd {n_embd} must be divisible by n_head {n_head}")
@@ -115,7 +117,7 @@ class Attention(ModelContract, nn.Module):
         self.rotary = RotaryTable(self.head_dim, theta, rope_scaling) if theta is not None else None
         # Qwen3's and Gemma 3's per-head norms of queries and keys, before the rotation (one weight for every head)
         self.q_norm, self.k_norm = (qk_norm(self.head_dim), qk_norm(self.head_dim)) if qk_norm else (None, None)
-        self.core, self.window = AttentionCore(window), window
+        self.core, self.window, self.scale = AttentionCore(window, scale), window, scale
         self.n_head, self.kv_heads = n_head, kv_heads
         self.kv_index: list[int] | None = None  # tensor parallel with the key/value heads whole: the ones used here
 
@@ -156,7 +158,7 @@ class Attention(ModelContract, nn.Module):
         q, k, v = self._heads(x, start)
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-        return self._out(attend(q, k, v, window=self.window)), (k, v)
+        return self._out(attend(q, k, v, window=self.window, scale=self.scale)), (k, v)
 
 
 def kv_heads_read(n_head: int, kv_heads: int, rank: int, size: int) -> list[int]:
@@ -314,13 +316,14 @@ class Decoder(ModelContract, nn.Sequential):
         plan = {"0.tok": "vocab_embedding", "0": "sequence_embedding"}
         for i in self.blocks:
             mlp = {f"{i}.mlp": "sequence_stats"} if self.experts else self.mlp_plan(i, style)
+            # (in the order they run: activation checkpointing's pricing stops before a block's last layer)
+            norms = {f"{i}.attn.q_norm": "replicated", f"{i}.attn.k_norm": "replicated"} \
+                if self[i].attn.q_norm is not None else {}  # one weight for every head: each rank's add to its gradient
             plan |= {f"{i}.ln1": "sequence", f"{i}.attn.enter": "enter", f"{i}.attn.q": "colwise_entered",
-                     f"{i}.attn.k": "colwise_entered", f"{i}.attn.v": "colwise_entered", f"{i}.attn.proj": "rowwise",
-                     f"{i}.ln2": "sequence", **mlp}
+                     f"{i}.attn.k": "colwise_entered", f"{i}.attn.v": "colwise_entered", **norms,
+                     f"{i}.attn.proj": "rowwise", f"{i}.ln2": "sequence", **mlp}
             if whole_kv:
                 plan |= {f"{i}.attn.k": "replicated", f"{i}.attn.v": "replicated", f"{i}.attn": "tensor_rank"}
-            if self[i].attn.q_norm is not None:  # one weight over every head: each rank's heads add to its gradient
-                plan |= {f"{i}.attn.q_norm": "replicated", f"{i}.attn.k_norm": "replicated"}
         head = len(self) - 1
         return plan | {f"{head}.ln": "sequence", f"{head}.enter": "enter", f"{head}.out": "vocab_output"}
 

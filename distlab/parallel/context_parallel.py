@@ -213,13 +213,16 @@ class RingAttention(nn.Module):
     """Attention of this rank's queries over the whole sequence, causal unless ``causal`` is False (an
     encoder's), key/value blocks passed around the context-parallel ring (module docstring)."""
 
-    def __init__(self, group, layout: ContextLayout, causal: bool = True, window: int | None = None):
+    def __init__(self, group, layout: ContextLayout, causal: bool = True, window: int | None = None,
+                 scale: float | None = None):
         super().__init__()
-        self.group, self.layout, self.causal, self.window = group, layout, causal, window
+        self.group, self.layout, self.causal, self.window, self.scale = group, layout, causal, window, scale
 
     @eager  # a collective: run as it is under --compile (a graph break), never traced
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         check_window(self.window, q.shape[2] * self.layout.cp, "ring")
+        if self.scale is not None:  # scores scaled by ``scale``: the queries carry it over the 1 / sqrt(D) the ring uses
+            q = q * (self.scale * math.sqrt(q.shape[-1]))
         return _RingAttention.apply(q, k, v, self.group, self.layout, self.causal)
 
 
@@ -263,9 +266,10 @@ class UlyssesAttention(nn.Module):
     """Attention, causal unless ``causal`` is False, with the heads split over the context-parallel ranks
     for its duration (module docstring)."""
 
-    def __init__(self, group, layout: ContextLayout, causal: bool = True, window: int | None = None):
+    def __init__(self, group, layout: ContextLayout, causal: bool = True, window: int | None = None,
+                 scale: float | None = None):
         super().__init__()
-        self.group, self.layout, self.causal, self.window = group, layout, causal, window
+        self.group, self.layout, self.causal, self.window, self.scale = group, layout, causal, window, scale
 
     @eager  # a collective: run as it is under --compile (a graph break), never traced
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -279,7 +283,7 @@ class UlyssesAttention(nn.Module):
         back = torch.argsort(order)  # gathered order -> sequence order
         # (B, H, t, D) -> (B, H/n, n t, D): every rank's tokens (rank order, then sequence order), my heads
         q, k, v = (_AllToAll.apply(z, self.group, rank, n, 1, 2).index_select(2, back) for z in (q, k, v))
-        y = attend(q, k, v, self.causal, self.window).index_select(2, order)  # (a window: its band mask)  # back to the gathered order: rank r's tokens at block r
+        y = attend(q, k, v, self.causal, self.window, self.scale).index_select(2, order)  # (a window: its band)  # back to the gathered order: rank r's tokens at block r
         return _AllToAll.apply(y, self.group, rank, n, 2, 1)
 
 
@@ -375,8 +379,9 @@ class ContextParallel(ComponentKind):
 def replacement(module: nn.Module, group, layout: ContextLayout, style: str) -> nn.Module:
     """What a ``context_attention`` module becomes: the ring's or the all-to-all's attention, causal
     unless the module says ``causal = False`` (an encoder's attention)."""
-    return (RingAttention if style == "ring" else UlyssesAttention)(group, layout, contract(module).causal,
-                                                                   contract(module).window)
+    core = contract(module)
+    return (RingAttention if style == "ring" else UlyssesAttention)(group, layout, core.causal, core.window,
+                                                                   core.scale)
 
 
 def check_window(window: int | None, t: int, style: str) -> None:

@@ -198,6 +198,13 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
                   Case(Strategy("allreduce", tp=2, sequence_parallel=True, activation_checkpointing=True),
                        model="llama", options=(("kv_heads", 1), ("tie_embeddings", 1), ("head_dim", 8),
                                                ("qk_norm", 1)))]
+        # Gemma 3: the embedding's scale and the norms after each branch under sequence parallel, its q/k
+        # norms' gradients summed over tensor parallel; its own score scale over the ring (a local window of 8
+        # as long as the sequence, a global layer every 2nd)
+        gemma = (("kv_heads", 2), ("head_dim", 4), ("ffn_hidden", 32), ("sliding_window", 4), ("global_every", 2))
+        cases += [Case(Strategy("allreduce", tp=2, sequence_parallel=True), model="gemma3", options=gemma),
+                  Case(Strategy("bucketed", cp=2), model="gemma3", options=(*gemma[:3], ("sliding_window", 8),
+                                                                              ("global_every", 2)))]
         cases += [Case(Strategy("bucketed", ep=2), model="gpt-moe"),
                   Case(Strategy("bucketed", pp=2, microbatches=4, pp_virtual=2), model="gpt"),
                   Case(Strategy("bucketed", pp=2, microbatches=4, pp_schedule="zb"), model="gpt")]
