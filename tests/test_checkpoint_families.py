@@ -21,36 +21,56 @@ SCALINGS = [("LlamaForCausalLM", LLAMA3), ("LlamaForCausalLM", {"rope_type": "li
             ("Qwen2ForCausalLM", {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})]
 
 
+def _in_and_out(theirs, tmp_path, arch: str, length: int = 24):
+    """distlab's model of the checkpoint in ``tmp_path / "in"`` (``theirs``: transformers' of it): logits within
+    twice transformers' float32 rounding (its float64 run the reference: :func:`tests.test_hf._agree`); written
+    back, the architecture ``arch`` and transformers' logits unchanged. Returns (mine, record, x, expected)."""
+    mine, record = hf.build(tmp_path / "in")
+    x = torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = theirs(x).logits
+    _agree(mine, theirs, x)  # (turns theirs to float64)
+    out = hf.write(mine.state_dict(), record["model"], hf.options_of(hf.config_of(tmp_path / "in"), "")[2], 256,
+                   64, tmp_path / "out")
+    assert hf.config_of(out)["architectures"] == [arch]
+    back = _transformers().AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, expected)
+    return mine, record, x, expected
+
+
+def _through(make, strategy: str, tmp_path, model: str = "llama", length: int = 24):
+    """The checkpoint ``make(DIR)`` saves read on 2 ranks with ``strategy``, one step too small to move a weight,
+    exported: every tensor as it came, and transformers' logits from the export equal the original's."""
+    from distlab.launch.spawn import run_ranks
+    from distlab.train.export import export
+    from safetensors.torch import load_file
+    from tests.test_hf import _train
+    theirs = make(tmp_path / "in")
+    run_ranks(_train, 2, tmp_path / "in", tmp_path / "s", strategy, model, timeout=300)
+    export(tmp_path / "s" / "step-00000001", tmp_path / "out", fmt="hf")
+    before = {k: v for f in hf.tensor_files(tmp_path / "in") for k, v in load_file(f).items()}
+    after = {k: v for f in hf.tensor_files(tmp_path / "out") for k, v in load_file(f).items()}
+    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+    back = _transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    x = torch.randint(0, 256, (1, length))
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, theirs(x).logits)
+
+
 @pytest.mark.parametrize("arch,scaling", SCALINGS, ids=["llama3", "linear", "yarn"])
 def test_a_scaled_rotary_checkpoint_gives_transformers_logits_and_goes_out_as_it_came(arch, scaling, tmp_path):
     """rope_scaling as Llama 3.1 and Qwen2.5 publish it (the old ``rope_scaling`` key, ``type`` for
     ``rope_type``): the logits over 48 positions (3x the original context) agree with transformers' float32
     forward within twice its own rounding (its float64 run the reference), and the export's config holds the
     same scaling transformers computes the same logits with."""
-    theirs = _saved(arch, tmp_path / "in", rope_theta=10000.0)
-    config = json.loads((tmp_path / "in" / "config.json").read_text())
-    config.pop("rope_parameters", None)
-    config["rope_scaling"] = scaling
-    (tmp_path / "in" / "config.json").write_text(json.dumps(config))
-    theirs = getattr(_transformers(), arch).from_pretrained(tmp_path / "in").eval()
-    mine, record = hf.build(tmp_path / "in")
-    kind = scaling.get("rope_type", scaling.get("type"))
-    assert record["rope_scaling"].startswith(kind)
-    x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = theirs(x).logits
-    _agree(mine, theirs, x)  # (turns theirs to float64)
+    mine, record, x, expected = _in_and_out(_scaled(arch, tmp_path / "in", scaling), tmp_path, arch, length=48)
+    assert record["rope_scaling"].startswith(scaling.get("rope_type", scaling.get("type")))
     plain = hf.build(tmp_path / "in")[0]
     for block in list(plain)[1:-1]:
         block.attn.rotary.scaling = None
     with torch.no_grad():  # the scaling matters here: unscaled, the logits are another model's
         assert (plain(x) - expected).abs().max() > 100 * (mine(x) - expected).abs().max()
-    out = hf.write(mine.state_dict(), "llama", hf.options_of(hf.config_of(tmp_path / "in"), "")[2], 256, 64,
-                   tmp_path / "out")
-    back = _transformers().AutoModelForCausalLM.from_pretrained(out).eval()
-    with torch.no_grad():
-        assert torch.equal(back(x).logits, expected)
-
 
 def _scaled(arch: str, directory, scaling: dict, **extra):
     """A checkpoint saved by transformers whose config.json says ``rope_scaling`` in the published form."""
@@ -66,21 +86,8 @@ def test_a_scaled_checkpoint_through_context_parallel_comes_out_bitwise(tmp_path
     """Llama 3.1's scaling read on 2 ranks splitting every sequence (the ring: each rank's rotary angles at its
     chunks' global positions), one step too small to move a weight, exported: every tensor as it came, the
     same rope_scaling, and transformers' logits from the export equal the original's."""
-    from distlab.launch.spawn import run_ranks
-    from distlab.train.export import export
-    from safetensors.torch import load_file
-    from tests.test_hf import _train
-    theirs = _scaled("LlamaForCausalLM", tmp_path / "in", LLAMA3)
-    run_ranks(_train, 2, tmp_path / "in", tmp_path / "s", "bucketed+cp=2", timeout=300)
-    export(tmp_path / "s" / "step-00000001", tmp_path / "out", fmt="hf")
-    before = {k: v for f in hf.tensor_files(tmp_path / "in") for k, v in load_file(f).items()}
-    after = {k: v for f in hf.tensor_files(tmp_path / "out") for k, v in load_file(f).items()}
-    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+    _through(lambda d: _scaled("LlamaForCausalLM", d, LLAMA3), "bucketed+cp=2", tmp_path, length=40)
     assert hf.config_of(tmp_path / "out")["rope_scaling"] == LLAMA3
-    back = _transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    x = torch.randint(0, 256, (1, 40))
-    with torch.no_grad():
-        assert torch.equal(back(x).logits, theirs(x).logits)
 
 
 WINDOWS = [("MistralForCausalLM", dict(sliding_window=8)),  # Mistral 7B v0.1's: every layer
@@ -92,24 +99,13 @@ def test_a_sliding_window_checkpoint_gives_transformers_logits_and_goes_out_as_i
     """A window of 8 over sequences of 24 (Mistral: every layer; Qwen2: the layers from max_window_layers on):
     the logits agree with transformers' within twice its float32 rounding -- attention over the whole context
     would not -- and the export is the same architecture with the same window, transformers' logits unchanged."""
-    theirs = _saved(arch, tmp_path / "in", **window)
-    mine, record = hf.build(tmp_path / "in")
-    assert record["sliding_window"] == 8
-    x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = theirs(x).logits
-    _agree(mine, theirs, x)
+    mine, record, x, expected = _in_and_out(_saved(arch, tmp_path / "in", **window), tmp_path, arch)
+    assert record["sliding_window"] == 8 and hf.config_of(tmp_path / "out")["sliding_window"] == 8
     whole = hf.build(tmp_path / "in")[0]
     for block in list(whole)[1:-1]:
         block.attn.core.window = None
     with torch.no_grad():
         assert (whole(x) - expected).abs().max() > 100 * (mine(x) - expected).abs().max()
-    out = hf.write(mine.state_dict(), "llama", hf.options_of(hf.config_of(tmp_path / "in"), "")[2], 256, 64,
-                   tmp_path / "out")
-    assert hf.config_of(out)["architectures"] == [arch] and hf.config_of(out)["sliding_window"] == 8
-    back = _transformers().AutoModelForCausalLM.from_pretrained(out).eval()
-    with torch.no_grad():
-        assert torch.equal(back(x).logits, expected)
 
 
 @pytest.mark.parametrize("strategy", ["allreduce+tp=2", "bucketed+pp=2+mb=2", "bucketed+cp=2+ulysses"])
@@ -117,20 +113,7 @@ def test_a_sliding_window_checkpoint_through_a_layout_comes_out_bitwise(strategy
     """Mistral's window of 8 read on 2 ranks with sequences of 16 (tensor parallel's heads, a pipeline's
     stages, Ulysses' whole sequences per head group under the window's mask), one step too small to move a
     weight, exported: every tensor as it came; transformers' logits from the export equal the original's."""
-    from distlab.launch.spawn import run_ranks
-    from distlab.train.export import export
-    from safetensors.torch import load_file
-    from tests.test_hf import _train
-    theirs = _saved("MistralForCausalLM", tmp_path / "in", sliding_window=8)
-    run_ranks(_train, 2, tmp_path / "in", tmp_path / "s", strategy, timeout=300)
-    export(tmp_path / "s" / "step-00000001", tmp_path / "out", fmt="hf")
-    before = {k: v for f in hf.tensor_files(tmp_path / "in") for k, v in load_file(f).items()}
-    after = {k: v for f in hf.tensor_files(tmp_path / "out") for k, v in load_file(f).items()}
-    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
-    back = _transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    x = torch.randint(0, 256, (1, 24))
-    with torch.no_grad():
-        assert torch.equal(back(x).logits, theirs(x).logits)
+    _through(lambda d: _saved("MistralForCausalLM", d, sliding_window=8), strategy, tmp_path)
 
 
 def test_a_window_the_ring_does_not_build_is_refused_before_launch_and_one_as_long_as_the_block_runs(tmp_path):
@@ -165,19 +148,8 @@ def _qwen3(directory, **extra):
 def test_a_qwen3_checkpoint_gives_transformers_logits_and_goes_out_as_it_came(tmp_path):
     """Qwen3: each query and key head RMS-normed before the rotation, heads wider than width / heads: the
     logits agree with transformers' within twice its float32 rounding, and it goes out as Qwen3."""
-    theirs = _qwen3(tmp_path / "in")
-    mine, record = hf.build(tmp_path / "in")
+    record = _in_and_out(_qwen3(tmp_path / "in"), tmp_path, "Qwen3ForCausalLM")[1]
     assert record["qk_norm"] and record["head_dim"] == 16
-    x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = theirs(x).logits
-    _agree(mine, theirs, x)
-    out = hf.write(mine.state_dict(), "llama", hf.options_of(hf.config_of(tmp_path / "in"), "")[2], 256, 64,
-                   tmp_path / "out")
-    assert hf.config_of(out)["architectures"] == ["Qwen3ForCausalLM"]
-    back = _transformers().AutoModelForCausalLM.from_pretrained(out).eval()
-    with torch.no_grad():
-        assert torch.equal(back(x).logits, expected)
 
 
 @pytest.mark.parametrize("strategy", ["allreduce+tp=2+sp", "bucketed+cp=2"])
@@ -185,20 +157,7 @@ def test_a_qwen3_checkpoint_through_a_layout_comes_out_bitwise(strategy, tmp_pat
     """Qwen3 on 2 ranks -- tensor parallel splitting the heads (each rank's heads through the one q/k norm
     weight, its gradient summed), or the ring -- one step too small to move a weight, exported: every tensor
     as it came, transformers' logits from the export equal the original's."""
-    from distlab.launch.spawn import run_ranks
-    from distlab.train.export import export
-    from safetensors.torch import load_file
-    from tests.test_hf import _train
-    theirs = _qwen3(tmp_path / "in")
-    run_ranks(_train, 2, tmp_path / "in", tmp_path / "s", strategy, timeout=300)
-    export(tmp_path / "s" / "step-00000001", tmp_path / "out", fmt="hf")
-    before = {k: v for f in hf.tensor_files(tmp_path / "in") for k, v in load_file(f).items()}
-    after = {k: v for f in hf.tensor_files(tmp_path / "out") for k, v in load_file(f).items()}
-    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
-    back = _transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    x = torch.randint(0, 256, (1, 24))
-    with torch.no_grad():
-        assert torch.equal(back(x).logits, theirs(x).logits)
+    _through(_qwen3, strategy, tmp_path)
 
 
 def _mixtral(directory, **extra):
@@ -217,20 +176,9 @@ def test_a_mixtral_checkpoint_gives_transformers_logits_and_goes_out_as_it_came(
     """Mixtral read as llama-moe: the router's float32 softmax, top-2 renormalised, every expert's w1/w3/w2
     stacked -- no token dropped (dropless, as transformers computes it); logits within twice transformers'
     float32 rounding; out as Mixtral, transformers' logits unchanged."""
-    theirs = _mixtral(tmp_path / "in")
-    mine, record = hf.build(tmp_path / "in")
+    record = _in_and_out(_mixtral(tmp_path / "in"), tmp_path, "MixtralForCausalLM")[1]
     assert record["model"] == "llama-moe" and record["experts"] == 4 and record["top_k"] == 2
     assert record["capacity_factor"] is None
-    x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = theirs(x).logits
-    _agree(mine, theirs, x)
-    out = hf.write(mine.state_dict(), "llama-moe", hf.options_of(hf.config_of(tmp_path / "in"), "")[2], 256, 64,
-                   tmp_path / "out")
-    assert hf.config_of(out)["architectures"] == ["MixtralForCausalLM"]
-    back = _transformers().AutoModelForCausalLM.from_pretrained(out).eval()
-    with torch.no_grad():
-        assert torch.equal(back(x).logits, expected)
 
 
 @pytest.mark.parametrize("strategy", ["allreduce+tp=2", "bucketed+ep=2"])
@@ -238,20 +186,7 @@ def test_a_mixtral_checkpoint_through_a_layout_comes_out_bitwise(strategy, tmp_p
     """Mixtral on 2 ranks -- tensor parallel (the experts whole on each rank), or expert parallel (2 experts
     each, tokens sent to them and back) -- one step too small to move a weight, exported: every tensor as it
     came; transformers' logits from the export equal the original's."""
-    from distlab.launch.spawn import run_ranks
-    from distlab.train.export import export
-    from safetensors.torch import load_file
-    from tests.test_hf import _train
-    theirs = _mixtral(tmp_path / "in")
-    run_ranks(_train, 2, tmp_path / "in", tmp_path / "s", strategy, "llama-moe", timeout=300)
-    export(tmp_path / "s" / "step-00000001", tmp_path / "out", fmt="hf")
-    before = {k: v for f in hf.tensor_files(tmp_path / "in") for k, v in load_file(f).items()}
-    after = {k: v for f in hf.tensor_files(tmp_path / "out") for k, v in load_file(f).items()}
-    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
-    back = _transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    x = torch.randint(0, 256, (1, 24))
-    with torch.no_grad():
-        assert torch.equal(back(x).logits, theirs(x).logits)
+    _through(_mixtral, strategy, tmp_path, "llama-moe")
 
 
 MADE = {"llama3": lambda d: _scaled(SCALINGS[0][0], d, SCALINGS[0][1], vocab_size=320),
@@ -293,19 +228,9 @@ def test_a_llama_with_biases_where_its_config_puts_them_gives_transformers_logit
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
     theirs.save_pretrained(tmp_path / "in")
-    mine, record = hf.build(tmp_path / "in")
+    record = _in_and_out(theirs, tmp_path, "LlamaForCausalLM")[1]
     assert record["qkv_bias"] and record["proj_bias"] and record["mlp_bias"]
-    x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = theirs(x).logits
-    _agree(mine, theirs, x)
-    out = hf.write(mine.state_dict(), "llama", hf.options_of(hf.config_of(tmp_path / "in"), "")[2], 256, 64,
-                   tmp_path / "out")
-    config = hf.config_of(out)
-    assert config["architectures"] == ["LlamaForCausalLM"] and config["attention_bias"] and config["mlp_bias"]
-    back = _transformers().AutoModelForCausalLM.from_pretrained(out).eval()
-    with torch.no_grad():
-        assert torch.equal(back(x).logits, expected)
+    assert hf.config_of(tmp_path / "out")["attention_bias"] and hf.config_of(tmp_path / "out")["mlp_bias"]
 
 
 def _phi3(directory, **extra):
@@ -353,21 +278,8 @@ def test_a_phi3_checkpoint_through_a_layout_comes_out_bitwise_as_phi3(strategy, 
     """Phi-3 on 2 ranks -- tensor parallel (each rank reading its heads' rows of qkv_proj), ZeRO-3 (a flat
     range of each) -- one step too small to move a weight, exported: Phi-3 again, every fused tensor as it
     came; transformers' logits from the export equal the original's."""
-    from distlab.launch.spawn import run_ranks
-    from distlab.train.export import export
-    from safetensors.torch import load_file
-    from tests.test_hf import _train
-    theirs = _phi3(tmp_path / "in")
-    run_ranks(_train, 2, tmp_path / "in", tmp_path / "s", strategy, timeout=300)
-    export(tmp_path / "s" / "step-00000001", tmp_path / "out", fmt="hf")
+    _through(_phi3, strategy, tmp_path)
     assert hf.config_of(tmp_path / "out")["architectures"] == ["Phi3ForCausalLM"]
-    before = {k: v for f in hf.tensor_files(tmp_path / "in") for k, v in load_file(f).items()}
-    after = {k: v for f in hf.tensor_files(tmp_path / "out") for k, v in load_file(f).items()}
-    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
-    back = _transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    x = torch.randint(0, 256, (1, 24))
-    with torch.no_grad():
-        assert torch.equal(back(x).logits, theirs(x).logits)
 
 
 def _gemma3(directory, **extra):
@@ -424,17 +336,4 @@ def test_a_gemma3_checkpoint_through_a_layout_comes_out_bitwise(strategy, tmp_pa
     """Gemma 3 on 2 ranks -- tensor and sequence parallel (the scaled embedding and the post-branch norms on
     each rank's positions), or a pipeline (its tied head a copy on the last stage) -- one step too small to
     move a weight, exported: every tensor as it came; transformers' logits from the export equal the original's."""
-    from distlab.launch.spawn import run_ranks
-    from distlab.train.export import export
-    from safetensors.torch import load_file
-    from tests.test_hf import _train
-    theirs = _gemma3(tmp_path / "in")
-    run_ranks(_train, 2, tmp_path / "in", tmp_path / "s", strategy, "gemma3", timeout=300)
-    export(tmp_path / "s" / "step-00000001", tmp_path / "out", fmt="hf")
-    before = {k: v for f in hf.tensor_files(tmp_path / "in") for k, v in load_file(f).items()}
-    after = {k: v for f in hf.tensor_files(tmp_path / "out") for k, v in load_file(f).items()}
-    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
-    back = _transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    x = torch.randint(0, 256, (1, 24))
-    with torch.no_grad():
-        assert torch.equal(back(x).logits, theirs(x).logits)
+    _through(_gemma3, strategy, tmp_path, "gemma3")

@@ -173,6 +173,24 @@ def kv_heads_read(n_head: int, kv_heads: int, rank: int, size: int) -> list[int]
     return distinct if runs and read == [h for h in distinct for _ in range(runs)] else read
 
 
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` (SwiGLU with silu, GeGLU with the tanh GELU), biases where given."""
+
+    def __init__(self, n_embd: int, hidden: int, bias: bool = False):
+        super().__init__()
+        self.enter = nn.Identity()  # where the parallel region begins under tensor parallel
+        self.gate = nn.Linear(n_embd, hidden, bias=bias)
+        self.up = nn.Linear(n_embd, hidden, bias=bias)
+        self.down = nn.Linear(hidden, n_embd, bias=bias)
+
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} gives its activation (act)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.enter(x)
+        return self.down(self.act(self.gate(x)) * self.up(x))
+
+
 class Block(nn.Module):
     """Pre-norm attention and MLP, each a residual branch (the family's norms and MLP)."""
 
@@ -365,5 +383,5 @@ def init_decoder(model: nn.Module, residual: tuple[str, ...]) -> None:
             nn.init.normal_(p, 0.0, std)
 
 
-__all__ = ["Attention", "AttentionCore", "Block", "Decoder", "Embedding", "Head", "RotaryTable", "init_decoder",
+__all__ = ["Attention", "AttentionCore", "Block", "Decoder", "Embedding", "GatedMLP", "Head", "RotaryTable", "init_decoder",
            "kv_heads_read", "rotate"]

@@ -25,7 +25,7 @@ from torch import nn
 
 from distlab.errors import ConfigError
 from distlab.models import register, rope
-from distlab.models.decoder import Attention, Block, Decoder, Embedding, Head
+from distlab.models.decoder import Attention, Block, Decoder, Embedding, GatedMLP, Head
 from distlab.models.spec import ModelSpec, Options, option
 
 
@@ -43,19 +43,11 @@ class GemmaNorm(nn.Module):
         return (normed * (1.0 + self.weight.float())).type_as(x)
 
 
-class GeGLU(nn.Module):
+class GeGLU(GatedMLP):
     """``down(gelu_tanh(gate(x)) * up(x))``."""
 
-    def __init__(self, n_embd: int, hidden: int):
-        super().__init__()
-        self.enter = nn.Identity()  # where the parallel region begins under tensor parallel
-        self.gate = nn.Linear(n_embd, hidden, bias=False)
-        self.up = nn.Linear(n_embd, hidden, bias=False)
-        self.down = nn.Linear(hidden, n_embd, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.enter(x)
-        return self.down(F.gelu(self.gate(x), approximate="tanh") * self.up(x))
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x, approximate="tanh")
 
 
 class GemmaBlock(Block):

@@ -32,24 +32,16 @@ from torch import nn
 
 from distlab.errors import ConfigError
 from distlab.models import register, rope
-from distlab.models.decoder import Attention, Block, Decoder, Embedding, Head
+from distlab.models.decoder import Attention, Block, Decoder, Embedding, GatedMLP, Head
 from distlab.models.moe import ExpertOptions
 from distlab.models.spec import ModelSpec, Options, option
 
 
-class SwiGLU(nn.Module):
+class SwiGLU(GatedMLP):
     """``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, n_embd: int, hidden: int, bias: bool = False):
-        super().__init__()
-        self.enter = nn.Identity()  # where the parallel region begins under tensor parallel
-        self.gate = nn.Linear(n_embd, hidden, bias=bias)
-        self.up = nn.Linear(n_embd, hidden, bias=bias)
-        self.down = nn.Linear(hidden, n_embd, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.enter(x)
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(x)
 
 
 class Llama(Decoder):
