@@ -1,4 +1,4 @@
-"""Gemma 3's text decoder (``gemma3``; Hugging Face's ``Gemma3ForCausalLM``, its 1B shape by default).
+"""Gemma 3's text decoder (``gemma3``; Hugging Face's ``Gemma3ForCausalLM``).
 
 The decoder of every text family (:mod:`distlab.models.decoder`) with Gemma's own parts:
 
@@ -114,18 +114,20 @@ class Gemma3(Decoder):
 
 @dataclass(frozen=True)
 class GemmaOptions(Options):
-    """Gemma 3's sizes and choices (``gemma3``); the defaults are Gemma 3 1B's but the vocabulary."""
+    """Gemma 3's sizes and choices (``gemma3``): small ones by default (one global block and five local ones, as
+    Gemma 3 alternates them); its checkpoints' own come from their config.json (1B: 26 blocks x 1152, 4 heads and
+    1 key/value head of 256, GeGLU 6912)."""
 
-    n_layer: int = option(26, "gemma3: transformer blocks.")
-    n_head: int = option(4, "gemma3: attention heads per block.")
-    kv_heads: int = option(1, "gemma3: key/value heads (grouped-query attention; divides --n-head).")
-    n_embd: int = option(1152, "gemma3: width of the residual stream.")
-    head_dim: int = option(256, "gemma3: each attention head's width.")
-    ffn_hidden: int = option(6912, "gemma3: GeGLU hidden units.")
+    n_layer: int = option(6, "gemma3: transformer blocks (Gemma 3 1B: 26).")
+    n_head: int = option(4, "gemma3: attention heads per block (1B: 4).")
+    kv_heads: int = option(1, "gemma3: key/value heads (grouped-query attention; divides --n-head; 1B: 1).")
+    n_embd: int = option(128, "gemma3: width of the residual stream (1B: 1152).")
+    head_dim: int = option(32, "gemma3: each attention head's width (1B: 256).")
+    ffn_hidden: int = option(512, "gemma3: GeGLU hidden units (1B: 6912).")
     rope_theta: float = option(1_000_000.0, "gemma3: the global layers' rotary base.")
     rope_local_theta: float = option(10_000.0, "gemma3: the local (sliding-window) layers' rotary base.")
     rope_scaling: str | None = option(None, "gemma3: the global layers' rotary scaling (4B and up: linear,factor=8).")
-    sliding_window: int = option(512, "gemma3: the local layers' window.")
+    sliding_window: int = option(512, "gemma3: the local layers' window (1B: 512).")
     global_every: int = option(6, "gemma3: every N-th block (the 6th, 12th ...) is global, the rest local.")
     query_pre_attn_scalar: float = option(256.0, "gemma3: attention scores scaled by its inverse square root.")
     norm_eps: float = option(1e-6, "gemma3: the RMSNorms' epsilon.")
