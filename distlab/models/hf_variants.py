@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from distlab.errors import ConfigError
-from distlab.models.hf_families import HFAdapter, HFLlama, Rows
+from distlab.models.hf_families import HFAdapter, HFLlama, Rows, rope_scaling
 from distlab.models.hf_files import Config
 
 
@@ -154,7 +154,6 @@ class HFGemma3(HFAdapter):
 
     @classmethod
     def options_from(cls, config: dict, where: str) -> tuple[dict, int]:
-        from distlab.models import rope
         c = Config(config, where)
         refused = [(config.get("final_logit_softcapping") is not None, "final_logit_softcapping (Gemma 2's)"),
                    (config.get("attn_logit_softcapping") is not None, "attn_logit_softcapping (Gemma 2's)"),
@@ -185,12 +184,7 @@ class HFGemma3(HFAdapter):
         glob, local = nested["full_attention"] or {}, nested["sliding_attention"] or {}
         if local.get("rope_type", "default") != "default":
             raise ConfigError(f"{where}: rope scaling on the local layers ({local.get('rope_type')}) is not Gemma 3's")
-        scaling = c.get("rope_scaling") or {k: v for k, v in glob.items() if k != "rope_theta"}
-        if not isinstance(scaling, dict):
-            raise ConfigError(f"{where}: config.json's rope_scaling is {scaling!r}: it must be an object")
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        scaled = None if kind == "default" else rope.text(rope.checked(
-            {**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": kind}, f"{where}: rope_scaling"))
+        scaled = rope_scaling(c, glob, where)  # the global layers' (the local ones are never scaled)
         options = dict(n_layer=layers, n_head=c.size("num_attention_heads"),
                        kv_heads=c.size("num_key_value_heads"), n_embd=c.size("hidden_size"),
                        head_dim=c.size("head_dim", 256), ffn_hidden=c.size("intermediate_size"),
