@@ -183,5 +183,6 @@ def split_reply(template: ChatTemplate, messages: list, where: str) -> tuple[str
     if not whole.startswith(prompt):
         raise ConfigError(f"{where}: the chat template renders the conversation before the last reply (with its "
                           f"generation prompt) as other text than the whole conversation's start, so the reply's "
-                          f"tokens cannot be told apart")
+                          f"tokens cannot be told apart (Mistral's template moves a system message to the last user turn: drop it "
+                          f"or write it into the first user turn)")
     return prompt, whole[len(prompt):]
