@@ -138,41 +138,47 @@ def _on_meta(name: str, options, vocab: int, block: int = 8):
 
 class Slices:
     """One tensor of a checkpoint, read when a piece of it is asked for: a rank of a layout reads the rows or
-    columns its placement holds (safetensors' slices), never the rest (float32, as :func:`read` gives)."""
+    columns its placement holds (safetensors' slices), never the rest (float32, as :func:`read` gives).
+    ``rows``: distlab's tensor is these rows of a fused one; ``transposed``: of the file's tensor transposed
+    (GPT-2's ``Conv1D`` matrices are ``(in, out)``: distlab's rows are their columns)."""
 
-    def __init__(self, path: Path, key: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None):
-        # its file's header checked (hf_files.headers); ``rows``: the tensor is these rows of a fused one
-        self.path, self.key, self.first = path, key, rows[0] if rows else 0
-        self.shape = (rows[1] - rows[0], *shape[1:]) if rows else tuple(shape)
+    def __init__(self, path: Path, key: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None,
+                 transposed: bool = False):
+        # its file's header checked (hf_files.headers)
+        self.path, self.key, self.transposed = path, key, transposed
+        shape = tuple(reversed(shape)) if transposed else tuple(shape)
+        self.first = rows[0] if rows else 0
+        self.shape = (rows[1] - rows[0], *shape[1:]) if rows else shape
+
+    def _read(self, rows: slice, cols: slice = slice(None)) -> torch.Tensor:
+        """``self[rows, cols]`` (rows within this tensor's), float32, read from the file alone."""
+        from safetensors import safe_open
+        rows = slice(self.first + rows.start, self.first + rows.stop)
+        with safe_open(str(self.path), "pt") as f:
+            whole = f.get_slice(self.key)
+            if not self.shape:
+                got = whole[:]
+            elif self.transposed:
+                got = whole[cols, rows].t().contiguous()
+            else:
+                got = whole[rows] if len(self.shape) == 1 else whole[rows, cols]
+        return finite(got.to(torch.float32), self.key, str(self.path.parent))
 
     def piece(self, dim: int | None, parts: int, part: int) -> torch.Tensor:
         """Part ``part`` of ``parts`` along ``dim`` (as ``torch.chunk`` cuts it; None: the whole tensor)."""
-        from safetensors import safe_open
-        with safe_open(str(self.path), "pt") as f:
-            whole = f.get_slice(self.key)
-            mine = slice(self.first, self.first + self.shape[0]) if self.shape else slice(None)
-            if dim is None:
-                return finite(whole[mine].to(torch.float32), self.key, str(self.path.parent))
-            size = -(-self.shape[dim] // parts)
-            index = tuple(slice(part * size, (part + 1) * size) if d == dim else slice(None)
-                          for d in range(len(self.shape)))
-            if dim == 0:  # within this tensor's rows of the fused one
-                index = (slice(self.first + part * size, self.first + min((part + 1) * size, self.shape[0])),
-                         *index[1:])
-            else:
-                index = (mine, *index[1:])
-            return finite(whole[index].to(torch.float32), self.key, str(self.path.parent))
+        every = slice(0, self.shape[0]) if self.shape else slice(0, 0)
+        if dim is None:
+            return self._read(every)
+        size = -(-self.shape[dim] // parts)
+        mine = slice(min(part * size, self.shape[dim]), min((part + 1) * size, self.shape[dim]))
+        return self._read(mine) if dim == 0 else self._read(every, mine)
 
     def flat(self, start: int, length: int) -> torch.Tensor:
         """Elements ``[start, start + length)`` of the flattened tensor, reading only the rows that hold them."""
-        from safetensors import safe_open
         row = math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
         first, last = start // row, -(-(start + length) // row)
-        with safe_open(str(self.path), "pt") as f:
-            rows = f.get_slice(self.key)[self.first + first:self.first + last] if self.shape else \
-                f.get_slice(self.key)[:]
-        return finite(rows.reshape(-1)[start - first * row:start - first * row + length].to(torch.float32), self.key,
-                      str(self.path.parent))
+        rows = self._read(slice(first, last)) if self.shape else self._read(slice(0, 0))
+        return rows.reshape(-1)[start - first * row:start - first * row + length]
 
     def detach(self) -> torch.Tensor:  # a buffer or a replicated parameter: the whole tensor
         return self.piece(None, 1, 0)
@@ -180,7 +186,7 @@ class Slices:
 
 def sliced(directory: str | Path) -> dict[str, Slices] | None:
     """The directory's tensors under distlab's names, each read only in the pieces asked for
-    (:class:`Slices`); None where the family's adapter converts whole state dicts (GPT-2's fused q/k/v:
+    (:class:`Slices`); None where the family's adapter converts whole state dicts (Mixtral's stacked experts:
     :func:`read` them whole)."""
     where = f"hf:{directory}"
     name, adapter, options, _ = options_of(config_of(directory), where)
@@ -192,10 +198,12 @@ def sliced(directory: str | Path) -> dict[str, Slices] | None:
     for key, (path, _, shape) in found.items():
         if names.get(key) is None and key not in names:
             raise ConfigError(f"{where} holds {key}, which distlab's {name} has no place for")
-        if isinstance(names.get(key), tuple):  # a fused tensor: each of distlab's its rows
-            if shape[0] != names[key][-1].stop:
-                raise ConfigError(f"{where}: {key} has {shape[0]} rows; its config's make {names[key][-1].stop}")
-            out |= {r.mine: Slices(path, key, shape, (r.start, r.stop)) for r in names[key]}
+        if isinstance(names.get(key), tuple):  # a fused tensor: each of distlab's its rows (of it transposed)
+            rows = shape[-1] if names[key][0].transposed else shape[0]
+            if rows != names[key][-1].stop:
+                raise ConfigError(f"{where}: {key} has {rows} {'columns' if names[key][0].transposed else 'rows'}; "
+                                  f"its config's make {names[key][-1].stop}")
+            out |= {r.mine: Slices(path, key, shape, (r.start, r.stop), r.transposed) for r in names[key]}
         elif names.get(key) is not None:
             out[names[key]] = Slices(path, key, shape)
     return out

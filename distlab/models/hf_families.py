@@ -24,6 +24,7 @@ class Rows:
     mine: str
     start: int
     stop: int
+    transposed: bool = False  # rows of the checkpoint's tensor transposed (GPT-2's Conv1D (in, out) matrices)
 
 
 class HFAdapter:
@@ -274,9 +275,31 @@ class HFGPT2(HFAdapter):
 
     family = "gpt"
     architectures = ("GPT2LMHeadModel",)
-    sliced = False
     LAYER = {"ln_1": "ln1", "ln_2": "ln2", "attn.c_proj": "attn.proj", "mlp.c_fc": "mlp.0", "mlp.c_proj": "mlp.2"}
     MASKS = (".attn.bias", ".attn.masked_bias")  # the causal mask older checkpoints stored as buffers
+
+    @classmethod
+    def names(cls, options) -> dict:
+        """Their names -> distlab's, a matrix as the rows of its transpose (:class:`Rows`), c_attn's q, k, v
+        as its thirds -- under both of the names GPT-2 checkpoints use (with and without ``transformer.``)."""
+        n, last = options.n_embd, options.n_layer + 1
+        out = {"wte.weight": "0.tok.weight", "wpe.weight": "0.pos.weight", "ln_f.weight": f"{last}.ln.weight",
+               "ln_f.bias": f"{last}.ln.bias"}
+        wide = {"attn.c_proj": n, "mlp.c_fc": 4 * n, "mlp.c_proj": n}
+        for i in range(options.n_layer):
+            theirs, mine = f"h.{i}.", f"{i + 1}."
+            out[theirs + "attn.c_attn.weight"] = tuple(Rows(f"{mine}attn.{p}.weight", j * n, (j + 1) * n, True)
+                                                       for j, p in enumerate("qkv"))
+            out[theirs + "attn.c_attn.bias"] = tuple(Rows(f"{mine}attn.{p}.bias", j * n, (j + 1) * n)
+                                                     for j, p in enumerate("qkv"))
+            for a, b in cls.LAYER.items():
+                out[f"{theirs}{a}.weight"] = f"{mine}{b}.weight" if a.startswith("ln") else \
+                    (Rows(f"{mine}{b}.weight", 0, wide[a], True),)
+                out[f"{theirs}{a}.bias"] = f"{mine}{b}.bias"
+            out |= {theirs[:-1] + m: None for m in cls.MASKS}
+        out = {**out, **{"transformer." + k: v for k, v in out.items()}}
+        out["lm_head.weight"] = None if options.tie_embeddings else f"{last}.out.weight"
+        return out
 
     @classmethod
     def to_mine(cls, tensors: dict, options, where: str) -> dict:
