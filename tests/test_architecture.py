@@ -130,7 +130,8 @@ def test_the_engine_and_evaluation_never_ask_which_strategy_they_hold():
 
 
 # What a model may declare (plans) and the step's share of a loss it adds itself: no model in them.
-MODEL_CONTRACTS = {"distlab.models.plans", "distlab.models.aux_loss", "distlab.models.spec", "distlab.models.contract"}
+MODEL_CONTRACTS = {"distlab.models.plans", "distlab.models.aux_loss", "distlab.models.spec", "distlab.models.contract",
+                   "distlab.models.lora"}
 
 
 def test_the_tools_never_import_a_benchmark():

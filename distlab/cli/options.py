@@ -370,6 +370,10 @@ TRAIN_OPTIONS = [
                        "one; any torch.save(model.state_dict()) of the same model works), or hf:DIR, a Hugging "
                        "Face checkpoint (config.json + safetensors: Llama, Mistral), whose config gives the "
                        "model's options and vocabulary; a snapshot being resumed takes precedence.")),
+    ("lora", dict(default=None, help="r=16,alpha=32,dropout=0.0,targets=q,k,v,o -- train low-rank adapters "
+                  "(LoRA) on these layers and freeze the rest: no gradient, optimizer state or gradient sync for "
+                  "the base. Targets as PEFT's target_modules (q_proj or q, k, v, o, gate, up, down; all: every "
+                  "linear layer but the LM head); y = W x + B A x * alpha / r, B starting at zero.")),
     ("time_budget_s", dict(default=None, help="Stop cleanly (evaluation, snapshot, summary) before this much "
                            "training time, counted across restarts: 2h, 90m, 3600s, 1h30m.")),
     ("out", dict(help="Run directory for metrics.jsonl and summary.json (default runs/MODEL-DATASET-TIME).")),

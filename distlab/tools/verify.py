@@ -82,12 +82,14 @@ class Case:
     masked: bool = False  # +mask: a share MASKED of the transformer's targets ignored (the loss: a mean over the rest)
     options: tuple[tuple[str, int | str], ...] = ()  # +NAME=N after the model: its sizes beside verify's small ones
     # (or a text option's value: +rope_scaling=llama3,factor=8,original_max_position_embeddings=16)
+    lora: str | None = None  # +lora=r=4,alpha=8,targets=q,v: low-rank adapters trained, the rest frozen
 
     @property
     def name(self) -> str:
         return (str(self.strategy) + ("+adam" if self.optimizer == "adam" else "")
                 + (f"+{self.model}" if self.model else "") + "".join(f"+{k}={v}" for k, v in self.options)
-                + ("+clip" if self.clip else "") + ("+smooth" if self.smoothing else "") + ("+mask" if self.masked else ""))
+                + ("+clip" if self.clip else "") + ("+smooth" if self.smoothing else "") + ("+mask" if self.masked else "")
+                + (f"+lora={self.lora}" if self.lora else ""))
 
     def flags(self) -> dict:
         return {**self.strategy.to_dict(), "optimizer": self.optimizer, **({"model": self.model} if self.model else {}),
@@ -99,6 +101,8 @@ def parse_strategy(text: str) -> Case:
     """The :class:`~distlab.parallel.Strategy` text form, plus ``+adam`` for the optimizer, ``+gpt`` (a
     language model) for the transformer and, after it, ``+NAME=N`` for one of its sizes (``+kv_heads=1``)."""
     tokens = [t.strip() for t in text.split("+")]
+    lora = next((t.partition("=")[2] for t in tokens if t.startswith("lora=")), None)
+    tokens = [t for t in tokens if not t.startswith("lora=")]
     clip = CLIP_NORM if "clip" in tokens else None
     smoothing = SMOOTHING if "smooth" in tokens else 0.0
     masked = "mask" in tokens
@@ -124,8 +128,10 @@ def parse_strategy(text: str) -> Case:
                           f"each gradient entry by its own size, so entries whose gradient is rounding noise move by "
                           f"up to lr either way; verify the transformer with SGD (drop +adam)")
     rest = "+".join(t for t in tokens if t not in ("adam", *case_models()))
+    if lora is not None and not model:
+        raise ConfigError(f"{text}: +lora adapts a transformer's layers; add +gpt or another language model")
     return Case(Strategy.parse(rest) if rest else Strategy(), "adam" if "adam" in tokens else "sgd", model, clip,
-                smoothing, masked, options)
+                smoothing, masked, options, lora)
 
 
 def default_strategies(world_size: int | None = None) -> list[Case]:
@@ -241,7 +247,7 @@ def config_for(case: Case, world_size: int, steps: int, global_batch: int | None
                        dataset=dataset, epochs=max(1, steps), max_steps=steps,
                        global_batch_size=batch, lr=0.005 if case.optimizer == "adam" else 0.05,
                        lr_schedule="constant", momentum=0.9, optimizer=case.optimizer, seed=seed, log_every=1,
-                       clip_grad_norm=case.clip, label_smoothing=case.smoothing,
+                       clip_grad_norm=case.clip, label_smoothing=case.smoothing, lora=case.lora,
                        progress=False, verbose=False, eval_every_epoch=False, strategy=strategy).validate(world_size)
 
 
@@ -334,6 +340,10 @@ def reference_run(cfg: TrainConfig, norms: list[float] | None = None) -> tuple[l
     data = cfg.load("train")
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, data.input_shape, data.num_classes, **cfg.model_options())
+    if cfg.lora is not None:  # the base frozen, adapters at their starting values (no random state drawn)
+        from distlab.models import lora
+        lora.apply(model, cfg.lora_spec())
+        lora.fill(model, cfg.seed)
     opt = (torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay) if cfg.optimizer == "adam"
            else torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay))
     losses, step, epoch = [], 0, 0

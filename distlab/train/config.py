@@ -84,6 +84,7 @@ class TrainConfig:
     keep_snapshots: int = 3
     resume: str | None = None  # "auto" or a snapshot directory
     init_from: str | None = None  # a whole-model state_dict file to start from (a resumed snapshot wins)
+    lora: str | None = None  # "r=16,alpha=32,dropout=0,targets=q,k,v,o": low-rank adapters, the rest frozen
     time_budget_s: float | None = None
     out: str | None = None
     tensorboard: str | None = None  # also write TensorBoard event files here (distlab.train.tensorboard)
@@ -255,6 +256,9 @@ class TrainConfig:
         if self.model_args and not is_user_model(self.model):
             raise ConfigError(f"`model_args` are for your own model's builder (--model file.py:build); model "
                               f"{self.model} takes its own flags")
+        if self.lora is not None:
+            self.lora_spec()
+            self._meta_model()  # its targets name layers of the model
         self._check_components()
         if is_user_model(self.model):
             check_fit(self, self._meta_model())
@@ -279,7 +283,16 @@ class TrainConfig:
         from distlab.models import build_model
         shape, classes = self.data_shape()
         with torch.device("meta"):
-            return build_model(self.model, shape, self.vocab(classes), **self.model_options())
+            net = build_model(self.model, shape, self.vocab(classes), **self.model_options())
+        if self.lora is not None:  # the model as the run trains it: adapters on its target layers
+            from distlab.models import lora
+            lora.apply(net, self.lora_spec())
+        return net
+
+    def lora_spec(self):
+        """``lora`` parsed (:class:`distlab.models.lora.LoRASpec`); None without adapters."""
+        from distlab.models import lora
+        return lora.LoRASpec.parse(self.lora) if self.lora is not None else None
 
     def _check_components(self) -> None:
         """Every model-sharding component the strategy turns on checks the model (built on the meta

@@ -132,7 +132,7 @@ def export_metadata(meta: dict) -> dict[str, str]:
     """What a ``.safetensors`` export records of its model (strings, as the format keeps them): enough
     for ``distlab generate FILE`` alone -- the heads, which no tensor's shape tells, among them."""
     keep = ["model", "step", "n_layer", "n_head", "n_embd", "block_size", "experts", "top_k", "dataset", "tokenizer",
-            "hf"]
+            "hf", "lora"]
     from distlab.models import is_user_model, spec
     if isinstance(meta.get("model"), str) and not is_user_model(meta["model"]):
         try:

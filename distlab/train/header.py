@@ -119,6 +119,11 @@ def header(trainer) -> list[str]:
         shape = f" (your model: {with_article(type(trainer.engine.module).__name__)} that {where}'s {name}({args}) returns)"
     lines.append(f"model    {cfg.model}{shape}: {trainer.num_parameters:,} parameters"
                  + (f", {per_rank:,} on each rank" if per_rank != trainer.num_parameters and mesh.pp == 1 else ""))
+    if cfg.lora is not None:
+        spec = cfg.lora_spec()
+        lines.append(f"adapters LoRA {spec.text()} (scale {spec.scale:g}): {trainer.num_trainable:,} trained "
+                     f"parameters ({trainer.num_trainable / trainer.num_parameters:.2%}); the base frozen -- no "
+                     f"gradient, optimizer state or gradient sync for it")
     if rt.world_size == 1:
         lines.append(f"strategy single process ({plural(rt.threads, 'thread')}, {rt.device})"
                      + (f", {cfg.strategy.micro_steps} micro-batches per step" if cfg.strategy.micro_steps > 1 else ""))

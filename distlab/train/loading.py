@@ -144,7 +144,8 @@ def read(source: str | Path, best: bool = False) -> tuple[dict[str, torch.Tensor
     kind, path = run_source(source, best)
     if kind == "snapshot" and path.is_dir():
         state, meta = whole_state(path, best)
-        return state, meta, f"snapshot {path} (step {meta.get('step')})"
+        where = f"snapshot {path} (step {meta.get('step')})"
+        return merged(state, meta, where), meta, where
     if not path.is_file():
         raise ConfigError(f"{source}: no run directory, snapshot or model file there")
     state, meta = read_state(str(path), what="the model file")
@@ -158,7 +159,19 @@ def read(source: str | Path, best: bool = False) -> tuple[dict[str, torch.Tensor
     beside = path.with_name("tokenizer.json" if path.name == FINAL_MODEL else path.name + ".tokenizer.json")
     if beside.is_file():
         meta["tokenizer_json"] = beside.read_text(encoding="utf-8")
-    return state, meta, f"model file {path}"
+    return merged(state, meta, f"model file {path}"), meta, f"model file {path}"
+
+
+def merged(state: dict[str, torch.Tensor], meta: dict, where: str) -> dict[str, torch.Tensor]:
+    """A run with low-rank adapters (``--lora``) as the plain model computing the same function: each
+    adapted weight ``W + (B A) * alpha / r``, by the spec recorded with it; any other state as it is."""
+    from distlab.models import lora
+    if not lora.adapter_keys(state):
+        return state
+    if not isinstance(meta.get("lora"), str):
+        raise ConfigError(f"{where} holds low-rank adapters (lora_a, lora_b) but not the spec they were trained with "
+                          f"(their scale alpha / r): export it from its run directory or snapshot")
+    return lora.merge(state, lora.LoRASpec.parse(meta["lora"]).scale)
 
 
 def load(source: str | Path, n_head: int | None = None, tokenizer_file: str | None = None,

@@ -10,6 +10,7 @@ restarts lives in :class:`~distlab.train.run_state.RunState`; ``summary.json`` i
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -105,14 +106,19 @@ class Trainer:
             load_init(net, cfg.init_from)
         if init is None:
             net = net.to(rt.device)
+        adapters = self._adapt(net, real=init is None and slices is None)
+        if adapters and slices is not None:
+            slices = {**slices, **adapters}
         self.num_parameters = count_parameters(net)
+        self.num_trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
         self.model_record = snapshot_record(net)  # the model's own sizes, before the layout cuts it
         self.throughput = Throughput.of(net, self.train_set, cfg, rt)  # tokens/s and MFU, from the whole model
         no_decay = no_decay_names(net) if decay_groups(cfg) else set()  # by the whole model's names
         self.engine = parallelize(net, cfg.strategy, self.mesh, rt.device)
         if init is not None:  # (a checkpoint's run draws no random numbers for weights it never uses)
+            stream = itertools.chain(init.tensors(), (([k], v) for k, v in adapters.items()))
             pieces = state_from_full(self.engine, slices, device=rt.device) if slices is not None else \
-                state_from_stream(self.engine, init.tensors(), device=rt.device)
+                state_from_stream(self.engine, stream, device=rt.device)
             self.engine.load_sharded_state_dict(pieces)
         elif slices is not None:
             self.engine.load_sharded_state_dict(state_from_full(self.engine, slices))
@@ -404,12 +410,24 @@ class Trainer:
         return (f"eval step {record['step']} (epoch {record['epoch']}) | test loss {record['test_loss']:.4f}{ppl} | "
                 f"test accuracy {100 * record['test_accuracy']:.2f}% ({scored}){val}")
 
+    def _adapt(self, net, real: bool) -> dict:
+        """``--lora``: adapters on the model's target layers, the rest frozen; their starting values (whole),
+        given to a ``real`` model now (else with its state, once the layout cut it)."""
+        if self.cfg.lora is None:
+            return {}
+        from distlab.models import lora
+        lora.apply(net, self.cfg.lora_spec())
+        if real:
+            lora.fill(net, self.cfg.seed)
+        return lora.initial_state(net, self.cfg.seed)
+
     def _layout(self) -> dict:
         """What a snapshot must agree on to be resumed by this run (compared field by field)."""
         cfg = self.cfg
         return {"world_size": self.rt.world_size, "model": cfg.model,
                 **({"model_args": list(cfg.model_args)} if cfg.model_args else {}),
                 **self.model_record,
+                **({"lora": self.cfg.lora_spec().text()} if self.cfg.lora is not None else {}),
                 "num_parameters": self.num_parameters, "dataset": cfg.dataset,
                 **({"vocab_size": cfg.vocab_size} if cfg.vocab_size else {}),
                 **({"tokenizer": self.tokenizer.spec, "tokenizer_sha256": self.tokenizer.sha256}

@@ -144,7 +144,7 @@ def apply_tensor_parallel(model: nn.Module, group=None, style: str = "megatron",
                                       f"{tuple(model.get_parameter(name).shape)} on this rank)")
                 parent, _, leaf = name.rpartition(".")
                 setattr(model.get_submodule(parent), leaf, first)
-    for p in dict.fromkeys(shared):  # once each, in order
+    for p in (p for p in dict.fromkeys(shared) if p.requires_grad):  # once each, in order (a frozen one: none)
         p.register_hook(lambda g: all_reduce_sum(g.contiguous().clone(), group))
     return model
 

@@ -14,8 +14,9 @@ from torch import nn
 
 from distlab.errors import ConfigError, with_article
 from distlab.models.contract import SequenceStatistics, SplitEmbedding, contract
+from distlab.models.lora import LoRALinear
 from distlab.parallel.cost import Call, ModuleIO
-from distlab.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from distlab.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, adapt
 from distlab.parallel.tensor_parallel.vocabulary import (CopyToGroup, GatherSequence, VocabParallelEmbedding,
                                                          VocabParallelLinear)
 
@@ -50,17 +51,19 @@ def _params(io: ModuleIO) -> list[Call]:
 
 
 def _expect(m: nn.Module, kind: type, style: str, name: str) -> None:
-    if type(m) is not kind:
+    if type(m) is not kind and not (kind is nn.Linear and isinstance(m, LoRALinear)):  # a linear with an adapter
         raise ConfigError(f"tensor-parallel plan: {name} is {with_article(type(m).__name__)}, but style {style} applies to an "
                           f"nn.{kind.__name__}")
 
 
-def _column(m: nn.Module, group, name: str, style: str, gather: bool, enters: bool, sp: bool) -> ColumnParallelLinear:
+def _column(m: nn.Module, group, name: str, style: str, gather: bool, enters: bool, sp: bool,
+            shared: list) -> ColumnParallelLinear:
     """``m`` split by output features: its output gathered or not, its input entering the region here
     (the input's gradient reduced) or at an ``enter`` before it, gathered along the sequence or not."""
     _expect(m, nn.Linear, style, name)
     layer = ColumnParallelLinear(m, group, gather_output=gather, name=name)
     layer.copy_input, layer.sequence_parallel = enters, sp
+    adapt(layer, m, shared)
     return layer
 
 
@@ -94,7 +97,7 @@ class Colwise(Style):
 
     @staticmethod
     def apply(m, group, name, sp, shared):
-        return _column(m, group, name, "colwise", gather=False, enters=True, sp=sp)
+        return _column(m, group, name, "colwise", gather=False, enters=True, sp=sp, shared=shared)
 
     @staticmethod
     def calls(io, micro, sp):
@@ -113,7 +116,7 @@ class ColwiseGather(Style):
 
     @staticmethod
     def apply(m, group, name, sp, shared):
-        return _column(m, group, name, "colwise_gather", gather=True, enters=True, sp=False)
+        return _column(m, group, name, "colwise_gather", gather=True, enters=True, sp=False, shared=shared)
 
     @staticmethod
     def calls(io, micro, sp):
@@ -131,7 +134,7 @@ class ColwiseEntered(Style):
 
     @staticmethod
     def apply(m, group, name, sp, shared):
-        return _column(m, group, name, "colwise_entered", gather=False, enters=False, sp=False)
+        return _column(m, group, name, "colwise_entered", gather=False, enters=False, sp=False, shared=shared)
 
 
 class Rowwise(Style):
@@ -145,8 +148,9 @@ class Rowwise(Style):
         _expect(m, nn.Linear, "rowwise", name)
         layer = RowParallelLinear(m, group, input_is_parallel=True, name=name)
         layer.sequence_parallel = sp
-        if sp and layer.bias is not None:
+        if sp and layer.bias is not None and layer.bias.requires_grad:
             shared.append(layer.bias)
+        adapt(layer, m, shared)
         return layer
 
     @staticmethod

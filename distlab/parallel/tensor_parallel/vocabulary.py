@@ -82,7 +82,8 @@ class VocabParallelEmbedding(nn.Module):
         self.sequence_parallel = False  # True: reduce-scatter along the sequence instead of all-reducing
         rows = embedding.num_embeddings // n
         self.start, self.end = r * rows, (r + 1) * rows
-        self.weight = nn.Parameter(embedding.weight.detach()[self.start:self.end].clone())
+        self.weight = nn.Parameter(embedding.weight.detach()[self.start:self.end].clone(),
+                                   requires_grad=embedding.weight.requires_grad)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.end)

@@ -26,7 +26,7 @@ class GatherOnDemand:
         self._fetch(module, units, forward=True)
 
     @eager  # run as it is under --compile: a graph break, never traced
-    def _after_forward(self, units: list[Unit], module: nn.Module, out) -> None:
+    def _after_forward(self, units: list[Unit], module: nn.Module, out, args=()) -> None:
         if self._pinned:
             return
         for unit in units:
@@ -36,6 +36,17 @@ class GatherOnDemand:
         nodes = {t.grad_fn for t in _flatten(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None}
         for node in nodes:  # backward reaches the module's own nodes only through its outputs' nodes
             node.register_prehook(lambda grads, module=module, units=units: self._before_backward(module, units))
+        frozen = [u for u in units if not u.trainable and u.module is module]
+        if nodes and frozen:  # frozen parameters (a base under adapters): no gradient of theirs says when the
+            # module's backward ends; its inputs' gradients do (where its input needs none: the step's end)
+            inputs = [t for t in _flatten(args) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if inputs:
+                torch.autograd.graph.register_multi_grad_hook(inputs, lambda grads, units=frozen: self._release(units))
+
+    def _release(self, units: list[Unit]) -> None:
+        if not self._pinned:
+            for unit in units:
+                unit.free()
 
     def _before_backward(self, module: nn.Module, units: list[Unit]) -> None:
         if module in self._prefetched or not all(u.gathered for u in units):  # prefetched: still arriving
@@ -102,7 +113,7 @@ class GatherOnDemand:
 
     def _on_grad_ready(self, unit: Unit) -> None:
         """Once every parameter of a module has its gradient: reduce-scatter them (one collective)."""
-        units = [u for u in self._by_module[unit.module] if u.module is unit.module]
+        units = [u for u in self._by_module[unit.module] if u.module is unit.module and u.trainable]
         count = self._ready.get(unit.module, 0) + 1
         if count < len(units):
             self._ready[unit.module] = count

@@ -37,7 +37,8 @@ class Unit:
 
     def __init__(self, name: str, module: nn.Module, param: nn.Parameter, n: int, rank: int):
         self.name, self.module, self.param, self.n, self.rank = name, module, param, n, rank
-        self.numel = param.numel()
+        self.trainable = param.requires_grad  # False: frozen (a base under adapters) -- sharded, gathered, never
+        self.numel = param.numel()            # reduced or updated
         self.shard_numel = math.ceil(self.numel / n)
         self.padded = self.shard_numel * n
         self.full = torch.zeros(self.padded, dtype=param.dtype, device=param.device)
@@ -46,7 +47,7 @@ class Unit:
             view.copy_(param.detach())
             param.data = view  # the parameter now lives in the padded buffer
         lo = rank * self.shard_numel
-        self.shard = nn.Parameter(self.full[lo:lo + self.shard_numel].detach().clone())
+        self.shard = nn.Parameter(self.full[lo:lo + self.shard_numel].detach().clone(), requires_grad=self.trainable)
         self.gathered = True
         self.reduced = False
 

@@ -70,7 +70,7 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
         self.buckets: list[Bucket] = []
         self._next_launch = 0
         if stage < 3:
-            self.buckets = cut_buckets(self.units, int(bucket_mb * 2**20))
+            self.buckets = cut_buckets([u for u in self.units if u.trainable], int(bucket_mb * 2**20))
             for b, bucket in enumerate(self.buckets):
                 for unit in bucket.units:
                     self._handles.append(unit.param.register_post_accumulate_grad_hook(
@@ -86,17 +86,18 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
             for m, units in self._by_module.items():
                 for unit in units:
                     unit.free()
-                if sharded_linear(m, [u.param for u in units]) and not any(id(u) in self._shared for u in units):
+                if sharded_linear(m, [u.param for u in units]) and not any(id(u) in self._shared for u in units) \
+                        and all(u.trainable for u in units):
                     m.forward = lambda x, m=m, units=units: self._linear(m, units, x)  # the weight's gradient
                     continue  # never meets the full weight (not a shared one's: its gradient has two sources)
                 for unit in units:
-                    if unit.module is m:  # its gradient arrives once, both uses summed
+                    if unit.module is m and unit.trainable:  # its gradient arrives once, both uses summed
                         self._handles.append(unit.param.register_post_accumulate_grad_hook(
                             lambda p, unit=unit: self._on_grad_ready(unit)))
                 self._handles.append(m.register_forward_pre_hook(
                     lambda m, args, units=units: self._before_forward(m, units)))
                 self._handles.append(m.register_forward_hook(
-                    lambda m, args, out, units=units: self._after_forward(units, m, out)))
+                    lambda m, args, out, units=units: self._after_forward(units, m, out, args)))
 
     @classmethod
     def from_strategy(cls, module: nn.Module, strategy, group: dist.ProcessGroup | None = None) -> "Zero":
@@ -185,7 +186,7 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
         self._drain()
         if self.stage == 3 and self._order:
             self._order_known = True
-        pending = [u for u in self.units if not u.reduced]  # stage 3: those whose backward never ran
+        pending = [u for u in self.units if not u.reduced and u.trainable]  # stage 3: whose backward never ran
         if pending:
             self._reduce(pending)
         self._ready.clear()
@@ -197,8 +198,8 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
     def after_step(self) -> None:
         """After ``optimizer.step()``: stages 1-2 all-gather the updated shards into the parameters."""
         self._observe()
-        if self.stage < 3:
-            self._gather(self.units)
+        if self.stage < 3:  # (a frozen parameter never changes: its full copy stays)
+            self._gather([u for u in self.units if u.trainable])
 
     # ------------------------------------------------------------------ state
 

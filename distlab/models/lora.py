@@ -1,0 +1,207 @@
+"""Low-rank adapters (LoRA, Hu et al. 2021): a frozen linear layer ``W`` plus a trained low-rank update,
+``y = x W^T + b + (dropout(x) A^T B^T) * alpha / r`` -- ``A`` ``(r, in)``, ``B`` ``(out, r)``, ``B``
+starting at zero so the adapted model starts as the base one. The arithmetic and its order are PEFT's
+(``result + lora_B(lora_A(dropout(x))) * scaling``), so an adapter means the same in both.
+
+:func:`apply` turns a model's target layers into :class:`LoRALinear` in place and freezes everything
+else: only the adapters need gradients, optimizer state and a gradient sync. A :class:`LoRALinear` keeps
+its base layer's ``weight`` and ``bias`` under their own names (a checkpoint of the base model loads into
+it unchanged) and adds ``lora_a`` and ``lora_b``. Tensor parallel splits ``B`` with a column-parallel
+layer's rows and ``A`` with a row-parallel layer's columns (:mod:`distlab.parallel.tensor_parallel.layers`).
+
+Targets are named as PEFT's ``target_modules`` name them -- ``q_proj``, ``o_proj``, ``gate_proj`` ... or
+their short forms ``q``, ``k``, ``v``, ``o``, ``gate``, ``up``, ``down`` -- or by the model's own layer
+names (the last part of a linear layer's name); ``all`` is every linear layer but the LM head.
+``A`` is drawn per layer from its own generator (the run's seed and the layer's name), so the adapters
+start the same on every layout and whether the model was built whole or on the meta device.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distlab.errors import ConfigError
+
+# PEFT's (Hugging Face) names of a decoder's projections -> distlab's
+ALIASES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "proj", "o": "proj", "gate_proj": "gate",
+           "up_proj": "up", "down_proj": "down"}
+KEYS = ("lora_a", "lora_b")
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    """``r=16,alpha=32,dropout=0.0,targets=q,k,v,o`` (``--lora``): rank, scale numerator, dropout on the
+    adapter's input, the layers adapted."""
+
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("q", "v")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.r
+
+    @classmethod
+    def parse(cls, text: str) -> "LoRASpec":
+        """The spec of ``text``: ``KEY=VALUE`` pairs split by commas; ``targets`` takes every name after it."""
+        if not isinstance(text, str) or not text.strip():
+            raise ConfigError("`lora` is r=R,alpha=A,dropout=P,targets=NAME,NAME,... (e.g. r=16,alpha=32,targets=q,v)")
+        values: dict = {}
+        targets: list[str] = []
+        for piece in (p.strip() for p in text.split(",")):
+            key, eq, value = piece.partition("=")
+            if not eq:
+                if "targets" not in values:
+                    raise ConfigError(f"`lora` {text!r}: {piece!r} is not KEY=VALUE (names of layers follow targets=)")
+                targets.append(piece)
+                continue
+            if key not in ("r", "alpha", "dropout", "targets"):
+                raise ConfigError(f"`lora` {text!r}: unknown key {key!r} (r, alpha, dropout, targets)")
+            if key == "targets":
+                values["targets"] = True
+                targets.append(value)
+                continue
+            try:
+                values[key] = int(value) if key == "r" else float(value)
+            except ValueError:
+                raise ConfigError(f"`lora` {text!r}: {key} is a number, not {value!r}") from None
+        spec = cls(r=values.get("r", cls.r), alpha=values.get("alpha", cls.alpha),
+                   dropout=values.get("dropout", cls.dropout),
+                   targets=tuple(t for t in targets if t) if "targets" in values else cls.targets)
+        if spec.r < 1:
+            raise ConfigError(f"`lora` r is the adapters' rank, at least 1, not {spec.r}")
+        if not 0.0 <= spec.dropout < 1.0:
+            raise ConfigError(f"`lora` dropout is a probability below 1, not {spec.dropout}")
+        if not (math.isfinite(spec.alpha) and spec.alpha > 0):
+            raise ConfigError(f"`lora` alpha is a positive number, not {spec.alpha}")
+        if not spec.targets:
+            raise ConfigError("`lora` targets names the layers to adapt (e.g. targets=q,k,v,o)")
+        return spec
+
+    def text(self) -> str:
+        return f"r={self.r},alpha={self.alpha:g},dropout={self.dropout:g},targets={','.join(self.targets)}"
+
+
+class LoRALinear(nn.Linear):
+    """A frozen ``nn.Linear`` (its own ``weight`` and ``bias``) with a trained low-rank update (module
+    docstring). ``lora_a`` ``(r, in)``, ``lora_b`` ``(out, r)``."""
+
+    def __init__(self, linear: nn.Linear, r: int, scale: float, dropout: float = 0.0):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias  # the base layer's own tensors, frozen
+        for p in (self.weight, self.bias):
+            if p is not None:
+                p.requires_grad_(False)
+        kw = {"device": linear.weight.device, "dtype": linear.weight.dtype}
+        self.lora_a = nn.Parameter(torch.zeros(r, self.in_features, **kw))
+        self.lora_b = nn.Parameter(torch.zeros(self.out_features, r, **kw))
+        self.r, self.scale, self.dropout = r, scale, dropout
+
+    def forward(self, x):
+        return low_rank(F.linear(x, self.weight, self.bias), x, self.lora_a, self.lora_b, self.scale, self.dropout,
+                        self.training)
+
+    def merged(self) -> torch.Tensor:
+        """``W + (B A) * scale``: the weight of the plain layer that computes the same function."""
+        return self.weight + (self.lora_b @ self.lora_a) * self.scale
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, lora r={self.r}, scale={self.scale:g}, dropout={self.dropout:g}"
+
+
+def low_rank(result: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
+             dropout: float, training: bool) -> torch.Tensor:
+    """``result + B(A(dropout(x))) * scale`` (PEFT's order of operations)."""
+    if dropout and training:
+        x = F.dropout(x, dropout, True)
+    return result + F.linear(F.linear(x, a), b) * scale
+
+
+def initial(name: str, shape: tuple[int, int], seed: int, which: str = "lora_a") -> torch.Tensor:
+    """The starting value of adapter tensor ``which`` of layer ``name``: ``A`` uniform in
+    ``+-1/sqrt(in)`` (PEFT's ``kaiming_uniform_(a=sqrt(5))``), from a generator of its own (``seed`` and
+    the layer's name); ``B`` zeros."""
+    if which == "lora_b":
+        return torch.zeros(shape)
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63))
+    bound = 1.0 / math.sqrt(shape[1])
+    return torch.empty(shape).uniform_(-bound, bound, generator=g)
+
+
+def _resolve(model: nn.Module, targets: tuple[str, ...]) -> list[str]:
+    """The names of ``model``'s linear layers the targets name (module docstring)."""
+    linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    if not linears:
+        raise ConfigError(f"`lora` adapts linear layers: {type(model).__name__} has none")
+    head = linears[-1]  # the LM head (a classifier's output): never adapted by "all"
+    if "all" in targets:
+        return [n for n in linears if n != head]
+    out = []
+    for target in targets:
+        mine = ALIASES.get(target, target)
+        found = [n for n in linears if n == mine or n.endswith("." + mine)]
+        if head in found:
+            raise ConfigError(f"`lora` target {target!r} names the LM head ({head}), which keeps its weights: "
+                              f"adapt the blocks' layers")
+        if not found:
+            known = sorted({n.rsplit(".", 1)[-1] for n in linears})
+            raise ConfigError(f"`lora` target {target!r} names no linear layer of the model (its layers: "
+                              f"{', '.join(known)}; PEFT's q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+                              f"down_proj; or all)")
+        out += [n for n in found if n not in out]
+    return [n for n in linears if n in out]
+
+
+def apply(model: nn.Module, spec: LoRASpec) -> list[str]:
+    """Freeze ``model`` and put adapters on its target layers, in place (on the model's device: the meta
+    device too); returns the adapted layers' names. The adapters' values are :func:`initial`'s (see
+    :func:`initial_state`): set them with the model's state."""
+    names = _resolve(model, spec.targets)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, LoRALinear(getattr(parent, child), spec.r, spec.scale, spec.dropout))
+    return names
+
+
+def initial_state(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Every adapter tensor of ``model`` (whole, on the CPU) at its starting value, under its state key."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            for which in KEYS:
+                key = f"{name}.{which}" if name else which
+                out[key] = initial(name, tuple(getattr(m, which).shape), seed, which)
+    return out
+
+
+def fill(model: nn.Module, seed: int) -> None:
+    """Give a model built on a real device its adapters' starting values."""
+    state = initial_state(model, seed)
+    with torch.no_grad():
+        for key, value in state.items():
+            model.get_parameter(key).copy_(value)
+
+
+def merge(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """A whole state with adapters -> the plain model's (each adapted weight ``W + (B A) * scale``)."""
+    out = {k: v for k, v in state.items() if not k.endswith(tuple("." + k for k in KEYS))}
+    for key in state:
+        if key.endswith(".lora_a"):
+            layer = key[:-len(".lora_a")]
+            out[f"{layer}.weight"] = state[f"{layer}.weight"] + (state[f"{layer}.lora_b"] @ state[key]) * scale
+    return out
+
+
+def adapter_keys(state) -> list[str]:
+    return [k for k in state if k.endswith(tuple("." + k for k in KEYS))]
