@@ -1,0 +1,122 @@
+"""Low-rank adapters (``--lora``, distlab.models.lora): the base frozen -- no gradient, no optimizer state, no
+gradient sync, never updated -- and only the adapters trained, on every layout as on one process; a run from
+a Hugging Face checkpoint keeps its weights bitwise, sends only the adapters' gradients, resumes bitwise,
+and exports as the merged model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from distlab.errors import ConfigError
+from distlab.models import build_model, lora
+
+SPEC = "r=4,alpha=8,targets=q,v,o_proj,down"
+
+
+def test_a_spec_is_read_as_peft_names_it_and_bad_ones_are_refused_in_one_line(refused_here):
+    spec = lora.LoRASpec.parse("r=16,alpha=32,dropout=0.05,targets=q_proj,k,v,o")
+    assert (spec.r, spec.alpha, spec.dropout, spec.targets, spec.scale) == (16, 32.0, 0.05, ("q_proj", "k", "v", "o"), 2.0)
+    assert lora.LoRASpec.parse(spec.text()) == spec
+    model = build_model("llama", (8,), 64, n_layer=2, n_embd=32, n_head=4)
+    names = lora.apply(model, lora.LoRASpec.parse("targets=q_proj,o,gate_proj"))
+    assert names == ["1.attn.q", "1.attn.proj", "1.mlp.gate", "2.attn.q", "2.attn.proj", "2.mlp.gate"]
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained == {f"{n}.{k}" for n in names for k in lora.KEYS}  # everything else frozen
+    assert lora.apply(build_model("llama", (8,), 64, n_layer=1, n_embd=32, n_head=4),
+                      lora.LoRASpec.parse("targets=all")) == ["1.attn.q", "1.attn.k", "1.attn.v", "1.attn.proj",
+                                                              "1.mlp.gate", "1.mlp.up", "1.mlp.down"]
+    for text, message in [("r=0", "rank, at least 1"), ("r=4,rank=2", "unknown key 'rank'"),
+                          ("dropout=1", "probability below 1"), ("alpha=x", "alpha is a number"),
+                          ("targets=", "names the layers")]:
+        with pytest.raises(ConfigError, match=message):
+            lora.LoRASpec.parse(text)
+    base = ["train", "--model", "llama", "--n-layer", "1", "--n-embd", "32", "--n-head", "4", "--dataset",
+            "synthetic-text:2000", "--block-size", "8", "--max-steps", "1"]
+    for spec_text, message in [("targets=qkv", "target 'qkv' names no linear layer of the model (its layers: "
+                                               "down, gate, k, out, proj, q, up, v"),
+                               ("targets=out", "names the LM head")]:
+        proc = refused_here(*base, "--lora", spec_text)
+        assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+
+
+def test_the_adapted_layer_is_peft_arithmetic_and_merges_into_the_same_function():
+    """``W x + b + B(A(x)) * alpha / r``; merged, ``W + B A * alpha / r`` gives the same output within float32
+    rounding; B starts at zero (the adapted model starts as the base), A the same for a layer whatever builds it."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(16, 12)
+    layer = lora.LoRALinear(base, 4, 2.0)
+    with torch.no_grad():
+        layer.lora_a.normal_()
+        layer.lora_b.normal_()
+    x = torch.randn(5, 16)
+    expected = base(x) + (x @ layer.lora_a.T @ layer.lora_b.T) * 2.0
+    assert torch.equal(layer(x), expected)
+    merged = torch.nn.functional.linear(x, layer.merged(), base.bias)
+    assert (merged - expected).abs().max() <= 64 * torch.finfo(torch.float32).eps * expected.abs().max()
+    a = lora.initial("1.attn.q", (4, 16), seed=3)
+    assert torch.equal(a, lora.initial("1.attn.q", (4, 16), seed=3)) and not torch.equal(a, lora.initial(
+        "1.attn.k", (4, 16), seed=3)) and a.abs().max() <= 16 ** -0.5
+    assert not lora.initial("1.attn.q", (12, 4), 3, "lora_b").any()
+
+
+def test_adapters_on_every_layout_train_as_one_process():
+    """Data parallel (only the adapters' gradients all-reduced), ZeRO-3 (the frozen base sharded and
+    gathered, never reduced or updated), TP + SP (B split with a column layer's rows, A with a row layer's
+    columns, the whole factor's gradient summed over the group) and a pipeline train the one-process model
+    within verify's float32 bound -- the base included, which neither moves."""
+    from distlab.tools.verify import parse_strategy, verify
+    cases = [parse_strategy(f"{s}+llama+lora={SPEC}") for s in
+             ("bucketed", "zero=3", "allreduce+tp=2+sp", "bucketed+pp=2+mb=2")]
+    records = verify(cases, 2, steps=3, timeout=600)
+    failed = [(r["strategy"], r["max_abs_param_diff"], r["tolerance"]) for r in records if not r["passed"]]
+    assert not failed, failed
+
+
+def _whole(snapshot):
+    from distlab.train.loading import whole_state
+    return whole_state(snapshot)[0]
+
+
+def test_a_lora_fine_tune_from_the_command_line_keeps_the_base_and_resumes_bitwise(run_cli, tmp_path):
+    """`distlab train --init-from hf:DIR --lora ...` on 2 processes: the header names the adapters and their
+    share; each step sends the adapters' gradients and nothing else (4 bytes each); the snapshot holds the
+    checkpoint's weights bitwise and adapters that moved; under --tp 2 a run resumed at step 2 ends bitwise
+    where the uninterrupted one does; the export is the merged model, which transformers loads."""
+    from safetensors.torch import load_file
+    from distlab.models import hf
+    from tests.test_hf import _saved, _transformers
+    _saved("LlamaForCausalLM", tmp_path / "in")
+    base = ["train", "--init-from", f"hf:{tmp_path / 'in'}", "--dataset", "synthetic-text:2000", "--block-size",
+            "16", "--global-batch-size", "8", "--optimizer", "adamw", "--lr", "0.01", "--log-every", "1",
+            "--no-progress", "--nproc-per-node", "2", "--lora", SPEC]
+    dp = run_cli(*base, "--max-steps", "2", "--snapshot-dir", str(tmp_path / "dp"), "--out", str(tmp_path / "dprun"),
+                 check=True)
+    trained = 2 * ((4 * 32 + 32 * 4) + (4 * 32 + 16 * 4) + (4 * 32 + 32 * 4) + (4 * 96 + 32 * 4))  # q v o down
+    assert f"adapters LoRA r=4,alpha=8,dropout=0,targets=q,v,o_proj,down (scale 2): {trained:,} trained" in dp.stdout
+    summary = json.loads((tmp_path / "dprun" / "summary.json").read_text())
+    assert summary["comm_bytes_per_step"] == 4 * trained  # the adapters' gradients, float32, nothing of the base
+    state = _whole(next((tmp_path / "dp").glob("step-*2")))
+    before = hf.read(tmp_path / "in")[3]
+    assert all(torch.equal(state[k], v) for k, v in before.items())  # the checkpoint's weights, bitwise
+    assert sorted(set(state) - set(before)) == sorted(lora.adapter_keys(state)) and all(
+        state[k].any() for k in state if k.endswith("lora_b"))  # B moved from zero: the adapters trained
+    # --tp 2: a run stopped at step 2 and resumed ends where the uninterrupted one does
+    tp = [*base, "--tp", "2", "--snapshot-every", "2", "--keep-snapshots", "5", "--lr-schedule", "constant"]
+    run_cli(*tp, "--max-steps", "4", "--snapshot-dir", str(tmp_path / "a"), "--out", str(tmp_path / "arun"), check=True)
+    run_cli(*tp, "--max-steps", "2", "--snapshot-dir", str(tmp_path / "b"), "--out", str(tmp_path / "brun"), check=True)
+    run_cli(*tp, "--max-steps", "4", "--snapshot-dir", str(tmp_path / "b"), "--resume", "auto", "--out",
+            str(tmp_path / "brun2"), check=True)
+    a, b = (_whole(next((tmp_path / d).glob("step-*4"))) for d in ("a", "b"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    # the export: the merged model (each adapted weight W + B A alpha / r), read by transformers
+    run_cli("export", str(tmp_path / "arun"), "-o", str(tmp_path / "out"), "--format", "hf", check=True)
+    out = {k: v for f in hf.tensor_files(tmp_path / "out") for k, v in load_file(f).items()}
+    merged = lora.merge(a, 2.0)
+    mine = hf.read(tmp_path / "out")[3]
+    assert sorted(mine) == sorted(merged) and all(torch.equal(mine[k], merged[k]) for k in merged)
+    assert not any("lora" in k for k in out)
+    back = _transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert back.model.layers[0].self_attn.q_proj.weight.shape == (32, 32)
