@@ -45,7 +45,7 @@ def _summary(cfg, lay: Layout, p: dict, found: dict, shape, classes) -> dict:
 def test_every_verified_layout_is_predicted_drawn_and_validated(case, calibration, tmp_path):
     cfg = config_for(case, WORLD, steps=2)
     shape, classes = dataset_shape(cfg.dataset, cfg.block_size)
-    t = trace(cfg.model, shape, classes, options=cfg.options)
+    t = trace(cfg.model, shape, classes, options=cfg.options, lora=cfg.lora_spec())
     strategy = cfg.strategy
     lay = Layout(dp=strategy.dp_size(WORLD), strategy=strategy, optimizer=cfg.optimizer, momentum=cfg.momentum,
                  global_batch=cfg.global_batch_size)

@@ -62,10 +62,13 @@ PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "seq
 @click.option("--timeline", "timeline_out", default=None, callback=output_file,
               help="Also write the predicted step as a timeline here (needs a calibration): FILE in Chrome's "
                    "trace format, the same lanes as a run's --trace, and FILE's .png, its Gantt chart.")
+@click.option("--lora", default=None, help="r=16,alpha=32,targets=q,k,v,o -- the model with low-rank adapters, "
+              "the rest frozen (as distlab train --lora): gradients, their sync and optimizer state for the "
+              "adapters only.")
 @click.pass_context
 def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_bytes, layers, ignored_targets, label_smoothing, dp,
          optimizer, momentum, global_batch_size, link, latency, burst, threads, calibration, sweep, strategies,
-         device_memory, min_efficiency, json_out, timeline_out, **strategy_fields):
+         device_memory, min_efficiency, json_out, timeline_out, lora, **strategy_fields):
     """Predict time per step and memory per rank of a layout, before running it.
 
     \b
@@ -114,7 +117,9 @@ def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_byt
         shape, k = dataset_shape(dataset, block_size)
         if vocab_size is not None and vocab_size < k:
             raise ConfigError(f"--vocab-size {vocab_size:,} is smaller than {dataset}'s {k:,} tokens")
-        t = trace(model, shape, vocab_size or k, options=options)
+        from distlab.models.lora import LoRASpec
+        t = trace(model, shape, vocab_size or k, options=options,
+                  lora=LoRASpec.parse(lora) if lora is not None else None)
     path = calibration or (DEFAULT_CALIBRATION if _os.path.exists(DEFAULT_CALIBRATION) else None)
     cal = pp.Calibration.load(path) if path else None
     from distlab.parallel import Strategy

@@ -58,8 +58,14 @@ def data_parallel_bytes(t, optim: Optim, tp: int = 1) -> int:
     if tp > 1:
         raise ConfigError("exact memory is predicted for data parallel and ZeRO; tensor parallel is estimated "
                           "by estimate_bytes()")
-    e = t.element_size
-    return sum(2 * n * e + optim.bytes(n, e) for n in t.numels)
+    e = t.element_size  # a frozen parameter (a base under adapters): no gradient, no optimizer state
+    return sum((2 * n * e + optim.bytes(n, e)) if t.trains(u) else n * e for u, n in enumerate(t.numels))
+
+
+def trained(t) -> tuple[list[int], list[tuple[int, ...]]]:
+    """The numels and shapes of the units that get gradients (a frozen base's never do)."""
+    units = [u for u in range(len(t.numels)) if t.trains(u)]
+    return [t.numels[u] for u in units], [t.shapes[u] for u in units] if t.shapes else []
 
 
 # ---------------------------------------------------------------------------------- what a step sends
@@ -80,6 +86,7 @@ class ModuleIO:
     input_grad: bool     # its input needs a gradient
     element_size: int    # of its parameters
     parameters: tuple[int, ...] = ()  # each parameter's elements, in registration order (its submodules' too)
+    grads: tuple[tuple[str, int], ...] = ()  # (name, elements) of those that need a gradient, in that order
 
 
 @dataclass
@@ -129,7 +136,8 @@ def _powersgd_parts(t, strategy) -> list[float]:
     if not isinstance(codec, PowerSGD):
         return [1.0]
     rest = p = q = 0
-    for shape in t.shapes or [(m,) for m in t.numels]:
+    numels, shapes = trained(t)
+    for shape in shapes or [(m,) for m in numels]:
         dims = compressible(torch.Size(shape), codec.rank)
         if dims:
             p, q = p + dims[2] * dims[0], q + dims[2] * dims[1]
@@ -143,9 +151,10 @@ def _wire_sizes(t, strategy) -> list[float]:
     """Bytes each gradient puts into the data-parallel all-reduce: its own, or as the strategy's
     codec sends it (``reduce_dtype``/fp16/bf16: 2 bytes an element; PowerSGD: R(n+m) numbers)."""
     codec = build_codec(strategy)
+    numels, shapes = trained(t)
     if codec.exact:
-        return [m * t.element_size for m in t.numels]
-    shapes = t.shapes or [(m,) for m in t.numels]
+        return [m * t.element_size for m in numels]
+    shapes = shapes or [(m,) for m in numels]
     return [codec.wire_bytes([torch.Size(s)], t.element_size) for s in shapes]
 
 
@@ -158,9 +167,9 @@ class DataParallelCost:
         """The data-parallel group's collectives of one step: one all-reduce per parameter
         (``allreduce``) or per bucket as backward fills it (``bucketed``, ``ddp`` with torch's 1 MiB
         first bucket), three in a row per buffer under PowerSGD, or the parameter server's round trip."""
-        if n == 1:
+        sizes = [m * t.element_size for m in trained(t)[0]]  # gradients: a frozen base sends none
+        if n == 1 or not sizes:
             return PlannedCalls()
-        sizes = [m * t.element_size for m in t.numels]
         total = sum(sizes)
         alg = resolved(strategy.collective, "all_reduce")
         if strategy.dp_sync == "gather-scatter":
@@ -181,9 +190,10 @@ class DataParallelCost:
         return data_parallel_bytes(t, optim)
 
     @staticmethod
-    def planned_parts(numels: list[int], optim: Optim, element_size: int, strategy, n: int) -> dict[str, int]:
+    def planned_parts(numels: list[int], optim: Optim, element_size: int, strategy, n: int,
+                      trainable: list[bool] | None = None) -> dict[str, int]:
         """Parameters, gradients and optimizer state between steps, each whole on every rank."""
-        return textbook_parts(numels, optim, element_size, 0, n)
+        return textbook_parts(numels, optim, element_size, 0, n, trainable)
 
     @staticmethod
     def planned_extra_state(t, strategy, n: int) -> int:
@@ -193,7 +203,7 @@ class DataParallelCost:
         if not isinstance(codec, PowerSGD) or n == 1:
             return 0
         total = 0
-        for shape in t.shapes:
+        for shape in trained(t)[1]:
             dims = compressible(torch.Size(shape), codec.rank)
             if dims:
                 rows, cols, r = dims
@@ -201,14 +211,19 @@ class DataParallelCost:
         return total
 
 
-def textbook_parts(numels: list[int], optim: Optim, element_size: int, stage: int, n: int) -> dict[str, int]:
+def textbook_parts(numels: list[int], optim: Optim, element_size: int, stage: int, n: int,
+                   trainable: list[bool] | None = None) -> dict[str, int]:
     """What parameters, gradients and optimizer state come to per rank between steps when ZeRO ``stage``
     shards the first ``stage`` of (optimizer state, gradients, parameters) over ``n`` ranks -- the
-    textbook split of the ZeRO paper's table 1 (each tensor ``ceil(numel / n)``, no padding)."""
+    textbook split of the ZeRO paper's table 1 (each tensor ``ceil(numel / n)``, no padding). A frozen
+    tensor (``trainable`` False) has parameters only."""
     shards, e = [math.ceil(m / n) for m in numels], element_size
+    trains = trainable or [True] * len(numels)
+    grads = [x for x, keep in zip(shards if stage >= 2 else numels, trains) if keep]
+    state = [x for x, keep in zip(shards if stage >= 1 else numels, trains) if keep]
     return {"parameter_bytes_per_rank": e * sum(shards if stage == 3 else numels),
-            "gradient_bytes_per_rank": e * sum(shards if stage >= 2 else numels),
-            "optimizer_bytes_per_rank": sum(optim.bytes(m, e) for m in (shards if stage >= 1 else numels))}
+            "gradient_bytes_per_rank": e * sum(grads),
+            "optimizer_bytes_per_rank": sum(optim.bytes(m, e) for m in state)}
 
 
 @dataclass

@@ -161,7 +161,8 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     state, exact = heaviest["model_state_bytes"], all(p.exact for p in prices)
     # the textbook split (ZeRO paper, table 1) of what each kind comes to between steps, as the gradient sync
     # shards it, on the units this rank holds (tensor parallel's already split: schedule_cost.stages)
-    parts = sync.planned_parts(t_rank.numels, optim, t.element_size, lay.strategy, lay.replicas)
+    parts = sync.planned_parts(t_rank.numels, optim, t.element_size, lay.strategy, lay.replicas,
+                               t_rank.trainable or None)
     for price in prices:
         for what, nbytes in price.saved.items():
             parts[what] -= nbytes

@@ -78,6 +78,11 @@ class Trace:
     shared: dict[int, list[int]] = field(default_factory=dict)  # module -> units another module holds (the head's)
     kv_share: dict[int, float] = field(default_factory=dict)  # tp -> a rank's share of the keys and values, where
     # not 1/tp (key/value heads kept whole: kv_heads_per_rank(tp) / kv_heads)
+    trainable: list[bool] = field(default_factory=list)  # unit -> it needs a gradient (False: frozen, a base under
+    # low-rank adapters); empty: every unit does
+
+    def trains(self, u: int) -> bool:
+        return not self.trainable or self.trainable[u]
 
     @property
     def num_parameters(self) -> int:
@@ -98,15 +103,19 @@ TRACED_TP = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # the tensor-parallel sizes whos
 
 
 def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), num_classes: int = 10,
-          batch: int = 2, **options) -> Trace:
+          batch: int = 2, lora=None, **options) -> Trace:
     """Run one forward + backward of ``model`` (an ``nn.Module`` or a registered name) on the meta
-    device, recording the events ZeRO reacts to and the FLOPs per sample."""
+    device, recording the events ZeRO reacts to and the FLOPs per sample; ``lora`` (a
+    :class:`~distlab.models.lora.LoRASpec`): with those adapters, the rest frozen."""
     if isinstance(model, str):
         with torch.device("meta"):
             model = build_model(model, input_shape, num_classes, **options)
     else:
         model = model.to("meta")
-    modules, names, numels, module_of, shapes = [], [], [], [], []
+    if lora is not None:
+        from distlab.models import lora as adapters
+        adapters.apply(model, lora)
+    modules, names, numels, module_of, shapes, trainable = [], [], [], [], [], []
     seen: dict[int, int] = {}  # a parameter two modules share (a tied embedding and LM head): its first module's
     shared: dict[int, list[int]] = {}  # module -> the units it uses that another module holds
     for name, m in model.named_modules():
@@ -119,6 +128,7 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
             names.append(f"{name}.{pname}" if name else pname)
             numels.append(p.numel())
             shapes.append(tuple(p.shape))
+            trainable.append(p.requires_grad)
             module_of.append(len(modules) - 1)
         if len(own) < len(params):
             mine = {id(p) for _, p in own}
@@ -126,7 +136,8 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
     if not names:
         raise ConfigError("the model has no parameters: nothing to plan")
     params = list(dict.fromkeys(p for m in modules for _, p in m.named_parameters(recurse=False)))
-    out = Trace(names, numels, params[0].element_size(), module_of, shapes=shapes)
+    out = Trace(names, numels, params[0].element_size(), module_of, shapes=shapes,
+                trainable=trainable if not all(trainable) else [])
     out.tied = {name: group[0] for group in tied_names(model) for name in group[1:]}
     out.shared = shared
     handles = []
@@ -135,11 +146,19 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
     def after_forward(m, args, result):
         out.events.append(("fwd_done", index[id(m)]))
         tensors = result if isinstance(result, (list, tuple)) else [result]
-        for node in {t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None}:
+        nodes = {t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        for node in nodes:
             handles.append(node.register_prehook(lambda grads, i=index[id(m)]: out.events.append(("bwd", i))))
+        inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        if nodes and inputs and not all(p.requires_grad for p in m.parameters(recurse=False)):
+            # frozen parameters: ZeRO-3 releases them once the module's inputs have their gradients
+            torch.autograd.graph.register_multi_grad_hook(
+                inputs, lambda grads, i=index[id(m)]: out.events.append(("release", i)))
 
     out.sharded_linear = [sharded_linear(m, [p for _, p in m.named_parameters(recurse=False)]) and i not in shared
-                          for i, m in enumerate(modules)]  # (ZeRO-3 runs a module sharing a parameter by hooks)
+                          and all(p.requires_grad for p in m.parameters(recurse=False))
+                          for i, m in enumerate(modules)]  # (ZeRO-3 runs a module sharing a parameter, or a
+    # frozen one, by hooks)
     out.input_grad = [True] * len(modules)
 
     def before_forward(m, args):
@@ -150,7 +169,8 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
         handles.append(m.register_forward_pre_hook(before_forward))
         handles.append(m.register_forward_hook(after_forward))
     for u, p in enumerate(params):
-        handles.append(p.register_post_accumulate_grad_hook(lambda p, u=u: out.events.append(("grad", u))))
+        if p.requires_grad:  # (a frozen one never gets a gradient)
+            handles.append(p.register_post_accumulate_grad_hook(lambda p, u=u: out.events.append(("grad", u))))
     for name, kind in declared_plan(model, "context", cp=1, style="ring", tp=1).items():  # what CP would pass around
 
         def kv(m, args, result, name=name):
@@ -183,7 +203,8 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
             x = args[0] if args and isinstance(args[0], torch.Tensor) else None
             y = result if isinstance(result, torch.Tensor) else None
             numels = tuple(p.numel() for p in m.parameters())
-            out.module_io[name] = ModuleIO(
+            grads = tuple((n, p.numel()) for n, p in m.named_parameters() if p.requires_grad)
+            out.module_io[name] = ModuleIO(grads=grads,
                 input_bytes=x.numel() * out.element_size / batch if x is not None else 0.0,
                 output_bytes=y.numel() * y.element_size() / batch if y is not None else 0.0,
                 output_rows=y.numel() / y.shape[-1] / batch if y is not None and y.dim() else 0.0,
@@ -308,7 +329,8 @@ def units_trace(t: Trace, mine: list[int], layers: list[Layer] | None = None) ->
                  linear_shapes=t.linear_shapes, layers=t.layers if layers is None else layers,
                  sharded_linear=pick(t.sharded_linear), input_grad=pick(t.input_grad),
                  shapes=[t.shapes[u] for u in mine] if t.shapes else [],
-                 expert_names=[n for n in t.expert_names if n in names])
+                 expert_names=[n for n in t.expert_names if n in names],
+                 trainable=[t.trainable[u] for u in mine] if t.trainable else [])
 
 
 def generic_trace(num_parameters: int, activation_bytes_per_sample: float, layers: int = 24,

@@ -211,6 +211,14 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
         cases += [Case(Strategy("allreduce", tp=2, sequence_parallel=True), model="gemma3", options=gemma),
                   Case(Strategy("bucketed", cp=2), model="gemma3", options=(*gemma[:3], ("sliding_window", 8),
                                                                               ("global_every", 2)))]
+        # low-rank adapters, the base frozen (no gradient, sync or update): data parallel all-reducing the adapters'
+        # gradients only; ZeRO-3 sharding and gathering the frozen base too (released after each layer's backward);
+        # TP+SP splitting B with a column layer's rows and A with a row layer's columns; a pipeline
+        lora = "r=2,alpha=4,targets=q,v,o,down"
+        cases += [Case(Strategy("bucketed"), model="llama", lora=lora),
+                  Case(Strategy(zero=3), model="llama", lora=lora),
+                  Case(Strategy("allreduce", tp=2, sequence_parallel=True), model="llama", lora=lora),
+                  Case(Strategy("bucketed", pp=2, microbatches=2), model="llama", lora=lora)]
         cases += [Case(Strategy("bucketed", ep=2), model="gpt-moe"),
                   Case(Strategy("bucketed", pp=2, microbatches=4, pp_virtual=2), model="gpt"),
                   Case(Strategy("bucketed", pp=2, microbatches=4, pp_schedule="zb"), model="gpt")]

@@ -44,10 +44,16 @@ def _entering(nbytes: float, sp: bool, needs_grad: bool = True) -> list[Call]:
     return [_ar(nbytes)] if needs_grad else []
 
 
-def _params(io: ModuleIO) -> list[Call]:
+def _params(io: ModuleIO, *names: str) -> list[Call]:
     """Each parameter's gradient summed over the group as it is computed (a module that sees this rank's
-    positions only)."""
-    return [_ar(n * io.element_size) for n in io.parameters]
+    positions only): every one that gets a gradient, or those ``names`` (a frozen one gets none)."""
+    return [_ar(n * io.element_size) for name, n in io.grads if not names or name in names]
+
+
+def _adapter(io: ModuleIO, factor: str) -> list[Call]:
+    """A low-rank adapter's factor kept whole on every rank (``lora_a`` of a column-parallel layer,
+    ``lora_b`` of a row-parallel one): its gradient summed over the group."""
+    return _params(io, factor)
 
 
 def _expect(m: nn.Module, kind: type, style: str, name: str) -> None:
@@ -93,7 +99,7 @@ class Colwise(Style):
     """An ``nn.Linear`` split by output features; the output stays split. Its input enters the region
     (gathered along the sequence under sequence parallel)."""
 
-    splits = frozenset(("weight", "bias"))
+    splits = frozenset(("weight", "bias", "lora_b"))
 
     @staticmethod
     def apply(m, group, name, sp, shared):
@@ -101,7 +107,7 @@ class Colwise(Style):
 
     @staticmethod
     def calls(io, micro, sp):
-        return _entering(io.input_bytes * micro, sp, io.input_grad)
+        return _entering(io.input_bytes * micro, sp, io.input_grad) + _adapter(io, "lora_a")
 
     @staticmethod
     def forward_calls(io, micro, sp):
@@ -112,7 +118,7 @@ class ColwiseGather(Style):
     """The naive style: split by output features, the output all-gathered, the input's gradient
     all-reduced."""
 
-    splits = frozenset(("weight", "bias"))
+    splits = frozenset(("weight", "bias", "lora_b"))
 
     @staticmethod
     def apply(m, group, name, sp, shared):
@@ -120,7 +126,8 @@ class ColwiseGather(Style):
 
     @staticmethod
     def calls(io, micro, sp):
-        return [_ag(io.output_bytes * micro)] + _entering(io.input_bytes * micro, False, io.input_grad)
+        return [_ag(io.output_bytes * micro)] + _entering(io.input_bytes * micro, False, io.input_grad) + \
+            _adapter(io, "lora_a")
 
     @staticmethod
     def forward_calls(io, micro, sp):
@@ -130,18 +137,22 @@ class ColwiseGather(Style):
 class ColwiseEntered(Style):
     """``colwise`` after an ``enter``: its input's gradient is reduced there, once for several."""
 
-    splits = frozenset(("weight", "bias"))
+    splits = frozenset(("weight", "bias", "lora_b"))
 
     @staticmethod
     def apply(m, group, name, sp, shared):
         return _column(m, group, name, "colwise_entered", gather=False, enters=False, sp=False, shared=shared)
+
+    @staticmethod
+    def calls(io, micro, sp):
+        return _adapter(io, "lora_a")
 
 
 class Rowwise(Style):
     """An ``nn.Linear`` split by input features; the partial outputs summed (reduce-scattered along the
     sequence under sequence parallel, where its bias sees this rank's positions)."""
 
-    splits = frozenset({"weight"})
+    splits = frozenset({"weight", "lora_a"})
 
     @staticmethod
     def apply(m, group, name, sp, shared):
@@ -157,8 +168,8 @@ class Rowwise(Style):
     def calls(io, micro, sp):
         out = io.output_bytes * micro
         if not sp:
-            return [_ar(out)]
-        return [_rs(out), _ag(out)] + [_ar(n * io.element_size) for n in io.parameters[1:]]  # the bias
+            return [_ar(out)] + _adapter(io, "lora_b")
+        return [_rs(out), _ag(out)] + _params(io, "bias") + _adapter(io, "lora_b")
 
     @staticmethod
     def forward_calls(io, micro, sp):
@@ -186,7 +197,7 @@ class VocabEmbedding(Style):
     """An ``nn.Embedding`` split by rows (tokens); the lookups summed (under sequence parallel the
     ``sequence_embedding`` around it reduce-scatters them instead)."""
 
-    splits = frozenset({"weight"})
+    splits = frozenset({"weight", "lora_a"})
 
     @staticmethod
     def apply(m, group, name, sp, shared):
@@ -207,7 +218,7 @@ class VocabOutput(Style):
     ``enter`` before it); the loss computed across them: per token, three all-reduces of one number
     (four with label smoothing, priced by the component)."""
 
-    splits = frozenset(("weight", "bias"))
+    splits = frozenset(("weight", "bias", "lora_b"))
 
     @staticmethod
     def apply(m, group, name, sp, shared):
@@ -273,8 +284,10 @@ class SequenceEmbedding(Style):
     def calls(io, micro, sp):
         if not sp:
             return []
-        out = io.output_bytes * micro
-        return [_rs(out), _ag(out)] + [_ar(n * io.element_size) for n in io.parameters[1:]]  # pos, after tok
+        out = io.output_bytes * micro  # backward all-gathers the gradient -- where the embedding trains at all
+        return [_rs(out)] + ([_ag(out)] if io.grads else []) + \
+            [_ar(n * io.element_size) for name, n in io.grads if not name.startswith("tok.")]  # a position table's
+
 
     @staticmethod
     def forward_calls(io, micro, sp):

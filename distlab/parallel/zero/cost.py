@@ -24,7 +24,8 @@ class ZeroReplay:
         self.shard = [math.ceil(n / world) for n in t.numels]
         self.padded = [s * world for s in self.shard]
         self.e = e
-        self.optim_bytes = sum(optim.bytes(s, e) for s in self.shard)
+        self.train = [t.trains(u) for u in range(len(t.numels))]  # False: frozen -- gathered, never reduced
+        self.optim_bytes = sum(optim.bytes(s, e) for s, keep in zip(self.shard, self.train) if keep)
         self.units_of: dict[int, list[int]] = {}
         for u, m in enumerate(t.module_of):
             self.units_of.setdefault(m, []).append(u)
@@ -59,7 +60,7 @@ class ZeroReplay:
         # stages 1-2: buckets of units in reverse order, as distlab.parallel.zero._buckets cuts them
         self.buckets: list[list[int]] = []
         cap, size = int(bucket_mb * 2**20), 0
-        for u in reversed(range(len(t.numels))):
+        for u in (u for u in reversed(range(len(t.numels))) if self.train[u]):
             if self.buckets and self.buckets[-1] and size + self.padded[u] * e > cap:
                 self.buckets.append([])
                 size = 0
@@ -201,19 +202,25 @@ class ZeroReplay:
                 elif kind == "grad" and not self.linear[self.t.module_of[k]]:
                     self.has_grad[k] = True
                     m = self.t.module_of[k]
+                    owned = [u for u in self.units_of[m] if self.t.module_of[u] == m and self.train[u]]
                     count = self.ready.get(m, 0) + 1
-                    if count < len(self.units_of[m]):
+                    if count < len(owned):
                         self.ready[m] = count
                         continue
                     self.ready[m] = 0
                     if syncing:
-                        self.reduce(self.units_of[m])
-                    self.free(m)
+                        self.reduce(owned)
+                    for u in owned:
+                        self.gathered[u] = False
+                elif kind == "release":  # a module's frozen parameters, once its inputs have their gradients
+                    for u in self.units_of[k]:
+                        if self.t.module_of[u] == k and not self.train[u]:
+                            self.gathered[u] = False
         for m in list(self.prefetched):  # Zero._drain
             self.prefetched.discard(m)
             self.free(m)
         self.order_known = self.order_known or bool(self.order[True])
-        pending = [u for u in range(len(self.reduced)) if not self.reduced[u]]
+        pending = [u for u in range(len(self.reduced)) if not self.reduced[u] and self.train[u]]
         if pending:
             self.reduce(pending)
         self.ready.clear()
@@ -297,14 +304,17 @@ class ZeroCost:
             small = [u for u in units if not goes_alone(t.numels[u])]
             return alone + ([small] if small else [])
 
-        per_module = [sum(padded[u] for u in g) for m in modules.values() for g in groups(m)]
-        everything = [sum(padded[u] for u in g) for g in groups(list(range(len(padded))))]
+        trains = [u for u in range(len(padded)) if t.trains(u)]  # a frozen base is gathered, never reduced
+        per_module = [sum(padded[u] for u in g) for m in modules.values()
+                      for g in groups([u for u in m if t.trains(u)])]
+        everything = [sum(padded[u] for u in g) for g in groups(trains)]
         rs, ag = resolved(strategy.collective, "reduce_scatter"), resolved(strategy.collective, "all_gather")
         wire = strategy.wire_dtype  # gradients reduce-scattered in a narrower dtype
         narrow = DTYPES[wire].itemsize / e if wire else 1.0
         if strategy.zero < 3:
-            buckets = _zero_buckets(list(reversed(padded)), int(strategy.bucket_mb * 2**20))
-            return PlannedCalls(during_backward=[Call(rs, "reduce_scatter", b * narrow, done / sum(padded))
+            sizes = [padded[u] for u in reversed(trains)]
+            buckets = _zero_buckets(sizes, int(strategy.bucket_mb * 2**20))
+            return PlannedCalls(during_backward=[Call(rs, "reduce_scatter", b * narrow, done / sum(sizes))
                                                  for b, done in buckets],
                                 after_step=[Call(ag, "all_gather", b) for b in everything])
         done, overlapped = 0, []
@@ -331,9 +341,10 @@ class ZeroCost:
         return PlannedCalls(before_layers=gathers * strategy.micro_steps, during_backward=overlapped)
 
     @staticmethod
-    def planned_parts(numels: list[int], optim: Optim, element_size: int, strategy, n: int) -> dict[str, int]:
+    def planned_parts(numels: list[int], optim: Optim, element_size: int, strategy, n: int,
+                      trainable: list[bool] | None = None) -> dict[str, int]:
         """The textbook split of what stage ``strategy.zero`` shards (ZeRO paper, table 1)."""
-        return textbook_parts(numels, optim, element_size, strategy.zero, n)
+        return textbook_parts(numels, optim, element_size, strategy.zero, n, trainable)
 
     @staticmethod
     def planned_memory(t, optim: Optim, strategy, n: int) -> int:
