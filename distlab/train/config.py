@@ -19,6 +19,7 @@ from distlab.data.tokenizer import vocab_size as tokenizer_vocab
 from distlab.errors import ConfigError
 from distlab.models import (check_model_name, is_text_model, is_user_model, option_owners, options_from,
                             parse_model_args, spec)
+from distlab.models.lora import LoRASpec, apply as apply_lora
 from distlab.models.spec import Options
 from distlab.parallel import Strategy
 from distlab.train.model_fit import check_fit
@@ -257,8 +258,7 @@ class TrainConfig:
             raise ConfigError(f"`model_args` are for your own model's builder (--model file.py:build); model "
                               f"{self.model} takes its own flags")
         if self.lora is not None:
-            self.lora_spec()
-            self._meta_model()  # its targets name layers of the model
+            self._meta_model()  # the spec parsed, its targets naming layers of the model
         self._check_components()
         if is_user_model(self.model):
             check_fit(self, self._meta_model())
@@ -285,14 +285,11 @@ class TrainConfig:
         with torch.device("meta"):
             net = build_model(self.model, shape, self.vocab(classes), **self.model_options())
         if self.lora is not None:  # the model as the run trains it: adapters on its target layers
-            from distlab.models import lora
-            lora.apply(net, self.lora_spec())
+            apply_lora(net, self.lora_spec())
         return net
 
-    def lora_spec(self):
-        """``lora`` parsed (:class:`distlab.models.lora.LoRASpec`); None without adapters."""
-        from distlab.models import lora
-        return lora.LoRASpec.parse(self.lora) if self.lora is not None else None
+    def lora_spec(self) -> LoRASpec | None:  # ``lora`` parsed; None without adapters
+        return LoRASpec.parse(self.lora) if self.lora is not None else None
 
     def _check_components(self) -> None:
         """Every model-sharding component the strategy turns on checks the model (built on the meta
