@@ -176,6 +176,7 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
            "link": {"name": link.name, "bandwidth_Bps": link.bandwidth, "latency_s": link.latency,
                     "burst_bytes": link.burst},
            "num_parameters": t.num_parameters,
+           **({"trained_parameters": sum(n for u, n in enumerate(t.numels) if t.trains(u))} if t.trainable else {}),
            "model_state_bytes_per_rank": int(state), "model_state_exact": exact,
            "model_state_basis": "peak of parameters + gradients + optimizer state, with ZeRO's transient buffers"
                                 + (" (the pipeline stage holding the most)" if lay.pp > 1 else ""),

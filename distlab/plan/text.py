@@ -24,7 +24,8 @@ def format_prediction(p: dict) -> str:
              + (", sequence parallel" if lay.get("sequence_parallel") else ""),
              f"link          {p['link']['name']}" + (f", latency {p['link']['latency_s'] * 1e6:.3g} us"
                                                      if p['link']['latency_s'] else ""),
-             f"parameters    {p['num_parameters']:,}",
+             f"parameters    {p['num_parameters']:,}" + (f" ({p['trained_parameters']:,} trained: the rest frozen)"
+                                                         if "trained_parameters" in p else ""),
              f"at rest       parameters {_gib(p['parameter_bytes_per_rank'])}, gradients "
              f"{_gib(p['gradient_bytes_per_rank'])}, optimizer state {_gib(p['optimizer_bytes_per_rank'])} per rank",
              f"model state   {_gib(p['model_state_bytes_per_rank'])} per rank "
