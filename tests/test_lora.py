@@ -112,7 +112,7 @@ def test_a_lora_fine_tune_from_the_command_line_keeps_the_base_and_resumes_bitwi
     a, b = (_whole(next((tmp_path / d).glob("step-*4"))) for d in ("a", "b"))
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
     # the export: the merged model (each adapted weight W + B A alpha / r), read by transformers
-    run_cli("export", str(tmp_path / "arun"), "-o", str(tmp_path / "out"), "--format", "hf", check=True)
+    run_cli("export", str(tmp_path / "arun"), "-o", str(tmp_path / "out"), "--format", "hf", "--merge", check=True)
     out = {k: v for f in hf.tensor_files(tmp_path / "out") for k, v in load_file(f).items()}
     merged = lora.merge(a, 2.0)
     mine = hf.read(tmp_path / "out")[3]
@@ -120,3 +120,58 @@ def test_a_lora_fine_tune_from_the_command_line_keeps_the_base_and_resumes_bitwi
     assert not any("lora" in k for k in out)
     back = _transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert back.model.layers[0].self_attn.q_proj.weight.shape == (32, 32)
+
+
+def _peft():
+    return pytest.importorskip("peft", reason="peft (the test extra) is not installed: pip install -e '.[test]'")
+
+
+def test_adapters_go_out_as_peft_loads_them_come_back_and_merge_as_peft_merges(run_cli, tmp_path):
+    """`export --format peft` of a LoRA fine-tune: peft.PeftModel.from_pretrained(base, DIR) computes
+    distlab's logits (within twice PEFT's own float32 rounding of its float64 forward); `--lora-from peft:DIR`
+    starts a run at them (one step too small to move a weight, out again: every tensor bitwise, the spec
+    from their config); `--format hf --merge` writes PEFT's merge_and_unload() weights; without --merge, or
+    --format peft of a run without adapters, is refused in one line."""
+    from safetensors.torch import load_file
+    from distlab.models import hf
+    from distlab.train.loading import load
+    from tests.test_hf import _saved, _transformers
+    peft = _peft()
+    _saved("LlamaForCausalLM", tmp_path / "base")
+    base = ["train", "--init-from", f"hf:{tmp_path / 'base'}", "--dataset", "synthetic-text:2000", "--block-size",
+            "16", "--global-batch-size", "8", "--no-progress"]
+    run_cli(*base, "--optimizer", "adamw", "--lr", "0.01", "--max-steps", "3", "--lora", SPEC, "--out",
+            str(tmp_path / "run"), check=True)
+    proc = run_cli("export", str(tmp_path / "run"), "-o", str(tmp_path / "adapter"), "--format", "peft", check=True)
+    assert "peft.PeftModel.from_pretrained" in proc.stdout
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == \
+        (4, 8, ["down_proj", "o_proj", "q_proj", "v_proj"])
+    transformers = _transformers()
+    theirs = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                                            str(tmp_path / "adapter")).eval()
+    mine = load(tmp_path / "run").model  # the run's model, its adapters merged
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = mine(x), theirs(x).logits
+        exact = theirs.double()(x).logits
+    bound = 2 * (b.double() - exact).abs().max().item() + 4 * torch.finfo(torch.float32).eps * exact.abs().max().item()
+    assert (a.double() - b.double()).abs().max().item() <= bound
+    # in again: the adapters PEFT loads, one step that moves nothing, out again bitwise
+    run_cli(*base, "--lora-from", f"peft:{tmp_path / 'adapter'}", "--optimizer", "sgd", "--momentum", "0",
+            "--lr", "1e-30", "--max-steps", "1", "--out", str(tmp_path / "again"), check=True)
+    run_cli("export", str(tmp_path / "again"), "-o", str(tmp_path / "adapter2"), "--format", "peft", check=True)
+    before, after = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("adapter", "adapter2"))
+    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+    # merged as PEFT merges
+    run_cli("export", str(tmp_path / "run"), "-o", str(tmp_path / "merged"), "--format", "hf", "--merge", check=True)
+    merged = {k: v for f in hf.tensor_files(tmp_path / "merged") for k, v in load_file(f).items()}
+    reference = theirs.float().merge_and_unload().state_dict()
+    for key, value in merged.items():
+        bound = 4 * torch.finfo(torch.float32).eps * reference[key].abs().max().item()
+        assert (value - reference[key]).abs().max().item() <= bound, key
+    proc = run_cli("export", str(tmp_path / "run"), "-o", str(tmp_path / "plain"), "--format", "hf")
+    assert proc.returncode == 2 and "--format hf --merge" in proc.stderr and proc.stderr.count("\n") == 1
+    run_cli(*base, "--max-steps", "1", "--out", str(tmp_path / "full"), check=True)
+    proc = run_cli("export", str(tmp_path / "full"), "-o", str(tmp_path / "none"), "--format", "peft")
+    assert proc.returncode == 2 and "has none" in proc.stderr and not (tmp_path / "none").exists()

@@ -374,6 +374,8 @@ TRAIN_OPTIONS = [
                   "(LoRA) on these layers and freeze the rest: no gradient, optimizer state or gradient sync for "
                   "the base. Targets as PEFT's target_modules (q_proj or q, k, v, o, gate, up, down; all: every "
                   "linear layer but the LM head); y = W x + B A x * alpha / r, B starting at zero.")),
+    ("lora_from", dict(default=None, help="peft:DIR -- start the adapters at those PEFT saved (adapter_config.json, "
+                       "adapter_model.safetensors) for the --init-from hf:DIR base; its config gives --lora.")),
     ("time_budget_s", dict(default=None, help="Stop cleanly (evaluation, snapshot, summary) before this much "
                            "training time, counted across restarts: 2h, 90m, 3600s, 1h30m.")),
     ("out", dict(help="Run directory for metrics.jsonl and summary.json (default runs/MODEL-DATASET-TIME).")),

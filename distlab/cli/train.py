@@ -145,13 +145,16 @@ def train(config_file, trust_config, **kw):
 @click.option("-o", "--out", required=True, help="The file to write: model.pt (torch.save), or model.safetensors; "
               "with --format hf, the directory.")
 @click.option("--best", is_flag=True, help="The best validation model the snapshot keeps (runs with --val-fraction).")
-@click.option("--format", "fmt", type=click.Choice(["auto", "hf"]), default="auto", show_default=True,
+@click.option("--format", "fmt", type=click.Choice(["auto", "hf", "peft"]), default="auto", show_default=True,
               help="auto: by OUT's suffix; hf: a Hugging Face directory (config.json, safetensors shards with an "
-                   "index, the run's tokenizer.json) that transformers' from_pretrained loads.")
+                   "index, the run's tokenizer.json) that transformers' from_pretrained loads; peft: a --lora run's "
+                   "adapters (adapter_config.json, adapter_model.safetensors) for peft.PeftModel.from_pretrained.")
+@click.option("--merge", is_flag=True, help="With --format hf, of a --lora run: the merged model (each adapted "
+              "weight W + B A alpha / r).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               help="With --format hf: the weights' dtype (default: the checkpoint's own where the run started from "
                    "one, else float32).")
-def export(snapshot_path, out, best, fmt, dtype):
+def export(snapshot_path, out, best, fmt, dtype, merge):
     """Write a snapshot's whole model (any layout, shards put back together) as one state_dict file; a
     run directory gives its last snapshot, or the final model a language model's run leaves there.
 
@@ -160,7 +163,13 @@ def export(snapshot_path, out, best, fmt, dtype):
     """
     from distlab.train.export import export as write
 
-    info = write(snapshot_path, out, best, fmt, dtype)
+    info = write(snapshot_path, out, best, fmt, dtype, merge)
+    if fmt == "peft":
+        click.echo(f"wrote {info['out']}: the low-rank adapters ({info['lora']}) of {info['model']} at step "
+                   f"{info['step']}, {info['tensors']} tensors, {info['parameters']:,} parameters "
+                   f"({', '.join(info['files'])})")
+        click.echo(f"load it: peft.PeftModel.from_pretrained(base_model, {info['out']!r})")
+        return
     if fmt == "hf":
         click.echo(f"wrote {info['out']}: {info['model']} at step {info['step']}, {info['tensors']} tensors, "
                    f"{info['parameters']:,} parameters in {info['dtype']} ({', '.join(info['files'])})")

@@ -16,6 +16,7 @@ no pickle, no code from the directory (``trust_remote_code`` has no equivalent h
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
@@ -279,17 +280,11 @@ def write(state: dict[str, torch.Tensor], name: str, options, vocab: int, block_
     index when more than one), the text ``files`` given (a tokenizer's tokenizer.json, tokenizer_config.json,
     generation_config.json ...) and the tokenizer files found in ``tokenizer_dir``. Written into a
     temporary directory beside ``out`` and renamed at the end: a kill mid-write leaves no ``out``."""
-    import os
-    import tempfile
-
     from safetensors.torch import save_file
     adapter = adapter_of(name, architecture)
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype}: write float32, bfloat16 or float16")
-    final = check_out(out)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
+    with new_directory(out) as root:
         state = {k: v.detach().to("cpu") for k, v in state.items() if k not in adapter.tied(options)}
         tensors = {k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v).contiguous()
                    for k, v in adapter.to_theirs(state, options).items()}
@@ -321,6 +316,20 @@ def write(state: dict[str, torch.Tensor], name: str, options, vocab: int, block_
                 shutil.copyfile(Path(tokenizer_dir) / file, root / file)
         for file, text in (files or {}).items():
             (root / Path(file).name).write_text(text, encoding="utf-8")
+    return Path(out).resolve()
+
+
+@contextlib.contextmanager
+def new_directory(out: str | Path):
+    """A new directory ``out`` (:func:`check_out`), written as a temporary one beside it -- the body fills
+    the path it is given -- then synced and renamed: a kill mid-write leaves no ``out``."""
+    import os
+    import tempfile
+    final = check_out(out)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield root
         for path in root.iterdir():  # on disk before the directory takes its name
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
@@ -330,4 +339,3 @@ def write(state: dict[str, torch.Tensor], name: str, options, vocab: int, block_
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)
         raise
-    return final

@@ -185,9 +185,8 @@ def initial_state(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def fill(model: nn.Module, seed: int) -> None:
-    """Give a model built on a real device its adapters' starting values."""
-    state = initial_state(model, seed)
+def fill(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Give a model built on a real device its adapters' values (:func:`initial_state`'s, or saved ones)."""
     with torch.no_grad():
         for key, value in state.items():
             model.get_parameter(key).copy_(value)

@@ -351,7 +351,7 @@ def reference_run(cfg: TrainConfig, norms: list[float] | None = None) -> tuple[l
     if cfg.lora is not None:  # the base frozen, adapters at their starting values (no random state drawn)
         from distlab.models import lora
         lora.apply(model, cfg.lora_spec())
-        lora.fill(model, cfg.seed)
+        lora.fill(model, lora.initial_state(model, cfg.seed))
     opt = (torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay) if cfg.optimizer == "adam"
            else torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay))
     losses, step, epoch = [], 0, 0

@@ -10,7 +10,6 @@ file, ``--config``, is :mod:`distlab.train.config_file`.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -22,29 +21,13 @@ from distlab.models import (check_model_name, is_text_model, is_user_model, opti
 from distlab.models.lora import LoRASpec, apply as apply_lora
 from distlab.models.spec import Options
 from distlab.parallel import Strategy
+from distlab.train.adapters import spec_text as lora_spec_text
+from distlab.train.durations import parse_duration  # noqa: F401 - where the settings readers take it from
 from distlab.train.model_fit import check_fit
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 LR_SCALINGS = ("none", "linear", "sqrt")
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def parse_duration(text: str | float | None) -> float | None:
-    """``"2h"``, ``"90m"``, ``"3600s"``, ``"1h30m"`` or a number of seconds -> seconds."""
-    if text is None or isinstance(text, (int, float)):
-        return None if text is None else float(text)
-    value = text.strip().lower()
-    try:
-        return float(value)
-    except ValueError:
-        pass
-    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([smhd])", value)
-    if not parts or re.sub(r"(\d+(?:\.\d+)?)\s*([smhd])", "", value).strip():
-        raise ConfigError(f"cannot read the duration {text!r}: write e.g. 2h, 90m, 3600s or 1h30m")
-    return sum(float(n) * _UNITS[u] for n, u in parts)
-
-
 @dataclass
 class TrainConfig:
     model: str = "mlp"      # a registered name, or your own: path/to/file.py:build, package.module:build
@@ -86,6 +69,7 @@ class TrainConfig:
     resume: str | None = None  # "auto" or a snapshot directory
     init_from: str | None = None  # a whole-model state_dict file to start from (a resumed snapshot wins)
     lora: str | None = None  # "r=16,alpha=32,dropout=0,targets=q,k,v,o": low-rank adapters, the rest frozen
+    lora_from: str | None = None  # peft:DIR: start the adapters at PEFT's (for the init_from hf:DIR base)
     time_budget_s: float | None = None
     out: str | None = None
     tensorboard: str | None = None  # also write TensorBoard event files here (distlab.train.tensorboard)
@@ -257,6 +241,8 @@ class TrainConfig:
         if self.model_args and not is_user_model(self.model):
             raise ConfigError(f"`model_args` are for your own model's builder (--model file.py:build); model "
                               f"{self.model} takes its own flags")
+        if self.lora_from is not None:
+            self.lora = lora_spec_text(self)
         if self.lora is not None:
             self._meta_model()  # the spec parsed, its targets naming layers of the model
         self._check_components()

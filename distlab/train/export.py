@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from distlab.errors import ConfigError, check_place, first_line, with_article
+from distlab.models import lora
 from distlab.models.plans import with_tied
 from distlab.train import loading
 from distlab.train.loading import read_state
@@ -80,11 +81,24 @@ def write_state(state: dict[str, torch.Tensor], meta: dict, out: str | Path) -> 
             "bytes": out.stat().st_size, "sha256": digest, "sha256_file": str(checksum)}
 
 
-def export(path: str | Path, out: str | Path, best: bool = False, fmt: str = "auto", dtype: str | None = None) -> dict:
+def export(path: str | Path, out: str | Path, best: bool = False, fmt: str = "auto", dtype: str | None = None,
+           merge: bool = False) -> dict:
     """Write the whole model of ``path`` -- a snapshot, or a run directory (its last snapshot, else the
     final model it wrote) -- to ``out`` (atomically); returns what was written. ``fmt`` ``hf``: a
-    Hugging Face directory ``out`` (:func:`export_hf`) in ``dtype`` (default: the checkpoint's own)."""
-    state, meta, _ = loading.read(path, best)
+    Hugging Face directory ``out`` (:func:`export_hf`) in ``dtype`` (default: the checkpoint's own) -- of a
+    run with low-rank adapters, with ``merge`` only (each adapted weight ``W + B A alpha / r``); ``peft``:
+    the adapters alone, as PEFT keeps them (:func:`export_peft`)."""
+    state, meta, where = loading.read(path, best, merge=False)
+    adapted = bool(lora.adapter_keys(state))
+    if merge and not adapted:
+        raise ConfigError(f"--merge folds low-rank adapters into their layers: {where} has none (it trained "
+                          f"without --lora)")
+    if fmt == "peft":
+        return export_peft(state, meta, out, where)
+    if fmt == "hf" and adapted and not merge:
+        raise ConfigError(f"{where} holds low-rank adapters: export --format peft (the adapters, for "
+                          f"peft.PeftModel.from_pretrained on the base) or --format hf --merge (the merged model)")
+    state = loading.merged(state, meta, where)
     if fmt == "hf":
         return export_hf(state, meta, out, dtype)
     if dtype is not None:
@@ -119,6 +133,22 @@ def export_hf(state: dict[str, torch.Tensor], meta: dict, out: str | Path, dtype
     return {"out": str(root), "step": meta.get("step"), "model": name, "files": sorted(p.name for p in root.iterdir()),
             "tokenizer_file": str(tokenizer) if tokenizer else None, "dtype": dtype or carried.get("dtype") or "float32",
             "tensors": len(state), "parameters": _parameters(state, meta)}
+
+
+def export_peft(state: dict[str, torch.Tensor], meta: dict, out: str | Path, where: str) -> dict:
+    """A run's low-rank adapters as a PEFT directory (:func:`distlab.models.peft_files.write`), under the
+    module names of the Hugging Face architecture the run's model goes out as."""
+    from distlab.models import peft_files
+    from distlab.models.generation import recorded_options
+    if not lora.adapter_keys(state):
+        raise ConfigError(f"--format peft writes low-rank adapters: {where} has none (train with --lora)")
+    carried = meta.get("hf") if isinstance(meta.get("hf"), dict) else {}
+    layers = peft_files.module_names(meta["model"], recorded_options(meta), carried.get("architecture"))
+    spec = lora.LoRASpec.parse(meta["lora"])
+    root = peft_files.write(state, spec, layers, out, carried.get("base"))
+    return {"out": str(root), "step": meta.get("step"), "model": meta.get("model"), "lora": spec.text(),
+            "tensors": len(lora.adapter_keys(state)), "files": sorted(p.name for p in root.iterdir()),
+            "parameters": sum(state[k].numel() for k in lora.adapter_keys(state))}
 
 
 def _parameters(state: dict[str, torch.Tensor], meta: dict) -> int:

@@ -125,7 +125,7 @@ def run_source(path: str | Path, best: bool = False) -> tuple[str, Path]:
                       f"run {path} kept no snapshot, so no best validation model: run it with --snapshot-dir")
 
 
-def read(source: str | Path, best: bool = False) -> tuple[dict[str, torch.Tensor], dict, str]:
+def read(source: str | Path, best: bool = False, merge: bool = True) -> tuple[dict[str, torch.Tensor], dict, str]:
     """``(state, meta, where)`` of any source (module docstring): the whole model's tensors under distlab's
     names, what was recorded with them (``model``, the family's options, ``block_size``, ``step``,
     ``tokenizer_json`` ...; a plain ``.pt`` records nothing), and a few words naming it."""
@@ -145,7 +145,7 @@ def read(source: str | Path, best: bool = False) -> tuple[dict[str, torch.Tensor
     if kind == "snapshot" and path.is_dir():
         state, meta = whole_state(path, best)
         where = f"snapshot {path} (step {meta.get('step')})"
-        return merged(state, meta, where), meta, where
+        return (merged(state, meta, where) if merge else state), meta, where
     if not path.is_file():
         raise ConfigError(f"{source}: no run directory, snapshot or model file there")
     state, meta = read_state(str(path), what="the model file")
@@ -159,7 +159,7 @@ def read(source: str | Path, best: bool = False) -> tuple[dict[str, torch.Tensor
     beside = path.with_name("tokenizer.json" if path.name == FINAL_MODEL else path.name + ".tokenizer.json")
     if beside.is_file():
         meta["tokenizer_json"] = beside.read_text(encoding="utf-8")
-    return merged(state, meta, f"model file {path}"), meta, f"model file {path}"
+    return (merged(state, meta, f"model file {path}") if merge else state), meta, f"model file {path}"
 
 
 def merged(state: dict[str, torch.Tensor], meta: dict, where: str) -> dict[str, torch.Tensor]:

@@ -34,6 +34,7 @@ from distlab.train.config_file import config_file_text
 from distlab.train.evaluate import DEFAULT_EVAL_BATCH, eval_batch, evaluate, evaluation_size, first_batches
 from distlab.train.throughput import Throughput
 from distlab.train.observe import StepObserver
+from distlab.train.adapters import attach as attach_adapters
 from distlab.train.export import init_slices, load_init
 from distlab.train import language
 from distlab.train.metrics import MetricsLog, anon_rss_mb, atomic_write_text, write_predictions, write_summary
@@ -106,7 +107,7 @@ class Trainer:
             load_init(net, cfg.init_from)
         if init is None:
             net = net.to(rt.device)
-        adapters = self._adapt(net, real=init is None and slices is None)
+        adapters = attach_adapters(cfg, net, real=init is None and slices is None)
         if adapters and slices is not None:
             slices = {**slices, **adapters}
         self.num_parameters = count_parameters(net)
@@ -409,17 +410,6 @@ class Trainer:
             else f"{record['test_samples']:,} samples"
         return (f"eval step {record['step']} (epoch {record['epoch']}) | test loss {record['test_loss']:.4f}{ppl} | "
                 f"test accuracy {100 * record['test_accuracy']:.2f}% ({scored}){val}")
-
-    def _adapt(self, net, real: bool) -> dict:
-        """``--lora``: adapters on the model's target layers, the rest frozen; their starting values (whole),
-        given to a ``real`` model now (else with its state, once the layout cut it)."""
-        if self.cfg.lora is None:
-            return {}
-        from distlab.models import lora
-        lora.apply(net, self.cfg.lora_spec())
-        if real:
-            lora.fill(net, self.cfg.seed)
-        return lora.initial_state(net, self.cfg.seed)
 
     def _layout(self) -> dict:
         """What a snapshot must agree on to be resumed by this run (compared field by field)."""
