@@ -40,6 +40,10 @@ def test_a_spec_is_read_as_peft_names_it_and_bad_ones_are_refused_in_one_line(re
                                ("targets=out", "names the LM head")]:
         proc = refused_here(*base, "--lora", spec_text)
         assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    for extra, message in [(["--base-dtype", "bf16"], "the base is frozen under --lora"),
+                           (["--base-dtype", "bf16", "--lora", "targets=q"], "add --precision bf16")]:
+        proc = refused_here(*base, *extra)
+        assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
 
 
 def test_the_adapted_layer_is_peft_arithmetic_and_merges_into_the_same_function():
@@ -66,10 +70,12 @@ def test_adapters_on_every_layout_train_as_one_process():
     """Data parallel (only the adapters' gradients all-reduced), ZeRO-3 (the frozen base sharded and
     gathered, never reduced or updated), TP + SP (B split with a column layer's rows, A with a row layer's
     columns, the whole factor's gradient summed over the group) and a pipeline train the one-process model
-    within verify's float32 bound -- the base included, which neither moves."""
+    within verify's float32 bound -- the base included, which neither moves; under bf16 autocast with the
+    base held (and gathered) in bf16 too, within verify's bf16 bound."""
     from distlab.tools.verify import parse_strategy, verify
     cases = [parse_strategy(f"{s}+llama+lora={SPEC}") for s in
-             ("bucketed", "zero=3", "allreduce+tp=2+sp", "bucketed+pp=2+mb=2")]
+             ("bucketed", "zero=3", "allreduce+tp=2+sp", "bucketed+pp=2+mb=2", "zero=3+bf16")]
+    cases.append(parse_strategy(f"zero=3+bf16+llama+lora={SPEC}+base=bf16"))  # the base held and gathered in bf16
     records = verify(cases, 2, steps=3, timeout=600)
     failed = [(r["strategy"], r["max_abs_param_diff"], r["tolerance"]) for r in records if not r["passed"]]
     assert not failed, failed

@@ -374,6 +374,9 @@ TRAIN_OPTIONS = [
                   "(LoRA) on these layers and freeze the rest: no gradient, optimizer state or gradient sync for "
                   "the base. Targets as PEFT's target_modules (q_proj or q, k, v, o, gate, up, down; all: every "
                   "linear layer but the LM head); y = W x + B A x * alpha / r, B starting at zero.")),
+    ("base_dtype", dict(type=click.Choice(["float32", "bf16"]), help="With --lora and --precision bf16: hold "
+                        "(and under ZeRO-3 gather) the frozen base in bf16; the adapters and their optimizer state "
+                        "stay float32.")),
     ("lora_from", dict(default=None, help="peft:DIR -- start the adapters at those PEFT saved (adapter_config.json, "
                        "adapter_model.safetensors) for the --init-from hf:DIR base; its config gives --lora.")),
     ("time_budget_s", dict(default=None, help="Stop cleanly (evaluation, snapshot, summary) before this much "

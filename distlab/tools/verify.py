@@ -83,13 +83,14 @@ class Case:
     options: tuple[tuple[str, int | str], ...] = ()  # +NAME=N after the model: its sizes beside verify's small ones
     # (or a text option's value: +rope_scaling=llama3,factor=8,original_max_position_embeddings=16)
     lora: str | None = None  # +lora=r=4,alpha=8,targets=q,v: low-rank adapters trained, the rest frozen
+    base_dtype: str = "float32"  # +base=bf16: that frozen base held in bf16 (with +bf16)
 
     @property
     def name(self) -> str:
         return (str(self.strategy) + ("+adam" if self.optimizer == "adam" else "")
                 + (f"+{self.model}" if self.model else "") + "".join(f"+{k}={v}" for k, v in self.options)
                 + ("+clip" if self.clip else "") + ("+smooth" if self.smoothing else "") + ("+mask" if self.masked else "")
-                + (f"+lora={self.lora}" if self.lora else ""))
+                + (f"+lora={self.lora}" if self.lora else "") + ("+base=bf16" if self.base_dtype == "bf16" else ""))
 
     def flags(self) -> dict:
         return {**self.strategy.to_dict(), "optimizer": self.optimizer, **({"model": self.model} if self.model else {}),
@@ -102,7 +103,8 @@ def parse_strategy(text: str) -> Case:
     language model) for the transformer and, after it, ``+NAME=N`` for one of its sizes (``+kv_heads=1``)."""
     tokens = [t.strip() for t in text.split("+")]
     lora = next((t.partition("=")[2] for t in tokens if t.startswith("lora=")), None)
-    tokens = [t for t in tokens if not t.startswith("lora=")]
+    base = next((t.partition("=")[2] for t in tokens if t.startswith("base=")), "float32")
+    tokens = [t for t in tokens if not t.startswith(("lora=", "base="))]
     clip = CLIP_NORM if "clip" in tokens else None
     smoothing = SMOOTHING if "smooth" in tokens else 0.0
     masked = "mask" in tokens
@@ -131,7 +133,7 @@ def parse_strategy(text: str) -> Case:
     if lora is not None and not model:
         raise ConfigError(f"{text}: +lora adapts a transformer's layers; add +gpt or another language model")
     return Case(Strategy.parse(rest) if rest else Strategy(), "adam" if "adam" in tokens else "sgd", model, clip,
-                smoothing, masked, options, lora)
+                smoothing, masked, options, lora, base)
 
 
 def default_strategies(world_size: int | None = None) -> list[Case]:
@@ -256,6 +258,7 @@ def config_for(case: Case, world_size: int, steps: int, global_batch: int | None
                        global_batch_size=batch, lr=0.005 if case.optimizer == "adam" else 0.05,
                        lr_schedule="constant", momentum=0.9, optimizer=case.optimizer, seed=seed, log_every=1,
                        clip_grad_norm=case.clip, label_smoothing=case.smoothing, lora=case.lora,
+                       base_dtype=case.base_dtype,
                        progress=False, verbose=False, eval_every_epoch=False, strategy=strategy).validate(world_size)
 
 
@@ -352,6 +355,8 @@ def reference_run(cfg: TrainConfig, norms: list[float] | None = None) -> tuple[l
         from distlab.models import lora
         lora.apply(model, cfg.lora_spec())
         lora.fill(model, lora.initial_state(model, cfg.seed))
+        from distlab.train.adapters import narrow_base
+        narrow_base(model, cfg.base_dtype)
     opt = (torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay) if cfg.optimizer == "adam"
            else torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay))
     losses, step, epoch = [], 0, 0

@@ -4,10 +4,13 @@ the ``--init-from hf:DIR`` base (:mod:`distlab.models.peft_files`), whose config
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from distlab.errors import ConfigError
 from distlab.models import lora
+
+BASE_DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _source(cfg) -> tuple[str, dict[str, str]]:
@@ -38,6 +41,18 @@ def spec_text(cfg) -> str:
     return spec.text()
 
 
+def check_base_dtype(cfg) -> None:
+    """``base_dtype`` bf16: a frozen base under adapters, computed in bf16 under autocast."""
+    if cfg.base_dtype not in BASE_DTYPES:
+        raise ConfigError(f"`base_dtype` {cfg.base_dtype}: choose {' or '.join(BASE_DTYPES)}")
+    if cfg.base_dtype != "float32" and cfg.lora is None:
+        raise ConfigError(f"`base_dtype` {cfg.base_dtype} holds a frozen base in a narrower type: the base is "
+                          f"frozen under `lora` (add it) -- a trained model keeps float32 weights")
+    if cfg.base_dtype == "bf16" and cfg.strategy.precision != "bf16":
+        raise ConfigError("`base_dtype` bf16: the frozen base computes in bf16 under autocast, beside float32 "
+                          "adapters: add `precision` bf16")
+
+
 def attach(cfg, net: nn.Module, real: bool) -> dict:
     """``--lora``: adapters on ``net``'s target layers, the rest frozen; their starting values (whole: the
     PEFT directory's, or :func:`distlab.models.lora.initial_state`), given to a ``real`` model now (else with
@@ -55,4 +70,13 @@ def attach(cfg, net: nn.Module, real: bool) -> dict:
         state = saved
     if real:
         lora.fill(net, state)
+    narrow_base(net, cfg.base_dtype)
     return state
+
+
+def narrow_base(net: nn.Module, dtype: str) -> None:
+    """The frozen parameters of ``net`` in ``dtype`` (values loaded later are cast to it)."""
+    narrow = BASE_DTYPES[dtype]
+    for p in net.parameters():
+        if not p.requires_grad and p.is_floating_point() and p.dtype != narrow:
+            p.data = p.data.to(narrow)

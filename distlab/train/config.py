@@ -21,7 +21,7 @@ from distlab.models import (check_model_name, is_text_model, is_user_model, opti
 from distlab.models.lora import LoRASpec, apply as apply_lora
 from distlab.models.spec import Options
 from distlab.parallel import Strategy
-from distlab.train.adapters import spec_text as lora_spec_text
+from distlab.train.adapters import check_base_dtype, spec_text as lora_spec_text
 from distlab.train.durations import parse_duration  # noqa: F401 - where the settings readers take it from
 from distlab.train.model_fit import check_fit
 
@@ -70,6 +70,7 @@ class TrainConfig:
     init_from: str | None = None  # a whole-model state_dict file to start from (a resumed snapshot wins)
     lora: str | None = None  # "r=16,alpha=32,dropout=0,targets=q,k,v,o": low-rank adapters, the rest frozen
     lora_from: str | None = None  # peft:DIR: start the adapters at PEFT's (for the init_from hf:DIR base)
+    base_dtype: str = "float32"  # with lora: the frozen base held (and gathered) in bf16
     time_budget_s: float | None = None
     out: str | None = None
     tensorboard: str | None = None  # also write TensorBoard event files here (distlab.train.tensorboard)
@@ -245,6 +246,7 @@ class TrainConfig:
             self.lora = lora_spec_text(self)
         if self.lora is not None:
             self._meta_model()  # the spec parsed, its targets naming layers of the model
+        check_base_dtype(self)
         self._check_components()
         if is_user_model(self.model):
             check_fit(self, self._meta_model())

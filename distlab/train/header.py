@@ -122,8 +122,9 @@ def header(trainer) -> list[str]:
     if cfg.lora is not None:
         spec = cfg.lora_spec()
         lines.append(f"adapters LoRA {spec.text()} (scale {spec.scale:g}): {trainer.num_trainable:,} trained "
-                     f"parameters ({trainer.num_trainable / trainer.num_parameters:.2%}); the base frozen -- no "
-                     f"gradient, optimizer state or gradient sync for it")
+                     f"parameters ({trainer.num_trainable / trainer.num_parameters:.2%}); the base frozen"
+                     + (f" and held in {cfg.base_dtype}" if cfg.base_dtype != "float32" else "")
+                     + " -- no gradient, optimizer state or gradient sync for it")
     if rt.world_size == 1:
         lines.append(f"strategy single process ({plural(rt.threads, 'thread')}, {rt.device})"
                      + (f", {cfg.strategy.micro_steps} micro-batches per step" if cfg.strategy.micro_steps > 1 else ""))

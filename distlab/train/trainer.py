@@ -9,6 +9,7 @@ restarts lives in :class:`~distlab.train.run_state.RunState`; ``summary.json`` i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import sys
@@ -386,7 +387,9 @@ class Trainer:
 
     def _evaluate(self, epoch: int, say: bool = True) -> dict:
         t0 = time.perf_counter()
-        with timeline.span("evaluation"), self.engine.gathered():  # ZeRO-3: one gather for the whole evaluation
+        # (a frozen base held in bf16 computes under autocast there too; every other model in float32)
+        narrow = self.engine.precision.autocast() if self.cfg.base_dtype != "float32" else contextlib.nullcontext()
+        with timeline.span("evaluation"), self.engine.gathered(), narrow:  # ZeRO-3: one gather for the whole
             result = evaluate(self.engine, self.eval_test, self.rt.device, self.eval_batch, details=True)
             if "confusion" in result:  # a classifier: the newest evaluation's counts and mistakes, for the report
                 self._predictions = (self.run.step, result.pop("confusion"), result.pop("misclassified"))
@@ -418,6 +421,7 @@ class Trainer:
                 **({"model_args": list(cfg.model_args)} if cfg.model_args else {}),
                 **self.model_record,
                 **({"lora": self.cfg.lora_spec().text()} if self.cfg.lora is not None else {}),
+                **({"base_dtype": cfg.base_dtype} if cfg.base_dtype != "float32" else {}),
                 "num_parameters": self.num_parameters, "dataset": cfg.dataset,
                 **({"vocab_size": cfg.vocab_size} if cfg.vocab_size else {}),
                 **({"tokenizer": self.tokenizer.spec, "tokenizer_sha256": self.tokenizer.sha256}
