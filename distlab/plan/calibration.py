@@ -147,9 +147,11 @@ def trace_for(summary: dict, traces: dict) -> Trace:
     cfg = summary.get("config", {})
     names = spec(check_model_name(summary["model"])).options.names()  # the family's options the run recorded
     sizes = {name: tuple(v) if isinstance(v, list) else v for name, v in cfg.items() if name in names}
-    key = (summary["model"], shape, k, tuple(sorted(sizes.items())))
+    adapters = cfg.get("lora") if isinstance(cfg.get("lora"), str) else None  # a LoRA run's spec: the base frozen
+    key = (summary["model"], shape, k, tuple(sorted(sizes.items())), adapters)
     if key not in traces:
-        traces[key] = trace(summary["model"], shape, k, **sizes)
+        from distlab.models.lora import LoRASpec
+        traces[key] = trace(summary["model"], shape, k, lora=LoRASpec.parse(adapters) if adapters else None, **sizes)
     return traces[key]
 
 
