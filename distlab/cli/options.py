@@ -374,6 +374,8 @@ TRAIN_OPTIONS = [
                   "(LoRA) on these layers and freeze the rest: no gradient, optimizer state or gradient sync for "
                   "the base. Targets as PEFT's target_modules (q_proj or q, k, v, o, gate, up, down; all: every "
                   "linear layer but the LM head); y = W x + B A x * alpha / r, B starting at zero.")),
+    ("pack", dict(is_flag=True, help="sft: records packed into each window whole, as many as fit -- each attends "
+                  "to itself only, its positions from 0 -- instead of one record per padded window.")),
     ("base_dtype", dict(type=click.Choice(["float32", "bf16"]), help="With --lora and --precision bf16: hold "
                         "(and under ZeRO-3 gather) the frozen base in bf16; the adapters and their optimizer state "
                         "stay float32.")),

@@ -190,7 +190,7 @@ def locate(name: str, data_dir: str | os.PathLike | None = None) -> Path:
 
 def load_dataset(name: str, split: str, data_dir: str | os.PathLike | None = None,
                  seed: int = 0, block_size: int = 64, tokenizer: str = "bytes",
-                 vocab_size: int | None = None) -> ImageDataset | TextDataset:
+                 vocab_size: int | None = None, pack: bool = False) -> ImageDataset | TextDataset:
     """Load ``split`` ("train" or "test") of dataset ``name`` into memory (text: as windows of
     ``block_size`` tokens of ``tokenizer``, bytes or ``bpe:N`` learned from the training split;
     ``vocab_size``: the vocabulary of a corpus of bare token ids, nanoGPT's ``train.bin``/``val.bin``)."""
@@ -206,7 +206,9 @@ def load_dataset(name: str, split: str, data_dir: str | os.PathLike | None = Non
     if name.startswith(tokens.PREFIX):
         return tokens.load_tokens(name, split, block_size, vocab_size)
     if name.startswith(sft.PREFIX):
-        return sft.load_sft(name, split, block_size, tokenizer)
+        return sft.load_sft(name, split, block_size, tokenizer, pack)
+    if pack:
+        raise ConfigError(f"`pack` lays fine-tuning records (sft:FILE.jsonl) into windows; {name} is not records")
     if name.startswith("synthetic-text"):
         if tokenizer != tokenizers.BYTES:
             raise ConfigError(f"{name} is random bytes, not text a tokenizer can learn from: keep `tokenizer` bytes")

@@ -151,16 +151,16 @@ def end_of(tok, record: Record, tail: list[int]) -> list[int]:
     return [eos] if eos is not None and tail[-1:] != [eos] else []
 
 
-def load_sft(spec: str, split: str, block_size: int, tokenizer: str = tokenizers.BYTES):
-    """The ``split`` of ``spec`` as windows, one record each (module docstring)."""
+def load_sft(spec: str, split: str, block_size: int, tokenizer: str = tokenizers.BYTES, pack: bool = False):
+    """The ``split`` of ``spec`` as windows, one record each -- or, ``pack``, as many whole records as fit in
+    each window (:func:`packed`; module docstring)."""
     from distlab.data.text import TextDataset
     tok, template, every = read(spec, tokenizer)
     mine = [r for i, r in enumerate(every) if (i % TEST_EVERY == TEST_EVERY - 1) == (split == "test")]
     width = block_size + 1
-    stream = np.zeros(len(mine) * width, dtype=np.int64)
-    ignored = np.ones(len(mine) * width, dtype=bool)
+    rows = []  # (ids, index of its first target) of each record, cut at the window's end
     cut = scored = empty = completion_tokens = completion_bytes = 0
-    for n, record in enumerate(mine):
+    for record in mine:
         head = tok.encode(record.prompt.encode("utf-8")).tolist()
         head = head if record.chat else [*tok.begin, *head]  # a chat template writes its own BOS
         tail = tok.encode(record.completion.encode("utf-8")).tolist()
@@ -169,35 +169,70 @@ def load_sft(spec: str, split: str, block_size: int, tokenizer: str = tokenizers
         completion_bytes += len(record.completion.encode())
         ids = (head + tail)[:width]
         cut += len(head) + len(tail) > width
-        at = n * width
-        stream[at:at + len(ids)] = ids
-        ignored[at + len(head):at + len(ids)] = False  # the completion's tokens (and the end) are targets
         scored += max(0, len(ids) - max(len(head), 1))
         empty += len(head) >= width  # the prompt fills the window: nothing of the completion is left
+        rows.append((ids, max(len(head), 1)))  # (a record's first token is no target: nothing before it is its)
     if split == "train" and not completion_tokens:
         raise ConfigError(f"{spec}: no record has a completion token to learn (every completion is empty and "
                           f"nothing ends it): nothing to train on")
     if empty == len(mine):
         raise ConfigError(f"{spec}: every {split} record's prompt fills the window of `block_size` {block_size} + 1 "
                           f"tokens, leaving no completion token to learn: raise `block_size`")
+    windows = packed(rows, width) if pack else [[row] for row in rows]
+    stream = np.zeros(len(windows) * width, dtype=np.int64)
+    ignored = np.ones(len(windows) * width, dtype=bool)
+    for n, window in enumerate(windows):
+        at = n * width
+        for ids, first in window:
+            stream[at:at + len(ids)] = ids
+            if pack:  # where a record starts (positions restart, it attends to itself only): PACKED_START
+                stream[at] = mark_start(ids[0])
+            ignored[at + first:at + len(ids)] = False  # the completion's tokens (and the end) are targets
+            at += len(ids)
     data = TextDataset(spec, split, torch.from_numpy(stream), block_size,
-                       torch.arange(len(mine)) * width, str(path_of(spec)), tok.vocab_size,
+                       torch.arange(len(windows)) * width, str(path_of(spec)), tok.vocab_size,
                        tokenizer=tok if tok.sha256 else None, ignored=torch.from_numpy(ignored), records=True,
                        # the rate of the text the loss is on (a loss per byte): the completions'
                        tokens_per_byte=completion_tokens / completion_bytes if completion_bytes else 1.0)
     chats = sum(r.chat for r in mine)
-    data.about = describe(len(mine), scored, cut, block_size) + \
+    filled = sum(len(ids) for window in windows for ids, _ in window)
+    data.about = describe(len(mine), scored, cut, block_size, len(windows) if pack else None,
+                          1 - filled / max(len(windows) * width, 1)) + \
         (f"; {empty:,} with no completion token left (their prompt fills the window)" if empty else "") + \
         (f"; {chats:,} chat records rendered by the chat template of {template.file}"
          if chats else "")
     return data
 
 
+def packed(rows: list[tuple[list[int], int]], width: int) -> list[list[tuple[list[int], int]]]:
+    """Records laid into windows of ``width`` tokens in their order, each window as many whole records as
+    fit (a record is never split between windows; one longer than a window was cut to it)."""
+    out: list[list] = []
+    room = 0
+    for row in rows:
+        if not out or len(row[0]) > room:
+            out.append([])
+            room = width
+        out[-1].append(row)
+        room -= len(row[0])
+    return out
+
+
+def mark_start(token: int) -> int:
+    """A packed window's token that starts a record, as the window stores it: ``-(token + 1)``
+    (:func:`distlab.models.packing.unpack` reads positions and records from these marks)."""
+    return -(token + 1)
+
+
 def shape(spec: str, block_size: int, tokenizer: str) -> tuple[tuple[int, ...], int]:
     return (block_size,), tokenizer_of(tokenizer).vocab_size
 
 
-def describe(n: int, scored: int, cut: int, block_size: int) -> str:
-    """The header's words: records, padding, targets, truncation."""
-    return (f"{n:,} records, one per window padded to {block_size + 1} tokens (not packed), the loss on their "
-            f"{scored:,} completion tokens" + (f"; {cut:,} cut at the window's end" if cut else ""))
+def describe(n: int, scored: int, cut: int, block_size: int, windows: int | None = None,
+             padding: float = 0.0) -> str:
+    """The header's words: records, padding (or packing), targets, truncation."""
+    laid = (f"packed into {windows:,} windows of {block_size + 1} tokens ({padding:.0%} padding; each record "
+            f"attends to itself only, its positions from 0)" if windows is not None else
+            f"one per window padded to {block_size + 1} tokens (not packed)")
+    return (f"{n:,} records, {laid}, the loss on their {scored:,} completion tokens"
+            + (f"; {cut:,} cut at the window's end" if cut else ""))

@@ -19,6 +19,7 @@ member                                             default, and what it means
                                                    checkpoint's ``max_position_embeddings``); 0: its block size
 ``decode(idx, cache, start)``                      generation with a key/value cache; refused by default
 ``cacheable``                                      False: whether :meth:`decode` gives what the whole window gives
+``packable``                                       False: whether it reads packed windows (``--pack``)
 ``kv_share(tp)``                                   None: the share of the key/value heads one of ``tp`` ranks holds
                                                    where it is not ``1 / tp`` (heads kept whole, see ``tensor_rank``)
 ``snapshot_record()``                              ``{}``: the sizes a snapshot must agree on to be resumed
@@ -67,6 +68,8 @@ class ModelContract:
     window: int | None = None
     scale: float | None = None
     reads_positions: bool = False
+    packable: bool = False  # it reads packed windows (several records, each at its own positions, attending to
+    # itself only: distlab.models.packing)
 
     def decode(self, idx, cache, start: int):
         raise ConfigError(f"{type(self).__name__} has no decode(idx, cache, start): generate without the cache")
@@ -176,15 +179,23 @@ __all__ = ["ModelContract", "SequenceStatistics", "SplitEmbedding", "contract", 
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-           window: int | None = None, scale: float | None = None) -> torch.Tensor:
+           window: int | None = None, scale: float | None = None, records: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled dot-product attention of ``q`` ``(B, H, tq, D)`` over ``k``, ``v`` ``(B, H_kv, tk, D)`` (each
     key/value head serving ``H / H_kv`` query heads), the queries the last ``tq`` of the ``tk`` positions
     (a key/value cache before them): causal, each query seeing itself and the keys before it -- only the
     ``window - 1`` nearest where a sliding ``window`` is given (transformers' ``kv_idx > q_idx - window``)
-    -- or, not ``causal``, every key; scores scaled by ``scale`` (default ``1 / sqrt(D)``). Without a window that
-    cuts anything, the fused causal kernel."""
+    -- or, not ``causal``, every key; scores scaled by ``scale`` (default ``1 / sqrt(D)``); in a packed
+    window (``records`` ``(B, t)``: which record each position is in) only its own record's keys. Without a
+    window that cuts anything or records, the fused causal kernel."""
     tq, tk = q.shape[2], k.shape[2]
     gqa = k.shape[1] != q.shape[1]
+    if records is not None:  # a document-causal mask: the record's own keys only
+        i = torch.arange(tk - tq, tk, device=q.device)[:, None]
+        j = torch.arange(tk, device=q.device)[None, :]
+        seen = (records[:, None, -tq:, None] == records[:, None, None, :]) & ((j <= i) if causal else True)
+        if window is not None:
+            seen = seen & (j > i - window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=seen, enable_gqa=gqa, scale=scale)
     if window is None or tk <= window:
         if causal and tq not in (tk, 1):
             raise ValueError(f"attend: {tq} queries over {tk} keys (a cache before them): give one query at a time")

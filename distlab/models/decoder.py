@@ -24,6 +24,7 @@ from torch import nn
 from distlab.errors import ConfigError
 from distlab.models.rope import frequencies
 from distlab.models.contract import ModelContract, SplitEmbedding, attend
+from distlab.models.packing import unpack
 
 
 class Embedding(SplitEmbedding):
@@ -93,8 +94,10 @@ class AttentionCore(ModelContract, nn.Module):
         self.window = window  # a sliding window: each query sees itself and the window - 1 keys before it
         self.scale = scale  # the scores' scale where it is not 1 / sqrt(head width) (Gemma's)
 
+    records: torch.Tensor | None = None  # a packed window's record of each position (set by its Attention)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return attend(q, k, v, self.causal, self.window, self.scale)
+        return attend(q, k, v, self.causal, self.window, self.scale, self.records)
 
 
 class Attention(ModelContract, nn.Module):
@@ -126,9 +129,11 @@ class Attention(ModelContract, nn.Module):
         keep those this rank's query heads read (:func:`kv_heads_read`)."""
         self.kv_index = kv_heads_read(self.n_head, self.kv_heads, rank, size)
 
-    def _heads(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _heads(self, x: torch.Tensor, start: int,
+               positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x``'s queries, keys and values as ``(B, heads, t, D)`` -- this rank's heads (all, or its share) --
-        the queries and keys rotated to positions ``start..`` where the family's positions are rotary."""
+        the queries and keys rotated to positions ``start..`` (a packed window's own: ``positions`` ``(B, t)``)
+        where the family's positions are rotary."""
         b, t, _ = x.shape
         d = self.head_dim
         q, k, v = self.q(x), self.k(x), self.v(x)
@@ -138,7 +143,10 @@ class Attention(ModelContract, nn.Module):
             k, v = k[:, self.kv_index], v[:, self.kv_index]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary is not None:
+        if self.rotary is not None and positions is not None:  # each record's own, from 0
+            cos, sin = (z.view(b, 1, t, -1) for z in self.rotary(positions.reshape(-1)))
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        elif self.rotary is not None:
             cos, sin = self.rotary(torch.arange(start, start + t, device=x.device))
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         return q, k, v
@@ -147,9 +155,12 @@ class Attention(ModelContract, nn.Module):
         b, heads, t, d = y.shape
         return self.proj(y.transpose(1, 2).reshape(b, t, heads * d))
 
+    packed: tuple[torch.Tensor, torch.Tensor] | None = None  # a packed window's (positions, records), by its Decoder
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.enter(x)  # under sequence parallel this gathers the whole sequence
-        return self._out(self.core(*self._heads(x, 0)))
+        positions, self.core.records = self.packed or (None, None)
+        return self._out(self.core(*self._heads(x, 0, positions)))
 
     def decode(self, x: torch.Tensor, past: tuple | None, start: int) -> tuple[torch.Tensor, tuple]:
         """Generation's step with a key/value cache: ``x`` the new tokens at positions ``start..``, ``past``
@@ -255,7 +266,23 @@ class Decoder(ModelContract, nn.Sequential):
     def record(self) -> dict:
         raise NotImplementedError(f"{type(self).__name__} does not say what its snapshots record (record)")
 
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """The logits of windows ``idx`` -- of a packed one too (:mod:`distlab.models.packing`): each record
+        at its own positions, attending to itself only (what activation checkpointing recomputes sees the same)."""
+        found = unpack(idx)
+        if found is not None and self[0].pos is not None:
+            raise ConfigError("packed windows restart each record's positions: a rotary family's (llama, gemma3); "
+                              "a learned position table (gpt's) is not built for them -- drop --pack")
+        for i in self.blocks:
+            self[i].attn.packed = found[1:] if found is not None else None
+        return super().forward(found[0] if found is not None else idx)
+
     # ------------------------------------------------------------------ the contract
+    @property
+    def packable(self) -> bool:
+        """Packed windows restart each record's positions: rotary ones can, a learned table is not built for it."""
+        return self[0].pos is None
+
     @property
     def blocks(self) -> range:
         """The indices of the transformer blocks (the embedding is 0, the head last)."""

@@ -18,6 +18,7 @@ from distlab.data.tokenizer import vocab_size as tokenizer_vocab
 from distlab.errors import ConfigError
 from distlab.models import (check_model_name, is_text_model, is_user_model, option_owners, options_from,
                             parse_model_args, spec)
+from distlab.models.contract import contract
 from distlab.models.lora import LoRASpec, apply as apply_lora
 from distlab.models.spec import Options
 from distlab.parallel import Strategy
@@ -71,6 +72,7 @@ class TrainConfig:
     lora: str | None = None  # "r=16,alpha=32,dropout=0,targets=q,k,v,o": low-rank adapters, the rest frozen
     lora_from: str | None = None  # peft:DIR: start the adapters at PEFT's (for the init_from hf:DIR base)
     base_dtype: str = "float32"  # with lora: the frozen base held (and gathered) in bf16
+    pack: bool = False  # sft: records packed into windows, each attending to itself only
     time_budget_s: float | None = None
     out: str | None = None
     tensorboard: str | None = None  # also write TensorBoard event files here (distlab.train.tensorboard)
@@ -247,6 +249,12 @@ class TrainConfig:
         if self.lora is not None:
             self._meta_model()  # the spec parsed, its targets naming layers of the model
         check_base_dtype(self)
+        if self.pack and (self.strategy.pp > 1 or self.strategy.cp > 1):
+            raise ConfigError("`pack`: a packed window's positions and record mask are not built under `pp` or `cp` "
+                              "(a stage or a chunk does not carry them): drop `pack` or that layout")
+        if self.pack and not contract(self._meta_model()).packable:
+            raise ConfigError(f"`pack` restarts each record's positions: model {self.model} does not read packed "
+                              f"windows (a rotary family does: llama, gemma3)")
         self._check_components()
         if is_user_model(self.model):
             check_fit(self, self._meta_model())
@@ -398,7 +406,7 @@ class TrainConfig:
     def load(self, split: str):
         """This config's dataset, ``split`` "train" or "test"."""
         return load_dataset(self.dataset, split, self.data_dir, seed=self.seed, block_size=self.block_size,
-                            tokenizer=self.tokenizer, vocab_size=self.vocab_size)
+                            tokenizer=self.tokenizer, vocab_size=self.vocab_size, pack=self.pack)
 
     def data_shape(self) -> tuple[tuple[int, ...], int]:
         """``(sample shape, classes)`` of this config's dataset, without reading it."""
