@@ -72,20 +72,26 @@ def test_packed_records_keep_every_target_and_give_the_unpacked_loss(tmp_path):
 
 def test_pack_from_the_command_line_trains_on_one_process_and_tensor_parallel(run_cli, refused_here, tmp_path):
     """`distlab train --dataset sft:... --pack`: the header says how the records were packed; one process and
-    TP 2 + SP start at the same loss (rounding only); a layout or a model that does not build the mask is
-    refused before launch, in one line."""
+    TP 2 + SP start at the same loss, and ZeRO-3 recomputing blocks over two micro-batches at one process's on
+    the same batch (rounding only); a layout or a model that does not build the mask is refused before
+    launch, in one line."""
     from distlab.tools.verify import sum_tolerance
     spec = _records(tmp_path / "r.jsonl")
     args = ["train", "--model", "llama", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--dataset", spec,
             "--pack", "--block-size", "160", "--global-batch-size", "2", "--max-steps", "2", "--log-every", "1",
             "--no-progress"]
-    one, tp = (run_cli(*args, *extra, "--out", str(tmp_path / name), check=True)
-               for name, extra in (("one", []), ("tp", ["--nproc-per-node", "2", "--tp", "2", "--sequence-parallel"])))
-    for proc in (one, tp):
+    runs = {"one": [], "tp": ["--nproc-per-node", "2", "--tp", "2", "--sequence-parallel"],
+            # recomputed blocks read the window their forward read; two micro-batches of one window each
+            "zero3": ["--nproc-per-node", "2", "--zero", "3", "--activation-checkpointing", "--global-batch-size",
+                      "4", "--grad-accum", "2"]}
+    for name, extra in runs.items():
+        proc = run_cli(*args, *extra, "--out", str(tmp_path / name), check=True)
         assert "36 records, packed into" in proc.stdout, proc.stdout
-    first = [json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])["loss"]
-             for name in ("one", "tp")]
+    first = [json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])["loss"] for name in runs]
     assert abs(first[0] - first[1]) <= sum_tolerance(160 * 256 * 4, 10.0), first
+    run_cli(*args, "--global-batch-size", "4", "--out", str(tmp_path / "one4"), check=True)
+    four = json.loads((tmp_path / "one4" / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    assert abs(four - first[2]) <= sum_tolerance(160 * 256 * 4, 10.0), (four, first[2])
     for extra, message in [(["--nproc-per-node", "2", "--pp", "2"], "not built under --pp or --cp"),
                            (["--model", "gpt"], "model gpt does not read packed windows")]:
         proc = refused_here(*args, *extra)

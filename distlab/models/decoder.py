@@ -24,7 +24,7 @@ from torch import nn
 from distlab.errors import ConfigError
 from distlab.models.rope import frequencies
 from distlab.models.contract import ModelContract, SplitEmbedding, attend
-from distlab.models.packing import unpack
+from distlab.models.packing import Packing, unpack
 
 
 class Embedding(SplitEmbedding):
@@ -37,9 +37,15 @@ class Embedding(SplitEmbedding):
         self.tok = nn.Embedding(vocab, n_embd)
         self.pos = nn.Embedding(positions, n_embd) if positions else None
         self.scale = scale
+        self.packing = Packing()  # what a packed window says of its records, for the blocks' attention
 
     def forward(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
-        x = self.tok(idx)  # (B, t, C): every position, or this rank's piece under sequence parallel
+        found = unpack(idx)  # a packed window (distlab.models.packing): its tokens, and for the attention each
+        if found is not None and self.pos is not None:  # one's position and record
+            raise ConfigError("packed windows restart each record's positions: a rotary family's (llama, gemma3); "
+                              "a learned position table (gpt's) is not built for them -- drop --pack")
+        self.packing.found = found[1:] if found is not None else None
+        x = self.tok(found[0] if found is not None else idx)  # (B, t, C): every position, or this rank's piece
         return self.place(x, start + self.part * x.shape[1])
 
     def place(self, x: torch.Tensor, start: int) -> torch.Tensor:
@@ -155,11 +161,11 @@ class Attention(ModelContract, nn.Module):
         b, heads, t, d = y.shape
         return self.proj(y.transpose(1, 2).reshape(b, t, heads * d))
 
-    packed: tuple[torch.Tensor, torch.Tensor] | None = None  # a packed window's (positions, records), by its Decoder
+    packing: Packing | None = None  # the model's: a packed window's positions and records (set by its Decoder)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.enter(x)  # under sequence parallel this gathers the whole sequence
-        positions, self.core.records = self.packed or (None, None)
+        positions, self.core.records = (self.packing.found if self.packing is not None else None) or (None, None)
         return self._out(self.core(*self._heads(x, 0, positions)))
 
     def decode(self, x: torch.Tensor, past: tuple | None, start: int) -> tuple[torch.Tensor, tuple]:
@@ -254,6 +260,8 @@ class Decoder(ModelContract, nn.Sequential):
         self.experts = self.moe_options.get("experts", 0)
         if tie_embeddings:  # one matrix: the head's logits are the hidden state's scores against every embedding
             self[-1].out.weight = self[0].tok.weight
+        for block in blocks:  # the embedding reads a packed window's records; each attention masks by them
+            block.attn.packing = embedding.packing
         init_decoder(self, self.residual)
 
     # ------------------------------------------------------------------ what a family gives
@@ -265,17 +273,6 @@ class Decoder(ModelContract, nn.Sequential):
 
     def record(self) -> dict:
         raise NotImplementedError(f"{type(self).__name__} does not say what its snapshots record (record)")
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """The logits of windows ``idx`` -- of a packed one too (:mod:`distlab.models.packing`): each record
-        at its own positions, attending to itself only (what activation checkpointing recomputes sees the same)."""
-        found = unpack(idx)
-        if found is not None and self[0].pos is not None:
-            raise ConfigError("packed windows restart each record's positions: a rotary family's (llama, gemma3); "
-                              "a learned position table (gpt's) is not built for them -- drop --pack")
-        for i in self.blocks:
-            self[i].attn.packed = found[1:] if found is not None else None
-        return super().forward(found[0] if found is not None else idx)
 
     # ------------------------------------------------------------------ the contract
     @property

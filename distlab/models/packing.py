@@ -9,7 +9,18 @@ record and its record's number back from those marks. A window without marks is 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class Packing:
+    """What the model's embedding read of the window it was given last: ``found`` ``(positions, records)``
+    of a packed one (None: a plain window) -- read by every attention of the model, in forward and again
+    where activation checkpointing recomputes it (the same window: its backward comes before the next one)."""
+
+    found: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def unpack(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
