@@ -8,7 +8,9 @@ completion's tokens and the end of sequence are targets: the prompt's positions 
 :data:`~distlab.models.IGNORE_INDEX`, so the loss is the mean over the completion tokens of the global
 batch -- on every layout (the ignored targets are honoured by the vocabulary-parallel loss, the pipeline's
 last stage and context parallel's chunks alike). A record longer than the window is cut at its end (the
-count is reported). Records are padded one per window, not packed: no record sees another.
+count is reported). Records are padded one per window -- or, with ``pack``, laid whole into each window as
+many as fit, the token that starts each marked (:func:`mark_start`) so the model attends within a record only
+and restarts its positions (:mod:`distlab.models.packing`): no record sees another either way.
 
 A chat record is rendered by the model's chat template (:mod:`distlab.data.chat`, from
 ``--tokenizer hf:DIR``'s ``tokenizer_config.json``): the prompt is the conversation before the last reply
