@@ -335,6 +335,44 @@ def bench_load(init_from, nproc, layouts, modes, sources, runs, out):
     _finish(load_peak, records, out, "load", None)
 
 
+@bench.command("finetune")
+@click.option("--init-from", required=True, help="hf:DIR, the checkpoint to fine-tune.")
+@click.option("--nproc", type=COUNT, default=2, show_default=True, help="Processes (gloo, CPU), one thread each.")
+@click.option("--layout", default="zero=3", show_default=True, help="A strategy as `distlab verify` writes it.")
+@click.option("--variants", default="full,lora,lora-bf16", show_default=True,
+              help="full: every weight trained; lora: adapters (r 16 on q, k, v, o) on a frozen base; lora-bf16: "
+                   "that base held in bf16 under bf16 autocast.")
+@click.option("--steps", type=COUNT, default=4, show_default=True, help="Steps per run (the first untimed).")
+@click.option("--block-size", type=COUNT, default=128, show_default=True)
+@click.option("--batch", type=COUNT, default=2, show_default=True, help="Global batch (windows).")
+@click.option("--runs", type=COUNT, default=3, show_default=True, help="Interleaved rounds of every variant.")
+@click.option("--out", callback=writable_dir, default="runs/bench", show_default=True, help="Writes OUT/finetune.json.")
+def bench_finetune(init_from, nproc, layout, variants, steps, block_size, batch, runs, out):
+    """A fine-tune's model state, peak memory and step time per rank: the whole model trained, low-rank
+    adapters on a frozen base, that base in bf16."""
+    from distlab.bench import finetune
+    from distlab.bench.common import choose
+    records = finetune.run(init_from, nproc, layout, choose("--variants", variants, finetune.VARIANTS), steps, runs,
+                           block_size, batch, out, progress=_progress)
+    _finish(finetune, records, out, "finetune", None)
+
+
+@bench.command("packing")
+@click.option("--nproc", type=COUNT, default=2, show_default=True, help="Processes (gloo, CPU), one thread each.")
+@click.option("--records", type=COUNT, default=400, show_default=True, help="Records of skewed lengths it writes.")
+@click.option("--block-size", type=COUNT, default=256, show_default=True)
+@click.option("--batch", type=COUNT, default=8, show_default=True, help="Global batch (windows).")
+@click.option("--runs", type=COUNT, default=3, show_default=True, help="Interleaved rounds of both modes.")
+@click.option("--out", callback=writable_dir, default="runs/bench", show_default=True, help="Writes OUT/packing.json.")
+def bench_packing(nproc, records, block_size, batch, runs, out):
+    """Fine-tuning records padded one per window or packed (--pack): windows, padding, and the records' own
+    tokens trained per second."""
+    from distlab.bench import finetune
+    rows = finetune.run_packing(nproc, records, block_size, batch, runs, out, progress=_progress)
+    click.echo(finetune.table(rows))
+    click.echo(f"wrote {out}/packing.json", err=True)
+
+
 @bench.command("checkpointing")
 @click.option("--workloads", default="vgg11-bn,resnet18,gpt", show_default=True)
 @click.option("--steps", type=COUNT, default=6, show_default=True, help="Steps per variant (the first 2 untimed).")
