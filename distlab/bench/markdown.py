@@ -121,8 +121,8 @@ def trace_table(trace: dict) -> str:
 
 def _kind(first: dict):
     """The table of a file whose records start with ``first`` (by the fields only that bench writes)."""
-    from distlab.bench import (checkpointing, compression, elastic, load_peak, overhead, parallel, pipeline,
-                               scaling, snapshot_format, snapshot_stall)
+    from distlab.bench import (checkpointing, compression, elastic, finetune, load_peak, overhead, parallel,
+                               pipeline, scaling, snapshot_format, snapshot_stall)
     tables = [
         (("algorithm",), collectives),
         (("drill",), fault_records),
@@ -142,6 +142,8 @@ def _kind(first: dict):
         (("variant", "round", "time_per_step_s_median"), variant_cost),
         (("snapshot_stall_s_median", "mode"), lambda r: snapshot_stall.table(r, markdown=True)),
         (("load_peak_bytes", "largest_tensor_bytes"), lambda r: load_peak.table(r, markdown=True)),
+        (("variant", "model_state_bytes_per_rank", "step_s"), lambda r: finetune.table(r, markdown=True)),
+        (("mode", "real_tokens_per_s"), lambda r: finetune.table(r, markdown=True)),
     ]
     return next((table for fields, table in tables if all(f in first for f in fields)), None)
 
