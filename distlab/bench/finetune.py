@@ -3,8 +3,9 @@ trained, low-rank adapters on a frozen base, and that base held in bf16 -- and `
 padded versus packed fine-tuning windows on a set of records of skewed lengths.
 
 finetune: each variant trains ``--init-from`` (a Hugging Face checkpoint) for ``--steps`` steps on
-``--nproc`` ranks with ``--layout``, in fresh process groups, interleaved ``--runs`` times; per run, rank 0's
-summary: the model state it held at its peak (parameters, gradients, optimizer state: what the run measures),
+``--nproc`` ranks with ``--layout`` (plain SGD: no optimizer state, so the whole model's training fits a small
+machine -- AdamW would add 8 bytes per trained parameter), in fresh process groups, interleaved ``--runs``
+times; per run, rank 0's summary: the model state it held at its peak (parameters, gradients: what the run measures),
 the peak resident set of the ranks, the median step time. packing: each mode trains a small Llama on the same
 records for one epoch; the rate is the records' own tokens (not the padding) per second of training.
 """
@@ -29,7 +30,7 @@ def _config(init_from: str, layout: str, variant: str, steps: int, block: int, b
     case = parse_strategy(layout)
     fields = {**case.strategy.to_dict(), **VARIANTS[variant]}
     return TrainConfig.from_flags(init_from=init_from, dataset="synthetic-text:20000", block_size=block,
-                                  global_batch_size=batch, max_steps=steps, optimizer="sgd", momentum=0.9, lr=1e-4,
+                                  global_batch_size=batch, max_steps=steps, optimizer="sgd", momentum=0.0, lr=1e-4,
                                   progress=False, verbose=False, eval_every_epoch=False, timing_warmup_steps=1,
                                   **fields)
 
