@@ -27,7 +27,7 @@ def unpack(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     """``(tokens, positions, records)`` of a packed batch ``idx`` ``(B, t)``, each ``(B, t)``: the token ids,
     each one's position in its record (0 at its start), and which record of the window it is in (1, 2, ...);
     None for a batch without a record mark (a plain window)."""
-    if idx.is_floating_point():
+    if idx.is_floating_point() or idx.is_meta:  # (a model traced on the meta device reads plain windows)
         return None
     starts = idx < 0
     if not bool(starts.any()):
