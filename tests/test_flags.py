@@ -62,6 +62,8 @@ BASE = {
     "bench load": "--init-from hf:{tmp}/ckpt --nproc 1 --layouts allreduce --modes deferred --sources checkpoint "
                   "--out b",
     "bench markdown": "{tmp}/bench/collectives.json",
+    "bench finetune": "--init-from hf:{tmp}/ckpt --nproc 1 --variants lora --steps 2 --runs 1 --block-size 8 --out b",
+    "bench packing": "--nproc 1 --records 20 --block-size 64 --batch 2 --runs 1 --out b",
 }
 
 
