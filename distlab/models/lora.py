@@ -32,6 +32,7 @@ from distlab.errors import ConfigError
 ALIASES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "proj", "o": "proj", "gate_proj": "gate",
            "up_proj": "up", "down_proj": "down"}
 KEYS = ("lora_a", "lora_b")
+SUFFIXES = tuple(f".{key}" for key in KEYS)  # of an adapter tensor's state key
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,7 @@ def fill(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 def merge(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
     """A whole state with adapters -> the plain model's (each adapted weight ``W + (B A) * scale``)."""
-    out = {k: v for k, v in state.items() if not k.endswith(tuple("." + k for k in KEYS))}
+    out = {k: v for k, v in state.items() if not k.endswith(SUFFIXES)}
     for key in state:
         if key.endswith(".lora_a"):
             layer = key[:-len(".lora_a")]
@@ -203,4 +204,4 @@ def merge(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tenso
 
 
 def adapter_keys(state) -> list[str]:
-    return [k for k in state if k.endswith(tuple("." + k for k in KEYS))]
+    return [k for k in state if k.endswith(SUFFIXES)]
