@@ -376,6 +376,9 @@ TRAIN_OPTIONS = [
                   "linear layer but the LM head); y = W x + B A x * alpha / r, B starting at zero.")),
     ("pack", dict(is_flag=True, help="sft: records packed into each window whole, as many as fit -- each attends "
                   "to itself only, its positions from 0 -- instead of one record per padded window.")),
+    ("dpo_beta", dict(type=float, default=None, help="dpo:FILE.jsonl: DPO's beta, how far the trained model's "
+                      "log-probability ratios to its starting model may go (default 0.1); the reference is the "
+                      "starting model (with --lora: the base without adapters).")),
     ("base_dtype", dict(type=click.Choice(["float32", "bf16"]), help="With --lora and --precision bf16: hold "
                         "(and under ZeRO-3 gather) the frozen base in bf16; the adapters and their optimizer state "
                         "stay float32.")),

@@ -93,6 +93,9 @@ def train(config_file, trust_config, **kw):
         elif cfg.dataset.startswith("sft:"):
             from distlab.data.sft import read
             read(cfg.dataset, cfg.tokenizer)  # every record readable (chat ones through the template), before launch
+        elif cfg.dataset.startswith("dpo:"):
+            from distlab.data.preference import read as read_pairs
+            read_pairs(cfg.dataset, cfg.tokenizer)  # every pair, as above
         elif not cfg.dataset.startswith(("synthetic", "tensors:", "imagefolder:", "text:")):
             locate(cfg.dataset, cfg.data_dir)
         if cfg.resume not in (None, "auto"):

@@ -34,7 +34,7 @@ from distlab.data.imagefolder import PREFIX as FOLDER, imagefolder_shape, load_i
 from distlab.data.synthetic import make_synthetic, parse_spec
 from distlab.data.tensors import PREFIX as TENSORS, load_tensors, path_of, tensors_shape
 from distlab.data import tokenizer as tokenizers
-from distlab.data import sft, textfiles, tokens
+from distlab.data import preference, sft, textfiles, tokens
 from distlab.data.text import FORTUNES_SYSTEM_DIR, TextDataset, fortunes_present, make_synthetic_text, parse_synthetic, \
     read_fortunes
 from distlab.errors import ConfigError, DataNotFoundError, did_you_mean
@@ -101,13 +101,14 @@ ALIASES = {"fashion_mnist": "fashion-mnist", "fmnist": "fashion-mnist", "cifar-1
 
 def dataset_names() -> list[str]:
     return [*REGISTRY, "synthetic:CxHxW:K[:N]", "synthetic-text[:N]", "tensors:FILE", "imagefolder:DIR", "text:PATH",
-            "tokens:DIR"]
+            "tokens:DIR", "sft:FILE.jsonl", "dpo:FILE.jsonl", "synthetic-pairs[:N]"]
 
 
 def is_text(name: str) -> bool:
     """Whether dataset ``name`` is a token stream (next-token prediction) rather than labelled images."""
     name = canonical_name(name)
     return name.startswith(("synthetic-text", textfiles.PREFIX, tokens.PREFIX, sft.PREFIX)) or \
+        preference.is_preference(name) or \
         (name in REGISTRY and REGISTRY[name].text)
 
 
@@ -127,6 +128,8 @@ def canonical_name(name: str) -> str:
     if name.startswith(sft.PREFIX):
         sft.path_of(name)
         return name
+    if preference.is_preference(name):
+        return preference.check_name(name)
     if name.startswith("synthetic-text"):
         parse_synthetic(name)
         return name
@@ -207,6 +210,8 @@ def load_dataset(name: str, split: str, data_dir: str | os.PathLike | None = Non
         return tokens.load_tokens(name, split, block_size, vocab_size)
     if name.startswith(sft.PREFIX):
         return sft.load_sft(name, split, block_size, tokenizer, pack)
+    if preference.is_preference(name) and not pack:
+        return preference.load_pairs(name, split, block_size, tokenizer)
     if pack:
         raise ConfigError(f"`pack` lays fine-tuning records (sft:FILE.jsonl) into windows; {name} is not records")
     if name.startswith("synthetic-text"):
@@ -269,6 +274,8 @@ def dataset_shape(name: str, block_size: int = 64, tokenizer: str = "bytes",
         return tokens.shape(name, block_size, vocab_size)
     if name.startswith(sft.PREFIX):
         return sft.shape(name, block_size, tokenizer)
+    if preference.is_preference(name):
+        return preference.shape(name, block_size, tokenizer)
     if is_text(name):
         return (block_size,), tokenizers.vocab_size(tokenizer)
     if name.startswith("synthetic"):

@@ -103,6 +103,22 @@ def records(spec: str, template=None, template_dir: str = "") -> list[Record]:
     bad one."""
     from distlab.data.chat import split_reply
     path, out = path_of(spec), []
+    for where, record in objects(path):
+        if isinstance(record, dict) and "messages" in record and "prompt" not in record:
+            need_template(template, where, template_dir)
+            out.append(Record(*split_reply(template, record["messages"], where), chat=True))
+            continue
+        if not (isinstance(record, dict) and isinstance(record.get("prompt"), str)
+                and isinstance(record.get("completion"), str)):
+            raise ConfigError(f"{where}: a record is {{\"prompt\": TEXT, \"completion\": TEXT}} or "
+                              f"{{\"messages\": [{{\"role\": ..., \"content\": TEXT}}, ...]}}")
+        out.append(Record(record["prompt"], record["completion"]))
+    return enough(out, path)
+
+
+def objects(path: Path):
+    """``(where, record)`` of each line of a JSON-lines file holding something (``where``: ``path:line``),
+    every string in it text; one line naming the first line that is not JSON."""
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(_lines(f, path), 1):
             if not line.strip():
@@ -114,18 +130,19 @@ def records(spec: str, template=None, template_dir: str = "") -> list[Record]:
             except ValueError as exc:
                 raise ConfigError(f"{path}:{number}: not a JSON object ({exc})") from None
             _text(record, f"{path}:{number}")
-            if isinstance(record, dict) and "messages" in record and "prompt" not in record:
-                if template is None:
-                    raise ConfigError(f"{path}:{number}: chat records (messages) are rendered by a model's chat "
-                                      f"template: give --tokenizer hf:DIR of a model whose tokenizer_config.json "
-                                      f"has one" + (f" ({template_dir} has none)" if template_dir else ""))
-                out.append(Record(*split_reply(template, record["messages"], f"{path}:{number}"), chat=True))
-                continue
-            if not (isinstance(record, dict) and isinstance(record.get("prompt"), str)
-                    and isinstance(record.get("completion"), str)):
-                raise ConfigError(f"{path}:{number}: a record is {{\"prompt\": TEXT, \"completion\": TEXT}} or "
-                                  f"{{\"messages\": [{{\"role\": ..., \"content\": TEXT}}, ...]}}")
-            out.append(Record(record["prompt"], record["completion"]))
+            yield f"{path}:{number}", record
+
+
+def need_template(template, where: str, template_dir: str) -> None:
+    """A chat record (messages) is rendered by a model's template: refused where there is none."""
+    if template is None:
+        raise ConfigError(f"{where}: chat records (messages) are rendered by a model's chat template: give "
+                          f"--tokenizer hf:DIR of a model whose tokenizer_config.json has one"
+                          + (f" ({template_dir} has none)" if template_dir else ""))
+
+
+def enough(out: list, path: Path) -> list:
+    """``out``, the records of ``path``, where there are enough to hold out every tenth."""
     if len(out) < TEST_EVERY:
         raise ConfigError(f"{path} has {len(out)} records: every {TEST_EVERY}th is held out for testing, so give at "
                           f"least {TEST_EVERY}")
@@ -153,6 +170,15 @@ def end_of(tok, record: Record, tail: list[int]) -> list[int]:
     return [eos] if eos is not None and tail[-1:] != [eos] else []
 
 
+def encode(tok, record: Record) -> tuple[list[int], list[int]]:
+    """``(prompt tokens, completion tokens)`` of a record: the tokenizer's BOS before a plain prompt (a chat
+    template writes its own), the completion followed by what ends it (:func:`end_of`)."""
+    head = tok.encode(record.prompt.encode("utf-8")).tolist()
+    head = head if record.chat else [*tok.begin, *head]
+    tail = tok.encode(record.completion.encode("utf-8")).tolist()
+    return head, tail + end_of(tok, record, tail)
+
+
 def load_sft(spec: str, split: str, block_size: int, tokenizer: str = tokenizers.BYTES, pack: bool = False):
     """The ``split`` of ``spec`` as windows, one record each -- or, ``pack``, as many whole records as fit in
     each window (:func:`packed`; module docstring)."""
@@ -163,10 +189,7 @@ def load_sft(spec: str, split: str, block_size: int, tokenizer: str = tokenizers
     rows = []  # (ids, index of its first target) of each record, cut at the window's end
     cut = scored = empty = completion_tokens = completion_bytes = 0
     for record in mine:
-        head = tok.encode(record.prompt.encode("utf-8")).tolist()
-        head = head if record.chat else [*tok.begin, *head]  # a chat template writes its own BOS
-        tail = tok.encode(record.completion.encode("utf-8")).tolist()
-        tail += end_of(tok, record, tail)
+        head, tail = encode(tok, record)
         completion_tokens += len(tail)
         completion_bytes += len(record.completion.encode())
         ids = (head + tail)[:width]

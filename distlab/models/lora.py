@@ -18,6 +18,7 @@ start the same on every layout and whether the model was built whole or on the m
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from dataclasses import dataclass
@@ -205,3 +206,20 @@ def merge(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tenso
 
 def adapter_keys(state) -> list[str]:
     return [k for k in state if k.endswith(SUFFIXES)]
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """Inside: ``model`` computes as its base does -- every adapter's scale 0 (a :class:`LoRALinear`'s, or
+    the ``lora_scale`` tensor parallel gave a split layer), so ``result + update * 0`` is ``result`` exactly
+    -- the reference model of preference tuning without a second copy of the model. Restored after."""
+    held = [(m, attr, getattr(m, attr)) for m in model.modules()
+            for attr in ("scale", "lora_scale") if isinstance(getattr(m, attr, None), float) and
+            (isinstance(m, LoRALinear) or attr == "lora_scale")]
+    try:
+        for m, attr, _ in held:
+            setattr(m, attr, 0.0)
+        yield
+    finally:
+        for m, attr, value in held:
+            setattr(m, attr, value)

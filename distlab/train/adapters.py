@@ -41,6 +41,30 @@ def spec_text(cfg) -> str:
     return spec.text()
 
 
+def check_fine_tuning(cfg) -> None:
+    """What fine-tuning's flags need: ``base_dtype``'s adapters and precision, ``pack``'s records and
+    layout, ``dpo_beta``'s preference pairs."""
+    from distlab.data.preference import is_preference
+    from distlab.models.contract import contract
+    check_base_dtype(cfg)
+    if cfg.pack and (cfg.strategy.pp > 1 or cfg.strategy.cp > 1):
+        raise ConfigError("`pack`: a packed window's positions and record mask are not built under `pp` or `cp` "
+                          "(a stage or a chunk does not carry them): drop `pack` or that layout")
+    if cfg.pack and not contract(cfg._meta_model()).packable:
+        raise ConfigError(f"`pack` restarts each record's positions: model {cfg.model} does not read packed "
+                          f"windows (a rotary family does: llama, gemma3)")
+    pairs = is_preference(cfg.dataset)
+    if cfg.dpo_beta is not None and not pairs:
+        raise ConfigError(f"`dpo_beta` weighs DPO's loss on preference pairs (dpo:FILE.jsonl); {cfg.dataset} is not "
+                          f"pairs (drop `dpo_beta`)")
+    if cfg.dpo_beta is not None and not cfg.dpo_beta > 0:
+        raise ConfigError(f"`dpo_beta` must be positive, not {cfg.dpo_beta:g} (0.1 is usual)")
+    if pairs and cfg.pack:
+        raise ConfigError("`pack`: preference pairs are scored per completion, one window each: drop `pack`")
+    if pairs and cfg.label_smoothing:
+        raise ConfigError("`label_smoothing` smooths a cross-entropy's targets; DPO's loss is a pair's: drop it")
+
+
 def check_base_dtype(cfg) -> None:
     """``base_dtype`` bf16: a frozen base under adapters, computed in bf16 under autocast."""
     if cfg.base_dtype not in BASE_DTYPES:

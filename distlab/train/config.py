@@ -22,7 +22,7 @@ from distlab.models.contract import contract
 from distlab.models.lora import LoRASpec, apply as apply_lora
 from distlab.models.spec import Options
 from distlab.parallel import Strategy
-from distlab.train.adapters import check_base_dtype, spec_text as lora_spec_text
+from distlab.train.adapters import check_fine_tuning, spec_text as lora_spec_text
 from distlab.train.durations import parse_duration  # noqa: F401 - where the settings readers take it from
 from distlab.train.model_fit import check_fit
 
@@ -73,6 +73,7 @@ class TrainConfig:
     lora_from: str | None = None  # peft:DIR: start the adapters at PEFT's (for the init_from hf:DIR base)
     base_dtype: str = "float32"  # with lora: the frozen base held (and gathered) in bf16
     pack: bool = False  # sft: records packed into windows, each attending to itself only
+    dpo_beta: float | None = None  # dpo: DPO's beta (None: 0.1), how far the trained model may stray from its start
     time_budget_s: float | None = None
     out: str | None = None
     tensorboard: str | None = None  # also write TensorBoard event files here (distlab.train.tensorboard)
@@ -160,11 +161,11 @@ class TrainConfig:
             raise ConfigError(f"{self.dataset} was tokenized when it was prepared (its manifest names the tokenizer): "
                               f"drop `tokenizer`")
         pretrained = self.tokenizer.startswith("hf:")
-        if pretrained and not self.dataset.startswith("sft:"):
-            raise ConfigError(f"`tokenizer` {self.tokenizer} reads fine-tuning records (sft:FILE.jsonl); tokenize a "
+        if pretrained and not self.dataset.startswith(("sft:", "dpo:")):
+            raise ConfigError(f"`tokenizer` {self.tokenizer} reads fine-tuning records (sft: or dpo:FILE.jsonl); tokenize a "
                               f"corpus once with `distlab prepare-text SRC OUT --tokenizer {self.tokenizer}` and train on "
                               f"tokens:OUT")
-        if self.dataset.startswith("sft:") and self.tokenizer != "bytes" and not pretrained:
+        if self.dataset.startswith(("sft:", "dpo:")) and self.tokenizer != "bytes" and not pretrained:
             raise ConfigError(f"{self.dataset}: fine-tuning records are read with bytes or a pretrained model's "
                               f"tokenizer (hf:DIR), not {self.tokenizer}")
         if self.tokenizer != "bytes" and self.dataset.startswith("synthetic-text"):
@@ -248,13 +249,7 @@ class TrainConfig:
             self.lora = lora_spec_text(self)
         if self.lora is not None:
             self._meta_model()  # the spec parsed, its targets naming layers of the model
-        check_base_dtype(self)
-        if self.pack and (self.strategy.pp > 1 or self.strategy.cp > 1):
-            raise ConfigError("`pack`: a packed window's positions and record mask are not built under `pp` or `cp` "
-                              "(a stage or a chunk does not carry them): drop `pack` or that layout")
-        if self.pack and not contract(self._meta_model()).packable:
-            raise ConfigError(f"`pack` restarts each record's positions: model {self.model} does not read packed "
-                              f"windows (a rotary family does: llama, gemma3)")
+        check_fine_tuning(self)
         self._check_components()
         if is_user_model(self.model):
             check_fit(self, self._meta_model())

@@ -49,6 +49,25 @@ def evaluation_size(batches: int | None, batch_size: int, global_batch: int, map
     return batches, batch_size
 
 
+def outputs(engine: Engine, loader: EvalLoader, device):
+    """``(start, output, y)`` of each of ``loader``'s batches whose output this rank knows (a pipeline's last
+    stage; every rank elsewhere), ``start`` its first sample's place in ``loader.indices``, ``y`` cut as
+    the output is (context parallel: this rank's tokens). Every rank runs as many batches as the largest
+    shard where a component exchanges data between data-parallel ranks in every forward (expert parallel's
+    tokens): empty ones where its own ran out. Call it under ``torch.no_grad()``."""
+    batch_size, n = loader.batch_size, len(loader.dataset)
+    batches = list(zip(range(0, len(loader.indices), batch_size), loader))
+    if engine.lockstep and batches:
+        most = -(-(-(-n // engine.mesh.dp)) // batch_size)
+        x0, y0 = batches[0][1]
+        batches += [(len(loader.indices), (x0[:0], y0[:0]))] * (most - len(batches))
+    for start, (x, y) in batches:
+        x, y = engine.shard(x.to(device), y.to(device))
+        out = engine.infer(x)
+        if out is not None and len(y):  # (a stage before the last passed the batch on; an empty batch)
+            yield start, out, y
+
+
 @torch.no_grad()
 def evaluate(engine: Engine, dataset, device: torch.device | str = "cpu", batch_size: int = 1000,
              details: bool = False) -> dict:
@@ -80,18 +99,7 @@ def evaluate(engine: Engine, dataset, device: torch.device | str = "cpu", batch_
     wrong = torch.full((SHOWN, 3), -1, dtype=torch.int64, device=device) if details else None
     shown = 0
     loader = EvalLoader(dataset, rank=mesh.dp_rank, world_size=mesh.dp, batch_size=batch_size)
-    batches = list(zip(range(0, len(loader.indices), batch_size), loader))
-    if engine.lockstep and batches:  # a component exchanges data between data-parallel ranks in every
-        # forward (expert parallel's tokens): every rank runs as many as the largest shard needs (empty
-        # batches where its own ran out)
-        most = -(-(-(-len(dataset) // mesh.dp)) // batch_size)
-        x0, y0 = batches[0][1]
-        batches += [(len(loader.indices), (x0[:0], y0[:0]))] * (most - len(batches))
-    for start, (x, y) in batches:
-        x, y = engine.shard(x.to(device), y.to(device))  # context parallel: this rank's tokens
-        out = engine.infer(x)
-        if out is None or not len(y):  # a pipeline stage before the last (it passed the batch on); an empty batch
-            continue
+    for start, out, y in outputs(engine, loader, device):
         loss_sum += engine.loss(out, y, reduction="sum").item()
         right, scored = engine.correct(out, y)
         correct, count = correct + right, count + scored
@@ -124,3 +132,17 @@ def evaluate(engine: Engine, dataset, device: torch.device | str = "cpu", batch_
             result["confusion"] = confusion.reshape(k, k).long().cpu()
             result["misclassified"] = rows
     return result
+
+
+def eval_words(record: dict) -> str:
+    """The console line of an evaluation."""
+    val = f" | val loss {record['val_loss']:.4f}" if "val_loss" in record else ""
+    ppl = f" | perplexity {record['test_perplexity']:.2f}" if "test_perplexity" in record else ""
+    if "test_reward_margin" in record:  # preference pairs (DPO)
+        return (f"eval step {record['step']} (epoch {record['epoch']}) | test DPO loss {record['test_loss']:.4f} | "
+                f"preference accuracy {100 * record['test_accuracy']:.2f}% ({record['test_samples']:,} pairs) | "
+                f"reward margin {record['test_reward_margin']:.4f}{val}")
+    scored = f"{record['test_tokens']:,} tokens of {record['test_samples']:,} windows" if "test_tokens" in record \
+        else f"{record['test_samples']:,} samples"
+    return (f"eval step {record['step']} (epoch {record['epoch']}) | test loss {record['test_loss']:.4f}{ppl} | "
+            f"test accuracy {100 * record['test_accuracy']:.2f}% ({scored}){val}")

@@ -54,6 +54,10 @@ def _text_facts(trainer, final: dict) -> dict:
     if not hasattr(data, "unigram_entropy"):
         return {}
     loss = final.get("test_loss")
+    if getattr(data, "pairs", False):  # preference pairs: DPO's loss, a share of pairs preferred
+        return {"loss_unit": "dpo", "block_size": data.block_size, "train_tokens": 2 * len(data) * data.block_size,
+                "dpo_beta": trainer.preference.beta, "test_reward_margin": final.get("test_reward_margin"),
+                "eval_pairs": len(trainer.eval_test), "vocab_size": data.num_classes}
     rate = trainer.test_set.tokens_per_byte  # tokens per byte of the test text: 1 for bytes
     tok = data.tokenizer
     return {"loss_unit": "nats/token", "block_size": data.block_size, "train_tokens": len(data) * data.block_size,
@@ -301,8 +305,12 @@ def print_summary(summary: dict, out: str | None) -> None:
          + (f" (labels smoothed by {s['config']['label_smoothing']:g}: not comparable with the test loss)"
             if s.get("config", {}).get("label_smoothing") else "")),
         ("test accuracy", _fmt(None if s["test_accuracy"] is None else 100 * s["test_accuracy"], ".2f", "%")
-                          + (" of next tokens" if s.get("loss_unit") else "")),
-        ("test loss", _fmt(s["test_loss"], ".4f") + (f" nats/token, perplexity {s['test_perplexity']:.2f}"
+                          + (" of pairs preferred (the chosen reward larger)" if s.get("loss_unit") == "dpo"
+                             else " of next tokens" if s.get("loss_unit") else "")),
+        ("test loss", _fmt(s["test_loss"], ".4f") + (f" (DPO, beta {s['dpo_beta']:g}; reward margin "
+                                                       f"{s['test_reward_margin']:.4f})" if s.get("loss_unit") == "dpo"
+                                                       and s.get("test_reward_margin") is not None else "")
+                      + (f" nats/token, perplexity {s['test_perplexity']:.2f}"
                                                        if s.get("test_perplexity") else "")
                       + (f" (unigram entropy {s['unigram_entropy']:.3f})"
                          if s.get("test_perplexity") and s.get("unigram_entropy") is not None else "")

@@ -32,13 +32,15 @@ from distlab.runtime import Runtime, comm_failure, is_comm_failure, seed_everyth
 from distlab.train.clock import StepClock
 from distlab.train.config import TrainConfig
 from distlab.train.config_file import config_file_text
-from distlab.train.evaluate import DEFAULT_EVAL_BATCH, eval_batch, evaluate, evaluation_size, first_batches
+from distlab.train.evaluate import DEFAULT_EVAL_BATCH, eval_batch, eval_words, evaluate, evaluation_size, \
+    first_batches
 from distlab.train.throughput import Throughput
 from distlab.train.observe import StepObserver
 from distlab.train.adapters import attach as attach_adapters
 from distlab.train.export import init_slices, load_init
 from distlab.train import language
 from distlab.train.metrics import MetricsLog, anon_rss_mb, atomic_write_text, write_predictions, write_summary
+from distlab.train.preference import Preference
 from distlab.train.optim import build_optimizer, build_scheduler, decay_groups, no_decay_names
 from distlab.train.preemption import Preemption
 from distlab.train.run_dirs import finished_summary
@@ -129,6 +131,8 @@ class Trainer:
             if cfg.label_smoothing else self.engine.loss
         # Data whose targets may be ignored: each step the mean over the global batch's kept targets
         self.ignore_index = IGNORE_INDEX if self.train_set.ignores_targets else None
+        self.preference = Preference.of(self)  # preference pairs: DPO (the reference log-probabilities computed now)
+        self.loss_fn = self.preference or self.loss_fn
         names = [p["name"] for p in placement_of(self.engine)["params"]] if no_decay else None
         # with a fused optimizer the gradients' verdict stays on the device, read where the loop must (_diverged)
         self.optimizer = self.engine.attach(build_optimizer(self.engine.parameters(), cfg, names, no_decay),
@@ -221,7 +225,7 @@ class Trainer:
             epoch, position = divmod(run.step, self.steps_per_epoch)  # torch's DDP: re-cut its buckets as the
             self.loader.set_epoch(epoch)                              # uninterrupted run did
             x, y = next(self.loader.iter_from(position))
-            engine.prime(x.to(self.rt.device), y.to(self.rt.device))
+            engine.prime(x.to(self.rt.device), (y[..., 0].long() if self.preference else y).to(self.rt.device))
         start = time.perf_counter()
         with Preemption() as preemption:
             stopped = self._loop(times, preemption)
@@ -317,7 +321,7 @@ class Trainer:
             if due_log:
                 self._log(epoch, lr, sample, evaluation, end_of_run=not scheduled)
             if evaluation is not None:  # after the step's own line
-                self.say(self._eval_words(evaluation))
+                self.say(eval_words(evaluation))
             if due_snapshot:
                 run.save()
             self.observer.after(run.step)  # after their last step, its evaluation and snapshot included
@@ -366,6 +370,7 @@ class Trainer:
         rate = self._window_timed * self.cfg.global_batch_size / self._window_s if self._window_s else None
         record = {"step": self.run.step, "epoch": epoch, "loss": loss, "lr": lr, "samples_per_s": rate,
                   **self.throughput.of_rate(rate), "time_s": self.run.time_used()}
+        record.update(self.preference.window() if self.preference else {})  # (collective)
         if self._grad_norm is not None:  # read once per log line, not per step
             record["grad_norm"] = float(self._grad_norm)
         if end_of_run:
@@ -379,6 +384,8 @@ class Trainer:
         self.tb.scalars("train", record, record["step"])
         self.tb.memory(record["step"])  # collective when on
         norm = f" | grad norm {record['grad_norm']:.3g}" if "grad_norm" in record else ""
+        norm += (f" | reward margin {record['reward_margin']:.4f}, {100 * record['reward_accuracy']:.1f}% preferred"
+                 if "reward_margin" in record else "")
         self.say(f"step {record['step']:>6}/{self.total_steps} | epoch {epoch} | loss {loss:.4f} | "
                  f"lr {lr:.4g}{norm} | {rate or 0:,.0f} samples/s{self.throughput.words(record)}")
         self._window_s, self._window_timed = 0.0, 0
@@ -389,30 +396,22 @@ class Trainer:
         t0 = time.perf_counter()
         # (a frozen base held in bf16 computes under autocast there too; every other model in float32)
         narrow = self.engine.precision.autocast() if self.cfg.base_dtype != "float32" else contextlib.nullcontext()
+        evaluate_one = functools.partial(evaluate, self.engine, device=self.rt.device, batch_size=self.eval_batch) \
+            if self.preference is None else functools.partial(self.preference.evaluate, batch_size=self.eval_batch)
         with timeline.span("evaluation"), self.engine.gathered(), narrow:  # ZeRO-3: one gather for the whole
-            result = evaluate(self.engine, self.eval_test, self.rt.device, self.eval_batch, details=True)
+            result = evaluate_one(self.eval_test, **({"details": True} if self.preference is None else {}))
             if "confusion" in result:  # a classifier: the newest evaluation's counts and mistakes, for the report
                 self._predictions = (self.run.step, result.pop("confusion"), result.pop("misclassified"))
             if self.eval_val is not None:
-                val = evaluate(self.engine, self.eval_val, self.rt.device, self.eval_batch)
+                val = evaluate_one(self.eval_val)
                 result.update({f"val_{k[len('test_'):]}": v for k, v in val.items() if k != "test_samples"})
         anon_rss_mb()  # evaluation's batches: the anonymous memory's peak may be here
         record = {"epoch": epoch, "step": self.run.step, "time_s": self.run.time_used(), **result}
         self.run.record_eval(record, time.perf_counter() - t0)
         self.tb.scalars("eval", result, self.run.step)
         if say:
-            self.say(self._eval_words(record))
+            self.say(eval_words(record))
         return record
-
-    @staticmethod
-    def _eval_words(record: dict) -> str:
-        """The console line of an evaluation."""
-        val = f" | val loss {record['val_loss']:.4f}" if "val_loss" in record else ""
-        ppl = f" | perplexity {record['test_perplexity']:.2f}" if "test_perplexity" in record else ""
-        scored = f"{record['test_tokens']:,} tokens of {record['test_samples']:,} windows" if "test_tokens" in record \
-            else f"{record['test_samples']:,} samples"
-        return (f"eval step {record['step']} (epoch {record['epoch']}) | test loss {record['test_loss']:.4f}{ppl} | "
-                f"test accuracy {100 * record['test_accuracy']:.2f}% ({scored}){val}")
 
     def _layout(self) -> dict:
         """What a snapshot must agree on to be resumed by this run (compared field by field)."""
