@@ -39,7 +39,8 @@ def _predicted(cfg, world: int) -> dict:
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_planner_counts_the_bytes_a_run_sends(world):
     # on 4 ranks the Llama family's layouts are left out: the same code prices GPT's there, and both on 2 ranks
-    cases = [c for c in default_strategies(world) if world == 2 or c.model != "llama"]
+    # (DPO's layouts are left out: the planner prices a window per sample, not a pair of them)
+    cases = [c for c in default_strategies(world) if (world == 2 or c.model != "llama") and not c.dpo]
     configs = [config_for(case, world, steps=3) for case in cases]  # the median step: past the first
     counted = run_ranks(_counted, world, configs, timeout=600)[0]
     rows = []

@@ -126,7 +126,7 @@ def _generated(n: int) -> list[Pair]:
         chain = [int(rng.integers(32, 128))]
         for _ in range(10):
             chain.append(int(successor[chain[-1] - 32]))
-        split, end = int(rng.integers(3, 6)), int(rng.integers(2, 6))
+        split, end = int(rng.integers(2, 5)), int(rng.integers(2, 5))  # (at most 8 tokens: verify's windows)
         text = bytes(chain).decode()
         noise = bytes(rng.integers(32, 128, end).tolist()).decode()
         out.append(Pair(text[:split], text[split:split + end], noise))

@@ -44,11 +44,13 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from distlab.data.preference import is_preference
 from distlab.errors import ConfigError, did_you_mean
 from distlab.models import spec
 from distlab.parallel import COLLECTIVES, SYNC_METHODS, Strategy
 from distlab.parallel.strategy_text import modifier_words
 from distlab.train.config import TrainConfig
+from distlab.train.preference import DEFAULT_BETA
 
 EPS32 = torch.finfo(torch.float32).eps
 
@@ -84,13 +86,15 @@ class Case:
     # (or a text option's value: +rope_scaling=llama3,factor=8,original_max_position_embeddings=16)
     lora: str | None = None  # +lora=r=4,alpha=8,targets=q,v: low-rank adapters trained, the rest frozen
     base_dtype: str = "float32"  # +base=bf16: that frozen base held in bf16 (with +bf16)
+    dpo: bool = False  # +dpo: DPO on generated preference pairs (the reference: the starting model)
 
     @property
     def name(self) -> str:
         return (str(self.strategy) + ("+adam" if self.optimizer == "adam" else "")
                 + (f"+{self.model}" if self.model else "") + "".join(f"+{k}={v}" for k, v in self.options)
                 + ("+clip" if self.clip else "") + ("+smooth" if self.smoothing else "") + ("+mask" if self.masked else "")
-                + (f"+lora={self.lora}" if self.lora else "") + ("+base=bf16" if self.base_dtype == "bf16" else ""))
+                + (f"+lora={self.lora}" if self.lora else "") + ("+base=bf16" if self.base_dtype == "bf16" else "")
+                + ("+dpo" if self.dpo else ""))
 
     def flags(self) -> dict:
         return {**self.strategy.to_dict(), "optimizer": self.optimizer, **({"model": self.model} if self.model else {}),
@@ -107,8 +111,8 @@ def parse_strategy(text: str) -> Case:
     tokens = [t for t in tokens if not t.startswith(("lora=", "base="))]
     clip = CLIP_NORM if "clip" in tokens else None
     smoothing = SMOOTHING if "smooth" in tokens else 0.0
-    masked = "mask" in tokens
-    tokens = [t for t in tokens if t not in ("clip", "smooth", "mask")]
+    masked, dpo = "mask" in tokens, "dpo" in tokens
+    tokens = [t for t in tokens if t not in ("clip", "smooth", "mask", "dpo")]
     model = next((t for t in tokens if t in case_models()), None)
     names = spec(model).options.names() if model else ()
     texts = {f.name for f in fields(spec(model).options) if "str" in str(f.type)} if model else set()
@@ -130,10 +134,11 @@ def parse_strategy(text: str) -> Case:
                           f"each gradient entry by its own size, so entries whose gradient is rounding noise move by "
                           f"up to lr either way; verify the transformer with SGD (drop +adam)")
     rest = "+".join(t for t in tokens if t not in ("adam", *case_models()))
-    if lora is not None and not model:
-        raise ConfigError(f"{text}: +lora adapts a transformer's layers; add +gpt or another language model")
+    if (lora is not None or dpo) and not model:
+        raise ConfigError(f"{text}: +{'lora' if lora is not None else 'dpo'} trains a transformer; add +gpt or "
+                          f"another language model")
     return Case(Strategy.parse(rest) if rest else Strategy(), "adam" if "adam" in tokens else "sgd", model, clip,
-                smoothing, masked, options, lora, base)
+                smoothing, masked, options, lora, base, dpo)
 
 
 def default_strategies(world_size: int | None = None) -> list[Case]:
@@ -221,6 +226,11 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
                   Case(Strategy(zero=3), model="llama", lora=lora),
                   Case(Strategy("allreduce", tp=2, sequence_parallel=True), model="llama", lora=lora),
                   Case(Strategy("bucketed", pp=2, microbatches=2), model="llama", lora=lora)]
+        # DPO on preference pairs: ZeRO-3 with adapters (the reference: the base, adapters off), context parallel
+        # (each rank's tokens' log-probabilities summed over the ring's ranks), a pipeline's last stage scoring pairs
+        cases += [Case(Strategy(zero=3), model="llama", lora=lora, dpo=True),
+                  Case(Strategy("bucketed", cp=2), model="llama", dpo=True),
+                  Case(Strategy("allreduce", tp=2, sequence_parallel=True), model="llama", dpo=True)]
         cases += [Case(Strategy("bucketed", ep=2), model="gpt-moe"),
                   Case(Strategy("bucketed", pp=2, microbatches=4, pp_virtual=2), model="gpt"),
                   Case(Strategy("bucketed", pp=2, microbatches=4, pp_schedule="zb"), model="gpt")]
@@ -249,6 +259,7 @@ def config_for(case: Case, world_size: int, steps: int, global_batch: int | None
     model, dataset = ("small-cnn-bn", "synthetic:3x8x8:4:480") if bn else ("mlp", "synthetic:1x8x8:4:480")
     if case.model in case_models():
         model, dataset = case.model, f"synthetic-text:4000:masked={MASKED}" if case.masked else "synthetic-text:4000"
+        dataset = "synthetic-pairs:40" if case.dpo else dataset
     if mine:
         model, dataset = mine, data or USER_DATASET
     small = {**verify_sizes(), **dict(case.options)}
@@ -336,6 +347,11 @@ def tolerance(cfg: TrainConfig, world_size: int = 1, num_parameters: int = 0) ->
     s = cfg.strategy
     if s.grad_compression.startswith("powersgd") or cfg.optimizer != "sgd":
         return None
+    if is_preference(cfg.dataset):  # a pair's gradient: beta x its 2 x block_size tokens' (each entry at most 1)
+        width = 2 * cfg.block_size
+        return sgd_tolerance(cfg.max_steps, cfg.lr * (cfg.dpo_beta or DEFAULT_BETA) * width,
+                             cfg.global_batch_size * width, cfg.momentum, s.precision, s.wire_dtype or "fp32",
+                             s.dp_size(world_size))
     return sgd_tolerance(cfg.max_steps, cfg.lr, cfg.global_batch_size, cfg.momentum, s.precision,
                          s.wire_dtype or "fp32", s.dp_size(world_size),
                          num_parameters if cfg.clip_grad_norm else 0, cfg.clip_grad_norm or 1.0)
@@ -357,6 +373,10 @@ def reference_run(cfg: TrainConfig, norms: list[float] | None = None) -> tuple[l
         lora.fill(model, lora.initial_state(model, cfg.seed))
         from distlab.train.adapters import narrow_base
         narrow_base(model, cfg.base_dtype)
+    score = task_loss
+    if is_preference(cfg.dataset):  # DPO: the starting model's log-probabilities, then each step the pairs' mean
+        data.reference = reference_logps(model, data)
+        score = dpo_mean(cfg.dpo_beta or DEFAULT_BETA)
     opt = (torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay) if cfg.optimizer == "adam"
            else torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay))
     losses, step, epoch = [], 0, 0
@@ -368,7 +388,7 @@ def reference_run(cfg: TrainConfig, norms: list[float] | None = None) -> tuple[l
             x, y = data.batch(torch.tensor(idx))
             opt.zero_grad()
             with Precision(cfg.strategy.precision).autocast():
-                loss = task_loss(model(x), y, label_smoothing=cfg.label_smoothing)
+                loss = score(model(x), y, label_smoothing=cfg.label_smoothing)
             loss.backward()
             if cfg.clip_grad_norm:
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
@@ -379,6 +399,33 @@ def reference_run(cfg: TrainConfig, norms: list[float] | None = None) -> tuple[l
             step += 1
         epoch += 1
     return [p.detach().clone() for p in model.parameters()], losses
+
+
+@torch.no_grad()
+def reference_logps(model: torch.nn.Module, data) -> torch.Tensor:
+    """Each target's log-probability under ``model`` in evaluation mode, per place of ``data``'s stream (one
+    process, every pair in one batch): DPO's reference."""
+    from distlab.models import IGNORE_INDEX, task_loss
+    was = model.training
+    model.eval()
+    x, y = data.with_positions().batch(torch.arange(len(data)))
+    target = y[..., 0].long()
+    kept = target != IGNORE_INDEX
+    found = torch.zeros(len(data.tokens))
+    found[y[..., 1].long()[kept]] = -task_loss(model(x), target, reduction="none").reshape(target.shape)[kept]
+    model.train(was)
+    return found
+
+
+def dpo_mean(beta: float):
+    """DPO's loss of a batch of pairs, the mean over them (``label_smoothing`` ignored: refused with pairs)."""
+    from distlab.models import task_loss
+    from distlab.train.preference import pair_scores, token_logps
+
+    def loss(out, y, label_smoothing=0.0):
+        logps, reference = token_logps(task_loss, out, y)
+        return pair_scores(logps, reference.to(logps.dtype), beta)[0].mean()
+    return loss
 
 
 def _distributed_runs(rank: int, world: int, configs: list[TrainConfig]):

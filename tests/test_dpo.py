@@ -1,0 +1,137 @@
+"""Direct preference optimisation (``--dataset dpo:FILE.jsonl``, distlab.train.preference): the paper's loss
+from transformers' log-probabilities of the same pairs, equal to one process on every layout, chat pairs
+rendered by the model's template, and bad pairs or flags refused before launch."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from distlab.models import IGNORE_INDEX
+
+BETA = 0.1
+
+
+def _pairs(path, n: int = 20) -> list[dict]:
+    rows = [{"prompt": f"Q{i}: is {i} even?", "chosen": " yes." if i % 2 == 0 else " no.",
+             "rejected": " no!" + "?" * (i % 3) if i % 2 == 0 else " yes, it is"} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def test_dpo_on_every_layout_equals_one_process():
+    """verify's DPO cases (ZeRO-3 with adapters, whose reference is the base with adapters off; context
+    parallel summing each rank's tokens' log-probabilities; TP + SP's vocabulary-parallel head) and a
+    pipeline's last stage scoring pairs: within verify's bound (beta x the pair's tokens' gradient)."""
+    from distlab.tools.verify import default_strategies, parse_strategy, verify
+    cases = [c for c in default_strategies(2) if c.dpo]
+    assert len(cases) == 3 and any(c.lora for c in cases)
+    cases.append(parse_strategy("bucketed+pp=2+microbatches=2+llama+dpo"))
+    records = verify(cases, 2, steps=3, timeout=600)
+    failed = [(r["strategy"], r["max_abs_param_diff"], r["max_loss_diff"], r["tolerance"]) for r in records
+              if not r["passed"]]
+    assert not failed, failed
+
+
+def _logps(model, ids: list[int], first: int) -> float:
+    """Sum of the log-probabilities of ``ids[first:]`` given what precedes each (float64)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].double()
+    logp = torch.log_softmax(logits, -1)
+    return float(sum(logp[t - 1, ids[t]] for t in range(first, len(ids))))
+
+
+@pytest.mark.parametrize("layout", [[], ["--nproc-per-node", "2", "--tp", "2"]], ids=["one process", "tp 2"])
+def test_the_first_steps_loss_is_the_papers_formula_from_transformers_log_probabilities(layout, run_cli, tmp_path):
+    """A base checkpoint and a PEFT adapter that moves it (random A and B): the reference is the base (the
+    adapters off), the trained model base + adapter. The first step's logged loss, reward margin and
+    preference accuracy over the whole training set (one global batch) are the DPO paper's, computed from
+    transformers' and PEFT's float64 log-probabilities of the same tokens -- within twice transformers' own
+    float32 rounding per logit, times the tokens a pair sums over, times beta."""
+    peft = pytest.importorskip("peft", reason="peft (the test extra) is not installed: pip install -e '.[test]'")
+    from tests.test_hf import _saved
+    base = _saved("LlamaForCausalLM", tmp_path / "base")
+    torch.manual_seed(1)
+    adapted = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                        init_lora_weights=False))
+    adapted.save_pretrained(tmp_path / "adapter")
+    rows = _pairs(tmp_path / "pairs.jsonl")
+    train = [r for i, r in enumerate(rows) if i % 10 != 9]
+    block = 24
+    run_cli("train", *layout, "--init-from", f"hf:{tmp_path / 'base'}", "--lora-from", f"peft:{tmp_path / 'adapter'}",
+            "--dataset", f"dpo:{tmp_path / 'pairs.jsonl'}", "--block-size", str(block), "--global-batch-size",
+            str(len(train)), "--max-steps", "1", "--log-every", "1", "--dpo-beta", str(BETA), "--no-progress",
+            "--out", str(tmp_path / "run"), check=True)
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    adapted = adapted.double().eval()
+    losses, margins, worst = [], [], 0.0
+    for r in train:
+        prompt = list(r["prompt"].encode())
+        rewards = []
+        for completion in (r["chosen"], r["rejected"]):
+            ids = (prompt + list(completion.encode()))[:block + 1]
+            policy = _logps(adapted, ids, len(prompt))
+            with adapted.disable_adapter():
+                reference = _logps(adapted, ids, len(prompt))
+            rewards.append(BETA * (policy - reference))
+        margins.append(rewards[0] - rewards[1])
+        losses.append(-torch.nn.functional.logsigmoid(torch.tensor(margins[-1], dtype=torch.float64)).item())
+    with torch.no_grad():  # transformers' float32 rounding of its logits on these windows
+        x = torch.tensor([(list(r["prompt"].encode()) + list(r["chosen"].encode()))[:block] for r in train[:1]])
+        exact = adapted(x).logits
+        rounded = adapted.float()(x).logits.double()
+        per_logit = 2 * (rounded - exact).abs().max().item() + \
+            4 * torch.finfo(torch.float32).eps * exact.abs().max().item()
+    # a pair's margin sums 2 x block token log-probabilities, each within 2 x per_logit, for both models
+    bound = BETA * 2 * block * 2 * 2 * per_logit
+    assert abs(first["loss"] - sum(losses) / len(losses)) <= bound, (first["loss"], sum(losses) / len(losses), bound)
+    assert abs(first["reward_margin"] - sum(margins) / len(margins)) <= bound
+    assert min(abs(m) for m in margins) > bound  # (so the count below is exact)
+    assert first["reward_accuracy"] == sum(m > 0 for m in margins) / len(margins)
+    assert abs(first["loss"] - math.log(2)) > 100 * bound  # the adapter moved the model: not the trivial start
+
+
+def test_chat_pairs_render_through_the_template_and_score_the_replies(tmp_path):
+    """A conversational pair (TRL's explicit and implicit prompt forms): both windows start with the
+    template's rendering of the conversation, and only each reply and its end of turn are targets."""
+    from distlab.data import load_dataset
+    from tests.test_chat_families import _family_dir, _transformers
+    tok = _family_dir("llama3", tmp_path / "m")
+    theirs = _transformers().AutoTokenizer.from_pretrained(str(tmp_path / "m"))
+    ask = [{"role": "user", "content": "the quick brown fox?"}]
+    good, bad = [{"role": "assistant", "content": "the lazy dog"}], [{"role": "assistant", "content": "fox"}]
+    rows = [{"prompt": ask, "chosen": good, "rejected": bad}, {"chosen": ask + good, "rejected": ask + bad}] * 10
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = load_dataset(f"dpo:{tmp_path / 'chat.jsonl'}", "train", block_size=192, tokenizer=f"hf:{tmp_path / 'm'}")
+    x, y = data.batch(torch.arange(2))
+    assert x.shape == (4, 192) and y.shape == (4, 192, 2)
+    prompt = len(theirs.apply_chat_template(ask, tokenize=True, add_generation_prompt=True,
+                                            return_dict=True)["input_ids"])
+    for row, reply in zip(range(4), [good, bad, good, bad]):
+        whole = theirs.apply_chat_template(ask + reply, tokenize=True, return_dict=True)["input_ids"]
+        assert x[row, :len(whole)].tolist() == whole
+        targets = y[row, :, 0][y[row, :, 0] != IGNORE_INDEX].long().tolist()
+        assert targets == whole[prompt:], tok.decode(targets, skip_special_tokens=False)
+    assert (y[..., 1] == 0).all()  # no reference yet: the run computes it
+
+
+def test_bad_pairs_and_flags_are_refused_before_launch(refused_here, tmp_path):
+    _pairs(tmp_path / "pairs.jsonl")
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "a", "chosen": "b"}) + "\n")
+    (tmp_path / "mixed.jsonl").write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": [{}]}) + "\n")
+    base = ["train", "--model", "llama", "--n-layer", "1", "--n-embd", "32", "--n-head", "4", "--block-size", "24",
+            "--max-steps", "1"]
+    pairs = ["--dataset", f"dpo:{tmp_path / 'pairs.jsonl'}"]
+    for extra, message in [
+            (["--dataset", f"dpo:{tmp_path / 'bad.jsonl'}"], "bad.jsonl:1: a preference record is"),
+            (["--dataset", f"dpo:{tmp_path / 'mixed.jsonl'}"], "all text or all chat messages"),
+            (["--dataset", f"dpo:{tmp_path / 'none.jsonl'}"], "no such file"),
+            ([*pairs, "--pack"], "drop --pack"),
+            ([*pairs, "--label-smoothing", "0.1"], "DPO's loss is a pair's"),
+            ([*pairs, "--dpo-beta", "0"], "--dpo-beta must be positive"),
+            (["--dataset", "synthetic-text:2000", "--dpo-beta", "0.1"], "is not pairs")]:
+        proc = refused_here(*base, *extra)
+        assert proc.stderr.count("\n") == 1 and message in proc.stderr, (extra, proc.stderr)
