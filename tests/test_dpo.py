@@ -135,3 +135,32 @@ def test_bad_pairs_and_flags_are_refused_before_launch(refused_here, tmp_path):
             (["--dataset", "synthetic-text:2000", "--dpo-beta", "0.1"], "is not pairs")]:
         proc = refused_here(*base, *extra)
         assert proc.stderr.count("\n") == 1 and message in proc.stderr, (extra, proc.stderr)
+
+
+def test_a_dpo_run_resumes_bitwise_and_the_report_draws_its_rewards(run_cli, tmp_path):
+    """The whole model trained (no adapters): its reference is the starting model, which a resumed run no
+    longer holds after loading its snapshot -- it recomputes the reference first, so a run stopped at step 2
+    and resumed ends bitwise where the uninterrupted one does (a reference taken from the resumed weights
+    would differ). The log and summary say DPO's loss, reward margin and preference accuracy, and `distlab
+    report` draws the rewards."""
+    from tests.test_lora import _whole
+    base = ["train", "--model", "llama", "--n-layer", "1", "--n-embd", "32", "--n-head", "4", "--dataset",
+            "synthetic-pairs:60", "--block-size", "8", "--global-batch-size", "6", "--lr", "0.5", "--log-every", "1",
+            "--lr-schedule", "constant", "--snapshot-every", "2", "--keep-snapshots", "5", "--no-progress",
+            "--nproc-per-node", "2"]
+    whole = run_cli(*base, "--max-steps", "4", "--snapshot-dir", str(tmp_path / "a"), "--out", str(tmp_path / "arun"),
+                    check=True)
+    assert "54 preference pairs" in whole.stdout and "preference accuracy" in whole.stdout
+    run_cli(*base, "--max-steps", "2", "--snapshot-dir", str(tmp_path / "b"), "--out", str(tmp_path / "brun"), check=True)
+    run_cli(*base, "--max-steps", "4", "--snapshot-dir", str(tmp_path / "b"), "--resume", "auto", "--out",
+            str(tmp_path / "brun2"), check=True)
+    a, b = (_whole(next((tmp_path / d).glob("step-*4"))) for d in ("a", "b"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    metrics = [json.loads(line) for line in (tmp_path / "arun" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # the model is its reference at the start
+    assert metrics[-1]["loss"] < metrics[0]["loss"] and metrics[-1]["reward_margin"] > 0
+    summary = json.loads((tmp_path / "arun" / "summary.json").read_text())
+    assert summary["loss_unit"] == "dpo" and summary["dpo_beta"] == BETA and "test_reward_margin" in summary
+    run_cli("report", str(tmp_path / "arun"), "-o", str(tmp_path / "report.html"), check=True)
+    page = (tmp_path / "report.html").read_text()
+    assert "preference tuning (DPO)" in page and page.count("<img") >= 3

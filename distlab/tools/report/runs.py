@@ -15,6 +15,8 @@ def _task(summary: dict | None) -> tuple[str, str, str]:
     """(what the runs do, the loss's unit, what accuracy counts) from a run's summary."""
     if not summary:
         return "runs without a summary.json", "", ""
+    if summary.get("loss_unit") == "dpo":
+        return "preference tuning (DPO)", "DPO loss", "test pairs whose chosen completion has the larger reward"
     if summary.get("loss_unit") == "nats/token":
         return "next-token prediction", "nats/token", "next tokens predicted"
     return "classification", "cross-entropy, nats/sample", "test samples classified"
@@ -62,6 +64,7 @@ def _runs_section(dataset: str, runs: list[dict], problems: list[tuple[str, str]
         ax.set(xlabel="step", ylabel="gradient norm before clipping", title=f"{dataset}: gradient norm")
         place_legend(ax, len(clipped))
         out.append(png(fig))
+    out.append(_rewards([r for r in with_metrics if any("reward_margin" in m for m in r["metrics"])], dataset))
     evaluated = [r for r in runs if len((r["summary"] or {}).get("evals") or []) >= 2]
     if evaluated:  # --eval-every (or several epochs): the held-out loss over the run: test solid, validation dashed
         fig, ax = plt.subplots(figsize=(9, 3.6))
@@ -102,6 +105,24 @@ def _runs_section(dataset: str, runs: list[dict], problems: list[tuple[str, str]
         out.append(_best_predictions(done, problems))
         out.append(_expert_load([r for r in done if (r["summary"].get("experts") or {}).get("load")]))
     return "\n".join(out)
+
+
+def _rewards(runs: list[dict], dataset: str) -> str:
+    """Preference tuning (DPO): the training pairs' reward margin (chosen minus rejected, each ``beta (log pi -
+    log ref)``) and the share of pairs preferred, every logged step."""
+    if not runs:
+        return ""
+    plt = pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 3.8))
+    for i, r in enumerate(runs):
+        steps = [m for m in r["metrics"] if "reward_margin" in m]
+        kw = style(i, len(steps))
+        a.plot([m["step"] for m in steps], [m["reward_margin"] for m in steps], label=run_label(r), **kw)
+        b.plot([m["step"] for m in steps], [100 * m["reward_accuracy"] for m in steps], label=run_label(r), **kw)
+    a.set(xlabel="step", ylabel="reward margin (chosen - rejected)", title=f"{dataset}: reward margin")
+    b.set(xlabel="step", ylabel="pairs preferred (%)", title=f"{dataset}: preference accuracy", ylim=(0, 100))
+    place_legend(b, len(runs))
+    return png(fig)
 
 
 def _expert_load(runs: list[dict]) -> str:
