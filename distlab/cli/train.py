@@ -210,9 +210,11 @@ def generate(source, prompt, max_new_tokens, temperature, top_k, seed, n_head, t
     """Print text from a trained language model: a run directory (its last snapshot), a snapshot of any
     layout, an exported model file, or hf:DIR (a Hugging Face checkpoint and its tokenizer.json). The text
     is printed as it is sampled; it stops at the tokenizer's end-of-sequence token, where it has one."""
-    from distlab.tools.generate import chat_prompt, load_gpt, stream
-    model, tokenizer, where = load_gpt(source, n_head, tokenizer_file)
-    text = chat_prompt(source, prompt) if chat else prompt
+    from distlab.tools.generate import chat_prompt, stream
+    from distlab.train.loading import load
+    loaded = load(source, n_head, tokenizer_file)
+    model, tokenizer, where = loaded
+    text = chat_prompt(source, prompt, loaded.meta) if chat else prompt
     click.echo(f"{where}: {sum(p.numel() for p in model.parameters()):,} parameters, {tokenizer.spec} tokens; "
                f"seed {seed}", err=True)
     pieces = stream(model, text, max_new_tokens, temperature, top_k, seed, tokenizer, cache, top_p, begin=not chat)

@@ -147,16 +147,38 @@ class ChatTemplate:
         root = Path(directory)
         config_path = root / "tokenizer_config.json"
         config = read_json(config_path, str(root)) if config_path.is_file() else {}
-        source, where, file = config.get("chat_template"), f"{config_path}: chat_template", str(config_path)
+        jinja = root / "chat_template.jinja"
+        if jinja.is_file():
+            try:
+                jinja_text = jinja.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                raise ConfigError(f"{jinja} is not text (UTF-8)") from None
+        return cls.of(config, jinja_text if jinja.is_file() else None, str(config_path), str(jinja))
+
+    @classmethod
+    def from_files(cls, files: dict[str, str], where: str) -> "ChatTemplate | None":
+        """The template of a model's tokenizer files as a run kept them (name -> text: ``tokenizer_config.json``,
+        ``chat_template.jinja``), ``where`` naming whose they are; None where they hold none."""
+        config = {}
+        if isinstance(files.get("tokenizer_config.json"), str):
+            try:
+                config = json.loads(files["tokenizer_config.json"])
+            except (ValueError, RecursionError):
+                raise ConfigError(f"{where}: its tokenizer_config.json is not JSON") from None
+        return cls.of(config if isinstance(config, dict) else {}, files.get("chat_template.jinja"),
+                      f"{where}: tokenizer_config.json", f"{where}: chat_template.jinja")
+
+    @classmethod
+    def of(cls, config: dict, jinja: str | None, config_where: str, jinja_where: str) -> "ChatTemplate | None":
+        """The template of a parsed ``tokenizer_config.json`` (``chat_template``: a Jinja text, or a list of named
+        ones, ``default`` used), else of ``chat_template.jinja``'s text; its special tokens from the config."""
+        source, where, file = config.get("chat_template"), f"{config_where}: chat_template", config_where
         if isinstance(source, list):  # named templates: the default one
             source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"),
                           None)
-        if source is None and (root / "chat_template.jinja").is_file():
-            file = where = str(root / "chat_template.jinja")
-            try:
-                source = (root / "chat_template.jinja").read_text(encoding="utf-8")
-            except UnicodeDecodeError:
-                raise ConfigError(f"{where} is not text (UTF-8)") from None
+        if source is None and isinstance(jinja, str):
+            source, file = jinja, jinja_where
+            where = jinja_where
         if not isinstance(source, str):
             return None
         special = {}

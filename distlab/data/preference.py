@@ -185,9 +185,11 @@ def load_pairs(spec: str, split: str, block_size: int, tokenizer: str = tokenize
     width = block_size + 1
     stream = np.zeros(2 * len(mine) * width, dtype=np.int64)
     ignored = np.ones(len(stream), dtype=bool)
-    cut = scored = empty = 0
+    cut = scored = empty = completion_tokens = completion_bytes = 0
     for n, record in enumerate(r for p in mine for r in (p.chosen, p.rejected)):
         head, tail = sft.encode(tok, record)
+        completion_tokens += len(tail)
+        completion_bytes += len(record.completion.encode())
         ids = (head + tail)[:width]
         first = max(len(head), 1)
         cut += len(head) + len(tail) > width
@@ -201,7 +203,8 @@ def load_pairs(spec: str, split: str, block_size: int, tokenizer: str = tokenize
     data = PreferenceDataset(spec, split, torch.from_numpy(stream), block_size,
                              torch.arange(2 * len(mine)) * width, spec[len(PREFIX):] if spec.startswith(PREFIX)
                              else "generated", tok.vocab_size, tokenizer=tok if tok.sha256 else None,
-                             ignored=torch.from_numpy(ignored), records=True)
+                             ignored=torch.from_numpy(ignored), records=True,
+                             tokens_per_byte=completion_tokens / completion_bytes if completion_bytes else 1.0)
     chats = sum(p.chosen.chat for p in mine)
     data.about = (f"{len(mine):,} preference pairs, each completion one window padded to {width} tokens, the loss "
                   f"DPO's on their {scored:,} completion tokens" + (f"; {cut:,} completions cut at the window's end"

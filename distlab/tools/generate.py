@@ -18,14 +18,20 @@ from distlab.train.loading import load
 __all__ = ["generate", "gpt_from_state", "load", "load_gpt", "stream"]
 
 
-def chat_prompt(source: str | Path, message: str) -> str:
-    """``message`` as a user's turn rendered by the chat template of ``source`` (hf:DIR), with the template's
-    generation prompt: the text the model continues with the assistant's reply."""
+def chat_prompt(source: str | Path, message: str, meta: dict | None = None) -> str:
+    """``message`` as a user's turn rendered by the chat template of ``source`` -- hf:DIR's, or the one a run
+    kept from the Hugging Face files it started from (``meta``: what was recorded with its model) -- with
+    the template's generation prompt: the text the model continues with the assistant's reply."""
     from distlab.data.chat import ChatTemplate
-    template = ChatTemplate.from_dir(str(source)[3:]) if str(source).startswith("hf:") else None
+    if str(source).startswith("hf:"):
+        template = ChatTemplate.from_dir(str(source)[3:])
+    else:
+        kept = (meta or {}).get("hf")
+        files = kept.get("files") if isinstance(kept, dict) else None
+        template = ChatTemplate.from_files(files, str(source)) if isinstance(files, dict) else None
     if template is None:
         raise ConfigError(f"--chat renders the prompt with a model's chat template: {source} has none (give hf:DIR "
-                          f"of a model whose tokenizer_config.json has chat_template)")
+                          f"of a model whose tokenizer_config.json has chat_template, or a run started from one)")
     return template.render([{"role": "user", "content": message}], add_generation_prompt=True)
 
 
