@@ -111,6 +111,10 @@ def test_chat_fine_tuning_starts_from_the_command_line_on_one_and_two_processes(
     # the same weights and batch: 40 positions x the widest dimension (320 logits) x 12 layers of terms, each
     # of at most the loss (~log 320) -- rounding only; a target lost or gained moves it by ~loss/72
     assert abs(first[0] - first[1]) <= sum_tolerance(40 * 320 * 12, 10.0), first
+    # the run kept the template it read: `generate RUN --chat` asks its model the way it was tuned
+    proc = run_cli("generate", str(tmp_path / "one"), "--chat", "--prompt", "the quick fox?", "--max-new-tokens", "3",
+                   "--temperature", "0", check=True)
+    assert "model file" in proc.stderr, proc.stderr
 
 
 def test_a_chat_template_without_an_end_of_turn_ends_each_reply_with_the_tokenizers_eos_token(tmp_path):

@@ -207,7 +207,7 @@ def load_pairs(spec: str, split: str, block_size: int, tokenizer: str = tokenize
                              tokens_per_byte=completion_tokens / completion_bytes if completion_bytes else 1.0)
     chats = sum(p.chosen.chat for p in mine)
     data.about = (f"{len(mine):,} preference pairs, each completion one window padded to {width} tokens, the loss "
-                  f"DPO's on their {scored:,} completion tokens" + (f"; {cut:,} completions cut at the window's end"
+                  f"DPO's on their {scored:,} completion tokens" + (f"; {cut:,} completion{'s' if cut != 1 else ''} cut at the window's end"
                                                                      if cut else "")
                   + (f"; {chats:,} chat pairs rendered by the chat template" if chats else ""))
     return data
