@@ -22,7 +22,7 @@ from tests.trace_format import complete_events
 
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "plan"
 WORLD = 4
-CASES = [c for c in default_strategies(WORLD) if not c.dpo]  # (the planner prices windows, not pairs)
+CASES = default_strategies(WORLD)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def test_every_verified_layout_is_predicted_drawn_and_validated(case, calibratio
     t = trace(cfg.model, shape, classes, options=cfg.options, lora=cfg.lora_spec())
     strategy = cfg.strategy
     lay = Layout(dp=strategy.dp_size(WORLD), strategy=strategy, optimizer=cfg.optimizer, momentum=cfg.momentum,
-                 global_batch=cfg.global_batch_size)
+                 global_batch=cfg.global_batch_size, pairs=cfg.dataset.startswith("synthetic-pairs"))
     p = predict(t, lay, Link(), calibration)
     drawn = trace_file.predicted_trace(p["timeline"], str(strategy))
     spans = complete_events(drawn)  # the trace format's rules, nesting on every thread included

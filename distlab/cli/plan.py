@@ -122,12 +122,13 @@ def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_byt
                   lora=LoRASpec.parse(lora) if lora is not None else None)
     path = calibration or (DEFAULT_CALIBRATION if _os.path.exists(DEFAULT_CALIBRATION) else None)
     cal = pp.Calibration.load(path) if path else None
+    from distlab.data.preference import is_preference
     from distlab.parallel import Strategy
     if strategy_fields.get("pp_balance") is not None:
         strategy_fields["pp_balance"] = csv_ints(strategy_fields["pp_balance"])
     lay = pp.Layout(dp=dp, strategy=Strategy(**strategy_fields), optimizer=optimizer, momentum=momentum,
                     global_batch=global_batch_size, threads=threads, ignored_targets=ignored_targets,
-                    label_smoothing=label_smoothing > 0).check()
+                    label_smoothing=label_smoothing > 0, pairs=is_preference(dataset)).check()
     net = machine.Link.parse(link, latency, burst)
     if sweep:
         given = [k for k in strategy_fields if ctx.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT]

@@ -34,6 +34,7 @@ class Layout:
     oversubscription: float = 1.0  # ranks x threads per core on the busiest host: compute runs this much slower
     ignored_targets: bool = False  # some targets are not scored (a fine-tuning prompt's): their count is reduced
     label_smoothing: bool = False  # the loss smooths its labels: one more reduction per token across a split vocabulary
+    pairs: bool = False  # a sample is a preference pair (DPO): two windows, their log-probabilities summed per row
 
     def check(self) -> "Layout":
         if self.dp < 1:
@@ -129,6 +130,10 @@ def comm_bytes(t: Trace, lay: Layout, sync, stages: list[dict], micro: int, opti
                 by["tied"] = by.get("tied", 0) + sent("native", 2, numel * first.element_size, "all_reduce")
     if lay.ignored_targets:  # the global batch's kept targets, counted once per step over the replicas
         by["kept_targets"] = sent("native", lay.replicas, 4, "all_reduce")
+    if lay.pairs and lay.cp > 1 and lay.pp == 1:  # DPO: each micro-batch's rows' log-probability sums (float32)
+        # and their reference's (float64), summed over the context-parallel ranks
+        by["preference"] = lay.strategy.micro_steps * sum(sent("native", lay.cp, micro * size, "all_reduce")
+                                                          for size in (4, 8))
     return {"comm_bytes_per_step_per_rank": int(round(sum(by.values()))),
             "comm_bytes_by": {k: int(round(v)) for k, v in by.items()}}
 
@@ -145,7 +150,7 @@ def load_peak(t: Trace, parts: dict, strategy) -> int:
 def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     """Memory per rank and (with a calibration) time per step of ``lay`` over ``link``."""
     lay.check()
-    micro = lay.global_batch // lay.dp // lay.strategy.micro_steps
+    micro = lay.global_batch // lay.dp // lay.strategy.micro_steps * (2 if lay.pairs else 1)  # rows
     optim = Optim.of(lay.optimizer, lay.momentum)
     if lay.strategy.activation_checkpointing and not (t.blocks and t.layers):
         raise ConfigError("`activation_checkpointing`: plan counts what each layer keeps, and this model lists no "

@@ -48,7 +48,8 @@ def layout_of(summary: dict, threads: int | None = None) -> Layout:
     over = summary["world_size"] * threads / summary["cores"] if summary.get("cores") else 1.0
     return Layout(dp=strategy.dp_size(summary["world_size"]), strategy=strategy, optimizer=summary.get("optimizer", "sgd"),
                   momentum=cfg.get("momentum", 0.9), global_batch=summary["global_batch_size"],
-                  threads=threads, oversubscription=max(1.0, over))
+                  threads=threads, oversubscription=max(1.0, over),
+                  pairs=str(summary.get("dataset", "")).startswith(("dpo:", "synthetic-pairs")))
 
 
 def validate(cal: Calibration, paths: list[str], world_min: int = 2) -> list[dict]:
