@@ -129,12 +129,17 @@ def full_parameters(model: nn.Module) -> list[torch.Tensor]:
         if isinstance(m, ShardedLayer):  # it gathers its own
             out.extend(m.full_parameters())
             return
-        out.extend(p.detach().clone() for p in m.parameters(recurse=False))
+        out.extend(value_copy(p) for p in m.parameters(recurse=False))
         for child in m.children():
             visit(child)
 
     visit(model)
     return out
+
+
+def value_copy(p: torch.Tensor) -> torch.Tensor:
+    """A copy of a parameter's values: a quantized one's (torchao's NF4 weight) dequantized."""
+    return p.get_original_weight() if hasattr(p, "get_original_weight") else p.detach().clone()
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -21,14 +21,25 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (``None`` and empty storages count 0)."""
     seen: set[int] = set()
     total = 0
-    for t in tensors:
-        if t is None:
-            continue
+    for t in plain(tensors):
         storage = _local(t).untyped_storage()
         if storage.nbytes() and storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
+
+
+def plain(tensors: Iterable[torch.Tensor | None]):
+    """``tensors`` with each tensor subclass that holds others (a quantized weight: its codes and scales, as
+    torch's ``__tensor_flatten__`` names them) replaced by those; ``None`` left out."""
+    for t in tensors:
+        if t is None:
+            continue
+        if hasattr(t, "__tensor_flatten__") and not hasattr(t, "to_local"):
+            names, _ = t.__tensor_flatten__()
+            yield from plain(getattr(t, name) for name in names)
+        else:
+            yield t
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:

@@ -86,7 +86,7 @@ class Case:
     options: tuple[tuple[str, int | str], ...] = ()  # +NAME=N after the model: its sizes beside verify's small ones
     # (or a text option's value: +rope_scaling=llama3,factor=8,original_max_position_embeddings=16)
     lora: str | None = None  # +lora=r=4,alpha=8,targets=q,v: low-rank adapters trained, the rest frozen
-    base_dtype: str = "float32"  # +base=bf16: that frozen base held in bf16 (with +bf16)
+    base_dtype: str = "float32"  # +base=bf16 (or nf4: QLoRA's 4-bit weights): that frozen base's type (with +bf16)
     dpo: bool = False  # +dpo: DPO on generated preference pairs (the reference: the starting model)
 
     @property
@@ -94,7 +94,7 @@ class Case:
         return (str(self.strategy) + ("+adam" if self.optimizer == "adam" else "")
                 + (f"+{self.model}" if self.model else "") + "".join(f"+{k}={v}" for k, v in self.options)
                 + ("+clip" if self.clip else "") + ("+smooth" if self.smoothing else "") + ("+mask" if self.masked else "")
-                + (f"+lora={self.lora}" if self.lora else "") + ("+base=bf16" if self.base_dtype == "bf16" else "")
+                + (f"+lora={self.lora}" if self.lora else "") + (f"+base={self.base_dtype}" if self.base_dtype != "float32" else "")
                 + ("+dpo" if self.dpo else ""))
 
     def flags(self) -> dict:
@@ -307,6 +307,9 @@ def reference_run(cfg: TrainConfig, norms: list[float] | None = None) -> tuple[l
         lora.fill(model, lora.initial_state(model, cfg.seed))
         from distlab.train.adapters import narrow_base
         narrow_base(model, cfg.base_dtype)
+        if cfg.base_dtype == "nf4":  # the adapted layers' weights quantized as the run quantizes them
+            from distlab.train.quantized_base import quantize
+            quantize(model)
     score = task_loss
     if is_preference(cfg.dataset):  # DPO: the starting model's log-probabilities, then each step the pairs' mean
         data.reference = reference_logps(model, data)
@@ -332,7 +335,8 @@ def reference_run(cfg: TrainConfig, norms: list[float] | None = None) -> tuple[l
             losses.append(loss.item())
             step += 1
         epoch += 1
-    return [p.detach().clone() for p in model.parameters()], losses
+    from distlab.parallel.placement import value_copy
+    return [value_copy(p) for p in model.parameters()], losses
 
 
 @torch.no_grad()

@@ -10,7 +10,7 @@ from torch import nn
 from distlab.errors import ConfigError
 from distlab.models import lora
 
-BASE_DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
+BASE_DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "nf4": torch.bfloat16}  # nf4: the rest in bf16
 
 
 def _source(cfg) -> tuple[str, dict[str, str]]:
@@ -66,15 +66,17 @@ def check_fine_tuning(cfg) -> None:
 
 
 def check_base_dtype(cfg) -> None:
-    """``base_dtype`` bf16: a frozen base under adapters, computed in bf16 under autocast."""
+    """``base_dtype`` bf16 or nf4: a frozen base under adapters, computed in bf16 under autocast."""
     if cfg.base_dtype not in BASE_DTYPES:
         raise ConfigError(f"`base_dtype` {cfg.base_dtype}: choose {' or '.join(BASE_DTYPES)}")
     if cfg.base_dtype != "float32" and cfg.lora is None:
         raise ConfigError(f"`base_dtype` {cfg.base_dtype} holds a frozen base in a narrower type: the base is "
                           f"frozen under `lora` (add it) -- a trained model keeps float32 weights")
-    if cfg.base_dtype == "bf16" and cfg.strategy.precision != "bf16":
-        raise ConfigError("`base_dtype` bf16: the frozen base computes in bf16 under autocast, beside float32 "
-                          "adapters: add `precision` bf16")
+    if cfg.base_dtype != "float32" and cfg.strategy.precision != "bf16":
+        raise ConfigError(f"`base_dtype` {cfg.base_dtype}: the frozen base computes in bf16 under autocast, beside "
+                          f"float32 adapters: add `precision` bf16")
+    from distlab.train import quantized_base
+    quantized_base.check(cfg)
 
 
 def attach(cfg, net: nn.Module, real: bool) -> dict:

@@ -281,8 +281,9 @@ class RunState:
         return bool(every) and self.step % every == 0 and self.step < total_steps
 
     def _weights_finite(self) -> bool:
-        """Whether every rank's weights are finite (one pass over them and one all-reduce of a flag)."""
-        params = [p.detach() for p in self.engine.parameters()]
+        """Whether every rank's trained weights are finite (one pass over them and one all-reduce of a flag; a
+        frozen weight never changes)."""
+        params = [p.detach() for p in self.engine.parameters() if p.requires_grad]
         bad = torch.zeros((), device=self.rt.device) if not params else \
             torch.stack([torch.isfinite(p).all().logical_not() for p in params]).any().float()
         if dist.is_initialized() and dist.get_world_size() > 1:

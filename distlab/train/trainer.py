@@ -37,6 +37,7 @@ from distlab.train.evaluate import DEFAULT_EVAL_BATCH, eval_batch, eval_words, e
 from distlab.train.throughput import Throughput
 from distlab.train.observe import StepObserver
 from distlab.train.adapters import attach as attach_adapters
+from distlab.train.quantized_base import quantize as quantize_base
 from distlab.train.export import init_slices, load_init
 from distlab.train import language
 from distlab.train.metrics import MetricsLog, anon_rss_mb, atomic_write_text, write_predictions, write_summary
@@ -126,6 +127,8 @@ class Trainer:
             self.engine.load_sharded_state_dict(pieces)
         elif slices is not None:
             self.engine.load_sharded_state_dict(state_from_full(self.engine, slices))
+        if cfg.base_dtype == "nf4":  # QLoRA: the adapted layers' weights quantized, their values in place
+            quantize_base(self.engine.module)
         # What training minimises: the task's cross-entropy, its targets smoothed if asked (not evaluations').
         self.loss_fn = functools.partial(self.engine.loss, label_smoothing=cfg.label_smoothing) \
             if cfg.label_smoothing else self.engine.loss

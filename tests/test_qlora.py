@@ -1,0 +1,91 @@
+"""QLoRA's 4-bit base (``--base-dtype nf4``, distlab.train.quantized_base): each adapted layer's frozen weight
+held as torchao's NF4 tensor, equal to one process on data and pipeline parallel, snapshots that hold the
+values the model computes with and resume bitwise, less model state than a bf16 base, and the layouts that
+cannot hold it refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+SPEC = "r=4,alpha=8,targets=q,v,o_proj,down"
+
+
+def _torchao():
+    pytest.importorskip("torchao", reason="torchao (the test extra) is not installed: pip install -e '.[test]'")
+
+
+def test_a_quantized_layer_computes_with_nf4s_values_and_its_adapter():
+    """The adapted layer's weight becomes torchao's NF4 tensor of the bf16 weight (blocks of 64, the scales
+    of a small layer in blocks dividing their count); the layer computes F.linear with those dequantized
+    values plus the adapter's update, and its state dict holds the dequantized values."""
+    _torchao()
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+    from distlab.models import lora
+    from distlab.train.quantized_base import quantize, scaler_block
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))  # (the last: a head, kept)
+    original = model[0].weight.detach().to(torch.bfloat16)
+    lora.apply(model, lora.LoRASpec.parse("r=2,alpha=4,targets=0"))
+    with torch.no_grad():
+        model[0].lora_b.normal_()
+    assert quantize(model) == 1 and quantize(model) == 0  # once
+    values = to_nf4(original, 64, scaler_block(original.numel())).get_original_weight()
+    assert torch.equal(model.state_dict()["0.weight"], values) and model.state_dict()["0.weight"].dtype == torch.bfloat16
+    blocks = values.flatten().reshape(-1, 64)
+    assert max(len(b.unique()) for b in blocks) <= 16  # 4 bits: at most 16 levels (times its scale) per block
+    x = torch.randn(3, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # (the dequantized weight in bf16 under autocast)
+        got = model[0](x)
+        expected = (torch.nn.functional.linear(x, values.float()) + model[0].bias) + \
+            torch.nn.functional.linear(torch.nn.functional.linear(x, model[0].lora_a), model[0].lora_b) * 2.0
+    assert torch.equal(got, expected)
+    assert scaler_block(64 * 256) == 256 and scaler_block(64 * 12) == 12 and scaler_block(64 * 300) == 150
+
+
+def test_qlora_on_data_and_pipeline_parallel_equals_one_process():
+    """verify's bf16 bound: the same weights quantized the same way on every rank as on one process."""
+    _torchao()
+    from distlab.tools.verify import parse_strategy, verify
+    cases = [parse_strategy(f"{s}+bf16+llama+lora=r=2,alpha=4,targets=q,v,o,down+base=nf4")
+             for s in ("bucketed", "bucketed+pp=2+microbatches=2")]
+    records = verify(cases, 2, steps=3, timeout=600)
+    failed = [(r["strategy"], r["max_abs_param_diff"], r["tolerance"]) for r in records if not r["passed"]]
+    assert not failed, failed
+
+
+def test_a_qlora_fine_tune_resumes_bitwise_and_holds_less_than_a_bf16_base(run_cli, refused_here, tmp_path):
+    """`--base-dtype nf4` from a Hugging Face checkpoint on 2 processes: the header says so; a run stopped at
+    step 2 and resumed ends bitwise where the uninterrupted one does (the snapshot's dequantized weights
+    quantize back to the same values); its snapshot holds those bf16 values; its model state is below the
+    same run's with a bf16 base; ZeRO and a missing --precision bf16 are refused in one line."""
+    _torchao()
+    from tests.test_hf import _saved
+    from tests.test_lora import _whole
+    _saved("LlamaForCausalLM", tmp_path / "in")
+    base = ["train", "--init-from", f"hf:{tmp_path / 'in'}", "--dataset", "synthetic-text:2000", "--block-size",
+            "16", "--global-batch-size", "8", "--optimizer", "adamw", "--lr", "0.01", "--lr-schedule", "constant",
+            "--no-progress", "--nproc-per-node", "2", "--lora", SPEC, "--precision", "bf16", "--snapshot-every", "2",
+            "--keep-snapshots", "5"]
+    nf4 = [*base, "--base-dtype", "nf4"]
+    whole = run_cli(*nf4, "--max-steps", "4", "--snapshot-dir", str(tmp_path / "a"), "--out", str(tmp_path / "arun"),
+                    check=True)
+    assert "held in nf4" in whole.stdout, whole.stdout
+    run_cli(*nf4, "--max-steps", "2", "--snapshot-dir", str(tmp_path / "b"), "--out", str(tmp_path / "brun"), check=True)
+    run_cli(*nf4, "--max-steps", "4", "--snapshot-dir", str(tmp_path / "b"), "--resume", "auto", "--out",
+            str(tmp_path / "brun2"), check=True)
+    a, b = (_whole(next((tmp_path / d).glob("step-*4"))) for d in ("a", "b"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert a["1.attn.q.weight"].dtype == torch.bfloat16 and a["1.attn.q.lora_a"].dtype == torch.float32
+    run_cli(*base, "--base-dtype", "bf16", "--max-steps", "2", "--snapshot-dir", str(tmp_path / "c"), "--out",
+            str(tmp_path / "crun"), check=True)
+    held = [json.loads((tmp_path / d / "summary.json").read_text())["model_state_bytes_per_rank"]
+            for d in ("arun", "crun")]
+    assert held[0] < held[1], held
+    fp32 = [a if a != "bf16" else "fp32" for a in nf4]  # (--precision fp32)
+    for args, message in [([*nf4, "--zero", "3"], "ZeRO does not shard an NF4 weight"),
+                          (fp32, "add --precision bf16")]:
+        proc = refused_here(*args, "--max-steps", "1", "--snapshot-dir", str(tmp_path / "none"))
+        assert proc.stderr.count("\n") == 1 and message in proc.stderr, (args, proc.stderr)
