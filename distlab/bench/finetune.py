@@ -1,5 +1,6 @@
 """``distlab bench finetune``: what a fine-tune of a downloaded checkpoint costs a rank -- the whole model
-trained, low-rank adapters on a frozen base, and that base held in bf16 -- and ``distlab bench packing``:
+trained, low-rank adapters on a frozen base, that base held in bf16 or (QLoRA) its adapted layers' weights
+in 4-bit NF4 -- and ``distlab bench packing``:
 padded versus packed fine-tuning windows on a set of records of skewed lengths.
 
 finetune: each variant trains ``--init-from`` (a Hugging Face checkpoint) for ``--steps`` steps on
@@ -20,7 +21,9 @@ from pathlib import Path
 from distlab.bench.common import format_table, machine, train_on_ranks, write
 
 VARIANTS = {"full": {}, "lora": {"lora": "r=16,alpha=32,targets=q,k,v,o"},
-            "lora-bf16": {"lora": "r=16,alpha=32,targets=q,k,v,o", "base_dtype": "bf16", "precision": "bf16"}}
+            "lora-bf16": {"lora": "r=16,alpha=32,targets=q,k,v,o", "base_dtype": "bf16", "precision": "bf16"},
+            # QLoRA as its recipes run it: adapters on every linear layer, so every linear weight is 4-bit
+            "lora-nf4": {"lora": "r=16,alpha=32,targets=all", "base_dtype": "nf4", "precision": "bf16"}}
 MODES = ("padded", "packed")
 
 
