@@ -10,6 +10,8 @@ import math
 import pytest
 import torch
 
+from tests.conftest import patience
+
 from distlab.models import IGNORE_INDEX
 
 BETA = 0.1
@@ -30,7 +32,7 @@ def test_dpo_on_every_layout_equals_one_process():
     cases = [c for c in default_strategies(2) if c.dpo]
     assert len(cases) == 3 and any(c.lora for c in cases)
     cases.append(parse_strategy("bucketed+pp=2+microbatches=2+llama+dpo"))
-    records = verify(cases, 2, steps=3, timeout=600)
+    records = verify(cases, 2, steps=3, timeout=patience(600))
     failed = [(r["strategy"], r["max_abs_param_diff"], r["max_loss_diff"], r["tolerance"]) for r in records
               if not r["passed"]]
     assert not failed, failed

@@ -10,6 +10,8 @@ import json
 import pytest
 import torch
 
+from tests.conftest import patience
+
 SPEC = "r=4,alpha=8,targets=q,v,o_proj,down"
 
 
@@ -51,7 +53,7 @@ def test_qlora_on_data_and_pipeline_parallel_equals_one_process():
     from distlab.tools.verify import parse_strategy, verify
     cases = [parse_strategy(f"{s}+bf16+llama+lora=r=2,alpha=4,targets=q,v,o,down+base=nf4")
              for s in ("bucketed", "bucketed+pp=2+microbatches=2")]
-    records = verify(cases, 2, steps=3, timeout=600)
+    records = verify(cases, 2, steps=3, timeout=patience(600))
     failed = [(r["strategy"], r["max_abs_param_diff"], r["tolerance"]) for r in records if not r["passed"]]
     assert not failed, failed
 

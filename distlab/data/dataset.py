@@ -40,6 +40,8 @@ class ImageDataset:
         """Whether some labels are not scored (never: every image has its class)."""
         return False
 
+    pairs = False  # a sample is one image (not a preference pair)
+
     @property
     def predicts_tokens(self) -> bool:
         """Whether a sample's targets are a sequence of tokens (no: one class per image)."""

@@ -72,6 +72,8 @@ class TextDataset:
     records: bool = False  # each window one record (fine-tuning), not a stretch of a stream of documents
     about: str = ""  # what the run's header adds about how the windows were made (fine-tuning records: padding)
 
+    pairs = False  # a sample is one window (a preference pair's two: distlab.data.preference)
+
     @property
     def predicts_tokens(self) -> bool:
         """Whether a sample's targets are a sequence of tokens (yes: the next token at every position)."""

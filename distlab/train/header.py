@@ -77,7 +77,7 @@ def _evaluation_words(trainer) -> str:
     """What every evaluation scores: the whole test split, or how much of it (``--eval-batches``, or a
     memory-mapped corpus's bounded default)."""
     cfg, test, scored = trainer.cfg, trainer.test_set, trainer.eval_test
-    unit = "pairs" if getattr(test, "pairs", False) else "windows" if test.predicts_tokens else "samples"
+    unit = "pairs" if test.pairs else "windows" if test.predicts_tokens else "samples"
     if len(scored) == len(test):
         return f"each evaluation scores all {len(test):,} test {unit}"
     why = f"--eval-batches {cfg.eval_batches}" if cfg.eval_batches else \
@@ -93,10 +93,10 @@ def header(trainer) -> list[str]:
     if hasattr(data, "unigram_entropy"):
         lines = [f"data     {cfg.dataset} from {where}: {len(data):,} train, {len(trainer.test_set):,} test"
                  + (f", {len(trainer.val_set):,} validation" if trainer.val_set is not None else "")
-                 + f"{' pairs of' if getattr(data, 'pairs', False) else ''} windows of {data.block_size} tokens "
+                 + f"{' pairs of' if data.pairs else ''} windows of {data.block_size} tokens "
                    f"({_tokens(data)})"
                  # a loss on some targets only (a fine-tune's replies, a pair's) has no context-free baseline to beat
-                 + ("" if data.ignores_targets or getattr(data, "pairs", False) else
+                 + ("" if data.ignores_targets or data.pairs else
                     f"; unigram entropy {data.unigram_entropy:.3f} nats/token: the loss to beat")]
     else:
         lines = [f"data     {cfg.dataset} from {where}: {len(data):,} train, {len(trainer.test_set):,} test"

@@ -54,7 +54,7 @@ def _text_facts(trainer, final: dict) -> dict:
     if not hasattr(data, "unigram_entropy"):
         return {}
     loss = final.get("test_loss")
-    if getattr(data, "pairs", False):  # preference pairs: DPO's loss, a share of pairs preferred
+    if data.pairs:  # preference pairs: DPO's loss, a share of pairs preferred
         return {"loss_unit": "dpo", "block_size": data.block_size, "train_tokens": 2 * len(data) * data.block_size,
                 "dpo_beta": trainer.preference.beta, "test_reward_margin": final.get("test_reward_margin"),
                 "eval_pairs": len(trainer.eval_test), "vocab_size": data.num_classes}

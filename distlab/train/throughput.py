@@ -30,7 +30,7 @@ class Throughput:
     def of(cls, model: nn.Module, data, cfg, rt) -> "Throughput":
         """For ``model`` (whole, before a layout cuts it) trained on ``data`` by ``cfg`` on ``rt``'s ranks."""
         tokens = data.input_shape[0] if data.predicts_tokens else None  # per sample: a window's (a pair: two)
-        tokens = tokens * 2 if tokens and getattr(data, "pairs", False) else tokens
+        tokens = tokens * 2 if tokens and data.pairs else tokens
         flops = flops_per_token(model) if tokens else None
         if cfg.peak_tflops:
             peak, basis = cfg.peak_tflops, f"--peak-tflops {cfg.peak_tflops:g} per device"

@@ -28,7 +28,7 @@ class ActivationMeter:
 
     @eager  # counted as it runs, never traced into a compiled block's graph
     def _pack(self, t: torch.Tensor):
-        if not type(t) in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__") and \
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__") and \
                 all(p.untyped_storage().data_ptr() in self._params for p in plain([t])):
             return t  # a tensor subclass made of parameters (a quantized weight saved for its backward)
         storage = t.untyped_storage()
