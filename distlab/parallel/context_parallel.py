@@ -349,7 +349,7 @@ class ContextParallel(ComponentKind):
         sent = ((3 * cp - 2) * kv if ring else 2 * (cp - 1) / cp * (2 * q + kv))
         sent += (cp - 1) * kv_again if ring else (cp - 1) / cp * (2 * q_again + kv_again)  # recomputed forwards
         sent *= lay.strategy.micro_steps
-        return Price([CallGroup([Call("native", "send", sent)], 2, local=lay.dp > 1)], compute_split=cp, report={
+        return Price([CallGroup([Call("native", "send", sent)], 2, local=lay.dp > 1, dim="cp")], compute_split=cp, report={
             "context_parallel": {
                 "cp": cp, "style": lay.strategy.cp_style, "bytes_per_step_per_rank": int(sent),
                 "tokens_per_rank_share": 1 / cp,

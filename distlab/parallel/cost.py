@@ -233,6 +233,7 @@ class CallGroup:
     calls: list[Call]
     ranks: int
     local: bool = False
+    dim: str = ""  # the mesh dimension its ranks span (tp, cp, ep, pp): where a GPU cluster places it
 
 
 @dataclass

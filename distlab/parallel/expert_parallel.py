@@ -162,7 +162,7 @@ class ExpertParallel(ComponentKind):
         local = not (lay.dp // ep == 1 and lay.cp == 1)
         # exact memory: the gradient sync beside it is plain data parallel (ZeRO is refused with ep), whose
         # peak is the sum of its parts
-        return Price([CallGroup([Call("native", "all_to_all", sent)], ep, local=local)], saved=saved, exact=True,
+        return Price([CallGroup([Call("native", "all_to_all", sent)], ep, local=local, dim="ep")], saved=saved, exact=True,
                      report={"expert_parallel": {
                          "ep": ep, "expert_share_per_rank": 1 / ep, "bytes_per_step_per_rank": int(sent),
                          "bytes_basis": "per MoE layer and micro-batch, with balanced routing: (ep - 1)/ep of the "

@@ -147,9 +147,12 @@ def load_peak(t: Trace, parts: dict, strategy) -> int:
     return parts["parameter_bytes_per_rank"] + max(t.numels) * t.element_size
 
 
-def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
-    """Memory per rank and (with a calibration) time per step of ``lay`` over ``link``."""
+def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=None) -> dict:
+    """Memory per rank and (with a calibration, or on a GPU ``cluster``: :class:`~distlab.plan.gpu.Cluster`)
+    time per step of ``lay`` over ``link`` (or the cluster's NVLink and network)."""
     lay.check()
+    if cluster is not None:
+        cluster.check(lay)
     micro = lay.global_batch // lay.dp // lay.strategy.micro_steps * (2 if lay.pairs else 1)  # rows
     optim = Optim.of(lay.optimizer, lay.momentum)
     if lay.strategy.activation_checkpointing and not (t.blocks and t.layers):
@@ -207,17 +210,29 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     for price in prices:
         out.update(price.report)
     out.update(comm_bytes(t, lay, sync, stages, micro, optim))
-    if cal is None:
+    if cluster is not None:
+        out["cluster"] = cluster.describe()
+        out["device_memory_bytes"] = cluster.machine.memory_bytes
+        out["warnings"] = cluster.warnings(lay)
+    if cal is None and cluster is None:
         return out
-    comp = cal.compute_for(lay.threads)
+    if cluster is not None:
+        per_element = optim.bytes(1, t.element_size)
+        trained = parts["optimizer_bytes_per_rank"] / per_element if per_element else \
+            parts["parameter_bytes_per_rank"] / t.element_size
+        comp = cluster.compute(lay, int(trained), lay.optimizer)
+    else:
+        comp = cal.compute_for(lay.threads)
     if lay.oversubscription > 1:
         comp = replace(comp, rate=comp.rate / lay.oversubscription, overhead=comp.overhead * lay.oversubscription)
     pace = max(stages, key=lambda st: st["flops_share"] * t.flops_per_sample
                + st["recompute_flops_share"] * t.forward_flops_per_sample)  # the slowest stage sets the pace
     share = pace["flops_share"]
-    flops = (t.flops_per_sample * share + t.forward_flops_per_sample * pace["recompute_flops_share"]) * micro \
+    # on a GPU the efficiency was measured against the model's own FLOP count (MFU's): time that count
+    counted = t.model_flops_per_sample / t.flops_per_sample if cluster is not None and t.model_flops_per_sample else 1.0
+    flops = counted * (t.flops_per_sample * share + t.forward_flops_per_sample * pace["recompute_flops_share"]) * micro \
         * lay.strategy.micro_steps / compute_split  # checkpointing's recomputation runs in backward
-    fwd = t.forward_flops_per_sample * share * micro * lay.strategy.micro_steps / compute_split / comp.rate
+    fwd = counted * t.forward_flops_per_sample * share * micro * lay.strategy.micro_steps / compute_split / comp.rate
     bwd = flops / comp.rate - fwd
     # fill and drain: every stage idles P - 1 micro-batch slots of the step, M / (M + P - 1) busy
     stretch = 1.0 / (1.0 - ideal_bubble(lay.pp, lay.strategy.microbatches, lay.strategy.pp_schedule,
@@ -225,15 +240,23 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     fwd, bwd = fwd * stretch, bwd * stretch
     calls = sync.planned_calls(t_rank, lay.strategy, lay.replicas)
     overlapped, after, after_step = calls.during_backward, calls.after_backward, calls.after_step
-    timer = Timer(cal, link, lay.replicas, same_host=lay.oversubscription > 1)
-    exposed_pre = sum(timer.duration(c, 0.0) for c in calls.before_layers)  # ZeRO-3's gathers: the layer waits
+    if cluster is not None:  # NCCL on the cluster's topology, each group where the launch places it
+        timer = cluster.timer(lay, ("cp", "ep", "dp"))
+        group_timer = (lambda group: cluster.timer(lay, (group.dim,)))
+    else:
+        timer = Timer(cal, link, lay.replicas, same_host=lay.oversubscription > 1)
+        group_timer = (lambda group: Timer(cal, Link() if group.local else link, group.ranks))
+    gathers = [timer.duration(c, 0.0) for c in calls.before_layers]  # ZeRO-3's gathers: the layer waits
+    exposed_pre = sum(gathers)
+    if cluster is not None and gathers:  # on a GPU the next layer's gather runs while this one computes
+        exposed_pre = max(max(gathers), exposed_pre - fwd - bwd)
     tp_time = 0.0  # the components' collectives, on the critical path (a local group shares a node's fast links)
     for price in prices:
         for group in price.calls:
-            timer_g = Timer(cal, Link() if group.local else link, group.ranks)
+            timer_g = group_timer(group)
             tp_time += sum(timer_g.duration(c, 0.0) for c in group.calls)  # priced on the stage's own part
     for group in schedule_cost.calls(lay, stages):  # a pipeline stage's messages, whole (not a stage's share)
-        tp_time += sum(Timer(cal, link, group.ranks).duration(c, 0.0) for c in group.calls)
+        tp_time += sum(group_timer(group).duration(c, 0.0) for c in group.calls)
     comm_total = exposed_pre + tp_time
     start_bwd = fwd + exposed_pre / 2
     end_bwd = start_bwd + bwd + exposed_pre / 2
@@ -272,14 +295,32 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None) -> dict:
     spans = staged + [(s, *span) for s in range(lay.pp) for span in spans]
     compute = comp.time(flops) * stretch
     per_rank = f"{comp.threads} thread{'s' if comp.threads != 1 else ''} per rank"
-    out.update({"compute_basis": (f"calibrated at {per_rank}" if comp.scaled_from is None else
-                                  f"not calibrated at {per_rank}: the rate measured at "
-                                  f"{comp.scaled_from} scaled by {comp.threads}/{comp.scaled_from}"),
+    if cluster is not None:
+        basis = (f"{cluster.machine.name}: {cluster.machine.peak(lay.strategy.precision) / 1e12:g} TFLOP/s "
+                 f"{lay.strategy.precision} x {cluster.efficiency:.1%} ({cluster.efficiency_source}); optimizer "
+                 f"step through HBM at {cluster.machine.memory_tbps:g} TB/s")
+    else:
+        basis = (f"calibrated at {per_rank}" if comp.scaled_from is None else
+                 f"not calibrated at {per_rank}: the rate measured at {comp.scaled_from} scaled by "
+                 f"{comp.threads}/{comp.scaled_from}")
+    out.update({"compute_basis": basis,
                 "oversubscription": lay.oversubscription, "compute_s": compute, "comm_s": comm_total, "exposed_comm_s": step - compute, "step_s": step,
                 "samples_per_s": lay.global_batch / step, "threads_per_rank": comp.threads,
+                **(_gpu_rates(t, lay, step, cluster) if cluster is not None else {}),
                 "scaling_efficiency": compute / step if step else None,
                 "timeline": [{"rank": r, "name": n, "lane": lane, "start_s": a, "end_s": b}
                              for r, n, lane, a, b in spans if b > a]})
+    return out
+
+
+def _gpu_rates(t: Trace, lay: Layout, step: float, cluster) -> dict:
+    """Tokens per second per GPU and MFU (the model's own FLOP count over the datasheet's peak)."""
+    out = {}
+    if t.tokens_per_sample:
+        out["tokens_per_s_per_gpu"] = lay.global_batch * t.tokens_per_sample / step / lay.world
+    if t.model_flops_per_sample:
+        out["mfu"] = lay.global_batch * t.model_flops_per_sample / step / lay.world / \
+            cluster.machine.peak(lay.strategy.precision)
     return out
 
 

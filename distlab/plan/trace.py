@@ -80,6 +80,11 @@ class Trace:
     # not 1/tp (key/value heads kept whole: kv_heads_per_rank(tp) / kv_heads)
     trainable: list[bool] = field(default_factory=list)  # unit -> it needs a gradient (False: frozen, a base under
     # low-rank adapters); empty: every unit does
+    tokens_per_sample: int = 0  # a language model's window (0: not a language model)
+    model_flops_per_sample: float = 0.0  # forward + backward as the model counts them (its flops_per_token(): PaLM's
+    # count, what MFU divides by); 0 where it declares none
+    attention: str = "math"  # how scaled_dot_product_attention was traced: math (what a CPU runs, the scores kept)
+    # or flash (a GPU's fused kernel: queries, keys, values, output and the row log-sum-exp kept)
 
     def trains(self, u: int) -> bool:
         return not self.trainable or self.trainable[u]
@@ -103,10 +108,14 @@ TRACED_TP = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # the tensor-parallel sizes whos
 
 
 def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), num_classes: int = 10,
-          batch: int = 2, lora=None, **options) -> Trace:
+          batch: int = 2, lora=None, attention: str = "math", **options) -> Trace:
     """Run one forward + backward of ``model`` (an ``nn.Module`` or a registered name) on the meta
     device, recording the events ZeRO reacts to and the FLOPs per sample; ``lora`` (a
-    :class:`~distlab.models.lora.LoRASpec`): with those adapters, the rest frozen."""
+    :class:`~distlab.models.lora.LoRASpec`): with those adapters, the rest frozen; ``attention="flash"``:
+    attention as a GPU runs it (:class:`FlashAttention`), what it saves for backward and its FLOPs."""
+    if attention == "flash":
+        with FlashAttention():
+            return replace(trace(model, input_shape, num_classes, batch, lora, "math", **options), attention="flash")
     if isinstance(model, str):
         with torch.device("meta"):
             model = build_model(model, input_shape, num_classes, **options)
@@ -258,11 +267,33 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
                 ends.add(layer.name)
         out.tensor_open[key] = ends
     out.input_bytes_per_sample = x.numel() * x.element_size() / batch
+    out.tokens_per_sample = int(x[0].numel()) if contract(model).block_size else 0
+    per_token = contract(model).flops_per_token() if out.tokens_per_sample else None
+    out.model_flops_per_sample = float(per_token) * out.tokens_per_sample if per_token else 0.0
     try:
         out.blocks = block_names(model)
     except ConfigError:  # nothing to checkpoint: a plan with `activation_checkpointing` is refused by the config
         out.blocks = []
     return out
+
+
+class FlashAttention(torch.overrides.TorchFunctionMode):
+    """``scaled_dot_product_attention`` without a mask as a GPU runs it in training: the fused flash kernel
+    (``aten._scaled_dot_product_flash_attention``, which the meta device runs too), saving the queries, keys,
+    values, output and each row's log-sum-exp instead of the scores; grouped key/value heads repeated to the
+    query heads first. A masked call stays as it is (the kernel that takes a mask keeps it)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention and kwargs.get("attn_mask") is None \
+                and (len(args) < 4 or args[3] is None):
+            q, k, v = args[:3]
+            if k.shape[-3] != q.shape[-3]:  # grouped-query attention: each key/value head to its query heads
+                k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+                v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, 0.0, bool(kwargs.get("is_causal", False)), False, scale=kwargs.get("scale"))[0]
+        return func(*args, **kwargs)
 
 
 def profile_layers(model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = None) -> list[Layer]:

@@ -53,7 +53,7 @@ def calls(lay, stages: list[dict]) -> list[CallGroup]:
     if lay.pp == 1:
         return []
     boundary = max(st["boundary_bytes_per_microbatch"] for st in stages)
-    return [CallGroup([Call("native", "send", boundary)] * (2 * lay.strategy.microbatches), 2)]
+    return [CallGroup([Call("native", "send", boundary)] * (2 * lay.strategy.microbatches), 2, dim="pp")]
 
 
 def timeline(lay, forward_s: float, backward_s: float) -> list[tuple[int, str, str, float, float]]:

@@ -86,7 +86,7 @@ class TensorParallel(ComponentKind):
         note = (", split over the tensor-parallel ranks" if st.sequence_parallel else
                 ", split over the tensor-parallel ranks except in LayerNorm and embedding regions (replicated "
                 "without sequence parallel)")
-        return Price([CallGroup(calls * st.micro_steps, lay.tp, local=lay.dp > 1)],
+        return Price([CallGroup(calls * st.micro_steps, lay.tp, local=lay.dp > 1, dim="tp")],
                      exact=key in t.tensor_split, compute_split=lay.tp,
                      activation_note=note)
 

@@ -1,0 +1,248 @@
+"""A GPU cluster for the planner: machines from their datasheets, NCCL's collectives on their topology,
+each parallelism's groups placed as a launch places them, and a GPU's compute rate.
+
+**Machines** (``--machine h100-sxm | h200 | a100-80g | b200 | h100-grand-teton | FILE.toml``): peak dense
+FLOP/s, HBM capacity and bandwidth, GPUs per node, NVLink and per-GPU network bandwidth, and NCCL's own
+latency model -- each number cited in its file (``distlab/plan/machines/``). None is fitted to a training run.
+
+**Collectives** as NCCL runs them and nccl-tests measures them: ``bus bandwidth = algorithm bandwidth x
+factor``, the factor ``2(n-1)/n`` for all-reduce, ``(n-1)/n`` for reduce-scatter, all-gather and all-to-all,
+1 for send/recv, where ``algorithm bandwidth = size / time`` and ``size`` is the whole buffer (all-reduce,
+reduce-scatter's input, all-gather's output). So a collective of ``S`` bytes over ``n`` ranks takes
+``latency + S x factor / bus bandwidth``. A group's bus bandwidth is NVLink's inside one node; a group that
+spans nodes is paced by the slower of NVLink and its members' NICs on one node (``ranks per node x NIC``:
+NCCL's rings leave a node once per channel, one channel per NIC). Latency is NCCL's tuning model:
+``base + steps inside a node x NVLink step + steps across nodes x network step`` (a ring), and for an
+all-reduce across nodes the tree's ``base + 2 ((ranks per node - 1) NVLink step + log2 nodes x network
+step)`` at 0.92 of the bandwidth where that is faster, as NCCL chooses.
+
+**Placement** (:func:`placement`): ranks are numbered tensor-parallel fastest, then context, expert, pipeline
+and data parallel outermost -- TP inside a node first, as torchrun and ``init_device_mesh`` lay a mesh
+``(dp, pp, ep, cp, tp)`` over consecutive ranks on consecutive GPUs.
+
+**Compute**: the model's traced FLOPs at ``peak x efficiency``; the efficiency is a distlab measurement
+(:data:`DEFAULT_EFFICIENCY`, or ``distlab plan calibrate --device cuda``), the optimizer step the bytes
+Adam or SGD moves through HBM at its datasheet bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from distlab.errors import ConfigError
+from distlab.plan.machine import Compute
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+MACHINES_DIR = Path(__file__).with_name("machines")
+# distlab's own Llama-3.2-1B-shaped step (16 x 2048, GQA 32/8, SwiGLU 8192; 2048 tokens x 4; AdamW; bf16
+# autocast; compiled) on one lent H200: 51.8% of the datasheet's dense bf16 peak, PaLM's FLOP count
+# (results/gpu-h200/overhead-llama-1b.json, `distlab bench overhead --workload llama-1b --device cuda`).
+DEFAULT_EFFICIENCY = 0.518
+EFFICIENCY_SOURCE = "distlab's Llama-1B step on one H200, bf16, compiled (results/gpu-h200/overhead-llama-1b.json)"
+TREE_BANDWIDTH = 0.92  # NCCL's tree all-reduce runs at 0.92 of the ring's bus bandwidth (src/graph/tuning.cc)
+TREE_NVLINK_STEP_US = 4.0  # NCCL's tree step inside a node (Simple protocol)
+# Bytes an optimizer step reads and writes per trained float32 element: the parameter, its gradient and its
+# state read, the parameter and state written (Adam: p, g, m, v in; p, m, v out).
+OPTIMIZER_BYTES = {"sgd": 12, "sgd-momentum": 20, "adam": 28, "adamw": 28}
+DIMS = ("tp", "cp", "ep", "pp", "dp")  # fastest-varying first: the order ranks fill a node
+
+
+@dataclass(frozen=True)
+class GpuMachine:
+    name: str
+    description: str
+    bf16_tflops: float
+    fp8_tflops: float
+    fp32_tflops: float
+    memory_gib: float
+    memory_tbps: float
+    gpus_per_node: int
+    nvlink_gbps: float  # GB/s each way per GPU
+    nic_gbit: float     # Gb/s each way per GPU
+    base_us: float
+    nvlink_step_us: float
+    net_step_us: float
+    source: str = ""
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gib * 2**30)
+
+    @property
+    def nvlink_Bps(self) -> float:
+        return self.nvlink_gbps * 1e9
+
+    @property
+    def nic_Bps(self) -> float:
+        return self.nic_gbit * 1e9 / 8
+
+    def peak(self, precision: str) -> float:
+        """Dense FLOP/s at ``precision`` (bf16 and fp16 share tensor cores; fp32 as torch runs it)."""
+        return {"bf16": self.bf16_tflops, "fp16": self.bf16_tflops, "fp8": self.fp8_tflops,
+                "fp32": self.fp32_tflops}[precision] * 1e12
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def machine_names() -> list[str]:
+    return sorted(p.stem for p in MACHINES_DIR.glob("*.toml"))
+
+
+def load_machine(name: str) -> GpuMachine:
+    """A machine by preset name or from a TOML file of the same fields."""
+    path = Path(name) if name.endswith(".toml") else MACHINES_DIR / f"{name}.toml"
+    if not path.is_file():
+        raise ConfigError(f"--machine {name}: no such machine; choose one of {', '.join(machine_names())} or "
+                          f"give a FILE.toml with the same fields (see distlab/plan/machines/h100-sxm.toml)")
+    try:
+        d = tomllib.loads(path.read_text())
+        gpu, node, net, lat = d["gpu"], d["node"], d["network"], d["latency"]
+        return GpuMachine(str(d.get("name", path.stem)), str(d.get("description", "")),
+                          float(gpu["bf16_tflops"]), float(gpu.get("fp8_tflops", 0.0)),
+                          float(gpu.get("fp32_tflops", gpu["bf16_tflops"] / 14.8)), float(gpu["memory_gib"]),
+                          float(gpu["memory_tbps"]), int(node["gpus"]), float(node["nvlink_gbps"]),
+                          float(net["nic_gbit"]), float(lat["base_us"]), float(lat["nvlink_step_us"]),
+                          float(lat["net_step_us"]), str(path))
+    except (tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"--machine {path}: not a machine file ({type(exc).__name__}: {exc}); it needs [gpu] "
+                          f"bf16_tflops, memory_gib, memory_tbps; [node] gpus, nvlink_gbps; [network] nic_gbit; "
+                          f"[latency] base_us, nvlink_step_us, net_step_us") from None
+
+
+# ---------------------------------------------------------------------------------- collectives
+
+def bus_factor(kind: str, n: int) -> float:
+    """nccl-tests' bus bandwidth / algorithm bandwidth (its PERFORMANCE.md): what each rank's link carries
+    per byte of the collective's size."""
+    if n <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n
+    if kind in ("reduce_scatter", "all_gather", "all_to_all"):
+        return (n - 1) / n
+    if kind in ("send", "broadcast", "reduce"):
+        return 1.0
+    raise ConfigError(f"unknown collective {kind!r}")
+
+
+def ring_steps(kind: str, n: int) -> int:
+    return 2 * (n - 1) if kind == "all_reduce" else 1 if kind == "send" else n - 1
+
+
+@dataclass(frozen=True)
+class Group:
+    """``n`` ranks of which ``per_node`` share a node (the rest on ``n / per_node`` nodes)."""
+    n: int
+    per_node: int
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.n / max(1, self.per_node))
+
+
+def bus_bandwidth(m: GpuMachine, g: Group) -> float:
+    """Bytes/s a ring over ``g`` moves per link: NVLink inside a node; across nodes the slower of NVLink
+    and the group's NICs on one node."""
+    return m.nvlink_Bps if g.nodes <= 1 else min(m.nvlink_Bps, g.per_node * m.nic_Bps)
+
+
+def collective_seconds(m: GpuMachine, kind: str, nbytes: float, g: Group) -> float:
+    """One NCCL collective of ``nbytes`` (the whole buffer) over group ``g`` on machine ``m``."""
+    if g.n <= 1:
+        return 0.0
+    bw = bus_bandwidth(m, g)
+    steps = ring_steps(kind, g.n)
+    inter = 0 if g.nodes <= 1 else (2 * (g.nodes - 1) if kind == "all_reduce" else g.nodes - 1)
+    inter = min(inter, steps)
+    ring = 1e-6 * (m.base_us + (steps - inter) * m.nvlink_step_us + inter * m.net_step_us) \
+        + nbytes * bus_factor(kind, g.n) / bw
+    if kind != "all_reduce" or g.nodes <= 1:
+        return ring
+    tree = 1e-6 * (m.base_us + 2 * ((g.per_node - 1) * TREE_NVLINK_STEP_US + math.log2(g.nodes) * m.net_step_us)) \
+        + nbytes * 2 / (TREE_BANDWIDTH * bw)
+    return min(ring, tree)
+
+
+# ---------------------------------------------------------------------------------- placement
+
+def dim_sizes(lay) -> dict[str, int]:
+    """Each mesh dimension's size: expert parallel carved out of the data-parallel ranks (as distlab's
+    mesh carves it from the replicas)."""
+    ep = lay.ep if lay.ep > 1 else 1
+    return {"tp": lay.tp, "cp": lay.cp, "ep": ep, "pp": lay.pp, "dp": max(1, lay.dp // ep)}
+
+
+def placement(lay, gpus_per_node: int, dims: tuple[str, ...]) -> Group:
+    """The group spanning mesh dimensions ``dims`` of layout ``lay``: its size and how many of its ranks share
+    a node, ranks numbered tensor-parallel fastest (:data:`DIMS`)."""
+    sizes, stride, n, per_node = dim_sizes(lay), 1, 1, 1
+    for d in DIMS:
+        if d in dims:
+            n *= sizes[d]
+            per_node *= max(1, min(sizes[d], gpus_per_node // stride))
+        stride *= sizes[d]
+    return Group(n, min(per_node, gpus_per_node))
+
+
+@dataclass
+class Cluster:
+    """``nodes`` nodes of ``machine``."""
+    machine: GpuMachine
+    nodes: int
+    efficiency: float = DEFAULT_EFFICIENCY
+    efficiency_source: str = EFFICIENCY_SOURCE
+    calibrated_on: str | None = None  # the GPU a `plan calibrate --device cuda` measured, when given
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.machine.gpus_per_node
+
+    def check(self, lay) -> None:
+        if lay.world > self.gpus:
+            raise ConfigError(f"the layout needs {lay.world} GPUs; {self.nodes} node(s) of {self.machine.name} have "
+                              f"{self.gpus}: give --nodes {math.ceil(lay.world / self.machine.gpus_per_node)} or a "
+                              f"smaller layout")
+
+    def warnings(self, lay) -> list[str]:
+        g = self.machine.gpus_per_node
+        out = []
+        if lay.tp > g:
+            out.append(f"tp {lay.tp} spans {math.ceil(lay.tp / g)} nodes: its collectives, on every layer, run over "
+                       f"the network at {self.machine.nic_gbit:g} Gb/s per GPU instead of NVLink")
+        return out
+
+    def compute(self, lay, trained_elements: int, optimizer: str) -> Compute:
+        """Forward and backward at ``peak x efficiency``; the optimizer step through HBM (``overhead``)."""
+        key = "sgd-momentum" if optimizer == "sgd" and lay.momentum else optimizer
+        step = OPTIMIZER_BYTES.get(key, 28) * trained_elements / (self.machine.memory_tbps * 1e12)
+        return Compute(self.machine.peak(lay.strategy.precision) * self.efficiency, step, threads=0)
+
+    def timer(self, lay, dims: tuple[str, ...]) -> "NcclTimer":
+        return NcclTimer(self.machine, placement(lay, self.machine.gpus_per_node, dims))
+
+    def describe(self) -> dict:
+        return {"machine": self.machine.name, "description": self.machine.description, "nodes": self.nodes,
+                "gpus": self.gpus, "gpus_per_node": self.machine.gpus_per_node, "source": self.machine.source,
+                "efficiency": self.efficiency, "efficiency_source": self.efficiency_source,
+                "calibrated_on": self.calibrated_on}
+
+
+class NcclTimer:
+    """The time of a planned call (:class:`~distlab.parallel.cost.Call`) over one placed group."""
+
+    def __init__(self, machine: GpuMachine, group: Group):
+        self.machine, self.group = machine, group
+        self.n = group.n
+        self.link_free = 0.0
+
+    def duration(self, call, start: float = 0.0) -> float:
+        return collective_seconds(self.machine, call.kind, call.nbytes, self.group)
