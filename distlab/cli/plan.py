@@ -62,13 +62,28 @@ PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "seq
 @click.option("--timeline", "timeline_out", default=None, callback=output_file,
               help="Also write the predicted step as a timeline here (needs a calibration): FILE in Chrome's "
                    "trace format, the same lanes as a run's --trace, and FILE's .png, its Gantt chart.")
+@click.option("--preset", default=None, metavar="NAME",
+              help="A published model by name (its config.json's numbers): llama3-8b, llama3.1-8b, llama3-70b, "
+                   "llama3.1-70b, llama3.1-405b, llama3.2-1b, llama2-13b, llama2-70b, qwen3-32b, mixtral-8x7b.")
+@click.option("--machine", default=None, metavar="NAME|FILE.toml",
+              help="Plan for a GPU cluster of this machine: h100-sxm, h200, a100-80g, b200, h100-grand-teton, or a "
+                   "FILE.toml of the same fields (datasheet numbers; distlab/plan/machines/).")
+@click.option("--nodes", type=COUNT, default=None, help="With --machine: nodes (default: as many as the layout needs).")
+@click.option("--gpus", type=COUNT, default=None,
+              help="With --machine: GPUs in all (a whole number of nodes); --dp defaults to what the other "
+                   "dimensions leave of them.")
+@click.option("--search", "search_", is_flag=True,
+              help="With --machine and --gpus: predict every valid layout (dp x tp x pp x cp x ep, ZeRO stage, "
+                   "checkpointing, micro-batches, schedule), keep those that fit, rank them by tokens/s per GPU.")
+@click.option("--top", type=COUNT, default=10, show_default=True, help="With --search: how many layouts to print.")
 @click.option("--lora", default=None, help="r=16,alpha=32,targets=q,k,v,o -- the model with low-rank adapters, "
               "the rest frozen (as distlab train --lora): gradients, their sync and optimizer state for the "
               "adapters only.")
 @click.pass_context
 def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_bytes, layers, ignored_targets, label_smoothing, dp,
          optimizer, momentum, global_batch_size, link, latency, burst, threads, calibration, sweep, strategies,
-         device_memory, min_efficiency, json_out, timeline_out, lora, **strategy_fields):
+         device_memory, min_efficiency, json_out, timeline_out, preset, machine, nodes, gpus, search_, top, lora,
+         **strategy_fields):
     """Predict time per step and memory per rank of a layout, before running it.
 
     \b
@@ -84,16 +99,22 @@ def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_byt
         return
     import json as _json
     import os as _os
+    import platform
     from distlab.data import dataset_shape
     from distlab import plan as pp
     from distlab.plan.trace import generic_trace, trace
-    from distlab.plan import machine
-    if model.startswith("hf:") and num_params is None:  # the checkpoint's config alone: its family, options and vocabulary (no weights read)
-        from distlab.models import hf
+    from distlab.plan import machine as mach
+    if (model.startswith("hf:") or preset) and num_params is None:  # a config alone: its family, options and
+        from distlab.models import hf                                    # vocabulary (no weights read)
+        from distlab.plan import presets
         if any(strategy_fields.get(name) is not None for name, _ in MODEL_OPTIONS):
-            raise ConfigError(f"--model {model} takes its sizes from its config.json: drop the model flags")
+            raise ConfigError(f"--{'preset ' + preset if preset else 'model ' + model} takes its sizes from its "
+                              f"config.json: drop the model flags")
         [strategy_fields.pop(name) for name, _ in MODEL_OPTIONS]
-        model, _, options, vocab_size = hf.options_of(hf.config_of(model[3:]), model)
+        if preset:
+            model, options, vocab_size = presets.options(preset)
+        else:
+            model, _, options, vocab_size = hf.options_of(hf.config_of(model[3:]), model)
         if ctx.get_parameter_source("dataset") is click.core.ParameterSource.DEFAULT:
             dataset = "synthetic-text"  # token windows of --block-size
     else:
@@ -119,18 +140,34 @@ def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_byt
             raise ConfigError(f"--vocab-size {vocab_size:,} is smaller than {dataset}'s {k:,} tokens")
         from distlab.models.lora import LoRASpec
         t = trace(model, shape, vocab_size or k, options=options,
-                  lora=LoRASpec.parse(lora) if lora is not None else None)
-    path = calibration or (DEFAULT_CALIBRATION if _os.path.exists(DEFAULT_CALIBRATION) else None)
+                  lora=LoRASpec.parse(lora) if lora is not None else None, attention="flash" if machine else "math")
+    path = None if machine else calibration or (DEFAULT_CALIBRATION if _os.path.exists(DEFAULT_CALIBRATION) else None)
     cal = pp.Calibration.load(path) if path else None
     from distlab.data.preference import is_preference
     from distlab.parallel import Strategy
     if strategy_fields.get("pp_balance") is not None:
         strategy_fields["pp_balance"] = csv_ints(strategy_fields["pp_balance"])
+    cluster = None
+    if machine:
+        from distlab.cli.plan_gpu import cluster_of, data_parallel
+        if ctx.get_parameter_source("dp") is click.core.ParameterSource.DEFAULT:
+            dp = data_parallel(Strategy(**strategy_fields), gpus, nodes, machine)
+    elif nodes or gpus:
+        raise ConfigError("--nodes and --gpus describe a GPU cluster: give --machine too (e.g. --machine h100-sxm)")
     lay = pp.Layout(dp=dp, strategy=Strategy(**strategy_fields), optimizer=optimizer, momentum=momentum,
                     global_batch=global_batch_size, threads=threads, ignored_targets=ignored_targets,
                     label_smoothing=label_smoothing > 0, pairs=is_preference(dataset)).check()
-    net = machine.Link.parse(link, latency, burst)
-    if sweep:
+    if machine:
+        cluster = cluster_of(machine, nodes, gpus, lay, calibration)
+    net = mach.Link.parse(link, latency, burst)
+    if search_:
+        if cluster is None or gpus is None and nodes is None:
+            raise ConfigError("--search enumerates the layouts of a GPU cluster: give --machine and --gpus (or --nodes)")
+        from distlab.plan.search import search
+        from distlab.plan.text import format_search
+        result = search(t, lay, cluster, top, experts=getattr(options, "experts", 0) or 0)
+        click.echo(format_search(result))
+    elif sweep:
         given = [k for k in strategy_fields if ctx.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT]
         if given:
             raise ConfigError(f"--{given[0].replace('_', '-')} with --sweep: the sweep compares the layouts of "
@@ -139,14 +176,23 @@ def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_byt
         if not worlds or min(worlds) < 1:
             raise ConfigError(f"--sweep needs positive world sizes, not {sweep!r}")
         strats = [Strategy.parse(s) for s in strategies.split(",") if s]
-        limit = machine.parse_bytes(device_memory) if device_memory else None
+        limit = mach.parse_bytes(device_memory) if device_memory else None
+        if cluster is not None:
+            raise ConfigError("--sweep with --machine: use --search (every layout of --gpus on the machine)")
         result = pp.sweep(t, lay, worlds, net, cal, limit, strats)
         click.echo(pp.format_sweep(result, min_efficiency))
     else:
-        result = pp.predict(t, lay, net, cal)
+        result = pp.predict(t, lay, net, cal, cluster)
         click.echo(pp.format_prediction(result))
         if timeline_out:
             _write_timeline(result, str(lay.strategy), timeline_out)
+    if cluster is not None and cluster.calibrated_on is None:
+        click.echo(f"distlab: warning: {cluster.machine.name} was not calibrated: compute at {cluster.efficiency:.1%} of "
+                   f"its datasheet peak, measured as {cluster.efficiency_source}; run `distlab plan calibrate --device "
+                   f"cuda` on one of its GPUs for its own rates", err=True)
+    if cal is not None and cal.machine.get("host") not in (None, platform.node()):
+        click.echo(f"distlab: warning: the step times are those of {cal.machine.get('host')}, where {path} was "
+                   f"measured, not of this machine ({platform.node()}); give --machine for a GPU cluster", err=True)
     if cal is not None:
         click.echo(f"(calibration: {path}, {cal.machine.get('host', '?')}, {cal.machine.get('date', '?')})", err=True)
         if device_memory and cal.machine.get("device", "cpu") == "cpu":

@@ -226,12 +226,15 @@ class Cluster:
         step = OPTIMIZER_BYTES.get(key, 28) * trained_elements / (self.machine.memory_tbps * 1e12)
         return Compute(self.machine.peak(lay.strategy.precision) * self.efficiency, step, threads=0)
 
-    def timer(self, lay, dims: tuple[str, ...]) -> "NcclTimer":
-        return NcclTimer(self.machine, placement(lay, self.machine.gpus_per_node, dims))
+    def timer(self, lay, dims: tuple[str, ...], scale: float = 1.0) -> "NcclTimer":
+        """A timer for the group spanning ``dims``; ``scale``: its messages' bytes as a run sends them relative
+        to the trace's float32 (activations under bf16 autocast travel in 2 bytes)."""
+        return NcclTimer(self.machine, placement(lay, self.machine.gpus_per_node, dims), scale)
 
     def describe(self) -> dict:
         return {"machine": self.machine.name, "description": self.machine.description, "nodes": self.nodes,
                 "gpus": self.gpus, "gpus_per_node": self.machine.gpus_per_node, "source": self.machine.source,
+                "memory_gib": self.machine.memory_gib,
                 "efficiency": self.efficiency, "efficiency_source": self.efficiency_source,
                 "calibrated_on": self.calibrated_on}
 
@@ -239,10 +242,10 @@ class Cluster:
 class NcclTimer:
     """The time of a planned call (:class:`~distlab.parallel.cost.Call`) over one placed group."""
 
-    def __init__(self, machine: GpuMachine, group: Group):
-        self.machine, self.group = machine, group
+    def __init__(self, machine: GpuMachine, group: Group, scale: float = 1.0):
+        self.machine, self.group, self.scale = machine, group, scale
         self.n = group.n
         self.link_free = 0.0
 
     def duration(self, call, start: float = 0.0) -> float:
-        return collective_seconds(self.machine, call.kind, call.nbytes, self.group)
+        return collective_seconds(self.machine, call.kind, call.nbytes * self.scale, self.group)

@@ -242,7 +242,7 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
     overlapped, after, after_step = calls.during_backward, calls.after_backward, calls.after_step
     if cluster is not None:  # NCCL on the cluster's topology, each group where the launch places it
         timer = cluster.timer(lay, ("cp", "ep", "dp"))
-        group_timer = (lambda group: cluster.timer(lay, (group.dim,)))
+        group_timer = (lambda group: cluster.timer(lay, (group.dim,), narrow))  # activations, in 2 bytes under bf16
     else:
         timer = Timer(cal, link, lay.replicas, same_host=lay.oversubscription > 1)
         group_timer = (lambda group: Timer(cal, Link() if group.local else link, group.ranks))
@@ -250,6 +250,7 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
     exposed_pre = sum(gathers)
     if cluster is not None and gathers:  # on a GPU the next layer's gather runs while this one computes
         exposed_pre = max(max(gathers), exposed_pre - fwd - bwd)
+    hidden_pre = sum(gathers) - exposed_pre  # (what ran beside the compute: counted in the communication)
     tp_time = 0.0  # the components' collectives, on the critical path (a local group shares a node's fast links)
     for price in prices:
         for group in price.calls:
@@ -257,7 +258,7 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
             tp_time += sum(timer_g.duration(c, 0.0) for c in group.calls)  # priced on the stage's own part
     for group in schedule_cost.calls(lay, stages):  # a pipeline stage's messages, whole (not a stage's share)
         tp_time += sum(group_timer(group).duration(c, 0.0) for c in group.calls)
-    comm_total = exposed_pre + tp_time
+    comm_total = exposed_pre + hidden_pre + tp_time
     start_bwd = fwd + exposed_pre / 2
     end_bwd = start_bwd + bwd + exposed_pre / 2
     # the predicted timeline of one step: the same lanes as a measured trace (runtime.timeline); a

@@ -22,8 +22,7 @@ def format_prediction(p: dict) -> str:
              f"{lay['dp_sync']}/{lay['collective']}, global batch {lay['global_batch_size']}, "
              f"grad accum {lay['grad_accum']}, {lay['optimizer']}"
              + (", sequence parallel" if lay.get("sequence_parallel") else ""),
-             f"link          {p['link']['name']}" + (f", latency {p['link']['latency_s'] * 1e6:.3g} us"
-                                                     if p['link']['latency_s'] else ""),
+             _where(p),
              f"parameters    {p['num_parameters']:,}" + (f" ({p['trained_parameters']:,} trained: the rest frozen)"
                                                          if "trained_parameters" in p else ""),
              f"at rest       parameters {_gib(p['parameter_bytes_per_rank'])}, gradients "
@@ -32,7 +31,7 @@ def format_prediction(p: dict) -> str:
              f"({'exact: what distlab will measure' if p['model_state_exact'] else 'estimate'}; "
              f"{p['model_state_bytes_per_rank']:,} bytes: parameters + gradients + optimizer state at their peak)",
              f"activations   {_gib(p['activation_bytes_per_rank'])} per rank (estimate: {p['activation_basis']})",
-             f"memory        {_gib(p['memory_bytes_per_rank'])} per rank",
+             f"memory        {_gib(p['memory_bytes_per_rank'])} per rank" + _fits(p),
              f"loading       {_gib(p['load_peak_bytes_per_rank'])} per rank at most, before the first step "
              f"(its parameters as placed + the largest tensor whole, made or read, then cut)",
              f"sends         {p['comm_bytes_per_step_per_rank']:,} bytes per step from rank 0 ("
@@ -71,11 +70,31 @@ def format_prediction(p: dict) -> str:
         lines += [f"compute       {_ms(p['compute_s'])} per step ({p['compute_basis']}"
                   + (f", {p['oversubscription']:.2g}x oversubscribed" if p["oversubscription"] > 1 else "") + ")",
                   f"communication {_ms(p['comm_s'])} per step, {_ms(p['exposed_comm_s'])} of it exposed",
-                  f"step          {_ms(p['step_s'])}: {p['samples_per_s']:,.0f} samples/s, "
-                  f"scaling efficiency {p['scaling_efficiency']:.2f}"]
+                  f"step          {_ms(p['step_s'])}: {p['samples_per_s']:,.0f} samples/s"
+                  + (f", {p['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU" if "tokens_per_s_per_gpu" in p else "")
+                  + (f", MFU {p['mfu']:.1%}" if "mfu" in p else "")
+                  + f", scaling efficiency {p['scaling_efficiency']:.2f}"]
     else:
         lines.append("time          no calibration given: memory only (`distlab plan calibrate` makes one)")
+    lines += [f"warning       {w}" for w in p.get("warnings", [])]
     return "\n".join(lines)
+
+
+def _where(p: dict) -> str:
+    """The machine line: a GPU cluster's, or the link's."""
+    c = p.get("cluster")
+    if c:
+        return (f"machine       {c['nodes']} x {c['machine']} ({c['gpus']} GPUs, {c['gpus_per_node']} per node): "
+                f"{c['description']}")
+    return f"link          {p['link']['name']}" + (f", latency {p['link']['latency_s'] * 1e6:.3g} us"
+                                                  if p['link']['latency_s'] else "")
+
+
+def _fits(p: dict) -> str:
+    limit = p.get("device_memory_bytes")
+    if limit is None:
+        return ""
+    return f" of {_gib(limit)}: " + ("fits" if p["memory_bytes_per_rank"] <= limit else "DOES NOT FIT")
 
 
 def _strategy_name(s: dict) -> str:
@@ -142,4 +161,20 @@ def format_validation(rows: list[dict], summaries: dict[str, dict]) -> str:
         if summary.get("bytes_checked_runs"):
             line += f"; bytes sent: {summary['bytes_exact_runs']} of {summary['bytes_checked_runs']} exact"
         lines.append(line)
+    return "\n".join(lines)
+
+
+def format_search(r: dict) -> str:
+    """``plan --search``'s table: the layouts that fit, fastest first, and why the first wins."""
+    c = r["cluster"]
+    lines = [f"search        {r['gpus']} x {c['machine']} ({c['nodes']} nodes): {r['tried']} layouts tried, "
+             f"{r['fit']} fit in its {c['memory_gib']:g} GiB",
+             f"{'#':>2} {'layout':<44} {'tokens/s/GPU':>12} {'MFU':>6} {'memory':>10} {'bubble':>7} "
+             f"{'exposed comm':>12} {'step':>9}"]
+    for i, p in enumerate(r["ranked"], 1):
+        bubble = p.get("pipeline", {}).get("bubble_ideal", 0.0)
+        lines.append(f"{i:>2} {p['strategy_text'][:44]:<44} {p['tokens_per_s_per_gpu']:>12,.0f} {p['mfu']:>6.1%} "
+                     f"{_gib(p['memory_bytes_per_rank']):>10} {bubble:>7.2f} {_ms(p['exposed_comm_s']):>12} "
+                     f"{_ms(p['step_s']):>9}")
+    lines += ["", "why           " + r["why"].replace("\n", "\n              ")]
     return "\n".join(lines)

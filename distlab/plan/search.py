@@ -1,0 +1,142 @@
+"""``distlab plan --search``: every layout of a GPU cluster, predicted, the ones that fit ranked by tokens/s per GPU.
+
+:func:`candidates` enumerates the strategies a cluster of ``gpus`` GPUs can run a model with -- tensor parallel
+inside a node (a divisor of its GPUs), pipeline stages (each at most the model's layers, with 1F1B over
+``2 pp`` and ``4 pp`` micro-batches, interleaved with two chunks per rank, and zero bubble), context
+parallel (a divisor of the window that leaves each rank whole chunks), expert parallel for a mixture of
+experts, ZeRO stages 1-3 (ZeRO-1 where a pipeline runs: a stage's shards are its own) and activation
+checkpointing off or on -- data parallel taking what is left; each is checked as a run checks it
+(:meth:`~distlab.parallel.Strategy.check`, the batch's split), so what the search proposes a run accepts.
+:func:`search` predicts each on the cluster (:func:`~distlab.plan.predict.predict`), keeps those whose peak
+fits the GPU's memory, ranks them by tokens/s per GPU and says why the best wins (:func:`why`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterator
+
+from distlab.errors import ConfigError
+from distlab.parallel import Strategy
+from distlab.plan.machine import Link
+from distlab.plan.predict import Layout, predict
+
+MAX_TP = 8  # tensor parallel stays inside a node of 8 (beyond it every layer's collectives cross the network)
+
+
+def _divisors(n: int, most: int) -> list[int]:
+    return [d for d in range(1, min(n, most) + 1) if n % d == 0]
+
+
+def candidates(t, base: Layout, gpus: int, gpus_per_node: int, experts: int = 0) -> Iterator[Layout]:
+    """Every valid layout of ``gpus`` GPUs for trace ``t`` with ``base``'s batch, optimizer and precision."""
+    layers = len(t.layers) - 2 if t.layers else 1  # a decoder's blocks (its embedding and head are layers too)
+    window = t.tokens_per_sample
+    seen = set()
+    for tp in _divisors(gpus, min(MAX_TP, gpus_per_node)):
+        for pp in [p for p in (1, 2, 4, 8, 16, 32) if gpus % (tp * p) == 0 and p <= max(1, layers)]:
+            for cp in [c for c in (1, 2, 4, 8) if gpus % (tp * pp * c) == 0 and (c == 1 or window % (2 * c) == 0)]:
+                dp = gpus // (tp * pp * cp)
+                for ep in ([e for e in _divisors(dp, experts) if experts % e == 0] if experts else [1]):
+                    for zero in ((1,) if pp > 1 else (1, 2, 3)):
+                        for ckpt in (False, True):
+                            for sched in (_schedules(pp, base.global_batch // dp) if pp > 1 else [{}]):
+                                try:
+                                    st = replace(base.strategy, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
+                                                 activation_checkpointing=ckpt, sequence_parallel=tp > 1,
+                                                 dp_sync=None, collective=None, microbatches=None, **sched)
+                                    lay = replace(base, dp=dp, strategy=st).check()
+                                except (ConfigError, ValueError, TypeError):
+                                    continue
+                                if str(st) not in seen:
+                                    seen.add(str(st))
+                                    yield lay
+
+
+def _schedules(pp: int, local: int) -> list[dict]:
+    """A pipeline's schedules worth trying with ``local`` samples per data-parallel rank."""
+    out = []
+    for m in (2 * pp, 4 * pp):
+        if local and local % m == 0:
+            out.append(dict(pp_schedule="1f1b", microbatches=m))
+            out.append(dict(pp_schedule="1f1b", microbatches=m, pp_virtual=2))
+            out.append(dict(pp_schedule="zb", microbatches=m))
+    return out or ([dict(pp_schedule="1f1b", microbatches=local)] if local >= pp else [])
+
+
+def search(t, base: Layout, cluster, top: int = 10, experts: int = 0) -> dict:
+    """The cluster's layouts predicted: ``ranked`` (those that fit, fastest first, at most ``top``),
+    ``tried``/``fit`` counts, and ``why``: what makes the first beat the others."""
+    rows, tried = [], 0
+    limit = cluster.machine.memory_bytes
+    for lay in candidates(t, base, cluster.gpus, cluster.machine.gpus_per_node, experts):
+        tried += 1
+        try:
+            p = predict(t, lay, Link(), None, cluster)
+        except ConfigError:
+            continue
+        p["strategy_text"] = str(lay.strategy)
+        p["fits"] = p["memory_bytes_per_rank"] <= limit
+        rows.append(p)
+    fit = sorted((p for p in rows if p["fits"]), key=lambda p: -p["tokens_per_s_per_gpu"])
+    out = {"kind": "distlab-plan-search", "cluster": cluster.describe(), "gpus": cluster.gpus, "tried": tried,
+           "predicted": len(rows), "fit": len(fit), "ranked": fit[:top]}
+    if not fit:
+        least = min(rows, key=lambda p: p["memory_bytes_per_rank"]) if rows else None
+        out["why"] = ("no layout fits: " + (f"the smallest peak, {least['memory_bytes_per_rank'] / 2**30:.1f} GiB "
+                                            f"({least['strategy_text']}), is above the GPU's "
+                                            f"{limit / 2**30:.1f} GiB; use more GPUs or a shorter window"
+                                            if least else "no valid layout of this many GPUs"))
+    else:
+        out["why"] = why(fit)
+        over = [p for p in rows if not p["fits"] and p["tokens_per_s_per_gpu"] > fit[0]["tokens_per_s_per_gpu"]]
+        if over:  # faster on paper, but its peak is above the GPU's memory
+            q = max(over, key=lambda p: p["tokens_per_s_per_gpu"])
+            out["why"] += (f"\n  {q['strategy_text']} would run {q['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU but "
+                           f"needs {q['memory_bytes_per_rank'] / 2**30:.1f} GiB per GPU, above the "
+                           f"{limit / 2**30:.1f} GiB it has")
+    return out
+
+
+def _parts(p: dict) -> dict:
+    """Where a predicted step's time goes: the compute itself, what recomputation adds, the pipeline's bubble,
+    exposed communication."""
+    bubble = p.get("pipeline", {}).get("bubble_ideal", 0.0)
+    recompute = p.get("activation_checkpointing", {}).get("recompute_flops_share", 0.0)
+    compute = p["compute_s"]
+    return {"bubble_s": compute * bubble, "recompute_s": compute * (1 - bubble) * recompute / (3 + recompute),
+            "exposed_s": p["exposed_comm_s"]}
+
+
+def why(fit: list[dict]) -> str:
+    """Why the first layout wins: against the runner-up and the best of each other shape, the time it saves
+    in the bubble, in recomputation and in exposed communication, and what each spends memory on."""
+    best, lines = fit[0], []
+    b = _parts(best)
+    lines.append(f"{best['strategy_text']} predicts {best['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
+                 f"(MFU {best['mfu']:.1%}) at {best['memory_bytes_per_rank'] / 2**30:.1f} GiB per GPU: of its "
+                 f"{best['step_s']:.3g} s step, {b['exposed_s']:.3g} s is exposed communication, {b['bubble_s']:.3g} s "
+                 f"pipeline bubble, {b['recompute_s']:.3g} s recomputation")
+    shown = set()
+    for p in fit[1:]:
+        shape = _shape(p)
+        if shape in shown or shape == _shape(best):
+            continue
+        shown.add(shape)
+        o = _parts(p)
+        costs = [(o[k] - b[k], k) for k in ("exposed_s", "bubble_s", "recompute_s")]
+        delta, what = max(costs)
+        names = {"exposed_s": "exposed communication", "bubble_s": "pipeline bubble", "recompute_s": "recomputation"}
+        lines.append(f"  vs {p['strategy_text']} ({p['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
+                     f"{p['memory_bytes_per_rank'] / 2**30:.1f} GiB): that one spends {delta:+.3g} s more per step "
+                     f"on {names[what]}" if delta > 0 else
+                     f"  vs {p['strategy_text']} ({p['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU): "
+                     f"{p['step_s'] - best['step_s']:+.3g} s per step")
+        if len(shown) >= 4:
+            break
+    return "\n".join(lines)
+
+
+def _shape(p: dict) -> tuple:
+    lay = p["layout"]
+    return (lay["tp"] > 1, lay["pp"] > 1, lay["cp"] > 1, lay["zero"])
