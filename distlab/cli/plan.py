@@ -186,6 +186,10 @@ def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_byt
         click.echo(pp.format_prediction(result))
         if timeline_out:
             _write_timeline(result, str(lay.strategy), timeline_out)
+    if cluster is not None and cluster.calibrated_on is not None and \
+            cluster.machine.name.split("-")[0].upper() not in cluster.calibrated_on.upper():
+        click.echo(f"distlab: warning: the compute rate was measured on {cluster.calibrated_on}, not on "
+                   f"{cluster.machine.name}'s GPUs: calibrate on one of them for its own", err=True)
     if cluster is not None and cluster.calibrated_on is None:
         click.echo(f"distlab: warning: {cluster.machine.name} was not calibrated: compute at {cluster.efficiency:.1%} of "
                    f"its datasheet peak, measured as {cluster.efficiency_source}; run `distlab plan calibrate --device "
@@ -228,13 +232,30 @@ def _write_timeline(result: dict, label: str, out: str) -> None:
 
 
 @plan.command("calibrate")
-@click.argument("paths", nargs=-1, required=True)
+@click.argument("paths", nargs=-1)
 @click.option("-o", "--output", default=DEFAULT_CALIBRATION, callback=output_file, show_default=True)
-def plan_calibrate(paths, output):
-    """Fit collectives' latency and bandwidth (alpha-beta) and the compute rate from bench results.
+@click.option("--device", default=None, help="Measure this device's rates instead (cuda, cuda:1, cpu): the model's own "
+              "matrix multiplications and attention, forward and backward, for `plan --machine ... --calibration`.")
+@click.option("--preset", default=None, help="With --device: the model whose layer shapes to time (a preset name).")
+@click.option("--model", default=None, help="With --device: hf:DIR, or a registered model with its default sizes.")
+@click.option("--block-size", type=COUNT, default=2048, show_default=True, help="With --device: tokens per timed call.")
+@click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
+def plan_calibrate(paths, output, device, preset, model, block_size, precision):
+    """Fit collectives' latency and bandwidth (alpha-beta) and the compute rate from bench results; or, with
+    --device, measure a GPU's matrix-multiplication and attention rates on a model's shapes.
 
     PATHS: `distlab bench collectives` output, run directories of one-worker training runs and
-    `distlab bench scaling` output (its one-worker runs), or directories holding them."""
+    `distlab bench scaling` output (its one-worker runs), or directories holding them.
+
+    \b
+    distlab plan calibrate runs/bench-collectives runs/bench-scaling -o runs/calibration.json
+    distlab plan calibrate --device cuda --preset llama3-8b --block-size 8192 -o results/h100-rates.json"""
+    if device:
+        from distlab.cli.plan_gpu import calibrate_device
+        calibrate_device(device, preset, model, block_size, precision, output)
+        return
+    if not paths:
+        raise ConfigError("`distlab plan calibrate` needs bench results (PATHS) or --device to measure")
     from distlab import plan as pp
     cal = pp.calibrate(list(paths))
     from distlab.train.metrics import atomic_write_text

@@ -10,7 +10,10 @@ from distlab.errors import ConfigError
 def data_parallel(strategy, gpus: int | None, nodes: int | None, machine: str) -> int:
     """``--dp`` where it was not given: what the other dimensions leave of the cluster's GPUs (1 without a size)."""
     from distlab.plan.gpu import load_machine
-    total = gpus or (nodes * load_machine(machine).gpus_per_node if nodes else None)
+    m = load_machine(machine)
+    if gpus is not None and gpus % m.gpus_per_node and gpus > m.gpus_per_node:
+        raise ConfigError(f"--gpus {gpus}: {m.name} has {m.gpus_per_node} GPUs per node; give a multiple of it")
+    total = gpus or (nodes * m.gpus_per_node if nodes else None)
     if total is None:
         return 1
     ways = strategy.model_ways
@@ -38,3 +41,42 @@ def cluster_of(machine: str, nodes: int | None, gpus: int | None, lay, calibrati
     if calibration:
         GpuCalibration.load(calibration).apply(cluster)
     return cluster
+
+
+def calibrate_device(device: str, preset: str | None, model: str | None, block_size: int, precision: str,
+                     output: str) -> None:
+    """``plan calibrate --device``: time the model's layer shapes on ``device`` and write the rates."""
+    import json
+
+    import click
+    import torch
+
+    from distlab.models import build_model
+    from distlab.plan.gpu_calibration import measure
+    from distlab.train.metrics import atomic_write_text
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: no CUDA device here; run it on one of the machine's GPUs")
+    if preset or (model or "").startswith("hf:"):
+        from distlab.models import hf
+        from distlab.plan import presets
+        name, options, vocab = presets.options(preset) if preset else \
+            (lambda r: (r[0], r[2], r[3]))(hf.options_of(hf.config_of(model[3:]), model))
+    elif model:  # a registered model at its family's default sizes
+        name, options, vocab = model, None, 256
+    else:
+        raise ConfigError("--device measures a model's layer shapes: give --preset NAME or --model")
+    with torch.device("meta"):
+        net = build_model(name, (block_size,), vocab, options=options)
+    linears = sorted({(m.in_features, m.out_features) for m in net.modules() if isinstance(m, torch.nn.Linear)})
+    attn = next((m for m in net.modules() if hasattr(m, "head_dim") and isinstance(getattr(m, "q", None),
+                                                                                  torch.nn.Linear)), None)
+    if attn is None:
+        raise ConfigError(f"{name} has no attention with query heads to time")
+    heads = attn.q.out_features // attn.head_dim
+    cal = measure(linears, heads, attn.head_dim, block_size, torch.device(device), precision)
+    atomic_write_text(output, json.dumps(cal.to_dict(), indent=1) + "\n")
+    eff = f", {cal.efficiency:.1%} of its {cal.peak_flops / 1e12:g} TFLOP/s peak" if cal.efficiency else \
+        " (no datasheet peak: a plan cannot use it)"
+    click.echo(f"{cal.device}: matrix multiplications {cal.matmul_flops / 1e12:.3g} TFLOP/s, attention "
+               f"{cal.attention_flops / 1e12:.3g} TFLOP/s{eff}")
+    click.echo(f"wrote {output}", err=True)

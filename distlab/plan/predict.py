@@ -217,10 +217,8 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
     if cal is None and cluster is None:
         return out
     if cluster is not None:
-        per_element = optim.bytes(1, t.element_size)
-        trained = parts["optimizer_bytes_per_rank"] / per_element if per_element else \
-            parts["parameter_bytes_per_rank"] / t.element_size
-        comp = cluster.compute(lay, int(trained), lay.optimizer)
+        trained = sum(n for u, n in enumerate(t_rank.numels) if t_rank.trains(u))  # what its optimizer steps:
+        comp = cluster.compute(lay, trained // (lay.replicas if lay.zero else 1), lay.optimizer)  # ZeRO, its shard
     else:
         comp = cal.compute_for(lay.threads)
     if lay.oversubscription > 1:

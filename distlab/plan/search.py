@@ -44,7 +44,8 @@ def candidates(t, base: Layout, gpus: int, gpus_per_node: int, experts: int = 0)
                                 try:
                                     st = replace(base.strategy, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
                                                  activation_checkpointing=ckpt, sequence_parallel=tp > 1,
-                                                 dp_sync=None, collective=None, microbatches=None, **sched)
+                                                 **{"dp_sync": None, "collective": None, "microbatches": None,
+                                                    "pp_schedule": "1f1b", "pp_virtual": 1, **sched})
                                     lay = replace(base, dp=dp, strategy=st).check()
                                 except (ConfigError, ValueError, TypeError):
                                     continue

@@ -1,0 +1,203 @@
+"""Planning a GPU cluster: machines, NCCL's collectives on the topology, placement, compute, presets, search."""
+
+import json
+import math
+import re
+
+import pytest
+
+from distlab.errors import ConfigError
+from distlab.parallel import Strategy
+from distlab.plan import Layout, Link, predict, trace
+from distlab.plan.gpu import (Cluster, DIMS, Group, bus_bandwidth, bus_factor, collective_seconds, load_machine,
+                              machine_names, placement)
+from distlab.plan.search import candidates, search
+from tests.conftest import invoke
+
+H100 = load_machine("h100-sxm")
+
+
+def test_every_preset_machine_loads_and_cites_each_number():
+    """Each machine file's numbers carry their source beside them (a datasheet or NCCL's model)."""
+    names = machine_names()
+    assert {"h100-sxm", "h200", "a100-80g", "b200"} <= set(names)
+    for name in names:
+        m = load_machine(name)
+        assert m.bf16_tflops > 0 and m.memory_gib > 0 and m.gpus_per_node == 8 and m.nic_gbit > 0
+        text = open(m.source).read()
+        assert "[latency]               # NCCL's tuning model (src/graph/tuning.cc" in text
+        for line in text.splitlines():
+            if re.match(r"\s*(bf16_tflops|fp32_tflops|memory_gib|memory_tbps|gpus|nvlink_gbps|nic_gbit)\s*=", line):
+                assert "#" in line, f"{name}: {line!r} has no source"
+
+
+def test_a_machine_file_of_the_user(tmp_path):
+    text = open(H100.source).read().replace('name = "h100-sxm"', 'name = "mine"').replace("nic_gbit = 400",
+                                                                                           "nic_gbit = 100")
+    (tmp_path / "mine.toml").write_text(text)
+    m = load_machine(str(tmp_path / "mine.toml"))
+    assert m.name == "mine" and m.nic_Bps == 100e9 / 8
+    (tmp_path / "bad.toml").write_text("[gpu]\nbf16_tflops = 1\n")
+    with pytest.raises(ConfigError, match="not a machine file"):
+        load_machine(str(tmp_path / "bad.toml"))
+    with pytest.raises(ConfigError, match="choose one of"):
+        load_machine("h900")
+
+
+@pytest.mark.parametrize("kind,factor", [("all_reduce", lambda n: 2 * (n - 1) / n),
+                                         ("reduce_scatter", lambda n: (n - 1) / n),
+                                         ("all_gather", lambda n: (n - 1) / n),
+                                         ("all_to_all", lambda n: (n - 1) / n),
+                                         ("send", lambda n: 1.0)])
+@pytest.mark.parametrize("n", [2, 8])
+def test_bus_bandwidth_as_nccl_tests_defines_it(kind, factor, n):
+    """nccl-tests: algbw = size / time, busbw = algbw x factor; on one node the bus runs at NVLink's speed,
+    so size / (time - latency) x factor is NVLink's bandwidth."""
+    assert bus_factor(kind, n) == pytest.approx(factor(n))
+    size = 1 << 30
+    g = Group(n, n)
+    latency = collective_seconds(H100, kind, 0.0, g)
+    busbw = size / (collective_seconds(H100, kind, size, g) - latency) * bus_factor(kind, n)
+    assert busbw == pytest.approx(H100.nvlink_Bps, rel=1e-9)
+
+
+def test_a_group_across_nodes_runs_at_its_nics():
+    """One rank per node: one NIC's 50 GB/s; eight per node: eight NICs (400 GB/s), still under NVLink."""
+    assert bus_bandwidth(H100, Group(8, 1)) == pytest.approx(400e9 / 8)
+    assert bus_bandwidth(H100, Group(16, 8)) == pytest.approx(min(H100.nvlink_Bps, 8 * 400e9 / 8))
+    a100 = load_machine("a100-80g")
+    assert bus_bandwidth(a100, Group(64, 8)) == pytest.approx(min(300e9, 8 * 200e9 / 8))
+
+
+def test_latency_is_nccls_ring_and_tree_model():
+    """NCCL's tuning model: base + steps x step latency (ring); small all-reduces across nodes take the tree."""
+    us = 1e-6
+    assert collective_seconds(H100, "send", 0, Group(2, 2)) == pytest.approx(us * (8.4 + 3.4))
+    assert collective_seconds(H100, "all_gather", 0, Group(8, 8)) == pytest.approx(us * (8.4 + 7 * 3.4))
+    # 16 ranks on 2 nodes: ring 30 steps, 2 of them across nodes; tree 2 (7 x 4.0 + 1 x 14)
+    ring = us * (8.4 + 28 * 3.4 + 2 * 14.0)
+    tree = us * (8.4 + 2 * (7 * 4.0 + 1 * 14.0))
+    assert collective_seconds(H100, "all_reduce", 0, Group(16, 8)) == pytest.approx(min(ring, tree))
+    big = 1 << 32  # a large one: the ring (the tree runs at 0.92 of the bus and moves 2 S, not 2 (n-1)/n S)
+    bw = bus_bandwidth(H100, Group(16, 8))
+    assert collective_seconds(H100, "all_reduce", big, Group(16, 8)) == pytest.approx(ring + big * 2 * 15 / 16 / bw)
+
+
+def test_groups_are_placed_tensor_parallel_first():
+    """Ranks fill a node tensor-parallel first: tp 8 inside a node, dp across nodes one per node; tp 2 x cp 2
+    x dp 16: the replicas (cp x dp) hold 4 of a node's 8 GPUs... and the layout that puts TP across nodes
+    is said."""
+    lay = Layout(dp=8, strategy=Strategy(tp=8), global_batch=8)
+    assert placement(lay, 8, ("tp",)) == Group(8, 8)
+    assert placement(lay, 8, ("cp", "ep", "dp")) == Group(8, 1)
+    lay = Layout(dp=16, strategy=Strategy(tp=2, cp=2), global_batch=16)
+    assert placement(lay, 8, ("cp",)) == Group(2, 2)
+    assert placement(lay, 8, ("cp", "ep", "dp")) == Group(32, 4)
+    assert DIMS[0] == "tp" and DIMS[-1] == "dp"
+    wide = Layout(dp=1, strategy=Strategy(tp=16), global_batch=1)
+    assert placement(wide, 8, ("tp",)) == Group(16, 8)
+    assert any("spans 2 nodes" in w for w in Cluster(H100, 2).warnings(wide))
+
+
+@pytest.fixture(scope="module")
+def small_lm():
+    return trace("gpt", (64,), 256, attention="flash")
+
+
+def test_compute_on_a_gpu_is_model_flops_at_the_efficiency_and_the_optimizer_through_hbm(small_lm):
+    """One GPU, no communication: the step is the model's FLOPs (its own count) over peak x efficiency, plus
+    AdamW's 28 bytes per parameter through HBM -- nothing else."""
+    t = small_lm
+    lay = Layout(dp=1, strategy=Strategy(precision="bf16"), optimizer="adamw", global_batch=8)
+    cluster = Cluster(H100, 1)
+    p = predict(t, lay, Link(), None, cluster)
+    want = t.model_flops_per_sample * 8 / (H100.peak("bf16") * cluster.efficiency) \
+        + 28 * t.num_parameters / (H100.memory_tbps * 1e12)
+    assert p["step_s"] == pytest.approx(want, rel=1e-9)
+    assert p["mfu"] == pytest.approx(t.model_flops_per_sample * 8 / p["step_s"] / H100.peak("bf16"))
+    assert p["tokens_per_s_per_gpu"] == pytest.approx(8 * 64 / p["step_s"])
+    assert p["cluster"]["machine"] == "h100-sxm" and p["device_memory_bytes"] == H100.memory_bytes
+
+
+def test_flash_attention_keeps_no_scores(small_lm):
+    """A GPU's fused attention saves queries, keys, values, output and a log-sum-exp per row: less than the
+    math path's scores over a 64-token window, the rest of the model's saved tensors the same."""
+    import torch
+    from distlab.plan.trace import FlashAttention
+    q = torch.empty(2, 4, 64, 16, device="meta", requires_grad=True)
+    kv = torch.empty(2, 2, 64, 16, device="meta", requires_grad=True)  # grouped: 2 key/value heads for 4 queries
+    saved = []
+    with FlashAttention(), torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+        out = torch.nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=True)
+    assert out.shape == q.shape
+    shapes = sorted(tuple(x.shape) for x in saved if x.dim() >= 3)
+    assert shapes == sorted([(2, 4, 64, 16)] * 4 + [(2, 4, 64)])  # q, k and v repeated to 4 heads, out; lse
+    math_t = trace("gpt", (64,), 256)
+    assert small_lm.activation_bytes_per_sample < math_t.activation_bytes_per_sample
+    assert small_lm.num_parameters == math_t.num_parameters
+
+
+def test_search_enumerates_valid_layouts_and_ranks_those_that_fit(small_lm):
+    t = small_lm
+    base = Layout(dp=16, strategy=Strategy(precision="bf16"), optimizer="adamw", global_batch=64)
+    cluster = Cluster(H100, 2)
+    lays = list(candidates(t, base, 16, 8))
+    texts = [str(lay.strategy) for lay in lays]
+    assert len(texts) == len(set(texts))
+    assert all(lay.world == 16 and lay.tp <= 8 for lay in lays)
+    assert {lay.tp for lay in lays} == {1, 2, 4, 8} and any(lay.pp > 1 for lay in lays) \
+        and any(lay.cp > 1 for lay in lays) and {lay.zero for lay in lays} >= {1, 2, 3}
+    for lay in lays:  # what the search proposes a run accepts
+        lay.strategy.check(lay.world)
+    r = search(t, base, cluster, top=5)
+    ranked = r["ranked"]
+    assert 0 < len(ranked) <= 5 and r["tried"] == len(lays)
+    assert [p["tokens_per_s_per_gpu"] for p in ranked] == sorted((p["tokens_per_s_per_gpu"] for p in ranked),
+                                                                 reverse=True)
+    assert all(p["memory_bytes_per_rank"] <= H100.memory_bytes for p in ranked)
+    assert ranked[0]["strategy_text"] in r["why"]
+
+
+def test_plan_a_preset_on_a_cluster_through_the_cli(tmp_path):
+    code, out, err = invoke(["plan", "--preset", "llama3-8b", "--block-size", "1024", "--machine", "h100-sxm",
+                             "--gpus", "16", "--tp", "2", "--zero", "3", "--precision", "bf16",
+                             "--global-batch-size", "16", "--optimizer", "adamw", "--json", "p.json"], tmp_path)
+    assert code == 0, err
+    assert "machine       2 x h100-sxm (16 GPUs, 8 per node)" in out
+    assert "tokens/s per GPU" in out and "MFU" in out and "fits" in out
+    assert "parameters    8,030,261,248" in out  # Meta-Llama-3-8B's published size, from its config.json
+    assert "was not calibrated" in err
+    p = json.loads((tmp_path / "p.json").read_text())
+    assert p["layout"]["dp"] == 8 and p["layout"]["world_size"] == 16  # --dp filled from --gpus
+    assert p["cluster"]["gpus"] == 16
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--machine", "h100-sxm", "--gpus", "12"], "multiple of it"),
+    (["--machine", "h100-sxm", "--gpus", "16", "--dp", "4"], "make them equal"),
+    (["--nodes", "2"], "give --machine too"),
+    (["--machine", "h900"], "choose one of"),
+    (["--search", "--machine", "h100-sxm"], "give --machine and --gpus"),
+])
+def test_bad_cluster_flags_are_refused(tmp_path, args, needle):
+    code, out, err = invoke(["plan", "--model", "gpt", *args], tmp_path)
+    assert code != 0 and needle in err, err
+
+
+def test_a_gpu_calibration_from_another_device_is_refused_or_named(tmp_path):
+    """`plan calibrate --device` times the model's shapes where it runs; a CPU's rates have no peak to be a
+    fraction of, so a GPU plan refuses them."""
+    code, out, err = invoke(["plan", "calibrate", "--device", "cpu", "--model", "gpt", "--block-size", "32",
+                             "-o", "cal.json"], tmp_path)
+    assert code == 0, err
+    cal = json.loads((tmp_path / "cal.json").read_text())
+    assert cal["kind"] == "distlab-plan-gpu-calibration" and cal["matmul_flops_per_s"] > 0
+    assert {s["op"] for s in cal["shapes"]} == {"linear", "attention"}
+    code, out, err = invoke(["plan", "--model", "gpt", "--machine", "h100-sxm", "--calibration", "cal.json"], tmp_path)
+    assert code != 0 and "no datasheet peak" in err
+    cal.update(device="NVIDIA H200", peak_flops=989.4e12)
+    (tmp_path / "h200.json").write_text(json.dumps(cal))
+    code, out, err = invoke(["plan", "--model", "gpt", "--machine", "h100-sxm", "--calibration", "h200.json"],
+                            tmp_path)
+    assert code == 0 and "measured on NVIDIA H200, not on h100-sxm" in err
+    assert math.isfinite(float(re.search(r"MFU ([0-9.]+)%", out).group(1)))
