@@ -15,7 +15,7 @@ MODELS = [("mlp", (1, 8, 8), {"widths": (32, 32, 16)}), ("mlp-bn", (1, 8, 8), {}
           ("resnet18", (3, 8, 8), {}), ("gpt", (16,), {"vocab": 20, "n_layer": 3, "n_embd": 32})]
 
 
-def _step(name, shape, options, checkpointed):
+def _step(name, shape, options, checkpointed, every=1):
     torch.manual_seed(0)
     if name == "gpt":
         from distlab.models.gpt import GPT
@@ -25,7 +25,7 @@ def _step(name, shape, options, checkpointed):
     else:
         model = build_model(name, shape, 10, **options)
         x, y = torch.randn(4, *shape), torch.randint(0, 10, (4,))
-    blocks = apply_activation_checkpointing(model) if checkpointed else 0
+    blocks = apply_activation_checkpointing(model, every) if checkpointed else 0
     model.train()
     with ActivationMeter(model.parameters()) as meter:
         loss = task_loss(model(x), y)
@@ -46,6 +46,26 @@ def test_checkpointed_step_is_bitwise_equal_and_holds_less(name, shape, options)
     # An MLP's Linear + ReLU block saves nothing but its input anyway (ReLU's output is the next
     # Linear's input): no gain there. Convolution, BatchNorm and attention blocks save much more.
     assert peak_c < peak if name in ("vgg11-bn", "resnet18", "gpt") else peak_c <= peak, (name, peak_c, peak)
+
+
+def test_one_block_in_every_k_recomputed_bitwise_equal_holding_between():
+    """Selective checkpointing per block (``ac_every``): the first block and every K-th after it recompute; the
+    step is bit for bit the plain one's, and it holds less than none checkpointed, more than all."""
+    name, shape, options = "gpt", (16,), {"vocab": 20, "n_layer": 4, "n_embd": 32}
+    loss, grads, _, peak, _ = _step(name, shape, options, False)
+    _, _, _, peak_all, every_block = _step(name, shape, options, True)
+    loss_2, grads_2, _, peak_2, half = _step(name, shape, options, True, every=2)
+    assert (every_block, half) == (4, 2)
+    assert torch.equal(loss, loss_2) and all(torch.equal(grads[k], grads_2[k]) for k in grads)
+    assert peak_all < peak_2 < peak
+    assert Strategy(activation_checkpointing=True, ac_every=2).checkpointed([["a"], ["b"], ["c"]]) == [["a"], ["c"]]
+    assert Strategy(activation_checkpointing=True, ac_every=3).checkpointed([["a"], ["b"]]) == [["a"]]
+    assert Strategy().checkpointed([["a"]]) == []
+    assert str(Strategy.parse("zero=3+ckpt+ac_every=2")) == "zero=3+ckpt+ac_every=2"
+    with pytest.raises(ConfigError, match="turn on `activation_checkpointing`"):
+        Strategy(ac_every=2).check()
+    with pytest.raises(ConfigError, match="at least 1"):
+        Strategy(activation_checkpointing=True, ac_every=0).check()
 
 
 def test_blocks_listed_per_model_and_state_dict_keys_unchanged():

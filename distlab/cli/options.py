@@ -263,6 +263,9 @@ STRATEGY_OPTIONS = [
     ("activation_checkpointing", dict(is_flag=True, help="Keep only each block's input (VGG stage, ResNet block, "
                                       "transformer block) and recompute the rest in backward: less activation "
                                       "memory for about a third more compute.")),
+    ("ac_every", dict(type=int, help="With --activation-checkpointing: recompute one block in every K (the "
+                      "first, then every K-th): selective checkpointing per block, less recomputation for more "
+                      "memory (default 1: every block).")),
     ("compile", dict(is_flag=True, help="Each block (transformer block, ResNet block, VGG stage's layers) through "
                      "torch.compile: fused kernels, the same parameters and snapshots; the first step pays the "
                      "compilation. Composes with every layout but the zero-bubble pipeline.")),

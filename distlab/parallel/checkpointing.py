@@ -107,12 +107,13 @@ def run_checkpointed(block: list[nn.Module], x):
     return checkpoint(_run, block, _Held.apply(x), use_reentrant=False, context_fn=functools.partial(_contexts, block))
 
 
-def block_names(model: nn.Module) -> list[list[str]]:
+def block_names(model: nn.Module, every: int = 1) -> list[list[str]]:
     """The names (in ``model.named_modules()``) of each block's modules, in order: what a pipeline
-    stage, which runs the model's layers one by one rather than through their container, checkpoints."""
+    stage, which runs the model's layers one by one rather than through their container, checkpoints
+    (with ``every``: one block in every ``every``, as :meth:`~distlab.parallel.Strategy.checkpointed` picks)."""
     names = {id(m): name for name, m in model.named_modules()}
     return [[names[id(m)] for m in list(container)[start:end]] for container, ranges in checkpoint_blocks(model)
-            for start, end in ranges]
+            for start, end in ranges][::every]
 
 
 class _Checkpointed:
@@ -130,9 +131,10 @@ class _Checkpointed:
         return _run(children[done:], x)
 
 
-def apply_activation_checkpointing(model: nn.Module) -> int:
-    """Make ``model``'s blocks recompute their activations in backward; returns how many blocks."""
-    count = 0
+def apply_activation_checkpointing(model: nn.Module, every: int = 1) -> int:
+    """Make ``model``'s blocks -- one in every ``every``, counted over all its blocks in order -- recompute their
+    activations in backward; returns how many blocks."""
+    count, seen = 0, 0
     for container, ranges in checkpoint_blocks(model):
         if not isinstance(container, nn.Sequential):
             raise ConfigError(f"checkpoint_blocks() must list ranges of nn.Sequential children, not of "
@@ -142,6 +144,11 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
                 b > c for (_, b), (c, _) in zip(ranges, ranges[1:])):
             raise ConfigError(f"checkpoint_blocks(): ranges {ranges} must be non-empty, ordered, disjoint and "
                               f"within the {len(container)} children")
+        kept = [r for k, r in enumerate(ranges, seen) if k % every == 0]  # (validated whole, then picked)
+        seen += len(ranges)
+        if not kept:
+            continue
+        ranges = kept
         cls = type(container)
         if not issubclass(cls, _Checkpointed):
             container.__class__ = type(f"Checkpointed{cls.__name__}", (_Checkpointed, cls), {})

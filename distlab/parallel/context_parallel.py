@@ -330,7 +330,7 @@ class ContextParallel(ComponentKind):
             raise ConfigError(f"`cp` {lay.cp}: context parallel splits a transformer's sequences, and this model "
                               f"declares no attention (context_parallel_plan); plan it with `cp` 1")
         cp, ring = lay.cp, lay.strategy.cp_style == "ring"
-        recomputed = [n for block in t.blocks for n in block] if lay.strategy.activation_checkpointing else []
+        recomputed = [n for block in lay.strategy.checkpointed(t.blocks) for n in block]
 
         def again(name: str) -> int:  # an attention inside a checkpointed block runs its forward twice
             return 1 + any(name == n or name.startswith(n + ".") for n in recomputed)

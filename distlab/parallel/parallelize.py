@@ -69,13 +69,13 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh, device: torch.
     if strategy.pp > 1:  # cut by the unsharded model's parameters: the same layers on every rank of a TP group
         balance = [end - start for start, end in partition(model, strategy.pp * strategy.pp_virtual,
                                                             strategy.pp_balance)]
-    blocks = block_names(model) if strategy.activation_checkpointing and strategy.pp > 1 else None
+    blocks = block_names(model, strategy.ac_every) if strategy.activation_checkpointing and strategy.pp > 1 else None
     parts: list[ModelSharding] = []  # in the order they act on a batch
     for kind in registry.wanted(strategy):
         model, part = kind.apply(model, strategy, mesh)
         parts.append(part)
     if strategy.activation_checkpointing and strategy.pp == 1:  # a stage checkpoints its blocks by name
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, strategy.ac_every)
     if strategy.compile:  # in place, inside the checkpointed ranges and the stage's layers alike
         apply_compile(model, whole_model(strategy, mesh.replicas, len(parts)))
     head = loss_head(model)

@@ -59,6 +59,7 @@ class Strategy:
     pp_balance: tuple[int, ...] | None = None  # layers per stage; None: balanced by parameters
     pp_virtual: int = 1      # model chunks per pipeline rank (interleaved schedules)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    ac_every: int = 1        # with activation_checkpointing: one block in every ac_every (selective, per block)
     compile: bool = False    # each block through torch.compile (distlab.parallel.compile)
     precision: str = "fp32"  # autocast dtype of forward/backward (parameters and optimizer state stay fp32)
     reduce_dtype: str | None = None  # dtype of gradient communication; None: the gradients' own (fp32)
@@ -115,6 +116,11 @@ class Strategy:
             raise ConfigError(f"`bucket_mb` must be positive, not {self.bucket_mb}")
         if self.grad_accum < 1:
             raise ConfigError(f"`grad_accum` must be at least 1, not {self.grad_accum}")
+        if self.ac_every < 1:
+            raise ConfigError(f"`ac_every` must be at least 1, not {self.ac_every}")
+        if self.ac_every > 1 and not self.activation_checkpointing:
+            raise ConfigError(f"`ac_every` {self.ac_every} says which blocks activation checkpointing recomputes: "
+                              f"turn on `activation_checkpointing` too, or drop `ac_every`")
         if self.tp < 1:
             raise ConfigError(f"`tp` must be at least 1, not {self.tp}")
         if self.pp < 1:
@@ -248,6 +254,11 @@ class Strategy:
         kind = self.grad_compression if self.grad_compression in ("fp16", "bf16") else None
         wire = self.reduce_dtype or kind
         return None if wire in (None, "fp32") else wire
+
+    def checkpointed(self, blocks: list) -> list:
+        """The blocks activation checkpointing recomputes: none without it, else one in every ``ac_every``
+        (the first, then every ``ac_every``-th after it)."""
+        return list(blocks[::self.ac_every]) if self.activation_checkpointing else []
 
     @property
     def exact(self) -> bool:

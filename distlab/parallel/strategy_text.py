@@ -20,6 +20,7 @@ the class is passed in (``cls``, ``self``): this module is imported by it.
                     data-parallel ranks (tokens dispatched to them by all-to-all)
     zero=S          zero: ZeRO stage 1-3
     ckpt            activation_checkpointing: recompute each block's activations in backward
+    ac_every=K      ac_every: with ckpt, recompute one block in every K (selective, per block)
     compile         compile: each block (transformer block, ResNet block, ...) through ``torch.compile``
     bf16, fp16      precision: forward and backward under autocast in that dtype (fp32 master
                     weights and optimizer state; fp16 with dynamic loss scaling, GPU only)
@@ -87,7 +88,7 @@ def strategy_text(self) -> str:
         parts += [f"vpp={self.pp_virtual}"] if self.pp_virtual != 1 else []
         parts += [f"balance={':'.join(map(str, self.pp_balance))}"] if self.pp_balance else []
     if self.activation_checkpointing:
-        parts.append("ckpt")
+        parts.append("ckpt" + (f"+ac_every={self.ac_every}" if self.ac_every != 1 else ""))
     if self.compile:
         parts.append("compile")
     if self.precision != "fp32":

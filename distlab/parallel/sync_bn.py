@@ -53,7 +53,7 @@ def planned_calls(t, strategy) -> list[Call]:
     if strategy.sync_bn != "distlab":
         return []
     algorithm = "butterfly"  # apply_sync_bn's layers take "auto": the butterfly on gloo (_reduce)
-    recomputed = [b for block in t.blocks for b in block] if strategy.activation_checkpointing else []
+    recomputed = [b for block in strategy.checkpointed(t.blocks) for b in block]
     calls = []
     for name, channels, input_grad in t.batch_norms:
         forwards = 1 + any(name == b or name.startswith(b + ".") for b in recomputed)

@@ -201,7 +201,7 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
                                            for st in stages) + out["compression_state_bytes_per_rank"])
     if lay.strategy.activation_checkpointing:
         out["activation_checkpointing"] = {
-            "blocks": len(t.blocks), "recompute_bytes_per_rank": int(narrow * max(st["recompute_bytes"] for st in stages)),
+            "blocks": len(lay.strategy.checkpointed(t.blocks)), "recompute_bytes_per_rank": int(narrow * max(st["recompute_bytes"] for st in stages)),
             "recompute_flops_share": max(st["recompute_flops_share"] for st in stages),
             "basis": "each block's input kept for backward (in activation_bytes_per_rank); in backward one block at a "
                      "time recomputes its inside for one micro-batch (recompute_bytes_per_rank, in "

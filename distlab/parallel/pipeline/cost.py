@@ -82,10 +82,10 @@ def timeline(lay, forward_s: float, backward_s: float) -> list[tuple[int, str, s
     return spans
 
 
-def _runs(t, a: int, b: int) -> list[tuple[list[int], bool]]:
-    """Layers ``a..b-1`` as consecutive runs ``(indices, checkpointed)``: each part of one
-    activation-checkpointing block a run (as a pipeline stage recomputes them), other layers alone."""
-    block_of = {name: k for k, names in enumerate(t.blocks) for name in names}
+def _runs(t, a: int, b: int, blocks: list) -> list[tuple[list[int], bool]]:
+    """Layers ``a..b-1`` as consecutive runs ``(indices, checkpointed)``: each part of one of the
+    ``blocks`` activation checkpointing recomputes a run (as a pipeline stage recomputes them), other layers alone."""
+    block_of = {name: k for k, names in enumerate(blocks) for name in names}
     runs: list[tuple[list[int], int | None]] = []
     for i in range(a, b):
         k = block_of.get(t.layers[i].name)
@@ -122,7 +122,7 @@ def stages(t, lay, micro: int, optim, sync_cost) -> list[dict]:
         if mine and lay.strategy.activation_checkpointing:
             saved = replicated = 0.0
             for a, b in chunks:
-                for run, checkpointed in _runs(t, a, b):
+                for run, checkpointed in _runs(t, a, b, lay.strategy.checkpointed(t.blocks)):
                     if checkpointed:  # the block's input kept (replicated over TP unless sequence parallel)
                         kept = layers[run[0] - 1].output_bytes if run[0] else t.input_bytes_per_sample
                         saved, replicated = saved + kept, replicated + (0.0 if sp else kept)

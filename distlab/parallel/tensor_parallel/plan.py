@@ -73,7 +73,7 @@ class TensorParallel(ComponentKind):
                               f"{st.tp_style}"
                               f"{' with sequence parallel' if st.sequence_parallel else ''}; plan it with `tp` 1")
         calls, samples = [], micro / lay.cp  # context parallel: each rank holds 1/cp of every sequence
-        recomputed = _recomputed(plan, t.blocks) if st.activation_checkpointing else set()
+        recomputed = _recomputed(plan, st.checkpointed(t.blocks)) if st.activation_checkpointing else set()
         for name, style in plan.items():
             if not in_stage(name, t_rank, lay):
                 continue

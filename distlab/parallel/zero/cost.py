@@ -50,7 +50,7 @@ class ZeroReplay:
         self.block_of: dict[int, int] = {}
         self.block_events: list[list[tuple[str, int]]] = []
         self.within: set[int] | None = None  # a recomputed block's modules: the only ones prefetched meanwhile
-        for b, layers in enumerate(t.blocks if recompute else ()):
+        for b, layers in enumerate(t.blocks[::int(recompute)] if recompute else ()):  # (one in every `recompute`)
             for m, units in self.units_of.items():
                 name = t.names[units[0]].rsplit(".", 1)[0] if t.module_of[units[0]] == m else None
                 if name is not None and any(name == n or name.startswith(n + ".") for n in layers):
@@ -255,7 +255,8 @@ def zero_peak_bytes(t, stage: int, world: int, optim: Optim, grad_accum: int = 1
                     bucket_mb: float = 25.0, wire_size: int | None = None, recompute: bool = False) -> int:
     """The peak of parameters + gradients + optimizer state one rank holds under ZeRO ``stage``
     (stages 1-2 reduce in buckets of ``bucket_mb``; gradients travel in ``wire_size``-byte elements,
-    default their own; ``recompute``: activation checkpointing runs each block's forward again in backward)."""
+    default their own; ``recompute``: activation checkpointing runs each block's forward -- one block in every
+    ``recompute`` -- again in backward)."""
     if stage == 0:
         return data_parallel_bytes(t, optim)
     if stage not in (1, 2, 3):
@@ -325,7 +326,7 @@ class ZeroCost:
         # where backward needs the weights: a Linear's where its input needs a gradient, any other module's
         # where backward reaches it (zero.gather)
         backward = {m for kind, m in t.events if kind == "bwd"}
-        recomputed = {f"{name}." for block in t.blocks for name in block} if strategy.activation_checkpointing else set()
+        recomputed = {f"{name}." for block in strategy.checkpointed(t.blocks) for name in block}
         gathers = []
         for m, units in modules.items():
             name = t.names[units[0]].rsplit(".", 1)[0] + "."
@@ -351,7 +352,8 @@ class ZeroCost:
         """The exact peak (:func:`zero_peak_bytes`)."""
         wire = strategy.wire_dtype
         return zero_peak_bytes(t, strategy.zero, n, optim, strategy.grad_accum, strategy.bucket_mb,
-                               DTYPES[wire].itemsize if wire else None, strategy.activation_checkpointing)
+                               DTYPES[wire].itemsize if wire else None,
+                               strategy.ac_every if strategy.activation_checkpointing else 0)
 
     @staticmethod
     def planned_extra_state(t, strategy, n: int) -> int:
