@@ -138,6 +138,18 @@ def comm_bytes(t: Trace, lay: Layout, sync, stages: list[dict], micro: int, opti
             "comm_bytes_by": {k: int(round(v)) for k, v in by.items()}}
 
 
+def loss_bytes(t: Trace, lay: Layout, micro: int, narrow: float) -> float:
+    """What the loss adds on the rank that computes it (the last stage), at the start of backward, beyond what
+    the activations count: its log-probabilities stay float32 under autocast (the half the activations' halving
+    took back) and its backward holds two more tensors that size at once -- per micro-batch, the vocabulary split
+    where tensor parallel splits the head, the tokens where context parallel splits the sequence."""
+    if not t.loss_grad_bytes_per_sample:
+        return 0.0
+    plan = t.tensor_plans.get(t.tensor_key(lay.strategy, lay.tp), {}) if lay.tp > 1 else {}
+    split = lay.tp if "vocab_output" in plan.values() else 1
+    return (t.loss_bytes_per_sample * (1 - narrow) + t.loss_grad_bytes_per_sample) * micro / split / lay.cp
+
+
 def load_peak(t: Trace, parts: dict, strategy) -> int:
     """The most model a rank holds while it loads, before its first step: its parameters as the layout places
     them and the largest tensor whole (made or read, then cut: :mod:`distlab.models.deferred`) -- or the whole
@@ -197,7 +209,11 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
         out["activation_basis"] += f"; halved under {lay.strategy.precision} autocast (products save 2-byte inputs)"
     out["load_peak_bytes_per_rank"] = load_peak(t, parts, lay.strategy)
     out["compression_state_bytes_per_rank"] = sync.planned_extra_state(t_rank, lay.strategy, lay.replicas)
+    loss = loss_bytes(t, lay, micro, narrow)
+    if loss:
+        out["loss_bytes_per_rank"] = int(loss)
     out["memory_bytes_per_rank"] = int(max(st["model_state_bytes"] + narrow * (st["activation_bytes"] + st["recompute_bytes"])
+                                           + (loss if st is stages[-1] else 0.0)
                                            for st in stages) + out["compression_state_bytes_per_rank"])
     if lay.strategy.activation_checkpointing:
         out["activation_checkpointing"] = {

@@ -80,6 +80,10 @@ class Trace:
     # not 1/tp (key/value heads kept whole: kv_heads_per_rank(tp) / kv_heads)
     trainable: list[bool] = field(default_factory=list)  # unit -> it needs a gradient (False: frozen, a base under
     # low-rank adapters); empty: every unit does
+    loss_bytes_per_sample: float = 0.0  # what the loss saves (a language model's float32 log-probabilities), in the
+    # last layer's saved_bytes too
+    loss_grad_bytes_per_sample: float = 0.0  # what its backward holds beside them at once: the gradient arriving
+    # at the log-probabilities and the one leaving the softmax, each as large as the largest tensor it saved
     tokens_per_sample: int = 0  # a language model's window (0: not a language model)
     model_flops_per_sample: float = 0.0  # forward + backward as the model counts them (its flops_per_token(): PaLM's
     # count, what MFU divides by); 0 where it declares none
@@ -255,7 +259,7 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
                        if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     for h in handles:
         h.remove()
-    out.layers = profile_layers(model, x, y)
+    out.layers = profile_layers(model, x, y, out)
     for key, plan in out.tensor_plans.items():  # a layer whose output is still split (a column-parallel region open)
         open_, ends = False, set()
         for layer in out.layers:
@@ -296,7 +300,8 @@ class FlashAttention(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def profile_layers(model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = None) -> list[Layer]:
+def profile_layers(model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = None, out: Trace | None = None
+                   ) -> list[Layer]:
     """Each layer of ``model`` run alone on the meta device, in order, from input ``x``: what a
     pipeline stage of it computes, saves and sends (empty if the model is not a sequence of layers).
     With the targets ``y``, what the loss saves counts to the last layer (the last stage computes it)."""
@@ -305,7 +310,7 @@ def profile_layers(model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = N
     except ConfigError:
         return []
     batch, layers, inside = x.shape[0], [], [0]
-    hooks = []
+    hooks, seen, held = [], set(), []  # storages counted (once each, as a run's meter counts them), kept alive
     for m in model.modules():
         if isinstance(m, (nn.LayerNorm, nn.Embedding)):
             hooks.append(m.register_forward_pre_hook(lambda m, a: inside.__setitem__(0, inside[0] + 1)))
@@ -316,9 +321,13 @@ def profile_layers(model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = N
 
         def pack(t, saved=saved, replicated=replicated, params=params):
             if id(t) not in params and (t._base is None or id(t._base) not in params):  # weights stay anyway
-                nbytes = t.numel() * t.element_size()
-                saved[0] += nbytes
-                replicated[0] += nbytes if inside[0] else 0
+                storage = t.untyped_storage()
+                if storage._cdata not in seen:  # a view of a storage saved already (a transpose, a slice): no more
+                    seen.add(storage._cdata)
+                    held.append(t)
+                    nbytes = storage.nbytes()
+                    saved[0] += nbytes
+                    replicated[0] += nbytes if inside[0] else 0
             return t
 
         with FlopCounterMode(display=False) as flops, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -333,6 +342,9 @@ def profile_layers(model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = N
                                                       lambda t: t):
             task_loss(x, y)
         layers[-1] = replace(layers[-1], saved_bytes=layers[-1].saved_bytes + sum(held) / batch)
+        if out is not None and held:
+            out.loss_bytes_per_sample = sum(held) / batch
+            out.loss_grad_bytes_per_sample = 2 * max(held) / batch
     return layers
 
 
