@@ -362,7 +362,12 @@ class ContextParallel(ComponentKind):
                                      "number of query-key pairs under the causal mask" if t.attention_causal else
                                      "no mask (an encoder's attention): every rank scores its queries against every "
                                      "key, the same number of pairs; the keys and values travel as under a mask"}},
-            activation_note=f", each rank holding 1/{cp} of every sequence's tokens (context parallel)")
+            activation_note=f", each rank holding 1/{cp} of every sequence's tokens (context parallel)"
+                            + ("; the ring's attention keeping its output and log-sum-exp, not its scores" if ring and
+                               t.attention == "math" else ""),
+            activation_extra=-sum(v for name, v in t.attention_scores.items() if in_stage(name, t_rank, lay)
+                                  and not again(name) - 1) * micro / (cp * lay.tp) if ring and t.attention == "math"
+            else 0.0)
 
     @staticmethod
     def describe(engine) -> list[str]:

@@ -247,3 +247,4 @@ class Price:
     exact: bool = True          # whether the plan's memory stays exact with it
     report: dict = field(default_factory=dict)  # plan output key -> what it says about itself
     activation_note: str = ""   # how it changes what a rank saves for backward
+    activation_extra: float = 0.0  # bytes a rank saves for backward per micro-batch beyond its split share

@@ -17,14 +17,23 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """What tells ``storage`` from the others: its memory's address, or -- on the meta device, where every storage
+    sits at address 0 (a dry run: ``distlab plan --dry-run``) -- the storage object's own; 0 for an empty one."""
+    if not storage.nbytes():
+        return 0
+    return storage.data_ptr() or storage._cdata
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (``None`` and empty storages count 0)."""
     seen: set[int] = set()
     total = 0
     for t in plain(tensors):
         storage = _local(t).untyped_storage()
-        if storage.nbytes() and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
+        key = storage_key(storage)
+        if key and key not in seen:
+            seen.add(key)
             total += storage.nbytes()
     return total
 

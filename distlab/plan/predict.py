@@ -203,6 +203,11 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
            **parts,
            "activation_bytes_per_rank": int(max(st["activation_bytes"] for st in stages)),
            "activation_basis": _activation_basis(lay, prices)}
+    extra = sum(p.activation_extra for p in prices)  # what a component saves beyond the layers' split share
+    if extra:
+        for st in stages:
+            st["activation_bytes"] += int(extra * st["micro_batches_held"])
+        out["activation_bytes_per_rank"] = int(max(st["activation_bytes"] for st in stages))
     narrow = 0.5 if lay.strategy.precision != "fp32" else 1.0  # autocast saves its products' inputs in 2 bytes
     if narrow != 1.0:
         out["activation_bytes_per_rank"] = int(out["activation_bytes_per_rank"] * narrow)

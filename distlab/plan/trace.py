@@ -70,6 +70,8 @@ class Trace:
     tensor_split: dict[tuple[str, bool, int], set[str]] = field(default_factory=dict)
     tensor_open: dict[tuple[str, bool, int], set[str]] = field(default_factory=dict)
     attention_kv: dict[str, float] = field(default_factory=dict)  # attention -> its keys and values per sample
+    attention_scores: dict[str, float] = field(default_factory=dict)  # attention -> what the math kernel saves
+    # beyond a fused one's per sample: its scores, less the output and row log-sum-exp a fused kernel keeps instead
     attention_q: dict[str, float] = field(default_factory=dict)  # attention -> its queries per sample (as many
     # bytes as its output; more than a key's under grouped-query attention)
     expert_slots: dict[str, float] = field(default_factory=dict)  # experts -> the token-slots entering them per sample
@@ -191,6 +193,11 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
             out.attention_kv_bytes_per_sample += nbytes
             out.attention_kv[name] = out.attention_kv.get(name, 0.0) + nbytes
             out.attention_q[name] = out.attention_q.get(name, 0.0) + args[0].numel() * args[0].element_size() / batch
+            q, k = args[0], args[1]
+            rows = q.numel() // q.shape[-1]  # (batch, heads, queries)
+            scores = rows * k.shape[-2] * q.element_size()
+            out.attention_scores[name] = out.attention_scores.get(name, 0.0) + \
+                (scores - q.numel() * q.element_size() - rows * 4) / batch
 
         if kind == "context_attention":
             handles.append(model.get_submodule(name).register_forward_hook(kv))
@@ -337,9 +344,17 @@ def profile_layers(model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = N
     for h in hooks:
         h.remove()
     if y is not None and layers:  # the loss's own (a language model's log-probabilities: as large as its logits)
-        held = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t.numel() * t.element_size()) or t,
-                                                      lambda t: t):
+        held, kept = [], []
+
+        def hold(t):  # each storage once (the log-probabilities the softmax and the likelihood both save)
+            storage = t.untyped_storage()
+            if storage._cdata not in seen:
+                seen.add(storage._cdata)
+                kept.append(t)
+                held.append(storage.nbytes())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(hold, lambda t: t):
             task_loss(x, y)
         layers[-1] = replace(layers[-1], saved_bytes=layers[-1].saved_bytes + sum(held) / batch)
         if out is not None and held:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from distlab.parallel.state_bytes import plain
+from distlab.parallel.state_bytes import plain, storage_key
 from distlab.runtime.eager import eager
 
 
@@ -21,7 +21,7 @@ class ActivationMeter:
     """
 
     def __init__(self, params=()):
-        self._params = {t.untyped_storage().data_ptr() for t in plain(params)}  # (a quantized weight: its parts)
+        self._params = {storage_key(t.untyped_storage()) for t in plain(params)}  # (a quantized weight: its parts)
         self._refs: dict[int, list[int]] = {}  # storage pointer -> [saved references, bytes]
         self.live = self.peak = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _Held.unpack)
@@ -29,10 +29,10 @@ class ActivationMeter:
     @eager  # counted as it runs, never traced into a compiled block's graph
     def _pack(self, t: torch.Tensor):
         if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__") and \
-                all(p.untyped_storage().data_ptr() in self._params for p in plain([t])):
+                all(storage_key(p.untyped_storage()) in self._params for p in plain([t])):
             return t  # a tensor subclass made of parameters (a quantized weight saved for its backward)
         storage = t.untyped_storage()
-        key = storage.data_ptr()
+        key = storage_key(storage)
         if key in self._params or not key:
             return t
         ref = self._refs.setdefault(key, [0, storage.nbytes()])

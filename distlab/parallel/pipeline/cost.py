@@ -165,6 +165,7 @@ def stages(t, lay, micro: int, optim, sync_cost) -> list[dict]:
                     "last": mine[-1].name if mine else None, "parameters": sum(sub.numels),
                     **({"chunks": [list(c) for c in chunks]} if v > 1 else {}),
                     "model_state_bytes": int(state), "activation_bytes": int(per_sample * micro * held),
+                    "micro_batches_held": held,
                     "flops_share": sum(layer.forward_flops for layer in mine) / total_flops if lay.pp > 1 else 1.0,
                     "recompute_flops_share": recompute_flops / total_flops, "recompute_bytes": int(recompute),
                     "boundary_bytes_per_microbatch": int(boundary),

@@ -73,12 +73,16 @@ class TensorParallel(ComponentKind):
                               f"{st.tp_style}"
                               f"{' with sequence parallel' if st.sequence_parallel else ''}; plan it with `tp` 1")
         calls, samples = [], micro / lay.cp  # context parallel: each rank holds 1/cp of every sequence
+        entering = 0.0  # what enters a parallel region whole (gathered under sequence parallel), saved whole
         recomputed = _recomputed(plan, st.checkpointed(t.blocks)) if st.activation_checkpointing else set()
         for name, style in plan.items():
             if not in_stage(name, t_rank, lay):
                 continue
             io = t.module_io[name]
             calls += TP_STYLES[style].calls(io, samples, st.sequence_parallel)
+            if style != "colwise_gather" and name not in recomputed:  # (the region's entry: what sequence
+                entering += sum(c.nbytes for c in TP_STYLES[style].forward_calls(io, samples, True)  # parallel
+                                if c.kind == "all_gather")  # gathers there; without it, what every rank holds)
             if name in recomputed:  # checkpointing runs its forward again in backward
                 calls += TP_STYLES[style].forward_calls(io, samples, st.sequence_parallel)
             if style == "vocab_output" and lay.label_smoothing:
@@ -86,9 +90,12 @@ class TensorParallel(ComponentKind):
         note = (", split over the tensor-parallel ranks" if st.sequence_parallel else
                 ", split over the tensor-parallel ranks except in LayerNorm and embedding regions (replicated "
                 "without sequence parallel)")
+        if entering:
+            note += ("; each parallel region's input (gathered under sequence parallel) saved whole by the layers "
+                     "that read it")
         return Price([CallGroup(calls * st.micro_steps, lay.tp, local=lay.dp > 1, dim="tp")],
                      exact=key in t.tensor_split, compute_split=lay.tp,
-                     activation_note=note)
+                     activation_note=note, activation_extra=entering * (1 - 1 / lay.tp))
 
     @staticmethod
     def describe(engine) -> list[str]:
