@@ -251,8 +251,10 @@ def test_sequence_parallel_splits_the_layernorm_activations_in_the_plan():
             ["activation_bytes_per_rank"] for sp in (False, True)}
     whole = predict(t, Layout(dp=2, global_batch=16), Link(), None)["activation_bytes_per_rank"]  # same 8 per rank
     replicated = sum(layer.replicated_saved_bytes for layer in t.layers) * 8
-    assert acts[True] == pytest.approx(whole / 2, abs=2)
-    assert acts[False] == pytest.approx(whole / 2 + replicated / 2, abs=2)
+    # each parallel region's input is saved whole either way (gathered under sequence parallel: what a dry run of
+    # the layout measures, tests/test_plan_dry_run.py); the LayerNorm regions split only under sequence parallel
+    assert acts[False] - acts[True] == pytest.approx(replicated / 2, abs=2)
+    assert whole / 2 < acts[True] < whole
 
 
 def _gpt():

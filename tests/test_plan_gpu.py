@@ -85,15 +85,18 @@ def test_latency_is_nccls_ring_and_tree_model():
 
 def test_groups_are_placed_tensor_parallel_first():
     """Ranks fill a node tensor-parallel first: tp 8 inside a node, dp across nodes one per node; tp 2 x cp 2
-    x dp 16: the replicas (cp x dp) hold 4 of a node's 8 GPUs... and the layout that puts TP across nodes
-    is said."""
+    x dp 16: the replicas (cp x dp) hold 4 of a node's 8 GPUs; the pipeline outermost; and the layout that puts
+    TP across nodes is said."""
     lay = Layout(dp=8, strategy=Strategy(tp=8), global_batch=8)
     assert placement(lay, 8, ("tp",)) == Group(8, 8)
     assert placement(lay, 8, ("cp", "ep", "dp")) == Group(8, 1)
     lay = Layout(dp=16, strategy=Strategy(tp=2, cp=2), global_batch=16)
     assert placement(lay, 8, ("cp",)) == Group(2, 2)
     assert placement(lay, 8, ("cp", "ep", "dp")) == Group(32, 4)
-    assert DIMS[0] == "tp" and DIMS[-1] == "dp"
+    assert DIMS[0] == "tp" and DIMS[-1] == "pp"  # as distlab's mesh numbers ranks
+    lay = Layout(dp=4, strategy=Strategy(tp=4, pp=4, microbatches=4), global_batch=16)
+    assert placement(lay, 8, ("pp",)) == Group(4, 1)  # stages 16 ranks apart: one per node
+    assert placement(lay, 8, ("cp", "ep", "dp")) == Group(4, 2)
     wide = Layout(dp=1, strategy=Strategy(tp=16), global_batch=1)
     assert placement(wide, 8, ("tp",)) == Group(16, 8)
     assert any("spans 2 nodes" in w for w in Cluster(H100, 2).warnings(wide))

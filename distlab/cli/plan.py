@@ -76,13 +76,17 @@ PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "seq
               help="With --machine and --gpus: predict every valid layout (dp x tp x pp x cp x ep, ZeRO stage, "
                    "checkpointing, micro-batches, schedule), keep those that fit, rank them by tokens/s per GPU.")
 @click.option("--top", type=COUNT, default=10, show_default=True, help="With --search: how many layouts to print.")
+@click.option("--dry-run", "dry_rank", type=click.IntRange(0), default=None, metavar="RANK",
+              help="Also build rank RANK's part of the layout at full size on the meta device (torch's fake process "
+                   "group for the other ranks), run two steps of distlab's code on it and measure its model state "
+                   "and saved activations beside the plan's: no memory, no GPU, any size.")
 @click.option("--lora", default=None, help="r=16,alpha=32,targets=q,k,v,o -- the model with low-rank adapters, "
               "the rest frozen (as distlab train --lora): gradients, their sync and optimizer state for the "
               "adapters only.")
 @click.pass_context
 def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_bytes, layers, ignored_targets, label_smoothing, dp,
          optimizer, momentum, global_batch_size, link, latency, burst, threads, calibration, sweep, strategies,
-         device_memory, min_efficiency, json_out, timeline_out, preset, machine, nodes, gpus, search_, top, lora,
+         device_memory, min_efficiency, json_out, timeline_out, preset, machine, nodes, gpus, search_, top, dry_rank, lora,
          **strategy_fields):
     """Predict time per step and memory per rank of a layout, before running it.
 
@@ -184,6 +188,17 @@ def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_byt
     else:
         result = pp.predict(t, lay, net, cal, cluster)
         click.echo(pp.format_prediction(result))
+        if dry_rank is not None:
+            if num_params is not None:
+                raise ConfigError("--dry-run builds the model: give --model or --preset, not --params")
+            from distlab.cli.plan_gpu import dry_run_text
+            from distlab.models.lora import LoRASpec
+            from distlab.plan.dry_run import dry_run
+            result["dry_run"] = dry_run(model, options, vocab_size or k, shape, lay.strategy, lay.world, dry_rank,
+                                        lay.global_batch, optimizer or "sgd",
+                                        lora=LoRASpec.parse(lora) if lora is not None else None,
+                                        attention="flash" if machine else "math")
+            click.echo(dry_run_text(result))
         if timeline_out:
             _write_timeline(result, str(lay.strategy), timeline_out)
     if cluster is not None and cluster.calibrated_on is not None and \

@@ -80,3 +80,20 @@ def calibrate_device(device: str, preset: str | None, model: str | None, block_s
     click.echo(f"{cal.device}: matrix multiplications {cal.matmul_flops / 1e12:.3g} TFLOP/s, attention "
                f"{cal.attention_flops / 1e12:.3g} TFLOP/s{eff}")
     click.echo(f"wrote {output}", err=True)
+
+
+def dry_run_text(p: dict) -> str:
+    """The dry run's measurement beside the plan: the rank's stage's planned state and activations."""
+    d = p["dry_run"]
+    stages = p.get("pipeline", {}).get("stages")
+    if stages:
+        stage = stages[d["rank"] * len(stages) // d["world_size"]]
+        state, acts = stage["model_state_bytes"], stage["activation_bytes"]
+    else:
+        state, acts = p["model_state_bytes_per_rank"], p["activation_bytes_float32_per_rank"]  # (the meta device
+        # runs no autocast: float32 throughout)
+    same = "equal" if d["model_state_bytes"] == state else f"plan {state:,} bytes"
+    rel = d["activation_bytes"] / acts - 1 if acts else 0.0
+    return (f"dry run       rank {d['rank']} of {d['world_size']} on the meta device (fake process group), measured in "
+            f"{d['seconds']:.1f} s: model state {d['model_state_bytes']:,} bytes ({same}), activations "
+            f"{d['activation_bytes'] / 2**30:.3g} GiB (plan {acts / 2**30:.3g} GiB, {rel:+.1%})")

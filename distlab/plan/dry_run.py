@@ -21,6 +21,17 @@ import torch.distributed as dist
 from distlab.errors import ConfigError
 
 
+def unfollowable(strategy) -> str | None:
+    """Why a layout's step reads tensors' values on the way (None where it does not): a dry run has none."""
+    if strategy.pp > 1:
+        return f"`pp` {strategy.pp}: a pipeline stage reads the shapes its neighbour sends"
+    if strategy.ep > 1:
+        return f"`ep` {strategy.ep}: expert parallel sends each expert the tokens routed to it, counted from values"
+    if strategy.dp_sync == "ddp":
+        return "`dp_sync` ddp: torch's DistributedDataParallel reads values while it reduces"
+    return None
+
+
 def dry_run(family: str, options, classes: int, shape: tuple[int, ...], strategy, world: int, rank: int,
             global_batch: int, optimizer: str = "adamw", lora=None, attention: str = "math") -> dict:
     """Rank ``rank`` of ``world`` running ``strategy`` on the meta device: its model state and saved activations,
@@ -41,6 +52,12 @@ def dry_run(family: str, options, classes: int, shape: tuple[int, ...], strategy
         raise ConfigError(f"--dry-run {rank}: the layout has ranks 0..{world - 1}")
     if dist.is_initialized():
         raise ConfigError("--dry-run runs one rank in its own process group: call it outside a distributed run")
+    follows = unfollowable(strategy)
+    if follows:
+        raise ConfigError(f"--dry-run: {follows}, which a meta tensor does not have; dry-run the layout without it "
+                          f"(the plan's figures for it stand as they are)")
+    # the meta device runs no autocast and compiles nothing: float32 throughout, the model state unchanged
+    strategy = strategy.replace(precision="fp32", compile=False)
     strategy.check(world)
     strategy.check_batch(global_batch, world)
     t0 = time.perf_counter()

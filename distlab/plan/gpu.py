@@ -16,9 +16,11 @@ NCCL's rings leave a node once per channel, one channel per NIC). Latency is NCC
 all-reduce across nodes the tree's ``base + 2 ((ranks per node - 1) NVLink step + log2 nodes x network
 step)`` at 0.92 of the bandwidth where that is faster, as NCCL chooses.
 
-**Placement** (:func:`placement`): ranks are numbered tensor-parallel fastest, then context, expert, pipeline
-and data parallel outermost -- TP inside a node first, as torchrun and ``init_device_mesh`` lay a mesh
-``(dp, pp, ep, cp, tp)`` over consecutive ranks on consecutive GPUs.
+**Placement** (:func:`placement`): ranks are numbered as distlab's mesh numbers them
+(:mod:`distlab.parallel.mesh`) -- tensor parallel fastest, then context, expert (within data parallel), data
+parallel, and the pipeline outermost, the order torchtitan's mesh ``(pp, dp, cp, tp)`` and Megatron's default
+``tp-cp-ep-dp-pp`` use too -- and torchrun puts consecutive ranks on a node's consecutive GPUs: TP inside a
+node first.
 
 **Compute**: the model's traced FLOPs at ``peak x efficiency``; the efficiency is a distlab measurement
 (:data:`DEFAULT_EFFICIENCY`, or ``distlab plan calibrate --device cuda``), the optimizer step the bytes
@@ -51,7 +53,7 @@ TREE_NVLINK_STEP_US = 4.0  # NCCL's tree step inside a node (Simple protocol)
 # Bytes an optimizer step reads and writes per trained float32 element: the parameter, its gradient and its
 # state read, the parameter and state written (Adam: p, g, m, v in; p, m, v out).
 OPTIMIZER_BYTES = {"sgd": 12, "sgd-momentum": 20, "adam": 28, "adamw": 28}
-DIMS = ("tp", "cp", "ep", "pp", "dp")  # fastest-varying first: the order ranks fill a node
+DIMS = ("tp", "cp", "ep", "dp", "pp")  # fastest-varying first: the order ranks fill a node
 
 
 @dataclass(frozen=True)

@@ -209,6 +209,7 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
             st["activation_bytes"] += int(extra * st["micro_batches_held"])
         out["activation_bytes_per_rank"] = int(max(st["activation_bytes"] for st in stages))
     narrow = 0.5 if lay.strategy.precision != "fp32" else 1.0  # autocast saves its products' inputs in 2 bytes
+    out["activation_bytes_float32_per_rank"] = out["activation_bytes_per_rank"]  # (what a meta-device dry run saves)
     if narrow != 1.0:
         out["activation_bytes_per_rank"] = int(out["activation_bytes_per_rank"] * narrow)
         out["activation_basis"] += f"; halved under {lay.strategy.precision} autocast (products save 2-byte inputs)"
