@@ -374,6 +374,19 @@ def bench_packing(nproc, records, block_size, batch, runs, out):
     click.echo(f"wrote {out}/packing.json", err=True)
 
 
+@bench.command("dry-run")
+@click.option("--presets", default="llama3-8b,llama3-70b", show_default=True, help="Published models (plan --preset).")
+@click.option("--world", type=COUNT, default=64, show_default=True, help="Ranks of the layouts.")
+@click.option("--window", type=COUNT, default=8192, show_default=True, help="Tokens per sequence.")
+@click.option("--local-batch", type=COUNT, default=1, show_default=True, help="Sequences per data-parallel rank.")
+@click.option("--out", callback=writable_dir, default="runs/bench", show_default=True, help="Writes OUT/dry-run.json.")
+def bench_dry_run(presets, world, window, local_batch, out):
+    """The planner's model state and activations at full size against a dry run of distlab's code (meta device)."""
+    from distlab.bench import dry_run
+    records = dry_run.run([p.strip() for p in presets.split(",") if p.strip()], world, window, local_batch, _progress, out)
+    _finish(dry_run, records, out, "dry-run")
+
+
 @bench.command("checkpointing")
 @click.option("--workloads", default="vgg11-bn,resnet18,gpt", show_default=True)
 @click.option("--steps", type=COUNT, default=6, show_default=True, help="Steps per variant (the first 2 untimed).")

@@ -285,6 +285,25 @@ def plan_calibrate(paths, output, device, preset, model, block_size, precision):
     click.echo(f"wrote {output} ({len(cal.sources)} sources)", err=True)
 
 
+@plan.command("published")
+@click.argument("keys", nargs=-1)
+@click.option("--json", "json_out", default=None, callback=output_file, help="Write the rows and errors here.")
+def plan_published(keys, json_out):
+    """Predict published multi-GPU runs of other projects (torchtitan's, Meta's Llama 3) on their machines:
+    tokens/s (or TFLOP/s) per GPU and peak memory, the error per row. KEYS: some rows only."""
+    import json as _json
+
+    from distlab.plan.published import compare, format_compare
+    from distlab.train.metrics import atomic_write_text
+    result = compare(list(keys) or None)
+    click.echo(format_compare(result))
+    if json_out:
+        from distlab.bench.common import machine
+        result["machine"] = machine(1, 1)
+        atomic_write_text(json_out, _json.dumps(result, indent=1) + "\n")
+        click.echo(f"wrote {json_out}", err=True)
+
+
 @plan.command("validate")
 @click.argument("paths", nargs=-1, required=True)
 @click.option("--calibration", default=DEFAULT_CALIBRATION, show_default=True)

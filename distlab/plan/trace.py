@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from distlab.errors import ConfigError
@@ -266,7 +267,9 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
                        if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     for h in handles:
         h.remove()
-    out.layers = profile_layers(model, x, y, out)
+    regions = {name for (_, sp, _), plan in out.tensor_plans.items() if sp for name, kind in plan.items()
+               if kind == "sequence"}  # the norms sequence parallel splits: replicated over TP without it
+    out.layers = profile_layers(model, x, y, out, regions)
     for key, plan in out.tensor_plans.items():  # a layer whose output is still split (a column-parallel region open)
         open_, ends = False, set()
         for layer in out.layers:
@@ -288,27 +291,34 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
     return out
 
 
-class FlashAttention(torch.overrides.TorchFunctionMode):
-    """``scaled_dot_product_attention`` without a mask as a GPU runs it in training: the fused flash kernel
-    (``aten._scaled_dot_product_flash_attention``, which the meta device runs too), saving the queries, keys,
-    values, output and each row's log-sum-exp instead of the scores; grouped key/value heads repeated to the
-    query heads first. A masked call stays as it is (the kernel that takes a mask keeps it)."""
+class FlashAttention:
+    """``scaled_dot_product_attention`` without a mask as a GPU runs it in training, while this context is open: the
+    fused flash kernel (``aten._scaled_dot_product_flash_attention``, which the meta device runs too), saving the
+    queries, keys, values, output and each row's log-sum-exp instead of the scores; grouped key/value heads
+    repeated to the query heads first. A masked call stays as it is (the kernel that takes a mask keeps it).
+    ``torch.nn.functional``'s function is swapped for the context's length -- a checkpointed block's recomputation
+    in backward included, which a torch-function mode would not see."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention and kwargs.get("attn_mask") is None \
-                and (len(args) < 4 or args[3] is None):
-            q, k, v = args[:3]
-            if k.shape[-3] != q.shape[-3]:  # grouped-query attention: each key/value head to its query heads
-                k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
-                v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
-            return torch.ops.aten._scaled_dot_product_flash_attention(
-                q, k, v, 0.0, bool(kwargs.get("is_causal", False)), False, scale=kwargs.get("scale"))[0]
-        return func(*args, **kwargs)
+    def __enter__(self):
+        self._plain = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = self._attend
+        return self
+
+    def __exit__(self, *exc):
+        F.scaled_dot_product_attention = self._plain
+
+    def _attend(self, q, k, v, attn_mask=None, *args, **kwargs):
+        if attn_mask is not None or args:
+            return self._plain(q, k, v, attn_mask, *args, **kwargs)
+        if k.shape[-3] != q.shape[-3]:  # grouped-query attention: each key/value head to its query heads
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+            v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, bool(kwargs.get("is_causal", False)), False, scale=kwargs.get("scale"))[0]
 
 
-def profile_layers(model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = None, out: Trace | None = None
-                   ) -> list[Layer]:
+def profile_layers(model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = None, out: Trace | None = None,
+                   regions: set[str] = frozenset()) -> list[Layer]:
     """Each layer of ``model`` run alone on the meta device, in order, from input ``x``: what a
     pipeline stage of it computes, saves and sends (empty if the model is not a sequence of layers).
     With the targets ``y``, what the loss saves counts to the last layer (the last stage computes it)."""
@@ -318,8 +328,8 @@ def profile_layers(model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = N
         return []
     batch, layers, inside = x.shape[0], [], [0]
     hooks, seen, held = [], set(), []  # storages counted (once each, as a run's meter counts them), kept alive
-    for m in model.modules():
-        if isinstance(m, (nn.LayerNorm, nn.Embedding)):
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.LayerNorm, nn.Embedding)) or name in regions:
             hooks.append(m.register_forward_pre_hook(lambda m, a: inside.__setitem__(0, inside[0] + 1)))
             hooks.append(m.register_forward_hook(lambda m, a, o: inside.__setitem__(0, inside[0] - 1)))
     for name, layer in named:
