@@ -15,7 +15,7 @@ MODELS = [("mlp", (1, 8, 8), {"widths": (32, 32, 16)}), ("mlp-bn", (1, 8, 8), {}
           ("resnet18", (3, 8, 8), {}), ("gpt", (16,), {"vocab": 20, "n_layer": 3, "n_embd": 32})]
 
 
-def _step(name, shape, options, checkpointed, every=1):
+def _step(name, shape, options, checkpointed, every=1, policy="block"):
     torch.manual_seed(0)
     if name == "gpt":
         from distlab.models.gpt import GPT
@@ -25,7 +25,7 @@ def _step(name, shape, options, checkpointed, every=1):
     else:
         model = build_model(name, shape, 10, **options)
         x, y = torch.randn(4, *shape), torch.randint(0, 10, (4,))
-    blocks = apply_activation_checkpointing(model, every) if checkpointed else 0
+    blocks = apply_activation_checkpointing(model, every, policy) if checkpointed else 0
     model.train()
     with ActivationMeter(model.parameters()) as meter:
         loss = task_loss(model(x), y)
@@ -66,6 +66,24 @@ def test_one_block_in_every_k_recomputed_bitwise_equal_holding_between():
         Strategy(ac_every=2).check()
     with pytest.raises(ConfigError, match="at least 1"):
         Strategy(activation_checkpointing=True, ac_every=0).check()
+
+
+def test_selective_per_op_keeps_attention_and_every_other_matmul_bitwise_equal():
+    """``ac_policy`` ops (torch's selective checkpointing): inside each checkpointed block the attention's and
+    every other matrix multiplication's outputs are kept, the rest recomputed -- the step bit for bit the plain
+    one's, holding more than the block's input alone and less than nothing checkpointed."""
+    name, shape, options = "gpt", (16,), {"vocab": 20, "n_layer": 3, "n_embd": 32}
+    loss, grads, _, peak, _ = _step(name, shape, options, False)
+    _, _, _, peak_block, _ = _step(name, shape, options, True)
+    loss_o, grads_o, _, peak_ops, blocks = _step(name, shape, options, True, policy="ops")
+    assert blocks == 3
+    assert torch.equal(loss, loss_o) and all(torch.equal(grads[k], grads_o[k]) for k in grads)
+    assert peak_block < peak_ops < peak
+    assert str(Strategy.parse("zero=3+ckpt+ac_policy=ops")) == "zero=3+ckpt+ac_policy=ops"
+    with pytest.raises(ConfigError, match="turn on `activation_checkpointing`"):
+        Strategy(ac_policy="ops").check()
+    with pytest.raises(ConfigError, match="ac_policy"):
+        Strategy(activation_checkpointing=True, ac_policy="some").check()
 
 
 def test_blocks_listed_per_model_and_state_dict_keys_unchanged():

@@ -266,6 +266,9 @@ STRATEGY_OPTIONS = [
     ("ac_every", dict(type=int, help="With --activation-checkpointing: recompute one block in every K (the "
                       "first, then every K-th): selective checkpointing per block, less recomputation for more "
                       "memory (default 1: every block).")),
+    ("ac_policy", dict(help="With --activation-checkpointing: what a checkpointed block keeps -- block (its input "
+                       "alone, the default) or ops (also the outputs of attention and of every other matrix "
+                       "multiplication: selective checkpointing per op, recomputing the cheap rest).")),
     ("compile", dict(is_flag=True, help="Each block (transformer block, ResNet block, VGG stage's layers) through "
                      "torch.compile: fused kernels, the same parameters and snapshots; the first step pays the "
                      "compilation. Composes with every layout but the zero-bubble pipeline.")),

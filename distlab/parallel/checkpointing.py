@@ -95,16 +95,112 @@ def _run(modules: list[nn.Module], x):
     return x
 
 
-def _contexts(modules: list[nn.Module]):
+POLICIES = ("block", "ops")  # what a checkpointed block keeps: its input alone, or also its chosen ops' outputs
+
+
+def matmul_ops() -> set:
+    """The matrix multiplications a linear layer runs as (with and without a bias)."""
+    return {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+
+
+def attention_ops() -> set:
+    """The fused attention kernels (a GPU's flash and memory-efficient ones, a CPU's flash)."""
+    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention")
+    return {getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)}
+
+
+def ops_policy():
+    """Selective checkpointing per op (torchtitan's ``op`` mode): inside a checkpointed block, the outputs of the
+    attention kernels and of every other matrix multiplication (the first, third, ...) are kept; the rest --
+    the other matrix multiplications, norms, activations, rotations -- are recomputed in backward. One counter
+    for the forward and one for the recomputation, so both keep the same outputs."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    counts = {False: 0, True: 0}
+    mm, attention = matmul_ops(), attention_ops()
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in attention:
+            return CheckpointPolicy.MUST_SAVE
+        if op in mm:
+            counts[ctx.is_recompute] += 1
+            return CheckpointPolicy.MUST_SAVE if counts[ctx.is_recompute] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+class _Both:
+    """Two contexts entered in turn, left in reverse."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __enter__(self):
+        self.first.__enter__()
+        self.second.__enter__()
+
+    def __exit__(self, *exc):
+        self.second.__exit__(*exc)
+        self.first.__exit__(*exc)
+
+
+class _Kept(torch.utils._python_dispatch.TorchDispatchMode):
+    """In a block's forward under :func:`ops_policy`: the outputs it keeps counted with the open
+    :class:`~distlab.parallel.pipeline.ActivationMeter` (torch keeps them in its own cache, out of sight of
+    autograd's saved-tensor hooks) until the block's recomputation has used them (:class:`_Released`)."""
+
+    def __init__(self, held: list):
+        super().__init__()
+        self.held, self.count = held, 0
+        self.mm, self.attention = matmul_ops(), attention_ops()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        keep = func in self.attention
+        if func in self.mm:
+            self.count += 1
+            keep = bool(self.count % 2)
+        from distlab.parallel.pipeline.activation_meter import ActivationMeter
+        meter = ActivationMeter.current()
+        if keep and meter is not None:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                handle = meter.hold(t) if isinstance(t, torch.Tensor) else None
+                if handle is not None:
+                    self.held.append(handle)
+        return out
+
+
+class _Released:
+    """Leaving a block's recomputation: what :class:`_Kept` counted is used up (torch's cache popped)."""
+
+    def __init__(self, held: list):
+        self.held = held
+
+    def __enter__(self):
+        pass
+
+    def __exit__(self, *exc):
+        self.held.clear()
+
+
+def _contexts(modules: list[nn.Module], policy: str = "block"):
+    if policy == "ops":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+        forward, recompute = create_selective_checkpoint_contexts(ops_policy())
+        held: list = []
+        return _Both(forward, _Kept(held)), _Both(recompute, _Both(_Recomputation(modules), _Released(held)))
     return contextlib.nullcontext(), _Recomputation(modules)
 
 
-def run_checkpointed(block: list[nn.Module], x):
-    """``block`` (modules applied in turn) on ``x``, keeping only ``x`` for backward and recomputing
-    the rest there; plainly where nothing will be differentiated (``no_grad``) or in eval mode."""
+def run_checkpointed(block: list[nn.Module], x, policy: str = "block"):
+    """``block`` (modules applied in turn) on ``x``, keeping only ``x`` for backward (with ``policy`` "ops", also
+    the outputs :func:`ops_policy` keeps) and recomputing the rest there; plainly where nothing will be
+    differentiated (``no_grad``) or in eval mode."""
     if not (torch.is_grad_enabled() and any(m.training for m in block)):
         return _run(block, x)
-    return checkpoint(_run, block, _Held.apply(x), use_reentrant=False, context_fn=functools.partial(_contexts, block))
+    return checkpoint(_run, block, _Held.apply(x), use_reentrant=False,
+                      context_fn=functools.partial(_contexts, block, policy))
 
 
 def block_names(model: nn.Module, every: int = 1) -> list[list[str]]:
@@ -120,20 +216,22 @@ class _Checkpointed:
     """Mixed into an ``nn.Sequential``'s class: runs ``_checkpoint_ranges`` under ``checkpoint``."""
 
     _checkpoint_ranges: list[tuple[int, int]]
+    _checkpoint_policy: str = "block"
 
     def forward(self, x):
         children = list(self)
         done = 0
         for start, end in self._checkpoint_ranges:
             x = _run(children[done:start], x)  # children outside every block run plainly
-            x = run_checkpointed(children[start:end], x)
+            x = run_checkpointed(children[start:end], x, self._checkpoint_policy)
             done = end
         return _run(children[done:], x)
 
 
-def apply_activation_checkpointing(model: nn.Module, every: int = 1) -> int:
+def apply_activation_checkpointing(model: nn.Module, every: int = 1, policy: str = "block") -> int:
     """Make ``model``'s blocks -- one in every ``every``, counted over all its blocks in order -- recompute their
-    activations in backward; returns how many blocks."""
+    activations in backward (``policy`` "ops": all but the outputs :func:`ops_policy` keeps); returns how many
+    blocks."""
     count, seen = 0, 0
     for container, ranges in checkpoint_blocks(model):
         if not isinstance(container, nn.Sequential):
@@ -153,5 +251,6 @@ def apply_activation_checkpointing(model: nn.Module, every: int = 1) -> int:
         if not issubclass(cls, _Checkpointed):
             container.__class__ = type(f"Checkpointed{cls.__name__}", (_Checkpointed, cls), {})
         container._checkpoint_ranges = ranges
+        container._checkpoint_policy = policy
         count += len(ranges)
     return count

@@ -75,7 +75,7 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh, device: torch.
         model, part = kind.apply(model, strategy, mesh)
         parts.append(part)
     if strategy.activation_checkpointing and strategy.pp == 1:  # a stage checkpoints its blocks by name
-        apply_activation_checkpointing(model, strategy.ac_every)
+        apply_activation_checkpointing(model, strategy.ac_every, strategy.ac_policy)
     if strategy.compile:  # in place, inside the checkpointed ranges and the stage's layers alike
         apply_compile(model, whole_model(strategy, mesh.replicas, len(parts)))
     head = loss_head(model)
@@ -83,7 +83,7 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh, device: torch.
     if strategy.pp > 1:
         ties = tied_names(model)  # before the cut: a tied embedding and LM head land on two stages
         model = PipelineStage(model, mesh.pp_group, strategy.microbatches, strategy.pp_schedule, balance,
-                              strategy.pp_virtual, blocks)
+                              strategy.pp_virtual, blocks, strategy.ac_policy)
         schedule = Pipelined(model, mesh, ties)
     model = apply_sync_bn(model, strategy.sync_bn, mesh.replica_group)
     grad_sync = (Zero if strategy.zero else DataParallel).from_strategy(model, strategy, mesh.replica_group)

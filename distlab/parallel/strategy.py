@@ -60,6 +60,7 @@ class Strategy:
     pp_virtual: int = 1      # model chunks per pipeline rank (interleaved schedules)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     ac_every: int = 1        # with activation_checkpointing: one block in every ac_every (selective, per block)
+    ac_policy: str = "block"  # what a checkpointed block keeps: its input (block) or its chosen ops' outputs too (ops)
     compile: bool = False    # each block through torch.compile (distlab.parallel.compile)
     precision: str = "fp32"  # autocast dtype of forward/backward (parameters and optimizer state stay fp32)
     reduce_dtype: str | None = None  # dtype of gradient communication; None: the gradients' own (fp32)
@@ -118,6 +119,10 @@ class Strategy:
             raise ConfigError(f"`grad_accum` must be at least 1, not {self.grad_accum}")
         if self.ac_every < 1:
             raise ConfigError(f"`ac_every` must be at least 1, not {self.ac_every}")
+        _choice("ac_policy", self.ac_policy, ("block", "ops"))
+        if self.ac_policy != "block" and not self.activation_checkpointing:
+            raise ConfigError(f"`ac_policy` {self.ac_policy} says what activation checkpointing keeps: turn on "
+                              f"`activation_checkpointing` too, or drop `ac_policy`")
         if self.ac_every > 1 and not self.activation_checkpointing:
             raise ConfigError(f"`ac_every` {self.ac_every} says which blocks activation checkpointing recomputes: "
                               f"turn on `activation_checkpointing` too, or drop `ac_every`")

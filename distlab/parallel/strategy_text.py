@@ -21,6 +21,8 @@ the class is passed in (``cls``, ``self``): this module is imported by it.
     zero=S          zero: ZeRO stage 1-3
     ckpt            activation_checkpointing: recompute each block's activations in backward
     ac_every=K      ac_every: with ckpt, recompute one block in every K (selective, per block)
+    ac_policy=ops   ac_policy: with ckpt, keep the outputs of attention and every other matrix
+                    multiplication inside a checkpointed block (selective, per op); block: its input alone
     compile         compile: each block (transformer block, ResNet block, ...) through ``torch.compile``
     bf16, fp16      precision: forward and backward under autocast in that dtype (fp32 master
                     weights and optimizer state; fp16 with dynamic loss scaling, GPU only)
@@ -88,7 +90,8 @@ def strategy_text(self) -> str:
         parts += [f"vpp={self.pp_virtual}"] if self.pp_virtual != 1 else []
         parts += [f"balance={':'.join(map(str, self.pp_balance))}"] if self.pp_balance else []
     if self.activation_checkpointing:
-        parts.append("ckpt" + (f"+ac_every={self.ac_every}" if self.ac_every != 1 else ""))
+        parts.append("ckpt" + (f"+ac_every={self.ac_every}" if self.ac_every != 1 else "")
+                     + (f"+ac_policy={self.ac_policy}" if self.ac_policy != "block" else ""))
     if self.compile:
         parts.append("compile")
     if self.precision != "fp32":

@@ -9,9 +9,9 @@ measurements only: nothing here is fitted to these tables. ``distlab plan publis
 What distlab plans is its own code path, so a row is predicted as distlab would run that layout: FSDP as
 ZeRO-3 (float32 parameters gathered, float32 gradients reduce-scattered: FSDP2's mixed precision gathers
 bfloat16, half the bytes), Megatron-style tensor parallel with sequence parallel, a pipeline under ZeRO-1,
-and checkpointing by block: torchtitan's *selective per-op* policy (every second matrix multiplication's output
-recomputed, the rest saved) has no per-op counterpart here and is predicted as one block in two recomputed
-(``ac_every`` 2), which recomputes about as much of the forward.
+and checkpointing as torchtitan's modes run it: full (every block), selective per layer (one block in two:
+``ac_every`` 2) and selective per op (``ac_policy`` ops: attention's and every other matrix multiplication's
+outputs kept).
 """
 
 from __future__ import annotations
@@ -54,20 +54,21 @@ class PublishedRun:
         return self.gpus // ways
 
 
-def _fsdp(ckpt: bool = True, every: int = 1, **more) -> dict:
-    return dict(zero=3, precision="bf16", activation_checkpointing=ckpt, ac_every=every if ckpt else 1, **more)
+def _fsdp(ckpt: bool = True, every: int = 1, policy: str = "block", **more) -> dict:
+    return dict(zero=3, precision="bf16", activation_checkpointing=ckpt, ac_every=every if ckpt else 1,
+                ac_policy=policy if ckpt else "block", **more)
 
 
 RUNS = [
     # torchtitan on Grand Teton H100s (bf16 rows; its Float8 rows need FP8 matmuls the planner does not time)
-    PublishedRun("tt-8b-fsdp8", TORCHTITAN_H100 + ", table 1", "llama3.1-8b", "h100-grand-teton", 8, _fsdp(every=2),
-                 2, 8192, "selective (op)", tokens_per_s_per_gpu=5762, memory_gib=82.4),
+    PublishedRun("tt-8b-fsdp8", TORCHTITAN_H100 + ", table 1", "llama3.1-8b", "h100-grand-teton", 8,
+                 _fsdp(policy="ops"), 2, 8192, "selective (op)", tokens_per_s_per_gpu=5762, memory_gib=82.4),
     PublishedRun("tt-8b-fsdp8-compile", TORCHTITAN_H100 + ", table 1", "llama3.1-8b", "h100-grand-teton", 8,
-                 _fsdp(every=2, compile=True), 2, 8192, "selective (op)", tokens_per_s_per_gpu=6667, memory_gib=77.0),
+                 _fsdp(policy="ops", compile=True), 2, 8192, "selective (op)", tokens_per_s_per_gpu=6667, memory_gib=77.0),
     PublishedRun("tt-8b-fsdp128", TORCHTITAN_H100 + ", table 3", "llama3.1-8b", "h100-grand-teton", 128,
-                 _fsdp(every=2), 2, 8192, "selective (op)", tokens_per_s_per_gpu=5605, memory_gib=67.0),
+                 _fsdp(policy="ops"), 2, 8192, "selective (op)", tokens_per_s_per_gpu=5605, memory_gib=67.0),
     PublishedRun("tt-8b-fsdp128-compile", TORCHTITAN_H100 + ", table 3", "llama3.1-8b", "h100-grand-teton", 128,
-                 _fsdp(every=2, compile=True), 2, 8192, "selective (op)", tokens_per_s_per_gpu=6514,
+                 _fsdp(policy="ops", compile=True), 2, 8192, "selective (op)", tokens_per_s_per_gpu=6514,
                  memory_gib=62.0),
     PublishedRun("tt-405b-fsdp16-tp8", TORCHTITAN_405B, "llama3.1-405b", "h100-grand-teton", 128,
                  _fsdp(tp=8, sequence_parallel=True), 2, 8192, "full", tokens_per_s_per_gpu=109,
@@ -82,7 +83,7 @@ RUNS = [
     # torchtitan on 64 A100 80GB, FSDP 64, local batch 1 (Llama 3) or 2 (Llama 2)
     PublishedRun("tt-a100-8b-layer", TORCHTITAN_A100, "llama3-8b", "a100-80g", 64, _fsdp(every=2), 1, 8192,
                  "selective (per layer)", tokens_per_s_per_gpu=2904, note="MFU 56.8% as published"),
-    PublishedRun("tt-a100-8b-op", TORCHTITAN_A100, "llama3-8b", "a100-80g", 64, _fsdp(every=2), 1, 8192,
+    PublishedRun("tt-a100-8b-op", TORCHTITAN_A100, "llama3-8b", "a100-80g", 64, _fsdp(policy="ops"), 1, 8192,
                  "selective (op)", tokens_per_s_per_gpu=2973, note="MFU 58.2% as published"),
     PublishedRun("tt-a100-70b-full", TORCHTITAN_A100, "llama3-70b", "a100-80g", 64, _fsdp(), 1, 8192, "full",
                  tokens_per_s_per_gpu=331, note="MFU 51.7% as published"),

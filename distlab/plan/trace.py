@@ -40,6 +40,8 @@ class Layer:
     saved_bytes: float
     replicated_saved_bytes: float
     output_bytes: float
+    ops_kept_bytes: float = 0.0  # checkpointed per op (ac_policy ops): the outputs of attention and of every
+    ops_recompute_flops: float = 0.0  # other matrix multiplication kept; the FLOPs of the others, run again
 
 
 @dataclass
@@ -317,6 +319,34 @@ class FlashAttention:
             q, k, v, 0.0, bool(kwargs.get("is_causal", False)), False, scale=kwargs.get("scale"))[0]
 
 
+class _OpsTally(torch.utils._python_dispatch.TorchDispatchMode):
+    """What selective checkpointing per op (:func:`~distlab.parallel.checkpointing.ops_policy`) would keep of a
+    layer's forward -- the outputs of attention kernels and of every other matrix multiplication, each storage
+    once -- and the FLOPs of the matrix multiplications it would run again."""
+
+    def __init__(self):
+        super().__init__()
+        from distlab.parallel.checkpointing import attention_ops, matmul_ops
+        self.mm, self.attention = matmul_ops(), attention_ops()
+        self.count, self.kept_bytes, self.recompute_flops, self.seen = 0, 0.0, 0.0, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        keep = func in self.attention
+        if func in self.mm:
+            self.count += 1
+            keep = bool(self.count % 2)
+            if not keep:  # (m, k) @ (k, n), after addmm's bias
+                a, b = args[-2], args[-1]
+                self.recompute_flops += 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+        if keep:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in self.seen:
+                    self.seen.add(t.untyped_storage()._cdata)
+                    self.kept_bytes += t.untyped_storage().nbytes()
+        return out
+
+
 def profile_layers(model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = None, out: Trace | None = None,
                    regions: set[str] = frozenset()) -> list[Layer]:
     """Each layer of ``model`` run alone on the meta device, in order, from input ``x``: what a
@@ -347,10 +377,12 @@ def profile_layers(model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = N
                     replicated[0] += nbytes if inside[0] else 0
             return t
 
-        with FlopCounterMode(display=False) as flops, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with FlopCounterMode(display=False) as flops, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                _OpsTally() as ops:
             x = layer(x)
         layers.append(Layer(name, sum(p.numel() for p in layer.parameters()), flops.get_total_flops() / batch,
-                            saved[0] / batch, replicated[0] / batch, x.numel() * x.element_size() / batch))
+                            saved[0] / batch, replicated[0] / batch, x.numel() * x.element_size() / batch,
+                            ops.kept_bytes / batch, ops.recompute_flops / batch))
     for h in hooks:
         h.remove()
     if y is not None and layers:  # the loss's own (a language model's log-probabilities: as large as its logits)

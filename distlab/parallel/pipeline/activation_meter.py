@@ -49,11 +49,27 @@ class ActivationMeter:
             self.live -= ref[1]
             del self._refs[key]
 
+    _open: list["ActivationMeter"] = []  # the meters open now, innermost last
+
+    @classmethod
+    def current(cls) -> "ActivationMeter | None":
+        """The innermost meter open now (None where none is)."""
+        return cls._open[-1] if cls._open else None
+
+    def hold(self, t: torch.Tensor) -> "_Held | None":
+        """Count ``t`` as held for backward by something other than autograd's saved tensors (selective
+        checkpointing keeps the outputs it saves in torch's own cache) until the returned handle is dropped;
+        None where it is not counted (a parameter, an empty storage)."""
+        held = self._pack(t)
+        return held if isinstance(held, _Held) else None
+
     def __enter__(self) -> "ActivationMeter":
         self._hooks.__enter__()
+        ActivationMeter._open.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
+        ActivationMeter._open.remove(self)
         self._hooks.__exit__(*exc)
 
 

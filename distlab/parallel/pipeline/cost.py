@@ -129,7 +129,11 @@ def stages(t, lay, micro: int, optim, sync_cost) -> list[dict]:
                         inside = sum(layers[i].saved_bytes for i in run)  # while recomputed, one at a time
                         rep = 0.0 if sp else sum(layers[i].replicated_saved_bytes for i in run)
                         recompute = max(recompute, ((inside - rep) / lay.tp + rep) / lay.cp * micro)
-                        recompute_flops += sum(layers[i].forward_flops for i in run)
+                        if lay.strategy.ac_policy == "ops":  # attention's and every other matmul's outputs kept
+                            saved += sum(layers[i].ops_kept_bytes for i in run)
+                            recompute_flops += sum(layers[i].ops_recompute_flops for i in run)
+                        else:
+                            recompute_flops += sum(layers[i].forward_flops for i in run)
                     else:
                         saved += sum(layers[i].saved_bytes for i in run)
                         replicated += 0.0 if sp else sum(layers[i].replicated_saved_bytes for i in run)

@@ -45,8 +45,10 @@ class PipelineStage(nn.Module):
     """
 
     def __init__(self, model: nn.Module, group=None, microbatches: int = 1, schedule: str = "1f1b",
-                 balance: list[int] | None = None, virtual: int = 1, checkpoint: list[list[str]] | None = None):
+                 balance: list[int] | None = None, virtual: int = 1, checkpoint: list[list[str]] | None = None,
+                 checkpoint_policy: str = "block"):
         super().__init__()
+        self.checkpoint_policy = checkpoint_policy  # what a checkpointed run keeps (checkpointing.POLICIES)
         if schedule not in SCHEDULES:
             raise ConfigError(f"unknown `pp_schedule` {schedule!r}; choose one of: {', '.join(SCHEDULES)}")
         if microbatches < 1:
@@ -118,7 +120,7 @@ class PipelineStage(nn.Module):
         for keys, checkpointed in self.segments[c]:
             modules = [self.layers[key] for key in keys]
             if checkpointed:
-                x = run_checkpointed(modules, x)
+                x = run_checkpointed(modules, x, self.checkpoint_policy)
             else:
                 for m in modules:
                     x = m(x)
