@@ -223,7 +223,8 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
                                            for st in stages) + out["compression_state_bytes_per_rank"])
     if lay.strategy.activation_checkpointing:
         out["activation_checkpointing"] = {
-            "blocks": len(lay.strategy.checkpointed(t.blocks)), "recompute_bytes_per_rank": int(narrow * max(st["recompute_bytes"] for st in stages)),
+            "blocks": len(lay.strategy.checkpointed(t.blocks)),
+            "recompute_bytes_per_rank": int(narrow * max(st["recompute_bytes"] for st in stages)),
             "recompute_flops_share": max(st["recompute_flops_share"] for st in stages),
             "basis": "each block's input kept for backward (in activation_bytes_per_rank); in backward one block at a "
                      "time recomputes its inside for one micro-batch (recompute_bytes_per_rank, in "
@@ -250,7 +251,8 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
     share = pace["flops_share"]
     # on a GPU the efficiency was measured against the model's own FLOP count (MFU's): time that count
     counted = t.model_flops_per_sample / t.flops_per_sample if cluster is not None and t.model_flops_per_sample else 1.0
-    flops = counted * (t.flops_per_sample * share + t.forward_flops_per_sample * pace["recompute_flops_share"]) * micro \
+    flops = counted * (t.flops_per_sample * share + t.forward_flops_per_sample * pace["recompute_flops_share"]) \
+        * micro \
         * lay.strategy.micro_steps / compute_split  # checkpointing's recomputation runs in backward
     fwd = counted * t.forward_flops_per_sample * share * micro * lay.strategy.micro_steps / compute_split / comp.rate
     bwd = flops / comp.rate - fwd

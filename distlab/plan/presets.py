@@ -1,5 +1,6 @@
-"""Published models the planner knows by name: each preset is its ``config.json``'s numbers (the file it came from
-cited beside them), read by the same family adapters as a downloaded checkpoint's (:func:`distlab.models.hf.options_of`)."""
+"""Published models the planner knows by name: each preset is its ``config.json``'s numbers (the file it came
+from cited beside them), read by the same family adapters as a downloaded checkpoint's
+(:func:`distlab.models.hf.options_of`)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ inside a node (a divisor of its GPUs), pipeline stages (each at most the model's
 ``2 pp`` and ``4 pp`` micro-batches, interleaved with two chunks per rank, and zero bubble), context
 parallel (a divisor of the window that leaves each rank whole chunks), expert parallel for a mixture of
 experts, ZeRO stages 1-3 (ZeRO-1 where a pipeline runs: a stage's shards are its own) and activation
-checkpointing off or on -- data parallel taking what is left; each is checked as a run checks it
+checkpointing (none, every block, one block in two, per op: :data:`AC_MODES`) -- data parallel taking what is left; each is checked as a run checks it
 (:meth:`~distlab.parallel.Strategy.check`, the batch's split), so what the search proposes a run accepts.
 :func:`search` predicts each on the cluster (:func:`~distlab.plan.predict.predict`), keeps those whose peak
 fits the GPU's memory, ranks them by tokens/s per GPU and says why the best wins (:func:`why`).
@@ -22,6 +22,8 @@ from distlab.plan.machine import Link
 from distlab.plan.predict import Layout, predict
 
 MAX_TP = 8  # tensor parallel stays inside a node of 8 (beyond it every layer's collectives cross the network)
+# activation checkpointing: none, every block, one block in two (selective per layer), per op (selective per op)
+AC_MODES = ((False, 1, "block"), (True, 1, "block"), (True, 2, "block"), (True, 1, "ops"))
 
 
 def _divisors(n: int, most: int) -> list[int]:
@@ -39,11 +41,12 @@ def candidates(t, base: Layout, gpus: int, gpus_per_node: int, experts: int = 0)
                 dp = gpus // (tp * pp * cp)
                 for ep in ([e for e in _divisors(dp, experts) if experts % e == 0] if experts else [1]):
                     for zero in ((1,) if pp > 1 else (1, 2, 3)):
-                        for ckpt in (False, True):
+                        for ckpt, every, policy in AC_MODES:
                             for sched in (_schedules(pp, base.global_batch // dp) if pp > 1 else [{}]):
                                 try:
                                     st = replace(base.strategy, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
-                                                 activation_checkpointing=ckpt, sequence_parallel=tp > 1,
+                                                 activation_checkpointing=ckpt, ac_every=every, ac_policy=policy,
+                                                 sequence_parallel=tp > 1,
                                                  **{"dp_sync": None, "collective": None, "microbatches": None,
                                                     "pp_schedule": "1f1b", "pp_virtual": 1, **sched})
                                     lay = replace(base, dp=dp, strategy=st).check()
@@ -70,7 +73,11 @@ def search(t, base: Layout, cluster, top: int = 10, experts: int = 0) -> dict:
     ``tried``/``fit`` counts, and ``why``: what makes the first beat the others."""
     rows, tried = [], 0
     limit = cluster.machine.memory_bytes
-    for lay in candidates(t, base, cluster.gpus, cluster.machine.gpus_per_node, experts):
+    import sys
+
+    from tqdm import tqdm
+    layouts = list(candidates(t, base, cluster.gpus, cluster.machine.gpus_per_node, experts))
+    for lay in tqdm(layouts, desc="layouts", unit="layout", disable=not sys.stderr.isatty(), leave=False):
         tried += 1
         try:
             p = predict(t, lay, Link(), None, cluster)
