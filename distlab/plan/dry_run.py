@@ -41,7 +41,7 @@ def dry_run(family: str, options, classes: int, shape: tuple[int, ...], strategy
     (:class:`~distlab.plan.trace.FlashAttention`)."""
     import contextlib
 
-    from distlab.plan.trace import FlashAttention
+    from distlab.plan.kernels import FlashAttention
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from distlab.models import build_model
