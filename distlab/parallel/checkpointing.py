@@ -145,14 +145,13 @@ class _Both:
         self.first.__exit__(*exc)
 
 
-class _Kept(torch.utils._python_dispatch.TorchDispatchMode):
-    """In a block's forward under :func:`ops_policy`: the outputs it keeps counted with the open
-    :class:`~distlab.parallel.pipeline.ActivationMeter` (torch keeps them in its own cache, out of sight of
-    autograd's saved-tensor hooks) until the block's recomputation has used them (:class:`_Released`)."""
+class KeptOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """A forward seen as :func:`ops_policy` sees it: the outputs it keeps go to :meth:`kept`, each matrix
+    multiplication it would run again to :meth:`recomputed` (its ``(m, k)`` and ``(k, n)`` operands)."""
 
-    def __init__(self, held: list):
+    def __init__(self):
         super().__init__()
-        self.held, self.count = held, 0
+        self.count = 0
         self.mm, self.attention = matmul_ops(), attention_ops()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -161,14 +160,36 @@ class _Kept(torch.utils._python_dispatch.TorchDispatchMode):
         if func in self.mm:
             self.count += 1
             keep = bool(self.count % 2)
+            if not keep:
+                self.recomputed(args[-2], args[-1])  # (after addmm's bias)
+        if keep:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.kept(t)
+        return out
+
+    def kept(self, t: torch.Tensor) -> None:
+        pass
+
+    def recomputed(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        pass
+
+
+class _Kept(KeptOps):
+    """In a block's forward under :func:`ops_policy`: the outputs it keeps counted with the open
+    :class:`~distlab.parallel.pipeline.ActivationMeter` (torch keeps them in its own cache, out of sight of
+    autograd's saved-tensor hooks) until the block's recomputation has used them (:class:`_Released`)."""
+
+    def __init__(self, held: list):
+        super().__init__()
+        self.held = held
+
+    def kept(self, t: torch.Tensor) -> None:
         from distlab.parallel.pipeline.activation_meter import ActivationMeter
         meter = ActivationMeter.current()
-        if keep and meter is not None:
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                handle = meter.hold(t) if isinstance(t, torch.Tensor) else None
-                if handle is not None:
-                    self.held.append(handle)
-        return out
+        handle = meter.hold(t) if meter is not None else None
+        if handle is not None:
+            self.held.append(handle)
 
 
 class _Released:

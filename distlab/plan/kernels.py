@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 from torch.nn import functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from distlab.parallel.checkpointing import KeptOps
 
 
 class FlashAttention:
@@ -35,29 +36,20 @@ class FlashAttention:
             q, k, v, 0.0, bool(kwargs.get("is_causal", False)), False, scale=kwargs.get("scale"))[0]
 
 
-class OpsTally(TorchDispatchMode):
+class OpsTally(KeptOps):
     """What selective checkpointing per op (:func:`~distlab.parallel.checkpointing.ops_policy`) would keep of a
     layer's forward -- the outputs of attention kernels and of every other matrix multiplication, each storage
     once -- and the FLOPs of the matrix multiplications it would run again."""
 
     def __init__(self):
         super().__init__()
-        from distlab.parallel.checkpointing import attention_ops, matmul_ops
-        self.mm, self.attention = matmul_ops(), attention_ops()
-        self.count, self.kept_bytes, self.recompute_flops, self.seen = 0, 0.0, 0.0, set()
+        self.kept_bytes, self.recompute_flops, self.seen = 0.0, 0.0, set()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        keep = func in self.attention
-        if func in self.mm:
-            self.count += 1
-            keep = bool(self.count % 2)
-            if not keep:  # (m, k) @ (k, n), after addmm's bias
-                a, b = args[-2], args[-1]
-                self.recompute_flops += 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
-        if keep:
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in self.seen:
-                    self.seen.add(t.untyped_storage()._cdata)
-                    self.kept_bytes += t.untyped_storage().nbytes()
-        return out
+    def kept(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        if storage._cdata not in self.seen:
+            self.seen.add(storage._cdata)
+            self.kept_bytes += storage.nbytes()
+
+    def recomputed(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.recompute_flops += 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
