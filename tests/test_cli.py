@@ -298,6 +298,7 @@ def test_verify_reports_every_strategy_against_single_process(run_cli, tmp_path)
                                    "sync_bn": "distlab", "find_unused": False, "tp": 1, "tp_style": None,
                                    "sequence_parallel": False, "zero": 0, "pp": 1, "microbatches": 1,
                                    "pp_schedule": None, "pp_balance": None, "activation_checkpointing": False,
+                                   "ac_every": 1, "ac_policy": "block",
                                    "precision": "fp32", "reduce_dtype": None, "grad_compression": "none",
                                    "optimizer": "sgd"}
     assert "PASS" in proc.stdout and "FAIL" not in proc.stdout

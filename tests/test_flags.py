@@ -33,6 +33,7 @@ BASE = {
     "plan": "--model mlp --dataset synthetic:1x8x8:4:64",
     "plan calibrate": "{tmp}/run -o cal.json",
     "plan validate": "{tmp}/run2 --calibration {tmp}/cal.json --target 1000",
+    "plan published": "tt-a100-l2-13b-none --json p.json",
     "cluster up": "--nodes 1 --bandwidth none --name {name}",
     "cluster down": "--name {name}",
     "cluster status": "--name {name}",
@@ -58,6 +59,7 @@ BASE = {
                       "--out b",
     "bench overhead": "--workloads mlp --precisions fp32 --steps 20 --runs 1 --dataset synthetic:1x8x8:4:64 --out b",
     "bench checkpointing": "--workloads gpt --steps 3 --batch 2 --out b",
+    "bench dry-run": "--presets llama3.2-1b --world 2 --window 32 --out b",
     "bench snapshot": "--nproc 1 --state-mb 0.1 --steps 4 --every 2 --runs 1 --out b",
     "bench load": "--init-from hf:{tmp}/ckpt --nproc 1 --layouts allreduce --modes deferred --sources checkpoint "
                   "--out b",

@@ -121,7 +121,7 @@ def trace_table(trace: dict) -> str:
 
 def _kind(first: dict):
     """The table of a file whose records start with ``first`` (by the fields only that bench writes)."""
-    from distlab.bench import (checkpointing, compression, elastic, finetune, load_peak, overhead, parallel,
+    from distlab.bench import (checkpointing, compression, dry_run, elastic, finetune, load_peak, overhead, parallel,
                                pipeline, scaling, snapshot_format, snapshot_stall)
     tables = [
         (("algorithm",), collectives),
@@ -144,6 +144,7 @@ def _kind(first: dict):
         (("load_peak_bytes", "largest_tensor_bytes"), lambda r: load_peak.table(r, markdown=True)),
         (("variant", "model_state_bytes_per_rank", "step_s"), lambda r: finetune.table(r, markdown=True)),
         (("mode", "real_tokens_per_s"), lambda r: finetune.table(r, markdown=True)),
+        (("measured_model_state_bytes", "planned_model_state_bytes"), lambda r: dry_run.table(r, markdown=True)),
     ]
     return next((table for fields, table in tables if all(f in first for f in fields)), None)
 
@@ -157,6 +158,9 @@ def render(path: str | Path) -> str:
         return mainjob.table(data, markdown=True)
     if isinstance(data, dict) and "traceEvents" in data:  # a run's --trace: what its spans say, per rank
         return trace_table(data)
+    if isinstance(data, dict) and data.get("kind") == "distlab-plan-published":  # `plan published --json`
+        from distlab.plan.published import markdown
+        return markdown(data)
     if not isinstance(data, list):
         raise ValueError("not a list of bench records")
     if not data:
@@ -164,6 +168,6 @@ def render(path: str | Path) -> str:
     table = _kind(data[0]) if isinstance(data[0], dict) else None
     if table is None:
         raise ValueError(f"{path}: not a bench file distlab knows (collectives, dp, syncbn, scaling, parallel, "
-                         f"pipeline, checkpointing, compression, elastic, overhead, snapshot-format, snapshot, load, verify, the "
-                         f"main job's results, the mapped corpus's memory)")
+                         f"pipeline, checkpointing, compression, elastic, overhead, snapshot-format, snapshot, load, verify, "
+                         f"dry-run, plan published, the main job's results, the mapped corpus's memory)")
     return table(data)

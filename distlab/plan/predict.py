@@ -354,7 +354,7 @@ def _call_name(c: Call) -> str:
 
 
 def _activation_basis(lay: Layout, prices: list) -> str:
-    basis = "tensors autograd saves for backward, one micro-batch (an upper bound)"
+    basis = "tensors autograd saves for backward, each storage once, one micro-batch"
     if lay.strategy.activation_checkpointing:
         basis += ", of checkpointed blocks only their inputs"
     return basis + "".join(p.activation_note for p in prices) + schedule_cost.activation_note(lay)

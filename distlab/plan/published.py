@@ -177,3 +177,23 @@ def format_compare(result: dict) -> str:
                  + f" (compute at {result['efficiency']:.1%} of each GPU's datasheet peak: "
                  f"{result['efficiency_source']})")
     return "\n".join(lines)
+
+
+def markdown(result: dict) -> str:
+    """``distlab plan published --json``'s rows as a Markdown table (``distlab bench markdown``)."""
+    lines = ["| run | model | GPUs | layout (as distlab runs it) | published | predicted | error | memory published | "
+             "predicted | error |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if r["published_tokens_per_s_per_gpu"]:
+            pub, pred = f"{r['published_tokens_per_s_per_gpu']:,.0f} tok/s", f"{r['predicted_tokens_per_s_per_gpu']:,.0f}"
+        elif r["published_tflops_per_gpu"]:
+            pub, pred = f"{r['published_tflops_per_gpu']:,.0f} TFLOP/s", f"{r['predicted_tflops_per_gpu']:,.0f}"
+        else:
+            pub, pred = "-", f"({r['predicted_tokens_per_s_per_gpu']:,.0f} tok/s)"
+        mem = f"{r['published_memory_gib']:.1f} GiB" if r["published_memory_gib"] else "-"
+        lines.append(f"| {r['key']} | {r['model']} | {r['gpus']:,} | `{r['layout']}` | {pub} | {pred} | "
+                     f"{r['throughput_err']:+.0%} | " if "throughput_err" in r else
+                     f"| {r['key']} | {r['model']} | {r['gpus']:,} | `{r['layout']}` | {pub} | {pred} | - | ")
+        lines[-1] += (f"{mem} | {r['predicted_memory_gib']:.1f} GiB | "
+                      + (f"{r['memory_err']:+.0%} |" if "memory_err" in r else "- |"))
+    return "\n".join(lines)
