@@ -169,7 +169,8 @@ def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_byt
             raise ConfigError("--search enumerates the layouts of a GPU cluster: give --machine and --gpus (or --nodes)")
         from distlab.plan.search import search
         from distlab.plan.text import format_search
-        result = search(t, lay, cluster, top, experts=getattr(options, "experts", 0) or 0)
+        experts = (options.to_dict() if options is not None else {}).get("experts") or 0  # a mixture's experts
+        result = search(t, lay, cluster, top, experts=experts)
         click.echo(format_search(result))
     elif sweep:
         given = [k for k in strategy_fields if ctx.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT]

@@ -68,12 +68,17 @@ def calibrate_device(device: str, preset: str | None, model: str | None, block_s
     with torch.device("meta"):
         net = build_model(name, (block_size,), vocab, options=options)
     linears = sorted({(m.in_features, m.out_features) for m in net.modules() if isinstance(m, torch.nn.Linear)})
-    attn = next((m for m in net.modules() if hasattr(m, "head_dim") and isinstance(getattr(m, "q", None),
-                                                                                  torch.nn.Linear)), None)
-    if attn is None:
-        raise ConfigError(f"{name} has no attention with query heads to time")
-    heads = attn.q.out_features // attn.head_dim
-    cal = measure(linears, heads, attn.head_dim, block_size, torch.device(device), precision)
+    from distlab.models.plans import declared_plan  # the attentions the model declares (its context plan): the
+    cores = [net.get_submodule(n) for n, kind in declared_plan(net, "context", cp=1, style="ring", tp=1).items()
+             if kind == "context_attention"]  # queries they take, (batch, heads, tokens, head width)
+    if not cores:
+        raise ConfigError(f"{name} declares no attention (context_parallel_plan) to time")
+    seen = []
+    hook = cores[0].register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+    net(torch.zeros(1, block_size, dtype=torch.long, device="meta"))
+    hook.remove()
+    _, heads, _, head_dim = seen[0]
+    cal = measure(linears, heads, head_dim, block_size, torch.device(device), precision)
     atomic_write_text(output, json.dumps(cal.to_dict(), indent=1) + "\n")
     eff = f", {cal.efficiency:.1%} of its {cal.peak_flops / 1e12:g} TFLOP/s peak" if cal.efficiency else \
         " (no datasheet peak: a plan cannot use it)"

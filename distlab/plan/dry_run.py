@@ -88,10 +88,7 @@ def dry_run(family: str, options, classes: int, shape: tuple[int, ...], strategy
                 opt.step()  # (engine.step's non-finite check reads values: a meta tensor has none)
                 engine.observe()
         held = [t for p in engine.module.parameters() for t in (p,)]
-        schedule = engine.schedule
-        activations = getattr(schedule, "activation_peak_bytes", None)
-        if activations is None and hasattr(schedule, "stage"):
-            activations = schedule.stage.activation_peak_bytes
+        activations = engine.schedule.activation_peak_bytes  # (Accumulate's: a pipeline is refused above)
         return {"rank": rank, "world_size": world, "strategy": str(strategy), "global_batch_size": global_batch,
                 "input_shape": list(shape), "model_state_bytes": int(engine.peak_bytes),
                 "parameter_bytes": storage_bytes(held),

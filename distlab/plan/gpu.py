@@ -91,7 +91,8 @@ class GpuMachine:
                 "fp32": self.fp32_tflops}[precision] * 1e12
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        import dataclasses
+        return dataclasses.asdict(self)
 
 
 def machine_names() -> list[str]:
