@@ -320,8 +320,10 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
     per_rank = f"{comp.threads} thread{'s' if comp.threads != 1 else ''} per rank"
     if cluster is not None:
         basis = (f"{cluster.machine.name}: {cluster.machine.peak(lay.strategy.precision) / 1e12:g} TFLOP/s "
-                 f"{lay.strategy.precision} x {cluster.efficiency:.1%} ({cluster.efficiency_source}); optimizer "
-                 f"step through HBM at {cluster.machine.memory_tbps:g} TB/s")
+                 f"{lay.strategy.precision} x {cluster.efficiency:.1%} ({cluster.efficiency_source}"
+                 + ("; this layout runs eager, the measurement compiled: expect it slower" if
+                    cluster.calibrated_on is None and not lay.strategy.compile else "")
+                 + f"); optimizer step through HBM at {cluster.machine.memory_tbps:g} TB/s")
     else:
         basis = (f"calibrated at {per_rank}" if comp.scaled_from is None else
                  f"not calibrated at {per_rank}: the rate measured at {comp.scaled_from} scaled by "
