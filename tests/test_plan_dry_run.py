@@ -60,14 +60,16 @@ def test_dry_run_of_a_real_size_model_on_the_cli(tmp_path):
 
 
 @pytest.mark.parametrize("ckpt", ["zero=3+ckpt", "zero=3+ckpt+ac_every=2", "bucketed+ckpt+ac_policy=ops",
-                                  "zero=3+ckpt+ac_policy=ops"])
+                                  "zero=3+ckpt+ac_policy=ops", "allreduce+tp=2+sp+ckpt+ac_policy=ops",
+                                  "allreduce+tp=2+ckpt+ac_policy=ops"])
 def test_every_checkpointing_mode_with_a_gpus_attention_is_planned_as_measured(ckpt):
     """Attention as a GPU's flash kernel runs it, each checkpointing mode (every block, one in two, per op) on a
-    Llama: the plan's activations are what a dry run of the layout saves, within 1%, its state exact."""
+    Llama: the plan's activations are what a dry run of the layout saves, within 1%, its state exact (per op under
+    tensor parallel: a row-parallel layer's kept output is its partial sums over every position, whole)."""
     from distlab.parallel import Strategy
     st = Strategy.parse(ckpt)
     t = trace("llama", (64,), 256, attention="flash")
-    p = predict(t, Layout(dp=4, strategy=st, optimizer="adamw", global_batch=8), Link(), None)
+    p = predict(t, Layout(dp=4 // st.model_ways, strategy=st, optimizer="adamw", global_batch=8), Link(), None)
     m = dry_run("llama", None, 256, (64,), st, 4, 3, 8, "adamw", attention="flash")
     assert m["model_state_bytes"] == p["model_state_bytes_per_rank"]
     assert m["activation_bytes"] == pytest.approx(p["activation_bytes_float32_per_rank"], rel=0.01)

@@ -44,12 +44,22 @@ class OpsTally(KeptOps):
     def __init__(self):
         super().__init__()
         self.kept_bytes, self.recompute_flops, self.seen = 0.0, 0.0, set()
+        self.alive: list[torch.Tensor] = []  # what was counted, kept alive: a freed storage's address may be reused
+        self.kept_by: dict[str, float] = {}  # linear layer (its name) -> what is kept of its output
+        self.module: str | None = None
+
+    def enter(self, name: str | None) -> None:
+        """A linear layer's forward begins (its name) or ends (None)."""
+        self.module = name
 
     def kept(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
         if storage._cdata not in self.seen:
             self.seen.add(storage._cdata)
+            self.alive.append(t)
             self.kept_bytes += storage.nbytes()
+            if self.module is not None:
+                self.kept_by[self.module] = self.kept_by.get(self.module, 0.0) + storage.nbytes()
 
     def recomputed(self, a: torch.Tensor, b: torch.Tensor) -> None:
         self.recompute_flops += 2.0 * a.shape[0] * a.shape[1] * b.shape[1]

@@ -42,6 +42,7 @@ class Layer:
     output_bytes: float
     ops_kept_bytes: float = 0.0  # checkpointed per op (ac_policy ops): the outputs of attention and of every
     ops_recompute_flops: float = 0.0  # other matrix multiplication kept; the FLOPs of the others, run again
+    ops_kept_by: dict = field(default_factory=dict)  # of those kept bytes, each linear layer's (model name -> bytes)
 
 
 @dataclass
@@ -323,12 +324,19 @@ def profile_layers(model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = N
                     replicated[0] += nbytes if inside[0] else 0
             return t
 
-        with FlopCounterMode(display=False) as flops, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                OpsTally() as ops:
+        ops = OpsTally()
+        linear_hooks = [m.register_forward_pre_hook(lambda m, a, sub=sub: ops.enter(f"{name}.{sub}"))
+                        for sub, m in layer.named_modules() if isinstance(m, nn.Linear)]
+        linear_hooks += [m.register_forward_hook(lambda m, a, o: ops.enter(None))
+                         for m in layer.modules() if isinstance(m, nn.Linear)]
+        with FlopCounterMode(display=False) as flops, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ops:
             x = layer(x)
+        for h in linear_hooks:
+            h.remove()
         layers.append(Layer(name, sum(p.numel() for p in layer.parameters()), flops.get_total_flops() / batch,
                             saved[0] / batch, replicated[0] / batch, x.numel() * x.element_size() / batch,
-                            ops.kept_bytes / batch, ops.recompute_flops / batch))
+                            ops.kept_bytes / batch, ops.recompute_flops / batch,
+                            {n: b / batch for n, b in ops.kept_by.items()}))
     for h in hooks:
         h.remove()
     if y is not None and layers:  # the loss's own (a language model's log-probabilities: as large as its logits)

@@ -74,6 +74,9 @@ class TensorParallel(ComponentKind):
                               f"{' with sequence parallel' if st.sequence_parallel else ''}; plan it with `tp` 1")
         calls, samples = [], micro / lay.cp  # context parallel: each rank holds 1/cp of every sequence
         entering = 0.0  # what enters a parallel region whole (gathered under sequence parallel), saved whole
+        ops = st.activation_checkpointing and st.ac_policy == "ops"
+        kept_by = {n: b for layer in t.layers for n, b in layer.ops_kept_by.items()} if ops else {}
+        checkpointed = [n for block in st.checkpointed(t.blocks) for n in block]
         recomputed = _recomputed(plan, st.checkpointed(t.blocks)) if st.activation_checkpointing else set()
         for name, style in plan.items():
             if not in_stage(name, t_rank, lay):
@@ -83,6 +86,9 @@ class TensorParallel(ComponentKind):
             if style != "colwise_gather" and name not in recomputed:  # (the region's entry: what sequence
                 entering += sum(c.nbytes for c in TP_STYLES[style].forward_calls(io, samples, True)  # parallel
                                 if c.kind == "all_gather")  # gathers there; without it, what every rank holds)
+            if style == "rowwise" and kept_by and any(name == n or name.startswith(n + ".") for n in checkpointed):
+                # checkpointed per op: its kept output is its partial
+                entering += kept_by.get(name, 0.0) * samples  # sums over every position, whole on each rank
             if name in recomputed:  # checkpointing runs its forward again in backward
                 calls += TP_STYLES[style].forward_calls(io, samples, st.sequence_parallel)
             if style == "vocab_output" and lay.label_smoothing:
