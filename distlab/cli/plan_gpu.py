@@ -7,12 +7,17 @@ import math
 from distlab.errors import ConfigError
 
 
+def _whole_nodes(m, gpus: int | None) -> None:
+    """``--gpus`` fills whole nodes (or part of one)."""
+    if gpus is not None and gpus % m.gpus_per_node and gpus > m.gpus_per_node:
+        raise ConfigError(f"--gpus {gpus}: {m.name} has {m.gpus_per_node} GPUs per node; give a multiple of it")
+
+
 def data_parallel(strategy, gpus: int | None, nodes: int | None, machine: str) -> int:
     """``--dp`` where it was not given: what the other dimensions leave of the cluster's GPUs (1 without a size)."""
     from distlab.plan.gpu import load_machine
     m = load_machine(machine)
-    if gpus is not None and gpus % m.gpus_per_node and gpus > m.gpus_per_node:
-        raise ConfigError(f"--gpus {gpus}: {m.name} has {m.gpus_per_node} GPUs per node; give a multiple of it")
+    _whole_nodes(m, gpus)
     total = gpus or (nodes * m.gpus_per_node if nodes else None)
     if total is None:
         return 1
@@ -28,9 +33,8 @@ def cluster_of(machine: str, nodes: int | None, gpus: int | None, lay, calibrati
     from distlab.plan.gpu import Cluster, load_machine
     from distlab.plan.gpu_calibration import GpuCalibration
     m = load_machine(machine)
+    _whole_nodes(m, gpus)
     if gpus is not None:
-        if gpus % m.gpus_per_node and gpus > m.gpus_per_node:
-            raise ConfigError(f"--gpus {gpus}: {m.name} has {m.gpus_per_node} GPUs per node; give a multiple of it")
         if nodes is not None and nodes != math.ceil(gpus / m.gpus_per_node):
             raise ConfigError(f"--gpus {gpus} and --nodes {nodes} disagree ({m.gpus_per_node} GPUs per node): give one")
     n = nodes or math.ceil((gpus or lay.world) / m.gpus_per_node)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from distlab.errors import ConfigError
@@ -203,7 +203,6 @@ class Cluster:
     efficiency: float = DEFAULT_EFFICIENCY
     efficiency_source: str = EFFICIENCY_SOURCE
     calibrated_on: str | None = None  # the GPU a `plan calibrate --device cuda` measured, when given
-    notes: list[str] = field(default_factory=list)
 
     @property
     def gpus(self) -> int:

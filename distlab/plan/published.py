@@ -158,42 +158,34 @@ def compare(keys: list[str] | None = None) -> dict:
             "efficiency": DEFAULT_EFFICIENCY, "efficiency_source": EFFICIENCY_SOURCE}
 
 
+HEADERS = ["run", "model", "GPUs", "layout (as distlab runs it)", "published", "predicted", "error",
+           "memory published", "predicted", "error"]
+
+
+def _cells(r: dict, markdown: bool) -> list[str]:
+    """One row's cells: what was published (tokens/s or TFLOP/s per GPU, memory), the prediction, the errors."""
+    if r["published_tokens_per_s_per_gpu"]:
+        pub, pred = f"{r['published_tokens_per_s_per_gpu']:,.0f} tok/s", f"{r['predicted_tokens_per_s_per_gpu']:,.0f}"
+    elif r["published_tflops_per_gpu"]:
+        pub, pred = f"{r['published_tflops_per_gpu']:,.0f} TFLOP/s", f"{r['predicted_tflops_per_gpu']:,.0f}"
+    else:  # a memory-only row
+        pub, pred = "-", f"({r['predicted_tokens_per_s_per_gpu']:,.0f} tok/s)"
+    return [r["key"], r["model"], f"{r['gpus']:,}", f"`{r['layout']}`" if markdown else r["layout"], pub, pred,
+            f"{r['throughput_err']:+.0%}" if "throughput_err" in r else "-",
+            f"{r['published_memory_gib']:.1f} GiB" if r["published_memory_gib"] else "-",
+            f"{r['predicted_memory_gib']:.1f} GiB", f"{r['memory_err']:+.0%}" if "memory_err" in r else "-"]
+
+
 def format_compare(result: dict) -> str:
-    lines = [f"{'run':<22} {'model':<14} {'GPUs':>5} {'layout':<34} {'published':>10} {'predicted':>10} "
-             f"{'error':>7} {'memory':>8} {'predicted':>9} {'error':>7}"]
-    for r in result["rows"]:
-        unit = "tok/s" if r["published_tokens_per_s_per_gpu"] else "TF/s"
-        pub = r["published_tokens_per_s_per_gpu"] or r["published_tflops_per_gpu"]
-        pred = r["predicted_tokens_per_s_per_gpu"] if unit == "tok/s" else r["predicted_tflops_per_gpu"]
-        mem = f"{r['published_memory_gib']:.1f}" if r["published_memory_gib"] else "-"
-        merr = f"{r['memory_err']:+.0%}" if "memory_err" in r else "-"
-        thr = (f"{pub:>6,.0f} {unit:<3} {pred:>10,.0f} {r['throughput_err']:>+7.0%}" if pub else
-               f"{'-':>10} {pred:>10,.0f} {'-':>7}")
-        lines.append(f"{r['key']:<22} {r['model']:<14} {r['gpus']:>5} {r['layout'][:34]:<34} {thr} {mem:>8} "
-                     f"{r['predicted_memory_gib']:>9.1f} {merr:>7}")
+    """The rows as a table, then the median errors and where the compute rate came from."""
+    from distlab.bench.common import format_table
     t, m = result["median_abs_throughput_err"], result["median_abs_memory_err"]
-    lines.append("median |error|: " + ", ".join(f"{what} {v:.1%}" for what, v in (("throughput", t), ("memory", m))
-                                                 if v is not None)
-                 + f" (compute at {result['efficiency']:.1%} of each GPU's datasheet peak: "
-                 f"{result['efficiency_source']})")
-    return "\n".join(lines)
+    return (format_table(HEADERS, [_cells(r, False) for r in result["rows"]]) + "\nmedian |error|: "
+            + ", ".join(f"{what} {v:.1%}" for what, v in (("throughput", t), ("memory", m)) if v is not None)
+            + f" (compute at {result['efficiency']:.1%} of each GPU's datasheet peak: {result['efficiency_source']})")
 
 
 def markdown(result: dict) -> str:
     """``distlab plan published --json``'s rows as a Markdown table (``distlab bench markdown``)."""
-    lines = ["| run | model | GPUs | layout (as distlab runs it) | published | predicted | error | memory published | "
-             "predicted | error |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        if r["published_tokens_per_s_per_gpu"]:
-            pub, pred = f"{r['published_tokens_per_s_per_gpu']:,.0f} tok/s", f"{r['predicted_tokens_per_s_per_gpu']:,.0f}"
-        elif r["published_tflops_per_gpu"]:
-            pub, pred = f"{r['published_tflops_per_gpu']:,.0f} TFLOP/s", f"{r['predicted_tflops_per_gpu']:,.0f}"
-        else:
-            pub, pred = "-", f"({r['predicted_tokens_per_s_per_gpu']:,.0f} tok/s)"
-        mem = f"{r['published_memory_gib']:.1f} GiB" if r["published_memory_gib"] else "-"
-        lines.append(f"| {r['key']} | {r['model']} | {r['gpus']:,} | `{r['layout']}` | {pub} | {pred} | "
-                     f"{r['throughput_err']:+.0%} | " if "throughput_err" in r else
-                     f"| {r['key']} | {r['model']} | {r['gpus']:,} | `{r['layout']}` | {pub} | {pred} | - | ")
-        lines[-1] += (f"{mem} | {r['predicted_memory_gib']:.1f} GiB | "
-                      + (f"{r['memory_err']:+.0%} |" if "memory_err" in r else "- |"))
-    return "\n".join(lines)
+    from distlab.bench.common import format_table
+    return format_table(HEADERS, [_cells(r, True) for r in result["rows"]], markdown=True)
