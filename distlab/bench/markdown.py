@@ -159,7 +159,7 @@ def render(path: str | Path) -> str:
     if isinstance(data, dict) and "traceEvents" in data:  # a run's --trace: what its spans say, per rank
         return trace_table(data)
     if isinstance(data, dict) and data.get("kind") == "distlab-plan-published":  # `plan published --json`
-        from distlab.plan.published import markdown
+        from distlab.bench.published_table import markdown
         return markdown(data)
     if not isinstance(data, list):
         raise ValueError("not a list of bench records")

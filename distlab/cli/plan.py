@@ -294,7 +294,8 @@ def plan_published(keys, json_out):
     tokens/s (or TFLOP/s) per GPU and peak memory, the error per row. KEYS: some rows only."""
     import json as _json
 
-    from distlab.plan.published import compare, format_compare
+    from distlab.bench.published_table import format_compare
+    from distlab.plan.published import compare
     from distlab.train.metrics import atomic_write_text
     result = compare(list(keys) or None)
     click.echo(format_compare(result))
