@@ -204,3 +204,19 @@ def test_a_gpu_calibration_from_another_device_is_refused_or_named(tmp_path):
                             tmp_path)
     assert code == 0 and "measured on NVIDIA H200, not on h100-sxm" in err
     assert math.isfinite(float(re.search(r"MFU ([0-9.]+)%", out).group(1)))
+
+
+def test_published_runs_print_and_render_as_markdown_with_their_errors(tmp_path):
+    """`plan published` predicts a row on the machine it ran on; its JSON renders through `bench markdown`."""
+    code, out, err = invoke(["plan", "published", "tt-a100-l2-13b-none", "--json", "p.json"], tmp_path)
+    assert code == 0, err
+    row = json.loads((tmp_path / "p.json").read_text())["rows"][0]
+    assert row["machine"] == "a100-80g" and row["source"]
+    err_pct = f"{row['throughput_err']:+.0%}"
+    assert row["throughput_err"] == pytest.approx(
+        row["predicted_tokens_per_s_per_gpu"] / row["published_tokens_per_s_per_gpu"] - 1)
+    assert err_pct in out and "median |error|: throughput" in out
+    code, out, err = invoke(["bench", "markdown", "p.json"], tmp_path)
+    assert code == 0, err
+    assert out.startswith("| run | model | GPUs |") and f"| tt-a100-l2-13b-none | llama2-13b | 64 |" in out
+    assert f"| {err_pct} |" in out
