@@ -59,7 +59,7 @@ BASE = {
                       "--out b",
     "bench overhead": "--workloads mlp --precisions fp32 --steps 20 --runs 1 --dataset synthetic:1x8x8:4:64 --out b",
     "bench checkpointing": "--workloads gpt --steps 3 --batch 2 --out b",
-    "bench dry-run": "--presets llama3.2-1b --world 2 --window 32 --out b",
+    "bench dry-run": "--presets llama3.2-1b --world 2 --window 32 --strategies zero=3 --out b",
     "bench snapshot": "--nproc 1 --state-mb 0.1 --steps 4 --every 2 --runs 1 --out b",
     "bench load": "--init-from hf:{tmp}/ckpt --nproc 1 --layouts allreduce --modes deferred --sources checkpoint "
                   "--out b",

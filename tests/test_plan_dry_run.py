@@ -59,6 +59,22 @@ def test_dry_run_of_a_real_size_model_on_the_cli(tmp_path):
     assert code != 0 and "ranks 0..1" in err
 
 
+def test_bench_dry_run_of_chosen_layouts(tmp_path):
+    """`bench dry-run --strategies` dry-runs the layouts given (verify's set without it); one it cannot follow,
+    or one that does not divide the world, is refused before anything is built."""
+    code, out, err = invoke(["bench", "dry-run", "--presets", "llama3.2-1b", "--world", "4", "--window", "32",
+                             "--strategies", "allreduce+tp=2+sp,zero=3", "--out", "b"], tmp_path)
+    assert code == 0, err
+    records = json.loads((tmp_path / "b" / "dry-run.json").read_text())
+    assert [r["strategy"] for r in records] == ["allreduce+tp=2+sp+bf16", "zero=3+bf16"]
+    assert all(r["state_equal"] for r in records)
+    for bad, needle in (("zero=1+pp=2", "cannot follow"), ("allreduce+tp=3", "does not divide"), ("zero=9", "zero")):
+        code, out, err = invoke(["bench", "dry-run", "--presets", "llama3.2-1b", "--world", "4", "--window", "32",
+                                 "--strategies", bad, "--out", "b2"], tmp_path)
+        assert code == 2 and needle in err and err.count("\n") == 1, (bad, err)
+    assert not (tmp_path / "b2" / "dry-run.json").exists()
+
+
 @pytest.mark.parametrize("ckpt", ["zero=3+ckpt", "zero=3+ckpt+ac_every=2", "bucketed+ckpt+ac_policy=ops",
                                   "zero=3+ckpt+ac_policy=ops", "allreduce+tp=2+sp+ckpt+ac_policy=ops",
                                   "allreduce+tp=2+ckpt+ac_policy=ops"])

@@ -13,15 +13,24 @@ from __future__ import annotations
 from distlab.bench.common import format_table, machine, write
 
 
-def layouts(world: int) -> list:
-    """verify's language-model strategies a dry run follows, at ``world`` ranks (duplicates dropped)."""
+def layouts(world: int, strategies: str | None = None) -> list:
+    """The layouts to dry-run at ``world`` ranks, as a GPU runs them (bfloat16, not compiled; duplicates dropped):
+    ``strategies`` (text forms, comma-separated; one a dry run cannot follow, or one the world does not fit, is
+    refused) or, without it, verify's language-model strategies that a dry run follows."""
+    from distlab.errors import ConfigError
+    from distlab.parallel.strategy import Strategy
     from distlab.plan.dry_run import unfollowable
     from distlab.tools.verify import default_strategies
+    if strategies is not None:
+        given = Strategy.parse_list(strategies, world)
+        for st in given:
+            if unfollowable(st):
+                raise ConfigError(f"--strategies {st}: a dry run cannot follow it ({unfollowable(st)})")
+    else:
+        given = [case.strategy for case in default_strategies(4)
+                 if case.model in ("gpt", "llama") and not (case.dpo or case.lora or unfollowable(case.strategy))]
     seen, out = set(), []
-    for case in default_strategies(4):
-        st = case.strategy
-        if case.model not in ("gpt", "llama") or case.dpo or case.lora or unfollowable(st):
-            continue
+    for st in given:
         st = st.replace(compile=False, precision="bf16", bucket_mb=25.0)
         if world % st.model_ways == 0 and str(st) not in seen:
             seen.add(str(st))
@@ -29,18 +38,20 @@ def layouts(world: int) -> list:
     return out
 
 
-def run(presets: list[str], world: int, window: int, local_batch: int, progress=print, out: str | None = None) -> list[dict]:
+def run(presets: list[str], world: int, window: int, local_batch: int, progress=print, out: str | None = None,
+        strategies: str | None = None) -> list[dict]:
     from distlab.parallel.strategy import Strategy  # noqa: F401  (the layouts' type)
     from distlab.plan import presets as known
     from distlab.plan.dry_run import dry_run
     from distlab.plan.machine import Link
     from distlab.plan.predict import Layout, predict
     from distlab.plan.trace import trace
+    chosen = layouts(world, strategies)
     records = []
     for name in presets:
         family, options, vocab = known.options(name)
         t = trace(family, (window,), vocab, options=options, attention="flash")
-        for st in layouts(world):
+        for st in chosen:
             dp = st.dp_size(world)
             lay = Layout(dp=dp, strategy=st, optimizer="adamw", global_batch=local_batch * dp * st.grad_accum)
             p = predict(t, lay, Link(), None)

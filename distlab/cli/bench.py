@@ -379,11 +379,14 @@ def bench_packing(nproc, records, block_size, batch, runs, out):
 @click.option("--world", type=COUNT, default=64, show_default=True, help="Ranks of the layouts.")
 @click.option("--window", type=COUNT, default=8192, show_default=True, help="Tokens per sequence.")
 @click.option("--local-batch", type=COUNT, default=1, show_default=True, help="Sequences per data-parallel rank.")
+@click.option("--strategies", default=None, help="Layouts in their text form, comma-separated (default: verify's "
+              "language-model layouts a dry run can follow).")
 @click.option("--out", callback=writable_dir, default="runs/bench", show_default=True, help="Writes OUT/dry-run.json.")
-def bench_dry_run(presets, world, window, local_batch, out):
+def bench_dry_run(presets, world, window, local_batch, strategies, out):
     """The planner's model state and activations at full size against a dry run of distlab's code (meta device)."""
     from distlab.bench import dry_run
-    records = dry_run.run([p.strip() for p in presets.split(",") if p.strip()], world, window, local_batch, _progress, out)
+    records = dry_run.run([p.strip() for p in presets.split(",") if p.strip()], world, window, local_batch, _progress,
+                          out, strategies)
     _finish(dry_run, records, out, "dry-run")
 
 
