@@ -196,3 +196,73 @@ def test_the_plan_says_whether_the_attention_it_prices_is_masked():
         if hasattr(m, "causal"):
             m.causal = False
     assert trace(model, (16,), 32).attention_causal is False
+
+
+def _hop_order(rank, world, backward):
+    """Every message the ring posts and waits for, and every matrix multiplication between them."""
+    import types
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from distlab.comm import p2p
+    from distlab.parallel import ring_attention
+    from distlab.parallel.context_parallel import ContextLayout, RingAttention
+    events = []
+
+    def post(fn):
+        def wrapped(*args, **kwargs):
+            work = fn(*args, **kwargs)
+            events.append(("post", id(work)))
+            return work
+        return wrapped
+
+    def wait_all(works):
+        p2p.wait_all(works)
+        events.extend(("wait", id(w)) for w in works)
+
+    def exchange(send, dst, recv, src, group=None):  # posted and waited for at once
+        events.append(("post", "x"))
+        p2p.exchange(send, dst, recv, src, group)
+        events.append(("wait", "x"))
+
+    class Products(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+            if "mm" in func.__name__:
+                events.append(("mm", None))
+            return func(*args, **(kwargs or {}))
+
+    ring_attention.p2p = types.SimpleNamespace(isend=post(p2p.isend), irecv=post(p2p.irecv), wait_all=wait_all,
+                                               exchange=exchange)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g, requires_grad=True) for _ in range(3))
+    out = RingAttention(None, ContextLayout(world, rank))(q, k, v)
+    if backward:
+        events.clear()
+        with Products():
+            out.sum().backward()
+    else:
+        events.clear()
+        with Products():
+            RingAttention(None, ContextLayout(world, rank))(q, k, v)
+    ring_attention.p2p = p2p
+    hidden = exposed = 0
+    for key in {e[1] for e in events if e[0] == "post"}:
+        a = next(i for i, e in enumerate(events) if e == ("post", key))
+        b = next(i for i, e in enumerate(events) if e == ("wait", key))
+        if any(e[0] == "mm" for e in events[a:b]):
+            hidden += 1
+        else:
+            exposed += 1
+    return hidden, exposed
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_ring_sends_each_block_while_it_scores_the_one_it_holds(world):
+    """Forward: each of the cp - 1 hops (a send and a receive) is posted before the block held is scored and
+    waited for after. Backward: the keys and values ahead and the gradients behind travel while the block
+    computes; only the gradients' last hop home (one send, one receive) has nothing beside it."""
+    from distlab.launch.spawn import run_ranks
+    for hidden, exposed in run_ranks(_hop_order, world, False, timeout=120):
+        assert (hidden, exposed) == (2 * (world - 1), 0)
+    for hidden, exposed in run_ranks(_hop_order, world, True, timeout=120):
+        assert (hidden, exposed) == (2 * (world - 1) * 2, 2)

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from distlab.errors import ConfigError
 from distlab.models import build_model, options_from
 from distlab.models.decoder import RotaryTable, rotate
-from distlab.parallel.context_parallel import ContextLayout, _RingAttention
+from distlab.parallel.context_parallel import ContextLayout
+from distlab.parallel.ring_attention import RingAttentionFunction
 from distlab.tools.verify import default_strategies, parse_strategy, verify
 
 
@@ -68,7 +69,7 @@ def test_grouped_query_attention_in_the_ring_equals_repeated_heads():
     q = torch.randn(2, 4, 8, 6, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 2, 8, 6, dtype=torch.float64, requires_grad=True)
     v = torch.randn(2, 2, 8, 6, dtype=torch.float64, requires_grad=True)
-    out = _RingAttention.apply(q, k, v, None, ContextLayout(1, 0), True)
+    out = RingAttentionFunction.apply(q, k, v, None, ContextLayout(1, 0), True)
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
     g = torch.randn_like(ref)
     grads = torch.autograd.grad(out, (q, k, v), g)

@@ -9,7 +9,10 @@ block as it passes and merges the partial results exactly with the log-sum-exp o
 (FlashAttention's online softmax), so no rank ever holds the whole sequence's keys or any block's
 scores after its forward: backward recomputes them while the blocks go round once more, each
 carrying its key/value gradient, which reaches its own rank with a last hop. Per layer and rank:
-``cp - 1`` hops of ``2 x B x H x T/cp x D`` elements forward, ``2 (cp - 1) + 1`` backward.
+``cp - 1`` hops of ``2 x B x H x T/cp x D`` elements forward, ``2 (cp - 1) + 1`` backward. Every hop
+but that last one travels while the rank scores the block it holds (the next block is sent for
+before this one is used; a block's gradient goes on while the next block computes), so only what
+the scoring does not hide is waited for.
 
 **Ulysses** (Jacobs et al. 2023, DeepSpeed-Ulysses): an all-to-all turns the queries, keys and
 values from "my tokens, every head" into "every token, my heads" (``H / cp`` heads each), plain
@@ -50,6 +53,7 @@ from distlab.models import plans
 from distlab.models.contract import SequenceStatistics, attend, contract
 from distlab.parallel.cost import Call, CallGroup, Price, in_stage
 from distlab.parallel.protocols import ComponentKind
+from distlab.parallel.ring_attention import RingAttentionFunction
 from distlab.runtime import group_rank, group_size, timeline
 from distlab.runtime.eager import eager
 
@@ -112,103 +116,6 @@ class ContextPositions:
 # --------------------------------------------------------------------------- ring attention
 
 
-def _hop(t: torch.Tensor, group, rank: int, n: int) -> torch.Tensor:
-    """Send ``t`` to the next rank of the ring and return what the previous one sent."""
-    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    with timeline.span(f"context-parallel ring hop {timeline.size_text(t.numel() * t.element_size())}", "communication"):
-        p2p.exchange(t.contiguous(), (rank + 1) % n, out, (rank - 1) % n, group)
-    return out
-
-
-def _pairs(layout: ContextLayout, owner: int, causal: bool = True):
-    """The (query half, key half, causal) blocks that rank ``layout.rank``'s queries score against
-    rank ``owner``'s keys: a key chunk before the query chunk in full, the same chunk under the
-    causal mask, a later one not at all (the mask empties it). Without the mask, every pair in full."""
-    for j, k_chunk in enumerate(layout.chunks(owner)):
-        for i, q_chunk in enumerate(layout.chunks()):
-            if not causal or k_chunk <= q_chunk:
-                yield i, j, causal and k_chunk == q_chunk
-
-
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
-    s = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-    if causal:  # the diagonal block: query i sees keys 0..i of it
-        t = s.shape[-1]
-        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return s
-
-
-def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """``(B, H, t, D)`` as ``(B, groups, H / groups, t, D)``: the query heads each key/value head serves
-    side by side (keys and values get a group dimension of 1, which the products broadcast over)."""
-    b, h, t, d = x.shape
-    return x.view(b, groups, h // groups, t, d)
-
-
-def _group_sum(x: torch.Tensor) -> torch.Tensor:
-    """A key/value gradient summed over the query heads of its group (nothing to sum without groups)."""
-    return x if x.shape[2] == 1 else x.sum(2, keepdim=True)
-
-
-class _RingAttention(torch.autograd.Function):
-    """Exact attention (causal or not) with key/value blocks passed around the ring (FlashAttention's
-    recurrence, block by block). Saves only this rank's q, k, v, output and log-sum-exp -- never a
-    block's scores -- and recomputes the scores in backward, where the blocks go round again with
-    their accumulating key/value gradients, which end with a last hop at the rank they belong to.
-    Grouped-query attention (fewer key/value heads than query heads) travels as it is: each key/value
-    head scores the query heads of its group, and its gradient sums theirs."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, group, layout: ContextLayout, causal: bool = True):
-        n, rank = layout.cp, layout.rank
-        h = q.shape[2] // 2
-        shape, q = q.shape, _grouped(q, k.shape[1])  # (B, Hkv, g, t, D); keys and values (B, Hkv, 1, t, D)
-        qs = (q[..., :h, :], q[..., h:, :])
-        out = [torch.zeros_like(qs[0]), torch.zeros_like(qs[1])]
-        lse = [torch.full(qs[0].shape[:-1] + (1,), float("-inf"), dtype=q.dtype, device=q.device) for _ in range(2)]
-        kv = torch.stack([k, v]).unsqueeze(3)
-        for step in range(n):
-            if step:
-                kv = _hop(kv, group, rank, n)
-            for i, j, masked in _pairs(layout, (rank - step) % n, causal):
-                s = _scores(qs[i], kv[0, ..., j * h:(j + 1) * h, :], masked)
-                block_lse = torch.logsumexp(s, dim=-1, keepdim=True)
-                new = torch.logaddexp(lse[i], block_lse)  # the online softmax: rescale what is there, add the block
-                out[i] = out[i] * torch.exp(lse[i] - new) + torch.exp(s - new) @ kv[1, ..., j * h:(j + 1) * h, :]
-                lse[i] = new
-        out, lse = torch.cat(out, dim=-2), torch.cat(lse, dim=-2)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.layout, ctx.causal = group, layout, causal
-        return out.reshape(shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse = ctx.saved_tensors
-        layout, group = ctx.layout, ctx.group
-        n, rank = layout.cp, layout.rank
-        h = q.shape[-2] // 2
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        grad = grad.reshape(out.shape)
-        delta = (grad * out).sum(-1, keepdim=True)  # rowsum(dO * O): softmax's backward, once per query
-        dq = torch.zeros_like(q)
-        kv = torch.stack([k, v]).unsqueeze(3)
-        travel = torch.cat([kv, torch.zeros_like(kv)])
-        for step in range(n):
-            if step:
-                travel = _hop(travel, group, rank, n)  # a block's keys and values with their gradient so far
-            for i, j, masked in _pairs(layout, (rank - step) % n, ctx.causal):
-                qi, gi = slice(i * h, (i + 1) * h), slice(j * h, (j + 1) * h)
-                kb, vb = travel[0, ..., gi, :], travel[1, ..., gi, :]
-                p = torch.exp(_scores(q[..., qi, :], kb, masked) - lse[..., qi, :])
-                travel[3, ..., gi, :] += _group_sum(p.transpose(-2, -1) @ grad[..., qi, :])          # dV
-                ds = p * (grad[..., qi, :] @ vb.transpose(-2, -1) - delta[..., qi, :])
-                dq[..., qi, :] += (ds @ kb) * scale
-                travel[2, ..., gi, :] += _group_sum((ds.transpose(-2, -1) @ q[..., qi, :]) * scale)  # dK
-        # the block held last is the next rank's: its gradient goes home in one more hop (nothing with n = 1)
-        dkv = (_hop(travel[2:], group, rank, n) if n > 1 else travel[2:]).squeeze(3)
-        return dq.flatten(1, 2), dkv[0], dkv[1], None, None, None
-
-
 class RingAttention(nn.Module):
     """Attention of this rank's queries over the whole sequence, causal unless ``causal`` is False (an
     encoder's), key/value blocks passed around the context-parallel ring (module docstring)."""
@@ -223,7 +130,7 @@ class RingAttention(nn.Module):
         check_window(self.window, q.shape[2] * self.layout.cp, "ring")
         if self.scale is not None:  # scores scaled by ``scale``: the queries carry it over the 1 / sqrt(D) the ring uses
             q = q * (self.scale * math.sqrt(q.shape[-1]))
-        return _RingAttention.apply(q, k, v, self.group, self.layout, self.causal)
+        return RingAttentionFunction.apply(q, k, v, self.group, self.layout, self.causal)
 
 
 # --------------------------------------------------------------------------- Ulysses
