@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from distlab.errors import ConfigError
-from distlab.parallel.context_parallel import ContextLayout, ring_bytes, ulysses_bytes
+from distlab.parallel.context_parallel import ContextLayout, ContextParallel, ring_bytes, ulysses_bytes
 from distlab.tools.verify import sum_tolerance
 
 
@@ -149,6 +149,34 @@ def test_the_plan_splits_activations_and_counts_the_ring_and_all_to_all_bytes():
         predict(trace("mlp"), Layout(dp=1, strategy=Strategy(cp=2)), Link(), None)
 
 
+def test_the_plan_hides_the_rings_hops_behind_the_scoring_and_only_there():
+    """On a GPU cluster the ring's hops run beside each step's scoring: what that hides is off the critical
+    path, the gradients' last hop home is not; Ulysses' all-to-alls wait for their results, all exposed."""
+    from distlab.parallel import Strategy
+    from distlab.plan.gpu import Cluster, load_machine
+    from distlab.plan.machine import Link
+    from distlab.plan.predict import Layout, predict
+    from distlab.plan.trace import trace
+    t = trace("llama", (32768,), 1024, attention="flash", n_layer=2, n_head=32, n_kv_heads=8, n_embd=4096,
+              ffn_hidden=8192)
+    assert set(t.attention_flops) == set(t.attention_kv)
+    assert sum(t.attention_flops.values()) == 2 * 4 * 32 * 32768 * 32768 * 128  # 2 attentions, q k^T and p v
+    cluster = Cluster(load_machine("h100-sxm"), nodes=1)
+    got = {}
+    for style in ("ring", "ulysses"):
+        lay = Layout(dp=1, strategy=Strategy(cp=8, cp_style=style, precision="bf16"), global_batch=1)
+        p = predict(t, lay, Link(), None, cluster)
+        got[style] = p["component_comm"]["cp"]
+    home = [g for g in ContextParallel().price(t, t, Layout(dp=1, strategy=Strategy(cp=8), global_batch=1), 1,
+                                               None).calls if not g.hidden_flops]
+    assert len(home) == 2 and all(g.hops == 1 for g in home)  # per attention, one hop home
+    ring, ulysses = got["ring"], got["ulysses"]
+    assert ulysses["exposed_s"] == ulysses["seconds"] > 0
+    # at 32768 tokens a step's scoring (2 pairs of 2048 x 2048 per head) outlasts a hop on NVLink: only the hops
+    # home are waited for (per attention 1 hop of 15, 1 of the 22 key/value sizes the ring sends)
+    assert 0 < ring["exposed_s"] < ring["seconds"] / 15
+
+
 def test_a_context_parallel_run_resumes_bitwise_and_on_another_layout(run_cli, tmp_path):
     """Killed after its step-3 snapshot (here: only that snapshot kept), the cp 2 run resumes to the
     uninterrupted run's parameters bit for bit; the same snapshot resumed by one process (resharded)
@@ -207,11 +235,12 @@ def _hop_order(rank, world, backward):
     from distlab.comm import p2p
     from distlab.parallel import ring_attention
     from distlab.parallel.context_parallel import ContextLayout, RingAttention
-    events = []
+    events, alive = [], []  # (the works kept alive: an id stays one work's)
 
     def post(fn):
         def wrapped(*args, **kwargs):
             work = fn(*args, **kwargs)
+            alive.append(work)
             events.append(("post", id(work)))
             return work
         return wrapped

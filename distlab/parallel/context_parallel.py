@@ -226,6 +226,27 @@ class ContextParallel(ComponentKind):
                     check_window(contract(module).window, input_shape[0], strategy.cp_style)
 
     @staticmethod
+    def _ring_hops(t, t_rank, lay, share: float, micro: int, again) -> list[CallGroup]:
+        """Per attention of the stage and micro-batch, the ring's hops as they run: forward, ``cp - 1`` hops
+        of the rank's keys and values, each beside the scoring of one step's blocks (two of ``(T / 2 cp)^2``
+        query-key pairs under the mask, four without); backward, ``cp - 1`` of keys and values ahead with
+        gradients behind, beside that step's backward (five products to the forward's two); the gradients'
+        last hop home with nothing beside it."""
+        cp, steps, out = lay.cp, lay.strategy.micro_steps, []
+        for name, nbytes in t.attention_kv.items():
+            if not in_stage(name, t_rank, lay):
+                continue
+            kv = nbytes * share
+            pair = t.attention_flops.get(name, 0.0) * micro / lay.tp / (2 * cp) ** 2  # one block pair's forward
+            scored = pair * (2 if t.attention_causal else 4)
+            hop = dict(ranks=2, local=lay.dp > 1, dim="cp")
+            out += [CallGroup([Call("native", "send", kv)], hops=(cp - 1) * again(name) * steps, hidden_flops=scored,
+                              **hop),
+                    CallGroup([Call("native", "send", 2 * kv)], hops=(cp - 1) * steps, hidden_flops=2.5 * scored, **hop),
+                    CallGroup([Call("native", "send", kv)], hops=steps, **hop)]
+        return out
+
+    @staticmethod
     def price(t, t_rank, lay, micro: int, optim) -> Price:
         """On the model's trace: its keys and values are ``1 / (cp tp)`` of the model's; per attention
         and micro-batch the ring sends ``3 cp - 2`` of them (``cp - 1`` hops forward, ``2 (cp - 1) + 1``
@@ -256,12 +277,15 @@ class ContextParallel(ComponentKind):
         sent = ((3 * cp - 2) * kv if ring else 2 * (cp - 1) / cp * (2 * q + kv))
         sent += (cp - 1) * kv_again if ring else (cp - 1) / cp * (2 * q_again + kv_again)  # recomputed forwards
         sent *= lay.strategy.micro_steps
-        return Price([CallGroup([Call("native", "send", sent)], 2, local=lay.dp > 1, dim="cp")], compute_split=cp, report={
+        calls = (ContextParallel._ring_hops(t, t_rank, lay, share, micro, again) if ring and t.attention_kv
+                 else [CallGroup([Call("native", "send", sent)], 2, local=lay.dp > 1, dim="cp")])
+        return Price(calls, compute_split=cp, report={
             "context_parallel": {
                 "cp": cp, "style": lay.strategy.cp_style, "bytes_per_step_per_rank": int(sent),
                 "tokens_per_rank_share": 1 / cp,
                 "bytes_basis": ("ring: per attention and micro-batch, cp - 1 hops of the rank's keys and values "
-                                "forward, 2 (cp - 1) + 1 backward (the gradients travel with them, then home)" if ring
+                                "forward, 2 (cp - 1) + 1 backward (their gradients a hop behind, then home); every "
+                                "hop but that last one beside a step's scoring" if ring
                                 else "ulysses: per attention and micro-batch, 4 all-to-alls forward (q, k, v, out) "
                                 "and 4 backward, each sending (cp - 1) / cp of the rank's tensor (queries and "
                                 "output as large as the query heads, keys and values as their groups)"),

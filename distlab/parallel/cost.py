@@ -228,12 +228,16 @@ def textbook_parts(numels: list[int], optim: Optim, element_size: int, stage: in
 
 @dataclass
 class CallGroup:
-    """Collectives a model-sharding component runs in every step on its critical path (nothing hides
-    them), over ``ranks`` ranks: over the run's link, or (``local``) a node's own fast links."""
+    """Collectives a model-sharding component runs in every step, over ``ranks`` ranks: over the run's
+    link, or (``local``) a node's own fast links. ``calls`` go ``hops`` times, one after another, each
+    time beside ``hidden_flops`` of the rank's compute (a ring's next block in flight while it scores the
+    one it holds): only what that compute does not hide is on the critical path (all of it without)."""
     calls: list[Call]
     ranks: int
     local: bool = False
     dim: str = ""  # the mesh dimension its ranks span (tp, cp, ep, pp): where a GPU cluster places it
+    hops: int = 1
+    hidden_flops: float = 0.0
 
 
 @dataclass

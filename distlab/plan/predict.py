@@ -114,7 +114,7 @@ def comm_bytes(t: Trace, lay: Layout, sync, stages: list[dict], micro: int, opti
                                          *calls.after_step))}
     for kind in components.wanted(lay.strategy):  # each priced on this stage's part of the model
         price = kind.price(t, first, lay, micro, optim)
-        by[kind.name] = sum(sent(c.algorithm, g.ranks, c.nbytes, c.kind) for g in price.calls for c in g.calls)
+        by[kind.name] = sum(g.hops * sent(c.algorithm, g.ranks, c.nbytes, c.kind) for g in price.calls for c in g.calls)
     if experts:  # this rank's expert shards, summed over the replicas that hold the same ones
         shard = sum(n for name, n in zip(first.names, first.numels) if name in experts) * first.element_size / lay.ep
         by["ep"] = by.get("ep", 0) + sent("native", lay.replicas // lay.ep, shard, "all_reduce")
@@ -274,13 +274,14 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
         exposed_pre = max(max(gathers), exposed_pre - fwd - bwd)
     hidden_pre = sum(gathers) - exposed_pre  # (what ran beside the compute: counted in the communication)
     tp_time = 0.0  # the components' collectives, on the critical path (a local group shares a node's fast links)
-    for price in prices:
-        for group in price.calls:
-            timer_g = group_timer(group)
-            tp_time += sum(timer_g.duration(c, 0.0) for c in group.calls)  # priced on the stage's own part
+    component_comm = {}
+    for kind, price in zip(components.wanted(lay.strategy), prices):  # priced on the stage's own part
+        seconds = [_group_seconds(g, group_timer(g), counted / comp.rate) for g in price.calls]
+        component_comm[kind.name] = {"seconds": sum(a for a, _ in seconds), "exposed_s": sum(b for _, b in seconds)}
+        tp_time += component_comm[kind.name]["exposed_s"]
     for group in schedule_cost.calls(lay, stages):  # a pipeline stage's messages, whole (not a stage's share)
         tp_time += sum(group_timer(group).duration(c, 0.0) for c in group.calls)
-    comm_total = exposed_pre + hidden_pre + tp_time
+    comm_total = exposed_pre + hidden_pre + tp_time + sum(c["seconds"] - c["exposed_s"] for c in component_comm.values())
     start_bwd = fwd + exposed_pre / 2
     end_bwd = start_bwd + bwd + exposed_pre / 2
     # the predicted timeline of one step: the same lanes as a measured trace (runtime.timeline); a
@@ -329,7 +330,8 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
                  f"not calibrated at {per_rank}: the rate measured at {comp.scaled_from} scaled by "
                  f"{comp.threads}/{comp.scaled_from}")
     out.update({"compute_basis": basis,
-                "oversubscription": lay.oversubscription, "compute_s": compute, "comm_s": comm_total, "exposed_comm_s": step - compute, "step_s": step,
+                "oversubscription": lay.oversubscription, "compute_s": compute, "comm_s": comm_total,
+                "exposed_comm_s": step - compute, "step_s": step, "component_comm": component_comm,
                 "samples_per_s": lay.global_batch / step, "threads_per_rank": comp.threads,
                 **(_gpu_rates(t, lay, step, cluster) if cluster is not None else {}),
                 "scaling_efficiency": compute / step if step else None,
@@ -347,6 +349,12 @@ def _gpu_rates(t: Trace, lay: Layout, step: float, cluster) -> dict:
         out["mfu"] = lay.global_batch * t.model_flops_per_sample / step / lay.world / \
             cluster.machine.peak(lay.strategy.precision)
     return out
+
+
+def _group_seconds(group, timer, seconds_per_flop: float) -> tuple[float, float]:
+    """(the group's collectives' time, what of it the compute beside each hop does not hide)."""
+    hop = sum(timer.duration(c, 0.0) for c in group.calls)
+    return group.hops * hop, group.hops * max(0.0, hop - group.hidden_flops * seconds_per_flop)
 
 
 def _call_name(c: Call) -> str:

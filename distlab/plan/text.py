@@ -69,7 +69,9 @@ def format_prediction(p: dict) -> str:
     if "step_s" in p:
         lines += [f"compute       {_ms(p['compute_s'])} per step ({p['compute_basis']}"
                   + (f", {p['oversubscription']:.2g}x oversubscribed" if p["oversubscription"] > 1 else "") + ")",
-                  f"communication {_ms(p['comm_s'])} per step, {_ms(p['exposed_comm_s'])} of it exposed",
+                  f"communication {_ms(p['comm_s'])} per step, {_ms(p['exposed_comm_s'])} of it exposed"
+                  + "".join(f"; {name} {_ms(c['seconds'])}, {_ms(c['seconds'] - c['exposed_s'])} of it beside the compute"
+                            for name, c in p.get("component_comm", {}).items() if c["exposed_s"] < c["seconds"]),
                   f"step          {_ms(p['step_s'])}: {p['samples_per_s']:,.0f} samples/s"
                   + (f", {p['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU" if "tokens_per_s_per_gpu" in p else "")
                   + (f", MFU {p['mfu']:.1%}" if "mfu" in p else "")

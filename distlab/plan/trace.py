@@ -76,6 +76,8 @@ class Trace:
     attention_kv: dict[str, float] = field(default_factory=dict)  # attention -> its keys and values per sample
     attention_scores: dict[str, float] = field(default_factory=dict)  # attention -> what the math kernel saves
     # beyond a fused one's per sample: its scores, less the output and row log-sum-exp a fused kernel keeps instead
+    attention_flops: dict[str, float] = field(default_factory=dict)  # attention -> its scores' and weighted sum's
+    # FLOPs per sample, forward, every query against every key (4 x queries x keys x head size)
     attention_q: dict[str, float] = field(default_factory=dict)  # attention -> its queries per sample (as many
     # bytes as its output; more than a key's under grouped-query attention)
     expert_slots: dict[str, float] = field(default_factory=dict)  # experts -> the token-slots entering them per sample
@@ -202,6 +204,7 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
             scores = rows * k.shape[-2] * q.element_size()
             out.attention_scores[name] = out.attention_scores.get(name, 0.0) + \
                 (scores - q.numel() * q.element_size() - rows * 4) / batch
+            out.attention_flops[name] = out.attention_flops.get(name, 0.0) + 4 * rows * k.shape[-2] * q.shape[-1] / batch
 
         if kind == "context_attention":
             handles.append(model.get_submodule(name).register_forward_hook(kv))
