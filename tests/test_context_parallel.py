@@ -177,29 +177,6 @@ def test_the_plan_hides_the_rings_hops_behind_the_scoring_and_only_there():
     assert 0 < ring["exposed_s"] < ring["seconds"] / 15
 
 
-def test_the_plan_counts_the_blocks_the_ring_scores_not_the_whole_square():
-    """The trace counts every query-key pair (the flash kernel's FLOPs: forward A, backward 2.5 A); at cp 2 a ring
-    rank scores 2 cp + 1 = 5 block pairs of (T / 4)^2 under the mask, forward and backward (2.5x), where a
-    1/cp share of the count would be 3.5 A / 2: 5 x 3.5 / 16 - 3.5 / 2 = -0.65625 A per attention and sample.
-    Ulysses runs the kernel on whole sequences: the share as counted."""
-    from distlab.parallel import Strategy
-    from distlab.plan.gpu import Cluster, load_machine
-    from distlab.plan.machine import Link
-    from distlab.plan.predict import Layout, predict
-    from distlab.plan.trace import trace
-    t = trace("llama", (1024,), 256, attention="flash", n_layer=2, n_head=8, n_kv_heads=2, n_embd=256,
-              ffn_hidden=512)
-    a = sum(t.attention_flops.values())
-    lay = Layout(dp=1, strategy=Strategy(cp=2), global_batch=3)
-    price = ContextParallel.price(t, t, lay, 3, None)
-    assert price.compute_extra == pytest.approx(-0.65625 * a * 3, rel=1e-12)
-    assert price.compute_extra_forward == pytest.approx((5 / 16 - 1 / 2) * a * 3, rel=1e-12)
-    cluster = Cluster(load_machine("h100-sxm"), nodes=1)
-    ring, ulysses = (predict(t, Layout(dp=1, strategy=Strategy(cp=2, cp_style=style), global_batch=3), Link(), None,
-                             cluster)["compute_s"] for style in ("ring", "ulysses"))
-    assert ring < ulysses
-
-
 def test_a_context_parallel_run_resumes_bitwise_and_on_another_layout(run_cli, tmp_path):
     """Killed after its step-3 snapshot (here: only that snapshot kept), the cp 2 run resumes to the
     uninterrupted run's parameters bit for bit; the same snapshot resumed by one process (resharded)

@@ -279,16 +279,7 @@ class ContextParallel(ComponentKind):
         sent *= lay.strategy.micro_steps
         calls = (ContextParallel._ring_hops(t, t_rank, lay, share, micro, again) if ring and t.attention_kv
                  else [CallGroup([Call("native", "send", sent)], 2, local=lay.dp > 1, dim="cp")])
-        # the trace counts each attention's every query-key pair (forward A, backward 2 A, the flash kernel's 2.5 A);
-        # the ring scores 2 cp + 1 block pairs of (T / 2 cp)^2 under the mask (4 cp without), backward 2.5 A too
-        fwd = bwd = 0.0
-        for name, a in t.attention_flops.items() if ring else ():
-            if in_stage(name, t_rank, lay):
-                a *= micro / lay.tp
-                pairs = (2 * cp + 1 if t.attention_causal else 4 * cp) * a / (2 * cp) ** 2
-                fwd += again(name) * (pairs - a / cp)
-                bwd += 2.5 * pairs - (2.5 if t.attention == "flash" else 2.0) * a / cp
-        return Price(calls, compute_split=cp, compute_extra=fwd + bwd, compute_extra_forward=fwd, report={
+        return Price(calls, compute_split=cp, report={
             "context_parallel": {
                 "cp": cp, "style": lay.strategy.cp_style, "bytes_per_step_per_rank": int(sent),
                 "tokens_per_rank_share": 1 / cp,

@@ -252,5 +252,3 @@ class Price:
     report: dict = field(default_factory=dict)  # plan output key -> what it says about itself
     activation_note: str = ""   # how it changes what a rank saves for backward
     activation_extra: float = 0.0  # bytes a rank saves for backward per micro-batch beyond its split share
-    compute_extra: float = 0.0  # FLOPs a rank runs per micro-step beyond its split share (fewer: negative)
-    compute_extra_forward: float = 0.0  # of them, in forward

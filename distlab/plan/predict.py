@@ -251,11 +251,10 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
     share = pace["flops_share"]
     # on a GPU the efficiency was measured against the model's own FLOP count (MFU's): time that count
     counted = t.model_flops_per_sample / t.flops_per_sample if cluster is not None and t.model_flops_per_sample else 1.0
-    extra = lay.strategy.micro_steps * sum(p.compute_extra for p in prices)  # (ring attention's skipped blocks)
-    flops = counted * ((t.flops_per_sample * share + t.forward_flops_per_sample * pace["recompute_flops_share"])
-                       * micro * lay.strategy.micro_steps / compute_split + extra)  # recomputation runs in backward
-    fwd = counted * (t.forward_flops_per_sample * share * micro * lay.strategy.micro_steps / compute_split
-                     + lay.strategy.micro_steps * sum(p.compute_extra_forward for p in prices)) / comp.rate
+    flops = counted * (t.flops_per_sample * share + t.forward_flops_per_sample * pace["recompute_flops_share"]) \
+        * micro \
+        * lay.strategy.micro_steps / compute_split  # checkpointing's recomputation runs in backward
+    fwd = counted * t.forward_flops_per_sample * share * micro * lay.strategy.micro_steps / compute_split / comp.rate
     bwd = flops / comp.rate - fwd
     # fill and drain: every stage idles P - 1 micro-batch slots of the step, M / (M + P - 1) busy
     stretch = 1.0 / (1.0 - ideal_bubble(lay.pp, lay.strategy.microbatches, lay.strategy.pp_schedule,
