@@ -12,6 +12,7 @@ timeline shows.
 from __future__ import annotations
 
 import math
+
 import torch
 
 from distlab.comm import p2p
