@@ -690,6 +690,26 @@ def test_one_run_per_snapshot_dir_and_workers_die_with_their_launcher(refused_he
     assert summary["steps"] == newest + 2 and summary["run_id"] == holder["run_id"]
 
 
+def test_a_launch_from_a_process_that_goes_on_lets_its_directories_go_when_its_workers_end(tmp_path):
+    """``distlab.cli.main`` called from Python (a notebook, a sweep): the launch holds its directories while its
+    workers run and lets them go when they end, so the same process can run into them again."""
+    import fcntl
+
+    from tests.conftest import invoke
+    argv = [*TINY, "--nproc-per-node", "2", "--snapshot-dir", "s", "--out", "run", "--lr-schedule", "constant"]
+    code, _, err = invoke([*argv, "--max-steps", "2"], tmp_path, fds=True)
+    assert code == 0, err
+    for held in ("s", "run"):
+        fd = os.open(tmp_path / held / ".distlab-lock", os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError while this process still holds it
+        finally:
+            os.close(fd)
+    code, _, err = invoke([*argv, "--max-steps", "4", "--resume", "auto"], tmp_path, fds=True)
+    assert code == 0, err
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 4
+
+
 def test_time_budget_stops_cleanly_with_a_snapshot_and_summary(run_cli, tmp_path):
     proc = run_cli("train", "--dataset", "synthetic:1x28x28:10:20000", "--epochs", "100", "--time-budget", "3s",
                    "--snapshot-dir", "snaps", "--out", "run", "--log-every", "100", "--no-progress", check=True)

@@ -180,7 +180,8 @@ def check_addresses(lopts) -> None:
 
 def run_distributed(kw: dict, body, planned_check=None, prelaunch=None):
     """Launch through torchrun if asked (after ``planned_check`` for each world size the launch may
-    have, then ``prelaunch()``), else join the job and call ``body(runtime)``."""
+    have, then ``prelaunch()``, whose return value, if any, is called when the launch ends), else join the
+    job and call ``body(runtime)``."""
     from distlab import runtime
     from distlab.launch.torchrun import LaunchOptions, launch
 
@@ -201,9 +202,13 @@ def run_distributed(kw: dict, body, planned_check=None, prelaunch=None):
         if planned_check:  # an elastic job may run at any world size of its range: each must work
             for world in lopts.possible_world_sizes():
                 planned_check(world)
-        if prelaunch:
-            prelaunch()
-        sys.exit(launch(lopts, sys.argv[1:]))
+        release = prelaunch() if prelaunch else None
+        try:
+            code = launch(lopts, sys.argv[1:])
+        finally:
+            if release:  # held while the workers ran; this process may go on (distlab.cli.main called from Python)
+                release()
+        sys.exit(code)
     if planned_check and manual and kw["world_size"]:
         planned_check(kw["world_size"])
     elif planned_check and not manual and not runtime.under_launcher():

@@ -129,13 +129,20 @@ def train(config_file, trust_config, **kw):
         from distlab.runtime import leave
         leave()  # every rank done: exit 0 now, whatever gloo's teardown would do
 
-    def prelaunch() -> None:
-        # One run per directory: held from here, before any worker starts, to the end; the workers die
-        # with this process (runtime.follow_launcher), so the lock never outlives the job.
+    def prelaunch():
+        # One run per directory: held from here, before any worker starts, to the end of the job (the
+        # workers die with this process, runtime.follow_launcher, so the lock never outlives it).
         from distlab.train import lock
-        lock.hold(cfg.snapshot_dir, flag="snapshot_dir", export_to_children=True)
-        lock.hold(cfg.out, flag="out", export_to_children=True)
-        lock.hold(cfg.tensorboard, flag="tensorboard", export_to_children=True)  # two runs' events would mix
+        taken = []
+        try:
+            for directory, flag in ((cfg.snapshot_dir, "snapshot_dir"), (cfg.out, "out"),
+                                    (cfg.tensorboard, "tensorboard")):  # tensorboard: two runs' events would mix
+                if lock.hold(directory, flag=flag, export_to_children=True):
+                    taken.append(directory)
+        except ConfigError:
+            lock.release_each(taken)
+            raise
+        return lambda: lock.release_each(taken)
 
     run_distributed(kw, body, check, None if multi_node else prelaunch)
 

@@ -167,6 +167,20 @@ def release(directory: str | Path | None) -> None:
         os.close(fd)
 
 
+def release_each(directories) -> None:
+    """Release these directories' locks, and stop telling processes started from here that they are held."""
+    keys = {_key(d) for d in directories}
+    for key in keys:
+        release(key)
+    pid, _, dirs = os.environ.get(_ENV, "").partition(":")
+    if pid == str(os.getpid()):
+        left = [d for d in dirs.split(os.pathsep) if d and d not in keys]
+        if left:
+            os.environ[_ENV] = f"{pid}:{os.pathsep.join(left)}"
+        else:
+            os.environ.pop(_ENV, None)
+
+
 def release_all() -> None:
     """Release every lock this process holds (at exit)."""
     for key in list(_held):
