@@ -5,6 +5,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -87,14 +88,26 @@ def communicate_patiently(proc: subprocess.Popen, timeout: float) -> tuple[str, 
 
 @pytest.fixture
 def run_cli(tmp_path):
-    """Run the distlab CLI in a subprocess; returns CompletedProcess (text)."""
+    """Run the distlab CLI as a user does; returns CompletedProcess (text) with everything the command and
+    the workers it launched printed.
 
-    def run(*args: str, timeout: float = 180, env: dict | None = None, check: bool = False, **popen):
+    By default the command runs in this process (:func:`invoke`, its output caught at the file descriptors so
+    that a launch's workers are heard too): a user's process runs the same code, and this one has imported
+    torch already -- ~2 s of a 2-core machine saved per command. ``fresh=True`` (``DISTLAB_TEST_FRESH=1``: for
+    every command) starts a new interpreter instead, for what only a process of its own shows -- an environment
+    read at import, a deadline (``timeout`` holds there; in this process pytest-timeout is the hang guard)."""
+
+    def run(*args: str, timeout: float = 180, env: dict | None = None, check: bool = False, fresh: bool = False,
+            **popen):
         # CPU ranks with gloo even on a GPU host (one GPU cannot hold two ranks).
         full_env = {**os.environ, "DISTLAB_DEVICE": "cpu", **(env or {})}
         full_env.pop("RANK", None)
         full_env.pop("WORLD_SIZE", None)
-        proc = run_patiently([*distlab_exe(), *args], timeout, cwd=tmp_path, env=full_env, **popen)
+        if fresh or popen or os.environ.get("DISTLAB_TEST_FRESH") == "1":
+            proc = run_patiently([*distlab_exe(), *args], timeout, cwd=tmp_path, env=full_env, **popen)
+        else:
+            code, out, err = invoke(list(args), tmp_path, env=full_env, fds=True)
+            proc = subprocess.CompletedProcess(["distlab", *args], code, out, err)
         if check and proc.returncode != 0:
             raise AssertionError(f"distlab {' '.join(args)} exited {proc.returncode}\n"
                                  f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
@@ -103,34 +116,98 @@ def run_cli(tmp_path):
     return run
 
 
-def invoke(argv: list[str], cwd) -> tuple[int, str, str]:
-    """Run ``distlab ARGV`` in this process; (exit code, stdout, stderr). The environment, working
-    directory, signal handlers and torch's threads are restored afterwards (commands set variables for
-    the workers they start). No interpreter or torch start-up: for commands refused before any work."""
+@contextlib.contextmanager
+def _caught(fds: bool):
+    """``sys.stdout`` and ``sys.stderr`` caught while open -- with ``fds``, at file descriptors 1 and 2, so
+    that the processes started meanwhile are caught too. Yields a list that holds (stdout, stderr) on exit."""
+    caught: list[str] = []
+    if not fds:
+        out, err = io.StringIO(), io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                yield caught
+        finally:
+            caught += [out.getvalue(), err.getvalue()]
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    files = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
+    saved = [os.dup(1), os.dup(2)]
+    streams = []
+    try:
+        for fd, f in zip((1, 2), files):
+            os.dup2(f.fileno(), fd)
+        streams = [open(fd, "w", encoding="utf-8", errors="replace", buffering=1, closefd=False) for fd in (1, 2)]
+        with contextlib.redirect_stdout(streams[0]), contextlib.redirect_stderr(streams[1]):
+            yield caught
+    finally:
+        for stream in streams:
+            stream.flush()
+        for fd, old in zip((1, 2), saved):
+            os.dup2(old, fd)
+            os.close(old)
+        for f in files:
+            f.seek(0)
+            caught.append(f.read().decode("utf-8", errors="replace"))
+            f.close()
+
+
+def invoke(argv: list[str], cwd, env: dict | None = None, fds: bool = False) -> tuple[int, str, str]:
+    """Run ``distlab ARGV`` in this process; (exit code, stdout, stderr). ``env``: the environment it runs in
+    (default: this one); ``fds``: output caught at the file descriptors, a launch's workers' included. What a
+    command may change in its process is restored afterwards: the environment, working directory, command
+    line, ``sys.path``, signal handlers, torch's threads, default dtype, grad mode and random generators, and
+    the user models it loaded. An exception that escapes prints its traceback and exits 1, as a process of
+    its own would."""
+    import random
+    import traceback
+
+    import numpy as np
     import torch
 
+    from distlab import models
     from distlab.cli import main
-    env, here, threads, args = dict(os.environ), os.getcwd(), torch.get_num_threads(), sys.argv
+    saved_env, here, threads, args, path = dict(os.environ), os.getcwd(), torch.get_num_threads(), sys.argv, list(sys.path)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
-    out, err = io.StringIO(), io.StringIO()
+    modules, loaded = set(sys.modules), dict(models._LOADED)
+    rng = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    dtype, grad = torch.get_default_dtype(), torch.is_grad_enabled()
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
     os.chdir(cwd)
     sys.argv = ["distlab", *argv]  # a launch re-runs the command line under torchrun
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with _caught(fds) as caught:
             try:
                 main(argv)
                 code = 0
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except Exception:  # noqa: BLE001 - what a process of its own prints before it exits 1
+                traceback.print_exc()
+                code = 1
     finally:
         os.chdir(here)
         sys.argv = args
+        sys.path[:] = path
         for sig, handler in handlers.items():  # torchrun's agent installs its own and leaves them
             signal.signal(sig, handler)
         os.environ.clear()
-        os.environ.update(env)
+        os.environ.update(saved_env)
         torch.set_num_threads(threads)
-    return code, out.getvalue(), err.getvalue()
+        torch.set_default_dtype(dtype)
+        torch.set_grad_enabled(grad)
+        random.setstate(rng[0])
+        np.random.set_state(rng[1])
+        torch.set_rng_state(rng[2])
+        models._LOADED.clear()
+        models._LOADED.update(loaded)
+        for name in set(sys.modules) - modules:  # a user's model file or package: the next command loads its own
+            if name.startswith("distlab_user_model_") or \
+                    (getattr(sys.modules[name], "__file__", None) or "").startswith(str(cwd)):
+                del sys.modules[name]
+    return code, caught[0], caught[1]
 
 
 @pytest.fixture
