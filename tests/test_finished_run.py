@@ -101,7 +101,7 @@ def test_the_command_runs_its_exit_handlers_but_no_interpreter_teardown(run_cli,
         atexit.register(lambda: pathlib.Path({str(tmp_path / "exit-handlers-ran")!r}).touch())
     """))
     proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--max-steps", "1",
-                   "--no-progress", "--out", str(tmp_path / "run"), env={"PYTHONPATH": str(site)})
+                   "--no-progress", "--out", str(tmp_path / "run"), env={"PYTHONPATH": str(site)}, fresh=True)
     assert proc.returncode == 0 and "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, \
         proc.stderr
     assert (tmp_path / "exit-handlers-ran").exists()

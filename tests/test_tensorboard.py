@@ -52,7 +52,7 @@ def test_a_tensorboard_directory_in_use_by_another_run_is_refused(run_cli, tmp_p
         for nproc in ([], ["--nproc-per-node", "2"]):
             proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--max-steps", "1",
                            "--no-progress", "--tensorboard", str(held), "--out", str(tmp_path / f"o{len(nproc)}"),
-                           *nproc)
+                           *nproc, fresh=True)  # a process of its own: this one holds the lock
             assert proc.returncode == 2 and f"--tensorboard {held} is in use by another run" in proc.stderr, proc.stderr
         assert [p.name for p in held.iterdir()] == [lock.NAME]  # no event file of the refused runs
     finally:

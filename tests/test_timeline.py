@@ -11,6 +11,7 @@ from distlab.errors import ConfigError
 from distlab.launch.spawn import run_ranks
 from distlab.plan import timeline_analysis
 from distlab.runtime import timeline
+from distlab.runtime.device import load_stretch
 from distlab.train import Trainer, TrainConfig
 from tests.conftest import mlp_only
 from tests.trace_format import complete_events
@@ -145,9 +146,13 @@ def _pipeline(rank, world, cfg):
 def test_a_pipelines_timeline_shows_every_micro_batch_and_its_measured_bubble(tmp_path, schedule):
     """2 stages, 4 micro-batches, steps 2-3: each stage's forwards and backwards of every micro-batch,
     named by stage and micro-batch; the waits for neighbours over the schedule's time agree with the
-    stage's own measured bubble (the same waits, timed a few clock reads apart: within 0.05)."""
+    stage's own measured bubble (the same waits, timed a few clock reads apart: within 0.05 on a quiet machine;
+    on a busy one a rank descheduled between those reads widens the gap, so the bound stretches with the load
+    as the suite's deadlines do)."""
     cfg = _cfg(tmp_path, mlp_widths=(64, 32, 16), pp=2, microbatches=4, pp_schedule=schedule, dp_sync="allreduce")
+    stretch = load_stretch()
     results = run_ranks(_pipeline, 2, cfg, timeout=120)
+    stretch = max(stretch, load_stretch())
     spans = _spans(tmp_path / "trace.json")
     for rank, (record, own) in enumerate(results):
         names = [s["name"] for s in spans if s["pid"] == rank]
@@ -155,7 +160,7 @@ def test_a_pipelines_timeline_shows_every_micro_batch_and_its_measured_bubble(tm
             assert sorted(n for n in names if f" {kind} mb " in n) == \
                 sorted(f"stage {rank} {kind} mb {m}" for m in range(4) for _ in range(2)), (rank, kind)
         assert any(n.startswith("wait for") for n in names)
-        assert record["per_rank"][rank]["pipeline_wait_fraction"] == pytest.approx(own, abs=0.05)
+        assert record["per_rank"][rank]["pipeline_wait_fraction"] == pytest.approx(own, abs=0.05 * stretch)
 
 
 def test_zero3s_gathers_prefetches_and_reduce_scatters_are_on_the_timeline(tmp_path):

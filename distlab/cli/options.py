@@ -179,9 +179,8 @@ def check_addresses(lopts) -> None:
 
 
 def run_distributed(kw: dict, body, planned_check=None, prelaunch=None):
-    """Launch through torchrun if asked (after ``planned_check`` for each world size the launch may
-    have, then ``prelaunch()``, whose return value, if any, is called when the launch ends), else join the
-    job and call ``body(runtime)``."""
+    """Launch through torchrun if asked (after ``planned_check`` for each world size the launch may have,
+    then ``prelaunch()``; what it returns is called when the launch ends), else join the job: ``body(runtime)``."""
     from distlab import runtime
     from distlab.launch.torchrun import LaunchOptions, launch
 
