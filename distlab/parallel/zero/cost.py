@@ -13,6 +13,23 @@ from distlab.parallel.cost import Call, Optim, PlannedCalls, data_parallel_bytes
 from distlab.parallel.precision import DTYPES
 from distlab.parallel.zero.units import goes_alone
 
+
+class _Flags(list):
+    """A flag per unit and the total weight of those set, kept as they change: ZeroReplay.held reads it at every
+    observation point, where adding up every unit made the replay, and a search's hundreds of them, quadratic."""
+
+    def __init__(self, flags, weights: list[int]):
+        super().__init__(bool(f) for f in flags)
+        self.weights = weights
+        self.total = sum(w for f, w in zip(self, weights) if f)
+
+    def __setitem__(self, i: int, value) -> None:
+        value = bool(value)
+        if list.__getitem__(self, i) != value:
+            self.total += self.weights[i] if value else -self.weights[i]
+        list.__setitem__(self, i, value)
+
+
 class ZeroReplay:
     """ZeRO's bookkeeping (distlab.parallel.zero.Zero) over sizes instead of tensors."""
 
@@ -24,6 +41,7 @@ class ZeroReplay:
         self.shard = [math.ceil(n / world) for n in t.numels]
         self.padded = [s * world for s in self.shard]
         self.e = e
+        self.shard_bytes = sum(self.shard) * e  # every unit's shard, always held
         self.train = [t.trains(u) for u in range(len(t.numels))]  # False: frozen -- gathered, never reduced
         self.optim_bytes = sum(optim.bytes(s, e) for s, keep in zip(self.shard, self.train) if keep)
         self.units_of: dict[int, list[int]] = {}
@@ -32,8 +50,8 @@ class ZeroReplay:
         shared = t.shared  # a module using another's parameter (a tied LM head): gathers it too
         for m, units in shared.items():
             self.units_of.setdefault(m, []).extend(units)
+        self.gathered_bytes = [p * e for p in self.padded]
         self.gathered = [stage < 3] * len(t.numels)
-        self.has_grad = [False] * len(t.numels)
         self.reduced = [False] * len(t.numels)
         self.outs: list[int] = []  # reduce-scatter outputs held as shard gradients (bytes)
         self.ready: dict[int, int] = {}
@@ -43,6 +61,7 @@ class ZeroReplay:
                        for m in range(len(t.module_of) and max([*t.module_of, *shared]) + 1)]
         self.grad_bytes = [(self.padded[u] if self.linear[t.module_of[u]] and self.first_of_module(u) else n) * e
                            for u, n in enumerate(t.numels)]
+        self.has_grad = [False] * len(t.numels)
         self.order: dict[bool, list[int]] = {True: [], False: []}  # forward / backward gather order of step 1
         self.order_known = False
         self.prefetched: set[int] = set()
@@ -77,12 +96,24 @@ class ZeroReplay:
     def first_of_module(self, u: int) -> bool:
         return self.units_of[self.t.module_of[u]][0] == u
 
+    @property
+    def gathered(self) -> _Flags:  # units whose whole parameter is present
+        return self._gathered
+
+    @gathered.setter
+    def gathered(self, flags) -> None:
+        self._gathered = _Flags(flags, self.gathered_bytes)
+
+    @property
+    def has_grad(self) -> _Flags:  # units whose gradient is held
+        return self._has_grad
+
+    @has_grad.setter
+    def has_grad(self, flags) -> None:
+        self._has_grad = _Flags(flags, self.grad_bytes)
+
     def held(self, extra: int = 0) -> int:
-        e = self.e
-        total = sum(self.padded[u] * e for u in range(len(self.padded)) if self.gathered[u])
-        total += sum(self.shard) * e + self.optim_bytes + sum(self.outs) + extra
-        total += sum(self.grad_bytes[u] for u in range(len(self.padded)) if self.has_grad[u])
-        return total
+        return self.gathered.total + self.shard_bytes + self.optim_bytes + sum(self.outs) + extra + self.has_grad.total
 
     def fetch(self, m: int, forward: bool) -> None:
         """Zero._fetch: the module's parameters present, then the next module's gather started."""
