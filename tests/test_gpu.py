@@ -124,7 +124,7 @@ def test_the_devices_backend_with_world_one(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_doctor_sees_the_device(run_cli, device):
-    proc = run_cli("doctor", env={"DISTLAB_DEVICE": device})
+    proc = run_cli("doctor", env={"DISTLAB_DEVICE": device}, fresh=device == "cuda")
     assert proc.returncode == 0, proc.stderr
     assert ("cuda:0 " in proc.stdout) if device == "cuda" else ("cores: " in proc.stdout and "load: " in proc.stdout)
 
@@ -147,7 +147,7 @@ def test_bench_overhead_runs_every_side_on_the_device(run_cli, tmp_path, device)
     precisions = "fp32,fp16" if device == "cuda" else "fp32"  # (more of the CPU side: tests/test_device_path.py)
     proc = run_cli("bench", "overhead", "--workloads", "mlp", "--precisions", precisions, "--steps", "20",
                    "--runs", "1", "--dataset", "synthetic:1x28x28:10:2048", "--out", "o",
-                   env={"DISTLAB_DEVICE": device}, timeout=600)
+                   env={"DISTLAB_DEVICE": device}, timeout=600, fresh=device == "cuda")
     assert proc.returncode == 0, proc.stderr
     records = json.loads((tmp_path / "o" / "overhead.json").read_text())
     assert {r["side"] for r in records} == ({"plain", "plain-resident", "distlab"} if device == "cuda" else
@@ -161,9 +161,12 @@ def test_a_snapshot_resumes_on_the_other_device_and_back(run_cli, tmp_path, devi
     schedule lets a resumed run change its length (a decaying one refuses, naming the setting)."""
     train = ("train", "--dataset", "synthetic:1x8x8:4:256", "--global-batch-size", "16", "--no-progress",
              "--snapshot-dir", "s", "--snapshot-every", "2", "--lr-schedule", "constant")
-    run_cli(*train, "--max-steps", "4", "--out", "a", env={"DISTLAB_DEVICE": device}, check=True)
-    run_cli(*train, "--max-steps", "6", "--resume", "auto", "--out", "b", env={"DISTLAB_DEVICE": "cpu"}, check=True)
-    run_cli(*train, "--max-steps", "8", "--resume", "auto", "--out", "c", env={"DISTLAB_DEVICE": device}, check=True)
+    fresh = device == "cuda"  # the GPU in a process of its own, as a user runs it (this one may have hidden it)
+    run_cli(*train, "--max-steps", "4", "--out", "a", env={"DISTLAB_DEVICE": device}, check=True, fresh=fresh)
+    run_cli(*train, "--max-steps", "6", "--resume", "auto", "--out", "b", env={"DISTLAB_DEVICE": "cpu"}, check=True,
+            fresh=fresh)
+    run_cli(*train, "--max-steps", "8", "--resume", "auto", "--out", "c", env={"DISTLAB_DEVICE": device}, check=True,
+            fresh=fresh)
     b, c = (json.loads((tmp_path / d / "summary.json").read_text()) for d in "bc")
     assert b["resumed_from"].endswith("step-00000004") and b["device"] == "cpu"
     assert c["resumed_from"].endswith("step-00000006") and c["device"].startswith(device) and c["steps"] == 8
