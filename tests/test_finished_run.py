@@ -22,7 +22,8 @@ def _abort_in_workers(tmp_path, rank: int, at_hard_exit: bool = False) -> dict:
             if {at_hard_exit}:
                 os._exit = lambda code: os.abort()
     """))
-    return {"PYTHONPATH": str(site)}
+    # a sitecustomize runs when an interpreter starts: the workers as fresh interpreters, not forked warm
+    return {"PYTHONPATH": str(site), "DISTLAB_WORKER_START": "exec"}
 
 
 def test_a_worker_that_would_abort_in_teardown_after_a_complete_run_exits_0(run_cli, tmp_path):

@@ -641,6 +641,13 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _descendants(pid: int) -> list[int]:
+    found = _children(pid)
+    for child in list(found):
+        found += _descendants(child)
+    return found
+
+
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
@@ -670,8 +677,10 @@ def test_one_run_per_snapshot_dir_and_workers_die_with_their_launcher(refused_he
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert f"--snapshot-dir s is in use by another run (run id {holder['run_id']}, pid {first.pid} on host" \
             in proc.stderr and not (tmp_path / "second").exists()
-        workers = [c for c in _children(first.pid)]
-        assert len(workers) == 2 and all(_alive(w) for w in workers)
+        # torchrun's two workers; started warm, their two clients, the prefork server and the two it forked
+        workers = _descendants(first.pid)
+        assert len(workers) == (2 if os.environ.get("DISTLAB_WORKER_START") == "exec" else 5), workers
+        assert all(_alive(w) for w in workers)
         first.send_signal(signal.SIGKILL)  # the launcher only
         first.wait(timeout=patience(30))
         deadline = time.time() + patience(30)
@@ -774,7 +783,8 @@ def test_a_second_ctrl_c_stops_the_launch_at_once_while_workers_are_still_stoppi
             signal.signal = lambda sig, handler: _set(sig, signal.SIG_IGN if sig == signal.SIGINT else handler)
             _set(signal.SIGINT, signal.SIG_IGN)
     """))
-    proc = _long_run_with_a_snapshot(tmp_path, "2", {"PYTHONPATH": str(site)})
+    # (a sitecustomize runs when an interpreter starts: the workers as fresh interpreters, not forked warm)
+    proc = _long_run_with_a_snapshot(tmp_path, "2", {"PYTHONPATH": str(site), "DISTLAB_WORKER_START": "exec"})
     try:
         proc.send_signal(signal.SIGINT)
         time.sleep(1.0)

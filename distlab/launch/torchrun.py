@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distlab.errors import ConfigError, DistributedError
+from distlab.launch import prefork
 from distlab.runtime import LAUNCHER_PID, LOAD_AT_LAUNCH, cores, port_in_use
 from distlab.runtime.launch import ERROR_LINES, unsaid_error_line
 
@@ -61,8 +62,10 @@ class LaunchOptions:
         return [(self.nproc_per_node or 1) * n for n in range(low, high + 1)]
 
 
-def torchrun_args(opts: LaunchOptions, argv: list[str], log_dir: str | None = None) -> list[str]:
-    """The torchrun command line equivalent to this launch (without the ``torchrun`` word)."""
+def torchrun_args(opts: LaunchOptions, argv: list[str], log_dir: str | None = None,
+                  worker: list[str] | None = None) -> list[str]:
+    """The torchrun command line equivalent to this launch (without the ``torchrun`` word); ``worker``: the
+    command each worker runs instead of ``python -m distlab`` (a prefork client: :mod:`distlab.launch.prefork`)."""
     args = ["--nproc-per-node", str(opts.nproc_per_node), "--nnodes", opts.nnodes,
             "--max-restarts", str(opts.max_restarts)]
     args += ["--log-dir", log_dir] if log_dir else []
@@ -80,7 +83,7 @@ def torchrun_args(opts: LaunchOptions, argv: list[str], log_dir: str | None = No
             args += ["--master-addr", opts.master_addr]
         if opts.master_port is not None:
             args += ["--master-port", str(opts.master_port)]
-    return args + ["-m", "distlab", *argv]
+    return args + (["--no-python", *worker] if worker else ["-m", "distlab", *argv])
 
 
 def _describe_exit(code: int | None) -> str:
@@ -322,9 +325,13 @@ def launch(opts: LaunchOptions, argv: list[str]) -> int:
     said = Path(logs.name) / "error-lines"  # runtime.launch.keep_error_line
     said.mkdir()
     os.environ[ERROR_LINES] = str(said)
+    # Workers forked from a server that imported torch once, not N new interpreters importing it each
+    worker = prefork.worker_command(argv) if prefork.enabled() else None
     try:
+        if worker:
+            prefork.ensure_server()
         with _announcing_restarts(argv), _second_ctrl_c_stops_at_once(logs.name):
-            run(parse_args(torchrun_args(opts, argv, logs.name)))
+            run(parse_args(torchrun_args(opts, argv, logs.name, worker)))
     except SignalException as exc:
         return _stopped_by_signal(exc.sigval, argv, started)
     except ChildFailedError as exc:

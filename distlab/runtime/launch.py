@@ -143,11 +143,28 @@ def under_launcher(env: Mapping[str, str] | None = None) -> bool:
 
 LAUNCHER_PID = "DISTLAB_LAUNCHER_PID"  # set by `distlab ... --nproc-per-node N` for its workers
 
+_ADOPTED: list[int] = []  # a worker forked by a prefork server: the parent torchrun started it under
+
+
+def adopt_parent(pid: int) -> None:
+    """This process is a worker forked by a prefork server (:mod:`distlab.launch.prefork`) for a client that
+    ``pid`` (torchrun's agent) started: that is its parent for :func:`parent_pid`, and it already dies with
+    the server, which dies with the launcher."""
+    _ADOPTED[:] = [pid]
+
+
+def parent_pid() -> int:
+    """The process that started this one as torchrun starts workers: its parent, or for a worker forked by a
+    prefork server, its client's parent."""
+    return _ADOPTED[0] if _ADOPTED else os.getppid()
+
 
 def follow_launcher() -> bool:
     """A worker of a distlab launch dies with its launcher: SIGKILL on the parent's death (Linux
     ``prctl(PR_SET_PDEATHSIG)``), so a ``kill -9`` of the command stops the whole job -- no orphaned
     workers go on training and writing beside a restart. True if armed."""
+    if _ADOPTED:  # armed at the fork: SIGKILL when the prefork server dies, and it dies with the launcher
+        return os.environ.get(LAUNCHER_PID) == str(_ADOPTED[0])
     if os.environ.get(LAUNCHER_PID) != str(os.getppid()) or not sys.platform.startswith("linux"):
         return False
     try:

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from distlab.errors import ConfigError
+from distlab.runtime.launch import parent_pid
 
 NAME = ".distlab-lock"
 PROBE_BYTES = 64 * 1024  # what check_writable writes: a disk without that much room is refused before launch
@@ -44,7 +45,7 @@ def held_by_launcher(directory: str | Path) -> bool:
     """Whether this process's parent (the distlab command that launched it) holds ``directory``'s lock."""
     spec = os.environ.get(_ENV, "")
     pid, _, dirs = spec.partition(":")
-    return bool(pid) and pid == str(os.getppid()) and _key(directory) in dirs.split(os.pathsep)
+    return bool(pid) and pid == str(parent_pid()) and _key(directory) in dirs.split(os.pathsep)
 
 
 def holder(directory: str | Path) -> dict:

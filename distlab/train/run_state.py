@@ -27,6 +27,7 @@ from distlab.errors import ConfigError, first_line
 from distlab.parallel import Engine, Strategy
 from distlab.parallel.placement import placement_of
 from distlab.runtime import Runtime, reduce_scalars, timeline
+from distlab.runtime.launch import parent_pid
 from distlab.train import lock, reshard, snapshot, snapshot_load
 from distlab.train.async_snapshot import AsyncWriter, host_copy
 from distlab.train.config import TrainConfig
@@ -56,7 +57,7 @@ def fault_injection_hook(rank: int) -> Callable[[int], None] | None:
     which passes it on to every worker: a preemption). None when neither names this rank."""
     hooks = []
     for variable, target, sig in (("DISTLAB_KILL_AT_STEP", os.getpid, signal.SIGKILL),
-                                  ("DISTLAB_TERM_AGENT_AT_STEP", os.getppid, signal.SIGTERM)):
+                                  ("DISTLAB_TERM_AGENT_AT_STEP", parent_pid, signal.SIGTERM)):
         spec = os.environ.get(variable)
         if not spec or restart_count() > 0:
             continue

@@ -1,0 +1,295 @@
+"""A launch's workers started warm: forked from a server that imported torch and distlab once.
+
+Each worker of ``distlab CMD --nproc-per-node N`` used to be a new interpreter importing torch (2-3 s of CPU)
+before it did anything: N workers on a few cores paid N times that, and every restart of the group paid it
+again. Now the launcher starts one *prefork server* (``python -m distlab.launch.prefork``), which imports torch
+and distlab and waits. torchrun still starts, watches and signals one process per worker, but that process is
+a small client (:mod:`distlab.launch.prefork_client`, the standard library only) that hands the server its
+standard streams, arguments, environment and working directory; the server forks the worker from its warm
+image, and the client stands for it (signals passed on, the worker's exit its own), so torchrun's agent sees
+what it saw of a worker it started itself.
+
+A worker is a clean process: the server imports modules and runs nothing, so no thread, device or process
+group exists before the fork. The worker takes the client's environment, directory, arguments, ``sys.path``
+(``PYTHONPATH`` as the client has it) and streams, a session of its own (as torchrun gives its workers), and
+runs what ``python -m distlab`` runs. It dies with its client (the server kills its process group when the
+client's connection closes) and with the server (its parent-death signal); the server ends with the process
+that started it. ``DISTLAB_WORKER_START=exec`` starts fresh interpreters instead, torchrun's own way.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import importlib
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+from distlab.errors import ConfigError
+from distlab.runtime.launch import adopt_parent
+
+SOCKET_ENV = "DISTLAB_PREFORK_SOCKET"
+MODE_ENV = "DISTLAB_WORKER_START"  # prefork (the default on Linux) or exec
+# Imported by name: this module sits below the commands. distlab.cli first: it sets torch's C++ log level
+# before torch is imported.
+PRELOAD = ("distlab.cli", "torch", "torch.distributed", "distlab.train", "distlab.parallel")
+# What an interpreter's start and the imports read from the environment (with every PYTHON* variable): a launch
+# whose values differ gets a server of its own.
+IMPORT_ENV = ("TORCH_CPP_LOG_LEVEL", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+CLIENT = Path(__file__).with_name("prefork_client.py")
+
+
+def enabled() -> bool:
+    mode = os.environ.get(MODE_ENV, "prefork")
+    if mode not in ("prefork", "exec"):
+        raise ConfigError(f"{MODE_ENV}={mode!r}: use prefork (workers forked from a warm server) or exec (fresh "
+                          f"interpreters)")
+    return mode == "prefork" and sys.platform.startswith("linux")
+
+
+def worker_command(argv: list[str]) -> list[str]:
+    """The command torchrun runs for each worker (with ``--no-python``): the client, isolated from
+    ``PYTHON*`` settings and the script's directory, unbuffered as torchrun's workers are."""
+    return [sys.executable, "-I", "-u", str(CLIENT), *argv]
+
+
+class _Server:
+    def __init__(self, key: tuple):
+        self.key = key
+        self.dir = tempfile.mkdtemp(prefix="distlab-prefork-")
+        self.path = os.path.join(self.dir, "socket")
+        # Listening before the server has imported anything: workers' clients that come early wait in the backlog
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.path)
+        listener.listen(128)
+        alive_r, self.alive_w = os.pipe()  # the server ends when this process's end closes (it exits, even killed)
+        self.proc = subprocess.Popen([sys.executable, "-u", "-m", "distlab.launch.prefork", str(listener.fileno()),
+                                      str(alive_r)], stdin=subprocess.DEVNULL, pass_fds=(listener.fileno(), alive_r))
+        os.close(alive_r)
+        listener.close()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        try:
+            os.close(self.alive_w)
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        for name in (self.path, self.dir):
+            try:
+                os.unlink(name) if name == self.path else os.rmdir(name)
+            except OSError:
+                pass
+
+
+_SERVER: _Server | None = None
+_STOP_AT_EXIT: list[bool] = []
+
+
+def ensure_server() -> str:
+    """This process's prefork server (started on first use, or again if it died or the environment its imports
+    read has changed); its socket path, also put in this process's environment for the workers' clients."""
+    global _SERVER
+    key = (sys.executable, *(os.environ.get(k) for k in IMPORT_ENV),
+           *sorted((k, v) for k, v in os.environ.items() if k.startswith("PYTHON")))
+    if _SERVER is not None and (_SERVER.key != key or not _SERVER.alive()):
+        _SERVER.stop()
+        _SERVER = None
+    if _SERVER is None:
+        if not _STOP_AT_EXIT:
+            atexit.register(_stop_server)
+            _STOP_AT_EXIT.append(True)
+        _SERVER = _Server(key)
+    os.environ[SOCKET_ENV] = _SERVER.path
+    return _SERVER.path
+
+
+def _stop_server() -> None:
+    global _SERVER
+    if _SERVER is not None:
+        _SERVER.stop()
+        _SERVER = None
+
+
+# ---------------------------------------------------------------------------------------------- the server
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the call
+        os._exit(1)
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    header, fds, _, _ = socket.recv_fds(conn, 8, 3)
+    if len(header) != 8 or len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        raise OSError("incomplete request")
+    size = struct.unpack("!Q", header)[0]
+    data = bytearray()
+    while len(data) < size:
+        chunk = conn.recv(min(1 << 20, size - len(data)))
+        if not chunk:
+            raise OSError("the client left mid-request")
+        data += chunk
+    return json.loads(data), fds
+
+
+def _become_worker(request: dict, fds: list[int], server: int, inherited: list[int]) -> None:
+    """In the forked child: become ``python -m distlab ARGS`` as the client would have run it. Never returns."""
+    try:
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for fd in inherited:  # the server's sockets and pipes: not the worker's to hold
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        _die_with_parent(server)
+        os.setsid()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        env = request["env"]
+        os.environ.clear()
+        os.environ.update(env)
+        # sys.path as `python -m` builds it from this environment: the directory, PYTHONPATH, then the rest
+        ours = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:] = [request["cwd"], *ours, *_BASE_PATH]
+        sys.argv = [sys.argv[0], *request["argv"]]
+        adopt_parent(request["ppid"])
+        runpy.run_module("distlab", run_name="__main__", alter_sys=True)
+        os._exit(0)
+    except SystemExit as exc:
+        os._exit(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1))
+    except BaseException:  # noqa: BLE001 - said on the worker's stderr, as an interpreter would
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+_BASE_PATH: list[str] = []  # the server's sys.path less what its start added
+
+
+def serve(listen_fd: int, alive_fd: int) -> None:
+    """The server: import :data:`PRELOAD`, then fork a worker for each client of the socket ``listen_fd`` until
+    ``alive_fd`` (the starting process's pipe) closes."""
+    listener = socket.socket(fileno=listen_fd)
+    # sys.path without what this start added (its directory, its PYTHONPATH): a worker's come from its client
+    mine = {os.getcwd(), ""} | {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    _BASE_PATH[:] = [p for p in sys.path if p not in mine]
+    for name in PRELOAD:
+        importlib.import_module(name)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the launcher's to handle
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, "accept")
+    sel.register(alive_fd, selectors.EVENT_READ, "alive")
+    sel.register(wake_r, selectors.EVENT_READ, "child")
+    clients: dict[int, socket.socket | None] = {}  # worker pid -> its client's connection (None: it left)
+    me = os.getpid()
+
+    def reap() -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = clients.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+                except OSError:
+                    pass
+                sel.unregister(conn)
+                conn.close()
+
+    while True:
+        for key, _ in sel.select():
+            if key.data == "alive":
+                for pid in list(clients):
+                    _kill_group(pid)
+                return
+            if key.data == "child":
+                while True:
+                    try:
+                        if not os.read(wake_r, 512):
+                            break
+                    except BlockingIOError:
+                        break
+                reap()
+            elif key.data == "accept":
+                conn, _ = listener.accept()
+                try:
+                    request, fds = _receive(conn)
+                except (OSError, ValueError):
+                    conn.close()
+                    continue
+                inherited = [listener.fileno(), alive_fd, wake_r, wake_w, sel.fileno(), conn.fileno(),
+                             *(c.fileno() for c in clients.values() if c is not None)]
+                pid = os.fork()
+                if pid == 0:
+                    _become_worker(request, fds, me, inherited)
+                for fd in fds:
+                    os.close(fd)
+                clients[pid] = conn
+                sel.register(conn, selectors.EVENT_READ, pid)
+                try:
+                    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                except OSError:
+                    _kill_group(pid)
+            else:  # a client's connection: it says nothing more, so readable means it is gone
+                pid = key.data
+                try:
+                    gone = not key.fileobj.recv(1)
+                except OSError:
+                    gone = True
+                if gone and clients.get(pid) is not None:  # its exit is then reaped and said to no one
+                    _kill_group(pid)
+                    sel.unregister(key.fileobj)
+                    key.fileobj.close()
+                    clients[pid] = None
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), int(sys.argv[2]))
