@@ -45,7 +45,8 @@ MODE_ENV = "DISTLAB_WORKER_START"  # prefork (the default on Linux) or exec
 PRELOAD = ("distlab.cli", "torch", "torch.distributed", "distlab.train", "distlab.parallel")
 # What an interpreter's start and the imports read from the environment (with every PYTHON* variable): a launch
 # whose values differ gets a server of its own.
-IMPORT_ENV = ("TORCH_CPP_LOG_LEVEL", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+IMPORT_ENV = {"TORCH_CPP_LOG_LEVEL": "FATAL", "OMP_NUM_THREADS": None, "MKL_NUM_THREADS": None}  # (the default
+# where an import sets one: distlab.cli's, before torch's)
 CLIENT = Path(__file__).with_name("prefork_client.py")
 
 
@@ -106,7 +107,7 @@ def ensure_server() -> str:
     """This process's prefork server (started on first use, or again if it died or the environment its imports
     read has changed); its socket path, also put in this process's environment for the workers' clients."""
     global _SERVER
-    key = (sys.executable, *(os.environ.get(k) for k in IMPORT_ENV),
+    key = (sys.executable, *(os.environ.get(k, default) for k, default in IMPORT_ENV.items()),
            *sorted((k, v) for k, v in os.environ.items() if k.startswith("PYTHON")))
     if _SERVER is not None and (_SERVER.key != key or not _SERVER.alive()):
         _SERVER.stop()

@@ -1,0 +1,74 @@
+"""A launch's workers started warm (:mod:`distlab.launch.prefork`): forked from one server that imported torch and
+distlab, each with what its launch gave it -- environment, directory, ``sys.path`` -- not what the server had when
+an earlier launch started it, in a session of its own, its launcher still its parent for distlab's own uses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from distlab.launch import prefork
+from tests.conftest import invoke
+
+PROBE = textwrap.dedent("""
+    import json, os, sys
+    from pathlib import Path
+
+    from torch import nn
+
+    from distlab.runtime.launch import parent_pid
+
+
+    def build():
+        if "RANK" in os.environ:  # a worker (the launcher builds it too, on the meta device, to check it)
+            facts = dict(pid=os.getpid(), ppid=os.getppid(), parent=parent_pid(), cwd=os.getcwd(),
+                         probe=os.environ.get("PROBE"), path=sys.path[:2], session=os.getsid(0), argv=sys.argv[1:3])
+            Path(os.environ["PROBE_OUT"], f"{os.environ['PROBE']}-{os.environ['RANK']}.json").write_text(json.dumps(facts))
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 4))
+""")
+
+
+def test_two_launches_fork_their_workers_from_one_warm_server_each_with_its_own_launch(tmp_path):
+    (tmp_path / "probe.py").write_text(PROBE)
+    facts = {}
+    for launch in ("first", "second"):
+        cwd = tmp_path / launch
+        cwd.mkdir()
+        code, out, err = invoke(["train", "--model", f"{tmp_path / 'probe.py'}:build", "--dataset",
+                                 "synthetic:1x8x8:4:64", "--max-steps", "1", "--no-progress", "--nproc-per-node", "2",
+                                 "--out", "run"], cwd, env={**os.environ, "PROBE": launch, "PROBE_OUT": str(tmp_path)},
+                                fds=True)  # in this process, as a notebook or a sweep runs it
+        assert code == 0, err
+        for rank in (0, 1):
+            facts[launch, rank] = json.loads((tmp_path / f"{launch}-{rank}.json").read_text())
+    servers = {f["ppid"] for f in facts.values()}
+    assert len(servers) == 1 and os.getpid() not in servers, facts  # one server forked all four
+    for (launch, rank), f in facts.items():
+        assert f["probe"] == launch and f["cwd"] == str(tmp_path / launch), f  # the launch's, not the server's
+        assert f["path"][0] == str(tmp_path / launch), f  # sys.path as `python -m distlab` there builds it
+        assert f["parent"] == os.getpid(), f  # torchrun's agent: the launching process (run in this one)
+        assert f["session"] == f["pid"], f  # a session of its own, as torchrun gives its workers
+        assert f["argv"] == ["train", "--model"], f
+
+
+def test_exec_starts_fresh_interpreters_and_a_bad_setting_is_one_line(run_cli, tmp_path):
+    (tmp_path / "probe.py").write_text(PROBE)
+    base = ("train", "--model", f"{tmp_path / 'probe.py'}:build", "--dataset", "synthetic:1x8x8:4:64", "--max-steps",
+            "1", "--no-progress", "--nproc-per-node", "2", "--out", "run")
+    run_cli(*base, env={"PROBE": "exec", "PROBE_OUT": str(tmp_path), "DISTLAB_WORKER_START": "exec"}, check=True)
+    for rank in (0, 1):
+        f = json.loads((tmp_path / f"exec-{rank}.json").read_text())
+        assert f["ppid"] == f["parent"] == os.getpid(), f  # torchrun started it itself
+    proc = run_cli(*base[:-1], "run2", env={"DISTLAB_WORKER_START": "warm"})
+    assert proc.returncode == 2 and proc.stderr.startswith("distlab: error: DISTLAB_WORKER_START='warm'"), proc.stderr
+
+
+def test_a_client_that_cannot_reach_its_server_says_so_in_one_line(tmp_path):
+    env = {**os.environ, prefork.SOCKET_ENV: str(tmp_path / "no-server")}
+    proc = subprocess.run(prefork.worker_command(["train"]), env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "cannot reach the worker start-up server" in proc.stderr and "DISTLAB_WORKER_START=exec" in proc.stderr
+    assert sys.executable in prefork.worker_command([])
