@@ -75,7 +75,8 @@ class _Server:
         listener.listen(128)
         alive_r, self.alive_w = os.pipe()  # the server ends when this process's end closes (it exits, even killed)
         self.proc = subprocess.Popen([sys.executable, "-u", "-m", "distlab.launch.prefork", str(listener.fileno()),
-                                      str(alive_r)], stdin=subprocess.DEVNULL, pass_fds=(listener.fileno(), alive_r))
+                                      str(alive_r), self.path], stdin=subprocess.DEVNULL,
+                                     pass_fds=(listener.fileno(), alive_r))
         os.close(alive_r)
         listener.close()
 
@@ -92,11 +93,16 @@ class _Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        for name in (self.path, self.dir):
-            try:
-                os.unlink(name) if name == self.path else os.rmdir(name)
-            except OSError:
-                pass
+        _remove(self.path)
+
+
+def _remove(path: str) -> None:
+    """The socket and its directory (the server's, when its launcher was killed and could not)."""
+    for remove, name in ((os.unlink, path), (os.rmdir, os.path.dirname(path))):
+        try:
+            remove(name)
+        except OSError:
+            pass
 
 
 _SERVER: _Server | None = None
@@ -196,9 +202,9 @@ def _become_worker(request: dict, fds: list[int], server: int, inherited: list[i
 _BASE_PATH: list[str] = []  # the server's sys.path less what its start added
 
 
-def serve(listen_fd: int, alive_fd: int) -> None:
-    """The server: import :data:`PRELOAD`, then fork a worker for each client of the socket ``listen_fd`` until
-    ``alive_fd`` (the starting process's pipe) closes."""
+def serve(listen_fd: int, alive_fd: int, path: str) -> None:
+    """The server: import :data:`PRELOAD`, then fork a worker for each client of the socket ``listen_fd`` (bound
+    at ``path``) until ``alive_fd`` (the starting process's pipe) closes."""
     listener = socket.socket(fileno=listen_fd)
     # sys.path without what this start added (its directory, its PYTHONPATH): a worker's come from its client
     mine = {os.getcwd(), ""} | {p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
@@ -240,6 +246,7 @@ def serve(listen_fd: int, alive_fd: int) -> None:
             if key.data == "alive":
                 for pid in list(clients):
                     _kill_group(pid)
+                _remove(path)
                 return
             if key.data == "child":
                 while True:
@@ -293,4 +300,4 @@ def _kill_group(pid: int) -> None:
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]), int(sys.argv[2]))
+    serve(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
