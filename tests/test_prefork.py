@@ -11,7 +11,7 @@ import sys
 import textwrap
 
 from distlab.launch import prefork
-from tests.conftest import invoke
+from tests.conftest import invoke, patience
 
 PROBE = textwrap.dedent("""
     import json, os, sys
@@ -68,7 +68,7 @@ def test_exec_starts_fresh_interpreters_and_a_bad_setting_is_one_line(run_cli, t
 
 def test_a_client_that_cannot_reach_its_server_says_so_in_one_line(tmp_path):
     env = {**os.environ, prefork.SOCKET_ENV: str(tmp_path / "no-server")}
-    proc = subprocess.run(prefork.worker_command(["train"]), env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(prefork.worker_command(["train"]), env=env, capture_output=True, text=True, timeout=patience(60))
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert "cannot reach the worker start-up server" in proc.stderr and "DISTLAB_WORKER_START=exec" in proc.stderr
     assert sys.executable in prefork.worker_command([])
