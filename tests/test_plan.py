@@ -4,6 +4,7 @@ the calibration never saw) stay within the issue's 20% median error."""
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -374,3 +375,25 @@ def test_a_language_model_is_planned_on_token_windows_without_a_dataset(tmp_path
     assert code == 0 and "Traceback" not in out + err and "parameters    459,392" in out, (code, out, err)
     code, out, err = invoke(["plan", "--model", "llama", "--dataset", "fashion-mnist", "--block-size", "8"], tmp_path)
     assert code == 2 and "predicts tokens but dataset fashion-mnist is images" in err, (code, out, err)
+
+
+def test_a_family_model_is_traced_once_per_process_and_each_caller_gets_its_own_copy(monkeypatch):
+    traced = sys.modules["distlab.plan.trace"]  # (the module: distlab.plan.trace is also the function)
+    built = []
+    real = traced.build_model
+    monkeypatch.setattr(traced, "build_model", lambda *a, **k: built.append(a[0]) or real(*a, **k))
+    monkeypatch.setattr(traced, "_TRACED", {}, raising=False)
+    sizes = dict(n_layer=2, n_embd=16, n_head=2, block_size=8)
+    first = trace("gpt", (8,), 64, **sizes)
+    first.names.append("changed by its caller")
+    second = trace("gpt", (8,), 64, **sizes)
+    assert built == ["gpt"]  # the second call ran nothing
+    assert "changed by its caller" not in second.names
+    assert second == trace("gpt", (8,), 64, **sizes) and second.flops_per_sample > 0
+    flash = trace("gpt", (8,), 64, attention="flash", **sizes)  # other arguments: traced anew
+    wider = trace("gpt", (8,), 64, **{**sizes, "n_embd": 32})
+    assert built == ["gpt"] * 3 and flash.attention == "flash" and wider.num_parameters > second.num_parameters
+    model = traced.build_model("gpt", (8,), 64, **sizes)
+    trace(model, (8,), 64)
+    trace(model, (8,), 64)  # a module: traced every time (it may have changed)
+    assert built == ["gpt"] * 4

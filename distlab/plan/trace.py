@@ -7,6 +7,7 @@ strategy's cost model and ``distlab plan`` read; :func:`generic_trace` a model k
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field, replace
 
@@ -15,7 +16,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from distlab.errors import ConfigError
-from distlab.models import build_model, task_loss
+from distlab.models import build_model, is_user_model, task_loss
 from distlab.models.contract import contract
 from distlab.models.plans import declared_plan, tied_names
 from distlab.parallel.checkpointing import block_names
@@ -119,15 +120,40 @@ class Trace:
 TRACED_TP = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # the tensor-parallel sizes whose plans a trace keeps
 
 
+_TRACED: dict[str, Trace] = {}  # a family's model by its sizes -> its trace, kept in this process (the last few)
+_KEEP = 8
+
+
 def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), num_classes: int = 10,
           batch: int = 2, lora=None, attention: str = "math", **options) -> Trace:
     """Run one forward + backward of ``model`` (an ``nn.Module`` or a registered name) on the meta
     device, recording the events ZeRO reacts to and the FLOPs per sample; ``lora`` (a
     :class:`~distlab.models.lora.LoRASpec`): with those adapters, the rest frozen; ``attention="flash"``:
-    attention as a GPU runs it (:class:`FlashAttention`), what it saves for backward and its FLOPs."""
+    attention as a GPU runs it (:class:`FlashAttention`), what it saves for backward and its FLOPs.
+
+    A family's model named by its sizes is traced once per process (tens of seconds at 70B): a second call
+    with the same arguments returns a copy of the first's trace. A module, or a user's model from a file
+    (which may change between calls), is traced every time."""
+    key = None
+    if isinstance(model, str) and not is_user_model(model):
+        key = repr((model, tuple(input_shape), num_classes, batch, lora, attention, sorted(options.items()),
+                    torch.get_default_dtype()))
+        if key in _TRACED:
+            return copy.deepcopy(_TRACED[key])
     if attention == "flash":
         with FlashAttention():
-            return replace(trace(model, input_shape, num_classes, batch, lora, "math", **options), attention="flash")
+            out = replace(_trace(model, input_shape, num_classes, batch, lora, **options), attention="flash")
+    else:
+        out = _trace(model, input_shape, num_classes, batch, lora, **options)
+    if key is not None:
+        while len(_TRACED) >= _KEEP:
+            _TRACED.pop(next(iter(_TRACED)))
+        _TRACED[key] = copy.deepcopy(out)
+    return out
+
+
+def _trace(model: nn.Module | str, input_shape: tuple[int, ...], num_classes: int, batch: int, lora,
+           **options) -> Trace:
     if isinstance(model, str):
         with torch.device("meta"):
             model = build_model(model, input_shape, num_classes, **options)
