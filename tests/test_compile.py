@@ -111,3 +111,27 @@ def test_the_whole_model_compiles_where_nothing_acts_inside_it():
     assert not whole_model(Strategy("bucketed"), 2, 0) and not whole_model(Strategy("ddp"), 2, 0)
     assert not any(whole_model(Strategy.parse(s), 1, 0) for s in ("zero=1", "bucketed+ckpt", "bucketed+pp=2+mb=2"))
     assert not whole_model(Strategy(), 1, 1)  # a component (tensor, context or expert parallel)
+
+
+def test_a_call_of_an_eager_function_in_compiled_code_compiles_no_frame_of_its_own():
+    """A function marked eager is a graph break where compiled code calls it: dynamo compiles no frame of its
+    thin wrapper (else each call with other arguments is compiled anew, up to dynamo's recompile limit)."""
+    from distlab.runtime.eager import arm, eager
+    calls = []
+
+    def hook(x, *rest):
+        calls.append(len(rest))
+        return x
+
+    hook = eager(hook)
+    arm()
+
+    def step(x, n):
+        y = hook(x * 2, *range(n))
+        return y + 1
+
+    compiled = torch.compile(step, backend="eager")
+    for n in range(4):
+        assert torch.equal(compiled(torch.ones(2), n), torch.full((2,), 3.0))
+    assert calls == [0, 1, 2, 3]
+    assert torch._C._dynamo.eval_frame._debug_get_cache_entry_list(hook.__code__) == []
