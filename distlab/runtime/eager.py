@@ -29,7 +29,7 @@ def eager(fn):
 def _skip(run) -> None:
     # the thin wrapper itself: a call to it is a graph break where it stands, and a frame of its own is never
     # compiled (else dynamo compiles each call of it anew, a graph holding only the break, up to its recompile
-    # limit: seconds of compiling per run for nothing)
+    # limit, each compile for nothing)
     from torch._dynamo.decorators import skip
     skip(run)
 
