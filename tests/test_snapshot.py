@@ -724,10 +724,17 @@ def test_time_budget_stops_cleanly_with_a_snapshot_and_summary(run_cli, tmp_path
                    "--snapshot-dir", "snaps", "--out", "run", "--log-every", "100", "--no-progress", check=True)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["stopped"] == "time_budget" and 0 < summary["steps"] < 100 * 312
-    assert summary["time_used_s"] <= 3.0 and summary["test_accuracy"] is not None
+    assert summary["test_accuracy"] is not None
+    # It stopped where one more step, the final evaluation and the snapshot would not have fitted any more:
+    # the time used then plus what it kept reach the budget (equal to it but for one rounding of a sum).
+    # Whether the end then took no longer than kept is a prediction (a loaded machine may stall it): the
+    # estimate itself is test_the_time_budget_counts_on_the_slowest_recent_step_and_leaves_out_warm_up's.
+    stop, kept = summary["time_budget_stop_s"], summary["time_budget_kept_s"]
+    assert 0 < stop <= summary["time_used_s"] and kept > 0.2 and stop + kept >= 3.0 * (1 - 2 ** -52)
     assert summary["snapshot"].endswith(f"step-{summary['steps']:08d}")
     meta = snap.read_meta(tmp_path / summary["snapshot"])
     assert meta["step"] == summary["steps"] and "time budget 3 s reached" in proc.stdout
+    assert f"(stopped at {stop:.1f} s, keeping {kept:.1f} s for the last step, evaluation and snapshot)" in proc.stdout
 
 
 def test_bench_scaling_table_json_and_plots(run_cli, tmp_path):

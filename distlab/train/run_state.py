@@ -126,6 +126,9 @@ class RunState:
         self.snapshot_stalls: list[float] = []  # seconds each snapshot of this attempt held the training up
         self._writer = AsyncWriter(cfg) if cfg.snapshot_async and cfg.snapshot_dir else None
         self._eval_s: float | None = None
+        # where the time budget stopped the run: the time used then and what it kept for the end (one more
+        # step, the final evaluation and snapshot, the margin) -- the summary says both
+        self.budget_stop: tuple[float, float] | None = None
         self._time_before = 0.0  # training time of earlier attempts
         self._start = time.perf_counter()
         self._locked: list[str] = []  # directories this process locked (released by end())
@@ -270,7 +273,10 @@ class RunState:
         snapshot_s = self._snapshot_s if self._snapshot_s is not None else self.engine.peak_bytes / 1e8
         left = time_to_finish(step_times, self.cfg.timing_warmup_steps,
                               self.eval_samples / self.cfg.global_batch_size, self._eval_s, snapshot_s, budget)
-        need, = reduce_scalars([self.time_used() + left], op=dist.ReduceOp.MAX, device=self.rt.device)
+        used = self.time_used()
+        need, = reduce_scalars([used + left], op=dist.ReduceOp.MAX, device=self.rt.device)
+        if need >= budget:
+            self.budget_stop = (used, need - used)
         return need >= budget
 
     # ------------------------------------------------------------------ snapshots

@@ -196,6 +196,10 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "wall_time_s": wall_s,
         "time_used_s": run.time_used(),
         "time_budget_s": cfg.time_budget_s,
+        # the time budget's stop: the time used when it stopped, and what it kept for the end (the slowest of any
+        # rank's, so time_budget_stop_s + time_budget_kept_s >= time_budget_s)
+        "time_budget_stop_s": run.budget_stop[0] if run.budget_stop else None,
+        "time_budget_kept_s": run.budget_stop[1] if run.budget_stop else None,
         "stopped": stopped,
         "resumed_from": run.resumed_from,
         "run_id": run.run_id,
@@ -357,7 +361,9 @@ def print_summary(summary: dict, out: str | None) -> None:
         how = "preempted (SIGTERM)" if s["stopped"] == "preempted" else "interrupted (Ctrl-C)"
         rows.append(("stopped", f"{how} at step {s['steps']}"))
     if s.get("stopped") == "time_budget":
-        rows.append(("stopped", f"time budget {s['time_budget_s']:g} s reached after {s['time_used_s']:.1f} s"))
+        kept = (f" (stopped at {s['time_budget_stop_s']:.1f} s, keeping {s['time_budget_kept_s']:.1f} s for the last "
+                f"step, evaluation and snapshot)" if s.get("time_budget_stop_s") is not None else "")
+        rows.append(("stopped", f"time budget {s['time_budget_s']:g} s reached after {s['time_used_s']:.1f} s{kept}"))
     if s.get("snapshot"):
         rows.append(("last snapshot", s["snapshot"]))
     if s.get("model_file"):
