@@ -72,3 +72,35 @@ def test_a_client_that_cannot_reach_its_server_says_so_in_one_line(tmp_path):
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert "cannot reach the worker start-up server" in proc.stderr and "DISTLAB_WORKER_START=exec" in proc.stderr
     assert sys.executable in prefork.worker_command([])
+
+
+HEAVY = ("torch._dynamo", "torch._inductor", "sympy")  # about 1.8 s of CPU each time a process imports them
+
+
+def test_what_a_training_run_imports_on_its_first_model_the_servers_have_imported_already(tmp_path):
+    """A worker forked from the prefork server (or the suite's fork server, :mod:`distlab.launch.spawn`) builds its
+    model under a device context, whose first use imports torch's compiler (torch._dynamo, sympy): a preload that
+    leaves it out has every worker import it anew."""
+    from distlab.launch import spawn
+    script = textwrap.dedent("""
+        import importlib, json, sys
+        for name in json.loads(sys.argv[1]):
+            importlib.import_module(name)
+        before = set(sys.modules)
+        from distlab.cli import main
+        argv = ["train", "--dataset", "synthetic:1x8x8:4:64", "--mlp-widths", "8", "--max-steps", "1", "--no-progress",
+                "--out", sys.argv[2]]
+        sys.argv = ["distlab", *argv]
+        try:
+            main(argv)
+        except SystemExit as exc:
+            assert not exc.code, exc.code
+        print(json.dumps(sorted(set(sys.modules) - before)))
+    """)
+    for i, preload in enumerate((prefork.PRELOAD, spawn.PRELOAD)):
+        proc = subprocess.run([sys.executable, "-c", script, json.dumps(list(preload)), str(tmp_path / f"run{i}")],
+                              capture_output=True, text=True, timeout=patience(120))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        new = json.loads(proc.stdout.splitlines()[-1])
+        late = [m for m in new if any(m == h or m.startswith(h + ".") for h in HEAVY)]
+        assert not late, f"{preload} leaves {len(late)} module(s) of {HEAVY} to each worker: {late[:5]}"

@@ -41,7 +41,8 @@ class RankFailure(AssertionError):
     """One or more ranks raised, died or hung; the message holds each rank's story."""
 
 
-_PRELOAD = ["torch", "torch.distributed", "distlab.launch.spawn", "distlab.train", "distlab.parallel"]
+# torch._dynamo: see distlab.launch.prefork.PRELOAD
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "distlab.launch.spawn", "distlab.train", "distlab.parallel"]
 
 
 def _context():
@@ -51,7 +52,7 @@ def _context():
         raise ValueError(f"DISTLAB_SPAWN={method!r}: use forkserver or spawn")
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(_PRELOAD)
+        ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
