@@ -83,11 +83,16 @@ def time_to_finish(step_times: list[float], warmup: int, eval_steps: float, eval
     The step counts as the slowest of the last 20 -- on a loaded machine steps are not all the typical
     one, and a budget overrun by one slow step is one a scheduler kills. The first ``warmup`` steps
     (allocation, first collectives) are left out once later ones exist. An evaluation not timed yet is
-    estimated from the typical step: a forward pass costs about a third of a training step per sample.
+    estimated from the typical step: a forward pass costs about a third of a training step per sample; while
+    only warm-up steps exist, the typical one is of those after the first (none after the first alone).
     """
     steady = step_times[warmup:] if len(step_times) > warmup else step_times
     recent = steady[-20:]
-    slowest, typical = (max(recent), statistics.median(recent)) if recent else (0.0, 0.0)
+    slowest = max(recent) if recent else 0.0
+    # The evaluation never from the first step while it is among the few timed (it compiles, allocates,
+    # connects: often 100x the next ones); after it alone, the step kept for covers the wait for a second.
+    later = recent if len(step_times) > warmup else step_times[1:][-20:]
+    typical = statistics.median(later) if later else 0.0
     evaluation = eval_s if eval_s is not None else typical * eval_steps / 3
     return slowest + evaluation + snapshot_s + max(0.02 * budget, 0.2)
 
