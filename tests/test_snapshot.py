@@ -771,8 +771,8 @@ def test_the_time_budget_counts_on_the_slowest_recent_step_and_leaves_out_warm_u
                            budget=60)
     assert first == pytest.approx(0.002 + 3000 * 0.002 / 3 + 1.2)
     # before a steady step exists, the first step (compiling, allocating, connecting: often 100x the next ones)
-    # is still the one more step kept, but the evaluation is not extrapolated from it -- a compiled run with a
-    # budget of an hour once stopped after its first step, estimating 1000 evaluation batches at its cost
+    # is still the one more step kept, but the evaluation is not extrapolated from it -- otherwise a compiled run
+    # with a budget of an hour would stop after its first step, estimating 1000 evaluation batches at its cost
     assert time_to_finish([60.0], warmup=5, eval_steps=3000, eval_s=None, snapshot_s=0.0, budget=3600) == \
         pytest.approx(60.0 + 72)
     assert time_to_finish([60.0, 0.1, 0.3], warmup=5, eval_steps=3000, eval_s=None, snapshot_s=0.0, budget=3600) == \
