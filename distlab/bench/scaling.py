@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 
 from distlab.bench.common import at_least, check_train, choose, cores, format_table, fresh_run_dir, machine, write
+from distlab.launch import prefork
 from distlab.launch.cluster import TBF_BURST
 from distlab.errors import ConfigError, DistlabError
 from distlab.tools.flags import strategy_flags
@@ -89,6 +90,7 @@ def _add_efficiency(records: list[dict]) -> None:
 
 
 def run_command(cmd: list[str], timeout: float) -> None:
+    prefork.share()  # the launch forks its workers from this process's server
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:

@@ -13,8 +13,11 @@ A worker is a clean process: the server imports modules and runs nothing, so no 
 group exists before the fork. The worker takes the client's environment, directory, arguments, ``sys.path``
 (``PYTHONPATH`` as the client has it) and streams, a session of its own (as torchrun gives its workers), and
 runs what ``python -m distlab`` runs. It dies with its client (the server kills its process group when the
-client's connection closes) and with the server (its parent-death signal); the server ends with the process
-that started it. ``DISTLAB_WORKER_START=exec`` starts fresh interpreters instead, torchrun's own way.
+client's connection closes; the client dies with torchrun's agent) and with the server (its parent-death
+signal); the server ends with the process that started it. A launch started by a process that has a server --
+a command that runs launches as subprocesses calls :func:`share` -- forks its workers from that one when its
+workers would inherit the same from it as from a server of their own (:func:`_key`).
+``DISTLAB_WORKER_START=exec`` starts fresh interpreters instead, torchrun's own way.
 """
 
 from __future__ import annotations
@@ -44,10 +47,11 @@ MODE_ENV = "DISTLAB_WORKER_START"  # prefork (the default on Linux) or exec
 # before torch is imported. torch._dynamo (with sympy): torch imports it on the first use of a device context,
 # which builds every model -- 1.8 s of CPU per worker otherwise. Importing it starts no thread.
 PRELOAD = ("distlab.cli", "torch", "torch.distributed", "torch._dynamo", "distlab.train", "distlab.parallel")
+KEY_ENV = "DISTLAB_PREFORK_KEY"  # the server's key (:func:`_key`), beside its socket, for launches started here
 # What an interpreter's start and the imports read from the environment (with every PYTHON* variable): a launch
-# whose values differ gets a server of its own.
-IMPORT_ENV = {"TORCH_CPP_LOG_LEVEL": "FATAL", "OMP_NUM_THREADS": None, "MKL_NUM_THREADS": None}  # (the default
-# where an import sets one: distlab.cli's, before torch's)
+# whose values differ gets a server of its own. (OMP_NUM_THREADS is not one: a worker applies its own at the fork.)
+IMPORT_ENV = {"TORCH_CPP_LOG_LEVEL": "FATAL", "MKL_NUM_THREADS": None}  # (the default where an import sets one:
+# distlab.cli's, before torch's)
 CLIENT = Path(__file__).with_name("prefork_client.py")
 
 
@@ -77,7 +81,8 @@ class _Server:
         alive_r, self.alive_w = os.pipe()  # the server ends when this process's end closes (it exits, even killed)
         self.proc = subprocess.Popen([sys.executable, "-u", "-m", "distlab.launch.prefork", str(listener.fileno()),
                                       str(alive_r), self.path], stdin=subprocess.DEVNULL,
-                                     pass_fds=(listener.fileno(), alive_r))
+                                     pass_fds=(listener.fileno(), alive_r),
+                                     env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"})
         os.close(alive_r)
         listener.close()
 
@@ -110,22 +115,72 @@ _SERVER: _Server | None = None
 _STOP_AT_EXIT: list[bool] = []
 
 
+def _key() -> str:
+    """What a worker takes from the server that forks it rather than from its own launch: the interpreter, the
+    environment its imports read, and the process's standing -- namespaces (an emulated node's network), cgroup,
+    CPU affinity, limits, umask, priority, user. Launches whose keys differ need different servers."""
+    import resource
+    facts: list = [sys.executable, *(os.environ.get(k, default) for k, default in IMPORT_ENV.items()),
+                   *sorted((k, v) for k, v in os.environ.items() if k.startswith("PYTHON"))]
+    for name in ("net", "mnt", "pid", "uts", "ipc", "user", "cgroup"):
+        try:
+            facts.append(os.readlink(f"/proc/self/ns/{name}"))
+        except OSError:
+            facts.append(None)
+    try:
+        status = Path("/proc/self/status").read_text().splitlines()
+        facts += [Path("/proc/self/cgroup").read_text(), [line for line in status if line.startswith("Umask:")]]
+    except OSError:
+        facts.append(None)
+    facts += [sorted(os.sched_getaffinity(0)), os.getpriority(os.PRIO_PROCESS, 0), os.getuid(), os.getgid(),
+              sorted(os.getgroups()), [resource.getrlimit(getattr(resource, r)) for r in dir(resource)
+                                       if r.startswith("RLIMIT_")]]
+    return json.dumps(facts)
+
+
+def _reachable(path: str) -> bool:
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.connect(path)  # (the server reads an incomplete request and closes it)
+        return True
+    except OSError:
+        return False
+
+
 def ensure_server() -> str:
-    """This process's prefork server (started on first use, or again if it died or the environment its imports
-    read has changed); its socket path, also put in this process's environment for the workers' clients."""
+    """The prefork server this process's launches fork their workers from: one it inherited (:data:`SOCKET_ENV`
+    and :data:`KEY_ENV` from a process that shares its own, with this process's key) or its own (started on first
+    use, or again if it died or the key changed); its socket path, put with its key in this process's environment
+    for the workers' clients and the launches started here."""
     global _SERVER
-    key = (sys.executable, *(os.environ.get(k, default) for k, default in IMPORT_ENV.items()),
-           *sorted((k, v) for k, v in os.environ.items() if k.startswith("PYTHON")))
+    key = _key()
     if _SERVER is not None and (_SERVER.key != key or not _SERVER.alive()):
         _SERVER.stop()
         _SERVER = None
+    inherited = os.environ.get(SOCKET_ENV)
+    if _SERVER is None and inherited and os.environ.get(KEY_ENV) == key and _reachable(inherited):
+        return inherited
     if _SERVER is None:
         if not _STOP_AT_EXIT:
             atexit.register(_stop_server)
             _STOP_AT_EXIT.append(True)
         _SERVER = _Server(key)
     os.environ[SOCKET_ENV] = _SERVER.path
+    os.environ[KEY_ENV] = key
     return _SERVER.path
+
+
+def share() -> None:
+    """For a command that runs ``distlab`` launches as subprocesses (``verify --faults``, ``bench scaling``): start
+    this process's server now, so that each launch forks its workers from it instead of starting one of its own
+    (an interpreter importing torch, ~5 s of CPU each). Nothing where workers start as fresh interpreters."""
+    if enabled():
+        ensure_server()
+
+
+def server_pid() -> int | None:
+    """The pid of this process's own server, if it has one."""
+    return _SERVER.proc.pid if _SERVER is not None else None
 
 
 def _stop_server() -> None:
@@ -185,6 +240,7 @@ def _become_worker(request: dict, fds: list[int], server: int, inherited: list[i
         env = request["env"]
         os.environ.clear()
         os.environ.update(env)
+        _apply_threads(env)
         # sys.path as `python -m` builds it from this environment: the directory, PYTHONPATH, then the rest
         ours = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[:] = [request["cwd"], *ours, *_BASE_PATH]
@@ -200,7 +256,18 @@ def _become_worker(request: dict, fds: list[int], server: int, inherited: list[i
         os._exit(1)
 
 
+def _apply_threads(env: dict) -> None:
+    """torch's thread count as an interpreter started with ``env`` has it (OpenMP read the server's at import)."""
+    torch = sys.modules["torch"]
+    value = env.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) > 0:
+        torch.set_num_threads(int(value))
+    else:
+        torch.set_num_threads(_THREADS[0])
+
+
 _BASE_PATH: list[str] = []  # the server's sys.path less what its start added
+_THREADS: list[int] = []  # torch's thread count in the server, started without OMP_NUM_THREADS
 
 
 def serve(listen_fd: int, alive_fd: int, path: str) -> None:
@@ -212,6 +279,7 @@ def serve(listen_fd: int, alive_fd: int, path: str) -> None:
     _BASE_PATH[:] = [p for p in sys.path if p not in mine]
     for name in PRELOAD:
         importlib.import_module(name)
+    _THREADS[:] = [sys.modules["torch"].get_num_threads()]
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)

@@ -5,10 +5,11 @@ It hands the prefork server its standard streams (the descriptors themselves), a
 directory; the server forks the worker and says its pid. From then on every signal torchrun's agent sends here
 goes on to the worker's process group (as torchrun signals its workers' groups), and this process exits as the
 worker did -- with its exit code, or killed by the same signal -- so the agent sees what it would have seen of a
-worker it started itself. Run as ``python -I -u prefork_client.py ARGS`` with the server's socket in
-``DISTLAB_PREFORK_SOCKET``.
+worker it started itself; it dies with the agent. Run as ``python -I -u prefork_client.py ARGS`` with the
+server's socket in ``DISTLAB_PREFORK_SOCKET``.
 """
 
+import ctypes
 import json
 import os
 import signal
@@ -35,6 +36,15 @@ def main() -> None:
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
+    # Dies with torchrun's agent (SIGKILL on its death): its connection closes and the server kills the worker's
+    # group -- a server shared by several launches outlives each of them.
+    agent = os.environ.get("DISTLAB_LAUNCHER_PID", str(os.getppid()))  # (torchrun's agent runs in the launcher)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if str(os.getppid()) != agent:  # it died before the call
+        os._exit(1)
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(path)

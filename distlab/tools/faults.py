@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from distlab.errors import ConfigError, DistlabError
+from distlab.launch import prefork
 from distlab.tools.flags import strategy_flags
 from distlab.tools.verify import sgd_tolerance
 
@@ -297,6 +298,7 @@ def run_drills(case, world_size: int, steps: int, workdir: str, drills=DRILLS, t
     if steps < 8:
         raise ConfigError(f"fault drills need at least 8 steps (snapshots every steps/4, a fault after steps/2), "
                           f"not {steps}")
+    prefork.share()  # every drill's launches fork their workers from this process's server
     job = _Job(case, world_size, steps, Path(workdir), timeout)
     job.run("straight")
     straight = job.result("straight")
