@@ -38,8 +38,9 @@ def _predicted(cfg, world: int) -> dict:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_planner_counts_the_bytes_a_run_sends(world):
-    # on 4 ranks the Llama family's layouts are left out: the same code prices GPT's there, and both on 2 ranks
-    cases = [c for c in default_strategies(world) if world == 2 or c.model != "llama"]
+    # On 4 ranks the Llama family's layouts and the compiled one are left out: the same code prices GPT's and the
+    # eager ZeRO-3's there, and all of them on 2 ranks (compiling costs each rank ~15 s of CPU, 4 ranks on 2 cores)
+    cases = [c for c in default_strategies(world) if world == 2 or (c.model != "llama" and not c.strategy.compile)]
     configs = [config_for(case, world, steps=3) for case in cases]  # the median step: past the first
     counted = run_ranks(_counted, world, configs, timeout=600)[0]
     rows = []

@@ -128,47 +128,44 @@ def test_launches_a_command_runs_fork_from_its_server_and_still_die_with_their_o
     launch's process differs in what a forked worker inherits from its server (here its CPU affinity). A launch
     killed still takes its workers with it, though the server lives on."""
     (tmp_path / "probe.py").write_text(PROBE)
-    saved = dict(os.environ)
-    try:
-        prefork.share()
+    before = {k: os.environ.get(k) for k in (prefork.SOCKET_ENV, prefork.KEY_ENV)}
+    with prefork.shared():
         server = prefork.server_pid()
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-        run = [sys.executable, "-m", "distlab", "train", "--model", f"{tmp_path / 'probe.py'}:build", "--no-progress",
-               "--nproc-per-node", "2", "--device", "cpu"]
-        long_run = subprocess.Popen([*run, "--dataset", "synthetic:1x8x8:4:200000", "--epochs", "50", "--out", "a"],
-                                    cwd=tmp_path, env={**env, "PROBE": "shared", "PROBE_OUT": str(tmp_path)},
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        try:
-            probes = [tmp_path / f"shared-{rank}.json" for rank in (0, 1)]
-            deadline = time.time() + patience(120)
-            while time.time() < deadline and not all(p.exists() for p in probes):
-                assert long_run.poll() is None, long_run.stderr.read()
-                time.sleep(0.1)
-            facts = [json.loads(p.read_text()) for p in probes]
-            assert [f["ppid"] for f in facts] == [server, server], facts  # forked by this process's server
-            assert [f["parent"] for f in facts] == [long_run.pid] * 2, facts  # torchrun's agent: the launch's
-            assert len(_children(long_run.pid)) == 2  # its workers' two clients, and no server of its own
-            workers = [f["pid"] for f in facts]
-            assert all(_alive(w) for w in workers)
-            long_run.kill()  # the launcher only
-            long_run.wait(timeout=patience(30))
-            deadline = time.time() + patience(30)
-            while time.time() < deadline and any(_alive(w) for w in workers):
-                time.sleep(0.1)
-            assert not any(_alive(w) for w in workers)  # no orphan trains on in the shared server
-            assert _alive(server)
-        finally:
-            if long_run.poll() is None:
-                long_run.kill()
-        cpus = sorted(os.sched_getaffinity(0))
-        if len(cpus) > 1:  # a launch pinned to one core: a worker forked from this server would not be
-            proc = subprocess.run([*run, "--dataset", "synthetic:1x8x8:4:64", "--max-steps", "1", "--out", "b"],
-                                  cwd=tmp_path, env={**env, "PROBE": "pinned", "PROBE_OUT": str(tmp_path)},
-                                  preexec_fn=lambda: os.sched_setaffinity(0, cpus[:1]), capture_output=True, text=True,
-                                  timeout=patience(120))
-            assert proc.returncode == 0, proc.stderr
-            pinned = json.loads((tmp_path / "pinned-0.json").read_text())
-            assert pinned["ppid"] not in (server, pinned["parent"]), pinned  # a server of its own forked it
+    assert env[prefork.SOCKET_ENV] and {k: os.environ.get(k) for k in before} == before  # as it was, after
+    run = [sys.executable, "-m", "distlab", "train", "--model", f"{tmp_path / 'probe.py'}:build", "--no-progress",
+           "--nproc-per-node", "2", "--device", "cpu"]
+    long_run = subprocess.Popen([*run, "--dataset", "synthetic:1x8x8:4:200000", "--epochs", "50", "--out", "a"],
+                                cwd=tmp_path, env={**env, "PROBE": "shared", "PROBE_OUT": str(tmp_path)},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        probes = [tmp_path / f"shared-{rank}.json" for rank in (0, 1)]
+        deadline = time.time() + patience(120)
+        while time.time() < deadline and not all(p.exists() for p in probes):
+            assert long_run.poll() is None, long_run.stderr.read()
+            time.sleep(0.1)
+        facts = [json.loads(p.read_text()) for p in probes]
+        assert [f["ppid"] for f in facts] == [server, server], facts  # forked by this process's server
+        assert [f["parent"] for f in facts] == [long_run.pid] * 2, facts  # torchrun's agent: the launch's
+        assert len(_children(long_run.pid)) == 2  # its workers' two clients, and no server of its own
+        workers = [f["pid"] for f in facts]
+        assert all(_alive(w) for w in workers)
+        long_run.kill()  # the launcher only
+        long_run.wait(timeout=patience(30))
+        deadline = time.time() + patience(30)
+        while time.time() < deadline and any(_alive(w) for w in workers):
+            time.sleep(0.1)
+        assert not any(_alive(w) for w in workers)  # no orphan trains on in the shared server
+        assert _alive(server)
     finally:
-        os.environ.clear()
-        os.environ.update(saved)
+        if long_run.poll() is None:
+            long_run.kill()
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) > 1:  # a launch pinned to one core: a worker forked from this server would not be
+        proc = subprocess.run([*run, "--dataset", "synthetic:1x8x8:4:64", "--max-steps", "1", "--out", "b"],
+                              cwd=tmp_path, env={**env, "PROBE": "pinned", "PROBE_OUT": str(tmp_path)},
+                              preexec_fn=lambda: os.sched_setaffinity(0, cpus[:1]), capture_output=True, text=True,
+                              timeout=patience(120))
+        assert proc.returncode == 0, proc.stderr
+        pinned = json.loads((tmp_path / "pinned-0.json").read_text())
+        assert pinned["ppid"] not in (server, pinned["parent"]), pinned  # a server of its own forked it

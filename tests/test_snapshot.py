@@ -663,7 +663,9 @@ def test_one_run_per_snapshot_dir_and_workers_die_with_their_launcher(refused_he
     long_run = [sys.executable, "-m", "distlab", "train", "--dataset", "synthetic:1x8x8:4:200000", "--mlp-widths",
                 "16", "--no-progress", "--nproc-per-node", "2", "--device", "cpu", "--snapshot-every", "5",
                 "--snapshot-dir", "s", "--out", "run", "--lr-schedule", "constant"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    from distlab.launch import prefork
+    # a shell's environment: no server of another process to share (tests/test_prefork.py has that case)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", prefork.SOCKET_ENV, prefork.KEY_ENV)}
     first = subprocess.Popen(long_run, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True)
     try:

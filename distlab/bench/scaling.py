@@ -90,8 +90,8 @@ def _add_efficiency(records: list[dict]) -> None:
 
 
 def run_command(cmd: list[str], timeout: float) -> None:
-    prefork.share()  # the launch forks its workers from this process's server
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
+    with prefork.shared():  # the launch forks its workers from this process's server
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise DistlabError(f"a scaling run failed (exit {proc.returncode}): {' '.join(cmd)}\n"

@@ -15,7 +15,7 @@ group exists before the fork. The worker takes the client's environment, directo
 runs what ``python -m distlab`` runs. It dies with its client (the server kills its process group when the
 client's connection closes; the client dies with torchrun's agent) and with the server (its parent-death
 signal); the server ends with the process that started it. A launch started by a process that has a server --
-a command that runs launches as subprocesses calls :func:`share` -- forks its workers from that one when its
+a command that runs launches as subprocesses opens :func:`shared` -- forks its workers from that one when its
 workers would inherit the same from it as from a server of their own (:func:`_key`).
 ``DISTLAB_WORKER_START=exec`` starts fresh interpreters instead, torchrun's own way.
 """
@@ -23,6 +23,7 @@ workers would inherit the same from it as from a server of their own (:func:`_ke
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import importlib
 import json
@@ -170,12 +171,23 @@ def ensure_server() -> str:
     return _SERVER.path
 
 
-def share() -> None:
-    """For a command that runs ``distlab`` launches as subprocesses (``verify --faults``, ``bench scaling``): start
-    this process's server now, so that each launch forks its workers from it instead of starting one of its own
-    (an interpreter importing torch, ~5 s of CPU each). Nothing where workers start as fresh interpreters."""
-    if enabled():
-        ensure_server()
+@contextlib.contextmanager
+def shared():
+    """For a command that runs ``distlab`` launches as subprocesses (``verify --faults``, ``bench scaling``): while
+    open, this process's server (started now) is in its environment, so that each launch started meanwhile forks
+    its workers from it instead of starting one of its own (an interpreter importing torch, ~5 s of CPU each).
+    The environment is as it was afterwards. Nothing where workers start as fresh interpreters."""
+    saved = {k: os.environ.get(k) for k in (SOCKET_ENV, KEY_ENV)}
+    try:
+        if enabled():
+            ensure_server()
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def server_pid() -> int | None:

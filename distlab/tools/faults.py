@@ -298,13 +298,13 @@ def run_drills(case, world_size: int, steps: int, workdir: str, drills=DRILLS, t
     if steps < 8:
         raise ConfigError(f"fault drills need at least 8 steps (snapshots every steps/4, a fault after steps/2), "
                           f"not {steps}")
-    prefork.share()  # every drill's launches fork their workers from this process's server
     job = _Job(case, world_size, steps, Path(workdir), timeout)
-    job.run("straight")
-    straight = job.result("straight")
     records = []
-    for drill in drills:
-        record = RUNNERS[drill](job, straight)
+    with prefork.shared():  # every drill's launches fork their workers from this process's server
+        job.run("straight")
+        straight = job.result("straight")
+        done = [RUNNERS[drill](job, straight) for drill in drills]
+    for drill, record in zip(drills, done):
         if record is None:
             record = {"drill": drill, "detail": f"skipped: {case.name} does not fit on {world_size // 2} process(es)",
                       "passed": None}
