@@ -129,8 +129,10 @@ def argv(command: str) -> list[str]:
     raise ValueError(f"no way to run {command!r}: output commands start with python, torchrun or distlab")
 
 
-def run(command: str, workdir: Path, timeout: float = 300) -> str:
-    """Run a page's command in ``workdir`` (which sees examples/ and results/ of this checkout)."""
+def run(command: str, workdir: Path, timeout: float = 300, in_process=None) -> str:
+    """Run a page's command in ``workdir`` (which sees examples/ and results/ of this checkout). ``in_process``:
+    runs a ``distlab`` part instead of a new interpreter -- ``in_process(ARGS, workdir, env)`` returns (exit code,
+    stdout, stderr), as the test suite's ``invoke`` does."""
     for name in ("examples", "results"):
         link = workdir / name
         if not link.exists():
@@ -139,7 +141,12 @@ def run(command: str, workdir: Path, timeout: float = 300) -> str:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
     outputs = []
     for part in command.split(" && "):
-        proc = subprocess.run(argv(part), capture_output=True, text=True, timeout=timeout, env=env, cwd=workdir)
+        words = argv(part)
+        if in_process is not None and words[1:3] == ["-m", "distlab"]:
+            code, out, err = in_process(words[3:], workdir, env)
+            proc = subprocess.CompletedProcess(words, code, out, err)
+        else:
+            proc = subprocess.run(words, capture_output=True, text=True, timeout=timeout, env=env, cwd=workdir)
         if proc.returncode != 0:
             raise RuntimeError(f"`{part}` exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
         outputs.append(proc.stdout)

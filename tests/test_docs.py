@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import doc_outputs  # noqa: E402 - scripts/ is not a package
+from tests.conftest import invoke  # noqa: E402
 
 README = (ROOT / "README.md").read_text()
 PAGES = sorted((ROOT / "docs").glob("[0-9][0-9]-*.md"))
@@ -54,7 +55,9 @@ COMMAND_BLOCKS = [b for b in doc_outputs.all_blocks() if b.command.startswith("d
 
 @pytest.mark.parametrize("block", COMMAND_BLOCKS, ids=lambda b: b.where())
 def test_command_output_blocks_agree_with_the_command(block, tmp_path):
-    output = doc_outputs.run(block.command, tmp_path, timeout=240)
+    # in this process, as tests/conftest.py's run_cli runs a command (what a launch's workers print caught too)
+    output = doc_outputs.run(block.command, tmp_path, timeout=240,
+                             in_process=lambda args, cwd, env: invoke(args, cwd, env=env, fds=True))
     assert doc_outputs.agrees(block.text, output), (
         f"{block.where()} shows output that `{block.command}` no longer prints:\n--- page\n{block.text}\n"
         f"--- output\n{output}")
