@@ -113,18 +113,20 @@ def _slow_rank_0_teardown(tmp_path) -> dict:
     the same error, exits first and torchrun's agent stops rank 0 before it has said anything."""
     site = tmp_path / "slow-site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(textwrap.dedent("""
+    (site / "sitecustomize.py").write_text(textwrap.dedent(f"""
         import os
         if os.environ.get("RANK") == "0" and os.environ.get("TORCHELASTIC_RUN_ID"):
-            import time
+            import pathlib, time
             import torch.distributed as dist
             destroy = dist.destroy_process_group
             def slowly(*args, **kwargs):
+                pathlib.Path({str(tmp_path / "rank-0-was-slow")!r}).touch()
                 time.sleep(5)
                 return destroy(*args, **kwargs)
             dist.destroy_process_group = slowly
     """))
-    return {"PYTHONPATH": str(site)}
+    # a sitecustomize runs when an interpreter starts: the workers as fresh interpreters, not forked warm
+    return {"PYTHONPATH": str(site), "DISTLAB_WORKER_START": "exec"}
 
 
 def test_an_error_every_rank_meets_is_said_once_even_when_rank_0_is_stopped_before_it_could(run_cli, tmp_path):
@@ -135,8 +137,11 @@ def test_an_error_every_rank_meets_is_said_once_even_when_rank_0_is_stopped_befo
     assert diverged.returncode == 1, diverged.stderr
     assert diverged.stderr.count("distlab: error: training diverged at step 2") == 1, diverged.stderr
     assert diverged.stderr.count("\n") == 1, diverged.stderr
+    assert (tmp_path / "rank-0-was-slow").exists()  # the case this test is about: rank 0 late to leave
+    (tmp_path / "rank-0-was-slow").unlink()
     first = [*TRAIN, "--snapshot-dir", "s2", "--out", "r2"]
     run_cli(*first, check=True)
     mismatch = run_cli(*first, "--resume", "auto", "--max-steps", "4", "--mlp-widths", "12", env=slow)
     assert mismatch.returncode == 2, mismatch.stderr
     assert mismatch.stderr.count("distlab: error:") == 1 and "12" in mismatch.stderr, mismatch.stderr
+    assert (tmp_path / "rank-0-was-slow").exists()
