@@ -159,7 +159,7 @@ def _peer_dies(rank, world, algo):
 @pytest.mark.parametrize("algo", ["ring", "butterfly", "direct", "gather_scatter", "native"])
 def test_a_killed_peer_makes_the_others_raise_within_the_timeout(algo):
     with pytest.raises(RankFailure) as err:
-        run_ranks(_peer_dies, 3, algo, timeout=90, pg_timeout=5)
+        run_ranks(_peer_dies, 3, algo, timeout=90, pg_timeout=2)
     text = str(err.value)
     assert "still running" not in text  # no hang: every survivor raised
     assert "rank 0 failed" in text and "rank 1 failed" in text and "exited with code 3" in text
@@ -171,7 +171,7 @@ def _mismatched(rank, world):
 
 def test_different_sizes_on_different_ranks_raise_rather_than_hang():
     with pytest.raises(RankFailure) as err:
-        run_ranks(_mismatched, 2, timeout=90, pg_timeout=5)
+        run_ranks(_mismatched, 2, timeout=90, pg_timeout=2)
     assert "still running" not in str(err.value)
 
 
