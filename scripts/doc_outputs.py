@@ -138,7 +138,8 @@ def run(command: str, workdir: Path, timeout: float = 300, in_process=None) -> s
         if not link.exists():
             link.symlink_to(ROOT / name)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    # a new interpreter imports this checkout's distlab (the caller's process has it already)
+    fresh_env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))}
     outputs = []
     for part in command.split(" && "):
         words = argv(part)
@@ -146,7 +147,7 @@ def run(command: str, workdir: Path, timeout: float = 300, in_process=None) -> s
             code, out, err = in_process(words[3:], workdir, env)
             proc = subprocess.CompletedProcess(words, code, out, err)
         else:
-            proc = subprocess.run(words, capture_output=True, text=True, timeout=timeout, env=env, cwd=workdir)
+            proc = subprocess.run(words, capture_output=True, text=True, timeout=timeout, env=fresh_env, cwd=workdir)
         if proc.returncode != 0:
             raise RuntimeError(f"`{part}` exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
         outputs.append(proc.stdout)
