@@ -125,7 +125,7 @@ def _children(pid: int) -> list[int]:
 def test_launches_a_command_runs_fork_from_its_server_and_still_die_with_their_own_launcher(tmp_path):
     """A command that runs launches as subprocesses (``verify --faults``, ``bench scaling``) shares its prefork server
     with them: their workers fork from it, no launch starts a server (and imports torch) of its own -- unless the
-    launch's process differs in what a forked worker inherits from its server (here its CPU affinity). A launch
+    launch's process differs in what a forked worker inherits from its server (its key: here its CPU affinity). A launch
     killed still takes its workers with it, though the server lives on."""
     (tmp_path / "probe.py").write_text(PROBE)
     before = {k: os.environ.get(k) for k in (prefork.SOCKET_ENV, prefork.KEY_ENV)}
@@ -161,11 +161,11 @@ def test_launches_a_command_runs_fork_from_its_server_and_still_die_with_their_o
         if long_run.poll() is None:
             long_run.kill()
     cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) > 1:  # a launch pinned to one core: a worker forked from this server would not be
-        proc = subprocess.run([*run, "--dataset", "synthetic:1x8x8:4:64", "--max-steps", "1", "--out", "b"],
-                              cwd=tmp_path, env={**env, "PROBE": "pinned", "PROBE_OUT": str(tmp_path)},
-                              preexec_fn=lambda: os.sched_setaffinity(0, cpus[:1]), capture_output=True, text=True,
-                              timeout=patience(120))
-        assert proc.returncode == 0, proc.stderr
-        pinned = json.loads((tmp_path / "pinned-0.json").read_text())
-        assert pinned["ppid"] not in (server, pinned["parent"]), pinned  # a server of its own forked it
+    if len(cpus) > 1:  # a launch pinned to one core has another key: a worker forked from this server would not be
+        shared_key = env[prefork.KEY_ENV]
+        os.sched_setaffinity(0, cpus[:1])
+        try:
+            assert prefork._key() != shared_key
+        finally:
+            os.sched_setaffinity(0, cpus)
+        assert prefork._key() == shared_key
