@@ -16,8 +16,12 @@ from distlab.train import Trainer, TrainConfig
 def test_compiled_blocks_train_as_eager_around_zero3_tensor_parallel_and_a_pipeline():
     """2 ranks: ZeRO-3 (its gathers run between compiled pieces) with checkpointed blocks, TP+SP (its
     collectives likewise) and a 1F1B pipeline each train the eager single-process model within verify's
-    float32 bound -- and each run compiled graphs (no silent fall-back to eager)."""
-    cases = ["zero=3+ckpt+compile+gpt", "allreduce+tp=2+sp+compile+gpt", "bucketed+pp=2+mb=2+compile+gpt"]
+    float32 bound -- and each run compiled graphs (no silent fall-back to eager). ZeRO-3's through inductor
+    (verify's own case); the others through aot_eager: where a layout meets compiling is dynamo's graphs and
+    AOT autograd's joint forward and backward, which both backends share (torch's FSDP2 compile tests split
+    them so too) -- inductor's kernels on a CPU are built by a C++ compiler, ~20 s per new block cold."""
+    cases = ["zero=3+ckpt+compile+gpt", "allreduce+tp=2+sp+compile+compile_backend=aot_eager+gpt",
+             "bucketed+pp=2+mb=2+compile+compile_backend=aot_eager+gpt"]
     for r in verify([parse_strategy(c) for c in cases], 2, steps=2, timeout=300):
         assert r["passed"], r
         assert r["compiled_graphs"] >= 1, r
@@ -48,8 +52,8 @@ def _compiled_then_eager(rank, world, tmp):
     settings = dict(model="gpt", n_layer=1, n_head=2, n_embd=8, block_size=8, dataset="synthetic-text:400",
                     global_batch_size=4, lr=0.05, lr_schedule="constant", optimizer="sgd", seed=0, epochs=5,
                     progress=False, verbose=False, eval_every_epoch=False, snapshot_dir=str(tmp), snapshot_every=2)
-    first = Trainer(TrainConfig.from_flags(**settings, max_steps=2, compile=True).validate(1),
-                    runtime.from_process_group()).fit()
+    compiled = TrainConfig.from_flags(**settings, max_steps=2, compile=True, compile_backend="aot_eager")
+    first = Trainer(compiled.validate(1), runtime.from_process_group()).fit()
     second = Trainer(TrainConfig.from_flags(**settings, max_steps=3, resume="auto").validate(1),
                      runtime.from_process_group()).fit()
     return first, second
@@ -57,7 +61,7 @@ def _compiled_then_eager(rank, world, tmp):
 
 def test_a_compiled_runs_snapshot_resumes_without_compile_as_the_same_layout(tmp_path):
     first, second = run_ranks(_compiled_then_eager, 1, tmp_path, timeout=240)[0]
-    assert first["compiled_graphs"] >= 1 and "compile" in first["strategy_text"]
+    assert first["compiled_graphs"] >= 1 and "compile+compile_backend=aot_eager" in first["strategy_text"]
     assert second["compiled_graphs"] is None and second["steps"] == 3
     assert second["resumed_from"].endswith("step-00000002") and second["resharded_from"] is None
     assert second["fingerprint"] == first["fingerprint"]
@@ -81,7 +85,7 @@ def test_many_layers_of_one_class_each_compile_once(tmp_path):
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(12)])
     eager = [p.detach().clone() for p in model.parameters()]
     before = compiled_graphs()
-    assert apply_compile(model) == 12
+    assert apply_compile(model, backend="aot_eager") == 12
     x = torch.randn(3, 4)
     for _ in range(2):
         model(x).sum().backward()
@@ -135,3 +139,24 @@ def test_a_call_of_an_eager_function_in_compiled_code_compiles_no_frame_of_its_o
         assert torch.equal(compiled(torch.ones(2), n), torch.full((2,), 3.0))
     assert calls == [0, 1, 2, 3]
     assert torch._C._dynamo.eval_frame._debug_get_cache_entry_list(hook.__code__) == []
+
+
+def test_the_aot_eager_backend_traces_as_inductor_does_and_needs_no_cxx_compiler(run_cli, refused_here, tmp_path):
+    """``--compile-backend aot_eager``: dynamo's graphs and AOT autograd's joint forward and backward, run by
+    torch's eager kernels -- no C++ compiler on PATH is needed, graphs are still compiled; the backend without
+    ``--compile`` is refused, and the strategy's text and JSON carry it (inductor, the default, left out)."""
+    empty = tmp_path / "nothing-on-path"
+    empty.mkdir()
+    proc = run_cli("train", "--dataset", "synthetic:1x8x8:4:128", "--mlp-widths", "16,8", "--max-steps", "2",
+                   "--compile", "--compile-backend", "aot_eager", "--no-progress", env={"PATH": str(empty), "CXX": ""},
+                   check=True)
+    assert "through torch.compile (aot_eager)" in proc.stdout
+    assert "graphs by torch.compile" in proc.stdout and "compiled              0" not in proc.stdout
+    proc = refused_here("train", "--dataset", "synthetic:1x8x8:4:128", "--compile-backend", "aot_eager")
+    assert "--compile-backend aot_eager says how --compile compiles: turn on --compile too" in proc.stderr
+    s = Strategy.parse("zero=3+compile+compile_backend=aot_eager")
+    assert str(s) == "zero=3+compile+compile_backend=aot_eager" and Strategy.parse(str(s)) == s
+    assert s.to_dict()["compile_backend"] == "aot_eager"
+    assert "compile_backend" not in Strategy.parse("zero=3+compile").to_dict()
+    with pytest.raises(ConfigError, match="unknown `compile_backend` 'cudagraphs'"):
+        Strategy.parse("compile+compile_backend=cudagraphs").check(1)

@@ -4,7 +4,6 @@ field, the default read from the dataclass), and small parsers."""
 from __future__ import annotations
 
 import math
-
 import sys
 
 import click
@@ -77,7 +76,6 @@ def name_list(ctx, param, value):
 def output_file(ctx, param, value):
     """click callback: a file this command will write (not a directory; its directory writable)."""
     from pathlib import Path
-
     from distlab.train.lock import check_writable
     if value is not None:
         path = Path(value)
@@ -276,6 +274,8 @@ STRATEGY_OPTIONS = [
     ("compile", dict(is_flag=True, help="Each block (transformer block, ResNet block, VGG stage's layers) through "
                      "torch.compile: fused kernels, the same parameters and snapshots; the first step pays the "
                      "compilation. Composes with every layout but the zero-bubble pipeline.")),
+    ("compile_backend", dict(help="With --compile: torch.compile's backend -- inductor (fused kernels, on a CPU built "
+                             "by a C++ compiler), aot_eager (the same graphs run by eager kernels) or eager.")),
     ("precision", dict(help="fp32, bf16 (autocast in bfloat16: CPU and GPU) or fp16 (autocast in float16 with dynamic "
                        "loss scaling: GPU only); parameters and optimizer state stay float32.")),
     ("reduce_dtype", dict(default=None, help="Dtype gradients are communicated in: fp32, bf16 or fp16 (default: "

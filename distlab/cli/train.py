@@ -86,7 +86,7 @@ def train(config_file, trust_config, **kw):
                               f"file: move it, or give another --out")
         if cfg.strategy.compile:
             from distlab.parallel.compile import check_toolchain
-            check_toolchain(runtime.resolve_device(device, 0))
+            check_toolchain(runtime.resolve_device(device, 0), cfg.strategy.compile_backend)
         if cfg.dataset.startswith("tokens:"):
             from distlab.data.tokens import manifest_of, verify
             verify(cfg.dataset, manifest_of(cfg.dataset, cfg.vocab_size))  # a prepared corpus, whole: its checksums and token ids

@@ -36,6 +36,24 @@ from distlab.parallel.checkpointing import checkpoint_blocks
 from distlab.runtime.eager import arm
 
 
+BACKENDS = ("inductor", "aot_eager", "eager")  # torch.compile's: fused kernels, or the traced graphs run eagerly
+
+
+def check(strategy) -> None:
+    """``compile``'s own settings and what they meet, raising ConfigError: the backend, and the zero-bubble
+    pipeline (whose weight gradients a compiled block fuses away)."""
+    if strategy.compile_backend not in BACKENDS:
+        raise ConfigError(f"unknown `compile_backend` {strategy.compile_backend!r}; choose one of: "
+                          f"{', '.join(BACKENDS)}")
+    if strategy.compile_backend != "inductor" and not strategy.compile:
+        raise ConfigError(f"`compile_backend` {strategy.compile_backend} says how `compile` compiles: turn on "
+                          f"`compile` too, or drop `compile_backend`")
+    if strategy.pp_schedule == "zb" and strategy.compile:
+        raise ConfigError("`pp_schedule` zb with `compile`: zero bubble takes each layer's weight gradient from "
+                          "that layer's own output, which a compiled block fuses away; use `pp_schedule` 1f1b "
+                          "(or interleaved, `pp_virtual`) with `compile`, or drop `compile`")
+
+
 def compile_units(model: nn.Module) -> list[nn.Module]:
     """The modules ``compile`` compiles: every module of each of ``model``'s blocks; the model itself
     when it lists none."""
@@ -50,7 +68,7 @@ def _builtin(m: nn.Module) -> bool:
     return type(m).__module__.startswith("torch.")
 
 
-def _compile_builtin(m: nn.Module) -> None:
+def _compile_builtin(m: nn.Module, backend: str) -> None:
     """``m.compile()`` for one of torch's own layers (``nn.Linear``, ``nn.Conv2d`` ...): dynamo does not
     trace a frame of torch's own files it is asked to start in (``nn.Module.compile`` of an ``nn.Linear``
     compiles nothing), but does inline them from one of distlab's -- so the compiled call starts here."""
@@ -62,7 +80,7 @@ def _compile_builtin(m: nn.Module) -> None:
     # every layer would be recompiled for each until its cache limit, then run eagerly
     code = call.__code__.replace(co_name=f"compiled_{type(m).__name__}_{id(m):x}")
     m._compiled_call_impl = torch.compile(types.FunctionType(code, call.__globals__, code.co_name, None,
-                                                             call.__closure__))
+                                                             call.__closure__), backend=backend)
 
 
 def whole_model(strategy, replicas: int, components: int) -> bool:
@@ -73,22 +91,22 @@ def whole_model(strategy, replicas: int, components: int) -> bool:
             and strategy.sync_bn == "off" and (replicas == 1 or strategy.dp_sync == "allreduce"))
 
 
-def apply_compile(model: nn.Module, whole: bool = False) -> int:
-    """Compile ``model``'s blocks in place (``nn.Module.compile``) -- or, ``whole``, the model itself;
-    returns how many modules. A block module of torch's own classes is compiled through a frame of
-    distlab's (:func:`_compile_builtin`), and only where it holds parameters (a ReLU or a Flatten
-    alone is not worth a graph). The parallel parts' collectives and hooks become graph breaks first
+def apply_compile(model: nn.Module, whole: bool = False, backend: str = "inductor") -> int:
+    """Compile ``model``'s blocks in place (``nn.Module.compile``) -- or, ``whole``, the model itself --
+    with torch.compile's ``backend``; returns how many modules. A block module of torch's own classes is
+    compiled through a frame of distlab's (:func:`_compile_builtin`), and only where it holds parameters (a
+    ReLU or a Flatten alone is not worth a graph). The parallel parts' collectives and hooks become graph breaks first
     (:func:`distlab.runtime.eager.arm`)."""
     arm()
     if whole and not _builtin(model):
-        model.compile()
+        model.compile(backend=backend)
         return 1
     modules = compiled_modules(model)
     for m in modules:
         if _builtin(m):
-            _compile_builtin(m)
+            _compile_builtin(m, backend)
         else:
-            m.compile()
+            m.compile(backend=backend)
     return len(modules)
 
 
@@ -100,20 +118,21 @@ def compiled_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in compile_units(model) if not _builtin(m) or any(True for _ in m.parameters())]
 
 
-def check_toolchain(device: torch.device) -> None:
+def check_toolchain(device: torch.device, backend: str = "inductor") -> None:
     """Before any work: on a CPU, torch's inductor builds each compiled graph's kernels with a C++
     compiler (``$CXX``, else g++ or clang++ on PATH); without one the first step would fail deep inside
-    it. Refused here in one line instead."""
+    it. Refused here in one line instead (the other backends build no kernel)."""
     import os
     import shutil
-    if device.type != "cpu":
+    if device.type != "cpu" or backend != "inductor":
         return
     cxx = os.environ.get("CXX")
     if (cxx and shutil.which(cxx)) or any(shutil.which(c) for c in ("g++", "clang++", "c++")):
         return
     raise ConfigError("`compile` on a CPU needs a C++ compiler -- torch's inductor builds the compiled kernels with "
                       "one -- and none is on PATH (g++, clang++" + (f", or $CXX {cxx}" if cxx else ", or $CXX")
-                      + "): install one (apt-get install g++) or train without `compile`")
+                      + "): install one (apt-get install g++), or train without `compile` or with "
+                      "`compile_backend` aot_eager (traced, no fused kernels)")
 
 
 def compiled_graphs() -> int:

@@ -77,7 +77,7 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh, device: torch.
     if strategy.activation_checkpointing and strategy.pp == 1:  # a stage checkpoints its blocks by name
         apply_activation_checkpointing(model, strategy.ac_every, strategy.ac_policy)
     if strategy.compile:  # in place, inside the checkpointed ranges and the stage's layers alike
-        apply_compile(model, whole_model(strategy, mesh.replicas, len(parts)))
+        apply_compile(model, whole_model(strategy, mesh.replicas, len(parts)), strategy.compile_backend)
     head = loss_head(model)
     schedule: StepSchedule = Accumulate(strategy.grad_accum)
     if strategy.pp > 1:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 from typing import ClassVar
 
 from distlab.errors import ConfigError, did_you_mean
+from distlab.parallel.compile import check as check_compile
 from distlab.parallel.components import load as load_kind
 from distlab.parallel.components import names as component_names
 from distlab.parallel.components import registered
@@ -62,6 +63,7 @@ class Strategy:
     ac_every: int = 1        # with activation_checkpointing: one block in every ac_every (selective, per block)
     ac_policy: str = "block"  # what a checkpointed block keeps: its input (block) or its chosen ops' outputs too (ops)
     compile: bool = False    # each block through torch.compile (distlab.parallel.compile)
+    compile_backend: str = "inductor"  # torch.compile's backend (distlab.parallel.compile.BACKENDS)
     precision: str = "fp32"  # autocast dtype of forward/backward (parameters and optimizer state stay fp32)
     reduce_dtype: str | None = None  # dtype of gradient communication; None: the gradients' own (fp32)
     grad_compression: str = "none"  # none, fp16, bf16, powersgd:R
@@ -109,6 +111,7 @@ class Strategy:
         _choice("zero", self.zero, ZERO_STAGES)
         _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _choice("precision", self.precision, PRECISIONS)
+        check_compile(self)
         if self.reduce_dtype is not None:
             _choice("reduce_dtype", self.reduce_dtype, PRECISIONS)
         self._check_compression()
@@ -283,10 +286,6 @@ class Strategy:
         if self.pp_schedule == "zb" and self.sequence_parallel:
             raise ConfigError("`pp_schedule` zb with `sequence_parallel`: a weight-gradient pass would run the sequence "
                               "all-gathers again; use `pp_schedule` 1f1b with sequence parallel")
-        if self.pp_schedule == "zb" and self.compile:
-            raise ConfigError("`pp_schedule` zb with `compile`: zero bubble takes each layer's weight gradient from "
-                              "that layer's own output, which a compiled block fuses away; use `pp_schedule` 1f1b "
-                              "(or interleaved, `pp_virtual`) with `compile`, or drop `compile`")
         if self.pp_schedule == "zb" and self.ep > 1:
             raise ConfigError(f"`pp_schedule` zb with `ep` {self.ep}: the experts' weight gradients sit behind the "
                               f"combine all-to-all, which a separate weight pass would run again; use `pp_schedule` 1f1b")
@@ -421,6 +420,8 @@ class Strategy:
             d["dims"] = dict(self.dims)
         if not self.compile:  # and without compiling
             del d["compile"]
+        if self.compile_backend == "inductor":  # and with the default backend
+            del d["compile_backend"]
         d["pp_schedule"] = self.pp_schedule if self.pp > 1 else None
         d["pp_balance"] = list(self.pp_balance) if self.pp_balance else None
         return d

@@ -24,6 +24,9 @@ the class is passed in (``cls``, ``self``): this module is imported by it.
     ac_policy=ops   ac_policy: with ckpt, keep the outputs of attention and every other matrix
                     multiplication inside a checkpointed block (selective, per op); block: its input alone
     compile         compile: each block (transformer block, ResNet block, ...) through ``torch.compile``
+    compile_backend=B
+                    compile_backend: with compile, torch.compile's backend -- inductor (the default: fused
+                    kernels), aot_eager (the same graphs, forward and backward, run by eager kernels) or eager
     bf16, fp16      precision: forward and backward under autocast in that dtype (fp32 master
                     weights and optimizer state; fp16 with dynamic loss scaling, GPU only)
     reduce=DTYPE    reduce_dtype: the dtype gradients are communicated in (fp32, bf16, fp16)
@@ -93,7 +96,8 @@ def strategy_text(self) -> str:
         parts.append("ckpt" + (f"+ac_every={self.ac_every}" if self.ac_every != 1 else "")
                      + (f"+ac_policy={self.ac_policy}" if self.ac_policy != "block" else ""))
     if self.compile:
-        parts.append("compile")
+        backend = self.compile_backend
+        parts.append("compile" + (f"+compile_backend={backend}" if backend != "inductor" else ""))
     if self.precision != "fp32":
         parts.append(self.precision)
     if self.reduce_dtype is not None:

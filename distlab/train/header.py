@@ -162,7 +162,8 @@ def header(trainer) -> list[str]:
         whole = compiled_modules(trainer.engine.module) == [trainer.engine.module]
         what = "the whole model (nothing in this layout acts inside it)" if whole else \
             f"{n} module{'s' if n != 1 else ''} of the model's blocks"
-        lines.append(f"compile  {what} through torch.compile: the first step compiles "
+        backend = "" if cfg.strategy.compile_backend == "inductor" else f" ({cfg.strategy.compile_backend})"
+        lines.append(f"compile  {what} through torch.compile{backend}: the first step compiles "
                      f"{'it' if whole else 'them'} (seconds to minutes on a CPU), evaluation and a smaller last "
                      f"batch once more" if n else "warning  compile: the model lists no module to compile; it runs "
                      "eagerly")

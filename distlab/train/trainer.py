@@ -429,7 +429,8 @@ class Trainer:
                 **({"tokenizer": self.tokenizer.spec, "tokenizer_sha256": self.tokenizer.sha256}
                    if self.tokenizer is not None and self.tokenizer.sha256 else {}),
                 # compiling changes how the blocks run, not the state: a snapshot resumes with or without it
-                "strategy": {k: v for k, v in cfg.strategy.to_dict().items() if k != "compile"},
+                "strategy": {k: v for k, v in cfg.strategy.to_dict().items()
+                             if k not in ("compile", "compile_backend")},
                 "global_batch_size": cfg.global_batch_size, "optimizer": cfg.optimizer, "seed": cfg.seed,
                 "val_fraction": cfg.val_fraction, "lr": cfg.lr, "lr_schedule": cfg.lr_schedule,
                 "lr_scaling": cfg.lr_scaling, "base_batch_size": cfg.base_batch_size, "warmup_steps": cfg.warmup_steps,
