@@ -47,6 +47,17 @@ def test_verify_faults_runs_every_drill_on_real_jobs(run_cli, tmp_path):
         assert disk["passed"] is None and "skipped" in disk["detail"]
 
 
+def test_a_sigterm_as_the_run_finishes_leaves_its_results_complete_and_exits_0(run_cli, tmp_path):
+    """The signal comes at the last step: the run had done all it was asked -- its summary says completed, and
+    the launcher says so rather than calling it stopped before the workers had stopped cleanly."""
+    proc = run_cli(*TRAIN, "--max-steps", "6", "--snapshot-dir", "s", "--out", "b",
+                   env={"DISTLAB_TERM_AGENT_AT_STEP": "1:6"})
+    assert proc.returncode == 0, proc.stderr
+    assert _summary(tmp_path / "b" / "summary.json")["stopped"] == "completed"
+    assert "SIGTERM came as the run finished (step 6, b/summary.json written): its results are complete" \
+        in proc.stderr
+
+
 def test_a_preempted_run_says_so_and_exits_0(run_cli, tmp_path):
     proc = run_cli(*TRAIN, "--max-steps", "12", "--snapshot-dir", "s", "--out", "b",
                    env={"DISTLAB_TERM_AGENT_AT_STEP": "1:4"})

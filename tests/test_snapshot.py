@@ -862,3 +862,29 @@ def test_weights_that_are_not_finite_are_never_snapshotted_nor_called_the_last_g
     assert kept == ["step-00000001"], kept
     assert "the last good state is in" in message and message.count("step-00000001") == 1
     assert "no snapshot of step 2: its weights hold nan or inf" in message
+
+
+def _signalled_again_while_it_snapshots(rank, world, tmp_path):
+    """SIGTERM at step 2 (as a scheduler signals every process of a job), then again while the run writes the
+    snapshot it stops with (torchrun's agent passing the first one on, or the scheduler repeating itself)."""
+    import signal
+
+    def term(step):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+    cfg = _cfg(tmp_path / "s", max_steps=6, snapshot_every=100, val_fraction=0.0, lr_schedule="constant")
+    trainer = Trainer(cfg.validate(world), runtime.from_process_group(), hooks=[term])
+    first_save = trainer.run.save
+
+    def save_signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return first_save(*args, **kwargs)
+    trainer.run.save = save_signalled
+    summary = trainer.fit()
+    return summary["stopped"], summary["steps"], [p.name for p in snap.snapshots(tmp_path / "s")]
+
+
+def test_a_sigterm_while_a_preempted_run_writes_its_snapshot_and_summary_changes_nothing(tmp_path):
+    stopped, steps, kept = run_ranks(_signalled_again_while_it_snapshots, 2, tmp_path, timeout=120)[0]
+    assert stopped == "preempted" and 2 < steps < 6
+    assert kept == [f"step-{steps:08d}"]

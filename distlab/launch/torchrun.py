@@ -253,6 +253,10 @@ def _stopped_by_signal(sig: int, argv: list[str], since: float) -> int:
             "; no --snapshot-dir, so the progress is lost"
         print(f"distlab: stopped by {name} at step {summary['steps']} as asked{where}", file=sys.stderr, flush=True)
         return 0 if summary["stopped"] == "preempted" else 128 + int(sig)  # Ctrl-C: the shell's "interrupted"
+    if summary and summary.get("stopped") in FINISHED:  # the signal came as the run did its last step
+        print(f"distlab: warning: {name} came as the run finished (step {summary.get('steps')}, {out}/summary.json "
+              f"written): its results are complete", file=sys.stderr, flush=True)
+        return 0
     if sig == signal.SIGINT:
         print("distlab: stopped at once (a second Ctrl-C): the step in progress is lost; earlier snapshots are "
               "intact", file=sys.stderr, flush=True)

@@ -12,7 +12,8 @@ every rank reads the same value for the same step, so all stop at the same bound
 steps after the first rank saw the signal -- and the per-step cost is one 4-byte collective that
 overlaps a whole step. On a GPU job (NCCL) the flag goes over a gloo group of its own, on the host:
 reading an NCCL result would make the host wait for the device every step. The loop then snapshots (``--resume auto`` continues bitwise) and writes its
-summary with ``"stopped": "preempted"``.
+summary with ``"stopped": "preempted"``, the handler still set: a SIGTERM meanwhile (torchrun's agent passing a
+scheduler's on to a rank that had it already) changes nothing.
 
 SIGINT (Ctrl-C; under torchrun its agent passes it on) does the same with ``"stopped":
 "interrupted"``; a second SIGINT before the stop raises ``KeyboardInterrupt`` at once (no snapshot
@@ -52,8 +53,14 @@ class Preemption:
 
     def __exit__(self, *exc) -> None:
         self._restore()
-        if self._pending is not None and exc[0] is None:
-            self._pending[0].wait()  # never leave a collective half done
+        if exc[0] is None:
+            self.settle()
+        self._pending = None
+
+    def settle(self) -> None:
+        """Wait for the last poll's all-reduce (never leave a collective half done); the handlers stay."""
+        if self._pending is not None:
+            self._pending[0].wait()
         self._pending = None
 
     def _restore(self) -> None:

@@ -54,10 +54,13 @@ def fault_injection_hook(rank: int) -> Callable[[int], None] | None:
     """Test hooks, on the first attempt only (real, unannounced signals for the fault-tolerance tests):
     ``DISTLAB_KILL_AT_STEP=RANK:STEP`` SIGKILLs that rank right after that step;
     ``DISTLAB_TERM_AGENT_AT_STEP=RANK:STEP`` makes it send SIGTERM to its parent (torchrun's agent,
-    which passes it on to every worker: a preemption). None when neither names this rank."""
+    which passes it on to every worker: a preemption) and to itself, as a scheduler signals every process of
+    a job -- so the run stops within two steps however late the agent's signals come (this rank then has
+    two). None when neither names this rank."""
     hooks = []
     for variable, target, sig in (("DISTLAB_KILL_AT_STEP", os.getpid, signal.SIGKILL),
-                                  ("DISTLAB_TERM_AGENT_AT_STEP", parent_pid, signal.SIGTERM)):
+                                  ("DISTLAB_TERM_AGENT_AT_STEP", parent_pid, signal.SIGTERM),
+                                  ("DISTLAB_TERM_AGENT_AT_STEP", os.getpid, signal.SIGTERM)):
         spec = os.environ.get(variable)
         if not spec or restart_count() > 0:
             continue

@@ -230,8 +230,16 @@ class Trainer:
             x, y = next(self.loader.iter_from(position))
             engine.prime(x.to(self.rt.device), (y[..., 0].long() if self.preference else y).to(self.rt.device))
         start = time.perf_counter()
+        # the handlers stay until the summary is written: a SIGTERM meanwhile (the agent passing a scheduler's on,
+        # the scheduler repeating it) must not kill a rank in the middle of the snapshot the run stops with
         with Preemption() as preemption:
             stopped = self._loop(times, preemption)
+            preemption.settle()
+            return self._finish(stopped, times, start)
+
+    def _finish(self, stopped: str, times: StepTimes, start: float) -> dict:
+        """After the loop: the last evaluation, snapshot and model file, the summary; returns the summary."""
+        cfg, run = self.cfg, self.run
         self.observer.finish()  # the run ended inside the traced or profiled steps: what was recorded
         self.bar.close()
         if stopped == "time_budget" and (not run.evals or run.evals[-1]["step"] != run.step):
