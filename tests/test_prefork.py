@@ -136,7 +136,8 @@ def test_launches_a_command_runs_fork_from_its_server_and_still_die_with_their_o
     run = [sys.executable, "-m", "distlab", "train", "--model", f"{tmp_path / 'probe.py'}:build", "--no-progress",
            "--nproc-per-node", "2", "--device", "cpu"]
     long_run = subprocess.Popen([*run, "--dataset", "synthetic:1x8x8:4:200000", "--epochs", "50", "--out", "a"],
-                                cwd=tmp_path, env={**env, "PROBE": "shared", "PROBE_OUT": str(tmp_path)},
+                                cwd=tmp_path, env={**env, "PROBE": "shared", "PROBE_OUT": str(tmp_path),
+                                                   "TMPDIR": str(tmp_path)},  # what a SIGKILLed launcher leaves
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         probes = [tmp_path / f"shared-{rank}.json" for rank in (0, 1)]

@@ -666,6 +666,7 @@ def test_one_run_per_snapshot_dir_and_workers_die_with_their_launcher(refused_he
     from distlab.launch import prefork
     # a shell's environment: no server of another process to share (tests/test_prefork.py has that case)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", prefork.SOCKET_ENV, prefork.KEY_ENV)}
+    env["TMPDIR"] = str(tmp_path)  # the launcher's temporary directories: a SIGKILLed one cannot remove them
     first = subprocess.Popen(long_run, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True)
     try:
