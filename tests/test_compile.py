@@ -70,8 +70,10 @@ def test_a_compiled_runs_snapshot_resumes_without_compile_as_the_same_layout(tmp
 def test_models_of_torchs_own_layers_compile_too_and_train_as_eager():
     """The MLP, a BatchNorm CNN (with SyncBN) and a user's nn.Sequential: their blocks are torch's own
     layers, which ``nn.Module.compile`` alone leaves uncompiled (dynamo does not start in torch's files);
-    each compiles graphs and trains within verify's bound of one eager process."""
-    cases = ["bucketed+compile", "bucketed+syncbn+compile", "zero=2+compile"]
+    each compiles graphs and trains within verify's bound of one eager process. Through aot_eager: where these
+    layers start dynamo is a frame of distlab's, the backend's kernels are the header test's (inductor)."""
+    cases = ["bucketed+compile+compile_backend=aot_eager", "bucketed+syncbn+compile+compile_backend=aot_eager",
+             "zero=2+compile+compile_backend=aot_eager"]
     for r in verify([parse_strategy(c) for c in cases], 2, steps=2, timeout=300):
         assert r["passed"] and r["compiled_graphs"] >= 2, r
 

@@ -16,7 +16,7 @@ from distlab.launch import prefork
 from tests.conftest import invoke, patience
 
 PROBE = textwrap.dedent("""
-    import json, os, sys
+    import gc, json, os, sys
     from pathlib import Path
 
     from torch import nn
@@ -27,7 +27,8 @@ PROBE = textwrap.dedent("""
     def build():
         if "RANK" in os.environ:  # a worker (the launcher builds it too, on the meta device, to check it)
             facts = dict(pid=os.getpid(), ppid=os.getppid(), parent=parent_pid(), cwd=os.getcwd(),
-                         probe=os.environ.get("PROBE"), path=sys.path[:2], session=os.getsid(0), argv=sys.argv[1:3])
+                         probe=os.environ.get("PROBE"), path=sys.path[:2], session=os.getsid(0), argv=sys.argv[1:3],
+                         frozen=gc.get_freeze_count())
             Path(os.environ["PROBE_OUT"], f"{os.environ['PROBE']}-{os.environ['RANK']}.json").write_text(json.dumps(facts))
         return nn.Sequential(nn.Flatten(), nn.Linear(64, 4))
 """)
@@ -54,6 +55,9 @@ def test_two_launches_fork_their_workers_from_one_warm_server_each_with_its_own_
         assert f["parent"] == os.getpid(), f  # torchrun's agent: the launching process (run in this one)
         assert f["session"] == f["pid"], f  # a session of its own, as torchrun gives its workers
         assert f["argv"] == ["train", "--model"], f
+        # what the server imported is out of the collector's reach: a worker's collections (one at its end) scan --
+        # and touch, so copy on write -- only what the worker made, not torch's whole heap again
+        assert f["frozen"] > 100_000, f
 
 
 def test_exec_starts_fresh_interpreters_and_a_bad_setting_is_one_line(run_cli, tmp_path):

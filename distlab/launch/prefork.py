@@ -47,7 +47,8 @@ MODE_ENV = "DISTLAB_WORKER_START"  # prefork (the default on Linux) or exec
 # Imported by name: this module sits below the commands. distlab.cli first: it sets torch's C++ log level
 # before torch is imported. torch._dynamo (with sympy): torch imports it on the first use of a device context,
 # which builds every model -- 1.8 s of CPU per worker otherwise. Importing it starts no thread.
-PRELOAD = ("distlab.cli", "torch", "torch.distributed", "torch._dynamo", "distlab.train", "distlab.parallel")
+PRELOAD = ("distlab.cli", "torch", "torch.distributed", "torch._dynamo", "distlab.train", "distlab.parallel",
+           "distlab.launch.frozen")  # last: the heap all of them made, frozen out of the collector
 KEY_ENV = "DISTLAB_PREFORK_KEY"  # the server's key (:func:`_key`), beside its socket, for launches started here
 # What an interpreter's start and the imports read from the environment (with every PYTHON* variable): a launch
 # whose values differ gets a server of its own. (OMP_NUM_THREADS is not one: a worker applies its own at the fork.)

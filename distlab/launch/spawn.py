@@ -42,7 +42,8 @@ class RankFailure(AssertionError):
 
 
 # torch._dynamo: see distlab.launch.prefork.PRELOAD
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "distlab.launch.spawn", "distlab.train", "distlab.parallel"]
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "distlab.launch.spawn", "distlab.train", "distlab.parallel",
+           "distlab.launch.frozen"]  # last: the heap all of them made, frozen out of the collector
 
 
 def _context():
