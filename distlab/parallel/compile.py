@@ -40,11 +40,9 @@ BACKENDS = ("inductor", "aot_eager", "eager")  # torch.compile's: fused kernels,
 
 
 def check(strategy) -> None:
-    """``compile``'s own settings and what they meet, raising ConfigError: the backend, and the zero-bubble
-    pipeline (whose weight gradients a compiled block fuses away)."""
-    if strategy.compile_backend not in BACKENDS:
-        raise ConfigError(f"unknown `compile_backend` {strategy.compile_backend!r}; choose one of: "
-                          f"{', '.join(BACKENDS)}")
+    """``compile``'s own settings and what they meet, raising ConfigError: a backend without ``compile``, and
+    the zero-bubble pipeline (whose weight gradients a compiled block fuses away). The backend's name is one of
+    :data:`BACKENDS` (``Strategy.check``'s choices)."""
     if strategy.compile_backend != "inductor" and not strategy.compile:
         raise ConfigError(f"`compile_backend` {strategy.compile_backend} says how `compile` compiles: turn on "
                           f"`compile` too, or drop `compile_backend`")
@@ -95,8 +93,8 @@ def apply_compile(model: nn.Module, whole: bool = False, backend: str = "inducto
     """Compile ``model``'s blocks in place (``nn.Module.compile``) -- or, ``whole``, the model itself --
     with torch.compile's ``backend``; returns how many modules. A block module of torch's own classes is
     compiled through a frame of distlab's (:func:`_compile_builtin`), and only where it holds parameters (a
-    ReLU or a Flatten alone is not worth a graph). The parallel parts' collectives and hooks become graph breaks first
-    (:func:`distlab.runtime.eager.arm`)."""
+    ReLU or a Flatten alone is not worth a graph). The parallel parts' collectives and hooks become graph
+    breaks first (:func:`distlab.runtime.eager.arm`)."""
     arm()
     if whole and not _builtin(model):
         model.compile(backend=backend)

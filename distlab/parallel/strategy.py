@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 from typing import ClassVar
 
 from distlab.errors import ConfigError, did_you_mean
-from distlab.parallel.compile import check as check_compile
+from distlab.parallel.compile import BACKENDS as COMPILE_BACKENDS, check as check_compile
 from distlab.parallel.components import load as load_kind
 from distlab.parallel.components import names as component_names
 from distlab.parallel.components import registered
@@ -111,6 +111,7 @@ class Strategy:
         _choice("zero", self.zero, ZERO_STAGES)
         _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _choice("precision", self.precision, PRECISIONS)
+        _choice("compile_backend", self.compile_backend, COMPILE_BACKENDS)
         check_compile(self)
         if self.reduce_dtype is not None:
             _choice("reduce_dtype", self.reduce_dtype, PRECISIONS)
