@@ -246,6 +246,34 @@ def test_pipeline_memory_is_predicted_exactly_per_stage():
         predict(t, Layout(dp=1, strategy=Strategy(pp=5), global_batch=10), Link(), None)
 
 
+def test_a_module_is_inside_a_block_by_its_dotted_name_and_a_stage_is_cut_once():
+    """What the planner's lookups stand on: ``layers.1`` holds ``layers.1.attn`` but not ``layers.10``; a
+    stage's part of a trace is cut once and a changed copy of the trace cuts its own; a schedule's action
+    list, shared by every layout that asks for it, cannot be changed by one of them."""
+    from dataclasses import replace
+
+    from distlab.parallel.cost import block_index, blocks_of, under
+    from distlab.parallel.pipeline import schedule_actions
+    from distlab.plan.trace import stage_trace
+    assert under("layers.1.attn.q", {"layers.1"}) and under("layers.1", {"layers.1"})
+    assert not under("layers.10.attn", {"layers.1"}) and not under("layers.1", {"layers.1"}, strict=True)
+    assert under("layers.1.weight", {"layers.1"}, strict=True) and not under("layers", {"layers.1"})
+    index = block_index([["embed", "layers.0"], ["layers.1"], ["layers.1", "layers.10"]])
+    assert blocks_of("layers.1.mlp.up", index) == {1, 2} and blocks_of("layers.10.attn", index) == {2}
+    assert blocks_of("embed.weight", index) == {0} and blocks_of("norm", index) == set()
+    t = trace("gpt", (8,), 256, n_layer=2, n_head=2, n_embd=16)
+    names = [layer.name for layer in t.layers[: len(t.layers) // 2]]
+    first = t.stage(names)
+    assert t.stage(names) is first and first.names == stage_trace(t, names).names
+    assert 0 < len(first.names) < len(t.names)
+    half = replace(t, numels=[n // 2 for n in t.numels])
+    assert half.stage(names).numels == [n // 2 for n in first.numels]
+    plan = schedule_actions("zb", 4, 1, 4)
+    assert plan is schedule_actions("zb", 4, 1, 4)
+    with pytest.raises(TypeError):
+        plan[0][0] = ("F", 0, 0, 0, 1)
+
+
 def test_sequence_parallel_splits_the_layernorm_activations_in_the_plan():
     t = trace("gpt", (64,), 256)
     acts = {sp: predict(t, Layout(strategy=Strategy(tp=2, sequence_parallel=sp), global_batch=8), Link(), None)

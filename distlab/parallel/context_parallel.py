@@ -51,7 +51,7 @@ from distlab.comm import p2p
 from distlab.errors import ConfigError, with_article
 from distlab.models import plans
 from distlab.models.contract import SequenceStatistics, attend, contract
-from distlab.parallel.cost import Call, CallGroup, Price, in_stage
+from distlab.parallel.cost import Call, CallGroup, Price, in_stage, under
 from distlab.parallel.protocols import ComponentKind
 from distlab.parallel.ring_attention import RingAttentionFunction
 from distlab.runtime import group_rank, group_size, timeline
@@ -258,10 +258,10 @@ class ContextParallel(ComponentKind):
             raise ConfigError(f"`cp` {lay.cp}: context parallel splits a transformer's sequences, and this model "
                               f"declares no attention (context_parallel_plan); plan it with `cp` 1")
         cp, ring = lay.cp, lay.strategy.cp_style == "ring"
-        recomputed = [n for block in lay.strategy.checkpointed(t.blocks) for n in block]
+        recomputed = {n for block in lay.strategy.checkpointed(t.blocks) for n in block}
 
         def again(name: str) -> int:  # an attention inside a checkpointed block runs its forward twice
-            return 1 + any(name == n or name.startswith(n + ".") for n in recomputed)
+            return 1 + under(name, recomputed)
 
         mine = sum(v for name, v in t.attention_kv.items() if in_stage(name, t_rank, lay)) if t.attention_kv else \
             t.attention_kv_bytes_per_sample

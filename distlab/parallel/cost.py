@@ -70,10 +70,41 @@ def trained(t) -> tuple[list[int], list[tuple[int, ...]]]:
 
 # ---------------------------------------------------------------------------------- what a step sends
 
+def under(name: str, modules, strict: bool = False) -> bool:
+    """Whether the module or parameter ``name`` is one of the set ``modules`` or inside one (``strict``:
+    inside one only) -- each of its dotted prefixes looked up, not every module compared."""
+    if strict:
+        name = name.rpartition(".")[0]
+    while name:
+        if name in modules:
+            return True
+        name = name.rpartition(".")[0]
+    return False
+
+
+def blocks_of(name: str, index: dict[str, list[int]]) -> set[int]:
+    """The blocks the module ``name`` is one of or inside, ``index`` mapping each block's member to its
+    blocks (:func:`block_index`)."""
+    found: set[int] = set()
+    while name:
+        found.update(index.get(name, ()))
+        name = name.rpartition(".")[0]
+    return found
+
+
+def block_index(blocks: list[list[str]]) -> dict[str, list[int]]:
+    """Each module a block lists -> the blocks (indices into ``blocks``) that list it."""
+    index: dict[str, list[int]] = {}
+    for b, block in enumerate(blocks):
+        for name in block:
+            index.setdefault(name, []).append(b)
+    return index
+
+
 def in_stage(name: str, t_rank, lay) -> bool:
     """Whether the module ``name`` is on the pipeline stage whose trace is ``t_rank`` (every module is
     without a pipeline): what a component prices is that stage's part of the model."""
-    return lay.pp == 1 or any(name == layer.name or name.startswith(layer.name + ".") for layer in t_rank.layers)
+    return lay.pp == 1 or under(name, {layer.name for layer in t_rank.layers})
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from distlab.errors import ConfigError
 from distlab.parallel import Strategy, components
-from distlab.parallel.cost import Call, DataParallelCost, Optim
+from distlab.parallel.cost import Call, DataParallelCost, Optim, under
 from distlab.parallel.pipeline import cost as schedule_cost
 from distlab.parallel.pipeline import ideal_bubble
 from distlab.parallel import sync_bn
@@ -97,7 +97,7 @@ class Timer:
 def stage_names(t: Trace, stage: dict) -> set[str]:
     """The parameter names under a pipeline stage's layers (a tied one's second name included)."""
     layers = [layer.name for a, b in stage.get("chunks") or [stage["layers"]] for layer in t.layers[a:b]]
-    return {name for name in (*t.names, *t.tied) if any(name.startswith(n + ".") for n in layers)}
+    return {name for name in (*t.names, *t.tied) if under(name, set(layers), strict=True)}
 
 
 def comm_bytes(t: Trace, lay: Layout, sync, stages: list[dict], micro: int, optim) -> dict:

@@ -20,7 +20,7 @@ from distlab.models import build_model, is_user_model, task_loss
 from distlab.models.contract import contract
 from distlab.models.plans import declared_plan, tied_names
 from distlab.parallel.checkpointing import block_names
-from distlab.parallel.cost import ModuleIO
+from distlab.parallel.cost import ModuleIO, under
 from distlab.parallel.pipeline import sequential_layers
 from distlab.parallel.tensor_parallel import STYLES as TENSOR_STYLES
 from distlab.parallel.tensor_parallel.plan import plan_of as tp_plan_of
@@ -98,6 +98,8 @@ class Trace:
     # count, what MFU divides by); 0 where it declares none
     attention: str = "math"  # how scaled_dot_product_attention was traced: math (what a CPU runs, the scores kept)
     # or flash (a GPU's fused kernel: queries, keys, values, output and the row log-sum-exp kept)
+    stages: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # stage()'s parts, kept: a
+    # trace is not changed once traced, and a search cuts the same stages for hundreds of layouts
 
     def trains(self, u: int) -> bool:
         return not self.trainable or self.trainable[u]
@@ -113,13 +115,13 @@ class Trace:
         return key if key in self.tensor_plans else key[:2] + (1,)
 
     def stage(self, names: list[str]) -> "Trace":
-        """The part a pipeline stage holding the layers ``names`` holds (:func:`stage_trace`)."""
-        return stage_trace(self, names)
+        """The part a pipeline stage holding the layers ``names`` holds (:func:`stage_trace`), cut once."""
+        if (key := tuple(names)) not in self.stages:
+            self.stages[key] = stage_trace(self, names)
+        return self.stages[key]
 
 
 TRACED_TP = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # the tensor-parallel sizes whose plans a trace keeps
-
-
 _TRACED: dict[str, Trace] = {}  # a family's model by its sizes -> its trace, kept in this process (the last few)
 _KEEP = 8
 
@@ -391,11 +393,12 @@ def profile_layers(model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = N
 def stage_trace(t: Trace, names: list[str]) -> Trace:
     """The part of ``t`` a pipeline stage holds: the parameters under the layers ``names``, and the
     events of their modules (ZeRO's bookkeeping over a stage)."""
-    mine = [u for u, unit in enumerate(t.names) if any(unit.startswith(n + ".") for n in names)]
+    layers = set(names)
+    mine = [u for u, unit in enumerate(t.names) if under(unit, layers, strict=True)]
     # a tied parameter's second name on this stage (the LM head, the embedding on the first): a copy of its unit
     mine += [t.names.index(first) for second, first in t.tied.items()
-             if any(second.startswith(n + ".") for n in names) and t.names.index(first) not in mine]
-    return units_trace(t, sorted(mine), [layer for layer in t.layers if layer.name in names])
+             if under(second, layers, strict=True) and t.names.index(first) not in mine]
+    return units_trace(t, sorted(mine), [layer for layer in t.layers if layer.name in layers])
 
 
 def units_trace(t: Trace, mine: list[int], layers: list[Layer] | None = None) -> Trace:

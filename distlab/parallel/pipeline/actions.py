@@ -4,11 +4,14 @@ scheduler plays the step on every rank with unit costs (the package docstring sa
 
 from __future__ import annotations
 
+import functools
+
 from distlab.errors import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b", "zb")
 
 
+@functools.lru_cache(maxsize=256)
 def ideal_bubble(stages: int, microbatches: int, schedule: str = "1f1b", virtual: int = 1) -> float:
     """The share of a step each stage idles while the pipeline fills and drains, with equal stages:
     ``(P - 1) / (M + P - 1)`` for GPipe and 1F1B; for the action-list schedules (interleaved, zero
@@ -21,11 +24,17 @@ def ideal_bubble(stages: int, microbatches: int, schedule: str = "1f1b", virtual
     return sum(1 - b / span for b in busy) / stages
 
 
-def schedule_actions(schedule: str, stages: int, virtual: int, microbatches: int) -> list[list[tuple]]:
+@functools.lru_cache(maxsize=256)
+def schedule_actions(schedule: str, stages: int, virtual: int, microbatches: int) -> tuple[tuple[tuple, ...], ...]:
     """Every rank's actions for one step, in order: ``(kind, chunk, microbatch, start, cost)`` with
     kind ``F`` (forward), ``B`` (backward; under ``zb`` only the input's gradient) or ``W`` (``zb``:
     the weights' gradients). Virtual stage ``k = chunk x P + rank`` (module docstring). GPipe: every
-    forward first (no limit on what a stage holds), then every backward."""
+    forward first (no limit on what a stage holds), then every backward. Immutable and remembered: a
+    planner's search asks for the same few schedules hundreds of times."""
+    return tuple(tuple(acts) for acts in _simulated(schedule, stages, virtual, microbatches))
+
+
+def _simulated(schedule: str, stages: int, virtual: int, microbatches: int) -> list[list[tuple]]:
     P, V, M = stages, virtual, microbatches
     K, split, gpipe = P * V, schedule == "zb", schedule == "gpipe"
     cost = {"F": 1, "B": 1 if split else 2, "W": 1}

@@ -15,7 +15,7 @@ from torch import nn
 
 from distlab.errors import ConfigError
 from distlab.models import plans
-from distlab.parallel.cost import Call, CallGroup, Price, in_stage
+from distlab.parallel.cost import Call, CallGroup, Price, block_index, blocks_of, in_stage, under
 from distlab.parallel.protocols import ComponentKind
 from distlab.parallel.tensor_parallel.layers import STYLES, ColumnParallelLinear, RowParallelLinear
 from distlab.parallel.tensor_parallel.mappings import all_reduce_sum
@@ -76,7 +76,7 @@ class TensorParallel(ComponentKind):
         entering = 0.0  # what enters a parallel region whole (gathered under sequence parallel), saved whole
         ops = st.activation_checkpointing and st.ac_policy == "ops"
         kept_by = {n: b for layer in t.layers for n, b in layer.ops_kept_by.items()} if ops else {}
-        checkpointed = [n for block in st.checkpointed(t.blocks) for n in block]
+        checkpointed = {n for block in st.checkpointed(t.blocks) for n in block}
         recomputed = _recomputed(plan, st.checkpointed(t.blocks)) if st.activation_checkpointing else set()
         for name, style in plan.items():
             if not in_stage(name, t_rank, lay):
@@ -86,7 +86,7 @@ class TensorParallel(ComponentKind):
             if style != "colwise_gather" and name not in recomputed:  # (the region's entry: what sequence
                 entering += sum(c.nbytes for c in TP_STYLES[style].forward_calls(io, samples, True)  # parallel
                                 if c.kind == "all_gather")  # gathers there; without it, what every rank holds)
-            if style == "rowwise" and kept_by and any(name == n or name.startswith(n + ".") for n in checkpointed):
+            if style == "rowwise" and kept_by and under(name, checkpointed):
                 # checkpointed per op: its kept output is its partial
                 entering += kept_by.get(name, 0.0) * samples  # sums over every position, whole on each rank
             if name in recomputed:  # checkpointing runs its forward again in backward
@@ -126,11 +126,14 @@ def _recomputed(plan: dict[str, str], blocks: list[list[str]]) -> set[str]:
     """The planned modules activation checkpointing runs again: every one inside a checkpointed block but a
     block's last row-parallel layer -- the recomputation stops once it has remade what backward saved (torch's
     early stop), and that layer's output only joins the residual stream."""
+    index = block_index(blocks)
+    mine: list[list[str]] = [[] for _ in blocks]  # each block's planned modules, in the plan's order
+    for name, style in plan.items():
+        for b in blocks_of(name, index) if style != "tensor_rank" else ():  # (tensor_rank configures a module)
+            mine[b].append(name)
     out = set()
-    for block in blocks:  # its layers in the plan's order (tensor_rank configures a module: it is no layer)
-        mine = [name for name in plan if plan[name] != "tensor_rank" and any(
-            name == n or name.startswith(n + ".") for n in block)]
-        out.update(mine[:-1] if mine and plan[mine[-1]] == "rowwise" else mine)
+    for names in mine:
+        out.update(names[:-1] if names and plan[names[-1]] == "rowwise" else names)
     return out
 
 

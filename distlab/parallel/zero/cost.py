@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 
 from distlab.errors import ConfigError
-from distlab.parallel.cost import Call, Optim, PlannedCalls, data_parallel_bytes, resolved, textbook_parts
+from distlab.parallel.cost import (Call, Optim, PlannedCalls, block_index, blocks_of, data_parallel_bytes, resolved,
+                                   textbook_parts)
 from distlab.parallel.precision import DTYPES
 from distlab.parallel.zero.units import goes_alone
 
@@ -67,15 +68,16 @@ class ZeroReplay:
         self.prefetched: set[int] = set()
         # activation checkpointing: each block's modules, and their forward events, run again in backward
         self.block_of: dict[int, int] = {}
-        self.block_events: list[list[tuple[str, int]]] = []
         self.within: set[int] | None = None  # a recomputed block's modules: the only ones prefetched meanwhile
-        for b, layers in enumerate(t.blocks[::int(recompute)] if recompute else ()):  # (one in every `recompute`)
-            for m, units in self.units_of.items():
-                name = t.names[units[0]].rsplit(".", 1)[0] if t.module_of[units[0]] == m else None
-                if name is not None and any(name == n or name.startswith(n + ".") for n in layers):
-                    self.block_of[m] = b
-            self.block_events.append([(kind, m) for kind, m in t.events
-                                      if kind in ("fwd", "fwd_done") and self.block_of.get(m) == b])
+        blocks = t.blocks[::int(recompute)] if recompute else []  # (one in every `recompute`)
+        index, inside = block_index(blocks), {}
+        for m, units in self.units_of.items():
+            if t.module_of[units[0]] == m and (found := blocks_of(t.names[units[0]].rsplit(".", 1)[0], index)):
+                inside[m], self.block_of[m] = found, max(found)
+        self.block_events: list[list[tuple[str, int]]] = [[] for _ in blocks]
+        for kind, m in t.events:
+            for b in inside.get(m, ()) if kind in ("fwd", "fwd_done") else ():
+                self.block_events[b].append((kind, m))
         # stages 1-2: buckets of units in reverse order, as distlab.parallel.zero._buckets cuts them
         self.buckets: list[list[int]] = []
         cap, size = int(bucket_mb * 2**20), 0
