@@ -98,8 +98,8 @@ class Trace:
     # count, what MFU divides by); 0 where it declares none
     attention: str = "math"  # how scaled_dot_product_attention was traced: math (what a CPU runs, the scores kept)
     # or flash (a GPU's fused kernel: queries, keys, values, output and the row log-sum-exp kept)
-    stages: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # stage()'s parts, kept: a
-    # trace is not changed once traced, and a search cuts the same stages for hundreds of layouts
+    memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # what was derived from it (its
+    # stages' parts, ZeRO's replayed peaks), kept: a trace is not changed once traced; a search asks again and again
 
     def trains(self, u: int) -> bool:
         return not self.trainable or self.trainable[u]
@@ -116,9 +116,9 @@ class Trace:
 
     def stage(self, names: list[str]) -> "Trace":
         """The part a pipeline stage holding the layers ``names`` holds (:func:`stage_trace`), cut once."""
-        if (key := tuple(names)) not in self.stages:
-            self.stages[key] = stage_trace(self, names)
-        return self.stages[key]
+        if (key := ("stage", *names)) not in self.memo:
+            self.memo[key] = stage_trace(self, names)
+        return self.memo[key]
 
 
 TRACED_TP = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # the tensor-parallel sizes whose plans a trace keeps

@@ -114,9 +114,12 @@ def stages(t, lay, micro: int, optim, sync_cost) -> list[dict]:
         mine = [layer for a, b in chunks for layer in layers[a:b]]
         sub = t.stage([layer.name for layer in mine]) if lay.pp > 1 else t
         if lay.tp > 1:  # the units the model's tensor plan shards (every unit where the trace has no plan)
-            split = t.tensor_split.get(t.tensor_key(lay.strategy, lay.tp))
-            sub = replace(sub, numels=[math.ceil(m / lay.tp) if split is None or name in split else m
-                                       for name, m in zip(sub.names, sub.numels)])
+            key = t.tensor_key(lay.strategy, lay.tp)
+            if (tp := ("tp", lay.tp, *key)) not in sub.memo:
+                split = t.tensor_split.get(key)
+                sub.memo[tp] = replace(sub, numels=[math.ceil(m / lay.tp) if split is None or name in split else m
+                                                    for name, m in zip(sub.names, sub.numels)])
+            sub = sub.memo[tp]
         state = sync_cost.planned_memory(sub, optim, lay.strategy, lay.replicas)
         recompute = recompute_flops = 0.0
         if mine and lay.strategy.activation_checkpointing:

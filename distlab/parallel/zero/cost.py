@@ -10,7 +10,7 @@ import math
 
 from distlab.errors import ConfigError
 from distlab.parallel.cost import (Call, Optim, PlannedCalls, block_index, blocks_of, data_parallel_bytes, resolved,
-                                   textbook_parts)
+                                   textbook_parts, under)
 from distlab.parallel.precision import DTYPES
 from distlab.parallel.zero.units import goes_alone
 
@@ -296,10 +296,14 @@ def zero_peak_bytes(t, stage: int, world: int, optim: Optim, grad_accum: int = 1
         raise ConfigError(f"ZeRO stage {stage}: choose 0, 1, 2 or 3")
     if world < 1:
         raise ConfigError(f"world size {world}: must be at least 1")
-    sim = ZeroReplay(t, stage, world, optim, bucket_mb, wire_size, recompute)
-    sim.step(grad_accum)
-    sim.step(grad_accum)  # the second step starts from the first one's leftovers: steady state
-    return sim.peak
+    memo = getattr(t, "memo", {})  # a plan's trace keeps what was replayed on it (a search asks again and again)
+    key = ("zero", stage, world, optim, grad_accum, bucket_mb, wire_size, recompute)
+    if key not in memo:
+        sim = ZeroReplay(t, stage, world, optim, bucket_mb, wire_size, recompute)
+        sim.step(grad_accum)
+        sim.step(grad_accum)  # the second step starts from the first one's leftovers: steady state
+        memo[key] = sim.peak
+    return memo[key]
 
 
 def _zero_buckets(sizes: list[int], cap: int) -> list[tuple[int, int]]:
@@ -359,11 +363,10 @@ class ZeroCost:
         # where backward needs the weights: a Linear's where its input needs a gradient, any other module's
         # where backward reaches it (zero.gather)
         backward = {m for kind, m in t.events if kind == "bwd"}
-        recomputed = {f"{name}." for block in strategy.checkpointed(t.blocks) for name in block}
+        recomputed = {name for block in strategy.checkpointed(t.blocks) for name in block}
         gathers = []
         for m, units in modules.items():
-            name = t.names[units[0]].rsplit(".", 1)[0] + "."
-            times = 1 + any(name.startswith(r) for r in recomputed)
+            times = 1 + under(t.names[units[0]].rsplit(".", 1)[0], recomputed)
             times += (t.input_grad[m] if t.sharded_linear[m] else m in backward) if t.sharded_linear else 1
             gathers += [Call(ag, "all_gather", sum(padded[u] for u in g), 0.0) for g in groups(units)] * times
         # a module using another's parameter (a tied LM head, outside the checkpointed blocks) gathers it before
