@@ -28,18 +28,18 @@ fi
 RUN="$MODEL --block-size $BLOCK --dataset synthetic-text:4000000 --global-batch-size $BATCH --optimizer adamw --precision bf16"
 log "$MACHINE, $DEVICE: rates of the layers of $RATES at $BLOCK tokens"
 # shellcheck disable=SC2086
-timeout "${RATES_S:-150}" python3 -m distlab plan calibrate --device "$DEVICE" $RATES --block-size "$BLOCK" \
+timeout "${RATES_S:-120}" python3 -m distlab plan calibrate --device "$DEVICE" $RATES --block-size "$BLOCK" \
     -o "$OUT/plan-rates.json" >> "$OUT/log.txt" 2>&1
 for mode in eager compiled; do
     log "train, $mode, $STEPS steps"
     # shellcheck disable=SC2086
-    timeout "${TRAIN_S:-240}" python3 -m distlab train $RUN --lr 3e-4 --weight-decay 0.1 --device "$DEVICE" --max-steps "$STEPS" --seed 0 \
+    timeout "${TRAIN_S:-180}" python3 -m distlab train $RUN --lr 3e-4 --weight-decay 0.1 --device "$DEVICE" --max-steps "$STEPS" --seed 0 \
         $([ $mode = compiled ] && echo --compile) --out "$OUT/$mode" >> "$OUT/log.txt" 2>&1
 done
 for rates in default measured; do
     log "plan at the $rates rates"
     # shellcheck disable=SC2086
-    timeout "${PLAN_S:-120}" python3 -m distlab plan $RUN --machine "$MACHINE" --gpus 1 --json "$OUT/plan-$rates.json" \
+    timeout "${PLAN_S:-60}" python3 -m distlab plan $RUN --machine "$MACHINE" --gpus 1 --json "$OUT/plan-$rates.json" \
         $([ $rates = measured ] && echo --calibration "$OUT/plan-rates.json") >> "$OUT/log.txt" 2>&1
 done
 log "compare"
