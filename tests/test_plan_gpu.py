@@ -178,6 +178,7 @@ def test_plan_a_preset_on_a_cluster_through_the_cli(tmp_path):
 @pytest.mark.parametrize("args,needle", [
     (["--machine", "h100-sxm", "--gpus", "12"], "multiple of it"),
     (["--machine", "h100-sxm", "--gpus", "16", "--dp", "4"], "make them equal"),
+    (["--machine", "h100-sxm", "--gpus", "8", "--dp", "3"], "make them equal"),  # before the batch's 64 / 3
     (["--nodes", "2"], "give --machine too"),
     (["--machine", "h900"], "choose one of"),
     (["--search", "--machine", "h100-sxm"], "give --machine and --gpus"),

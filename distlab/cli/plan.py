@@ -154,8 +154,8 @@ def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_byt
     cluster = None
     if machine:
         from distlab.cli.plan_gpu import cluster_of, data_parallel
-        if ctx.get_parameter_source("dp") is click.core.ParameterSource.DEFAULT:
-            dp = data_parallel(Strategy(**strategy_fields), gpus, nodes, machine)
+        given = ctx.get_parameter_source("dp") is not click.core.ParameterSource.DEFAULT
+        dp = data_parallel(Strategy(**strategy_fields), gpus, nodes, machine, dp if given else None)
     elif nodes or gpus:
         raise ConfigError("--nodes and --gpus describe a GPU cluster: give --machine too (e.g. --machine h100-sxm)")
     lay = pp.Layout(dp=dp, strategy=Strategy(**strategy_fields), optimizer=optimizer, momentum=momentum,

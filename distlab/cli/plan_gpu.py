@@ -13,15 +13,22 @@ def _whole_nodes(m, gpus: int | None) -> None:
         raise ConfigError(f"--gpus {gpus}: {m.name} has {m.gpus_per_node} GPUs per node; give a multiple of it")
 
 
-def data_parallel(strategy, gpus: int | None, nodes: int | None, machine: str) -> int:
-    """``--dp`` where it was not given: what the other dimensions leave of the cluster's GPUs (1 without a size)."""
+def data_parallel(strategy, gpus: int | None, nodes: int | None, machine: str, dp: int | None = None) -> int:
+    """``--dp``: where it was not given, what the other dimensions leave of the cluster's GPUs (1 without a size);
+    where it was, checked against ``--gpus`` before anything is divided by it."""
     from distlab.plan.gpu import load_machine
     m = load_machine(machine)
     _whole_nodes(m, gpus)
+    ways = strategy.model_ways
+    if dp is not None:
+        if gpus is not None and dp * ways != gpus:
+            raise ConfigError(f"the layout uses {dp * ways} GPUs (dp {dp} x tp {strategy.tp} x pp {strategy.pp} x cp "
+                              f"{strategy.cp}) but --gpus is {gpus}: make them equal (or leave --dp out to fill the "
+                              f"GPUs)")
+        return dp
     total = gpus or (nodes * m.gpus_per_node if nodes else None)
     if total is None:
         return 1
-    ways = strategy.model_ways
     if total % ways:
         raise ConfigError(f"{total} GPUs do not divide into model-parallel groups of {ways} (tp x pp x cp = {ways}): "
                           f"give a layout whose product divides them")
@@ -39,9 +46,6 @@ def cluster_of(machine: str, nodes: int | None, gpus: int | None, lay, calibrati
             raise ConfigError(f"--gpus {gpus} and --nodes {nodes} disagree ({m.gpus_per_node} GPUs per node): give one")
     n = nodes or math.ceil((gpus or lay.world) / m.gpus_per_node)
     cluster = Cluster(m, n)
-    if gpus is not None and lay.world != gpus:
-        raise ConfigError(f"the layout uses {lay.world} GPUs (dp {lay.dp} x tp {lay.tp} x pp {lay.pp} x cp {lay.cp}) "
-                          f"but --gpus is {gpus}: make them equal (or leave --dp out to fill the GPUs)")
     if calibration:
         GpuCalibration.load(calibration).apply(cluster)
     return cluster
