@@ -159,6 +159,11 @@ def test_search_enumerates_valid_layouts_and_ranks_those_that_fit(small_lm):
                                                                  reverse=True)
     assert all(p["memory_bytes_per_rank"] <= H100.memory_bytes for p in ranked)
     assert ranked[0]["strategy_text"] in r["why"]
+    from distlab.plan.text import format_search
+    assert format_search(r).startswith("search        16 x h100-sxm (2 nodes): ")
+    one = search(t, Layout(dp=8, strategy=Strategy(precision="bf16"), optimizer="adamw", global_batch=64),
+                 Cluster(H100, 1), top=1)
+    assert format_search(one).startswith("search        8 x h100-sxm (1 node): ")
 
 
 def test_plan_a_preset_on_a_cluster_through_the_cli(tmp_path):
