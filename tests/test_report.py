@@ -145,6 +145,25 @@ def test_report_of_every_committed_result_fits_a_1280_px_window(tmp_path):
     assert pixels[0] < 128 < pixels[1]  # dark text/lines on a light page: not blank
 
 
+def test_a_plan_search_gets_where_each_layouts_step_goes_and_why_the_first_wins(run_cli, tmp_path):
+    """`plan --search --json` is a report input: each ranked layout's step split into compute, recomputation,
+    pipeline bubble and exposed communication, its memory against the GPU's, the table and the search's why."""
+    run_cli("plan", "--model", "llama", "--n-layer", "4", "--n-embd", "64", "--n-head", "4", "--block-size", "64",
+            "--machine", "h100-sxm", "--gpus", "8", "--precision", "bf16", "--global-batch-size", "32", "--search",
+            "--top", "6", "--json", "s.json", check=True)
+    result = json.loads((tmp_path / "s.json").read_text())
+    proc = run_cli("report", "s.json", "-o", "r.html", check=True)
+    page = (tmp_path / "r.html").read_text()
+    assert "<td>s.json</td><td>search</td>" in page and "Inputs that could not be used" not in page, proc.stderr
+    section = page.split("Layouts of a GPU cluster (distlab plan --search)")[1]
+    assert f"8 x h100-sxm (1 node): {result['tried']} layouts tried, {result['fit']} fit" in section
+    first = result["ranked"][0]["strategy_text"]
+    assert section.count("<tr>") == 1 + len(result["ranked"]) and f"<td>{first}</td>" in section
+    assert result["why"].splitlines()[0].split(" predicts ")[0] in section  # the why, as the search said it
+    images = re.findall(r'<img alt="([^"]*)" src="data:image/png;base64,([^"]+)"', section)
+    assert len(images) == 1 and "seconds per step" in images[0][0] and "GiB per GPU" in images[0][0]
+
+
 def test_plan_validation_gets_its_plot_and_images_are_written(tmp_path):
     """`plan validate --json` output is a report input: a predicted-vs-measured plot and its table;
     --images writes every plot as a PNG file too."""

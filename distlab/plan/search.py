@@ -106,7 +106,7 @@ def search(t, base: Layout, cluster, top: int = 10, experts: int = 0) -> dict:
     return out
 
 
-def _parts(p: dict) -> dict:
+def step_parts(p: dict) -> dict:
     """Where a predicted step's time goes: the compute itself, what recomputation adds, the pipeline's bubble,
     exposed communication."""
     bubble = p.get("pipeline", {}).get("bubble_ideal", 0.0)
@@ -120,7 +120,7 @@ def why(fit: list[dict]) -> str:
     """Why the first layout wins: against the runner-up and the best of each other shape, the time it saves
     in the bubble, in recomputation and in exposed communication, and what each spends memory on."""
     best, lines = fit[0], []
-    b = _parts(best)
+    b = step_parts(best)
     lines.append(f"{best['strategy_text']} predicts {best['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
                  f"(MFU {best['mfu']:.1%}) at {best['memory_bytes_per_rank'] / 2**30:.1f} GiB per GPU: of its "
                  f"{best['step_s']:.3g} s step, {b['exposed_s']:.3g} s is exposed communication, {b['bubble_s']:.3g} s "
@@ -131,7 +131,7 @@ def why(fit: list[dict]) -> str:
         if shape in shown or shape == _shape(best):
             continue
         shown.add(shape)
-        o = _parts(p)
+        o = step_parts(p)
         costs = [(o[k] - b[k], k) for k in ("exposed_s", "bubble_s", "recompute_s")]
         delta, what = max(costs)
         names = {"exposed_s": "exposed communication", "bubble_s": "pipeline bubble", "recompute_s": "recomputation"}

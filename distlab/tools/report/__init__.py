@@ -2,8 +2,8 @@
 
 Inputs, in any mix: run directories (``summary.json`` and/or ``metrics.jsonl``, as ``distlab train
 --out`` writes them), bench files (``collectives.json``, ``dp.json``, ``syncbn.json``,
-``parallel.json``, ``scaling.json``), ``distlab verify --json`` files, and directories holding any
-of these (searched a few levels deep). The page has, for what the inputs contain:
+``parallel.json``, ``scaling.json``), ``distlab verify --json`` and ``distlab plan --sweep|--search|validate
+--json`` files, and directories holding any of these (searched a few levels deep). The page has, for what the inputs contain:
 
 * training runs, one section per data set and task (a language model's nats/token never share an
   axis with a classifier's loss): loss vs step and vs wall time, test accuracy, a table, and --
@@ -13,6 +13,8 @@ of these (searched a few levels deep). The page has, for what the inputs contain
 * collectives: time and bus bandwidth vs message size per algorithm and world size;
 * data parallel, SyncBN, tensor parallel / ZeRO: time, memory per rank and bytes per step;
 * scaling: efficiency vs workers and loss vs time;
+* a plan's search of a GPU cluster: where each ranked layout's step goes, its memory against the GPU's, and why the
+  first wins;
 * under every plot, the table of the numbers behind it; machine, torch version and date per input.
 
 Plots are PNGs embedded as base64, so the file stands alone. Tables show numbers with their units
@@ -92,7 +94,7 @@ def render(inputs: Inputs, title: str = "distlab report") -> str:
             if inputs.read else "<p>No usable inputs.</p>"]
     if inputs.skipped:
         head.append(f"<p>{len(inputs.skipped)} other JSON file(s) in the directories searched were skipped: not "
-                    f"run, bench, verify or plan validate output (snapshot meta.json, calibrations, ...).</p>")
+                    f"run, bench, verify or plan output (snapshot meta.json, calibrations, ...).</p>")
     if inputs.problems:
         head.append("<h3 class='problem'>Inputs that could not be used</h3><ul>" + "".join(
             f"<li class='problem'><code>{html.escape(p)}</code>: {html.escape(why)}</li>" for p, why in inputs.problems)

@@ -234,6 +234,44 @@ def _sweep_section(records: list[dict]) -> str:
     return png(fig) + html_table(rows, cols)
 
 
+def _search_section(records: list[dict]) -> str:
+    """``distlab plan --search --json``: each ranked layout's step split into compute, recomputation, pipeline
+    bubble and exposed communication (:func:`~distlab.plan.search.step_parts`), its memory against the GPU's,
+    the table, and why the first wins as the search said it."""
+    import html
+
+    from distlab.plan.search import step_parts
+    search, plt = records[0]["search"], pyplot()
+    cluster = search.get("cluster") or {}
+    names = [f"{i}. {r['strategy_text']}" for i, r in enumerate(records, 1)][::-1]  # the first on top
+    parts = [step_parts(r) for r in records][::-1]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 0.9 + 0.32 * len(records)), width_ratios=(3, 1), sharey=True)
+    left = [0.0] * len(records)
+    for i, (label, width) in enumerate((
+            ("compute", [r["compute_s"] - p["bubble_s"] - p["recompute_s"] for r, p in zip(records[::-1], parts)]),
+            ("recomputation", [p["recompute_s"] for p in parts]), ("pipeline bubble", [p["bubble_s"] for p in parts]),
+            ("exposed communication", [p["exposed_s"] for p in parts]))):
+        a.barh(names, width, left=left, label=label, color=f"C{i}")
+        left = [x + w for x, w in zip(left, width)]
+    a.set(xlabel="seconds per step", ylabel="layout (rank)", title="where each layout's step goes")
+    a.tick_params(axis="y", labelsize=7)
+    b.barh(names, [r["memory_bytes_per_rank"] / 2**30 for r in records][::-1], color="C4", label="memory")
+    if cluster.get("memory_gib"):
+        b.axvline(cluster["memory_gib"], color="black", ls="--", lw=1, label="the GPU's memory")
+    b.set(xlabel="GiB per GPU", title="memory at the peak, GiB per GPU")
+    handles = a.get_legend_handles_labels()[0] + b.get_legend_handles_labels()[0]
+    b.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # beside: no bar hidden
+    nodes = f"{cluster.get('nodes')} node{'s' if cluster.get('nodes') != 1 else ''}"
+    head = (f"<p>{search.get('gpus')} x {html.escape(str(cluster.get('machine')))} ({nodes}): {search.get('tried')} "
+            f"layouts tried, {search.get('fit')} fit</p>")
+    rows = [{**r, "rank": i, "bubble": (r.get("pipeline") or {}).get("bubble_ideal", 0.0)} for i, r in enumerate(records, 1)]
+    cols = [Col("rank", "#"), Col("strategy_text", "layout"), Col("tokens_per_s_per_gpu", "tokens/s per GPU",
+            "{:,.0f}".format), Col("mfu", "MFU", fmt_pct), Col("memory_bytes_per_rank", "memory per GPU", fmt_size),
+            Col("bubble", "bubble", fmt_pct), Col("exposed_comm_s", "exposed communication (ms)", fmt_ms),
+            Col("step_s", "step (ms)", fmt_ms)]
+    return head + png(fig) + html_table(rows, cols) + f"<pre>{html.escape(search.get('why') or '')}</pre>"
+
+
 SECTIONS = {"collectives": ("Collectives", _collectives_section), "dp": ("Data parallel", _dp_section),
             "syncbn": ("Synchronized batch norm", _syncbn_section),
             "parallel": ("Tensor parallel and ZeRO", _parallel_section),
@@ -241,5 +279,6 @@ SECTIONS = {"collectives": ("Collectives", _collectives_section), "dp": ("Data p
             "scaling": ("Scaling", _scaling_section), "verify": ("Equivalence (distlab verify)", _verify_section),
             "plan": ("Cost model (distlab plan validate)", _plan_section),
             "sweep": ("Plan sweep (distlab plan --sweep)", _sweep_section),
+            "search": ("Layouts of a GPU cluster (distlab plan --search)", _search_section),
             "overhead": ("Single-process overhead (distlab bench overhead)", _overhead_section),
             "checkpointing": ("Activation checkpointing (distlab bench checkpointing)", _checkpointing_section)}

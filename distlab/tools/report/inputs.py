@@ -9,14 +9,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-BENCH_KINDS = ("collectives", "dp", "syncbn", "parallel", "pipeline", "scaling", "verify", "plan", "sweep", "overhead",
-               "checkpointing")
+BENCH_KINDS = ("collectives", "dp", "syncbn", "parallel", "pipeline", "scaling", "verify", "plan", "sweep", "search",
+               "overhead", "checkpointing")
 
 
 BENCH_FILES = {f"{kind}.json" for kind in BENCH_KINDS}  # names the bench commands write: never skipped quietly
 
 
 PLAN_VALIDATION = "distlab-plan-validation"
+PLAN_SEARCH = "distlab-plan-search"
 
 
 @dataclass
@@ -35,7 +36,7 @@ _KINDS = [  # a bench's JSON by the fields of its first record, in this order
     ("pipeline", ("schedule", "microbatches")), ("overhead", ("side", "round", "precision")),
     ("parallel", ("workload", "strategy")), ("dp", ("workload", "dp_sync")), ("syncbn", ("implementation", "workers")),
     ("verify", ("strategy", "passed")), ("plan", ("predicted_step_s", "measured_step_s")),
-    ("sweep", ("layout", "memory_bytes_per_rank", "strategy")),
+    ("search", ("tokens_per_s_per_gpu", "search")), ("sweep", ("layout", "memory_bytes_per_rank", "strategy")),
 ]
 
 
@@ -148,13 +149,19 @@ def _read_file(path: Path, inputs: Inputs, explicit: bool) -> None:
         return
     if isinstance(records, dict) and records.get("kind") == PLAN_VALIDATION:
         records = records.get("runs")  # `distlab plan validate --json`: the per-run rows
+    elif isinstance(records, dict) and records.get("kind") == PLAN_SEARCH and isinstance(records.get("ranked"), list):
+        search = {k: v for k, v in records.items() if k != "ranked"}  # `plan --search --json`: the ranked layouts,
+        records = [{**p, "search": search} for p in records["ranked"] if isinstance(p, dict)]  # each with the search
+        if not records:
+            inputs.problems.append((str(path), f"a plan search with no layout to draw: {search.get('why')}"[:300]))
+            return
     kind = bench_kind(records)
     if kind is None:
         if quiet:
             inputs.skipped.append(str(path))
         else:
-            inputs.problems.append((str(path), "not a distlab bench, verify or plan validate file (a list of "
-                                               "records it knows)"))
+            inputs.problems.append((str(path), "not a distlab bench, verify, plan validate or plan search file (a list "
+                                               "of records it knows)"))
         return
     problem = _records_problem(records)
     if problem:
