@@ -173,7 +173,9 @@ def test_plan_refuses_bad_input_naming_the_fix(committed, tmp_path, capsys):
                           (["--link", "fast"], "100mbit"),
                           (["--model", "resnet18", "--dataset", "cifar10", "--tp", "2"],
                            "declares no tensor-parallel plan (tensor_parallel_plan)"),
-                          (["--model", "mlp", "--n-layer", "3"], "model mlp has no such option: drop --n-layer")]:
+                          (["--model", "mlp", "--n-layer", "3"], "model mlp has no such option: drop --n-layer"),
+                          (["--strategies", "zero=3,bucketed"], "--strategies is for --sweep"),
+                          (["--min-efficiency", "0.8"], "--min-efficiency is for --sweep")]:
         with pytest.raises(SystemExit) as exc:
             main(["plan", *args])
         err = capsys.readouterr().err

@@ -101,6 +101,11 @@ def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_byt
     """
     if ctx.invoked_subcommand is not None:
         return
+    for name in ("strategies", "device_memory", "min_efficiency"):  # settings of the sweep alone: never ignored
+        if not sweep and ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
+            raise ConfigError(f"--{name.replace('_', '-')} is for --sweep (layouts compared over world sizes): give "
+                              f"--sweep N,N,..., or plan one layout by its own flags (--zero 3, --tp 2, ...), or every "
+                              f"layout of a GPU cluster with --machine NAME --gpus N --search")
     import json as _json
     import os as _os
     import platform
