@@ -166,6 +166,29 @@ def test_search_enumerates_valid_layouts_and_ranks_those_that_fit(small_lm):
     assert format_search(one).startswith("search        8 x h100-sxm (1 node): ")
 
 
+@pytest.mark.parametrize("flags,text", [
+    (["--activation-checkpointing", "--ac-policy", "ops"], "zero=3+ckpt+ac_policy=ops+bf16"),
+    (["--activation-checkpointing", "--ac-every", "2"], "zero=3+ckpt+ac_every=2+bf16"),
+])
+def test_the_checkpointing_modes_a_search_ranks_are_flags_of_a_plan(tmp_path, flags, text):
+    """What `--search` proposes, `plan` takes as flags: selective checkpointing per op and one block in K plan
+    as the library plans that layout (docs/15's first command gives --ac-policy ops)."""
+    sizes = ["--model", "llama", "--n-layer", "4", "--n-embd", "64", "--n-head", "4", "--block-size", "64"]
+    code, out, err = invoke(["plan", *sizes, "--machine", "h100-sxm", "--gpus", "8", "--zero", "3", *flags,
+                             "--precision", "bf16", "--global-batch-size", "16", "--json", "p.json"], tmp_path)
+    assert code == 0, err
+    got = json.loads((tmp_path / "p.json").read_text())
+    from distlab.models import options_from
+    t = trace("llama", (64,), 256, options=options_from("llama", dict(n_layer=4, n_embd=64, n_head=4)),
+              attention="flash")
+    lay = Layout(dp=8, strategy=Strategy.parse(text), global_batch=16)
+    want = predict(t, lay, Link(), None, Cluster(H100, 1))
+    plain = predict(t, Layout(dp=8, strategy=Strategy.parse("zero=3+ckpt+bf16"), global_batch=16), Link(), None,
+                    Cluster(H100, 1))
+    assert (got["memory_bytes_per_rank"], got["step_s"]) == (want["memory_bytes_per_rank"], want["step_s"])
+    assert (want["memory_bytes_per_rank"], want["step_s"]) != (plain["memory_bytes_per_rank"], plain["step_s"])
+
+
 def test_plan_a_preset_on_a_cluster_through_the_cli(tmp_path):
     code, out, err = invoke(["plan", "--preset", "llama3-8b", "--block-size", "1024", "--machine", "h100-sxm",
                              "--gpus", "16", "--tp", "2", "--zero", "3", "--precision", "bf16",
