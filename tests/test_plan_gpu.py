@@ -166,6 +166,28 @@ def test_search_enumerates_valid_layouts_and_ranks_those_that_fit(small_lm):
     assert format_search(one).startswith("search        8 x h100-sxm (1 node): ")
 
 
+def test_a_search_keeps_the_dimensions_it_is_given(small_lm, tmp_path):
+    """`--search --tp 2 --zero 1` searches the rest: every layout it tries has tensor parallel 2 and ZeRO-1, and
+    the header says so; `--top` without `--search` is refused, as every setting that would do nothing."""
+    base = Layout(dp=8, strategy=Strategy(precision="bf16", tp=2, zero=1), optimizer="adamw", global_batch=64)
+    lays = list(candidates(small_lm, base, 16, 8, fixed={"tp": 2, "zero": 1}))
+    everything = list(candidates(small_lm, base, 16, 8))
+    assert lays and len(lays) < len(everything) and all(lay.tp == 2 and lay.zero == 1 for lay in lays)
+    assert {str(lay.strategy) for lay in lays} == {str(lay.strategy) for lay in everything
+                                                   if lay.tp == 2 and lay.zero == 1}
+    sizes = ["--model", "gpt", "--block-size", "64", "--machine", "h100-sxm", "--gpus", "16", "--precision", "bf16",
+             "--global-batch-size", "64"]
+    code, out, err = invoke(["plan", *sizes, "--search", "--tp", "2", "--zero", "1", "--top", "4"], tmp_path)
+    assert code == 0, err
+    head, *rows = [line for line in out.splitlines() if re.match(r"^ ?\d+ ", line)]
+    assert out.startswith("search        16 x h100-sxm (2 nodes), tp=2 zero=1 kept: ")
+    assert len(rows) + 1 == 4 and all("tp=2+" in r and "zero=1" in r for r in [head, *rows])
+    code, out, err = invoke(["plan", *sizes, "--top", "4"], tmp_path)
+    assert code == 2 and "--top is for --search" in err
+    code, out, err = invoke(["plan", *sizes, "--search", "--dp-sync", "ddp"], tmp_path)
+    assert code == 2 and "--dp-sync with --search" in err
+
+
 @pytest.mark.parametrize("flags,text", [
     (["--activation-checkpointing", "--ac-policy", "ops"], "zero=3+ckpt+ac_policy=ops+bf16"),
     (["--activation-checkpointing", "--ac-every", "2"], "zero=3+ckpt+ac_every=2+bf16"),

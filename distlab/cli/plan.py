@@ -106,6 +106,9 @@ def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_byt
             raise ConfigError(f"--{name.replace('_', '-')} is for --sweep (layouts compared over world sizes): give "
                               f"--sweep N,N,..., or plan one layout by its own flags (--zero 3, --tp 2, ...), or every "
                               f"layout of a GPU cluster with --machine NAME --gpus N --search")
+    if not search_ and ctx.get_parameter_source("top") is not click.core.ParameterSource.DEFAULT:
+        raise ConfigError("--top is for --search (how many of the ranked layouts to show): give --machine NAME "
+                          "--gpus N --search")
     import json as _json
     import os as _os
     import platform
@@ -175,7 +178,14 @@ def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_byt
         from distlab.plan.search import search
         from distlab.plan.text import format_search
         experts = (options.to_dict() if options is not None else {}).get("experts") or 0  # a mixture's experts
-        result = search(t, lay, cluster, top, experts=experts)
+        from distlab.plan.search import SEARCHED
+        given = {k for k in strategy_fields if ctx.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT}
+        if given & {"dp_sync", "collective"}:
+            flag = sorted(given & {"dp_sync", "collective"})[0].replace("_", "-")
+            raise ConfigError(f"--{flag} with --search: each layout syncs its gradients as a run of it would by "
+                              f"default (ZeRO its own way); drop it, or plan that one layout without --search")
+        fixed = {k: getattr(lay.strategy, k) for k in SEARCHED if k in given}  # what was given is kept
+        result = search(t, lay, cluster, top, experts=experts, fixed=fixed)
         click.echo(format_search(result))
     elif sweep:
         given = [k for k in strategy_fields if ctx.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT]

@@ -30,8 +30,14 @@ def _divisors(n: int, most: int) -> list[int]:
     return [d for d in range(1, min(n, most) + 1) if n % d == 0]
 
 
-def candidates(t, base: Layout, gpus: int, gpus_per_node: int, experts: int = 0) -> Iterator[Layout]:
-    """Every valid layout of ``gpus`` GPUs for trace ``t`` with ``base``'s batch, optimizer and precision."""
+SEARCHED = ("tp", "pp", "cp", "ep", "zero", "activation_checkpointing", "ac_every", "ac_policy", "sequence_parallel",
+            "microbatches", "pp_schedule", "pp_virtual")  # the strategy's fields a search chooses
+
+
+def candidates(t, base: Layout, gpus: int, gpus_per_node: int, experts: int = 0,
+               fixed: dict | None = None) -> Iterator[Layout]:
+    """Every valid layout of ``gpus`` GPUs for trace ``t`` with ``base``'s batch, optimizer and precision; ``fixed``:
+    the fields of :data:`SEARCHED` a layout must keep (those the user gave)."""
     layers = len(t.layers) - 2 if t.layers else 1  # a decoder's blocks (its embedding and head are layers too)
     window = t.tokens_per_sample
     seen = set()
@@ -52,6 +58,8 @@ def candidates(t, base: Layout, gpus: int, gpus_per_node: int, experts: int = 0)
                                     lay = replace(base, dp=dp, strategy=st).check()
                                 except (ConfigError, ValueError, TypeError):
                                     continue
+                                if any(getattr(st, k) != v for k, v in (fixed or {}).items()):
+                                    continue
                                 if str(st) not in seen:
                                     seen.add(str(st))
                                     yield lay
@@ -68,15 +76,15 @@ def _schedules(pp: int, local: int) -> list[dict]:
     return out or ([dict(pp_schedule="1f1b", microbatches=local)] if local >= pp else [])
 
 
-def search(t, base: Layout, cluster, top: int = 10, experts: int = 0) -> dict:
-    """The cluster's layouts predicted: ``ranked`` (those that fit, fastest first, at most ``top``),
-    ``tried``/``fit`` counts, and ``why``: what makes the first beat the others."""
+def search(t, base: Layout, cluster, top: int = 10, experts: int = 0, fixed: dict | None = None) -> dict:
+    """The cluster's layouts predicted (keeping ``fixed``, :func:`candidates`): ``ranked`` (those that fit, fastest
+    first, at most ``top``), ``tried``/``fit`` counts, and ``why``: what makes the first beat the others."""
     rows, tried = [], 0
     limit = cluster.machine.memory_bytes
     import sys
 
     from tqdm import tqdm
-    layouts = list(candidates(t, base, cluster.gpus, cluster.machine.gpus_per_node, experts))
+    layouts = list(candidates(t, base, cluster.gpus, cluster.machine.gpus_per_node, experts, fixed))
     for lay in tqdm(layouts, desc="layouts", unit="layout", disable=not sys.stderr.isatty(), leave=False):
         tried += 1
         try:
@@ -88,13 +96,14 @@ def search(t, base: Layout, cluster, top: int = 10, experts: int = 0) -> dict:
         rows.append(p)
     fit = sorted((p for p in rows if p["fits"]), key=lambda p: -p["tokens_per_s_per_gpu"])
     out = {"kind": "distlab-plan-search", "cluster": cluster.describe(), "gpus": cluster.gpus, "tried": tried,
-           "predicted": len(rows), "fit": len(fit), "ranked": fit[:top]}
+           "predicted": len(rows), "fit": len(fit), "ranked": fit[:top], "fixed": dict(fixed or {})}
     if not fit:
         least = min(rows, key=lambda p: p["memory_bytes_per_rank"]) if rows else None
         out["why"] = ("no layout fits: " + (f"the smallest peak, {least['memory_bytes_per_rank'] / 2**30:.1f} GiB "
                                             f"({least['strategy_text']}), is above the GPU's "
                                             f"{limit / 2**30:.1f} GiB; use more GPUs or a shorter window"
-                                            if least else "no valid layout of this many GPUs"))
+                                            if least else "no valid layout of this many GPUs"
+                                            + (f" that keeps {kept(fixed)}" if fixed else "")))
     else:
         out["why"] = why(fit)
         over = [p for p in rows if not p["fits"] and p["tokens_per_s_per_gpu"] > fit[0]["tokens_per_s_per_gpu"]]
@@ -104,6 +113,11 @@ def search(t, base: Layout, cluster, top: int = 10, experts: int = 0) -> dict:
                            f"needs {q['memory_bytes_per_rank'] / 2**30:.1f} GiB per GPU, above the "
                            f"{limit / 2**30:.1f} GiB it has")
     return out
+
+
+def kept(fixed: dict) -> str:
+    """``tp=2 zero=1``: the dimensions a search was told to keep, as the strategy's text writes them."""
+    return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fixed.items())
 
 
 def step_parts(p: dict) -> dict:

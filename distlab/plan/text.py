@@ -169,8 +169,10 @@ def format_validation(rows: list[dict], summaries: dict[str, dict]) -> str:
 def format_search(r: dict) -> str:
     """``plan --search``'s table: the layouts that fit, fastest first, and why the first wins."""
     c = r["cluster"]
+    from distlab.plan.search import kept
     nodes = f"{c['nodes']} node{'s' if c['nodes'] != 1 else ''}"
-    lines = [f"search        {r['gpus']} x {c['machine']} ({nodes}): {r['tried']} layouts tried, "
+    keeping = f", {kept(r['fixed'])} kept" if r.get("fixed") else ""
+    lines = [f"search        {r['gpus']} x {c['machine']} ({nodes}){keeping}: {r['tried']} layouts tried, "
              f"{r['fit']} fit in its {c['memory_gib']:g} GiB",
              f"{'#':>2} {'layout':<44} {'tokens/s/GPU':>12} {'MFU':>6} {'memory':>10} {'bubble':>7} "
              f"{'exposed comm':>12} {'step':>9}"]

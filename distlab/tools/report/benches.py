@@ -240,7 +240,7 @@ def _search_section(records: list[dict]) -> str:
     the table, and why the first wins as the search said it."""
     import html
 
-    from distlab.plan.search import step_parts
+    from distlab.plan.search import kept, step_parts
     search, plt = records[0]["search"], pyplot()
     cluster = search.get("cluster") or {}
     names = [f"{i}. {r['strategy_text']}" for i, r in enumerate(records, 1)][::-1]  # the first on top
@@ -262,8 +262,9 @@ def _search_section(records: list[dict]) -> str:
     handles = a.get_legend_handles_labels()[0] + b.get_legend_handles_labels()[0]
     b.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # beside: no bar hidden
     nodes = f"{cluster.get('nodes')} node{'s' if cluster.get('nodes') != 1 else ''}"
-    head = (f"<p>{search.get('gpus')} x {html.escape(str(cluster.get('machine')))} ({nodes}): {search.get('tried')} "
-            f"layouts tried, {search.get('fit')} fit</p>")
+    keeping = f", {kept(search['fixed'])} kept" if search.get("fixed") else ""
+    head = (f"<p>{search.get('gpus')} x {html.escape(str(cluster.get('machine')))} ({nodes}){html.escape(keeping)}: "
+            f"{search.get('tried')} layouts tried, {search.get('fit')} fit</p>")
     rows = [{**r, "rank": i, "bubble": (r.get("pipeline") or {}).get("bubble_ideal", 0.0)} for i, r in enumerate(records, 1)]
     cols = [Col("rank", "#"), Col("strategy_text", "layout"), Col("tokens_per_s_per_gpu", "tokens/s per GPU",
             "{:,.0f}".format), Col("mfu", "MFU", fmt_pct), Col("memory_bytes_per_rank", "memory per GPU", fmt_size),
