@@ -229,6 +229,8 @@ def test_plan_a_preset_on_a_cluster_through_the_cli(tmp_path):
     (["--machine", "h100-sxm", "--gpus", "12"], "multiple of it"),
     (["--machine", "h100-sxm", "--gpus", "16", "--dp", "4"], "make them equal"),
     (["--machine", "h100-sxm", "--gpus", "8", "--dp", "3"], "make them equal"),  # before the batch's 64 / 3
+    (["--machine", "h100-sxm", "--link", "10gbit"], "--link with --machine"),  # were ignored: the machine's own
+    (["--machine", "h100-sxm", "--threads", "4"], "--threads with --machine"),
     (["--nodes", "2"], "give --machine too"),
     (["--machine", "h900"], "choose one of"),
     (["--search", "--machine", "h100-sxm"], "give --machine and --gpus"),

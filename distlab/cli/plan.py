@@ -106,6 +106,12 @@ def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_byt
             raise ConfigError(f"--{name.replace('_', '-')} is for --sweep (layouts compared over world sizes): give "
                               f"--sweep N,N,..., or plan one layout by its own flags (--zero 3, --tp 2, ...), or every "
                               f"layout of a GPU cluster with --machine NAME --gpus N --search")
+    for name in ("link", "latency", "burst", "threads"):  # this machine's emulated network and CPU threads
+        if machine and ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
+            where = machine if machine.endswith(".toml") else f"distlab/plan/machines/{machine}.toml"
+            raise ConfigError(f"--{name} with --machine: a GPU cluster's links and compute are its machine's "
+                              f"({where}); drop --{name}, or describe another machine in a FILE.toml of the same "
+                              f"fields")
     if not search_ and ctx.get_parameter_source("top") is not click.core.ParameterSource.DEFAULT:
         raise ConfigError("--top is for --search (how many of the ranked layouts to show): give --machine NAME "
                           "--gpus N --search")
