@@ -175,7 +175,9 @@ def test_plan_refuses_bad_input_naming_the_fix(committed, tmp_path, capsys):
                            "declares no tensor-parallel plan (tensor_parallel_plan)"),
                           (["--model", "mlp", "--n-layer", "3"], "model mlp has no such option: drop --n-layer"),
                           (["--strategies", "zero=3,bucketed"], "--strategies is for --sweep"),
-                          (["--min-efficiency", "0.8"], "--min-efficiency is for --sweep")]:
+                          (["--min-efficiency", "0.8"], "--min-efficiency is for --sweep"),
+                          (["--model", "gpt", "--layers", "4"], "--layers is for --params"),
+                          (["--activation-bytes", "1e6"], "--activation-bytes is for --params")]:
         with pytest.raises(SystemExit) as exc:
             main(["plan", *args])
         err = capsys.readouterr().err

@@ -112,6 +112,10 @@ def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_byt
             raise ConfigError(f"--{name} with --machine: a GPU cluster's links and compute are its machine's "
                               f"({where}); drop --{name}, or describe another machine in a FILE.toml of the same "
                               f"fields")
+    for name in ("layers", "activation_bytes"):  # the sizes of a model known by its parameters alone
+        if num_params is None and ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
+            raise ConfigError(f"--{name.replace('_', '-')} is for --params (a model known by its size alone); a "
+                              f"model given by --model or --preset is traced for its own layers and activations")
     if not search_ and ctx.get_parameter_source("top") is not click.core.ParameterSource.DEFAULT:
         raise ConfigError("--top is for --search (how many of the ranked layouts to show): give --machine NAME "
                           "--gpus N --search")
