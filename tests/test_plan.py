@@ -177,7 +177,10 @@ def test_plan_refuses_bad_input_naming_the_fix(committed, tmp_path, capsys):
                           (["--strategies", "zero=3,bucketed"], "--strategies is for --sweep"),
                           (["--min-efficiency", "0.8"], "--min-efficiency is for --sweep"),
                           (["--model", "gpt", "--layers", "4"], "--layers is for --params"),
-                          (["--activation-bytes", "1e6"], "--activation-bytes is for --params")]:
+                          (["--activation-bytes", "1e6"], "--activation-bytes is for --params"),
+                          (["--sweep", "2,4", "--dry-run", "0"], "--dry-run with --sweep"),
+                          (["--sweep", "2,4", "--timeline", "t.json"], "--timeline with --sweep"),
+                          (["--params", "1e9", "--lora", "r=4"], "--lora with --params")]:
         with pytest.raises(SystemExit) as exc:
             main(["plan", *args])
         err = capsys.readouterr().err

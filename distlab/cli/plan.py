@@ -116,6 +116,13 @@ def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_byt
         if num_params is None and ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
             raise ConfigError(f"--{name.replace('_', '-')} is for --params (a model known by its size alone); a "
                               f"model given by --model or --preset is traced for its own layers and activations")
+    for flag, value in (("--dry-run", dry_rank), ("--timeline", timeline_out)):  # of one layout's plan
+        for many, asked in (("--sweep", sweep), ("--search", search_)):
+            if value is not None and asked:
+                raise ConfigError(f"{flag} with {many}: it is of one layout; plan that layout by its own flags "
+                                  f"(without {many}) with {flag}")
+    if lora is not None and num_params is not None:
+        raise ConfigError("--lora with --params: adapters go on a traced model's layers; give --model or --preset")
     if not search_ and ctx.get_parameter_source("top") is not click.core.ParameterSource.DEFAULT:
         raise ConfigError("--top is for --search (how many of the ranked layouts to show): give --machine NAME "
                           "--gpus N --search")
