@@ -101,31 +101,7 @@ def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_byt
     """
     if ctx.invoked_subcommand is not None:
         return
-    for name in ("strategies", "device_memory", "min_efficiency"):  # settings of the sweep alone: never ignored
-        if not sweep and ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
-            raise ConfigError(f"--{name.replace('_', '-')} is for --sweep (layouts compared over world sizes): give "
-                              f"--sweep N,N,..., or plan one layout by its own flags (--zero 3, --tp 2, ...), or every "
-                              f"layout of a GPU cluster with --machine NAME --gpus N --search")
-    for name in ("link", "latency", "burst", "threads"):  # this machine's emulated network and CPU threads
-        if machine and ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
-            where = machine if machine.endswith(".toml") else f"distlab/plan/machines/{machine}.toml"
-            raise ConfigError(f"--{name} with --machine: a GPU cluster's links and compute are its machine's "
-                              f"({where}); drop --{name}, or describe another machine in a FILE.toml of the same "
-                              f"fields")
-    for name in ("layers", "activation_bytes"):  # the sizes of a model known by its parameters alone
-        if num_params is None and ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
-            raise ConfigError(f"--{name.replace('_', '-')} is for --params (a model known by its size alone); a "
-                              f"model given by --model or --preset is traced for its own layers and activations")
-    for flag, value in (("--dry-run", dry_rank), ("--timeline", timeline_out)):  # of one layout's plan
-        for many, asked in (("--sweep", sweep), ("--search", search_)):
-            if value is not None and asked:
-                raise ConfigError(f"{flag} with {many}: it is of one layout; plan that layout by its own flags "
-                                  f"(without {many}) with {flag}")
-    if lora is not None and num_params is not None:
-        raise ConfigError("--lora with --params: adapters go on a traced model's layers; give --model or --preset")
-    if not search_ and ctx.get_parameter_source("top") is not click.core.ParameterSource.DEFAULT:
-        raise ConfigError("--top is for --search (how many of the ranked layouts to show): give --machine NAME "
-                          "--gpus N --search")
+    _refuse_what_would_do_nothing(ctx, sweep, search_, machine, num_params, dry_rank, timeline_out, lora)
     import json as _json
     import os as _os
     import platform
@@ -277,6 +253,39 @@ def _write_timeline(result: dict, label: str, out: str) -> None:
     fig.savefig(png, dpi=90, bbox_inches="tight")
     pyplot().close(fig)
     click.echo(f"wrote {out} and {png}", err=True)
+
+
+def _refuse_what_would_do_nothing(ctx, sweep, search_, machine, num_params, dry_rank, timeline_out, lora) -> None:
+    """A flag the plan asked for would not read is refused, naming the plan that reads it (as train refuses)."""
+
+    def given(name: str) -> bool:
+        return ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
+
+    for name in ("strategies", "device_memory", "min_efficiency"):  # settings of the sweep alone
+        if not sweep and given(name):
+            raise ConfigError(f"--{name.replace('_', '-')} is for --sweep (layouts compared over world sizes): give "
+                              f"--sweep N,N,..., or plan one layout by its own flags (--zero 3, --tp 2, ...), or every "
+                              f"layout of a GPU cluster with --machine NAME --gpus N --search")
+    for name in ("link", "latency", "burst", "threads"):  # this machine's emulated network and CPU threads
+        if machine and given(name):
+            where = machine if machine.endswith(".toml") else f"distlab/plan/machines/{machine}.toml"
+            raise ConfigError(f"--{name} with --machine: a GPU cluster's links and compute are its machine's "
+                              f"({where}); drop --{name}, or describe another machine in a FILE.toml of the same "
+                              f"fields")
+    for name in ("layers", "activation_bytes"):  # the sizes of a model known by its parameters alone
+        if num_params is None and given(name):
+            raise ConfigError(f"--{name.replace('_', '-')} is for --params (a model known by its size alone); a "
+                              f"model given by --model or --preset is traced for its own layers and activations")
+    for flag, value in (("--dry-run", dry_rank), ("--timeline", timeline_out)):  # of one layout's plan
+        for many, asked in (("--sweep", sweep), ("--search", search_)):
+            if value is not None and asked:
+                raise ConfigError(f"{flag} with {many}: it is of one layout; plan that layout by its own flags "
+                                  f"(without {many}) with {flag}")
+    if lora is not None and num_params is not None:
+        raise ConfigError("--lora with --params: adapters go on a traced model's layers; give --model or --preset")
+    if not search_ and given("top"):
+        raise ConfigError("--top is for --search (how many of the ranked layouts to show): give --machine NAME "
+                          "--gpus N --search")
 
 
 @plan.command("calibrate")
