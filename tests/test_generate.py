@@ -47,6 +47,12 @@ def test_what_cannot_generate_is_one_line(refused_here, run_cli, gpt_run, tmp_pa
     assert proc.returncode == 2 and "no run directory, snapshot or model file there" in proc.stderr
     proc = refused_here("generate", str(gpt_run / "s" / "step-00000004"), "--temperature", "-1")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    # settings that would do nothing (each was ignored): greedy decoding samples nothing, a snapshot knows its heads
+    for flags, said in [(["--temperature", "0", "--top-k", "5"], "--top-k with --temperature 0"),
+                        (["--temperature", "0", "--top-p", "0.5"], "--top-p with --temperature 0"),
+                        (["--n-head", "4"], "--n-head is for a plain model file")]:
+        proc = refused_here("generate", str(gpt_run / "s" / "step-00000004"), *flags)
+        assert said in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
 
 
 def _exported(run_cli, gpt_run):

@@ -219,6 +219,10 @@ def generate(source, prompt, max_new_tokens, temperature, top_k, seed, n_head, t
     is printed as it is sampled; it stops at the tokenizer's end-of-sequence token, where it has one."""
     from distlab.tools.generate import chat_prompt, stream
     from distlab.train.loading import load
+    for flag, value in (("--top-k", top_k), ("--top-p", top_p)):  # greedy decoding samples nothing
+        if value is not None and temperature == 0:
+            raise ConfigError(f"{flag} with --temperature 0: greedy decoding takes the most likely token every step; "
+                              f"give a temperature above 0 to sample, or drop {flag}")
     loaded = load(source, n_head, tokenizer_file)
     model, tokenizer, where = loaded
     text = chat_prompt(source, prompt, loaded.meta) if chat else prompt

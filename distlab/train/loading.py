@@ -193,6 +193,9 @@ def load(source: str | Path, n_head: int | None = None, tokenizer_file: str | No
                                   f"read from the tensors' shapes; a .safetensors export records it)")
             layers = len({k.split(".")[0] for k in state if k.split(".")[0].isdigit()}) - 2
             model = gpt_from_state(state, layers, int(heads), top_k=int(meta.get("top_k", 2)))
+        elif n_head is not None:
+            raise ConfigError(f"--n-head is for a plain model file (a bare state_dict); {where} records its "
+                              f"{name} model's sizes: drop --n-head")
         else:  # any family: as its options were recorded with it
             model = model_from_state(state, meta)
     except (KeyError, RuntimeError, ValueError) as exc:
