@@ -296,14 +296,13 @@ def zero_peak_bytes(t, stage: int, world: int, optim: Optim, grad_accum: int = 1
         raise ConfigError(f"ZeRO stage {stage}: choose 0, 1, 2 or 3")
     if world < 1:
         raise ConfigError(f"world size {world}: must be at least 1")
-    memo = getattr(t, "memo", {})  # a plan's trace keeps what was replayed on it (a search asks again and again)
     key = ("zero", stage, world, optim, grad_accum, bucket_mb, wire_size, recompute)
-    if key not in memo:
+    if key not in t.memo:  # the trace keeps what was replayed on it (a search asks again and again)
         sim = ZeroReplay(t, stage, world, optim, bucket_mb, wire_size, recompute)
         sim.step(grad_accum)
         sim.step(grad_accum)  # the second step starts from the first one's leftovers: steady state
-        memo[key] = sim.peak
-    return memo[key]
+        t.memo[key] = sim.peak
+    return t.memo[key]
 
 
 def _zero_buckets(sizes: list[int], cap: int) -> list[tuple[int, int]]:
