@@ -43,6 +43,13 @@ class NonFiniteError(DistlabError):
     every_rank = True
 
 
+class FinalWriteError(DistlabError):
+    """A run trained to its end but its final snapshot or model file could not be written; its summary and
+    metrics were written, and the message names the newest snapshot that holds its work."""
+
+    every_rank = True
+
+
 class DistributedError(DistlabError):
     """Start-up or communication failed: a peer is missing or dead, a port is taken."""
 

@@ -146,3 +146,28 @@ def test_an_error_every_rank_meets_is_said_once_even_when_rank_0_is_stopped_befo
     assert mismatch.returncode == 2, mismatch.stderr
     assert mismatch.stderr.count("distlab: error:") == 1 and "12" in mismatch.stderr, mismatch.stderr
     assert (tmp_path / "rank-0-is-slow").exists()
+
+
+def test_a_run_whose_final_model_cannot_be_written_keeps_its_summary_and_says_so_in_one_line(run_cli, tmp_path):
+    """A language model's run without snapshots whose final model file cannot be written (here: larger than
+    the process may write, RLIMIT_FSIZE -- as a full disk it fails at the write, after training) still
+    writes its summary and metrics, marked as such, and ends with one line that says what failed, what was
+    written and that no snapshot holds the model; it exits 1, never "its results are complete"."""
+    import resource
+
+    def small_files():  # (Python ignores SIGXFSZ: the write fails with EFBIG instead)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (40_000, 40_000))
+
+    out = tmp_path / "run"
+    proc = run_cli("train", "--nproc-per-node", "2", "--model", "gpt", "--dataset", "synthetic-text:2000",
+                   "--block-size", "16", "--global-batch-size", "8", "--max-steps", "3", "--no-progress",
+                   "--out", str(out), preexec_fn=small_files)
+    assert proc.returncode == 1, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("distlab: error")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"final write failed: {out}/model.safetensors could not be written: File too large" in errors[0]
+    assert "summary.json and metrics.jsonl were written; no snapshot holds its model" in errors[0]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"] == "final_write_failed" and summary["steps"] == 3
+    assert "File too large" in summary["final_write_error"] and not (out / "model.safetensors").exists()
+    assert len((out / "metrics.jsonl").read_text().splitlines()) >= 1

@@ -91,3 +91,28 @@ def test_a_qlora_fine_tune_resumes_bitwise_and_holds_less_than_a_bf16_base(run_c
                           (fp32, "add --precision bf16")]:
         proc = refused_here(*args, "--max-steps", "1", "--snapshot-dir", str(tmp_path / "none"))
         assert proc.stderr.count("\n") == 1 and message in proc.stderr, (args, proc.stderr)
+
+
+def test_a_qlora_run_without_snapshots_leaves_its_final_model_with_the_weights_it_computed_with(run_cli, tmp_path):
+    """A QLoRA run on 2 processes that keeps no snapshots writes its final model (OUT/model.safetensors) and
+    summary: each adapted layer's frozen weight there is the NF4 dequantization of the checkpoint's weight
+    (the values the run computed with, bitwise), the adapters float32; a text sample is drawn from the
+    quantized model mid-run as well."""
+    _torchao()
+    from safetensors.torch import load_file
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+    from tests.test_hf import _saved
+    from distlab.train.quantized_base import BLOCK, scaler_block
+    theirs = _saved("LlamaForCausalLM", tmp_path / "in")
+    run_cli("train", "--init-from", f"hf:{tmp_path / 'in'}", "--dataset", "synthetic-text:2000", "--block-size", "16",
+            "--global-batch-size", "8", "--optimizer", "adamw", "--no-progress", "--nproc-per-node", "2",
+            "--lora", "r=4,alpha=8,targets=q,v", "--precision", "bf16", "--base-dtype", "nf4", "--max-steps", "2",
+            "--sample-every", "2", "--out", str(tmp_path / "run"), check=True)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
+    state = load_file(tmp_path / "run" / "model.safetensors")
+    for i, layer in enumerate(theirs.model.layers):
+        for mine, hf_name in (("q", "q_proj"), ("v", "v_proj")):
+            weight = getattr(layer.self_attn, hf_name).weight.detach().to(torch.bfloat16)
+            expected = to_nf4(weight, BLOCK, scaler_block(weight.numel())).get_original_weight()
+            assert torch.equal(state[f"{i + 1}.attn.{mine}.weight"], expected), (i, mine)
+            assert state[f"{i + 1}.attn.{mine}.lora_a"].dtype == torch.float32

@@ -541,7 +541,7 @@ def test_unwritable_directories_and_export_targets_are_one_line_before_any_work(
         assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
         assert not (tmp_path / "s").exists()  # refused before anything was made
     run_cli(*TINY, "--max-steps", "2", "--snapshot-dir", "s", "--out", "run", check=True)
-    for target, message in (("run", "-o run is a directory"), ("ro/model.pt", "-o ro/model.pt could not be written")):
+    for target, message in (("run", "-o run is a directory"), ("ro/model.pt", "ro/model.pt could not be written")):
         proc = refused_here("export", "s/step-00000002", "-o", target)
         assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     assert list(read_only_dir.iterdir()) == [] and not list((tmp_path / "run").glob("*.pt"))

@@ -351,7 +351,7 @@ def launch(opts: LaunchOptions, argv: list[str]) -> int:
         config_error = ConfigError.exit_code in codes.values() and \
             all(c in (ConfigError.exit_code, -signal.SIGTERM) for c in codes.values())
         # Every rank stopped on non-finite gradients at the same step: rank 0 said so in one line.
-        diverged = (summary or {}).get("stopped") == "non_finite"
+        diverged = (summary or {}).get("stopped") in ("non_finite", "final_write_failed")  # (or its last write failed)
         # Unless torchrun's agent stopped rank 0 before it could (another rank got there first): then
         # the launcher says the line the workers kept.
         unsaid = unsaid_error_line(said) if (config_error or diverged) and opts.node_rank == 0 else None

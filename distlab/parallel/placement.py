@@ -154,7 +154,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             continue
         for key, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False)):
             if t is not None:
-                out[prefix + key] = t.detach().clone()
+                out[prefix + key] = value_copy(t)
     return out
 
 

@@ -55,10 +55,10 @@ def write_state(state: dict[str, torch.Tensor], meta: dict, out: str | Path) -> 
             os.fsync(f.fileno())
         os.replace(tmp, out)
     except OSError as exc:  # a read-only or full disk: nothing partial is left, the reason in one line
-        raise ConfigError(f"-o {out} could not be written: {exc.strerror or exc} (errno {exc.errno}); nothing was "
+        raise ConfigError(f"{out} could not be written: {exc.strerror or exc} (errno {exc.errno}); nothing was "
                           f"written") from None
     except RuntimeError as exc:  # torch.save reports a failed write (ENOSPC) as a RuntimeError
-        raise ConfigError(f"-o {out} could not be written: {first_line(exc, 200)}; nothing was written") from None
+        raise ConfigError(f"{out} could not be written: {first_line(exc, 200)}; nothing was written") from None
     finally:
         with contextlib.suppress(OSError):  # on a read-only disk there is nothing to remove
             tmp.unlink(missing_ok=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from distlab.models import build_model, is_user_model
+from distlab.models import build_model, is_user_model, lora
 from distlab.models.plans import assign_state
 from distlab.train.export import write_state
 from distlab.train.loading import FINAL_MODEL
@@ -26,6 +26,8 @@ def sample(trainer, tokens: int = 48) -> str:
         with torch.device("meta"):  # built without initialising: the run's random streams are untouched
             model = build_model(cfg.model, trainer.train_set.input_shape, trainer.train_set.num_classes,
                                 **cfg.model_options())
+            if cfg.lora is not None:  # the adapters as the run computes with them
+                lora.apply(model, cfg.lora_spec())
         assign_state(model, state)
         text = generate(model.eval(), "", tokens, temperature=0.8, top_k=None, seed=cfg.seed + trainer.run.step,
                         tokenizer=trainer.tokenizer)

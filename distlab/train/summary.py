@@ -10,11 +10,13 @@ import os
 import platform
 import socket
 import statistics
+import traceback
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from distlab.errors import DistlabError, FinalWriteError, first_line
 from distlab.models import count_parameters
 from distlab.parallel import components
 from distlab.parallel.compile import compiled_graphs
@@ -372,3 +374,17 @@ def print_summary(summary: dict, out: str | None) -> None:
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows), flush=True)
     if out:
         print(f"summary: {out}/summary.json  metrics: {out}/metrics.jsonl", flush=True)
+
+
+def final_write_failed(exc: BaseException, run, out: str | None, main: bool) -> FinalWriteError:
+    """What a run that trained to its end says when its final snapshot or model file could not be written
+    (after its summary was): what failed, what was written, and which snapshot holds its work. A failure
+    that is distlab's own (not a :class:`~distlab.errors.DistlabError`) prints its traceback once, on rank 0."""
+    if main and not isinstance(exc, DistlabError):
+        traceback.print_exception(exc)
+    wrote = f"; {out}/summary.json and metrics.jsonl were written" if out else ""
+    kept = (f"its newest snapshot is {run.last_snapshot} (`distlab export` it, or go on with --resume auto)"
+            if run.last_snapshot else "no snapshot holds its model (--snapshot-dir keeps them)")
+    what = first_line(exc) if isinstance(exc, DistlabError) else f"{type(exc).__name__}: {first_line(exc)}"
+    return FinalWriteError(f"the run trained to step {run.step}, but its final write failed: {what}{wrote}; {kept}")
+

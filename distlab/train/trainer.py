@@ -24,11 +24,12 @@ from distlab import comm
 from distlab.data.loader import TrainLoader
 from distlab.data.resident import decide as decide_residence
 from distlab.data.resident import nbytes as data_nbytes
-from distlab.errors import ConfigError, NonFiniteError
+from distlab.errors import ConfigError, FinalWriteError, NonFiniteError, first_line
 from distlab.models import IGNORE_INDEX, build_model, count_parameters, snapshot_record
 from distlab.parallel import Mesh, parallelize
 from distlab.parallel.placement import placement_of, state_from_full, state_from_stream
-from distlab.runtime import Runtime, comm_failure, is_comm_failure, seed_everything, timeline, tune_host_allocator
+from distlab.runtime import Runtime, comm_failure, is_comm_failure, reduce_scalars, seed_everything, timeline, \
+    tune_host_allocator
 from distlab.train.clock import StepClock
 from distlab.train.config import TrainConfig
 from distlab.train.config_file import config_file_text
@@ -47,7 +48,8 @@ from distlab.train.preemption import Preemption
 from distlab.train.run_dirs import finished_summary
 from distlab.train.run_state import RunState, fault_injection_hook
 from distlab.train.header import header
-from distlab.train.summary import StepTimes, summarize
+from distlab.train.layout import run_layout
+from distlab.train.summary import StepTimes, final_write_failed, summarize
 from distlab.train.tensorboard import TensorBoardLog
 
 
@@ -147,7 +149,7 @@ class Trainer:
         self.tokenizer = getattr(self.train_set, "tokenizer", None)  # text: what made the tokens (bytes or BPE)
         tokenizer_json = self.tokenizer.to_json() if self.tokenizer is not None else None
         carried = language.carried(cfg, self.tokenizer)  # what an export of a Hugging Face model must say again
-        self.run = RunState(cfg, rt, self.engine, self.optimizer, self.scheduler, self._layout(), eval_samples,
+        self.run = RunState(cfg, rt, self.engine, self.optimizer, self.scheduler, run_layout(self), eval_samples,
                             attachments={**({"tokenizer_json": tokenizer_json} if tokenizer_json else {}),
                                          **({"hf": carried} if carried else {})})
         self.hooks = list(hooks or []) + [h for h in [fault_injection_hook(rt.rank)] if h]
@@ -245,30 +247,50 @@ class Trainer:
         if stopped == "time_budget" and (not run.evals or run.evals[-1]["step"] != run.step):
             result = self._evaluate(run.step // self.steps_per_epoch)
             self.say(f"time budget reached at step {run.step}: test accuracy {100 * result['test_accuracy']:.2f}%")
-        if not self.diverged_on_device:
-            run.final_snapshot()
-            if stopped != "non_finite":
-                self.model_file = language.final_model(self)
-        else:
-            run.settle()  # a background write in flight finishes: the last good state
+        unwritten = self._final_writes(stopped)  # one that failed: the summary is still written, then it is said
+        if unwritten is not None and stopped != "non_finite":
+            stopped = "final_write_failed"
         if stopped in ("preempted", "interrupted"):
             how = "preempted (SIGTERM)" if stopped == "preempted" else "interrupted (Ctrl-C)"
             self.say(f"{how} at step {run.step}: " + (
                 f"snapshot {run.last_snapshot}; continue with --resume auto" if run.last_snapshot else
                 "no --snapshot-dir, so the progress is lost"))
         summary = summarize(self, stopped, times, time.perf_counter() - start)
+        if unwritten is not None:
+            summary["final_write_error"] = f"{type(unwritten).__name__}: {first_line(unwritten)}"
         if self.rt.is_main and cfg.out:
             self.log.touch()  # a run that ended before its first log step still has a (empty) metrics.jsonl
             atomic_write_text(Path(cfg.out) / "config.toml", config_file_text(cfg))  # `distlab train --config` reruns it
             if self._predictions is not None:
                 summary["predictions"] = write_predictions(Path(cfg.out), self.test_set, *self._predictions)
             write_summary(cfg.out, summary)
+        if stopped == "final_write_failed":
+            raise final_write_failed(unwritten, run, cfg.out, self.rt.is_main)
         if stopped == "non_finite":
             snap = f"; the last good state is in {run.last_snapshot}" if run.last_snapshot else ""
             if run.unwritten:
                 snap += f" ({run.unwritten})"
             raise NonFiniteError(f"training diverged at {self._nonfinite}{snap}")
         return summary
+
+    def _final_writes(self, stopped: str) -> BaseException | None:
+        """The last snapshot and a language model's final file (collective); returns what failed on any rank
+        (every rank learns that one did), None when all were written."""
+        if self.diverged_on_device:
+            self.run.settle()  # a background write in flight finishes: the last good state
+            return None
+        failed = None
+        try:
+            self.run.final_snapshot()
+            if stopped != "non_finite":
+                self.model_file = language.final_model(self)
+        except Exception as exc:  # noqa: BLE001 - said after the summary is written
+            if is_comm_failure(exc):
+                raise
+            failed = exc
+        if reduce_scalars([float(failed is not None)], op=torch.distributed.ReduceOp.MAX)[0] and failed is None:
+            failed = FinalWriteError("another rank's final write failed (rank 0 says which)")
+        return failed
 
     def _loop(self, times: StepTimes, preemption: Preemption) -> str:
         """Steps until the end, the time budget or a preemption; returns which stopped it.
@@ -423,28 +445,3 @@ class Trainer:
         if say:
             self.say(eval_words(record))
         return record
-
-    def _layout(self) -> dict:
-        """What a snapshot must agree on to be resumed by this run (compared field by field)."""
-        cfg = self.cfg
-        return {"world_size": self.rt.world_size, "model": cfg.model,
-                **({"model_args": list(cfg.model_args)} if cfg.model_args else {}),
-                **self.model_record,
-                **({"lora": self.cfg.lora_spec().text()} if self.cfg.lora is not None else {}),
-                **({"base_dtype": cfg.base_dtype} if cfg.base_dtype != "float32" else {}),
-                "num_parameters": self.num_parameters, "dataset": cfg.dataset,
-                **({"vocab_size": cfg.vocab_size} if cfg.vocab_size else {}),
-                **({"tokenizer": self.tokenizer.spec, "tokenizer_sha256": self.tokenizer.sha256}
-                   if self.tokenizer is not None and self.tokenizer.sha256 else {}),
-                # compiling changes how the blocks run, not the state: a snapshot resumes with or without it
-                "strategy": {k: v for k, v in cfg.strategy.to_dict().items()
-                             if k not in ("compile", "compile_backend")},
-                "global_batch_size": cfg.global_batch_size, "optimizer": cfg.optimizer, "seed": cfg.seed,
-                "val_fraction": cfg.val_fraction, "lr": cfg.lr, "lr_schedule": cfg.lr_schedule,
-                "lr_scaling": cfg.lr_scaling, "base_batch_size": cfg.base_batch_size, "warmup_steps": cfg.warmup_steps,
-                "momentum": cfg.momentum, "weight_decay": cfg.weight_decay,
-                **({"clip_grad_norm": cfg.clip_grad_norm} if cfg.clip_grad_norm else {}),
-                **({"label_smoothing": cfg.label_smoothing} if cfg.label_smoothing else {}),
-                **({"weight_decay_groups": "no decay on biases, norms, embeddings"} if decay_groups(cfg) else {}),
-                # a schedule that decays over the run depends on its length: changing it would bend the curve
-                **({"total_steps": self.total_steps} if cfg.lr_schedule != "constant" else {})}
