@@ -181,3 +181,49 @@ def test_adapters_go_out_as_peft_loads_them_come_back_and_merge_as_peft_merges(r
     run_cli(*base, "--max-steps", "1", "--out", str(tmp_path / "full"), check=True)
     proc = run_cli("export", str(tmp_path / "full"), "-o", str(tmp_path / "none"), "--format", "peft")
     assert proc.returncode == 2 and "has none" in proc.stderr and not (tmp_path / "none").exists()
+
+
+def test_a_lora_chat_fine_tune_generates_from_every_source_as_transformers_and_peft_do(run_cli, tmp_path):
+    """A Llama 3 chat model fine-tuned with LoRA: `distlab generate SOURCE --chat`, greedy, prints the reply that
+    PEFT (the base plus the exported adapter) and transformers (the merged export) generate -- from the run
+    directory's final model, from a run directory whose model is a snapshot, from the snapshot itself and from
+    the merged export -- and every one stops at the template's end of turn (<|eot_id|>, which the run's tokenizer
+    keeps from the checkpoint it started from), where they stop."""
+    from tests.test_chat_families import TALKS, _bigram, _family_dir
+    from tests.test_hf import _transformers
+    peft, transformers = _peft(), _transformers()
+    tok = _family_dir("llama3", tmp_path / "m")
+    _bigram("llama3", tmp_path / "m", tok)
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": t}) + "\n" for t in TALKS * 10))
+    train = ["train", "--init-from", f"hf:{tmp_path / 'm'}", "--tokenizer", f"hf:{tmp_path / 'm'}", "--dataset",
+             f"sft:{tmp_path / 'chat.jsonl'}", "--lora", "r=2,alpha=4,targets=o,down,q,v", "--block-size", "192",
+             "--global-batch-size", "4", "--optimizer", "adamw", "--lr", "0.01", "--max-steps", "3", "--no-progress"]
+    run_cli(*train, "--out", str(tmp_path / "run"), check=True)
+    run_cli(*train, "--out", str(tmp_path / "snaprun"), "--snapshot-dir", str(tmp_path / "snaps"), check=True)
+    run_cli("export", str(tmp_path / "run"), "--format", "peft", "-o", str(tmp_path / "adapter"), check=True)
+    run_cli("export", str(tmp_path / "run"), "--format", "hf", "--merge", "-o", str(tmp_path / "merged"), check=True)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "m"))
+    ids = hf_tok.apply_chat_template([{"role": "user", "content": "the fox?"}], add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=True)["input_ids"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    theirs = {"peft": peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval(),
+              "merged": transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()}
+    eot = tok.token_to_id("<|eot_id|>")
+    replies = set()
+    for name, model in theirs.items():
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=12, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+        new = out.sequences[0, ids.shape[1]:].tolist()
+        assert new[-1] == eot and len(new) < 12, (name, new)  # it stopped at the end of turn
+        for logits in out.logits:  # each greedy choice clear of float32 rounding, so every float32 model agrees
+            top = logits[0].double().topk(2).values
+            assert top[0] - top[1] > 64 * torch.finfo(torch.float32).eps * logits.abs().max().item(), name
+        replies.add(hf_tok.decode(new, skip_special_tokens=True))
+    assert len(replies) == 1
+    reply = replies.pop()
+    snapshot = next((tmp_path / "snaps").glob("step-*"))
+    for source in (tmp_path / "run", tmp_path / "snaprun", snapshot, f"hf:{tmp_path / 'merged'}"):
+        proc = run_cli("generate", str(source), "--chat", "--prompt", "the fox?", "--temperature", "0",
+                       "--max-new-tokens", "12", check=True)
+        assert proc.stdout == reply + "\n", (source, proc.stdout, reply)

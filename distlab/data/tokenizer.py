@@ -169,22 +169,31 @@ class HFTokenizer(BPETokenizer):
     @classmethod
     def from_dir(cls, directory: str) -> "HFTokenizer":
         """``DIR/tokenizer.json`` with what ``DIR/config.json`` and ``DIR/tokenizer_config.json`` say of it."""
-        import json
         from pathlib import Path
 
-        from distlab.models.hf_files import Config, read_json
+        from distlab.models.hf_files import read_json
         root, where = Path(directory), f"hf:{directory}"
         if not (root / "tokenizer.json").is_file():
             raise ConfigError(f"{where}: no tokenizer.json there (a model's tokenizer in Hugging Face "
                               f"tokenizers' format; a tokenizer.model of SentencePiece alone is not read)")
         spec = read_json(root / "tokenizer.json", where)  # text, JSON, an object, of bounded depth
+        config, tok_config, gen_config = (
+            {} if not (root / f).is_file() else read_json(root / f, where)
+            for f in ("config.json", "tokenizer_config.json", "generation_config.json"))
+        return cls.from_files(spec, config, tok_config, gen_config, where)
+
+    @classmethod
+    def from_files(cls, spec: dict, config: dict, tok_config: dict, gen_config: dict,
+                   where: str) -> "HFTokenizer":
+        """The tokenizer of a model's files as read (tokenizer.json's object; config.json's, tokenizer_config.json's
+        and generation_config.json's): its vocabulary, end of text and every end generation stops at."""
+        import json
+
+        from distlab.models.hf_files import Config
         try:
             tok = _library().Tokenizer.from_str(json.dumps(spec))
         except Exception as exc:  # noqa: BLE001 - the library's own parse of someone else's file: one line
             raise ConfigError(f"{where}: tokenizer.json is not a tokenizer ({first_line(exc, 200)})") from None
-        config, tok_config, gen_config = (
-            {} if not (root / f).is_file() else read_json(root / f, where)
-            for f in ("config.json", "tokenizer_config.json", "generation_config.json"))
         Config(config, where).size("vocab_size", 0, least=0)  # a whole number where it is given
         eos = config.get("eos_token_id")
         eos = eos[0] if isinstance(eos, list) and eos else eos

@@ -217,6 +217,8 @@ def tokenizer_of(meta: dict, vocab: int, where: str, tokenizer_file: str | None 
             else None
         if tokenizer is None and vocab != 256:
             raise ConfigError(f"{where} has no tokenizer.json and a vocabulary of {vocab:,}: give --tokenizer")
+    elif isinstance(meta.get("tokenizer_json"), str) and isinstance(meta.get("hf"), dict):
+        tokenizer = _kept_hf_tokenizer(meta["tokenizer_json"], meta["hf"], where)
     elif isinstance(meta.get("tokenizer_json"), str):
         tokenizer = tokenizers.BPETokenizer.from_json(meta["tokenizer_json"], where=f"{where}'s tokenizer")
     elif str(meta.get("dataset", "")).startswith("tokens:") and vocab != 256:
@@ -232,6 +234,27 @@ def tokenizer_of(meta: dict, vocab: int, where: str, tokenizer_file: str | None 
         raise ConfigError(f"the tokenizer has {tokenizer.learned:,} tokens, {where}'s model only {vocab:,}: give "
                           f"the tokenizer it was trained with")
     return tokenizer
+
+
+def _kept_hf_tokenizer(text: str, kept: dict, where: str) -> "tokenizers.HFTokenizer":
+    """The Hugging Face tokenizer a run started from, as the run kept it (its tokenizer.json's text, the
+    checkpoint's token ids and the files beside it): its end of text and every end of turn generation stops
+    at, as the directory itself gives them."""
+    import json
+    files = kept.get("files") if isinstance(kept.get("files"), dict) else {}
+
+    def parsed(text, name: str) -> dict:
+        try:
+            value = json.loads(text) if isinstance(text, str) else {}
+        except (ValueError, RecursionError):
+            raise ConfigError(f"{where}: the {name} it kept is not JSON") from None
+        return value if isinstance(value, dict) else {}
+
+    ids = kept.get("ids") if isinstance(kept.get("ids"), dict) else {}
+    return tokenizers.HFTokenizer.from_files(parsed(text, "tokenizer.json"), ids,
+                                             parsed(files.get("tokenizer_config.json"), "tokenizer_config.json"),
+                                             parsed(files.get("generation_config.json"), "generation_config.json"),
+                                             f"{where}'s tokenizer")
 
 
 __all__ = ["FINAL_MODEL", "Loaded", "load", "read", "read_state", "run_source", "tokenizer_of", "whole_state"]
