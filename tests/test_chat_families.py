@@ -240,13 +240,30 @@ def _family_dir(family: str, path):
     return tok
 
 
+def _reply_spans(theirs, talk: list, end: int, every: bool) -> list[int]:
+    """The token ids of the assistant's replies in transformers' ids of ``talk``: reply ``i`` from the end of
+    the conversation before it (with the generation prompt) to the end of the conversation through it -- or,
+    where the template renders that reply otherwise when it is last (Qwen3's reasoning), through the first
+    end of turn ``end`` after its start; the last reply to the conversation's end."""
+    ids = (lambda msgs, **kw: theirs.apply_chat_template(msgs, tokenize=True, return_dict=True, **kw)["input_ids"])
+    whole, out = ids(talk), []
+    for i in [i for i, m in enumerate(talk) if m["role"] == "assistant" and (every or i == len(talk) - 1)]:
+        start = len(ids(talk[:i], add_generation_prompt=True))
+        through = ids(talk[:i + 1])
+        stop = len(whole) if i == len(talk) - 1 else len(through) if whole[:len(through)] == through else \
+            whole.index(end, start) + 1
+        out += whole[start:stop]
+    return out
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_familys_template_renders_as_transformers_and_its_records_train_on_the_reply_and_end_of_turn(family,
-                                                                                                      tmp_path):
+def test_a_familys_template_renders_as_transformers_and_its_records_train_on_every_reply_and_end_of_turn(family,
+                                                                                                        tmp_path):
     """The family's published template: the conversations (a system message, two turns) render to the text
     transformers renders, with and without the generation prompt; as sft: records, each window's tokens are
-    transformers' ids of the conversation and its targets the last reply through the end of turn the
-    template writes (no end of text after it); the tokenizer stops at that end of turn."""
+    transformers' ids of the conversation and its targets every assistant reply through the end of turn the
+    template writes (no end of text after the last) -- with `chat_turns` last, the last reply only; the
+    tokenizer stops at that end of turn."""
     from distlab.data import load_dataset
     from distlab.data.chat import ChatTemplate
     from distlab.data.tokenizer import HFTokenizer
@@ -262,17 +279,20 @@ def test_a_familys_template_renders_as_transformers_and_its_records_train_on_the
     end = tok.token_to_id(FAMILIES[family][3])
     assert end in HFTokenizer.from_dir(str(tmp_path / "m")).stops
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": t}) + "\n" for t in talks * 5))
-    data = load_dataset(f"sft:{tmp_path / 'chat.jsonl'}", "train", block_size=192, tokenizer=f"hf:{tmp_path / 'm'}")
-    x, y = data.batch(torch.arange(len(talks)))
-    for talk, xs, ys in zip(talks, x, y):
-        whole = theirs.apply_chat_template(talk, tokenize=True, return_dict=True)["input_ids"]
-        assert xs[:len(whole)].tolist() == whole
-        prompt = len(theirs.apply_chat_template(talk[:-1], tokenize=True, add_generation_prompt=True,
-                                                return_dict=True)["input_ids"])
-        targets = ys[ys != IGNORE_INDEX].tolist()
-        assert targets == whole[prompt:], (family, tok.decode(targets, skip_special_tokens=False))
-        assert end in targets and not set(targets[targets.index(end) + 1:]) & HFTokenizer.from_dir(
-            str(tmp_path / "m")).stops  # nothing that ends a text after the end of turn
+    stops = HFTokenizer.from_dir(str(tmp_path / "m")).stops
+    for turns in ("all", "last"):
+        data = load_dataset(f"sft:{tmp_path / 'chat.jsonl'}", "train", block_size=192,
+                            tokenizer=f"hf:{tmp_path / 'm'}", chat_turns=turns)
+        x, y = data.batch(torch.arange(len(talks)))
+        for talk, xs, ys in zip(talks, x, y):
+            whole = theirs.apply_chat_template(talk, tokenize=True, return_dict=True)["input_ids"]
+            assert xs[:len(whole)].tolist() == whole
+            targets = ys[ys != IGNORE_INDEX].tolist()
+            assert targets == _reply_spans(theirs, talk, end, turns == "all"), \
+                (family, turns, tok.decode(targets, skip_special_tokens=False))
+            assert targets.count(end) == (sum(m["role"] == "assistant" for m in talk) if turns == "all" else 1)
+            last = len(targets) - targets[::-1].index(end)  # nothing that ends a text after the last end of turn
+            assert not set(targets[last:]) & stops
 
 
 def test_mistrals_system_message_placed_only_before_a_reply_is_refused_in_one_line(tmp_path):
@@ -283,8 +303,8 @@ def test_mistrals_system_message_placed_only_before_a_reply_is_refused_in_one_li
     from distlab.errors import ConfigError
     _family_dir("mistral", tmp_path / "m")
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": TALKS[1]}) + "\n" for _ in range(10)))
-    with pytest.raises(ConfigError, match=r"chat.jsonl:1: the chat template renders the conversation before the "
-                                          r"last reply .* cannot be told apart .*drop it"):
+    with pytest.raises(ConfigError, match=r"chat.jsonl:1: the chat template renders the conversation before "
+                                          r"reply 1 of 2 .* cannot be told apart .*drop it"):
         load_dataset(f"sft:{tmp_path / 'chat.jsonl'}", "train", block_size=96, tokenizer=f"hf:{tmp_path / 'm'}")
 
 
@@ -338,3 +358,40 @@ def test_generate_chat_stops_at_the_familys_end_of_turn_where_transformers_stops
         new = theirs.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
     assert new[-1] == tok.token_to_id(FAMILIES[family][3]) and len(new) == 4  # it stopped at the end of turn
     assert out == hf_tok.decode(new, skip_special_tokens=True) + "\n" == "the lazy dog\n"
+
+
+CHATML_MARKED = """{%- for message in messages %}
+{{- '<|im_start|>' + message['role'] + '\\n' }}
+{%- if message['role'] == 'assistant' %}
+{%- generation %}{{- message['content'] + '<|im_end|>' }}{%- endgeneration %}{{- '\\n' }}
+{%- else %}{{- message['content'] + '<|im_end|>\\n' }}{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
+
+
+def test_a_template_that_marks_the_assistants_text_trains_the_tokens_of_transformers_assistant_mask(tmp_path):
+    """A ChatML template whose replies are `{% generation %}` blocks (as TRL's assistant_only_loss asks for):
+    an sft: chat's targets are exactly the tokens of transformers' `return_assistant_tokens_mask` -- every
+    reply and its <|im_end|>, not the newline the template writes after it -- and with `chat_turns` last only
+    the last block's."""
+    from distlab.data import load_dataset
+    from distlab.models import IGNORE_INDEX
+    _family_dir("qwen3", tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML_MARKED}))
+    theirs = _transformers().AutoTokenizer.from_pretrained(str(tmp_path / "m"))
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": t}) + "\n" for t in TALKS * 5))
+    for turns in ("all", "last"):
+        data = load_dataset(f"sft:{tmp_path / 'chat.jsonl'}", "train", block_size=96, tokenizer=f"hf:{tmp_path / 'm'}",
+                            chat_turns=turns)
+        x, y = data.batch(torch.arange(len(TALKS)))
+        for talk, xs, ys in zip(TALKS, x, y):
+            out = theirs.apply_chat_template(talk, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            ids, mask = out["input_ids"], out["assistant_masks"]
+            assert xs[:len(ids)].tolist() == ids
+            if turns == "last":  # the last block: from the last run of ones
+                start = max(i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1]))
+                mask = [0] * start + mask[start:]
+            scored = (ys[:len(ids) - 1] != IGNORE_INDEX).tolist()  # target j is token j + 1
+            assert scored == [bool(m) for m in mask[1:]], (turns, talk)
+            assert ys[len(ids) - 1:].eq(IGNORE_INDEX).all()

@@ -126,3 +126,25 @@ def test_a_chat_template_without_an_end_of_turn_ends_each_reply_with_the_tokeniz
     data = load_dataset(_chats(tmp_path / "chat.jsonl"), "train", block_size=40, tokenizer=f"hf:{tmp_path / 'model'}")
     x, y = data.batch(torch.arange(len(data)))
     assert y[0][y[0] != IGNORE_INDEX].tolist() == tok.encode("the lazy dog\n<|eot|>").ids
+
+
+def test_every_assistant_reply_of_a_chat_trains_unless_the_last_alone_is_asked_for(run_cli, refused_here, tmp_path):
+    """`distlab train` on two-reply chats: both replies (each with its end of turn) are targets, as the header
+    counts them; `--chat-turns last` trains the last reply alone; the flag is refused for data that is not
+    sft: records."""
+    tok = chat_model(tmp_path / "model")
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"the fox {i}?"}, {"role": "assistant", "content": "the lazy dog"},
+        {"role": "user", "content": "and?"}, {"role": "assistant", "content": "the quick fox"}]}) + "\n"
+        for i in range(20)))
+    args = ["train", "--model", "llama", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--dataset",
+            f"sft:{tmp_path / 'chat.jsonl'}", "--tokenizer", f"hf:{tmp_path / 'model'}", "--block-size", "64",
+            "--global-batch-size", "4", "--max-steps", "1", "--no-progress"]
+    first, second = (len(tok.encode(f"{reply}<|eot|>").ids) for reply in ("the lazy dog", "the quick fox"))
+    for extra, targets, words in (([], 18 * (first + second), "every assistant reply a target"),
+                                  (["--chat-turns", "last"], 18 * second, "the last reply a target")):
+        proc = run_cli(*args, *extra, "--out", str(tmp_path / f"run{len(extra)}"), check=True)
+        head = proc.stdout[:proc.stdout.index("step ")]
+        assert f"the loss on their {targets:,} completion tokens" in head and words in head, head
+    proc = refused_here("train", "--dataset", "synthetic-text:2000", "--model", "gpt", "--chat-turns", "last")
+    assert "--chat-turns chooses which replies" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr

@@ -6,7 +6,8 @@ import sys
 
 import click
 
-from distlab.cli.options import (COUNT, MODEL_OPTIONS, STRATEGY_OPTIONS, Number, csv_ints, field_options,
+from distlab.cli.flag_tables import MODEL_OPTIONS, STRATEGY_OPTIONS
+from distlab.cli.options import (COUNT, Number, csv_ints, field_options,
                                  model_options_of, output_file)
 from distlab.errors import ConfigError
 

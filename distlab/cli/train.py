@@ -11,7 +11,8 @@ from pathlib import Path
 
 import click
 
-from distlab.cli.options import (COUNT, NONNEGATIVE, TRAIN_OPTIONS, Number, config_from_flags, field_options,
+from distlab.cli.flag_tables import TRAIN_OPTIONS
+from distlab.cli.options import (COUNT, NONNEGATIVE, Number, config_from_flags, field_options,
                                  launch_options, output_file, run_distributed, writable_dir)
 from distlab.errors import ConfigError
 
@@ -92,7 +93,7 @@ def train(config_file, trust_config, **kw):
             verify(cfg.dataset, manifest_of(cfg.dataset, cfg.vocab_size))  # a prepared corpus, whole: its checksums and token ids
         elif cfg.dataset.startswith("sft:"):
             from distlab.data.sft import read
-            read(cfg.dataset, cfg.tokenizer)  # every record readable (chat ones through the template), before launch
+            read(cfg.dataset, cfg.tokenizer, cfg.chat_turns)  # every record readable (chat ones through the template), before launch
         elif cfg.dataset.startswith("dpo:"):
             from distlab.data.preference import read as read_pairs
             read_pairs(cfg.dataset, cfg.tokenizer)  # every pair, as above

@@ -193,10 +193,12 @@ def locate(name: str, data_dir: str | os.PathLike | None = None) -> Path:
 
 def load_dataset(name: str, split: str, data_dir: str | os.PathLike | None = None,
                  seed: int = 0, block_size: int = 64, tokenizer: str = "bytes",
-                 vocab_size: int | None = None, pack: bool = False) -> ImageDataset | TextDataset:
+                 vocab_size: int | None = None, pack: bool = False,
+                 chat_turns: str = "all") -> ImageDataset | TextDataset:
     """Load ``split`` ("train" or "test") of dataset ``name`` into memory (text: as windows of
     ``block_size`` tokens of ``tokenizer``, bytes or ``bpe:N`` learned from the training split;
-    ``vocab_size``: the vocabulary of a corpus of bare token ids, nanoGPT's ``train.bin``/``val.bin``)."""
+    ``vocab_size``: the vocabulary of a corpus of bare token ids, nanoGPT's ``train.bin``/``val.bin``;
+    ``chat_turns``: which assistant replies of an sft: chat are targets, all or the last)."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', not {split!r}")
     name = canonical_name(name)
@@ -209,7 +211,7 @@ def load_dataset(name: str, split: str, data_dir: str | os.PathLike | None = Non
     if name.startswith(tokens.PREFIX):
         return tokens.load_tokens(name, split, block_size, vocab_size)
     if name.startswith(sft.PREFIX):
-        return sft.load_sft(name, split, block_size, tokenizer, pack)
+        return sft.load_sft(name, split, block_size, tokenizer, pack, chat_turns)
     if preference.is_preference(name) and not pack:
         return preference.load_pairs(name, split, block_size, tokenizer)
     if pack:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import signal
 import threading
 import time
@@ -54,6 +55,8 @@ def _deadline(seconds: float):
             signal.setitimer(signal.ITIMER_REAL, max(left - (time.monotonic() - began), 1e-3))
 
 
+MARKS = ("\ue000", "\ue001")  # around a {% generation %} block's text while its spans are read (private use)
+MARKING = "distlab_marking"  # the render variable that asks for them
 SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -70,10 +73,12 @@ def _environment():
         def parse(self, parser):
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+            return nodes.CallBlock(self.call_method("_body", [nodes.ContextReference()]), [], [],
+                                   body).set_lineno(lineno)
 
-        def _body(self, caller):
-            return caller()
+        def _body(self, context, caller):  # marked where the caller asks for the spans (ChatTemplate.spans)
+            text = caller()
+            return f"{MARKS[0]}{text}{MARKS[1]}" if context.get(MARKING) else text
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -116,7 +121,28 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise ConfigError(f"{where}: not a Jinja template ({exc})") from None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    @property
+    def marked(self) -> bool:
+        """Whether the template marks the assistant's text (``{% generation %}``, as transformers'
+        ``return_assistant_tokens_mask`` reads it)."""
+        return re.search(r"{%-?\s*generation\s*-?%}", self.source) is not None
+
+    def spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation's text and the ``(start, end)`` character spans of its ``{% generation %}`` blocks."""
+        if any(mark in str(m.get("content")) for m in messages for mark in MARKS):
+            raise ConfigError(f"{self.where}: a message holds U+E000 or U+E001, the characters that mark the "
+                              f"assistant's text while it is found: remove them")
+        marked, text, out, start = self.render(messages, **{MARKING: True}), [], [], None
+        for ch in marked:
+            if ch == MARKS[0]:
+                start = sum(map(len, text))
+            elif ch == MARKS[1]:
+                out.append((start, sum(map(len, text))))
+            else:
+                text.append(ch)
+        return "".join(text), out
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, **marking) -> str:
         """The conversation as text, within a budget: at most :data:`RENDER_LIMIT` characters and
         :data:`RENDER_SECONDS` seconds (in the main thread: an alarm stops a loop that never ends) --
         anything the template does wrong is one line naming it."""
@@ -125,7 +151,7 @@ class ChatTemplate:
         try:
             with _deadline(RENDER_SECONDS):
                 for piece in self._template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                     tools=None, documents=None, **self.special):
+                                                     tools=None, documents=None, **self.special, **marking):
                     size += len(piece)
                     if size > RENDER_LIMIT:
                         raise jinja2.exceptions.SecurityError(f"it renders more than {RENDER_LIMIT:,} characters")
@@ -190,21 +216,70 @@ class ChatTemplate:
         return cls(source, special, where, file)
 
 
-def split_reply(template: ChatTemplate, messages: list, where: str) -> tuple[str, str]:
-    """``(prompt, reply)`` texts of a conversation whose last message is the assistant's: the conversation
-    before it with the template's generation prompt, and what the whole conversation adds to that."""
+def _messages(messages, where: str) -> None:
     if not (isinstance(messages, list) and messages and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages)):
         raise ConfigError(f"{where}: messages is a list of {{\"role\": ..., \"content\": TEXT}}")
     if messages[-1]["role"] != "assistant":
         raise ConfigError(f"{where}: the last message is the {messages[-1]['role']}'s; fine-tuning learns the "
-                          f"assistant's last reply, so a conversation ends with one")
-    prompt = template.render(messages[:-1], add_generation_prompt=True)
+                          f"assistant's replies, so a conversation ends with one")
+
+
+def split_reply(template: ChatTemplate, messages: list, where: str) -> tuple[str, str]:
+    """``(prompt, reply)`` texts of a conversation whose last message is the assistant's: the conversation
+    before it with the template's generation prompt, and what the whole conversation adds to that."""
+    (prompt, _), (reply, _) = reply_turns(template, messages, where, every=False, plain=True)
+    return prompt, reply
+
+
+def reply_turns(template: ChatTemplate, messages: list, where: str, every: bool = True, ends: tuple = (),
+                plain: bool = False) -> list[tuple[str, bool]]:
+    """The conversation's text as pieces in order, each with whether it is a target: the assistant's replies
+    (``every`` one, or only the last) are, the rest -- system, user and tool turns, the template's headers --
+    are not. Where the template marks the assistant's text (``{% generation %}``) the replies are those
+    blocks, as transformers' assistant mask has them (unless ``plain``); otherwise reply ``i`` starts where the
+    conversation before it, with the generation prompt, ends, and ends where the conversation through it does
+    -- or, for a template that renders an earlier reply differently when it is last (Qwen3's reasoning), at
+    the first of ``ends`` (the tokenizer's end-of-turn texts) after its start."""
+    _messages(messages, where)
+    last = len(messages) - 1
+    if template.marked and not plain:
+        whole, spans = template.spans(messages)
+        spans = spans if every else spans[-1:]
+        if not spans:
+            raise ConfigError(f"{where}: the chat template marks no assistant text ({{% generation %}}) in it")
+        pieces, at = [], 0
+        for start, end in spans:
+            pieces += [(whole[at:start], False), (whole[start:end], True)]
+            at = end
+        return [p for p in [*pieces, (whole[at:], False)] if p[0]]
     whole = template.render(messages)
-    if not whole.startswith(prompt):
-        raise ConfigError(f"{where}: the chat template renders the conversation before the last reply (with its "
-                          f"generation prompt) as other text than the whole conversation's start, so the reply's "
-                          f"tokens cannot be told apart (Mistral's template moves a system message to the last user turn: drop it "
-                          f"or write it into the first user turn)")
-    return prompt, whole[len(prompt):]
+    pieces, at = [], 0
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant" and (every or i == last)]
+    for k, i in enumerate(replies, 1):
+        prompt = template.render(messages[:i], add_generation_prompt=True)
+        if not whole.startswith(prompt) or len(prompt) < at:
+            which = "the last reply" if i == last else f"reply {k} of {len(replies)}"
+            raise ConfigError(f"{where}: the chat template renders the conversation before {which} (with "
+                              f"its generation prompt) as other text than the whole conversation's start, so the "
+                              f"reply's tokens cannot be told apart (Mistral's template moves a system message to "
+                              f"the last user turn: drop it or write it into the first user turn)")
+        end = len(whole) if i == last else _reply_end(template, messages, i, whole, len(prompt), ends, where)
+        pieces += [(whole[at:len(prompt)], False), (whole[len(prompt):end], True)]
+        at = end
+    return [p for p in [*pieces, (whole[at:], False)] if p[0]]
+
+
+def _reply_end(template: ChatTemplate, messages: list, i: int, whole: str, start: int, ends: tuple,
+               where: str) -> int:
+    """Where earlier reply ``i`` ends in the whole conversation's text ``whole`` (:func:`reply_turns`)."""
+    through = template.render(messages[:i + 1])
+    if whole.startswith(through) and len(through) > start:
+        return len(through)
+    found = [whole.find(e, start) + len(e) for e in ends if e and whole.find(e, start) >= 0]
+    if found:
+        return min(found)
+    raise ConfigError(f"{where}: where reply {i + 1} ends cannot be told (the chat template renders it otherwise "
+                      f"when it is the last, and it holds no end of turn): train the last reply only "
+                      f"(`chat_turns` last), or use a template that marks replies with {{% generation %}}")

@@ -13,9 +13,12 @@ many as fit, the token that starts each marked (:func:`mark_start`) so the model
 and restarts its positions (:mod:`distlab.models.packing`): no record sees another either way.
 
 A chat record is rendered by the model's chat template (:mod:`distlab.data.chat`, from
-``--tokenizer hf:DIR``'s ``tokenizer_config.json``): the prompt is the conversation before the last reply
-with the template's generation prompt, the completion what the whole conversation adds to it (the reply
-and the template's end-of-turn tokens). Earlier replies are context, not targets.
+``--tokenizer hf:DIR``'s ``tokenizer_config.json``), and every assistant reply is a target, as TRL's
+``assistant_only_loss`` and torchtune train them: each reply and the template's end-of-turn tokens, where
+``{% generation %}`` blocks mark them (transformers' assistant mask), or else what the conversation through
+a reply adds to the conversation before it with the template's generation prompt
+(:func:`~distlab.data.chat.reply_turns`). The system, user and tool turns and the template's headers are
+context, not targets; with ``chat_turns`` last, earlier replies are context too.
 
 Record ``i`` (from 0, in file order) is in ``test`` when ``i % 10 == 9``, else in ``train``. Tokens are
 bytes by default, or a pretrained model's (``--tokenizer hf:DIR``: its ``tokenizer.json``).
@@ -56,9 +59,19 @@ def tokenizer_of(spec: str):
 
 
 class Record(NamedTuple):
-    prompt: str
-    completion: str
+    """A record's text in order as pieces, each with whether its tokens are targets: a prompt's are not, a
+    completion's -- every assistant reply of a chat -- are."""
+    pieces: tuple[tuple[str, bool], ...]
     chat: bool = False  # rendered by a chat template: its end of turn (if it writes one) ends the reply
+
+    @classmethod
+    def of(cls, prompt: str, completion: str, chat: bool = False) -> "Record":
+        return cls(((prompt, False), (completion, True)), chat)
+
+    @property
+    def scored(self) -> str:
+        """The text of its targets."""
+        return "".join(text for text, target in self.pieces if target)
 
 
 RECORD_LIMIT = 8 << 20  # characters in one record's line
@@ -98,21 +111,21 @@ def _text(value, where: str) -> None:
             stack.extend(item)
 
 
-def records(spec: str, template=None, template_dir: str = "") -> list[Record]:
-    """Every line's record, in file order (chat records rendered by ``template``); one line naming the first
-    bad one."""
-    from distlab.data.chat import split_reply
+def records(spec: str, template=None, template_dir: str = "", turns: str = "all", ends: tuple = ()) -> list[Record]:
+    """Every line's record, in file order (chat records rendered by ``template``, ``turns`` of their replies
+    targets: all, or the last; ``ends``: the tokenizer's end-of-turn texts); one line naming the first bad one."""
+    from distlab.data.chat import reply_turns
     path, out = path_of(spec), []
     for where, record in objects(path):
         if isinstance(record, dict) and "messages" in record and "prompt" not in record:
             need_template(template, where, template_dir)
-            out.append(Record(*split_reply(template, record["messages"], where), chat=True))
+            out.append(Record(tuple(reply_turns(template, record["messages"], where, turns == "all", ends)), True))
             continue
         if not (isinstance(record, dict) and isinstance(record.get("prompt"), str)
                 and isinstance(record.get("completion"), str)):
             raise ConfigError(f"{where}: a record is {{\"prompt\": TEXT, \"completion\": TEXT}} or "
                               f"{{\"messages\": [{{\"role\": ..., \"content\": TEXT}}, ...]}}")
-        out.append(Record(record["prompt"], record["completion"]))
+        out.append(Record.of(record["prompt"], record["completion"]))
     return enough(out, path)
 
 
@@ -149,14 +162,15 @@ def enough(out: list, path: Path) -> list:
     return out
 
 
-def read(spec: str, tokenizer: str = tokenizers.BYTES):
+def read(spec: str, tokenizer: str = tokenizers.BYTES, turns: str = "all"):
     """``(tokenizer, template, records)`` of ``spec`` read with ``--tokenizer`` (its chat template, where its
-    directory has one) -- what a run reads, and what the command checks before it launches one."""
+    directory has one; ``turns`` of a chat's replies trained) -- what a run reads, and what the command checks
+    before it launches one."""
     from distlab.data.chat import ChatTemplate
     tok = tokenizer_of(tokenizer)
     template_dir = tokenizer[3:] if tokenizers.is_pretrained(tokenizer) else ""
     template = ChatTemplate.from_dir(template_dir) if template_dir else None
-    return tok, template, records(spec, template, template_dir)
+    return tok, template, records(spec, template, template_dir, turns, tok.stop_texts())
 
 
 def end_of(tok, record: Record, tail: list[int]) -> list[int]:
@@ -170,33 +184,40 @@ def end_of(tok, record: Record, tail: list[int]) -> list[int]:
     return [eos] if eos is not None and tail[-1:] != [eos] else []
 
 
-def encode(tok, record: Record) -> tuple[list[int], list[int]]:
-    """``(prompt tokens, completion tokens)`` of a record: the tokenizer's BOS before a plain prompt (a chat
-    template writes its own), the completion followed by what ends it (:func:`end_of`)."""
-    head = tok.encode(record.prompt.encode("utf-8")).tolist()
-    head = head if record.chat else [*tok.begin, *head]
-    tail = tok.encode(record.completion.encode("utf-8")).tolist()
-    return head, tail + end_of(tok, record, tail)
+def encode(tok, record: Record) -> tuple[list[int], list[bool]]:
+    """``(tokens, which are targets)`` of a record: the tokenizer's BOS before a plain prompt (a chat template
+    writes its own), each piece's tokens, the last reply followed by what ends it (:func:`end_of`). Its first
+    token is never a target (nothing before it is the record's)."""
+    ids, targets = ([], []) if record.chat else (list(tok.begin), [False] * len(tok.begin))
+    last = max((i for i, (_, target) in enumerate(record.pieces) if target), default=-1)
+    for i, (text, target) in enumerate(record.pieces):
+        piece = tok.encode(text.encode("utf-8")).tolist()
+        piece += end_of(tok, record, piece) if i == last else []
+        ids += piece
+        targets += [target] * len(piece)
+    targets[:1] = [False] * len(targets[:1])
+    return ids, targets
 
 
-def load_sft(spec: str, split: str, block_size: int, tokenizer: str = tokenizers.BYTES, pack: bool = False):
+def load_sft(spec: str, split: str, block_size: int, tokenizer: str = tokenizers.BYTES, pack: bool = False,
+             turns: str = "all"):
     """The ``split`` of ``spec`` as windows, one record each -- or, ``pack``, as many whole records as fit in
-    each window (:func:`packed`; module docstring)."""
+    each window (:func:`packed`; module docstring); ``turns`` of a chat's replies are targets (all, last)."""
     from distlab.data.text import TextDataset
-    tok, template, every = read(spec, tokenizer)
+    tok, template, every = read(spec, tokenizer, turns)
     mine = [r for i, r in enumerate(every) if (i % TEST_EVERY == TEST_EVERY - 1) == (split == "test")]
     width = block_size + 1
-    rows = []  # (ids, index of its first target) of each record, cut at the window's end
+    rows = []  # (ids, which are targets) of each record, cut at the window's end
     cut = scored = empty = completion_tokens = completion_bytes = 0
     for record in mine:
-        head, tail = encode(tok, record)
-        completion_tokens += len(tail)
-        completion_bytes += len(record.completion.encode())
-        ids = (head + tail)[:width]
-        cut += len(head) + len(tail) > width
-        scored += max(0, len(ids) - max(len(head), 1))
-        empty += len(head) >= width  # the prompt fills the window: nothing of the completion is left
-        rows.append((ids, max(len(head), 1)))  # (a record's first token is no target: nothing before it is its)
+        ids, targets = encode(tok, record)
+        completion_tokens += sum(targets)
+        completion_bytes += len(record.scored.encode())
+        cut += len(ids) > width
+        ids, targets = ids[:width], targets[:width]
+        scored += sum(targets)
+        empty += not any(targets)  # the prompt fills the window: nothing of the completion is left
+        rows.append((ids, targets))
     if split == "train" and not completion_tokens:
         raise ConfigError(f"{spec}: no record has a completion token to learn (every completion is empty and "
                           f"nothing ends it): nothing to train on")
@@ -208,11 +229,11 @@ def load_sft(spec: str, split: str, block_size: int, tokenizer: str = tokenizers
     ignored = np.ones(len(windows) * width, dtype=bool)
     for n, window in enumerate(windows):
         at = n * width
-        for ids, first in window:
+        for ids, targets in window:
             stream[at:at + len(ids)] = ids
             if pack:  # where a record starts (positions restart, it attends to itself only): PACKED_START
                 stream[at] = mark_start(ids[0])
-            ignored[at + first:at + len(ids)] = False  # the completion's tokens (and the end) are targets
+            ignored[at:at + len(ids)] = ~np.asarray(targets, dtype=bool)  # the replies' tokens (and the end)
             at += len(ids)
     data = TextDataset(spec, split, torch.from_numpy(stream), block_size,
                        torch.arange(len(windows)) * width, str(path_of(spec)), tok.vocab_size,
@@ -224,12 +245,12 @@ def load_sft(spec: str, split: str, block_size: int, tokenizer: str = tokenizers
     data.about = describe(len(mine), scored, cut, block_size, len(windows) if pack else None,
                           1 - filled / max(len(windows) * width, 1)) + \
         (f"; {empty:,} with no completion token left (their prompt fills the window)" if empty else "") + \
-        (f"; {chats:,} chat records rendered by the chat template of {template.file}"
-         if chats else "")
+        (f"; {chats:,} chat records rendered by the chat template of {template.file}, "
+         f"{'every assistant reply' if turns == 'all' else 'the last reply'} a target" if chats else "")
     return data
 
 
-def packed(rows: list[tuple[list[int], int]], width: int) -> list[list[tuple[list[int], int]]]:
+def packed(rows: list[tuple[list[int], list[bool]]], width: int) -> list[list[tuple[list[int], list[bool]]]]:
     """Records laid into windows of ``width`` tokens in their order, each window as many whole records as
     fit (a record is never split between windows; one longer than a window was cut to it)."""
     out: list[list] = []

@@ -65,6 +65,9 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
+    def stop_texts(self) -> tuple[str, ...]:
+        return ()
+
     def to_json(self) -> None:
         return None
 
@@ -115,6 +118,10 @@ class BPETokenizer:
     def learned(self) -> int:
         """Tokens it actually has (at most ``vocab_size``)."""
         return self._tok.get_vocab_size()
+
+    def stop_texts(self) -> tuple[str, ...]:
+        """The text of each token generation stops at (``<|eot_id|>``, ``<|im_end|>`` ...), longest first."""
+        return tuple(sorted({t for t in map(self._tok.id_to_token, self.stops) if t}, key=lambda t: (-len(t), t)))
 
     def encode(self, data: bytes) -> np.ndarray:
         text = data.decode("utf-8", errors="replace")

@@ -43,7 +43,7 @@ def spec_text(cfg) -> str:
 
 def check_fine_tuning(cfg) -> None:
     """What fine-tuning's flags need: ``base_dtype``'s adapters and precision, ``pack``'s records and
-    layout, ``dpo_beta``'s preference pairs."""
+    layout, ``dpo_beta``'s preference pairs, ``chat_turns``' chats."""
     from distlab.data.preference import is_preference
     from distlab.models.contract import contract
     check_base_dtype(cfg)
@@ -54,6 +54,12 @@ def check_fine_tuning(cfg) -> None:
         raise ConfigError(f"`pack` restarts each record's positions: model {cfg.model} does not read packed "
                           f"windows (a rotary family does: llama, gemma3)")
     pairs = is_preference(cfg.dataset)
+    if cfg.chat_turns not in ("all", "last"):
+        raise ConfigError(f"`chat_turns` is all (every assistant reply of a chat is a target) or last, not "
+                          f"{cfg.chat_turns!r}")
+    if cfg.chat_turns != "all" and not cfg.dataset.startswith("sft:"):
+        raise ConfigError(f"`chat_turns` chooses which replies of sft:FILE.jsonl chats are targets; {cfg.dataset} "
+                          f"is not such records (drop it)")
     if cfg.dpo_beta is not None and not pairs:
         raise ConfigError(f"`dpo_beta` weighs DPO's loss on preference pairs (dpo:FILE.jsonl); {cfg.dataset} is not "
                           f"pairs (drop `dpo_beta`)")

@@ -73,6 +73,7 @@ class TrainConfig:
     lora_from: str | None = None  # peft:DIR: start the adapters at PEFT's (for the init_from hf:DIR base)
     base_dtype: str = "float32"  # with lora: the frozen base held (and gathered) in bf16
     pack: bool = False  # sft: records packed into windows, each attending to itself only
+    chat_turns: str = "all"  # sft chats: which assistant replies are targets (all, last)
     dpo_beta: float | None = None  # dpo: DPO's beta (None: 0.1), how far the trained model may stray from its start
     time_budget_s: float | None = None
     out: str | None = None
@@ -401,7 +402,8 @@ class TrainConfig:
     def load(self, split: str):
         """This config's dataset, ``split`` "train" or "test"."""
         return load_dataset(self.dataset, split, self.data_dir, seed=self.seed, block_size=self.block_size,
-                            tokenizer=self.tokenizer, vocab_size=self.vocab_size, pack=self.pack)
+                            tokenizer=self.tokenizer, vocab_size=self.vocab_size, pack=self.pack,
+                            chat_turns=self.chat_turns)
 
     def data_shape(self) -> tuple[tuple[int, ...], int]:
         """``(sample shape, classes)`` of this config's dataset, without reading it."""
