@@ -166,3 +166,25 @@ def test_a_dpo_run_resumes_bitwise_and_the_report_draws_its_rewards(run_cli, tmp
     run_cli("report", str(tmp_path / "arun"), "-o", str(tmp_path / "report.html"), check=True)
     page = (tmp_path / "report.html").read_text()
     assert "preference tuning (DPO)" in page and page.count("<img") >= 3
+
+
+def test_pairs_whose_chosen_is_the_rejected_are_dropped_and_said_and_a_set_of_only_those_is_refused(run_cli,
+                                                                                                      refused_here,
+                                                                                                      tmp_path):
+    """A pair whose two completions are the same text teaches nothing (loss log 2, gradient 0): such pairs are
+    dropped and the header says how many; a set of only such pairs -- identical or both empty -- is refused
+    before launch in one line."""
+    rows = _pairs(tmp_path / "some.jsonl")
+    for i in (0, 1, 2, 5):  # 4 of the 18 training pairs (i % 10 != 9) and none of the test ones
+        rows[i]["rejected"] = rows[i]["chosen"]
+    (tmp_path / "some.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "same.jsonl").write_text("".join(json.dumps({"prompt": f"Q{i}", "chosen": "yes" if i % 2 else "",
+                                                             "rejected": "yes" if i % 2 else ""}) + "\n"
+                                                 for i in range(20)))
+    base = ["train", "--model", "llama", "--n-layer", "1", "--n-embd", "32", "--n-head", "4", "--block-size", "24",
+            "--global-batch-size", "4", "--max-steps", "1", "--no-progress"]
+    proc = run_cli(*base, "--dataset", f"dpo:{tmp_path / 'some.jsonl'}", "--out", str(tmp_path / "run"), check=True)
+    assert "14 preference pairs" in proc.stdout and \
+        "4 pairs whose chosen completion is the rejected one dropped (nothing to prefer)" in proc.stdout, proc.stdout
+    proc = refused_here(*base, "--dataset", f"dpo:{tmp_path / 'same.jsonl'}")
+    assert proc.stderr.count("\n") == 1 and "the chosen completion is the rejected one" in proc.stderr, proc.stderr

@@ -71,8 +71,13 @@ class Pair:
     """One preference: a prompt and two completions (``chat``: rendered by a template)."""
 
     def __init__(self, prompt: str, chosen: str, rejected: str, chat: bool = False):
-        self.chosen = sft.Record(prompt, chosen, chat)
-        self.rejected = sft.Record(prompt, rejected, chat)
+        self.chosen = sft.Record.of(prompt, chosen, chat)
+        self.rejected = sft.Record.of(prompt, rejected, chat)
+
+    @property
+    def alike(self) -> bool:
+        """Its two completions are the same text: nothing to prefer (DPO's loss is log 2 and its gradient 0)."""
+        return self.chosen == self.rejected
 
 
 def _conversation(template, prompt, reply, where: str, which: str) -> tuple[str, str]:
@@ -103,6 +108,9 @@ def pairs(spec: str, template=None, template_dir: str = "") -> list[Pair]:
             raise ConfigError(f"{where}: the chosen and rejected conversations differ before their last reply; a "
                               f"pair answers one prompt (give it as \"prompt\")")
         out.append(Pair(p1, c, r, chat=True))
+    if out and all(p.alike for p in out):
+        raise ConfigError(f"{path}: in every pair the chosen completion is the rejected one: there is nothing to "
+                          f"prefer (DPO learns from a chosen and a rejected answer that differ)")
     return sft.enough(out, path)
 
 
@@ -182,21 +190,25 @@ def load_pairs(spec: str, split: str, block_size: int, tokenizer: str = tokenize
     """The ``split`` of ``spec`` as pairs of windows (module docstring)."""
     tok, every = read(spec, tokenizer)
     mine = [p for i, p in enumerate(every) if (i % sft.TEST_EVERY == sft.TEST_EVERY - 1) == (split == "test")]
+    alike = sum(p.alike for p in mine)  # pairs that teach nothing: dropped, and said
+    mine = [p for p in mine if not p.alike]
+    if not mine:
+        raise ConfigError(f"{spec}: in every {split} pair the chosen completion is the rejected one: there is "
+                          f"nothing to prefer (give pairs whose answers differ)")
     width = block_size + 1
     stream = np.zeros(2 * len(mine) * width, dtype=np.int64)
     ignored = np.ones(len(stream), dtype=bool)
     cut = scored = empty = completion_tokens = completion_bytes = 0
     for n, record in enumerate(r for p in mine for r in (p.chosen, p.rejected)):
-        head, tail = sft.encode(tok, record)
-        completion_tokens += len(tail)
-        completion_bytes += len(record.completion.encode())
-        ids = (head + tail)[:width]
-        first = max(len(head), 1)
-        cut += len(head) + len(tail) > width
-        scored += max(0, len(ids) - first)
-        empty += len(head) >= width
+        ids, targets = sft.encode(tok, record)
+        completion_tokens += sum(targets)
+        completion_bytes += len(record.scored.encode())
+        cut += len(ids) > width
+        ids, targets = ids[:width], targets[:width]
+        scored += sum(targets)
+        empty += not any(targets)
         stream[n * width:n * width + len(ids)] = ids
-        ignored[n * width + first:n * width + len(ids)] = False
+        ignored[n * width:n * width + len(ids)] = ~np.asarray(targets, dtype=bool)
     if empty:
         raise ConfigError(f"{spec}: {empty:,} {split} completions are left with no token in the window of "
                           f"`block_size` {block_size} + 1 tokens (their prompt fills it): raise `block_size`")
@@ -209,7 +221,9 @@ def load_pairs(spec: str, split: str, block_size: int, tokenizer: str = tokenize
     data.about = (f"{len(mine):,} preference pairs, each completion one window padded to {width} tokens, the loss "
                   f"DPO's on their {scored:,} completion tokens" + (f"; {cut:,} completion{'s' if cut != 1 else ''} cut at the window's end"
                                                                      if cut else "")
-                  + (f"; {chats:,} chat pairs rendered by the chat template" if chats else ""))
+                  + (f"; {chats:,} chat pairs rendered by the chat template" if chats else "")
+                  + (f"; {alike:,} pair{'s' if alike != 1 else ''} whose chosen completion is the rejected one "
+                     f"dropped (nothing to prefer)" if alike else ""))
     return data
 
 
