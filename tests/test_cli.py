@@ -65,6 +65,20 @@ def test_train_two_processes_writes_metrics_and_summary(run_cli, tmp_path):
     assert "batch    32 global = 2 data-parallel rank(s) x 16; 32 steps, 16 per epoch" in head
 
 
+def test_the_header_says_what_each_epoch_leaves_out_past_its_last_whole_global_batch(run_cli, tmp_path):
+    """70 training samples at a global batch of 8 on 2 ranks: 8 steps an epoch, and the 6 samples past them are
+    said (every step is a whole global batch); 64 samples leave none, and the header says nothing of it."""
+    for n, words in ((70, "; each epoch leaves out 6 of its 70 training samples (the last, partial global batch"),
+                     (64, None)):
+        proc = run_cli("train", "--nproc-per-node", "2", "--model", "mlp", "--mlp-widths", "8", "--dataset",
+                       f"synthetic:1x8x8:4:{n}", "--global-batch-size", "8", "--max-steps", "1", "--no-progress",
+                       "--out", str(tmp_path / str(n)), check=True)
+        head = proc.stdout[:proc.stdout.index("step ")]
+        line = next(line for line in head.splitlines() if line.startswith("batch "))
+        assert line.endswith("8 per epoch" if words is None else "others each epoch, as the order is shuffled)")
+        assert words is None or words in line, line
+
+
 def test_header_shows_the_tensor_parallel_mesh_and_what_is_split(run_cli, tmp_path):
     proc = run_cli("train", "--nproc-per-node", "4", "--tp", "2", "--model", "mlp-bn", "--mlp-widths", "16,8", "--dataset",
                    "synthetic:1x8x8:4:256", "--global-batch-size", "16", "--max-steps", "2", "--grad-accum", "2",

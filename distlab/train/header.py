@@ -150,7 +150,7 @@ def header(trainer) -> list[str]:
                  + (f" (micro-batches of {micro} x {micro_steps})" if micro_steps > 1 else "")
                  + (f", {cfg.block_size // mesh.cp} tokens of each sequence per context-parallel rank"
                     if mesh.cp > 1 else "")
-                 + f"; {trainer.total_steps} steps, {trainer.steps_per_epoch} per epoch")
+                 + f"; {trainer.total_steps} steps, {trainer.steps_per_epoch} per epoch" + _left_out(trainer))
     lines.append(f"optim    {_optimizer_words(cfg, trainer.total_steps)}")
     lines += [f"warning  {w}" for w in trainer.observer.unreached(trainer.total_steps)]
     if cfg.max_steps and cfg.epochs and cfg.max_steps > trainer.total_steps:
@@ -189,3 +189,13 @@ def header(trainer) -> list[str]:
         lines.append(f"snapshots {cfg.snapshot_dir}" + (f" every {cfg.snapshot_every} steps" if cfg.snapshot_every else "")
                      + f", run {run.run_id}" + (f", resumed from {run.resumed_from}" if run.resumed_from else ""))
     return lines
+
+
+def _left_out(trainer) -> str:
+    """What each epoch does not train: the samples past its last whole global batch (every step is one global
+    batch, so a step equals one process's), others each epoch where the order is shuffled."""
+    n, drawn = len(trainer.train_set), trainer.steps_per_epoch * trainer.cfg.global_batch_size
+    kind = "windows" if trainer.train_set.predicts_tokens else "samples"
+    return (f"; each epoch leaves out {n - drawn:,} of its {n:,} training {kind} (the last, partial global batch; "
+            f"others each epoch, as the order is shuffled)" if n > drawn else "")
+
