@@ -96,6 +96,14 @@ def _nan(d: Path) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
+def _link_out(d: Path, name: str, content: bytes) -> None:
+    """``d/name`` a symbolic link to a file beside the directory holding ``content`` (a secret of the user's)."""
+    secret = d.parent / f"secret-{name}"
+    secret.write_bytes(content)
+    (d / name).unlink(missing_ok=True)
+    (d / name).symlink_to(secret)
+
+
 def _deep(d: Path) -> None:
     (d / "config.json").write_text("[" * 100_000 + "]" * 100_000)
 
@@ -126,6 +134,17 @@ CASES = [
     ("pickle", lambda d: torch.save({"x": torch.ones(2)}, _shards(d)[0]), "not a safetensors file"),
     ("header-not-json", lambda d: _shards(d)[0].write_bytes(struct.pack("<Q", 4) + b"\xff\xfe{}" + b"\0" * 8),
      "header is not JSON"),
+    # a symbolic link out of the directory is refused before the file is opened
+    ("config-link-out", lambda d: _link_out(d, "config.json", (d / "config.json").read_bytes()),
+     "config.json is a link to a file outside the directory"),
+    ("index-link-out", lambda d: _link_out(d, "model.safetensors.index.json",
+                                           (d / "model.safetensors.index.json").read_bytes()),
+     "model.safetensors.index.json is a link to a file outside the directory"),
+    ("shard-link-out", lambda d: _link_out(d, _shards(d)[0].name, _shards(d)[0].read_bytes()),
+     "is a link to a file outside the directory"),
+    # a file that is not safetensors: nothing of its bytes is said (here its first 8 would be a "length")
+    ("header-is-text", lambda d: _shards(d)[0].write_bytes(b"root:$6$secret-hash:19000:0:99999:7:::\n" * 4),
+     "is not a safetensors file, or is cut short"),
     # config.json: every value a family reads is the type and range it must be
     ("config-missing-key", lambda d: _config(d, hidden_size=...), "has no hidden_size"),
     ("config-zero-heads", lambda d: _config(d, num_attention_heads=0), "must be at least 1"),
@@ -158,6 +177,46 @@ def test_a_bad_directory_is_refused_in_one_line_before_it_is_used(base, tmp_path
     code, out, err = invoke([*TRAIN, "--init-from", f"hf:{d}"], tmp_path)
     assert code == 2 and "Traceback" not in out + err, (code, out, err)
     assert expected in err and len(err.strip().splitlines()) == 1, err
+    assert "secret" not in err and "{:,}".format(struct.unpack("<Q", b"root:$6$")[0]) not in err, err
+
+
+def test_the_hubs_cache_layout_of_links_to_its_blobs_is_read(base, tmp_path):
+    """`~/.cache/huggingface/hub/models--org--name/snapshots/<revision>/` holds links to `../../blobs/<hash>`:
+    the one way out of a directory that is followed -- the model trains from it."""
+    repo = tmp_path / "models--org--tiny"
+    snap, blobs = repo / "snapshots" / "0123abc", repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    for i, f in enumerate(sorted(base.iterdir())):
+        shutil.copy(f, blobs / f"{i:040x}")
+        (snap / f.name).symlink_to(Path("..") / ".." / "blobs" / f"{i:040x}")
+    code, out, err = invoke([*TRAIN, "--init-from", f"hf:{snap}", "--out", str(tmp_path / "run")], tmp_path)
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("name", ["chat_template.jinja", "tokenizer_config.json", "tokenizer.json"])
+def test_a_tokenizer_file_that_links_out_of_its_directory_is_neither_read_nor_shipped(tmp_path, name):
+    """A chat template (or tokenizer file) that is a link to a file of the user's (a token, a key): chat SFT
+    from that directory is refused in one line before anything is rendered, so nothing of it reaches a
+    snapshot's meta.json or an export."""
+    from tests.test_sft import _chats, chat_model
+    chat_model(tmp_path / "model")
+    target = tmp_path / "model" / name
+    secret = tmp_path / "hf-token"
+    secret.write_text(target.read_text() if target.is_file() else "hf_SECRETTOKEN {{ bos_token }}")
+    if name == "chat_template.jinja":  # the template read from the .jinja file (tokenizer_config.json has none)
+        config = json.loads((tmp_path / "model" / "tokenizer_config.json").read_text())
+        config.pop("chat_template")
+        (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps(config))
+    target.unlink(missing_ok=True)
+    target.symlink_to(secret)
+    code, out, err = invoke(["train", "--model", "llama", "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
+                             "--dataset", _chats(tmp_path / "chat.jsonl"), "--tokenizer", f"hf:{tmp_path / 'model'}",
+                             "--block-size", "40", "--global-batch-size", "4", "--max-steps", "1", "--snapshot-dir",
+                             str(tmp_path / "snaps")], tmp_path)
+    assert code == 2 and "Traceback" not in out + err, (code, out, err)
+    assert f"{name} is a link to a file outside the directory" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "snaps").exists() or not any((tmp_path / "snaps").iterdir())
 
 
 @pytest.mark.parametrize("mutate,expected", [(_nan, "NaN or infinite"),

@@ -23,7 +23,7 @@ from datetime import datetime
 from pathlib import Path
 
 from distlab.errors import ConfigError
-from distlab.models.hf_files import read_json
+from distlab.models.hf_files import confined, read_json
 
 RENDER_LIMIT = 1 << 20  # characters one conversation may render to (a repetition: items)
 RENDER_SECONDS = 10.0  # seconds one conversation may take to render
@@ -175,6 +175,7 @@ class ChatTemplate:
         config = read_json(config_path, str(root)) if config_path.is_file() else {}
         jinja = root / "chat_template.jinja"
         if jinja.is_file():
+            confined(jinja, str(root))
             try:
                 jinja_text = jinja.read_text(encoding="utf-8")
             except UnicodeDecodeError:

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from distlab.errors import ConfigError, check_place
-from distlab.models.hf_files import INDEX, SINGLE, Config, check_layers, check_tensors, config_of, finite, headers, \
-    tensor_files
+from distlab.models.hf_files import INDEX, SINGLE, Config, check_layers, check_tensors, confined, config_of, finite, \
+    headers, tensor_files
 from distlab.models.plans import assign_state, with_tied
 
 SHARD_BYTES = 2 * 2**30  # save_pretrained's default largest shard (5 GB in transformers; 2 GB keeps files movable)
@@ -244,15 +244,18 @@ def carried(model_dir: str | None, tokenizer_dirs: list[str], tokenizer_sha: str
         dtype = config.get("torch_dtype") or config.get("dtype")
         out["dtype"] = dtype if dtype in DTYPES else None
         if (Path(model_dir) / "generation_config.json").is_file():
-            out["files"]["generation_config.json"] = (Path(model_dir) / "generation_config.json").read_text("utf-8")
+            out["files"]["generation_config.json"] = confined(Path(model_dir) / "generation_config.json",
+                                                              f"hf:{model_dir}").read_text("utf-8")
     for directory in tokenizer_dirs if tokenizer_sha else ():
         path = Path(directory) / "tokenizer.json"
         if not path.is_file():
             continue
         from tokenizers import Tokenizer
-        if hashlib.sha256(Tokenizer.from_file(str(path)).to_str().encode()).hexdigest() != tokenizer_sha:
+        if hashlib.sha256(Tokenizer.from_file(str(confined(path, f"hf:{directory}"))).to_str().encode()).hexdigest() \
+                != tokenizer_sha:
             continue
-        out["files"] |= {f: (Path(directory) / f).read_text("utf-8") for f in CARRIED if (Path(directory) / f).is_file()}
+        out["files"] |= {f: confined(Path(directory) / f, f"hf:{directory}").read_text("utf-8") for f in CARRIED
+                         if (Path(directory) / f).is_file()}
         break
     return out
 
@@ -313,7 +316,7 @@ def write(state: dict[str, torch.Tensor], name: str, options, vocab: int, block_
         (root / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         for file in TOKENIZER_FILES if tokenizer_dir else ():
             if (Path(tokenizer_dir) / file).is_file():
-                shutil.copyfile(Path(tokenizer_dir) / file, root / file)
+                shutil.copyfile(confined(Path(tokenizer_dir) / file, f"hf:{tokenizer_dir}"), root / file)
         for file, text in (files or {}).items():
             (root / Path(file).name).write_text(text, encoding="utf-8")
     return Path(out).resolve()

@@ -8,7 +8,9 @@ A downloaded directory is data written by someone else. Before anything in it is
   otherwise, never a ``KeyError`` or a division by zero;
 * ``model.safetensors.index.json`` is an object whose ``weight_map`` maps names to plain relative file names
   inside the directory (no ``..``, no absolute path: nothing outside it is opened, nor asked whether it
-  exists; a symlink inside it is followed, as the hub's cache links its snapshots to blobs);
+  exists);
+* every file read from it is inside it once its links are followed (:func:`confined`): a symbolic link out of
+  the directory is refused before it is opened -- but for the hub's cache, whose snapshots link to its blobs;
 * every weights file is read as safetensors from its header alone first (:func:`headers`): the header's
   length within the file and at most 100 MB, a JSON object of tensors each with a float dtype (F32, F16,
   BF16), a shape of non-negative integers and data offsets inside the file that fit that shape exactly; a
@@ -40,8 +42,25 @@ HEADER_LIMIT = 100 * 1000 * 1000  # bytes: safetensors' own limit on a header
 FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
+def confined(path: str | Path, where: str, root: str | Path | None = None) -> Path:
+    """``path``, a file of directory ``root`` (by default its parent), where it is inside that directory once
+    its links are followed -- a symbolic link to a file elsewhere (``chat_template.jinja -> ~/.ssh/id_rsa``) is
+    refused in one line, before it is opened. The one link out allowed is the Hugging Face cache's, from a
+    snapshot ``snapshots/<revision>/`` to the blob beside it (``../../blobs/<hash>``)."""
+    path = Path(path)
+    base = (path.parent if root is None else Path(root)).resolve()
+    real = path.resolve()
+    if real.is_relative_to(base) or (base.parent.name == "snapshots" and real.parent == base.parent.parent / "blobs"):
+        return path
+    name = path.relative_to(root) if root is not None and path.is_relative_to(root) else path.name
+    raise ConfigError(f"{where}: {name} is a link to a file outside the directory; only files inside it are read "
+                      f"(copy that file into the directory if it belongs to it)")
+
+
 def read_json(path: Path, where: str, kind: type = dict):
-    """``path`` parsed as JSON of type ``kind``; one line naming it where it is not (binary, too deep, ...)."""
+    """``path`` parsed as JSON of type ``kind``; one line naming it where it is not (binary, too deep, a link
+    out of its directory, ...)."""
+    confined(path, where)
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
@@ -173,9 +192,9 @@ def tensor_files(directory: str | Path) -> list[Path]:
         missing = [n for n in names if not (root / n).is_file()]
         if missing:
             raise ConfigError(f"{where}: {INDEX} lists {missing[0]}, which is not there")
-        return [root / n for n in names]
+        return [confined(root / n, where, root) for n in names]
     if (root / SINGLE).is_file():
-        return [root / SINGLE]
+        return [confined(root / SINGLE, where)]
     raise ConfigError(f"{where}: no {SINGLE} and no {INDEX} (only safetensors weights are read: a "
                       f"pytorch_model.bin is a pickle, which distlab never loads)")
 
@@ -184,15 +203,14 @@ def header(path: Path, where: str) -> dict[str, tuple[torch.dtype, tuple[int, ..
     """One safetensors file's tensors, ``{name: (dtype, shape)}``, from its header alone -- checked against the
     file's size before the file is handed to the safetensors library."""
     what = f"{where}: {path.name}"
-    size = path.stat().st_size
+    size = confined(path, where).stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
             raise ConfigError(f"{what} is not a safetensors file ({size} bytes)")
         (length,) = struct.unpack("<Q", head)
-        if length > min(HEADER_LIMIT, size - 8):
-            raise ConfigError(f"{what} is not a safetensors file, or is cut short: its header claims {length:,} "
-                              f"bytes of a {size:,}-byte file")
+        if length > min(HEADER_LIMIT, size - 8):  # (nothing of what it read is said: the file may be anything)
+            raise ConfigError(f"{what} is not a safetensors file, or is cut short")
         raw = f.read(length)
     try:
         entries = json.loads(raw.decode("utf-8"))

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from distlab.errors import ConfigError
-from distlab.models.hf_files import finite, header, read_json
+from distlab.models.hf_files import confined, finite, header, read_json
 from distlab.models.lora import LoRASpec
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -95,7 +95,7 @@ def read(directory: str | Path, layers: dict[str, str]) -> tuple[LoRASpec, dict[
     mine = {theirs: layer for layer, theirs in layers.items()}
     out: dict[str, torch.Tensor] = {}
     shapes = header(root / WEIGHTS, where)  # checked before the library opens the file
-    with safe_open(str(root / WEIGHTS), "pt") as f:
+    with safe_open(str(confined(root / WEIGHTS, where)), "pt") as f:
         for key in shapes:
             module, _, factor = key.removeprefix(PREFIX).rpartition(".")
             module, _, kind = module.rpartition(".")

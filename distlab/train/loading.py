@@ -158,7 +158,8 @@ def read(source: str | Path, best: bool = False, merge: bool = True) -> tuple[di
             meta.pop("hf")
     beside = path.with_name("tokenizer.json" if path.name == FINAL_MODEL else path.name + ".tokenizer.json")
     if beside.is_file():
-        meta["tokenizer_json"] = beside.read_text(encoding="utf-8")
+        from distlab.models.hf_files import confined
+        meta["tokenizer_json"] = confined(beside, f"model file {path}").read_text(encoding="utf-8")
     return (merged(state, meta, f"model file {path}") if merge else state), meta, f"model file {path}"
 
 

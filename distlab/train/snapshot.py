@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.errors import ConfigError, first_line, with_article
+from distlab.models.hf_files import confined
 from distlab.runtime import group_rank, group_size
 from distlab.train.snapshot_checks import is_int as _is_int
 
@@ -302,7 +303,7 @@ def read_meta(path: Path) -> dict:
     try:
         if meta_path.stat().st_size > MAX_JSON_BYTES:
             raise ValueError(f"{meta_path.stat().st_size:,} bytes")
-        meta = json.loads(meta_path.read_text())
+        meta = json.loads(confined(meta_path, f"snapshot {path}").read_text())
     except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise DamagedSnapshot(f"snapshot {path}: meta.json is corrupt ({first_line(exc, 120)})") from None
     problem = _meta_problem(meta, path)

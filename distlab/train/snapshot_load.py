@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.errors import ConfigError, first_line
+from distlab.models.hf_files import confined
 from distlab.train.snapshot_checks import payload_problem
 
 from distlab.train.snapshot import (DamagedSnapshot, IncompatibleSnapshot, SnapshotError, broadcast_object,
@@ -60,7 +61,7 @@ def load_rank_file(path: Path, meta: dict, rank: int) -> dict:
         raise DamagedSnapshot(f"snapshot {path} has no entry for {name} (written by {len(meta['files'])} ranks)")
     if not file.is_file():
         raise DamagedSnapshot(f"snapshot {path} is missing {name}")
-    data = file.read_bytes()
+    data = confined(file, f"snapshot {path}").read_bytes()
     if len(data) != expected["bytes"]:
         raise DamagedSnapshot(f"snapshot {file} is truncated or altered: {len(data)} bytes, meta.json says "
                               f"{expected['bytes']}")
