@@ -6,6 +6,7 @@ and exports as the merged model."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -28,16 +29,26 @@ def test_a_spec_is_read_as_peft_names_it_and_bad_ones_are_refused_in_one_line(re
     assert lora.apply(build_model("llama", (8,), 64, n_layer=1, n_embd=32, n_head=4),
                       lora.LoRASpec.parse("targets=all")) == ["1.attn.q", "1.attn.k", "1.attn.v", "1.attn.proj",
                                                               "1.mlp.gate", "1.mlp.up", "1.mlp.down"]
-    for text, message in [("r=0", "rank, at least 1"), ("r=4,rank=2", "unknown key 'rank'"),
+    assert lora.apply(build_model("llama", (8,), 64, n_layer=1, n_embd=32, n_head=4),
+                      lora.LoRASpec.parse("targets=all-linear")) == ["1.attn.q", "1.attn.k", "1.attn.v",
+                                                                     "1.attn.proj", "1.mlp.gate", "1.mlp.up",
+                                                                     "1.mlp.down"]  # PEFT's name for all
+    for text, message in [("r=0", "rank, a whole number of at least 1"), ("r=4,rank=2", "unknown key 'rank'"),
                           ("dropout=1", "probability below 1"), ("alpha=x", "alpha is a number"),
-                          ("targets=", "names the layers")]:
+                          ("targets=", "names the layers"), ("r=4,r=8", "r is given twice"),
+                          ("targets=all,q", "all is every linear layer already"),
+                          ("alpha=1e308", "past the 1024 allowed"), ("alpha=inf", "finite positive"),
+                          ("targets=q,v=1", "unknown key 'v'"), ("targets=q v", "'q v' is not a layer's name")]:
         with pytest.raises(ConfigError, match=message):
             lora.LoRASpec.parse(text)
     base = ["train", "--model", "llama", "--n-layer", "1", "--n-embd", "32", "--n-head", "4", "--dataset",
             "synthetic-text:2000", "--block-size", "8", "--max-steps", "1"]
     for spec_text, message in [("targets=qkv", "target 'qkv' names no linear layer of the model (its layers: "
-                                               "down, gate, k, out, proj, q, up, v"),
-                               ("targets=out", "names the LM head")]:
+                                               "q, k, v, o, gate, up, down, q_proj, k_proj, v_proj, o_proj, "
+                                               "gate_proj, up_proj, down_proj; or all, PEFT's all-linear)"),
+                               ("targets=out", "names the LM head"),
+                               ("r=1000000000,alpha=1e9", "r 1000000000 is more than layer 1.attn.q can hold "
+                                                          "(32 x 32: a rank of at most 32)")]:
         proc = refused_here(*base, "--lora", spec_text)
         assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
     for extra, message in [(["--base-dtype", "bf16"], "the base is frozen under --lora"),
@@ -132,7 +143,7 @@ def _peft():
     return pytest.importorskip("peft", reason="peft (the test extra) is not installed: pip install -e '.[test]'")
 
 
-def test_adapters_go_out_as_peft_loads_them_come_back_and_merge_as_peft_merges(run_cli, tmp_path):
+def test_adapters_go_out_as_peft_loads_them_come_back_and_merge_as_peft_merges(run_cli, refused_here, tmp_path):
     """`export --format peft` of a LoRA fine-tune: peft.PeftModel.from_pretrained(base, DIR) computes
     distlab's logits (within twice PEFT's own float32 rounding of its float64 forward); `--lora-from peft:DIR`
     starts a run at them (one step too small to move a weight, out again: every tensor bitwise, the spec
@@ -181,6 +192,18 @@ def test_adapters_go_out_as_peft_loads_them_come_back_and_merge_as_peft_merges(r
     run_cli(*base, "--max-steps", "1", "--out", str(tmp_path / "full"), check=True)
     proc = run_cli("export", str(tmp_path / "full"), "-o", str(tmp_path / "none"), "--format", "peft")
     assert proc.returncode == 2 and "has none" in proc.stderr and not (tmp_path / "none").exists()
+    # an adapter config is read as the types it holds: nothing in a value becomes another setting
+    for n, (change, message) in enumerate([
+            ({"lora_dropout": "0,alpha=1000"}, "lora_dropout is a probability below 1, not '0,alpha=1000'"),
+            ({"target_modules": ["q_proj", "alpha=1000"]}, "target 'alpha=1000' is not a layer's name"),
+            ({"r": 8}, "not that of a rank-8 factor (adapter_config.json says r 8)"),
+            ({"r": 4.0}, "r is the adapters' rank, a whole number"),
+            ({"lora_alpha": "8"}, "lora_alpha is a finite")]):
+        bad = tmp_path / f"bad{n}"
+        shutil.copytree(tmp_path / "adapter", bad)
+        (bad / "adapter_config.json").write_text(json.dumps({**config, **change}))
+        proc = refused_here(*base, "--lora-from", f"peft:{bad}", "--max-steps", "1")
+        assert proc.stderr.count("\n") == 1 and message in proc.stderr, (change, proc.stderr)
 
 
 def test_a_lora_chat_fine_tune_generates_from_every_source_as_transformers_and_peft_do(run_cli, tmp_path):
@@ -227,3 +250,35 @@ def test_a_lora_chat_fine_tune_generates_from_every_source_as_transformers_and_p
         proc = run_cli("generate", str(source), "--chat", "--prompt", "the fox?", "--temperature", "0",
                        "--max-new-tokens", "12", check=True)
         assert proc.stdout == reply + "\n", (source, proc.stdout, reply)
+
+
+def test_a_peft_export_names_its_base_so_auto_peft_loads_it_and_an_adapter_of_another_base_is_said(run_cli,
+                                                                                                   tmp_path):
+    """`export --format peft` writes the base it was trained on as base_model_name_or_path (the hf: directory,
+    absolute), so `AutoPeftModelForCausalLM.from_pretrained(DIR)` loads base and adapters alone, computing
+    what the base plus the adapters computes; those adapters started on a Mistral of the same shapes load,
+    and the header says they were trained on another base."""
+    from tests.test_hf import _saved, _transformers
+    peft = _peft()
+    _saved("LlamaForCausalLM", tmp_path / "llama")
+    _saved("MistralForCausalLM", tmp_path / "mistral")
+    base = ["train", "--dataset", "synthetic-text:2000", "--block-size", "16", "--global-batch-size", "8",
+            "--no-progress", "--max-steps", "2"]
+    run_cli(*base, "--init-from", f"hf:{tmp_path / 'llama'}", "--lora", SPEC, "--optimizer", "adamw", "--lr", "0.01",
+            "--out", str(tmp_path / "run"), check=True)
+    run_cli("export", str(tmp_path / "run"), "-o", str(tmp_path / "adapter"), "--format", "peft", check=True)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((tmp_path / "llama").resolve())
+    auto = peft.AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "adapter")).eval()
+    by_hand = peft.PeftModel.from_pretrained(_transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "llama"),
+                                             str(tmp_path / "adapter")).eval()
+    x = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(auto(x).logits, by_hand(x).logits)
+    same = run_cli(*base, "--init-from", f"hf:{tmp_path / 'llama'}", "--lora-from", f"peft:{tmp_path / 'adapter'}",
+                   "--out", str(tmp_path / "same"), check=True)
+    assert "were trained on" not in same.stdout
+    other = run_cli(*base, "--init-from", f"hf:{tmp_path / 'mistral'}", "--lora-from", f"peft:{tmp_path / 'adapter'}",
+                    "--out", str(tmp_path / "other"), check=True)
+    assert f"warning  the adapters of peft:{tmp_path / 'adapter'} were trained on {(tmp_path / 'llama').resolve()}; " \
+           f"--init-from is {(tmp_path / 'mistral').resolve()}" in other.stdout, other.stdout

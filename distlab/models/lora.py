@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import zlib
 from dataclasses import dataclass
 
@@ -32,7 +33,11 @@ from distlab.errors import ConfigError
 # PEFT's (Hugging Face) names of a decoder's projections -> distlab's
 ALIASES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "proj", "o": "proj", "gate_proj": "gate",
            "up_proj": "up", "down_proj": "down"}
+SHORT = ("q", "k", "v", "o", "gate", "up", "down")  # the projections' names the docs use
 KEYS = ("lora_a", "lora_b")
+EVERY = {"all", "all-linear"}  # every linear layer but the LM head (PEFT's "all-linear")
+NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.]*|all-linear")  # a layer's name as a target
+MAX_SCALE = 1024.0  # alpha / r: an update scaled more than this is refused (1e308 diverged at the first step)
 SUFFIXES = tuple(f".{key}" for key in KEYS)  # of an adapter tensor's state key
 
 
@@ -52,7 +57,8 @@ class LoRASpec:
 
     @classmethod
     def parse(cls, text: str) -> "LoRASpec":
-        """The spec of ``text``: ``KEY=VALUE`` pairs split by commas; ``targets`` takes every name after it."""
+        """The spec of ``text``: ``KEY=VALUE`` pairs split by commas, each key once; ``targets`` takes every
+        name after it."""
         if not isinstance(text, str) or not text.strip():
             raise ConfigError("`lora` is r=R,alpha=A,dropout=P,targets=NAME,NAME,... (e.g. r=16,alpha=32,targets=q,v)")
         values: dict = {}
@@ -66,6 +72,8 @@ class LoRASpec:
                 continue
             if key not in ("r", "alpha", "dropout", "targets"):
                 raise ConfigError(f"`lora` {text!r}: unknown key {key!r} (r, alpha, dropout, targets)")
+            if key in values:
+                raise ConfigError(f"`lora` {text!r}: {key} is given twice")
             if key == "targets":
                 values["targets"] = True
                 targets.append(value)
@@ -74,18 +82,37 @@ class LoRASpec:
                 values[key] = int(value) if key == "r" else float(value)
             except ValueError:
                 raise ConfigError(f"`lora` {text!r}: {key} is a number, not {value!r}") from None
-        spec = cls(r=values.get("r", cls.r), alpha=values.get("alpha", cls.alpha),
-                   dropout=values.get("dropout", cls.dropout),
-                   targets=tuple(t for t in targets if t) if "targets" in values else cls.targets)
-        if spec.r < 1:
-            raise ConfigError(f"`lora` r is the adapters' rank, at least 1, not {spec.r}")
-        if not 0.0 <= spec.dropout < 1.0:
-            raise ConfigError(f"`lora` dropout is a probability below 1, not {spec.dropout}")
-        if not (math.isfinite(spec.alpha) and spec.alpha > 0):
-            raise ConfigError(f"`lora` alpha is a positive number, not {spec.alpha}")
-        if not spec.targets:
-            raise ConfigError("`lora` targets names the layers to adapt (e.g. targets=q,k,v,o)")
-        return spec
+        return cls.checked(values.get("r", cls.r), values.get("alpha", cls.alpha), values.get("dropout", cls.dropout),
+                           tuple(t for t in targets if t) if "targets" in values else cls.targets, "`lora`")
+
+    @classmethod
+    def checked(cls, r, alpha, dropout, targets, where: str, names: tuple[str, ...] = ("r", "alpha", "dropout",
+                                                                                       "targets")) -> "LoRASpec":
+        """The spec of these values, each checked as the type and range it must be (``where`` names their
+        source, ``names`` their keys there, in the message): ``r`` a whole number of at least 1, ``alpha`` a
+        finite positive number whose scale ``alpha / r`` is at most :data:`MAX_SCALE`, ``dropout`` a
+        probability below 1, ``targets`` layer names (``all`` or ``all-linear`` alone)."""
+        number = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+        r_, alpha_, dropout_, targets_ = names
+        if not (isinstance(r, int) and not isinstance(r, bool) and r >= 1):
+            raise ConfigError(f"{where} {r_} is the adapters' rank, a whole number of at least 1, not {r!r}")
+        if not 0.0 <= (dropout if number(dropout) else -1.0) < 1.0:
+            raise ConfigError(f"{where} {dropout_} is a probability below 1, not {dropout!r}")
+        if not (number(alpha) and math.isfinite(alpha) and alpha > 0):
+            raise ConfigError(f"{where} {alpha_} is a finite positive number, not {alpha!r}")
+        if alpha / r > MAX_SCALE:
+            raise ConfigError(f"{where} {alpha_} {alpha:g} over {r_} {r} scales the adapters' update "
+                              f"{alpha / r:g}-fold, past the {MAX_SCALE:g} allowed (alpha is usually r to 2r: a "
+                              f"scale of 1 to 2)")
+        if not (isinstance(targets, (list, tuple)) and targets and all(isinstance(t, str) for t in targets)):
+            raise ConfigError(f"{where} {targets_} names the layers to adapt (e.g. targets=q,k,v,o)")
+        bad = next((t for t in targets if not NAME.fullmatch(t)), None)
+        if bad is not None:
+            raise ConfigError(f"{where} target {bad!r} is not a layer's name (letters, digits, _ and .)")
+        if len(targets) > 1 and set(targets) & EVERY:
+            raise ConfigError(f"{where} {targets_} {','.join(targets)}: {next(iter(set(targets) & EVERY))} is "
+                              f"every linear layer already; give it alone, or name the layers")
+        return cls(r=r, alpha=float(alpha), dropout=float(dropout), targets=tuple(targets))
 
     def text(self) -> str:
         return f"r={self.r},alpha={self.alpha:g},dropout={self.dropout:g},targets={','.join(self.targets)}"
@@ -144,7 +171,7 @@ def _resolve(model: nn.Module, targets: tuple[str, ...]) -> list[str]:
     if not linears:
         raise ConfigError(f"`lora` adapts linear layers: {type(model).__name__} has none")
     head = linears[-1]  # the LM head (a classifier's output): never adapted by "all"
-    if "all" in targets:
+    if set(targets) & EVERY:
         return [n for n in linears if n != head]
     out = []
     for target in targets:
@@ -154,12 +181,20 @@ def _resolve(model: nn.Module, targets: tuple[str, ...]) -> list[str]:
             raise ConfigError(f"`lora` target {target!r} names the LM head ({head}), which keeps its weights: "
                               f"adapt the blocks' layers")
         if not found:
-            known = sorted({n.rsplit(".", 1)[-1] for n in linears})
             raise ConfigError(f"`lora` target {target!r} names no linear layer of the model (its layers: "
-                              f"{', '.join(known)}; PEFT's q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
-                              f"down_proj; or all)")
+                              f"{', '.join(_names(linears, head))}; or all, PEFT's all-linear)")
         out += [n for n in found if n not in out]
     return [n for n in linears if n in out]
+
+
+def _names(linears: list[str], head: str) -> list[str]:
+    """The names a target can give for ``linears`` (the head aside): the short and PEFT names of a decoder's
+    projections where the model has them (q, k, v, o, gate, up, down; q_proj ...), its own names otherwise."""
+    own = {n.rsplit(".", 1)[-1] for n in linears if n != head}
+    short = [n for n in SHORT if ALIASES.get(n, n) in own]
+    peft = [n for n, mine in ALIASES.items() if n.endswith("_proj") and mine in own]
+    rest = sorted(n for n in own - {ALIASES.get(n, n) for n in SHORT} if not n.isdigit())
+    return short + peft + rest
 
 
 def apply(model: nn.Module, spec: LoRASpec) -> list[str]:
@@ -167,6 +202,11 @@ def apply(model: nn.Module, spec: LoRASpec) -> list[str]:
     device too); returns the adapted layers' names. The adapters' values are :func:`initial`'s (see
     :func:`initial_state`): set them with the model's state."""
     names = _resolve(model, spec.targets)
+    for name in names:  # before anything of that rank is made
+        layer = model.get_submodule(name)
+        if spec.r > min(layer.in_features, layer.out_features):
+            raise ConfigError(f"`lora` r {spec.r} is more than layer {name} can hold ({layer.out_features} x "
+                              f"{layer.in_features}: a rank of at most {min(layer.in_features, layer.out_features)})")
     for p in model.parameters():
         p.requires_grad_(False)
     for name in names:

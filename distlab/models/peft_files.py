@@ -69,6 +69,23 @@ def write(state: dict[str, torch.Tensor], spec: LoRASpec, layers: dict[str, str]
     return Path(out).resolve()
 
 
+def other_base(directory: str | Path, model_dir: str | Path) -> str | None:
+    """Where the adapters of ``directory`` name another base than the model of ``model_dir`` (their config's
+    ``base_model_name_or_path`` against :func:`distlab.models.hf.name_of` of it and its path): a line saying
+    so -- an adapter of another model of the same shapes (a Llama's onto a Mistral) loads, but does not
+    belong to it. None where they agree or the adapters name none. (The base they name is not read: only
+    files inside the adapter directory are.)"""
+    from distlab.models import hf
+    base = read_json(Path(directory) / CONFIG, f"peft:{directory}").get("base_model_name_or_path")
+    if not isinstance(base, str) or not base:
+        return None
+    mine = {hf.name_of(model_dir), str(Path(model_dir).resolve())}
+    if base in mine or (Path(base).is_absolute() and str(Path(base).resolve()) in mine):
+        return None
+    return (f"the adapters of peft:{directory} were trained on {base}; --init-from is {hf.name_of(model_dir)}: "
+            f"if that is another model, they do not belong to it")
+
+
 def read(directory: str | Path, layers: dict[str, str]) -> tuple[LoRASpec, dict[str, torch.Tensor]]:
     """``(spec, adapters)`` of a PEFT directory: the config's rank, alpha, dropout and target modules, and
     each adapted layer's ``lora_a`` / ``lora_b`` under distlab's names (``layers``: :func:`module_names`),
@@ -86,15 +103,17 @@ def read(directory: str | Path, layers: dict[str, str]) -> tuple[LoRASpec, dict[
             raise ConfigError(f"{where}: {key} {value!r} -- distlab's adapters are plain LoRA ({key} {default!r})")
     targets = config.get("target_modules")
     targets = [targets] if isinstance(targets, str) else targets
-    r, alpha = config.get("r"), config.get("lora_alpha")
-    if not (isinstance(r, int) and isinstance(alpha, (int, float)) and isinstance(targets, list) and targets
-            and all(isinstance(t, str) for t in targets)):
-        raise ConfigError(f"{where}: {CONFIG} needs r (a whole number), lora_alpha and target_modules (names)")
-    spec = LoRASpec.parse(f"r={r},alpha={alpha},dropout={config.get('lora_dropout') or 0.0},"
-                          f"targets={','.join(targets)}")
+    dropout = config.get("lora_dropout")
+    # each value read as the type it is (never pasted into a --lora text, where "0,alpha=1000" would be a key)
+    spec = LoRASpec.checked(config.get("r"), config.get("lora_alpha"), 0.0 if dropout is None else dropout, targets,
+                            f"{where}: {CONFIG}'s", ("r", "lora_alpha", "lora_dropout", "target_modules"))
     mine = {theirs: layer for layer, theirs in layers.items()}
     out: dict[str, torch.Tensor] = {}
     shapes = header(root / WEIGHTS, where)  # checked before the library opens the file
+    for key, (_, shape) in shapes.items():  # the config's rank is the tensors' (checked before any is read)
+        if len(shape) != 2 or shape[0 if ".lora_A." in key else 1] != spec.r:
+            raise ConfigError(f"{where}: tensor {key} has shape {list(shape)}, not that of a rank-{spec.r} factor "
+                              f"({CONFIG} says r {spec.r})")
     with safe_open(str(confined(root / WEIGHTS, where)), "pt") as f:
         for key in shapes:
             module, _, factor = key.removeprefix(PREFIX).rpartition(".")
