@@ -79,6 +79,22 @@ def test_the_header_says_what_each_epoch_leaves_out_past_its_last_whole_global_b
         assert words is None or words in line, line
 
 
+def test_the_tensor_parallel_header_counts_a_tied_matrix_once(run_cli, tmp_path):
+    """A checkpoint whose embedding is its LM head (Qwen2's small models) on --tp 2: the split layers hold every
+    parameter of the rank but the RMSNorms' (2 per block and the last), the tied matrix counted once -- it was
+    counted in both the embedding and the head, so the part was larger than the whole."""
+    import re
+    from tests.test_hf import _saved
+    theirs = _saved("Qwen2ForCausalLM", tmp_path / "in", tie_word_embeddings=True)
+    proc = run_cli("train", "--nproc-per-node", "2", "--tp", "2", "--init-from", f"hf:{tmp_path / 'in'}", "--dataset",
+                   "synthetic-text:2000", "--block-size", "16", "--global-batch-size", "4", "--max-steps", "1",
+                   "--no-progress", "--out", str(tmp_path / "run"), check=True)
+    split, total = (int(n.replace(",", "")) for n in re.search(
+        r"tensor parallel: .*?, ([\d,]+) of this rank's ([\d,]+) parameters", proc.stdout).groups())
+    norms = theirs.config.hidden_size * (2 * theirs.config.num_hidden_layers + 1)
+    assert split == total - norms, (split, total, norms)
+
+
 def test_header_shows_the_tensor_parallel_mesh_and_what_is_split(run_cli, tmp_path):
     proc = run_cli("train", "--nproc-per-node", "4", "--tp", "2", "--model", "mlp-bn", "--mlp-widths", "16,8", "--dataset",
                    "synthetic:1x8x8:4:256", "--global-batch-size", "16", "--max-steps", "2", "--grad-accum", "2",

@@ -126,6 +126,10 @@ def header(trainer) -> list[str]:
                      f"parameters ({trainer.num_trainable / trainer.num_parameters:.2%}); the base frozen"
                      + (f" and held in {cfg.base_dtype}" if cfg.base_dtype != "float32" else "")
                      + " -- no gradient, optimizer state or gradient sync for it")
+        if cfg.lora_from is not None:  # adapters PEFT saved for a base: the one they name, against --init-from
+            from distlab.models.peft_files import other_base
+            other = other_base(cfg.lora_from[5:], cfg.init_from[3:])
+            lines += [f"warning  {other}"] if other else []
     if rt.world_size == 1:
         lines.append(f"strategy single process ({plural(rt.threads, 'thread')}, {rt.device})"
                      + (f", {cfg.strategy.micro_steps} micro-batches per step" if cfg.strategy.micro_steps > 1 else ""))

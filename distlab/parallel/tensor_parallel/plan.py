@@ -110,7 +110,8 @@ class TensorParallel(ComponentKind):
         layers = [(name, m) for name, m in module.named_modules()
                   if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))]
         names = [engine.schedule.model_key(n) for n, _ in layers]
-        split = sum(p.numel() for _, m in layers for p in m.parameters())
+        split = sum(p.numel() for p in {id(p): p for _, m in layers for p in m.parameters()}.values())  # a tied
+        # matrix (the embedding that is the LM head) once, as module.parameters() counts it
         total = sum(p.numel() for p in module.parameters())
         return [f"tensor parallel: {len(names)} layers split ({', '.join(names) or 'none'}), {split:,} of this "
                 f"rank's {total:,} parameters; the rest is replicated"]
