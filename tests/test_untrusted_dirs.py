@@ -262,6 +262,15 @@ TEMPLATES = [
     ("import", "{% import 'x' as y %}", "no loader"),
     ("extends", "{% extends 'x' %}", "no loader"),
     ("lipsum", "{{ lipsum(10**9) }}", "'lipsum' is undefined"),
+    # a constant expression Jinja's optimizer would fold while compiling (a MemoryError there, before any budget)
+    ("center-folded", "{{ ''|center(3000000000) }}", "|center would write 3,000,000,000 characters"),
+    ("center", "{{ messages[0]['content']|center(10**9) }}", "|center would write"),
+    ("printf-filter", "{{ '%1000000000s'|format('x') }}", "|format would write"),
+    ("printf", "{{ '%1000000000d' % 3 }}", "a format of '%1000000000d' would write"),
+    ("indent", "{{ 'x'|indent(10**9) }}", "|indent would write"),
+    ("replace-nested", "{{ 'ab'" + "|replace('', 'xxxxxxxxxx')" * 6 + " }}", "|replace would write"),
+    ("ljust", "{{ 'x'.ljust(10**9) }}", "ljust() of a string would write"),
+    ("str-format", "{{ '{:1000000000}'.format(1) }}", "format() of a string would write"),
 ]
 
 

@@ -87,10 +87,20 @@ def _environment():
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     class Bounded(ImmutableSandboxedEnvironment):
-        """The sandbox, with repetition and powers bounded: ``'x' * 10**9`` is refused before it is made."""
-        intercepted_binops = frozenset({"*", "**"})
+        """The sandbox, with everything that can make a long text from a short one bounded before it is made:
+        repetition (``'x' * 10**9``), powers, printf and format widths (``'%1000000000s' % x``), padding and
+        replacing (``|center(10**9)``, ``.ljust``, ``|replace('', ...)``)."""
+        intercepted_binops = frozenset({"*", "**", "%"})
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja2's own signature
+            method = getattr(__obj, "__wrapped__", __obj)  # (the sandbox wraps str.format in its own)
+            if isinstance(getattr(method, "__self__", None), str):  # a string's method: what it would write
+                _bounded_method(method.__self__, method.__name__, args, kwargs)
+            return super().call(__context, __obj, *args, **kwargs)
 
         def call_binop(self, context, operator, left, right):
+            if operator == "%" and isinstance(left, str):
+                _check(len(left) + _widths(left), f"a format of {left[:40]!r}")
             if operator == "*":
                 n, seq = (right, left) if isinstance(left, (str, list, tuple)) else (left, right)
                 if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > RENDER_LIMIT:
@@ -101,12 +111,85 @@ def _environment():
                 raise jinja2.exceptions.SecurityError(f"a power of {right} (the limit is 64)")
             return super().call_binop(context, operator, left, right)
 
-    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    # (not optimized: the optimizer folds a constant expression -- ''|center(3000000000) -- while it compiles,
+    # outside every bound a render has)
+    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols], optimized=False)
     env.globals.pop("lipsum", None)  # generates text of any length
+    for name, size in _FILTER_SIZES.items():  # each filter that pads or replaces, bounded before it runs
+        env.filters[name] = _bounded_filter(env.filters[name], size, name)
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
+
+
+def _check(n: int, what: str) -> None:
+    if n > RENDER_LIMIT:
+        import jinja2
+        raise jinja2.exceptions.SecurityError(f"{what} would write {n:,} characters (the limit is {RENDER_LIMIT:,})")
+
+
+def _widths(fmt: str) -> int:
+    """What the widths and precisions of a printf (``%10s``) or format (``{:>10}``) text may add to it."""
+    specs = re.findall(r"%[^a-zA-Z%]*[a-zA-Z%]|\{[^{}]*\}", fmt)
+    return sum(int(n) for spec in specs for n in re.findall(r"\d+", spec))
+
+
+def _number(value, default: int = 0) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _replaced(s: str, old, new, count=None) -> int:
+    old, new = str(old), str(new)
+    found = s.count(old) if old else len(s) + 1
+    found = min(found, _number(count, found)) if count is not None and _number(count, -1) >= 0 else found
+    return len(s) + max(0, len(new) - len(old)) * found
+
+
+# a filter's output size from its arguments (the value first), before it runs
+_FILTER_SIZES = {
+    "center": lambda v, width=80, *a, **k: len(str(v)) + _number(width),
+    "indent": lambda s, width=4, *a, **k: len(str(s)) + (_number(width) if not isinstance(width, str) else len(width))
+    * (str(s).count("\n") + 1),
+    "format": lambda v, *a, **k: len(str(v)) + _widths(str(v)) + sum(len(str(x)) for x in [*a, *k.values()]),
+    "replace": lambda s, old="", new="", count=None, *a, **k: _replaced(str(s), old, new, count),
+    "wordwrap": lambda s, width=79, break_long_words=True, wrapstring=None, *a, **k:
+        len(str(s)) * (1 + len(str(wrapstring or "\n"))),
+}
+# a string method's output size from its arguments (the string is ``s``)
+_METHOD_SIZES = {
+    "center": lambda s, width=0, *a: len(s) + _number(width), "ljust": lambda s, width=0, *a: len(s) + _number(width),
+    "rjust": lambda s, width=0, *a: len(s) + _number(width), "zfill": lambda s, width=0, *a: len(s) + _number(width),
+    "expandtabs": lambda s, tabsize=8, *a: len(s) + _number(tabsize, 8) * s.count("\t"),
+    "replace": lambda s, old="", new="", count=-1, *a: _replaced(s, old, new, count),
+    "format": lambda s, *a, **k: len(s) + _widths(s) + sum(len(str(x)) for x in [*a, *k.values()]),
+}
+
+
+def _bounded_method(s: str, name: str, args, kwargs) -> None:
+    size = _METHOD_SIZES.get(name)
+    if size is not None:
+        try:
+            n = size(s, *args, **kwargs)
+        except TypeError:  # arguments the method itself refuses: it says so when it is called
+            return
+        _check(n, f"{name}() of a string")
+
+
+def _bounded_filter(original, size, name: str):
+    import functools
+
+    @functools.wraps(original)
+    def bounded(*args, **kwargs):
+        plain = [a for a in args if not hasattr(a, "environment")]  # (an eval or environment context first)
+        try:
+            n = size(*plain, **kwargs)
+        except TypeError:
+            n = 0  # arguments the filter itself refuses: it says so
+        _check(n, f"|{name}")
+        return original(*args, **kwargs)
+
+    return bounded
 
 
 class ChatTemplate:
@@ -117,9 +200,14 @@ class ChatTemplate:
         self.source, self.special, self.where = source, special, where
         self.file = file  # the file it came from ("": given as text)
         try:
-            self._template = _environment().from_string(source)
+            with _deadline(RENDER_SECONDS):  # compiling is bounded as a render is
+                self._template = _environment().from_string(source)
         except jinja2.TemplateError as exc:
             raise ConfigError(f"{where}: not a Jinja template ({exc})") from None
+        except _OutOfTime:
+            raise ConfigError(f"{where}: did not compile within {RENDER_SECONDS:g} s") from None
+        except (RecursionError, MemoryError):
+            raise ConfigError(f"{where}: not a template distlab compiles (nested too deeply or too large)") from None
 
     @property
     def marked(self) -> bool:
