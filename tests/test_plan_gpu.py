@@ -38,7 +38,7 @@ def test_a_machine_file_of_the_user(tmp_path):
     m = load_machine(str(tmp_path / "mine.toml"))
     assert m.name == "mine" and m.nic_Bps == 100e9 / 8
     (tmp_path / "bad.toml").write_text("[gpu]\nbf16_tflops = 1\n")
-    with pytest.raises(ConfigError, match="not a machine file"):
+    with pytest.raises(ConfigError, match=r"\[gpu\] memory_gib is missing"):
         load_machine(str(tmp_path / "bad.toml"))
     with pytest.raises(ConfigError, match="choose one of"):
         load_machine("h900")
@@ -273,3 +273,50 @@ def test_published_runs_print_and_render_as_markdown_with_their_errors(tmp_path)
     assert code == 0, err
     assert out.startswith("| run | model | GPUs |") and f"| tt-a100-l2-13b-none | llama2-13b | 64 |" in out
     assert f"| {err_pct} |" in out
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda t: t.replace("bf16_tflops = 312.0", "bf16_tflops = nan"), "[gpu] bf16_tflops is nan; it must be a finite"),
+    (lambda t: t.replace("bf16_tflops = 312.0", "bf16_tflops = inf"), "[gpu] bf16_tflops is inf"),
+    (lambda t: t.replace("memory_gib = 80.0", "memory_gib = -80.0"), "[gpu] memory_gib is -80.0"),
+    (lambda t: t.replace("gpus = 8 ", "gpus = -8 "), "[node] gpus is -8; it must be a whole number above 0"),
+    (lambda t: t.replace("gpus = 8 ", "gpus = 0 "), "[node] gpus is 0"),
+    (lambda t: t.replace("gpus = 8 ", "gpus = 8.5 "), "[node] gpus is 8.5"),
+    (lambda t: t.replace("nic_gbit = 200", 'nic_gbit = "fast"'), "[network] nic_gbit is 'fast'"),
+    (lambda t: t.replace("net_step_us = 14.0", ""), "[latency] net_step_us is missing"),
+    (lambda t: "a = " + "[" * 5000 + "]" * 5000, "nested too deeply"),
+    (lambda t: "\x00\x01", "not a machine file")],
+    ids=["nan", "inf", "negative-memory", "negative-gpus", "zero-gpus", "fractional-gpus", "text", "missing", "deep",
+         "binary"])
+def test_a_machine_file_whose_numbers_are_not_a_machines_is_refused_in_one_line(tmp_path, edit, needle):
+    """`plan --machine FILE.toml`: every number finite and in its range, `gpus` a whole number -- a NaN planned
+    "nan h per step", negative GPUs per node negative communication, and inf, 0 or a deep file were tracebacks."""
+    from distlab.plan.gpu import MACHINES_DIR
+    (tmp_path / "m.toml").write_text(edit((MACHINES_DIR / "a100-80g.toml").read_text()))
+    code, out, err = invoke(["plan", "--preset", "llama3-8b", "--machine", "m.toml", "--gpus", "8"], tmp_path)
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert needle in err, err
+
+
+def test_a_preset_is_a_listed_name_and_a_config_alone_claims_only_sizes_a_model_has(tmp_path):
+    """`--preset ../../x` is no path to another .json; `plan --model hf:DIR` of a config alone (no weights to hold
+    its layers to, as train holds them) with 10^9 layers, a width of 2^30 or a vocabulary of 2^40 is refused in
+    one line -- it hung, ran out of memory or overflowed -- while a real-sized one plans."""
+    (tmp_path / "x.json").write_text(json.dumps({"config": {}, "source": "x"}))
+    code, out, err = invoke(["plan", "--preset", f"../../../../../../..{tmp_path}/x", "--machine", "h100-sxm",
+                             "--gpus", "8"], tmp_path)
+    assert code == 2 and "no such preset" in err, err
+    from distlab.plan.presets import preset
+    config = preset("llama3.2-1b")[0]
+    for n, (change, needle) in enumerate([({"num_hidden_layers": 10**9}, "num_hidden_layers 1,000,000,000"),
+                                          ({"num_hidden_layers": 10**6}, "num_hidden_layers 1,000,000"),
+                                          ({"hidden_size": 2**30}, "n_embd 1,073,741,824"),
+                                          ({"vocab_size": 2**40}, "vocab_size 1,099,511,627,776"), ({}, None)]):
+        (tmp_path / f"m{n}").mkdir()
+        (tmp_path / f"m{n}" / "config.json").write_text(json.dumps({**config, **change}))
+        code, out, err = invoke(["plan", "--model", f"hf:{tmp_path / f'm{n}'}", "--machine", "h100-sxm", "--gpus",
+                                 "8", "--dp", "8", "--block-size", "256"], tmp_path)
+        if needle is None:
+            assert code == 0, err
+        else:
+            assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err

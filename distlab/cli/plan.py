@@ -120,7 +120,7 @@ def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_byt
         if preset:
             model, options, vocab_size = presets.options(preset)
         else:
-            model, _, options, vocab_size = hf.options_of(hf.config_of(model[3:]), model)
+            model, _, options, vocab_size = hf.plannable(model[3:])
         if ctx.get_parameter_source("dataset") is click.core.ParameterSource.DEFAULT:
             dataset = "synthetic-text"  # token windows of --block-size
     else:

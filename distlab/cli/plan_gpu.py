@@ -68,7 +68,7 @@ def calibrate_device(device: str, preset: str | None, model: str | None, block_s
         from distlab.models import hf
         from distlab.plan import presets
         name, options, vocab = presets.options(preset) if preset else \
-            (lambda r: (r[0], r[2], r[3]))(hf.options_of(hf.config_of(model[3:]), model))
+            (lambda r: (r[0], r[2], r[3]))(hf.plannable(model[3:]))
     elif model:  # a registered model at its family's default sizes
         name, options, vocab = model, None, 256
     else:

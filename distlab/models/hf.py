@@ -76,10 +76,23 @@ def family_of(config: dict, directory: str | Path = "") -> tuple[str, object]:
     return _READERS[arch].family, _READERS[arch]
 
 
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+LAYER_LIMIT = 1 << 20  # layers a config may claim at all (its tensors then hold it to fewer)
+
+
+def _layers_within(config: dict, where: str, most: int) -> None:
+    for key in LAYER_KEYS:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > most:
+            raise ConfigError(f"{where}: config.json's {key} {value:,} is more than any model's (at most {most:,} "
+                              f"here)")
+
+
 def options_of(config: dict, where: str) -> tuple[str, object, object, int]:
     """``(family name, adapter, options, vocabulary)`` of a ``config.json``: the family that reads its
     architecture, its options checked (one line naming a key whose math distlab does not do)."""
     from distlab.models import spec
+    _layers_within(config, where, LAYER_LIMIT)  # before anything per layer is made of it
     name, adapter = family_of(config, where.removeprefix("hf:"))
     values, vocab = adapter.options_from(config, where)
     options = spec(name).make_options(values)
@@ -93,6 +106,35 @@ def checked_options(directory: str | Path) -> tuple[str, object, object, int]:
     where = f"hf:{directory}"
     found = options_of(config_of(directory), where)
     check_layers(found[2].n_layer, headers(directory), where)
+    return found
+
+
+# The largest sizes a config alone may claim for a plan (no tensors to hold them to): well past every published
+# model (126 layers, width 16,384, a 262,144-token vocabulary, 256 experts).
+PLANNED_LIMITS = {"n_layer": 1024, "n_embd": 1 << 18, "ffn_hidden": 1 << 20, "n_head": 1 << 12, "kv_heads": 1 << 12,
+                  "head_dim": 1 << 12, "experts": 1 << 14}
+VOCAB_LIMIT = 1 << 24
+
+
+def plannable(directory: str | Path) -> tuple[str, object, object, int]:
+    """:func:`options_of` a directory's config for a plan: where it has weights, the layers it claims held by
+    their tensors (:func:`checked_options`); a config alone, each size within :data:`PLANNED_LIMITS` -- a config
+    that claims 10^9 layers or a width of 2^30 would otherwise be traced (or overflow) as if it were a model."""
+    where = f"hf:{directory}"
+    if (Path(directory) / SINGLE).is_file() or (Path(directory) / INDEX).is_file():
+        return checked_options(directory)
+    config = config_of(directory)
+    vocab = config.get("vocab_size")
+    if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > VOCAB_LIMIT:
+        raise ConfigError(f"{where}: config.json's vocab_size {vocab:,} is more than any model's (at most "
+                          f"{VOCAB_LIMIT:,} here)")
+    _layers_within(config, where, PLANNED_LIMITS["n_layer"])
+    found = options_of(config, where)
+    for key, most in PLANNED_LIMITS.items():
+        value = getattr(found[2], key, None)
+        if isinstance(value, int) and value > most:
+            raise ConfigError(f"{where}: config.json makes {key} {value:,}, more than any model's (at most {most:,} "
+                              f"here); a plan of it would not describe a model that exists")
     return found
 
 

@@ -29,6 +29,7 @@ Adam or SGD moves through HBM at its datasheet bandwidth.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from dataclasses import dataclass
@@ -99,25 +100,54 @@ def machine_names() -> list[str]:
     return sorted(p.stem for p in MACHINES_DIR.glob("*.toml"))
 
 
+# Each field of a machine file: (table, key, least, most, whether 0 is allowed) -- a datasheet's numbers are
+# finite and positive; the ranges hold every GPU made or announced with room to spare.
+MACHINE_FIELDS = {"bf16_tflops": ("gpu", 1e5), "fp8_tflops": ("gpu", 1e5), "fp32_tflops": ("gpu", 1e5),
+                  "memory_gib": ("gpu", 1e5), "memory_tbps": ("gpu", 1e3), "gpus": ("node", 1024),
+                  "nvlink_gbps": ("node", 1e5), "nic_gbit": ("network", 1e6), "base_us": ("latency", 1e6),
+                  "nvlink_step_us": ("latency", 1e6), "net_step_us": ("latency", 1e6)}
+ZERO_ALLOWED = ("fp8_tflops", "base_us", "nvlink_step_us", "net_step_us")  # no FP8 cores; latencies may be 0
+MACHINE_FILE_LIMIT = 1 << 20  # bytes
+
+
+def _machine_value(d: dict, key: str, path: Path, default=None):
+    """Field ``key`` of a parsed machine file: a finite number in its range (a whole one for ``gpus``)."""
+    table, most = MACHINE_FIELDS[key]
+    section = d.get(table)
+    value = section.get(key, default) if isinstance(section, dict) else None
+    if value is None:
+        raise ConfigError(f"--machine {path}: [{table}] {key} is missing (see distlab/plan/machines/h100-sxm.toml)")
+    whole = key == "gpus"
+    if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or not math.isfinite(value) \
+            or not (0 <= value <= most) or (value == 0 and key not in ZERO_ALLOWED):
+        kind = "a whole number" if whole else "a finite number"
+        raise ConfigError(f"--machine {path}: [{table}] {key} is {value!r}; it must be {kind} "
+                          f"{'from 0' if key in ZERO_ALLOWED else 'above 0'} to {most:g}")
+    return value
+
+
 def load_machine(name: str) -> GpuMachine:
-    """A machine by preset name or from a TOML file of the same fields."""
+    """A machine by preset name or from a TOML file of the same fields, each checked (:data:`MACHINE_FIELDS`)."""
     path = Path(name) if name.endswith(".toml") else MACHINES_DIR / f"{name}.toml"
     if not path.is_file():
         raise ConfigError(f"--machine {name}: no such machine; choose one of {', '.join(machine_names())} or "
                           f"give a FILE.toml with the same fields (see distlab/plan/machines/h100-sxm.toml)")
     try:
-        d = tomllib.loads(path.read_text())
-        gpu, node, net, lat = d["gpu"], d["node"], d["network"], d["latency"]
-        return GpuMachine(str(d.get("name", path.stem)), str(d.get("description", "")),
-                          float(gpu["bf16_tflops"]), float(gpu.get("fp8_tflops", 0.0)),
-                          float(gpu.get("fp32_tflops", gpu["bf16_tflops"] / 14.8)), float(gpu["memory_gib"]),
-                          float(gpu["memory_tbps"]), int(node["gpus"]), float(node["nvlink_gbps"]),
-                          float(net["nic_gbit"]), float(lat["base_us"]), float(lat["nvlink_step_us"]),
-                          float(lat["net_step_us"]), str(path))
-    except (tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"--machine {path}: not a machine file ({type(exc).__name__}: {exc}); it needs [gpu] "
-                          f"bf16_tflops, memory_gib, memory_tbps; [node] gpus, nvlink_gbps; [network] nic_gbit; "
-                          f"[latency] base_us, nvlink_step_us, net_step_us") from None
+        if path.stat().st_size > MACHINE_FILE_LIMIT:
+            raise ValueError(f"{path.stat().st_size:,} bytes, more than a machine's numbers take")
+        d = tomllib.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ConfigError(f"--machine {path}: not a machine file (nested too deeply)") from None
+    except (tomllib.TOMLDecodeError, ValueError, UnicodeDecodeError, OSError) as exc:
+        raise ConfigError(f"--machine {path}: not a machine file ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
+    v = functools.partial(_machine_value, d, path=path)
+    bf16 = v("bf16_tflops")
+    return GpuMachine(str(d.get("name", path.stem))[:100], str(d.get("description", ""))[:300], float(bf16),
+                      float(v("fp8_tflops", default=0.0)), float(v("fp32_tflops", default=bf16 / 14.8)),
+                      float(v("memory_gib")), float(v("memory_tbps")), v("gpus"), float(v("nvlink_gbps")),
+                      float(v("nic_gbit")), float(v("base_us")), float(v("nvlink_step_us")), float(v("net_step_us")),
+                      str(path))
 
 
 # ---------------------------------------------------------------------------------- collectives

@@ -19,7 +19,7 @@ def preset_names() -> list[str]:
 def preset(name: str) -> tuple[dict, str]:
     """``(config.json's fields, where they were published)`` of preset ``name``."""
     path = PRESETS_DIR / f"{name}.json"
-    if not path.is_file():
+    if name not in preset_names():  # by listed name only: never a path (../../x) to another .json
         raise ConfigError(f"--preset {name}: no such preset; choose one of {', '.join(preset_names())} (or give "
                           f"--model hf:DIR with a checkpoint's config.json)")
     d = json.loads(path.read_text())
