@@ -4,6 +4,7 @@ file outside the directory read, no allocation or build the tensors do not back.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import struct
@@ -407,3 +408,66 @@ def test_an_export_where_a_file_is_in_the_way_is_refused_in_one_line(finished_ru
     code, out, err = invoke(["export", str(finished_run), "-o", str(tmp_path / place), *flags], tmp_path)
     assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, (code, out, err)
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+@contextlib.contextmanager
+def _tmpfs(path: Path, options: str):
+    """A tmpfs mounted at ``path`` (root only; the test skips elsewhere)."""
+    import os
+    import subprocess
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.mark.parametrize("where", ["full", "read-only", "mount-point"])
+def test_an_export_to_a_disk_that_cannot_take_it_is_one_line_and_leaves_nothing(finished_run, tmp_path, where):
+    """`export --format hf` (and peft) to a full disk, a read-only one, or a mount point that cannot be
+    replaced: one line saying why (it was a 36-41-line traceback), no directory left half-written."""
+    target = tmp_path / where
+    options = {"full": "size=64k", "read-only": "ro,size=1m", "mount-point": "size=1m"}[where]
+    with _tmpfs(target, options):
+        if where == "full":
+            with open(target / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+                while True:
+                    f.write(b"x" * 4096)
+        out = target / "hf" if where != "mount-point" else target
+        code, _, err = invoke(["export", str(finished_run), "--format", "hf", "-o", str(out)], tmp_path)
+        assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        why = {"full": "No space left on device", "read-only": "Read-only file system",
+               "mount-point": "(a mount point: give a new directory inside it)"}[where]
+        assert f"-o {out} could not be written: " in err and why in err and "nothing was written" in err, err
+        assert [p.name for p in out.parent.iterdir() if p.name.startswith((".hf", f".{where}", "hf"))] == []
+
+
+def test_an_export_killed_mid_write_is_cleaned_at_the_next_and_its_directory_gets_a_directorys_mode(
+        finished_run, tmp_path):
+    """A kill -9 mid-export leaves `.OUT.incomplete-PID-*` (so named: nothing in it looks like a finished
+    checkpoint); the next export to OUT removes it once that process is gone. The directory written has the
+    mode a new directory gets (umask applied), not a temporary directory's 0700. `--format peft` refuses
+    --dtype and --merge, which it would ignore."""
+    import os
+    import stat
+    import subprocess
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    left = tmp_path / f".out.incomplete-{gone.pid}-abcd"
+    left.mkdir()
+    (left / "config.json").write_text("{}")
+    mine = tmp_path / f".out.incomplete-{os.getpid()}-live"  # a process still writing: left alone
+    mine.mkdir()
+    code, _, err = invoke(["export", str(finished_run), "--format", "hf", "-o", str(tmp_path / "out")], tmp_path)
+    assert code == 0, err
+    assert not left.exists() and mine.exists()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o777 & ~umask
+    for flags in (["--dtype", "bfloat16"], ["--merge"]):
+        code, _, err = invoke(["export", str(finished_run), "--format", "peft", "-o", str(tmp_path / "p"), *flags],
+                              tmp_path)
+        assert code == 2 and f"{flags[0]} is for --format hf" in err and len(err.strip().splitlines()) == 1, err

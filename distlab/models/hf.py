@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from distlab.errors import ConfigError, check_place
+from distlab.errors import ConfigError, check_place, first_line
 from distlab.models.hf_files import INDEX, SINGLE, Config, check_layers, check_tensors, confined, config_of, finite, \
     headers, tensor_files
 from distlab.models.plans import assign_state, with_tied
@@ -378,21 +378,48 @@ def write(state: dict[str, torch.Tensor], name: str, options, vocab: int, block_
 
 @contextlib.contextmanager
 def new_directory(out: str | Path):
-    """A new directory ``out`` (:func:`check_out`), written as a temporary one beside it -- the body fills
-    the path it is given -- then synced and renamed: a kill mid-write leaves no ``out``."""
+    """A new directory ``out`` (:func:`check_out`), written as ``.OUT.incomplete-PID-*`` beside it -- the body
+    fills the path it is given -- then synced, given the mode a new directory gets (not the 0700 of a
+    temporary one) and renamed: a kill mid-write leaves no ``out``, and the next export there removes what
+    such a kill left. A full or read-only disk, or a mount point in the way, is one line; nothing is left."""
     import os
     import tempfile
+
+    from safetensors import SafetensorError
     final = check_out(out)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        _remove_incomplete(final)
+        root = Path(tempfile.mkdtemp(prefix=f".{final.name}.incomplete-{os.getpid()}-", dir=final.parent))
+    except OSError as exc:
+        raise ConfigError(f"-o {out} could not be written: {exc.strerror or exc} (errno {exc.errno}); nothing was "
+                          f"written") from None
     try:
         yield root
         for path in root.iterdir():  # on disk before the directory takes its name
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(root, 0o777 & ~umask)
         if final.is_dir():
             final.rmdir()  # empty (check_out): its place is taken whole
         os.replace(root, final)
+    except (OSError, SafetensorError) as exc:  # a full or read-only disk; a mount point that cannot be replaced
+        shutil.rmtree(root, ignore_errors=True)
+        why = f"{exc.strerror or exc} (errno {exc.errno})" if isinstance(exc, OSError) else first_line(exc, 200)
+        mount = " (a mount point: give a new directory inside it)" if final.is_dir() and final.is_mount() else ""
+        raise ConfigError(f"-o {out} could not be written: {why}{mount}; nothing was written") from None
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)
         raise
+
+
+def _remove_incomplete(final: Path) -> None:
+    """What an export to ``final`` killed mid-write left beside it (``.NAME.incomplete-PID-*`` of a process
+    that is gone)."""
+    import os
+    for left in final.parent.glob(f".{final.name}.incomplete-*"):
+        pid = left.name[len(f".{final.name}.incomplete-"):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(left, ignore_errors=True)

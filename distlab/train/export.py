@@ -88,6 +88,9 @@ def export(path: str | Path, out: str | Path, best: bool = False, fmt: str = "au
     Hugging Face directory ``out`` (:func:`export_hf`) in ``dtype`` (default: the checkpoint's own) -- of a
     run with low-rank adapters, with ``merge`` only (each adapted weight ``W + B A alpha / r``); ``peft``:
     the adapters alone, as PEFT keeps them (:func:`export_peft`)."""
+    if fmt == "peft" and (dtype is not None or merge):
+        raise ConfigError(f"--format peft writes the adapters as they trained, in float32, beside their base: "
+                          f"{'--dtype' if dtype is not None else '--merge'} is for --format hf (drop it)")
     state, meta, where = loading.read(path, best, merge=False)
     adapted = bool(lora.adapter_keys(state))
     if merge and not adapted:
