@@ -282,3 +282,31 @@ def test_a_peft_export_names_its_base_so_auto_peft_loads_it_and_an_adapter_of_an
                     "--out", str(tmp_path / "other"), check=True)
     assert f"warning  the adapters of peft:{tmp_path / 'adapter'} were trained on {(tmp_path / 'llama').resolve()}; " \
            f"--init-from is {(tmp_path / 'mistral').resolve()}" in other.stdout, other.stdout
+
+
+def test_a_fine_tune_resumes_bitwise_when_its_init_from_directory_is_gone(run_cli, refused_here, tmp_path):
+    """`--resume auto` of a LoRA fine-tune from hf:DIR whose directory was moved away: the snapshot holds every
+    weight and kept the checkpoint's config, so the run goes on from it and ends bitwise where the
+    uninterrupted run does (it said "no config.json there"); a DPO run, whose reference is the starting model
+    read again at a resume, is refused in one line instead."""
+    from tests.test_hf import _saved
+    _saved("LlamaForCausalLM", tmp_path / "base")
+    args = ["train", "--init-from", f"hf:{tmp_path / 'base'}", "--block-size", "16", "--global-batch-size", "8",
+            "--no-progress", "--lora", SPEC, "--optimizer", "adamw", "--lr", "0.01", "--lr-schedule", "constant",
+            "--snapshot-every", "2", "--keep-snapshots", "5"]
+    text = [*args, "--dataset", "synthetic-text:2000"]
+    run_cli(*text, "--max-steps", "4", "--snapshot-dir", str(tmp_path / "a"), "--out", str(tmp_path / "arun"),
+            check=True)
+    run_cli(*text, "--max-steps", "2", "--snapshot-dir", str(tmp_path / "b"), "--out", str(tmp_path / "brun"),
+            check=True)
+    run_cli(*args, "--dataset", "synthetic-pairs", "--max-steps", "1", "--snapshot-dir", str(tmp_path / "d"),
+            "--out", str(tmp_path / "drun"), check=True)
+    (tmp_path / "base").rename(tmp_path / "moved")
+    run_cli(*text, "--max-steps", "4", "--snapshot-dir", str(tmp_path / "b"), "--resume", "auto", "--out",
+            str(tmp_path / "brun2"), check=True)
+    a, b = (_whole(next((tmp_path / d).glob("step-*4"))) for d in ("a", "b"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    proc = refused_here(*args, "--dataset", "synthetic-pairs", "--max-steps", "2", "--snapshot-dir",
+                        str(tmp_path / "d"), "--resume", "auto", "--out", str(tmp_path / "drun2"))
+    assert "DPO's reference is the model training started from" in proc.stderr and \
+        proc.stderr.count("\n") == 1, proc.stderr

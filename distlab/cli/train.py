@@ -103,7 +103,7 @@ def train(config_file, trust_config, **kw):
             from distlab.train.snapshot_load import check_path
             check_path(cfg.resume)
         from distlab.train.export import check_init
-        check_init(cfg.init_from)
+        check_init(cfg.weights_from())
         if cfg.resume is None and not elastic:
             from distlab.train.run_dirs import directory_problem
             problem = directory_problem(cfg.snapshot_dir, cfg.out, "", fresh=True)

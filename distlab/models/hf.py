@@ -284,16 +284,17 @@ def name_of(model_dir: str | Path) -> str:
 def carried(model_dir: str | None, tokenizer_dirs: list[str], tokenizer_sha: str | None) -> dict:
     """What an export of a model started from Hugging Face directory ``model_dir`` must say again to be shipped:
     its config's ``ids`` (bos/eos/pad token ids), its ``generation_config.json``, its storage ``dtype``, its
-    ``base`` name (:func:`name_of`: what a PEFT adapter of it names as its base); and the
+    ``base`` name (:func:`name_of`: what a PEFT adapter of it names as its base), its ``config``; and the
     ``files`` beside the run's tokenizer -- its tokenizer_config.json (chat template, special tokens),
     special_tokens_map.json -- from the first of ``tokenizer_dirs`` whose tokenizer.json is the run's
     (``tokenizer_sha``: its :attr:`~distlab.data.tokenizer.BPETokenizer.sha256`). Plain JSON values."""
     import hashlib
-    out: dict = {"ids": {}, "files": {}, "dtype": None, "architecture": None, "base": None}
+    out: dict = {"ids": {}, "files": {}, "dtype": None, "architecture": None, "base": None, "config": None}
     if model_dir:
         config = config_of(model_dir)
         out["architecture"] = Config(config, f"hf:{model_dir}").architecture()
         out["base"] = name_of(model_dir)
+        out["config"] = config  # what a resumed run builds its model by, should the directory be gone
         out["ids"] = {k: config[k] for k in TOKEN_IDS if config.get(k) is not None}
         dtype = config.get("torch_dtype") or config.get("dtype")
         out["dtype"] = dtype if dtype in DTYPES else None

@@ -54,6 +54,9 @@ def check_fine_tuning(cfg) -> None:
         raise ConfigError(f"`pack` restarts each record's positions: model {cfg.model} does not read packed "
                           f"windows (a rotary family does: llama, gemma3)")
     pairs = is_preference(cfg.dataset)
+    if pairs and cfg.kept() is not None:
+        raise ConfigError(f"DPO's reference is the model training started from, read again when a run resumes: "
+                          f"`init_from` {cfg.init_from} is gone, so this run cannot go on (restore it)")
     if cfg.chat_turns not in ("all", "last"):
         raise ConfigError(f"`chat_turns` is all (every assistant reply of a chat is a target) or last, not "
                           f"{cfg.chat_turns!r}")

@@ -326,13 +326,40 @@ class TrainConfig:
         self.options.check()
 
     def pretrained(self) -> tuple[str, object, int, int] | None:
-        """``--init-from hf:DIR``: its family, options, vocabulary and positions (config.json only); else None."""
+        """``--init-from hf:DIR``: its family, options, vocabulary and positions (config.json only) -- or, for a
+        resumed run whose directory is gone, the config its snapshot kept (:meth:`kept`); else None."""
         if not (self.init_from or "").startswith("hf:"):
             return None
         from distlab.models import hf
-        directory = self.init_from[3:]
+        directory, kept = self.init_from[3:], self.kept()
+        if kept is not None:
+            name, _, options, vocab = hf.options_of(kept["config"], f"{self.init_from} (as its snapshot kept it)")
+            return name, options, vocab, hf.context_of(kept["config"])
         name, _, options, vocab = hf.checked_options(directory)
         return name, options, vocab, hf.context_of(hf.config_of(directory))
+
+    def kept(self) -> dict | None:
+        """What the snapshot this run resumes from kept of its ``init_from`` hf:DIR (its config, token ids,
+        files) where that directory is gone: the snapshot holds every weight, so the run goes on without it.
+        None where the directory is there, or no snapshot keeps it."""
+        if not (self.init_from or "").startswith("hf:") or self.resume is None or \
+                (Path(self.init_from[3:]) / "config.json").is_file():
+            return None
+        from distlab.train import snapshot
+        found = snapshot.snapshots(self.snapshot_dir) if self.resume == "auto" and self.snapshot_dir else \
+            [Path(self.resume)] if self.resume != "auto" else []
+        for path in found:
+            try:
+                kept = snapshot.read_meta(path).get("hf")
+            except ConfigError:
+                continue
+            return kept if isinstance(kept, dict) and isinstance(kept.get("config"), dict) else None
+        return None
+
+    def weights_from(self) -> str | None:
+        """Where the model's starting weights are read: ``init_from``, unless a snapshot it resumes holds them
+        all and the directory is gone (:meth:`kept`)."""
+        return None if self.kept() is not None else self.init_from
 
     def _check_pretrained(self) -> None:
         """``--init-from hf:DIR`` builds the directory's model: its family (`model`), its options (left at the

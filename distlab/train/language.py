@@ -55,6 +55,8 @@ def carried(cfg, tokenizer) -> dict | None:
     """What a run started from Hugging Face files keeps for its export to ship (:func:`distlab.models.hf.carried`):
     the checkpoint's token ids, generation config and dtype, the files beside the tokenizer it read with --
     from ``--init-from hf:DIR``, ``--tokenizer hf:DIR`` or the prepared corpus; None for a run without any."""
+    if cfg.kept() is not None:  # resumed where the directory is gone: what its snapshot kept of it
+        return cfg.kept()
     dirs = [s[3:] for s in (cfg.tokenizer, cfg.init_from) if isinstance(s, str) and s.startswith("hf:")]
     dirs += [cfg.dataset.split(":", 1)[1]] if cfg.dataset.startswith("tokens:") else []
     model_dir = cfg.init_from[3:] if isinstance(cfg.init_from, str) and cfg.init_from.startswith("hf:") else None

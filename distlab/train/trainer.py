@@ -104,13 +104,14 @@ class Trainer:
         make = functools.partial(build_model, cfg.model, self.train_set.input_shape,
                                  cfg.vocab(self.train_set.num_classes), **cfg.model_options())
         from distlab.models.deferred import deferred  # loads with the model, not with the training layer
-        net, init = deferred(make) if cfg.strategy.deferrable and (not cfg.init_from or cfg.init_from.startswith(
-            "hf:")) else (make(), None)
-        slices = init_slices(net, cfg.init_from) if cfg.init_from else None
-        if cfg.init_from and slices is None:
+        weights = cfg.weights_from()  # (None where a resumed snapshot holds every weight)
+        net, init = deferred(make) if cfg.strategy.deferrable and (not weights or weights.startswith("hf:")) \
+            else (make(), None)
+        slices = init_slices(net, weights) if weights else None
+        if weights and slices is None:
             net = init.fill(net) if init is not None else net
             init = None
-            load_init(net, cfg.init_from)
+            load_init(net, weights)
         if init is None:
             net = net.to(rt.device)
         adapters = attach_adapters(cfg, net, real=init is None and slices is None)
