@@ -357,3 +357,18 @@ def test_a_text_starts_with_the_tokenizers_begin_token_as_transformers_tokenizes
     proc = refused_here("train", "--init-from", f"hf:{tmp_path / 'm'}", "--dataset", "synthetic-text:2000",
                         "--block-size", "16")
     assert f"give --tokenizer hf:{tmp_path / 'm'}" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_a_checkpoint_without_a_tokenizer_whose_vocabulary_is_not_bytes_needs_one(refused_here, run_cli, tmp_path):
+    """A pretrained model of 1,000 tokens whose directory holds no tokenizer.json: training it on text without
+    --tokenizer fed it byte ids as if they were its tokens (rc 0); now refused in one line naming --tokenizer.
+    A byte-level checkpoint (256 tokens) and a prepared corpus of ids still train."""
+    _saved("LlamaForCausalLM", tmp_path / "big", vocab_size=1000)
+    proc = refused_here("train", "--init-from", f"hf:{tmp_path / 'big'}", "--dataset", "synthetic-text:2000",
+                        "--block-size", "16", "--max-steps", "1")
+    assert "has a vocabulary of 1,000 tokens and no tokenizer.json" in proc.stderr and "--tokenizer hf:DIR" in \
+        proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    _saved("LlamaForCausalLM", tmp_path / "bytes")
+    run_cli("train", "--init-from", f"hf:{tmp_path / 'bytes'}", "--dataset", "synthetic-text:2000", "--block-size",
+            "16", "--global-batch-size", "8", "--max-steps", "1", "--no-progress", "--out", str(tmp_path / "run"),
+            check=True)

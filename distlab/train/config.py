@@ -381,9 +381,14 @@ class TrainConfig:
                                   f"{getattr(options, field)}: drop `{field}` (the checkpoint's config sets it)")
             self.options = options
         own = Path(self.init_from[3:]) / "tokenizer.json"
-        if own.is_file() and self.tokenizer == "bytes" and not self.dataset.startswith("tokens:"):
+        bytes_in = self.tokenizer == "bytes" and is_text(self.dataset) and not self.dataset.startswith("tokens:")
+        if own.is_file() and bytes_in:
             raise ConfigError(f"{self.init_from} reads text with its own tokenizer ({own}); this run would feed it "
-                              f"bytes: give --tokenizer {self.init_from}")
+                              f"bytes: give `tokenizer` {self.init_from}")
+        if bytes_in and vocab != 256 and not own.is_file() and self.kept() is None:
+            raise ConfigError(f"{self.init_from} has a vocabulary of {vocab:,} tokens and no tokenizer.json: this run "
+                              f"would feed it bytes as token ids; give the tokenizer it was trained with as "
+                              f"`tokenizer` hf:DIR")
         if positions and self.block_size > positions:
             raise ConfigError(f"`block_size` {self.block_size} is longer than the {positions} positions "
                               f"{self.init_from} was made for (its config's positions): use at most {positions}")
