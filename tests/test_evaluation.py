@@ -56,12 +56,20 @@ def test_a_language_models_evaluation_reports_its_perplexity_every_time(run_cli,
     assert all("test_perplexity" in r for r in _records(tmp_path / "r") if "test_loss" in r)
 
 
-def test_a_language_model_evaluates_its_training_micro_batch_at_a_time_unless_told():
-    """1,000 windows at a time is a classifier's default; a language model's logits (B, T, vocab) at T 2,048
-    would not fit a GPU, so it scores the micro-batch its training step already held per rank."""
-    from distlab.train.evaluate import eval_batch
-    assert eval_batch(None, True, 4) == 4 and eval_batch(None, False, 4) == 1000
-    assert eval_batch(7, True, 4) == 7 and eval_batch(None, True, 0) == 1
+def test_a_language_model_evaluates_as_many_windows_at_a_time_as_its_logits_budget_holds(run_cli, tmp_path):
+    """1,000 samples at a time is a classifier's default; a language model scores as many windows as 256 MiB
+    of float32 logits (three copies: logits, exponentials, log-probabilities) hold on a rank -- never fewer
+    than its training micro-batch (a 2,048-token window over 128k tokens holds one), at most 16,000: a 16-token
+    window over 256 tokens scores 5,461 at a time, not its micro-batch of 1 (8,208 windows two at a time were
+    200 s of a 200.6 s run). The header says it; --eval-batch-size still decides when given."""
+    from distlab.train.evaluate import LOGITS_BUDGET, eval_batch
+    assert eval_batch(None, False, 4) == 1000 and eval_batch(7, True, 4) == 7 and eval_batch(None, True, 0) == 1
+    assert eval_batch(None, True, 1, 16 * 256) == LOGITS_BUDGET // (3 * 4 * 16 * 256) == 5461
+    assert eval_batch(None, True, 4, 2048 * 128256) == 4 and eval_batch(None, True, 1, 1) == 16000
+    proc = run_cli("train", "--model", "gpt", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--dataset",
+                   "synthetic-text:4000", "--block-size", "16", "--global-batch-size", "2", "--nproc-per-node", "2",
+                   "--max-steps", "1", "--no-progress", "--out", str(tmp_path / "run"), check=True)
+    assert "test windows, 5,461 at a time per rank" in proc.stdout, proc.stdout
 
 
 def test_eval_and_smoothing_settings_out_of_range_are_refused(refused_here):

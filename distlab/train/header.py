@@ -78,11 +78,12 @@ def _evaluation_words(trainer) -> str:
     memory-mapped corpus's bounded default)."""
     cfg, test, scored = trainer.cfg, trainer.test_set, trainer.eval_test
     unit = "pairs" if test.pairs else "windows" if test.predicts_tokens else "samples"
+    at = f", {trainer.eval_batch:,} at a time per rank" if test.predicts_tokens else ""
     if len(scored) == len(test):
-        return f"each evaluation scores all {len(test):,} test {unit}"
+        return f"each evaluation scores all {len(test):,} test {unit}{at}"
     why = f"--eval-batches {cfg.eval_batches}" if cfg.eval_batches else \
         f"a memory-mapped corpus's default, {MAPPED_EVAL_BATCHES} global batches; --eval-batches N for more"
-    return f"each evaluation scores the first {len(scored):,} of {len(test):,} test {unit} ({why})"
+    return f"each evaluation scores the first {len(scored):,} of {len(test):,} test {unit} ({why}){at}"
 
 
 def header(trainer) -> list[str]:

@@ -90,8 +90,10 @@ class Trainer:
         self.mesh = Mesh.of(cfg.strategy)
         self.local_batch = cfg.global_batch_size // self.mesh.dp
         s = cfg.strategy
+        logits = (cfg.block_size // s.cp) * -(-cfg.vocab(self.train_set.num_classes) // s.tp) * \
+            (2 if self.test_set.pairs else 1)  # a window's logits on this rank (a preference pair: two windows)
         self.eval_batch = eval_batch(cfg.eval_batch_size, self.test_set.predicts_tokens,
-                                     self.local_batch // (s.grad_accum * s.microbatches))
+                                     self.local_batch // (s.grad_accum * s.microbatches), logits)
         self.loader = TrainLoader(self.train_set, rank=self.mesh.dp_rank, world_size=self.mesh.dp,
                                   local_batch=self.local_batch, shuffle=True, seed=cfg.seed)
         if len(self.loader) == 0:
