@@ -115,3 +115,19 @@ def check_place(out, flag: str = "-o") -> None:
         if parent.is_dir() and (parent / "meta.json").is_file() and any(parent.glob("rank*")):
             raise ConfigError(f"{flag} {out} lies inside snapshot {parent}, which a run deletes when it keeps newer "
                               f"ones: give a path outside the snapshots")
+
+
+def confined(path, where: str, root=None):
+    """``path``, a file of directory ``root`` (by default its parent), where it is inside that directory once
+    its links are followed -- a symbolic link to a file elsewhere (``chat_template.jinja -> ~/.ssh/id_rsa``) is
+    refused in one line, before it is opened. The one link out allowed is the Hugging Face cache's, from a
+    snapshot ``snapshots/<revision>/`` to the blob beside it (``../../blobs/<hash>``)."""
+    from pathlib import Path
+    path = Path(path)
+    base = (path.parent if root is None else Path(root)).resolve()
+    real = path.resolve()
+    if real.is_relative_to(base) or (base.parent.name == "snapshots" and real.parent == base.parent.parent / "blobs"):
+        return path
+    name = path.relative_to(root) if root is not None and path.is_relative_to(root) else path.name
+    raise ConfigError(f"{where}: {name} is a link to a file outside the directory; only files inside it are read "
+                      f"(copy that file into the directory if it belongs to it)")

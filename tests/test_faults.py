@@ -47,15 +47,19 @@ def test_verify_faults_runs_every_drill_on_real_jobs(run_cli, tmp_path):
         assert disk["passed"] is None and "skipped" in disk["detail"]
 
 
-def test_a_sigterm_as_the_run_finishes_leaves_its_results_complete_and_exits_0(run_cli, tmp_path):
-    """The signal comes at the last step: the run had done all it was asked -- its summary says completed, and
-    the launcher says so rather than calling it stopped before the workers had stopped cleanly."""
-    proc = run_cli(*TRAIN, "--max-steps", "6", "--snapshot-dir", "s", "--out", "b",
-                   env={"DISTLAB_TERM_AGENT_AT_STEP": "1:6"})
+def test_a_sigterm_at_the_last_step_leaves_the_final_evaluation_to_the_resumed_run(run_cli, tmp_path):
+    """The signal comes at the last step: the training is done, its final evaluation is left at its first batch
+    (a stop ends an evaluation at once), the snapshot of step 6 and the summary say so and the launcher exits 0;
+    `--resume auto` trains nothing more and evaluates, completing the run."""
+    args = [*TRAIN, "--max-steps", "6", "--snapshot-dir", "s", "--out", "b"]
+    proc = run_cli(*args, env={"DISTLAB_TERM_AGENT_AT_STEP": "1:6"})
     assert proc.returncode == 0, proc.stderr
-    assert _summary(tmp_path / "b" / "summary.json")["stopped"] == "completed"
-    assert "SIGTERM came as the run finished (step 6, b/summary.json written): its results are complete" \
-        in proc.stderr
+    stopped = _summary(tmp_path / "b" / "summary.json")
+    assert stopped["stopped"] == "preempted" and stopped["steps"] == 6 and stopped["evals"] == [], stopped
+    assert stopped["snapshot"].endswith("step-00000006")
+    run_cli(*args, "--resume", "auto", check=True)
+    done = _summary(tmp_path / "b" / "summary.json")
+    assert done["stopped"] == "completed" and [e["step"] for e in done["evals"]] == [6]
 
 
 def test_a_preempted_run_says_so_and_exits_0(run_cli, tmp_path):
@@ -77,3 +81,22 @@ def test_resume_is_the_kill_drill_and_cannot_be_combined_with_faults(run_cli):
     assert proc.returncode == 2 and "--resume is the kill drill of --faults: give one of them" in proc.stderr
     proc = run_cli("verify", "--faults", "flood")
     assert proc.returncode == 2 and "unknown fault drill 'flood'" in proc.stderr
+
+
+def test_a_stop_signal_during_an_evaluation_ends_it_at_once_and_the_resumed_run_evaluates_again(run_cli, tmp_path):
+    """SIGTERM as step 4's evaluation begins (one window at a time of 3,000: an evaluation far longer than
+    a scheduler's grace period): every rank leaves it at the next batch -- the run stops at step 4, snapshot and
+    summary written, no evaluation of step 4 recorded (before, the whole evaluation ran first and the stop
+    came steps later) -- and `--resume auto` finishes the run with its final evaluation."""
+    args = ["train", "--nproc-per-node", "2", "--model", "gpt", "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
+            "--dataset", "synthetic-text:40000", "--block-size", "8", "--global-batch-size", "4", "--max-steps", "6",
+            "--eval-every", "4", "--eval-batch-size", "1", "--no-progress", "--snapshot-dir", "s"]
+    proc = run_cli(*args, "--out", "a", env={"DISTLAB_TERM_AGENT_AT_STEP": "0:4"})
+    assert proc.returncode == 0, proc.stderr
+    stopped = _summary(tmp_path / "a" / "summary.json")
+    assert stopped["stopped"] == "preempted" and stopped["steps"] == 4, stopped
+    assert [e["step"] for e in stopped["evals"]] == [], stopped["evals"]
+    assert "preempted during the evaluation of step 4, which was left unfinished" in proc.stdout, proc.stdout
+    proc = run_cli(*args, "--resume", "auto", "--out", "a", check=True)
+    done = _summary(tmp_path / "a" / "summary.json")
+    assert done["stopped"] == "completed" and done["steps"] == 6 and [e["step"] for e in done["evals"]] == [6]

@@ -34,27 +34,12 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from distlab.errors import ConfigError
+from distlab.errors import ConfigError, confined
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 HEADER_LIMIT = 100 * 1000 * 1000  # bytes: safetensors' own limit on a header
 FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-
-def confined(path: str | Path, where: str, root: str | Path | None = None) -> Path:
-    """``path``, a file of directory ``root`` (by default its parent), where it is inside that directory once
-    its links are followed -- a symbolic link to a file elsewhere (``chat_template.jinja -> ~/.ssh/id_rsa``) is
-    refused in one line, before it is opened. The one link out allowed is the Hugging Face cache's, from a
-    snapshot ``snapshots/<revision>/`` to the blob beside it (``../../blobs/<hash>``)."""
-    path = Path(path)
-    base = (path.parent if root is None else Path(root)).resolve()
-    real = path.resolve()
-    if real.is_relative_to(base) or (base.parent.name == "snapshots" and real.parent == base.parent.parent / "blobs"):
-        return path
-    name = path.relative_to(root) if root is not None and path.is_relative_to(root) else path.name
-    raise ConfigError(f"{where}: {name} is a link to a file outside the directory; only files inside it are read "
-                      f"(copy that file into the directory if it belongs to it)")
 
 
 def read_json(path: Path, where: str, kind: type = dict):

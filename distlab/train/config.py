@@ -22,6 +22,7 @@ from distlab.models.contract import contract
 from distlab.models.lora import LoRASpec, apply as apply_lora
 from distlab.models.spec import Options
 from distlab.parallel import Strategy
+from distlab.train import pretrained as init_checks
 from distlab.train.adapters import check_fine_tuning, spec_text as lora_spec_text
 from distlab.train.durations import parse_duration  # noqa: F401 - where the settings readers take it from
 from distlab.train.model_fit import check_fit
@@ -232,7 +233,7 @@ class TrainConfig:
             raise ConfigError(f"`time_budget` must be positive, not {self.time_budget_s:g}s")
         _at_least("block_size", self.block_size, 1)
         self._check_options()
-        self._check_pretrained()
+        init_checks.check(self)
         context = self.options.to_dict().get("context") if self.options is not None else None
         if context and self.block_size > context:
             raise ConfigError(f"`block_size` {self.block_size} is longer than the model's `context` {context}: "
@@ -326,77 +327,16 @@ class TrainConfig:
         self.options.check()
 
     def pretrained(self) -> tuple[str, object, int, int] | None:
-        """``--init-from hf:DIR``: its family, options, vocabulary and positions (config.json only) -- or, for a
-        resumed run whose directory is gone, the config its snapshot kept (:meth:`kept`); else None."""
-        if not (self.init_from or "").startswith("hf:"):
-            return None
-        from distlab.models import hf
-        directory, kept = self.init_from[3:], self.kept()
-        if kept is not None:
-            name, _, options, vocab = hf.options_of(kept["config"], f"{self.init_from} (as its snapshot kept it)")
-            return name, options, vocab, hf.context_of(kept["config"])
-        name, _, options, vocab = hf.checked_options(directory)
-        return name, options, vocab, hf.context_of(hf.config_of(directory))
+        """``--init-from hf:DIR``'s family, options, vocabulary and positions (:func:`distlab.train.pretrained.found`)."""
+        return init_checks.found(self)
 
     def kept(self) -> dict | None:
-        """What the snapshot this run resumes from kept of its ``init_from`` hf:DIR (its config, token ids,
-        files) where that directory is gone: the snapshot holds every weight, so the run goes on without it.
-        None where the directory is there, or no snapshot keeps it."""
-        if not (self.init_from or "").startswith("hf:") or self.resume is None or \
-                (Path(self.init_from[3:]) / "config.json").is_file():
-            return None
-        from distlab.train import snapshot
-        found = snapshot.snapshots(self.snapshot_dir) if self.resume == "auto" and self.snapshot_dir else \
-            [Path(self.resume)] if self.resume != "auto" else []
-        for path in found:
-            try:
-                kept = snapshot.read_meta(path).get("hf")
-            except ConfigError:
-                continue
-            return kept if isinstance(kept, dict) and isinstance(kept.get("config"), dict) else None
-        return None
+        """What a resumed snapshot kept of a gone ``init_from`` hf:DIR (:func:`distlab.train.pretrained.kept`)."""
+        return init_checks.kept(self)
 
     def weights_from(self) -> str | None:
-        """Where the model's starting weights are read: ``init_from``, unless a snapshot it resumes holds them
-        all and the directory is gone (:meth:`kept`)."""
-        return None if self.kept() is not None else self.init_from
-
-    def _check_pretrained(self) -> None:
-        """``--init-from hf:DIR`` builds the directory's model: its family (`model`), its options (left at the
-        family's defaults here, or equal), a context within its positions, data within its vocabulary."""
-        found = self.pretrained()
-        if found is None:
-            return
-        name, options, vocab, positions = found
-        if self.model != name and self.model == type(self).model:  # no model named: the checkpoint's family
-            self.model, self.options = name, spec(name).make_options()
-        if self.model != name:
-            raise ConfigError(f"`init_from` {self.init_from} is a {name} model: give `model` {name}")
-        default = spec(name).make_options()
-        if self.options != options:  # (flags given on the command line were compared one by one: from_flags)
-            given = [f.name for f in fields(options) if getattr(self.options, f.name) != getattr(default, f.name)]
-            field = next((n for n in given if getattr(options, n) != getattr(self.options, n)), None)
-            if field is not None:
-                raise ConfigError(f"`{field}` {getattr(self.options, field)} differs from {self.init_from}'s "
-                                  f"{getattr(options, field)}: drop `{field}` (the checkpoint's config sets it)")
-            self.options = options
-        own = Path(self.init_from[3:]) / "tokenizer.json"
-        bytes_in = self.tokenizer == "bytes" and is_text(self.dataset) and not self.dataset.startswith("tokens:")
-        if own.is_file() and bytes_in:
-            raise ConfigError(f"{self.init_from} reads text with its own tokenizer ({own}); this run would feed it "
-                              f"bytes: give `tokenizer` {self.init_from}")
-        if bytes_in and vocab != 256 and not own.is_file() and self.kept() is None:
-            raise ConfigError(f"{self.init_from} has a vocabulary of {vocab:,} tokens and no tokenizer.json: this run "
-                              f"would feed it bytes as token ids; give the tokenizer it was trained with as "
-                              f"`tokenizer` hf:DIR")
-        if positions and self.block_size > positions:
-            raise ConfigError(f"`block_size` {self.block_size} is longer than the {positions} positions "
-                              f"{self.init_from} was made for (its config's positions): use at most {positions}")
-        data_vocab = self.data_shape()[1]
-        if data_vocab > vocab:
-            raise ConfigError(f"{self.dataset}'s vocabulary of {data_vocab:,} tokens is larger than {self.init_from}'s "
-                              f"{vocab:,}: tokenize the data with the model's own tokenizer "
-                              f"(prepare-text --tokenizer hf:DIR)")
+        """Where the starting weights are read (:func:`distlab.train.pretrained.weights_from`)."""
+        return init_checks.weights_from(self)
 
     def vocab(self, data_classes: int) -> int:
         """The classes (a text model's vocabulary) the model is built with: a pretrained checkpoint's, else

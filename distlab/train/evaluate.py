@@ -59,19 +59,35 @@ def evaluation_size(batches: int | None, batch_size: int, global_batch: int, map
     return batches, batch_size
 
 
-def outputs(engine: Engine, loader: EvalLoader, device):
+class EvaluationStopped(Exception):
+    """A stop signal came while an evaluation ran: every rank left it at the same batch (``reason``: why)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def outputs(engine: Engine, loader: EvalLoader, device, stop=None):
     """``(start, output, y)`` of each of ``loader``'s batches whose output this rank knows (a pipeline's last
     stage; every rank elsewhere), ``start`` its first sample's place in ``loader.indices``, ``y`` cut as
     the output is (context parallel: this rank's tokens). Every rank runs as many batches as the largest
     shard where a component exchanges data between data-parallel ranks in every forward (expert parallel's
-    tokens): empty ones where its own ran out. Call it under ``torch.no_grad()``."""
+    tokens): empty ones where its own ran out. ``stop`` (collective: :meth:`Preemption.now`) is asked before
+    each of the largest shard's batches, on every rank as often: where it says why, :class:`EvaluationStopped`.
+    Call it under ``torch.no_grad()``."""
     batch_size, n = loader.batch_size, len(loader.dataset)
     batches = list(zip(range(0, len(loader.indices), batch_size), loader))
+    most = -(-(-(-n // engine.mesh.dp)) // batch_size)
     if engine.lockstep and batches:
-        most = -(-(-(-n // engine.mesh.dp)) // batch_size)
         x0, y0 = batches[0][1]
         batches += [(len(loader.indices), (x0[:0], y0[:0]))] * (most - len(batches))
-    for start, (x, y) in batches:
+    for i in range(max(most, len(batches))):
+        reason = stop() if stop is not None else None
+        if reason:
+            raise EvaluationStopped(reason)
+        if i >= len(batches):
+            continue
+        start, (x, y) = batches[i]
         x, y = engine.shard(x.to(device), y.to(device))
         out = engine.infer(x)
         if out is not None and len(y):  # (a stage before the last passed the batch on; an empty batch)
@@ -80,7 +96,7 @@ def outputs(engine: Engine, loader: EvalLoader, device):
 
 @torch.no_grad()
 def evaluate(engine: Engine, dataset, device: torch.device | str = "cpu", batch_size: int = 1000,
-             details: bool = False) -> dict:
+             details: bool = False, stop=None) -> dict:
     """Exact global loss and accuracy of ``engine``'s model: disjoint shards, per-rank sums, one
     all-reduce. For a language model both are per token: ``test_loss`` in nats per token,
     ``test_accuracy`` the share of next tokens predicted exactly, ``test_tokens`` how many.
@@ -97,7 +113,7 @@ def evaluate(engine: Engine, dataset, device: torch.device | str = "cpu", batch_
     ``details`` (a classifier: one row of logits per sample): also ``confusion``, the
     ``classes x classes`` counts (row: true label, column: prediction), exact as the sums are, and
     ``misclassified``, the (index, label, prediction) of the first :data:`SHOWN` wrong test samples
-    in index order -- what ``distlab report`` draws.
+    in index order -- what ``distlab report`` draws. ``stop``: :func:`outputs`'.
     """
     mesh = engine.mesh
     was_training = engine.module.training
@@ -109,7 +125,7 @@ def evaluate(engine: Engine, dataset, device: torch.device | str = "cpu", batch_
     wrong = torch.full((SHOWN, 3), -1, dtype=torch.int64, device=device) if details else None
     shown = 0
     loader = EvalLoader(dataset, rank=mesh.dp_rank, world_size=mesh.dp, batch_size=batch_size)
-    for start, out, y in outputs(engine, loader, device):
+    for start, out, y in outputs(engine, loader, device, stop):
         loss_sum += engine.loss(out, y, reduction="sum").item()
         right, scored = engine.correct(out, y)
         correct, count = correct + right, count + scored

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from distlab.data import tokenizer as tokenizers
-from distlab.errors import ConfigError, first_line, with_article
+from distlab.errors import ConfigError, confined, first_line, with_article
 from distlab.train import reshard, snapshot, snapshot_load
 from distlab.train.snapshot import SnapshotError
 
@@ -158,7 +158,6 @@ def read(source: str | Path, best: bool = False, merge: bool = True) -> tuple[di
             meta.pop("hf")
     beside = path.with_name("tokenizer.json" if path.name == FINAL_MODEL else path.name + ".tokenizer.json")
     if beside.is_file():
-        from distlab.models.hf_files import confined
         meta["tokenizer_json"] = confined(beside, f"model file {path}").read_text(encoding="utf-8")
     return (merged(state, meta, f"model file {path}") if merge else state), meta, f"model file {path}"
 

@@ -74,6 +74,17 @@ class Preemption:
             raise KeyboardInterrupt
         self.signalled = max(self.signalled, 2 if signum == signal.SIGINT else 1)
 
+    def now(self) -> str | None:
+        """:meth:`poll`'s answer now, not a step later (collective, synchronous): what a long evaluation asks
+        between its batches, so a stop signal ends it within one batch -- a scheduler's grace period (Slurm's
+        KillWait, 30 s) is shorter than many an evaluation."""
+        self.settle()
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return REASONS.get(self.signalled)
+        flag = torch.tensor([self.signalled], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return REASONS.get(int(flag.item()))
+
     def poll(self) -> str | None:
         """Why some rank was signalled by the previous call ("preempted", "interrupted"), the same on
         every rank; None to go on."""

@@ -145,15 +145,16 @@ class Preference:
         dataset.reference = found.to(dataset.tokens.device)
 
     @torch.no_grad()
-    def evaluate(self, dataset, batch_size: int) -> dict:
-        """DPO's loss, preference accuracy and reward margin over ``dataset``'s pairs (collective)."""
+    def evaluate(self, dataset, batch_size: int, stop=None) -> dict:
+        """DPO's loss, preference accuracy and reward margin over ``dataset``'s pairs (collective; ``stop``:
+        :func:`~distlab.train.evaluate.outputs`')."""
         engine, mesh = self.engine, self.engine.mesh
         was_training = engine.module.training
         engine.module.eval()
         stats = torch.zeros(4, dtype=torch.float64, device=self.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         loader = EvalLoader(dataset, rank=mesh.dp_rank, world_size=mesh.dp, batch_size=batch_size)
-        for _, out, y in outputs(engine, loader, self.device):
+        for _, out, y in outputs(engine, loader, self.device, stop):
             losses, chosen, rejected = self._scores(out, y)
             if self.counts:
                 self._count(stats, chosen, rejected)

@@ -48,8 +48,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distlab.errors import ConfigError, first_line, with_article
-from distlab.models.hf_files import confined
+from distlab.errors import ConfigError, confined, first_line, with_article
 from distlab.runtime import group_rank, group_size
 from distlab.train.snapshot_checks import is_int as _is_int
 

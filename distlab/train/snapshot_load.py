@@ -15,8 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from distlab.errors import ConfigError, first_line
-from distlab.models.hf_files import confined
+from distlab.errors import ConfigError, confined, first_line
 from distlab.train.snapshot_checks import payload_problem
 
 from distlab.train.snapshot import (DamagedSnapshot, IncompatibleSnapshot, SnapshotError, broadcast_object,

@@ -33,8 +33,8 @@ from distlab.runtime import Runtime, comm_failure, is_comm_failure, reduce_scala
 from distlab.train.clock import StepClock
 from distlab.train.config import TrainConfig
 from distlab.train.config_file import config_file_text
-from distlab.train.evaluate import DEFAULT_EVAL_BATCH, eval_batch, eval_words, evaluate, evaluation_size, \
-    first_batches
+from distlab.train.evaluate import DEFAULT_EVAL_BATCH, EvaluationStopped, eval_batch, eval_words, evaluate, \
+    evaluation_size, first_batches
 from distlab.train.throughput import Throughput
 from distlab.train.observe import StepObserver
 from distlab.train.adapters import attach as attach_adapters
@@ -49,6 +49,7 @@ from distlab.train.run_dirs import finished_summary
 from distlab.train.run_state import RunState, fault_injection_hook
 from distlab.train.header import header
 from distlab.train.layout import run_layout
+from distlab.train.step_log import step_record, step_words
 from distlab.train.summary import StepTimes, final_write_failed, summarize
 from distlab.train.tensorboard import TensorBoardLog
 
@@ -247,9 +248,11 @@ class Trainer:
         cfg, run = self.cfg, self.run
         self.observer.finish()  # the run ended inside the traced or profiled steps: what was recorded
         self.bar.close()
-        if stopped == "time_budget" and (not run.evals or run.evals[-1]["step"] != run.step):
-            result = self._evaluate(run.step // self.steps_per_epoch)
-            self.say(f"time budget reached at step {run.step}: test accuracy {100 * result['test_accuracy']:.2f}%")
+        if stopped in ("time_budget", "completed") and (not run.evals or run.evals[-1]["step"] != run.step):
+            result = self._evaluate(run.step // self.steps_per_epoch)  # (completed: a resumed run's stopped one)
+            if stopped == "time_budget":
+                self.say(f"time budget reached at step {run.step}: test accuracy "
+                         f"{100 * result['test_accuracy']:.2f}%")
         unwritten = self._final_writes(stopped)  # one that failed: the summary is still written, then it is said
         if unwritten is not None and stopped != "non_finite":
             stopped = "final_write_failed"
@@ -352,7 +355,11 @@ class Trainer:
                 if self._diverged():
                     return "non_finite"
                 self._window_s += clock.flush(times)
-            evaluation = self._evaluate(epoch, say=False) if due_eval else None
+            try:  # (a stop signal ends an evaluation between its batches: a scheduler's grace is short)
+                evaluation = self._evaluate(epoch, say=False, stop=preemption.now) if due_eval else None
+            except EvaluationStopped as stop:
+                self.say(f"{stop.reason} during the evaluation of step {run.step}, which was left unfinished")
+                return stop.reason
             # An evaluation joins its step's record; --eval-every's make their steps log steps.
             if due_log:
                 self._log(epoch, lr, sample, evaluation, end_of_run=not scheduled)
@@ -404,36 +411,25 @@ class Trainer:
         # Throughput of the window's steps alone (timed in this attempt): evaluations, snapshots and a
         # restart in between are not training time.
         rate = self._window_timed * self.cfg.global_batch_size / self._window_s if self._window_s else None
-        record = {"step": self.run.step, "epoch": epoch, "loss": loss, "lr": lr, "samples_per_s": rate,
-                  **self.throughput.of_rate(rate), "time_s": self.run.time_used()}
-        record.update(self.preference.window() if self.preference else {})  # (collective)
-        if self._grad_norm is not None:  # read once per log line, not per step
-            record["grad_norm"] = float(self._grad_norm)
-        if end_of_run:
-            record["end_of_run"] = True
-        if sample:
-            record["sample"] = language.sample(self)
-        if evaluation:
-            record.update((k, v) for k, v in evaluation.items() if k.startswith(("test_", "val_")))
+        record = step_record(self, epoch, lr, loss, rate, sample, evaluation, end_of_run)
         self.run.history.append(record)
         self.log.write(record)
         self.tb.scalars("train", record, record["step"])
         self.tb.memory(record["step"])  # collective when on
-        norm = f" | grad norm {record['grad_norm']:.3g}" if "grad_norm" in record else ""
-        norm += (f" | reward margin {record['reward_margin']:.4f}, {100 * record['reward_accuracy']:.1f}% preferred"
-                 if "reward_margin" in record else "")
-        self.say(f"step {record['step']:>6}/{self.total_steps} | epoch {epoch} | loss {loss:.4f} | "
-                 f"lr {lr:.4g}{norm} | {rate or 0:,.0f} samples/s{self.throughput.words(record)}")
+        self.say(step_words(record, self.total_steps, self.throughput))
         self._window_s, self._window_timed = 0.0, 0
         if sample:
             self.say(f"sample   {record['sample']!r}")
 
-    def _evaluate(self, epoch: int, say: bool = True) -> dict:
+    def _evaluate(self, epoch: int, say: bool = True, stop=None) -> dict:
+        """The test (and validation) sets scored now; ``stop`` (:meth:`Preemption.now`) may end it between
+        batches (:class:`~distlab.train.evaluate.EvaluationStopped`)."""
         t0 = time.perf_counter()
         # (a frozen base held in bf16 computes under autocast there too; every other model in float32)
         narrow = self.engine.precision.autocast() if self.cfg.base_dtype != "float32" else contextlib.nullcontext()
-        evaluate_one = functools.partial(evaluate, self.engine, device=self.rt.device, batch_size=self.eval_batch) \
-            if self.preference is None else functools.partial(self.preference.evaluate, batch_size=self.eval_batch)
+        evaluate_one = functools.partial(evaluate, self.engine, device=self.rt.device, batch_size=self.eval_batch,
+                                         stop=stop) if self.preference is None else \
+            functools.partial(self.preference.evaluate, batch_size=self.eval_batch, stop=stop)
         with timeline.span("evaluation"), self.engine.gathered(), narrow:  # ZeRO-3: one gather for the whole
             result = evaluate_one(self.eval_test, **({"details": True} if self.preference is None else {}))
             if "confusion" in result:  # a classifier: the newest evaluation's counts and mistakes, for the report
