@@ -188,3 +188,22 @@ def test_pairs_whose_chosen_is_the_rejected_are_dropped_and_said_and_a_set_of_on
         "4 pairs whose chosen completion is the rejected one dropped (nothing to prefer)" in proc.stdout, proc.stdout
     proc = refused_here(*base, "--dataset", f"dpo:{tmp_path / 'same.jsonl'}")
     assert proc.stderr.count("\n") == 1 and "the chosen completion is the rejected one" in proc.stderr, proc.stderr
+
+
+def test_a_pair_file_is_read_once_by_the_command_and_a_large_one_shows_its_reading(tmp_path, monkeypatch):
+    """`distlab train --dataset dpo:FILE` on one process: the pre-launch check, the training split and the test
+    split share one read of the file (it was read three times: 10^5 chat pairs printed nothing for 500 s), and
+    a file past the progress size says that it is being read (a line where stderr is no terminal)."""
+    from distlab.data import sft
+    from tests.conftest import invoke
+    _pairs(tmp_path / "pairs.jsonl", 40)
+    reads = []
+    original = sft.objects
+    monkeypatch.setattr(sft, "objects", lambda path, progress=False: (reads.append(path), original(path, progress))[1])
+    monkeypatch.setattr(sft, "PROGRESS_BYTES", 100)
+    code, out, err = invoke(["train", "--model", "llama", "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
+                             "--block-size", "24", "--global-batch-size", "4", "--max-steps", "1", "--no-progress",
+                             "--dataset", f"dpo:{tmp_path / 'pairs.jsonl'}", "--out", str(tmp_path / "run")], tmp_path)
+    assert code == 0, err
+    assert len(reads) == 1, reads
+    assert err.count(f"distlab: reading 0 MiB of records from {tmp_path / 'pairs.jsonl'}") == 1, err

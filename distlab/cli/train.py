@@ -93,10 +93,10 @@ def train(config_file, trust_config, **kw):
             verify(cfg.dataset, manifest_of(cfg.dataset, cfg.vocab_size))  # a prepared corpus, whole: its checksums and token ids
         elif cfg.dataset.startswith("sft:"):
             from distlab.data.sft import read
-            read(cfg.dataset, cfg.tokenizer, cfg.chat_turns)  # every record readable (chat ones through the template), before launch
+            read(cfg.dataset, cfg.tokenizer, cfg.chat_turns, progress=True)  # every record readable (chat ones through the template), before launch
         elif cfg.dataset.startswith("dpo:"):
             from distlab.data.preference import read as read_pairs
-            read_pairs(cfg.dataset, cfg.tokenizer)  # every pair, as above
+            read_pairs(cfg.dataset, cfg.tokenizer, progress=True)  # every pair, as above
         elif not cfg.dataset.startswith(("synthetic", "tensors:", "imagefolder:", "text:")):
             locate(cfg.dataset, cfg.data_dir)
         if cfg.resume not in (None, "auto"):

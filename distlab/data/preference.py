@@ -87,10 +87,10 @@ def _conversation(template, prompt, reply, where: str, which: str) -> tuple[str,
     return split_reply(template, [*prompt, *reply], f"{where} ({which})")
 
 
-def pairs(spec: str, template=None, template_dir: str = "") -> list[Pair]:
-    """Every line's pair, in file order; one line naming the first bad one."""
+def pairs(spec: str, template=None, template_dir: str = "", progress: bool = False) -> list[Pair]:
+    """Every line's pair, in file order; one line naming the first bad one (``progress``: :func:`sft.objects`')."""
     path, out = Path(spec[len(PREFIX):]).expanduser(), []
-    for where, record in sft.objects(path):
+    for where, record in sft.objects(path, progress):
         if not (isinstance(record, dict) and "chosen" in record and "rejected" in record):
             raise ConfigError(f"{where}: a preference record is {{\"prompt\": TEXT, \"chosen\": TEXT, \"rejected\": "
                               f"TEXT}} (or the same with chat messages)")
@@ -114,15 +114,18 @@ def pairs(spec: str, template=None, template_dir: str = "") -> list[Pair]:
     return sft.enough(out, path)
 
 
-def read(spec: str, tokenizer: str = tokenizers.BYTES):
-    """``(tokenizer, pairs)`` of ``spec`` read with ``--tokenizer`` (its chat template where it has one)."""
+def read(spec: str, tokenizer: str = tokenizers.BYTES, progress: bool = False):
+    """``(tokenizer, pairs)`` of ``spec`` read with ``--tokenizer`` (its chat template where it has one), once per
+    process (:func:`distlab.data.sft.once`; ``progress``: a large file's reading shown)."""
     from distlab.data.chat import ChatTemplate
-    tok = sft.tokenizer_of(tokenizer)
-    if spec.startswith(PREFIX):
+    if not spec.startswith(PREFIX):
+        return sft.tokenizer_of(tokenizer), _generated(synthetic_pairs(spec))
+
+    def make():
         template_dir = tokenizer[3:] if tokenizers.is_pretrained(tokenizer) else ""
         template = ChatTemplate.from_dir(template_dir) if template_dir else None
-        return tok, pairs(spec, template, template_dir)
-    return tok, _generated(synthetic_pairs(spec))
+        return sft.tokenizer_of(tokenizer), pairs(spec, template, template_dir, progress)
+    return sft.once(("dpo", spec, tokenizer), tokenizer, [Path(spec[len(PREFIX):]).expanduser()], make)
 
 
 def _generated(n: int) -> list[Pair]:

@@ -27,6 +27,7 @@ bytes by default, or a pretrained model's (``--tokenizer hf:DIR``: its ``tokeniz
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -111,12 +112,13 @@ def _text(value, where: str) -> None:
             stack.extend(item)
 
 
-def records(spec: str, template=None, template_dir: str = "", turns: str = "all", ends: tuple = ()) -> list[Record]:
+def records(spec: str, template=None, template_dir: str = "", turns: str = "all", ends: tuple = (),
+            progress: bool = False) -> list[Record]:
     """Every line's record, in file order (chat records rendered by ``template``, ``turns`` of their replies
     targets: all, or the last; ``ends``: the tokenizer's end-of-turn texts); one line naming the first bad one."""
     from distlab.data.chat import reply_turns
     path, out = path_of(spec), []
-    for where, record in objects(path):
+    for where, record in objects(path, progress):
         if isinstance(record, dict) and "messages" in record and "prompt" not in record:
             need_template(template, where, template_dir)
             out.append(Record(tuple(reply_turns(template, record["messages"], where, turns == "all", ends)), True))
@@ -129,11 +131,23 @@ def records(spec: str, template=None, template_dir: str = "", turns: str = "all"
     return enough(out, path)
 
 
-def objects(path: Path):
+PROGRESS_BYTES = 16 << 20  # a record file this large is read with a progress bar (a line where no terminal)
+
+
+def objects(path: Path, progress: bool = False):
     """``(where, record)`` of each line of a JSON-lines file holding something (``where``: ``path:line``),
-    every string in it text; one line naming the first line that is not JSON."""
-    with open(path, encoding="utf-8") as f:
+    every string in it text; one line naming the first line that is not JSON. ``progress``: a large file's
+    reading is shown (a bar on a terminal, a line otherwise)."""
+    from tqdm import tqdm
+    size = Path(path).stat().st_size
+    shown = progress and size >= PROGRESS_BYTES
+    if shown and not sys.stderr.isatty():
+        print(f"distlab: reading {size / 2**20:,.0f} MiB of records from {path}", file=sys.stderr, flush=True)
+    bar = tqdm(total=size, unit="B", unit_scale=True, desc=f"reading {Path(path).name}", leave=False,
+               disable=not (shown and sys.stderr.isatty()))
+    with open(path, encoding="utf-8") as f, bar:
         for number, line in enumerate(_lines(f, path), 1):
+            bar.update(len(line))
             if not line.strip():
                 continue
             try:
@@ -162,15 +176,35 @@ def enough(out: list, path: Path) -> list:
     return out
 
 
-def read(spec: str, tokenizer: str = tokenizers.BYTES, turns: str = "all"):
+def once(key: tuple, tokenizer: str, paths, make):
+    """``make()``, remembered for the last ``key`` while the files it reads (``paths``, and the tokenizer
+    directory's) are unchanged: a process reads and renders a record file once -- the pre-launch check, the
+    training split and the test split share it (10^5 chat pairs were read three times over)."""
+    directory = Path(tokenizer[3:]) if tokenizers.is_pretrained(tokenizer) else None
+    files = [*paths, *((directory / f for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                                                "config.json", "generation_config.json")) if directory else ())]
+    stamp = tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) if f.is_file() else (str(f),) for f in files)
+    if _ONCE.get("key") != (key, stamp):
+        _ONCE.clear()
+        _ONCE.update(key=(key, stamp), value=make())
+    return _ONCE["value"]
+
+
+_ONCE: dict = {}  # the last record file read in this process (:func:`once`)
+
+
+def read(spec: str, tokenizer: str = tokenizers.BYTES, turns: str = "all", progress: bool = False):
     """``(tokenizer, template, records)`` of ``spec`` read with ``--tokenizer`` (its chat template, where its
     directory has one; ``turns`` of a chat's replies trained) -- what a run reads, and what the command checks
-    before it launches one."""
+    before it launches one (``progress``: a large file's reading shown) -- once per process (:func:`once`)."""
     from distlab.data.chat import ChatTemplate
-    tok = tokenizer_of(tokenizer)
-    template_dir = tokenizer[3:] if tokenizers.is_pretrained(tokenizer) else ""
-    template = ChatTemplate.from_dir(template_dir) if template_dir else None
-    return tok, template, records(spec, template, template_dir, turns, tok.stop_texts())
+
+    def make():
+        tok = tokenizer_of(tokenizer)
+        template_dir = tokenizer[3:] if tokenizers.is_pretrained(tokenizer) else ""
+        template = ChatTemplate.from_dir(template_dir) if template_dir else None
+        return tok, template, records(spec, template, template_dir, turns, tok.stop_texts(), progress)
+    return once(("sft", spec, tokenizer, turns), tokenizer, [path_of(spec)], make)
 
 
 def end_of(tok, record: Record, tail: list[int]) -> list[int]:
