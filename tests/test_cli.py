@@ -497,3 +497,14 @@ def test_a_restart_says_at_once_who_died_of_what_where_and_what_the_group_resume
                      r"the worker group \(restart 1 of 2\), resuming from the newest good snapshot in snaps "
                      r"\(step-00000004\)$", line), line
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["resumed_from"].endswith("step-00000004")
+
+
+def test_a_malformed_or_unknown_master_address_is_one_line_before_any_wait(refused_here):
+    """A manual start (`--num-nodes 2 --rank 1 --master-ip ...`): an address that is no IPv4 address or no host
+    is said at once -- it waited out the whole rendezvous timeout, then said "could not reach" it."""
+    for address, message in (("127.0.0.1000", "--master-addr '127.0.0.1000' is not an IPv4 address"),
+                             ("10.0.0", "--master-addr '10.0.0' is not an IPv4 address"),
+                             ("no-such-host.invalid", "--master-addr 'no-such-host.invalid': no such host")):
+        proc = refused_here("train", "--num-nodes", "2", "--rank", "1", "--master-ip", address, "--master-port",
+                            "29999", "--max-steps", "1")
+        assert message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr

@@ -162,6 +162,19 @@ def test_a_peer_dying_mid_step_is_a_clear_error_not_a_hang():
     assert "clear error: rank 0: communication failed at step 4" in text
     assert "rank 1 did not answer a roll call through the job's store" in text  # who, not only that
     assert "exited with code 17" in text and "still running" not in text
+    said = text[text.index("AssertionError: clear error: "):].splitlines()[0]  # the backend's words, not its source or its banter
+    assert "GLHF" not in said and "typically caused" not in said and ".cc:" not in said, said
+    assert said.endswith("the run keeps no snapshots (--snapshot-dir), so a restart starts it again"), said
+
+
+def test_a_backends_message_is_its_words_alone():
+    from distlab.runtime import backend_words
+    gloo = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+            "[127.0.0.1]:8596. This is typically caused by a remote worker crashing. Check the logs of the remote "
+            "worker before reporting an error. GLHF! \U0001f3d6\ufe0f")
+    assert backend_words(gloo) == "Connection closed by peer [127.0.0.1]:8596"
+    assert backend_words("Timed out waiting 10000ms for recv operation") == \
+        "Timed out waiting 10000ms for recv operation"
 
 
 def _count_per_micro_batch(rank, world, method, collective):

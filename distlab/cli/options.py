@@ -144,16 +144,9 @@ def launch_options(f):
     return f
 
 
-def _resolvable(flag: str, host: str) -> None:
-    import socket
-    try:
-        socket.getaddrinfo(host, None)
-    except (OSError, UnicodeError):
-        raise ConfigError(f"{flag} {host!r}: no such host (give a name or address this machine resolves)") from None
-
-
 def check_addresses(lopts) -> None:
     """Before a launch: the node count, node rank and every address are well formed and resolve."""
+    from distlab.runtime.launch import check_host
     worlds = lopts.possible_world_sizes()  # --nnodes N or MIN:MAX
     if not lopts.elastic and lopts.node_rank >= lopts.max_nodes:
         raise ConfigError(f"--node-rank {lopts.node_rank} with --nnodes {lopts.nnodes}: node ranks go from 0 to "
@@ -165,10 +158,10 @@ def check_addresses(lopts) -> None:
             raise ConfigError(f"--rdzv-endpoint {lopts.rdzv_endpoint!r}: write HOST:PORT with a port from 1 to 65535")
         if not host:
             raise ConfigError(f"--rdzv-endpoint {lopts.rdzv_endpoint!r}: write HOST:PORT")
-        _resolvable("--rdzv-endpoint", host.strip("[]"))
+        check_host("--rdzv-endpoint", host.strip("[]"))
     for flag, host in (("--master-addr", lopts.master_addr), ("--local-addr", lopts.local_addr)):
         if host is not None:
-            _resolvable(flag, host)
+            check_host(flag, host)
     if lopts.rdzv_conf is not None and not all("=" in item for item in lopts.rdzv_conf.split(",")):
         raise ConfigError(f"--rdzv-conf {lopts.rdzv_conf!r}: write KEY=VALUE pairs separated by commas, e.g. "
                           f"last_call_timeout=5,join_timeout=300")

@@ -31,6 +31,7 @@ import datetime
 import gc
 import os
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -245,11 +246,21 @@ _AT_SHUTDOWN: list = []  # what shutdown() calls before destroying the group (mo
 
 
 
-def comm_failure(exc: BaseException, rank: int, step: int) -> DistributedError:
-    """The one line a failed collective becomes: the step, the backend's words, and who is missing
-    (a roll call through the job's store, which does not go through gloo's connections). ``step``: the
-    step it failed in."""
-    first = first_line(exc)
+def backend_words(text: str) -> str:
+    """A backend's message without its source location and its boilerplate: gloo's ``[.../pair.cc:553]
+    Connection closed by peer [127.0.0.1]:8596. This is typically caused by ... GLHF!`` is ``Connection closed
+    by peer [127.0.0.1]:8596``."""
+    text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", text.strip())
+    return re.split(r"\.?\s+This is typically caused by", text, maxsplit=1)[0].strip()
+
+
+def comm_failure(exc: BaseException, rank: int, step: int, snapshot: str | None = None,
+                 snapshot_dir: str | None = None) -> DistributedError:
+    """The one line a failed collective becomes: the step, the backend's words, who is missing (a roll call
+    through the job's store, which does not go through gloo's connections) and what a restart starts from
+    (``snapshot``: the run's newest; ``snapshot_dir``: where it keeps them, None where it keeps none).
+    ``step``: the step it failed in."""
+    first = backend_words(first_line(exc))
     missing, cut_off = roll_call(f"step-{step}")
     if cut_off:
         who = f"{cut_off}: this rank's node is cut off from the job (its network or the store's host)"
@@ -261,8 +272,10 @@ def comm_failure(exc: BaseException, rank: int, step: int) -> DistributedError:
         who = "a peer died, hung or became unreachable -- check the other ranks' messages"
     else:
         who = "every rank answered a roll call through the job's store: a peer hung or its link to this one failed"
-    return DistributedError(f"rank {rank}: communication failed at step {step} ({first[:300]}); {who}; "
-                            f"a restart resumes from the newest snapshot (--resume auto)")
+    again = (f"a restart resumes from the newest snapshot, {snapshot} (--resume auto)" if snapshot else
+             f"no snapshot was written yet: a restart starts the run again" if snapshot_dir else
+             "the run keeps no snapshots (--snapshot-dir), so a restart starts it again")
+    return DistributedError(f"rank {rank}: communication failed at step {step} ({first[:300]}); {who}; {again}")
 
 def at_shutdown(release) -> None:
     """Have :func:`shutdown` call ``release()`` before it destroys the process group (once, however

@@ -94,6 +94,8 @@ def detect_launch(
         addr = master_addr or env_addr
         if addr is None and world_size > 1:
             raise ConfigError("a manual start needs --master-addr (alias --master-ip): rank 0's address")
+        if addr is not None:
+            check_host("--master-addr", addr)  # before the rendezvous waits its whole timeout for it
         return LaunchInfo("manual", rank, world_size, 0, 1, addr or "127.0.0.1",
                           master_port or env_port or DEFAULT_MASTER_PORT)
 
@@ -235,3 +237,20 @@ def port_in_use(host: str, port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+def check_host(flag: str, host: str) -> None:
+    """``host`` is an address or a name this machine resolves -- one line otherwise, at once (a malformed
+    address, 127.0.0.1000, waited out the whole rendezvous timeout and then "could not reach" it)."""
+    import ipaddress
+    if re.fullmatch(r"[0-9.]+", host):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise ConfigError(f"{flag} {host!r} is not an IPv4 address (four numbers 0-255 separated by dots)") \
+                from None
+    try:
+        socket.getaddrinfo(host.strip("[]"), None)
+    except (OSError, UnicodeError):
+        raise ConfigError(f"{flag} {host!r}: no such host (give a name or address this machine resolves)") from None
+

@@ -203,7 +203,8 @@ class Trainer:
             return self._fit()
         except Exception as exc:
             if is_comm_failure(exc):
-                raise comm_failure(exc, self.rt.rank, self.run.step + 1) from exc
+                raise comm_failure(exc, self.rt.rank, self.run.step + 1, self.run.last_snapshot or
+                                   self.run.resumed_from, self.cfg.snapshot_dir) from exc
             raise
         finally:
             self.tb.close()
