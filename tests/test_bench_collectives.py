@@ -191,3 +191,27 @@ def test_bench_dp_sweeps_bucket_sizes_of_the_bucketed_methods():
     assert [(r["method"], r["vs_ddp"]) for r in rows] == [
         ("bucketed:native 1 MB", "1.50x"), ("bucketed:native 25 MB", "1.50x"), ("ddp:native 1 MB", "1.00x"),
         ("ddp:native 25 MB", "1.00x"), ("allreduce:native", "0.50x")]
+
+
+def test_a_bench_on_a_busy_machine_says_so_and_a_fit_without_a_per_byte_cost_says_why(run_cli, tmp_path):
+    """`bench collectives` where the load before it was 17 (on any core count here: the launch's reading) says,
+    after its table, that its timings and the algorithms' order hold only beside a quiet machine's (it ranked
+    gather/scatter fastest at load 17 without a word) and records the load; `plan calibrate` of times that did
+    not grow with the bytes says the per-byte cost was not measured, not "0.000 ns/byte (inf GB/s)"."""
+    out = tmp_path / "bench"
+    proc = run_cli("bench", "collectives", "--world", "2", "--sizes", "10,1e3", "--algorithms", "ring,native",
+                   "--repeats", "2", "--warmup", "1", "--out", str(out), timeout=300, check=True,
+                   env={"DISTLAB_LOAD_AT_LAUNCH": "17"})
+    assert "distlab: warning: the machine was busy before this bench (load 17.00 on" in proc.stderr, proc.stderr
+    assert "which algorithm ranks first -- hold only against runs on an equally quiet machine" in proc.stderr
+    quiet = run_cli("bench", "collectives", "--world", "2", "--sizes", "10", "--algorithms", "native", "--repeats",
+                    "2", "--warmup", "1", "--out", str(tmp_path / "quiet"), timeout=300, check=True)
+    assert "distlab: warning" not in quiet.stderr, quiet.stderr
+    records = json.loads((out / "collectives.json").read_text())
+    for r in records:  # the same time at every size: nothing per byte to fit
+        r["time_s_median"] = r["time_s_min"] = r["time_s_max"] = 1e-4
+        r["time_s_median_per_run"] = [1e-4]
+    (out / "collectives.json").write_text(json.dumps(records))
+    proc = run_cli("plan", "calibrate", str(out / "collectives.json"), "-o", str(tmp_path / "cal.json"), check=True)
+    assert "inf GB/s" not in proc.stdout and "beta not measured (the times did not grow with the bytes" in \
+        proc.stdout, proc.stdout

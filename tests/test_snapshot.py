@@ -748,6 +748,8 @@ def test_bench_scaling_table_json_and_plots(run_cli, tmp_path):
     by = {(r["mode"], r["world_size"]): r for r in records}
     assert set(by) == {("weak", 1), ("weak", 2), ("strong", 1), ("strong", 2)}  # world 1 added as the baseline
     assert by["weak", 1]["scaling_efficiency"] == 1.0 and by["weak", 2]["global_batch_size"] == 32
+    # every run's ranks get the threads the largest world's do: efficiency compares equal compute per rank
+    assert len({r["threads_per_rank"] for r in records}) == 1, [r["threads_per_rank"] for r in records]
     assert by["weak", 2]["lr"] == pytest.approx(1e-3 * 2 ** 0.5)  # sqrt scaling from the per-worker batch
     assert by["strong", 2]["global_batch_size"] == 32 and by["strong", 2]["lr"] == pytest.approx(1e-3)
     # 1024 * 0.9 training samples: 57 steps an epoch at 16, 28 at 32; efficiency is per-worker throughput.

@@ -8,14 +8,26 @@ from pathlib import Path
 
 from distlab.errors import ConfigError
 from distlab.runtime import cores
-from distlab.runtime.device import machine_facts
+from distlab.runtime.device import busy_machine, load_before_run, machine_facts
 from distlab.train.metrics import atomic_write_text
 
 
 def machine(ranks: int, threads_per_rank: int) -> dict:
-    """Where and how a record was measured (so a table can say it)."""
+    """Where and how a record was measured (so a table can say it): with the machine's load before it."""
     return {"ranks": ranks, "threads_per_rank": threads_per_rank,
-            "oversubscribed": ranks * threads_per_rank > cores(), **machine_facts()}
+            "oversubscribed": ranks * threads_per_rank > cores(), "load_before_run": load_before_run(),
+            **machine_facts()}
+
+
+def busy_bench(records: list[dict]) -> str | None:
+    """Why a bench's timings mean less, if they do (:func:`~distlab.runtime.device.busy_machine`): the load the
+    busiest of its records found before it ran (the load now for records that kept none), every core its."""
+    loads = [r.get("load_before_run") for r in records if isinstance(r, dict)]
+    load = max((v for v in loads if v is not None), default=None) if any(v is not None for v in loads) else \
+        load_before_run()
+    busy = busy_machine(load, cores(), cores())
+    return (f"{busy.split(', so ')[0].replace('before this run', 'before this bench')}, so its timings -- and "
+            f"which algorithm ranks first -- hold only against runs on an equally quiet machine") if busy else None
 
 
 def choose(flag: str, names, allowed) -> list[str]:

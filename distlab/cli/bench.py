@@ -12,6 +12,12 @@ from distlab.errors import ConfigError
 @click.group()
 def bench():
     """Measure: every command writes DIR/SUITE.json and prints a table."""
+    import os
+
+    from distlab.runtime.device import LOAD_AT_LAUNCH, load_before_run
+    load = load_before_run()  # before the bench adds its own: every record, and the runs it starts, see this one
+    if load is not None:
+        os.environ.setdefault(LOAD_AT_LAUNCH, f"{load:.2f}")
 
 
 def _progress(line: str) -> None:
@@ -19,8 +25,13 @@ def _progress(line: str) -> None:
 
 
 def _finish(module, records: list[dict], out: str, suite: str, plot_dir: str | None = None) -> None:
-    """The table, then what was written: OUT/SUITE.json and, with --plot, the module's PNGs."""
+    """The table, then -- where the machine was busy before the bench -- that its timings mean less, then what
+    was written: OUT/SUITE.json and, with --plot, the module's PNGs."""
+    from distlab.bench.common import busy_bench
     click.echo(module.table(records))
+    busy = busy_bench(records)
+    if busy:
+        click.echo(f"distlab: warning: {busy}", err=True)
     click.echo(f"wrote {out}/{suite}.json", err=True)
     for path in module.plot(records, plot_dir) if plot_dir else ():
         click.echo(f"wrote {path}", err=True)

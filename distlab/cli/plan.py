@@ -319,8 +319,10 @@ def plan_calibrate(paths, output, device, preset, model, block_size, precision):
     from distlab.train.metrics import atomic_write_text
     atomic_write_text(output, cal.to_json())
     for name, ab in cal.collectives.items():
-        click.echo(f"{name:<15} alpha {ab.alpha * 1e6:8.1f} us/round  beta {ab.beta * 1e9:7.3f} ns/byte "
-                   f"({1 / ab.beta / 1e9 if ab.beta else float('inf'):.2f} GB/s)  {ab.points} points, "
+        per_byte = (f"beta {ab.beta * 1e9:7.3f} ns/byte ({1 / ab.beta / 1e9:.2f} GB/s)" if ab.beta else
+                    "beta not measured (the times did not grow with the bytes: too small --sizes, or a busy "
+                    "machine; bench larger sizes on a quiet one)")
+        click.echo(f"{name:<15} alpha {ab.alpha * 1e6:8.1f} us/round  {per_byte}  {ab.points} points, "
                    f"median |error| {ab.median_rel_err:.1%}, max {ab.max_rel_err:.1%}")
     for c in cal.compute.values():
         click.echo(f"compute         {c.rate / 1e9:8.2f} GFLOP/s + {c.overhead * 1e3:.2f} ms/step at {c.threads} "
