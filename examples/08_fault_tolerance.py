@@ -5,7 +5,8 @@ last snapshot -- and ends exactly where an uninterrupted run ends. Then a corrup
 
 Drives the real CLI the way you would from a shell: three 2-process ``distlab train`` jobs on
 synthetic data (about 10 s each on 2 cores). Rank 1 of the second job SIGKILLs itself right after
-step 13 (``DISTLAB_KILL_AT_STEP``, a test hook); ``--max-restarts 1`` lets torchrun's elastic
+step 13, before that step's log line (``DISTLAB_KILL_AT_STEP``, a test hook: the launcher names step 12, the
+last logged); ``--max-restarts 1`` lets torchrun's elastic
 agent start a new group, whose workers find the newest snapshot (step 10) on their own.
 Tutorial: docs/08-fault-tolerance.md.
 """
@@ -41,7 +42,8 @@ def main(root: Path) -> None:
     killed = train(root / "killed", "--max-restarts", "1", env={"DISTLAB_KILL_AT_STEP": f"1:{KILL_AFTER}"})
     assert killed.returncode == 0, killed.stderr
     summary = json.loads((root / "killed" / "run" / "summary.json").read_text())
-    print(f"killed run: rank 1 died after step {KILL_AFTER}; {summary['restart_count']} restart; resumed from "
+    print(f"killed run: rank 1 died right after step {KILL_AFTER}, before logging it (the launcher names step "
+          f"{KILL_AFTER - 1}, the last logged); {summary['restart_count']} restart; resumed from "
           f"{Path(summary['resumed_from']).name}; finished {summary['steps']} steps")
     print("  what the launcher and the restarted workers said:")
     for line in killed.stderr.splitlines():  # (a surviving rank may also say its peer is gone first: timing)
