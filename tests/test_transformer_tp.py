@@ -30,18 +30,18 @@ B, T, C, L, HEADS, V = 3, 8, 16, 2, 4, 256
 ITEM = 8  # bytes of one float64 value
 
 
-def _gpt():
+def _gpt(vocab=V):
     torch.manual_seed(0)
-    return GPT(V, T, n_layer=L, n_head=HEADS, n_embd=C).double()
+    return GPT(vocab, T, n_layer=L, n_head=HEADS, n_embd=C).double()
 
 
-def _one_step(rank, world, sp=False):
-    full = _gpt()
+def _one_step(rank, world, sp=False, vocab=V, smoothing=0.0):
+    full = _gpt(vocab)
     sharded = apply_tensor_parallel(copy.deepcopy(full), dist.group.WORLD, sequence_parallel=sp)
     head = vocab_parallel_head(sharded)  # the LM head's output layer, split by vocabulary
-    x = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(1))
-    y = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(2))
-    ref_loss = task_loss(full(x), y)
+    x = torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(2))
+    ref_loss = task_loss(full(x), y, label_smoothing=smoothing)
     ref_loss.backward()
     saved = []
 
@@ -51,7 +51,7 @@ def _one_step(rank, world, sp=False):
 
     with comm.counting() as fwd, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = sharded(x)
-        loss = head.loss(out, y)
+        loss = head.loss(out, y, label_smoothing=smoothing)
     with comm.counting() as bwd:
         loss.backward()
     bound = (step_tolerance(full, B * T, ref_loss), step_tolerance(full, B * T, ref_loss, dtype=torch.float32))
@@ -83,6 +83,20 @@ def test_sharded_transformer_equals_the_unsharded_one_and_sends_the_analytic_byt
         # MLP, one for the head's input; the embedding's is identity
         assert bwd_calls == 2 * L + 1
         assert bwd_bytes == allreduce_bytes_per_rank(act, world) * (2 * L + 1)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_vocabulary_tensor_parallel_does_not_divide_is_cut_unevenly_and_trains_as_the_whole_model(world):
+    """A vocabulary of 257 tokens on 2 or 4 ranks (refused before): ``torch.chunk``'s cut -- 129 + 128, or 65 x 3
+    + 62 rows -- in the embedding and the head alike; the loss (label smoothing's mean over the 257 real
+    tokens included), every updated parameter and the whole state dict equal the unsharded model's within
+    rounding, so nothing is padded that could be predicted and the whole tensors are the model's own."""
+    sizes = [len(c) for c in torch.arange(257).chunk(world)]
+    results = run_ranks(_one_step, world, False, 257, 0.1, timeout=120)
+    for rank, r in enumerate(results):
+        loss_diff, param_diff, keys_equal, local_vocab, *_, (tol, _) = r
+        assert loss_diff <= tol and param_diff <= tol and keys_equal, (loss_diff, param_diff, tol)
+        assert local_vocab == sizes[rank]
 
 
 def _loss_and_accuracy(rank, world, smoothing=0.0, ignored=False):
@@ -212,3 +226,27 @@ def test_sequence_parallel_is_refused_where_it_cannot_apply():
     with pytest.raises(ConfigError, match="`block_size` 9"):
         TrainConfig.from_flags(model="gpt", dataset="synthetic-text", block_size=9,
                     strategy=Strategy(tp=2, sequence_parallel=True)).validate(2)
+
+
+def test_a_run_whose_vocabulary_tp_does_not_divide_trains_reshards_exports_and_is_planned_exactly(run_cli, tmp_path):
+    """`distlab train --tp 2` of a Llama over a 301-token BPE (refused before: "not divisible by 2"): it trains,
+    the planner's model state is what the run measured to the byte (the first rank's 151 rows), its snapshot
+    resumes on one process (resharded: the whole embedding has 301 rows) and exports with a vocabulary of 301."""
+    import json
+    from safetensors.torch import load_file
+    (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog\n\n" * 200)
+    model = ["--model", "llama", "--n-layer", "1", "--n-embd", "32", "--n-head", "4", "--block-size", "16",
+             "--global-batch-size", "4"]
+    args = ["train", *model, "--dataset", f"text:{tmp_path / 'corpus.txt'}", "--tokenizer", "bpe:301",
+            "--lr-schedule", "constant", "--no-progress", "--snapshot-dir", str(tmp_path / "s")]
+    run_cli(*args, "--nproc-per-node", "2", "--tp", "2", "--max-steps", "2", "--out", str(tmp_path / "tp"),
+            check=True)
+    measured = json.loads((tmp_path / "tp" / "summary.json").read_text())["model_state_bytes_per_rank"]
+    run_cli("plan", *model, "--dataset", "synthetic-text", "--vocab-size", "301", "--tp", "2", "--json",
+            str(tmp_path / "plan.json"), check=True)
+    assert json.loads((tmp_path / "plan.json").read_text())["model_state_bytes_per_rank"] == measured
+    proc = run_cli(*args, "--max-steps", "4", "--resume", "auto", "--out", str(tmp_path / "one"), check=True)
+    assert "resharded from 2 ranks" in proc.stdout + proc.stderr, proc.stderr
+    run_cli("export", str(tmp_path / "s" / "step-00000004"), "--format", "hf", "-o", str(tmp_path / "hf"), check=True)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 301
+    assert load_file(tmp_path / "hf" / "model.safetensors")["model.embed_tokens.weight"].shape == (301, 32)

@@ -347,11 +347,15 @@ class Decoder(ModelContract, nn.Sequential):
         whole_kv = self.kv_heads % tp != 0
         counts = (("`n_head`", self.n_head), *((("`kv_heads`", self.kv_heads),) if not whole_kv and
                                                 self.kv_heads != self.n_head else ()),
-                  *self.split_counts(), ("the vocabulary", self[0].tok.num_embeddings))
+                  *self.split_counts())
         for what, count in counts:
             if count % tp:
                 raise ConfigError(f"tensor parallel splits {self.splits} over `tp` {tp} ranks: {what} {count} is "
                                   f"not divisible by {tp}")
+        vocab = self[0].tok.num_embeddings  # cut unevenly where tp does not divide it: ceil(V/tp) rows, the last fewer
+        if -(-vocab // tp) * (tp - 1) >= vocab:
+            raise ConfigError(f"tensor parallel splits the vocabulary of {vocab} into parts of {-(-vocab // tp)} rows "
+                              f"over `tp` {tp} ranks: the last would be empty; choose a smaller `tp`")
         if sequence_parallel and self.block_size % tp:
             raise ConfigError(f"`sequence_parallel` splits each sequence of `block_size` {self.block_size} tokens "
                               f"over `tp` {tp} ranks: choose a `block_size` that {tp} divides")

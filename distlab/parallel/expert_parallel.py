@@ -40,6 +40,7 @@ from distlab.comm import p2p
 from distlab.errors import ConfigError
 from distlab.models import plans
 from distlab.parallel.cost import Call, CallGroup, Price, in_stage
+from distlab.parallel.protocols import split_shape
 from distlab.parallel.tensor_parallel.mappings import all_gather_along
 from distlab.parallel.protocols import ComponentKind
 from distlab.runtime import broadcast_module, group_rank, group_size, timeline
@@ -100,6 +101,9 @@ class ExpertShard(nn.Module):
             shard = nn.Parameter(p.detach()[r * self.local:(r + 1) * self.local].clone(), requires_grad=p.requires_grad)
             shard.sync_group = sync_group  # replicated over the expert-data group, not the data-parallel group
             self.register_parameter(name, shard)
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        return split_shape(self, name)
 
     def full_parameters(self) -> list[torch.Tensor]:
         """Every expert's tensors, gathered from the EP group (collective)."""

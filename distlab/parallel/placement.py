@@ -173,14 +173,11 @@ def placement_of(engine) -> dict:
         for pname, dim in m.tp_split.items():
             t = getattr(m, pname, None)
             if t is not None:
-                split[id(t)] = (dim, group_size(m.group), group_rank(m.group))
+                split[id(t)] = (dim, group_size(m.group), group_rank(m.group), m.full_shape(pname))
     whole = engine.schedule.model_key
     keys, params = [], []
     for key, p, flat in engine.grad_sync.parameter_slots():
-        dim, parts, part = split.get(id(p), (None, 1, 0))
-        shape = list(p.shape)
-        if dim is not None:
-            shape[dim] *= parts
+        dim, parts, part, shape = split.get(id(p), (None, 1, 0, tuple(p.shape)))
         start, length = flat if flat is not None else (0, None)
         keys.append(key)
         params.append(Placement(whole(key), tuple(shape), dim, parts, part, start, length).to_dict())

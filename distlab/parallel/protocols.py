@@ -235,6 +235,19 @@ class ShardedLayer(Protocol):
     def full_parameters(self) -> list[torch.Tensor]:
         """Its parameters in registration order, whole (collective over ``group``)."""
 
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        """The whole shape of its split parameter ``name`` (:func:`split_shape` where the parts are equal; a
+        vocabulary ``tp`` does not divide is cut as ``torch.chunk`` cuts it, the last part the smaller)."""
+
+
+def split_shape(layer, name: str) -> tuple[int, ...]:
+    """The whole shape of ``layer``'s parameter ``name`` split in equal parts along ``layer.tp_split[name]``
+    over ``layer.group``: its own shape with that dimension times the parts."""
+    from distlab.runtime import group_size
+    shape = list(layer.get_parameter(name).shape)
+    shape[layer.tp_split[name]] *= group_size(layer.group)
+    return tuple(shape)
+
 
 class ComponentKind:
     """A model-sharding parallelism's *kind*: the class registered in :mod:`~distlab.parallel.components`

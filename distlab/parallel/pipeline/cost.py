@@ -116,9 +116,10 @@ def stages(t, lay, micro: int, optim, sync_cost) -> list[dict]:
         if lay.tp > 1:  # the units the model's tensor plan shards (every unit where the trace has no plan)
             key = t.tensor_key(lay.strategy, lay.tp)
             if (tp := ("tp", lay.tp, *key)) not in sub.memo:
-                split = t.tensor_split.get(key)
-                sub.memo[tp] = replace(sub, numels=[math.ceil(m / lay.tp) if split is None or name in split else m
-                                                    for name, m in zip(sub.names, sub.numels)])
+                split, plan = t.tensor_split.get(key), t.tensor_plans.get(key, {})
+                sub.memo[tp] = replace(sub, numels=[tp_share(m, shape, lay.tp, plan.get(name.rsplit(".", 1)[0]))
+                                                    if split is None or name in split else m
+                                                    for name, m, shape in zip(sub.names, sub.numels, sub.shapes or [()] * len(sub.numels))])
             sub = sub.memo[tp]
         state = sync_cost.planned_memory(sub, optim, lay.strategy, lay.replicas)
         recompute = recompute_flops = 0.0
@@ -179,3 +180,16 @@ def stages(t, lay, micro: int, optim, sync_cost) -> list[dict]:
                     "sent_bytes_per_step": int((boundary + before + 8 * HEADER * headed) * m_total),
                     "trace": sub})
     return out
+
+
+VOCABULARY_STYLES = ("vocab_embedding", "vocab_output")  # split by rows as torch.chunk cuts them, unevenly if need be
+
+
+def tp_share(numel: int, shape: tuple[int, ...], tp: int, style: str | None) -> int:
+    """The elements of a tensor-parallel rank's part of a unit (the most any rank holds): a vocabulary's
+    ``ceil(V / tp)`` rows (:func:`distlab.parallel.tensor_parallel.vocabulary.vocab_rows`: the first rank's,
+    where ``tp`` does not divide ``V``), any other split unit ``numel / tp``."""
+    if style in VOCABULARY_STYLES and shape:
+        return math.ceil(shape[0] / tp) * math.prod(shape[1:])
+    return math.ceil(numel / tp)
+

@@ -10,6 +10,7 @@ from torch import nn
 
 from distlab.errors import ConfigError
 from distlab.models.lora import LoRALinear, low_rank
+from distlab.parallel.protocols import split_shape
 from distlab.parallel.tensor_parallel.mappings import (all_gather_along, copy_to_group, gather_from_group,
                                                        gather_sequence, reduce_from_group, scatter_sequence,
                                                        split_to_group)
@@ -39,7 +40,7 @@ class ColumnParallelLinear(nn.Module):
         bias = linear.bias.detach().chunk(n)[r] if linear.bias is not None else None
         self._setup(linear.weight.detach().chunk(n, dim=0)[r], bias, group, gather_output, linear.in_features,
                     linear.out_features)
-        _frozen_as(self, linear)
+        frozen_as(self, linear)
 
     @classmethod
     def from_shard(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None,
@@ -59,6 +60,9 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(weight.clone())
         self.bias = nn.Parameter(bias.clone()) if bias is not None else None
         self.lora_scale = None  # a low-rank adapter's scale, where :func:`adapt` gave it one
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        return split_shape(self, name)
 
     def full_parameters(self) -> list[torch.Tensor]:
         """The unsharded weight (and bias, and adapter), gathered from the group (collective)."""
@@ -91,7 +95,7 @@ class RowParallelLinear(nn.Module):
         bias = linear.bias.detach() if linear.bias is not None else None
         self._setup(linear.weight.detach().chunk(n, dim=1)[r], bias, group, input_is_parallel, linear.in_features,
                     linear.out_features)
-        _frozen_as(self, linear)
+        frozen_as(self, linear)
 
     @classmethod
     def from_shard(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group=None,
@@ -112,6 +116,9 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(bias.clone()) if bias is not None else None
         self.lora_scale = None
 
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        return split_shape(self, name)
+
     def full_parameters(self) -> list[torch.Tensor]:
         """The unsharded weight (the replicated bias, the adapter), gathered from the group (collective)."""
         full = [all_gather_along(self.weight.detach(), self.group, 1)]
@@ -130,7 +137,7 @@ class RowParallelLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
-def _frozen_as(layer: nn.Module, source: nn.Module) -> None:
+def frozen_as(layer: nn.Module, source: nn.Module) -> None:
     """``layer``'s weight and bias need a gradient where ``source``'s did (a frozen base stays frozen)."""
     for name in ("weight", "bias"):
         mine, theirs = getattr(layer, name), getattr(source, name)

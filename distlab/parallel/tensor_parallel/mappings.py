@@ -30,6 +30,30 @@ def all_gather_along(t: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     return out.movedim(0, dim).contiguous()
 
 
+def chunk_sizes(n: int, parts: int, what: str) -> list[int]:
+    """The sizes ``torch.chunk`` cuts ``n`` into, ``parts`` of them: ``ceil(n / parts)`` each, the last the rest
+    (1,001 over 4: 251, 251, 251, 248); one line where that leaves a part empty."""
+    size = -(-n // parts)
+    sizes = [max(0, min(size, n - i * size)) for i in range(parts)]
+    if not all(sizes):
+        raise ConfigError(f"tensor parallel: {what} of {n} cannot be cut into `tp` {parts} parts of {size} (the last "
+                          f"would be empty): choose a smaller `tp`")
+    return sizes
+
+
+def all_gather_chunks(t: torch.Tensor, group, dim: int, sizes: list[int]) -> torch.Tensor:
+    """:func:`all_gather_along` of parts whose lengths along ``dim`` are ``sizes`` (rank order; each rank's
+    ``t`` its own): every part padded to the longest, gathered, cut back and joined."""
+    n, longest = group_size(group), max(sizes)
+    if n == 1:
+        return t
+    pad = list(t.movedim(dim, 0).shape)
+    pad[0] = longest - t.shape[dim]
+    padded = torch.cat([t.movedim(dim, 0), t.new_zeros(pad)]).movedim(0, dim) if pad[0] else t
+    whole = all_gather_along(padded, group, dim)
+    return torch.cat([part.narrow(dim, 0, size) for part, size in zip(whole.split(longest, dim), sizes)], dim)
+
+
 def _gather_last(t: torch.Tensor, group) -> torch.Tensor:
     return all_gather_along(t, group, -1)
 

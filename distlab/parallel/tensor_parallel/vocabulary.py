@@ -12,7 +12,9 @@ Over the ``t`` ranks of a tensor-parallel group:
   its gradient backward, not one per projection: :class:`CopyToGroup`) and leaves it with one
   all-reduce forward. The MLP is a column/row pair.
 * **vocabulary-parallel embedding** -- rank ``r`` holds token rows ``[r V/t, (r+1) V/t)``, looks up
-  the tokens it holds (zeros for the others) and the group sums: one all-reduce of ``(B, T, C)``.
+  the tokens it holds (zeros for the others) and the group sums: one all-reduce of ``(B, T, C)``. A
+  vocabulary ``t`` does not divide is cut as ``torch.chunk`` cuts it (``ceil(V/t)`` rows a rank, the last
+  fewer: :func:`vocab_rows`), the embedding and the head alike.
 * **vocabulary-parallel LM head and cross-entropy** -- each rank computes the logits of its
   ``V/t`` tokens only; :func:`vocab_parallel_cross_entropy` needs three all-reduces of one number
   per token (the max, the sum of exponentials, the target's logit; a fourth, the logits' sum, for
@@ -37,10 +39,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlab import comm
-from distlab.errors import ConfigError
 from distlab.models import IGNORE_INDEX
-from distlab.parallel.tensor_parallel.layers import ColumnParallelLinear
-from distlab.parallel.tensor_parallel.mappings import (all_gather_along, copy_to_group, gather_sequence, reduce_from_group, scatter_sequence)
+from distlab.parallel.tensor_parallel.layers import ColumnParallelLinear, frozen_as
+from distlab.parallel.tensor_parallel.mappings import (all_gather_chunks, chunk_sizes, copy_to_group, gather_sequence,
+                                                       reduce_from_group, scatter_sequence)
 from distlab.runtime import group_rank, group_size
 
 
@@ -67,23 +69,32 @@ class GatherSequence(nn.Module):
         return gather_sequence(x, self.group)
 
 
+def vocab_rows(vocab: int, group, name: str) -> tuple[list[int], int, int]:
+    """``(every rank's rows, this rank's first, its end)`` of a vocabulary of ``vocab`` tokens split over
+    ``group``: ``ceil(V/t)`` rows a rank, the last the rest where ``t`` does not divide ``V`` (as ``torch.chunk``
+    cuts it; Megatron pads the vocabulary to a multiple instead -- rows that must then never be predicted; here
+    there are none, and the whole model's tensors are its own)."""
+    sizes = chunk_sizes(vocab, group_size(group), f"{name}'s vocabulary")
+    start = sum(sizes[:group_rank(group)])
+    return sizes, start, start + sizes[group_rank(group)]
+
+
 class VocabParallelEmbedding(nn.Module):
-    """This rank's ``V/t`` rows of ``embedding``; lookups of other ranks' tokens are summed in."""
+    """This rank's ``V/t`` rows of ``embedding`` (:func:`vocab_rows`); lookups of other ranks' tokens are
+    summed in."""
 
     tp_split = {"weight": 0}
 
     def __init__(self, embedding: nn.Embedding, group=None, name: str = "embedding"):
         super().__init__()
-        n, r = group_size(group), group_rank(group)
-        if embedding.num_embeddings % n:
-            raise ConfigError(f"tensor parallel: {name} has a vocabulary of {embedding.num_embeddings}, not divisible "
-                              f"by `tp` {n}")
         self.group, self.num_embeddings = group, embedding.num_embeddings
         self.sequence_parallel = False  # True: reduce-scatter along the sequence instead of all-reducing
-        rows = embedding.num_embeddings // n
-        self.start, self.end = r * rows, (r + 1) * rows
+        self.sizes, self.start, self.end = vocab_rows(embedding.num_embeddings, group, name)
         self.weight = nn.Parameter(embedding.weight.detach()[self.start:self.end].clone(),
                                    requires_grad=embedding.weight.requires_grad)
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        return (self.num_embeddings, self.weight.shape[1])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.end)
@@ -91,7 +102,7 @@ class VocabParallelEmbedding(nn.Module):
         return scatter_sequence(out, self.group) if self.sequence_parallel else reduce_from_group(out, self.group)
 
     def full_parameters(self) -> list[torch.Tensor]:
-        return [all_gather_along(self.weight.detach(), self.group, 0)]
+        return [all_gather_chunks(self.weight.detach(), self.group, 0, self.sizes)]
 
 
 def _reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:
@@ -134,14 +145,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group, start: int,
                                  reduction: str = "mean", label_smoothing: float = 0.0,
-                                 ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+                                 ignore_index: int = IGNORE_INDEX, vocab: int | None = None) -> torch.Tensor:
     """Cross-entropy of logits split over the vocabulary: ``logits`` ``(..., V/t)`` are this
     rank's columns ``[start, start + V/t)``, ``target`` ``(...)`` the true token ids. Equal to
     ``F.cross_entropy`` of the gathered logits, ``label_smoothing`` included (the target ``1 - s`` on
     the true token plus ``s / V`` on every token; Megatron-LM's spreads ``s`` over the other tokens
     only, a different loss) and ``ignore_index`` too: a target equal to it scores 0 and sends no
-    gradient, and the mean is over the kept targets (nan where none is kept, as torch's)."""
-    vocab = logits.shape[-1] * group_size(group)
+    gradient, and the mean is over the kept targets (nan where none is kept, as torch's). ``vocab``: the whole
+    vocabulary (default: this rank's columns times the ranks, where they split it evenly)."""
+    vocab = vocab or logits.shape[-1] * group_size(group)
     target = target.flatten()
     per_token = _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), target, group, start, vocab,
                                                  float(label_smoothing), ignore_index)
@@ -168,13 +180,25 @@ class VocabParallelLinear(ColumnParallelLinear):
     ``enter`` of the model's plan), so it does not copy it again."""
 
     def __init__(self, linear: nn.Linear, group=None, name: str = "head"):
-        super().__init__(linear, group, gather_output=False, name=name)
+        self.sizes, start, end = vocab_rows(linear.out_features, group, name)
+        bias = linear.bias.detach()[start:end] if linear.bias is not None else None
+        self._setup(linear.weight.detach()[start:end], bias, group, False, linear.in_features, linear.out_features)
+        frozen_as(self, linear)
         self.copy_input = False
-        self.start = group_rank(group) * (linear.out_features // group_size(group))
+        self.start = start
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        return (self.out_features, self.in_features) if name == "weight" else (self.out_features,)
+
+    def full_parameters(self) -> list[torch.Tensor]:
+        """The whole weight and bias, gathered from the group's unequal parts (collective)."""
+        return [all_gather_chunks(p.detach(), self.group, 0, self.sizes) for p in (self.weight, self.bias)
+                if p is not None]
 
     def loss(self, logits: torch.Tensor, target: torch.Tensor, reduction: str = "mean",
              label_smoothing: float = 0.0) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, target, self.group, self.start, reduction, label_smoothing)
+        return vocab_parallel_cross_entropy(logits, target, self.group, self.start, reduction, label_smoothing,
+                                            vocab=self.out_features)
 
     def correct(self, logits: torch.Tensor, target: torch.Tensor) -> tuple[int, int]:
         return vocab_parallel_correct(logits, target, self.group, self.start)
