@@ -117,7 +117,8 @@ def workdir(tmp_path_factory):
         code, _, err = _invoke(argv, tmp)
         assert code == 0, (argv, err)
     from distlab.models import build_model, hf, spec  # a Hugging Face checkpoint (bench load reads it)
-    options = spec("llama").make_options(dict(n_layer=1, n_embd=16, n_head=2, kv_heads=1, ffn_hidden=32))
+    # every layer at least 16 wide: bench finetune's adapters are rank 16
+    options = spec("llama").make_options(dict(n_layer=1, n_embd=32, n_head=2, kv_heads=2, ffn_hidden=32))
     hf.write(build_model("llama", (16,), 256, options).state_dict(), "llama", options, 256, 16, tmp / "ckpt")
     return tmp
 

@@ -110,10 +110,14 @@ def test_tokenizer_settings_are_refused_where_they_cannot_work():
 
 
 def test_tensor_parallel_splits_the_bpe_vocabulary(tmp_path):
+    """A BPE of 301 tokens over `tp` 2: no longer refused (the vocabulary is cut 151 + 150 rows:
+    tests/test_transformer_tp.py), its plan the vocabulary-parallel one."""
+    from distlab.parallel.tensor_parallel.plan import plan_of
     root = _corpus(tmp_path / "texts", 4)
-    with pytest.raises(ConfigError, match=r"the vocabulary 301 is not divisible by 2"):
-        TrainConfig.from_flags(model="gpt", dataset=f"text:{root}", tokenizer="bpe:301", n_embd=16, n_head=2,
-                    strategy=TrainConfig.from_flags().strategy.replace(tp=2)).validate(2)
+    cfg = TrainConfig.from_flags(model="gpt", dataset=f"text:{root}", tokenizer="bpe:301", n_embd=16, n_head=2,
+                                 strategy=TrainConfig.from_flags().strategy.replace(tp=2)).validate(2)
+    assert cfg._meta_model()[0].tok.num_embeddings == 301
+    assert plan_of(cfg._meta_model(), tp=2, style="megatron", sequence_parallel=False)["0.tok"] == "vocab_embedding"
 
 
 def _train(rank, world, cfg):
