@@ -25,6 +25,7 @@ from distlab.models import IGNORE_INDEX
 from distlab.parallel.tensor_parallel.vocabulary import vocab_parallel_correct, vocab_parallel_cross_entropy
 from distlab.launch.spawn import RankFailure, run_ranks
 from distlab.tools.verify import step_tolerance, sum_tolerance
+from tests.conftest import patience
 
 B, T, C, L, HEADS, V = 3, 8, 16, 2, 4, 256
 ITEM = 8  # bytes of one float64 value
@@ -92,7 +93,7 @@ def test_a_vocabulary_tensor_parallel_does_not_divide_is_cut_unevenly_and_trains
     tokens included), every updated parameter and the whole state dict equal the unsharded model's within
     rounding, so nothing is padded that could be predicted and the whole tensors are the model's own."""
     sizes = [len(c) for c in torch.arange(257).chunk(world)]
-    results = run_ranks(_one_step, world, False, 257, 0.1, timeout=120)
+    results = run_ranks(_one_step, world, False, 257, 0.1, timeout=patience(120))
     for rank, r in enumerate(results):
         loss_diff, param_diff, keys_equal, local_vocab, *_, (tol, _) = r
         assert loss_diff <= tol and param_diff <= tol and keys_equal, (loss_diff, param_diff, tol)
