@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import sys
 import time
 from pathlib import Path
@@ -25,30 +24,27 @@ from distlab.data.loader import TrainLoader
 from distlab.data.resident import decide as decide_residence
 from distlab.data.resident import nbytes as data_nbytes
 from distlab.errors import ConfigError, FinalWriteError, NonFiniteError, first_line
-from distlab.models import IGNORE_INDEX, build_model, count_parameters, snapshot_record
-from distlab.parallel import Mesh, parallelize
-from distlab.parallel.placement import placement_of, state_from_full, state_from_stream
-from distlab.runtime import Runtime, comm_failure, is_comm_failure, reduce_scalars, seed_everything, timeline, \
+from distlab.models import IGNORE_INDEX
+from distlab.parallel import Mesh
+from distlab.parallel.placement import placement_of
+from distlab.runtime import Runtime, comm_failure, is_comm_failure, reduce_scalars, timeline, \
     tune_host_allocator
 from distlab.train.clock import StepClock
 from distlab.train.config import TrainConfig
 from distlab.train.config_file import config_file_text
 from distlab.train.evaluate import DEFAULT_EVAL_BATCH, EvaluationStopped, eval_batch, eval_words, evaluate, \
     evaluation_size, first_batches
-from distlab.train.throughput import Throughput
 from distlab.train.observe import StepObserver
-from distlab.train.adapters import attach as attach_adapters
-from distlab.train.quantized_base import quantize as quantize_base
-from distlab.train.export import init_slices, load_init
 from distlab.train import language
 from distlab.train.metrics import MetricsLog, anon_rss_mb, atomic_write_text, write_predictions, write_summary
 from distlab.train.preference import Preference
-from distlab.train.optim import build_optimizer, build_scheduler, decay_groups, no_decay_names
+from distlab.train.optim import build_optimizer, build_scheduler
 from distlab.train.preemption import Preemption
 from distlab.train.run_dirs import finished_summary
 from distlab.train.run_state import RunState, fault_injection_hook
 from distlab.train.header import header
 from distlab.train.layout import run_layout
+from distlab.train.materialize import materialize
 from distlab.train.step_log import step_record, step_words
 from distlab.train.summary import StepTimes, final_write_failed, summarize
 from distlab.train.tensorboard import TensorBoardLog
@@ -100,41 +96,10 @@ class Trainer:
         if len(self.loader) == 0:
             raise ConfigError(f"`global_batch_size` {cfg.global_batch_size} is larger than the "
                               f"{len(self.train_set)} training samples of {cfg.dataset}")
-        # The model is built on the meta device (shapes only) and each rank gives values only to what its layout
-        # holds, after parallelize cut it: the same values as one process's build (distlab.models.deferred), or a
-        # Hugging Face checkpoint's pieces; a file loaded whole, or a build that cannot be replayed, is built whole.
-        seed_everything(cfg.seed)
-        make = functools.partial(build_model, cfg.model, self.train_set.input_shape,
-                                 cfg.vocab(self.train_set.num_classes), **cfg.model_options())
-        from distlab.models.deferred import deferred  # loads with the model, not with the training layer
-        weights = cfg.weights_from()  # (None where a resumed snapshot holds every weight)
-        net, init = deferred(make) if cfg.strategy.deferrable and (not weights or weights.startswith("hf:")) \
-            else (make(), None)
-        slices = init_slices(net, weights) if weights else None
-        if weights and slices is None:
-            net = init.fill(net) if init is not None else net
-            init = None
-            load_init(net, weights)
-        if init is None:
-            net = net.to(rt.device)
-        adapters = attach_adapters(cfg, net, real=init is None and slices is None)
-        if adapters and slices is not None:
-            slices = {**slices, **adapters}
-        self.num_parameters = count_parameters(net)
-        self.num_trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
-        self.model_record = snapshot_record(net)  # the model's own sizes, before the layout cuts it
-        self.throughput = Throughput.of(net, self.train_set, cfg, rt)  # tokens/s and MFU, from the whole model
-        no_decay = no_decay_names(net) if decay_groups(cfg) else set()  # by the whole model's names
-        self.engine = parallelize(net, cfg.strategy, self.mesh, rt.device)
-        if init is not None:  # (a checkpoint's run draws no random numbers for weights it never uses)
-            stream = itertools.chain(init.tensors(), (([k], v) for k, v in adapters.items()))
-            pieces = state_from_full(self.engine, slices, device=rt.device) if slices is not None else \
-                state_from_stream(self.engine, stream, device=rt.device)
-            self.engine.load_sharded_state_dict(pieces)
-        elif slices is not None:
-            self.engine.load_sharded_state_dict(state_from_full(self.engine, slices))
-        if cfg.base_dtype == "nf4":  # QLoRA: the adapted layers' weights quantized, their values in place
-            quantize_base(self.engine.module)
+        # The model, its fine-tuning converters applied, cut for the layout and given its values (one room).
+        made = materialize(cfg, rt, self.train_set, self.mesh)
+        self.engine, self.num_parameters, self.num_trainable = made.engine, made.num_parameters, made.num_trainable
+        self.model_record, self.throughput, no_decay = made.record, made.throughput, made.no_decay
         # What training minimises: the task's cross-entropy, its targets smoothed if asked (not evaluations').
         self.loss_fn = functools.partial(self.engine.loss, label_smoothing=cfg.label_smoothing) \
             if cfg.label_smoothing else self.engine.loss
