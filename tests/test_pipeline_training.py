@@ -41,8 +41,7 @@ def test_pipeline_fields_in_the_text_form_and_their_refusals():
     for text, message in [
         ("bucketed+mb=4", "there is no pipeline"),
         ("bucketed+pp=2+accum=2", "drop `grad_accum` 2 and set `microbatches` to 4"),
-        ("zero=2+pp=2", "use `zero` 1"),
-        ("zero=3+pp=2", "use `zero` 1"),
+        ("zero=3+pp=2+zb", "use `pp_schedule` 1f1b"),
         ("ddp+pp=2", "use `dp_sync` bucketed"),
         ("bucketed+pp=2+schedule=interleaved", "unknown `pp_schedule`"),
         ("bucketed+pp=2+balance=1:2:1", "must give 2 positive layer counts"),
@@ -87,13 +86,15 @@ def test_bad_pipeline_flags_are_one_line_before_launch(run_cli, args, message):
 
 def test_pipelines_equal_one_process_on_4_ranks():
     """Two- and four-stage pipelines with each schedule, alone (pp 4), with data parallel (dp 2 x
-    pp 2, also with ZeRO-1 and with a given split) and with tensor parallel (tp 2 x pp 2, also
+    pp 2, also with ZeRO-1, -2 under zero bubble, -3 interleaved and recomputing, and with a given split) and with
+    tensor parallel (tp 2 x pp 2, also
     sequence parallel) train the transformer as one process does (verify's float32 tolerance); so
     do a two-stage MLP and a two-stage CNN with SyncBatchNorm over the data-parallel pairs (one
     micro-batch: BatchNorm then normalises over the whole global batch, as the single process does)."""
     cases = ["bucketed+pp=2+mb=3+1f1b", "bucketed+pp=4+mb=4+gpipe+gpt", "bucketed+pp=2+mb=2+1f1b+balance=1:3+gpt",
              "bucketed+pp=2+mb=2+1f1b+gpt",
              "zero=1+pp=2+mb=4+gpipe+gpt", "allreduce+tp=2+pp=2+mb=2+1f1b+gpt", "bucketed+tp=2+sp+pp=2+mb=2+1f1b+gpt",
+             "zero=2+pp=2+mb=4+zb+gpt", "zero=3+pp=2+mb=4+1f1b+vpp=2+gpt", "zero=3+pp=2+mb=2+1f1b+ckpt+gpt",
              "allreduce+syncbn+pp=2+mb=1+1f1b"]
     records = verify([parse_strategy(c) for c in cases], 4, steps=4, timeout=300)
     for r in records:
@@ -168,3 +169,24 @@ def test_interleaved_and_zero_bubble_pipelines_train_the_single_process_model():
                           ("pp=2+mb=2+zb+tp=2+sp", "sequence_parallel"), ("pp=2+balance=1:1+vpp=2", "4 positive")):
         with pytest.raises(ConfigError, match=message):
             Strategy.parse(text)
+
+
+def test_zero_2_and_3_under_a_pipeline_train_from_the_command_line_and_zero_2_is_planned_exactly(run_cli, tmp_path):
+    """`distlab train --pp 2 --zero 2|3` on 4 ranks (each stage's ZeRO over its data-parallel pair; refused
+    before): both train; the planner's bytes a step sends equal the run's for both, its model state ZeRO-2's to
+    the byte -- ZeRO-3's under a pipeline is said to be an estimate (its gathers replayed one micro-batch after
+    another, not in the schedule's order)."""
+    import json
+    model = ["--model", "gpt", "--n-layer", "2", "--n-embd", "32", "--n-head", "4", "--block-size", "16",
+             "--global-batch-size", "8", "--pp", "2", "--microbatches", "2"]
+    for zero in ("2", "3"):
+        run_cli("train", "--nproc-per-node", "4", *model, "--zero", zero, "--dataset", "synthetic-text:4000",
+                "--max-steps", "2", "--no-progress", "--out", str(tmp_path / zero), check=True)
+        summary = json.loads((tmp_path / zero / "summary.json").read_text())
+        run_cli("plan", *model, "--dp", "2", "--zero", zero, "--dataset", "synthetic-text", "--json",
+                str(tmp_path / f"plan{zero}.json"), check=True)
+        plan = json.loads((tmp_path / f"plan{zero}.json").read_text())
+        assert plan["comm_bytes_per_step_per_rank"] == summary["comm_bytes_per_step"], (zero, plan, summary)
+        assert plan["model_state_exact"] == (zero == "2")
+        if zero == "2":
+            assert plan["model_state_bytes_per_rank"] == summary["model_state_bytes_per_rank"]

@@ -293,11 +293,10 @@ class Strategy:
         if self.grad_accum != 1:
             raise ConfigError(f"a pipeline accumulates gradients over its `microbatches` already: drop `grad_accum` "
                               f"{self.grad_accum} and set `microbatches` to {self.grad_accum * self.microbatches}")
-        if self.zero >= 2:
-            raise ConfigError(f"`zero` {self.zero} with `pp` {self.pp}: ZeRO-2/3 reduce-scatter gradients (and ZeRO-3 "
-                              f"gathers parameters) layer by layer in every backward, and a pipeline runs "
-                              f"`microbatches` backwards per step, each interleaved with other micro-batches' forwards; "
-                              f"use `zero` 1, which shards the optimizer state and composes with pipelines")
+        if self.zero == 3 and self.pp_schedule == "zb":
+            raise ConfigError(f"`zero` 3 with `pp_schedule` zb: ZeRO-3 reduce-scatters a layer's gradient and frees "
+                              f"its gathered parameters when the layer's backward ends, and zero bubble computes the "
+                              f"weight gradients in a later pass of their own; use `pp_schedule` 1f1b (or `zero` 2)")
         if self.dp_sync == "ddp":
             raise ConfigError(f"`dp_sync` ddp with `pp` {self.pp}: torch's DDP must see every forward through its "
                               f"wrapper, and a pipeline stage runs its layers piece by piece; use `dp_sync` bucketed "
