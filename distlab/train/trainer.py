@@ -219,9 +219,7 @@ class Trainer:
             if stopped == "time_budget":
                 self.say(f"time budget reached at step {run.step}: test accuracy "
                          f"{100 * result['test_accuracy']:.2f}%")
-        unwritten = self._final_writes(stopped)  # one that failed: the summary is still written, then it is said
-        if unwritten is not None and stopped != "non_finite":
-            stopped = "final_write_failed"
+        stopped, unwritten = self._final_writes(stopped)  # a failed one: the summary still written, then said
         if stopped in ("preempted", "interrupted"):
             how = "preempted (SIGTERM)" if stopped == "preempted" else "interrupted (Ctrl-C)"
             self.say(f"{how} at step {run.step}: " + (
@@ -245,12 +243,13 @@ class Trainer:
             raise NonFiniteError(f"training diverged at {self._nonfinite}{snap}")
         return summary
 
-    def _final_writes(self, stopped: str) -> BaseException | None:
-        """The last snapshot and a language model's final file (collective); returns what failed on any rank
-        (every rank learns that one did), None when all were written."""
+    def _final_writes(self, stopped: str) -> tuple[str, BaseException | None]:
+        """The last snapshot and a language model's final file (collective); returns why the run stopped
+        (``final_write_failed`` where a write failed on any rank -- every rank learns that one did -- but for a
+        diverged run, which says so itself) and what failed, None when all were written."""
         if self.diverged_on_device:
             self.run.settle()  # a background write in flight finishes: the last good state
-            return None
+            return stopped, None
         failed = None
         try:
             self.run.final_snapshot()
@@ -262,7 +261,7 @@ class Trainer:
             failed = exc
         if reduce_scalars([float(failed is not None)], op=torch.distributed.ReduceOp.MAX)[0] and failed is None:
             failed = FinalWriteError("another rank's final write failed (rank 0 says which)")
-        return failed
+        return ("final_write_failed" if failed is not None and stopped != "non_finite" else stopped), failed
 
     def _loop(self, times: StepTimes, preemption: Preemption) -> str:
         """Steps until the end, the time budget or a preemption; returns which stopped it.
