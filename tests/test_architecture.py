@@ -129,9 +129,10 @@ def test_the_engine_and_evaluation_never_ask_which_strategy_they_hold():
                 f"{module} branches on a strategy: {sorted(names & {'pipeline', 'PipelineStage', 'Zero', 'DataParallel', 'zero', 'pp'})}")
 
 
-# What a model may declare (plans) and the step's share of a loss it adds itself: no model in them.
+# What a model may declare (plans), the step's share of a loss it adds itself and the structure a batch carries
+# beside its tokens (a packed window's): no model in them.
 MODEL_CONTRACTS = {"distlab.models.plans", "distlab.models.aux_loss", "distlab.models.spec", "distlab.models.contract",
-                   "distlab.models.lora"}
+                   "distlab.models.lora", "distlab.models.packing"}
 
 
 def test_the_tools_never_import_a_benchmark():

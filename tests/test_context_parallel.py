@@ -297,3 +297,44 @@ def test_the_ring_sends_each_block_while_it_scores_the_one_it_holds(world):
         assert (hidden, exposed) == (2 * (world - 1), 0)
     for hidden, exposed in run_ranks(_hop_order, world, True, timeout=patience(120)):
         assert (hidden, exposed) == (2 * (world - 1) * 2, 2)
+
+
+def _windowed(rank, world, window, t):
+    from distlab.models.contract import attend
+    from distlab.parallel.context_parallel import ContextLayout, RingAttention
+    from distlab.parallel.ring_attention import _pairs
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, t, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, t, 8, generator=g, dtype=torch.float64) for _ in range(2))  # grouped-query
+    grad_out = torch.randn(2, 4, t, 8, generator=g, dtype=torch.float64)
+    layout = ContextLayout(world, rank)
+    leaves = [z.clone().requires_grad_() for z in (q, k, v)]
+    ref = attend(*leaves, window=window)
+    ref.backward(grad_out)
+    index = layout.positions(t)
+    mine = [z.index_select(2, index).clone().requires_grad_() for z in (q, k, v)]
+    out = RingAttention(None, layout, window=window)(*mine)
+    out.backward(grad_out.index_select(2, index))
+    diffs = [(out - ref.index_select(2, index)).abs().max().item()]
+    diffs += [(m.grad - z.grad.index_select(2, index)).abs().max().item() for m, z in zip(mine, leaves)]
+    h = t // (2 * world)
+    return diffs, [sum(1 for _ in _pairs(layout, o, True, None, window, h)) for o in range(world)]
+
+
+@pytest.mark.parametrize("world,window", [(2, 3), (2, 5), (2, 8), (3, 4), (3, 7)])
+def test_a_sliding_window_over_the_ring_equals_the_whole_sequences_and_skips_the_blocks_before_it(world, window):
+    """A window shorter than the sequence over the ring: each query sees itself and the window - 1 keys before
+    it, as on the whole sequence (output and gradients, float64, grouped-query heads); the block pairs wholly
+    before the window are not scored -- a window no wider than a chunk leaves each rank its own two chunks
+    and the ones just before them."""
+    from distlab.launch.spawn import run_ranks
+    t = 4 * 2 * world
+    results = run_ranks(_windowed, world, window, t, timeout=patience(120))
+    bound = sum_tolerance(t * 8, 10.0, torch.float64)
+    assert max(max(d) for d, _ in results) <= bound, results
+    scored = sum(sum(n) for _, n in results)
+    chunks = 2 * world
+    # the causal pairs d chunks apart (chunks - d of them) whose nearest query and key, (d - 1) x 4 + 1 apart,
+    # are inside the window
+    near = sum(chunks - d for d in range(chunks) if (d - 1) * 4 + 1 < window)
+    assert scored == near < chunks * (chunks + 1) // 2, (scored, near)

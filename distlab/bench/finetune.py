@@ -101,7 +101,7 @@ def run_packing(nproc: int = 2, records: int = 400, block: int = 256, batch: int
 def _real_tokens(data) -> int:
     """The records' own tokens in ``data``'s windows, as inputs (the padding's are 0: no byte of text is)."""
     import torch
-    x, _ = data.batch(torch.arange(len(data)))
+    x = data.batch(torch.arange(len(data)))[0]
     return int((x != 0).sum())
 
 

@@ -9,8 +9,9 @@ completion's tokens and the end of sequence are targets: the prompt's positions 
 batch -- on every layout (the ignored targets are honoured by the vocabulary-parallel loss, the pipeline's
 last stage and context parallel's chunks alike). A record longer than the window is cut at its end (the
 count is reported). Records are padded one per window -- or, with ``pack``, laid whole into each window as
-many as fit, the token that starts each marked (:func:`mark_start`) so the model attends within a record only
-and restarts its positions (:mod:`distlab.models.packing`): no record sees another either way.
+many as fit, each window's batch carrying where each record starts (a :class:`~distlab.models.packing.Packed`
+beside its token ids) so the model attends within a record only and restarts its positions: no record sees
+another either way.
 
 A chat record is rendered by the model's chat template (:mod:`distlab.data.chat`, from
 ``--tokenizer hf:DIR``'s ``tokenizer_config.json``), and every assistant reply is a target, as TRL's
@@ -261,19 +262,20 @@ def load_sft(spec: str, split: str, block_size: int, tokenizer: str = tokenizers
     windows = packed(rows, width) if pack else [[row] for row in rows]
     stream = np.zeros(len(windows) * width, dtype=np.int64)
     ignored = np.ones(len(windows) * width, dtype=bool)
+    starts = np.zeros(len(windows) * width, dtype=bool)  # packed: where each record starts
     for n, window in enumerate(windows):
         at = n * width
         for ids, targets in window:
             stream[at:at + len(ids)] = ids
-            if pack:  # where a record starts (positions restart, it attends to itself only): PACKED_START
-                stream[at] = mark_start(ids[0])
+            starts[at] = True  # where a record starts: its positions restart, it attends to itself only
             ignored[at:at + len(ids)] = ~np.asarray(targets, dtype=bool)  # the replies' tokens (and the end)
             at += len(ids)
     data = TextDataset(spec, split, torch.from_numpy(stream), block_size,
                        torch.arange(len(windows)) * width, str(path_of(spec)), tok.vocab_size,
                        tokenizer=tok if tok.sha256 else None, ignored=torch.from_numpy(ignored), records=True,
                        # the rate of the text the loss is on (a loss per byte): the completions'
-                       tokens_per_byte=completion_tokens / completion_bytes if completion_bytes else 1.0)
+                       tokens_per_byte=completion_tokens / completion_bytes if completion_bytes else 1.0,
+                       record_starts=torch.from_numpy(starts) if pack else None)
     chats = sum(r.chat for r in mine)
     filled = sum(len(ids) for window in windows for ids, _ in window)
     data.about = describe(len(mine), scored, cut, block_size, len(windows) if pack else None,
@@ -296,12 +298,6 @@ def packed(rows: list[tuple[list[int], list[bool]]], width: int) -> list[list[tu
         out[-1].append(row)
         room -= len(row[0])
     return out
-
-
-def mark_start(token: int) -> int:
-    """A packed window's token that starts a record, as the window stores it: ``-(token + 1)``
-    (:func:`distlab.models.packing.unpack` reads positions and records from these marks)."""
-    return -(token + 1)
 
 
 def shape(spec: str, block_size: int, tokenizer: str) -> tuple[tuple[int, ...], int]:

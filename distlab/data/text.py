@@ -37,6 +37,7 @@ import torch
 
 from distlab.errors import ConfigError
 from distlab.models import IGNORE_INDEX
+from distlab.models.packing import Packed
 
 VOCAB = 256
 SYNTHETIC = re.compile(r"^synthetic-text(?::(\d+))?(?::masked=(0(?:\.\d+)?|1(?:\.0*)?|\.\d+))?$")
@@ -71,6 +72,7 @@ class TextDataset:
     mapped: bool = False  # ``tokens`` is a memory-mapped file's (a prepared corpus): read from disk, not held
     records: bool = False  # each window one record (fine-tuning), not a stretch of a stream of documents
     about: str = ""  # what the run's header adds about how the windows were made (fine-tuning records: padding)
+    record_starts: torch.Tensor | None = None  # per stream position: a packed record starts there (--pack)
 
     pairs = False  # a sample is one window (a preference pair's two: distlab.data.preference)
 
@@ -109,7 +111,10 @@ class TextDataset:
         return (self.block_size,)
 
     def batch(self, indices: torch.Tensor, *, augment: bool = False,
-              generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:
+        """``(inputs, targets)`` of windows ``indices``, each ``(B, block_size)``; packed, ``(inputs, targets,
+        structure)`` (a :class:`~distlab.models.packing.Packed`: each token's position in its record, each
+        position's record)."""
         device = self.tokens.device
         indices = torch.as_tensor(indices).to(device, non_blocking=True)
         offsets = self._starts(indices)[:, None] + torch.arange(self.block_size + 1, device=device)
@@ -118,7 +123,9 @@ class TextDataset:
         if self.ignored is not None:
             target = target.masked_fill(self.ignored[offsets[:, 1:]], IGNORE_INDEX)
         # contiguous: torch's pipelining checks strides against its own, and copies to a GPU go faster
-        return window[:, :-1].contiguous(), target.contiguous()
+        if self.record_starts is None:
+            return window[:, :-1].contiguous(), target.contiguous()
+        return window[:, :-1].contiguous(), target.contiguous(), Packed.of_starts(self.record_starts[offsets[:, :-1]])
 
     def to(self, device: torch.device | str) -> "TextDataset":
         """The same windows with the token stream on ``device`` (batches are then gathered there)."""
@@ -128,13 +135,13 @@ class TextDataset:
             for i in range(0, len(tokens), 1 << 24):
                 wide[i:i + (1 << 24)] = tokens[i:i + (1 << 24)].to(torch.int32).to(device)
             tokens = wide
-            return replace(self, tokens=tokens, mapped=False,
-                           starts=self.starts.to(device) if self.starts is not None else None,
-                           ignored=self.ignored.to(device) if self.ignored is not None else None)
-        else:
-            tokens = tokens.to(device)
-        return replace(self, tokens=tokens, starts=self.starts.to(device) if self.starts is not None else None,
-                       ignored=self.ignored.to(device) if self.ignored is not None else None)
+            return replace(self, tokens=tokens, mapped=False, **self._beside(device))
+        return replace(self, tokens=tokens.to(device), **self._beside(device))
+
+    def _beside(self, device) -> dict:
+        """The per-window and per-position tensors beside the tokens, on ``device``."""
+        return {name: t.to(device) if t is not None else None
+                for name, t in (("starts", self.starts), ("ignored", self.ignored), ("record_starts", self.record_starts))}
 
     def subset(self, indices: torch.Tensor, split: str) -> "TextDataset":
         """The windows ``indices`` only (a validation split carved from the training windows)."""

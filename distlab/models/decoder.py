@@ -24,7 +24,7 @@ from torch import nn
 from distlab.errors import ConfigError
 from distlab.models.rope import frequencies
 from distlab.models.contract import ModelContract, SplitEmbedding, attend
-from distlab.models.packing import Packing, unpack
+from distlab.models.packing import Packing
 
 
 class Embedding(SplitEmbedding):
@@ -37,15 +37,9 @@ class Embedding(SplitEmbedding):
         self.tok = nn.Embedding(vocab, n_embd)
         self.pos = nn.Embedding(positions, n_embd) if positions else None
         self.scale = scale
-        self.packing = Packing()  # what a packed window says of its records, for the blocks' attention
 
     def forward(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
-        found = unpack(idx)  # a packed window (distlab.models.packing): its tokens, and for the attention each
-        if found is not None and self.pos is not None:  # one's position and record
-            raise ConfigError("packed windows restart each record's positions: a rotary family's (llama, gemma3); "
-                              "a learned position table (gpt's) is not built for them -- drop --pack")
-        self.packing.found = found[1:] if found is not None else None
-        x = self.tok(found[0] if found is not None else idx)  # (B, t, C): every position, or this rank's piece
+        x = self.tok(idx)  # (B, t, C): every position, or this rank's piece
         return self.place(x, start + self.part * x.shape[1])
 
     def place(self, x: torch.Tensor, start: int) -> torch.Tensor:
@@ -74,6 +68,11 @@ class RotaryTable(ModelContract, nn.Module):
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling  # scaling: distlab.models.rope's
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.angles(positions)
+
+    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The angles of ``positions`` as they are -- a packed window's own, which context parallel's hook on
+        :meth:`forward` (mapping a chunk's ``0..t-1`` to its place in the sequence) must not move."""
         inv_freq, scale = frequencies(self.head_dim, self.theta, self.scaling, positions.device)
         angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
         angles = torch.cat([angles, angles], dim=-1)
@@ -100,10 +99,10 @@ class AttentionCore(ModelContract, nn.Module):
         self.window = window  # a sliding window: each query sees itself and the window - 1 keys before it
         self.scale = scale  # the scores' scale where it is not 1 / sqrt(head width) (Gemma's)
 
-    records: torch.Tensor | None = None  # a packed window's record of each position (set by its Attention)
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return attend(q, k, v, self.causal, self.window, self.scale, self.records)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                records: torch.Tensor | None = None) -> torch.Tensor:
+        """``records`` ``(B, t)``: a packed window's record of each position (each query sees its own only)."""
+        return attend(q, k, v, self.causal, self.window, self.scale, records)
 
 
 class Attention(ModelContract, nn.Module):
@@ -150,7 +149,7 @@ class Attention(ModelContract, nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None and positions is not None:  # each record's own, from 0
-            cos, sin = (z.view(b, 1, t, -1) for z in self.rotary(positions.reshape(-1)))
+            cos, sin = (z.view(b, 1, t, -1) for z in self.rotary.angles(positions.reshape(-1)))
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         elif self.rotary is not None:
             cos, sin = self.rotary(torch.arange(start, start + t, device=x.device))
@@ -161,12 +160,14 @@ class Attention(ModelContract, nn.Module):
         b, heads, t, d = y.shape
         return self.proj(y.transpose(1, 2).reshape(b, t, heads * d))
 
-    packing: Packing | None = None  # the model's: a packed window's positions and records (set by its Decoder)
+    packing: Packing | None = None  # the model's slot: a packed batch's structure (distlab.models.packing)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.enter(x)  # under sequence parallel this gathers the whole sequence
-        positions, self.core.records = (self.packing.found if self.packing is not None else None) or (None, None)
-        return self._out(self.core(*self._heads(x, 0, positions)))
+        packed = self.packing.fields if self.packing is not None else None
+        if packed is None:
+            return self._out(self.core(*self._heads(x, 0)))
+        return self._out(self.core(*self._heads(x, 0, packed.positions), records=packed.records))
 
     def decode(self, x: torch.Tensor, past: tuple | None, start: int) -> tuple[torch.Tensor, tuple]:
         """Generation's step with a key/value cache: ``x`` the new tokens at positions ``start..``, ``past``
@@ -260,8 +261,9 @@ class Decoder(ModelContract, nn.Sequential):
         self.experts = self.moe_options.get("experts", 0)
         if tie_embeddings:  # one matrix: the head's logits are the hidden state's scores against every embedding
             self[-1].out.weight = self[0].tok.weight
-        for block in blocks:  # the embedding reads a packed window's records; each attention masks by them
-            block.attn.packing = embedding.packing
+        self.packing = Packing()  # a packed batch's structure, bound by the Engine; each attention masks by it
+        for block in blocks:
+            block.attn.packing = self.packing
         init_decoder(self, self.residual)
 
     # ------------------------------------------------------------------ what a family gives

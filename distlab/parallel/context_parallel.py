@@ -126,11 +126,17 @@ class RingAttention(nn.Module):
         self.group, self.layout, self.causal, self.window, self.scale = group, layout, causal, window, scale
 
     @eager  # a collective: run as it is under --compile (a graph break), never traced
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        check_window(self.window, q.shape[2] * self.layout.cp, "ring")
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                records: torch.Tensor | None = None) -> torch.Tensor:
+        """``records`` ``(B, T)``: a packed window's record of every position of the whole sequence -- each
+        query sees its own record's keys only, and a block pair whose chunks share none is not computed. A sliding
+        ``window``: a block pair wholly before it is not computed, one it cuts is masked at its band."""
+        if self.window is not None and not self.causal:
+            raise ConfigError("a sliding window is a causal attention's: this attention sees every key")
         if self.scale is not None:  # scores scaled by ``scale``: the queries carry it over the 1 / sqrt(D) the ring uses
             q = q * (self.scale * math.sqrt(q.shape[-1]))
-        return RingAttentionFunction.apply(q, k, v, self.group, self.layout, self.causal)
+        window = self.window if self.window is not None and self.window < q.shape[2] * self.layout.cp else None
+        return RingAttentionFunction.apply(q, k, v, self.group, self.layout, self.causal, records, window)
 
 
 # --------------------------------------------------------------------------- Ulysses
@@ -179,7 +185,10 @@ class UlyssesAttention(nn.Module):
         self.group, self.layout, self.causal, self.window, self.scale = group, layout, causal, window, scale
 
     @eager  # a collective: run as it is under --compile (a graph break), never traced
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                records: torch.Tensor | None = None) -> torch.Tensor:
+        """``records`` ``(B, T)``: a packed window's record of every position -- the document mask on the
+        gathered sequence."""
         n, rank = self.layout.cp, self.layout.rank
         if q.shape[1] % n or k.shape[1] % n:
             raise ConfigError(f"context parallel (ulysses) gives each of `cp` {n} ranks whole heads: {q.shape[1]} "
@@ -190,7 +199,7 @@ class UlyssesAttention(nn.Module):
         back = torch.argsort(order)  # gathered order -> sequence order
         # (B, H, t, D) -> (B, H/n, n t, D): every rank's tokens (rank order, then sequence order), my heads
         q, k, v = (_AllToAll.apply(z, self.group, rank, n, 1, 2).index_select(2, back) for z in (q, k, v))
-        y = attend(q, k, v, self.causal, self.window, self.scale).index_select(2, order)  # (a window: its band)  # back to the gathered order: rank r's tokens at block r
+        y = attend(q, k, v, self.causal, self.window, self.scale, records).index_select(2, order)  # (a window: its band)  # back to the gathered order: rank r's tokens at block r
         return _AllToAll.apply(y, self.group, rank, n, 2, 1)
 
 
@@ -218,12 +227,9 @@ class ContextParallel(ComponentKind):
     def check(model: nn.Module, strategy, input_shape: tuple[int, ...]) -> None:
         """Before launch, on the model built on the meta device: it declares a plan for this layout (its
         own limits hold: the model raises, naming them), and a sequence of the data cuts into 2 x cp chunks."""
-        plan = plan_of(model, strategy.cp, strategy.cp_style, strategy.tp)
+        plan_of(model, strategy.cp, strategy.cp_style, strategy.tp)
         if len(input_shape) == 1:  # token windows: (T,)
             ContextLayout(strategy.cp, 0).check(input_shape[0])
-            for name, module in model.named_modules():
-                if plan.get(name) == "context_attention":
-                    check_window(contract(module).window, input_shape[0], strategy.cp_style)
 
     @staticmethod
     def _ring_hops(t, t_rank, lay, share: float, micro: int, again) -> list[CallGroup]:
@@ -318,15 +324,6 @@ def replacement(module: nn.Module, group, layout: ContextLayout, style: str) -> 
     core = contract(module)
     return (RingAttention if style == "ring" else UlyssesAttention)(group, layout, core.causal, core.window,
                                                                    core.scale)
-
-
-def check_window(window: int | None, t: int, style: str) -> None:
-    """Refuse, in one line, a sliding window shorter than the sequence under the ring (its blocks are scored
-    whole: the window's band inside them is not built); a window as long as the sequence changes nothing."""
-    if style == "ring" and window is not None and window < t:
-        raise ConfigError(f"context parallel's ring scores whole key blocks: a sliding window of {window} over "
-                          f"sequences of {t} is not built there; use --cp-style ulysses (the window as a mask), "
-                          f"tensor or pipeline parallel, or a --block-size of at most {window}")
 
 
 def apply_context_parallel(model: nn.Module, group, style: str = "ring", tp: int = 1) -> ContextLayout:

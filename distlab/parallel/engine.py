@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from distlab.models.packing import Packed, cut
 from distlab.parallel.clipping import clip_by_global_norm_, norm_weights
 from distlab.parallel.loss_head import TaskHead, per_kept_target
 from distlab.parallel.mesh import Mesh
@@ -99,11 +100,17 @@ class Engine:
             tensors = component.prepare_batch(*tensors)
         return tensors
 
+    def shard_fields(self, fields: Packed | None) -> Packed | None:
+        """This rank's part of a batch's structure (:mod:`distlab.models.packing`): the positions cut as
+        :meth:`shard` cuts their tokens, the record numbers whole (the keys a query may read)."""
+        return cut(fields, self.shard)
+
     @torch.no_grad()
-    def infer(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The model's output for one batch, without gradients, where it is known (a pipeline's last
-        stage; every rank elsewhere), None on the other stages. Every rank calls it once per batch."""
-        return self.schedule.infer(self, x)
+    def infer(self, x: torch.Tensor, fields: Packed | None = None) -> torch.Tensor | None:
+        """The model's output for one batch (cut by :meth:`shard`, its structure by :meth:`shard_fields`),
+        without gradients, where it is known (a pipeline's last stage; every rank elsewhere), None on the
+        other stages. Every rank calls it once per batch."""
+        return self.schedule.infer(self, x, fields)
 
     def parameters(self) -> list[nn.Parameter]:
         """What the optimizer updates on this rank (ZeRO: this rank's flat shards)."""
@@ -197,7 +204,7 @@ class Engine:
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor,
                          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                         ignore_index: int | None = None) -> torch.Tensor:
+                         ignore_index: int | None = None, fields: Packed | None = None) -> torch.Tensor:
         """The step's forwards and backwards as the schedule runs them (``strategy.grad_accum``
         micro-batches, or the pipeline's ``strategy.microbatches``; every backward but the last under
         :meth:`no_sync`), then :meth:`sync`.
@@ -212,11 +219,15 @@ class Engine:
         ``reduction="sum"``): the step is that of the mean over the kept targets of the *global*
         batch, as one process computes it -- not a mean of micro-batch or rank means, which weigh a
         target by how many others its micro-batch kept (:func:`~distlab.parallel.loss_head.per_kept_target`).
+
+        ``fields``: the batch's structure where it has one (a packed batch's :class:`~distlab.models.packing.Packed`),
+        cut as the batch is and given to the model with each micro-batch's rows.
         """
         x, y = self.shard(x, y)
+        fields = self.shard_fields(fields)
         if ignore_index is not None:
             loss_fn = per_kept_target(loss_fn, y, ignore_index, self.mesh, self.strategy.micro_steps)
-        loss = self.schedule.forward_backward(self, x, y, loss_fn)
+        loss = self.schedule.forward_backward(self, x, y, loss_fn, fields)
         self.sync()
         # after the reduction (the same sums everywhere); only fp16's scaled gradients have anything to unscale
         self.verdict.unscale(self.parameters())

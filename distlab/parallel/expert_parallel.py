@@ -158,7 +158,9 @@ class ExpertParallel(ComponentKind):
         saved = {"parameter_bytes_per_rank": e * sum(gone), "gradient_bytes_per_rank": e * sum(gone),
                  "optimizer_bytes_per_rank": sum(optim.bytes(m, e) - optim.bytes(m // ep, e) for m in experts_held)}
         mine = {name: v for name, v in t.expert_slots.items() if in_stage(name, t_rank, lay)} if t.expert_slots else {}
-        slots = (sum(mine.values()) if t.expert_slots else t.expert_slot_bytes_per_sample) * micro / lay.cp
+        # (sequence parallel: each tensor-parallel rank routes its own T / tp positions)
+        split = lay.cp * (lay.tp if lay.strategy.sequence_parallel else 1)
+        slots = (sum(mine.values()) if t.expert_slots else t.expert_slot_bytes_per_sample) * micro / split
         layers = len(mine) if t.expert_slots else len({n.rsplit(".", 1)[0] for n in t.expert_names})
         experts = t.shapes[t.names.index(t.expert_names[0])][0] if t.shapes else 0
         counts = layers * (ep - 1) * 8 * (experts // ep)  # each layer's per-expert counts, int64

@@ -145,14 +145,17 @@ class StepSchedule(Protocol):
     whole model's (a pipeline stage holds some of its layers under its own keys)."""
 
     def forward_backward(self, engine, x: torch.Tensor, y: torch.Tensor,
-                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                         fields=None) -> torch.Tensor:
         """Forwards and backwards of this rank's batch, every backward but the last under
-        ``engine.no_sync()``; gradients not yet synced. Returns this rank's mean loss as a 0-dim
-        float64 tensor (every rank of a pipeline returns the same)."""
+        ``engine.no_sync()``; gradients not yet synced; ``fields`` (the batch's structure, a packed batch's
+        :class:`~distlab.models.packing.Packed`, or None) bound to the model with each micro-batch's rows
+        (:func:`~distlab.models.packing.bind`) before its forward and its backward. Returns this rank's mean
+        loss as a 0-dim float64 tensor (every rank of a pipeline returns the same)."""
 
-    def infer(self, engine, x: torch.Tensor) -> torch.Tensor | None:
-        """The model's output for one batch without gradients, where it is known (a pipeline's last
-        stage), None elsewhere. Every rank calls it once per batch."""
+    def infer(self, engine, x: torch.Tensor, fields=None) -> torch.Tensor | None:
+        """The model's output for one batch (structure ``fields``) without gradients, where it is known (a
+        pipeline's last stage), None elsewhere. Every rank calls it once per batch."""
 
     def model_key(self, key: str) -> str:
         """A key of this rank's ``state_dict`` (or a module name) as the whole model's."""

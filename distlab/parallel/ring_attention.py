@@ -34,23 +34,68 @@ class _Hop:
         return self.out
 
 
-def _pairs(layout, owner: int, causal: bool = True):
+def _pairs(layout, owner: int, causal: bool = True, meets: torch.Tensor | None = None, window: int | None = None,
+           h: int = 0):
     """The (query half, key half, causal) blocks that rank ``layout.rank``'s queries (a
     :class:`~distlab.parallel.context_parallel.ContextLayout`) score against
     rank ``owner``'s keys: a key chunk before the query chunk in full, the same chunk under the
-    causal mask, a later one not at all (the mask empties it). Without the mask, every pair in full."""
+    causal mask, a later one not at all (the mask empties it). Without the mask, every pair in full.
+    Skipped too: a pair whose chunks share no record (``meets``, packed windows: :func:`meeting`), and one
+    whose every key is ``window`` or more before every query (a sliding window; ``h`` positions a chunk)."""
     for j, k_chunk in enumerate(layout.chunks(owner)):
         for i, q_chunk in enumerate(layout.chunks()):
-            if not causal or k_chunk <= q_chunk:
+            if ((not causal or k_chunk <= q_chunk) and (meets is None or meets[q_chunk, k_chunk])
+                    and (window is None or (q_chunk - k_chunk - 1) * h + 1 < window)):
                 yield i, j, causal and k_chunk == q_chunk
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+_MET: dict = {}  # the last packed batch's table (its records tensor kept, so its id names it): one read per batch
+
+
+def meeting(records: torch.Tensor, chunks: int) -> torch.Tensor:
+    """``(chunks, chunks)`` booleans on the host for windows' record numbers ``records`` ``(B, T)`` (never
+    decreasing along a window) cut into ``chunks`` equal chunks: whether a query of chunk ``a`` shares a
+    record with a key of chunk ``b <= a`` -- chunk ``b``'s last record is chunk ``a``'s first. One read of
+    the device per batch, by the first layer that asks."""
+    key = (id(records), chunks)
+    if key not in _MET or _MET[key][0] is not records:
+        size = records.shape[1] // chunks
+        first, last = records[:, ::size][:, :chunks], records[:, size - 1::size][:, :chunks]
+        table = (last[:, None, :] == first[:, :, None]).any(0).cpu() | torch.eye(chunks, dtype=torch.bool)
+        _MET.clear()
+        _MET[key] = (records, table)
+    return _MET[key][1]
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, apart: torch.Tensor | None = None) -> torch.Tensor:
+    """Scores of queries ``q`` over keys ``k`` (grouped as :func:`_grouped` makes them), the diagonal block's
+    future masked where ``causal``; ``apart`` ``(B, 1, 1, tq, tk)``: the query and key are in different
+    records of a packed window (masked)."""
     s = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
     if causal:  # the diagonal block: query i sees keys 0..i of it
         t = s.shape[-1]
         s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    if apart is not None:
+        s = s.masked_fill(apart, float("-inf"))
     return s
+
+
+def _apart(records: torch.Tensor | None, window: int | None, q_chunk: int, k_chunk: int, h: int,
+           device) -> torch.Tensor | None:
+    """Where a query of chunk ``q_chunk`` cannot see a key of chunk ``k_chunk`` (``h`` positions each) for
+    other reasons than the causal mask: they are in different records of a packed window (``records``), or
+    the key is ``window`` or more positions before the query (a sliding window's band cuts the block).
+    None where nothing of the pair is cut so."""
+    apart = None
+    if window is not None and (q_chunk - k_chunk + 1) * h - 1 >= window:  # the block's farthest pair is outside
+        i = torch.arange(q_chunk * h, (q_chunk + 1) * h, device=device)
+        j = torch.arange(k_chunk * h, (k_chunk + 1) * h, device=device)
+        apart = (i[:, None] - j[None, :] >= window)[None, None, None]
+    if records is not None:
+        q, k = records[:, q_chunk * h:(q_chunk + 1) * h], records[:, k_chunk * h:(k_chunk + 1) * h]
+        other = (q[:, :, None] != k[:, None, :])[:, None, None]
+        apart = other if apart is None else apart | other
+    return apart
 
 
 def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -74,8 +119,10 @@ class RingAttentionFunction(torch.autograd.Function):
     head scores the query heads of its group, and its gradient sums theirs."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, causal: bool = True):
+    def forward(ctx, q, k, v, group, layout, causal: bool = True, records: torch.Tensor | None = None,
+                window: int | None = None):
         n, rank = layout.cp, layout.rank
+        meets = meeting(records, 2 * n) if records is not None else None
         h = q.shape[2] // 2
         shape, q = q.shape, _grouped(q, k.shape[1])  # (B, Hkv, g, t, D); keys and values (B, Hkv, 1, t, D)
         qs = (q[..., :h, :], q[..., h:, :])
@@ -84,16 +131,20 @@ class RingAttentionFunction(torch.autograd.Function):
         kv = torch.stack([k, v]).unsqueeze(3)
         for step in range(n):
             ahead = _Hop(kv, group, rank, n) if step < n - 1 else None  # the next block comes while this one scores
-            for i, j, masked in _pairs(layout, (rank - step) % n, causal):
-                s = _scores(qs[i], kv[0, ..., j * h:(j + 1) * h, :], masked)
+            owner = (rank - step) % n
+            for i, j, masked in _pairs(layout, owner, causal, meets, window, h):
+                apart = _apart(records, window, layout.chunks()[i], layout.chunks(owner)[j], h, q.device)
+                s = _scores(qs[i], kv[0, ..., j * h:(j + 1) * h, :], masked, apart)
                 block_lse = torch.logsumexp(s, dim=-1, keepdim=True)
                 new = torch.logaddexp(lse[i], block_lse)  # the online softmax: rescale what is there, add the block
-                out[i] = out[i] * torch.exp(lse[i] - new) + torch.exp(s - new) @ kv[1, ..., j * h:(j + 1) * h, :]
+                # (packed, windowed: a query shown no key yet keeps nothing, not exp(-inf - -inf))
+                shift = new if apart is None else new.masked_fill(new == float("-inf"), 0.0)
+                out[i] = out[i] * torch.exp(lse[i] - shift) + torch.exp(s - shift) @ kv[1, ..., j * h:(j + 1) * h, :]
                 lse[i] = new
             kv = ahead.wait() if ahead is not None else kv
         out, lse = torch.cat(out, dim=-2), torch.cat(lse, dim=-2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.layout, ctx.causal = group, layout, causal
+        ctx.group, ctx.layout, ctx.causal, ctx.records, ctx.meets, ctx.window = group, layout, causal, records, meets, window
         return out.reshape(shape)
 
     @staticmethod
@@ -110,10 +161,12 @@ class RingAttentionFunction(torch.autograd.Function):
         for step in range(n):
             ahead = _Hop(kv, group, rank, n) if step < n - 1 else None  # the next block's keys and values
             dkv = torch.zeros_like(kv)  # this rank's share of the block's key/value gradient
-            for i, j, masked in _pairs(layout, (rank - step) % n, ctx.causal):
+            owner = (rank - step) % n
+            for i, j, masked in _pairs(layout, owner, ctx.causal, ctx.meets, ctx.window, h):
                 qi, gi = slice(i * h, (i + 1) * h), slice(j * h, (j + 1) * h)
                 kb, vb = kv[0, ..., gi, :], kv[1, ..., gi, :]
-                p = torch.exp(_scores(q[..., qi, :], kb, masked) - lse[..., qi, :])
+                apart = _apart(ctx.records, ctx.window, layout.chunks()[i], layout.chunks(owner)[j], h, q.device)
+                p = torch.exp(_scores(q[..., qi, :], kb, masked, apart) - lse[..., qi, :])
                 dkv[1, ..., gi, :] += _group_sum(p.transpose(-2, -1) @ grad[..., qi, :])          # dV
                 ds = p * (grad[..., qi, :] @ vb.transpose(-2, -1) - delta[..., qi, :])
                 dq[..., qi, :] += (ds @ kb) * scale
@@ -123,4 +176,4 @@ class RingAttentionFunction(torch.autograd.Function):
             back = _Hop(dkv if back is None else back.wait() + dkv, group, rank, n, tag=1) if n > 1 else None
             kv = ahead.wait() if ahead is not None else kv
         dkv = (back.wait() if back is not None else dkv).squeeze(3)
-        return dq.flatten(1, 2), dkv[0], dkv[1], None, None, None
+        return dq.flatten(1, 2), dkv[0], dkv[1], None, None, None, None, None

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from distlab import comm
 from distlab.errors import ConfigError
 from distlab.models.aux_loss import step_share
+from distlab.models.packing import Packed, bind
 from distlab.parallel.pipeline import ActivationMeter, PipelineStage, ideal_bubble
 from distlab.runtime import reduce_scalars, timeline
 
@@ -36,21 +37,26 @@ class Accumulate:
         self.activation_peak_bytes: int | None = None  # saved for backward at once, one metered step
 
     def forward_backward(self, engine, x: torch.Tensor, y: torch.Tensor,
-                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                         fields: Packed | None = None) -> torch.Tensor:
         self.steps += 1
-        if self.steps != self.MEASURED_STEP:
-            return self._run(engine, x, y, loss_fn)
-        with ActivationMeter(engine.module.parameters()) as meter:  # one step: the hooks cost a little
-            loss = self._run(engine, x, y, loss_fn)
-        self.activation_peak_bytes = meter.peak
-        return loss
+        try:
+            if self.steps != self.MEASURED_STEP:
+                return self._run(engine, x, y, loss_fn, fields)
+            with ActivationMeter(engine.module.parameters()) as meter:  # one step: the hooks cost a little
+                loss = self._run(engine, x, y, loss_fn, fields)
+            self.activation_peak_bytes = meter.peak
+            return loss
+        finally:
+            bind(engine.module, None)  # what runs next (an evaluation, a sample) reads its own batch
 
-    def _run(self, engine, x: torch.Tensor, y: torch.Tensor, loss_fn) -> torch.Tensor:
+    def _run(self, engine, x: torch.Tensor, y: torch.Tensor, loss_fn, fields: Packed | None) -> torch.Tensor:
         k = self.k
         if len(x) % k:  # never drop len(x) % k samples, nor weigh them differently
             raise ConfigError(f"a batch of {len(x)} samples does not split into {k} equal accumulation micro-batches "
                               f"(grad_accum): give a batch that {k} divides")
         if k == 1:  # one micro-batch: the same step (a share of 1 is the default), without the split's contexts
+            bind(engine.module, fields)  # read by the forward and by a block recomputed in backward
             with timeline.span("forward"), engine.precision.autocast():
                 loss = loss_fn(engine(x), y)
             with timeline.span("backward"):
@@ -61,6 +67,7 @@ class Accumulate:
         with step_share(1 / k):  # a loss the model adds itself (a mixture's balance loss) is divided alike
             for i in range(k):
                 xm, ym = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
+                bind(engine.module, fields.rows(i * micro, (i + 1) * micro) if fields is not None else None)
                 with engine.no_sync() if i < k - 1 else contextlib.nullcontext():
                     with timeline.span("forward", micro_batch=i), engine.precision.autocast():
                         loss = loss_fn(engine(xm), ym) / k
@@ -71,8 +78,12 @@ class Accumulate:
                 total = part if total is None else total + part
         return total
 
-    def infer(self, engine, x: torch.Tensor) -> torch.Tensor:
-        return engine(x)
+    def infer(self, engine, x: torch.Tensor, fields: Packed | None = None) -> torch.Tensor:
+        bind(engine.module, fields)
+        try:
+            return engine(x)
+        finally:
+            bind(engine.module, None)
 
     def model_key(self, key: str) -> str:
         return key
@@ -109,18 +120,19 @@ class Pipelined:
         self.timings: list[dict] = []  # PipelineStage.last_timing of every step
         self._tie_groups(list(ties))
 
-    def forward_backward(self, engine, x, y, loss_fn) -> torch.Tensor:
+    def forward_backward(self, engine, x, y, loss_fn, fields: Packed | None = None) -> torch.Tensor:
         stage = self.stage
         with step_share(1 / stage.microbatches):
             loss = stage.train_step(x if stage.first else None, y if stage.last else None, loss_fn, engine.no_sync,
-                                    batch_size=len(x) if x is not None else None, precision=engine.precision)
+                                    batch_size=len(x) if x is not None else None, precision=engine.precision,
+                                    fields=fields)
         self.timings.append(stage.last_timing)
         value = (loss.detach() if loss is not None else torch.zeros(())).reshape(1).to(torch.float32)
         dist.broadcast(value, src=self.mesh.pp_ranks[-1], group=self.mesh.pp_group)
         return value[0].to(torch.float64)
 
-    def infer(self, engine, x: torch.Tensor) -> torch.Tensor | None:
-        return self.stage.infer(x)
+    def infer(self, engine, x: torch.Tensor, fields: Packed | None = None) -> torch.Tensor | None:
+        return self.stage.infer(x, fields)
 
     def model_key(self, key: str) -> str:
         return self.stage.model_key(key)

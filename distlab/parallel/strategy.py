@@ -198,12 +198,6 @@ class Strategy:
             raise ConfigError(f"`zero` {self.zero} with `ep` {self.ep}: ZeRO shards the model state over the data-"
                               f"parallel ranks as if they held the same model, and under expert parallel they hold "
                               f"different experts; use `ep` (the experts are already split) without `zero`")
-        if self.sequence_parallel:
-            raise ConfigError(f"`sequence_parallel` with `ep` {self.ep}: the tensor-parallel ranks would route "
-                              f"different tokens to the same experts; drop `sequence_parallel`")
-        if self.grad_compression != "none":
-            raise ConfigError(f"`grad_compression` {self.grad_compression} with `ep` {self.ep}: the expert gradients "
-                              f"are reduced over their own ranks, uncompressed; drop `grad_compression`")
 
     def _check_components(self) -> None:
         """Every name in `components` and `dims` registered (distlab.parallel.components), none twice; a

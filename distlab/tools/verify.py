@@ -47,6 +47,8 @@ import torch
 from distlab.data.preference import is_preference
 from distlab.errors import ConfigError, did_you_mean
 from distlab.models import spec
+from distlab.models.packing import bind, split
+from distlab.tools.verify_data import dpo_mean, packing_records, reference_logps
 from distlab.parallel import COLLECTIVES, SYNC_METHODS, Strategy
 from distlab.parallel.strategy_text import modifier_words
 from distlab.train.config import TrainConfig
@@ -88,6 +90,7 @@ class Case:
     lora: str | None = None  # +lora=r=4,alpha=8,targets=q,v: low-rank adapters trained, the rest frozen
     base_dtype: str = "float32"  # +base=bf16 (or nf4: QLoRA's 4-bit weights): that frozen base's type (with +bf16)
     dpo: bool = False  # +dpo: DPO on generated preference pairs (the reference: the starting model)
+    pack: bool = False  # +pack: generated fine-tuning records packed into windows, each attending to itself only
 
     @property
     def name(self) -> str:
@@ -95,7 +98,7 @@ class Case:
                 + (f"+{self.model}" if self.model else "") + "".join(f"+{k}={v}" for k, v in self.options)
                 + ("+clip" if self.clip else "") + ("+smooth" if self.smoothing else "") + ("+mask" if self.masked else "")
                 + (f"+lora={self.lora}" if self.lora else "") + (f"+base={self.base_dtype}" if self.base_dtype != "float32" else "")
-                + ("+dpo" if self.dpo else ""))
+                + ("+dpo" if self.dpo else "") + ("+pack" if self.pack else ""))
 
     def flags(self) -> dict:
         return {**self.strategy.to_dict(), "optimizer": self.optimizer, **({"model": self.model} if self.model else {}),
@@ -112,8 +115,8 @@ def parse_strategy(text: str) -> Case:
     tokens = [t for t in tokens if not t.startswith(("lora=", "base="))]
     clip = CLIP_NORM if "clip" in tokens else None
     smoothing = SMOOTHING if "smooth" in tokens else 0.0
-    masked, dpo = "mask" in tokens, "dpo" in tokens
-    tokens = [t for t in tokens if t not in ("clip", "smooth", "mask", "dpo")]
+    masked, dpo, pack = "mask" in tokens, "dpo" in tokens, "pack" in tokens
+    tokens = [t for t in tokens if t not in ("clip", "smooth", "mask", "dpo", "pack")]
     model = next((t for t in tokens if t in case_models()), None)
     names = spec(model).options.names() if model else ()
     texts = {f.name for f in fields(spec(model).options) if "str" in str(f.type)} if model else set()
@@ -135,11 +138,11 @@ def parse_strategy(text: str) -> Case:
                           f"each gradient entry by its own size, so entries whose gradient is rounding noise move by "
                           f"up to lr either way; verify the transformer with SGD (drop +adam)")
     rest = "+".join(t for t in tokens if t not in ("adam", *case_models()))
-    if (lora is not None or dpo) and not model:
-        raise ConfigError(f"{text}: +{'lora' if lora is not None else 'dpo'} trains a transformer; add +gpt or "
-                          f"another language model")
+    if (lora is not None or dpo or pack) and not model:
+        word = "lora" if lora is not None else "dpo" if dpo else "pack"
+        raise ConfigError(f"{text}: +{word} trains a transformer; add +llama or another language model")
     return Case(Strategy.parse(rest) if rest else Strategy(), "adam" if "adam" in tokens else "sgd", model, clip,
-                smoothing, masked, options, lora, base, dpo)
+                smoothing, masked, options, lora, base, dpo, pack)
 
 
 def default_strategies(world_size: int | None = None) -> list[Case]:
@@ -214,12 +217,12 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
                        model="llama", options=(("kv_heads", 1), ("tie_embeddings", 1), ("head_dim", 8),
                                                ("qk_norm", 1)))]
         # Gemma 3: the embedding's scale and the norms after each branch under sequence parallel, its q/k
-        # norms' gradients summed over tensor parallel; its own score scale over the ring (a local window of 8
-        # as long as the sequence, a global layer every 2nd)
+        # norms' gradients summed over tensor parallel; its own score scale over the ring (its local layers'
+        # window of 4 over sequences of 8: the block pairs before it skipped, the band masked; a global layer
+        # every 2nd)
         gemma = (("kv_heads", 2), ("head_dim", 4), ("ffn_hidden", 32), ("sliding_window", 4), ("global_every", 2))
         cases += [Case(Strategy("allreduce", tp=2, sequence_parallel=True), model="gemma3", options=gemma),
-                  Case(Strategy("bucketed", cp=2), model="gemma3", options=(*gemma[:3], ("sliding_window", 8),
-                                                                              ("global_every", 2)))]
+                  Case(Strategy("bucketed", cp=2), model="gemma3", options=gemma)]
         # low-rank adapters, the base frozen (no gradient, sync or update): data parallel all-reducing the adapters'
         # gradients only; ZeRO-3 sharding and gathering the frozen base too (released after each layer's backward);
         # TP+SP splitting B with a column layer's rows and A with a row layer's columns; a pipeline
@@ -233,18 +236,31 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
         cases += [Case(Strategy(zero=3), model="llama", lora=lora, dpo=True),
                   Case(Strategy("bucketed", cp=2), model="llama", dpo=True),
                   Case(Strategy("allreduce", tp=2, sequence_parallel=True), model="llama", dpo=True)]
+        # packed records, each attending to itself only: a pipeline's stages each binding their micro-batch's
+        # structure (recomputed blocks too), the ring skipping the block pairs whose chunks share no record, the
+        # all-to-all masking the gathered sequence
+        cases += [Case(Strategy("bucketed", pp=2, microbatches=2, activation_checkpointing=True), model="llama",
+                       pack=True),
+                  Case(Strategy("bucketed", cp=2), model="llama", pack=True),
+                  Case(Strategy("bucketed", cp=2, cp_style="ulysses"), model="llama", pack=True)]
         cases += [Case(Strategy("bucketed", ep=2), model="gpt-moe"),
+                  # the dense gradients compressed (fp16 on the wire), the experts' reduced over their own group
+                  Case(Strategy("bucketed", ep=2, grad_compression="fp16"), model="gpt-moe"),
                   Case(Strategy("bucketed", pp=2, microbatches=4, pp_virtual=2), model="gpt"),
                   Case(Strategy("bucketed", pp=2, microbatches=4, pp_schedule="zb"), model="gpt")]
     if world_size and world_size % 4 == 0:
         cases += [Case(Strategy("bucketed", tp=2, pp=2, microbatches=2)),
                   Case(Strategy("allreduce", tp=2, cp=2), model="gpt"),
                   Case(Strategy("bucketed", cp=2, pp=2, microbatches=2), model="gpt"),
-                  Case(Strategy("bucketed", ep=2, pp=2, microbatches=2), model="gpt-moe")]
+                  Case(Strategy("bucketed", ep=2, pp=2, microbatches=2), model="gpt-moe"),
+                  # each tensor-parallel rank routing its own positions to the experts of its expert-parallel
+                  # group, the experts' gradients summed over the tensor-parallel ranks too
+                  Case(Strategy("allreduce", tp=2, sequence_parallel=True, ep=2), model="gpt-moe")]
     return cases
 
 
 USER_DATASET = "synthetic:3x8x8:4:480"  # for a user's model unless --dataset says otherwise
+PACKED_BLOCK = 16  # +pack: windows of 16 tokens, two or three records each
 
 
 def config_for(case: Case, world_size: int, steps: int, global_batch: int | None = None,
@@ -261,12 +277,13 @@ def config_for(case: Case, world_size: int, steps: int, global_batch: int | None
     model, dataset = ("small-cnn-bn", "synthetic:3x8x8:4:480") if bn else ("mlp", "synthetic:1x8x8:4:480")
     if case.model in case_models():
         model, dataset = case.model, f"synthetic-text:4000:masked={MASKED}" if case.masked else "synthetic-text:4000"
-        dataset = "synthetic-pairs:40" if case.dpo else dataset
+        dataset = "synthetic-pairs:40" if case.dpo else packing_records() if case.pack else dataset
     if mine:
         model, dataset = mine, data or USER_DATASET
     small = {**verify_sizes(), **dict(case.options)}
     sizes = {} if mine else {k: v for k, v in small.items() if k in spec(model).options.names()}
-    return TrainConfig.from_flags(model=model, model_args=tuple(model_args) if mine else (), **sizes, block_size=8,
+    return TrainConfig.from_flags(model=model, model_args=tuple(model_args) if mine else (), **sizes,
+                       block_size=PACKED_BLOCK if case.pack else 8, pack=case.pack,
                        dataset=dataset, epochs=max(1, steps), max_steps=steps,
                        global_batch_size=batch, lr=0.005 if case.optimizer == "adam" else 0.05,
                        lr_schedule="constant", momentum=0.9, optimizer=case.optimizer, seed=seed, log_every=1,
@@ -323,7 +340,8 @@ def reference_run(cfg: TrainConfig, norms: list[float] | None = None) -> tuple[l
                                       epoch=epoch):
             if step == cfg.max_steps:
                 break
-            x, y = data.batch(torch.tensor(idx))
+            x, y, fields = split(data.batch(torch.tensor(idx)))
+            bind(model, fields)  # a packed batch's structure: each record attends to itself only
             opt.zero_grad()
             with Precision(cfg.strategy.precision).autocast():
                 loss = score(model(x), y, label_smoothing=cfg.label_smoothing)
@@ -338,33 +356,6 @@ def reference_run(cfg: TrainConfig, norms: list[float] | None = None) -> tuple[l
         epoch += 1
     from distlab.parallel.placement import value_copy
     return [value_copy(p) for p in model.parameters()], losses
-
-
-@torch.no_grad()
-def reference_logps(model: torch.nn.Module, data) -> torch.Tensor:
-    """Each target's log-probability under ``model`` in evaluation mode, per place of ``data``'s stream (one
-    process, every pair in one batch): DPO's reference."""
-    from distlab.models import IGNORE_INDEX, task_loss
-    was = model.training
-    model.eval()
-    x, y = data.with_positions().batch(torch.arange(len(data)))
-    target = y[..., 0].long()
-    kept = target != IGNORE_INDEX
-    found = torch.zeros(len(data.tokens))
-    found[y[..., 1].long()[kept]] = -task_loss(model(x), target, reduction="none").reshape(target.shape)[kept]
-    model.train(was)
-    return found
-
-
-def dpo_mean(beta: float):
-    """DPO's loss of a batch of pairs, the mean over them (``label_smoothing`` ignored: refused with pairs)."""
-    from distlab.models import task_loss
-    from distlab.train.preference import pair_scores, token_logps
-
-    def loss(out, y, label_smoothing=0.0):
-        logps, reference = token_logps(task_loss, out, y)
-        return pair_scores(logps, reference.to(logps.dtype), beta)[0].mean()
-    return loss
 
 
 def _distributed_runs(rank: int, world: int, configs: list[TrainConfig]):

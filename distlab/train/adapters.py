@@ -43,13 +43,10 @@ def spec_text(cfg) -> str:
 
 def check_fine_tuning(cfg) -> None:
     """What fine-tuning's flags need: ``base_dtype``'s adapters and precision, ``pack``'s records and
-    layout, ``dpo_beta``'s preference pairs, ``chat_turns``' chats."""
+    model, ``dpo_beta``'s preference pairs, ``chat_turns``' chats."""
     from distlab.data.preference import is_preference
     from distlab.models.contract import contract
     check_base_dtype(cfg)
-    if cfg.pack and (cfg.strategy.pp > 1 or cfg.strategy.cp > 1):
-        raise ConfigError("`pack`: a packed window's positions and record mask are not built under `pp` or `cp` "
-                          "(a stage or a chunk does not carry them): drop `pack` or that layout")
     if cfg.pack and not contract(cfg._meta_model()).packable:
         raise ConfigError(f"`pack` restarts each record's positions: model {cfg.model} does not read packed "
                           f"windows (a rotary family does: llama, gemma3)")

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.data.loader import EvalLoader
+from distlab.models.packing import split
 from distlab.parallel import Engine
 from distlab.runtime import group_size, reduce_scalars
 
@@ -79,17 +80,18 @@ def outputs(engine: Engine, loader: EvalLoader, device, stop=None):
     batches = list(zip(range(0, len(loader.indices), batch_size), loader))
     most = -(-(-(-n // engine.mesh.dp)) // batch_size)
     if engine.lockstep and batches:
-        x0, y0 = batches[0][1]
-        batches += [(len(loader.indices), (x0[:0], y0[:0]))] * (most - len(batches))
+        x0, y0, f0 = split(batches[0][1])
+        batches += [(len(loader.indices), (x0[:0], y0[:0]) if f0 is None else (x0[:0], y0[:0], f0.rows(0, 0)))] * \
+            (most - len(batches))
     for i in range(max(most, len(batches))):
         reason = stop() if stop is not None else None
         if reason:
             raise EvaluationStopped(reason)
         if i >= len(batches):
             continue
-        start, (x, y) = batches[i]
+        start, (x, y, fields) = batches[i][0], split(batches[i][1])
         x, y = engine.shard(x.to(device), y.to(device))
-        out = engine.infer(x)
+        out = engine.infer(x, engine.shard_fields(fields.to(device) if fields is not None else None))
         if out is not None and len(y):  # (a stage before the last passed the batch on; an empty batch)
             yield start, out, y
 

@@ -25,6 +25,7 @@ from distlab.data.resident import decide as decide_residence
 from distlab.data.resident import nbytes as data_nbytes
 from distlab.errors import ConfigError, FinalWriteError, NonFiniteError, first_line
 from distlab.models import IGNORE_INDEX
+from distlab.models.packing import split
 from distlab.parallel import Mesh
 from distlab.parallel.placement import placement_of
 from distlab.runtime import Runtime, comm_failure, is_comm_failure, reduce_scalars, timeline, \
@@ -199,7 +200,8 @@ class Trainer:
         if run.resumed_from is not None and engine.needs_priming and run.step < self.total_steps:
             epoch, position = divmod(run.step, self.steps_per_epoch)  # torch's DDP: re-cut its buckets as the
             self.loader.set_epoch(epoch)                              # uninterrupted run did
-            x, y = next(self.loader.iter_from(position))
+            x, y, _ = split(next(self.loader.iter_from(position)))  # (the order gradients arrive in: a packed
+            # batch's structure changes their values, not it)
             engine.prime(x.to(self.rt.device), (y[..., 0].long() if self.preference else y).to(self.rt.device))
         start = time.perf_counter()
         # the handlers stay until the summary is written: a SIGTERM meanwhile (the agent passing a scheduler's on,
@@ -283,11 +285,12 @@ class Trainer:
                 return "non_finite" if self._diverged() else "time_budget"
             clock.start()
             with timeline.span("data"):
-                x, y = (t.to(self.rt.device, non_blocking=True) for t in next(batches))
+                x, y, fields = (t.to(self.rt.device, non_blocking=True) if t is not None else None
+                                for t in split(next(batches)))
             lr = self.optimizer.param_groups[0]["lr"]
             sent = comm.bytes_sent()  # the step's bytes: the counter's growth (one read each side)
             self.optimizer.zero_grad(set_to_none=True)
-            loss = engine.forward_backward(x, y, self.loss_fn, self.ignore_index)
+            loss = engine.forward_backward(x, y, self.loss_fn, self.ignore_index, fields)
             if cfg.clip_grad_norm:
                 self._grad_norm = engine.clip_grad_norm_(cfg.clip_grad_norm)
                 self._clipped += self._grad_norm > cfg.clip_grad_norm  # on the device: read at the end

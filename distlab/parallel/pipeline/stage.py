@@ -14,6 +14,7 @@ from torch import nn
 
 from distlab.comm.p2p import Peer, wait_all
 from distlab.errors import ConfigError
+from distlab.models.packing import Packed, bind
 from distlab.parallel.checkpointing import run_checkpointed
 from distlab.parallel.pipeline.activation_meter import ActivationMeter
 from distlab.parallel.pipeline.cost import HEADER as _HEADER
@@ -165,6 +166,7 @@ class PipelineStage(nn.Module):
         """One micro-batch forward; keeps what its backward needs."""
         if not self.first:
             x = x.requires_grad_()
+        bind(self, self._fields[self._forwards])  # a packed micro-batch's structure, for its attentions
         t0 = time.perf_counter()
         with timeline.span(f"stage {self.stage} F mb {self._forwards}"), self._autocast():
             out = self(x)
@@ -179,6 +181,7 @@ class PipelineStage(nn.Module):
         """The oldest stored micro-batch's backward; returns the gradient of its input. All but the
         step's last backward run under ``no_sync`` (data parallel communicates after the last)."""
         x, out = self._saved.pop(0)
+        bind(self, self._fields[self.microbatches - self._backwards_left])  # what a recomputed block reads
         self._backwards_left -= 1
         t0 = time.perf_counter()
         with timeline.span(f"stage {self.stage} B mb {self.microbatches - self._backwards_left - 1}"), \
@@ -191,7 +194,7 @@ class PipelineStage(nn.Module):
 
     def train_step(self, x: torch.Tensor | None, y: torch.Tensor | None, loss_fn: Callable,
                    no_sync: Callable[[], ContextManager] | None = None,
-                   batch_size: int | None = None, precision=None) -> torch.Tensor | None:
+                   batch_size: int | None = None, precision=None, fields: Packed | None = None) -> torch.Tensor | None:
         """Forward and backward of one batch as ``M`` equal micro-batches. ``x`` is read on the first
         stage, ``y`` on the last (others may pass None). Gradients accumulate into this stage's
         parameters. Returns the batch's mean loss on the last stage, None elsewhere.
@@ -206,13 +209,17 @@ class PipelineStage(nn.Module):
 
         A batch that ``M`` does not divide is refused before any message: on the stages that hold
         ``x`` or ``y``, and on every stage when ``batch_size`` is given (a middle stage cannot see
-        the batch; without it, it would wait for a first stage that already refused)."""
+        the batch; without it, it would wait for a first stage that already refused).
+
+        ``fields``: the batch's structure (a packed batch's :class:`~distlab.models.packing.Packed`), on every
+        stage: each micro-batch's rows are bound to this stage's attentions before its forward and its backward."""
         m = self.microbatches
         for have in (batch_size, len(x) if self.first and x is not None else None,
                      len(y) if self.last and y is not None else None):
             check_microbatches(have, m)
         xs = list(x.chunk(m)) if self.first else [None] * m
         ys = list(y.chunk(m)) if self.last else [None] * m
+        self._fields = fields.chunk(m) if fields is not None else [None] * m
         self._saved, self._losses, self._keep = [], [], []
         self._no_sync, self._backwards_left, self._forwards = no_sync or contextlib.nullcontext, m, 0
         self._precision = precision
@@ -227,6 +234,7 @@ class PipelineStage(nn.Module):
             else:
                 self._actions(xs, ys, loss_fn)
         self.activation_peak_bytes = meter.peak
+        bind(self, None)
         step = time.perf_counter() - t0
         self.last_timing = {"step_s": step, "wait_s": self._waited, "compute_s": self._compute,
                             "bubble_measured": self._waited / step if step else 0.0,
@@ -236,9 +244,17 @@ class PipelineStage(nn.Module):
         return torch.stack(self._losses).sum() if self.last else None
 
     @torch.no_grad()
-    def infer(self, x: torch.Tensor | None) -> torch.Tensor | None:
+    def infer(self, x: torch.Tensor | None, fields: Packed | None = None) -> torch.Tensor | None:
         """One batch forward through the whole pipeline without gradients: the output on the last
-        stage, None elsewhere (``x`` is read on the first stage). Every stage calls it once per batch."""
+        stage, None elsewhere (``x`` is read on the first stage; ``fields``, its structure, on every one).
+        Every stage calls it once per batch."""
+        try:
+            bind(self, fields)
+            return self._infer(x)
+        finally:
+            bind(self, None)
+
+    def _infer(self, x: torch.Tensor | None) -> torch.Tensor | None:
         self._keep = []
         if self.virtual > 1:
             last_k = self.stages * self.virtual - 1
@@ -318,6 +334,7 @@ class PipelineStage(nn.Module):
         for i, (kind, c, m, _, _) in enumerate(acts):
             k = c * P + self.stage
             t0 = time.perf_counter()
+            bind(self, self._fields[m])  # the micro-batch's structure: its forward's, and a recomputation's
             if kind == "F":
                 x = xs[m] if k == 0 else self._recv_act(_act_tag(k))
                 t0 = time.perf_counter()

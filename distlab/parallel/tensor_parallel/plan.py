@@ -11,6 +11,8 @@ without one is refused, naming the method it must provide.
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch import nn
 
 from distlab.errors import ConfigError
@@ -78,10 +80,14 @@ class TensorParallel(ComponentKind):
         kept_by = {n: b for layer in t.layers for n, b in layer.ops_kept_by.items()} if ops else {}
         checkpointed = {n for block in st.checkpointed(t.blocks) for n in block}
         recomputed = _recomputed(plan, st.checkpointed(t.blocks)) if st.activation_checkpointing else set()
+        experts = set(t.expert_names) if lay.ep > 1 else set()  # expert parallel holds 1/ep of them
         for name, style in plan.items():
             if not in_stage(name, t_rank, lay):
                 continue
             io = t.module_io[name]
+            if experts:  # (a sequence region's gradients summed over the group: this rank's experts only)
+                io = dataclasses.replace(io, grads=tuple((p, n // lay.ep if f"{name}.{p}" in experts else n)
+                                                         for p, n in io.grads))
             calls += TP_STYLES[style].calls(io, samples, st.sequence_parallel)
             if style != "colwise_gather" and name not in recomputed:  # (the region's entry: what sequence
                 entering += sum(c.nbytes for c in TP_STYLES[style].forward_calls(io, samples, True)  # parallel
