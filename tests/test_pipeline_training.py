@@ -3,6 +3,8 @@ fields and refusals, runs equal to one process (verify's float32 tolerance) on 4
 evaluation along the pipeline, the gathered model, and bad input refused before launch."""
 
 
+import json
+
 import pytest
 import torch
 
@@ -166,7 +168,7 @@ def test_interleaved_and_zero_bubble_pipelines_train_the_single_process_model():
     assert (s.pp_schedule, s.pp_virtual) == ("zb", 2) and str(s) == "bucketed+pp=2+mb=4+zb+vpp=2"
     assert "pp_virtual" not in Strategy(pp=2).to_dict() and Strategy.from_dict(s.to_dict()) == s
     for text, message in (("pp=2+mb=3+vpp=2", "multiple of `pp` 2"), ("pp=2+gpipe+vpp=2", "GPipe"),
-                          ("pp=2+mb=2+zb+tp=2+sp", "sequence_parallel"), ("pp=2+balance=1:1+vpp=2", "4 positive")):
+                          ("pp=2+balance=1:1+vpp=2", "4 positive")):
         with pytest.raises(ConfigError, match=message):
             Strategy.parse(text)
 
@@ -190,3 +192,100 @@ def test_zero_2_and_3_under_a_pipeline_train_from_the_command_line_and_zero_2_is
         assert plan["model_state_exact"] == (zero == "2")
         if zero == "2":
             assert plan["model_state_bytes_per_rank"] == summary["model_state_bytes_per_rank"]
+
+
+class _Counted(torch.autograd.Function):
+    """The identity, counting its backward calls (as a collective after a layer's product would run)."""
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        _Counted.calls += 1
+        return g
+
+
+class _AfterProduct(torch.nn.Module):
+    """A row-parallel layer's shape: the product, something after it in backward's way, then the bias; and an
+    expert table read per expert, and a scale read only inside a custom function."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+        self.bias = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+        self.table = torch.nn.Parameter(torch.randn(2, 4, 4, dtype=torch.float64))
+        self.scale = torch.nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+
+    def forward(self, x):
+        y = _Counted.apply(torch.nn.functional.linear(x, self.weight)) + self.bias
+        y = y @ self.table[0] + y @ self.table[1]
+        return _Scaled.apply(y, self.scale)
+
+
+class _Scaled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, s):
+        ctx.save_for_backward(y, s)
+        return y * s
+
+    @staticmethod
+    def backward(ctx, g):
+        y, s = ctx.saved_tensors
+        return g * s, (g * y).sum()
+
+
+def test_the_weight_pass_starts_at_each_weights_own_product_and_accumulates_each_weight_once():
+    """Zero bubble's W pass (parallel/pipeline/weight_pass.py): after B computed the input's gradient (the
+    collective after the product ran once), W gives every weight the gradient one plain backward gives --
+    bitwise, float64 -- without running that collective again (from the module's output it would); a weight
+    read twice (an expert table) is accumulated once (its post-accumulate hook fires once); a weight read
+    only inside a custom autograd function is taken from the module's output."""
+    from distlab.parallel.pipeline.weight_pass import capture, weight_backward
+    torch.manual_seed(0)
+    layer, x, g = _AfterProduct(), torch.randn(3, 4, dtype=torch.float64, requires_grad=True), torch.randn(3, 4, dtype=torch.float64)
+    out = layer(x)
+    out.backward(g)
+    expected = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    for p in layer.parameters():
+        p.grad = None
+    fired = []
+    layer.table.register_post_accumulate_grad_hook(lambda p: fired.append(1))
+    owners = [(layer, list(layer.parameters()))]
+    x.grad = None
+    with capture(owners) as captured:
+        out = layer(x)
+    assert {tuple(p.shape) for _, ps in captured for p in ps} == {(4, 4), (4,), (2, 4, 4), ()}
+    _Counted.calls = 0
+    got = torch.autograd.grad(out, [x] + [o for o, _ in captured], g, retain_graph=True, allow_unused=True)
+    assert _Counted.calls == 1 and torch.equal(got[0], torch.autograd.grad(layer(x), x, g)[0])
+    _Counted.calls = 0
+    weight_backward([(o, own, gr) for (o, own), gr in zip(captured, got[1:]) if gr is not None])
+    assert _Counted.calls == 0, "the weight pass ran what lies after the product again"
+    assert fired == [1]
+    for n, p in layer.named_parameters():
+        assert torch.equal(p.grad, expected[n]), n
+
+
+def test_zero_bubble_sends_what_1f1b_sends_under_sequence_and_expert_parallel(run_cli, tmp_path):
+    """TP 2 + SP x PP 2 and EP 2 x PP 2 from the command line: zero bubble's step sends 1F1B's bytes exactly
+    (its weight pass runs no reduce-scatter or all-to-all again) and trains to the same losses (verify's float32
+    bound for SGD)."""
+    from distlab.tools.verify import sgd_tolerance
+    base = ["train", "--n-layer", "2", "--n-embd", "16", "--n-head", "2", "--dataset", "synthetic-text:4000",
+            "--block-size", "8", "--global-batch-size", "8", "--max-steps", "2", "--log-every", "1", "--optimizer",
+            "sgd", "--lr", "0.05", "--momentum", "0.9", "--nproc-per-node", "4", "--pp", "2", "--microbatches", "4",
+            "--no-progress"]
+    for name, extra in (("sp", ["--model", "gpt", "--tp", "2", "--sequence-parallel"]),
+                        ("ep", ["--model", "gpt-moe", "--ep", "2"])):
+        got = {}
+        for schedule in ("1f1b", "zb"):
+            out = tmp_path / f"{name}-{schedule}"
+            run_cli(*base, *extra, "--pp-schedule", schedule, "--out", str(out), check=True)
+            summary = json.loads((out / "summary.json").read_text())
+            losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+            got[schedule] = (summary["comm_bytes_per_step"], losses)
+        assert got["zb"][0] == got["1f1b"][0], (name, got)
+        assert max(abs(a - b) for a, b in zip(got["zb"][1], got["1f1b"][1])) <= sgd_tolerance(2, 0.05, 8, 0.9), got

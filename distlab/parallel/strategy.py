@@ -278,12 +278,6 @@ class Strategy:
             chunks = f" ({self.pp_virtual} chunks on each of {self.pp} ranks)" if self.pp_virtual > 1 else ""
             raise ConfigError(f"`pp_balance` {','.join(map(str, self.pp_balance))} must give {parts} positive layer "
                               f"counts, one per stage{chunks}")
-        if self.pp_schedule == "zb" and self.sequence_parallel:
-            raise ConfigError("`pp_schedule` zb with `sequence_parallel`: a weight-gradient pass would run the sequence "
-                              "all-gathers again; use `pp_schedule` 1f1b with sequence parallel")
-        if self.pp_schedule == "zb" and self.ep > 1:
-            raise ConfigError(f"`pp_schedule` zb with `ep` {self.ep}: the experts' weight gradients sit behind the "
-                              f"combine all-to-all, which a separate weight pass would run again; use `pp_schedule` 1f1b")
         if self.grad_accum != 1:
             raise ConfigError(f"a pipeline accumulates gradients over its `microbatches` already: drop `grad_accum` "
                               f"{self.grad_accum} and set `microbatches` to {self.grad_accum * self.microbatches}")

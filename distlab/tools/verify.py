@@ -255,7 +255,11 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
                   Case(Strategy("bucketed", ep=2, pp=2, microbatches=2), model="gpt-moe"),
                   # each tensor-parallel rank routing its own positions to the experts of its expert-parallel
                   # group, the experts' gradients summed over the tensor-parallel ranks too
-                  Case(Strategy("allreduce", tp=2, sequence_parallel=True, ep=2), model="gpt-moe")]
+                  Case(Strategy("allreduce", tp=2, sequence_parallel=True, ep=2), model="gpt-moe"),
+                  # zero bubble's weight pass from each weight's own product: no reduce-scatter or combine again
+                  Case(Strategy("allreduce", tp=2, sequence_parallel=True, pp=2, microbatches=4, pp_schedule="zb"),
+                       model="gpt"),
+                  Case(Strategy("bucketed", ep=2, pp=2, microbatches=4, pp_schedule="zb"), model="gpt-moe")]
     return cases
 
 

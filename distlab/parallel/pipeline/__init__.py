@@ -27,7 +27,9 @@ of the step with equal stages. Two schedules shrink it:
   a V-th as long, the bubble ``(P - 1) / (V M + P - 1)``, for V times the messages.
 * **Zero bubble** (``zb``: ZB-H1 of Qi et al. 2024): each backward is split in two -- ``B``, the
   gradient of the stage's input, which the previous stage waits for, and ``W``, the gradients of
-  its weights, which nobody waits for -- and the ``W`` passes fill the slots where 1F1B idles.
+  its weights, which nobody waits for -- and the ``W`` passes fill the slots where 1F1B idles. ``W``
+  starts from the output of each operation that read a weight (:mod:`.weight_pass`), so it runs no
+  collective a layer puts after its product (sequence parallel's reduce-scatter, expert parallel's combine).
 
 Both run from an explicit action list per rank (:func:`schedule_actions`): a list scheduler plays
 the step on every rank with unit costs (forward 1, backward 2, or ``B`` 1 and ``W`` 1), always taking

@@ -20,6 +20,7 @@ from distlab.parallel.pipeline.activation_meter import ActivationMeter
 from distlab.parallel.pipeline.cost import HEADER as _HEADER
 from distlab.parallel.pipeline.actions import SCHEDULES, check_virtual, ideal_bubble, schedule_actions
 from distlab.parallel.pipeline.partition import partition, sequential_layers
+from distlab.parallel.pipeline.weight_pass import capture, weight_backward
 from distlab.runtime import group_rank, group_size, timeline
 from distlab.runtime.trace_file import SCHEDULE
 
@@ -186,7 +187,8 @@ class PipelineStage(nn.Module):
         t0 = time.perf_counter()
         with timeline.span(f"stage {self.stage} B mb {self.microbatches - self._backwards_left - 1}"), \
                 self._no_sync() if self._backwards_left else contextlib.nullcontext():
-            torch.autograd.backward(out, None if self.last else grad)
+            if out.requires_grad:  # (a first stage of frozen layers only -- LoRA's embedding -- has no backward)
+                torch.autograd.backward(out, None if self.last else grad)
         self._compute += time.perf_counter() - t0
         return None if self.first else x.grad
 
@@ -340,20 +342,12 @@ class PipelineStage(nn.Module):
                 t0 = time.perf_counter()
                 if k:
                     x.requires_grad_()
-                captured, hooks = [], []
-                if split:  # each module's own output, from which its weights' gradients are taken later
-                    for mod, own in owners[c]:
-                        hooks.append(mod.register_forward_hook(
-                            lambda mod, a, out, own=own: captured.append((out, own))
-                            if isinstance(out, torch.Tensor) and out.requires_grad else None))
-                try:
-                    with timeline.span(f"stage {self.stage} chunk {c} F mb {m}"), self._autocast():
+                # zero bubble: where each weight's gradient is taken from later (the nearest product: weight_pass)
+                with timeline.span(f"stage {self.stage} chunk {c} F mb {m}"), self._autocast():
+                    with capture(owners[c]) if split else contextlib.nullcontext([]) as captured:
                         out = self._run_chunk(c, x)
-                        if k == last_k:
-                            out = self._loss(loss_fn(out, ys[m]))
-                finally:
-                    for h in hooks:
-                        h.remove()
+                    if k == last_k:  # (outside the capture: the loss reads no weight)
+                        out = self._loss(loss_fn(out, ys[m]))
                 self._compute += time.perf_counter() - t0
                 if k != last_k:
                     sends += self._send_act(out, _act_tag(k + 1))
@@ -367,18 +361,19 @@ class PipelineStage(nn.Module):
                     grad = torch.empty_like(out)
                     self._wait(self._next.irecv(grad, _grad_tag(k + 1)), what="wait for a gradient")
                 t0 = time.perf_counter()
-                if split:  # the input's gradient only; keep the graph and the modules' output gradients for W
+                if split:  # the input's gradient only; keep the graph and the kept tensors' gradients for W
                     outs = [o for o, _ in captured]
                     with timeline.span(f"stage {self.stage} chunk {c} B mb {m}"):
                         got = torch.autograd.grad(out, ([x] if k else []) + outs, grad, retain_graph=True,
-                                                  allow_unused=True)
+                                                  allow_unused=True) if out.requires_grad else [None] * (bool(k) + len(outs))
                     g_in = got[0] if k else None
                     saved[(c, m)][2] = [(o, own, g) for (o, own), g in zip(captured, got[1 if k else 0:])
                                         if g is not None]
                 else:
                     with timeline.span(f"stage {self.stage} chunk {c} B mb {m}"), \
                             self._no_sync() if i != final[c] else contextlib.nullcontext():
-                        torch.autograd.backward(out, grad)
+                        if out.requires_grad:  # (a first chunk of frozen layers only has no backward)
+                            torch.autograd.backward(out, grad)
                     g_in = x.grad if k else None
                     del saved[(c, m)]
                     held -= 1
@@ -390,8 +385,7 @@ class PipelineStage(nn.Module):
                 held -= 1
                 with timeline.span(f"stage {self.stage} chunk {c} W mb {m}"), \
                         self._no_sync() if i != final[c] else contextlib.nullcontext():
-                    for o, own, g in pairs:  # one module at a time: from its output to its own weights only
-                        torch.autograd.backward(o, g, inputs=own)
+                    weight_backward(pairs)  # from each kept tensor to its own weights only
                 self._compute += time.perf_counter() - t0
         self._wait(*sends, what="wait for sends")
 
