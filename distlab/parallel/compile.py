@@ -47,8 +47,9 @@ def check(strategy) -> None:
         raise ConfigError(f"`compile_backend` {strategy.compile_backend} says how `compile` compiles: turn on "
                           f"`compile` too, or drop `compile_backend`")
     if strategy.pp_schedule == "zb" and strategy.compile:
-        raise ConfigError("`pp_schedule` zb with `compile`: zero bubble takes each layer's weight gradient from "
-                          "that layer's own output, which a compiled block fuses away; use `pp_schedule` 1f1b "
+        raise ConfigError("`pp_schedule` zb with `compile`: zero bubble takes each weight's gradient from the "
+                          "product that reads it, which a compiled block fuses into one graph its weight pass cannot "
+                          "start inside; use `pp_schedule` 1f1b "
                           "(or interleaved, `pp_virtual`) with `compile`, or drop `compile`")
 
 

@@ -369,6 +369,9 @@ def _distributed_runs(rank: int, world: int, configs: list[TrainConfig]):
 
     out = []
     for cfg in configs:
+        if cfg.strategy.compile:  # each case compiles its own model: no guards and caches of the cases before
+            import torch._dynamo  # (six compiled cases in one process crashed torch 2.13's dynamo)
+            torch._dynamo.reset()
         graphs = compiled_graphs()
         trainer = Trainer(cfg, runtime.from_process_group())
         trainer.fit()

@@ -1,0 +1,144 @@
+"""What composes with what: every fine-tuning and training feature on every layout, each cell either a
+``verify`` case (equal to one process within verify's bound) or the reason ``distlab train`` refuses it,
+read from the refusal itself -- so the table cannot claim what the code does not do.
+
+A cell is the verify case ``LAYOUT+FEATURE+MODEL`` (:func:`cells`): :func:`~distlab.tools.verify.config_for`
+either builds its run -- the cell is ``verified`` by that case -- or raises the :class:`ConfigError` a user
+would see, whose first sentence is the cell's reason. ``python scripts/composition.py --write`` writes the
+table into ``docs/composition.md``; ``tests/test_composition.py`` fails when the docs' table is not what
+the code says, and runs every verified cell (one launch per world size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from distlab.errors import ConfigError
+
+LORA = "lora=r=2,alpha=4,targets={targets}"  # the attention's projections and, where the MLP is one, its down
+
+# feature -> its verify modifiers
+FEATURES: dict[str, str] = {
+    "LoRA": f"+{LORA}",
+    "bf16 frozen base": f"+{LORA}+base=bf16+bf16",
+    "NF4 frozen base (QLoRA)": f"+{LORA}+base=nf4+bf16",
+    "packed records": "+pack",
+    "ignored targets (SFT)": "+mask",
+    "DPO": "+dpo",
+    "activation checkpointing": "+ckpt",
+    "compile": "+compile",
+    "grad accumulation": "+accum=2",
+    "clipping": "+clip",
+    "label smoothing": "+smooth",
+    "bf16 autocast": "+bf16",
+    "fp16 compression": "+compress=fp16",
+}
+
+# layout -> (its strategy text, the world it runs on)
+LAYOUTS: dict[str, tuple[str, int]] = {
+    "DP": ("bucketed", 2),
+    "ZeRO-1": ("zero=1", 2),
+    "ZeRO-2": ("zero=2", 2),
+    "ZeRO-3": ("zero=3", 2),
+    "TP": ("allreduce+tp=2", 2),
+    "TP+SP": ("allreduce+tp=2+sp", 2),
+    "PP 1F1B": ("bucketed+pp=2+mb=2", 2),
+    "PP GPipe": ("bucketed+pp=2+mb=2+gpipe", 2),
+    "PP interleaved": ("bucketed+pp=2+mb=4+vpp=2", 2),
+    "PP zero bubble": ("bucketed+pp=2+mb=2+zb", 2),
+    "CP ring": ("bucketed+cp=2", 2),
+    "CP Ulysses": ("bucketed+cp=2+ulysses", 2),
+    "EP": ("bucketed+ep=2", 2),
+    "TP+PP": ("allreduce+tp=2+pp=2+mb=2", 4),
+    "CP+PP": ("bucketed+cp=2+pp=2+mb=2", 4),
+    "TP+CP": ("allreduce+tp=2+cp=2", 4),
+    "EP+PP": ("bucketed+ep=2+pp=2+mb=2", 4),
+    "ZeRO-2+PP": ("zero=2+pp=2+mb=2", 4),
+    "ZeRO-3+TP": ("zero=3+tp=2", 4),
+}
+
+
+@dataclass(frozen=True)
+class Cell:
+    feature: str
+    layout: str
+    case: str  # the verify case's text
+    world: int
+    reason: str | None  # None: verified by ``case``; else why it is refused
+
+    @property
+    def text(self) -> str:
+        return f"`{self.case}`" if self.reason is None else f"refused: {self.reason}"
+
+
+def model_of(layout: str, feature: str) -> str:
+    """The model a cell trains: the Llama family with experts under expert parallel, without elsewhere."""
+    return "llama-moe" if "ep=" in LAYOUTS[layout][0] else "llama"
+
+
+def reason_of(exc: ConfigError) -> str:
+    """A refusal's reason: its message up to the advice (what to do), as one table cell."""
+    text = str(exc).splitlines()[0].strip()
+    for cut in ("; use ", "; drop ", ": drop ", ": use ", " -- use ", "; add ", ": add "):
+        if cut in text:
+            text = text[:text.index(cut)]
+    return text.replace("|", "/")
+
+
+def cell(feature: str, layout: str, steps: int = 2) -> Cell:
+    from distlab.tools.verify import config_for, parse_strategy
+    strategy, world = LAYOUTS[layout]
+    model = model_of(layout, feature)
+    modifiers = FEATURES[feature].format(targets="q,v,o" if model.endswith("-moe") else "q,v,o,down")
+    case = f"{strategy}{modifiers}+{model}"
+    try:
+        config_for(parse_strategy(case), world, steps)
+    except ConfigError as exc:
+        return Cell(feature, layout, case, world, reason_of(exc))
+    return Cell(feature, layout, case, world, None)
+
+
+def cells(steps: int = 2) -> list[Cell]:
+    return [cell(f, layout, steps) for f in FEATURES for layout in LAYOUTS]
+
+
+def table(found: list[Cell]) -> str:
+    """The markdown table: a row per feature, a column per layout; a verified cell names its case, a refused
+    one its reason (footnoted: the same reason once)."""
+    reasons: list[str] = []
+    head = "| feature | " + " | ".join(LAYOUTS) + " |\n|---|" + "---|" * len(LAYOUTS) + "\n"
+    rows = []
+    for feature in FEATURES:
+        out = []
+        for layout in LAYOUTS:
+            c = next(x for x in found if x.feature == feature and x.layout == layout)
+            if c.reason is None:
+                out.append("yes")
+            else:
+                if c.reason not in reasons:
+                    reasons.append(c.reason)
+                out.append(f"no [{reasons.index(c.reason) + 1}]")
+        rows.append(f"| {feature} | " + " | ".join(out) + " |")
+    notes = "\n".join(f"{i + 1}. {r}" for i, r in enumerate(reasons))
+    return head + "\n".join(rows) + "\n\n" + notes + "\n"
+
+
+BEGIN, END = "<!-- composition: generated by scripts/composition.py --write -->", "<!-- composition: end -->"
+
+
+def block(found: list[Cell]) -> str:
+    """What the docs hold between the markers: the table and the count of its cells."""
+    verified = sum(c.reason is None for c in found)
+    layouts = ", ".join(f"{name} `{text}` ({world} ranks)" for name, (text, world) in LAYOUTS.items())
+    features = ", ".join(f"{name} `{text.format(targets='q,v,o,down')}`" for name, text in FEATURES.items())
+    return (f"{BEGIN}\n{verified} of {len(found)} cells verified, {len(found) - verified} refused; a cell's case is "
+            f"`LAYOUT+FEATURE+MODEL` in `distlab verify`'s text form (`distlab.tools.composition.cell`).\n\n"
+            f"{table(found)}\nLayouts: {layouts}.\n\nFeatures: {features}.\n{END}")
+
+
+def written(text: str, found: list[Cell]) -> str:
+    """``text`` (the docs page) with its block between the markers replaced by :func:`block`."""
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"the page has no composition markers ({BEGIN} ... {END})")
+    head, rest = text.split(BEGIN, 1)
+    return head + block(found) + rest.split(END, 1)[1]
