@@ -41,7 +41,7 @@ def test_compile_keeps_the_modules_parameters_and_snapshot_keys():
 
 
 def test_compile_with_the_zero_bubble_pipeline_is_refused_before_launch(refused_here):
-    with pytest.raises(ConfigError, match="zero bubble takes each layer's weight gradient"):
+    with pytest.raises(ConfigError, match="zero bubble takes each weight's gradient from the product"):
         Strategy.parse("bucketed+pp=2+mb=2+zb+compile").check(2)
     proc = refused_here("train", "--model", "gpt", "--dataset", "synthetic-text:400", "--nproc-per-node", "2", "--pp", "2",
                         "--pp-schedule", "zb", "--compile")

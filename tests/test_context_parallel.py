@@ -299,6 +299,20 @@ def test_the_ring_sends_each_block_while_it_scores_the_one_it_holds(world):
         assert (hidden, exposed) == (2 * (world - 1) * 2, 2)
 
 
+def against_whole(layout, qkv, grad_out, whole, core) -> list[float]:
+    """How far ``core`` on this rank's tokens of ``qkv`` (``(B, H, T, D)`` each) is from ``whole`` on every token:
+    the output's and the three gradients' largest differences, backward from ``grad_out``."""
+    leaves = [z.clone().requires_grad_() for z in qkv]
+    ref = whole(*leaves)
+    ref.backward(grad_out)
+    index = layout.positions(qkv[0].shape[2])
+    mine = [z.index_select(2, index).clone().requires_grad_() for z in qkv]
+    out = core(*mine)
+    out.backward(grad_out.index_select(2, index))
+    diffs = [(out - ref.index_select(2, index)).abs().max().item()]
+    return diffs + [(m.grad - z.grad.index_select(2, index)).abs().max().item() for m, z in zip(mine, leaves)]
+
+
 def _windowed(rank, world, window, t):
     from distlab.models.contract import attend
     from distlab.parallel.context_parallel import ContextLayout, RingAttention
@@ -308,15 +322,8 @@ def _windowed(rank, world, window, t):
     k, v = (torch.randn(2, 2, t, 8, generator=g, dtype=torch.float64) for _ in range(2))  # grouped-query
     grad_out = torch.randn(2, 4, t, 8, generator=g, dtype=torch.float64)
     layout = ContextLayout(world, rank)
-    leaves = [z.clone().requires_grad_() for z in (q, k, v)]
-    ref = attend(*leaves, window=window)
-    ref.backward(grad_out)
-    index = layout.positions(t)
-    mine = [z.index_select(2, index).clone().requires_grad_() for z in (q, k, v)]
-    out = RingAttention(None, layout, window=window)(*mine)
-    out.backward(grad_out.index_select(2, index))
-    diffs = [(out - ref.index_select(2, index)).abs().max().item()]
-    diffs += [(m.grad - z.grad.index_select(2, index)).abs().max().item() for m, z in zip(mine, leaves)]
+    diffs = against_whole(layout, (q, k, v), grad_out, lambda *z: attend(*z, window=window),
+                          RingAttention(None, layout, window=window))
     h = t // (2 * world)
     return diffs, [sum(1 for _ in _pairs(layout, o, True, None, window, h)) for o in range(world)]
 

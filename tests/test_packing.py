@@ -68,20 +68,15 @@ def _packed_attention(rank, world, style, lengths):
     from distlab.parallel.context_parallel import ContextLayout, RingAttention, UlyssesAttention
     from distlab.parallel.ring_attention import _pairs, meeting
     from distlab.models.contract import attend
+    from tests.test_context_parallel import against_whole
     g = torch.Generator().manual_seed(3)
     t = sum(lengths)
     q, k, v, grad_out = (torch.randn(2, 2, t, 8, generator=g, dtype=torch.float64) for _ in range(4))
     records = _structure(lengths, rows=2).records
     layout = ContextLayout(world, rank)
-    leaves = [z.clone().requires_grad_() for z in (q, k, v)]
-    ref = attend(*leaves, records=records)
-    ref.backward(grad_out)
-    index = layout.positions(t)
-    mine = [z.index_select(2, index).clone().requires_grad_() for z in (q, k, v)]
-    out = (RingAttention if style == "ring" else UlyssesAttention)(None, layout)(*mine, records=records)
-    out.backward(grad_out.index_select(2, index))
-    diffs = [(out - ref.index_select(2, index)).abs().max().item()]
-    diffs += [(m.grad - z.grad.index_select(2, index)).abs().max().item() for m, z in zip(mine, leaves)]
+    core = (RingAttention if style == "ring" else UlyssesAttention)(None, layout)
+    diffs = against_whole(layout, (q, k, v), grad_out, lambda *z: attend(*z, records=records),
+                          lambda *z: core(*z, records=records))
     meets = meeting(records, 2 * world)
     scored = [sum(1 for _ in _pairs(layout, owner, True, meets)) for owner in range(world)]
     return diffs, sum(scored), sum(sum(1 for _ in _pairs(layout, owner)) for owner in range(world))

@@ -51,10 +51,8 @@ LAYOUTS: dict[str, tuple[str, int]] = {
     "EP": ("bucketed+ep=2", 2),
     "TP+PP": ("allreduce+tp=2+pp=2+mb=2", 4),
     "CP+PP": ("bucketed+cp=2+pp=2+mb=2", 4),
-    "TP+CP": ("allreduce+tp=2+cp=2", 4),
     "EP+PP": ("bucketed+ep=2+pp=2+mb=2", 4),
     "ZeRO-2+PP": ("zero=2+pp=2+mb=2", 4),
-    "ZeRO-3+TP": ("zero=3+tp=2", 4),
 }
 
 

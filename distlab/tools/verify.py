@@ -293,7 +293,8 @@ def config_for(case: Case, world_size: int, steps: int, global_batch: int | None
                        lr_schedule="constant", momentum=0.9, optimizer=case.optimizer, seed=seed, log_every=1,
                        clip_grad_norm=case.clip, label_smoothing=case.smoothing, lora=case.lora,
                        base_dtype=case.base_dtype,
-                       progress=False, verbose=False, eval_every_epoch=False, strategy=strategy).validate(world_size)
+                       progress=False, verbose=False, eval_every_epoch=False, eval_batches=1,  # (compared: the
+                       strategy=strategy).validate(world_size)  # parameters and losses; the test set is not read)
 
 
 def tolerance(cfg: TrainConfig, world_size: int = 1, num_parameters: int = 0) -> float | None:
