@@ -64,12 +64,8 @@ class Cell:
     world: int
     reason: str | None  # None: verified by ``case``; else why it is refused
 
-    @property
-    def text(self) -> str:
-        return f"`{self.case}`" if self.reason is None else f"refused: {self.reason}"
 
-
-def model_of(layout: str, feature: str) -> str:
+def model_of(layout: str) -> str:
     """The model a cell trains: the Llama family with experts under expert parallel, without elsewhere."""
     return "llama-moe" if "ep=" in LAYOUTS[layout][0] else "llama"
 
@@ -86,7 +82,7 @@ def reason_of(exc: ConfigError) -> str:
 def cell(feature: str, layout: str, steps: int = 2) -> Cell:
     from distlab.tools.verify import config_for, parse_strategy
     strategy, world = LAYOUTS[layout]
-    model = model_of(layout, feature)
+    model = model_of(layout)
     modifiers = FEATURES[feature].format(targets="q,v,o" if model.endswith("-moe") else "q,v,o,down")
     case = f"{strategy}{modifiers}+{model}"
     try:
