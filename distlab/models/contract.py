@@ -42,6 +42,8 @@ A module a plan names (made one by :func:`contract` where the parallelism asks):
 ``scale``                          None: an attention core scales scores by ``1 / sqrt(head width)``; else by it
 ``reads_positions``                False: a module called with positions ``0..t-1`` (a rotary table) for
                                    ``context_positions`` (an ``nn.Embedding`` always is one)
+``packing``                        None: a module that reads a packed batch's structure holds the
+                                   :class:`~distlab.models.packing.Packing` slot it reads (``bind`` fills it)
 ``tensor_rank(rank, size)``        a ``tensor_rank`` module takes its share of the group; refused by default
 =================================  ============================================================================
 
@@ -68,6 +70,7 @@ class ModelContract:
     window: int | None = None
     scale: float | None = None
     reads_positions: bool = False
+    packing = None  # the Packing slot it reads a packed batch's structure from (distlab.models.packing)
     packable: bool = False  # it reads packed windows (several records, each at its own positions, attending to
     # itself only: distlab.models.packing)
 

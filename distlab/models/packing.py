@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from distlab.models.contract import ModelContract
+
 
 @dataclass(frozen=True)
 class Packed:
@@ -68,6 +70,11 @@ def split(batch) -> tuple[torch.Tensor, torch.Tensor, Packed | None]:
     return (batch[0], batch[1], batch[2]) if len(batch) > 2 else (batch[0], batch[1], None)
 
 
+def moved(batch, device) -> tuple[torch.Tensor, torch.Tensor, Packed | None]:
+    """:func:`split` of ``batch``, each part on ``device`` (copied without waiting where it can be)."""
+    return tuple(t.to(device, non_blocking=True) for t in batch) + ((None,) if len(batch) == 2 else ())
+
+
 @dataclass
 class Packing:
     """The slot a model's attentions read a packed batch's structure from (``fields``: None for a plain
@@ -83,7 +90,8 @@ _SLOTS: "weakref.WeakKeyDictionary[nn.Module, list[Packing]]" = weakref.WeakKeyD
 def slots(module: nn.Module) -> list[Packing]:
     """The :class:`Packing` slots the modules of ``module`` read (one per decoder, shared by its blocks)."""
     if module not in _SLOTS:
-        found = {id(s): s for m in module.modules() if isinstance(s := getattr(m, "packing", None), Packing)}
+        found = {id(m.packing): m.packing for m in module.modules()
+                 if isinstance(m, ModelContract) and m.packing is not None}
         _SLOTS[module] = list(found.values())
     return _SLOTS[module]
 

@@ -25,7 +25,7 @@ from distlab.data.resident import decide as decide_residence
 from distlab.data.resident import nbytes as data_nbytes
 from distlab.errors import ConfigError, FinalWriteError, NonFiniteError, first_line
 from distlab.models import IGNORE_INDEX
-from distlab.models.packing import split
+from distlab.models.packing import moved, split
 from distlab.parallel import Mesh
 from distlab.parallel.placement import placement_of
 from distlab.runtime import Runtime, comm_failure, is_comm_failure, reduce_scalars, timeline, \
@@ -285,8 +285,7 @@ class Trainer:
                 return "non_finite" if self._diverged() else "time_budget"
             clock.start()
             with timeline.span("data"):
-                x, y, fields = (t.to(self.rt.device, non_blocking=True) if t is not None else None
-                                for t in split(next(batches)))
+                x, y, fields = moved(next(batches), self.rt.device)
             lr = self.optimizer.param_groups[0]["lr"]
             sent = comm.bytes_sent()  # the step's bytes: the counter's growth (one read each side)
             self.optimizer.zero_grad(set_to_none=True)
