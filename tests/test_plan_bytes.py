@@ -31,7 +31,7 @@ def _counted(rank, world, configs):
 def _predicted(cfg, world: int) -> dict:
     s = cfg.strategy
     shape, classes = dataset_shape(cfg.dataset, cfg.block_size, cfg.tokenizer)
-    t = trace(cfg.model, shape, classes, options=cfg.options, lora=cfg.lora_spec())
+    t = trace(cfg.model, shape, classes, options=cfg.options, lora=cfg.lora)
     lay = Layout(dp=s.dp_size(world), strategy=s, optimizer=cfg.optimizer, momentum=cfg.momentum,
                  global_batch=cfg.global_batch_size, ignored_targets="masked=" in cfg.dataset or cfg.dataset.startswith("sft:"),
                  label_smoothing=cfg.label_smoothing > 0, pairs=cfg.dataset.startswith("synthetic-pairs"))

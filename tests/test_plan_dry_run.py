@@ -26,13 +26,13 @@ def test_the_dry_run_measures_what_the_plan_predicts(case):
     base under adapters), which the plan counts as model state and the meter also sees saved."""
     cfg = config_for(case, WORLD, steps=2)
     shape, classes = dataset_shape(cfg.dataset, cfg.block_size)
-    t = trace(cfg.model, shape, classes, options=cfg.options, lora=cfg.lora_spec())
+    t = trace(cfg.model, shape, classes, options=cfg.options, lora=cfg.lora)
     st = cfg.strategy
     lay = Layout(dp=st.dp_size(WORLD), strategy=st, optimizer=cfg.optimizer, momentum=cfg.momentum,
                  global_batch=cfg.global_batch_size)
     p = predict(t, lay, Link(), None)
     m = dry_run(cfg.model, cfg.options, classes, shape, st, WORLD, WORLD - 1, cfg.global_batch_size, cfg.optimizer,
-                lora=cfg.lora_spec())
+                lora=cfg.lora)
     assert m["model_state_bytes"] == p["model_state_bytes_per_rank"], m
     planned, measured = p["activation_bytes_float32_per_rank"], m["activation_bytes"]
     held = [n for u, n in enumerate(t.numels) if not t.trains(u) or t.names[u] in t.tied.values()]

@@ -34,7 +34,7 @@ def _summary(cfg, lay: Layout, p: dict, found: dict, shape, classes) -> dict:
     """What a run's summary.json says of itself, had every step taken the predicted time."""
     return {"world_size": lay.world, "model": cfg.model, "dataset": cfg.dataset, "input_shape": list(shape),
             "num_classes": classes, "strategy": cfg.strategy.to_dict(), "optimizer": cfg.optimizer,
-            "config": {"momentum": cfg.momentum, **cfg.options.to_dict(), "lora": cfg.lora},
+            "config": {"momentum": cfg.momentum, **cfg.options.to_dict(), "lora": cfg.to_dict()["lora"]},
             "global_batch_size": cfg.global_batch_size, "local_batch_size": cfg.global_batch_size // lay.dp,
             "time_per_step_s_median": p["step_s"], "model_state_bytes_per_rank": p["model_state_bytes_per_rank"],
             "trace": {"per_rank": found["ranks"], **{k: found[k] for k in (
@@ -45,7 +45,7 @@ def _summary(cfg, lay: Layout, p: dict, found: dict, shape, classes) -> dict:
 def test_every_verified_layout_is_predicted_drawn_and_validated(case, calibration, tmp_path):
     cfg = config_for(case, WORLD, steps=2)
     shape, classes = dataset_shape(cfg.dataset, cfg.block_size)
-    t = trace(cfg.model, shape, classes, options=cfg.options, lora=cfg.lora_spec())
+    t = trace(cfg.model, shape, classes, options=cfg.options, lora=cfg.lora)
     strategy = cfg.strategy
     lay = Layout(dp=strategy.dp_size(WORLD), strategy=strategy, optimizer=cfg.optimizer, momentum=cfg.momentum,
                  global_batch=cfg.global_batch_size, pairs=cfg.dataset.startswith("synthetic-pairs"))

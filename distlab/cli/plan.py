@@ -103,6 +103,8 @@ def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_byt
     if ctx.invoked_subcommand is not None:
         return
     _refuse_what_would_do_nothing(ctx, sweep, search_, machine, num_params, dry_rank, timeline_out, lora)
+    from distlab.models.lora import LoRASpec
+    lora = LoRASpec.of(lora)
     import json as _json
     import os as _os
     import platform
@@ -144,9 +146,8 @@ def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_byt
         shape, k = dataset_shape(dataset, block_size)
         if vocab_size is not None and vocab_size < k:
             raise ConfigError(f"--vocab-size {vocab_size:,} is smaller than {dataset}'s {k:,} tokens")
-        from distlab.models.lora import LoRASpec
         t = trace(model, shape, vocab_size or k, options=options,
-                  lora=LoRASpec.parse(lora) if lora is not None else None, attention="flash" if machine else "math")
+                  lora=lora, attention="flash" if machine else "math")
     path = None if machine else calibration or (DEFAULT_CALIBRATION if _os.path.exists(DEFAULT_CALIBRATION) else None)
     cal = pp.Calibration.load(path) if path else None
     from distlab.data.preference import is_preference
@@ -202,11 +203,10 @@ def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_byt
             if num_params is not None:
                 raise ConfigError("--dry-run builds the model: give --model or --preset, not --params")
             from distlab.cli.plan_gpu import dry_run_text
-            from distlab.models.lora import LoRASpec
             from distlab.plan.dry_run import dry_run
             result["dry_run"] = dry_run(model, options, vocab_size or k, shape, lay.strategy, lay.world, dry_rank,
                                         lay.global_batch, optimizer or "sgd",
-                                        lora=LoRASpec.parse(lora) if lora is not None else None,
+                                        lora=lora,
                                         attention="flash" if machine else "math")
             click.echo(dry_run_text(result))
         if timeline_out:

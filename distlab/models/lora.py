@@ -115,7 +115,16 @@ class LoRASpec:
         return cls(r=r, alpha=float(alpha), dropout=float(dropout), targets=tuple(targets))
 
     def text(self) -> str:
+        """The spec as ``--lora`` writes it (how a run records it and prints it)."""
         return f"r={self.r},alpha={self.alpha:g},dropout={self.dropout:g},targets={','.join(self.targets)}"
+
+    __str__ = text
+
+    @classmethod
+    def of(cls, value: "LoRASpec | str | None") -> "LoRASpec | None":
+        """``value`` as a spec: a spec as it is, ``--lora``'s text (or a run's record of it) parsed, None as
+        None -- where a spec enters distlab (a config, a run's metadata, ``plan``'s flag)."""
+        return value if value is None or isinstance(value, cls) else cls.parse(value)
 
 
 class LoRALinear(nn.Linear):

@@ -151,7 +151,7 @@ def trace_for(summary: dict, traces: dict) -> Trace:
     key = (summary["model"], shape, k, tuple(sorted(sizes.items())), adapters)
     if key not in traces:
         from distlab.models.lora import LoRASpec
-        traces[key] = trace(summary["model"], shape, k, lora=LoRASpec.parse(adapters) if adapters else None, **sizes)
+        traces[key] = trace(summary["model"], shape, k, lora=LoRASpec.of(adapters), **sizes)
     return traces[key]
 
 

@@ -326,7 +326,7 @@ def reference_run(cfg: TrainConfig, norms: list[float] | None = None) -> tuple[l
     model = build_model(cfg.model, data.input_shape, data.num_classes, **cfg.model_options())
     if cfg.lora is not None:  # the base frozen, adapters at their starting values (no random state drawn)
         from distlab.models import lora
-        lora.apply(model, cfg.lora_spec())
+        lora.apply(model, cfg.lora)
         lora.fill(model, lora.initial_state(model, cfg.seed))
         from distlab.train.adapters import narrow_base
         narrow_base(model, cfg.base_dtype)

@@ -29,16 +29,16 @@ def _source(cfg) -> tuple[str, dict[str, str]]:
     return cfg.lora_from[5:], peft_files.module_names(name, options, architectures[0])
 
 
-def spec_text(cfg) -> str:
+def spec_of_source(cfg) -> lora.LoRASpec:
     """The ``lora`` spec a run with ``--lora-from`` trains: the adapter config's (``--lora``, if given, must
     say the same)."""
     from distlab.models import peft_files
     directory, layers = _source(cfg)
     spec = peft_files.read(directory, layers)[0]
-    if cfg.lora is not None and lora.LoRASpec.parse(cfg.lora) != spec:
+    if cfg.lora is not None and cfg.lora != spec:
         raise ConfigError(f"`lora` {cfg.lora} differs from {cfg.lora_from}'s adapters ({spec.text()}): drop `lora` "
                           f"(the adapters' config says it)")
-    return spec.text()
+    return spec
 
 
 def check_fine_tuning(cfg) -> None:
@@ -91,7 +91,7 @@ def attach(cfg, net: nn.Module, real: bool) -> dict:
     its state, once the layout cut it). ``{}`` without adapters."""
     if cfg.lora is None:
         return {}
-    lora.apply(net, cfg.lora_spec())
+    lora.apply(net, cfg.lora)
     state = lora.initial_state(net, cfg.seed)
     if cfg.lora_from is not None:
         from distlab.models import peft_files

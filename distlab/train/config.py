@@ -23,7 +23,7 @@ from distlab.models.lora import LoRASpec, apply as apply_lora
 from distlab.models.spec import Options
 from distlab.parallel import Strategy
 from distlab.train import pretrained as init_checks
-from distlab.train.adapters import check_fine_tuning, spec_text as lora_spec_text
+from distlab.train.adapters import check_fine_tuning, spec_of_source as lora_from_spec
 from distlab.train.durations import parse_duration  # noqa: F401 - where the settings readers take it from
 from distlab.train.model_fit import check_fit
 
@@ -70,7 +70,7 @@ class TrainConfig:
     keep_snapshots: int = 3
     resume: str | None = None  # "auto" or a snapshot directory
     init_from: str | None = None  # a whole-model state_dict file to start from (a resumed snapshot wins)
-    lora: str | None = None  # "r=16,alpha=32,dropout=0,targets=q,k,v,o": low-rank adapters, the rest frozen
+    lora: LoRASpec | None = None  # low-rank adapters, the rest frozen (given as "r=16,alpha=32,targets=q,k,v,o")
     lora_from: str | None = None  # peft:DIR: start the adapters at PEFT's (for the init_from hf:DIR base)
     base_dtype: str = "float32"  # with lora: the frozen base held (and gathered) in bf16
     pack: bool = False  # sft: records packed into windows, each attending to itself only
@@ -86,6 +86,7 @@ class TrainConfig:
     timing_warmup_steps: int = 5
 
     def __post_init__(self) -> None:
+        self.lora = LoRASpec.of(self.lora)  # the spec parsed once, here: the rest of distlab reads it typed
         if self.options is None and not is_user_model(self.model):
             try:
                 self.options = spec(self.model).options()
@@ -248,7 +249,7 @@ class TrainConfig:
             raise ConfigError(f"`model_args` are for your own model's builder (--model file.py:build); model "
                               f"{self.model} takes its own flags")
         if self.lora_from is not None:
-            self.lora = lora_spec_text(self)
+            self.lora = lora_from_spec(self)
         if self.lora is not None:
             self._meta_model()  # the spec parsed, its targets naming layers of the model
         check_fine_tuning(self)
@@ -278,11 +279,8 @@ class TrainConfig:
         with torch.device("meta"):
             net = build_model(self.model, shape, self.vocab(classes), **self.model_options())
         if self.lora is not None:  # the model as the run trains it: adapters on its target layers
-            apply_lora(net, self.lora_spec())
+            apply_lora(net, self.lora)
         return net
-
-    def lora_spec(self) -> LoRASpec | None:  # ``lora`` parsed; None without adapters
-        return LoRASpec.parse(self.lora) if self.lora is not None else None
 
     def _check_components(self) -> None:
         """Every model-sharding component the strategy turns on checks the model (built on the meta
@@ -397,6 +395,7 @@ class TrainConfig:
         strategy as its own dict."""
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("strategy", "options")}
         d = {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+        d["lora"] = self.lora.text() if self.lora is not None else None
         if self.options is not None:
             d |= self.options.to_dict()
         d["strategy"] = self.strategy.to_dict()

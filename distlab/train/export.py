@@ -147,7 +147,7 @@ def export_peft(state: dict[str, torch.Tensor], meta: dict, out: str | Path, whe
         raise ConfigError(f"--format peft writes low-rank adapters: {where} has none (train with --lora)")
     carried = meta.get("hf") if isinstance(meta.get("hf"), dict) else {}
     layers = peft_files.module_names(meta["model"], recorded_options(meta), carried.get("architecture"))
-    spec = lora.LoRASpec.parse(meta["lora"])
+    spec = lora.LoRASpec.of(meta["lora"])
     root = peft_files.write(state, spec, layers, out, carried.get("base"))
     return {"out": str(root), "step": meta.get("step"), "model": meta.get("model"), "lora": spec.text(),
             "tensors": len(lora.adapter_keys(state)), "files": sorted(p.name for p in root.iterdir()),

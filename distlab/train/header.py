@@ -121,8 +121,7 @@ def header(trainer) -> list[str]:
         shape = f" (your model: {with_article(type(trainer.engine.module).__name__)} that {where}'s {name}({args}) returns)"
     lines.append(f"model    {cfg.model}{shape}: {trainer.num_parameters:,} parameters"
                  + (f", {per_rank:,} on each rank" if per_rank != trainer.num_parameters and mesh.pp == 1 else ""))
-    if cfg.lora is not None:
-        spec = cfg.lora_spec()
+    if (spec := cfg.lora) is not None:
         lines.append(f"adapters LoRA {spec.text()} (scale {spec.scale:g}): {trainer.num_trainable:,} trained "
                      f"parameters ({trainer.num_trainable / trainer.num_parameters:.2%}); the base frozen"
                      + (f" and held in {cfg.base_dtype}" if cfg.base_dtype != "float32" else "")

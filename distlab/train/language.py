@@ -27,7 +27,7 @@ def sample(trainer, tokens: int = 48) -> str:
             model = build_model(cfg.model, trainer.train_set.input_shape, trainer.train_set.num_classes,
                                 **cfg.model_options())
             if cfg.lora is not None:  # the adapters as the run computes with them
-                lora.apply(model, cfg.lora_spec())
+                lora.apply(model, cfg.lora)
         assign_state(model, state)
         text = generate(model.eval(), "", tokens, temperature=0.8, top_k=None, seed=cfg.seed + trainer.run.step,
                         tokenizer=trainer.tokenizer)

@@ -12,7 +12,7 @@ def run_layout(trainer) -> dict:
     return {"world_size": trainer.rt.world_size, "model": cfg.model,
             **({"model_args": list(cfg.model_args)} if cfg.model_args else {}),
             **trainer.model_record,
-            **({"lora": cfg.lora_spec().text()} if cfg.lora is not None else {}),
+            **({"lora": cfg.lora.text()} if cfg.lora is not None else {}),
             **({"base_dtype": cfg.base_dtype} if cfg.base_dtype != "float32" else {}),
             "num_parameters": trainer.num_parameters, "dataset": cfg.dataset,
             **({"vocab_size": cfg.vocab_size} if cfg.vocab_size else {}),

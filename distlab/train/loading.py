@@ -171,7 +171,7 @@ def merged(state: dict[str, torch.Tensor], meta: dict, where: str) -> dict[str, 
     if not isinstance(meta.get("lora"), str):
         raise ConfigError(f"{where} holds low-rank adapters (lora_a, lora_b) but not the spec they were trained with "
                           f"(their scale alpha / r): export it from its run directory or snapshot")
-    return lora.merge(state, lora.LoRASpec.parse(meta["lora"]).scale)
+    return lora.merge(state, lora.LoRASpec.of(meta["lora"]).scale)
 
 
 def load(source: str | Path, n_head: int | None = None, tokenizer_file: str | None = None,
