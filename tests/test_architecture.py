@@ -132,7 +132,10 @@ def test_the_engine_and_evaluation_never_ask_which_strategy_they_hold():
 # What a model may declare (plans), the step's share of a loss it adds itself and the structure a batch carries
 # beside its tokens (a packed window's): no model in them.
 MODEL_CONTRACTS = {"distlab.models.plans", "distlab.models.aux_loss", "distlab.models.spec", "distlab.models.contract",
-                   "distlab.models.lora", "distlab.models.packing"}
+                   "distlab.models.packing"}
+# fine-tuning's converters: the training layer puts them on any model (LoRA's adapters, its typed spec); the
+# strategies meet an adapted layer only through a protocol (parallel.protocols.LowRankAdapted)
+CONVERTERS = {"distlab.models.lora"}
 
 
 def test_the_tools_never_import_a_benchmark():
@@ -152,14 +155,16 @@ def test_no_parallel_module_imports_a_concrete_model():
 
 def test_importing_the_strategies_loads_no_concrete_model():
     """The real import closure (a package's ``__init__`` runs first): ``import distlab.parallel`` -- and
-    the whole training layer above it -- loads no model's module; models load when a run builds one."""
+    the whole training layer above it -- loads no model's module (the training layer: fine-tuning's converters
+    aside, which fit any model); models load when a run builds one."""
     import sys
     concrete = sorted(m for m in MODULES if m.startswith("distlab.models.") and m not in MODEL_CONTRACTS)
-    probe = ("import sys, distlab.parallel, distlab.train\n"
-             f"print(sorted(m for m in sys.modules if m in {concrete!r}))")
-    loaded = run_patiently([sys.executable, "-c", probe], 120, check=True,
-                            cwd=ROOT).stdout.strip()
-    assert loaded == "[]", f"import distlab.parallel, distlab.train loads {loaded}"
+    loaded = "print(sorted(m for m in sys.modules if m in {concrete!r}))"
+    probe = f"import sys, distlab.parallel\n{loaded}\nimport distlab.train\n{loaded}"
+    strategies, training = run_patiently([sys.executable, "-c", probe.format(concrete=concrete)], 120, check=True,
+                                         cwd=ROOT).stdout.split("\n")[:2]
+    assert strategies == "[]", f"import distlab.parallel loads {strategies}"
+    assert set(ast.literal_eval(training)) <= CONVERTERS, f"import distlab.train loads {training}"
 
 
 def test_the_engine_never_asks_whether_a_component_is_there():

@@ -109,3 +109,57 @@ def test_sharded_layers_are_one_protocol_that_whole_state_is_gathered_through():
     imported = {n.module for n in ast.walk(ast.parse(engine.read_text())) if isinstance(n, ast.ImportFrom)}
     assert not imported & {"distlab.parallel.tensor_parallel", "distlab.parallel.expert_parallel",
                            "distlab.parallel.context_parallel", "distlab.parallel.zero"}, imported
+
+
+class _Adapted(torch.nn.Linear):
+    """A low-rank adapted linear layer that is not distlab's LoRALinear: its own update's arithmetic (the
+    factors' product scaled by 3, no dropout), declared through LowRankAdapted alone."""
+
+    def __init__(self, n_in, n_out, r):
+        super().__init__(n_in, n_out, bias=False)
+        self.weight.requires_grad_(False)
+        self.lora_a = torch.nn.Parameter(torch.randn(r, n_in))
+        self.lora_b = torch.nn.Parameter(torch.randn(n_out, r))
+        self.adapter = lambda result, x, a, b, training: result + 3.0 * (x @ a.T @ b.T)
+
+    def forward(self, x):
+        return self.adapter(F.linear(x, self.weight), x, self.lora_a, self.lora_b, self.training)
+
+
+def _adapted_split(rank, world):
+    import torch.distributed as dist
+
+    from distlab.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, adapt
+    torch.manual_seed(0)
+    first, second, x = _Adapted(4, 6, 2), _Adapted(6, 4, 2), torch.randn(3, 4)
+    column = ColumnParallelLinear(first, dist.group.WORLD, gather_output=False)
+    row = RowParallelLinear(second, dist.group.WORLD)
+    shared = []
+    adapt(column, first, shared)
+    adapt(row, second, shared)
+    out, reference = row(column(x)), second(first(x))
+    whole = [t for m in (column, row) for t in m.full_parameters()]
+    expected = [t.detach().clone() for m in (first, second) for t in (m.weight, m.lora_a, m.lora_b)]
+    with torch.no_grad():  # |fl(sum) - sum| <= gamma_n * sum|terms| (Higham): the function of |x| on |weights|
+        for m in (first, second):
+            for t in (m.weight, m.lora_a, m.lora_b):
+                t.abs_()
+        magnitude = second(first(x.abs())).max().item()
+    depth = 4 + 2 + 6 + 2  # the longest chain of additions an output element passes through, either order
+    bound = 2 * depth * torch.finfo(torch.float32).eps * magnitude  # both orders' errors
+    return ((out - reference).abs().max().item() <= bound, all(torch.equal(a, b) for a, b in zip(whole, expected)),
+            len(shared))
+
+
+def test_tensor_parallel_meets_an_adapter_through_the_protocol_only():
+    """Any layer answering LowRankAdapted (here not distlab's LoRALinear: an update of its own) is split by
+    the column- and row-parallel layers with its factors and computes the whole layer's function: the
+    strategies read the protocol, never the converter's class."""
+    from distlab.models.lora import LoRALinear, LoRASpec, apply
+    from distlab.parallel.protocols import LowRankAdapted
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    apply(model, LoRASpec.parse("r=2,alpha=4,targets=0"))
+    assert isinstance(model[0], LoRALinear) and isinstance(model[0], LowRankAdapted)
+    assert not isinstance(model[1], LowRankAdapted)
+    for close, parameters, shared in run_ranks(_adapted_split, 2, timeout=120):
+        assert close and parameters and shared == 2, (close, parameters, shared)

@@ -19,6 +19,7 @@ start the same on every layout and whether the model was built whole or on the m
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import re
 import zlib
@@ -141,11 +142,18 @@ class LoRALinear(nn.Linear):
         kw = {"device": linear.weight.device, "dtype": linear.weight.dtype}
         self.lora_a = nn.Parameter(torch.zeros(r, self.in_features, **kw))
         self.lora_b = nn.Parameter(torch.zeros(self.out_features, r, **kw))
-        self.r, self.scale, self.dropout = r, scale, dropout
+        self.r, self.adapter = r, Update(scale, dropout)
+
+    @property
+    def scale(self) -> float:
+        return self.adapter.scale
+
+    @property
+    def dropout(self) -> float:
+        return self.adapter.dropout
 
     def forward(self, x):
-        return low_rank(F.linear(x, self.weight, self.bias), x, self.lora_a, self.lora_b, self.scale, self.dropout,
-                        self.training)
+        return self.adapter(F.linear(x, self.weight, self.bias), x, self.lora_a, self.lora_b, self.training)
 
     def merged(self) -> torch.Tensor:
         """``W + (B A) * scale``: the weight of the plain layer that computes the same function."""
@@ -155,12 +163,21 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, lora r={self.r}, scale={self.scale:g}, dropout={self.dropout:g}"
 
 
-def low_rank(result: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
-             dropout: float, training: bool) -> torch.Tensor:
-    """``result + B(A(dropout(x))) * scale`` (PEFT's order of operations)."""
-    if dropout and training:
-        x = F.dropout(x, dropout, True)
-    return result + F.linear(F.linear(x, a), b) * scale
+@dataclass(frozen=True)
+class Update:
+    """The arithmetic of a low-rank update, apart from its factors: ``update(result, x, A, B, training)`` is
+    ``result + B(A(dropout(x))) * scale`` (PEFT's order of operations). A layer that holds one as ``adapter``
+    beside ``lora_a`` and ``lora_b`` is :class:`~distlab.parallel.protocols.LowRankAdapted`: tensor parallel
+    splits the factors and computes the update on its part with the same object."""
+
+    scale: float
+    dropout: float = 0.0
+
+    def __call__(self, result: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 training: bool) -> torch.Tensor:
+        if self.dropout and training:
+            x = F.dropout(x, self.dropout, True)
+        return result + F.linear(F.linear(x, a), b) * self.scale
 
 
 def initial(name: str, shape: tuple[int, int], seed: int, which: str = "lora_a") -> torch.Tensor:
@@ -259,16 +276,15 @@ def adapter_keys(state) -> list[str]:
 
 @contextlib.contextmanager
 def adapters_off(model: nn.Module):
-    """Inside: ``model`` computes as its base does -- every adapter's scale 0 (a :class:`LoRALinear`'s, or
-    the ``lora_scale`` tensor parallel gave a split layer), so ``result + update * 0`` is ``result`` exactly
-    -- the reference model of preference tuning without a second copy of the model. Restored after."""
-    held = [(m, attr, getattr(m, attr)) for m in model.modules()
-            for attr in ("scale", "lora_scale") if isinstance(getattr(m, attr, None), float) and
-            (isinstance(m, LoRALinear) or attr == "lora_scale")]
+    """Inside: ``model`` computes as its base does -- every adapter's scale 0 (each :class:`Update` a layer
+    holds: a :class:`LoRALinear`'s, or the one tensor parallel gave a split layer), so ``result + update * 0``
+    is ``result`` exactly -- the reference model of preference tuning without a second copy of the model.
+    Restored after."""
+    held = [(m, m.adapter) for m in model.modules() if isinstance(getattr(m, "adapter", None), Update)]
     try:
-        for m, attr, _ in held:
-            setattr(m, attr, 0.0)
+        for m, update in held:
+            m.adapter = dataclasses.replace(update, scale=0.0)
         yield
     finally:
-        for m, attr, value in held:
-            setattr(m, attr, value)
+        for m, update in held:
+            m.adapter = update

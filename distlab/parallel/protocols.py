@@ -243,6 +243,21 @@ class ShardedLayer(Protocol):
         vocabulary ``tp`` does not divide is cut as ``torch.chunk`` cuts it, the last part the smaller)."""
 
 
+@runtime_checkable
+class LowRankAdapted(Protocol):
+    """A linear layer with a trained low-rank update beside its frozen weight (LoRA:
+    :class:`distlab.models.lora.LoRALinear`): ``y = x W^T + b + adapter(...)``. Tensor parallel asks this,
+    never which converter made the layer: a column-parallel layer splits ``lora_b`` with its rows, a
+    row-parallel one ``lora_a`` with its columns, and each computes its part of the update with the same
+    ``adapter`` -- the row-parallel layer's partial update joins its weight's partial output in the one
+    all-reduce (no collective of its own)."""
+
+    lora_a: nn.Parameter  # (r, in_features)
+    lora_b: nn.Parameter  # (out_features, r)
+    # adapter(result, x, a, b, training): ``result`` plus the update of ``x`` through factors ``a``, ``b``
+    adapter: Callable[..., torch.Tensor]
+
+
 def split_shape(layer, name: str) -> tuple[int, ...]:
     """The whole shape of ``layer``'s parameter ``name`` split in equal parts along ``layer.tp_split[name]``
     over ``layer.group``: its own shape with that dimension times the parts."""

@@ -9,8 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlab.errors import ConfigError
-from distlab.models.lora import LoRALinear, low_rank
-from distlab.parallel.protocols import split_shape
+from distlab.parallel.protocols import LowRankAdapted, split_shape
 from distlab.parallel.tensor_parallel.mappings import (all_gather_along, copy_to_group, gather_from_group,
                                                        gather_sequence, reduce_from_group, scatter_sequence,
                                                        split_to_group)
@@ -59,7 +58,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(weight.clone())
         self.bias = nn.Parameter(bias.clone()) if bias is not None else None
-        self.lora_scale = None  # a low-rank adapter's scale, where :func:`adapt` gave it one
+        self.adapter = None  # a low-rank update's arithmetic, where :func:`adapt` gave the layer one
 
     def full_shape(self, name: str) -> tuple[int, ...]:
         return split_shape(self, name)
@@ -68,7 +67,7 @@ class ColumnParallelLinear(nn.Module):
         """The unsharded weight (and bias, and adapter), gathered from the group (collective)."""
         full = [all_gather_along(self.weight.detach(), self.group, 0)]
         full += [all_gather_along(self.bias.detach(), self.group, 0)] if self.bias is not None else []
-        if self.lora_scale is not None:  # A whole on every rank, B's rows split with the weight's
+        if self.adapter is not None:  # A whole on every rank, B's rows split with the weight's
             full += [self.lora_a.detach().clone(), all_gather_along(self.lora_b.detach(), self.group, 0)]
         return full
 
@@ -78,8 +77,8 @@ class ColumnParallelLinear(nn.Module):
         elif self.copy_input:
             x = copy_to_group(x, self.group)
         y = F.linear(x, self.weight, self.bias)
-        if self.lora_scale is not None:
-            y = low_rank(y, x, self.lora_a, self.lora_b, self.lora_scale, self.lora_dropout, self.training)
+        if self.adapter is not None:
+            y = self.adapter(y, x, self.lora_a, self.lora_b, self.training)
         return gather_from_group(y, self.group) if self.gather_output else y
 
 
@@ -114,7 +113,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(weight.clone())
         self.bias = nn.Parameter(bias.clone()) if bias is not None else None
-        self.lora_scale = None
+        self.adapter = None
 
     def full_shape(self, name: str) -> tuple[int, ...]:
         return split_shape(self, name)
@@ -123,7 +122,7 @@ class RowParallelLinear(nn.Module):
         """The unsharded weight (the replicated bias, the adapter), gathered from the group (collective)."""
         full = [all_gather_along(self.weight.detach(), self.group, 1)]
         full += [self.bias.detach().clone()] if self.bias is not None else []
-        if self.lora_scale is not None:  # A's columns split with the weight's, B whole on every rank
+        if self.adapter is not None:  # A's columns split with the weight's, B whole on every rank
             full += [all_gather_along(self.lora_a.detach(), self.group, 1), self.lora_b.detach().clone()]
         return full
 
@@ -131,8 +130,8 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = split_to_group(x, self.group)
         y = F.linear(x, self.weight)
-        if self.lora_scale is not None:  # this rank's part of the update, summed with the weight's
-            y = low_rank(y, x, self.lora_a, self.lora_b, self.lora_scale, self.lora_dropout, self.training)
+        if self.adapter is not None:  # this rank's part of the update, summed with the weight's
+            y = self.adapter(y, x, self.lora_a, self.lora_b, self.training)
         y = scatter_sequence(y, self.group) if self.sequence_parallel else reduce_from_group(y, self.group)
         return y + self.bias if self.bias is not None else y
 
@@ -146,18 +145,18 @@ def frozen_as(layer: nn.Module, source: nn.Module) -> None:
 
 
 def adapt(layer: ColumnParallelLinear | RowParallelLinear, source: nn.Module, shared: list) -> None:
-    """Give ``layer`` the low-rank adapter of ``source`` (a :class:`~distlab.models.lora.LoRALinear`; any
-    other module: nothing), split as the layer splits its weight: a column-parallel layer's ``B`` by rows
+    """Give ``layer`` the low-rank adapter of ``source`` (a :class:`~distlab.parallel.protocols.LowRankAdapted`
+    layer; any other module: nothing), split as the layer splits its weight: a column-parallel layer's ``B`` by rows
     (its output features), a row-parallel layer's ``A`` by columns (its input features). The other factor is
     whole on every rank and sees only this rank's part of the gradient: it joins ``shared`` (summed over
     the group). The frozen weight stays frozen."""
-    if not isinstance(source, LoRALinear):
+    if not isinstance(source, LowRankAdapted):
         return
     n, r = group_size(layer.group), group_rank(layer.group)
     column = isinstance(layer, ColumnParallelLinear)
     a, b = source.lora_a.detach(), source.lora_b.detach()
     layer.lora_a = nn.Parameter(a.clone() if column else a.chunk(n, dim=1)[r].clone())
     layer.lora_b = nn.Parameter(b.chunk(n, dim=0)[r].clone() if column else b.clone())
-    layer.lora_scale, layer.lora_dropout = source.scale, source.dropout
+    layer.adapter = source.adapter
     layer.tp_split = {**type(layer).tp_split, **({"lora_b": 0} if column else {"lora_a": 1})}
     shared.append(layer.lora_a if column else layer.lora_b)

@@ -14,8 +14,8 @@ from torch import nn
 
 from distlab.errors import ConfigError, with_article
 from distlab.models.contract import SequenceStatistics, SplitEmbedding, contract
-from distlab.models.lora import LoRALinear
 from distlab.parallel.cost import Call, ModuleIO
+from distlab.parallel.protocols import LowRankAdapted
 from distlab.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, adapt
 from distlab.parallel.tensor_parallel.vocabulary import (CopyToGroup, GatherSequence, VocabParallelEmbedding,
                                                          VocabParallelLinear)
@@ -57,7 +57,8 @@ def _adapter(io: ModuleIO, factor: str) -> list[Call]:
 
 
 def _expect(m: nn.Module, kind: type, style: str, name: str) -> None:
-    if type(m) is not kind and not (kind is nn.Linear and isinstance(m, LoRALinear)):  # a linear with an adapter
+    adapted = kind is nn.Linear and isinstance(m, nn.Linear) and isinstance(m, LowRankAdapted)  # with an adapter
+    if type(m) is not kind and not adapted:
         raise ConfigError(f"tensor-parallel plan: {name} is {with_article(type(m).__name__)}, but style {style} applies to an "
                           f"nn.{kind.__name__}")
 
