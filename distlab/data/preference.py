@@ -156,6 +156,7 @@ class PreferenceDataset(TextDataset):
         return len(self.starts) // 2
 
     pairs = True  # a sample is a pair of windows
+    windows = 2
 
     @property
     def ignores_targets(self) -> bool:

@@ -18,7 +18,6 @@ from distlab.data.tokenizer import vocab_size as tokenizer_vocab
 from distlab.errors import ConfigError
 from distlab.models import (check_model_name, is_text_model, is_user_model, option_owners, options_from,
                             parse_model_args, spec)
-from distlab.models.contract import contract
 from distlab.models.lora import LoRASpec, apply as apply_lora
 from distlab.models.spec import Options
 from distlab.parallel import Strategy

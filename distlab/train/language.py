@@ -11,6 +11,7 @@ from distlab.models import build_model, is_user_model, lora
 from distlab.models.plans import assign_state
 from distlab.train.export import write_state
 from distlab.train.loading import FINAL_MODEL
+from distlab.train.metrics import atomic_write_text
 from distlab.train.snapshot import broadcast_object
 
 
@@ -49,6 +50,20 @@ def final_model(trainer) -> str | None:
     carried = {"hf": trainer.run.attachments["hf"]} if "hf" in trainer.run.attachments else {}
     write_state(state, {**trainer.run.layout, "step": trainer.run.step, **carried}, path)
     return str(path)
+
+
+def attachments(cfg, tokenizer) -> dict:
+    """What a text run's snapshots carry beside the state: the tokenizer that made its tokens (``tokenizer_json``)
+    and what an export of a Hugging Face model must say again (``hf``: :func:`carried`); {} for images."""
+    made = tokenizer.to_json() if tokenizer is not None else None
+    kept = carried(cfg, tokenizer)
+    return {**({"tokenizer_json": made} if made else {}), **({"hf": kept} if kept else {})}
+
+
+def write_tokenizer(out: str | None, tokenizer) -> None:
+    """``OUT/tokenizer.json``, which ``distlab generate`` reads (a text run's on rank 0; nothing otherwise)."""
+    if out and tokenizer is not None and tokenizer.to_json():
+        atomic_write_text(Path(out) / "tokenizer.json", tokenizer.to_json())
 
 
 def carried(cfg, tokenizer) -> dict | None:

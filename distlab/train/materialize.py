@@ -9,10 +9,11 @@ other room knows which of these paths a run took.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, ContextManager, Protocol
 
 import torch
 from torch import nn
@@ -80,6 +81,8 @@ class Materialized:
     record: dict  # the model's own sizes (a snapshot's layout)
     throughput: Throughput  # tokens/s and MFU, from the whole model
     no_decay: set[str]  # parameters kept out of weight decay, by the whole model's names
+    # what computes with the model outside its steps runs under this (a frozen base held in bf16: autocast)
+    narrow: Callable[[], ContextManager] = contextlib.nullcontext
 
 
 def materialize(cfg, rt, train_set, mesh) -> Materialized:
@@ -108,6 +111,8 @@ def materialize(cfg, rt, train_set, mesh) -> Materialized:
                         snapshot_record(net), Throughput.of(net, train_set, cfg, rt),
                         no_decay_names(net) if decay_groups(cfg) else set())
     made.engine = engine = parallelize(net, cfg.strategy, mesh, rt.device)
+    if cfg.base_dtype != "float32":
+        made.narrow = engine.precision.autocast
     if init is not None:  # (a checkpoint's run draws no random numbers for weights it never uses)
         stream = itertools.chain(init.tensors(), (([k], v) for k, v in added.items()))
         engine.load_sharded_state_dict(state_from_full(engine, slices, device=rt.device) if slices is not None

@@ -29,6 +29,7 @@ times ``micro_steps x replicas / pairs of the global batch``, as
 from __future__ import annotations
 
 import contextlib
+from typing import Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -66,8 +67,12 @@ class Preference:
     (:meth:`compute_reference`), the window's reward statistics (:meth:`window`) and evaluation
     (:meth:`evaluate`)."""
 
-    def __init__(self, engine, beta: float, global_pairs: int, micro_steps: int, device):
+    ignore_index = None  # the loss is a pair's, scaled by itself (not a mean over kept targets)
+
+    def __init__(self, engine, beta: float, global_pairs: int, micro_steps: int, device,
+                 narrow: Callable[[], ContextManager] = contextlib.nullcontext):
         self.engine, self.beta, mesh = engine, beta, engine.mesh
+        self.narrow = narrow  # (a frozen base held in bf16 computes under autocast, as the steps do)
         self.scale = micro_steps * mesh.replicas / global_pairs
         self.cp_group = mesh.cp_group if mesh.cp > 1 else None
         self.counts = mesh.reports and mesh.cp_rank == 0  # one rank per pair counts its statistics
@@ -75,7 +80,7 @@ class Preference:
         self.stats = torch.zeros(4, dtype=torch.float64, device=device)  # pairs, preferred, margin, chosen reward
 
     @classmethod
-    def of(cls, trainer) -> "Preference | None":
+    def of(cls, trainer, narrow: Callable[[], ContextManager] = contextlib.nullcontext) -> "Preference | None":
         """A trainer's DPO, its data's reference log-probabilities computed (collective); None where its data
         are not preference pairs."""
         from distlab.data.preference import PreferenceDataset
@@ -83,13 +88,14 @@ class Preference:
         if not isinstance(trainer.train_set, PreferenceDataset):
             return None
         made = cls(trainer.engine, cfg.dpo_beta or DEFAULT_BETA, cfg.global_batch_size, cfg.strategy.micro_steps,
-                   trainer.rt.device)
-        # (a frozen base held in bf16 computes under autocast, as the steps do)
-        narrow = trainer.engine.precision.autocast if cfg.base_dtype != "float32" else contextlib.nullcontext
+                   trainer.rt.device, narrow)
         for data in (trainer.train_set, trainer.eval_test, trainer.eval_val):  # (what the steps and evaluations read)
             if data is not None:
-                made.compute_reference(data, trainer.eval_batch, narrow)
+                made.compute_reference(data, trainer.eval_batch)
         return made
+
+    def targets(self, y: torch.Tensor) -> torch.Tensor:  # a pair's targets beside their reference positions
+        return y[..., 0].long()
 
     def _scores(self, out, y):
         logps, reference = token_logps(self.engine.loss, out, y)
@@ -123,7 +129,7 @@ class Preference:
                 "reward_rejected": (chosen - margin) / pairs}
 
     @torch.no_grad()
-    def compute_reference(self, dataset, batch_size: int, narrow=contextlib.nullcontext) -> None:
+    def compute_reference(self, dataset, batch_size: int) -> None:
         """Fill ``dataset.reference`` with the starting model's log-probability of every target (module
         docstring): each rank scores its shard, one all-reduce joins them (collective)."""
         engine, mesh = self.engine, self.engine.mesh
@@ -131,7 +137,7 @@ class Preference:
         loader = EvalLoader(dataset.with_positions(), rank=mesh.dp_rank, world_size=mesh.dp, batch_size=batch_size)
         was_training = engine.module.training
         engine.module.eval()
-        with timeline.span("reference log-probabilities"), engine.gathered(), narrow(), \
+        with timeline.span("reference log-probabilities"), engine.gathered(), self.narrow(), \
                 lora.adapters_off(engine.module):
             for _, out, y in outputs(engine, loader, self.device):
                 target = y[..., 0].long()
@@ -145,20 +151,21 @@ class Preference:
         dataset.reference = found.to(dataset.tokens.device)
 
     @torch.no_grad()
-    def evaluate(self, dataset, batch_size: int, stop=None) -> dict:
+    def evaluate(self, dataset, batch_size: int, stop=None, details: bool = False) -> dict:
         """DPO's loss, preference accuracy and reward margin over ``dataset``'s pairs (collective; ``stop``:
-        :func:`~distlab.train.evaluate.outputs`')."""
+        :func:`~distlab.train.evaluate.outputs`'; no per-sample details)."""
         engine, mesh = self.engine, self.engine.mesh
         was_training = engine.module.training
         engine.module.eval()
         stats = torch.zeros(4, dtype=torch.float64, device=self.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         loader = EvalLoader(dataset, rank=mesh.dp_rank, world_size=mesh.dp, batch_size=batch_size)
-        for _, out, y in outputs(engine, loader, self.device, stop):
-            losses, chosen, rejected = self._scores(out, y)
-            if self.counts:
-                self._count(stats, chosen, rejected)
-                loss_sum += losses.double().sum()
+        with self.narrow():
+            for _, out, y in outputs(engine, loader, self.device, stop):
+                losses, chosen, rejected = self._scores(out, y)
+                if self.counts:
+                    self._count(stats, chosen, rejected)
+                    loss_sum += losses.double().sum()
         engine.module.train(was_training)
         pairs, preferred, margin, _, loss = reduce_scalars([*stats.tolist(), float(loss_sum)], device=self.device)
         return {"test_loss": loss / max(pairs, 1), "test_accuracy": preferred / max(pairs, 1),

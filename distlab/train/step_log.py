@@ -12,7 +12,7 @@ def step_record(trainer, epoch: int, lr: float, loss: float, rate: float | None,
     (collective) and the evaluation of this step."""
     record = {"step": trainer.run.step, "epoch": epoch, "loss": loss, "lr": lr, "samples_per_s": rate,
               **trainer.throughput.of_rate(rate), "time_s": trainer.run.time_used()}
-    record.update(trainer.preference.window() if trainer.preference else {})  # (collective)
+    record.update(trainer.objective.window())  # (collective)
     if trainer._grad_norm is not None:  # read once per log line, not per step
         record["grad_norm"] = float(trainer._grad_norm)
     if end_of_run:

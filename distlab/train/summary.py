@@ -58,7 +58,7 @@ def _text_facts(trainer, final: dict) -> dict:
     loss = final.get("test_loss")
     if data.pairs:  # preference pairs: DPO's loss, a share of pairs preferred
         return {"loss_unit": "dpo", "block_size": data.block_size, "train_tokens": 2 * len(data) * data.block_size,
-                "dpo_beta": trainer.preference.beta, "test_reward_margin": final.get("test_reward_margin"),
+                "dpo_beta": trainer.objective.beta, "test_reward_margin": final.get("test_reward_margin"),
                 "eval_pairs": len(trainer.eval_test), "vocab_size": data.num_classes}
     rate = trainer.test_set.tokens_per_byte  # tokens per byte of the test text: 1 for bytes
     tok = data.tokenizer

@@ -9,7 +9,6 @@ restarts lives in :class:`~distlab.train.run_state.RunState`; ``summary.json`` i
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 import time
@@ -24,7 +23,6 @@ from distlab.data.loader import TrainLoader
 from distlab.data.resident import decide as decide_residence
 from distlab.data.resident import nbytes as data_nbytes
 from distlab.errors import ConfigError, FinalWriteError, NonFiniteError, first_line
-from distlab.models import IGNORE_INDEX
 from distlab.models.packing import moved, split
 from distlab.parallel import Mesh
 from distlab.parallel.placement import placement_of
@@ -33,12 +31,11 @@ from distlab.runtime import Runtime, comm_failure, is_comm_failure, reduce_scala
 from distlab.train.clock import StepClock
 from distlab.train.config import TrainConfig
 from distlab.train.config_file import config_file_text
-from distlab.train.evaluate import DEFAULT_EVAL_BATCH, EvaluationStopped, eval_batch, eval_words, evaluate, \
-    evaluation_size, first_batches
+from distlab.train.evaluate import DEFAULT_EVAL_BATCH, EvaluationStopped, eval_batch, eval_words, evaluation_size, first_batches
 from distlab.train.observe import StepObserver
 from distlab.train import language
 from distlab.train.metrics import MetricsLog, anon_rss_mb, atomic_write_text, write_predictions, write_summary
-from distlab.train.preference import Preference
+from distlab.train.objective import objective_of
 from distlab.train.optim import build_optimizer, build_scheduler
 from distlab.train.preemption import Preemption
 from distlab.train.run_dirs import finished_summary
@@ -89,7 +86,7 @@ class Trainer:
         self.local_batch = cfg.global_batch_size // self.mesh.dp
         s = cfg.strategy
         logits = (cfg.block_size // s.cp) * -(-cfg.vocab(self.train_set.num_classes) // s.tp) * \
-            (2 if self.test_set.pairs else 1)  # a window's logits on this rank (a preference pair: two windows)
+            self.test_set.windows  # a sample's windows' logits on this rank (a preference pair: two windows)
         self.eval_batch = eval_batch(cfg.eval_batch_size, self.test_set.predicts_tokens,
                                      self.local_batch // (s.grad_accum * s.microbatches), logits)
         self.loader = TrainLoader(self.train_set, rank=self.mesh.dp_rank, world_size=self.mesh.dp,
@@ -101,13 +98,9 @@ class Trainer:
         made = materialize(cfg, rt, self.train_set, self.mesh)
         self.engine, self.num_parameters, self.num_trainable = made.engine, made.num_parameters, made.num_trainable
         self.model_record, self.throughput, no_decay = made.record, made.throughput, made.no_decay
-        # What training minimises: the task's cross-entropy, its targets smoothed if asked (not evaluations').
-        self.loss_fn = functools.partial(self.engine.loss, label_smoothing=cfg.label_smoothing) \
-            if cfg.label_smoothing else self.engine.loss
-        # Data whose targets may be ignored: each step the mean over the global batch's kept targets
-        self.ignore_index = IGNORE_INDEX if self.train_set.ignores_targets else None
-        self.preference = Preference.of(self)  # preference pairs: DPO (the reference log-probabilities computed now)
-        self.loss_fn = self.preference or self.loss_fn
+        self.narrow = made.narrow
+        # What training minimises and evaluations score: the task's cross-entropy, or DPO's on preference pairs
+        self.objective = objective_of(self)
         names = [p["name"] for p in placement_of(self.engine)["params"]] if no_decay else None
         # with a fused optimizer the gradients' verdict stays on the device, read where the loop must (_diverged)
         self.optimizer = self.engine.attach(build_optimizer(self.engine.parameters(), cfg, names, no_decay),
@@ -117,11 +110,8 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         eval_samples = len(self.eval_test) + (len(self.eval_val) if self.eval_val is not None else 0)
         self.tokenizer = getattr(self.train_set, "tokenizer", None)  # text: what made the tokens (bytes or BPE)
-        tokenizer_json = self.tokenizer.to_json() if self.tokenizer is not None else None
-        carried = language.carried(cfg, self.tokenizer)  # what an export of a Hugging Face model must say again
         self.run = RunState(cfg, rt, self.engine, self.optimizer, self.scheduler, run_layout(self), eval_samples,
-                            attachments={**({"tokenizer_json": tokenizer_json} if tokenizer_json else {}),
-                                         **({"hf": carried} if carried else {})})
+                            attachments=language.attachments(cfg, self.tokenizer))
         self.hooks = list(hooks or []) + [h for h in [fault_injection_hook(rt.rank)] if h]
         show_bar = rt.is_main and (cfg.progress if cfg.progress is not None else sys.stderr.isatty())
         self.bar = tqdm(total=self.total_steps, disable=not show_bar, unit="step", dynamic_ncols=True,
@@ -192,8 +182,8 @@ class Trainer:
         self.log = MetricsLog(cfg.out if self.rt.is_main else None, run.history)
         self.tb = TensorBoardLog(cfg.tensorboard, self.rt.is_main, self.rt.device,
                                  purge_step=run.step + 1 if run.resumed_from is not None else None)
-        if self.rt.is_main and cfg.out and self.tokenizer is not None and self.tokenizer.to_json():
-            atomic_write_text(Path(cfg.out) / "tokenizer.json", self.tokenizer.to_json())  # generate reads it
+        if self.rt.is_main:
+            language.write_tokenizer(cfg.out, self.tokenizer)
         self.bar.update(run.step)
         times = StepTimes()
         engine.train()
@@ -202,7 +192,7 @@ class Trainer:
             self.loader.set_epoch(epoch)                              # uninterrupted run did
             x, y, _ = split(next(self.loader.iter_from(position)))  # (the order gradients arrive in: a packed
             # batch's structure changes their values, not it)
-            engine.prime(x.to(self.rt.device), (y[..., 0].long() if self.preference else y).to(self.rt.device))
+            engine.prime(x.to(self.rt.device), self.objective.targets(y).to(self.rt.device))
         start = time.perf_counter()
         # the handlers stay until the summary is written: a SIGTERM meanwhile (the agent passing a scheduler's on,
         # the scheduler repeating it) must not kill a rank in the middle of the snapshot the run stops with
@@ -289,7 +279,7 @@ class Trainer:
             lr = self.optimizer.param_groups[0]["lr"]
             sent = comm.bytes_sent()  # the step's bytes: the counter's growth (one read each side)
             self.optimizer.zero_grad(set_to_none=True)
-            loss = engine.forward_backward(x, y, self.loss_fn, self.ignore_index, fields)
+            loss = engine.forward_backward(x, y, self.objective, self.objective.ignore_index, fields)
             if cfg.clip_grad_norm:
                 self._grad_norm = engine.clip_grad_norm_(cfg.clip_grad_norm)
                 self._clipped += self._grad_norm > cfg.clip_grad_norm  # on the device: read at the end
@@ -392,13 +382,9 @@ class Trainer:
         """The test (and validation) sets scored now; ``stop`` (:meth:`Preemption.now`) may end it between
         batches (:class:`~distlab.train.evaluate.EvaluationStopped`)."""
         t0 = time.perf_counter()
-        # (a frozen base held in bf16 computes under autocast there too; every other model in float32)
-        narrow = self.engine.precision.autocast() if self.cfg.base_dtype != "float32" else contextlib.nullcontext()
-        evaluate_one = functools.partial(evaluate, self.engine, device=self.rt.device, batch_size=self.eval_batch,
-                                         stop=stop) if self.preference is None else \
-            functools.partial(self.preference.evaluate, batch_size=self.eval_batch, stop=stop)
-        with timeline.span("evaluation"), self.engine.gathered(), narrow:  # ZeRO-3: one gather for the whole
-            result = evaluate_one(self.eval_test, **({"details": True} if self.preference is None else {}))
+        evaluate_one = functools.partial(self.objective.evaluate, batch_size=self.eval_batch, stop=stop)
+        with timeline.span("evaluation"), self.engine.gathered():  # ZeRO-3: one gather for the whole
+            result = evaluate_one(self.eval_test, details=True)
             if "confusion" in result:  # a classifier: the newest evaluation's counts and mistakes, for the report
                 self._predictions = (self.run.step, result.pop("confusion"), result.pop("misclassified"))
             if self.eval_val is not None:
