@@ -179,8 +179,9 @@ def test_training_with_experts_sharded_equals_one_process():
 
 def test_the_cli_trains_experts_in_parallel_reports_their_load_and_resumes_on_another_layout(run_cli, tmp_path):
     """ep 2 on 2 ranks: the header shows the groups, the summary every expert's load (all the routed
-    slots); its step-3 snapshot resumed by one process (the experts gathered whole) ends within
-    verify's float32 bound of the uninterrupted run."""
+    slots); its step-3 snapshot resumed by one process (the experts gathered whole), and by ZeRO-3 beside the
+    experts (the dense part cut into shards, the experts held whole), ends within verify's float32 bound of the
+    uninterrupted run -- the ZeRO run's own snapshots put back together by export."""
     import shutil
 
     from distlab.tools.verify import sgd_tolerance
@@ -201,20 +202,25 @@ def test_the_cli_trains_experts_in_parallel_reports_their_load_and_resumes_on_an
     (tmp_path / "one").mkdir()
     shutil.copytree(tmp_path / "s" / "step-00000003", tmp_path / "one" / "step-00000003")
     run_cli(*common, "--snapshot-dir", "one", "--resume", "auto", "--out", "one-out", check=True, timeout=240)
+    (tmp_path / "zero").mkdir()
+    shutil.copytree(tmp_path / "s" / "step-00000003", tmp_path / "zero" / "step-00000003")
+    run_cli(*common, "--nproc-per-node", "2", "--ep", "2", "--zero", "3", "--snapshot-dir", "zero", "--resume", "auto",
+            "--out", "zero-out", check=True, timeout=240)
     models = {}
-    for d in ("s", "one"):
+    for d in ("s", "one", "zero"):
         run_cli("export", f"{d}/step-00000006", "-o", f"{d}.pt", check=True)
         models[d] = torch.load(tmp_path / f"{d}.pt", weights_only=True)
     assert models["s"]["1.mlp.experts.up_weight"].shape[0] == 4
-    diff = max((models["s"][k] - models["one"][k]).abs().max().item() for k in models["s"])
-    assert diff <= sgd_tolerance(6, 0.05, 8 * 16, 0.9)
+    for d in ("one", "zero"):
+        diff = max((models["s"][k] - models[d][k]).abs().max().item() for k in models["s"])
+        assert diff <= sgd_tolerance(6, 0.05, 8 * 16, 0.9), (d, diff)
     bad = run_cli(*common, "--nproc-per-node", "2", "--ep", "3", "--snapshot-dir", "bad-s", "--out", "bad")
     assert bad.returncode == 2 and "--ep 3 does not divide the data-parallel size 2" in bad.stderr, bad.stderr
     from distlab.errors import ConfigError
     from distlab.train import TrainConfig
     moe = dict(model="gpt-moe", dataset="synthetic-text:6000", n_layer=2, n_embd=16, n_head=2, block_size=16,
                experts=4, global_batch_size=8)
-    for changes, message in (({"zero": 1}, "hold different experts"), ({"model": "gpt", "experts": None}, "expert_parallel_plan"),
+    for changes, message in (({"model": "gpt", "experts": None}, "expert_parallel_plan"),
                              ({"experts": 3}, "choose an `ep` that divides 3")):
         with pytest.raises(ConfigError, match=message):
             TrainConfig.from_flags(**{**moe, "ep": 2, **changes}).validate(2)

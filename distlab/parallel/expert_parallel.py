@@ -39,7 +39,7 @@ from distlab import comm
 from distlab.comm import p2p
 from distlab.errors import ConfigError
 from distlab.models import plans
-from distlab.parallel.cost import Call, CallGroup, Price, in_stage
+from distlab.parallel.cost import Call, CallGroup, Price, in_stage, under
 from distlab.parallel.protocols import split_shape
 from distlab.parallel.tensor_parallel.mappings import all_gather_along
 from distlab.parallel.protocols import ComponentKind
@@ -151,12 +151,7 @@ class ExpertParallel(ComponentKind):
         if not t.expert_names:
             raise ConfigError(f"`ep` {lay.ep}: expert parallel shards a mixture of experts' experts, and this model "
                               f"declares none (expert_parallel_plan); plan it with `ep` 1")
-        ep, e = lay.ep, t.element_size
-        names = set(t_rank.expert_names)
-        experts_held = [m for name, m in zip(t_rank.names, t_rank.numels) if name in names]
-        gone = [m - m // ep for m in experts_held]
-        saved = {"parameter_bytes_per_rank": e * sum(gone), "gradient_bytes_per_rank": e * sum(gone),
-                 "optimizer_bytes_per_rank": sum(optim.bytes(m, e) - optim.bytes(m // ep, e) for m in experts_held)}
+        ep = lay.ep
         mine = {name: v for name, v in t.expert_slots.items() if in_stage(name, t_rank, lay)} if t.expert_slots else {}
         # (sequence parallel: each tensor-parallel rank routes its own T / tp positions)
         split = lay.cp * (lay.tp if lay.strategy.sequence_parallel else 1)
@@ -164,11 +159,16 @@ class ExpertParallel(ComponentKind):
         layers = len(mine) if t.expert_slots else len({n.rsplit(".", 1)[0] for n in t.expert_names})
         experts = t.shapes[t.names.index(t.expert_names[0])][0] if t.shapes else 0
         counts = layers * (ep - 1) * 8 * (experts // ep)  # each layer's per-expert counts, int64
+        # activation checkpointing runs a checkpointed block's forward again in backward: its exchanges out and back
+        recomputed = {name for block in lay.strategy.checkpointed(t.blocks) for name in block}
+        again = [name for name in mine if under(name, recomputed)] if t.expert_slots else []
+        slots += sum(mine[name] for name in again) * micro / split / 2  # (half of a layer's four crossings)
+        counts += len(again) * (ep - 1) * 8 * (experts // ep)
         sent = lay.strategy.micro_steps * (4 * (ep - 1) / ep * slots + counts)
         local = not (lay.dp // ep == 1 and lay.cp == 1)
-        # exact memory: the gradient sync beside it is plain data parallel (ZeRO is refused with ep), whose
-        # peak is the sum of its parts
-        return Price([CallGroup([Call("native", "all_to_all", sent)], ep, local=local, dim="ep")], saved=saved, exact=True,
+        # exact memory: the rank's trace holds 1 / ep of each expert tensor (pipeline.cost.stages), which the
+        # gradient sync beside it counts whole (data parallel, or ZeRO holding them whole: zero.cost.whole_units)
+        return Price([CallGroup([Call("native", "all_to_all", sent)], ep, local=local, dim="ep")], exact=True,
                      report={"expert_parallel": {
                          "ep": ep, "expert_share_per_rank": 1 / ep, "bytes_per_step_per_rank": int(sent),
                          "bytes_basis": "per MoE layer and micro-batch, with balanced routing: (ep - 1)/ep of the "

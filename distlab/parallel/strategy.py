@@ -141,8 +141,6 @@ class Strategy:
                               f"already splits it for the whole model; drop `sequence_parallel`")
         if self.ep < 1:
             raise ConfigError(f"`ep` must be at least 1, not {self.ep}")
-        if self.ep > 1:
-            self._check_expert_parallel()
         if self.microbatches < 1:
             raise ConfigError(f"`microbatches` must be at least 1, not {self.microbatches}")
         if self.pp > 1:
@@ -191,13 +189,6 @@ class Strategy:
                               f"{'' if dp == world_size else ' / tp x cp x pp'}): expert parallel shards the experts "
                               f"over data-parallel ranks; use an `ep` of {fits}")
         return self
-
-    def _check_expert_parallel(self) -> None:
-        """The combinations expert parallel refuses, each with its reason."""
-        if self.zero:
-            raise ConfigError(f"`zero` {self.zero} with `ep` {self.ep}: ZeRO shards the model state over the data-"
-                              f"parallel ranks as if they held the same model, and under expert parallel they hold "
-                              f"different experts; use `ep` (the experts are already split) without `zero`")
 
     def _check_components(self) -> None:
         """Every name in `components` and `dims` registered (distlab.parallel.components), none twice; a

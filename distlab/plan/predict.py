@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from distlab.errors import ConfigError
 from distlab.parallel import Strategy, components
-from distlab.parallel.cost import Call, DataParallelCost, Optim, under
+from distlab.parallel.cost import Call, DataParallelCost, Optim, textbook_parts, under
 from distlab.parallel.pipeline import cost as schedule_cost
 from distlab.parallel.pipeline import ideal_bubble
 from distlab.parallel import sync_bn
@@ -100,6 +100,28 @@ def stage_names(t: Trace, stage: dict) -> set[str]:
     return {name for name in (*t.names, *t.tied) if under(name, set(layers), strict=True)}
 
 
+def dense_trace(t: Trace, lay: Layout) -> Trace:
+    """What the gradient sync reduces of a rank's trace ``t``: all of it but expert parallel's shards (their own
+    group's, reduced by their owner)."""
+    experts = set(t.expert_names) if lay.ep > 1 else set()
+    return units_trace(t, [u for u, n in enumerate(t.names) if n not in experts]) if experts else t
+
+
+def state_parts(t_rank: Trace, lay: Layout, sync, optim) -> dict[str, int]:
+    """The textbook split (ZeRO paper, table 1) of what each kind comes to between steps, as the gradient sync
+    shards it, on the units this rank holds (tensor parallel's and expert parallel's already split); expert
+    shards whole, as data parallel holds them (their own group's)."""
+    flags = t_rank.trainable or [True] * len(t_rank.numels)
+    experts = set(t_rank.expert_names) if lay.ep > 1 else set()
+    dense = [u for u, n in enumerate(t_rank.names) if n not in experts]
+    parts = sync.planned_parts([t_rank.numels[u] for u in dense], optim, t_rank.element_size, lay.strategy,
+                               lay.replicas, [flags[u] for u in dense])
+    held = [u for u in range(len(t_rank.names)) if u not in set(dense)]
+    whole = textbook_parts([t_rank.numels[u] for u in held], optim, t_rank.element_size, 0, lay.replicas,
+                           [flags[u] for u in held])
+    return {k: v + whole[k] for k, v in parts.items()}
+
+
 def comm_bytes(t: Trace, lay: Layout, sync, stages: list[dict], micro: int, optim) -> dict:
     """The bytes the first rank (the first pipeline stage, tensor-parallel rank 0) sends in a step --
     what a run counts on it (``comm_bytes_per_step`` of its summary) -- by sender: the gradient sync's
@@ -107,16 +129,15 @@ def comm_bytes(t: Trace, lay: Layout, sync, stages: list[dict], micro: int, opti
     and the count of kept targets where some are ignored (:func:`~distlab.plan.machine.sent` of each call)."""
     first = stages[0]["trace"]
     experts = set(first.expert_names) if lay.ep > 1 else set()  # expert shards: left out of the gradient sync
-    dense = units_trace(first, [u for u, n in enumerate(first.names) if n not in experts]) if experts else first
-    calls = sync.planned_calls(dense, lay.strategy, lay.replicas)
+    calls = sync.planned_calls(dense_trace(first, lay), lay.strategy, lay.replicas)
     by = {"gradient_sync": sum(sent(c.algorithm, lay.replicas, c.nbytes, c.kind)
                                for c in (*calls.before_layers, *calls.during_backward, *calls.after_backward,
                                          *calls.after_step))}
     for kind in components.wanted(lay.strategy):  # each priced on this stage's part of the model
         price = kind.price(t, first, lay, micro, optim)
         by[kind.name] = sum(g.hops * sent(c.algorithm, g.ranks, c.nbytes, c.kind) for g in price.calls for c in g.calls)
-    if experts:  # this rank's expert shards, summed over the replicas that hold the same ones
-        shard = sum(n for name, n in zip(first.names, first.numels) if name in experts) * first.element_size / lay.ep
+    if experts:  # this rank's expert shards (its trace's), summed over the replicas that hold the same ones
+        shard = sum(n for name, n in zip(first.names, first.numels) if name in experts) * first.element_size
         by["ep"] = by.get("ep", 0) + sent("native", lay.replicas // lay.ep, shard, "all_reduce")
     if lay.strategy.sync_bn != "off":
         by["sync_bn"] = sum(sent(c.algorithm, lay.replicas, c.nbytes, c.kind, c.itemsize)
@@ -179,12 +200,11 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
     prices = [kind.price(t, t_rank, lay, micro, optim) for kind in components.wanted(lay.strategy)]
     compute_split = math.prod(p.compute_split for p in prices)
     # (ZeRO-3's gathers are replayed one micro-batch after another, not in a pipeline schedule's order: there the
-    # peak is an estimate -- 13% under the measured one on a 2-stage 1F1B GPT)
-    state, exact = heaviest["model_state_bytes"], all(p.exact for p in prices) and not (lay.zero == 3 and lay.pp > 1)
-    # the textbook split (ZeRO paper, table 1) of what each kind comes to between steps, as the gradient sync
-    # shards it, on the units this rank holds (tensor parallel's already split: schedule_cost.stages)
-    parts = sync.planned_parts(t_rank.numels, optim, t.element_size, lay.strategy, lay.replicas,
-                               t_rank.trainable or None)
+    # peak is an estimate -- 13% under the measured one on a 2-stage 1F1B GPT; so is ZeRO-2's on a pipeline of
+    # a mixture of experts, which the replay does not yet follow -- 11% under the measured one on a 2-stage GPT-MoE)
+    estimate = lay.pp > 1 and (lay.zero == 3 or (lay.zero == 2 and bool(t.expert_names)))
+    state, exact = heaviest["model_state_bytes"], all(p.exact for p in prices) and not estimate
+    parts = state_parts(t_rank, lay, sync, optim)
     for price in prices:
         for what, nbytes in price.saved.items():
             parts[what] -= nbytes
@@ -262,7 +282,7 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
     stretch = 1.0 / (1.0 - ideal_bubble(lay.pp, lay.strategy.microbatches, lay.strategy.pp_schedule,
                                          lay.strategy.pp_virtual))
     fwd, bwd = fwd * stretch, bwd * stretch
-    calls = sync.planned_calls(t_rank, lay.strategy, lay.replicas)
+    calls = sync.planned_calls(dense_trace(t_rank, lay), lay.strategy, lay.replicas)
     overlapped, after, after_step = calls.during_backward, calls.after_backward, calls.after_step
     if cluster is not None:  # NCCL on the cluster's topology, each group where the launch places it
         timer = cluster.timer(lay, ("cp", "ep", "dp"))

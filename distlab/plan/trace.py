@@ -416,7 +416,7 @@ def units_trace(t: Trace, mine: list[int], layers: list[Layer] | None = None) ->
                  sharded_linear=pick(t.sharded_linear), input_grad=pick(t.input_grad),
                  shapes=[t.shapes[u] for u in mine] if t.shapes else [],
                  expert_names=[n for n in t.expert_names if n in names],
-                 trainable=[t.trainable[u] for u in mine] if t.trainable else [])
+                 trainable=[t.trainable[u] for u in mine] if t.trainable else [], blocks=t.blocks)
 
 
 def generic_trace(num_parameters: int, activation_bytes_per_sample: float, layers: int = 24,

@@ -49,6 +49,7 @@ LAYOUTS: dict[str, tuple[str, int]] = {
     "CP ring": ("bucketed+cp=2", 2),
     "CP Ulysses": ("bucketed+cp=2+ulysses", 2),
     "EP": ("bucketed+ep=2", 2),
+    "ZeRO-3+EP": ("zero=3+ep=2", 2),
     "TP+PP": ("allreduce+tp=2+pp=2+mb=2", 4),
     "CP+PP": ("bucketed+cp=2+pp=2+mb=2", 4),
     "EP+PP": ("bucketed+ep=2+pp=2+mb=2", 4),

@@ -150,7 +150,7 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
     checkpointing (with SyncBN too), bf16 autocast, a bf16 reduction, PowerSGD, and -- where
     ``world_size`` is even -- tensor parallel over pairs of ranks in both styles, two-stage
     pipelines with each schedule and context parallel on the transformer in both styles, the
-    mixture of experts with expert parallel, interleaved and zero-bubble pipelines (with tensor
+    mixture of experts with expert parallel (beside ZeRO too), interleaved and zero-bubble pipelines (with tensor
     parallel, context x pipeline and expert x pipeline where it divides by 4); clipping by the global
     norm over ZeRO-2's shards and, on an even world, over TP+SP's transformer with label smoothing;
     the transformer's blocks compiled under ZeRO-3 and activation checkpointing; ignored targets
@@ -246,6 +246,9 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
         cases += [Case(Strategy("bucketed", ep=2), model="gpt-moe"),
                   # the dense gradients compressed (fp16 on the wire), the experts' reduced over their own group
                   Case(Strategy("bucketed", ep=2, grad_compression="fp16"), model="gpt-moe"),
+                  # ZeRO-3 sharding the dense part, the expert shards held whole (their own group reduces them); the
+                  # blocks recomputed (their exchanges again)
+                  Case(Strategy(zero=3, ep=2, activation_checkpointing=True), model="gpt-moe"),
                   Case(Strategy("bucketed", pp=2, microbatches=4, pp_virtual=2), model="gpt"),
                   Case(Strategy("bucketed", pp=2, microbatches=4, pp_schedule="zb"), model="gpt")]
     if world_size and world_size % 4 == 0:
@@ -253,6 +256,8 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
                   Case(Strategy("allreduce", tp=2, cp=2), model="gpt"),
                   Case(Strategy("bucketed", cp=2, pp=2, microbatches=2), model="gpt"),
                   Case(Strategy("bucketed", ep=2, pp=2, microbatches=2), model="gpt-moe"),
+                  # ZeRO-2 over 4 ranks beside experts replicated over pairs (their gradients summed over the pair)
+                  Case(Strategy(zero=2, ep=2), model="gpt-moe"),
                   # each tensor-parallel rank routing its own positions to the experts of its expert-parallel
                   # group, the experts' gradients summed over the tensor-parallel ranks too
                   Case(Strategy("allreduce", tp=2, sequence_parallel=True, ep=2), model="gpt-moe"),

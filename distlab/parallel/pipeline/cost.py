@@ -121,6 +121,12 @@ def stages(t, lay, micro: int, optim, sync_cost) -> list[dict]:
                                                     if split is None or name in split else m
                                                     for name, m, shape in zip(sub.names, sub.numels, sub.shapes or [()] * len(sub.numels))])
             sub = sub.memo[tp]
+        if lay.ep > 1 and sub.expert_names:  # each rank's 1 / ep of every expert tensor (split along experts)
+            if (ep := ("ep", lay.ep)) not in sub.memo:
+                experts = set(sub.expert_names)
+                sub.memo[ep] = replace(sub, numels=[m // lay.ep if name in experts else m
+                                                    for name, m in zip(sub.names, sub.numels)])
+            sub = sub.memo[ep]
         state = sync_cost.planned_memory(sub, optim, lay.strategy, lay.replicas)
         recompute = recompute_flops = 0.0
         if mine and lay.strategy.activation_checkpointing:

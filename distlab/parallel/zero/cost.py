@@ -35,23 +35,27 @@ class ZeroReplay:
     """ZeRO's bookkeeping (distlab.parallel.zero.Zero) over sizes instead of tensors."""
 
     def __init__(self, t, stage: int, world: int, optim: Optim, bucket_mb: float = 25.0, wire_size: int | None = None,
-                 recompute: bool = False):
+                 recompute: bool = False, ep: int = 1):
         self.t, self.stage, self.n = t, stage, world
         e = t.element_size
         self.we = wire_size or e  # what a gradient travels in: a narrower dtype's copies are its size
-        self.shard = [math.ceil(n / world) for n in t.numels]
-        self.padded = [s * world for s in self.shard]
+        # a parameter replicated over a group of its own (an expert shard) is held whole, its gradient reduced by
+        # its owner, never gathered or freed (Zero.whole)
+        self.whole = set(whole_units(t, ep))
+        self.shard = [n if u in self.whole else math.ceil(n / world) for u, n in enumerate(t.numels)]
+        self.padded = [s * (1 if u in self.whole else world) for u, s in enumerate(self.shard)]
         self.e = e
         self.shard_bytes = sum(self.shard) * e  # every unit's shard, always held
         self.train = [t.trains(u) for u in range(len(t.numels))]  # False: frozen -- gathered, never reduced
         self.optim_bytes = sum(optim.bytes(s, e) for s, keep in zip(self.shard, self.train) if keep)
-        self.units_of: dict[int, list[int]] = {}
+        self.units_of: dict[int, list[int]] = {}  # (a module holding only whole units: none, so no hooks)
         for u, m in enumerate(t.module_of):
-            self.units_of.setdefault(m, []).append(u)
+            if u not in self.whole:
+                self.units_of.setdefault(m, []).append(u)
         shared = t.shared  # a module using another's parameter (a tied LM head): gathers it too
         for m, units in shared.items():
             self.units_of.setdefault(m, []).extend(units)
-        self.gathered_bytes = [p * e for p in self.padded]
+        self.gathered_bytes = [0 if u in self.whole else p * e for u, p in enumerate(self.padded)]
         self.gathered = [stage < 3] * len(t.numels)
         self.reduced = [False] * len(t.numels)
         self.outs: list[int] = []  # reduce-scatter outputs held as shard gradients (bytes)
@@ -60,7 +64,8 @@ class ZeroReplay:
         # stage 3: sharded Linears (their weight gradient lands in a padded buffer) and prefetching
         self.linear = [bool(t.sharded_linear[m]) if m < len(t.sharded_linear) else False
                        for m in range(len(t.module_of) and max([*t.module_of, *shared]) + 1)]
-        self.grad_bytes = [(self.padded[u] if self.linear[t.module_of[u]] and self.first_of_module(u) else n) * e
+        self.grad_bytes = [(self.padded[u] if self.linear[t.module_of[u]] and u not in self.whole
+                            and self.first_of_module(u) else self.shard[u] if u in self.whole else n) * e
                            for u, n in enumerate(t.numels)]
         self.has_grad = [False] * len(t.numels)
         self.order: dict[bool, list[int]] = {True: [], False: []}  # forward / backward gather order of step 1
@@ -81,7 +86,7 @@ class ZeroReplay:
         # stages 1-2: buckets of units in reverse order, as distlab.parallel.zero._buckets cuts them
         self.buckets: list[list[int]] = []
         cap, size = int(bucket_mb * 2**20), 0
-        for u in (u for u in reversed(range(len(t.numels))) if self.train[u]):
+        for u in (u for u in reversed(range(len(t.numels))) if self.train[u] and u not in self.whole):
             if self.buckets and self.buckets[-1] and size + self.padded[u] * e > cap:
                 self.buckets.append([])
                 size = 0
@@ -206,6 +211,8 @@ class ZeroReplay:
     def step(self, micro_batches: int) -> None:
         """One optimizer step in steady state (optimizer state exists)."""
         self.outs = []  # zero_grad(set_to_none=True)
+        for u in self.whole:
+            self.has_grad[u] = False
         if self.stage < 3:
             self.bucket_step(micro_batches)
             return
@@ -213,6 +220,11 @@ class ZeroReplay:
             syncing = i == micro_batches - 1
             recomputed: set[int] = set()
             for kind, k in self.t.events:
+                if kind == "grad" and k in self.whole:  # reduced by its owner after the sync
+                    self.has_grad[k] = True
+                    continue
+                if kind != "grad" and k not in self.units_of:  # a module ZeRO does not hook
+                    continue
                 block = self.block_of.get(k) if kind == "bwd" else None
                 if block is not None and block not in recomputed:
                     self.recompute(block, recomputed)  # backward entering the block recomputes its forward
@@ -253,7 +265,7 @@ class ZeroReplay:
             self.prefetched.discard(m)
             self.free(m)
         self.order_known = self.order_known or bool(self.order[True])
-        pending = [u for u in range(len(self.reduced)) if not self.reduced[u] and self.train[u]]
+        pending = [u for u in range(len(self.reduced)) if not self.reduced[u] and self.train[u] and u not in self.whole]
         if pending:
             self.reduce(pending)
         self.ready.clear()
@@ -271,7 +283,7 @@ class ZeroReplay:
             for kind, k in self.t.events:
                 if kind == "grad":
                     self.has_grad[k] = True
-                    if syncing:
+                    if syncing and k not in self.whole:
                         self.bucket_ready[self.bucket_of[k]] += 1
                         self.launch_ready()
         self.bucket_ready = [len(units) for units in self.buckets]  # sync_gradients: the rest count as zero
@@ -284,21 +296,28 @@ class ZeroReplay:
 
 
 
+def whole_units(t, ep: int) -> list[int]:
+    """The units ZeRO holds whole beside ``ep``-way expert parallel: the expert shards (their own group's)."""
+    experts = set(t.expert_names) if ep > 1 else set()
+    return [u for u, name in enumerate(t.names) if name in experts]
+
+
 def zero_peak_bytes(t, stage: int, world: int, optim: Optim, grad_accum: int = 1,
-                    bucket_mb: float = 25.0, wire_size: int | None = None, recompute: bool = False) -> int:
+                    bucket_mb: float = 25.0, wire_size: int | None = None, recompute: bool = False,
+                    ep: int = 1) -> int:
     """The peak of parameters + gradients + optimizer state one rank holds under ZeRO ``stage``
     (stages 1-2 reduce in buckets of ``bucket_mb``; gradients travel in ``wire_size``-byte elements,
     default their own; ``recompute``: activation checkpointing runs each block's forward -- one block in every
-    ``recompute`` -- again in backward)."""
+    ``recompute`` -- again in backward; ``ep``: expert parallel's shards held whole, :func:`whole_units`)."""
     if stage == 0:
         return data_parallel_bytes(t, optim)
     if stage not in (1, 2, 3):
         raise ConfigError(f"ZeRO stage {stage}: choose 0, 1, 2 or 3")
     if world < 1:
         raise ConfigError(f"world size {world}: must be at least 1")
-    key = ("zero", stage, world, optim, grad_accum, bucket_mb, wire_size, recompute)
+    key = ("zero", stage, world, optim, grad_accum, bucket_mb, wire_size, recompute, ep)
     if key not in t.memo:  # the trace keeps what was replayed on it (a search asks again and again)
-        sim = ZeroReplay(t, stage, world, optim, bucket_mb, wire_size, recompute)
+        sim = ZeroReplay(t, stage, world, optim, bucket_mb, wire_size, recompute, ep)
         sim.step(grad_accum)
         sim.step(grad_accum)  # the second step starts from the first one's leftovers: steady state
         t.memo[key] = sim.peak
@@ -388,7 +407,7 @@ class ZeroCost:
         wire = strategy.wire_dtype
         return zero_peak_bytes(t, strategy.zero, n, optim, strategy.grad_accum, strategy.bucket_mb,
                                DTYPES[wire].itemsize if wire else None,
-                               strategy.ac_every if strategy.activation_checkpointing else 0)
+                               strategy.ac_every if strategy.activation_checkpointing else 0, strategy.ep)
 
     @staticmethod
     def planned_extra_state(t, strategy, n: int) -> int:

@@ -30,9 +30,9 @@ class ShardedState:
 
     def sharded_state_dict(self) -> dict:
         """This rank's part: its shards and buffers (a snapshot writes one per rank)."""
-        return {"zero_stage": self.stage, "world_size": group_size(self.group), "rank": group_rank(self.group),
-                "units": [{"name": u.name, "numel": u.numel, "shard": u.shard.detach().clone()} for u in self.units],
-                "buffers": {k: v.detach().clone() for k, v in self._module.named_buffers()}}
+        return self.state_from([u.shard.detach().clone() for u in self.units] +
+                               [p.detach().clone() for _, p in self.whole],
+                               {k: v.detach().clone() for k, v in self._module.named_buffers()})
 
     def load_sharded_state_dict(self, state: dict) -> None:
         """Restore :meth:`sharded_state_dict` output; a different layout is refused, naming it. Every
@@ -62,8 +62,8 @@ class ShardedState:
             if state.get(key) != mine[key]:
                 raise ConfigError(f"sharded snapshot was written with {key} {state.get(key)}, this run has "
                                   f"{mine[key]}: resume with the same `zero` and data-parallel size")
-        theirs = [(u["name"], u["numel"]) for u in state["units"]]
-        ours = [(u["name"], u["numel"]) for u in mine["units"]]
+        theirs = [(u["name"], u["numel"]) for u in state["units"] + state.get("whole", [])]
+        ours = [(u["name"], u["numel"]) for u in mine["units"] + mine["whole"]]
         if theirs != ours:
             if len(theirs) != len(ours):
                 raise ConfigError(f"sharded snapshot is for another model: it has {len(theirs)} parameters, this "
@@ -74,20 +74,25 @@ class ShardedState:
         if self.units[0].shard.is_meta:  # built on the meta device: the state's tensors become the model's
             for unit, saved in zip(self.units, state["units"]):
                 unit.adopt(saved["shard"])
+            for (_, p), saved in zip(self.whole, state["whole"]):
+                adopt(p, saved["shard"].view(p.shape))
             for k, t in self._module.named_buffers():
                 adopt(t, state["buffers"][k])
             return
         with torch.no_grad():
             for unit, saved in zip(self.units, state["units"]):
                 unit.shard.copy_(saved["shard"])
+            for (_, p), saved in zip(self.whole, state["whole"]):
+                p.copy_(saved["shard"].view(p.shape))
             for k, t in self._module.named_buffers():  # (a tied parameter's second name is no buffer of its own)
                 t.copy_(state["buffers"][k])
 
     def parameter_slots(self) -> list[tuple[str, nn.Parameter, tuple[int, int] | None]]:
-        """(key, parameter, flat range) of each optimizer parameter: this rank's range of each unit."""
+        """(key, parameter, flat range) of each optimizer parameter: this rank's range of each unit, then each
+        parameter held whole (no range)."""
         return [(u.name, u.param, (u.rank * u.shard_numel,
                                    max(0, min(u.numel, (u.rank + 1) * u.shard_numel) - u.rank * u.shard_numel)))
-                for u in self.units]
+                for u in self.units] + [(name, p, None) for name, p in self.whole]
 
     @staticmethod
     def reads(state: dict) -> bool:
@@ -96,18 +101,24 @@ class ShardedState:
 
     @staticmethod
     def split_state(state: dict, keys: list[str]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-        """A :meth:`sharded_state_dict` as (the optimizer parameters' tensors: the shards, the buffers)."""
-        return [u["shard"] for u in state["units"]], dict(state["buffers"])
+        """A :meth:`sharded_state_dict` as (the optimizer parameters' tensors: the shards and the parameters held
+        whole, the buffers)."""
+        return [u["shard"] for u in state["units"] + state.get("whole", [])], dict(state["buffers"])
 
     def state_from(self, params: list[torch.Tensor], buffers: dict[str, torch.Tensor]) -> dict:
-        """The :meth:`sharded_state_dict` holding shards ``params`` (in unit order) and ``buffers``."""
+        """The :meth:`sharded_state_dict` holding ``params`` (the shards in unit order, then the parameters held
+        whole) and ``buffers``."""
+        cut = len(self.units)
         return {"zero_stage": self.stage, "world_size": group_size(self.group), "rank": group_rank(self.group),
-                "units": [{"name": u.name, "numel": u.numel, "shard": t} for u, t in zip(self.units, params)],
+                "units": [{"name": u.name, "numel": u.numel, "shard": t} for u, t in zip(self.units, params[:cut])],
+                "whole": [{"name": name, "numel": p.numel(), "shard": t} for (name, p), t in zip(self.whole,
+                                                                                                 params[cut:])],
                 "buffers": buffers}
 
     def held_bytes(self, *extra: torch.Tensor) -> int:
         """Bytes of parameters + gradients + optimizer state this rank holds right now."""
         tensors = [t for u in self.units for t in (u.full, u.shard, u.shard.grad, u.param.grad)]
+        tensors += [t for _, p in self.whole for t in (p, p.grad)]
         tensors += [t for b in self.buckets for t in (b.flat, b.out)]
         return storage_bytes(tensors + list(extra) + optimizer_tensors(self._optimizer))
 

@@ -46,9 +46,12 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
         broadcast_module(module, src=0, group=group)  # start from rank 0's weights, like data parallel
         owned = {id(p): (name, m, pname) for name, m in reversed(list(module.named_modules()))
                  for pname, p in m.named_parameters(recurse=False)}  # a shared parameter: its first module's
+        # a parameter replicated over a group of its own (an expert shard: `sync_group`) is held whole and left
+        # to that group's owner to reduce, as data parallel leaves it; the optimizer steps it as it is
+        self.whole = [(name, p) for name, p in module.named_parameters() if hasattr(p, "sync_group")]
         self.units = [Unit(f"{name}.{pname}" if name else pname, m, p, n, rank)
                       for name, m in module.named_modules() for pname, p in m.named_parameters(recurse=False)
-                      if owned[id(p)][1] is m]
+                      if owned[id(p)][1] is m and not hasattr(p, "sync_group")]
         if not self.units:
             raise ConfigError("`zero` needs a model with parameters")
         self._by_module: dict[nn.Module, list[Unit]] = {}
@@ -57,7 +60,7 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
         # a module using a parameter another owns (a tied LM head): stage 3 gathers it there too
         unit_of = {id(u.param): u for u in self.units}
         shared = [(m, unit_of[id(p)]) for _, m in module.named_modules() for _, p in m.named_parameters(recurse=False)
-                  if unit_of[id(p)].module is not m]
+                  if id(p) in unit_of and unit_of[id(p)].module is not m]
         for m, unit in shared:
             self._by_module.setdefault(m, []).append(unit)
         self._shared = {id(unit) for _, unit in shared}
@@ -119,8 +122,9 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
     needs_priming = False  # its buckets are fixed at construction: a resumed run reduces in the same ones
 
     def shard_parameters(self) -> list[nn.Parameter]:
-        """One flat parameter per unit: this rank's shard. Build the optimizer over these."""
-        return [u.shard for u in self.units]
+        """One flat parameter per unit: this rank's shard, then each parameter held whole (an expert shard).
+        Build the optimizer over these."""
+        return [u.shard for u in self.units] + [p for _, p in self.whole]
 
     optimizer_parameters = shard_parameters
 
@@ -141,6 +145,8 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
             grad = u.shard.grad if u.shard.grad is not None else torch.zeros_like(u.shard)
             comm.all_gather(full, grad, algorithm=self._ag, group=self.group)
             out[u.name] = full[:u.numel].view_as(u.param).clone()
+        for name, p in self.whole:  # (reduced by their owner)
+            out[name] = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
         return out
 
     def track(self, optimizer: torch.optim.Optimizer) -> None:
