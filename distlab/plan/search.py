@@ -46,7 +46,8 @@ def candidates(t, base: Layout, gpus: int, gpus_per_node: int, experts: int = 0,
             for cp in [c for c in (1, 2, 4, 8) if gpus % (tp * pp * c) == 0 and (c == 1 or window % (2 * c) == 0)]:
                 dp = gpus // (tp * pp * cp)
                 for ep in ([e for e in _divisors(dp, experts) if experts % e == 0] if experts else [1]):
-                    for zero in ((1, 2) if pp > 1 else (1, 2, 3)):  # (ZeRO-3 under a pipeline: its memory not exact)
+                    # (under a pipeline ZeRO-3's memory is not exact, nor ZeRO-2's with experts: predict's estimate)
+                    for zero in ((1,) if experts else (1, 2)) if pp > 1 else (1, 2, 3):
                         for ckpt, every, policy in AC_MODES:
                             for sched in (_schedules(pp, base.global_batch // dp) if pp > 1 else [{}]):
                                 try:
