@@ -33,8 +33,8 @@ from torch import nn
 from distlab.parallel import components as registry
 from distlab.parallel.checkpointing import apply_activation_checkpointing, block_names
 from distlab.parallel.compile import apply_compile, whole_model
-from distlab.parallel.data_parallel import DataParallel
 from distlab.parallel.engine import Engine
+from distlab.parallel.grad_syncs import reader_of, sync_kind
 from distlab.parallel.loss_head import loss_head
 from distlab.parallel.mesh import Mesh
 from distlab.parallel.pipeline import PipelineStage, partition
@@ -44,9 +44,6 @@ from distlab.parallel.protocols import ModelSharding, StepSchedule
 from distlab.parallel.schedule import Accumulate, Pipelined
 from distlab.parallel.strategy import Strategy
 from distlab.parallel.sync_bn import apply_sync_bn
-from distlab.parallel.zero import Zero
-
-GRAD_SYNCS: tuple[type, ...] = (Zero, DataParallel)  # the kinds a sharded_state_dict can come from
 
 
 def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh, device: torch.device | None = None) -> Engine:
@@ -86,13 +83,12 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh, device: torch.
                               strategy.pp_virtual, blocks, strategy.ac_policy)
         schedule = Pipelined(model, mesh, ties)
     model = apply_sync_bn(model, strategy.sync_bn, mesh.replica_group)
-    grad_sync = (Zero if strategy.zero else DataParallel).from_strategy(model, strategy, mesh.replica_group)
+    grad_sync = sync_kind(strategy).wrapper.from_strategy(model, strategy, mesh.replica_group)
     return Engine(grad_sync, schedule, strategy, mesh, Precision(strategy.precision, device), tuple(parts), head)
 
 
 def split_sharded_state(state: dict, placement: dict) -> tuple[list, dict]:
     """A :meth:`~distlab.parallel.Engine.sharded_state_dict` (of any layout, described by its
     ``placement``) as its optimizer parameters' tensors and its buffers under the whole model's keys."""
-    kind = next(k for k in GRAD_SYNCS if k.reads(state))
-    params, buffers = kind.split_state(state, placement["keys"])
+    params, buffers = reader_of(state).split_state(state, placement["keys"])
     return params, {placement["buffers"][k]: v for k, v in buffers.items() if k in placement["buffers"]}

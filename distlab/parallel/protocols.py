@@ -6,8 +6,8 @@ registered: :mod:`~distlab.parallel.components`), one
 :class:`LossHead` and one :class:`~distlab.parallel.precision.Precision`, and calls nothing else of
 them: it never asks which one it holds, nor whether one is there. Adding a strategy of either
 kind is one class that implements the protocol (checked by ``isinstance(obj, GradSync)``:
-``tests/test_protocols.py`` checks every implementation) and one line where
-:func:`~distlab.parallel.parallelize` picks it.
+``tests/test_protocols.py`` checks every implementation) and one row in the table
+:func:`~distlab.parallel.parallelize` picks it from (a gradient sync: :data:`~distlab.parallel.grad_syncs.SYNC_KINDS`).
 
 ====================  ===========================================================================
 ``GradSync``          keeps the replicas of one model in step over the data-parallel group:

@@ -227,7 +227,8 @@ def placement(lay, gpus_per_node: int, dims: tuple[str, ...]) -> Group:
 
 @dataclass
 class Cluster:
-    """``nodes`` nodes of ``machine``."""
+    """``nodes`` nodes of ``machine``: a :class:`~distlab.plan.timing.Machine` (NCCL over NVLink inside a node and
+    the network between them, each group where the launch places it)."""
     machine: GpuMachine
     nodes: int
     efficiency: float = DEFAULT_EFFICIENCY
@@ -252,8 +253,11 @@ class Cluster:
                        f"the network at {self.machine.nic_gbit:g} Gb/s per GPU instead of NVLink")
         return out
 
-    def compute(self, lay, trained_elements: int, optimizer: str) -> Compute:
+    overlaps_gathers = True  # the next layer's gather runs while this one computes (its own stream)
+
+    def compute(self, lay, trained_elements: int) -> Compute:
         """Forward and backward at ``peak x efficiency``; the optimizer step through HBM (``overhead``)."""
+        optimizer = lay.optimizer
         key = "sgd-momentum" if optimizer == "sgd" and lay.momentum else optimizer
         step = OPTIMIZER_BYTES.get(key, 28) * trained_elements / (self.machine.memory_tbps * 1e12)
         return Compute(self.machine.peak(lay.strategy.precision) * self.efficiency, step, threads=0)
@@ -262,6 +266,39 @@ class Cluster:
         """A timer for the group spanning ``dims``; ``scale``: its messages' bytes as a run sends them relative
         to the trace's float32 (activations under bf16 autocast travel in 2 bytes)."""
         return NcclTimer(self.machine, placement(lay, self.machine.gpus_per_node, dims), scale)
+
+    def sync_timer(self, lay) -> "NcclTimer":
+        return self.timer(lay, ("cp", "ep", "dp"))
+
+    def group_timer(self, lay, group, narrow: float) -> "NcclTimer":
+        return self.timer(lay, (group.dim,), narrow)  # activations, in 2 bytes under bf16
+
+    def flop_factor(self, t) -> float:
+        """The efficiency was measured against the model's own FLOP count (MFU's): time that count."""
+        return t.model_flops_per_sample / t.flops_per_sample if t.model_flops_per_sample else 1.0
+
+    def basis(self, lay, comp: Compute) -> str:
+        return (f"{self.machine.name}: {self.machine.peak(lay.strategy.precision) / 1e12:g} TFLOP/s "
+                f"{lay.strategy.precision} x {self.efficiency:.1%} ({self.efficiency_source}"
+                + ("; this layout runs eager, the measurement compiled: expect it slower" if
+                   self.calibrated_on is None and not lay.strategy.compile else "")
+                + f"); optimizer step through HBM at {self.machine.memory_tbps:g} TB/s")
+
+    def rates(self, t, lay, step: float) -> dict:
+        """Tokens per second per GPU and MFU (the model's own FLOP count over the datasheet's peak)."""
+        out = {}
+        if t.tokens_per_sample:
+            out["tokens_per_s_per_gpu"] = lay.global_batch * t.tokens_per_sample / step / lay.world
+        if t.model_flops_per_sample:
+            out["mfu"] = lay.global_batch * t.model_flops_per_sample / step / lay.world / \
+                self.machine.peak(lay.strategy.precision)
+        return out
+
+    def facts(self, lay) -> dict:
+        """What a prediction says of the cluster beside its memory: its description, the device's memory, the
+        layout's warnings on it."""
+        return {"cluster": self.describe(), "device_memory_bytes": self.machine.memory_bytes,
+                "warnings": self.warnings(lay)}
 
     def describe(self) -> dict:
         return {"machine": self.machine.name, "description": self.machine.description, "nodes": self.nodes,

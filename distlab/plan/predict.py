@@ -12,13 +12,13 @@ from dataclasses import dataclass, replace
 
 from distlab.errors import ConfigError
 from distlab.parallel import Strategy, components
-from distlab.parallel.cost import Call, DataParallelCost, Optim, textbook_parts, under
+from distlab.parallel.cost import Optim, textbook_parts, under
 from distlab.parallel.pipeline import cost as schedule_cost
-from distlab.parallel.pipeline import ideal_bubble
 from distlab.parallel import sync_bn
-from distlab.parallel.zero.cost import ZeroCost
+from distlab.parallel.grad_syncs import sync_kind
 from distlab.plan.calibration import Calibration
-from distlab.plan.machine import Link, rounds, sent, volume
+from distlab.plan.machine import Link, sent
+from distlab.plan.timing import CalibratedHost, step_time
 from distlab.plan.trace import Trace, units_trace
 
 
@@ -66,32 +66,8 @@ class Layout:
 
 def grad_sync_cost(strategy: Strategy):
     """The cost model of the gradient sync :func:`~distlab.parallel.parallelize` builds for ``strategy``
-    (each says what it sends, ``planned_calls``, and holds, ``planned_memory``)."""
-    return ZeroCost if strategy.zero else DataParallelCost
-
-
-class Timer:
-    def __init__(self, cal: Calibration, link: Link, n: int, same_host: bool = False):
-        self.cal, self.link, self.n = cal, link, n
-        self.world = n if same_host else None  # use the fit measured at this world size (shared cores)
-        self.link_free = 0.0  # when the link last went idle (for the token bucket)
-
-    def duration(self, call: Call, start: float) -> float:
-        if self.n <= 1:
-            return 0.0
-        ab = self.cal.alpha_beta(call.algorithm, self.world)
-        r, v = rounds(call.algorithm, self.n, call.kind), volume(call.algorithm, self.n, call.nbytes, call.kind)
-        host = ab.alpha * r + ab.beta * v
-        if self.link.bandwidth is None:
-            return host
-        rate = self.link.bandwidth * self.link.efficiency
-        idle = max(0.0, start - self.link_free)
-        if call.algorithm == "gather_scatter":  # rank 0's two phases: each direction idled during the other
-            phase = v / 2
-            wire = 2 * max(0.0, phase - min(self.link.burst, self.link.bandwidth * (phase / rate + idle))) / rate
-        else:
-            wire = max(0.0, v - min(self.link.burst, self.link.bandwidth * idle)) / rate
-        return host + r * self.link.latency + wire
+    (each says what it sends, ``planned_calls``, and holds, ``planned_memory``): the same table's row."""
+    return sync_kind(strategy).cost
 
 
 def stage_names(t: Trace, stage: dict) -> set[str]:
@@ -182,7 +158,9 @@ def load_peak(t: Trace, parts: dict, strategy) -> int:
 
 def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=None) -> dict:
     """Memory per rank and (with a calibration, or on a GPU ``cluster``: :class:`~distlab.plan.gpu.Cluster`)
-    time per step of ``lay`` over ``link`` (or the cluster's NVLink and network)."""
+    time per step of ``lay`` over ``link`` (or the cluster's NVLink and network): the model state, activations
+    and bytes each part of the layout prices for itself, then the step timed on the machine (a
+    :class:`~distlab.plan.timing.Machine`)."""
     lay.check()
     if cluster is not None:
         cluster.check(lay)
@@ -194,11 +172,39 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
                           + "; plan it without checkpointing")
     sync = grad_sync_cost(lay.strategy)
     stages = schedule_cost.stages(t, lay, micro, optim, sync)
-    heaviest = max(stages, key=lambda st: st["model_state_bytes"])
-    t_rank = heaviest["trace"]  # what the rank with the most model state holds
+    t_rank = max(stages, key=lambda st: st["model_state_bytes"])["trace"]  # the rank with the most model state
     # every model-sharding component the layout turns on prices itself (the same components that train)
     prices = [kind.price(t, t_rank, lay, micro, optim) for kind in components.wanted(lay.strategy)]
-    compute_split = math.prod(p.compute_split for p in prices)
+    narrow = 0.5 if lay.strategy.precision != "fp32" else 1.0  # autocast saves its products' inputs in 2 bytes
+    out = {"layout": _layout_record(lay), "link": {"name": link.name, "bandwidth_Bps": link.bandwidth,
+                                                    "latency_s": link.latency, "burst_bytes": link.burst},
+           **memory(t, lay, sync, stages, prices, micro, optim, narrow)}
+    out.update(schedule_cost.report(lay, stages))
+    for price in prices:
+        out.update(price.report)
+    out.update(comm_bytes(t, lay, sync, stages, micro, optim))
+    if cluster is not None:
+        out.update(cluster.facts(lay))
+    machine = cluster if cluster is not None else CalibratedHost(cal, link) if cal is not None else None
+    if machine is not None:
+        out.update(step_time(t, lay, machine, sync, stages, prices, micro, narrow, dense_trace(t_rank, lay)))
+    return out
+
+
+def _layout_record(lay: Layout) -> dict:
+    return {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "zero": lay.zero,
+            "dp_sync": lay.dp_sync, "collective": lay.collective, "global_batch_size": lay.global_batch,
+            "grad_accum": lay.grad_accum, "microbatches": lay.strategy.microbatches,
+            "pp_schedule": lay.strategy.pp_schedule if lay.pp > 1 else None,
+            "sequence_parallel": lay.strategy.sequence_parallel, "optimizer": lay.optimizer, "world_size": lay.world}
+
+
+def memory(t: Trace, lay: Layout, sync, stages: list[dict], prices: list, micro: int, optim, narrow: float) -> dict:
+    """What a rank holds: the model state's peak (the stage holding the most; each component's savings taken
+    off), its textbook parts, activations (halved under autocast), the loss's, the load's peak, compression state
+    and recomputation -- and the sum, ``memory_bytes_per_rank``."""
+    heaviest = max(stages, key=lambda st: st["model_state_bytes"])
+    t_rank = heaviest["trace"]
     # (ZeRO-3's gathers are replayed one micro-batch after another, not in a pipeline schedule's order: there the
     # peak is an estimate -- 13% under the measured one on a 2-stage 1F1B GPT; so is ZeRO-2's on a pipeline of
     # a mixture of experts, which the replay does not yet follow -- 11% under the measured one on a 2-stage GPT-MoE)
@@ -209,31 +215,18 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
         for what, nbytes in price.saved.items():
             parts[what] -= nbytes
             state -= nbytes
-    out = {"layout": {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "zero": lay.zero, "dp_sync": lay.dp_sync,
-                      "collective": lay.collective, "global_batch_size": lay.global_batch,
-                      "grad_accum": lay.grad_accum, "microbatches": lay.strategy.microbatches,
-                      "pp_schedule": lay.strategy.pp_schedule if lay.pp > 1 else None,
-                      "sequence_parallel": lay.strategy.sequence_parallel,
-                      "optimizer": lay.optimizer, "world_size": lay.world},
-           "link": {"name": link.name, "bandwidth_Bps": link.bandwidth, "latency_s": link.latency,
-                    "burst_bytes": link.burst},
-           "num_parameters": t.num_parameters,
+    out = {"num_parameters": t.num_parameters,
            **({"trained_parameters": sum(n for u, n in enumerate(t.numels) if t.trains(u))} if t.trainable else {}),
            "model_state_bytes_per_rank": int(state), "model_state_exact": exact,
            "model_state_basis": "peak of parameters + gradients + optimizer state, with ZeRO's transient buffers"
                                 + (" (the pipeline stage holding the most)" if lay.pp > 1 else ""),
-           **parts,
-           "activation_bytes_per_rank": int(max(st["activation_bytes"] for st in stages)),
-           "activation_basis": _activation_basis(lay, prices)}
+           **parts, "activation_basis": _activation_basis(lay, prices)}
     extra = sum(p.activation_extra for p in prices)  # what a component saves beyond the layers' split share
-    if extra:
-        for st in stages:
-            st["activation_bytes"] += int(extra * st["micro_batches_held"])
-        out["activation_bytes_per_rank"] = int(max(st["activation_bytes"] for st in stages))
-    narrow = 0.5 if lay.strategy.precision != "fp32" else 1.0  # autocast saves its products' inputs in 2 bytes
-    out["activation_bytes_float32_per_rank"] = out["activation_bytes_per_rank"]  # (what a meta-device dry run saves)
+    for st in stages:
+        st["activation_bytes"] += int(extra * st["micro_batches_held"])
+    out["activation_bytes_float32_per_rank"] = int(max(st["activation_bytes"] for st in stages))  # (a meta-device
+    out["activation_bytes_per_rank"] = int(out["activation_bytes_float32_per_rank"] * narrow)  # dry run's)
     if narrow != 1.0:
-        out["activation_bytes_per_rank"] = int(out["activation_bytes_per_rank"] * narrow)
         out["activation_basis"] += f"; halved under {lay.strategy.precision} autocast (products save 2-byte inputs)"
     out["load_peak_bytes_per_rank"] = load_peak(t, parts, lay.strategy)
     out["compression_state_bytes_per_rank"] = sync.planned_extra_state(t_rank, lay.strategy, lay.replicas)
@@ -251,138 +244,7 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
             "basis": "each block's input kept for backward (in activation_bytes_per_rank); in backward one block at a "
                      "time recomputes its inside for one micro-batch (recompute_bytes_per_rank, in "
                      "memory_bytes_per_rank), a second forward of the blocks' layers (in the step time)"}
-    out.update(schedule_cost.report(lay, stages))
-    for price in prices:
-        out.update(price.report)
-    out.update(comm_bytes(t, lay, sync, stages, micro, optim))
-    if cluster is not None:
-        out["cluster"] = cluster.describe()
-        out["device_memory_bytes"] = cluster.machine.memory_bytes
-        out["warnings"] = cluster.warnings(lay)
-    if cal is None and cluster is None:
-        return out
-    if cluster is not None:
-        trained = sum(n for u, n in enumerate(t_rank.numels) if t_rank.trains(u))  # what its optimizer steps:
-        comp = cluster.compute(lay, trained // (lay.replicas if lay.zero else 1), lay.optimizer)  # ZeRO, its shard
-    else:
-        comp = cal.compute_for(lay.threads)
-    if lay.oversubscription > 1:
-        comp = replace(comp, rate=comp.rate / lay.oversubscription, overhead=comp.overhead * lay.oversubscription)
-    pace = max(stages, key=lambda st: st["flops_share"] * t.flops_per_sample
-               + st["recompute_flops_share"] * t.forward_flops_per_sample)  # the slowest stage sets the pace
-    share = pace["flops_share"]
-    # on a GPU the efficiency was measured against the model's own FLOP count (MFU's): time that count
-    counted = t.model_flops_per_sample / t.flops_per_sample if cluster is not None and t.model_flops_per_sample else 1.0
-    flops = counted * (t.flops_per_sample * share + t.forward_flops_per_sample * pace["recompute_flops_share"]) \
-        * micro \
-        * lay.strategy.micro_steps / compute_split  # checkpointing's recomputation runs in backward
-    fwd = counted * t.forward_flops_per_sample * share * micro * lay.strategy.micro_steps / compute_split / comp.rate
-    bwd = flops / comp.rate - fwd
-    # fill and drain: every stage idles P - 1 micro-batch slots of the step, M / (M + P - 1) busy
-    stretch = 1.0 / (1.0 - ideal_bubble(lay.pp, lay.strategy.microbatches, lay.strategy.pp_schedule,
-                                         lay.strategy.pp_virtual))
-    fwd, bwd = fwd * stretch, bwd * stretch
-    calls = sync.planned_calls(dense_trace(t_rank, lay), lay.strategy, lay.replicas)
-    overlapped, after, after_step = calls.during_backward, calls.after_backward, calls.after_step
-    if cluster is not None:  # NCCL on the cluster's topology, each group where the launch places it
-        timer = cluster.timer(lay, ("cp", "ep", "dp"))
-        group_timer = (lambda group: cluster.timer(lay, (group.dim,), narrow))  # activations, in 2 bytes under bf16
-    else:
-        timer = Timer(cal, link, lay.replicas, same_host=lay.oversubscription > 1)
-        group_timer = (lambda group: Timer(cal, Link() if group.local else link, group.ranks))
-    gathers = [timer.duration(c, 0.0) for c in calls.before_layers]  # ZeRO-3's gathers: the layer waits
-    exposed_pre = sum(gathers)
-    if cluster is not None and gathers:  # on a GPU the next layer's gather runs while this one computes
-        exposed_pre = max(max(gathers), exposed_pre - fwd - bwd)
-    hidden_pre = sum(gathers) - exposed_pre  # (what ran beside the compute: counted in the communication)
-    tp_time = 0.0  # the components' collectives, on the critical path (a local group shares a node's fast links)
-    component_comm = {}
-    for kind, price in zip(components.wanted(lay.strategy), prices):  # priced on the stage's own part
-        seconds = [_group_seconds(g, group_timer(g), counted / comp.rate) for g in price.calls]
-        component_comm[kind.name] = {"seconds": sum(a for a, _ in seconds), "exposed_s": sum(b for _, b in seconds)}
-        tp_time += component_comm[kind.name]["exposed_s"]
-    for group in schedule_cost.calls(lay, stages):  # a pipeline stage's messages, whole (not a stage's share)
-        tp_time += sum(group_timer(group).duration(c, 0.0) for c in group.calls)
-    comm_total = exposed_pre + hidden_pre + tp_time + sum(c["seconds"] - c["exposed_s"] for c in component_comm.values())
-    start_bwd = fwd + exposed_pre / 2
-    end_bwd = start_bwd + bwd + exposed_pre / 2
-    # the predicted timeline of one step: the same lanes as a measured trace (runtime.timeline); a
-    # pipeline's stages each play the schedule (their forwards and backwards per micro-batch, their waits)
-    if lay.pp > 1:
-        staged = schedule_cost.timeline(lay, fwd / stretch, bwd / stretch)
-    else:
-        staged = [(0, "forward", "compute", 0.0, fwd), (0, "backward", "compute", start_bwd, start_bwd + bwd)]
-    spans = []
-    if exposed_pre:  # ZeRO-3's gathers before the layers: half in forward, half in backward, waited for
-        spans += [("all-gather (forward)", "communication", fwd, start_bwd),
-                  ("all-gather (backward)", "communication", start_bwd + bwd, end_bwd)]
-    free = 0.0
-    timer.link_free = -comp.overhead  # the optimizer step of the previous step left the link idle
-    for c in sorted(overlapped, key=lambda c: c.ready):
-        s = max(start_bwd + c.ready * bwd, free)
-        d = timer.duration(c, s)
-        free, timer.link_free, comm_total = s + d, s + d, comm_total + d
-        spans.append((_call_name(c), "communication", s, s + d))
-    cur = max(end_bwd, free)
-    for c in after:
-        d = timer.duration(c, cur)
-        spans.append((_call_name(c), "communication", cur, cur + d))
-        cur, timer.link_free, comm_total = cur + d, cur + d, comm_total + d
-    spans.append(("optimizer step", "compute", cur, cur + comp.overhead))
-    cur += comp.overhead
-    for c in after_step:
-        d = timer.duration(c, cur)
-        spans.append((_call_name(c), "communication", cur, cur + d))
-        cur, timer.link_free, comm_total = cur + d, cur + d, comm_total + d
-    step = cur + tp_time
-    if tp_time:  # the components' and the pipeline's collectives, on the critical path, as one block
-        spans.append(("tensor/context/expert/pipeline collectives", "communication", cur, step))
-    # what follows the forwards and backwards runs on every stage alike
-    spans = staged + [(s, *span) for s in range(lay.pp) for span in spans]
-    compute = comp.time(flops) * stretch
-    per_rank = f"{comp.threads} thread{'s' if comp.threads != 1 else ''} per rank"
-    if cluster is not None:
-        basis = (f"{cluster.machine.name}: {cluster.machine.peak(lay.strategy.precision) / 1e12:g} TFLOP/s "
-                 f"{lay.strategy.precision} x {cluster.efficiency:.1%} ({cluster.efficiency_source}"
-                 + ("; this layout runs eager, the measurement compiled: expect it slower" if
-                    cluster.calibrated_on is None and not lay.strategy.compile else "")
-                 + f"); optimizer step through HBM at {cluster.machine.memory_tbps:g} TB/s")
-    else:
-        basis = (f"calibrated at {per_rank}" if comp.scaled_from is None else
-                 f"not calibrated at {per_rank}: the rate measured at {comp.scaled_from} scaled by "
-                 f"{comp.threads}/{comp.scaled_from}")
-    out.update({"compute_basis": basis,
-                "oversubscription": lay.oversubscription, "compute_s": compute, "comm_s": comm_total,
-                "exposed_comm_s": step - compute, "step_s": step, "component_comm": component_comm,
-                "samples_per_s": lay.global_batch / step, "threads_per_rank": comp.threads,
-                **(_gpu_rates(t, lay, step, cluster) if cluster is not None else {}),
-                "scaling_efficiency": compute / step if step else None,
-                "timeline": [{"rank": r, "name": n, "lane": lane, "start_s": a, "end_s": b}
-                             for r, n, lane, a, b in spans if b > a]})
     return out
-
-
-def _gpu_rates(t: Trace, lay: Layout, step: float, cluster) -> dict:
-    """Tokens per second per GPU and MFU (the model's own FLOP count over the datasheet's peak)."""
-    out = {}
-    if t.tokens_per_sample:
-        out["tokens_per_s_per_gpu"] = lay.global_batch * t.tokens_per_sample / step / lay.world
-    if t.model_flops_per_sample:
-        out["mfu"] = lay.global_batch * t.model_flops_per_sample / step / lay.world / \
-            cluster.machine.peak(lay.strategy.precision)
-    return out
-
-
-def _group_seconds(group, timer, seconds_per_flop: float) -> tuple[float, float]:
-    """(the group's collectives' time, what of it the compute beside each hop does not hide)."""
-    hop = sum(timer.duration(c, 0.0) for c in group.calls)
-    return group.hops * hop, group.hops * max(0.0, hop - group.hidden_flops * seconds_per_flop)
-
-
-def _call_name(c: Call) -> str:
-    """A predicted collective's span name: ``all-reduce 1.9 MB``."""
-    from distlab.runtime.timeline import size_text
-    return f"{c.kind.replace('_', '-')} {size_text(int(c.nbytes))}"
 
 
 def _activation_basis(lay: Layout, prices: list) -> str:

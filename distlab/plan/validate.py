@@ -11,7 +11,9 @@ from distlab.errors import ConfigError
 from distlab.plan.calibration import Calibration, json_files, load_json, plannable, run_summary, trace_for
 from distlab.plan.machine import TBF_BURST, Link
 from distlab.parallel import Strategy
-from distlab.plan.predict import Call, Layout, Timer, predict
+from distlab.parallel.cost import Call
+from distlab.plan.predict import Layout, predict
+from distlab.plan.timing import SyncTimer
 
 
 def _measured_runs(paths: list[str]) -> list[tuple[dict, Link, str]]:
@@ -122,7 +124,7 @@ def validate_collectives(cal: Calibration, paths: list[str]) -> list[dict]:
             link = Link.parse(r["link"], r.get("latency"), r.get("burst"))
             n = r["world_size"]
             nbytes = r["numel"] * torch.empty(0, dtype=getattr(torch, r.get("dtype", "float32"))).element_size()
-            timer = Timer(cal, link, n, same_host=bool(r.get("oversubscribed")))
+            timer = SyncTimer(cal, link, n, same_host=bool(r.get("oversubscribed")))
             timer.link_free = 0.0  # the bench runs the algorithms back to back: the link never idles long
             predicted = timer.duration(Call(r["algorithm"], "all_reduce", nbytes), 0.0)
             measured = r["time_s_median"]
