@@ -7,8 +7,8 @@ import sys
 import click
 
 from distlab.cli.flag_tables import MODEL_OPTIONS, STRATEGY_OPTIONS
-from distlab.cli.options import (COUNT, Number, csv_ints, field_options,
-                                 model_options_of, output_file)
+from distlab.cli.options import (COUNT, Number, field_options,
+                                 output_file)
 from distlab.errors import ConfigError
 
 DEFAULT_CALIBRATION = "runs/calibration.json"
@@ -85,10 +85,7 @@ PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "seq
               "the rest frozen (as distlab train --lora): gradients, their sync and optimizer state for the "
               "adapters only.")
 @click.pass_context
-def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_bytes, layers, ignored_targets, label_smoothing, dp,
-         optimizer, momentum, global_batch_size, link, latency, burst, threads, calibration, sweep, strategies,
-         device_memory, min_efficiency, json_out, timeline_out, preset, machine, nodes, gpus, search_, top, dry_rank, lora,
-         **strategy_fields):
+def plan(ctx, **kw):
     """Predict time per step and memory per rank of a layout, before running it.
 
     \b
@@ -102,158 +99,19 @@ def plan(ctx, model, dataset, block_size, vocab_size, num_params, activation_byt
     """
     if ctx.invoked_subcommand is not None:
         return
-    _refuse_what_would_do_nothing(ctx, sweep, search_, machine, num_params, dry_rank, timeline_out, lora)
-    from distlab.models.lora import LoRASpec
-    lora = LoRASpec.of(lora)
-    import json as _json
-    import os as _os
-    import platform
-    from distlab.data import dataset_shape
-    from distlab import plan as pp
-    from distlab.plan.trace import generic_trace, trace
-    from distlab.plan import machine as mach
-    if (model.startswith("hf:") or preset) and num_params is None:  # a config alone: its family, options and
-        from distlab.models import hf                                    # vocabulary (no weights read)
-        from distlab.plan import presets
-        if any(strategy_fields.get(name) is not None for name, _ in MODEL_OPTIONS):
-            raise ConfigError(f"--{'preset ' + preset if preset else 'model ' + model} takes its sizes from its "
-                              f"config.json: drop the model flags")
-        [strategy_fields.pop(name) for name, _ in MODEL_OPTIONS]
-        if preset:
-            model, options, vocab_size = presets.options(preset)
-        else:
-            model, _, options, vocab_size = hf.plannable(model[3:])
-        if ctx.get_parameter_source("dataset") is click.core.ParameterSource.DEFAULT:
-            dataset = "synthetic-text"  # token windows of --block-size
-    else:
-        options = model_options_of(model, strategy_fields) if num_params is None else \
-            [strategy_fields.pop(name) for name, _ in MODEL_OPTIONS]  # the model (and its options) ignored
-    if num_params is not None:
-        if activation_bytes is None:
-            click.echo("distlab: warning: --params without --activation-bytes: activations are counted as 0 bytes "
-                       "per sample (give their bytes per sample for the memory they take)", err=True)
-        t = generic_trace(int(num_params), activation_bytes or 0.0, layers)
-    else:
-        from distlab.data import is_text
-        from distlab.models import is_text_model, is_user_model
-        if not is_user_model(model) and is_text_model(model) != is_text(dataset):
-            if ctx.get_parameter_source("dataset") is not click.core.ParameterSource.DEFAULT:
-                raise ConfigError(f"model {model} {'predicts tokens' if is_text_model(model) else 'classifies images'}"
-                                  f" but dataset {dataset} is {'text' if is_text(dataset) else 'images'}: give "
-                                  + ("--model gpt" if is_text(dataset) else "a text dataset (fortunes, "
-                                                                             "synthetic-text, text:PATH)"))
-            dataset = "synthetic-text"  # a language model's default: token windows of --block-size
-        shape, k = dataset_shape(dataset, block_size)
-        if vocab_size is not None and vocab_size < k:
-            raise ConfigError(f"--vocab-size {vocab_size:,} is smaller than {dataset}'s {k:,} tokens")
-        t = trace(model, shape, vocab_size or k, options=options,
-                  lora=lora, attention="flash" if machine else "math")
-    path = None if machine else calibration or (DEFAULT_CALIBRATION if _os.path.exists(DEFAULT_CALIBRATION) else None)
-    cal = pp.Calibration.load(path) if path else None
-    from distlab.data.preference import is_preference
-    from distlab.parallel import Strategy
-    if strategy_fields.get("pp_balance") is not None:
-        strategy_fields["pp_balance"] = csv_ints(strategy_fields["pp_balance"])
-    cluster = None
-    if machine:
-        from distlab.cli.plan_gpu import cluster_of, data_parallel
-        given = ctx.get_parameter_source("dp") is not click.core.ParameterSource.DEFAULT
-        dp = data_parallel(Strategy(**strategy_fields), gpus, nodes, machine, dp if given else None)
-    elif nodes or gpus:
-        raise ConfigError("--nodes and --gpus describe a GPU cluster: give --machine too (e.g. --machine h100-sxm)")
-    lay = pp.Layout(dp=dp, strategy=Strategy(**strategy_fields), optimizer=optimizer, momentum=momentum,
-                    global_batch=global_batch_size, threads=threads, ignored_targets=ignored_targets,
-                    label_smoothing=label_smoothing > 0, pairs=is_preference(dataset)).check()
-    if machine:
-        cluster = cluster_of(machine, nodes, gpus, lay, calibration)
-    net = mach.Link.parse(link, latency, burst)
-    if search_:
-        if cluster is None or gpus is None and nodes is None:
-            raise ConfigError("--search enumerates the layouts of a GPU cluster: give --machine and --gpus (or --nodes)")
-        from distlab.plan.search import search
-        from distlab.plan.text import format_search
-        experts = (options.to_dict() if options is not None else {}).get("experts") or 0  # a mixture's experts
-        from distlab.plan.search import SEARCHED
-        given = {k for k in strategy_fields if ctx.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT}
-        if given & {"dp_sync", "collective"}:
-            flag = sorted(given & {"dp_sync", "collective"})[0].replace("_", "-")
-            raise ConfigError(f"--{flag} with --search: each layout syncs its gradients as a run of it would by "
-                              f"default (ZeRO its own way); drop it, or plan that one layout without --search")
-        fixed = {k: getattr(lay.strategy, k) for k in SEARCHED if k in given}  # what was given is kept
-        result = search(t, lay, cluster, top, experts=experts, fixed=fixed)
-        click.echo(format_search(result))
-    elif sweep:
-        given = [k for k in strategy_fields if ctx.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT]
-        if given:
-            raise ConfigError(f"--{given[0].replace('_', '-')} with --sweep: the sweep compares the layouts of "
-                              f"--strategies (now {strategies}); put it there, e.g. --strategies zero=3,bucketed")
-        worlds = list(csv_ints(sweep))
-        if not worlds or min(worlds) < 1:
-            raise ConfigError(f"--sweep needs positive world sizes, not {sweep!r}")
-        strats = [Strategy.parse(s) for s in strategies.split(",") if s]
-        limit = mach.parse_bytes(device_memory) if device_memory else None
-        if cluster is not None:
-            raise ConfigError("--sweep with --machine: use --search (every layout of --gpus on the machine)")
-        result = pp.sweep(t, lay, worlds, net, cal, limit, strats)
-        click.echo(pp.format_sweep(result, min_efficiency))
-    else:
-        result = pp.predict(t, lay, net, cal, cluster)
-        click.echo(pp.format_prediction(result))
-        if dry_rank is not None:
-            if num_params is not None:
-                raise ConfigError("--dry-run builds the model: give --model or --preset, not --params")
-            from distlab.cli.plan_gpu import dry_run_text
-            from distlab.plan.dry_run import dry_run
-            result["dry_run"] = dry_run(model, options, vocab_size or k, shape, lay.strategy, lay.world, dry_rank,
-                                        lay.global_batch, optimizer or "sgd",
-                                        lora=lora,
-                                        attention="flash" if machine else "math")
-            click.echo(dry_run_text(result))
-        if timeline_out:
-            _write_timeline(result, str(lay.strategy), timeline_out)
-    if cluster is not None and cluster.calibrated_on is not None and \
-            cluster.machine.name.split("-")[0].upper() not in cluster.calibrated_on.upper():
-        click.echo(f"distlab: warning: the compute rate was measured on {cluster.calibrated_on}, not on "
-                   f"{cluster.machine.name}'s GPUs: calibrate on one of them for its own", err=True)
-    if cluster is not None and cluster.calibrated_on is None:
-        click.echo(f"distlab: warning: {cluster.machine.name} was not calibrated: compute at {cluster.efficiency:.1%} of "
-                   f"its datasheet peak, measured as {cluster.efficiency_source}; run `distlab plan calibrate --device "
-                   f"cuda` on one of its GPUs for its own rates", err=True)
-    if cal is not None and cal.machine.get("host") not in (None, platform.node()):
-        click.echo(f"distlab: warning: the step times are those of {cal.machine.get('host')}, where {path} was "
-                   f"measured, not of this machine ({platform.node()}); give --machine for a GPU cluster", err=True)
-    if cal is not None:
-        click.echo(f"(calibration: {path}, {cal.machine.get('host', '?')}, {cal.machine.get('date', '?')})", err=True)
-        if device_memory and cal.machine.get("device", "cpu") == "cpu":
-            click.echo(f"distlab: warning: the step times come from a calibration measured on the CPUs of "
-                       f"{cal.machine.get('host', '?')} ({cal.machine.get('cores', '?')} cores), not on devices of "
-                       f"{device_memory}: they are that machine's times; run `distlab plan calibrate` on the target "
-                       f"for its own (the memory columns hold anywhere)", err=True)
-    if json_out:
+    _refuse_what_would_do_nothing(ctx, kw["sweep"], kw["search_"], kw["machine"], kw["num_params"], kw["dry_rank"],
+                                  kw["timeline_out"], kw["lora"])
+    from distlab.cli import plan_modes
+    setting = plan_modes.setting(ctx, kw)
+    mode = plan_modes.search if kw["search_"] else plan_modes.sweep if kw["sweep"] else plan_modes.one_layout
+    result = mode(ctx, setting, kw)
+    plan_modes.warn_about_the_machine(setting, kw["device_memory"])
+    if kw["json_out"]:
+        import json as _json
+
         from distlab.train.metrics import atomic_write_text
-        atomic_write_text(json_out, _json.dumps(result, indent=1) + "\n")
-        click.echo(f"wrote {json_out}", err=True)
-
-
-def _write_timeline(result: dict, label: str, out: str) -> None:
-    """The predicted step's timeline: a Chrome trace and its Gantt chart beside it."""
-    import json as _json
-    from pathlib import Path
-
-    from distlab.runtime.trace_file import predicted_trace
-    from distlab.tools.plots import pyplot
-    from distlab.tools.report.timelines import gantt
-    from distlab.train.metrics import atomic_write_text
-    if "timeline" not in result:
-        raise ConfigError("--timeline draws the predicted step's time: give a calibration (--calibration, from "
-                          "`distlab plan calibrate`); without one plan predicts memory only")
-    trace = predicted_trace(result["timeline"], f"predicted: {label}")
-    atomic_write_text(out, _json.dumps(trace) + "\n")
-    png = Path(out).with_suffix(".png")
-    fig = gantt(trace, f"predicted: {label}")
-    fig.savefig(png, dpi=90, bbox_inches="tight")
-    pyplot().close(fig)
-    click.echo(f"wrote {out} and {png}", err=True)
+        atomic_write_text(kw["json_out"], _json.dumps(result, indent=1) + "\n")
+        click.echo(f"wrote {kw['json_out']}", err=True)
 
 
 def _refuse_what_would_do_nothing(ctx, sweep, search_, machine, num_params, dry_rank, timeline_out, lora) -> None:
