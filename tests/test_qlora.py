@@ -47,12 +47,14 @@ def test_a_quantized_layer_computes_with_nf4s_values_and_its_adapter():
     assert scaler_block(64 * 256) == 256 and scaler_block(64 * 12) == 12 and scaler_block(64 * 300) == 150
 
 
-def test_qlora_on_data_and_pipeline_parallel_equals_one_process():
-    """verify's bf16 bound: the same weights quantized the same way on every rank as on one process."""
+def test_qlora_on_data_pipeline_and_zero_parallel_equals_one_process():
+    """verify's bf16 bound: the same weights quantized the same way on every rank as on one process -- under ZeRO
+    each quantized weight leaves ZeRO's units whole once its values are in place (ZeRO-3 gathering it for that),
+    the rest of the base and the adapters sharded."""
     _torchao()
     from distlab.tools.verify import parse_strategy, verify
     cases = [parse_strategy(f"{s}+bf16+llama+lora=r=2,alpha=4,targets=q,v,o,down+base=nf4")
-             for s in ("bucketed", "bucketed+pp=2+microbatches=2")]
+             for s in ("bucketed", "bucketed+pp=2+microbatches=2", "zero=2", "zero=3+ckpt+accum=2")]
     records = verify(cases, 2, steps=3, timeout=patience(600))
     failed = [(r["strategy"], r["max_abs_param_diff"], r["tolerance"]) for r in records if not r["passed"]]
     assert not failed, failed
@@ -62,7 +64,8 @@ def test_a_qlora_fine_tune_resumes_bitwise_and_holds_less_than_a_bf16_base(run_c
     """`--base-dtype nf4` from a Hugging Face checkpoint on 2 processes: the header says so; a run stopped at
     step 2 and resumed ends bitwise where the uninterrupted one does (the snapshot's dequantized weights
     quantize back to the same values); its snapshot holds those bf16 values; its model state is below the
-    same run's with a bf16 base; ZeRO and a missing --precision bf16 are refused in one line."""
+    same run's with a bf16 base; under ZeRO-3 too a run resumes, its frozen weights the same dequantized values;
+    tensor parallel and a missing --precision bf16 are refused in one line."""
     _torchao()
     from tests.test_hf import _saved
     from tests.test_lora import _whole
@@ -86,8 +89,17 @@ def test_a_qlora_fine_tune_resumes_bitwise_and_holds_less_than_a_bf16_base(run_c
     held = [json.loads((tmp_path / d / "summary.json").read_text())["model_state_bytes_per_rank"]
             for d in ("arun", "crun")]
     assert held[0] < held[1], held
+    zero = [*nf4, "--zero", "3"]
+    first = run_cli(*zero, "--max-steps", "2", "--snapshot-dir", str(tmp_path / "z"), "--out", str(tmp_path / "zrun"),
+                    check=True)
+    assert "held in nf4" in first.stdout, first.stdout
+    run_cli(*zero, "--max-steps", "4", "--snapshot-dir", str(tmp_path / "z"), "--resume", "auto", "--out",
+            str(tmp_path / "zrun2"), check=True)
+    z = _whole(next((tmp_path / "z").glob("step-*4")))
+    frozen = [k for k in a if k.endswith(("q.weight", "v.weight", "o.weight", "down.weight"))]
+    assert frozen and all(torch.equal(a[k], z[k]) for k in frozen)
     fp32 = [a if a != "bf16" else "fp32" for a in nf4]  # (--precision fp32)
-    for args, message in [([*nf4, "--zero", "3"], "ZeRO does not shard an NF4 weight"),
+    for args, message in [([*nf4, "--tp", "2"], "--base-dtype nf4 under tensor parallel"),
                           (fp32, "add --precision bf16")]:
         proc = refused_here(*args, "--max-steps", "1", "--snapshot-dir", str(tmp_path / "none"))
         assert proc.stderr.count("\n") == 1 and message in proc.stderr, (args, proc.stderr)

@@ -67,6 +67,16 @@ def write(records: list[dict], out: str | Path | None, suite: str) -> Path | Non
     return path
 
 
+def text_for(init_from: str, dataset: str) -> dict:
+    """What a benchmark's run from checkpoint ``init_from`` (hf:DIR) reads: ``dataset`` in bytes where the
+    checkpoint's vocabulary is bytes' 256, else the fortunes read by a 512-token BPE learned from them (ids the
+    model has; a benchmark measures memory and time, not what the ids mean)."""
+    from distlab.models import hf
+    if hf.config_of(init_from[3:]).get("vocab_size") == 256:
+        return {"dataset": dataset, "tokenizer": "bytes"}
+    return {"dataset": "fortunes", "tokenizer": "bpe:512"}
+
+
 def train_on_ranks(rank: int, world: int, cfg) -> dict | None:
     """One training run on ranks started by :func:`distlab.launch.spawn.run_ranks`: rank 0's summary."""
     from distlab import runtime

@@ -18,7 +18,7 @@ import random
 import statistics
 from pathlib import Path
 
-from distlab.bench.common import format_table, machine, train_on_ranks, write
+from distlab.bench.common import format_table, machine, text_for, train_on_ranks, write
 
 VARIANTS = {"full": {}, "lora": {"lora": "r=16,alpha=32,targets=q,k,v,o"},
             "lora-bf16": {"lora": "r=16,alpha=32,targets=q,k,v,o", "base_dtype": "bf16", "precision": "bf16"},
@@ -32,10 +32,10 @@ def _config(init_from: str, layout: str, variant: str, steps: int, block: int, b
     from distlab.train import TrainConfig
     case = parse_strategy(layout)
     fields = {**case.strategy.to_dict(), **VARIANTS[variant]}
-    return TrainConfig.from_flags(init_from=init_from, dataset="synthetic-text:20000", block_size=block,
-                                  global_batch_size=batch, max_steps=steps, optimizer="sgd", momentum=0.0, lr=1e-4,
-                                  progress=False, verbose=False, eval_every_epoch=False, timing_warmup_steps=1,
-                                  **fields)
+    return TrainConfig.from_flags(init_from=init_from, **text_for(init_from, "synthetic-text:20000"),
+                                  block_size=block, global_batch_size=batch, max_steps=steps, optimizer="sgd",
+                                  momentum=0.0, lr=1e-4, progress=False, verbose=False, eval_every_epoch=False,
+                                  eval_batches=1, eval_batch_size=batch, timing_warmup_steps=1, **fields)
 
 
 def run(init_from: str, nproc: int = 2, layout: str = "zero=3", variants=tuple(VARIANTS), steps: int = 4,

@@ -74,9 +74,11 @@ def _load(rank: int, world: int, cfg, mode: str, source: str) -> dict:
 def config(init_from: str, strategy: str):
     from distlab.parallel import Strategy
     from distlab.train.config import TrainConfig
-    return TrainConfig.from_flags(init_from=init_from, dataset="synthetic-text:4000", block_size=16,
+    from distlab.bench.common import text_for
+    return TrainConfig.from_flags(init_from=init_from, **text_for(init_from, "synthetic-text:4000"), block_size=16,
                                   global_batch_size=4, max_steps=1, optimizer="sgd", lr=1e-3, progress=False,
-                                  verbose=False, eval_every_epoch=False, strategy=Strategy.parse(strategy))
+                                  verbose=False, eval_every_epoch=False, eval_batches=1, eval_batch_size=4,
+                                  strategy=Strategy.parse(strategy))
 
 
 def run(init_from: str, nproc: int = 4, layouts=("zero=3", "tp=2"), modes=MODES, sources=SOURCES, runs: int = 1,

@@ -353,7 +353,7 @@ def bench_load(init_from, nproc, layouts, modes, sources, runs, out):
 @click.option("--variants", default="full,lora,lora-bf16", show_default=True,
               help="full: every weight trained; lora: adapters (r 16 on q, k, v, o) on a frozen base; lora-bf16: "
                    "that base held in bf16 under bf16 autocast; lora-nf4: QLoRA, the adapted weights in 4-bit NF4 "
-                   "with adapters on every linear layer (not under ZeRO or TP: give --layout bucketed).")
+                   "with adapters on every linear layer (ZeRO holds those 4-bit weights whole; not under TP).")
 @click.option("--steps", type=COUNT, default=4, show_default=True, help="Steps per run (the first untimed).")
 @click.option("--block-size", type=COUNT, default=128, show_default=True)
 @click.option("--batch", type=COUNT, default=2, show_default=True, help="Global batch (windows).")

@@ -41,7 +41,7 @@ class ImageDataset:
         return False
 
     pairs = False  # a sample is one image (not a preference pair)
-    windows = 1  # model inputs a sample is (a preference pair: two)
+    inputs_per_sample = 1  # model inputs a sample is (a preference pair: two)
 
     @property
     def predicts_tokens(self) -> bool:

@@ -156,7 +156,7 @@ class PreferenceDataset(TextDataset):
         return len(self.starts) // 2
 
     pairs = True  # a sample is a pair of windows
-    windows = 2
+    inputs_per_sample = 2
 
     @property
     def ignores_targets(self) -> bool:

@@ -75,7 +75,7 @@ class TextDataset:
     record_starts: torch.Tensor | None = None  # per stream position: a packed record starts there (--pack)
 
     pairs = False  # a sample is one window (a preference pair's two: distlab.data.preference)
-    windows = 1  # model inputs a sample is
+    inputs_per_sample = 1  # model inputs a sample is
 
     @property
     def predicts_tokens(self) -> bool:

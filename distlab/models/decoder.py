@@ -209,21 +209,40 @@ class GatedMLP(nn.Module):
         return self.down(self.act(self.gate(x)) * self.up(x))
 
 
-class Block(nn.Module):
-    """Pre-norm attention and MLP, each a residual branch (the family's norms and MLP)."""
+def gated_mlp_plan(i: int, style: str) -> dict[str, str]:
+    """Block ``i``'s :class:`GatedMLP` under tensor parallel: gate and up column parallel, entering the parallel
+    region together, down row parallel (naive: each column parallel, its output gathered)."""
+    if style == "megatron":
+        return {f"{i}.mlp.enter": "enter", f"{i}.mlp.gate": "colwise_entered", f"{i}.mlp.up": "colwise_entered",
+                f"{i}.mlp.down": "rowwise"}
+    return {f"{i}.mlp.{n}": "colwise_gather" for n in ("gate", "up", "down")}
 
-    def __init__(self, ln1: nn.Module, attn: Attention, ln2: nn.Module, mlp: nn.Module):
+
+class Block(nn.Module):
+    """Attention and MLP, each a residual branch normed before it (the family's norms and MLP) -- and, where the
+    family gives them (Gemma's), normed after it too, before it joins the residual stream: ``x +
+    post_attn(attn(ln1(x)))``, then ``x + post_mlp(mlp(ln2(x)))``."""
+
+    def __init__(self, ln1: nn.Module, attn: Attention, ln2: nn.Module, mlp: nn.Module,
+                 post_attn: nn.Module | None = None, post_mlp: nn.Module | None = None):
         super().__init__()
         self.ln1, self.attn, self.ln2, self.mlp = ln1, attn, ln2, mlp
+        if post_attn is not None:  # (registered after the others: a checkpoint's tensors in their order)
+            self.post_attn = post_attn
+        if post_mlp is not None:
+            self.post_mlp = post_mlp
+
+    def _after(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return self._modules[name](x) if name in self._modules else x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        x = x + self._after("post_attn", self.attn(self.ln1(x)))
+        return x + self._after("post_mlp", self.mlp(self.ln2(x)))
 
     def decode(self, x: torch.Tensor, past: tuple | None, start: int) -> tuple[torch.Tensor, tuple]:
         h, cache = self.attn.decode(self.ln1(x), past, start)
-        x = x + h
-        return x + self.mlp(self.ln2(x)), cache
+        x = x + self._after("post_attn", h)
+        return x + self._after("post_mlp", self.mlp(self.ln2(x))), cache
 
 
 class Head(nn.Module):

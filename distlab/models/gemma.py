@@ -3,8 +3,9 @@
 The decoder of every text family (:mod:`distlab.models.decoder`) with Gemma's own parts:
 
 * **RMSNorm with (1 + w)** (:class:`GemmaNorm`): its weight starts at zeros and scales by ``1 + w``, in
-  float32; one before and one *after* the attention and the MLP of each block (:class:`GemmaBlock`), each
-  branch's output normed before it joins the residual stream.
+  float32; one before and one *after* the attention and the MLP of each block (the shared
+  :class:`~distlab.models.decoder.Block` given its norms after), each branch's output normed before it joins
+  the residual stream.
 * **Scaled embedding**: token rows times ``sqrt(n_embd)`` (kept by sequence parallel's split embedding),
   the LM head tied to them.
 * **Attention**: grouped-query heads of their own width (``head_dim``), each query and key head normed
@@ -25,7 +26,7 @@ from torch import nn
 
 from distlab.errors import ConfigError
 from distlab.models import register, rope
-from distlab.models.decoder import Attention, Block, Decoder, Embedding, GatedMLP, Head
+from distlab.models.decoder import Attention, Block, Decoder, Embedding, GatedMLP, Head, gated_mlp_plan
 from distlab.models.spec import ModelSpec, Options, option
 
 
@@ -50,26 +51,8 @@ class GeGLU(GatedMLP):
         return F.gelu(x, approximate="tanh")
 
 
-class GemmaBlock(Block):
-    """Attention and MLP branches, each normed before and after: ``x + post_attn(attn(ln1(x)))``, then
-    ``x + post_mlp(mlp(ln2(x)))``."""
-
-    def __init__(self, ln1, attn, post_attn, ln2, mlp, post_mlp):
-        super().__init__(ln1, attn, ln2, mlp)
-        self.post_attn, self.post_mlp = post_attn, post_mlp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.post_attn(self.attn(self.ln1(x)))
-        return x + self.post_mlp(self.mlp(self.ln2(x)))
-
-    def decode(self, x: torch.Tensor, past: tuple | None, start: int) -> tuple[torch.Tensor, tuple]:
-        h, cache = self.attn.decode(self.ln1(x), past, start)
-        x = x + self.post_attn(h)
-        return x + self.post_mlp(self.mlp(self.ln2(x))), cache
-
-
 class Gemma3(Decoder):
-    """``Gemma3(vocab, block_size, ...)``: the scaled embedding, ``n_layer`` :class:`GemmaBlock` s (local
+    """``Gemma3(vocab, block_size, ...)``: the scaled embedding, ``n_layer`` blocks normed after each branch too (local
     sliding-window layers and every ``global_every``-th a global one), a final :class:`GemmaNorm` and the
     head tied to the embedding (module docstring)."""
 
@@ -79,15 +62,15 @@ class Gemma3(Decoder):
     def __init__(self, vocab: int, block_size: int, o: GemmaOptions):
         heads_width = o.head_dim * o.n_head
 
-        def block(i: int) -> GemmaBlock:
+        def block(i: int) -> Block:
             full = o.is_global(i)
             attn = Attention(o.n_embd, o.n_head, o.kv_heads, theta=o.rope_theta if full else o.rope_local_theta,
                              rope_scaling=rope.parse(o.rope_scaling) if full else None,
                              window=None if full else o.sliding_window, head_dim=o.head_dim,
                              qk_norm=lambda d: GemmaNorm(d, o.norm_eps), scale=o.query_pre_attn_scalar ** -0.5)
-            return GemmaBlock(GemmaNorm(o.n_embd, o.norm_eps), attn, GemmaNorm(o.n_embd, o.norm_eps),
-                              GemmaNorm(o.n_embd, o.norm_eps), GeGLU(o.n_embd, o.ffn_hidden),
-                              GemmaNorm(o.n_embd, o.norm_eps))
+            return Block(GemmaNorm(o.n_embd, o.norm_eps), attn, GemmaNorm(o.n_embd, o.norm_eps),
+                         GeGLU(o.n_embd, o.ffn_hidden), post_attn=GemmaNorm(o.n_embd, o.norm_eps),
+                         post_mlp=GemmaNorm(o.n_embd, o.norm_eps))
 
         super().__init__(Embedding(vocab, o.n_embd, scale=o.n_embd ** 0.5), (block(i) for i in range(o.n_layer)),
                          Head(GemmaNorm(o.n_embd, o.norm_eps), o.n_embd, vocab), block_size=block_size,
@@ -104,12 +87,8 @@ class Gemma3(Decoder):
     def mlp_plan(self, i: int, style: str) -> dict[str, str]:
         """The GeGLU's gate and up column parallel, down row parallel; the norms after each branch see what
         the norms before do (this rank's positions under sequence parallel)."""
-        if style == "megatron":  # (in the order they run: the norm after the MLP needs its output recomputed)
-            mlp = {f"{i}.mlp.enter": "enter", f"{i}.mlp.gate": "colwise_entered", f"{i}.mlp.up": "colwise_entered",
-                   f"{i}.mlp.down": "rowwise"}
-        else:
-            mlp = {f"{i}.mlp.{n}": "colwise_gather" for n in ("gate", "up", "down")}
-        return {f"{i}.post_attn": "sequence", **mlp, f"{i}.post_mlp": "sequence"}
+        # (in the order they run: the norm after the MLP needs its output recomputed)
+        return {f"{i}.post_attn": "sequence", **gated_mlp_plan(i, style), f"{i}.post_mlp": "sequence"}
 
 
 @dataclass(frozen=True)

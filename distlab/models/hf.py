@@ -3,7 +3,7 @@
 layout), read and written without ``transformers``.
 
 A family reads and writes such a directory through its registered adapter
-(:class:`~distlab.models.hf_families.HFAdapter`, :func:`register_adapter`): the architectures it takes
+(:class:`~distlab.models.hf_adapter.HFAdapter`, :func:`register_adapter`): the architectures it takes
 (``LlamaForCausalLM`` ...), its options from a config (refusing, in one line, a config key that changes
 the math distlab does not do), the config it writes, and its tensors both ways. Reading is safetensors only --
 no pickle, no code from the directory (``trust_remote_code`` has no equivalent here).
@@ -38,7 +38,7 @@ _READERS: dict[str, type] = {}  # an architecture's adapter
 
 
 def register_adapter(adapter: type) -> type:
-    """Make ``adapter`` (an :class:`~distlab.models.hf_families.HFAdapter`) read its architectures and write its
+    """Make ``adapter`` (an :class:`~distlab.models.hf_adapter.HFAdapter`) read its architectures and write its
     ``family``'s Hugging Face directories."""
     _ADAPTERS[adapter.family] = adapter
     _READERS.update(dict.fromkeys(adapter.architectures, adapter))
@@ -47,9 +47,12 @@ def register_adapter(adapter: type) -> type:
 
 def adapters() -> dict[str, type]:
     """``{family: adapter}``: distlab's own (the first of a family's is its default), and any registered since."""
-    from distlab.models.hf_families import ADAPTERS
-    from distlab.models.hf_variants import VARIANTS
-    for adapter in (*ADAPTERS, *VARIANTS):
+    from distlab.models.hf_gemma3 import HFGemma3
+    from distlab.models.hf_gpt2 import HFGPT2
+    from distlab.models.hf_llama import HFLlama
+    from distlab.models.hf_mixtral import HFMixtral
+    from distlab.models.hf_phi3 import HFPhi3
+    for adapter in (HFLlama, HFGPT2, HFMixtral, HFPhi3, HFGemma3):  # (the first of a family's is its default)
         _ADAPTERS.setdefault(adapter.family, adapter)
         for arch in adapter.architectures:
             _READERS.setdefault(arch, adapter)

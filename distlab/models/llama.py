@@ -32,7 +32,7 @@ from torch import nn
 
 from distlab.errors import ConfigError
 from distlab.models import register, rope
-from distlab.models.decoder import Attention, Block, Decoder, Embedding, GatedMLP, Head
+from distlab.models.decoder import Attention, Block, Decoder, Embedding, GatedMLP, Head, gated_mlp_plan
 from distlab.models.moe import ExpertOptions
 from distlab.models.spec import ModelSpec, Options, option
 
@@ -96,10 +96,7 @@ class Llama(Decoder):
 
     def mlp_plan(self, i: int, style: str) -> dict[str, str]:
         """The SwiGLU's gate and up column parallel, down row parallel (naive: each column parallel, gathered)."""
-        if style == "megatron":
-            return {f"{i}.mlp.enter": "enter", f"{i}.mlp.gate": "colwise_entered", f"{i}.mlp.up": "colwise_entered",
-                    f"{i}.mlp.down": "rowwise"}
-        return {f"{i}.mlp.{n}": "colwise_gather" for n in ("gate", "up", "down")}
+        return gated_mlp_plan(i, style)
 
 
 def default_hidden(n_embd: int) -> int:

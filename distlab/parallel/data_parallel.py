@@ -123,6 +123,10 @@ class DataParallel(nn.Module):
         """The full parameters are always in place."""
         return contextlib.nullcontext(self.module)
 
+    def convert_frozen(self, module: nn.Module, name: str, make) -> None:
+        """Every parameter is whole on every replica already: ``make`` it in place."""
+        setattr(module, name, make(getattr(module, name)))
+
     def sharded_state_dict(self) -> dict:
         """This rank's model state: a copy of the (replicated) module's ``state_dict``."""
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}

@@ -246,6 +246,11 @@ class Engine:
 
     # ------------------------------------------------------------------ state
 
+    def convert_frozen(self, module: nn.Module, name: str, make) -> None:
+        """Replace the frozen parameter ``name`` of ``module`` (a part of this rank's model) by ``make(its whole
+        values)`` -- a base quantized once its values are in place -- through the gradient sync that holds it."""
+        self.grad_sync.convert_frozen(module, name, make)
+
     def gathered(self):
         """Context: the full parameters in place (collective under ZeRO-3; free otherwise)."""
         return self.grad_sync.gathered()

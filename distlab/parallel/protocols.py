@@ -101,6 +101,11 @@ class ShardedState(Protocol):
 
     def load_sync_state_dict(self, state: dict) -> None: ...
 
+    def convert_frozen(self, module: nn.Module, name: str, make: Callable[[torch.Tensor], nn.Parameter]) -> None:
+        """Replace ``module``'s frozen parameter ``name`` by ``make(its whole values)`` (a base quantized once its
+        values are in place), held whole on this rank from then on, its state dicts holding its values (a
+        quantized tensor's dequantized)."""
+
 
 @runtime_checkable
 class StatePlacement(Protocol):

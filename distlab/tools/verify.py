@@ -333,7 +333,7 @@ def reference_run(cfg: TrainConfig, norms: list[float] | None = None) -> tuple[l
         from distlab.models import lora
         lora.apply(model, cfg.lora)
         lora.fill(model, lora.initial_state(model, cfg.seed))
-        from distlab.train.adapters import narrow_base
+        from distlab.train.fine_tuning import narrow_base
         narrow_base(model, cfg.base_dtype)
         if cfg.base_dtype == "nf4":  # the adapted layers' weights quantized as the run quantizes them
             from distlab.train.quantized_base import quantize

@@ -22,7 +22,7 @@ from distlab.models.lora import LoRASpec, apply as apply_lora
 from distlab.models.spec import Options
 from distlab.parallel import Strategy
 from distlab.train import pretrained as init_checks
-from distlab.train.adapters import check_fine_tuning, spec_of_source as lora_from_spec
+from distlab.train.fine_tuning import check_fine_tuning, spec_of_source as lora_from_spec
 from distlab.train.durations import parse_duration  # noqa: F401 - where the settings readers take it from
 from distlab.train.model_fit import check_fit
 

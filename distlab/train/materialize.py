@@ -22,7 +22,7 @@ from distlab.models import build_model, count_parameters, snapshot_record
 from distlab.parallel import parallelize
 from distlab.parallel.placement import state_from_full, state_from_stream
 from distlab.runtime import seed_everything
-from distlab.train.adapters import attach as attach_adapters
+from distlab.train.fine_tuning import attach as attach_adapters
 from distlab.train.export import init_slices, load_init
 from distlab.train.optim import decay_groups, no_decay_names
 from distlab.train.quantized_base import quantize as quantize_base
@@ -37,13 +37,13 @@ class Converter(Protocol):
         """Change ``net`` (the whole model, on the meta device unless ``real``); return the starting values of
         the tensors it added, by state key (given to ``net`` now where it is ``real``, else cut with its state)."""
 
-    def placed(self, module: nn.Module) -> None:
-        """After the layout's module holds every value."""
+    def placed(self, engine) -> None:
+        """After the layout's engine holds every value (``engine.module``: this rank's model)."""
 
 
 class Adapters:
     """``lora`` (and ``lora_from``, ``base_dtype``): low-rank adapters on the target layers, the base frozen in
-    its dtype (:func:`distlab.train.adapters.attach`)."""
+    its dtype (:func:`distlab.train.fine_tuning.attach`)."""
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -51,7 +51,7 @@ class Adapters:
     def convert(self, net: nn.Module, real: bool) -> dict[str, torch.Tensor]:
         return attach_adapters(self.cfg, net, real)
 
-    def placed(self, module: nn.Module) -> None:
+    def placed(self, engine) -> None:
         pass
 
 
@@ -61,8 +61,8 @@ class QuantizedBase:
     def convert(self, net: nn.Module, real: bool) -> dict[str, torch.Tensor]:
         return {}
 
-    def placed(self, module: nn.Module) -> None:
-        quantize_base(module)
+    def placed(self, engine) -> None:
+        quantize_base(engine.module, engine.convert_frozen)
 
 
 def converters(cfg) -> list[Converter]:
@@ -120,5 +120,5 @@ def materialize(cfg, rt, train_set, mesh) -> Materialized:
     elif slices is not None:
         engine.load_sharded_state_dict(state_from_full(engine, slices))
     for converter in chosen:
-        converter.placed(engine.module)
+        converter.placed(engine)
     return made

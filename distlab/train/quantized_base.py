@@ -9,9 +9,10 @@ The weights are quantized once their values are in place (the checkpoint loaded,
 trains), so every rank quantizes the same values the same way. A snapshot holds each quantized weight
 dequantized (bf16: the values the model computes with); loading one quantizes it again, which gives the
 same dequantized values, so a resumed run computes what the uninterrupted one does. Data, pipeline,
-context and expert parallel hold the weights as they are; ZeRO's flat shards and tensor parallel's splits
-do not carry an ``NF4Tensor`` here, so those layouts are refused before launch (``--base-dtype bf16``
-shards the bf16 base under ZeRO-3).
+context and expert parallel hold the weights as they are; ZeRO takes each quantized weight out of its units
+and holds it whole (:meth:`Engine.convert_frozen <distlab.parallel.Engine.convert_frozen>`; ZeRO-3 gathers it
+once to quantize it whole). Tensor parallel's splits do not carry an ``NF4Tensor`` (its scales' groups span a
+row-parallel layer's columns), so that layout is refused before launch (``--base-dtype bf16`` splits).
 
 torchao is an optional extra (``pip install torchao``), imported only by a run that asks for ``nf4``.
 """
@@ -49,11 +50,12 @@ def check(cfg) -> None:
     if cfg.base_dtype != "nf4":
         return
     _nf4()
-    s = cfg.strategy
-    if s.zero or s.tp > 1:
-        raise ConfigError(f"`base_dtype` nf4: {'ZeRO' if s.zero else 'tensor parallel'} does not shard an NF4 weight "
-                          f"here; train it with data, pipeline, context or expert parallel, or hold the base in bf16 "
-                          f"(`base_dtype` bf16, which ZeRO-3 shards)")
+    if cfg.strategy.tp > 1:
+        raise ConfigError("`base_dtype` nf4 under tensor parallel: torchao's NF4 weight double-quantizes its blocks' "
+                          "scales in groups of 256 consecutive blocks of the whole row-major weight, so a row-parallel "
+                          "layer's columns are no whole groups and its rank's part holds other values than the whole "
+                          "weight's; train it with data, ZeRO, pipeline, context or expert parallel, or hold the base "
+                          "in bf16 (`base_dtype` bf16, which tensor parallel splits)")
 
 
 def scaler_block(numel: int) -> int:
@@ -63,20 +65,27 @@ def scaler_block(numel: int) -> int:
     return next(b for b in range(min(SCALER_BLOCK, scales), 0, -1) if scales % b == 0)
 
 
-def quantize(module: nn.Module) -> int:
-    """Each adapted layer's frozen weight of ``module`` to NF4, in place (its values already loaded); returns
-    how many. A snapshot's state dict holds them dequantized (module docstring)."""
+def quantize(module: nn.Module, convert=None) -> int:
+    """Each adapted layer's frozen weight of ``module`` to NF4 (its values already loaded); returns how many.
+    ``convert(layer, "weight", make)`` puts the made weight in place -- the gradient sync's
+    (:meth:`Engine.convert_frozen <distlab.parallel.Engine.convert_frozen>`: ZeRO holds it whole from then on);
+    default: in place. A snapshot's state dict holds them dequantized (module docstring)."""
     from distlab.models.lora import LoRALinear
     to_nf4, nf4_type = _nf4()
+    convert = convert or (lambda layer, name, make: setattr(layer, name, make(getattr(layer, name))))
+
+    def make(weight: torch.Tensor) -> nn.Parameter:
+        whole = weight.detach().to(torch.bfloat16)
+        return nn.Parameter(to_nf4(whole, BLOCK, scaler_block(whole.numel())), requires_grad=False)
+
     done = 0
     for layer in module.modules():
         if not isinstance(layer, LoRALinear) or isinstance(layer.weight, nf4_type):
             continue
-        weight = layer.weight.detach().to(torch.bfloat16)
-        if weight.numel() % BLOCK:
+        if layer.weight.numel() % BLOCK:
             raise ConfigError(f"`base_dtype` nf4 quantizes weights in blocks of {BLOCK} values: a layer of shape "
-                              f"{tuple(weight.shape)} does not divide (hold the base in bf16)")
-        layer.weight = nn.Parameter(to_nf4(weight, BLOCK, scaler_block(weight.numel())), requires_grad=False)
+                              f"{tuple(layer.weight.shape)} does not divide (hold the base in bf16)")
+        convert(layer, "weight", make)
         layer._register_state_dict_hook(_dequantized)
         done += 1
     return done

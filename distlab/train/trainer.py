@@ -86,7 +86,7 @@ class Trainer:
         self.local_batch = cfg.global_batch_size // self.mesh.dp
         s = cfg.strategy
         logits = (cfg.block_size // s.cp) * -(-cfg.vocab(self.train_set.num_classes) // s.tp) * \
-            self.test_set.windows  # a sample's windows' logits on this rank (a preference pair: two windows)
+            self.test_set.inputs_per_sample  # a sample's logits on this rank (a preference pair: two windows)
         self.eval_batch = eval_batch(cfg.eval_batch_size, self.test_set.predicts_tokens,
                                      self.local_batch // (s.grad_accum * s.microbatches), logits)
         self.loader = TrainLoader(self.train_set, rank=self.mesh.dp_rank, world_size=self.mesh.dp,

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distlab.errors import ConfigError
+from distlab.parallel.placement import value_copy
 from distlab.parallel.state_bytes import optimizer_tensors, storage_bytes
 from distlab.runtime import group_rank, group_size
 from distlab.runtime.meta import adopt
@@ -28,10 +29,29 @@ class ShardedState:
     def load_sync_state_dict(self, state: dict) -> None:
         pass
 
+    def convert_frozen(self, module: nn.Module, name: str, make) -> None:
+        """The unit of ``module``'s frozen parameter ``name`` leaves ZeRO: gathered (stage 3), made into
+        ``make(whole values)``, held whole like an expert shard (:attr:`whole`) -- its buffer and shard freed."""
+        param = getattr(module, name)
+        unit = next((u for u in self.units if u.module is module and u.param is param), None)
+        if unit is None or unit.trainable:
+            raise ValueError(f"ZeRO converts a frozen parameter it shards; {type(module).__name__}.{name} is not one")
+        if not unit.gathered:
+            self._gather([unit])
+        made = make(param)
+        self.units.remove(unit)
+        for units in self._by_module.values():  # (the stage-3 hooks read these lists)
+            if unit in units:
+                units.remove(unit)
+        unit.free()
+        unit.shard = None
+        setattr(module, name, made)
+        self.whole.append((unit.name, made))
+
     def sharded_state_dict(self) -> dict:
         """This rank's part: its shards and buffers (a snapshot writes one per rank)."""
         return self.state_from([u.shard.detach().clone() for u in self.units] +
-                               [p.detach().clone() for _, p in self.whole],
+                               [value_copy(p) for _, p in self.whole],
                                {k: v.detach().clone() for k, v in self._module.named_buffers()})
 
     def load_sharded_state_dict(self, state: dict) -> None:

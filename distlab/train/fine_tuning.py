@@ -1,6 +1,7 @@
-"""A run's low-rank adapters (``--lora``, :mod:`distlab.models.lora`): put on the model before the layout
-cuts it, starting at their own values -- or, with ``--lora-from peft:DIR``, at the adapters PEFT saved for
-the ``--init-from hf:DIR`` base (:mod:`distlab.models.peft_files`), whose config then says the spec."""
+"""Fine-tuning's flags: a run's low-rank adapters (``--lora``, :mod:`distlab.models.lora`) put on the model
+before the layout cuts it, starting at their own values -- or, with ``--lora-from peft:DIR``, at the adapters
+PEFT saved for the ``--init-from hf:DIR`` base (:mod:`distlab.models.peft_files`), whose config then says the
+spec --, the frozen base's dtype, and the checks of packing, chats and preference pairs."""
 
 from __future__ import annotations
 
