@@ -153,6 +153,8 @@ def test_a_dpo_run_resumes_bitwise_and_the_report_draws_its_rewards(run_cli, tmp
     whole = run_cli(*base, "--max-steps", "4", "--snapshot-dir", str(tmp_path / "a"), "--out", str(tmp_path / "arun"),
                     check=True)
     assert "54 preference pairs" in whole.stdout and "preference accuracy" in whole.stdout
+    from distlab.train.evaluate import eval_batch  # a pair is two windows of logits: half as many at a time
+    assert f"{eval_batch(None, True, 3, 8 * 256 * 2):,} at a time per rank" in whole.stdout, whole.stdout
     run_cli(*base, "--max-steps", "2", "--snapshot-dir", str(tmp_path / "b"), "--out", str(tmp_path / "brun"), check=True)
     run_cli(*base, "--max-steps", "4", "--snapshot-dir", str(tmp_path / "b"), "--resume", "auto", "--out",
             str(tmp_path / "brun2"), check=True)
