@@ -54,7 +54,8 @@ def test_qlora_on_data_pipeline_and_zero_parallel_equals_one_process():
     _torchao()
     from distlab.tools.verify import parse_strategy, verify
     cases = [parse_strategy(f"{s}+bf16+llama+lora=r=2,alpha=4,targets=q,v,o,down+base=nf4")
-             for s in ("bucketed", "bucketed+pp=2+microbatches=2", "zero=2", "zero=3+ckpt+accum=2")]
+             for s in ("bucketed", "bucketed+pp=2+microbatches=2", "zero=3+ckpt+accum=2")]  # (ZeRO-1, -2, -3
+    # alone: docs/composition.md's cells, tests/test_composition.py)
     records = verify(cases, 2, steps=3, timeout=patience(600))
     failed = [(r["strategy"], r["max_abs_param_diff"], r["tolerance"]) for r in records if not r["passed"]]
     assert not failed, failed
