@@ -11,6 +11,7 @@ import torch
 from distlab.models.aux_loss import step_share
 from distlab.models.moe import MoE
 from distlab.tools.verify import sum_tolerance
+from tests.conftest import patience
 
 F64 = torch.float64
 
@@ -205,7 +206,7 @@ def test_the_cli_trains_experts_in_parallel_reports_their_load_and_resumes_on_an
     (tmp_path / "zero").mkdir()
     shutil.copytree(tmp_path / "s" / "step-00000003", tmp_path / "zero" / "step-00000003")
     run_cli(*common, "--nproc-per-node", "2", "--ep", "2", "--zero", "3", "--snapshot-dir", "zero", "--resume", "auto",
-            "--out", "zero-out", check=True, timeout=240)
+            "--out", "zero-out", check=True, timeout=patience(240))
     models = {}
     for d in ("s", "one", "zero"):
         run_cli("export", f"{d}/step-00000006", "-o", f"{d}.pt", check=True)

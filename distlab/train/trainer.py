@@ -182,8 +182,7 @@ class Trainer:
         self.log = MetricsLog(cfg.out if self.rt.is_main else None, run.history)
         self.tb = TensorBoardLog(cfg.tensorboard, self.rt.is_main, self.rt.device,
                                  purge_step=run.step + 1 if run.resumed_from is not None else None)
-        if self.rt.is_main:
-            language.write_tokenizer(cfg.out, self.tokenizer)
+        language.write_tokenizer(cfg.out if self.rt.is_main else None, self.tokenizer)  # (rank 0 writes files)
         self.bar.update(run.step)
         times = StepTimes()
         engine.train()
