@@ -47,6 +47,68 @@ def test_a_quantized_layer_computes_with_nf4s_values_and_its_adapter():
     assert scaler_block(64 * 256) == 256 and scaler_block(64 * 12) == 12 and scaler_block(64 * 300) == 150
 
 
+@pytest.mark.parametrize("shape,parts,dim", [((16, 16), 2, 1), ((48, 64), 4, 1), ((128, 96), 2, 1),
+                                             ((256, 512), 4, 1), ((32, 16), 2, 0), ((256, 512), 4, 0)])
+def test_a_tensor_parallel_part_of_an_nf4_weight_dequantizes_to_the_wholes_values_there(shape, parts, dim):
+    """Each rank's part (rows: a column-parallel layer's; columns: a row-parallel one's, their runs shorter
+    than a block or not) dequantizes to the whole NF4 weight's values there bit for bit, computes F.linear
+    with them, and holds about 4 bits a value; a run of an odd number of values is refused."""
+    _torchao()
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+    from distlab.errors import ConfigError
+    from distlab.train.quantized_base import BLOCK, part, scaler_block
+    torch.manual_seed(0)
+    whole = to_nf4(torch.randn(shape, dtype=torch.bfloat16), BLOCK, scaler_block(shape[0] * shape[1]))
+    values = whole.get_original_weight()
+    for rank in range(parts):
+        mine = part(whole, dim, rank, parts)
+        expected = values.chunk(parts, dim)[rank]
+        assert torch.equal(mine.get_original_weight(), expected)
+        x = torch.randn(3, expected.shape[1], dtype=torch.bfloat16)
+        assert torch.equal(torch.nn.functional.linear(x, mine), torch.nn.functional.linear(x, expected))
+        held = sum(t.numel() * t.element_size() for t in (mine.quantized_data, mine.quantized_scalers,
+                                                           mine.quantization_factor))
+        assert held * 8 <= expected.numel() * (4 + 8 / mine.block_size + 32 / mine.block_size)
+    with pytest.raises(ConfigError, match="even number"):
+        part(to_nf4(torch.randn(64, 6, dtype=torch.bfloat16), BLOCK, 6), 1, 0, 2)
+
+
+def _zero3_quantized(rank, world):
+    from distlab.models import lora
+    from distlab.parallel import Zero
+    from distlab.train.quantized_base import quantize
+    torch.manual_seed(0)
+    make = lambda: torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    alone, model = make(), make()
+    for m in (alone, model):
+        lora.apply(m, lora.LoRASpec.parse("r=2,alpha=4,targets=0"))
+        m.load_state_dict(alone.state_dict())
+    quantize(alone)
+    zero = Zero(model, 3)
+    assert quantize(model, zero.convert_frozen) == 1
+    held = {u.name.rsplit(".", 1)[1]: (u.shard.numel(), u.full.untyped_storage().nbytes()) for u in zero.codes}
+    x = torch.randn(4, 128)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, expected = zero(x), alone(x)
+    got.float().sum().backward()
+    zero.sync_gradients()
+    freed = all(not u.gathered for u in zero.codes)
+    whole = zero.sharded_state_dict()["whole"][0]["shard"]
+    return held, torch.equal(got, expected), freed, torch.equal(whole, alone.state_dict()["0.weight"])
+
+
+def test_zero3_shards_a_4bit_weight_by_its_codes_and_scales_and_gathers_it_to_compute():
+    """ZeRO-3 over 3 ranks holds each part of a 4-bit weight (its 4,096 bytes of codes, 128 block scales,
+    1 factor, the scales' mean and the 16 levels) as a third of it, freed between uses; gathered, the layer
+    computes what the weight held whole does, bit for bit, and a state dict holds its dequantized values."""
+    _torchao()
+    from distlab.launch.spawn import run_ranks
+    for held, same, freed, state in run_ranks(_zero3_quantized, 3, timeout=patience(60)):
+        assert held == {"quantized_data": (1366, 0), "quantized_scalers": (43, 0), "quantization_factor": (1, 0),
+                        "scaler_mean": (1, 0), "nf4": (6, 0)}, held
+        assert same and freed and state
+
+
 def test_qlora_on_data_pipeline_and_zero_parallel_equals_one_process():
     """verify's bf16 bound: the same weights quantized the same way on every rank as on one process -- under ZeRO
     each quantized weight leaves ZeRO's units whole once its values are in place (ZeRO-3 gathering it for that),
@@ -65,8 +127,8 @@ def test_a_qlora_fine_tune_resumes_bitwise_and_holds_less_than_a_bf16_base(run_c
     """`--base-dtype nf4` from a Hugging Face checkpoint on 2 processes: the header says so; a run stopped at
     step 2 and resumed ends bitwise where the uninterrupted one does (the snapshot's dequantized weights
     quantize back to the same values); its snapshot holds those bf16 values; its model state is below the
-    same run's with a bf16 base; under ZeRO-3 too a run resumes, its frozen weights the same dequantized values;
-    tensor parallel and a missing --precision bf16 are refused in one line."""
+    same run's with a bf16 base; under ZeRO-3 and under tensor parallel too a run resumes, its frozen weights the
+    same dequantized values; a missing --precision bf16 is refused in one line."""
     _torchao()
     from tests.test_hf import _saved
     from tests.test_lora import _whole
@@ -97,13 +159,19 @@ def test_a_qlora_fine_tune_resumes_bitwise_and_holds_less_than_a_bf16_base(run_c
     run_cli(*zero, "--max-steps", "4", "--snapshot-dir", str(tmp_path / "z"), "--resume", "auto", "--out",
             str(tmp_path / "zrun2"), check=True)
     z = _whole(next((tmp_path / "z").glob("step-*4")))
-    frozen = [k for k in a if k.endswith(("q.weight", "v.weight", "o.weight", "down.weight"))]
-    assert frozen and all(torch.equal(a[k], z[k]) for k in frozen)
+    frozen = [k for k in a if k.endswith("weight") and k.replace("weight", "lora_a") in a]
+    assert len(frozen) == 8 and all(torch.equal(a[k], z[k]) for k in frozen)
+    # tensor parallel: each rank's part of the weight quantized whole, and again so from a snapshot's part
+    # (a part quantized alone would hold other values: the row-parallel 1.attn.proj's do)
+    tp = [*nf4, "--tp", "2"]
+    run_cli(*tp, "--max-steps", "2", "--snapshot-dir", str(tmp_path / "t"), "--out", str(tmp_path / "trun"), check=True)
+    run_cli(*tp, "--max-steps", "4", "--snapshot-dir", str(tmp_path / "t"), "--resume", "auto", "--out",
+            str(tmp_path / "trun2"), check=True)
+    t = _whole(next((tmp_path / "t").glob("step-*4")))
+    assert all(torch.equal(a[k], t[k]) for k in frozen)
     fp32 = [a if a != "bf16" else "fp32" for a in nf4]  # (--precision fp32)
-    for args, message in [([*nf4, "--tp", "2"], "--base-dtype nf4 under tensor parallel"),
-                          (fp32, "add --precision bf16")]:
-        proc = refused_here(*args, "--max-steps", "1", "--snapshot-dir", str(tmp_path / "none"))
-        assert proc.stderr.count("\n") == 1 and message in proc.stderr, (args, proc.stderr)
+    proc = refused_here(*fp32, "--max-steps", "1", "--snapshot-dir", str(tmp_path / "none"))
+    assert proc.stderr.count("\n") == 1 and "add --precision bf16" in proc.stderr, proc.stderr
 
 
 def test_a_qlora_run_without_snapshots_leaves_its_final_model_with_the_weights_it_computed_with(run_cli, tmp_path):

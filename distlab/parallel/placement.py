@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from distlab.parallel.protocols import ShardedLayer
+from distlab.parallel.protocols import ShardedLayer, value_copy
 
 
 @dataclass(frozen=True)
@@ -135,11 +135,6 @@ def full_parameters(model: nn.Module) -> list[torch.Tensor]:
 
     visit(model)
     return out
-
-
-def value_copy(p: torch.Tensor) -> torch.Tensor:
-    """A copy of a parameter's values: a quantized one's (torchao's NF4 weight) dequantized."""
-    return p.get_original_weight() if hasattr(p, "get_original_weight") else p.detach().clone()
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

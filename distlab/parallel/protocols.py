@@ -234,7 +234,10 @@ class ShardedLayer(Protocol):
       its expert-data group): data parallel and ZeRO leave it out, its owner reduces it, the global
       gradient norm counts it once per that group;
     * ``module.sequence_group`` -- a module that computes statistics over a sequence split by context
-      parallel (its tokens' share of a mean or a sum) reduces them over this group.
+      parallel (its tokens' share of a mean or a sum) reduces them over this group;
+    * ``parameter.from_values(values)`` -- what a state dict's ``values`` become before they are copied into a
+      parameter that is not made from its own values alone (a tensor-parallel part of a 4-bit weight: the
+      group's values quantized whole; collective over the layer's group).
     """
 
     tp_split: dict[str, int]  # parameter name -> the dimension its shards split (the rest are replicated)
@@ -261,6 +264,12 @@ class LowRankAdapted(Protocol):
     lora_b: nn.Parameter  # (out_features, r)
     # adapter(result, x, a, b, training): ``result`` plus the update of ``x`` through factors ``a``, ``b``
     adapter: Callable[..., torch.Tensor]
+
+
+def value_copy(p: torch.Tensor) -> torch.Tensor:
+    """A copy of a parameter's values: a quantized one's (a tensor that dequantizes itself with
+    ``get_original_weight``: torchao's NF4 weight, whole or a tensor-parallel part) dequantized."""
+    return p.get_original_weight() if hasattr(p, "get_original_weight") else p.detach().clone()
 
 
 def split_shape(layer, name: str) -> tuple[int, ...]:

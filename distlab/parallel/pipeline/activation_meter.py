@@ -21,7 +21,9 @@ class ActivationMeter:
     """
 
     def __init__(self, params=()):
+        params = list(params)
         self._params = {storage_key(t.untyped_storage()) for t in plain(params)}  # (a quantized weight: its parts)
+        self._ids = {id(p) for p in params}  # (... whose parts ZeRO-3 gathers into storage of their own)
         self._refs: dict[int, list[int]] = {}  # storage pointer -> [saved references, bytes]
         self.live = self.peak = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _Held.unpack)
@@ -29,7 +31,7 @@ class ActivationMeter:
     @eager  # counted as it runs, never traced into a compiled block's graph
     def _pack(self, t: torch.Tensor):
         if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__") and \
-                all(storage_key(p.untyped_storage()) in self._params for p in plain([t])):
+                (id(t) in self._ids or all(storage_key(p.untyped_storage()) in self._params for p in plain([t]))):
             return t  # a tensor subclass made of parameters (a quantized weight saved for its backward)
         storage = t.untyped_storage()
         key = storage_key(storage)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlab.errors import ConfigError
-from distlab.parallel.protocols import LowRankAdapted, split_shape
+from distlab.parallel.protocols import LowRankAdapted, split_shape, value_copy
 from distlab.parallel.tensor_parallel.mappings import (all_gather_along, copy_to_group, gather_from_group,
                                                        gather_sequence, reduce_from_group, scatter_sequence,
                                                        split_to_group)
@@ -65,7 +65,7 @@ class ColumnParallelLinear(nn.Module):
 
     def full_parameters(self) -> list[torch.Tensor]:
         """The unsharded weight (and bias, and adapter), gathered from the group (collective)."""
-        full = [all_gather_along(self.weight.detach(), self.group, 0)]
+        full = [all_gather_along(value_copy(self.weight), self.group, 0)]  # (a 4-bit part: dequantized)
         full += [all_gather_along(self.bias.detach(), self.group, 0)] if self.bias is not None else []
         if self.adapter is not None:  # A whole on every rank, B's rows split with the weight's
             full += [self.lora_a.detach().clone(), all_gather_along(self.lora_b.detach(), self.group, 0)]
@@ -120,7 +120,7 @@ class RowParallelLinear(nn.Module):
 
     def full_parameters(self) -> list[torch.Tensor]:
         """The unsharded weight (the replicated bias, the adapter), gathered from the group (collective)."""
-        full = [all_gather_along(self.weight.detach(), self.group, 1)]
+        full = [all_gather_along(value_copy(self.weight), self.group, 1)]
         full += [self.bias.detach().clone()] if self.bias is not None else []
         if self.adapter is not None:  # A's columns split with the weight's, B whole on every rank
             full += [all_gather_along(self.lora_a.detach(), self.group, 1), self.lora_b.detach().clone()]

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -10,6 +12,7 @@ from torch import nn
 from distlab.errors import ConfigError
 from distlab.parallel.placement import value_copy
 from distlab.parallel.state_bytes import optimizer_tensors, storage_bytes
+from distlab.parallel.zero.units import Unit
 from distlab.runtime import group_rank, group_size
 from distlab.runtime.meta import adopt
 
@@ -31,7 +34,10 @@ class ShardedState:
 
     def convert_frozen(self, module: nn.Module, name: str, make) -> None:
         """The unit of ``module``'s frozen parameter ``name`` leaves ZeRO: gathered (stage 3), made into
-        ``make(whole values)``, held whole like an expert shard (:attr:`whole`) -- its buffer and shard freed."""
+        ``make(whole values)``, held by its name like an expert shard (:attr:`whole`: whole in state dicts) -- its
+        buffer and shard freed. Under stage 3 a made tensor of tensors (a 4-bit weight: its codes and scales, as
+        ``__tensor_flatten__`` names them) is sharded by its parts, each a unit of :attr:`codes` gathered and freed
+        with ``module``'s other units; stages 1-2 hold every parameter whole anyway."""
         param = getattr(module, name)
         unit = next((u for u in self.units if u.module is module and u.param is param), None)
         if unit is None or unit.trainable:
@@ -47,11 +53,37 @@ class ShardedState:
         unit.shard = None
         setattr(module, name, made)
         self.whole.append((unit.name, made))
+        if self.stage == 3 and hasattr(made, "__tensor_flatten__"):
+            for part in made.__tensor_flatten__()[0]:
+                held = nn.Parameter(getattr(made, part), requires_grad=False)
+                code = Unit(f"{unit.name}.{part}", module, held, unit.n, unit.rank)  # (its values now in the unit)
+                setattr(made, part, held)
+                code.free()
+                self.codes.append(code)
+                self._by_module[module].append(code)
+
+    @contextlib.contextmanager
+    def _codes_present(self):
+        """Stage 3: the parts of the weights held by their name (:attr:`codes`) gathered for the duration
+        (collective); written to, each rank's shard taken back from them at the end."""
+        if not self.codes or self._pinned:
+            yield
+            return
+        self._gather(self.codes)
+        try:
+            yield
+            with torch.no_grad():
+                for u in self.codes:
+                    u.shard.copy_(u.full[u.rank * u.shard_numel:(u.rank + 1) * u.shard_numel])
+        finally:
+            for u in self.codes:
+                u.free()
 
     def sharded_state_dict(self) -> dict:
         """This rank's part: its shards and buffers (a snapshot writes one per rank)."""
-        return self.state_from([u.shard.detach().clone() for u in self.units] +
-                               [value_copy(p) for _, p in self.whole],
+        with self._codes_present():
+            whole = [value_copy(p) for _, p in self.whole]
+        return self.state_from([u.shard.detach().clone() for u in self.units] + whole,
                                {k: v.detach().clone() for k, v in self._module.named_buffers()})
 
     def load_sharded_state_dict(self, state: dict) -> None:
@@ -99,11 +131,12 @@ class ShardedState:
             for k, t in self._module.named_buffers():
                 adopt(t, state["buffers"][k])
             return
-        with torch.no_grad():
+        with torch.no_grad(), self._codes_present():
             for unit, saved in zip(self.units, state["units"]):
                 unit.shard.copy_(saved["shard"])
             for (_, p), saved in zip(self.whole, state["whole"]):
-                p.copy_(saved["shard"].view(p.shape))
+                values = saved["shard"].view(p.shape)  # (a 4-bit weight: quantized again, into its parts)
+                p.copy_(p.from_values(values) if hasattr(p, "from_values") else values)
             for k, t in self._module.named_buffers():  # (a tied parameter's second name is no buffer of its own)
                 t.copy_(state["buffers"][k])
 
@@ -138,6 +171,7 @@ class ShardedState:
     def held_bytes(self, *extra: torch.Tensor) -> int:
         """Bytes of parameters + gradients + optimizer state this rank holds right now."""
         tensors = [t for u in self.units for t in (u.full, u.shard, u.shard.grad, u.param.grad)]
+        tensors += [t for u in self.codes for t in (u.full, u.shard)]
         tensors += [t for _, p in self.whole for t in (p, p.grad)]
         tensors += [t for b in self.buckets for t in (b.flat, b.out)]
         return storage_bytes(tensors + list(extra) + optimizer_tensors(self._optimizer))

@@ -54,6 +54,7 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
                       if owned[id(p)][1] is m and not hasattr(p, "sync_group")]
         if not self.units:
             raise ConfigError("`zero` needs a model with parameters")
+        self.codes: list[Unit] = []  # stage 3: the parts of a weight held by its name (:meth:`convert_frozen`)
         self._by_module: dict[nn.Module, list[Unit]] = {}
         for unit in self.units:
             self._by_module.setdefault(unit.module, []).append(unit)
@@ -196,7 +197,7 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
         if pending:
             self._reduce(pending)
         self._ready.clear()
-        for unit in self.units:
+        for unit in self.units + self.codes:
             unit.reduced = False
             if self.stage == 3:
                 unit.free()
@@ -216,13 +217,13 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
             yield self._module
             return
         self._drain()
-        self._gather(self.units)
+        self._gather(self.units + self.codes)
         self._pinned = True
         try:
             yield self._module
         finally:
             self._pinned = False
-            for unit in self.units:
+            for unit in self.units + self.codes:
                 unit.free()
 
     def _observe(self, *extra: torch.Tensor) -> None:
