@@ -180,7 +180,8 @@ def test_plan_refuses_bad_input_naming_the_fix(committed, tmp_path, capsys):
                           (["--activation-bytes", "1e6"], "--activation-bytes is for --params"),
                           (["--sweep", "2,4", "--dry-run", "0"], "--dry-run with --sweep"),
                           (["--sweep", "2,4", "--timeline", "t.json"], "--timeline with --sweep"),
-                          (["--params", "1e9", "--lora", "r=4"], "--lora with --params")]:
+                          (["--params", "1e9", "--lora", "r=4"], "--lora with --params"),
+                          (["--base-dtype", "nf4"], "--base-dtype is the frozen base's under --lora")]:
         with pytest.raises(SystemExit) as exc:
             main(["plan", *args])
         err = capsys.readouterr().err

@@ -56,19 +56,22 @@ def test_a_tensor_parallel_part_of_an_nf4_weight_dequantizes_to_the_wholes_value
     _torchao()
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
     from distlab.errors import ConfigError
+    from distlab.models import nf4
     from distlab.train.quantized_base import BLOCK, part, scaler_block
     torch.manual_seed(0)
     whole = to_nf4(torch.randn(shape, dtype=torch.bfloat16), BLOCK, scaler_block(shape[0] * shape[1]))
     values = whole.get_original_weight()
+    assert [(t.numel(), t.element_size()) for t in (getattr(whole, k) for k in nf4.PARTS)] == nf4.tensors(shape)
+    assert list(whole.__tensor_flatten__()[0]) == list(nf4.PARTS)
     for rank in range(parts):
         mine = part(whole, dim, rank, parts)
         expected = values.chunk(parts, dim)[rank]
         assert torch.equal(mine.get_original_weight(), expected)
         x = torch.randn(3, expected.shape[1], dtype=torch.bfloat16)
         assert torch.equal(torch.nn.functional.linear(x, mine), torch.nn.functional.linear(x, expected))
-        held = sum(t.numel() * t.element_size() for t in (mine.quantized_data, mine.quantized_scalers,
-                                                           mine.quantization_factor))
-        assert held * 8 <= expected.numel() * (4 + 8 / mine.block_size + 32 / mine.block_size)
+        held = [(t.numel(), t.element_size()) for t in (getattr(mine, k) for k in nf4.PARTS)]
+        assert held == nf4.tensors(shape, dim, parts)  # the sizes the planner prices
+        assert sum(a * b for a, b in held[:4]) * 8 <= expected.numel() * (4 + 8 / mine.block_size + 16 / mine.block_size) + 16
     with pytest.raises(ConfigError, match="even number"):
         part(to_nf4(torch.randn(64, 6, dtype=torch.bfloat16), BLOCK, 6), 1, 0, 2)
 

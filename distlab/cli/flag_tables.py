@@ -167,8 +167,8 @@ TRAIN_OPTIONS = [
                       "starting model (with --lora: the base without adapters).")),
     ("base_dtype", dict(type=click.Choice(["float32", "bf16", "nf4"]), help="With --lora and --precision bf16: "
                         "hold (and under ZeRO-3 gather) the frozen base in bf16 -- or, nf4, each adapted layer's "
-                        "weight in 4-bit NormalFloat (QLoRA; torchao's NF4 tensor; data, pipeline, context or "
-                        "expert parallel); the adapters and their optimizer state stay float32.")),
+                        "weight in 4-bit NormalFloat (QLoRA; torchao's NF4 tensor; on every layout, split by tensor "
+                        "parallel and sharded by ZeRO-3); the adapters and their optimizer state stay float32.")),
     ("lora_from", dict(default=None, help="peft:DIR -- start the adapters at those PEFT saved (adapter_config.json, "
                        "adapter_model.safetensors) for the --init-from hf:DIR base; its config gives --lora.")),
     ("time_budget_s", dict(default=None, help="Stop cleanly (evaluation, snapshot, summary) before this much "

@@ -84,6 +84,9 @@ PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "seq
 @click.option("--lora", default=None, help="r=16,alpha=32,targets=q,k,v,o -- the model with low-rank adapters, "
               "the rest frozen (as distlab train --lora): gradients, their sync and optimizer state for the "
               "adapters only.")
+@click.option("--base-dtype", type=click.Choice(["float32", "bf16", "nf4"]), default="float32", show_default=True,
+              help="With --lora: the frozen base held in bf16, or nf4 (each adapted weight in 4-bit NormalFloat, "
+                   "QLoRA; the rest bf16) -- as distlab train --base-dtype.")
 @click.pass_context
 def plan(ctx, **kw):
     """Predict time per step and memory per rank of a layout, before running it.
@@ -142,6 +145,9 @@ def _refuse_what_would_do_nothing(ctx, sweep, search_, machine, num_params, dry_
                                   f"(without {many}) with {flag}")
     if lora is not None and num_params is not None:
         raise ConfigError("--lora with --params: adapters go on a traced model's layers; give --model or --preset")
+    if lora is None and given("base_dtype"):
+        raise ConfigError("--base-dtype is the frozen base's under --lora: give --lora r=...,targets=... (without "
+                          "adapters every weight trains, in the run's own dtype)")
     if not search_ and given("top"):
         raise ConfigError("--top is for --search (how many of the ranked layouts to show): give --machine NAME "
                           "--gpus N --search")

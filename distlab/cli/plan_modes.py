@@ -80,7 +80,7 @@ def _trace(ctx, kw: dict, fields: dict):
     shape, k = dataset_shape(dataset, kw["block_size"])
     if vocab is not None and vocab < k:
         raise ConfigError(f"--vocab-size {vocab:,} is smaller than {dataset}'s {k:,} tokens")
-    t = trace(model, shape, vocab or k, options=options, lora=kw["lora"],
+    t = trace(model, shape, vocab or k, options=options, lora=kw["lora"], base_dtype=kw["base_dtype"],
               attention="flash" if kw["machine"] else "math")
     return t, model, options, vocab or k, shape, dataset
 

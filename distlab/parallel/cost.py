@@ -58,8 +58,9 @@ def data_parallel_bytes(t, optim: Optim, tp: int = 1) -> int:
     if tp > 1:
         raise ConfigError("exact memory is predicted for data parallel and ZeRO; tensor parallel is estimated "
                           "by estimate_bytes()")
-    e = t.element_size  # a frozen parameter (a base under adapters): no gradient, no optimizer state
-    return sum((2 * n * e + optim.bytes(n, e)) if t.trains(u) else n * e for u, n in enumerate(t.numels))
+    e = t.element_size  # a frozen parameter (a base under adapters): no gradient, no optimizer state, held as
+    # its base holds it (bf16, 4-bit: ``t.unit_bytes``)
+    return sum((2 * n * e + optim.bytes(n, e)) if t.trains(u) else t.unit_bytes(u) for u, n in enumerate(t.numels))
 
 
 def trained(t) -> tuple[list[int], list[tuple[int, ...]]]:
@@ -222,9 +223,9 @@ class DataParallelCost:
 
     @staticmethod
     def planned_parts(numels: list[int], optim: Optim, element_size: int, strategy, n: int,
-                      trainable: list[bool] | None = None) -> dict[str, int]:
+                      trainable: list[bool] | None = None, held: list | None = None) -> dict[str, int]:
         """Parameters, gradients and optimizer state between steps, each whole on every rank."""
-        return textbook_parts(numels, optim, element_size, 0, n, trainable)
+        return textbook_parts(numels, optim, element_size, 0, n, trainable, held)
 
     @staticmethod
     def planned_extra_state(t, strategy, n: int) -> int:
@@ -243,16 +244,19 @@ class DataParallelCost:
 
 
 def textbook_parts(numels: list[int], optim: Optim, element_size: int, stage: int, n: int,
-                   trainable: list[bool] | None = None) -> dict[str, int]:
+                   trainable: list[bool] | None = None, held: list | None = None) -> dict[str, int]:
     """What parameters, gradients and optimizer state come to per rank between steps when ZeRO ``stage``
     shards the first ``stage`` of (optimizer state, gradients, parameters) over ``n`` ranks -- the
     textbook split of the ZeRO paper's table 1 (each tensor ``ceil(numel / n)``, no padding). A frozen
-    tensor (``trainable`` False) has parameters only."""
+    tensor (``trainable`` False) has parameters only; ``held``: per tensor, the (elements, bytes each) it is held
+    as (a frozen base's bf16 or 4-bit parts, ZeRO-3 sharding each; default: itself in ``element_size``)."""
     shards, e = [math.ceil(m / n) for m in numels], element_size
     trains = trainable or [True] * len(numels)
     grads = [x for x, keep in zip(shards if stage >= 2 else numels, trains) if keep]
     state = [x for x, keep in zip(shards if stage >= 1 else numels, trains) if keep]
-    return {"parameter_bytes_per_rank": e * sum(shards if stage == 3 else numels),
+    held = held or [[(m, e)] for m in numels]
+    return {"parameter_bytes_per_rank": sum((math.ceil(k / n) if stage == 3 else k) * b
+                                            for parts in held for k, b in parts),
             "gradient_bytes_per_rank": e * sum(grads),
             "optimizer_bytes_per_rank": sum(optim.bytes(m, e) for m in state)}
 

@@ -148,10 +148,11 @@ def trace_for(summary: dict, traces: dict) -> Trace:
     names = spec(check_model_name(summary["model"])).options.names()  # the family's options the run recorded
     sizes = {name: tuple(v) if isinstance(v, list) else v for name, v in cfg.items() if name in names}
     adapters = cfg.get("lora") if isinstance(cfg.get("lora"), str) else None  # a LoRA run's spec: the base frozen
-    key = (summary["model"], shape, k, tuple(sorted(sizes.items())), adapters)
+    base = (cfg.get("base_dtype") or "float32") if adapters else "float32"  # (and its frozen base's dtype)
+    key = (summary["model"], shape, k, tuple(sorted(sizes.items())), adapters, base)
     if key not in traces:
         from distlab.models.lora import LoRASpec
-        traces[key] = trace(summary["model"], shape, k, lora=LoRASpec.of(adapters), **sizes)
+        traces[key] = trace(summary["model"], shape, k, lora=LoRASpec.of(adapters), base_dtype=base, **sizes)
     return traces[key]
 
 

@@ -91,10 +91,10 @@ def state_parts(t_rank: Trace, lay: Layout, sync, optim) -> dict[str, int]:
     experts = set(t_rank.expert_names) if lay.ep > 1 else set()
     dense = [u for u, n in enumerate(t_rank.names) if n not in experts]
     parts = sync.planned_parts([t_rank.numels[u] for u in dense], optim, t_rank.element_size, lay.strategy,
-                               lay.replicas, [flags[u] for u in dense])
+                               lay.replicas, [flags[u] for u in dense], [t_rank.tensors(u) for u in dense])
     held = [u for u in range(len(t_rank.names)) if u not in set(dense)]
     whole = textbook_parts([t_rank.numels[u] for u in held], optim, t_rank.element_size, 0, lay.replicas,
-                           [flags[u] for u in held])
+                           [flags[u] for u in held], [t_rank.tensors(u) for u in held])
     return {k: v + whole[k] for k, v in parts.items()}
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from distlab.errors import ConfigError
-from distlab.models import build_model, is_user_model, task_loss
+from distlab.models import build_model, is_user_model, nf4, task_loss
 from distlab.models.contract import contract
 from distlab.models.plans import declared_plan, tied_names
 from distlab.parallel.checkpointing import block_names
@@ -89,6 +89,10 @@ class Trace:
     # not 1/tp (key/value heads kept whole: kv_heads_per_rank(tp) / kv_heads)
     trainable: list[bool] = field(default_factory=list)  # unit -> it needs a gradient (False: frozen, a base under
     # low-rank adapters); empty: every unit does
+    base: list[str] = field(default_factory=list)  # unit -> how a frozen base holds it ("": in the trace's dtype,
+    # "bf16", "nf4": 4-bit, :mod:`distlab.models.nf4`); empty: every unit in the trace's dtype
+    splits: dict[int, tuple[int, int]] = field(default_factory=dict)  # a 4-bit unit a rank holds a part of ->
+    # (dimension, parts) of the cut (tensor parallel's)
     loss_bytes_per_sample: float = 0.0  # what the loss saves (a language model's float32 log-probabilities), in the
     # last layer's saved_bytes too
     loss_grad_bytes_per_sample: float = 0.0  # what its backward holds beside them at once: the gradient arriving
@@ -103,6 +107,18 @@ class Trace:
 
     def trains(self, u: int) -> bool:
         return not self.trainable or self.trainable[u]
+
+    def tensors(self, u: int) -> list[tuple[int, int]]:
+        """(elements, bytes per element) of each tensor a rank holds unit ``u`` as: one in the trace's dtype, a
+        frozen base's in bf16, or a 4-bit weight's codes and scales (whole, or the part :attr:`splits` says)."""
+        kind = self.base[u] if self.base else ""
+        if kind == "nf4":
+            return nf4.tensors(self.shapes[u], *self.splits.get(u, (None, 1)))
+        return [(self.numels[u], 2 if kind == "bf16" else self.element_size)]
+
+    def unit_bytes(self, u: int) -> int:
+        """Bytes of unit ``u``'s parameter as a rank holds it (:meth:`tensors`)."""
+        return sum(n * e for n, e in self.tensors(u))
 
     @property
     def num_parameters(self) -> int:
@@ -127,10 +143,11 @@ _KEEP = 8
 
 
 def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), num_classes: int = 10,
-          batch: int = 2, lora=None, attention: str = "math", **options) -> Trace:
+          batch: int = 2, lora=None, attention: str = "math", base_dtype: str = "float32", **options) -> Trace:
     """Run one forward + backward of ``model`` (an ``nn.Module`` or a registered name) on the meta
     device, recording the events ZeRO reacts to and the FLOPs per sample; ``lora`` (a
-    :class:`~distlab.models.lora.LoRASpec`): with those adapters, the rest frozen; ``attention="flash"``:
+    :class:`~distlab.models.lora.LoRASpec`): with those adapters, the rest frozen, held in ``base_dtype`` (bf16, or
+    nf4: each adapted weight 4-bit, the rest bf16 -- as ``distlab train --base-dtype``); ``attention="flash"``:
     attention as a GPU runs it (:class:`FlashAttention`), what it saves for backward and its FLOPs.
 
     A family's model named by its sizes is traced once per process (tens of seconds at 70B): a second call
@@ -138,15 +155,15 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
     (which may change between calls), is traced every time."""
     key = None
     if isinstance(model, str) and not is_user_model(model):
-        key = repr((model, tuple(input_shape), num_classes, batch, lora, attention, sorted(options.items()),
+        key = repr((model, tuple(input_shape), num_classes, batch, lora, attention, base_dtype, sorted(options.items()),
                     torch.get_default_dtype()))
         if key in _TRACED:
             return copy.deepcopy(_TRACED[key])
     if attention == "flash":
         with FlashAttention():
-            out = replace(_trace(model, input_shape, num_classes, batch, lora, **options), attention="flash")
+            out = replace(_trace(model, input_shape, num_classes, batch, lora, base_dtype, **options), attention="flash")
     else:
-        out = _trace(model, input_shape, num_classes, batch, lora, **options)
+        out = _trace(model, input_shape, num_classes, batch, lora, base_dtype, **options)
     if key is not None:
         while len(_TRACED) >= _KEEP:
             _TRACED.pop(next(iter(_TRACED)))
@@ -155,7 +172,7 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
 
 
 def _trace(model: nn.Module | str, input_shape: tuple[int, ...], num_classes: int, batch: int, lora,
-           **options) -> Trace:
+           base_dtype: str = "float32", **options) -> Trace:
     if isinstance(model, str):
         with torch.device("meta"):
             model = build_model(model, input_shape, num_classes, **options)
@@ -189,6 +206,8 @@ def _trace(model: nn.Module | str, input_shape: tuple[int, ...], num_classes: in
                 trainable=trainable if not all(trainable) else [])
     out.tied = {name: group[0] for group in tied_names(model) for name in group[1:]}
     out.shared = shared
+    if lora is not None and base_dtype != "float32":
+        out.base = _base(model, params, base_dtype)
     handles = []
     index = {id(m): i for i, m in enumerate(modules)}
 
@@ -325,6 +344,15 @@ def _trace(model: nn.Module | str, input_shape: tuple[int, ...], num_classes: in
     return out
 
 
+def _base(model: nn.Module, params: list[nn.Parameter], base_dtype: str) -> list[str]:
+    """Per unit, how ``base_dtype`` holds it: a trained one as it is, a frozen one in bf16, an adapted layer's
+    weight (:class:`~distlab.parallel.protocols.LowRankAdapted`) in 4-bit under nf4."""
+    from distlab.parallel.protocols import LowRankAdapted
+    four_bit = {id(m.weight) for m in model.modules() if isinstance(m, LowRankAdapted)} if base_dtype == "nf4" \
+        else set()
+    return ["" if p.requires_grad else "nf4" if id(p) in four_bit else "bf16" for p in params]
+
+
 def profile_layers(model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = None, out: Trace | None = None,
                    regions: set[str] = frozenset()) -> list[Layer]:
     """Each layer of ``model`` run alone on the meta device, in order, from input ``x``: what a
@@ -416,7 +444,9 @@ def units_trace(t: Trace, mine: list[int], layers: list[Layer] | None = None) ->
                  sharded_linear=pick(t.sharded_linear), input_grad=pick(t.input_grad),
                  shapes=[t.shapes[u] for u in mine] if t.shapes else [],
                  expert_names=[n for n in t.expert_names if n in names],
-                 trainable=[t.trainable[u] for u in mine] if t.trainable else [], blocks=t.blocks)
+                 trainable=[t.trainable[u] for u in mine] if t.trainable else [], blocks=t.blocks,
+                 base=[t.base[u] for u in mine] if t.base else [],
+                 splits={unit_of[u]: cut for u, cut in t.splits.items() if u in unit_of})
 
 
 def generic_trace(num_parameters: int, activation_bytes_per_sample: float, layers: int = 24,

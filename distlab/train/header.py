@@ -56,8 +56,8 @@ def zero_costs_more(trainer) -> str | None:
     if mesh.tp > 1 or mesh.pp > 1:
         return None
     try:
-        t = trace(cfg.model, tuple(trainer.train_set.input_shape), trainer.train_set.num_classes,
-                  **cfg.model_options())
+        t = trace(cfg.model, tuple(trainer.train_set.input_shape), trainer.train_set.num_classes, lora=cfg.lora,
+                  base_dtype=cfg.base_dtype, **cfg.model_options())
     except Exception:  # noqa: BLE001 - a model the memory model cannot trace: no prediction, no warning
         return None
     optim = Optim.of(cfg.optimizer, cfg.momentum)

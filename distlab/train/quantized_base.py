@@ -9,9 +9,10 @@ The weights are quantized once their values are in place (the checkpoint loaded,
 trains), whole -- so every layout computes with the values one process does. A snapshot holds each quantized
 weight dequantized (bf16: the values the model computes with); loading one quantizes it again, which gives the
 same dequantized values, so a resumed run computes what the uninterrupted one does. Data, pipeline, context
-and expert parallel hold the weights as they are; ZeRO takes each quantized weight out of its units and holds
-it whole (:meth:`Engine.convert_frozen <distlab.parallel.Engine.convert_frozen>`; ZeRO-3 gathers it once to
-quantize it whole). Tensor parallel gathers a split layer's weight once, quantizes it whole and keeps its own
+and expert parallel hold the weights as they are; ZeRO takes each quantized weight out of its units
+(:meth:`Engine.convert_frozen <distlab.parallel.Engine.convert_frozen>`; ZeRO-3 gathers it once to quantize it
+whole): stages 1-2 hold it whole, as they hold every parameter, and ZeRO-3 shards its codes and scales, each
+part a unit of its own gathered with its layer. Tensor parallel gathers a split layer's weight once, quantizes it whole and keeps its own
 part (:func:`part`): the 4-bit codes of its rows or columns and the scales of the blocks they lie in -- its
 part dequantizes to exactly the whole's values there, and a snapshot's part is quantized again the same way
 (the group's parts gathered as it loads).
@@ -23,16 +24,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 
 import torch
 from torch import nn
 
 from distlab.errors import ConfigError
-
-BLOCK = 64  # values per scale (QLoRA's, torchao's default)
-SCALER_BLOCK = 256  # scales per 8-bit quantization block
-
+from distlab.models.nf4 import BLOCK, part_layout, scaler_block
 
 def _nf4():
     """torchao's NF4 module: ``to_nf4``, ``NF4Tensor`` and its ``SubclassTensorArgs`` (its CUDA kernels' load
@@ -54,13 +51,6 @@ def check(cfg) -> None:
     """``base_dtype`` nf4: torchao present."""
     if cfg.base_dtype == "nf4":
         _nf4()
-
-
-def scaler_block(numel: int) -> int:
-    """Scales per quantization block for a weight of ``numel`` values: :data:`SCALER_BLOCK`, or the largest
-    divisor of its number of scales below that (a small layer's)."""
-    scales = numel // BLOCK
-    return next(b for b in range(min(SCALER_BLOCK, scales), 0, -1) if scales % b == 0)
 
 
 def quantize(module: nn.Module, convert=None) -> int:
@@ -112,7 +102,12 @@ def _quantized(values: torch.Tensor, split: tuple | None):
     rank's part kept (collective)."""
     to_nf4 = _nf4().to_nf4
     if split is None:
-        return to_nf4(values, BLOCK, scaler_block(values.numel()))
+        made = to_nf4(values, BLOCK, scaler_block(values.numel()))
+        for name in made.__tensor_flatten__()[0]:  # each part in storage of its own size (torchao's factors of
+            t = getattr(made, name)  # a single scale group keep the whole intermediate they were cut from)
+            if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+                setattr(made, name, t.clone())
+        return made
     from distlab.parallel.tensor_parallel.mappings import all_gather_along
     dim, group, parts, rank = split
     whole = all_gather_along(values.contiguous(), group, dim)
@@ -121,26 +116,17 @@ def _quantized(values: torch.Tensor, split: tuple | None):
 
 def part(whole, dim: int, rank: int, parts: int):
     """Rank ``rank``'s part of the NF4 weight ``whole`` cut in ``parts`` along ``dim`` (0: rows, 1: columns), an
-    ``NF4Tensor`` of its own that dequantizes to exactly ``whole``'s values there.
-
-    Its values lie in runs of ``run`` consecutive values of ``whole`` (a row's columns, or all its rows), each
-    starting at a multiple of ``run``; its blocks are units of ``gcd(64, run)`` values, which never straddle
-    one of ``whole``'s blocks: each unit carries its block's 8-bit scale, and each group of ``s`` units -- ``s``
-    dividing both a run's units and a scale group of ``whole`` -- that group's factor. Dequantizing a scale
-    is the same float32 division of the same numbers, so the part's bf16 values equal the whole's bit for bit."""
+    ``NF4Tensor`` of its own that dequantizes to exactly ``whole``'s values there: its blocks
+    (:func:`~distlab.models.nf4.part_layout`) lie inside the whole's, each carrying its block's 8-bit scale, and
+    each group of them that group's factor -- dequantizing a scale is the same division of the same
+    numbers, so the part's bf16 values equal the whole's bit for bit."""
     torchao = _nf4()
     rows, cols = whole.shape
-    run = cols // parts if dim == 1 else rows // parts * cols
-    unit = math.gcd(whole.block_size, run)
-    if unit % 2 or (rows, cols)[dim] % parts:
-        raise ConfigError(f"`base_dtype` nf4 under tensor parallel: a weight of shape {(rows, cols)} cut in {parts} "
-                          f"along dimension {dim} leaves runs of {run} values, not pairs of whole codes; choose a "
-                          "`tp` that leaves an even number of its columns on each rank (or hold the base in bf16)")
+    unit, groups = part_layout(rows, cols, dim, parts)  # (the whole's blocks and scale groups are distlab's own)
     codes = torch.stack([whole.quantized_data >> 4, whole.quantized_data & 0b1111], -1).view(rows, cols)
     mine = codes.chunk(parts, dim)[rank].reshape(-1)
     index = torch.arange(rows * cols, device=codes.device).view(rows, cols).chunk(parts, dim)[rank].reshape(-1)
     blocks = index[::unit] // whole.block_size  # each unit's block of ``whole``
-    groups = math.gcd(run // unit, whole.scaler_block_size * whole.block_size // unit)
     shape = list(whole.shape)
     shape[dim] //= parts
     return torchao.NF4Tensor(torchao.SubclassTensorArgs(torch.Size(shape), (shape[1], 1), 0, whole.dtype, whole.device, False),

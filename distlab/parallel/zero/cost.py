@@ -41,11 +41,16 @@ class ZeroReplay:
         self.we = wire_size or e  # what a gradient travels in: a narrower dtype's copies are its size
         # a parameter replicated over a group of its own (an expert shard) is held whole, its gradient reduced by
         # its owner, never gathered or freed (Zero.whole)
-        self.whole = set(whole_units(t, ep))
+        # and so is a 4-bit weight under stages 1-2 (which hold every parameter whole); stage 3 shards each of its
+        # codes and scales as a unit (Zero.codes): a unit of several tensors here, each padded and cut
+        self.whole = set(whole_units(t, ep)) | {u for u, kind in enumerate(t.base) if kind == "nf4" and stage < 3}
         self.shard = [n if u in self.whole else math.ceil(n / world) for u, n in enumerate(t.numels)]
         self.padded = [s * (1 if u in self.whole else world) for u, s in enumerate(self.shard)]
         self.e = e
-        self.shard_bytes = sum(self.shard) * e  # every unit's shard, always held
+        tensors = [t.tensors(u) for u in range(len(t.numels))]  # (a frozen base's: bf16, or 4-bit parts)
+        cut = [sum((k if u in self.whole else math.ceil(k / world)) * b for k, b in parts)
+               for u, parts in enumerate(tensors)]
+        self.shard_bytes = sum(cut)  # every unit's shard, always held
         self.train = [t.trains(u) for u in range(len(t.numels))]  # False: frozen -- gathered, never reduced
         self.optim_bytes = sum(optim.bytes(s, e) for s, keep in zip(self.shard, self.train) if keep)
         self.units_of: dict[int, list[int]] = {}  # (a module holding only whole units: none, so no hooks)
@@ -55,7 +60,8 @@ class ZeroReplay:
         shared = t.shared  # a module using another's parameter (a tied LM head): gathers it too
         for m, units in shared.items():
             self.units_of.setdefault(m, []).extend(units)
-        self.gathered_bytes = [0 if u in self.whole else p * e for u, p in enumerate(self.padded)]
+        self.gathered_bytes = [0 if u in self.whole else sum(math.ceil(k / world) * world * b for k, b in parts)
+                               for u, parts in enumerate(tensors)]
         self.gathered = [stage < 3] * len(t.numels)
         self.reduced = [False] * len(t.numels)
         self.outs: list[int] = []  # reduce-scatter outputs held as shard gradients (bytes)
@@ -349,8 +355,8 @@ class ZeroCost:
         gradients arrive, and its all-gathers before forward and before backward (exposed)."""
         if n == 1:
             return PlannedCalls()
+        padded = [sum(math.ceil(k / n) * n * b for k, b in t.tensors(u)) for u in range(len(t.numels))]
         e = t.element_size
-        padded = [math.ceil(m / n) * n * e for m in t.numels]
         modules: dict[int, list[int]] = {}
         for u, m in enumerate(t.module_of):
             modules.setdefault(m, []).append(u)
@@ -397,9 +403,9 @@ class ZeroCost:
 
     @staticmethod
     def planned_parts(numels: list[int], optim: Optim, element_size: int, strategy, n: int,
-                      trainable: list[bool] | None = None) -> dict[str, int]:
+                      trainable: list[bool] | None = None, held: list | None = None) -> dict[str, int]:
         """The textbook split of what stage ``strategy.zero`` shards (ZeRO paper, table 1)."""
-        return textbook_parts(numels, optim, element_size, strategy.zero, n, trainable)
+        return textbook_parts(numels, optim, element_size, strategy.zero, n, trainable, held)
 
     @staticmethod
     def planned_memory(t, optim: Optim, strategy, n: int) -> int:
