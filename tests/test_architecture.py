@@ -133,9 +133,10 @@ def test_the_engine_and_evaluation_never_ask_which_strategy_they_hold():
 # beside its tokens (a packed window's): no model in them.
 MODEL_CONTRACTS = {"distlab.models.plans", "distlab.models.aux_loss", "distlab.models.spec", "distlab.models.contract",
                    "distlab.models.packing"}
-# fine-tuning's converters: the training layer puts them on any model (LoRA's adapters, its typed spec); the
-# strategies meet an adapted layer only through a protocol (parallel.protocols.LowRankAdapted)
-CONVERTERS = {"distlab.models.lora"}
+# fine-tuning's converters: the training layer puts them on any model (LoRA's adapters, its typed spec; a 4-bit
+# weight's layout, which the planner prices too); the strategies meet an adapted layer only through a protocol
+# (parallel.protocols.LowRankAdapted)
+CONVERTERS = {"distlab.models.lora", "distlab.models.nf4"}
 
 
 def test_the_tools_never_import_a_benchmark():

@@ -117,12 +117,13 @@ def stages(t, lay, micro: int, optim, sync_cost) -> list[dict]:
             key = t.tensor_key(lay.strategy, lay.tp)
             if (tp := ("tp", lay.tp, *key)) not in sub.memo:
                 split, plan = t.tensor_split.get(key), t.tensor_plans.get(key, {})
-                cut = [split is None or name in split for name in sub.names]
+                sharded = [split is None or name in split for name in sub.names]
                 style = [plan.get(name.rsplit(".", 1)[0]) for name in sub.names]
                 sub.memo[tp] = replace(sub, numels=[tp_share(m, shape, lay.tp, kind) if c else m for m, shape, kind, c
-                                                    in zip(sub.numels, sub.shapes or [()] * len(sub.numels), style, cut)],
+                                                    in zip(sub.numels, sub.shapes or [()] * len(sub.numels), style,
+                                                           sharded)],
                                        splits={u: (1 if style[u] == "rowwise" else 0, lay.tp) for u, kind in
-                                               enumerate(sub.base) if kind == "nf4" and cut[u]})  # (4-bit parts)
+                                               enumerate(sub.base) if kind == "nf4" and sharded[u]})  # (4-bit parts)
             sub = sub.memo[tp]
         if lay.ep > 1 and sub.expert_names:  # each rank's 1 / ep of every expert tensor (split along experts)
             if (ep := ("ep", lay.ep)) not in sub.memo:
