@@ -26,8 +26,9 @@ from torch import nn
 
 from distlab.errors import ConfigError
 from distlab.models import register, rope
-from distlab.models.decoder import Attention, Block, Decoder, Embedding, GatedMLP, Head, gated_mlp_plan
-from distlab.models.spec import ModelSpec, Options, option
+from distlab.models.decoder import (Attention, Block, Decoder, DecoderOptions, Embedding, GatedMLP, Head,
+                                    gated_mlp_plan)
+from distlab.models.spec import ModelSpec, option
 
 
 class GemmaNorm(nn.Module):
@@ -92,15 +93,13 @@ class Gemma3(Decoder):
 
 
 @dataclass(frozen=True)
-class GemmaOptions(Options):
+class GemmaOptions(DecoderOptions):
     """Gemma 3's sizes and choices (``gemma3``): small ones by default (one global block and five local ones, as
     Gemma 3 alternates them); its checkpoints' own come from their config.json (1B: 26 blocks x 1152, 4 heads and
     1 key/value head of 256, GeGLU 6912)."""
 
     n_layer: int = option(6, "gemma3: transformer blocks (Gemma 3 1B: 26).")
-    n_head: int = option(4, "gemma3: attention heads per block (1B: 4).")
     kv_heads: int = option(1, "gemma3: key/value heads (grouped-query attention; divides --n-head; 1B: 1).")
-    n_embd: int = option(128, "gemma3: width of the residual stream (1B: 1152).")
     head_dim: int = option(32, "gemma3: each attention head's width (1B: 256).")
     ffn_hidden: int = option(512, "gemma3: GeGLU hidden units (1B: 6912).")
     rope_theta: float = option(1_000_000.0, "gemma3: the global layers' rotary base.")
@@ -111,18 +110,14 @@ class GemmaOptions(Options):
     query_pre_attn_scalar: float = option(256.0, "gemma3: attention scores scaled by its inverse square root.")
     norm_eps: float = option(1e-6, "gemma3: the RMSNorms' epsilon.")
     tie_embeddings: bool = option(True, "gemma3: the LM head reuses the token embedding's matrix.")
-    context: int | None = option(None, "gemma3: the model's own context (a checkpoint's max_position_embeddings), "
-                                 "at least --block-size.")
+    positive = ("n_layer", "n_head", "kv_heads", "n_embd", "head_dim", "ffn_hidden", "sliding_window", "global_every")
 
     def is_global(self, i: int) -> bool:
         """Whether block ``i`` (from 0) attends to the whole context."""
         return (i + 1) % self.global_every == 0
 
     def check(self) -> None:
-        for name in ("n_layer", "n_head", "kv_heads", "n_embd", "head_dim", "ffn_hidden", "sliding_window",
-                     "global_every"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"`{name}` must be at least 1, not {getattr(self, name)}")
+        super().check()
         if self.head_dim % 2:
             raise ConfigError(f"`head_dim` {self.head_dim} must be even (rotary positions pair a head's dimensions)")
         if self.n_head % self.kv_heads:

@@ -19,9 +19,9 @@ from torch import nn
 from distlab.errors import ConfigError
 from distlab.models import register
 from distlab.models.contract import linear_plan
-from distlab.models.decoder import Attention, Block, Decoder, Embedding, Head
+from distlab.models.decoder import Attention, Block, Decoder, DecoderOptions, Embedding, Head
 from distlab.models.moe import ExpertOptions, MoE
-from distlab.models.spec import ModelSpec, Options, option
+from distlab.models.spec import ModelSpec, option
 
 
 class GPT(Decoder):
@@ -76,26 +76,14 @@ class GPT(Decoder):
 
 
 @dataclass(frozen=True)
-class GPTOptions(Options):
+class GPTOptions(DecoderOptions):
     """The decoder's sizes (``gpt``)."""
 
-    n_layer: int = option(2, "gpt: transformer blocks.")
-    n_head: int = option(4, "gpt: attention heads per block (must divide --n-embd).")
-    n_embd: int = option(128, "gpt: width of the residual stream.")
     qkv_bias: bool = option(False, "gpt, llama: biases on the query, key and value projections (GPT-2's, Qwen2's).")
     gelu: str = option("exact", "gpt: the MLP's GELU, exact or tanh (GPT-2's approximation, its gelu_new).")
-    tie_embeddings: bool = option(False, "gpt, llama: the LM head reuses the token embedding's matrix (GPT-2's, "
-                                  "Llama 3.2 1B and 3B's, Qwen2's up to 1.5B).")
-    context: int | None = option(None, "gpt, llama: the model's own context, the longest sequence it reads "
-                                 "(GPT's position table; a checkpoint's max_position_embeddings), at least "
-                                 "--block-size, the window it trains on (default: --block-size).")
 
     def check(self) -> None:
-        if self.context is not None and self.context < 1:
-            raise ConfigError(f"`context` must be at least 1, not {self.context}")
-        for name in ("n_layer", "n_head", "n_embd"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"`{name}` must be at least 1, not {getattr(self, name)}")
+        super().check()
         if self.gelu not in ("exact", "tanh"):
             raise ConfigError(f"`gelu` is exact or tanh (GPT-2's approximation), not {self.gelu!r}")
         if self.n_embd % self.n_head:

@@ -32,9 +32,10 @@ from torch import nn
 
 from distlab.errors import ConfigError
 from distlab.models import register, rope
-from distlab.models.decoder import Attention, Block, Decoder, Embedding, GatedMLP, Head, gated_mlp_plan
+from distlab.models.decoder import (Attention, Block, Decoder, DecoderOptions, Embedding, GatedMLP, Head,
+                                    gated_mlp_plan)
 from distlab.models.moe import ExpertOptions
-from distlab.models.spec import ModelSpec, Options, option
+from distlab.models.spec import ModelSpec, option
 
 
 class SwiGLU(GatedMLP):
@@ -105,13 +106,10 @@ def default_hidden(n_embd: int) -> int:
 
 
 @dataclass(frozen=True)
-class LlamaOptions(Options):
+class LlamaOptions(DecoderOptions):
     """The decoder's sizes and its choices (``llama``)."""
 
-    n_layer: int = option(2, "gpt: transformer blocks.")
-    n_head: int = option(4, "gpt: attention heads per block (must divide --n-embd).")
     kv_heads: int = option(2, "llama: key/value heads (grouped-query attention; divides --n-head).")
-    n_embd: int = option(128, "gpt: width of the residual stream.")
     ffn_hidden: int | None = option(None, "llama: SwiGLU hidden units (default: 8/3 x --n-embd, rounded up to a "
                                     "multiple of 64).")
     rope_theta: float = option(10000.0, "llama: rotary positions' base (Llama 2: 10000, Llama 3: 500000).")
@@ -132,18 +130,10 @@ class LlamaOptions(Options):
     proj_bias: bool = option(False, "llama: a bias on the attention's output projection (a Llama config's "
                              "attention_bias puts one on q, k, v and o).")
     mlp_bias: bool = option(False, "llama: biases on the SwiGLU's gate, up and down projections (mlp_bias).")
-    tie_embeddings: bool = option(False, "gpt, llama: the LM head reuses the token embedding's matrix (GPT-2's, "
-                                  "Llama 3.2 1B and 3B's, Qwen2's up to 1.5B).")
-    context: int | None = option(None, "gpt, llama: the model's own context, the longest sequence it reads "
-                                 "(GPT's position table; a checkpoint's max_position_embeddings), at least "
-                                 "--block-size, the window it trains on (default: --block-size).")
+    positive = ("n_layer", "n_head", "kv_heads", "n_embd")
 
     def check(self) -> None:
-        if self.context is not None and self.context < 1:
-            raise ConfigError(f"`context` must be at least 1, not {self.context}")
-        for name in ("n_layer", "n_head", "kv_heads", "n_embd"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"`{name}` must be at least 1, not {getattr(self, name)}")
+        super().check()
         if self.head_dim is not None and (self.head_dim < 2 or self.head_dim % 2):
             raise ConfigError(f"`head_dim` must be even and at least 2, not {self.head_dim} (rotary positions pair a "
                               f"head's dimensions)")
