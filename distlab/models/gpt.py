@@ -19,7 +19,8 @@ from torch import nn
 from distlab.errors import ConfigError
 from distlab.models import register
 from distlab.models.contract import linear_plan
-from distlab.models.decoder import Attention, Block, Decoder, DecoderOptions, Embedding, Head
+from distlab.models.decoder import Attention, Block, Decoder, Embedding, Head
+from distlab.models.decoder_options import DecoderOptions
 from distlab.models.moe import ExpertOptions, MoE
 from distlab.models.spec import ModelSpec, option
 

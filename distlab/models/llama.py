@@ -32,8 +32,9 @@ from torch import nn
 
 from distlab.errors import ConfigError
 from distlab.models import register, rope
-from distlab.models.decoder import (Attention, Block, Decoder, DecoderOptions, Embedding, GatedMLP, Head,
+from distlab.models.decoder import (Attention, Block, Decoder, Embedding, GatedMLP, Head,
                                     gated_mlp_plan)
+from distlab.models.decoder_options import DecoderOptions
 from distlab.models.moe import ExpertOptions
 from distlab.models.spec import ModelSpec, option
 
