@@ -168,3 +168,28 @@ def test_a_bpe_run_keeps_its_tokenizer_for_generate_resume_and_export(refused_he
     (tmp_path / "m.pt.tokenizer.json").unlink()
     proc = refused_here("generate", "m.pt", "--n-head", "2")
     assert proc.returncode == 2 and "give its tokenizer with --tokenizer" in proc.stderr
+
+
+@pytest.mark.parametrize("layout", ["file", "directory"])
+def test_text_path_and_prepare_text_read_the_same_documents(tmp_path, layout):
+    """One reader for a corpus on disk: ``text:PATH``'s documents (both splits) are ``prepare-text``'s, byte for
+    byte -- CRLF lines, indented first lines, lines of spaces between paragraphs and a last line without its
+    newline included; only which documents each holds out differs (a seeded tenth, every tenth)."""
+    from distlab.data.prepare import documents
+    texts = [f"{'  ' * (i % 2)}Para {i} line one.\r\n  indented line two of {i}.\r\n" for i in range(12)]
+    if layout == "file":
+        root = tmp_path / "corpus.txt"
+        root.write_bytes(b"\n".join(t.encode() + (b"   \t\n" if i % 3 else b"\n\n") for i, t in enumerate(texts))
+                         + b"Last paragraph, no newline")
+        expected = [t.encode().replace(b"\r\n", b"\n").rstrip(b"\n") for t in texts] + [b"Last paragraph, no newline"]
+    else:
+        root = tmp_path / "corpus"
+        root.mkdir()
+        for i, t in enumerate(texts):
+            (root / f"d{i:02d}.txt").write_bytes(b"\n\n" + t.encode() + b"\n\n\n")
+        expected = [t.encode().replace(b"\r\n", b"\n").rstrip(b"\n") for t in texts]
+    prepared = [b"".join(doc).rstrip(b"\n") for _, doc in documents(root)]
+    assert prepared == expected
+    train, test = textfiles.split_bytes(f"text:{root}")
+    read = [d for part in (train, test) for d in part[:-1].split(textfiles.JOIN)]
+    assert sorted(read) == sorted(expected)

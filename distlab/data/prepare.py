@@ -24,108 +24,13 @@ from typing import Iterator
 
 import numpy as np
 
-from distlab.data import textfiles
+from distlab.data import text_documents
 from distlab.data import tokenizer as tokenizers
 from distlab.data.tokens import FORMAT, SPLITS, TEST_EVERY, atomic_text
 from distlab.errors import ConfigError, WriteError
 
 
 # --------------------------------------------------------------------------- reading the source
-
-
-def _sources(root: Path) -> list[tuple[str | None, Path, bool]]:
-    """(split or None, file, whether the file is one document) in reading order."""
-    files = textfiles.files_below  # as text:PATH reads a directory: linked directories followed
-    if root.is_file():
-        return [(None, root, False)]
-    if (root / "train").is_dir() and (root / "test").is_dir():
-        return [(s, p, True) for s in SPLITS for p in files(root / s)]
-    return [(None, p, True) for p in files(root)]
-
-
-class _Lines:
-    """A file's lines (``\r\n`` made ``\n``, each ``\n``-terminated), read one at a time, the next one
-    visible (``head``) before it is taken."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        try:
-            self.file = open(path, "rb")
-        except OSError as exc:
-            raise ConfigError(f"prepare-text: cannot read {path} ({exc.strerror or exc})") from None
-        self.continues = False  # whether ``head`` is the rest of a line a piece before it began
-        self.head_blank = False
-        self.head = self._next()
-
-    PIECE = 1 << 20  # a line longer than this comes in pieces: a one-line file of any size is never held whole
-
-    def _next(self) -> bytes | None:
-        line = self._read()
-        self.head_blank = line is not None and not self.continues and not line.strip(b" \t\r\n")
-        self.continues = line is not None and not line.endswith(b"\n")
-        return line
-
-    def _read(self) -> bytes | None:
-        line = self.file.readline(self.PIECE)
-        if not line:
-            self.file.close()
-            return None
-        if line.endswith(b"\r"):  # a CRLF cut between two pieces: keep it together
-            line += self.file.read(1)
-        if b"\0" in line:
-            raise ConfigError(f"prepare-text: {self.path} is not text (it holds NUL bytes): give text files only")
-        line = line.replace(b"\r\n", b"\n")
-        if line.endswith(b"\n") or len(line) >= self.PIECE:  # a whole line, or a piece of a long one
-            return line
-        return line + b"\n"  # the file's last line, without its newline
-
-    def pop(self) -> bytes:
-        line, self.head = self.head, self._next()
-        return line
-
-
-def _blank(lines: _Lines) -> bool:
-    """Whether the next line holds spaces only (a piece of a long line never is one, the end of one neither)."""
-    return lines.head is not None and lines.head_blank
-
-
-def _paragraphs(lines: _Lines) -> Iterator[Iterator[bytes]]:
-    """A file's documents at blank lines: each a run of lines with text, read as it is consumed."""
-    while True:
-        while _blank(lines):
-            lines.pop()
-        if lines.head is None:
-            return
-
-        def paragraph() -> Iterator[bytes]:
-            while lines.head is not None and not _blank(lines):
-                yield lines.pop()
-        doc = paragraph()
-        yield doc
-        for _ in doc:  # whatever the reader left of it
-            pass
-
-
-def _whole(lines: _Lines) -> Iterator[Iterator[bytes]]:
-    """A file as one document without its leading and trailing empty lines (none if it holds no text)."""
-    before = []
-    while _blank(lines):  # held until it is known there is text
-        before.append(lines.pop())
-    if lines.head is None:
-        return
-
-    def doc() -> Iterator[bytes]:
-        yield from before[next(i for i, line in enumerate(before + [b"x"]) if line != b"\n"):]
-        pending = []
-        while lines.head is not None:
-            line = lines.pop()
-            if line == b"\n":
-                pending.append(line)
-                continue
-            yield from pending
-            pending.clear()
-            yield line
-    yield doc()
 
 
 def documents(src: str | os.PathLike) -> Iterator[tuple[str, Iterator[bytes]]]:
@@ -135,14 +40,11 @@ def documents(src: str | os.PathLike) -> Iterator[tuple[str, Iterator[bytes]]]:
     if not root.exists():
         raise ConfigError(f"prepare-text: there is no file or directory {root}")
     i = 0
-    for split, path, whole in _sources(root):
-        for doc in (_whole if whole else _paragraphs)(_Lines(path)):
-            if split is None:
-                split_of = "test" if i % TEST_EVERY == TEST_EVERY - 1 else "train"
-                i += 1
-            else:
-                split_of = split
-            yield split_of, doc
+    for split, doc in text_documents.documents(root, "prepare-text"):  # (text:PATH's reader too)
+        if split is None:
+            split = "test" if i % TEST_EVERY == TEST_EVERY - 1 else "train"
+            i += 1
+        yield split, doc
 
 
 # --------------------------------------------------------------------------- writing the token files
@@ -213,7 +115,7 @@ def prepare(src: str | os.PathLike, out: str | os.PathLike, tokenizer: str = tok
             f"{len(held)} entr{'ies' if len(held) > 1 else 'y'} ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''})"
         raise ConfigError(f"prepare-text: {out} already holds {what}: prepare-text writes only into a new or empty "
                           f"directory, so nothing already there is overwritten or lost; give another OUT")
-    total = sum(p.stat().st_size for _, p, _ in _sources(root))
+    total = sum(p.stat().st_size for _, p, _ in text_documents.sources(root))
     made = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
