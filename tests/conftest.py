@@ -165,11 +165,11 @@ def invoke(argv: list[str], cwd, env: dict | None = None, fds: bool = False) -> 
     import numpy as np
     import torch
 
-    from distlab import models
+    from distlab.runtime import user_code
     from distlab.cli import main
     saved_env, here, threads, args, path = dict(os.environ), os.getcwd(), torch.get_num_threads(), sys.argv, list(sys.path)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
-    modules, loaded = set(sys.modules), dict(models._LOADED)
+    modules, loaded = set(sys.modules), dict(user_code._LOADED)
     rng = random.getstate(), np.random.get_state(), torch.get_rng_state()
     dtype, grad = torch.get_default_dtype(), torch.is_grad_enabled()
     if env is not None:
@@ -201,10 +201,10 @@ def invoke(argv: list[str], cwd, env: dict | None = None, fds: bool = False) -> 
         random.setstate(rng[0])
         np.random.set_state(rng[1])
         torch.set_rng_state(rng[2])
-        models._LOADED.clear()
-        models._LOADED.update(loaded)
+        user_code._LOADED.clear()
+        user_code._LOADED.update(loaded)
         for name in set(sys.modules) - modules:  # a user's model file or package: the next command loads its own
-            if name.startswith("distlab_user_model_") or \
+            if name.startswith("distlab_user_") or \
                     (getattr(sys.modules[name], "__file__", None) or "").startswith(str(cwd)):
                 del sys.modules[name]
     return code, caught[0], caught[1]

@@ -17,7 +17,7 @@ from distlab import comm
 from distlab.errors import ConfigError
 from distlab.launch.spawn import RankFailure, run_ranks
 
-ALGOS = ["native", "ring", "butterfly", "direct", "gather_scatter"]
+ALGOS = ["native", "ring", "ring_plain", "butterfly", "direct", "gather_scatter"]
 SIZES = [0, 1, 7, 1000, 1001]
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 INTS = [torch.int32, torch.int64]
@@ -138,7 +138,7 @@ def test_bytes_sent_match_the_textbook_volumes(world):
     results = run_ranks(_bytes, world, numel, timeout=120)
     for rank, sent in enumerate(results):
         assert all(calls == 1 for _, calls in sent.values())
-        assert sent["ring"][0] == sent["direct"][0] == 2 * (world - 1) * S // world
+        assert sent["ring"][0] == sent["ring_plain"][0] == sent["direct"][0] == 2 * (world - 1) * S // world
         assert sent["native"][0] == 2 * (world - 1) * S // world  # analytic
         assert sent["gather_scatter"][0] == ((world - 1) * S if rank == 0 else S)
         if world == 4:
@@ -186,7 +186,8 @@ def test_bad_arguments_are_clear_errors():
 
 def _segmented(rank, world):
     """The ring's streamed pipeline with many segments per chunk and a small receive window, so
-    segment bookkeeping, scratch-slot reuse and the early all-gather receives are all exercised."""
+    segment bookkeeping, scratch-slot reuse and the early all-gather receives are all exercised -- against
+    the reference, and bit for bit against the plain ring (comm.ring_plain: the same schedule, unstreamed)."""
     from distlab.comm import p2p, ring
     ring.SEGMENT_BYTES, ring.WINDOW = 12, 2  # 3 float32 / 1 float64 element(s) per segment
     failures = []
@@ -198,6 +199,10 @@ def _segmented(rank, world):
                 comm.all_reduce(t, op=op, algorithm="ring")
                 if not _close(t, inputs, op):
                     failures.append(f"all_reduce {op} {dtype} n={numel}")
+                plain = inputs[rank].clone()  # the oracle: the ring as the algorithm reads, the same sums bit for bit
+                comm.all_reduce(plain, op=op, algorithm="ring_plain")
+                if not torch.equal(t, plain):
+                    failures.append(f"all_reduce {op} {dtype} n={numel}: not the plain ring's")
         k = 250
         inputs = [_input(r, world * k, dtype, "sum", seed=1) for r in range(world)]
         out = torch.empty(k, dtype=dtype)

@@ -271,7 +271,12 @@ def generate(source, prompt, max_new_tokens, temperature, top_k, seed, n_head, t
                                             "of the built-in ones; by default the strategies it supports.")
 @click.option("--model-arg", "model_args", multiple=True, help="With --model: key=value for its builder (repeatable).")
 @click.option("--dataset", default=None, help="With --model: the data (default synthetic:3x8x8:4:480).")
-def verify(nproc, strategies, steps, global_batch_size, json_path, resume, faults, workdir, model, model_args, dataset):
+@click.option("--collective", default=None, help="Run the strategies over this collective algorithm: one of distlab's "
+                                                 "(ring, ring_plain, butterfly, direct) or your own all-reduce, "
+                                                 "path/to/file.py:NAME or package.module:NAME (distlab.comm.user); "
+                                                 "without --strategy: allreduce, bucketed, zero=2 and zero=3 over it.")
+def verify(nproc, strategies, steps, global_batch_size, json_path, resume, faults, workdir, model, model_args, dataset,
+           collective):
     """Prove each strategy equals single-process training: largest parameter and loss differences."""
     import json
     import tempfile
@@ -296,8 +301,13 @@ def verify(nproc, strategies, steps, global_batch_size, json_path, resume, fault
     if model and drills:
         raise ConfigError("--model verifies your model's strategies; the fault drills use the built-in model")
     mine = dict(model=model, model_args=model_args, dataset=dataset) if model else {}
-    chosen = [v.parse_strategy(s) for s in strategies] or (
-        [v.parse_strategy("allreduce+adam")] if drills else v.default_strategies(nproc))
+    if collective is not None:  # the same strategies (or the ones a collective serves) over it
+        import dataclasses
+        chosen = [v.parse_strategy(s) for s in strategies or ("allreduce", "bucketed", "zero=2", "zero=3")]
+        chosen = [dataclasses.replace(c, strategy=c.strategy.replace(collective=collective)) for c in chosen]
+    else:
+        chosen = [v.parse_strategy(s) for s in strategies] or (
+            [v.parse_strategy("allreduce+adam")] if drills else v.default_strategies(nproc))
     if model:  # the model against the data (and every check plain data parallel needs): once, for all strategies
         v.config_for(v.parse_strategy("allreduce"), nproc, steps, global_batch_size, **mine)
     usable = []

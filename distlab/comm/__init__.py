@@ -9,11 +9,13 @@ flat contiguous buffer with the same meaning of ``op``, without the checks and a
 
 =================  ==========================================================================
 ``native``         torch.distributed's own (gloo / NCCL); bytes counted analytically
-``ring``           reduce-scatter + all-gather round a ring, ``2(n-1)`` steps
+``ring``           reduce-scatter + all-gather round a ring, ``2(n-1)`` steps, streamed in segments
+``ring_plain``     the same ring as the algorithm reads, one chunk a step (the tuned one's oracle)
 ``butterfly``      recursive halving + doubling, ``2 log2 n`` steps, any ``n`` (fold/unfold)
 ``direct``         all-to-all reduce-scatter + all-gather, 2 rounds of ``n-1`` messages
 ``gather_scatter`` everything through rank 0 (the parameter server)
 ``auto``           per collective and backend, the one measured fastest (:func:`resolve`)
+``FILE.py:NAME``   your own all-reduce (or ``package.module:NAME``; :mod:`distlab.comm.user`)
 =================  ==========================================================================
 
 Every collective takes ``async_op=True`` and then returns a :class:`Handle` (``wait()`` completes
@@ -37,21 +39,28 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from distlab.comm import accounting, butterfly, direct, gather_scatter, p2p, ring
+from distlab.comm import accounting, butterfly, direct, gather_scatter, p2p, ring, ring_plain
 from distlab.comm.accounting import CommStats, bytes_sent, counting
 from distlab.comm.ops import NATIVE, OPS, check_op, finish
 from distlab.errors import ConfigError
 
-ALGORITHMS: dict[str, ModuleType | None] = {
-    "native": None, "ring": ring, "butterfly": butterfly, "direct": direct, "gather_scatter": gather_scatter,
+ALGORITHMS: dict[str, ModuleType | object | None] = {
+    "native": None, "ring": ring, "ring_plain": ring_plain, "butterfly": butterfly, "direct": direct,
+    "gather_scatter": gather_scatter,
 }
-ALIASES = {"gather-scatter": "gather_scatter", "torch": "native", "recursive-halving": "butterfly"}
+ALIASES = {"gather-scatter": "gather_scatter", "torch": "native", "recursive-halving": "butterfly",
+           "ring-plain": "ring_plain"}
 
 
 def check_algorithm(name: str) -> str:
+    """``name``'s algorithm (an alias resolved; the user's own ``FILE.py:NAME`` loaded and registered)."""
     name = ALIASES.get(name, name)
+    if name not in ALGORITHMS and ":" in name:
+        from distlab.comm import user  # (loaded only by a run that names its own)
+        ALGORITHMS[name] = user.UserCollective.load(name)
     if name not in ALGORITHMS and name != "auto":
-        raise ConfigError(f"unknown collective algorithm {name!r}; choose one of: {', '.join(ALGORITHMS)}, auto")
+        raise ConfigError(f"unknown collective algorithm {name!r}; choose one of: {', '.join(ALGORITHMS)}, auto, or "
+                          f"your own all-reduce as path/to/file.py:NAME or package.module:NAME")
     return name
 
 

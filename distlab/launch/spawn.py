@@ -40,6 +40,12 @@ from distlab.runtime.device import load_stretch
 class RankFailure(AssertionError):
     """One or more ranks raised, died or hung; the message holds each rank's story."""
 
+    @property
+    def config_error(self) -> str | None:
+        """The first rank's :class:`~distlab.errors.ConfigError` message, where a rank failed on one."""
+        return next((line.partition(": ")[2] for line in str(self).splitlines()
+                     if line.startswith("distlab.errors.ConfigError: ")), None)
+
 
 # torch._dynamo: see distlab.launch.prefork.PRELOAD
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "distlab.launch.spawn", "distlab.train", "distlab.parallel",

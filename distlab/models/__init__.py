@@ -29,9 +29,6 @@ import ast
 import importlib
 import importlib.util
 import inspect
-import os
-import sys
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -39,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlab.errors import ConfigError, did_you_mean, first_line, with_article
+from distlab.runtime import user_code
 from distlab.models.contract import ModelContract, contract
 from distlab.models.spec import ModelSpec, Options
 
@@ -146,7 +144,7 @@ def model_names() -> list[str]:
 
 def is_user_model(name: str) -> bool:
     """Whether ``name`` names the user's own builder (``FILE.py:NAME`` or ``module:NAME``)."""
-    return ":" in name
+    return user_code.is_user_code(name)
 
 
 def check_model_name(name: str) -> str:
@@ -158,51 +156,16 @@ def check_model_name(name: str) -> str:
     return name
 
 
-_LOADED: dict[str, Callable[..., nn.Module]] = {}
-
-
 def load_builder(spec: str) -> Callable[..., nn.Module]:
     """The callable ``spec`` names: ``path/to/file.py:build`` (the file run as a module) or
-    ``package.module:build`` (imported; the working directory is searched too). One line naming
-    the file on any failure."""
-    if spec in _LOADED:
-        return _LOADED[spec]
-    where, _, attr = spec.rpartition(":")
-    if not where or not attr.isidentifier():
-        raise ConfigError(f"--model {spec}: write your model as path/to/file.py:build or package.module:build")
-    from_file = where.endswith(".py") or os.sep in where
-    if not from_file and where.split(".")[0] in (*sys.stdlib_module_names, "builtins"):
-        raise ConfigError(f"--model {spec}: {where} is the standard library's, not a model builder: name a function "
-                          f"or nn.Module class of your own that returns the model (path/to/file.py:build)")
-    try:
-        if from_file:
-            path = Path(where)
-            if not path.is_file():
-                raise ConfigError(f"--model {spec}: there is no file {where}")
-            name = f"distlab_user_model_{abs(hash(str(path.resolve()))):x}"
-            loader_spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(loader_spec)
-            sys.modules[name] = module  # dataclasses and pickling look their module up here
-            loader_spec.loader.exec_module(module)
-        else:
-            if os.getcwd() not in sys.path and "" not in sys.path:
-                sys.path.append(os.getcwd())
-            module = importlib.import_module(where)
-    except ConfigError:
-        raise
-    except SystemExit as exc:
-        raise ConfigError(f"--model {spec}: {where} called sys.exit({exc.code!r}) while it was loaded") from None
-    except Exception as exc:  # noqa: BLE001 - the user's code can fail any way: one line naming it
-        raise ConfigError(f"--model {spec}: {where} failed to load: {type(exc).__name__}: {first_line(exc)}") from None
-    builder = getattr(module, attr, None)
-    if not callable(builder):
-        raise ConfigError(f"--model {spec}: {where} has no callable {attr!r}")
+    ``package.module:build`` (imported; the working directory is searched too): a function or an ``nn.Module``
+    class (:func:`distlab.runtime.user_code.load`). One line naming the file on any failure."""
+    builder = user_code.load(spec, "--model", "model builder")
     if inspect.isclass(builder) and not issubclass(builder, nn.Module) or \
             not inspect.isclass(builder) and not inspect.isfunction(builder):
         what = "a class that is not an nn.Module" if inspect.isclass(builder) else with_article(type(builder).__name__)
-        raise ConfigError(f"--model {spec}: {attr} is {what}, not a model builder: name a function or nn.Module "
-                          f"class that returns the model")
-    _LOADED[spec] = builder
+        raise ConfigError(f"--model {spec}: {spec.rpartition(':')[2]} is {what}, not a model builder: name a "
+                          f"function or nn.Module class that returns the model")
     return builder
 
 

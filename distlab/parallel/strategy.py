@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
+from distlab import comm
 from distlab.errors import ConfigError, did_you_mean
 from distlab.parallel.compile import BACKENDS as COMPILE_BACKENDS, check as check_compile
 from distlab.parallel.components import load as load_kind
@@ -25,7 +26,7 @@ from distlab.parallel.components import names as component_names
 from distlab.parallel.components import registered
 from distlab.parallel.compression import parse_compression
 from distlab.parallel.context_parallel import STYLES as CP_STYLES
-from distlab.parallel.data_parallel import COLLECTIVES, SYNC_METHODS
+from distlab.parallel.data_parallel import SYNC_METHODS
 from distlab.parallel.pipeline import SCHEDULES as PP_SCHEDULES
 from distlab.parallel.strategy_text import parse, parse_list, strategy_text
 from distlab.parallel.sync_bn import MODES as SYNC_BN
@@ -104,7 +105,7 @@ class Strategy:
     def check(self, world_size: int | None = None) -> "Strategy":
         """Every field, every combination, and (with ``world_size``) the mesh: raise ConfigError naming them."""
         _choice("dp_sync", self.dp_sync, tuple(SYNC_METHODS))
-        _choice("collective", self.collective, COLLECTIVES + ("auto",))
+        comm.check_algorithm(self.collective)  # (the user's own FILE.py:NAME loaded: a bad one refused here)
         _choice("sync_bn", self.sync_bn, SYNC_BN)
         _choice("tp_style", self.tp_style, TP_STYLES)
         _choice("cp_style", self.cp_style, CP_STYLES)

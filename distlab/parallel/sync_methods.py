@@ -71,7 +71,7 @@ class SyncMethod:
     """Base: how a data-parallel wrapper makes gradients the global mean."""
 
     name = "base"
-    collectives: tuple[str, ...] = COLLECTIVES
+    collectives: tuple[str, ...] | None = None  # the algorithms it works with (None: every one comm has)
 
     def __init__(self, group: dist.ProcessGroup | None = None, collective: str = "native",
                  codec: Codec | None = None, **options):
@@ -81,7 +81,8 @@ class SyncMethod:
         collective = comm.ALIASES.get(collective, collective)
         if collective == "auto":  # an all-reduce: the backend's own is the fastest (comm.resolve)
             collective = "native"
-        if collective not in self.collectives:
+        collective = comm.check_algorithm(collective)
+        if self.collectives is not None and collective not in self.collectives:
             raise ConfigError(f"`dp_sync` {self.name} cannot use `collective` {collective!r}; it works with: "
                               f"{', '.join(self.collectives)}")
         self.collective = collective

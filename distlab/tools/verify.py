@@ -398,10 +398,15 @@ def verify(strategies: list[Case], world_size: int, steps: int = 10, global_batc
     """Run every strategy on ``world_size`` gloo processes (one process group, one after another)
     and single-process; return one record per strategy (the ``--json`` contract). ``model``:
     :func:`config_for`'s ``model``, ``model_args`` and ``dataset`` (your own model)."""
-    from distlab.launch.spawn import run_ranks
+    from distlab.launch.spawn import RankFailure, run_ranks
 
     configs = [config_for(s, world_size, steps, global_batch, **model) for s in strategies]
-    results = run_ranks(_distributed_runs, world_size, configs, timeout=timeout)[0]
+    try:
+        results = run_ranks(_distributed_runs, world_size, configs, timeout=timeout)[0]
+    except RankFailure as exc:  # (a collective of the user's own that sends nothing counted, say): one line
+        if exc.config_error is None:
+            raise
+        raise ConfigError(exc.config_error) from None
     from distlab.runtime.device import machine_facts
     records, facts = [], machine_facts()
     for strategy, cfg, (params, losses, norms, graphs) in zip(strategies, configs, results):

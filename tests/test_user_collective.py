@@ -1,0 +1,128 @@
+"""A collective of the user's own on the command line (``--collective FILE.py:NAME``, distlab.comm.user): a
+correct ring of a learner's passes ``verify`` under data parallel and ZeRO with its bytes counted (the same
+bytes as distlab's plain ring), a wrong one fails naming its difference, and one that sends outside distlab's
+point-to-point accounting, or takes the wrong arguments, is refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from distlab.launch.spawn import run_ranks
+from tests.conftest import patience
+
+MINE = '''
+import torch
+from distlab.comm.ops import combine
+from distlab.comm.p2p import exchange
+
+
+def _reduce_scatter(chunks, op, group, rank, n):
+    right, left = (rank + 1) % n, (rank - 1) % n
+    tmp = torch.empty_like(chunks[0])
+    for s in range(n - 1):
+        send, recv = (rank - s - 1) % n, (rank - s - 2) % n
+        got = tmp[:chunks[recv].numel()]
+        exchange(chunks[send], right, got, left, group)
+        combine(op, chunks[recv], got)
+
+
+def allreduce(buf, op, group, rank, n):
+    chunks = list(torch.tensor_split(buf, n))
+    _reduce_scatter(chunks, op, group, rank, n)
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for s in range(n - 1):
+        exchange(chunks[(rank - s) % n], right, chunks[(rank - s - 1) % n], left, group)
+
+
+def no_all_gather(buf, op, group, rank, n):  # each rank keeps one reduced chunk, the rest its own
+    _reduce_scatter(list(torch.tensor_split(buf, n)), op, group, rank, n)
+
+
+def torchs(buf, op, group, rank, n):
+    import torch.distributed as dist
+    dist.all_reduce(buf, group=group)
+
+
+def returns(buf, op, group, rank, n):
+    out = buf.clone()
+    allreduce(out, op, group, rank, n)
+    return out
+
+
+def two(buf, op):
+    pass
+'''
+
+
+def _mine(tmp_path) -> str:
+    path = tmp_path / "mine.py"
+    path.write_text(MINE)
+    return str(path)
+
+
+def _every_collective(rank, world, spec):
+    from distlab import comm
+    out = {}
+    for name in ("allreduce", "returns"):
+        t = torch.arange(6, dtype=torch.float64) * (rank + 1)
+        with comm.counting() as c:
+            comm.all_reduce(t, op="avg", algorithm=f"{spec}:{name}")
+        out[name] = (t.tolist(), c.bytes_sent)
+    algo = f"{spec}:allreduce"
+    rs = torch.empty(2)
+    comm.reduce_scatter(rs, torch.arange(2.0 * world) + rank, algorithm=algo)
+    ag = torch.empty(2 * world)
+    comm.all_gather(ag, torch.tensor([rank, -rank], dtype=torch.float32), algorithm=algo)
+    b = torch.full((5,), float(rank))
+    comm.broadcast(b, src=world - 1, algorithm=algo)
+    return out, rs.tolist(), ag.tolist(), b.tolist()
+
+
+def test_a_users_all_reduce_makes_every_collective_and_its_bytes_are_counted(tmp_path):
+    spec, world = _mine(tmp_path), 3
+    for rank, (out, rs, ag, b) in enumerate(run_ranks(_every_collective, world, spec, timeout=patience(60))):
+        mean = (torch.arange(6, dtype=torch.float64) * 2).tolist()  # (1 + 2 + 3) / 3 = 2 times each value
+        assert out["allreduce"][0] == out["returns"][0] == mean
+        assert out["allreduce"][1] == out["returns"][1] == 2 * (world - 1) * 2 * 8  # 2 (n-1) chunks of 2 float64s
+        expected = [sum(range(world)) + world * (2 * rank + k) for k in range(2)]
+        assert rs == expected
+        assert ag == [float(v) for r in range(world) for v in (r, -r)]
+        assert b == [float(world - 1)] * 5
+
+
+def test_verify_grades_a_users_collective_right_and_wrong(run_cli, tmp_path):
+    spec = _mine(tmp_path)
+    right = run_cli("verify", "--nproc", "3", "--steps", "3", "--collective", f"{spec}:allreduce", check=True)
+    assert right.stdout.count("PASS") == 4 and "zero=3" in right.stdout, right.stdout
+    wrong = run_cli("verify", "--nproc", "3", "--steps", "3", "--strategy", "bucketed", "--collective",
+                    f"{spec}:no_all_gather")
+    assert wrong.returncode == 1 and "FAIL" in wrong.stdout
+    assert "differ from single-process training beyond their rounding bound" in wrong.stderr, wrong.stderr
+
+
+def test_a_users_collective_trains_and_counts_the_bytes_the_plain_ring_sends(run_cli, tmp_path):
+    """The learner's ring is distlab's plain ring's schedule: a run over it sends what one over ring_plain does."""
+    spec = _mine(tmp_path)
+    common = ["train", "--model", "mlp", "--dataset", "synthetic:3x8x8:4:96", "--nproc-per-node", "3",
+              "--max-steps", "2", "--global-batch-size", "12", "--no-progress", "--eval-batches", "1"]
+    sent = {}
+    for name, algo in (("mine", f"{spec}:allreduce"), ("plain", "ring_plain")):
+        run_cli(*common, "--collective", algo, "--out", str(tmp_path / name), check=True)
+        sent[name] = json.loads((tmp_path / name / "summary.json").read_text())["comm_bytes_per_step"]
+    assert sent["mine"] == sent["plain"] > 0
+
+
+def test_a_users_collective_that_sends_outside_distlab_or_takes_other_arguments_is_one_line(run_cli, refused_here,
+                                                                                           tmp_path):
+    spec = _mine(tmp_path)
+    proc = run_cli("verify", "--nproc", "2", "--steps", "2", "--strategy", "allreduce", "--collective",
+                   f"{spec}:torchs")
+    assert proc.returncode == 2 and "sent no message through distlab.comm.p2p" in proc.stderr
+    assert proc.stderr.strip().count("\n") <= 1 and "Traceback" not in proc.stderr, proc.stderr
+    for args, message in [(["train", "--collective", f"{spec}:two"], "two must take (buf, op, group, rank, n)"),
+                          (["train", "--collective", f"{spec}:missing"], "has no callable 'missing'"),
+                          (["train", "--collective", "mine"], "or your own all-reduce as path/to/file.py:NAME")]:
+        err = refused_here(*args).stderr
+        assert message in err and err.count("\n") == 1, (args, err)
