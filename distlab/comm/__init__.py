@@ -50,6 +50,7 @@ ALGORITHMS: dict[str, ModuleType | object | None] = {
 }
 ALIASES = {"gather-scatter": "gather_scatter", "torch": "native", "recursive-halving": "butterfly",
            "ring-plain": "ring_plain"}
+BUILT_IN = tuple(ALGORITHMS)  # (a user's own, once named, joins ALGORITHMS too)
 
 
 def check_algorithm(name: str) -> str:
@@ -59,7 +60,7 @@ def check_algorithm(name: str) -> str:
         from distlab.comm import user  # (loaded only by a run that names its own)
         ALGORITHMS[name] = user.UserCollective.load(name)
     if name not in ALGORITHMS and name != "auto":
-        raise ConfigError(f"unknown collective algorithm {name!r}; choose one of: {', '.join(ALGORITHMS)}, auto, or "
+        raise ConfigError(f"unknown collective algorithm {name!r}; choose one of: {', '.join(BUILT_IN)}, auto, or "
                           f"your own all-reduce as path/to/file.py:NAME or package.module:NAME")
     return name
 

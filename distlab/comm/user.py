@@ -37,7 +37,7 @@ class UserCollective:
 
     @classmethod
     def load(cls, spec: str) -> "UserCollective":
-        fn = user_code.load(spec, "--collective", "all-reduce")
+        fn = user_code.load(spec, "--collective", "an all-reduce")
         try:
             inspect.signature(fn).bind(*PARAMETERS)
         except (TypeError, ValueError):

@@ -160,7 +160,7 @@ def load_builder(spec: str) -> Callable[..., nn.Module]:
     """The callable ``spec`` names: ``path/to/file.py:build`` (the file run as a module) or
     ``package.module:build`` (imported; the working directory is searched too): a function or an ``nn.Module``
     class (:func:`distlab.runtime.user_code.load`). One line naming the file on any failure."""
-    builder = user_code.load(spec, "--model", "model builder")
+    builder = user_code.load(spec, "--model", "a model builder")
     if inspect.isclass(builder) and not issubclass(builder, nn.Module) or \
             not inspect.isclass(builder) and not inspect.isfunction(builder):
         what = "a class that is not an nn.Module" if inspect.isclass(builder) else with_article(type(builder).__name__)

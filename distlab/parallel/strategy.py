@@ -105,7 +105,11 @@ class Strategy:
     def check(self, world_size: int | None = None) -> "Strategy":
         """Every field, every combination, and (with ``world_size``) the mesh: raise ConfigError naming them."""
         _choice("dp_sync", self.dp_sync, tuple(SYNC_METHODS))
-        comm.check_algorithm(self.collective)  # (the user's own FILE.py:NAME loaded: a bad one refused here)
+        if ":" in self.collective:  # the user's own FILE.py:NAME, loaded: a bad one refused here
+            comm.check_algorithm(self.collective)
+        elif comm.ALIASES.get(self.collective, self.collective) not in (*comm.BUILT_IN, "auto"):
+            raise ConfigError(f"unknown `collective` {self.collective!r}; choose one of: {', '.join(comm.BUILT_IN)}, "
+                              f"auto, or your own all-reduce as path/to/file.py:NAME or package.module:NAME")
         _choice("sync_bn", self.sync_bn, SYNC_BN)
         _choice("tp_style", self.tp_style, TP_STYLES)
         _choice("cp_style", self.cp_style, CP_STYLES)

@@ -21,13 +21,13 @@ def is_user_code(spec: str) -> bool:
 
 
 def load(spec: str, flag: str, what: str) -> object:
-    """The object ``spec`` names (``flag``, ``what`` it should be: for the one-line error naming the file on any
-    failure), loaded once per process."""
+    """The object ``spec`` names (``flag``, and ``what`` it should be -- "a model builder" -- for the one-line error
+    naming the file on any failure), loaded once per process."""
     if spec in _LOADED:
         return _LOADED[spec]
     where, _, attr = spec.rpartition(":")
     if not where or not attr.isidentifier():
-        raise ConfigError(f"{flag} {spec}: write your {what} as path/to/file.py:NAME or package.module:NAME")
+        raise ConfigError(f"{flag} {spec}: write it as path/to/file.py:NAME or package.module:NAME")
     from_file = where.endswith(".py") or os.sep in where
     if not from_file and where.split(".")[0] in (*sys.stdlib_module_names, "builtins"):
         raise ConfigError(f"{flag} {spec}: {where} is the standard library's, not {what}: name a function of your "
