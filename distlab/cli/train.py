@@ -275,8 +275,12 @@ def generate(source, prompt, max_new_tokens, temperature, top_k, seed, n_head, t
                                                  "(ring, ring_plain, butterfly, direct) or your own all-reduce, "
                                                  "path/to/file.py:NAME or package.module:NAME (distlab.comm.user); "
                                                  "without --strategy: allreduce, bucketed, zero=2 and zero=3 over it.")
+@click.option("--dp-sync", "dp_sync", default=None, help="Run the strategies with this gradient sync: one of distlab's "
+                                                         "or your own SyncMethod subclass, path/to/file.py:NAME or "
+                                                         "package.module:NAME; without --strategy: it alone and with "
+                                                         "accum=2.")
 def verify(nproc, strategies, steps, global_batch_size, json_path, resume, faults, workdir, model, model_args, dataset,
-           collective):
+           collective, dp_sync):
     """Prove each strategy equals single-process training: largest parameter and loss differences."""
     import json
     import tempfile
@@ -301,10 +305,12 @@ def verify(nproc, strategies, steps, global_batch_size, json_path, resume, fault
     if model and drills:
         raise ConfigError("--model verifies your model's strategies; the fault drills use the built-in model")
     mine = dict(model=model, model_args=model_args, dataset=dataset) if model else {}
-    if collective is not None:  # the same strategies (or the ones a collective serves) over it
+    if collective is not None or dp_sync is not None:  # the same strategies (or those it serves) with it
         import dataclasses
-        chosen = [v.parse_strategy(s) for s in strategies or ("allreduce", "bucketed", "zero=2", "zero=3")]
-        chosen = [dataclasses.replace(c, strategy=c.strategy.replace(collective=collective)) for c in chosen]
+        chosen = [v.parse_strategy(s) for s in strategies or (
+            ("allreduce", "allreduce+accum=2") if dp_sync else ("allreduce", "bucketed", "zero=2", "zero=3"))]
+        changes = {k: value for k, value in (("collective", collective), ("dp_sync", dp_sync)) if value is not None}
+        chosen = [dataclasses.replace(c, strategy=c.strategy.replace(**changes)) for c in chosen]
     else:
         chosen = [v.parse_strategy(s) for s in strategies] or (
             [v.parse_strategy("allreduce+adam")] if drills else v.default_strategies(nproc))

@@ -14,6 +14,7 @@ bytes, state and slots the Engine and snapshots ask for. The methods: :mod:`dist
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,7 @@ from distlab.parallel.compression import build_codec
 from distlab.parallel.state_bytes import model_state_bytes
 from distlab.parallel.bucketed_sync import BucketedSync, TorchDDPSync
 from distlab.parallel.sync_methods import COLLECTIVES, AllReduceSync, GatherScatterSync, SyncMethod
-from distlab.runtime import broadcast_module
+from distlab.runtime import broadcast_module, user_code
 from distlab.runtime.meta import adopt, on_meta
 
 
@@ -34,7 +35,27 @@ SYNC_METHODS: dict[str, type[SyncMethod]] = {
     "bucketed": BucketedSync,
     "ddp": TorchDDPSync,
 }
-__all__ = ["COLLECTIVES", "SYNC_METHODS", "DataParallel"]
+BUILT_IN = tuple(SYNC_METHODS)  # (a user's own, once named, joins SYNC_METHODS too)
+__all__ = ["COLLECTIVES", "SYNC_METHODS", "DataParallel", "sync_method"]
+
+
+def sync_method(name: str) -> type[SyncMethod]:
+    """The sync method ``name``: a registered one, or -- ``FILE.py:NAME`` or ``package.module:NAME`` -- the user's
+    own :class:`~distlab.parallel.sync_methods.SyncMethod` subclass, loaded and registered under that name."""
+    if name not in SYNC_METHODS and user_code.is_user_code(name):
+        found = user_code.load(name, "--dp-sync", "a gradient sync")
+        attr = name.rpartition(":")[2]
+        if not (inspect.isclass(found) and issubclass(found, SyncMethod)):
+            raise ConfigError(f"--dp-sync {name}: {attr} is no subclass of distlab.parallel.SyncMethod: subclass it "
+                              f"and write its sync(module), which makes every rank's .grad the global mean")
+        if found.sync is SyncMethod.sync:
+            raise ConfigError(f"--dp-sync {name}: {attr} defines no sync(module): write it (every rank's .grad made "
+                              f"the mean over the group, with distlab.comm's collectives so their bytes count)")
+        SYNC_METHODS[name] = found
+    if name not in SYNC_METHODS:
+        raise ConfigError(f"unknown `dp_sync` {name!r}; choose one of: {', '.join(BUILT_IN)}, or your own "
+                          f"SyncMethod subclass as path/to/file.py:NAME or package.module:NAME")
+    return SYNC_METHODS[name]
 
 
 class DataParallel(nn.Module):
@@ -48,11 +69,10 @@ class DataParallel(nn.Module):
     def __init__(self, module: nn.Module, method: str = "allreduce", group: dist.ProcessGroup | None = None,
                  broadcast: bool = True, **options):
         super().__init__()
-        if method not in SYNC_METHODS:
-            raise ConfigError(f"unknown `dp_sync` {method!r}; choose one of: {', '.join(SYNC_METHODS)}")
+        kind = sync_method(method)
         if broadcast:
             broadcast_module(module, src=0, group=group)
-        self.method = SYNC_METHODS[method](group, **options)
+        self.method = kind(group, **options)
         self.wrapped = self.method.wrap(module)
         self._module = [module]  # not a submodule twice: state_dict keys stay those of `module`
         self._optimizer: torch.optim.Optimizer | None = None

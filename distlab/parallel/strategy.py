@@ -26,7 +26,7 @@ from distlab.parallel.components import names as component_names
 from distlab.parallel.components import registered
 from distlab.parallel.compression import parse_compression
 from distlab.parallel.context_parallel import STYLES as CP_STYLES
-from distlab.parallel.data_parallel import SYNC_METHODS
+from distlab.parallel.data_parallel import sync_method
 from distlab.parallel.pipeline import SCHEDULES as PP_SCHEDULES
 from distlab.parallel.strategy_text import parse, parse_list, strategy_text
 from distlab.parallel.sync_bn import MODES as SYNC_BN
@@ -104,7 +104,7 @@ class Strategy:
 
     def check(self, world_size: int | None = None) -> "Strategy":
         """Every field, every combination, and (with ``world_size``) the mesh: raise ConfigError naming them."""
-        _choice("dp_sync", self.dp_sync, tuple(SYNC_METHODS))
+        sync_method(self.dp_sync)  # (the user's own FILE.py:NAME loaded: a bad one refused here)
         if ":" in self.collective:  # the user's own FILE.py:NAME, loaded: a bad one refused here
             comm.check_algorithm(self.collective)
         elif comm.ALIASES.get(self.collective, self.collective) not in (*comm.BUILT_IN, "auto"):

@@ -69,7 +69,9 @@ def strategy_text(self) -> str:
     """The text form of ``self`` (what ``str(strategy)`` prints)."""
     parts = []
     default = self.collective == self.default_collective
-    if not self.zero or not default or self.dp_sync != self.zero_dp_sync:
+    if ":" in self.dp_sync:  # the user's own FILE.py:NAME: by its field (a method's ':' is the collective's)
+        parts.append(f"dp_sync={self.dp_sync}" + ("" if default else f"+collective={self.collective}"))
+    elif not self.zero or not default or self.dp_sync != self.zero_dp_sync:
         parts.append(self.dp_sync + ("" if default else f":{self.collective}"))
     if self.grad_accum != 1:
         parts.append(f"accum={self.grad_accum}")

@@ -1,4 +1,5 @@
-"""A collective of the user's own on the command line (``--collective FILE.py:NAME``, distlab.comm.user): a
+"""A collective and a gradient sync of the user's own on the command line (``--collective FILE.py:NAME``,
+``--dp-sync FILE.py:NAME``; distlab.comm.user, distlab.parallel.data_parallel.sync_method): a
 correct ring of a learner's passes ``verify`` under data parallel and ZeRO with its bytes counted (the same
 bytes as distlab's plain ring), a wrong one fails naming its difference, and one that sends outside distlab's
 point-to-point accounting, or takes the wrong arguments, is refused in one line."""
@@ -125,4 +126,72 @@ def test_a_users_collective_that_sends_outside_distlab_or_takes_other_arguments_
                           (["train", "--collective", f"{spec}:missing"], "has no callable 'missing'"),
                           (["train", "--collective", "mine"], "or your own all-reduce as path/to/file.py:NAME")]:
         err = refused_here(*args).stderr
+        assert message in err and err.count("\n") == 1, (args, err)
+
+
+SYNC = '''
+import torch
+from distlab import comm
+from distlab.parallel import SyncMethod
+
+
+class MeanSync(SyncMethod):
+    """Every gradient in one flat all-reduce, divided by the ranks."""
+
+    def sync(self, module):
+        params = [p for p in module.parameters() if p.requires_grad]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        comm.all_reduce(flat, op="sum", algorithm=self.collective, group=self.group)
+        flat /= self.world_size
+        offset = 0
+        for p in params:
+            p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+
+
+class SumSync(SyncMethod):
+    """Forgets the division: the sum, not the mean."""
+
+    def sync(self, module):
+        for p in module.parameters():
+            if p.grad is not None:
+                comm.all_reduce(p.grad, op="sum", algorithm=self.collective, group=self.group)
+
+
+class NotASync:
+    def sync(self, module):
+        pass
+
+
+class NoSyncWritten(SyncMethod):
+    pass
+'''
+
+
+def test_verify_grades_a_users_gradient_sync_right_and_wrong_and_counts_its_bytes(run_cli, refused_here, tmp_path):
+    """``--dp-sync FILE.py:NAME``: a SyncMethod subclass of the learner's passes verify (alone, with gradient
+    accumulation, and over the learner's own collective), a sum instead of a mean fails naming the difference, a
+    run over it sends what plain all-reduce of the same gradients does, and a class that is no SyncMethod (or
+    writes no sync) is refused in one line."""
+    path = tmp_path / "sync.py"
+    path.write_text(SYNC)
+    right = run_cli("verify", "--nproc", "3", "--steps", "3", "--dp-sync", f"{path}:MeanSync", check=True)
+    assert right.stdout.count("PASS") == 2 and "accum=2" in right.stdout, right.stdout
+    mine = run_cli("verify", "--nproc", "3", "--steps", "3", "--strategy", "allreduce", "--dp-sync",
+                   f"{path}:MeanSync", "--collective", f"{_mine(tmp_path)}:allreduce", check=True)
+    assert "PASS" in mine.stdout and "mine.py:allreduce" in mine.stdout, mine.stdout
+    wrong = run_cli("verify", "--nproc", "3", "--steps", "3", "--strategy", "allreduce", "--dp-sync",
+                    f"{path}:SumSync")
+    assert wrong.returncode == 1 and "FAIL" in wrong.stdout, wrong.stdout
+    common = ["train", "--model", "mlp", "--dataset", "synthetic:3x8x8:4:96", "--nproc-per-node", "2",
+              "--max-steps", "2", "--global-batch-size", "8", "--no-progress", "--eval-batches", "1"]
+    sent = {}
+    for name, sync in (("mine", f"{path}:MeanSync"), ("allreduce", "allreduce")):
+        run_cli(*common, "--dp-sync", sync, "--out", str(tmp_path / name), check=True)
+        sent[name] = json.loads((tmp_path / name / "summary.json").read_text())["comm_bytes_per_step"]
+    assert sent["mine"] == sent["allreduce"] > 0  # (2 ranks: each all-reduce sends its gradients' bytes once)
+    for args, message in [(["--dp-sync", f"{path}:NotASync"], "NotASync is no subclass of distlab.parallel.SyncMethod"),
+                          (["--dp-sync", f"{path}:NoSyncWritten"], "NoSyncWritten defines no sync(module)"),
+                          (["--dp-sync", "mine"], "or your own SyncMethod subclass as path/to/file.py:NAME")]:
+        err = refused_here("train", *args).stderr
         assert message in err and err.count("\n") == 1, (args, err)
