@@ -10,11 +10,12 @@ from distlab.cli.model_flags import model_help, model_options
 
 STRATEGY_OPTIONS = [
     ("dp_sync", dict(default=None, help="Gradient sync: gather-scatter (via rank 0), allreduce (per parameter, after "
-                     "backward), bucketed (overlapped with backward; the default) or ddp (torch's DDP). With --zero: "
-                     "ZeRO's own reduce-scatter.")),
-    ("collective", dict(default=None, help="Collective algorithm: native (gloo/NCCL), ring, butterfly or direct "
-                        "(distlab.comm), or auto (per collective, the one measured fastest). Default: native for "
-                        "data parallel's all-reduce, auto for --zero's reduce-scatter and all-gather.")),
+                     "backward), bucketed (overlapped with backward; the default) or ddp (torch's DDP), or your own "
+                     "SyncMethod subclass as path/to/file.py:NAME. With --zero: ZeRO's own reduce-scatter.")),
+    ("collective", dict(default=None, help="Collective algorithm: native (gloo/NCCL), ring, ring_plain, butterfly or "
+                        "direct (distlab.comm), auto (per collective, the one measured fastest), or your own "
+                        "all-reduce as path/to/file.py:NAME (distlab.comm.user). Default: native for data "
+                        "parallel's all-reduce, auto for --zero's reduce-scatter and all-gather.")),
     ("bucket_mb", dict(type=float, help="Bucket size in MB for --dp-sync bucketed and ddp.")),
     ("grad_accum", dict(type=int, help="Micro-batches per optimizer step (no communication until the last).")),
     ("sync_bn", dict(help="off, distlab (any device) or torch (nn.SyncBatchNorm, GPU only); statistics over the "
