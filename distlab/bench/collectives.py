@@ -240,6 +240,36 @@ def crossovers(records: list[dict], latency: str = "butterfly", bandwidth: str =
     return found
 
 
+def fits(records: list[dict]) -> list[dict]:
+    """The alpha-beta model of each algorithm's all-reduce on each world size, fitted to this bench's times
+    (:func:`~distlab.plan.machine.fit_alpha_beta`: ``t = alpha x rounds + beta x bytes`` the busiest rank moves,
+    least squares in relative error) -- what ``distlab plan calibrate`` fits too -- with its errors."""
+    from distlab.plan.machine import fit_alpha_beta, rounds, volume
+    out = []
+    for world in sorted({r["world_size"] for r in records if r["world_size"] > 1}):
+        for algo in dict.fromkeys(r["algorithm"] for r in records):
+            points = [(rounds(algo, world), volume(algo, world, r["numel"] * _itemsize(r)), r["time_s_median"])
+                      for r in records if r["world_size"] == world and r["algorithm"] == algo and r["numel"] > 0
+                      and r["op"] in ("sum", "avg") and r["time_s_median"] > 0]
+            if len({v for _, v, _ in points}) >= 2:  # two sizes at least: latency and bandwidth apart
+                ab = fit_alpha_beta(points)
+                out.append({"world_size": world, "algorithm": algo, **ab.to_dict()})
+    return out
+
+
+def fit_table(found: list[dict]) -> str:
+    rows = [f"{'world':>5} {'algorithm':15} {'alpha us':>9} {'1/beta GB/s':>11} {'median err':>10} {'max err':>8}"]
+    for f in found:
+        bandwidth = f"{1e-9 / f['beta_s_per_byte']:.3f}" if f["beta_s_per_byte"] > 0 else "inf"
+        rows.append(f"{f['world_size']:>5} {f['algorithm']:15} {f['alpha_s'] * 1e6:>9.1f} {bandwidth:>11} "
+                    f"{f['median_rel_err']:>9.0%} {f['max_rel_err']:>8.0%}")
+    return "\n".join(rows)
+
+
+def _itemsize(record: dict) -> int:
+    return torch.empty(0, dtype=getattr(torch, record.get("dtype", "float32"))).element_size()
+
+
 def plot(records: list[dict], directory: str | Path) -> list[Path]:
     """Time-vs-size and busbw-vs-size PNGs, one pair per world size."""
     from distlab.tools.plots import pyplot, style
@@ -270,6 +300,37 @@ def plot(records: list[dict], directory: str | Path) -> list[Path]:
             fig.savefig(path, dpi=100)
             plt.close(fig)
             written.append(path)
+    written += _plot_fits(records, directory, plt)
+    return written
+
+
+def _plot_fits(records: list[dict], directory: Path, plt) -> list[Path]:
+    """Per world size: each algorithm's measured times (points) against its fitted alpha-beta line."""
+    from distlab.plan.machine import rounds, volume
+    written = []
+    found = fits(records)
+    for world in sorted({f["world_size"] for f in found}):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for k, f in enumerate(f for f in found if f["world_size"] == world):
+            algo, color = f["algorithm"], f"C{k}"
+            pts = sorted((r["numel"], r["time_s_median"], _itemsize(r)) for r in records if r["world_size"] == world
+                         and r["algorithm"] == algo and r["numel"] > 0 and r["op"] in ("sum", "avg"))
+            ax.plot([n for n, _, _ in pts], [t for _, t, _ in pts], "o", color=color, label=f"{algo} measured")
+            ax.plot([n for n, _, _ in pts], [f["alpha_s"] * rounds(algo, world) + f["beta_s_per_byte"]
+                                             * volume(algo, world, n * e) for n, _, e in pts], "-",
+                    color=color, label=f"{algo} alpha-beta")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("elements (float32)")
+        ax.set_ylabel("all-reduce time (s)")
+        ax.set_title(f"measured vs the alpha-beta fit, world size {world}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+        path = directory / f"collectives_fit_w{world}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
     return written
 
 

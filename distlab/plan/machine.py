@@ -95,7 +95,7 @@ def rounds(algorithm: str, n: int, kind: str = "all_reduce") -> int:
     if kind in ("send", "all_to_all"):
         return 1 if kind == "send" else n - 1
     half = kind != "all_reduce"
-    if algorithm in ("native", "ring"):
+    if algorithm in ("native", "ring", "ring_plain") or ":" in algorithm:  # (a user's own: counted as a ring)
         return (n - 1) * (1 if half else 2)
     if algorithm == "butterfly":
         k = int(math.log2(n))
