@@ -32,6 +32,27 @@ def test_bench_collectives_writes_the_contract(run_cli, tmp_path):
     assert by[(3, 1000, "gather_scatter")]["bytes_sent_per_rank"] == 2 * 4000  # rank 0: (n-1) * S
     assert "world 3: ring faster than butterfly" in proc.stdout
     assert "busbw GB/s" in proc.stdout and (plots / "collectives_busbw_w3.png").stat().st_size > 1000
+    # the alpha-beta model of each algorithm, fitted to these times: printed, written, plotted against them
+    assert "alpha-beta fit of each all-reduce, t = alpha x message rounds + beta x bytes" in proc.stdout
+    fitted = json.loads((out / "collectives-fit.json").read_text())["fits"]
+    assert sorted(f["algorithm"] for f in fitted) == sorted({r["algorithm"] for r in records})
+    assert all(f["world_size"] == 3 and f["points"] == 2 and f["alpha_s"] >= 0 for f in fitted)
+    assert (plots / "collectives_fit_w3.png").stat().st_size > 1000
+
+
+def test_the_alpha_beta_fit_recovers_the_model_that_made_the_times():
+    """Times made by t = alpha x rounds + beta x bytes (the ring's on 4 ranks, the butterfly's) give back alpha and
+    beta; the errors are zero."""
+    from distlab.bench.collectives import fits
+    from distlab.plan.machine import rounds, volume
+    made = {"ring": (2e-4, 1e-9), "butterfly": (5e-4, 2e-9)}
+    records = [{"algorithm": a, "numel": n, "world_size": 4, "op": "sum", "dtype": "float32",
+                "time_s_median": alpha * rounds(a, 4) + beta * volume(a, 4, 4 * n)}
+               for a, (alpha, beta) in made.items() for n in (10**3, 10**4, 10**5, 10**6)]
+    for f in fits(records):
+        alpha, beta = made[f["algorithm"]]
+        assert abs(f["alpha_s"] - alpha) <= 1e-9 * alpha and abs(f["beta_s_per_byte"] - beta) <= 1e-9 * beta
+        assert f["max_rel_err"] <= 1e-9
 
 
 def test_bench_rejects_bad_flags(run_cli):
@@ -204,6 +225,7 @@ def test_a_bench_on_a_busy_machine_says_so_and_a_fit_without_a_per_byte_cost_say
                    env={"DISTLAB_LOAD_AT_LAUNCH": "17"})
     assert "distlab: warning: the machine was busy before this bench (load 17.00 on" in proc.stderr, proc.stderr
     assert "which algorithm ranks first -- hold only against runs on an equally quiet machine" in proc.stderr
+    assert "(the machine was busy: this run's fit only)" in proc.stdout, proc.stdout
     quiet = run_cli("bench", "collectives", "--world", "2", "--sizes", "10", "--algorithms", "native", "--repeats",
                     "2", "--warmup", "1", "--out", str(tmp_path / "quiet"), timeout=300, check=True)
     assert "distlab: warning" not in quiet.stderr, quiet.stderr

@@ -260,7 +260,7 @@ def fits(records: list[dict]) -> list[dict]:
 def fit_table(found: list[dict]) -> str:
     rows = [f"{'world':>5} {'algorithm':15} {'alpha us':>9} {'1/beta GB/s':>11} {'median err':>10} {'max err':>8}"]
     for f in found:
-        bandwidth = f"{1e-9 / f['beta_s_per_byte']:.3f}" if f["beta_s_per_byte"] > 0 else "inf"
+        bandwidth = f"{1e-9 / f['beta_s_per_byte']:.3f}" if f["beta_s_per_byte"] > 0 else "not measured"
         rows.append(f"{f['world_size']:>5} {f['algorithm']:15} {f['alpha_s'] * 1e6:>9.1f} {bandwidth:>11} "
                     f"{f['median_rel_err']:>9.0%} {f['max_rel_err']:>8.0%}")
     return "\n".join(rows)
