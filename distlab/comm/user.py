@@ -10,8 +10,7 @@
 ``distlab.comm.ops.combine(op, acc, x)`` applies it. Send with :mod:`distlab.comm.p2p` (``isend``, ``irecv``,
 ``exchange``; ``group`` and the ranks as given): that is where a message's bytes are counted, so a run's
 ``comm_bytes_per_step`` and ``bench`` show what your algorithm sends -- one that moves nothing through it is
-refused (torch's own point-to-point calls are not counted). distlab builds the other collectives from it, as a
-course's first ring does: reduce-scatter (the all-reduce, this rank's chunk kept), all-gather (each rank's part in
+refused (torch's own point-to-point calls are not counted). distlab builds the other collectives from it: reduce-scatter (the all-reduce, this rank's chunk kept), all-gather (each rank's part in
 place, zeros elsewhere, summed) and broadcast (zeros beside the source's, summed).
 """
 
