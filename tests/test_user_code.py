@@ -195,3 +195,18 @@ def test_verify_grades_a_users_gradient_sync_right_and_wrong_and_counts_its_byte
                           (["--dp-sync", "mine"], "or your own SyncMethod subclass as path/to/file.py:NAME")]:
         err = refused_here("train", *args).stderr
         assert message in err and err.count("\n") == 1, (args, err)
+
+
+def test_the_exercises_say_they_are_not_written_and_their_solutions_pass(run_cli):
+    """docs/exercises.md's checks, run as the page shows them: each exercise refused in one line until written,
+    each solution passing verify."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent / "examples" / "exercises"
+    for flag, name, strategies in (("--collective", "ring_allreduce.py:allreduce", ["--strategy", "bucketed"]),
+                                   ("--dp-sync", "gradient_sync.py:MySync", [])):
+        stub = run_cli("verify", "--nproc", "3", "--steps", "2", *strategies, flag, str(root / name))
+        assert stub.returncode == 2 and "is not written yet" in stub.stderr, stub.stderr
+        assert "Traceback" not in stub.stderr, stub.stderr
+        solved = run_cli("verify", "--nproc", "3", "--steps", "2", *strategies, flag, str(root / "solutions" / name),
+                         check=True)
+        assert "PASS" in solved.stdout and "FAIL" not in solved.stdout, solved.stdout

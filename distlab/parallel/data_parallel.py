@@ -93,7 +93,10 @@ class DataParallel(nn.Module):
                    find_unused=strategy.find_unused, codec=build_codec(strategy))
 
     def sync_gradients(self) -> None:
-        self.method.sync(self.module)
+        try:
+            self.method.sync(self.module)
+        except NotImplementedError as exc:  # (a user's own sync not written yet: an exercise's)
+            raise ConfigError(f"--dp-sync {type(self.method).__name__}.sync is not written yet: {exc}") from None
 
     @torch.no_grad()
     def full_gradients(self) -> dict[str, torch.Tensor]:
