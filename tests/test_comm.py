@@ -17,7 +17,7 @@ from distlab import comm
 from distlab.errors import ConfigError
 from distlab.launch.spawn import RankFailure, run_ranks
 
-ALGOS = ["native", "ring", "ring_plain", "butterfly", "direct", "gather_scatter"]
+ALGOS = ["native", "ring", "ring_plain", "butterfly", "butterfly_plain", "direct", "gather_scatter"]
 SIZES = [0, 1, 7, 1000, 1001]
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 INTS = [torch.int32, torch.int64]
@@ -88,6 +88,16 @@ def _grid(rank, world):
                 comm.broadcast(b, src=src, algorithm=algo)
                 if not torch.equal(b, _input(src, 1001, dtype, "sum", seed=3)):
                     failures.append(f"broadcast {algo} {dtype} src={src}")
+    # the plain butterfly is the tuned one's oracle: the same exchanges, the same sums bit for bit
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for op in ("sum", "avg", "max") if dtype.is_floating_point else ("sum", "product"):
+            for numel in SIZES:
+                got = {}
+                for algo in ("butterfly", "butterfly_plain"):
+                    got[algo] = _input(rank, numel, dtype, op).clone()
+                    comm.all_reduce(got[algo], op=op, algorithm=algo)
+                if not torch.equal(got["butterfly"], got["butterfly_plain"]):
+                    failures.append(f"butterfly {op} {dtype} n={numel}: not the plain butterfly's")
     # non-contiguous input (a transposed view): reduced in place, layout kept
     for algo in ALGOS:
         base = [_input(r, 2 * 301, torch.float32, "sum").view(2, 301) for r in range(world)]
@@ -141,6 +151,7 @@ def test_bytes_sent_match_the_textbook_volumes(world):
         assert sent["ring"][0] == sent["ring_plain"][0] == sent["direct"][0] == 2 * (world - 1) * S // world
         assert sent["native"][0] == 2 * (world - 1) * S // world  # analytic
         assert sent["gather_scatter"][0] == ((world - 1) * S if rank == 0 else S)
+        assert sent["butterfly_plain"][0] == sent["butterfly"][0]  # (its all-reduce: the same messages)
         if world == 4:
             assert sent["butterfly"][0] == 2 * 3 * S // 4
         else:  # p = 4, rem = 1: rank 0 folds into rank 1 (S), rank 1 unfolds back (S more)

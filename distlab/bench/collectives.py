@@ -266,6 +266,35 @@ def fit_table(found: list[dict]) -> str:
     return "\n".join(rows)
 
 
+FIT_KIND = "distlab-collectives-fit"
+
+
+def write_fit(records: list[dict], out: str | Path) -> list[str]:
+    """The fit of :func:`fits` written to OUT/collectives-fit.json; returns the lines to print (none where no
+    algorithm was measured at two sizes)."""
+    from distlab.bench.common import busy_bench
+    from distlab.train.metrics import atomic_write_text
+    found = fits(records)
+    if not found:
+        return []
+    busy = busy_bench(records)
+    path = Path(out) / "collectives-fit.json"
+    atomic_write_text(path, json.dumps({"kind": FIT_KIND, "fits": found, "busy": busy}, indent=1) + "\n")
+    return ["alpha-beta fit of each all-reduce, t = alpha x message rounds + beta x bytes the busiest rank moves"
+            + (" (the machine was busy: this run's fit only)" if busy else "") + ":", fit_table(found),
+            f"wrote {path}"]
+
+
+def fit_markdown(data: dict) -> str:
+    """OUT/collectives-fit.json as a Markdown table (``distlab bench markdown``)."""
+    rows = ["| world | algorithm | alpha (us a round) | 1/beta (GB/s) | median / max error |", "|---|---|---|---|---|"]
+    for f in data["fits"]:
+        bandwidth = f"{1e-9 / f['beta_s_per_byte']:.2f}" if f["beta_s_per_byte"] > 0 else "not measured"
+        rows.append(f"| {f['world_size']} | {f['algorithm']} | {f['alpha_s'] * 1e6:.1f} | {bandwidth} | "
+                    f"{f['median_rel_err']:.0%} / {f['max_rel_err']:.0%} |")
+    return "\n".join(rows) + (f"\n\n(the machine was busy: {data['busy']})" if data.get("busy") else "")
+
+
 def _itemsize(record: dict) -> int:
     return torch.empty(0, dtype=getattr(torch, record.get("dtype", "float32"))).element_size()
 

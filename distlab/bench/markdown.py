@@ -161,6 +161,9 @@ def render(path: str | Path) -> str:
     if isinstance(data, dict) and data.get("kind") == "distlab-plan-published":  # `plan published --json`
         from distlab.bench.published_table import markdown
         return markdown(data)
+    if isinstance(data, dict) and data.get("kind") == "distlab-collectives-fit":  # bench collectives' alpha-beta
+        from distlab.bench.collectives import fit_markdown
+        return fit_markdown(data)
     if not isinstance(data, list):
         raise ValueError("not a list of bench records")
     if not data:

@@ -76,24 +76,9 @@ def bench_collectives(world, sizes, algorithms, ops, dtypes, warmup, repeats, ru
         click.echo(f"world {w}: ring faster than butterfly "
                    + (f"from {numel:,} elements up" if numel else "at no size measured"))
     _finish(collectives, records, out, "collectives", plot_dir)
-    _alpha_beta(collectives, records, out)
-
-
-def _alpha_beta(collectives, records: list[dict], out: str) -> None:
-    """The alpha-beta fit of each algorithm on this machine, printed and written to OUT/collectives-fit.json."""
-    import json
-
-    from distlab.bench.common import busy_bench
-    from distlab.train.metrics import atomic_write_text
-    found = collectives.fits(records)
-    if not found:
-        return
-    busy = busy_bench(records)
-    click.echo("alpha-beta fit of each all-reduce, t = alpha x message rounds + beta x bytes the busiest rank moves"
-               + (" (the machine was busy: this run's fit only)" if busy else "") + ":")
-    click.echo(collectives.fit_table(found))
-    atomic_write_text(f"{out}/collectives-fit.json", json.dumps({"fits": found, "busy": busy}, indent=1) + "\n")
-    click.echo(f"wrote {out}/collectives-fit.json", err=True)
+    said = collectives.write_fit(records, out)
+    for i, line in enumerate(said):
+        click.echo(line, err=i == len(said) - 1)  # (the last: what was written)
 
 
 @bench.command("syncbn")

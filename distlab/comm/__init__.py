@@ -12,6 +12,7 @@ flat contiguous buffer with the same meaning of ``op``, without the checks and a
 ``ring``           reduce-scatter + all-gather round a ring, ``2(n-1)`` steps, streamed in segments
 ``ring_plain``     the same ring as the algorithm reads, one chunk a step (the tuned one's oracle)
 ``butterfly``      recursive halving + doubling, ``2 log2 n`` steps, any ``n`` (fold/unfold)
+``butterfly_plain`` the same exchanges as the algorithm reads (the tuned one's oracle)
 ``direct``         all-to-all reduce-scatter + all-gather, 2 rounds of ``n-1`` messages
 ``gather_scatter`` everything through rank 0 (the parameter server)
 ``auto``           per collective and backend, the one measured fastest (:func:`resolve`)
@@ -39,17 +40,17 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from distlab.comm import accounting, butterfly, direct, gather_scatter, p2p, ring, ring_plain
+from distlab.comm import accounting, butterfly, butterfly_plain, direct, gather_scatter, p2p, ring, ring_plain
 from distlab.comm.accounting import CommStats, bytes_sent, counting
 from distlab.comm.ops import NATIVE, OPS, check_op, finish
 from distlab.errors import ConfigError
 
 ALGORITHMS: dict[str, ModuleType | object | None] = {
-    "native": None, "ring": ring, "ring_plain": ring_plain, "butterfly": butterfly, "direct": direct,
-    "gather_scatter": gather_scatter,
+    "native": None, "ring": ring, "ring_plain": ring_plain, "butterfly": butterfly, "butterfly_plain": butterfly_plain,
+    "direct": direct, "gather_scatter": gather_scatter,
 }
 ALIASES = {"gather-scatter": "gather_scatter", "torch": "native", "recursive-halving": "butterfly",
-           "ring-plain": "ring_plain"}
+           "ring-plain": "ring_plain", "butterfly-plain": "butterfly_plain"}
 BUILT_IN = tuple(ALGORITHMS)  # (a user's own, once named, joins ALGORITHMS too)
 
 

@@ -97,7 +97,7 @@ def rounds(algorithm: str, n: int, kind: str = "all_reduce") -> int:
     half = kind != "all_reduce"
     if algorithm in ("native", "ring", "ring_plain") or ":" in algorithm:  # (a user's own: counted as a ring)
         return (n - 1) * (1 if half else 2)
-    if algorithm == "butterfly":
+    if algorithm in ("butterfly", "butterfly_plain"):
         k = int(math.log2(n))
         extra = 0 if 2 ** k == n else 2  # fold the ranks beyond a power of two in, unfold at the end
         return k * (1 if half else 2) + extra
@@ -125,7 +125,7 @@ def sent(algorithm: str, n: int, nbytes: float, kind: str = "all_reduce", itemsi
     butterfly's all-reduce, whose halves of an odd number of elements are not equal."""
     if algorithm == "gather_scatter" and n > 1:
         return (n - 1) * nbytes
-    if algorithm == "butterfly" and kind == "all_reduce" and n > 1:
+    if algorithm in ("butterfly", "butterfly_plain") and kind == "all_reduce" and n > 1:
         return itemsize * _butterfly_first_sends(int(nbytes // itemsize), n)
     return volume(algorithm, n, nbytes, kind)
 
