@@ -12,8 +12,8 @@ STRATEGY_OPTIONS = [
     ("dp_sync", dict(default=None, help="Gradient sync: gather-scatter (via rank 0), allreduce (per parameter, after "
                      "backward), bucketed (overlapped with backward; the default) or ddp (torch's DDP), or your own "
                      "SyncMethod subclass as path/to/file.py:NAME. With --zero: ZeRO's own reduce-scatter.")),
-    ("collective", dict(default=None, help="Collective algorithm: native (gloo/NCCL), ring, ring_plain, butterfly, butterfly_plain or "
-                        "direct (distlab.comm), auto (per collective, the one measured fastest), or your own "
+    ("collective", dict(default=None, help="Collective algorithm: native (gloo/NCCL), ring, ring_plain, butterfly, "
+                        "butterfly_plain or direct (distlab.comm), auto (per collective, the one measured fastest), or your own "
                         "all-reduce as path/to/file.py:NAME (distlab.comm.user). Default: native for data "
                         "parallel's all-reduce, auto for --zero's reduce-scatter and all-gather.")),
     ("bucket_mb", dict(type=float, help="Bucket size in MB for --dp-sync bucketed and ddp.")),
