@@ -103,15 +103,22 @@ def test_verify_grades_a_users_collective_right_and_wrong(run_cli, tmp_path):
     assert "differ from single-process training beyond their rounding bound" in wrong.stderr, wrong.stderr
 
 
+def _bytes_per_step(run_cli, tmp_path, ranks: int, runs: dict) -> dict:
+    """``comm_bytes_per_step`` of a 2-step MLP run on ``ranks`` ranks for each name's extra flags."""
+    sent = {}
+    for name, flags in runs.items():
+        run_cli("train", "--model", "mlp", "--dataset", "synthetic:3x8x8:4:96", "--nproc-per-node", str(ranks),
+                "--max-steps", "2", "--global-batch-size", str(4 * ranks), "--no-progress", "--eval-batches", "1",
+                *flags, "--out", str(tmp_path / name), check=True)
+        sent[name] = json.loads((tmp_path / name / "summary.json").read_text())["comm_bytes_per_step"]
+    return sent
+
+
 def test_a_users_collective_trains_and_counts_the_bytes_the_plain_ring_sends(run_cli, tmp_path):
     """The learner's ring is distlab's plain ring's schedule: a run over it sends what one over ring_plain does."""
     spec = _mine(tmp_path)
-    common = ["train", "--model", "mlp", "--dataset", "synthetic:3x8x8:4:96", "--nproc-per-node", "3",
-              "--max-steps", "2", "--global-batch-size", "12", "--no-progress", "--eval-batches", "1"]
-    sent = {}
-    for name, algo in (("mine", f"{spec}:allreduce"), ("plain", "ring_plain")):
-        run_cli(*common, "--collective", algo, "--out", str(tmp_path / name), check=True)
-        sent[name] = json.loads((tmp_path / name / "summary.json").read_text())["comm_bytes_per_step"]
+    sent = _bytes_per_step(run_cli, tmp_path, 3, {"mine": ("--collective", f"{spec}:allreduce"),
+                                                  "plain": ("--collective", "ring_plain")})
     assert sent["mine"] == sent["plain"] > 0
 
 
@@ -183,12 +190,8 @@ def test_verify_grades_a_users_gradient_sync_right_and_wrong_and_counts_its_byte
     wrong = run_cli("verify", "--nproc", "3", "--steps", "3", "--strategy", "allreduce", "--dp-sync",
                     f"{path}:SumSync")
     assert wrong.returncode == 1 and "FAIL" in wrong.stdout, wrong.stdout
-    common = ["train", "--model", "mlp", "--dataset", "synthetic:3x8x8:4:96", "--nproc-per-node", "2",
-              "--max-steps", "2", "--global-batch-size", "8", "--no-progress", "--eval-batches", "1"]
-    sent = {}
-    for name, sync in (("mine", f"{path}:MeanSync"), ("allreduce", "allreduce")):
-        run_cli(*common, "--dp-sync", sync, "--out", str(tmp_path / name), check=True)
-        sent[name] = json.loads((tmp_path / name / "summary.json").read_text())["comm_bytes_per_step"]
+    sent = _bytes_per_step(run_cli, tmp_path, 2, {"mine": ("--dp-sync", f"{path}:MeanSync"),
+                                                  "allreduce": ("--dp-sync", "allreduce")})
     assert sent["mine"] == sent["allreduce"] > 0  # (2 ranks: each all-reduce sends its gradients' bytes once)
     for args, message in [(["--dp-sync", f"{path}:NotASync"], "NotASync is no subclass of distlab.parallel.SyncMethod"),
                           (["--dp-sync", f"{path}:NoSyncWritten"], "NoSyncWritten defines no sync(module)"),
