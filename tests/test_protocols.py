@@ -10,6 +10,7 @@ from distlab.parallel.data_parallel import SYNC_METHODS
 from distlab.parallel.protocols import GradSync, ShardedState, StateCost, StatePlacement, StepSchedule
 from distlab.parallel.schedule import Accumulate
 from distlab.parallel.zero import STAGES
+from distlab.parallel.zero.plain import PlainZero
 from distlab.launch.spawn import run_ranks
 from distlab.tools.verify import gradient_tolerance
 
@@ -22,6 +23,7 @@ def _model():
 def test_every_gradient_sync_and_schedule_implements_its_protocol():
     syncs = [DataParallel(_model(), method) for method in SYNC_METHODS if method != "ddp"]
     syncs += [Zero(_model(), stage) for stage in STAGES if stage]
+    syncs += [PlainZero(_model(), stage) for stage in STAGES if stage]
     for sync in syncs:
         for protocol in (GradSync, ShardedState, StatePlacement, StateCost):
             assert isinstance(sync, protocol), (type(sync).__name__, protocol.__name__)

@@ -310,6 +310,7 @@ def _opt_tensors(trainer):
 
 
 @pytest.mark.parametrize("world,extra", [(2, {}), (2, {"zero": 3, "optimizer": "adam", "lr": 0.01}),
+                                         (2, {"zero": 3, "zero_impl": "plain", "optimizer": "adam", "lr": 0.01}),
                                          (4, {"dp_sync": "ddp"}),  # DDP re-cuts its buckets (4: a 2-rank sum is order-free)
                                          (2, {"tp": 2, "dp_sync": "bucketed"}),
                                          (2, {"pp": 2, "microbatches": 4, "optimizer": "adam", "lr": 0.01}),

@@ -36,6 +36,9 @@ STRATEGY_OPTIONS = [
                 "all-to-all.")),
     ("zero", dict(type=click.IntRange(0, 3), help="ZeRO stage over the data-parallel ranks: 1 shards optimizer "
                   "state, 2 also gradients, 3 also parameters.")),
+    ("zero_impl", dict(help="With --zero: tuned (buckets overlapped with backward, stage 3 gathering one module "
+                       "at a time, with prefetch) or plain (the partition alone, distlab/parallel/zero/plain.py: "
+                       "every parameter's shard, reduce-scattered after backward, gathered whole).")),
     ("activation_checkpointing", dict(is_flag=True, help="Keep only each block's input (VGG stage, ResNet block, "
                                       "transformer block) and recompute the rest in backward: less activation "
                                       "memory for about a third more compute.")),

@@ -13,7 +13,7 @@ from distlab.errors import ConfigError
 
 DEFAULT_CALIBRATION = "runs/calibration.json"
 PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "sequence_parallel", "cp", "cp_style", "ep",
-                  "zero", "pp",
+                  "zero", "zero_impl", "pp",
                   "microbatches", "pp_schedule", "pp_virtual", "pp_balance", "activation_checkpointing", "ac_every",
                   "ac_policy", "precision", "reduce_dtype", "grad_compression")  # what plan's cost model reads
 

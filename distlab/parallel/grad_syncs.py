@@ -11,8 +11,10 @@ from typing import Callable
 
 from distlab.parallel.cost import DataParallelCost
 from distlab.parallel.data_parallel import DataParallel
+from distlab.errors import ConfigError
 from distlab.parallel.zero import Zero
 from distlab.parallel.zero.cost import ZeroCost
+from distlab.parallel.zero.plain import PlainZero
 
 
 @dataclass(frozen=True)
@@ -27,8 +29,22 @@ class SyncKind:
     cost: type
 
 
-# first match wins: ZeRO where the strategy asks for a stage, data parallel's methods otherwise
+def _unplanned(*args, **kwargs):
+    raise ConfigError("`zero_impl` plain is not planned: plan the tuned ZeRO (drop `zero_impl`), which the plain "
+                      "one equals in what it computes")
+
+
+class PlainZeroCost:
+    """The plain ZeRO is for reading and for checking the tuned one; the planner prices the tuned one."""
+
+    planned_calls = planned_memory = planned_parts = planned_extra_state = staticmethod(_unplanned)
+
+
+# first match wins: ZeRO where the strategy asks for a stage (the plain one where it asks for that), data
+# parallel's methods otherwise
 SYNC_KINDS: tuple[SyncKind, ...] = (
+    SyncKind("plain zero", lambda strategy: strategy.zero > 0 and strategy.zero_impl == "plain", PlainZero,
+             PlainZeroCost),
     SyncKind("zero", lambda strategy: strategy.zero > 0, Zero, ZeroCost),
     SyncKind("data parallel", lambda strategy: True, DataParallel, DataParallelCost),
 )

@@ -32,6 +32,7 @@ from distlab.parallel.strategy_text import parse, parse_list, strategy_text
 from distlab.parallel.sync_bn import MODES as SYNC_BN
 from distlab.parallel.tensor_parallel import STYLES as TP_STYLES
 from distlab.parallel.zero import STAGES as ZERO_STAGES
+ZERO_IMPLS = ("tuned", "plain")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEFAULT_DP_SYNC = "bucketed"  # the fastest exact method on CPU/gloo (docs/RESULTS.md, data parallel)
 ZERO_DP_SYNC = "allreduce"    # what a ZeRO strategy records: its gradients are reduced after backward
@@ -55,6 +56,7 @@ class Strategy:
     cp_style: str = "ring"   # ring (key/value blocks around the ring) or ulysses (all-to-all over heads)
     ep: int = 1              # expert parallel: experts sharded over ep data-parallel ranks (distlab.parallel.expert_parallel)
     zero: int = 0
+    zero_impl: str = "tuned"  # tuned (distlab.parallel.zero.Zero) or plain (the partition alone: zero.plain)
     pp: int = 1
     microbatches: int | None = None  # None: pp (1 without a pipeline)
     pp_schedule: str = "1f1b"
@@ -114,6 +116,8 @@ class Strategy:
         _choice("tp_style", self.tp_style, TP_STYLES)
         _choice("cp_style", self.cp_style, CP_STYLES)
         _choice("zero", self.zero, ZERO_STAGES)
+        _choice("zero_impl", self.zero_impl, ZERO_IMPLS)
+        self._check_plain_zero()
         _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _choice("precision", self.precision, PRECISIONS)
         _choice("compile_backend", self.compile_backend, COMPILE_BACKENDS)
@@ -194,6 +198,17 @@ class Strategy:
                               f"{'' if dp == world_size else ' / tp x cp x pp'}): expert parallel shards the experts "
                               f"over data-parallel ranks; use an `ep` of {fits}")
         return self
+
+    def _check_plain_zero(self) -> None:
+        if self.zero_impl == "plain" and not self.zero:
+            raise ConfigError("`zero_impl` plain is an implementation of ZeRO: give a stage (`zero` 1, 2 or 3)")
+        beside = {"tp": self.tp > 1, "cp": self.cp > 1, "ep": self.ep > 1, "compile": self.compile,
+                  "reduce_dtype": self.reduce_dtype is not None}
+        clash = next((name for name, on in beside.items() if on and self.zero_impl == "plain"), None)
+        if clash:
+            raise ConfigError(f"`zero_impl` plain with `{clash}`: the plain ZeRO is the partition alone (every "
+                              f"parameter's shards, gathered whole); it leaves {clash} to the tuned ZeRO -- drop "
+                              f"`zero_impl` (or `{clash}`)")
 
     def _check_components(self) -> None:
         """Every name in `components` and `dims` registered (distlab.parallel.components), none twice; a
@@ -402,6 +417,8 @@ class Strategy:
             del d["dims"]
         else:
             d["dims"] = dict(self.dims)
+        if self.zero_impl == "tuned":  # and with the tuned ZeRO
+            del d["zero_impl"]
         if not self.compile:  # and without compiling
             del d["compile"]
         if self.compile_backend == "inductor":  # and with the default backend

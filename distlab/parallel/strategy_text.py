@@ -19,6 +19,7 @@ the class is passed in (``cls``, ``self``): this module is imported by it.
     ep=N            ep: expert parallel, a mixture of experts' experts sharded over N of the
                     data-parallel ranks (tokens dispatched to them by all-to-all)
     zero=S          zero: ZeRO stage 1-3
+    zero_impl=plain zero_impl: the plain ZeRO (the partition alone) in place of the tuned one
     ckpt            activation_checkpointing: recompute each block's activations in backward
     ac_every=K      ac_every: with ckpt, recompute one block in every K (selective, per block)
     ac_policy=ops   ac_policy: with ckpt, keep the outputs of attention and every other matrix
@@ -89,7 +90,7 @@ def strategy_text(self) -> str:
     if self.ep != 1:
         parts.append(f"ep={self.ep}")
     if self.zero:
-        parts.append(f"zero={self.zero}")
+        parts.append(f"zero={self.zero}" + ("+zero_impl=plain" if self.zero_impl == "plain" else ""))
     if self.pp != 1:
         parts += [f"pp={self.pp}", f"mb={self.microbatches}", self.pp_schedule]
         parts += [f"vpp={self.pp_virtual}"] if self.pp_virtual != 1 else []
