@@ -205,13 +205,42 @@ class _nothing:
 
 
 @pytest.mark.parametrize("method,collective", [("gather-scatter", "native"), ("allreduce", "native"),
-                                               ("bucketed", "native"), ("bucketed", "ring"), ("ddp", "ring")])
+                                               ("bucketed", "native"), ("bucketed", "ring"), ("ddp", "ring"),
+                                               ("bucketed_plain", "native")])
 def test_micro_batches_before_the_step_communicate_nothing(method, collective):
     for calls in run_ranks(_count_per_micro_batch, 2, method, collective, timeout=90):
         assert calls[:3] == [0, 0, 0], calls  # no_sync micro-batches: zero collectives
         assert calls[3] > 0  # the last one synchronises
         if method == "allreduce":
             assert calls[3] == 6  # one per parameter (3 linear layers x weight, bias)
+
+
+def _bucketed_steps(rank, world, method, collective):
+    from distlab import comm
+    from distlab.parallel import DataParallel
+    torch.manual_seed(0)
+    net = build_model("mlp", (1, 8, 8), 4, widths=(32, 16))
+    model = DataParallel(net, method, collective=collective, bucket_mb=0.004)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(rank)
+    with comm.counting() as c:
+        for _ in range(3):
+            F.cross_entropy(model(torch.randn(4, 1, 8, 8, generator=g)), torch.randint(0, 4, (4,), generator=g)).backward()
+            model.sync_gradients()
+            opt.step()
+            opt.zero_grad()
+    return [p.detach().clone() for p in net.parameters()], c.calls, c.bytes_sent
+
+
+@pytest.mark.parametrize("collective", ["native", "ring"])
+def test_the_plain_bucketed_sync_is_the_tuned_ones_oracle_bit_for_bit(collective):
+    """``bucketed_plain`` (the idea alone) and ``bucketed`` cut the same buckets and all-reduce them in the same
+    order: the same parameters bit for bit on 3 ranks, the same collectives and bytes."""
+    plain = run_ranks(_bucketed_steps, 3, "bucketed_plain", collective, timeout=90)
+    tuned = run_ranks(_bucketed_steps, 3, "bucketed", collective, timeout=90)
+    for (p_params, p_calls, p_bytes), (t_params, t_calls, t_bytes) in zip(plain, tuned):
+        assert all(torch.equal(a, b) for a, b in zip(p_params, t_params))
+        assert p_calls == t_calls > 3 and p_bytes == t_bytes  # (several buckets a step)
 
 
 def _unused_parameter(rank, world, find_unused):

@@ -23,6 +23,7 @@ from torch import nn
 from distlab.errors import ConfigError
 from distlab.parallel.compression import build_codec
 from distlab.parallel.state_bytes import model_state_bytes
+from distlab.parallel.bucketed_plain import PlainBucketedSync
 from distlab.parallel.bucketed_sync import BucketedSync, TorchDDPSync
 from distlab.parallel.sync_methods import COLLECTIVES, AllReduceSync, GatherScatterSync, SyncMethod
 from distlab.runtime import broadcast_module, user_code
@@ -33,6 +34,7 @@ SYNC_METHODS: dict[str, type[SyncMethod]] = {
     "gather-scatter": GatherScatterSync,
     "allreduce": AllReduceSync,
     "bucketed": BucketedSync,
+    "bucketed_plain": PlainBucketedSync,  # (the bucketed sync as the idea reads: its oracle)
     "ddp": TorchDDPSync,
 }
 BUILT_IN = tuple(SYNC_METHODS)  # (a user's own, once named, joins SYNC_METHODS too)

@@ -199,16 +199,18 @@ class Strategy:
                               f"over data-parallel ranks; use an `ep` of {fits}")
         return self
 
-    def _check_plain_zero(self) -> None:
+    def _check_plain_zero(self) -> None:  # the plain implementations are the idea alone
         if self.zero_impl == "plain" and not self.zero:
             raise ConfigError("`zero_impl` plain is an implementation of ZeRO: give a stage (`zero` 1, 2 or 3)")
-        beside = {"tp": self.tp > 1, "cp": self.cp > 1, "ep": self.ep > 1, "compile": self.compile,
-                  "reduce_dtype": self.reduce_dtype is not None}
-        clash = next((name for name, on in beside.items() if on and self.zero_impl == "plain"), None)
+        plain = ("`zero_impl` plain", "drop `zero_impl`") if self.zero_impl == "plain" else \
+            ("`dp_sync` bucketed_plain", "use `dp_sync` bucketed") if self.dp_sync == "bucketed_plain" else None
+        beside = {"tp": self.tp > 1 and self.zero, "cp": self.cp > 1 and self.zero, "ep": self.ep > 1 and self.zero,
+                  "compile": self.compile and self.zero, "reduce_dtype": self.reduce_dtype is not None,
+                  "grad_compression": self.grad_compression != "none", "find_unused": self.find_unused}
+        clash = next((name for name, on in beside.items() if on), None) if plain else None
         if clash:
-            raise ConfigError(f"`zero_impl` plain with `{clash}`: the plain ZeRO is the partition alone (every "
-                              f"parameter's shards, gathered whole); it leaves {clash} to the tuned ZeRO -- drop "
-                              f"`zero_impl` (or `{clash}`)")
+            raise ConfigError(f"{plain[0]} with `{clash}`: the plain implementation is the idea alone and leaves "
+                              f"{clash} to the tuned one -- {plain[1]} (or drop `{clash}`)")
 
     def _check_components(self) -> None:
         """Every name in `components` and `dims` registered (distlab.parallel.components), none twice; a
@@ -405,10 +407,9 @@ class Strategy:
         d["tp_style"] = self.tp_style if self.tp > 1 else None
         if self.cp == 1:  # no context parallel: the object (and a snapshot's fingerprint) is as before it existed
             del d["cp"], d["cp_style"]
-        if self.ep == 1:  # likewise without expert parallel
-            del d["ep"]
-        if self.pp_virtual == 1:  # and without interleaving
-            del d["pp_virtual"]
+        for name, default in (("ep", 1), ("pp_virtual", 1), ("zero_impl", "tuned")):  # likewise without expert
+            if getattr(self, name) == default:  # parallel, interleaving or the plain ZeRO
+                del d[name]
         if not self.components:  # and without registered components
             del d["components"]
         else:
@@ -417,8 +418,6 @@ class Strategy:
             del d["dims"]
         else:
             d["dims"] = dict(self.dims)
-        if self.zero_impl == "tuned":  # and with the tuned ZeRO
-            del d["zero_impl"]
         if not self.compile:  # and without compiling
             del d["compile"]
         if self.compile_backend == "inductor":  # and with the default backend
