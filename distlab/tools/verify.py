@@ -146,7 +146,7 @@ def parse_strategy(text: str) -> Case:
 
 
 def default_strategies(world_size: int | None = None) -> list[Case]:
-    """Every dp_sync x collective, each method with grad_accum 4, SyncBN, ZeRO 1-3, activation
+    """Every dp_sync x collective, each method with grad_accum 4, SyncBN, ZeRO 1-3 (tuned and plain), activation
     checkpointing (with SyncBN too), bf16 autocast, a bf16 reduction, PowerSGD, and -- where
     ``world_size`` is even -- tensor parallel over pairs of ranks in both styles, two-stage
     pipelines with each schedule and context parallel on the transformer in both styles, the
@@ -161,6 +161,7 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
     out += [Strategy(m, grad_accum=4) for m in SYNC_METHODS]
     out += [Strategy(m, sync_bn="distlab") for m in ("allreduce", "bucketed", "ddp")]
     out += [Strategy(zero=z) for z in (1, 2, 3)]  # bucketed reduce-scatters (small buckets here); prefetching ZeRO-3
+    out += [Strategy(zero=z, zero_impl="plain") for z in (1, 2, 3)]  # the partition alone
     out += [Strategy("bucketed", activation_checkpointing=True),
             Strategy("bucketed", sync_bn="distlab", activation_checkpointing=True)]
     out += [Strategy("bucketed", precision="bf16"), Strategy(zero=2, reduce_dtype="bf16"),  # bounded by bf16 rounding
