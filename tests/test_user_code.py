@@ -213,3 +213,23 @@ def test_the_exercises_say_they_are_not_written_and_their_solutions_pass(run_cli
         solved = run_cli("verify", "--nproc", "3", "--steps", "2", *strategies, flag, str(root / "solutions" / name),
                          check=True)
         assert "PASS" in solved.stdout and "FAIL" not in solved.stdout, solved.stdout
+
+
+def test_the_zero2_exercise_is_refused_until_written_passes_when_right_and_fails_when_wrong(run_cli, refused_here):
+    """``--strategy zero=2+zero_impl=FILE.py:NAME``: the learner's PlainZero subclass, run as docs/exercises.md
+    shows it -- the stub refused in one line, the solution passing alone and under accumulation, a sum for a mean
+    failing with its difference, and a class that is no PlainZero refused before launch."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent / "examples" / "exercises"
+    spec = lambda path, name: ["--strategy", f"zero=2+zero_impl={path}:{name}"]  # noqa: E731
+    stub = run_cli("verify", "--nproc", "3", "--steps", "2", *spec(root / "zero2_step.py", "MyZero2"))
+    assert stub.returncode == 2 and "sync_gradients is not written yet" in stub.stderr, stub.stderr
+    assert "Traceback" not in stub.stderr, stub.stderr
+    solution = root / "solutions" / "zero2_step.py"
+    solved = run_cli("verify", "--nproc", "3", "--steps", "2", *spec(solution, "MyZero2"),
+                     "--strategy", f"zero=2+zero_impl={solution}:MyZero2+accum=2", check=True)
+    assert solved.stdout.count("PASS") == 2 and "FAIL" not in solved.stdout, solved.stdout
+    wrong = run_cli("verify", "--nproc", "3", "--steps", "2", *spec(solution, "SumNotMean"))
+    assert wrong.returncode != 0 and "FAIL" in wrong.stdout, wrong.stdout
+    err = refused_here("verify", "--nproc", "3", *spec(root / "gradient_sync.py", "MySync")).stderr
+    assert "is no subclass of distlab.parallel.zero.plain.PlainZero" in err, err

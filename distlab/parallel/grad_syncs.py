@@ -43,7 +43,7 @@ class PlainZeroCost:
 # first match wins: ZeRO where the strategy asks for a stage (the plain one where it asks for that), data
 # parallel's methods otherwise
 SYNC_KINDS: tuple[SyncKind, ...] = (
-    SyncKind("plain zero", lambda strategy: strategy.zero > 0 and strategy.zero_impl == "plain", PlainZero,
+    SyncKind("plain zero", lambda strategy: strategy.zero > 0 and strategy.zero_impl != "tuned", PlainZero,
              PlainZeroCost),
     SyncKind("zero", lambda strategy: strategy.zero > 0, Zero, ZeroCost),
     SyncKind("data parallel", lambda strategy: True, DataParallel, DataParallelCost),

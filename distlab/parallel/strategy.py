@@ -32,7 +32,8 @@ from distlab.parallel.strategy_text import parse, parse_list, strategy_text
 from distlab.parallel.sync_bn import MODES as SYNC_BN
 from distlab.parallel.tensor_parallel import STYLES as TP_STYLES
 from distlab.parallel.zero import STAGES as ZERO_STAGES
-ZERO_IMPLS = ("tuned", "plain")
+from distlab.parallel.zero.plain_state import implementation
+ZERO_IMPLS = ("tuned", "plain")  # or the user's own PlainZero subclass, FILE.py:NAME
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEFAULT_DP_SYNC = "bucketed"  # the fastest exact method on CPU/gloo (docs/RESULTS.md, data parallel)
 ZERO_DP_SYNC = "allreduce"    # what a ZeRO strategy records: its gradients are reduced after backward
@@ -56,7 +57,7 @@ class Strategy:
     cp_style: str = "ring"   # ring (key/value blocks around the ring) or ulysses (all-to-all over heads)
     ep: int = 1              # expert parallel: experts sharded over ep data-parallel ranks (distlab.parallel.expert_parallel)
     zero: int = 0
-    zero_impl: str = "tuned"  # tuned (distlab.parallel.zero.Zero) or plain (the partition alone: zero.plain)
+    zero_impl: str = "tuned"  # tuned (parallel.zero.Zero), plain (the partition alone: zero.plain) or FILE.py:NAME
     pp: int = 1
     microbatches: int | None = None  # None: pp (1 without a pipeline)
     pp_schedule: str = "1f1b"
@@ -116,7 +117,7 @@ class Strategy:
         _choice("tp_style", self.tp_style, TP_STYLES)
         _choice("cp_style", self.cp_style, CP_STYLES)
         _choice("zero", self.zero, ZERO_STAGES)
-        _choice("zero_impl", self.zero_impl, ZERO_IMPLS)
+        _choice("zero_impl", self.zero_impl, ZERO_IMPLS) if ":" not in self.zero_impl else implementation(self.zero_impl)
         self._check_plain_zero()
         _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _choice("precision", self.precision, PRECISIONS)
@@ -200,9 +201,9 @@ class Strategy:
         return self
 
     def _check_plain_zero(self) -> None:  # the plain implementations are the idea alone
-        if self.zero_impl == "plain" and not self.zero:
-            raise ConfigError("`zero_impl` plain is an implementation of ZeRO: give a stage (`zero` 1, 2 or 3)")
-        plain = ("`zero_impl` plain", "drop `zero_impl`") if self.zero_impl == "plain" else \
+        if self.zero_impl != "tuned" and not self.zero:
+            raise ConfigError(f"`zero_impl` {self.zero_impl} is an implementation of ZeRO: give a stage (`zero` 1-3)")
+        plain = (f"`zero_impl` {self.zero_impl}", "drop `zero_impl`") if self.zero_impl != "tuned" else \
             ("`dp_sync` bucketed_plain", "use `dp_sync` bucketed") if self.dp_sync == "bucketed_plain" else None
         beside = {"tp": self.tp > 1 and self.zero, "cp": self.cp > 1 and self.zero, "ep": self.ep > 1 and self.zero,
                   "compile": self.compile and self.zero, "reduce_dtype": self.reduce_dtype is not None,

@@ -90,7 +90,7 @@ def strategy_text(self) -> str:
     if self.ep != 1:
         parts.append(f"ep={self.ep}")
     if self.zero:
-        parts.append(f"zero={self.zero}" + ("+zero_impl=plain" if self.zero_impl == "plain" else ""))
+        parts.append(f"zero={self.zero}" + (f"+zero_impl={self.zero_impl}" if self.zero_impl != "tuned" else ""))
     if self.pp != 1:
         parts += [f"pp={self.pp}", f"mb={self.microbatches}", self.pp_schedule]
         parts += [f"vpp={self.pp_virtual}"] if self.pp_virtual != 1 else []

@@ -52,12 +52,11 @@ class PlainZero(PlainZeroState, nn.Module):
     @torch.no_grad()
     def sync_gradients(self) -> None:
         """After the step's last backward: each shard's gradient is the group's mean of it."""
-        self.observe()  # (the most a step holds: every full gradient, and stage 3's full parameters)
         for (_, p), s, shard in zip(self.params, self.size, self.shards):
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            grad = self._padded(p.grad if p.grad is not None else torch.zeros_like(p), s)
             shard.grad = torch.empty_like(shard)
-            comm.reduce_scatter(shard.grad, self._padded(grad, s), op="avg", algorithm=self.collective,
-                                group=self.group)
+            self.observe(grad)  # (the most a step holds: full gradients, one padded copy, stage 3's parameters)
+            comm.reduce_scatter(shard.grad, grad, op="avg", algorithm=self.collective, group=self.group)
             if self.stage >= 2:
                 p.grad = None
         if self.stage == 3:
