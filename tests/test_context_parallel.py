@@ -27,7 +27,7 @@ def test_the_layout_gives_each_rank_a_chunk_and_its_mirror():
 
 def _attention(rank, world, style, heads, t, causal=True):
     from distlab.comm import accounting
-    from distlab.parallel.context_parallel import ContextLayout, RingAttention, UlyssesAttention
+    from distlab.parallel.context_parallel import ContextLayout, PlainRingAttention, RingAttention, UlyssesAttention
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(2, heads, t, 8, generator=g, dtype=torch.float64) for _ in range(3))
     grad_out = torch.randn(2, heads, t, 8, generator=g, dtype=torch.float64)
@@ -37,7 +37,8 @@ def _attention(rank, world, style, heads, t, causal=True):
     ref.backward(grad_out)
     index = layout.positions(t)
     mine = [z.index_select(2, index).clone().requires_grad_() for z in (q, k, v)]
-    core = (RingAttention if style == "ring" else UlyssesAttention)(None, layout, causal=causal)
+    core = {"ring": RingAttention, "ring_plain": PlainRingAttention, "ulysses": UlyssesAttention}[style](
+        None, layout, causal=causal)
     accounting.reset()
     out = core(*mine)
     out.backward(grad_out.index_select(2, index))
@@ -47,8 +48,17 @@ def _attention(rank, world, style, heads, t, causal=True):
     return diffs, sent
 
 
-@pytest.mark.parametrize("style,world,heads", [("ring", 2, 2), ("ring", 3, 2), ("ulysses", 2, 2), ("ulysses", 3, 3)])
+def _volume(style: str, heads: int, t: int, world: int) -> int:
+    if style == "ring_plain":  # every block's keys and values one hop forward, their gradient one hop back, n-1 times
+        return 2 * (world - 1) * 2 * 2 * heads * (t // world) * 8 * 8
+    return (ring_bytes if style == "ring" else ulysses_bytes)(2, heads, t, 8, world, itemsize=8)
+
+
+@pytest.mark.parametrize("style,world,heads", [("ring", 2, 2), ("ring", 3, 2), ("ulysses", 2, 2), ("ulysses", 3, 3),
+                                               ("ring_plain", 2, 2), ("ring_plain", 3, 2)])
 def test_attention_over_the_ring_or_all_to_all_equals_the_whole_sequences(style, world, heads):
+    """Each style against torch's attention over the whole sequences -- the plain ring (the idea alone) and the
+    tuned one are held to the same exact reference, so to each other."""
     from distlab.launch.spawn import run_ranks
     t = 4 * world * 2
     results = run_ranks(_attention, world, style, heads, t, timeout=120)
@@ -56,11 +66,11 @@ def test_attention_over_the_ring_or_all_to_all_equals_the_whole_sequences(style,
     bound = sum_tolerance(t * 8, 10.0, torch.float64)
     for diffs, _ in results:
         assert max(diffs) <= bound, (diffs, bound)
-    volume = (ring_bytes if style == "ring" else ulysses_bytes)(2, heads, t, 8, world, itemsize=8)
+    volume = _volume(style, heads, t, world)
     assert all(sent == volume for _, sent in results), ([s for _, s in results], volume)
 
 
-@pytest.mark.parametrize("style,world", [("ring", 2), ("ring", 3), ("ulysses", 2)])
+@pytest.mark.parametrize("style,world", [("ring", 2), ("ring", 3), ("ulysses", 2), ("ring_plain", 3)])
 def test_non_causal_attention_over_the_ring_or_all_to_all_equals_the_whole_sequences(style, world):
     """An encoder's attention (torch's test_ring_attention_sdpa runs is_causal=False too): every query scores
     every key, so the ring visits every block of every rank, on the same bytes."""
@@ -70,7 +80,7 @@ def test_non_causal_attention_over_the_ring_or_all_to_all_equals_the_whole_seque
     bound = sum_tolerance(t * 8, 10.0, torch.float64)
     for diffs, _ in results:
         assert max(diffs) <= bound, (diffs, bound)
-    volume = (ring_bytes if style == "ring" else ulysses_bytes)(2, world, t, 8, world, itemsize=8)
+    volume = _volume(style, world, t, world)
     assert all(sent == volume for _, sent in results), ([s for _, s in results], volume)
 
 

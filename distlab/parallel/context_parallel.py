@@ -54,10 +54,11 @@ from distlab.models.contract import SequenceStatistics, attend, contract
 from distlab.parallel.cost import Call, CallGroup, Price, in_stage, under
 from distlab.parallel.protocols import ComponentKind
 from distlab.parallel.ring_attention import RingAttentionFunction
+from distlab.parallel.ring_attention_plain import PlainRingAttention
 from distlab.runtime import group_rank, group_size, timeline
 from distlab.runtime.eager import eager
 
-STYLES = ("ring", "ulysses")
+STYLES = ("ring", "ulysses", "ring_plain")  # ring_plain: the ring as the idea reads (ring_attention_plain)
 
 
 class ContextLayout:
@@ -227,7 +228,7 @@ class ContextParallel(ComponentKind):
     def check(model: nn.Module, strategy, input_shape: tuple[int, ...]) -> None:
         """Before launch, on the model built on the meta device: it declares a plan for this layout (its
         own limits hold: the model raises, naming them), and a sequence of the data cuts into 2 x cp chunks."""
-        plan_of(model, strategy.cp, strategy.cp_style, strategy.tp)
+        plan_of(model, strategy.cp, _planned(strategy.cp_style), strategy.tp)
         if len(input_shape) == 1:  # token windows: (T,)
             ContextLayout(strategy.cp, 0).check(input_shape[0])
 
@@ -263,6 +264,9 @@ class ContextParallel(ComponentKind):
         if not t.attention_kv_bytes_per_sample:
             raise ConfigError(f"`cp` {lay.cp}: context parallel splits a transformer's sequences, and this model "
                               f"declares no attention (context_parallel_plan); plan it with `cp` 1")
+        if lay.strategy.cp_style == "ring_plain":
+            raise ConfigError("`cp_style` ring_plain is not planned: plan the tuned ring (`cp_style` ring), which the "
+                              "plain one equals in what it computes")
         cp, ring = lay.cp, lay.strategy.cp_style == "ring"
         recomputed = {n for block in lay.strategy.checkpointed(t.blocks) for n in block}
 
@@ -322,8 +326,13 @@ def replacement(module: nn.Module, group, layout: ContextLayout, style: str) -> 
     """What a ``context_attention`` module becomes: the ring's or the all-to-all's attention, causal
     unless the module says ``causal = False`` (an encoder's attention)."""
     core = contract(module)
-    return (RingAttention if style == "ring" else UlyssesAttention)(group, layout, core.causal, core.window,
-                                                                   core.scale)
+    kind = {"ring": RingAttention, "ring_plain": PlainRingAttention, "ulysses": UlyssesAttention}[style]
+    return kind(group, layout, core.causal, core.window, core.scale)
+
+
+def _planned(style: str) -> str:
+    """The style a model's plan is asked for (the plain ring's modules are the ring's)."""
+    return "ring" if style == "ring_plain" else style
 
 
 def apply_context_parallel(model: nn.Module, group, style: str = "ring", tp: int = 1) -> ContextLayout:
@@ -332,7 +341,7 @@ def apply_context_parallel(model: nn.Module, group, style: str = "ring", tp: int
     if style not in STYLES:
         raise ConfigError(f"unknown `cp_style` {style!r}; choose one of: {', '.join(STYLES)}")
     layout = ContextLayout(group_size(group), group_rank(group))
-    for name, kind in plan_of(model, layout.cp, style, tp).items():
+    for name, kind in plan_of(model, layout.cp, _planned(style), tp).items():
         module = model.get_submodule(name)
         if kind == "context_positions":
             if not (isinstance(module, nn.Embedding) or contract(module).reads_positions):

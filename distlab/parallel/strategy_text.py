@@ -16,6 +16,7 @@ the class is passed in (``cls``, ``self``): this module is imported by it.
                     sequence over the tensor-parallel group (needs tp)
     cp=N, ulysses   cp and cp_style: context parallel, every sequence split over N ranks for the
                     whole model, attention by ring (the default) or by all-to-all over heads
+                    (cp_style=ring_plain: the plain ring, the tuned one's oracle)
     ep=N            ep: expert parallel, a mixture of experts' experts sharded over N of the
                     data-parallel ranks (tokens dispatched to them by all-to-all)
     zero=S          zero: ZeRO stage 1-3
@@ -86,7 +87,7 @@ def strategy_text(self) -> str:
         parts.append(f"tp={self.tp}" + ("+naive" if self.tp_style == "naive" else "")
                      + ("+sp" if self.sequence_parallel else ""))
     if self.cp != 1:
-        parts.append(f"cp={self.cp}" + ("+ulysses" if self.cp_style == "ulysses" else ""))
+        parts.append(f"cp={self.cp}" + {"ring": "", "ulysses": "+ulysses"}.get(self.cp_style, f"+cp_style={self.cp_style}"))
     if self.ep != 1:
         parts.append(f"ep={self.ep}")
     if self.zero:

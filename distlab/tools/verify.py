@@ -179,8 +179,8 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
         # clipping over TP's replicated LayerNorms, label smoothing across the split vocabulary
         cases += [Case(Strategy("allreduce", tp=2, sequence_parallel=True), model="gpt", clip=CLIP_NORM,
                        smoothing=SMOOTHING)]
-        cases += [Case(Strategy("bucketed", cp=2), model="gpt"), Case(Strategy("bucketed", cp=2, cp_style="ulysses"),
-                                                                      model="gpt")]
+        cases += [Case(Strategy("bucketed", cp=2, cp_style=style), model="gpt") for style in ("ring", "ulysses",
+                                                                                                "ring_plain")]
         # ignored targets: a mean over the global batch's kept targets, across the vocabulary shards (with
         # smoothing), a pipeline's last stage, context parallel's sequence chunks
         cases += [Case(Strategy("allreduce", tp=2), model="gpt", smoothing=SMOOTHING, masked=True),
