@@ -10,7 +10,8 @@ from distlab.cli.model_flags import model_help, model_options
 
 STRATEGY_OPTIONS = [
     ("dp_sync", dict(default=None, help="Gradient sync: gather-scatter (via rank 0), allreduce (per parameter, after "
-                     "backward), bucketed (overlapped with backward; the default) or ddp (torch's DDP), or your own "
+                     "backward), bucketed (overlapped with backward; the default), bucketed_plain (the same idea "
+                     "alone: its oracle) or ddp (torch's DDP), or your own "
                      "SyncMethod subclass as path/to/file.py:NAME. With --zero: ZeRO's own reduce-scatter.")),
     ("collective", dict(default=None, help="Collective algorithm: native (gloo/NCCL), ring, ring_plain, butterfly, "
                         "butterfly_plain or direct (distlab.comm), auto (per collective, the one measured fastest), or your own "
@@ -30,7 +31,8 @@ STRATEGY_OPTIONS = [
     ("cp", dict(type=int, help="Context-parallel size: ranks that split every sequence for the whole model (a "
                 "transformer; tp x cp x pp must divide the world size; --block-size divisible by 2 x cp).")),
     ("cp_style", dict(help="With --cp: ring (key/value blocks passed around the ring, exact online softmax) or "
-                      "ulysses (all-to-all from sequence shards to head shards and back; heads divisible by cp).")),
+                      "ulysses (all-to-all from sequence shards to head shards and back; heads divisible by cp), or "
+                      "ring_plain (the ring as the idea reads, autograd keeping every block: the tuned ring's oracle).")),
     ("ep", dict(type=int, help="Expert-parallel size: data-parallel ranks that share out a mixture of experts' "
                 "experts (--model gpt-moe; divides the data-parallel size and --experts), tokens exchanged by "
                 "all-to-all.")),
