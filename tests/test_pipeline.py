@@ -149,6 +149,30 @@ def _activation_peaks(rank, world):
     return stage.stage, peaks
 
 
+def _grads_by(rank, world, kind, schedule, microbatches, by_actions):
+    build = _mlp if kind == "mlp" else _gpt
+    x, y = _data(kind)
+    stage = PipelineStage(build(), dist.group.WORLD, microbatches, schedule)
+    stage.by_actions = by_actions
+    loss = stage.train_step(x if stage.first else None, y if stage.last else None, task_loss)
+    return loss, [p.grad.clone() for p in stage.parameters()], stage.last_timing["in_flight_peak"]
+
+
+@pytest.mark.parametrize("kind,schedule,world,microbatches", [("mlp", "gpipe", 3, 4), ("mlp", "1f1b", 4, 8),
+                                                              ("gpt", "1f1b", 2, 4)])
+def test_the_action_list_executor_runs_gpipe_and_1f1b_as_the_plain_loops_do_bit_for_bit(kind, schedule, world,
+                                                                                     microbatches):
+    """The plain loops (distlab.parallel.pipeline.plain) are the oracle of the executor every other schedule runs on
+    (interleaved, zero bubble): on GPipe and 1F1B the two compute the same loss and gradients bit for bit, holding
+    the same micro-batches at once -- the executor's order is the loops' order."""
+    plain = run_ranks(_grads_by, world, kind, schedule, microbatches, False, timeout=120)
+    actions = run_ranks(_grads_by, world, kind, schedule, microbatches, True, timeout=120)
+    for (loss_a, grads_a, held_a), (loss_b, grads_b, held_b) in zip(plain, actions):
+        assert (loss_a is None and loss_b is None) or torch.equal(loss_a, loss_b)
+        assert len(grads_a) == len(grads_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+        assert held_a == held_b
+
+
 def test_1f1b_holds_less_activation_memory_than_gpipe():
     """Measured: the storages autograd saved for backward and not yet released, at their peak
     (ActivationMeter). Each micro-batch of a stage saves the same ``a`` bytes, plus the batch's

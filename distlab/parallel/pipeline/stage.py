@@ -1,5 +1,6 @@
 """One rank's pipeline stage (:class:`PipelineStage`): its layers, the messages to its neighbours and
-the step loops of every schedule -- GPipe and 1F1B by hand, the others from their action lists.
+the step loops of every schedule -- GPipe and 1F1B by hand (:mod:`~distlab.parallel.pipeline.plain`), the others
+from their action lists.
 What autograd holds for backward while a stage steps is measured by
 :class:`~distlab.parallel.pipeline.activation_meter.ActivationMeter`."""
 
@@ -19,6 +20,7 @@ from distlab.parallel.checkpointing import run_checkpointed
 from distlab.parallel.pipeline.activation_meter import ActivationMeter
 from distlab.parallel.pipeline.cost import HEADER as _HEADER
 from distlab.parallel.pipeline.actions import SCHEDULES, check_virtual, ideal_bubble, schedule_actions
+from distlab.parallel.pipeline import plain
 from distlab.parallel.pipeline.partition import partition, sequential_layers
 from distlab.parallel.pipeline.weight_pass import capture, weight_backward
 from distlab.runtime import group_rank, group_size, timeline
@@ -45,6 +47,8 @@ class PipelineStage(nn.Module):
     forwards and backwards; the optimizer then updates this stage's parameters. :meth:`infer`
     passes one batch through the pipeline without gradients (evaluation).
     """
+
+    by_actions = False  # True: GPipe and 1F1B from their action lists too (the executor held to the plain loops)
 
     def __init__(self, model: nn.Module, group=None, microbatches: int = 1, schedule: str = "1f1b",
                  balance: list[int] | None = None, virtual: int = 1, checkpoint: list[list[str]] | None = None,
@@ -229,10 +233,10 @@ class PipelineStage(nn.Module):
         self.in_flight_peak = 0
         t0 = time.perf_counter()
         with ActivationMeter(self.parameters()) as meter, timeline.span(SCHEDULE, "pipeline"):
-            if self.schedule == "gpipe":
-                self._gpipe(xs, ys, loss_fn)
-            elif self.schedule == "1f1b" and self.virtual == 1:
-                self._one_f_one_b(xs, ys, loss_fn)
+            if self.schedule == "gpipe" and not self.by_actions:
+                plain.gpipe(self, xs, ys, loss_fn)
+            elif self.schedule == "1f1b" and self.virtual == 1 and not self.by_actions:
+                plain.one_f_one_b(self, xs, ys, loss_fn)
             else:
                 self._actions(xs, ys, loss_fn)
         self.activation_peak_bytes = meter.peak
@@ -275,51 +279,6 @@ class PipelineStage(nn.Module):
 
     def _input(self, xs, i):
         return xs[i] if self.first else self._recv_act()
-
-    def _gpipe(self, xs, ys, loss_fn) -> None:
-        sends = []
-        for i in range(self.microbatches):
-            self._forward_one(self._input(xs, i), ys[i], loss_fn)
-            if not self.last:
-                sends += self._send_act(self._saved[-1][1])
-        self._wait(*sends, what="wait for sends")
-        sends = []
-        for _ in range(self.microbatches):
-            grad = None
-            if not self.last:
-                x, out = self._saved[0]
-                grad = torch.empty_like(out)
-                self._wait(self._next.irecv(grad, GRAD), what="wait for a gradient")
-            g_in = self._backward_one(grad)
-            if not self.first:
-                sends.append(self._prev.isend(g_in.contiguous(), GRAD))
-        self._wait(*sends, what="wait for sends")
-
-    def _one_f_one_b(self, xs, ys, loss_fn) -> None:
-        m = self.microbatches
-        warm = min(self.stages - self.stage - 1, m)
-        sends = []
-        for i in range(warm):
-            self._forward_one(self._input(xs, i), ys[i], loss_fn)
-            if not self.last:
-                sends += self._send_act(self._saved[-1][1])
-        for i in range(warm, m):  # steady state: one forward, one backward
-            self._forward_one(self._input(xs, i), ys[i], loss_fn)
-            grad = None
-            if not self.last:
-                sends += self._send_act(self._saved[-1][1])
-                grad = torch.empty_like(self._saved[0][1])
-                self._wait(self._next.irecv(grad, GRAD), what="wait for a gradient")
-            g_in = self._backward_one(grad)
-            if not self.first:
-                sends.append(self._prev.isend(g_in.contiguous(), GRAD))
-        for _ in range(warm):  # drain
-            grad = torch.empty_like(self._saved[0][1])
-            self._wait(self._next.irecv(grad, GRAD), what="wait for a gradient")
-            g_in = self._backward_one(grad)
-            if not self.first:
-                sends.append(self._prev.isend(g_in.contiguous(), GRAD))
-        self._wait(*sends, what="wait for sends")
 
     def _actions(self, xs, ys, loss_fn) -> None:
         """Run this rank's list of :func:`schedule_actions` (interleaved 1F1B, zero bubble)."""
