@@ -233,3 +233,21 @@ def test_the_zero2_exercise_is_refused_until_written_passes_when_right_and_fails
     assert wrong.returncode != 0 and "FAIL" in wrong.stdout, wrong.stdout
     err = refused_here("verify", "--nproc", "3", *spec(root / "gradient_sync.py", "MySync")).stderr
     assert "is no subclass of distlab.parallel.zero.plain.PlainZero" in err, err
+
+
+def test_the_syncbn_exercise_is_refused_until_written_passes_when_right_and_fails_when_wrong(run_cli, refused_here):
+    """``--strategy allreduce+syncbn=FILE.py:NAME``: the learner's input gradient inside distlab's SyncBatchNorm, run
+    as docs/exercises.md shows it -- the stub refused in one line, the solution passing, plain BatchNorm's
+    backward (the means over the rank's own values) failing with its difference, a wrong signature refused."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent / "examples" / "exercises"
+    spec = lambda path, name: ["--strategy", f"allreduce+syncbn={path}:{name}"]  # noqa: E731
+    stub = run_cli("verify", "--nproc", "3", "--steps", "2", *spec(root / "syncbn_backward.py", "input_gradient"))
+    assert stub.returncode == 2 and "is not written yet" in stub.stderr and "Traceback" not in stub.stderr, stub.stderr
+    solution = root / "solutions" / "syncbn_backward.py"
+    solved = run_cli("verify", "--nproc", "3", "--steps", "2", *spec(solution, "input_gradient"), check=True)
+    assert solved.stdout.count("PASS") == 1 and "FAIL" not in solved.stdout, solved.stdout
+    wrong = run_cli("verify", "--nproc", "3", "--steps", "2", *spec(solution, "local_means"))
+    assert wrong.returncode != 0 and "FAIL" in wrong.stdout, wrong.stdout
+    err = refused_here("verify", "--nproc", "3", *spec(root / "gradient_sync.py", "MySync")).stderr
+    assert "must take (g, xhat, scale, n, all_reduce)" in err, err

@@ -29,7 +29,7 @@ from distlab.parallel.context_parallel import STYLES as CP_STYLES
 from distlab.parallel.data_parallel import sync_method
 from distlab.parallel.pipeline import SCHEDULES as PP_SCHEDULES
 from distlab.parallel.strategy_text import parse, parse_list, strategy_text
-from distlab.parallel.sync_bn import MODES as SYNC_BN
+from distlab.parallel.sync_bn import MODES as SYNC_BN, user_input_gradient
 from distlab.parallel.tensor_parallel import STYLES as TP_STYLES
 from distlab.parallel.zero import STAGES as ZERO_STAGES
 from distlab.parallel.zero.plain_state import implementation
@@ -113,7 +113,7 @@ class Strategy:
         elif comm.ALIASES.get(self.collective, self.collective) not in (*comm.BUILT_IN, "auto"):
             raise ConfigError(f"unknown `collective` {self.collective!r}; choose one of: {', '.join(comm.BUILT_IN)}, "
                               f"auto, or your own all-reduce as path/to/file.py:NAME or package.module:NAME")
-        _choice("sync_bn", self.sync_bn, SYNC_BN)
+        _choice("sync_bn", self.sync_bn, SYNC_BN) if ":" not in self.sync_bn else user_input_gradient(self.sync_bn)
         _choice("tp_style", self.tp_style, TP_STYLES)
         _choice("cp_style", self.cp_style, CP_STYLES)
         _choice("zero", self.zero, ZERO_STAGES)

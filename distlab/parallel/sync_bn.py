@@ -32,14 +32,18 @@ part in both all-reduces). In eval mode the running statistics are used and noth
 
 from __future__ import annotations
 
+import inspect
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from distlab import comm
-from distlab.errors import ConfigError
+from distlab.errors import ConfigError, first_line
 from distlab.parallel.cost import Call
+from distlab.runtime import user_code
 from distlab.runtime.eager import eager
 
 MODES = ("off", "distlab", "torch")  # what `Strategy.sync_bn` may be: see apply_sync_bn
@@ -72,7 +76,8 @@ def _reduce(packed: torch.Tensor, group, collective: str) -> None:
 
 class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, group, collective):
+    def forward(ctx, x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, group, collective,
+                gradient, spec):
         C = x.shape[1]
         dims = [0] + list(range(2, x.dim()))
         shape = [1, C] + [1] * (x.dim() - 2)
@@ -106,30 +111,54 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             y = y + bias.view(shape)
         ctx.save_for_backward(xhat, weight, invstd.to(x.dtype))
         ctx.n, ctx.group, ctx.collective, ctx.has_bias = n, group, collective, bias is not None
+        ctx.input_gradient, ctx.spec = gradient, spec
         return y
 
     @staticmethod
     def backward(ctx, g):
         xhat, weight, invstd = ctx.saved_tensors
-        C = xhat.shape[1]
         dims = [0] + list(range(2, xhat.dim()))
-        shape = [1, C] + [1] * (xhat.dim() - 2)
         g = g.contiguous()
-        sum_g = g.sum(dims)
-        sum_gx = (g * xhat).sum(dims)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            packed = torch.cat([sum_g, sum_gx])
-            _reduce(packed, ctx.group, ctx.collective)  # the backward's one collective
-            n = ctx.n.to(packed.dtype)
-            mean_g, mean_gx = packed[:C] / n, packed[C:] / n
             scale = invstd if weight is None else invstd * weight
-            grad_x = (g - mean_g.view(shape) - xhat * mean_gx.view(shape)) * scale.view(shape)
+            try:
+                grad_x = ctx.input_gradient(g, xhat, scale, ctx.n.to(g.dtype),
+                                            lambda t: _reduce(t, ctx.group, ctx.collective))  # its one collective
+            except NotImplementedError as exc:  # (a user's own, an exercise not written yet)
+                raise ConfigError(f"--sync-bn {ctx.spec} is not written yet: {first_line(exc)}") from None
         if weight is not None and ctx.needs_input_grad[1]:
-            grad_w = sum_gx
+            grad_w = (g * xhat).sum(dims)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = sum_g
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+            grad_b = g.sum(dims)
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None
+
+
+def input_gradient(g: torch.Tensor, xhat: torch.Tensor, scale: torch.Tensor, n: torch.Tensor,
+                   all_reduce: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    """Batch norm's input gradient over the global batch (the module docstring's formula). ``g`` = dL/dy and
+    ``xhat`` (the normalised input) are this rank's ``(N, C, ...)``; ``scale`` ``(C,)`` = weight / sqrt(var + eps);
+    ``n`` the values per channel over every rank; ``all_reduce(t)`` sums ``t`` over the ranks in place. The signature
+    a user's own has (``--sync-bn FILE.py:NAME``)."""
+    C = xhat.shape[1]
+    dims, shape = [0] + list(range(2, xhat.dim())), [1, C] + [1] * (xhat.dim() - 2)
+    packed = torch.cat([g.sum(dims), (g * xhat).sum(dims)])
+    all_reduce(packed)
+    mean_g, mean_gx = packed[:C] / n, packed[C:] / n
+    return (g - mean_g.view(shape) - xhat * mean_gx.view(shape)) * scale.view(shape)
+
+
+def user_input_gradient(spec: str) -> Callable:
+    """The user's own :func:`input_gradient` named ``spec`` (FILE.py:NAME or package.module:NAME), its signature
+    checked before launch."""
+    fn = user_code.load(spec, "--sync-bn", "a SyncBatchNorm input gradient")
+    names = tuple(inspect.signature(input_gradient).parameters)
+    try:
+        inspect.signature(fn).bind(*names)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--sync-bn {spec}: {spec.rpartition(':')[2]} must take ({', '.join(names)}) and return "
+                          f"dL/dx (see distlab.parallel.sync_bn.input_gradient)") from None
+    return fn
 
 
 class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -145,9 +174,10 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                  track_running_stats: bool = True, group: dist.ProcessGroup | None = None,
-                 collective: str = "auto", device=None, dtype=None):
+                 collective: str = "auto", device=None, dtype=None, gradient: str = "distlab"):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
-        self.group = group
+        self.group, self.gradient = group, gradient  # distlab (input_gradient) or the user's own FILE.py:NAME
+        self._input_gradient = input_gradient if gradient == "distlab" else user_input_gradient(gradient)
         self.collective = collective if collective == "auto" else comm.check_algorithm(collective)
 
     def _check_input_dim(self, x: torch.Tensor) -> None:
@@ -165,17 +195,18 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         track = self.training and self.track_running_stats
         return _SyncBatchNormFunction.apply(
             x, self.weight, self.bias, self.running_mean if track else None, self.running_var if track else None,
-            self.num_batches_tracked if track else None, self.momentum, self.eps, self.group, self.collective)
+            self.num_batches_tracked if track else None, self.momentum, self.eps, self.group, self.collective,
+            self._input_gradient, self.gradient)
 
 
 def convert_sync_batchnorm(module: nn.Module, group: dist.ProcessGroup | None = None,
-                           collective: str = "auto") -> nn.Module:
+                           collective: str = "auto", gradient: str = "distlab") -> nn.Module:
     """Replace every ``BatchNorm1d/2d/3d`` in ``module`` by a :class:`SyncBatchNorm` with the same
     parameters, buffers and mode; returns the (possibly new) module."""
     out = module
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, SyncBatchNorm):
         out = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                            module.track_running_stats, group, collective)
+                            module.track_running_stats, group, collective, gradient=gradient)
         with torch.no_grad():
             if module.affine:
                 out.weight = module.weight
@@ -186,7 +217,7 @@ def convert_sync_batchnorm(module: nn.Module, group: dist.ProcessGroup | None = 
                 out.num_batches_tracked = module.num_batches_tracked
         out.train(module.training)
     for name, child in module.named_children():
-        out.add_module(name, convert_sync_batchnorm(child, group, collective))
+        out.add_module(name, convert_sync_batchnorm(child, group, collective, gradient))
     return out
 
 
@@ -194,8 +225,8 @@ def apply_sync_bn(module: nn.Module, mode: str, group: dist.ProcessGroup | None 
     """``mode`` off (each rank normalises by its own batch), ``distlab`` (:class:`SyncBatchNorm`, any
     device) or ``torch`` (``nn.SyncBatchNorm``, CUDA only), with statistics over ``group`` -- under
     tensor parallel that must be the data-parallel group, or every sample would count tp times."""
-    if mode == "distlab":
-        return convert_sync_batchnorm(module, group)
+    if mode == "distlab" or user_code.is_user_code(mode):  # (FILE.py:NAME: the user's own input gradient)
+        return convert_sync_batchnorm(module, group, gradient="distlab" if mode == "distlab" else mode)
     if mode == "torch":
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         if device.type != "cuda":
