@@ -20,7 +20,8 @@ STRATEGY_OPTIONS = [
     ("bucket_mb", dict(type=float, help="Bucket size in MB for --dp-sync bucketed and ddp.")),
     ("grad_accum", dict(type=int, help="Micro-batches per optimizer step (no communication until the last).")),
     ("sync_bn", dict(help="off, distlab (any device) or torch (nn.SyncBatchNorm, GPU only); statistics over the "
-                     "data-parallel group.")),
+                     "data-parallel group. Or distlab's with your own input gradient as path/to/file.py:NAME "
+                     "(the signature of distlab.parallel.sync_bn.input_gradient).")),
     ("find_unused", dict(is_flag=True, help="Parameters without a gradient in a step count as zero.")),
     ("tp", dict(type=int, help="Tensor-parallel size: ranks that split each Linear layer (must divide the world size).")),
     ("tp_style", dict(help="megatron (column then row parallel, one all-reduce each way per block) or naive "

@@ -9,7 +9,8 @@ the class is passed in (``cls``, ``self``): this module is imported by it.
                     zero, auto: distlab's ring for reduce-scatter and all-gather on gloo)
     accum=K         grad_accum: micro-batches per optimizer step
     bucket=MB       bucket_mb: bucket size of bucketed and ddp
-    syncbn[=KIND]   sync_bn: distlab (the default of the bare word) or torch
+    syncbn[=KIND]   sync_bn: distlab (the default of the bare word) or torch, or FILE.py:NAME (distlab's
+                    with the user's own input gradient)
     find_unused     find_unused: parameters without a gradient count as zero
     tp=N, naive     tp and tp_style (megatron unless naive)
     sp              sequence_parallel: a transformer's LayerNorm/residual regions split along the
@@ -20,7 +21,8 @@ the class is passed in (``cls``, ``self``): this module is imported by it.
     ep=N            ep: expert parallel, a mixture of experts' experts sharded over N of the
                     data-parallel ranks (tokens dispatched to them by all-to-all)
     zero=S          zero: ZeRO stage 1-3
-    zero_impl=plain zero_impl: the plain ZeRO (the partition alone) in place of the tuned one
+    zero_impl=plain zero_impl: the plain ZeRO (the partition alone) in place of the tuned one, or
+                    FILE.py:NAME (the user's own PlainZero subclass)
     ckpt            activation_checkpointing: recompute each block's activations in backward
     ac_every=K      ac_every: with ckpt, recompute one block in every K (selective, per block)
     ac_policy=ops   ac_policy: with ckpt, keep the outputs of attention and every other matrix
