@@ -10,12 +10,13 @@ from distlab.data import dataset_shape
 from distlab.plan import Layout, Link, predict, trace
 from distlab.errors import ConfigError
 from distlab.plan.dry_run import dry_run, unfollowable
-from distlab.tools.verify import config_for, default_strategies
+from distlab.tools.verify import config_for, default_strategies, planned
 from tests.conftest import invoke
 
 WORLD = 4
 LANGUAGE = ("gpt", "llama", "gemma3")
-CASES = [c for c in default_strategies(WORLD) if c.model in LANGUAGE and not c.dpo and not unfollowable(c.strategy)]
+CASES = [c for c in default_strategies(WORLD) if c.model in LANGUAGE and not c.dpo and not unfollowable(c.strategy)
+         and planned(c.strategy)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

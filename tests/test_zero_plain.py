@@ -73,3 +73,6 @@ def test_the_plain_zero_refuses_what_it_leaves_to_the_tuned_one_in_one_line(refu
         assert said in err and len(err.strip().splitlines()) == 1, err
     err = refused_here("plan", "--dp", "2", "--zero", "3", "--zero-impl", "plain").stderr
     assert "plan the tuned ZeRO" in err, err
+    err = refused_here("plan", "--model", "gpt", "--dataset", "synthetic-text", "--cp", "2", "--cp-style",
+                       "ring_plain").stderr
+    assert "plan the tuned ring (--cp-style ring)" in err, err

@@ -32,7 +32,7 @@ from distlab.parallel.strategy_text import parse, parse_list, strategy_text
 from distlab.parallel.sync_bn import MODES as SYNC_BN, user_input_gradient
 from distlab.parallel.tensor_parallel import STYLES as TP_STYLES
 from distlab.parallel.zero import STAGES as ZERO_STAGES
-from distlab.parallel.zero.plain_state import implementation
+from distlab.parallel.zero.plain import PlainZero, implementation
 ZERO_IMPLS = ("tuned", "plain")  # or the user's own PlainZero subclass, FILE.py:NAME
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEFAULT_DP_SYNC = "bucketed"  # the fastest exact method on CPU/gloo (docs/RESULTS.md, data parallel)
@@ -117,7 +117,7 @@ class Strategy:
         _choice("tp_style", self.tp_style, TP_STYLES)
         _choice("cp_style", self.cp_style, CP_STYLES)
         _choice("zero", self.zero, ZERO_STAGES)
-        _choice("zero_impl", self.zero_impl, ZERO_IMPLS) if ":" not in self.zero_impl else implementation(self.zero_impl)
+        _choice("zero_impl", self.zero_impl, ZERO_IMPLS) if ":" not in self.zero_impl else implementation(self.zero_impl, PlainZero)
         self._check_plain_zero()
         _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _choice("precision", self.precision, PRECISIONS)

@@ -145,6 +145,11 @@ def parse_strategy(text: str) -> Case:
                 smoothing, masked, options, lora, base, dpo, pack)
 
 
+def planned(strategy: Strategy) -> bool:
+    """Whether ``distlab plan`` prices ``strategy``: all but the plain ZeRO and ring (it prices the tuned ones)."""
+    return strategy.zero_impl == "tuned" and strategy.cp_style != "ring_plain"
+
+
 def default_strategies(world_size: int | None = None) -> list[Case]:
     """Every dp_sync x collective, each method with grad_accum 4, SyncBN, ZeRO 1-3 (tuned and plain), activation
     checkpointing (with SyncBN too), bf16 autocast, a bf16 reduction, PowerSGD, and -- where

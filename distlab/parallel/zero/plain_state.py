@@ -20,12 +20,11 @@ from distlab.runtime import user_code
 from distlab.runtime.meta import adopt
 
 
-def implementation(spec: str) -> type:
-    """The user's own ZeRO named ``spec`` (FILE.py:NAME or package.module:NAME): a subclass of
-    :class:`~distlab.parallel.zero.plain.PlainZero` (its steps rewritten), checked before launch."""
-    from distlab.parallel.zero.plain import PlainZero
+def implementation(spec: str, base: type) -> type:
+    """The user's own ZeRO named ``spec`` (FILE.py:NAME or package.module:NAME): a subclass of ``base``
+    (:class:`~distlab.parallel.zero.plain.PlainZero`, its steps rewritten), checked before launch."""
     found = user_code.load(spec, "--zero-impl", "a ZeRO")
-    if not (inspect.isclass(found) and issubclass(found, PlainZero)):
+    if not (inspect.isclass(found) and issubclass(found, base)):
         raise ConfigError(f"--zero-impl {spec}: {spec.rpartition(':')[2]} is no subclass of "
                           f"distlab.parallel.zero.plain.PlainZero: subclass it and write its sync_gradients "
                           f"(and after_step)")
@@ -54,7 +53,7 @@ class PlainZeroState:
     @classmethod
     def from_strategy(cls, module: nn.Module, strategy, group=None):
         """``module`` over ``group``: the plain ZeRO, or -- ``zero_impl`` FILE.py:NAME -- the user's own subclass."""
-        kind = implementation(strategy.zero_impl) if strategy.zero_impl != "plain" else cls
+        kind = implementation(strategy.zero_impl, cls) if strategy.zero_impl != "plain" else cls
         made = kind(module, strategy.zero, group=group, collective=strategy.collective)
         for name in ("sync_gradients", "after_step"):  # (an exercise not written yet: said in one line)
             setattr(made, name, _written(getattr(made, name), strategy.zero_impl))
