@@ -165,8 +165,8 @@ def test_the_action_list_executor_runs_gpipe_and_1f1b_as_the_plain_loops_do_bit_
     """The plain loops (distlab.parallel.pipeline.plain) are the oracle of the executor every other schedule runs on
     (interleaved, zero bubble): on GPipe and 1F1B the two compute the same loss and gradients bit for bit, holding
     the same micro-batches at once -- the executor's order is the loops' order."""
-    plain = run_ranks(_grads_by, world, kind, schedule, microbatches, False, timeout=120)
-    actions = run_ranks(_grads_by, world, kind, schedule, microbatches, True, timeout=120)
+    plain = run_ranks(_grads_by, world, kind, schedule, microbatches, False, timeout=180)
+    actions = run_ranks(_grads_by, world, kind, schedule, microbatches, True, timeout=180)
     for (loss_a, grads_a, held_a), (loss_b, grads_b, held_b) in zip(plain, actions):
         assert (loss_a is None and loss_b is None) or torch.equal(loss_a, loss_b)
         assert len(grads_a) == len(grads_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
