@@ -37,6 +37,9 @@ STRATEGY_OPTIONS = [
     ("ep", dict(type=int, help="Expert-parallel size: data-parallel ranks that share out a mixture of experts' "
                 "experts (--model gpt-moe; divides the data-parallel size and --experts), tokens exchanged by "
                 "all-to-all.")),
+    ("ep_dispatch", dict(help="With --ep: all_to_all (each token-slot sent only to the rank of its expert) or "
+                         "all_gather (the plain dispatch: every slot to every rank, the answers reduce-scattered "
+                         "home; the all-to-all's oracle).")),
     ("zero", dict(type=click.IntRange(0, 3), help="ZeRO stage over the data-parallel ranks: 1 shards optimizer "
                   "state, 2 also gradients, 3 also parameters.")),
     ("zero_impl", dict(help="With --zero: tuned (buckets overlapped with backward, stage 3 gathering one module "

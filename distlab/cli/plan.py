@@ -12,7 +12,7 @@ from distlab.cli.options import (COUNT, Number, field_options,
 from distlab.errors import ConfigError
 
 DEFAULT_CALIBRATION = "runs/calibration.json"
-PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "sequence_parallel", "cp", "cp_style", "ep",
+PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "sequence_parallel", "cp", "cp_style", "ep", "ep_dispatch",
                   "zero", "zero_impl", "pp",
                   "microbatches", "pp_schedule", "pp_virtual", "pp_balance", "activation_checkpointing", "ac_every",
                   "ac_policy", "precision", "reduce_dtype", "grad_compression")  # what plan's cost model reads

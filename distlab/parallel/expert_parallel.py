@@ -39,6 +39,7 @@ from distlab import comm
 from distlab.comm import p2p
 from distlab.errors import ConfigError
 from distlab.models import plans
+from distlab.parallel.expert_dispatch_plain import dispatch as all_gather_dispatch
 from distlab.parallel.cost import Call, CallGroup, Price, in_stage, under
 from distlab.parallel.protocols import split_shape
 from distlab.parallel.tensor_parallel.mappings import all_gather_along
@@ -46,7 +47,7 @@ from distlab.parallel.protocols import ComponentKind
 from distlab.runtime import broadcast_module, group_rank, group_size, timeline
 from distlab.runtime.eager import eager
 
-
+DISPATCHES = ("all_to_all", "all_gather")  # all_gather: the plain dispatch (expert_dispatch_plain)
 
 def _all_to_all(chunks: list[torch.Tensor], sizes: list[int], group, rank: int) -> list[torch.Tensor]:
     """Chunk ``j`` to rank ``j``; returns what rank ``j`` sent this one (``sizes[j]`` rows each)."""
@@ -78,9 +79,10 @@ class _Exchange(torch.autograd.Function):
 
 class ExpertShard(nn.Module):
     """This rank's ``E / ep`` experts of ``experts`` (same parameter names, split along dimension 0),
-    exchanging tokens with the other ranks of ``group`` (module docstring)."""
+    exchanging tokens with the other ranks of ``group`` (module docstring; ``dispatch`` all_gather: the plain
+    dispatch of :mod:`distlab.parallel.expert_dispatch_plain`)."""
 
-    def __init__(self, experts: nn.Module, group, sync_group=None):
+    def __init__(self, experts: nn.Module, group, sync_group=None, dispatch: str = "all_to_all"):
         super().__init__()
         params = dict(experts.named_parameters(recurse=False))
         if not params or any(p.dim() == 0 for p in params.values()):
@@ -95,6 +97,7 @@ class ExpertShard(nn.Module):
             raise ConfigError(f"expert parallel shards {total} experts over `ep` {n} ranks: choose an `ep` that divides "
                               f"{total} (or a number of experts that {n} divides)")
         self.group, self.ep, self.ep_rank, self.num_experts, self.local = group, n, r, total, total // n
+        self.dispatch = dispatch
         self.tp_split = dict.fromkeys(params, 0)  # snapshots and full state dicts gather along it
         self._compute = type(experts).forward  # the experts' own computation, run on this shard's slices
         for name, p in params.items():
@@ -114,6 +117,8 @@ class ExpertShard(nn.Module):
         n, local, rank = self.ep, self.local, self.ep_rank
         if len(counts) != self.num_experts:
             raise ValueError(f"expert parallel: {len(counts)} counts for {self.num_experts} experts")
+        if self.dispatch == "all_gather":
+            return all_gather_dispatch(self, tokens, counts)
         # row j: slots for rank j's experts (on the tokens' device: NCCL sends device tensors only)
         mine = torch.tensor(counts, dtype=torch.int64, device=tokens.device).view(n, local)
         theirs = torch.cat(_all_to_all(list(mine.split(1)), [1] * n, self.group, rank))  # row j: from rank j
@@ -151,6 +156,9 @@ class ExpertParallel(ComponentKind):
         if not t.expert_names:
             raise ConfigError(f"`ep` {lay.ep}: expert parallel shards a mixture of experts' experts, and this model "
                               f"declares none (expert_parallel_plan); plan it with `ep` 1")
+        if lay.strategy.ep_dispatch != "all_to_all":
+            raise ConfigError(f"`ep_dispatch` {lay.strategy.ep_dispatch} is not planned: plan the all-to-all dispatch "
+                              f"(`ep_dispatch` all_to_all), which the plain one is held equal to")
         ep = lay.ep
         mine = {name: v for name, v in t.expert_slots.items() if in_stage(name, t_rank, lay)} if t.expert_slots else {}
         # (sequence parallel: each tensor-parallel rank routes its own T / tp positions)
@@ -181,13 +189,15 @@ class ExpertParallel(ComponentKind):
     @staticmethod
     def describe(engine) -> list[str]:
         """The experts this rank holds, and how tokens reach the others."""
-        ep = engine.mesh.ep
+        ep, plain = engine.mesh.ep, engine.strategy.ep_dispatch == "all_gather"
+        how = "all-gather and reduce-scatter (the plain dispatch)" if plain else "all-to-all"
         return [f"expert parallel: each mixture-of-experts layer's experts shared out over {ep} data-parallel "
-                f"ranks (1/{ep} on each), tokens sent to them and back by all-to-all"]
+                f"ranks (1/{ep} on each), tokens sent to them and back by {how}"]
 
     @staticmethod
     def apply(model: nn.Module, strategy, mesh) -> tuple[nn.Module, "ExpertParallel"]:
-        return model, apply_expert_parallel(model, mesh.ep_group, mesh.expert_data_group, mesh.replicas)
+        return model, apply_expert_parallel(model, mesh.ep_group, mesh.expert_data_group, mesh.replicas,
+                                            strategy.ep_dispatch)
 
     def __init__(self, shards: list[ExpertShard], data_group, replicas: int):
         self.shards, self.data_group, self.replicas = shards, data_group, replicas
@@ -232,12 +242,13 @@ def plan_of(model: nn.Module, ep: int = 2) -> dict[str, str]:
     return plans.plan_of(model, "expert", ep=ep)
 
 
-def apply_expert_parallel(model: nn.Module, group, data_group, replicas: int) -> ExpertParallel:
+def apply_expert_parallel(model: nn.Module, group, data_group, replicas: int,
+                          dispatch: str = "all_to_all") -> ExpertParallel:
     """Shard every module the model's plan names over ``group`` (in place); the shards start from
     the first replica's experts (a broadcast over ``data_group``, as data parallel starts from rank 0)."""
     shards = []
     for name in plan_of(model, group_size(group)):
-        shard = ExpertShard(model.get_submodule(name), group, data_group)
+        shard = ExpertShard(model.get_submodule(name), group, data_group, dispatch)
         broadcast_module(shard, src=0, group=data_group)
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, shard)

@@ -21,9 +21,8 @@ from typing import ClassVar
 from distlab import comm
 from distlab.errors import ConfigError, did_you_mean
 from distlab.parallel.compile import BACKENDS as COMPILE_BACKENDS, check as check_compile
-from distlab.parallel.components import load as load_kind
-from distlab.parallel.components import names as component_names
-from distlab.parallel.components import registered
+from distlab.parallel.components import load as load_kind, names as component_names, registered
+from distlab.parallel.expert_parallel import DISPATCHES as EP_DISPATCHES
 from distlab.parallel.compression import parse_compression
 from distlab.parallel.context_parallel import STYLES as CP_STYLES
 from distlab.parallel.data_parallel import sync_method
@@ -56,6 +55,7 @@ class Strategy:
     cp: int = 1              # context parallel: each sequence split over cp ranks (distlab.parallel.context_parallel)
     cp_style: str = "ring"   # ring (key/value blocks around the ring) or ulysses (all-to-all over heads)
     ep: int = 1              # expert parallel: experts sharded over ep data-parallel ranks (distlab.parallel.expert_parallel)
+    ep_dispatch: str = "all_to_all"  # or all_gather: the plain dispatch (distlab.parallel.expert_dispatch_plain)
     zero: int = 0
     zero_impl: str = "tuned"  # tuned (parallel.zero.Zero), plain (the partition alone: zero.plain) or FILE.py:NAME
     pp: int = 1
@@ -81,8 +81,9 @@ class Strategy:
             object.__setattr__(self, "collective", self.default_collective)
         if self.tp == 1:  # no tensor parallel: the style means nothing, keep equal strategies equal
             object.__setattr__(self, "tp_style", "megatron")
-        if self.cp == 1:
-            object.__setattr__(self, "cp_style", "ring")
+        for size, name, default in (("cp", "cp_style", "ring"), ("ep", "ep_dispatch", "all_to_all")):
+            if getattr(self, size) == 1:  # no context or expert parallel: the style means nothing
+                object.__setattr__(self, name, default)
         if self.microbatches is None:
             object.__setattr__(self, "microbatches", self.pp if isinstance(self.pp, int) and self.pp > 1 else 1)
         if self.pp == 1:  # no pipeline: no schedule
@@ -116,6 +117,7 @@ class Strategy:
         _choice("sync_bn", self.sync_bn, SYNC_BN) if ":" not in self.sync_bn else user_input_gradient(self.sync_bn)
         _choice("tp_style", self.tp_style, TP_STYLES)
         _choice("cp_style", self.cp_style, CP_STYLES)
+        _choice("ep_dispatch", self.ep_dispatch, EP_DISPATCHES)
         _choice("zero", self.zero, ZERO_STAGES)
         _choice("zero_impl", self.zero_impl, ZERO_IMPLS) if ":" not in self.zero_impl else implementation(self.zero_impl, PlainZero)
         self._check_plain_zero()
@@ -140,19 +142,12 @@ class Strategy:
         if self.ac_every > 1 and not self.activation_checkpointing:
             raise ConfigError(f"`ac_every` {self.ac_every} says which blocks activation checkpointing recomputes: "
                               f"turn on `activation_checkpointing` too, or drop `ac_every`")
-        if self.tp < 1:
-            raise ConfigError(f"`tp` must be at least 1, not {self.tp}")
-        if self.pp < 1:
-            raise ConfigError(f"`pp` must be at least 1, not {self.pp}")
-        if self.cp < 1:
-            raise ConfigError(f"`cp` must be at least 1, not {self.cp}")
+        for name in ("tp", "pp", "cp", "ep", "microbatches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"`{name}` must be at least 1, not {getattr(self, name)}")
         if self.cp > 1 and self.sequence_parallel:
             raise ConfigError(f"`sequence_parallel` and `cp` {self.cp} both split the sequence: context parallel "
                               f"already splits it for the whole model; drop `sequence_parallel`")
-        if self.ep < 1:
-            raise ConfigError(f"`ep` must be at least 1, not {self.ep}")
-        if self.microbatches < 1:
-            raise ConfigError(f"`microbatches` must be at least 1, not {self.microbatches}")
         if self.pp > 1:
             self._check_pipeline()
         elif self.pp_balance is not None:
@@ -408,8 +403,8 @@ class Strategy:
         d["tp_style"] = self.tp_style if self.tp > 1 else None
         if self.cp == 1:  # no context parallel: the object (and a snapshot's fingerprint) is as before it existed
             del d["cp"], d["cp_style"]
-        for name, default in (("ep", 1), ("pp_virtual", 1), ("zero_impl", "tuned")):  # likewise without expert
-            if getattr(self, name) == default:  # parallel, interleaving or the plain ZeRO
+        for name, default in (("ep", 1), ("ep_dispatch", "all_to_all"), ("pp_virtual", 1), ("zero_impl", "tuned")):
+            if getattr(self, name) == default:  # likewise without expert parallel, interleaving or the plain ZeRO
                 del d[name]
         if not self.components:  # and without registered components
             del d["components"]

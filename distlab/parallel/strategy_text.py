@@ -19,7 +19,8 @@ the class is passed in (``cls``, ``self``): this module is imported by it.
                     whole model, attention by ring (the default) or by all-to-all over heads
                     (cp_style=ring_plain: the plain ring, the tuned one's oracle)
     ep=N            ep: expert parallel, a mixture of experts' experts sharded over N of the
-                    data-parallel ranks (tokens dispatched to them by all-to-all)
+                    data-parallel ranks (tokens dispatched to them by all-to-all;
+                    ep_dispatch=all_gather: the plain dispatch, the all-to-all's oracle)
     zero=S          zero: ZeRO stage 1-3
     zero_impl=plain zero_impl: the plain ZeRO (the partition alone) in place of the tuned one, or
                     FILE.py:NAME (the user's own PlainZero subclass)
@@ -91,7 +92,7 @@ def strategy_text(self) -> str:
     if self.cp != 1:
         parts.append(f"cp={self.cp}" + {"ring": "", "ulysses": "+ulysses"}.get(self.cp_style, f"+cp_style={self.cp_style}"))
     if self.ep != 1:
-        parts.append(f"ep={self.ep}")
+        parts.append(f"ep={self.ep}" + (f"+ep_dispatch={self.ep_dispatch}" if self.ep_dispatch != "all_to_all" else ""))
     if self.zero:
         parts.append(f"zero={self.zero}" + (f"+zero_impl={self.zero_impl}" if self.zero_impl != "tuned" else ""))
     if self.pp != 1:

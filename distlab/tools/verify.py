@@ -146,8 +146,8 @@ def parse_strategy(text: str) -> Case:
 
 
 def planned(strategy: Strategy) -> bool:
-    """Whether ``distlab plan`` prices ``strategy``: all but the plain ZeRO and ring (it prices the tuned ones)."""
-    return strategy.zero_impl == "tuned" and strategy.cp_style != "ring_plain"
+    """Whether ``distlab plan`` prices ``strategy``: all but the plain ZeRO, ring and dispatch (the tuned ones)."""
+    return strategy.zero_impl == "tuned" and strategy.cp_style != "ring_plain" and strategy.ep_dispatch == "all_to_all"
 
 
 def default_strategies(world_size: int | None = None) -> list[Case]:
@@ -249,9 +249,9 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
                        pack=True),
                   Case(Strategy("bucketed", cp=2), model="llama", pack=True),
                   Case(Strategy("bucketed", cp=2, cp_style="ulysses"), model="llama", pack=True)]
-        cases += [Case(Strategy("bucketed", ep=2), model="gpt-moe"),
-                  # the dense gradients compressed (fp16 on the wire), the experts' reduced over their own group
-                  Case(Strategy("bucketed", ep=2, grad_compression="fp16"), model="gpt-moe"),
+        cases += [Case(Strategy("bucketed", ep=2, ep_dispatch=d), model="gpt-moe") for d in ("all_to_all", "all_gather")]
+        # the dense gradients compressed (fp16 on the wire), the experts' reduced over their own group
+        cases += [Case(Strategy("bucketed", ep=2, grad_compression="fp16"), model="gpt-moe"),
                   # ZeRO-3 sharding the dense part, the expert shards held whole (their own group reduces them); the
                   # blocks recomputed (their exchanges again)
                   Case(Strategy(zero=3, ep=2, activation_checkpointing=True), model="gpt-moe"),
