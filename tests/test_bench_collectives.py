@@ -174,12 +174,16 @@ def test_bench_parallel_puts_transformer_tensor_and_sequence_parallel_beside_dte
 
 def test_bench_pipeline_runs_distlab_and_torch_pipelining_on_the_same_split(run_cli, tmp_path):
     proc = run_cli("bench", "pipeline", "--microbatches", "2", "--schedules", "gpipe,1f1b,interleaved", "--steps",
-                   "3", "--batch", "8", "--out", "bp", timeout=300)
+                   "3", "--batch", "8", "--implementations", "distlab,distlab-actions,torch", "--out", "bp", timeout=300)
     assert proc.returncode == 0, proc.stderr
     records = json.loads((tmp_path / "bp" / "pipeline.json").read_text())
     assert {(r["schedule"], r["implementation"]) for r in records} == {
         ("gpipe", "distlab"), ("gpipe", "torch"), ("1f1b", "distlab"), ("1f1b", "torch"),
-        ("interleaved", "distlab"), ("interleaved", "torch")}
+        ("interleaved", "distlab"), ("interleaved", "torch"), ("gpipe", "distlab-actions"), ("1f1b", "distlab-actions")}
+    played = [r for r in records if r["implementation"] == "distlab-actions"]
+    # the executor playing GPipe and 1F1B: the plain loops' losses to the last bit, timed beside them
+    assert all(r["max_loss_diff_vs_plain"] == 0 and r["vs_plain"] > 0 for r in played) and len(played) == 2
+    records = [r for r in records if r not in played]
     for r in records:
         # (P - 1) / (M + P - 1); interleaved with 2 chunks per rank: (P - 1) / (V M + P - 1)
         assert r["bubble_ideal"] == pytest.approx(1 / 5 if r["schedule"] == "interleaved" else 1 / 3)

@@ -25,6 +25,11 @@ the most micro-batches a stage held at once, and the bytes each stage sends per 
 the same activations and gradients); for both, each stage's peak activation memory (the storages
 autograd saved for backward, measured by :class:`~distlab.parallel.pipeline.ActivationMeter`). torch's ``Schedule1F1B`` needs ``M >= P``; smaller ``M`` runs
 distlab's alone.
+
+``--implementations distlab-actions`` runs GPipe and 1F1B through the action-list executor that plays the
+interleaved and zero-bubble schedules (``PipelineStage.by_actions``) instead of their plain loops
+(:mod:`distlab.parallel.pipeline.plain`): the same order, bit for bit, and its time against the loops'
+(``vs_plain``).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from distlab.parallel.pipeline import ideal_bubble
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "interleaved-zb")
 TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
          "interleaved-zb": "ScheduleInterleavedZeroBubble"}  # zb: torch has no single-stage zero bubble
-IMPLEMENTATIONS = ("distlab", "torch")
+IMPLEMENTATIONS = ("distlab", "distlab-actions", "torch")  # distlab-actions: GPipe and 1F1B by the executor
 MODEL = dict(n_layer=4, n_head=4, n_embd=128, block_size=64)  # 6 layers: embedding, 4 blocks, head
 
 
@@ -77,8 +82,9 @@ def _one(rank: int, world: int, impl: str, schedule: str, microbatches: int, ste
     model = GPT(256, MODEL["block_size"], _layers(world, virtual), MODEL["n_head"], MODEL["n_embd"])
     pp_schedule, chunks = _mine(schedule, virtual)
     first, last = rank == 0, rank == world - 1
-    if impl == "distlab":
+    if impl != "torch":
         stage = PipelineStage(model, dist.group.WORLD, microbatches, pp_schedule, virtual=chunks)
+        stage.by_actions = impl == "distlab-actions"  # the plain loop's schedule played from its action list
         params = stage.parameters()
     else:
         from torch.distributed import pipelining
@@ -98,7 +104,7 @@ def _one(rank: int, world: int, impl: str, schedule: str, microbatches: int, ste
         dist.barrier()
         t0 = time.perf_counter()
         with comm.counting() as c:
-            if impl == "distlab":
+            if impl != "torch":
                 loss = stage.train_step(x if first else None, y if last else None, task_loss)
             else:
                 out: list = []
@@ -116,14 +122,14 @@ def _one(rank: int, world: int, impl: str, schedule: str, microbatches: int, ste
         sent.append(c.bytes_sent)
         if last:
             losses.append(float(loss))
-        if impl == "distlab":
+        if impl != "torch":
             bubbles.append(stage.last_timing["bubble_measured"])
             held.append(stage.last_timing["in_flight_peak"])
             activations.append(stage.last_timing["activation_peak_bytes"])
     timed = times[warmup:] or times
     return {"rank": rank, "step_s": statistics.median(timed), "losses": losses,
             "bubble": statistics.median(bubbles[warmup:] or bubbles) if bubbles else None,
-            "held": max(held) if held else None, "activation_peak_bytes": max(activations), "sent": statistics.median(sent) if impl == "distlab" else None}
+            "held": max(held) if held else None, "activation_peak_bytes": max(activations), "sent": statistics.median(sent) if impl != "torch" else None}
 
 
 def _cells(rank: int, world: int, cells: list[tuple], steps: int, batch: int, warmup: int,
@@ -134,7 +140,9 @@ def _cells(rank: int, world: int, cells: list[tuple], steps: int, batch: int, wa
 
 def _fits(impl: str, schedule: str, m: int, nproc: int) -> bool:
     """Whether a cell can run: torch's 1F1B needs M >= P, interleaving M a multiple of P, and torch
-    has no single-stage zero bubble."""
+    has no single-stage zero bubble; the executor is measured against the plain loops (GPipe, 1F1B) alone."""
+    if impl == "distlab-actions" and schedule not in ("gpipe", "1f1b"):
+        return False
     if impl == "torch" and (schedule not in TORCH or (schedule == "1f1b" and m < nproc)):
         return False
     return not (schedule.startswith("interleaved") and m % nproc)
@@ -180,13 +188,15 @@ def run(nproc: int, microbatches: list[int], schedules: list[str], impls: list[s
                         "activation_peak_bytes_per_stage": first["activations"],
                         "bytes_sent_per_stage": first["sent"], **machine(nproc, threads)})
     by_key = {(r["schedule"], r["microbatches"], r["implementation"]): r for r in records}
-    for r in records:
-        other = by_key.get((r["schedule"], r["microbatches"], "torch"))
-        if r["implementation"] == "distlab" and other:
-            r["vs_torch"] = r["time_per_step_s_median"] / other["time_per_step_s_median"]
+    for r in records:  # distlab's against torch's; the executor against the plain loop (its losses: bitwise)
+        beside = {"distlab": ("torch", "vs_torch"), "distlab-actions": ("distlab", "vs_plain")}
+        against, key = beside.get(r["implementation"], (None, None))
+        other = by_key.get((r["schedule"], r["microbatches"], against))
+        if other:
+            r[key] = r["time_per_step_s_median"] / other["time_per_step_s_median"]
             ratios = [a / b for a, b in zip(r["time_per_step_s_runs"], other["time_per_step_s_runs"])]
-            r["vs_torch_range"] = [min(ratios), max(ratios)]
-            r["max_loss_diff_vs_torch"] = max(abs(a - b) for a, b in zip(r["losses"], other["losses"]))
+            r[f"{key}_range"] = [min(ratios), max(ratios)]
+            r[f"max_loss_diff_{key}"] = max(abs(a - b) for a, b in zip(r["losses"], other["losses"]))
     write(records, out, "pipeline")
     return records
 
@@ -194,19 +204,20 @@ def run(nproc: int, microbatches: list[int], schedules: list[str], impls: list[s
 def table(records: list[dict], markdown: bool = False) -> str:
     rows = []
     for r in records:
-        ratio = (f"{r['vs_torch']:.2f}x ({r['vs_torch_range'][0]:.2f}-{r['vs_torch_range'][1]:.2f})"
-                 if r.get("vs_torch") else "-")
+        key = "vs_plain" if r.get("vs_plain") else "vs_torch"
+        ratio = f"{r[key]:.2f}x ({r[key + '_range'][0]:.2f}-{r[key + '_range'][1]:.2f})" if r.get(key) else "-"
         rows.append([r["schedule"], str(r["microbatches"]), r["implementation"],
                      f"{1000 * r['time_per_step_s_median']:.1f}", ratio,
                      f"{r['bubble_measured']:.2f}" if r.get("bubble_measured") is not None else "-",
                      f"{r['bubble_ideal']:.2f}",
-                     "/".join(map(str, r["microbatches_held_per_stage"])) if r["implementation"] == "distlab" else "-",
+                     "/".join(map(str, r["microbatches_held_per_stage"])) if r["implementation"] != "torch" else "-",
                      "/".join(human_bytes(b) for b in r["activation_peak_bytes_per_stage"])
                      if r.get("activation_peak_bytes_per_stage") else "-",
                      f"{r['losses'][-1]:.4f}",
-                     f"{r['max_loss_diff_vs_torch']:.1e}" if "max_loss_diff_vs_torch" in r else "-"])
-    return format_table(["schedule", "M", "implementation", "ms/step", "vs torch (range)", "bubble",
-                         "ideal", "held per stage", "activations per stage", "last loss", "|loss - torch's|"], rows, markdown)
+                     f"{r['max_loss_diff_' + key]:.1e}" if "max_loss_diff_" + key in r else "-"])
+    return format_table(["schedule", "M", "implementation", "ms/step", "vs torch, or the plain loop (range)", "bubble",
+                         "ideal", "held per stage", "activations per stage", "last loss", "|loss - theirs|"], rows,
+                        markdown)
 
 
 def plot(records: list[dict], directory) -> list:
@@ -225,7 +236,7 @@ def plot(records: list[dict], directory) -> list:
             a.plot([r["microbatches"] for r in rs], [1000 * r["time_per_step_s_median"] for r in rs],
                    label=f"{impl} {schedule}", **style(i))
             i += 1
-            if impl == "distlab":
+            if impl != "torch":
                 b.plot([r["microbatches"] for r in rs], [r["bubble_measured"] for r in rs],
                        label=f"measured, {schedule}", **style(i))
     ms = sorted({r["microbatches"] for r in records})

@@ -263,7 +263,8 @@ def bench_parallel(workloads, strategies, nproc, steps, batch, dataset, text_dat
 @click.option("--virtual", type=COUNT, default=2, show_default=True,
               help="Chunks per rank for the interleaved schedules.")
 @click.option("--implementations", default="distlab,torch", show_default=True,
-              help="distlab (PipelineStage) and torch (torch.distributed.pipelining).")
+              help="distlab (PipelineStage), distlab-actions (GPipe and 1F1B played by the action-list executor in "
+                   "place of their plain loops) and torch (torch.distributed.pipelining).")
 @click.option("--steps", type=COUNT, default=10, show_default=True)
 @click.option("--batch", type=COUNT, default=32, show_default=True, help="Sequences per step.")
 @click.option("--runs", type=COUNT, default=1, show_default=True, help="Interleaved rounds; times are medians.")
