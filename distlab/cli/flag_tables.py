@@ -175,6 +175,28 @@ TRAIN_OPTIONS = [
     ("dpo_beta", dict(type=float, default=None, help="dpo:FILE.jsonl: DPO's beta, how far the trained model's "
                       "log-probability ratios to its starting model may go (default 0.1); the reference is the "
                       "starting model (with --lora: the base without adapters).")),
+    ("reward", dict(default=None, help="rl:FILE.jsonl: the rewards a completion earns, comma-separated -- exact "
+                    "(its answer is the record's \"answer\"), number (equal within 1e-6), format (<think>...</think>"
+                    "<answer>...</answer>), regex:PATTERN, or your own FILE.py:NAME (NAME(completion, record) -> "
+                    "float); default exact.")),
+    ("reward_weights", dict(default=None, help="rl: one weight per --reward, comma-separated (default 1 each).")),
+    ("group_size", dict(type=int, help="rl: completions sampled per prompt, compared with each other (GRPO's G).")),
+    ("max_new_tokens", dict(type=int, default=None, help="rl: a completion's most tokens (default: to the "
+                            "window's end).")),
+    ("temperature", dict(type=float, help="rl: the sampling temperature of the rollouts.")),
+    ("top_p", dict(type=float, help="rl: sample from the smallest set of tokens reaching this probability.")),
+    ("ppo_epochs", dict(type=int, help="rl: optimizer steps each rollout batch trains (the ratio to the policy "
+                        "that sampled it clipped to 1 +- --clip-epsilon).")),
+    ("kl_beta", dict(type=float, help="rl: the weight of the KL penalty to the starting model (with --lora: the "
+                     "base without adapters); 0 scores no reference.")),
+    ("clip_epsilon", dict(type=float, help="rl: the importance ratio's clip below (and above, unless "
+                          "--clip-epsilon-high).")),
+    ("clip_epsilon_high", dict(type=float, default=None, help="rl: the ratio's clip above (DAPO's clip-higher).")),
+    ("grpo_loss", dict(type=click.Choice(["grpo", "dapo", "dr_grpo"]), help="rl: the loss normalisation: grpo (per "
+                       "completion, then over them), dapo (per token of the batch), dr_grpo (a constant: N x "
+                       "--max-new-tokens).")),
+    ("scale_rewards", dict(flag_pair=True, help="rl: divide each group's advantages by its rewards' std (default "
+                           "on).")),
     ("base_dtype", dict(type=click.Choice(["float32", "bf16", "nf4"]), help="With --lora and --precision bf16: "
                         "hold (and under ZeRO-3 gather) the frozen base in bf16 -- or, nf4, each adapted layer's "
                         "weight in 4-bit NormalFloat (QLoRA; torchao's NF4 tensor; on every layout, split by tensor "

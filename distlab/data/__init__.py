@@ -34,7 +34,7 @@ from distlab.data.imagefolder import PREFIX as FOLDER, imagefolder_shape, load_i
 from distlab.data.synthetic import make_synthetic, parse_spec
 from distlab.data.tensors import PREFIX as TENSORS, load_tensors, path_of, tensors_shape
 from distlab.data import tokenizer as tokenizers
-from distlab.data import preference, sft, textfiles, tokens
+from distlab.data import preference, rl, sft, textfiles, tokens
 from distlab.data.text import FORTUNES_SYSTEM_DIR, TextDataset, fortunes_present, make_synthetic_text, parse_synthetic, \
     read_fortunes
 from distlab.errors import ConfigError, DataNotFoundError, did_you_mean
@@ -101,14 +101,15 @@ ALIASES = {"fashion_mnist": "fashion-mnist", "fmnist": "fashion-mnist", "cifar-1
 
 def dataset_names() -> list[str]:
     return [*REGISTRY, "synthetic:CxHxW:K[:N]", "synthetic-text[:N]", "tensors:FILE", "imagefolder:DIR", "text:PATH",
-            "tokens:DIR", "sft:FILE.jsonl", "dpo:FILE.jsonl", "synthetic-pairs[:N]"]
+            "tokens:DIR", "sft:FILE.jsonl", "dpo:FILE.jsonl", "synthetic-pairs[:N]",
+            "rl:FILE.jsonl", "synthetic-rl[:N]"]
 
 
 def is_text(name: str) -> bool:
     """Whether dataset ``name`` is a token stream (next-token prediction) rather than labelled images."""
     name = canonical_name(name)
     return name.startswith(("synthetic-text", textfiles.PREFIX, tokens.PREFIX, sft.PREFIX)) or \
-        preference.is_preference(name) or \
+        preference.is_preference(name) or rl.is_rl(name) or \
         (name in REGISTRY and REGISTRY[name].text)
 
 
@@ -130,6 +131,8 @@ def canonical_name(name: str) -> str:
         return name
     if preference.is_preference(name):
         return preference.check_name(name)
+    if rl.is_rl(name):
+        return rl.check_name(name)
     if name.startswith("synthetic-text"):
         parse_synthetic(name)
         return name
@@ -214,6 +217,8 @@ def load_dataset(name: str, split: str, data_dir: str | os.PathLike | None = Non
         return sft.load_sft(name, split, block_size, tokenizer, pack, chat_turns)
     if preference.is_preference(name) and not pack:
         return preference.load_pairs(name, split, block_size, tokenizer)
+    if rl.is_rl(name) and not pack:
+        return rl.load_prompts(name, split, block_size, tokenizer)
     if pack:
         raise ConfigError(f"`pack` lays fine-tuning records (sft:FILE.jsonl) into windows; {name} is not records")
     if name.startswith("synthetic-text"):
@@ -278,6 +283,8 @@ def dataset_shape(name: str, block_size: int = 64, tokenizer: str = "bytes",
         return sft.shape(name, block_size, tokenizer)
     if preference.is_preference(name):
         return preference.shape(name, block_size, tokenizer)
+    if rl.is_rl(name):
+        return rl.shape(name, block_size, tokenizer)
     if is_text(name):
         return (block_size,), tokenizers.vocab_size(tokenizer)
     if name.startswith("synthetic"):

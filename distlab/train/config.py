@@ -75,6 +75,18 @@ class TrainConfig:
     pack: bool = False  # sft: records packed into windows, each attending to itself only
     chat_turns: str = "all"  # sft chats: which assistant replies are targets (all, last)
     dpo_beta: float | None = None  # dpo: DPO's beta (None: 0.1), how far the trained model may stray from its start
+    reward: str | None = None  # rl: the rewards a completion earns, comma-separated (None: exact; train.rewards)
+    reward_weights: str | None = None  # rl: one weight per reward (None: 1 each)
+    group_size: int = 4  # rl: completions sampled per prompt (GRPO's G; distlab.train.grpo)
+    max_new_tokens: int | None = None  # rl: a completion's longest (None: to the window's end)
+    temperature: float = 1.0  # rl: sampling's
+    top_p: float = 1.0  # rl: sampling's nucleus
+    ppo_epochs: int = 1  # rl: optimizer steps each rollout batch trains
+    kl_beta: float = 0.0  # rl: the KL penalty's weight (0: no reference scored)
+    clip_epsilon: float = 0.2  # rl: the importance ratio clipped to [1 - eps, 1 + eps_high]
+    clip_epsilon_high: float | None = None  # rl: None: clip_epsilon (DAPO's clip-higher: larger)
+    grpo_loss: str = "grpo"  # rl: the loss normalisation: grpo, dapo or dr_grpo
+    scale_rewards: bool = True  # rl: advantages divided by the group's std
     time_budget_s: float | None = None
     out: str | None = None
     tensorboard: str | None = None  # also write TensorBoard event files here (distlab.train.tensorboard)
@@ -163,11 +175,11 @@ class TrainConfig:
             raise ConfigError(f"{self.dataset} was tokenized when it was prepared (its manifest names the tokenizer): "
                               f"drop `tokenizer`")
         pretrained = self.tokenizer.startswith("hf:")
-        if pretrained and not self.dataset.startswith(("sft:", "dpo:")):
+        if pretrained and not self.dataset.startswith(("sft:", "dpo:", "rl:")):
             raise ConfigError(f"`tokenizer` {self.tokenizer} reads fine-tuning records (sft: or dpo:FILE.jsonl); tokenize a "
                               f"corpus once with `distlab prepare-text SRC OUT --tokenizer {self.tokenizer}` and train on "
                               f"tokens:OUT")
-        if self.dataset.startswith(("sft:", "dpo:")) and self.tokenizer != "bytes" and not pretrained:
+        if self.dataset.startswith(("sft:", "dpo:", "rl:")) and self.tokenizer != "bytes" and not pretrained:
             raise ConfigError(f"{self.dataset}: fine-tuning records are read with bytes or a pretrained model's "
                               f"tokenizer (hf:DIR), not {self.tokenizer}")
         if self.tokenizer != "bytes" and self.dataset.startswith("synthetic-text"):

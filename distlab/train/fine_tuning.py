@@ -48,6 +48,8 @@ def check_fine_tuning(cfg) -> None:
     from distlab.data.preference import is_preference
     from distlab.models.contract import contract
     check_base_dtype(cfg)
+    from distlab.train.grpo import check as check_grpo
+    check_grpo(cfg)
     if cfg.pack and not contract(cfg._meta_model()).packable:
         raise ConfigError(f"`pack` restarts each record's positions: model {cfg.model} does not read packed "
                           f"windows (a rotary family does: llama, gemma3)")

@@ -29,6 +29,10 @@ class Objective(Protocol):
         """A batch's targets as the model's output is scored against (what priming a resumed run's buckets
         runs a backward with)."""
 
+    def batch(self, x: torch.Tensor, y: torch.Tensor, fields, step: int) -> tuple:
+        """``(x, y, fields)`` step ``step`` trains on, from the loader's batch: the batch itself, or (GRPO) the
+        rollout of its prompts (collective)."""
+
     def window(self) -> dict:
         """The objective's own statistics since the last log line, over the global batch (collective; {} where
         it keeps none)."""
@@ -55,6 +59,9 @@ class CrossEntropy:
     def targets(self, y: torch.Tensor) -> torch.Tensor:
         return y
 
+    def batch(self, x: torch.Tensor, y: torch.Tensor, fields, step: int) -> tuple:
+        return x, y, fields
+
     def window(self) -> dict:
         return {}
 
@@ -65,8 +72,10 @@ class CrossEntropy:
 
 
 def objective_of(trainer) -> Objective:
-    """The objective of ``trainer``'s data (DPO's reference log-probabilities computed now: collective)."""
+    """The objective of ``trainer``'s data (DPO's reference log-probabilities computed now, GRPO's starting weights
+    kept: collective)."""
+    from distlab.train.grpo import Grpo
     from distlab.train.preference import Preference
     cfg, narrow = trainer.cfg, trainer.narrow
-    return Preference.of(trainer, narrow) or CrossEntropy(trainer.engine, cfg.label_smoothing,
+    return Preference.of(trainer, narrow) or Grpo.of(trainer, narrow) or CrossEntropy(trainer.engine, cfg.label_smoothing,
                                                           trainer.train_set.ignores_targets, trainer.rt.device, narrow)

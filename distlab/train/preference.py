@@ -97,6 +97,9 @@ class Preference:
     def targets(self, y: torch.Tensor) -> torch.Tensor:  # a pair's targets beside their reference positions
         return y[..., 0].long()
 
+    def batch(self, x: torch.Tensor, y: torch.Tensor, fields, step: int) -> tuple:
+        return x, y, fields
+
     def _scores(self, out, y):
         logps, reference = token_logps(self.engine.loss, out, y)
         if self.cp_group is not None:  # each rank's tokens' sums -> the sequences'

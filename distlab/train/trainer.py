@@ -190,8 +190,9 @@ class Trainer:
             epoch, position = divmod(run.step, self.steps_per_epoch)  # torch's DDP: re-cut its buckets as the
             self.loader.set_epoch(epoch)                              # uninterrupted run did
             x, y, _ = split(next(self.loader.iter_from(position)))  # (the order gradients arrive in: a packed
-            # batch's structure changes their values, not it)
-            engine.prime(x.to(self.rt.device), self.objective.targets(y).to(self.rt.device))
+            # batch's structure changes their values, not it; GRPO: the step's rollout, kept for it)
+            x, y, _ = self.objective.batch(x.to(self.rt.device), y.to(self.rt.device), None, run.step + 1)
+            engine.prime(x, self.objective.targets(y))
         start = time.perf_counter()
         # the handlers stay until the summary is written: a SIGTERM meanwhile (the agent passing a scheduler's on,
         # the scheduler repeating it) must not kill a rank in the middle of the snapshot the run stops with
@@ -275,6 +276,7 @@ class Trainer:
             clock.start()
             with timeline.span("data"):
                 x, y, fields = moved(next(batches), self.rt.device)
+            x, y, fields = self.objective.batch(x, y, fields, run.step + 1)  # GRPO: the prompts' rollout
             lr = self.optimizer.param_groups[0]["lr"]
             sent = comm.bytes_sent()  # the step's bytes: the counter's growth (one read each side)
             self.optimizer.zero_grad(set_to_none=True)
