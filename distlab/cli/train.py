@@ -97,6 +97,9 @@ def train(config_file, trust_config, **kw):
         elif cfg.dataset.startswith("dpo:"):
             from distlab.data.preference import read as read_pairs
             read_pairs(cfg.dataset, cfg.tokenizer, progress=True)  # every pair, as above
+        elif cfg.dataset.startswith("rl:"):
+            from distlab.data.rl import load_prompts
+            load_prompts(cfg.dataset, "train", cfg.block_size, cfg.tokenizer)  # every prompt readable, before launch
         elif not cfg.dataset.startswith(("synthetic", "tensors:", "imagefolder:", "text:")):
             locate(cfg.dataset, cfg.data_dir)
         if cfg.resume not in (None, "auto"):

@@ -25,6 +25,7 @@ FEATURES: dict[str, str] = {
     "packed records": "+pack",
     "ignored targets (SFT)": "+mask",
     "DPO": "+dpo",
+    "GRPO": "+grpo",
     "activation checkpointing": "+ckpt",
     "compile": "+compile",
     "grad accumulation": "+accum=2",

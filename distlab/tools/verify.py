@@ -48,7 +48,7 @@ from distlab.data.preference import is_preference
 from distlab.errors import ConfigError, did_you_mean
 from distlab.models import spec
 from distlab.models.packing import bind, split
-from distlab.tools.verify_data import dpo_mean, packing_records, reference_logps
+from distlab.tools.verify_data import GRPO, GRPO_DATA, compare, dpo_mean, grpo_tolerance, grpo_training, packing_records, reference_logps
 from distlab.parallel import COLLECTIVES, SYNC_METHODS, Strategy
 from distlab.parallel.strategy_text import modifier_words
 from distlab.train.config import TrainConfig
@@ -91,6 +91,7 @@ class Case:
     base_dtype: str = "float32"  # +base=bf16 (or nf4: QLoRA's 4-bit weights): that frozen base's type (with +bf16)
     dpo: bool = False  # +dpo: DPO on generated preference pairs (the reference: the starting model)
     pack: bool = False  # +pack: generated fine-tuning records packed into windows, each attending to itself only
+    grpo: bool = False  # +grpo: GRPO from a reward on generated prompts (rollouts, advantages, a KL to the start)
 
     @property
     def name(self) -> str:
@@ -98,7 +99,7 @@ class Case:
                 + (f"+{self.model}" if self.model else "") + "".join(f"+{k}={v}" for k, v in self.options)
                 + ("+clip" if self.clip else "") + ("+smooth" if self.smoothing else "") + ("+mask" if self.masked else "")
                 + (f"+lora={self.lora}" if self.lora else "") + (f"+base={self.base_dtype}" if self.base_dtype != "float32" else "")
-                + ("+dpo" if self.dpo else "") + ("+pack" if self.pack else ""))
+                + ("+dpo" if self.dpo else "") + ("+pack" if self.pack else "") + ("+grpo" if self.grpo else ""))
 
     def flags(self) -> dict:
         return {**self.strategy.to_dict(), "optimizer": self.optimizer, **({"model": self.model} if self.model else {}),
@@ -115,8 +116,8 @@ def parse_strategy(text: str) -> Case:
     tokens = [t for t in tokens if not t.startswith(("lora=", "base="))]
     clip = CLIP_NORM if "clip" in tokens else None
     smoothing = SMOOTHING if "smooth" in tokens else 0.0
-    masked, dpo, pack = "mask" in tokens, "dpo" in tokens, "pack" in tokens
-    tokens = [t for t in tokens if t not in ("clip", "smooth", "mask", "dpo", "pack")]
+    masked, dpo, pack, grpo = "mask" in tokens, "dpo" in tokens, "pack" in tokens, "grpo" in tokens
+    tokens = [t for t in tokens if t not in ("clip", "smooth", "mask", "dpo", "pack", "grpo")]
     model = next((t for t in tokens if t in case_models()), None)
     names = spec(model).options.names() if model else ()
     texts = {f.name for f in fields(spec(model).options) if "str" in str(f.type)} if model else set()
@@ -138,11 +139,11 @@ def parse_strategy(text: str) -> Case:
                           f"each gradient entry by its own size, so entries whose gradient is rounding noise move by "
                           f"up to lr either way; verify the transformer with SGD (drop +adam)")
     rest = "+".join(t for t in tokens if t not in ("adam", *case_models()))
-    if (lora is not None or dpo or pack) and not model:
-        word = "lora" if lora is not None else "dpo" if dpo else "pack"
+    if (lora is not None or dpo or pack or grpo) and not model:
+        word = "lora" if lora is not None else "dpo" if dpo else "pack" if pack else "grpo"
         raise ConfigError(f"{text}: +{word} trains a transformer; add +llama or another language model")
     return Case(Strategy.parse(rest) if rest else Strategy(), "adam" if "adam" in tokens else "sgd", model, clip,
-                smoothing, masked, options, lora, base, dpo, pack)
+                smoothing, masked, options, lora, base, dpo, pack, grpo)
 
 
 def planned(strategy: Strategy) -> bool:
@@ -152,15 +153,12 @@ def planned(strategy: Strategy) -> bool:
 
 def default_strategies(world_size: int | None = None) -> list[Case]:
     """Every dp_sync x collective, each method with grad_accum 4, SyncBN, ZeRO 1-3 (tuned and plain), activation
-    checkpointing (with SyncBN too), bf16 autocast, a bf16 reduction, PowerSGD, and -- where
-    ``world_size`` is even -- tensor parallel over pairs of ranks in both styles, two-stage
-    pipelines with each schedule and context parallel on the transformer in both styles, the
-    mixture of experts with expert parallel (beside ZeRO too), interleaved and zero-bubble pipelines (with tensor
-    parallel, context x pipeline and expert x pipeline where it divides by 4); clipping by the global
-    norm over ZeRO-2's shards and, on an even world, over TP+SP's transformer with label smoothing;
-    the transformer's blocks compiled under ZeRO-3 and activation checkpointing; ignored targets
-    (``+mask``) over data parallel with accumulation and the mixture of experts, and on an even world
-    across tensor parallel's vocabulary shards (smoothed), a pipeline and context parallel."""
+    checkpointing (with SyncBN too), bf16 autocast, a bf16 reduction, PowerSGD, and -- where ``world_size`` is
+    even -- tensor parallel in both styles, pipelines with each schedule and context parallel in both styles, the
+    mixture of experts with expert parallel (beside ZeRO too; both dispatches), interleaved and zero-bubble
+    pipelines (with TP, CP x PP and EP x PP where it divides by 4); clipping over ZeRO-2's shards and TP+SP's
+    transformer with label smoothing; compiled blocks under ZeRO-3 and checkpointing; ignored targets over DP with
+    accumulation, the experts, TP's vocabulary shards, a pipeline and CP; LoRA, DPO, packing and GRPO."""
     out = [Strategy("gather-scatter")]
     out += [Strategy(m, c) for m in ("allreduce", "bucketed", "ddp") for c in COLLECTIVES]
     out += [Strategy(m, grad_accum=4) for m in SYNC_METHODS]
@@ -237,16 +235,15 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
                   Case(Strategy(zero=3), model="llama", lora=lora),
                   Case(Strategy("allreduce", tp=2, sequence_parallel=True), model="llama", lora=lora),
                   Case(Strategy("bucketed", pp=2, microbatches=2), model="llama", lora=lora)]
-        # DPO on preference pairs: ZeRO-3 with adapters (the reference: the base, adapters off), context parallel
-        # (each rank's tokens' log-probabilities summed over the ring's ranks), a pipeline's last stage scoring pairs
+        # DPO: ZeRO-3 with adapters (the reference: adapters off), CP (log-probabilities summed over the ring), TP+SP;
+        # GRPO's rollouts from ZeRO-3's gathered adapters, the reference the base, adapters off
         cases += [Case(Strategy(zero=3), model="llama", lora=lora, dpo=True),
+                  Case(Strategy(zero=3), model="llama", lora=lora, grpo=True),
                   Case(Strategy("bucketed", cp=2), model="llama", dpo=True),
                   Case(Strategy("allreduce", tp=2, sequence_parallel=True), model="llama", dpo=True)]
-        # packed records, each attending to itself only: a pipeline's stages each binding their micro-batch's
-        # structure (recomputed blocks too), the ring skipping the block pairs whose chunks share no record, the
-        # all-to-all masking the gathered sequence
-        cases += [Case(Strategy("bucketed", pp=2, microbatches=2, activation_checkpointing=True), model="llama",
-                       pack=True),
+        # packed records: each pipeline stage binding its micro-batch's structure (recomputed too), the ring skipping
+        # block pairs sharing no record, the all-to-all masking the gathered sequence
+        cases += [Case(Strategy("bucketed", pp=2, microbatches=2, activation_checkpointing=True), model="llama", pack=True),
                   Case(Strategy("bucketed", cp=2), model="llama", pack=True),
                   Case(Strategy("bucketed", cp=2, cp_style="ulysses"), model="llama", pack=True)]
         cases += [Case(Strategy("bucketed", ep=2, ep_dispatch=d), model="gpt-moe") for d in ("all_to_all", "all_gather")]
@@ -292,7 +289,8 @@ def config_for(case: Case, world_size: int, steps: int, global_batch: int | None
     model, dataset = ("small-cnn-bn", "synthetic:3x8x8:4:480") if bn else ("mlp", "synthetic:1x8x8:4:480")
     if case.model in case_models():
         model, dataset = case.model, f"synthetic-text:4000:masked={MASKED}" if case.masked else "synthetic-text:4000"
-        dataset = "synthetic-pairs:40" if case.dpo else packing_records() if case.pack else dataset
+        dataset = "synthetic-pairs:40" if case.dpo else packing_records() if case.pack else GRPO_DATA if case.grpo \
+            else dataset
     if mine:
         model, dataset = mine, data or USER_DATASET
     small = {**verify_sizes(), **dict(case.options)}
@@ -303,7 +301,7 @@ def config_for(case: Case, world_size: int, steps: int, global_batch: int | None
                        global_batch_size=batch, lr=0.005 if case.optimizer == "adam" else 0.05,
                        lr_schedule="constant", momentum=0.9, optimizer=case.optimizer, seed=seed, log_every=1,
                        clip_grad_norm=case.clip, label_smoothing=case.smoothing, lora=case.lora,
-                       base_dtype=case.base_dtype,
+                       base_dtype=case.base_dtype, **(GRPO if case.grpo else {}),
                        progress=False, verbose=False, eval_every_epoch=False, eval_batches=1,  # (compared: the
                        strategy=strategy).validate(world_size)  # parameters and losses; the test set is not read)
 
@@ -315,6 +313,8 @@ def tolerance(cfg: TrainConfig, world_size: int = 1, num_parameters: int = 0) ->
     s = cfg.strategy
     if s.grad_compression.startswith("powersgd") or cfg.optimizer != "sgd":
         return None
+    if cfg.reward is not None:
+        return grpo_tolerance(cfg, world_size)
     if is_preference(cfg.dataset):  # a pair's gradient: beta x its 2 x block_size tokens' (each entry at most 1)
         width = 2 * cfg.block_size
         return sgd_tolerance(cfg.max_steps, cfg.lr * (cfg.dpo_beta or DEFAULT_BETA) * width,
@@ -344,7 +344,7 @@ def reference_run(cfg: TrainConfig, norms: list[float] | None = None) -> tuple[l
         if cfg.base_dtype == "nf4":  # the adapted layers' weights quantized as the run quantizes them
             from distlab.train.quantized_base import quantize
             quantize(model)
-    score = task_loss
+    score, rollout = task_loss, grpo_training(cfg, model, data)  # GRPO: each step's rollout and its loss
     if is_preference(cfg.dataset):  # DPO: the starting model's log-probabilities, then each step the pairs' mean
         data.reference = reference_logps(model, data)
         score = dpo_mean(cfg.dpo_beta or DEFAULT_BETA)
@@ -357,6 +357,8 @@ def reference_run(cfg: TrainConfig, norms: list[float] | None = None) -> tuple[l
             if step == cfg.max_steps:
                 break
             x, y, fields = split(data.batch(torch.tensor(idx)))
+            if rollout is not None:
+                x, y, score = rollout(y, step)
             bind(model, fields)  # a packed batch's structure: each record attends to itself only
             opt.zero_grad()
             with Precision(cfg.strategy.precision).autocast():
@@ -390,13 +392,6 @@ def _distributed_runs(rank: int, world: int, configs: list[TrainConfig]):
         out.append((trainer.full_parameters(), [r["loss"] for r in trainer.history],
                     [r["grad_norm"] for r in trainer.history if "grad_norm" in r], compiled_graphs() - graphs))
     return out if rank == 0 else None
-
-
-def compare(params, losses, ref_params, ref_losses) -> dict:
-    abs_diff = max((a - b).abs().max().item() for a, b in zip(params, ref_params))
-    rel_diff = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() for a, b in zip(params, ref_params))
-    loss_diff = max((abs(a - b) for a, b in zip(losses, ref_losses)), default=0.0)
-    return {"max_abs_param_diff": abs_diff, "max_rel_param_diff": rel_diff, "max_loss_diff": loss_diff}
 
 
 def verify(strategies: list[Case], world_size: int, steps: int = 10, global_batch: int | None = None,

@@ -1,9 +1,18 @@
 """What :mod:`distlab.tools.verify`'s single-process reference reads besides a model and a batch: DPO's
-reference log-probabilities and its loss, and the generated fine-tuning records ``+pack`` packs."""
+reference log-probabilities and its loss, the generated fine-tuning records ``+pack`` packs, GRPO's rollouts and
+loss on one process, and how a run is compared with it."""
 
 from __future__ import annotations
 
 import torch
+
+
+def compare(params, losses, ref_params, ref_losses) -> dict:
+    """The largest differences of a run's parameters (absolute, relative) and losses from the reference's."""
+    abs_diff = max((a - b).abs().max().item() for a, b in zip(params, ref_params))
+    rel_diff = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() for a, b in zip(params, ref_params))
+    loss_diff = max((abs(a - b) for a, b in zip(losses, ref_losses)), default=0.0)
+    return {"max_abs_param_diff": abs_diff, "max_rel_param_diff": rel_diff, "max_loss_diff": loss_diff}
 
 
 def packing_records(n: int = 160) -> str:
@@ -49,3 +58,49 @@ def dpo_mean(beta: float):
         logps, reference = token_logps(task_loss, out, y)
         return pair_scores(logps, reference.to(logps.dtype), beta)[0].mean()
     return loss
+
+
+# +grpo: GRPO from a reward on generated sums (a reward every few random completions earn: the groups' advantages
+# differ), the KL to the starting model scored
+GRPO = {"reward": "regex:[0-9a-z]", "group_size": 4, "kl_beta": 0.1}
+GRPO_DATA = "synthetic-rl:400"
+
+
+def grpo_training(cfg, model, data):
+    """One process's GRPO (None without it): ``rollout(y, step)`` gives a step's rows, targets and loss function --
+    the run's own rollout (:func:`distlab.train.grpo.rollout_rows`) by ``model`` itself, the reference the starting
+    weights (with LoRA: the base, adapters off)."""
+    import copy
+
+    from distlab.models import task_loss
+    from distlab.train.grpo import rollout_rows, token_losses
+    from distlab.train.rewards import Rewards
+    if cfg.reward is None:
+        return None
+    rewards, start = Rewards(cfg.reward, cfg.reward_weights), copy.deepcopy(model) if cfg.lora is None else None
+    eps_high = cfg.clip_epsilon_high if cfg.clip_epsilon_high is not None else cfg.clip_epsilon
+
+    def loss(out, y, label_smoothing=0.0):
+        target = y[..., 0].long()
+        logp = -task_loss(out, target, reduction="none").reshape(target.shape)
+        losses = token_losses(logp, y, cfg.clip_epsilon, eps_high, cfg.kl_beta, cfg.ppo_epochs == 1)[0]
+        return (losses * y[..., 4].to(logp.dtype)).masked_fill(target < 0, 0.0).sum()
+
+    def rollout(y, step):
+        reference = (model if start is None else start) if cfg.kl_beta else None
+        x, targets, _ = rollout_rows(model, data, y[:, 0].tolist(), cfg, step // cfg.ppo_epochs, rewards, reference,
+                                     start is None)
+        return x, targets, loss
+    return rollout
+
+
+def grpo_tolerance(cfg, world_size: int) -> float:
+    """The float32 bound of a GRPO run (:func:`~distlab.tools.verify.sgd_tolerance`): each completion's tokens
+    weigh ``1 / (its tokens x completions)`` in all, times an advantage of at most ``(G - 1) / sqrt(G)`` (the
+    largest z-score ``G`` numbers have), plus the KL term's ``beta`` -- a cross-entropy's gradient over the global
+    batch's completions, scaled by that."""
+    from distlab.tools.bounds import sgd_tolerance
+    g = cfg.group_size
+    s = cfg.strategy
+    return sgd_tolerance(cfg.max_steps, cfg.lr * ((g - 1) / g ** 0.5 + cfg.kl_beta), cfg.global_batch_size * g,
+                         cfg.momentum, s.precision, s.wire_dtype or "fp32", s.dp_size(world_size))

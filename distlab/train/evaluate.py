@@ -166,6 +166,9 @@ def eval_words(record: dict) -> str:
     """The console line of an evaluation."""
     val = f" | val loss {record['val_loss']:.4f}" if "val_loss" in record else ""
     ppl = f" | perplexity {record['test_perplexity']:.2f}" if "test_perplexity" in record else ""
+    if "test_reward" in record:  # prompts learned from rewards (GRPO): their greedy completions' rewards
+        return (f"eval step {record['step']} (epoch {record['epoch']}) | test reward {record['test_reward']:.4f} | "
+                f"rewarded {100 * record['test_accuracy']:.2f}% ({record['test_samples']:,} prompts, greedy){val}")
     if "test_reward_margin" in record:  # preference pairs (DPO)
         return (f"eval step {record['step']} (epoch {record['epoch']}) | test DPO loss {record['test_loss']:.4f} | "
                 f"preference accuracy {100 * record['test_accuracy']:.2f}% ({record['test_samples']:,} pairs) | "

@@ -216,11 +216,11 @@ class Grpo:
         self.loss_stats.zero_()
         n, reward, length, entropy, entropy_tokens = sums[:len(STATS)]
         each, (tokens, kl, clipped) = sums[len(STATS):len(STATS) + len(self.rewards.names)], sums[-3:]
-        if not n:
-            return {}
-        record = {"reward": reward / n, "completion_length": length / n,
-                  "entropy": entropy / entropy_tokens if entropy_tokens else None,
-                  "kl": kl / tokens if tokens else 0.0, "clip_fraction": clipped / tokens if tokens else 0.0}
+        record = {"kl": kl / tokens, "clip_fraction": clipped / tokens} if tokens else {}
+        if not n:  # (--ppo-epochs: a step training an earlier rollout again draws none)
+            return record
+        record.update({"reward": reward / n, "completion_length": length / n,
+                       "entropy": entropy / entropy_tokens if entropy_tokens else None})
         if len(self.rewards.names) > 1:
             record.update({f"reward_{name}": v / n for name, v in zip(self.rewards.names, each)})
         return record
@@ -234,10 +234,12 @@ class Grpo:
         mesh = self.engine.mesh
         model = self.copy()
         total = rewarded = 0.0
-        mine = range(mesh.dp_rank, len(dataset), mesh.dp) if self.counts else range(0)
-        for i in mine:
+        for k in range(-(-len(dataset) // mesh.dp)):  # as many on every rank: `stop` is collective
             if stop is not None and stop():
                 break
+            i = mesh.dp_rank + k * mesh.dp
+            if not self.counts or i >= len(dataset):
+                continue
             number = int(dataset.index[i])
             prompt = dataset.prompts[number][:self.cfg.block_size]
             done, _, _ = rollout.complete(model, prompt, 1, max_new(self.cfg, prompt), 0.0, 1.0, dataset.stops, 0)
@@ -248,6 +250,26 @@ class Grpo:
         n = max(len(dataset), 1)
         return {"test_loss": -total / n, "test_reward": total / n, "test_accuracy": rewarded / n,
                 "test_samples": len(dataset)}
+
+
+class Repeated:
+    """A loader whose every batch comes ``times`` times in a row (``--ppo-epochs``: each rollout batch trains that
+    many steps; TRL's repeated sampler): ``len`` and positions count the steps."""
+
+    def __init__(self, loader, times: int):
+        self.loader, self.times = loader, times
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.loader) * self.times
+
+    def iter_from(self, position: int):
+        first, skip = divmod(position, self.times)
+        for i, batch in enumerate(self.loader.iter_from(first)):
+            for _ in range(self.times - (skip if i == 0 else 0)):
+                yield batch
 
 
 def check(cfg) -> None:

@@ -25,9 +25,12 @@ def step_record(trainer, epoch: int, lr: float, loss: float, rate: float | None,
 
 
 def step_words(record: dict, total_steps: int, throughput) -> str:
-    """``step  20/937 | epoch 0 | loss 0.5123 | lr 0.05 | 3,210 samples/s`` (and the norm, DPO's rewards)."""
+    """``step  20/937 | epoch 0 | loss 0.5123 | lr 0.05 | 3,210 samples/s`` (and the norm, DPO's rewards, GRPO's)."""
     norm = f" | grad norm {record['grad_norm']:.3g}" if "grad_norm" in record else ""
     norm += (f" | reward margin {record['reward_margin']:.4f}, {100 * record['reward_accuracy']:.1f}% preferred"
              if "reward_margin" in record else "")
+    norm += f" | reward {record['reward']:.3f}, {record['completion_length']:.1f} tokens" if "reward" in record else ""
+    norm += (f" | kl {record['kl']:.2g}, clipped {100 * record['clip_fraction']:.1f}%" if "clip_fraction" in record
+             else "")
     return (f"step {record['step']:>6}/{total_steps} | epoch {record['epoch']} | loss {record['loss']:.4f} | "
             f"lr {record['lr']:.4g}{norm} | {record['samples_per_s'] or 0:,.0f} samples/s{throughput.words(record)}")

@@ -105,6 +105,9 @@ class Trainer:
         # with a fused optimizer the gradients' verdict stays on the device, read where the loop must (_diverged)
         self.optimizer = self.engine.attach(build_optimizer(self.engine.parameters(), cfg, names, no_decay),
                                             verdict_on_device=True)
+        if cfg.ppo_epochs > 1:  # GRPO: each rollout batch trains ppo_epochs steps
+            from distlab.train.grpo import Repeated
+            self.loader = Repeated(self.loader, cfg.ppo_epochs)
         self.steps_per_epoch = len(self.loader)
         self.total_steps = cfg.total_steps(self.steps_per_epoch)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)

@@ -1,0 +1,135 @@
+"""GRPO from rewards (distlab.train.grpo, rollout, rewards; distlab.data.rl): the loss is TRL's formula, the
+rollouts are seeded per prompt, the command trains, resumes and refuses bad input in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from distlab.tools.verify import sum_tolerance
+
+F64 = torch.float64
+
+TINY = ["--model", "gpt", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "12",
+        "--global-batch-size", "4", "--log-every", "1", "--no-progress", "--lr", "0.05", "--lr-schedule", "constant",
+        "--comm-timeout", "60"]
+
+
+def _trl(logp, old, ref, adv, mask, eps_low, eps_high, beta, how, max_len):
+    """TRL's GRPOTrainer._compute_loss, written out: the per-token loss, then its normalisation."""
+    coef_1 = torch.exp(logp - old)
+    coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+    per_token_loss = -torch.min(coef_1 * adv[:, None], coef_2 * adv[:, None])
+    per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
+    per_token_loss = per_token_loss + beta * per_token_kl
+    if how == "grpo":
+        return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if how == "dapo":
+        return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+    return (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_len)
+
+
+@pytest.mark.parametrize("how", ["grpo", "dapo", "dr_grpo"])
+def test_the_loss_and_its_gradient_are_trls_formula(how):
+    """Two groups of three completions, off-policy (the old log-probabilities apart from the policy's, so the clip
+    bites both ways) with a KL to a reference: distlab's token losses and weights give TRL's loss and the same
+    gradient to the policy's log-probabilities, in float64."""
+    from distlab.train.grpo import advantages, token_losses, token_weights
+    g = torch.Generator().manual_seed(0)
+    rows, t = 6, 5
+    logp = (-torch.rand(rows, t, generator=g, dtype=F64) * 3).requires_grad_()
+    old = logp.detach() + 0.4 * torch.randn(rows, t, generator=g, dtype=F64)
+    ref = logp.detach() + 0.2 * torch.randn(rows, t, generator=g, dtype=F64)
+    mask = torch.ones(rows, t, dtype=F64)
+    mask[0, 3:], mask[4, 1:], mask[5, 4:] = 0, 0, 0  # completions of 3, 1 and 4 tokens beside full ones
+    rewards = torch.tensor([[1.0, 0.0, 0.5], [0.0, 0.0, 1.0]], dtype=F64)
+    adv = advantages(rewards).view(-1)
+    y = torch.stack([torch.zeros(rows, t, dtype=F64), adv[:, None].expand(rows, t), old, ref,
+                     token_weights(mask, how, rows, float(mask.sum()), t)], -1)
+    losses, _, clipped = token_losses(logp, y, 0.2, 0.28, 0.05, on_policy=False)
+    ours = (losses * y[..., 4]).masked_fill(mask == 0, 0).sum()
+    (grad,) = torch.autograd.grad(ours, logp)
+    theirs = _trl(logp, old, ref, adv, mask, 0.2, 0.28, 0.05, how, t)
+    (want,) = torch.autograd.grad(theirs, logp)
+    assert clipped[mask.bool()].any() and not clipped[mask.bool()].all()
+    bound = sum_tolerance(rows * t, float(losses.abs().max()), F64)
+    assert abs(ours.item() - theirs.item()) <= bound and (grad - want).abs().max() <= bound
+    # the group's advantages: reward minus the group's mean, over its unbiased std (+1e-4)
+    assert torch.allclose(advantages(rewards)[0], (rewards[0] - rewards[0].mean()) / (rewards[0].std() + 1e-4))
+
+
+def test_a_prompts_completions_are_seeded_by_it_and_end_at_a_stop():
+    """The same prompt, rollout and seed draw the same completions whatever else is drawn; another rollout draws
+    others; a completion ends at its stop token (kept) or the budget."""
+    from distlab.models import GPT
+    from distlab.train import rollout
+    torch.manual_seed(0)
+    model = GPT(256, 16, 1, 2, 16).eval()
+    prompt = list(b"12+3=")
+    a, _, _ = rollout.complete(model, prompt, 4, 6, 1.0, 1.0, frozenset({10}), rollout.seed_of(0, 3, 7))
+    b, _, _ = rollout.complete(model, prompt, 4, 6, 1.0, 1.0, frozenset({10}), rollout.seed_of(0, 3, 7))
+    c, _, _ = rollout.complete(model, prompt, 4, 6, 1.0, 1.0, frozenset({10}), rollout.seed_of(0, 4, 7))
+    assert a == b and a != c
+    stops = {t for done in a for t in done[:1]}  # every first token made a stop: each completion is that token
+    d, _, _ = rollout.complete(model, prompt, 4, 6, 1.0, 1.0, frozenset(stops), rollout.seed_of(0, 3, 7))
+    assert [len(x) for x in d] == [1] * 4 and all(len(x) == 6 or x[-1] == 10 for x in a)
+    x, y = rollout.window(prompt, a[0], 12)
+    assert (y >= 0).sum() == len(a[0]) and x[:len(prompt)].tolist() == prompt
+
+
+def _records(tmp_path) -> str:
+    lines = [json.dumps({"prompt": f"{a}+{a % 7}=", "answer": str(a + a % 7)}) for a in range(60)]
+    (tmp_path / "sums.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "mine.py").write_text("def score(completion, record):\n    return float(any(c.isdigit() for c in "
+                                      "completion))\n\ndef bad(completion, record):\n    return 'yes'\n")
+    return f"rl:{tmp_path / 'sums.jsonl'}"
+
+
+def test_the_cli_learns_from_rewards_logs_them_and_resumes_bitwise(run_cli, tmp_path):
+    """ZeRO-3 on 2 ranks, a reward of the user's own beside a built-in one, weighted, a KL to the starting model:
+    each step logs the reward (and each reward's), the completions' length, entropy, KL and clipped share; the
+    evaluation the test prompts' greedy rewards. Stopped at step 2 and resumed, it ends where the uninterrupted
+    run does, every loss the same to the last bit."""
+    data = _records(tmp_path)
+    common = ["train", *TINY, "--dataset", data, "--reward", f"{tmp_path / 'mine.py'}:score,exact",
+              "--reward-weights", "1,0.5", "--group-size", "3", "--kl-beta", "0.05", "--max-new-tokens", "4",
+              "--nproc-per-node", "2", "--zero", "3", "--max-steps", "4"]
+    run_cli(*common, "--out", "whole", check=True, timeout=240)
+    run_cli(*common, "--snapshot-dir", "s", "--snapshot-every", "2", "--max-steps", "2", "--out", "first",
+            check=True, timeout=240)
+    proc = run_cli(*common, "--snapshot-dir", "s", "--resume", "auto", "--out", "second", check=True, timeout=240)
+    assert "| reward " in proc.stdout and "test reward" in proc.stdout
+    whole = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    for r in whole:
+        assert {"reward", "reward_exact", "completion_length", "entropy", "kl", "clip_fraction"} <= set(r), r
+        assert 0 <= r["reward_exact"] <= 1 and 1 <= r["completion_length"] <= 4
+    assert whole[-1]["kl"] > 0 and "test_reward" in whole[-1]
+    resumed = [json.loads(line) for line in (tmp_path / "second" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in resumed if r["step"] > 2] == [r["loss"] for r in whole if r["step"] > 2]
+    assert [r["reward"] for r in resumed if r["step"] > 2] == [r["reward"] for r in whole if r["step"] > 2]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--dataset", "synthetic-text:3000", "--reward", "exact"], "reward is GRPO's"),
+    (["--group-size", "1"], "sample at least 2"),
+    (["--reward", "nosuch"], "unknown --reward 'nosuch'"),
+    (["--reward", "exact,number", "--reward-weights", "1"], "gives 1 weights for 2 rewards"),
+    (["--reward", "regex:(["], "not a regular expression"),
+    (["--temperature", "0"], "draws the same completion"),
+    (["--ppo-epochs", "2", "--snapshot-dir", "s", "--snapshot-every", "3"], "give a multiple of 2"),
+])
+def test_bad_grpo_settings_are_one_line_before_launch(refused_here, tmp_path, flags, message):
+    data = _records(tmp_path)
+    proc = refused_here("train", *TINY, "--dataset", data, "--max-steps", "1", *flags)
+    assert message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_a_reward_that_returns_no_number_or_needs_an_answer_stops_the_run_saying_so(run_cli, tmp_path):
+    data = _records(tmp_path)
+    bad = run_cli("train", *TINY, "--dataset", data, "--max-steps", "1", "--reward", f"{tmp_path / 'mine.py'}:bad")
+    assert bad.returncode != 0 and "returned 'yes' for a completion: a reward is a number" in bad.stderr, bad.stderr
+    (tmp_path / "bare.jsonl").write_text("\n".join(json.dumps({"prompt": f"{i}="}) for i in range(20)) + "\n")
+    none = run_cli("train", *TINY, "--dataset", f"rl:{tmp_path / 'bare.jsonl'}", "--max-steps", "1")
+    assert none.returncode != 0 and "add \"answer\" to every line" in none.stderr, none.stderr
