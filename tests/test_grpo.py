@@ -133,3 +133,12 @@ def test_a_reward_that_returns_no_number_or_needs_an_answer_stops_the_run_saying
     (tmp_path / "bare.jsonl").write_text("\n".join(json.dumps({"prompt": f"{i}="}) for i in range(20)) + "\n")
     none = run_cli("train", *TINY, "--dataset", f"rl:{tmp_path / 'bare.jsonl'}", "--max-steps", "1")
     assert none.returncode != 0 and "add \"answer\" to every line" in none.stderr, none.stderr
+
+
+def test_a_grpo_run_killed_mid_run_resumes_bitwise_through_the_fault_drill(run_cli, tmp_path):
+    """``distlab verify --faults kill`` on a GRPO case: a rank SIGKILLed mid-run, the job restarted from its
+    snapshot, ends with the uninterrupted run's model to the last bit (the rollouts redrawn alike)."""
+    run_cli("verify", "--faults", "kill", "--nproc", "2", "--strategy", "bucketed+gpt+grpo", "--steps", "8",
+            "--json", "drill.json", check=True, timeout=600)
+    (record,) = json.loads((tmp_path / "drill.json").read_text())
+    assert record["passed"] and record["max_abs_param_diff"] == 0.0, record

@@ -73,6 +73,11 @@ class _Job:
         if case.model in ("gpt", "gpt-moe"):  # the transformer (the sequence and expert layouts need it)
             self.model, self.dataset = case.model, "synthetic-text:20000"
             self.shape = ["--n-layer", "2", "--n-head", "4", "--n-embd", "32", "--block-size", "16"]
+        self.extra: list[str] = []
+        if getattr(case, "grpo", False):  # GRPO: prompts, a reward, rollouts seeded per prompt (resumed: redrawn alike)
+            from distlab.tools.verify_data import GRPO, GRPO_DATA
+            self.dataset = GRPO_DATA
+            self.extra = [part for k, v in GRPO.items() for part in (f"--{k.replace('_', '-')}", str(v))]
         self.batch = 16 * case.strategy.dp_size(world_size)
         self.lr = 0.003
         self.every, self.fault_step = max(1, steps // 4), steps // 2 + 1
@@ -83,7 +88,7 @@ class _Job:
                 "--global-batch-size", str(self.batch), "--max-steps", str(self.steps),
                 "--snapshot-every", str(self.every), "--lr", str(self.lr), "--lr-schedule", "cosine",
                 "--log-every", "1", "--no-progress", "--comm-timeout", "60", "--optimizer", self.case.optimizer,
-                *strategy_flags(self.case.strategy)]
+                *strategy_flags(self.case.strategy), *self.extra]
 
     def run(self, name: str, extra: list[str] = (), env: dict | None = None, world: int | None = None,
             fresh: bool = True, expect: int | None = 0) -> subprocess.CompletedProcess:
