@@ -53,6 +53,11 @@ def plural(n: int, noun: str) -> str:
 def _text_facts(trainer, final: dict) -> dict:
     """For a language model: the unit of its losses, perplexity, and the baseline to beat."""
     data = trainer.train_set
+    if getattr(data, "stops", None) is not None:  # prompts learned from rewards (GRPO)
+        cfg = trainer.cfg
+        return {"loss_unit": "grpo", "block_size": data.block_size, "test_reward": final.get("test_reward"),
+                "group_size": cfg.group_size, "reward": cfg.reward or "exact", "grpo_loss": cfg.grpo_loss,
+                "kl_beta": cfg.kl_beta, "eval_prompts": len(trainer.eval_test), "vocab_size": data.num_classes}
     if not hasattr(data, "unigram_entropy"):
         return {}
     loss = final.get("test_loss")

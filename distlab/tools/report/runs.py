@@ -15,6 +15,8 @@ def _task(summary: dict | None) -> tuple[str, str, str]:
     """(what the runs do, the loss's unit, what accuracy counts) from a run's summary."""
     if not summary:
         return "runs without a summary.json", "", ""
+    if summary.get("loss_unit") == "grpo":
+        return "learning from rewards (GRPO)", "GRPO loss", "test prompts whose greedy completion earned a reward"
     if summary.get("loss_unit") == "dpo":
         return "preference tuning (DPO)", "DPO loss", "test pairs whose chosen completion has the larger reward"
     if summary.get("loss_unit") == "nats/token":
@@ -65,6 +67,7 @@ def _runs_section(dataset: str, runs: list[dict], problems: list[tuple[str, str]
         place_legend(ax, len(clipped))
         out.append(png(fig))
     out.append(_rewards([r for r in with_metrics if any("reward_margin" in m for m in r["metrics"])], dataset))
+    out.append(_grpo([r for r in with_metrics if any("completion_length" in m for m in r["metrics"])], dataset))
     evaluated = [r for r in runs if len((r["summary"] or {}).get("evals") or []) >= 2]
     if evaluated:  # --eval-every (or several epochs): the held-out loss over the run: test solid, validation dashed
         fig, ax = plt.subplots(figsize=(9, 3.6))
@@ -121,6 +124,33 @@ def _rewards(runs: list[dict], dataset: str) -> str:
         b.plot([m["step"] for m in steps], [100 * m["reward_accuracy"] for m in steps], label=run_label(r), **kw)
     a.set(xlabel="step", ylabel="reward margin (chosen - rejected)", title=f"{dataset}: reward margin")
     b.set(xlabel="step", ylabel="pairs preferred (%)", title=f"{dataset}: preference accuracy", ylim=(0, 100))
+    place_legend(b, len(runs))
+    return png(fig)
+
+
+def _grpo(runs: list[dict], dataset: str) -> str:
+    """Learning from rewards (GRPO): the rollouts' mean reward every logged step beside the test prompts' greedy
+    one at each evaluation, and the KL to the reference with the share of tokens clipped."""
+    if not runs:
+        return ""
+    plt = pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 3.8))
+    for i, r in enumerate(runs):
+        steps = [m for m in r["metrics"] if "reward" in m]
+        kw = style(i, len(steps))
+        line, = a.plot([m["step"] for m in steps], [m["reward"] for m in steps], label=f"{run_label(r)} rollouts", **kw)
+        evals = [e for e in (r["summary"] or {}).get("evals") or [] if e.get("test_reward") is not None]
+        if evals:
+            a.plot([e["step"] for e in evals], [e["test_reward"] for e in evals], linestyle="--", marker="o",
+                   color=line.get_color(), label=f"{run_label(r)} test (greedy)")
+        lossy = [m for m in r["metrics"] if "clip_fraction" in m]
+        b.plot([m["step"] for m in lossy], [100 * m["clip_fraction"] for m in lossy], label=f"{run_label(r)} clipped %",
+               **kw)
+        b.plot([m["step"] for m in lossy], [m["kl"] for m in lossy], linestyle=":", color=line.get_color(),
+               label=f"{run_label(r)} KL")
+    a.set(xlabel="step", ylabel="mean reward", title=f"{dataset}: reward")
+    b.set(xlabel="step", ylabel="KL to the reference; tokens clipped (%)", title=f"{dataset}: KL and clipping")
+    place_legend(a, len(runs))
     place_legend(b, len(runs))
     return png(fig)
 
