@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from typing import Callable, ContextManager
 
 import torch
@@ -45,7 +46,7 @@ from distlab.train import rollout
 from distlab.train.rewards import Rewards
 
 LOSSES = ("grpo", "dapo", "dr_grpo")
-STATS = ("completions", "reward", "length", "entropy", "entropy_tokens")  # a rollout's, then each reward's
+STATS = ("completions", "reward", "length", "entropy", "entropy_tokens", "rollouts", "rollout_s")  # then each reward's
 
 
 def advantages(rewards: torch.Tensor, scale: bool = True) -> torch.Tensor:
@@ -184,12 +185,14 @@ class Grpo:
 
         def global_counts(rows: float, tokens: float) -> tuple[float, float]:
             return tuple(v / copies for v in reduce_scalars([rows, tokens]))
+        started = time.perf_counter()
         with timeline.span("rollout"):
             model = self.copy()
             reference = None if not self.cfg.kl_beta else model if self.start is None else self.copy(self.start)
             rows_x, y_out, stats = rollout_rows(model, self.trainer.train_set, y[:, 0].tolist(), self.cfg, number,
                                                 self.rewards, reference, self.start is None, global_counts)
-        self.stats += stats
+        self.stats += torch.cat([stats[:5], torch.tensor([1.0, time.perf_counter() - started], dtype=torch.float64),
+                                 stats[5:]])
         made = (rows_x.to(x.device), y_out.to(x.device), None)
         self._cached = (number, made)
         return made
@@ -214,13 +217,16 @@ class Grpo:
         sums = reduce_scalars([*own, *self.loss_stats.tolist()], device=self.device)
         self.stats.zero_()
         self.loss_stats.zero_()
-        n, reward, length, entropy, entropy_tokens = sums[:len(STATS)]
+        n, reward, length, entropy, entropy_tokens, rollouts, seconds = sums[:len(STATS)]
         each, (tokens, kl, clipped) = sums[len(STATS):len(STATS) + len(self.rewards.names)], sums[-3:]
         record = {"kl": kl / tokens, "clip_fraction": clipped / tokens} if tokens else {}
         if not n:  # (--ppo-epochs: a step training an earlier rollout again draws none)
             return record
         record.update({"reward": reward / n, "completion_length": length / n,
-                       "entropy": entropy / entropy_tokens if entropy_tokens else None})
+                       "entropy": entropy / entropy_tokens if entropy_tokens else None,
+                       # a rollout's seconds (the replicas' mean; they generate at once) and the completion tokens
+                       # all of them generate a second
+                       "rollout_s": seconds / rollouts, "generated_tokens_per_s": length * self.engine.mesh.dp / seconds})
         if len(self.rewards.names) > 1:
             record.update({f"reward_{name}": v / n for name, v in zip(self.rewards.names, each)})
         return record
