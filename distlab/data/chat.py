@@ -305,6 +305,11 @@ class ChatTemplate:
         return cls(source, special, where, file)
 
 
+def check_messages(messages, where: str) -> None:
+    """A conversation as the template reads one (one line naming ``where`` it is not)."""
+    _messages(messages, where)
+
+
 def _messages(messages, where: str) -> None:
     if not (isinstance(messages, list) and messages and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)

@@ -81,8 +81,8 @@ def records(spec: str, template=None, template_dir: str = "") -> list[tuple[str,
             out.append((record["prompt"], record))
         elif isinstance(record, dict) and isinstance(record.get("messages"), list) and "prompt" not in record:
             sft.need_template(template, where, template_dir)
-            from distlab.data.chat import _messages
-            _messages(record["messages"], where)
+            from distlab.data.chat import check_messages
+            check_messages(record["messages"], where)
             out.append((template.render(record["messages"], add_generation_prompt=True), record))
         else:
             raise ConfigError(f"{where}: a prompt record is {{\"prompt\": TEXT, ...}} or {{\"messages\": [{{\"role\": "
