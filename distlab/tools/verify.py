@@ -352,8 +352,9 @@ def reference_run(cfg: TrainConfig, norms: list[float] | None = None) -> tuple[l
            else torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay))
     losses, step, epoch = [], 0, 0
     while step < cfg.max_steps:
-        for idx in sequential_batches(len(data), batch_size=cfg.global_batch_size, shuffle=True, seed=cfg.seed,
-                                      epoch=epoch):
+        batches = sequential_batches(len(data), batch_size=cfg.global_batch_size, shuffle=True, seed=cfg.seed,
+                                     epoch=epoch)
+        for idx in (idx for idx in batches for _ in range(cfg.ppo_epochs)):  # (GRPO: each rollout K steps)
             if step == cfg.max_steps:
                 break
             x, y, fields = split(data.batch(torch.tensor(idx)))

@@ -62,7 +62,7 @@ def dpo_mean(beta: float):
 
 # +grpo: GRPO from a reward on generated sums (a reward every few random completions earn: the groups' advantages
 # differ), the KL to the starting model scored
-GRPO = {"reward": "regex:[0-9a-z]", "group_size": 4, "kl_beta": 0.1}
+GRPO = {"reward": "regex:[0-9a-z]", "group_size": 4, "kl_beta": 0.1, "ppo_epochs": 2}  # (a step off-policy)
 GRPO_DATA = "synthetic-rl:400"
 
 
@@ -86,11 +86,15 @@ def grpo_training(cfg, model, data):
         losses = token_losses(logp, y, cfg.clip_epsilon, eps_high, cfg.kl_beta, cfg.ppo_epochs == 1)[0]
         return (losses * y[..., 4].to(logp.dtype)).masked_fill(target < 0, 0.0).sum()
 
+    kept: dict[int, tuple] = {}  # --ppo-epochs: a rollout trains that many steps
+
     def rollout(y, step):
         reference = (model if start is None else start) if cfg.kl_beta else None
-        x, targets, _ = rollout_rows(model, data, y[:, 0].tolist(), cfg, step // cfg.ppo_epochs, rewards, reference,
-                                     start is None)
-        return x, targets, loss
+        number = step // cfg.ppo_epochs
+        if number not in kept:
+            kept[number] = rollout_rows(model, data, y[:, 0].tolist(), cfg, number, rewards, reference,
+                                        start is None)[:2]
+        return (*kept[number], loss)
     return rollout
 
 
