@@ -142,3 +142,35 @@ def test_a_grpo_run_killed_mid_run_resumes_bitwise_through_the_fault_drill(run_c
             "--json", "drill.json", check=True, timeout=600)
     (record,) = json.loads((tmp_path / "drill.json").read_text())
     assert record["passed"] and record["max_abs_param_diff"] == 0.0, record
+
+
+def test_grpo_from_a_hugging_face_checkpoint_with_peft_adapters_on_tp_2_is_one_processs(run_cli, tmp_path):
+    """A Llama checkpoint and PEFT adapters that move it (random A and B): GRPO with LoRA on tensor parallel 2
+    draws one process's rollouts (the same rewards and lengths, exactly) and logs its KL to the base (the adapters
+    off) within float32 rounding, step after step."""
+    peft = pytest.importorskip("peft", reason="peft (the test extra) is not installed: pip install -e '.[test]'")
+    from tests.test_hf import _saved
+    base = _saved("LlamaForCausalLM", tmp_path / "base")
+    torch.manual_seed(1)
+    adapted = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                        init_lora_weights=False))
+    adapted.save_pretrained(tmp_path / "adapter")
+    data = _records(tmp_path)
+    runs = {}
+    for name, layout in (("one", []), ("tp2", ["--nproc-per-node", "2", "--tp", "2"])):
+        run_cli("train", *layout, "--init-from", f"hf:{tmp_path / 'base'}", "--lora-from",
+                f"peft:{tmp_path / 'adapter'}", "--dataset", data, "--block-size", "12", "--global-batch-size", "4",
+                "--group-size", "3", "--kl-beta", "0.1", "--reward", "exact", "--max-steps", "2", "--log-every", "1",
+                "--lr", "0.01", "--no-progress", "--comm-timeout", "60", "--out", str(tmp_path / name), check=True,
+                timeout=300)
+        runs[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    # a token's log-probability: float32 sums in another order -- the head's 32-wide dot products, the log-sum-exp
+    # over 256 logits, through 2 blocks -- each run within sum_tolerance of the exact one (the logits' size measured
+    # on a prompt); the KL's k3 term moves by |exp(d) - 1| <= 2 sqrt(2 kl) (small d) per unit of d
+    with torch.no_grad():
+        scale = float(adapted(torch.tensor([list(b"12+5=")])).logits.abs().max()) + 1
+    delta = 2 * sum_tolerance(256 + 2 * 2 * 96, scale)
+    for a, b in zip(runs["one"], runs["tp2"]):
+        assert a["reward"] == b["reward"] and a["completion_length"] == b["completion_length"]
+        bound = 2 * (2 * a["kl"]) ** 0.5 * delta + delta ** 2
+        assert a["kl"] > 0 and abs(a["kl"] - b["kl"]) <= bound, (a["kl"], b["kl"], bound)
