@@ -46,13 +46,9 @@ def _logps(model, ids: list[int], first: int) -> float:
     return float(sum(logp[t - 1, ids[t]] for t in range(first, len(ids))))
 
 
-@pytest.mark.parametrize("layout", [[], ["--nproc-per-node", "2", "--tp", "2"]], ids=["one process", "tp 2"])
-def test_the_first_steps_loss_is_the_papers_formula_from_transformers_log_probabilities(layout, run_cli, tmp_path):
-    """A base checkpoint and a PEFT adapter that moves it (random A and B): the reference is the base (the
-    adapters off), the trained model base + adapter. The first step's logged loss, reward margin and
-    preference accuracy over the whole training set (one global batch) are the DPO paper's, computed from
-    transformers' and PEFT's float64 log-probabilities of the same tokens -- within twice transformers' own
-    float32 rounding per logit, times the tokens a pair sums over, times beta."""
+def adapted_checkpoint(tmp_path):
+    """A Llama checkpoint in ``tmp_path/base`` and PEFT adapters that move it (random A and B) in
+    ``tmp_path/adapter``; the adapted model (skipped without peft, the test extra)."""
     peft = pytest.importorskip("peft", reason="peft (the test extra) is not installed: pip install -e '.[test]'")
     from tests.test_hf import _saved
     base = _saved("LlamaForCausalLM", tmp_path / "base")
@@ -60,6 +56,17 @@ def test_the_first_steps_loss_is_the_papers_formula_from_transformers_log_probab
     adapted = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                         init_lora_weights=False))
     adapted.save_pretrained(tmp_path / "adapter")
+    return adapted
+
+
+@pytest.mark.parametrize("layout", [[], ["--nproc-per-node", "2", "--tp", "2"]], ids=["one process", "tp 2"])
+def test_the_first_steps_loss_is_the_papers_formula_from_transformers_log_probabilities(layout, run_cli, tmp_path):
+    """A base checkpoint and a PEFT adapter that moves it (random A and B): the reference is the base (the
+    adapters off), the trained model base + adapter. The first step's logged loss, reward margin and
+    preference accuracy over the whole training set (one global batch) are the DPO paper's, computed from
+    transformers' and PEFT's float64 log-probabilities of the same tokens -- within twice transformers' own
+    float32 rounding per logit, times the tokens a pair sums over, times beta."""
+    adapted = adapted_checkpoint(tmp_path)
     rows = _pairs(tmp_path / "pairs.jsonl")
     train = [r for i, r in enumerate(rows) if i % 10 != 9]
     block = 24

@@ -148,13 +148,8 @@ def test_grpo_from_a_hugging_face_checkpoint_with_peft_adapters_on_tp_2_is_one_p
     """A Llama checkpoint and PEFT adapters that move it (random A and B): GRPO with LoRA on tensor parallel 2
     draws one process's rollouts (the same rewards and lengths, exactly) and logs its KL to the base (the adapters
     off) within float32 rounding, step after step."""
-    peft = pytest.importorskip("peft", reason="peft (the test extra) is not installed: pip install -e '.[test]'")
-    from tests.test_hf import _saved
-    base = _saved("LlamaForCausalLM", tmp_path / "base")
-    torch.manual_seed(1)
-    adapted = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                        init_lora_weights=False))
-    adapted.save_pretrained(tmp_path / "adapter")
+    from tests.test_dpo import adapted_checkpoint
+    adapted = adapted_checkpoint(tmp_path)
     data = _records(tmp_path)
     runs = {}
     for name, layout in (("one", []), ("tp2", ["--nproc-per-node", "2", "--tp", "2"])):
@@ -174,3 +169,19 @@ def test_grpo_from_a_hugging_face_checkpoint_with_peft_adapters_on_tp_2_is_one_p
         assert a["reward"] == b["reward"] and a["completion_length"] == b["completion_length"]
         bound = 2 * (2 * a["kl"]) ** 0.5 * delta + delta ** 2
         assert a["kl"] > 0 and abs(a["kl"] - b["kl"]) <= bound, (a["kl"], b["kl"], bound)
+
+
+def test_the_planner_prices_a_grpo_update_exactly_on_data_parallel(run_cli, tmp_path):
+    """``plan`` of a GRPO run's update -- each prompt's completions a window -- on 2 data-parallel ranks: the bytes
+    a step sends and the model state the run measures, to the byte; it says the rollout is not priced."""
+    shape = ["--model", "gpt", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
+             "--dataset", "synthetic-rl", "--global-batch-size", "8", "--group-size", "4"]
+    plan = run_cli("plan", *shape, "--dp", "2", "--json", "plan.json", check=True)
+    assert "the rollout (the policy gathered on every rank" in plan.stdout
+    run_cli("train", *shape, "--max-steps", "3", "--nproc-per-node", "2", "--no-progress", "--comm-timeout", "60",
+            "--out", "run", check=True, timeout=240)
+    predicted = json.loads((tmp_path / "plan.json").read_text())
+    measured = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert predicted["rollout"]["rows_per_step"] == 32
+    assert predicted["comm_bytes_per_step_per_rank"] == measured["comm_bytes_per_step"]
+    assert predicted["model_state_bytes_per_rank"] == measured["model_state_bytes_per_rank"]

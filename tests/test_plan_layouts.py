@@ -22,7 +22,7 @@ from tests.trace_format import complete_events
 
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "plan"
 WORLD = 4
-CASES = [c for c in default_strategies(WORLD) if planned(c.strategy)]  # (the plain ones: refused, below)
+CASES = [c for c in default_strategies(WORLD) if planned(c.strategy) and not c.grpo]  # (the plain ones: refused, below)
 
 
 @pytest.fixture(scope="module")

@@ -89,6 +89,7 @@ def setting(ctx, kw: dict) -> Setting:
     """What every mode plans, from the command's flags (``kw``; the strategy's own fields among them)."""
     from distlab import plan as pp
     from distlab.data.preference import is_preference
+    from distlab.data.rl import is_rl
     from distlab.models.lora import LoRASpec
     from distlab.parallel import Strategy
     from distlab.plan import machine as mach
@@ -109,7 +110,7 @@ def setting(ctx, kw: dict) -> Setting:
     lay = pp.Layout(dp=dp, strategy=Strategy(**fields), optimizer=kw["optimizer"], momentum=kw["momentum"],
                     global_batch=kw["global_batch_size"], threads=kw["threads"],
                     ignored_targets=kw["ignored_targets"], label_smoothing=kw["label_smoothing"] > 0,
-                    pairs=is_preference(dataset)).check()
+                    pairs=is_preference(dataset), group=kw["group_size"] if is_rl(dataset) else 1).check()
     cluster = None
     if machine:
         from distlab.cli.plan_gpu import cluster_of

@@ -35,6 +35,7 @@ class Layout:
     ignored_targets: bool = False  # some targets are not scored (a fine-tuning prompt's): their count is reduced
     label_smoothing: bool = False  # the loss smooths its labels: one more reduction per token across a split vocabulary
     pairs: bool = False  # a sample is a preference pair (DPO): two windows, their log-probabilities summed per row
+    group: int = 1  # a sample is a prompt (GRPO): its rollout trains `group` completions, a window each
 
     def check(self) -> "Layout":
         if self.dp < 1:
@@ -164,7 +165,7 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
     lay.check()
     if cluster is not None:
         cluster.check(lay)
-    micro = lay.global_batch // lay.dp // lay.strategy.micro_steps * (2 if lay.pairs else 1)  # rows
+    micro = lay.global_batch // lay.dp // lay.strategy.micro_steps * (2 if lay.pairs else lay.group)  # rows
     optim = Optim.of(lay.optimizer, lay.momentum)
     if lay.strategy.activation_checkpointing and not (t.blocks and t.layers):
         raise ConfigError("`activation_checkpointing`: plan counts what each layer keeps, and this model lists no "
@@ -180,6 +181,11 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
                                                     "latency_s": link.latency, "burst_bytes": link.burst},
            **memory(t, lay, sync, stages, prices, micro, optim, narrow)}
     out.update(schedule_cost.report(lay, stages))
+    if lay.group > 1:  # GRPO: the update is priced; the rollout before it is not
+        out["rollout"] = {"group_size": lay.group, "rows_per_step": lay.global_batch * lay.group,
+                          "basis": f"the update: {lay.group} completions of each prompt, a window each; the rollout "
+                                   f"(the policy gathered on every rank, each prompt's completions sampled) is not "
+                                   f"priced"}
     for price in prices:
         out.update(price.report)
     out.update(comm_bytes(t, lay, sync, stages, micro, optim))

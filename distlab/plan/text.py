@@ -46,6 +46,8 @@ def format_prediction(p: dict) -> str:
         lines.append(f"context       cp {c['cp']} ({c['style']}): each rank holds 1/{c['cp']} of every sequence, sends "
                      f"{_gib(c['bytes_per_step_per_rank'])} per step in attention ({c['bytes_basis']}); "
                      f"{c['attention_balance']}")
+    if p.get("rollout"):
+        lines.append(f"GRPO          {p['rollout']['rows_per_step']:,} completions a step: {p['rollout']['basis']}")
     if p.get("expert_parallel"):
         x = p["expert_parallel"]
         lines.append(f"experts       ep {x['ep']}: each rank holds 1/{x['ep']} of the experts ({x['memory_basis']}), sends "

@@ -51,7 +51,9 @@ def layout_of(summary: dict, threads: int | None = None) -> Layout:
     return Layout(dp=strategy.dp_size(summary["world_size"]), strategy=strategy, optimizer=summary.get("optimizer", "sgd"),
                   momentum=cfg.get("momentum", 0.9), global_batch=summary["global_batch_size"],
                   threads=threads, oversubscription=max(1.0, over),
-                  pairs=str(summary.get("dataset", "")).startswith(("dpo:", "synthetic-pairs")))
+                  pairs=str(summary.get("dataset", "")).startswith(("dpo:", "synthetic-pairs")),
+                  group=cfg.get("group_size", 4) if str(summary.get("dataset", "")).startswith(("rl:", "synthetic-rl"))
+                  else 1)
 
 
 def validate(cal: Calibration, paths: list[str], world_min: int = 2) -> list[dict]:
