@@ -49,20 +49,9 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     records = [run(out / f"nproc{n}-round{r}", n, args.steps) for r in range(1, args.runs + 1) for n in (1, 2)]
-    rows = []
-    for n in (1, 2):
-        mine = [r for r in records if r["nproc"] == n]
-        med = {k: statistics.median(r[k] for r in mine) for k in ("step_s", "rollout_s", "update_s", "rollout_share",
-                                                                    "generated_tokens_per_s", "trained_tokens_per_s")}
-        spread = (min(r["rollout_share"] for r in mine), max(r["rollout_share"] for r in mine))
-        rows.append({"nproc": n, **med, "rollout_share_range": spread, "runs": len(mine)})
-    (out / "grpo.json").write_text(json.dumps({"records": records, "medians": rows}, indent=1))
-    print("| ranks | ms/step | rollout ms | update ms | rollout share (range) | generated tokens/s | trained tokens/s |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['nproc']} | {1000 * r['step_s']:.0f} | {1000 * r['rollout_s']:.0f} | {1000 * r['update_s']:.0f} | "
-              f"{r['rollout_share']:.2f} ({r['rollout_share_range'][0]:.2f}-{r['rollout_share_range'][1]:.2f}) | "
-              f"{r['generated_tokens_per_s']:,.0f} | {r['trained_tokens_per_s']:,.0f} |")
+    (out / "grpo.json").write_text(json.dumps(records, indent=1))  # (distlab bench markdown renders it)
+    from distlab.bench.markdown import grpo_split
+    print(grpo_split(records))
 
 
 if __name__ == "__main__":

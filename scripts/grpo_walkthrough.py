@@ -75,7 +75,7 @@ def main() -> None:
     metrics = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
     evals = [(0, start)] + [(e["step"], e["test_reward"]) for e in summary["evals"]]
     rollouts = [(m["step"], m["reward"]) for m in metrics if "reward" in m]
-    (out / "walkthrough.json").write_text(json.dumps({"test_reward_greedy": evals, "rollout_reward": rollouts,
+    (out / "walkthrough.json").write_text(json.dumps({"kind": "distlab-grpo-walkthrough", "test_reward_greedy": evals, "rollout_reward": rollouts,
                                                       "time_per_step_s_median": summary["time_per_step_s_median"],
                                                       "date": summary["date"], "world_size": summary["world_size"]},
                                                      indent=1))

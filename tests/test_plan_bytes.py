@@ -35,7 +35,8 @@ def _predicted(cfg, world: int) -> dict:
     t = trace(cfg.model, shape, classes, options=cfg.options, lora=cfg.lora, base_dtype=cfg.base_dtype)
     lay = Layout(dp=s.dp_size(world), strategy=s, optimizer=cfg.optimizer, momentum=cfg.momentum,
                  global_batch=cfg.global_batch_size, ignored_targets="masked=" in cfg.dataset or cfg.dataset.startswith("sft:"),
-                 label_smoothing=cfg.label_smoothing > 0, pairs=cfg.dataset.startswith("synthetic-pairs"))
+                 label_smoothing=cfg.label_smoothing > 0, pairs=cfg.dataset.startswith("synthetic-pairs"),
+                 group=cfg.group_size if cfg.reward else 1)  # GRPO: the update's rows, each prompt's completions
     return predict(t, lay, Link(), None)
 
 
@@ -43,7 +44,7 @@ def _predicted(cfg, world: int) -> dict:
 def test_the_planner_counts_the_bytes_a_run_sends(world):
     # On 4 ranks the Llama family's layouts and the compiled one are left out: the same code prices GPT's and the
     # eager ZeRO-3's there, and all of them on 2 ranks (compiling costs each rank ~15 s of CPU, 4 ranks on 2 cores)
-    cases = [c for c in default_strategies(world) if planned(c.strategy) and not c.grpo and (world == 2 or (c.model != "llama" and not c.strategy.compile))]
+    cases = [c for c in default_strategies(world) if planned(c.strategy) and (world == 2 or (c.model != "llama" and not c.strategy.compile))]
     # the median step: past the first; the final evaluation on one batch (its bytes are not a step's)
     configs = [dataclasses.replace(config_for(case, world, steps=3), eval_batches=1) for case in cases]
     # the compiled layout's blocks through aot_eager: the same graphs and graph breaks as inductor's, whose kernels

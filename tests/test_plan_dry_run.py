@@ -16,7 +16,7 @@ from tests.conftest import invoke
 WORLD = 4
 LANGUAGE = ("gpt", "llama", "gemma3")
 CASES = [c for c in default_strategies(WORLD) if c.model in LANGUAGE and not c.dpo and not unfollowable(c.strategy)
-         and planned(c.strategy) and not c.grpo]
+         and planned(c.strategy)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

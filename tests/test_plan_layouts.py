@@ -22,7 +22,7 @@ from tests.trace_format import complete_events
 
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "plan"
 WORLD = 4
-CASES = [c for c in default_strategies(WORLD) if planned(c.strategy) and not c.grpo]  # (the plain ones: refused, below)
+CASES = [c for c in default_strategies(WORLD) if planned(c.strategy)]  # (the plain ones: refused, below)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,8 @@ def _summary(cfg, lay: Layout, p: dict, found: dict, shape, classes) -> dict:
     """What a run's summary.json says of itself, had every step taken the predicted time."""
     return {"world_size": lay.world, "model": cfg.model, "dataset": cfg.dataset, "input_shape": list(shape),
             "num_classes": classes, "strategy": cfg.strategy.to_dict(), "optimizer": cfg.optimizer,
-            "config": {"momentum": cfg.momentum, **cfg.options.to_dict(), "lora": cfg.to_dict()["lora"]},
+            "config": {"momentum": cfg.momentum, **cfg.options.to_dict(), "lora": cfg.to_dict()["lora"],
+                       "group_size": cfg.group_size},
             "global_batch_size": cfg.global_batch_size, "local_batch_size": cfg.global_batch_size // lay.dp,
             "time_per_step_s_median": p["step_s"], "model_state_bytes_per_rank": p["model_state_bytes_per_rank"],
             "trace": {"per_rank": found["ranks"], **{k: found[k] for k in (
@@ -48,7 +49,8 @@ def test_every_verified_layout_is_predicted_drawn_and_validated(case, calibratio
     t = trace(cfg.model, shape, classes, options=cfg.options, lora=cfg.lora)
     strategy = cfg.strategy
     lay = Layout(dp=strategy.dp_size(WORLD), strategy=strategy, optimizer=cfg.optimizer, momentum=cfg.momentum,
-                 global_batch=cfg.global_batch_size, pairs=cfg.dataset.startswith("synthetic-pairs"))
+                 global_batch=cfg.global_batch_size, pairs=cfg.dataset.startswith("synthetic-pairs"),
+                 group=cfg.group_size if cfg.reward else 1)  # GRPO: the update's rows, each prompt's completions
     p = predict(t, lay, Link(), calibration)
     drawn = trace_file.predicted_trace(p["timeline"], str(strategy))
     spans = complete_events(drawn)  # the trace format's rules, nesting on every thread included

@@ -119,6 +119,32 @@ def trace_table(trace: dict) -> str:
                         markdown=True) + f"\n{found['steps']} steps traced; slowest rank {found['slowest_rank']}"
 
 
+def grpo_split(records: list[dict]) -> str:
+    """``scripts/bench_grpo.py``'s runs: per world size the medians of a step, its rollout and its update, the
+    rollout's share (range), and the tokens generated and trained a second."""
+    import statistics
+
+    from distlab.bench.common import format_table
+    rows = []
+    for n in sorted({r["nproc"] for r in records}):
+        mine = [r for r in records if r["nproc"] == n]
+        med = {k: statistics.median(r[k] for r in mine) for k in ("step_s", "rollout_s", "update_s", "rollout_share",
+                                                                    "generated_tokens_per_s", "trained_tokens_per_s")}
+        shares = [r["rollout_share"] for r in mine]
+        rows.append([str(n), f"{1e3 * med['step_s']:.0f}", f"{1e3 * med['rollout_s']:.0f}", f"{1e3 * med['update_s']:.0f}",
+                     f"{med['rollout_share']:.2f} ({min(shares):.2f}-{max(shares):.2f})",
+                     f"{med['generated_tokens_per_s']:,.0f}", f"{med['trained_tokens_per_s']:,.0f}", str(len(mine))])
+    return format_table(["ranks", "ms/step", "rollout ms", "update ms", "rollout share (range)", "generated tokens/s",
+                         "trained tokens/s", "runs"], rows, markdown=True)
+
+
+def grpo_walkthrough(data: dict) -> str:
+    """``scripts/grpo_walkthrough.py``'s: the test prompts' greedy reward at each evaluation (step 0: the start)."""
+    from distlab.bench.common import format_table
+    return format_table(["GRPO step", "test reward (greedy)"],
+                        [[str(step), f"{reward:.3f}"] for step, reward in data["test_reward_greedy"]], markdown=True)
+
+
 def _kind(first: dict):
     """The table of a file whose records start with ``first`` (by the fields only that bench writes)."""
     from distlab.bench import (checkpointing, compression, dry_run, elastic, finetune, load_peak, overhead, parallel,
@@ -145,6 +171,7 @@ def _kind(first: dict):
         (("variant", "model_state_bytes_per_rank", "step_s"), lambda r: finetune.table(r, markdown=True)),
         (("mode", "real_tokens_per_s"), lambda r: finetune.table(r, markdown=True)),
         (("measured_model_state_bytes", "planned_model_state_bytes"), lambda r: dry_run.table(r, markdown=True)),
+        (("rollout_s", "update_s", "rollout_share"), grpo_split),
     ]
     return next((table for fields, table in tables if all(f in first for f in fields)), None)
 
@@ -161,6 +188,8 @@ def render(path: str | Path) -> str:
     if isinstance(data, dict) and data.get("kind") == "distlab-plan-published":  # `plan published --json`
         from distlab.bench.published_table import markdown
         return markdown(data)
+    if isinstance(data, dict) and data.get("kind") == "distlab-grpo-walkthrough":
+        return grpo_walkthrough(data)
     if isinstance(data, dict) and data.get("kind") == "distlab-collectives-fit":  # bench collectives' alpha-beta
         from distlab.bench.collectives import fit_markdown
         return fit_markdown(data)
