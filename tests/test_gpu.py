@@ -228,3 +228,25 @@ def test_a_traced_step_on_the_device(tmp_path, device):
         assert names.count(name) == 2, names
     assert names.index("forward") < names.index("backward") < names.index("optimizer step")
     assert all(e["dur"] >= 0 for e in spans)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grpo_generates_on_the_runs_device_and_draws_what_the_host_draws(run_cli, tmp_path, device):
+    """The generation copy sits on the run's device; its samples come from a host generator, so a prompt's
+    completions on the device are the CPU's (logits equal but for summation order, far from a draw's edge); the
+    command trains from rewards there."""
+    from distlab.models import GPT
+    from distlab.train import rollout
+    torch.manual_seed(0)
+    model = GPT(256, 16, 1, 2, 16).eval()
+    prompt, seed = list(b"12+3="), rollout.seed_of(0, 3, 7)
+    host, _, _ = rollout.complete(model, prompt, 4, 6, 1.0, 1.0, frozenset({10}), seed)
+    there, _, _ = rollout.complete(model.to(device), prompt, 4, 6, 1.0, 1.0, frozenset({10}), seed)
+    assert rollout.device_of(model).type == device and there == host
+    run_cli("train", "--model", "gpt", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "12",
+            "--dataset", "synthetic-rl:40", "--reward", "number", "--group-size", "2", "--max-new-tokens", "3",
+            "--global-batch-size", "2", "--max-steps", "2", "--no-progress", "--out", "run",
+            env={"DISTLAB_DEVICE": device}, check=True, fresh=device == "cuda")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["device"].startswith(device) and all(0 <= r["reward"] <= 1 for r in rows if "reward" in r)

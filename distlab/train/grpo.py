@@ -161,7 +161,8 @@ class Grpo:
     # ------------------------------------------------------------------ the rollout
 
     def copy(self, state: dict | None = None):
-        """The generation copy: the whole policy (``state``: else gathered now, collective) in a model of its own."""
+        """The generation copy: the whole policy (``state``: else gathered now, collective) in a model of its own, in
+        float32 on the run's device."""
         cfg, data = self.cfg, self.trainer.train_set
         state = state if state is not None else {k: v.detach().float().cpu()
                                                  for k, v in self.engine.full_state_dict().items()}
@@ -170,7 +171,7 @@ class Grpo:
             if cfg.lora is not None and state is not self.start:
                 lora.apply(model, cfg.lora)
         assign_state(model, state)
-        return model.eval()
+        return model.to(self.device).eval()
 
 
     @torch.no_grad()

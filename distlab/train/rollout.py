@@ -1,18 +1,18 @@
 """Rollouts: ``group_size`` completions of each prompt sampled from the policy, and the rows GRPO trains on.
 
-**The policy as it is placed, gathered once.** Before a rollout every rank gathers the whole policy from its
-layout -- data parallel's replica, ZeRO-3's shards, tensor parallel's slices, a pipeline's stages: one collective,
+**The policy as it is placed, gathered once.** Before a rollout every rank gathers the whole policy from its layout
+-- data parallel's replica, ZeRO-3's shards, tensor parallel's slices, a pipeline's stages: one collective,
 :meth:`Engine.full_state_dict <distlab.parallel.Engine.full_state_dict>`, not one per token -- into a generation
-copy (TRL's and verl's weight sync to their inference engine, here on the same rank), and samples its own
-data-parallel shard's prompts with the copy's key/value cache. The ranks of one replica (tensor, pipeline and
-context parallel) draw the same completions from the same prompts and seeds, so every layout trains on the
-rollout one process draws.
+copy in float32 on the rank's own device (TRL's and verl's weight sync to their inference engine, here on the same
+rank), and samples its own data-parallel shard's prompts with the copy's key/value cache. The ranks of one replica
+(tensor, pipeline and context parallel) draw the same completions from the same prompts and seeds, so every layout
+trains on the rollout one process draws.
 
-**Seeded per prompt.** A prompt's ``G`` completions are drawn together (one prefill, then ``G`` rows a step) from
-a generator seeded by the run's seed, the rollout's number and the prompt's record -- a rerun, and a resumed run,
-draws the same completions, whatever the layout. Sampling is the temperature's softmax over the vocabulary, cut
-to the smallest set reaching ``top_p``; a completion ends at a stop token (kept: the model learns to stop) or at
-``max_new_tokens`` or the window's end.
+**Seeded per prompt.** A prompt's ``G`` completions are drawn together (one prefill, then ``G`` rows a step) from a
+host generator (the same draws whatever the device computing the logits) seeded by the run's seed, the rollout's
+number and the prompt's record -- a rerun, and a resumed run, draws the same completions, whatever the layout.
+Sampling is the temperature's softmax over the vocabulary, cut to the smallest set reaching ``top_p``; a completion
+ends at a stop token (kept: the model learns to stop) or at ``max_new_tokens`` or the window's end.
 
 **The rows.** Prompt and completion make one window of ``block_size + 1`` tokens; only the completion's tokens
 are targets (the prompt and the padding are :data:`~distlab.models.IGNORE_INDEX`), as fine-tuning records are.
@@ -42,8 +42,8 @@ def complete(model, prompt: list[int], group: int, max_new: int, temperature: fl
     """``group`` completions of ``prompt`` (each ending with its stop token where it reached one), the sum of the
     sampling distributions' entropies over their tokens and how many tokens that is."""
     model = contract(model)
-    generator = torch.Generator().manual_seed(seed)
-    rows = torch.tensor([prompt] * group, dtype=torch.long)
+    generator = torch.Generator().manual_seed(seed)  # (on the host: the same draws on any device)
+    rows = torch.tensor([prompt] * group, dtype=torch.long, device=device_of(model))
     done = torch.zeros(group, dtype=torch.bool)
     out: list[list[int]] = [[] for _ in range(group)]
     entropy, counted = 0.0, 0
@@ -54,7 +54,7 @@ def complete(model, prompt: list[int], group: int, max_new: int, temperature: fl
                                          rows.shape[1] - 1 if cache is not None else 0)
         else:
             logits = model(rows)
-        logits = logits[:, -1].double()
+        logits = logits[:, -1].double().cpu()
         if temperature == 0:
             nxt = logits.argmax(-1)
             probs = F.one_hot(nxt, logits.shape[-1]).double()
@@ -75,8 +75,13 @@ def complete(model, prompt: list[int], group: int, max_new: int, temperature: fl
             done[r] = int(nxt[r]) in stops
         if bool(done.all()) or step == max_new - 1:
             break
-        rows = torch.cat([rows, nxt[:, None]], 1)
+        rows = torch.cat([rows, nxt[:, None].to(rows.device)], 1)
     return out, entropy, counted
+
+
+def device_of(model) -> torch.device:
+    """Where ``model``'s parameters are (the generation copy is on the run's device)."""
+    return next(iter(model.parameters()), torch.empty(0)).device
 
 
 def window(prompt: list[int], completion: list[int], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +104,7 @@ def token_logps(model, x: torch.Tensor, y: torch.Tensor, off=contextlib.nullcont
     found = torch.zeros(y.shape, dtype=torch.float64)
     with off():
         for at in range(0, len(x), CHUNK):
-            logits = model(x[at:at + CHUNK]).float()
+            logits = model(x[at:at + CHUNK].to(device_of(model))).float().cpu()
             target = y[at:at + CHUNK]
             logp = -F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1).clamp_min(0),
                                     reduction="none").reshape(target.shape)
