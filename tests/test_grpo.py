@@ -172,16 +172,22 @@ def test_grpo_from_a_hugging_face_checkpoint_with_peft_adapters_on_tp_2_is_one_p
 
 
 def test_the_planner_prices_a_grpo_update_exactly_on_data_parallel(run_cli, tmp_path):
-    """``plan`` of a GRPO run's update -- each prompt's completions a window -- on 2 data-parallel ranks: the bytes
-    a step sends and the model state the run measures, to the byte; it says the rollout is not priced."""
+    """``plan`` of a GRPO run on 2 data-parallel ranks: the update -- each prompt's completions a window -- sends
+    the bytes and holds the model state the run measures, to the byte; the rollout before it counts each rank's
+    prompts, decoding steps and the generation copy it holds, the completions the run draws within its budget."""
     shape = ["--model", "gpt", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
-             "--dataset", "synthetic-rl", "--global-batch-size", "8", "--group-size", "4"]
+             "--dataset", "synthetic-rl", "--global-batch-size", "8", "--group-size", "4", "--max-new-tokens", "5"]
     plan = run_cli("plan", *shape, "--dp", "2", "--json", "plan.json", check=True)
-    assert "the rollout (the policy gathered on every rank" in plan.stdout
+    assert "decoding steps a rank" in plan.stdout and "1 float32 copy of the whole model" in plan.stdout
     run_cli("train", *shape, "--max-steps", "3", "--nproc-per-node", "2", "--no-progress", "--comm-timeout", "60",
             "--out", "run", check=True, timeout=240)
     predicted = json.loads((tmp_path / "plan.json").read_text())
     measured = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert predicted["rollout"]["rows_per_step"] == 32
+    r = predicted["rollout"]
+    counts = (r["rows_per_step"], r["prompts_per_rank"], r["max_new_tokens"], r["decode_steps_per_rank"])
+    assert counts == (32, 4, 5, 16)
+    assert r["memory_bytes_per_rank"] >= 4 * predicted["num_parameters"] and r["scoring_passes"] == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(1 <= row["completion_length"] <= r["max_new_tokens"] for row in rows)
     assert predicted["comm_bytes_per_step_per_rank"] == measured["comm_bytes_per_step"]
     assert predicted["model_state_bytes_per_rank"] == measured["model_state_bytes_per_rank"]

@@ -320,3 +320,36 @@ def test_a_preset_is_a_listed_name_and_a_config_alone_claims_only_sizes_a_model_
             assert code == 0, err
         else:
             assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_grpo_rollout_on_a_gpu_is_decoding_through_hbm_and_says_what_dominates(small_lm, tmp_path):
+    """A GRPO step's rollout on a GPU: the ZeRO-3 shards all-gathered once, each prompt's ``G`` rows prefilled,
+    then one decoding step per new token reading the float32 copy's weights and the cache so far through HBM (or
+    its FLOPs, where slower); a KL to a full model's start holds a second copy and scores the rows again, as do the
+    old log-probabilities of a second pass; which of rollout and update is longer is said."""
+    from distlab.plan import rollout
+    t, cluster = small_lm, Cluster(H100, 1)
+    lay = Layout(dp=2, strategy=Strategy(zero=3), optimizer="adamw", global_batch=4, group=4, max_new_tokens=16)
+    p = predict(t, lay, Link(), None, cluster)
+    r = p["rollout"]
+    weights, kv = 4 * t.num_parameters, t.attention_kv_bytes_per_sample / 64  # (the trace is float32)
+    read = 2 * (15 * weights + 4 * kv * (15 * 48 + 15 * 16 / 2))  # 2 prompts, 15 steps after the prefill's token
+    assert (r["prompts_per_rank"], r["decode_steps_per_rank"], r["generated_tokens_per_rank"]) == (2, 30, 128)
+    assert r["decode_bytes_per_rank"] == int(read) and r["memory_bytes_per_rank"] == int(weights + 4 * 64 * kv)
+    rate = H100.peak("fp32") * cluster.efficiency / cluster.flop_factor(t)
+    assert r["decode_s"] == pytest.approx(max(read / (H100.memory_tbps * 1e12), r["decode_flops_per_rank"] / rate))
+    assert r["gather_s"] == pytest.approx(collective_seconds(H100, "all_gather", 4 * t.num_parameters, Group(2, 2)))
+    assert r["seconds"] == pytest.approx(r["gather_s"] + r["prefill_s"] + r["decode_s"] + r["scoring_s"])
+    assert r["update_s"] == p["step_s"] and r["dominates"] == ("rollout" if r["seconds"] >= p["step_s"] else "update")
+    assert p["memory_bytes_per_rank"] >= p["model_state_bytes_per_rank"] + r["memory_bytes_per_rank"]
+    kl = predict(t, Layout(dp=2, optimizer="adamw", global_batch=4, group=4, max_new_tokens=16, kl_beta=0.1,
+                           ppo_epochs=2), Link(), None, cluster)["rollout"]
+    assert kl["memory_bytes_per_rank"] == r["memory_bytes_per_rank"] + weights and kl["scoring_passes"] == 2
+    assert kl["gather_s"] == 0 and kl["scoring_s"] == pytest.approx(2 * 2 * 4 * t.forward_flops_per_sample / rate)
+    assert rollout.split_dims(Layout(dp=2, strategy=Strategy(tp=2, pp=2, zero=3))) == ("tp", "pp", "dp")
+    code, out, err = invoke(["plan", "--preset", "llama3.2-1b", "--dataset", "synthetic-rl", "--block-size", "512",
+                             "--group-size", "8", "--max-new-tokens", "256", "--machine", "h100-sxm", "--gpus", "8",
+                             "--global-batch-size", "64", "--zero", "3", "--optimizer", "adamw", "--precision", "bf16"],
+                            tmp_path)
+    assert code == 0, err
+    assert re.search(r"rollout time .*: the rollout dominates: [\d.]+ s against the update's", out), out

@@ -38,8 +38,14 @@ PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "seq
 @click.option("--label-smoothing", type=Number(0.0, 1.0), default=0.0, show_default=True,
               help="The loss smooths its labels (one more reduction per token across a split vocabulary).")
 @click.option("--group-size", type=COUNT, default=4, show_default=True,
-              help="rl:FILE.jsonl (GRPO): completions per prompt, each a window the update trains (the rollout "
-                   "itself is not priced).")
+              help="rl:FILE.jsonl (GRPO): completions per prompt, each a window the update trains.")
+@click.option("--max-new-tokens", type=COUNT, default=None,
+              help="GRPO: each completion's budget in tokens, the rollout priced as if each ran to it (default: "
+                   "half the window).")
+@click.option("--kl-beta", type=Number(0.0), default=0.0, show_default=True,
+              help="GRPO: a KL penalty's weight (above 0 the rollout scores its rows under the reference too).")
+@click.option("--ppo-epochs", type=COUNT, default=1, show_default=True,
+              help="GRPO: passes over each rollout (above 1 it scores the rows' old log-probabilities).")
 @click.option("--dp", type=COUNT, default=1, show_default=True, help="Data-parallel ranks.")
 @field_options([row for row in STRATEGY_OPTIONS if row[0] in PLANNED_FIELDS])
 @field_options([("optimizer", dict(help="sgd, adam or adamw (sizes the optimizer state).")),

@@ -110,7 +110,9 @@ def setting(ctx, kw: dict) -> Setting:
     lay = pp.Layout(dp=dp, strategy=Strategy(**fields), optimizer=kw["optimizer"], momentum=kw["momentum"],
                     global_batch=kw["global_batch_size"], threads=kw["threads"],
                     ignored_targets=kw["ignored_targets"], label_smoothing=kw["label_smoothing"] > 0,
-                    pairs=is_preference(dataset), group=kw["group_size"] if is_rl(dataset) else 1).check()
+                    pairs=is_preference(dataset), group=kw["group_size"] if is_rl(dataset) else 1,
+                    max_new_tokens=kw["max_new_tokens"] or 0, kl_beta=kw["kl_beta"], ppo_epochs=kw["ppo_epochs"]
+                    ).check()
     cluster = None
     if machine:
         from distlab.cli.plan_gpu import cluster_of

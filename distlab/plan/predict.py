@@ -16,6 +16,7 @@ from distlab.parallel.cost import Optim, textbook_parts, under
 from distlab.parallel.pipeline import cost as schedule_cost
 from distlab.parallel import sync_bn
 from distlab.parallel.grad_syncs import sync_kind
+from distlab.plan import rollout
 from distlab.plan.calibration import Calibration
 from distlab.plan.machine import Link, sent
 from distlab.plan.timing import CalibratedHost, step_time
@@ -36,6 +37,9 @@ class Layout:
     label_smoothing: bool = False  # the loss smooths its labels: one more reduction per token across a split vocabulary
     pairs: bool = False  # a sample is a preference pair (DPO): two windows, their log-probabilities summed per row
     group: int = 1  # a sample is a prompt (GRPO): its rollout trains `group` completions, a window each
+    max_new_tokens: int = 0  # GRPO: each completion's budget (0: half the window)
+    kl_beta: float = 0.0  # GRPO: a KL penalty (the rollout scores the rows under the reference too)
+    ppo_epochs: int = 1  # GRPO: passes over a rollout (above 1 it scores the rows' old log-probabilities)
 
     def check(self) -> "Layout":
         if self.dp < 1:
@@ -181,11 +185,10 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
                                                     "latency_s": link.latency, "burst_bytes": link.burst},
            **memory(t, lay, sync, stages, prices, micro, optim, narrow)}
     out.update(schedule_cost.report(lay, stages))
-    if lay.group > 1:  # GRPO: the update is priced; the rollout before it is not
-        out["rollout"] = {"group_size": lay.group, "rows_per_step": lay.global_batch * lay.group,
-                          "basis": f"the update: {lay.group} completions of each prompt, a window each; the rollout "
-                                   f"(the policy gathered on every rank, each prompt's completions sampled) is not "
-                                   f"priced"}
+    if lay.group > 1:  # GRPO: the rollout before the update (:mod:`distlab.plan.rollout`)
+        r = out["rollout"] = rollout.price(t, lay)
+        r["peak_bytes_per_rank"] = out["model_state_bytes_per_rank"] + r["memory_bytes_per_rank"]
+        out["memory_bytes_per_rank"] = max(out["memory_bytes_per_rank"], r["peak_bytes_per_rank"])
     for price in prices:
         out.update(price.report)
     out.update(comm_bytes(t, lay, sync, stages, micro, optim))
@@ -194,6 +197,8 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
     machine = cluster if cluster is not None else CalibratedHost(cal, link) if cal is not None else None
     if machine is not None:
         out.update(step_time(t, lay, machine, sync, stages, prices, micro, narrow, dense_trace(t_rank, lay)))
+        if cluster is not None and lay.group > 1:
+            out["rollout"].update(rollout.timed(out["rollout"], t, lay, cluster, out["step_s"]))
     return out
 
 

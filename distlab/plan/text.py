@@ -47,7 +47,7 @@ def format_prediction(p: dict) -> str:
                      f"{_gib(c['bytes_per_step_per_rank'])} per step in attention ({c['bytes_basis']}); "
                      f"{c['attention_balance']}")
     if p.get("rollout"):
-        lines.append(f"GRPO          {p['rollout']['rows_per_step']:,} completions a step: {p['rollout']['basis']}")
+        lines.extend(_rollout(p["rollout"]))
     if p.get("expert_parallel"):
         x = p["expert_parallel"]
         lines.append(f"experts       ep {x['ep']}: each rank holds 1/{x['ep']} of the experts ({x['memory_basis']}), sends "
@@ -92,6 +92,21 @@ def _where(p: dict) -> str:
                 f"{c['description']}")
     return f"link          {p['link']['name']}" + (f", latency {p['link']['latency_s'] * 1e6:.3g} us"
                                                   if p['link']['latency_s'] else "")
+
+
+def _rollout(r: dict) -> list[str]:
+    """A GRPO step's rollout (:mod:`distlab.plan.rollout`): what it does, holds and, on a GPU cluster, takes."""
+    lines = [f"GRPO          {r['rows_per_step']:,} completions a step, the update training each as a window; the "
+             f"rollout before it: {r['basis']}",
+             f"rollout       {r['decode_steps_per_rank']:,} decoding steps a rank reading "
+             f"{_gib(r['decode_bytes_per_rank'])}, {r['generated_tokens_per_rank']:,} tokens generated; holds "
+             f"{_gib(r['memory_bytes_per_rank'])} more ({r['memory_basis']}): {_gib(r['peak_bytes_per_rank'])} at its "
+             f"peak (in memory)"]
+    if "seconds" in r:
+        lines.append(f"rollout time  {_ms(r['seconds'])} (gather {_ms(r['gather_s'])}, prefill {_ms(r['prefill_s'])}, "
+                     f"decode {_ms(r['decode_s'])} at {_ms(r['decode_step_s'])} a step, scoring {_ms(r['scoring_s'])}; "
+                     f"{r['time_basis']}): {r['why']}, {_ms(r['step_s'])} a GRPO step")
+    return lines
 
 
 def _fits(p: dict) -> str:

@@ -164,14 +164,13 @@ class Grpo:
         """The generation copy: the whole policy (``state``: else gathered now, collective) in a model of its own, in
         float32 on the run's device."""
         cfg, data = self.cfg, self.trainer.train_set
-        state = state if state is not None else {k: v.detach().float().cpu()
-                                                 for k, v in self.engine.full_state_dict().items()}
+        state = state if state is not None else self.engine.full_state_dict()  # (copies, on the run's device)
         with torch.device("meta"):  # built without initialising: the run's random streams are untouched
             model = build_model(cfg.model, data.input_shape, data.num_classes, **cfg.model_options())
             if cfg.lora is not None and state is not self.start:
                 lora.apply(model, cfg.lora)
-        assign_state(model, state)
-        return model.to(self.device).eval()
+        assign_state(model, {k: v.to(self.device, torch.float32) for k, v in state.items()})
+        return model.eval()
 
 
     @torch.no_grad()
