@@ -3,10 +3,10 @@
 A rollout runs as :mod:`distlab.train.rollout` runs it: every rank gathers the whole policy from its layout (one
 all-gather of the parameters over the dimensions that split them) into a float32 generation copy -- and, with a KL
 penalty and no adapters, a second copy of the starting weights, the reference -- then its replica's prompts, one
-after another: ``G`` rows prefilled with the prompt, then ``max_new_tokens - 1`` decoding steps of ``G`` rows with
-the key/value cache; then the rows are scored once more (old log-probabilities for ``--ppo-epochs`` above 1, the
-reference's for ``--kl-beta``). The ranks of one replica (tensor, pipeline, context parallel) all do the whole
-replica's rollout: a model-parallel layout does not split it.
+after another: the prompt prefilled once (its cache shared by the ``G`` rows), then ``max_new_tokens - 1`` decoding
+steps of ``G`` rows with the key/value cache; then the rows are scored once more (old log-probabilities for ``--ppo-
+epochs`` above 1, the reference's for ``--kl-beta``). The ranks of one replica (tensor, pipeline, context parallel)
+all do the whole replica's rollout: a model-parallel layout does not split it.
 
 **Counted** (:func:`price`, on any machine): the decoding steps, the bytes each reads -- the copy's weights, then the
 cache so far -- the FLOPs of prefill, decoding and scoring, the gather's bytes and what the rollout holds beside the
@@ -51,7 +51,7 @@ def price(t, lay) -> dict:
             "prompt_tokens": prompt, "max_new_tokens": new, "decode_steps_per_rank": prompts * steps,
             "generated_tokens_per_rank": prompts * g * new,
             "decode_bytes_per_rank": int(prompts * (steps * weights + kv_read)),
-            "prefill_flops_per_rank": prompts * g * prompt * fwd_token,
+            "prefill_flops_per_rank": prompts * prompt * fwd_token,
             "decode_flops_per_rank": prompts * g * steps * fwd_token,
             "scoring_flops_per_rank": passes * prompts * g * window * fwd_token, "scoring_passes": passes,
             "gather_bytes": t.num_parameters * t.element_size, "gather_dims": list(split_dims(lay)),

@@ -8,7 +8,8 @@ rank), and samples its own data-parallel shard's prompts with the copy's key/val
 (tensor, pipeline and context parallel) draw the same completions from the same prompts and seeds, so every layout
 trains on the rollout one process draws.
 
-**Seeded per prompt.** A prompt's ``G`` completions are drawn together (one prefill, then ``G`` rows a step) from a
+**Seeded per prompt.** A prompt's ``G`` completions are drawn together (one prefill of the prompt, its cache
+shared by the ``G`` rows, then ``G`` rows a step) from a
 host generator (the same draws whatever the device computing the logits) seeded by the run's seed, the rollout's
 number and the prompt's record -- a rerun, and a resumed run, draws the same completions, whatever the layout.
 Sampling is the temperature's softmax over the vocabulary, cut to the smallest set reaching ``top_p``; a completion
@@ -24,6 +25,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch.utils._pytree import tree_map
 
 from distlab.models import IGNORE_INDEX
 from distlab.models.contract import contract
@@ -49,9 +51,11 @@ def complete(model, prompt: list[int], group: int, max_new: int, temperature: fl
     entropy, counted = 0.0, 0
     cache = None
     for step in range(max_new):
-        if model.cacheable:
-            logits, cache = model.decode(rows[:, -1:] if cache is not None else rows, cache,
-                                         rows.shape[1] - 1 if cache is not None else 0)
+        if model.cacheable and cache is None:  # the prompt prefilled once, its cache shared by the group's rows
+            logits, cache = model.decode(rows[:1], None, 0)
+            logits, cache = tree_map(lambda t: shared(t, group), (logits, cache))
+        elif model.cacheable:
+            logits, cache = model.decode(rows[:, -1:], cache, rows.shape[1] - 1)
         else:
             logits = model(rows)
         logits = logits[:, -1].double().cpu()
@@ -77,6 +81,11 @@ def complete(model, prompt: list[int], group: int, max_new: int, temperature: fl
             break
         rows = torch.cat([rows, nxt[:, None].to(rows.device)], 1)
     return out, entropy, counted
+
+
+def shared(t, group: int):
+    """A prefill's one row as ``group`` rows (a view; anything not a tensor as it is)."""
+    return t.expand(group, *t.shape[1:]) if isinstance(t, torch.Tensor) and t.shape[:1] == (1,) else t
 
 
 def device_of(model) -> torch.device:
