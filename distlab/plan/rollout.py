@@ -4,9 +4,9 @@ A rollout runs as :mod:`distlab.train.rollout` runs it: every rank gathers the w
 all-gather of the parameters over the dimensions that split them) into a float32 generation copy -- and, with a KL
 penalty and no adapters, a second copy of the starting weights, the reference -- then its replica's prompts, one
 after another: the prompt prefilled once (its cache shared by the ``G`` rows), then ``max_new_tokens - 1`` decoding
-steps of ``G`` rows with the key/value cache; then the rows are scored once more (old log-probabilities for ``--ppo-
-epochs`` above 1, the reference's for ``--kl-beta``). The ranks of one replica (tensor, pipeline, context parallel)
-all do the whole replica's rollout: a model-parallel layout does not split it.
+steps of ``G`` rows with the key/value cache; then the rows are scored once more (old log-probabilities for
+``--ppo-epochs`` above 1, the reference's for ``--kl-beta``). The ranks of one replica (tensor, pipeline, context
+parallel) all do the whole replica's rollout: a model-parallel layout does not split it.
 
 **Counted** (:func:`price`, on any machine): the decoding steps, the bytes each reads -- the copy's weights, then the
 cache so far -- the FLOPs of prefill, decoding and scoring, the gather's bytes and what the rollout holds beside the
