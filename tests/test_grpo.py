@@ -4,6 +4,7 @@ rollouts are seeded per prompt, the command trains, resumes and refuses bad inpu
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -191,3 +192,81 @@ def test_the_planner_prices_a_grpo_update_exactly_on_data_parallel(run_cli, tmp_
     assert all(1 <= row["completion_length"] <= r["max_new_tokens"] for row in rows)
     assert predicted["comm_bytes_per_step_per_rank"] == measured["comm_bytes_per_step"]
     assert predicted["model_state_bytes_per_rank"] == measured["model_state_bytes_per_rank"]
+
+
+def _first_rollout(rank, world, flags: dict):
+    """The first step's rollout of a GRPO run set by ``flags``, drawn as the run draws it: every train prompt's
+    completions (their rows and targets) and the run's settings."""
+    from distlab import runtime
+    from distlab.train import TrainConfig, Trainer
+    cfg = TrainConfig.from_flags(**flags).validate(1)
+    trainer = Trainer(cfg, runtime.from_process_group())
+    data = trainer.train_set
+    x, y = data.batch(torch.arange(len(data)))[:2]
+    rows, targets, _ = trainer.objective.batch(x, y, None, 1)
+    return rows, targets[..., 0].long(), cfg
+
+
+def test_a_grpo_steps_loss_and_update_are_trls_formula_from_transformers_log_probabilities(run_cli, tmp_path):
+    """A Llama checkpoint with PEFT adapters that move it, every train prompt in one step's batch: the logged loss
+    is TRL's GRPO loss, and the adapters' SGD step TRL's gradient, both computed by hand from transformers' and
+    PEFT's float64 log-probabilities of the completions the run drew (the policy: base + adapters; the KL's
+    reference: the adapters off) and the rewards recomputed from the decoded text -- within transformers' own
+    float32 rounding per logit (the loss) and verify's float32 bound for the step (the update)."""
+    import re
+
+    from safetensors.torch import load_file
+
+    from distlab.launch.spawn import run_ranks
+    from distlab.models import IGNORE_INDEX
+    from distlab.tools.verify_data import grpo_tolerance
+    from tests.test_dpo import adapted_checkpoint
+    adapted = adapted_checkpoint(tmp_path)
+    data, g, beta, lr = _records(tmp_path), 3, 0.1, 0.05
+    flags = dict(init_from=f"hf:{tmp_path / 'base'}", lora_from=f"peft:{tmp_path / 'adapter'}", dataset=data,
+                 block_size=12, global_batch_size=54, group_size=g, kl_beta=beta, reward="regex:[0-9]",
+                 max_new_tokens=4, max_steps=1, optimizer="sgd", momentum=0.0, lr=lr, lr_schedule="constant",
+                 log_every=1, progress=False, verbose=False, seed=5)
+    run_cli("train", *(f"--{k.replace('_', '-')}={v}" for k, v in flags.items() if k not in ("progress", "verbose")),
+            "--no-progress", "--out", "run", check=True, timeout=300)
+    run_cli("export", "run", "--format", "peft", "--out", "moved", check=True)
+    rows, target, cfg = run_ranks(_first_rollout, 1, flags, timeout=300)[0]
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    mask = (target != IGNORE_INDEX).double()
+    text = ["".join(chr(t) for t, m in zip(row, keep) if m and t != 10) for row, keep in zip(target.tolist(), mask)]
+    rewards = torch.tensor([float(bool(re.search("[0-9]", s))) for s in text], dtype=F64).view(-1, g)
+    adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).view(-1)
+    assert 0 < rewards.mean() < 1 and len(rows) == 54 * g
+
+    def logps(model):
+        logits = model(rows).logits.double()
+        picked = torch.log_softmax(logits, -1).gather(-1, target.clamp_min(0)[..., None])[..., 0]
+        return picked * mask
+
+    adapted = adapted.double().eval()
+    with torch.no_grad(), adapted.disable_adapter():
+        ref = logps(adapted)
+    policy = logps(adapted)
+    loss = _trl(policy, policy.detach(), ref, adv, mask, 0.2, 0.2, beta, "grpo", 4)
+    trained = {n: p for n, p in adapted.named_parameters() if p.requires_grad}
+    grads = dict(zip(trained, torch.autograd.grad(loss, list(trained.values()))))
+    with torch.no_grad():  # transformers' float32 rounding of its logits on these rows
+        exact = adapted(rows[:8]).logits
+        per_logit = 2 * (adapted.float()(rows[:8]).logits.double() - exact).abs().max().item() \
+            + 4 * torch.finfo(torch.float32).eps * exact.abs().max().item()
+    adapted.double()
+    # a token's log-probability within 2 x per_logit (its logit and the log-sum-exp's), the KL's k3 moving by
+    # |exp(d) - 1| per unit of d, for the policy and the reference; the ratio's term is -A exactly (on-policy)
+    d = (ref - policy.detach()).abs().max().item()
+    bound = beta * 2 * (2 * per_logit) * (math.expm1(d) + 2 * per_logit) + 1e-12
+    assert abs(first["loss"] - loss.item()) <= bound, (first["loss"], loss.item(), bound)
+    assert abs(loss.item()) > 100 * bound  # (the KL is not trivially 0: the adapters moved the model)
+    start, moved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors")), \
+        load_file(str(tmp_path / "moved" / "adapter_model.safetensors"))
+    step_bound = grpo_tolerance(cfg, 1)
+    assert set(start) == set(moved) == {n.replace(".default", "") for n in grads}
+    for name, grad in grads.items():
+        key = name.replace(".default", "")
+        want = start[key].double() - lr * grad
+        assert (moved[key].double() - want).abs().max().item() <= step_bound, key
+    assert max((moved[k].double() - start[k].double()).abs().max().item() for k in start) > 100 * step_bound
