@@ -114,6 +114,8 @@ TRAIN_OPTIONS = [
                                help="Samples per optimizer step over all ranks (split over the data-parallel ranks).")),
     ("lr", dict(type=float)),
     ("optimizer", dict(help="sgd, adam or adamw.")),
+    ("optimizer_state", dict(help="adam/adamw: the moments' dtype, fp32 or bf16 (4 bytes a parameter instead of 8; "
+                                  "the float32 parameters kept).")),
     ("lr_schedule", dict(help="constant, cosine or linear decay to 0.")),
     ("momentum", dict(type=float, help="SGD momentum.")),
     ("weight_decay", dict(type=float)),

@@ -40,17 +40,19 @@ class Optim:
     name: str
     per_element: int
     per_tensor: int
+    state_size: int | None = None  # bytes per element of the state tensors (None: the parameter's)
 
     @classmethod
-    def of(cls, name: str, momentum: float = 0.9) -> "Optim":
+    def of(cls, name: str, momentum: float = 0.9, state: str = "fp32") -> "Optim":
         if name == "sgd":
             return cls("sgd", 1 if momentum else 0, 0)
-        if name in ("adam", "adamw"):
-            return cls(name, 2, STEP_TENSOR_BYTES)
+        if name in ("adam", "adamw"):  # (bf16 moments: distlab.train.low_precision_optim)
+            return cls(name, 2, STEP_TENSOR_BYTES, 2 if state == "bf16" else None)
         raise ConfigError(f"unknown optimizer {name!r}; choose sgd, adam or adamw")
 
     def bytes(self, numel: int, element_size: int) -> int:
-        return self.per_element * numel * element_size + (self.per_tensor if self.per_element else 0)
+        size = self.state_size or element_size
+        return self.per_element * numel * size + (self.per_tensor if self.per_element else 0)
 
 
 def data_parallel_bytes(t, optim: Optim, tp: int = 1) -> int:

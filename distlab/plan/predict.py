@@ -30,6 +30,7 @@ class Layout:
     strategy: Strategy = Strategy()
     optimizer: str = "sgd"
     momentum: float = 0.9
+    optimizer_state: str = "fp32"  # adam/adamw: the moments' dtype (bf16: 2 bytes each)
     global_batch: int = 64
     threads: int | None = None
     oversubscription: float = 1.0  # ranks x threads per core on the busiest host: compute runs this much slower
@@ -170,7 +171,7 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
     if cluster is not None:
         cluster.check(lay)
     micro = lay.global_batch // lay.dp // lay.strategy.micro_steps * (2 if lay.pairs else lay.group)  # rows
-    optim = Optim.of(lay.optimizer, lay.momentum)
+    optim = Optim.of(lay.optimizer, lay.momentum, lay.optimizer_state)
     if lay.strategy.activation_checkpointing and not (t.blocks and t.layers):
         raise ConfigError("`activation_checkpointing`: plan counts what each layer keeps, and this model lists no "
                           + ("blocks (checkpoint_blocks)" if t.layers else "layers (pipeline_layers)")

@@ -45,6 +45,7 @@ class TrainConfig:
     global_batch_size: int = 64
     lr: float = 0.05
     optimizer: str = "sgd"
+    optimizer_state: str = "fp32"  # adam/adamw: the moments' dtype (bf16: low_precision_optim.Adam16)
     momentum: float = 0.9
     weight_decay: float = 0.0
     clip_grad_norm: float | None = None  # scale each step's gradients to this global norm at most (None: never)
@@ -186,6 +187,11 @@ class TrainConfig:
             raise ConfigError(f"{self.dataset} is random bytes, not text a tokenizer can learn from: keep `tokenizer` "
                               f"bytes")
         _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("optimizer_state", self.optimizer_state, ("fp32", "bf16"))
+        if self.optimizer_state != "fp32" and self.optimizer == "sgd":
+            raise ConfigError(f"`optimizer_state` {self.optimizer_state} holds Adam's moments in it; sgd keeps "
+                              f"{'a momentum buffer' if self.momentum else 'no state'}: use --optimizer adamw or drop "
+                              f"--optimizer-state")
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
         _choice("data_on_device", self.data_on_device, ("auto", "on", "off"))

@@ -43,6 +43,14 @@ def build_optimizer(params, cfg: TrainConfig, names: list[str] | None = None,
     kernel = kernels(params)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **kernel)
+    if cfg.optimizer_state != "fp32":  # the moments in bfloat16 (:mod:`distlab.train.low_precision_optim`)
+        from distlab.train.low_precision_optim import STATE_DTYPES, Adam16
+        kind = dict(decoupled=cfg.optimizer == "adamw", state_dtype=STATE_DTYPES[cfg.optimizer_state])
+        if decay_groups(cfg) and names is not None:
+            return Adam16([{"params": [p for p, n in zip(params, names) if n not in no_decay]},
+                           {"params": [p for p, n in zip(params, names) if n in no_decay], "weight_decay": 0.0}],
+                          lr=lr, weight_decay=cfg.weight_decay, **kind)
+        return Adam16(params, lr=lr, weight_decay=cfg.weight_decay, **kind)
     if cfg.optimizer == "adamw":
         if decay_groups(cfg) and names is not None:
             groups = [{"params": [p for p, n in zip(params, names) if n not in no_decay]},

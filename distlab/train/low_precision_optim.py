@@ -1,0 +1,72 @@
+"""Adam and AdamW with their moments held in bfloat16 (``--optimizer-state bf16``): 4 bytes of state per
+parameter instead of 8, the parameters (the float32 master weights) kept as they are.
+
+Each step is torch's own (``torch.optim.Adam``'s single-tensor loop, line for line): the moments widened to
+float32, updated with the gradient, the parameter moved by them, and only then stored back, rounded to the
+nearest bfloat16 (8 bits of mantissa: a relative error of at most 2^-9 a step). So a step from the same state
+moves the parameter exactly as torch's does; the rounding enters through the state the next step starts from
+(``tests/test_low_precision_optim.py`` holds it to torch's AdamW with its state rounded after each step, bit for
+bit).
+
+The lesson the rounding teaches is the second moment's: ``v <- 0.999 v + 0.001 g^2`` adds less than half a
+bfloat16 unit whenever ``0.001 g^2 < 2^-9 v``, so a steady ``v`` stops following gradients that shrink: it stays
+as large as they were, and the steps come out smaller than float32's. It acts element by element, so it composes with every layout
+as torch's optimizer does: ZeRO's flat shards, tensor parallel's slices, a pipeline stage's parameters, the experts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+STATE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+class Adam16(torch.optim.Optimizer):
+    """Adam (``decoupled=False``: the weight decay an L2 term) or AdamW with moments stored in ``state_dtype``."""
+
+    def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 decoupled: bool = True, state_dtype: torch.dtype = torch.bfloat16):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled=decoupled))
+        self.state_dtype = state_dtype
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, which casts floating-point state to its parameter's dtype -- then the moments back to
+        ``state_dtype`` (exactly: they were stored in it)."""
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key] = state[key].to(self.state_dtype)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            (beta1, beta2), lr, eps, wd = group["betas"], group["lr"], group["eps"], group["weight_decay"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                grad, state = param.grad, self.state[param]
+                if not state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        state[key] = torch.zeros_like(param, dtype=self.state_dtype,
+                                                      memory_format=torch.preserve_format)
+                state["step"] += 1
+                if wd != 0:
+                    if group["decoupled"]:
+                        param.mul_(1 - lr * wd)
+                    else:
+                        grad = grad.add(param, alpha=wd)
+                exp_avg = state["exp_avg"].to(param.dtype).lerp_(grad, 1 - beta1)  # (widened: a copy)
+                exp_avg_sq = state["exp_avg_sq"].to(param.dtype).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                step = state["step"].item()
+                bias_correction1, bias_correction2 = 1 - beta1 ** step, 1 - beta2 ** step
+                denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
+                param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+                state["exp_avg"].copy_(exp_avg)  # stored rounded to the nearest
+                state["exp_avg_sq"].copy_(exp_avg_sq)
+        return loss
