@@ -10,8 +10,9 @@ bit).
 
 The lesson the rounding teaches is the second moment's: ``v <- 0.999 v + 0.001 g^2`` adds less than half a
 bfloat16 unit whenever ``0.001 g^2 < 2^-9 v``, so a steady ``v`` stops following gradients that shrink: it stays
-as large as they were, and the steps come out smaller than float32's. It acts element by element, so it composes with every layout
-as torch's optimizer does: ZeRO's flat shards, tensor parallel's slices, a pipeline stage's parameters, the experts.
+as large as they were, and the steps come out smaller than float32's. It acts element by element, so it composes
+with every layout as torch's optimizer does: ZeRO's flat shards, tensor parallel's slices, a pipeline stage's
+parameters, the experts.
 """
 
 from __future__ import annotations
