@@ -58,7 +58,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for r in rows:
         lo, hi = r["test_loss_range"]
-        print(f"| {r['state']} | {r['runs']} | {r['final_train_loss']:.4f} | {r['test_loss']:.4f} ({lo:.4f}-{hi:.4f}) | "
+        print(f"| {r['state']} | {r['runs']} | {r['final_train_loss']:.4f} | {r['test_loss']:.4f} "
+              f"({lo:.4f}-{hi:.4f}) | "
               f"{r['step_s'] * 1e3:.0f} | {r['model_state_bytes_per_rank']:,} B |")
 
 
