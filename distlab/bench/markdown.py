@@ -145,6 +145,15 @@ def grpo_walkthrough(data: dict) -> str:
                         [[str(step), f"{reward:.3f}"] for step, reward in data["test_reward_greedy"]], markdown=True)
 
 
+def optimizer_state(data: dict) -> str:
+    """``scripts/bench_optimizer_state.py``'s: each moments' dtype, its medians over the rounds."""
+    from distlab.bench.common import format_table
+    return format_table(["moments", "runs", "final train loss", "test loss", "ms/step", "model state B"],
+                        [[r["state"], str(r["runs"]), f"{r['final_train_loss']:.4f}", f"{r['test_loss']:.4f}",
+                          f"{r['step_s'] * 1e3:.0f}", f"{r['model_state_bytes_per_rank']:,}"] for r in data["rows"]],
+                        markdown=True)
+
+
 def _kind(first: dict):
     """The table of a file whose records start with ``first`` (by the fields only that bench writes)."""
     from distlab.bench import (checkpointing, compression, dry_run, elastic, finetune, load_peak, overhead, parallel,
@@ -190,6 +199,8 @@ def render(path: str | Path) -> str:
         return markdown(data)
     if isinstance(data, dict) and data.get("kind") == "distlab-grpo-walkthrough":
         return grpo_walkthrough(data)
+    if isinstance(data, dict) and data.get("kind") == "distlab-optimizer-state":
+        return optimizer_state(data)
     if isinstance(data, dict) and data.get("kind") == "distlab-collectives-fit":  # bench collectives' alpha-beta
         from distlab.bench.collectives import fit_markdown
         return fit_markdown(data)
