@@ -3,6 +3,7 @@ import json
 import os
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -183,8 +184,15 @@ def test_unreachable_master_fails_clearly():
     assert msg is not None and "could not reach rank 0" in msg
 
 
-def _init_and_report(rank, world, port, delay):
-    """Start after ``delay`` seconds, with progress lines every 0.5 s collected in ``said``."""
+def _init_and_report(rank, world, port, delay, ready=None):
+    """Start after ``delay`` seconds (``ready``: a directory -- after every other rank has said there that it is
+    about to meet, however slowly its process started), with progress lines every 0.5 s collected in ``said``."""
+    if ready is not None and delay:
+        deadline = time.monotonic() + 60
+        while len(list(Path(ready).iterdir())) < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    elif ready is not None:
+        (Path(ready) / str(rank)).touch()
     time.sleep(delay)
     lines = []
     info = runtime.detect_launch({}, rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port)
@@ -197,11 +205,12 @@ def _init_and_report(rank, world, port, delay):
 
 
 @pytest.mark.parametrize("late", [0, 1])
-def test_waiting_ranks_say_who_they_wait_for_and_meet_when_the_late_one_comes(late):
-    # 3 ranks by hand; rank ``late`` arrives 3 s after the others. Rank 0 reports the missing ranks,
-    # a rank waiting for rank 0 reports that; no line carries c10d's internal store keys.
+def test_waiting_ranks_say_who_they_wait_for_and_meet_when_the_late_one_comes(late, tmp_path):
+    # 3 ranks by hand; rank ``late`` arrives 3 s after the others are about to meet (on a busy machine their
+    # processes start seconds apart). Rank 0 reports the missing ranks, a rank waiting for rank 0 reports that;
+    # no line carries c10d's internal store keys.
     port = runtime.free_port()
-    results = run_ranks(_meet_with_one_late, 3, port, late, init_group=False, timeout=60)
+    results = run_ranks(_meet_with_one_late, 3, port, late, str(tmp_path), init_group=False, timeout=120)
     assert [r[0] for r in results] == [3.0, 3.0, 3.0]
     lines = [line for _, said in results for line in said]
     if late == 1:
@@ -211,8 +220,8 @@ def test_waiting_ranks_say_who_they_wait_for_and_meet_when_the_late_one_comes(la
     assert not any("/default_pg" in line or "keys" in line for line in lines)
 
 
-def _meet_with_one_late(rank, world, port, late):
-    return _init_and_report(rank, world, port, 3.0 if rank == late else 0.0)
+def _meet_with_one_late(rank, world, port, late, ready):
+    return _init_and_report(rank, world, port, 3.0 if rank == late else 0.0, ready)
 
 
 def test_port_in_use_is_a_clear_error():
