@@ -349,7 +349,8 @@ def test_a_grpo_rollout_on_a_gpu_is_decoding_through_hbm_and_says_what_dominates
     assert rollout.split_dims(Layout(dp=2, strategy=Strategy(tp=2, pp=2, zero=3))) == ("tp", "pp", "dp")
     code, out, err = invoke(["plan", "--preset", "llama3.2-1b", "--dataset", "synthetic-rl", "--block-size", "512",
                              "--group-size", "8", "--max-new-tokens", "256", "--machine", "h100-sxm", "--gpus", "8",
-                             "--global-batch-size", "64", "--zero", "3", "--optimizer", "adamw", "--precision", "bf16"],
-                            tmp_path)
+                             "--global-batch-size", "64", "--zero", "3", "--optimizer", "adamw", "--precision", "bf16",
+                             "--kl-beta", "0.1", "--ppo-epochs", "2"], tmp_path)
     assert code == 0, err
     assert re.search(r"rollout time .*: the rollout dominates: [\d.]+ s against the update's", out), out
+    assert "2 float32 copies of the whole model" in out and not re.search(r"scoring 0 ms", out)
