@@ -220,6 +220,7 @@ def test_a_grpo_steps_loss_and_update_are_trls_formula_from_transformers_log_pro
     from distlab.launch.spawn import run_ranks
     from distlab.models import IGNORE_INDEX
     from distlab.tools.verify_data import grpo_tolerance
+    from tests.conftest import patience
     from tests.test_dpo import adapted_checkpoint
     adapted = adapted_checkpoint(tmp_path)
     data, g, beta, lr = _records(tmp_path), 3, 0.1, 0.05
@@ -230,7 +231,7 @@ def test_a_grpo_steps_loss_and_update_are_trls_formula_from_transformers_log_pro
     run_cli("train", *(f"--{k.replace('_', '-')}={v}" for k, v in flags.items() if k not in ("progress", "verbose")),
             "--no-progress", "--out", "run", check=True, timeout=300)
     run_cli("export", "run", "--format", "peft", "--out", "moved", check=True)
-    rows, target, cfg = run_ranks(_first_rollout, 1, flags, timeout=300)[0]
+    rows, target, cfg = run_ranks(_first_rollout, 1, flags, timeout=patience(300))[0]
     first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     mask = (target != IGNORE_INDEX).double()
     text = ["".join(chr(t) for t, m in zip(row, keep) if m and t != 10) for row, keep in zip(target.tolist(), mask)]
