@@ -42,6 +42,10 @@ STRATEGY_OPTIONS = [
                          "home; the all-to-all's oracle).")),
     ("zero", dict(type=click.IntRange(0, 3), help="ZeRO stage over the data-parallel ranks: 1 shards optimizer "
                   "state, 2 also gradients, 3 also parameters.")),
+    ("dp_shard", dict(type=int, help="With --zero: hybrid sharding (HSDP) -- ZeRO over groups of this many "
+                      "consecutive data-parallel ranks (a node's, say), its shards replicated across the groups: "
+                      "parameters gathered inside a group, only the reduced gradient shard crossing them "
+                      "(default: shard over every data-parallel rank).")),
     ("zero_impl", dict(help="With --zero: tuned (buckets overlapped with backward, stage 3 gathering one module "
                        "at a time, with prefetch) or plain (the partition alone, distlab/parallel/zero/plain.py: "
                        "every parameter's shard, reduce-scattered after backward, gathered whole).")),

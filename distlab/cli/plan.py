@@ -13,7 +13,7 @@ from distlab.errors import ConfigError
 
 DEFAULT_CALIBRATION = "runs/calibration.json"
 PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "sequence_parallel", "cp", "cp_style", "ep", "ep_dispatch",
-                  "zero", "zero_impl", "pp",
+                  "zero", "dp_shard", "zero_impl", "pp",
                   "microbatches", "pp_schedule", "pp_virtual", "pp_balance", "activation_checkpointing", "ac_every",
                   "ac_policy", "precision", "reduce_dtype", "grad_compression")  # what plan's cost model reads
 

@@ -131,6 +131,8 @@ class Call:
     nbytes: float       # the whole tensor (all-reduce) / the full, gathered size (RS, AG) / what one rank sends
     ready: float = 1.0  # fraction of backward done when it may start (1 = after backward)
     itemsize: int = 4   # bytes per element (the butterfly splits whole elements)
+    ranks: int = 0      # the ranks it spans: 0, the gradient sync's group (hybrid sharding's are fewer)
+    span: str = ""      # which of the sync's groups: "" all of it, "shard" or "replicate" (hybrid sharding)
 
 
 @dataclass

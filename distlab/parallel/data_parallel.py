@@ -89,7 +89,8 @@ class DataParallel(nn.Module):
         return self.wrapped(*args, **kwargs)
 
     @classmethod
-    def from_strategy(cls, module: nn.Module, strategy, group: dist.ProcessGroup | None = None) -> "DataParallel":
+    def from_strategy(cls, module: nn.Module, strategy, group: dist.ProcessGroup | None = None,
+                      replicate=None) -> "DataParallel":
         """``module`` over ``group`` with the strategy's sync method, bucket size, collective and compression."""
         return cls(module, strategy.dp_sync, group=group, bucket_mb=strategy.bucket_mb, collective=strategy.collective,
                    find_unused=strategy.find_unused, codec=build_codec(strategy))

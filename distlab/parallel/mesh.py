@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from distlab.errors import ConfigError
+from distlab.parallel.zero.hsdp import shard_groups
 
 
 @dataclass(frozen=True)
@@ -69,12 +70,16 @@ class Layout:
     ep_groups: list[list[int]]
     expert_data_groups: list[list[int]]
     dim_groups: dict[str, list[list[int]]] = field(default_factory=dict)  # each extra dimension's groups
+    shard_groups: list[list[int]] = field(default_factory=list)  # hybrid sharding: ZeRO's groups in a replica group
+    replicate_groups: list[list[int]] = field(default_factory=list)  # ... and the ranks holding the same shard
 
 
-def layout(world_size: int, tp: int, pp: int = 1, cp: int = 1, ep: int = 1, dims: tuple[Dim, ...] = ()) -> Layout:
+def layout(world_size: int, tp: int, pp: int = 1, cp: int = 1, ep: int = 1, dims: tuple[Dim, ...] = (),
+           dp_shard: int = 0) -> Layout:
     """Which global ranks form each group of a ``tp`` x ``cp`` x ``pp`` mesh on ``world_size`` ranks,
     with expert parallel over blocks of ``ep`` data-parallel ranks and the extra ``dims`` between the
-    data- and the context-parallel dimension (in their order, the first outermost).
+    data- and the context-parallel dimension (in their order, the first outermost); ``dp_shard``: each
+    replica group cut into shard groups of that many consecutive ranks (:mod:`~distlab.parallel.zero.hsdp`).
 
     A group along a dimension is the ranks that differ only there, in rank order; the groups of a kind
     are listed in the order of their first rank."""
@@ -102,11 +107,13 @@ def layout(world_size: int, tp: int, pp: int = 1, cp: int = 1, ep: int = 1, dims
         return list(out.values())
 
     replicated = ("dp", "cp", *(d.name for d in dims if d.replicates))
+    replicas = along(*replicated)
+    shards, replicates = shard_groups(replicas, dp_shard) if dp_shard else ([], [])
     return Layout(tp_groups=along("tp"), dp_groups=along("dp"), pp_groups=along("pp"), cp_groups=along("cp"),
-                  replica_groups=along(*replicated),
+                  replica_groups=replicas,
                   ep_groups=along("dp", key=lambda c: (c[at["dp"]] // ep,)),
                   expert_data_groups=along(*replicated, key=lambda c: (c[at["dp"]] % ep,)),
-                  dim_groups={d.name: along(d.name) for d in dims})
+                  dim_groups={d.name: along(d.name) for d in dims}, shard_groups=shards, replicate_groups=replicates)
 
 
 def _groups(groups: list[list[int]]) -> str:
@@ -142,16 +149,23 @@ class Mesh:
     expert_data_group: dist.ProcessGroup | None = None  # the replicas of this rank's expert shard
     expert_data_ranks: list[int] | None = None
     dims: dict[str, "Axis"] = field(default_factory=dict)  # the extra dimensions, by name (registered kinds')
+    shard_group: dist.ProcessGroup | None = None  # what ZeRO shards over: the replicas, or (HSDP) a block of them
+    shard_ranks: list[int] | None = None
+    replicate_group: dist.ProcessGroup | None = None  # HSDP: the ranks holding the same shard (None without)
+    replicate_ranks: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.replica_ranks is None:  # no context parallel: the replicas are the data-parallel ranks
             self.replica_group, self.replica_ranks = self.dp_group, self.dp_ranks
+        if self.shard_ranks is None:  # no hybrid sharding: ZeRO shards over every replica
+            self.shard_group, self.shard_ranks = self.replica_group, self.replica_ranks
 
     @classmethod
     def of(cls, strategy) -> "Mesh":
         """This process's mesh for ``strategy``: every dimension its fields name (tp, pp, cp, ep), the rest
         data parallel (collective: every rank calls it, in the same order)."""
-        return build_mesh(strategy.tp, pp=strategy.pp, cp=strategy.cp, ep=strategy.ep, dims=strategy.extra_dims())
+        return build_mesh(strategy.tp, pp=strategy.pp, cp=strategy.cp, ep=strategy.ep, dims=strategy.extra_dims(),
+                          dp_shard=strategy.dp_shard)
 
     def size(self, dim: str) -> int:
         """The size of dimension ``dim`` (``tp``, ``dp``, ``pp``, ``cp``, ``ep`` or an extra one's name; 1
@@ -186,10 +200,11 @@ class Mesh:
         """``dp 2 x tp 2: TP groups [0, 1] [2, 3]; DP groups [0, 2] [1, 3]`` (or one word for dp only)."""
         if self.world_size == 1:
             return "single process"
-        if self.world_size == self.dp and self.ep == 1:
+        s = len(self.shard_ranks) if self.replicate_ranks else 0  # hybrid sharding's shard groups
+        if self.world_size == self.dp and self.ep == 1 and not s:
             return f"dp {self.dp}: ranks 0-{self.world_size - 1} in one data-parallel group"
         dims = tuple(self.dims.values())
-        groups = layout(self.world_size, self.tp, self.pp, self.cp, self.ep, dims)
+        groups = layout(self.world_size, self.tp, self.pp, self.cp, self.ep, dims, s)
         sizes = " x ".join(f"{name} {n}" for name, n in (("pp", self.pp), ("dp", self.dp),
                                                            *((d.name, d.size) for d in dims), ("cp", self.cp),
                                                            ("tp", self.tp)) if n > 1 or name == "dp")
@@ -200,7 +215,9 @@ class Mesh:
                 ([f"EP groups {_groups(groups.ep_groups)}; expert gradients over "
                   f"{_groups(groups.expert_data_groups)}"] if self.ep > 1 else []) + \
                 ([f"gradients averaged over {_groups(groups.replica_groups)}"] if self.replicas > self.dp else []) + \
-                ([f"pipelines (stage 0 first) {_groups(groups.pp_groups)}"] if self.pp > 1 else [])
+                ([f"pipelines (stage 0 first) {_groups(groups.pp_groups)}"] if self.pp > 1 else []) + \
+                ([f"ZeRO shards over {_groups(groups.shard_groups)}, replicated over "
+                  f"{_groups(groups.replicate_groups)}"] if s else [])
         if self.ep > 1:
             sizes = sizes.replace(f"dp {self.dp}", f"dp {self.dp} (ep {self.ep})")
         return f"{sizes}: {'; '.join(parts)}"
@@ -219,13 +236,14 @@ class Axis:
 
 
 def build_mesh(tp: int = 1, dp: int | None = None, pp: int = 1, cp: int = 1, ep: int = 1,
-               dims: tuple[Dim, ...] = ()) -> Mesh:
-    """The mesh of this process (collective when tp, pp, cp, ep or an extra dimension is above 1: every rank
-    calls it, in the same order)."""
+               dims: tuple[Dim, ...] = (), dp_shard: int = 0) -> Mesh:
+    """The mesh of this process (collective when tp, pp, cp, ep, an extra dimension or hybrid sharding's
+    ``dp_shard`` is above 1: every rank calls it, in the same order)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     dims = tuple(d for d in dims if d.size > 1)
-    groups = layout(world, tp, pp, cp, ep, dims)
+    groups = layout(world, tp, pp, cp, ep, dims, dp_shard)
+    hybrid = bool(groups.shard_groups) and len(groups.shard_groups[0]) < len(groups.replica_groups[0])
     model = tp * pp * cp * math.prod(d.size for d in dims)
     if dp is not None and dp * model != world:
         extra = "".join(f" x `{k}` {v}" for k, v in (("cp", cp), ("pp", pp), *((d.name, d.size) for d in dims))
@@ -239,14 +257,16 @@ def build_mesh(tp: int = 1, dp: int | None = None, pp: int = 1, cp: int = 1, ep:
     replicated = cp > 1 or any(d.replicates for d in dims)
     made: dict[str, dist.ProcessGroup | None] = {"tp": None, "cp": None, "dp": None, "replica": None, "pp": None,
                                                  "ep": None, "expert_data": None, **{d.name: None for d in dims}}
-    if world > 1 and (model > 1 or ep > 1):
+    made.update(shard=None, replicate=None)
+    if world > 1 and (model > 1 or ep > 1 or hybrid):
         # new_group is collective over the whole world: every rank creates every group, in one order
         for kind, kind_groups, needed in (
                 ("tp", groups.tp_groups, tp > 1), ("cp", groups.cp_groups, cp > 1),
                 *((d.name, groups.dim_groups[d.name], True) for d in dims),
                 ("dp", groups.dp_groups, model > 1), ("replica", groups.replica_groups, replicated),
                 ("pp", groups.pp_groups, pp > 1), ("ep", groups.ep_groups, ep > 1),
-                ("expert_data", groups.expert_data_groups, ep > 1)):
+                ("expert_data", groups.expert_data_groups, ep > 1),
+                ("shard", groups.shard_groups, hybrid), ("replicate", groups.replicate_groups, hybrid)):
             for g in kind_groups if needed else ():
                 pg = dist.new_group(g)
                 if rank in g:
@@ -260,4 +280,6 @@ def build_mesh(tp: int = 1, dp: int | None = None, pp: int = 1, cp: int = 1, ep:
                 cp, cp_ranks.index(rank), made["cp"], cp_ranks,
                 made["replica"], mine(groups.replica_groups) if replicated else None,
                 ep, mine(groups.ep_groups).index(rank), made["ep"], mine(groups.ep_groups),
-                made["expert_data"], mine(groups.expert_data_groups), axes)
+                made["expert_data"], mine(groups.expert_data_groups), axes,
+                *((made["shard"], mine(groups.shard_groups), made["replicate"], mine(groups.replicate_groups))
+                  if hybrid else ()))

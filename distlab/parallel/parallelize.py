@@ -18,7 +18,8 @@
 4. **SyncBN over the data-parallel group** (under tensor parallel the ranks of a TP group see
    the same samples: reducing statistics over the world would count each sample ``tp`` times);
 5. **the gradient sync**: data parallel or ZeRO over the replica group (the data- and
-   context-parallel ranks holding the same stage and tensor-parallel shard);
+   context-parallel ranks holding the same stage and tensor-parallel shard) -- or, hybrid sharding, ZeRO
+   over a shard group of them, its shards replicated across the groups;
 6. **precision**: autocast, and fp16's loss scaling (a no-op for fp32 and bf16).
 
 Every choice between kinds happens here and nowhere else: the :class:`~distlab.parallel.Engine`
@@ -83,7 +84,8 @@ def parallelize(model: nn.Module, strategy: Strategy, mesh: Mesh, device: torch.
                               strategy.pp_virtual, blocks, strategy.ac_policy)
         schedule = Pipelined(model, mesh, ties)
     model = apply_sync_bn(model, strategy.sync_bn, mesh.replica_group)
-    grad_sync = sync_kind(strategy).wrapper.from_strategy(model, strategy, mesh.replica_group)
+    grad_sync = sync_kind(strategy).wrapper.from_strategy(model, strategy, mesh.shard_group,
+                                                          replicate=mesh.replicate_group)
     return Engine(grad_sync, schedule, strategy, mesh, Precision(strategy.precision, device), tuple(parts), head)
 
 

@@ -22,6 +22,8 @@ the class is passed in (``cls``, ``self``): this module is imported by it.
                     data-parallel ranks (tokens dispatched to them by all-to-all;
                     ep_dispatch=all_gather: the plain dispatch, the all-to-all's oracle)
     zero=S          zero: ZeRO stage 1-3
+    dp_shard=N      dp_shard: with zero, shard over groups of N replicas and replicate across the groups
+                    (hybrid sharding, HSDP: gathers stay inside a group, one reduced shard crosses them)
     zero_impl=plain zero_impl: the plain ZeRO (the partition alone) in place of the tuned one, or
                     FILE.py:NAME (the user's own PlainZero subclass)
     ckpt            activation_checkpointing: recompute each block's activations in backward
@@ -94,7 +96,8 @@ def strategy_text(self) -> str:
     if self.ep != 1:
         parts.append(f"ep={self.ep}" + (f"+ep_dispatch={self.ep_dispatch}" if self.ep_dispatch != "all_to_all" else ""))
     if self.zero:
-        parts.append(f"zero={self.zero}" + (f"+zero_impl={self.zero_impl}" if self.zero_impl != "tuned" else ""))
+        parts.append(f"zero={self.zero}" + (f"+dp_shard={self.dp_shard}" if self.dp_shard else "")
+                     + (f"+zero_impl={self.zero_impl}" if self.zero_impl != "tuned" else ""))
     if self.pp != 1:
         parts += [f"pp={self.pp}", f"mb={self.microbatches}", self.pp_schedule]
         parts += [f"vpp={self.pp_virtual}"] if self.pp_virtual != 1 else []

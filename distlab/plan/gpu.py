@@ -268,7 +268,12 @@ class Cluster:
         return NcclTimer(self.machine, placement(lay, self.machine.gpus_per_node, dims), scale)
 
     def sync_timer(self, lay) -> "NcclTimer":
-        return self.timer(lay, ("cp", "ep", "dp"))
+        timer = self.timer(lay, ("cp", "ep", "dp"))
+        s = lay.zero_shard if lay.zero else timer.n  # hybrid sharding: a shard group is s consecutive replicas
+        if s < timer.n:  # (a node's share of them, at most), a replicate group one of each
+            per = timer.group.per_node
+            timer.spans = {"shard": Group(s, min(s, per)), "replicate": Group(timer.n // s, max(1, per // s))}
+        return timer
 
     def group_timer(self, lay, group, narrow: float) -> "NcclTimer":
         return self.timer(lay, (group.dim,), narrow)  # activations, in 2 bytes under bf16
@@ -315,6 +320,8 @@ class NcclTimer:
         self.machine, self.group, self.scale = machine, group, scale
         self.n = group.n
         self.link_free = 0.0
+        self.spans: dict[str, Group] = {}  # a call's span -> its group (hybrid sharding's shard and replicate)
 
     def duration(self, call, start: float = 0.0) -> float:
-        return collective_seconds(self.machine, call.kind, call.nbytes * self.scale, self.group)
+        group = self.spans.get(getattr(call, "span", ""), self.group)
+        return collective_seconds(self.machine, call.kind, call.nbytes * self.scale, group)

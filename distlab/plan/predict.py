@@ -16,6 +16,7 @@ from distlab.parallel.cost import Optim, textbook_parts, under
 from distlab.parallel.pipeline import cost as schedule_cost
 from distlab.parallel import sync_bn
 from distlab.parallel.grad_syncs import sync_kind
+from distlab.parallel.zero.hsdp import shard_ways
 from distlab.plan import rollout
 from distlab.plan.calibration import Calibration
 from distlab.plan.machine import Link, sent
@@ -58,6 +59,11 @@ class Layout:
         """Ranks that hold the same part of the model: data x context parallel (x the extra dimensions
         that replicate it)."""
         return self.dp * self.strategy.replica_ways
+
+    @property
+    def zero_shard(self) -> int:
+        """The ranks ZeRO shards over: every replica, or (hybrid sharding) a shard group of them."""
+        return shard_ways(self.strategy, self.replicas)
 
     tp = property(lambda self: self.strategy.tp)
     pp = property(lambda self: self.strategy.pp)
@@ -112,7 +118,7 @@ def comm_bytes(t: Trace, lay: Layout, sync, stages: list[dict], micro: int, opti
     first = stages[0]["trace"]
     experts = set(first.expert_names) if lay.ep > 1 else set()  # expert shards: left out of the gradient sync
     calls = sync.planned_calls(dense_trace(first, lay), lay.strategy, lay.replicas)
-    by = {"gradient_sync": sum(sent(c.algorithm, lay.replicas, c.nbytes, c.kind)
+    by = {"gradient_sync": sum(sent(c.algorithm, c.ranks or lay.replicas, c.nbytes, c.kind)
                                for c in (*calls.before_layers, *calls.during_backward, *calls.after_backward,
                                          *calls.after_step))}
     for kind in components.wanted(lay.strategy):  # each priced on this stage's part of the model
@@ -129,7 +135,7 @@ def comm_bytes(t: Trace, lay: Layout, sync, stages: list[dict], micro: int, opti
         for second, first_name in t.tied.items():  # a tied parameter's copy on another stage: its gradient summed
             if second not in stage_names(t, stages[0]) and first_name in first.names:
                 numel = first.numels[first.names.index(first_name)]
-                numel = math.ceil(numel / lay.replicas) if lay.zero else numel  # ZeRO: the shards
+                numel = math.ceil(numel / lay.zero_shard) if lay.zero else numel  # ZeRO: the shards
                 by["tied"] = by.get("tied", 0) + sent("native", 2, numel * first.element_size, "all_reduce")
     if lay.ignored_targets:  # the global batch's kept targets, counted once per step over the replicas
         by["kept_targets"] = sent("native", lay.replicas, 4, "all_reduce")

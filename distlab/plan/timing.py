@@ -53,10 +53,11 @@ class SyncTimer:
         self.link_free = 0.0  # when the link last went idle (for the token bucket)
 
     def duration(self, call: Call, start: float) -> float:
-        if self.n <= 1:
+        n = call.ranks or self.n  # (hybrid sharding's calls span part of the group)
+        if n <= 1:
             return 0.0
         ab = self.cal.alpha_beta(call.algorithm, self.world)
-        r, v = rounds(call.algorithm, self.n, call.kind), volume(call.algorithm, self.n, call.nbytes, call.kind)
+        r, v = rounds(call.algorithm, n, call.kind), volume(call.algorithm, n, call.nbytes, call.kind)
         host = ab.alpha * r + ab.beta * v
         if self.link.bandwidth is None:
             return host
@@ -108,7 +109,7 @@ def step_time(t, lay, machine: Machine, sync, stages: list[dict], prices: list, 
     critical path -- and the step's timeline. ``dense``: what the gradient sync reduces of the rank's trace."""
     t_rank = max(stages, key=lambda st: st["model_state_bytes"])["trace"]
     trained = sum(n for u, n in enumerate(t_rank.numels) if t_rank.trains(u))  # what its optimizer steps (ZeRO:
-    comp = machine.compute(lay, trained // (lay.replicas if lay.zero else 1))  # its shard)
+    comp = machine.compute(lay, trained // (lay.zero_shard if lay.zero else 1))  # its shard)
     if lay.oversubscription > 1:
         comp = replace(comp, rate=comp.rate / lay.oversubscription, overhead=comp.overhead * lay.oversubscription)
     fwd, bwd, flops, stretch = _compute_split(t, lay, machine, stages, prices, micro, comp)

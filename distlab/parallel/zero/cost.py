@@ -6,12 +6,14 @@ the same units, buckets, gathers, frees and observation points, driven by a mode
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from distlab.errors import ConfigError
 from distlab.parallel.cost import (Call, Optim, PlannedCalls, block_index, blocks_of, data_parallel_bytes, resolved,
                                    textbook_parts, under)
 from distlab.parallel.precision import DTYPES
+from distlab.parallel.zero.hsdp import shard_ways
 from distlab.parallel.zero.units import goes_alone
 
 
@@ -352,9 +354,24 @@ class ZeroCost:
     def planned_calls(t, strategy, n: int) -> PlannedCalls:
         """Stages 1-2: bucketed reduce-scatters overlapped with backward, then one all-gather per
         collective batch after the optimizer step; stage 3: each module's reduce-scatter as its
-        gradients arrive, and its all-gathers before forward and before backward (exposed)."""
+        gradients arrive, and its all-gathers before forward and before backward (exposed). Hybrid sharding
+        (:mod:`~distlab.parallel.zero.hsdp`): those inside a shard group, each reduce-scatter's shard then
+        all-reduced across the groups."""
+        s = shard_ways(strategy, n)
         if n == 1:
             return PlannedCalls()
+        calls = ZeroCost._calls(t, strategy, s)  # (a shard group of one rank: calls that send nothing)
+        if s == n:
+            return calls
+        mark = lambda cs: [dataclasses.replace(c, ranks=s, span="shard") for c in cs]  # noqa: E731
+        ar = resolved(strategy.collective, "all_reduce")
+        across = [Call(ar, "all_reduce", c.nbytes / s, c.ready, c.itemsize, ranks=n // s, span="replicate")
+                  for c in calls.during_backward]
+        return PlannedCalls(mark(calls.before_layers), [*mark(calls.during_backward), *across],
+                            mark(calls.after_backward), mark(calls.after_step))
+
+    @staticmethod
+    def _calls(t, strategy, n: int) -> PlannedCalls:
         padded = [sum(math.ceil(k / n) * n * b for k, b in t.tensors(u)) for u in range(len(t.numels))]
         e = t.element_size
         modules: dict[int, list[int]] = {}
@@ -405,14 +422,14 @@ class ZeroCost:
     def planned_parts(numels: list[int], optim: Optim, element_size: int, strategy, n: int,
                       trainable: list[bool] | None = None, held: list | None = None) -> dict[str, int]:
         """The textbook split of what stage ``strategy.zero`` shards (ZeRO paper, table 1)."""
-        return textbook_parts(numels, optim, element_size, strategy.zero, n, trainable, held)
+        return textbook_parts(numels, optim, element_size, strategy.zero, shard_ways(strategy, n), trainable, held)
 
     @staticmethod
     def planned_memory(t, optim: Optim, strategy, n: int) -> int:
         """The exact peak (:func:`zero_peak_bytes`)."""
         wire = strategy.wire_dtype
-        return zero_peak_bytes(t, strategy.zero, n, optim, strategy.grad_accum, strategy.bucket_mb,
-                               DTYPES[wire].itemsize if wire else None,
+        return zero_peak_bytes(t, strategy.zero, shard_ways(strategy, n), optim, strategy.grad_accum,
+                               strategy.bucket_mb, DTYPES[wire].itemsize if wire else None,
                                strategy.ac_every if strategy.activation_checkpointing else 0, strategy.ep)
 
     @staticmethod

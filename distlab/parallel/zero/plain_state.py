@@ -51,7 +51,7 @@ class PlainZeroState:
     split_state = staticmethod(TunedState.split_state)
 
     @classmethod
-    def from_strategy(cls, module: nn.Module, strategy, group=None):
+    def from_strategy(cls, module: nn.Module, strategy, group=None, replicate=None):
         """``module`` over ``group``: the plain ZeRO, or -- ``zero_impl`` FILE.py:NAME -- the user's own subclass."""
         kind = implementation(strategy.zero_impl, cls) if strategy.zero_impl != "plain" else cls
         made = kind(module, strategy.zero, group=group, collective=strategy.collective)

@@ -66,6 +66,8 @@ class BucketedReduce:
         if bucket.out is None:
             return
         bucket.work.wait()
+        if self.replicate is not None:  # hybrid sharding: averaged across the groups (before a cast back: waited)
+            self._cross(bucket.out, wait=self.reduce_dtype is not None)
         out = bucket.out if self.reduce_dtype is None else bucket.out.to(bucket.units[0].full.dtype)
         offset = 0
         for u in bucket.units:
@@ -101,6 +103,8 @@ class BucketedReduce:
             with timeline.span(f"reduce-scatter {describe(group)} {timeline.size_text(flat.numel() * flat.element_size())}",
                                "communication"):
                 comm.reduce_scatter(out, flat, op=op, algorithm=self._rs, group=self.group, scratch=True)
+            if self.replicate is not None:  # hybrid sharding: the shard averaged across the groups too
+                self._cross(out, wait=self.reduce_dtype is not None)
             if self.reduce_dtype is not None:
                 out = out.to(group[0].full.dtype)
             offset = 0
@@ -110,9 +114,27 @@ class BucketedReduce:
                 u.reduced = True
                 u.param.grad = None
 
+    def _cross(self, shard: torch.Tensor, wait: bool) -> None:
+        """Hybrid sharding: start averaging this rank's reduced ``shard`` (in place) over the ranks holding the
+        same one -- the only bytes that cross the shard groups (:mod:`~distlab.parallel.zero.hsdp`); waited for
+        now if ``wait``, else by :meth:`_crossed` (the shard gradients are views of it: complete before the step)."""
+        op = "sum" if self.reduce_dtype is not None else "avg"  # (a narrow dtype's values were pre-divided)
+        work = comm.all_reduce(shard, op, self._ar, self.replicate, async_op=True)
+        if timeline.active():
+            size = shard.numel() * shard.element_size()
+            timeline.async_span(f"all-reduce across shard groups {timeline.size_text(size)}", work, bytes=size)
+        self._crossing.append(work)
+        if wait:
+            self._crossed()
+
+    def _crossed(self) -> None:
+        """Wait for the all-reduces :meth:`_cross` started."""
+        while self._crossing:
+            self._crossing.pop(0).wait()
+
     def _narrow(self, flat: torch.Tensor) -> torch.Tensor:
-        """``flat`` as it travels: divided by the group size and cast when gradients travel in a
-        narrower dtype (the sum of ``N`` pre-divided values is the mean, without float16 overflow)."""
+        """``flat`` as it travels: divided by the replicas and cast when gradients travel in a narrower
+        dtype (the sum of ``N`` pre-divided values is the mean, without float16 overflow)."""
         if self.reduce_dtype is None or flat.dtype == self.reduce_dtype:
             return flat
-        return flat.div(self.group_size).to(self.reduce_dtype)
+        return flat.div(self.replicas).to(self.reduce_dtype)

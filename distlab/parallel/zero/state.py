@@ -96,8 +96,9 @@ class ShardedState:
         except (ConfigError, KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
             problem = exc
         verdict = torch.tensor([0 if problem is None else 1], dtype=torch.int32, device=self.units[0].shard.device)
-        if group_size(self.group) > 1:
-            dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=self.group)
+        for group in [self.group] + ([self.replicate] if self.replicate is not None else []):  # (HSDP: and across)
+            if group_size(group) > 1:
+                dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
         if problem is not None:
             raise problem if isinstance(problem, ConfigError) else \
                 ConfigError(f"sharded snapshot does not fit this model: {type(problem).__name__}: {problem}")

@@ -31,7 +31,8 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
     """
 
     def __init__(self, module: nn.Module, stage: int, group: dist.ProcessGroup | None = None,
-                 collective: str = "auto", bucket_mb: float = 25.0, reduce_dtype: torch.dtype | None = None):
+                 collective: str = "auto", bucket_mb: float = 25.0, reduce_dtype: torch.dtype | None = None,
+                 replicate: dist.ProcessGroup | None = None):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ConfigError(f"`zero` {stage}: choose a ZeRO stage of 1, 2 or 3 (0 is plain data parallel)")
@@ -40,10 +41,15 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
         self._module = module
         self.reduce_dtype = reduce_dtype  # gradients travel in this dtype (None: their own)
         self.stage, self.group, self.collective = stage, group, comm.check_algorithm(collective)
+        # hybrid sharding (zero.hsdp): the ranks holding the same shards, each reduced shard averaged over them
+        self.replicate = replicate if replicate is not None and group_size(replicate) > 1 else None
         n, rank = group_size(group), group_rank(group)
+        self.replicas = n * (group_size(self.replicate) if self.replicate is not None else 1)  # averaged over
         self._rs = comm.resolve(collective, "reduce_scatter", group)  # what `auto` means here
         self._ag = comm.resolve(collective, "all_gather", group)
-        broadcast_module(module, src=0, group=group)  # start from rank 0's weights, like data parallel
+        self._ar = comm.resolve(collective, "all_reduce", self.replicate)
+        for g in (group, self.replicate)[:2 if self.replicate is not None else 1]:  # start from rank 0's weights,
+            broadcast_module(module, src=0, group=g)  # as data parallel does (HSDP: then the first group's, across)
         owned = {id(p): (name, m, pname) for name, m in reversed(list(module.named_modules()))
                  for pname, p in m.named_parameters(recurse=False)}  # a shared parameter: its first module's
         # a parameter replicated over a group of its own (an expert shard: `sync_group`) is held whole and left
@@ -70,6 +76,7 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
         self._optimizer: torch.optim.Optimizer | None = None
         self.peak_bytes = 0
         self._handles = []
+        self._crossing: list = []  # hybrid sharding: the reduced shards' all-reduces across the groups, under way
         self._ready: dict[nn.Module, int] = {}  # per module: parameters whose gradient arrived this backward
         self.buckets: list[Bucket] = []
         self._next_launch = 0
@@ -104,11 +111,13 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
                     lambda m, args, out, units=units: self._after_forward(units, m, out, args)))
 
     @classmethod
-    def from_strategy(cls, module: nn.Module, strategy, group: dist.ProcessGroup | None = None) -> "Zero":
-        """``module`` over ``group`` at the strategy's ZeRO stage, collective, bucket size and wire dtype."""
+    def from_strategy(cls, module: nn.Module, strategy, group: dist.ProcessGroup | None = None,
+                      replicate: dist.ProcessGroup | None = None) -> "Zero":
+        """``module`` over ``group`` at the strategy's ZeRO stage, collective, bucket size and wire dtype (its
+        shards replicated over ``replicate``: hybrid sharding)."""
         wire = strategy.wire_dtype
         return cls(module, strategy.zero, group=group, collective=strategy.collective, bucket_mb=strategy.bucket_mb,
-                   reduce_dtype=DTYPES[wire] if wire else None)
+                   reduce_dtype=DTYPES[wire] if wire else None, replicate=replicate)
 
     # ------------------------------------------------------------------ the wrapped model
 
@@ -186,6 +195,7 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
                 self._launch_ready()
                 for b in range(len(self.buckets)):
                     self._finish(b)
+                self._crossed()
             finally:
                 for bucket in self.buckets:
                     bucket.ready, bucket.flat, bucket.out, bucket.work = 0, None, None, None
@@ -196,6 +206,7 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
         pending = [u for u in self.units if not u.reduced and u.trainable]  # stage 3: whose backward never ran
         if pending:
             self._reduce(pending)
+        self._crossed()
         self._ready.clear()
         for unit in self.units + self.codes:
             unit.reduced = False
