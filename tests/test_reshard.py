@@ -92,6 +92,8 @@ CASES = {
     "zero1 2 -> zero3 3": (2, {"zero": 1, **ADAM}, 3, {"zero": 3, **ADAM}),
     "plain zero3 2 -> zero2 3": (2, {"zero": 3, "zero_impl": "plain", **ADAM}, 3, {"zero": 2, **ADAM}),
     "zero1 3 -> plain zero2 2": (3, {"zero": 1, **ADAM}, 2, {"zero": 2, "zero_impl": "plain", **ADAM}),
+    "hybrid zero3 4 -> zero2 2": (4, {"zero": 3, "dp_shard": 2, **ADAM}, 2, {"zero": 2, **ADAM}),
+    "zero1 2 -> hybrid zero2 4": (2, {"zero": 1, **ADAM}, 4, {"zero": 2, "dp_shard": 2, **ADAM}),
     "tp2 -> 1 process": (2, {"tp": 2}, 1, {}),
     "pp2 -> tp2": (2, {"pp": 2, "microbatches": 2, **ADAM}, 2, {"tp": 2, **ADAM}),
 }

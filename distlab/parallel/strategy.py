@@ -31,7 +31,7 @@ from distlab.parallel.strategy_text import parse, parse_list, strategy_text
 from distlab.parallel.sync_bn import MODES as SYNC_BN, user_input_gradient
 from distlab.parallel.tensor_parallel import STYLES as TP_STYLES
 from distlab.parallel.zero import STAGES as ZERO_STAGES
-from distlab.parallel.zero.hsdp import check_shard_groups, shard_ways
+from distlab.parallel.zero.hsdp import check_shard_groups
 from distlab.parallel.zero.plain import PlainZero, implementation
 ZERO_IMPLS = ("tuned", "plain")  # or the user's own PlainZero subclass, FILE.py:NAME
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -58,7 +58,7 @@ class Strategy:
     ep: int = 1              # expert parallel: experts sharded over ep data-parallel ranks (distlab.parallel.expert_parallel)
     ep_dispatch: str = "all_to_all"  # or all_gather: the plain dispatch (distlab.parallel.expert_dispatch_plain)
     zero: int = 0
-    dp_shard: int = 0        # with zero: shard over groups of this many replicas, replicate across them (HSDP); 0: all
+    dp_shard: int = 0        # with zero: shard over groups of this many replicas, replicated across them (0: all)
     zero_impl: str = "tuned"  # tuned (parallel.zero.Zero), plain (the partition alone: zero.plain) or FILE.py:NAME
     pp: int = 1
     microbatches: int | None = None  # None: pp (1 without a pipeline)
@@ -123,7 +123,6 @@ class Strategy:
         _choice("zero", self.zero, ZERO_STAGES)
         _choice("zero_impl", self.zero_impl, ZERO_IMPLS) if ":" not in self.zero_impl else implementation(self.zero_impl, PlainZero)
         self._check_plain_zero()
-        check_shard_groups(self)
         _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _choice("precision", self.precision, PRECISIONS)
         _choice("compile_backend", self.compile_backend, COMPILE_BACKENDS)
@@ -190,8 +189,7 @@ class Strategy:
             what = f"`pp` {self.pp}" if self.tp == 1 else f"`tp` {self.tp} x `pp` {self.pp} = {self.tp * self.pp}"
             raise ConfigError(f"{what} does not divide the world size {world_size}: the world is data x tensor x "
                               f"pipeline parallel, so the product of `tp` and `pp` must divide it ({divisors})")
-        if world_size is not None:
-            shard_ways(self, self.dp_size(world_size) * self.replica_ways)  # (refuses a size that does not divide)
+        check_shard_groups(self, world_size)
         if world_size is not None and self.dp_size(world_size) % self.ep:
             dp = self.dp_size(world_size)
             fits = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0)

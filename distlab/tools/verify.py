@@ -152,7 +152,7 @@ def planned(strategy: Strategy) -> bool:
 
 
 def default_strategies(world_size: int | None = None) -> list[Case]:
-    """Every dp_sync x collective, each method with grad_accum 4, SyncBN, ZeRO 1-3 (tuned and plain), activation
+    """Every dp_sync x collective, each method with grad_accum 4, SyncBN, ZeRO 1-3 (tuned and plain; hybrid), activation
     checkpointing (with SyncBN too), bf16 autocast, a bf16 reduction, PowerSGD, and -- where ``world_size`` is
     even -- tensor parallel in both styles, pipelines with each schedule and context parallel in both styles, the
     mixture of experts with expert parallel (beside ZeRO too; both dispatches), interleaved and zero-bubble
@@ -165,6 +165,8 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
     out += [Strategy(m, sync_bn="distlab") for m in ("allreduce", "bucketed", "ddp")]
     out += [Strategy(zero=z) for z in (1, 2, 3)]  # bucketed reduce-scatters (small buckets here); prefetching ZeRO-3
     out += [Strategy(zero=z, zero_impl="plain") for z in (1, 2, 3)]  # the partition alone
+    if world_size and world_size % 2 == 0:  # hybrid sharding: shard groups of 2 (of 1 on 2 ranks: all replicated)
+        out += [Strategy(zero=3, dp_shard=1)] + ([Strategy(zero=2, dp_shard=2)] if world_size % 4 == 0 else [])
     out += [Strategy("bucketed", activation_checkpointing=True),
             Strategy("bucketed", sync_bn="distlab", activation_checkpointing=True)]
     out += [Strategy("bucketed", precision="bf16"), Strategy(zero=2, reduce_dtype="bf16"),  # bounded by bf16 rounding
@@ -184,6 +186,7 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
                        smoothing=SMOOTHING)]
         cases += [Case(Strategy("bucketed", cp=2, cp_style=style), model="gpt") for style in ("ring", "ulysses",
                                                                                                 "ring_plain")]
+        cases += [Case(Strategy(zero=3, cp=2, dp_shard=2), model="gpt")] if world_size % 4 == 0 else []
         # ignored targets: a mean over the global batch's kept targets, across the vocabulary shards (with
         # smoothing), a pipeline's last stage, context parallel's sequence chunks
         cases += [Case(Strategy("allreduce", tp=2), model="gpt", smoothing=SMOOTHING, masked=True),

@@ -31,8 +31,9 @@ def shard_ways(strategy, replicas: int) -> int:
     return s
 
 
-def check_shard_groups(strategy) -> None:
-    """``dp_shard`` names a ZeRO shard group's size: it needs the tuned ZeRO and a positive size."""
+def check_shard_groups(strategy, world_size: int | None = None) -> None:
+    """``dp_shard`` names a ZeRO shard group's size: it needs the tuned ZeRO, a positive size and (on
+    ``world_size`` ranks) one that divides the replicas."""
     if not strategy.dp_shard:
         return
     if strategy.dp_shard < 0:
@@ -43,6 +44,8 @@ def check_shard_groups(strategy) -> None:
     if strategy.zero_impl != "tuned":
         raise ConfigError(f"`dp_shard` with `zero_impl` {strategy.zero_impl}: the plain ZeRO is the partition alone "
                           f"over one group; drop `zero_impl` (the tuned ZeRO shards hierarchically)")
+    if world_size is not None:
+        shard_ways(strategy, strategy.dp_size(world_size) * strategy.replica_ways)
 
 
 def shard_groups(replica_groups: list[list[int]], s: int) -> tuple[list[list[int]], list[list[int]]]:
