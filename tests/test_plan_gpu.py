@@ -354,3 +354,29 @@ def test_a_grpo_rollout_on_a_gpu_is_decoding_through_hbm_and_says_what_dominates
     assert code == 0, err
     assert re.search(r"rollout time .*: the rollout dominates: [\d.]+ s against the update's", out), out
     assert "2 float32 copies of the whole model" in out and not re.search(r"scoring 0 ms", out)
+
+
+def test_hybrid_sharding_keeps_the_gathers_on_a_node_and_wins_where_the_network_is_slow(small_lm):
+    """ZeRO-3 over 16 GPUs on 2 nodes against shard groups of 8 (a node's): the hybrid layout sends the reduced
+    shard alone across the groups -- one all-reduce of 1/8 of the gradients over 2 ranks -- holds 8-way shards, and
+    on a node with one 200 Gb/s port (examples/h100-ethernet.toml) its step is shorter; a search proposes it only
+    where the replicas span nodes."""
+    from pathlib import Path
+    ethernet = load_machine(str(Path(__file__).parent.parent / "examples" / "h100-ethernet.toml"))
+    flat = Layout(dp=16, strategy=Strategy(zero=3, precision="bf16"), optimizer="adamw", global_batch=64)
+    hybrid = Layout(dp=16, strategy=Strategy(zero=3, dp_shard=8, precision="bf16"), optimizer="adamw",
+                    global_batch=64)
+    eight = Layout(dp=8, strategy=Strategy(zero=3, precision="bf16"), optimizer="adamw", global_batch=64)
+    p_flat, p_hybrid = (predict(small_lm, lay, Link(), None, Cluster(ethernet, 2)) for lay in (flat, hybrid))
+    p_eight = predict(small_lm, eight, Link(), None, Cluster(ethernet, 1))
+    assert p_hybrid["model_state_bytes_per_rank"] == p_eight["model_state_bytes_per_rank"]  # ZeRO over 8 ranks
+    assert p_hybrid["layout"]["dp_shard"] == 8 and "dp_shard" not in p_flat["layout"]
+    shards = sum(math.ceil(n / 8) for n in small_lm.numels) * 4  # a rank's shard of every gradient, float32
+    assert p_hybrid["comm_bytes_by"]["across_shard_groups"] == shards  # all-reduce over 2: 2 (2-1)/2 x the shard
+    assert "across_shard_groups" not in p_flat["comm_bytes_by"]
+    assert p_hybrid["step_s"] < p_flat["step_s"]
+    lays = list(candidates(small_lm, flat, 16, 8, fixed={"zero": 3}))
+    assert {lay.strategy.dp_shard for lay in lays if lay.tp == 1 and lay.cp == 1} == {0, 8}
+    assert {lay.strategy.dp_shard for lay in lays if lay.tp == 2} == {0, 4}  # a node's 4 replicas of each TP rank
+    one_node = list(candidates(small_lm, eight, 8, 8, fixed={"zero": 3}))
+    assert {lay.strategy.dp_shard for lay in one_node} == {0}  # every replica on the node already

@@ -154,6 +154,18 @@ def optimizer_state(data: dict) -> str:
                         markdown=True)
 
 
+def hsdp(data: dict) -> str:
+    """``scripts/bench_hsdp.py``'s: ZeRO over every rank and over shard groups on the emulated cluster, medians of
+    the rounds (the speedup against ZeRO over every rank at the same stage: the median of the rounds' ratios)."""
+    from distlab.bench.common import format_table
+    return format_table(["strategy", "runs", "ms/step", "speedup", "bytes/step/rank (counted)",
+                         "bytes/step on the links", "model state B"],
+                        [[r["strategy"], str(r["runs"]), f"{r['step_s'] * 1e3:.1f}",
+                          f"{r['speedup']:.2f}x ({r['speedup_range'][0]:.2f}-{r['speedup_range'][1]:.2f})",
+                          f"{r['comm_bytes_per_step']:,}", f"{r['link_bytes_per_step']:,.0f}",
+                          f"{r['model_state_bytes_per_rank']:,}"] for r in data["rows"]], markdown=True)
+
+
 def _kind(first: dict):
     """The table of a file whose records start with ``first`` (by the fields only that bench writes)."""
     from distlab.bench import (checkpointing, compression, dry_run, elastic, finetune, load_peak, overhead, parallel,
@@ -201,6 +213,8 @@ def render(path: str | Path) -> str:
         return grpo_walkthrough(data)
     if isinstance(data, dict) and data.get("kind") == "distlab-optimizer-state":
         return optimizer_state(data)
+    if isinstance(data, dict) and data.get("kind") == "distlab-hsdp":
+        return hsdp(data)
     if isinstance(data, dict) and data.get("kind") == "distlab-collectives-fit":  # bench collectives' alpha-beta
         from distlab.bench.collectives import fit_markdown
         return fit_markdown(data)

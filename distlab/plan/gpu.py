@@ -321,6 +321,7 @@ class NcclTimer:
         self.n = group.n
         self.link_free = 0.0
         self.spans: dict[str, Group] = {}  # a call's span -> its group (hybrid sharding's shard and replicate)
+        self.separate_spans = True  # those groups' calls on links of their own (NVLink, the network)
 
     def duration(self, call, start: float = 0.0) -> float:
         group = self.spans.get(getattr(call, "span", ""), self.group)

@@ -118,9 +118,12 @@ def comm_bytes(t: Trace, lay: Layout, sync, stages: list[dict], micro: int, opti
     first = stages[0]["trace"]
     experts = set(first.expert_names) if lay.ep > 1 else set()  # expert shards: left out of the gradient sync
     calls = sync.planned_calls(dense_trace(first, lay), lay.strategy, lay.replicas)
-    by = {"gradient_sync": sum(sent(c.algorithm, c.ranks or lay.replicas, c.nbytes, c.kind)
-                               for c in (*calls.before_layers, *calls.during_backward, *calls.after_backward,
-                                         *calls.after_step))}
+    every = (*calls.before_layers, *calls.during_backward, *calls.after_backward, *calls.after_step)
+    by = {"gradient_sync": sum(sent(c.algorithm, c.ranks or lay.replicas, c.nbytes, c.kind) for c in every
+                               if c.span != "replicate")}
+    if any(c.span == "replicate" for c in every):  # hybrid sharding: what crosses the shard groups, apart
+        by["across_shard_groups"] = sum(sent(c.algorithm, c.ranks, c.nbytes, c.kind) for c in every
+                                        if c.span == "replicate")
     for kind in components.wanted(lay.strategy):  # each priced on this stage's part of the model
         price = kind.price(t, first, lay, micro, optim)
         by[kind.name] = sum(g.hops * sent(c.algorithm, g.ranks, c.nbytes, c.kind) for g in price.calls for c in g.calls)
@@ -210,7 +213,8 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
 
 
 def _layout_record(lay: Layout) -> dict:
-    return {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "zero": lay.zero,
+    hybrid = {"dp_shard": lay.zero_shard} if lay.zero and lay.zero_shard < lay.replicas else {}
+    return {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "zero": lay.zero, **hybrid,
             "dp_sync": lay.dp_sync, "collective": lay.collective, "global_batch_size": lay.global_batch,
             "grad_accum": lay.grad_accum, "microbatches": lay.strategy.microbatches,
             "pp_schedule": lay.strategy.pp_schedule if lay.pp > 1 else None,

@@ -4,7 +4,8 @@
 inside a node (a divisor of its GPUs), pipeline stages (each at most the model's layers, with 1F1B over
 ``2 pp`` and ``4 pp`` micro-batches, interleaved with two chunks per rank, and zero bubble), context
 parallel (a divisor of the window that leaves each rank whole chunks), expert parallel for a mixture of
-experts, ZeRO stages 1-3 (ZeRO-1 where a pipeline runs: a stage's shards are its own) and activation
+experts, ZeRO stages 1-3 (ZeRO-1 where a pipeline runs: a stage's shards are its own; each over every replica or,
+where the replicas span nodes, hybrid over a node's of them) and activation
 checkpointing (none, every block, one block in two, per op: :data:`AC_MODES`) -- data parallel taking what is left; each is checked as a run checks it
 (:meth:`~distlab.parallel.Strategy.check`, the batch's split), so what the search proposes a run accepts.
 :func:`search` predicts each on the cluster (:func:`~distlab.plan.predict.predict`), keeps those whose peak
@@ -30,8 +31,14 @@ def _divisors(n: int, most: int) -> list[int]:
     return [d for d in range(1, min(n, most) + 1) if n % d == 0]
 
 
-SEARCHED = ("tp", "pp", "cp", "ep", "zero", "activation_checkpointing", "ac_every", "ac_policy", "sequence_parallel",
-            "microbatches", "pp_schedule", "pp_virtual")  # the strategy's fields a search chooses
+SEARCHED = ("tp", "pp", "cp", "ep", "zero", "dp_shard", "activation_checkpointing", "ac_every", "ac_policy",
+            "sequence_parallel", "microbatches", "pp_schedule", "pp_virtual")  # the strategy's fields a search chooses
+
+
+def _shard_groups(zero: int, replicas: int, local: int) -> list[int]:
+    """ZeRO over every replica (0), and -- where the replicas span nodes -- hybrid sharding over a node's
+    ``local`` of them (its gathers on NVLink, the reduced shard alone crossing the network)."""
+    return [0] + ([local] if zero and 1 < local < replicas and replicas % local == 0 else [])
 
 
 def candidates(t, base: Layout, gpus: int, gpus_per_node: int, experts: int = 0,
@@ -48,10 +55,12 @@ def candidates(t, base: Layout, gpus: int, gpus_per_node: int, experts: int = 0,
                 for ep in ([e for e in _divisors(dp, experts) if experts % e == 0] if experts else [1]):
                     # (under a pipeline ZeRO-3's memory is not exact, nor ZeRO-2's with experts: predict's estimate)
                     for zero in ((1,) if experts else (1, 2)) if pp > 1 else (1, 2, 3):
-                        for ckpt, every, policy in AC_MODES:
+                        local = gpus_per_node // tp  # a node's replicas (tensor parallel inside it)
+                        for ckpt, every, policy, shard in ((*mode, s) for mode in AC_MODES
+                                                           for s in _shard_groups(zero, dp * cp, local)):
                             for sched in (_schedules(pp, base.global_batch // dp) if pp > 1 else [{}]):
                                 try:
-                                    st = replace(base.strategy, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
+                                    st = replace(base.strategy, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, dp_shard=shard,
                                                  activation_checkpointing=ckpt, ac_every=every, ac_policy=policy,
                                                  sequence_parallel=tp > 1,
                                                  **{"dp_sync": None, "collective": None, "microbatches": None,
@@ -162,4 +171,4 @@ def why(fit: list[dict]) -> str:
 
 def _shape(p: dict) -> tuple:
     lay = p["layout"]
-    return (lay["tp"] > 1, lay["pp"] > 1, lay["cp"] > 1, lay["zero"])
+    return (lay["tp"] > 1, lay["pp"] > 1, lay["cp"] > 1, lay["zero"], bool(lay.get("dp_shard")))

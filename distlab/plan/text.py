@@ -18,7 +18,8 @@ def format_prediction(p: dict) -> str:
     mesh = f"dp {lay['dp']}" + (f" (ep {lay['ep']})" if lay.get("ep", 1) > 1 else "") + f" x tp {lay['tp']}" \
         + (f" x cp {lay['cp']}" if lay.get("cp", 1) > 1 else "") \
         + (f" x pp {lay['pp']}" if lay.get("pp", 1) > 1 else "")
-    lines = [f"layout        {mesh} = {lay['world_size']} ranks, zero {lay['zero']}, "
+    hybrid = f" over shard groups of {lay['dp_shard']}" if lay.get("dp_shard") else ""  # (HSDP: replicated across)
+    lines = [f"layout        {mesh} = {lay['world_size']} ranks, zero {lay['zero']}{hybrid}, "
              f"{lay['dp_sync']}/{lay['collective']}, global batch {lay['global_batch_size']}, "
              f"grad accum {lay['grad_accum']}, {lay['optimizer']}"
              + (", sequence parallel" if lay.get("sequence_parallel") else ""),

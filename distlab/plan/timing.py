@@ -51,6 +51,7 @@ class SyncTimer:
         self.cal, self.link, self.n = cal, link, n
         self.world = n if same_host else None  # use the fit measured at this world size (shared cores)
         self.link_free = 0.0  # when the link last went idle (for the token bucket)
+        self.separate_spans = False  # one link for every call (hybrid sharding's groups share it)
 
     def duration(self, call: Call, start: float) -> float:
         n = call.ranks or self.n  # (hybrid sharding's calls span part of the group)
@@ -183,12 +184,18 @@ def _timeline(lay, fwd, bwd, stretch, exposed_pre, calls, timer, comp, tp_time, 
                   ("all-gather (backward)", "communication", start_bwd + bwd, end_bwd)]
     free = 0.0
     timer.link_free = -comp.overhead  # the optimizer step of the previous step left the link idle
-    for c in sorted(calls.during_backward, key=lambda c: c.ready):
-        s = max(start_bwd + c.ready * bwd, free)
-        d = timer.duration(c, s)
-        free, timer.link_free, comm_total = s + d, s + d, comm_total + d
+    across, done = 0.0, 0.0  # hybrid sharding: its own group's link, from the end of the reduce-scatter before
+    for c in sorted(calls.during_backward, key=lambda c: c.ready):  # (stable: each shard's all-reduce after it)
+        if c.span == "replicate" and timer.separate_spans:
+            s = max(done, across)
+            d = timer.duration(c, s)
+            across, comm_total = s + d, comm_total + d
+        else:
+            s = max(start_bwd + c.ready * bwd, free)
+            d = timer.duration(c, s)
+            free, done, timer.link_free, comm_total = s + d, s + d, s + d, comm_total + d
         spans.append((_call_name(c), "communication", s, s + d))
-    cur = max(end_bwd, free)
+    cur = max(end_bwd, free, across)
     for c in calls.after_backward:
         d = timer.duration(c, cur)
         spans.append((_call_name(c), "communication", cur, cur + d))
