@@ -23,6 +23,7 @@ from distlab.train import Trainer, TrainConfig
 from distlab.train import reshard
 from distlab.train.export import export
 from distlab.train import snapshot as snap
+from distlab.train.optim import optimizer_index
 from distlab.tools.verify import tolerance
 
 AT, END = 7, 13
@@ -37,7 +38,9 @@ def _cfg(snapshots, **kw):
 
 def _whole(trainer):
     """The whole model and optimizer state of a run, put together from every rank's pieces (collective)."""
-    mine = {"placement": placement_of(trainer.engine), "model": trainer.engine.sharded_state_dict(),
+    mine = {"placement": {**placement_of(trainer.engine),  # (the optimizer's numbering: Muon's groups reorder)
+                          "optimizer_index": optimizer_index(trainer.optimizer, trainer.engine.parameters())},
+            "model": trainer.engine.sharded_state_dict(),
             "optimizer": trainer.optimizer.state_dict()}
     everyone = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
     if dist.is_initialized():
@@ -85,6 +88,7 @@ def _equal_states(a, b):
 
 
 ADAM = {"optimizer": "adam", "lr": 0.01}
+MUON = {"optimizer": "muon", "lr": 0.01}
 CASES = {
     "dp 2 -> 3": (2, {}, 3, {}),
     "dp 4 -> zero2 2": (4, {}, 2, {"zero": 2}),
@@ -94,6 +98,7 @@ CASES = {
     "zero1 3 -> plain zero2 2": (3, {"zero": 1, **ADAM}, 2, {"zero": 2, "zero_impl": "plain", **ADAM}),
     "hybrid zero3 4 -> zero2 2": (4, {"zero": 3, "dp_shard": 2, **ADAM}, 2, {"zero": 2, **ADAM}),
     "zero1 2 -> hybrid zero2 4": (2, {"zero": 1, **ADAM}, 4, {"zero": 2, "dp_shard": 2, **ADAM}),
+    "muon zero3 2 -> tp2": (2, {"zero": 3, **MUON}, 2, {"tp": 2, **MUON}),
     "tp2 -> 1 process": (2, {"tp": 2}, 1, {}),
     "pp2 -> tp2": (2, {"pp": 2, "microbatches": 2, **ADAM}, 2, {"tp": 2, **ADAM}),
 }

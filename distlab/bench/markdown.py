@@ -154,6 +154,16 @@ def optimizer_state(data: dict) -> str:
                         markdown=True)
 
 
+def muon(data: dict) -> str:
+    """``scripts/bench_muon.py``'s: Muon against AdamW at the same steps, medians of the rounds."""
+    from distlab.bench.common import format_table
+    return format_table(["optimizer", "runs", "lr", "final train loss", "test loss (range)", "ms/step", "model state B"],
+                        [[r["optimizer"], str(r["runs"]), f"{r['lr']:g}", f"{r['final_train_loss']:.4f}",
+                          f"{r['test_loss']:.4f} ({r['test_loss_range'][0]:.4f}-{r['test_loss_range'][1]:.4f})",
+                          f"{r['step_s'] * 1e3:.0f}", f"{r['model_state_bytes_per_rank']:,}"] for r in data["rows"]],
+                        markdown=True)
+
+
 def hsdp(data: dict) -> str:
     """``scripts/bench_hsdp.py``'s: ZeRO over every rank and over shard groups on the emulated cluster, medians of
     the rounds (the speedup against ZeRO over every rank at the same stage: the median of the rounds' ratios)."""
@@ -215,6 +225,8 @@ def render(path: str | Path) -> str:
         return optimizer_state(data)
     if isinstance(data, dict) and data.get("kind") == "distlab-hsdp":
         return hsdp(data)
+    if isinstance(data, dict) and data.get("kind") == "distlab-muon":
+        return muon(data)
     if isinstance(data, dict) and data.get("kind") == "distlab-collectives-fit":  # bench collectives' alpha-beta
         from distlab.bench.collectives import fit_markdown
         return fit_markdown(data)

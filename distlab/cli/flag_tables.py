@@ -117,7 +117,8 @@ TRAIN_OPTIONS = [
     ("global_batch_size", dict(type=int, aliases=("--batch-size",),
                                help="Samples per optimizer step over all ranks (split over the data-parallel ranks).")),
     ("lr", dict(type=float)),
-    ("optimizer", dict(help="sgd, adam or adamw.")),
+    ("optimizer", dict(help="sgd, adam, adamw or muon (orthogonalised momentum for the weights of matrix "
+                       "multiplications, AdamW for embeddings, the output layer, norms and biases).")),
     ("optimizer_state", dict(help="adam/adamw: the moments' dtype, fp32 or bf16 (4 bytes a parameter instead of 8; "
                                   "the float32 parameters kept).")),
     ("lr_schedule", dict(help="constant, cosine or linear decay to 0.")),

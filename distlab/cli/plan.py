@@ -48,7 +48,7 @@ PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "seq
               help="GRPO: passes over each rollout (above 1 it scores the rows' old log-probabilities).")
 @click.option("--dp", type=COUNT, default=1, show_default=True, help="Data-parallel ranks.")
 @field_options([row for row in STRATEGY_OPTIONS if row[0] in PLANNED_FIELDS])
-@field_options([("optimizer", dict(help="sgd, adam or adamw (sizes the optimizer state).")),
+@field_options([("optimizer", dict(help="sgd, adam, adamw or muon (sizes the optimizer state).")),
                 ("momentum", dict(type=Number(0.0, 1.0, high_open=True), help="SGD momentum (0: no momentum buffer).")),
                 ("optimizer_state", dict(help="adam/adamw: the moments' dtype, fp32 or bf16 (2 bytes each).")),
                 ("global_batch_size", dict(type=int, aliases=("--global-batch",),

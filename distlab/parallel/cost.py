@@ -41,6 +41,7 @@ class Optim:
     per_element: int
     per_tensor: int
     state_size: int | None = None  # bytes per element of the state tensors (None: the parameter's)
+    matrix: "Optim | None" = None  # what a matrix keeps where it differs (Muon's: its momentum alone)
 
     @classmethod
     def of(cls, name: str, momentum: float = 0.9, state: str = "fp32") -> "Optim":
@@ -48,7 +49,13 @@ class Optim:
             return cls("sgd", 1 if momentum else 0, 0)
         if name in ("adam", "adamw"):  # (bf16 moments: distlab.train.low_precision_optim)
             return cls(name, 2, STEP_TENSOR_BYTES, 2 if state == "bf16" else None)
-        raise ConfigError(f"unknown optimizer {name!r}; choose sgd, adam or adamw")
+        if name == "muon":  # AdamW beside the matrices' momentum buffers (distlab.train.muon)
+            return cls(name, 2, STEP_TENSOR_BYTES, 2 if state == "bf16" else None, matrix=cls("muon", 1, 0))
+        raise ConfigError(f"unknown optimizer {name!r}; choose sgd, adam, adamw or muon")
+
+    def unit(self, matrix: bool) -> "Optim":
+        """What a unit keeps: a matrix's own (:attr:`matrix`) where there is one, else this."""
+        return self.matrix if matrix and self.matrix is not None else self
 
     def bytes(self, numel: int, element_size: int) -> int:
         size = self.state_size or element_size
@@ -62,7 +69,8 @@ def data_parallel_bytes(t, optim: Optim, tp: int = 1) -> int:
                           "by estimate_bytes()")
     e = t.element_size  # a frozen parameter (a base under adapters): no gradient, no optimizer state, held as
     # its base holds it (bf16, 4-bit: ``t.unit_bytes``)
-    return sum((2 * n * e + optim.bytes(n, e)) if t.trains(u) else t.unit_bytes(u) for u, n in enumerate(t.numels))
+    return sum((2 * n * e + optim.unit(t.matrix(u)).bytes(n, e)) if t.trains(u) else t.unit_bytes(u)
+               for u, n in enumerate(t.numels))
 
 
 def trained(t) -> tuple[list[int], list[tuple[int, ...]]]:
@@ -227,9 +235,10 @@ class DataParallelCost:
 
     @staticmethod
     def planned_parts(numels: list[int], optim: Optim, element_size: int, strategy, n: int,
-                      trainable: list[bool] | None = None, held: list | None = None) -> dict[str, int]:
+                      trainable: list[bool] | None = None, held: list | None = None,
+                      matrices: list[bool] | None = None) -> dict[str, int]:
         """Parameters, gradients and optimizer state between steps, each whole on every rank."""
-        return textbook_parts(numels, optim, element_size, 0, n, trainable, held)
+        return textbook_parts(numels, optim, element_size, 0, n, trainable, held, matrices)
 
     @staticmethod
     def planned_extra_state(t, strategy, n: int) -> int:
@@ -248,7 +257,8 @@ class DataParallelCost:
 
 
 def textbook_parts(numels: list[int], optim: Optim, element_size: int, stage: int, n: int,
-                   trainable: list[bool] | None = None, held: list | None = None) -> dict[str, int]:
+                   trainable: list[bool] | None = None, held: list | None = None,
+                   matrices: list[bool] | None = None) -> dict[str, int]:
     """What parameters, gradients and optimizer state come to per rank between steps when ZeRO ``stage``
     shards the first ``stage`` of (optimizer state, gradients, parameters) over ``n`` ranks -- the
     textbook split of the ZeRO paper's table 1 (each tensor ``ceil(numel / n)``, no padding). A frozen
@@ -257,12 +267,13 @@ def textbook_parts(numels: list[int], optim: Optim, element_size: int, stage: in
     shards, e = [math.ceil(m / n) for m in numels], element_size
     trains = trainable or [True] * len(numels)
     grads = [x for x, keep in zip(shards if stage >= 2 else numels, trains) if keep]
-    state = [x for x, keep in zip(shards if stage >= 1 else numels, trains) if keep]
+    state = [(x, m) for x, keep, m in zip(shards if stage >= 1 else numels, trains, matrices or [False] * len(numels))
+             if keep]
     held = held or [[(m, e)] for m in numels]
     return {"parameter_bytes_per_rank": sum((math.ceil(k / n) if stage == 3 else k) * b
                                             for parts in held for k, b in parts),
             "gradient_bytes_per_rank": e * sum(grads),
-            "optimizer_bytes_per_rank": sum(optim.bytes(m, e) for m in state)}
+            "optimizer_bytes_per_rank": sum(optim.unit(matrix).bytes(m, e) for m, matrix in state)}
 
 
 @dataclass

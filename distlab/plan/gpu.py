@@ -53,7 +53,7 @@ TREE_BANDWIDTH = 0.92  # NCCL's tree all-reduce runs at 0.92 of the ring's bus b
 TREE_NVLINK_STEP_US = 4.0  # NCCL's tree step inside a node (Simple protocol)
 # Bytes an optimizer step reads and writes per trained float32 element: the parameter, its gradient and its
 # state read, the parameter and state written (Adam: p, g, m, v in; p, m, v out).
-OPTIMIZER_BYTES = {"sgd": 12, "sgd-momentum": 20, "adam": 28, "adamw": 28}
+OPTIMIZER_BYTES = {"sgd": 12, "sgd-momentum": 20, "adam": 28, "adamw": 28, "muon": 28}  # (muon: as AdamW, NS5 unpriced)
 DIMS = ("tp", "cp", "ep", "dp", "pp")  # fastest-varying first: the order ranks fill a node
 
 

@@ -103,10 +103,12 @@ def state_parts(t_rank: Trace, lay: Layout, sync, optim) -> dict[str, int]:
     experts = set(t_rank.expert_names) if lay.ep > 1 else set()
     dense = [u for u, n in enumerate(t_rank.names) if n not in experts]
     parts = sync.planned_parts([t_rank.numels[u] for u in dense], optim, t_rank.element_size, lay.strategy,
-                               lay.replicas, [flags[u] for u in dense], [t_rank.tensors(u) for u in dense])
+                               lay.replicas, [flags[u] for u in dense], [t_rank.tensors(u) for u in dense],
+                               [t_rank.matrix(u) for u in dense])
     held = [u for u in range(len(t_rank.names)) if u not in set(dense)]
     whole = textbook_parts([t_rank.numels[u] for u in held], optim, t_rank.element_size, 0, lay.replicas,
-                           [flags[u] for u in held], [t_rank.tensors(u) for u in held])
+                           [flags[u] for u in held], [t_rank.tensors(u) for u in held],
+                           [t_rank.matrix(u) for u in held])
     return {k: v + whole[k] for k, v in parts.items()}
 
 
@@ -140,6 +142,8 @@ def comm_bytes(t: Trace, lay: Layout, sync, stages: list[dict], micro: int, opti
                 numel = first.numels[first.names.index(first_name)]
                 numel = math.ceil(numel / lay.zero_shard) if lay.zero else numel  # ZeRO: the shards
                 by["tied"] = by.get("tied", 0) + sent("native", 2, numel * first.element_size, "all_reduce")
+    if lay.optimizer == "muon":  # each matrix cut over ranks gathered to its owner and its update scattered back
+        by["optimizer"] = muon_bytes(t, first, lay)
     if lay.ignored_targets:  # the global batch's kept targets, counted once per step over the replicas
         by["kept_targets"] = sent("native", lay.replicas, 4, "all_reduce")
     if lay.pairs and lay.cp > 1 and lay.pp == 1:  # DPO: each micro-batch's rows' log-probability sums (float32)
@@ -148,6 +152,32 @@ def comm_bytes(t: Trace, lay: Layout, sync, stages: list[dict], micro: int, opti
                                                           for size in (4, 8))
     return {"comm_bytes_per_step_per_rank": int(round(sum(by.values()))),
             "comm_bytes_by": {k: int(round(v)) for k, v in by.items()}}
+
+
+def muon_bytes(t: Trace, first: Trace, lay: Layout) -> int:
+    """What the first rank sends for Muon's whole matrices (:func:`distlab.train.muon.orthogonalised`): per matrix
+    cut over ranks -- ZeRO's flat shards over its group, then a tensor-parallel split -- the ``i``-th owned by
+    rank ``i mod n`` at each level; a rank sends its piece to the owner, the owner every other rank's piece back."""
+    experts = set(first.expert_names) if lay.ep > 1 else set()
+    split = t.tensor_split.get(t.tensor_key(lay.strategy, lay.tp)) if lay.tp > 1 else set()
+    s, total, i = (lay.zero_shard if lay.zero else 1), 0, 0
+    for u, name in enumerate(first.names):
+        if not (first.matrix(u) and first.trains(u)):
+            continue
+        flat = s > 1 and name not in experts  # (an expert shard is held whole by ZeRO)
+        tp = lay.tp > 1 and (split is None or name in split) and name not in experts
+        if not (flat or tp):
+            continue
+        owner_here = True
+        if flat:
+            piece = math.ceil(first.numels[u] / s) * first.element_size
+            owner_here = i % s == 0
+            total += (s - 1) * piece if owner_here else piece
+        if tp and owner_here:  # (the slices' owners alone meet at this level)
+            piece = first.numels[u] * first.element_size
+            total += (lay.tp - 1) * piece if i % lay.tp == 0 else piece
+        i += 1
+    return total
 
 
 def loss_bytes(t: Trace, lay: Layout, micro: int, narrow: float) -> float:

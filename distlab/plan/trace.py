@@ -18,6 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from distlab.errors import ConfigError
 from distlab.models import build_model, is_user_model, nf4, task_loss
 from distlab.models.contract import contract
+from distlab.models.parameter_roles import matrix_names
 from distlab.models.plans import declared_plan, tied_names
 from distlab.parallel.checkpointing import block_names
 from distlab.parallel.cost import ModuleIO, under
@@ -85,8 +86,13 @@ class Trace:
     # count, what MFU divides by); 0 where it declares none
     attention: str = "math"  # how scaled_dot_product_attention was traced: math (what a CPU runs, the scores kept)
     # or flash (a GPU's fused kernel: queries, keys, values, output and the row log-sum-exp kept)
+    matrices: frozenset = frozenset()  # units Muon steps (its momentum alone), by name; the rest AdamW's
     memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # what was derived from it (its
     # stages' parts, ZeRO's replayed peaks), kept: a trace is not changed once traced; a search asks again and again
+
+    def matrix(self, u: int) -> bool:
+        """Whether unit ``u`` is a matrix Muon steps (:func:`~distlab.models.parameter_roles.matrix_names`)."""
+        return self.names[u] in self.matrices
 
     def trains(self, u: int) -> bool:
         return not self.trainable or self.trainable[u]
@@ -189,6 +195,7 @@ def _trace(model: nn.Module | str, input_shape: tuple[int, ...], num_classes: in
                 trainable=trainable if not all(trainable) else [])
     out.tied = {name: group[0] for group in tied_names(model) for name in group[1:]}
     out.shared = shared
+    out.matrices = frozenset(matrix_names(model))
     if lora is not None and base_dtype != "float32":
         out.base = _base(model, params, base_dtype)
     handles = []
@@ -364,7 +371,7 @@ def units_trace(t: Trace, mine: list[int], layers: list[Layer] | None = None) ->
                  expert_names=[n for n in t.expert_names if n in names],
                  trainable=[t.trainable[u] for u in mine] if t.trainable else [], blocks=t.blocks,
                  base=[t.base[u] for u in mine] if t.base else [],
-                 splits={unit_of[u]: cut for u, cut in t.splits.items() if u in unit_of})
+                 splits={unit_of[u]: cut for u, cut in t.splits.items() if u in unit_of}, matrices=t.matrices)
 
 
 def generic_trace(num_parameters: int, activation_bytes_per_sample: float, layers: int = 24,

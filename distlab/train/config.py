@@ -26,7 +26,7 @@ from distlab.train.fine_tuning import check_fine_tuning, spec_of_source as lora_
 from distlab.train.durations import parse_duration  # noqa: F401 - where the settings readers take it from
 from distlab.train.model_fit import check_fit
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
+OPTIMIZERS = ("sgd", "adam", "adamw", "muon")  # muon: distlab.train.muon (AdamW beside it)
 LR_SCHEDULES = ("constant", "cosine", "linear")
 LR_SCALINGS = ("none", "linear", "sqrt")
 @dataclass

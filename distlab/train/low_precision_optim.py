@@ -46,28 +46,31 @@ class Adam16(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            (beta1, beta2), lr, eps, wd = group["betas"], group["lr"], group["eps"], group["weight_decay"]
             for param in group["params"]:
-                if param.grad is None:
-                    continue
-                grad, state = param.grad, self.state[param]
-                if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        state[key] = torch.zeros_like(param, dtype=self.state_dtype,
-                                                      memory_format=torch.preserve_format)
-                state["step"] += 1
-                if wd != 0:
-                    if group["decoupled"]:
-                        param.mul_(1 - lr * wd)
-                    else:
-                        grad = grad.add(param, alpha=wd)
-                exp_avg = state["exp_avg"].to(param.dtype).lerp_(grad, 1 - beta1)  # (widened: a copy)
-                exp_avg_sq = state["exp_avg_sq"].to(param.dtype).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                step = state["step"].item()
-                bias_correction1, bias_correction2 = 1 - beta1 ** step, 1 - beta2 ** step
-                denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
-                param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
-                state["exp_avg"].copy_(exp_avg)  # stored rounded to the nearest
-                state["exp_avg_sq"].copy_(exp_avg_sq)
+                self._adam_step(param, group)
         return loss
+
+    def _adam_step(self, param: torch.Tensor, group: dict) -> None:
+        """One parameter's step (torch's single-tensor Adam); a parameter without a gradient is left alone."""
+        if param.grad is None:
+            return
+        (beta1, beta2), lr, eps, wd = group["betas"], group["lr"], group["eps"], group["weight_decay"]
+        grad, state = param.grad, self.state[param]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = torch.zeros_like(param, dtype=self.state_dtype, memory_format=torch.preserve_format)
+        state["step"] += 1
+        if wd != 0:
+            if group["decoupled"]:
+                param.mul_(1 - lr * wd)
+            else:
+                grad = grad.add(param, alpha=wd)
+        exp_avg = state["exp_avg"].to(param.dtype).lerp_(grad, 1 - beta1)  # (widened: a copy)
+        exp_avg_sq = state["exp_avg_sq"].to(param.dtype).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        step = state["step"].item()
+        bias_correction1, bias_correction2 = 1 - beta1 ** step, 1 - beta2 ** step
+        denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
+        param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+        state["exp_avg"].copy_(exp_avg)  # stored rounded to the nearest
+        state["exp_avg_sq"].copy_(exp_avg_sq)

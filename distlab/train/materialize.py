@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Protocol
 
 import torch
@@ -24,6 +24,7 @@ from distlab.parallel.placement import state_from_full, state_from_stream
 from distlab.runtime import seed_everything
 from distlab.train.fine_tuning import attach as attach_adapters
 from distlab.train.export import init_slices, load_init
+from distlab.train.muon import matrix_names
 from distlab.train.optim import decay_groups, no_decay_names
 from distlab.train.quantized_base import quantize as quantize_base
 from distlab.train.throughput import Throughput
@@ -81,6 +82,7 @@ class Materialized:
     record: dict  # the model's own sizes (a snapshot's layout)
     throughput: Throughput  # tokens/s and MFU, from the whole model
     no_decay: set[str]  # parameters kept out of weight decay, by the whole model's names
+    matrices: set[str] = field(default_factory=set)  # --optimizer muon: what Muon steps (the rest AdamW)
     # what computes with the model outside its steps runs under this (a frozen base held in bf16: autocast)
     narrow: Callable[[], ContextManager] = contextlib.nullcontext
 
@@ -109,7 +111,8 @@ def materialize(cfg, rt, train_set, mesh) -> Materialized:
         slices = {**slices, **added}
     made = Materialized(None, count_parameters(net), sum(p.numel() for p in net.parameters() if p.requires_grad),
                         snapshot_record(net), Throughput.of(net, train_set, cfg, rt),
-                        no_decay_names(net) if decay_groups(cfg) else set())
+                        no_decay_names(net) if decay_groups(cfg) else set(),
+                        matrix_names(net) if cfg.optimizer == "muon" else set())
     made.engine = engine = parallelize(net, cfg.strategy, mesh, rt.device)
     if cfg.base_dtype != "float32":
         made.narrow = engine.precision.autocast

@@ -10,30 +10,18 @@ from torch import nn
 from distlab.train.config import TrainConfig
 
 
-NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm, *([nn.RMSNorm] if hasattr(nn, "RMSNorm") else []))
-
-
-def no_decay_names(model: nn.Module) -> set[str]:
-    """The parameters AdamW's weight decay leaves alone (GPT-2's and minGPT's convention): biases, the
-    norms' scales and shifts, and embeddings -- every parameter but the weights of matrix
-    multiplications (linear and convolution weights, a mixture of experts' stacked weights). Names are
-    ``model``'s: the whole model's, before a layout cuts it."""
-    skip = set()
-    for prefix, module in model.named_modules():
-        for name, p in module.named_parameters(recurse=False):
-            if isinstance(module, (nn.Embedding, *NORMS)) or name.endswith("bias") or p.dim() < 2:
-                skip.add(f"{prefix}.{name}" if prefix else name)
-    return skip
+from distlab.models.parameter_roles import NORMS, no_decay_names  # noqa: F401 (here since before)
 
 
 def decay_groups(cfg: TrainConfig) -> bool:
-    """Whether this run's optimizer splits its parameters into a decayed and an undecayed group: AdamW
-    with a weight decay (SGD's and Adam's weight decay, an L2 term, applies to every parameter)."""
-    return cfg.optimizer == "adamw" and cfg.weight_decay > 0
+    """Whether this run's optimizer splits its parameters into a decayed and an undecayed group: AdamW (and Muon's
+    AdamW) with a weight decay (SGD's and Adam's weight decay, an L2 term, applies to every parameter)."""
+    return cfg.optimizer in ("adamw", "muon") and cfg.weight_decay > 0
 
 
 def build_optimizer(params, cfg: TrainConfig, names: list[str] | None = None,
-                    no_decay: set[str] = frozenset()) -> torch.optim.Optimizer:
+                    no_decay: set[str] = frozenset(), matrices: set[str] = frozenset(),
+                    levels: dict | None = None) -> torch.optim.Optimizer:
     """``optimizer`` at the effective LR (``lr`` scaled by ``lr_scaling`` for the global batch). AdamW with a
     weight decay gets two groups (:func:`decay_groups`): ``params`` whose whole-model name (``names``, in
     their order) is in ``no_decay`` go to the second, with no decay -- the same parameters on every layout,
@@ -41,6 +29,15 @@ def build_optimizer(params, cfg: TrainConfig, names: list[str] | None = None,
     lr = cfg.effective_lr
     params = list(params)
     kernel = kernels(params)
+    if cfg.optimizer == "muon":  # ``matrices`` (whole-model names) by Muon, the rest by AdamW; ``levels``: how
+        from distlab.train.low_precision_optim import STATE_DTYPES  # each matrix is cut on this layout
+        from distlab.train.muon import Muon
+        kinds = [(n in matrices, n in no_decay) for n in names]
+        groups = [{"params": [p for p, k in zip(params, kinds) if k[0]], "muon": True},
+                  {"params": [p for p, k in zip(params, kinds) if not k[0] and not k[1]]},
+                  {"params": [p for p, k in zip(params, kinds) if not k[0] and k[1]], "weight_decay": 0.0}]
+        return Muon([g for g in groups if g["params"]], lr=lr, levels=levels, weight_decay=cfg.weight_decay,
+                    state_dtype=STATE_DTYPES[cfg.optimizer_state])
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **kernel)
     if cfg.optimizer_state != "fp32":  # the moments in bfloat16 (:mod:`distlab.train.low_precision_optim`)

@@ -36,6 +36,7 @@ from distlab.train.observe import StepObserver
 from distlab.train import language
 from distlab.train.metrics import MetricsLog, anon_rss_mb, atomic_write_text, write_predictions, write_summary
 from distlab.train.objective import objective_of
+from distlab.train.muon import levels_of
 from distlab.train.optim import build_optimizer, build_scheduler
 from distlab.train.preemption import Preemption
 from distlab.train.run_dirs import finished_summary
@@ -101,10 +102,11 @@ class Trainer:
         self.narrow = made.narrow
         # What training minimises and evaluations score: the task's cross-entropy, or DPO's on preference pairs
         self.objective = objective_of(self)
-        names = [p["name"] for p in placement_of(self.engine)["params"]] if no_decay else None
+        names = [p["name"] for p in placement_of(self.engine)["params"]] if no_decay or made.matrices else None
+        levels = levels_of(self.engine) if made.matrices else None  # Muon: how each matrix is cut here
         # with a fused optimizer the gradients' verdict stays on the device, read where the loop must (_diverged)
-        self.optimizer = self.engine.attach(build_optimizer(self.engine.parameters(), cfg, names, no_decay),
-                                            verdict_on_device=True)
+        self.optimizer = self.engine.attach(build_optimizer(self.engine.parameters(), cfg, names, no_decay,
+                                                            made.matrices, levels), verdict_on_device=True)
         if cfg.ppo_epochs > 1:  # GRPO: each rollout batch trains ppo_epochs steps
             from distlab.train.grpo import Repeated
             self.loader = Repeated(self.loader, cfg.ppo_epochs)

@@ -54,7 +54,8 @@ class ZeroReplay:
                for u, parts in enumerate(tensors)]
         self.shard_bytes = sum(cut)  # every unit's shard, always held
         self.train = [t.trains(u) for u in range(len(t.numels))]  # False: frozen -- gathered, never reduced
-        self.optim_bytes = sum(optim.bytes(s, e) for s, keep in zip(self.shard, self.train) if keep)
+        self.optim_bytes = sum(optim.unit(t.matrix(u)).bytes(s, e) for u, (s, keep) in enumerate(zip(self.shard,
+                                                                                                   self.train)) if keep)
         self.units_of: dict[int, list[int]] = {}  # (a module holding only whole units: none, so no hooks)
         for u, m in enumerate(t.module_of):
             if u not in self.whole:
@@ -420,9 +421,11 @@ class ZeroCost:
 
     @staticmethod
     def planned_parts(numels: list[int], optim: Optim, element_size: int, strategy, n: int,
-                      trainable: list[bool] | None = None, held: list | None = None) -> dict[str, int]:
+                      trainable: list[bool] | None = None, held: list | None = None,
+                      matrices: list[bool] | None = None) -> dict[str, int]:
         """The textbook split of what stage ``strategy.zero`` shards (ZeRO paper, table 1)."""
-        return textbook_parts(numels, optim, element_size, strategy.zero, shard_ways(strategy, n), trainable, held)
+        return textbook_parts(numels, optim, element_size, strategy.zero, shard_ways(strategy, n), trainable, held,
+                              matrices)
 
     @staticmethod
     def planned_memory(t, optim: Optim, strategy, n: int) -> int:
