@@ -132,7 +132,8 @@ def test_the_engine_and_evaluation_never_ask_which_strategy_they_hold():
 # What a model may declare (plans), the step's share of a loss it adds itself and the structure a batch carries
 # beside its tokens (a packed window's): no model in them.
 MODEL_CONTRACTS = {"distlab.models.plans", "distlab.models.aux_loss", "distlab.models.spec", "distlab.models.contract",
-                   "distlab.models.packing"}
+                   "distlab.models.packing",
+                   "distlab.models.parameter_roles"}  # (what an optimizer makes of any model's parameters)
 # fine-tuning's converters: the training layer puts them on any model (LoRA's adapters, its typed spec; a 4-bit
 # weight's layout, which the planner prices too); the strategies meet an adapted layer only through a protocol
 # (parallel.protocols.LowRankAdapted)

@@ -93,7 +93,8 @@ def test_hybrid_sharding_refuses_what_it_cannot_be(refused_here):
     assert "--dp-shard 2 is the size of a ZeRO shard group (hybrid sharding): give a stage too" in proc.stderr
     proc = refused_here("train", *MLP, "--zero", "2", "--dp-shard", "3", "--nproc-per-node", "4")
     assert "--dp-shard 3 does not divide the 4 replicas" in proc.stderr and "use a --dp-shard of 1, 2, 4" in proc.stderr
-    proc = refused_here("train", *MLP, "--zero", "2", "--dp-shard", "2", "--zero-impl", "plain", "--nproc-per-node", "4")
+    proc = refused_here("train", *MLP, "--zero", "2", "--dp-shard", "2", "--zero-impl", "plain",
+                        "--nproc-per-node", "4")
     assert "the plain ZeRO is the partition alone" in proc.stderr
     proc = refused_here("plan", *MLP, "--zero", "3", "--dp-shard", "3", "--dp", "4")
     assert "--dp-shard 3 does not divide the 4 replicas" in proc.stderr

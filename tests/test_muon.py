@@ -147,7 +147,8 @@ def test_plan_holds_muons_state_and_bytes_to_the_byte(run_cli, tmp_path, layout)
     each cut matrix's gather to its owner and scatter back."""
     same = ["--model", "gpt", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--dataset", "synthetic-text:4000",
             "--block-size", "16", "--global-batch-size", "8", "--optimizer", "muon", *layout]
-    run_cli("train", *same, "--weight-decay", "0.1", "--max-steps", "3", "--nproc-per-node", "2", "--no-progress", "--eval-batches", "1",
+    run_cli("train", *same, "--weight-decay", "0.1", "--max-steps", "3", "--nproc-per-node", "2", "--no-progress",
+            "--eval-batches", "1",
             "--out", str(tmp_path / "run"), timeout=patience(300), check=True)
     dp = 2 if "--zero" in layout else 1
     run_cli("plan", *same, "--dp", str(dp), "--json", str(tmp_path / "plan.json"), check=True)

@@ -157,7 +157,8 @@ def optimizer_state(data: dict) -> str:
 def muon(data: dict) -> str:
     """``scripts/bench_muon.py``'s: Muon against AdamW at the same steps, medians of the rounds."""
     from distlab.bench.common import format_table
-    return format_table(["optimizer", "runs", "lr", "final train loss", "test loss (range)", "ms/step", "model state B"],
+    return format_table(["optimizer", "runs", "lr", "final train loss", "test loss (range)", "ms/step",
+                         "model state B"],
                         [[r["optimizer"], str(r["runs"]), f"{r['lr']:g}", f"{r['final_train_loss']:.4f}",
                           f"{r['test_loss']:.4f} ({r['test_loss_range'][0]:.4f}-{r['test_loss_range'][1]:.4f})",
                           f"{r['step_s'] * 1e3:.0f}", f"{r['model_state_bytes_per_rank']:,}"] for r in data["rows"]],

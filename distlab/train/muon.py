@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from distlab import comm
 from distlab.models.parameter_roles import matrix_names  # noqa: F401 (the parameters it steps)
