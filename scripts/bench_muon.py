@@ -11,28 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-MODEL = ["--model", "gpt", "--n-layer", "2", "--n-embd", "128", "--n-head", "4", "--block-size", "64"]
+from bench_optimizer_state import MODEL, train  # (the same GPT, data and run)
 
 
 def run(out: Path, optimizer: str, steps: int, seed: int, lr: float) -> dict:
-    subprocess.run([sys.executable, "-m", "distlab", "train", *MODEL, "--dataset", "fortunes", "--global-batch-size",
-                    "32", "--max-steps", str(steps), "--optimizer", optimizer, "--lr", str(lr), "--weight-decay",
-                    "0.1", "--seed", str(seed), "--log-every", "10", "--no-progress",
-                    "--threads", str(os.cpu_count() or 2), "--out", str(out)], check=True, capture_output=True,
-                   text=True)
-    summary = json.loads((out / "summary.json").read_text())
-    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"optimizer": optimizer, "seed": seed, "lr": lr, "final_train_loss": statistics.mean(losses[-5:]),
-            "test_loss": summary.get("test_loss"), "step_s": summary["time_per_step_s_median"],
-            "model_state_bytes_per_rank": summary["model_state_bytes_per_rank"],
-            "load_before_run": summary.get("load_before_run"), "date": summary["date"],
-            "torch": summary["torch_version"]}
+    return {"optimizer": optimizer, "lr": lr, **train(out, ["--optimizer", optimizer, "--lr", str(lr)], steps, seed)}
 
 
 def main() -> None:

@@ -20,19 +20,24 @@ from pathlib import Path
 MODEL = ["--model", "gpt", "--n-layer", "2", "--n-embd", "128", "--n-head", "4", "--block-size", "64"]
 
 
-def run(out: Path, state: str, steps: int, seed: int) -> dict:
+def train(out: Path, flags: list[str], steps: int, seed: int) -> dict:
+    """One run of the GPT on the fortunes with the optimizer ``flags``: what it measured."""
     subprocess.run([sys.executable, "-m", "distlab", "train", *MODEL, "--dataset", "fortunes", "--global-batch-size",
-                    "32", "--max-steps", str(steps), "--optimizer", "adamw", "--lr", "3e-3", "--weight-decay", "0.1",
-                    "--optimizer-state", state, "--seed", str(seed), "--log-every", "10", "--no-progress",
-                    "--threads", str(os.cpu_count() or 2), "--out", str(out)], check=True, capture_output=True,
-                   text=True)
+                    "32", "--max-steps", str(steps), "--weight-decay", "0.1", *flags, "--seed", str(seed),
+                    "--log-every", "10", "--no-progress", "--threads", str(os.cpu_count() or 2), "--out", str(out)],
+                   check=True, capture_output=True, text=True)
     summary = json.loads((out / "summary.json").read_text())
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"state": state, "seed": seed, "final_train_loss": statistics.mean(losses[-5:]),
+    return {"seed": seed, "final_train_loss": statistics.mean(losses[-5:]),
             "test_loss": summary.get("test_loss"), "step_s": summary["time_per_step_s_median"],
             "model_state_bytes_per_rank": summary["model_state_bytes_per_rank"],
             "load_before_run": summary.get("load_before_run"), "date": summary["date"],
             "torch": summary["torch_version"]}
+
+
+def run(out: Path, state: str, steps: int, seed: int) -> dict:
+    return {"state": state, **train(out, ["--optimizer", "adamw", "--lr", "3e-3", "--optimizer-state", state], steps,
+                                    seed)}
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ class Adam16(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         for state in self.state.values():
             for key in ("exp_avg", "exp_avg_sq"):
-                if key in state:
+                if key in state and self.state_dtype is not None:
                     state[key] = state[key].to(self.state_dtype)
 
     @torch.no_grad()
@@ -46,9 +46,12 @@ class Adam16(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for param in group["params"]:
-                self._adam_step(param, group)
+            self._step_group(group)
         return loss
+
+    def _step_group(self, group: dict) -> None:
+        for param in group["params"]:
+            self._adam_step(param, group)
 
     def _adam_step(self, param: torch.Tensor, group: dict) -> None:
         """One parameter's step (torch's single-tensor Adam); a parameter without a gradient is left alone."""

@@ -91,41 +91,27 @@ class Muon(Adam16):
             group.setdefault("nesterov", nesterov)
         self.levels = levels or {}
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        super(Adam16, self).load_state_dict(state_dict)  # (the momentum stays float32; Adam's moments narrowed)
-        for state in self.state.values():
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in state and self.state_dtype is not None:
-                    state[key] = state[key].to(self.state_dtype)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            if not group["muon"]:
-                for param in group["params"]:
-                    self._adam_step(param, group)
-                continue
-            lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-            cut = 0  # the matrices cut over ranks so far: the next one's owner (round-robin)
-            for param in group["params"]:
-                grad = param.grad if param.grad is not None else torch.zeros_like(param)  # (every rank joins)
-                state = self.state[param]
-                if not state:
-                    state["momentum_buffer"] = torch.zeros_like(param)
-                buf = state["momentum_buffer"]
-                buf.mul_(mu).add_(grad)
-                u = grad.add(buf, alpha=mu) if group["nesterov"] else buf.clone()
-                levels = self.levels.get(param, [])
-                o = orthogonalised(u, levels, cut)
-                cut += bool(levels)
-                if wd:
-                    param.mul_(1 - lr * wd)
-                param.add_(o, alpha=-lr * scale_of(levels[-1].shape if levels else tuple(param.shape)))
-        return loss
+    def _step_group(self, group: dict) -> None:
+        """AdamW's group as Adam16 steps it; Muon's each matrix in turn (every rank joins every cut matrix's
+        gathers: a parameter without a gradient steps on zeros)."""
+        if not group["muon"]:
+            return super()._step_group(group)
+        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        cut = 0  # the matrices cut over ranks so far: the next one's owner (round-robin)
+        for param in group["params"]:
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)  # (every rank joins)
+            state = self.state[param]
+            if not state:
+                state["momentum_buffer"] = torch.zeros_like(param)
+            buf = state["momentum_buffer"]
+            buf.mul_(mu).add_(grad)
+            u = grad.add(buf, alpha=mu) if group["nesterov"] else buf.clone()
+            levels = self.levels.get(param, [])
+            o = orthogonalised(u, levels, cut)
+            cut += bool(levels)
+            if wd:
+                param.mul_(1 - lr * wd)
+            param.add_(o, alpha=-lr * scale_of(levels[-1].shape if levels else tuple(param.shape)))
 
 
 def orthogonalised(u: torch.Tensor, levels: list[Level], index: int) -> torch.Tensor:
