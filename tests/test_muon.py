@@ -137,7 +137,7 @@ def test_muon_under_zero_is_data_parallels_run_bit_for_bit_and_a_shards_own_orth
     for kw, params in zip(layouts[1:], zeros):
         assert all(torch.equal(a, b) for a, b in zip(dp, params)), kw
     wrong = run_ranks(_train, 2, [_cfg(zero=2)], True, timeout=patience(300))[0][0]
-    assert max((a - b).abs().max().item() for a, b in zip(dp, wrong)) > 1e-3
+    assert not all(torch.equal(a, b) for a, b in zip(dp, wrong))  # (the right ones equal it exactly, above)
 
 
 @pytest.mark.parametrize("layout", [["--zero", "3"], ["--tp", "2"]])

@@ -324,5 +324,5 @@ class NcclTimer:
         self.separate_spans = True  # those groups' calls on links of their own (NVLink, the network)
 
     def duration(self, call, start: float = 0.0) -> float:
-        group = self.spans.get(getattr(call, "span", ""), self.group)
+        group = self.spans.get(call.span, self.group)
         return collective_seconds(self.machine, call.kind, call.nbytes * self.scale, group)
