@@ -33,7 +33,7 @@ def _predicted(cfg, world: int) -> dict:
     s = cfg.strategy
     shape, classes = dataset_shape(cfg.dataset, cfg.block_size, cfg.tokenizer)
     t = trace(cfg.model, shape, classes, options=cfg.options, lora=cfg.lora, base_dtype=cfg.base_dtype)
-    lay = Layout(dp=s.dp_size(world), strategy=s, optimizer=cfg.optimizer, momentum=cfg.momentum,
+    lay = Layout(dp=s.dp_size(world), strategy=s, optimizer=cfg.optimizer, momentum=cfg.momentum, offload=cfg.offload,
                  global_batch=cfg.global_batch_size, ignored_targets="masked=" in cfg.dataset or cfg.dataset.startswith("sft:"),
                  label_smoothing=cfg.label_smoothing > 0, pairs=cfg.dataset.startswith("synthetic-pairs"),
                  group=cfg.group_size if cfg.reward else 1)  # GRPO: the update's rows, each prompt's completions

@@ -121,6 +121,12 @@ TRAIN_OPTIONS = [
                        "multiplications, AdamW for embeddings, the output layer, norms and biases).")),
     ("optimizer_state", dict(help="adam/adamw: the moments' dtype, fp32 or bf16 (4 bytes a parameter instead of 8; "
                                   "the float32 parameters kept).")),
+    ("offload", dict(help="none, optimizer (the optimizer's state off the device: pinned host memory on a GPU, "
+                     "each parameter stepped on the host; or a file, --offload-dir) or params (with --zero 3: the "
+                     "parameter shards too, streamed in at each gather).")),
+    ("offload_dir", dict(help="Where offloaded state goes: a memory-mapped file a rank in this directory (needed "
+                         "on a CPU; on a GPU, ZeRO-Infinity's disk tier). Scratch, locked while a run holds it; "
+                         "snapshots keep the state as always.")),
     ("lr_schedule", dict(help="constant, cosine or linear decay to 0.")),
     ("momentum", dict(type=float, help="SGD momentum.")),
     ("weight_decay", dict(type=float)),

@@ -51,6 +51,8 @@ PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "seq
 @field_options([("optimizer", dict(help="sgd, adam, adamw or muon (sizes the optimizer state).")),
                 ("momentum", dict(type=Number(0.0, 1.0, high_open=True), help="SGD momentum (0: no momentum buffer).")),
                 ("optimizer_state", dict(help="adam/adamw: the moments' dtype, fp32 or bf16 (2 bytes each).")),
+                ("offload", dict(help="none, optimizer (the optimizer's state off the device) or params (with zero 3: "
+                                 "the parameter shards too); priced as bytes held off the device and moved a step.")),
                 ("global_batch_size", dict(type=int, aliases=("--global-batch",),
                                            help="Global batch, as train's; with --sweep its per-rank share at --dp "
                                                 "is kept at every size (weak scaling)."))])

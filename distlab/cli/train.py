@@ -82,6 +82,10 @@ def train(config_file, trust_config, **kw):
                               "the CPU: use --sync-bn distlab, which works on any device")
         from distlab.parallel.precision import check_device
         check_device(cfg.strategy.precision, runtime.resolve_device(device, 0))
+        from distlab.parallel.offload import check_offload, check_unused  # (where the state goes: the device's)
+        check_offload(cfg.offload, cfg.offload_dir, cfg.strategy.zero, runtime.resolve_device(device, 0).type)
+        check_writable(cfg.offload_dir, "offload_dir")
+        check_unused(cfg.offload_dir)
         if cfg.profile and cfg.out and (Path(cfg.out) / "profile").exists() and not (Path(cfg.out) / "profile").is_dir():
             raise ConfigError(f"--profile writes one trace per rank into {Path(cfg.out) / 'profile'}/, which is a "
                               f"file: move it, or give another --out")

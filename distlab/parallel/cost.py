@@ -42,15 +42,17 @@ class Optim:
     per_tensor: int
     state_size: int | None = None  # bytes per element of the state tensors (None: the parameter's)
     matrix: "Optim | None" = None  # what a matrix keeps where it differs (Muon's: its momentum alone)
+    offload: str = "none"  # optimizer | params: the state tensors (and ZeRO-3's shards) off the device
 
     @classmethod
-    def of(cls, name: str, momentum: float = 0.9, state: str = "fp32") -> "Optim":
+    def of(cls, name: str, momentum: float = 0.9, state: str = "fp32", offload: str = "none") -> "Optim":
         if name == "sgd":
-            return cls("sgd", 1 if momentum else 0, 0)
+            return cls("sgd", 1 if momentum else 0, 0, offload=offload)
         if name in ("adam", "adamw"):  # (bf16 moments: distlab.train.low_precision_optim)
-            return cls(name, 2, STEP_TENSOR_BYTES, 2 if state == "bf16" else None)
+            return cls(name, 2, STEP_TENSOR_BYTES, 2 if state == "bf16" else None, offload=offload)
         if name == "muon":  # AdamW beside the matrices' momentum buffers (distlab.train.muon)
-            return cls(name, 2, STEP_TENSOR_BYTES, 2 if state == "bf16" else None, matrix=cls("muon", 1, 0))
+            return cls(name, 2, STEP_TENSOR_BYTES, 2 if state == "bf16" else None, matrix=cls("muon", 1, 0,
+                       offload=offload), offload=offload)
         raise ConfigError(f"unknown optimizer {name!r}; choose sgd, adam, adamw or muon")
 
     def unit(self, matrix: bool) -> "Optim":
@@ -58,8 +60,17 @@ class Optim:
         return self.matrix if matrix and self.matrix is not None else self
 
     def bytes(self, numel: int, element_size: int) -> int:
-        size = self.state_size or element_size
-        return self.per_element * numel * size + (self.per_tensor if self.per_element else 0)
+        """What the device holds for a parameter of ``numel`` elements: its state tensors (none where they are
+        offloaded: :meth:`offloaded_bytes`) and the per-tensor step count (a scalar, never offloaded)."""
+        tensors = 0 if self.offload != "none" else self.state_bytes(numel, element_size)
+        return tensors + (self.per_tensor if self.per_element else 0)
+
+    def state_bytes(self, numel: int, element_size: int) -> int:
+        return self.per_element * numel * (self.state_size or element_size)
+
+    def offloaded_bytes(self, numel: int, element_size: int) -> int:
+        """The bytes of a parameter's state tensors that ``--offload`` holds off the device."""
+        return self.state_bytes(numel, element_size) if self.offload != "none" else 0
 
 
 def data_parallel_bytes(t, optim: Optim, tp: int = 1) -> int:

@@ -2,7 +2,8 @@
 
 One rule for every strategy (and for torch's, in ``bench parallel``): count each storage once,
 however many tensors view it (a ZeRO parameter is a view of its padded flat buffer), count a
-DTensor by its local shard, and skip storages that hold nothing (ZeRO-3's freed buffers).
+DTensor by its local shard, and skip storages that hold nothing (ZeRO-3's freed buffers) or live off the device
+(:mod:`~distlab.parallel.offload`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import Iterable
 
 import torch
 from torch import nn
+
+from distlab.parallel.offload import off_device
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -32,7 +35,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     for t in plain(tensors):
         storage = _local(t).untyped_storage()
         key = storage_key(storage)
-        if key and key not in seen:
+        if key and key not in seen and not off_device(key):  # (offloaded: held off the device)
             seen.add(key)
             total += storage.nbytes()
     return total

@@ -73,6 +73,7 @@ class GpuMachine:
     nvlink_step_us: float
     net_step_us: float
     source: str = ""
+    host_gbps: float = 32.0  # GB/s each way between a GPU and its host (PCIe; what --offload crosses)
 
     @property
     def memory_bytes(self) -> int:
@@ -81,6 +82,10 @@ class GpuMachine:
     @property
     def nvlink_Bps(self) -> float:
         return self.nvlink_gbps * 1e9
+
+    @property
+    def host_Bps(self) -> float:
+        return self.host_gbps * 1e9
 
     @property
     def nic_Bps(self) -> float:
@@ -105,7 +110,7 @@ def machine_names() -> list[str]:
 MACHINE_FIELDS = {"bf16_tflops": ("gpu", 1e5), "fp8_tflops": ("gpu", 1e5), "fp32_tflops": ("gpu", 1e5),
                   "memory_gib": ("gpu", 1e5), "memory_tbps": ("gpu", 1e3), "gpus": ("node", 1024),
                   "nvlink_gbps": ("node", 1e5), "nic_gbit": ("network", 1e6), "base_us": ("latency", 1e6),
-                  "nvlink_step_us": ("latency", 1e6), "net_step_us": ("latency", 1e6)}
+                  "nvlink_step_us": ("latency", 1e6), "net_step_us": ("latency", 1e6), "pcie_gbps": ("host", 1e5)}
 ZERO_ALLOWED = ("fp8_tflops", "base_us", "nvlink_step_us", "net_step_us")  # no FP8 cores; latencies may be 0
 MACHINE_FILE_LIMIT = 1 << 20  # bytes
 
@@ -114,7 +119,7 @@ def _machine_value(d: dict, key: str, path: Path, default=None):
     """Field ``key`` of a parsed machine file: a finite number in its range (a whole one for ``gpus``)."""
     table, most = MACHINE_FIELDS[key]
     section = d.get(table)
-    value = section.get(key, default) if isinstance(section, dict) else None
+    value = section.get(key, default) if isinstance(section, dict) else default if section is None else None
     if value is None:
         raise ConfigError(f"--machine {path}: [{table}] {key} is missing (see distlab/plan/machines/h100-sxm.toml)")
     whole = key == "gpus"
@@ -147,7 +152,7 @@ def load_machine(name: str) -> GpuMachine:
                       float(v("fp8_tflops", default=0.0)), float(v("fp32_tflops", default=bf16 / 14.8)),
                       float(v("memory_gib")), float(v("memory_tbps")), v("gpus"), float(v("nvlink_gbps")),
                       float(v("nic_gbit")), float(v("base_us")), float(v("nvlink_step_us")), float(v("net_step_us")),
-                      str(path))
+                      str(path), float(v("pcie_gbps", default=32.0)))
 
 
 # ---------------------------------------------------------------------------------- collectives

@@ -17,7 +17,7 @@ from distlab.parallel.pipeline import cost as schedule_cost
 from distlab.parallel import sync_bn
 from distlab.parallel.grad_syncs import sync_kind
 from distlab.parallel.zero.hsdp import shard_ways
-from distlab.plan import rollout
+from distlab.plan import offload, rollout
 from distlab.plan.calibration import Calibration
 from distlab.plan.machine import Link, sent
 from distlab.plan.timing import CalibratedHost, step_time
@@ -32,6 +32,7 @@ class Layout:
     optimizer: str = "sgd"
     momentum: float = 0.9
     optimizer_state: str = "fp32"  # adam/adamw: the moments' dtype (bf16: 2 bytes each)
+    offload: str = "none"  # optimizer | params: the optimizer's state (and ZeRO-3's shards) off the device
     global_batch: int = 64
     threads: int | None = None
     oversubscription: float = 1.0  # ranks x threads per core on the busiest host: compute runs this much slower
@@ -210,7 +211,7 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
     if cluster is not None:
         cluster.check(lay)
     micro = lay.global_batch // lay.dp // lay.strategy.micro_steps * (2 if lay.pairs else lay.group)  # rows
-    optim = Optim.of(lay.optimizer, lay.momentum, lay.optimizer_state)
+    optim = Optim.of(lay.optimizer, lay.momentum, lay.optimizer_state, lay.offload)
     if lay.strategy.activation_checkpointing and not (t.blocks and t.layers):
         raise ConfigError("`activation_checkpointing`: plan counts what each layer keeps, and this model lists no "
                           + ("blocks (checkpoint_blocks)" if t.layers else "layers (pipeline_layers)")
@@ -234,9 +235,13 @@ def predict(t: Trace, lay: Layout, link: Link, cal: Calibration | None, cluster=
     out.update(comm_bytes(t, lay, sync, stages, micro, optim))
     if cluster is not None:
         out.update(cluster.facts(lay))
+    if lay.offload != "none":  # what --offload holds off the device and moves (:mod:`distlab.plan.offload`)
+        out["offload"] = offload.held(t_rank, lay, sync, optim, lambda o: state_parts(t_rank, lay, sync, o))
     machine = cluster if cluster is not None else CalibratedHost(cal, link) if cal is not None else None
     if machine is not None:
         out.update(step_time(t, lay, machine, sync, stages, prices, micro, narrow, dense_trace(t_rank, lay)))
+        if cluster is not None and lay.offload != "none":
+            offload.timed(out, t, lay, cluster)
         if cluster is not None and lay.group > 1:
             out["rollout"].update(rollout.timed(out["rollout"], t, lay, cluster, out["step_s"]))
     return out
@@ -248,7 +253,8 @@ def _layout_record(lay: Layout) -> dict:
             "dp_sync": lay.dp_sync, "collective": lay.collective, "global_batch_size": lay.global_batch,
             "grad_accum": lay.grad_accum, "microbatches": lay.strategy.microbatches,
             "pp_schedule": lay.strategy.pp_schedule if lay.pp > 1 else None,
-            "sequence_parallel": lay.strategy.sequence_parallel, "optimizer": lay.optimizer, "world_size": lay.world}
+            "sequence_parallel": lay.strategy.sequence_parallel, "optimizer": lay.optimizer, "world_size": lay.world,
+            **({"offload": lay.offload} if lay.offload != "none" else {})}
 
 
 def memory(t: Trace, lay: Layout, sync, stages: list[dict], prices: list, micro: int, optim, narrow: float) -> dict:

@@ -49,7 +49,8 @@ def layout_of(summary: dict, threads: int | None = None) -> Layout:
     threads = threads or summary.get("threads_per_rank") or 1
     over = summary["world_size"] * threads / summary["cores"] if summary.get("cores") else 1.0
     return Layout(dp=strategy.dp_size(summary["world_size"]), strategy=strategy, optimizer=summary.get("optimizer", "sgd"),
-                  momentum=cfg.get("momentum", 0.9), global_batch=summary["global_batch_size"],
+                  momentum=cfg.get("momentum", 0.9), optimizer_state=cfg.get("optimizer_state", "fp32"),
+                  offload=cfg.get("offload", "none"), global_batch=summary["global_batch_size"],
                   threads=threads, oversubscription=max(1.0, over),
                   pairs=str(summary.get("dataset", "")).startswith(("dpo:", "synthetic-pairs")),
                   group=cfg.get("group_size", 4) if str(summary.get("dataset", "")).startswith(("rl:", "synthetic-rl"))

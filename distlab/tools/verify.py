@@ -48,7 +48,8 @@ from distlab.data.preference import is_preference
 from distlab.errors import ConfigError, did_you_mean
 from distlab.models import spec
 from distlab.models.packing import bind, split
-from distlab.tools.verify_data import GRPO, GRPO_DATA, compare, dpo_mean, grpo_tolerance, grpo_training, packing_records, reference_logps
+from distlab.tools.verify_data import (GRPO, GRPO_DATA, compare, dpo_mean, grpo_tolerance, grpo_training,  # noqa: F401
+                                       packing_records, reference_logps, scratch, table)  # (table: verify's)
 from distlab.parallel import COLLECTIVES, SYNC_METHODS, Strategy
 from distlab.parallel.strategy_text import modifier_words
 from distlab.train.config import TrainConfig
@@ -92,6 +93,7 @@ class Case:
     dpo: bool = False  # +dpo: DPO on generated preference pairs (the reference: the starting model)
     pack: bool = False  # +pack: generated fine-tuning records packed into windows, each attending to itself only
     grpo: bool = False  # +grpo: GRPO from a reward on generated prompts (rollouts, advantages, a KL to the start)
+    offload: str = "none"  # +offload=optimizer (or params): the optimizer's state (and the shards) in a file
 
     @property
     def name(self) -> str:
@@ -99,7 +101,8 @@ class Case:
                 + (f"+{self.model}" if self.model else "") + "".join(f"+{k}={v}" for k, v in self.options)
                 + ("+clip" if self.clip else "") + ("+smooth" if self.smoothing else "") + ("+mask" if self.masked else "")
                 + (f"+lora={self.lora}" if self.lora else "") + (f"+base={self.base_dtype}" if self.base_dtype != "float32" else "")
-                + ("+dpo" if self.dpo else "") + ("+pack" if self.pack else "") + ("+grpo" if self.grpo else ""))
+                + ("+dpo" if self.dpo else "") + ("+pack" if self.pack else "") + ("+grpo" if self.grpo else "")
+                + (f"+offload={self.offload}" if self.offload != "none" else ""))
 
     def flags(self) -> dict:
         return {**self.strategy.to_dict(), "optimizer": self.optimizer, **({"model": self.model} if self.model else {}),
@@ -113,7 +116,8 @@ def parse_strategy(text: str) -> Case:
     tokens = [t.strip() for t in text.split("+")]
     lora = next((t.partition("=")[2] for t in tokens if t.startswith("lora=")), None)
     base = next((t.partition("=")[2] for t in tokens if t.startswith("base=")), "float32")
-    tokens = [t for t in tokens if not t.startswith(("lora=", "base="))]
+    offload = next((t.partition("=")[2] for t in tokens if t.startswith("offload=")), "none")
+    tokens = [t for t in tokens if not t.startswith(("lora=", "base=", "offload="))]
     clip = CLIP_NORM if "clip" in tokens else None
     smoothing = SMOOTHING if "smooth" in tokens else 0.0
     masked, dpo, pack, grpo = "mask" in tokens, "dpo" in tokens, "pack" in tokens, "grpo" in tokens
@@ -143,7 +147,7 @@ def parse_strategy(text: str) -> Case:
         word = "lora" if lora is not None else "dpo" if dpo else "pack" if pack else "grpo"
         raise ConfigError(f"{text}: +{word} trains a transformer; add +llama or another language model")
     return Case(Strategy.parse(rest) if rest else Strategy(), "adam" if "adam" in tokens else "sgd", model, clip,
-                smoothing, masked, options, lora, base, dpo, pack, grpo)
+                smoothing, masked, options, lora, base, dpo, pack, grpo, offload)
 
 
 def planned(strategy: Strategy) -> bool:
@@ -158,7 +162,7 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
     mixture of experts with expert parallel (beside ZeRO too; both dispatches), interleaved and zero-bubble
     pipelines (with TP, CP x PP and EP x PP where it divides by 4); clipping over ZeRO-2's shards and TP+SP's
     transformer with label smoothing; compiled blocks under ZeRO-3 and checkpointing; ignored targets over DP with
-    accumulation, the experts, TP's vocabulary shards, a pipeline and CP; LoRA, DPO, packing and GRPO."""
+    accumulation, the experts, TP's vocabulary shards, a pipeline and CP; LoRA, DPO, packing and GRPO; offload."""
     out = [Strategy("gather-scatter")]
     out += [Strategy(m, c) for m in ("allreduce", "bucketed", "ddp") for c in COLLECTIVES]
     out += [Strategy(m, grad_accum=4) for m in SYNC_METHODS]
@@ -175,6 +179,10 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
         out += [Strategy("allreduce", tp=2), Strategy("allreduce", tp=2, tp_style="naive")]
         out += [Strategy("bucketed", pp=2, microbatches=3), Strategy("allreduce", pp=2, microbatches=4, pp_schedule="gpipe")]
     cases = [Case(s) for s in out] + [Case(Strategy(zero=2), clip=CLIP_NORM)]  # clipping over ZeRO's shards
+    # offload: SGD's momentum in a file beside data parallel; ZeRO-3's shards and their state there; TP's slices
+    cases += [Case(Strategy("bucketed"), offload="optimizer"), Case(Strategy(zero=3), offload="params")]
+    even = bool(world_size) and world_size % 2 == 0
+    cases += [Case(Strategy("allreduce", tp=2), model="gpt", offload="optimizer")] if even else []
     # compiled transformer blocks, ZeRO-3's gathers between their pieces, recomputed by checkpointing
     cases += [Case(Strategy(zero=3, activation_checkpointing=True, compile=True), model="gpt")]
     # ignored targets over data parallel's ranks and accumulated micro-batches: each kept target weighs alike
@@ -304,7 +312,8 @@ def config_for(case: Case, world_size: int, steps: int, global_batch: int | None
                        global_batch_size=batch, lr=0.005 if case.optimizer == "adam" else 0.05,
                        lr_schedule="constant", momentum=0.9, optimizer=case.optimizer, seed=seed, log_every=1,
                        clip_grad_norm=case.clip, label_smoothing=case.smoothing, lora=case.lora,
-                       base_dtype=case.base_dtype, **(GRPO if case.grpo else {}),
+                       base_dtype=case.base_dtype, **(GRPO if case.grpo else {}), offload=case.offload,
+                       offload_dir=scratch("offload") if case.offload != "none" else None,
                        progress=False, verbose=False, eval_every_epoch=False, eval_batches=1,  # (compared: the
                        strategy=strategy).validate(world_size)  # parameters and losses; the test set is not read)
 
@@ -408,6 +417,7 @@ def verify(strategies: list[Case], world_size: int, steps: int = 10, global_batc
     configs = [config_for(s, world_size, steps, global_batch, **model) for s in strategies]
     try:
         results = run_ranks(_distributed_runs, world_size, configs, timeout=timeout)[0]
+        scratch.clear()  # (the offload files)
     except RankFailure as exc:  # (a collective of the user's own that sends nothing counted, say): one line
         if exc.config_error is None:
             raise
@@ -432,18 +442,3 @@ def verify(strategies: list[Case], world_size: int, steps: int = 10, global_batc
                         "tolerance": tol, "approximate": tol is None or not cfg.strategy.exact, "passed": passed,
                         **facts})
     return records
-
-
-def table(records: list[dict]) -> str:
-    width = max([28] + [len(r["strategy"]) for r in records])
-    rows = [f"{'strategy':<{width}} {'world':>5} {'steps':>5} {'max |dparam|':>12} {'max rel':>9} {'max |dloss|':>11} "
-            f"{'tolerance':>9}  result"]
-    for r in records:
-        rows.append(f"{r['strategy']:<{width}} {r['world_size']:>5} {r['steps']:>5} {r['max_abs_param_diff']:>12.2e} "
-                    f"{r['max_rel_param_diff']:>9.1e} {r['max_loss_diff']:>11.2e} "
-                    + (f"{'-':>9}  APPROX" if r["passed"] is None else
-                       f"{r['tolerance']:>9.1e}  {'PASS' if r['passed'] else 'FAIL'}"))
-    if any(r["passed"] is None for r in records):
-        rows.append("APPROX: no rounding bound exists (compressed gradients approximate the mean; Adam divides by "
-                    "each entry's own size); the columns give the measured deviation from single-process training.")
-    return "\n".join(rows)

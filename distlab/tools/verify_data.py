@@ -108,3 +108,38 @@ def grpo_tolerance(cfg, world_size: int) -> float:
     s = cfg.strategy
     return sgd_tolerance(cfg.max_steps, cfg.lr * ((g - 1) / g ** 0.5 + cfg.kl_beta), cfg.global_batch_size * g,
                          cfg.momentum, s.precision, s.wire_dtype or "fp32", s.dp_size(world_size))
+
+
+class _Scratch:
+    """Directories a verify run writes and removes (``+offload``: each case's offload files)."""
+
+    def __init__(self):
+        self.made: list[str] = []
+
+    def __call__(self, name: str) -> str:
+        import tempfile
+        self.made.append(tempfile.mkdtemp(prefix="distlab-verify-"))
+        return f"{self.made[-1]}/{name}"
+
+    def clear(self) -> None:
+        import shutil
+        while self.made:
+            shutil.rmtree(self.made.pop(), ignore_errors=True)
+
+
+scratch = _Scratch()
+
+
+def table(records: list[dict]) -> str:
+    width = max([28] + [len(r["strategy"]) for r in records])
+    rows = [f"{'strategy':<{width}} {'world':>5} {'steps':>5} {'max |dparam|':>12} {'max rel':>9} {'max |dloss|':>11} "
+            f"{'tolerance':>9}  result"]
+    for r in records:
+        rows.append(f"{r['strategy']:<{width}} {r['world_size']:>5} {r['steps']:>5} {r['max_abs_param_diff']:>12.2e} "
+                    f"{r['max_rel_param_diff']:>9.1e} {r['max_loss_diff']:>11.2e} "
+                    + (f"{'-':>9}  APPROX" if r["passed"] is None else
+                       f"{r['tolerance']:>9.1e}  {'PASS' if r['passed'] else 'FAIL'}"))
+    if any(r["passed"] is None for r in records):
+        rows.append("APPROX: no rounding bound exists (compressed gradients approximate the mean; Adam divides by "
+                    "each entry's own size); the columns give the measured deviation from single-process training.")
+    return "\n".join(rows)

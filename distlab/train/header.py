@@ -60,7 +60,7 @@ def zero_costs_more(trainer) -> str | None:
                   base_dtype=cfg.base_dtype, **cfg.model_options())
     except Exception:  # noqa: BLE001 - a model the memory model cannot trace: no prediction, no warning
         return None
-    optim = Optim.of(cfg.optimizer, cfg.momentum, cfg.optimizer_state)
+    optim = Optim.of(cfg.optimizer, cfg.momentum, cfg.optimizer_state, cfg.offload)
     st = cfg.strategy
     zero = zero_peak_bytes(t, st.zero, mesh.replicas, optim, grad_accum=st.grad_accum, bucket_mb=st.bucket_mb)
     plain = data_parallel_bytes(t, optim)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from distlab.parallel.offload import stepped_off_device
+
 STATE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
@@ -26,18 +28,27 @@ class Adam16(torch.optim.Optimizer):
     """Adam (``decoupled=False``: the weight decay an L2 term) or AdamW with moments stored in ``state_dtype``."""
 
     def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 decoupled: bool = True, state_dtype: torch.dtype = torch.bfloat16):
+                 decoupled: bool = True, state_dtype: torch.dtype = torch.bfloat16, offload=None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled=decoupled))
         self.state_dtype = state_dtype
+        self.offload = offload  # an OffloadStore: the state held there, each step on the host (parallel.offload)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's, which casts floating-point state to its parameter's dtype -- then the moments back to
-        ``state_dtype`` (exactly: they were stored in it)."""
+        """torch's, which casts floating-point state to its parameter's dtype and device -- then the moments back
+        to ``state_dtype`` (exactly: they were stored in it), and offloaded state back into its store."""
         super().load_state_dict(state_dict)
         for state in self.state.values():
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in state and self.state_dtype is not None:
-                    state[key] = state[key].to(self.state_dtype)
+            for key, value in state.items():
+                if key in ("exp_avg", "exp_avg_sq") and self.state_dtype is not None:
+                    state[key] = value = value.to(self.state_dtype)
+                if self.offload is not None and key != "step" and isinstance(value, torch.Tensor):
+                    state[key] = self.offload.holding(value)
+
+    def _zeros(self, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A state tensor shaped like ``like``: beside it, or in the offload store."""
+        if self.offload is not None:
+            return self.offload.zeros(like.shape, dtype or like.dtype)
+        return torch.zeros_like(like, dtype=dtype, memory_format=torch.preserve_format)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -51,18 +62,18 @@ class Adam16(torch.optim.Optimizer):
 
     def _step_group(self, group: dict) -> None:
         for param in group["params"]:
-            self._adam_step(param, group)
+            if param.grad is not None:  # (a parameter without a gradient is left alone)
+                state = self.state[param]
+                with stepped_off_device(self.offload, param, state) as (p, grad):
+                    self._param_step(p, grad, state, group)
 
-    def _adam_step(self, param: torch.Tensor, group: dict) -> None:
-        """One parameter's step (torch's single-tensor Adam); a parameter without a gradient is left alone."""
-        if param.grad is None:
-            return
+    def _param_step(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+        """One parameter's step (torch's single-tensor Adam) with its gradient and its state."""
         (beta1, beta2), lr, eps, wd = group["betas"], group["lr"], group["eps"], group["weight_decay"]
-        grad, state = param.grad, self.state[param]
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             for key in ("exp_avg", "exp_avg_sq"):
-                state[key] = torch.zeros_like(param, dtype=self.state_dtype, memory_format=torch.preserve_format)
+                state[key] = self._zeros(param, self.state_dtype)
         state["step"] += 1
         if wd != 0:
             if group["decoupled"]:
@@ -77,3 +88,24 @@ class Adam16(torch.optim.Optimizer):
         param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
         state["exp_avg"].copy_(exp_avg)  # stored rounded to the nearest
         state["exp_avg_sq"].copy_(exp_avg_sq)
+
+
+class OffloadedSGD(Adam16):
+    """torch's SGD (its single-tensor loop, line for line: no dampening, no Nesterov) with the momentum buffer held
+    in an offload store (``--offload`` with ``--optimizer sgd``), each parameter stepped on the host."""
+
+    def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, offload=None):
+        torch.optim.Optimizer.__init__(self, params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+        self.state_dtype, self.offload = None, offload
+
+    def _param_step(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+        if group["weight_decay"]:
+            grad = grad.add(param, alpha=group["weight_decay"])
+        if group["momentum"]:
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = state["momentum_buffer"] = self._zeros(param).copy_(grad)
+            else:
+                buf.mul_(group["momentum"]).add_(grad)
+            grad = buf
+        param.add_(grad, alpha=-group["lr"])

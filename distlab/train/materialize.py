@@ -21,6 +21,7 @@ from torch import nn
 from distlab.models import build_model, count_parameters, snapshot_record
 from distlab.parallel import parallelize
 from distlab.parallel.placement import state_from_full, state_from_stream
+from distlab.parallel.offload import OffloadStore, check_offload, offload_shards
 from distlab.runtime import seed_everything
 from distlab.train.fine_tuning import attach as attach_adapters
 from distlab.train.export import init_slices, load_init
@@ -66,10 +67,24 @@ class QuantizedBase:
         quantize_base(engine.module, engine.convert_frozen)
 
 
-def converters(cfg) -> list[Converter]:
-    """The converters ``cfg`` asks for, in the order they apply."""
+class OffloadedShards(Converter):
+    """``offload`` params: ZeRO-3's shards moved into the run's offload store once their values are in place."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def convert(self, net: nn.Module, real: bool) -> dict[str, torch.Tensor]:
+        return {}
+
+    def placed(self, engine) -> None:
+        offload_shards(engine, self.store)
+
+
+def converters(cfg, offload=None) -> list[Converter]:
+    """The converters ``cfg`` asks for, in the order they apply (``offload``: the run's offload store)."""
     return [*([Adapters(cfg)] if cfg.lora is not None else []),
-            *([QuantizedBase()] if cfg.base_dtype == "nf4" else [])]
+            *([QuantizedBase()] if cfg.base_dtype == "nf4" else []),
+            *([OffloadedShards(offload)] if cfg.offload == "params" else [])]
 
 
 @dataclass
@@ -83,6 +98,7 @@ class Materialized:
     throughput: Throughput  # tokens/s and MFU, from the whole model
     no_decay: set[str]  # parameters kept out of weight decay, by the whole model's names
     matrices: set[str] = field(default_factory=set)  # --optimizer muon: what Muon steps (the rest AdamW)
+    offload: OffloadStore | None = None  # --offload: where the optimizer's state (and the shards) live
     # what computes with the model outside its steps runs under this (a frozen base held in bf16: autocast)
     narrow: Callable[[], ContextManager] = contextlib.nullcontext
 
@@ -103,7 +119,11 @@ def materialize(cfg, rt, train_set, mesh) -> Materialized:
         load_init(net, weights)
     if init is None:
         net = net.to(rt.device)
-    chosen = converters(cfg)
+    offload = None
+    if cfg.offload != "none":  # (checked again here: the device is this rank's)
+        check_offload(cfg.offload, cfg.offload_dir, cfg.strategy.zero, rt.device.type)
+        offload = OffloadStore(cfg.offload_dir, rt.rank)
+    chosen = converters(cfg, offload)
     added: dict[str, torch.Tensor] = {}
     for converter in chosen:
         added |= converter.convert(net, init is None and slices is None)
@@ -112,7 +132,7 @@ def materialize(cfg, rt, train_set, mesh) -> Materialized:
     made = Materialized(None, count_parameters(net), sum(p.numel() for p in net.parameters() if p.requires_grad),
                         snapshot_record(net), Throughput.of(net, train_set, cfg, rt),
                         no_decay_names(net) if decay_groups(cfg) else set(),
-                        matrix_names(net) if cfg.optimizer == "muon" else set())
+                        matrix_names(net) if cfg.optimizer == "muon" else set(), offload=offload)
     made.engine = engine = parallelize(net, cfg.strategy, mesh, rt.device)
     if cfg.base_dtype != "float32":
         made.narrow = engine.precision.autocast

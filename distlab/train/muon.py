@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from distlab import comm
 from distlab.models.parameter_roles import matrix_names  # noqa: F401 (the parameters it steps)
+from distlab.parallel.offload import stepped_off_device
 from distlab.train.low_precision_optim import Adam16
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -98,20 +99,21 @@ class Muon(Adam16):
             return super()._step_group(group)
         lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
         cut = 0  # the matrices cut over ranks so far: the next one's owner (round-robin)
-        for param in group["params"]:
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)  # (every rank joins)
-            state = self.state[param]
-            if not state:
-                state["momentum_buffer"] = torch.zeros_like(param)
-            buf = state["momentum_buffer"]
-            buf.mul_(mu).add_(grad)
-            u = grad.add(buf, alpha=mu) if group["nesterov"] else buf.clone()
-            levels = self.levels.get(param, [])
-            o = orthogonalised(u, levels, cut)
-            cut += bool(levels)
-            if wd:
-                param.mul_(1 - lr * wd)
-            param.add_(o, alpha=-lr * scale_of(levels[-1].shape if levels else tuple(param.shape)))
+        for whole in group["params"]:
+            state = self.state[whole]
+            levels = self.levels.get(whole, [])
+            with stepped_off_device(self.offload, whole, state) as (param, grad):  # (offloaded: on the host)
+                grad = grad if grad is not None else torch.zeros_like(param)  # (every rank joins)
+                if not state:
+                    state["momentum_buffer"] = self._zeros(param)
+                buf = state["momentum_buffer"]
+                buf.mul_(mu).add_(grad)
+                u = grad.add(buf, alpha=mu) if group["nesterov"] else buf.clone()
+                o = orthogonalised(u.to(whole.device), levels, cut).to(param.device)  # (collectives: the device's)
+                cut += bool(levels)
+                if wd:
+                    param.mul_(1 - lr * wd)
+                param.add_(o, alpha=-lr * scale_of(levels[-1].shape if levels else tuple(param.shape)))
 
 
 def orthogonalised(u: torch.Tensor, levels: list[Level], index: int) -> torch.Tensor:

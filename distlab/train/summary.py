@@ -128,8 +128,10 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
     """Every rank calls it (it reduces peaks over ranks); the result is the same everywhere."""
     cfg, rt, run, engine = trainer.cfg, trainer.rt, trainer.run, trainer.engine
     anon = anon_peak_mb()
-    rss, state_bytes, anon = reduce_scalars([peak_rss_mb(), engine.peak_bytes, -1.0 if anon is None else anon],
-                                            op=dist.ReduceOp.MAX, device=rt.device)
+    store = trainer.offload  # --offload: what its store holds (parallel.offload)
+    rss, state_bytes, anon, offloaded = reduce_scalars(
+        [peak_rss_mb(), engine.peak_bytes, -1.0 if anon is None else anon, store.payload if store else 0],
+        op=dist.ReduceOp.MAX, device=rt.device)
     cuda_mb = None
     if rt.device.type == "cuda":
         cuda_mb, = reduce_scalars([torch.cuda.max_memory_allocated(rt.device) / 2**20], op=dist.ReduceOp.MAX,
@@ -200,6 +202,10 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
                                  if uncounted else "")),
         "model_state_bytes_per_rank": int(state_bytes),
         "model_state_basis": MODEL_STATE_BASIS,
+        **({"offload": {"mode": cfg.offload, "bytes_per_rank": int(offloaded), "where": str(store.directory)
+                        if store.directory else "pinned host memory",
+                        "basis": "bytes of the tensors held off the device (max over ranks); a file rounds each "
+                                 "to whole pages"}} if store else {}),
         "wall_time_s": wall_s,
         "time_used_s": run.time_used(),
         "time_budget_s": cfg.time_budget_s,
@@ -333,6 +339,8 @@ def print_summary(summary: dict, out: str | None) -> None:
         ("comm bytes/step/rank", _fmt(s["comm_bytes_per_step"], ",")),
         ("model state/rank", _fmt(None if s.get("model_state_bytes_per_rank") is None
                                   else s["model_state_bytes_per_rank"] / 2**20, ".2f", " MiB (peak)")),
+        *([("offloaded/rank", f"{s['offload']['bytes_per_rank'] / 2**20:.2f} MiB ({s['offload']['mode']}, in "
+                              f"{s['offload']['where']})")] if s.get("offload") else []),
         ("peak RSS per rank", _fmt(s["peak_rss_mb"], ".0f", " MB")
          + (f" ({s['peak_anon_rss_mb']:.0f} MB anonymous; the rest mapped files the kernel caches)"
             if s.get("peak_anon_rss_mb") is not None else "")),

@@ -100,13 +100,15 @@ class Trainer:
         self.engine, self.num_parameters, self.num_trainable = made.engine, made.num_parameters, made.num_trainable
         self.model_record, self.throughput, no_decay = made.record, made.throughput, made.no_decay
         self.narrow = made.narrow
+        self.offload = made.offload  # --offload: the store the optimizer's state (and the shards) live in
         # What training minimises and evaluations score: the task's cross-entropy, or DPO's on preference pairs
         self.objective = objective_of(self)
         names = [p["name"] for p in placement_of(self.engine)["params"]] if no_decay or made.matrices else None
         levels = levels_of(self.engine) if made.matrices else None  # Muon: how each matrix is cut here
         # with a fused optimizer the gradients' verdict stays on the device, read where the loop must (_diverged)
         self.optimizer = self.engine.attach(build_optimizer(self.engine.parameters(), cfg, names, no_decay,
-                                                            made.matrices, levels), verdict_on_device=True)
+                                                            made.matrices, levels, made.offload),
+                                            verdict_on_device=True)
         if cfg.ppo_epochs > 1:  # GRPO: each rollout batch trains ppo_epochs steps
             from distlab.train.grpo import Repeated
             self.loader = Repeated(self.loader, cfg.ppo_epochs)

@@ -52,7 +52,9 @@ class ZeroReplay:
         tensors = [t.tensors(u) for u in range(len(t.numels))]  # (a frozen base's: bf16, or 4-bit parts)
         cut = [sum((k if u in self.whole else math.ceil(k / world)) * b for k, b in parts)
                for u, parts in enumerate(tensors)]
-        self.shard_bytes = sum(cut)  # every unit's shard, always held
+        # every unit's shard, always held -- on the device, or (--offload params) the sharded ones in the store
+        self.shard_bytes = sum(c for u, c in enumerate(cut) if u in self.whole or optim.offload != "params")
+        self.offloaded_shard_bytes = sum(cut) - self.shard_bytes
         self.train = [t.trains(u) for u in range(len(t.numels))]  # False: frozen -- gathered, never reduced
         self.optim_bytes = sum(optim.unit(t.matrix(u)).bytes(s, e) for u, (s, keep) in enumerate(zip(self.shard,
                                                                                                    self.train)) if keep)

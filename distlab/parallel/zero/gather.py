@@ -157,6 +157,8 @@ class GatherOnDemand:
         for group, out, work in pending:
             with timeline.span("wait for all-gather"):
                 work.wait()
+            for u in group:  # (an offloaded shard: read, let go)
+                u.release()
             if len(group) > 1:
                 offset = 0
                 for u in group:  # row r holds rank r's shards of every unit, one after another

@@ -35,6 +35,8 @@ class Shard:
 class Unit:
     """One parameter, flattened, zero-padded and split evenly over the group."""
 
+    store = None  # --offload params: the OffloadStore its shard lives in (parallel.offload)
+
     def __init__(self, name: str, module: nn.Module, param: nn.Parameter, n: int, rank: int):
         self.name, self.module, self.param, self.n, self.rank = name, module, param, n, rank
         self.trainable = param.requires_grad  # False: frozen (a base under adapters) -- sharded, gathered, never
@@ -60,6 +62,11 @@ class Unit:
         adopt(self.shard, shard)
         if not self.gathered:
             self.full.untyped_storage().resize_(0)
+
+    def release(self) -> None:
+        """An offloaded shard read (gathered): its pages let go of (:mod:`~distlab.parallel.offload`)."""
+        if self.store is not None:
+            self.store.release(self.shard)
 
     @property
     def full_bytes(self) -> int:

@@ -1,0 +1,47 @@
+"""What ``--offload`` holds off the device and moves each step (:mod:`distlab.parallel.offload`), priced.
+
+Held, per rank: the optimizer's state tensors of the parameters it steps (its shards under ZeRO) -- exactly the
+bytes they would have held on the device; with ``params``, ZeRO-3's shards too (an expert shard, held whole, stays).
+Moved, per step: each state tensor read and written once by its step (``2 x``); with ``params`` each shard read at
+every gather (forward and backward of each micro-batch, a recomputed block's forward once more) and read and written
+by its step. On a GPU cluster those bytes cross the host link (PCIe, the machine file's ``[host] pcie_gbps`` each
+way) and nothing hides them: the step waits (the optimizer's host arithmetic is left unpriced; the link is its
+floor). On the calibrated CPU host they go through the page cache to the file: counted, not timed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def held(t_rank, lay, sync, optim, parts_of) -> dict:
+    """``offload`` block of a plan: the bytes held off the device per rank, those moved per step, and the basis.
+    ``parts_of(optim)``: the rank's textbook state split with that optimizer
+    (:func:`~distlab.plan.predict.state_parts`)."""
+    on_device = parts_of(optim)
+    whole = parts_of(dataclasses.replace(optim, offload="none", matrix=optim.matrix and dataclasses.replace(
+        optim.matrix, offload="none")))
+    state = whole["optimizer_bytes_per_rank"] - on_device["optimizer_bytes_per_rank"]
+    shards = 0
+    if lay.offload == "params":  # ZeRO-3's shards of the dense units (experts held whole stay on the device)
+        experts = set(t_rank.expert_names) if lay.ep > 1 else set()
+        shards = sum(-(-k // lay.zero_shard) * b for u, name in enumerate(t_rank.names) if name not in experts
+                     for k, b in t_rank.tensors(u))
+    st = lay.strategy
+    gathers = st.micro_steps * (2 + bool(st.activation_checkpointing))
+    moved = 2 * state + (gathers + 2) * shards
+    return {"mode": lay.offload, "bytes_per_rank": int(state + shards), "state_bytes_per_rank": int(state),
+            "shard_bytes_per_rank": int(shards), "moved_bytes_per_step": int(moved),
+            "basis": "the optimizer's state tensors" + (" and ZeRO-3's parameter shards" if shards else "")
+                     + " held off the device; moved: the state read and written by each step"
+                     + (f", each shard read at its {gathers} gathers and by the step" if shards else "")}
+
+
+def timed(out: dict, t, lay, cluster) -> None:
+    """A GPU cluster's step with the offloaded bytes over the host link added (not overlapped)."""
+    off = out["offload"]
+    seconds = off["moved_bytes_per_step"] / cluster.machine.host_Bps
+    off.update(host_link_Bps=cluster.machine.host_Bps, seconds_per_step=seconds)
+    step = out["step_s"] + seconds
+    out.update(step_s=step, exposed_comm_s=out["exposed_comm_s"] + seconds, samples_per_s=lay.global_batch / step,
+               scaling_efficiency=out["compute_s"] / step, **cluster.rates(t, lay, step))
