@@ -89,9 +89,12 @@ def test_zero3_offloaded_is_the_run_without_holds_what_plan_predicts_and_resumes
     assert plain["model_state_bytes_per_rank"] == plans["none"]["model_state_bytes_per_rank"]
     assert whole["model_state_bytes_per_rank"] == plans["params"]["model_state_bytes_per_rank"]
     assert whole["offload"]["bytes_per_rank"] == plans["params"]["offload"]["bytes_per_rank"] > 0
-    # what left the device is what the files hold: the state (Adam's two moments) and the parameter shards
-    held = plans["none"]["model_state_bytes_per_rank"] - plans["params"]["model_state_bytes_per_rank"]
-    assert held == plans["params"]["offload"]["bytes_per_rank"]
+    # what the files hold is what the device held between steps: the state (Adam's two moments), the parameter
+    # shards and their gradients (the textbook split of ZeRO-3 without offload)
+    held, parts = plans["params"]["offload"], plans["none"]
+    assert held["shard_bytes_per_rank"] == parts["parameter_bytes_per_rank"]
+    assert held["gradient_bytes_per_rank"] == parts["gradient_bytes_per_rank"]
+    assert held["state_bytes_per_rank"] == parts["optimizer_bytes_per_rank"] - plans["params"]["optimizer_bytes_per_rank"]
     assert plans["optimizer"]["offload"]["bytes_per_rank"] == plans["params"]["offload"]["state_bytes_per_rank"]
     run_cli(*common, *off, "--snapshot-dir", "s", "--snapshot-every", "2", "--max-steps", "2", "--out", "first",
             check=True, timeout=240)

@@ -14,7 +14,9 @@ Where they live (:class:`OffloadStore`):
   written back when it chooses), so a rank's resident memory holds one parameter's state at a time, not all of it.
 
 What a step moves: per parameter of ``N`` elements, the moments read and written (``2 x 2 x 4 N`` bytes in float32,
-half in bfloat16); with ``params``, the shard read at each gather and read and written by its step. The planner
+half in bfloat16); with ``params``, the shard read at each gather and read and written by its step, and the shard's
+reduced gradient written once and read by the step (ZeRO-Infinity's gradient offload: only a unit's full gradient,
+while it is reduced, is on the device). The planner
 prices those bytes over the host link or the disk (:mod:`distlab.plan`). Nothing in the step overlaps them with
 compute: the optimizer step waits for its state, as ``pytorch#74588`` measured (``docs/16-memory.md``).
 
@@ -197,6 +199,7 @@ def stepped_off_device(store: OffloadStore | None, param: torch.Tensor, state: d
                 store.release(t)
         if on_host:
             store.release(param)
+            store.release(param.grad)
 
 
 def offload_shards(engine, store: OffloadStore) -> int:

@@ -129,9 +129,9 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
     cfg, rt, run, engine = trainer.cfg, trainer.rt, trainer.run, trainer.engine
     anon = anon_peak_mb()
     store = trainer.offload  # --offload: what its store holds (parallel.offload)
-    rss, state_bytes, anon, offloaded = reduce_scalars(
-        [peak_rss_mb(), engine.peak_bytes, -1.0 if anon is None else anon, store.payload if store else 0],
-        op=dist.ReduceOp.MAX, device=rt.device)
+    rss, state_bytes, anon, offloaded, steps_rss = reduce_scalars(
+        [peak_rss_mb(), engine.peak_bytes, -1.0 if anon is None else anon, store.payload if store else 0,
+         getattr(trainer, "steps_peak_rss_mb", 0.0)], op=dist.ReduceOp.MAX, device=rt.device)
     cuda_mb = None
     if rt.device.type == "cuda":
         cuda_mb, = reduce_scalars([torch.cuda.max_memory_allocated(rt.device) / 2**20], op=dist.ReduceOp.MAX,
@@ -189,6 +189,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         "samples_per_s": cfg.global_batch_size / median if median else None,
         **trainer.throughput.summary(cfg.global_batch_size / median if median else None),  # tokens/s, MFU
         "peak_rss_mb": rss,
+        "peak_rss_steps_mb": steps_rss,  # (ru_maxrss when the last step ended: the final evaluation and writes not yet)
         "peak_anon_rss_mb": anon if anon >= 0 else None,
         "memory_basis": ("peak_rss_mb: the most resident memory (ru_maxrss), file pages mapped included -- a "
                          "memory-mapped corpus's, which the kernel caches and can drop; peak_anon_rss_mb: the most "

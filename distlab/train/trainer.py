@@ -34,7 +34,7 @@ from distlab.train.config_file import config_file_text
 from distlab.train.evaluate import DEFAULT_EVAL_BATCH, EvaluationStopped, eval_batch, eval_words, evaluation_size, first_batches
 from distlab.train.observe import StepObserver
 from distlab.train import language
-from distlab.train.metrics import MetricsLog, anon_rss_mb, atomic_write_text, write_predictions, write_summary
+from distlab.train.metrics import MetricsLog, anon_rss_mb, atomic_write_text, peak_rss_mb, write_predictions, write_summary
 from distlab.train.objective import objective_of
 from distlab.train.muon import levels_of
 from distlab.train.optim import build_optimizer, build_scheduler
@@ -211,6 +211,7 @@ class Trainer:
     def _finish(self, stopped: str, times: StepTimes, start: float) -> dict:
         """After the loop: the last evaluation, snapshot and model file, the summary; returns the summary."""
         cfg, run = self.cfg, self.run
+        self.steps_peak_rss_mb = peak_rss_mb()  # the steps' peak: before the final writes gather the whole model
         self.observer.finish()  # the run ended inside the traced or profiled steps: what was recorded
         self.bar.close()
         if stopped in ("time_budget", "completed") and (not run.evals or run.evals[-1]["step"] != run.step):

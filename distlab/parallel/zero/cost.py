@@ -54,7 +54,7 @@ class ZeroReplay:
                for u, parts in enumerate(tensors)]
         # every unit's shard, always held -- on the device, or (--offload params) the sharded ones in the store
         self.shard_bytes = sum(c for u, c in enumerate(cut) if u in self.whole or optim.offload != "params")
-        self.offloaded_shard_bytes = sum(cut) - self.shard_bytes
+        self.offloaded = optim.offload == "params"
         self.train = [t.trains(u) for u in range(len(t.numels))]  # False: frozen -- gathered, never reduced
         self.optim_bytes = sum(optim.unit(t.matrix(u)).bytes(s, e) for u, (s, keep) in enumerate(zip(self.shard,
                                                                                                    self.train)) if keep)
@@ -190,7 +190,8 @@ class ZeroReplay:
             if len(group) > 1:
                 extra += sum(self.padded[u] for u in group) * self.we
             self.observe(extra)
-            self.outs.append(sum(self.shard[u] for u in group) * self.e)
+            # the shards' gradients: held on the device, or (--offload params) copied off it at once
+            self.outs.append(0 if self.offloaded else sum(self.shard[u] for u in group) * self.e)
             for u in group:
                 self.reduced[u] = True
                 self.has_grad[u] = False

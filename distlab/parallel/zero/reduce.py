@@ -107,9 +107,11 @@ class BucketedReduce:
                 self._cross(out, wait=self.reduce_dtype is not None)
             if self.reduce_dtype is not None:
                 out = out.to(group[0].full.dtype)
+            if group[0].store is not None:  # --offload params: the shard gradients kept beside the shards (complete
+                self._crossed()  # first: the all-reduce across shard groups writes into `out`)
             offset = 0
             for u in group:
-                u.shard.grad = out[offset:offset + u.shard_numel]
+                u.shard.grad = u.offloaded_grad(out[offset:offset + u.shard_numel])
                 offset += u.shard_numel
                 u.reduced = True
                 u.param.grad = None

@@ -63,6 +63,17 @@ class Unit:
         if not self.gathered:
             self.full.untyped_storage().resize_(0)
 
+    def offloaded_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The reduced shard gradient ``grad`` as the shard holds it: itself, or (--offload params) copied into the
+        store -- one buffer a unit, made at the first step -- its pages let go."""
+        if self.store is None:
+            return grad
+        if getattr(self, "_grad", None) is None:
+            self._grad = self.store.empty(grad.shape, grad.dtype)
+        self._grad.copy_(grad)
+        self.store.release(self._grad)
+        return self._grad
+
     def release(self) -> None:
         """An offloaded shard read (gathered): its pages let go of (:mod:`~distlab.parallel.offload`)."""
         if self.store is not None:
