@@ -42,11 +42,13 @@ def train(out: Path, mode: str, steps: int, scratch: Path) -> dict:
     proc = subprocess.run([sys.executable, "-m", "distlab", "train", *MODEL, *TRAINING, *LAYOUT, *offload, "--nproc-per-node", "2",
                            "--threads", "1", "--max-steps", str(steps),
                            "--lr-schedule", "constant", "--log-every", "1", "--eval-batches", "1", "--eval-batch-size", "2",
-                           "--no-progress", "--comm-timeout", "600", "--out", str(out)],
+                           "--no-progress", "--comm-timeout", "600", "--out", str(out),
+                           # a final snapshot (each rank's shards) instead of the final model file: the whole model
+                           # gathered on every rank does not fit beside the state here
+                           "--snapshot-dir", str(scratch / "snapshots"), "--snapshot-every", "1000"],
                           capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"distlab train --offload {mode} failed:\n{proc.stderr[-3000:]}")
-    (out / "model.safetensors").unlink(missing_ok=True)  # (4 GB a run: not what is measured)
     s = json.loads((out / "summary.json").read_text())
     return {"mode": mode, "peak_rss_steps_mb": s["peak_rss_steps_mb"], "peak_rss_mb": s["peak_rss_mb"],
             "peak_anon_rss_mb": s.get("peak_anon_rss_mb"), "step_s": s["time_per_step_s_median"],
@@ -97,24 +99,8 @@ def main() -> None:
     (out / "offload.json").write_text(json.dumps({"kind": "distlab-offload", "steps": args.steps, "model": MODEL,
                                                   "layout": LAYOUT, "ranks": 2, "rows": rows, "records": records},
                                                  indent=1))
-    print(markdown(rows))
-
-
-def markdown(rows: list[dict]) -> str:
-    lines = ["| offload | runs | peak RSS of the steps / rank (range) | anonymous | device state / rank (plan) "
-             "| in the file / rank (plan) | moved / step (plan) | s/step (range) |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        (lo, hi), (slo, shi) = r["peak_rss_steps_range"], r["step_s_range"]
-        lines.append(f"| {r['mode']} | {r['runs']} | {r['peak_rss_steps_mb'] / 1024:.2f} GiB ({lo / 1024:.2f}-"
-                     f"{hi / 1024:.2f}), {r['rss_vs_full']:.2f}x | {r['peak_anon_rss_mb'] / 1024:.2f} GiB | "
-                     f"{r['model_state_bytes_per_rank'] / 2**30:.2f} GiB "
-                     f"({'=' if r['model_state_bytes_per_rank'] == r['planned_model_state_bytes_per_rank'] else '!='}) "
-                     f"| {r['offload_bytes_per_rank'] / 2**30:.2f} GiB "
-                     f"({'=' if r['offload_bytes_per_rank'] == r['planned_offload_bytes_per_rank'] else '!='}) "
-                     f"| {r['planned_moved_bytes_per_step'] / 2**30:.2f} GiB | {r['step_s']:.1f} ({slo:.1f}-{shi:.1f}), "
-                     f"{r['step_vs_full']:.2f}x |")
-    return "\n".join(lines)
+    from distlab.bench.markdown import offload
+    print(offload(json.loads((out / "offload.json").read_text())))
 
 
 if __name__ == "__main__":

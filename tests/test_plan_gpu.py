@@ -11,7 +11,7 @@ from distlab.parallel import Strategy
 from distlab.plan import Layout, Link, predict, trace
 from distlab.plan.gpu import (Cluster, DIMS, Group, bus_bandwidth, bus_factor, collective_seconds, load_machine,
                               machine_names, placement)
-from distlab.plan.search import candidates, search
+from distlab.plan.search import candidates, label, search
 from tests.conftest import invoke
 
 H100 = load_machine("h100-sxm")
@@ -145,7 +145,7 @@ def test_search_enumerates_valid_layouts_and_ranks_those_that_fit(small_lm):
     base = Layout(dp=16, strategy=Strategy(precision="bf16"), optimizer="adamw", global_batch=64)
     cluster = Cluster(H100, 2)
     lays = list(candidates(t, base, 16, 8))
-    texts = [str(lay.strategy) for lay in lays]
+    texts = [label(lay) for lay in lays]
     assert len(texts) == len(set(texts))
     assert all(lay.world == 16 and lay.tp <= 8 for lay in lays)
     assert {lay.tp for lay in lays} == {1, 2, 4, 8} and any(lay.pp > 1 for lay in lays) \
@@ -186,6 +186,38 @@ def test_a_search_keeps_the_dimensions_it_is_given(small_lm, tmp_path):
     assert code == 2 and "--top is for --search" in err
     code, out, err = invoke(["plan", *sizes, "--search", "--dp-sync", "ddp"], tmp_path)
     assert code == 2 and "--dp-sync with --search" in err
+
+
+def test_a_search_offers_the_memory_levers_and_offload_costs_its_bytes_over_the_host_link(small_lm, tmp_path):
+    """Each layout is tried with bf16 moments, the optimizer's state offloaded and (ZeRO-3) the shards too; an
+    offloaded layout's step is its step plus the bytes it moves over PCIe; on a GPU too small for any layout's state
+    on the device, the search ranks offloaded ones only -- and through the command it keeps a lever given."""
+    import dataclasses
+    base = Layout(dp=8, strategy=Strategy(precision="bf16"), optimizer="adamw", global_batch=64)
+    fixed = {"tp": 1, "pp": 1, "cp": 1, "zero": 3}
+    lays = list(candidates(small_lm, base, 8, 8, fixed=fixed))
+    assert {(lay.optimizer_state, lay.offload) for lay in lays} == {("fp32", "none"), ("bf16", "none"),
+                                                                  ("fp32", "optimizer"), ("fp32", "params")}
+    assert all(lay.zero == 3 for lay in candidates(small_lm, base, 8, 8) if lay.offload == "params")
+    one = Layout(dp=8, strategy=Strategy(precision="bf16", zero=3), optimizer="adamw", global_batch=64)
+    plain = predict(small_lm, one, Link(), None, Cluster(H100, 1))
+    off = predict(small_lm, dataclasses.replace(one, offload="params"), Link(), None, Cluster(H100, 1))
+    o = off["offload"]
+    assert o["seconds_per_step"] == pytest.approx(o["moved_bytes_per_step"] / H100.host_Bps) and H100.host_gbps == 64
+    assert off["step_s"] == pytest.approx(plain["step_s"] + o["seconds_per_step"])
+    assert off["model_state_bytes_per_rank"] < plain["model_state_bytes_per_rank"]
+    rows = [predict(small_lm, lay, Link(), None, Cluster(H100, 1)) for lay in lays]
+    kept = min(p["memory_bytes_per_rank"] for p, lay in zip(rows, lays) if lay.offload == "none")
+    least = min(p["memory_bytes_per_rank"] for p in rows)
+    assert least < kept
+    tight = dataclasses.replace(H100, memory_gib=(least + kept) / 2 / 2**30)
+    r = search(small_lm, base, Cluster(tight, 1), top=20, fixed=fixed)
+    assert r["ranked"] and all("+offload=" in p["strategy_text"] for p in r["ranked"]), r["why"]
+    code, out, err = invoke(["plan", "--model", "gpt", "--block-size", "64", "--machine", "h100-sxm", "--gpus", "8",
+                             "--precision", "bf16", "--global-batch-size", "64", "--search", "--zero", "3",
+                             "--tp", "1", "--pp", "1", "--cp", "1", "--offload", "optimizer"], tmp_path)
+    assert code == 0, err
+    assert "offload=optimizer kept" in out and re.search(r"^ 1 zero=3.*\+offload=optimizer", out, re.M), out
 
 
 @pytest.mark.parametrize("flags,text", [

@@ -177,6 +177,31 @@ def hsdp(data: dict) -> str:
                           f"{r['model_state_bytes_per_rank']:,}"] for r in data["rows"]], markdown=True)
 
 
+def offload(data: dict) -> str:
+    """``scripts/bench_offload.py``'s: ZeRO-3 with nothing, the optimizer's state, or the shards too offloaded --
+    the steps' peak resident memory and step time (medians of the rounds, their range, against nothing offloaded),
+    the device's model state and the files' bytes beside the planner's, the bytes a step moves (planned)."""
+    from distlab.bench.common import format_table
+
+    def mark(got: int, planned: int) -> str:
+        return "=" if got == planned else "!="
+    rows = []
+    for r in data["rows"]:
+        (lo, hi), (slo, shi) = r["peak_rss_steps_range"], r["step_s_range"]
+        rows.append([r["mode"], str(r["runs"]),
+                     f"{r['peak_rss_steps_mb'] / 1024:.2f} GiB ({lo / 1024:.2f}-{hi / 1024:.2f}), {r['rss_vs_full']:.2f}x",
+                     f"{r['peak_anon_rss_mb'] / 1024:.2f} GiB",
+                     f"{r['model_state_bytes_per_rank'] / 2**30:.2f} GiB "
+                     f"({mark(r['model_state_bytes_per_rank'], r['planned_model_state_bytes_per_rank'])})",
+                     f"{r['offload_bytes_per_rank'] / 2**30:.2f} GiB "
+                     f"({mark(r['offload_bytes_per_rank'], r['planned_offload_bytes_per_rank'])})",
+                     f"{r['planned_moved_bytes_per_step'] / 2**30:.2f} GiB",
+                     f"{r['step_s']:.1f} ({slo:.1f}-{shi:.1f}), {r['step_vs_full']:.2f}x"])
+    return format_table(["offload", "runs", "peak RSS of the steps / rank (range)", "anonymous",
+                         "device state / rank (= plan)", "in the files / rank (= plan)", "moved / step (plan)",
+                         "s/step (range)"], rows, markdown=True)
+
+
 def _kind(first: dict):
     """The table of a file whose records start with ``first`` (by the fields only that bench writes)."""
     from distlab.bench import (checkpointing, compression, dry_run, elastic, finetune, load_peak, overhead, parallel,
@@ -228,6 +253,8 @@ def render(path: str | Path) -> str:
         return hsdp(data)
     if isinstance(data, dict) and data.get("kind") == "distlab-muon":
         return muon(data)
+    if isinstance(data, dict) and data.get("kind") == "distlab-offload":
+        return offload(data)
     if isinstance(data, dict) and data.get("kind") == "distlab-collectives-fit":  # bench collectives' alpha-beta
         from distlab.bench.collectives import fit_markdown
         return fit_markdown(data)

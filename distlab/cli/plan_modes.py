@@ -132,7 +132,7 @@ def _strategy_fields(kw: dict, options: bool = False) -> list[str]:
 
 def search(ctx, s: Setting, kw: dict) -> dict:
     """``--search``: every layout of the cluster's GPUs, ranked (what was given kept)."""
-    from distlab.plan.search import SEARCHED
+    from distlab.plan.search import LEVER_FIELDS, SEARCHED
     from distlab.plan.search import search as ranked
     from distlab.plan.text import format_search
     if s.cluster is None or kw["gpus"] is None and kw["nodes"] is None:
@@ -144,6 +144,7 @@ def search(ctx, s: Setting, kw: dict) -> dict:
         raise ConfigError(f"--{flag} with --search: each layout syncs its gradients as a run of it would by "
                           f"default (ZeRO its own way); drop it, or plan that one layout without --search")
     fixed = {k: getattr(s.layout.strategy, k) for k in SEARCHED if k in given}
+    fixed |= {k: kw[k] for k in LEVER_FIELDS if _given(ctx, k)}  # (the memory levers: offload, the state's dtype)
     result = ranked(s.trace, s.layout, s.cluster, kw["top"], experts=experts, fixed=fixed)
     click.echo(format_search(result))
     return result

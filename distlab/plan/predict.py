@@ -254,7 +254,8 @@ def _layout_record(lay: Layout) -> dict:
             "grad_accum": lay.grad_accum, "microbatches": lay.strategy.microbatches,
             "pp_schedule": lay.strategy.pp_schedule if lay.pp > 1 else None,
             "sequence_parallel": lay.strategy.sequence_parallel, "optimizer": lay.optimizer, "world_size": lay.world,
-            **({"offload": lay.offload} if lay.offload != "none" else {})}
+            **({"offload": lay.offload} if lay.offload != "none" else {}),
+            **({"optimizer_state": lay.optimizer_state} if lay.optimizer_state != "fp32" else {})}
 
 
 def memory(t: Trace, lay: Layout, sync, stages: list[dict], prices: list, micro: int, optim, narrow: float) -> dict:

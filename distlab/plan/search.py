@@ -5,8 +5,10 @@ inside a node (a divisor of its GPUs), pipeline stages (each at most the model's
 ``2 pp`` and ``4 pp`` micro-batches, interleaved with two chunks per rank, and zero bubble), context
 parallel (a divisor of the window that leaves each rank whole chunks), expert parallel for a mixture of
 experts, ZeRO stages 1-3 (ZeRO-1 where a pipeline runs: a stage's shards are its own; each over every replica or,
-where the replicas span nodes, hybrid over a node's of them) and activation
-checkpointing (none, every block, one block in two, per op: :data:`AC_MODES`) -- data parallel taking what is left; each is checked as a run checks it
+where the replicas span nodes, hybrid over a node's of them), activation
+checkpointing (none, every block, one block in two, per op: :data:`AC_MODES`) and the memory levers (bf16 moments,
+the optimizer's state offloaded, under ZeRO-3 the shards too: :data:`LEVERS`) -- data parallel taking what is left;
+each is checked as a run checks it
 (:meth:`~distlab.parallel.Strategy.check`, the batch's split), so what the search proposes a run accepts.
 :func:`search` predicts each on the cluster (:func:`~distlab.plan.predict.predict`), keeps those whose peak
 fits the GPU's memory, ranks them by tokens/s per GPU and says why the best wins (:func:`why`).
@@ -33,6 +35,27 @@ def _divisors(n: int, most: int) -> list[int]:
 
 SEARCHED = ("tp", "pp", "cp", "ep", "zero", "dp_shard", "activation_checkpointing", "ac_every", "ac_policy",
             "sequence_parallel", "microbatches", "pp_schedule", "pp_virtual")  # the strategy's fields a search chooses
+# the memory levers beside the strategy: (optimizer state dtype, offload) -- bf16 moments for Adam's family, the
+# optimizer's state off the device, and under ZeRO-3 the shards too (distlab.parallel.offload)
+LEVERS = (("fp32", "none"), ("bf16", "none"), ("fp32", "optimizer"), ("fp32", "params"))
+LEVER_FIELDS = ("optimizer_state", "offload")
+
+
+def _levers(lay: Layout, fixed: dict) -> Iterator[Layout]:
+    """``lay`` with each memory lever that applies to it (and keeps what ``fixed`` holds)."""
+    for state, off in LEVERS:
+        if (off == "params" and lay.zero != 3) or (state != "fp32" and lay.optimizer == "sgd"):
+            continue
+        if fixed.get("optimizer_state", state) != state or fixed.get("offload", off) != off:
+            continue
+        yield replace(lay, optimizer_state=state, offload=off)
+
+
+def label(lay: Layout) -> str:
+    """A searched layout in the strategy's text form, its memory levers after it (``+state=bf16``,
+    ``+offload=params``)."""
+    return str(lay.strategy) + (f"+state={lay.optimizer_state}" if lay.optimizer_state != "fp32" else "") + \
+        (f"+offload={lay.offload}" if lay.offload != "none" else "")
 
 
 def _shard_groups(zero: int, replicas: int, local: int) -> list[int]:
@@ -68,11 +91,11 @@ def candidates(t, base: Layout, gpus: int, gpus_per_node: int, experts: int = 0,
                                     lay = replace(base, dp=dp, strategy=st).check()
                                 except (ConfigError, ValueError, TypeError):
                                     continue
-                                if any(getattr(st, k) != v for k, v in (fixed or {}).items()):
+                                if any(getattr(st, k) != v for k, v in (fixed or {}).items() if k in SEARCHED):
                                     continue
                                 if str(st) not in seen:
                                     seen.add(str(st))
-                                    yield lay
+                                    yield from _levers(lay, fixed or {})
 
 
 def _schedules(pp: int, local: int) -> list[dict]:
@@ -101,7 +124,7 @@ def search(t, base: Layout, cluster, top: int = 10, experts: int = 0, fixed: dic
             p = predict(t, lay, Link(), None, cluster)
         except ConfigError:
             continue
-        p["strategy_text"] = str(lay.strategy)
+        p["strategy_text"] = label(lay)
         p["fits"] = p["memory_bytes_per_rank"] <= limit
         rows.append(p)
     fit = sorted((p for p in rows if p["fits"]), key=lambda p: -p["tokens_per_s_per_gpu"])
@@ -171,4 +194,5 @@ def why(fit: list[dict]) -> str:
 
 def _shape(p: dict) -> tuple:
     lay = p["layout"]
-    return (lay["tp"] > 1, lay["pp"] > 1, lay["cp"] > 1, lay["zero"], bool(lay.get("dp_shard")))
+    return (lay["tp"] > 1, lay["pp"] > 1, lay["cp"] > 1, lay["zero"], bool(lay.get("dp_shard")), lay.get("offload"),
+            lay.get("optimizer_state"))

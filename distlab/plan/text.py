@@ -37,6 +37,13 @@ def format_prediction(p: dict) -> str:
              f"(its parameters as placed + the largest tensor whole, made or read, then cut)",
              f"sends         {p['comm_bytes_per_step_per_rank']:,} bytes per step from rank 0 ("
              + ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in p["comm_bytes_by"].items() if v) + ")"]
+    if p.get("offload"):
+        o = p["offload"]
+        lines.append(f"offloaded     {_gib(o['bytes_per_rank'])} per rank off the device ({o['mode']}: state "
+                     f"{_gib(o['state_bytes_per_rank'])}, parameter shards {_gib(o['shard_bytes_per_rank'])}, "
+                     f"gradient shards {_gib(o['gradient_bytes_per_rank'])}); {_gib(o['moved_bytes_per_step'])} moved "
+                     f"a step" + (f", {o['seconds_per_step'] * 1e3:,.0f} ms over the host link (in the step)"
+                                  if "seconds_per_step" in o else ""))
     if p.get("activation_checkpointing"):
         a = p["activation_checkpointing"]
         lines.append(f"recompute     {a['blocks']} checkpointed blocks: {_gib(a['recompute_bytes_per_rank'])} per rank more "

@@ -33,6 +33,8 @@ FEATURES: dict[str, str] = {
     "label smoothing": "+smooth",
     "bf16 autocast": "+bf16",
     "fp16 compression": "+compress=fp16",
+    "offload optimizer": "+offload=optimizer",
+    "offload params": "+offload=params",
 }
 
 # layout -> (its strategy text, the world it runs on)

@@ -117,8 +117,10 @@ class _Scratch:
         self.made: list[str] = []
 
     def __call__(self, name: str) -> str:
+        """A path no one uses, made only when a run writes there."""
         import tempfile
-        self.made.append(tempfile.mkdtemp(prefix="distlab-verify-"))
+        import uuid
+        self.made.append(f"{tempfile.gettempdir()}/distlab-verify-{uuid.uuid4().hex}")
         return f"{self.made[-1]}/{name}"
 
     def clear(self) -> None:

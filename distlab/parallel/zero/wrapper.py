@@ -72,6 +72,7 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
             self._by_module.setdefault(m, []).append(unit)
         self._shared = {id(unit) for _, unit in shared}
         self._pinned = False  # inside gathered(): stage-3 hooks leave the full parameters alone
+        self._evaluating = False  # inside evaluating(): nothing observed
         self._syncing = True
         self._optimizer: torch.optim.Optimizer | None = None
         self.peak_bytes = 0
@@ -237,5 +238,17 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
             for unit in self.units + self.codes:
                 unit.free()
 
+    @contextlib.contextmanager
+    def evaluating(self):
+        """Context: an evaluation's forwards. Stage 3 gathers layer by layer, as in training -- never the whole
+        model, which ZeRO-3 exists not to hold -- and what is held meanwhile (the last step's shard gradients beside a
+        gathered layer) is not a step's: not observed."""
+        was, self._evaluating = self._evaluating, True
+        try:
+            yield
+        finally:
+            self._evaluating = was
+
     def _observe(self, *extra: torch.Tensor) -> None:
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes(*extra))
+        if not self._evaluating:
+            self.peak_bytes = max(self.peak_bytes, self.held_bytes(*extra))
