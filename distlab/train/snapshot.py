@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import os
 import random
@@ -141,10 +140,30 @@ def set_rng_state(state: dict) -> None:
 # --------------------------------------------------------------------------- write
 
 
-def _serialize(payload: dict) -> bytes:
-    buf = io.BytesIO()
-    torch.save(payload, buf)
-    return buf.getvalue()
+class _HashingFile:
+    """A file that hashes and counts what is written through it: a rank file's checksum taken while torch.save
+    streams the payload to disk -- never the whole serialized payload in memory beside the state it copies."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.bytes = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.bytes += len(memoryview(data).cast("B"))
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _write_payload(path: Path, payload: dict) -> dict:
+    """``payload`` to ``path`` (torch.save, streamed, synced); returns its checksum and size."""
+    with open(path, "wb") as f:
+        out = _HashingFile(f)
+        torch.save(payload, out)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"sha256": out.sha.hexdigest(), "bytes": out.bytes}
 
 
 def _write_file(path: Path, data: bytes) -> None:
@@ -196,9 +215,7 @@ def save(directory: str | Path, step: int, payload: dict, meta: dict, keep: int,
     error = broadcast_object(error, group)  # also: the directory exists before anyone writes into it
     if error is None:
         try:
-            data = _serialize(payload)
-            _write_file(tmp / rank_file_name(rank), data)
-            digest = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+            digest = _write_payload(tmp / rank_file_name(rank), payload)
         except OSError as exc:
             digest = {"error": _problem(exc, tmp / rank_file_name(rank))}
         _kill_while_writing(rank, step)
