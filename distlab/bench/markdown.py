@@ -202,6 +202,16 @@ def offload(data: dict) -> str:
                          "s/step (range)"], rows, markdown=True)
 
 
+def plan_search(data: dict) -> str:
+    """``plan --search --json``'s: the layouts that fit, fastest first (what offload spends over the host link)."""
+    from distlab.bench.common import format_table
+    rows = [[str(i), p["strategy_text"], f"{p['tokens_per_s_per_gpu']:,.0f}", f"{p['mfu']:.1%}",
+             f"{p['memory_bytes_per_rank'] / 2**30:.1f} GiB", f"{p['step_s']:.3g} s",
+             f"{(p.get('offload') or {}).get('seconds_per_step', 0):.3g} s"] for i, p in enumerate(data["ranked"], 1)]
+    return format_table(["#", "layout", "tokens/s/GPU", "MFU", "memory", "step", "over the host link"], rows,
+                        markdown=True) + f"\n\n{data['why']}"
+
+
 def _kind(first: dict):
     """The table of a file whose records start with ``first`` (by the fields only that bench writes)."""
     from distlab.bench import (checkpointing, compression, dry_run, elastic, finetune, load_peak, overhead, parallel,
@@ -255,6 +265,8 @@ def render(path: str | Path) -> str:
         return muon(data)
     if isinstance(data, dict) and data.get("kind") == "distlab-offload":
         return offload(data)
+    if isinstance(data, dict) and data.get("kind") == "distlab-plan-search":
+        return plan_search(data)
     if isinstance(data, dict) and data.get("kind") == "distlab-collectives-fit":  # bench collectives' alpha-beta
         from distlab.bench.collectives import fit_markdown
         return fit_markdown(data)
