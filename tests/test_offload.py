@@ -13,12 +13,12 @@ import sys
 import pytest
 import torch
 
-from distlab import runtime
 from distlab.errors import ConfigError
 from distlab.launch.spawn import run_ranks
 from distlab.parallel.offload import OffloadStore, check_unused
-from distlab.train import Trainer, TrainConfig
+from distlab.train import TrainConfig
 from tests.conftest import patience
+from tests.test_muon import _train
 
 
 def _file_pages_mib() -> float:
@@ -77,8 +77,8 @@ def test_zero3_offloaded_is_the_run_without_holds_what_plan_predicts_and_resumes
     common = ["train", *TINY, "--weight-decay", "0.1", "--lr-schedule", "constant", "--zero", "3", "--nproc-per-node",
               "2", "--no-progress", "--comm-timeout", "60", "--log-every", "1"]
     off = ["--offload", "params", "--offload-dir", "off"]
-    run_cli(*common, "--max-steps", "4", "--out", "plain", check=True, timeout=240)
-    run_cli(*common, *off, "--max-steps", "4", "--out", "whole", check=True, timeout=240)
+    run_cli(*common, "--max-steps", "4", "--out", "plain", check=True, timeout=patience(240))
+    run_cli(*common, *off, "--max-steps", "4", "--out", "whole", check=True, timeout=patience(240))
     for mode in ("none", "optimizer", "params"):
         run_cli("plan", *TINY, "--dp", "2", "--zero", "3", "--offload", mode, "--json", f"{mode}.json", check=True)
     plans = {m: json.loads((tmp_path / f"{m}.json").read_text()) for m in ("none", "optimizer", "params")}
@@ -97,9 +97,9 @@ def test_zero3_offloaded_is_the_run_without_holds_what_plan_predicts_and_resumes
     assert held["state_bytes_per_rank"] == parts["optimizer_bytes_per_rank"] - plans["params"]["optimizer_bytes_per_rank"]
     assert plans["optimizer"]["offload"]["bytes_per_rank"] == plans["params"]["offload"]["state_bytes_per_rank"]
     run_cli(*common, *off, "--snapshot-dir", "s", "--snapshot-every", "2", "--max-steps", "2", "--out", "first",
-            check=True, timeout=240)
+            check=True, timeout=patience(240))
     run_cli(*common, *off, "--snapshot-dir", "s", "--resume", "auto", "--max-steps", "4", "--out", "second",
-            check=True, timeout=240)
+            check=True, timeout=patience(240))
     losses = {d: [json.loads(line)["loss"] for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
               for d in ("whole", "second")}
     assert len(losses["second"]) >= 2 and losses["second"][-2:] == losses["whole"][-2:]
@@ -112,15 +112,6 @@ def _cfg(**kw):
                                             verbose=False, eval_every_epoch=False, eval_batches=1), **kw})
 
 
-def _train(rank, world, cfgs):
-    out = []
-    for cfg in cfgs:
-        trainer = Trainer(cfg.validate(world), runtime.from_process_group())
-        trainer.fit()
-        out.append(trainer.full_parameters())
-    return out
-
-
 def test_muon_and_sgd_stepped_from_offloaded_state_are_their_runs_without_it(tmp_path):
     """Muon under ZeRO-2 (each matrix gathered from the shards' offloaded momentum) and SGD with momentum under
     data parallel (torch's loop, its buffer in the file): bit for bit the runs without offload."""
@@ -128,7 +119,7 @@ def test_muon_and_sgd_stepped_from_offloaded_state_are_their_runs_without_it(tmp
     cfgs = []
     for i, kw in enumerate(layouts):
         cfgs += [_cfg(**kw), _cfg(**kw, offload="optimizer", offload_dir=str(tmp_path / f"off{i}"))]
-    runs = run_ranks(_train, 2, cfgs, timeout=patience(300))[0]
+    runs = run_ranks(_train, 2, cfgs, False, timeout=patience(300))[0]  # (each run's final parameters)
     for i, kw in enumerate(layouts):
         plain, offloaded = runs[2 * i], runs[2 * i + 1]
         assert all(torch.equal(a, b) for a, b in zip(plain, offloaded)), kw

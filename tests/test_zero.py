@@ -211,36 +211,3 @@ def test_incompatible_zero_flags_are_refused():
     with pytest.raises(ConfigError, match="`find_unused` is implied by `zero`"):
         _cfg(1, find_unused=True).validate(2)
 
-
-def _gathered_during_evaluation(rank, world, cfg):
-    trainer = Trainer(cfg.validate(world), runtime.from_process_group())
-    zero, most, evaluating = trainer.engine.grad_sync, [0], [False]
-    gather, evaluate = zero._gather, trainer._evaluate
-
-    def watched_gather(units, wait=True):
-        out = gather(units, wait)
-        if evaluating[0]:
-            most[0] = max(most[0], sum(u.full_bytes for u in zero.units if u.gathered))
-        return out
-
-    def watched_evaluate(*args, **kwargs):
-        evaluating[0] = True
-        try:
-            return evaluate(*args, **kwargs)
-        finally:
-            evaluating[0] = False
-    zero._gather, trainer._evaluate = watched_gather, watched_evaluate
-    summary = trainer.fit()
-    return most[0], sum(u.full_bytes for u in zero.units), summary["model_state_bytes_per_rank"]
-
-
-def test_zero3_evaluates_layer_by_layer_and_its_peak_is_the_steps():
-    """ZeRO-3 exists not to hold the whole model: an evaluation gathers a layer (and the next, prefetched) at a
-    time, as training does -- never every parameter at once -- and the model state it reports is the steps' peak,
-    which the planner predicts (what an evaluation holds beside the last step's gradients is not a step's)."""
-    cfg = _cfg(3, mlp_widths=(64,) * 6, optimizer="adam", lr=0.005, max_steps=2, global_batch_size=8,
-               eval_every=1, eval_batches=1)
-    (most, whole, held), _ = run_ranks(_gathered_during_evaluation, 2, cfg, timeout=120)
-    assert 0 < most < whole / 2, (most, whole)
-    t = trace("mlp", (1, 8, 8), 4, widths=(64,) * 6)
-    assert held == zero_peak_bytes(t, 3, 2, Optim.of("adam"))

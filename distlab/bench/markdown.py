@@ -209,7 +209,7 @@ def plan_search(data: dict) -> str:
              f"{p['memory_bytes_per_rank'] / 2**30:.1f} GiB", f"{p['step_s']:.3g} s",
              f"{(p.get('offload') or {}).get('seconds_per_step', 0):.3g} s"] for i, p in enumerate(data["ranked"], 1)]
     return format_table(["#", "layout", "tokens/s/GPU", "MFU", "memory", "step", "over the host link"], rows,
-                        markdown=True) + f"\n\n{data['why']}"
+                        markdown=True) + "\n" + data["why"].splitlines()[0]
 
 
 def _kind(first: dict):

@@ -145,6 +145,10 @@ class DataParallel(nn.Module):
     def uncounted_bytes_per_sync(self) -> int:
         return self.method.uncounted_bytes(self.module)
 
+    def offload_shards(self, store) -> int:
+        from distlab.parallel.offload import no_shards
+        raise no_shards(self)
+
     def gathered(self):
         """The full parameters are always in place."""
         return contextlib.nullcontext(self.module)

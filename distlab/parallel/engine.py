@@ -255,12 +255,6 @@ class Engine:
         """Context: the full parameters in place (collective under ZeRO-3; free otherwise)."""
         return self.grad_sync.gathered()
 
-    def evaluating(self):
-        """Context: an evaluation's forwards -- the gradient sync's own way (ZeRO's: layer by layer, unobserved),
-        else with the full parameters in place (:meth:`gathered`)."""
-        own = getattr(self.grad_sync, "evaluating", None)
-        return own() if own is not None else self.gathered()
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The single-process model's ``state_dict``: ZeRO and tensor-parallel shards gathered
         (collective: every rank calls it and gets it)."""

@@ -202,16 +202,8 @@ def stepped_off_device(store: OffloadStore | None, param: torch.Tensor, state: d
             store.release(param.grad)
 
 
-def offload_shards(engine, store: OffloadStore) -> int:
-    """``--offload params``: every ZeRO-3 shard of ``engine`` moved into ``store`` (each gather reads it from there
-    and lets its pages go); returns how many. Refused for a gradient sync that holds no shards."""
-    sync = engine.grad_sync
-    units = getattr(sync, "units", None)
-    if getattr(sync, "stage", None) != 3 or units is None:
-        raise ConfigError("--offload params moves ZeRO-3's shards; this layout's gradient sync holds none "
-                          "(--zero 3 with the tuned ZeRO)")
-    with torch.no_grad():
-        for u in units + getattr(sync, "codes", []):
-            u.shard.data = store.holding(u.shard.detach())
-            u.store = store
-    return len(units)
+
+def no_shards(sync) -> ConfigError:
+    """What a gradient sync without ZeRO-3's shards says to ``--offload params``."""
+    return ConfigError(f"--offload params moves ZeRO-3's parameter shards; {type(sync).__name__} holds every "
+                       f"parameter whole: use --zero 3 (the tuned ZeRO), or --offload optimizer")

@@ -87,6 +87,10 @@ class ShardedState(Protocol):
     def gathered(self) -> ContextManager[nn.Module]:
         """The full parameters in place for the duration (collective under ZeRO-3)."""
 
+    def offload_shards(self, store) -> int:
+        """``--offload params``: this rank's parameter shards (and their reduced gradients) held in ``store``, an
+        :class:`~distlab.parallel.offload.OffloadStore`; refused (ConfigError) where the sync holds none."""
+
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Parameter name -> its whole averaged gradient (collective under ZeRO), between
         ``sync_gradients`` and the next ``zero_grad``."""

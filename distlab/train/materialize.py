@@ -21,7 +21,7 @@ from torch import nn
 from distlab.models import build_model, count_parameters, snapshot_record
 from distlab.parallel import parallelize
 from distlab.parallel.placement import state_from_full, state_from_stream
-from distlab.parallel.offload import OffloadStore, check_offload, offload_shards
+from distlab.parallel.offload import OffloadStore, check_offload
 from distlab.runtime import seed_everything
 from distlab.train.fine_tuning import attach as attach_adapters
 from distlab.train.export import init_slices, load_init
@@ -77,7 +77,7 @@ class OffloadedShards(Converter):
         return {}
 
     def placed(self, engine) -> None:
-        offload_shards(engine, self.store)
+        engine.grad_sync.offload_shards(self.store)
 
 
 def converters(cfg, offload=None) -> list[Converter]:

@@ -145,12 +145,16 @@ class _HashingFile:
     streams the payload to disk -- never the whole serialized payload in memory beside the state it copies."""
 
     def __init__(self, f):
-        self.f, self.sha, self.bytes = f, hashlib.sha256(), 0
+        self.f, self.sha, self.bytes, self.error = f, hashlib.sha256(), 0, None
 
     def write(self, data) -> int:
         self.sha.update(data)
         self.bytes += len(memoryview(data).cast("B"))
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as exc:  # (torch.save's writer reports it as its own error: kept to be raised as it was)
+            self.error = exc
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -160,7 +164,12 @@ def _write_payload(path: Path, payload: dict) -> dict:
     """``payload`` to ``path`` (torch.save, streamed, synced); returns its checksum and size."""
     with open(path, "wb") as f:
         out = _HashingFile(f)
-        torch.save(payload, out)
+        try:
+            torch.save(payload, out)
+        except Exception:
+            if out.error is not None:  # a full disk, a file system gone read-only: the OSError it was
+                raise out.error from None
+            raise
         f.flush()
         os.fsync(f.fileno())
     return {"sha256": out.sha.hexdigest(), "bytes": out.bytes}

@@ -392,7 +392,7 @@ class Trainer:
         batches (:class:`~distlab.train.evaluate.EvaluationStopped`)."""
         t0 = time.perf_counter()
         evaluate_one = functools.partial(self.objective.evaluate, batch_size=self.eval_batch, stop=stop)
-        with timeline.span("evaluation"), self.engine.evaluating():  # (ZeRO-3: layer by layer, never the whole)
+        with timeline.span("evaluation"), self.engine.gathered():  # ZeRO-3: one gather for the whole
             result = evaluate_one(self.eval_test, details=True)
             if "confusion" in result:  # a classifier: the newest evaluation's counts and mistakes, for the report
                 self._predictions = (self.run.step, result.pop("confusion"), result.pop("misclassified"))

@@ -87,6 +87,10 @@ class PlainZeroState:
     def numel(self, p: nn.Parameter) -> int:
         return self.shapes[id(p)].numel()
 
+    def offload_shards(self, store) -> int:
+        from distlab.parallel.offload import no_shards
+        raise no_shards(self)
+
     @contextlib.contextmanager
     def gathered(self):
         """The full parameters in place for the duration (stage 3: gathered and dropped again)."""

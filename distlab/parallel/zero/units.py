@@ -36,6 +36,7 @@ class Unit:
     """One parameter, flattened, zero-padded and split evenly over the group."""
 
     store = None  # --offload params: the OffloadStore its shard lives in (parallel.offload)
+    _grad = None  # ... and the buffer its reduced gradient is kept in there
 
     def __init__(self, name: str, module: nn.Module, param: nn.Parameter, n: int, rank: int):
         self.name, self.module, self.param, self.n, self.rank = name, module, param, n, rank
@@ -68,7 +69,7 @@ class Unit:
         store -- one buffer a unit, made at the first step -- its pages let go."""
         if self.store is None:
             return grad
-        if getattr(self, "_grad", None) is None:
+        if self._grad is None:
             self._grad = self.store.empty(grad.shape, grad.dtype)
         self._grad.copy_(grad)
         self.store.release(self._grad)

@@ -72,7 +72,6 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
             self._by_module.setdefault(m, []).append(unit)
         self._shared = {id(unit) for _, unit in shared}
         self._pinned = False  # inside gathered(): stage-3 hooks leave the full parameters alone
-        self._evaluating = False  # inside evaluating(): nothing observed
         self._syncing = True
         self._optimizer: torch.optim.Optimizer | None = None
         self.peak_bytes = 0
@@ -238,17 +237,17 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
             for unit in self.units + self.codes:
                 unit.free()
 
-    @contextlib.contextmanager
-    def evaluating(self):
-        """Context: an evaluation's forwards. Stage 3 gathers layer by layer, as in training -- never the whole
-        model, which ZeRO-3 exists not to hold -- and what is held meanwhile (the last step's shard gradients beside a
-        gathered layer) is not a step's: not observed."""
-        was, self._evaluating = self._evaluating, True
-        try:
-            yield
-        finally:
-            self._evaluating = was
+    def offload_shards(self, store) -> int:
+        """``--offload params``: every shard (and, as it is reduced, its gradient) held in ``store``; each gather
+        reads it from there and lets its pages go. Returns how many."""
+        if self.stage != 3:
+            from distlab.parallel.offload import no_shards
+            raise no_shards(self)
+        with torch.no_grad():
+            for u in self.units + self.codes:
+                u.shard.data = store.holding(u.shard.detach())
+                u.store = store
+        return len(self.units)
 
     def _observe(self, *extra: torch.Tensor) -> None:
-        if not self._evaluating:
-            self.peak_bytes = max(self.peak_bytes, self.held_bytes(*extra))
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes(*extra))
