@@ -131,7 +131,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
     store = trainer.offload  # --offload: what its store holds (parallel.offload)
     rss, state_bytes, anon, offloaded, steps_rss = reduce_scalars(
         [peak_rss_mb(), engine.peak_bytes, -1.0 if anon is None else anon, store.payload if store else 0,
-         getattr(trainer, "steps_peak_rss_mb", 0.0)], op=dist.ReduceOp.MAX, device=rt.device)
+         trainer.steps_peak_rss_mb], op=dist.ReduceOp.MAX, device=rt.device)
     cuda_mb = None
     if rt.device.type == "cuda":
         cuda_mb, = reduce_scalars([torch.cuda.max_memory_allocated(rt.device) / 2**20], op=dist.ReduceOp.MAX,

@@ -135,6 +135,7 @@ class Trainer:
         self._grad_norm = None  # the last step's gradient norm before clipping (a device tensor), with clipping
         self._clipped = torch.zeros((), dtype=torch.int64, device=rt.device)  # steps whose norm was over the limit
         self.steps_this_attempt = 0
+        self.steps_peak_rss_mb = 0.0  # ru_maxrss when the last step ended (set by _finish)
         self.observer = StepObserver(cfg, rt, self.engine, self.say)  # --trace, --profile
 
     @property
