@@ -34,7 +34,8 @@ from distlab.train.config_file import config_file_text
 from distlab.train.evaluate import DEFAULT_EVAL_BATCH, EvaluationStopped, eval_batch, eval_words, evaluation_size, first_batches
 from distlab.train.observe import StepObserver
 from distlab.train import language
-from distlab.train.metrics import MetricsLog, anon_rss_mb, atomic_write_text, peak_rss_mb, write_predictions, write_summary
+from distlab.train.metrics import (MetricsLog, anon_rss_mb, atomic_write_text, peak_rss_mb, write_predictions,
+                                   write_summary)
 from distlab.train.objective import objective_of
 from distlab.train.muon import levels_of
 from distlab.train.optim import build_optimizer, build_scheduler
