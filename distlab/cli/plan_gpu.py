@@ -73,7 +73,8 @@ def calibrate_device(device: str, preset: str | None, model: str | None, block_s
         name, options, vocab = model, None, 256
     else:
         raise ConfigError("--device measures a model's layer shapes: give --preset NAME or --model")
-    with torch.device("meta"):
+    from distlab.runtime.meta import on_meta_device
+    with on_meta_device():
         net = build_model(name, (block_size,), vocab, options=options)
     linears = sorted({(m.in_features, m.out_features) for m in net.modules() if isinstance(m, torch.nn.Linear)})
     from distlab.models.plans import declared_plan  # the attentions the model declares (its context plan): the

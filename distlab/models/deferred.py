@@ -26,11 +26,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from distlab.runtime.meta import adopt
-
-# In-place operations whose result does not depend on the tensor's previous values.
-OVERWRITES = {"uniform_", "normal_", "fill_", "zero_", "random_", "exponential_", "geometric_", "log_normal_",
-              "cauchy_"}
+from distlab.runtime.meta import OVERWRITES, adopt, unfilled
 
 
 class NotReplayable(Exception):
@@ -81,7 +77,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = args[0] if unfilled(func, args) else func(*args, **kwargs)  # (noted to replay, not run on meta)
         inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if torch.is_tensor(a)]
         metas = [a for a in inputs if a.device.type == "meta"]
         mutable, name = func._schema.is_mutable, func._schema.name.split("::")[-1]

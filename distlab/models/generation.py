@@ -14,6 +14,7 @@ from distlab.errors import ConfigError
 from distlab.models.gpt import GPT
 from distlab.models.contract import contract
 from distlab.models.plans import assign_state
+from distlab.runtime.meta import on_meta_device
 
 
 def gpt_from_state(state: dict[str, torch.Tensor], n_layer: int, n_head: int, top_k: int = 2) -> GPT:
@@ -23,7 +24,7 @@ def gpt_from_state(state: dict[str, torch.Tensor], n_layer: int, n_head: int, to
     untouched (a sample mid-training changes nothing that follows)."""
     tok, pos = state["0.tok.weight"], state["0.pos.weight"]
     experts = state["1.mlp.experts.up_weight"].shape[0] if "1.mlp.experts.up_weight" in state else 0
-    with torch.device("meta"):
+    with on_meta_device():
         model = GPT(tok.shape[0], pos.shape[0], n_layer=n_layer, n_head=n_head, n_embd=tok.shape[1], experts=experts,
                     top_k=top_k)
     assign_state(model, state)
@@ -61,7 +62,7 @@ def model_from_state(state: dict[str, torch.Tensor], meta: dict):
     if meta.get("block_size") is None:
         raise ConfigError("the model's context length (block_size) is not recorded with it: export it from its "
                           "run directory or snapshot (distlab export), which records it")
-    with torch.device("meta"):
+    with on_meta_device():
         model = build_model(meta["model"], (int(_literal(meta["block_size"])),), state["0.tok.weight"].shape[0],
                             recorded_options(meta))
     assign_state(model, state)

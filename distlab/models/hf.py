@@ -28,6 +28,7 @@ from distlab.errors import ConfigError, check_place, first_line
 from distlab.models.hf_files import INDEX, SINGLE, Config, check_layers, check_tensors, confined, config_of, finite, \
     headers, tensor_files
 from distlab.models.plans import assign_state, with_tied
+from distlab.runtime.meta import on_meta_device
 
 SHARD_BYTES = 2 * 2**30  # save_pretrained's default largest shard (5 GB in transformers; 2 GB keeps files movable)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -178,7 +179,7 @@ def read(directory: str | Path) -> tuple[str, object, int, dict[str, torch.Tenso
 
 def _on_meta(name: str, options, vocab: int, block: int = 8):
     from distlab.models import build_model
-    with torch.device("meta"):
+    with on_meta_device():
         return build_model(name, (block,), vocab, options)
 
 

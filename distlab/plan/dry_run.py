@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.errors import ConfigError
+from distlab.runtime.meta import on_meta_device
 
 
 def unfollowable(strategy) -> str | None:
@@ -64,7 +65,7 @@ def dry_run(family: str, options, classes: int, shape: tuple[int, ...], strategy
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
         mesh = Mesh.of(strategy)
-        with torch.device("meta"):
+        with on_meta_device():
             model = build_model(family, shape, classes, options=options)
         if lora is not None:
             from distlab.models import lora as adapters

@@ -28,6 +28,7 @@ from distlab.parallel.tensor_parallel.styles import TP_STYLES
 from distlab.parallel.zero.units import sharded_linear
 from distlab.plan.kernels import FlashAttention
 from distlab.plan.layer_profile import Layer, profile_layers
+from distlab.runtime.meta import on_meta_device
 
 
 @dataclass
@@ -163,7 +164,7 @@ def trace(model: nn.Module | str, input_shape: tuple[int, ...] = (1, 28, 28), nu
 def _trace(model: nn.Module | str, input_shape: tuple[int, ...], num_classes: int, batch: int, lora,
            base_dtype: str = "float32", **options) -> Trace:
     if isinstance(model, str):
-        with torch.device("meta"):
+        with on_meta_device():
             model = build_model(model, input_shape, num_classes, **options)
     else:
         model = model.to("meta")

@@ -49,7 +49,8 @@ from distlab.errors import ConfigError, did_you_mean
 from distlab.models import spec
 from distlab.models.packing import bind, split
 from distlab.tools.verify_data import (GRPO, GRPO_DATA, compare, dpo_mean, grpo_tolerance, grpo_training,  # noqa: F401
-                                       packing_records, reference_logps, scratch, table)  # (table: verify's)
+                                       packing_records, reference_key, reference_logps, scratch,
+                                       table)  # (table: verify's)
 from distlab.parallel import COLLECTIVES, SYNC_METHODS, Strategy
 from distlab.parallel.strategy_text import modifier_words
 from distlab.train.config import TrainConfig
@@ -424,9 +425,13 @@ def verify(strategies: list[Case], world_size: int, steps: int = 10, global_batc
         raise ConfigError(exc.config_error) from None
     from distlab.runtime.device import machine_facts
     records, facts = [], machine_facts()
+    references: dict[str, tuple] = {}  # layouts of one model, data and optimizer share their one process's run
     for strategy, cfg, (params, losses, norms, graphs) in zip(strategies, configs, results):
-        ref_norms: list[float] = []
-        ref_params, ref_losses = reference_run(cfg, ref_norms)
+        key = reference_key(cfg)
+        if key not in references:
+            ref_norms: list[float] = []
+            references[key] = (*reference_run(cfg, ref_norms), ref_norms)
+        ref_params, ref_losses, ref_norms = references[key]
         diffs = compare(params, losses, ref_params, ref_losses)
         tol = tolerance(cfg, world_size, sum(p.numel() for p in ref_params))
         if cfg.clip_grad_norm:  # the norms themselves (the first from equal weights), and how many steps clipped

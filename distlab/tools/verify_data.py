@@ -4,6 +4,8 @@ loss on one process, and how a run is compared with it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 
@@ -145,3 +147,11 @@ def table(records: list[dict]) -> str:
         rows.append("APPROX: no rounding bound exists (compressed gradients approximate the mean; Adam divides by "
                     "each entry's own size); the columns give the measured deviation from single-process training.")
     return "\n".join(rows)
+
+
+def reference_key(cfg) -> str:
+    """What :func:`~distlab.tools.verify.reference_run` reads of ``cfg``: every setting but the layout's (the
+    strategy, bar its precision) and where offloaded state goes -- configs with one key have one single-process
+    run."""
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("strategy", "offload", "offload_dir")}
+    return repr((sorted(settings.items()), cfg.strategy.precision))

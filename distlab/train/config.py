@@ -293,11 +293,10 @@ class TrainConfig:
 
     def _meta_model(self):
         """This config's model built on the meta device (no memory, no arithmetic)."""
-        import torch
-
         from distlab.models import build_model
+        from distlab.runtime.meta import on_meta_device
         shape, classes = self.data_shape()
-        with torch.device("meta"):
+        with on_meta_device():
             net = build_model(self.model, shape, self.vocab(classes), **self.model_options())
         if self.lora is not None:  # the model as the run trains it: adapters on its target layers
             apply_lora(net, self.lora)

@@ -18,7 +18,6 @@ or ``safetensors.torch.save_file`` of the same model).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -32,6 +31,7 @@ from distlab.models.plans import with_tied
 from distlab.train import loading
 from distlab.train.loading import read_state
 from distlab.train.metrics import atomic_write_text
+from distlab.train.streamed import HashingFile, write_safetensors
 
 
 def write_state(state: dict[str, torch.Tensor], meta: dict, out: str | Path) -> dict:
@@ -45,12 +45,17 @@ def write_state(state: dict[str, torch.Tensor], meta: dict, out: str | Path) -> 
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb") as f:  # streamed, hashed on the way: never the serialized state beside the state
             if _safetensors(out):
-                from safetensors.torch import save
-                f.write(save({k: v.contiguous() for k, v in state.items()}, metadata=export_metadata(meta)))
+                written = write_safetensors(f, state, export_metadata(meta))
             else:
-                torch.save(state, f)
+                written = HashingFile(f)
+                try:
+                    torch.save(state, written)
+                except Exception:
+                    if written.error is not None:  # a full disk: the OSError it was
+                        raise written.error from None
+                    raise
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)
@@ -62,7 +67,7 @@ def write_state(state: dict[str, torch.Tensor], meta: dict, out: str | Path) -> 
     finally:
         with contextlib.suppress(OSError):  # on a read-only disk there is nothing to remove
             tmp.unlink(missing_ok=True)
-    digest = hashlib.sha256(out.read_bytes()).hexdigest()
+    digest = written.sha.hexdigest()
     checksum = out.with_name(out.name + ".sha256")  # `sha256sum -c model.pt.sha256` checks it
     try:
         atomic_write_text(checksum, f"{digest}  {out.name}\n")

@@ -44,6 +44,7 @@ from distlab.models.plans import assign_state
 from distlab.runtime import group_size, reduce_scalars, timeline
 from distlab.train import rollout
 from distlab.train.rewards import Rewards
+from distlab.runtime.meta import on_meta_device
 
 LOSSES = ("grpo", "dapo", "dr_grpo")
 STATS = ("completions", "reward", "length", "entropy", "entropy_tokens", "rollouts", "rollout_s")  # then each reward's
@@ -165,7 +166,7 @@ class Grpo:
         float32 on the run's device."""
         cfg, data = self.cfg, self.trainer.train_set
         state = state if state is not None else self.engine.full_state_dict()  # (copies, on the run's device)
-        with torch.device("meta"):  # built without initialising: the run's random streams are untouched
+        with on_meta_device():  # built without initialising: the run's random streams are untouched
             model = build_model(cfg.model, data.input_shape, data.num_classes, **cfg.model_options())
             if cfg.lora is not None and state is not self.start:
                 lora.apply(model, cfg.lora)

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from distlab.models import build_model, is_user_model, lora
 from distlab.models.plans import assign_state
+from distlab.runtime.meta import on_meta_device
 from distlab.train.export import write_state
 from distlab.train.loading import FINAL_MODEL
 from distlab.train.metrics import atomic_write_text
@@ -24,7 +23,7 @@ def sample(trainer, tokens: int = 48) -> str:
     state = {k: v.detach().float().cpu() for k, v in trainer.engine.full_state_dict().items()}
     text = None
     if trainer.rt.is_main:
-        with torch.device("meta"):  # built without initialising: the run's random streams are untouched
+        with on_meta_device():  # built without initialising: the run's random streams are untouched
             model = build_model(cfg.model, trainer.train_set.input_shape, trainer.train_set.num_classes,
                                 **cfg.model_options())
             if cfg.lora is not None:  # the adapters as the run computes with them

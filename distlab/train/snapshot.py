@@ -32,7 +32,6 @@ good one -- is :mod:`distlab.train.snapshot_load`.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import random
@@ -50,6 +49,7 @@ import torch.distributed as dist
 from distlab.errors import ConfigError, confined, first_line, with_article
 from distlab.runtime import group_rank, group_size
 from distlab.train.snapshot_checks import is_int as _is_int
+from distlab.train.streamed import HashingFile
 
 FORMAT = 1
 STEP_DIR = re.compile(r"^step-(\d{8,})$")  # 8 digits at least: any step fits
@@ -140,30 +140,10 @@ def set_rng_state(state: dict) -> None:
 # --------------------------------------------------------------------------- write
 
 
-class _HashingFile:
-    """A file that hashes and counts what is written through it: a rank file's checksum taken while torch.save
-    streams the payload to disk -- never the whole serialized payload in memory beside the state it copies."""
-
-    def __init__(self, f):
-        self.f, self.sha, self.bytes, self.error = f, hashlib.sha256(), 0, None
-
-    def write(self, data) -> int:
-        self.sha.update(data)
-        self.bytes += len(memoryview(data).cast("B"))
-        try:
-            return self.f.write(data)
-        except OSError as exc:  # (torch.save's writer reports it as its own error: kept to be raised as it was)
-            self.error = exc
-            raise
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
 def _write_payload(path: Path, payload: dict) -> dict:
     """``payload`` to ``path`` (torch.save, streamed, synced); returns its checksum and size."""
     with open(path, "wb") as f:
-        out = _HashingFile(f)
+        out = HashingFile(f)
         try:
             torch.save(payload, out)
         except Exception:
