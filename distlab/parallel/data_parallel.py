@@ -149,7 +149,7 @@ class DataParallel(nn.Module):
         from distlab.parallel.offload import no_shards
         raise no_shards(self)
 
-    def gathered(self):
+    def gathered(self, modules=None):
         """The full parameters are always in place."""
         return contextlib.nullcontext(self.module)
 

@@ -251,15 +251,16 @@ class Engine:
         values)`` -- a base quantized once its values are in place -- through the gradient sync that holds it."""
         self.grad_sync.convert_frozen(module, name, make)
 
-    def gathered(self):
-        """Context: the full parameters in place (collective under ZeRO-3; free otherwise)."""
-        return self.grad_sync.gathered()
+    def gathered(self, modules=None):
+        """Context: the full parameters (``modules``: only their own) in place (collective under ZeRO-3; free
+        otherwise)."""
+        return self.grad_sync.gathered(modules)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The single-process model's ``state_dict``: ZeRO and tensor-parallel shards gathered
-        (collective: every rank calls it and gets it)."""
-        with self.gathered():
-            state = full_state_dict(self.module)
+        """The single-process model's ``state_dict``: ZeRO and tensor-parallel shards gathered -- under ZeRO-3 a
+        module at a time, each copied and let go, so a rank holds the copy and one module in full, not the whole
+        model twice (collective: every rank calls it and gets it)."""
+        state = full_state_dict(self.module, self.gathered)
         return dict(self.schedule.gather_model(list(state.items())))
 
     def full_parameters(self) -> list[torch.Tensor]:

@@ -21,6 +21,7 @@ middle form is what ``distlab export`` writes).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -137,19 +138,22 @@ def full_parameters(model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module, gathered=None) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` as the unsharded model has it: every sharded layer's parameters gathered
-    under their own keys (collective over each layer's group), everything else copied."""
+    under their own keys (collective over each layer's group), everything else copied. ``gathered``: a
+    context ``gathered([module])`` that puts one module's own parameters in place while they are copied
+    (a gradient sync's, :meth:`~distlab.parallel.protocols.ShardedState.gathered`); None: they are."""
     out: dict[str, torch.Tensor] = {}
     for name, m in model.named_modules():
         prefix = f"{name}." if name else ""
-        if isinstance(m, ShardedLayer):
-            names = [k for k, _ in m.named_parameters(recurse=False)]
-            out.update(zip((prefix + k for k in names), m.full_parameters()))
-            continue
-        for key, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False)):
-            if t is not None:
-                out[prefix + key] = value_copy(t)
+        with gathered([m]) if gathered is not None else contextlib.nullcontext():
+            if isinstance(m, ShardedLayer):
+                names = [k for k, _ in m.named_parameters(recurse=False)]
+                out.update(zip((prefix + k for k in names), m.full_parameters()))
+                continue
+            for key, t in list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False)):
+                if t is not None:
+                    out[prefix + key] = value_copy(t)
     return out
 
 

@@ -84,8 +84,10 @@ class GradSync(Protocol):
 class ShardedState(Protocol):
     """A gradient sync's state, as this rank holds it: what a snapshot, an export and evaluation read."""
 
-    def gathered(self) -> ContextManager[nn.Module]:
-        """The full parameters in place for the duration (collective under ZeRO-3)."""
+    def gathered(self, modules: list[nn.Module] | None = None) -> ContextManager[nn.Module]:
+        """The full parameters in place for the duration (collective under ZeRO-3); ``modules``: only those
+        modules' own parameters (``recurse=False``) -- a reader that walks the model a module at a time holds one
+        module's in full, never the whole model's."""
 
     def offload_shards(self, store) -> int:
         """``--offload params``: this rank's parameter shards (and their reduced gradients) held in ``store``, an

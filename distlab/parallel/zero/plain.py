@@ -75,16 +75,19 @@ class PlainZero(PlainZeroState, nn.Module):
             self._gather_parameters()
 
     @torch.no_grad()
-    def _gather_parameters(self) -> None:
+    def _gather_parameters(self, only: set[int] | None = None) -> None:
+        """Every parameter's shards all-gathered into it (``only``: the parameters of those ids)."""
         for (_, p), s, shard in zip(self.params, self.size, self.shards):
-            full = torch.empty(s * self.n, dtype=shard.dtype, device=shard.device)
-            comm.all_gather(full, shard.detach(), algorithm=self.collective, group=self.group)
-            p.data = full[:self.shapes[id(p)].numel()].view(self.shapes[id(p)])
-        self.present = True
+            if only is None or id(p) in only:
+                full = torch.empty(s * self.n, dtype=shard.dtype, device=shard.device)
+                comm.all_gather(full, shard.detach(), algorithm=self.collective, group=self.group)
+                p.data = full[:self.shapes[id(p)].numel()].view(self.shapes[id(p)])
+        self.present = only is None
 
-    def _drop_parameters(self) -> None:  # each a zero of its shape, one element held (never read: forward gathers)
-        for _, p in self.params:
-            p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(self.shapes[id(p)])
+    def _drop_parameters(self, only: set[int] | None = None) -> None:  # each a zero of its shape, one element held
+        for _, p in self.params:                                      # (never read: forward gathers)
+            if only is None or id(p) in only:
+                p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(self.shapes[id(p)])
         self.present = False
 
     def no_sync(self):

@@ -92,16 +92,18 @@ class PlainZeroState:
         raise no_shards(self)
 
     @contextlib.contextmanager
-    def gathered(self):
-        """The full parameters in place for the duration (stage 3: gathered and dropped again)."""
+    def gathered(self, modules=None):
+        """The full parameters (``modules``: only theirs) in place for the duration (stage 3: gathered and dropped
+        again)."""
         if self.present:
             yield self._module
             return
-        self._gather_parameters()
+        only = None if modules is None else {id(p) for m in modules for p in m.parameters(recurse=False)}
+        self._gather_parameters(only)
         try:
             yield self._module
         finally:
-            self._drop_parameters()
+            self._drop_parameters(only)
 
     def convert_frozen(self, module: nn.Module, name: str, make) -> None:
         """A frozen parameter is held whole: made in place, and held by its name."""

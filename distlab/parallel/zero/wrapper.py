@@ -222,19 +222,24 @@ class Zero(BucketedReduce, GatherOnDemand, ShardedState, nn.Module):
     # ------------------------------------------------------------------ state
 
     @contextlib.contextmanager
-    def gathered(self) -> Iterator[nn.Module]:
-        """The full parameters in place for the duration (collective under stage 3)."""
+    def gathered(self, modules=None) -> Iterator[nn.Module]:
+        """The full parameters (``modules``: only their own units, a shared parameter's and a weight's parts
+        included) in place for the duration (collective under stage 3)."""
         if self.stage < 3 or self._pinned:
             yield self._module
             return
+        units = self.units + self.codes
+        if modules is not None:
+            owners, params = {id(m) for m in modules}, {id(p) for m in modules for p in m.parameters(recurse=False)}
+            units = [u for u in units if id(u.module) in owners or id(u.param) in params]
         self._drain()
-        self._gather(self.units + self.codes)
-        self._pinned = True
+        self._gather(units)
+        self._pinned = modules is None  # (the whole model: what runs inside gathers nothing more)
         try:
             yield self._module
         finally:
             self._pinned = False
-            for unit in self.units + self.codes:
+            for unit in units:
                 unit.free()
 
     def offload_shards(self, store) -> int:
