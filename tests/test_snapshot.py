@@ -910,3 +910,20 @@ def test_a_sigterm_while_a_preempted_run_writes_its_snapshot_and_summary_changes
     stopped, steps, kept = run_ranks(_signalled_again_while_it_snapshots, 2, tmp_path, timeout=120)[0]
     assert stopped == "preempted" and 2 < steps < 6
     assert kept == [f"step-{steps:08d}"]
+
+
+def test_a_rank_file_is_checked_and_loaded_without_reading_it_whole_into_memory(tmp_path):
+    """Resuming a state that fills the machine must not need the file's bytes beside it: the checksum is taken a
+    piece at a time and torch.load reads the same open file (Python's allocations stay far below the 64 MiB)."""
+    import tracemalloc
+    payload = _payload(3)
+    payload["model"]["big"] = torch.arange(16 << 20, dtype=torch.float32)  # 64 MiB
+    snap.save(tmp_path, 3, payload, LAYOUT, 5)
+    tracemalloc.start()
+    try:
+        loaded = snap_load.resume("auto", str(tmp_path), LAYOUT)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, f"{peak / 2**20:.0f} MiB allocated while reading"
+    assert torch.equal(loaded.payload["model"]["big"], payload["model"]["big"])

@@ -177,7 +177,7 @@ def header(trainer) -> list[str]:
                  + (f" + {extra / 2**20:.2f} MiB of the strategy's own copies (ZeRO's flat shards)" if extra > 0 else "")
                  + " on this rank before the first step (gradients and optimizer state follow; the summary gives "
                    "the peak)")
-    if cfg.strategy.zero and mesh.replicas > 1:
+    if cfg.strategy.zero and mesh.replicas > 1 and rt.is_main and cfg.verbose:  # (a trace: only where it is shown)
         costlier = zero_costs_more(trainer)
         if costlier:
             lines.append(f"warning  {costlier}")

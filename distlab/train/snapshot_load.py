@@ -7,7 +7,6 @@ fields validated (:mod:`distlab.train.snapshot_checks`), the configuration compa
 from __future__ import annotations
 
 import hashlib
-import io
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +50,9 @@ def check_compatible(path: Path, meta: dict, expected: dict) -> None:
                                        f"--snapshot-dir")
 
 
+READ_PIECE = 4 << 20  # bytes hashed at a time
+
+
 def load_rank_file(path: Path, meta: dict, rank: int) -> dict:
     """This rank's payload, after checking that its file is complete and unchanged."""
     name = rank_file_name(rank)
@@ -60,16 +62,22 @@ def load_rank_file(path: Path, meta: dict, rank: int) -> dict:
         raise DamagedSnapshot(f"snapshot {path} has no entry for {name} (written by {len(meta['files'])} ranks)")
     if not file.is_file():
         raise DamagedSnapshot(f"snapshot {path} is missing {name}")
-    data = confined(file, f"snapshot {path}").read_bytes()
-    if len(data) != expected["bytes"]:
-        raise DamagedSnapshot(f"snapshot {file} is truncated or altered: {len(data)} bytes, meta.json says "
-                              f"{expected['bytes']}")
-    if hashlib.sha256(data).hexdigest() != expected["sha256"]:
-        raise DamagedSnapshot(f"snapshot {file} is corrupt: its SHA-256 does not match meta.json")
-    try:
-        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not loadable"
-        raise DamagedSnapshot(f"snapshot {file} cannot be loaded safely: {refusal(exc)}") from None
+    with open(confined(file, f"snapshot {path}"), "rb") as f:  # hashed in pieces, then loaded from the same open
+        sha, size = hashlib.sha256(), 0                          # file: never the whole file in memory beside it
+        piece = memoryview(bytearray(READ_PIECE))
+        while n := f.readinto(piece):
+            sha.update(piece[:n])
+            size += n
+        if size != expected["bytes"]:
+            raise DamagedSnapshot(f"snapshot {file} is truncated or altered: {size} bytes, meta.json says "
+                                  f"{expected['bytes']}")
+        if sha.hexdigest() != expected["sha256"]:
+            raise DamagedSnapshot(f"snapshot {file} is corrupt: its SHA-256 does not match meta.json")
+        f.seek(0)
+        try:
+            payload = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not loadable"
+            raise DamagedSnapshot(f"snapshot {file} cannot be loaded safely: {refusal(exc)}") from None
     problem = payload_problem(payload, meta["step"])
     if problem:
         raise DamagedSnapshot(f"snapshot {file} is malformed: {problem}")
