@@ -21,6 +21,7 @@ from distlab.parallel.zero.cost import zero_peak_bytes
 from distlab.launch.spawn import run_ranks
 from distlab.train import Trainer, TrainConfig
 from distlab.tools.verify import reference_run, tolerance
+from tests.conftest import patience
 
 
 def _cfg(zero, **kw):
@@ -239,6 +240,6 @@ def test_zero3s_whole_state_is_gathered_a_module_at_a_time(impl):
     """The final model file and every export read the whole state: under ZeRO-3 each module's parameters are
     gathered, copied and let go in turn -- at most one layer's weight and bias whole at any copy (the whole
     model gathered beside its copy held it twice: a 1B model's 8 GB a rank) -- and what is copied is the model."""
-    for whole, after, state, full in run_ranks(_state_copied_a_module_at_a_time, 2, impl, timeout=120):
+    for whole, after, state, full in run_ranks(_state_copied_a_module_at_a_time, 2, impl, timeout=patience(120)):
         assert whole and max(whole) <= 2 and after == 0, (whole, after)
         assert len(state) == len(full) and all(torch.equal(a, b) for a, b in zip(state, full))
