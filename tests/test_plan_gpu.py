@@ -412,3 +412,27 @@ def test_hybrid_sharding_keeps_the_gathers_on_a_node_and_wins_where_the_network_
     assert {lay.strategy.dp_shard for lay in lays if lay.tp == 2} == {0, 4}  # a node's 4 replicas of each TP rank
     one_node = list(candidates(small_lm, eight, 8, 8, fixed={"zero": 3}))
     assert {lay.strategy.dp_shard for lay in one_node} == {0}  # every replica on the node already
+
+
+def test_an_overlapped_offload_hides_its_host_link_behind_the_next_steps_first_forward(small_lm, tmp_path):
+    """``--offload-overlap``: of the bytes over PCIe, the next step's first forward (its first micro-batch: every
+    parameter is read there) hides up to its own time -- half as much over 2 accumulated micro-batches; the command
+    takes it and refuses it where it cannot run."""
+    import dataclasses
+    base = Layout(dp=8, strategy=Strategy(precision="bf16"), optimizer="adamw", global_batch=64, offload="optimizer")
+    waited = predict(small_lm, base, Link(), None, Cluster(H100, 1))
+    over = predict(small_lm, dataclasses.replace(base, offload_overlap=True), Link(), None, Cluster(H100, 1))
+    o = over["offload"]
+    assert o["hidden_s"] == min(o["seconds_per_step"], over["first_forward_s"]) > 0
+    assert waited["offload"]["hidden_s"] == 0
+    assert over["step_s"] == pytest.approx(waited["step_s"] - o["hidden_s"])
+    accum = dataclasses.replace(base, strategy=Strategy(precision="bf16", grad_accum=2), offload_overlap=True)
+    assert predict(small_lm, accum, Link(), None, Cluster(H100, 1))["first_forward_s"] == \
+        pytest.approx(over["first_forward_s"] / 2)
+    sizes = ["plan", "--model", "gpt", "--block-size", "64", "--machine", "h100-sxm", "--gpus", "8", "--precision",
+             "bf16", "--optimizer", "adamw", "--global-batch-size", "64", "--offload", "optimizer", "--offload-overlap"]
+    code, out, err = invoke([*sizes, "--json", str(tmp_path / "p.json")], tmp_path)
+    assert code == 0, err
+    assert json.loads((tmp_path / "p.json").read_text())["layout"]["offload_overlap"] is True
+    code, out, err = invoke([*sizes, "--zero", "3"], tmp_path)
+    assert code == 2 and "ZeRO-3 prefetches" in err, err

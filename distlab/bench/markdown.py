@@ -202,6 +202,20 @@ def offload(data: dict) -> str:
                          "s/step (range)"], rows, markdown=True)
 
 
+def offload_overlap(data: dict) -> str:
+    """``scripts/bench_offload_overlap.py``'s: the offloaded step waited for, or overlapped with the next forward --
+    the step time (median of the rounds, its range; the speedup the median of the rounds' ratios) and how long the
+    training thread waited for the overlapped steps, in the forwards and in all (medians, over the run)."""
+    from distlab.bench.common import format_table
+    rows = [[str(r["ranks"]), "overlapped" if r["overlap"] else "waited for", str(r["runs"]),
+             f"{1000 * r['step_s']:.0f} ({1000 * r['step_s_range'][0]:.0f}-{1000 * r['step_s_range'][1]:.0f})",
+             f"{r['speedup']:.2f}x ({r['speedup_range'][0]:.2f}-{r['speedup_range'][1]:.2f})",
+             f"{r['forward_waited_s']:.2f} s / {r['waited_s']:.2f} s" if r["overlap"] else "--",
+             "yes" if r["same_loss"] else "no"] for r in data["rows"]]
+    return format_table(["ranks", "step", "runs", "ms/step (range)", "speedup", "waited: in forwards / in all",
+                         "same loss"], rows, markdown=True)
+
+
 def plan_search(data: dict) -> str:
     """``plan --search --json``'s: the layouts that fit, fastest first (what offload spends over the host link)."""
     from distlab.bench.common import format_table
@@ -265,6 +279,8 @@ def render(path: str | Path) -> str:
         return muon(data)
     if isinstance(data, dict) and data.get("kind") == "distlab-offload":
         return offload(data)
+    if isinstance(data, dict) and data.get("kind") == "distlab-offload-overlap":
+        return offload_overlap(data)
     if isinstance(data, dict) and data.get("kind") == "distlab-plan-search":
         return plan_search(data)
     if isinstance(data, dict) and data.get("kind") == "distlab-collectives-fit":  # bench collectives' alpha-beta

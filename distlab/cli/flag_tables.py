@@ -127,6 +127,9 @@ TRAIN_OPTIONS = [
     ("offload_dir", dict(help="Where offloaded state goes: a memory-mapped file a rank in this directory (needed "
                          "on a CPU; on a GPU, ZeRO-Infinity's disk tier). Scratch, locked while a run holds it; "
                          "snapshots keep the state as always.")),
+    ("offload_overlap", dict(is_flag=True, help="With --offload optimizer: each step's offloaded update on a thread "
+                             "of its own, the next forward waiting layer by layer for the parameters it reads (the "
+                             "same update, bit for bit; not with ZeRO or Muon).")),
     ("lr_schedule", dict(help="constant, cosine or linear decay to 0.")),
     ("momentum", dict(type=float, help="SGD momentum.")),
     ("weight_decay", dict(type=float)),

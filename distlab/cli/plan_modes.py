@@ -108,7 +108,7 @@ def setting(ctx, kw: dict) -> Setting:
     elif nodes or gpus:
         raise ConfigError("--nodes and --gpus describe a GPU cluster: give --machine too (e.g. --machine h100-sxm)")
     lay = pp.Layout(dp=dp, strategy=Strategy(**fields), optimizer=kw["optimizer"], momentum=kw["momentum"],
-                    optimizer_state=kw["optimizer_state"], offload=kw["offload"],
+                    optimizer_state=kw["optimizer_state"], offload=kw["offload"], offload_overlap=kw["offload_overlap"],
                     global_batch=kw["global_batch_size"], threads=kw["threads"],
                     ignored_targets=kw["ignored_targets"], label_smoothing=kw["label_smoothing"] > 0,
                     pairs=is_preference(dataset), group=kw["group_size"] if is_rl(dataset) else 1,

@@ -17,8 +17,9 @@ What a step moves: per parameter of ``N`` elements, the moments read and written
 half in bfloat16); with ``params``, the shard read at each gather and read and written by its step, and the shard's
 reduced gradient written once and read by the step (ZeRO-Infinity's gradient offload: only a unit's full gradient,
 while it is reduced, is on the device). The planner
-prices those bytes over the host link or the disk (:mod:`distlab.plan`). Nothing in the step overlaps them with
-compute: the optimizer step waits for its state, as ``pytorch#74588`` measured (``docs/16-memory.md``).
+prices those bytes over the host link or the disk (:mod:`distlab.plan`). Nothing in the step itself overlaps them
+with compute: the optimizer step waits for its state, as ``pytorch#74588`` measured (``docs/16-memory.md``);
+``--offload-overlap`` runs the whole step beside the next step's forward instead (:mod:`distlab.parallel.step_ahead`).
 
 The file is scratch, not a snapshot: snapshots hold the state as they always do (read from the file), and a
 resumed run fills a fresh file from its snapshot. Two runs writing one file would corrupt each other, so each
@@ -178,17 +179,17 @@ class OffloadStore:
 
 
 @contextlib.contextmanager
-def stepped_off_device(store: OffloadStore | None, param: torch.Tensor, state: dict):
+def stepped_off_device(store: OffloadStore | None, param: torch.Tensor, state: dict, grad: torch.Tensor | None):
     """Where one parameter's optimizer step runs: yields ``(param, grad)`` to step in place. Without a store the
     parameter itself; with one, on the host -- a GPU parameter and its gradient copied there and the parameter
     copied back after -- and then the pages of its state (and of the parameter, a ZeRO-3 shard held in the
-    store) let go."""
+    store) let go. ``grad``: the parameter's gradient, as it was when the step was launched."""
     if store is None:
-        yield param, param.grad
+        yield param, grad
         return
     on_host = param.device.type == "cpu"
     host = param if on_host else param.detach().to("cpu")
-    grad = param.grad if on_host or param.grad is None else param.grad.to("cpu")
+    grad = grad if on_host or grad is None else grad.to("cpu")
     try:
         yield host, grad
         if not on_host:
@@ -199,7 +200,7 @@ def stepped_off_device(store: OffloadStore | None, param: torch.Tensor, state: d
                 store.release(t)
         if on_host:
             store.release(param)
-            store.release(param.grad)
+            store.release(grad)
 
 
 

@@ -5,8 +5,8 @@ bytes they would have held on the device; with ``params``, ZeRO-3's shards and t
 expert shard, held whole, stays). Moved, per step: each state tensor read and written once by its step (``2 x``);
 with ``params`` each shard read at every gather (forward and backward of each micro-batch, a recomputed block's
 forward once more) and read and written by its step, each gradient shard written once and read once. On a GPU cluster those bytes cross the host link (PCIe, the machine file's ``[host] pcie_gbps`` each
-way) and nothing hides them: the step waits (the optimizer's host arithmetic is left unpriced; the link is its
-floor). On the calibrated CPU host they go through the page cache to the file: counted, not timed.
+way) and nothing hides them -- the step waits (the optimizer's host arithmetic is left unpriced; the link is its
+floor) -- but, with ``--offload-overlap``, what the next step's first forward hides. On the calibrated CPU host they go through the page cache to the file: counted, not timed.
 """
 
 from __future__ import annotations
@@ -41,10 +41,13 @@ def held(t_rank, lay, sync, optim, parts_of) -> dict:
 
 
 def timed(out: dict, t, lay, cluster) -> None:
-    """A GPU cluster's step with the offloaded bytes over the host link added (not overlapped)."""
+    """A GPU cluster's step with the offloaded bytes over the host link added: all of them, or with
+    ``offload_overlap`` what the next step's first forward (its first micro-batch, which reads every parameter)
+    does not hide."""
     off = out["offload"]
     seconds = off["moved_bytes_per_step"] / cluster.machine.host_Bps
-    off.update(host_link_Bps=cluster.machine.host_Bps, seconds_per_step=seconds)
-    step = out["step_s"] + seconds
-    out.update(step_s=step, exposed_comm_s=out["exposed_comm_s"] + seconds, samples_per_s=lay.global_batch / step,
-               scaling_efficiency=out["compute_s"] / step, **cluster.rates(t, lay, step))
+    hidden = min(seconds, out["first_forward_s"]) if lay.offload_overlap else 0.0
+    off.update(host_link_Bps=cluster.machine.host_Bps, seconds_per_step=seconds, hidden_s=hidden)
+    step = out["step_s"] + seconds - hidden
+    out.update(step_s=step, exposed_comm_s=out["exposed_comm_s"] + seconds - hidden,
+               samples_per_s=lay.global_batch / step, scaling_efficiency=out["compute_s"] / step, **cluster.rates(t, lay, step))

@@ -16,6 +16,7 @@ from distlab.parallel.cost import Optim, textbook_parts, under
 from distlab.parallel.pipeline import cost as schedule_cost
 from distlab.parallel import sync_bn
 from distlab.parallel.grad_syncs import sync_kind
+from distlab.parallel.step_ahead import check_overlap
 from distlab.parallel.zero.hsdp import shard_ways
 from distlab.plan import offload, rollout
 from distlab.plan.calibration import Calibration
@@ -33,6 +34,7 @@ class Layout:
     momentum: float = 0.9
     optimizer_state: str = "fp32"  # adam/adamw: the moments' dtype (bf16: 2 bytes each)
     offload: str = "none"  # optimizer | params: the optimizer's state (and ZeRO-3's shards) off the device
+    offload_overlap: bool = False  # the offloaded step beside the next step's first forward (parallel.step_ahead)
     global_batch: int = 64
     threads: int | None = None
     oversubscription: float = 1.0  # ranks x threads per core on the busiest host: compute runs this much slower
@@ -49,6 +51,7 @@ class Layout:
             raise ConfigError(f"`dp` {self.dp} must be at least 1")
         self.strategy.check(self.world)
         self.strategy.check_batch(self.global_batch, self.world)
+        check_overlap(self.offload_overlap, self.offload, self.zero, self.optimizer)
         return self
 
     @property
@@ -255,6 +258,7 @@ def _layout_record(lay: Layout) -> dict:
             "pp_schedule": lay.strategy.pp_schedule if lay.pp > 1 else None,
             "sequence_parallel": lay.strategy.sequence_parallel, "optimizer": lay.optimizer, "world_size": lay.world,
             **({"offload": lay.offload} if lay.offload != "none" else {}),
+            **({"offload_overlap": True} if lay.offload_overlap else {}),
             **({"optimizer_state": lay.optimizer_state} if lay.optimizer_state != "fp32" else {})}
 
 

@@ -42,8 +42,9 @@ def format_prediction(p: dict) -> str:
         lines.append(f"offloaded     {_gib(o['bytes_per_rank'])} per rank off the device ({o['mode']}: state "
                      f"{_gib(o['state_bytes_per_rank'])}, parameter shards {_gib(o['shard_bytes_per_rank'])}, "
                      f"gradient shards {_gib(o['gradient_bytes_per_rank'])}); {_gib(o['moved_bytes_per_step'])} moved "
-                     f"a step" + (f", {o['seconds_per_step'] * 1e3:,.0f} ms over the host link (in the step)"
-                                  if "seconds_per_step" in o else ""))
+                     f"a step" + (f", {o['seconds_per_step'] * 1e3:,.0f} ms over the host link (in the step"
+                                  + (f"; {o['hidden_s'] * 1e3:,.0f} ms of it behind the next forward" if o["hidden_s"]
+                                     else "") + ")" if "seconds_per_step" in o else ""))
     if p.get("activation_checkpointing"):
         a = p["activation_checkpointing"]
         lines.append(f"recompute     {a['blocks']} checkpointed blocks: {_gib(a['recompute_bytes_per_rank'])} per rank more "

@@ -130,6 +130,7 @@ def step_time(t, lay, machine: Machine, sync, stages: list[dict], prices: list, 
     return {"compute_basis": machine.basis(lay, comp),
             "oversubscription": lay.oversubscription, "compute_s": compute, "comm_s": comm_total,
             "exposed_comm_s": step - compute, "step_s": step, "component_comm": component_comm,
+            "first_forward_s": fwd / stretch / lay.strategy.micro_steps,  # (a step's first micro-batch's forward)
             "samples_per_s": lay.global_batch / step, "threads_per_rank": comp.threads,
             **machine.rates(t, lay, step),
             "scaling_efficiency": compute / step if step else None,

@@ -22,6 +22,7 @@ from distlab.models.lora import LoRASpec, apply as apply_lora
 from distlab.models.spec import Options
 from distlab.parallel import Strategy
 from distlab.parallel.offload import check_offload
+from distlab.parallel.step_ahead import check_overlap
 from distlab.train import pretrained as init_checks
 from distlab.train.fine_tuning import check_fine_tuning, spec_of_source as lora_from_spec
 from distlab.train.durations import parse_duration  # noqa: F401 - where the settings readers take it from
@@ -49,6 +50,7 @@ class TrainConfig:
     optimizer_state: str = "fp32"  # adam/adamw: the moments' dtype (bf16: low_precision_optim.Adam16)
     offload: str = "none"  # optimizer | params: the optimizer's state (and ZeRO-3's shards) off the device
     offload_dir: str | None = None  # where offloaded state goes: a file a rank (parallel.offload; on a CPU, needed)
+    offload_overlap: bool = False  # the offloaded step on a thread, overlapped with the next forward (step_ahead)
     momentum: float = 0.9
     weight_decay: float = 0.0
     clip_grad_norm: float | None = None  # scale each step's gradients to this global norm at most (None: never)
@@ -196,6 +198,7 @@ class TrainConfig:
                               f"{'a momentum buffer' if self.momentum else 'no state'}: use --optimizer adamw or drop "
                               f"--optimizer-state")
         check_offload(self.offload, self.offload_dir, self.strategy.zero, None)  # (the device's part: at launch)
+        check_overlap(self.offload_overlap, self.offload, self.strategy.zero, self.optimizer)
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
         _choice("data_on_device", self.data_on_device, ("auto", "on", "off"))

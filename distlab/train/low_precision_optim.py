@@ -17,6 +17,8 @@ parameters, the experts.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from distlab.parallel.offload import stepped_off_device
@@ -28,10 +30,11 @@ class Adam16(torch.optim.Optimizer):
     """Adam (``decoupled=False``: the weight decay an L2 term) or AdamW with moments stored in ``state_dtype``."""
 
     def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 decoupled: bool = True, state_dtype: torch.dtype = torch.bfloat16, offload=None):
+                 decoupled: bool = True, state_dtype: torch.dtype = torch.bfloat16, offload=None, ahead=None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled=decoupled))
         self.state_dtype = state_dtype
         self.offload = offload  # an OffloadStore: the state held there, each step on the host (parallel.offload)
+        self.ahead = ahead  # a StepAhead: step() launches the steps on its thread (parallel.step_ahead)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's, which casts floating-point state to its parameter's dtype and device -- then the moments back
@@ -56,16 +59,27 @@ class Adam16(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.ahead is not None:  # each parameter's step on the step thread, in order; the forward waits for it
+            self.ahead.launch([task for group in self.param_groups for task in self._tasks(group)])
+            return loss
         for group in self.param_groups:
             self._step_group(group)
         return loss
 
     def _step_group(self, group: dict) -> None:
-        for param in group["params"]:
-            if param.grad is not None:  # (a parameter without a gradient is left alone)
-                state = self.state[param]
-                with stepped_off_device(self.offload, param, state) as (p, grad):
-                    self._param_step(p, grad, state, group)
+        for _, run in self._tasks(group):
+            run()
+
+    def _tasks(self, group: dict) -> list:
+        """``(parameter, what steps it)`` for each parameter of ``group`` with a gradient (one without is left
+        alone): the gradient and the group's hyperparameters as they are now."""
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        return [(param, functools.partial(self._stepped, param, param.grad, self.state[param], hyper))
+                for param in group["params"] if param.grad is not None]
+
+    def _stepped(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+        with stepped_off_device(self.offload, param, state, grad) as (p, g):
+            self._param_step(p, g, state, group)
 
     def _param_step(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
         """One parameter's step (torch's single-tensor Adam) with its gradient and its state."""
@@ -94,9 +108,10 @@ class OffloadedSGD(Adam16):
     """torch's SGD (its single-tensor loop, line for line: no dampening, no Nesterov) with the momentum buffer held
     in an offload store (``--offload`` with ``--optimizer sgd``), each parameter stepped on the host."""
 
-    def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, offload=None):
+    def __init__(self, params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, offload=None,
+                 ahead=None):
         torch.optim.Optimizer.__init__(self, params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
-        self.state_dtype, self.offload = None, offload
+        self.state_dtype, self.offload, self.ahead = None, offload, ahead
 
     def _param_step(self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
         if group["weight_decay"]:

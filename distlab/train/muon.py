@@ -102,7 +102,7 @@ class Muon(Adam16):
         for whole in group["params"]:
             state = self.state[whole]
             levels = self.levels.get(whole, [])
-            with stepped_off_device(self.offload, whole, state) as (param, grad):  # (offloaded: on the host)
+            with stepped_off_device(self.offload, whole, state, whole.grad) as (param, grad):  # (offloaded: on the host)
                 grad = grad if grad is not None else torch.zeros_like(param)  # (every rank joins)
                 if not state:
                     state["momentum_buffer"] = self._zeros(param)

@@ -20,13 +20,14 @@ def decay_groups(cfg: TrainConfig) -> bool:
 
 def build_optimizer(params, cfg: TrainConfig, names: list[str] | None = None,
                     no_decay: set[str] = frozenset(), matrices: set[str] = frozenset(),
-                    levels: dict | None = None, offload=None) -> torch.optim.Optimizer:
+                    levels: dict | None = None, offload=None, ahead=None) -> torch.optim.Optimizer:
     """``optimizer`` at the effective LR (``lr`` scaled by ``lr_scaling`` for the global batch). AdamW with a
     weight decay gets two groups (:func:`decay_groups`): ``params`` whose whole-model name (``names``, in
     their order) is in ``no_decay`` go to the second, with no decay -- the same parameters on every layout,
     however ZeRO, tensor or pipeline parallel cut them. ``offload`` (an
     :class:`~distlab.parallel.offload.OffloadStore`): Adam's moments held there (torch's step, line for line, in
-    :class:`~distlab.train.low_precision_optim.Adam16`), each parameter stepped on the host."""
+    :class:`~distlab.train.low_precision_optim.Adam16`), each parameter stepped on the host; ``ahead`` (a
+    :class:`~distlab.parallel.step_ahead.StepAhead`, ``--offload-overlap``): those steps on its thread."""
     lr = cfg.effective_lr
     params = list(params)
     kernel = kernels(params)
@@ -41,13 +42,14 @@ def build_optimizer(params, cfg: TrainConfig, names: list[str] | None = None,
                     state_dtype=STATE_DTYPES[cfg.optimizer_state], offload=offload)
     if cfg.optimizer == "sgd" and offload is not None:  # its momentum buffer offloaded
         from distlab.train.low_precision_optim import OffloadedSGD
-        return OffloadedSGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, offload=offload)
+        return OffloadedSGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, offload=offload,
+                            ahead=ahead)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **kernel)
     if cfg.optimizer_state != "fp32" or offload is not None:  # the moments in bfloat16, or offloaded
         from distlab.train.low_precision_optim import STATE_DTYPES, Adam16
         kind = dict(decoupled=cfg.optimizer == "adamw", state_dtype=STATE_DTYPES[cfg.optimizer_state],
-                    offload=offload)
+                    offload=offload, ahead=ahead)
         if decay_groups(cfg) and names is not None:
             return Adam16([{"params": [p for p, n in zip(params, names) if n not in no_decay]},
                            {"params": [p for p, n in zip(params, names) if n in no_decay], "weight_decay": 0.0}],

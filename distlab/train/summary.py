@@ -124,14 +124,21 @@ def component_reports(engine) -> dict:
     return {"components": reported} if reported else {}
 
 
+def _overlapped(offload: dict) -> str:
+    o = offload.get("overlap")
+    return f"; its steps beside the forwards, which waited {o['forward_waited_s']:.2f} s for them" if o else ""
+
+
 def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
     """Every rank calls it (it reduces peaks over ranks); the result is the same everywhere."""
     cfg, rt, run, engine = trainer.cfg, trainer.rt, trainer.run, trainer.engine
     anon = anon_peak_mb()
     store = trainer.offload  # --offload: what its store holds (parallel.offload)
-    rss, state_bytes, anon, offloaded, steps_rss = reduce_scalars(
+    ahead = trainer.ahead  # --offload-overlap: how long the main thread waited for the steps it overlapped
+    rss, state_bytes, anon, offloaded, steps_rss, waited, forward_waited = reduce_scalars(
         [peak_rss_mb(), engine.peak_bytes, -1.0 if anon is None else anon, store.payload if store else 0,
-         trainer.steps_peak_rss_mb], op=dist.ReduceOp.MAX, device=rt.device)
+         trainer.steps_peak_rss_mb, ahead.waited_s if ahead else 0.0, ahead.forward_waited_s if ahead else 0.0],
+        op=dist.ReduceOp.MAX, device=rt.device)
     cuda_mb = None
     if rt.device.type == "cuda":
         cuda_mb, = reduce_scalars([torch.cuda.max_memory_allocated(rt.device) / 2**20], op=dist.ReduceOp.MAX,
@@ -206,7 +213,11 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
         **({"offload": {"mode": cfg.offload, "bytes_per_rank": int(offloaded), "where": str(store.directory)
                         if store.directory else "pinned host memory",
                         "basis": "bytes of the tensors held off the device (max over ranks); a file rounds each "
-                                 "to whole pages"}} if store else {}),
+                                 "to whole pages",
+                        **({"overlap": {"waited_s": waited, "forward_waited_s": forward_waited,
+                                        "basis": "seconds the training thread waited for the optimizer steps run "
+                                                 "beside it (max over ranks): in all, and in the forwards"}}
+                           if ahead else {})}} if store else {}),
         "wall_time_s": wall_s,
         "time_used_s": run.time_used(),
         "time_budget_s": cfg.time_budget_s,
@@ -341,7 +352,7 @@ def print_summary(summary: dict, out: str | None) -> None:
         ("model state/rank", _fmt(None if s.get("model_state_bytes_per_rank") is None
                                   else s["model_state_bytes_per_rank"] / 2**20, ".2f", " MiB (peak)")),
         *([("offloaded/rank", f"{s['offload']['bytes_per_rank'] / 2**20:.2f} MiB ({s['offload']['mode']}, in "
-                              f"{s['offload']['where']})")] if s.get("offload") else []),
+                              f"{s['offload']['where']})" + _overlapped(s['offload']))] if s.get("offload") else []),
         ("peak RSS per rank", _fmt(s["peak_rss_mb"], ".0f", " MB")
          + (f" ({s['peak_anon_rss_mb']:.0f} MB anonymous; the rest mapped files the kernel caches)"
             if s.get("peak_anon_rss_mb") is not None else "")),

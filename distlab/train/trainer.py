@@ -107,8 +107,13 @@ class Trainer:
         names = [p["name"] for p in placement_of(self.engine)["params"]] if no_decay or made.matrices else None
         levels = levels_of(self.engine) if made.matrices else None  # Muon: how each matrix is cut here
         # with a fused optimizer the gradients' verdict stays on the device, read where the loop must (_diverged)
+        self.ahead = None  # --offload-overlap: the offloaded steps on a thread, the next forward waiting for them
+        if cfg.offload_overlap:
+            from distlab.parallel.step_ahead import StepAhead
+            self.ahead = StepAhead()
+            self.ahead.watch(self.engine.module)
         self.optimizer = self.engine.attach(build_optimizer(self.engine.parameters(), cfg, names, no_decay,
-                                                            made.matrices, levels, made.offload),
+                                                            made.matrices, levels, made.offload, self.ahead),
                                             verdict_on_device=True)
         if cfg.ppo_epochs > 1:  # GRPO: each rollout batch trains ppo_epochs steps
             from distlab.train.grpo import Repeated
@@ -172,6 +177,8 @@ class Trainer:
                                    self.run.resumed_from, self.cfg.snapshot_dir) from exc
             raise
         finally:
+            if self.ahead is not None:  # (the steps in flight finish: what the run writes read them)
+                self.ahead.close()
             self.tb.close()
             self.run.end()  # the directories' locks
 
@@ -207,6 +214,8 @@ class Trainer:
         # the scheduler repeating it) must not kill a rank in the middle of the snapshot the run stops with
         with Preemption() as preemption:
             stopped = self._loop(times, preemption)
+            if self.ahead is not None:  # (the last step's, before the final writes read it)
+                self.ahead.settle()
             preemption.settle()
             return self._finish(stopped, times, start)
 
@@ -286,6 +295,8 @@ class Trainer:
             clock.start()
             with timeline.span("data"):
                 x, y, fields = moved(next(batches), self.rt.device)
+            if self.ahead is not None and cfg.reward is not None:  # (a rollout generates with the whole model)
+                self.ahead.settle()
             x, y, fields = self.objective.batch(x, y, fields, run.step + 1)  # GRPO: the prompts' rollout
             lr = self.optimizer.param_groups[0]["lr"]
             sent = comm.bytes_sent()  # the step's bytes: the counter's growth (one read each side)
@@ -300,6 +311,8 @@ class Trainer:
                 self._nonfinite = f"step {run.step + 1}: {exc}"
                 return "non_finite"
             sent = comm.bytes_sent() - sent
+            if first and self.ahead is not None:  # (what reads the model or the optimizer sees the whole step)
+                self.ahead.settle()
             if first:  # gradients and optimizer state all exist now: the peak of plain DP
                 engine.observe()
                 anon_rss_mb()  # the anonymous memory's peak, read here and at every log line
@@ -310,6 +323,8 @@ class Trainer:
             run.advance(loss)
             self.steps_this_attempt += 1
             self.bar.update(1)
+            if self.hooks and self.ahead is not None:
+                self.ahead.settle()
             for hook in self.hooks:
                 hook(run.step)
             last = run.step >= self.total_steps
@@ -319,6 +334,8 @@ class Trainer:
             scheduled = run.step % cfg.log_every == 0 or sample or (due_eval and cfg.eval_every)
             due_log = scheduled or last
             due_snapshot = run.snapshot_due(self.total_steps)
+            if self.ahead is not None and (due_log or due_eval or due_snapshot or sample or cfg.time_budget_s):
+                self.ahead.settle()
             if due_log or due_eval or due_snapshot or cfg.time_budget_s or run.step % READ_EVERY == 0:
                 if self._diverged():
                     return "non_finite"
