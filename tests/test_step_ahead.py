@@ -10,13 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from distlab import runtime
 from distlab.launch.spawn import run_ranks
 from distlab.parallel.offload import OffloadStore
 from distlab.parallel.step_ahead import StepAhead
-from distlab.train import Trainer, TrainConfig
+from distlab.train import TrainConfig
 from distlab.train.low_precision_optim import Adam16
 from tests.conftest import patience
+from tests.test_muon import _train
 
 TINY = ["--model", "gpt", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
         "--dataset", "synthetic-text:4000", "--global-batch-size", "8", "--optimizer", "adamw"]
@@ -50,21 +50,12 @@ def _cfg(tmp, **kw):
                                             offload="optimizer", offload_dir=tmp), **kw})
 
 
-def _final_parameters(rank, world, cfgs):
-    out = []
-    for cfg in cfgs:
-        trainer = Trainer(cfg.validate(world), runtime.from_process_group())
-        trainer.fit()
-        out.append(trainer.full_parameters())
-    return out
-
-
 def test_tensor_parallel_a_pipeline_and_the_experts_overlapped_are_their_runs_without(tmp_path):
     """Each layout's slices, stage or experts stepped beside the next forward: bit for bit the run without."""
     layouts = [dict(tp=2), dict(pp=2, microbatches=2), dict(ep=2, model="gpt-moe")]
     cfgs = [_cfg(str(tmp_path / f"{i}-{overlap}"), **kw, offload_overlap=overlap)
             for i, kw in enumerate(layouts) for overlap in (False, True)]
-    runs = run_ranks(_final_parameters, 2, cfgs, timeout=patience(300))[0]
+    runs = run_ranks(_train, 2, cfgs, False, timeout=patience(300))[0]  # (each run's final parameters)
     for i, kw in enumerate(layouts):
         plain, overlapped = runs[2 * i], runs[2 * i + 1]
         assert all(torch.equal(a, b) for a, b in zip(plain, overlapped)), kw
