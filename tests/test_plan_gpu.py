@@ -416,8 +416,9 @@ def test_hybrid_sharding_keeps_the_gathers_on_a_node_and_wins_where_the_network_
 
 def test_an_overlapped_offload_hides_its_host_link_behind_the_next_steps_first_forward(small_lm, tmp_path):
     """``--offload-overlap``: of the bytes over PCIe, the next step's first forward (its first micro-batch: every
-    parameter is read there) hides up to its own time -- half as much over 2 accumulated micro-batches; the command
-    takes it and refuses it where it cannot run."""
+    parameter is read there) hides up to its own time -- half as much over 2 accumulated micro-batches; a search tries
+    it under ZeRO-3 (not ZeRO-1/2, which gather the updated shards right after the step); the command takes it and
+    refuses it where it cannot run."""
     import dataclasses
     base = Layout(dp=8, strategy=Strategy(precision="bf16"), optimizer="adamw", global_batch=64, offload="optimizer")
     waited = predict(small_lm, base, Link(), None, Cluster(H100, 1))
@@ -426,6 +427,9 @@ def test_an_overlapped_offload_hides_its_host_link_behind_the_next_steps_first_f
     assert o["hidden_s"] == min(o["seconds_per_step"], over["first_forward_s"]) > 0
     assert waited["offload"]["hidden_s"] == 0
     assert over["step_s"] == pytest.approx(waited["step_s"] - o["hidden_s"])
+    levers = {(lay.zero, lay.offload, lay.offload_overlap) for lay in candidates(small_lm, base, 8, 8)}
+    assert {(3, "params", True), (3, "optimizer", True)} <= levers
+    assert not any(zero in (1, 2) and overlap for zero, _, overlap in levers)
     accum = dataclasses.replace(base, strategy=Strategy(precision="bf16", grad_accum=2), offload_overlap=True)
     assert predict(small_lm, accum, Link(), None, Cluster(H100, 1))["first_forward_s"] == \
         pytest.approx(over["first_forward_s"] / 2)
@@ -434,5 +438,5 @@ def test_an_overlapped_offload_hides_its_host_link_behind_the_next_steps_first_f
     code, out, err = invoke([*sizes, "--json", str(tmp_path / "p.json")], tmp_path)
     assert code == 0, err
     assert json.loads((tmp_path / "p.json").read_text())["layout"]["offload_overlap"] is True
-    code, out, err = invoke([*sizes, "--zero", "3"], tmp_path)
-    assert code == 2 and "ZeRO-3 prefetches" in err, err
+    code, out, err = invoke([*sizes, "--zero", "2"], tmp_path)
+    assert code == 2 and "ZeRO-2 all-gathers the updated shards" in err, err

@@ -207,12 +207,13 @@ def offload_overlap(data: dict) -> str:
     the step time (median of the rounds, its range; the speedup the median of the rounds' ratios) and how long the
     training thread waited for the overlapped steps, in the forwards and in all (medians, over the run)."""
     from distlab.bench.common import format_table
-    rows = [[str(r["ranks"]), "overlapped" if r["overlap"] else "waited for", str(r["runs"]),
+    rows = [[r.get("layout", "dp"), r.get("offload", "optimizer"), str(r["ranks"]),
+             "overlapped" if r["overlap"] else "waited for", str(r["runs"]),
              f"{1000 * r['step_s']:.0f} ({1000 * r['step_s_range'][0]:.0f}-{1000 * r['step_s_range'][1]:.0f})",
              f"{r['speedup']:.2f}x ({r['speedup_range'][0]:.2f}-{r['speedup_range'][1]:.2f})",
              f"{r['forward_waited_s']:.2f} s / {r['waited_s']:.2f} s" if r["overlap"] else "--",
              "yes" if r["same_loss"] else "no"] for r in data["rows"]]
-    return format_table(["ranks", "step", "runs", "ms/step (range)", "speedup", "waited: in forwards / in all",
+    return format_table(["layout", "offload", "ranks", "step", "runs", "ms/step (range)", "speedup", "waited: in forwards / in all",
                          "same loss"], rows, markdown=True)
 
 

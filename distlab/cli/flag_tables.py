@@ -129,7 +129,7 @@ TRAIN_OPTIONS = [
                          "snapshots keep the state as always.")),
     ("offload_overlap", dict(is_flag=True, help="With --offload optimizer: each step's offloaded update on a thread "
                              "of its own, the next forward waiting layer by layer for the parameters it reads (the "
-                             "same update, bit for bit; not with ZeRO or Muon).")),
+                             "same update, bit for bit; with ZeRO-3 too, not ZeRO-1/2 or Muon).")),
     ("lr_schedule", dict(help="constant, cosine or linear decay to 0.")),
     ("momentum", dict(type=float, help="SGD momentum.")),
     ("weight_decay", dict(type=float)),

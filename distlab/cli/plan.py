@@ -53,8 +53,8 @@ PLANNED_FIELDS = ("dp_sync", "collective", "bucket_mb", "grad_accum", "tp", "seq
                 ("optimizer_state", dict(help="adam/adamw: the moments' dtype, fp32 or bf16 (2 bytes each).")),
                 ("offload", dict(help="none, optimizer (the optimizer's state off the device) or params (with zero 3: "
                                  "the parameter shards too); priced as bytes held off the device and moved a step.")),
-                ("offload_overlap", dict(is_flag=True, help="With offload optimizer (no ZeRO, not Muon): the host's "
-                                         "step beside the next step's first forward, which hides up to its time.")),
+                ("offload_overlap", dict(is_flag=True, help="With offload (not ZeRO-1/2, not Muon): the host's step "
+                                         "beside the next step's first forward, which hides up to its time.")),
                 ("global_batch_size", dict(type=int, aliases=("--global-batch",),
                                            help="Global batch, as train's; with --sweep its per-rank share at --dp "
                                                 "is kept at every size (weak scaling)."))])

@@ -6,7 +6,8 @@ host, reading and writing the state's file -- and the device waits for all of it
 its first layer needs the first layer's parameters. So :class:`StepAhead` runs the step on a thread of its own,
 parameter by parameter in the optimizer's order (the model's, which is the forward's), and the next forward waits,
 module by module, only for the parameters that module reads (a forward pre-hook on every module that holds
-parameters of its own: :meth:`StepAhead.watch`). The update is the same arithmetic on the same values in the same
+parameters of its own: :meth:`StepAhead.watch`; under ZeRO-3, whose forward reads a unit's shards when it gathers
+them -- its prefetch a unit ahead -- the gather waits for them: :func:`ready`). The update is the same arithmetic on the same values in the same
 order -- a run with the overlap is its run without, bit for bit -- only *when* the main thread waits for it
 changes.
 
@@ -17,9 +18,8 @@ gradient (the next step's ``zero_grad`` sets ``.grad`` to None; the tensor the t
 its group's hyperparameters (the scheduler changes the learning rate right after).
 
 Where it cannot overlap, the run refuses it (``TrainConfig.validate``): ZeRO 1-2 all-gather the updated shards
-right after the step (nothing is left to overlap), ZeRO-3 prefetches a unit's shards before that unit's forward
-(so before its step could be waited for there), and Muon's step gathers a matrix cut over ranks to its owner (a
-collective on another thread, out of step with the forward's).
+right after the step (nothing is left to overlap), the plain ZeRO-3 gathers without asking, and Muon's step gathers
+a matrix cut over ranks to its owner (a collective on another thread, out of step with the forward's).
 """
 
 from __future__ import annotations
@@ -35,19 +35,30 @@ from distlab.errors import ConfigError
 from distlab.runtime import timeline
 
 
-def check_overlap(overlap: bool, offload: str, zero: int, optimizer: str) -> None:
+_ACTIVE: "StepAhead | None" = None  # the run's, while it watches a model: what ZeRO-3's gathers wait on (ready)
+
+
+def ready(params: Iterable[torch.Tensor]) -> None:
+    """Before reading ``params`` outside their module's forward (ZeRO-3's gather of a unit's shards): wait for the
+    steps of those still running, where a :class:`StepAhead` is active (nothing otherwise)."""
+    if _ACTIVE is not None:
+        _ACTIVE.read(params)
+
+
+def check_overlap(overlap: bool, offload: str, strategy, optimizer: str) -> None:
     """Where ``--offload-overlap`` can run (module docstring); one line where it cannot."""
     if not overlap:
         return
+    zero = strategy.zero
     if offload == "none":
         raise ConfigError("--offload-overlap overlaps the offloaded optimizer step with the next forward: give "
                           "--offload optimizer too, or drop --offload-overlap")
     if zero in (1, 2):
         raise ConfigError(f"--offload-overlap with --zero {zero}: ZeRO-{zero} all-gathers the updated shards right "
                           f"after the step, so nothing is left to overlap it with; drop --offload-overlap")
-    if zero == 3:
-        raise ConfigError("--offload-overlap with --zero 3: ZeRO-3 prefetches a unit's shards before that unit's "
-                          "forward, before its step could be waited for there -- not built; drop --offload-overlap")
+    if zero == 3 and strategy.zero_impl != "tuned":
+        raise ConfigError(f"--offload-overlap with --zero-impl {strategy.zero_impl}: only the tuned ZeRO-3's gathers "
+                          f"wait for their shards' steps; use --zero-impl tuned or drop --offload-overlap")
     if optimizer == "muon":
         raise ConfigError("--offload-overlap with --optimizer muon: Muon's step gathers each matrix cut over ranks "
                           "to its owner, a collective that cannot run beside the forward's; drop --offload-overlap")
@@ -101,13 +112,17 @@ class StepAhead:
         for module in model.modules():
             own = list(module.parameters(recurse=False))
             if own:  # (a compiled block calls the hook as it is, not traced)
-                wait = torch.compiler.disable(lambda _module, _args, own=own: self._before_forward(own))
+                wait = torch.compiler.disable(lambda _module, _args, own=own: self.read(own))
                 self._hooks.append(module.register_forward_pre_hook(wait, prepend=True))
+        global _ACTIVE
+        _ACTIVE = self
 
-    def _before_forward(self, own: list[torch.Tensor]) -> None:
-        for p in own:
+    def read(self, params: Iterable[torch.Tensor]) -> None:
+        """The forward reads ``params`` now: their place in its order (the first time), and their steps waited for."""
+        params = list(params)
+        for p in params:
             self._order.setdefault(id(p), len(self._order))
-        self.wait(own)
+        self.wait(params)
 
     def close(self) -> None:
         """Settle quietly (a run that failed says why itself), unhook, and end the thread."""
@@ -118,6 +133,9 @@ class StepAhead:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        global _ACTIVE
+        if _ACTIVE is self:
+            _ACTIVE = None
         self._pool.shutdown(wait=True)
 
 

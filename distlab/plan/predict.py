@@ -51,7 +51,7 @@ class Layout:
             raise ConfigError(f"`dp` {self.dp} must be at least 1")
         self.strategy.check(self.world)
         self.strategy.check_batch(self.global_batch, self.world)
-        check_overlap(self.offload_overlap, self.offload, self.zero, self.optimizer)
+        check_overlap(self.offload_overlap, self.offload, self.strategy, self.optimizer)
         return self
 
     @property

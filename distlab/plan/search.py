@@ -7,7 +7,8 @@ parallel (a divisor of the window that leaves each rank whole chunks), expert pa
 experts, ZeRO stages 1-3 (ZeRO-1 where a pipeline runs: a stage's shards are its own; each over every replica or,
 where the replicas span nodes, hybrid over a node's of them), activation
 checkpointing (none, every block, one block in two, per op: :data:`AC_MODES`) and the memory levers (bf16 moments,
-the optimizer's state offloaded, under ZeRO-3 the shards too: :data:`LEVERS`) -- data parallel taking what is left;
+the optimizer's state offloaded, under ZeRO-3 the shards too, either's step beside the next forward where the
+layout allows: :data:`LEVERS`) -- data parallel taking what is left;
 each is checked as a run checks it
 (:meth:`~distlab.parallel.Strategy.check`, the batch's split), so what the search proposes a run accepts.
 :func:`search` predicts each on the cluster (:func:`~distlab.plan.predict.predict`), keeps those whose peak
@@ -35,27 +36,30 @@ def _divisors(n: int, most: int) -> list[int]:
 
 SEARCHED = ("tp", "pp", "cp", "ep", "zero", "dp_shard", "activation_checkpointing", "ac_every", "ac_policy",
             "sequence_parallel", "microbatches", "pp_schedule", "pp_virtual")  # the strategy's fields a search chooses
-# the memory levers beside the strategy: (optimizer state dtype, offload) -- bf16 moments for Adam's family, the
-# optimizer's state off the device, and under ZeRO-3 the shards too (distlab.parallel.offload)
-LEVERS = (("fp32", "none"), ("bf16", "none"), ("fp32", "optimizer"), ("fp32", "params"))
-LEVER_FIELDS = ("optimizer_state", "offload")
+# the memory levers beside the strategy: (optimizer state dtype, offload, its step overlapped) -- bf16 moments for
+# Adam's family, the optimizer's state off the device, under ZeRO-3 the shards too, each offload's step beside the
+# next forward where the layout allows (distlab.parallel.offload, step_ahead)
+LEVERS = (("fp32", "none", False), ("bf16", "none", False), ("fp32", "optimizer", False), ("fp32", "optimizer", True),
+          ("fp32", "params", False), ("fp32", "params", True))
+LEVER_FIELDS = ("optimizer_state", "offload", "offload_overlap")
 
 
 def _levers(lay: Layout, fixed: dict) -> Iterator[Layout]:
     """``lay`` with each memory lever that applies to it (and keeps what ``fixed`` holds)."""
-    for state, off in LEVERS:
-        if (off == "params" and lay.zero != 3) or (state != "fp32" and lay.optimizer == "sgd"):
+    for state, off, overlap in LEVERS:
+        if (off == "params" and lay.zero != 3) or (state != "fp32" and lay.optimizer == "sgd") or \
+                (overlap and (lay.zero in (1, 2) or lay.optimizer == "muon")):
             continue
-        if fixed.get("optimizer_state", state) != state or fixed.get("offload", off) != off:
+        if any(fixed.get(k, v) != v for k, v in zip(LEVER_FIELDS, (state, off, overlap))):
             continue
-        yield replace(lay, optimizer_state=state, offload=off)
+        yield replace(lay, optimizer_state=state, offload=off, offload_overlap=overlap)
 
 
 def label(lay: Layout) -> str:
     """A searched layout in the strategy's text form, its memory levers after it (``+state=bf16``,
-    ``+offload=params``)."""
+    ``+offload=params``, ``+overlap``: the offloaded step beside the next forward)."""
     return str(lay.strategy) + (f"+state={lay.optimizer_state}" if lay.optimizer_state != "fp32" else "") + \
-        (f"+offload={lay.offload}" if lay.offload != "none" else "")
+        (f"+offload={lay.offload}" if lay.offload != "none" else "") + ("+overlap" if lay.offload_overlap else "")
 
 
 def _shard_groups(zero: int, replicas: int, local: int) -> list[int]:
@@ -195,4 +199,4 @@ def why(fit: list[dict]) -> str:
 def _shape(p: dict) -> tuple:
     lay = p["layout"]
     return (lay["tp"] > 1, lay["pp"] > 1, lay["cp"] > 1, lay["zero"], bool(lay.get("dp_shard")), lay.get("offload"),
-            lay.get("optimizer_state"))
+            lay.get("offload_overlap"), lay.get("optimizer_state"))

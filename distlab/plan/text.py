@@ -198,13 +198,14 @@ def format_search(r: dict) -> str:
     from distlab.plan.search import kept
     nodes = f"{c['nodes']} node{'s' if c['nodes'] != 1 else ''}"
     keeping = f", {kept(r['fixed'])} kept" if r.get("fixed") else ""
+    w = max([44] + [len(p["strategy_text"]) for p in r["ranked"]])  # the longest layout, whole
     lines = [f"search        {r['gpus']} x {c['machine']} ({nodes}){keeping}: {r['tried']} layouts tried, "
              f"{r['fit']} fit in its {c['memory_gib']:g} GiB",
-             f"{'#':>2} {'layout':<44} {'tokens/s/GPU':>12} {'MFU':>6} {'memory':>10} {'bubble':>7} "
+             f"{'#':>2} {'layout':<{w}} {'tokens/s/GPU':>12} {'MFU':>6} {'memory':>10} {'bubble':>7} "
              f"{'exposed comm':>12} {'step':>9}"]
     for i, p in enumerate(r["ranked"], 1):
         bubble = p.get("pipeline", {}).get("bubble_ideal", 0.0)
-        lines.append(f"{i:>2} {p['strategy_text'][:44]:<44} {p['tokens_per_s_per_gpu']:>12,.0f} {p['mfu']:>6.1%} "
+        lines.append(f"{i:>2} {p['strategy_text']:<{w}} {p['tokens_per_s_per_gpu']:>12,.0f} {p['mfu']:>6.1%} "
                      f"{_gib(p['memory_bytes_per_rank']):>10} {bubble:>7.2f} {_ms(p['exposed_comm_s']):>12} "
                      f"{_ms(p['step_s']):>9}")
     lines += ["", "why           " + r["why"].replace("\n", "\n              ")]

@@ -198,7 +198,7 @@ class TrainConfig:
                               f"{'a momentum buffer' if self.momentum else 'no state'}: use --optimizer adamw or drop "
                               f"--optimizer-state")
         check_offload(self.offload, self.offload_dir, self.strategy.zero, None)  # (the device's part: at launch)
-        check_overlap(self.offload_overlap, self.offload, self.strategy.zero, self.optimizer)
+        check_overlap(self.offload_overlap, self.offload, self.strategy, self.optimizer)
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _choice("lr_scaling", self.lr_scaling, LR_SCALINGS)
         _choice("data_on_device", self.data_on_device, ("auto", "on", "off"))

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from distlab import comm
+from distlab.parallel import step_ahead
 from distlab.parallel.checkpointing import recomputing
 from distlab.parallel.zero.units import Unit, describe
 from distlab.runtime import timeline
@@ -129,7 +130,9 @@ class GatherOnDemand:
         """All-gather the shards of ``units`` into their full parameters. Every collective is
         started before the first is waited for (native: ``async_op``; distlab's algorithms: on the
         communication thread when there is one); ``wait=False`` returns them unfinished, for
-        :meth:`_finish_gather`."""
+        :meth:`_finish_gather`. (``--offload-overlap``: the shards' steps, still running beside the forward, are
+        waited for first.)"""
+        step_ahead.ready(u.shard for u in units if u.trainable)
         for u in units:
             u.materialize()
         pending = []
