@@ -4,12 +4,13 @@ An offloaded step (:mod:`distlab.parallel.offload`) runs each parameter's update
 host, reading and writing the state's file -- and the device waits for all of it before the next forward: the
 3-10x slower step ``pytorch#74588`` measured. Nothing in the next forward needs *every* parameter at once, though:
 its first layer needs the first layer's parameters. So :class:`StepAhead` runs the step on a thread of its own,
-parameter by parameter in the optimizer's order (the model's, which is the forward's), and the next forward waits,
-module by module, only for the parameters that module reads (a forward pre-hook on every module that holds
-parameters of its own: :meth:`StepAhead.watch`; under ZeRO-3, whose forward reads a unit's shards when it gathers
-them -- its prefetch a unit ahead -- the gather waits for them: :func:`ready`). The update is the same arithmetic on the same values in the same
-order -- a run with the overlap is its run without, bit for bit -- only *when* the main thread waits for it
-changes.
+parameter by parameter in the order the last forward first read them (not the optimizer's groups': AdamW's
+undecayed group holds the embedding the forward starts with), and the next forward waits, module by module, only
+for the parameters that module reads (a forward pre-hook on every module that holds parameters of its own:
+:meth:`StepAhead.watch`; under ZeRO-3, whose forward reads a unit's shards when it gathers them -- its prefetch a
+unit ahead -- the gather waits for them: :func:`ready`). The update is the same arithmetic on the same values in
+the same order -- a run with the overlap is its run without, bit for bit -- only *when* the main thread waits for
+it changes.
 
 What must see the whole step first waits for all of it (:meth:`StepAhead.settle`): anything between steps that
 reads the model or the optimizer -- an evaluation, a snapshot, a sample, a log line, a GRPO rollout, the end of the
