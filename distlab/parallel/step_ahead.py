@@ -13,7 +13,7 @@ the same order -- a run with the overlap is its run without, bit for bit -- only
 it changes.
 
 What must see the whole step first waits for all of it (:meth:`StepAhead.settle`): anything between steps that
-reads the model or the optimizer -- an evaluation, a snapshot, a sample, a log line, a GRPO rollout, the end of the
+reads the model or the optimizer -- an evaluation, a snapshot, a sample, a GRPO rollout, the end of the
 run -- and the next step's launch. What the thread reads is fixed when the step is launched: each parameter's
 gradient (the next step's ``zero_grad`` sets ``.grad`` to None; the tensor the thread holds is not touched) and
 its group's hyperparameters (the scheduler changes the learning rate right after).

@@ -35,6 +35,7 @@ FEATURES: dict[str, str] = {
     "fp16 compression": "+compress=fp16",
     "offload optimizer": "+offload=optimizer",
     "offload params": "+offload=params",
+    "offload, overlapped": "+offload=optimizer,overlap",
 }
 
 # layout -> (its strategy text, the world it runs on)

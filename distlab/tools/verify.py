@@ -59,7 +59,6 @@ from distlab.tools.bounds import EPS32, UNIT_ROUNDOFF, evaluation_tolerance, gra
     step_tolerance, sum_tolerance  # noqa: F401 (verify's bounds, where the tests and tools read them)
 
 
-
 def verify_sizes() -> dict:
     """The small models' sizes (a case's ``+NAME=N`` sets any other option of its model's)."""
     return {"mlp_widths": (32, 16), "n_layer": 2, "n_head": 4, "n_embd": 16}
@@ -94,7 +93,7 @@ class Case:
     dpo: bool = False  # +dpo: DPO on generated preference pairs (the reference: the starting model)
     pack: bool = False  # +pack: generated fine-tuning records packed into windows, each attending to itself only
     grpo: bool = False  # +grpo: GRPO from a reward on generated prompts (rollouts, advantages, a KL to the start)
-    offload: str = "none"  # +offload=optimizer (or params): the optimizer's state (and the shards) in a file
+    offload: str = "none"  # +offload=optimizer (or params; ",overlap": its step beside the next forward): in a file
 
     @property
     def name(self) -> str:
@@ -180,8 +179,9 @@ def default_strategies(world_size: int | None = None) -> list[Case]:
         out += [Strategy("allreduce", tp=2), Strategy("allreduce", tp=2, tp_style="naive")]
         out += [Strategy("bucketed", pp=2, microbatches=3), Strategy("allreduce", pp=2, microbatches=4, pp_schedule="gpipe")]
     cases = [Case(s) for s in out] + [Case(Strategy(zero=2), clip=CLIP_NORM)]  # clipping over ZeRO's shards
-    # offload: SGD's momentum in a file beside data parallel; ZeRO-3's shards and their state there; TP's slices
-    cases += [Case(Strategy("bucketed"), offload="optimizer"), Case(Strategy(zero=3), offload="params")]
+    # offload: SGD's momentum in a file beside DP; ZeRO-3's shards and state there (each step beside the next forward)
+    offloads = ((Strategy("bucketed"), "optimizer"), (Strategy(zero=3), "params"))
+    cases += [Case(s, offload=o + w) for s, o in offloads for w in ("", ",overlap")]
     even = bool(world_size) and world_size % 2 == 0
     cases += [Case(Strategy("allreduce", tp=2), model="gpt", offload="optimizer")] if even else []
     # compiled transformer blocks, ZeRO-3's gathers between their pieces, recomputed by checkpointing
@@ -313,8 +313,9 @@ def config_for(case: Case, world_size: int, steps: int, global_batch: int | None
                        global_batch_size=batch, lr=0.005 if case.optimizer == "adam" else 0.05,
                        lr_schedule="constant", momentum=0.9, optimizer=case.optimizer, seed=seed, log_every=1,
                        clip_grad_norm=case.clip, label_smoothing=case.smoothing, lora=case.lora,
-                       base_dtype=case.base_dtype, **(GRPO if case.grpo else {}), offload=case.offload,
+                       base_dtype=case.base_dtype, **(GRPO if case.grpo else {}), offload=case.offload.split(",")[0],
                        offload_dir=scratch("offload") if case.offload != "none" else None,
+                       offload_overlap=case.offload.endswith(",overlap"),
                        progress=False, verbose=False, eval_every_epoch=False, eval_batches=1,  # (compared: the
                        strategy=strategy).validate(world_size)  # parameters and losses; the test set is not read)
 

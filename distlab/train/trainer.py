@@ -334,7 +334,8 @@ class Trainer:
             scheduled = run.step % cfg.log_every == 0 or sample or (due_eval and cfg.eval_every)
             due_log = scheduled or last
             due_snapshot = run.snapshot_due(self.total_steps)
-            if self.ahead is not None and (due_log or due_eval or due_snapshot or sample or cfg.time_budget_s):
+            if self.ahead is not None and (due_eval or due_snapshot or sample or cfg.time_budget_s):  # (a log line
+                # reads the step's loss and gradient norm, not the model)
                 self.ahead.settle()
             if due_log or due_eval or due_snapshot or cfg.time_budget_s or run.step % READ_EVERY == 0:
                 if self._diverged():
