@@ -79,6 +79,8 @@ def _losses(tmp_path, ahead: StepAhead | None, watch: bool = True, gate: threadi
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     if ahead is not None and watch:
         ahead.watch(model)
+    elif ahead is not None:
+        ahead.active = True  # (it launches the steps, but no forward waits for them)
     x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
     store = OffloadStore(tmp_path / ("ahead" if ahead else "plain"), rank=0)
     opt = Gated(model.parameters(), lr=0.05, weight_decay=0.1, state_dtype=None, offload=store, ahead=ahead)

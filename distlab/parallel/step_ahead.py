@@ -67,15 +67,19 @@ def check_overlap(overlap: bool, offload: str, strategy, optimizer: str) -> None
 
 class StepAhead:
     """One rank's optimizer steps on a thread of their own: launched after the gradient sync, waited for per
-    parameter by the forward that reads it, or all at once."""
+    parameter by the forward that reads it, or all at once. ``model``: the one it watches (:meth:`watch`); None: it
+    launches nothing (the optimizer steps as it always does) and every wait returns at once."""
 
-    def __init__(self):
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="distlab-step-ahead")
+    def __init__(self, model: nn.Module | None = None):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="distlab-step-ahead")  # (its thread: at the first step)
         self._pending: dict[int, Future] = {}  # id(parameter) -> its step, not yet waited for
         self._order: dict[int, int] = {}  # id(parameter) -> its place in the order the forward first read them
         self._hooks: list = []
         self.waited_s = 0.0  # seconds the main thread waited for steps: in forwards and at settles
         self.forward_waited_s = 0.0  # ... of them in forwards (what the overlap left unhidden there)
+        self.active = False  # whether it watches a model: the optimizer launches its steps here
+        if model is not None:
+            self.watch(model)
 
     def launch(self, tasks: list[tuple[torch.Tensor, Callable[[], None]]]) -> None:
         """Run ``tasks`` (a parameter, and what steps it) on the step thread, after the last launch's have all
@@ -116,7 +120,7 @@ class StepAhead:
                 wait = torch.compiler.disable(lambda _module, _args, own=own: self.read(own))
                 self._hooks.append(module.register_forward_pre_hook(wait, prepend=True))
         global _ACTIVE
-        _ACTIVE = self
+        _ACTIVE, self.active = self, True
 
     def read(self, params: Iterable[torch.Tensor]) -> None:
         """The forward reads ``params`` now: their place in its order (the first time), and their steps waited for."""
@@ -137,6 +141,7 @@ class StepAhead:
         global _ACTIVE
         if _ACTIVE is self:
             _ACTIVE = None
+        self.active = False
         self._pool.shutdown(wait=True)
 
 

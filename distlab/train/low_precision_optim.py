@@ -59,7 +59,8 @@ class Adam16(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.ahead is not None:  # each parameter's step on the step thread, in order; the forward waits for it
+        if self.ahead is not None and self.ahead.active:  # each parameter's step on the step thread; the forward
+            # waits for it
             self.ahead.launch([task for group in self.param_groups for task in self._tasks(group)])
             return loss
         for group in self.param_groups:

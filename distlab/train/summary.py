@@ -137,7 +137,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
     ahead = trainer.ahead  # --offload-overlap: how long the main thread waited for the steps it overlapped
     rss, state_bytes, anon, offloaded, steps_rss, waited, forward_waited = reduce_scalars(
         [peak_rss_mb(), engine.peak_bytes, -1.0 if anon is None else anon, store.payload if store else 0,
-         trainer.steps_peak_rss_mb, ahead.waited_s if ahead else 0.0, ahead.forward_waited_s if ahead else 0.0],
+         trainer.steps_peak_rss_mb, ahead.waited_s, ahead.forward_waited_s],
         op=dist.ReduceOp.MAX, device=rt.device)
     cuda_mb = None
     if rt.device.type == "cuda":
@@ -217,7 +217,7 @@ def summarize(trainer, stopped: str, times: StepTimes, wall_s: float) -> dict:
                         **({"overlap": {"waited_s": waited, "forward_waited_s": forward_waited,
                                         "basis": "seconds the training thread waited for the optimizer steps run "
                                                  "beside it (max over ranks): in all, and in the forwards"}}
-                           if ahead else {})}} if store else {}),
+                           if cfg.offload_overlap else {})}} if store else {}),
         "wall_time_s": wall_s,
         "time_used_s": run.time_used(),
         "time_budget_s": cfg.time_budget_s,

@@ -26,6 +26,7 @@ from distlab.errors import ConfigError, FinalWriteError, NonFiniteError, first_l
 from distlab.models.packing import moved, split
 from distlab.parallel import Mesh
 from distlab.parallel.placement import placement_of
+from distlab.parallel.step_ahead import StepAhead
 from distlab.runtime import Runtime, comm_failure, is_comm_failure, reduce_scalars, timeline, \
     tune_host_allocator
 from distlab.train.clock import StepClock
@@ -107,11 +108,8 @@ class Trainer:
         names = [p["name"] for p in placement_of(self.engine)["params"]] if no_decay or made.matrices else None
         levels = levels_of(self.engine) if made.matrices else None  # Muon: how each matrix is cut here
         # with a fused optimizer the gradients' verdict stays on the device, read where the loop must (_diverged)
-        self.ahead = None  # --offload-overlap: the offloaded steps on a thread, the next forward waiting for them
-        if cfg.offload_overlap:
-            from distlab.parallel.step_ahead import StepAhead
-            self.ahead = StepAhead()
-            self.ahead.watch(self.engine.module)
+        # --offload-overlap: the offloaded steps on a thread, the next forward waiting for them (else none launched)
+        self.ahead = StepAhead(self.engine.module if cfg.offload_overlap else None)
         self.optimizer = self.engine.attach(build_optimizer(self.engine.parameters(), cfg, names, no_decay,
                                                             made.matrices, levels, made.offload, self.ahead),
                                             verdict_on_device=True)
@@ -177,8 +175,7 @@ class Trainer:
                                    self.run.resumed_from, self.cfg.snapshot_dir) from exc
             raise
         finally:
-            if self.ahead is not None:  # (the steps in flight finish: what the run writes read them)
-                self.ahead.close()
+            self.ahead.close()  # (the steps in flight finish: what the run writes read them)
             self.tb.close()
             self.run.end()  # the directories' locks
 
@@ -214,8 +211,7 @@ class Trainer:
         # the scheduler repeating it) must not kill a rank in the middle of the snapshot the run stops with
         with Preemption() as preemption:
             stopped = self._loop(times, preemption)
-            if self.ahead is not None:  # (the last step's, before the final writes read it)
-                self.ahead.settle()
+            self.ahead.settle()  # (the last step's, before the final writes read it)
             preemption.settle()
             return self._finish(stopped, times, start)
 
@@ -295,7 +291,7 @@ class Trainer:
             clock.start()
             with timeline.span("data"):
                 x, y, fields = moved(next(batches), self.rt.device)
-            if self.ahead is not None and cfg.reward is not None:  # (a rollout generates with the whole model)
+            if cfg.reward is not None:  # (a rollout generates with the whole model)
                 self.ahead.settle()
             x, y, fields = self.objective.batch(x, y, fields, run.step + 1)  # GRPO: the prompts' rollout
             lr = self.optimizer.param_groups[0]["lr"]
@@ -311,9 +307,8 @@ class Trainer:
                 self._nonfinite = f"step {run.step + 1}: {exc}"
                 return "non_finite"
             sent = comm.bytes_sent() - sent
-            if first and self.ahead is not None:  # (what reads the model or the optimizer sees the whole step)
-                self.ahead.settle()
             if first:  # gradients and optimizer state all exist now: the peak of plain DP
+                self.ahead.settle()  # (what reads the model or the optimizer sees the whole step)
                 engine.observe()
                 anon_rss_mb()  # the anonymous memory's peak, read here and at every log line
                 first = False
@@ -323,7 +318,7 @@ class Trainer:
             run.advance(loss)
             self.steps_this_attempt += 1
             self.bar.update(1)
-            if self.hooks and self.ahead is not None:
+            if self.hooks:
                 self.ahead.settle()
             for hook in self.hooks:
                 hook(run.step)
@@ -334,9 +329,8 @@ class Trainer:
             scheduled = run.step % cfg.log_every == 0 or sample or (due_eval and cfg.eval_every)
             due_log = scheduled or last
             due_snapshot = run.snapshot_due(self.total_steps)
-            if self.ahead is not None and (due_eval or due_snapshot or sample or cfg.time_budget_s):  # (a log line
-                # reads the step's loss and gradient norm, not the model)
-                self.ahead.settle()
+            if due_eval or due_snapshot or sample or cfg.time_budget_s:  # (a log line reads the step's loss and
+                self.ahead.settle()                                          # gradient norm, not the model)
             if due_log or due_eval or due_snapshot or cfg.time_budget_s or run.step % READ_EVERY == 0:
                 if self._diverged():
                     return "non_finite"
