@@ -107,9 +107,9 @@ class Trainer:
         self.objective = objective_of(self)
         names = [p["name"] for p in placement_of(self.engine)["params"]] if no_decay or made.matrices else None
         levels = levels_of(self.engine) if made.matrices else None  # Muon: how each matrix is cut here
-        # with a fused optimizer the gradients' verdict stays on the device, read where the loop must (_diverged)
         # --offload-overlap: the offloaded steps on a thread, the next forward waiting for them (else none launched)
         self.ahead = StepAhead(self.engine.module if cfg.offload_overlap else None)
+        # with a fused optimizer the gradients' verdict stays on the device, read where the loop must (_diverged)
         self.optimizer = self.engine.attach(build_optimizer(self.engine.parameters(), cfg, names, no_decay,
                                                             made.matrices, levels, made.offload, self.ahead),
                                             verdict_on_device=True)
