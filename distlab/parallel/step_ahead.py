@@ -46,6 +46,13 @@ def ready(params: Iterable[torch.Tensor]) -> None:
         _ACTIVE.read(params)
 
 
+def settled() -> None:
+    """Before reading the whole model outside a forward (a rollout's copy of the policy): wait for every step still
+    running, where a :class:`StepAhead` is active (nothing otherwise)."""
+    if _ACTIVE is not None:
+        _ACTIVE.settle()
+
+
 def check_overlap(overlap: bool, offload: str, strategy, optimizer: str) -> None:
     """Where ``--offload-overlap`` can run (module docstring); one line where it cannot."""
     if not overlap:

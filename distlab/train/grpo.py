@@ -41,6 +41,7 @@ import torch
 
 from distlab.models import IGNORE_INDEX, build_model, lora
 from distlab.models.plans import assign_state
+from distlab.parallel import step_ahead
 from distlab.runtime import group_size, reduce_scalars, timeline
 from distlab.train import rollout
 from distlab.train.rewards import Rewards
@@ -165,7 +166,9 @@ class Grpo:
         """The generation copy: the whole policy (``state``: else gathered now, collective) in a model of its own, in
         float32 on the run's device."""
         cfg, data = self.cfg, self.trainer.train_set
-        state = state if state is not None else self.engine.full_state_dict()  # (copies, on the run's device)
+        if state is None:  # (--offload-overlap: the last step's updates all finished first)
+            step_ahead.settled()
+            state = self.engine.full_state_dict()  # (copies, on the run's device)
         with on_meta_device():  # built without initialising: the run's random streams are untouched
             model = build_model(cfg.model, data.input_shape, data.num_classes, **cfg.model_options())
             if cfg.lora is not None and state is not self.start:

@@ -291,8 +291,6 @@ class Trainer:
             clock.start()
             with timeline.span("data"):
                 x, y, fields = moved(next(batches), self.rt.device)
-            if cfg.reward is not None:  # (a rollout generates with the whole model)
-                self.ahead.settle()
             x, y, fields = self.objective.batch(x, y, fields, run.step + 1)  # GRPO: the prompts' rollout
             lr = self.optimizer.param_groups[0]["lr"]
             sent = comm.bytes_sent()  # the step's bytes: the counter's growth (one read each side)
